@@ -1,0 +1,142 @@
+"""trio_agent: a Trio-native structured-concurrency runtime for LLM agents.
+
+The public API is re-exported here; everything else lives in private modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ._abort import Abort as Abort
+from ._abort import AbortHandle as AbortHandle
+from ._abort import AbortReason as AbortReason
+from ._errors import ConfigError as ConfigError
+from ._errors import JournalError as JournalError
+from ._errors import LeaseLostError as LeaseLostError
+from ._errors import MiddlewareError as MiddlewareError
+from ._errors import MiddlewareShapeError as MiddlewareShapeError
+from ._errors import NextCalledTwiceError as NextCalledTwiceError
+from ._errors import SettlementError as SettlementError
+from ._errors import ToolBehaviorError as ToolBehaviorError
+from ._errors import ToolDefinitionError as ToolDefinitionError
+from ._errors import ToolInputError as ToolInputError
+from ._errors import TrioAgentError as TrioAgentError
+from ._middleware import Middleware as Middleware
+from ._middleware import MiddlewareNext as MiddlewareNext
+from ._middleware import compose_middleware as compose_middleware
+from ._tools._context import CallOrigin as CallOrigin
+from ._tools._context import Emit as Emit
+from ._tools._context import ExecutionContext as ExecutionContext
+from ._tools._context import ToolCall as ToolCall
+from ._tools._context import ToolContext as ToolContext
+from ._tools._context import ToolMiddlewareRequest as ToolMiddlewareRequest
+from ._tools._definition import BehaviorOverride as BehaviorOverride
+from ._tools._definition import InterruptBehavior as InterruptBehavior
+from ._tools._definition import SideEffect as SideEffect
+from ._tools._definition import Tool as Tool
+from ._tools._definition import ToolBehavior as ToolBehavior
+from ._tools._definition import ToolKind as ToolKind
+from ._tools._definition import define_tool as define_tool
+from ._tools._lifecycle import InMemoryToolJournal as InMemoryToolJournal
+from ._tools._lifecycle import JournalEntry as JournalEntry
+from ._tools._lifecycle import ScheduledCall as ScheduledCall
+from ._tools._lifecycle import Settlement as Settlement
+from ._tools._lifecycle import SettlementStatus as SettlementStatus
+from ._tools._lifecycle import ToolLifecycle as ToolLifecycle
+from ._tools._pipeline import CallNext as CallNext
+from ._tools._pipeline import FaultCode as FaultCode
+from ._tools._pipeline import MiddlewareFault as MiddlewareFault
+from ._tools._pipeline import ToolExecutionRecord as ToolExecutionRecord
+from ._tools._pipeline import ToolMiddleware as ToolMiddleware
+from ._tools._pipeline import ToolPipeline as ToolPipeline
+from ._tools._results import Effect as Effect
+from ._tools._results import JsonObject as JsonObject
+from ._tools._results import Progress as Progress
+from ._tools._results import ToolError as ToolError
+from ._tools._results import ToolErrorType as ToolErrorType
+from ._tools._results import ToolFailure as ToolFailure
+from ._tools._results import ToolItem as ToolItem
+from ._tools._results import ToolMessage as ToolMessage
+from ._tools._results import ToolResult as ToolResult
+from ._tools._scheduler import FileLockManager as FileLockManager
+from ._tools._scheduler import SchedulerLimits as SchedulerLimits
+from ._tools._scheduler import ToolScheduler as ToolScheduler
+from ._tools._stages import Allow as Allow
+from ._tools._stages import Deny as Deny
+from ._tools._stages import PostStage as PostStage
+from ._tools._stages import Stage as Stage
+from ._tools._stages import StageRequest as StageRequest
+from ._tools._stages import ToolStages as ToolStages
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Abort",
+    "AbortHandle",
+    "AbortReason",
+    "Allow",
+    "BehaviorOverride",
+    "CallNext",
+    "CallOrigin",
+    "ConfigError",
+    "Deny",
+    "Effect",
+    "Emit",
+    "ExecutionContext",
+    "FaultCode",
+    "FileLockManager",
+    "InMemoryToolJournal",
+    "InterruptBehavior",
+    "JournalEntry",
+    "JournalError",
+    "JsonObject",
+    "LeaseLostError",
+    "Middleware",
+    "MiddlewareError",
+    "MiddlewareFault",
+    "MiddlewareNext",
+    "MiddlewareShapeError",
+    "NextCalledTwiceError",
+    "PostStage",
+    "Progress",
+    "ScheduledCall",
+    "SchedulerLimits",
+    "Settlement",
+    "SettlementError",
+    "SettlementStatus",
+    "SideEffect",
+    "Stage",
+    "StageRequest",
+    "Tool",
+    "ToolBehavior",
+    "ToolBehaviorError",
+    "ToolCall",
+    "ToolContext",
+    "ToolDefinitionError",
+    "ToolError",
+    "ToolErrorType",
+    "ToolExecutionRecord",
+    "ToolFailure",
+    "ToolInputError",
+    "ToolItem",
+    "ToolKind",
+    "ToolLifecycle",
+    "ToolMessage",
+    "ToolMiddleware",
+    "ToolMiddlewareRequest",
+    "ToolPipeline",
+    "ToolResult",
+    "ToolScheduler",
+    "ToolStages",
+    "TrioAgentError",
+    "compose_middleware",
+    "define_tool",
+]
+
+# Show public objects as trio_agent.X in reprs and docs, not as private module paths.
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("trio_agent."):
+        with contextlib.suppress(AttributeError, TypeError):
+            _obj.__module__ = "trio_agent"
+del _name, _obj

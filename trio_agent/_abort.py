@@ -1,0 +1,112 @@
+"""Typed, SDK-owned aborts.
+
+Code decides on an `AbortHandle` and its `Abort` reason, never on
+``trio.Cancelled`` or a scope's display string: a deadline has no reason and
+nested scopes report the outermost one. A handle does not own a cancel scope
+itself; whoever runs work under it registers a listener that cancels the scope
+of the phase currently running (see the tool pipeline), so a handle can be
+shared by a request, its turns and its tool calls.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import attrs
+
+__all__ = ["Abort", "AbortHandle", "AbortReason"]
+
+
+class AbortReason(enum.Enum):
+    """Why SDK-owned work was aborted."""
+
+    USER_ABORT = "user_abort"
+    STEERING = "steering"
+    SESSION_CLOSE = "session_close"
+    TIMEOUT = "timeout"
+    LEASE_LOST = "lease_lost"
+
+
+@attrs.frozen
+class Abort:
+    """An abort that happened: its typed reason and a message for people."""
+
+    reason: AbortReason
+    message: str
+
+
+_DEFAULT_MESSAGES = {
+    AbortReason.USER_ABORT: "aborted by the user",
+    AbortReason.STEERING: "interrupted by new user input",
+    AbortReason.SESSION_CLOSE: "the session closed",
+    AbortReason.TIMEOUT: "timed out",
+    AbortReason.LEASE_LOST: "the execution lease was lost",
+}
+
+
+class AbortHandle:
+    """A one-shot, typed abort signal for a request, a turn or a tool call.
+
+    ``abort()`` records the first reason and notifies listeners synchronously;
+    later calls are ignored. Handles can be linked: a child handle is aborted,
+    with the parent's reason, when its parent is.
+    """
+
+    __slots__ = ("_abort", "_listeners", "_next_token")
+
+    def __init__(self) -> None:
+        self._abort: Abort | None = None
+        self._listeners: dict[int, Callable[[Abort], None]] = {}
+        self._next_token = 0
+
+    def __repr__(self) -> str:
+        state = "pending" if self._abort is None else self._abort.reason.value
+        return f"<AbortHandle {state}>"
+
+    @property
+    def aborted(self) -> bool:
+        """Whether `abort` has been called."""
+        return self._abort is not None
+
+    @property
+    def reason(self) -> Abort | None:
+        """The first abort, or ``None`` while not aborted."""
+        return self._abort
+
+    def abort(self, reason: AbortReason = AbortReason.USER_ABORT, message: str | None = None) -> bool:
+        """Abort with *reason*; return ``False`` if this handle was already aborted."""
+        if not isinstance(reason, AbortReason):
+            raise TypeError(f"reason must be an AbortReason, got {reason!r}")
+        if self._abort is not None:
+            return False
+        self._abort = Abort(reason, message or _DEFAULT_MESSAGES[reason])
+        listeners = list(self._listeners.values())
+        self._listeners.clear()
+        for listener in listeners:
+            listener(self._abort)
+        return True
+
+    def add_listener(self, listener: Callable[[Abort], None]) -> int:
+        """Call *listener* once on abort (at once if already aborted); return a token for removal."""
+        if self._abort is not None:
+            listener(self._abort)
+            return -1
+        token = self._next_token
+        self._next_token = token + 1
+        self._listeners[token] = listener
+        return token
+
+    def remove_listener(self, token: int) -> None:
+        """Forget a listener; unknown tokens are ignored (it may have fired already)."""
+        self._listeners.pop(token, None)
+
+    def child(self) -> AbortHandle:
+        """A new handle aborted (with this handle's reason) whenever this one is."""
+        child = AbortHandle()
+
+        def forward(abort: Abort) -> None:
+            child.abort(abort.reason, abort.message)
+
+        self.add_listener(forward)
+        return child

@@ -1,0 +1,101 @@
+"""The generic onion composer that the tool and model chains are built on."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+from ._errors import MiddlewareShapeError, NextCalledTwiceError
+
+__all__ = ["Middleware", "MiddlewareNext", "check_middleware_shape", "compose_middleware"]
+
+Req = TypeVar("Req")
+Res = TypeVar("Res")
+Req_contra = TypeVar("Req_contra", contravariant=True)
+Res_co = TypeVar("Res_co", covariant=True)
+
+
+class MiddlewareNext(Protocol[Req_contra, Res_co]):
+    """``next(request=None)``: run the inner layers; ``None`` passes the current request."""
+
+    def __call__(self, request: Req_contra | None = None, /) -> Res_co: ...
+
+
+Middleware = Callable[[Req, MiddlewareNext[Req, Res]], Res]
+
+
+def check_middleware_shape(layer: object, *, what: str, index: int, params: int = 2) -> None:
+    """Raise `MiddlewareShapeError` unless *layer* can be called with *params* positional arguments."""
+    if not callable(layer):
+        raise MiddlewareShapeError(f"{what} #{index} is not callable: got {type(layer).__name__} {layer!r}")
+    try:
+        signature = inspect.signature(layer)
+    except (TypeError, ValueError):  # builtins without a signature: trust them
+        return
+    try:
+        signature.bind(*range(params))
+    except TypeError as exc:
+        raise MiddlewareShapeError(
+            f"{what} #{index} ({_name(layer)}) must accept {params} positional arguments "
+            f"(request, next); its signature is {signature}: {exc}"
+        ) from None
+
+
+def _name(obj: object) -> str:
+    return getattr(obj, "__qualname__", None) or type(obj).__name__
+
+
+def compose_middleware(
+    middleware: Sequence[Middleware[Req, Res]],
+    terminal: Callable[[Req], Res],
+    *,
+    check: Callable[[Req], None] | None = None,
+) -> Callable[[Req], Res]:
+    """Compose *middleware* around *terminal* into one callable (Koa-style onion).
+
+    The first registered layer is the outermost: code before ``next()`` runs in
+    registration order, code after it in reverse. ``next(request)`` replaces the
+    request for the inner layers, ``next()`` passes the current one, and a layer
+    that never calls ``next`` short-circuits (the terminal does not run). One
+    execution chain may call ``next`` once per layer; a second call raises
+    `NextCalledTwiceError` ("next() called multiple times") so a tool or model is
+    never run twice.
+
+    The result type is opaque, so the same composer serves plain values and
+    awaitables. *check*, if given, sees every request before it enters a layer or
+    the terminal; raising there stops the chain before the inner layer runs.
+
+    The layer list is copied when composing, so later changes to *middleware* do
+    not affect the composed chain.
+    """
+    layers = tuple(middleware)
+    for index, layer in enumerate(layers):
+        check_middleware_shape(layer, what="middleware", index=index)
+    if not callable(terminal):
+        raise MiddlewareShapeError(f"terminal is not callable: got {terminal!r}")
+    count = len(layers)
+
+    def run(request: Req) -> Res:
+        # One dispatch index per execution chain: a call at or below the last
+        # dispatched position is a second next() from some layer.
+        last = -1
+
+        def dispatch(index: int, current: Req) -> Res:
+            nonlocal last
+            if index <= last:
+                raise NextCalledTwiceError()
+            last = index
+            if check is not None:
+                check(current)
+            if index == count:
+                return terminal(current)
+
+            def next_(replacement: Req | None = None, /) -> Res:
+                return dispatch(index + 1, current if replacement is None else replacement)
+
+            return layers[index](current, next_)
+
+        return dispatch(0, request)
+
+    return run

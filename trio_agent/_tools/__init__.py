@@ -1,0 +1,1 @@
+"""Tools: definitions, behaviour, the execution pipeline, scheduler and file locks."""

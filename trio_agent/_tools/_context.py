@@ -1,0 +1,182 @@
+"""Who is calling a tool, and what a running tool can see and do."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from .._abort import AbortHandle
+from .._errors import ToolInputError
+from ._results import JsonObject, ToolItem
+
+if TYPE_CHECKING:
+    from ._definition import ToolKind
+    from ._scheduler import ToolScheduler
+
+__all__ = ["CallOrigin", "Emit", "ExecutionContext", "ToolCall", "ToolContext", "ToolMiddlewareRequest"]
+
+Emit = Callable[[ToolItem], Awaitable[None]]
+"""``await emit(item)`` streams one item outwards."""
+
+
+def _is_json_object(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, dict):
+        raise ToolInputError(
+            f"tool call input must be a JSON object (dict), got {type(value).__name__}",
+            tool_name=str(getattr(instance, "name", "")),
+        )
+
+
+@attrs.frozen
+class ToolCall:
+    """One tool call as the model emitted it (input already parsed from JSON)."""
+
+    id: str
+    name: str
+    input: JsonObject = attrs.field(validator=_is_json_object)
+
+
+@attrs.frozen
+class CallOrigin:
+    """The ids of the session, agent, request and turn a call belongs to."""
+
+    session_id: str = "session"
+    agent_id: str = "root"
+    request_id: str = "request"
+    turn_id: str = "turn"
+
+
+@attrs.frozen(eq=False)
+class ExecutionContext:
+    """The identity of one tool execution, shared by every middleware layer and the tool.
+
+    It is compared by identity: middleware may not replace it. ``abort`` is the
+    call's own `AbortHandle` (aborted by the request abort, and by steering for
+    ``cancel`` tools); ``fencing_token`` reads the current lease's fencing token,
+    which tools should pass to external systems that can fence writes.
+    """
+
+    session_id: str
+    agent_id: str
+    request_id: str
+    turn_id: str
+    tool_call_id: str
+    idempotency_key: str
+    abort: AbortHandle
+    _fence: Callable[[], int | None] = attrs.field(repr=False)
+
+    @property
+    def fencing_token(self) -> int | None:
+        return self._fence()
+
+
+@attrs.frozen(eq=False)
+class ToolMiddlewareRequest:
+    """What a tool middleware sees: the tool name, the (JSON) input and the execution context.
+
+    Change the input with ``request.replace(input=...)``; the name and context must stay.
+    """
+
+    tool_name: str
+    input: JsonObject
+    context: ExecutionContext
+
+    def replace(self, *, input: JsonObject) -> ToolMiddlewareRequest:
+        return ToolMiddlewareRequest(self.tool_name, input, self.context)
+
+
+class _SlotHolder:
+    """The scheduler slot a running call holds, so a waiting parent can give it back."""
+
+    __slots__ = ("held", "kind", "scheduler")
+
+    def __init__(self, scheduler: ToolScheduler, kind: ToolKind) -> None:
+        self.scheduler = scheduler
+        self.kind = kind
+        self.held = False
+
+    def acquire_nowait(self) -> bool:
+        if self.scheduler.try_acquire(self.kind):
+            self.held = True
+        return self.held
+
+    async def acquire(self) -> None:
+        await self.scheduler.acquire(self.kind)
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.scheduler.release(self.kind)
+
+
+@attrs.frozen(eq=False)
+class ToolContext:
+    """What a running tool gets as ``ctx``: the call's ids, its abort handle, ``emit`` and helpers."""
+
+    execution: ExecutionContext
+    emit: Emit
+    _slot: _SlotHolder | None = attrs.field(default=None, repr=False)
+    _cleanup_grace: float = attrs.field(default=5.0, repr=False)
+
+    @property
+    def session_id(self) -> str:
+        return self.execution.session_id
+
+    @property
+    def agent_id(self) -> str:
+        return self.execution.agent_id
+
+    @property
+    def request_id(self) -> str:
+        return self.execution.request_id
+
+    @property
+    def turn_id(self) -> str:
+        return self.execution.turn_id
+
+    @property
+    def tool_call_id(self) -> str:
+        return self.execution.tool_call_id
+
+    @property
+    def idempotency_key(self) -> str:
+        return self.execution.idempotency_key
+
+    @property
+    def abort(self) -> AbortHandle:
+        return self.execution.abort
+
+    @property
+    def fencing_token(self) -> int | None:
+        return self.execution.fencing_token
+
+    @contextmanager
+    def cleanup_scope(self) -> Iterator[trio.CancelScope]:
+        """A shielded scope for cleanup after cancellation, bounded by the pipeline's cleanup grace."""
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + self._cleanup_grace) as scope:
+            yield scope
+
+    @asynccontextmanager
+    async def slot_released(self) -> AsyncIterator[None]:
+        """Give this call's scheduler slot back while waiting on nested work (e.g. a foreground subagent).
+
+        Without this, a parent holding the last slot of a kind would deadlock
+        waiting for a child that needs one. The slot is re-acquired (FIFO, behind
+        earlier waiters) before the block returns.
+        """
+        slot = self._slot
+        if slot is None or not slot.held:
+            yield
+            return
+        slot.release()
+        try:
+            yield
+        finally:
+            # If this wait is cancelled the slot stays released; the pipeline's
+            # own release at the end of the call is then a no-op.
+            await slot.acquire()

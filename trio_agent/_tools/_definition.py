@@ -1,0 +1,461 @@
+"""Tool definitions: name, schema, the side-effect contract and resolved behaviour."""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import re
+import typing
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+
+import attrs
+import cattrs
+import jsonschema_rs
+
+from .._errors import ToolBehaviorError, ToolDefinitionError, ToolInputError
+from ._results import JsonObject, ToolResult
+from ._schema import schema_for_attrs_class
+
+if TYPE_CHECKING:
+    from ._context import ToolContext
+
+__all__ = [
+    "BehaviorOverride",
+    "InterruptBehavior",
+    "SideEffect",
+    "Tool",
+    "ToolBehavior",
+    "ToolKind",
+    "define_tool",
+]
+
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+In = TypeVar("In")
+
+
+class SideEffect(enum.Enum):
+    """What running a tool does to the world, from safest to least safe.
+
+    Recovery relies on it: ``pure`` may simply run again, ``idempotent`` runs
+    again with the same idempotency key, ``non_idempotent`` is never re-run
+    automatically.
+    """
+
+    PURE = "pure"
+    IDEMPOTENT = "idempotent"
+    NON_IDEMPOTENT = "non_idempotent"
+
+    @property
+    def rank(self) -> int:
+        return _SIDE_EFFECT_RANK[self]
+
+
+class ToolKind(enum.Enum):
+    """What a tool may touch, from safest to least safe; picks the scheduler bucket."""
+
+    READONLY = "readonly"
+    WRITE = "write"
+    EXECUTE = "execute"
+
+    @property
+    def rank(self) -> int:
+        return _KIND_RANK[self]
+
+
+class InterruptBehavior(enum.Enum):
+    """Whether steering (a new user message) interrupts a running call (``cancel``) or waits (``block``).
+
+    A request abort reaches every call either way.
+    """
+
+    CANCEL = "cancel"
+    BLOCK = "block"
+
+
+_SIDE_EFFECT_RANK = {SideEffect.PURE: 0, SideEffect.IDEMPOTENT: 1, SideEffect.NON_IDEMPOTENT: 2}
+_KIND_RANK = {ToolKind.READONLY: 0, ToolKind.WRITE: 1, ToolKind.EXECUTE: 2}
+
+
+@attrs.frozen
+class ToolBehavior:
+    """The behaviour of one call, resolved from its input."""
+
+    side_effect: SideEffect
+    kind: ToolKind
+    interrupt: InterruptBehavior
+    concurrency_safe: bool
+
+
+@attrs.frozen
+class BehaviorOverride:
+    """What a behaviour resolver returns: ``None`` keeps the static value.
+
+    ``side_effect`` and ``kind`` may only narrow the static declaration (``pure``
+    is narrower than ``idempotent``; ``readonly`` than ``write``); ``interrupt``
+    and ``concurrency_safe`` may be set freely.
+    """
+
+    side_effect: SideEffect | None = None
+    kind: ToolKind | None = None
+    interrupt: InterruptBehavior | None = None
+    concurrency_safe: bool | None = None
+
+
+def _enum_value(enum_type: type[enum.Enum], value: object, *, where: str) -> Any:
+    if isinstance(value, enum_type):
+        return value
+    try:
+        return enum_type(value)
+    except ValueError:
+        allowed = ", ".join(repr(member.value) for member in enum_type)
+        raise ToolDefinitionError(f"{where}: {value!r} is not one of {allowed}") from None
+
+
+def _input_errors(validator: jsonschema_rs.Validator, value: object) -> tuple[str, ...]:
+    lines = []
+    for error in validator.iter_errors(value):
+        path = "/".join(str(part) for part in error.instance_path) or "<root>"
+        lines.append(f"at {path}: {error.message}")
+    return tuple(lines)
+
+
+@attrs.frozen(eq=False)
+class Tool(Generic[In]):
+    """A tool the model can call. Build one with `define_tool`.
+
+    ``run(input, ctx)`` receives the validated input (an instance of ``input_type``
+    when the tool was defined from a typed attrs class, else the JSON object), streams
+    items with ``await ctx.emit(item)`` and returns a `ToolResult` (any other return
+    value becomes a success with that value as output).
+    """
+
+    name: str
+    description: str
+    input_schema: JsonObject
+    side_effect: SideEffect
+    kind: ToolKind
+    interrupt: InterruptBehavior
+    concurrency_safe: bool
+    run: Callable[[In, ToolContext], Awaitable[Any]] = attrs.field(repr=False)
+    input_type: type[In] | None = attrs.field(default=None, repr=False)
+    resolver: Callable[[JsonObject], BehaviorOverride | None] | None = attrs.field(default=None, repr=False)
+    affected_paths: Callable[[JsonObject], Sequence[str]] | None = attrs.field(default=None, repr=False)
+    reconcile: Callable[[JsonObject, str], Awaitable[ToolResult | None]] | None = attrs.field(default=None, repr=False)
+    timeout: float | None = None
+    _validator: jsonschema_rs.Validator = attrs.field(init=False, repr=False)
+    _static: ToolBehavior = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        try:
+            validator = jsonschema_rs.Draft202012Validator(self.input_schema)
+        except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as exc:
+            first = str(exc).splitlines()[0]
+            raise ToolDefinitionError(f"tool {self.name!r}: input_schema is not valid JSON Schema: {first}") from None
+        object.__setattr__(self, "_validator", validator)
+        static = ToolBehavior(self.side_effect, self.kind, self.interrupt, self.concurrency_safe)
+        object.__setattr__(self, "_static", static)
+
+    @property
+    def behavior(self) -> ToolBehavior:
+        """The static (most conservative) behaviour."""
+        return self._static
+
+    def input_errors(self, value: object) -> tuple[str, ...]:
+        """One readable line per schema violation of *value*; empty when valid."""
+        if self._validator.is_valid(value):
+            return ()
+        return _input_errors(self._validator, value)
+
+    def validate_input(self, value: object) -> None:
+        """Raise `ToolInputError` naming every violation unless *value* satisfies the schema."""
+        errors = self.input_errors(value)
+        if errors:
+            raise ToolInputError(
+                f"invalid input for tool {self.name!r}: " + "; ".join(errors), tool_name=self.name, errors=errors
+            )
+
+    def structure_input(self, value: JsonObject) -> In:
+        """Turn validated JSON input into what ``run`` receives."""
+        if self.input_type is None:
+            return typing.cast(In, value)
+        try:
+            return _converter.structure(value, self.input_type)
+        except Exception as exc:
+            detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else str(exc)
+            raise ToolInputError(
+                f"invalid input for tool {self.name!r}: {detail}", tool_name=self.name, errors=(detail,)
+            ) from None
+
+    def resolve_behavior(self, value: JsonObject) -> ToolBehavior:
+        """Resolve this call's behaviour from *value*.
+
+        Input that fails the schema gets the static behaviour (the resolver only
+        sees valid input). Raises `ToolBehaviorError` if the resolver raises,
+        returns something other than a `BehaviorOverride` or ``None``, or widens
+        the side effect or kind past the static declaration.
+        """
+        resolver = self.resolver
+        if resolver is None or not self._validator.is_valid(value):
+            return self._static
+        try:
+            override = resolver(value)
+        except Exception as exc:
+            raise ToolBehaviorError(f"tool {self.name!r}: behaviour resolver raised {exc!r}") from exc
+        if override is None:
+            return self._static
+        if not isinstance(override, BehaviorOverride):
+            raise ToolBehaviorError(
+                f"tool {self.name!r}: behaviour resolver must return BehaviorOverride or None, got {override!r}"
+            )
+        static = self._static
+        side_effect = static.side_effect
+        if override.side_effect is not None:
+            if not isinstance(override.side_effect, SideEffect):
+                raise ToolBehaviorError(
+                    f"tool {self.name!r}: resolved side_effect {override.side_effect!r} is not a SideEffect"
+                )
+            if override.side_effect.rank > side_effect.rank:
+                raise ToolBehaviorError(
+                    f"tool {self.name!r}: resolver widened side_effect from {side_effect.value!r} "
+                    f"to {override.side_effect.value!r}; it may only narrow the static declaration"
+                )
+            side_effect = override.side_effect
+        kind = static.kind
+        if override.kind is not None:
+            if not isinstance(override.kind, ToolKind):
+                raise ToolBehaviorError(f"tool {self.name!r}: resolved kind {override.kind!r} is not a ToolKind")
+            if override.kind.rank > kind.rank:
+                raise ToolBehaviorError(
+                    f"tool {self.name!r}: resolver widened kind from {kind.value!r} to {override.kind.value!r}; "
+                    "it may only narrow the static declaration"
+                )
+            kind = override.kind
+        interrupt = static.interrupt
+        if override.interrupt is not None:
+            if not isinstance(override.interrupt, InterruptBehavior):
+                raise ToolBehaviorError(
+                    f"tool {self.name!r}: resolved interrupt {override.interrupt!r} is not an InterruptBehavior"
+                )
+            interrupt = override.interrupt
+        concurrency_safe = (
+            static.concurrency_safe if override.concurrency_safe is None else bool(override.concurrency_safe)
+        )
+        return ToolBehavior(side_effect, kind, interrupt, concurrency_safe)
+
+    def paths_for(self, value: JsonObject) -> tuple[str, ...]:
+        """The paths this call touches (for file locks and the path policy)."""
+        if self.affected_paths is None:
+            return ()
+        paths = self.affected_paths(value)
+        if isinstance(paths, str):
+            return (paths,)
+        return tuple(str(path) for path in paths)
+
+
+class _Missing(enum.Enum):
+    MISSING = enum.auto()
+
+
+_MISSING = _Missing.MISSING
+
+RunFn = Callable[[Any, "ToolContext"], Awaitable[Any]]
+
+
+@overload
+def define_tool(
+    run: RunFn,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    side_effect: SideEffect | str | _Missing = _MISSING,
+    kind: ToolKind | str = ToolKind.EXECUTE,
+    input_schema: JsonObject | None = None,
+    input_type: type | None = None,
+    interrupt: InterruptBehavior | str = InterruptBehavior.BLOCK,
+    concurrency_safe: bool | None = None,
+    resolve_behavior: Callable[[JsonObject], BehaviorOverride | None] | None = None,
+    affected_paths: Callable[[JsonObject], Sequence[str]] | None = None,
+    reconcile: Callable[[JsonObject, str], Awaitable[ToolResult | None]] | None = None,
+    timeout: float | None = None,
+) -> Tool[Any]: ...
+
+
+@overload
+def define_tool(
+    run: None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    side_effect: SideEffect | str | _Missing = _MISSING,
+    kind: ToolKind | str = ToolKind.EXECUTE,
+    input_schema: JsonObject | None = None,
+    input_type: type | None = None,
+    interrupt: InterruptBehavior | str = InterruptBehavior.BLOCK,
+    concurrency_safe: bool | None = None,
+    resolve_behavior: Callable[[JsonObject], BehaviorOverride | None] | None = None,
+    affected_paths: Callable[[JsonObject], Sequence[str]] | None = None,
+    reconcile: Callable[[JsonObject, str], Awaitable[ToolResult | None]] | None = None,
+    timeout: float | None = None,
+) -> Callable[[RunFn], Tool[Any]]: ...
+
+
+def define_tool(
+    run: RunFn | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    side_effect: SideEffect | str | _Missing = _MISSING,
+    kind: ToolKind | str = ToolKind.EXECUTE,
+    input_schema: JsonObject | None = None,
+    input_type: type | None = None,
+    interrupt: InterruptBehavior | str = InterruptBehavior.BLOCK,
+    concurrency_safe: bool | None = None,
+    resolve_behavior: Callable[[JsonObject], BehaviorOverride | None] | None = None,
+    affected_paths: Callable[[JsonObject], Sequence[str]] | None = None,
+    reconcile: Callable[[JsonObject, str], Awaitable[ToolResult | None]] | None = None,
+    timeout: float | None = None,
+) -> Tool[Any] | Callable[[RunFn], Tool[Any]]:
+    """Define a tool; use directly or as a decorator on ``async def run(input, ctx)``.
+
+    ``side_effect`` is required: it is the contract recovery relies on. The input
+    schema is given directly (JSON Schema 2020-12, top-level ``"type": "object"``)
+    or generated from a typed attrs class, passed as ``input_type`` or found as the
+    annotation of ``run``'s first parameter; such input is structured with cattrs
+    before ``run`` sees it. ``kind`` defaults to the most conservative ``execute``.
+    """
+
+    def build(fn: RunFn) -> Tool[Any]:
+        return _build_tool(
+            fn,
+            name=name,
+            description=description,
+            side_effect=side_effect,
+            kind=kind,
+            input_schema=input_schema,
+            input_type=input_type,
+            interrupt=interrupt,
+            concurrency_safe=concurrency_safe,
+            resolve_behavior=resolve_behavior,
+            affected_paths=affected_paths,
+            reconcile=reconcile,
+            timeout=timeout,
+        )
+
+    if run is None:
+        return build
+    return build(run)
+
+
+def _build_tool(
+    run: RunFn,
+    *,
+    name: str | None,
+    description: str | None,
+    side_effect: SideEffect | str | _Missing,
+    kind: ToolKind | str,
+    input_schema: JsonObject | None,
+    input_type: type | None,
+    interrupt: InterruptBehavior | str,
+    concurrency_safe: bool | None,
+    resolve_behavior: Callable[[JsonObject], BehaviorOverride | None] | None,
+    affected_paths: Callable[[JsonObject], Sequence[str]] | None,
+    reconcile: Callable[[JsonObject, str], Awaitable[ToolResult | None]] | None,
+    timeout: float | None,
+) -> Tool[Any]:
+    if not callable(run):
+        raise ToolDefinitionError(f"tool run must be an async function, got {run!r}")
+    tool_name = name if name is not None else getattr(run, "__name__", None)
+    if not isinstance(tool_name, str) or not _NAME.match(tool_name):
+        raise ToolDefinitionError(
+            f"invalid tool name {tool_name!r}: must be 1-64 characters of letters, digits, '_' or '-'"
+        )
+    if not inspect.iscoroutinefunction(run) and not inspect.iscoroutinefunction(type(run).__call__):
+        raise ToolDefinitionError(f"tool {tool_name!r}: run must be an `async def run(input, ctx)` function")
+    if side_effect is _MISSING:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r} has no side-effect contract: declare side_effect='pure', "
+            "'idempotent' or 'non_idempotent' (recovery depends on it)"
+        )
+    effect = _enum_value(SideEffect, side_effect, where=f"tool {tool_name!r}: side_effect")
+    tool_kind = _enum_value(ToolKind, kind, where=f"tool {tool_name!r}: kind")
+    interrupt_behavior = _enum_value(InterruptBehavior, interrupt, where=f"tool {tool_name!r}: interrupt")
+    text = description if description is not None else inspect.getdoc(run)
+    if not text or not text.strip():
+        raise ToolDefinitionError(f"tool {tool_name!r} has no description (pass description= or a docstring)")
+
+    if input_type is None and input_schema is None:
+        input_type = _annotated_input_type(run)
+        if input_type is None:
+            raise ToolDefinitionError(
+                f"tool {tool_name!r} has no input schema: pass input_schema= (JSON Schema) or "
+                "input_type= (an attrs class), or annotate run's first parameter with an attrs class"
+            )
+    if input_type is not None:
+        if input_schema is not None:
+            raise ToolDefinitionError(f"tool {tool_name!r}: give input_schema or input_type, not both")
+        try:
+            schema = schema_for_attrs_class(input_type)
+        except ToolDefinitionError as exc:
+            raise ToolDefinitionError(f"tool {tool_name!r}: {exc}") from None
+    else:
+        assert input_schema is not None
+        if not isinstance(input_schema, dict):
+            raise ToolDefinitionError(
+                f"tool {tool_name!r}: input_schema must be a dict, got {type(input_schema).__name__}"
+            )
+        schema = input_schema
+    if schema.get("type") != "object":
+        raise ToolDefinitionError(
+            f'tool {tool_name!r}: input_schema must describe an object ("type": "object"), got {schema.get("type")!r}'
+        )
+    if reconcile is not None and effect is not SideEffect.NON_IDEMPOTENT:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: reconcile is only for non_idempotent tools (this one is {effect.value!r})"
+        )
+    for label, fn in (
+        ("resolve_behavior", resolve_behavior),
+        ("affected_paths", affected_paths),
+        ("reconcile", reconcile),
+    ):
+        if fn is not None and not callable(fn):
+            raise ToolDefinitionError(f"tool {tool_name!r}: {label} must be callable, got {fn!r}")
+    if timeout is not None:
+        from .._config import validate_timeout
+
+        timeout = validate_timeout(timeout, name=f"tool {tool_name!r} timeout")
+    safe = tool_kind is ToolKind.READONLY if concurrency_safe is None else bool(concurrency_safe)
+    return Tool(
+        name=tool_name,
+        description=text.strip(),
+        input_schema=schema,
+        side_effect=effect,
+        kind=tool_kind,
+        interrupt=interrupt_behavior,
+        concurrency_safe=safe,
+        run=run,
+        input_type=input_type,
+        resolver=resolve_behavior,
+        affected_paths=affected_paths,
+        reconcile=reconcile,
+        timeout=timeout,
+    )
+
+
+def _annotated_input_type(run: RunFn) -> type | None:
+    try:
+        hints = typing.get_type_hints(run)
+    except Exception:
+        return None
+    params = list(inspect.signature(run).parameters)
+    if not params:
+        return None
+    annotation = hints.get(params[0])
+    if isinstance(annotation, type) and attrs.has(annotation):
+        return annotation
+    return None

@@ -1,0 +1,166 @@
+"""The journal outlet of the tool pipeline.
+
+The pipeline reports each call to a `ToolLifecycle`:
+
+    on_tool_scheduled  -> (ownership check) -> on_execution_started -> (ownership check) -> on_tool_settled
+
+``on_tool_scheduled`` is awaited before anyone sees the call, ``on_execution_started``
+with the FINAL input before the side effect starts, ``on_tool_settled`` before the
+result is published. The durable journal implements this protocol; the
+`InMemoryToolJournal` here is the default and keeps events in a list.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Protocol
+
+import attrs
+
+from .._errors import JournalError
+from ._definition import SideEffect, ToolBehavior
+from ._results import JsonObject, ToolResult
+
+__all__ = [
+    "InMemoryToolJournal",
+    "JournalEntry",
+    "ScheduledCall",
+    "Settlement",
+    "SettlementStatus",
+    "ToolLifecycle",
+]
+
+
+class SettlementStatus(enum.Enum):
+    """How a tool call ended, as the journal records it."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    OUTCOME_UNKNOWN = "outcome_unknown"
+
+
+@attrs.frozen
+class ScheduledCall:
+    """A call as scheduled: model input, resolved behaviour and idempotency key."""
+
+    call_id: str
+    tool_name: str
+    model_input: JsonObject
+    behavior: ToolBehavior
+    idempotency_key: str
+    session_id: str
+    agent_id: str
+    request_id: str
+    turn_id: str
+
+
+@attrs.frozen
+class Settlement:
+    """The final outcome of a call.
+
+    ``published`` is False when the result was persisted but withheld from the
+    model and the stream (the middleware unwind missed its deadline after the core
+    completed, so transforms such as redaction could not be applied).
+    ``reason`` says why a call was cancelled.
+    """
+
+    status: SettlementStatus
+    result: ToolResult
+    effective_input: JsonObject | None
+    published: bool = True
+    reason: str | None = None
+
+
+class ToolLifecycle(Protocol):
+    """What the pipeline needs from a journal."""
+
+    def check_ownership(self) -> None:
+        """Raise `LeaseLostError` if this worker no longer owns the execution lease."""
+
+    def fencing_token(self) -> int | None:
+        """The current lease's fencing token, if there is a lease."""
+
+    async def on_tool_scheduled(self, call: ScheduledCall) -> None: ...
+
+    async def on_execution_started(
+        self, call: ScheduledCall, input: JsonObject, side_effect: SideEffect, *, synthetic: bool
+    ) -> None: ...
+
+    async def on_tool_settled(self, call: ScheduledCall, settlement: Settlement) -> None: ...
+
+
+@attrs.frozen
+class JournalEntry:
+    """One event of the in-memory journal: ``kind`` is ``scheduled``, ``started`` or ``settled``."""
+
+    kind: str
+    call_id: str
+    data: dict[str, Any]
+
+
+class InMemoryToolJournal:
+    """A non-durable `ToolLifecycle` that checks the call lifecycle and keeps events in a list.
+
+    It rejects invalid transitions (started twice, settled twice, completed
+    without a start) with `JournalError`, so a pipeline bug cannot hide.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[JournalEntry] = []
+        self._state: dict[str, str] = {}
+
+    def check_ownership(self) -> None:
+        return None
+
+    def fencing_token(self) -> int | None:
+        return None
+
+    async def on_tool_scheduled(self, call: ScheduledCall) -> None:
+        if call.call_id in self._state:
+            raise JournalError(f"tool call {call.call_id!r} was already scheduled")
+        self._state[call.call_id] = "scheduled"
+        self.entries.append(
+            JournalEntry(
+                "scheduled",
+                call.call_id,
+                {"tool": call.tool_name, "input": call.model_input, "side_effect": call.behavior.side_effect.value},
+            )
+        )
+
+    async def on_execution_started(
+        self, call: ScheduledCall, input: JsonObject, side_effect: SideEffect, *, synthetic: bool
+    ) -> None:
+        state = self._state.get(call.call_id)
+        if state != "scheduled":
+            raise JournalError(f"tool call {call.call_id!r} cannot start from state {state!r}")
+        self._state[call.call_id] = "started"
+        self.entries.append(
+            JournalEntry(
+                "started", call.call_id, {"input": input, "side_effect": side_effect.value, "synthetic": synthetic}
+            )
+        )
+
+    async def on_tool_settled(self, call: ScheduledCall, settlement: Settlement) -> None:
+        state = self._state.get(call.call_id)
+        if state not in ("scheduled", "started"):
+            raise JournalError(f"tool call {call.call_id!r} cannot settle from state {state!r}")
+        if settlement.status is SettlementStatus.COMPLETED and state != "started":
+            raise JournalError(f"tool call {call.call_id!r} completed without a recorded start")
+        self._state[call.call_id] = "settled"
+        self.entries.append(
+            JournalEntry(
+                "settled",
+                call.call_id,
+                {
+                    "status": settlement.status.value,
+                    "result": settlement.result,
+                    "published": settlement.published,
+                    "reason": settlement.reason,
+                },
+            )
+        )
+
+    def kinds(self, call_id: str) -> list[str]:
+        """The event kinds recorded for one call, in order (for tests)."""
+        return [entry.kind for entry in self.entries if entry.call_id == call_id]

@@ -1,0 +1,140 @@
+"""Tool results, typed tool errors and the items a tool streams while it runs."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any, TypeAlias
+
+import attrs
+
+__all__ = [
+    "Effect",
+    "JsonObject",
+    "Progress",
+    "ToolError",
+    "ToolErrorType",
+    "ToolFailure",
+    "ToolItem",
+    "ToolMessage",
+    "ToolResult",
+]
+
+JsonObject: TypeAlias = dict[str, Any]
+"""A JSON object as decoded by ``json.loads``: tool input is always one."""
+
+
+class ToolErrorType(enum.Enum):
+    """The kinds of tool failure the model and the journal distinguish."""
+
+    VALIDATION = "validation"
+    PERMISSION_DENIED = "permission_denied"
+    EXECUTION = "execution"
+    INTERRUPTED = "interrupted"
+    TIMEOUT = "timeout"
+    NETWORK = "network"
+
+
+@attrs.frozen
+class ToolError:
+    """Why a tool call failed. ``code`` is a stable machine-readable detail (e.g. ``"steering"``)."""
+
+    type: ToolErrorType = attrs.field(validator=attrs.validators.instance_of(ToolErrorType))
+    message: str
+    code: str | None = None
+    details: Mapping[str, Any] | None = None
+
+
+@attrs.frozen
+class ToolResult:
+    """The one result of a tool call: a success, or an error carrying a `ToolError`.
+
+    ``output`` is what the model sees; ``display`` is an optional summary for people;
+    ``data`` is structured output for programs; ``metadata`` is free-form.
+    """
+
+    output: Any
+    error: ToolError | None = None
+    display: str | None = None
+    data: Any = None
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """Whether this is a success."""
+        return self.error is None
+
+    @classmethod
+    def success(
+        cls,
+        output: Any,
+        *,
+        display: str | None = None,
+        data: Any = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> ToolResult:
+        return cls(output, None, display, data, dict(metadata or {}))
+
+    @classmethod
+    def failure(
+        cls,
+        type: ToolErrorType,
+        message: str,
+        *,
+        code: str | None = None,
+        details: Mapping[str, Any] | None = None,
+        output: Any = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> ToolResult:
+        """An error result; the model sees *output*, by default ``"Error: <message>"``."""
+        error = ToolError(type, message, code, details)
+        return cls(f"Error: {message}" if output is None else output, error, None, None, dict(metadata or {}))
+
+
+class ToolFailure(Exception):
+    """Raise inside a tool to fail the call with a chosen `ToolErrorType`.
+
+    Any other exception from a tool becomes an ``execution`` error result.
+    """
+
+    def __init__(self, message: str, *, type: ToolErrorType = ToolErrorType.EXECUTION, code: str | None = None) -> None:
+        super().__init__(message)
+        self.type = type
+        self.code = code
+
+    def to_result(self) -> ToolResult:
+        return ToolResult.failure(self.type, str(self), code=self.code)
+
+
+@attrs.frozen
+class Progress:
+    """A progress report; never durable, streamed to observers only."""
+
+    message: str | None = None
+    completed: float | None = None
+    total: float | None = None
+    data: Any = None
+
+
+@attrs.frozen
+class ToolMessage:
+    """A message for people while the tool runs (``summary`` plus optional structured detail)."""
+
+    summary: str
+    detail: Any = None
+
+
+@attrs.frozen
+class Effect:
+    """A request to the session (e.g. ``"new_messages"``, ``"permission_updates"``).
+
+    Effects are not applied while the tool runs: the pipeline collects them and
+    the session applies them after the call has been settled.
+    """
+
+    kind: str
+    payload: Any = None
+
+
+ToolItem: TypeAlias = Progress | ToolMessage | Effect
+"""What a tool streams with ``await ctx.emit(item)``."""

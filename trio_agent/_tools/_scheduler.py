@@ -1,0 +1,243 @@
+"""Scheduler slots by tool kind, and fair reader/writer file locks."""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterable
+
+import attrs
+import trio
+
+from .._config import validate_limit
+from ._definition import ToolKind
+
+__all__ = ["FileLockManager", "FileLockTimeout", "SchedulerLimits", "ToolScheduler"]
+
+
+@attrs.frozen
+class SchedulerLimits:
+    """How many calls of each kind may run at once."""
+
+    readonly: int = attrs.field(default=10)
+    write: int = attrs.field(default=10)
+    execute: int = attrs.field(default=3)
+
+    def __attrs_post_init__(self) -> None:
+        for kind in ("readonly", "write", "execute"):
+            validate_limit(getattr(self, kind), name=f"scheduler limit {kind!r}")
+
+    def for_kind(self, kind: ToolKind) -> int:
+        return int(getattr(self, kind.value))
+
+
+@attrs.frozen
+class SchedulerStatistics:
+    """Per kind: ``(borrowed, waiting, total)``."""
+
+    buckets: dict[str, tuple[int, int, int]]
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    exclusive: bool
+    event: trio.Event = attrs.field(factory=trio.Event)
+    granted: bool = False
+
+
+class _Bucket:
+    """A FIFO counting semaphore whose slots are owned by calls, not tasks.
+
+    Slots are handed directly to the first waiter on release (no barging), and a
+    waiter cancelled after its slot was handed over gives it back.
+    """
+
+    __slots__ = ("free", "total", "waiters")
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self.waiters: deque[_Waiter] = deque()
+
+    def try_acquire(self) -> bool:
+        if self.free and not self.waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def acquire(self) -> None:
+        if self.try_acquire():
+            try:
+                await trio.lowlevel.checkpoint()
+            except BaseException:
+                self.release()
+                raise
+            return
+        waiter = _Waiter(exclusive=True)
+        self.waiters.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.granted:
+                self.release()
+            else:
+                self.waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        if self.waiters:
+            waiter = self.waiters.popleft()
+            waiter.granted = True
+            waiter.event.set()
+        else:
+            self.free += 1
+
+
+class ToolScheduler:
+    """FIFO buckets of slots, one per `ToolKind` (defaults: readonly 10, write 10, execute 3).
+
+    Each pipeline makes its own scheduler; pass one scheduler to several
+    pipelines to share the buckets explicitly. Slots are held on behalf of the
+    call (not the task), waiting is cancellable, and a slot granted to a
+    cancelled waiter is given back.
+    """
+
+    def __init__(self, limits: SchedulerLimits | None = None) -> None:
+        self.limits = limits or SchedulerLimits()
+        self._buckets = {kind: _Bucket(self.limits.for_kind(kind)) for kind in ToolKind}
+
+    def try_acquire(self, kind: ToolKind) -> bool:
+        """Take a slot without waiting; False if none is free or others are already waiting."""
+        return self._buckets[kind].try_acquire()
+
+    async def acquire(self, kind: ToolKind) -> None:
+        """Wait (FIFO, cancellable) for a slot of *kind*."""
+        await self._buckets[kind].acquire()
+
+    def release(self, kind: ToolKind) -> None:
+        self._buckets[kind].release()
+
+    def statistics(self) -> SchedulerStatistics:
+        buckets = {}
+        for kind, bucket in self._buckets.items():
+            buckets[kind.value] = (bucket.total - bucket.free, len(bucket.waiters), bucket.total)
+        return SchedulerStatistics(buckets)
+
+
+class FileLockTimeout(Exception):
+    """Waiting for a file lock took longer than the bound (internal; becomes a timeout result)."""
+
+    def __init__(self, path: str, seconds: float) -> None:
+        super().__init__(f"waited more than {seconds:g} s for the lock on {path}")
+        self.path = path
+
+
+@attrs.define(eq=False)
+class _PathLock:
+    """A fair reader/writer lock: grants strictly in arrival order, so readers never starve a writer."""
+
+    readers: int = 0
+    writer: bool = False
+    waiters: deque[_Waiter] = attrs.field(factory=deque)
+
+    def idle(self) -> bool:
+        return self.readers == 0 and not self.writer and not self.waiters
+
+    def try_grant(self, exclusive: bool) -> bool:
+        if self.waiters:
+            return False
+        if exclusive:
+            if self.readers == 0 and not self.writer:
+                self.writer = True
+                return True
+            return False
+        if not self.writer:
+            self.readers += 1
+            return True
+        return False
+
+    def release(self, exclusive: bool) -> None:
+        if exclusive:
+            self.writer = False
+        else:
+            self.readers -= 1
+        self.wake()
+
+    def wake(self) -> None:
+        while self.waiters:
+            head = self.waiters[0]
+            if head.exclusive:
+                if self.readers or self.writer:
+                    return
+                self.writer = True
+            else:
+                if self.writer:
+                    return
+                self.readers += 1
+            self.waiters.popleft()
+            head.granted = True
+            head.event.set()
+
+
+class FileLockManager:
+    """Per-path locks: shared for read-only, concurrency-safe calls, exclusive otherwise.
+
+    Paths are normalised and locked in sorted order, so two calls that need
+    overlapping sets cannot deadlock. Waiting is fair (FIFO) and bounded.
+    """
+
+    def __init__(self) -> None:
+        self._locks: dict[str, _PathLock] = {}
+
+    @staticmethod
+    def normalise(paths: Iterable[str], root: str | None = None) -> tuple[str, ...]:
+        base = root or os.getcwd()
+        return tuple(sorted({os.path.normpath(os.path.join(base, path)) for path in paths}))
+
+    async def acquire_all(self, paths: tuple[str, ...], exclusive: bool, bound: float) -> None:
+        """Acquire every path (already normalised and sorted) or none; raises `FileLockTimeout`."""
+        acquired: list[str] = []
+        try:
+            with trio.fail_after(bound):
+                for path in paths:
+                    await self._acquire(path, exclusive)
+                    acquired.append(path)
+        except trio.TooSlowError:
+            self.release_all(acquired, exclusive=exclusive)
+            raise FileLockTimeout(paths[len(acquired)], bound) from None
+        except BaseException:
+            self.release_all(acquired, exclusive=exclusive)
+            raise
+
+    async def _acquire(self, path: str, exclusive: bool) -> None:
+        lock = self._locks.get(path)
+        if lock is None:
+            lock = self._locks[path] = _PathLock()
+        if lock.try_grant(exclusive):
+            return
+        waiter = _Waiter(exclusive)
+        lock.waiters.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.granted:
+                lock.release(exclusive)
+            else:
+                lock.waiters.remove(waiter)
+                lock.wake()  # a reader queued behind a cancelled writer may go now
+            self._forget_if_idle(path, lock)
+            raise
+
+    def release_all(self, paths: Iterable[str], *, exclusive: bool) -> None:
+        for path in paths:
+            lock = self._locks[path]
+            lock.release(exclusive)
+            self._forget_if_idle(path, lock)
+
+    def _forget_if_idle(self, path: str, lock: _PathLock) -> None:
+        if lock.idle() and self._locks.get(path) is lock:
+            del self._locks[path]
+
+    def held(self) -> dict[str, tuple[int, bool, int]]:
+        """For tests and diagnostics: path -> (readers, writer held, waiters)."""
+        return {path: (lock.readers, lock.writer, len(lock.waiters)) for path, lock in self._locks.items()}

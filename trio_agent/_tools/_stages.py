@@ -1,0 +1,85 @@
+"""Pluggable decision stages inside the tool core (hooks, permissions, guards).
+
+The pipeline runs them in this order, all empty by default::
+
+    pre_tool    (pipe: each may replace the input; a Deny ends the call)
+    permission  (pipe: each may replace the input; a Deny ends the call)
+    before      (first decision wins)
+    -> input schema check
+    guard       (first decision wins; sees the final, checked input)
+    ... slot, locks, tool_started, the tool ...
+    post_tool   (pipe over the result; an error result stays an error)
+
+A stage callback that raises fails closed: the call ends with an error the
+model sees and the tool does not run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeAlias
+
+import attrs
+
+from ._context import ExecutionContext
+from ._definition import Tool, ToolBehavior
+from ._results import JsonObject, ToolErrorType, ToolResult
+
+__all__ = ["Allow", "Deny", "PostStage", "Stage", "StageDecision", "StageRequest", "ToolStages"]
+
+
+@attrs.frozen
+class StageRequest:
+    """What a stage callback sees: the tool, the current input, the context and the resolved behaviour."""
+
+    tool: Tool[object]
+    input: JsonObject
+    context: ExecutionContext
+    behavior: ToolBehavior
+
+
+@attrs.frozen
+class Allow:
+    """Let the call go on, optionally with new input."""
+
+    input: JsonObject | None = None
+
+
+@attrs.frozen
+class Deny:
+    """End the call with an error result the model sees."""
+
+    message: str
+    type: ToolErrorType = ToolErrorType.PERMISSION_DENIED
+    code: str | None = None
+
+    def to_result(self) -> ToolResult:
+        return ToolResult.failure(self.type, self.message, code=self.code)
+
+
+StageDecision: TypeAlias = Allow | Deny
+Stage: TypeAlias = Callable[[StageRequest], Awaitable[StageDecision | None]]
+PostStage: TypeAlias = Callable[[StageRequest, ToolResult], Awaitable[ToolResult | None]]
+
+
+def _tuple(value: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class ToolStages:
+    """The stage callbacks of one pipeline (see the module docstring for their semantics)."""
+
+    pre_tool: tuple[Stage, ...] = attrs.field(default=(), converter=_tuple)
+    permission: tuple[Stage, ...] = attrs.field(default=(), converter=_tuple)
+    before: tuple[Stage, ...] = attrs.field(default=(), converter=_tuple)
+    guard: tuple[Stage, ...] = attrs.field(default=(), converter=_tuple)
+    post_tool: tuple[PostStage, ...] = attrs.field(default=(), converter=_tuple)
+
+    def __attrs_post_init__(self) -> None:
+        for stage_name in ("pre_tool", "permission", "before", "guard", "post_tool"):
+            for index, callback in enumerate(getattr(self, stage_name)):
+                if not callable(callback):
+                    from .._errors import ConfigError
+
+                    raise ConfigError(f"{stage_name} stage #{index} is not callable: {callback!r}")
