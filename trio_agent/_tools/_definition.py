@@ -448,12 +448,18 @@ def _build_tool(
 
 
 def _annotated_input_type(run: RunFn) -> type | None:
-    try:
-        hints = typing.get_type_hints(run)
-    except Exception:
-        return None
     params = list(inspect.signature(run).parameters)
     if not params:
+        return None
+    try:
+        hints = typing.get_type_hints(run)
+    except Exception as exc:
+        annotation = inspect.signature(run).parameters[params[0]].annotation
+        if isinstance(annotation, str):
+            raise ToolDefinitionError(
+                f"cannot resolve the annotation {annotation!r} of {getattr(run, '__qualname__', run)}'s "
+                f"first parameter ({exc}); define the input class at module level or pass input_type="
+            ) from None
         return None
     annotation = hints.get(params[0])
     if isinstance(annotation, type) and attrs.has(annotation):
