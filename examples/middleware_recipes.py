@@ -540,6 +540,32 @@ async def demo_concurrency(middleware: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
+# All recipes in one stack
+# ---------------------------------------------------------------------------
+
+
+def build_pipeline(tools: Iterable[Tool[Any]], journal: InMemoryToolJournal) -> ToolPipeline:
+    """The recipes in one stack; the first layer is the outermost."""
+    return ToolPipeline(
+        tools,
+        middleware=[audit, normalise_query, ResultCache({"search", "read_config"}), redact_secrets],
+        lifecycle=journal,
+    )
+
+
+async def demo_stack() -> tuple[list[ToolExecutionRecord], InMemoryToolJournal]:
+    journal = InMemoryToolJournal()
+    pipeline = build_pipeline([search, read_config], journal)
+    records = [
+        await call_tool(pipeline, "search", {"query": "nurseries"}, call_id="stack-1"),
+        await call_tool(pipeline, "search", {"query": " nurseries  "}, call_id="stack-2"),  # same key once stripped
+        await call_tool(pipeline, "read_config", call_id="stack-3"),
+        await call_tool(pipeline, "read_config", call_id="stack-4"),  # cached, already redacted
+    ]
+    return records, journal
+
+
+# ---------------------------------------------------------------------------
 # The generic composer
 # ---------------------------------------------------------------------------
 
@@ -629,7 +655,12 @@ async def main() -> None:
     print(f"   wrong: {await demo_concurrency(TagCallWrong())}")
     print(f"   right: {await demo_concurrency(TagCallRight())}")
 
-    print("8. compose_middleware")
+    print("8. all recipes in one stack")
+    records, journal = await demo_stack()
+    for record in records:
+        print(f"   {record.call.id}: tool_ran={record.tool_ran} {short(record.result)}")
+
+    print("9. compose_middleware")
     result, error = demo_compose()
     print(f"   greeting('world') = {result!r}; calling next twice: {error!r}")
 

@@ -127,7 +127,7 @@ async def test_no_middleware_async_terminal():
 def test_layers_can_transform_the_result_while_unwinding():
     def add(n):
         def layer(request, next_):
-            return next_() + [n]
+            return [*next_(), n]
 
         return layer
 

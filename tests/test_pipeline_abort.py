@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 import trio_agent as ta
-from trio_agent.testing import ItemRecorder, call_tool
+from trio_agent.testing import call_tool
 
 PHASES = [
     "middleware_before",
@@ -126,7 +126,7 @@ async def wait_for_phase(h: Harness) -> None:
         assert waiting == 1, "the target must be queued for a slot"
     elif h.phase == "lock_wait":
         await trio.testing.wait_all_tasks_blocked()
-        (readers, writer, waiters) = next(iter(h.pipeline.file_locks.held().values()))
+        (_readers, writer, waiters) = next(iter(h.pipeline.file_locks.held().values()))
         assert writer and waiters == 1, "the target must be queued for the file lock"
     else:
         await h.hit.wait()

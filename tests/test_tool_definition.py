@@ -153,7 +153,7 @@ def test_define_tool_direct():
 def test_define_tool_decorator():
     @define_tool(name="custom-name", side_effect=SideEffect.IDEMPOTENT, input_schema=OBJECT)
     async def fetch(input, ctx):
-        """  Fetch a page.  """
+        """Fetch a page."""
 
     assert isinstance(fetch, Tool)
     assert fetch.name == "custom-name"
@@ -766,14 +766,15 @@ def test_resolver_garbage_rejected(garbage):
         tool.resolve_behavior({"q": "x"})
 
 
-def test_resolver_raising_becomes_behavior_error():
+@pytest.mark.parametrize("exc_type", [KeyError, RuntimeError, ZeroDivisionError, ToolDefinitionError])
+def test_resolver_raising_becomes_behavior_error(exc_type):
     def resolver(value):
-        raise KeyError("boom")
+        raise exc_type("boom")
 
     tool = resolver_tool(resolver)
     with pytest.raises(ToolBehaviorError, match="boom") as info:
         tool.resolve_behavior({"q": "x"})
-    assert isinstance(info.value.__cause__, KeyError)
+    assert type(info.value.__cause__) is exc_type
 
 
 @pytest.mark.parametrize("bad_input", [{}, {"q": 1}, None, "q", []])

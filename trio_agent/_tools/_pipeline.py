@@ -862,13 +862,13 @@ class ToolPipeline:
             side_effect = state.tool.side_effect
         lifecycle = self.lifecycle
         lifecycle.check_ownership()
-        if trio.current_effective_deadline() == math.inf:
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + self.settle_grace) as scope:
             await lifecycle.on_execution_started(state.scheduled, dict(effective_input), side_effect, synthetic=True)
-        else:
-            with trio.CancelScope(shield=True, deadline=trio.current_time() + self.settle_grace):
-                await lifecycle.on_execution_started(
-                    state.scheduled, dict(effective_input), side_effect, synthetic=True
-                )
+        if scope.cancelled_caught:
+            raise SettlementError(
+                f"recording the start of short-circuited call {state.scheduled.call_id!r} did not finish within "
+                f"{self.settle_grace:g} s; nothing was published"
+            )
         state.started = True
         state.synthetic = True
 
@@ -876,11 +876,6 @@ class ToolPipeline:
         self, state: _Call, result: ToolResult, status: SettlementStatus, published: bool, reason: str | None
     ) -> None:
         settlement = Settlement(status, result, state.effective_input, published, reason)
-        if trio.current_effective_deadline() == math.inf:
-            # No deadline and not cancelled: no shield needed. A cancel() that lands while the
-            # write is in flight is the store's to absorb (see ToolLifecycle).
-            await self._write_settlement(state, settlement)
-            return
         with trio.CancelScope(shield=True, deadline=trio.current_time() + self.settle_grace) as scope:
             await self._write_settlement(state, settlement)
         if scope.cancelled_caught:
