@@ -209,6 +209,7 @@ async def test_outside_cancellation_in_each_phase(phase: str) -> None:
     h = make_harness(phase)
     outcome: dict[str, Any] = {}
     scope_box: list[trio.CancelScope] = []
+    tasks_before = trio.lowlevel.current_statistics().tasks_living
 
     async def run_target() -> None:
         with trio.CancelScope() as scope:
@@ -244,6 +245,7 @@ async def test_outside_cancellation_in_each_phase(phase: str) -> None:
     in_history = any(r.call.id == "target" for r in h.pipeline.history)
     assert in_history is (phase in COMMITTED)
     assert_pipeline_idle(h.pipeline)
+    assert trio.lowlevel.current_statistics().tasks_living == tasks_before
 
 
 async def test_unwind_deadline_missed_persists_raw_result_unpublished(autojump_clock: trio.abc.Clock) -> None:

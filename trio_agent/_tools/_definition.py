@@ -31,7 +31,8 @@ __all__ = [
 ]
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-_converter = cattrs.Converter(forbid_extra_keys=True)
+# use_alias: private attrs fields (``_x``) are keyed by their alias (``x``), as in the generated schema.
+_converter = cattrs.Converter(forbid_extra_keys=True, use_alias=True)
 
 In = TypeVar("In")
 
@@ -150,7 +151,8 @@ class Tool(Generic[In]):
 
     def __attrs_post_init__(self) -> None:
         try:
-            validator = jsonschema_rs.Draft202012Validator(self.input_schema)
+            # offline: a tool definition never fetches remote $refs over the network.
+            validator = jsonschema_rs.Draft202012Validator(self.input_schema, offline=True)
         except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as exc:
             first = str(exc).splitlines()[0]
             raise ToolDefinitionError(f"tool {self.name!r}: input_schema is not valid JSON Schema: {first}") from None
@@ -240,9 +242,13 @@ class Tool(Generic[In]):
                     f"tool {self.name!r}: resolved interrupt {override.interrupt!r} is not an InterruptBehavior"
                 )
             interrupt = override.interrupt
-        concurrency_safe = (
-            static.concurrency_safe if override.concurrency_safe is None else bool(override.concurrency_safe)
-        )
+        concurrency_safe = static.concurrency_safe
+        if override.concurrency_safe is not None:
+            if not isinstance(override.concurrency_safe, bool):
+                raise ToolBehaviorError(
+                    f"tool {self.name!r}: resolved concurrency_safe {override.concurrency_safe!r} is not a bool"
+                )
+            concurrency_safe = override.concurrency_safe
         return ToolBehavior(side_effect, kind, interrupt, concurrency_safe)
 
     def paths_for(self, value: JsonObject) -> tuple[str, ...]:
@@ -371,7 +377,7 @@ def _build_tool(
     if not callable(run):
         raise ToolDefinitionError(f"tool run must be an async function, got {run!r}")
     tool_name = name if name is not None else getattr(run, "__name__", None)
-    if not isinstance(tool_name, str) or not _NAME.match(tool_name):
+    if not isinstance(tool_name, str) or not _NAME.fullmatch(tool_name):
         raise ToolDefinitionError(
             f"invalid tool name {tool_name!r}: must be 1-64 characters of letters, digits, '_' or '-'"
         )
@@ -448,20 +454,21 @@ def _build_tool(
 
 
 def _annotated_input_type(run: RunFn) -> type | None:
-    params = list(inspect.signature(run).parameters)
-    if not params:
+    """The attrs class annotated on ``run``'s first parameter, if any (other annotations are ignored)."""
+    parameters = list(inspect.signature(run).parameters.values())
+    if not parameters:
         return None
-    try:
-        hints = typing.get_type_hints(run)
-    except Exception as exc:
-        annotation = inspect.signature(run).parameters[params[0]].annotation
-        if isinstance(annotation, str):
+    annotation = parameters[0].annotation
+    if isinstance(annotation, str):
+        namespace = dict(getattr(run, "__globals__", {}))
+        try:
+            annotation = eval(annotation, namespace)  # resolve just this one string annotation
+        except Exception as exc:
             raise ToolDefinitionError(
-                f"cannot resolve the annotation {annotation!r} of {getattr(run, '__qualname__', run)}'s "
-                f"first parameter ({exc}); define the input class at module level or pass input_type="
+                f"cannot resolve the annotation {parameters[0].annotation!r} of "
+                f"{getattr(run, '__qualname__', run)}'s first parameter ({exc!r}); define the input class "
+                "at module level or pass input_type="
             ) from None
-        return None
-    annotation = hints.get(params[0])
     if isinstance(annotation, type) and attrs.has(annotation):
         return annotation
     return None

@@ -46,6 +46,8 @@ def _object_schema(cls: type, seen: tuple[type, ...]) -> dict[str, Any]:
     properties: dict[str, Any] = {}
     required: list[str] = []
     for field in attrs.fields(cls):
+        if not field.init:  # not part of the input: cattrs would reject it as an extra key
+            continue
         annotation = hints.get(field.name, field.type)
         if annotation is None:
             raise ToolDefinitionError(f"{cls.__qualname__}.{field.name} has no type annotation")
