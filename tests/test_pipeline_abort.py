@@ -30,6 +30,7 @@ PHASES = [
     "during_unwind",
 ]
 COMMITTED = {"after_core", "during_unwind"}
+HANG_GUARD = 10  # seconds; only turns a would-be hang into a failure, never synchronises anything
 
 
 @attrs.define
@@ -169,17 +170,18 @@ async def test_sdk_abort_in_each_phase(phase: str) -> None:
             )
         )
 
-    async with trio.open_nursery() as nursery:
-        await drive_into_phase(h, nursery)
-        nursery.start_soon(run_target)
-        await wait_for_phase(h)
-        if phase == "mid_tool_emit":
-            assert "target" in h.tool_runs
-        abort.abort(ta.AbortReason.USER_ABORT)
-        await trio.testing.wait_all_tasks_blocked()
-        h.release.set()
-        assert h.blocker_release is not None
-        h.blocker_release.set()
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as nursery:
+            await drive_into_phase(h, nursery)
+            nursery.start_soon(run_target)
+            await wait_for_phase(h)
+            if phase == "mid_tool_emit":
+                assert "target" in h.tool_runs
+            abort.abort(ta.AbortReason.USER_ABORT)
+            await trio.testing.wait_all_tasks_blocked()
+            h.release.set()
+            assert h.blocker_release is not None
+            h.blocker_release.set()
 
     (record,) = records
     data = settled(h.journal, "target")
@@ -219,15 +221,16 @@ async def test_outside_cancellation_in_each_phase(phase: str) -> None:
             )
         outcome["cancelled_caught"] = scope.cancelled_caught
 
-    async with trio.open_nursery() as nursery:
-        await drive_into_phase(h, nursery)
-        nursery.start_soon(run_target)
-        await wait_for_phase(h)
-        scope_box[0].cancel()
-        await trio.testing.wait_all_tasks_blocked()
-        h.release.set()
-        assert h.blocker_release is not None
-        h.blocker_release.set()
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as nursery:
+            await drive_into_phase(h, nursery)
+            nursery.start_soon(run_target)
+            await wait_for_phase(h)
+            scope_box[0].cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            h.release.set()
+            assert h.blocker_release is not None
+            h.blocker_release.set()
 
     # Trio's Cancelled propagated out of execute(): nothing was returned.
     assert "record" not in outcome
