@@ -7,6 +7,7 @@ import logging
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -17,6 +18,7 @@ import trio.testing
 
 from trio_agent import (
     AbortReason,
+    CallNext,
     FaultCode,
     InMemoryToolJournal,
     InterruptBehavior,
@@ -30,7 +32,7 @@ from trio_agent import (
     ToolResult,
     define_tool,
 )
-from trio_agent.testing import call_tool
+from trio_agent.testing import ItemRecorder, call_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "middleware_recipes.py"
@@ -104,13 +106,15 @@ async def test_normalise_strips_the_query_before_the_tool_runs() -> None:
 async def test_normalise_passes_untouched_input_through_as_is() -> None:
     seen: list[ToolMiddlewareRequest] = []
 
-    async def spy(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+    async def spy(request: ToolMiddlewareRequest, call_next: CallNext) -> ToolResult:
         seen.append(request)
         return await call_next()
 
     pipeline = ToolPipeline([recipes.search], middleware=[recipes.normalise_query, spy])
     record = await call_tool(pipeline, "search", {"query": "clean", "extra": 1})
-    assert seen[0].input is record.call.input
+    assert seen[0].input == {"query": "clean", "extra": 1}
+    # Middleware works on the pipeline's copy; the model's call stays as it was sent.
+    assert seen[0].input is not record.call.input
 
 
 # -- 3. result redaction ----------------------------------------------------------------
@@ -260,16 +264,16 @@ async def test_throttle_state_is_per_wrapper() -> None:
     assert len(second) == 1
 
 
-async def test_emit_argument_currently_swallows_items() -> None:
-    """Documents the current limitation (guide, recipe 5).
-
-    If this fails, middleware can now reach the outer emit: update the guide
-    and move the progress filter into middleware.
-    """
-    demo = await recipes.demo_progress()
-    assert demo.swallowed.result.metadata["items"] == 12  # 10 progress, 1 message, 1 effect
-    assert demo.observed_under_emit_mw == []
-    assert demo.swallowed.effects == ()
+async def test_progress_filter_is_per_call_under_concurrency() -> None:
+    """Two concurrent calls through one progress_filter instance each get their own throttle."""
+    pipeline = ToolPipeline([recipes.download], middleware=[recipes.progress_filter])
+    recorders = [ItemRecorder(), ItemRecorder()]
+    async with trio.open_nursery() as nursery:
+        for recorder in recorders:
+            nursery.start_soon(partial(call_tool, pipeline, "download", on_item=recorder))
+    for recorder in recorders:
+        progress = [item.message for item in recorder.items if isinstance(item, Progress)]
+        assert progress == ["10% done", "40% done", "70% done", "100% done"]
 
 
 # -- what middleware must not do ------------------------------------------------------------------
@@ -330,6 +334,21 @@ async def test_state_in_locals_stays_with_its_call() -> None:
     assert tags == {"call-a": "call-a", "call-b": "call-b"}
 
 
+# -- all recipes in one stack ----------------------------------------------------------------------
+
+
+async def test_stack_caches_normalised_input_and_stores_redacted_results() -> None:
+    records, journal = await recipes.demo_stack()
+    ran = [record.tool_ran for record in records]
+    assert ran == [True, False, True, False]
+    assert records[1].result.output == records[0].result.output
+    assert records[1].effective_input == {"query": "nurseries"}  # normalised before the cache lookup
+    for record in records[2:]:
+        assert "[REDACTED]" in record.result.output
+        assert "sk-live" not in record.result.output
+    assert all("sk-live" not in str(entry.data) for entry in journal.entries)
+
+
 # -- compose_middleware -------------------------------------------------------------------------
 
 
@@ -343,7 +362,7 @@ def test_compose_order_and_next_once() -> None:
 def test_script_runs() -> None:
     done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
-    assert "8. compose_middleware" in done.stdout
+    assert "9. compose_middleware" in done.stdout
 
 
 def test_guide_code_blocks_are_in_the_script() -> None:

@@ -39,6 +39,7 @@ from trio_agent import (
     SideEffect,
     StageRequest,
     Tool,
+    ToolCall,
     ToolDefinitionError,
     ToolErrorType,
     ToolFailure,
@@ -266,66 +267,109 @@ async def test_items_reach_on_item_in_order_and_effects_are_collected(layers: in
     assert list(record.effects) == [item for item in STREAMED if isinstance(item, Effect)]
 
 
-async def test_emit_wrapper_sees_every_item_in_order() -> None:
+async def test_emit_wrapper_sees_every_item_in_order_and_forwards() -> None:
     seen: list[Any] = []
 
     async def observe(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        outer = request.emit
+
         async def emit(item: Any) -> None:
             seen.append(item)
+            await outer(item)
 
         return await call_next(emit=emit)
 
     pipeline = ToolPipeline([streaming_tool()], middleware=[observe])
-    record = await call_tool(pipeline, "stream", {}, on_item=ItemRecorder())
+    recorder = ItemRecorder()
+    record = await call_tool(pipeline, "stream", {}, on_item=recorder)
     assert seen == STREAMED
+    assert recorder.items == [item for item in STREAMED if not isinstance(item, Effect)]
+    assert list(record.effects) == [item for item in STREAMED if isinstance(item, Effect)]
     assert record.result.ok
 
 
-def outer_emit(request: ToolMiddlewareRequest) -> Any:
-    # The architecture says a middleware's emit "wraps the outer one". The request is the
-    # only thing a layer gets, so that is where the outer emit would have to come from.
-    return request.emit  # type: ignore[attr-defined]
+def drop_odd_progress(outer: Any) -> Any:
+    async def emit(item: Any) -> None:
+        if isinstance(item, Progress) and item.completed % 2:
+            return
+        await outer(item)
+
+    return emit
 
 
-@pytest.mark.xfail(
-    reason="BUG: a middleware cannot reach the outer emit: ToolMiddlewareRequest carries no emit and "
-    "call_next(emit=f) replaces the outer emit entirely, so an emit= wrapper can only swallow items "
-    "(progress filters/rewrites and effect forwarding are impossible)",
-    strict=True,
-)
+def shout_messages(outer: Any) -> Any:
+    async def emit(item: Any) -> None:
+        if isinstance(item, ToolMessage):
+            item = ToolMessage(item.summary.upper(), detail="rewritten")
+        await outer(item)
+
+    return emit
+
+
+def expected_filtered(items: list[Any]) -> list[Any]:
+    expected = []
+    for item in items:
+        if isinstance(item, Effect) or (isinstance(item, Progress) and item.completed % 2):
+            continue
+        expected.append(ToolMessage(item.summary.upper(), detail="rewritten") if isinstance(item, ToolMessage) else item)
+    return expected
+
+
 async def test_emit_wrapper_filters_progress_and_rewrites_messages() -> None:
     async def filter_and_rewrite(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
-        forward = outer_emit(request)
-
-        async def emit(item: Any) -> None:
-            if isinstance(item, Progress) and item.completed % 2:
-                return
-            if isinstance(item, ToolMessage):
-                item = ToolMessage(item.summary.upper(), detail=item.detail)
-            await forward(item)
-
-        return await call_next(emit=emit)
+        return await call_next(emit=shout_messages(drop_odd_progress(request.emit)))
 
     pipeline = ToolPipeline([streaming_tool()], middleware=[filter_and_rewrite])
     recorder = ItemRecorder()
     record = await call_tool(pipeline, "stream", {}, on_item=recorder)
-    expected = []
-    for item in STREAMED:
-        if isinstance(item, Effect) or (isinstance(item, Progress) and item.completed % 2):
-            continue
-        expected.append(ToolMessage(item.summary.upper(), detail=item.detail) if isinstance(item, ToolMessage) else item)
-    assert recorder.items == expected
+    assert recorder.items == expected_filtered(STREAMED)
     assert list(record.effects) == [item for item in STREAMED if isinstance(item, Effect)]
 
 
-@pytest.mark.xfail(
-    reason="BUG: a short-circuiting middleware cannot emit items (no emit reachable from the request), "
-    "although the architecture says it 'short-circuits by emitting and returning its own result'",
-    strict=True,
-)
+async def test_emit_wrappers_of_several_layers_compose() -> None:
+    emits_seen: list[Any] = []
+
+    async def outer_layer(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        emits_seen.append(request.emit)
+        wrapper = drop_odd_progress(request.emit)
+        emits_seen.append(wrapper)
+        # a changed input keeps the wrapper passed alongside it
+        return await call_next(request.replace(input={"changed": True}), emit=wrapper)
+
+    async def middle_layer(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        emits_seen.append(request.emit)
+        return await call_next()
+
+    async def inner_layer(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        emits_seen.append(request.emit)
+        return await call_next(emit=shout_messages(request.emit))
+
+    pipeline = ToolPipeline([streaming_tool()], middleware=[outer_layer, middle_layer, inner_layer])
+    recorder = ItemRecorder()
+    record = await call_tool(pipeline, "stream", {}, on_item=recorder)
+    _sink, wrapper, middle_emit, inner_emit = emits_seen
+    assert middle_emit is wrapper and inner_emit is wrapper
+    assert recorder.items == expected_filtered(STREAMED)
+    assert list(record.effects) == [item for item in STREAMED if isinstance(item, Effect)]
+    assert record.effective_input == {"changed": True}
+
+
+async def test_request_built_without_emit_inherits_the_current_emit() -> None:
+    async def rebuild(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        return await call_next(ToolMiddlewareRequest(request.tool_name, {"rebuilt": True}, request.context))
+
+    pipeline = ToolPipeline([streaming_tool()], middleware=[rebuild])
+    recorder = ItemRecorder()
+    record = await call_tool(pipeline, "stream", {}, on_item=recorder)
+    assert record.effective_input == {"rebuilt": True}
+    assert recorder.items == [item for item in STREAMED if not isinstance(item, Effect)]
+    assert len(record.effects) == 2
+
+
 async def test_short_circuit_can_emit_items() -> None:
     async def cached(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
-        await outer_emit(request)(Progress(message="from cache"))
+        await request.emit(Progress(message="from cache"))
+        await request.emit(Effect("new_messages", ["cached"]))
         return ToolResult.success("cached")
 
     runs = Runs()
@@ -333,6 +377,8 @@ async def test_short_circuit_can_emit_items() -> None:
     record = await call_tool(ToolPipeline([echo_tool(runs)], middleware=[cached]), "echo", {"q": "x"}, on_item=recorder)
     assert record.result == ToolResult.success("cached")
     assert recorder.items == [Progress(message="from cache")]
+    assert record.effects == (Effect("new_messages", ["cached"]),)
+    assert runs.inputs == []
 
 
 @pytest.mark.parametrize("junk", ["text", 42, {"kind": "x"}, None])
@@ -585,12 +631,6 @@ async def test_retrying_call_next_after_a_violation_does_not_run_the_tool() -> N
     assert "cannot change the tool name" in record.result.error.message
 
 
-@pytest.mark.xfail(
-    reason="BUG: the interrupt-behaviour rule compares input by identity; mutating request.input in place "
-    "bypasses it (the tool runs with a different resolved interrupt, and the 'scheduled' journal entry is "
-    "rewritten after the fact because it aliases the same dict)",
-    strict=True,
-)
 async def test_in_place_input_mutation_cannot_change_interrupt_behavior() -> None:
     runs = Runs()
 
@@ -598,13 +638,60 @@ async def test_in_place_input_mutation_cannot_change_interrupt_behavior() -> Non
         request.input["mode"] = "block"
         return await call_next()
 
-    journal = InMemoryToolJournal()
-    pipeline = ToolPipeline([behaving_tool(runs)], middleware=[mutate], lifecycle=journal)
-    record = await call_tool(pipeline, "guarded", {"q": "x", "mode": "normal"}, call_id="m1")
-    assert entry(journal, "m1", "scheduled")["input"] == {"q": "x", "mode": "normal"}
+    pipeline = ToolPipeline([behaving_tool(runs)], middleware=[mutate])
+    record = await call_tool(pipeline, "guarded", {"q": "x", "mode": "normal"})
     assert runs.inputs == []
     assert record.result.error is not None
-    assert "interrupt" in record.result.error.message
+    assert "cannot change the tool interrupt behavior" in record.result.error.message
+
+
+async def test_in_place_input_mutation_started_records_side_effect_of_final_input() -> None:
+    runs = Runs()
+    tool = behaving_tool(runs)
+
+    async def mutate(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        request.input["dry"] = False
+        return await call_next()
+
+    journal = InMemoryToolJournal()
+    pipeline = ToolPipeline([tool], middleware=[mutate], lifecycle=journal)
+    await call_tool(pipeline, "guarded", {"q": "x", "dry": True}, call_id="m2")
+    (final_input,) = runs.inputs
+    started = entry(journal, "m2", "started")
+    assert started["input"] == final_input
+    assert started["side_effect"] == tool.resolve_behavior(final_input).side_effect.value
+    assert started["side_effect"] != entry(journal, "m2", "scheduled")["side_effect"]
+
+
+async def test_in_place_input_mutation_does_not_rewrite_the_scheduled_entry() -> None:
+    runs = Runs()
+
+    async def mutate(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        request.input["q"] = "changed"
+        return await call_next()
+
+    journal = InMemoryToolJournal()
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[mutate], lifecycle=journal)
+    record = await call_tool(pipeline, "echo", {"q": "model"}, call_id="m3")
+    assert runs.inputs == [{"q": "changed"}]
+    assert entry(journal, "m3", "scheduled")["input"] == {"q": "model"}
+    assert entry(journal, "m3", "started")["input"] == {"q": "changed"}
+    assert record.effective_input == {"q": "changed"}
+
+
+async def test_in_place_input_mutation_does_not_rewrite_the_model_call() -> None:
+    runs = Runs()
+
+    async def mutate(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        request.input["q"] = "changed"
+        return await call_next()
+
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[mutate])
+    call = ToolCall("m4", "echo", {"q": "model"})
+    record = await pipeline.execute(call)
+    assert runs.inputs == [{"q": "changed"}]
+    assert call.input == {"q": "model"}
+    assert record.call.input == {"q": "model"}
 
 
 # -- after-core rules ----------------------------------------------------------
@@ -1176,11 +1263,6 @@ async def test_valid_middleware_shapes_are_accepted() -> None:
     assert instance.calls == 2
 
 
-@pytest.mark.xfail(
-    reason="BUG: _check_tool_middleware rejects functools.partial of an async middleware (it inspects "
-    "partial.__call__, which is not a coroutine function, although inspect.iscoroutinefunction(partial) is True)",
-    strict=True,
-)
 async def test_partial_of_async_middleware_is_accepted() -> None:
     async def tagged(request: ToolMiddlewareRequest, call_next: Any, *, tag: str) -> ToolResult:
         result = await call_next()

@@ -11,6 +11,7 @@ from ._abort import Abort as Abort
 from ._abort import AbortHandle as AbortHandle
 from ._abort import AbortReason as AbortReason
 from ._errors import ConfigError as ConfigError
+from ._errors import FileLockTimeoutError as FileLockTimeoutError
 from ._errors import JournalError as JournalError
 from ._errors import LeaseLostError as LeaseLostError
 from ._errors import MiddlewareError as MiddlewareError
@@ -85,6 +86,7 @@ __all__ = [
     "ExecutionContext",
     "FaultCode",
     "FileLockManager",
+    "FileLockTimeoutError",
     "InMemoryToolJournal",
     "InterruptBehavior",
     "JournalEntry",

@@ -11,6 +11,7 @@ Every error that crosses a public boundary is one of these (never a bare
      ├── MiddlewareError           middleware misuse
      │    ├── MiddlewareShapeError non-callable or wrongly shaped middleware       [TypeError]
      │    └── NextCalledTwiceError ``next() called multiple times``
+     ├── FileLockTimeoutError      waiting for a file lock exceeded its bound       [TimeoutError]
      ├── JournalError              the journal refused or failed a write
      │    └── SettlementError      a settlement could not be made durable; nothing was published
      └── LeaseLostError            the execution lease is gone (external: "broken")
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "FileLockTimeoutError",
     "JournalError",
     "LeaseLostError",
     "MiddlewareError",
@@ -77,6 +79,14 @@ class NextCalledTwiceError(MiddlewareError):
 
     def __init__(self, message: str = "next() called multiple times") -> None:
         super().__init__(message)
+
+
+class FileLockTimeoutError(TrioAgentError, TimeoutError):
+    """Waiting for a file lock took longer than its bound. The pipeline turns it into a timeout result."""
+
+    def __init__(self, path: str, seconds: float) -> None:
+        super().__init__(f"waited more than {seconds:g} s for the lock on {path}")
+        self.path = path
 
 
 class JournalError(TrioAgentError):

@@ -74,19 +74,32 @@ class ExecutionContext:
         return self._fence()
 
 
+async def _inherit_emit(item: ToolItem) -> None:
+    """Placeholder for a request built without ``emit``: the pipeline substitutes the current emit."""
+    raise RuntimeError("this request's emit was never bound; pass it through call_next")
+
+
+def _bind_emit(value: Emit | None) -> Emit:
+    return _inherit_emit if value is None else value
+
+
 @attrs.frozen(eq=False)
 class ToolMiddlewareRequest:
-    """What a tool middleware sees: the tool name, the (JSON) input and the execution context.
+    """What a tool middleware sees: the tool name, the (JSON) input, the execution context, and ``emit``.
 
-    Change the input with ``request.replace(input=...)``; the name and context must stay.
+    ``emit`` is where this layer's items go (the outer layers' wrapper, or the
+    pipeline's observer): a middleware that transforms items wraps it and passes
+    the wrapper with ``call_next(emit=...)``. Change the input with
+    ``request.replace(input=...)``; the name and context must stay.
     """
 
     tool_name: str
     input: JsonObject
     context: ExecutionContext
+    emit: Emit = attrs.field(default=None, repr=False, converter=_bind_emit)
 
     def replace(self, *, input: JsonObject) -> ToolMiddlewareRequest:
-        return ToolMiddlewareRequest(self.tool_name, input, self.context)
+        return ToolMiddlewareRequest(self.tool_name, input, self.context, self.emit)
 
 
 class _SlotHolder:

@@ -99,6 +99,16 @@ class JournalEntry:
     data: dict[str, Any]
 
 
+def _copy(value: Any) -> Any:
+    """Entries keep a snapshot, as a durable store would, not a dict the caller may still change."""
+    kind = type(value)
+    if kind is dict:
+        return {key: _copy(item) for key, item in value.items()}
+    if kind is list:
+        return [_copy(item) for item in value]
+    return value
+
+
 class InMemoryToolJournal:
     """A non-durable `ToolLifecycle` that checks the call lifecycle and keeps events in a list.
 
@@ -124,7 +134,11 @@ class InMemoryToolJournal:
             JournalEntry(
                 "scheduled",
                 call.call_id,
-                {"tool": call.tool_name, "input": call.model_input, "side_effect": call.behavior.side_effect.value},
+                {
+                    "tool": call.tool_name,
+                    "input": _copy(call.model_input),
+                    "side_effect": call.behavior.side_effect.value,
+                },
             )
         )
 
@@ -137,7 +151,9 @@ class InMemoryToolJournal:
         self._state[call.call_id] = "started"
         self.entries.append(
             JournalEntry(
-                "started", call.call_id, {"input": input, "side_effect": side_effect.value, "synthetic": synthetic}
+                "started",
+                call.call_id,
+                {"input": _copy(input), "side_effect": side_effect.value, "synthetic": synthetic},
             )
         )
 

@@ -20,6 +20,7 @@ the cancellation itself) has been settled under a bounded shield.
 from __future__ import annotations
 
 import enum
+import functools
 import heapq
 import inspect
 import math
@@ -34,6 +35,7 @@ from .._abort import Abort, AbortHandle, AbortReason
 from .._config import validate_timeout
 from .._errors import (
     ConfigError,
+    FileLockTimeoutError,
     JournalError,
     LeaseLostError,
     MiddlewareShapeError,
@@ -51,12 +53,13 @@ from ._context import (
     ToolCall,
     ToolContext,
     ToolMiddlewareRequest,
+    _inherit_emit,
     _SlotHolder,
 )
 from ._definition import InterruptBehavior, SideEffect, Tool, ToolBehavior, ToolKind
 from ._lifecycle import InMemoryToolJournal, ScheduledCall, Settlement, SettlementStatus, ToolLifecycle
 from ._results import Effect, JsonObject, Progress, ToolErrorType, ToolFailure, ToolItem, ToolMessage, ToolResult
-from ._scheduler import FileLockManager, FileLockTimeout, ToolScheduler
+from ._scheduler import FileLockManager, ToolScheduler
 from ._stages import Allow, Deny, StageRequest, ToolStages
 
 __all__ = [
@@ -147,7 +150,6 @@ class _Call:
     __slots__ = (
         "abort",
         "behavior",
-        "checked_input",
         "cleanup_deadline",
         "core_result",
         "ctx",
@@ -156,6 +158,7 @@ class _Call:
         "effects",
         "fatal",
         "faults",
+        "live_input",
         "mw_scope",
         "next_twice",
         "on_item",
@@ -177,6 +180,7 @@ class _Call:
         scheduled: ScheduledCall,
         ctx: ExecutionContext,
         on_item: Emit | None,
+        live_input: JsonObject,
     ) -> None:
         self.pipeline = pipeline
         self.tool = tool
@@ -185,8 +189,10 @@ class _Call:
         self.abort = ctx.abort
         self.behavior = scheduled.behavior
         self.on_item = on_item
-        self.checked_input: JsonObject = scheduled.model_input
-        self.effective_input: JsonObject = scheduled.model_input
+        # The dict middleware and the tool see: a copy, so the model's input (scheduled.model_input,
+        # record.call.input) stays as sent, and in-place changes are detected by comparing against it.
+        self.live_input: JsonObject = live_input
+        self.effective_input: JsonObject = live_input
         self.effects: list[Effect] = []
         self.faults: list[MiddlewareFault] = []
         self.phase = _Phase.MIDDLEWARE
@@ -225,10 +231,9 @@ class _Call:
 
 @attrs.frozen(eq=False)
 class _Frame:
-    """What travels through the composed chain: the request plus the current emit."""
+    """What travels through the composed chain: the request (which carries the current emit) and the call."""
 
     request: ToolMiddlewareRequest
-    emit: Emit
     call: _Call
 
 
@@ -253,7 +258,7 @@ def _check_tool_middleware(layer: object, index: int) -> None:
     what = f"tool middleware #{index}"
     if not callable(layer):
         raise MiddlewareShapeError(f"{what} is not callable: got {type(layer).__name__} {layer!r}")
-    target = layer if inspect.isfunction(layer) or inspect.ismethod(layer) else type(layer).__call__
+    target = layer if inspect.isroutine(layer) or isinstance(layer, functools.partial) else type(layer).__call__
     if inspect.isasyncgenfunction(target):
         raise MiddlewareShapeError(
             f"{what} ({getattr(layer, '__qualname__', layer)}) is an async generator; tool middleware is "
@@ -402,7 +407,7 @@ class ToolPipeline:
             origin.session_id, origin.agent_id, origin.request_id, origin.turn_id, call.id, key,
             call_abort, lifecycle.fencing_token,
         )  # fmt: skip
-        state = _Call(self, tool, scheduled, ctx, on_item)
+        state = _Call(self, tool, scheduled, ctx, on_item, json_copy(call.input))
         call_abort.add_listener(state.on_abort)
         links: list[tuple[AbortHandle, int]] = []
         if abort is not None:
@@ -445,7 +450,7 @@ class ToolPipeline:
     async def _run(self, state: _Call) -> tuple[ToolResult, bool]:
         """Run the middleware chain and the core; return the final result and whether it may be published."""
         if not self._has_unwind:
-            result = await self._core(state, state.scheduled.model_input, state.sink)
+            result = await self._core(state, state.live_input, state.sink)
             self._raise_fatal(state)
             return result, True
         return await self._run_layered(state)
@@ -459,10 +464,10 @@ class ToolPipeline:
             state.mw_scope = scope
             try:
                 if chain is not None:
-                    request = ToolMiddlewareRequest(state.tool.name, state.scheduled.model_input, state.ctx)
-                    mw_result = await chain(_Frame(request, state.sink, state))
+                    request = ToolMiddlewareRequest(state.tool.name, state.live_input, state.ctx, state.sink)
+                    mw_result = await chain(_Frame(request, state))
                 else:
-                    mw_result = await self._core(state, state.scheduled.model_input, state.sink)
+                    mw_result = await self._core(state, state.live_input, state.sink)
             except NextCalledTwiceError as exc:
                 state.next_twice = True
                 mw_error = exc
@@ -522,7 +527,9 @@ class ToolPipeline:
                         if core_error.type is ToolErrorType.TIMEOUT
                         else FaultCode.CANCELLATION_OVERWRITTEN
                     )
-                    state.faults.append(MiddlewareFault(code, f"middleware replaced a {core_error.type.value} result"))
+                    state.faults.append(
+                        MiddlewareFault(code, f"middleware replaced the core's {core_error.type.value} result")
+                    )
                     return core, True
             elif mw_result.ok:
                 state.faults.append(
@@ -543,7 +550,14 @@ class ToolPipeline:
                 try:
                     if request is None and emit is None:
                         return next_(None)
-                    return next_(_Frame(request or frame.request, emit or frame.emit, frame.call))
+                    inner = frame.request if request is None else request
+                    inner_emit = frame.request.emit if emit is None else emit
+                    if inner_emit is _inherit_emit:
+                        inner_emit = frame.request.emit
+                    if inner.emit is not inner_emit:
+                        # The emit for inner layers: the one passed, else the current one.
+                        inner = ToolMiddlewareRequest(inner.tool_name, inner.input, inner.context, inner_emit)
+                    return next_(_Frame(inner, frame.call))
                 except NextCalledTwiceError:
                     frame.call.next_twice = True
                     raise
@@ -563,7 +577,7 @@ class ToolPipeline:
                 raise _GuardViolation("Tool middleware cannot change the tool name")
             if request.context is not state.ctx:
                 raise _GuardViolation("Tool middleware cannot replace the execution context")
-            if request.input is not state.checked_input:
+            if request.input != state.scheduled.model_input:  # replaced, or changed in place
                 if not isinstance(request.input, dict):
                     raise _GuardViolation("Tool middleware must pass a JSON object as input")
                 try:
@@ -572,7 +586,6 @@ class ToolPipeline:
                     raise _GuardViolation(str(exc)) from None
                 if behavior.interrupt is not state.behavior.interrupt:
                     raise _GuardViolation("Tool middleware cannot change the tool interrupt behavior")
-                state.checked_input = request.input
         except _GuardViolation as exc:
             if state.violation is None:
                 state.violation = str(exc)
@@ -582,7 +595,7 @@ class ToolPipeline:
     # -- the core ---------------------------------------------------------------
 
     def _terminal(self, frame: _Frame) -> Awaitable[ToolResult]:
-        return self._core(frame.call, frame.request.input, frame.emit)
+        return self._core(frame.call, frame.request.input, frame.request.emit)
 
     async def _core(self, state: _Call, model_input: JsonObject, emit: Emit) -> ToolResult:
         """The terminal of the chain: everything between the middleware and the side effect, and the tool."""
@@ -649,7 +662,7 @@ class ToolPipeline:
             locked = self.file_locks.normalise(paths, self.workspace)
             try:
                 await self._abortable(state, self.file_locks.acquire_all, locked, exclusive, self.lock_timeout)
-            except FileLockTimeout as exc:
+            except FileLockTimeoutError as exc:
                 return ToolResult.failure(ToolErrorType.TIMEOUT, str(exc), code="lock_timeout")
             try:
                 return await self._start_and_run(state, tool, final_input, value, behavior, emit, slot)
@@ -667,7 +680,7 @@ class ToolPipeline:
                 ToolErrorType.VALIDATION, f"invalid input for tool {tool.name!r}: " + "; ".join(errors),
                 code="invalid_input", details={"errors": list(errors)},
             )  # fmt: skip
-        if current is state.scheduled.model_input:
+        if current == state.scheduled.model_input:
             behavior = state.behavior
         else:
             try:
@@ -783,6 +796,8 @@ class ToolPipeline:
         if scope.cancelled_caught and state.phase is not _Phase.COMMITTED:
             raise _Aborted
         result = outcome if isinstance(outcome, ToolResult) else ToolResult.success(outcome)
+        # Known from here on, even if the bounded unwind is cut short inside a post_tool stage.
+        state.core_result = result
         try:
             lifecycle.check_ownership()
         except LeaseLostError as exc:
@@ -801,6 +816,7 @@ class ToolPipeline:
                 continue
             if isinstance(replaced, ToolResult) and (replaced.error is not None or result.ok):
                 result = replaced
+                state.core_result = result
         return result
 
     # -- cleanup overrun tracking ----------------------------------------------
@@ -960,6 +976,16 @@ class ToolPipeline:
         )
         self.history.append(record)
         return record
+
+
+def json_copy(value: Any) -> Any:
+    """A copy of JSON containers (dicts and lists); immutable leaves are shared."""
+    kind = type(value)
+    if kind is dict:
+        return {key: json_copy(item) for key, item in value.items()}
+    if kind is list:
+        return [json_copy(item) for item in value]
+    return value
 
 
 def _forward(target: AbortHandle) -> Callable[[Abort], None]:

@@ -10,9 +10,10 @@ import attrs
 import trio
 
 from .._config import validate_limit
+from .._errors import FileLockTimeoutError
 from ._definition import ToolKind
 
-__all__ = ["FileLockManager", "FileLockTimeout", "SchedulerLimits", "ToolScheduler"]
+__all__ = ["FileLockManager", "SchedulerLimits", "ToolScheduler"]
 
 
 @attrs.frozen
@@ -124,14 +125,6 @@ class ToolScheduler:
         return SchedulerStatistics(buckets)
 
 
-class FileLockTimeout(Exception):
-    """Waiting for a file lock took longer than the bound (internal; becomes a timeout result)."""
-
-    def __init__(self, path: str, seconds: float) -> None:
-        super().__init__(f"waited more than {seconds:g} s for the lock on {path}")
-        self.path = path
-
-
 @attrs.define(eq=False)
 class _PathLock:
     """A fair reader/writer lock: grants strictly in arrival order, so readers never starve a writer."""
@@ -195,7 +188,7 @@ class FileLockManager:
         return tuple(sorted({os.path.normpath(os.path.join(base, path)) for path in paths}))
 
     async def acquire_all(self, paths: tuple[str, ...], exclusive: bool, bound: float) -> None:
-        """Acquire every path (already normalised and sorted) or none; raises `FileLockTimeout`."""
+        """Acquire every path (already normalised and sorted) or none; raises `FileLockTimeoutError`."""
         acquired: list[str] = []
         try:
             with trio.fail_after(bound):
@@ -204,7 +197,7 @@ class FileLockManager:
                     acquired.append(path)
         except trio.TooSlowError:
             self.release_all(acquired, exclusive=exclusive)
-            raise FileLockTimeout(paths[len(acquired)], bound) from None
+            raise FileLockTimeoutError(paths[len(acquired)], bound) from None
         except BaseException:
             self.release_all(acquired, exclusive=exclusive)
             raise

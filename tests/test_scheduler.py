@@ -1,0 +1,551 @@
+"""Scheduler slots by kind (FIFO, cancellable, shareable) and fair reader/writer file locks.
+
+Most tests run through `ToolPipeline`: a tool blocks on a per-call event, so the test
+decides exactly when each call finishes and observes who is inside the tool.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from trio.testing import wait_all_tasks_blocked
+
+from trio_agent import (
+    AbortHandle,
+    ConfigError,
+    FileLockManager,
+    SchedulerLimits,
+    SettlementStatus,
+    Tool,
+    ToolCall,
+    ToolErrorType,
+    ToolKind,
+    ToolPipeline,
+    ToolResult,
+    ToolScheduler,
+    define_tool,
+)
+from trio_agent.testing import call_tool
+
+WORKSPACE = "/ws"
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"id": {"type": "string"}, "paths": {"type": "array", "items": {"type": "string"}}},
+    "required": ["id"],
+}
+
+
+class Gate:
+    """Tools that block until the test opens their call's event, recording who is inside."""
+
+    def __init__(self) -> None:
+        self.events: defaultdict[str, trio.Event] = defaultdict(trio.Event)
+        self.started: list[str] = []
+        self.finished: list[str] = []
+        self.inside: set[str] = set()
+        self.max_inside = 0
+
+    def open(self, key: str) -> None:
+        self.events[key].set()
+
+    def tool(self, name: str, kind: str, **kwargs: Any) -> Tool[Any]:
+        async def run(inp: dict[str, Any], ctx: Any) -> str:
+            key = inp["id"]
+            self.started.append(key)
+            self.inside.add(key)
+            self.max_inside = max(self.max_inside, len(self.inside))
+            try:
+                await self.events[key].wait()
+            finally:
+                self.inside.discard(key)
+                self.finished.append(key)
+            return f"{name}:{key}"
+
+        return define_tool(
+            run,
+            name=name,
+            description=f"{kind} tool",
+            side_effect="idempotent",
+            kind=kind,
+            input_schema=SCHEMA,
+            affected_paths=lambda inp: inp.get("paths", []),
+            **kwargs,
+        )
+
+
+class Calls:
+    """Starts calls in a nursery and keeps their records by id."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.records: dict[str, Any] = {}
+        self.aborts: dict[str, AbortHandle] = {}
+
+    async def submit(self, pipeline: ToolPipeline, name: str, key: str, **inp: Any) -> None:
+        abort = self.aborts[key] = AbortHandle()
+
+        async def go() -> None:
+            self.records[key] = await call_tool(pipeline, name, {"id": key, **inp}, call_id=key, abort=abort)
+
+        self.nursery.start_soon(go)
+        await wait_all_tasks_blocked()
+
+
+def stats(pipeline_or_scheduler: Any, kind: str) -> tuple[int, int, int]:
+    scheduler = getattr(pipeline_or_scheduler, "scheduler", pipeline_or_scheduler)
+    return scheduler.statistics().buckets[kind]
+
+
+# -- limits ------------------------------------------------------------------------
+
+
+async def test_default_limits() -> None:
+    limits = SchedulerLimits()
+    assert (limits.readonly, limits.write, limits.execute) == (10, 10, 3)
+    assert ToolScheduler().statistics().buckets == {"readonly": (0, 0, 10), "write": (0, 0, 10), "execute": (0, 0, 3)}
+    assert ToolPipeline([]).scheduler.limits == limits
+
+
+@pytest.mark.parametrize("kind", ["readonly", "write", "execute"])
+async def test_default_limit_bounds_running_calls(kind: str) -> None:
+    limit = SchedulerLimits().for_kind(ToolKind(kind))
+    extra = 2
+    gate = Gate()
+    pipeline = ToolPipeline([gate.tool("t", kind)])
+    keys = [f"c{i}" for i in range(limit + extra)]
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        for key in keys:
+            await calls.submit(pipeline, "t", key)
+        assert gate.started == keys[:limit]
+        assert len(gate.inside) == limit
+        assert stats(pipeline, kind) == (limit, extra, limit)
+        for key in keys:
+            gate.open(key)
+    assert gate.max_inside == limit
+    assert sorted(gate.finished) == sorted(keys)
+    assert stats(pipeline, kind) == (0, 0, limit)
+    assert all(calls.records[key].result.ok for key in keys)
+
+
+async def test_admission_is_fifo() -> None:
+    gate = Gate()
+    pipeline = ToolPipeline([gate.tool("run", "execute")])
+    keys = ["a", "b", "c", "d", "e"]
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        for key in keys:
+            await calls.submit(pipeline, "run", key)
+        assert gate.started == ["a", "b", "c"]
+        # free one slot at a time: each goes to the longest waiter
+        gate.open("b")
+        await wait_all_tasks_blocked()
+        assert gate.started == ["a", "b", "c", "d"]
+        gate.open("a")
+        await wait_all_tasks_blocked()
+        assert gate.started == keys
+        for key in keys:
+            gate.open(key)
+    assert gate.max_inside == 3
+
+
+async def test_cancelled_waiter_leaves_the_queue_and_slot_goes_to_next() -> None:
+    gate = Gate()
+    pipeline = ToolPipeline([gate.tool("run", "execute")], scheduler=ToolScheduler(SchedulerLimits(execute=1)))
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        for key in "abc":
+            await calls.submit(pipeline, "run", key)
+        assert gate.started == ["a"]
+        assert stats(pipeline, "execute") == (1, 2, 1)
+        calls.aborts["b"].abort()
+        await wait_all_tasks_blocked()
+        record_b = calls.records["b"]
+        assert record_b.status is SettlementStatus.CANCELLED
+        assert record_b.result.error is not None and record_b.result.error.type is ToolErrorType.INTERRUPTED
+        assert not record_b.tool_ran
+        assert pipeline.lifecycle.kinds("b") == ["scheduled", "settled"]  # type: ignore[attr-defined]
+        assert stats(pipeline, "execute") == (1, 1, 1)
+        gate.open("a")
+        await wait_all_tasks_blocked()
+        assert gate.started == ["a", "c"]
+        gate.open("c")
+    assert stats(pipeline, "execute") == (0, 0, 1)
+    assert calls.records["c"].result == ToolResult.success("run:c")
+
+
+async def test_cancelled_holder_releases_its_slot() -> None:
+    gate = Gate()
+    pipeline = ToolPipeline([gate.tool("run", "execute")], scheduler=ToolScheduler(SchedulerLimits(execute=1)))
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "run", "holder")
+        await calls.submit(pipeline, "run", "next")
+        assert gate.started == ["holder"]
+        calls.aborts["holder"].abort()
+        await wait_all_tasks_blocked()
+        holder = calls.records["holder"]
+        assert holder.tool_ran and holder.status is SettlementStatus.CANCELLED
+        assert gate.started == ["holder", "next"]
+        assert stats(pipeline, "execute") == (1, 0, 1)
+        gate.open("next")
+    assert stats(pipeline, "execute") == (0, 0, 1)
+    assert gate.max_inside == 1
+
+
+async def test_cancel_from_outside_releases_slot() -> None:
+    gate = Gate()
+    pipeline = ToolPipeline([gate.tool("run", "execute")], scheduler=ToolScheduler(SchedulerLimits(execute=1)))
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            calls = Calls(nursery)
+            await calls.submit(pipeline, "run", "a")
+            await calls.submit(pipeline, "run", "b")
+            assert stats(pipeline, "execute") == (1, 1, 1)
+            scope.cancel()
+    assert stats(pipeline, "execute") == (0, 0, 1)
+    assert pipeline.lifecycle.kinds("a")[-1] == "settled"  # type: ignore[attr-defined]
+    assert pipeline.lifecycle.kinds("b")[-1] == "settled"  # type: ignore[attr-defined]
+
+
+async def test_scheduler_direct_fifo_and_cancel() -> None:
+    scheduler = ToolScheduler(SchedulerLimits(write=1))
+    order: list[str] = []
+    assert scheduler.try_acquire(ToolKind.WRITE)
+    assert not scheduler.try_acquire(ToolKind.WRITE)
+
+    async def waiter(name: str, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            await scheduler.acquire(ToolKind.WRITE)
+            order.append(name)
+            scheduler.release(ToolKind.WRITE)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(waiter, "first")
+        second = await nursery.start(waiter, "second")
+        await nursery.start(waiter, "third")
+        await wait_all_tasks_blocked()
+        assert scheduler.statistics().buckets["write"] == (1, 3, 1)
+        second.cancel()
+        await wait_all_tasks_blocked()
+        assert scheduler.statistics().buckets["write"] == (1, 2, 1)
+        scheduler.release(ToolKind.WRITE)
+    assert order == ["first", "third"]
+    assert scheduler.statistics().buckets["write"] == (0, 0, 1)
+
+
+async def test_shared_scheduler_shares_buckets() -> None:
+    gate = Gate()
+    shared = ToolScheduler(SchedulerLimits(execute=1))
+    first = ToolPipeline([gate.tool("run", "execute")], scheduler=shared)
+    second = ToolPipeline([gate.tool("run", "execute")], scheduler=shared)
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(first, "run", "p1")
+        await calls.submit(second, "run", "p2")
+        assert gate.started == ["p1"]
+        assert stats(shared, "execute") == (1, 1, 1)
+        gate.open("p1")
+        await wait_all_tasks_blocked()
+        assert gate.started == ["p1", "p2"]
+        gate.open("p2")
+    assert gate.max_inside == 1
+
+
+async def test_separate_pipelines_do_not_share_buckets() -> None:
+    gate = Gate()
+    first = ToolPipeline([gate.tool("run", "execute")])
+    second = ToolPipeline([gate.tool("run", "execute")])
+    assert first.scheduler is not second.scheduler
+    limit = SchedulerLimits().execute
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        for i in range(limit + 1):
+            await calls.submit(first, "run", f"first{i}")
+        await calls.submit(second, "run", "second")
+        assert gate.started == [f"first{i}" for i in range(limit)] + ["second"]
+        assert stats(first, "execute") == (limit, 1, limit)
+        assert stats(second, "execute") == (1, 0, limit)
+        for key in list(gate.events):
+            gate.open(key)
+        await wait_all_tasks_blocked()
+        for key in list(gate.events):
+            gate.open(key)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "3", None, True])
+@pytest.mark.parametrize("kind", ["readonly", "write", "execute"])
+async def test_invalid_limits_are_config_errors(kind: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=kind):
+        SchedulerLimits(**{kind: value})
+
+
+# -- file locks ----------------------------------------------------------------------
+
+
+def lock_pipeline(gate: Gate, **kwargs: Any) -> ToolPipeline:
+    return ToolPipeline(
+        [
+            gate.tool("write", "write"),
+            gate.tool("read", "readonly"),
+            gate.tool("read_unsafe", "readonly", concurrency_safe=False),
+        ],
+        workspace=WORKSPACE,
+        **kwargs,
+    )
+
+
+async def test_writers_on_the_same_path_are_serialized() -> None:
+    gate = Gate()
+    pipeline = lock_pipeline(gate)
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "write", "w1", paths=["f.txt"])
+        await calls.submit(pipeline, "write", "w2", paths=["f.txt"])
+        assert gate.started == ["w1"]
+        assert pipeline.file_locks.held() == {f"{WORKSPACE}/f.txt": (0, True, 1)}
+        assert pipeline.lifecycle.kinds("w2") == ["scheduled"]  # type: ignore[attr-defined]
+        gate.open("w1")
+        await wait_all_tasks_blocked()
+        assert gate.started == ["w1", "w2"]
+        assert gate.finished == ["w1"]
+        gate.open("w2")
+    assert gate.max_inside == 1
+    assert pipeline.file_locks.held() == {}
+
+
+async def test_writers_on_different_paths_run_together() -> None:
+    gate = Gate()
+    pipeline = lock_pipeline(gate)
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "write", "w1", paths=["a"])
+        await calls.submit(pipeline, "write", "w2", paths=["b"])
+        assert gate.inside == {"w1", "w2"}
+        gate.open("w1")
+        gate.open("w2")
+
+
+async def test_readonly_concurrency_safe_calls_share_the_lock() -> None:
+    gate = Gate()
+    pipeline = lock_pipeline(gate)
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "read", "r1", paths=["f.txt"])
+        await calls.submit(pipeline, "read", "r2", paths=["f.txt"])
+        assert gate.inside == {"r1", "r2"}
+        assert pipeline.file_locks.held() == {f"{WORKSPACE}/f.txt": (2, False, 0)}
+        gate.open("r1")
+        gate.open("r2")
+    assert pipeline.file_locks.held() == {}
+
+
+async def test_readonly_not_concurrency_safe_is_exclusive() -> None:
+    gate = Gate()
+    pipeline = lock_pipeline(gate)
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "read_unsafe", "u1", paths=["f.txt"])
+        await calls.submit(pipeline, "read", "r1", paths=["f.txt"])
+        assert gate.started == ["u1"]
+        gate.open("u1")
+        await wait_all_tasks_blocked()
+        assert gate.started == ["u1", "r1"]
+        gate.open("r1")
+    assert gate.max_inside == 1
+
+
+async def test_writer_is_not_starved_by_later_readers() -> None:
+    gate = Gate()
+    pipeline = lock_pipeline(gate)
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "read", "r1", paths=["f.txt"])
+        await calls.submit(pipeline, "write", "w", paths=["f.txt"])
+        await calls.submit(pipeline, "read", "r2", paths=["f.txt"])
+        await calls.submit(pipeline, "read", "r3", paths=["f.txt"])
+        # r2 and r3 could share with r1, but they arrived after the writer
+        assert gate.started == ["r1"]
+        assert pipeline.file_locks.held() == {f"{WORKSPACE}/f.txt": (1, False, 3)}
+        gate.open("r1")
+        await wait_all_tasks_blocked()
+        assert gate.started == ["r1", "w"]
+        gate.open("w")
+        await wait_all_tasks_blocked()
+        # both readers are granted together (their tasks may be scheduled in either order)
+        assert gate.started[:2] == ["r1", "w"]
+        assert gate.inside == {"r2", "r3"}
+        gate.open("r2")
+        gate.open("r3")
+    assert pipeline.file_locks.held() == {}
+
+
+def test_paths_are_normalised_deduplicated_and_sorted() -> None:
+    assert FileLockManager.normalise(["c", "./a/../b", "b", "/abs/x", "d/./e/"], WORKSPACE) == (
+        "/abs/x",
+        f"{WORKSPACE}/b",
+        f"{WORKSPACE}/c",
+        f"{WORKSPACE}/d/e",
+    )
+
+
+async def test_equivalent_paths_share_one_lock() -> None:
+    gate = Gate()
+    pipeline = lock_pipeline(gate)
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "write", "w1", paths=["./a/../b", "c"])
+        await calls.submit(pipeline, "write", "w2", paths=["b"])
+        assert gate.started == ["w1"]
+        assert pipeline.file_locks.held() == {f"{WORKSPACE}/b": (0, True, 1), f"{WORKSPACE}/c": (0, True, 0)}
+        gate.open("w1")
+        await wait_all_tasks_blocked()
+        assert gate.started == ["w1", "w2"]
+        gate.open("w2")
+    assert pipeline.file_locks.held() == {}
+
+
+async def test_overlapping_path_sets_in_opposite_order_do_not_deadlock(autojump_clock: Any) -> None:
+    gate = Gate()
+    pipeline = lock_pipeline(gate)
+    with trio.fail_after(100):
+        async with trio.open_nursery() as nursery:
+            calls = Calls(nursery)
+            await calls.submit(pipeline, "write", "hold_a", paths=["a"])
+            await calls.submit(pipeline, "write", "ba", paths=["b", "a"])
+            await calls.submit(pipeline, "write", "ab", paths=["a", "b"])
+            assert gate.started == ["hold_a"]
+            for key in ("hold_a", "ba", "ab"):
+                gate.open(key)
+    assert gate.started == ["hold_a", "ba", "ab"]
+    assert all(record.result.ok for record in calls.records.values())
+
+
+async def test_lock_wait_is_bounded(autojump_clock: Any) -> None:
+    gate = Gate()
+    pipeline = lock_pipeline(gate, lock_timeout=1)
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "write", "w1", paths=["f.txt"])
+        start = trio.current_time()
+        record = await call_tool(pipeline, "write", {"id": "w2", "paths": ["f.txt"]}, call_id="w2")
+        assert trio.current_time() - start == pytest.approx(1)
+        assert record.result.error is not None
+        assert record.result.error.type is ToolErrorType.TIMEOUT
+        assert record.result.error.code == "lock_timeout"
+        assert not record.tool_ran
+        assert gate.started == ["w1"]
+        assert pipeline.lifecycle.kinds("w2") == ["scheduled", "settled"]  # type: ignore[attr-defined]
+        assert pipeline.file_locks.held() == {f"{WORKSPACE}/f.txt": (0, True, 0)}
+        assert stats(pipeline, "write") == (1, 0, 10)
+        gate.open("w1")
+    assert pipeline.file_locks.held() == {}
+
+
+async def test_locks_are_released_on_cancel() -> None:
+    gate = Gate()
+    pipeline = lock_pipeline(gate)
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "write", "holder", paths=["x", "y"])
+        await calls.submit(pipeline, "write", "waiter", paths=["y", "z"])
+        assert pipeline.file_locks.held()[f"{WORKSPACE}/y"] == (0, True, 1)
+        calls.aborts["waiter"].abort()
+        await wait_all_tasks_blocked()
+        assert not calls.records["waiter"].tool_ran
+        assert pipeline.file_locks.held() == {f"{WORKSPACE}/x": (0, True, 0), f"{WORKSPACE}/y": (0, True, 0)}
+        calls.aborts["holder"].abort()
+    assert calls.records["holder"].tool_ran
+    assert calls.records["holder"].status is SettlementStatus.CANCELLED
+    assert pipeline.file_locks.held() == {}
+    assert stats(pipeline, "write") == (0, 0, 10)
+
+
+# -- slot_released ---------------------------------------------------------------------
+
+
+def nesting_pipeline(*, release: bool) -> ToolPipeline:
+    holder: list[ToolPipeline] = []
+
+    async def child(inp: dict[str, Any], ctx: Any) -> str:
+        return "child done"
+
+    async def parent(inp: dict[str, Any], ctx: Any) -> str:
+        call = ToolCall(f"{ctx.tool_call_id}/child", "child", {})
+        if release:
+            async with ctx.slot_released():
+                record = await holder[0].execute(call)
+        else:
+            record = await holder[0].execute(call)
+        return f"parent saw {record.result.output}"
+
+    tools = [
+        define_tool(fn, description=fn.__name__, side_effect="pure", input_schema={"type": "object"})
+        for fn in (parent, child)
+    ]
+    pipeline = ToolPipeline(tools, scheduler=ToolScheduler(SchedulerLimits(execute=1)))
+    holder.append(pipeline)
+    return pipeline
+
+
+async def test_slot_released_lets_nested_call_run(autojump_clock: Any) -> None:
+    pipeline = nesting_pipeline(release=True)
+    with trio.fail_after(60):
+        record = await call_tool(pipeline, "parent", {}, call_id="p")
+    assert record.result == ToolResult.success("parent saw child done")
+    assert [r.call.id for r in pipeline.history] == ["p/child", "p"]
+    assert stats(pipeline, "execute") == (0, 0, 1)
+
+
+async def test_without_slot_released_the_nested_call_deadlocks(autojump_clock: Any) -> None:
+    pipeline = nesting_pipeline(release=False)
+    with pytest.raises(trio.TooSlowError):
+        with trio.fail_after(60):
+            await call_tool(pipeline, "parent", {}, call_id="p")
+    assert stats(pipeline, "execute") == (0, 0, 1)
+
+
+async def test_slot_is_reacquired_behind_earlier_waiters() -> None:
+    gate = Gate()
+    events: list[str] = []
+    child_done = trio.Event()
+
+    async def parent(inp: dict[str, Any], ctx: Any) -> str:
+        events.append("parent start")
+        async with ctx.slot_released():
+            events.append("parent released")
+            await child_done.wait()
+        events.append("parent resumed")
+        return "parent"
+
+    tools = [
+        gate.tool("other", "execute"),
+        define_tool(parent, description="p", side_effect="pure", input_schema={"type": "object"}),
+    ]
+    pipeline = ToolPipeline(tools, scheduler=ToolScheduler(SchedulerLimits(execute=1)))
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "parent", "p")
+        # the parent gave its slot back: another call gets it
+        await calls.submit(pipeline, "other", "o1")
+        assert gate.started == ["o1"]
+        await calls.submit(pipeline, "other", "o2")
+        child_done.set()
+        await wait_all_tasks_blocked()
+        # the parent queues for its slot behind o2, which was waiting first
+        assert events == ["parent start", "parent released"]
+        gate.open("o1")
+        await wait_all_tasks_blocked()
+        assert gate.started == ["o1", "o2"]
+        assert events == ["parent start", "parent released"]
+        gate.open("o2")
+        await wait_all_tasks_blocked()
+        assert events[-1] == "parent resumed"
+    assert calls.records["p"].result == ToolResult.success("parent")
+    assert stats(pipeline, "execute") == (0, 0, 1)
