@@ -35,6 +35,7 @@ _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _converter = cattrs.Converter(forbid_extra_keys=True, use_alias=True)
 
 In = TypeVar("In")
+T = TypeVar("T")
 
 
 class SideEffect(enum.Enum):
@@ -213,43 +214,24 @@ class Tool(Generic[In]):
                 f"tool {self.name!r}: behaviour resolver must return BehaviorOverride or None, got {override!r}"
             )
         static = self._static
-        side_effect = static.side_effect
-        if override.side_effect is not None:
-            if not isinstance(override.side_effect, SideEffect):
-                raise ToolBehaviorError(
-                    f"tool {self.name!r}: resolved side_effect {override.side_effect!r} is not a SideEffect"
-                )
-            if override.side_effect.rank > side_effect.rank:
-                raise ToolBehaviorError(
-                    f"tool {self.name!r}: resolver widened side_effect from {side_effect.value!r} "
-                    f"to {override.side_effect.value!r}; it may only narrow the static declaration"
-                )
-            side_effect = override.side_effect
-        kind = static.kind
-        if override.kind is not None:
-            if not isinstance(override.kind, ToolKind):
-                raise ToolBehaviorError(f"tool {self.name!r}: resolved kind {override.kind!r} is not a ToolKind")
-            if override.kind.rank > kind.rank:
-                raise ToolBehaviorError(
-                    f"tool {self.name!r}: resolver widened kind from {kind.value!r} to {override.kind.value!r}; "
-                    "it may only narrow the static declaration"
-                )
-            kind = override.kind
-        interrupt = static.interrupt
-        if override.interrupt is not None:
-            if not isinstance(override.interrupt, InterruptBehavior):
-                raise ToolBehaviorError(
-                    f"tool {self.name!r}: resolved interrupt {override.interrupt!r} is not an InterruptBehavior"
-                )
-            interrupt = override.interrupt
-        concurrency_safe = static.concurrency_safe
-        if override.concurrency_safe is not None:
-            if not isinstance(override.concurrency_safe, bool):
-                raise ToolBehaviorError(
-                    f"tool {self.name!r}: resolved concurrency_safe {override.concurrency_safe!r} is not a bool"
-                )
-            concurrency_safe = override.concurrency_safe
+        side_effect = self._resolved("side_effect", static.side_effect, override.side_effect, SideEffect, narrow=True)
+        kind = self._resolved("kind", static.kind, override.kind, ToolKind, narrow=True)
+        interrupt = self._resolved("interrupt", static.interrupt, override.interrupt, InterruptBehavior)
+        concurrency_safe = self._resolved("concurrency_safe", static.concurrency_safe, override.concurrency_safe, bool)
         return ToolBehavior(side_effect, kind, interrupt, concurrency_safe)
+
+    def _resolved(self, field: str, static: T, resolved: object, expected: type[T], *, narrow: bool = False) -> T:
+        """The resolver's value for *field*, checked against its type and, for ranked enums, the static one."""
+        if resolved is None:
+            return static
+        if not isinstance(resolved, expected):
+            raise ToolBehaviorError(f"tool {self.name!r}: resolved {field} {resolved!r} is not a {expected.__name__}")
+        if narrow and resolved.rank > static.rank:  # type: ignore[attr-defined]
+            raise ToolBehaviorError(
+                f"tool {self.name!r}: resolver widened {field} from {static.value!r} "  # type: ignore[attr-defined]
+                f"to {resolved.value!r}; it may only narrow the static declaration"  # type: ignore[attr-defined]
+            )
+        return resolved
 
     def paths_for(self, value: JsonObject) -> tuple[str, ...]:
         """The paths this call touches (for file locks and the path policy)."""

@@ -19,7 +19,7 @@ import attrs
 
 from .._errors import JournalError
 from ._definition import SideEffect, ToolBehavior
-from ._results import JsonObject, ToolResult
+from ._results import JsonObject, ToolResult, json_copy
 
 __all__ = [
     "InMemoryToolJournal",
@@ -99,16 +99,6 @@ class JournalEntry:
     data: dict[str, Any]
 
 
-def _copy(value: Any) -> Any:
-    """Entries keep a snapshot, as a durable store would, not a dict the caller may still change."""
-    kind = type(value)
-    if kind is dict:
-        return {key: _copy(item) for key, item in value.items()}
-    if kind is list:
-        return [_copy(item) for item in value]
-    return value
-
-
 class InMemoryToolJournal:
     """A non-durable `ToolLifecycle` that checks the call lifecycle and keeps events in a list.
 
@@ -136,7 +126,7 @@ class InMemoryToolJournal:
                 call.call_id,
                 {
                     "tool": call.tool_name,
-                    "input": _copy(call.model_input),
+                    "input": json_copy(call.model_input),
                     "side_effect": call.behavior.side_effect.value,
                 },
             )
@@ -153,7 +143,7 @@ class InMemoryToolJournal:
             JournalEntry(
                 "started",
                 call.call_id,
-                {"input": _copy(input), "side_effect": side_effect.value, "synthetic": synthetic},
+                {"input": json_copy(input), "side_effect": side_effect.value, "synthetic": synthetic},
             )
         )
 

@@ -58,7 +58,17 @@ from ._context import (
 )
 from ._definition import InterruptBehavior, SideEffect, Tool, ToolBehavior, ToolKind
 from ._lifecycle import InMemoryToolJournal, ScheduledCall, Settlement, SettlementStatus, ToolLifecycle
-from ._results import Effect, JsonObject, Progress, ToolErrorType, ToolFailure, ToolItem, ToolMessage, ToolResult
+from ._results import (
+    Effect,
+    JsonObject,
+    Progress,
+    ToolErrorType,
+    ToolFailure,
+    ToolItem,
+    ToolMessage,
+    ToolResult,
+    json_copy,
+)
 from ._scheduler import FileLockManager, ToolScheduler
 from ._stages import Allow, Deny, StageRequest, ToolStages
 
@@ -976,16 +986,6 @@ class ToolPipeline:
         )
         self.history.append(record)
         return record
-
-
-def json_copy(value: Any) -> Any:
-    """A copy of JSON containers (dicts and lists); immutable leaves are shared."""
-    kind = type(value)
-    if kind is dict:
-        return {key: json_copy(item) for key, item in value.items()}
-    if kind is list:
-        return [json_copy(item) for item in value]
-    return value
 
 
 def _forward(target: AbortHandle) -> Callable[[Abort], None]:

@@ -24,6 +24,16 @@ JsonObject: TypeAlias = dict[str, Any]
 """A JSON object as decoded by ``json.loads``: tool input is always one."""
 
 
+def json_copy(value: Any) -> Any:
+    """A copy of JSON containers (dicts and lists); immutable leaves are shared."""
+    kind = type(value)
+    if kind is dict:
+        return {key: json_copy(item) for key, item in value.items()}
+    if kind is list:
+        return [json_copy(item) for item in value]
+    return value
+
+
 class ToolErrorType(enum.Enum):
     """The kinds of tool failure the model and the journal distinguish."""
 
