@@ -16,7 +16,10 @@ from trio.testing import wait_all_tasks_blocked
 
 from trio_agent import (
     AbortHandle,
+    Allow,
+    BehaviorOverride,
     ConfigError,
+    FaultCode,
     FileLockManager,
     SchedulerLimits,
     SettlementStatus,
@@ -27,6 +30,7 @@ from trio_agent import (
     ToolPipeline,
     ToolResult,
     ToolScheduler,
+    ToolStages,
     define_tool,
 )
 from trio_agent.testing import call_tool
@@ -549,3 +553,195 @@ async def test_slot_is_reacquired_behind_earlier_waiters() -> None:
         assert events[-1] == "parent resumed"
     assert calls.records["p"].result == ToolResult.success("parent")
     assert stats(pipeline, "execute") == (0, 0, 1)
+
+
+# -- what the slot and the locks are chosen from ---------------------------------------
+
+
+async def test_slot_kind_is_resolved_from_the_final_input() -> None:
+    gate = Gate()
+
+    def resolve(inp: dict[str, Any]) -> Any:
+        return BehaviorOverride(kind=ToolKind.READONLY) if inp.get("ro") else None
+
+    async def make_readonly(request: Any, call_next: Any) -> ToolResult:
+        if request.input["id"].startswith("ro"):
+            return await call_next(request.replace(input={**request.input, "ro": True}))
+        return await call_next()
+
+    scheduler = ToolScheduler(SchedulerLimits(execute=1, readonly=1))
+    pipeline = ToolPipeline(
+        [gate.tool("run", "execute", resolve_behavior=resolve)], scheduler=scheduler, middleware=[make_readonly]
+    )
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "run", "ex1")
+        await calls.submit(pipeline, "run", "ro1")  # the execute bucket is full, readonly is not
+        await calls.submit(pipeline, "run", "ex2")
+        assert gate.started == ["ex1", "ro1"]
+        assert stats(scheduler, "execute") == (1, 1, 1)
+        assert stats(scheduler, "readonly") == (1, 0, 1)
+        for key in ("ex1", "ro1", "ex2"):
+            gate.open(key)
+    assert stats(scheduler, "execute") == (0, 0, 1)
+    assert stats(scheduler, "readonly") == (0, 0, 1)
+
+
+async def test_locks_follow_the_paths_of_the_final_input() -> None:
+    gate = Gate()
+
+    async def redirect(request: Any) -> Any:
+        if request.input["id"] == "moved":
+            return Allow(input={**request.input, "paths": ["b"]})
+        return None
+
+    pipeline = ToolPipeline([gate.tool("write", "write")], workspace=WORKSPACE, stages=ToolStages(pre_tool=[redirect]))
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "write", "hold_b", paths=["b"])
+        await calls.submit(pipeline, "write", "moved", paths=["a"])  # model asked for a, stage moved it to b
+        assert gate.started == ["hold_b"]
+        assert pipeline.file_locks.held() == {f"{WORKSPACE}/b": (0, True, 1)}
+        gate.open("hold_b")
+        await wait_all_tasks_blocked()
+        assert gate.started == ["hold_b", "moved"]
+        gate.open("moved")
+    assert calls.records["moved"].effective_input["paths"] == ["b"]
+
+
+async def test_tool_timeout_does_not_count_the_wait_for_a_slot(autojump_clock: Any) -> None:
+    async def work(inp: dict[str, Any], ctx: Any) -> str:
+        await trio.sleep(inp["seconds"])
+        return f"worked {inp['seconds']}"
+
+    tool = define_tool(
+        work,
+        description="w",
+        side_effect="pure",
+        input_schema={"type": "object", "properties": {"seconds": {"type": "number"}}},
+        timeout=5,
+    )
+    pipeline = ToolPipeline([tool], scheduler=ToolScheduler(SchedulerLimits(execute=1)))
+    records: dict[str, Any] = {}
+    async with trio.open_nursery() as nursery:
+        for key, seconds in (("first", 4), ("second", 4)):
+
+            async def go(key: str = key, seconds: float = seconds) -> None:
+                records[key] = await call_tool(pipeline, "work", {"seconds": seconds})
+
+            nursery.start_soon(go)
+            await wait_all_tasks_blocked()
+    # the second call waited 4 s for the slot and then ran 4 s: 8 s in all, each run under its 5 s timeout
+    assert trio.current_time() == pytest.approx(8)
+    assert records["first"].result == ToolResult.success("worked 4")
+    assert records["second"].result == ToolResult.success("worked 4")
+    assert records["second"].duration == pytest.approx(8)
+
+
+async def test_slot_released_wait_cancelled_leaves_the_bucket_consistent() -> None:
+    child_started = trio.Event()
+
+    async def parent(inp: dict[str, Any], ctx: Any) -> str:
+        async with ctx.slot_released():
+            child_started.set()
+            await trio.sleep_forever()
+        return "never"
+
+    gate = Gate()
+    tools = [
+        define_tool(parent, description="p", side_effect="pure", input_schema={"type": "object"}),
+        gate.tool("other", "execute"),
+    ]
+    pipeline = ToolPipeline(tools, scheduler=ToolScheduler(SchedulerLimits(execute=1)))
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "parent", "p")
+        assert stats(pipeline, "execute") == (0, 0, 1)
+        await calls.submit(pipeline, "other", "o")
+        assert gate.started == ["o"]
+        calls.aborts["p"].abort()
+        await wait_all_tasks_blocked()
+        assert calls.records["p"].status is SettlementStatus.CANCELLED
+        assert stats(pipeline, "execute") == (1, 0, 1)
+        gate.open("o")
+    assert stats(pipeline, "execute") == (0, 0, 1)
+
+
+async def test_cleanup_overrun_holds_back_new_tool_starts(autojump_clock: Any) -> None:
+    cleanup_done = trio.Event()
+
+    async def stubborn(inp: dict[str, Any], ctx: Any) -> str:
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(10)  # ignores the 2 s cleanup grace
+                cleanup_done.set()
+        return "never"
+
+    started_at: list[float] = []
+
+    async def quick(inp: dict[str, Any], ctx: Any) -> str:
+        started_at.append(trio.current_time())
+        return "quick"
+
+    tools = [
+        define_tool(fn, description=fn.__name__, side_effect="pure", input_schema={"type": "object"})
+        for fn in (stubborn, quick)
+    ]
+    pipeline = ToolPipeline(tools, cleanup_grace=2)
+    abort = AbortHandle()
+    records: dict[str, Any] = {}
+    async with trio.open_nursery() as nursery:
+
+        async def go_stubborn() -> None:
+            records["stubborn"] = await call_tool(pipeline, "stubborn", {}, abort=abort)
+
+        nursery.start_soon(go_stubborn)
+        await wait_all_tasks_blocked()
+        cancelled_at = trio.current_time()
+        abort.abort()
+        await trio.sleep(3)  # virtual time: past the 2 s grace, the cleanup is now overrunning
+        records["quick"] = await call_tool(pipeline, "quick", {})
+    assert cleanup_done.is_set()
+    assert started_at == [pytest.approx(cancelled_at + 10)]
+    assert pipeline.cleanup_overruns == 1
+    assert FaultCode.CLEANUP_OVERRUN in [fault.code for fault in records["stubborn"].faults]
+    assert records["quick"].result == ToolResult.success("quick")
+
+
+async def test_readers_behind_a_cancelled_writer_go_at_once() -> None:
+    gate = Gate()
+    pipeline = lock_pipeline(gate)
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "read", "r1", paths=["f.txt"])
+        await calls.submit(pipeline, "write", "w", paths=["f.txt"])
+        await calls.submit(pipeline, "read", "r2", paths=["f.txt"])
+        assert gate.started == ["r1"]
+        calls.aborts["w"].abort()
+        await wait_all_tasks_blocked()
+        assert not calls.records["w"].tool_ran
+        assert gate.inside == {"r1", "r2"}
+        assert pipeline.file_locks.held() == {f"{WORKSPACE}/f.txt": (2, False, 0)}
+        gate.open("r1")
+        gate.open("r2")
+    assert pipeline.file_locks.held() == {}
+
+
+async def test_lock_timeout_gives_back_the_paths_already_taken(autojump_clock: Any) -> None:
+    gate = Gate()
+    pipeline = lock_pipeline(gate, lock_timeout=1)
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "write", "hold_b", paths=["b"])
+        record = await call_tool(pipeline, "write", {"id": "ab", "paths": ["b", "a"]}, call_id="ab")
+        assert record.result.error is not None and record.result.error.code == "lock_timeout"
+        assert f"{WORKSPACE}/b" in record.result.error.message
+        # "a" (sorted first) was taken while waiting for "b" and is free again
+        assert pipeline.file_locks.held() == {f"{WORKSPACE}/b": (0, True, 0)}
+        await calls.submit(pipeline, "write", "a_only", paths=["a"])
+        assert gate.inside == {"hold_b", "a_only"}
+        gate.open("hold_b")
+        gate.open("a_only")
+    assert pipeline.file_locks.held() == {}

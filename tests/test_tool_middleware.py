@@ -9,11 +9,13 @@ The durable order under test (spec "Durable side-effect boundary")::
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import attrs
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -311,7 +313,9 @@ def expected_filtered(items: list[Any]) -> list[Any]:
     for item in items:
         if isinstance(item, Effect) or (isinstance(item, Progress) and item.completed % 2):
             continue
-        expected.append(ToolMessage(item.summary.upper(), detail="rewritten") if isinstance(item, ToolMessage) else item)
+        expected.append(
+            ToolMessage(item.summary.upper(), detail="rewritten") if isinstance(item, ToolMessage) else item
+        )
     return expected
 
 
@@ -420,9 +424,7 @@ async def test_result_redaction_while_unwinding() -> None:
 
     journal = InMemoryToolJournal()
     tool = define_tool(run, name="secret", description="s", side_effect="pure", input_schema={"type": "object"})
-    record = await call_tool(
-        ToolPipeline([tool], middleware=[redact], lifecycle=journal), "secret", {}, call_id="r1"
-    )
+    record = await call_tool(ToolPipeline([tool], middleware=[redact], lifecycle=journal), "secret", {}, call_id="r1")
     assert record.result == ToolResult.success("user=alice password=***")
     assert entry(journal, "r1", "settled")["result"] == record.result
     assert "hunter2" not in repr(journal.entries)
@@ -430,7 +432,6 @@ async def test_result_redaction_while_unwinding() -> None:
 
 async def test_three_layer_onion_order() -> None:
     log: list[str] = []
-    runs = Runs()
 
     def layer(name: str) -> Any:
         async def mw(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
@@ -446,7 +447,6 @@ async def test_three_layer_onion_order() -> None:
         return "core"
 
     tool = define_tool(run, name="t", description="t", side_effect="pure", input_schema={"type": "object"})
-    del runs
     record = await call_tool(ToolPipeline([tool], middleware=[layer("a"), layer("b"), layer("c")]), "t", {})
     assert log == ["a before", "b before", "c before", "tool", "c after", "b after", "a after"]
     assert record.result.output == "a(b(c(core)))"
@@ -996,6 +996,39 @@ async def test_started_write_failure_propagates_and_tool_does_not_run(layers: in
     assert list(pipeline.history) == []
 
 
+class FailFirstStart(InMemoryToolJournal):
+    """Fails the first tool_started write only, as a transient store error would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = 0
+
+    async def on_execution_started(self, call: Any, input: Any, side_effect: Any, *, synthetic: bool) -> None:
+        if not self.failures:
+            self.failures += 1
+            raise JournalError("transient failure writing tool_started")
+        await super().on_execution_started(call, input, side_effect, synthetic=synthetic)
+
+
+async def test_started_write_failure_cannot_be_swallowed_into_a_short_circuit() -> None:
+    counter: list[int] = []
+
+    async def swallow(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        try:
+            return await call_next()
+        except JournalError:
+            return ToolResult.success("pretend it ran")
+
+    journal = FailFirstStart()
+    pipeline = ToolPipeline([counting_tool(counter)], middleware=[swallow], lifecycle=journal)
+    with pytest.raises(JournalError):
+        await call_tool(pipeline, "count", {}, call_id="j5")
+    assert journal.failures == 1
+    assert counter == []
+    assert journal.kinds("j5") == ["scheduled"]
+    assert list(pipeline.history) == []
+
+
 async def test_synthetic_start_write_failure_propagates() -> None:
     journal = FailingJournal("started")
     pipeline = ToolPipeline([counting_tool([])], middleware=[short_circuit_ok("cached")], lifecycle=journal)
@@ -1224,9 +1257,7 @@ async def three_arg_mw(request: Any, call_next: Any, extra: Any) -> Any:
     return None
 
 
-@pytest.mark.parametrize(
-    "bad", [42, "mw", sync_mw, agen_mw, one_arg_mw, three_arg_mw, lambda r, n: n()], ids=repr
-)
+@pytest.mark.parametrize("bad", [42, "mw", sync_mw, agen_mw, one_arg_mw, three_arg_mw, lambda r, n: n()], ids=repr)
 async def test_bad_middleware_shape_is_rejected_naming_the_index(bad: Any) -> None:
     with pytest.raises(MiddlewareShapeError, match="#1"):
         ToolPipeline([echo_tool(Runs())], middleware=[passthrough, bad])
@@ -1236,6 +1267,11 @@ async def test_bad_middleware_shape_is_rejected_naming_the_index(bad: Any) -> No
 async def test_middleware_must_be_a_sequence(bad: Any) -> None:
     with pytest.raises(MiddlewareShapeError):
         ToolPipeline([echo_tool(Runs())], middleware=bad)
+
+
+async def test_async_generator_middleware_is_named_as_such() -> None:
+    with pytest.raises(MiddlewareShapeError, match="async generator"):
+        ToolPipeline([echo_tool(Runs())], middleware=[agen_mw])
 
 
 class CallableMiddleware:
@@ -1332,7 +1368,7 @@ async def test_every_settled_call_is_in_history(autojump_clock: Any) -> None:
     assert records[4].effective_input is None
     for record in records:
         assert record.scheduled_at <= record.ended_at
-    for earlier, later in zip(records, records[1:], strict=False):
+    for earlier, later in itertools.pairwise(records):
         assert earlier.ended_at <= later.scheduled_at
 
 
@@ -1438,3 +1474,328 @@ def test_random_middleware_stacks_match_the_model(actions: list[str], tool_fails
         assert started["synthetic"] == (short == "short_ok")
         assert record.synthetic_start == (short == "short_ok")
     assert entry(journal, record.call.id, "settled")["result"] == expected
+
+
+# -- more rules and edges -----------------------------------------------------------
+
+
+async def test_non_object_input_from_middleware_is_a_violation() -> None:
+    runs = Runs()
+
+    async def listify(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        return await call_next(request.replace(input=["not", "an", "object"]))  # type: ignore[arg-type]
+
+    record = await call_tool(ToolPipeline([echo_tool(runs)], middleware=[listify]), "echo", {"q": "x"})
+    assert runs.inputs == []
+    assert record.result.error is not None
+    assert "JSON object" in record.result.error.message
+
+
+async def test_input_whose_behaviour_cannot_be_resolved_is_a_violation() -> None:
+    runs = Runs()
+
+    def resolve(inp: dict[str, Any]) -> BehaviorOverride | None:
+        if inp.get("mode") == "explode":
+            raise RuntimeError("resolver broke")
+        return None
+
+    tool = echo_tool(runs, name="fragile", resolve_behavior=resolve)
+
+    async def explode(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        return await call_next(request.replace(input={**request.input, "mode": "explode"}))
+
+    record = await call_tool(ToolPipeline([tool], middleware=[explode]), "fragile", {"q": "x"})
+    assert runs.inputs == []
+    assert record.result.error is not None
+    assert "resolver broke" in record.result.error.message
+
+
+async def test_behaviour_error_for_model_input_settles_without_middleware() -> None:
+    runs = Runs()
+    entered: list[str] = []
+
+    def resolve(inp: dict[str, Any]) -> BehaviorOverride | None:
+        raise RuntimeError("resolver broke")
+
+    async def spy(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        entered.append("mw")
+        return await call_next()
+
+    journal = InMemoryToolJournal()
+    tool = echo_tool(runs, name="fragile", resolve_behavior=resolve)
+    pipeline = ToolPipeline([tool], middleware=[spy], lifecycle=journal)
+    record = await call_tool(pipeline, "fragile", {"q": "x"}, call_id="be")
+    assert entered == [] and runs.inputs == []
+    assert record.result.error is not None and record.result.error.code == "behavior_error"
+    assert journal.kinds("be") == ["scheduled", "settled"]
+
+
+@pytest.mark.parametrize("layers", [0, 1])
+async def test_tool_mutating_its_input_does_not_change_the_recorded_final_input(layers: int) -> None:
+    async def run(inp: dict[str, Any], ctx: Any) -> str:
+        inp["q"] = "mutated by the tool"
+        inp["extra"] = True
+        return "done"
+
+    tool = define_tool(run, name="mutator", description="m", side_effect="pure", input_schema={"type": "object"})
+    journal = InMemoryToolJournal()
+    pipeline = ToolPipeline([tool], middleware=[passthrough][:layers], lifecycle=journal)
+    record = await call_tool(pipeline, "mutator", {"q": "model"}, call_id="tm")
+    started = entry(journal, "tm", "started")["input"]
+    assert started == {"q": "model"}
+    assert record.effective_input == started
+
+
+async def test_abort_before_execute_never_enters_middleware() -> None:
+    runs = Runs()
+    entered: list[str] = []
+
+    async def spy(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        entered.append("mw")
+        return await call_next()
+
+    abort = AbortHandle()
+    abort.abort()
+    journal = InMemoryToolJournal()
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[spy], lifecycle=journal)
+    record = await call_tool(pipeline, "echo", {"q": "x"}, call_id="ab", abort=abort)
+    assert entered == [] and runs.inputs == []
+    assert record.result.error is not None and record.result.error.type is ToolErrorType.INTERRUPTED
+    assert record.status is SettlementStatus.CANCELLED
+    assert journal.kinds("ab") == ["scheduled", "settled"]
+
+
+async def test_abort_while_middleware_waits_before_the_core() -> None:
+    runs = Runs()
+    never = trio.Event()
+
+    async def slow_lookup(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        await never.wait()
+        return await call_next()
+
+    abort = AbortHandle()
+    journal = InMemoryToolJournal()
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[slow_lookup], lifecycle=journal)
+    records = []
+    async with trio.open_nursery() as nursery:
+
+        async def go() -> None:
+            records.append(await call_tool(pipeline, "echo", {"q": "x"}, call_id="aw", abort=abort))
+
+        nursery.start_soon(go)
+        await trio.testing.wait_all_tasks_blocked()
+        abort.abort()
+    (record,) = records
+    assert runs.inputs == []
+    assert record.result.error is not None and record.result.error.type is ToolErrorType.INTERRUPTED
+    assert journal.kinds("aw") == ["scheduled", "settled"]
+
+
+async def test_abort_after_core_completed_keeps_the_committed_result() -> None:
+    runs = Runs()
+    in_unwind = trio.Event()
+    resume = trio.Event()
+
+    async def slow_unwind(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        result = await call_next()
+        in_unwind.set()
+        await resume.wait()
+        return attrs.evolve(result, output=f"[{result.output}]")
+
+    abort = AbortHandle()
+    journal = InMemoryToolJournal()
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[slow_unwind], lifecycle=journal)
+    records = []
+    async with trio.open_nursery() as nursery:
+
+        async def go() -> None:
+            records.append(await call_tool(pipeline, "echo", {"q": "x"}, call_id="ac", abort=abort))
+
+        nursery.start_soon(go)
+        await in_unwind.wait()
+        abort.abort()
+        await trio.testing.wait_all_tasks_blocked()
+        resume.set()
+    (record,) = records
+    assert record.result == ToolResult.success(f"[{echo_output({'q': 'x'})}]")
+    assert record.status is SettlementStatus.COMPLETED
+    assert record.aborted is not None
+    assert entry(journal, "ac", "settled")["status"] == "completed"
+
+
+async def test_outside_cancel_during_unwind_settles_the_committed_result_then_propagates() -> None:
+    runs = Runs()
+    in_unwind = trio.Event()
+    resume = trio.Event()
+
+    async def slow_unwind(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        result = await call_next()
+        in_unwind.set()
+        await resume.wait()
+        return attrs.evolve(result, output=f"[{result.output}]")
+
+    journal = InMemoryToolJournal()
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[slow_unwind], lifecycle=journal)
+    returned = []
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+
+        async def go() -> None:
+            with scope:
+                returned.append(await call_tool(pipeline, "echo", {"q": "x"}, call_id="oc"))
+
+        nursery.start_soon(go)
+        await in_unwind.wait()
+        scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        resume.set()
+    assert returned == []  # the cancellation went on after settlement
+    assert scope.cancelled_caught
+    settled = entry(journal, "oc", "settled")
+    assert settled["status"] == "completed"
+    assert settled["result"] == ToolResult.success(f"[{echo_output({'q': 'x'})}]")
+
+
+async def test_unwind_deadline_missed_withholds_the_result(autojump_clock: Any) -> None:
+    runs = Runs()
+
+    async def stuck(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        await call_next()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    journal = InMemoryToolJournal()
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[stuck], lifecycle=journal, unwind_grace=3)
+    start = trio.current_time()
+    record = await call_tool(pipeline, "echo", {"q": "x"}, call_id="ud")
+    assert trio.current_time() - start == pytest.approx(3)
+    assert not record.published
+    assert record.result.error is not None and record.result.error.code == "unwind_deadline_missed"
+    assert codes(record) == [FaultCode.UNWIND_DEADLINE_MISSED]
+    settled = entry(journal, "ud", "settled")
+    assert settled["published"] is False
+    assert settled["result"] == ToolResult.success(echo_output({"q": "x"}))
+
+
+async def test_tool_timeout_wins_over_pipeline_timeout(autojump_clock: Any) -> None:
+    pipeline = ToolPipeline([sleeping_tool(timeout=2)], timeout=5)
+    start = trio.current_time()
+    record = await call_tool(pipeline, "sleepy", {})
+    assert trio.current_time() - start == pytest.approx(2)
+    assert record.result.error is not None and record.result.error.type is ToolErrorType.TIMEOUT
+
+    pipeline = ToolPipeline([sleeping_tool()], timeout=5)
+    start = trio.current_time()
+    record = await call_tool(pipeline, "sleepy", {})
+    assert trio.current_time() - start == pytest.approx(5)
+    assert record.result.error is not None and record.result.error.type is ToolErrorType.TIMEOUT
+    assert record.status is SettlementStatus.FAILED
+
+
+async def test_post_tool_stage_raising_keeps_the_result_and_reports_a_fault() -> None:
+    runs = Runs()
+
+    async def broken(request: StageRequest, result: ToolResult) -> ToolResult | None:
+        raise RuntimeError("post hook crashed")
+
+    record = await call_tool(ToolPipeline([echo_tool(runs)], stages=ToolStages(post_tool=[broken])), "echo", {"q": "x"})
+    assert record.result == ToolResult.success(echo_output({"q": "x"}))
+    assert codes(record) == [FaultCode.MIDDLEWARE_RAISED_AFTER_CORE]
+
+
+@pytest.mark.parametrize("stage", ["pre_tool", "permission", "before", "guard"])
+async def test_stage_returning_junk_fails_closed(stage: str) -> None:
+    runs = Runs()
+
+    async def junk(request: StageRequest) -> Any:
+        return "yes please"
+
+    record = await call_tool(ToolPipeline([echo_tool(runs)], stages=ToolStages(**{stage: [junk]})), "echo", {"q": "x"})
+    assert runs.inputs == []
+    assert record.result.error is not None and record.result.error.code == "hook_error"
+
+
+async def test_guard_replacing_input_is_validated_again() -> None:
+    runs = Runs()
+    stages = ToolStages(guard=[StageSpy().stage("guard", Allow(input={"q": 7}))])
+    record = await call_tool(ToolPipeline([echo_tool(runs)], stages=stages), "echo", {"q": "x"})
+    assert runs.inputs == []
+    assert record.result.error is not None and record.result.error.type is ToolErrorType.VALIDATION
+
+
+async def test_fencing_token_is_visible_to_middleware_and_tool() -> None:
+    lease = LeaseStub(token=41)
+    seen: list[Any] = []
+
+    async def run(inp: dict[str, Any], ctx: Any) -> str:
+        seen.append(("tool", ctx.fencing_token, ctx.tool_call_id))
+        return "ok"
+
+    async def spy(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        seen.append(("mw", request.context.fencing_token, request.context.tool_call_id))
+        lease.token += 1
+        return await call_next()
+
+    tool = define_tool(run, name="t", description="t", side_effect="pure", input_schema={"type": "object"})
+    await call_tool(ToolPipeline([tool], middleware=[spy], lifecycle=lease), "t", {}, call_id="ft")
+    assert seen == [("mw", 41, "ft"), ("tool", 42, "ft")]
+
+
+async def test_concurrent_calls_keep_their_own_state() -> None:
+    async def run(inp: dict[str, Any], ctx: Any) -> str:
+        await trio.lowlevel.checkpoint()
+        return f"out:{inp['q']}"
+
+    async def layer(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        mine = request.input["q"]
+        await trio.lowlevel.checkpoint()
+        result = await call_next(request.replace(input={"q": mine + "!"}))
+        await trio.lowlevel.checkpoint()
+        return attrs.evolve(result, output=f"{result.output}|{mine}|{request.context.tool_call_id}")
+
+    tool = define_tool(run, name="t", description="t", side_effect="pure", input_schema={"type": "object"})
+    pipeline = ToolPipeline([tool], middleware=[layer, layer])
+    results: dict[int, Any] = {}
+    async with trio.open_nursery() as nursery:
+        for i in range(20):
+
+            async def go(i: int = i) -> None:
+                results[i] = await call_tool(pipeline, "t", {"q": str(i)}, call_id=f"cc{i}")
+
+            nursery.start_soon(go)
+    for i, record in results.items():
+        assert record.result.output == f"out:{i}!!|{i}!|cc{i}|{i}|cc{i}"
+        assert record.effective_input == {"q": f"{i}!!"}
+    assert len(pipeline.history) == 20
+
+
+async def test_history_limit_keeps_the_latest_calls() -> None:
+    pipeline = ToolPipeline([echo_tool(Runs())], history_limit=2)
+    records = [await call_tool(pipeline, "echo", {"q": str(i)}) for i in range(4)]
+    assert list(pipeline.history) == records[-2:]
+    with pytest.raises(ConfigError):
+        ToolPipeline([echo_tool(Runs())], history_limit=-1)
+
+
+async def test_request_with_its_own_emit_is_honoured() -> None:
+    """A request passed to call_next carrying a bound emit routes inner items through it."""
+
+    async def run(input: dict[str, Any], ctx: Any) -> str:
+        await ctx.emit(Progress("raw"))
+        return "ok"
+
+    tool = define_tool(run, name="t", description="t", side_effect="pure", input_schema={"type": "object"})
+
+    async def upper_progress(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        outer = request.emit
+
+        async def emit(item: Any) -> None:
+            await outer(attrs.evolve(item, message=item.message.upper()) if isinstance(item, Progress) else item)
+
+        return await call_next(attrs.evolve(request, emit=emit))
+
+    recorder = ItemRecorder()
+    pipeline = ToolPipeline([tool], middleware=[upper_progress])
+    record = await call_tool(pipeline, "t", {}, on_item=recorder)
+    assert record.result.output == "ok"
+    assert [item.message for item in recorder.items if isinstance(item, Progress)] == ["RAW"]

@@ -561,11 +561,12 @@ class ToolPipeline:
                     if request is None and emit is None:
                         return next_(None)
                     inner = frame.request if request is None else request
-                    inner_emit = frame.request.emit if emit is None else emit
+                    # The emit for inner layers: the emit= argument, else the request's own
+                    # (if it was bound), else the current one.
+                    inner_emit = inner.emit if emit is None else emit
                     if inner_emit is _inherit_emit:
                         inner_emit = frame.request.emit
                     if inner.emit is not inner_emit:
-                        # The emit for inner layers: the one passed, else the current one.
                         inner = ToolMiddlewareRequest(inner.tool_name, inner.input, inner.context, inner_emit)
                     return next_(_Frame(inner, frame.call))
                 except NextCalledTwiceError:
@@ -698,7 +699,8 @@ class ToolPipeline:
             except ToolBehaviorError as exc:
                 return ToolResult.failure(ToolErrorType.EXECUTION, str(exc), code="behavior_error")
         try:
-            value = tool.structure_input(current)
+            # An untyped tool gets its own copy, so changing it cannot rewrite the recorded final input.
+            value = tool.structure_input(current) if tool.input_type is not None else json_copy(current)
         except ToolInputError as exc:
             return ToolResult.failure(ToolErrorType.VALIDATION, str(exc), code="invalid_input")
         return current, value, behavior
