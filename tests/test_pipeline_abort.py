@@ -504,3 +504,36 @@ async def test_lease_lost_abort_raises_instead_of_result() -> None:
     assert len(errors) == 1
     assert journal.kinds("c") == ["scheduled", "started"]  # fails closed: nothing settled
     assert len(pipeline.history) == 0
+
+
+class CheckpointingJournal(ta.InMemoryToolJournal):
+    """A journal whose settlement write yields to the scheduler, like a real store."""
+
+    async def on_tool_settled(self, call: ta.ScheduledCall, settlement: ta.Settlement) -> None:
+        await trio.lowlevel.checkpoint()
+        await super().on_tool_settled(call, settlement)
+
+
+async def test_blocking_settlement_is_shielded_from_outside_cancellation() -> None:
+    """A committed call is settled even when the store's write checkpoints under a cancelled scope."""
+    journal = CheckpointingJournal()
+    done = trio.Event()
+
+    @ta.define_tool(side_effect="pure", input_schema={"type": "object"})
+    async def quick(input: dict[str, Any], ctx: ta.ToolContext) -> str:
+        """Finishes at once."""
+        return "result"
+
+    async def cancel_outside_then_unwind(request: ta.ToolMiddlewareRequest, call_next: ta.CallNext) -> ta.ToolResult:
+        result = await call_next()
+        scope_box[0].cancel()  # the caller gives up while the unwind (and then settlement) still has to run
+        done.set()
+        return result
+
+    scope_box: list[trio.CancelScope] = []
+    pipeline = ta.ToolPipeline([quick], middleware=[cancel_outside_then_unwind], lifecycle=journal)
+    with trio.CancelScope() as scope:
+        scope_box.append(scope)
+        await call_tool(pipeline, "quick", {}, call_id="c")
+    assert scope.cancelled_caught and done.is_set()
+    assert settled(journal, "c")["status"] == "completed"

@@ -73,7 +73,13 @@ class Settlement:
 
 
 class ToolLifecycle(Protocol):
-    """What the pipeline needs from a journal."""
+    """What the pipeline needs from a journal.
+
+    Settlement writes run in a shielded scope bounded by the pipeline's
+    ``settle_grace``, unless the lifecycle's class itself declares
+    ``never_blocks = True`` to promise that its methods never checkpoint (then
+    nothing could interrupt them anyway). Subclasses do not inherit the promise.
+    """
 
     def check_ownership(self) -> None:
         """Raise `LeaseLostError` if this worker no longer owns the execution lease."""
@@ -105,6 +111,8 @@ class InMemoryToolJournal:
     It rejects invalid transitions (started twice, settled twice, completed
     without a start) with `JournalError`, so a pipeline bug cannot hide.
     """
+
+    never_blocks = True  # no method awaits anything: settlement needs no shield
 
     def __init__(self) -> None:
         self.entries: list[JournalEntry] = []

@@ -340,6 +340,8 @@ class ToolPipeline:
             _check_tool_middleware(layer, index)
         self.middleware: tuple[ToolMiddleware, ...] = layers
         self.lifecycle: ToolLifecycle = lifecycle if lifecycle is not None else InMemoryToolJournal()
+        # Only a class that declares never_blocks itself is trusted: a subclass may add awaits.
+        self._lifecycle_never_blocks = type(self.lifecycle).__dict__.get("never_blocks", False) is True
         self.scheduler = scheduler if scheduler is not None else ToolScheduler()
         self.file_locks = file_locks if file_locks is not None else FileLockManager()
         self.stages = stages if stages is not None else ToolStages()
@@ -904,6 +906,10 @@ class ToolPipeline:
         self, state: _Call, result: ToolResult, status: SettlementStatus, published: bool, reason: str | None
     ) -> None:
         settlement = Settlement(status, result, state.effective_input, published, reason)
+        if self._lifecycle_never_blocks:
+            # It cannot be interrupted (it never checkpoints), so a shield would change nothing.
+            await self._write_settlement(state, settlement)
+            return
         with trio.CancelScope(shield=True, deadline=trio.current_time() + self.settle_grace) as scope:
             await self._write_settlement(state, settlement)
         if scope.cancelled_caught:
