@@ -10,14 +10,26 @@ import contextlib
 from ._abort import Abort as Abort
 from ._abort import AbortHandle as AbortHandle
 from ._abort import AbortReason as AbortReason
+from ._errors import AuthenticationError as AuthenticationError
 from ._errors import ConfigError as ConfigError
 from ._errors import FileLockTimeoutError as FileLockTimeoutError
 from ._errors import JournalError as JournalError
 from ._errors import LeaseLostError as LeaseLostError
+from ._errors import MalformedResponseError as MalformedResponseError
 from ._errors import MiddlewareError as MiddlewareError
 from ._errors import MiddlewareShapeError as MiddlewareShapeError
+from ._errors import ModelConnectionError as ModelConnectionError
+from ._errors import ModelError as ModelError
+from ._errors import ModelMiddlewareError as ModelMiddlewareError
+from ._errors import ModelNotFoundError as ModelNotFoundError
+from ._errors import ModelTimeoutError as ModelTimeoutError
 from ._errors import NextCalledTwiceError as NextCalledTwiceError
+from ._errors import ProviderConfigError as ProviderConfigError
+from ._errors import ProviderError as ProviderError
+from ._errors import ProviderServerError as ProviderServerError
+from ._errors import RateLimitError as RateLimitError
 from ._errors import SettlementError as SettlementError
+from ._errors import StreamInterruptedError as StreamInterruptedError
 from ._errors import ToolBehaviorError as ToolBehaviorError
 from ._errors import ToolDefinitionError as ToolDefinitionError
 from ._errors import ToolInputError as ToolInputError
@@ -25,6 +37,35 @@ from ._errors import TrioAgentError as TrioAgentError
 from ._middleware import Middleware as Middleware
 from ._middleware import MiddlewareNext as MiddlewareNext
 from ._middleware import compose_middleware as compose_middleware
+from ._models._messages import AssistantMessage as AssistantMessage
+from ._models._messages import ContentPart as ContentPart
+from ._models._messages import FinishChunk as FinishChunk
+from ._models._messages import FinishReason as FinishReason
+from ._models._messages import Message as Message
+from ._models._messages import ModelResponse as ModelResponse
+from ._models._messages import ReasoningDelta as ReasoningDelta
+from ._models._messages import ReasoningPart as ReasoningPart
+from ._models._messages import StreamChunk as StreamChunk
+from ._models._messages import SystemMessage as SystemMessage
+from ._models._messages import TextDelta as TextDelta
+from ._models._messages import TextPart as TextPart
+from ._models._messages import ToolCallDelta as ToolCallDelta
+from ._models._messages import ToolCallEnd as ToolCallEnd
+from ._models._messages import ToolCallPart as ToolCallPart
+from ._models._messages import ToolCallStart as ToolCallStart
+from ._models._messages import ToolResultMessage as ToolResultMessage
+from ._models._messages import ToolSpec as ToolSpec
+from ._models._messages import Usage as Usage
+from ._models._messages import UsageChunk as UsageChunk
+from ._models._messages import UserMessage as UserMessage
+from ._models._messages import message_converter as message_converter
+from ._models._service import ModelMiddleware as ModelMiddleware
+from ._models._service import ModelRequest as ModelRequest
+from ._models._service import ModelService as ModelService
+from ._models._service import Operation as Operation
+from ._models._service import Provider as Provider
+from ._models._service import RetryEvent as RetryEvent
+from ._models._service import RetryPolicy as RetryPolicy
 from ._tools._context import CallOrigin as CallOrigin
 from ._tools._context import Emit as Emit
 from ._tools._context import ExecutionContext as ExecutionContext
@@ -76,10 +117,13 @@ __all__ = [
     "AbortHandle",
     "AbortReason",
     "Allow",
+    "AssistantMessage",
+    "AuthenticationError",
     "BehaviorOverride",
     "CallNext",
     "CallOrigin",
     "ConfigError",
+    "ContentPart",
     "Deny",
     "Effect",
     "Emit",
@@ -87,20 +131,43 @@ __all__ = [
     "FaultCode",
     "FileLockManager",
     "FileLockTimeoutError",
+    "FinishChunk",
+    "FinishReason",
     "InMemoryToolJournal",
     "InterruptBehavior",
     "JournalEntry",
     "JournalError",
     "JsonObject",
     "LeaseLostError",
+    "MalformedResponseError",
+    "Message",
     "Middleware",
     "MiddlewareError",
     "MiddlewareFault",
     "MiddlewareNext",
     "MiddlewareShapeError",
+    "ModelConnectionError",
+    "ModelError",
+    "ModelMiddleware",
+    "ModelMiddlewareError",
+    "ModelNotFoundError",
+    "ModelRequest",
+    "ModelResponse",
+    "ModelService",
+    "ModelTimeoutError",
     "NextCalledTwiceError",
+    "Operation",
     "PostStage",
     "Progress",
+    "Provider",
+    "ProviderConfigError",
+    "ProviderError",
+    "ProviderServerError",
+    "RateLimitError",
+    "ReasoningDelta",
+    "ReasoningPart",
+    "RetryEvent",
+    "RetryPolicy",
     "ScheduledCall",
     "SchedulerLimits",
     "Settlement",
@@ -109,10 +176,19 @@ __all__ = [
     "SideEffect",
     "Stage",
     "StageRequest",
+    "StreamChunk",
+    "StreamInterruptedError",
+    "SystemMessage",
+    "TextDelta",
+    "TextPart",
     "Tool",
     "ToolBehavior",
     "ToolBehaviorError",
     "ToolCall",
+    "ToolCallDelta",
+    "ToolCallEnd",
+    "ToolCallPart",
+    "ToolCallStart",
     "ToolContext",
     "ToolDefinitionError",
     "ToolError",
@@ -128,11 +204,17 @@ __all__ = [
     "ToolMiddlewareRequest",
     "ToolPipeline",
     "ToolResult",
+    "ToolResultMessage",
     "ToolScheduler",
+    "ToolSpec",
     "ToolStages",
     "TrioAgentError",
+    "Usage",
+    "UsageChunk",
+    "UserMessage",
     "compose_middleware",
     "define_tool",
+    "message_converter",
 ]
 
 # Show public objects as trio_agent.X in reprs and docs, not as private module paths.

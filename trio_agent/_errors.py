@@ -14,7 +14,20 @@ Every error that crosses a public boundary is one of these (never a bare
      ├── FileLockTimeoutError      waiting for a file lock exceeded its bound       [TimeoutError]
      ├── JournalError              the journal refused or failed a write
      │    └── SettlementError      a settlement could not be made durable; nothing was published
-     └── LeaseLostError            the execution lease is gone (external: "broken")
+     ├── LeaseLostError            the execution lease is gone (external: "broken")
+     └── ModelError                a model call failed (``code``, ``retryable``)
+          ├── ProviderError        the provider answered with an error (``status``)
+          │    ├── AuthenticationError    401 / 403
+          │    ├── ModelNotFoundError     404
+          │    ├── RateLimitError         429 (``retry_after``)
+          │    ├── ProviderServerError    5xx, retryable
+          │    └── MalformedResponseError  a payload or SSE stream we cannot parse, or too large
+          ├── ModelConnectionError  the connection failed (retryable)
+          ├── ModelTimeoutError     request deadline or stream idle timeout      [TimeoutError]
+          ├── StreamInterruptedError the stream failed after chunks were published (never retried)
+          └── ModelMiddlewareError  model middleware raised or changed operation, model or abort
+
+    ProviderConfigError (a ConfigError): unknown provider, missing API key, invalid base URL.
 
 Lease failures are their own type on purpose: they fail closed and never become
 ordinary tool results.
@@ -23,14 +36,26 @@ ordinary tool results.
 from __future__ import annotations
 
 __all__ = [
+    "AuthenticationError",
     "ConfigError",
     "FileLockTimeoutError",
     "JournalError",
     "LeaseLostError",
+    "MalformedResponseError",
     "MiddlewareError",
     "MiddlewareShapeError",
+    "ModelConnectionError",
+    "ModelError",
+    "ModelMiddlewareError",
+    "ModelNotFoundError",
+    "ModelTimeoutError",
     "NextCalledTwiceError",
+    "ProviderConfigError",
+    "ProviderError",
+    "ProviderServerError",
+    "RateLimitError",
     "SettlementError",
+    "StreamInterruptedError",
     "ToolBehaviorError",
     "ToolDefinitionError",
     "ToolInputError",
@@ -102,3 +127,82 @@ class LeaseLostError(TrioAgentError):
 
     Work under a lost lease fails closed: nothing more is committed or published.
     """
+
+
+class ProviderConfigError(ConfigError):
+    """A provider cannot be configured: unknown name, missing API key (names the variable), bad base URL."""
+
+
+class ModelError(TrioAgentError):
+    """A model call failed.
+
+    ``code`` is a stable machine-readable code; ``retryable`` says whether the
+    service's retry loop may try again (it never does once a chunk of the call
+    was published).
+    """
+
+    retryable = False
+
+    def __init__(self, message: str, *, code: str | None = None, retryable: bool | None = None) -> None:
+        super().__init__(message)
+        self.code = code or type(self).__name__
+        if retryable is not None:
+            self.retryable = retryable
+
+
+class ProviderError(ModelError):
+    """The provider answered with an error status or body."""
+
+    def __init__(
+        self, message: str, *, status: int | None = None, code: str | None = None, retryable: bool | None = None
+    ) -> None:
+        super().__init__(message, code=code, retryable=retryable)
+        self.status = status
+
+
+class AuthenticationError(ProviderError):
+    """The API key was rejected (401) or lacks permission (403)."""
+
+
+class ModelNotFoundError(ProviderError):
+    """The model does not exist or is not available to this key (404)."""
+
+
+class RateLimitError(ProviderError):
+    """Too many requests (429); ``retry_after`` is the server's hint in seconds, if any."""
+
+    retryable = True
+
+    def __init__(
+        self, message: str, *, status: int | None = 429, code: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, status=status, code=code)
+        self.retry_after = retry_after
+
+
+class ProviderServerError(ProviderError):
+    """The provider failed (5xx or an overloaded error); retryable."""
+
+    retryable = True
+
+
+class MalformedResponseError(ProviderError):
+    """A response or stream event we cannot parse, or one larger than the configured limit."""
+
+
+class ModelConnectionError(ModelError):
+    """The connection to the provider failed; retryable."""
+
+    retryable = True
+
+
+class ModelTimeoutError(ModelError, TimeoutError):
+    """A deadline passed: ``code`` is ``MODEL_REQUEST_TIMEOUT`` or ``MODEL_STREAM_IDLE_TIMEOUT``."""
+
+
+class StreamInterruptedError(ModelError):
+    """The stream failed after some chunks were published; the call is not retried."""
+
+
+class ModelMiddlewareError(ModelError):
+    """Model middleware raised, or changed the request's operation, model or abort handle."""

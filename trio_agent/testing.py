@@ -4,6 +4,8 @@
 - `call_tool`: run one call through a pipeline with generated ids.
 - `FailingJournal`: an in-memory journal whose writes can be made to fail.
 - `LeaseStub`: a lifecycle wrapper whose ownership can be revoked.
+- `TestModel`, `Reply`, `open_test_model`: the deterministic model (also the demo's
+  offline default): scripted replies keyed per conversation, or a function of the request.
 """
 
 from __future__ import annotations
@@ -15,13 +17,23 @@ import attrs
 
 from ._abort import AbortHandle
 from ._errors import JournalError, LeaseLostError
+from ._models._test_model import Reply, TestModel, conversation_key, open_test_model
 from ._tools._context import CallOrigin, ToolCall
 from ._tools._definition import SideEffect
 from ._tools._lifecycle import InMemoryToolJournal, ScheduledCall, Settlement
 from ._tools._pipeline import ToolExecutionRecord, ToolPipeline
 from ._tools._results import JsonObject, ToolItem
 
-__all__ = ["FailingJournal", "ItemRecorder", "LeaseStub", "call_tool"]
+__all__ = [
+    "FailingJournal",
+    "ItemRecorder",
+    "LeaseStub",
+    "Reply",
+    "TestModel",
+    "call_tool",
+    "conversation_key",
+    "open_test_model",
+]
 
 _ids = itertools.count(1)
 

@@ -1,0 +1,230 @@
+"""The message model: conversation messages, content parts, usage, finish reasons and stream chunks.
+
+Values are frozen attrs classes; `to_json` / `from_json` (de)serialise them with
+cattrs, tagging unions by a ``type`` field so a stored conversation round-trips.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Any, TypeAlias, TypeVar
+
+import attrs
+import cattrs
+from cattrs.strategies import configure_tagged_union
+
+__all__ = [
+    "AssistantMessage",
+    "ContentPart",
+    "FinishChunk",
+    "FinishReason",
+    "Message",
+    "ModelResponse",
+    "ReasoningDelta",
+    "ReasoningPart",
+    "StreamChunk",
+    "SystemMessage",
+    "TextDelta",
+    "TextPart",
+    "ToolCallDelta",
+    "ToolCallEnd",
+    "ToolCallPart",
+    "ToolCallStart",
+    "ToolResultMessage",
+    "ToolSpec",
+    "Usage",
+    "UsageChunk",
+    "UserMessage",
+    "message_converter",
+]
+
+
+class FinishReason(enum.Enum):
+    """Why the model stopped. Provider values are mapped explicitly (see the providers guide)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+    CONTENT_FILTER = "content_filter"
+    PAUSE_TURN = "pause_turn"  # Anthropic: a long-running turn was paused; send it back to continue
+    REFUSAL = "refusal"  # Anthropic: the model refused for safety reasons
+
+
+@attrs.frozen
+class Usage:
+    """Token counts; the details are ``None`` where a provider does not report them."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    total_tokens: int = 0
+    cached_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+    reasoning_tokens: int | None = None
+
+    def __add__(self, other: Usage) -> Usage:
+        def add(a: int | None, b: int | None) -> int | None:
+            return None if a is None and b is None else (a or 0) + (b or 0)
+
+        return Usage(
+            self.input_tokens + other.input_tokens,
+            self.output_tokens + other.output_tokens,
+            self.total_tokens + other.total_tokens,
+            add(self.cached_input_tokens, other.cached_input_tokens),
+            add(self.cache_creation_input_tokens, other.cache_creation_input_tokens),
+            add(self.reasoning_tokens, other.reasoning_tokens),
+        )
+
+
+@attrs.frozen
+class TextPart:
+    text: str
+
+
+@attrs.frozen
+class ReasoningPart:
+    """Model reasoning. ``signature`` (Anthropic thinking) must be sent back unchanged with tool use;
+    ``redacted_data`` carries an Anthropic ``redacted_thinking`` block."""
+
+    text: str
+    signature: str | None = None
+    redacted_data: str | None = None
+
+
+@attrs.frozen
+class ToolCallPart:
+    """A tool call requested by the model. ``arguments`` is the raw JSON text as the model produced it."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def parsed_arguments(self) -> Any:
+        """``json.loads(arguments)``; raises ``ValueError`` on invalid JSON (an error the model must see)."""
+        return json.loads(self.arguments or "{}")
+
+
+ContentPart: TypeAlias = TextPart | ReasoningPart | ToolCallPart
+
+
+@attrs.frozen
+class SystemMessage:
+    content: str
+
+
+@attrs.frozen
+class UserMessage:
+    content: str
+
+
+@attrs.frozen
+class AssistantMessage:
+    parts: tuple[ContentPart, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.parts if isinstance(part, TextPart))
+
+    @property
+    def tool_calls(self) -> tuple[ToolCallPart, ...]:
+        return tuple(part for part in self.parts if isinstance(part, ToolCallPart))
+
+
+@attrs.frozen
+class ToolResultMessage:
+    """The answer to one tool call, paired with it by ``tool_call_id``."""
+
+    tool_call_id: str
+    content: str
+    is_error: bool = False
+
+
+Message: TypeAlias = SystemMessage | UserMessage | AssistantMessage | ToolResultMessage
+
+
+@attrs.frozen
+class ToolSpec:
+    """A tool as the model sees it: name, description and JSON Schema parameters."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+@attrs.frozen
+class ModelResponse:
+    """One complete (non-streaming) model reply."""
+
+    message: AssistantMessage
+    finish_reason: FinishReason
+    usage: Usage = Usage()
+    model: str = ""
+    id: str = ""
+
+
+# -- stream chunks ------------------------------------------------------------------------
+
+
+@attrs.frozen
+class TextDelta:
+    text: str
+
+
+@attrs.frozen
+class ReasoningDelta:
+    text: str = ""
+    signature: str | None = None
+
+
+@attrs.frozen
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+
+
+@attrs.frozen
+class ToolCallDelta:
+    index: int
+    arguments: str
+
+
+@attrs.frozen
+class ToolCallEnd:
+    """A tool call whose arguments are complete (assembled from the deltas)."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@attrs.frozen
+class UsageChunk:
+    usage: Usage
+
+
+@attrs.frozen
+class FinishChunk:
+    reason: FinishReason
+
+
+StreamChunk: TypeAlias = (
+    TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCallEnd | UsageChunk | FinishChunk
+)
+
+# -- serialisation --------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    configure_tagged_union(ContentPart, converter, tag_name="type")
+    configure_tagged_union(Message, converter, tag_name="type")
+    configure_tagged_union(StreamChunk, converter, tag_name="type")
+    return converter
+
+
+message_converter = _make_converter()
+"""The cattrs converter for messages, responses and chunks (unions tagged by ``type``)."""

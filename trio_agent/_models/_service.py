@@ -1,0 +1,485 @@
+"""The model service: a provider wrapped with model middleware, one retry loop and deadlines.
+
+::
+
+    request deadline (outside everything)
+      -> middleware that defines the operation's wrapper (first registered outermost;
+         operation, model and abort handle checked at every boundary)
+        -> retry loop (backoff with jitter, retry-after; never after a published chunk)
+          -> provider
+
+Streams are async context managers: ``async with service.stream(request) as chunks``.
+Leaving the block closes every layer's iterator, outermost first, and then the
+provider's HTTP response, before the block's exit returns.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import trio
+
+from .._abort import AbortHandle
+from .._config import validate_timeout
+from .._errors import (
+    MiddlewareShapeError,
+    ModelError,
+    ModelMiddlewareError,
+    ModelTimeoutError,
+    RateLimitError,
+    StreamInterruptedError,
+)
+from .._middleware import compose_middleware
+from ._messages import Message, ModelResponse, StreamChunk, ToolSpec
+
+__all__ = [
+    "ModelMiddleware",
+    "ModelRequest",
+    "ModelService",
+    "Operation",
+    "Provider",
+    "RetryEvent",
+    "RetryPolicy",
+]
+
+
+class Operation(enum.Enum):
+    CHAT = "chat"
+    SIDE_QUERY = "side_query"
+    STREAM = "stream"
+    CHAT_WITH_RETRY_EVENTS = "chat_with_retry_events"
+
+
+def _message_tuple(messages: Iterable[Message]) -> tuple[Message, ...]:
+    return tuple(messages)
+
+
+def _tool_tuple(tools: Iterable[ToolSpec]) -> tuple[ToolSpec, ...]:
+    return tuple(tools)
+
+
+@attrs.frozen(eq=False)
+class ModelRequest:
+    """One model call. Middleware may change ``messages``, ``tools`` and ``options`` (use `replace`);
+    ``operation``, ``model`` and ``abort`` must stay."""
+
+    operation: Operation
+    model: str
+    messages: tuple[Message, ...] = attrs.field(converter=_message_tuple)
+    tools: tuple[ToolSpec, ...] = attrs.field(default=(), converter=_tool_tuple)
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+    abort: AbortHandle | None = None
+
+    def replace(
+        self,
+        *,
+        messages: Sequence[Message] | None = None,
+        tools: Sequence[ToolSpec] | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> ModelRequest:
+        return ModelRequest(
+            self.operation,
+            self.model,
+            self.messages if messages is None else tuple(messages),
+            self.tools if tools is None else tuple(tools),
+            self.options if options is None else options,
+            self.abort,
+        )
+
+
+@attrs.frozen
+class RetryEvent:
+    """The service will retry: attempt ``attempt`` failed with ``error``; the next starts after ``delay`` s."""
+
+    attempt: int
+    delay: float
+    error: ModelError
+
+
+@runtime_checkable
+class Provider(Protocol):
+    """A model backend. ``stream`` returns an async iterator whose ``aclose()`` releases the HTTP response."""
+
+    name: str
+    model: str
+
+    async def chat(self, request: ModelRequest) -> ModelResponse: ...
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]: ...
+
+    def with_model(self, model: str) -> Provider: ...
+
+
+class ModelMiddleware:
+    """Base class for model middleware; override any of the four wrappers.
+
+    Only the middleware that define a wrapper take part in that operation.
+    ``wrap_stream`` and ``wrap_chat_with_retry_events`` return async iterators
+    (usually async generator functions that iterate ``next(request)``).
+    """
+
+    async def wrap_chat(
+        self, request: ModelRequest, next: Callable[[ModelRequest | None], Awaitable[ModelResponse]]
+    ) -> ModelResponse:
+        raise NotImplementedError  # pragma: no cover - marker: not overridden
+
+    async def wrap_side_query(
+        self, request: ModelRequest, next: Callable[[ModelRequest | None], Awaitable[ModelResponse]]
+    ) -> ModelResponse:
+        raise NotImplementedError  # pragma: no cover
+
+    def wrap_stream(
+        self, request: ModelRequest, next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
+    ) -> AsyncIterator[StreamChunk]:
+        raise NotImplementedError  # pragma: no cover
+
+    def wrap_chat_with_retry_events(
+        self,
+        request: ModelRequest,
+        next: Callable[[ModelRequest | None], AsyncIterator[RetryEvent | ModelResponse]],
+    ) -> AsyncIterator[RetryEvent | ModelResponse]:
+        raise NotImplementedError  # pragma: no cover
+
+
+_WRAPPERS = {
+    Operation.CHAT: "wrap_chat",
+    Operation.SIDE_QUERY: "wrap_side_query",
+    Operation.STREAM: "wrap_stream",
+    Operation.CHAT_WITH_RETRY_EVENTS: "wrap_chat_with_retry_events",
+}
+
+
+def _defines(layer: object, name: str) -> bool:
+    method = getattr(layer, name, None)
+    if method is None:
+        return False
+    base = getattr(ModelMiddleware, name)
+    return getattr(method, "__func__", method) is not base
+
+
+@attrs.frozen
+class RetryPolicy:
+    """Backoff for retryable errors: ``base * 2**(attempt-1)`` capped at ``max_delay``, with full jitter;
+    a server's ``retry-after`` is honoured (capped at ``max_delay``)."""
+
+    max_attempts: int = 3
+    base_delay: float = 0.5
+    max_delay: float = 30.0
+    jitter: bool = True
+
+    def delay(self, attempt: int, error: ModelError, rng: random.Random) -> float:
+        if isinstance(error, RateLimitError) and error.retry_after is not None:
+            return min(max(error.retry_after, 0.0), self.max_delay)
+        ceiling = min(self.base_delay * 2 ** (attempt - 1), self.max_delay)
+        return rng.uniform(0, ceiling) if self.jitter else ceiling
+
+
+class ModelService:
+    """A provider wrapped with a model middleware stack, a retry loop and a request deadline.
+
+    Args:
+        provider: the backend (an OpenAI-compatible or Anthropic provider, or the test model).
+        middleware: model middleware, first = outermost; one immutable stack shared by all callers.
+        retry: the retry policy (``RetryPolicy(max_attempts=1)`` disables retries).
+        request_timeout: seconds for one whole call, outside the middleware (default 600).
+    """
+
+    def __init__(
+        self,
+        provider: Provider,
+        middleware: Sequence[object] = (),
+        *,
+        retry: RetryPolicy | None = None,
+        request_timeout: float = 600.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        if isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
+            raise MiddlewareShapeError(f"model middleware must be a sequence, got {middleware!r}")
+        layers = tuple(middleware)
+        for index, layer in enumerate(layers):
+            if not any(_defines(layer, name) for name in _WRAPPERS.values()):
+                raise MiddlewareShapeError(
+                    f"model middleware #{index} ({type(layer).__name__}) defines none of "
+                    "wrap_chat, wrap_side_query, wrap_stream, wrap_chat_with_retry_events"
+                )
+            for name in ("wrap_chat", "wrap_side_query"):
+                if _defines(layer, name) and not inspect.iscoroutinefunction(getattr(layer, name)):
+                    raise MiddlewareShapeError(f"model middleware #{index}: {name} must be an async def")
+        self.provider = provider
+        self.middleware = layers
+        self.retry = retry or RetryPolicy()
+        self.request_timeout = validate_timeout(request_timeout, name="request_timeout")
+        self._rng = rng or random.Random()
+        self._chains: dict[Operation, tuple[Any, ...]] = {
+            op: tuple(getattr(layer, name) for layer in layers if _defines(layer, name))
+            for op, name in _WRAPPERS.items()
+        }
+
+    @property
+    def model(self) -> str:
+        return self.provider.model
+
+    def with_model(self, model: str) -> ModelService:
+        """A new service for *model*: a new provider service wrapped with the same middleware stack."""
+        return ModelService(
+            self.provider.with_model(model),
+            self.middleware,
+            retry=self.retry,
+            request_timeout=self.request_timeout,
+            rng=self._rng,
+        )
+
+    def request(
+        self,
+        operation: Operation,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        options: Mapping[str, Any] | None = None,
+        abort: AbortHandle | None = None,
+    ) -> ModelRequest:
+        return ModelRequest(operation, self.provider.model, tuple(messages), tuple(tools), dict(options or {}), abort)
+
+    # -- invariants ---------------------------------------------------------------------
+
+    @staticmethod
+    def _checker(initial: ModelRequest) -> Callable[[ModelRequest], None]:
+        def check(request: ModelRequest) -> None:
+            if not isinstance(request, ModelRequest):
+                raise ModelMiddlewareError(f"next() takes a ModelRequest, got {type(request).__name__}")
+            if request.operation is not initial.operation:
+                raise ModelMiddlewareError("Model middleware cannot change the model operation")
+            if request.model != initial.model:
+                raise ModelMiddlewareError("Model middleware cannot change the active model")
+            if request.abort is not initial.abort:
+                raise ModelMiddlewareError("Model middleware cannot replace the abort handle")
+
+        return check
+
+    # -- non-streaming ------------------------------------------------------------------
+
+    async def chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        options: Mapping[str, Any] | None = None,
+        abort: AbortHandle | None = None,
+    ) -> ModelResponse:
+        return await self.call(self.request(Operation.CHAT, messages, tools=tools, options=options, abort=abort))
+
+    async def side_query(
+        self, messages: Sequence[Message], *, options: Mapping[str, Any] | None = None, abort: AbortHandle | None = None
+    ) -> ModelResponse:
+        return await self.call(self.request(Operation.SIDE_QUERY, messages, options=options, abort=abort))
+
+    async def call(self, request: ModelRequest) -> ModelResponse:
+        """Run a ``chat`` or ``side_query`` request through the middleware, retries and deadline."""
+        if request.operation not in (Operation.CHAT, Operation.SIDE_QUERY):
+            raise ModelMiddlewareError(f"call() runs chat or side_query requests, not {request.operation.value}")
+        check = self._checker(request)
+        check(request)
+
+        async def terminal(current: ModelRequest) -> ModelResponse:
+            return await self._with_retries(current, None)
+
+        chain = compose_middleware(self._chains[request.operation], terminal, check=check)
+        with trio.move_on_after(self.request_timeout) as deadline:
+            return await self._guard(chain(request))
+        assert deadline.cancelled_caught
+        raise ModelTimeoutError(
+            f"model request exceeded its {self.request_timeout:g} s deadline", code="MODEL_REQUEST_TIMEOUT"
+        )
+
+    async def _with_retries(
+        self, request: ModelRequest, on_retry: Callable[[RetryEvent], Awaitable[None]] | None
+    ) -> ModelResponse:
+        attempt = 1
+        while True:
+            try:
+                return await self.provider.chat(request)
+            except ModelError as error:
+                if not error.retryable or attempt >= self.retry.max_attempts:
+                    raise
+                delay = self.retry.delay(attempt, error, self._rng)
+                if on_retry is not None:
+                    await on_retry(RetryEvent(attempt, delay, error))
+                await trio.sleep(delay)
+                attempt += 1
+
+    @staticmethod
+    async def _guard(awaitable: Awaitable[ModelResponse]) -> ModelResponse:
+        try:
+            return await awaitable
+        except ModelError:
+            raise
+        except Exception as exc:  # a middleware bug: typed, with its cause
+            raise ModelMiddlewareError(f"model middleware raised {exc!r}") from exc
+
+    # -- retry events ---------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def chat_with_retry_events(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        options: Mapping[str, Any] | None = None,
+        abort: AbortHandle | None = None,
+    ) -> AsyncIterator[AsyncIterator[RetryEvent | ModelResponse]]:
+        """``async with service.chat_with_retry_events(...) as events``: `RetryEvent` items, then the response."""
+        request = self.request(Operation.CHAT_WITH_RETRY_EVENTS, messages, tools=tools, options=options, abort=abort)
+        async with self._open_iterators(request, self._retry_events_terminal) as events:
+            yield events
+
+    async def _retry_events_terminal(self, request: ModelRequest) -> AsyncIterator[RetryEvent | ModelResponse]:
+        attempt = 1
+        while True:
+            try:
+                response = await self.provider.chat(request)
+            except ModelError as error:
+                if not error.retryable or attempt >= self.retry.max_attempts:
+                    raise
+                delay = self.retry.delay(attempt, error, self._rng)
+                yield RetryEvent(attempt, delay, error)
+                await trio.sleep(delay)
+                attempt += 1
+                continue
+            yield response
+            return
+
+    # -- streaming ------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def stream(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        options: Mapping[str, Any] | None = None,
+        abort: AbortHandle | None = None,
+    ) -> AsyncIterator[AsyncIterator[StreamChunk]]:
+        """``async with service.stream(...) as chunks: async for chunk in chunks``.
+
+        Chunks pass through unbuffered. Leaving the block closes each middleware's
+        iterator (outermost first) and then the provider's HTTP response.
+        """
+        request = self.request(Operation.STREAM, messages, tools=tools, options=options, abort=abort)
+        async with self._open_iterators(request, self._stream_terminal) as chunks:
+            yield chunks
+
+    def _stream_terminal(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        return _RetryingStream(self, request)
+
+    @asynccontextmanager
+    async def _open_iterators(
+        self, request: ModelRequest, terminal: Callable[[ModelRequest], AsyncIterator[Any]]
+    ) -> AsyncIterator[AsyncIterator[Any]]:
+        check = self._checker(request)
+        check(request)
+        opened: list[AsyncIterator[Any]] = []
+
+        def track(iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
+            if not hasattr(iterator, "__anext__"):
+                raise ModelMiddlewareError(f"a stream wrapper must return an async iterator, got {iterator!r}")
+            opened.append(iterator)
+            return iterator
+
+        def tracked(layer: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+            return lambda req, next_: track(layer(req, next_))
+
+        layers = [tracked(layer) for layer in self._chains[request.operation]]
+        chain = compose_middleware(layers, lambda req: track(terminal(req)), check=check)
+        deadline = trio.current_time() + self.request_timeout
+        try:
+            outer = chain(request)
+            yield _Deadlined(outer, deadline, self.request_timeout)
+        finally:
+            # Outermost first: each middleware's cleanup, then the provider (its HTTP response).
+            with trio.CancelScope(shield=True):
+                for iterator in opened:
+                    aclose = getattr(iterator, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+
+
+class _Deadlined:
+    """Applies the request deadline to each step, without holding a scope across the consumer's yield."""
+
+    __slots__ = ("_deadline", "_inner", "_seconds")
+
+    def __init__(self, inner: AsyncIterator[Any], deadline: float, seconds: float) -> None:
+        self._inner = inner
+        self._deadline = deadline
+        self._seconds = seconds
+
+    def __aiter__(self) -> _Deadlined:
+        return self
+
+    async def __anext__(self) -> Any:
+        with trio.move_on_at(self._deadline) as scope:
+            try:
+                return await self._inner.__anext__()
+            except (ModelError, StopAsyncIteration):
+                raise
+            except Exception as exc:
+                raise ModelMiddlewareError(f"model middleware raised {exc!r}") from exc
+        assert scope.cancelled_caught
+        raise ModelTimeoutError(
+            f"model request exceeded its {self._seconds:g} s deadline", code="MODEL_REQUEST_TIMEOUT"
+        )
+
+
+class _RetryingStream:
+    """The provider stream with the service's retry loop: retried only before the first chunk."""
+
+    def __init__(self, service: ModelService, request: ModelRequest) -> None:
+        self._service = service
+        self._request = request
+        self._inner: AsyncIterator[StreamChunk] | None = None
+        self._published = False
+        self._attempt = 1
+
+    def __aiter__(self) -> _RetryingStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        while True:
+            if self._inner is None:
+                self._inner = self._service.provider.stream(self._request)
+            try:
+                chunk = await self._inner.__anext__()
+            except StopAsyncIteration:
+                raise
+            except ModelError as error:
+                await self._close_inner()
+                if self._published:
+                    if isinstance(error, (StreamInterruptedError, ModelTimeoutError)):
+                        raise
+                    raise StreamInterruptedError(
+                        f"the stream failed after chunks were published: {error}", code=error.code, retryable=False
+                    ) from error
+                policy = self._service.retry
+                if not error.retryable or self._attempt >= policy.max_attempts:
+                    raise
+                await trio.sleep(policy.delay(self._attempt, error, self._service._rng))
+                self._attempt += 1
+                continue
+            self._published = True
+            return chunk
+
+    async def _close_inner(self) -> None:
+        inner, self._inner = self._inner, None
+        aclose = getattr(inner, "aclose", None)
+        if aclose is not None:
+            with trio.CancelScope(shield=True):
+                await aclose()
+
+    async def aclose(self) -> None:
+        await self._close_inner()

@@ -1,0 +1,240 @@
+"""The deterministic test model: scripted replies, keyed per conversation, with latency on demand."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from .._errors import ModelError
+from ._messages import (
+    AssistantMessage,
+    FinishChunk,
+    FinishReason,
+    ModelResponse,
+    ReasoningDelta,
+    ReasoningPart,
+    StreamChunk,
+    TextDelta,
+    TextPart,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallPart,
+    ToolCallStart,
+    Usage,
+    UsageChunk,
+    UserMessage,
+)
+from ._service import ModelRequest
+
+__all__ = ["Reply", "TestModel", "conversation_key", "open_test_model"]
+
+_ids = itertools.count(1)
+
+
+@attrs.frozen
+class Reply:
+    """One scripted model reply.
+
+    ``tool_calls`` maps to `ToolCallPart` s: give ``(name, arguments)`` pairs where
+    arguments is a dict (serialised to JSON) or a raw string (to script invalid JSON).
+    ``error`` makes the call fail with that `ModelError` instead; ``fail_after_chunks``
+    makes a stream fail after that many chunks. ``latency`` delays the reply (seconds,
+    driven by the model's one timer task when opened with `open_test_model`).
+    """
+
+    text: str = ""
+    tool_calls: Sequence[tuple[str, Any]] = ()
+    reasoning: str | None = None
+    reasoning_signature: str | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: ModelError | None = None
+    fail_after_chunks: int | None = None
+    latency: float = 0.0
+
+    def response(self, model: str) -> ModelResponse:
+        parts: list[Any] = []
+        if self.reasoning is not None:
+            parts.append(ReasoningPart(self.reasoning, self.reasoning_signature))
+        if self.text:
+            parts.append(TextPart(self.text))
+        for name, arguments in self.tool_calls:
+            raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
+            parts.append(ToolCallPart(f"call_{next(_ids)}", name, raw))
+        reason = self.finish_reason or (FinishReason.TOOL_CALLS if self.tool_calls else FinishReason.STOP)
+        usage = self.usage or _estimate_usage(self.text, parts)
+        return ModelResponse(AssistantMessage(tuple(parts)), reason, usage, model, f"test-{next(_ids)}")
+
+
+def _estimate_usage(text: str, parts: Sequence[Any]) -> Usage:
+    output = len(text.split()) + sum(len(getattr(part, "arguments", "")) // 4 for part in parts)
+    return Usage(input_tokens=10, output_tokens=output, total_tokens=10 + output)
+
+
+def conversation_key(request: ModelRequest) -> str:
+    """Which script a request reads from: ``options["conversation_id"]``, else the first user message."""
+    key = request.options.get("conversation_id")
+    if key is not None:
+        return str(key)
+    for message in request.messages:
+        if isinstance(message, UserMessage):
+            return message.content
+    return ""
+
+
+Responder = Callable[[ModelRequest], Reply]
+
+
+class _Timer:
+    """One task wakes every delayed request: thousands of waiters cost one sleeping task."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, trio.Event]] = []
+        self._seq = itertools.count()
+        self._changed = trio.Event()
+
+    async def sleep(self, seconds: float) -> None:
+        event = trio.Event()
+        heapq.heappush(self._heap, (trio.current_time() + seconds, next(self._seq), event))
+        self._changed.set()
+        await event.wait()
+
+    async def run(self) -> None:
+        while True:
+            now = trio.current_time()
+            while self._heap and self._heap[0][0] <= now:
+                heapq.heappop(self._heap)[2].set()
+            self._changed = trio.Event()
+            deadline = self._heap[0][0] if self._heap else float("inf")
+            with trio.move_on_at(deadline):
+                await self._changed.wait()
+
+
+class TestModel:
+    """A `Provider` with scripted, deterministic replies.
+
+    Give ``script`` as a mapping from conversation key (see `conversation_key`) to a
+    list of replies consumed in order, so concurrent conversations never take each
+    other's replies; ``default`` is used for keys without a script (a list consumed
+    in order, or one reply repeated). Or give ``respond``, a function of the request.
+    ``requests`` records every request the model received.
+    """
+
+    __test__ = False  # not a pytest test class
+    name = "test"
+
+    def __init__(
+        self,
+        script: Mapping[str, Iterable[Reply]] | None = None,
+        *,
+        default: Reply | Iterable[Reply] | None = None,
+        respond: Responder | None = None,
+        model: str = "test-model",
+        timer: _Timer | None = None,
+    ) -> None:
+        self.model = model
+        self._scripts = {key: deque(replies) for key, replies in (script or {}).items()}
+        self._default_one = default if isinstance(default, Reply) else None
+        self._default_queue = deque(default) if default is not None and not isinstance(default, Reply) else None
+        self._respond = respond
+        self._timer = timer
+        self.requests: list[ModelRequest] = []
+
+    def with_model(self, model: str) -> TestModel:
+        clone = TestModel(model=model, respond=self._respond, timer=self._timer)
+        clone._scripts = self._scripts
+        clone._default_one = self._default_one
+        clone._default_queue = self._default_queue
+        clone.requests = self.requests
+        return clone
+
+    def _next_reply(self, request: ModelRequest) -> Reply:
+        self.requests.append(request)
+        if self._respond is not None:
+            return self._respond(request)
+        queue = self._scripts.get(conversation_key(request))
+        if queue:
+            return queue.popleft()
+        if self._default_queue:
+            return self._default_queue.popleft()
+        if self._default_one is not None:
+            return self._default_one
+        raise ModelError(
+            f"test model has no reply left for conversation {conversation_key(request)!r}", code="TEST_MODEL_EXHAUSTED"
+        )
+
+    async def _wait(self, seconds: float) -> None:
+        if seconds <= 0:
+            await trio.lowlevel.checkpoint()
+        elif self._timer is not None:
+            await self._timer.sleep(seconds)
+        else:
+            await trio.sleep(seconds)
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:
+        reply = self._next_reply(request)
+        await self._wait(reply.latency)
+        if reply.error is not None:
+            raise reply.error
+        return reply.response(request.model)
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        return self._stream(request)
+
+    async def _stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        reply = self._next_reply(request)
+        await self._wait(reply.latency)
+        if reply.error is not None and reply.fail_after_chunks is None:
+            raise reply.error
+        response = reply.response(request.model)
+        for count, chunk in enumerate(_chunks(response)):
+            if reply.fail_after_chunks is not None and count >= reply.fail_after_chunks:
+                raise reply.error or ModelError("scripted stream failure", code="TEST_STREAM_CUT", retryable=True)
+            yield chunk
+
+
+def _chunks(response: ModelResponse) -> Iterable[StreamChunk]:
+    index = 0
+    for part in response.message.parts:
+        if isinstance(part, ReasoningPart):
+            yield ReasoningDelta(part.text, part.signature)
+        elif isinstance(part, TextPart):
+            words = part.text.split(" ")
+            for position, word in enumerate(words):
+                yield TextDelta(word if position == 0 else " " + word)
+        elif isinstance(part, ToolCallPart):
+            yield ToolCallStart(index, part.id, part.name)
+            middle = len(part.arguments) // 2
+            for piece in (part.arguments[:middle], part.arguments[middle:]):
+                if piece:
+                    yield ToolCallDelta(index, piece)
+            yield ToolCallEnd(index, part.id, part.name, part.arguments)
+            index += 1
+    yield UsageChunk(response.usage)
+    yield FinishChunk(response.finish_reason)
+
+
+@asynccontextmanager
+async def open_test_model(
+    script: Mapping[str, Iterable[Reply]] | None = None,
+    *,
+    default: Reply | Iterable[Reply] | None = None,
+    respond: Responder | None = None,
+    model: str = "test-model",
+) -> AsyncIterator[TestModel]:
+    """A `TestModel` whose latencies are driven by one timer task owned by this context."""
+    timer = _Timer()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(timer.run)
+        try:
+            yield TestModel(script, default=default, respond=respond, model=model, timer=timer)
+        finally:
+            nursery.cancel_scope.cancel()
