@@ -37,6 +37,7 @@ from ._errors import TrioAgentError as TrioAgentError
 from ._middleware import Middleware as Middleware
 from ._middleware import MiddlewareNext as MiddlewareNext
 from ._middleware import compose_middleware as compose_middleware
+from ._models._anthropic import AnthropicProvider as AnthropicProvider
 from ._models._messages import AssistantMessage as AssistantMessage
 from ._models._messages import ContentPart as ContentPart
 from ._models._messages import FinishChunk as FinishChunk
@@ -59,6 +60,9 @@ from ._models._messages import Usage as Usage
 from ._models._messages import UsageChunk as UsageChunk
 from ._models._messages import UserMessage as UserMessage
 from ._models._messages import message_converter as message_converter
+from ._models._openai import OpenAIProvider as OpenAIProvider
+from ._models._providers import PROVIDER_NAMES as PROVIDER_NAMES
+from ._models._providers import create_provider as create_provider
 from ._models._service import ModelMiddleware as ModelMiddleware
 from ._models._service import ModelRequest as ModelRequest
 from ._models._service import ModelService as ModelService
@@ -113,10 +117,12 @@ from ._tools._stages import ToolStages as ToolStages
 __version__ = "0.1.0"
 
 __all__ = [
+    "PROVIDER_NAMES",
     "Abort",
     "AbortHandle",
     "AbortReason",
     "Allow",
+    "AnthropicProvider",
     "AssistantMessage",
     "AuthenticationError",
     "BehaviorOverride",
@@ -156,6 +162,7 @@ __all__ = [
     "ModelService",
     "ModelTimeoutError",
     "NextCalledTwiceError",
+    "OpenAIProvider",
     "Operation",
     "PostStage",
     "Progress",
@@ -213,6 +220,7 @@ __all__ = [
     "UsageChunk",
     "UserMessage",
     "compose_middleware",
+    "create_provider",
     "define_tool",
     "message_converter",
 ]

@@ -174,9 +174,15 @@ class RateLimitError(ProviderError):
     retryable = True
 
     def __init__(
-        self, message: str, *, status: int | None = 429, code: str | None = None, retry_after: float | None = None
+        self,
+        message: str,
+        *,
+        status: int | None = 429,
+        code: str | None = None,
+        retry_after: float | None = None,
+        retryable: bool | None = None,
     ) -> None:
-        super().__init__(message, status=status, code=code)
+        super().__init__(message, status=status, code=code, retryable=retryable)
         self.retry_after = retry_after
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Iterable
 from typing import Any, TypeAlias, TypeVar
 
 import attrs
@@ -117,9 +118,13 @@ class UserMessage:
     content: str
 
 
+def _parts_tuple(parts: Iterable[ContentPart]) -> tuple[ContentPart, ...]:
+    return tuple(parts)
+
+
 @attrs.frozen
 class AssistantMessage:
-    parts: tuple[ContentPart, ...] = attrs.field(default=(), converter=tuple)
+    parts: tuple[ContentPart, ...] = attrs.field(default=(), converter=_parts_tuple)
 
     @property
     def text(self) -> str:
@@ -172,8 +177,11 @@ class TextDelta:
 
 @attrs.frozen
 class ReasoningDelta:
+    """A piece of reasoning; ``signature`` and ``redacted_data`` arrive whole (Anthropic)."""
+
     text: str = ""
     signature: str | None = None
+    redacted_data: str | None = None
 
 
 @attrs.frozen

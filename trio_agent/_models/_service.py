@@ -20,7 +20,7 @@ import inspect
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 import trio
@@ -37,6 +37,8 @@ from .._errors import (
 )
 from .._middleware import compose_middleware
 from ._messages import Message, ModelResponse, StreamChunk, ToolSpec
+
+T = TypeVar("T")
 
 __all__ = [
     "ModelMiddleware",
@@ -75,6 +77,8 @@ class ModelRequest:
     tools: tuple[ToolSpec, ...] = attrs.field(default=(), converter=_tool_tuple)
     options: Mapping[str, Any] = attrs.field(factory=dict)
     abort: AbortHandle | None = None
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+    """Not sent to the provider: ids for tracing and routing (e.g. ``conversation_id``)."""
 
     def replace(
         self,
@@ -90,6 +94,7 @@ class ModelRequest:
             self.tools if tools is None else tuple(tools),
             self.options if options is None else options,
             self.abort,
+            self.metadata,
         )
 
 
@@ -211,6 +216,12 @@ class ModelService:
             for name in ("wrap_chat", "wrap_side_query"):
                 if _defines(layer, name) and not inspect.iscoroutinefunction(getattr(layer, name)):
                     raise MiddlewareShapeError(f"model middleware #{index}: {name} must be an async def")
+            for name in ("wrap_stream", "wrap_chat_with_retry_events"):
+                if _defines(layer, name) and inspect.iscoroutinefunction(getattr(layer, name)):
+                    raise MiddlewareShapeError(
+                        f"model middleware #{index}: {name} must return an async iterator (write it as an "
+                        "async generator: `async def ...: ... yield chunk`), not be a coroutine function"
+                    )
         self.provider = provider
         self.middleware = layers
         self.retry = retry or RetryPolicy()
@@ -243,8 +254,17 @@ class ModelService:
         tools: Sequence[ToolSpec] = (),
         options: Mapping[str, Any] | None = None,
         abort: AbortHandle | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> ModelRequest:
-        return ModelRequest(operation, self.provider.model, tuple(messages), tuple(tools), dict(options or {}), abort)
+        return ModelRequest(
+            operation,
+            self.provider.model,
+            tuple(messages),
+            tuple(tools),
+            dict(options or {}),
+            abort,
+            dict(metadata or {}),
+        )
 
     # -- invariants ---------------------------------------------------------------------
 
@@ -271,13 +291,23 @@ class ModelService:
         tools: Sequence[ToolSpec] = (),
         options: Mapping[str, Any] | None = None,
         abort: AbortHandle | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> ModelResponse:
-        return await self.call(self.request(Operation.CHAT, messages, tools=tools, options=options, abort=abort))
+        return await self.call(
+            self.request(Operation.CHAT, messages, tools=tools, options=options, abort=abort, metadata=metadata)
+        )
 
     async def side_query(
-        self, messages: Sequence[Message], *, options: Mapping[str, Any] | None = None, abort: AbortHandle | None = None
+        self,
+        messages: Sequence[Message],
+        *,
+        options: Mapping[str, Any] | None = None,
+        abort: AbortHandle | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> ModelResponse:
-        return await self.call(self.request(Operation.SIDE_QUERY, messages, options=options, abort=abort))
+        return await self.call(
+            self.request(Operation.SIDE_QUERY, messages, options=options, abort=abort, metadata=metadata)
+        )
 
     async def call(self, request: ModelRequest) -> ModelResponse:
         """Run a ``chat`` or ``side_query`` request through the middleware, retries and deadline."""
@@ -303,7 +333,7 @@ class ModelService:
         attempt = 1
         while True:
             try:
-                return await self.provider.chat(request)
+                return await _provider_call(self.provider.chat(request))
             except ModelError as error:
                 if not error.retryable or attempt >= self.retry.max_attempts:
                     raise
@@ -332,9 +362,12 @@ class ModelService:
         tools: Sequence[ToolSpec] = (),
         options: Mapping[str, Any] | None = None,
         abort: AbortHandle | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[AsyncIterator[RetryEvent | ModelResponse]]:
         """``async with service.chat_with_retry_events(...) as events``: `RetryEvent` items, then the response."""
-        request = self.request(Operation.CHAT_WITH_RETRY_EVENTS, messages, tools=tools, options=options, abort=abort)
+        request = self.request(
+            Operation.CHAT_WITH_RETRY_EVENTS, messages, tools=tools, options=options, abort=abort, metadata=metadata
+        )
         async with self._open_iterators(request, self._retry_events_terminal) as events:
             yield events
 
@@ -342,7 +375,7 @@ class ModelService:
         attempt = 1
         while True:
             try:
-                response = await self.provider.chat(request)
+                response = await _provider_call(self.provider.chat(request))
             except ModelError as error:
                 if not error.retryable or attempt >= self.retry.max_attempts:
                     raise
@@ -364,13 +397,14 @@ class ModelService:
         tools: Sequence[ToolSpec] = (),
         options: Mapping[str, Any] | None = None,
         abort: AbortHandle | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[AsyncIterator[StreamChunk]]:
         """``async with service.stream(...) as chunks: async for chunk in chunks``.
 
         Chunks pass through unbuffered. Leaving the block closes each middleware's
         iterator (outermost first) and then the provider's HTTP response.
         """
-        request = self.request(Operation.STREAM, messages, tools=tools, options=options, abort=abort)
+        request = self.request(Operation.STREAM, messages, tools=tools, options=options, abort=abort, metadata=metadata)
         async with self._open_iterators(request, self._stream_terminal) as chunks:
             yield chunks
 
@@ -383,30 +417,53 @@ class ModelService:
     ) -> AsyncIterator[AsyncIterator[Any]]:
         check = self._checker(request)
         check(request)
-        opened: list[AsyncIterator[Any]] = []
+        # Position -> iterator: layer i at i, the terminal last. Closing goes by position, so the
+        # order is outermost first even when a wrapper opens its inner stream eagerly.
+        opened: dict[int, AsyncIterator[Any]] = {}
 
-        def track(iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        def track(position: int, iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
             if not hasattr(iterator, "__anext__"):
                 raise ModelMiddlewareError(f"a stream wrapper must return an async iterator, got {iterator!r}")
-            opened.append(iterator)
+            opened[position] = iterator
             return iterator
 
-        def tracked(layer: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-            return lambda req, next_: track(layer(req, next_))
+        def tracked(position: int, layer: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+            return lambda req, next_: track(position, layer(req, next_))
 
-        layers = [tracked(layer) for layer in self._chains[request.operation]]
-        chain = compose_middleware(layers, lambda req: track(terminal(req)), check=check)
+        wrappers = self._chains[request.operation]
+        layers = [tracked(position, layer) for position, layer in enumerate(wrappers)]
+        chain = compose_middleware(layers, lambda req: track(len(wrappers), terminal(req)), check=check)
         deadline = trio.current_time() + self.request_timeout
         try:
             outer = chain(request)
             yield _Deadlined(outer, deadline, self.request_timeout)
         finally:
             # Outermost first: each middleware's cleanup, then the provider (its HTTP response).
+            # One failing cleanup does not stop the others from closing.
+            failure: BaseException | None = None
             with trio.CancelScope(shield=True):
-                for iterator in opened:
-                    aclose = getattr(iterator, "aclose", None)
-                    if aclose is not None:
+                for position in sorted(opened):
+                    aclose = getattr(opened[position], "aclose", None)
+                    if aclose is None:
+                        continue
+                    try:
                         await aclose()
+                    except Exception as exc:
+                        failure = failure or exc
+            if failure is not None:
+                if isinstance(failure, ModelError):
+                    raise failure
+                raise ModelMiddlewareError(f"closing a model stream layer raised {failure!r}") from failure
+
+
+async def _provider_call(awaitable: Awaitable[T]) -> T:
+    """Await a provider operation; anything but a ModelError is a provider bug, typed as such."""
+    try:
+        return await awaitable
+    except (ModelError, StopAsyncIteration):
+        raise
+    except Exception as exc:
+        raise ModelError(f"the provider raised {exc!r}", code="PROVIDER_FAILED") from exc
 
 
 class _Deadlined:
@@ -454,7 +511,7 @@ class _RetryingStream:
             if self._inner is None:
                 self._inner = self._service.provider.stream(self._request)
             try:
-                chunk = await self._inner.__anext__()
+                chunk = await _provider_call(self._inner.__anext__())
             except StopAsyncIteration:
                 raise
             except ModelError as error:

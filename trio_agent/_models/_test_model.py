@@ -80,8 +80,9 @@ def _estimate_usage(text: str, parts: Sequence[Any]) -> Usage:
 
 
 def conversation_key(request: ModelRequest) -> str:
-    """Which script a request reads from: ``options["conversation_id"]``, else the first user message."""
-    key = request.options.get("conversation_id")
+    """Which script a request reads from: ``metadata["conversation_id"]`` (or, for older callers,
+    ``options["conversation_id"]``), else the first user message."""
+    key = request.metadata.get("conversation_id", request.options.get("conversation_id"))
     if key is not None:
         return str(key)
     for message in request.messages:
@@ -160,9 +161,12 @@ class TestModel:
         self.requests.append(request)
         if self._respond is not None:
             return self._respond(request)
-        queue = self._scripts.get(conversation_key(request))
-        if queue:
-            return queue.popleft()
+        key = conversation_key(request)
+        queue = self._scripts.get(key)
+        if queue is not None:
+            if queue:
+                return queue.popleft()
+            raise ModelError(f"test model's script for conversation {key!r} ran out", code="TEST_MODEL_EXHAUSTED")
         if self._default_queue:
             return self._default_queue.popleft()
         if self._default_one is not None:
@@ -232,9 +236,15 @@ async def open_test_model(
 ) -> AsyncIterator[TestModel]:
     """A `TestModel` whose latencies are driven by one timer task owned by this context."""
     timer = _Timer()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(timer.run)
-        try:
-            yield TestModel(script, default=default, respond=respond, model=model, timer=timer)
-        finally:
-            nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(timer.run)
+            try:
+                yield TestModel(script, default=default, respond=respond, model=model, timer=timer)
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The timer task never fails, so a group holds the block's own error: raise it as itself.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise

@@ -1,0 +1,887 @@
+"""The Anthropic Messages provider, run for real over HTTP against the local fake server.
+
+Fixtures in ``tests/fixtures/anthropic`` are in the exact wire format and are validated
+against the official SDK's types, so they cannot drift from the API.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import pydantic
+import pytest
+import trio
+
+from tests.fake_server import FakeServer, Gate, Scripted, open_fake_server, queue_handler
+from trio_agent import (
+    AssistantMessage,
+    AuthenticationError,
+    ConfigError,
+    FinishChunk,
+    FinishReason,
+    MalformedResponseError,
+    Message,
+    ModelConnectionError,
+    ModelNotFoundError,
+    ModelService,
+    ModelTimeoutError,
+    Operation,
+    Provider,
+    ProviderConfigError,
+    ProviderError,
+    ProviderServerError,
+    RateLimitError,
+    ReasoningDelta,
+    ReasoningPart,
+    RetryPolicy,
+    StreamChunk,
+    StreamInterruptedError,
+    SystemMessage,
+    TextDelta,
+    TextPart,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallPart,
+    ToolCallStart,
+    ToolResultMessage,
+    ToolSpec,
+    Usage,
+    UsageChunk,
+    UserMessage,
+)
+from trio_agent._models._anthropic import AnthropicProvider, retry_after_seconds
+from trio_agent._models._service import ModelRequest
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "anthropic"
+JSON = {path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(FIXTURES.glob("*.json"))}
+SSE = {path.stem: path.read_bytes() for path in sorted(FIXTURES.glob("*.sse"))}
+
+MODEL = "claude-sonnet-4-5-20250929"
+KEY = "sk-ant-test-key"
+SIGNATURE = JSON["tool_use_thinking"]["content"][0]["signature"]
+STREAM_TEXT = "Hello! Grüße aus Zürich 🌍 — how can I help?"
+
+
+def sse_events(name: str) -> list[bytes]:
+    """The fixture's events, one ``event:/data:`` block (with its blank line) each."""
+    return [block + b"\n\n" for block in SSE[name].split(b"\n\n") if block.strip()]
+
+
+def parse_sse(raw: bytes) -> list[tuple[str, Any]]:
+    events = []
+    for block in raw.decode().split("\n\n"):
+        if block.strip():
+            fields = dict(line.split(": ", 1) for line in block.splitlines())
+            events.append((fields["event"], json.loads(fields["data"])))
+    return events
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+def request(
+    messages: Sequence[Message] = (UserMessage("Hi"),),
+    *,
+    tools: Sequence[ToolSpec] = (),
+    options: dict[str, Any] | None = None,
+    operation: Operation = Operation.CHAT,
+) -> ModelRequest:
+    return ModelRequest(operation, MODEL, tuple(messages), tuple(tools), options or {})
+
+
+@asynccontextmanager
+async def serve(*responses: Scripted, **settings: Any) -> AsyncIterator[tuple[FakeServer, AnthropicProvider]]:
+    async with (
+        open_fake_server(queue_handler(*responses)) as server,
+        AnthropicProvider(MODEL, api_key=KEY, base_url=server.url, **settings) as provider,
+    ):
+        yield server, provider
+
+
+async def collect(provider: AnthropicProvider, req: ModelRequest) -> list[StreamChunk]:
+    chunks: list[StreamChunk] = []
+    stream = provider.stream(req)
+    try:
+        async for chunk in stream:
+            chunks.append(chunk)
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    return chunks
+
+
+def text_of(chunks: Sequence[StreamChunk]) -> str:
+    return "".join(chunk.text for chunk in chunks if isinstance(chunk, TextDelta))
+
+
+# -- fixtures match the official SDK ----------------------------------------------------------------
+
+
+def test_fixtures_match_the_official_sdk_types() -> None:
+    responses = [name for name in JSON if not name.startswith("error_")]
+    errors = [name for name in JSON if name.startswith("error_")]
+    assert len(responses) >= 5 and len(errors) == 4 and len(SSE) >= 4
+    for name in responses:
+        anthropic.types.Message.model_validate(JSON[name])
+    for name in errors:
+        anthropic.types.ErrorResponse.model_validate(JSON[name])
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    seen = set()
+    for name, raw in SSE.items():
+        events = parse_sse(raw)
+        assert events[0][0] == "message_start", name
+        for event_name, payload in events:
+            seen.add(event_name)
+            assert payload["type"] == event_name, name
+            if event_name == "ping":
+                assert payload == {"type": "ping"}
+            elif event_name == "error":
+                anthropic.types.ErrorResponse.model_validate(payload)
+            else:
+                adapter.validate_python(payload)
+    assert seen >= {"message_start", "content_block_start", "content_block_delta", "content_block_stop"}
+    assert seen >= {"message_delta", "message_stop", "ping", "error"}
+    # The check has teeth: a malformed event is refused.
+    with pytest.raises(pydantic.ValidationError):
+        adapter.validate_python({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta"}})
+
+
+# -- non-streaming ------------------------------------------------------------------------------------
+
+
+async def test_chat_text_reply_sends_the_wire_format() -> None:
+    async with serve(Scripted.json(JSON["text_reply"]), extra_headers={"anthropic-beta": "test-beta"}) as (
+        server,
+        provider,
+    ):
+        assert isinstance(provider, Provider)
+        response = await provider.chat(request([SystemMessage("Be brief."), UserMessage("Hi")]))
+    assert response.message == AssistantMessage((TextPart("Hello! How can I help you today? 🌍"),))
+    assert response.finish_reason is FinishReason.STOP
+    assert response.usage == Usage(21, 12, 33, cached_input_tokens=8, cache_creation_input_tokens=5)
+    assert (response.model, response.id) == (MODEL, "msg_01XFDUDYJgAACzvnptvVoYEL")
+    [sent] = server.requests
+    assert (sent.method, sent.path) == ("POST", "/v1/messages")
+    assert sent.headers["x-api-key"] == KEY
+    assert sent.headers["anthropic-version"] == "2023-06-01"
+    assert sent.headers["content-type"] == "application/json"
+    assert sent.headers["anthropic-beta"] == "test-beta"
+    assert sent.json() == {
+        "model": MODEL,
+        "max_tokens": 4096,
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+    }
+
+
+async def test_chat_thinking_then_tool_use() -> None:
+    async with serve(Scripted.json(JSON["tool_use_thinking"])) as (_, provider):
+        response = await provider.chat(request())
+    assert response.message.parts == (
+        ReasoningPart("The user wants the weather in Paris. I should call get_weather.", SIGNATURE),
+        TextPart("I'll check the current weather in Paris."),
+        ToolCallPart(
+            "toolu_01A09q90qw90lq917835lq9", "get_weather", '{"location": "Paris, France", "unit": "celsius"}'
+        ),
+    )
+    assert response.finish_reason is FinishReason.TOOL_CALLS
+    assert response.usage.reasoning_tokens == 40
+    assert response.usage.total_tokens == 472 + 91
+
+
+async def test_signed_thinking_round_trips_unchanged_with_tool_results() -> None:
+    fixture = JSON["tool_use_thinking"]
+    async with serve(Scripted.json(fixture), Scripted.json(JSON["text_reply"])) as (server, provider):
+        first = await provider.chat(request([SystemMessage("Use tools."), UserMessage("Weather in Paris?")]))
+        follow_up: list[Message] = [
+            SystemMessage("Use tools."),
+            UserMessage("Weather in Paris?"),
+            first.message,
+            ToolResultMessage("toolu_01A09q90qw90lq917835lq9", "18°C, sunny"),
+        ]
+        await provider.chat(request(follow_up))
+    body = server.requests[1].json()
+    assert body["system"] == "Use tools."
+    assistant, results = body["messages"][1], body["messages"][2]
+    # The assistant turn goes back exactly as the server produced it, signature included.
+    assert assistant == {"role": "assistant", "content": fixture["content"]}
+    assert assistant["content"][0] == {
+        "type": "thinking",
+        "thinking": fixture["content"][0]["thinking"],
+        "signature": SIGNATURE,
+    }
+    assert results == {
+        "role": "user",
+        "content": [
+            {
+                "type": "tool_result",
+                "tool_use_id": "toolu_01A09q90qw90lq917835lq9",
+                "content": "18°C, sunny",
+                "is_error": False,
+            }
+        ],
+    }
+
+
+async def test_redacted_thinking_round_trips_unchanged() -> None:
+    fixture = JSON["redacted_thinking"]
+    async with serve(Scripted.json(fixture), Scripted.json(JSON["text_reply"])) as (server, provider):
+        first = await provider.chat(request())
+        assert first.message.parts[0] == ReasoningPart("", redacted_data=fixture["content"][0]["data"])
+        assert first.message.parts[1] == ReasoningPart("Continuing from the redacted part.", SIGNATURE)
+        await provider.chat(request([UserMessage("Hi"), first.message, UserMessage("And?")]))
+    assert server.requests[1].json()["messages"][1] == {"role": "assistant", "content": fixture["content"]}
+
+
+async def test_request_mapping_of_messages_tools_and_options() -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    messages: list[Message] = [
+        SystemMessage("You are terse."),
+        UserMessage("Weather and time?"),
+        AssistantMessage(
+            (
+                ReasoningPart("unsigned reasoning from another provider"),
+                TextPart(""),
+                TextPart("Checking."),
+                ToolCallPart("t1", "get_weather", '{"city": "Paris"}'),
+                ToolCallPart("t2", "get_time", "{not json"),
+            )
+        ),
+        ToolResultMessage("t1", "18°C"),
+        ToolResultMessage("t2", "arguments were not valid JSON", is_error=True),
+        UserMessage("Thanks"),
+        SystemMessage("Answer in French."),
+    ]
+    tools = [ToolSpec("get_weather", "Weather for a city", schema), ToolSpec("get_time", "", {"type": "object"})]
+    options = {
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "max_tokens": 1000,
+        "thinking": 2048,
+        "stop": "END",
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "conversation_id": "not an Anthropic option",
+        "extra_body": {"metadata": {"user_id": "u-1"}},
+    }
+    async with serve(Scripted.json(JSON["text_reply"])) as (server, provider):
+        await provider.chat(request(messages, tools=tools, options=options))
+    assert server.requests[0].json() == {
+        "model": MODEL,
+        "max_tokens": 1000,
+        "system": [{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Answer in French."}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Weather and time?"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}},
+                    {"type": "tool_use", "id": "t2", "name": "get_time", "input": {}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "18°C", "is_error": False},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t2",
+                        "content": "arguments were not valid JSON",
+                        "is_error": True,
+                    },
+                    {"type": "text", "text": "Thanks"},
+                ],
+            },
+        ],
+        "tools": [
+            {"name": "get_weather", "description": "Weather for a city", "input_schema": schema},
+            {"name": "get_time", "input_schema": {"type": "object"}},
+        ],
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "stop_sequences": ["END"],
+        "thinking": {"type": "enabled", "budget_tokens": 2048},
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+        "metadata": {"user_id": "u-1"},
+    }
+
+
+async def test_thinking_config_dict_and_provider_max_tokens() -> None:
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    async with serve(Scripted.json(JSON["text_reply"]), max_tokens=2048) as (server, provider):
+        await provider.chat(request(options={"thinking": thinking, "stop_sequences": ["A", "B"], "top_k": 5}))
+    body = server.requests[0].json()
+    assert (body["max_tokens"], body["thinking"], body["stop_sequences"], body["top_k"]) == (
+        2048,
+        thinking,
+        ["A", "B"],
+        5,
+    )
+
+
+@pytest.mark.parametrize(
+    ("stop_reason", "expected"),
+    [
+        ("end_turn", FinishReason.STOP),
+        ("stop_sequence", FinishReason.STOP),
+        ("max_tokens", FinishReason.LENGTH),
+        ("model_context_window_exceeded", FinishReason.LENGTH),
+        ("tool_use", FinishReason.TOOL_CALLS),
+        ("pause_turn", FinishReason.PAUSE_TURN),
+        ("refusal", FinishReason.REFUSAL),
+    ],
+)
+async def test_stop_reason_mapping(stop_reason: str, expected: FinishReason) -> None:
+    payload = {**JSON["text_reply"], "stop_reason": stop_reason}
+    anthropic.types.Message.model_validate(payload)
+    async with serve(Scripted.json(payload)) as (_, provider):
+        assert (await provider.chat(request())).finish_reason is expected
+
+
+async def test_pause_turn_and_refusal_fixtures() -> None:
+    async with serve(Scripted.json(JSON["pause_turn"]), Scripted.json(JSON["refusal"])) as (_, provider):
+        paused = await provider.chat(request())
+        refused = await provider.chat(request())
+    assert paused.finish_reason is FinishReason.PAUSE_TURN
+    assert paused.message.parts == (TextPart("Let me search for that."),)  # the server-tool block is skipped
+    assert refused.finish_reason is FinishReason.REFUSAL
+    assert refused.message.text == "I can't help with that."
+
+
+@pytest.mark.parametrize("stop_reason", ["banana", None])
+async def test_unknown_stop_reason_is_malformed(stop_reason: str | None) -> None:
+    async with serve(Scripted.json({**JSON["text_reply"], "stop_reason": stop_reason})) as (_, provider):
+        with pytest.raises(MalformedResponseError, match="stop_reason"):
+            await provider.chat(request())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b'{"type": "error"}',
+        b'{"type": "message", "content": [{"type": "text"}], "stop_reason": "end_turn"}',
+    ],
+)
+async def test_unparseable_chat_responses_are_malformed(body: bytes) -> None:
+    scripted = Scripted(200, [("content-type", "application/json")], [body], chunked=False)
+    async with serve(scripted) as (_, provider):
+        with pytest.raises(MalformedResponseError):
+            await provider.chat(request())
+
+
+# -- HTTP errors --------------------------------------------------------------------------------------
+
+ErrorCase = tuple[int, Any, tuple[tuple[str, str], ...], type[ProviderError], bool, str]
+ERROR_CASES: list[ErrorCase] = [
+    (401, JSON["error_401"], (), AuthenticationError, False, "invalid x-api-key"),
+    (
+        403,
+        {"type": "error", "error": {"type": "permission_error", "message": "no access"}},
+        (),
+        AuthenticationError,
+        False,
+        "no access",
+    ),
+    (404, JSON["error_404"], (), ModelNotFoundError, False, "claude-nonexistent-1"),
+    (429, JSON["error_429"], (("retry-after", "7"),), RateLimitError, True, "rate limit"),
+    (529, JSON["error_529"], (), ProviderServerError, True, "Overloaded"),
+    (
+        500,
+        {"type": "error", "error": {"type": "api_error", "message": "Internal error"}},
+        (),
+        ProviderServerError,
+        True,
+        "Internal",
+    ),
+    (
+        400,
+        {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: bad"}},
+        (),
+        ProviderError,
+        False,
+        "max_tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["chat", "stream"])
+@pytest.mark.parametrize(
+    ("status", "body", "headers", "error_type", "retryable", "text"),
+    ERROR_CASES,
+    ids=[str(case[0]) for case in ERROR_CASES],
+)
+async def test_http_status_mapping(
+    streaming: bool,
+    status: int,
+    body: Any,
+    headers: tuple[tuple[str, str], ...],
+    error_type: type[ProviderError],
+    retryable: bool,
+    text: str,
+) -> None:
+    scripted = Scripted.json(body, status=status, headers=[*headers, ("request-id", "req_42")])
+    async with serve(scripted) as (_, provider):
+        with pytest.raises(ProviderError) as caught:
+            if streaming:
+                await collect(provider, request())
+            else:
+                await provider.chat(request())
+    error = caught.value
+    assert type(error) is error_type
+    assert (error.status, error.retryable) == (status, retryable)
+    assert text in str(error) and "req_42" in str(error)
+    if status == 429:
+        assert isinstance(error, RateLimitError) and error.retry_after == 7.0
+
+
+async def test_non_json_error_body_is_quoted() -> None:
+    scripted = Scripted(502, [("content-type", "text/html")], [b"<html>bad gateway</html>"], chunked=False)
+    async with serve(scripted) as (_, provider):
+        with pytest.raises(ProviderServerError, match="bad gateway") as caught:
+            await provider.chat(request())
+    assert caught.value.status == 502
+
+
+def test_retry_after_forms() -> None:
+    assert retry_after_seconds(httpx.Headers({"retry-after": "2.5"})) == 2.5
+    assert retry_after_seconds(httpx.Headers({"retry-after-ms": "1500", "retry-after": "9"})) == 1.5
+    assert retry_after_seconds(httpx.Headers({"retry-after": "soon"})) is None
+    assert retry_after_seconds(httpx.Headers({})) is None
+    date = email.utils.formatdate(time.time() + 30, usegmt=True)
+    seconds = retry_after_seconds(httpx.Headers({"retry-after": date}))
+    assert seconds is not None and 25 <= seconds <= 31
+    past = email.utils.formatdate(time.time() - 30, usegmt=True)
+    assert retry_after_seconds(httpx.Headers({"retry-after": past})) == 0.0
+
+
+# -- streaming ----------------------------------------------------------------------------------------
+
+
+def _every(size: int) -> Callable[[bytes], list[bytes]]:
+    return lambda data: [data[i : i + size] for i in range(0, len(data), size)]
+
+
+def _inside_utf8(data: bytes) -> list[bytes]:
+    cuts = sorted({data.index("🌍".encode()) + k for k in (1, 2, 3)} | {data.index("ü".encode()) + 1})
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+
+
+def _crlf_split_between_cr_and_lf(data: bytes) -> list[bytes]:
+    data = data.replace(b"\n", b"\r\n")
+    return [piece + b"\r" for piece in data.split(b"\r")[:-1]] + [data.split(b"\r")[-1]]
+
+
+SPLITS: dict[str, Callable[[bytes], list[bytes]]] = {
+    "whole": lambda data: [data],
+    "every_byte": _every(1),
+    "every_7_bytes": _every(7),
+    "inside_utf8_characters": _inside_utf8,
+    "crlf_split_between_cr_and_lf": _crlf_split_between_cr_and_lf,
+    "cr_line_endings": lambda data: _every(5)(data.replace(b"\n", b"\r")),
+}
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=list(SPLITS))
+async def test_stream_text_with_ping_and_awkward_splits(split: str) -> None:
+    pieces = SPLITS[split](SSE["stream_text"])
+    assert b"".join(pieces).replace(b"\r\n", b"\n").replace(b"\r", b"\n") == SSE["stream_text"]
+    async with serve(Scripted.sse(pieces)) as (server, provider):
+        chunks = await collect(provider, request(operation=Operation.STREAM))
+    assert text_of(chunks) == STREAM_TEXT
+    assert chunks[-2:] == [
+        UsageChunk(Usage(25, 15, 40, cached_input_tokens=10, cache_creation_input_tokens=0)),
+        FinishChunk(FinishReason.STOP),
+    ]
+    assert sum(isinstance(chunk, UsageChunk) for chunk in chunks) == 1
+    sent = server.requests[0]
+    assert sent.json()["stream"] is True and sent.headers["accept"] == "text/event-stream"
+
+
+async def test_stream_thinking_signature_and_tool_calls() -> None:
+    weather_id, time_id = "toolu_01T1x1fJ34qAmk2tNTrN7Up6", "toolu_01NoArgsTool000000000001"
+    async with serve(Scripted.sse(sse_events("stream_thinking_tool_use"))) as (_, provider):
+        chunks = await collect(provider, request(operation=Operation.STREAM))
+    arguments = '{"location": "Paris, France", "unit": "celsius"}'
+    assert chunks == [
+        ReasoningDelta("The user wants the weather"),
+        ReasoningDelta(" and the time in Paris."),
+        ReasoningDelta(signature=SIGNATURE),
+        TextDelta("Checking both."),
+        ToolCallStart(0, weather_id, "get_weather"),
+        ToolCallDelta(0, '{"location": "Pa'),
+        ToolCallDelta(0, 'ris, France", "un'),
+        ToolCallDelta(0, 'it": "celsius"}'),
+        ToolCallEnd(0, weather_id, "get_weather", arguments),
+        ToolCallStart(1, time_id, "get_time"),
+        ToolCallEnd(1, time_id, "get_time", "{}"),
+        UsageChunk(Usage(472, 89, 561, cached_input_tokens=100, cache_creation_input_tokens=0)),
+        FinishChunk(FinishReason.TOOL_CALLS),
+    ]
+
+
+async def test_streamed_signature_round_trips_in_the_next_request() -> None:
+    responses = (Scripted.sse(sse_events("stream_thinking_tool_use")), Scripted.json(JSON["text_reply"]))
+    async with serve(*responses) as (server, provider):
+        chunks = await collect(provider, request(operation=Operation.STREAM))
+        reasoning = "".join(chunk.text for chunk in chunks if isinstance(chunk, ReasoningDelta))
+        [signature] = [chunk.signature for chunk in chunks if isinstance(chunk, ReasoningDelta) and chunk.signature]
+        calls = [
+            ToolCallPart(chunk.id, chunk.name, chunk.arguments) for chunk in chunks if isinstance(chunk, ToolCallEnd)
+        ]
+        assistant = AssistantMessage((ReasoningPart(reasoning, signature), TextPart(text_of(chunks)), *calls))
+        results = [ToolResultMessage(call.id, "ok") for call in calls]
+        await provider.chat(request([UserMessage("Weather and time in Paris?"), assistant, *results]))
+    sent = server.requests[1].json()["messages"]
+    assert sent[1]["content"][0] == {
+        "type": "thinking",
+        "thinking": "The user wants the weather and the time in Paris.",
+        "signature": SIGNATURE,
+    }
+    assert sent[1]["content"][2]["input"] == {"location": "Paris, France", "unit": "celsius"}
+    assert [block["tool_use_id"] for block in sent[2]["content"]] == [call.id for call in calls]
+
+
+async def test_stream_carries_redacted_thinking_and_skips_unknown_events() -> None:
+    first, *_ = sse_events("stream_text")
+    pieces = [
+        first,
+        b'event: future_event\ndata: {"type": "future_event"}\n\n',
+        b": a comment line\n\n",
+        event(
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "redacted_thinking", "data": "abc"}}
+        ),
+        event({"type": "content_block_stop", "index": 0}),
+        event(
+            {
+                "type": "content_block_start",
+                "index": 1,
+                "content_block": {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}},
+            }
+        ),
+        event({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{}"}}),
+        event({"type": "content_block_stop", "index": 1}),
+        event({"type": "content_block_start", "index": 2, "content_block": {"type": "text", "text": "Done"}}),
+        event({"type": "content_block_delta", "index": 2, "delta": {"type": "text_delta", "text": "."}}),
+        event({"type": "content_block_stop", "index": 2}),
+        event({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 3}}),
+        event({"type": "message_stop"}),
+    ]
+    async with serve(Scripted.sse(pieces)) as (_, provider):
+        chunks = await collect(provider, request(operation=Operation.STREAM))
+    assert chunks[:3] == [ReasoningDelta(redacted_data="abc"), TextDelta("Done"), TextDelta(".")]
+    assert chunks[-1] == FinishChunk(FinishReason.STOP)
+
+
+async def test_stream_error_event_is_a_typed_retryable_error() -> None:
+    async with serve(Scripted.sse(sse_events("stream_error_before_content"))) as (_, provider):
+        with pytest.raises(ProviderServerError, match="overloaded_error: Overloaded") as caught:
+            await collect(provider, request(operation=Operation.STREAM))
+    assert caught.value.retryable and caught.value.status is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "error_type", "retryable"),
+    [
+        ("rate_limit_error", RateLimitError, True),
+        ("api_error", ProviderServerError, True),
+        ("invalid_request_error", ProviderError, False),
+        ("something_new_error", ProviderError, False),
+    ],
+)
+async def test_stream_error_event_types(kind: str, error_type: type[ProviderError], retryable: bool) -> None:
+    first, *_ = sse_events("stream_text")
+    pieces = [first, event({"type": "error", "error": {"type": kind, "message": "nope"}})]
+    async with serve(Scripted.sse(pieces)) as (_, provider):
+        with pytest.raises(ProviderError) as caught:
+            await collect(provider, request(operation=Operation.STREAM))
+    assert type(caught.value) is error_type and caught.value.retryable is retryable
+
+
+async def test_stream_cut_mid_way_is_a_connection_error() -> None:
+    async with serve(Scripted.sse(sse_events("stream_text")[:4], cut=True)) as (_, provider):
+        chunks: list[StreamChunk] = []
+        with pytest.raises(ModelConnectionError) as caught:
+            async for chunk in provider.stream(request(operation=Operation.STREAM)):
+                chunks.append(chunk)
+    assert chunks == [TextDelta("Hello")] and caught.value.retryable
+
+
+async def test_stream_ending_without_message_stop_is_a_connection_error() -> None:
+    async with serve(Scripted.sse(sse_events("stream_text")[:-1])) as (_, provider):
+        with pytest.raises(ModelConnectionError, match="message_stop"):
+            await collect(provider, request(operation=Operation.STREAM))
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (b"event: content_block_delta\ndata: {not json\n\n", "not valid JSON"),
+        (b"event: content_block_delta\ndata: [1, 2]\n\n", "not an object"),
+        (
+            event({"type": "content_block_delta", "index": 9, "delta": {"type": "text_delta", "text": "x"}}),
+            "unknown block",
+        ),
+        (b"event: ping\ndata: \xff\xfe\n\n", "UTF-8"),
+    ],
+)
+async def test_stream_bad_events_are_malformed(bad: bytes, match: str) -> None:
+    events = sse_events("stream_text")
+    async with serve(Scripted.sse([*events[:2], bad, *events[2:]])) as (_, provider):
+        with pytest.raises(MalformedResponseError, match=match):
+            await collect(provider, request(operation=Operation.STREAM))
+
+
+async def test_stream_unknown_stop_reason_is_malformed() -> None:
+    events = sse_events("stream_text")
+    events[-2] = event({"type": "message_delta", "delta": {"stop_reason": "banana"}, "usage": {"output_tokens": 1}})
+    async with serve(Scripted.sse(events)) as (_, provider):
+        with pytest.raises(MalformedResponseError, match="banana"):
+            await collect(provider, request(operation=Operation.STREAM))
+
+
+async def test_stream_with_a_non_event_stream_body_is_malformed() -> None:
+    async with serve(Scripted.json(JSON["text_reply"])) as (_, provider):
+        with pytest.raises(MalformedResponseError, match="text/event-stream"):
+            await collect(provider, request(operation=Operation.STREAM))
+
+
+# -- size limits ----------------------------------------------------------------------------------------
+
+
+async def test_oversize_bodies_are_malformed() -> None:
+    big = json.dumps({**JSON["text_reply"], "content": [{"type": "text", "text": "x" * 5000}]}).encode()
+    chunked = Scripted(200, [("content-type", "application/json")], [big[:100], big[100:]], chunked=True)
+    async with serve(
+        Scripted.json(json.loads(big)), chunked, Scripted.sse(sse_events("stream_text")), max_response_bytes=1000
+    ) as (_, provider):
+        with pytest.raises(MalformedResponseError, match="max_response_bytes"):
+            await provider.chat(request())  # declared content-length
+        with pytest.raises(MalformedResponseError, match="max_response_bytes"):
+            await provider.chat(request())  # counted while reading
+        with pytest.raises(MalformedResponseError, match="max_response_bytes"):
+            await collect(provider, request(operation=Operation.STREAM))
+
+
+# -- closing and cancellation -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("through", ["provider", "service"])
+async def test_consumer_stopping_early_closes_the_connection(through: str) -> None:
+    gate = trio.Event()
+    events = sse_events("stream_text")
+    async with serve(Scripted.sse([*events[:4], Gate(gate), *events[4:]])) as (server, provider):
+        closed = server.closed
+        if through == "provider":
+            stream = provider.stream(request(operation=Operation.STREAM))
+            assert await stream.__anext__() == TextDelta("Hello")
+            await stream.aclose()  # type: ignore[attr-defined]
+        else:
+            service = ModelService(provider, retry=RetryPolicy(base_delay=0))
+            async with service.stream([UserMessage("Hi")]) as chunks:
+                async for chunk in chunks:
+                    assert chunk == TextDelta("Hello")
+                    break
+        # The close returned while the server was still holding the rest of the stream back.
+        assert not gate.is_set() and server.closed_connections == 0
+        gate.set()
+        with trio.fail_after(5):
+            await closed.wait()
+        assert server.closed_connections == 1
+
+
+async def test_cancel_scope_around_a_streaming_call_closes_promptly() -> None:
+    gate = trio.Event()
+    first = trio.Event()
+    events = sse_events("stream_text")
+    received: list[StreamChunk] = []
+    async with serve(Scripted.sse([*events[:4], Gate(gate), *events[4:]])) as (server, provider):
+        service = ModelService(provider, retry=RetryPolicy(base_delay=0))
+        closed = server.closed
+
+        async def consume(scope: trio.CancelScope) -> None:
+            with scope:
+                async with service.stream([UserMessage("Hi")]) as chunks:
+                    async for chunk in chunks:
+                        received.append(chunk)
+                        first.set()
+
+        scope = trio.CancelScope()
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consume, scope)
+                await first.wait()
+                scope.cancel()  # the consumer is blocked reading the held-back stream
+        assert scope.cancelled_caught and not gate.is_set()
+        assert received == [TextDelta("Hello")]
+        gate.set()
+        with trio.fail_after(5):
+            await closed.wait()
+
+
+# -- through the service: retries only before the first chunk -----------------------------------------
+
+
+async def test_service_retries_a_stream_error_before_any_chunk() -> None:
+    responses = (Scripted.sse(sse_events("stream_error_before_content")), Scripted.sse(sse_events("stream_text")))
+    async with serve(*responses) as (server, provider):
+        service = ModelService(provider, retry=RetryPolicy(base_delay=0))
+        async with service.stream([UserMessage("Hi")]) as chunks:
+            received = [chunk async for chunk in chunks]
+    assert text_of(received) == STREAM_TEXT
+    assert len(server.requests) == 2
+
+
+async def test_service_retries_an_overloaded_status_and_a_cut_before_any_chunk() -> None:
+    responses = (
+        Scripted.json(JSON["error_529"], status=529),
+        Scripted.sse(sse_events("stream_text")[:2], cut=True),
+        Scripted.sse(sse_events("stream_text")),
+    )
+    async with serve(*responses) as (server, provider):
+        service = ModelService(provider, retry=RetryPolicy(base_delay=0))
+        async with service.stream([UserMessage("Hi")]) as chunks:
+            received = [chunk async for chunk in chunks]
+    assert text_of(received) == STREAM_TEXT
+    assert len(server.requests) == 3
+
+
+async def test_service_chat_retries_rate_limits_with_retry_after() -> None:
+    responses = (
+        Scripted.json(JSON["error_429"], status=429, headers=[("retry-after", "0")]),
+        Scripted.json(JSON["text_reply"]),
+    )
+    async with serve(*responses) as (server, provider):
+        service = ModelService(provider, retry=RetryPolicy(base_delay=0))
+        response = await service.chat([UserMessage("Hi")])
+    assert response.message.text.startswith("Hello") and len(server.requests) == 2
+
+
+@pytest.mark.parametrize("failure", ["error_event", "cut"])
+async def test_service_stream_failing_after_chunks_is_interrupted_not_retried(failure: str) -> None:
+    if failure == "error_event":
+        failing = Scripted.sse(sse_events("stream_error_after_text"))
+    else:
+        failing = Scripted.sse(sse_events("stream_text")[:4], cut=True)
+    async with serve(failing, Scripted.sse(sse_events("stream_text"))) as (server, provider):
+        service = ModelService(provider, retry=RetryPolicy(base_delay=0))
+        received: list[StreamChunk] = []
+        with pytest.raises(StreamInterruptedError) as caught:
+            async with service.stream([UserMessage("Hi")]) as chunks:
+                async for chunk in chunks:
+                    received.append(chunk)
+    assert len(received) == 1 and isinstance(received[0], TextDelta)
+    assert not caught.value.retryable
+    assert len(server.requests) == 1
+
+
+# -- timeouts and connection failures -----------------------------------------------------------------
+
+
+async def test_stream_idle_timeout() -> None:
+    never = trio.Event()
+    async with serve(Scripted.sse([sse_events("stream_text")[0], Gate(never)]), stream_idle_timeout=0.3) as (
+        _,
+        provider,
+    ):
+        with pytest.raises(ModelTimeoutError) as caught:
+            await collect(provider, request(operation=Operation.STREAM))
+    assert caught.value.code == "MODEL_STREAM_IDLE_TIMEOUT"
+
+
+async def test_chat_request_timeout() -> None:
+    never = trio.Event()
+    stalled = Scripted(200, [("content-type", "application/json")], [b'{"type":', Gate(never)])
+    async with serve(stalled, timeout=0.3) as (_, provider):
+        with pytest.raises(ModelTimeoutError) as caught:
+            await provider.chat(request())
+    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["chat", "stream"])
+async def test_connection_refused_is_a_retryable_connection_error(streaming: bool) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with AnthropicProvider(MODEL, api_key=KEY, base_url=f"http://127.0.0.1:{port}") as provider:
+        with pytest.raises(ModelConnectionError) as caught:
+            if streaming:
+                await collect(provider, request())
+            else:
+                await provider.chat(request())
+    assert caught.value.retryable
+
+
+# -- configuration and resources ----------------------------------------------------------------------
+
+
+def test_missing_api_key_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    with pytest.raises(ProviderConfigError, match="ANTHROPIC_API_KEY"):
+        AnthropicProvider(MODEL)
+    with pytest.raises(ProviderConfigError, match="ANTHROPIC_API_KEY"):
+        AnthropicProvider(MODEL, api_key="")
+
+
+@pytest.mark.parametrize("url", ["not a url", "ftp://example.com", "http://", "example.com/v1", "http://h/?q=1"])
+def test_invalid_base_url_is_named(url: str) -> None:
+    with pytest.raises(ProviderConfigError) as caught:
+        AnthropicProvider(MODEL, api_key=KEY, base_url=url)
+    assert repr(url) in str(caught.value)
+
+
+def test_invalid_base_url_from_the_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", "ftp://nowhere")
+    with pytest.raises(ProviderConfigError, match=r"ANTHROPIC_BASE_URL.*ftp://nowhere"):
+        AnthropicProvider(MODEL, api_key=KEY)
+
+
+def test_bad_limits_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="stream_idle_timeout"):
+        AnthropicProvider(MODEL, api_key=KEY, stream_idle_timeout=0)
+    with pytest.raises(ConfigError, match="max_response_bytes"):
+        AnthropicProvider(MODEL, api_key=KEY, max_response_bytes=0)
+
+
+async def test_key_and_base_url_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with open_fake_server(queue_handler(Scripted.json(JSON["text_reply"]))) as server:
+        monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-from-env")
+        monkeypatch.setenv("ANTHROPIC_BASE_URL", server.url + "/proxy/")
+        async with AnthropicProvider(MODEL) as provider:
+            assert provider.base_url == server.url + "/proxy"
+            await provider.chat(request())
+    assert server.requests[0].path == "/proxy/v1/messages"
+    assert server.requests[0].headers["x-api-key"] == "sk-from-env"
+
+
+async def test_client_ownership_and_with_model_sharing() -> None:
+    async with open_fake_server(queue_handler(*[Scripted.json(JSON["text_reply"])] * 2)) as server:
+        async with AnthropicProvider(MODEL, api_key=KEY, base_url=server.url) as provider:
+            assert provider.owns_client
+            other = provider.with_model("claude-other")
+            assert (other.model, other.client, other.owns_client) == ("claude-other", provider.client, False)
+            async with other:
+                pass
+            assert not provider.client.is_closed  # the derived provider never closes the shared client
+            await other.chat(ModelRequest(Operation.CHAT, "claude-other", (UserMessage("Hi"),)))
+        assert provider.client.is_closed
+        given = httpx.AsyncClient()
+        try:
+            async with AnthropicProvider(MODEL, api_key=KEY, base_url=server.url, client=given) as borrowed:
+                assert not borrowed.owns_client
+                await borrowed.chat(request())
+            assert not given.is_closed
+        finally:
+            await given.aclose()
+    assert [sent.json()["model"] for sent in server.requests] == ["claude-other", MODEL]
+    assert KEY not in repr(provider)

@@ -1,0 +1,1084 @@
+"""The OpenAI-compatible provider over real HTTP against a local fake server (nothing of ours is mocked).
+
+Fixtures in tests/fixtures/openai are recorded-shape wire payloads; the first test checks each of them
+(every SSE data event too) against the official ``openai`` SDK types, so they cannot drift from the API.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+from fake_server import FakeServer, Gate, Scripted, open_fake_server, queue_handler
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.shared import ErrorObject
+
+from trio_agent import (
+    AssistantMessage,
+    AuthenticationError,
+    FinishChunk,
+    FinishReason,
+    MalformedResponseError,
+    ModelConnectionError,
+    ModelError,
+    ModelNotFoundError,
+    ModelRequest,
+    ModelService,
+    ModelTimeoutError,
+    Operation,
+    Provider,
+    ProviderConfigError,
+    ProviderError,
+    ProviderServerError,
+    RateLimitError,
+    ReasoningDelta,
+    ReasoningPart,
+    RetryPolicy,
+    StreamChunk,
+    StreamInterruptedError,
+    SystemMessage,
+    TextDelta,
+    TextPart,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallPart,
+    ToolCallStart,
+    ToolResultMessage,
+    ToolSpec,
+    Usage,
+    UsageChunk,
+    UserMessage,
+)
+from trio_agent._models._openai import OpenAIProvider
+
+FIXTURES = Path(__file__).parent / "fixtures" / "openai"
+MODEL = "gpt-4o-mini"
+HELLO = (UserMessage("hi"),)
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def fixture_json(name: str) -> Any:
+    return json.loads((FIXTURES / name).read_text())
+
+
+def fixture_sse(name: str) -> bytes:
+    return (FIXTURES / name).read_bytes()
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    """The fixture's events (each with its blank line), comments included as their own events."""
+    return [event + b"\n\n" for event in raw.split(b"\n\n") if event]
+
+
+def sse_data(raw: bytes) -> list[str]:
+    """The data payloads of an SSE body (a small independent parser, for fixture validation)."""
+    payloads = []
+    for block in raw.decode().split("\n\n"):
+        data = [line[len("data:") :].lstrip(" ") for line in block.split("\n") if line.startswith("data:")]
+        if data:
+            payloads.append("\n".join(data))
+    return payloads
+
+
+def awkward_pieces(raw: bytes) -> list[bytes]:
+    """Split *raw* mid-JSON, mid-line, inside multi-byte characters and between the two newlines
+    that end an event, plus every 11 bytes."""
+    cuts = set(range(11, len(raw), 11))
+    cuts |= {index + 1 for index in range(len(raw) - 1) if raw[index : index + 2] == b"\n\n"}
+    cuts |= {index for index in range(1, len(raw)) if raw[index] & 0xC0 == 0x80}  # inside a UTF-8 sequence
+    cuts |= {raw.index(b"[DONE]") + 3}
+    bounds = [0, *sorted(cuts), len(raw)]
+    pieces = [raw[start:end] for start, end in itertools.pairwise(bounds) if end > start]
+    assert b"".join(pieces) == raw
+    return pieces
+
+
+def chunk_event(delta: dict[str, Any], finish: str | None = None, *, valid: bool = True, **extra: Any) -> bytes:
+    """One ``chat.completion.chunk`` SSE event; checked against the SDK type unless deliberately invalid."""
+    payload = {
+        "id": "chatcmpl-test",
+        "object": "chat.completion.chunk",
+        "created": 1754000000,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        **extra,
+    }
+    if valid:
+        ChatCompletionChunk.model_validate(payload)
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def completion(message: dict[str, Any], finish: Any = "stop", **extra: Any) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-test",
+        "object": "chat.completion",
+        "created": 1754000000,
+        "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish}],
+        **extra,
+    }
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def provider_for(server: FakeServer, **kwargs: Any) -> OpenAIProvider:
+    kwargs.setdefault("api_key", "sk-test")
+    kwargs.setdefault("base_url", server.url + "/v1")
+    return OpenAIProvider(MODEL, **kwargs)
+
+
+def request(
+    *messages: Any,
+    tools: Sequence[ToolSpec] = (),
+    options: dict[str, Any] | None = None,
+    operation: Operation = Operation.STREAM,
+) -> ModelRequest:
+    return ModelRequest(operation, MODEL, messages or HELLO, tuple(tools), options or {})
+
+
+async def collect(provider: OpenAIProvider, req: ModelRequest, into: list[StreamChunk] | None = None) -> list[Any]:
+    chunks: list[Any] = [] if into is None else into
+    async with aclosing(provider.stream(req)) as stream:
+        async for chunk in stream:
+            chunks.append(chunk)
+    return chunks
+
+
+async def wait_closed(event: trio.Event) -> None:
+    with trio.fail_after(5):  # a hang guard, not synchronisation
+        await event.wait()
+
+
+# -- fixtures vs the official SDK types -------------------------------------------------------------
+
+
+def test_fixtures_validate_against_the_official_sdk_types() -> None:
+    text = ChatCompletion.model_validate(fixture_json("chat_text.json"))
+    assert text.choices[0].finish_reason == "stop" and text.choices[0].message.content
+    tools = ChatCompletion.model_validate(fixture_json("chat_tool_calls.json"))
+    assert len(tools.choices[0].message.tool_calls or []) == 2
+    usage_only = ChatCompletionChunk.model_validate(fixture_json("chunk_usage_only.json"))
+    assert usage_only.choices == [] and usage_only.usage is not None
+    for name in ("stream_text.sse", "stream_tool_calls.sse"):
+        raw = fixture_sse(name)
+        assert b": keep-alive\n" in raw and raw.endswith(DONE)
+        payloads = sse_data(raw)
+        assert payloads[-1] == "[DONE]"
+        chunks = [ChatCompletionChunk.model_validate(json.loads(data)) for data in payloads[:-1]]
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None  # the include_usage chunk
+        assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in chunks)
+    streamed_calls = {
+        call.index
+        for data in sse_data(fixture_sse("stream_tool_calls.sse"))[:-1]
+        for choice in ChatCompletionChunk.model_validate(json.loads(data)).choices
+        for call in choice.delta.tool_calls or []
+    }
+    assert streamed_calls == {0, 1}
+    for status in (401, 404, 429, 500):
+        ErrorObject.model_validate(fixture_json(f"error_{status}.json")["error"])
+
+
+# -- chat ----------------------------------------------------------------------------------------------
+
+
+async def test_chat_text_completion() -> None:
+    async with (
+        open_fake_server(queue_handler(Scripted.json(fixture_json("chat_text.json")))) as server,
+        provider_for(server) as provider,
+    ):
+        response = await provider.chat(request(operation=Operation.CHAT))
+    assert response.message == AssistantMessage((TextPart("Hello! How can I help you today? 👋"),))
+    assert response.finish_reason is FinishReason.STOP
+    assert response.usage == Usage(19, 10, 29, cached_input_tokens=0, reasoning_tokens=0)
+    assert response.model == "gpt-4o-mini-2024-07-18"
+    assert response.id == "chatcmpl-BzX1fQ9uT3nq0aKpLr2Yc8dE7vW5s"
+    (seen,) = server.requests
+    assert (seen.method, seen.path) == ("POST", "/v1/chat/completions")
+    assert seen.headers["authorization"] == "Bearer sk-test"
+    assert seen.headers["content-type"] == "application/json"
+    assert seen.json() == {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_chat_parallel_tool_calls() -> None:
+    async with (
+        open_fake_server(queue_handler(Scripted.json(fixture_json("chat_tool_calls.json")))) as server,
+        provider_for(server) as provider,
+    ):
+        response = await provider.chat(request(operation=Operation.CHAT))
+    assert response.message.tool_calls == (
+        ToolCallPart("call_Vx2kP9qL4mN7rT1s", "get_weather", '{"city": "Paris", "unit": "celsius"}'),
+        ToolCallPart("call_Hq8wE3yU6iO0pA5d", "get_time", '{"timezone": "Europe/Paris"}'),
+    )
+    assert response.message.text == ""
+    assert response.finish_reason is FinishReason.TOOL_CALLS
+    assert response.usage == Usage(82, 51, 133, cached_input_tokens=64, reasoning_tokens=12)
+
+
+async def test_request_body_maps_messages_tools_and_options() -> None:
+    weather = ToolSpec(
+        "get_weather", "Weather for a city", {"type": "object", "properties": {"city": {"type": "string"}}}
+    )
+    conversation = (
+        SystemMessage("be brief"),
+        UserMessage("weather and time in Paris?"),
+        AssistantMessage(
+            (
+                ReasoningPart("the user wants two tools", signature="sig"),
+                TextPart("Checking."),
+                ToolCallPart("call_1", "get_weather", '{"city": "Paris"}'),
+                ToolCallPart("call_2", "get_time", "{}"),
+            )
+        ),
+        ToolResultMessage("call_1", "18 C"),
+        ToolResultMessage("call_2", "no such tool", is_error=True),
+        AssistantMessage((ToolCallPart("call_3", "get_weather", '{"city": "Lyon"}'),)),
+        ToolResultMessage("call_3", "20 C"),
+        AssistantMessage((TextPart("Done."),)),
+    )
+    handler = queue_handler(
+        Scripted.json(fixture_json("chat_text.json")), Scripted.sse(awkward_pieces(fixture_sse("stream_text.sse")))
+    )
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        options = {
+            "temperature": 0.2,
+            "max_tokens": 100,
+            "stream_options": {"chunk_size": 3},
+            "extra_body": {"top_k": 5},
+        }
+        await provider.chat(request(*conversation, tools=[weather], options=options, operation=Operation.CHAT))
+        await collect(provider, request(*conversation, tools=[weather], options=options))
+    expected_messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "weather and time in Paris?"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "no such tool"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_3",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_3", "content": "20 C"},
+        {"role": "assistant", "content": "Done."},
+    ]
+    expected_tools = [{"type": "function", "function": {"name": "get_weather", **_spec_fields(weather)}}]
+    chat_body, stream_body = (seen.json() for seen in server.requests)
+    assert chat_body == {
+        "model": MODEL,
+        "messages": expected_messages,
+        "tools": expected_tools,
+        "temperature": 0.2,
+        "max_tokens": 100,
+        "top_k": 5,
+    }  # no stream / stream_options on a non-streaming call; extra_body merged in
+    assert stream_body == {
+        **chat_body,
+        "stream": True,
+        "stream_options": {"chunk_size": 3, "include_usage": True},
+    }
+    assert server.requests[1].headers["accept"] == "text/event-stream"
+
+
+def _spec_fields(spec: ToolSpec) -> dict[str, Any]:
+    return {"description": spec.description, "parameters": spec.parameters}
+
+
+@pytest.mark.parametrize("key", ["model", "messages", "tools", "stream"])
+async def test_options_cannot_override_what_the_provider_sets(key: str) -> None:
+    async with open_fake_server(queue_handler()) as server, provider_for(server) as provider:
+        with pytest.raises(ModelError, match=repr(key)) as caught:
+            await provider.chat(request(options={key: "x"}, operation=Operation.CHAT))
+        assert caught.value.code == "PROVIDER_RESERVED_OPTION"
+        with pytest.raises(ModelError, match=repr(key)):
+            await collect(provider, request(options={key: "x"}))
+    assert server.requests == []
+
+
+@pytest.mark.parametrize(
+    ("wire", "reason"),
+    [
+        ("stop", FinishReason.STOP),
+        ("length", FinishReason.LENGTH),
+        ("tool_calls", FinishReason.TOOL_CALLS),
+        ("function_call", FinishReason.TOOL_CALLS),
+        ("content_filter", FinishReason.CONTENT_FILTER),
+    ],
+)
+async def test_finish_reasons_are_mapped(wire: str, reason: FinishReason) -> None:
+    body = completion({"content": "x"}, wire)
+    ChatCompletion.model_validate(body)
+    stream = Scripted.sse([chunk_event({"content": "x"}), chunk_event({}, wire), DONE])
+    async with (
+        open_fake_server(queue_handler(Scripted.json(body), stream)) as server,
+        provider_for(server) as provider,
+    ):
+        assert (await provider.chat(request(operation=Operation.CHAT))).finish_reason is reason
+        assert (await collect(provider, request()))[-1] == FinishChunk(reason)
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        (completion({"content": "x"}, "sleepy"), "unknown choices[0].finish_reason 'sleepy'"),
+        (completion({"content": "x"}, None), "missing choices[0].finish_reason"),
+        ({"id": "x", "object": "chat.completion"}, "missing choices"),
+        (completion({"content": "x"}) | {"choices": []}, "choices is empty"),
+        ({"choices": [{"index": 0, "finish_reason": "stop"}]}, "missing choices[0].message"),
+        (completion({"content": 7}), "choices[0].message.content must be a string"),
+        (
+            completion({"tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}),
+            "missing choices[0].message.tool_calls[0].id",
+        ),
+        (
+            completion({"tool_calls": [{"id": "c", "type": "function", "function": {"arguments": "{}"}}]}),
+            "missing choices[0].message.tool_calls[0].function.name",
+        ),
+        (completion({"content": "x"}, usage={"completion_tokens": 1}), "missing usage.prompt_tokens"),
+        ([1, 2], "response body must be an object"),
+    ],
+)
+async def test_malformed_completions_name_what_is_wrong(body: Any, named: str) -> None:
+    async with open_fake_server(queue_handler(Scripted.json(body))) as server, provider_for(server) as provider:
+        with pytest.raises(MalformedResponseError) as caught:
+            await provider.chat(request(operation=Operation.CHAT))
+    assert named in str(caught.value)
+    assert not caught.value.retryable
+
+
+async def test_a_completion_that_is_not_json_is_malformed() -> None:
+    scripted = Scripted(200, [("content-type", "application/json")], [b'{"id": "chatcmpl-x", "choi'], chunked=False)
+    async with open_fake_server(queue_handler(scripted)) as server, provider_for(server) as provider:
+        with pytest.raises(MalformedResponseError, match="not valid JSON"):
+            await provider.chat(request(operation=Operation.CHAT))
+
+
+async def test_oversize_bodies_are_rejected_without_buffering_them() -> None:
+    big = completion({"content": "x" * 5000})
+    chunked = Scripted(
+        200,
+        [("content-type", "application/json")],
+        [json.dumps(big).encode()[i : i + 500] for i in range(0, 5200, 500)],
+    )
+    async with open_fake_server(queue_handler(Scripted.json(big), chunked, Scripted.json(big))) as server:
+        async with provider_for(server, max_response_bytes=4096) as small:
+            with pytest.raises(MalformedResponseError, match="max_response_bytes=4096"):
+                await small.chat(request(operation=Operation.CHAT))  # content-length says too big
+            with pytest.raises(MalformedResponseError, match="max_response_bytes=4096"):
+                await small.chat(request(operation=Operation.CHAT))  # chunked: counted while reading
+        async with provider_for(server, max_response_bytes=6000) as large:
+            assert (await large.chat(request(operation=Operation.CHAT))).message.text == "x" * 5000
+
+
+async def test_compatible_server_variants_are_accepted() -> None:
+    """reasoning_content (vLLM, DeepSeek, llama.cpp), a usage chunk with choices null, no usage details."""
+    body = completion({"content": "4", "reasoning_content": "2+2"}, usage={"prompt_tokens": 3, "completion_tokens": 2})
+    stream = Scripted.sse(
+        [
+            chunk_event({"role": "assistant", "reasoning_content": "thinking"}),
+            chunk_event({"content": "4"}),
+            chunk_event({}, "stop"),
+            b'data: {"id":"x","object":"chat.completion.chunk","choices":null,'
+            b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n',
+            DONE,
+        ]
+    )
+    async with (
+        open_fake_server(queue_handler(Scripted.json(body), stream)) as server,
+        provider_for(server) as provider,
+    ):
+        response = await provider.chat(request(operation=Operation.CHAT))
+        chunks = await collect(provider, request())
+    assert response.message.parts == (ReasoningPart("2+2"), TextPart("4"))
+    assert response.usage == Usage(3, 2, 5)
+    assert chunks == [
+        ReasoningDelta("thinking"),
+        TextDelta("4"),
+        UsageChunk(Usage(3, 2, 5)),
+        FinishChunk(FinishReason.STOP),
+    ]
+
+
+async def test_an_error_object_with_status_200_is_a_typed_error() -> None:
+    async with (
+        open_fake_server(queue_handler(Scripted.json(fixture_json("error_500.json")))) as server,
+        provider_for(server) as provider,
+    ):
+        with pytest.raises(ProviderServerError, match="The server had an error"):
+            await provider.chat(request(operation=Operation.CHAT))
+
+
+# -- HTTP errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "error_type", "retryable", "text"),
+    [
+        (401, fixture_json("error_401.json"), AuthenticationError, False, "Incorrect API key provided"),
+        (
+            403,
+            {"error": {"message": "not allowed", "type": "permission_error"}},
+            AuthenticationError,
+            False,
+            "not allowed",
+        ),
+        (404, fixture_json("error_404.json"), ModelNotFoundError, False, "gpt-nope` does not exist"),
+        (429, fixture_json("error_429.json"), RateLimitError, True, "Rate limit reached"),
+        (500, fixture_json("error_500.json"), ProviderServerError, True, "The server had an error"),
+        (503, {"detail": "upstream overloaded"}, ProviderServerError, True, "upstream overloaded"),
+        (
+            400,
+            {"error": {"message": "bad temperature", "code": "invalid_value"}},
+            ProviderError,
+            False,
+            "bad temperature",
+        ),
+        (408, {"error": "request timed out"}, ProviderError, True, "request timed out"),
+    ],
+)
+async def test_http_errors_are_typed_before_any_body_is_parsed(
+    status: int, body: Any, error_type: type[ProviderError], retryable: bool, text: str
+) -> None:
+    request_id = [("x-request-id", "req_8f3a")]
+    handler = queue_handler(
+        Scripted.json(body, status=status, headers=request_id), Scripted.json(body, status=status, headers=request_id)
+    )
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        with pytest.raises(error_type) as chat_error:
+            await provider.chat(request(operation=Operation.CHAT))
+        chunks: list[StreamChunk] = []
+        with pytest.raises(error_type) as stream_error:
+            await collect(provider, request(), chunks)
+    assert chunks == []
+    for caught in (chat_error, stream_error):
+        assert type(caught.value) is error_type
+        assert caught.value.status == status
+        assert caught.value.retryable is retryable
+        assert text in str(caught.value) and f"HTTP {status}" in str(caught.value)
+        assert "req_8f3a" in str(caught.value)
+
+
+async def test_a_plain_text_error_body_is_quoted() -> None:
+    scripted = Scripted(502, [("content-type", "text/html")], [b"<html>Bad Gateway</html>"])
+    async with open_fake_server(queue_handler(scripted)) as server, provider_for(server) as provider:
+        with pytest.raises(ProviderServerError, match="Bad Gateway") as caught:
+            await provider.chat(request(operation=Operation.CHAT))
+    assert caught.value.status == 502
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ([("retry-after", "2")], 2.0),
+        ([("retry-after", "0.25")], 0.25),
+        ([("retry-after-ms", "1500"), ("retry-after", "9")], 1.5),
+        ([("retry-after", "soon")], None),
+        ([], None),
+    ],
+)
+async def test_rate_limit_retry_after(headers: list[tuple[str, str]], expected: float | None) -> None:
+    handler = queue_handler(Scripted.json(fixture_json("error_429.json"), status=429, headers=headers))
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        with pytest.raises(RateLimitError) as caught:
+            await provider.chat(request(operation=Operation.CHAT))
+    assert caught.value.retry_after == expected
+
+
+async def test_rate_limit_retry_after_http_date_and_exhausted_quota() -> None:
+    when = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+    quota = {
+        "error": {
+            "message": "You exceeded your current quota",
+            "type": "insufficient_quota",
+            "code": "insufficient_quota",
+        }
+    }
+    handler = queue_handler(
+        Scripted.json(fixture_json("error_429.json"), status=429, headers=[("retry-after", when)]),
+        Scripted.json(quota, status=429),
+    )
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        with pytest.raises(RateLimitError) as dated:
+            await provider.chat(request(operation=Operation.CHAT))
+        with pytest.raises(RateLimitError, match="exceeded your current quota") as exhausted:
+            await provider.chat(request(operation=Operation.CHAT))
+    assert dated.value.retry_after is not None and 25 <= dated.value.retry_after <= 30
+    assert exhausted.value.retryable is False  # waiting does not refill a quota
+
+
+async def test_connection_refused_is_a_retryable_connection_error() -> None:
+    with socket.socket() as probe:  # a port that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with OpenAIProvider(MODEL, api_key="k", base_url=f"http://127.0.0.1:{port}/v1") as provider:
+        with pytest.raises(ModelConnectionError) as chat_error:
+            await provider.chat(request(operation=Operation.CHAT))
+        with pytest.raises(ModelConnectionError):
+            await collect(provider, request())
+    assert chat_error.value.retryable
+
+
+# -- streaming ------------------------------------------------------------------------------------
+
+
+async def test_stream_text_split_at_awkward_byte_boundaries() -> None:
+    pieces = awkward_pieces(fixture_sse("stream_text.sse"))
+    async with open_fake_server(queue_handler(Scripted.sse(pieces))) as server, provider_for(server) as provider:
+        chunks = await collect(provider, request())
+    assert chunks == [
+        TextDelta("Héllo"),
+        TextDelta(", wörld"),
+        TextDelta(" 🌍!"),
+        UsageChunk(Usage(24, 7, 31, cached_input_tokens=16, reasoning_tokens=0)),
+        FinishChunk(FinishReason.STOP),
+    ]
+    body = server.requests[0].json()
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+
+
+async def test_stream_parallel_tool_calls_assembled_per_index() -> None:
+    pieces = awkward_pieces(fixture_sse("stream_tool_calls.sse"))
+    async with open_fake_server(queue_handler(Scripted.sse(pieces))) as server, provider_for(server) as provider:
+        chunks = await collect(provider, request())
+    weather = '{"city": "Paris", "unit": "celsius"}'
+    clock = '{"timezone": "Europe/Paris"}'
+    assert chunks == [
+        ToolCallStart(0, "call_Vx2kP9qL4mN7rT1s", "get_weather"),
+        ToolCallDelta(0, '{"ci'),
+        ToolCallDelta(0, 'ty": "Pa'),
+        ToolCallDelta(0, 'ris", "unit"'),
+        ToolCallDelta(0, ': "celsius"}'),
+        ToolCallStart(1, "call_Hq8wE3yU6iO0pA5d", "get_time"),
+        ToolCallDelta(1, '{"time'),
+        ToolCallDelta(1, 'zone": "Europe/'),
+        ToolCallDelta(1, 'Paris"}'),
+        ToolCallEnd(0, "call_Vx2kP9qL4mN7rT1s", "get_weather", weather),
+        ToolCallEnd(1, "call_Hq8wE3yU6iO0pA5d", "get_time", clock),
+        UsageChunk(Usage(82, 51, 133, cached_input_tokens=0, reasoning_tokens=0)),
+        FinishChunk(FinishReason.TOOL_CALLS),
+    ]
+
+
+async def test_stream_interleaved_tool_calls_and_ends_at_done_without_usage() -> None:
+    """Pieces of two calls interleave (even in one delta); a server that ignores include_usage sends no usage."""
+    events = [
+        chunk_event(
+            {"tool_calls": [{"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": "{"}}]}
+        ),
+        chunk_event(
+            {
+                "tool_calls": [
+                    {"index": 1, "id": "b", "type": "function", "function": {"name": "g", "arguments": '{"x"'}},
+                    {"index": 0, "function": {"arguments": '"k": 1'}},
+                ]
+            }
+        ),
+        chunk_event(
+            {
+                "tool_calls": [
+                    {"index": 1, "function": {"arguments": ": 2}"}},
+                    {"index": 0, "function": {"arguments": "}"}},
+                ]
+            }
+        ),
+        chunk_event({}, "tool_calls"),
+        DONE,
+    ]
+    async with open_fake_server(queue_handler(Scripted.sse(events))) as server, provider_for(server) as provider:
+        chunks = await collect(provider, request())
+    assert [chunk for chunk in chunks if isinstance(chunk, ToolCallEnd)] == [
+        ToolCallEnd(0, "a", "f", '{"k": 1}'),
+        ToolCallEnd(1, "b", "g", '{"x": 2}'),
+    ]
+    assert not any(isinstance(chunk, UsageChunk) for chunk in chunks)
+    assert chunks[-1] == FinishChunk(FinishReason.TOOL_CALLS)
+
+
+async def test_invalid_tool_arguments_pass_through_unchanged() -> None:
+    broken = '{"city": Par'
+    body = completion(
+        {
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": broken}}],
+        },
+        "tool_calls",
+    )
+    ChatCompletion.model_validate(body)
+    stream = Scripted.sse(
+        [
+            chunk_event(
+                {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": '},
+                        }
+                    ]
+                }
+            ),
+            chunk_event({"tool_calls": [{"index": 0, "function": {"arguments": "Par"}}]}),
+            chunk_event({}, "tool_calls"),
+            DONE,
+        ]
+    )
+    async with (
+        open_fake_server(queue_handler(Scripted.json(body), stream)) as server,
+        provider_for(server) as provider,
+    ):
+        response = await provider.chat(request(operation=Operation.CHAT))
+        chunks = await collect(provider, request())
+    (part,) = response.message.tool_calls
+    assert part == ToolCallPart("c1", "get_weather", broken)
+    with pytest.raises(ValueError):
+        part.parsed_arguments()  # the agent loop turns this into a model-visible tool error
+    assert ToolCallEnd(0, "c1", "get_weather", broken) in chunks
+
+
+async def test_a_stream_cut_mid_way_is_a_retryable_connection_error() -> None:
+    events = sse_events(fixture_sse("stream_text.sse"))
+    cut_in_event = [*events[:3], events[3][:25]]
+    async with (
+        open_fake_server(queue_handler(Scripted.sse(cut_in_event, cut=True))) as server,
+        provider_for(server) as provider,
+    ):
+        chunks: list[StreamChunk] = []
+        with pytest.raises(ModelConnectionError) as caught:
+            await collect(provider, request(), chunks)
+    assert caught.value.retryable
+    assert chunks == [TextDelta("Héllo")]
+
+
+async def test_a_stream_that_ends_without_done_is_an_error() -> None:
+    events = [event for event in sse_events(fixture_sse("stream_text.sse")) if event != DONE]
+    async with open_fake_server(queue_handler(Scripted.sse(events))) as server, provider_for(server) as provider:
+        with pytest.raises(ModelConnectionError, match=r"before `data: \[DONE\]`"):
+            await collect(provider, request())
+
+
+@pytest.mark.parametrize(
+    ("events", "error_type", "text"),
+    [
+        (
+            [chunk_event({"content": "a"}), b'data: {"id": "x", "choices": [{"delta": \n\n'],
+            MalformedResponseError,
+            "not valid JSON",
+        ),
+        (
+            [chunk_event({"content": "a"}), chunk_event({}, "sleepy", valid=False), DONE],
+            MalformedResponseError,
+            "unknown choices[0].finish_reason",
+        ),
+        ([chunk_event({"content": "a"}), DONE], MalformedResponseError, "without a finish_reason"),
+        (
+            [chunk_event({"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": "{}"}}]})],
+            MalformedResponseError,
+            "choices[0].delta.tool_calls[0].id",
+        ),
+        ([b"data: [1, 2]\n\n"], MalformedResponseError, "must be a JSON object"),
+        (
+            [b'data: {"error": {"message": "The server had an error", "type": "server_error", "code": null}}\n\n'],
+            ProviderServerError,
+            "The server had an error",
+        ),
+        (
+            [b'event: error\ndata: {"error": {"message": "slow down", "type": "rate_limit_error"}}\n\n'],
+            RateLimitError,
+            "slow down",
+        ),
+        (
+            [b'data: {"error": {"object": "error", "message": "bad input", "code": 400}}\n\n'],
+            ProviderError,
+            "bad input",
+        ),
+    ],
+)
+async def test_bad_stream_events_raise_typed_errors(
+    events: list[bytes], error_type: type[ModelError], text: str
+) -> None:
+    async with open_fake_server(queue_handler(Scripted.sse(events))) as server, provider_for(server) as provider:
+        with pytest.raises(error_type) as caught:
+            await collect(provider, request())
+    assert type(caught.value) is error_type
+    assert text in str(caught.value)
+
+
+async def test_a_200_stream_that_is_not_sse() -> None:
+    error = Scripted.json(fixture_json("error_401.json"))
+    page = Scripted(200, [("content-type", "text/html")], [b"<html>login</html>"])
+    async with open_fake_server(queue_handler(error, page)) as server, provider_for(server) as provider:
+        with pytest.raises(AuthenticationError, match="Incorrect API key"):
+            await collect(provider, request())
+        with pytest.raises(MalformedResponseError, match="expected a text/event-stream"):
+            await collect(provider, request())
+
+
+# -- closing and cancellation ------------------------------------------------------------------------
+
+
+class BodyTracker(httpx.AsyncBaseTransport):
+    """httpx's real transport, counting response bodies not yet closed: a check, right when a call
+    returns, that the provider closed its response itself (not a garbage-collector finaliser later)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.open_bodies = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        self.open_bodies += 1
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=_TrackedBody(response.stream, self),
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _TrackedBody(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream, tracker: BodyTracker) -> None:
+        self.inner = inner
+        self.tracker = tracker
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for piece in self.inner:
+            yield piece
+
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.tracker.open_bodies -= 1
+        await self.inner.aclose()
+
+
+async def test_aclose_closes_the_http_response_before_it_returns() -> None:
+    events = sse_events(fixture_sse("stream_text.sse"))
+    gate = trio.Event()
+    tracker = BodyTracker()
+    async with (
+        open_fake_server(queue_handler(Scripted.sse([*events[:3], Gate(gate), *events[3:]]))) as server,
+        httpx.AsyncClient(transport=tracker) as client,
+    ):
+        provider = provider_for(server, client=client)
+        stream = provider.stream(request())
+        assert await anext(stream) == TextDelta("Héllo")
+        assert tracker.open_bodies == 1
+        closed = server.closed
+        await stream.aclose()
+        assert tracker.open_bodies == 0  # closed by aclose itself, before it returned
+        # Let the server move on: it notices the closed socket (had the client kept the connection,
+        # the server would finish the response and wait for a next request instead).
+        gate.set()
+        await wait_closed(closed)
+        assert server.closed_connections == 1
+
+
+async def test_leaving_a_service_stream_early_closes_the_connection() -> None:
+    """No gate: the server is stuck sending megabytes the client never reads, until the client hangs up."""
+    events = sse_events(fixture_sse("stream_text.sse"))
+    flood = [b": keep-alive " + b"x" * 65536 + b"\n\n"] * 64
+    tracker = BodyTracker()
+    async with (
+        open_fake_server(queue_handler(Scripted.sse([*events[:3], *flood, *events[3:]]))) as server,
+        httpx.AsyncClient(transport=tracker) as client,
+    ):
+        service = ModelService(provider_for(server, client=client))
+        closed = server.closed
+        async with service.stream(HELLO) as chunks:
+            async for chunk in chunks:
+                assert chunk == TextDelta("Héllo")
+                break
+        assert tracker.open_bodies == 0
+        await wait_closed(closed)
+
+
+async def test_a_cancel_scope_around_a_stream_closes_the_response_promptly() -> None:
+    events = sse_events(fixture_sse("stream_text.sse"))
+    gate = trio.Event()
+    got_first = trio.Event()
+    received: list[StreamChunk] = []
+    tracker = BodyTracker()
+    async with (
+        open_fake_server(queue_handler(Scripted.sse([*events[:3], Gate(gate), *events[3:]]))) as server,
+        httpx.AsyncClient(transport=tracker) as client,
+    ):
+        provider = provider_for(server, client=client)
+        closed = server.closed
+
+        async def cancel_when_blocked(scope: trio.CancelScope) -> None:
+            await got_first.wait()
+            await trio.testing.wait_all_tasks_blocked()  # the consumer waits for bytes the gate holds back
+            scope.cancel()
+
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_when_blocked, scope)
+                async for chunk in provider.stream(request()):
+                    received.append(chunk)
+                    got_first.set()
+        assert scope.cancelled_caught
+        assert received == [TextDelta("Héllo")]
+        assert tracker.open_bodies == 0
+        gate.set()
+        await wait_closed(closed)
+
+
+async def test_a_finished_stream_releases_its_connection_for_reuse() -> None:
+    """After [DONE] the body is read to its end, so the next call reuses the same connection."""
+    pieces = awkward_pieces(fixture_sse("stream_text.sse"))
+    tracker = BodyTracker()
+    async with (
+        open_fake_server(queue_handler(Scripted.sse(pieces), Scripted.sse(pieces))) as server,
+        httpx.AsyncClient(transport=tracker) as client,
+    ):
+        provider = provider_for(server, client=client)
+        stream = provider.stream(request())
+        chunks = [chunk async for chunk in stream]  # runs to its natural end
+        assert chunks[-1] == FinishChunk(FinishReason.STOP)
+        assert tracker.open_bodies == 0
+        await collect(provider, request())
+        assert len(server.requests) == 2 and server.closed_connections == 0
+
+
+# -- timeouts ----------------------------------------------------------------------------------------
+
+
+async def test_stream_idle_timeout() -> None:
+    events = sse_events(fixture_sse("stream_text.sse"))
+    never = trio.Event()
+    handler = queue_handler(Scripted.sse([*events[:3], Gate(never)]), Scripted.sse([Gate(never)]))
+    async with open_fake_server(handler) as server, provider_for(server, stream_idle_timeout=0.2) as provider:
+        chunks: list[StreamChunk] = []
+        with pytest.raises(ModelTimeoutError) as after_chunk:
+            await collect(provider, request(), chunks)
+        with pytest.raises(ModelTimeoutError) as before_chunk:
+            await collect(provider, request())
+    assert chunks == [TextDelta("Héllo")]
+    for caught in (after_chunk, before_chunk):
+        assert caught.value.code == "MODEL_STREAM_IDLE_TIMEOUT"
+        assert "stream_idle_timeout" in str(caught.value)
+
+
+async def test_chat_read_timeout_is_a_request_timeout() -> None:
+    never = trio.Event()
+    stalled = Scripted(200, [("content-type", "application/json")], [Gate(never), b"{}"], chunked=False)
+    async with open_fake_server(queue_handler(stalled)) as server, provider_for(server, timeout=0.2) as provider:
+        with pytest.raises(ModelTimeoutError) as caught:
+            await provider.chat(request(operation=Operation.CHAT))
+    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+    assert isinstance(caught.value, TimeoutError)
+
+
+async def test_timeout_bounds_a_whole_chat_call_not_only_each_read() -> None:
+    """A body that trickles in (each gap shorter than the timeout) still ends at ``timeout`` in total."""
+    gates = [trio.Event() for _ in range(3)]
+    body = json.dumps(fixture_json("chat_text.json")).encode()
+    pieces: list[bytes | Gate] = [body[:10], Gate(gates[0]), body[10:20], Gate(gates[1]), body[20:30]]
+    pieces += [Gate(gates[2]), body[30:]]
+    trickle = Scripted(200, [("content-type", "application/json")], pieces, chunked=False)
+
+    async def open_gates_slowly() -> None:
+        for gate in gates:
+            await trio.sleep(0.3)  # drives the server's pace; nothing is synchronised on it
+            gate.set()
+
+    async with (
+        open_fake_server(queue_handler(trickle)) as server,
+        provider_for(server, timeout=0.5) as provider,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(open_gates_slowly)
+        with pytest.raises(ModelTimeoutError, match=r"took longer than timeout=0\.5 s") as caught:
+            await provider.chat(request(operation=Operation.CHAT))
+        nursery.cancel_scope.cancel()
+    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+
+
+# -- through ModelService: retries have one owner ------------------------------------------------------
+
+
+async def test_service_retries_an_error_before_the_first_chunk() -> None:
+    handler = queue_handler(
+        Scripted.json(fixture_json("error_500.json"), status=500),
+        Scripted.sse(awkward_pieces(fixture_sse("stream_text.sse"))),
+        Scripted.json(fixture_json("error_429.json"), status=429, headers=[("retry-after", "0")]),
+        Scripted.json(fixture_json("chat_text.json")),
+    )
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        service = ModelService(provider, retry=RetryPolicy(base_delay=0))
+        async with service.stream(HELLO) as chunks:
+            text = "".join([chunk.text async for chunk in chunks if isinstance(chunk, TextDelta)])
+        assert text == "Héllo, wörld 🌍!"
+        assert len(server.requests) == 2
+        response = await service.chat(HELLO)
+        assert response.finish_reason is FinishReason.STOP
+        assert len(server.requests) == 4
+
+
+async def test_service_never_retries_after_a_published_chunk() -> None:
+    events = sse_events(fixture_sse("stream_text.sse"))
+    error_event = b'data: {"error": {"message": "The server had an error", "type": "server_error"}}\n\n'
+    handler = queue_handler(
+        Scripted.sse(events[:3], cut=True),
+        Scripted.sse([*events[:3], error_event]),
+        Scripted.sse(events),  # would succeed, but must never be asked for
+    )
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        service = ModelService(provider, retry=RetryPolicy(base_delay=0))
+        for expected_requests, cause in ((1, ModelConnectionError), (2, ProviderServerError)):
+            received: list[StreamChunk] = []
+            with pytest.raises(StreamInterruptedError) as caught:
+                async with service.stream(HELLO) as chunks:
+                    async for chunk in chunks:
+                        received.append(chunk)
+            assert received == [TextDelta("Héllo")]
+            assert isinstance(caught.value.__cause__, cause)
+            assert not caught.value.retryable
+            assert len(server.requests) == expected_requests
+
+
+# -- configuration and client ownership --------------------------------------------------------------
+
+
+def test_missing_api_key_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(ProviderConfigError, match="OPENAI_API_KEY"):
+        OpenAIProvider(MODEL)
+    monkeypatch.setenv("OPENAI_API_KEY", "")
+    with pytest.raises(ProviderConfigError, match="OPENAI_API_KEY"):
+        OpenAIProvider(MODEL)
+
+
+@pytest.mark.parametrize(
+    "url", ["ftp://example.com/v1", "localhost:8000/v1", "http://", "/v1", "http://h/v1?x=1", "http://[::1"]
+)
+def test_invalid_base_url_is_a_config_error(url: str) -> None:
+    with pytest.raises(ProviderConfigError, match="base_url") as caught:
+        OpenAIProvider(MODEL, api_key="k", base_url=url)
+    assert repr(url) in str(caught.value)
+
+
+def test_base_url_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    assert OpenAIProvider(MODEL, api_key="k").base_url == "https://api.openai.com/v1"
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://localhost:11434/v1/")
+    assert OpenAIProvider(MODEL, api_key="k").base_url == "http://localhost:11434/v1"
+    monkeypatch.setenv("OPENAI_BASE_URL", "localhost:11434")
+    with pytest.raises(ProviderConfigError, match="OPENAI_BASE_URL"):
+        OpenAIProvider(MODEL, api_key="k")
+
+
+def test_bad_limits_are_config_errors() -> None:
+    with pytest.raises(ProviderConfigError):
+        OpenAIProvider("", api_key="k")
+    bad: list[dict[str, Any]] = [{"timeout": 0}, {"stream_idle_timeout": -1}, {"max_response_bytes": 0}]
+    for kwargs in bad:
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            OpenAIProvider(MODEL, api_key="k", **kwargs)
+
+
+async def test_api_key_from_the_environment_and_extra_headers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
+    referer = {"HTTP-Referer": "https://example.org"}
+    async with (
+        open_fake_server(queue_handler(Scripted.json(fixture_json("chat_text.json")))) as server,
+        OpenAIProvider(MODEL, base_url=server.url + "/v1", extra_headers=referer) as provider,
+    ):
+        assert isinstance(provider, Provider) and provider.name == "openai" and provider.model == MODEL
+        await provider.chat(request(operation=Operation.CHAT))
+    headers = server.requests[0].headers
+    assert headers["authorization"] == "Bearer sk-from-env"
+    assert headers["http-referer"] == "https://example.org"
+
+
+async def test_an_owned_client_is_closed_on_exit() -> None:
+    handler = queue_handler(Scripted.json(fixture_json("chat_text.json")))
+    async with open_fake_server(handler) as server:
+        provider = provider_for(server)
+        with pytest.raises(ModelError, match="async with") as not_open:
+            await provider.chat(request(operation=Operation.CHAT))
+        assert not_open.value.code == "PROVIDER_NOT_OPEN"
+        async with provider:
+            await provider.chat(request(operation=Operation.CHAT))
+            closed = server.closed  # the keep-alive connection stays open in the client's pool
+            assert server.closed_connections == 0
+        await wait_closed(closed)  # leaving the block closed the client and its connections
+        with pytest.raises(ModelError, match="async with"):
+            await collect(provider, request())
+
+
+async def test_a_given_client_is_never_closed_and_with_model_shares_it() -> None:
+    handler = queue_handler(*[Scripted.json(fixture_json("chat_text.json"))] * 3)
+    async with open_fake_server(handler) as server, httpx.AsyncClient() as client:
+        provider = provider_for(server, client=client)
+        await provider.chat(request(operation=Operation.CHAT))  # usable without `async with`
+        async with provider as entered:
+            other = entered.with_model("gpt-4o")
+            assert (other.model, other.base_url) == ("gpt-4o", provider.base_url)
+            await other.chat(ModelRequest(Operation.CHAT, "gpt-4o", HELLO))
+        assert not client.is_closed
+        await provider.chat(request(operation=Operation.CHAT))
+    assert [seen.json()["model"] for seen in server.requests] == [MODEL, "gpt-4o", MODEL]
+
+
+async def test_with_model_never_owns_the_client() -> None:
+    handler = queue_handler(*[Scripted.json(fixture_json("chat_text.json"))] * 2)
+    async with open_fake_server(handler) as server:
+        async with provider_for(server) as provider:
+            other = provider.with_model("gpt-4o")
+            async with other:  # entering and leaving the derived provider does not close the shared client
+                await other.chat(ModelRequest(Operation.CHAT, "gpt-4o", HELLO))
+            await provider.chat(request(operation=Operation.CHAT))
+            service = ModelService(provider).with_model("gpt-4o")
+            assert service.model == "gpt-4o"
+        with pytest.raises(ModelError, match="async with"):  # the owner closed it on exit
+            await other.chat(ModelRequest(Operation.CHAT, "gpt-4o", HELLO))
+
+
+async def test_creating_a_stream_sends_nothing_until_it_is_iterated() -> None:
+    """``stream()`` is a plain async generator: no task, no request until the first ``__anext__``."""
+    async with (
+        open_fake_server(queue_handler(Scripted.sse(awkward_pieces(fixture_sse("stream_text.sse"))))) as server,
+        provider_for(server) as provider,
+    ):
+        stream: AsyncGenerator[StreamChunk, None] = provider.stream(request())
+        await trio.testing.wait_all_tasks_blocked()
+        assert server.requests == []
+        async with aclosing(stream):
+            assert [chunk async for chunk in stream][-1] == FinishChunk(FinishReason.STOP)

@@ -1,0 +1,911 @@
+"""The Anthropic Messages provider: ``POST /v1/messages`` over httpx, streamed as server-sent events.
+
+Mapping (see ``docs/providers-anthropic.md``):
+
+* `SystemMessage` s become the top-level ``system`` (wherever they appear); consecutive
+  messages of one role are merged into one turn, so consecutive `ToolResultMessage` s become
+  one user turn of ``tool_result`` blocks (a user message right after them follows them).
+* `ReasoningPart` s with a ``signature`` go back as ``thinking`` blocks and those with
+  ``redacted_data`` as ``redacted_thinking`` blocks, unchanged; unsigned reasoning (from
+  another provider) cannot be verified by Anthropic and is left out.
+* `ToolCallPart` arguments are sent as the ``input`` object; arguments that are not a JSON
+  object (invalid JSON from the model) are sent as ``{}``, since the API accepts only objects.
+
+The provider never retries: the `ModelService` retry loop owns retries. Errors are typed
+(`ProviderError` and its subclasses, `ModelConnectionError`, `ModelTimeoutError`).
+"""
+
+from __future__ import annotations
+
+import codecs
+import datetime
+import email.utils
+import json
+import math
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from types import TracebackType
+from typing import Any, Final, cast
+
+import attrs
+import httpx
+import trio
+from httpx_sse import ServerSentEvent
+
+from .._config import validate_limit, validate_timeout
+from .._errors import (
+    AuthenticationError,
+    MalformedResponseError,
+    ModelConnectionError,
+    ModelError,
+    ModelNotFoundError,
+    ModelTimeoutError,
+    ProviderConfigError,
+    ProviderError,
+    ProviderServerError,
+    RateLimitError,
+)
+from ._messages import (
+    AssistantMessage,
+    ContentPart,
+    FinishChunk,
+    FinishReason,
+    Message,
+    ModelResponse,
+    ReasoningDelta,
+    ReasoningPart,
+    StreamChunk,
+    SystemMessage,
+    TextDelta,
+    TextPart,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallPart,
+    ToolCallStart,
+    ToolResultMessage,
+    ToolSpec,
+    Usage,
+    UsageChunk,
+    UserMessage,
+)
+from ._service import ModelRequest
+
+__all__ = ["ANTHROPIC_VERSION", "API_KEY_ENV", "BASE_URL_ENV", "DEFAULT_BASE_URL", "AnthropicProvider"]
+
+DEFAULT_BASE_URL: Final = "https://api.anthropic.com"
+ANTHROPIC_VERSION: Final = "2023-06-01"
+API_KEY_ENV: Final = "ANTHROPIC_API_KEY"
+BASE_URL_ENV: Final = "ANTHROPIC_BASE_URL"
+
+_MAX_ERROR_BODY: Final = 64 * 1024  # an error body is read up to this size (the rest is ignored)
+_MAX_UNWIND_STEPS: Final = 10_000  # buffered chunks discarded while unwinding a body, at most
+
+STOP_REASONS: Final[Mapping[str, FinishReason]] = {
+    "end_turn": FinishReason.STOP,
+    "stop_sequence": FinishReason.STOP,
+    "max_tokens": FinishReason.LENGTH,
+    "model_context_window_exceeded": FinishReason.LENGTH,
+    "tool_use": FinishReason.TOOL_CALLS,
+    "pause_turn": FinishReason.PAUSE_TURN,
+    "refusal": FinishReason.REFUSAL,
+}
+"""Anthropic ``stop_reason`` -> `FinishReason`; any other value is a `MalformedResponseError`."""
+
+# Anthropic error ``type`` -> our class, for an in-stream ``event: error`` (whose HTTP status was 200).
+_ERROR_TYPES: Final[Mapping[str, type[ProviderError]]] = {
+    "invalid_request_error": ProviderError,
+    "authentication_error": AuthenticationError,
+    "permission_error": AuthenticationError,
+    "billing_error": ProviderError,
+    "not_found_error": ModelNotFoundError,
+    "request_too_large": ProviderError,
+    "rate_limit_error": RateLimitError,
+    "api_error": ProviderServerError,
+    "timeout_error": ProviderServerError,
+    "overloaded_error": ProviderServerError,
+}
+
+
+class AnthropicProvider:
+    """The Anthropic Messages API as a `Provider`.
+
+    Args:
+        model: the model name, e.g. ``"claude-sonnet-4-5"``.
+        api_key: the API key; ``None`` reads ``ANTHROPIC_API_KEY`` (missing: `ProviderConfigError`).
+        base_url: the API root without ``/v1``; ``None`` reads ``ANTHROPIC_BASE_URL``, else
+            ``https://api.anthropic.com``. Requests go to ``{base_url}/v1/messages``.
+        client: an ``httpx.AsyncClient`` to use (never closed by the provider); ``None`` creates
+            one that the provider owns and closes when its ``async with`` block exits.
+        timeout: seconds for a whole non-streaming call, and for connecting / sending a streaming one.
+        stream_idle_timeout: seconds a stream may stay silent before `ModelTimeoutError`
+            (code ``MODEL_STREAM_IDLE_TIMEOUT``).
+        max_response_bytes: a response body (or a whole stream) larger than this is a
+            `MalformedResponseError`.
+        max_tokens: ``max_tokens`` when the request's options do not set it (the API requires it).
+        extra_headers: headers added to every request (e.g. ``anthropic-beta``); they win over ours.
+    """
+
+    name = "anthropic"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        client: httpx.AsyncClient | None = None,
+        timeout: float = 600.0,
+        stream_idle_timeout: float = 300.0,
+        max_response_bytes: int = 32 * 2**20,
+        max_tokens: int = 4096,
+        extra_headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if not isinstance(model, str) or not model:
+            raise ProviderConfigError(f"the Anthropic model must be a non-empty string, got {model!r}")
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        if not key:
+            raise ProviderConfigError(
+                f"no Anthropic API key: pass api_key= or set the {API_KEY_ENV} environment variable"
+            )
+        self.model = model
+        self.timeout = validate_timeout(timeout, name="timeout")
+        self.stream_idle_timeout = validate_timeout(stream_idle_timeout, name="stream_idle_timeout")
+        self.max_response_bytes = validate_limit(max_response_bytes, name="max_response_bytes")
+        self.max_tokens = validate_limit(max_tokens, name="max_tokens")
+        self.base_url = _base_url(base_url)
+        self._api_key = key
+        self._url = self.base_url + "/v1/messages"
+        self._extra_headers = dict(extra_headers or {})
+        self._owns_client = client is None
+        self._client = client if client is not None else httpx.AsyncClient(timeout=httpx.Timeout(self.timeout))
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The HTTP client (owned only when the provider created it)."""
+        return self._client
+
+    @property
+    def owns_client(self) -> bool:
+        return self._owns_client
+
+    def __repr__(self) -> str:
+        return f"AnthropicProvider(model={self.model!r}, base_url={self.base_url!r})"
+
+    # -- resources ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> AnthropicProvider:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this provider created it; a given or shared client stays open."""
+        if self._owns_client:
+            await self._client.aclose()
+
+    def with_model(self, model: str) -> AnthropicProvider:
+        """The same configuration for *model*, sharing (not owning) this provider's HTTP client."""
+        return AnthropicProvider(
+            model,
+            api_key=self._api_key,
+            base_url=self.base_url,
+            client=self._client,
+            timeout=self.timeout,
+            stream_idle_timeout=self.stream_idle_timeout,
+            max_response_bytes=self.max_response_bytes,
+            max_tokens=self.max_tokens,
+            extra_headers=self._extra_headers,
+        )
+
+    # -- requests -------------------------------------------------------------------------
+
+    def _headers(self, accept: str) -> dict[str, str]:
+        headers = {
+            "x-api-key": self._api_key,
+            "anthropic-version": ANTHROPIC_VERSION,
+            "content-type": "application/json",
+            "accept": accept,
+        }
+        headers.update(self._extra_headers)
+        return headers
+
+    def _body(self, request: ModelRequest, *, stream: bool) -> bytes:
+        payload = build_payload(request, default_max_tokens=self.max_tokens, stream=stream)
+        try:
+            return json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise ModelError(
+                f"the Anthropic request cannot be encoded as JSON: {exc}", code="MODEL_REQUEST_INVALID"
+            ) from exc
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:
+        """One non-streaming call; the whole call is bounded by ``timeout``."""
+        body = self._body(request, stream=False)
+        raw: bytes | None = None
+        with trio.move_on_after(self.timeout):
+            raw = await self._post(body)
+        if raw is None:
+            raise ModelTimeoutError(
+                f"the Anthropic request exceeded its {self.timeout:g} s timeout", code="MODEL_REQUEST_TIMEOUT"
+            )
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise MalformedResponseError(f"the Anthropic response is not valid JSON: {exc}") from exc
+        return parse_message(data)
+
+    async def _post(self, body: bytes) -> bytes:
+        try:
+            async with self._client.stream(
+                "POST",
+                self._url,
+                content=body,
+                headers=self._headers("application/json"),
+                timeout=httpx.Timeout(self.timeout),
+            ) as response:
+                await _raise_for_status(response)
+                return await _read_limited(response, self.max_response_bytes)
+        except httpx.TimeoutException as exc:
+            raise ModelTimeoutError(
+                f"the Anthropic request timed out ({type(exc).__name__})",
+                code="MODEL_REQUEST_TIMEOUT",
+                retryable=isinstance(exc, httpx.ConnectTimeout),
+            ) from exc
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        """A streaming call: an async generator whose ``aclose()`` closes the HTTP response."""
+        return self._stream(request)
+
+    async def _stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        # No nursery or cancel scope is held across a yield: `client.stream` is a plain
+        # try/finally that closes the response when this generator is closed.
+        body = self._body(request, stream=True)
+        state = _StreamState()
+        timeout = httpx.Timeout(self.timeout, read=self.stream_idle_timeout)
+        try:
+            async with self._client.stream(
+                "POST", self._url, content=body, headers=self._headers("text/event-stream"), timeout=timeout
+            ) as response:
+                await _raise_for_status(response)
+                await _check_event_stream(response)
+                parser = _SSEParser()
+                received = 0
+                chunks = response.aiter_bytes()
+                try:
+                    async for data in chunks:
+                        received += len(data)
+                        if received > self.max_response_bytes:
+                            raise MalformedResponseError(
+                                f"the Anthropic stream exceeded max_response_bytes ({self.max_response_bytes} bytes)"
+                            )
+                        for event in parser.feed(data):
+                            for chunk in state.handle(event):
+                                yield chunk
+                finally:
+                    await _unwind(chunks)
+                for event in parser.close():
+                    for chunk in state.handle(event):
+                        yield chunk
+        except httpx.ReadTimeout as exc:
+            raise ModelTimeoutError(
+                f"the Anthropic stream was idle for more than {self.stream_idle_timeout:g} s",
+                code="MODEL_STREAM_IDLE_TIMEOUT",
+            ) from exc
+        except httpx.TimeoutException as exc:
+            raise ModelTimeoutError(
+                f"the Anthropic request timed out ({type(exc).__name__})",
+                code="MODEL_REQUEST_TIMEOUT",
+                retryable=isinstance(exc, httpx.ConnectTimeout),
+            ) from exc
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+        if not state.finished:
+            raise ModelConnectionError("the Anthropic stream ended before message_stop")
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+
+def _base_url(base_url: str | None) -> str:
+    source = "base_url"
+    if base_url is None:
+        env = os.environ.get(BASE_URL_ENV)
+        if env:
+            base_url, source = env, BASE_URL_ENV
+        else:
+            base_url = DEFAULT_BASE_URL
+    problem = f"invalid Anthropic {source} {base_url!r}: expected an http(s) URL such as {DEFAULT_BASE_URL!r}"
+    if not isinstance(base_url, str):
+        raise ProviderConfigError(problem)
+    try:
+        url = httpx.URL(base_url.strip())
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        raise ProviderConfigError(problem) from exc
+    if url.scheme not in ("http", "https") or not url.host or url.query or url.fragment:
+        raise ProviderConfigError(problem)
+    return str(url).rstrip("/")
+
+
+# -- request mapping --------------------------------------------------------------------------
+
+
+def build_payload(request: ModelRequest, *, default_max_tokens: int, stream: bool) -> dict[str, Any]:
+    """The ``/v1/messages`` body for *request* (messages, tools and the supported options)."""
+    system, messages = convert_messages(request.messages)
+    options = request.options
+    payload: dict[str, Any] = {
+        "model": request.model,
+        "max_tokens": options.get("max_tokens") or default_max_tokens,
+        "messages": messages,
+    }
+    if system:
+        payload["system"] = system[0] if len(system) == 1 else [{"type": "text", "text": text} for text in system]
+    if request.tools:
+        payload["tools"] = [convert_tool(tool) for tool in request.tools]
+    payload.update(_convert_options(options, has_tools=bool(request.tools)))
+    if stream:
+        payload["stream"] = True
+    extra = options.get("extra_body")
+    if isinstance(extra, Mapping):
+        payload.update(extra)
+    return payload
+
+
+def convert_tool(tool: ToolSpec) -> dict[str, Any]:
+    spec: dict[str, Any] = {"name": tool.name, "input_schema": tool.parameters}
+    if tool.description:
+        spec["description"] = tool.description
+    return spec
+
+
+def _convert_options(options: Mapping[str, Any], *, has_tools: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in ("temperature", "top_p", "top_k", "metadata", "service_tier"):
+        if options.get(key) is not None:
+            out[key] = options[key]
+    stop = options.get("stop_sequences", options.get("stop"))
+    if stop is not None:
+        out["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+    thinking = options.get("thinking")
+    if isinstance(thinking, bool):
+        pass  # a bare flag carries no budget; give a dict or a budget in tokens
+    elif isinstance(thinking, int):
+        out["thinking"] = {"type": "enabled", "budget_tokens": thinking}
+    elif isinstance(thinking, Mapping):
+        out["thinking"] = dict(thinking)
+    choice = options.get("tool_choice")
+    tool_choice: dict[str, Any] | None = None
+    if isinstance(choice, str):
+        tool_choice = {"type": "any" if choice == "required" else choice}
+    elif isinstance(choice, Mapping):
+        tool_choice = dict(choice)
+    if options.get("parallel_tool_calls") is False and has_tools:
+        tool_choice = tool_choice or {"type": "auto"}
+        tool_choice["disable_parallel_tool_use"] = True
+    if tool_choice is not None:
+        out["tool_choice"] = tool_choice
+    return out
+
+
+def convert_messages(messages: tuple[Message, ...]) -> tuple[list[str], list[dict[str, Any]]]:
+    """(system texts, Anthropic messages). Consecutive messages of one role become one turn."""
+    system: list[str] = []
+    turns: list[dict[str, Any]] = []
+
+    def add(role: str, blocks: list[dict[str, Any]]) -> None:
+        if not blocks:
+            return
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        else:
+            turns.append({"role": role, "content": blocks})
+
+    for message in messages:
+        if isinstance(message, SystemMessage):
+            system.append(message.content)
+        elif isinstance(message, UserMessage):
+            add("user", [{"type": "text", "text": message.content}])
+        elif isinstance(message, ToolResultMessage):
+            add(
+                "user",
+                [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": message.tool_call_id,
+                        "content": message.content,
+                        "is_error": message.is_error,
+                    }
+                ],
+            )
+        elif isinstance(message, AssistantMessage):
+            add("assistant", [block for part in message.parts if (block := _assistant_block(part)) is not None])
+        else:  # pragma: no cover - the Message union is closed
+            raise TypeError(f"not a message: {message!r}")
+    return system, turns
+
+
+def _assistant_block(part: ContentPart) -> dict[str, Any] | None:
+    if isinstance(part, ReasoningPart):
+        if part.redacted_data is not None:
+            return {"type": "redacted_thinking", "data": part.redacted_data}
+        if part.signature is not None:
+            return {"type": "thinking", "thinking": part.text, "signature": part.signature}
+        return None  # unsigned reasoning (another provider's): Anthropic would reject it
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text} if part.text else None
+    return {"type": "tool_use", "id": part.id, "name": part.name, "input": _tool_input(part.arguments)}
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    """The ``input`` object for a tool call: its JSON arguments, or ``{}`` when they are not a JSON object."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+# -- response mapping -------------------------------------------------------------------------
+
+
+def _field(obj: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
+    value = obj.get(key)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise MalformedResponseError(f"the Anthropic {where} has no valid {key!r}: {value!r}")
+    return value
+
+
+def _finish_reason(value: Any) -> FinishReason:
+    reason = STOP_REASONS.get(value) if isinstance(value, str) else None
+    if reason is None:
+        raise MalformedResponseError(f"unknown Anthropic stop_reason {value!r}")
+    return reason
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_usage(raw: Any) -> Usage:
+    """`Usage` from an Anthropic ``usage`` object; ``total_tokens`` = input + output tokens."""
+    if not isinstance(raw, Mapping):
+        return Usage()
+    input_tokens = _count(raw.get("input_tokens")) or 0
+    output_tokens = _count(raw.get("output_tokens")) or 0
+    details = raw.get("output_tokens_details")
+    reasoning = _count(details.get("thinking_tokens")) if isinstance(details, Mapping) else None
+    return Usage(
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        total_tokens=input_tokens + output_tokens,
+        cached_input_tokens=_count(raw.get("cache_read_input_tokens")),
+        cache_creation_input_tokens=_count(raw.get("cache_creation_input_tokens")),
+        reasoning_tokens=reasoning,
+    )
+
+
+def parse_message(data: Any) -> ModelResponse:
+    """A `ModelResponse` from an Anthropic ``message`` object."""
+    if not isinstance(data, Mapping) or data.get("type") != "message":
+        raise MalformedResponseError(f"the Anthropic response is not a message: {str(data)[:200]}")
+    blocks = _field(data, "content", list, "message")
+    parts: list[ContentPart] = []
+    for block in blocks:
+        if not isinstance(block, Mapping):
+            raise MalformedResponseError(f"an Anthropic content block is not an object: {block!r}")
+        kind = block.get("type")
+        where = f"{kind} block"
+        if kind == "text":
+            parts.append(TextPart(_field(block, "text", str, where)))
+        elif kind == "thinking":
+            parts.append(ReasoningPart(_field(block, "thinking", str, where), _field(block, "signature", str, where)))
+        elif kind == "redacted_thinking":
+            parts.append(ReasoningPart("", redacted_data=_field(block, "data", str, where)))
+        elif kind == "tool_use":
+            parts.append(
+                ToolCallPart(
+                    _field(block, "id", str, where),
+                    _field(block, "name", str, where),
+                    json.dumps(block.get("input", {}), ensure_ascii=False),
+                )
+            )
+        # Other block types (server tools, citations-only blocks, ...) have no place in our model.
+    return ModelResponse(
+        # (cast: the attrs converter ``tuple`` gives mypy an unsolvable parameter type)
+        AssistantMessage(cast(Any, tuple(parts))),
+        _finish_reason(data.get("stop_reason")),
+        parse_usage(data.get("usage")),
+        _text(data.get("model")),
+        _text(data.get("id")),
+    )
+
+
+def _text(value: Any, default: str = "") -> str:
+    return value if isinstance(value, str) else default
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+async def _read_limited(response: httpx.Response, limit: int, *, truncate: bool = False) -> bytes:
+    """The body, counting bytes as they arrive; over *limit*: truncated, or `MalformedResponseError`."""
+    declared = response.headers.get("content-length", "")
+    if not truncate and declared.isdigit() and int(declared) > limit:
+        raise MalformedResponseError(
+            f"the Anthropic response ({declared} bytes) exceeds max_response_bytes ({limit} bytes)"
+        )
+    buffer = bytearray()
+    body = response.aiter_bytes()
+    try:
+        async for data in body:
+            buffer += data
+            if len(buffer) > limit:
+                if truncate:
+                    return bytes(buffer[:limit])
+                raise MalformedResponseError(f"the Anthropic response exceeds max_response_bytes ({limit} bytes)")
+    finally:
+        await _unwind(body)
+    return bytes(buffer)
+
+
+async def _unwind(body: AsyncIterator[bytes]) -> None:
+    """Finish httpx's body iterator when we stop reading early, without reading on.
+
+    httpx builds a body from nested async generators (``aiter_bytes`` -> ``aiter_raw`` ->
+    the transport's and httpcore's ``__aiter__``). Closing the outermost one leaves the
+    inner ones suspended, and Trio warns when they are garbage collected (encode/httpx#3686).
+    Resuming it inside a cancelled scope makes the innermost read raise ``Cancelled``, which
+    unwinds every layer at once (httpcore closes the connection on the way out); chunks that
+    were already buffered come back without a checkpoint and are discarded. A finished
+    iterator just raises ``StopAsyncIteration``.
+    """
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        for _ in range(_MAX_UNWIND_STEPS):
+            try:
+                await body.__anext__()
+            except StopAsyncIteration:
+                return
+            except Exception:  # the closed connection's own error: the layers are finished
+                return
+
+
+def _error_details(body: bytes) -> tuple[str | None, str]:
+    """(Anthropic error type, message) from an error body ``{"type": "error", "error": {...}}``."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None, text[:500] or "(empty body)"
+    error = data.get("error") if isinstance(data, Mapping) else None
+    if isinstance(error, Mapping):
+        kind = error.get("type")
+        message = error.get("message")
+        return (kind if isinstance(kind, str) else None), (message if isinstance(message, str) else str(error))
+    return None, text[:500]
+
+
+def retry_after_seconds(headers: httpx.Headers) -> float | None:
+    """The server's ``retry-after-ms`` / ``retry-after`` (seconds or an HTTP date) hint, in seconds."""
+    seconds: float | None = None
+    millis = headers.get("retry-after-ms")
+    value = headers.get("retry-after")
+    try:
+        if millis is not None:
+            seconds = float(millis) / 1000
+        elif value is not None:
+            seconds = float(value)
+    except ValueError:
+        seconds = None
+    if seconds is None and value is not None:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        seconds = when.timestamp() - time.time()
+    if seconds is None or not math.isfinite(seconds):
+        return None
+    return max(seconds, 0.0)
+
+
+async def _raise_for_status(response: httpx.Response) -> None:
+    status = response.status_code
+    if 200 <= status < 300:
+        return
+    kind, detail = _error_details(await _read_limited(response, _MAX_ERROR_BODY, truncate=True))
+    message = f"Anthropic API error {status}" + (f" {kind}" if kind else "") + f": {detail}"
+    request_id = response.headers.get("request-id")
+    if request_id:
+        message += f" (request-id {request_id})"
+    if status in (401, 403):
+        raise AuthenticationError(message, status=status)
+    if status == 404:
+        raise ModelNotFoundError(message, status=status)
+    if status == 429:
+        raise RateLimitError(message, status=status, retry_after=retry_after_seconds(response.headers))
+    if status >= 500:  # 529 is Anthropic's "overloaded"
+        raise ProviderServerError(message, status=status)
+    # 408 (request timeout) and 409 (conflict) are transient, as the official SDK treats them.
+    raise ProviderError(message, status=status, retryable=status in (408, 409) or None)
+
+
+def _stream_error(data: Mapping[str, Any]) -> ProviderError:
+    """The error for an in-stream ``event: error`` (the HTTP status was 200, so ``status`` is ``None``)."""
+    error = data.get("error")
+    error = error if isinstance(error, Mapping) else {}
+    kind = _text(error.get("type"), "unknown_error")
+    detail = _text(error.get("message"), str(error))
+    message = f"Anthropic stream error {kind}: {detail}"
+    cls = _ERROR_TYPES.get(kind, ProviderError)
+    if cls is RateLimitError:
+        return RateLimitError(message, status=None)
+    return cls(message, status=None)
+
+
+async def _check_event_stream(response: httpx.Response) -> None:
+    content_type = response.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if content_type != "text/event-stream":
+        snippet = (await _read_limited(response, 500, truncate=True)).decode("utf-8", "replace")
+        raise MalformedResponseError(
+            f"the Anthropic stream has content-type {content_type or '(none)'!r}, not text/event-stream: {snippet!r}"
+        )
+
+
+def _transport_error(exc: httpx.HTTPError) -> ModelError:
+    if isinstance(exc, httpx.DecodingError):
+        return MalformedResponseError(f"the Anthropic response could not be decoded: {exc}")
+    return ModelConnectionError(f"the connection to Anthropic failed ({type(exc).__name__}): {exc}")
+
+
+# -- streaming --------------------------------------------------------------------------------
+
+_LINE_END = re.compile(r"\r\n|\r|\n")
+_CONTENT_EVENTS: Final = frozenset(
+    ("content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop")
+)
+
+
+class _SSEParser:
+    """An incremental ``text/event-stream`` parser (WHATWG rules).
+
+    Fed raw bytes so the caller can count them as they arrive (httpx-sse's ``EventSource``
+    offers no hook for that and buffers an unterminated line without bound). Lines end in
+    CRLF, LF or CR, possibly split across reads (as are UTF-8 characters); ``:`` lines are
+    comments; an event is dispatched at a blank line if it has data.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self._pending: list[str] = []
+        self._skip_lf = False
+        self._started = False
+        self._event = ""
+        self._data: list[str] = []
+
+    def feed(self, data: bytes, *, final: bool = False) -> list[ServerSentEvent]:
+        try:
+            text = self._decoder.decode(data, final)
+        except UnicodeDecodeError as exc:
+            raise MalformedResponseError(f"the Anthropic stream is not valid UTF-8: {exc}") from exc
+        if not self._started and text:
+            self._started = True
+            text = text.removeprefix("\ufeff")
+        events = []
+        for line in self._lines(text):
+            event = self._line(line)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def close(self) -> list[ServerSentEvent]:
+        """Events left at the end of the body (an unterminated last event is dropped, as the spec says)."""
+        return self.feed(b"", final=True)
+
+    def _lines(self, text: str) -> Iterator[str]:
+        if self._skip_lf:
+            self._skip_lf = False
+            text = text.removeprefix("\n")
+        position = 0
+        for match in _LINE_END.finditer(text):
+            if match.group() == "\r" and match.end() == len(text):
+                self._skip_lf = True  # maybe the first half of a CRLF split across reads
+            self._pending.append(text[position : match.start()])
+            yield "".join(self._pending)
+            self._pending.clear()
+            position = match.end()
+        if position < len(text):
+            self._pending.append(text[position:])
+
+    def _line(self, line: str) -> ServerSentEvent | None:
+        if not line:
+            if not self._data:
+                self._event = ""
+                return None
+            event = ServerSentEvent(event=self._event or "message", data="\n".join(self._data))
+            self._event = ""
+            self._data = []
+            return event
+        if line.startswith(":"):
+            return None
+        field, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if field == "event":
+            self._event = value
+        elif field == "data":
+            self._data.append(value)
+        return None
+
+
+@attrs.define
+class _Block:
+    kind: str
+    ordinal: int = -1  # tool calls: the ordinal among the message's tool calls
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = attrs.field(factory=list)
+    initial_input: Any = None
+    stopped: bool = False
+
+
+class _StreamState:
+    """Turns Anthropic stream events into `StreamChunk` s."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, _Block] = {}
+        self.tool_calls = 0
+        self.usage: dict[str, Any] = {}
+        self.stop_reason: Any = None
+        self.started = False
+        self.finished = False
+
+    def handle(self, event: ServerSentEvent) -> list[StreamChunk]:
+        if self.finished:
+            return []
+        try:
+            data = json.loads(event.data)
+        except ValueError as exc:
+            raise MalformedResponseError(f"an Anthropic stream event is not valid JSON: {event.data[:200]!r}") from exc
+        if not isinstance(data, dict):
+            raise MalformedResponseError(f"an Anthropic stream event is not an object: {event.data[:200]!r}")
+        kind = event.event if event.event and event.event != "message" else data.get("type")
+        if kind == "error":
+            raise _stream_error(data)
+        if kind == "ping":
+            return []
+        if kind == "message_start":
+            message = data.get("message")
+            if not isinstance(message, Mapping):
+                raise MalformedResponseError("the Anthropic message_start event has no message")
+            self.started = True
+            self._merge_usage(message.get("usage"))
+            return []
+        if kind not in _CONTENT_EVENTS:
+            return []  # new event types may appear (Anthropic's versioning policy): ignore them
+        if not self.started:
+            raise MalformedResponseError(f"the Anthropic stream sent {kind} before message_start")
+        if kind == "content_block_start":
+            return self._block_start(data)
+        if kind == "content_block_delta":
+            return self._block_delta(data)
+        if kind == "content_block_stop":
+            return self._block_stop(data)
+        if kind == "message_delta":
+            delta = data.get("delta")
+            if isinstance(delta, Mapping) and delta.get("stop_reason") is not None:
+                self.stop_reason = delta["stop_reason"]
+            self._merge_usage(data.get("usage"))
+            return []
+        # message_stop
+        open_tools = [block.name for block in self.blocks.values() if block.kind == "tool_use" and not block.stopped]
+        if open_tools:
+            raise MalformedResponseError(f"the Anthropic stream stopped with unfinished tool calls {open_tools}")
+        reason = _finish_reason(self.stop_reason)
+        self.finished = True
+        return [UsageChunk(parse_usage(self.usage)), FinishChunk(reason)]
+
+    def _merge_usage(self, usage: Any) -> None:
+        # message_delta counts are cumulative: a later value replaces an earlier one.
+        if isinstance(usage, Mapping):
+            self.usage.update({key: value for key, value in usage.items() if value is not None})
+
+    def _index(self, data: Mapping[str, Any]) -> int:
+        return int(_field(data, "index", int, f"{data.get('type')} event"))
+
+    def _block(self, data: Mapping[str, Any]) -> _Block:
+        index = self._index(data)
+        block = self.blocks.get(index)
+        if block is None or block.stopped:
+            raise MalformedResponseError(f"the Anthropic stream sent {data.get('type')} for unknown block {index}")
+        return block
+
+    def _block_start(self, data: Mapping[str, Any]) -> list[StreamChunk]:
+        index = self._index(data)
+        if index in self.blocks:
+            raise MalformedResponseError(f"the Anthropic stream started content block {index} twice")
+        content = data.get("content_block")
+        if not isinstance(content, Mapping):
+            raise MalformedResponseError("the Anthropic content_block_start event has no content_block")
+        kind = content.get("type")
+        where = f"streamed {kind} block"
+        if kind == "text":
+            self.blocks[index] = _Block("text")
+            text = content.get("text")
+            return [TextDelta(text)] if isinstance(text, str) and text else []
+        if kind == "thinking":
+            self.blocks[index] = _Block("thinking")
+            chunks: list[StreamChunk] = []
+            if isinstance(content.get("thinking"), str) and content["thinking"]:
+                chunks.append(ReasoningDelta(content["thinking"]))
+            if isinstance(content.get("signature"), str) and content["signature"]:
+                chunks.append(ReasoningDelta(signature=content["signature"]))
+            return chunks
+        if kind == "tool_use":
+            block = _Block(
+                "tool_use",
+                self.tool_calls,
+                _field(content, "id", str, where),
+                _field(content, "name", str, where),
+                initial_input=content.get("input"),
+            )
+            self.tool_calls += 1
+            self.blocks[index] = block
+            return [ToolCallStart(block.ordinal, block.id, block.name)]
+        if kind == "redacted_thinking":
+            self.blocks[index] = _Block("redacted_thinking")
+            redacted = content.get("data")
+            # Arrives whole at block start; it must travel back to the API unchanged.
+            return [ReasoningDelta(redacted_data=redacted)] if isinstance(redacted, str) and redacted else []
+        # Server-tool blocks have no place in our model: skip them.
+        self.blocks[index] = _Block(str(kind))
+        return []
+
+    def _block_delta(self, data: Mapping[str, Any]) -> list[StreamChunk]:
+        block = self._block(data)
+        delta = data.get("delta")
+        if not isinstance(delta, Mapping):
+            raise MalformedResponseError("the Anthropic content_block_delta event has no delta")
+        kind = delta.get("type")
+        where = f"streamed {kind}"
+        if block.kind == "text" and kind == "text_delta":
+            text = _field(delta, "text", str, where)
+            return [TextDelta(text)] if text else []
+        if block.kind == "thinking" and kind == "thinking_delta":
+            text = _field(delta, "thinking", str, where)
+            return [ReasoningDelta(text)] if text else []
+        if block.kind == "thinking" and kind == "signature_delta":
+            return [ReasoningDelta(signature=_field(delta, "signature", str, where))]
+        if block.kind == "tool_use" and kind == "input_json_delta":
+            piece = _field(delta, "partial_json", str, where)
+            if not piece:
+                return []
+            block.arguments.append(piece)
+            return [ToolCallDelta(block.ordinal, piece)]
+        if kind in ("text_delta", "thinking_delta", "signature_delta", "input_json_delta") and block.kind in (
+            "text",
+            "thinking",
+            "tool_use",
+        ):
+            raise MalformedResponseError(f"the Anthropic stream sent a {kind} for a {block.kind} block")
+        return []  # citations and deltas of skipped blocks
+
+    def _block_stop(self, data: Mapping[str, Any]) -> list[StreamChunk]:
+        block = self._block(data)
+        block.stopped = True
+        if block.kind != "tool_use":
+            return []
+        if block.arguments:
+            arguments = "".join(block.arguments)
+        elif isinstance(block.initial_input, Mapping) and block.initial_input:
+            arguments = json.dumps(block.initial_input, ensure_ascii=False)
+        else:
+            arguments = "{}"
+        return [ToolCallEnd(block.ordinal, block.id, block.name, arguments)]

@@ -1,0 +1,843 @@
+"""The OpenAI-compatible Chat Completions provider, over httpx (streams parsed with httpx-sse).
+
+Works with OpenAI and every server that speaks ``POST {base_url}/chat/completions``
+(vLLM, Ollama, llama.cpp server, LM Studio, OpenRouter, ...). The provider never
+retries: it maps each failure to one typed `ModelError` and the `ModelService`
+retry loop decides. The provider owns the HTTP client it creates (use it as
+``async with OpenAIProvider(...) as provider``) and never closes one it was given.
+
+Streams are async generators that hold no cancel scope or nursery across a
+``yield``: the HTTP response is opened with ``async with client.stream(...)``
+inside the generator, so ``aclose()`` (or a cancellation) closes it before it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import json
+import math
+import os
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from types import TracebackType
+from typing import Any, NoReturn
+
+import httpx
+import trio
+from httpx_sse import EventSource, SSEError
+
+from .._config import validate_limit, validate_timeout
+from .._errors import (
+    AuthenticationError,
+    MalformedResponseError,
+    ModelConnectionError,
+    ModelError,
+    ModelNotFoundError,
+    ModelTimeoutError,
+    ProviderConfigError,
+    ProviderError,
+    ProviderServerError,
+    RateLimitError,
+)
+from ._messages import (
+    AssistantMessage,
+    ContentPart,
+    FinishChunk,
+    FinishReason,
+    Message,
+    ModelResponse,
+    ReasoningDelta,
+    ReasoningPart,
+    StreamChunk,
+    SystemMessage,
+    TextDelta,
+    TextPart,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallPart,
+    ToolCallStart,
+    ToolResultMessage,
+    ToolSpec,
+    Usage,
+    UsageChunk,
+    UserMessage,
+)
+from ._service import ModelRequest
+
+__all__ = ["DEFAULT_OPENAI_BASE_URL", "OpenAIProvider"]
+
+DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
+_ERROR_BODY_LIMIT = 64 * 1024  # error bodies are read up to this size, the rest is dropped
+_DRAIN_SECONDS = 1.0  # how long the body may stay open after `data: [DONE]`
+_RELEASE_GUARD_SECONDS = 5.0
+
+_FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "tool_calls": FinishReason.TOOL_CALLS,
+    "function_call": FinishReason.TOOL_CALLS,  # the deprecated functions API
+    "content_filter": FinishReason.CONTENT_FILTER,
+}
+
+# Keys of the request body the provider sets itself; ``request.options`` may not set them.
+_RESERVED_OPTIONS = ("model", "messages", "tools", "stream")
+
+# Error ``type`` / ``code`` values (OpenAI and common compatible servers) -> error class.
+_AUTH_KINDS = frozenset(
+    {"invalid_api_key", "authentication_error", "permission_error", "insufficient_permissions", "unauthorized"}
+)
+_NOT_FOUND_KINDS = frozenset({"model_not_found", "not_found_error", "notfounderror"})
+_RATE_LIMIT_KINDS = frozenset({"rate_limit_exceeded", "rate_limit_error", "ratelimiterror", "insufficient_quota"})
+_SERVER_KINDS = frozenset(
+    {"server_error", "internal_error", "internal_server_error", "api_error", "overloaded_error", "service_unavailable"}
+)
+
+
+class _ClientSlot:
+    """The HTTP client shared by a provider and the providers `OpenAIProvider.with_model` made from it."""
+
+    __slots__ = ("client",)
+
+    def __init__(self, client: httpx.AsyncClient | None) -> None:
+        self.client = client
+
+
+class OpenAIProvider:
+    """A `Provider` for OpenAI-compatible Chat Completions servers.
+
+    Args:
+        model: the model name sent as ``model``.
+        api_key: the bearer token; default ``OPENAI_API_KEY`` (required: local servers
+            that ignore it accept any value).
+        base_url: the API root, ending before ``/chat/completions``; default
+            ``OPENAI_BASE_URL``, else ``https://api.openai.com/v1``.
+        client: an ``httpx.AsyncClient`` to use; it is never closed by the provider.
+            Without one, use the provider as ``async with OpenAIProvider(...) as provider``:
+            it opens its own client there and closes it on exit.
+        timeout: seconds for connecting, writing, waiting for a free connection and,
+            for ``chat``, waiting for the response (each phase on its own).
+        stream_idle_timeout: seconds a stream may go without receiving a byte
+            (the HTTP read timeout of streaming requests).
+        max_response_bytes: the largest non-streaming body (and SSE event) accepted.
+        extra_headers: headers added to every request (e.g. OpenRouter's ``HTTP-Referer``).
+    """
+
+    name = "openai"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        client: httpx.AsyncClient | None = None,
+        timeout: float = 600.0,
+        stream_idle_timeout: float = 300.0,
+        max_response_bytes: int = 32 * 2**20,
+        extra_headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if not isinstance(model, str) or not model:
+            raise ProviderConfigError(f"the OpenAI model must be a non-empty string, got {model!r}")
+        if api_key is None:
+            api_key = os.environ.get("OPENAI_API_KEY")
+        if not api_key:
+            raise ProviderConfigError(
+                "no API key for the OpenAI provider: set the OPENAI_API_KEY environment variable or pass "
+                "api_key= (local OpenAI-compatible servers accept any value)"
+            )
+        from_env = base_url is None
+        if base_url is None:
+            base_url = os.environ.get("OPENAI_BASE_URL") or DEFAULT_OPENAI_BASE_URL
+        self.model = model
+        self.base_url = _validate_base_url(base_url, from_env=from_env)
+        self.timeout = validate_timeout(timeout, name="timeout")
+        self.stream_idle_timeout = validate_timeout(stream_idle_timeout, name="stream_idle_timeout")
+        self.max_response_bytes = validate_limit(max_response_bytes, name="max_response_bytes")
+        self._api_key = api_key
+        self._extra_headers = dict(extra_headers or {})
+        self._url = self.base_url + "/chat/completions"
+        self._slot = _ClientSlot(client)
+        self._owns_client = client is None
+
+    def __repr__(self) -> str:
+        return f"OpenAIProvider(model={self.model!r}, base_url={self.base_url!r})"
+
+    # -- client ownership ---------------------------------------------------------------
+
+    async def __aenter__(self) -> OpenAIProvider:
+        if self._owns_client and self._slot.client is None:
+            self._slot.client = httpx.AsyncClient()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._owns_client and self._slot.client is not None:
+            client, self._slot.client = self._slot.client, None
+            await client.aclose()
+
+    def with_model(self, model: str) -> OpenAIProvider:
+        """A provider for *model* with the same settings, sharing (never owning) this one's HTTP client."""
+        if not isinstance(model, str) or not model:
+            raise ProviderConfigError(f"the OpenAI model must be a non-empty string, got {model!r}")
+        clone = OpenAIProvider.__new__(OpenAIProvider)
+        clone.__dict__.update(self.__dict__)
+        clone.model = model
+        clone._owns_client = False
+        return clone
+
+    def _client(self) -> httpx.AsyncClient:
+        client = self._slot.client
+        if client is None:
+            raise ModelError(
+                "OpenAIProvider has no open HTTP client: use it as `async with OpenAIProvider(...) as provider` "
+                "or pass client=httpx.AsyncClient(...)",
+                code="PROVIDER_NOT_OPEN",
+            )
+        return client
+
+    # -- requests -----------------------------------------------------------------------
+
+    def _headers(self, accept: str) -> dict[str, str]:
+        return {
+            "authorization": f"Bearer {self._api_key}",
+            "content-type": "application/json",
+            "accept": accept,
+            **self._extra_headers,
+        }
+
+    def _body(self, request: ModelRequest, *, stream: bool) -> bytes:
+        options = dict(request.options)
+        for key in _RESERVED_OPTIONS:
+            if key in options:
+                raise ModelError(
+                    f"request option {key!r} is set by the OpenAI provider and cannot be overridden",
+                    code="PROVIDER_RESERVED_OPTION",
+                )
+        stream_options = options.pop("stream_options", None)
+        extra_body = options.pop("extra_body", None)
+        body: dict[str, Any] = {**options, "model": request.model, "messages": _messages(request.messages)}
+        if request.tools:
+            body["tools"] = [_tool(spec) for spec in request.tools]
+        if isinstance(extra_body, Mapping):
+            body.update(extra_body)  # the escape hatch, as in the other providers: merged last
+        if stream:
+            body["stream"] = True
+            extra = dict(stream_options) if isinstance(stream_options, Mapping) else {}
+            body["stream_options"] = {**extra, "include_usage": True}
+        try:
+            return json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise ModelError(f"the request body is not JSON-serialisable: {exc}", code="PROVIDER_BAD_REQUEST") from exc
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:
+        """One non-streaming completion: ``POST {base_url}/chat/completions``, bounded by ``timeout``."""
+        client = self._client()
+        content = self._body(request, stream=False)
+        with trio.move_on_after(self.timeout):
+            return await self._chat(client, content, request.model)
+        raise ModelTimeoutError(
+            f"the chat completion from {self._url} took longer than timeout={self.timeout:g} s",
+            code="MODEL_REQUEST_TIMEOUT",
+        )
+
+    async def _chat(self, client: httpx.AsyncClient, content: bytes, model: str) -> ModelResponse:
+        try:
+            async with client.stream(
+                "POST",
+                self._url,
+                content=content,
+                headers=self._headers("application/json"),
+                timeout=httpx.Timeout(self.timeout),
+            ) as response:
+                if not response.is_success:
+                    raise await self._http_error(response)
+                body = await self._read_bounded(response)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc, streaming=False) from exc
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            raise MalformedResponseError(
+                f"the chat completion is not valid JSON: {exc}; body starts {_preview(body)}",
+                status=response.status_code,
+            ) from exc
+        return _parse_completion(payload, model)
+
+    async def stream(self, request: ModelRequest) -> AsyncGenerator[StreamChunk, None]:
+        """A streamed completion (SSE). ``aclose()`` closes the HTTP response before it returns."""
+        client = self._client()
+        content = self._body(request, stream=True)
+        assembler = _StreamAssembler(self.max_response_bytes)
+        try:
+            async with client.stream(
+                "POST",
+                self._url,
+                content=content,
+                headers=self._headers("text/event-stream"),
+                timeout=httpx.Timeout(self.timeout, read=self.stream_idle_timeout),
+            ) as response:
+                if not response.is_success:
+                    raise await self._http_error(response)
+                content_type = response.headers.get("content-type", "")
+                if "text/event-stream" not in content_type.lower():
+                    body = await self._read_bounded(response)
+                    _raise_for_body(body)
+                    raise MalformedResponseError(
+                        f"expected a text/event-stream response, got {content_type or 'no content-type'!r}; "
+                        f"body starts {_preview(body)}",
+                        status=response.status_code,
+                    )
+                events = EventSource(response).aiter_sse()
+                try:
+                    async for event in events:
+                        if event.data.startswith("[DONE]"):
+                            break
+                        for chunk in assembler.feed(event.event, event.data):
+                            yield chunk
+                    else:
+                        raise ModelConnectionError(
+                            "the chat completion stream ended before `data: [DONE]`"
+                            + (" (after a finish_reason)" if assembler.finish is not None else "")
+                        )
+                    final = assembler.done()
+                    await _drain_after_done(events)
+                finally:
+                    await _release(response, events)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc, streaming=True) from exc
+        # The response is released (its connection back in the pool) before the last chunks go out.
+        for chunk in final:
+            yield chunk
+
+    # -- errors -------------------------------------------------------------------------
+
+    async def _read_bounded(self, response: httpx.Response) -> bytes:
+        limit = self.max_response_bytes
+        declared = response.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise MalformedResponseError(
+                f"the response body ({declared} bytes) is larger than max_response_bytes={limit}",
+                status=response.status_code,
+            )
+        pieces: list[bytes] = []
+        size = 0
+        body = response.aiter_bytes()
+        try:
+            async for piece in body:
+                size += len(piece)
+                if size > limit:
+                    raise MalformedResponseError(
+                        f"the response body is larger than max_response_bytes={limit}", status=response.status_code
+                    )
+                pieces.append(piece)
+        finally:
+            await _release(response, body)
+        return b"".join(pieces)
+
+    async def _http_error(self, response: httpx.Response) -> ProviderError:
+        """The typed error for a non-2xx response (its body read up to a small bound)."""
+        pieces: list[bytes] = []
+        size = 0
+        reader = response.aiter_bytes()
+        try:
+            async for piece in reader:
+                pieces.append(piece[: _ERROR_BODY_LIMIT - size])
+                size += len(pieces[-1])
+                if size >= _ERROR_BODY_LIMIT:
+                    break
+        except httpx.HTTPError:
+            pass  # the status alone decides the error class
+        finally:
+            await _release(response, reader)
+        body = b"".join(pieces)
+        status = response.status_code
+        message, kind = _error_details(body)
+        text = f"HTTP {status} from {self._url}"
+        if kind:
+            text += f" ({kind})"
+        text += f": {message or response.reason_phrase or 'no error message'}"
+        request_id = response.headers.get("x-request-id")
+        if request_id:
+            text += f" [request id {request_id}]"
+        if status in (401, 403):
+            return AuthenticationError(text, status=status)
+        if status == 404:
+            return ModelNotFoundError(f"{text} (model {self.model!r})", status=status)
+        if status == 429:
+            error = RateLimitError(text, status=status, retry_after=_retry_after(response.headers))
+            if kind == "insufficient_quota":
+                error.retryable = False  # an exhausted quota does not come back by waiting
+            return error
+        if status >= 500:
+            return ProviderServerError(text, status=status)
+        return ProviderError(text, status=status, retryable=status in (408, 409))
+
+    def _transport_error(self, exc: httpx.HTTPError, *, streaming: bool) -> ModelError:
+        if isinstance(exc, httpx.TimeoutException):
+            if streaming and isinstance(exc, httpx.ReadTimeout):
+                return ModelTimeoutError(
+                    f"the stream from {self._url} sent nothing for {self.stream_idle_timeout:g} s "
+                    "(stream_idle_timeout)",
+                    code="MODEL_STREAM_IDLE_TIMEOUT",
+                )
+            return ModelTimeoutError(
+                f"the request to {self._url} timed out ({type(exc).__name__}, timeout={self.timeout:g} s)",
+                code="MODEL_REQUEST_TIMEOUT",
+                retryable=isinstance(exc, httpx.ConnectTimeout),
+            )
+        if isinstance(exc, (SSEError, httpx.DecodingError)):
+            return MalformedResponseError(f"cannot decode the response from {self._url}: {exc}")
+        return ModelConnectionError(f"the connection to {self._url} failed: {type(exc).__name__}: {exc}")
+
+
+async def _drain_after_done(events: AsyncIterator[Any]) -> None:
+    """After ``[DONE]``, read the body to its end so the connection can be reused (bounded: a server
+    that keeps the body open after ``[DONE]`` just loses its connection)."""
+    with trio.move_on_after(_DRAIN_SECONDS):
+        try:
+            async for _ in events:
+                pass
+        except httpx.HTTPError:
+            pass  # the reply is complete; a broken connection after [DONE] changes nothing
+
+
+async def _release(response: httpx.Response, body: AsyncIterator[Any]) -> None:
+    """Close *response* now, then run the reader *body* (a chain of httpx/httpcore async generators
+    reading it) to its end, so none is left suspended for a garbage-collector finaliser.
+
+    After the close every read fails at once, so the chain ends within a few steps. A no-op for a
+    fully read response (its connection goes back to the pool). Shielded: it runs when a stream is
+    closed early or cancelled, and must finish.
+    """
+    with trio.CancelScope(shield=True):
+        with contextlib.suppress(Exception):  # best effort: the error that ended the stream matters more
+            await response.aclose()
+        with trio.move_on_after(_RELEASE_GUARD_SECONDS):  # a hang guard; never reached in practice
+            while True:
+                try:
+                    await body.__anext__()
+                except Exception:  # StopAsyncIteration, or the read error of a closed connection
+                    return
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+def _validate_base_url(base_url: str, *, from_env: bool) -> str:
+    source = "OPENAI_BASE_URL" if from_env and base_url != DEFAULT_OPENAI_BASE_URL else "base_url"
+    problem = None
+    if not isinstance(base_url, str):
+        problem = "it is not a string"
+    else:
+        try:
+            url = httpx.URL(base_url.strip())
+        except (httpx.InvalidURL, TypeError, ValueError) as exc:
+            problem = str(exc)
+        else:
+            if url.scheme not in ("http", "https"):
+                problem = "the scheme must be http or https"
+            elif not url.host:
+                problem = "it has no host"
+            elif url.query or url.fragment:
+                problem = "it must not have a query or fragment"
+    if problem is not None:
+        raise ProviderConfigError(f"invalid {source} {base_url!r} for the OpenAI provider: {problem}")
+    return base_url.strip().rstrip("/")
+
+
+# -- request mapping ---------------------------------------------------------------------------
+
+
+def _messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
+    mapped: list[dict[str, Any]] = []
+    for message in messages:
+        if isinstance(message, SystemMessage):
+            mapped.append({"role": "system", "content": message.content})
+        elif isinstance(message, UserMessage):
+            mapped.append({"role": "user", "content": message.content})
+        elif isinstance(message, AssistantMessage):
+            # Reasoning parts are dropped: Chat Completions takes no reasoning input.
+            calls = message.tool_calls
+            text = message.text
+            entry: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                entry["tool_calls"] = [
+                    {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                    for call in calls
+                ]
+            mapped.append(entry)
+        elif isinstance(message, ToolResultMessage):
+            mapped.append({"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content})
+        else:  # pragma: no cover - the Message union is closed
+            raise ModelError(f"cannot send message {message!r} to an OpenAI-compatible server")
+    return mapped
+
+
+def _tool(spec: ToolSpec) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {"name": spec.name, "description": spec.description, "parameters": spec.parameters},
+    }
+
+
+# -- response parsing ----------------------------------------------------------------------------
+
+
+def _malformed(what: str) -> NoReturn:
+    raise MalformedResponseError(f"malformed chat completion: {what}")
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        _malformed(f"missing {where}")
+    if not isinstance(value, dict):
+        _malformed(f"{where} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _optional_str(value: Any, where: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    _malformed(f"{where} must be a string, got {type(value).__name__}")
+
+
+def _required_str(value: Any, where: str) -> str:
+    text = _optional_str(value, where)
+    if not text:
+        _malformed(f"missing {where}")
+    return text
+
+
+def _optional_int(container: dict[str, Any], key: str, where: str) -> int | None:
+    value = container.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        _malformed(f"{where}.{key} must be an integer, got {value!r}")
+    return value
+
+
+def _required_int(container: dict[str, Any], key: str, where: str) -> int:
+    value = _optional_int(container, key, where)
+    if value is None:
+        _malformed(f"missing {where}.{key}")
+    return value
+
+
+def _arguments(value: Any, where: str) -> str:
+    """Tool-call arguments exactly as the model produced them (invalid JSON passes through)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):  # a few compatible servers send an object instead of JSON text
+        return json.dumps(value, ensure_ascii=False)
+    _malformed(f"{where} must be a string, got {type(value).__name__}")
+
+
+def _finish_reason(value: Any, where: str) -> FinishReason:
+    if value is None:
+        _malformed(f"missing {where}")
+    reason = _FINISH_REASONS.get(value) if isinstance(value, str) else None
+    if reason is None:
+        _malformed(f"unknown {where} {value!r}")
+    return reason
+
+
+def _parse_usage(value: Any, where: str) -> Usage:
+    usage = _object(value, where)
+    prompt = _required_int(usage, "prompt_tokens", where)
+    completion = _required_int(usage, "completion_tokens", where)
+    total = _optional_int(usage, "total_tokens", where)
+    prompt_details = usage.get("prompt_tokens_details")
+    completion_details = usage.get("completion_tokens_details")
+    cached = cache_write = reasoning = None
+    if prompt_details is not None:
+        details = _object(prompt_details, f"{where}.prompt_tokens_details")
+        cached = _optional_int(details, "cached_tokens", f"{where}.prompt_tokens_details")
+        cache_write = _optional_int(details, "cache_write_tokens", f"{where}.prompt_tokens_details")
+    if completion_details is not None:
+        details = _object(completion_details, f"{where}.completion_tokens_details")
+        reasoning = _optional_int(details, "reasoning_tokens", f"{where}.completion_tokens_details")
+    return Usage(
+        input_tokens=prompt,
+        output_tokens=completion,
+        total_tokens=prompt + completion if total is None else total,
+        cached_input_tokens=cached,
+        cache_creation_input_tokens=cache_write,
+        reasoning_tokens=reasoning,
+    )
+
+
+def _reasoning_text(container: dict[str, Any]) -> str | None:
+    """Reasoning some compatible servers add (``reasoning_content``: vLLM, DeepSeek, llama.cpp;
+    ``reasoning``: OpenRouter, Ollama)."""
+    for key in ("reasoning_content", "reasoning"):
+        value = container.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def _parse_completion(payload: Any, model: str) -> ModelResponse:
+    body = _object(payload, "response body")
+    if body.get("error") is not None and body.get("choices") is None:
+        _raise_error_payload(body, status=None)
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        _malformed("missing choices" if choices is None else "choices must be a list")
+    if not choices:
+        _malformed("choices is empty")
+    choice = _object(choices[0], "choices[0]")
+    message = _object(choice.get("message"), "choices[0].message")
+    parts: list[ContentPart] = []
+    reasoning = _reasoning_text(message)
+    if reasoning is not None:
+        parts.append(ReasoningPart(reasoning))
+    text = _optional_str(message.get("content"), "choices[0].message.content")
+    refusal = _optional_str(message.get("refusal"), "choices[0].message.refusal")
+    if text:
+        parts.append(TextPart(text))
+    elif refusal:
+        parts.append(TextPart(refusal))
+    raw_calls = message.get("tool_calls")
+    if raw_calls is not None:
+        if not isinstance(raw_calls, list):
+            _malformed("choices[0].message.tool_calls must be a list")
+        for position, raw in enumerate(raw_calls):
+            where = f"choices[0].message.tool_calls[{position}]"
+            call = _object(raw, where)
+            function = _object(call.get("function"), f"{where}.function")
+            parts.append(
+                ToolCallPart(
+                    _required_str(call.get("id"), f"{where}.id"),
+                    _required_str(function.get("name"), f"{where}.function.name"),
+                    _arguments(function.get("arguments"), f"{where}.function.arguments"),
+                )
+            )
+    reason = _finish_reason(choice.get("finish_reason"), "choices[0].finish_reason")
+    usage = Usage() if body.get("usage") is None else _parse_usage(body["usage"], "usage")
+    return ModelResponse(
+        AssistantMessage(parts),
+        reason,
+        usage,
+        _optional_str(body.get("model"), "model") or model,
+        _optional_str(body.get("id"), "id") or "",
+    )
+
+
+class _ToolCallState:
+    __slots__ = ("arguments", "id", "index", "name")
+
+    def __init__(self, index: int, id: str, name: str) -> None:
+        self.index = index
+        self.id = id
+        self.name = name
+        self.arguments: list[str] = []
+
+
+class _StreamAssembler:
+    """Turns ``chat.completion.chunk`` events into stream chunks; assembles tool-call arguments per index.
+
+    Only choice 0 is read. Tool calls end (`ToolCallEnd`) when the finish_reason arrives (or at
+    ``[DONE]``); usage is kept (the last report wins) and sent at ``[DONE]``, then the `FinishChunk`.
+    """
+
+    def __init__(self, max_event_bytes: int) -> None:
+        self.max_event_bytes = max_event_bytes
+        self.calls: dict[int, _ToolCallState] = {}
+        self.calls_ended = False
+        self.finish: FinishReason | None = None
+        self.usage: Usage | None = None
+
+    def feed(self, event: str, data: str) -> list[StreamChunk]:
+        if len(data) > self.max_event_bytes:
+            raise MalformedResponseError(f"an SSE event is larger than max_response_bytes={self.max_event_bytes}")
+        if not data.strip():
+            if event == "error":
+                raise ProviderError("the stream sent an error event without details")
+            return []  # an event without data, e.g. a ping
+        try:
+            payload = json.loads(data)
+        except ValueError as exc:
+            raise MalformedResponseError(f"an SSE event is not valid JSON ({exc}): {data[:200]!r}") from exc
+        if not isinstance(payload, dict):
+            _malformed(f"an SSE event must be a JSON object, got {data[:200]!r}")
+        if event == "error" or payload.get("error") is not None:
+            _raise_error_payload(payload, status=None)
+        out: list[StreamChunk] = []
+        if payload.get("usage") is not None:
+            self.usage = _parse_usage(payload["usage"], "usage")
+        choices = payload.get("choices")
+        if choices is None:
+            return out  # a usage-only chunk (some servers send null instead of [])
+        if not isinstance(choices, list):
+            _malformed("choices must be a list")
+        for position, raw in enumerate(choices):
+            choice = _object(raw, f"choices[{position}]")
+            index = choice.get("index", 0)
+            if index != 0:
+                continue  # n > 1: only the first choice is used
+            self._choice(choice, out)
+        return out
+
+    def _choice(self, choice: dict[str, Any], out: list[StreamChunk]) -> None:
+        delta = choice.get("delta")
+        delta = {} if delta is None else _object(delta, "choices[0].delta")
+        reasoning = _reasoning_text(delta)
+        if reasoning is not None:
+            out.append(ReasoningDelta(reasoning))
+        for key in ("content", "refusal"):
+            text = _optional_str(delta.get(key), f"choices[0].delta.{key}")
+            if text:
+                out.append(TextDelta(text))
+        raw_calls = delta.get("tool_calls")
+        if raw_calls is not None:
+            if not isinstance(raw_calls, list):
+                _malformed("choices[0].delta.tool_calls must be a list")
+            for position, raw in enumerate(raw_calls):
+                self._tool_call_delta(_object(raw, f"choices[0].delta.tool_calls[{position}]"), position, out)
+        reason = choice.get("finish_reason")
+        if reason is not None:
+            self.finish = _finish_reason(reason, "choices[0].finish_reason")
+            self._end_calls(out)
+
+    def _tool_call_delta(self, call: dict[str, Any], position: int, out: list[StreamChunk]) -> None:
+        where = f"choices[0].delta.tool_calls[{position}]"
+        index = call.get("index")
+        if index is None:
+            # Some compatible servers omit the index: a new id starts a call, otherwise it continues the last.
+            new_id = call.get("id")
+            known = {state.id for state in self.calls.values()}
+            index = len(self.calls) if (new_id and new_id not in known) or not self.calls else max(self.calls)
+        elif isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            _malformed(f"{where}.index must be a non-negative integer, got {index!r}")
+        function = call.get("function")
+        function = {} if function is None else _object(function, f"{where}.function")
+        state = self.calls.get(index)
+        if state is None:
+            if self.calls_ended:
+                _malformed(f"tool call {index} started after the finish_reason")
+            state = _ToolCallState(
+                index,
+                _required_str(call.get("id"), f"{where}.id (first delta of tool call {index})"),
+                _required_str(function.get("name"), f"{where}.function.name (first delta of tool call {index})"),
+            )
+            self.calls[index] = state
+            out.append(ToolCallStart(index, state.id, state.name))
+        elif self.calls_ended:
+            _malformed(f"tool call {index} continued after the finish_reason")
+        piece = _arguments(function.get("arguments"), f"{where}.function.arguments")
+        if piece:
+            state.arguments.append(piece)
+            out.append(ToolCallDelta(index, piece))
+
+    def _end_calls(self, out: list[StreamChunk]) -> None:
+        if self.calls_ended:
+            return
+        self.calls_ended = True
+        for index in sorted(self.calls):
+            state = self.calls[index]
+            out.append(ToolCallEnd(index, state.id, state.name, "".join(state.arguments)))
+
+    def done(self) -> list[StreamChunk]:
+        if self.finish is None:
+            _malformed("the stream reached `data: [DONE]` without a finish_reason")
+        out: list[StreamChunk] = []
+        self._end_calls(out)
+        if self.usage is not None:
+            out.append(UsageChunk(self.usage))
+        out.append(FinishChunk(self.finish))
+        return out
+
+
+# -- error bodies ------------------------------------------------------------------------------
+
+
+def _preview(body: bytes) -> str:
+    return repr(body[:200].decode("utf-8", "replace"))
+
+
+def _error_details(body: bytes) -> tuple[str, str]:
+    """(message, kind) from an error body: OpenAI's ``{"error": {"message", "type", "code"}}`` or a
+    compatible server's variant (``{"error": "..."}``, ``{"detail": ...}``, ``{"message": ...}``)."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body[:500].decode("utf-8", "replace").strip(), ""
+    return _payload_details(payload)
+
+
+def _payload_details(payload: Any) -> tuple[str, str]:
+    if not isinstance(payload, dict):
+        return str(payload)[:500], ""
+    error = payload.get("error", payload)
+    if isinstance(error, str):
+        return error, ""
+    if not isinstance(error, dict):
+        return str(error)[:500], ""
+    message = error.get("message") or error.get("detail") or payload.get("detail") or ""
+    code = error.get("code")
+    kind = code if isinstance(code, str) and code else error.get("type")
+    return (message if isinstance(message, str) else json.dumps(message)[:500]), (kind if isinstance(kind, str) else "")
+
+
+def _raise_error_payload(payload: dict[str, Any], *, status: int | None) -> NoReturn:
+    """Raise the typed error for an error object sent with a 2xx status (in a stream or a body)."""
+    message, kind = _payload_details(payload)
+    error = payload.get("error")
+    if status is None and isinstance(error, dict):
+        for key in ("status", "code"):
+            value = error.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and 400 <= value < 600:
+                status = value  # e.g. vLLM: {"error": {"code": 500, ...}}
+                break
+    error_type = error.get("type") if isinstance(error, dict) else None
+    kinds = {value.lower() for value in (kind, error_type) if isinstance(value, str) and value}
+    text = f"the server sent an error{f' ({kind})' if kind else ''}: {message or 'no error message'}"
+    if kinds & _RATE_LIMIT_KINDS or status == 429:
+        rate_limited = RateLimitError(text, status=status)
+        if "insufficient_quota" in kinds:
+            rate_limited.retryable = False
+        raise rate_limited
+    if kinds & _AUTH_KINDS or status in (401, 403):
+        raise AuthenticationError(text, status=status)
+    if kinds & _NOT_FOUND_KINDS or status == 404:
+        raise ModelNotFoundError(text, status=status)
+    if kinds & _SERVER_KINDS or (status is not None and status >= 500):
+        raise ProviderServerError(text, status=status)
+    raise ProviderError(text, status=status)
+
+
+def _raise_for_body(body: bytes) -> None:
+    """If a non-SSE body (where SSE was expected) is an error object, raise it as a typed error."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return
+    if isinstance(payload, dict) and payload.get("error") is not None:
+        _raise_error_payload(payload, status=None)
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    """Seconds to wait from ``retry-after-ms`` or ``retry-after`` (seconds or an HTTP date)."""
+    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value) / divisor
+        except ValueError:
+            continue
+        if math.isfinite(seconds):
+            return max(seconds, 0.0)
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(when.timestamp() - time.time(), 0.0)
