@@ -5,8 +5,6 @@ The public API is re-exported here; everything else lives in private modules.
 
 from __future__ import annotations
 
-import contextlib
-
 from ._abort import Abort as Abort
 from ._abort import AbortHandle as AbortHandle
 from ._abort import AbortReason as AbortReason
@@ -224,11 +222,3 @@ __all__ = [
     "define_tool",
     "message_converter",
 ]
-
-# Show public objects as trio_agent.X in reprs and docs, not as private module paths.
-for _name in __all__:
-    _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("trio_agent."):
-        with contextlib.suppress(AttributeError, TypeError):
-            _obj.__module__ = "trio_agent"
-del _name, _obj

@@ -51,6 +51,7 @@ def compose_middleware(
     terminal: Callable[[Req], Res],
     *,
     check: Callable[[Req], None] | None = None,
+    validate: bool = True,
 ) -> Callable[[Req], Res]:
     """Compose *middleware* around *terminal* into one callable (Koa-style onion).
 
@@ -67,11 +68,13 @@ def compose_middleware(
     the terminal; raising there stops the chain before the inner layer runs.
 
     The layer list is copied when composing, so later changes to *middleware* do
-    not affect the composed chain.
+    not affect the composed chain. ``validate=False`` skips the shape check, for
+    callers that already checked the layers once and compose per call.
     """
     layers = tuple(middleware)
-    for index, layer in enumerate(layers):
-        check_middleware_shape(layer, what="middleware", index=index)
+    if validate:
+        for index, layer in enumerate(layers):
+            check_middleware_shape(layer, what="middleware", index=index)
     if not callable(terminal):
         raise MiddlewareShapeError(f"terminal is not callable: got {terminal!r}")
     count = len(layers)

@@ -1,6 +1,6 @@
 """The message model: conversation messages, content parts, usage, finish reasons and stream chunks.
 
-Values are frozen attrs classes; `to_json` / `from_json` (de)serialise them with
+Values are frozen attrs classes; `message_converter` (de)serialises them with
 cattrs, tagging unions by a ``type`` field so a stored conversation round-trips.
 """
 

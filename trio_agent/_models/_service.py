@@ -319,7 +319,7 @@ class ModelService:
         async def terminal(current: ModelRequest) -> ModelResponse:
             return await self._with_retries(current, None)
 
-        chain = compose_middleware(self._chains[request.operation], terminal, check=check)
+        chain = compose_middleware(self._chains[request.operation], terminal, check=check, validate=False)
         with trio.move_on_after(self.request_timeout) as deadline:
             return await self._guard(chain(request))
         assert deadline.cancelled_caught
@@ -432,28 +432,44 @@ class ModelService:
 
         wrappers = self._chains[request.operation]
         layers = [tracked(position, layer) for position, layer in enumerate(wrappers)]
-        chain = compose_middleware(layers, lambda req: track(len(wrappers), terminal(req)), check=check)
-        deadline = trio.current_time() + self.request_timeout
-        try:
-            outer = chain(request)
-            yield _Deadlined(outer, deadline, self.request_timeout)
-        finally:
-            # Outermost first: each middleware's cleanup, then the provider (its HTTP response).
-            # One failing cleanup does not stop the others from closing.
-            failure: BaseException | None = None
-            with trio.CancelScope(shield=True):
-                for position in sorted(opened):
-                    aclose = getattr(opened[position], "aclose", None)
-                    if aclose is None:
-                        continue
-                    try:
-                        await aclose()
-                    except Exception as exc:
-                        failure = failure or exc
+        chain = compose_middleware(layers, lambda req: track(len(wrappers), terminal(req)), check=check, validate=False)
+        # One scope for the whole stream (a scope per chunk would cost more than the chunk): it is
+        # entered and left in this task around the consumer's block, never across an iterator's yield.
+        with trio.move_on_after(self.request_timeout) as deadline:
+            try:
+                outer = chain(request)
+                yield _Guarded(outer)
+            except BaseException as exc:
+                # The block's own error (or cancellation) wins; a failing cleanup is noted on it.
+                failure = await _close_all(opened)
+                if failure is not None:
+                    exc.add_note(f"also, closing a model stream layer raised {failure!r}")
+                raise
+            failure = await _close_all(opened)
             if failure is not None:
                 if isinstance(failure, ModelError):
                     raise failure
                 raise ModelMiddlewareError(f"closing a model stream layer raised {failure!r}") from failure
+        if deadline.cancelled_caught:
+            raise ModelTimeoutError(
+                f"model request exceeded its {self.request_timeout:g} s deadline", code="MODEL_REQUEST_TIMEOUT"
+            )
+
+
+async def _close_all(opened: dict[int, AsyncIterator[Any]]) -> Exception | None:
+    """Close every opened iterator, outermost first (middleware cleanups, then the provider's
+    HTTP response); one failing cleanup does not stop the others. Returns the first failure."""
+    failure: Exception | None = None
+    with trio.CancelScope(shield=True):
+        for position in sorted(opened):
+            aclose = getattr(opened[position], "aclose", None)
+            if aclose is None:
+                continue
+            try:
+                await aclose()
+            except Exception as exc:
+                failure = failure or exc
+    return failure
 
 
 async def _provider_call(awaitable: Awaitable[T]) -> T:
@@ -466,31 +482,24 @@ async def _provider_call(awaitable: Awaitable[T]) -> T:
         raise ModelError(f"the provider raised {exc!r}", code="PROVIDER_FAILED") from exc
 
 
-class _Deadlined:
-    """Applies the request deadline to each step, without holding a scope across the consumer's yield."""
+class _Guarded:
+    """Types what escapes the chain: a middleware bug becomes a ModelMiddlewareError with its cause."""
 
-    __slots__ = ("_deadline", "_inner", "_seconds")
+    __slots__ = ("_inner",)
 
-    def __init__(self, inner: AsyncIterator[Any], deadline: float, seconds: float) -> None:
+    def __init__(self, inner: AsyncIterator[Any]) -> None:
         self._inner = inner
-        self._deadline = deadline
-        self._seconds = seconds
 
-    def __aiter__(self) -> _Deadlined:
+    def __aiter__(self) -> _Guarded:
         return self
 
     async def __anext__(self) -> Any:
-        with trio.move_on_at(self._deadline) as scope:
-            try:
-                return await self._inner.__anext__()
-            except (ModelError, StopAsyncIteration):
-                raise
-            except Exception as exc:
-                raise ModelMiddlewareError(f"model middleware raised {exc!r}") from exc
-        assert scope.cancelled_caught
-        raise ModelTimeoutError(
-            f"model request exceeded its {self._seconds:g} s deadline", code="MODEL_REQUEST_TIMEOUT"
-        )
+        try:
+            return await self._inner.__anext__()
+        except (ModelError, StopAsyncIteration):
+            raise
+        except Exception as exc:
+            raise ModelMiddlewareError(f"model middleware raised {exc!r}") from exc
 
 
 class _RetryingStream:

@@ -246,5 +246,5 @@ async def open_test_model(
     except BaseExceptionGroup as group:
         # The timer task never fails, so a group holds the block's own error: raise it as itself.
         if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
+            raise group.exceptions[0]  # noqa: B904 - `from` would overwrite the error's own __cause__
         raise

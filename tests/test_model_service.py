@@ -1,0 +1,1168 @@
+"""ModelService with the TestModel: composition, invariants, streams, retries, deadlines, with_model, concurrency."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trio_agent import (
+    AbortHandle,
+    AssistantMessage,
+    AuthenticationError,
+    ConfigError,
+    FinishChunk,
+    FinishReason,
+    MiddlewareShapeError,
+    ModelConnectionError,
+    ModelError,
+    ModelMiddleware,
+    ModelMiddlewareError,
+    ModelRequest,
+    ModelResponse,
+    ModelService,
+    ModelTimeoutError,
+    NextCalledTwiceError,
+    Operation,
+    ProviderError,
+    ProviderServerError,
+    RateLimitError,
+    RetryEvent,
+    RetryPolicy,
+    StreamChunk,
+    StreamInterruptedError,
+    SystemMessage,
+    TextDelta,
+    TextPart,
+    ToolSpec,
+    UsageChunk,
+    UserMessage,
+)
+from trio_agent.testing import Reply, TestModel
+
+MESSAGES = [UserMessage("hello")]
+NO_JITTER = RetryPolicy(jitter=False)
+WRAPPER = {
+    Operation.CHAT: "wrap_chat",
+    Operation.SIDE_QUERY: "wrap_side_query",
+    Operation.STREAM: "wrap_stream",
+    Operation.CHAT_WITH_RETRY_EVENTS: "wrap_chat_with_retry_events",
+}
+ALL_OPS = list(Operation)
+CANNED = ModelResponse(AssistantMessage((TextPart("from the cache"),)), FinishReason.STOP)
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+
+
+async def run_op(
+    service: ModelService,
+    op: Operation,
+    messages: list[Any] = MESSAGES,
+    *,
+    options: dict[str, Any] | None = None,
+    abort: AbortHandle | None = None,
+) -> Any:
+    """Run *op*; chat and side_query return the response, the iterator operations a list of items."""
+    if op is Operation.CHAT:
+        return await service.chat(messages, options=options, abort=abort)
+    if op is Operation.SIDE_QUERY:
+        return await service.side_query(messages, options=options, abort=abort)
+    if op is Operation.STREAM:
+        async with service.stream(messages, options=options, abort=abort) as chunks:
+            return [chunk async for chunk in chunks]
+    async with service.chat_with_retry_events(messages, options=options, abort=abort) as events:
+        return [event async for event in events]
+
+
+def final_text(op: Operation, result: Any) -> str:
+    if op in (Operation.CHAT, Operation.SIDE_QUERY):
+        return str(result.message.text)
+    if op is Operation.STREAM:
+        return "".join(chunk.text for chunk in result if isinstance(chunk, TextDelta))
+    assert isinstance(result[-1], ModelResponse)
+    return str(result[-1].message.text)
+
+
+Transform = Callable[[ModelRequest], Any]
+
+
+def make_layer(
+    op: Operation,
+    name: str,
+    log: list[str],
+    *,
+    transform: Transform | None = None,
+    short: bool = False,
+) -> object:
+    """A middleware defining only *op*'s wrapper: logs ``name>`` / ``name<``, may transform or short-circuit."""
+
+    def forward(request: ModelRequest) -> Any:
+        return request if transform is None else transform(request)
+
+    if op in (Operation.CHAT, Operation.SIDE_QUERY):
+
+        async def wrap(self: object, request: ModelRequest, next: Any) -> ModelResponse:
+            log.append(f"{name}>")
+            if short:
+                return CANNED
+            response = await next(forward(request))
+            log.append(f"{name}<")
+            return response
+
+    else:
+        short_item: Any = TextDelta("short") if op is Operation.STREAM else CANNED
+
+        async def wrap(self: object, request: ModelRequest, next: Any) -> AsyncIterator[Any]:  # type: ignore[misc]
+            log.append(f"{name}>")
+            if short:
+                yield short_item
+                return
+            async for item in next(forward(request)):
+                yield item
+            log.append(f"{name}<")
+
+    return type(f"Layer_{name}", (), {WRAPPER[op]: wrap})()
+
+
+# -- composition ----------------------------------------------------------------------------------------
+
+
+async def test_each_operation_composes_only_the_middleware_defining_its_wrapper() -> None:
+    log: list[str] = []
+
+    class ChatAndStream(ModelMiddleware):
+        async def wrap_chat(self, request: ModelRequest, next: Any) -> ModelResponse:
+            log.append("A.chat>")
+            response = await next(request)
+            log.append("A.chat<")
+            return response
+
+        async def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
+            log.append("A.stream>")
+            async for chunk in next(request):
+                yield chunk
+            log.append("A.stream<")
+
+    class SideOnly(ModelMiddleware):
+        async def wrap_side_query(self, request: ModelRequest, next: Any) -> ModelResponse:
+            log.append("B.side>")
+            response = await next(request)
+            log.append("B.side<")
+            return response
+
+    class EventsOnly(ModelMiddleware):
+        async def wrap_chat_with_retry_events(self, request: ModelRequest, next: Any) -> AsyncIterator[Any]:
+            log.append("C.events>")
+            async for item in next(request):
+                yield item
+            log.append("C.events<")
+
+    class ChatOnly:  # duck-typed: no base class needed
+        async def wrap_chat(self, request: ModelRequest, next: Any) -> ModelResponse:
+            log.append("D.chat>")
+            response = await next(request)
+            log.append("D.chat<")
+            return response
+
+    model = TestModel(default=Reply("hi"))
+    service = ModelService(model, [ChatAndStream(), SideOnly(), EventsOnly(), ChatOnly()])
+    expected = {
+        Operation.CHAT: ["A.chat>", "D.chat>", "D.chat<", "A.chat<"],
+        Operation.SIDE_QUERY: ["B.side>", "B.side<"],
+        Operation.STREAM: ["A.stream>", "A.stream<"],
+        Operation.CHAT_WITH_RETRY_EVENTS: ["C.events>", "C.events<"],
+    }
+    for op in ALL_OPS:
+        log.clear()
+        result = await run_op(service, op)
+        assert final_text(op, result) == "hi"
+        assert log == expected[op], op
+    assert [request.operation for request in model.requests] == ALL_OPS
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_first_registered_is_outermost(op: Operation) -> None:
+    log: list[str] = []
+    model = TestModel(default=Reply("ok"))
+    service = ModelService(model, [make_layer(op, name, log) for name in "abc"])
+    assert final_text(op, await run_op(service, op)) == "ok"
+    assert log == ["a>", "b>", "c>", "c<", "b<", "a<"]
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_short_circuit_skips_inner_layers_and_the_provider(op: Operation) -> None:
+    log: list[str] = []
+    model = TestModel(default=Reply("real"))
+    layers = [make_layer(op, "a", log), make_layer(op, "cache", log, short=True), make_layer(op, "c", log)]
+    result = await run_op(ModelService(model, layers), op)
+    assert final_text(op, result) in {"from the cache", "short"}
+    assert log == ["a>", "cache>", "a<"]
+    assert model.requests == []
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_middleware_may_transform_messages_tools_and_options(op: Operation) -> None:
+    log: list[str] = []
+    seen_by_inner: list[ModelRequest] = []
+    spec = ToolSpec("lookup", "Look something up", {"type": "object"})
+
+    def add_system_and_temperature(request: ModelRequest) -> ModelRequest:
+        return request.replace(
+            messages=[SystemMessage("be terse"), *request.messages],
+            options={**request.options, "temperature": 0.2},
+        )
+
+    def add_tool(request: ModelRequest) -> ModelRequest:
+        seen_by_inner.append(request)
+        return request.replace(tools=[*request.tools, spec])
+
+    model = TestModel(default=Reply("ok"))
+    service = ModelService(
+        model,
+        [
+            make_layer(op, "outer", log, transform=add_system_and_temperature),
+            make_layer(op, "inner", log, transform=add_tool),
+        ],
+    )
+    await run_op(service, op, options={"conversation_id": "c1"})
+    assert seen_by_inner[0].messages == (SystemMessage("be terse"), *MESSAGES)
+    [sent] = model.requests
+    assert sent.operation is op and sent.model == "test-model"
+    assert sent.messages == (SystemMessage("be terse"), UserMessage("hello"))
+    assert sent.tools == (spec,)
+    assert dict(sent.options) == {"conversation_id": "c1", "temperature": 0.2}
+
+
+# -- invariants: operation, model and abort --------------------------------------------------------------
+
+
+def _other_op(op: Operation) -> Operation:
+    return ALL_OPS[(ALL_OPS.index(op) + 1) % len(ALL_OPS)]
+
+
+CHANGES: dict[str, tuple[Transform, str]] = {
+    "operation": (lambda r: attrs.evolve(r, operation=_other_op(r.operation)), "cannot change the model operation"),
+    "model": (lambda r: attrs.evolve(r, model="some-other-model"), "cannot change the active model"),
+    "abort-replaced": (lambda r: attrs.evolve(r, abort=AbortHandle()), "cannot replace the abort handle"),
+    "abort-dropped": (lambda r: attrs.evolve(r, abort=None), "cannot replace the abort handle"),
+    "not-a-request": (lambda r: {"model": r.model}, r"next\(\) takes a ModelRequest"),
+}
+
+
+@pytest.mark.parametrize("inner", ["short-circuit", "provider"])
+@pytest.mark.parametrize("position", [0, 1, 2])
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_changing_operation_model_or_abort_is_rejected_at_every_boundary(
+    op: Operation, change: str, position: int, inner: str
+) -> None:
+    transform, message = CHANGES[change]
+    log: list[str] = []
+    layers = [make_layer(op, f"pass{i}", log) for i in range(position)]
+    layers.append(make_layer(op, "changer", log, transform=transform))
+    if inner == "short-circuit":
+        layers.append(make_layer(op, "short", log, short=True))
+    model = TestModel(default=Reply("never"))
+    with pytest.raises(ModelMiddlewareError, match=message):
+        await run_op(ModelService(model, layers), op, abort=AbortHandle())
+    assert log == [f"pass{i}>" for i in range(position)] + ["changer>"], "no inner layer ran"
+    assert len(model.requests) == 0, "the provider was never called"
+
+
+async def test_call_refuses_streaming_operations() -> None:
+    model = TestModel(default=Reply("x"))
+    service = ModelService(model)
+    with pytest.raises(ModelMiddlewareError, match="chat or side_query"):
+        await service.call(service.request(Operation.STREAM, MESSAGES))
+    assert model.requests == []
+
+
+# -- next() twice and failing middleware ---------------------------------------------------------------------
+
+
+def twice_layer(op: Operation) -> object:
+    if op in (Operation.CHAT, Operation.SIDE_QUERY):
+
+        async def wrap(self: object, request: ModelRequest, next: Any) -> ModelResponse:
+            await next(request)
+            return await next(request)
+
+    else:
+
+        async def wrap(self: object, request: ModelRequest, next: Any) -> AsyncIterator[Any]:  # type: ignore[misc]
+            async for item in next(request):
+                yield item
+            async for item in next(request):
+                yield item
+
+    return type("Twice", (), {WRAPPER[op]: wrap})()
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_next_called_twice_is_an_error_and_the_provider_runs_once(op: Operation) -> None:
+    model = TestModel(default=Reply("once"))
+    with pytest.raises(ModelMiddlewareError) as caught:
+        await run_op(ModelService(model, [make_layer(op, "outer", []), twice_layer(op)]), op)
+    assert isinstance(caught.value.__cause__, NextCalledTwiceError)
+    assert len(model.requests) == 1
+
+
+def raising_layer(op: Operation, error: BaseException, *, after_next: bool) -> object:
+    if op in (Operation.CHAT, Operation.SIDE_QUERY):
+
+        async def wrap(self: object, request: ModelRequest, next: Any) -> ModelResponse:
+            if after_next:
+                await next(request)
+            raise error
+
+    else:
+
+        async def wrap(self: object, request: ModelRequest, next: Any) -> AsyncIterator[Any]:  # type: ignore[misc]
+            if after_next:
+                async for item in next(request):
+                    yield item
+            raise error
+
+    return type("Raising", (), {WRAPPER[op]: wrap})()
+
+
+@pytest.mark.parametrize("after_next", [False, True])
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_a_raising_middleware_becomes_model_middleware_error_with_its_cause(
+    op: Operation, after_next: bool
+) -> None:
+    error = ValueError("middleware bug")
+    model = TestModel(default=Reply("x"))
+    service = ModelService(model, [make_layer(op, "outer", []), raising_layer(op, error, after_next=after_next)])
+    with pytest.raises(ModelMiddlewareError) as caught:
+        await run_op(service, op)
+    assert caught.value.__cause__ is error
+    assert len(model.requests) == int(after_next)
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_a_model_error_raised_by_middleware_passes_unchanged(op: Operation) -> None:
+    error = ModelError("blocked by policy", code="POLICY_BLOCKED")
+    model = TestModel(default=Reply("x"))
+    with pytest.raises(ModelError) as caught:
+        await run_op(ModelService(model, [raising_layer(op, error, after_next=False)]), op)
+    assert caught.value is error
+    assert model.requests == []
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        AuthenticationError("bad key", status=401),
+        ProviderError("bad request", status=400),
+        ModelError("plain", code="X"),
+    ],
+    ids=["auth", "400", "plain"],
+)
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_provider_model_errors_propagate_unchanged(op: Operation, error: ModelError) -> None:
+    log: list[str] = []
+    model = TestModel(default=Reply(error=error))
+    service = ModelService(model, [make_layer(op, "a", log), make_layer(op, "b", log)], retry=NO_JITTER)
+    with pytest.raises(ModelError) as caught:
+        await run_op(service, op)
+    assert caught.value is error
+    assert log == ["a>", "b>"]
+    assert len(model.requests) == 1
+
+
+class BrokenProvider:
+    """A provider with a bug: it raises a plain exception, not a ModelError."""
+
+    name = "broken"
+    model = "m"
+
+    def __init__(self, error: Exception, *, after_chunks: int = 0) -> None:
+        self.error = error
+        self.after_chunks = after_chunks
+        self.calls = 0
+
+    def with_model(self, model: str) -> BrokenProvider:
+        return self
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:
+        self.calls += 1
+        await trio.lowlevel.checkpoint()
+        raise self.error
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        self.calls += 1
+        for index in range(self.after_chunks):
+            yield TextDelta(str(index))
+        raise self.error
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_a_provider_bug_becomes_a_typed_model_error_and_is_not_retried(op: Operation) -> None:
+    error = KeyError("choices")
+    provider = BrokenProvider(error)
+    with pytest.raises(ModelError) as caught:
+        await run_op(ModelService(provider, [make_layer(op, "a", [])], retry=NO_JITTER), op)
+    assert type(caught.value) is ModelError
+    assert caught.value.code == "PROVIDER_FAILED" and not caught.value.retryable
+    assert caught.value.__cause__ is error
+    assert provider.calls == 1
+
+
+async def test_a_provider_bug_after_published_chunks_interrupts_the_stream() -> None:
+    error = KeyError("delta")
+    provider = BrokenProvider(error, after_chunks=2)
+    received: list[StreamChunk] = []
+    with pytest.raises(StreamInterruptedError) as caught:
+        async with ModelService(provider, retry=NO_JITTER).stream(MESSAGES) as chunks:
+            async for chunk in chunks:
+                received.append(chunk)
+    assert received == [TextDelta("0"), TextDelta("1")]
+    assert caught.value.code == "PROVIDER_FAILED"
+    assert caught.value.__cause__.__cause__ is error  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_metadata_reaches_the_provider_and_survives_replace(op: Operation) -> None:
+    def transform(request: ModelRequest) -> ModelRequest:
+        return request.replace(messages=[SystemMessage("s"), *request.messages], options={"temperature": 0})
+
+    model = TestModel(default=Reply("ok"))
+    service = ModelService(model, [make_layer(op, "t", [], transform=transform)])
+    metadata = {"conversation_id": "conv-9", "trace": "abc"}
+    if op is Operation.CHAT:
+        await service.chat(MESSAGES, metadata=metadata)
+    elif op is Operation.SIDE_QUERY:
+        await service.side_query(MESSAGES, metadata=metadata)
+    elif op is Operation.STREAM:
+        async with service.stream(MESSAGES, metadata=metadata) as chunks:
+            async for _ in chunks:
+                pass
+    else:
+        async with service.chat_with_retry_events(MESSAGES, metadata=metadata) as events:
+            async for _ in events:
+                pass
+    [sent] = model.requests
+    assert dict(sent.metadata) == metadata
+    assert dict(sent.options) == {"temperature": 0}
+    assert sent.messages[0] == SystemMessage("s")
+
+
+# -- streams: unbuffered and deterministic close -------------------------------------------------------------
+
+
+class LoggingProvider:
+    """A provider whose stream logs each chunk it produces and its own ``finally``."""
+
+    name = "logging"
+
+    def __init__(self, log: list[str], chunks: int = 5, *, stall_after: int | None = None, model: str = "m") -> None:
+        self.log = log
+        self.chunks = chunks
+        self.stall_after = stall_after
+        self.model = model
+        self.requests: list[ModelRequest] = []
+
+    def with_model(self, model: str) -> LoggingProvider:
+        return LoggingProvider(self.log, self.chunks, stall_after=self.stall_after, model=model)
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:
+        self.requests.append(request)
+        await trio.lowlevel.checkpoint()
+        return CANNED
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        self.requests.append(request)
+        try:
+            for index in range(self.chunks):
+                if index == self.stall_after:
+                    self.log.append("provider stalls")
+                    await trio.sleep_forever()
+                await trio.lowlevel.checkpoint()
+                self.log.append(f"provider {index}")
+                yield TextDelta(str(index))
+        finally:
+            self.log.append("provider finally")
+
+
+class Tap(ModelMiddleware):
+    """A pass-through ``wrap_stream`` that logs every chunk and its ``finally``."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name = name
+        self.log = log
+
+    async def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
+        try:
+            async for chunk in next(request):
+                self.log.append(f"{self.name} {getattr(chunk, 'text', type(chunk).__name__)}")
+                yield chunk
+        finally:
+            self.log.append(f"{self.name} finally")
+
+
+async def test_stream_chunks_pass_through_unbuffered() -> None:
+    log: list[str] = []
+    service = ModelService(LoggingProvider(log, chunks=3), [Tap("outer", log), Tap("inner", log)])
+    async with service.stream(MESSAGES) as chunks:
+        async for chunk in chunks:
+            log.append(f"consumer {chunk.text}")  # type: ignore[union-attr]
+    per_chunk = [[f"provider {i}", f"inner {i}", f"outer {i}", f"consumer {i}"] for i in range(3)]
+    assert log == [entry for group in per_chunk for entry in group] + [
+        "provider finally",
+        "inner finally",
+        "outer finally",
+    ]
+
+
+async def test_early_break_closes_every_layer_outermost_first_then_the_provider_before_exit() -> None:
+    log: list[str] = []
+    provider = LoggingProvider(log, chunks=100)
+    service = ModelService(provider, [Tap("outer", log), Tap("middle", log), Tap("inner", log)])
+    async with service.stream(MESSAGES) as chunks:
+        async for chunk in chunks:
+            log.append(f"consumer {chunk.text}")  # type: ignore[union-attr]
+            if chunk.text == "1":  # type: ignore[union-attr]
+                break
+    assert log == [
+        "provider 0",
+        "inner 0",
+        "middle 0",
+        "outer 0",
+        "consumer 0",
+        "provider 1",
+        "inner 1",
+        "middle 1",
+        "outer 1",
+        "consumer 1",
+        "outer finally",
+        "middle finally",
+        "inner finally",
+        "provider finally",
+    ]
+
+
+async def test_consumer_error_closes_deterministically_and_propagates() -> None:
+    log: list[str] = []
+    service = ModelService(LoggingProvider(log, chunks=10), [Tap("outer", log), Tap("inner", log)])
+    error = KeyError("consumer bug")
+    with pytest.raises(KeyError) as caught:
+        async with service.stream(MESSAGES) as chunks:
+            async for _ in chunks:
+                raise error
+    assert caught.value is error
+    assert log[-3:] == ["outer finally", "inner finally", "provider finally"]
+
+
+async def test_outside_cancellation_closes_deterministically() -> None:
+    log: list[str] = []
+    service = ModelService(LoggingProvider(log, chunks=10, stall_after=2), [Tap("outer", log), Tap("inner", log)])
+    with trio.CancelScope() as scope:
+        async with service.stream(MESSAGES) as chunks:
+            async for chunk in chunks:
+                log.append(f"consumer {chunk.text}")  # type: ignore[union-attr]
+                if chunk.text == "1":  # type: ignore[union-attr]
+                    scope.cancel()  # the next __anext__ is cancelled inside the provider's stall
+    assert scope.cancelled_caught
+    assert log[-4:] == ["provider stalls", "provider finally", "inner finally", "outer finally"]
+
+
+async def test_a_stream_opened_but_never_iterated_never_calls_the_provider() -> None:
+    log: list[str] = []
+    model = TestModel(default=Reply("x"))
+    async with ModelService(model, [Tap("outer", log)]).stream(MESSAGES):
+        pass
+    assert model.requests == []
+    assert log == []
+
+
+class BadCleanup(ModelMiddleware):
+    """A wrap_stream whose cleanup raises."""
+
+    def __init__(self, log: list[str], error: Exception) -> None:
+        self.log = log
+        self.error = error
+
+    async def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
+        try:
+            async for chunk in next(request):
+                yield chunk
+        finally:
+            self.log.append("bad finally")
+            raise self.error
+
+
+async def test_a_failing_cleanup_still_closes_the_inner_layers_and_the_provider() -> None:
+    log: list[str] = []
+    error = RuntimeError("cleanup failed")
+    service = ModelService(
+        LoggingProvider(log, chunks=10), [Tap("outer", log), BadCleanup(log, error), Tap("inner", log)]
+    )
+    with pytest.raises(ModelMiddlewareError) as caught:
+        async with service.stream(MESSAGES) as chunks:
+            async for _ in chunks:
+                break
+    assert caught.value.__cause__ is error
+    assert log[-4:] == ["outer finally", "bad finally", "inner finally", "provider finally"]
+
+
+async def test_a_failing_cleanup_does_not_swallow_an_outside_cancellation() -> None:
+    log: list[str] = []
+    service = ModelService(LoggingProvider(log, chunks=10), [BadCleanup(log, RuntimeError("cleanup failed"))])
+    with trio.CancelScope() as scope:
+        async with service.stream(MESSAGES) as chunks:
+            async for _ in chunks:
+                scope.cancel()
+                await trio.lowlevel.checkpoint()
+    assert scope.cancelled_caught
+    assert log[-2:] == ["bad finally", "provider finally"]
+
+
+async def test_class_based_stream_wrappers_also_close_outermost_first() -> None:
+    log: list[str] = []
+
+    class Wrapped:
+        def __init__(self, inner: AsyncIterator[StreamChunk]) -> None:
+            self.inner = inner
+
+        def __aiter__(self) -> Wrapped:
+            return self
+
+        async def __anext__(self) -> StreamChunk:
+            return await self.inner.__anext__()
+
+        async def aclose(self) -> None:
+            log.append("classy aclose")
+
+    class Classy:
+        def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
+            return Wrapped(next(request))
+
+    service = ModelService(LoggingProvider(log, chunks=10), [Classy(), Tap("inner", log)])
+    async with service.stream(MESSAGES) as chunks:
+        async for _ in chunks:
+            break
+    assert log[-3:] == ["classy aclose", "inner finally", "provider finally"]
+
+
+# -- retries -------------------------------------------------------------------------------------------------
+
+
+def expected_delays(policy: RetryPolicy, errors: list[ModelError]) -> list[float]:
+    return [policy.delay(attempt, error, random.Random(0)) for attempt, error in enumerate(errors, start=1)]
+
+
+@pytest.mark.parametrize("op", [Operation.CHAT, Operation.SIDE_QUERY])
+async def test_retryable_errors_are_retried_with_backoff(op: Operation, autojump_clock: trio.testing.MockClock) -> None:
+    errors: list[ModelError] = [ProviderServerError("503", status=503), ModelConnectionError("reset")]
+    model = TestModel({"hello": [*(Reply(error=e) for e in errors), Reply("finally")]})
+    start = trio.current_time()
+    response = await run_op(ModelService(model, retry=NO_JITTER), op)
+    assert response.message.text == "finally"
+    assert len(model.requests) == 3
+    assert trio.current_time() - start == sum(expected_delays(NO_JITTER, errors)) == 0.5 + 1.0
+
+
+async def test_retries_stop_at_max_attempts_and_raise_the_last_error(autojump_clock: trio.testing.MockClock) -> None:
+    errors = [ProviderServerError(f"fail {i}", status=500) for i in range(5)]
+    policy = RetryPolicy(max_attempts=4, base_delay=1.0, max_delay=3.0, jitter=False)
+    model = TestModel({"hello": [*(Reply(error=e) for e in errors), Reply("never")]})
+    start = trio.current_time()
+    with pytest.raises(ProviderServerError) as caught:
+        await ModelService(model, retry=policy).chat(MESSAGES)
+    assert caught.value is errors[3]
+    assert len(model.requests) == 4
+    assert trio.current_time() - start == 1.0 + 2.0 + 3.0  # capped at max_delay
+
+
+@pytest.mark.parametrize(("retry_after", "waited"), [(7, 7.0), (0.25, 0.25), (100, 30.0), (-5, 0.0), (None, 0.5)])
+async def test_rate_limit_honours_retry_after(
+    retry_after: float | None, waited: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    model = TestModel({"hello": [Reply(error=RateLimitError("429", retry_after=retry_after)), Reply("ok")]})
+    start = trio.current_time()
+    response = await ModelService(model, retry=NO_JITTER).chat(MESSAGES)
+    assert response.message.text == "ok"
+    assert trio.current_time() - start == waited
+    assert len(model.requests) == 2
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        AuthenticationError("401", status=401),
+        ProviderError("400", status=400),
+        ModelError("plain"),
+        ProviderServerError("marked final", status=500, retryable=False),
+    ],
+    ids=["auth", "400", "plain", "server-not-retryable"],
+)
+async def test_non_retryable_errors_are_not_retried(error: ModelError, autojump_clock: trio.testing.MockClock) -> None:
+    model = TestModel({"hello": [Reply(error=error), Reply("never")]})
+    start = trio.current_time()
+    with pytest.raises(ModelError) as caught:
+        await ModelService(model, retry=NO_JITTER).chat(MESSAGES)
+    assert caught.value is error
+    assert len(model.requests) == 1
+    assert trio.current_time() == start
+
+
+async def test_an_error_marked_retryable_is_retried(autojump_clock: trio.testing.MockClock) -> None:
+    model = TestModel({"hello": [Reply(error=ModelError("flaky", retryable=True)), Reply("ok")]})
+    assert (await ModelService(model, retry=NO_JITTER).chat(MESSAGES)).message.text == "ok"
+    assert len(model.requests) == 2
+
+
+async def test_max_attempts_one_disables_retries() -> None:
+    error = ProviderServerError("500", status=500)
+    model = TestModel({"hello": [Reply(error=error), Reply("never")]})
+    with pytest.raises(ProviderServerError):
+        await ModelService(model, retry=RetryPolicy(max_attempts=1)).chat(MESSAGES)
+    assert len(model.requests) == 1
+
+
+async def test_retries_happen_inside_the_middleware(autojump_clock: trio.testing.MockClock) -> None:
+    log: list[str] = []
+    model = TestModel({"hello": [Reply(error=ProviderServerError("500", status=500)), Reply("ok")]})
+    service = ModelService(model, [make_layer(Operation.CHAT, "mw", log)], retry=NO_JITTER)
+    await service.chat(MESSAGES)
+    assert log == ["mw>", "mw<"], "middleware runs once per call; the retry loop is inside it"
+    assert len(model.requests) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    attempt=st.integers(1, 20),
+    base=st.floats(0.001, 10),
+    cap=st.floats(0.001, 60),
+    seed=st.integers(0, 2**32),
+)
+def test_full_jitter_delay_is_within_the_backoff_ceiling(attempt: int, base: float, cap: float, seed: int) -> None:
+    policy = RetryPolicy(base_delay=base, max_delay=cap)
+    ceiling = min(base * 2 ** (attempt - 1), cap)
+    delay = policy.delay(attempt, ProviderServerError("x"), random.Random(seed))
+    assert 0.0 <= delay <= ceiling
+    assert RetryPolicy(base_delay=base, max_delay=cap, jitter=False).delay(attempt, ModelError("x"), None) == ceiling  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_jittered_delays_are_reported_and_slept(seed: int, autojump_clock: trio.testing.MockClock) -> None:
+    errors = [ProviderServerError(f"e{i}", status=503) for i in range(4)]
+    model = TestModel({"hello": [*(Reply(error=e) for e in errors), Reply("ok")]})
+    policy = RetryPolicy(max_attempts=5, base_delay=1.0, max_delay=4.0)
+    service = ModelService(model, retry=policy, rng=random.Random(seed))
+    times: list[float] = []
+    start = trio.current_time()
+    async with service.chat_with_retry_events(MESSAGES) as events:
+        items = []
+        async for item in events:
+            items.append(item)
+            times.append(trio.current_time() - start)
+    retry_events = items[:-1]
+    assert [e.attempt for e in retry_events] == [1, 2, 3, 4]
+    ceilings = [1.0, 2.0, 4.0, 4.0]
+    assert all(0 <= e.delay <= c for e, c in zip(retry_events, ceilings, strict=True))
+    assert len({e.delay for e in retry_events}) == 4, "jitter draws a fresh delay each time"
+    assert times[-1] == pytest.approx(sum(e.delay for e in retry_events), abs=1e-9)
+
+
+# -- retry events --------------------------------------------------------------------------------------------
+
+
+async def test_chat_with_retry_events_yields_events_then_the_response(autojump_clock: trio.testing.MockClock) -> None:
+    first, second = ProviderServerError("503", status=503), RateLimitError("429", retry_after=2)
+    model = TestModel({"hello": [Reply(error=first), Reply(error=second), Reply("done")]})
+    service = ModelService(model, retry=NO_JITTER)
+    start = trio.current_time()
+    seen: list[tuple[Any, float]] = []
+    async with service.chat_with_retry_events(MESSAGES) as events:
+        async for item in events:
+            seen.append((item, trio.current_time() - start))
+    assert [item for item, _ in seen[:2]] == [RetryEvent(1, 0.5, first), RetryEvent(2, 2.0, second)]
+    assert [t for _, t in seen] == [0.0, 0.5, 2.5]
+    response = seen[2][0]
+    assert isinstance(response, ModelResponse) and response.message.text == "done"
+    assert seen[0][0].error is first and seen[1][0].error is second
+
+
+async def test_wrap_chat_with_retry_events_sees_every_event(autojump_clock: trio.testing.MockClock) -> None:
+    observed: list[Any] = []
+
+    class Observe(ModelMiddleware):
+        async def wrap_chat_with_retry_events(self, request: ModelRequest, next: Any) -> AsyncIterator[Any]:
+            async for item in next(request):
+                observed.append(item)
+                if not isinstance(item, RetryEvent):  # hide retries from the caller
+                    yield item
+
+    errors = [ProviderServerError("a", status=500), ProviderServerError("b", status=502)]
+    model = TestModel({"hello": [*(Reply(error=e) for e in errors), Reply("ok")]})
+    result = await run_op(ModelService(model, [Observe()], retry=NO_JITTER), Operation.CHAT_WITH_RETRY_EVENTS)
+    assert [type(item) for item in observed] == [RetryEvent, RetryEvent, ModelResponse]
+    assert [(e.attempt, e.delay, e.error) for e in observed[:2]] == [(1, 0.5, errors[0]), (2, 1.0, errors[1])]
+    assert result == [observed[2]]
+
+
+async def test_retry_events_then_the_final_error(autojump_clock: trio.testing.MockClock) -> None:
+    errors = [ProviderServerError(str(i), status=500) for i in range(3)]
+    model = TestModel({"hello": [Reply(error=e) for e in errors]})
+    items: list[Any] = []
+    with pytest.raises(ProviderServerError) as caught:
+        async with ModelService(model, retry=NO_JITTER).chat_with_retry_events(MESSAGES) as events:
+            async for item in events:
+                items.append(item)
+    assert caught.value is errors[2]
+    assert items == [RetryEvent(1, 0.5, errors[0]), RetryEvent(2, 1.0, errors[1])]
+
+
+async def test_plain_chat_reports_no_retry_events_to_the_events_middleware(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    log: list[str] = []
+    model = TestModel({"hello": [Reply(error=ProviderServerError("x", status=500)), Reply("ok")]})
+    service = ModelService(model, [make_layer(Operation.CHAT_WITH_RETRY_EVENTS, "events", log)], retry=NO_JITTER)
+    assert (await service.chat(MESSAGES)).message.text == "ok"
+    assert log == []
+
+
+# -- stream retries ------------------------------------------------------------------------------------------
+
+
+async def test_stream_failing_before_its_first_chunk_is_retried(autojump_clock: trio.testing.MockClock) -> None:
+    error = ProviderServerError("overloaded", status=529)
+    model = TestModel({"hello": [Reply(error=error, fail_after_chunks=0), Reply("second try")]})
+    start = trio.current_time()
+    chunks = await run_op(ModelService(model, retry=NO_JITTER), Operation.STREAM)
+    assert final_text(Operation.STREAM, chunks) == "second try"
+    assert len(model.requests) == 2
+    assert trio.current_time() - start == 0.5
+
+
+async def test_stream_failing_after_published_chunks_is_never_retried(autojump_clock: trio.testing.MockClock) -> None:
+    error = ProviderServerError("connection reset", status=502, code="UPSTREAM_RESET")
+    model = TestModel({"hello": [Reply("a b c d e", error=error, fail_after_chunks=3), Reply("never")]})
+    received: list[StreamChunk] = []
+    with pytest.raises(StreamInterruptedError) as caught:
+        async with ModelService(model, [Tap("tap", [])], retry=NO_JITTER).stream(MESSAGES) as chunks:
+            async for chunk in chunks:
+                received.append(chunk)
+    assert received == [TextDelta("a"), TextDelta(" b"), TextDelta(" c")]
+    assert len(model.requests) == 1
+    assert caught.value.__cause__ is error
+    assert caught.value.code == "UPSTREAM_RESET"
+    assert not caught.value.retryable
+
+
+async def test_stream_non_retryable_error_before_first_chunk_propagates_unchanged() -> None:
+    error = AuthenticationError("401", status=401)
+    model = TestModel({"hello": [Reply(error=error), Reply("never")]})
+    with pytest.raises(AuthenticationError) as caught:
+        await run_op(ModelService(model, retry=NO_JITTER), Operation.STREAM)
+    assert caught.value is error
+    assert len(model.requests) == 1
+
+
+async def test_stream_retry_closes_the_failed_attempt_before_the_next(autojump_clock: trio.testing.MockClock) -> None:
+    log: list[str] = []
+
+    class FlakyProvider(LoggingProvider):
+        async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+            self.requests.append(request)
+            attempt = len(self.requests)
+            try:
+                await trio.lowlevel.checkpoint()
+                if attempt == 1:
+                    raise ModelConnectionError("refused")
+                yield TextDelta("ok")
+            finally:
+                self.log.append(f"attempt {attempt} closed")
+
+    provider = FlakyProvider(log)
+    chunks = await run_op(ModelService(provider, retry=NO_JITTER), Operation.STREAM)
+    assert chunks == [TextDelta("ok")]
+    assert log == ["attempt 1 closed", "attempt 2 closed"]
+
+
+# -- deadlines -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", [Operation.CHAT, Operation.SIDE_QUERY])
+async def test_a_wrap_that_never_returns_hits_the_request_deadline(
+    op: Operation, autojump_clock: trio.testing.MockClock
+) -> None:
+    seen: list[type[BaseException]] = []
+
+    async def stuck(self: object, request: ModelRequest, next: Any) -> ModelResponse:
+        try:
+            await trio.sleep_forever()
+        except BaseException as exc:
+            seen.append(type(exc))
+            raise
+        raise AssertionError("unreachable")
+
+    model = TestModel(default=Reply("x"))
+    service = ModelService(model, [type("Stuck", (), {WRAPPER[op]: stuck})()], request_timeout=5)
+    start = trio.current_time()
+    with pytest.raises(ModelTimeoutError) as caught:
+        await run_op(service, op)
+    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+    assert isinstance(caught.value, TimeoutError)
+    assert trio.current_time() - start == 5.0
+    assert seen == [trio.Cancelled], "the deadline is outside the middleware: it only sees cancellation"
+    assert model.requests == []
+
+
+async def test_a_slow_provider_within_the_deadline_succeeds(autojump_clock: trio.testing.MockClock) -> None:
+    model = TestModel(default=Reply("in time", latency=4.9))
+    assert (await ModelService(model, request_timeout=5).chat(MESSAGES)).message.text == "in time"
+
+
+async def test_retry_sleeps_count_against_the_request_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    model = TestModel(default=Reply(error=ProviderServerError("500", status=500)))
+    policy = RetryPolicy(max_attempts=10, base_delay=4.0, max_delay=60.0, jitter=False)
+    start = trio.current_time()
+    with pytest.raises(ModelTimeoutError) as caught:
+        await ModelService(model, retry=policy, request_timeout=5).chat(MESSAGES)
+    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+    assert trio.current_time() - start == 5.0
+    assert len(model.requests) == 2  # t=0 and t=4; the next would start at t=12
+
+
+async def test_a_stream_that_stalls_hits_the_request_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    log: list[str] = []
+    service = ModelService(LoggingProvider(log, chunks=10, stall_after=2), [Tap("tap", log)], request_timeout=5)
+    received: list[StreamChunk] = []
+    start = trio.current_time()
+    with pytest.raises(ModelTimeoutError) as caught:
+        async with service.stream(MESSAGES) as chunks:
+            async for chunk in chunks:
+                received.append(chunk)
+    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+    assert trio.current_time() - start == 5.0
+    assert received == [TextDelta("0"), TextDelta("1")]
+    assert log[-2:] == ["provider finally", "tap finally"]
+
+
+async def test_a_wrap_stream_that_stalls_hits_the_request_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    class Stall(ModelMiddleware):
+        async def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
+            async for chunk in next(request):
+                yield chunk
+                await trio.sleep_forever()
+
+    model = TestModel(default=Reply("one two three"))
+    received: list[StreamChunk] = []
+    with pytest.raises(ModelTimeoutError) as caught:
+        async with ModelService(model, [Stall()], request_timeout=5).stream(MESSAGES) as chunks:
+            async for chunk in chunks:
+                received.append(chunk)
+    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+    assert received == [TextDelta("one")]
+
+
+async def test_retry_events_stream_hits_the_request_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    model = TestModel(default=Reply("late", latency=60))
+    start = trio.current_time()
+    with pytest.raises(ModelTimeoutError):
+        await run_op(ModelService(model, request_timeout=5), Operation.CHAT_WITH_RETRY_EVENTS)
+    assert trio.current_time() - start == 5.0
+
+
+# -- with_model ----------------------------------------------------------------------------------------------
+
+
+async def test_with_model_builds_a_new_service_with_the_same_stack() -> None:
+    seen: list[str] = []
+
+    class RecordModel(ModelMiddleware):
+        async def wrap_chat(self, request: ModelRequest, next: Any) -> ModelResponse:
+            seen.append(request.model)
+            return await next(request)
+
+        async def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
+            seen.append(request.model)
+            async for chunk in next(request):
+                yield chunk
+
+    model = TestModel(default=Reply("hi"), model="model-a")
+    policy = RetryPolicy(max_attempts=7)
+    service_a = ModelService(model, [RecordModel()], retry=policy, request_timeout=42)
+    service_b = service_a.with_model("model-b")
+    assert service_b is not service_a
+    assert service_b.middleware is service_a.middleware
+    assert service_b.retry == policy and service_b.request_timeout == 42
+    assert (service_a.model, service_b.model) == ("model-a", "model-b")
+
+    assert (await service_a.chat(MESSAGES)).model == "model-a"
+    assert (await service_b.chat(MESSAGES)).model == "model-b"
+    await run_op(service_b, Operation.STREAM)
+    await run_op(service_a, Operation.STREAM)
+    assert seen == ["model-a", "model-b", "model-b", "model-a"]
+    assert [r.model for r in model.requests] == ["model-a", "model-b", "model-b", "model-a"]
+
+
+async def test_with_model_keeps_the_model_invariant_per_service() -> None:
+    def to_a(request: ModelRequest) -> ModelRequest:
+        return attrs.evolve(request, model="model-a")
+
+    model = TestModel(default=Reply("hi"), model="model-a")
+    service_a = ModelService(model, [make_layer(Operation.CHAT, "pin", [], transform=to_a)])
+    assert (await service_a.chat(MESSAGES)).message.text == "hi"  # unchanged model: fine
+    with pytest.raises(ModelMiddlewareError, match="active model"):
+        await service_a.with_model("model-b").chat(MESSAGES)  # the middleware cannot switch it back
+    assert [r.model for r in model.requests] == ["model-a"]
+
+
+# -- bad input -----------------------------------------------------------------------------------------------
+
+
+class NoWrappers:
+    def wrap_something_else(self, request: Any, next: Any) -> Any:
+        return next(request)
+
+
+class SyncChat(ModelMiddleware):
+    def wrap_chat(self, request: ModelRequest, next: Any) -> Any:  # type: ignore[override]
+        return next(request)
+
+
+class SyncSideQuery:
+    def wrap_side_query(self, request: ModelRequest, next: Any) -> Any:
+        return next(request)
+
+
+async def _plain_function(request: Any, next: Any) -> Any:
+    return await next(request)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [NoWrappers(), ModelMiddleware(), object(), _plain_function, SyncChat(), SyncSideQuery()],
+    ids=["no-wrappers", "bare-base-class", "object", "plain-function", "sync-wrap-chat", "sync-wrap-side-query"],
+)
+def test_wrongly_shaped_middleware_is_rejected(layer: object) -> None:
+    with pytest.raises(MiddlewareShapeError, match="#1"):
+        ModelService(TestModel(), [make_layer(Operation.CHAT, "ok", []), layer])
+
+
+@pytest.mark.parametrize("middleware", ["wrap_chat", b"x", make_layer(Operation.CHAT, "x", []), None])
+def test_middleware_must_be_a_sequence(middleware: Any) -> None:
+    with pytest.raises(MiddlewareShapeError):
+        ModelService(TestModel(), middleware)
+
+
+@pytest.mark.parametrize("name", ["wrap_stream", "wrap_chat_with_retry_events"])
+def test_a_coroutine_iterator_wrapper_is_rejected_at_construction(name: str) -> None:
+    async def wrapper(self: object, request: ModelRequest, next: Any) -> Any:
+        return next(request)
+
+    with pytest.raises(MiddlewareShapeError, match=name):
+        ModelService(TestModel(), [type("CoroutineWrapper", (), {name: wrapper})()])
+
+
+@pytest.mark.parametrize("timeout", [0, -1, math.nan, math.inf, "5", True, None, 10**12])
+def test_invalid_request_timeout_is_a_config_error(timeout: Any) -> None:
+    with pytest.raises(ConfigError, match="request_timeout"):
+        ModelService(TestModel(), request_timeout=timeout)
+
+
+def test_valid_request_timeouts_are_accepted() -> None:
+    assert ModelService(TestModel(), request_timeout=5).request_timeout == 5.0
+    assert ModelService(TestModel(), request_timeout=0.25).request_timeout == 0.25
+
+
+# -- concurrency: one middleware instance, many tasks --------------------------------------------------------
+
+
+class RequestLocalState(ModelMiddleware):
+    """Keeps request-local state in a local: correct under concurrency."""
+
+    async def wrap_chat(self, request: ModelRequest, next: Any) -> ModelResponse:
+        marker = request.options["marker"]
+        for _ in range(request.options["pauses"]):
+            await trio.lowlevel.checkpoint()
+        return await next(request.replace(options={**request.options, "echo": marker}))
+
+
+class StateOnSelf(ModelMiddleware):
+    """Keeps request-local state on the shared instance: the negative control."""
+
+    async def wrap_chat(self, request: ModelRequest, next: Any) -> ModelResponse:
+        self.marker = request.options["marker"]
+        for _ in range(request.options["pauses"]):
+            await trio.lowlevel.checkpoint()
+        return await next(request.replace(options={**request.options, "echo": self.marker}))
+
+
+def echo(request: ModelRequest) -> Reply:
+    return Reply(str(request.options["echo"]))
+
+
+async def mismatches(layer: object, pauses: list[int]) -> list[int]:
+    """Run one chat per entry of *pauses* concurrently through one shared *layer*; return the tasks that got
+    somebody else's answer."""
+    service = ModelService(TestModel(respond=echo), [make_layer(Operation.CHAT, "outer", []), layer])
+    answers: dict[int, str] = {}
+
+    async def one(index: int) -> None:
+        response = await service.chat(
+            [UserMessage(f"task {index}")], options={"marker": f"m{index}", "pauses": pauses[index]}
+        )
+        answers[index] = response.message.text
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(pauses)):
+            nursery.start_soon(one, index)
+    assert len(answers) == len(pauses)
+    return [index for index, text in answers.items() if text != f"m{index}"]
+
+
+TASKS = 200
+
+
+@settings(max_examples=15, deadline=None)
+@given(pauses=st.lists(st.integers(0, 6), min_size=TASKS, max_size=TASKS))
+def test_request_local_state_survives_concurrency(pauses: list[int]) -> None:
+    assert trio.run(mismatches, RequestLocalState(), pauses) == []
+
+
+@settings(max_examples=15, deadline=None)
+@given(pauses=st.lists(st.integers(1, 6), min_size=TASKS, max_size=TASKS))
+def test_the_same_check_catches_state_kept_on_the_middleware(pauses: list[int]) -> None:
+    assert trio.run(mismatches, StateOnSelf(), pauses) != []
+
+
+async def test_concurrent_streams_through_one_stack_stay_separate(autojump_clock: trio.testing.MockClock) -> None:
+    script = {f"c{i}": [Reply(" ".join(f"{i}.{w}" for w in range(8)), latency=(i % 5) * 0.1)] for i in range(50)}
+    model = TestModel(script)
+    service = ModelService(model, [Tap("a", []), Tap("b", [])])
+    texts: dict[int, str] = {}
+
+    async def one(i: int) -> None:
+        async with service.stream([UserMessage(f"c{i}")]) as chunks:
+            parts = []
+            async for chunk in chunks:
+                if isinstance(chunk, TextDelta):
+                    parts.append(chunk.text)
+                    await trio.lowlevel.checkpoint()
+                else:
+                    assert isinstance(chunk, (UsageChunk, FinishChunk))
+            texts[i] = "".join(parts)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(50):
+            nursery.start_soon(one, i)
+    assert texts == {i: " ".join(f"{i}.{w}" for w in range(8)) for i in range(50)}
+
+
+# Keep the helper type honest for mypy users reading this file.
+_: Callable[..., Awaitable[Any]] = run_op

@@ -1,0 +1,497 @@
+"""The deterministic TestModel: per-conversation scripts, replies, streams, errors and one-timer latency."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trio_agent import (
+    AssistantMessage,
+    FinishChunk,
+    FinishReason,
+    ModelError,
+    ModelRequest,
+    ModelResponse,
+    Operation,
+    ProviderServerError,
+    RateLimitError,
+    ReasoningDelta,
+    ReasoningPart,
+    StreamChunk,
+    SystemMessage,
+    TextDelta,
+    TextPart,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+    UsageChunk,
+    UserMessage,
+)
+from trio_agent.testing import Reply, TestModel, conversation_key, open_test_model
+
+
+def request(
+    user: str = "hello",
+    *,
+    conversation_id: str | None = None,
+    model: str = "test-model",
+    operation: Operation = Operation.CHAT,
+    system: str | None = None,
+) -> ModelRequest:
+    messages: list[Any] = [] if system is None else [SystemMessage(system)]
+    messages.append(UserMessage(user))
+    options = {} if conversation_id is None else {"conversation_id": conversation_id}
+    return ModelRequest(operation, model, messages, options=options)
+
+
+async def collect(model: TestModel, req: ModelRequest) -> list[StreamChunk]:
+    return [chunk async for chunk in model.stream(req)]
+
+
+# -- conversation keys ---------------------------------------------------------------------------
+
+
+def test_conversation_key_prefers_metadata_then_options() -> None:
+    both = ModelRequest(
+        Operation.CHAT,
+        "m",
+        [UserMessage("hi")],
+        options={"conversation_id": "from-options"},
+        metadata={"conversation_id": "from-metadata"},
+    )
+    assert conversation_key(both) == "from-metadata"
+    only_metadata = ModelRequest(Operation.CHAT, "m", [UserMessage("hi")], metadata={"conversation_id": 7})
+    assert conversation_key(only_metadata) == "7"
+
+
+def test_conversation_key_prefers_the_conversation_id_option() -> None:
+    assert conversation_key(request("hi", conversation_id="c-7")) == "c-7"
+    assert conversation_key(request("hi")) == "hi"
+    assert conversation_key(request("hi", system="be brief")) == "hi"  # the first USER message
+    later = ModelRequest(
+        Operation.CHAT,
+        "m",
+        [UserMessage("first"), AssistantMessage((TextPart("a"),)), UserMessage("second")],
+    )
+    assert conversation_key(later) == "first"
+    assert conversation_key(ModelRequest(Operation.CHAT, "m", [SystemMessage("s")])) == ""
+    assert conversation_key(ModelRequest(Operation.CHAT, "m", [], options={"conversation_id": 12})) == "12"
+
+
+async def test_scripts_are_keyed_per_conversation() -> None:
+    model = TestModel({"a": [Reply("a1"), Reply("a2")], "b": [Reply("b1")], "by-id": [Reply("id1")]})
+    assert (await model.chat(request("b"))).message.text == "b1"
+    assert (await model.chat(request("a"))).message.text == "a1"
+    assert (await model.chat(request("ignored", conversation_id="by-id"))).message.text == "id1"
+    assert (await model.chat(request("a"))).message.text == "a2"
+    assert [conversation_key(r) for r in model.requests] == ["b", "a", "by-id", "a"]
+
+
+async def test_fifty_concurrent_conversations_each_get_their_own_replies_in_order(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rng = random.Random(1234)
+    turns = 6
+    latencies = [0.0, 0.1, 0.25, 1.0]
+    script = {f"conv-{c}": [Reply(f"{c}:{t}", latency=rng.choice(latencies)) for t in range(turns)] for c in range(50)}
+    received: dict[int, list[str]] = {c: [] for c in range(50)}
+
+    async with open_test_model(script) as model:
+
+        async def conversation(c: int) -> None:
+            for _ in range(turns):
+                # Rotate through the three keying modes; all name the same script.
+                mode = len(received[c]) % 3
+                if mode == 0:
+                    req = request(f"conv-{c}")
+                elif mode == 1:
+                    req = request("anything", conversation_id=f"conv-{c}")
+                else:
+                    req = ModelRequest(
+                        Operation.CHAT, "test-model", [UserMessage("x")], metadata={"conversation_id": f"conv-{c}"}
+                    )
+                if len(received[c]) == 3:
+                    chunks = await collect(model, req)
+                    received[c].append("".join(ch.text for ch in chunks if isinstance(ch, TextDelta)))
+                else:
+                    received[c].append((await model.chat(req)).message.text)
+                for _ in range(rng.randrange(3)):
+                    await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            for c in range(50):
+                nursery.start_soon(conversation, c)
+
+    assert received == {c: [f"{c}:{t}" for t in range(turns)] for c in range(50)}
+    assert len(model.requests) == 50 * turns
+
+
+# -- defaults, respond= and exhaustion -------------------------------------------------------------
+
+
+async def test_default_single_reply_repeats_for_every_unscripted_key() -> None:
+    model = TestModel({"a": [Reply("scripted")]}, default=Reply("fallback"))
+    assert (await model.chat(request("x"))).message.text == "fallback"
+    assert (await model.chat(request("y"))).message.text == "fallback"
+    assert (await model.chat(request("a"))).message.text == "scripted"
+    assert (await model.chat(request("x"))).message.text == "fallback"
+
+
+async def test_default_list_is_consumed_in_order_then_exhausted() -> None:
+    model = TestModel(default=[Reply("one"), Reply("two")])
+    assert (await model.chat(request("x"))).message.text == "one"
+    assert (await model.chat(request("y"))).message.text == "two"
+    with pytest.raises(ModelError) as caught:
+        await model.chat(request("z"))
+    assert caught.value.code == "TEST_MODEL_EXHAUSTED"
+    assert not caught.value.retryable
+
+
+async def test_exhausted_script_raises_test_model_exhausted() -> None:
+    model = TestModel({"a": [Reply("only")]})
+    assert (await model.chat(request("a"))).message.text == "only"
+    with pytest.raises(ModelError, match="'a'") as caught:
+        await model.chat(request("a"))
+    assert caught.value.code == "TEST_MODEL_EXHAUSTED"
+    with pytest.raises(ModelError) as caught:
+        await collect(model, request("never-scripted"))
+    assert caught.value.code == "TEST_MODEL_EXHAUSTED"
+
+
+async def test_exhausted_script_does_not_fall_back_to_the_default() -> None:
+    model = TestModel({"a": [Reply("only")]}, default=Reply("fallback"))
+    await model.chat(request("a"))
+    with pytest.raises(ModelError) as caught:
+        await model.chat(request("a"))
+    assert caught.value.code == "TEST_MODEL_EXHAUSTED"
+
+
+async def test_respond_function_sees_each_request() -> None:
+    seen: list[ModelRequest] = []
+
+    def respond(req: ModelRequest) -> Reply:
+        seen.append(req)
+        return Reply(f"echo {req.messages[-1].content} via {req.model} #{req.options.get('n')}")  # type: ignore[union-attr]
+
+    model = TestModel({"ignored": [Reply("never")]}, respond=respond, model="m-1")
+    first = request("ping", model="m-1")
+    response = await model.chat(first)
+    assert response.message.text == "echo ping via m-1 #None"
+    second = ModelRequest(Operation.STREAM, "m-1", [UserMessage("pong")], options={"n": 2})
+    text = "".join(c.text for c in await collect(model, second) if isinstance(c, TextDelta))
+    assert text == "echo pong via m-1 #2"
+    assert seen == [first, second]
+    assert model.requests == [first, second]
+
+
+async def test_requests_are_recorded_even_when_the_reply_is_an_error() -> None:
+    error = ProviderServerError("boom", status=503)
+    model = TestModel(default=Reply(error=error))
+    req = request("x")
+    with pytest.raises(ProviderServerError) as caught:
+        await model.chat(req)
+    assert caught.value is error
+    assert model.requests == [req]
+
+
+async def test_with_model_shares_scripts_and_requests() -> None:
+    model = TestModel({"a": [Reply("1"), Reply("2")]}, model="model-a")
+    other = model.with_model("model-b")
+    assert other is not model and other.model == "model-b" and model.model == "model-a"
+    assert (await model.chat(request("a", model="model-a"))).model == "model-a"
+    response = await other.chat(request("a", model="model-b"))
+    assert response.message.text == "2" and response.model == "model-b"
+    assert [r.model for r in model.requests] == ["model-a", "model-b"]
+    assert other.requests is model.requests
+
+
+# -- reply content ---------------------------------------------------------------------------------
+
+
+async def test_text_reply() -> None:
+    model = TestModel(default=Reply("Hello there, friend"))
+    response = await model.chat(request("x"))
+    assert isinstance(response, ModelResponse)
+    assert response.message == AssistantMessage((TextPart("Hello there, friend"),))
+    assert response.finish_reason is FinishReason.STOP
+    assert response.model == "test-model"
+    assert response.id
+    # estimated usage: 10 input tokens, one output token per word
+    assert response.usage == Usage(input_tokens=10, output_tokens=3, total_tokens=13)
+
+
+async def test_tool_calls_dict_arguments_become_json_and_raw_strings_are_kept() -> None:
+    model = TestModel(
+        default=Reply(
+            "Let me look.",
+            tool_calls=[("search", {"query": "trio", "limit": 3}), ("broken", '{"a": '), ("empty", {})],
+        )
+    )
+    response = await model.chat(request("x"))
+    calls = response.message.tool_calls
+    assert [call.name for call in calls] == ["search", "broken", "empty"]
+    assert json.loads(calls[0].arguments) == {"query": "trio", "limit": 3}
+    assert calls[0].parsed_arguments() == {"query": "trio", "limit": 3}
+    assert calls[1].arguments == '{"a": '
+    with pytest.raises(ValueError):
+        calls[1].parsed_arguments()
+    assert calls[2].parsed_arguments() == {}
+    assert len({call.id for call in calls}) == 3
+    assert response.finish_reason is FinishReason.TOOL_CALLS
+    assert response.message.text == "Let me look."
+    second = await model.chat(request("x"))
+    assert not {c.id for c in calls} & {c.id for c in second.message.tool_calls}, "ids are unique per reply"
+
+
+async def test_explicit_usage_and_reasoning() -> None:
+    usage = Usage(100, 20, 120, cached_input_tokens=50, reasoning_tokens=7)
+    model = TestModel(default=Reply("answer", reasoning="because", reasoning_signature="sig", usage=usage))
+    response = await model.chat(request("x"))
+    assert response.usage == usage
+    assert response.message.parts == (ReasoningPart("because", "sig"), TextPart("answer"))
+    assert response.message.text == "answer"
+
+
+async def test_length_finish_reason_marks_truncation() -> None:
+    model = TestModel(
+        default=Reply(
+            "cut off mid", tool_calls=[("write", '{"path": "a.txt", "con')], finish_reason=FinishReason.LENGTH
+        )
+    )
+    response = await model.chat(request("x"))
+    assert response.finish_reason is FinishReason.LENGTH
+    assert response.message.tool_calls[0].arguments == '{"path": "a.txt", "con'
+    chunks = await collect(model, request("x"))
+    assert chunks[-1] == FinishChunk(FinishReason.LENGTH)
+
+
+async def test_error_reply_raises_the_scripted_error() -> None:
+    error = RateLimitError("slow down", retry_after=3)
+    model = TestModel({"a": [Reply(error=error), Reply("after")]})
+    with pytest.raises(RateLimitError) as caught:
+        await model.chat(request("a"))
+    assert caught.value is error and caught.value.retry_after == 3
+    assert (await model.chat(request("a"))).message.text == "after"
+
+
+async def test_stream_error_before_any_chunk() -> None:
+    error = ProviderServerError("down", status=500)
+    model = TestModel(default=Reply("never seen", error=error))
+    chunks: list[StreamChunk] = []
+    with pytest.raises(ProviderServerError) as caught:
+        async for chunk in model.stream(request("x")):
+            chunks.append(chunk)
+    assert caught.value is error
+    assert chunks == []
+
+
+@pytest.mark.parametrize("cut", [0, 1, 3, 5])
+async def test_stream_fails_after_the_given_number_of_chunks(cut: int) -> None:
+    error = ProviderServerError("connection reset", status=502)
+    model = TestModel(default=Reply("one two three four five six", error=error, fail_after_chunks=cut))
+    chunks: list[StreamChunk] = []
+    with pytest.raises(ProviderServerError) as caught:
+        async for chunk in model.stream(request("x")):
+            chunks.append(chunk)
+    assert caught.value is error
+    assert chunks == [TextDelta(w) for w in ["one", " two", " three", " four", " five"]][:cut]
+
+
+async def test_stream_cut_without_an_error_uses_a_retryable_default() -> None:
+    model = TestModel(default=Reply("a b c", fail_after_chunks=2))
+    chunks: list[StreamChunk] = []
+    with pytest.raises(ModelError) as caught:
+        async for chunk in model.stream(request("x")):
+            chunks.append(chunk)
+    assert caught.value.code == "TEST_STREAM_CUT" and caught.value.retryable
+    assert chunks == [TextDelta("a"), TextDelta(" b")]
+
+
+# -- streaming chunk sequence ----------------------------------------------------------------------
+
+words = st.text(alphabet=st.characters(codec="utf-8", exclude_characters=" "), min_size=1, max_size=6)
+texts = st.lists(words, min_size=0, max_size=8).map(" ".join)
+arguments = st.one_of(
+    st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5), max_size=3),
+    st.sampled_from(['{"a": ', "", "x"]),
+)
+tool_call_lists = st.lists(st.tuples(st.sampled_from(["search", "read", "write"]), arguments), max_size=3)
+
+
+def check_stream_against_response(chunks: list[StreamChunk], response: ModelResponse) -> None:
+    """The chunk grammar: reasoning?, text deltas, per call Start Delta* End, UsageChunk, FinishChunk."""
+    assert isinstance(chunks[-1], FinishChunk) and chunks[-1].reason is response.finish_reason
+    assert chunks[-2] == UsageChunk(response.usage)
+    assert not any(isinstance(c, (UsageChunk, FinishChunk)) for c in chunks[:-2])
+    body = chunks[:-2]
+    reasoning = [p for p in response.message.parts if isinstance(p, ReasoningPart)]
+    if reasoning:
+        assert body[0] == ReasoningDelta(reasoning[0].text, reasoning[0].signature)
+        body = body[1:]
+    text = "".join(c.text for c in body if isinstance(c, TextDelta))
+    assert text == response.message.text
+    calls = response.message.tool_calls
+    starts = [c for c in body if isinstance(c, ToolCallStart)]
+    ends = [c for c in body if isinstance(c, ToolCallEnd)]
+    assert [(s.index, s.name) for s in starts] == [(i, call.name) for i, call in enumerate(calls)]
+    assert [(e.index, e.name, e.arguments) for e in ends] == [(i, c.name, c.arguments) for i, c in enumerate(calls)]
+    for index in range(len(calls)):
+        start = body.index(starts[index])
+        end = body.index(ends[index])
+        assert start < end
+        between = body[start + 1 : end]
+        assert all(isinstance(c, ToolCallDelta) and c.index == index for c in between)
+        assert "".join(c.arguments for c in between) == ends[index].arguments  # type: ignore[union-attr]
+        assert starts[index].id == ends[index].id
+    # text deltas come before any tool call chunk
+    kinds = [type(c) for c in body]
+    if starts:
+        assert TextDelta not in kinds[kinds.index(ToolCallStart) :]
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=texts, tool_calls=tool_call_lists, reasoning=st.none() | st.text(max_size=10))
+def test_stream_chunk_sequence_matches_the_reply(text: str, tool_calls: list[Any], reasoning: str | None) -> None:
+    reply = Reply(text, tool_calls=tool_calls, reasoning=reasoning, reasoning_signature="s" if reasoning else None)
+    model = TestModel(default=reply)
+
+    async def main() -> tuple[list[StreamChunk], ModelResponse]:
+        return await collect(model, request("x")), await model.chat(request("x"))
+
+    chunks, response = trio.run(main)
+    check_stream_against_response(chunks, response)
+    assert len([c for c in chunks if isinstance(c, TextDelta)]) == (len(text.split(" ")) if text else 0)
+
+
+async def test_stream_of_text_and_two_tool_calls_exactly() -> None:
+    model = TestModel(default=Reply("I will", tool_calls=[("read", {"p": "a"}), ("read", "{}")], usage=Usage(1, 2, 3)))
+    chunks = await collect(model, request("x"))
+    first_id = chunks[2].id  # type: ignore[union-attr]
+    second_id = chunks[6].id  # type: ignore[union-attr]
+    assert chunks == [
+        TextDelta("I"),
+        TextDelta(" will"),
+        ToolCallStart(0, first_id, "read"),
+        ToolCallDelta(0, '{"p":'),
+        ToolCallDelta(0, ' "a"}'),
+        ToolCallEnd(0, first_id, "read", '{"p": "a"}'),
+        ToolCallStart(1, second_id, "read"),
+        ToolCallDelta(1, "{"),
+        ToolCallDelta(1, "}"),
+        ToolCallEnd(1, second_id, "read", "{}"),
+        UsageChunk(Usage(1, 2, 3)),
+        FinishChunk(FinishReason.TOOL_CALLS),
+    ]
+    assert first_id != second_id
+
+
+# -- latency and the timer task ----------------------------------------------------------------------
+
+
+async def test_two_thousand_concurrent_requests_complete_together(autojump_clock: trio.testing.MockClock) -> None:
+    before = trio.lowlevel.current_statistics().tasks_living
+    finished: list[float] = []
+    async with open_test_model(default=Reply("done", latency=1.0)) as model:
+        assert trio.lowlevel.current_statistics().tasks_living == before + 1, "one timer task"
+        start = trio.current_time()
+
+        async def one(i: int) -> None:
+            response = await model.chat(request(f"r{i}"))
+            assert response.message.text == "done"
+            finished.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2000):
+                nursery.start_soon(one, i)
+        assert trio.current_time() == start + 1.0
+    assert finished == [start + 1.0] * 2000
+    assert len(model.requests) == 2000
+    assert trio.lowlevel.current_statistics().tasks_living == before, "the timer task is gone after the block"
+
+
+async def test_latencies_wake_in_deadline_order(autojump_clock: trio.testing.MockClock) -> None:
+    latencies = [3.0, 0.5, 2.0, 0.0, 1.0, 0.5]
+    order: list[tuple[str, float]] = []
+    async with open_test_model({f"k{i}": [Reply(f"k{i}", latency=s)] for i, s in enumerate(latencies)}) as model:
+        start = trio.current_time()
+
+        async def one(i: int) -> None:
+            response = await model.chat(request(f"k{i}"))
+            order.append((response.message.text, trio.current_time() - start))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(latencies)):
+                nursery.start_soon(one, i)
+    assert sorted(order, key=lambda item: item[1]) == order
+    assert sorted(order) == sorted((f"k{i}", s) for i, s in enumerate(latencies))
+
+
+async def test_latency_applies_before_the_first_stream_chunk(autojump_clock: trio.testing.MockClock) -> None:
+    async with open_test_model(default=Reply("a b", latency=2.5)) as model:
+        start = trio.current_time()
+        seen: list[tuple[StreamChunk, float]] = []
+        async for chunk in model.stream(request("x")):
+            seen.append((chunk, trio.current_time() - start))
+    assert [t for _, t in seen] == [2.5] * 4
+
+
+async def test_latency_without_the_timer_uses_plain_sleep(autojump_clock: trio.testing.MockClock) -> None:
+    model = TestModel(default=Reply("x", latency=4.0))
+    start = trio.current_time()
+    await model.chat(request("x"))
+    assert trio.current_time() - start == 4.0
+
+
+async def test_timer_task_is_gone_even_when_requests_are_still_waiting(autojump_clock: trio.testing.MockClock) -> None:
+    before = trio.lowlevel.current_statistics().tasks_living
+    start = trio.current_time()
+    with trio.move_on_after(1.0) as scope:
+        async with open_test_model(default=Reply("late", latency=10.0)) as model:
+            await model.chat(request("x"))
+    assert scope.cancelled_caught
+    assert trio.current_time() - start == 1.0
+    assert trio.lowlevel.current_statistics().tasks_living == before
+
+
+async def test_cancelled_waiter_does_not_disturb_the_others(autojump_clock: trio.testing.MockClock) -> None:
+    async with open_test_model({"slow": [Reply("slow", latency=5.0)], "fast": [Reply("fast", latency=1.0)]}) as model:
+        start = trio.current_time()
+        with trio.move_on_after(0.5):
+            await model.chat(request("slow"))
+        response = await model.chat(request("fast"))
+        assert response.message.text == "fast"
+        assert trio.current_time() - start == 1.5
+
+
+async def test_errors_inside_the_block_leave_it_unwrapped() -> None:
+    with pytest.raises(ModelError) as caught:
+        async with open_test_model() as model:  # no script, no default
+            await model.chat(request("x"))
+    assert caught.value.code == "TEST_MODEL_EXHAUSTED"
+
+
+async def test_several_errors_raised_inside_the_block_leave_it_as_the_callers_group() -> None:
+    leaves = [ValueError("a"), KeyError("b")]
+    with pytest.raises(ExceptionGroup) as caught:
+        async with open_test_model():
+            raise ExceptionGroup("two failures", leaves)
+    # the caller's own group, not one more level of "Exceptions from Trio nursery"
+    assert caught.value.message == "two failures"
+    assert list(caught.value.exceptions) == leaves
+    assert all(a is b for a, b in zip(caught.value.exceptions, leaves, strict=True))
+
+
+async def test_unwrapping_keeps_the_errors_own_cause() -> None:
+    cause = ValueError("the real problem")
+    with pytest.raises(ModelError) as caught:
+        async with open_test_model():
+            raise ModelError("wrapped") from cause
+    assert caught.value.__cause__ is cause
