@@ -11,8 +11,8 @@ Runs, in one process and interleaved round by round:
     also reported normalised to the reference machine, where a bare CancelScope costs 4.8 µs.
 
 Further sections plug in through `EXTRA_SECTIONS`: a function ``measure(short) -> Section`` adds rows to
-the table and figures to the JSON line. The streaming provider-parsing figure, ``measure_sse_parsing()``
-(chunks/s of the OpenAI provider parsing a 1,000-chunk SSE stream from a local server), is added there.
+the table and figures to the JSON line. ``measure_sse_parsing`` is one: chunks/s of the OpenAI provider
+parsing a 1,000-chunk SSE stream over real HTTP from a local server, beside the same bytes read raw.
 
 Prints a table and, as the last line, one JSON object. ``--short`` runs a quick version.
 """
@@ -26,15 +26,18 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import trio
 
 import trio_agent as ta
 from trio_agent.testing import Reply, TestModel
 
 LAYER_COUNTS = (0, 1, 3, 10)
+TESTS_DIR = str(Path(__file__).resolve().parent.parent / "tests")  # the tests' local HTTP server lives there
 TARGET_PER_LAYER_CALL_US = 2.0
 TARGET_PER_LAYER_CHUNK_US = 1.0
 # The reference machine behind the targets measured a bare CancelScope at 4.8 us (trio 0.35).
@@ -128,7 +131,7 @@ def time_compose_per_layer(calls: int) -> float:
 
     start = time.perf_counter()
     for _ in range(calls):
-        ta.compose_middleware(layers, terminal, check=check)
+        ta.compose_middleware(layers, terminal, check=check, validate=False)
     return (time.perf_counter() - start) / calls / len(layers) * 1e6
 
 
@@ -212,15 +215,100 @@ class Section:
     figures: dict[str, Any] = attrs.field(factory=dict)
 
 
-# == SLOT: streaming provider parsing ========================================================================
-# ``def measure_sse_parsing(short: bool) -> Section`` goes here: chunks/s of the OpenAI provider parsing a
-# 1,000-chunk SSE stream served by a local server (it runs its own trio.run, like any section). Register it
-# by listing it in EXTRA_SECTIONS below; its rows join the table and its figures (positive floats, e.g.
-# "sse_parsing_chunks_per_s") join the JSON line. Nothing else in this script needs to change.
-# =============================================================================================================
+# -- streaming provider parsing --------------------------------------------------------------------------
+# --- provider parsing: the OpenAI provider parsing a 1,000-chunk SSE stream from a local server ---
+
+
+def _sse_body(chunks: int) -> bytes:
+    events = []
+    for index in range(chunks):
+        payload = {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "bench",
+            "choices": [{"index": 0, "delta": {"content": f"w{index} "}, "finish_reason": None}],
+        }
+        events.append(f"data: {json.dumps(payload)}\n\n")
+    final = {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "bench",
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+    }
+    events.append(f"data: {json.dumps(final)}\n\n")
+    events.append("data: [DONE]\n\n")
+    return "".join(events).encode()
+
+
+async def _measure_sse(chunks: int, rounds: int) -> dict[str, float]:
+    """Chunks per second of OpenAIProvider.stream over real HTTP from a local server (127.0.0.1)."""
+    sys.path.insert(0, TESTS_DIR)
+    from fake_server import Scripted, open_fake_server  # the tests' real local HTTP server
+
+    body = _sse_body(chunks)
+    # Send the body in pieces of ~16 KiB, as a server flushing as it goes would.
+    pieces = [body[i : i + 16384] for i in range(0, len(body), 16384)]
+
+    def handler(request: object) -> Scripted:
+        return Scripted.sse(pieces)
+
+    samples: list[float] = []
+    raw_samples: list[float] = []
+    async with (
+        open_fake_server(handler) as server,
+        ta.OpenAIProvider("bench", api_key="bench", base_url=server.url + "/v1") as provider,
+    ):
+        request = ta.ModelRequest(ta.Operation.STREAM, "bench", (ta.UserMessage("hi"),))
+        for _ in range(rounds + 1):  # the first round warms the connection pool
+            start = time.perf_counter()
+            stream = provider.stream(request)
+            count = 0
+            try:
+                async for chunk in stream:
+                    if isinstance(chunk, ta.TextDelta):
+                        count += 1
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+            elapsed = time.perf_counter() - start
+            assert count == chunks, count
+            samples.append(chunks / elapsed)
+        # The floor: the same bytes read over the same HTTP connection, no SSE or JSON parsing.
+        async with httpx.AsyncClient() as client:
+            for _ in range(rounds + 1):
+                start = time.perf_counter()
+                async with client.stream("POST", server.url + "/v1/chat/completions", json={}) as response:
+                    async for _piece in response.aiter_bytes():
+                        pass
+                raw_samples.append(chunks / (time.perf_counter() - start))
+    return {
+        "sse_chunks_per_s": statistics.median(samples[1:]),
+        "raw_http_chunks_per_s": statistics.median(raw_samples[1:]),
+    }
+
+
+def measure_sse_parsing(short: bool) -> Section:
+    chunks, rounds = 1000, (3 if short else 15)
+    figures = trio.run(_measure_sse, chunks, rounds)
+    parsed, raw = figures["sse_chunks_per_s"], figures["raw_http_chunks_per_s"]
+    return Section(
+        f"OpenAI provider parsing a {chunks}-chunk SSE stream from 127.0.0.1 ({rounds} rounds, median)",
+        (
+            ("provider.stream (SSE + JSON)", parsed, "chunks/s"),
+            ("same bytes, raw httpx read", raw, "chunks/s (no parsing: the floor)"),
+            ("parsing cost per chunk", 1e6 / parsed - 1e6 / raw, "us"),
+        ),
+        {
+            "sse_parsing_chunks_per_s": round(parsed, 1),
+            "sse_raw_http_chunks_per_s": round(raw, 1),
+            "sse_parsing_us_per_chunk": round(1e6 / parsed - 1e6 / raw, 3),
+        },
+    )
+
 
 # Each entry is called as ``section(short)`` after the core measurements, in order.
-EXTRA_SECTIONS: tuple[Callable[[bool], Section], ...] = ()
+EXTRA_SECTIONS: tuple[Callable[[bool], Section], ...] = (measure_sse_parsing,)
 
 
 # -- report --------------------------------------------------------------------------------------------------
@@ -275,7 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{'trio CancelScope (bare)':<30}{scope:>10.2f} us  (reference machine: {REFERENCE_SCOPE_US} us)")
     print(f"{'trio checkpoint':<30}{medians['checkpoint']:>10.2f} us")
-    print(f"{'compose_middleware, per layer':<30}{medians['compose_per_layer']:>10.2f} us  (paid on every chat call)")
+    print(
+        f"{'compose_middleware, per layer':<30}{medians['compose_per_layer']:>10.2f} us  "
+        "(paid on every chat call; layers are validated once, when the service is built)"
+    )
 
     extra_figures: dict[str, Any] = {}
     for section_fn in EXTRA_SECTIONS:

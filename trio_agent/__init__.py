@@ -16,6 +16,7 @@ from ._errors import LeaseLostError as LeaseLostError
 from ._errors import MalformedResponseError as MalformedResponseError
 from ._errors import MiddlewareError as MiddlewareError
 from ._errors import MiddlewareShapeError as MiddlewareShapeError
+from ._errors import ModelAbortedError as ModelAbortedError
 from ._errors import ModelConnectionError as ModelConnectionError
 from ._errors import ModelError as ModelError
 from ._errors import ModelMiddlewareError as ModelMiddlewareError
@@ -150,6 +151,7 @@ __all__ = [
     "MiddlewareFault",
     "MiddlewareNext",
     "MiddlewareShapeError",
+    "ModelAbortedError",
     "ModelConnectionError",
     "ModelError",
     "ModelMiddleware",

@@ -25,6 +25,7 @@ Every error that crosses a public boundary is one of these (never a bare
           ├── ModelConnectionError  the connection failed (retryable)
           ├── ModelTimeoutError     request deadline or stream idle timeout      [TimeoutError]
           ├── StreamInterruptedError the stream failed after chunks were published (never retried)
+          ├── ModelAbortedError     the request's AbortHandle was aborted (``abort`` has the reason)
           └── ModelMiddlewareError  model middleware raised or changed operation, model or abort
 
     ProviderConfigError (a ConfigError): unknown provider, missing API key, invalid base URL.
@@ -44,6 +45,7 @@ __all__ = [
     "MalformedResponseError",
     "MiddlewareError",
     "MiddlewareShapeError",
+    "ModelAbortedError",
     "ModelConnectionError",
     "ModelError",
     "ModelMiddlewareError",
@@ -212,3 +214,11 @@ class StreamInterruptedError(ModelError):
 
 class ModelMiddlewareError(ModelError):
     """Model middleware raised, or changed the request's operation, model or abort handle."""
+
+
+class ModelAbortedError(ModelError):
+    """The request's `AbortHandle` was aborted while the call ran; ``abort`` carries the typed reason."""
+
+    def __init__(self, message: str, *, abort: object = None) -> None:
+        super().__init__(message, code="MODEL_REQUEST_ABORTED")
+        self.abort = abort

@@ -18,8 +18,8 @@ from __future__ import annotations
 import enum
 import inspect
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -29,6 +29,7 @@ from .._abort import AbortHandle
 from .._config import validate_timeout
 from .._errors import (
     MiddlewareShapeError,
+    ModelAbortedError,
     ModelError,
     ModelMiddlewareError,
     ModelTimeoutError,
@@ -320,10 +321,16 @@ class ModelService:
             return await self._with_retries(current, None)
 
         chain = compose_middleware(self._chains[request.operation], terminal, check=check, validate=False)
-        with trio.move_on_after(self.request_timeout) as deadline:
+        with trio.move_on_after(self.request_timeout) as scope, _abort_cancels(request, scope):
             return await self._guard(chain(request))
-        assert deadline.cancelled_caught
-        raise ModelTimeoutError(
+        raise self._stopped(request)
+
+    def _stopped(self, request: ModelRequest) -> ModelError:
+        """The error for a call whose scope was cancelled by us: its abort handle, else its deadline."""
+        abort = request.abort.reason if request.abort is not None else None
+        if abort is not None:
+            return ModelAbortedError(f"model request aborted: {abort.message}", abort=abort)
+        return ModelTimeoutError(
             f"model request exceeded its {self.request_timeout:g} s deadline", code="MODEL_REQUEST_TIMEOUT"
         )
 
@@ -435,7 +442,7 @@ class ModelService:
         chain = compose_middleware(layers, lambda req: track(len(wrappers), terminal(req)), check=check, validate=False)
         # One scope for the whole stream (a scope per chunk would cost more than the chunk): it is
         # entered and left in this task around the consumer's block, never across an iterator's yield.
-        with trio.move_on_after(self.request_timeout) as deadline:
+        with trio.move_on_after(self.request_timeout) as deadline, _abort_cancels(request, deadline):
             try:
                 outer = chain(request)
                 yield _Guarded(outer)
@@ -451,9 +458,21 @@ class ModelService:
                     raise failure
                 raise ModelMiddlewareError(f"closing a model stream layer raised {failure!r}") from failure
         if deadline.cancelled_caught:
-            raise ModelTimeoutError(
-                f"model request exceeded its {self.request_timeout:g} s deadline", code="MODEL_REQUEST_TIMEOUT"
-            )
+            raise self._stopped(request)
+
+
+@contextmanager
+def _abort_cancels(request: ModelRequest, scope: trio.CancelScope) -> Iterator[None]:
+    """While the block runs, aborting the request's handle cancels *scope* (at once if already aborted)."""
+    handle = request.abort
+    if handle is None:
+        yield
+        return
+    token = handle.add_listener(lambda abort: scope.cancel(reason=abort.message))
+    try:
+        yield
+    finally:
+        handle.remove_listener(token)
 
 
 async def _close_all(opened: dict[int, AsyncIterator[Any]]) -> Exception | None:
@@ -494,6 +513,8 @@ class _Guarded:
         return self
 
     async def __anext__(self) -> Any:
+        # An abort or deadline reaches the consumer even if the provider never checkpoints (~0.2 us).
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
             return await self._inner.__anext__()
         except (ModelError, StopAsyncIteration):
