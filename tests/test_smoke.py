@@ -24,6 +24,9 @@ def test_demo_runs_offline_and_summarises_the_journal() -> None:
     assert "cancelled: 1" in text  # the steered research call
     assert "password=[redacted]" in text and "hunter2" not in text
     assert "cache short-circuits (synthetic starts): 1" in text
+    # The offline test model planned the calls (streamed) and answered after the tool results.
+    assert "[9 tool calls]" in text
+    assert "the research was interrupted by you" in text
 
 
 def test_demo_command_line() -> None:

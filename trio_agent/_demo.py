@@ -1,9 +1,10 @@
 """The offline demo behind ``python -m trio_agent demo``.
 
-For now it shows the tool pipeline: example tools over a temporary workspace,
-audit / redaction / cache middleware, calls fanned out concurrently in a
-nursery, one call steered away mid-run, live progress, and a closing summary
-of the journal. It needs no network and no API key.
+For now it shows the model service and the tool pipeline: the offline test model
+streams a plan with tool calls, which run concurrently in a nursery through
+audit / redaction / cache middleware over a temporary workspace; one call is
+steered away mid-run; the tool results go back to the model for its final
+answer; a closing summary of the journal follows. No network, no API key.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import re
 import tempfile
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,19 @@ import attrs
 import trio
 
 from ._abort import AbortHandle, AbortReason
+from ._models._messages import (
+    AssistantMessage,
+    Message,
+    StreamChunk,
+    TextDelta,
+    TextPart,
+    ToolCallEnd,
+    ToolCallPart,
+    ToolResultMessage,
+    UserMessage,
+)
+from ._models._service import ModelMiddleware, ModelRequest, ModelService
+from ._models._test_model import Reply, TestModel
 from ._tools._context import CallOrigin, ToolCall, ToolContext, ToolMiddlewareRequest
 from ._tools._definition import SideEffect, ToolKind, define_tool
 from ._tools._lifecycle import InMemoryToolJournal
@@ -164,13 +179,39 @@ async def _demo(calls: int, out: Any) -> list[ToolExecutionRecord]:
                 f"  settled   {call.id:<5} {call.name:<11} {record.status.value:<10} {record.result.output}", file=out
             )
 
-        print(f"fanning out {calls + 1} tool calls through audit, redaction and cache middleware", file=out)
+        # The offline test model plans the work: its first reply streams text and tool calls.
+        plan = _plan(calls)
+        model = TestModel(
+            {
+                "demo": [
+                    Reply(
+                        "I will write the notes, count words and research, all at once.",
+                        [(c.name, c.input) for c in plan],
+                    ),
+                    Reply("Done: notes written, words counted; the research was interrupted by you."),
+                ]
+            }
+        )
+        service = ModelService(model, [_ChunkCounter(log)])
+        conversation: list[Message] = [UserMessage("Write the notes, count the words and research cancel scopes.")]
+        reply = await _stream_reply(service, conversation, out)
+        planned = [ToolCall(part.id, part.name, part.parsed_arguments()) for part in reply.tool_calls]
+
+        print(f"fanning out {len(planned)} tool calls through audit, redaction and cache middleware", file=out)
         async with trio.open_nursery() as nursery:
-            for call in _plan(calls):
+            for call in planned:
                 nursery.start_soon(run, call)
             await trio.sleep(0.05)  # let the fan-out get going before the user steers
             print("  steering  a new user message interrupts the slow research call", file=out)
             steering.abort(AbortReason.STEERING)
+
+        by_id = {record.call.id: record for record in records}
+        conversation.append(reply)
+        conversation.extend(
+            ToolResultMessage(call.id, str(by_id[call.id].result.output), not by_id[call.id].result.ok)
+            for call in planned
+        )
+        await _stream_reply(service, conversation, out)
 
         print("second wave: the same word counts again are served by the cache middleware", file=out)
         async with trio.open_nursery() as nursery:
@@ -199,6 +240,40 @@ async def _demo(calls: int, out: Any) -> list[ToolExecutionRecord]:
     print(f"  cache short-circuits (synthetic starts): {synthetic}", file=out)
     print(f"  journal events: {len(journal.entries)}  audit lines: {len(log)}", file=out)
     return records
+
+
+class _ChunkCounter(ModelMiddleware):
+    """A model middleware in the demo: counts streamed chunks (request-local state stays in locals)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self._log = log
+
+    async def wrap_stream(
+        self, request: ModelRequest, next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
+    ) -> AsyncIterator[StreamChunk]:
+        count = 0
+        try:
+            async for chunk in next(request):
+                count += 1
+                yield chunk
+        finally:
+            self._log.append(f"model stream: {count} chunks")
+
+
+async def _stream_reply(service: ModelService, conversation: list[Message], out: Any) -> AssistantMessage:
+    """Stream one model reply, printing text as it arrives; return the assembled message."""
+    text: list[str] = []
+    calls: list[ToolCallPart] = []
+    print("  model     ", end="", file=out)
+    async with service.stream(conversation, metadata={"conversation_id": "demo"}) as chunks:
+        async for chunk in chunks:
+            if isinstance(chunk, TextDelta):
+                text.append(chunk.text)
+                print(chunk.text, end="", file=out, flush=True)
+            elif isinstance(chunk, ToolCallEnd):
+                calls.append(ToolCallPart(chunk.id, chunk.name, chunk.arguments))
+    print(f"  [{len(calls)} tool calls]" if calls else "", file=out)
+    return AssistantMessage((TextPart("".join(text)), *calls))
 
 
 def run_demo(*, calls: int = 12, out: Any = None) -> int:
