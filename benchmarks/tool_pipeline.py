@@ -132,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     direct = medians["direct"]
     base = medians["layers_0"]
     per_layer = slope([(n, medians[f"layers_{n}"]) for n in LAYER_COUNTS])
+    # The first layer also pays for the chain itself (the scope that protects the unwind after the
+    # tool committed); each further layer is only the onion step. Both are reported.
+    first_layer = medians["layers_1"] - medians["layers_0"]
+    per_added_layer = (medians["layers_10"] - medians["layers_1"]) / 9
     fixed = base - direct
     machine_factor = medians["scope"] / REFERENCE_SCOPE_US
 
@@ -144,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'trio CancelScope (bare)':<26}{medians['scope']:>10.2f}")
     print(f"{'trio checkpoint':<26}{medians['checkpoint']:>10.2f}")
     print()
-    print(f"per middleware layer: {per_layer:.2f} us (target <= {TARGET_PER_LAYER_US} us)")
+    print(
+        f"per middleware layer: {per_layer:.2f} us least-squares over 0/1/3/10 (target <= {TARGET_PER_LAYER_US} us); "
+        f"first layer incl. chain set-up {first_layer:.2f} us; each further layer {per_added_layer:.2f} us "
+        f"(normalised {per_added_layer / machine_factor:.2f} us)"
+    )
     print(f"fixed pipeline cost (0 layers - direct): {fixed:.2f} us (target <= {TARGET_FIXED_US} us)")
     print(
         f"this machine runs a bare CancelScope in {medians['scope']:.2f} us vs {REFERENCE_SCOPE_US} us on the "
@@ -157,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         "direct_us": round(direct, 3),
         **{f"layers_{n}_us": round(medians[f"layers_{n}"], 3) for n in LAYER_COUNTS},
         "per_layer_us": round(per_layer, 3),
+        "first_layer_us": round(first_layer, 3),
+        "per_added_layer_us": round(per_added_layer, 3),
+        "per_added_layer_normalised_us": round(per_added_layer / machine_factor, 3),
         "fixed_us": round(fixed, 3),
         "fixed_in_cancel_scopes": round(fixed / medians["scope"], 2),
         "fixed_normalised_us": round(fixed / machine_factor, 3),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -46,4 +47,7 @@ def test_benchmark_short_mode_prints_json_last(script: Path) -> None:
     figures = json.loads(lines[-1])
     assert figures["benchmark"] == script.stem
     numbers = [value for value in figures.values() if isinstance(value, float)]
-    assert numbers and all(value > 0 for value in numbers)
+    # Differences and slopes may dip below zero in a noisy short run; they must still be real numbers.
+    assert numbers and all(math.isfinite(value) for value in numbers)
+    direct = [value for key, value in figures.items() if "direct" in key and isinstance(value, float)]
+    assert direct and all(value > 0 for value in direct)
