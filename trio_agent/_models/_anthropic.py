@@ -18,13 +18,9 @@ The provider never retries: the `ModelService` retry loop owns retries. Errors a
 from __future__ import annotations
 
 import codecs
-import datetime
-import email.utils
 import json
-import math
 import os
 import re
-import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Final, cast
@@ -47,6 +43,7 @@ from .._errors import (
     ProviderServerError,
     RateLimitError,
 )
+from ._http import checked_base_url, retry_after_seconds
 from ._messages import (
     AssistantMessage,
     ContentPart,
@@ -321,16 +318,7 @@ def _base_url(base_url: str | None) -> str:
             base_url, source = env, BASE_URL_ENV
         else:
             base_url = DEFAULT_BASE_URL
-    problem = f"invalid Anthropic {source} {base_url!r}: expected an http(s) URL such as {DEFAULT_BASE_URL!r}"
-    if not isinstance(base_url, str):
-        raise ProviderConfigError(problem)
-    try:
-        url = httpx.URL(base_url.strip())
-    except (httpx.InvalidURL, TypeError, ValueError) as exc:
-        raise ProviderConfigError(problem) from exc
-    if url.scheme not in ("http", "https") or not url.host or url.query or url.fragment:
-        raise ProviderConfigError(problem)
-    return str(url).rstrip("/")
+    return checked_base_url(base_url, provider="Anthropic", source=source, example=DEFAULT_BASE_URL)
 
 
 # -- request mapping --------------------------------------------------------------------------
@@ -590,31 +578,6 @@ def _error_details(body: bytes) -> tuple[str | None, str]:
         message = error.get("message")
         return (kind if isinstance(kind, str) else None), (message if isinstance(message, str) else str(error))
     return None, text[:500]
-
-
-def retry_after_seconds(headers: httpx.Headers) -> float | None:
-    """The server's ``retry-after-ms`` / ``retry-after`` (seconds or an HTTP date) hint, in seconds."""
-    seconds: float | None = None
-    millis = headers.get("retry-after-ms")
-    value = headers.get("retry-after")
-    try:
-        if millis is not None:
-            seconds = float(millis) / 1000
-        elif value is not None:
-            seconds = float(value)
-    except ValueError:
-        seconds = None
-    if seconds is None and value is not None:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=datetime.UTC)
-        seconds = when.timestamp() - time.time()
-    if seconds is None or not math.isfinite(seconds):
-        return None
-    return max(seconds, 0.0)
 
 
 async def _raise_for_status(response: httpx.Response) -> None:

@@ -14,11 +14,8 @@ inside the generator, so ``aclose()`` (or a cancellation) closes it before it re
 from __future__ import annotations
 
 import contextlib
-import email.utils
 import json
-import math
 import os
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from types import TracebackType
 from typing import Any, NoReturn
@@ -40,6 +37,7 @@ from .._errors import (
     ProviderServerError,
     RateLimitError,
 )
+from ._http import checked_base_url, retry_after_seconds
 from ._messages import (
     AssistantMessage,
     ContentPart,
@@ -427,24 +425,7 @@ async def _release(response: httpx.Response, body: AsyncIterator[Any]) -> None:
 
 def _validate_base_url(base_url: str, *, from_env: bool) -> str:
     source = "OPENAI_BASE_URL" if from_env and base_url != DEFAULT_OPENAI_BASE_URL else "base_url"
-    problem = None
-    if not isinstance(base_url, str):
-        problem = "it is not a string"
-    else:
-        try:
-            url = httpx.URL(base_url.strip())
-        except (httpx.InvalidURL, TypeError, ValueError) as exc:
-            problem = str(exc)
-        else:
-            if url.scheme not in ("http", "https"):
-                problem = "the scheme must be http or https"
-            elif not url.host:
-                problem = "it has no host"
-            elif url.query or url.fragment:
-                problem = "it must not have a query or fragment"
-    if problem is not None:
-        raise ProviderConfigError(f"invalid {source} {base_url!r} for the OpenAI provider: {problem}")
-    return base_url.strip().rstrip("/")
+    return checked_base_url(base_url, provider="OpenAI", source=source, example=DEFAULT_OPENAI_BASE_URL)
 
 
 # -- request mapping ---------------------------------------------------------------------------
@@ -821,23 +802,4 @@ def _raise_for_body(body: bytes) -> None:
         _raise_error_payload(payload, status=None)
 
 
-def _retry_after(headers: httpx.Headers) -> float | None:
-    """Seconds to wait from ``retry-after-ms`` or ``retry-after`` (seconds or an HTTP date)."""
-    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
-        value = headers.get(name)
-        if value is None:
-            continue
-        try:
-            seconds = float(value) / divisor
-        except ValueError:
-            continue
-        if math.isfinite(seconds):
-            return max(seconds, 0.0)
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    return max(when.timestamp() - time.time(), 0.0)
+_retry_after = retry_after_seconds
