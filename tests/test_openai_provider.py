@@ -913,9 +913,13 @@ async def test_timeout_bounds_a_whole_chat_call_not_only_each_read() -> None:
     pieces += [Gate(gates[2]), body[30:]]
     trickle = Scripted(200, [("content-type", "application/json")], pieces, chunked=False)
 
+    # Real time has to pass for a real HTTP timeout (no mock clock drives httpx's sockets): each gap
+    # is shorter than the 0.5 s budget, three of them are longer. Nothing waits on this for ordering.
+    gap = 0.3
+
     async def open_gates_slowly() -> None:
         for gate in gates:
-            await trio.sleep(0.3)  # drives the server's pace; nothing is synchronised on it
+            await trio.sleep(gap)
             gate.set()
 
     async with (
