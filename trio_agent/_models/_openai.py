@@ -364,7 +364,7 @@ class OpenAIProvider:
         if status == 404:
             return ModelNotFoundError(f"{text} (model {self.model!r})", status=status)
         if status == 429:
-            error = RateLimitError(text, status=status, retry_after=_retry_after(response.headers))
+            error = RateLimitError(text, status=status, retry_after=retry_after_seconds(response.headers))
             if kind == "insufficient_quota":
                 error.retryable = False  # an exhausted quota does not come back by waiting
             return error
@@ -800,6 +800,3 @@ def _raise_for_body(body: bytes) -> None:
         return
     if isinstance(payload, dict) and payload.get("error") is not None:
         _raise_error_payload(payload, status=None)
-
-
-_retry_after = retry_after_seconds
