@@ -1,0 +1,1 @@
+"""The durable journal: events, the sans-I/O projection and the recovery plan."""

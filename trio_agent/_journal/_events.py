@@ -1,0 +1,542 @@
+"""Durable journal events and their strict (de)serialisation.
+
+Every event is a frozen attrs class that carries the correlation ids it needs
+(``request_id``, ``turn_id``, ``attempt_id``, ``call_id`` ...), each validated
+non-empty at construction. An `EventEnvelope` places one event on one agent's
+stream at a sequence number. On the wire an envelope is a JSON-compatible dict
+whose ``event`` is tagged by its ``type`` (``"tool_scheduled"`` ...).
+
+`decode_event` is strict: unknown fields, missing ids, wrongly typed values, bad
+enum values, non-finite numbers and unknown schema versions all raise
+`JournalCorruptError`. Token deltas and progress are never durable events.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from typing import Any, TypeAlias
+
+import attrs
+import cattrs
+from cattrs.strategies import configure_tagged_union
+
+from .._tools._definition import InterruptBehavior, SideEffect, ToolKind
+from .._tools._results import json_copy
+from ._errors import JournalCorruptError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ErrorInfo",
+    "Event",
+    "EventEnvelope",
+    "ModelAbortReason",
+    "ModelAttemptAborted",
+    "ModelAttemptCompleted",
+    "ModelAttemptFailed",
+    "ModelAttemptStarted",
+    "OutcomeUnknownReason",
+    "PermissionDecision",
+    "PermissionRequested",
+    "PermissionResolved",
+    "RecoveryDecision",
+    "RequestAccepted",
+    "RequestCompleted",
+    "RequestFailed",
+    "RequestInterruptReason",
+    "RequestInterrupted",
+    "RequestStarted",
+    "SessionCloseReason",
+    "SessionClosed",
+    "SessionCreated",
+    "SubagentCancelled",
+    "SubagentCompleted",
+    "SubagentStarted",
+    "ToolCancelled",
+    "ToolCompleted",
+    "ToolFailed",
+    "ToolOutcomeUnknown",
+    "ToolRecoveryAction",
+    "ToolScheduled",
+    "ToolStarted",
+    "TurnAbortReason",
+    "TurnAborted",
+    "TurnCompleted",
+    "TurnStarted",
+    "decode_event",
+    "encode_event",
+    "event_converter",
+    "event_type_name",
+]
+
+SCHEMA_VERSION = 1
+"""The only schema version this code reads and writes."""
+
+JsonObject: TypeAlias = dict[str, Any]
+
+
+# ---------------------------------------------------------------- validators
+
+
+def _non_empty(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{attribute.name} must be a non-empty string, not {value!r}")
+
+
+def _optional_non_empty(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        _non_empty(instance, attribute, value)
+
+
+def _check_json(value: object, path: str) -> None:
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path} is not a finite number: {value!r}")
+        return
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_json(item, f"{path}[{index}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{path} has a non-string key {key!r}")
+            _check_json(item, f"{path}.{key}")
+        return
+    raise ValueError(f"{path} is not JSON: {type(value).__name__}")
+
+
+def _json_object(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, dict):
+        raise ValueError(f"{attribute.name} must be a JSON object, not {type(value).__name__}")
+    _check_json(value, attribute.name)
+
+
+def _optional_json_object(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        _json_object(instance, attribute, value)
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{attribute.name} must be an integer >= 1, not {value!r}")
+
+
+def _id() -> Any:
+    return attrs.field(validator=_non_empty)
+
+
+# ---------------------------------------------------------------- enums
+
+
+class SessionCloseReason(enum.Enum):
+    COMPLETED = "completed"
+    USER = "user"
+    SHUTDOWN = "shutdown"
+    ERROR = "error"
+
+
+class RequestInterruptReason(enum.Enum):
+    USER_ABORT = "user_abort"
+    SESSION_CLOSE = "session_close"
+    STEERING = "steering"
+    PROCESS_RESTART = "process_restart"
+
+
+class TurnAbortReason(enum.Enum):
+    REQUEST_INTERRUPTED = "request_interrupted"
+    ERROR = "error"
+    PROCESS_RESTART = "process_restart"
+    RECOVERY_REQUIRED = "recovery_required"
+
+
+class ModelAbortReason(enum.Enum):
+    REQUEST_INTERRUPTED = "request_interrupted"
+    STEERING = "steering"
+    PROCESS_RESTART = "process_restart"
+
+
+class OutcomeUnknownReason(enum.Enum):
+    PROCESS_RESTART = "process_restart"
+    COMMIT_OUTCOME_UNKNOWN = "commit_outcome_unknown"
+    NO_RECONCILE = "no_reconcile"
+
+
+class PermissionDecision(enum.Enum):
+    ALLOW = "allow"
+    DENY = "deny"
+    CANCEL = "cancel"
+
+
+class ToolRecoveryAction(enum.Enum):
+    """What recovery does with one tool call (see the projection's recovery plan).
+
+    ``replay_result``: settled, the stored result is replayed and the tool never re-run.
+    ``run``: scheduled but never started, it may run.
+    ``cancel``: scheduled, its permission was denied or cancelled: settle it cancelled.
+    ``rerun``: a ``pure`` call started without an outcome runs again.
+    ``rerun_same_key``: an ``idempotent`` one runs again with the same idempotency key.
+    ``reconcile``: a ``non_idempotent`` one whose tool has a ``reconcile`` is reconciled.
+    ``settle_outcome_unknown``: a ``non_idempotent`` one without it settles ``outcome_unknown``.
+    """
+
+    REPLAY_RESULT = "replay_result"
+    RUN = "run"
+    CANCEL = "cancel"
+    RERUN = "rerun"
+    RERUN_SAME_KEY = "rerun_same_key"
+    RECONCILE = "reconcile"
+    SETTLE_OUTCOME_UNKNOWN = "settle_outcome_unknown"
+
+
+# ---------------------------------------------------------------- payload parts
+
+
+@attrs.frozen(kw_only=True)
+class ErrorInfo:
+    message: str
+    code: str | None = attrs.field(default=None, validator=_optional_non_empty)
+    retryable: bool = False
+
+
+# ---------------------------------------------------------------- events
+
+
+@attrs.frozen(kw_only=True)
+class SessionCreated:
+    session_id: str = _id()
+    agent_id: str = _id()
+    parent_agent_id: str | None = attrs.field(default=None, validator=_optional_non_empty)
+
+
+@attrs.frozen(kw_only=True)
+class SessionClosed:
+    session_id: str = _id()
+    reason: SessionCloseReason
+
+
+@attrs.frozen(kw_only=True)
+class RequestAccepted:
+    request_id: str = _id()
+    command_id: str = _id()
+    input: JsonObject = attrs.field(validator=_json_object)
+
+
+@attrs.frozen(kw_only=True)
+class RequestStarted:
+    request_id: str = _id()
+
+
+@attrs.frozen(kw_only=True)
+class RequestCompleted:
+    request_id: str = _id()
+    output: JsonObject | None = attrs.field(default=None, validator=_optional_json_object)
+
+
+@attrs.frozen(kw_only=True)
+class RequestFailed:
+    request_id: str = _id()
+    error: ErrorInfo
+
+
+@attrs.frozen(kw_only=True)
+class RequestInterrupted:
+    request_id: str = _id()
+    reason: RequestInterruptReason
+
+
+@attrs.frozen(kw_only=True)
+class TurnStarted:
+    request_id: str = _id()
+    turn_id: str = _id()
+    turn: int = attrs.field(validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class TurnCompleted:
+    request_id: str = _id()
+    turn_id: str = _id()
+    has_tool_calls: bool
+
+
+@attrs.frozen(kw_only=True)
+class TurnAborted:
+    request_id: str = _id()
+    turn_id: str = _id()
+    reason: TurnAbortReason
+
+
+@attrs.frozen(kw_only=True)
+class ModelAttemptStarted:
+    request_id: str = _id()
+    turn_id: str = _id()
+    attempt_id: str = _id()
+    model: str = _id()
+
+
+@attrs.frozen(kw_only=True)
+class ModelAttemptCompleted:
+    request_id: str = _id()
+    turn_id: str = _id()
+    attempt_id: str = _id()
+    response: JsonObject = attrs.field(validator=_json_object)
+
+
+@attrs.frozen(kw_only=True)
+class ModelAttemptFailed:
+    request_id: str = _id()
+    turn_id: str = _id()
+    attempt_id: str = _id()
+    error: ErrorInfo
+
+
+@attrs.frozen(kw_only=True)
+class ModelAttemptAborted:
+    request_id: str = _id()
+    turn_id: str = _id()
+    attempt_id: str = _id()
+    reason: ModelAbortReason
+
+
+@attrs.frozen(kw_only=True)
+class ToolScheduled:
+    request_id: str = _id()
+    turn_id: str = _id()
+    call_id: str = _id()
+    tool_name: str = _id()
+    model_input: JsonObject = attrs.field(validator=_json_object)
+    side_effect: SideEffect
+    kind: ToolKind
+    interrupt: InterruptBehavior
+    concurrency_safe: bool
+    idempotency_key: str = _id()
+
+
+@attrs.frozen(kw_only=True)
+class ToolStarted:
+    """The FINAL input (after middleware and permission), durable before the side effect."""
+
+    request_id: str = _id()
+    turn_id: str = _id()
+    call_id: str = _id()
+    input: JsonObject = attrs.field(validator=_json_object)
+    side_effect: SideEffect
+    synthetic: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class ToolCompleted:
+    request_id: str = _id()
+    turn_id: str = _id()
+    call_id: str = _id()
+    result: JsonObject = attrs.field(validator=_json_object)
+    published: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class ToolFailed:
+    request_id: str = _id()
+    turn_id: str = _id()
+    call_id: str = _id()
+    result: JsonObject = attrs.field(validator=_json_object)
+    published: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class ToolCancelled:
+    request_id: str = _id()
+    turn_id: str = _id()
+    call_id: str = _id()
+    reason: str = _id()
+
+
+@attrs.frozen(kw_only=True)
+class ToolOutcomeUnknown:
+    request_id: str = _id()
+    turn_id: str = _id()
+    call_id: str = _id()
+    reason: OutcomeUnknownReason
+
+
+@attrs.frozen(kw_only=True)
+class PermissionRequested:
+    request_id: str = _id()
+    turn_id: str = _id()
+    call_id: str = _id()
+    permission_id: str = _id()
+    message: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class PermissionResolved:
+    request_id: str = _id()
+    turn_id: str = _id()
+    call_id: str = _id()
+    permission_id: str = _id()
+    decision: PermissionDecision
+
+
+@attrs.frozen(kw_only=True)
+class SubagentStarted:
+    """On the parent's stream: ``subagent_id`` names the child's own stream."""
+
+    request_id: str = _id()
+    subagent_id: str = _id()
+    call_id: str | None = attrs.field(default=None, validator=_optional_non_empty)
+
+
+@attrs.frozen(kw_only=True)
+class SubagentCompleted:
+    request_id: str = _id()
+    subagent_id: str = _id()
+
+
+@attrs.frozen(kw_only=True)
+class SubagentCancelled:
+    request_id: str = _id()
+    subagent_id: str = _id()
+    reason: str = _id()
+
+
+@attrs.frozen(kw_only=True)
+class RecoveryDecision:
+    request_id: str = _id()
+    turn_id: str = _id()
+    call_id: str = _id()
+    decision: ToolRecoveryAction
+    reason: str = _id()
+
+
+Event: TypeAlias = (
+    SessionCreated
+    | SessionClosed
+    | RequestAccepted
+    | RequestStarted
+    | RequestCompleted
+    | RequestFailed
+    | RequestInterrupted
+    | TurnStarted
+    | TurnCompleted
+    | TurnAborted
+    | ModelAttemptStarted
+    | ModelAttemptCompleted
+    | ModelAttemptFailed
+    | ModelAttemptAborted
+    | ToolScheduled
+    | ToolStarted
+    | ToolCompleted
+    | ToolFailed
+    | ToolCancelled
+    | ToolOutcomeUnknown
+    | PermissionRequested
+    | PermissionResolved
+    | SubagentStarted
+    | SubagentCompleted
+    | SubagentCancelled
+    | RecoveryDecision
+)
+
+EVENT_TYPES: tuple[type[Any], ...] = Event.__args__
+
+
+def _finite(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{attribute.name} must be a finite number, not {value!r}")
+
+
+def _event(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, EVENT_TYPES):
+        raise ValueError(f"{attribute.name} is not a journal event: {type(value).__name__}")
+
+
+@attrs.frozen(kw_only=True)
+class EventEnvelope:
+    """One event at ``seq`` (1, 2, 3 ... without gaps) on the stream of one agent."""
+
+    stream_id: str = _id()
+    seq: int = attrs.field(validator=_positive)
+    event: Event = attrs.field(validator=_event)
+    schema_version: int = SCHEMA_VERSION
+    recorded_at: float = attrs.field(validator=_finite)
+
+
+# ---------------------------------------------------------------- converter
+
+_CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
+
+
+def event_type_name(cls: type[Any]) -> str:
+    """The wire tag of an event class: ``ToolScheduled`` -> ``"tool_scheduled"``."""
+    return _CAMEL.sub("_", cls.__name__).lower()
+
+
+def _strict(kind: type[Any]) -> Any:
+    def hook(value: object, _: object) -> Any:
+        if type(value) is not kind and not (kind is float and type(value) is int):
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    return hook
+
+
+def _json_hook(value: object, _: object) -> Any:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+event_converter = cattrs.Converter(forbid_extra_keys=True)
+"""The strict converter of journal events (tagged union on ``"type"``)."""
+
+for _kind in (str, int, float, bool):
+    event_converter.register_structure_hook(_kind, _strict(_kind))
+event_converter.register_structure_hook_func(lambda t: t == JsonObject, _json_hook)
+event_converter.register_unstructure_hook_func(lambda t: t == JsonObject, lambda value: value)
+configure_tagged_union(Event, event_converter, tag_generator=event_type_name, tag_name="type")
+
+
+def encode_event(envelope: EventEnvelope) -> dict[str, Any]:
+    """The JSON-compatible dict of an envelope (validated again, so junk is never written)."""
+    if envelope.schema_version != SCHEMA_VERSION:
+        raise JournalCorruptError(f"cannot encode schema version {envelope.schema_version!r}")
+    data: dict[str, Any] = event_converter.unstructure(envelope, EventEnvelope)
+    decode_event(data)
+    return data
+
+
+def decode_event(data: dict[str, Any]) -> EventEnvelope:
+    """Decode and validate one envelope; any defect raises `JournalCorruptError`."""
+    if not isinstance(data, dict):
+        raise JournalCorruptError(f"an envelope must be a dict, not {type(data).__name__}")
+    version = data.get("schema_version")
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise JournalCorruptError(f"unknown schema version {version!r} (this code reads {SCHEMA_VERSION})")
+    event = data.get("event")
+    if isinstance(event, dict):
+        tag = event.get("type")
+        if tag not in _TAGS:
+            raise JournalCorruptError(f"unknown event type {tag!r}")
+    try:
+        return event_converter.structure(json_copy(data), EventEnvelope)
+    except Exception as exc:
+        details = "; ".join(_messages(exc)) or repr(exc)
+        raise JournalCorruptError(f"invalid journal envelope: {details}") from exc
+
+
+_TAGS = frozenset(event_type_name(cls) for cls in EVENT_TYPES)
+
+
+def _messages(exc: BaseException) -> list[str]:
+    if isinstance(exc, BaseExceptionGroup):
+        out = [str(note) for note in getattr(exc, "__notes__", [])]
+        for sub in exc.exceptions:
+            out.extend(_messages(sub))
+        return out
+    text = f"{type(exc).__name__}: {exc}"
+    notes: list[object] = getattr(exc, "__notes__", [])
+    return [f"{text} ({'; '.join(str(n) for n in notes)})" if notes else text]

@@ -1,0 +1,789 @@
+"""The projection: a pure state machine over the events of one agent stream.
+
+Sans-I/O in the style of h11: no store, no Trio, no clock. A store feeds it
+envelopes; `Projection.check` says whether one may be appended, `apply` applies
+it, `recovery_plan` says what is unfinished.
+
+Rules
+=====
+
+Everything that decides a transition lives in this file, in the tables
+``_SESSION``, ``_REQUEST``, ``_TURN``, ``_ATTEMPT``, ``_TOOL``, ``_PERMISSION``,
+``_SUBAGENT`` and ``_TOOL_DECISIONS`` plus a few guards in the handlers:
+
+* Envelopes: same ``stream_id`` as the projection, ``schema_version`` known,
+  ``seq`` = head + 1 (gapless, strictly increasing from 1).
+* Session: ``session_created`` is the first event and happens once;
+  ``session_closed`` is terminal: nothing may follow it.
+* Request: accepted -> started -> completed | failed | interrupted;
+  accepted -> failed | interrupted. At most one request is started and not
+  ended. A request cannot end while one of its turns is open.
+* Turn: started (its request is the started one, no other turn open, numbers
+  1, 2, 3 ... per request) -> completed | aborted. A turn cannot end while a
+  model attempt of it runs or one of its tools is unsettled.
+* Model attempt: started (in the open turn, no other attempt running) ->
+  completed | failed | aborted.
+* Tool call: scheduled (in the open turn) -> started -> completed | failed |
+  cancelled | outcome_unknown; scheduled -> failed | cancelled. Never completed
+  (nor outcome_unknown) without a start; nothing after settlement.
+  ``tool_started`` needs no pending, denied or cancelled permission; a second
+  ``tool_started`` is only allowed after a recovery decision to re-run.
+* Permission: requested (call scheduled, not started, none pending) ->
+  resolved (same permission id) with allow | deny | cancel; at most one per call.
+* Recovery decision: only for an unsettled call and only the action its state
+  and side effect allow (``_TOOL_DECISIONS``): never a re-run of a started
+  ``non_idempotent`` call.
+* Subagent: started (its request is started) -> completed | cancelled.
+* Every event must carry the correlation ids of what it refers to (a tool
+  event's request and turn are the ones it was scheduled in, and so on).
+
+Invalid events raise `InvalidTransitionError` before anything is changed: each
+handler validates first and returns the mutation, which ``apply`` then runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from .._tools._definition import SideEffect
+from ._errors import InvalidTransitionError
+from ._events import (
+    SCHEMA_VERSION,
+    Event,
+    EventEnvelope,
+    ModelAttemptAborted,
+    ModelAttemptCompleted,
+    ModelAttemptFailed,
+    ModelAttemptStarted,
+    PermissionDecision,
+    PermissionRequested,
+    PermissionResolved,
+    RecoveryDecision,
+    RequestAccepted,
+    RequestCompleted,
+    RequestFailed,
+    RequestInterrupted,
+    RequestStarted,
+    SessionClosed,
+    SessionCreated,
+    SubagentCancelled,
+    SubagentCompleted,
+    SubagentStarted,
+    ToolCancelled,
+    ToolCompleted,
+    ToolFailed,
+    ToolOutcomeUnknown,
+    ToolRecoveryAction,
+    ToolScheduled,
+    ToolStarted,
+    TurnAborted,
+    TurnCompleted,
+    TurnStarted,
+    event_type_name,
+)
+
+__all__ = [
+    "AttemptState",
+    "PermissionState",
+    "Projection",
+    "RecoveryItem",
+    "RecoveryKind",
+    "RecoveryPlan",
+    "RequestState",
+    "SessionState",
+    "SubagentState",
+    "ToolState",
+    "TurnState",
+]
+
+
+class SessionState(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class RequestState(enum.Enum):
+    ACCEPTED = "accepted"
+    STARTED = "started"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+class TurnState(enum.Enum):
+    OPEN = "open"
+    COMPLETED = "completed"
+    ABORTED = "aborted"
+
+
+class AttemptState(enum.Enum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+class ToolState(enum.Enum):
+    SCHEDULED = "scheduled"
+    STARTED = "started"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    OUTCOME_UNKNOWN = "outcome_unknown"
+
+    @property
+    def settled(self) -> bool:
+        return self not in (ToolState.SCHEDULED, ToolState.STARTED)
+
+
+class PermissionState(enum.Enum):
+    NONE = "none"
+    PENDING = "pending"
+    ALLOWED = "allowed"
+    DENIED = "denied"
+    CANCELLED = "cancelled"
+
+
+class SubagentState(enum.Enum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+
+
+# ---------------------------------------------------------------- the tables
+# (event type, current state or None when the entity does not exist yet) -> next state
+
+_SESSION: dict[tuple[type[Any], SessionState], SessionState] = {
+    (SessionCreated, SessionState.NEW): SessionState.OPEN,
+    (SessionClosed, SessionState.OPEN): SessionState.CLOSED,
+}
+
+_REQUEST: dict[tuple[type[Any], RequestState | None], RequestState] = {
+    (RequestAccepted, None): RequestState.ACCEPTED,
+    (RequestStarted, RequestState.ACCEPTED): RequestState.STARTED,
+    (RequestCompleted, RequestState.STARTED): RequestState.COMPLETED,
+    (RequestFailed, RequestState.ACCEPTED): RequestState.FAILED,
+    (RequestFailed, RequestState.STARTED): RequestState.FAILED,
+    (RequestInterrupted, RequestState.ACCEPTED): RequestState.INTERRUPTED,
+    (RequestInterrupted, RequestState.STARTED): RequestState.INTERRUPTED,
+}
+
+_TURN: dict[tuple[type[Any], TurnState | None], TurnState] = {
+    (TurnStarted, None): TurnState.OPEN,
+    (TurnCompleted, TurnState.OPEN): TurnState.COMPLETED,
+    (TurnAborted, TurnState.OPEN): TurnState.ABORTED,
+}
+
+_ATTEMPT: dict[tuple[type[Any], AttemptState | None], AttemptState] = {
+    (ModelAttemptStarted, None): AttemptState.RUNNING,
+    (ModelAttemptCompleted, AttemptState.RUNNING): AttemptState.COMPLETED,
+    (ModelAttemptFailed, AttemptState.RUNNING): AttemptState.FAILED,
+    (ModelAttemptAborted, AttemptState.RUNNING): AttemptState.ABORTED,
+}
+
+_TOOL: dict[tuple[type[Any], ToolState | None], ToolState] = {
+    (ToolScheduled, None): ToolState.SCHEDULED,
+    (ToolStarted, ToolState.SCHEDULED): ToolState.STARTED,
+    (ToolStarted, ToolState.STARTED): ToolState.STARTED,  # only after a re-run decision (guard)
+    (ToolCompleted, ToolState.STARTED): ToolState.COMPLETED,
+    (ToolFailed, ToolState.SCHEDULED): ToolState.FAILED,
+    (ToolFailed, ToolState.STARTED): ToolState.FAILED,
+    (ToolCancelled, ToolState.SCHEDULED): ToolState.CANCELLED,
+    (ToolCancelled, ToolState.STARTED): ToolState.CANCELLED,
+    (ToolOutcomeUnknown, ToolState.STARTED): ToolState.OUTCOME_UNKNOWN,
+    # Permission events and recovery decisions keep the call's state.
+    (PermissionRequested, ToolState.SCHEDULED): ToolState.SCHEDULED,
+    (PermissionResolved, ToolState.SCHEDULED): ToolState.SCHEDULED,
+    (RecoveryDecision, ToolState.SCHEDULED): ToolState.SCHEDULED,
+    (RecoveryDecision, ToolState.STARTED): ToolState.STARTED,
+}
+
+_PERMISSION: dict[tuple[type[Any], PermissionState, PermissionDecision | None], PermissionState] = {
+    (PermissionRequested, PermissionState.NONE, None): PermissionState.PENDING,
+    (PermissionResolved, PermissionState.PENDING, PermissionDecision.ALLOW): PermissionState.ALLOWED,
+    (PermissionResolved, PermissionState.PENDING, PermissionDecision.DENY): PermissionState.DENIED,
+    (PermissionResolved, PermissionState.PENDING, PermissionDecision.CANCEL): PermissionState.CANCELLED,
+}
+
+_SUBAGENT: dict[tuple[type[Any], SubagentState | None], SubagentState] = {
+    (SubagentStarted, None): SubagentState.RUNNING,
+    (SubagentCompleted, SubagentState.RUNNING): SubagentState.COMPLETED,
+    (SubagentCancelled, SubagentState.RUNNING): SubagentState.CANCELLED,
+}
+
+_STARTABLE_PERMISSIONS = frozenset({PermissionState.NONE, PermissionState.ALLOWED})
+
+# Which recovery decisions a call may record: (state, side effect of the start) -> allowed.
+# For a scheduled call the side effect does not matter (the key uses None).
+_TOOL_DECISIONS: dict[tuple[ToolState, SideEffect | None], frozenset[ToolRecoveryAction]] = {
+    (ToolState.SCHEDULED, None): frozenset({ToolRecoveryAction.RUN, ToolRecoveryAction.CANCEL}),
+    (ToolState.STARTED, SideEffect.PURE): frozenset({ToolRecoveryAction.RERUN}),
+    (ToolState.STARTED, SideEffect.IDEMPOTENT): frozenset({ToolRecoveryAction.RERUN_SAME_KEY}),
+    (ToolState.STARTED, SideEffect.NON_IDEMPOTENT): frozenset(
+        {ToolRecoveryAction.RECONCILE, ToolRecoveryAction.SETTLE_OUTCOME_UNKNOWN}
+    ),
+}
+_RERUN_DECISIONS = frozenset({ToolRecoveryAction.RERUN, ToolRecoveryAction.RERUN_SAME_KEY})
+
+
+# ---------------------------------------------------------------- records
+
+
+@attrs.define
+class RequestRecord:
+    request_id: str
+    state: RequestState
+    seq: int
+    turns: int = 0
+
+
+@attrs.define
+class TurnRecord:
+    turn_id: str
+    request_id: str
+    turn: int
+    state: TurnState
+    seq: int
+
+
+@attrs.define
+class AttemptRecord:
+    attempt_id: str
+    request_id: str
+    turn_id: str
+    state: AttemptState
+    seq: int
+
+
+@attrs.define
+class ToolRecord:
+    call_id: str
+    request_id: str
+    turn_id: str
+    tool_name: str
+    side_effect: SideEffect
+    idempotency_key: str
+    state: ToolState
+    seq: int
+    started_seq: int | None = None
+    permission: PermissionState = PermissionState.NONE
+    permission_id: str | None = None
+    decision: ToolRecoveryAction | None = None
+    rerun_allowed: bool = False
+
+
+@attrs.define
+class SubagentRecord:
+    subagent_id: str
+    request_id: str
+    state: SubagentState
+    seq: int
+
+
+@attrs.define
+class _State:
+    head: int = 0
+    session: SessionState = SessionState.NEW
+    session_id: str | None = None
+    requests: dict[str, RequestRecord] = attrs.Factory(dict)
+    turns: dict[str, TurnRecord] = attrs.Factory(dict)
+    attempts: dict[str, AttemptRecord] = attrs.Factory(dict)
+    tools: dict[str, ToolRecord] = attrs.Factory(dict)
+    permission_ids: set[str] = attrs.Factory(set)
+    subagents: dict[str, SubagentRecord] = attrs.Factory(dict)
+    active_request: str | None = None
+    open_turn: str | None = None
+    running_attempt: str | None = None
+
+
+# ---------------------------------------------------------------- recovery plan
+
+
+class RecoveryKind(enum.Enum):
+    """Unfinished things, in the order recovery handles them (declaration order is priority)."""
+
+    MODEL_ATTEMPT_WITHOUT_OUTCOME = "model_attempt_without_outcome"
+    TOOL_STARTED_WITHOUT_OUTCOME = "tool_started_without_outcome"
+    PENDING_PERMISSION = "pending_permission"
+    TOOL_SCHEDULED_NOT_STARTED = "tool_scheduled_not_started"
+    OPEN_TURN = "open_turn"
+    OPEN_REQUEST = "open_request"  # started, no open turn, no terminal event
+    REQUEST_NOT_STARTED = "request_not_started"
+    RUNNING_SUBAGENT = "running_subagent"
+
+    @property
+    def priority(self) -> int:
+        return _PRIORITY[self]
+
+
+_PRIORITY = {kind: index for index, kind in enumerate(RecoveryKind)}
+
+
+@attrs.frozen(kw_only=True)
+class RecoveryItem:
+    kind: RecoveryKind
+    seq: int
+    request_id: str
+    turn_id: str | None = None
+    attempt_id: str | None = None
+    call_id: str | None = None
+    tool_name: str | None = None
+    side_effect: SideEffect | None = None
+    idempotency_key: str | None = None
+    permission_id: str | None = None
+    subagent_id: str | None = None
+    action: ToolRecoveryAction | None = None
+
+
+@attrs.frozen
+class RecoveryPlan:
+    """Every unfinished thing of a stream, in priority order, and an action for every tool call.
+
+    ``tool_actions`` covers settled calls too (``replay_result``).
+    """
+
+    items: tuple[RecoveryItem, ...]
+    tool_actions: Mapping[str, ToolRecoveryAction]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.items
+
+
+def _no_reconcile(tool_name: str) -> bool:
+    return False
+
+
+# ---------------------------------------------------------------- the projection
+
+_Mutation = Callable[[], None]
+
+
+class Projection:
+    """The state of one agent stream, built from its events."""
+
+    def __init__(self, stream_id: str) -> None:
+        if not stream_id:
+            raise ValueError("stream_id must be a non-empty string")
+        self.stream_id = stream_id
+        self._s = _State()
+
+    # -- reading
+
+    @property
+    def head(self) -> int:
+        """The sequence number of the last applied event (0 before the first)."""
+        return self._s.head
+
+    @property
+    def session_state(self) -> SessionState:
+        return self._s.session
+
+    def tool(self, call_id: str) -> ToolRecord | None:
+        return self._s.tools.get(call_id)
+
+    def request(self, request_id: str) -> RequestRecord | None:
+        return self._s.requests.get(request_id)
+
+    def snapshot(self) -> object:
+        """A deep copy of the whole state; two snapshots compare equal iff the states are equal."""
+        return copy.deepcopy(self._s)
+
+    # -- transitions
+
+    def check(self, envelope: EventEnvelope) -> None:
+        """Raise `InvalidTransitionError` if ``envelope`` may not be applied next; change nothing."""
+        self._plan(envelope)
+
+    def apply(self, envelope: EventEnvelope) -> None:
+        """Apply ``envelope``, or raise `InvalidTransitionError` and leave the state unchanged."""
+        mutation = self._plan(envelope)
+        mutation()
+        self._s.head = envelope.seq
+
+    def apply_all(self, envelopes: list[EventEnvelope]) -> None:
+        for envelope in envelopes:
+            self.apply(envelope)
+
+    def _plan(self, envelope: EventEnvelope) -> _Mutation:
+        if envelope.stream_id != self.stream_id:
+            raise InvalidTransitionError(
+                f"event from stream {envelope.stream_id!r} on stream {self.stream_id!r}", seq=envelope.seq
+            )
+        if envelope.schema_version != SCHEMA_VERSION:
+            raise InvalidTransitionError(f"unknown schema version {envelope.schema_version!r}", seq=envelope.seq)
+        if envelope.seq != self._s.head + 1:
+            raise InvalidTransitionError(
+                f"sequence {envelope.seq} does not follow head {self._s.head}", seq=envelope.seq
+            )
+        event = envelope.event
+        handler = _HANDLERS.get(type(event))
+        if handler is None:  # pragma: no cover - every event type has a handler
+            raise InvalidTransitionError(f"no rule for {type(event).__name__}", seq=envelope.seq)
+        if not isinstance(event, SessionCreated) and self._s.session is not SessionState.OPEN:
+            raise self._error(envelope, f"the session is {self._s.session.value}")
+        return handler(self, envelope, event)
+
+    @staticmethod
+    def _error(envelope: EventEnvelope, message: str) -> InvalidTransitionError:
+        return InvalidTransitionError(f"{event_type_name(type(envelope.event))} (seq {envelope.seq}): {message}")
+
+    def _next(self, table: Mapping[Any, Any], key: tuple[Any, ...], envelope: EventEnvelope, what: str) -> Any:
+        try:
+            return table[key]
+        except KeyError:
+            state = key[1].value if isinstance(key[1], enum.Enum) else "absent"
+            raise self._error(envelope, f"not allowed when {what} is {state}") from None
+
+    # -- session
+
+    def _session(self, envelope: EventEnvelope, event: SessionCreated | SessionClosed) -> _Mutation:
+        new = self._next(_SESSION, (type(event), self._s.session), envelope, "the session")
+        if isinstance(event, SessionClosed) and event.session_id != self._s.session_id:
+            raise self._error(envelope, f"session {event.session_id!r} is not {self._s.session_id!r}")
+
+        def mutate() -> None:
+            self._s.session = new
+            if isinstance(event, SessionCreated):
+                self._s.session_id = event.session_id
+
+        return mutate
+
+    # -- requests
+
+    def _request(self, envelope: EventEnvelope, event: Event) -> _Mutation:
+        request_id: str = event.request_id  # type: ignore[union-attr]
+        record = self._s.requests.get(request_id)
+        new = self._next(_REQUEST, (type(event), record.state if record else None), envelope, "the request")
+        if isinstance(event, RequestStarted) and self._s.active_request is not None:
+            raise self._error(envelope, f"request {self._s.active_request!r} is still running")
+        if self._s.open_turn is not None and self._s.turns[self._s.open_turn].request_id == request_id:
+            raise self._error(envelope, f"turn {self._s.open_turn!r} of the request is still open")
+
+        def mutate() -> None:
+            if record is None:
+                self._s.requests[request_id] = RequestRecord(request_id, new, envelope.seq)
+                return
+            record.state = new
+            if new is RequestState.STARTED:
+                self._s.active_request = request_id
+            elif self._s.active_request == request_id:
+                self._s.active_request = None
+
+        return mutate
+
+    # -- turns
+
+    def _turn(self, envelope: EventEnvelope, event: TurnStarted | TurnCompleted | TurnAborted) -> _Mutation:
+        record = self._s.turns.get(event.turn_id)
+        new = self._next(_TURN, (type(event), record.state if record else None), envelope, "the turn")
+        if isinstance(event, TurnStarted):
+            if self._s.active_request != event.request_id:
+                raise self._error(envelope, f"request {event.request_id!r} is not the started request")
+            if self._s.open_turn is not None:
+                raise self._error(envelope, f"turn {self._s.open_turn!r} is still open")
+            request = self._s.requests[event.request_id]
+            if event.turn != request.turns + 1:
+                raise self._error(envelope, f"turn number {event.turn} does not follow {request.turns}")
+        else:
+            assert record is not None
+            if record.request_id != event.request_id:
+                raise self._error(envelope, f"turn {event.turn_id!r} belongs to request {record.request_id!r}")
+            if self._s.running_attempt is not None:
+                raise self._error(envelope, f"model attempt {self._s.running_attempt!r} is still running")
+            unsettled = [
+                t.call_id for t in self._s.tools.values() if t.turn_id == event.turn_id and not t.state.settled
+            ]
+            if unsettled:
+                raise self._error(envelope, f"tool calls {unsettled} are not settled")
+
+        def mutate() -> None:
+            if isinstance(event, TurnStarted):
+                self._s.turns[event.turn_id] = TurnRecord(
+                    event.turn_id, event.request_id, event.turn, new, envelope.seq
+                )
+                self._s.requests[event.request_id].turns = event.turn
+                self._s.open_turn = event.turn_id
+            else:
+                assert record is not None
+                record.state = new
+                self._s.open_turn = None
+
+        return mutate
+
+    def _require_open_turn(self, envelope: EventEnvelope, request_id: str, turn_id: str) -> None:
+        if self._s.open_turn != turn_id:
+            raise self._error(envelope, f"turn {turn_id!r} is not the open turn")
+        if self._s.turns[turn_id].request_id != request_id:
+            raise self._error(envelope, f"turn {turn_id!r} does not belong to request {request_id!r}")
+
+    # -- model attempts
+
+    def _attempt(self, envelope: EventEnvelope, event: Event) -> _Mutation:
+        assert isinstance(event, ModelAttemptStarted | ModelAttemptCompleted | ModelAttemptFailed | ModelAttemptAborted)
+        record = self._s.attempts.get(event.attempt_id)
+        new = self._next(_ATTEMPT, (type(event), record.state if record else None), envelope, "the model attempt")
+        if record is None:
+            self._require_open_turn(envelope, event.request_id, event.turn_id)
+            if self._s.running_attempt is not None:
+                raise self._error(envelope, f"model attempt {self._s.running_attempt!r} is still running")
+        elif (record.request_id, record.turn_id) != (event.request_id, event.turn_id):
+            raise self._error(envelope, f"model attempt {event.attempt_id!r} belongs to another request or turn")
+
+        def mutate() -> None:
+            if record is None:
+                self._s.attempts[event.attempt_id] = AttemptRecord(
+                    event.attempt_id, event.request_id, event.turn_id, new, envelope.seq
+                )
+                self._s.running_attempt = event.attempt_id
+            else:
+                record.state = new
+                self._s.running_attempt = None
+
+        return mutate
+
+    # -- tools, permissions and recovery decisions
+
+    def _tool(self, envelope: EventEnvelope, event: Event) -> _Mutation:
+        assert isinstance(
+            event,
+            ToolScheduled
+            | ToolStarted
+            | ToolCompleted
+            | ToolFailed
+            | ToolCancelled
+            | ToolOutcomeUnknown
+            | PermissionRequested
+            | PermissionResolved
+            | RecoveryDecision,
+        )
+        record = self._s.tools.get(event.call_id)
+        new: ToolState = self._next(_TOOL, (type(event), record.state if record else None), envelope, "the call")
+        if record is None:
+            assert isinstance(event, ToolScheduled)
+            self._require_open_turn(envelope, event.request_id, event.turn_id)
+            scheduled = event
+
+            def create() -> None:
+                self._s.tools[scheduled.call_id] = ToolRecord(
+                    call_id=scheduled.call_id,
+                    request_id=scheduled.request_id,
+                    turn_id=scheduled.turn_id,
+                    tool_name=scheduled.tool_name,
+                    side_effect=scheduled.side_effect,
+                    idempotency_key=scheduled.idempotency_key,
+                    state=new,
+                    seq=envelope.seq,
+                )
+
+            return create
+
+        if (record.request_id, record.turn_id) != (event.request_id, event.turn_id):
+            raise self._error(envelope, f"call {event.call_id!r} belongs to another request or turn")
+        permission = record.permission
+        decision = record.decision
+        rerun_allowed = record.rerun_allowed
+        side_effect = record.side_effect
+        if isinstance(event, ToolStarted):
+            if record.state is ToolState.STARTED and not record.rerun_allowed:
+                raise self._error(envelope, "the call was already started and no re-run was decided")
+            if permission not in _STARTABLE_PERMISSIONS:
+                raise self._error(envelope, f"the call's permission is {permission.value}")
+            if event.side_effect.rank > record.side_effect.rank:
+                raise self._error(envelope, "the started side effect is wider than the scheduled one")
+            side_effect = event.side_effect
+            rerun_allowed = False
+        elif isinstance(event, PermissionRequested | PermissionResolved):
+            decision_value = event.decision if isinstance(event, PermissionResolved) else None
+            permission = self._next(
+                _PERMISSION, (type(event), record.permission, decision_value), envelope, "the call's permission"
+            )
+            if isinstance(event, PermissionRequested) and event.permission_id in self._s.permission_ids:
+                raise self._error(envelope, f"permission id {event.permission_id!r} was already used")
+            if isinstance(event, PermissionResolved) and event.permission_id != record.permission_id:
+                raise self._error(envelope, f"permission {event.permission_id!r} is not the pending one")
+        elif isinstance(event, RecoveryDecision):
+            key_effect = None if record.state is ToolState.SCHEDULED else record.side_effect
+            allowed = _TOOL_DECISIONS.get((record.state, key_effect), frozenset())
+            if event.decision not in allowed:
+                raise self._error(
+                    envelope,
+                    f"{event.decision.value} is not allowed for a {record.state.value} {record.side_effect.value} call",
+                )
+            if event.decision is ToolRecoveryAction.RUN and permission not in _STARTABLE_PERMISSIONS:
+                raise self._error(envelope, f"the call's permission is {permission.value}")
+            decision = event.decision
+            rerun_allowed = event.decision in _RERUN_DECISIONS
+
+        def mutate() -> None:
+            assert record is not None
+            record.state = new
+            record.permission = permission
+            record.decision = decision
+            record.rerun_allowed = rerun_allowed
+            record.side_effect = side_effect
+            if isinstance(event, ToolStarted):
+                record.started_seq = envelope.seq
+            if isinstance(event, PermissionRequested):
+                record.permission_id = event.permission_id
+                self._s.permission_ids.add(event.permission_id)
+
+        return mutate
+
+    # -- subagents
+
+    def _subagent(self, envelope: EventEnvelope, event: Event) -> _Mutation:
+        assert isinstance(event, SubagentStarted | SubagentCompleted | SubagentCancelled)
+        record = self._s.subagents.get(event.subagent_id)
+        new = self._next(_SUBAGENT, (type(event), record.state if record else None), envelope, "the subagent")
+        if record is None:
+            if self._s.active_request != event.request_id:
+                raise self._error(envelope, f"request {event.request_id!r} is not the started request")
+            if isinstance(event, SubagentStarted) and event.call_id is not None:
+                call = self._s.tools.get(event.call_id)
+                if call is None or call.state is not ToolState.STARTED:
+                    raise self._error(envelope, f"call {event.call_id!r} is not running")
+        elif record.request_id != event.request_id:
+            raise self._error(envelope, f"subagent {event.subagent_id!r} belongs to request {record.request_id!r}")
+
+        def mutate() -> None:
+            if record is None:
+                self._s.subagents[event.subagent_id] = SubagentRecord(
+                    event.subagent_id, event.request_id, new, envelope.seq
+                )
+            else:
+                record.state = new
+
+        return mutate
+
+    # -- recovery
+
+    def recovery_plan(self, has_reconcile: Callable[[str], bool] = _no_reconcile) -> RecoveryPlan:
+        """Every unfinished thing in priority order, and the action for every tool call.
+
+        ``has_reconcile(tool_name)`` says whether a tool has a ``reconcile``: a
+        started ``non_idempotent`` call without an outcome is reconciled if so,
+        else settled ``outcome_unknown``. It is never re-run.
+        """
+        s = self._s
+        items: list[RecoveryItem] = []
+        actions: dict[str, ToolRecoveryAction] = {}
+        for attempt in s.attempts.values():
+            if attempt.state is AttemptState.RUNNING:
+                items.append(
+                    RecoveryItem(
+                        kind=RecoveryKind.MODEL_ATTEMPT_WITHOUT_OUTCOME,
+                        seq=attempt.seq,
+                        request_id=attempt.request_id,
+                        turn_id=attempt.turn_id,
+                        attempt_id=attempt.attempt_id,
+                    )
+                )
+        for call in s.tools.values():
+            action = _tool_action(call, has_reconcile)
+            actions[call.call_id] = action
+            common: dict[str, Any] = {
+                "request_id": call.request_id,
+                "turn_id": call.turn_id,
+                "call_id": call.call_id,
+                "tool_name": call.tool_name,
+                "side_effect": call.side_effect,
+                "idempotency_key": call.idempotency_key,
+                "action": action,
+            }
+            if call.state is ToolState.STARTED:
+                kind = RecoveryKind.TOOL_STARTED_WITHOUT_OUTCOME
+                items.append(RecoveryItem(kind=kind, seq=call.started_seq or call.seq, **common))
+            elif call.state is ToolState.SCHEDULED:
+                if call.permission is PermissionState.PENDING:
+                    items.append(
+                        RecoveryItem(
+                            kind=RecoveryKind.PENDING_PERMISSION,
+                            seq=call.seq,
+                            permission_id=call.permission_id,
+                            **common,
+                        )
+                    )
+                items.append(RecoveryItem(kind=RecoveryKind.TOOL_SCHEDULED_NOT_STARTED, seq=call.seq, **common))
+        for turn in s.turns.values():
+            if turn.state is TurnState.OPEN:
+                items.append(
+                    RecoveryItem(
+                        kind=RecoveryKind.OPEN_TURN, seq=turn.seq, request_id=turn.request_id, turn_id=turn.turn_id
+                    )
+                )
+        for request in s.requests.values():
+            if request.state is RequestState.ACCEPTED:
+                items.append(
+                    RecoveryItem(kind=RecoveryKind.REQUEST_NOT_STARTED, seq=request.seq, request_id=request.request_id)
+                )
+            elif request.state is RequestState.STARTED and s.open_turn is None:
+                items.append(
+                    RecoveryItem(kind=RecoveryKind.OPEN_REQUEST, seq=request.seq, request_id=request.request_id)
+                )
+        for subagent in s.subagents.values():
+            if subagent.state is SubagentState.RUNNING:
+                items.append(
+                    RecoveryItem(
+                        kind=RecoveryKind.RUNNING_SUBAGENT,
+                        seq=subagent.seq,
+                        request_id=subagent.request_id,
+                        subagent_id=subagent.subagent_id,
+                    )
+                )
+        items.sort(key=lambda item: (item.kind.priority, item.seq))
+        return RecoveryPlan(tuple(items), actions)
+
+
+def _tool_action(call: ToolRecord, has_reconcile: Callable[[str], bool]) -> ToolRecoveryAction:
+    if call.state.settled:
+        return ToolRecoveryAction.REPLAY_RESULT
+    if call.state is ToolState.SCHEDULED:
+        if call.permission in (PermissionState.DENIED, PermissionState.CANCELLED):
+            return ToolRecoveryAction.CANCEL
+        return ToolRecoveryAction.RUN
+    if call.side_effect is SideEffect.PURE:
+        return ToolRecoveryAction.RERUN
+    if call.side_effect is SideEffect.IDEMPOTENT:
+        return ToolRecoveryAction.RERUN_SAME_KEY
+    if has_reconcile(call.tool_name):
+        return ToolRecoveryAction.RECONCILE
+    return ToolRecoveryAction.SETTLE_OUTCOME_UNKNOWN
+
+
+_Handler = Callable[[Projection, EventEnvelope, Any], _Mutation]
+
+_HANDLERS: dict[type[Any], _Handler] = {
+    SessionCreated: Projection._session,
+    SessionClosed: Projection._session,
+    RequestAccepted: Projection._request,
+    RequestStarted: Projection._request,
+    RequestCompleted: Projection._request,
+    RequestFailed: Projection._request,
+    RequestInterrupted: Projection._request,
+    TurnStarted: Projection._turn,
+    TurnCompleted: Projection._turn,
+    TurnAborted: Projection._turn,
+    ModelAttemptStarted: Projection._attempt,
+    ModelAttemptCompleted: Projection._attempt,
+    ModelAttemptFailed: Projection._attempt,
+    ModelAttemptAborted: Projection._attempt,
+    ToolScheduled: Projection._tool,
+    ToolStarted: Projection._tool,
+    ToolCompleted: Projection._tool,
+    ToolFailed: Projection._tool,
+    ToolCancelled: Projection._tool,
+    ToolOutcomeUnknown: Projection._tool,
+    PermissionRequested: Projection._tool,
+    PermissionResolved: Projection._tool,
+    RecoveryDecision: Projection._tool,
+    SubagentStarted: Projection._subagent,
+    SubagentCompleted: Projection._subagent,
+    SubagentCancelled: Projection._subagent,
+}
