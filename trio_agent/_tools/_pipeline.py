@@ -791,7 +791,7 @@ class ToolPipeline:
         deadline = trio.current_time() + (tool.timeout or self.timeout)
         with trio.CancelScope(deadline=deadline) as scope:
             state.target = scope
-            entry = self._track_cleanup(state, deadline + self.cleanup_grace)
+            self._track_cleanup(state, deadline + self.cleanup_grace)
             state.tool_ran = True
             try:
                 outcome = await tool.run(value, context)
@@ -803,7 +803,7 @@ class ToolPipeline:
             except Exception as exc:
                 outcome = ToolResult.failure(ToolErrorType.EXECUTION, f"{type(exc).__name__}: {exc}", code="tool_error")
             finally:
-                self._untrack_cleanup(state, entry, scope)
+                self._untrack_cleanup(state, scope)
             # The side effect is done: commit before anything else can be cancelled.
             state.target = None
             self._commit(state)
@@ -835,17 +835,15 @@ class ToolPipeline:
 
     # -- cleanup overrun tracking ----------------------------------------------
 
-    def _track_cleanup(self, state: _Call, deadline: float) -> tuple[float, int, _Call]:
+    def _track_cleanup(self, state: _Call, deadline: float) -> None:
         self._cleanup_seq += 1
         entry = (deadline, self._cleanup_seq, state)
         state.cleanup_deadline = deadline
         heapq.heappush(self._cleanup_heap, entry)
-        return entry
 
-    def _untrack_cleanup(self, state: _Call, entry: tuple[float, int, _Call], scope: trio.CancelScope) -> None:
+    def _untrack_cleanup(self, state: _Call, scope: trio.CancelScope) -> None:
         # Lazy deletion: mark done; the heap drops finished entries when it looks at them.
-        now = trio.current_time()
-        if now > state.cleanup_deadline and scope.cancel_called:
+        if scope.cancel_called and (now := trio.current_time()) > state.cleanup_deadline:
             self.cleanup_overruns += 1
             state.faults.append(
                 MiddlewareFault(
