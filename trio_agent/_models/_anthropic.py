@@ -248,11 +248,7 @@ class AnthropicProvider:
                 await _raise_for_status(response)
                 return await _read_limited(response, self.max_response_bytes)
         except httpx.TimeoutException as exc:
-            raise ModelTimeoutError(
-                f"the Anthropic request timed out ({type(exc).__name__})",
-                code="MODEL_REQUEST_TIMEOUT",
-                retryable=isinstance(exc, httpx.ConnectTimeout),
-            ) from exc
+            raise _request_timeout(exc) from exc
         except httpx.HTTPError as exc:
             raise _transport_error(exc) from exc
 
@@ -296,11 +292,7 @@ class AnthropicProvider:
                 code="MODEL_STREAM_IDLE_TIMEOUT",
             ) from exc
         except httpx.TimeoutException as exc:
-            raise ModelTimeoutError(
-                f"the Anthropic request timed out ({type(exc).__name__})",
-                code="MODEL_REQUEST_TIMEOUT",
-                retryable=isinstance(exc, httpx.ConnectTimeout),
-            ) from exc
+            raise _request_timeout(exc) from exc
         except httpx.HTTPError as exc:
             raise _transport_error(exc) from exc
         if not state.finished:
@@ -621,6 +613,14 @@ async def _check_event_stream(response: httpx.Response) -> None:
         raise MalformedResponseError(
             f"the Anthropic stream has content-type {content_type or '(none)'!r}, not text/event-stream: {snippet!r}"
         )
+
+
+def _request_timeout(exc: httpx.TimeoutException) -> ModelTimeoutError:
+    return ModelTimeoutError(
+        f"the Anthropic request timed out ({type(exc).__name__})",
+        code="MODEL_REQUEST_TIMEOUT",
+        retryable=isinstance(exc, httpx.ConnectTimeout),
+    )
 
 
 def _transport_error(exc: httpx.HTTPError) -> ModelError:

@@ -318,7 +318,7 @@ class ModelService:
         check(request)
 
         async def terminal(current: ModelRequest) -> ModelResponse:
-            return await self._with_retries(current, None)
+            return await self._with_retries(current)
 
         chain = compose_middleware(self._chains[request.operation], terminal, check=check, validate=False)
         with trio.move_on_after(self.request_timeout) as scope, _abort_cancels(request, scope):
@@ -334,21 +334,21 @@ class ModelService:
             f"model request exceeded its {self.request_timeout:g} s deadline", code="MODEL_REQUEST_TIMEOUT"
         )
 
-    async def _with_retries(
-        self, request: ModelRequest, on_retry: Callable[[RetryEvent], Awaitable[None]] | None
-    ) -> ModelResponse:
+    def _retry_delay(self, attempt: int, error: ModelError) -> float:
+        """The wait before attempt ``attempt + 1``; re-raises *error* when it may not be retried."""
+        if not error.retryable or attempt >= self.retry.max_attempts:
+            raise error
+        return self.retry.delay(attempt, error, self._rng)
+
+    async def _with_retries(self, request: ModelRequest) -> ModelResponse:
         attempt = 1
         while True:
             try:
                 return await _provider_call(self.provider.chat(request))
             except ModelError as error:
-                if not error.retryable or attempt >= self.retry.max_attempts:
-                    raise
-                delay = self.retry.delay(attempt, error, self._rng)
-                if on_retry is not None:
-                    await on_retry(RetryEvent(attempt, delay, error))
-                await trio.sleep(delay)
-                attempt += 1
+                delay = self._retry_delay(attempt, error)
+            await trio.sleep(delay)
+            attempt += 1
 
     @staticmethod
     async def _guard(awaitable: Awaitable[ModelResponse]) -> ModelResponse:
@@ -384,9 +384,7 @@ class ModelService:
             try:
                 response = await _provider_call(self.provider.chat(request))
             except ModelError as error:
-                if not error.retryable or attempt >= self.retry.max_attempts:
-                    raise
-                delay = self.retry.delay(attempt, error, self._rng)
+                delay = self._retry_delay(attempt, error)
                 yield RetryEvent(attempt, delay, error)
                 await trio.sleep(delay)
                 attempt += 1
@@ -552,10 +550,7 @@ class _RetryingStream:
                     raise StreamInterruptedError(
                         f"the stream failed after chunks were published: {error}", code=error.code, retryable=False
                     ) from error
-                policy = self._service.retry
-                if not error.retryable or self._attempt >= policy.max_attempts:
-                    raise
-                await trio.sleep(policy.delay(self._attempt, error, self._service._rng))
+                await trio.sleep(self._service._retry_delay(self._attempt, error))
                 self._attempt += 1
                 continue
             self._published = True
