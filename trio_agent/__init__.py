@@ -115,6 +115,35 @@ from ._tools._stages import ToolStages as ToolStages
 
 __version__ = "0.1.0"
 
+
+from ._errors import CommandConflictError as CommandConflictError
+from ._errors import CursorError as CursorError
+from ._errors import ForeignStreamError as ForeignStreamError
+from ._errors import InvalidTransitionError as InvalidTransitionError
+from ._errors import JournalCorruptError as JournalCorruptError
+from ._errors import JournalFencedError as JournalFencedError
+from ._errors import JournalUnavailableError as JournalUnavailableError
+from ._errors import LeaseHeldError as LeaseHeldError
+from ._errors import RequestAbortedError as RequestAbortedError
+from ._errors import SequenceConflictError as SequenceConflictError
+from ._errors import SessionBusyError as SessionBusyError
+from ._errors import SessionClosedError as SessionClosedError
+from ._errors import SessionError as SessionError
+from ._errors import StaleFencingTokenError as StaleFencingTokenError
+from ._errors import UnknownSubagentError as UnknownSubagentError
+from .journal import CaughtUp as CaughtUp
+from .journal import DurableEvent as DurableEvent
+from .journal import DurableJournal as DurableJournal
+from .journal import JournalCursor as JournalCursor
+from .journal import JournalStore as JournalStore
+from .journal import MemoryStore as MemoryStore
+from .journal import RecoveryReport as RecoveryReport
+from .journal import SQLiteStore as SQLiteStore
+from .journal import open_journal as open_journal
+from .journal import open_postgres_store as open_postgres_store
+from .journal import open_sqlite_store as open_sqlite_store
+from .journal import subscribe_durable_events as subscribe_durable_events
+
 __all__ = [
     "PROVIDER_NAMES",
     "Abort",
@@ -127,9 +156,14 @@ __all__ = [
     "BehaviorOverride",
     "CallNext",
     "CallOrigin",
+    "CaughtUp",
+    "CommandConflictError",
     "ConfigError",
     "ContentPart",
+    "CursorError",
     "Deny",
+    "DurableEvent",
+    "DurableJournal",
     "Effect",
     "Emit",
     "ExecutionContext",
@@ -138,13 +172,22 @@ __all__ = [
     "FileLockTimeoutError",
     "FinishChunk",
     "FinishReason",
+    "ForeignStreamError",
     "InMemoryToolJournal",
     "InterruptBehavior",
+    "InvalidTransitionError",
+    "JournalCorruptError",
+    "JournalCursor",
     "JournalEntry",
     "JournalError",
+    "JournalFencedError",
+    "JournalStore",
+    "JournalUnavailableError",
     "JsonObject",
+    "LeaseHeldError",
     "LeaseLostError",
     "MalformedResponseError",
+    "MemoryStore",
     "Message",
     "Middleware",
     "MiddlewareError",
@@ -173,16 +216,24 @@ __all__ = [
     "RateLimitError",
     "ReasoningDelta",
     "ReasoningPart",
+    "RecoveryReport",
+    "RequestAbortedError",
     "RetryEvent",
     "RetryPolicy",
+    "SQLiteStore",
     "ScheduledCall",
     "SchedulerLimits",
+    "SequenceConflictError",
+    "SessionBusyError",
+    "SessionClosedError",
+    "SessionError",
     "Settlement",
     "SettlementError",
     "SettlementStatus",
     "SideEffect",
     "Stage",
     "StageRequest",
+    "StaleFencingTokenError",
     "StreamChunk",
     "StreamInterruptedError",
     "SystemMessage",
@@ -216,6 +267,7 @@ __all__ = [
     "ToolSpec",
     "ToolStages",
     "TrioAgentError",
+    "UnknownSubagentError",
     "Usage",
     "UsageChunk",
     "UserMessage",
@@ -223,4 +275,8 @@ __all__ = [
     "create_provider",
     "define_tool",
     "message_converter",
+    "open_journal",
+    "open_postgres_store",
+    "open_sqlite_store",
+    "subscribe_durable_events",
 ]

@@ -13,8 +13,28 @@ Every error that crosses a public boundary is one of these (never a bare
      │    └── NextCalledTwiceError ``next() called multiple times``
      ├── FileLockTimeoutError      waiting for a file lock exceeded its bound       [TimeoutError]
      ├── JournalError              the journal refused or failed a write
-     │    └── SettlementError      a settlement could not be made durable; nothing was published
+     │    ├── SettlementError      a settlement could not be made durable; nothing was published
+     │    ├── JournalCorruptError  stored data cannot be decoded (bad file, unknown schema version)
+     │    ├── InvalidTransitionError  the projection refuses an event; nothing was written (``seq``)
+     │    ├── CommandConflictError the same command id with other content (``command_id``)
+     │    ├── SequenceConflictError another writer appended to the stream (``stream_id``)
+     │    ├── ForeignStreamError   a stream or cursor of another session or stream
+     │    ├── CursorError          a subscription cursor past the head or from another stream
+     │    ├── JournalFencedError   an earlier write's outcome is unknown: reconcile first
+     │    ├── JournalUnavailableError  the store failed or timed out mid-write (outcome unknown)
+     │    └── LeaseHeldError       another owner holds an unexpired lease (``owner``, ``expires_at``)
+     ├── SessionError              a session refused a request
+     │    ├── SessionBusyError     a request is running and no ``priority`` was given
+     │    ├── SessionClosedError   the session is closed (or closing)
+     │    ├── RequestAbortedError  the request was aborted (``reason``)
+     │    └── UnknownSubagentError no subagent definition has that name        [ValueError]
+     ├── HookError                 a hook raised, returned garbage or missed its deadline (in _session/_hooks.py)
+     │    ├── HookReturnError      a hook returned something that is not a HookOutput       [TypeError]
+     │    ├── HookTimeoutError     an event's hooks missed its deadline                     [TimeoutError]
+     │    ├── HookInterruptedError the request's abort interrupted the dispatch
+     │    └── HookAbortedError     a hook answered ``abort``
      ├── LeaseLostError            the execution lease is gone (external: "broken")
+     │    └── StaleFencingTokenError  the store refused a write carrying an old fencing token
      └── ModelError                a model call failed (``code``, ``retryable``)
           ├── ProviderError        the provider answered with an error (``status``)
           │    ├── AuthenticationError    401 / 403
@@ -38,9 +58,17 @@ from __future__ import annotations
 
 __all__ = [
     "AuthenticationError",
+    "CommandConflictError",
     "ConfigError",
+    "CursorError",
     "FileLockTimeoutError",
+    "ForeignStreamError",
+    "InvalidTransitionError",
+    "JournalCorruptError",
     "JournalError",
+    "JournalFencedError",
+    "JournalUnavailableError",
+    "LeaseHeldError",
     "LeaseLostError",
     "MalformedResponseError",
     "MiddlewareError",
@@ -56,12 +84,19 @@ __all__ = [
     "ProviderError",
     "ProviderServerError",
     "RateLimitError",
+    "RequestAbortedError",
+    "SequenceConflictError",
+    "SessionBusyError",
+    "SessionClosedError",
+    "SessionError",
     "SettlementError",
+    "StaleFencingTokenError",
     "StreamInterruptedError",
     "ToolBehaviorError",
     "ToolDefinitionError",
     "ToolInputError",
     "TrioAgentError",
+    "UnknownSubagentError",
 ]
 
 
@@ -124,11 +159,97 @@ class SettlementError(JournalError):
     """A tool settlement could not be made durable, so nothing was published."""
 
 
+class JournalCorruptError(JournalError):
+    """Durable data cannot be decoded: a damaged file, unknown field, bad enum or unknown schema version."""
+
+
+class InvalidTransitionError(JournalError):
+    """An event is not allowed in the projection's current state; nothing was applied or written.
+
+    ``seq`` is the rejected envelope's sequence number.
+    """
+
+    def __init__(self, message: str, *, seq: int | None = None) -> None:
+        super().__init__(message)
+        self.seq = seq
+
+
+class CommandConflictError(JournalError):
+    """A command id was used before with different content; the first outcome stands."""
+
+    def __init__(self, message: str, *, command_id: str) -> None:
+        super().__init__(message)
+        self.command_id = command_id
+
+
+class SequenceConflictError(JournalError):
+    """The store's head of a stream is not where the writer expected it: someone else appended."""
+
+    def __init__(self, message: str, *, stream_id: str, expected: int, actual: int) -> None:
+        super().__init__(message)
+        self.stream_id = stream_id
+        self.expected = expected
+        self.actual = actual
+
+
+class ForeignStreamError(JournalError):
+    """A stream, event or cursor belongs to another session or stream."""
+
+
+class CursorError(JournalError):
+    """A subscription cursor is past the stream's head or names another stream."""
+
+
+class JournalFencedError(JournalError):
+    """An earlier write's outcome is unknown; the journal refuses writes until `reconcile()` ran."""
+
+
+class JournalUnavailableError(JournalError):
+    """The store failed or timed out during a write, so its outcome is unknown."""
+
+
+class LeaseHeldError(JournalError):
+    """Another owner holds an unexpired execution lease."""
+
+    def __init__(self, message: str, *, owner: str, expires_at: float) -> None:
+        super().__init__(message)
+        self.owner = owner
+        self.expires_at = expires_at
+
+
+class SessionError(TrioAgentError):
+    """A session refused or ended a request."""
+
+
+class SessionBusyError(SessionError):
+    """A request is already running and the new message gave no ``priority`` (next, later or now)."""
+
+
+class SessionClosedError(SessionError):
+    """The session is closed or closing; nothing more is accepted."""
+
+
+class RequestAbortedError(SessionError):
+    """The request was aborted before it finished; ``reason`` says why (an `AbortReason` value)."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class UnknownSubagentError(SessionError, ValueError):
+    """No subagent definition has the requested name."""
+
+
 class LeaseLostError(TrioAgentError):
     """The execution lease was lost (taken over, expired or revoked).
 
     Work under a lost lease fails closed: nothing more is committed or published.
     """
+
+
+class StaleFencingTokenError(LeaseLostError):
+    """The store itself refused a write: its fencing token is not the lease's current one."""
 
 
 class ProviderConfigError(ConfigError):

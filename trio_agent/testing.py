@@ -6,17 +6,25 @@
 - `LeaseStub`: a lifecycle wrapper whose ownership can be revoked.
 - `TestModel`, `Reply`, `open_test_model`: the deterministic model (also the demo's
   offline default): scripted replies keyed per conversation, or a function of the request.
+- `start_turn`: write the request and turn events a durable journal needs before
+  tool calls (what a session does), returning the `CallOrigin` for the calls.
+- `FaultyStore`: wraps any journal store and makes writes fail before or after
+  the commit, or hang, on demand (the "store fails mid-write" cases).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any
 
 import attrs
 
 from ._abort import AbortHandle
-from ._errors import JournalError, LeaseLostError
+from ._errors import JournalError, JournalUnavailableError, LeaseLostError
+from ._journal._durable import DurableJournal
+from ._journal._events import RequestAccepted, RequestStarted, TurnStarted
+from ._journal._store import AppendBatch, AppendResult, AppendTicket, JournalStore
 from ._models._test_model import Reply, TestModel, conversation_key, open_test_model
 from ._tools._context import CallOrigin, ToolCall
 from ._tools._definition import SideEffect
@@ -26,6 +34,7 @@ from ._tools._results import JsonObject, ToolItem
 
 __all__ = [
     "FailingJournal",
+    "FaultyStore",
     "ItemRecorder",
     "LeaseStub",
     "Reply",
@@ -33,6 +42,7 @@ __all__ = [
     "call_tool",
     "conversation_key",
     "open_test_model",
+    "start_turn",
 ]
 
 _ids = itertools.count(1)
@@ -109,3 +119,93 @@ class LeaseStub(InMemoryToolJournal):
 
     def fencing_token(self) -> int | None:
         return self.token
+
+
+async def start_turn(
+    journal: DurableJournal,
+    *,
+    request_id: str = "request",
+    turn_id: str = "turn",
+    turn: int = 1,
+    agent_id: str | None = None,
+    prompt: str = "test",
+) -> CallOrigin:
+    """Record an accepted, started request and an open turn (as a session does) and return its origin."""
+    projection = journal.projection(agent_id)
+    events: list[Any] = []
+    if projection.request(request_id) is None:
+        events += [
+            RequestAccepted(request_id=request_id, command_id=f"cmd-{request_id}", input={"prompt": prompt}),
+            RequestStarted(request_id=request_id),
+        ]
+    events.append(TurnStarted(request_id=request_id, turn_id=turn_id, turn=turn))
+    await journal.append(*events, agent_id=agent_id)
+    return CallOrigin(
+        session_id=journal.session_id,
+        agent_id=agent_id or journal.root_agent_id,
+        request_id=request_id,
+        turn_id=turn_id,
+    )
+
+
+class FaultyStore:
+    """A journal store wrapper whose next writes fail on demand; everything else passes through.
+
+    ``fail_next(mode, count=1)`` arms the next ``count`` appends:
+
+    * ``"before"``: refused before reaching the store (nothing written), raising
+      `JournalUnavailableError`;
+    * ``"after"``: written and committed, then `JournalUnavailableError` is raised
+      anyway: the caller cannot know the outcome;
+    * ``"hang"``: never answers (until the caller's deadline or cancellation);
+      nothing is written.
+    """
+
+    def __init__(self, inner: JournalStore) -> None:
+        self.inner = inner
+        self.clock = inner.clock
+        self._armed: list[str] = []
+        self.failed = 0
+
+    def fail_next(self, mode: str, count: int = 1) -> None:
+        if mode not in ("before", "after", "hang"):
+            raise ValueError(f"unknown fault mode {mode!r}")
+        self._armed.extend([mode] * count)
+
+    def submit(self, batch: AppendBatch) -> AppendTicket:
+        if not self._armed:
+            return self.inner.submit(batch)
+        mode = self._armed.pop(0)
+        self.failed += 1
+        ticket = AppendTicket(batch)
+        if mode == "before":
+            ticket._resolve(JournalUnavailableError("injected store failure before the write"))
+        elif mode == "after":
+            return _CommittedThenFailed(batch, self.inner.submit(batch))
+        return ticket
+
+    async def append(self, batch: AppendBatch) -> AppendResult:
+        return await self.submit(batch).wait()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _CommittedThenFailed(AppendTicket):
+    """Waits for the real commit, then reports a failure: the outcome looks unknown."""
+
+    def __init__(self, batch: AppendBatch, inner: AppendTicket) -> None:
+        super().__init__(batch)
+        self._inner = inner
+
+    @property
+    def done(self) -> bool:
+        return self._inner.done
+
+    def outcome(self) -> AppendResult:
+        raise JournalUnavailableError("injected store failure after the commit: outcome unknown")
+
+    async def wait(self) -> AppendResult:
+        with contextlib.suppress(JournalError):
+            await self._inner.wait()
+        return self.outcome()

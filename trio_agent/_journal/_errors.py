@@ -1,22 +1,7 @@
-"""Errors of the journal core; both are `JournalError` subclasses."""
+"""Journal errors live in the one hierarchy of `trio_agent._errors`; re-exported here for the journal modules."""
 
 from __future__ import annotations
 
-from .._errors import JournalError
+from .._errors import InvalidTransitionError, JournalCorruptError
 
 __all__ = ["InvalidTransitionError", "JournalCorruptError"]
-
-
-class JournalCorruptError(JournalError):
-    """Durable data cannot be decoded: unknown field, missing id, bad enum or unknown schema version."""
-
-
-class InvalidTransitionError(JournalError):
-    """An event is not allowed in the projection's current state; nothing was applied.
-
-    ``seq`` is the rejected envelope's sequence number.
-    """
-
-    def __init__(self, message: str, *, seq: int | None = None) -> None:
-        super().__init__(message)
-        self.seq = seq

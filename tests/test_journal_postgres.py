@@ -1,0 +1,516 @@
+"""PostgreSQL-only journal store tests (the shared rules live in test_journal_stores.py).
+
+They run against a throw-away cluster (``postgres_dsn``, one per session) and a
+schema of their own (``fresh_pg_schema``). Real, short timeouts only: Trio's
+mock clock means nothing to the database server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+import pytest
+import trio
+import trio.testing
+from pg_cluster import find_bindir
+
+from trio_agent._errors import (
+    JournalCorruptError,
+    JournalError,
+    JournalUnavailableError,
+    LeaseHeldError,
+    LeaseLostError,
+    StaleFencingTokenError,
+)
+from trio_agent._journal._events import EventEnvelope, RequestStarted
+from trio_agent._journal._postgres import STORE_FORMAT, PostgresStore, open_postgres_store
+from trio_agent._journal._store import AppendBatch, AppendResult, Lease, command_digest, stream_id_for
+
+LONG_TTL = 60.0
+PROMPT = 3.0
+"""A generous bound for "promptly" on a loaded 2-core CI machine; far below any timeout that is not ours."""
+
+
+def envs(stream_id: str, first: int, count: int) -> list[EventEnvelope]:
+    return [
+        EventEnvelope(stream_id=stream_id, seq=seq, event=RequestStarted(request_id=f"r{seq}"), recorded_at=1.5)
+        for seq in range(first, first + count)
+    ]
+
+
+def batch(
+    lease: Lease, stream_id: str, envelopes: Sequence[EventEnvelope], command_id: str | None = None
+) -> AppendBatch:
+    return AppendBatch(
+        lease.session_id,
+        stream_id,
+        lease.token,
+        envelopes,
+        command_id=command_id,
+        command_digest=None if command_id is None else command_digest(envelopes),
+    )
+
+
+def run_sql(dsn: str, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    """One autocommitted statement on a connection of the test's own."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cursor = conn.execute(query.encode(), params)
+        return cursor.fetchall() if cursor.description is not None else []
+
+
+async def test_cluster_binaries_are_found(postgres_dsn: str) -> None:
+    bindir = find_bindir()
+    assert (bindir / "postgres").is_file()
+
+
+# ---------------------------------------------------------------- cancellation and timeouts
+
+
+async def test_a_read_blocked_on_the_server_ends_promptly_when_its_scope_is_cancelled(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        await store.append(batch(lease, stream, envs(stream, 1, 2)))
+        with psycopg.connect(postgres_dsn) as locker:  # holds the table until it rolls back
+            locker.execute(f'LOCK TABLE "{fresh_pg_schema}".events IN ACCESS EXCLUSIVE MODE'.encode())
+            for _ in range(2):  # a fresh and then a reused read connection
+                started = time.monotonic()
+                with trio.move_on_after(0.3) as scope:
+                    await store.read(stream)
+                elapsed = time.monotonic() - started
+                assert scope.cancelled_caught
+                assert elapsed < PROMPT, f"the cancelled read took {elapsed:.2f} s"
+            # The server is not still running the abandoned statement.
+            waiting = run_sql(
+                postgres_dsn,
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'trio_agent journal'"
+                " AND state = 'active' AND wait_event_type = 'Lock'",
+            )
+            assert waiting == [(0,)]
+            locker.rollback()
+        with trio.fail_after(PROMPT):
+            assert await store.read(stream) == envs(stream, 1, 2)
+            assert await store.head(stream) == 2
+            assert await store.append(batch(lease, stream, envs(stream, 3, 1))) == AppendResult(stream, 3, 3)
+
+
+async def test_a_long_server_statement_is_aborted_by_a_cancel_scope(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        started = time.monotonic()
+        with trio.move_on_after(0.2) as scope:
+            await store._query(lambda conn: conn.execute(b"SELECT pg_sleep(30)").fetchall())
+        assert scope.cancelled_caught
+        assert time.monotonic() - started < PROMPT
+        with trio.fail_after(PROMPT):
+            assert await store._query(lambda conn: conn.execute(b"SELECT 7").fetchall()) == [(7,)]
+
+
+async def test_an_already_cancelled_scope_never_starts_the_statement(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    ran: list[bool] = []
+
+    def query(conn: Any) -> None:
+        ran.append(True)
+
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await store._query(query)
+        assert scope.cancelled_caught
+        assert ran == []
+
+
+async def test_statement_timeout_bounds_a_blocked_read_server_side(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, statement_timeout=0.3) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        await store.append(batch(lease, stream, envs(stream, 1, 1)))
+        with psycopg.connect(postgres_dsn) as locker:
+            locker.execute(f'LOCK TABLE "{fresh_pg_schema}".events IN ACCESS EXCLUSIVE MODE'.encode())
+            with trio.fail_after(PROMPT), pytest.raises(JournalUnavailableError, match="statement_timeout"):
+                await store.read(stream)
+            locker.rollback()
+        assert await store.read(stream) == envs(stream, 1, 1)
+
+
+# ---------------------------------------------------------------- NOTIFY
+
+
+async def test_notify_wakes_a_waiter_in_another_store_long_before_polling(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, poll_interval=30) as writer:
+        lease = await writer.acquire_lease("sess", "A", LONG_TTL)
+        await writer.append(batch(lease, stream, envs(stream, 1, 1)))
+        # Opened after that append, so its NOTIFY cannot wake the watcher below.
+        async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, poll_interval=30) as watcher:
+            await _wait_woken_by_notify(writer, watcher, lease, stream)
+
+
+async def _wait_woken_by_notify(writer: PostgresStore, watcher: PostgresStore, lease: Lease, stream: str) -> None:
+    # Know when the watcher has looked at the head, so the append below can only reach it by NOTIFY.
+    looked = trio.Event()
+    real_head = watcher.head
+
+    async def head(stream_id: str) -> int:
+        value = await real_head(stream_id)
+        looked.set()
+        return value
+
+    watcher.head = head  # type: ignore[method-assign]
+    woken = trio.Event()
+
+    async def wait() -> None:
+        await watcher.wait_for_append(stream, 1)
+        woken.set()
+
+    with trio.fail_after(5):  # poll_interval is 30 s: only NOTIFY can be this quick
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await looked.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert not woken.is_set()
+            before = watcher.notifications
+            await writer.append(batch(lease, stream, envs(stream, 2, 1)))
+            await woken.wait()
+    assert watcher.notifications > before
+    assert await watcher.read(stream, after=1) == envs(stream, 2, 1)
+
+
+async def test_notify_is_scoped_to_the_schema(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    async with (
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as one,
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema + "_other") as other,
+    ):
+        assert one.channel != other.channel
+        assert len(PostgresStore(postgres_dsn, schema="s" * 63).channel.encode()) <= 63
+    run_sql(postgres_dsn, f'DROP SCHEMA "{fresh_pg_schema}_other" CASCADE')
+
+
+async def test_the_listener_reconnects_after_its_connection_is_killed(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    stream = stream_id_for("sess", "root")
+    async with (
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema, poll_interval=30) as writer,
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema, poll_interval=0.2) as watcher,
+    ):
+        lease = await writer.acquire_lease("sess", "A", LONG_TTL)
+        listener = watcher._listener
+        assert listener is not None
+        run_sql(postgres_dsn, "SELECT pg_terminate_backend(%s)", (listener.info.backend_pid,))
+        with trio.fail_after(10):
+            while watcher._listener is None or watcher._listener is listener:
+                await watcher.wait_for_append(stream, 0)  # polls every 0.2 s meanwhile
+            before = watcher.notifications
+            await writer.append(batch(lease, stream, envs(stream, 1, 1)))
+            while watcher.notifications == before:
+                await watcher.wait_for_append(stream, 1)
+
+
+# ---------------------------------------------------------------- leases across workers
+
+
+async def test_workers_racing_for_a_lease_exactly_one_wins_and_takeover_fences(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    short_ttl = 0.3
+    stream = stream_id_for("sess", "root")
+    outcomes: dict[str, Lease | BaseException] = {}
+
+    async def race(store: PostgresStore, owner: str) -> None:
+        try:
+            outcomes[owner] = await store.acquire_lease("sess", owner, LONG_TTL)
+        except LeaseHeldError as exc:
+            outcomes[owner] = exc
+
+    async with (
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as w1,
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as w2,
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as w3,
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as w4,
+    ):
+        workers = {"w1": w1, "w2": w2, "w3": w3, "w4": w4}
+        async with trio.open_nursery() as nursery:
+            for owner, store in workers.items():
+                nursery.start_soon(race, store, owner)
+        winners = [lease for lease in outcomes.values() if isinstance(lease, Lease)]
+        assert len(winners) == 1, outcomes
+        first = winners[0]
+        assert first.token == 1
+        for owner, outcome in outcomes.items():
+            if owner != first.owner:
+                assert isinstance(outcome, LeaseHeldError)
+                assert outcome.owner == first.owner
+        holder = workers[first.owner]
+        await holder.append(batch(first, stream, envs(stream, 1, 1)))
+
+        # The holder's last renewal is short and then it stalls past it (on the server's clock);
+        # the others race again and one takes over with a higher token.
+        first = await holder.renew_lease(first, short_ttl)
+        await trio.sleep(short_ttl + 0.2)
+        outcomes.clear()
+        async with trio.open_nursery() as nursery:
+            for owner, store in workers.items():
+                if owner != first.owner:
+                    nursery.start_soon(race, store, owner)
+        winners = [lease for lease in outcomes.values() if isinstance(lease, Lease)]
+        assert len(winners) == 1, outcomes
+        second = winners[0]
+        assert second.token > first.token
+        assert await w1.current_lease("sess") == second
+
+        # The stalled holder wakes up: the STORE refuses its token, whichever worker carries the write.
+        for store in workers.values():
+            with pytest.raises(StaleFencingTokenError, match="refused by the store"):
+                await store.append(batch(first, stream, envs(stream, 2, 1)))
+        with pytest.raises(LeaseLostError):
+            await holder.renew_lease(first, LONG_TTL)
+        taker = workers[second.owner]
+        assert await taker.append(batch(second, stream, envs(stream, 2, 1))) == AppendResult(stream, 2, 2)
+        assert await holder.read(stream) == envs(stream, 1, 2)
+        tokens = run_sql(postgres_dsn, f'SELECT seq, token FROM "{fresh_pg_schema}".events ORDER BY seq')
+        assert tokens == [(1, 1), (2, second.token)]
+
+        # A release keeps the token: the next owner's is higher still.
+        await taker.release_lease(second)
+        await taker.release_lease(second)
+        third = await holder.acquire_lease("sess", first.owner, LONG_TTL)
+        assert third.token > second.token
+
+
+async def test_the_server_clock_decides_lease_expiry(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        await store.append(batch(lease, stream, envs(stream, 1, 1)))
+        (server_now,) = run_sql(postgres_dsn, "SELECT extract(epoch FROM clock_timestamp())::float8")[0]
+        lease = await store.renew_lease(lease, 0.3)
+        assert server_now < lease.expires_at < server_now + 0.3 + PROMPT
+        await trio.sleep(0.5)  # past the TTL on the server's clock
+        with pytest.raises(StaleFencingTokenError, match="expires at"):
+            await store.append(batch(lease, stream, envs(stream, 2, 1)))
+        with pytest.raises(LeaseLostError):
+            await store.renew_lease(lease, LONG_TTL)
+        assert await store.head(stream) == 1
+
+
+async def test_an_injected_clock_replaces_the_server_clock(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    now = [1000.0]
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, clock=lambda: now[0]) as store:
+        assert store.clock() == 1000.0
+        lease = await store.acquire_lease("sess", "A", 10)
+        assert lease.expires_at == 1010.0
+        await store.append(batch(lease, stream, envs(stream, 1, 1)))
+        now[0] = 1010.5
+        with pytest.raises(StaleFencingTokenError):
+            await store.append(batch(lease, stream, envs(stream, 2, 1)))
+        with pytest.raises(LeaseLostError):
+            await store.renew_lease(lease, 10)
+        taken = await store.acquire_lease("sess", "B", 10)
+        assert (taken.token, taken.expires_at) == (lease.token + 1, 1020.5)
+
+
+async def test_store_clock_defaults_to_wall_time(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        assert abs(store.clock() - time.time()) < 1.0
+
+
+# ---------------------------------------------------------------- group commit and isolation
+
+
+async def test_one_group_commit_isolates_refused_and_failing_items(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        good = await store.acquire_lease("good", "A", LONG_TTL)
+        stale = await store.acquire_lease("stale", "A", LONG_TTL)
+        await store.acquire_lease("stale", "A", LONG_TTL)  # fences the first token
+        blocked = stream_id_for("good", "blocked")
+        await store.append(batch(good, blocked, envs(blocked, 1, 1)))
+        # A row the writer does not expect (as if damaged): the append that collides with it fails alone.
+        body = run_sql(postgres_dsn, f'SELECT body FROM "{fresh_pg_schema}".events')[0][0]
+        run_sql(
+            postgres_dsn,
+            f'INSERT INTO "{fresh_pg_schema}".events(stream_id, seq, token, body) VALUES (%s, 2, %s, %s)',
+            (blocked, good.token, body),
+        )
+        streams = [stream_id_for("good", f"agent-{i}") for i in range(30)]
+        tickets = [store.submit(batch(good, s, envs(s, 1, 2))) for s in streams[:15]]
+        collide = store.submit(batch(good, blocked, envs(blocked, 2, 1)))
+        refused = store.submit(batch(stale, stream_id_for("stale", "root"), envs(stream_id_for("stale", "root"), 1, 1)))
+        tickets += [store.submit(batch(good, s, envs(s, 1, 2))) for s in streams[15:]]
+        with trio.fail_after(10):
+            results = [await ticket.wait() for ticket in tickets]
+            with pytest.raises(JournalUnavailableError, match="refused the write"):
+                await collide.wait()
+            with pytest.raises(StaleFencingTokenError):
+                await refused.wait()
+        assert results == [AppendResult(s, 1, 2) for s in streams]
+        for s in streams:
+            assert await store.read(s) == envs(s, 1, 2)
+        assert await store.head(blocked) == 1
+        assert store._lane is not None
+        assert store._lane.batches < 20  # grouped, not one transaction per append
+
+
+async def test_a_lost_writer_connection_fails_the_batch_then_reconnects(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        await store.append(batch(lease, stream, envs(stream, 1, 1)))
+        writer = store._writer
+        assert writer is not None
+        run_sql(postgres_dsn, "SELECT pg_terminate_backend(%s)", (writer.info.backend_pid,))
+        with trio.fail_after(10):
+            with pytest.raises(JournalUnavailableError):
+                await store.append(batch(lease, stream, envs(stream, 2, 1)))
+            assert await store.append(batch(lease, stream, envs(stream, 2, 1))) == AppendResult(stream, 2, 2)
+        assert await store.read(stream) == envs(stream, 1, 2)
+
+
+async def test_replayed_command_across_workers_returns_the_first_outcome(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    stream = stream_id_for("sess", "root")
+    async with (
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as one,
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as two,
+    ):
+        lease = await one.acquire_lease("sess", "A", LONG_TTL)
+        content = envs(stream, 1, 2)
+        assert await one.append(batch(lease, stream, content, "cmd")) == AppendResult(stream, 1, 2)
+        assert await two.append(batch(lease, stream, content, "cmd")) == AppendResult(stream, 1, 2, replayed=True)
+        assert await two.head(stream) == 2
+
+
+# ---------------------------------------------------------------- corruption and failures
+
+
+@pytest.mark.parametrize(
+    "body",
+    ['{"not": "an envelope"}', "not json at all {", "[]"],
+)
+async def test_a_corrupt_row_is_reported_with_stream_and_seq(
+    postgres_dsn: str, fresh_pg_schema: str, body: str
+) -> None:
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        await store.append(batch(lease, stream, envs(stream, 1, 3)))
+        run_sql(postgres_dsn, f'UPDATE "{fresh_pg_schema}".events SET body = %s WHERE seq = 2', (body,))
+        with pytest.raises(JournalCorruptError, match=f"{stream}#2"):
+            await store.read(stream)
+        assert await store.read(stream, after=2) == envs(stream, 3, 1)
+
+
+async def test_a_row_in_the_wrong_place_or_missing_is_corrupt(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        await store.append(batch(lease, stream, envs(stream, 1, 4)))
+        table = f'"{fresh_pg_schema}".events'
+        run_sql(postgres_dsn, f"UPDATE {table} SET body = (SELECT body FROM {table} WHERE seq = 1) WHERE seq = 2")
+        with pytest.raises(JournalCorruptError, match=f"{stream}#2"):
+            await store.read(stream)
+        run_sql(postgres_dsn, f"DELETE FROM {table} WHERE seq IN (2, 4)")
+        for after, limit in ((0, None), (1, 1), (2, None)):
+            with pytest.raises(JournalCorruptError, match="missing"):
+                await store.read(stream, after=after, limit=limit)
+        assert await store.read(stream, after=2, limit=1) == envs(stream, 3, 1)
+
+
+async def test_an_unknown_format_marker_is_refused(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema):
+        pass
+    assert run_sql(postgres_dsn, f'SELECT value FROM "{fresh_pg_schema}".meta') == [(STORE_FORMAT,)]
+    run_sql(postgres_dsn, f"UPDATE \"{fresh_pg_schema}\".meta SET value = 'trio_agent.journal.postgres/99'")
+    with pytest.raises(JournalCorruptError, match="postgres/99"):
+        async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema):
+            pass
+
+
+async def test_reopening_keeps_everything_and_several_stores_open_one_schema_at_once(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    stream = stream_id_for("sess", "root")
+    async with trio.open_nursery() as nursery:  # concurrent schema creation must not collide
+        for _ in range(3):
+            nursery.start_soon(_open_and_close, postgres_dsn, fresh_pg_schema)
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        await store.append(batch(lease, stream, envs(stream, 1, 2), "cmd"))
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        assert await store.read(stream) == envs(stream, 1, 2)
+        assert await store.current_lease("sess") == lease
+        assert [c.command_id for c in await store.commands(stream)] == ["cmd"]
+
+
+async def _open_and_close(dsn: str, schema: str) -> None:
+    async with open_postgres_store(dsn, schema=schema):
+        pass
+
+
+async def test_an_unreachable_database_is_unavailable_and_the_password_stays_secret() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there once closed
+    dsn = f"postgresql://someone:s3cr3t-pw@127.0.0.1:{port}/journal"
+    with trio.fail_after(15), pytest.raises(JournalUnavailableError) as info:
+        async with open_postgres_store(dsn):
+            pass
+    message = str(info.value)
+    assert f"127.0.0.1:{port}/journal" in message
+    assert "s3cr3t-pw" not in message
+    assert "s3cr3t-pw" not in repr(info.value.__cause__) + repr(info.value.__context__)
+
+
+def test_bad_arguments_are_refused_before_connecting() -> None:
+    for kwargs in ({"schema": "no-dashes"}, {"schema": ""}, {"schema": "x" * 64}, {"poll_interval": 0}):
+        with pytest.raises(JournalError):
+            PostgresStore("host=127.0.0.1", **kwargs)
+    with pytest.raises(JournalError, match="not a valid") as info:
+        PostgresStore("host=127.0.0.1 password=s3cr3t bogus")
+    assert "s3cr3t" not in str(info.value)
+
+
+async def test_closed_store_refuses_reads_and_writes(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        await store.read(stream)
+        conns = [store._writer, store._listener, *store._idle_readers]
+        pids = [conn.info.backend_pid for conn in conns if conn is not None]
+        assert len(pids) == 3
+    assert all(conn is None or conn.closed for conn in conns)
+    with pytest.raises(JournalError):
+        await store.read(stream)
+    with pytest.raises(JournalUnavailableError):
+        await store.append(batch(lease, stream, envs(stream, 1, 1)))
+    await store.wait_for_append(stream, 0)  # returns at once
+    # The server ends the sessions soon after the client closed them (its backends exit on their own time).
+    with trio.fail_after(10):
+        while run_sql(postgres_dsn, "SELECT pid FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)):
+            await trio.sleep(0.05)
+
+
+async def test_what_the_block_raises_comes_out_as_it_is(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom, match="in the block"):
+        async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema):
+            raise Boom("in the block")
+
+    started = time.monotonic()
+    with trio.move_on_after(0.2) as scope:
+        async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, poll_interval=30) as store:
+            await store.wait_for_append(stream_id_for("sess", "root"), 0)
+    assert scope.cancelled_caught
+    assert time.monotonic() - started < PROMPT

@@ -1,0 +1,355 @@
+"""Durable-event subscriptions: replay, one `CaughtUp`, live events, cursors, the end,
+slow subscribers and uncommitted events, on the memory and the SQLite store."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from trio_agent.journal import (
+    AppendBatch,
+    AppendTicket,
+    CaughtUp,
+    CursorError,
+    DurableEvent,
+    DurableEventStream,
+    JournalCursor,
+    JournalStore,
+    MemoryStore,
+    RequestAccepted,
+    SessionClosed,
+    SessionCloseReason,
+    open_journal,
+    open_sqlite_store,
+    subscribe_durable_events,
+)
+from trio_agent.testing import FaultyStore
+
+SID = "sess"
+STREAM = f"{SID}/root"
+Item = DurableEvent | CaughtUp
+
+
+def accepted(request_id: str) -> RequestAccepted:
+    return RequestAccepted(request_id=request_id, command_id=f"cmd-{request_id}", input={"prompt": request_id})
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[JournalStore]:
+    if request.param == "memory":
+        yield MemoryStore()
+    else:
+        async with open_sqlite_store(tmp_path / "j.db", poll_interval=0.02) as sqlite:
+            yield sqlite
+
+
+async def until_caught_up(sub: DurableEventStream) -> list[Item]:
+    items: list[Item] = []
+    async for item in sub:
+        items.append(item)
+        if isinstance(item, CaughtUp):
+            break
+    return items
+
+
+def seqs(items: list[Item]) -> list[int]:
+    return [item.envelope.seq for item in items if isinstance(item, DurableEvent)]
+
+
+async def test_replay_then_exactly_one_caught_up_then_live_events(store: JournalStore) -> None:
+    got: list[Item] = []
+    caught_up = trio.Event()
+    async with open_journal(store, session_id=SID) as journal:
+        for name in ("r1", "r2", "r3"):
+            await journal.append(accepted(name))
+        head = await store.head(STREAM)
+        assert head == 4
+
+        async def subscriber() -> None:
+            async with journal.subscribe_durable_events() as sub:
+                async for item in sub:
+                    got.append(item)
+                    if isinstance(item, CaughtUp):
+                        caught_up.set()
+                    elif item.envelope.seq == head + 2:
+                        return
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(subscriber)
+                await caught_up.wait()
+                await journal.append(accepted("live1"))
+                await journal.append(accepted("live2"))
+        stored = await store.read(STREAM)
+    markers = [index for index, item in enumerate(got) if isinstance(item, CaughtUp)]
+    assert markers == [head]  # exactly one, right after the replay
+    marker = got[head]
+    assert isinstance(marker, CaughtUp) and marker.cursor == JournalCursor(STREAM, head)
+    events = [item for item in got if isinstance(item, DurableEvent)]
+    assert [event.envelope for event in events] == stored
+    assert seqs(got) == list(range(1, head + 3))
+    assert [event.cursor for event in events] == [JournalCursor(STREAM, seq) for seq in range(1, head + 3)]
+
+
+@pytest.mark.parametrize("form", ["cursor", "string", "int"])
+async def test_resume_from_a_cursor_gives_exactly_the_rest(store: JournalStore, form: str) -> None:
+    async with open_journal(store, session_id=SID) as journal:
+        for index in range(5):
+            await journal.append(accepted(f"r{index}"))
+        async with journal.subscribe_durable_events() as sub:
+            first = await until_caught_up(sub)
+        third = first[2]
+        assert isinstance(third, DurableEvent) and third.envelope.seq == 3
+        after: Any = {"cursor": third.cursor, "string": str(third.cursor), "int": 3}[form]
+        assert JournalCursor.parse(str(third.cursor)) == third.cursor
+        async with journal.subscribe_durable_events(after=after) as sub:
+            rest = await until_caught_up(sub)
+    assert seqs(rest) == [4, 5, 6]
+    assert rest[3] == CaughtUp(JournalCursor(STREAM, 6))
+    assert [item.envelope for item in rest[:3] if isinstance(item, DurableEvent)] == [
+        item.envelope for item in first[3:6] if isinstance(item, DurableEvent)
+    ]
+
+
+async def test_resume_at_the_head_is_caught_up_at_once(store: JournalStore) -> None:
+    async with open_journal(store, session_id=SID) as journal:
+        await journal.append(accepted("r1"))
+        async with journal.subscribe_durable_events(after=JournalCursor(STREAM, 2)) as sub:
+            assert await until_caught_up(sub) == [CaughtUp(JournalCursor(STREAM, 2))]
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        JournalCursor(STREAM, 3),  # past the head (2)
+        f"{STREAM}@99",
+        JournalCursor("other/root", 1),  # another session's stream (it exists)
+        "other/root@1",
+        JournalCursor(f"{SID}/child", 1),  # another agent's stream of this session
+        "garbage",
+        "",
+        f"{STREAM}@",
+        f"{STREAM}@x",
+        "@3",
+        f"{STREAM}@-1",
+        -1,
+        JournalCursor(STREAM, -1),
+        True,
+        2.0,
+        None,
+    ],
+)
+async def test_bad_cursors_raise_cursor_error(store: JournalStore, after: Any) -> None:
+    async with open_journal(store, session_id="other") as other:
+        await other.append(accepted("x"))
+    async with open_journal(store, session_id=SID) as journal:
+        await journal.append(accepted("r1"))
+        with pytest.raises(CursorError):
+            async with journal.subscribe_durable_events(after=after):
+                pytest.fail("a bad cursor must be refused")
+        with pytest.raises(CursorError):
+            async with subscribe_durable_events(store, STREAM, after=after):
+                pytest.fail("a bad cursor must be refused")
+
+
+async def test_a_bad_page_size_raises_cursor_error(store: JournalStore) -> None:
+    with pytest.raises(CursorError):
+        async with subscribe_durable_events(store, STREAM, page_size=0):
+            pytest.fail("page_size must be >= 1")
+
+
+async def test_iteration_ends_after_a_replayed_session_closed(store: JournalStore) -> None:
+    async with open_journal(store, session_id=SID) as journal:
+        await journal.append(accepted("r1"))
+        await journal.append(SessionClosed(session_id=SID, reason=SessionCloseReason.COMPLETED))
+    # The journal is gone: only session_closed can end this store-level subscription.
+    with trio.fail_after(10):
+        async with subscribe_durable_events(store, STREAM) as sub:
+            items = [item async for item in sub]
+            with pytest.raises(StopAsyncIteration):
+                await sub.__anext__()
+    assert seqs(items) == [1, 2, 3]
+    last = items[-1]
+    assert isinstance(last, DurableEvent) and isinstance(last.envelope.event, SessionClosed)
+
+
+async def test_a_live_subscriber_ends_after_session_closed(store: JournalStore) -> None:
+    got: list[Item] = []
+    caught_up = trio.Event()
+    ended = trio.Event()
+
+    async def subscriber() -> None:
+        async with subscribe_durable_events(store, STREAM) as sub:
+            async for item in sub:
+                got.append(item)
+                if isinstance(item, CaughtUp):
+                    caught_up.set()
+        ended.set()
+
+    async with open_journal(store, session_id=SID) as journal:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(subscriber)
+                await caught_up.wait()
+                await journal.append(accepted("r1"))
+                await journal.append(SessionClosed(session_id=SID, reason=SessionCloseReason.USER))
+            assert ended.is_set()
+    assert seqs(got) == [1, 2, 3]
+    assert isinstance(got[-1], DurableEvent) and isinstance(got[-1].envelope.event, SessionClosed)
+
+
+async def test_a_subscriber_ends_when_the_journal_closes_after_delivering_everything(store: JournalStore) -> None:
+    got: list[Item] = []
+    caught_up = trio.Event()
+    ended = trio.Event()
+
+    async def subscriber(journal: Any) -> None:
+        async with journal.subscribe_durable_events() as sub:
+            async for item in sub:
+                got.append(item)
+                if isinstance(item, CaughtUp):
+                    caught_up.set()
+        ended.set()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            async with open_journal(store, session_id=SID) as journal:
+                await journal.append(accepted("r1"))
+                nursery.start_soon(subscriber, journal)
+                await caught_up.wait()
+                await journal.append(accepted("r2"))  # appended right before the close: still delivered
+            assert journal.closed
+    assert ended.is_set()
+    assert seqs(got) == [1, 2, 3]
+    assert sum(isinstance(item, CaughtUp) for item in got) == 1
+
+
+async def test_a_slow_subscriber_never_stalls_commits(store: JournalStore) -> None:
+    count = 500
+    async with (
+        open_journal(store, session_id=SID) as journal,
+        journal.subscribe_durable_events() as idle,
+        journal.subscribe_durable_events() as reader,
+    ):
+        first = await reader.__anext__()  # one subscriber read one event and stopped; the other never read
+        assert isinstance(first, DurableEvent) and first.envelope.seq == 1
+        with trio.fail_after(20):
+            for index in range(count):
+                result = await journal.append(accepted(f"r{index}"))
+                assert result.first_seq == index + 2
+        assert await store.head(STREAM) == count + 1
+        rest = await until_caught_up(reader)
+        everything = await until_caught_up(idle)
+    assert seqs(rest) == list(range(2, count + 2))
+    assert rest[-1] == CaughtUp(JournalCursor(STREAM, count + 1))
+    assert seqs(everything) == list(range(1, count + 2))
+    assert sum(isinstance(item, CaughtUp) for item in everything) == 1
+
+
+async def test_a_hung_write_is_never_delivered(store: JournalStore) -> None:
+    faulty = FaultyStore(store)
+    got: list[Item] = []
+    caught_up = trio.Event()
+    async with open_journal(faulty, session_id=SID, commit_grace=0.05) as journal:
+        await journal.append(accepted("r1"))
+
+        async def subscriber() -> None:
+            async with journal.subscribe_durable_events() as sub:
+                async for item in sub:
+                    got.append(item)
+                    if isinstance(item, CaughtUp):
+                        caught_up.set()
+                    elif item.envelope.seq == 3:
+                        return
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(subscriber)
+                await caught_up.wait()
+                faulty.fail_next("hang")
+                with trio.move_on_after(0.05) as scope:  # the caller's own deadline
+                    await journal.append(accepted("hung"))
+                assert scope.cancelled_caught and journal.fenced
+                await journal.reconcile()
+                await journal.append(accepted("after"))  # takes seq 3, which the hung write never got
+    events = [item.envelope.event for item in got if isinstance(item, DurableEvent)]
+    assert seqs(got) == [1, 2, 3]
+    assert events[-1] == accepted("after")
+    assert accepted("hung") not in events
+
+
+class GatedStore:
+    """A memory store whose appends, while ``hold`` is set, commit only when it fires."""
+
+    def __init__(self, inner: MemoryStore, nursery: trio.Nursery) -> None:
+        self.inner = inner
+        self.clock = inner.clock
+        self._nursery = nursery
+        self.hold: trio.Event | None = None
+
+    def submit(self, batch: AppendBatch) -> AppendTicket:
+        gate = self.hold
+        if gate is None:
+            return self.inner.submit(batch)
+        ticket = AppendTicket(batch)
+
+        async def land() -> None:
+            await gate.wait()
+            ticket._resolve(self.inner.submit(batch).outcome())
+
+        self._nursery.start_soon(land)
+        return ticket
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_an_event_is_delivered_only_once_committed() -> None:
+    got: list[Item] = []
+    caught_up = trio.Event()
+    inner = MemoryStore()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as outer:
+            store = GatedStore(inner, outer)
+            async with open_journal(store, session_id=SID) as journal:
+
+                async def subscriber() -> None:
+                    async with journal.subscribe_durable_events() as sub:
+                        async for item in sub:
+                            got.append(item)
+                            if isinstance(item, CaughtUp):
+                                caught_up.set()
+                            elif item.envelope.seq == 2:
+                                return
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(subscriber)
+                    await caught_up.wait()
+                    gate = trio.Event()
+                    store.hold = gate
+                    async with trio.open_nursery() as writers:
+                        writers.start_soon(journal.append, accepted("slow"))
+                        await trio.testing.wait_all_tasks_blocked()
+                        # Applied to the journal's projection, submitted, not committed: not delivered.
+                        assert journal.projection().request("slow") is not None
+                        assert await inner.head(STREAM) == 1
+                        assert seqs(got) == [1]
+                        store.hold = None
+                        gate.set()
+    assert seqs(got) == [1, 2]
+    assert isinstance(got[-1], DurableEvent) and got[-1].envelope.event == accepted("slow")
+
+
+async def test_resuming_after_session_closed_ends(autojump_clock: trio.testing.MockClock) -> None:
+    store = MemoryStore(clock=trio.current_time)
+    async with open_journal(store, session_id=SID) as journal:
+        await journal.append(SessionClosed(session_id=SID, reason=SessionCloseReason.COMPLETED))
+    with trio.fail_after(60):  # mock time: fails at once instead of hanging
+        async with subscribe_durable_events(store, STREAM, after=JournalCursor(STREAM, 2)) as sub:
+            items = [item async for item in sub]
+    assert items == [CaughtUp(JournalCursor(STREAM, 2))]

@@ -1,0 +1,783 @@
+"""The durable journal of one session: lease, projections, commands, lifecycle, recovery.
+
+`open_journal` takes the session's execution lease from a store (taking over a
+dead owner's after it expired), loads every stream of the session into its
+projection, and keeps the lease alive with a heartbeat task in its own nursery.
+Leaving the block releases the lease.
+
+Writes go through `DurableJournal.append`: the projection checks the events
+first (nothing invalid reaches the store), they are applied to it and
+submitted; the call returns only after the store committed them. The store
+checks the fencing token inside the same transaction as the write, so a paused
+or partitioned former owner cannot write after a takeover.
+
+Failure rules:
+
+* The lease is lost (the heartbeat could not renew in time, or the store refused
+  our token): the block's body is cancelled, every later write raises
+  `LeaseLostError`, and the block exits with `LeaseLostError`. It never becomes a
+  tool result.
+* A write whose outcome is unknown (the store failed or timed out mid-write) or
+  that the store refused: the journal is fenced; every write raises
+  `JournalFencedError` until `reconcile()` re-read the store.
+
+The journal implements the tool pipeline's `ToolLifecycle`: ``tool_scheduled``
+is durable before anyone sees the call, ``tool_started`` with the final input
+before the side effect starts, the settlement before the result is published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import attrs
+import cattrs
+import trio
+
+from .._errors import (
+    CommandConflictError,
+    ConfigError,
+    ForeignStreamError,
+    InvalidTransitionError,
+    JournalCorruptError,
+    JournalError,
+    JournalFencedError,
+    LeaseHeldError,
+    LeaseLostError,
+    StaleFencingTokenError,
+)
+from .._tools._definition import SideEffect, Tool
+from .._tools._lifecycle import ScheduledCall, Settlement, SettlementStatus
+from .._tools._results import ToolErrorType, ToolResult, json_copy
+from ._events import (
+    Event,
+    EventEnvelope,
+    ModelAbortReason,
+    ModelAttemptAborted,
+    OutcomeUnknownReason,
+    PermissionDecision,
+    PermissionResolved,
+    RecoveryDecision,
+    SessionCreated,
+    ToolCancelled,
+    ToolCompleted,
+    ToolFailed,
+    ToolOutcomeUnknown,
+    ToolRecoveryAction,
+    ToolScheduled,
+    ToolStarted,
+)
+from ._projection import Projection, RecoveryKind, RecoveryPlan
+from ._store import AppendBatch, AppendResult, AppendTicket, JournalStore, Lease, command_digest, stream_id_for
+from ._subscribe import DurableEventStream, JournalCursor, subscribe_durable_events
+
+__all__ = [
+    "CallRecord",
+    "DurableJournal",
+    "RecoveryReport",
+    "open_journal",
+    "result_from_json",
+    "result_to_json",
+]
+
+ROOT_AGENT = "root"
+
+_results = cattrs.Converter()
+
+
+def result_to_json(result: ToolResult) -> dict[str, Any]:
+    """A `ToolResult` as stored in the journal (JSON-compatible; non-JSON output is refused)."""
+    data: dict[str, Any] = _results.unstructure(result, ToolResult)
+    copied: dict[str, Any] = json_copy(data)
+    return copied
+
+
+def result_from_json(data: Mapping[str, Any]) -> ToolResult:
+    try:
+        return _results.structure(dict(data), ToolResult)
+    except Exception as exc:
+        raise JournalCorruptError(f"a stored tool result cannot be decoded: {exc}") from exc
+
+
+@attrs.define
+class CallRecord:
+    """What the journal knows about one tool call beyond the projection's state."""
+
+    scheduled: ToolScheduled
+    started_input: dict[str, Any] | None = None
+    attempts: int = 0
+    settlement: ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown | None = None
+
+    @property
+    def result(self) -> ToolResult | None:
+        """The stored result of a completed or failed call."""
+        if isinstance(self.settlement, ToolCompleted | ToolFailed):
+            return result_from_json(self.settlement.result)
+        return None
+
+
+@attrs.frozen
+class RecoveryReport:
+    """What `DurableJournal.recover` decided and wrote for one stream.
+
+    ``to_execute`` are the calls the session must run again as NEW attempts
+    through the full live pipeline, each with its stored idempotency key.
+    ``outcome_unknown`` are ``non_idempotent`` calls that started and may or may
+    not have happened: the model and the user must be told.
+    """
+
+    plan: RecoveryPlan
+    decisions: Mapping[str, ToolRecoveryAction]
+    to_execute: tuple[ToolScheduled, ...]
+    replayed: tuple[str, ...]
+    outcome_unknown: tuple[str, ...]
+    reconciled: tuple[str, ...]
+    cancelled: tuple[str, ...]
+    aborted_attempts: tuple[str, ...]
+
+
+class _Stream:
+    __slots__ = ("agent_id", "calls", "commands", "projection", "stream_id")
+
+    def __init__(self, stream_id: str, agent_id: str) -> None:
+        self.stream_id = stream_id
+        self.agent_id = agent_id
+        self.projection = Projection(stream_id)
+        self.commands: dict[str, tuple[str, AppendResult]] = {}
+        self.calls: dict[str, CallRecord] = {}
+
+    def apply(self, envelope: EventEnvelope) -> None:
+        self.projection.apply(envelope)
+        self.track(envelope.event)
+
+    def track(self, event: Event) -> None:
+        if isinstance(event, ToolScheduled):
+            self.calls[event.call_id] = CallRecord(event)
+        elif isinstance(event, ToolStarted):
+            record = self.calls[event.call_id]
+            record.started_input = dict(event.input)
+            record.attempts += 1
+        elif isinstance(event, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown):
+            self.calls[event.call_id].settlement = event
+
+
+def _default_owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _check_seconds(name: str, value: float, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number of seconds, not {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, not {value!r}")
+    return float(value)
+
+
+class DurableJournal:
+    """One session's journal over a `JournalStore`. Open it with `open_journal`."""
+
+    def __init__(
+        self,
+        store: JournalStore,
+        *,
+        session_id: str,
+        owner: str,
+        lease: Lease,
+        lease_ttl: float,
+        heartbeat_interval: float,
+        durable_pure_starts: bool,
+        commit_grace: float,
+        root_agent_id: str,
+    ) -> None:
+        self.store = store
+        self.session_id = session_id
+        self.owner = owner
+        self.lease = lease
+        self.lease_ttl = lease_ttl
+        self.heartbeat_interval = heartbeat_interval
+        self.durable_pure_starts = durable_pure_starts
+        self.commit_grace = commit_grace
+        self.root_agent_id = root_agent_id
+        self._streams: dict[str, _Stream] = {}
+        self._fenced: str | None = None
+        self._lost: BaseException | None = None
+        self._valid_until = trio.current_time() + lease_ttl * 0.9
+        self._body_scope: trio.CancelScope | None = None
+        self._closed = trio.Event()
+        self._pending_starts: dict[str, AppendTicket] = {}
+        self.recovered = False
+
+    # -- reading
+
+    def stream_id(self, agent_id: str | None = None) -> str:
+        return stream_id_for(self.session_id, agent_id or self.root_agent_id)
+
+    @property
+    def agents(self) -> list[str]:
+        return [stream.agent_id for stream in self._streams.values()]
+
+    def projection(self, agent_id: str | None = None) -> Projection:
+        """The projection of one agent's stream (read it; never apply to it)."""
+        return self._stream(agent_id).projection
+
+    def call(self, call_id: str, agent_id: str | None = None) -> CallRecord | None:
+        return self._stream(agent_id).calls.get(call_id)
+
+    @property
+    def fenced(self) -> bool:
+        return self._fenced is not None
+
+    @property
+    def lost(self) -> bool:
+        return self._lost is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def _stream(self, agent_id: str | None) -> _Stream:
+        stream = self._streams.get(self.stream_id(agent_id))
+        if stream is None:
+            raise JournalError(f"session {self.session_id!r} has no stream for agent {agent_id!r}")
+        return stream
+
+    # -- ownership
+
+    def check_ownership(self) -> None:
+        """Raise `LeaseLostError` if the lease is lost or no longer valid by the local clock."""
+        if self._lost is not None:
+            raise LeaseLostError(f"the lease on session {self.session_id!r} was lost: {self._lost}")
+        if trio.current_time() >= self._valid_until:
+            self._lose(LeaseLostError("the lease was not renewed in time"))
+            raise LeaseLostError(f"the lease on session {self.session_id!r} expired locally before renewal")
+
+    def fencing_token(self) -> int | None:
+        return self.lease.token
+
+    def _lose(self, exc: BaseException) -> None:
+        if self._lost is None:
+            self._lost = exc
+            if self._body_scope is not None:
+                self._body_scope.cancel()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await trio.sleep(self.heartbeat_interval)
+            sent = trio.current_time()
+            try:
+                with trio.fail_after(max(self._valid_until - sent, 0.001)):
+                    self.lease = await self.store.renew_lease(self.lease, self.lease_ttl)
+            except LeaseLostError as exc:
+                self._lose(exc)
+                return
+            except (JournalError, trio.TooSlowError) as exc:
+                # The store is unreachable: keep trying while the lease is still locally valid.
+                if trio.current_time() >= self._valid_until:
+                    self._lose(exc)
+                    return
+                continue
+            self._valid_until = sent + self.lease_ttl * 0.9
+
+    # -- writing
+
+    def _fence(self, why: str) -> None:
+        if self._fenced is None:
+            self._fenced = why
+
+    def _prepare(
+        self, agent_id: str | None, events: tuple[Event, ...], command_id: str | None
+    ) -> tuple[_Stream, AppendBatch | AppendResult]:
+        if self._lost is not None:
+            raise LeaseLostError(f"the lease on session {self.session_id!r} was lost: {self._lost}")
+        if self._closed.is_set():
+            raise JournalError(f"the journal of session {self.session_id!r} is closed")
+        if self._fenced is not None:
+            raise JournalFencedError(
+                f"the journal of session {self.session_id!r} is fenced ({self._fenced}); call reconcile() first"
+            )
+        if not events:
+            raise JournalError("append needs at least one event")
+        self.check_ownership()
+        stream_id = self.stream_id(agent_id)
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            if not (isinstance(events[0], SessionCreated) and events[0].session_id == self.session_id):
+                raise JournalError(f"the stream of agent {agent_id!r} must start with session_created")
+            stream = _Stream(stream_id, agent_id or self.root_agent_id)
+        now = self.store.clock()
+        head = stream.projection.head
+        envelopes = tuple(
+            EventEnvelope(stream_id=stream_id, seq=head + 1 + index, event=event, recorded_at=now)
+            for index, event in enumerate(events)
+        )
+        digest = command_digest(envelopes) if command_id is not None else None
+        if command_id is not None:
+            known = stream.commands.get(command_id)
+            if known is not None:
+                if known[0] != digest:
+                    raise CommandConflictError(
+                        f"command {command_id!r} was already applied with different content", command_id=command_id
+                    )
+                return stream, attrs.evolve(known[1], replayed=True)
+        # Check on a scratch copy for several events, so a refusal leaves nothing applied.
+        if len(envelopes) == 1:
+            stream.projection.check(envelopes[0])
+            stream.projection.apply(envelopes[0])
+        else:
+            scratch = copy.deepcopy(stream.projection)
+            scratch.apply_all(list(envelopes))
+            stream.projection = scratch
+        for envelope in envelopes:
+            stream.track(envelope.event)
+        self._streams[stream_id] = stream
+        batch = AppendBatch(self.session_id, stream_id, self.lease.token, envelopes, command_id, digest)
+        return stream, batch
+
+    async def append(self, *events: Event, agent_id: str | None = None, command_id: str | None = None) -> AppendResult:
+        """Append ``events`` atomically to an agent's stream (the root's by default).
+
+        Returns once they are committed. With ``command_id``, an identical
+        replay returns the first outcome (``replayed=True``) and the same id
+        with other content raises `CommandConflictError`.
+        """
+        stream, prepared = self._prepare(agent_id, events, command_id)
+        if isinstance(prepared, AppendResult):
+            await trio.lowlevel.checkpoint()
+            return prepared
+        ticket = self.store.submit(prepared)
+        result = await self._await(ticket)
+        if command_id is not None:
+            assert prepared.command_digest is not None
+            stream.commands[command_id] = (prepared.command_digest, result)
+        return result
+
+    async def _await(self, ticket: AppendTicket) -> AppendResult:
+        try:
+            try:
+                return await ticket.wait()
+            except trio.Cancelled:
+                # The write was submitted and will land or fail regardless: learn which
+                # (bounded) so the projection stays true, then let the cancellation go on.
+                with trio.CancelScope(shield=True) as scope:
+                    scope.deadline = trio.current_time() + self.commit_grace
+                    with contextlib.suppress(JournalError, LeaseLostError):
+                        await ticket.wait()
+                if not ticket.done:
+                    self._fence("a commit was not confirmed before cancellation")
+                else:
+                    ticket.outcome()
+                raise
+        except StaleFencingTokenError as exc:
+            self._lose(exc)
+            self._fence(str(exc))
+            raise
+        except JournalError as exc:
+            self._fence(f"{type(exc).__name__}: {exc}")
+            raise
+
+    async def reconcile(self) -> None:
+        """Re-read every stream of the session from the store and lift the fence.
+
+        The store is the truth: a write whose outcome was unknown is either
+        there or not, and the projections are rebuilt from what is there.
+        """
+        for ticket in list(self._pending_starts.values()):
+            if not ticket.done:
+                with trio.move_on_after(self.commit_grace), contextlib.suppress(JournalError, LeaseLostError):
+                    await ticket.wait()
+        self._pending_starts.clear()
+        await self._load()
+        self._fenced = None
+
+    async def _load(self) -> None:
+        streams: dict[str, _Stream] = {}
+        prefix = f"{self.session_id}/"
+        for info in await self.store.streams(self.session_id):
+            if not info.stream_id.startswith(prefix):
+                raise ForeignStreamError(f"stream {info.stream_id!r} is not named after session {self.session_id!r}")
+            stream = _Stream(info.stream_id, info.stream_id[len(prefix) :])
+            after = 0
+            while True:
+                page = await self.store.read(info.stream_id, after=after, limit=1000)
+                if not page:
+                    break
+                for envelope in page:
+                    try:
+                        stream.apply(envelope)
+                    except InvalidTransitionError as exc:
+                        raise JournalCorruptError(
+                            f"stored stream {info.stream_id!r} breaks the journal's rules at seq {envelope.seq}: {exc}"
+                        ) from exc
+                after = page[-1].seq
+            if stream.projection.head != info.head:
+                raise JournalCorruptError(
+                    f"stream {info.stream_id!r} claims head {info.head} but holds {stream.projection.head} events"
+                )
+            for record in await self.store.commands(info.stream_id):
+                stream.commands[record.command_id] = (
+                    record.digest,
+                    AppendResult(info.stream_id, record.first_seq, record.last_seq),
+                )
+            streams[info.stream_id] = stream
+        self._streams = streams
+
+    async def open_agent(self, agent_id: str, *, parent_agent_id: str | None = None) -> None:
+        """Create an agent's stream (its ``session_created`` event) if it does not exist yet."""
+        if self.stream_id(agent_id) in self._streams:
+            await trio.lowlevel.checkpoint()
+            return
+        await self.append(
+            SessionCreated(session_id=self.session_id, agent_id=agent_id, parent_agent_id=parent_agent_id),
+            agent_id=agent_id,
+        )
+
+    # -- the tool pipeline's lifecycle
+
+    def _call_stream(self, call: ScheduledCall) -> _Stream:
+        if call.session_id != self.session_id:
+            raise ForeignStreamError(
+                f"call {call.call_id!r} is of session {call.session_id!r}, not {self.session_id!r}"
+            )
+        return self._stream(call.agent_id)
+
+    async def on_tool_scheduled(self, call: ScheduledCall) -> None:
+        stream = self._call_stream(call)
+        existing = stream.calls.get(call.call_id)
+        record = stream.projection.tool(call.call_id)
+        if existing is not None and record is not None:
+            # A new attempt of a recovered call: allowed only where recovery decided a (re)run.
+            if record.state.settled or record.decision not in (
+                ToolRecoveryAction.RUN,
+                ToolRecoveryAction.RERUN,
+                ToolRecoveryAction.RERUN_SAME_KEY,
+            ):
+                raise JournalError(f"tool call {call.call_id!r} was already scheduled and may not run again")
+            if existing.scheduled.idempotency_key != call.idempotency_key:
+                raise JournalError(f"tool call {call.call_id!r} must re-run with its stored idempotency key")
+            if existing.scheduled.tool_name != call.tool_name or existing.scheduled.model_input != call.model_input:
+                raise JournalError(
+                    f"tool call {call.call_id!r} must re-run as scheduled: "
+                    f"{existing.scheduled.tool_name} with the stored model input"
+                )
+            await trio.lowlevel.checkpoint()
+            return
+        behavior = call.behavior
+        await self.append(
+            ToolScheduled(
+                request_id=call.request_id,
+                turn_id=call.turn_id,
+                call_id=call.call_id,
+                tool_name=call.tool_name,
+                model_input=json_copy(call.model_input),
+                side_effect=behavior.side_effect,
+                kind=behavior.kind,
+                interrupt=behavior.interrupt,
+                concurrency_safe=behavior.concurrency_safe,
+                idempotency_key=call.idempotency_key,
+            ),
+            agent_id=call.agent_id,
+        )
+
+    async def on_execution_started(
+        self, call: ScheduledCall, input: dict[str, Any], side_effect: SideEffect, *, synthetic: bool
+    ) -> None:
+        self._call_stream(call)
+        event = ToolStarted(
+            request_id=call.request_id,
+            turn_id=call.turn_id,
+            call_id=call.call_id,
+            input=json_copy(dict(input)),
+            side_effect=side_effect,
+            synthetic=synthetic,
+        )
+        if side_effect is SideEffect.PURE and not self.durable_pure_starts and not synthetic:
+            # Explicit opt-in for pure tools only: submit without waiting for the commit.
+            _, prepared = self._prepare(call.agent_id, (event,), None)
+            assert isinstance(prepared, AppendBatch)
+            self._pending_starts[call.call_id] = self.store.submit(prepared)
+            await trio.lowlevel.checkpoint()
+            return
+        await self.append(event, agent_id=call.agent_id)
+
+    async def on_tool_settled(self, call: ScheduledCall, settlement: Settlement) -> None:
+        self._call_stream(call)
+        pending = self._pending_starts.pop(call.call_id, None)
+        if pending is not None:
+            await self._await(pending)
+        ids: dict[str, Any] = {"request_id": call.request_id, "turn_id": call.turn_id, "call_id": call.call_id}
+        event: Event
+        if settlement.status is SettlementStatus.COMPLETED:
+            event = ToolCompleted(**ids, result=result_to_json(settlement.result), published=settlement.published)
+        elif settlement.status is SettlementStatus.FAILED:
+            event = ToolFailed(**ids, result=result_to_json(settlement.result), published=settlement.published)
+        elif settlement.status is SettlementStatus.CANCELLED:
+            event = ToolCancelled(**ids, reason=settlement.reason or "cancelled")
+        else:
+            event = ToolOutcomeUnknown(**ids, reason=OutcomeUnknownReason.COMMIT_OUTCOME_UNKNOWN)
+        await self.append(event, agent_id=call.agent_id)
+
+    # -- recovery
+
+    def recovery_plan(
+        self, agent_id: str | None = None, *, tools: Mapping[str, Tool[Any]] | None = None
+    ) -> RecoveryPlan:
+        """The projection's plan for one stream; ``tools`` tells which tools have a ``reconcile``."""
+        known = tools or {}
+
+        def has_reconcile(name: str) -> bool:
+            tool = known.get(name)
+            return tool is not None and tool.reconcile is not None
+
+        return self._stream(agent_id).projection.recovery_plan(has_reconcile)
+
+    async def recover(
+        self, agent_id: str | None = None, *, tools: Mapping[str, Tool[Any]] | None = None
+    ) -> RecoveryReport:
+        """Apply the recovery plan of one stream: write decisions and settlements only.
+
+        Never executes a tool and never runs middleware. Settled calls keep
+        their stored result; calls that may run (again) get a decision and are
+        returned in ``to_execute`` for the session to run through its live
+        pipeline with the stored idempotency key; a started ``non_idempotent``
+        call is reconciled by its tool's ``reconcile`` if it has one (a check,
+        not the side effect), else settled ``outcome_unknown``. Model attempts
+        without an outcome are recorded aborted (``process_restart``).
+        """
+        stream = self._stream(agent_id)
+        known = tools or {}
+        plan = self.recovery_plan(agent_id, tools=known)
+        decisions: dict[str, ToolRecoveryAction] = {}
+        to_execute: list[ToolScheduled] = []
+        unknown: list[str] = []
+        reconciled: list[str] = []
+        cancelled: list[str] = []
+        aborted: list[str] = []
+        replayed = [
+            call_id for call_id, action in plan.tool_actions.items() if action is ToolRecoveryAction.REPLAY_RESULT
+        ]
+        for item in plan.items:
+            if item.kind is RecoveryKind.MODEL_ATTEMPT_WITHOUT_OUTCOME:
+                assert item.turn_id is not None and item.attempt_id is not None
+                await self.append(
+                    ModelAttemptAborted(
+                        request_id=item.request_id,
+                        turn_id=item.turn_id,
+                        attempt_id=item.attempt_id,
+                        reason=ModelAbortReason.PROCESS_RESTART,
+                    ),
+                    agent_id=agent_id,
+                )
+                aborted.append(item.attempt_id)
+                continue
+            if item.kind is RecoveryKind.PENDING_PERMISSION:
+                # Nobody can answer the old question any more, and a call may ask only once:
+                # the permission is cancelled and the call settles cancelled (the model is told).
+                assert item.call_id is not None and item.turn_id is not None and item.permission_id is not None
+                ids0: dict[str, Any] = {"request_id": item.request_id, "turn_id": item.turn_id, "call_id": item.call_id}
+                await self.append(
+                    PermissionResolved(**ids0, permission_id=item.permission_id, decision=PermissionDecision.CANCEL),
+                    RecoveryDecision(
+                        **ids0, decision=ToolRecoveryAction.CANCEL, reason="a permission was pending at the restart"
+                    ),
+                    ToolCancelled(**ids0, reason="permission pending at restart"),
+                    agent_id=agent_id,
+                )
+                decisions[item.call_id] = ToolRecoveryAction.CANCEL
+                cancelled.append(item.call_id)
+                continue
+            if item.kind not in (RecoveryKind.TOOL_STARTED_WITHOUT_OUTCOME, RecoveryKind.TOOL_SCHEDULED_NOT_STARTED):
+                continue
+            if item.call_id in decisions:
+                continue  # settled above (its permission was pending)
+            assert item.call_id is not None and item.action is not None and item.turn_id is not None
+            record = stream.calls[item.call_id]
+            ids: dict[str, Any] = {"request_id": item.request_id, "turn_id": item.turn_id, "call_id": item.call_id}
+            action = item.action
+            decisions[item.call_id] = action
+            if action in (ToolRecoveryAction.RUN, ToolRecoveryAction.RERUN, ToolRecoveryAction.RERUN_SAME_KEY):
+                reason = {
+                    ToolRecoveryAction.RUN: "scheduled but never started: safe to run",
+                    ToolRecoveryAction.RERUN: "pure call started without an outcome: runs again",
+                    ToolRecoveryAction.RERUN_SAME_KEY: "idempotent call started without an outcome: "
+                    "runs again with the same idempotency key",
+                }[action]
+                await self.append(RecoveryDecision(**ids, decision=action, reason=reason), agent_id=agent_id)
+                to_execute.append(record.scheduled)
+            elif action is ToolRecoveryAction.CANCEL:
+                await self.append(
+                    RecoveryDecision(**ids, decision=action, reason="permission was denied or cancelled"),
+                    ToolCancelled(**ids, reason="permission denied before restart"),
+                    agent_id=agent_id,
+                )
+                cancelled.append(item.call_id)
+            elif action is ToolRecoveryAction.RECONCILE:
+                tool = known[record.scheduled.tool_name]
+                assert tool.reconcile is not None
+                started = record.started_input if record.started_input is not None else record.scheduled.model_input
+                outcome = await tool.reconcile(json_copy(started), record.scheduled.idempotency_key)
+                if outcome is None:
+                    await self.append(
+                        RecoveryDecision(**ids, decision=action, reason="reconcile could not tell whether it happened"),
+                        ToolOutcomeUnknown(**ids, reason=OutcomeUnknownReason.PROCESS_RESTART),
+                        agent_id=agent_id,
+                    )
+                    unknown.append(item.call_id)
+                else:
+                    settle: Event = (
+                        ToolCompleted(**ids, result=result_to_json(outcome))
+                        if outcome.ok
+                        else ToolFailed(**ids, result=result_to_json(outcome))
+                    )
+                    await self.append(
+                        RecoveryDecision(**ids, decision=action, reason="reconcile reported the outcome"),
+                        settle,
+                        agent_id=agent_id,
+                    )
+                    reconciled.append(item.call_id)
+            else:
+                await self.append(
+                    RecoveryDecision(
+                        **ids,
+                        decision=ToolRecoveryAction.SETTLE_OUTCOME_UNKNOWN,
+                        reason="non_idempotent call started without an outcome and has no reconcile: never re-run",
+                    ),
+                    ToolOutcomeUnknown(**ids, reason=OutcomeUnknownReason.NO_RECONCILE),
+                    agent_id=agent_id,
+                )
+                unknown.append(item.call_id)
+        self.recovered = True
+        return RecoveryReport(
+            plan=plan,
+            decisions=decisions,
+            to_execute=tuple(to_execute),
+            replayed=tuple(replayed),
+            outcome_unknown=tuple(unknown),
+            reconciled=tuple(reconciled),
+            cancelled=tuple(cancelled),
+            aborted_attempts=tuple(aborted),
+        )
+
+    # -- subscriptions
+
+    def subscribe_durable_events(
+        self, *, agent_id: str | None = None, after: JournalCursor | str | int = 0
+    ) -> AbstractAsyncContextManager[DurableEventStream]:
+        """Committed events of one agent's stream: replay, one `CaughtUp`, then live (ends when the journal closes)."""
+        return subscribe_durable_events(self.store, self.stream_id(agent_id), after=after, closed=self._closed)
+
+
+def unknown_outcome_result(call_id: str, tool_name: str) -> ToolResult:
+    """What the model sees for a ``non_idempotent`` call whose outcome is unknown after a restart."""
+    return ToolResult.failure(
+        ToolErrorType.INTERRUPTED,
+        f"the outcome of {tool_name} call {call_id} is unknown: the process stopped after it started. "
+        "It was NOT run again; verify whether it took effect before retrying.",
+        code="outcome_unknown",
+    )
+
+
+async def _acquire(
+    store: JournalStore, session_id: str, owner: str, ttl: float, takeover_timeout: float
+) -> tuple[Lease, float]:
+    """The lease, and when the successful request was sent (local validity counts from then)."""
+    deadline = trio.current_time() + takeover_timeout
+    while True:
+        sent = trio.current_time()
+        try:
+            return await store.acquire_lease(session_id, owner, ttl), sent
+        except LeaseHeldError as exc:
+            wait = exc.expires_at - store.clock()
+            now = trio.current_time()
+            if now + max(wait, 0.0) > deadline:
+                raise
+            # Wait for the holder's expiry (by the store's clock), polling in case it releases early.
+            await trio.sleep(min(max(wait, 0.0) + 0.001, max(deadline - now, 0.0), 0.25))
+
+
+@asynccontextmanager
+async def open_journal(
+    store: JournalStore,
+    *,
+    session_id: str | None = None,
+    owner: str | None = None,
+    lease_ttl: float = 30.0,
+    heartbeat_interval: float | None = None,
+    takeover_timeout: float = 0.0,
+    durable_pure_starts: bool = True,
+    commit_grace: float = 10.0,
+    root_agent_id: str = ROOT_AGENT,
+) -> AsyncIterator[DurableJournal]:
+    """Hold one session's journal: lease, heartbeat, projections.
+
+    ``session_id`` defaults to a new one; an existing session is loaded from the
+    store (use `DurableJournal.recover` to settle what was unfinished).
+    ``takeover_timeout`` is how long to wait for another owner's lease to expire
+    (0: fail at once with `LeaseHeldError`). ``durable_pure_starts=False`` lets
+    ``pure`` tools start without waiting for their ``tool_started`` commit (an
+    explicit opt-in; every other tool always waits).
+
+    If the lease is lost, the body is cancelled and the block raises `LeaseLostError`.
+    """
+    lease_ttl = _check_seconds("lease_ttl", lease_ttl)
+    interval = _check_seconds(
+        "heartbeat_interval", heartbeat_interval if heartbeat_interval is not None else lease_ttl / 3
+    )
+    if interval >= lease_ttl:
+        raise ConfigError(f"heartbeat_interval ({interval}) must be shorter than lease_ttl ({lease_ttl})")
+    takeover_timeout = _check_seconds("takeover_timeout", takeover_timeout, allow_zero=True)
+    commit_grace = _check_seconds("commit_grace", commit_grace)
+    session_id = session_id or f"session-{uuid.uuid4().hex}"
+    if "/" in session_id:
+        raise ConfigError(f"session_id must not contain '/': {session_id!r}")
+    owner = owner or _default_owner()
+    lease, sent = await _acquire(store, session_id, owner, lease_ttl, takeover_timeout)
+    journal = DurableJournal(
+        store,
+        session_id=session_id,
+        owner=owner,
+        lease=lease,
+        lease_ttl=lease_ttl,
+        heartbeat_interval=interval,
+        durable_pure_starts=durable_pure_starts,
+        commit_grace=commit_grace,
+        root_agent_id=root_agent_id,
+    )
+    journal._valid_until = sent + lease_ttl * 0.9
+    try:
+        await journal._load()
+        await journal.open_agent(root_agent_id)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(journal._heartbeat)
+                try:
+                    with trio.CancelScope() as body:
+                        journal._body_scope = body
+                        yield journal
+                finally:
+                    nursery.cancel_scope.cancel()
+                    journal._closed.set()
+        except BaseExceptionGroup as group:
+            # The heartbeat never raises: a group holds the body's own error. Raise it as itself.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0]  # noqa: B904 - `from` would overwrite the error's own cause
+            raise
+    finally:
+        journal._closed.set()
+        if journal._lost is None:
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + commit_grace
+                for ticket in list(journal._pending_starts.values()):
+                    with contextlib.suppress(JournalError, LeaseLostError):
+                        await ticket.wait()
+                with contextlib.suppress(JournalError):  # it expires on its own
+                    await store.release_lease(journal.lease)
+    if journal._lost is not None:
+        raise LeaseLostError(f"the lease on session {session_id!r} was lost: {journal._lost}") from journal._lost

@@ -1,0 +1,226 @@
+"""``python -m trio_agent journal show PATH [--session ID]``: a readable timeline of a journal.
+
+Read-only: it never writes to the journal and never takes a lease.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import attrs
+
+from .._errors import JournalError
+from ._events import (
+    EventEnvelope,
+    ModelAttemptAborted,
+    ModelAttemptCompleted,
+    ModelAttemptFailed,
+    ModelAttemptStarted,
+    PermissionRequested,
+    PermissionResolved,
+    RecoveryDecision,
+    RequestAccepted,
+    RequestCompleted,
+    RequestFailed,
+    RequestInterrupted,
+    RequestStarted,
+    SessionClosed,
+    SessionCreated,
+    SubagentCancelled,
+    SubagentCompleted,
+    SubagentStarted,
+    ToolCancelled,
+    ToolCompleted,
+    ToolFailed,
+    ToolOutcomeUnknown,
+    ToolScheduled,
+    ToolStarted,
+    TurnAborted,
+    TurnCompleted,
+    TurnStarted,
+    event_type_name,
+)
+from ._store import JournalStore
+
+__all__ = ["CallSummary", "render_timeline", "summarize_calls"]
+
+
+@attrs.define
+class CallSummary:
+    """One tool call as the journal tells it."""
+
+    call_id: str
+    tool_name: str
+    side_effect: str
+    scheduled_at: float
+    started_at: float | None = None
+    settled_at: float | None = None
+    outcome: str = "unsettled"
+    attempts: int = 0
+    decisions: list[str] = attrs.Factory(list)
+
+    @property
+    def duration(self) -> float | None:
+        """Seconds from the (last) start to the settlement."""
+        if self.started_at is None or self.settled_at is None:
+            return None
+        return self.settled_at - self.started_at
+
+
+def summarize_calls(envelopes: Sequence[EventEnvelope]) -> list[CallSummary]:
+    """Every tool call of one stream, in scheduling order."""
+    calls: dict[str, CallSummary] = {}
+    for envelope in envelopes:
+        event = envelope.event
+        if isinstance(event, ToolScheduled):
+            calls[event.call_id] = CallSummary(
+                event.call_id, event.tool_name, event.side_effect.value, envelope.recorded_at
+            )
+            continue
+        call = calls.get(getattr(event, "call_id", "") or "")
+        if call is None:
+            continue
+        if isinstance(event, ToolStarted):
+            call.started_at = envelope.recorded_at
+            call.attempts += 1
+        elif isinstance(event, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown):
+            call.settled_at = envelope.recorded_at
+            call.outcome = event_type_name(type(event)).removeprefix("tool_")
+            if isinstance(event, ToolCompleted | ToolFailed) and not event.published:
+                call.outcome += " (withheld)"
+        elif isinstance(event, RecoveryDecision):
+            call.decisions.append(f"{event.decision.value}: {event.reason}")
+    return list(calls.values())
+
+
+def _describe(event: object) -> str:
+    if isinstance(event, SessionCreated):
+        parent = f" (subagent of {event.parent_agent_id})" if event.parent_agent_id else ""
+        return f"agent {event.agent_id} created{parent}"
+    if isinstance(event, SessionClosed):
+        return f"session closed: {event.reason.value}"
+    if isinstance(event, RequestAccepted):
+        prompt = str(event.input.get("prompt", ""))[:60]
+        return f"request {event.request_id} accepted {prompt!r}"
+    if isinstance(event, RequestCompleted):
+        return f"request {event.request_id} completed"
+    if isinstance(event, RequestFailed):
+        return f"request {event.request_id} failed: {event.error.message}"
+    if isinstance(event, RequestInterrupted):
+        return f"request {event.request_id} interrupted: {event.reason.value}"
+    if isinstance(event, RequestStarted):
+        return f"request {event.request_id} started"
+    if isinstance(event, ModelAttemptAborted):
+        return f"model attempt {event.attempt_id} aborted: {event.reason.value}"
+    if isinstance(event, TurnStarted):
+        return f"turn {event.turn} started"
+    if isinstance(event, TurnCompleted):
+        return "turn completed" + (" (tool calls)" if event.has_tool_calls else "")
+    if isinstance(event, TurnAborted):
+        return f"turn aborted: {event.reason.value}"
+    if isinstance(event, ModelAttemptStarted):
+        return f"model attempt {event.attempt_id} on {event.model}"
+    if isinstance(event, ModelAttemptCompleted):
+        return f"model attempt {event.attempt_id} completed"
+    if isinstance(event, ModelAttemptFailed):
+        return f"model attempt {event.attempt_id} failed: {event.error.message}"
+    if isinstance(event, ToolScheduled):
+        return f"{event.call_id} {event.tool_name} scheduled ({event.side_effect.value})"
+    if isinstance(event, ToolStarted):
+        return f"{event.call_id} started" + (" (synthetic)" if event.synthetic else "")
+    if isinstance(event, ToolCompleted | ToolFailed):
+        verb = "completed" if isinstance(event, ToolCompleted) else "failed"
+        output = str(event.result.get("output", ""))
+        output = output if len(output) <= 50 else output[:47] + "..."
+        return f"{event.call_id} {verb}: {output}" + ("" if event.published else " [withheld]")
+    if isinstance(event, ToolCancelled):
+        return f"{event.call_id} cancelled: {event.reason}"
+    if isinstance(event, ToolOutcomeUnknown):
+        return f"{event.call_id} OUTCOME UNKNOWN ({event.reason.value})"
+    if isinstance(event, PermissionRequested):
+        return f"{event.call_id} permission requested"
+    if isinstance(event, PermissionResolved):
+        return f"{event.call_id} permission {event.decision.value}"
+    if isinstance(event, RecoveryDecision):
+        return f"RECOVERY {event.call_id}: {event.decision.value} ({event.reason})"
+    if isinstance(event, SubagentStarted):
+        return f"subagent {event.subagent_id} started"
+    if isinstance(event, SubagentCompleted):
+        return f"subagent {event.subagent_id} completed"
+    if isinstance(event, SubagentCancelled):
+        return f"subagent {event.subagent_id} cancelled: {event.reason}"
+    return event_type_name(type(event))
+
+
+def _clock(stamp: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(stamp)) + f".{int((stamp % 1) * 1000):03d}"
+
+
+async def render_timeline(store: JournalStore, *, session_id: str | None = None) -> str:
+    """The readable timeline of every session (or one) in ``store``."""
+    streams = await store.streams(session_id)
+    if session_id is not None and not streams:
+        raise JournalError(f"the journal has no session {session_id!r}")
+    lines: list[str] = []
+    sessions: dict[str, list[str]] = {}
+    for info in streams:
+        sessions.setdefault(info.session_id, []).append(info.stream_id)
+    for session, stream_ids in sessions.items():
+        lease = await store.current_lease(session)
+        holder = "" if lease is None else f", lease token {lease.token} ({lease.owner})"
+        lines.append(f"session {session}: {len(stream_ids)} agent stream(s){holder}")
+        for stream_id in stream_ids:
+            envelopes = await store.read(stream_id)
+            lines.append(f"  stream {stream_id} ({len(envelopes)} events)")
+            start = envelopes[0].recorded_at if envelopes else 0.0
+            for envelope in envelopes:
+                offset = envelope.recorded_at - start
+                lines.append(
+                    f"    {envelope.seq:>5}  {_clock(envelope.recorded_at)}  +{offset:8.3f}s  "
+                    f"{_describe(envelope.event)}"
+                )
+            calls = summarize_calls(envelopes)
+            if calls:
+                lines.append("    calls:")
+                for call in calls:
+                    took = "-" if call.duration is None else f"{call.duration * 1000:.1f} ms"
+                    lines.append(
+                        f"      {call.call_id:<14} {call.tool_name:<16} {call.side_effect:<15} "
+                        f"{call.outcome:<18} {took:>10}  attempts {call.attempts}"
+                    )
+                    for decision in call.decisions:
+                        lines.append(f"        recovery: {decision}")
+                outcomes: dict[str, int] = {}
+                for call in calls:
+                    outcomes[call.outcome] = outcomes.get(call.outcome, 0) + 1
+                summary = ", ".join(f"{count} {name}" for name, count in sorted(outcomes.items()))
+                lines.append(f"    {len(calls)} call(s): {summary}")
+    if not lines:
+        lines.append("the journal is empty")
+    return "\n".join(lines)
+
+
+def show_journal(path: str, session_id: str | None = None) -> int:
+    """The ``journal show`` command; returns the exit status."""
+    import sys
+
+    import trio
+
+    from ._sqlite import open_sqlite_store
+
+    if not os.path.exists(path):
+        print(f"error: no journal at {path}", file=sys.stderr)
+        return 1
+
+    async def run() -> str:
+        async with open_sqlite_store(path, readonly=True) as store:
+            return await render_timeline(store, session_id=session_id)
+
+    try:
+        print(trio.run(run))
+    except JournalError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

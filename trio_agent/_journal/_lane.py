@@ -1,0 +1,151 @@
+"""A writer lane: one OS thread that owns a store's only write connection.
+
+Trio tasks put work on a `queue.SimpleQueue` and wait on a `trio.Event`; the
+thread blocks on the queue, drains everything queued (up to ``max_batch``),
+runs it all in ONE transaction (group commit: batch size follows concurrency,
+no timer), and wakes every waiter of the batch with one
+``TrioToken.run_sync_soon`` only after COMMIT returned. Nothing is acknowledged
+before it is on disk.
+
+The backend supplies ``commit(items) -> outcomes``, run in the thread, which
+must isolate items from one another (a savepoint each) so one refused append
+never fails its neighbours. If the transaction as a whole fails, every item of
+the batch gets the error.
+
+Once submitted, work runs whether or not its waiter is still waiting: journal
+order never depends on cancellation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import trio
+
+from .._errors import JournalUnavailableError
+
+__all__ = ["LaneItem", "WriterLane"]
+
+T = TypeVar("T")
+
+
+class LaneItem(Generic[T]):
+    """A waiter for one piece of lane work: pass ``item.resolve`` to `WriterLane.submit`."""
+
+    __slots__ = ("_done", "_error", "_result")
+
+    def __init__(self) -> None:
+        self._done = trio.Event()
+        self._result: T | None = None
+        self._error: BaseException | None = None
+
+    def resolve(self, outcome: object) -> None:
+        if isinstance(outcome, BaseException):
+            self._error = outcome
+        else:
+            self._result = outcome  # type: ignore[assignment]
+        self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    async def wait(self) -> T:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+
+_STOP = object()
+
+
+class WriterLane:
+    """Runs ``commit`` batches in a dedicated thread; see the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        commit: Callable[[Sequence[Any]], list[object]],
+        *,
+        on_committed: Callable[[Sequence[Any], list[object]], None] | None = None,
+        max_batch: int = 1000,
+    ) -> None:
+        self._name = name
+        self._commit = commit
+        self._on_committed = on_committed
+        self._max_batch = max_batch
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stopped = threading.Event()
+        self._closed = False
+        self.batches = 0
+        self.items = 0
+
+    def start(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Any, resolve: Callable[[object], None]) -> None:
+        """Queue ``work``; ``resolve(outcome)`` runs in the Trio thread after its commit."""
+        if self._closed:
+            resolve(JournalUnavailableError(f"{self._name} is closed; nothing was written"))
+            return
+        self._queue.put((work, resolve))
+
+    async def aclose(self) -> None:
+        """Finish everything queued, then stop the thread (waits for it)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._stopped.wait)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                first = self._queue.get()
+                if first is _STOP:
+                    return
+                batch: list[tuple[Any, Callable[[object], None]]] = [first]
+                stop = False
+                while len(batch) < self._max_batch:
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is _STOP:
+                        stop = True
+                        break
+                    batch.append(more)
+                try:
+                    outcomes = self._commit([work for work, _ in batch])
+                except BaseException as exc:
+                    error = JournalUnavailableError(f"{self._name}: the commit failed: {type(exc).__name__}: {exc}")
+                    error.__cause__ = exc
+                    outcomes = [error] * len(batch)
+                self.batches += 1
+                self.items += len(batch)
+                self._wake(batch, outcomes)
+                if stop:
+                    return
+        finally:
+            self._stopped.set()
+
+    def _wake(self, batch: list[tuple[Any, Callable[[object], None]]], outcomes: list[object]) -> None:
+        def wake() -> None:
+            for (_, resolve), outcome in zip(batch, outcomes, strict=True):
+                resolve(outcome)
+            if self._on_committed is not None:
+                self._on_committed([work for work, _ in batch], outcomes)
+
+        assert self._token is not None
+        with contextlib.suppress(trio.RunFinishedError):  # nobody is left to wake
+            self._token.run_sync_soon(wake)

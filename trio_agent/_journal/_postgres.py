@@ -1,0 +1,1068 @@
+"""The PostgreSQL journal store: several workers on several machines share one database.
+
+* psycopg 3 **sync** connections only (its asyncio API does not run under Trio).
+* One writer thread (`WriterLane`) owns the write connection and group commits:
+  every append and lease operation queued while it was busy goes into ONE
+  transaction. That transaction first locks the lease rows of every session it
+  touches (``SELECT ... ORDER BY session_id FOR UPDATE``: a fixed order, so two
+  stores never deadlock), reads the clock, the streams' heads and the command
+  ids it needs, checks every item in order under those locks, then writes all
+  accepted items with a few multi-row statements and commits: two pipelined
+  round trips per batch whatever its size (one more when it acquires a lease).
+  A refused item (stale token, sequence conflict, foreign stream, conflicting
+  command, lease held) is refused before anything is written, so it never fails
+  its neighbours. If a write fails anyway (a race with a stream created by
+  another session, a damaged table), the batch is rolled back and redone with
+  one SAVEPOINT per item, so only the culprit fails. If the transaction as a
+  whole fails, every item of the batch gets `JournalUnavailableError`.
+* The fence is checked inside the transaction that writes: the lease row is
+  locked ``FOR UPDATE`` and its token and expiry compared there. By default
+  (``clock=None``) the database server's ``clock_timestamp()`` decides expiry,
+  so the machines' clocks do not matter.
+* Readers use their own autocommit connections in Trio worker threads, bounded
+  by their own limiters so tool threads cannot starve the journal. A read
+  cancelled by a cancel scope is aborted on the server (``cancel_safe``) and the
+  `trio.Cancelled` is delivered once the thread is back; ``statement_timeout``
+  bounds every statement server-side.
+* `wait_for_append` is woken in-process after a commit, by LISTEN/NOTIFY from
+  other processes (one ``NOTIFY`` per group-commit transaction and stream,
+  payload ``"<stream_id>:<head>"``, read natively with
+  `trio.lowlevel.wait_readable`), and otherwise polls at ``poll_interval``.
+  NOTIFY is only a wake-up hint: callers always re-read.
+
+The clock, when given, is called from the writer thread, so it must be thread-safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager, suppress
+from typing import Any, LiteralString, TypeVar
+
+import attrs
+import psycopg
+import psycopg.errors
+import trio
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.pq import TransactionStatus
+from psycopg.rows import TupleRow
+
+from .._errors import (
+    CommandConflictError,
+    ForeignStreamError,
+    JournalCorruptError,
+    JournalError,
+    JournalUnavailableError,
+    LeaseHeldError,
+    LeaseLostError,
+    SequenceConflictError,
+    StaleFencingTokenError,
+)
+from ._events import EventEnvelope
+from ._lane import LaneItem, WriterLane
+from ._store import (
+    AppendBatch,
+    AppendResult,
+    AppendTicket,
+    Clock,
+    CommandRecord,
+    Lease,
+    StreamInfo,
+    check_ttl,
+    decode_row,
+    row_error,
+    unavailable,
+)
+
+__all__ = ["PostgresStore", "open_postgres_store"]
+
+STORE_FORMAT = "trio_agent.journal.postgres/1"
+
+_Conn = psycopg.Connection[TupleRow]
+T = TypeVar("T")
+
+_SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_NOTIFY_PAYLOAD_MAX = 7999  # PostgreSQL refuses payloads of 8000 bytes or more
+_CANCEL_RETRY = 0.25  # re-send a cancel request this often until the read thread is back
+_MAX_READERS = 4
+
+_SCHEMA: tuple[LiteralString, ...] = (
+    "CREATE SCHEMA IF NOT EXISTS {s}",
+    "CREATE TABLE IF NOT EXISTS {s}.meta(key text PRIMARY KEY, value text NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS {s}.streams("
+    " stream_id text PRIMARY KEY, session_id text NOT NULL, head bigint NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS streams_session ON {s}.streams(session_id, stream_id)",
+    "CREATE TABLE IF NOT EXISTS {s}.events("
+    " stream_id text NOT NULL, seq bigint NOT NULL, token bigint NOT NULL, body text NOT NULL,"
+    " PRIMARY KEY(stream_id, seq))",
+    # A row with token 0 is a placeholder (no lease yet) so acquisitions can lock it.
+    "CREATE TABLE IF NOT EXISTS {s}.leases("
+    " session_id text PRIMARY KEY, owner text NOT NULL, token bigint NOT NULL, expires_at double precision NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS {s}.commands("
+    " stream_id text NOT NULL, command_id text NOT NULL, digest text NOT NULL,"
+    " first_seq bigint NOT NULL, last_seq bigint NOT NULL, PRIMARY KEY(stream_id, command_id))",
+)
+
+_Q_FORMAT: LiteralString = "SELECT value FROM {s}.meta WHERE key = 'format'"
+_Q_SET_FORMAT: LiteralString = "INSERT INTO {s}.meta(key, value) VALUES ('format', %s)"
+_Q_PLACEHOLDERS: LiteralString = (
+    "INSERT INTO {s}.leases(session_id, owner, token, expires_at)"
+    " SELECT s, '', 0, '-Infinity'::float8 FROM unnest(%s::text[]) AS s ORDER BY s"
+    " ON CONFLICT (session_id) DO NOTHING"
+)
+_Q_LOCK_LEASES: LiteralString = (
+    "SELECT session_id, owner, token, expires_at FROM {s}.leases"
+    " WHERE session_id = ANY(%s::text[]) ORDER BY session_id FOR UPDATE"
+)
+_Q_NOW: LiteralString = "SELECT extract(epoch FROM clock_timestamp())::float8"
+_Q_STREAMS_OF: LiteralString = "SELECT stream_id, session_id, head FROM {s}.streams WHERE stream_id = ANY(%s::text[])"
+_Q_COMMANDS_OF: LiteralString = (
+    "SELECT c.stream_id, c.command_id, c.digest, c.first_seq, c.last_seq FROM {s}.commands AS c"
+    " JOIN unnest(%s::text[], %s::text[]) AS k(stream_id, command_id)"
+    " ON c.stream_id = k.stream_id AND c.command_id = k.command_id"
+)
+_Q_INSERT_STREAMS: LiteralString = (
+    "INSERT INTO {s}.streams(stream_id, session_id, head) SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[])"
+)
+_Q_UPDATE_HEADS: LiteralString = (
+    "UPDATE {s}.streams AS t SET head = v.head FROM unnest(%s::text[], %s::bigint[]) AS v(stream_id, head)"
+    " WHERE t.stream_id = v.stream_id"
+)
+_Q_INSERT_EVENTS: LiteralString = (
+    "INSERT INTO {s}.events(stream_id, seq, token, body)"
+    " SELECT * FROM unnest(%s::text[], %s::bigint[], %s::bigint[], %s::text[])"
+)
+_Q_INSERT_COMMANDS: LiteralString = (
+    "INSERT INTO {s}.commands(stream_id, command_id, digest, first_seq, last_seq)"
+    " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::bigint[], %s::bigint[])"
+)
+_Q_UPDATE_LEASES: LiteralString = (
+    "UPDATE {s}.leases AS t SET owner = v.owner, token = v.token, expires_at = v.expires_at"
+    " FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::float8[]) AS v(session_id, owner, token, expires_at)"
+    " WHERE t.session_id = v.session_id"
+)
+_Q_NOTIFY: LiteralString = "SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p"
+# The head comes with the rows (one statement, one snapshot) so a missing row is noticed, never skipped.
+_Q_READ: LiteralString = (
+    "SELECT s.head, e.seq, e.body FROM {s}.streams AS s LEFT JOIN LATERAL ("
+    " SELECT seq, body FROM {s}.events AS ev WHERE ev.stream_id = s.stream_id AND ev.seq > %s"
+    " ORDER BY ev.seq LIMIT %s::bigint) AS e ON true"
+    " WHERE s.stream_id = %s ORDER BY e.seq"
+)
+_Q_STREAM: LiteralString = "SELECT session_id, head FROM {s}.streams WHERE stream_id = %s"
+_Q_ALL_STREAMS: LiteralString = "SELECT stream_id, session_id, head FROM {s}.streams ORDER BY stream_id"
+_Q_SESSION_STREAMS: LiteralString = (
+    "SELECT stream_id, session_id, head FROM {s}.streams WHERE session_id = %s ORDER BY stream_id"
+)
+_Q_COMMAND: LiteralString = (
+    "SELECT digest, first_seq, last_seq FROM {s}.commands WHERE stream_id = %s AND command_id = %s"
+)
+_Q_COMMANDS: LiteralString = (
+    "SELECT command_id, digest, first_seq, last_seq FROM {s}.commands WHERE stream_id = %s ORDER BY first_seq"
+)
+_Q_LEASE: LiteralString = "SELECT owner, token, expires_at FROM {s}.leases WHERE session_id = %s AND token > 0"
+
+
+class _Rejected(Exception):
+    """Carries a per-item refusal out of the planner."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Retry(Exception):
+    """The fast path failed before COMMIT and nothing was written: redo the batch item by item."""
+
+
+@attrs.frozen
+class _LeaseOp:
+    kind: str  # "acquire" | "renew" | "release"
+    session_id: str
+    owner: str
+    token: int
+    ttl: float
+
+
+@attrs.define
+class _State:
+    """What one transaction knows, under its locks: updated as items are planned."""
+
+    leases: dict[str, tuple[str, int, float]]  # session -> (owner, token, expires_at); token 0: no lease
+    streams: dict[str, tuple[str, int]]  # stream -> (session, head), existing streams only
+    commands: dict[tuple[str, str], CommandRecord]
+    now: float
+
+
+@attrs.frozen
+class _Change:
+    """The writes of one accepted item."""
+
+    events: tuple[tuple[str, int, int, str], ...] = ()  # (stream_id, seq, token, body)
+    stream: tuple[str, str, int, bool] | None = None  # (stream_id, session_id, head, created)
+    command: CommandRecord | None = None
+    lease: tuple[str, str, int, float] | None = None  # (session_id, owner, token, expires_at)
+
+    def apply(self, state: _State) -> None:
+        if self.stream is not None:
+            stream_id, session_id, head, _ = self.stream
+            state.streams[stream_id] = (session_id, head)
+        if self.command is not None:
+            state.commands[(self.command.stream_id, self.command.command_id)] = self.command
+        if self.lease is not None:
+            session_id, owner, token, expires_at = self.lease
+            state.leases[session_id] = (owner, token, expires_at)
+
+
+@attrs.define
+class _Writes:
+    """Accepted changes merged into a few multi-row statements."""
+
+    events: list[tuple[str, int, int, str]] = attrs.Factory(list)
+    created: dict[str, tuple[str, int]] = attrs.Factory(dict)
+    heads: dict[str, int] = attrs.Factory(dict)
+    commands: list[CommandRecord] = attrs.Factory(list)
+    leases: dict[str, tuple[str, int, float]] = attrs.Factory(dict)
+
+    def add(self, change: _Change) -> None:
+        self.events.extend(change.events)
+        if change.stream is not None:
+            stream_id, session_id, head, created = change.stream
+            if created or stream_id in self.created:
+                self.created[stream_id] = (session_id, head)
+            else:
+                self.heads[stream_id] = head
+        if change.command is not None:
+            self.commands.append(change.command)
+        if change.lease is not None:
+            session_id, owner, token, expires_at = change.lease
+            self.leases[session_id] = (owner, token, expires_at)
+
+    def notifications(self) -> list[str]:
+        heads = {**{stream_id: head for stream_id, (_, head) in self.created.items()}, **self.heads}
+        payloads = [f"{stream_id}:{head}" for stream_id, head in sorted(heads.items())]
+        return [p for p in payloads if len(p.encode()) <= _NOTIFY_PAYLOAD_MAX]
+
+
+def _channel(schema: str) -> str:
+    name = f"{schema}_journal"
+    if len(name.encode()) > 63:
+        name = "trio_agent_journal_" + hashlib.sha256(schema.encode()).hexdigest()[:24]
+    return name
+
+
+def _describe(params: dict[str, Any]) -> str:
+    """Where a DSN points, for messages: host, port and database, never the password."""
+    host = str(params.get("host") or params.get("hostaddr") or "the default host")
+    port = params.get("port")
+    dbname = params.get("dbname")
+    where = f"{host}:{port}" if port else host
+    return f"{where}/{dbname}" if dbname else where
+
+
+def _scrub(text: str, password: str | None) -> str:
+    return text.replace(password, "***") if password else text
+
+
+def _storable(*values: str | None) -> bool:
+    """Whether PostgreSQL text can hold every value (no NUL, valid UTF-8: no lone surrogate)."""
+    for value in values:
+        if value is None:
+            continue
+        if "\x00" in value:
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+    return True
+
+
+def _unstorable(work: Any) -> JournalError | None:
+    if isinstance(work, AppendBatch):
+        if _storable(work.session_id, work.stream_id, work.command_id, work.command_digest):
+            return None  # the bodies are ASCII JSON
+        return JournalError(f"append to {work.stream_id!r} refused: PostgreSQL text cannot hold one of its ids")
+    if _storable(work.session_id, work.owner):
+        return None
+    return JournalError(f"lease on {work.session_id!r} refused: PostgreSQL text cannot hold its session id or owner")
+
+
+def _cancel_quietly(conn: _Conn) -> None:
+    with suppress(Exception):
+        conn.cancel_safe(timeout=5.0)
+
+
+class PostgresStore:
+    """A `JournalStore` in one PostgreSQL schema. Open it with `open_postgres_store`."""
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        clock: Clock | None = None,
+        schema: str = "trio_agent",
+        poll_interval: float = 0.5,
+        statement_timeout: float = 30.0,
+    ) -> None:
+        if not isinstance(schema, str) or not _SCHEMA_NAME.match(schema) or len(schema.encode()) > 63:
+            raise JournalError(f"schema must be a plain SQL identifier of at most 63 bytes, not {schema!r}")
+        if not (isinstance(poll_interval, (int, float)) and math.isfinite(poll_interval) and poll_interval > 0):
+            raise JournalError(f"poll_interval must be a positive number of seconds, not {poll_interval!r}")
+        if not (isinstance(statement_timeout, (int, float)) and math.isfinite(statement_timeout)) or (
+            statement_timeout < 0
+        ):
+            raise JournalError(f"statement_timeout must be >= 0 seconds (0: none), not {statement_timeout!r}")
+        try:
+            params: dict[str, Any] = conninfo_to_dict(dsn)
+        except psycopg.Error:
+            raise JournalError("the PostgreSQL DSN is not a valid connection string or URI") from None
+        self.schema = schema
+        self.where = _describe(params)
+        self.clock: Clock = time.time if clock is None else clock
+        self.poll_interval = float(poll_interval)
+        self.channel = _channel(schema)
+        self._lease_clock = clock
+        self._password = params.get("password")
+        options = str(params.get("options") or "")
+        timeout_ms = round(statement_timeout * 1000)
+        options = f"{options} -c statement_timeout={timeout_ms}".strip()
+        extra: dict[str, Any] = {"options": options}
+        if "connect_timeout" not in params:
+            extra["connect_timeout"] = 10
+        if "application_name" not in params:
+            extra["application_name"] = "trio_agent journal"
+        self._conninfo = make_conninfo(dsn, **extra)
+        ident = sql.Identifier(schema)
+        self._sql: Callable[[LiteralString], bytes] = lambda template: sql.SQL(template).format(s=ident).as_bytes(None)
+        self._q = {
+            name: self._sql(template)
+            for name, template in globals().items()
+            if name.startswith("_Q_") and isinstance(template, str)
+        }
+        self._writer: _Conn | None = None
+        self._listener: _Conn | None = None
+        self._lane: WriterLane | None = None
+        self._idle_readers: list[_Conn] = []
+        self._read_slots = trio.CapacityLimiter(_MAX_READERS)
+        self._read_threads = trio.CapacityLimiter(_MAX_READERS)
+        self._aux_threads = trio.CapacityLimiter(2)
+        self._cancel_threads = trio.CapacityLimiter(_MAX_READERS)
+        self._listen_scope = trio.CancelScope()
+        self._listen_done = trio.Event()
+        self._listen_started = False
+        self._changed: dict[str, trio.Event] = {}
+        self._closed = False
+        self.notifications = 0  # NOTIFY wake-ups received (observability, tests)
+
+    # -- connections
+
+    def _connect(self) -> _Conn:
+        try:
+            return psycopg.connect(self._conninfo, autocommit=True)
+        except psycopg.Error as exc:
+            message = _scrub(str(exc).strip(), self._password)
+            raise JournalUnavailableError(f"cannot connect to PostgreSQL at {self.where}: {message}") from None
+
+    def _open_writer(self) -> _Conn:
+        conn = self._connect()
+        try:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"trio_agent.journal:{self.schema}",))
+                for statement in _SCHEMA:
+                    conn.execute(self._sql(statement))
+                row = conn.execute(self._q["_Q_FORMAT"]).fetchone()
+                if row is None:
+                    conn.execute(self._q["_Q_SET_FORMAT"], (STORE_FORMAT,))
+                elif row[0] != STORE_FORMAT:
+                    raise JournalCorruptError(
+                        f"schema {self.schema!r} at {self.where} holds journal format {row[0]!r};"
+                        f" this code reads {STORE_FORMAT!r}"
+                    )
+        except BaseException as exc:
+            conn.close()
+            if isinstance(exc, psycopg.Error):
+                message = _scrub(str(exc).strip(), self._password)
+                raise JournalUnavailableError(
+                    f"cannot open the journal schema {self.schema!r} at {self.where}: {message}"
+                ) from exc
+            raise
+        return conn
+
+    def _open_listener(self) -> _Conn:
+        conn = self._connect()
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+        except psycopg.Error as exc:
+            conn.close()
+            raise unavailable(exc, f"cannot LISTEN on PostgreSQL at {self.where}") from exc
+        return conn
+
+    async def _open(self, max_batch: int) -> None:
+        # Shielded: a connection made in a thread must not be lost to a cancellation (connect_timeout bounds it).
+        with trio.CancelScope(shield=True):
+            self._writer = await trio.to_thread.run_sync(self._open_writer, limiter=self._aux_threads)
+            try:
+                self._listener = await trio.to_thread.run_sync(self._open_listener, limiter=self._aux_threads)
+            except BaseException:
+                self._writer.close()
+                raise
+        self._lane = WriterLane(
+            f"trio_agent journal writer (postgres {self.where} {self.schema})",
+            self._commit,
+            on_committed=self._committed,
+            max_batch=max_batch,
+        )
+        self._lane.start()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._listen_scope.cancel()
+        if self._listen_started:
+            with trio.CancelScope(shield=True):
+                await self._listen_done.wait()
+        if self._lane is not None:
+            await self._lane.aclose()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._close_connections, limiter=self._aux_threads)
+        self._wake_all()
+
+    def _close_connections(self) -> None:
+        conns = [self._writer, self._listener, *self._idle_readers]
+        self._writer = self._listener = None
+        self._idle_readers.clear()
+        for conn in conns:
+            if conn is not None:
+                conn.close()
+
+    # -- the writer thread
+
+    def _writer_conn(self) -> _Conn:
+        conn = self._writer
+        if conn is None or conn.closed or conn.broken:
+            if conn is not None:
+                conn.close()
+            self._writer = None
+            conn = self._writer = self._connect()
+        return conn
+
+    def _commit(self, works: Sequence[Any]) -> list[object]:
+        # An id PostgreSQL text cannot hold is refused alone, before it reaches any statement.
+        outcomes: list[object | None] = [_unstorable(work) for work in works]
+        storable = [work for work, refused in zip(works, outcomes, strict=True) if refused is None]
+        if storable:
+            done = iter(self._commit_storable(storable))
+            outcomes = [next(done) if refused is None else refused for refused in outcomes]
+        return outcomes
+
+    def _commit_storable(self, works: Sequence[Any]) -> list[object]:
+        try:
+            conn = self._writer_conn()
+        except JournalError as exc:
+            return [exc] * len(works)
+        try:
+            return self._transaction(conn, works, isolate=False)
+        except _Retry:
+            pass
+        except Exception as exc:
+            return [unavailable(exc, f"journal {self.where} {self.schema}: the transaction failed")] * len(works)
+        try:
+            return self._transaction(conn, works, isolate=True)
+        except Exception as exc:
+            cause = exc.__cause__ if isinstance(exc, _Retry) and exc.__cause__ is not None else exc
+            return [unavailable(cause, f"journal {self.where} {self.schema}: the transaction failed")] * len(works)
+
+    def _transaction(self, conn: _Conn, works: Sequence[Any], *, isolate: bool) -> list[object]:
+        """One transaction for the whole batch; raises `_Retry` if it failed before COMMIT with nothing written."""
+        try:
+            return self._run_transaction(conn, works, isolate=isolate)
+        except Exception as exc:
+            # The outcome is known only if the server answered: then the transaction is rolled back.
+            if conn.broken or conn.closed or isinstance(exc, psycopg.errors.ConnectionFailure):
+                conn.close()
+                raise
+            try:
+                if conn.info.transaction_status != TransactionStatus.IDLE:
+                    conn.execute(b"ROLLBACK")
+            except Exception:
+                conn.close()
+                raise exc from None
+            if isinstance(exc, psycopg.OperationalError) and not isinstance(exc, psycopg.errors.TransactionRollback):
+                raise  # a timeout, cancel or resource error: retrying would not help
+            raise _Retry(str(exc)) from exc
+
+    def _run_transaction(self, conn: _Conn, works: Sequence[Any], *, isolate: bool) -> list[object]:
+        sessions = sorted({work.session_id for work in works})
+        appends = [work for work in works if isinstance(work, AppendBatch)]
+        stream_ids = sorted({batch.stream_id for batch in appends})
+        keyed = [batch for batch in appends if batch.command_id is not None]
+        acquiring = sorted({work.session_id for work in works if isinstance(work, _LeaseOp) and work.kind == "acquire"})
+        q = self._q
+        if acquiring:
+            # Its own (autocommitted) statement, so a new session has a row to lock below.
+            conn.execute(q["_Q_PLACEHOLDERS"], (acquiring,))
+        with conn.pipeline():
+            conn.execute(b"BEGIN")
+            lease_cursor = conn.execute(q["_Q_LOCK_LEASES"], (sessions,))
+            now_cursor = conn.execute(q["_Q_NOW"]) if self._lease_clock is None else None
+            streams_cursor = conn.execute(q["_Q_STREAMS_OF"], (stream_ids,)) if stream_ids else None
+            commands_cursor = (
+                conn.execute(
+                    q["_Q_COMMANDS_OF"],
+                    ([batch.stream_id for batch in keyed], [batch.command_id for batch in keyed]),
+                )
+                if keyed
+                else None
+            )
+        if now_cursor is not None:
+            row = now_cursor.fetchone()
+            assert row is not None
+            now = float(row[0])
+        else:
+            assert self._lease_clock is not None
+            now = float(self._lease_clock())
+        state = _State(
+            leases={row[0]: (row[1], int(row[2]), float(row[3])) for row in lease_cursor.fetchall()},
+            streams={}
+            if streams_cursor is None
+            else {row[0]: (row[1], int(row[2])) for row in streams_cursor.fetchall()},
+            commands={}
+            if commands_cursor is None
+            else {
+                (row[0], row[1]): CommandRecord(row[0], row[1], row[2], int(row[3]), int(row[4]))
+                for row in commands_cursor.fetchall()
+            },
+            now=now,
+        )
+        outcomes: list[object] = []
+        if not isolate:
+            writes = _Writes()
+            for work in works:
+                try:
+                    outcome, change = self._plan(state, work)
+                except _Rejected as rejected:
+                    outcomes.append(rejected.error)
+                    continue
+                if change is not None:
+                    change.apply(state)
+                    writes.add(change)
+                outcomes.append(outcome)
+            with conn.pipeline():
+                self._write(conn, writes, writes.notifications())
+                conn.execute(b"COMMIT")
+            return outcomes
+        # Item by item, one savepoint each: a failing write fails only its own item.
+        notified = _Writes()
+        for index, work in enumerate(works):
+            try:
+                outcome, change = self._plan(state, work)
+            except _Rejected as rejected:
+                outcomes.append(rejected.error)
+                continue
+            if change is None:
+                outcomes.append(outcome)
+                continue
+            single = _Writes()
+            single.add(change)
+            savepoint = f"item{index}".encode()
+            try:
+                with conn.pipeline():
+                    conn.execute(b"SAVEPOINT " + savepoint)
+                    self._write(conn, single, [])
+                    conn.execute(b"RELEASE SAVEPOINT " + savepoint)
+            except psycopg.Error as exc:
+                if conn.broken or conn.closed:
+                    raise
+                conn.execute(b"ROLLBACK TO SAVEPOINT " + savepoint)
+                outcomes.append(self._item_error(conn, work, exc))
+                continue
+            change.apply(state)
+            notified.add(change)
+            outcomes.append(outcome)
+        with conn.pipeline():
+            self._write(conn, _Writes(), notified.notifications())
+            conn.execute(b"COMMIT")
+        return outcomes
+
+    def _item_error(self, conn: _Conn, work: Any, exc: psycopg.Error) -> BaseException:
+        if isinstance(work, AppendBatch):
+            row = conn.execute(self._q["_Q_STREAM"], (work.stream_id,)).fetchone()
+            if row is not None and row[0] != work.session_id:
+                return ForeignStreamError(
+                    f"stream {work.stream_id!r} belongs to session {row[0]!r}, not {work.session_id!r}"
+                )
+        error = JournalUnavailableError(
+            f"journal {self.where} {self.schema}: the database refused the write: {type(exc).__name__}: {exc}"
+        )
+        error.__cause__ = exc
+        return error
+
+    def _write(self, conn: _Conn, writes: _Writes, notifications: list[str]) -> None:
+        q = self._q
+        if writes.created:
+            created = sorted(writes.created.items())
+            conn.execute(
+                q["_Q_INSERT_STREAMS"],
+                ([s for s, _ in created], [session for _, (session, _) in created], [h for _, (_, h) in created]),
+            )
+        if writes.heads:
+            heads = sorted(writes.heads.items())
+            conn.execute(q["_Q_UPDATE_HEADS"], ([s for s, _ in heads], [h for _, h in heads]))
+        if writes.events:
+            events = writes.events
+            conn.execute(
+                q["_Q_INSERT_EVENTS"],
+                ([e[0] for e in events], [e[1] for e in events], [e[2] for e in events], [e[3] for e in events]),
+            )
+        if writes.commands:
+            commands = writes.commands
+            conn.execute(
+                q["_Q_INSERT_COMMANDS"],
+                (
+                    [c.stream_id for c in commands],
+                    [c.command_id for c in commands],
+                    [c.digest for c in commands],
+                    [c.first_seq for c in commands],
+                    [c.last_seq for c in commands],
+                ),
+            )
+        if writes.leases:
+            leases = sorted(writes.leases.items())
+            conn.execute(
+                q["_Q_UPDATE_LEASES"],
+                (
+                    [s for s, _ in leases],
+                    [owner for _, (owner, _, _) in leases],
+                    [token for _, (_, token, _) in leases],
+                    [expires for _, (_, _, expires) in leases],
+                ),
+            )
+        if notifications:
+            conn.execute(q["_Q_NOTIFY"], (self.channel, notifications))
+
+    def _plan(self, state: _State, work: Any) -> tuple[object, _Change | None]:
+        if isinstance(work, AppendBatch):
+            return self._plan_append(state, work)
+        return self._plan_lease(state, work)
+
+    @staticmethod
+    def _plan_append(state: _State, batch: AppendBatch) -> tuple[AppendResult, _Change | None]:
+        lease = state.leases.get(batch.session_id)
+        if lease is None or lease[1] == 0 or lease[1] != batch.token or lease[2] < state.now:
+            raise _Rejected(
+                StaleFencingTokenError(
+                    f"append to {batch.stream_id!r} with fencing token {batch.token} refused by the store: "
+                    + (
+                        "no lease"
+                        if lease is None or lease[1] == 0
+                        else f"the lease has token {lease[1]}, expires at {lease[2]} (now {state.now})"
+                    )
+                )
+            )
+        stream = state.streams.get(batch.stream_id)
+        if stream is not None and stream[0] != batch.session_id:
+            raise _Rejected(
+                ForeignStreamError(
+                    f"stream {batch.stream_id!r} belongs to session {stream[0]!r}, not {batch.session_id!r}"
+                )
+            )
+        if batch.command_id is not None:
+            known = state.commands.get((batch.stream_id, batch.command_id))
+            if known is not None:
+                if known.digest != batch.command_digest:
+                    raise _Rejected(
+                        CommandConflictError(
+                            f"command {batch.command_id!r} was already applied with different content",
+                            command_id=batch.command_id,
+                        )
+                    )
+                return AppendResult(batch.stream_id, known.first_seq, known.last_seq, replayed=True), None
+        head = 0 if stream is None else stream[1]
+        if batch.first_seq != head + 1:
+            raise _Rejected(
+                SequenceConflictError(
+                    f"stream {batch.stream_id!r} is at {head}, the append starts at {batch.first_seq}",
+                    stream_id=batch.stream_id,
+                    expected=batch.first_seq - 1,
+                    actual=head,
+                )
+            )
+        command = None
+        if batch.command_id is not None:
+            assert batch.command_digest is not None
+            command = CommandRecord(
+                batch.stream_id, batch.command_id, batch.command_digest, batch.first_seq, batch.last_seq
+            )
+        change = _Change(
+            events=tuple(
+                (batch.stream_id, envelope.seq, batch.token, body)
+                for envelope, body in zip(batch.envelopes, batch.bodies, strict=True)
+            ),
+            stream=(batch.stream_id, batch.session_id, batch.last_seq, stream is None),
+            command=command,
+        )
+        return AppendResult(batch.stream_id, batch.first_seq, batch.last_seq), change
+
+    @staticmethod
+    def _plan_lease(state: _State, op: _LeaseOp) -> tuple[Lease | None, _Change | None]:
+        row = state.leases.get(op.session_id)
+        now = state.now
+        if op.kind == "acquire":
+            if row is None:  # the placeholder statement makes this impossible
+                raise _Rejected(JournalUnavailableError(f"no lease row for session {op.session_id!r}"))
+            owner, token, expires_at = row
+            if token > 0 and expires_at >= now and owner != op.owner:
+                raise _Rejected(
+                    LeaseHeldError(
+                        f"session {op.session_id!r} is leased by {owner!r} until {expires_at}",
+                        owner=owner,
+                        expires_at=expires_at,
+                    )
+                )
+            lease = Lease(op.session_id, op.owner, token + 1, now + op.ttl)
+            return lease, _Change(lease=(op.session_id, op.owner, lease.token, lease.expires_at))
+        if op.kind == "renew":
+            if row is None or row[1] == 0 or row[0] != op.owner or row[1] != op.token or row[2] < now:
+                raise _Rejected(LeaseLostError(f"lease on session {op.session_id!r} with token {op.token} is lost"))
+            lease = Lease(op.session_id, op.owner, op.token, now + op.ttl)
+            return lease, _Change(lease=(op.session_id, op.owner, op.token, lease.expires_at))
+        # release: only our own token; keep the token so the next owner's is higher.
+        if row is not None and row[1] == op.token and row[1] > 0:
+            return None, _Change(lease=(op.session_id, row[0], row[1], -math.inf))
+        return None, None
+
+    def _committed(self, works: Sequence[Any], outcomes: list[object]) -> None:
+        for work, outcome in zip(works, outcomes, strict=True):
+            if isinstance(work, AppendBatch) and isinstance(outcome, AppendResult) and not outcome.replayed:
+                self._wake(work.stream_id)
+
+    # -- writes
+
+    def submit(self, batch: AppendBatch) -> AppendTicket:
+        ticket = AppendTicket(batch)
+        if self._lane is None:
+            raise JournalError("the PostgreSQL store is not open (use open_postgres_store)")
+        self._lane.submit(batch, ticket._resolve)
+        return ticket
+
+    async def append(self, batch: AppendBatch) -> AppendResult:
+        return await self.submit(batch).wait()
+
+    async def _lease_op(self, op: _LeaseOp) -> Any:
+        if self._lane is None:
+            raise JournalError("the PostgreSQL store is not open (use open_postgres_store)")
+        item: LaneItem[Any] = LaneItem()
+        self._lane.submit(op, item.resolve)
+        return await item.wait()
+
+    async def acquire_lease(self, session_id: str, owner: str, ttl: float) -> Lease:
+        lease: Lease = await self._lease_op(_LeaseOp("acquire", session_id, owner, 0, check_ttl(ttl)))
+        return lease
+
+    async def renew_lease(self, lease: Lease, ttl: float) -> Lease:
+        renewed: Lease = await self._lease_op(
+            _LeaseOp("renew", lease.session_id, lease.owner, lease.token, check_ttl(ttl))
+        )
+        return renewed
+
+    async def release_lease(self, lease: Lease) -> None:
+        await self._lease_op(_LeaseOp("release", lease.session_id, lease.owner, lease.token, 1.0))
+
+    # -- reads
+
+    async def _query(self, fn: Callable[[_Conn], T]) -> T:
+        """Run ``fn`` on a read connection in a worker thread; a cancel scope aborts the statement."""
+        if self._closed:
+            raise JournalError("the PostgreSQL store is closed")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        async with self._read_slots:
+            conn = self._idle_readers.pop() if self._idle_readers else None
+            if conn is None:
+                fresh: list[_Conn] = []
+                with trio.CancelScope(shield=True):  # never drop a fresh connection on the floor
+                    fresh.append(await trio.to_thread.run_sync(self._connect, limiter=self._read_threads))
+                conn = fresh[0]
+                try:
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                except trio.Cancelled:
+                    self._idle_readers.append(conn)
+                    raise
+            results: list[T] = []
+            errors: list[Exception] = []
+            cancelled = False
+            done = trio.Event()
+            watched = trio.Event()
+
+            async def watchdog() -> None:
+                # Cancelled while the statement runs: abort it on the server, wait for the thread.
+                nonlocal cancelled
+                try:
+                    await done.wait()
+                except trio.Cancelled:
+                    cancelled = True
+                    with trio.CancelScope(shield=True):
+                        while not done.is_set():
+                            await trio.to_thread.run_sync(_cancel_quietly, conn, limiter=self._cancel_threads)
+                            with trio.move_on_after(_CANCEL_RETRY):
+                                await done.wait()
+                finally:
+                    watched.set()
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watchdog)
+                    with trio.CancelScope(shield=True):
+                        try:
+                            results.append(await trio.to_thread.run_sync(fn, conn, limiter=self._read_threads))
+                        except Exception as exc:
+                            errors.append(exc)
+                        finally:
+                            done.set()
+                        await watched.wait()
+            finally:
+                reusable = not cancelled and not self._closed and not conn.broken and not conn.closed
+                if reusable and conn.info.transaction_status == TransactionStatus.IDLE:
+                    self._idle_readers.append(conn)
+                else:
+                    conn.close()
+        if cancelled:
+            await trio.lowlevel.checkpoint()  # delivers the pending Cancelled
+        if errors:
+            raise self._read_error(errors[0])
+        return results[0]
+
+    def _read_error(self, exc: Exception) -> Exception:
+        if isinstance(exc, JournalError):
+            return exc
+        if isinstance(exc, psycopg.errors.QueryCanceled):
+            error: JournalError = JournalUnavailableError(
+                f"journal {self.where} {self.schema}: a read exceeded statement_timeout: {exc}"
+            )
+        elif isinstance(exc, psycopg.OperationalError):
+            error = unavailable(exc, f"journal {self.where} {self.schema}: a read failed")
+        elif isinstance(exc, psycopg.Error):
+            error = JournalError(f"journal {self.where} {self.schema}: a read failed: {type(exc).__name__}: {exc}")
+        else:
+            return exc
+        error.__cause__ = exc
+        return error
+
+    async def read(self, stream_id: str, *, after: int = 0, limit: int | None = None) -> list[EventEnvelope]:
+        if not _storable(stream_id):  # never stored: PostgreSQL text cannot hold it
+            await trio.lowlevel.checkpoint()
+            return []
+        query = self._q["_Q_READ"]
+
+        def run(conn: _Conn) -> list[EventEnvelope]:
+            rows = conn.execute(query, (after, None if limit is None else max(limit, 0), stream_id)).fetchall()
+            if not rows:
+                return []
+            head = int(rows[0][0])
+            first = max(after, 0) + 1
+            last = head if limit is None else min(head, first + max(limit, 0) - 1)
+            envelopes: list[EventEnvelope] = []
+            expected = first
+            for _, seq, body in rows:
+                if seq is None:
+                    continue
+                if seq != expected or seq > last:
+                    problem = "is missing" if expected <= last else f"lies past the stream's head {head}"
+                    raise row_error(stream_id, min(seq, expected), ValueError(f"the row {problem}"))
+                envelopes.append(decode_row(stream_id, int(seq), body))
+                expected += 1
+            if expected <= last:
+                raise row_error(stream_id, expected, ValueError(f"the row is missing (head {head})"))
+            return envelopes
+
+        return await self._query(run)
+
+    async def head(self, stream_id: str) -> int:
+        info = await self.stream_info(stream_id)
+        return 0 if info is None else info.head
+
+    async def stream_info(self, stream_id: str) -> StreamInfo | None:
+        if not _storable(stream_id):  # never stored: PostgreSQL text cannot hold it
+            await trio.lowlevel.checkpoint()
+            return None
+        query = self._q["_Q_STREAM"]
+
+        def run(conn: _Conn) -> StreamInfo | None:
+            row = conn.execute(query, (stream_id,)).fetchone()
+            return None if row is None else StreamInfo(stream_id, row[0], int(row[1]))
+
+        return await self._query(run)
+
+    async def streams(self, session_id: str | None = None) -> list[StreamInfo]:
+        if not _storable(session_id):  # never stored: PostgreSQL text cannot hold it
+            await trio.lowlevel.checkpoint()
+            return []
+
+        def run(conn: _Conn) -> list[StreamInfo]:
+            if session_id is None:
+                cursor = conn.execute(self._q["_Q_ALL_STREAMS"])
+            else:
+                cursor = conn.execute(self._q["_Q_SESSION_STREAMS"], (session_id,))
+            return [StreamInfo(row[0], row[1], int(row[2])) for row in cursor.fetchall()]
+
+        return await self._query(run)
+
+    async def command(self, stream_id: str, command_id: str) -> CommandRecord | None:
+        if not _storable(stream_id, command_id):  # never stored: PostgreSQL text cannot hold it
+            await trio.lowlevel.checkpoint()
+            return None
+        query = self._q["_Q_COMMAND"]
+
+        def run(conn: _Conn) -> CommandRecord | None:
+            row = conn.execute(query, (stream_id, command_id)).fetchone()
+            return None if row is None else CommandRecord(stream_id, command_id, row[0], int(row[1]), int(row[2]))
+
+        return await self._query(run)
+
+    async def commands(self, stream_id: str) -> list[CommandRecord]:
+        if not _storable(stream_id):  # never stored: PostgreSQL text cannot hold it
+            await trio.lowlevel.checkpoint()
+            return []
+        query = self._q["_Q_COMMANDS"]
+
+        def run(conn: _Conn) -> list[CommandRecord]:
+            rows = conn.execute(query, (stream_id,)).fetchall()
+            return [CommandRecord(stream_id, row[0], row[1], int(row[2]), int(row[3])) for row in rows]
+
+        return await self._query(run)
+
+    async def current_lease(self, session_id: str) -> Lease | None:
+        if not _storable(session_id):  # never stored: PostgreSQL text cannot hold it
+            await trio.lowlevel.checkpoint()
+            return None
+        query = self._q["_Q_LEASE"]
+
+        def run(conn: _Conn) -> Lease | None:
+            row = conn.execute(query, (session_id,)).fetchone()
+            return None if row is None else Lease(session_id, row[0], int(row[1]), float(row[2]))
+
+        return await self._query(run)
+
+    # -- live tailing
+
+    def _wake(self, stream_id: str) -> None:
+        event = self._changed.pop(stream_id, None)
+        if event is not None:
+            event.set()
+
+    def _wake_all(self) -> None:
+        events = list(self._changed.values())
+        self._changed.clear()
+        for event in events:
+            event.set()
+
+    async def wait_for_append(self, stream_id: str, after: int) -> None:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        event = self._changed.get(stream_id)
+        if event is None:
+            event = self._changed[stream_id] = trio.Event()
+        # Registered before looking, so an append committed from now on wakes us. Another process's
+        # append wakes us through NOTIFY; polling covers a lost or missed notification.
+        with trio.move_on_after(self.poll_interval):
+            try:
+                if await self.head(stream_id) > after:
+                    return
+            except JournalError:
+                pass  # the caller's next read reports it; do not spin
+            await event.wait()
+
+    async def _listen(self) -> None:
+        """Pump the LISTEN connection natively (no thread); reconnect if it drops."""
+        try:
+            with self._listen_scope:
+                await self._listen_loop()
+        finally:
+            self._listen_done.set()
+
+    async def _listen_loop(self) -> None:
+        backoff = min(max(self.poll_interval, 0.5), 5.0)
+        while True:
+            conn = self._listener
+            if conn is None:
+                try:
+                    with trio.CancelScope(shield=True):  # aclose closes it, once this task is done
+                        self._listener = await trio.to_thread.run_sync(self._open_listener, limiter=self._aux_threads)
+                except JournalError:
+                    await trio.sleep(backoff)
+                    continue
+                conn = self._listener
+                assert conn is not None
+                self._wake_all()  # notifications were lost while disconnected
+            with suppress(psycopg.Error, OSError):
+                await self._pump(conn)
+            self._listener = None
+            conn.close()
+            await trio.sleep(backoff)
+
+    async def _pump(self, conn: _Conn) -> None:
+        pgconn = conn.pgconn
+        fd = conn.fileno()
+        while True:
+            pgconn.consume_input()
+            while (notify := pgconn.notifies()) is not None:
+                payload = notify.extra.decode("utf-8", "replace")
+                stream_id, _, head = payload.rpartition(":")
+                if stream_id and head.isdigit():
+                    self.notifications += 1
+                    self._wake(stream_id)
+            await trio.lowlevel.wait_readable(fd)
+
+
+@asynccontextmanager
+async def open_postgres_store(
+    dsn: str,
+    *,
+    clock: Clock | None = None,
+    schema: str = "trio_agent",
+    poll_interval: float = 0.5,
+    max_batch: int = 1000,
+    statement_timeout: float = 30.0,
+) -> AsyncIterator[PostgresStore]:
+    """Open (creating if needed) the journal in ``schema`` of the database at ``dsn``.
+
+    The store's writer thread and its LISTEN task live inside the block.
+    ``clock=None`` lets the database server's clock decide lease expiry (right
+    for several machines); a clock callable is used instead when given.
+    ``statement_timeout`` (seconds, 0 for none) bounds every statement server-side.
+
+    Raises `JournalUnavailableError` if the database cannot be reached (naming the
+    host, never the password) and `JournalCorruptError` if the schema holds another
+    journal format.
+    """
+    store = PostgresStore(
+        dsn, clock=clock, schema=schema, poll_interval=poll_interval, statement_timeout=statement_timeout
+    )
+    await store._open(max_batch)  # outside the nursery: an opening error is raised as it is
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                store._listen_started = True
+                nursery.start_soon(store._listen)
+                yield store
+            finally:
+                await store.aclose()
+    except BaseExceptionGroup as group:
+        # The listener never raises, so the group only wraps what the block raised: raise that as it was.
+        if len(group.exceptions) != 1:
+            raise
+        error = group.exceptions[0]
+        context = error.__context__
+        try:
+            raise error
+        finally:
+            error.__context__ = context
+            del error, context
+    finally:
+        await store.aclose()  # if the nursery never started

@@ -1,0 +1,537 @@
+"""The SQLite journal store: the embedded default.
+
+* WAL with ``synchronous=FULL``: the WAL is fsynced at every COMMIT, so a
+  committed event survives an OS crash or power loss (if the disk honours
+  flushes). A torn tail of the WAL fails its checksum and is never read as committed.
+* One writer thread (`WriterLane`) owns the only write connection and group
+  commits: every append queued while it was busy goes into one ``BEGIN
+  IMMEDIATE`` transaction, one savepoint per append, and waiters are woken only
+  after COMMIT returned.
+* Readers use their own read-only connections in Trio worker threads (WAL lets
+  them read while the writer writes), bounded by their own limiter so tool
+  threads cannot starve the journal.
+* Several processes may share one file: ``BEGIN IMMEDIATE`` serialises their
+  writers, and the lease check inside each append's transaction is the fence.
+  Live subscribers in another process learn of appends by polling.
+
+The clock decides lease expiry and is called from the writer thread, so it must
+be thread-safe (the default is `time.time`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from .._errors import (
+    CommandConflictError,
+    ForeignStreamError,
+    JournalCorruptError,
+    JournalError,
+    LeaseHeldError,
+    LeaseLostError,
+    SequenceConflictError,
+    StaleFencingTokenError,
+)
+from ._events import EventEnvelope
+from ._lane import LaneItem, WriterLane
+from ._store import (
+    AppendBatch,
+    AppendResult,
+    AppendTicket,
+    Clock,
+    CommandRecord,
+    Lease,
+    StreamInfo,
+    check_consecutive,
+    check_ttl,
+    decode_row,
+    unavailable,
+    wall_clock,
+)
+
+__all__ = ["SQLiteStore", "open_sqlite_store"]
+
+STORE_FORMAT = "trio_agent.journal/1"
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS journal_meta(key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS journal_streams("
+    " stream_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, head INTEGER NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS journal_streams_session ON journal_streams(session_id, stream_id)",
+    "CREATE TABLE IF NOT EXISTS journal_events("
+    " stream_id TEXT NOT NULL, seq INTEGER NOT NULL, token INTEGER NOT NULL, body TEXT NOT NULL,"
+    " PRIMARY KEY(stream_id, seq)) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS journal_leases("
+    " session_id TEXT PRIMARY KEY, owner TEXT NOT NULL, token INTEGER NOT NULL, expires_at REAL NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS journal_commands("
+    " stream_id TEXT NOT NULL, command_id TEXT NOT NULL, digest TEXT NOT NULL,"
+    " first_seq INTEGER NOT NULL, last_seq INTEGER NOT NULL, PRIMARY KEY(stream_id, command_id)) WITHOUT ROWID",
+)
+
+
+class _Rejected(Exception):
+    """Carries a per-item refusal out of a savepoint."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+@attrs.frozen
+class _LeaseOp:
+    kind: str  # "acquire" | "renew" | "release"
+    session_id: str
+    owner: str
+    token: int
+    ttl: float
+
+
+def _connect(path: str, *, readonly: bool) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
+    conn.execute("PRAGMA busy_timeout=30000")
+    if readonly:
+        conn.execute("PRAGMA query_only=ON")
+    return conn
+
+
+def _corrupt(path: str, exc: BaseException) -> JournalCorruptError:
+    error = JournalCorruptError(f"{path} is not a readable trio_agent journal: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+class SQLiteStore:
+    """A `JournalStore` in one SQLite file. Open it with `open_sqlite_store`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        clock: Clock = wall_clock,
+        poll_interval: float = 0.05,
+        readonly: bool = False,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.readonly = readonly
+        self.clock = clock
+        self.poll_interval = poll_interval
+        self._writer: sqlite3.Connection | None = None
+        self._lane: WriterLane | None = None
+        self._readers: list[sqlite3.Connection] = []
+        self._all_readers: list[sqlite3.Connection] = []
+        self._reader_lock = threading.Lock()
+        self._read_limiter = trio.CapacityLimiter(4)
+        self._changed: dict[str, trio.Event] = {}
+        self._closed = False
+
+    # -- opening and closing
+
+    def _open_writer(self) -> sqlite3.Connection:
+        try:
+            conn = _connect(self.path, readonly=False)
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise JournalError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
+            conn.execute("PRAGMA synchronous=FULL")
+            check = conn.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise JournalCorruptError(f"{self.path} failed SQLite's integrity check: {check}")
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+                if tables and "journal_meta" not in tables:
+                    raise JournalCorruptError(
+                        f"{self.path} is another application's SQLite database (tables: "
+                        f"{', '.join(sorted(tables)[:5])}), not a trio_agent journal; it was left unchanged"
+                    )
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                row = conn.execute("SELECT value FROM journal_meta WHERE key='format'").fetchone()
+                if row is None:
+                    conn.execute("INSERT INTO journal_meta(key, value) VALUES ('format', ?)", (STORE_FORMAT,))
+                elif row[0] != STORE_FORMAT:
+                    raise JournalCorruptError(
+                        f"{self.path} holds journal format {row[0]!r}; this code reads {STORE_FORMAT!r}"
+                    )
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        except JournalError:
+            raise
+        except sqlite3.OperationalError as exc:
+            if "not a database" in str(exc) or "malformed" in str(exc):
+                raise _corrupt(self.path, exc) from exc
+            raise unavailable(exc, f"cannot open the journal {self.path}") from exc
+        except sqlite3.DatabaseError as exc:
+            raise _corrupt(self.path, exc) from exc
+        return conn
+
+    def _check_readable(self) -> None:
+        if not os.path.exists(self.path):
+            raise JournalError(f"no journal at {self.path}")
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)) as conn:
+                row = conn.execute("SELECT value FROM journal_meta WHERE key='format'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise _corrupt(self.path, exc) from exc
+        if row is None or row[0] != STORE_FORMAT:
+            found = None if row is None else row[0]
+            raise JournalCorruptError(f"{self.path} holds journal format {found!r}; this code reads {STORE_FORMAT!r}")
+
+    async def _open(self, max_batch: int) -> None:
+        if self.readonly:
+            await trio.to_thread.run_sync(self._check_readable)
+            return
+        self._writer = await trio.to_thread.run_sync(self._open_writer)
+        self._lane = WriterLane(
+            f"trio_agent journal writer ({os.path.basename(self.path)})",
+            self._commit,
+            on_committed=self._committed,
+            max_batch=max_batch,
+        )
+        self._lane.start()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._lane is not None:
+            await self._lane.aclose()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._close_connections)
+        for event in self._changed.values():
+            event.set()
+
+    def _close_connections(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        with self._reader_lock:
+            for conn in self._all_readers:
+                conn.close()
+            self._readers.clear()
+            self._all_readers.clear()
+
+    # -- the writer thread
+
+    def _commit(self, works: Sequence[Any]) -> list[object]:
+        conn = self._writer
+        assert conn is not None
+        now = self.clock()
+        outcomes: list[object] = []
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for index, work in enumerate(works):
+                savepoint = f"a{index}"
+                conn.execute(f"SAVEPOINT {savepoint}")
+                try:
+                    if isinstance(work, AppendBatch):
+                        outcome: object = self._apply_append(conn, work, now)
+                    else:
+                        outcome = self._apply_lease(conn, work, now)
+                except _Rejected as rejected:
+                    conn.execute(f"ROLLBACK TO {savepoint}")
+                    outcome = rejected.error
+                except (UnicodeError, ValueError, sqlite3.InterfaceError, sqlite3.IntegrityError) as exc:
+                    # Something in this append cannot be stored (an unencodable id...): it fails alone.
+                    conn.execute(f"ROLLBACK TO {savepoint}")
+                    outcome = JournalError(f"the store cannot keep this append: {type(exc).__name__}: {exc}")
+                conn.execute(f"RELEASE {savepoint}")
+                outcomes.append(outcome)
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            error = unavailable(exc, f"journal {self.path}: the transaction failed")
+            return [error] * len(works)
+        return outcomes
+
+    @staticmethod
+    def _apply_append(conn: sqlite3.Connection, batch: AppendBatch, now: float) -> AppendResult:
+        lease = conn.execute(
+            "SELECT token, expires_at FROM journal_leases WHERE session_id=?", (batch.session_id,)
+        ).fetchone()
+        if lease is None or lease[0] != batch.token or lease[1] < now:
+            raise _Rejected(
+                StaleFencingTokenError(
+                    f"append to {batch.stream_id!r} with fencing token {batch.token} refused by the store: "
+                    + ("no lease" if lease is None else f"the lease has token {lease[0]}, expires at {lease[1]}")
+                )
+            )
+        stream = conn.execute(
+            "SELECT session_id, head FROM journal_streams WHERE stream_id=?", (batch.stream_id,)
+        ).fetchone()
+        if stream is not None and stream[0] != batch.session_id:
+            raise _Rejected(
+                ForeignStreamError(
+                    f"stream {batch.stream_id!r} belongs to session {stream[0]!r}, not {batch.session_id!r}"
+                )
+            )
+        if batch.command_id is not None:
+            known = conn.execute(
+                "SELECT digest, first_seq, last_seq FROM journal_commands WHERE stream_id=? AND command_id=?",
+                (batch.stream_id, batch.command_id),
+            ).fetchone()
+            if known is not None:
+                if known[0] != batch.command_digest:
+                    raise _Rejected(
+                        CommandConflictError(
+                            f"command {batch.command_id!r} was already applied with different content",
+                            command_id=batch.command_id,
+                        )
+                    )
+                return AppendResult(batch.stream_id, known[1], known[2], replayed=True)
+        head = 0 if stream is None else int(stream[1])
+        if batch.first_seq != head + 1:
+            raise _Rejected(
+                SequenceConflictError(
+                    f"stream {batch.stream_id!r} is at {head}, the append starts at {batch.first_seq}",
+                    stream_id=batch.stream_id,
+                    expected=batch.first_seq - 1,
+                    actual=head,
+                )
+            )
+        conn.executemany(
+            "INSERT INTO journal_events(stream_id, seq, token, body) VALUES (?, ?, ?, ?)",
+            [
+                (batch.stream_id, envelope.seq, batch.token, body)
+                for envelope, body in zip(batch.envelopes, batch.bodies, strict=True)
+            ],
+        )
+        if stream is None:
+            conn.execute(
+                "INSERT INTO journal_streams(stream_id, session_id, head) VALUES (?, ?, ?)",
+                (batch.stream_id, batch.session_id, batch.last_seq),
+            )
+        else:
+            conn.execute("UPDATE journal_streams SET head=? WHERE stream_id=?", (batch.last_seq, batch.stream_id))
+        if batch.command_id is not None:
+            conn.execute(
+                "INSERT INTO journal_commands(stream_id, command_id, digest, first_seq, last_seq)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (batch.stream_id, batch.command_id, batch.command_digest, batch.first_seq, batch.last_seq),
+            )
+        return AppendResult(batch.stream_id, batch.first_seq, batch.last_seq)
+
+    @staticmethod
+    def _apply_lease(conn: sqlite3.Connection, op: _LeaseOp, now: float) -> Lease | None:
+        row = conn.execute(
+            "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (op.session_id,)
+        ).fetchone()
+        if op.kind == "acquire":
+            if row is not None and row[2] >= now and row[0] != op.owner:
+                raise _Rejected(
+                    LeaseHeldError(
+                        f"session {op.session_id!r} is leased by {row[0]!r} until {row[2]}",
+                        owner=row[0],
+                        expires_at=row[2],
+                    )
+                )
+            token = 1 if row is None else int(row[1]) + 1
+            conn.execute(
+                "INSERT INTO journal_leases(session_id, owner, token, expires_at) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT(session_id) DO UPDATE SET owner=excluded.owner, token=excluded.token,"
+                " expires_at=excluded.expires_at",
+                (op.session_id, op.owner, token, now + op.ttl),
+            )
+            return Lease(op.session_id, op.owner, token, now + op.ttl)
+        if op.kind == "renew":
+            if row is None or row[0] != op.owner or row[1] != op.token or row[2] < now:
+                raise _Rejected(LeaseLostError(f"lease on session {op.session_id!r} with token {op.token} is lost"))
+            conn.execute("UPDATE journal_leases SET expires_at=? WHERE session_id=?", (now + op.ttl, op.session_id))
+            return Lease(op.session_id, op.owner, op.token, now + op.ttl)
+        # release: only our own token; keep the token so the next owner's is higher.
+        if row is not None and row[1] == op.token:
+            conn.execute("UPDATE journal_leases SET expires_at=? WHERE session_id=?", (-1e300, op.session_id))
+        return None
+
+    def _committed(self, works: Sequence[Any], outcomes: list[object]) -> None:
+        for work, outcome in zip(works, outcomes, strict=True):
+            if isinstance(work, AppendBatch) and isinstance(outcome, AppendResult) and not outcome.replayed:
+                event = self._changed.pop(work.stream_id, None)
+                if event is not None:
+                    event.set()
+
+    # -- writes
+
+    def submit(self, batch: AppendBatch) -> AppendTicket:
+        ticket = AppendTicket(batch)
+        if self._lane is None:
+            raise JournalError(
+                "the SQLite store is read-only"
+                if self.readonly
+                else "the SQLite store is not open (use open_sqlite_store)"
+            )
+        self._lane.submit(batch, ticket._resolve)
+        return ticket
+
+    async def append(self, batch: AppendBatch) -> AppendResult:
+        return await self.submit(batch).wait()
+
+    async def _lease_op(self, op: _LeaseOp) -> Any:
+        if self._lane is None:
+            raise JournalError(
+                "the SQLite store is read-only"
+                if self.readonly
+                else "the SQLite store is not open (use open_sqlite_store)"
+            )
+        item: LaneItem[Any] = LaneItem()
+        self._lane.submit(op, item.resolve)
+        return await item.wait()
+
+    async def acquire_lease(self, session_id: str, owner: str, ttl: float) -> Lease:
+        lease: Lease = await self._lease_op(_LeaseOp("acquire", session_id, owner, 0, check_ttl(ttl)))
+        return lease
+
+    async def renew_lease(self, lease: Lease, ttl: float) -> Lease:
+        renewed: Lease = await self._lease_op(
+            _LeaseOp("renew", lease.session_id, lease.owner, lease.token, check_ttl(ttl))
+        )
+        return renewed
+
+    async def release_lease(self, lease: Lease) -> None:
+        await self._lease_op(_LeaseOp("release", lease.session_id, lease.owner, lease.token, 1.0))
+
+    # -- reads
+
+    def _with_reader(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        with self._reader_lock:
+            conn = self._readers.pop() if self._readers else None
+        if conn is None:
+            conn = _connect(self.path, readonly=True)
+            with self._reader_lock:
+                self._all_readers.append(conn)
+        try:
+            return fn(conn)
+        except JournalError:
+            raise
+        except (UnicodeError, ValueError, sqlite3.InterfaceError) as exc:
+            raise JournalError(f"journal {self.path}: the query cannot be run: {type(exc).__name__}: {exc}") from exc
+        except sqlite3.OperationalError as exc:
+            raise unavailable(exc, f"journal {self.path}: a read failed") from exc
+        except sqlite3.DatabaseError as exc:
+            raise _corrupt(self.path, exc) from exc
+        finally:
+            with self._reader_lock:
+                self._readers.append(conn)
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        if self._closed:
+            raise JournalError("the SQLite store is closed")
+        return await trio.to_thread.run_sync(self._with_reader, fn, limiter=self._read_limiter)
+
+    async def read(self, stream_id: str, *, after: int = 0, limit: int | None = None) -> list[EventEnvelope]:
+        def query(conn: sqlite3.Connection) -> list[EventEnvelope]:
+            rows = conn.execute(
+                "SELECT seq, body FROM journal_events WHERE stream_id=? AND seq>? ORDER BY seq LIMIT ?",
+                (stream_id, after, -1 if limit is None else limit),
+            ).fetchall()
+            return check_consecutive(stream_id, after, [decode_row(stream_id, seq, body) for seq, body in rows])
+
+        result: list[EventEnvelope] = await self._read(query)
+        return result
+
+    async def head(self, stream_id: str) -> int:
+        info = await self.stream_info(stream_id)
+        return 0 if info is None else info.head
+
+    async def stream_info(self, stream_id: str) -> StreamInfo | None:
+        def query(conn: sqlite3.Connection) -> StreamInfo | None:
+            row = conn.execute(
+                "SELECT session_id, head FROM journal_streams WHERE stream_id=?", (stream_id,)
+            ).fetchone()
+            return None if row is None else StreamInfo(stream_id, row[0], int(row[1]))
+
+        result: StreamInfo | None = await self._read(query)
+        return result
+
+    async def streams(self, session_id: str | None = None) -> list[StreamInfo]:
+        def query(conn: sqlite3.Connection) -> list[StreamInfo]:
+            if session_id is None:
+                rows = conn.execute("SELECT stream_id, session_id, head FROM journal_streams ORDER BY stream_id")
+            else:
+                rows = conn.execute(
+                    "SELECT stream_id, session_id, head FROM journal_streams WHERE session_id=? ORDER BY stream_id",
+                    (session_id,),
+                )
+            return [StreamInfo(row[0], row[1], int(row[2])) for row in rows.fetchall()]
+
+        result: list[StreamInfo] = await self._read(query)
+        return result
+
+    async def command(self, stream_id: str, command_id: str) -> CommandRecord | None:
+        def query(conn: sqlite3.Connection) -> CommandRecord | None:
+            row = conn.execute(
+                "SELECT digest, first_seq, last_seq FROM journal_commands WHERE stream_id=? AND command_id=?",
+                (stream_id, command_id),
+            ).fetchone()
+            return None if row is None else CommandRecord(stream_id, command_id, row[0], int(row[1]), int(row[2]))
+
+        result: CommandRecord | None = await self._read(query)
+        return result
+
+    async def commands(self, stream_id: str) -> list[CommandRecord]:
+        def query(conn: sqlite3.Connection) -> list[CommandRecord]:
+            rows = conn.execute(
+                "SELECT command_id, digest, first_seq, last_seq FROM journal_commands WHERE stream_id=?"
+                " ORDER BY first_seq",
+                (stream_id,),
+            ).fetchall()
+            return [CommandRecord(stream_id, row[0], row[1], int(row[2]), int(row[3])) for row in rows]
+
+        result: list[CommandRecord] = await self._read(query)
+        return result
+
+    async def current_lease(self, session_id: str) -> Lease | None:
+        def query(conn: sqlite3.Connection) -> Lease | None:
+            row = conn.execute(
+                "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (session_id,)
+            ).fetchone()
+            return None if row is None else Lease(session_id, row[0], int(row[1]), float(row[2]))
+
+        result: Lease | None = await self._read(query)
+        return result
+
+    async def wait_for_append(self, stream_id: str, after: int) -> None:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        event = self._changed.get(stream_id)
+        if event is None:
+            event = self._changed[stream_id] = trio.Event()
+        # Another process may append too: poll as a fallback to the in-process wake-up.
+        with trio.move_on_after(self.poll_interval):
+            await event.wait()
+
+
+@asynccontextmanager
+async def open_sqlite_store(
+    path: str | os.PathLike[str],
+    *,
+    clock: Clock = wall_clock,
+    poll_interval: float = 0.05,
+    max_batch: int = 1000,
+    readonly: bool = False,
+) -> AsyncIterator[SQLiteStore]:
+    """Open (creating if needed) the SQLite journal at ``path``; the store's writer thread lives inside the block.
+
+    Raises `JournalCorruptError` if the file is not a readable journal (damaged,
+    truncated, another format, another application's database). With
+    ``readonly=True`` nothing is ever written (no writer thread, no lease
+    operations, no schema changes) and the file must already be a journal.
+    """
+    store = SQLiteStore(path, clock=clock, poll_interval=poll_interval, readonly=readonly)
+    await store._open(max_batch)
+    try:
+        yield store
+    finally:
+        await store.aclose()

@@ -1,0 +1,300 @@
+"""The store protocol every journal backend implements, and the values it trades in.
+
+A store is deliberately dumb: it keeps streams of encoded envelopes, execution
+leases and command ids, and it enforces the four rules that must hold even
+against a buggy or paused client, inside the same transaction as the write:
+
+* the fencing token of every append is the session lease's current one and the
+  lease has not expired by the store's clock (else `StaleFencingTokenError`);
+* an append continues the stream exactly at its head (else `SequenceConflictError`);
+* a stream belongs to one session for ever (else `ForeignStreamError`);
+* a command id is recorded with a digest of its content: an identical replay
+  returns the first outcome, different content raises `CommandConflictError`.
+
+Everything else (which event may follow which) is the projection's job, on the
+client, before anything reaches the store.
+
+Writes are submitted and then awaited: `JournalStore.submit` queues a batch and
+returns an `AppendTicket` at once; once submitted, the write happens whether or
+not anyone waits for it, so journal order never depends on cancellation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from .._errors import JournalError, JournalUnavailableError
+from ._events import EventEnvelope, encode_event, event_converter
+
+__all__ = [
+    "AppendBatch",
+    "AppendResult",
+    "AppendTicket",
+    "Clock",
+    "CommandRecord",
+    "JournalStore",
+    "Lease",
+    "StreamInfo",
+    "command_digest",
+    "encode_body",
+    "stream_id_for",
+]
+
+Clock = Callable[[], float]
+"""Seconds, as the store judges lease expiry (wall time by default; `trio.current_time` in tests)."""
+
+wall_clock: Clock = time.time
+
+
+def stream_id_for(session_id: str, agent_id: str) -> str:
+    """The stream of one agent of a session: ``"<session_id>/<agent_id>"``."""
+    return f"{session_id}/{agent_id}"
+
+
+@attrs.frozen
+class Lease:
+    """An execution lease on a session, as the store granted or renewed it.
+
+    ``token`` is the fencing token: it increases on every acquisition, so a
+    previous owner's token is stale for ever. ``expires_at`` is on the store's clock.
+    """
+
+    session_id: str
+    owner: str
+    token: int
+    expires_at: float
+
+
+@attrs.frozen
+class StreamInfo:
+    stream_id: str
+    session_id: str
+    head: int
+
+
+@attrs.frozen
+class CommandRecord:
+    """The first outcome of a command: the events it appended."""
+
+    stream_id: str
+    command_id: str
+    digest: str
+    first_seq: int
+    last_seq: int
+
+
+@attrs.frozen
+class AppendResult:
+    """Where an append landed. ``replayed`` means an identical command had already landed there."""
+
+    stream_id: str
+    first_seq: int
+    last_seq: int
+    replayed: bool = False
+
+
+def encode_body(envelope: EventEnvelope) -> str:
+    """The stored text of one envelope (validated: junk is never written)."""
+    return json.dumps(encode_event(envelope), separators=(",", ":"), sort_keys=True, allow_nan=False)
+
+
+def command_digest(envelopes: Sequence[EventEnvelope]) -> str:
+    """A digest of what a command writes, without its position and time, so a replay matches."""
+    content = [event_converter.unstructure(envelope.event, type(envelope.event)) for envelope in envelopes]
+    kinds = [type(envelope.event).__name__ for envelope in envelopes]
+    text = json.dumps([kinds, content], separators=(",", ":"), sort_keys=True, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _envelope_tuple(envelopes: Sequence[EventEnvelope]) -> tuple[EventEnvelope, ...]:
+    return tuple(envelopes)
+
+
+@attrs.frozen
+class AppendBatch:
+    """One atomic append: all of ``envelopes`` land on ``stream_id`` or none does.
+
+    ``bodies`` are the encoded envelopes, computed (and validated) on
+    construction in the caller's thread so writer threads only move text.
+    """
+
+    session_id: str
+    stream_id: str
+    token: int
+    envelopes: tuple[EventEnvelope, ...] = attrs.field(converter=_envelope_tuple)
+    command_id: str | None = None
+    command_digest: str | None = None
+    bodies: tuple[str, ...] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.envelopes:
+            raise JournalError("an append needs at least one event")
+        first = self.envelopes[0].seq
+        for offset, envelope in enumerate(self.envelopes):
+            if envelope.stream_id != self.stream_id:
+                raise JournalError(f"event for stream {envelope.stream_id!r} in an append to stream {self.stream_id!r}")
+            if envelope.seq != first + offset:
+                raise JournalError(f"sequence numbers of one append must be consecutive, got {envelope.seq}")
+        if (self.command_id is None) != (self.command_digest is None):
+            raise JournalError("command_id and command_digest go together")
+        object.__setattr__(self, "bodies", tuple(encode_body(envelope) for envelope in self.envelopes))
+
+    @property
+    def first_seq(self) -> int:
+        return self.envelopes[0].seq
+
+    @property
+    def last_seq(self) -> int:
+        return self.envelopes[-1].seq
+
+
+class AppendTicket:
+    """The pending outcome of one submitted append.
+
+    Resolved from the store's writer (thread or not) through `_resolve`, which
+    must run in the Trio thread. `wait` returns the `AppendResult` once the
+    write is committed, or raises what refused it.
+    """
+
+    __slots__ = ("_done", "_error", "_result", "batch")
+
+    def __init__(self, batch: AppendBatch) -> None:
+        self.batch = batch
+        self._done = trio.Event()
+        self._result: AppendResult | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _resolve(self, outcome: object) -> None:
+        if isinstance(outcome, BaseException):
+            self._error = outcome
+        else:
+            assert isinstance(outcome, AppendResult)
+            self._result = outcome
+        self._done.set()
+
+    def outcome(self) -> AppendResult:
+        """The outcome of a resolved ticket (raises what refused the write)."""
+        if not self._done.is_set():
+            raise JournalError("the append is not resolved yet")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    async def wait(self) -> AppendResult:
+        if not self._done.is_set():
+            await self._done.wait()
+        else:
+            await trio.lowlevel.checkpoint()
+        return self.outcome()
+
+
+class JournalStore(Protocol):
+    """What the journal needs from a backend (memory, SQLite, PostgreSQL).
+
+    Every method that raises for a store-side failure raises a `JournalError`
+    (`JournalUnavailableError` when a write's outcome is unknown), or
+    `StaleFencingTokenError` for a stale or expired token.
+    """
+
+    clock: Clock
+
+    def submit(self, batch: AppendBatch) -> AppendTicket:
+        """Queue ``batch`` for the next commit; never blocks."""
+
+    async def append(self, batch: AppendBatch) -> AppendResult:
+        """Submit ``batch`` and wait until it is committed (group commit with concurrent appends)."""
+
+    async def read(self, stream_id: str, *, after: int = 0, limit: int | None = None) -> list[EventEnvelope]:
+        """Committed events of one stream with ``seq > after``, in order, strictly decoded."""
+
+    async def head(self, stream_id: str) -> int:
+        """The last committed sequence number of a stream (0 if it has none)."""
+
+    async def stream_info(self, stream_id: str) -> StreamInfo | None: ...
+
+    async def streams(self, session_id: str | None = None) -> list[StreamInfo]:
+        """All streams, or those of one session, ordered by stream id."""
+
+    async def command(self, stream_id: str, command_id: str) -> CommandRecord | None: ...
+
+    async def commands(self, stream_id: str) -> list[CommandRecord]: ...
+
+    async def acquire_lease(self, session_id: str, owner: str, ttl: float) -> Lease:
+        """Take the session's lease with a new, higher token; `LeaseHeldError` if another holds it."""
+
+    async def renew_lease(self, lease: Lease, ttl: float) -> Lease:
+        """Extend a still-valid lease; `LeaseLostError` if it expired or was taken over."""
+
+    async def release_lease(self, lease: Lease) -> None:
+        """Give the lease up now (idempotent; a stale lease is left alone)."""
+
+    async def current_lease(self, session_id: str) -> Lease | None: ...
+
+    async def wait_for_append(self, stream_id: str, after: int) -> None:
+        """Return when ``stream_id`` may have grown past ``after`` (a hint: callers re-read)."""
+
+    async def aclose(self) -> None: ...
+
+
+def unavailable(exc: BaseException, what: str) -> JournalUnavailableError:
+    error = JournalUnavailableError(f"{what}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def check_ttl(ttl: float) -> float:
+    import math
+
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
+        raise JournalError(f"lease ttl must be a positive finite number of seconds, not {ttl!r}")
+    return float(ttl)
+
+
+def row_error(stream_id: str, seq: object, exc: BaseException) -> JournalError:
+    from .._errors import JournalCorruptError
+
+    error = JournalCorruptError(f"stored event {stream_id}#{seq} is corrupt: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def decode_row(stream_id: str, seq: int, body: Any) -> EventEnvelope:
+    """Decode one stored row strictly, and check it is where it claims to be."""
+    from ._events import decode_event
+
+    try:
+        data = json.loads(body) if isinstance(body, (str, bytes)) else body
+        envelope = decode_event(data)
+    except Exception as exc:
+        raise row_error(stream_id, seq, exc) from exc
+    if envelope.stream_id != stream_id or envelope.seq != seq:
+        raise row_error(
+            stream_id, seq, ValueError(f"row holds {envelope.stream_id}#{envelope.seq}, not {stream_id}#{seq}")
+        )
+    return envelope
+
+
+def check_consecutive(stream_id: str, after: int, envelopes: list[EventEnvelope]) -> list[EventEnvelope]:
+    """Refuse a read whose rows are not ``after + 1, after + 2, ...``: nothing is ever skipped silently."""
+    from .._errors import JournalCorruptError
+
+    expected = max(after, 0) + 1
+    for envelope in envelopes:
+        if envelope.seq != expected:
+            raise JournalCorruptError(
+                f"stream {stream_id!r} is missing event #{expected} (the next stored one is #{envelope.seq})"
+            )
+        expected += 1
+    return envelopes

@@ -1,0 +1,178 @@
+"""Durable-event subscriptions: replay to the head, one caught-up marker, then live events.
+
+Pull-based: the subscriber reads committed events from the store when it asks
+for the next one, so a slow subscriber never holds up a commit and never sees
+an uncommitted event. It is an iterator object, not an async generator, so no
+cancel scope or nursery is ever suspended across a ``yield``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from .._errors import CursorError, JournalCorruptError
+from ._events import EventEnvelope, SessionClosed
+from ._store import JournalStore
+
+__all__ = ["CaughtUp", "DurableEvent", "DurableEventStream", "JournalCursor", "subscribe_durable_events"]
+
+_CURSOR = re.compile(r"^(?P<stream>.+)@(?P<seq>\d+)$")
+
+
+@attrs.frozen
+class JournalCursor:
+    """A position in one stream: everything up to and including ``seq`` was seen.
+
+    ``str(cursor)`` is ``"<stream_id>@<seq>"`` and `JournalCursor.parse` reads it back,
+    so a cursor can be stored anywhere a string can.
+    """
+
+    stream_id: str
+    seq: int
+
+    def __str__(self) -> str:
+        return f"{self.stream_id}@{self.seq}"
+
+    @classmethod
+    def parse(cls, text: str) -> JournalCursor:
+        match = _CURSOR.match(text) if isinstance(text, str) else None
+        if match is None:
+            raise CursorError(f"not a journal cursor: {text!r} (expected '<stream_id>@<seq>')")
+        return cls(match["stream"], int(match["seq"]))
+
+
+@attrs.frozen
+class DurableEvent:
+    """One committed event, and the cursor to resume after it."""
+
+    envelope: EventEnvelope
+
+    @property
+    def cursor(self) -> JournalCursor:
+        return JournalCursor(self.envelope.stream_id, self.envelope.seq)
+
+
+@attrs.frozen
+class CaughtUp:
+    """Sent once, when the replay reached the head; live events follow."""
+
+    cursor: JournalCursor
+
+
+class DurableEventStream:
+    """The async iterator of a subscription (see `subscribe_durable_events`)."""
+
+    def __init__(
+        self, store: JournalStore, stream_id: str, after: int, *, page_size: int, closed: trio.Event | None
+    ) -> None:
+        self._store = store
+        self.stream_id = stream_id
+        self._seq = after
+        self._page_size = page_size
+        self._closed = closed
+        self._buffer: deque[EventEnvelope] = deque()
+        self._caught_up = False
+        self._ended = False
+        self._closed_at_cursor = False
+
+    @property
+    def cursor(self) -> JournalCursor:
+        return JournalCursor(self.stream_id, self._seq)
+
+    def __aiter__(self) -> DurableEventStream:
+        return self
+
+    async def __anext__(self) -> DurableEvent | CaughtUp:
+        while True:
+            if self._buffer:
+                envelope = self._buffer.popleft()
+                self._seq = envelope.seq
+                if isinstance(envelope.event, SessionClosed):
+                    self._ended = True
+                    self._buffer.clear()
+                return DurableEvent(envelope)
+            if self._ended:
+                raise StopAsyncIteration
+            rows = await self._store.read(self.stream_id, after=self._seq, limit=self._page_size)
+            if rows:
+                expected = self._seq + 1
+                for envelope in rows:
+                    if envelope.seq != expected:
+                        raise JournalCorruptError(
+                            f"stream {self.stream_id!r} skips from {expected - 1} to {envelope.seq}: nothing is skipped"
+                        )
+                    expected += 1
+                self._buffer.extend(rows)
+                continue
+            if not self._caught_up:
+                self._caught_up = True
+                return CaughtUp(self.cursor)
+            if self._closed_at_cursor:
+                self._ended = True  # resumed after session_closed: nothing can follow
+                raise StopAsyncIteration
+            if self._closed is not None and self._closed.is_set():
+                self._ended = True
+                raise StopAsyncIteration
+            await self._wait()
+
+    async def _wait(self) -> None:
+        if self._closed is None:
+            await self._store.wait_for_append(self.stream_id, self._seq)
+            return
+        closed = self._closed
+        async with trio.open_nursery() as nursery:
+
+            async def wait_closed() -> None:
+                await closed.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(wait_closed)
+            await self._store.wait_for_append(self.stream_id, self._seq)
+            nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def subscribe_durable_events(
+    store: JournalStore,
+    stream_id: str,
+    *,
+    after: JournalCursor | str | int = 0,
+    page_size: int = 256,
+    closed: trio.Event | None = None,
+) -> AsyncIterator[DurableEventStream]:
+    """Subscribe to one stream's committed events after ``after``.
+
+    ``after`` is a `JournalCursor` (or its string form) of this stream, or a
+    sequence number; 0 replays from the start. A cursor of another stream, a
+    negative one, or one past the stream's head raises `CursorError`. The
+    iteration ends after the stream's ``session_closed`` event, or when
+    ``closed`` is set and everything committed was delivered.
+    """
+    if isinstance(after, str):
+        after = JournalCursor.parse(after)
+    if isinstance(after, JournalCursor):
+        if after.stream_id != stream_id:
+            raise CursorError(f"cursor {after} is from stream {after.stream_id!r}, not {stream_id!r}")
+        seq = after.seq
+    elif isinstance(after, int) and not isinstance(after, bool):
+        seq = after
+    else:
+        raise CursorError(f"after must be a JournalCursor, its string or an int, not {type(after).__name__}")
+    if seq < 0:
+        raise CursorError(f"cursor sequence must be >= 0, not {seq}")
+    if page_size < 1:
+        raise CursorError(f"page_size must be >= 1, not {page_size}")
+    head = await store.head(stream_id)
+    if seq > head:
+        raise CursorError(f"cursor {stream_id}@{seq} is past the head of the stream ({head}): stale or foreign")
+    stream = DurableEventStream(store, stream_id, seq, page_size=page_size, closed=closed)
+    if seq > 0:
+        last = await store.read(stream_id, after=seq - 1, limit=1)
+        stream._closed_at_cursor = bool(last) and isinstance(last[0].event, SessionClosed)
+    yield stream
