@@ -143,16 +143,23 @@ class GatedStore:
         self._nursery = nursery
         self.hold: trio.Event | None = None
         self.held: list[AppendBatch] = []
+        self._last: AppendTicket | None = None
 
     def submit(self, batch: AppendBatch) -> AppendTicket:
+        # Like every store, commits in submission order: later appends queue behind a held one.
         gate = self.hold
-        if gate is None:
+        behind = self._last if self._last is not None and not self._last.done else None
+        if gate is None and behind is None:
             return self.inner.submit(batch)
         ticket = AppendTicket(batch)
         self.held.append(batch)
+        self._last = ticket
 
         async def land() -> None:
-            await gate.wait()
+            if gate is not None:
+                await gate.wait()
+            if behind is not None:
+                await behind._done.wait()
             outcome: object
             try:
                 outcome = await self.inner.submit(batch).wait()

@@ -329,8 +329,7 @@ class DurableJournal:
                 return stream, attrs.evolve(known[1], replayed=True)
         # Check on a scratch copy for several events, so a refusal leaves nothing applied.
         if len(envelopes) == 1:
-            stream.projection.check(envelopes[0])
-            stream.projection.apply(envelopes[0])
+            stream.projection.apply(envelopes[0])  # refuses before changing anything
         else:
             scratch = copy.deepcopy(stream.projection)
             scratch.apply_all(list(envelopes))
@@ -510,8 +509,9 @@ class DurableJournal:
     async def on_tool_settled(self, call: ScheduledCall, settlement: Settlement) -> None:
         self._call_stream(call)
         pending = self._pending_starts.pop(call.call_id, None)
-        if pending is not None:
-            await self._await(pending)
+        if pending is not None and pending.done:
+            await self._await(pending)  # raises if the start was refused
+            pending = None
         ids: dict[str, Any] = {"request_id": call.request_id, "turn_id": call.turn_id, "call_id": call.call_id}
         event: Event
         if settlement.status is SettlementStatus.COMPLETED:
@@ -522,7 +522,17 @@ class DurableJournal:
             event = ToolCancelled(**ids, reason=settlement.reason or "cancelled")
         else:
             event = ToolOutcomeUnknown(**ids, reason=OutcomeUnknownReason.COMMIT_OUTCOME_UNKNOWN)
-        await self.append(event, agent_id=call.agent_id)
+        if pending is None:
+            await self.append(event, agent_id=call.agent_id)
+            return
+        # The start is still in flight: queue the settlement right behind it (one group commit
+        # can take both; the store's sequence check refuses the settlement if the start failed)
+        # and report success only when both are committed.
+        _, prepared = self._prepare(call.agent_id, (event,), None)
+        assert isinstance(prepared, AppendBatch)
+        settled = self.store.submit(prepared)
+        await self._await(pending)
+        await self._await(settled)
 
     # -- recovery
 

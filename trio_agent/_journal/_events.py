@@ -199,9 +199,9 @@ class ToolRecoveryAction(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class ErrorInfo:
-    message: str
+    message: str = attrs.field(validator=attrs.validators.instance_of(str))
     code: str | None = attrs.field(default=None, validator=_optional_non_empty)
-    retryable: bool = False
+    retryable: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 # ---------------------------------------------------------------- events
@@ -217,7 +217,7 @@ class SessionCreated:
 @attrs.frozen(kw_only=True)
 class SessionClosed:
     session_id: str = _id()
-    reason: SessionCloseReason
+    reason: SessionCloseReason = attrs.field(validator=attrs.validators.instance_of(SessionCloseReason))
 
 
 @attrs.frozen(kw_only=True)
@@ -241,13 +241,13 @@ class RequestCompleted:
 @attrs.frozen(kw_only=True)
 class RequestFailed:
     request_id: str = _id()
-    error: ErrorInfo
+    error: ErrorInfo = attrs.field(validator=attrs.validators.instance_of(ErrorInfo))
 
 
 @attrs.frozen(kw_only=True)
 class RequestInterrupted:
     request_id: str = _id()
-    reason: RequestInterruptReason
+    reason: RequestInterruptReason = attrs.field(validator=attrs.validators.instance_of(RequestInterruptReason))
 
 
 @attrs.frozen(kw_only=True)
@@ -261,14 +261,14 @@ class TurnStarted:
 class TurnCompleted:
     request_id: str = _id()
     turn_id: str = _id()
-    has_tool_calls: bool
+    has_tool_calls: bool = attrs.field(validator=attrs.validators.instance_of(bool))
 
 
 @attrs.frozen(kw_only=True)
 class TurnAborted:
     request_id: str = _id()
     turn_id: str = _id()
-    reason: TurnAbortReason
+    reason: TurnAbortReason = attrs.field(validator=attrs.validators.instance_of(TurnAbortReason))
 
 
 @attrs.frozen(kw_only=True)
@@ -292,7 +292,7 @@ class ModelAttemptFailed:
     request_id: str = _id()
     turn_id: str = _id()
     attempt_id: str = _id()
-    error: ErrorInfo
+    error: ErrorInfo = attrs.field(validator=attrs.validators.instance_of(ErrorInfo))
 
 
 @attrs.frozen(kw_only=True)
@@ -300,7 +300,7 @@ class ModelAttemptAborted:
     request_id: str = _id()
     turn_id: str = _id()
     attempt_id: str = _id()
-    reason: ModelAbortReason
+    reason: ModelAbortReason = attrs.field(validator=attrs.validators.instance_of(ModelAbortReason))
 
 
 @attrs.frozen(kw_only=True)
@@ -310,10 +310,10 @@ class ToolScheduled:
     call_id: str = _id()
     tool_name: str = _id()
     model_input: JsonObject = attrs.field(validator=_json_object)
-    side_effect: SideEffect
-    kind: ToolKind
-    interrupt: InterruptBehavior
-    concurrency_safe: bool
+    side_effect: SideEffect = attrs.field(validator=attrs.validators.instance_of(SideEffect))
+    kind: ToolKind = attrs.field(validator=attrs.validators.instance_of(ToolKind))
+    interrupt: InterruptBehavior = attrs.field(validator=attrs.validators.instance_of(InterruptBehavior))
+    concurrency_safe: bool = attrs.field(validator=attrs.validators.instance_of(bool))
     idempotency_key: str = _id()
 
 
@@ -325,8 +325,8 @@ class ToolStarted:
     turn_id: str = _id()
     call_id: str = _id()
     input: JsonObject = attrs.field(validator=_json_object)
-    side_effect: SideEffect
-    synthetic: bool = False
+    side_effect: SideEffect = attrs.field(validator=attrs.validators.instance_of(SideEffect))
+    synthetic: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 @attrs.frozen(kw_only=True)
@@ -335,7 +335,7 @@ class ToolCompleted:
     turn_id: str = _id()
     call_id: str = _id()
     result: JsonObject = attrs.field(validator=_json_object)
-    published: bool = True
+    published: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
 
 @attrs.frozen(kw_only=True)
@@ -344,7 +344,7 @@ class ToolFailed:
     turn_id: str = _id()
     call_id: str = _id()
     result: JsonObject = attrs.field(validator=_json_object)
-    published: bool = True
+    published: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
 
 @attrs.frozen(kw_only=True)
@@ -360,7 +360,7 @@ class ToolOutcomeUnknown:
     request_id: str = _id()
     turn_id: str = _id()
     call_id: str = _id()
-    reason: OutcomeUnknownReason
+    reason: OutcomeUnknownReason = attrs.field(validator=attrs.validators.instance_of(OutcomeUnknownReason))
 
 
 @attrs.frozen(kw_only=True)
@@ -369,7 +369,9 @@ class PermissionRequested:
     turn_id: str = _id()
     call_id: str = _id()
     permission_id: str = _id()
-    message: str | None = None
+    message: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -378,7 +380,7 @@ class PermissionResolved:
     turn_id: str = _id()
     call_id: str = _id()
     permission_id: str = _id()
-    decision: PermissionDecision
+    decision: PermissionDecision = attrs.field(validator=attrs.validators.instance_of(PermissionDecision))
 
 
 @attrs.frozen(kw_only=True)
@@ -408,7 +410,7 @@ class RecoveryDecision:
     request_id: str = _id()
     turn_id: str = _id()
     call_id: str = _id()
-    decision: ToolRecoveryAction
+    decision: ToolRecoveryAction = attrs.field(validator=attrs.validators.instance_of(ToolRecoveryAction))
     reason: str = _id()
 
 
@@ -500,12 +502,19 @@ event_converter.register_unstructure_hook_func(lambda t: t == JsonObject, lambda
 configure_tagged_union(Event, event_converter, tag_generator=event_type_name, tag_name="type")
 
 
-def encode_event(envelope: EventEnvelope) -> dict[str, Any]:
-    """The JSON-compatible dict of an envelope (validated again, so junk is never written)."""
+def encode_event(envelope: EventEnvelope, *, validate: bool = True) -> dict[str, Any]:
+    """The JSON-compatible dict of an envelope.
+
+    Every field of an event is type-checked when the event is built (attrs
+    validators), so junk cannot get this far; ``validate=True`` additionally
+    decodes the result again, proving the round trip (the journal's hot path
+    skips that second pass).
+    """
     if envelope.schema_version != SCHEMA_VERSION:
         raise JournalCorruptError(f"cannot encode schema version {envelope.schema_version!r}")
     data: dict[str, Any] = event_converter.unstructure(envelope, EventEnvelope)
-    decode_event(data)
+    if validate:
+        decode_event(data)
     return data
 
 

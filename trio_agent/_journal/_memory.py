@@ -1,8 +1,9 @@
 """A pure in-memory journal store, for tests and users' tests.
 
 It keeps the same rules as the durable stores (fencing, gapless sequences,
-stream ownership, command ids) and stores encoded text, so what it accepts the
-others accept too. Nothing survives the process. Its clock is injectable:
+stream ownership, command ids). It keeps the event objects themselves (they are
+immutable and were type-checked when built), so nothing is encoded or decoded:
+treat what `read` returns as read-only. Nothing survives the process. Its clock is injectable:
 ``MemoryStore(clock=trio.current_time)`` makes lease expiry follow Trio's
 (mock) clock, which is what lease tests with ``autojump_clock`` want.
 """
@@ -15,6 +16,7 @@ import trio
 from .._errors import (
     CommandConflictError,
     ForeignStreamError,
+    JournalCorruptError,
     LeaseHeldError,
     LeaseLostError,
     SequenceConflictError,
@@ -30,7 +32,6 @@ from ._store import (
     Lease,
     StreamInfo,
     check_ttl,
-    decode_row,
     wall_clock,
 )
 
@@ -40,7 +41,7 @@ __all__ = ["MemoryStore"]
 @attrs.define
 class _Stream:
     session_id: str
-    rows: list[str] = attrs.Factory(list)
+    rows: list[EventEnvelope] = attrs.Factory(list)
     commands: dict[str, CommandRecord] = attrs.Factory(dict)
     changed: trio.Event = attrs.Factory(trio.Event)
 
@@ -99,7 +100,7 @@ class MemoryStore:
             )
         if stream is None:
             stream = self._streams[batch.stream_id] = _Stream(batch.session_id)
-        stream.rows.extend(batch.bodies)
+        stream.rows.extend(batch.envelopes)
         if batch.command_id is not None:
             assert batch.command_digest is not None
             stream.commands[batch.command_id] = CommandRecord(
@@ -121,7 +122,13 @@ class MemoryStore:
         rows = stream.rows[after:]
         if limit is not None:
             rows = rows[:limit]
-        return [decode_row(stream_id, after + 1 + index, body) for index, body in enumerate(rows)]
+        for index, envelope in enumerate(rows):
+            if envelope.stream_id != stream_id or envelope.seq != after + 1 + index:
+                raise JournalCorruptError(
+                    f"stored event {stream_id}#{after + 1 + index} is corrupt: "
+                    f"row holds {envelope.stream_id}#{envelope.seq}"
+                )
+        return list(rows)
 
     async def head(self, stream_id: str) -> int:
         await trio.lowlevel.checkpoint()

@@ -299,6 +299,8 @@ class _State:
     subagents: dict[str, SubagentRecord] = attrs.Factory(dict)
     active_request: str | None = None
     open_turn: str | None = None
+    # Unsettled calls per turn, kept with the tool states so ending a turn need not scan every call.
+    unsettled: dict[str, set[str]] = attrs.Factory(dict)
     running_attempt: str | None = None
 
 
@@ -497,11 +499,9 @@ class Projection:
                 raise self._error(envelope, f"turn {event.turn_id!r} belongs to request {record.request_id!r}")
             if self._s.running_attempt is not None:
                 raise self._error(envelope, f"model attempt {self._s.running_attempt!r} is still running")
-            unsettled = [
-                t.call_id for t in self._s.tools.values() if t.turn_id == event.turn_id and not t.state.settled
-            ]
+            unsettled = self._s.unsettled.get(event.turn_id)
             if unsettled:
-                raise self._error(envelope, f"tool calls {unsettled} are not settled")
+                raise self._error(envelope, f"tool calls {sorted(unsettled)} are not settled")
 
         def mutate() -> None:
             if isinstance(event, TurnStarted):
@@ -571,6 +571,7 @@ class Projection:
             scheduled = event
 
             def create() -> None:
+                self._s.unsettled.setdefault(scheduled.turn_id, set()).add(scheduled.call_id)
                 self._s.tools[scheduled.call_id] = ToolRecord(
                     call_id=scheduled.call_id,
                     request_id=scheduled.request_id,
@@ -624,6 +625,8 @@ class Projection:
         def mutate() -> None:
             assert record is not None
             record.state = new
+            if new.settled:
+                self._s.unsettled.get(record.turn_id, set()).discard(record.call_id)
             record.permission = permission
             record.decision = decision
             record.rerun_allowed = rerun_allowed

@@ -78,6 +78,10 @@ _SCHEMA = (
 )
 
 
+class _Isolate(Exception):
+    """The batched write failed in a way one item may have caused: redo it item by item."""
+
+
 class _Rejected(Exception):
     """Carries a per-item refusal out of a savepoint."""
 
@@ -223,28 +227,207 @@ class SQLiteStore:
     # -- the writer thread
 
     def _commit(self, works: Sequence[Any]) -> list[object]:
+        """One transaction for everything queued: checks in Python, then a few set-wide statements.
+
+        If writing fails unexpectedly (an id the driver cannot encode...), the
+        transaction is rolled back and redone with one savepoint per item, so only
+        the culprit fails.
+        """
         conn = self._writer
         assert conn is not None
+        try:
+            return self._commit_batched(conn, works)
+        except _Isolate:
+            return self._commit_isolated(conn, works)
+        except BaseException as exc:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            error = unavailable(exc, f"journal {self.path}: the transaction failed")
+            return [error] * len(works)
+
+    def _commit_batched(self, conn: sqlite3.Connection, works: Sequence[Any]) -> list[object]:
+        now = self.clock()
+        outcomes: list[object] = []
+        leases: dict[str, tuple[int, float] | None] = {}
+        streams: dict[str, tuple[str, int] | None] = {}
+        commands: dict[tuple[str, str], tuple[str, int, int] | None] = {}
+        rows: list[tuple[str, int, int, str]] = []
+        heads: dict[str, tuple[str, int]] = {}
+        new_commands: list[tuple[str, str, str, int, int]] = []
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            self._prefetch(conn, works, leases, streams)
+            for work in works:
+                if not isinstance(work, AppendBatch):
+                    leases.pop(work.session_id, None)  # the lease row changes now
+                    try:
+                        outcomes.append(self._apply_lease(conn, work, now))
+                    except _Rejected as rejected:
+                        outcomes.append(rejected.error)
+                    continue
+                try:
+                    outcomes.append(self._check_append(conn, work, now, leases, streams, commands))
+                except _Rejected as rejected:
+                    outcomes.append(rejected.error)
+                    continue
+                if outcomes[-1] is not None and getattr(outcomes[-1], "replayed", False):
+                    continue
+                rows.extend(
+                    (work.stream_id, envelope.seq, work.token, body)
+                    for envelope, body in zip(work.envelopes, work.bodies, strict=True)
+                )
+                streams[work.stream_id] = heads[work.stream_id] = (work.session_id, work.last_seq)
+                if work.command_id is not None:
+                    assert work.command_digest is not None
+                    commands[(work.stream_id, work.command_id)] = (work.command_digest, work.first_seq, work.last_seq)
+                    new_commands.append(
+                        (work.stream_id, work.command_id, work.command_digest, work.first_seq, work.last_seq)
+                    )
+            try:
+                conn.executemany("INSERT INTO journal_events(stream_id, seq, token, body) VALUES (?, ?, ?, ?)", rows)
+                conn.executemany(
+                    "INSERT INTO journal_streams(stream_id, session_id, head) VALUES (?, ?, ?)"
+                    " ON CONFLICT(stream_id) DO UPDATE SET head=excluded.head",
+                    [(stream_id, session, head) for stream_id, (session, head) in heads.items()],
+                )
+                conn.executemany(
+                    "INSERT INTO journal_commands(stream_id, command_id, digest, first_seq, last_seq)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    new_commands,
+                )
+            except (UnicodeError, ValueError, TypeError, sqlite3.InterfaceError, sqlite3.IntegrityError) as exc:
+                conn.execute("ROLLBACK")
+                raise _Isolate from exc
+            conn.execute("COMMIT")
+        except _Isolate:
+            raise
+        except BaseException:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            raise
+        return outcomes
+
+    @staticmethod
+    def _prefetch(
+        conn: sqlite3.Connection,
+        works: Sequence[Any],
+        leases: dict[str, tuple[int, float] | None],
+        streams: dict[str, tuple[str, int] | None],
+    ) -> None:
+        """Read the lease and head rows a batch needs with a few ``IN (...)`` queries, not one per append."""
+        session_ids = sorted({w.session_id for w in works if isinstance(w, AppendBatch)})
+        stream_ids = sorted({w.stream_id for w in works if isinstance(w, AppendBatch)})
+        try:
+            for start in range(0, len(session_ids), 500):
+                chunk = session_ids[start : start + 500]
+                for session_id in chunk:
+                    leases[session_id] = None
+                marks = ",".join("?" * len(chunk))
+                query = f"SELECT session_id, token, expires_at FROM journal_leases WHERE session_id IN ({marks})"
+                for row in conn.execute(query, chunk):
+                    leases[row[0]] = (int(row[1]), float(row[2]))
+            for start in range(0, len(stream_ids), 500):
+                chunk = stream_ids[start : start + 500]
+                for stream_id in chunk:
+                    streams[stream_id] = None
+                marks = ",".join("?" * len(chunk))
+                query = f"SELECT stream_id, session_id, head FROM journal_streams WHERE stream_id IN ({marks})"
+                for row in conn.execute(query, chunk):
+                    streams[row[0]] = (str(row[1]), int(row[2]))
+        except (UnicodeError, ValueError, sqlite3.InterfaceError):
+            # An id the driver cannot bind: fall back to per-append lookups, which refuse it alone.
+            leases.clear()
+            streams.clear()
+
+    @staticmethod
+    def _check_append(
+        conn: sqlite3.Connection,
+        batch: AppendBatch,
+        now: float,
+        leases: dict[str, tuple[int, float] | None],
+        streams: dict[str, tuple[str, int] | None],
+        commands: dict[tuple[str, str], tuple[str, int, int] | None],
+    ) -> AppendResult:
+        """The store's four rules for one append, against this transaction's view (cached per batch)."""
+        try:
+            if batch.session_id not in leases:
+                row = conn.execute(
+                    "SELECT token, expires_at FROM journal_leases WHERE session_id=?", (batch.session_id,)
+                ).fetchone()
+                leases[batch.session_id] = None if row is None else (int(row[0]), float(row[1]))
+            if batch.stream_id not in streams:
+                row = conn.execute(
+                    "SELECT session_id, head FROM journal_streams WHERE stream_id=?", (batch.stream_id,)
+                ).fetchone()
+                streams[batch.stream_id] = None if row is None else (str(row[0]), int(row[1]))
+            key = (batch.stream_id, batch.command_id or "")
+            if batch.command_id is not None and key not in commands:
+                row = conn.execute(
+                    "SELECT digest, first_seq, last_seq FROM journal_commands WHERE stream_id=? AND command_id=?", key
+                ).fetchone()
+                commands[key] = None if row is None else (str(row[0]), int(row[1]), int(row[2]))
+        except (UnicodeError, ValueError, sqlite3.InterfaceError) as exc:
+            raise _Rejected(JournalError(f"the store cannot keep this append: {type(exc).__name__}: {exc}")) from exc
+        lease = leases[batch.session_id]
+        if lease is None or lease[0] != batch.token or lease[1] < now:
+            raise _Rejected(
+                StaleFencingTokenError(
+                    f"append to {batch.stream_id!r} with fencing token {batch.token} refused by the store: "
+                    + ("no lease" if lease is None else f"the lease has token {lease[0]}, expires at {lease[1]}")
+                )
+            )
+        stream = streams[batch.stream_id]
+        if stream is not None and stream[0] != batch.session_id:
+            raise _Rejected(
+                ForeignStreamError(
+                    f"stream {batch.stream_id!r} belongs to session {stream[0]!r}, not {batch.session_id!r}"
+                )
+            )
+        if batch.command_id is not None:
+            known = commands[(batch.stream_id, batch.command_id)]
+            if known is not None:
+                if known[0] != batch.command_digest:
+                    raise _Rejected(
+                        CommandConflictError(
+                            f"command {batch.command_id!r} was already applied with different content",
+                            command_id=batch.command_id,
+                        )
+                    )
+                return AppendResult(batch.stream_id, known[1], known[2], replayed=True)
+        head = 0 if stream is None else stream[1]
+        if batch.first_seq != head + 1:
+            raise _Rejected(
+                SequenceConflictError(
+                    f"stream {batch.stream_id!r} is at {head}, the append starts at {batch.first_seq}",
+                    stream_id=batch.stream_id,
+                    expected=batch.first_seq - 1,
+                    actual=head,
+                )
+            )
+        return AppendResult(batch.stream_id, batch.first_seq, batch.last_seq)
+
+    def _commit_isolated(self, conn: sqlite3.Connection, works: Sequence[Any]) -> list[object]:
+        """The fallback: one savepoint per item, so an item that cannot be written fails alone."""
         now = self.clock()
         outcomes: list[object] = []
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for index, work in enumerate(works):
-                savepoint = f"a{index}"
-                conn.execute(f"SAVEPOINT {savepoint}")
+            for work in works:
+                conn.execute("SAVEPOINT item")  # one name: the statement cache keeps it prepared
                 try:
                     if isinstance(work, AppendBatch):
                         outcome: object = self._apply_append(conn, work, now)
                     else:
                         outcome = self._apply_lease(conn, work, now)
                 except _Rejected as rejected:
-                    conn.execute(f"ROLLBACK TO {savepoint}")
+                    conn.execute("ROLLBACK TO item")
                     outcome = rejected.error
                 except (UnicodeError, ValueError, sqlite3.InterfaceError, sqlite3.IntegrityError) as exc:
-                    # Something in this append cannot be stored (an unencodable id...): it fails alone.
-                    conn.execute(f"ROLLBACK TO {savepoint}")
+                    conn.execute("ROLLBACK TO item")
                     outcome = JournalError(f"the store cannot keep this append: {type(exc).__name__}: {exc}")
-                conn.execute(f"RELEASE {savepoint}")
+                conn.execute("RELEASE item")
                 outcomes.append(outcome)
             conn.execute("COMMIT")
         except BaseException as exc:
