@@ -131,6 +131,42 @@ from ._errors import SessionClosedError as SessionClosedError
 from ._errors import SessionError as SessionError
 from ._errors import StaleFencingTokenError as StaleFencingTokenError
 from ._errors import UnknownSubagentError as UnknownSubagentError
+from ._session._hooks import HookAbortedError as HookAbortedError
+from ._session._hooks import HookAction as HookAction
+from ._session._hooks import HookDecision as HookDecision
+from ._session._hooks import HookError as HookError
+from ._session._hooks import HookEvent as HookEvent
+from ._session._hooks import HookInput as HookInput
+from ._session._hooks import HookInterruptedError as HookInterruptedError
+from ._session._hooks import HookOutput as HookOutput
+from ._session._hooks import HookReturnError as HookReturnError
+from ._session._hooks import HookTimeoutError as HookTimeoutError
+from ._session._messages import DoneEvent as DoneEvent
+from ._session._messages import SessionEvent as SessionEvent
+from ._session._messages import SubagentEvent as SubagentEvent
+from ._session._messages import SubagentStatus as SubagentStatus
+from ._session._messages import TextDeltaEvent as TextDeltaEvent
+from ._session._messages import ToolProgressEvent as ToolProgressEvent
+from ._session._messages import ToolResultEvent as ToolResultEvent
+from ._session._messages import ToolUseEvent as ToolUseEvent
+from ._session._messages import UsageEvent as UsageEvent
+from ._session._permissions import PathPolicy as PathPolicy
+from ._session._permissions import PermissionAllow as PermissionAllow
+from ._session._permissions import PermissionAsk as PermissionAsk
+from ._session._permissions import PermissionDeny as PermissionDeny
+from ._session._permissions import PermissionMode as PermissionMode
+from ._session._permissions import PermissionRequest as PermissionRequest
+from ._session._permissions import PermissionRules as PermissionRules
+from ._session._permissions import PermissionUpdate as PermissionUpdate
+from ._session._permissions import ToolFilter as ToolFilter
+from ._session._plugins import MiddlewareConfig as MiddlewareConfig
+from ._session._plugins import Plugin as Plugin
+from ._session._plugins import TrustLevel as TrustLevel
+from ._session._plugins import define_plugin as define_plugin
+from ._session._session import Session as Session
+from ._session._session import SubagentDefinition as SubagentDefinition
+from ._session._session import SubagentHandle as SubagentHandle
+from ._session._session import open_session as open_session
 from .journal import CaughtUp as CaughtUp
 from .journal import DurableEvent as DurableEvent
 from .journal import DurableJournal as DurableJournal
@@ -162,6 +198,7 @@ __all__ = [
     "ContentPart",
     "CursorError",
     "Deny",
+    "DoneEvent",
     "DurableEvent",
     "DurableJournal",
     "Effect",
@@ -173,6 +210,16 @@ __all__ = [
     "FinishChunk",
     "FinishReason",
     "ForeignStreamError",
+    "HookAbortedError",
+    "HookAction",
+    "HookDecision",
+    "HookError",
+    "HookEvent",
+    "HookInput",
+    "HookInterruptedError",
+    "HookOutput",
+    "HookReturnError",
+    "HookTimeoutError",
     "InMemoryToolJournal",
     "InterruptBehavior",
     "InvalidTransitionError",
@@ -190,6 +237,7 @@ __all__ = [
     "MemoryStore",
     "Message",
     "Middleware",
+    "MiddlewareConfig",
     "MiddlewareError",
     "MiddlewareFault",
     "MiddlewareNext",
@@ -207,6 +255,15 @@ __all__ = [
     "NextCalledTwiceError",
     "OpenAIProvider",
     "Operation",
+    "PathPolicy",
+    "PermissionAllow",
+    "PermissionAsk",
+    "PermissionDeny",
+    "PermissionMode",
+    "PermissionRequest",
+    "PermissionRules",
+    "PermissionUpdate",
+    "Plugin",
     "PostStage",
     "Progress",
     "Provider",
@@ -224,9 +281,11 @@ __all__ = [
     "ScheduledCall",
     "SchedulerLimits",
     "SequenceConflictError",
+    "Session",
     "SessionBusyError",
     "SessionClosedError",
     "SessionError",
+    "SessionEvent",
     "Settlement",
     "SettlementError",
     "SettlementStatus",
@@ -236,8 +295,13 @@ __all__ = [
     "StaleFencingTokenError",
     "StreamChunk",
     "StreamInterruptedError",
+    "SubagentDefinition",
+    "SubagentEvent",
+    "SubagentHandle",
+    "SubagentStatus",
     "SystemMessage",
     "TextDelta",
+    "TextDeltaEvent",
     "TextPart",
     "Tool",
     "ToolBehavior",
@@ -253,6 +317,7 @@ __all__ = [
     "ToolErrorType",
     "ToolExecutionRecord",
     "ToolFailure",
+    "ToolFilter",
     "ToolInputError",
     "ToolItem",
     "ToolKind",
@@ -261,22 +326,29 @@ __all__ = [
     "ToolMiddleware",
     "ToolMiddlewareRequest",
     "ToolPipeline",
+    "ToolProgressEvent",
     "ToolResult",
+    "ToolResultEvent",
     "ToolResultMessage",
     "ToolScheduler",
     "ToolSpec",
     "ToolStages",
+    "ToolUseEvent",
     "TrioAgentError",
+    "TrustLevel",
     "UnknownSubagentError",
     "Usage",
     "UsageChunk",
+    "UsageEvent",
     "UserMessage",
     "compose_middleware",
     "create_provider",
+    "define_plugin",
     "define_tool",
     "message_converter",
     "open_journal",
     "open_postgres_store",
+    "open_session",
     "open_sqlite_store",
     "subscribe_durable_events",
 ]

@@ -11,8 +11,13 @@ from ._demo import run_demo
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trio_agent", description="trio_agent command line")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the offline demo (no API key needed)")
-    demo.add_argument("--calls", type=int, default=12, help="how many tool calls to fan out")
+    demo = commands.add_parser("demo", help="run the orchestration demo (offline by default: no API key needed)")
+    demo.add_argument("--calls", type=int, default=6, help="how many notes, one background subagent each (default 6)")
+    demo.add_argument(
+        "--provider", choices=["openai", "anthropic"], default=None, help="run on a real model (needs its API key)"
+    )
+    demo.add_argument("--model", default=None, help="the model name (required with --provider)")
+    demo.add_argument("--journal", default=None, help="keep the SQLite journal at this path (default: a temp file)")
     journal = commands.add_parser("journal", help="inspect a SQLite journal")
     journal_commands = journal.add_subparsers(dest="journal_command", required=True)
     show = journal_commands.add_parser("show", help="print a readable timeline of a journal")
@@ -20,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--session", default=None, help="only this session")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        return run_demo(calls=args.calls)
+        return run_demo(calls=args.calls, provider=args.provider, model=args.model, journal=args.journal)
     if args.command == "journal":
         from ._journal._inspect import show_journal
 

@@ -1,283 +1,620 @@
-"""The offline demo behind ``python -m trio_agent demo``.
+"""The demo behind ``python -m trio_agent demo``: an orchestration on one session.
 
-For now it shows the model service and the tool pipeline: the offline test model
-streams a plan with tool calls, which run concurrently in a nursery through
-audit / redaction / cache middleware over a temporary workspace; one call is
-steered away mid-run; the tool results go back to the model for its final
-answer; a closing summary of the journal follows. No network, no API key.
+A root agent surveys a temporary workspace. It lists the files, fans out one
+background ``summarizer`` subagent per note (the ``task`` tool with
+``background=true``) while it starts a slow ``research`` call, which a user
+message sent with ``priority="now"`` steers away. It waits for the summaries
+with ``task_output``, asks a foreground ``reviewer`` subagent to check the
+configuration file, and writes ``report.md``. Every tool call of every agent
+goes through one middleware stack: the demo's live view, then two plugins
+(``audit``: audit log and redaction of secrets; ``read-cache``: repeated reads
+served from memory). Everything is journalled in a SQLite file; a summary of
+that journal closes the run.
+
+Offline by default: the deterministic test model plays every agent (its replies
+are computed from the conversation, so the data flows through the tools for
+real). ``--provider openai|anthropic --model NAME`` runs the same session on a
+real model (the API key comes from ``OPENAI_API_KEY`` / ``ANTHROPIC_API_KEY``).
+See docs/demo.md.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import re
+import sys
 import tempfile
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import attrs
 import trio
 
-from ._abort import AbortHandle, AbortReason
+from ._errors import ConfigError, TrioAgentError
+from ._journal._events import EventEnvelope, ModelAttemptCompleted, RequestCompleted, ToolStarted
+from ._journal._inspect import summarize_calls
+from ._journal._sqlite import open_sqlite_store
 from ._models._messages import (
     AssistantMessage,
     Message,
     StreamChunk,
-    TextDelta,
-    TextPart,
     ToolCallEnd,
     ToolCallPart,
     ToolResultMessage,
     UserMessage,
 )
-from ._models._service import ModelMiddleware, ModelRequest, ModelService
-from ._models._test_model import Reply, TestModel
-from ._tools._context import CallOrigin, ToolCall, ToolContext, ToolMiddlewareRequest
-from ._tools._definition import SideEffect, ToolKind, define_tool
-from ._tools._lifecycle import InMemoryToolJournal
-from ._tools._pipeline import CallNext, ToolExecutionRecord, ToolPipeline
-from ._tools._results import Progress, ToolItem, ToolMessage, ToolResult
+from ._models._service import ModelMiddleware, ModelRequest, Provider
+from ._models._test_model import Reply, open_test_model
+from ._session._hooks import HookEvent, HookInput, HookOutput
+from ._session._messages import (
+    DoneEvent,
+    SessionEvent,
+    SubagentEvent,
+    SubagentStatus,
+    TextDeltaEvent,
+    ToolProgressEvent,
+    ToolResultEvent,
+    ToolUseEvent,
+    UsageEvent,
+)
+from ._session._plugins import MiddlewareConfig, Plugin, define_plugin
+from ._session._session import Session, SubagentDefinition, SubagentHandle, open_session
+from ._tools._context import ToolContext, ToolMiddlewareRequest
+from ._tools._definition import SideEffect, Tool, ToolKind, define_tool
+from ._tools._pipeline import CallNext
+from ._tools._results import Progress, ToolMessage, ToolResult
 
-_SECRET = re.compile(r"(password|token)=\S+")
+__all__ = ["DEMO_PROMPT", "STEERING_MESSAGE", "run_demo"]
+
+DEMO_PROMPT = "Survey the workspace and write report.md."
+STEERING_MESSAGE = "Skip the research: the summaries are enough."
+ROOT_PROMPT = """You coordinate a survey of a small workspace of text files.
+1. Call list_files.
+2. In ONE reply: start one `summarizer` subagent per file under notes/ with the task tool and
+   background=true (prompt: "Summarize <path>"), and call research on the workspace's theme.
+3. Wait for every summarizer with task_output (block=true).
+4. Run the `reviewer` subagent in the foreground (task tool, no background) with the prompt
+   "Check config/settings.ini for secrets, and spot-check <the first note's path>".
+5. Write report.md with write_report: one line per note, then the review.
+6. Answer with one short paragraph."""
+
+_SECRET = re.compile(r"(password|token)\s*=\s*(?!\[redacted\])[^\s'\"]+")
+_TOPICS = [
+    ("Structured concurrency", "Every task has a parent nursery, so no work outlives the code that started it."),
+    ("Cancel scopes", "A cancel scope stops the work inside it; a shielded scope lets cleanup finish."),
+    ("Memory channels", "Bounded channels give back-pressure: a fast producer waits for a slow consumer."),
+    ("Durable journals", "Every event is committed before anyone acts on it, so a restart can recover."),
+    ("Subagents", "A subagent has its own prompt and tools and reports back to the agent that started it."),
+    ("Middleware", "Middleware wraps every call in layers: audit, redaction and caching compose."),
+    ("Hooks", "Hooks observe the session's lifecycle and may veto what is about to happen."),
+    ("Permissions", "Rules, modes and a handler decide, per call, whether a tool may run."),
+]
 
 
-@attrs.frozen
-class WriteInput:
-    path: str
-    text: str
+# ---------------------------------------------------------------- the workspace and its tools
 
 
-@attrs.frozen
-class ReadInput:
-    path: str
+def _make_workspace(root: Path, notes: int) -> None:
+    (root / "notes").mkdir(parents=True)
+    (root / "config").mkdir()
+    for index in range(notes):
+        title, sentence = _TOPICS[index % len(_TOPICS)]
+        body = "\n".join(
+            [f"# {title}", "", sentence] + [f"Point {k + 1}: {sentence.lower()}" for k in range(index % 3)]
+        )
+        slug = title.lower().replace(" ", "-")
+        (root / "notes" / f"{index + 1:02d}-{slug}.md").write_text(body + "\n")
+    (root / "config" / "settings.ini").write_text(
+        "[service]\nendpoint = https://api.example.com\nuser = demo\npassword=hunter2\n"
+    )
 
 
-@attrs.frozen
-class CountInput:
-    text: str
+_PATH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"path": {"type": "string", "minLength": 1, "description": "a path relative to the workspace"}},
+    "required": ["path"],
+    "additionalProperties": False,
+}
 
 
-@attrs.frozen
-class ResearchInput:
-    topic: str
+def build_tools(workspace: Path, *, research_seconds: float = 30.0) -> list[Tool[Any]]:
+    """The demo's tools over ``workspace``: declared side effects, kinds and affected paths."""
 
-
-def _build_tools(workspace: Path) -> list[Any]:
     def inside(path: str) -> Path:
         return workspace / path
 
-    @define_tool(
-        side_effect=SideEffect.IDEMPOTENT,
-        kind=ToolKind.WRITE,
-        affected_paths=lambda input: [str(inside(input["path"]))],
-    )
-    async def write_note(input: WriteInput, ctx: ToolContext) -> ToolResult:
-        """Write a note into the workspace (same input, same file: idempotent)."""
-        await trio.sleep(0.01)
-        inside(input.path).write_text(input.text)
-        return ToolResult.success(f"wrote {len(input.text)} characters to {input.path}")
+    def paths(input: dict[str, Any]) -> list[str]:
+        return [str(inside(input["path"]))]
 
     @define_tool(
         side_effect=SideEffect.PURE,
         kind=ToolKind.READONLY,
-        affected_paths=lambda input: [str(inside(input["path"]))],
+        input_schema={"type": "object", "properties": {}, "additionalProperties": False},
+        affected_paths=lambda input: [str(workspace)],
     )
-    async def read_note(input: ReadInput, ctx: ToolContext) -> ToolResult:
-        """Read a note from the workspace."""
-        await trio.sleep(0.005)
-        return ToolResult.success(inside(input.path).read_text())
+    async def list_files(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """List every file of the workspace (paths relative to it)."""
 
-    @define_tool(side_effect=SideEffect.PURE, kind=ToolKind.READONLY)
-    async def word_count(input: CountInput, ctx: ToolContext) -> ToolResult:
-        """Count words, reporting progress as it goes."""
-        words = input.text.split()
-        for index in range(0, len(words), 4):
-            await ctx.emit(Progress(f"counted {min(index + 4, len(words))}", index + 4, len(words)))
-            await trio.sleep(0.002)
-        return ToolResult.success(len(words))
+        def walk() -> list[str]:
+            return sorted(str(p.relative_to(workspace)) for p in workspace.rglob("*") if p.is_file())
 
-    @define_tool(side_effect=SideEffect.PURE, kind=ToolKind.READONLY, interrupt="cancel")
-    async def research(input: ResearchInput, ctx: ToolContext) -> ToolResult:
-        """A slow lookup that steering may interrupt."""
-        await ctx.emit(ToolMessage(f"researching {input.topic}"))
-        await trio.sleep(10)
-        return ToolResult.success(f"findings on {input.topic}")
+        files = await trio.to_thread.run_sync(walk)
+        return ToolResult.success("\n".join(files), data={"files": files})
 
-    return [write_note, read_note, word_count, research]
+    @define_tool(side_effect=SideEffect.PURE, kind=ToolKind.READONLY, input_schema=_PATH_SCHEMA, affected_paths=paths)
+    async def read_file(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """Read a text file of the workspace."""
+        text = await trio.Path(inside(input["path"])).read_text()
+        return ToolResult.success(text)
+
+    @define_tool(side_effect=SideEffect.PURE, kind=ToolKind.READONLY, input_schema=_PATH_SCHEMA, affected_paths=paths)
+    async def count_words(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """Count the words and lines of a text file, reporting progress line by line."""
+        lines = (await trio.Path(inside(input["path"])).read_text()).splitlines()
+        words = 0
+        for number, line in enumerate(lines, 1):
+            words += len(line.split())
+            await ctx.emit(Progress(f"line {number}/{len(lines)}", number, len(lines)))
+        return ToolResult.success(f"{words} words, {len(lines)} lines", data={"words": words, "lines": len(lines)})
+
+    @define_tool(
+        side_effect=SideEffect.IDEMPOTENT,  # the same path and text leave the same file
+        kind=ToolKind.WRITE,
+        input_schema={
+            "type": "object",
+            "properties": {"path": {"type": "string", "minLength": 1}, "text": {"type": "string"}},
+            "required": ["path", "text"],
+            "additionalProperties": False,
+        },
+        affected_paths=paths,
+    )
+    async def write_report(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """Write (or overwrite) a text file in the workspace."""
+        await trio.Path(inside(input["path"])).write_text(input["text"])
+        return ToolResult.success(f"wrote {len(input['text'])} characters to {input['path']}")
+
+    @define_tool(
+        side_effect=SideEffect.PURE,
+        kind=ToolKind.READONLY,
+        interrupt="cancel",  # a new user message sent with priority="now" cancels it
+        input_schema={
+            "type": "object",
+            "properties": {"topic": {"type": "string", "minLength": 1}},
+            "required": ["topic"],
+            "additionalProperties": False,
+        },
+    )
+    async def research(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """Research a topic in the (slow) literature; can be interrupted."""
+        await ctx.emit(ToolMessage(f"researching {input['topic']!r}"))
+        await trio.sleep(research_seconds)
+        return ToolResult.success(f"nothing new on {input['topic']!r}")
+
+    return [list_files, read_file, count_words, write_report, research]
 
 
-def _middleware(log: list[str]) -> list[Any]:
+SUMMARIZER = SubagentDefinition(
+    name="summarizer",
+    description="Summarizes one file: its title, size and gist in one line.",
+    system_prompt="Summarize the file you are given in one line: path, word and line counts, title.",
+    tools=["read_file", "count_words"],
+    max_turns=4,
+)
+REVIEWER = SubagentDefinition(
+    name="reviewer",
+    description="Checks configuration files for leaked secrets and spot-checks notes.",
+    system_prompt="Review the files you are given. Report leaked secrets. Be brief.",
+    tools=["read_file", "list_files"],
+    max_turns=4,
+)
+
+
+# ---------------------------------------------------------------- the plugins: audit, redaction, cache
+
+
+@attrs.define
+class AuditLog:
+    """What the ``audit`` and ``read-cache`` plugins saw (shared by every agent's calls)."""
+
+    entries: list[tuple[str, str, bool]] = attrs.Factory(list)  # (agent, tool, ok)
+    redactions: int = 0
+    cache_hits: int = 0
+
+
+def audit_plugins(log: AuditLog) -> list[Plugin]:
+    """``audit`` (audit log outermost, then redaction) and ``read-cache`` (innermost)."""
+
     async def audit(request: ToolMiddlewareRequest, call_next: CallNext) -> ToolResult:
         result = await call_next()
-        log.append(f"audit {request.context.tool_call_id} {request.tool_name} -> {'ok' if result.ok else 'error'}")
+        log.entries.append((request.context.agent_id, request.tool_name, result.ok))
         return result
 
     async def redact(request: ToolMiddlewareRequest, call_next: CallNext) -> ToolResult:
         result = await call_next()
         if isinstance(result.output, str) and _SECRET.search(result.output):
+            log.redactions += 1
             return attrs.evolve(result, output=_SECRET.sub(r"\1=[redacted]", result.output))
         return result
 
     cache: dict[str, ToolResult] = {}
 
-    async def cache_word_count(request: ToolMiddlewareRequest, call_next: CallNext) -> ToolResult:
-        if request.tool_name != "word_count":
+    async def cache_reads(request: ToolMiddlewareRequest, call_next: CallNext) -> ToolResult:
+        if request.tool_name != "read_file":
             return await call_next()
-        key = request.input["text"]
+        key = request.input["path"]
         if key in cache:
-            return cache[key]  # a side-effect-free short-circuit: recorded with a synthetic start
+            log.cache_hits += 1
+            hit = cache[key]  # a short-circuit: the journal records a synthetic start
+            return attrs.evolve(hit, metadata={**hit.metadata, "cache": "hit"})
         result = await call_next()
         if result.ok:
             cache[key] = result
         return result
 
-    return [audit, redact, cache_word_count]
+    return [
+        define_plugin(name="audit", middleware=MiddlewareConfig(tool=[audit, redact])),
+        define_plugin(name="read-cache", middleware=MiddlewareConfig(tool=[cache_reads])),
+    ]
 
 
-def _plan(calls: int) -> list[ToolCall]:
-    texts = ["the quick brown fox jumps over the lazy dog", "trio makes structured concurrency concrete"]
-    plan: list[ToolCall] = []
-    for index in range(calls):
-        match index % 4:
-            case 0:
-                plan.append(
-                    ToolCall(f"c{index}", "write_note", {"path": f"note{index}.txt", "text": "password=hunter2"})
-                )
-            case 1:
-                plan.append(ToolCall(f"c{index}", "word_count", {"text": texts[index % 2]}))
-            case 2:
-                plan.append(ToolCall(f"c{index}", "write_note", {"path": "shared.txt", "text": f"line {index}"}))
-            case _:
-                plan.append(ToolCall(f"c{index}", "word_count", {"text": texts[index % 2]}))
-    plan.append(ToolCall("slow", "research", {"topic": "cancel scopes"}))
-    return plan
+# ---------------------------------------------------------------- the offline script
 
 
-async def _demo(calls: int, out: Any) -> list[ToolExecutionRecord]:
-    log: list[str] = []
-    journal = InMemoryToolJournal()
-    with tempfile.TemporaryDirectory(prefix="trio-agent-demo-") as tmp:
-        workspace = Path(tmp)
-        pipeline = ToolPipeline(
-            _build_tools(workspace), middleware=_middleware(log), lifecycle=journal, workspace=str(workspace)
-        )
-        origin = CallOrigin(session_id="demo", agent_id="root", request_id="r1", turn_id="t1")
-        steering = AbortHandle()
-        records: list[ToolExecutionRecord] = []
+def _results(messages: Sequence[Message], tool: str) -> list[tuple[dict[str, Any], str]]:
+    """``(arguments, result text)`` of every call of ``tool`` in a conversation, in order."""
+    calls: dict[str, dict[str, Any]] = {}
+    found: list[tuple[dict[str, Any], str]] = []
+    for message in messages:
+        if isinstance(message, AssistantMessage):
+            for part in message.parts:
+                if isinstance(part, ToolCallPart) and part.name == tool:
+                    calls[part.id] = part.parsed_arguments()
+        elif isinstance(message, ToolResultMessage) and message.tool_call_id in calls:
+            found.append((calls[message.tool_call_id], message.content))
+    return found
 
-        async def on_item(item: ToolItem) -> None:
-            if isinstance(item, Progress):
-                print(f"  progress  {item.message}", file=out)
-            elif isinstance(item, ToolMessage):
-                print(f"  message   {item.summary}", file=out)
 
-        async def run(call: ToolCall) -> None:
-            record = await pipeline.execute(call, origin, steering=steering, on_item=on_item)
-            records.append(record)
-            print(
-                f"  settled   {call.id:<5} {call.name:<11} {record.status.value:<10} {record.result.output}", file=out
+def _offline_reply(request: ModelRequest) -> Reply:
+    """The test model's reply for every agent: a function of the conversation so far."""
+    agent = str(request.metadata.get("agent_id", "root"))
+    messages = request.messages
+    step = sum(isinstance(message, AssistantMessage) for message in messages)
+    prompt = next((m.content for m in messages if isinstance(m, UserMessage)), "")
+    latency = 0.01  # simulated model time; subagents think a little longer than the root
+    if agent.startswith("summarizer-"):
+        latency = 0.04
+        path = prompt.removeprefix("Summarize ").strip()
+        if step == 0:
+            return Reply("", [("read_file", {"path": path}), ("count_words", {"path": path})], latency=latency)
+        text = _results(messages, "read_file")[0][1]
+        counts = _results(messages, "count_words")[0][1]
+        title = text.splitlines()[0].lstrip("# ") if text else "?"
+        return Reply(f"{path}: {counts}, {title!r}", latency=latency)
+    if agent.startswith("reviewer-"):
+        note = prompt.rsplit(" ", 1)[-1]
+        if step == 0:
+            return Reply(
+                "", [("read_file", {"path": "config/settings.ini"}), ("read_file", {"path": note})], latency=latency
             )
-
-        # The offline test model plans the work: its first reply streams text and tool calls.
-        plan = _plan(calls)
-        model = TestModel(
-            {
-                "demo": [
-                    Reply(
-                        "I will write the notes, count words and research, all at once.",
-                        [(c.name, c.input) for c in plan],
-                    ),
-                    Reply("Done: notes written, words counted; the research was interrupted by you."),
-                ]
-            }
+        config = _results(messages, "read_file")[0][1]
+        secret = next((line for line in config.splitlines() if "password" in line), "no password line")
+        return Reply(
+            f"config/settings.ini shows {secret}, so no secret reaches the model; {note} is intact.", latency=latency
         )
-        service = ModelService(model, [_ChunkCounter(log)])
-        conversation: list[Message] = [UserMessage("Write the notes, count the words and research cancel scopes.")]
-        reply = await _stream_reply(service, conversation, out)
-        planned = [ToolCall(part.id, part.name, part.parsed_arguments()) for part in reply.tool_calls]
-
-        print(f"fanning out {len(planned)} tool calls through audit, redaction and cache middleware", file=out)
-        async with trio.open_nursery() as nursery:
-            for call in planned:
-                nursery.start_soon(run, call)
-            await trio.sleep(0.05)  # let the fan-out get going before the user steers
-            print("  steering  a new user message interrupts the slow research call", file=out)
-            steering.abort(AbortReason.STEERING)
-
-        by_id = {record.call.id: record for record in records}
-        conversation.append(reply)
-        conversation.extend(
-            ToolResultMessage(call.id, str(by_id[call.id].result.output), not by_id[call.id].result.ok)
-            for call in planned
+    # The root agent.
+    if step == 0:
+        return Reply("Let me look at the workspace first.", [("list_files", {})], latency=latency)
+    files = _results(messages, "list_files")[0][1].splitlines()
+    notes = [name for name in files if name.startswith("notes/")]
+    if step == 1:
+        calls: list[tuple[str, Any]] = [
+            ("task", {"subagent": "summarizer", "prompt": f"Summarize {name}", "background": True}) for name in notes
+        ]
+        calls.append(("research", {"topic": "structured concurrency"}))
+        return Reply(
+            f"Starting {len(notes)} summarizers in the background; researching meanwhile.", calls, latency=latency
         )
-        await _stream_reply(service, conversation, out)
-
-        print("second wave: the same word counts again are served by the cache middleware", file=out)
-        async with trio.open_nursery() as nursery:
-            for index, text in enumerate(
-                ["the quick brown fox jumps over the lazy dog", "trio makes structured concurrency concrete"]
-            ):
-                nursery.start_soon(run, ToolCall(f"w2-{index}", "word_count", {"text": text}))
-
-        # A follow-up read sees what the writes left behind (the redaction applied only to results).
-        records.append(await pipeline.execute(ToolCall("final", "read_note", {"path": "note0.txt"}), origin))
-        print(f"  settled   final read_note  {records[-1].result.output}", file=out)
-
-    print("\njournal summary", file=out)
-    statuses = Counter(record.status.value for record in records)
-    print(f"  calls: {len(records)}  " + "  ".join(f"{k}: {v}" for k, v in sorted(statuses.items())), file=out)
-    by_tool: dict[str, list[float]] = {}
-    for record in records:
-        by_tool.setdefault(record.call.name, []).append(record.duration * 1000)
-    for name, durations in sorted(by_tool.items()):
-        print(
-            f"  {name:<11} {len(durations):>3} calls  mean {sum(durations) / len(durations):7.2f} ms"
-            f"  max {max(durations):7.2f} ms",
-            file=out,
+    if step == 2:
+        started = [re.search(r"subagent (\S+);", text) for _, text in _results(messages, "task")]
+        ids = [match.group(1) for match in started if match]
+        return Reply(
+            "Waiting for the summaries.", [("task_output", {"task_id": i, "block": True}) for i in ids], latency=latency
         )
-    synthetic = sum(1 for record in records if record.synthetic_start)
-    print(f"  cache short-circuits (synthetic starts): {synthetic}", file=out)
-    print(f"  journal events: {len(journal.entries)}  audit lines: {len(log)}", file=out)
-    return records
+    if step == 3:
+        review = f"Check config/settings.ini for secrets, and spot-check {notes[0]}"
+        return Reply("Now the review.", [("task", {"subagent": "reviewer", "prompt": review})], latency=latency)
+    if step == 4:
+        summaries = [text.split("\n", 1)[-1] for _, text in _results(messages, "task_output")]
+        review_text = [text for args, text in _results(messages, "task") if args.get("subagent") == "reviewer"]
+        report = "# Workspace report\n\n" + "".join(f"- {line}\n" for line in summaries)
+        report += f"\nReview: {review_text[0] if review_text else 'none'}\n"
+        return Reply("Writing the report.", [("write_report", {"path": "report.md", "text": report})], latency=latency)
+    steered = any(isinstance(m, UserMessage) and m.content == STEERING_MESSAGE for m in messages)
+    research = "the research was interrupted by you" if steered else "the research found nothing new"
+    return Reply(
+        f"Report written to report.md: {len(notes)} notes summarized by background subagents, "
+        f"the configuration reviewed, and {research}.",
+        latency=latency,
+    )
 
 
-class _ChunkCounter(ModelMiddleware):
-    """A model middleware in the demo: counts streamed chunks (request-local state stays in locals)."""
+# ---------------------------------------------------------------- the live view
 
-    def __init__(self, log: list[str]) -> None:
-        self._log = log
+
+def _short(value: Any, limit: int = 70) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class ReplyCounter(ModelMiddleware):
+    """Model middleware (shared by every agent): counts the tool calls of each streamed reply.
+
+    Its count is stored when the reply's stream ends, which is before the session
+    runs (and reports) any of the reply's tool calls.
+    """
+
+    def __init__(self) -> None:
+        self.replies: Counter[str] = Counter()
+        self.tool_calls: dict[str, int] = {}
 
     async def wrap_stream(
         self, request: ModelRequest, next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
     ) -> AsyncIterator[StreamChunk]:
-        count = 0
-        try:
-            async for chunk in next(request):
+        agent = str(request.metadata.get("agent_id", "?"))
+        count = 0  # request-local state lives in locals: one middleware serves every agent at once
+        async for chunk in next(request):
+            if isinstance(chunk, ToolCallEnd):
                 count += 1
-                yield chunk
-        finally:
-            self._log.append(f"model stream: {count} chunks")
+            yield chunk
+        self.tool_calls[agent] = count
+        self.replies[agent] += 1
 
 
-async def _stream_reply(service: ModelService, conversation: list[Message], out: Any) -> AssistantMessage:
-    """Stream one model reply, printing text as it arrives; return the assembled message."""
-    text: list[str] = []
-    calls: list[ToolCallPart] = []
-    print("  model     ", end="", file=out)
-    async with service.stream(conversation, metadata={"conversation_id": "demo"}) as chunks:
-        async for chunk in chunks:
-            if isinstance(chunk, TextDelta):
-                text.append(chunk.text)
-                print(chunk.text, end="", file=out, flush=True)
-            elif isinstance(chunk, ToolCallEnd):
-                calls.append(ToolCallPart(chunk.id, chunk.name, chunk.arguments))
-    print(f"  [{len(calls)} tool calls]" if calls else "", file=out)
-    return AssistantMessage((TextPart("".join(text)), *calls))
+class LiveView:
+    """Prints what happens as it happens, one line per event, the agent in the first column.
+
+    The root agent's session stream gives its text, tool calls and results; subagents'
+    tool calls come from a tool middleware (the stack is shared by every agent); subagent
+    starts from a SubagentStart hook; background completions from their handles.
+    """
+
+    def __init__(self, out: TextIO, root_id: str = "root") -> None:
+        self.out = out
+        self.root_id = root_id
+        self.counter = ReplyCounter()
+        self._text: list[str] = []
+        self._shown = 0  # root replies whose header line was printed
+        self._open: set[str] = set()
+        self._uses = 0  # tool calls of the current root reply seen so far
+        self._research: str | None = None
+        self.research_running = trio.Event()  # set once research runs alone: the moment to steer
+        self.started: list[str] = []  # background task ids, in order
+
+    def line(self, agent: str, text: str) -> None:
+        print(f"  {agent:<14} {text}", file=self.out)
+
+    # -- the root agent's session stream
+
+    def event(self, event: SessionEvent) -> None:
+        if isinstance(event, TextDeltaEvent) and event.agent_id == self.root_id:
+            self._text.append(event.text)
+            return
+        if isinstance(event, UsageEvent):
+            return
+        self._reply_line()
+        if isinstance(event, ToolUseEvent):
+            self._uses += 1
+            self._open.add(event.call_id)
+            if event.tool_name == "research":
+                self._research = event.call_id
+            self.line(event.agent_id, f"→ {event.tool_name} {_short(event.input)}")
+        elif isinstance(event, ToolProgressEvent):
+            item = event.item
+            detail = item.summary if isinstance(item, ToolMessage) else getattr(item, "message", None)
+            self.line(event.agent_id, f"  … {detail or item}")
+        elif isinstance(event, ToolResultEvent):
+            self._open.discard(event.call_id)
+            result = event.result
+            status = "ok" if result.error is None else result.error.type.value
+            self.line(event.agent_id, f"← {event.tool_name} {status}: {_short(result.output)}")
+            data = result.data if isinstance(result.data, dict) else {}
+            if event.tool_name == "task" and data.get("status") == "running":
+                self.started.append(str(data["task_id"]))
+        elif isinstance(event, SubagentEvent) and event.status is not SubagentStatus.RUNNING:
+            self.line(event.subagent_id, f"■ {event.status.value}: {_short(event.summary)}")
+        elif isinstance(event, DoneEvent):
+            self.line(self.root_id, f"■ done ({event.stop_reason}, {event.turns} turns)")
+        all_started = self._uses == self.counter.tool_calls.get(self.root_id, 0)
+        if self._research is not None and all_started and self._open == {self._research}:
+            self.research_running.set()  # every other call of its reply has its result
+
+    def _reply_line(self) -> None:
+        """The root's text, and how many tool calls its reply made, before what follows the reply."""
+        replies = self.counter.replies[self.root_id]
+        if self._shown >= replies and not self._text:
+            return
+        self._shown = replies
+        self._uses = 0
+        text = "".join(self._text).strip()
+        self._text.clear()
+        count = self.counter.tool_calls.get(self.root_id, 0)
+        plural = "" if count == 1 else "s"
+        self.line(self.root_id, f"“{text}”" + (f"  [{count} tool call{plural}]" if count else ""))
+
+    # -- subagents: a tool middleware, a hook, their handles
+
+    async def subagent_calls(self, request: ToolMiddlewareRequest, call_next: CallNext) -> ToolResult:
+        """Session tool middleware (outermost): shows subagents' calls; the root's are on its stream."""
+        agent = request.context.agent_id
+        if agent == self.root_id:
+            return await call_next()
+        self.line(agent, f"→ {request.tool_name} {_short(request.input)}")
+        result = await call_next()
+        status = "ok" if result.error is None else result.error.type.value
+        if result.metadata.get("cache") == "hit":
+            status += " (cache hit)"
+        self.line(agent, f"← {request.tool_name} {status}: {_short(result.output)}")
+        return result
+
+    async def subagent_started(self, input: HookInput) -> HookOutput | None:
+        self.line(input.subagent_id or "?", f"■ started ({input.subagent_type}): {_short(input.prompt or '')}")
+        return None
+
+    async def watch(self, handle: SubagentHandle) -> None:
+        result = await handle.wait()
+        self.line(handle.id, f"■ {handle.status.value}: {_short(result or handle.error or '')}")
 
 
-def run_demo(*, calls: int = 12, out: Any = None) -> int:
-    import sys
+# ---------------------------------------------------------------- the journal summary
 
-    trio.run(_demo, max(1, calls), out or sys.stdout)
+
+async def summarize_journal(path: Path, session_id: str, out: TextIO, *, offline: bool = False) -> dict[str, Any]:
+    """Print (and return) the closing summary of one session of a SQLite journal."""
+    async with open_sqlite_store(path, readonly=True) as store:
+        streams = await store.streams(session_id)
+        envelopes: dict[str, list[EventEnvelope]] = {}
+        for info in streams:
+            envelopes[info.stream_id.split("/", 1)[1]] = list(await store.read(info.stream_id))
+    calls = {agent: summarize_calls(events) for agent, events in envelopes.items()}
+    every = [call for agent_calls in calls.values() for call in agent_calls]
+    outcomes = Counter(call.outcome for call in every)
+    events = sum(len(found) for found in envelopes.values())
+    synthetic = sum(
+        1 for found in envelopes.values() for e in found if isinstance(e.event, ToolStarted) and e.event.synthetic
+    )
+    attempts = [e.event for found in envelopes.values() for e in found if isinstance(e.event, ModelAttemptCompleted)]
+    tokens_in = sum(int(a.response.get("usage", {}).get("input_tokens", 0)) for a in attempts)
+    tokens_out = sum(int(a.response.get("usage", {}).get("output_tokens", 0)) for a in attempts)
+    requests = sum(1 for found in envelopes.values() for e in found if isinstance(e.event, RequestCompleted))
+
+    print("\njournal summary", file=out)
+    print(f"  {path.name}: session {session_id}, {len(envelopes)} agent streams, {events} events", file=out)
+    print(f"  calls: {len(every)}  " + "  ".join(f"{k}: {v}" for k, v in sorted(outcomes.items())), file=out)
+    by_tool: dict[str, list[float]] = {}
+    for call in every:
+        if call.duration is not None:
+            by_tool.setdefault(call.tool_name, []).append(call.duration * 1000)
+    for name, durations in sorted(by_tool.items()):
+        print(
+            f"  {name:<12} {len(durations):>3} calls  mean {sum(durations) / len(durations):8.2f} ms"
+            f"  max {max(durations):8.2f} ms",
+            file=out,
+        )
+    per_agent = ", ".join(f"{agent} {len(found)}" for agent, found in calls.items())
+    print(f"  calls per agent: {per_agent}", file=out)
+    print(f"  requests completed: {requests}  model attempts: {len(attempts)}", file=out)
+    estimated = " (estimated by the test model)" if offline else ""
+    print(f"  tokens: {tokens_in} in, {tokens_out} out{estimated}", file=out)
+    print(f"  cache short-circuits (synthetic starts): {synthetic}", file=out)
+    return {"calls": len(every), "outcomes": dict(outcomes), "streams": len(envelopes), "synthetic": synthetic}
+
+
+# ---------------------------------------------------------------- the run
+
+
+@asynccontextmanager
+async def _provider(provider: str | None, model: str | None) -> AsyncIterator[Provider | str]:
+    if provider is None:
+        async with open_test_model(respond=_offline_reply, model=model or "test-model") as test_model:
+            yield test_model
+    else:
+        yield provider  # created (and closed) by open_session, by name
+
+
+async def _demo(out: TextIO, *, calls: int, provider: str | None, model: str | None, journal: str | None) -> None:
+    with tempfile.TemporaryDirectory(prefix="trio-agent-demo-") as tmp:
+        workspace = Path(tmp) / "workspace"
+        _make_workspace(workspace, calls)
+        journal_path = Path(journal) if journal else Path(tmp) / "journal.db"
+        log = AuditLog()
+        live = LiveView(out)
+        async with _provider(provider, model) as chosen:
+            async with open_session(
+                provider=chosen,
+                model=model,
+                system_prompt=ROOT_PROMPT,
+                tools=build_tools(workspace, research_seconds=30.0 if provider is None else 3.0),
+                plugins=audit_plugins(log),
+                middleware=MiddlewareConfig(model=[live.counter], tool=[live.subagent_calls]),
+                hooks={HookEvent.SUBAGENT_START: [live.subagent_started]},
+                permissions={"allow": ["write_report"]},  # a write: the default mode would ask
+                workspace_roots=[workspace],
+                subagents=[SUMMARIZER, REVIEWER],
+                journal=journal_path,
+            ) as session:
+                print(
+                    f"trio_agent demo: model {session.model}; {calls} notes; session {session.session_id}\n"
+                    f"  workspace {workspace}\n  journal   {journal_path}\n",
+                    file=out,
+                )
+                await _orchestrate(session, live)
+                report = trio.Path(workspace / "report.md")
+                if await report.exists():
+                    lines = (await report.read_text()).splitlines()
+                    print("\nreport.md\n" + "\n".join(f"  | {line}" for line in lines), file=out)
+            session_id = session.session_id
+        await summarize_journal(journal_path, session_id, out, offline=provider is None)
+        print(
+            f"  audit log: {len(log.entries)} entries; redacted results: {log.redactions}; "
+            f"cache hits: {log.cache_hits}",
+            file=out,
+        )
+        if journal:
+            print(f"\ninspect it: python -m trio_agent journal show {journal} --session {session_id}", file=out)
+
+
+async def _orchestrate(session: Session, live: LiveView) -> None:
+    """One request, streamed; a steering message; a watcher per background subagent."""
+    async with trio.open_nursery() as nursery:
+
+        async def steer() -> None:
+            await live.research_running.wait()
+            live.line("you", f"▸ (priority='now') {STEERING_MESSAGE}")
+            await session.send(STEERING_MESSAGE, priority="now")  # joins the running request
+
+        nursery.start_soon(steer)
+        watched = 0
+        live.line("you", f"▸ {DEMO_PROMPT}")
+        async with session.stream(DEMO_PROMPT) as events:
+            async for event in events:
+                live.event(event)
+                while watched < len(live.started):
+                    handle = session.subagents.get(live.started[watched])
+                    if handle is not None:
+                        nursery.start_soon(live.watch, handle)
+                    watched += 1
+        # The answer is in; give background work a moment, then stop waiting (the session
+        # cancels and records whatever still runs when it closes).
+        with trio.move_on_after(5.0):
+            for handle in list(session.subagents.values()):
+                await handle.wait()
+        nursery.cancel_scope.cancel()
+
+
+def run_demo(
+    *,
+    calls: int = 6,
+    out: TextIO | None = None,
+    provider: str | None = None,
+    model: str | None = None,
+    journal: str | None = None,
+) -> int:
+    """Run the demo; returns the exit status (2 for a configuration error such as a missing API key)."""
+    stream = out or sys.stdout
+    if provider is not None and not model:
+        print(f"error: --model is required with --provider {provider}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(functools.partial(_demo, stream, calls=max(1, calls), provider=provider, model=model, journal=journal))
+    except ConfigError as exc:  # e.g. ProviderConfigError: no API key
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except TrioAgentError as exc:  # e.g. a real model refused the request
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     return 0

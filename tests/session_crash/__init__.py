@@ -1,0 +1,1 @@
+"""A worker process for the session crash test (``tests/test_session_durable.py``)."""

@@ -1,0 +1,1244 @@
+"""The permission engine: the decision table row by row, rules, modes, the ask, the path policy and tool filters.
+
+The table under test (``trio_agent/_session/_permissions.py`` and ``docs/permissions.md``)::
+
+    0 tool filter -> 1 behaviour/signature -> 2 path policy -> 3 the tool's check -> 4 deny rules
+    -> 5 plan's hard limit -> 6 tool-level ask -> 7 session approvals -> 8 allow rules -> 9 ask rules
+    -> 10 mode table -> 11 default ask -> 12 hooks, then the handler -> 13 nobody answered: deny
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trio_agent import (
+    AbortHandle,
+    Allow,
+    BehaviorOverride,
+    ConfigError,
+    Deny,
+    ExecutionContext,
+    SideEffect,
+    StageRequest,
+    Tool,
+    ToolErrorType,
+    ToolKind,
+    ToolPipeline,
+    ToolStages,
+    define_tool,
+)
+from trio_agent._journal._events import PermissionDecision
+from trio_agent._session._permissions import (
+    MODE_TABLE,
+    AskReason,
+    Decision,
+    DecisionSource,
+    PathPolicy,
+    PermissionAllow,
+    PermissionAsk,
+    PermissionDeny,
+    PermissionEngine,
+    PermissionMode,
+    PermissionRecord,
+    PermissionRequest,
+    PermissionResult,
+    PermissionRules,
+    PermissionUpdate,
+    Rule,
+    RuleBehavior,
+    ToolFilter,
+)
+from trio_agent.testing import call_tool
+
+# -- helpers -------------------------------------------------------------------
+
+
+async def _echo(input: Any, ctx: Any) -> Any:
+    return input
+
+
+def make_tool(
+    name: str,
+    kind: str = "execute",
+    side_effect: str = "non_idempotent",
+    *,
+    path_key: str | None = None,
+    resolver: Callable[[dict[str, Any]], BehaviorOverride | None] | None = None,
+) -> Tool[Any]:
+    def paths(input: dict[str, Any]) -> list[str]:
+        assert path_key is not None
+        value = input.get(path_key)
+        return [value] if isinstance(value, str) else []
+
+    return define_tool(
+        _echo,
+        name=name,
+        description=f"the {name} tool",
+        kind=kind,
+        side_effect=side_effect,
+        input_schema={"type": "object"},
+        affected_paths=paths if path_key is not None else None,
+        resolve_behavior=resolver,
+    )
+
+
+def bash_resolver(input: dict[str, Any]) -> BehaviorOverride | None:
+    """``ls ...`` is read-only; everything else keeps the static execute / non_idempotent."""
+    if str(input.get("command", "")).startswith("ls"):
+        return BehaviorOverride(side_effect=SideEffect.PURE, kind=ToolKind.READONLY)
+    return None
+
+
+READ = make_tool("Read", "readonly", "pure", path_key="file_path")
+WRITE = make_tool("Write", "write", "idempotent", path_key="file_path")
+BASH = make_tool("Bash", "execute", "non_idempotent", resolver=bash_resolver)
+TASK = make_tool("Task", "readonly", "non_idempotent")
+
+SIGNATURES: dict[str, Callable[[dict[str, Any]], str | None]] = {
+    "Bash": lambda input: str(input.get("command", "")),
+    "Task": lambda input: f"{input.get('subagent_type')}:{input.get('description')}",
+}
+
+_ids = iter(range(1, 1_000_000))
+
+
+def ctx(agent_id: str = "root", abort: AbortHandle | None = None, call_id: str | None = None) -> ExecutionContext:
+    call_id = call_id or f"call-{next(_ids)}"
+    return ExecutionContext(
+        "session-1", agent_id, "request-1", "turn-1", call_id, f"key-{call_id}", abort or AbortHandle(), lambda: None
+    )
+
+
+class Answerer:
+    """A scripted hook or handler: returns *result* (or calls it with the request) and keeps every request."""
+
+    def __init__(
+        self, result: PermissionResult | Callable[[PermissionRequest], Any] | None = None, log: list[str] | None = None
+    ) -> None:
+        self.result = result
+        self.requests: list[PermissionRequest] = []
+        self.log = log
+
+    @property
+    def calls(self) -> int:
+        return len(self.requests)
+
+    async def __call__(self, request: PermissionRequest) -> PermissionResult | None:
+        self.requests.append(request)
+        if self.log is not None:
+            self.log.append(f"answer:{request.signature}")
+        await trio.lowlevel.checkpoint()
+        if callable(self.result):
+            value = self.result(request)
+            return value  # type: ignore[no-any-return]
+        return self.result
+
+
+ASKED = PermissionDeny("asked the handler")
+
+
+def engine(
+    *,
+    allow: tuple[str, ...] = (),
+    ask: tuple[str, ...] = (),
+    deny: tuple[str, ...] = (),
+    mode: PermissionMode | str = PermissionMode.DEFAULT,
+    handler: Any = None,
+    **kwargs: Any,
+) -> PermissionEngine:
+    kwargs.setdefault("signature_content", SIGNATURES)
+    return PermissionEngine(PermissionRules(allow=allow, ask=ask, deny=deny), mode=mode, handler=handler, **kwargs)
+
+
+class Recorder:
+    def __init__(self, log: list[str] | None = None) -> None:
+        self.entries: list[tuple[str, PermissionRecord]] = []
+        self.log = log if log is not None else []
+
+    async def __call__(self, phase: str, record: PermissionRecord) -> None:
+        await trio.lowlevel.checkpoint()
+        self.entries.append((phase, record))
+        outcome = "" if record.outcome is None else f":{record.outcome.value}"
+        self.log.append(f"{phase}{outcome}")
+
+
+# -- rule syntax -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "tool", "tool_prefix", "content", "content_prefix"),
+    [
+        ("*", "", True, None, False),
+        ("Bash", "Bash", False, None, False),
+        ("mcp__github__*", "mcp__github__", True, None, False),
+        ("Bash:*", "Bash", False, None, False),
+        ("Bash:git *", "Bash", False, "git ", True),
+        ("Bash:git status", "Bash", False, "git status", False),
+        ("Task:Explore:find the bug", "Task", False, "Explore:find the bug", False),
+    ],
+)
+def test_rule_parsing(text: str, tool: str, tool_prefix: bool, content: str | None, content_prefix: bool) -> None:
+    rule = Rule.parse(text)
+    assert (rule.tool, rule.tool_prefix, rule.content, rule.content_prefix) == (
+        tool,
+        tool_prefix,
+        content,
+        content_prefix,
+    )
+    assert str(rule) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        (" Bash", "whitespace"),
+        ("Bash ", "whitespace"),
+        ("Ba*sh", "last character"),
+        ("*:rm", "last character"),
+        ("Ba*:x", "last character"),
+        ("Bash:git * --force", "last character"),
+        ("Bash:", "empty content"),
+        (":ls", "not a tool name"),
+        ("Read File", "not a tool name"),
+        ("x" * 65, "not a tool name"),
+        ("Bash:ls\nrm", "control character"),
+        (42, "must be a string"),
+        (None, "must be a string"),
+    ],
+)
+def test_bad_rules_are_config_errors(text: Any, why: str) -> None:
+    with pytest.raises(ConfigError, match=why):
+        Rule.parse(text)
+    with pytest.raises(ConfigError, match=rf"permissions\.allow\[1\].*{why}"):
+        PermissionRules(allow=["Read", text])
+
+
+def test_rules_must_be_lists_not_a_single_string() -> None:
+    with pytest.raises(ConfigError, match="single string 'Bash'"):
+        PermissionRules(deny="Bash")  # a str is an Iterable[str]: caught at runtime
+
+
+@pytest.mark.parametrize(
+    ("lists", "message"),
+    [
+        ({"allow": ["Bash"], "deny": ["Bash"]}, r"'Bash' is in both permissions\.deny and permissions\.allow"),
+        ({"allow": ["Read:*"], "ask": ["Read:*"]}, r"'Read:\*' is in both permissions\.allow and permissions\.ask"),
+        ({"deny": ["Bash"], "ask": ["Bash:*"]}, r"'Bash:\*' is in both permissions\.deny \(as 'Bash'\)"),
+    ],
+)
+def test_the_same_rule_in_two_lists_is_a_conflict(lists: dict[str, list[str]], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        PermissionRules(**lists)
+
+
+def test_repeats_within_one_list_are_dropped_and_overlap_is_not_a_conflict() -> None:
+    rules = PermissionRules(allow=["Read", "Read", "Read:*"], deny=["Bash:rm *"], ask=["Bash"])
+    assert [rule.text for rule in rules.rules(RuleBehavior.ALLOW)] == ["Read"]
+    # Overlapping but different rules are fine: precedence decides.
+    match = rules.match("Bash:rm -rf /")
+    assert match is not None and (match.behavior, match.rule.text) == (RuleBehavior.DENY, "Bash:rm *")
+    match = rules.match("Bash:ls")
+    assert match is not None and match.behavior is RuleBehavior.ASK
+    assert rules.match("Write") is None
+
+
+@pytest.mark.parametrize(
+    ("rule", "signature", "expected"),
+    [
+        ("*", "Read", True),
+        ("*", "Bash:rm -rf /", True),
+        ("Bash", "Bash", True),
+        ("Bash", "Bash:git push", True),
+        ("Bash", "Bashful", False),
+        ("Bash", "Read", False),
+        ("Bash:*", "Bash", True),
+        ("Bash:*", "Bash:ls", True),
+        ("Ba*", "Bash:ls", True),
+        ("Ba*", "Read", False),
+        ("mcp__gh__*", "mcp__gh__create_issue:x", True),
+        ("Bash:git *", "Bash:git push", True),
+        ("Bash:git *", "Bash:gitk", False),
+        ("Bash:git *", "Bash", False),
+        ("Bash:git status", "Bash:git status", True),
+        ("Bash:git status", "Bash:git status --short", False),
+        ("Bash:git status", "Bash", False),
+        ("Read:*", "Read", True),
+        ("Task:Explore:*", "Task:Explore:find it", True),
+        ("Task:Explore:*", "Task:Plan:find it", False),
+    ],
+)
+def test_rule_matching(rule: str, signature: str, expected: bool) -> None:
+    assert Rule.parse(rule).matches(signature) is expected
+
+
+# -- precedence (hypothesis) -------------------------------------------------------
+
+TOOL_NAMES = ["Bash", "Read", "Re", "Write"]
+CONTENTS = ["git status", "git push", "ls", "g"]
+
+
+@st.composite
+def rule_texts(draw: st.DrawFn) -> str:
+    name = draw(st.sampled_from(TOOL_NAMES))
+    content = draw(st.sampled_from(CONTENTS))
+    form = draw(st.integers(0, 5))
+    return ["*", name, f"{name[:-1]}*", f"{name}:*", f"{name}:{content}", f"{name}:{content[:2]}*"][form]
+
+
+def oracle_matches(rule: str, tool: str, content: str | None) -> bool:
+    """An independent statement of the rule syntax, for the property."""
+    if rule == "*":
+        return True
+    if ":" not in rule:
+        return tool.startswith(rule[:-1]) if rule.endswith("*") else tool == rule
+    rule_tool, rule_content = rule.split(":", 1)
+    if rule_tool != tool:
+        return False
+    if rule_content == "*":
+        return True
+    if content is None:
+        return False
+    return content.startswith(rule_content[:-1]) if rule_content.endswith("*") else content == rule_content
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rules=st.lists(st.tuples(rule_texts(), st.sampled_from(["allow", "ask", "deny"])), max_size=8),
+    tool_name=st.sampled_from(TOOL_NAMES),
+    content=st.one_of(st.none(), st.sampled_from(CONTENTS)),
+)
+def test_deny_beats_allow_beats_ask_beats_default(
+    rules: list[tuple[str, str]], tool_name: str, content: str | None
+) -> None:
+    # One list per distinct rule (the same rule in two lists is a conflict, tested above).
+    lists: dict[str, list[str]] = {"allow": [], "ask": [], "deny": []}
+    placed: set[Rule] = set()
+    for text, behavior in rules:
+        if Rule.parse(text) not in placed:
+            placed.add(Rule.parse(text))
+            lists[behavior].append(text)
+    permission_rules = PermissionRules(**lists)
+
+    def matching(behavior: str) -> bool:
+        return any(oracle_matches(text, tool_name, content) for text in lists[behavior])
+
+    expected = "deny" if matching("deny") else "allow" if matching("allow") else "ask" if matching("ask") else None
+    signature = tool_name if content is None else f"{tool_name}:{content}"
+    match = permission_rules.match(signature)
+    assert (None if match is None else match.behavior.value) == expected
+
+    # The engine agrees: an execute tool in default mode, a handler that says which path it saw.
+    handler = Answerer(ASKED)
+    tool = make_tool(tool_name)
+    permissions = PermissionEngine(
+        permission_rules, handler=handler, signature_content={tool_name: lambda _input: content}
+    )
+    decision = trio.run(permissions.decide, tool, {}, ctx())
+    assert decision.signature == signature
+    if expected == "deny":
+        assert (decision.allowed, decision.source, handler.calls) == (False, DecisionSource.RULE, 0)
+    elif expected == "allow":
+        assert (decision.allowed, decision.source, handler.calls) == (True, DecisionSource.RULE, 0)
+    else:
+        assert (decision.allowed, decision.source, decision.message, handler.calls) == (
+            False,
+            DecisionSource.HANDLER,
+            "asked the handler",
+            1,
+        )
+        assert handler.requests[0].reason is (AskReason.RULE if expected == "ask" else AskReason.MODE)
+
+
+# -- row 0: tool filter -------------------------------------------------------------
+
+
+async def test_row0_tool_filter_denies_tools_an_agent_may_not_use() -> None:
+    handler = Answerer(PermissionAllow())
+    filters = {"root": ToolFilter(), "sub-1": ToolFilter(allowed=["Read"])}
+    permissions = engine(mode="bypass", allow=("*",), handler=handler, tool_filter=lambda agent: filters[agent])
+    root = await permissions.decide(WRITE, {"file_path": "a"}, ctx("root"))
+    assert root.allowed
+    sub = await permissions.decide(WRITE, {"file_path": "a"}, ctx("sub-1"))
+    assert (sub.allowed, sub.source) == (False, DecisionSource.FILTER)
+    assert sub.message == "tool 'Write' is not available to agent 'sub-1'"
+    assert (await permissions.decide(READ, {}, ctx("sub-1"))).allowed
+    assert handler.calls == 0
+
+
+# -- row 1: behaviour and signature --------------------------------------------------
+
+
+async def test_row1_a_failing_resolver_or_signature_callable_denies() -> None:
+    def widen(input: dict[str, Any]) -> BehaviorOverride:
+        return BehaviorOverride(kind=ToolKind.EXECUTE)
+
+    bad = make_tool("Bad", "write", "idempotent", resolver=widen)
+    handler = Answerer(PermissionAllow())
+    permissions = engine(mode="bypass", handler=handler)
+    decision = await permissions.decide(bad, {}, ctx())
+    assert (decision.allowed, decision.source) == (False, DecisionSource.TOOL)
+    assert decision.message is not None and "widened kind" in decision.message
+
+    def boom(input: dict[str, Any]) -> str:
+        raise KeyError("command")
+
+    for content in (boom, lambda input: 42):
+        permissions = engine(mode="bypass", handler=handler, signature_content={"Bash": content})
+        decision = await permissions.decide(BASH, {}, ctx())
+        assert (decision.allowed, decision.source) == (False, DecisionSource.TOOL)
+        assert decision.message is not None and "signature content of tool 'Bash' failed" in decision.message
+    assert handler.calls == 0
+
+
+STRICT = define_tool(
+    _echo,
+    name="Strict",
+    description="needs a command",
+    kind="execute",
+    side_effect="non_idempotent",
+    input_schema={
+        "type": "object",
+        "properties": {"command": {"type": "string"}},
+        "required": ["command"],
+        "additionalProperties": False,
+    },
+)
+
+
+async def test_row1_validation_applies_in_every_mode_and_nobody_is_asked() -> None:
+    handler = Answerer(PermissionAllow())
+    for mode in PermissionMode:
+        permissions = engine(mode=mode, allow=("*",), handler=handler)
+        decision = await permissions.decide(STRICT, {"command": 3}, ctx())
+        assert (decision.allowed, decision.source) == (False, DecisionSource.VALIDATION), mode
+        assert decision.message is not None and decision.message.startswith("invalid input for tool 'Strict': at ")
+        stage = decision.to_stage_decision()
+        assert isinstance(stage, Deny) and (stage.type, stage.code) == (ToolErrorType.VALIDATION, "invalid_input")
+    assert handler.calls == 0
+    # An answer's updated input is validated too.
+    handler.result = PermissionAllow(updated_input={"command": "ls", "extra": 1})
+    decision = await engine(handler=handler).decide(STRICT, {"command": "ls"}, ctx())
+    assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.VALIDATION, True)
+
+
+async def test_signature_content_mapping_callable_and_tool_attribute() -> None:
+    by_map = engine()
+    assert by_map.signature(BASH, {"command": "git status"}) == "Bash:git status"
+    assert by_map.signature(BASH, {"command": ""}) == "Bash"  # empty content: no content
+    assert by_map.signature(READ, {"file_path": "x"}) == "Read"
+    assert by_map.signature(TASK, {"subagent_type": "Explore", "description": "find"}) == "Task:Explore:find"
+
+    by_fn = PermissionEngine(signature_content=lambda name, input: input.get("q"))
+    assert by_fn.signature(READ, {"q": "x"}) == "Read:x"
+    assert by_fn.signature(READ, {}) == "Read"
+
+    class Fetch(Tool[Any]):
+        def signature_content(self, input: dict[str, Any]) -> str:
+            return str(input["url"])
+
+    fields = ("description", "input_schema", "side_effect", "kind", "interrupt", "concurrency_safe", "run")
+    fetch = Fetch(name="Fetch", **{field: getattr(READ, field) for field in fields})
+    assert PermissionEngine().signature(fetch, {"url": "https://x"}) == "Fetch:https://x"
+
+
+# -- row 2: path policy ------------------------------------------------------------------
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> dict[str, Path]:
+    root = tmp_path / "ws"
+    other_root = tmp_path / "ws2"
+    outside = tmp_path / "outside"
+    for directory in (root / "src", other_root, outside):
+        directory.mkdir(parents=True)
+    (root / "src" / "main.py").write_text("print(1)\n")
+    (outside / "secret.txt").write_text("secret\n")
+    os.symlink(outside, root / "escape")  # a directory link out
+    os.symlink(outside / "secret.txt", root / "secret-link")  # a file link out
+    os.symlink(outside / "not-yet.txt", root / "dangling")  # a dangling link out
+    os.symlink(root / "src", root / "src-link")  # a link that stays inside
+    os.symlink(root, tmp_path / "ws-alias")  # a root reached through a link
+    return {"root": root, "other": other_root, "outside": outside, "alias": tmp_path / "ws-alias"}
+
+
+@pytest.mark.parametrize(
+    ("path", "problem"),
+    [
+        ("src/main.py", None),
+        ("src/new/deep/file.py", None),  # missing parents: resolved from the deepest existing one
+        ("src-link/main.py", None),  # a symlink that stays inside
+        ("./src/./main.py", None),
+        ("../outside/secret.txt", "contains a '..' component"),
+        ("src/../src/main.py", "contains a '..' component"),  # even one that stays inside
+        ("src\\..\\..\\x", "contains a '..' component"),
+        ("escape/secret.txt", "escapes the workspace through a symlink"),
+        ("escape/new-file.txt", "escapes the workspace through a symlink"),
+        ("secret-link", "escapes the workspace through a symlink"),
+        ("dangling", "escapes the workspace through a symlink"),  # writing it would create a file outside
+        ("", "empty"),
+        ("src/\x00x", "NUL byte"),
+    ],
+)
+def test_path_policy_relative_paths(workspace: dict[str, Path], path: str, problem: str | None) -> None:
+    policy = PathPolicy([workspace["root"], workspace["other"]])
+    violation = policy.violation(path)
+    if problem is None:
+        assert violation is None
+    else:
+        assert violation is not None and problem in violation
+
+
+def test_path_policy_absolute_paths_and_several_roots(workspace: dict[str, Path]) -> None:
+    policy = PathPolicy([workspace["root"], workspace["other"]])
+    assert policy.violation(str(workspace["root"] / "src" / "main.py")) is None
+    assert policy.violation(str(workspace["other"] / "notes.md")) is None  # the second root
+    assert policy.violation(str(workspace["alias"] / "src" / "main.py")) is None  # through a link to a root
+    outside = policy.violation(str(workspace["outside"] / "secret.txt"))
+    assert outside is not None and "is outside the workspace roots" in outside
+    assert policy.violation("/etc/passwd") is not None
+    assert policy.check(["src/main.py", "/etc/passwd", "../x"]) == policy.violation("/etc/passwd")
+    assert policy.check(["src/main.py"]) is None
+
+
+def test_path_policy_root_given_through_a_symlink(workspace: dict[str, Path]) -> None:
+    policy = PathPolicy(workspace["alias"])
+    assert policy.workspace_roots == (str(workspace["alias"]),)
+    assert policy.violation("src/main.py") is None
+    assert policy.violation(str(workspace["root"] / "src" / "main.py")) is None  # the real location
+    escape = policy.violation("escape/secret.txt")
+    assert escape is not None and "symlink" in escape
+
+
+def test_path_policy_configuration_errors() -> None:
+    with pytest.raises(ConfigError, match="at least one workspace root"):
+        PathPolicy([])
+    with pytest.raises(ConfigError, match="non-empty path"):
+        PathPolicy([""])
+    with pytest.raises(ConfigError, match="must be a path"):
+        PathPolicy([42])  # type: ignore[list-item]
+
+
+async def test_row2_path_policy_denies_in_every_mode_even_with_allow_rules(workspace: dict[str, Path]) -> None:
+    handler = Answerer(PermissionAllow())
+    for mode in PermissionMode:
+        permissions = engine(mode=mode, allow=("*",), handler=handler, path_policy=PathPolicy([workspace["root"]]))
+        decision = await permissions.decide(WRITE, {"file_path": "escape/x"}, ctx())
+        assert (decision.allowed, decision.source) == (False, DecisionSource.PATH_POLICY), mode
+        assert decision.message is not None and "symlink" in decision.message
+    assert handler.calls == 0
+    # And the path is fine: the allow rule decides.
+    inside = await permissions.decide(WRITE, {"file_path": "src/new.py"}, ctx())
+    assert (inside.allowed, inside.source) == (True, DecisionSource.RULE)
+
+
+async def test_row2_failing_affected_paths_denies(workspace: dict[str, Path]) -> None:
+    async def run(input: Any, ctx: Any) -> None:
+        return None
+
+    def paths(input: dict[str, Any]) -> list[str]:
+        raise ValueError("no path")
+
+    tool = define_tool(
+        run, name="Edit", description="edit", kind="write", side_effect="non_idempotent",
+        input_schema={"type": "object"}, affected_paths=paths,
+    )  # fmt: skip
+    decision = await engine(mode="bypass").decide(tool, {}, ctx())
+    assert (decision.allowed, decision.source) == (False, DecisionSource.PATH_POLICY)
+    assert decision.message is not None and "affected paths of tool 'Edit' failed" in decision.message
+
+
+# -- row 3: the tool's own check ------------------------------------------------------------
+
+
+async def test_row3_tool_deny_is_final_and_skips_hooks_and_handler() -> None:
+    hook, handler = Answerer(PermissionAllow()), Answerer(PermissionAllow())
+    checks = {"Bash": lambda input: PermissionDeny("never run rm", stop_loop=True)}
+    permissions = engine(mode="bypass", allow=("Bash",), hooks=[hook], handler=handler, tool_checks=checks)
+    decision = await permissions.decide(BASH, {"command": "rm -rf /"}, ctx())
+    assert (decision.allowed, decision.source, decision.message, decision.stop_loop) == (
+        False, DecisionSource.TOOL, "never run rm", True,
+    )  # fmt: skip
+    assert (hook.calls, handler.calls) == (0, 0)
+    stage = decision.to_stage_decision()
+    assert stage == Deny("never run rm", ToolErrorType.PERMISSION_DENIED, "stop_loop")
+
+
+async def test_row3_tool_ask_survives_rules_approvals_and_bypass_and_is_answered_only_by_asking() -> None:
+    log: list[str] = []
+    handler = Answerer(PermissionAllow(remember=True), log)
+    checks = {"Bash": lambda input: PermissionAsk("this command deletes files")}
+    for mode in PermissionMode:
+        if mode is PermissionMode.PLAN:
+            continue  # plan denies Bash (execute) before anyone is asked
+        permissions = engine(mode=mode, allow=("Bash",), handler=handler, tool_checks=checks)
+        permissions.remember("Bash:rm x")
+        first = await permissions.decide(BASH, {"command": "rm x"}, ctx())
+        # Asked although an allow rule, a remembered approval and the mode would all allow.
+        assert (first.allowed, first.source, first.asked) == (True, DecisionSource.HANDLER, True), mode
+        request = handler.requests[-1]
+        assert (request.reason, request.message) == (AskReason.TOOL, "this command deletes files")
+        # The handler's "remember" does not silence the tool's own ask: the next call asks again.
+        calls = handler.calls
+        await permissions.decide(BASH, {"command": "rm x"}, ctx())
+        assert handler.calls == calls + 1
+    # With nobody to answer, the tool's ask is a deny even in bypass.
+    lonely = engine(mode="bypass", allow=("Bash",), tool_checks=checks)
+    decision = await lonely.decide(BASH, {"command": "rm x"}, ctx())
+    assert (decision.allowed, decision.source) == (False, DecisionSource.NO_ANSWER)
+
+
+async def test_row3_tool_allow_with_updated_input_is_not_final_and_is_rechecked(workspace: dict[str, Path]) -> None:
+    handler = Answerer(ASKED)
+    checks = {"Write": lambda input: PermissionAllow(updated_input={**input, "file_path": input["file_path"].strip()})}
+    permissions = engine(handler=handler, tool_checks=checks, path_policy=PathPolicy(workspace["root"]))
+    # Normalised input; not a final allow: write in default mode still asks.
+    original = {"file_path": " src/a.py "}
+    decision = await permissions.decide(WRITE, original, ctx())
+    assert handler.requests[-1].input == {"file_path": "src/a.py"}
+    assert (decision.allowed, decision.source) == (False, DecisionSource.HANDLER)
+    # The path policy runs again on the updated input.
+    escaped = await permissions.decide(WRITE, {"file_path": " escape/x "}, ctx())
+    assert (escaped.allowed, escaped.source) == (False, DecisionSource.PATH_POLICY)
+    assert escaped.input == {"file_path": "escape/x"}
+
+
+async def test_row3_async_check_raising_check_and_junk_deny() -> None:
+    async def async_check(input: dict[str, Any]) -> PermissionResult | None:
+        await trio.lowlevel.checkpoint()
+        return None
+
+    allowed = await engine(mode="bypass", tool_checks={"Bash": async_check}).decide(BASH, {"command": "x"}, ctx())
+    assert (allowed.allowed, allowed.source) == (True, DecisionSource.MODE)
+
+    def raising(input: dict[str, Any]) -> None:
+        raise RuntimeError("check exploded")
+
+    for check, text in ((raising, "check exploded"), (lambda input: True, "returned True")):
+        decision = await engine(mode="bypass", tool_checks={"Bash": check}).decide(BASH, {"command": "x"}, ctx())
+        assert (decision.allowed, decision.source) == (False, DecisionSource.TOOL)
+        assert decision.message is not None and text in decision.message
+
+
+async def test_row3_check_permissions_attribute_on_a_tool_object() -> None:
+    class Guarded(Tool[Any]):
+        def check_permissions(self, input: dict[str, Any]) -> PermissionResult | None:
+            return PermissionDeny("guarded") if input.get("danger") else None
+
+    guarded = Guarded(
+        name="Guarded", description="d", input_schema={"type": "object"}, side_effect=SideEffect.PURE,
+        kind=ToolKind.READONLY, interrupt=READ.interrupt, concurrency_safe=True, run=_echo,
+    )  # fmt: skip
+    permissions = engine()
+    assert (await permissions.decide(guarded, {}, ctx())).allowed
+    denied = await permissions.decide(guarded, {"danger": True}, ctx())
+    assert (denied.allowed, denied.message) == (False, "guarded")
+
+
+# -- row 4: deny rules -------------------------------------------------------------------------
+
+
+async def test_row4_deny_rules_hold_in_every_mode_and_beat_allow() -> None:
+    handler = Answerer(PermissionAllow())
+    for mode in PermissionMode:
+        permissions = engine(mode=mode, allow=("Bash",), deny=("Bash:rm *",), handler=handler)
+        decision = await permissions.decide(BASH, {"command": "rm -rf build"}, ctx())
+        assert (decision.allowed, decision.source, decision.rule) == (False, DecisionSource.RULE, "Bash:rm *"), mode
+        assert decision.message == "Bash:rm -rf build is denied by rule 'Bash:rm *'"
+    assert handler.calls == 0
+
+
+async def test_row4_session_deny_rules_from_updates() -> None:
+    permissions = engine(mode="bypass")
+    assert (await permissions.decide(BASH, {"command": "curl x"}, ctx())).allowed
+    permissions.apply_updates([PermissionUpdate.add("Bash:curl *", behavior="deny")])
+    decision = await permissions.decide(BASH, {"command": "curl x"}, ctx())
+    assert (decision.allowed, decision.rule) == (False, "Bash:curl *")
+    permissions.apply_updates([PermissionUpdate.remove("Bash:curl *", behavior="deny")])
+    assert (await permissions.decide(BASH, {"command": "curl x"}, ctx())).allowed
+
+
+# -- row 5: plan's hard limit -------------------------------------------------------------------
+
+
+async def test_row5_plan_denies_non_read_only_whatever_would_allow_it() -> None:
+    hook, handler = Answerer(PermissionAllow()), Answerer(PermissionAllow())
+    permissions = engine(mode="plan", allow=("Write", "Bash"), hooks=hook, handler=handler)
+    permissions.remember("Write")
+    permissions.apply_updates([PermissionUpdate.add("Bash")])
+    for tool, input in ((WRITE, {"file_path": "a"}), (BASH, {"command": "make"})):
+        decision = await permissions.decide(tool, input, ctx())
+        assert (decision.allowed, decision.source) == (False, DecisionSource.MODE)
+        assert decision.message is not None and "plan mode denies" in decision.message
+    assert (hook.calls, handler.calls) == (0, 0)
+    # Read-only by resolved behaviour passes: `ls` narrows Bash to readonly.
+    listing = await permissions.decide(BASH, {"command": "ls -la"}, ctx())
+    assert (listing.allowed, listing.source) == (True, DecisionSource.SESSION)
+    assert (await permissions.decide(READ, {}, ctx())).allowed
+
+
+async def test_plan_still_denies_after_a_handler_allow() -> None:
+    # The handler allows with input that resolves to a non-read-only call: stages 0-5 run again and deny.
+    handler = Answerer(PermissionAllow(updated_input={"command": "rm -rf /"}))
+    permissions = engine(mode="plan", ask=("Bash:ls*",), handler=handler)
+    decision = await permissions.decide(BASH, {"command": "ls"}, ctx())
+    assert handler.calls == 1
+    assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.MODE, True)
+    assert decision.input == {"command": "rm -rf /"}
+
+    # The mode switched to plan while the handler was deciding: its allow does not stand either.
+    def switch_then_allow(request: PermissionRequest) -> PermissionAllow:
+        permissions.mode = PermissionMode.PLAN
+        return PermissionAllow()
+
+    permissions = engine(mode="default", handler=Answerer(switch_then_allow))
+    decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+    assert (decision.allowed, decision.source) == (False, DecisionSource.MODE)
+
+
+# -- rows 7 and 8: session approvals and allow rules ------------------------------------------
+
+
+@pytest.mark.parametrize("rule", ["Read", "Read:*", "Re*", "*"])
+async def test_row8_an_allow_rule_skips_the_handler(rule: str) -> None:
+    handler = Answerer(ASKED)
+    permissions = engine(allow=(rule,), ask=() if rule == "*" else ("*",), handler=handler)
+    decision = await permissions.decide(READ, {}, ctx())
+    assert (decision.allowed, decision.source, decision.rule, decision.asked) == (
+        True,
+        DecisionSource.RULE,
+        rule,
+        False,
+    )
+    assert handler.calls == 0
+
+
+async def test_row8_allow_rule_beats_the_mode_for_execute_tools() -> None:
+    handler = Answerer(ASKED)
+    permissions = engine(allow=("Bash:git *",), handler=handler)
+    assert (await permissions.decide(BASH, {"command": "git push"}, ctx())).allowed
+    other = await permissions.decide(BASH, {"command": "make"}, ctx())
+    assert (other.allowed, other.source, handler.calls) == (False, DecisionSource.HANDLER, 1)
+
+
+async def test_row7_remember_and_rule_updates_let_later_calls_skip_the_handler() -> None:
+    answers = [
+        PermissionAllow(remember=True),
+        PermissionAllow(rule_updates=[PermissionUpdate.add("Bash:git *")]),
+    ]
+    handler = Answerer(lambda request: answers.pop(0) if answers else ASKED)
+    permissions = engine(handler=handler)
+
+    first = await permissions.decide(BASH, {"command": "make test"}, ctx())
+    assert (first.allowed, first.source, handler.calls) == (True, DecisionSource.HANDLER, 1)
+    assert permissions.approved_signatures == {"Bash:make test"}
+    again = await permissions.decide(BASH, {"command": "make test"}, ctx())
+    assert (again.allowed, again.source, handler.calls) == (True, DecisionSource.SESSION, 1)
+    # The approval is exact: another command asks.
+    await permissions.decide(BASH, {"command": "git status"}, ctx())
+    assert handler.calls == 2
+    assert [rule.text for rule in permissions.session_allow_rules] == ["Bash:git *"]
+    later = await permissions.decide(BASH, {"command": "git log"}, ctx())
+    assert (later.allowed, later.source, later.rule, handler.calls) == (True, DecisionSource.SESSION, "Bash:git *", 2)
+    # Removing the session rule makes calls ask again; forget_session drops the approval too.
+    permissions.apply_updates([PermissionUpdate.remove("Bash:git *")])
+    asked = await permissions.decide(BASH, {"command": "git log"}, ctx())
+    assert (asked.allowed, asked.source, handler.calls) == (False, DecisionSource.HANDLER, 3)
+    permissions.forget_session()
+    assert permissions.approved_signatures == frozenset()
+
+
+async def test_a_session_allow_never_lifts_a_configured_deny() -> None:
+    permissions = engine(mode="bypass", deny=("Bash",))
+    permissions.apply_updates([PermissionUpdate.add("Bash")])
+    permissions.remember("Bash:ls")
+    decision = await permissions.decide(BASH, {"command": "ls"}, ctx())
+    assert (decision.allowed, decision.source) == (False, DecisionSource.RULE)
+
+
+async def test_session_layer_moves_rules_between_allow_and_deny() -> None:
+    permissions = engine()
+    permissions.apply_updates([PermissionUpdate.add("Bash:curl *")])
+    permissions.apply_updates([PermissionUpdate.add("Bash:curl *", behavior="deny")])
+    assert [r.text for r in permissions.session_deny_rules] == ["Bash:curl *"]
+    assert permissions.session_allow_rules == ()
+
+
+# -- rows 9-11: ask rules, the mode table, the default ask ---------------------------------------
+
+# The mode table, pinned independently of MODE_TABLE: "allow", "ask" or "deny" per (mode, kind).
+EXPECTED_MODES = {
+    ("default", "readonly"): "allow", ("default", "write"): "ask", ("default", "execute"): "ask",
+    ("accept_edits", "readonly"): "allow", ("accept_edits", "write"): "allow", ("accept_edits", "execute"): "ask",
+    ("plan", "readonly"): "allow", ("plan", "write"): "deny", ("plan", "execute"): "deny",
+    ("bypass", "readonly"): "allow", ("bypass", "write"): "allow", ("bypass", "execute"): "allow",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("mode", "kind"), sorted(EXPECTED_MODES))
+async def test_row10_mode_table(mode: str, kind: str) -> None:
+    handler = Answerer(ASKED)
+    tool = make_tool("Tool", kind, "pure")
+    decision = await engine(mode=mode, handler=handler).decide(tool, {}, ctx())
+    expected = EXPECTED_MODES[(mode, kind)]
+    assert MODE_TABLE[PermissionMode(mode)][ToolKind(kind)].value == expected
+    if expected == "allow":
+        assert (decision.allowed, decision.source, handler.calls) == (True, DecisionSource.MODE, 0)
+    elif expected == "deny":
+        assert (decision.allowed, decision.source, handler.calls) == (False, DecisionSource.MODE, 0)
+    else:
+        assert (decision.allowed, decision.source, handler.calls) == (False, DecisionSource.HANDLER, 1)
+        assert handler.requests[0].reason is AskReason.MODE  # row 11: the default ask
+
+
+async def test_row9_ask_rules_beat_the_mode_allow_except_in_bypass() -> None:
+    handler = Answerer(PermissionAllow())
+    permissions = engine(ask=("Read",), handler=handler)
+    decision = await permissions.decide(READ, {}, ctx())
+    assert (decision.allowed, decision.source, handler.calls) == (True, DecisionSource.HANDLER, 1)
+    assert (handler.requests[0].reason, handler.requests[0].rule) == (AskReason.RULE, "Read")
+    permissions.mode = PermissionMode.BYPASS
+    bypassed = await permissions.decide(READ, {}, ctx())
+    assert (bypassed.allowed, bypassed.source, handler.calls) == (True, DecisionSource.MODE, 1)
+
+
+async def test_resolved_behaviour_picks_the_mode_cell() -> None:
+    handler = Answerer(ASKED)
+    permissions = engine(handler=handler)
+    listing = await permissions.decide(BASH, {"command": "ls"}, ctx())  # narrowed to readonly
+    assert (listing.allowed, listing.source) == (True, DecisionSource.MODE)
+    building = await permissions.decide(BASH, {"command": "make"}, ctx())
+    assert (building.allowed, handler.calls) == (False, 1)
+    request = handler.requests[0]
+    assert (request.tool_kind, request.side_effect) == (ToolKind.EXECUTE, SideEffect.NON_IDEMPOTENT)
+
+
+# -- row 12: hooks, then the handler -----------------------------------------------------------
+
+
+async def test_row12_hooks_then_handler_first_decision_wins() -> None:
+    log: list[str] = []
+    silent, asking = Answerer(None, log), Answerer(PermissionAsk("not mine"), log)
+    allowing, handler = Answerer(PermissionAllow(), log), Answerer(ASKED, log)
+    permissions = engine(hooks=[silent, asking, allowing], handler=handler)
+    decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+    assert (decision.allowed, decision.source) == (True, DecisionSource.HOOK)
+    assert (silent.calls, asking.calls, allowing.calls, handler.calls) == (1, 1, 1, 0)
+
+    denying = Answerer(PermissionDeny("hook says no", stop_loop=True))
+    permissions = engine(hooks=[silent, denying], handler=handler)
+    decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+    assert (decision.allowed, decision.source, decision.message, decision.stop_loop) == (
+        False, DecisionSource.HOOK, "hook says no", True,
+    )  # fmt: skip
+    assert handler.calls == 0
+
+    permissions = engine(hooks=[silent, asking], handler=handler)
+    decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+    assert (decision.source, handler.calls) == (DecisionSource.HANDLER, 1)
+
+
+async def test_row12_handler_sees_the_request_and_updates_the_input() -> None:
+    handler = Answerer(lambda request: PermissionAllow(updated_input={"command": "git status --short"}))
+    permissions = engine(handler=handler)
+    original = {"command": "git status"}
+    decision = await permissions.decide(BASH, original, ctx(agent_id="sub-7", call_id="call-42"))
+    request = handler.requests[0]
+    assert (request.tool_name, request.signature, request.mode, request.reason) == (
+        "Bash", "Bash:git status", PermissionMode.DEFAULT, AskReason.MODE,
+    )  # fmt: skip
+    assert (request.agent_id, request.session_id, request.tool_call_id, request.permission_id) == (
+        "sub-7", "session-1", "call-42", "call-42:permission",
+    )  # fmt: skip
+    assert request.input == original and request.input is not original  # the handler gets a copy
+    assert (decision.allowed, decision.input, decision.signature) == (
+        True, {"command": "git status --short"}, "Bash:git status --short",
+    )  # fmt: skip
+    assert decision.to_stage_decision(original) == Allow({"command": "git status --short"})
+    assert original == {"command": "git status"}
+
+
+async def test_row12_an_updated_input_is_screened_again(workspace: dict[str, Path]) -> None:
+    handler = Answerer(PermissionAllow(updated_input={"file_path": "escape/x"}, remember=True))
+    permissions = engine(handler=handler, deny=("Bash:rm *",), path_policy=PathPolicy(workspace["root"]))
+    decision = await permissions.decide(WRITE, {"file_path": "src/a.py"}, ctx())
+    assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.PATH_POLICY, True)
+    assert permissions.approved_signatures == frozenset()  # an allow that did not stand applies nothing
+
+    handler.result = PermissionAllow(updated_input={"command": "rm -rf /"})
+    decision = await permissions.decide(BASH, {"command": "echo hi"}, ctx())
+    assert (decision.allowed, decision.source, decision.rule) == (False, DecisionSource.RULE, "Bash:rm *")
+
+
+async def test_row12_a_raising_or_misbehaving_answerer_denies() -> None:
+    async def raising(request: PermissionRequest) -> PermissionResult:
+        raise RuntimeError("handler exploded")
+
+    async def junk(request: PermissionRequest) -> Any:
+        return True
+
+    for bad, text in ((raising, "handler exploded"), (junk, "returned True")):
+        later = Answerer(PermissionAllow())
+        permissions = engine(hooks=[bad], handler=later)
+        decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+        assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.ERROR, True)
+        assert decision.message is not None and text in decision.message
+        assert later.calls == 0  # fail closed: nobody after it is asked
+
+
+# -- row 13: nobody to answer -------------------------------------------------------------------
+
+
+async def test_row13_ask_with_nobody_to_answer_denies() -> None:
+    recorder = Recorder()
+    permissions = engine(record=recorder)
+    decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+    assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.NO_ANSWER, False)
+    assert decision.message == "Write needs permission (mode) and there is no permission handler to ask"
+    assert recorder.entries == []  # nothing was asked, nothing recorded
+
+    permissions = engine(record=recorder, hooks=[Answerer(None)])
+    decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+    assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.NO_ANSWER, True)
+    assert decision.message is not None and decision.message.endswith("; denied")
+    assert recorder.log == ["requested", "resolved:deny"]
+
+
+# -- deadline and abort ---------------------------------------------------------------------------
+
+
+async def test_a_hanging_handler_is_denied_at_the_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    async def hang(request: PermissionRequest) -> PermissionResult:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    recorder = Recorder()
+    permissions = engine(handler=hang, record=recorder)
+    assert permissions.ask_timeout == 600.0
+    start = trio.current_time()
+    decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+    assert trio.current_time() - start == pytest.approx(600.0)
+    assert (decision.allowed, decision.source, decision.outcome) == (
+        False, DecisionSource.TIMEOUT, PermissionDecision.DENY,
+    )  # fmt: skip
+    assert decision.message == "permission request for Write got no answer within 600 s"
+    assert recorder.log == ["requested", "resolved:deny"]
+
+
+async def test_the_deadline_is_configurable_and_covers_hooks_and_handler(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def slow_hook(request: PermissionRequest) -> None:
+        await trio.sleep(4)
+
+    async def slow_handler(request: PermissionRequest) -> PermissionResult:
+        await trio.sleep(4)
+        return PermissionAllow()
+
+    permissions = engine(hooks=[slow_hook], handler=slow_handler, ask_timeout=5)
+    start = trio.current_time()
+    decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+    assert decision.source is DecisionSource.TIMEOUT
+    assert trio.current_time() - start == pytest.approx(5.0)
+
+
+async def test_an_answer_after_the_deadline_is_refused(autojump_clock: trio.testing.MockClock) -> None:
+    async def ignores_cancellation(request: PermissionRequest) -> PermissionResult:
+        with trio.CancelScope(shield=True):
+            await trio.sleep(700)
+        return PermissionAllow()
+
+    decision = await engine(handler=ignores_cancellation).decide(WRITE, {"file_path": "a"}, ctx())
+    assert (decision.allowed, decision.source) == (False, DecisionSource.TIMEOUT)
+
+
+async def test_the_calls_abort_cancels_the_ask() -> None:
+    started = trio.Event()
+    seen: list[AbortHandle] = []
+
+    async def waits(request: PermissionRequest) -> PermissionResult:
+        seen.append(request.abort)
+        started.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    recorder = Recorder()
+    abort = AbortHandle()
+    permissions = engine(handler=waits, record=recorder)
+    result: list[Decision] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run() -> None:
+            result.append(await permissions.decide(WRITE, {"file_path": "a"}, ctx(abort=abort)))
+
+        nursery.start_soon(run)
+        await started.wait()
+        abort.abort(message="the user pressed stop")
+    (decision,) = result
+    assert seen == [abort]
+    assert (decision.allowed, decision.source, decision.outcome) == (
+        False, DecisionSource.ABORT, PermissionDecision.CANCEL,
+    )  # fmt: skip
+    assert decision.message == "permission request cancelled: the user pressed stop"
+    assert recorder.log == ["requested", "resolved:cancel"]
+
+
+async def test_an_already_aborted_call_is_not_asked() -> None:
+    handler, recorder = Answerer(PermissionAllow()), Recorder()
+    abort = AbortHandle()
+    abort.abort()
+    decision = await engine(handler=handler, record=recorder).decide(WRITE, {"file_path": "a"}, ctx(abort=abort))
+    assert (decision.allowed, decision.source, handler.calls, recorder.entries) == (
+        False, DecisionSource.ABORT, 0, [],
+    )  # fmt: skip
+
+
+async def test_outside_cancellation_records_cancel_and_propagates() -> None:
+    started = trio.Event()
+
+    async def waits(request: PermissionRequest) -> PermissionResult:
+        started.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    recorder = Recorder()
+    permissions = engine(handler=waits, record=recorder)
+    finished: list[Decision] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run() -> None:
+            finished.append(await permissions.decide(WRITE, {"file_path": "a"}, ctx()))
+
+        nursery.start_soon(run)
+        await started.wait()
+        nursery.cancel_scope.cancel()
+    assert finished == []  # trio.Cancelled went on; no decision came back
+    assert recorder.log == ["requested", "resolved:cancel"]
+    assert recorder.entries[1][1].decision is not None
+    assert recorder.entries[1][1].decision.source is DecisionSource.ABORT
+
+
+# -- recording ---------------------------------------------------------------------------------
+
+
+async def test_record_wraps_the_ask_and_updates_apply_after_resolved() -> None:
+    log: list[str] = []
+    permissions: PermissionEngine
+
+    class CheckingRecorder(Recorder):
+        async def __call__(self, phase: str, record: PermissionRecord) -> None:
+            # Nothing is remembered until the resolution is durable.
+            log.append(f"approved-before-{phase}:{sorted(permissions.approved_signatures)}")
+            await super().__call__(phase, record)
+
+    recorder = CheckingRecorder(log)
+    handler = Answerer(PermissionAllow(remember=True), log)
+    permissions = engine(handler=handler, record=recorder)
+    decision = await permissions.decide(BASH, {"command": "make"}, ctx(call_id="call-9"))
+    assert log == [
+        "approved-before-requested:[]",
+        "requested",
+        "answer:Bash:make",
+        "approved-before-resolved:[]",
+        "resolved:allow",
+    ]
+    assert permissions.approved_signatures == {"Bash:make"}
+    (requested_phase, requested), (resolved_phase, resolved) = recorder.entries
+    assert (requested_phase, resolved_phase) == ("requested", "resolved")
+    assert requested.permission_id == resolved.permission_id == decision.permission_id == "call-9:permission"
+    assert requested.decision is None and resolved.decision is decision
+    # A decision that did not ask is not recorded.
+    await permissions.decide(BASH, {"command": "make"}, ctx())
+    assert len(recorder.entries) == 2
+
+
+async def test_a_failing_record_propagates_and_nothing_is_asked_or_applied() -> None:
+    class Broken(Exception):
+        pass
+
+    async def fail_requested(phase: str, record: PermissionRecord) -> None:
+        raise Broken(phase)
+
+    handler = Answerer(PermissionAllow(remember=True))
+    with pytest.raises(Broken, match="requested"):
+        await engine(handler=handler, record=fail_requested).decide(WRITE, {"file_path": "a"}, ctx())
+    assert handler.calls == 0
+
+    async def fail_resolved(phase: str, record: PermissionRecord) -> None:
+        if phase == "resolved":
+            raise Broken(phase)
+
+    permissions = engine(handler=handler, record=fail_resolved)
+    with pytest.raises(Broken, match="resolved"):
+        await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+    assert (handler.calls, permissions.approved_signatures) == (1, frozenset())
+
+
+# -- the pipeline stage ----------------------------------------------------------------------------
+
+
+async def test_as_stage_in_a_real_pipeline() -> None:
+    received: list[dict[str, Any]] = []
+
+    async def run(input: Any, tool_ctx: Any) -> str:
+        received.append(input)
+        return "ran"
+
+    bash = define_tool(
+        run, name="Bash", description="shell", kind="execute", side_effect="non_idempotent",
+        input_schema={"type": "object"}, resolve_behavior=bash_resolver,
+    )  # fmt: skip
+
+    def answer(request: PermissionRequest) -> PermissionResult:
+        command = request.input["command"]
+        if command == "stop":
+            return PermissionDeny("the user stopped the agent", stop_loop=True)
+        if command == "deny":
+            return PermissionDeny("no")
+        return PermissionAllow(updated_input={"command": command + " --dry-run"})
+
+    permissions = engine(handler=Answerer(answer), deny=("Bash:rm *",))
+    pipeline = ToolPipeline([bash], stages=ToolStages(permission=[permissions.as_stage()]))
+
+    allowed = await call_tool(pipeline, "Bash", {"command": "make"})
+    assert allowed.result.ok and received == [{"command": "make --dry-run"}]
+    for command, message, code in (
+        ("rm -rf /", "Bash:rm -rf / is denied by rule 'Bash:rm *'", None),
+        ("deny", "no", None),
+        ("stop", "the user stopped the agent", "stop_loop"),
+    ):
+        record = await call_tool(pipeline, "Bash", {"command": command})
+        assert record.result.error is not None
+        assert (record.result.error.type, record.result.error.message, record.result.error.code) == (
+            ToolErrorType.PERMISSION_DENIED, message, code,
+        )  # fmt: skip
+        assert not record.tool_ran
+    assert len(received) == 1
+
+
+async def test_as_stage_passes_unchanged_input_as_none() -> None:
+    stage = engine(mode="bypass").as_stage()
+    input = {"command": "make"}
+    decision = await stage(StageRequest(BASH, input, ctx(), BASH.behavior))
+    assert decision == Allow(None)
+
+
+async def test_abort_during_the_ask_inside_the_pipeline_settles_interrupted() -> None:
+    started = trio.Event()
+
+    async def waits(request: PermissionRequest) -> PermissionResult:
+        started.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    recorder = Recorder()
+    permissions = engine(handler=waits, record=recorder)
+    pipeline = ToolPipeline([WRITE], stages=ToolStages(permission=[permissions.as_stage()]))
+    abort = AbortHandle()
+    records: list[Any] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run() -> None:
+            records.append(await call_tool(pipeline, "Write", {"file_path": "a"}, abort=abort))
+
+        nursery.start_soon(run)
+        await started.wait()
+        abort.abort()
+    (record,) = records
+    assert record.result.error is not None and record.result.error.type is ToolErrorType.INTERRUPTED
+    assert recorder.log == ["requested", "resolved:cancel"]
+
+
+# -- results, updates, engine configuration ----------------------------------------------------
+
+
+def test_result_and_update_validation() -> None:
+    with pytest.raises(ConfigError, match="needs a message"):
+        PermissionDeny("")
+    with pytest.raises(ConfigError, match="updated_input must be a JSON object"):
+        PermissionAllow(updated_input=["x"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="PermissionUpdate objects"):
+        PermissionAllow(rule_updates=["Bash"])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match="not ask rules"):
+        PermissionUpdate.add("Bash", behavior="ask")
+    with pytest.raises(ConfigError, match="'\\*' is only allowed"):
+        PermissionUpdate.add("Ba*sh")
+    with pytest.raises(ConfigError, match="is empty"):
+        PermissionUpdate.add()
+    with pytest.raises(ConfigError, match="'add' or 'remove'"):
+        PermissionUpdate("replace", ("Bash",))  # type: ignore[arg-type]
+    update = PermissionUpdate.add("Bash:git *", "Read", behavior="deny")
+    assert ([r.text for r in update.rules], update.behavior, update.action) == (
+        ["Bash:git *", "Read"], RuleBehavior.DENY, "add",
+    )  # fmt: skip
+
+
+def test_engine_configuration_errors() -> None:
+    with pytest.raises(ConfigError, match="permission mode must be one of"):
+        PermissionEngine(mode="yolo")
+    with pytest.raises(ConfigError, match="ask_timeout"):
+        PermissionEngine(ask_timeout=0)
+    with pytest.raises(ConfigError, match="handler must be an async callable"):
+        PermissionEngine(handler="allow")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="hook #1 is not callable"):
+        PermissionEngine(hooks=[Answerer(), None])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match="rules must be PermissionRules"):
+        PermissionEngine({"allow": ["Bash"]})  # type: ignore[arg-type]
+    permissions = PermissionEngine(mode="accept_edits")
+    assert permissions.mode is PermissionMode.ACCEPT_EDITS
+    with pytest.raises(ConfigError):
+        permissions.mode = "nope"
+    assert permissions.mode is PermissionMode.ACCEPT_EDITS
+
+
+# -- tool filter ----------------------------------------------------------------------------------
+
+
+def test_tool_filter_none_means_all_and_empty_means_none() -> None:
+    names = {"Read", "Write", "Bash"}
+    assert ToolFilter().filter(names) == names
+    assert ToolFilter(allowed=[]).filter(names) == set()
+    assert ToolFilter(allowed=["Read", "Task"]).filter(names) == {"Read"}
+    assert ToolFilter(disallowed=None).filter(names) == names
+    assert ToolFilter(disallowed=[]).filter(names) == names
+    assert ToolFilter(allowed=["Read", "Write"], disallowed=["Write"]).filter(names) == {"Read"}
+    assert ToolFilter(disallowed=["Bash"]).allows("Read") and not ToolFilter(disallowed=["Bash"]).allows("Bash")
+
+
+@pytest.mark.parametrize(
+    ("session", "subagent", "expected"),
+    [
+        (ToolFilter(), ToolFilter(), {"Read", "Write", "Bash"}),
+        (ToolFilter(), ToolFilter(allowed=["Read"]), {"Read"}),
+        (ToolFilter(allowed=["Read", "Write"]), ToolFilter(), {"Read", "Write"}),  # None inherits the session's
+        (ToolFilter(allowed=["Read", "Write"]), ToolFilter(allowed=["Write", "Bash"]), {"Write"}),
+        (ToolFilter(allowed=["Read"]), ToolFilter(allowed=[]), set()),  # empty is none, for subagents too
+        (ToolFilter(disallowed=["Bash"]), ToolFilter(allowed=["Bash", "Read"]), {"Read"}),
+        (ToolFilter(allowed=["Read", "Bash"]), ToolFilter(disallowed=["Read"]), {"Bash"}),
+    ],
+)
+def test_tool_filter_intersection_for_subagents(session: ToolFilter, subagent: ToolFilter, expected: set[str]) -> None:
+    names = {"Read", "Write", "Bash"}
+    combined = session.intersect(subagent)
+    assert combined.filter(names) == expected
+    assert combined.filter(names) == session.filter(names) & subagent.filter(names)
+    assert subagent.intersect(session).filter(names) == expected
+
+
+def test_tool_filter_validation() -> None:
+    with pytest.raises(ConfigError, match="single string 'Read'"):
+        ToolFilter(allowed="Read")
+    with pytest.raises(ConfigError, match="is not a tool name"):
+        ToolFilter(disallowed=["Read", ""])
+    with pytest.raises(ConfigError, match="is not a tool name"):
+        ToolFilter(allowed=[3])  # type: ignore[list-item]

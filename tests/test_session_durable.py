@@ -1,0 +1,547 @@
+"""Durable requests: what is committed before what, failed writes, subscriptions, and recovery after kill -9.
+
+SQLite journals are opened by path (the session owns the store) and read back
+through a fresh store after the session closed, so "durable" means "on disk".
+The crash test runs a real worker process (``tests/session_crash/worker.py``),
+SIGKILLs it while two tool calls are running and reopens the session here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from session_crash.worker import PROMPT, make_tools, read_ledger
+
+from trio_agent import (
+    AssistantMessage,
+    CaughtUp,
+    DoneEvent,
+    DurableEvent,
+    JournalCursor,
+    LeaseLostError,
+    MemoryStore,
+    ModelRequest,
+    ModelResponse,
+    RequestAbortedError,
+    SettlementError,
+    SideEffect,
+    TextPart,
+    ToolCallPart,
+    ToolResultEvent,
+    ToolResultMessage,
+    ToolUseEvent,
+    TrioAgentError,
+    UserMessage,
+    define_tool,
+    open_session,
+    open_sqlite_store,
+)
+from trio_agent.journal import (
+    ModelAttemptStarted,
+    RecoveryDecision,
+    RequestAccepted,
+    RequestCompleted,
+    RequestInterrupted,
+    RequestInterruptReason,
+    SessionClosed,
+    ToolCompleted,
+    ToolOutcomeUnknown,
+    ToolRecoveryAction,
+    ToolStarted,
+    TurnAborted,
+    TurnAbortReason,
+    TurnStarted,
+)
+from trio_agent.testing import FaultyStore, Reply, TestModel
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "session_crash" / "worker.py"
+OBJECT: dict[str, Any] = {"type": "object"}
+
+
+async def stored_events(path: Path, stream_id: str) -> list[Any]:
+    """The committed events of one stream, read through a fresh SQLite store."""
+    async with open_sqlite_store(path) as store:
+        return [envelope.event for envelope in await store.read(stream_id)]
+
+
+def of_type(events: list[Any], kind: type) -> list[Any]:
+    return [event for event in events if isinstance(event, kind)]
+
+
+class ProbingProvider:
+    """Wraps a `TestModel`; awaits ``probe(request)`` right before the model is asked."""
+
+    name = "probing"
+
+    def __init__(self, inner: TestModel, probe: Callable[[ModelRequest], Awaitable[None]]) -> None:
+        self.inner = inner
+        self.model = inner.model
+        self.probe = probe
+
+    def with_model(self, model: str) -> ProbingProvider:
+        return ProbingProvider(self.inner.with_model(model), self.probe)
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:  # pragma: no cover - the session streams
+        await self.probe(request)
+        return await self.inner.chat(request)
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[Any]:
+        return self._stream(request)
+
+    async def _stream(self, request: ModelRequest) -> AsyncIterator[Any]:
+        await self.probe(request)
+        async for chunk in self.inner.stream(request):
+            yield chunk
+
+
+# ---------------------------------------------------------------- what is durable when
+
+
+async def test_request_accepted_is_durable_before_the_stream_yields(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    model = TestModel({"hello": [Reply(text="hi")]})
+    async with open_session(provider=model, journal=path) as session:
+        stream_id = session.journal.stream_id()
+        async with session.stream("hello") as events:
+            # Nothing consumed yet: the acceptance is already committed (read back through the store).
+            committed = [e.event for e in await session.journal.store.read(stream_id)]
+            accepted = of_type(committed, RequestAccepted)
+            assert [e.input for e in accepted] == [{"prompt": "hello"}]
+            seen = [event async for event in events]
+        assert isinstance(seen[-1], DoneEvent) and seen[-1].request_id == accepted[0].request_id
+    on_disk = await stored_events(path, stream_id)
+    assert [type(e).__name__ for e in on_disk[-2:]] == ["RequestCompleted", "SessionClosed"]
+
+
+async def test_a_request_whose_acceptance_cannot_be_written_never_runs() -> None:
+    store = FaultyStore(MemoryStore())
+    model = TestModel(default=Reply(text="should not run"))
+    async with open_session(provider=model, journal=store) as session:
+        store.fail_next("before")
+        with pytest.raises(TrioAgentError) as caught:
+            await session.send("hello")
+        assert not isinstance(caught.value, BaseExceptionGroup)
+        assert model.requests == []
+        committed = [e.event for e in await store.inner.read(session.journal.stream_id())]
+        assert of_type(committed, RequestAccepted) == []
+
+
+async def test_turns_and_model_attempts_are_committed_before_the_provider_is_called(tmp_path: Path) -> None:
+    @define_tool(name="noop", description="n", input_schema=OBJECT, side_effect=SideEffect.PURE, kind="readonly")
+    async def noop(input: dict[str, Any], ctx: Any) -> str:
+        return "nothing"
+
+    holder: list[Any] = []
+    at_call: list[list[Any]] = []
+
+    async def probe(request: ModelRequest) -> None:
+        session = holder[0]
+        at_call.append([e.event for e in await session.journal.store.read(session.journal.stream_id())])
+
+    inner = TestModel({"go": [Reply(tool_calls=[("noop", {})]), Reply(text="done")]})
+    async with open_session(provider=ProbingProvider(inner, probe), tools=[noop], journal=tmp_path / "j.db") as session:
+        holder.append(session)
+        session.set_model("second-model")
+        assert await session.send("go") == "done"
+    assert len(at_call) == 2
+    for turn, committed in enumerate(at_call, start=1):
+        started, attempt = committed[-2:]
+        assert isinstance(started, TurnStarted) and started.turn == turn
+        assert isinstance(attempt, ModelAttemptStarted) and attempt.turn_id == started.turn_id
+        assert attempt.model == "second-model" == inner.requests[turn - 1].model
+    # The second call came after the first turn's tool settled.
+    assert of_type(at_call[1], ToolCompleted) and not of_type(at_call[0], ToolCompleted)
+
+
+async def test_request_interrupted_is_durable_before_abort_returns(tmp_path: Path) -> None:
+    started = trio.Event()
+
+    @define_tool(name="wait", description="w", input_schema=OBJECT, side_effect=SideEffect.IDEMPOTENT, kind="readonly")
+    async def wait(input: dict[str, Any], ctx: Any) -> str:
+        started.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    path = tmp_path / "j.db"
+    model = TestModel({"go": [Reply(tool_calls=[("wait", {})])]})
+    async with open_session(provider=model, tools=[wait], journal=path) as session:
+        stream_id = session.journal.stream_id()
+        async with trio.open_nursery() as nursery:
+
+            async def run() -> None:
+                with pytest.raises(RequestAbortedError):
+                    await session.send("go")
+
+            nursery.start_soon(run)
+            await started.wait()
+            await session.abort()
+            committed = [e.event for e in await session.journal.store.read(stream_id)]
+            assert [e.reason for e in of_type(committed, RequestInterrupted)] == [RequestInterruptReason.USER_ABORT]
+            assert [e.reason for e in of_type(committed, TurnAborted)] == [TurnAbortReason.REQUEST_INTERRUPTED]
+            assert [type(e).__name__ for e in committed if "Tool" in type(e).__name__][-1] == "ToolCancelled"
+    on_disk = await stored_events(path, stream_id)
+    assert of_type(on_disk, RequestInterrupted)
+
+
+# ---------------------------------------------------------------- failed writes
+
+
+def settlement_breaking_tool(store: FaultyStore) -> Any:
+    @define_tool(name="pay", description="p", input_schema=OBJECT, side_effect=SideEffect.IDEMPOTENT, kind="readonly")
+    async def pay(input: dict[str, Any], ctx: Any) -> str:
+        store.fail_next("before")  # the next write is this call's settlement
+        return "paid"
+
+    return pay
+
+
+async def test_a_failed_settlement_publishes_nothing_and_fails_the_request() -> None:
+    store = FaultyStore(MemoryStore())
+    model = TestModel({"pay": [Reply(tool_calls=[("pay", {})]), Reply(text="must not be reached")]})
+    seen: list[Any] = []
+    async with open_session(provider=model, tools=[settlement_breaking_tool(store)], journal=store) as session:
+        with pytest.raises(TrioAgentError) as caught:
+            async with session.stream("pay") as events:
+                async for event in events:
+                    seen.append(event)
+        assert not isinstance(caught.value, BaseExceptionGroup)
+        stream_id = session.journal.stream_id()
+    assert store.failed == 1
+    assert any(isinstance(e, ToolUseEvent) for e in seen)
+    assert not any(isinstance(e, ToolResultEvent) for e in seen)  # nothing was published
+    assert len(model.requests) == 1  # the model never saw a result
+    committed = [e.event for e in await store.inner.read(stream_id)]
+    assert of_type(committed, ToolStarted) and not of_type(committed, ToolCompleted)
+
+
+async def test_a_failed_settlement_fails_the_request_with_settlement_error() -> None:
+    store = FaultyStore(MemoryStore())
+    model = TestModel({"pay": [Reply(tool_calls=[("pay", {})]), Reply(text="must not be reached")]})
+    async with open_session(provider=model, tools=[settlement_breaking_tool(store)], journal=store) as session:
+        with pytest.raises(SettlementError):
+            await session.send("pay")
+
+
+async def test_lease_lost_error_from_a_tool_call_ends_the_session_with_lease_lost_error() -> None:
+    @define_tool(name="fenced", description="f", input_schema=OBJECT, side_effect=SideEffect.PURE, kind="readonly")
+    async def fenced(input: dict[str, Any], ctx: Any) -> str:
+        raise LeaseLostError("the downstream service saw a newer fencing token")
+
+    model = TestModel({"go": [Reply(tool_calls=[("fenced", {})]), Reply(text="must not be reached")]})
+    with pytest.raises(LeaseLostError):
+        async with open_session(provider=model, tools=[fenced]) as session:
+            await session.send("go")
+    assert len(model.requests) == 1
+
+
+async def test_losing_the_lease_ends_the_session_with_lease_lost_error(autojump_clock: trio.testing.MockClock) -> None:
+    store = MemoryStore(clock=trio.current_time)
+    started = trio.Event()
+    cancelled: list[str] = []
+
+    @define_tool(name="wait", description="w", input_schema=OBJECT, side_effect=SideEffect.IDEMPOTENT, kind="readonly")
+    async def wait(input: dict[str, Any], ctx: Any) -> str:
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.append("wait")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    model = TestModel({"go": [Reply(tool_calls=[("wait", {})])]})
+    with pytest.raises(LeaseLostError) as caught:
+        async with open_session(provider=model, tools=[wait], journal=store, lease_ttl=3.0) as session:
+            stream_id = session.journal.stream_id()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(session.send, "go")
+                await started.wait()
+                head = await store.head(stream_id)
+                # Another process takes the session over.
+                await store.release_lease(session.journal.lease)
+                await store.acquire_lease(session.session_id, "another-owner", 60.0)
+                await trio.sleep_forever()
+    assert type(caught.value) is LeaseLostError
+    assert cancelled == ["wait"]
+    # The fenced-out owner wrote nothing after the takeover (not even session_closed).
+    assert await store.head(stream_id) == head
+
+
+# ---------------------------------------------------------------- subscriptions
+
+
+async def test_subscribe_durable_events_replays_then_goes_live() -> None:
+    model = TestModel(default=Reply(text="answer"))
+    async with open_session(provider=model) as session:
+        await session.send("first")
+        replayed: list[Any] = []
+        live: list[Any] = []
+        async with session.subscribe_durable_events(after=0) as subscription:
+            async for item in subscription:
+                if isinstance(item, CaughtUp):
+                    caught_up = item.cursor
+                    break
+                replayed.append(item)
+            assert [type(e.envelope.event).__name__ for e in replayed][:2] == ["SessionCreated", "RequestAccepted"]
+            assert [e.envelope.seq for e in replayed] == list(range(1, len(replayed) + 1))
+            assert caught_up.seq == len(replayed)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(session.send, "second")
+                async for item in subscription:
+                    assert isinstance(item, DurableEvent)
+                    live.append(item)
+                    if isinstance(item.envelope.event, RequestCompleted):
+                        break
+        assert live[0].envelope.seq == caught_up.seq + 1
+        assert isinstance(live[0].envelope.event, RequestAccepted)
+        assert live[0].envelope.event.input == {"prompt": "second"}
+        # Resuming after a cursor (its string form) replays exactly what followed it.
+        middle = replayed[3]
+        async with session.subscribe_durable_events(after=str(middle.cursor)) as resumed:
+            first = await resumed.__anext__()
+        assert isinstance(first, DurableEvent) and first.envelope.seq == middle.envelope.seq + 1
+        assert JournalCursor.parse(str(middle.cursor)) == middle.cursor
+
+
+async def test_a_subscription_ends_with_session_closed(tmp_path: Path) -> None:
+    model = TestModel(default=Reply(text="answer"))
+    seen: list[Any] = []
+    async with trio.open_nursery() as nursery, open_session(provider=model, journal=tmp_path / "j.db") as session:
+        ready = trio.Event()
+
+        async def follow() -> None:
+            async with session.subscribe_durable_events() as subscription:
+                async for item in subscription:
+                    seen.append(item)
+                    if isinstance(item, CaughtUp):
+                        ready.set()
+
+        nursery.start_soon(follow)
+        await ready.wait()
+        await session.send("hello")
+    events = [item.envelope.event for item in seen if isinstance(item, DurableEvent)]
+    assert isinstance(events[-1], SessionClosed)
+    assert of_type(events, RequestCompleted)
+
+
+# ---------------------------------------------------------------- history after a restart
+
+
+async def crash_then_reopen(
+    model: TestModel, tools: list[Any], run: Callable[[Any], Awaitable[None]], follow_up: str
+) -> tuple[list[Any], list[Any]]:
+    """Run ``run(session)``, "crash" (fence the journal so nothing more is written, not even
+    session_closed), reopen the same session and send ``follow_up``; return the model's messages
+    of the last request before the crash and of the follow-up."""
+    inner = MemoryStore()
+    store = FaultyStore(inner)
+    async with open_session(provider=model, tools=tools, journal=store, session_id="restarted") as session:
+        await run(session)
+        before = list(model.requests[-1].messages)
+        store.fail_next("before")
+        with pytest.raises(TrioAgentError):
+            await session.send("this write fails: the process is as good as dead")
+    assert not of_type([e.event for e in await inner.read("restarted/root")], SessionClosed)
+    async with open_session(provider=model, tools=tools, journal=inner, session_id="restarted") as session:
+        await session.send(follow_up)
+        after = list(model.requests[-1].messages)
+    return before, after
+
+
+def conversation(messages: list[Any]) -> list[Any]:
+    """What the model saw of the conversation (without the follow-up prompt and its system message)."""
+    return [m for m in messages if isinstance(m, UserMessage | AssistantMessage | ToolResultMessage)]
+
+
+async def test_history_after_a_restart_is_rebuilt_from_the_journal() -> None:
+    @define_tool(name="look", description="l", input_schema=OBJECT, side_effect=SideEffect.PURE, kind="readonly")
+    async def look(input: dict[str, Any], ctx: Any) -> str:
+        return f"saw {input['what']}"
+
+    model = TestModel(
+        {"start": [Reply(text="looking", tool_calls=[("look", {"what": "a"})]), Reply(text="seen"), Reply(text="ok")]}
+    )
+
+    async def run(session: Any) -> None:
+        assert await session.send("start") == "seen"
+
+    before, after = await crash_then_reopen(model, [look], run, "and now?")
+    assert after[-1] == UserMessage("and now?")
+    assert conversation(after[:-2]) == conversation(before)
+    assert after[-2] == AssistantMessage((TextPart("seen"),))
+
+
+async def test_history_after_a_restart_keeps_results_in_call_order() -> None:
+    gates = [trio.Event(), trio.Event()]
+    gates[1].set()
+
+    @define_tool(name="step", description="s", input_schema=OBJECT, side_effect=SideEffect.PURE, kind="readonly")
+    async def step(input: dict[str, Any], ctx: Any) -> str:
+        index = int(input["i"])
+        await gates[index].wait()
+        gates[0].set()
+        return f"r{index}"
+
+    model = TestModel(
+        {"start": [Reply(tool_calls=[("step", {"i": 0}), ("step", {"i": 1})]), Reply(text="x"), Reply(text="ok")]}
+    )
+
+    async def run(session: Any) -> None:
+        await session.send("start")
+
+    before, after = await crash_then_reopen(model, [step], run, "again")
+    assert [m.content for m in before if isinstance(m, ToolResultMessage)] == ["r0", "r1"]
+    assert [m.content for m in after if isinstance(m, ToolResultMessage)] == ["r0", "r1"]
+
+
+async def test_history_after_a_restart_keeps_the_errors_of_rejected_calls() -> None:
+    @define_tool(name="look", description="l", input_schema=OBJECT, side_effect=SideEffect.PURE, kind="readonly")
+    async def look(input: dict[str, Any], ctx: Any) -> str:
+        return "looked"
+
+    model = TestModel(
+        {"start": [Reply(tool_calls=[("look", "{bad"), ("nope", {}), ("look", {})]), Reply(text="x"), Reply(text="y")]}
+    )
+
+    async def run(session: Any) -> None:
+        await session.send("start")
+
+    before, after = await crash_then_reopen(model, [look], run, "again")
+    assert [r.content for r in before if isinstance(r, ToolResultMessage)][2] == "looked"
+    assert [r.content for r in after if isinstance(r, ToolResultMessage)] == [
+        r.content for r in before if isinstance(r, ToolResultMessage)
+    ]
+
+
+async def test_history_after_a_restart_keeps_joined_messages(autojump_clock: trio.testing.MockClock) -> None:
+    started, release = trio.Event(), trio.Event()
+
+    @define_tool(name="slow", description="s", input_schema=OBJECT, side_effect=SideEffect.PURE, kind="readonly")
+    async def slow(input: dict[str, Any], ctx: Any) -> str:
+        started.set()
+        await release.wait()
+        return "slow done"
+
+    model = TestModel({"start": [Reply(tool_calls=[("slow", {})]), Reply(text="both handled"), Reply(text="ok")]})
+
+    async def run(session: Any) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.send, "start")
+            await started.wait()
+            nursery.start_soon(functools.partial(session.send, "joined message", priority="next"))
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+
+    before, after = await crash_then_reopen(model, [slow], run, "again")
+    assert UserMessage("joined message") in before
+    assert UserMessage("joined message") in after
+
+
+# ---------------------------------------------------------------- recovery after kill -9
+
+
+async def start_worker(journal: Path, ledger: Path, session_id: str, stderr: Any) -> trio.Process:
+    return await trio.lowlevel.open_process(
+        [sys.executable, str(WORKER), str(journal), str(ledger), session_id],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        cwd=str(ROOT),
+    )
+
+
+async def read_until(process: trio.Process, marker: bytes) -> bytes:
+    assert process.stdout is not None
+    data = b""
+    while marker not in data:
+        chunk = await process.stdout.receive_some(4096)
+        if not chunk:
+            raise AssertionError(f"the worker exited (rc={process.poll()}) before printing {marker!r}: {data!r}")
+        data += chunk
+    return data
+
+
+async def test_recovery_after_kill_9_mid_request(tmp_path: Path) -> None:
+    journal, ledger, session_id = tmp_path / "j.db", tmp_path / "ledger.txt", "crash-session"
+    with open(tmp_path / "worker.err", "wb") as stderr:  # noqa: ASYNC230 - a file descriptor for the child
+        process = await start_worker(journal, ledger, session_id, stderr)
+        try:
+            with trio.fail_after(60):
+                await read_until(process, b"READY\n")
+        finally:
+            process.send_signal(signal.SIGKILL)
+            await process.wait()
+    assert process.returncode == -signal.SIGKILL, (tmp_path / "worker.err").read_text()
+
+    # Both side effects happened exactly once before the crash.
+    before = read_ledger(str(ledger))
+    assert sorted(tool for tool, _key, _input in before) == ["charge", "upsert"]
+    keys = {tool: key for tool, key, _input in before}
+
+    model = TestModel(default=Reply(text="recovered answer"))
+    with trio.fail_after(60):
+        async with open_session(
+            provider=model,
+            tools=make_tools(str(ledger), block=False),
+            journal=journal,
+            session_id=session_id,
+            takeover_timeout=30.0,
+            permission_mode="bypass",
+        ) as session:
+            report = session.recovery
+            assert report is not None
+            calls = {call.tool_name: call for call in report.plan.items if call.tool_name is not None}
+            charge_id, upsert_id = calls["charge"].call_id, calls["upsert"].call_id
+            assert isinstance(charge_id, str) and isinstance(upsert_id, str)
+            assert report.decisions == {
+                charge_id: ToolRecoveryAction.SETTLE_OUTCOME_UNKNOWN,
+                upsert_id: ToolRecoveryAction.RERUN_SAME_KEY,
+            }
+            assert report.outcome_unknown == (charge_id,)
+            assert [(c.call_id, c.idempotency_key) for c in report.to_execute] == [(upsert_id, keys["upsert"])]
+            # The idempotent call ran again (a new attempt, same key); the non_idempotent one did not.
+            after = read_ledger(str(ledger))
+            assert after[: len(before)] == before
+            assert after[len(before) :] == [("upsert", keys["upsert"], json.dumps({"n": 2}))]
+            notes = "\n".join(session.recovery_notes)
+            assert charge_id in notes and "NOT run again" in notes and upsert_id in notes
+
+            # The model is told at the next request.
+            assert await session.send("what happened?") == "recovered answer"
+            messages = list(model.requests[-1].messages)
+            stream_id = session.journal.stream_id()
+    assert messages[0] == UserMessage(PROMPT)
+    assert messages[-1] == UserMessage("what happened?")
+    results = {m.tool_call_id: m for m in messages if isinstance(m, ToolResultMessage)}
+    assert results[charge_id].is_error and "unknown" in results[charge_id].content
+    assert (results[upsert_id].is_error, results[upsert_id].content) == (False, "upsert done")
+    recovered_note = [m for m in messages if isinstance(m, UserMessage) and "recovered after a restart" in m.content]
+    assert len(recovered_note) == 1 and charge_id in recovered_note[0].content
+    # The assistant message with both calls precedes both answers.
+    assistant = next(m for m in messages if isinstance(m, AssistantMessage))
+    assert {p.id for p in assistant.parts if isinstance(p, ToolCallPart)} == {charge_id, upsert_id}
+    assert read_ledger(str(ledger)).count(("charge", keys["charge"], json.dumps({"n": 1}))) == 1
+
+    events = await stored_events(journal, stream_id)
+    decisions = {e.call_id: e.decision for e in of_type(events, RecoveryDecision)}
+    assert decisions == {
+        charge_id: ToolRecoveryAction.SETTLE_OUTCOME_UNKNOWN,
+        upsert_id: ToolRecoveryAction.RERUN_SAME_KEY,
+    }
+    assert [e.call_id for e in of_type(events, ToolOutcomeUnknown)] == [charge_id]
+    assert [e.call_id for e in of_type(events, ToolStarted)].count(upsert_id) == 2  # a new attempt
+    assert [e.call_id for e in of_type(events, ToolStarted)].count(charge_id) == 1
+    assert [e.call_id for e in of_type(events, ToolCompleted)] == [upsert_id]
+    crashed = [e for e in of_type(events, RequestInterrupted) if e.reason is RequestInterruptReason.PROCESS_RESTART]
+    assert len(crashed) == 1
+    assert [e.reason for e in of_type(events, TurnAborted)] == [TurnAbortReason.PROCESS_RESTART]
+    assert len(of_type(events, SessionClosed)) == 1 and isinstance(events[-1], SessionClosed)

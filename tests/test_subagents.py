@@ -1,0 +1,945 @@
+"""Subagents in real sessions: definitions, the foreground ``task`` tool, nesting under the scheduler's
+buckets, background subagents (handles, durability, delivery, ``task_output``), crashes, unknown
+names, leaving the session, and one shared middleware stack under 101 concurrent agents."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trio_agent import (
+    DoneEvent,
+    ModelError,
+    ModelMiddleware,
+    ModelRequest,
+    RequestAbortedError,
+    SchedulerLimits,
+    SessionBusyError,
+    SessionClosedError,
+    SessionEvent,
+    StreamChunk,
+    SubagentDefinition,
+    SubagentEvent,
+    SubagentHandle,
+    SubagentStatus,
+    SystemMessage,
+    TextDelta,
+    Tool,
+    ToolCallEnd,
+    ToolContext,
+    ToolMiddlewareRequest,
+    ToolResult,
+    ToolResultEvent,
+    ToolResultMessage,
+    ToolScheduler,
+    ToolUseEvent,
+    UnknownSubagentError,
+    UserMessage,
+    define_tool,
+    open_session,
+)
+from trio_agent._journal._events import (
+    ModelAttemptStarted,
+    RequestCompleted,
+    RequestFailed,
+    RequestInterrupted,
+    RequestInterruptReason,
+    SessionClosed,
+    SessionCreated,
+    SubagentCancelled,
+    SubagentCompleted,
+    SubagentStarted,
+    ToolCancelled,
+)
+from trio_agent._session._plugins import MiddlewareConfig
+from trio_agent.testing import Reply, TestModel
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def make_tool(name: str, log: list[Any] | None = None, *, kind: str = "readonly") -> Tool[Any]:
+    async def run(inp: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        if log is not None:
+            log.append((name, ctx.agent_id, dict(inp)))
+        return ToolResult.success(f"{name}:{inp.get('x', '')}")
+
+    return define_tool(
+        run,
+        name=name,
+        description=f"the {name} tool",
+        side_effect="pure" if kind == "readonly" else "idempotent",
+        kind=kind,
+        input_schema={"type": "object", "properties": {"x": {"type": "string"}}},
+    )
+
+
+def gated_tool(gate: trio.Event, started: list[str], exits: list[str], name: str = "wait_gate") -> Tool[Any]:
+    """A read-only tool that waits for ``gate``; records who started it and who left it (also when cancelled)."""
+
+    async def run(inp: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        started.append(ctx.agent_id)
+        try:
+            await gate.wait()
+        finally:
+            exits.append(ctx.agent_id)
+        return ToolResult.success("gate passed")
+
+    return define_tool(
+        run, name=name, description="waits", side_effect="pure", kind="readonly", input_schema={"type": "object"}
+    )
+
+
+def task(prompt: str, subagent: str = "helper", **extra: Any) -> tuple[str, dict[str, Any]]:
+    return ("task", {"subagent": subagent, "prompt": prompt, **extra})
+
+
+HELPER = SubagentDefinition("helper", "a helper", "You are the helper.")
+
+
+async def stream_events(session: Any, agent_id: str | None = None) -> list[Any]:
+    return [envelope.event for envelope in await session.journal.store.read(session.journal.stream_id(agent_id))]
+
+
+async def run_request(session: Any, prompt: str) -> tuple[list[SessionEvent], DoneEvent]:
+    seen: list[SessionEvent] = []
+    async with session.stream(prompt) as events:
+        async for event in events:
+            seen.append(event)
+    done = seen[-1]
+    assert isinstance(done, DoneEvent)
+    return seen, done
+
+
+def results(request: ModelRequest) -> list[ToolResultMessage]:
+    return [m for m in request.messages if isinstance(m, ToolResultMessage)]
+
+
+def user_texts(request: ModelRequest) -> list[str]:
+    return [m.content for m in request.messages if isinstance(m, UserMessage)]
+
+
+def requests_of(model: TestModel, agent_id: str) -> list[ModelRequest]:
+    return [r for r in model.requests if r.metadata["agent_id"] == agent_id]
+
+
+def children(session: Any) -> list[str]:
+    return [agent for agent in session.journal.agents if agent != session.root.agent_id]
+
+
+def status(handle: SubagentHandle) -> SubagentStatus:
+    """The handle's status now (a call, so type checkers do not narrow it across awaits)."""
+    return handle.status
+
+
+def live_tasks() -> set[trio.lowlevel.Task]:
+    found: set[trio.lowlevel.Task] = set()
+    root = trio.lowlevel.current_root_task()
+    assert root is not None
+    stack = [root]
+    while stack:
+        current = stack.pop()
+        found.add(current)
+        for nursery in current.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return found
+
+
+# ======================================================================== definitions
+
+
+async def test_the_system_prompt_reaches_the_subagent_as_a_system_message() -> None:
+    model = TestModel({"go": [Reply(tool_calls=[task("sub")]), Reply(text="ok")], "sub": [Reply(text="child")]})
+    async with open_session(provider=model, system_prompt="You are root.", subagents=[HELPER]) as session:
+        await session.send("go")
+        [child] = children(session)
+    [child_request] = requests_of(model, child)
+    assert child_request.messages[0] == SystemMessage("You are the helper.")
+    assert not any(isinstance(m, SystemMessage) and "root" in m.content for m in child_request.messages)
+    assert user_texts(child_request) == ["sub"]
+    assert requests_of(model, "root")[0].messages[0] == SystemMessage("You are root.")
+
+
+@pytest.mark.parametrize(
+    ("sub_tools", "expected"),
+    [
+        pytest.param(None, {"read", "write"}, id="inherits"),
+        pytest.param(["read", "run"], {"read"}, id="intersected"),
+        pytest.param([], set(), id="empty-none"),
+        pytest.param(["task", "task_output", "read"], {"read"}, id="never-task-tools"),
+    ],
+)
+async def test_the_tool_allowlist_is_intersected_with_the_sessions(
+    sub_tools: list[str] | None, expected: set[str]
+) -> None:
+    log: list[Any] = []
+    definition = SubagentDefinition("helper", "h", "You help.", tools=sub_tools)
+    model = TestModel(
+        {
+            "go": [Reply(tool_calls=[task("sub")]), Reply(text="ok")],
+            "sub": [Reply(tool_calls=[(n, {"x": n}) for n in ("read", "write", "run", "task")]), Reply(text="c")],
+        }
+    )
+    async with open_session(
+        provider=model,
+        tools=[make_tool("read", log), make_tool("write", log, kind="write"), make_tool("run", log, kind="execute")],
+        allowed_tools=["read", "write", "task"],
+        subagents=[definition],
+        permission_mode="bypass",
+    ) as session:
+        await session.send("go")
+        [child] = children(session)
+    first, second = requests_of(model, child)
+    assert {spec.name for spec in first.tools} == expected
+    assert {name for name, agent, _ in log if agent == child} == expected
+    assert [m.is_error for m in results(second)] == [n not in expected for n in ("read", "write", "run", "task")]
+
+
+async def test_model_override_and_max_turns() -> None:
+    definition = SubagentDefinition("helper", "h", "You help.", model="small-model", max_turns=2)
+    log: list[Any] = []
+    model = TestModel(
+        {
+            "go": [Reply(tool_calls=[task("sub")]), Reply(text="ok")],
+            "sub": [Reply(tool_calls=[("read", {"x": str(i)})]) for i in range(5)],
+        }
+    )
+    async with open_session(provider=model, tools=[make_tool("read", log)], subagents=[definition]) as session:
+        await session.send("go")
+        [child] = children(session)
+        child_events = await stream_events(session, child)
+        root_events = await stream_events(session)
+    child_requests = requests_of(model, child)
+    assert len(child_requests) == 2, "max_turns bounds the subagent's model calls"
+    assert {r.model for r in child_requests} == {"small-model"}
+    assert {r.model for r in requests_of(model, "root")} == {"test-model"}
+    assert {e.model for e in child_events if isinstance(e, ModelAttemptStarted)} == {"small-model"}
+    assert {e.model for e in root_events if isinstance(e, ModelAttemptStarted)} == {"test-model"}
+    assert len(log) == 2
+
+
+# ======================================================================== foreground
+
+
+async def test_foreground_task_parent_waits_and_the_answer_is_the_tool_result() -> None:
+    model = TestModel(
+        {
+            "go": [Reply(tool_calls=[task("sub")]), Reply(text="parent done")],
+            "sub": [Reply(tool_calls=[("read", {"x": "1"})]), Reply(text="the child's answer")],
+        }
+    )
+    async with open_session(provider=model, tools=[make_tool("read")], subagents=[HELPER]) as session:
+        seen, done = await run_request(session, "go")
+        [child] = children(session)
+        root_events = await stream_events(session)
+        child_events = await stream_events(session, child)
+    assert done.text == "parent done"
+    # The parent's second call comes after both of the child's.
+    assert [r.metadata["agent_id"] for r in model.requests] == ["root", child, child, "root"]
+    [message] = results(model.requests[-1])
+    assert message.content == "the child's answer" and not message.is_error
+    [task_result] = [e for e in seen if isinstance(e, ToolResultEvent) and e.agent_id == "root"]
+    assert task_result.result.data == {"subagent": "helper"}
+    # Durable on the parent's stream, with the task call's id; the child has its own stream.
+    [started] = [e for e in root_events if isinstance(e, SubagentStarted)]
+    [completed] = [e for e in root_events if isinstance(e, SubagentCompleted)]
+    assert started.subagent_id == completed.subagent_id == child
+    assert started.call_id == task_result.call_id and started.request_id == done.request_id
+    assert isinstance(child_events[0], SessionCreated) and child_events[0].parent_agent_id == session.root.agent_id
+    assert any(isinstance(e, RequestCompleted) for e in child_events)
+    assert not any(isinstance(e, SubagentStarted) for e in child_events)
+
+
+async def test_foreground_subagent_events_appear_in_the_parents_stream() -> None:
+    model = TestModel({"go": [Reply(tool_calls=[task("sub")]), Reply(text="ok")], "sub": [Reply(text="child")]})
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        seen, _ = await run_request(session, "go")
+        [child] = children(session)
+    events = [e for e in seen if isinstance(e, SubagentEvent)]
+    assert [(e.subagent_id, e.status, e.background) for e in events] == [
+        (child, SubagentStatus.RUNNING, False),
+        (child, SubagentStatus.COMPLETED, False),
+    ]
+
+
+class Barrier(ModelMiddleware):
+    """Holds every subagent's first model call until ``size`` subagents are inside it at once."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.arrived = 0
+        self.released = trio.Event()
+
+    async def wrap_stream(
+        self, request: ModelRequest, next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
+    ) -> AsyncIterator[StreamChunk]:
+        if request.metadata["agent_id"] != "root" and not results(request):
+            self.arrived += 1
+            if self.arrived == self.size:
+                self.released.set()
+            await self.released.wait()
+        async for chunk in next(request):
+            yield chunk
+
+
+@pytest.mark.parametrize("readonly_slots", [None, 1])
+async def test_nested_foreground_subagents_cannot_deadlock(
+    readonly_slots: int | None, autojump_clock: trio.testing.MockClock
+) -> None:
+    """15 parallel ``task`` calls (read-only, more than the bucket's 10 slots), each subagent calling
+    read-only tools: all 15 subagents are inside their model call at the same moment (the barrier),
+    which needs every parent call to have given its slot back, and all complete."""
+    count = 15
+    log: list[Any] = []
+    script: dict[str, list[Reply]] = {
+        "go": [Reply(tool_calls=[task(f"job-{i}") for i in range(count)]), Reply(text="all done")]
+    }
+    for i in range(count):
+        script[f"job-{i}"] = [
+            Reply(tool_calls=[("read", {"x": f"{i}a"}), ("read", {"x": f"{i}b"})]),
+            Reply(text=f"result-{i}"),
+        ]
+    model = TestModel(script)
+    barrier = Barrier(count)
+    async with open_session(
+        provider=model,
+        tools=[make_tool("read", log)],
+        subagents=[HELPER],
+        middleware=MiddlewareConfig(model=[barrier]),
+    ) as session:
+        if readonly_slots is not None:
+            session.pipeline.scheduler = ToolScheduler(SchedulerLimits(readonly=readonly_slots))
+        assert session.pipeline.scheduler.limits.readonly < count
+        with trio.fail_after(300):  # a deadlock jumps the clock here instead of hanging
+            assert await session.send("go") == "all done"
+        stats = session.pipeline.scheduler.statistics().buckets["readonly"]
+    assert barrier.released.is_set()
+    assert [m.content for m in results(model.requests[-1])] == [f"result-{i}" for i in range(count)]
+    assert len(log) == 2 * count
+    assert stats[:2] == (0, 0), "every slot was given back"
+
+
+# ======================================================================== background
+
+
+async def test_start_subagent_returns_a_handle_at_once_and_reports_durably() -> None:
+    gate = trio.Event()
+    started: list[str] = []
+    exits: list[str] = []
+    model = TestModel(
+        {
+            "first": [Reply(text="root one"), Reply(text="root two")],
+            "bg": [Reply(tool_calls=[("wait_gate", {})]), Reply(text="background answer")],
+        }
+    )
+    async with open_session(provider=model, tools=[gated_tool(gate, started, exits)], subagents=[HELPER]) as session:
+        await session.send("first")
+        before = len(model.requests)
+        handle = await session.start_subagent("helper", "bg")
+        assert status(handle) is SubagentStatus.RUNNING and handle.name == "helper"
+        assert len(model.requests) == before, "start_subagent returns before the subagent ran"
+        assert session.subagents[handle.id] is handle
+        await trio.testing.wait_all_tasks_blocked()
+        assert started == [handle.id] and status(handle) is SubagentStatus.RUNNING
+        gate.set()
+        assert await handle.wait() == "background answer"
+        assert status(handle) is SubagentStatus.COMPLETED
+        root_events = await stream_events(session)
+        [start] = [e for e in root_events if isinstance(e, SubagentStarted)]
+        [done] = [e for e in root_events if isinstance(e, SubagentCompleted)]
+        assert start.subagent_id == done.subagent_id == handle.id
+        assert start.call_id is None and start.request_id == done.request_id
+        # The completion reaches the parent model at its next turn.
+        assert await session.send("next") == "root two"
+    note = f"[background subagent {handle.id} (helper) completed]: background answer"
+    assert note in user_texts(model.requests[-1])
+    assert note not in user_texts(model.requests[0])
+
+
+async def test_a_background_task_survives_the_request_that_started_it() -> None:
+    gate = trio.Event()
+    started: list[str] = []
+    exits: list[str] = []
+    model = TestModel(
+        {
+            "go": [Reply(tool_calls=[task("bg", background=True)]), Reply(text="started it"), Reply(text="seen it")],
+            "bg": [Reply(tool_calls=[("wait_gate", {})]), Reply(text="late answer")],
+        }
+    )
+    async with open_session(provider=model, tools=[gated_tool(gate, started, exits)], subagents=[HELPER]) as session:
+        seen, done = await run_request(session, "go")
+        assert done.text == "started it"
+        [task_result] = [e for e in seen if isinstance(e, ToolResultEvent)]
+        task_id = task_result.result.data["task_id"]
+        handle = session.subagents[task_id]
+        await trio.testing.wait_all_tasks_blocked()
+        # The request is over; the subagent still runs in the session's nursery.
+        assert status(handle) is SubagentStatus.RUNNING and started == [task_id] and exits == []
+        gate.set()
+        assert await handle.wait() == "late answer"
+        root_events = await stream_events(session)
+        [start] = [e for e in root_events if isinstance(e, SubagentStarted)]
+        assert start.call_id == task_result.call_id and start.request_id == done.request_id
+        assert any(isinstance(e, SubagentCompleted) and e.subagent_id == task_id for e in root_events)
+        assert await session.send("and now?") == "seen it"
+    assert f"[background subagent {task_id} (helper) completed]: late answer" in user_texts(model.requests[-1])
+
+
+async def test_cancel_resume_and_kill() -> None:
+    gate = trio.Event()
+    started: list[str] = []
+    exits: list[str] = []
+    model = TestModel(
+        {
+            "first": [Reply(tool_calls=[("wait_gate", {})]), Reply(text="resumed answer")],
+            "second": [Reply(tool_calls=[("wait_gate", {})])],
+        }
+    )
+    async with open_session(provider=model, tools=[gated_tool(gate, started, exits)], subagents=[HELPER]) as session:
+        handle = await session.start_subagent("helper", "first")
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(SessionBusyError):
+            handle.resume("too early")
+        handle.cancel()
+        assert await handle.wait() is None
+        assert status(handle) is SubagentStatus.IDLE and exits == [handle.id]
+        child_events = await stream_events(session, handle.id)
+        assert any(isinstance(e, ToolCancelled) for e in child_events)
+        assert any(isinstance(e, RequestInterrupted) for e in child_events)
+        # Cancel is not final: nothing is reported to the parent yet.
+        assert not any(isinstance(e, (SubagentCancelled, SubagentCompleted)) for e in await stream_events(session))
+        handle.resume("please finish")
+        assert status(handle) is SubagentStatus.RUNNING
+        assert await handle.wait() == "resumed answer"
+        assert status(handle) is SubagentStatus.COMPLETED
+        assert "please finish" in user_texts(requests_of(model, handle.id)[-1])
+
+        other = await session.start_subagent("helper", "second")
+        await trio.testing.wait_all_tasks_blocked()
+        other.kill()
+        await other.wait()
+        assert status(other) is SubagentStatus.CANCELLED
+        with pytest.raises(SessionClosedError):
+            other.resume("again")
+        root_events = await stream_events(session)
+    cancelled = [e for e in root_events if isinstance(e, SubagentCancelled)]
+    assert [(e.subagent_id, e.reason) for e in cancelled] == [(other.id, "cancelled")]
+    assert [e.subagent_id for e in root_events if isinstance(e, SubagentCompleted)] == [handle.id]
+
+
+async def test_resume_after_cancel_sends_a_history_where_every_tool_call_is_answered() -> None:
+    gate = trio.Event()
+    model = TestModel({"first": [Reply(tool_calls=[("wait_gate", {})]), Reply(text="resumed answer")]})
+    async with open_session(provider=model, tools=[gated_tool(gate, [], [])], subagents=[HELPER]) as session:
+        handle = await session.start_subagent("helper", "first")
+        await trio.testing.wait_all_tasks_blocked()
+        handle.cancel()
+        await handle.wait()
+        handle.resume("please finish")
+        await handle.wait()
+    last = requests_of(model, handle.id)[-1]
+    asked = {part.id for m in last.messages for part in getattr(m, "parts", ()) if hasattr(part, "arguments")}
+    answered = {m.tool_call_id for m in results(last)}
+    assert asked <= answered
+
+
+async def test_resume_after_completion_runs_the_new_prompt(autojump_clock: trio.testing.MockClock) -> None:
+    model = TestModel({"first": [Reply(text="first answer"), Reply(text="second answer")]})
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        handle = await session.start_subagent("helper", "first")
+        assert await handle.wait() == "first answer"
+        handle.resume("and another thing")
+        with trio.fail_after(60):  # the bug: this would wait forever
+            assert await handle.wait() == "second answer"
+
+
+def task_output_model(gate: trio.Event) -> TestModel:
+    """Root: start a background task, check it without blocking (and an unknown id), then wait for it."""
+
+    def respond(request: ModelRequest) -> Reply:
+        if request.metadata["agent_id"] != "root":
+            return Reply(text="background answer") if results(request) else Reply(tool_calls=[("wait_gate", {})])
+        seen = results(request)
+        if not seen:
+            return Reply(tool_calls=[task("bg", background=True)])
+        match = re.search(r"background subagent (\S+);", seen[0].content)
+        assert match is not None
+        task_id = match.group(1)
+        if len(seen) == 1:
+            return Reply(
+                tool_calls=[("task_output", {"task_id": task_id, "block": False}), ("task_output", {"task_id": "nope"})]
+            )
+        if len(seen) == 3:
+            return Reply(tool_calls=[("task_output", {"task_id": task_id, "block": True})])
+        return Reply(text="finished")
+
+    return TestModel(respond=respond)
+
+
+async def test_task_output_checks_and_waits() -> None:
+    gate = trio.Event()
+    model = task_output_model(gate)
+    async with open_session(provider=model, tools=[gated_tool(gate, [], [])], subagents=[HELPER]) as session:
+        inputs: dict[str, dict[str, Any]] = {}
+        outputs: dict[str, ToolResult] = {}
+        async with session.stream("go") as events:
+            async for event in events:
+                if isinstance(event, ToolUseEvent):
+                    inputs[event.call_id] = event.input
+                    if event.input.get("block") is True:
+                        [handle] = session.subagents.values()
+                        assert status(handle) is SubagentStatus.RUNNING  # task_output has something to wait for
+                        gate.set()
+                if isinstance(event, ToolResultEvent) and event.tool_name == "task_output":
+                    outputs[event.call_id] = event.result
+        assert events.text == "finished"
+    [handle] = session.subagents.values()
+
+    def output(**match: Any) -> ToolResult:
+        [found] = [r for c, r in outputs.items() if all(inputs[c].get(k) == v for k, v in match.items())]
+        return found
+
+    running = output(task_id=handle.id, block=False)
+    unknown = output(task_id="nope")
+    waited = output(task_id=handle.id, block=True)
+    assert running.data == {"task_id": handle.id, "status": "running"}
+    assert unknown.error is not None and unknown.error.code == "unknown_task"
+    assert waited.data == {"task_id": handle.id, "status": "completed"}
+    assert "background answer" in str(waited.output)
+
+
+# ======================================================================== crashes
+
+
+async def test_a_background_subagent_crash_is_reported_not_raised() -> None:
+    model = TestModel(
+        {
+            "first": [Reply(text="root one"), Reply(text="root two")],
+            "bg": [Reply(error=ModelError("the model exploded", code="BOOM"))],
+        }
+    )
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        await session.send("first")
+        handle = await session.start_subagent("helper", "bg")
+        assert await handle.wait() is None
+        assert status(handle) is SubagentStatus.FAILED
+        assert handle.error is not None and "the model exploded" in handle.error
+        root_events = await stream_events(session)
+        [cancelled] = [e for e in root_events if isinstance(e, SubagentCancelled)]
+        assert cancelled.subagent_id == handle.id and cancelled.reason == "failed"
+        assert any(isinstance(e, RequestFailed) for e in await stream_events(session, handle.id))
+        # The session is fine, and the parent hears about it at its next turn.
+        assert await session.send("next") == "root two"
+    notes = [t for t in user_texts(model.requests[-1]) if t.startswith(f"[background subagent {handle.id}")]
+    assert len(notes) == 1 and "failed" in notes[0] and "the model exploded" in notes[0]
+
+
+async def test_a_foreground_subagent_crash_is_a_tool_error_for_the_parent() -> None:
+    model = TestModel(
+        {
+            "go": [Reply(tool_calls=[task("sub")]), Reply(text="parent recovered")],
+            "sub": [Reply(error=ModelError("child model down", code="DOWN"))],
+        }
+    )
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        _, done = await run_request(session, "go")
+        [child] = children(session)
+        root_events = await stream_events(session)
+        child_events = await stream_events(session, child)
+    assert done.text == "parent recovered" and done.stop_reason == "end_turn"
+    [message] = results(model.requests[-1])
+    assert message.is_error and "child model down" in message.content
+    [cancelled] = [e for e in root_events if isinstance(e, SubagentCancelled)]
+    assert cancelled.subagent_id == child
+    assert any(isinstance(e, RequestFailed) for e in child_events)
+
+
+async def test_a_tool_crash_inside_a_subagent_is_the_subagents_tool_error() -> None:
+    @define_tool(
+        name="crash", description="crashes", side_effect="pure", kind="readonly", input_schema={"type": "object"}
+    )
+    async def crash(inp: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        raise RuntimeError("tool bug")
+
+    model = TestModel(
+        {
+            "go": [Reply(tool_calls=[task("sub")]), Reply(text="parent ok")],
+            "sub": [Reply(tool_calls=[("crash", {})]), Reply(text="child coped")],
+        }
+    )
+    async with open_session(provider=model, tools=[crash], subagents=[HELPER]) as session:
+        assert await session.send("go") == "parent ok"
+        [child] = children(session)
+    [message] = results(requests_of(model, child)[-1])
+    assert message.is_error and "tool bug" in message.content
+    assert [m.content for m in results(model.requests[-1])] == ["child coped"]
+
+
+async def test_unknown_subagent_names() -> None:
+    model = TestModel({"go": [Reply(tool_calls=[task("sub", subagent="ghost")]), Reply(text="ok")]})
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        seen, done = await run_request(session, "go")
+        assert children(session) == []
+        with pytest.raises(UnknownSubagentError, match="ghost"):
+            await session.start_subagent("ghost", "x")
+        assert children(session) == []
+    assert done.text == "ok"
+    [result] = [e.result for e in seen if isinstance(e, ToolResultEvent)]
+    assert result.error is not None and result.error.code == "unknown_subagent"
+    [message] = results(model.requests[-1])
+    assert message.is_error and "ghost" in message.content and "helper" in message.content
+
+
+async def test_the_session_stays_usable_after_an_unknown_subagent_name() -> None:
+    model = TestModel({"next": [Reply(text="fine")]})
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        with pytest.raises(UnknownSubagentError):
+            await session.start_subagent("ghost", "x")
+        assert await session.send("next") == "fine"
+
+
+@pytest.mark.parametrize("window", ["just-accepted", "just-finished"])
+async def test_start_subagent_while_a_request_starts_or_finishes(window: str) -> None:
+    model = TestModel({"go": [Reply(text="root answer")], "bg": [Reply(text="bg answer")]})
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        handle = None
+        async with session.stream("go") as events:
+            if window == "just-accepted":
+                handle = await session.start_subagent("helper", "bg")
+            async for event in events:
+                if window == "just-finished" and isinstance(event, DoneEvent):
+                    handle = await session.start_subagent("helper", "bg")
+        assert events.text == "root answer"
+        assert handle is not None and await handle.wait() == "bg answer"
+
+
+# ======================================================================== leaving the session
+
+
+async def test_leaving_the_session_cancels_background_subagents_and_records_it() -> None:
+    gate = trio.Event()
+    started: list[str] = []
+    exits: list[str] = []
+    model = TestModel(
+        {
+            **{f"bg-{i}": [Reply(tool_calls=[("wait_gate", {})])] for i in range(3)},
+            "quick": [Reply(text="quick answer")],
+        }
+    )
+    before = live_tasks()
+    async with open_session(provider=model, tools=[gated_tool(gate, started, exits)], subagents=[HELPER]) as session:
+        running = [await session.start_subagent("helper", f"bg-{i}") for i in range(3)]
+        quick = await session.start_subagent("helper", "quick")
+        await trio.testing.wait_all_tasks_blocked()
+        assert status(quick) is SubagentStatus.COMPLETED
+        assert sorted(started) == sorted(h.id for h in running)
+        assert len(live_tasks()) > len(before)
+    assert live_tasks() == before, "no task outlives the session"
+    assert sorted(exits) == sorted(h.id for h in running), "every blocked tool saw the cancellation"
+    for handle in running:
+        assert status(handle) is SubagentStatus.CANCELLED
+    root_events = await stream_events(session)
+    cancelled = {e.subagent_id for e in root_events if isinstance(e, SubagentCancelled)}
+    assert cancelled == {h.id for h in running}
+    assert [e.subagent_id for e in root_events if isinstance(e, SubagentCompleted)] == [quick.id]
+    for handle in running:
+        child_events = await stream_events(session, handle.id)
+        interrupted = [e for e in child_events if isinstance(e, RequestInterrupted)]
+        assert [e.reason for e in interrupted] == [RequestInterruptReason.SESSION_CLOSE]
+        assert sum(isinstance(e, SessionClosed) for e in child_events) == 1
+        assert isinstance(child_events[-1], SessionClosed)
+    assert sum(isinstance(e, SessionClosed) for e in root_events) == 1
+
+
+@pytest.mark.parametrize("how", ["kill", "session-close"])
+async def test_killing_an_idle_subagent_is_final_and_recorded(how: str) -> None:
+    gate = trio.Event()
+    model = TestModel({"idle": [Reply(tool_calls=[("wait_gate", {})])]})
+    async with open_session(provider=model, tools=[gated_tool(gate, [], [])], subagents=[HELPER]) as session:
+        handle = await session.start_subagent("helper", "idle")
+        await trio.testing.wait_all_tasks_blocked()
+        handle.cancel()
+        await handle.wait()
+        assert status(handle) is SubagentStatus.IDLE
+        if how == "kill":
+            handle.kill()
+            await handle.wait()
+            await trio.testing.wait_all_tasks_blocked()
+    assert status(handle) is SubagentStatus.CANCELLED
+    root_events = await stream_events(session)
+    assert [e.subagent_id for e in root_events if isinstance(e, SubagentCancelled)] == [handle.id]
+
+
+async def test_the_session_closes_while_a_foreground_subagent_runs() -> None:
+    gate = trio.Event()
+    started: list[str] = []
+    exits: list[str] = []
+    model = TestModel(
+        {"go": [Reply(tool_calls=[task("sub")]), Reply(text="never")], "sub": [Reply(tool_calls=[("wait_gate", {})])]}
+    )
+    failures: list[BaseException] = []
+    async with trio.open_nursery() as nursery:
+        before = live_tasks()
+        async with open_session(
+            provider=model, tools=[gated_tool(gate, started, exits)], subagents=[HELPER]
+        ) as session:
+
+            async def send() -> None:
+                try:
+                    await session.send("go")
+                except Exception as exc:
+                    failures.append(exc)
+
+            nursery.start_soon(send)
+            await trio.testing.wait_all_tasks_blocked()
+            [child] = children(session)
+            assert started == [child]
+        # The session is closed; the request's caller got its answer.
+        await trio.testing.wait_all_tasks_blocked()
+        assert live_tasks() == before
+    assert exits == [child]
+    assert len(failures) == 1 and isinstance(failures[0], RequestAbortedError)
+    root_events = await stream_events(session)
+    assert any(isinstance(e, SubagentCancelled) and e.subagent_id == child for e in root_events)
+    assert any(isinstance(e, RequestInterrupted) for e in root_events)
+    child_events = await stream_events(session, child)
+    assert any(isinstance(e, ToolCancelled) for e in child_events)
+    assert sum(isinstance(e, SessionClosed) for e in child_events) == 1
+
+
+async def test_a_cancelled_foreground_subagent_records_request_interrupted() -> None:
+    gate = trio.Event()
+    model = TestModel(
+        {"go": [Reply(tool_calls=[task("sub")]), Reply(text="never")], "sub": [Reply(tool_calls=[("wait_gate", {})])]}
+    )
+    async with open_session(provider=model, tools=[gated_tool(gate, [], [])], subagents=[HELPER]) as session:
+        async with trio.open_nursery() as nursery:
+
+            async def send() -> None:
+                with pytest.raises(RequestAbortedError):
+                    await session.send("go")
+
+            nursery.start_soon(send)
+            await trio.testing.wait_all_tasks_blocked()
+            await session.abort()
+        [child] = children(session)
+        child_events = await stream_events(session, child)
+    assert [e.reason for e in child_events if isinstance(e, RequestInterrupted)] == [RequestInterruptReason.USER_ABORT]
+
+
+# ======================================================================== one middleware stack, 101 agents
+
+AGENTS = 100
+
+
+def agent_tags() -> list[str]:
+    return ["agent-root", *(f"agent-{i:03d}" for i in range(AGENTS))]
+
+
+def tag_of(request: ModelRequest) -> str:
+    return next(m.content for m in request.messages if isinstance(m, UserMessage))
+
+
+def respond(request: ModelRequest) -> Reply:
+    tag = tag_of(request)
+    if results(request):
+        return Reply(text=f"done {tag}")
+    return Reply(tool_calls=[("echo", {"x": tag})])
+
+
+async def spin(count: int) -> None:
+    for _ in range(count):
+        await trio.lowlevel.checkpoint()
+
+
+class InFlight:
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+
+    def enter(self) -> None:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+
+    def leave(self) -> None:
+        self.now -= 1
+
+
+class ToolProbe:
+    """Shared tool middleware: notes (tag, agent) on entry, checkpoints, and reports what it believes at exit."""
+
+    stateful = False
+
+    def __init__(self, plan: dict[str, int], seen: list[tuple[str, str, str, Any]]) -> None:
+        self.plan = plan
+        self.seen = seen
+        self.in_flight = InFlight()
+
+    async def __call__(self, request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        tag, agent = request.input["x"], request.context.agent_id
+        if self.stateful:
+            self.tag, self.agent = tag, agent  # the bug under test: request state on the shared object
+        self.in_flight.enter()
+        await spin(self.plan[tag])
+        result: ToolResult = await call_next()
+        await spin(self.plan[tag])
+        self.in_flight.leave()
+        if self.stateful:
+            tag, agent = self.tag, self.agent
+        self.seen.append(("tool", tag, agent, result.output))
+        return result
+
+
+class StatefulToolProbe(ToolProbe):
+    stateful = True
+
+
+class ModelProbe(ModelMiddleware):
+    """Shared model middleware: the same idea around ``wrap_stream``."""
+
+    stateful = False
+
+    def __init__(self, plan: dict[str, int], seen: list[tuple[str, str, str, Any]]) -> None:
+        self.plan = plan
+        self.seen = seen
+        self.in_flight = InFlight()
+
+    async def wrap_stream(
+        self, request: ModelRequest, next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
+    ) -> AsyncIterator[StreamChunk]:
+        tag, agent = tag_of(request), str(request.metadata["agent_id"])
+        if self.stateful:
+            self.tag, self.agent = tag, agent
+        self.in_flight.enter()
+        await spin(self.plan[tag])
+        produced: list[str] = []
+        async for chunk in next(request):
+            if isinstance(chunk, TextDelta):
+                produced.append(chunk.text)
+            elif isinstance(chunk, ToolCallEnd):
+                produced.append(chunk.arguments)
+            yield chunk
+        await spin(self.plan[tag])
+        self.in_flight.leave()
+        if self.stateful:
+            tag, agent = self.tag, self.agent
+        self.seen.append(("model", tag, agent, "".join(produced)))
+
+
+class StatefulModelProbe(ModelProbe):
+    stateful = True
+
+
+def mismatches(seen: list[tuple[str, str, str, Any]], agent_of: dict[str, str]) -> list[str]:
+    """The check: what each probe believed at exit must belong to the call it wrapped."""
+    wrong = []
+    for layer, tag, agent, output in seen:
+        if agent_of.get(tag) != agent:
+            wrong.append(f"{layer}: tag {tag} is agent {agent_of.get(tag)}, not {agent}")
+        expected = {f"echo:{tag}"} if layer == "tool" else {f"done {tag}", json.dumps({"x": tag})}
+        if output not in expected:
+            wrong.append(f"{layer}: {tag} produced {output!r}")
+    return wrong
+
+
+class Gate:
+    """Holds callers until ``size`` of them arrived, then lets everyone through (no timing involved)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.arrived = 0
+        self.open = trio.Event()
+
+    async def wait(self) -> None:
+        self.arrived += 1
+        if self.arrived >= self.size:
+            self.open.set()
+        await self.open.wait()
+
+
+class FirstCallGate(ModelMiddleware):
+    """Outside the probes: every agent's first model call waits until all 101 agents are there."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    async def wrap_stream(
+        self, request: ModelRequest, next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
+    ) -> AsyncIterator[StreamChunk]:
+        if not results(request):
+            await self.gate.wait()
+        async for chunk in next(request):
+            yield chunk
+
+
+async def run_agents(tool_probe: ToolProbe, model_probe: ModelProbe) -> dict[str, str]:
+    """The root agent and 100 background subagents through one session (so one middleware stack).
+
+    Two gates make the overlap certain whatever the probes' checkpoints: all 101 first model calls are
+    released together, and the first 10 tool calls (the read-only bucket's size) wait for each other
+    inside the tool, so at least 10 tool calls are inside the tool probe at once."""
+    tool_gate = Gate(10)
+
+    @define_tool(name="echo", description="echo", side_effect="pure", kind="readonly", input_schema={"type": "object"})
+    async def echo(inp: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        await tool_gate.wait()
+        return ToolResult.success(f"echo:{inp['x']}")
+
+    worker = SubagentDefinition("worker", "works", "You work.")
+    model = TestModel(respond=respond)
+    agent_of: dict[str, str] = {}
+    async with open_session(
+        provider=model,
+        tools=[echo],
+        subagents=[worker],
+        middleware=MiddlewareConfig(model=[FirstCallGate(Gate(AGENTS + 1)), model_probe], tool=[tool_probe]),
+    ) as session:
+        agent_of["agent-root"] = session.root.agent_id
+        handles = []
+        # Started outside a request (see test_start_subagent_while_a_request_starts_or_finishes); they run
+        # while the others start and while the root agent's request runs.
+        for tag in agent_tags()[1:]:
+            handle = await session.start_subagent("worker", tag)
+            agent_of[tag] = handle.id
+            handles.append((tag, handle))
+        with trio.fail_after(60):
+            assert await session.send("agent-root") == "done agent-root"
+        for tag, handle in handles:
+            assert await handle.wait() == f"done {tag}"
+            assert status(handle) is SubagentStatus.COMPLETED
+    return agent_of
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(0, 4), min_size=AGENTS + 1, max_size=AGENTS + 1))
+def test_one_middleware_stack_serves_101_concurrent_agents(checkpoints: list[int]) -> None:
+    plan = dict(zip(agent_tags(), checkpoints, strict=True))
+    seen: list[tuple[str, str, str, Any]] = []
+    tool_probe, model_probe = ToolProbe(plan, seen), ModelProbe(plan, seen)
+    agent_of = trio.run(run_agents, tool_probe, model_probe)
+    assert mismatches(seen, agent_of) == []
+    assert sum(1 for s in seen if s[0] == "tool") == AGENTS + 1
+    assert sum(1 for s in seen if s[0] == "model") == 2 * (AGENTS + 1)
+    # They really were called concurrently (the gates guarantee it; this checks the harness).
+    assert tool_probe.in_flight.peak >= 10 and model_probe.in_flight.peak >= 10
+
+
+@pytest.mark.parametrize("stateful", ["tool", "model"])
+def test_the_check_catches_middleware_that_keeps_request_state_on_self(stateful: str) -> None:
+    """Negative control: the same harness and check must FAIL for a middleware keeping the current call on self."""
+    plan = dict.fromkeys(agent_tags(), 2)
+    seen: list[tuple[str, str, str, Any]] = []
+    tool_probe = (StatefulToolProbe if stateful == "tool" else ToolProbe)(plan, seen)
+    model_probe = (StatefulModelProbe if stateful == "model" else ModelProbe)(plan, seen)
+    agent_of = trio.run(run_agents, tool_probe, model_probe)
+    assert tool_probe.in_flight.peak >= 10 and model_probe.in_flight.peak >= 10
+    found = mismatches(seen, agent_of)
+    assert found, "state kept on the shared instance must be detected"
+    assert all(line.startswith(stateful) for line in found)

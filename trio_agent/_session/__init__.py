@@ -1,0 +1,1 @@
+"""Sessions: plugins, hook events, permissions and subagents."""

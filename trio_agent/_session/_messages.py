@@ -1,0 +1,104 @@
+"""What `Session.stream` yields: session messages, one frozen class each.
+
+Every message names the agent it comes from (``"root"`` or a subagent id), so
+one stream can carry a root agent and its foreground subagents interleaved.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, TypeAlias
+
+import attrs
+
+from .._models._messages import Usage
+from .._tools._results import ToolResult
+
+__all__ = [
+    "DoneEvent",
+    "SessionEvent",
+    "SubagentEvent",
+    "SubagentStatus",
+    "TextDeltaEvent",
+    "ToolProgressEvent",
+    "ToolResultEvent",
+    "ToolUseEvent",
+    "UsageEvent",
+]
+
+
+@attrs.frozen
+class TextDeltaEvent:
+    agent_id: str
+    text: str
+
+
+@attrs.frozen
+class ToolUseEvent:
+    """The model asked for a tool call (before it runs)."""
+
+    agent_id: str
+    call_id: str
+    tool_name: str
+    input: Any
+
+
+@attrs.frozen
+class ToolProgressEvent:
+    """A streamed item (progress or message) of a running tool call; never durable."""
+
+    agent_id: str
+    call_id: str
+    item: Any
+
+
+@attrs.frozen
+class ToolResultEvent:
+    """A tool call's published result (after its settlement was committed)."""
+
+    agent_id: str
+    call_id: str
+    tool_name: str
+    result: ToolResult
+
+
+class SubagentStatus(enum.Enum):
+    RUNNING = "running"
+    IDLE = "idle"  # its current work was cancelled; it can be resumed
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"  # killed: final
+
+
+@attrs.frozen
+class SubagentEvent:
+    """A subagent of ``agent_id`` started, finished, failed or was cancelled."""
+
+    agent_id: str
+    subagent_id: str
+    name: str
+    status: SubagentStatus
+    background: bool
+    summary: str = ""
+
+
+@attrs.frozen
+class UsageEvent:
+    agent_id: str
+    usage: Usage
+
+
+@attrs.frozen
+class DoneEvent:
+    """The request ended: ``stop_reason`` is ``end_turn``, ``max_turns``, ``aborted`` or ``error``."""
+
+    request_id: str
+    text: str
+    stop_reason: str
+    turns: int
+    error: str | None = None
+
+
+SessionEvent: TypeAlias = (
+    TextDeltaEvent | ToolUseEvent | ToolProgressEvent | ToolResultEvent | SubagentEvent | UsageEvent | DoneEvent
+)

@@ -1,0 +1,310 @@
+"""Plugins: named bundles of model and tool middleware, hooks and tools, resolved once per session.
+
+::
+
+    define_plugin(name="review", middleware=MiddlewareConfig(model=[...], tool=[...]),
+                  hooks={HookEvent.USER_PROMPT_SUBMIT: [...]}, tools=[review_tool])
+
+`define_plugin` validates everything when the plugin is defined, so a broken
+plugin fails at import time with a `ConfigError`. `resolve_plugins` runs once
+at session start: session middleware outermost, then plugins in list order,
+each plugin's list in its own order; session hooks before plugin hooks; one
+tool registry in which a duplicate name rejects the session (nothing is
+silently replaced). See docs/plugins.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from .._errors import ConfigError, MiddlewareShapeError
+from .._models._service import _WRAPPERS, _defines
+from .._tools._definition import Tool
+from .._tools._pipeline import ToolMiddleware, _check_tool_middleware
+from ._hooks import HookCallback, HookEvent, HookRegistry
+
+__all__ = [
+    "PLUGIN_NAME_PATTERN",
+    "MiddlewareConfig",
+    "MiddlewareConfigError",
+    "Plugin",
+    "RegisteredTool",
+    "ResolvedPlugins",
+    "TrustLevel",
+    "define_plugin",
+    "resolve_plugins",
+]
+
+PLUGIN_NAME_PATTERN = r"[a-z0-9](?:[a-z0-9._-]{0,62}[a-z0-9])?"
+"""1-64 lowercase letters, digits, dots, underscores or hyphens; first and last a letter or digit."""
+
+_PLUGIN_NAME = re.compile(PLUGIN_NAME_PATTERN)
+
+
+class MiddlewareConfigError(ConfigError, MiddlewareShapeError):
+    """A middleware entry of a `MiddlewareConfig` has the wrong shape.
+
+    Both a `ConfigError` (it is caught at registration) and a `MiddlewareShapeError`
+    (what `ToolPipeline` and `ModelService` raise for the same mistake).
+    """
+
+
+class TrustLevel(enum.Enum):
+    """How far a tool's source is trusted; a session's tool-source policy may filter on it."""
+
+    TRUSTED = "trusted"  # built-in tools and the session's own tools
+    WORKSPACE = "workspace"  # plugin tools
+    REMOTE = "remote"  # tools from remote servers (e.g. MCP)
+
+
+def _layers(value: object, what: str) -> tuple[Any, ...]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise MiddlewareConfigError(f"{what} middleware must be a sequence (list or tuple), got {value!r}")
+    return tuple(value)
+
+
+def _model_layers(value: object) -> tuple[object, ...]:
+    return _layers(value, "model")
+
+
+def _tool_layers(value: object) -> tuple[ToolMiddleware, ...]:
+    return _layers(value, "tool")
+
+
+def _check_model_middleware(layer: object, index: int) -> None:
+    """The checks `ModelService` makes, made at registration."""
+    what = f"model middleware #{index} ({type(layer).__name__})"
+    if not any(_defines(layer, name) for name in _WRAPPERS.values()):
+        raise MiddlewareConfigError(
+            f"{what} defines none of wrap_chat, wrap_side_query, wrap_stream, wrap_chat_with_retry_events"
+        )
+    for name in ("wrap_chat", "wrap_side_query"):
+        if _defines(layer, name) and not inspect.iscoroutinefunction(getattr(layer, name)):
+            raise MiddlewareConfigError(f"{what}: {name} must be an async def")
+    for name in ("wrap_stream", "wrap_chat_with_retry_events"):
+        if _defines(layer, name) and inspect.iscoroutinefunction(getattr(layer, name)):
+            raise MiddlewareConfigError(
+                f"{what}: {name} must return an async iterator (an async generator), not be a coroutine function"
+            )
+
+
+@attrs.frozen
+class MiddlewareConfig:
+    """Model and tool middleware, each list first = outermost. Validated on construction.
+
+    ``model`` entries are model middleware objects (`ModelMiddleware` subclasses or
+    objects defining its wrappers); ``tool`` entries are
+    ``async def mw(request, call_next) -> ToolResult``.
+    """
+
+    model: tuple[object, ...] = attrs.field(default=(), converter=_model_layers)
+    tool: tuple[ToolMiddleware, ...] = attrs.field(default=(), converter=_tool_layers)
+
+    def __attrs_post_init__(self) -> None:
+        for index, layer in enumerate(self.model):
+            _check_model_middleware(layer, index)
+        for index, tool_layer in enumerate(self.tool):
+            try:
+                _check_tool_middleware(tool_layer, index)
+            except MiddlewareShapeError as exc:
+                raise MiddlewareConfigError(str(exc)) from None
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or _PLUGIN_NAME.fullmatch(name) is None:
+        raise ConfigError(
+            f"plugin name {name!r} is invalid: it must be 1-64 lowercase letters, numbers, dots, underscores, "
+            "or hyphens, and start and end with a letter or number"
+        )
+    return name
+
+
+@attrs.frozen
+class Plugin:
+    """A validated plugin. Build one with `define_plugin`."""
+
+    name: str
+    middleware: MiddlewareConfig
+    hooks: HookRegistry = attrs.field(repr=False)
+    tools: tuple[Tool[Any], ...]
+
+    @property
+    def source_id(self) -> str:
+        """``"plugin:<name>"``: the source of its tools and hooks."""
+        return f"plugin:{self.name}"
+
+
+def define_plugin(
+    *,
+    name: str,
+    middleware: MiddlewareConfig | None = None,
+    hooks: Mapping[HookEvent, Sequence[HookCallback]] | None = None,
+    tools: Sequence[Tool[Any]] = (),
+) -> Plugin:
+    """Define a plugin; every part is checked now and a problem raises `ConfigError`.
+
+    Args:
+        name: 1-64 lowercase letters, numbers, dots, underscores or hyphens,
+            starting and ending with a letter or number.
+        middleware: its model and tool middleware (inside the session's own).
+        hooks: callbacks by `HookEvent` (run after the session's hooks).
+        tools: its tools, registered with ``source_id="plugin:<name>"`` and trust ``workspace``.
+    """
+    checked = _check_name(name)
+    if middleware is None:
+        middleware = MiddlewareConfig()
+    elif not isinstance(middleware, MiddlewareConfig):
+        raise ConfigError(
+            f"plugin {checked!r}: middleware must be a MiddlewareConfig(model=[...], tool=[...]), got {middleware!r}"
+        )
+    source = f"plugin:{checked}"
+    registry = HookRegistry(hooks, source=source)
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Iterable):
+        raise ConfigError(f"plugin {checked!r}: tools must be a sequence of Tool, got {tools!r}")
+    tool_tuple = tuple(tools)
+    seen: set[str] = set()
+    for tool in tool_tuple:
+        if not isinstance(tool, Tool):
+            raise ConfigError(f"plugin {checked!r}: expected a Tool (see define_tool), got {tool!r}")
+        if tool.name in seen:
+            raise ConfigError(f"plugin {checked!r} defines tool {tool.name!r} twice")
+        seen.add(tool.name)
+    return Plugin(checked, middleware, registry, tool_tuple)
+
+
+@attrs.frozen
+class RegisteredTool:
+    """A tool in the session's registry, with its source (``builtin``, ``session``, ``plugin:<name>``) and trust."""
+
+    tool: Tool[Any]
+    source_id: str
+    trust_level: TrustLevel
+
+    @property
+    def name(self) -> str:
+        return self.tool.name
+
+
+@attrs.frozen
+class ResolvedPlugins:
+    """What a session is built from: ordered middleware, hooks and the tool registry.
+
+    ``model_middleware`` and ``tool_middleware`` go to `ModelService` and
+    `ToolPipeline` (and, unchanged, to every subagent); ``hooks`` to a
+    `HookRunner`; ``tools`` is in registration order: built-ins, session tools,
+    then each plugin's.
+    """
+
+    model_middleware: tuple[object, ...]
+    tool_middleware: tuple[ToolMiddleware, ...]
+    hooks: HookRegistry = attrs.field(repr=False)
+    tools: tuple[RegisteredTool, ...]
+    plugins: tuple[Plugin, ...]
+
+    def tool(self, name: str) -> RegisteredTool:
+        """The registered tool called *name*; `KeyError` if there is none."""
+        for entry in self.tools:
+            if entry.name == name:
+                return entry
+        raise KeyError(name)
+
+    def select(
+        self,
+        *,
+        allowed: Sequence[str] | None = None,
+        disallowed: Sequence[str] = (),
+        sources: Sequence[str] | None = None,
+        trust_levels: Sequence[TrustLevel] | None = None,
+    ) -> tuple[RegisteredTool, ...]:
+        """The tools that pass the session's filters, whatever their source.
+
+        ``allowed=None`` keeps every name and an empty list none; ``disallowed``
+        applies after it; ``sources`` and ``trust_levels``, if given, keep only
+        tools of those sources and trust levels. Plugin tools get no exemption.
+        """
+        for label, names in (("allowed", allowed), ("disallowed", disallowed)):
+            if isinstance(names, str):
+                raise ConfigError(f"{label} tools must be a list of names, not the string {names!r}")
+        allowed_set = None if allowed is None else set(allowed)
+        disallowed_set = set(disallowed)
+        source_set = None if sources is None else set(sources)
+        trust_set = None if trust_levels is None else set(trust_levels)
+        return tuple(
+            entry
+            for entry in self.tools
+            if (allowed_set is None or entry.name in allowed_set)
+            and entry.name not in disallowed_set
+            and (source_set is None or entry.source_id in source_set)
+            and (trust_set is None or entry.trust_level in trust_set)
+        )
+
+
+def resolve_plugins(
+    session_middleware: MiddlewareConfig | None,
+    plugins: Sequence[Plugin],
+    builtin_tools: Sequence[Tool[Any]] = (),
+    session_tools: Sequence[Tool[Any]] = (),
+    *,
+    session_hooks: HookRegistry | Mapping[HookEvent, Sequence[HookCallback]] | None = None,
+) -> ResolvedPlugins:
+    """Resolve a session's middleware, hooks and tools (once, at session start).
+
+    Order: the session's middleware is outermost, then each plugin's in *plugins*
+    order, each list in its own order; session hooks run before plugin hooks.
+    Raises `ConfigError` for a plugin registered twice, anything that is not a
+    `Plugin` or `Tool`, or a tool name registered twice (naming both sources).
+    """
+    if session_middleware is None:
+        session_middleware = MiddlewareConfig()
+    elif not isinstance(session_middleware, MiddlewareConfig):
+        raise ConfigError(f"session middleware must be a MiddlewareConfig, got {session_middleware!r}")
+    if isinstance(plugins, (str, bytes, Mapping)) or not isinstance(plugins, Iterable):
+        raise ConfigError(f"plugins must be a sequence of Plugin, got {plugins!r}")
+    plugin_tuple = tuple(plugins)
+    names: set[str] = set()
+    for plugin in plugin_tuple:
+        if not isinstance(plugin, Plugin):
+            raise ConfigError(f"plugins must be made with define_plugin, got {plugin!r}")
+        if plugin.name in names:
+            raise ConfigError(f"plugin {plugin.name!r} is registered more than once")
+        names.add(plugin.name)
+
+    if session_hooks is None or isinstance(session_hooks, HookRegistry):
+        session_registry = session_hooks or HookRegistry()
+    else:
+        session_registry = HookRegistry(session_hooks, source="session")
+
+    registry: dict[str, RegisteredTool] = {}
+
+    def register(tools: object, source_id: str, trust: TrustLevel) -> None:
+        if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Iterable):
+            raise ConfigError(f"{source_id} tools must be a sequence of Tool, got {tools!r}")
+        for tool in tools:
+            if not isinstance(tool, Tool):
+                raise ConfigError(f"{source_id} tools: expected a Tool (see define_tool), got {tool!r}")
+            existing = registry.get(tool.name)
+            if existing is not None:
+                where = "twice" if existing.source_id == source_id else f"by {existing.source_id} and {source_id}"
+                raise ConfigError(
+                    f"duplicate tool name {tool.name!r}: registered {where}; nothing is silently replaced"
+                )
+            registry[tool.name] = RegisteredTool(tool, source_id, trust)
+
+    register(builtin_tools, "builtin", TrustLevel.TRUSTED)
+    register(session_tools, "session", TrustLevel.TRUSTED)
+    for plugin in plugin_tuple:
+        register(plugin.tools, plugin.source_id, TrustLevel.WORKSPACE)
+
+    return ResolvedPlugins(
+        model_middleware=session_middleware.model + tuple(m for p in plugin_tuple for m in p.middleware.model),
+        tool_middleware=session_middleware.tool + tuple(t for p in plugin_tuple for t in p.middleware.tool),
+        hooks=HookRegistry.combine(session_registry, *(plugin.hooks for plugin in plugin_tuple)),
+        tools=tuple(registry.values()),
+        plugins=plugin_tuple,
+    )

@@ -1,0 +1,1656 @@
+"""Sessions: the agent loop per request, durable requests, subagents, in one nursery.
+
+``async with open_session(...) as session`` owns a nursery. One request runs at
+a time (a worker task takes them from a queue); background subagents are tasks
+of the same nursery, so they outlive the request that started them but never
+the session. Leaving the block cancels what still runs, records every
+cancellation and writes exactly one ``session_closed`` per agent stream.
+
+The ONE agent loop (`_AgentRun.run`): model stream -> tool calls (concurrent,
+isolated, results in call order) -> model ... until the model stops, a Stop
+hook lets it, or ``max_turns``. Everything durable goes through the session's
+`DurableJournal` (an in-memory store when no journal is given), so the same
+code runs with and without durability.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from .._abort import Abort, AbortHandle, AbortReason
+from .._errors import (
+    ConfigError,
+    LeaseLostError,
+    ModelAbortedError,
+    ModelError,
+    RequestAbortedError,
+    SessionBusyError,
+    SessionClosedError,
+    SettlementError,
+    TrioAgentError,
+    UnknownSubagentError,
+)
+from .._journal._durable import DurableJournal, RecoveryReport, open_journal, unknown_outcome_result
+from .._journal._events import (
+    ErrorInfo,
+    ModelAbortReason,
+    ModelAttemptAborted,
+    ModelAttemptCompleted,
+    ModelAttemptFailed,
+    ModelAttemptStarted,
+    RequestAccepted,
+    RequestCompleted,
+    RequestFailed,
+    RequestInterrupted,
+    RequestInterruptReason,
+    RequestStarted,
+    SessionClosed,
+    SessionCloseReason,
+    SubagentCancelled,
+    SubagentCompleted,
+    SubagentStarted,
+    ToolCompleted,
+    ToolFailed,
+    ToolOutcomeUnknown,
+    TurnAborted,
+    TurnAbortReason,
+    TurnCompleted,
+    TurnStarted,
+)
+from .._journal._memory import MemoryStore
+from .._journal._projection import RequestState, SessionState, TurnState
+from .._journal._sqlite import open_sqlite_store
+from .._journal._store import JournalStore
+from .._journal._subscribe import DurableEventStream, JournalCursor
+from .._models._messages import (
+    AssistantMessage,
+    FinishChunk,
+    FinishReason,
+    Message,
+    SystemMessage,
+    TextDelta,
+    TextPart,
+    ToolCallEnd,
+    ToolCallPart,
+    ToolCallStart,
+    ToolResultMessage,
+    ToolSpec,
+    Usage,
+    UsageChunk,
+    UserMessage,
+)
+from .._models._service import ModelService, Provider
+from .._tools._context import CallOrigin, ToolCall, ToolContext
+from .._tools._definition import SideEffect, Tool, ToolKind, define_tool
+from .._tools._pipeline import ToolPipeline
+from .._tools._results import ToolErrorType, ToolResult
+from ._hooks import (
+    HookAbortedError,
+    HookAction,
+    HookCallback,
+    HookDecision,
+    HookError,
+    HookEvent,
+    HookInput,
+    HookRunner,
+)
+from ._messages import (
+    DoneEvent,
+    SessionEvent,
+    SubagentEvent,
+    SubagentStatus,
+    TextDeltaEvent,
+    ToolProgressEvent,
+    ToolResultEvent,
+    ToolUseEvent,
+    UsageEvent,
+)
+from ._permissions import PermissionEngine, PermissionHandler, PermissionMode, PermissionRules, ToolFilter
+from ._plugins import MiddlewareConfig, Plugin
+
+__all__ = ["Priority", "Session", "SubagentDefinition", "SubagentHandle", "open_session"]
+
+Priority = str  # "next" | "later" | "now"
+_PRIORITIES = ("next", "later", "now")
+_ids = itertools.count(1)
+
+EventSink = Callable[[SessionEvent], Awaitable[None]]
+
+
+async def _discard(event: SessionEvent) -> None:
+    return None
+
+
+def _optional_names(value: Sequence[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
+
+
+@attrs.frozen
+class SubagentDefinition:
+    """A named subagent: its own system prompt, a tool allowlist (intersected with the
+    session's; ``None`` = all of the session's tools, empty = none), model and turn limit."""
+
+    name: str
+    description: str
+    system_prompt: str
+    tools: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_names)
+    model: str | None = None
+    max_turns: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or len(self.name) > 64:
+            raise ConfigError(f"subagent name must be 1-64 characters, not {self.name!r}")
+        if self.max_turns is not None and (not isinstance(self.max_turns, int) or self.max_turns < 1):
+            raise ConfigError(f"subagent {self.name!r}: max_turns must be a positive int")
+
+
+@attrs.define
+class _Agent:
+    """One agent's configuration inside a session (the root or a subagent)."""
+
+    agent_id: str
+    name: str
+    system_prompt: str
+    allowed: frozenset[str]
+    max_turns: int
+    parent_id: str | None = None
+    model: str | None = None
+    history: list[Message] = attrs.Factory(list)
+    specs: list[ToolSpec] | None = None
+
+
+class _Request:
+    __slots__ = (
+        "abort",
+        "accepting",
+        "agent",
+        "done",
+        "error",
+        "finishing",
+        "holds",
+        "pending",
+        "priority",
+        "prompt",
+        "released",
+        "request_id",
+        "sink",
+        "started",
+        "steering",
+        "stop_reason",
+        "text",
+        "turns",
+    )
+
+    def __init__(self, prompt: str, sink: EventSink, agent: _Agent) -> None:
+        self.request_id = f"req-{uuid.uuid4().hex[:12]}"
+        self.prompt = prompt
+        self.sink = sink
+        self.agent = agent
+        self.abort = AbortHandle()
+        self.steering = AbortHandle()
+        self.pending: list[str] = []
+        self.done = trio.Event()
+        self.text = ""
+        self.stop_reason = "end_turn"
+        self.turns = 0
+        self.error: BaseException | None = None
+        self.priority: str | None = None
+        self.started = False  # request_started is durable
+        self.accepting = True  # messages with priority next/now may still join it
+        self.finishing = False  # no new background starts may join it
+        self.holds = 0  # background starts in progress under this request
+        self.released = trio.Event()
+
+
+class SubagentHandle:
+    """A background subagent: ``status``, ``wait()``, ``cancel()`` (stop its current work;
+    `resume` continues it) and ``kill()`` (final)."""
+
+    def __init__(self, session: Session, agent: _Agent, parent_id: str, request_id: str) -> None:
+        self._session = session
+        self.agent = agent
+        self.parent_id = parent_id
+        self.parent_request_id = request_id
+        self.status = SubagentStatus.RUNNING
+        self.result: str | None = None
+        self.error: str | None = None
+        self._finished = trio.Event()
+        self._work_scope: trio.CancelScope | None = None
+        self._killed = False
+        self._prompts: list[str] = []
+        self._wake = trio.Event()
+        self._recorded = False  # its final outcome is on the parent's stream
+        self._task_done = trio.Event()  # its task in the session's nursery ended
+
+    @property
+    def id(self) -> str:
+        return self.agent.agent_id
+
+    @property
+    def name(self) -> str:
+        return self.agent.name
+
+    async def wait(self) -> str | None:
+        """Wait until the current work ends (completed, failed, cancelled or idle); return its result."""
+        await self._finished.wait()
+        return self.result
+
+    def cancel(self) -> None:
+        """Stop the current work; the subagent stays resumable (`resume`)."""
+        if self._work_scope is not None:
+            self._work_scope.cancel()
+
+    def kill(self) -> None:
+        """Stop for good (recorded as cancelled if it never completed)."""
+        self._killed = True
+        self.cancel()
+        self._wake.set()
+
+    def resume(self, prompt: str) -> None:
+        """Give an idle (cancelled or finished) subagent more work."""
+        if self._killed:
+            raise SessionClosedError(f"subagent {self.id} was killed")
+        if self.status is SubagentStatus.RUNNING:
+            raise SessionBusyError(f"subagent {self.id} is still running")
+        self._prompts.append(prompt)
+        self._finished = trio.Event()
+        self.status = SubagentStatus.RUNNING
+        self._wake.set()
+
+
+def _tool_spec(tool: Tool[Any]) -> ToolSpec:
+    return ToolSpec(tool.name, tool.description, dict(tool.input_schema))
+
+
+def _text_of(message: AssistantMessage) -> str:
+    return "".join(part.text for part in message.parts if isinstance(part, TextPart))
+
+
+def _unwrap(group: BaseExceptionGroup[Any]) -> BaseException:
+    """One typed error out of a nursery's group, preferring lease loss and our own errors."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for sub in exc.exceptions:
+                walk(sub)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    for kind in (LeaseLostError, SettlementError, TrioAgentError):
+        for leaf in leaves:
+            if isinstance(leaf, kind):
+                return leaf
+    return leaves[0] if leaves else group
+
+
+class Session:
+    """A multi-turn agent session. Open it with `open_session`."""
+
+    def __init__(
+        self,
+        *,
+        journal: DurableJournal,
+        service: ModelService,
+        pipeline: ToolPipeline,
+        root: _Agent,
+        definitions: Mapping[str, SubagentDefinition],
+        hooks: Any,
+        max_concurrent_requests_queue: int = 64,
+    ) -> None:
+        self.journal = journal
+        self.session_id = journal.session_id
+        self._service = service
+        self._services: dict[str, ModelService] = {service.model: service}
+        self.pipeline = pipeline
+        self.root = root
+        self.definitions = dict(definitions)
+        self._hooks = hooks
+        self._agents: dict[str, _Agent] = {}
+        self._context: list[str] = []  # SessionStart hooks' additional context, for every model call
+        self.permissions: PermissionEngine | None = None
+        self._nursery: trio.Nursery | None = None
+        self._queue_send, self._queue_recv = trio.open_memory_channel[_Request](max_concurrent_requests_queue)
+        self._current: _Request | None = None
+        self._request_lock = trio.Lock()
+        self._worker_done = trio.Event()
+        self._sinks: dict[tuple[str, str], EventSink] = {}
+        self._closing = False
+        self.subagents: dict[str, SubagentHandle] = {}
+        self._inbox: dict[str, list[str]] = {}
+        self.recovery: RecoveryReport | None = None
+        self.recovery_notes: list[str] = []
+
+    # -- public API
+
+    @property
+    def model(self) -> str:
+        return self._service.model
+
+    def set_model(self, name: str) -> None:
+        """Use model ``name`` from the next model call on (same middleware stack)."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"model name must be a non-empty string, not {name!r}")
+        service = self._services.get(name)
+        if service is None:
+            service = self._services[name] = self._service.with_model(name)
+        self._service = service
+
+    def _service_for(self, agent: _Agent) -> ModelService:
+        if agent.model is None:
+            return self._service
+        service = self._services.get(agent.model)
+        if service is None:
+            service = self._services[agent.model] = self._service.with_model(agent.model)
+        return service
+
+    async def send(self, prompt: str, *, priority: Priority | None = None) -> str:
+        """Run ``prompt`` as a request and return the final answer.
+
+        While a request runs: ``priority="next"`` adds the message to it after
+        the current turn, ``"now"`` does that and steers (aborts ``cancel``
+        tools), ``"later"`` queues a new request; no priority raises `SessionBusyError`.
+        """
+        # Same rules as `stream`, without an event channel: nobody reads the events.
+        self._check_message(prompt, priority)
+        current = self._current
+        if self._joins(current, priority):
+            assert current is not None
+            self._join(current, prompt, priority)
+            await current.done.wait()
+            _raise_for(current)
+            return current.text
+        self._check_not_busy(current, priority)
+        request = _Request(prompt, _discard, self.root)
+        request.priority = priority
+        await self._accept(request)
+        try:
+            await request.done.wait()
+        finally:
+            if not request.done.is_set():
+                with trio.CancelScope(shield=True):
+                    await self._abort_request(request, AbortReason.USER_ABORT, "send() was cancelled")
+        _raise_for(request)
+        return request.text
+
+    def _check_message(self, prompt: str, priority: Priority | None) -> None:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ConfigError("a prompt must be a non-empty string")
+        if priority is not None and priority not in _PRIORITIES:
+            raise ConfigError(f"priority must be one of {_PRIORITIES}, not {priority!r}")
+        if self._closing or self._nursery is None:
+            raise SessionClosedError("the session is closed")
+
+    @staticmethod
+    def _joins(current: _Request | None, priority: Priority | None) -> bool:
+        return current is not None and not current.done.is_set() and current.accepting and priority in ("next", "now")
+
+    @staticmethod
+    def _join(current: _Request, prompt: str, priority: Priority | None) -> None:
+        current.pending.append(prompt)
+        if priority == "now":
+            current.steering.abort(AbortReason.STEERING, "steered by a new message")
+
+    def _check_not_busy(self, current: _Request | None, priority: Priority | None) -> None:
+        if current is not None and not current.done.is_set() and priority is None:
+            raise SessionBusyError("a request is running: send with priority='next', 'now' or 'later', or wait for it")
+        if current is None and self._queue_recv.statistics().current_buffer_used and priority is None:
+            raise SessionBusyError("requests are queued: send with priority='later' to queue another")
+
+    @asynccontextmanager
+    async def stream(self, prompt: str, *, priority: Priority | None = None) -> AsyncIterator[_EventStream]:
+        """``async with session.stream(prompt) as events: async for event in events``.
+
+        Leaving the block before the request finished aborts it.
+        """
+        self._check_message(prompt, priority)
+        send, recv = trio.open_memory_channel[SessionEvent](256)
+        current = self._current
+        if self._joins(current, priority):
+            assert current is not None
+            # Joins the running request at its next turn.
+            self._join(current, prompt, priority)
+            stream = _EventStream(recv, current, joined=True)
+            forward = _Forward(send)
+            previous = current.sink
+            current.sink = _tee(previous, forward)
+            try:
+                async with recv:
+                    yield stream
+            finally:
+                forward.closed = True
+            return
+        self._check_not_busy(current, priority)
+        request = _Request(prompt, _Forward(send), self.root)
+        request.priority = priority
+        await self._accept(request)
+        stream = _EventStream(recv, request, joined=False)
+        try:
+            async with recv:
+                yield stream
+        finally:
+            forward_sink = request.sink
+            if isinstance(forward_sink, _Forward):
+                forward_sink.closed = True
+            if not request.done.is_set():
+                with trio.CancelScope(shield=True):
+                    await self._abort_request(request, AbortReason.USER_ABORT, "the stream was closed early")
+
+    async def _accept(self, request: _Request) -> None:
+        # request_accepted is durable before send returns or the stream starts.
+        await self.journal.append(
+            RequestAccepted(
+                request_id=request.request_id, command_id=request.request_id, input={"prompt": request.prompt}
+            ),
+            command_id=request.request_id,
+        )
+        self._queue_send.send_nowait(request)
+
+    async def abort(self, reason: AbortReason | str = AbortReason.USER_ABORT, message: str = "aborted") -> None:
+        """Abort the running request; returns after ``request_interrupted`` is durable."""
+        reason = AbortReason(reason) if isinstance(reason, str) else reason
+        current = self._current
+        if current is None or current.done.is_set():
+            await trio.lowlevel.checkpoint()
+            return
+        await self._abort_request(current, reason, message)
+
+    async def _abort_request(self, request: _Request, reason: AbortReason, message: str) -> None:
+        request.abort.abort(reason, message)
+        await request.done.wait()
+
+    def subscribe_durable_events(
+        self, *, agent_id: str | None = None, after: JournalCursor | str | int = 0
+    ) -> AbstractAsyncContextManager[DurableEventStream]:
+        """The journal's subscription for one agent's stream (the root's by default)."""
+        return self.journal.subscribe_durable_events(agent_id=agent_id, after=after)
+
+    async def start_subagent(
+        self, name: str, prompt: str, *, parent_agent_id: str | None = None, request_id: str | None = None
+    ) -> SubagentHandle:
+        """Start a background subagent in the session's nursery; returns its handle at once.
+
+        Its start is recorded on the parent's stream under the running request, or,
+        between requests, under a short request of its own.
+        """
+        if self._closing or self._nursery is None:
+            raise SessionClosedError("the session is closed")
+        self._definition(name)  # unknown names fail before anything is written
+        parent = parent_agent_id or self.root.agent_id
+        if request_id is not None:
+            return await self._spawn_background(name, prompt, parent, request_id, call_id=None)
+        current = self._current
+        if current is not None and current.started and not current.finishing:
+            if current.holds == 0:
+                current.released = trio.Event()
+            current.holds += 1
+            try:
+                return await self._spawn_background(name, prompt, parent, current.request_id, call_id=None)
+            finally:
+                current.holds -= 1
+                if current.holds == 0:
+                    current.released.set()
+        # Between requests: take the request slot so no request starts meanwhile.
+        async with self._request_lock:
+            holder = _Request(f"start subagent {name}", _discard, self.root)
+            await self.journal.append(
+                RequestAccepted(request_id=holder.request_id, command_id=holder.request_id, input={"prompt": prompt}),
+                RequestStarted(request_id=holder.request_id),
+                agent_id=parent,
+            )
+            try:
+                handle = await self._spawn_background(name, prompt, parent, holder.request_id, call_id=None)
+            except BaseException as exc:
+                with trio.CancelScope(shield=True), contextlib.suppress(TrioAgentError):
+                    await self.journal.append(
+                        RequestFailed(request_id=holder.request_id, error=ErrorInfo(message=str(exc)[:2000])),
+                        agent_id=parent,
+                    )
+                raise
+            await self.journal.append(RequestCompleted(request_id=holder.request_id), agent_id=parent)
+            return handle
+
+    # -- subagents
+
+    def _definition(self, name: str) -> SubagentDefinition:
+        definition = self.definitions.get(name)
+        if definition is None:
+            known = ", ".join(sorted(self.definitions)) or "none"
+            raise UnknownSubagentError(f"unknown subagent {name!r} (defined: {known})")
+        return definition
+
+    def _make_agent(self, definition: SubagentDefinition, parent_id: str) -> _Agent:
+        allowed = self.root.allowed if definition.tools is None else self.root.allowed & frozenset(definition.tools)
+        # Subagents never get the task tools: no unbounded recursion.
+        allowed = allowed - {"task", "task_output"}
+        return _Agent(
+            agent_id=f"{definition.name}-{next(_ids)}",
+            name=definition.name,
+            system_prompt=definition.system_prompt,
+            allowed=allowed,
+            max_turns=definition.max_turns or self.root.max_turns,
+            parent_id=parent_id,
+            model=definition.model,
+        )
+
+    async def _spawn_background(
+        self, name: str, prompt: str, parent_id: str, request_id: str, *, call_id: str | None
+    ) -> SubagentHandle:
+        definition = self._definition(name)
+        agent = self._make_agent(definition, parent_id)
+        prompt = await self._subagent_start(agent, prompt)
+        await self.journal.open_agent(agent.agent_id, parent_agent_id=parent_id)
+        await self.journal.append(
+            SubagentStarted(request_id=request_id, subagent_id=agent.agent_id, call_id=call_id), agent_id=parent_id
+        )
+        handle = SubagentHandle(self, agent, parent_id, request_id)
+        handle._prompts.append(prompt)
+        self.subagents[agent.agent_id] = handle
+        assert self._nursery is not None
+        self._nursery.start_soon(self._background_main, handle)
+        return handle
+
+    async def _background_main(self, handle: SubagentHandle) -> None:
+        """The task of one background subagent: runs its prompts until killed or the session closes.
+
+        Between prompts it is idle (completed, failed or cancelled work) and can be
+        resumed. Its start was recorded on the parent's stream; its end is recorded
+        once: completed at its first completion, cancelled when killed before that.
+        """
+        agent = handle.agent
+        try:
+            while not handle._killed:
+                if not handle._prompts:
+                    handle._wake = trio.Event()
+                    await handle._wake.wait()
+                    continue
+                prompt = handle._prompts.pop(0)
+                request = _Request(prompt, _discard, agent)
+                handle.error = None
+                with trio.CancelScope() as scope:
+                    handle._work_scope = scope
+                    handle.status = SubagentStatus.RUNNING
+                    try:
+                        await self._accept_on(agent, request)
+                        await self._run_request(request)
+                    except (LeaseLostError, SettlementError):
+                        raise
+                    except Exception as exc:  # a subagent crash is reported, never unhandled
+                        handle.status = SubagentStatus.FAILED
+                        handle.error = f"{type(exc).__name__}: {exc}"
+                handle._work_scope = None
+                if scope.cancelled_caught:
+                    reason = (
+                        RequestInterruptReason.SESSION_CLOSE if self._closing else RequestInterruptReason.USER_ABORT
+                    )
+                    await self._finish_request_cancelled(request, reason)
+                    # A resumed conversation must answer every tool call the cancelled work left open.
+                    agent.history = _repair(agent.history)
+                    handle.status = SubagentStatus.CANCELLED if handle._killed else SubagentStatus.IDLE
+                    handle.result = None
+                elif handle.status is not SubagentStatus.FAILED:
+                    if request.error is not None:
+                        handle.status = SubagentStatus.FAILED
+                        handle.error = str(request.error)
+                    else:
+                        handle.status = SubagentStatus.COMPLETED
+                        handle.result = request.text
+                await self._report_subagent(handle)
+                handle._finished.set()
+        finally:
+            if handle._killed and handle.status is not SubagentStatus.CANCELLED:
+                handle.status = SubagentStatus.CANCELLED
+            if not handle._recorded:
+                with trio.CancelScope(shield=True), contextlib.suppress(TrioAgentError):
+                    handle._recorded = True
+                    await self.journal.append(
+                        SubagentCancelled(
+                            request_id=handle.parent_request_id,
+                            subagent_id=handle.id,
+                            reason="session closed" if self._closing else "killed",
+                        ),
+                        agent_id=handle.parent_id,
+                    )
+            handle._finished.set()
+            handle._task_done.set()
+
+    async def _report_subagent(self, handle: SubagentHandle) -> None:
+        """Tell the parent (its next turn) and record the first final outcome on its stream."""
+        summary = handle.result if handle.status is SubagentStatus.COMPLETED else (handle.error or handle.status.value)
+        with trio.CancelScope(shield=True):
+            if not handle._recorded and handle.status in (
+                SubagentStatus.COMPLETED,
+                SubagentStatus.FAILED,
+                SubagentStatus.CANCELLED,
+            ):
+                handle._recorded = True
+                if handle.status is SubagentStatus.COMPLETED:
+                    event: Any = SubagentCompleted(request_id=handle.parent_request_id, subagent_id=handle.id)
+                else:
+                    event = SubagentCancelled(
+                        request_id=handle.parent_request_id, subagent_id=handle.id, reason=handle.status.value
+                    )
+                with contextlib.suppress(TrioAgentError):
+                    await self.journal.append(event, agent_id=handle.parent_id)
+            note = f"[background subagent {handle.id} ({handle.name}) {handle.status.value}]: {summary or ''}"
+            self._inbox.setdefault(handle.parent_id, []).append(note)
+
+    async def _subagent_start(self, agent: _Agent, prompt: str) -> str:
+        """SubagentStart hooks: may replace the prompt; skip or abort refuses the subagent."""
+        decision = await self._dispatch(
+            HookEvent.SUBAGENT_START,
+            agent.agent_id,
+            subagent_id=agent.agent_id,
+            subagent_type=agent.name,
+            prompt=prompt,
+        )
+        decision.raise_for_abort()
+        if decision.action is HookAction.SKIP:
+            refused = HookAbortedError(
+                f"a SubagentStart hook refused subagent {agent.name!r}: {decision.reason or 'skip'}",
+                event=HookEvent.SUBAGENT_START,
+                reason=decision.reason,
+                callback=decision.decided_by,
+                source=decision.source,
+            )
+            refused.code = "hook_skip"
+            raise refused
+        self._agents[agent.agent_id] = agent
+        prompt = decision.prompt or prompt
+        if decision.context_text:
+            prompt = f"{prompt}\n\n{decision.context_text}"
+        return prompt
+
+    async def run_foreground_subagent(self, name: str, prompt: str, ctx: ToolContext, sink: EventSink) -> str:
+        """Run a subagent inside the calling tool's execution; the caller's slot is given back meanwhile."""
+        definition = self._definition(name)
+        agent = self._make_agent(definition, ctx.agent_id)
+        prompt = await self._subagent_start(agent, prompt)
+        await self.journal.open_agent(agent.agent_id, parent_agent_id=ctx.agent_id)
+        await self.journal.append(
+            SubagentStarted(request_id=ctx.request_id, subagent_id=agent.agent_id, call_id=ctx.tool_call_id),
+            agent_id=ctx.agent_id,
+        )
+        await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, SubagentStatus.RUNNING, background=False))
+
+        async def child_sink(event: SessionEvent) -> None:
+            # The child's events join the parent's stream; its DoneEvent is not the parent's.
+            if not isinstance(event, DoneEvent):
+                await sink(event)
+
+        request = _Request(prompt, child_sink, agent)
+
+        # The parent's abort reaches the child's work.
+        def forward_abort(abort: Abort) -> None:
+            request.abort.abort(abort.reason, abort.message)
+
+        token = ctx.abort.add_listener(forward_abort)
+        status = SubagentStatus.FAILED
+        try:
+            async with ctx.slot_released():
+                await self._accept_on(agent, request)
+                await self._run_request(request)
+            status = SubagentStatus.COMPLETED if request.error is None else SubagentStatus.FAILED
+        finally:
+            ctx.abort.remove_listener(token)
+            with trio.CancelScope(shield=True):
+                await self._finish_request_cancelled(request, RequestInterruptReason.USER_ABORT)
+                if status is SubagentStatus.COMPLETED:
+                    event: Any = SubagentCompleted(request_id=ctx.request_id, subagent_id=agent.agent_id)
+                else:
+                    event = SubagentCancelled(
+                        request_id=ctx.request_id, subagent_id=agent.agent_id, reason=str(request.error or "cancelled")
+                    )
+                with contextlib.suppress(TrioAgentError):
+                    await self.journal.append(event, agent_id=ctx.agent_id)
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, status, False, request.text[:200]))
+        if request.error is not None:
+            raise request.error
+        return request.text
+
+    # -- hooks (wired by open_session)
+
+    async def _dispatch(
+        self, event: HookEvent, agent_id: str, *, abort: AbortHandle | None = None, **fields: Any
+    ) -> HookDecision:
+        """Dispatch one session hook event (session hooks first, then plugin hooks)."""
+        runner: HookRunner = self._hooks
+        return await runner.dispatch(
+            event, HookInput(event=event, session_id=self.session_id, agent_id=agent_id, **fields), abort=abort
+        )
+
+    # -- requests
+
+    async def _accept_on(self, agent: _Agent, request: _Request) -> None:
+        await self.journal.append(
+            RequestAccepted(
+                request_id=request.request_id, command_id=request.request_id, input={"prompt": request.prompt}
+            ),
+            command_id=request.request_id,
+            agent_id=agent.agent_id,
+        )
+
+    async def _worker(self) -> None:
+        try:
+            await self._serve()
+        finally:
+            self._worker_done.set()
+
+    async def _serve(self) -> None:
+        async for request in self._queue_recv:
+            if self._closing:
+                await self._reject_queued(request)
+                continue
+            async with self._request_lock:
+                self._current = request
+                try:
+                    await self._run_request(request)
+                finally:
+                    self._current = None
+
+    async def _run_request(self, request: _Request) -> None:
+        """One request on one agent's stream: started -> turns -> completed | failed | interrupted."""
+        agent = request.agent
+        journal = self.journal
+        key = (agent.agent_id, request.request_id)
+        self._sinks[key] = lambda event: request.sink(event)
+        try:
+            await journal.append(RequestStarted(request_id=request.request_id), agent_id=agent.agent_id)
+            request.started = True
+            prompt = request.prompt
+            extra: str | None = None
+            if agent.parent_id is None:
+                decision = await self._dispatch(
+                    HookEvent.USER_PROMPT_SUBMIT, agent.agent_id, prompt=prompt, abort=request.abort
+                )
+                decision.raise_for_abort()
+                if decision.action is HookAction.SKIP:
+                    # The prompt never reaches the model; the request ends without a model call.
+                    request.text = ""
+                    request.stop_reason = "skipped"
+                    await self._drain_holds(request)
+                    await journal.append(
+                        RequestCompleted(request_id=request.request_id, output={"skipped": decision.reason or ""}),
+                        agent_id=agent.agent_id,
+                    )
+                    await request.sink(DoneEvent(request.request_id, "", "skipped", 0))
+                    return
+                prompt = decision.prompt or prompt
+                extra = decision.context_text
+            agent.history.append(UserMessage(prompt))
+            if extra:
+                agent.history.append(UserMessage(extra))
+            run = _AgentRun(self, agent, request)
+            await run.run()
+            if request.abort.aborted:
+                await self._finish_interrupted(request)
+            else:
+                await self._drain_holds(request)
+                await journal.append(
+                    RequestCompleted(request_id=request.request_id, output={"text": request.text}),
+                    agent_id=agent.agent_id,
+                )
+                await request.sink(DoneEvent(request.request_id, request.text, request.stop_reason, request.turns))
+        except LeaseLostError:
+            raise
+        except trio.Cancelled:
+            # Cancelled from outside (the session block, a subagent's work scope): record it, then go on.
+            with trio.CancelScope(shield=True):
+                if not journal.lost and not journal.fenced:
+                    await self._finish_request_cancelled(
+                        request,
+                        RequestInterruptReason.SESSION_CLOSE if self._closing else RequestInterruptReason.USER_ABORT,
+                    )
+            raise
+        except Exception as exc:
+            request.error = exc
+            request.stop_reason = "aborted" if isinstance(exc, RequestAbortedError) else "error"
+            with trio.CancelScope(shield=True):
+                await self._drain_holds(request)
+                if not journal.lost and not journal.fenced:
+                    await self._close_open_turn(request, TurnAbortReason.ERROR)
+                    with contextlib.suppress(TrioAgentError):
+                        await journal.append(
+                            RequestFailed(request_id=request.request_id, error=ErrorInfo(message=str(exc)[:2000])),
+                            agent_id=agent.agent_id,
+                        )
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await request.sink(
+                        DoneEvent(request.request_id, request.text, request.stop_reason, request.turns, str(exc))
+                    )
+        finally:
+            self._sinks.pop(key, None)
+            request.done.set()
+
+    @staticmethod
+    async def _drain_holds(request: _Request) -> None:
+        """Let background starts under this request finish their writes before it ends."""
+        request.finishing = True
+        if request.holds:
+            await request.released.wait()
+
+    async def _close_open_turn(self, request: _Request, reason: TurnAbortReason) -> None:
+        projection = self.journal.projection(request.agent.agent_id)
+        for turn_id, turn in list(projection._s.turns.items()):
+            if turn.request_id == request.request_id and turn.state is TurnState.OPEN:
+                for attempt in projection._s.attempts.values():
+                    if attempt.turn_id == turn_id and attempt.state.value == "running":
+                        with contextlib.suppress(TrioAgentError):
+                            await self.journal.append(
+                                ModelAttemptAborted(
+                                    request_id=request.request_id,
+                                    turn_id=turn_id,
+                                    attempt_id=attempt.attempt_id,
+                                    reason=ModelAbortReason.REQUEST_INTERRUPTED,
+                                ),
+                                agent_id=request.agent.agent_id,
+                            )
+                with contextlib.suppress(TrioAgentError):
+                    await self.journal.append(
+                        TurnAborted(request_id=request.request_id, turn_id=turn_id, reason=reason),
+                        agent_id=request.agent.agent_id,
+                    )
+
+    async def _finish_interrupted(self, request: _Request) -> None:
+        abort = request.abort.reason
+        reason = abort.reason if abort is not None else AbortReason.USER_ABORT
+        mapped = {
+            AbortReason.STEERING: RequestInterruptReason.STEERING,
+            AbortReason.SESSION_CLOSE: RequestInterruptReason.SESSION_CLOSE,
+        }.get(reason, RequestInterruptReason.USER_ABORT)
+        request.stop_reason = "aborted"
+        detail = f": {abort.message}" if abort is not None and abort.message else ""
+        request.error = RequestAbortedError(f"the request was aborted ({reason.value}){detail}", reason=reason.value)
+        with trio.CancelScope(shield=True):
+            await self._drain_holds(request)
+            await self._close_open_turn(request, TurnAbortReason.REQUEST_INTERRUPTED)
+            with contextlib.suppress(TrioAgentError):
+                await self.journal.append(
+                    RequestInterrupted(request_id=request.request_id, reason=mapped), agent_id=request.agent.agent_id
+                )
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await request.sink(DoneEvent(request.request_id, request.text, "aborted", request.turns))
+
+    async def _finish_request_cancelled(
+        self, request: _Request, reason: RequestInterruptReason = RequestInterruptReason.SESSION_CLOSE
+    ) -> None:
+        """Record a request whose task was cancelled (session close, subagent cancel)."""
+        projection = self.journal.projection(request.agent.agent_id)
+        record = projection.request(request.request_id)
+        if record is None or record.state not in (RequestState.ACCEPTED, RequestState.STARTED):
+            return
+        with trio.CancelScope(shield=True):
+            await self._drain_holds(request)
+            await self._close_open_turn(request, TurnAbortReason.REQUEST_INTERRUPTED)
+            with contextlib.suppress(TrioAgentError):
+                await self.journal.append(
+                    RequestInterrupted(request_id=request.request_id, reason=reason),
+                    agent_id=request.agent.agent_id,
+                )
+
+    # -- opening and closing
+
+    async def _start(self, tools: Mapping[str, Tool[Any]]) -> None:
+        if self.journal.projection().session_state is SessionState.CLOSED:
+            raise SessionClosedError(
+                f"session {self.session_id!r} was closed; it can be read (journal show) but not continued: "
+                "open a new session id"
+            )
+        await self._recover(tools)
+        decision = await self._dispatch(HookEvent.SESSION_START, self.root.agent_id)
+        decision.raise_for_abort()
+        if decision.context_text:
+            self._context.append(decision.context_text)
+
+    async def _recover(self, tools: Mapping[str, Tool[Any]]) -> None:
+        """Apply the journal's recovery plan on every stream and re-run what it allows, live."""
+        journal = self.journal
+        for agent_id in list(journal.agents):
+            projection = journal.projection(agent_id)
+            if projection.session_state is SessionState.CLOSED:
+                continue
+            plan = journal.recovery_plan(agent_id, tools=tools)
+            if plan.is_empty:
+                continue
+            report = await journal.recover(agent_id, tools=tools)
+            if agent_id == self.root.agent_id:
+                self.recovery = report
+            agent = self.root if agent_id == self.root.agent_id else _Agent(agent_id, agent_id, "", frozenset(), 1)
+            for scheduled in report.to_execute:
+                origin = CallOrigin(self.session_id, agent_id, scheduled.request_id, scheduled.turn_id)
+                record = await self.pipeline.execute(
+                    ToolCall(scheduled.call_id, scheduled.tool_name, dict(scheduled.model_input)),
+                    origin,
+                    idempotency_key=scheduled.idempotency_key,
+                )
+                self.recovery_notes.append(
+                    f"re-ran {scheduled.tool_name} call {scheduled.call_id}: {'ok' if record.result.ok else 'error'}"
+                )
+            for call_id in report.outcome_unknown:
+                call = journal.call(call_id, agent_id)
+                name = call.scheduled.tool_name if call is not None else "?"
+                note = unknown_outcome_result(call_id, name).output
+                self.recovery_notes.append(str(note))
+            # Close what the crash left open, then rebuild the conversation from the journal.
+            for turn in list(projection._s.turns.values()):
+                if turn.state is TurnState.OPEN:
+                    await journal.append(
+                        TurnAborted(
+                            request_id=turn.request_id, turn_id=turn.turn_id, reason=TurnAbortReason.PROCESS_RESTART
+                        ),
+                        agent_id=agent_id,
+                    )
+            for request in list(projection._s.requests.values()):
+                if request.state in (RequestState.ACCEPTED, RequestState.STARTED):
+                    await journal.append(
+                        RequestInterrupted(
+                            request_id=request.request_id, reason=RequestInterruptReason.PROCESS_RESTART
+                        ),
+                        agent_id=agent_id,
+                    )
+            for subagent in list(projection._s.subagents.values()):
+                if subagent.state.value == "running":
+                    await journal.append(
+                        SubagentCancelled(
+                            request_id=subagent.request_id, subagent_id=subagent.subagent_id, reason="process_restart"
+                        ),
+                        agent_id=agent_id,
+                    )
+            del agent
+        self.root.history = await self._rebuild_history(self.root.agent_id)
+        if self.recovery_notes:
+            self.root.history.append(
+                UserMessage("[session recovered after a restart]\n" + "\n".join(self.recovery_notes))
+            )
+
+    async def _rebuild_history(self, agent_id: str) -> list[Message]:
+        """The conversation as the journal tells it: prompts, joined messages, model answers and the
+        published tool results, each answer in call order."""
+        events = await self.journal.store.read(self.journal.stream_id(agent_id))
+        outcomes: dict[str, ToolResultMessage] = {}
+        for envelope in events:
+            event = envelope.event
+            if isinstance(event, ToolCompleted | ToolFailed) and event.published:
+                output = event.result.get("output")
+                outcomes[event.call_id] = ToolResultMessage(
+                    event.call_id,
+                    output if isinstance(output, str) else json.dumps(output),
+                    is_error=isinstance(event, ToolFailed),
+                )
+            elif isinstance(event, ToolOutcomeUnknown):
+                outcomes[event.call_id] = ToolResultMessage(
+                    event.call_id, "outcome unknown after a restart", is_error=True
+                )
+        history: list[Message] = []
+        for envelope in events:
+            event = envelope.event
+            if isinstance(event, RequestAccepted):
+                history.append(UserMessage(str(event.input.get("prompt", ""))))
+            elif isinstance(event, ModelAttemptCompleted):
+                response = event.response
+                history.extend(UserMessage(str(text)) for text in response.get("inputs", []))
+                parts: list[Any] = []
+                if response.get("text"):
+                    parts.append(TextPart(str(response["text"])))
+                calls = [ToolCallPart(c["id"], c["name"], c["arguments"]) for c in response.get("tool_calls", [])]
+                history.append(AssistantMessage(tuple(parts + calls)))
+                rejected = response.get("rejected", {})
+                for call in calls:
+                    if call.id in rejected:
+                        history.append(ToolResultMessage(call.id, str(rejected[call.id]), is_error=True))
+                    elif call.id in outcomes:
+                        history.append(outcomes[call.id])
+        return _repair(history)
+
+    async def _reject_queued(self, queued: _Request) -> None:
+        """A request still queued when the session closes: recorded interrupted, its caller told."""
+        queued.abort.abort(AbortReason.SESSION_CLOSE, "the session closed before it started")
+        with trio.CancelScope(shield=True):
+            with contextlib.suppress(TrioAgentError):
+                await self.journal.append(
+                    RequestInterrupted(request_id=queued.request_id, reason=RequestInterruptReason.SESSION_CLOSE)
+                )
+            queued.error = SessionClosedError("the session closed before the request started")
+            queued.stop_reason = "aborted"
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await queued.sink(DoneEvent(queued.request_id, "", "aborted", 0, str(queued.error)))
+            queued.done.set()
+
+    async def _close(self, reason: SessionCloseReason) -> None:
+        self._closing = True
+        self._queue_send.close()
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + 30.0
+            current = self._current
+            if current is not None and not current.done.is_set():
+                await self._abort_request(current, AbortReason.SESSION_CLOSE, "the session is closing")
+            # The worker rejects what is still queued (the channel is closed) and then ends.
+            await self._worker_done.wait()
+            for handle in list(self.subagents.values()):
+                handle.kill()
+            for handle in list(self.subagents.values()):
+                await handle._task_done.wait()
+            with contextlib.suppress(TrioAgentError):
+                await self._dispatch(HookEvent.SESSION_END, self.root.agent_id, reason=reason.value)
+            if not self.journal.lost and not self.journal.fenced:
+                for agent_id in self.journal.agents:
+                    if self.journal.projection(agent_id).session_state is not SessionState.CLOSED:
+                        with contextlib.suppress(TrioAgentError):
+                            await self.journal.append(
+                                SessionClosed(session_id=self.session_id, reason=reason), agent_id=agent_id
+                            )
+
+
+def _raise_for(request: _Request) -> None:
+    """Raise a finished request's error as a trio_agent error."""
+    error = request.error
+    if error is not None:
+        if isinstance(error, TrioAgentError):
+            raise error
+        raise RequestAbortedError(f"the request failed: {type(error).__name__}: {error}", reason="error") from error
+
+
+def _repair(history: list[Message]) -> list[Message]:
+    """Every tool call in the rebuilt history gets an answer, so providers accept it."""
+    answered = {m.tool_call_id for m in history if isinstance(m, ToolResultMessage)}
+    out: list[Message] = []
+    for message in history:
+        out.append(message)
+        if isinstance(message, AssistantMessage):
+            for part in message.parts:
+                if isinstance(part, ToolCallPart) and part.id not in answered:
+                    out.append(ToolResultMessage(part.id, "no result was recorded (interrupted)", is_error=True))
+    return out
+
+
+class _Forward:
+    """An event sink into a bounded channel; drops events once its reader left."""
+
+    def __init__(self, send: trio.MemorySendChannel[SessionEvent]) -> None:
+        self.send = send
+        self.closed = False
+
+    async def __call__(self, event: SessionEvent) -> None:
+        if self.closed:
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            await self.send.send(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.closed = True
+        if isinstance(event, DoneEvent):
+            self.closed = True
+            await self.send.aclose()
+
+
+def _tee(first: EventSink, second: EventSink) -> EventSink:
+    async def both(event: SessionEvent) -> None:
+        await first(event)
+        await second(event)
+
+    return both
+
+
+class _EventStream:
+    """The iterator of `Session.stream`: session events until the request's `DoneEvent`."""
+
+    def __init__(self, recv: trio.MemoryReceiveChannel[SessionEvent], request: _Request, *, joined: bool) -> None:
+        self._recv = recv
+        self.request = request
+        self.joined = joined
+        self.text = ""
+        self.done: DoneEvent | None = None
+
+    def __aiter__(self) -> _EventStream:
+        return self
+
+    async def __anext__(self) -> SessionEvent:
+        if self.done is not None:
+            raise StopAsyncIteration
+        try:
+            event = await self._recv.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            await self.request.done.wait()
+            self._raise_if_failed()
+            raise StopAsyncIteration from None
+        if isinstance(event, DoneEvent):
+            self.done = event
+            self.text = event.text
+            if event.stop_reason in ("error", "aborted"):
+                await self.request.done.wait()
+                self._raise_if_failed()
+        return event
+
+    def _raise_if_failed(self) -> None:
+        _raise_for(self.request)
+
+
+class _AgentRun:
+    """The agent loop for one request of one agent."""
+
+    def __init__(self, session: Session, agent: _Agent, request: _Request) -> None:
+        self.session = session
+        self.agent = agent
+        self.request = request
+
+    def _tools(self) -> list[Tool[Any]]:
+        tools = self.session.pipeline.tools
+        return [tools[name] for name in sorted(self.agent.allowed) if name in tools]
+
+    def _messages(self) -> list[Message]:
+        text = "\n\n".join([self.agent.system_prompt, *self.session._context]).strip()
+        system = [SystemMessage(text)] if text else []
+        return system + list(self.agent.history)
+
+    async def run(self) -> None:
+        session, agent, request = self.session, self.agent, self.request
+        journal = session.journal
+        if agent.specs is None:  # the offered tools never change during a session
+            agent.specs = [_tool_spec(tool) for tool in self._tools()]
+        specs = agent.specs
+        turn = 0
+        while True:
+            if request.abort.aborted:
+                return
+            if turn >= agent.max_turns:
+                request.accepting = False
+                request.stop_reason = "max_turns"
+                return
+            turn += 1
+            request.turns = turn
+            # Messages that arrived meanwhile (priority next/now) and finished background work;
+            # recorded with the model attempt so a rebuilt history has them too.
+            inputs = session._inbox.pop(agent.agent_id, [])
+            while request.pending:
+                inputs.append(request.pending.pop(0))
+            for text in inputs:
+                agent.history.append(UserMessage(text))
+            request.steering = AbortHandle()
+            turn_id = f"{request.request_id}-t{turn}"
+            await journal.append(
+                TurnStarted(request_id=request.request_id, turn_id=turn_id, turn=turn), agent_id=agent.agent_id
+            )
+            outcome = await self._model_call(turn_id, specs, inputs)
+            if outcome is None:
+                return  # aborted: the request records the interruption
+            message, finish, rejected = outcome
+            agent.history.append(message)
+            calls = [part for part in message.parts if isinstance(part, ToolCallPart)]
+            request.text = _text_of(message) or request.text
+            if calls:
+                results = await self._run_tools(turn_id, calls, rejected)
+                for part, result in zip(calls, results, strict=True):
+                    agent.history.append(ToolResultMessage(part.id, _model_text(result), is_error=not result.ok))
+                if request.abort.aborted:
+                    return
+                await journal.append(
+                    TurnCompleted(request_id=request.request_id, turn_id=turn_id, has_tool_calls=True),
+                    agent_id=agent.agent_id,
+                )
+                if any(_stops_loop(r) for r in results):
+                    request.stop_reason = "permission_denied"
+                    return
+                continue
+            await journal.append(
+                TurnCompleted(request_id=request.request_id, turn_id=turn_id, has_tool_calls=False),
+                agent_id=agent.agent_id,
+            )
+            if request.pending:
+                continue
+            if agent.parent_id is None:
+                event = HookEvent.STOP
+                decision = await session._dispatch(
+                    event, agent.agent_id, last_message=request.text, abort=request.abort
+                )
+            else:
+                decision = await session._dispatch(
+                    HookEvent.SUBAGENT_STOP,
+                    agent.agent_id,
+                    subagent_id=agent.agent_id,
+                    subagent_type=agent.name,
+                    last_message=request.text,
+                    abort=request.abort,
+                )
+            decision.raise_for_abort()
+            if decision.action is HookAction.SKIP:
+                # "Don't stop yet": one more round with the hook's reason as the user's message.
+                request.pending.append(decision.context_text or decision.reason or "Continue.")
+                continue
+            if request.pending:
+                continue  # a message joined while the Stop hook ran: it gets its turn
+            # From here on a message with priority "next" starts a new request instead (no await before).
+            request.accepting = False
+            request.stop_reason = "end_turn" if finish is not FinishReason.LENGTH else "max_tokens"
+            return
+
+    async def _model_call(
+        self, turn_id: str, specs: list[ToolSpec], inputs: list[str]
+    ) -> tuple[AssistantMessage, FinishReason, dict[str, ToolResult]] | None:
+        """One model attempt, recorded before the provider is called and after it answered.
+
+        Returns the assistant message, the finish reason and the calls rejected
+        before they could run (cut off by the output limit, unknown tool, tool not
+        allowed, invalid JSON) with the error each one answers; ``None`` if aborted.
+        """
+        session, agent, request = self.session, self.agent, self.request
+        service = session._service_for(agent)
+        attempt_id = f"{turn_id}-a1"
+        await session.journal.append(
+            ModelAttemptStarted(
+                request_id=request.request_id, turn_id=turn_id, attempt_id=attempt_id, model=service.model
+            ),
+            agent_id=agent.agent_id,
+        )
+        text: list[str] = []
+        calls: dict[int, ToolCallPart] = {}
+        started: dict[int, ToolCallStart] = {}
+        finish = FinishReason.STOP
+        usage = Usage()
+        try:
+            async with service.stream(
+                self._messages(),
+                tools=specs,
+                abort=request.abort,
+                metadata={"session_id": session.session_id, "agent_id": agent.agent_id},
+            ) as chunks:
+                async for chunk in chunks:
+                    if isinstance(chunk, TextDelta):
+                        text.append(chunk.text)
+                        await request.sink(TextDeltaEvent(agent.agent_id, chunk.text))
+                    elif isinstance(chunk, ToolCallStart):
+                        started[chunk.index] = chunk
+                    elif isinstance(chunk, ToolCallEnd):
+                        calls[chunk.index] = ToolCallPart(chunk.id, chunk.name, chunk.arguments)
+                    elif isinstance(chunk, UsageChunk):
+                        usage = chunk.usage
+                        await request.sink(UsageEvent(agent.agent_id, chunk.usage))
+                    elif isinstance(chunk, FinishChunk):
+                        finish = chunk.reason
+        except ModelAbortedError:
+            await session.journal.append(
+                ModelAttemptAborted(
+                    request_id=request.request_id,
+                    turn_id=turn_id,
+                    attempt_id=attempt_id,
+                    reason=ModelAbortReason.REQUEST_INTERRUPTED,
+                ),
+                agent_id=agent.agent_id,
+            )
+            return None
+        except ModelError as exc:
+            await session.journal.append(
+                ModelAttemptFailed(
+                    request_id=request.request_id,
+                    turn_id=turn_id,
+                    attempt_id=attempt_id,
+                    error=ErrorInfo(message=str(exc)[:2000], code=exc.code or None, retryable=bool(exc.retryable)),
+                ),
+                agent_id=agent.agent_id,
+            )
+            raise
+        ordered = [calls[index] for index in sorted(calls)]
+        # A call whose end never arrived (cut off mid-stream) still gets an answer.
+        for index in sorted(set(started) - set(calls)):
+            start = started[index]
+            ordered.append(ToolCallPart(start.id or f"{attempt_id}-cut{index}", start.name or "_cut_off", ""))
+        rejected = {part.id: result for part in ordered if (result := self._reject(part, finish)) is not None}
+        parts: list[Any] = ([TextPart("".join(text))] if text else []) + ordered
+        message = AssistantMessage(tuple(parts))
+        await session.journal.append(
+            ModelAttemptCompleted(
+                request_id=request.request_id,
+                turn_id=turn_id,
+                attempt_id=attempt_id,
+                response={
+                    "inputs": inputs,
+                    "text": "".join(text),
+                    "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in ordered],
+                    "rejected": {call_id: _model_text(result) for call_id, result in rejected.items()},
+                    "finish_reason": finish.value,
+                    "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+                },
+            ),
+            agent_id=agent.agent_id,
+        )
+        return message, finish, rejected
+
+    def _reject(self, part: ToolCallPart, finish: FinishReason) -> ToolResult | None:
+        """The error for a call that must not run, or ``None`` if it may go to the pipeline."""
+        tools = self.session.pipeline.tools
+        if finish is FinishReason.LENGTH:
+            return _error(
+                "the model's output was cut off by its length limit before this call was complete; it was not run",
+                "max_tokens",
+            )
+        if part.name not in tools:
+            known = ", ".join(sorted(self.agent.allowed & set(tools))) or "none"
+            return _error(f"unknown tool {part.name!r} (available: {known})", "unknown_tool")
+        if part.name not in self.agent.allowed:
+            return _error(f"tool {part.name!r} is not available to this agent", "tool_not_allowed")
+        try:
+            arguments = json.loads(part.arguments) if part.arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            return _error(f"the arguments are not valid JSON: {exc}", "invalid_json")
+        if not isinstance(arguments, dict):
+            return _error("the arguments must be a JSON object", "invalid_json")
+        return None
+
+    async def _run_tools(
+        self, turn_id: str, calls: list[ToolCallPart], rejected: Mapping[str, ToolResult]
+    ) -> list[ToolResult]:
+        """Run one turn's calls concurrently; one call's failure never destroys another's result."""
+        results: list[ToolResult | None] = [None] * len(calls)
+
+        async def run_one(index: int, part: ToolCallPart) -> None:
+            results[index] = await self._run_tool(turn_id, part, rejected.get(part.id))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for index, part in enumerate(calls):
+                    nursery.start_soon(run_one, index, part)
+        except BaseExceptionGroup as group:
+            raise _unwrap(group) from group
+        return [result if result is not None else _error("no result", "internal") for result in results]
+
+    async def _run_tool(self, turn_id: str, part: ToolCallPart, rejected: ToolResult | None) -> ToolResult:
+        session, agent, request = self.session, self.agent, self.request
+        sink = request.sink
+        if rejected is not None:
+            await sink(ToolUseEvent(agent.agent_id, part.id, part.name, part.arguments))
+            await sink(ToolResultEvent(agent.agent_id, part.id, part.name, rejected))
+            return rejected
+        arguments = json.loads(part.arguments) if part.arguments.strip() else {}
+        await sink(ToolUseEvent(agent.agent_id, part.id, part.name, arguments))
+
+        async def on_item(item: Any) -> None:
+            await sink(ToolProgressEvent(agent.agent_id, part.id, item))
+
+        origin = CallOrigin(session.session_id, agent.agent_id, request.request_id, turn_id)
+        try:
+            record = await session.pipeline.execute(
+                ToolCall(part.id, part.name, arguments),
+                origin,
+                abort=request.abort,
+                steering=request.steering,
+                on_item=on_item,
+            )
+        except (LeaseLostError, SettlementError):
+            raise
+        except TrioAgentError as exc:
+            result = _error(f"{type(exc).__name__}: {exc}", "internal")
+        else:
+            result = record.result
+        await sink(ToolResultEvent(agent.agent_id, part.id, part.name, result))
+        return result
+
+
+def _stops_loop(result: ToolResult) -> bool:
+    """A permission denial that asked to stop the loop (handler ``stop_loop`` or a PermissionRequest abort)."""
+    return bool(result.metadata.get("stop_loop")) or (result.error is not None and result.error.code == "stop_loop")
+
+
+def _error(message: str, code: str) -> ToolResult:
+    return ToolResult.failure(ToolErrorType.VALIDATION, message, code=code)
+
+
+def _model_text(result: ToolResult) -> str:
+    output = result.output
+    return output if isinstance(output, str) else json.dumps(output, default=str)
+
+
+# ---------------------------------------------------------------- built-in task tools
+
+
+def _task_tools(get_session: Callable[[], Session]) -> list[Tool[Any]]:
+    @define_tool(
+        name="task",
+        description=(
+            "Run a named subagent on a task. Foreground (default): waits and returns its answer. "
+            "With background=true: starts it and returns its id; its result arrives at a later turn "
+            "(or check with task_output)."
+        ),
+        input_schema={
+            "type": "object",
+            "properties": {
+                "subagent": {"type": "string", "description": "the subagent's name"},
+                "prompt": {"type": "string", "minLength": 1},
+                "background": {"type": "boolean", "default": False},
+            },
+            "required": ["subagent", "prompt"],
+            "additionalProperties": False,
+        },
+        side_effect=SideEffect.NON_IDEMPOTENT,
+        kind=ToolKind.READONLY,
+        interrupt="cancel",
+    )
+    async def task(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        session = get_session()
+        name = input["subagent"]
+        if name not in session.definitions:
+            known = ", ".join(sorted(session.definitions)) or "none"
+            return ToolResult.failure(
+                ToolErrorType.VALIDATION, f"unknown subagent {name!r} (defined: {known})", code="unknown_subagent"
+            )
+        try:
+            if input.get("background"):
+                handle = await session._spawn_background(
+                    name, input["prompt"], ctx.agent_id, ctx.request_id, call_id=ctx.tool_call_id
+                )
+                return ToolResult.success(
+                    f"started background subagent {handle.id}; its result arrives at a later turn",
+                    data={"task_id": handle.id, "status": "running"},
+                )
+            # The subagent's events go to the stream of the request that called the tool.
+            sink = session._sinks.get((ctx.agent_id, ctx.request_id), _discard)
+            text = await session.run_foreground_subagent(name, input["prompt"], ctx, sink)
+        except HookError as exc:
+            code = (
+                exc.code
+                if exc.code == "hook_skip"
+                else ("hook_abort" if isinstance(exc, HookAbortedError) else "hook_error")
+            )
+            return ToolResult.failure(ToolErrorType.EXECUTION, str(exc), code=code)
+        return ToolResult.success(text, data={"subagent": name})
+
+    @define_tool(
+        name="task_output",
+        description="Check (or wait for, with block=true) a background subagent started by the task tool.",
+        input_schema={
+            "type": "object",
+            "properties": {
+                "task_id": {"type": "string"},
+                "block": {"type": "boolean", "default": True},
+                "timeout": {"type": "number", "minimum": 0, "maximum": 600, "default": 30},
+            },
+            "required": ["task_id"],
+            "additionalProperties": False,
+        },
+        side_effect=SideEffect.PURE,
+        kind=ToolKind.READONLY,
+        interrupt="cancel",
+    )
+    async def task_output(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        session = get_session()
+        handle = session.subagents.get(input["task_id"])
+        if handle is None:
+            return ToolResult.failure(ToolErrorType.VALIDATION, f"no task {input['task_id']!r}", code="unknown_task")
+        if input.get("block", True) and handle.status is SubagentStatus.RUNNING:
+            async with ctx.slot_released():
+                with trio.move_on_after(float(input.get("timeout", 30))):
+                    await handle.wait()
+        return ToolResult.success(
+            f"task {handle.id}: {handle.status.value}"
+            + (f"\n{handle.result}" if handle.result else "")
+            + (f"\nerror: {handle.error}" if handle.error else ""),
+            data={"task_id": handle.id, "status": handle.status.value},
+        )
+
+    return [task, task_output]
+
+
+# ---------------------------------------------------------------- open_session
+
+
+def _resolve_store(journal: JournalStore | str | os.PathLike[str] | None) -> tuple[JournalStore | None, str | None]:
+    if journal is None:
+        return MemoryStore(), None
+    if isinstance(journal, (str, os.PathLike)):
+        return None, os.fspath(journal)
+    return journal, None
+
+
+@asynccontextmanager
+async def open_session(
+    *,
+    provider: Provider | str,
+    model: str | None = None,
+    system_prompt: str = "",
+    tools: Sequence[Tool[Any]] = (),
+    plugins: Sequence[Plugin] = (),
+    middleware: MiddlewareConfig | None = None,
+    hooks: Mapping[HookEvent | str, Sequence[HookCallback]] | None = None,
+    allowed_tools: Sequence[str] | None = None,
+    disallowed_tools: Sequence[str] | None = None,
+    permissions: PermissionRules | Mapping[str, Sequence[str]] | None = None,
+    permission_mode: PermissionMode | str = PermissionMode.DEFAULT,
+    permission_handler: PermissionHandler | None = None,
+    journal: JournalStore | str | os.PathLike[str] | None = None,
+    session_id: str | None = None,
+    max_turns: int = 20,
+    subagents: Sequence[SubagentDefinition] = (),
+    workspace_roots: Sequence[str | os.PathLike[str]] | None = None,
+    hook_deadlines: Mapping[HookEvent, float] | None = None,
+    lease_ttl: float = 30.0,
+    takeover_timeout: float = 0.0,
+    model_request_timeout: float = 600.0,
+    tool_timeout: float = 600.0,
+) -> AsyncIterator[Session]:
+    """Open a session: ``async with open_session(provider=..., model=...) as session`` (the spec's ``createSession``).
+
+    ``provider`` is a `Provider` (the caller owns it) or a provider name
+    (``"openai"``, ``"anthropic"``: the session creates and closes it; ``model`` is
+    then required). ``journal`` is a `JournalStore`, a SQLite file path (opened
+    and closed by the session) or ``None`` (an in-memory store: same rules, no
+    durability). Reopening an existing ``session_id`` on a durable journal
+    recovers it (see ``Session.recovery``). Leaving the block cancels what still
+    runs, records it, and writes one ``session_closed`` per agent stream.
+
+    Raises `ConfigError` (bad options, duplicate tools or plugins, bad rules)
+    before anything starts; errors at the boundary are trio_agent errors, never
+    exception groups.
+    """
+    from ._wiring import build_session_parts
+
+    if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+        raise ConfigError(f"max_turns must be a positive int, not {max_turns!r}")
+    if isinstance(subagents, (str, bytes)) or not isinstance(subagents, Sequence):
+        raise ConfigError(f"subagents must be a list of SubagentDefinition, not {subagents!r}")
+    definitions: dict[str, SubagentDefinition] = {}
+    for definition in subagents:
+        if not isinstance(definition, SubagentDefinition):
+            raise ConfigError(f"subagents must be SubagentDefinition objects, not {definition!r}")
+        if definition.name in definitions:
+            raise ConfigError(f"subagent {definition.name!r} is defined twice")
+        definitions[definition.name] = definition
+    holder: list[Session] = []
+    builtins = _task_tools(lambda: holder[0]) if definitions else []
+
+    def agent_filter(agent_id: str) -> ToolFilter:
+        # Every agent's calls are checked against its own allowlist (subagents included).
+        session = holder[0] if holder else None
+        agent = None if session is None else session._agents.get(agent_id)
+        if agent is None:
+            return ToolFilter(allowed=None)
+        return ToolFilter(allowed=sorted(agent.allowed))
+
+    parts = build_session_parts(
+        builtin_tools=builtins,
+        tools=tools,
+        plugins=plugins,
+        middleware=middleware,
+        hooks=hooks,
+        allowed_tools=allowed_tools,
+        disallowed_tools=disallowed_tools,
+        permissions=permissions,
+        permission_mode=permission_mode,
+        permission_handler=permission_handler,
+        workspace_roots=workspace_roots,
+        hook_deadlines=hook_deadlines,
+        agent_filter=agent_filter,
+    )
+    store, path = _resolve_store(journal)
+    try:
+        async with AsyncExitStack() as stack:
+            if isinstance(provider, str):
+                if model is None:
+                    raise ConfigError("model is required when provider is given by name")
+                from .._models._providers import create_provider
+
+                created: Any = create_provider(provider, model)
+                if hasattr(created, "__aenter__"):
+                    await stack.enter_async_context(created)
+                provider_obj: Provider = created
+            else:
+                provider_obj = provider.with_model(model) if model and model != provider.model else provider
+            if path is not None:
+                store = await stack.enter_async_context(open_sqlite_store(path))
+            assert store is not None
+            durable = await stack.enter_async_context(
+                open_journal(store, session_id=session_id, lease_ttl=lease_ttl, takeover_timeout=takeover_timeout)
+            )
+            service = ModelService(provider_obj, parts.model_middleware, request_timeout=model_request_timeout)
+            pipeline = ToolPipeline(
+                parts.tools.values(),
+                middleware=parts.tool_middleware,
+                lifecycle=durable,
+                stages=parts.stages,
+                timeout=tool_timeout,
+                workspace=parts.workspace,
+                unwind_grace=max(2.0, (hook_deadlines or {}).get(HookEvent.POST_TOOL_USE, 0.0) + 1.0),
+            )
+            root = _Agent(
+                agent_id=durable.root_agent_id,
+                name="root",
+                system_prompt=system_prompt,
+                allowed=frozenset(parts.allowed),
+                max_turns=max_turns,
+            )
+            session = Session(
+                journal=durable,
+                service=service,
+                pipeline=pipeline,
+                root=root,
+                definitions=definitions,
+                hooks=parts.runner,
+            )
+            session.permissions = parts.permissions
+            session._agents[root.agent_id] = root
+            holder.append(session)
+            parts.bind(session)
+            close_reason = SessionCloseReason.COMPLETED
+            async with trio.open_nursery() as nursery:
+                session._nursery = nursery
+                nursery.start_soon(session._worker)
+                try:
+                    await session._start(parts.tools)
+                    yield session
+                except BaseException:
+                    close_reason = SessionCloseReason.ERROR
+                    raise
+                finally:
+                    await session._close(close_reason)
+                    nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        raise _unwrap(group) from group
