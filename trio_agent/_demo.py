@@ -406,6 +406,8 @@ class LiveView:
             return
         if isinstance(event, UsageEvent):
             return
+        if isinstance(event, ToolUseEvent | ToolProgressEvent | ToolResultEvent) and event.agent_id != self.root_id:
+            return  # a foreground subagent's calls: shown once, by the subagent_calls middleware
         self._reply_line()
         if isinstance(event, ToolUseEvent):
             self._uses += 1

@@ -324,6 +324,7 @@ class Session:
         self._queue_send, self._queue_recv = trio.open_memory_channel[_Request](max_concurrent_requests_queue)
         self._current: _Request | None = None
         self._request_lock = trio.Lock()
+        self._started = False
         self._worker_done = trio.Event()
         self._sinks: dict[tuple[str, str], EventSink] = {}
         self._closing = False
@@ -448,6 +449,9 @@ class Session:
                     await self._abort_request(request, AbortReason.USER_ABORT, "the stream was closed early")
 
     async def _accept(self, request: _Request) -> None:
+        stats = self._queue_send.statistics()
+        if stats.current_buffer_used >= stats.max_buffer_size:
+            raise SessionBusyError(f"{stats.current_buffer_used} requests are already queued; wait for some to finish")
         # request_accepted is durable before send returns or the stream starts.
         await self.journal.append(
             RequestAccepted(
@@ -468,6 +472,19 @@ class Session:
 
     async def _abort_request(self, request: _Request, reason: AbortReason, message: str) -> None:
         request.abort.abort(reason, message)
+        if self._current is not request and not request.started and not request.done.is_set():
+            # Still queued: it never starts; record it now instead of waiting for the worker.
+            with contextlib.suppress(TrioAgentError):
+                await self.journal.append(
+                    RequestInterrupted(request_id=request.request_id, reason=RequestInterruptReason.USER_ABORT),
+                    agent_id=request.agent.agent_id,
+                )
+            request.error = RequestAbortedError(
+                f"the request was aborted before it started: {message}", reason=reason.value
+            )
+            request.stop_reason = "aborted"
+            request.done.set()
+            return
         await request.done.wait()
 
     def subscribe_durable_events(
@@ -505,7 +522,11 @@ class Session:
         async with self._request_lock:
             holder = _Request(f"start subagent {name}", _discard, self.root)
             await self.journal.append(
-                RequestAccepted(request_id=holder.request_id, command_id=holder.request_id, input={"prompt": prompt}),
+                RequestAccepted(
+                    request_id=holder.request_id,
+                    command_id=holder.request_id,
+                    input={"start_subagent": name, "prompt": prompt},
+                ),
                 RequestStarted(request_id=holder.request_id),
                 agent_id=parent,
             )
@@ -750,6 +771,8 @@ class Session:
 
     async def _serve(self) -> None:
         async for request in self._queue_recv:
+            if request.done.is_set() or request.abort.aborted:
+                continue  # aborted while it was queued: `_abort_request` records it
             if self._closing:
                 await self._reject_queued(request)
                 continue
@@ -909,6 +932,7 @@ class Session:
                 "open a new session id"
             )
         await self._recover(tools)
+        self._started = True
         decision = await self._dispatch(HookEvent.SESSION_START, self.root.agent_id)
         decision.raise_for_abort()
         if decision.context_text:
@@ -997,7 +1021,8 @@ class Session:
         for envelope in events:
             event = envelope.event
             if isinstance(event, RequestAccepted):
-                history.append(UserMessage(str(event.input.get("prompt", ""))))
+                if "start_subagent" not in event.input:  # the short request of a start between requests
+                    history.append(UserMessage(str(event.input.get("prompt", ""))))
             elif isinstance(event, ModelAttemptCompleted):
                 response = event.response
                 history.extend(UserMessage(str(text)) for text in response.get("inputs", []))
@@ -1042,8 +1067,9 @@ class Session:
                 handle.kill()
             for handle in list(self.subagents.values()):
                 await handle._task_done.wait()
-            with contextlib.suppress(TrioAgentError):
-                await self._dispatch(HookEvent.SESSION_END, self.root.agent_id, reason=reason.value)
+            if self._started:  # SessionEnd pairs with a SessionStart that ran
+                with contextlib.suppress(TrioAgentError):
+                    await self._dispatch(HookEvent.SESSION_END, self.root.agent_id, reason=reason.value)
             if not self.journal.lost and not self.journal.fenced:
                 for agent_id in self.journal.agents:
                     if self.journal.projection(agent_id).session_state is not SessionState.CLOSED:
@@ -1167,6 +1193,10 @@ class _AgentRun:
             if turn >= agent.max_turns:
                 request.accepting = False
                 request.stop_reason = "max_turns"
+                # Messages that joined during the last turn reach the model at its next turn.
+                if request.pending:
+                    session._inbox.setdefault(agent.agent_id, []).extend(request.pending)
+                    request.pending.clear()
                 return
             turn += 1
             request.turns = turn
@@ -1520,7 +1550,7 @@ async def open_session(
     tools: Sequence[Tool[Any]] = (),
     plugins: Sequence[Plugin] = (),
     middleware: MiddlewareConfig | None = None,
-    hooks: Mapping[HookEvent | str, Sequence[HookCallback]] | None = None,
+    hooks: Mapping[HookEvent, Sequence[HookCallback]] | None = None,
     allowed_tools: Sequence[str] | None = None,
     disallowed_tools: Sequence[str] | None = None,
     permissions: PermissionRules | Mapping[str, Sequence[str]] | None = None,

@@ -1,0 +1,128 @@
+"""Session edge cases found while documenting: queued aborts, a full queue, late joiners,
+subagent starts between requests, and hooks around a refused reopen."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from tests.test_session import events_of, gated_tool, unsettled_requests
+from trio_agent import (
+    HookEvent,
+    HookInput,
+    SessionBusyError,
+    SessionClosedError,
+    SubagentDefinition,
+    ToolResultMessage,
+    UserMessage,
+    open_session,
+)
+from trio_agent.journal import MemoryStore, RequestInterrupted
+from trio_agent.testing import Reply, TestModel
+
+
+async def test_cancelling_a_queued_send_records_it_at_once_and_it_never_runs(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    slow, started, release = gated_tool("slow")
+    store = MemoryStore()
+    model = TestModel({"first": [Reply(tool_calls=[("slow", {})]), Reply(text="first done")]})
+    async with open_session(provider=model, tools=[slow], journal=store) as session, trio.open_nursery() as nursery:
+        nursery.start_soon(session.send, "first")
+        await started.wait()
+        with trio.move_on_after(1) as scope:
+            await session.send("never run", priority="later")
+        assert scope.cancelled_caught
+        # Recorded interrupted while the first request still runs (no wait for the worker).
+        journal = await events_of(store, session.journal.stream_id())
+        interrupted = [e.request_id for e in journal if isinstance(e, RequestInterrupted)]
+        assert len(interrupted) == 1
+        release.set()
+    assert all("never run" not in str(m) for r in model.requests for m in r.messages)
+    assert unsettled_requests(await events_of(store, session.journal.stream_id())) == []
+
+
+async def test_a_full_queue_refuses_before_anything_is_written(autojump_clock: trio.testing.MockClock) -> None:
+    slow, started, release = gated_tool("slow")
+    store = MemoryStore()
+    replies = iter([Reply(tool_calls=[("slow", {})])])
+    model = TestModel(respond=lambda request: next(replies, Reply(text="ok")))
+    async with open_session(provider=model, tools=[slow], journal=store) as session, trio.open_nursery() as nursery:
+        nursery.start_soon(session.send, "first")
+        await started.wait()
+        capacity = session._queue_send.statistics().max_buffer_size
+
+        async def later(prompt: str) -> None:
+            await session.send(prompt, priority="later")
+
+        for index in range(capacity):
+            nursery.start_soon(later, f"queued {index}")
+        await trio.testing.wait_all_tasks_blocked()
+        before = await session.journal.store.head(session.journal.stream_id())
+        with pytest.raises(SessionBusyError, match="already queued"):
+            await session.send("one too many", priority="later")
+        assert await session.journal.store.head(session.journal.stream_id()) == before
+        release.set()
+
+
+async def test_a_message_joining_the_last_turn_reaches_the_next_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    slow, started, release = gated_tool("slow")
+    model = TestModel({"go": [Reply(tool_calls=[("slow", {})]), Reply(text="second")]})
+    async with open_session(provider=model, tools=[slow], max_turns=1) as session:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.send, "go")
+            await started.wait()
+            joined = trio.Event()
+
+            async def join() -> None:
+                await session.send("late note", priority="next")
+                joined.set()
+
+            nursery.start_soon(join)
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+        await session.send("again")
+    texts = [m.content for m in model.requests[-1].messages if isinstance(m, UserMessage)]
+    assert "late note" in texts
+
+
+async def test_a_subagent_started_between_requests_is_not_a_user_message_after_a_restart(tmp_path: Any) -> None:
+    path = tmp_path / "j.db"
+    helper = SubagentDefinition("helper", "helps", "You help.")
+    model = TestModel({"background job": [Reply(text="bg done")]}, default=Reply(text="fine"))
+    async with open_session(provider=model, journal=path, subagents=[helper], session_id="s1") as session:
+        handle = await session.start_subagent("helper", "background job")
+        await handle.wait()
+        # Crash-like end: the journal is fenced, so the close records nothing and the session stays open.
+        session.journal._fence("test: simulate a crash")
+    async with open_session(provider=model, journal=path, subagents=[helper], session_id="s1") as session:
+        await session.send("after restart")
+    messages = model.requests[-1].messages
+    assert not any(isinstance(m, UserMessage) and m.content == "background job" for m in messages)
+    assert not any(isinstance(m, ToolResultMessage) for m in messages)
+
+
+async def test_session_end_does_not_run_when_a_closed_session_is_refused(tmp_path: Any) -> None:
+    path = tmp_path / "j.db"
+    calls: list[str] = []
+
+    async def start(input: HookInput) -> None:
+        calls.append("start")
+
+    async def end(input: HookInput) -> None:
+        calls.append("end")
+
+    hooks: Any = {HookEvent.SESSION_START: [start], HookEvent.SESSION_END: [end]}
+    model = TestModel(default=Reply(text="ok"))
+    async with open_session(provider=model, journal=path, session_id="s1", hooks=hooks) as session:
+        await session.send("hello")
+    assert calls == ["start", "end"]
+    with pytest.raises(SessionClosedError, match="was closed"):
+        async with open_session(provider=model, journal=path, session_id="s1", hooks=hooks):
+            pass
+    assert calls == ["start", "end"]
