@@ -126,3 +126,125 @@ async def test_session_end_does_not_run_when_a_closed_session_is_refused(tmp_pat
         async with open_session(provider=model, journal=path, session_id="s1", hooks=hooks):
             pass
     assert calls == ["start", "end"]
+
+
+async def test_effects_are_applied_after_the_call_is_settled() -> None:
+    from trio_agent import Effect, PermissionUpdate, SideEffect, ToolKind, define_tool
+
+    seen_settled: list[bool] = []
+
+    @define_tool(
+        name="note",
+        description="asks the session to tell the model something",
+        input_schema={"type": "object"},
+        side_effect=SideEffect.PURE,
+        kind=ToolKind.READONLY,
+    )
+    async def note(input: dict[str, Any], ctx: Any) -> str:
+        await ctx.emit(Effect("new_messages", ["remember: the sky is green"]))
+        await ctx.emit(Effect("permission_updates", [PermissionUpdate.add("write_thing", behavior="allow")]))
+        return "noted"
+
+    @define_tool(
+        name="write_thing",
+        description="a write tool that would ask in default mode",
+        input_schema={"type": "object"},
+        side_effect=SideEffect.IDEMPOTENT,
+        kind=ToolKind.WRITE,
+    )
+    async def write_thing(input: dict[str, Any], ctx: Any) -> str:
+        return "written"
+
+    model = TestModel(
+        {
+            "go": [
+                Reply(tool_calls=[("note", {})]),
+                Reply(tool_calls=[("write_thing", {})]),
+                Reply(text="done"),
+            ]
+        }
+    )
+    async with open_session(provider=model, tools=[note, write_thing]) as session:
+        assert await session.send("go") == "done"
+        projection = session.journal.projection()
+        seen_settled.append(all(record.state.settled for record in projection._s.tools.values()))
+    second = model.requests[1].messages
+    assert any(isinstance(m, UserMessage) and m.content == "remember: the sky is green" for m in second)
+    # Without the rule update, the write tool would have been denied (default mode, nobody to ask).
+    [written] = [m for m in model.requests[2].messages if isinstance(m, ToolResultMessage)][-1:]
+    assert written.content == "written" and not written.is_error
+    assert seen_settled == [True]
+
+
+async def test_a_stream_reader_can_abort_while_the_channel_is_full(autojump_clock: trio.testing.MockClock) -> None:
+    from trio_agent import Progress, ToolUseEvent, define_tool
+
+    @define_tool(
+        name="tail",
+        description="streams many lines",
+        side_effect="pure",
+        kind="readonly",
+        input_schema={"type": "object"},
+        interrupt="cancel",
+    )
+    async def tail(input: dict[str, Any], ctx: Any) -> str:
+        for index in range(10_000):
+            await ctx.emit(Progress(f"line {index}"))
+        return "ok"
+
+    model = TestModel({"go": [Reply(tool_calls=[("tail", {})]), Reply(text="done")]})
+    async with open_session(provider=model, tools=[tail]) as session:
+        with trio.fail_after(30):
+            async with session.stream("go") as events:
+                async for event in events:
+                    if isinstance(event, ToolUseEvent):
+                        await trio.testing.wait_all_tasks_blocked()  # the channel fills up meanwhile
+                        await session.abort()  # the reader itself stops the agent: must not deadlock
+                        break
+    interrupted = [e for e in await events_of(session.journal.store, session.journal.stream_id())]
+    assert any(isinstance(e, RequestInterrupted) for e in interrupted)
+
+
+async def test_the_bodys_own_exception_group_comes_out_unchanged() -> None:
+    model = TestModel(default=Reply(text="ok"))
+    with pytest.raises(ExceptionGroup) as caught:
+        async with open_session(provider=model):
+            raise ExceptionGroup("mine", [ValueError("a"), KeyError("b")])
+    assert caught.value.message == "mine"
+    assert [type(e) for e in caught.value.exceptions] == [ValueError, KeyError]
+
+
+async def test_a_send_racing_the_close_is_refused_and_recorded(tmp_path: Any) -> None:
+    path = tmp_path / "j.db"
+    model = TestModel(default=Reply(text="hi"))
+    outcome: list[BaseException] = []
+    async with trio.open_nursery() as outer, open_session(provider=model, journal=path, session_id="s1") as session:
+
+        async def late() -> None:
+            try:
+                await session.send("late request")
+            except SessionClosedError as exc:
+                outcome.append(exc)
+
+        outer.start_soon(late)
+        # Leave the block while the late request's accept is being committed.
+        while not session.journal.projection()._s.requests:
+            await trio.lowlevel.checkpoint()
+    assert len(outcome) == 1
+    from trio_agent.journal import open_sqlite_store
+
+    async with open_sqlite_store(path, readonly=True) as store:
+        kinds = [type(e.event).__name__ for e in await store.read("s1/root")]
+    assert kinds == ["SessionCreated", "RequestAccepted", "RequestInterrupted", "SessionClosed"]
+
+
+async def test_cancelling_a_send_is_a_cancellation_even_if_its_write_failed() -> None:
+    from trio_agent.testing import FaultyStore
+
+    store = FaultyStore(MemoryStore())
+    model = TestModel(default=Reply(text="hi"))
+    async with open_session(provider=model, journal=store) as session:
+        store.fail_next("after")  # the accept lands but reports failure, just as the caller is cancelled
+        with trio.move_on_after(0) as scope:
+            await session.send("x")
+        assert scope.cancelled_caught

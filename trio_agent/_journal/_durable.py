@@ -372,8 +372,14 @@ class DurableJournal:
                 if not ticket.done:
                     self._fence("a commit was not confirmed before cancellation")
                 else:
-                    ticket.outcome()
-                raise
+                    try:
+                        ticket.outcome()
+                    except StaleFencingTokenError as exc:
+                        self._lose(exc)
+                        self._fence(str(exc))
+                    except (JournalError, LeaseLostError) as exc:
+                        self._fence(f"{type(exc).__name__}: {exc}")
+                raise  # the cancellation goes on, whatever the write's outcome was
         except StaleFencingTokenError as exc:
             self._lose(exc)
             self._fence(str(exc))

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from .._errors import CursorError, JournalCorruptError
+from .._errors import CursorError, JournalCorruptError, JournalError
 from ._events import EventEnvelope, SessionClosed
 from ._store import JournalStore
 
@@ -99,7 +99,13 @@ class DurableEventStream:
                 return DurableEvent(envelope)
             if self._ended:
                 raise StopAsyncIteration
-            rows = await self._store.read(self.stream_id, after=self._seq, limit=self._page_size)
+            try:
+                rows = await self._store.read(self.stream_id, after=self._seq, limit=self._page_size)
+            except JournalError:
+                if self._closed is not None and self._closed.is_set():
+                    self._ended = True  # the session (and the store it owned) closed: the stream ends
+                    raise StopAsyncIteration from None
+                raise
             if rows:
                 expected = self._seq + 1
                 for envelope in rows:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ import trio
 from .._abort import Abort, AbortHandle, AbortReason
 from .._errors import (
     ConfigError,
+    JournalError,
     LeaseLostError,
     ModelAbortedError,
     ModelError,
@@ -93,7 +95,7 @@ from .._models._service import ModelService, Provider
 from .._tools._context import CallOrigin, ToolCall, ToolContext
 from .._tools._definition import SideEffect, Tool, ToolKind, define_tool
 from .._tools._pipeline import ToolPipeline
-from .._tools._results import ToolErrorType, ToolResult
+from .._tools._results import Effect, ToolErrorType, ToolResult
 from ._hooks import (
     HookAbortedError,
     HookAction,
@@ -115,10 +117,19 @@ from ._messages import (
     ToolUseEvent,
     UsageEvent,
 )
-from ._permissions import PermissionEngine, PermissionHandler, PermissionMode, PermissionRules, ToolFilter
+from ._permissions import (
+    PermissionEngine,
+    PermissionHandler,
+    PermissionMode,
+    PermissionRules,
+    PermissionUpdate,
+    ToolFilter,
+)
 from ._plugins import MiddlewareConfig, Plugin
 
 __all__ = ["Priority", "Session", "SubagentDefinition", "SubagentHandle", "open_session"]
+
+_log = logging.getLogger("trio_agent.session")
 
 Priority = str  # "next" | "later" | "now"
 _PRIORITIES = ("next", "later", "now")
@@ -174,6 +185,7 @@ class _Request:
         "abort",
         "accepting",
         "agent",
+        "continuation",
         "done",
         "error",
         "finishing",
@@ -207,6 +219,7 @@ class _Request:
         self.priority: str | None = None
         self.started = False  # request_started is durable
         self.accepting = True  # messages with priority next/now may still join it
+        self.continuation: str | None = None  # a Stop hook's "one more round" message
         self.finishing = False  # no new background starts may join it
         self.holds = 0  # background starts in progress under this request
         self.released = trio.Event()
@@ -260,8 +273,8 @@ class SubagentHandle:
         """Give an idle (cancelled or finished) subagent more work."""
         if self._killed:
             raise SessionClosedError(f"subagent {self.id} was killed")
-        if self.status is SubagentStatus.RUNNING:
-            raise SessionBusyError(f"subagent {self.id} is still running")
+        if self.status is SubagentStatus.RUNNING or not self._finished.is_set():
+            raise SessionBusyError(f"subagent {self.id} is still running (or still recording its outcome)")
         self._prompts.append(prompt)
         self._finished = trio.Event()
         self.status = SubagentStatus.RUNNING
@@ -274,6 +287,12 @@ def _tool_spec(tool: Tool[Any]) -> ToolSpec:
 
 def _text_of(message: AssistantMessage) -> str:
     return "".join(part.text for part in message.parts if isinstance(part, TextPart))
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
 
 
 def _unwrap(group: BaseExceptionGroup[Any]) -> BaseException:
@@ -324,6 +343,8 @@ class Session:
         self._queue_send, self._queue_recv = trio.open_memory_channel[_Request](max_concurrent_requests_queue)
         self._current: _Request | None = None
         self._request_lock = trio.Lock()
+        self._accepting = 0  # request_accepted writes in flight (close waits for them)
+        self._accepted = trio.Event()
         self._started = False
         self._worker_done = trio.Event()
         self._sinks: dict[tuple[str, str], EventSink] = {}
@@ -380,7 +401,7 @@ class Session:
             await request.done.wait()
         finally:
             if not request.done.is_set():
-                with trio.CancelScope(shield=True):
+                with self._cleanup_scope():
                     await self._abort_request(request, AbortReason.USER_ABORT, "send() was cancelled")
         _raise_for(request)
         return request.text
@@ -423,7 +444,7 @@ class Session:
             # Joins the running request at its next turn.
             self._join(current, prompt, priority)
             stream = _EventStream(recv, current, joined=True)
-            forward = _Forward(send)
+            forward = _Forward(send, current.abort)
             previous = current.sink
             current.sink = _tee(previous, forward)
             try:
@@ -433,7 +454,8 @@ class Session:
                 forward.closed = True
             return
         self._check_not_busy(current, priority)
-        request = _Request(prompt, _Forward(send), self.root)
+        request = _Request(prompt, _discard, self.root)
+        request.sink = _Forward(send, request.abort)
         request.priority = priority
         await self._accept(request)
         stream = _EventStream(recv, request, joined=False)
@@ -445,7 +467,7 @@ class Session:
             if isinstance(forward_sink, _Forward):
                 forward_sink.closed = True
             if not request.done.is_set():
-                with trio.CancelScope(shield=True):
+                with self._cleanup_scope():
                     await self._abort_request(request, AbortReason.USER_ABORT, "the stream was closed early")
 
     async def _accept(self, request: _Request) -> None:
@@ -453,13 +475,38 @@ class Session:
         if stats.current_buffer_used >= stats.max_buffer_size:
             raise SessionBusyError(f"{stats.current_buffer_used} requests are already queued; wait for some to finish")
         # request_accepted is durable before send returns or the stream starts.
-        await self.journal.append(
-            RequestAccepted(
-                request_id=request.request_id, command_id=request.request_id, input={"prompt": request.prompt}
-            ),
-            command_id=request.request_id,
-        )
-        self._queue_send.send_nowait(request)
+        self._accepting += 1  # the close waits for this, so the request is settled either way
+        try:
+            try:
+                await self.journal.append(
+                    RequestAccepted(
+                        request_id=request.request_id, command_id=request.request_id, input={"prompt": request.prompt}
+                    ),
+                    command_id=request.request_id,
+                )
+            except trio.Cancelled:
+                await self._unqueue(request, "the caller was cancelled while the request was accepted")
+                raise
+            if self._closing:
+                await self._unqueue(request, "the session closed while the request was accepted")
+                raise SessionClosedError("the session is closed")
+            self._queue_send.send_nowait(request)
+        finally:
+            self._accepting -= 1
+            if self._accepting == 0:
+                self._accepted.set()
+
+    async def _unqueue(self, request: _Request, why: str) -> None:
+        """An accepted request that will never be queued: record it interrupted (if it was accepted)."""
+        record = self.journal.projection().request(request.request_id)
+        if record is None or record.state is not RequestState.ACCEPTED:
+            return
+        with self._cleanup_scope(), contextlib.suppress(TrioAgentError):
+            await self.journal.append(
+                RequestInterrupted(request_id=request.request_id, reason=RequestInterruptReason.USER_ABORT)
+            )
+        request.error = RequestAbortedError(why, reason="user_abort")
+        request.done.set()
 
     async def abort(self, reason: AbortReason | str = AbortReason.USER_ABORT, message: str = "aborted") -> None:
         """Abort the running request; returns after ``request_interrupted`` is durable."""
@@ -493,9 +540,7 @@ class Session:
         """The journal's subscription for one agent's stream (the root's by default)."""
         return self.journal.subscribe_durable_events(agent_id=agent_id, after=after)
 
-    async def start_subagent(
-        self, name: str, prompt: str, *, parent_agent_id: str | None = None, request_id: str | None = None
-    ) -> SubagentHandle:
+    async def start_subagent(self, name: str, prompt: str, *, parent_agent_id: str | None = None) -> SubagentHandle:
         """Start a background subagent in the session's nursery; returns its handle at once.
 
         Its start is recorded on the parent's stream under the running request, or,
@@ -505,8 +550,6 @@ class Session:
             raise SessionClosedError("the session is closed")
         self._definition(name)  # unknown names fail before anything is written
         parent = parent_agent_id or self.root.agent_id
-        if request_id is not None:
-            return await self._spawn_background(name, prompt, parent, request_id, call_id=None)
         current = self._current
         if current is not None and current.started and not current.finishing:
             if current.holds == 0:
@@ -533,7 +576,7 @@ class Session:
             try:
                 handle = await self._spawn_background(name, prompt, parent, holder.request_id, call_id=None)
             except BaseException as exc:
-                with trio.CancelScope(shield=True), contextlib.suppress(TrioAgentError):
+                with self._cleanup_scope(), contextlib.suppress(TrioAgentError):
                     await self.journal.append(
                         RequestFailed(request_id=holder.request_id, error=ErrorInfo(message=str(exc)[:2000])),
                         agent_id=parent,
@@ -568,6 +611,8 @@ class Session:
     async def _spawn_background(
         self, name: str, prompt: str, parent_id: str, request_id: str, *, call_id: str | None
     ) -> SubagentHandle:
+        if self._closing:
+            raise SessionClosedError("the session is closed")
         definition = self._definition(name)
         agent = self._make_agent(definition, parent_id)
         prompt = await self._subagent_start(agent, prompt)
@@ -575,10 +620,17 @@ class Session:
         await self.journal.append(
             SubagentStarted(request_id=request_id, subagent_id=agent.agent_id, call_id=call_id), agent_id=parent_id
         )
+        if self._closing or self._nursery is None:
+            # The session began closing meanwhile: this subagent never runs, and says so.
+            with self._cleanup_scope(), contextlib.suppress(TrioAgentError):
+                await self.journal.append(
+                    SubagentCancelled(request_id=request_id, subagent_id=agent.agent_id, reason="session closed"),
+                    agent_id=parent_id,
+                )
+            raise SessionClosedError("the session closed while the subagent was starting")
         handle = SubagentHandle(self, agent, parent_id, request_id)
         handle._prompts.append(prompt)
         self.subagents[agent.agent_id] = handle
-        assert self._nursery is not None
         self._nursery.start_soon(self._background_main, handle)
         return handle
 
@@ -633,7 +685,7 @@ class Session:
             if handle._killed and handle.status is not SubagentStatus.CANCELLED:
                 handle.status = SubagentStatus.CANCELLED
             if not handle._recorded:
-                with trio.CancelScope(shield=True), contextlib.suppress(TrioAgentError):
+                with self._cleanup_scope(), contextlib.suppress(TrioAgentError):
                     handle._recorded = True
                     await self.journal.append(
                         SubagentCancelled(
@@ -649,7 +701,7 @@ class Session:
     async def _report_subagent(self, handle: SubagentHandle) -> None:
         """Tell the parent (its next turn) and record the first final outcome on its stream."""
         summary = handle.result if handle.status is SubagentStatus.COMPLETED else (handle.error or handle.status.value)
-        with trio.CancelScope(shield=True):
+        with self._cleanup_scope():
             if not handle._recorded and handle.status in (
                 SubagentStatus.COMPLETED,
                 SubagentStatus.FAILED,
@@ -725,7 +777,7 @@ class Session:
             status = SubagentStatus.COMPLETED if request.error is None else SubagentStatus.FAILED
         finally:
             ctx.abort.remove_listener(token)
-            with trio.CancelScope(shield=True):
+            with self._cleanup_scope():
                 await self._finish_request_cancelled(request, RequestInterruptReason.USER_ABORT)
                 if status is SubagentStatus.COMPLETED:
                     event: Any = SubagentCompleted(request_id=ctx.request_id, subagent_id=agent.agent_id)
@@ -737,9 +789,37 @@ class Session:
                     await self.journal.append(event, agent_id=ctx.agent_id)
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, status, False, request.text[:200]))
+        self._agents.pop(agent.agent_id, None)  # it will make no more calls
         if request.error is not None:
             raise request.error
         return request.text
+
+    def _cleanup_scope(self) -> trio.CancelScope:
+        """A shield for recording what was already decided, bounded so a dead store cannot hang us."""
+        return trio.CancelScope(shield=True, deadline=trio.current_time() + self.journal.commit_grace)
+
+    # -- effects
+
+    def _apply_effect(self, agent: _Agent, effect: Effect) -> None:
+        """Apply what a settled tool asked of the session.
+
+        ``new_messages`` (a string or a list of strings) reach the agent's model at
+        its next turn; ``permission_updates`` (`PermissionUpdate` s) change the
+        session's permission rules. Other kinds are logged and ignored.
+        """
+        if effect.kind == "new_messages":
+            payload = effect.payload
+            messages = [payload] if isinstance(payload, str) else list(payload or [])
+            self._inbox.setdefault(agent.agent_id, []).extend(str(message) for message in messages)
+        elif effect.kind == "permission_updates" and self.permissions is not None:
+            payload = effect.payload
+            updates = [payload] if isinstance(payload, PermissionUpdate) else list(payload or [])
+            try:
+                self.permissions.apply_updates(updates)
+            except ConfigError as exc:
+                _log.warning("ignored a permission_updates effect: %s", exc)
+        else:
+            _log.warning("ignored an effect of unknown kind %r from agent %s", effect.kind, agent.agent_id)
 
     # -- hooks (wired by open_session)
 
@@ -777,6 +857,8 @@ class Session:
                 await self._reject_queued(request)
                 continue
             async with self._request_lock:
+                if request.done.is_set() or request.abort.aborted:
+                    continue  # aborted while it waited for the request slot: already recorded
                 self._current = request
                 try:
                     await self._run_request(request)
@@ -830,7 +912,7 @@ class Session:
             raise
         except trio.Cancelled:
             # Cancelled from outside (the session block, a subagent's work scope): record it, then go on.
-            with trio.CancelScope(shield=True):
+            with self._cleanup_scope():
                 if not journal.lost and not journal.fenced:
                     await self._finish_request_cancelled(
                         request,
@@ -840,7 +922,7 @@ class Session:
         except Exception as exc:
             request.error = exc
             request.stop_reason = "aborted" if isinstance(exc, RequestAbortedError) else "error"
-            with trio.CancelScope(shield=True):
+            with self._cleanup_scope():
                 await self._drain_holds(request)
                 if not journal.lost and not journal.fenced:
                     await self._close_open_turn(request, TurnAbortReason.ERROR)
@@ -855,6 +937,11 @@ class Session:
                     )
         finally:
             self._sinks.pop(key, None)
+            # No message that joined may be lost: whatever is still pending reaches the next turn.
+            request.accepting = False
+            if request.pending:
+                self._inbox.setdefault(agent.agent_id, []).extend(request.pending)
+                request.pending.clear()
             request.done.set()
 
     @staticmethod
@@ -896,7 +983,7 @@ class Session:
         request.stop_reason = "aborted"
         detail = f": {abort.message}" if abort is not None and abort.message else ""
         request.error = RequestAbortedError(f"the request was aborted ({reason.value}){detail}", reason=reason.value)
-        with trio.CancelScope(shield=True):
+        with self._cleanup_scope():
             await self._drain_holds(request)
             await self._close_open_turn(request, TurnAbortReason.REQUEST_INTERRUPTED)
             with contextlib.suppress(TrioAgentError):
@@ -914,7 +1001,7 @@ class Session:
         record = projection.request(request.request_id)
         if record is None or record.state not in (RequestState.ACCEPTED, RequestState.STARTED):
             return
-        with trio.CancelScope(shield=True):
+        with self._cleanup_scope():
             await self._drain_holds(request)
             await self._close_open_turn(request, TurnAbortReason.REQUEST_INTERRUPTED)
             with contextlib.suppress(TrioAgentError):
@@ -1042,7 +1129,7 @@ class Session:
     async def _reject_queued(self, queued: _Request) -> None:
         """A request still queued when the session closes: recorded interrupted, its caller told."""
         queued.abort.abort(AbortReason.SESSION_CLOSE, "the session closed before it started")
-        with trio.CancelScope(shield=True):
+        with self._cleanup_scope():
             with contextlib.suppress(TrioAgentError):
                 await self.journal.append(
                     RequestInterrupted(request_id=queued.request_id, reason=RequestInterruptReason.SESSION_CLOSE)
@@ -1063,6 +1150,10 @@ class Session:
                 await self._abort_request(current, AbortReason.SESSION_CLOSE, "the session is closing")
             # The worker rejects what is still queued (the channel is closed) and then ends.
             await self._worker_done.wait()
+            # Requests accepted while the close began record themselves interrupted first.
+            while self._accepting:
+                self._accepted = trio.Event()
+                await self._accepted.wait()
             for handle in list(self.subagents.values()):
                 handle.kill()
             for handle in list(self.subagents.values()):
@@ -1102,10 +1193,17 @@ def _repair(history: list[Message]) -> list[Message]:
 
 
 class _Forward:
-    """An event sink into a bounded channel; drops events once its reader left."""
+    """An event sink into a bounded channel (backpressure); drops events once its reader left.
 
-    def __init__(self, send: trio.MemorySendChannel[SessionEvent]) -> None:
+    Once the request is aborted it never blocks: the reader may be the very task
+    waiting in ``abort()``, so a full channel drops further events, and the end
+    of the stream is signalled by closing the channel (the reader then learns the
+    outcome from the request).
+    """
+
+    def __init__(self, send: trio.MemorySendChannel[SessionEvent], abort: AbortHandle | None = None) -> None:
         self.send = send
+        self.abort = abort
         self.closed = False
 
     async def __call__(self, event: SessionEvent) -> None:
@@ -1113,7 +1211,12 @@ class _Forward:
             await trio.lowlevel.checkpoint()
             return
         try:
-            await self.send.send(event)
+            if self.abort is not None and self.abort.aborted:
+                with contextlib.suppress(trio.WouldBlock):
+                    self.send.send_nowait(event)
+                await trio.lowlevel.checkpoint()
+            else:
+                await self.send.send(event)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.closed = True
         if isinstance(event, DoneEvent):
@@ -1205,6 +1308,9 @@ class _AgentRun:
             inputs = session._inbox.pop(agent.agent_id, [])
             while request.pending:
                 inputs.append(request.pending.pop(0))
+            if request.continuation is not None:
+                inputs.append(request.continuation)
+                request.continuation = None
             for text in inputs:
                 agent.history.append(UserMessage(text))
             request.steering = AbortHandle()
@@ -1255,8 +1361,9 @@ class _AgentRun:
                 )
             decision.raise_for_abort()
             if decision.action is HookAction.SKIP:
-                # "Don't stop yet": one more round with the hook's reason as the user's message.
-                request.pending.append(decision.context_text or decision.reason or "Continue.")
+                # "Don't stop yet": one more round with the hook's reason as the user's message
+                # (dropped if the turn limit ends the request first).
+                request.continuation = decision.context_text or decision.reason or "Continue."
                 continue
             if request.pending:
                 continue  # a message joined while the Stop hook ran: it gets its turn
@@ -1416,12 +1523,14 @@ class _AgentRun:
                 steering=request.steering,
                 on_item=on_item,
             )
-        except (LeaseLostError, SettlementError):
-            raise
+        except (LeaseLostError, JournalError):
+            raise  # nothing about this call may be published: the request fails
         except TrioAgentError as exc:
             result = _error(f"{type(exc).__name__}: {exc}", "internal")
         else:
             result = record.result
+            for effect in record.effects:  # only now: the call is settled
+                session._apply_effect(agent, effect)
         await sink(ToolResultEvent(agent.agent_id, part.id, part.name, result))
         return result
 
@@ -1683,4 +1792,11 @@ async def open_session(
                     await session._close(close_reason)
                     nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        raise _unwrap(group) from group
+        # The body's own error (even a user's exception group) comes out unchanged; a failure of
+        # the session's tasks comes out as one typed error; a group holding anything that is not
+        # an Exception (KeyboardInterrupt, Cancelled...) is never flattened.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0]  # noqa: B904 - `from` would overwrite the error's own cause
+        if all(isinstance(leaf, Exception) for leaf in _leaves(group)):
+            raise _unwrap(group) from group
+        raise
