@@ -24,11 +24,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+import attrs
 import trio
 
-from .._errors import JournalUnavailableError
+from .._errors import JournalError, JournalUnavailableError
+from ._store import AppendBatch, AppendResult, AppendTicket, Lease, check_ttl
 
-__all__ = ["LaneItem", "WriterLane"]
+__all__ = ["LaneItem", "LaneStore", "LeaseOp", "WriterLane"]
 
 T = TypeVar("T")
 
@@ -149,3 +151,54 @@ class WriterLane:
         assert self._token is not None
         with contextlib.suppress(trio.RunFinishedError):  # nobody is left to wake
             self._token.run_sync_soon(wake)
+
+
+@attrs.frozen
+class LeaseOp:
+    """A lease operation for a writer lane: ``kind`` is ``acquire``, ``renew`` or ``release``."""
+
+    kind: str
+    session_id: str
+    owner: str
+    token: int
+    ttl: float
+
+
+class LaneStore:
+    """The write side every lane-backed store shares: appends and lease operations both go
+    through the store's `WriterLane`, so they commit in submission order, in group commits."""
+
+    _lane: WriterLane | None
+
+    def _not_open(self) -> str:
+        return f"the {type(self).__name__} is not open"
+
+    def submit(self, batch: AppendBatch) -> AppendTicket:
+        if self._lane is None:
+            raise JournalError(self._not_open())
+        ticket = AppendTicket(batch)
+        self._lane.submit(batch, ticket._resolve)
+        return ticket
+
+    async def append(self, batch: AppendBatch) -> AppendResult:
+        return await self.submit(batch).wait()
+
+    async def _lease_op(self, op: LeaseOp) -> Any:
+        if self._lane is None:
+            raise JournalError(self._not_open())
+        item: LaneItem[Any] = LaneItem()
+        self._lane.submit(op, item.resolve)
+        return await item.wait()
+
+    async def acquire_lease(self, session_id: str, owner: str, ttl: float) -> Lease:
+        lease: Lease = await self._lease_op(LeaseOp("acquire", session_id, owner, 0, check_ttl(ttl)))
+        return lease
+
+    async def renew_lease(self, lease: Lease, ttl: float) -> Lease:
+        renewed: Lease = await self._lease_op(
+            LeaseOp("renew", lease.session_id, lease.owner, lease.token, check_ttl(ttl))
+        )
+        return renewed
+
+    async def release_lease(self, lease: Lease) -> None:
+        await self._lease_op(LeaseOp("release", lease.session_id, lease.owner, lease.token, 1.0))

@@ -14,13 +14,7 @@ import attrs
 import trio
 
 from .._errors import (
-    CommandConflictError,
-    ForeignStreamError,
     JournalCorruptError,
-    LeaseHeldError,
-    LeaseLostError,
-    SequenceConflictError,
-    StaleFencingTokenError,
 )
 from ._events import EventEnvelope
 from ._store import (
@@ -30,8 +24,12 @@ from ._store import (
     Clock,
     CommandRecord,
     Lease,
+    LeaseRow,
     StreamInfo,
     check_ttl,
+    decide_append,
+    decide_lease,
+    releases,
     wall_clock,
 )
 
@@ -70,34 +68,17 @@ class MemoryStore:
         return await self.submit(batch).wait()
 
     def _apply(self, batch: AppendBatch) -> AppendResult:
-        lease = self._leases.get(batch.session_id)
-        if lease is None or lease.token != batch.token or lease.expires_at < self.clock():
-            raise StaleFencingTokenError(
-                f"append to {batch.stream_id!r} with fencing token {batch.token} refused: "
-                + ("no lease" if lease is None else f"the lease has token {lease.token}, expires at {lease.expires_at}")
-            )
         stream = self._streams.get(batch.stream_id)
-        if stream is not None and stream.session_id != batch.session_id:
-            raise ForeignStreamError(
-                f"stream {batch.stream_id!r} belongs to session {stream.session_id!r}, not {batch.session_id!r}"
-            )
-        if batch.command_id is not None and stream is not None:
-            known = stream.commands.get(batch.command_id)
-            if known is not None:
-                if known.digest != batch.command_digest:
-                    raise CommandConflictError(
-                        f"command {batch.command_id!r} was already applied with different content",
-                        command_id=batch.command_id,
-                    )
-                return AppendResult(batch.stream_id, known.first_seq, known.last_seq, replayed=True)
-        head = len(stream.rows) if stream is not None else 0
-        if batch.first_seq != head + 1:
-            raise SequenceConflictError(
-                f"stream {batch.stream_id!r} is at {head}, the append starts at {batch.first_seq}",
-                stream_id=batch.stream_id,
-                expected=batch.first_seq - 1,
-                actual=head,
-            )
+        known = None if stream is None or batch.command_id is None else stream.commands.get(batch.command_id)
+        result = decide_append(
+            batch,
+            lease=self._row(batch.session_id),
+            stream=None if stream is None else (stream.session_id, len(stream.rows)),
+            command=None if known is None else (known.digest, known.first_seq, known.last_seq),
+            now=self.clock(),
+        )
+        if result.replayed:
+            return result
         if stream is None:
             stream = self._streams[batch.stream_id] = _Stream(batch.session_id)
         stream.rows.extend(batch.envelopes)
@@ -160,36 +141,31 @@ class MemoryStore:
 
     # -- leases
 
+    def _row(self, session_id: str) -> LeaseRow | None:
+        lease = self._leases.get(session_id)
+        return None if lease is None else (lease.owner, lease.token, lease.expires_at)
+
     async def acquire_lease(self, session_id: str, owner: str, ttl: float) -> Lease:
         ttl = check_ttl(ttl)
         await trio.lowlevel.checkpoint()
-        now = self.clock()
-        current = self._leases.get(session_id)
-        if current is not None and current.expires_at >= now and current.owner != owner:
-            raise LeaseHeldError(
-                f"session {session_id!r} is leased by {current.owner!r} until {current.expires_at}",
-                owner=current.owner,
-                expires_at=current.expires_at,
-            )
-        token = 1 if current is None else current.token + 1
-        lease = self._leases[session_id] = Lease(session_id, owner, token, now + ttl)
+        lease = decide_lease("acquire", session_id, owner, 0, ttl, self._row(session_id), self.clock())
+        assert lease is not None
+        self._leases[session_id] = lease
         return lease
 
     async def renew_lease(self, lease: Lease, ttl: float) -> Lease:
         ttl = check_ttl(ttl)
         await trio.lowlevel.checkpoint()
-        now = self.clock()
-        current = self._leases.get(lease.session_id)
-        if current is None or current.token != lease.token or current.owner != lease.owner or current.expires_at < now:
-            raise LeaseLostError(f"lease on session {lease.session_id!r} with token {lease.token} is lost")
-        renewed = self._leases[lease.session_id] = attrs.evolve(current, expires_at=now + ttl)
+        row = self._row(lease.session_id)
+        renewed = decide_lease("renew", lease.session_id, lease.owner, lease.token, ttl, row, self.clock())
+        assert renewed is not None
+        self._leases[lease.session_id] = renewed
         return renewed
 
     async def release_lease(self, lease: Lease) -> None:
         await trio.lowlevel.checkpoint()
         current = self._leases.get(lease.session_id)
-        if current is not None and current.token == lease.token:
-            # Keep the token so the next owner's is higher; expire now.
+        if current is not None and releases(self._row(lease.session_id), lease.token):
             self._leases[lease.session_id] = attrs.evolve(current, expires_at=float("-inf"))
 
     async def current_lease(self, session_id: str) -> Lease | None:

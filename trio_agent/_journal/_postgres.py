@@ -53,28 +53,25 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 
 from .._errors import (
-    CommandConflictError,
     ForeignStreamError,
     JournalCorruptError,
     JournalError,
     JournalUnavailableError,
-    LeaseHeldError,
     LeaseLostError,
-    SequenceConflictError,
-    StaleFencingTokenError,
 )
 from ._events import EventEnvelope
-from ._lane import LaneItem, WriterLane
+from ._lane import LaneStore, LeaseOp, WriterLane
 from ._store import (
     AppendBatch,
     AppendResult,
-    AppendTicket,
     Clock,
     CommandRecord,
     Lease,
     StreamInfo,
-    check_ttl,
+    decide_append,
+    decide_lease,
     decode_row,
+    releases,
     row_error,
     unavailable,
 )
@@ -177,15 +174,6 @@ class _Rejected(Exception):
 
 class _Retry(Exception):
     """The fast path failed before COMMIT and nothing was written: redo the batch item by item."""
-
-
-@attrs.frozen
-class _LeaseOp:
-    kind: str  # "acquire" | "renew" | "release"
-    session_id: str
-    owner: str
-    token: int
-    ttl: float
 
 
 @attrs.define
@@ -297,7 +285,7 @@ def _cancel_quietly(conn: _Conn) -> None:
         conn.cancel_safe(timeout=5.0)
 
 
-class PostgresStore:
+class PostgresStore(LaneStore):
     """A `JournalStore` in one PostgreSQL schema. Open it with `open_postgres_store`."""
 
     def __init__(
@@ -502,7 +490,7 @@ class PostgresStore:
         appends = [work for work in works if isinstance(work, AppendBatch)]
         stream_ids = sorted({batch.stream_id for batch in appends})
         keyed = [batch for batch in appends if batch.command_id is not None]
-        acquiring = sorted({work.session_id for work in works if isinstance(work, _LeaseOp) and work.kind == "acquire"})
+        acquiring = sorted({work.session_id for work in works if isinstance(work, LeaseOp) and work.kind == "acquire"})
         q = self._q
         if acquiring:
             # Its own (autocommitted) statement, so a new session has a row to lock below.
@@ -653,46 +641,20 @@ class PostgresStore:
 
     @staticmethod
     def _plan_append(state: _State, batch: AppendBatch) -> tuple[AppendResult, _Change | None]:
-        lease = state.leases.get(batch.session_id)
-        if lease is None or lease[1] == 0 or lease[1] != batch.token or lease[2] < state.now:
-            raise _Rejected(
-                StaleFencingTokenError(
-                    f"append to {batch.stream_id!r} with fencing token {batch.token} refused by the store: "
-                    + (
-                        "no lease"
-                        if lease is None or lease[1] == 0
-                        else f"the lease has token {lease[1]}, expires at {lease[2]} (now {state.now})"
-                    )
-                )
-            )
         stream = state.streams.get(batch.stream_id)
-        if stream is not None and stream[0] != batch.session_id:
-            raise _Rejected(
-                ForeignStreamError(
-                    f"stream {batch.stream_id!r} belongs to session {stream[0]!r}, not {batch.session_id!r}"
-                )
+        known = None if batch.command_id is None else state.commands.get((batch.stream_id, batch.command_id))
+        try:
+            result = decide_append(
+                batch,
+                lease=state.leases.get(batch.session_id),
+                stream=stream,
+                command=None if known is None else (known.digest, known.first_seq, known.last_seq),
+                now=state.now,
             )
-        if batch.command_id is not None:
-            known = state.commands.get((batch.stream_id, batch.command_id))
-            if known is not None:
-                if known.digest != batch.command_digest:
-                    raise _Rejected(
-                        CommandConflictError(
-                            f"command {batch.command_id!r} was already applied with different content",
-                            command_id=batch.command_id,
-                        )
-                    )
-                return AppendResult(batch.stream_id, known.first_seq, known.last_seq, replayed=True), None
-        head = 0 if stream is None else stream[1]
-        if batch.first_seq != head + 1:
-            raise _Rejected(
-                SequenceConflictError(
-                    f"stream {batch.stream_id!r} is at {head}, the append starts at {batch.first_seq}",
-                    stream_id=batch.stream_id,
-                    expected=batch.first_seq - 1,
-                    actual=head,
-                )
-            )
+        except (JournalError, LeaseLostError) as refusal:
+            raise _Rejected(refusal) from None
+        if result.replayed:
+            return result, None
         command = None
         if batch.command_id is not None:
             assert batch.command_digest is not None
@@ -707,35 +669,23 @@ class PostgresStore:
             stream=(batch.stream_id, batch.session_id, batch.last_seq, stream is None),
             command=command,
         )
-        return AppendResult(batch.stream_id, batch.first_seq, batch.last_seq), change
+        return result, change
 
     @staticmethod
-    def _plan_lease(state: _State, op: _LeaseOp) -> tuple[Lease | None, _Change | None]:
+    def _plan_lease(state: _State, op: LeaseOp) -> tuple[Lease | None, _Change | None]:
         row = state.leases.get(op.session_id)
-        now = state.now
-        if op.kind == "acquire":
-            if row is None:  # the placeholder statement makes this impossible
-                raise _Rejected(JournalUnavailableError(f"no lease row for session {op.session_id!r}"))
-            owner, token, expires_at = row
-            if token > 0 and expires_at >= now and owner != op.owner:
-                raise _Rejected(
-                    LeaseHeldError(
-                        f"session {op.session_id!r} is leased by {owner!r} until {expires_at}",
-                        owner=owner,
-                        expires_at=expires_at,
-                    )
-                )
-            lease = Lease(op.session_id, op.owner, token + 1, now + op.ttl)
-            return lease, _Change(lease=(op.session_id, op.owner, lease.token, lease.expires_at))
-        if op.kind == "renew":
-            if row is None or row[1] == 0 or row[0] != op.owner or row[1] != op.token or row[2] < now:
-                raise _Rejected(LeaseLostError(f"lease on session {op.session_id!r} with token {op.token} is lost"))
-            lease = Lease(op.session_id, op.owner, op.token, now + op.ttl)
-            return lease, _Change(lease=(op.session_id, op.owner, op.token, lease.expires_at))
-        # release: only our own token; keep the token so the next owner's is higher.
-        if row is not None and row[1] == op.token and row[1] > 0:
-            return None, _Change(lease=(op.session_id, row[0], row[1], -math.inf))
-        return None, None
+        if op.kind == "release":
+            if row is not None and releases(row, op.token):
+                return None, _Change(lease=(op.session_id, row[0], row[1], -math.inf))
+            return None, None
+        if op.kind == "acquire" and row is None:  # the placeholder statement makes this impossible
+            raise _Rejected(JournalUnavailableError(f"no lease row for session {op.session_id!r}"))
+        try:
+            lease = decide_lease(op.kind, op.session_id, op.owner, op.token, op.ttl, row, state.now)
+        except (JournalError, LeaseLostError) as refusal:
+            raise _Rejected(refusal) from None
+        assert lease is not None
+        return lease, _Change(lease=(op.session_id, op.owner, lease.token, lease.expires_at))
 
     def _committed(self, works: Sequence[Any], outcomes: list[object]) -> None:
         for work, outcome in zip(works, outcomes, strict=True):
@@ -744,35 +694,8 @@ class PostgresStore:
 
     # -- writes
 
-    def submit(self, batch: AppendBatch) -> AppendTicket:
-        ticket = AppendTicket(batch)
-        if self._lane is None:
-            raise JournalError("the PostgreSQL store is not open (use open_postgres_store)")
-        self._lane.submit(batch, ticket._resolve)
-        return ticket
-
-    async def append(self, batch: AppendBatch) -> AppendResult:
-        return await self.submit(batch).wait()
-
-    async def _lease_op(self, op: _LeaseOp) -> Any:
-        if self._lane is None:
-            raise JournalError("the PostgreSQL store is not open (use open_postgres_store)")
-        item: LaneItem[Any] = LaneItem()
-        self._lane.submit(op, item.resolve)
-        return await item.wait()
-
-    async def acquire_lease(self, session_id: str, owner: str, ttl: float) -> Lease:
-        lease: Lease = await self._lease_op(_LeaseOp("acquire", session_id, owner, 0, check_ttl(ttl)))
-        return lease
-
-    async def renew_lease(self, lease: Lease, ttl: float) -> Lease:
-        renewed: Lease = await self._lease_op(
-            _LeaseOp("renew", lease.session_id, lease.owner, lease.token, check_ttl(ttl))
-        )
-        return renewed
-
-    async def release_lease(self, lease: Lease) -> None:
-        await self._lease_op(_LeaseOp("release", lease.session_id, lease.owner, lease.token, 1.0))
+    def _not_open(self) -> str:
+        return "the PostgreSQL store is not open (use open_postgres_store)"
 
     # -- reads
 

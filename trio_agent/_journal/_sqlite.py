@@ -28,32 +28,28 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-import attrs
 import trio
 
 from .._errors import (
-    CommandConflictError,
-    ForeignStreamError,
     JournalCorruptError,
     JournalError,
-    LeaseHeldError,
     LeaseLostError,
-    SequenceConflictError,
-    StaleFencingTokenError,
 )
 from ._events import EventEnvelope
-from ._lane import LaneItem, WriterLane
+from ._lane import LaneStore, LeaseOp, WriterLane
 from ._store import (
     AppendBatch,
     AppendResult,
-    AppendTicket,
     Clock,
     CommandRecord,
     Lease,
+    LeaseRow,
     StreamInfo,
     check_consecutive,
-    check_ttl,
+    decide_append,
+    decide_lease,
     decode_row,
+    releases,
     unavailable,
     wall_clock,
 )
@@ -89,15 +85,6 @@ class _Rejected(Exception):
         self.error = error
 
 
-@attrs.frozen
-class _LeaseOp:
-    kind: str  # "acquire" | "renew" | "release"
-    session_id: str
-    owner: str
-    token: int
-    ttl: float
-
-
 def _connect(path: str, *, readonly: bool) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
     conn.execute("PRAGMA busy_timeout=30000")
@@ -112,7 +99,7 @@ def _corrupt(path: str, exc: BaseException) -> JournalCorruptError:
     return error
 
 
-class SQLiteStore:
+class SQLiteStore(LaneStore):
     """A `JournalStore` in one SQLite file. Open it with `open_sqlite_store`."""
 
     def __init__(
@@ -135,6 +122,11 @@ class SQLiteStore:
         self._read_limiter = trio.CapacityLimiter(4)
         self._changed: dict[str, trio.Event] = {}
         self._closed = False
+
+    def _not_open(self) -> str:
+        return (
+            "the SQLite store is read-only" if self.readonly else "the SQLite store is not open (use open_sqlite_store)"
+        )
 
     # -- opening and closing
 
@@ -249,7 +241,7 @@ class SQLiteStore:
     def _commit_batched(self, conn: sqlite3.Connection, works: Sequence[Any]) -> list[object]:
         now = self.clock()
         outcomes: list[object] = []
-        leases: dict[str, tuple[int, float] | None] = {}
+        leases: dict[str, LeaseRow | None] = {}
         streams: dict[str, tuple[str, int] | None] = {}
         commands: dict[tuple[str, str], tuple[str, int, int] | None] = {}
         rows: list[tuple[str, int, int, str]] = []
@@ -313,7 +305,7 @@ class SQLiteStore:
     def _prefetch(
         conn: sqlite3.Connection,
         works: Sequence[Any],
-        leases: dict[str, tuple[int, float] | None],
+        leases: dict[str, LeaseRow | None],
         streams: dict[str, tuple[str, int] | None],
     ) -> None:
         """Read the lease and head rows a batch needs with a few ``IN (...)`` queries, not one per append."""
@@ -325,9 +317,9 @@ class SQLiteStore:
                 for session_id in chunk:
                     leases[session_id] = None
                 marks = ",".join("?" * len(chunk))
-                query = f"SELECT session_id, token, expires_at FROM journal_leases WHERE session_id IN ({marks})"
+                query = f"SELECT session_id, owner, token, expires_at FROM journal_leases WHERE session_id IN ({marks})"
                 for row in conn.execute(query, chunk):
-                    leases[row[0]] = (int(row[1]), float(row[2]))
+                    leases[row[0]] = (str(row[1]), int(row[2]), float(row[3]))
             for start in range(0, len(stream_ids), 500):
                 chunk = stream_ids[start : start + 500]
                 for stream_id in chunk:
@@ -346,7 +338,7 @@ class SQLiteStore:
         conn: sqlite3.Connection,
         batch: AppendBatch,
         now: float,
-        leases: dict[str, tuple[int, float] | None],
+        leases: dict[str, LeaseRow | None],
         streams: dict[str, tuple[str, int] | None],
         commands: dict[tuple[str, str], tuple[str, int, int] | None],
     ) -> AppendResult:
@@ -354,9 +346,9 @@ class SQLiteStore:
         try:
             if batch.session_id not in leases:
                 row = conn.execute(
-                    "SELECT token, expires_at FROM journal_leases WHERE session_id=?", (batch.session_id,)
+                    "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (batch.session_id,)
                 ).fetchone()
-                leases[batch.session_id] = None if row is None else (int(row[0]), float(row[1]))
+                leases[batch.session_id] = None if row is None else (str(row[0]), int(row[1]), float(row[2]))
             if batch.stream_id not in streams:
                 row = conn.execute(
                     "SELECT session_id, head FROM journal_streams WHERE stream_id=?", (batch.stream_id,)
@@ -370,43 +362,16 @@ class SQLiteStore:
                 commands[key] = None if row is None else (str(row[0]), int(row[1]), int(row[2]))
         except (UnicodeError, ValueError, sqlite3.InterfaceError) as exc:
             raise _Rejected(JournalError(f"the store cannot keep this append: {type(exc).__name__}: {exc}")) from exc
-        lease = leases[batch.session_id]
-        if lease is None or lease[0] != batch.token or lease[1] < now:
-            raise _Rejected(
-                StaleFencingTokenError(
-                    f"append to {batch.stream_id!r} with fencing token {batch.token} refused by the store: "
-                    + ("no lease" if lease is None else f"the lease has token {lease[0]}, expires at {lease[1]}")
-                )
+        try:
+            return decide_append(
+                batch,
+                lease=leases[batch.session_id],
+                stream=streams[batch.stream_id],
+                command=None if batch.command_id is None else commands[(batch.stream_id, batch.command_id)],
+                now=now,
             )
-        stream = streams[batch.stream_id]
-        if stream is not None and stream[0] != batch.session_id:
-            raise _Rejected(
-                ForeignStreamError(
-                    f"stream {batch.stream_id!r} belongs to session {stream[0]!r}, not {batch.session_id!r}"
-                )
-            )
-        if batch.command_id is not None:
-            known = commands[(batch.stream_id, batch.command_id)]
-            if known is not None:
-                if known[0] != batch.command_digest:
-                    raise _Rejected(
-                        CommandConflictError(
-                            f"command {batch.command_id!r} was already applied with different content",
-                            command_id=batch.command_id,
-                        )
-                    )
-                return AppendResult(batch.stream_id, known[1], known[2], replayed=True)
-        head = 0 if stream is None else stream[1]
-        if batch.first_seq != head + 1:
-            raise _Rejected(
-                SequenceConflictError(
-                    f"stream {batch.stream_id!r} is at {head}, the append starts at {batch.first_seq}",
-                    stream_id=batch.stream_id,
-                    expected=batch.first_seq - 1,
-                    actual=head,
-                )
-            )
-        return AppendResult(batch.stream_id, batch.first_seq, batch.last_seq)
+        except (JournalError, LeaseLostError) as refusal:
+            raise _Rejected(refusal) from None
 
     def _commit_isolated(self, conn: sqlite3.Connection, works: Sequence[Any]) -> list[object]:
         """The fallback: one savepoint per item, so an item that cannot be written fails alone."""
@@ -440,49 +405,12 @@ class SQLiteStore:
 
     @staticmethod
     def _apply_append(conn: sqlite3.Connection, batch: AppendBatch, now: float) -> AppendResult:
-        lease = conn.execute(
-            "SELECT token, expires_at FROM journal_leases WHERE session_id=?", (batch.session_id,)
-        ).fetchone()
-        if lease is None or lease[0] != batch.token or lease[1] < now:
-            raise _Rejected(
-                StaleFencingTokenError(
-                    f"append to {batch.stream_id!r} with fencing token {batch.token} refused by the store: "
-                    + ("no lease" if lease is None else f"the lease has token {lease[0]}, expires at {lease[1]}")
-                )
-            )
-        stream = conn.execute(
-            "SELECT session_id, head FROM journal_streams WHERE stream_id=?", (batch.stream_id,)
-        ).fetchone()
-        if stream is not None and stream[0] != batch.session_id:
-            raise _Rejected(
-                ForeignStreamError(
-                    f"stream {batch.stream_id!r} belongs to session {stream[0]!r}, not {batch.session_id!r}"
-                )
-            )
-        if batch.command_id is not None:
-            known = conn.execute(
-                "SELECT digest, first_seq, last_seq FROM journal_commands WHERE stream_id=? AND command_id=?",
-                (batch.stream_id, batch.command_id),
-            ).fetchone()
-            if known is not None:
-                if known[0] != batch.command_digest:
-                    raise _Rejected(
-                        CommandConflictError(
-                            f"command {batch.command_id!r} was already applied with different content",
-                            command_id=batch.command_id,
-                        )
-                    )
-                return AppendResult(batch.stream_id, known[1], known[2], replayed=True)
-        head = 0 if stream is None else int(stream[1])
-        if batch.first_seq != head + 1:
-            raise _Rejected(
-                SequenceConflictError(
-                    f"stream {batch.stream_id!r} is at {head}, the append starts at {batch.first_seq}",
-                    stream_id=batch.stream_id,
-                    expected=batch.first_seq - 1,
-                    actual=head,
-                )
-            )
+        """The fallback path: one append checked and written on its own (inside its savepoint)."""
+        streams: dict[str, tuple[str, int] | None] = {}
+        result = SQLiteStore._check_append(conn, batch, now, {}, streams, {})
+        if result.replayed:
+            return result
+        stream = streams[batch.stream_id]
         conn.executemany(
             "INSERT INTO journal_events(stream_id, seq, token, body) VALUES (?, ?, ?, ?)",
             [
@@ -503,39 +431,30 @@ class SQLiteStore:
                 " VALUES (?, ?, ?, ?, ?)",
                 (batch.stream_id, batch.command_id, batch.command_digest, batch.first_seq, batch.last_seq),
             )
-        return AppendResult(batch.stream_id, batch.first_seq, batch.last_seq)
+        return result
 
     @staticmethod
-    def _apply_lease(conn: sqlite3.Connection, op: _LeaseOp, now: float) -> Lease | None:
-        row = conn.execute(
+    def _apply_lease(conn: sqlite3.Connection, op: LeaseOp, now: float) -> Lease | None:
+        found = conn.execute(
             "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (op.session_id,)
         ).fetchone()
-        if op.kind == "acquire":
-            if row is not None and row[2] >= now and row[0] != op.owner:
-                raise _Rejected(
-                    LeaseHeldError(
-                        f"session {op.session_id!r} is leased by {row[0]!r} until {row[2]}",
-                        owner=row[0],
-                        expires_at=row[2],
-                    )
-                )
-            token = 1 if row is None else int(row[1]) + 1
-            conn.execute(
-                "INSERT INTO journal_leases(session_id, owner, token, expires_at) VALUES (?, ?, ?, ?)"
-                " ON CONFLICT(session_id) DO UPDATE SET owner=excluded.owner, token=excluded.token,"
-                " expires_at=excluded.expires_at",
-                (op.session_id, op.owner, token, now + op.ttl),
-            )
-            return Lease(op.session_id, op.owner, token, now + op.ttl)
-        if op.kind == "renew":
-            if row is None or row[0] != op.owner or row[1] != op.token or row[2] < now:
-                raise _Rejected(LeaseLostError(f"lease on session {op.session_id!r} with token {op.token} is lost"))
-            conn.execute("UPDATE journal_leases SET expires_at=? WHERE session_id=?", (now + op.ttl, op.session_id))
-            return Lease(op.session_id, op.owner, op.token, now + op.ttl)
-        # release: only our own token; keep the token so the next owner's is higher.
-        if row is not None and row[1] == op.token:
-            conn.execute("UPDATE journal_leases SET expires_at=? WHERE session_id=?", (-1e300, op.session_id))
-        return None
+        row: LeaseRow | None = None if found is None else (str(found[0]), int(found[1]), float(found[2]))
+        if op.kind == "release":
+            if releases(row, op.token):
+                conn.execute("UPDATE journal_leases SET expires_at=? WHERE session_id=?", (-1e300, op.session_id))
+            return None
+        try:
+            lease = decide_lease(op.kind, op.session_id, op.owner, op.token, op.ttl, row, now)
+        except (JournalError, LeaseLostError) as refusal:
+            raise _Rejected(refusal) from None
+        assert lease is not None
+        conn.execute(
+            "INSERT INTO journal_leases(session_id, owner, token, expires_at) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT(session_id) DO UPDATE SET owner=excluded.owner, token=excluded.token,"
+            " expires_at=excluded.expires_at",
+            (lease.session_id, lease.owner, lease.token, lease.expires_at),
+        )
+        return lease
 
     def _committed(self, works: Sequence[Any], outcomes: list[object]) -> None:
         for work, outcome in zip(works, outcomes, strict=True):
@@ -545,44 +464,6 @@ class SQLiteStore:
                     event.set()
 
     # -- writes
-
-    def submit(self, batch: AppendBatch) -> AppendTicket:
-        ticket = AppendTicket(batch)
-        if self._lane is None:
-            raise JournalError(
-                "the SQLite store is read-only"
-                if self.readonly
-                else "the SQLite store is not open (use open_sqlite_store)"
-            )
-        self._lane.submit(batch, ticket._resolve)
-        return ticket
-
-    async def append(self, batch: AppendBatch) -> AppendResult:
-        return await self.submit(batch).wait()
-
-    async def _lease_op(self, op: _LeaseOp) -> Any:
-        if self._lane is None:
-            raise JournalError(
-                "the SQLite store is read-only"
-                if self.readonly
-                else "the SQLite store is not open (use open_sqlite_store)"
-            )
-        item: LaneItem[Any] = LaneItem()
-        self._lane.submit(op, item.resolve)
-        return await item.wait()
-
-    async def acquire_lease(self, session_id: str, owner: str, ttl: float) -> Lease:
-        lease: Lease = await self._lease_op(_LeaseOp("acquire", session_id, owner, 0, check_ttl(ttl)))
-        return lease
-
-    async def renew_lease(self, lease: Lease, ttl: float) -> Lease:
-        renewed: Lease = await self._lease_op(
-            _LeaseOp("renew", lease.session_id, lease.owner, lease.token, check_ttl(ttl))
-        )
-        return renewed
-
-    async def release_lease(self, lease: Lease) -> None:
-        await self._lease_op(_LeaseOp("release", lease.session_id, lease.owner, lease.token, 1.0))
 
     # -- reads
 

@@ -306,3 +306,83 @@ def check_consecutive(stream_id: str, after: int, envelopes: list[EventEnvelope]
             )
         expected += 1
     return envelopes
+
+
+# ---------------------------------------------------------------- the store's rules, once
+#
+# Every store decides an append or a lease operation with these two functions,
+# against the rows it read inside the write's own transaction (or its dicts).
+
+LeaseRow = tuple[str, int, float]
+"""A stored lease: owner, token (0 = never leased), expires_at on the store's clock."""
+
+
+def decide_append(
+    batch: AppendBatch,
+    *,
+    lease: LeaseRow | None,
+    stream: tuple[str, int] | None,
+    command: tuple[str, int, int] | None,
+    now: float,
+) -> AppendResult:
+    """Apply the store's four rules to one append; raise the typed refusal, or return where it lands.
+
+    ``stream`` is the stored (session_id, head) of the batch's stream; ``command`` the stored
+    (digest, first_seq, last_seq) of its command id. An identical replay returns the first
+    outcome with ``replayed=True`` (and nothing must be written for it).
+    """
+    from .._errors import CommandConflictError, ForeignStreamError, SequenceConflictError, StaleFencingTokenError
+
+    if lease is None or lease[1] == 0 or lease[1] != batch.token or lease[2] < now:
+        detail = (
+            "no lease" if lease is None or lease[1] == 0 else f"the lease has token {lease[1]}, expires at {lease[2]}"
+        )
+        raise StaleFencingTokenError(
+            f"append to {batch.stream_id!r} with fencing token {batch.token} refused by the store: {detail}"
+        )
+    if stream is not None and stream[0] != batch.session_id:
+        raise ForeignStreamError(
+            f"stream {batch.stream_id!r} belongs to session {stream[0]!r}, not {batch.session_id!r}"
+        )
+    if batch.command_id is not None and command is not None:
+        if command[0] != batch.command_digest:
+            raise CommandConflictError(
+                f"command {batch.command_id!r} was already applied with different content", command_id=batch.command_id
+            )
+        return AppendResult(batch.stream_id, command[1], command[2], replayed=True)
+    head = 0 if stream is None else stream[1]
+    if batch.first_seq != head + 1:
+        raise SequenceConflictError(
+            f"stream {batch.stream_id!r} is at {head}, the append starts at {batch.first_seq}",
+            stream_id=batch.stream_id,
+            expected=batch.first_seq - 1,
+            actual=head,
+        )
+    return AppendResult(batch.stream_id, batch.first_seq, batch.last_seq)
+
+
+def decide_lease(
+    kind: str, session_id: str, owner: str, token: int, ttl: float, row: LeaseRow | None, now: float
+) -> Lease | None:
+    """Apply the lease rules: ``acquire`` and ``renew`` return the new lease (or raise
+    `LeaseHeldError` / `LeaseLostError`); ``release`` returns ``None`` (see `releases`)."""
+    from .._errors import LeaseHeldError, LeaseLostError
+
+    if kind == "acquire":
+        if row is not None and row[1] > 0 and row[2] >= now and row[0] != owner:
+            raise LeaseHeldError(
+                f"session {session_id!r} is leased by {row[0]!r} until {row[2]}", owner=row[0], expires_at=row[2]
+            )
+        # Every acquisition gets a higher token, so a previous owner's is stale for ever.
+        return Lease(session_id, owner, (0 if row is None else row[1]) + 1, now + ttl)
+    if kind == "renew":
+        if row is None or row[1] == 0 or row[0] != owner or row[1] != token or row[2] < now:
+            raise LeaseLostError(f"lease on session {session_id!r} with token {token} is lost")
+        return Lease(session_id, owner, token, now + ttl)
+    return None
+
+
+def releases(row: LeaseRow | None, token: int) -> bool:
+    """Whether releasing with ``token`` expires the stored lease (only its own, current token does;
+    the token is kept, so the next owner's is higher)."""
+    return row is not None and row[1] > 0 and row[1] == token
