@@ -248,3 +248,63 @@ async def test_cancelling_a_send_is_a_cancellation_even_if_its_write_failed() ->
         with trio.move_on_after(0) as scope:
             await session.send("x")
         assert scope.cancelled_caught
+
+
+async def test_recovery_reruns_a_scheduled_background_task_without_cancelling_it(tmp_path: Any) -> None:
+    from trio_agent import InterruptBehavior, SideEffect, ToolKind
+    from trio_agent.journal import (
+        ModelAttemptCompleted,
+        ModelAttemptStarted,
+        RequestAccepted,
+        RequestStarted,
+        SubagentCancelled,
+        SubagentCompleted,
+        SubagentStarted,
+        ToolScheduled,
+        TurnStarted,
+        open_journal,
+        open_sqlite_store,
+    )
+
+    path = tmp_path / "j.db"
+    ids = {"request_id": "r1", "turn_id": "t1"}
+    task_input = {"subagent": "helper", "prompt": "bg work", "background": True}
+    async with open_sqlite_store(path) as store, open_journal(store, session_id="s1") as journal:
+        await journal.append(RequestAccepted(request_id="r1", command_id="r1", input={"prompt": "go"}))
+        await journal.append(
+            RequestStarted(request_id="r1"),
+            TurnStarted(turn=1, **ids),
+            ModelAttemptStarted(attempt_id="a1", model="test-model", **ids),
+        )
+        await journal.append(
+            ModelAttemptCompleted(
+                attempt_id="a1",
+                response={"text": "", "tool_calls": [{"id": "c1", "name": "task", "arguments": "{}"}]},
+                **ids,
+            ),
+            ToolScheduled(
+                call_id="c1",
+                tool_name="task",
+                model_input=task_input,
+                side_effect=SideEffect.NON_IDEMPOTENT,
+                kind=ToolKind.READONLY,
+                interrupt=InterruptBehavior.CANCEL,
+                concurrency_safe=False,
+                idempotency_key="s1:root:c1",
+                **ids,
+            ),
+        )
+        # The process "dies" here: the call was scheduled, never started.
+        journal._fence("test: crash")
+    helper = SubagentDefinition("helper", "helps", "You help.")
+    model = TestModel({"bg work": [Reply(text="bg done")]}, default=Reply(text="fine"))
+    async with open_session(
+        provider=model, journal=path, session_id="s1", subagents=[helper], takeover_timeout=0.0
+    ) as session:
+        [handle] = session.subagents.values()
+        assert await handle.wait() == "bg done"
+        events = await events_of(session.journal.store, session.journal.stream_id())
+    started = [e.subagent_id for e in events if isinstance(e, SubagentStarted)]
+    assert started == [handle.id]
+    assert [e.subagent_id for e in events if isinstance(e, SubagentCompleted)] == [handle.id]
+    assert not [e for e in events if isinstance(e, SubagentCancelled)]

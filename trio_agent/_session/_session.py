@@ -663,7 +663,12 @@ class Session:
                         handle.status = SubagentStatus.FAILED
                         handle.error = f"{type(exc).__name__}: {exc}"
                 handle._work_scope = None
-                if scope.cancelled_caught:
+                record = self.journal.projection(agent.agent_id).request(request.request_id)
+                if scope.cancelled_caught and record is not None and record.state is RequestState.COMPLETED:
+                    scope_cancelled = False  # the work finished (durably) before the cancel arrived
+                else:
+                    scope_cancelled = scope.cancelled_caught
+                if scope_cancelled:
                     reason = (
                         RequestInterruptReason.SESSION_CLOSE if self._closing else RequestInterruptReason.USER_ABORT
                     )
@@ -1038,7 +1043,12 @@ class Session:
             report = await journal.recover(agent_id, tools=tools)
             if agent_id == self.root.agent_id:
                 self.recovery = report
-            agent = self.root if agent_id == self.root.agent_id else _Agent(agent_id, agent_id, "", frozenset(), 1)
+            # Subagents that ran before the restart (not those a re-executed call may start below).
+            stale = [
+                record
+                for record in journal.projection(agent_id)._s.subagents.values()
+                if record.state.value == "running"
+            ]
             for scheduled in report.to_execute:
                 origin = CallOrigin(self.session_id, agent_id, scheduled.request_id, scheduled.turn_id)
                 record = await self.pipeline.execute(
@@ -1055,6 +1065,7 @@ class Session:
                 note = unknown_outcome_result(call_id, name).output
                 self.recovery_notes.append(str(note))
             # Close what the crash left open, then rebuild the conversation from the journal.
+            projection = journal.projection(agent_id)  # appends may have replaced the object
             for turn in list(projection._s.turns.values()):
                 if turn.state is TurnState.OPEN:
                     await journal.append(
@@ -1071,7 +1082,7 @@ class Session:
                         ),
                         agent_id=agent_id,
                     )
-            for subagent in list(projection._s.subagents.values()):
+            for subagent in stale:
                 if subagent.state.value == "running":
                     await journal.append(
                         SubagentCancelled(
@@ -1079,7 +1090,6 @@ class Session:
                         ),
                         agent_id=agent_id,
                     )
-            del agent
         self.root.history = await self._rebuild_history(self.root.agent_id)
         if self.recovery_notes:
             self.root.history.append(
