@@ -529,18 +529,29 @@ class _RetryingStream:
         self._request = request
         self._inner: AsyncIterator[StreamChunk] | None = None
         self._published = False
+        self._finished = False
         self._attempt = 1
 
     def __aiter__(self) -> _RetryingStream:
         return self
 
     async def __anext__(self) -> StreamChunk:
+        if self._finished:
+            raise StopAsyncIteration
         while True:
             if self._inner is None:
                 self._inner = self._service.provider.stream(self._request)
             try:
-                chunk = await _provider_call(self._inner.__anext__())
+                try:
+                    chunk = await self._inner.__anext__()
+                except (ModelError, StopAsyncIteration):
+                    raise
+                except Exception as exc:  # anything else is a provider bug, typed as such
+                    raise ModelError(f"the provider raised {exc!r}", code="PROVIDER_FAILED") from exc
             except StopAsyncIteration:
+                # Ended on its own: nothing left to close, so leaving the stream costs no shield.
+                self._inner = None
+                self._finished = True
                 raise
             except ModelError as error:
                 await self._close_inner()
