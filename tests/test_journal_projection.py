@@ -748,3 +748,32 @@ def test_nothing_applies_after_close(envelopes: list[EventEnvelope]) -> None:
         with pytest.raises(InvalidTransitionError, match="closed"):
             p.apply(attrs.evolve(e, seq=p.head + 1))
     assert p.snapshot() == before
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_sequences(), st.data())
+def test_apply_atomic_applies_a_valid_batch_or_nothing(envelopes: list[EventEnvelope], data: Any) -> None:
+    """A batch of valid events lands exactly as one by one; a batch whose last event is invalid
+    leaves the state exactly as before (whatever the earlier events of the batch touched)."""
+    cut = data.draw(st.integers(0, len(envelopes) - 1))
+    size = data.draw(st.integers(1, len(envelopes) - cut))
+    p = Projection(STREAM)
+    for e in envelopes[:cut]:
+        p.apply(e)
+    batch = envelopes[cut : cut + size]
+    before = p.snapshot()
+    # Invalid tail: the batch's valid prefix followed by an event that cannot follow it.
+    q = Projection(STREAM)
+    for e in envelopes[: cut + size - 1]:
+        q.apply(e)
+    bad = data.draw(st.sampled_from(_mutations(q, batch[-1], envelopes[: cut + size - 1])))
+    with pytest.raises(InvalidTransitionError):
+        p.apply_atomic([*batch[:-1], bad])
+    assert p.snapshot() == before
+    assert p.head == cut
+    # The valid batch lands as if applied one by one.
+    p.apply_atomic(batch)
+    one_by_one = Projection(STREAM)
+    for e in envelopes[: cut + size]:
+        one_by_one.apply(e)
+    assert p.snapshot() == one_by_one.snapshot()

@@ -29,7 +29,6 @@ before the side effect starts, the settlement before the result is published.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import os
 import socket
@@ -327,13 +326,7 @@ class DurableJournal:
                         f"command {command_id!r} was already applied with different content", command_id=command_id
                     )
                 return stream, attrs.evolve(known[1], replayed=True)
-        # Check on a scratch copy for several events, so a refusal leaves nothing applied.
-        if len(envelopes) == 1:
-            stream.projection.apply(envelopes[0])  # refuses before changing anything
-        else:
-            scratch = copy.deepcopy(stream.projection)
-            scratch.apply_all(list(envelopes))
-            stream.projection = scratch
+        stream.projection.apply_atomic(envelopes)  # all or nothing: a refusal changes nothing
         for envelope in envelopes:
             stream.track(envelope.event)
         self._streams[stream_id] = stream

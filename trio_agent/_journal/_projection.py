@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -365,6 +365,7 @@ def _no_reconcile(tool_name: str) -> bool:
 # ---------------------------------------------------------------- the projection
 
 _Mutation = Callable[[], None]
+_MISSING = object()
 
 
 class Projection:
@@ -412,6 +413,79 @@ class Projection:
     def apply_all(self, envelopes: list[EventEnvelope]) -> None:
         for envelope in envelopes:
             self.apply(envelope)
+
+    def apply_atomic(self, envelopes: Sequence[EventEnvelope]) -> None:
+        """Apply every envelope, or none: on a refusal the state is as before, and it is raised.
+
+        Only what the envelopes can touch is saved first (the records named by their ids,
+        and the few scalars), so the cost does not grow with the stream.
+        """
+        if len(envelopes) == 1:
+            self.apply(envelopes[0])
+            return
+        saved = self._save(envelopes)
+        try:
+            for envelope in envelopes:
+                self.apply(envelope)
+        except BaseException:
+            self._restore(saved)
+            raise
+
+    _TOUCHED = (
+        ("request_id", "requests"),
+        ("turn_id", "turns"),
+        ("attempt_id", "attempts"),
+        ("call_id", "tools"),
+        ("subagent_id", "subagents"),
+    )
+    _SCALARS = ("head", "session", "session_id", "active_request", "open_turn", "running_attempt")
+
+    def _save(self, envelopes: Sequence[EventEnvelope]) -> dict[str, Any]:
+        s = self._s
+        records: list[tuple[dict[str, Any], str, Any]] = []
+        unsettled: dict[str, set[str] | None] = {}
+        permissions: dict[str, bool] = {}
+        for envelope in envelopes:
+            event = envelope.event
+            for attribute, table_name in self._TOUCHED:
+                key = getattr(event, attribute, None)
+                if isinstance(key, str):
+                    table: dict[str, Any] = getattr(s, table_name)
+                    record = table.get(key, _MISSING)
+                    records.append((table, key, _MISSING if record is _MISSING else copy.copy(record)))
+            turn_id = getattr(event, "turn_id", None)
+            if isinstance(turn_id, str) and turn_id not in unsettled:
+                current = s.unsettled.get(turn_id)
+                unsettled[turn_id] = None if current is None else set(current)
+            permission_id = getattr(event, "permission_id", None)
+            if isinstance(permission_id, str):
+                permissions[permission_id] = permission_id in s.permission_ids
+        return {
+            "scalars": {name: getattr(s, name) for name in self._SCALARS},
+            "records": records,
+            "unsettled": unsettled,
+            "permissions": permissions,
+        }
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        s = self._s
+        for name, value in saved["scalars"].items():
+            setattr(s, name, value)
+        for table, key, record in reversed(saved["records"]):  # the first saved copy wins
+            if record is _MISSING:
+                table.pop(key, None)
+            else:
+                table[key] = record
+        for turn_id, calls in saved["unsettled"].items():
+            if calls is None:
+                s.unsettled.pop(turn_id, None)
+            else:
+                s.unsettled[turn_id] = calls
+        for permission_id, present in saved["permissions"].items():
+            if present:
+                s.permission_ids.add(permission_id)
+            else:
+                s.permission_ids.discard(permission_id)
 
     def _plan(self, envelope: EventEnvelope) -> _Mutation:
         if envelope.stream_id != self.stream_id:

@@ -1325,10 +1325,7 @@ class _AgentRun:
                 agent.history.append(UserMessage(text))
             request.steering = AbortHandle()
             turn_id = f"{request.request_id}-t{turn}"
-            await journal.append(
-                TurnStarted(request_id=request.request_id, turn_id=turn_id, turn=turn), agent_id=agent.agent_id
-            )
-            outcome = await self._model_call(turn_id, specs, inputs)
+            outcome = await self._model_call(turn, turn_id, specs, inputs)
             if outcome is None:
                 return  # aborted: the request records the interruption
             message, finish, rejected = outcome
@@ -1349,10 +1346,7 @@ class _AgentRun:
                     request.stop_reason = "permission_denied"
                     return
                 continue
-            await journal.append(
-                TurnCompleted(request_id=request.request_id, turn_id=turn_id, has_tool_calls=False),
-                agent_id=agent.agent_id,
-            )
+            # A reply without tool calls: its turn was completed with the attempt (one append).
             if request.pending:
                 continue
             if agent.parent_id is None:
@@ -1383,7 +1377,7 @@ class _AgentRun:
             return
 
     async def _model_call(
-        self, turn_id: str, specs: list[ToolSpec], inputs: list[str]
+        self, turn: int, turn_id: str, specs: list[ToolSpec], inputs: list[str]
     ) -> tuple[AssistantMessage, FinishReason, dict[str, ToolResult]] | None:
         """One model attempt, recorded before the provider is called and after it answered.
 
@@ -1394,7 +1388,9 @@ class _AgentRun:
         session, agent, request = self.session, self.agent, self.request
         service = session._service_for(agent)
         attempt_id = f"{turn_id}-a1"
+        # The turn and its model attempt are durable before the provider is called (one append).
         await session.journal.append(
+            TurnStarted(request_id=request.request_id, turn_id=turn_id, turn=turn),
             ModelAttemptStarted(
                 request_id=request.request_id, turn_id=turn_id, attempt_id=attempt_id, model=service.model
             ),
@@ -1455,6 +1451,12 @@ class _AgentRun:
         rejected = {part.id: result for part in ordered if (result := self._reject(part, finish)) is not None}
         parts: list[Any] = ([TextPart("".join(text))] if text else []) + ordered
         message = AssistantMessage(tuple(parts))
+        # Without tool calls the turn ends with the attempt: both land in one append.
+        ends_turn = (
+            (TurnCompleted(request_id=request.request_id, turn_id=turn_id, has_tool_calls=False),)
+            if not ordered
+            else ()
+        )
         await session.journal.append(
             ModelAttemptCompleted(
                 request_id=request.request_id,
@@ -1469,6 +1471,7 @@ class _AgentRun:
                     "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
                 },
             ),
+            *ends_turn,
             agent_id=agent.agent_id,
         )
         return message, finish, rejected
