@@ -15,9 +15,9 @@ import pytest
 import trio
 import trio.testing
 
+from tests.session_helpers import run_request, stream_events
 from trio_agent import (
     ConfigError,
-    DoneEvent,
     HookEvent,
     HookInput,
     HookOutput,
@@ -27,7 +27,6 @@ from trio_agent import (
     PermissionRequest,
     PermissionRules,
     RequestAbortedError,
-    SessionEvent,
     SubagentDefinition,
     Tool,
     ToolContext,
@@ -75,20 +74,6 @@ def make_tool(name: str, log: list[Any], *, kind: str = "readonly", paths: bool 
 
 def three_tools(log: list[Any]) -> list[Tool[Any]]:
     return [make_tool(name, log, kind=kind) for name, kind in KINDS.items()]
-
-
-async def stream_events(session: Any, agent_id: str | None = None) -> list[Any]:
-    return [envelope.event for envelope in await session.journal.store.read(session.journal.stream_id(agent_id))]
-
-
-async def run_request(session: Any, prompt: str) -> tuple[list[SessionEvent], DoneEvent]:
-    seen: list[SessionEvent] = []
-    async with session.stream(prompt) as events:
-        async for event in events:
-            seen.append(event)
-    done = seen[-1]
-    assert isinstance(done, DoneEvent)
-    return seen, done
 
 
 def results_by_call(request: ModelRequest) -> dict[str, ToolResultMessage]:

@@ -22,9 +22,9 @@ import pytest
 import trio
 import trio.testing
 
+from tests.session_helpers import run_request, stream_events, user_texts
 from trio_agent import (
     ConfigError,
-    DoneEvent,
     HookAbortedError,
     HookError,
     HookEvent,
@@ -36,7 +36,6 @@ from trio_agent import (
     ModelRequest,
     PermissionAllow,
     PermissionRequest,
-    SessionEvent,
     StreamChunk,
     SubagentDefinition,
     SystemMessage,
@@ -47,7 +46,6 @@ from trio_agent import (
     ToolResult,
     ToolResultEvent,
     ToolResultMessage,
-    UserMessage,
     define_plugin,
     define_tool,
     open_session,
@@ -104,26 +102,8 @@ async def stream_types(session: Any, agent_id: str | None = None) -> list[type[A
     return [type(envelope.event) for envelope in await session.journal.store.read(session.journal.stream_id(agent_id))]
 
 
-async def stream_events(session: Any, agent_id: str | None = None) -> list[Any]:
-    return [envelope.event for envelope in await session.journal.store.read(session.journal.stream_id(agent_id))]
-
-
-async def run_request(session: Any, prompt: str) -> tuple[list[SessionEvent], DoneEvent]:
-    seen: list[SessionEvent] = []
-    async with session.stream(prompt) as events:
-        async for event in events:
-            seen.append(event)
-    done = seen[-1]
-    assert isinstance(done, DoneEvent)
-    return seen, done
-
-
 def tool_results(request: ModelRequest) -> list[ToolResultMessage]:
     return [m for m in request.messages if isinstance(m, ToolResultMessage)]
-
-
-def user_texts(request: ModelRequest) -> list[str]:
-    return [m.content for m in request.messages if isinstance(m, UserMessage)]
 
 
 def tool_layer(tag: str, log: list[str]) -> Callable[[ToolMiddlewareRequest, Any], Awaitable[ToolResult]]:

@@ -15,6 +15,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.session_helpers import results, run_request, stream_events, user_texts
 from trio_agent import (
     DoneEvent,
     ModelError,
@@ -24,7 +25,6 @@ from trio_agent import (
     SchedulerLimits,
     SessionBusyError,
     SessionClosedError,
-    SessionEvent,
     StreamChunk,
     SubagentDefinition,
     SubagentEvent,
@@ -38,7 +38,6 @@ from trio_agent import (
     ToolMiddlewareRequest,
     ToolResult,
     ToolResultEvent,
-    ToolResultMessage,
     ToolScheduler,
     ToolUseEvent,
     UnknownSubagentError,
@@ -102,28 +101,6 @@ def task(prompt: str, subagent: str = "helper", **extra: Any) -> tuple[str, dict
 
 
 HELPER = SubagentDefinition("helper", "a helper", "You are the helper.")
-
-
-async def stream_events(session: Any, agent_id: str | None = None) -> list[Any]:
-    return [envelope.event for envelope in await session.journal.store.read(session.journal.stream_id(agent_id))]
-
-
-async def run_request(session: Any, prompt: str) -> tuple[list[SessionEvent], DoneEvent]:
-    seen: list[SessionEvent] = []
-    async with session.stream(prompt) as events:
-        async for event in events:
-            seen.append(event)
-    done = seen[-1]
-    assert isinstance(done, DoneEvent)
-    return seen, done
-
-
-def results(request: ModelRequest) -> list[ToolResultMessage]:
-    return [m for m in request.messages if isinstance(m, ToolResultMessage)]
-
-
-def user_texts(request: ModelRequest) -> list[str]:
-    return [m.content for m in request.messages if isinstance(m, UserMessage)]
 
 
 def requests_of(model: TestModel, agent_id: str) -> list[ModelRequest]:
