@@ -1,0 +1,87 @@
+"""Exception groups inside the library, one exception at the public boundary.
+
+Rules (one place, used by the pipeline, the agent loop and the session):
+
+1. Inside the library, an exception that *contains* a ``trio.Cancelled`` is a
+   cancellation, unless it also holds one of our typed errors: a tool or a
+   middleware may run its own nursery, whose group wraps the cancellation. Such a
+   group is re-raised unchanged (Trio's cancel scopes need the ``Cancelled`` leaves).
+2. When a group holds a typed error (`TrioAgentError`) beside ``Cancelled``, the
+   typed error wins: lease loss first, then journal errors, then the rest.
+3. Public boundaries (``send``, ``stream``, ``open_session``, ``start_subagent``)
+   never raise groups: a group made only of ``Cancelled`` leaves becomes one leaf
+   ``Cancelled``; a group with a typed error becomes that error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import trio
+
+from ._errors import JournalError, LeaseLostError, SettlementError, TrioAgentError
+
+__all__ = ["contains_cancelled", "is_cancellation", "leaves", "typed_error", "unwrap_for_boundary"]
+
+# Which typed error wins when several are in one group.
+_PRECEDENCE: tuple[type[BaseException], ...] = (LeaseLostError, SettlementError, JournalError, TrioAgentError)
+
+
+def leaves(exc: BaseException) -> Iterator[BaseException]:
+    """Every non-group exception inside *exc*, depth first (just *exc* if it is no group)."""
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            yield from leaves(sub)
+    else:
+        yield exc
+
+
+def contains_cancelled(exc: BaseException) -> bool:
+    """True for ``trio.Cancelled`` and for a group with a ``Cancelled`` leaf."""
+    if isinstance(exc, trio.Cancelled):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return any(isinstance(leaf, trio.Cancelled) for leaf in leaves(exc))
+    return False
+
+
+def typed_error(exc: BaseException) -> TrioAgentError | None:
+    """The typed error that wins in *exc* (itself if it is one), or ``None``."""
+    if isinstance(exc, TrioAgentError):
+        return exc
+    if not isinstance(exc, BaseExceptionGroup):
+        return None
+    found = [leaf for leaf in leaves(exc) if isinstance(leaf, TrioAgentError)]
+    for kind in _PRECEDENCE:
+        for leaf in found:
+            if isinstance(leaf, kind):
+                assert isinstance(leaf, TrioAgentError)
+                return leaf
+    return None
+
+
+def is_cancellation(exc: BaseException) -> bool:
+    """Rule 1: cancellation that no typed error overrides."""
+    return contains_cancelled(exc) and typed_error(exc) is None
+
+
+def unwrap_for_boundary(exc: BaseException) -> BaseException:
+    """Rule 3: the one exception a public boundary raises for *exc*.
+
+    A non-group comes back as it is. A group becomes its winning typed error,
+    else (holding ``Cancelled``) its first ``Cancelled`` leaf, else its single
+    leaf when it has one; a group of several foreign errors is returned unchanged
+    (it is the caller's own, and flattening it would lose information).
+    """
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    typed = typed_error(exc)
+    if typed is not None:
+        return typed
+    all_leaves = list(leaves(exc))
+    for leaf in all_leaves:
+        if isinstance(leaf, trio.Cancelled):
+            return leaf
+    if len(all_leaves) == 1:
+        return all_leaves[0]
+    return exc
