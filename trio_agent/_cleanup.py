@@ -29,7 +29,7 @@ def validate_cleanup_grace(value: object) -> float:
     return validate_timeout(value, name="cleanup_grace")
 
 
-class bounded_shield:  # noqa: N801 - used like trio's lower-case context managers
+class bounded_shield:  # lower-case: used like trio's own context managers
     """``with bounded_shield(grace, "what is cleaned up"):`` a shielded scope bounded by *grace* seconds.
 
     The scope is available as ``as scope``; ``scope.cancelled_caught`` tells whether
