@@ -56,6 +56,12 @@ ordinary tool results.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._tools._results import ToolResult
+
 __all__ = [
     "AuthenticationError",
     "CommandConflictError",
@@ -230,11 +236,17 @@ class SessionClosedError(SessionError):
 
 
 class RequestAbortedError(SessionError):
-    """The request was aborted before it finished; ``reason`` says why (an `AbortReason` value)."""
+    """The request was aborted before it finished; ``reason`` says why (an `AbortReason` value).
 
-    def __init__(self, message: str, *, reason: str) -> None:
+    ``results`` maps the call id of every tool call of the request that settled
+    with a committed result (completed or failed) to that `ToolResult`: an
+    SDK-owned abort keeps what already happened.
+    """
+
+    def __init__(self, message: str, *, reason: str, results: Mapping[str, ToolResult] | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.results: Mapping[str, ToolResult] = dict(results or {})
 
 
 class UnknownSubagentError(SessionError, ValueError):

@@ -29,8 +29,11 @@ import attrs
 import trio
 
 from .._abort import Abort, AbortHandle, AbortReason
+from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
+from .._config import validate_timeout
 from .._errors import (
     ConfigError,
+    InvalidTransitionError,
     JournalError,
     LeaseLostError,
     ModelAbortedError,
@@ -42,6 +45,7 @@ from .._errors import (
     TrioAgentError,
     UnknownSubagentError,
 )
+from .._groups import contains_cancelled, is_cancellation, typed_error, unwrap_for_boundary
 from .._journal._durable import DurableJournal, RecoveryReport, open_journal, unknown_outcome_result
 from .._journal._events import (
     ErrorInfo,
@@ -96,6 +100,7 @@ from .._tools._context import CallOrigin, ToolCall, ToolContext
 from .._tools._definition import SideEffect, Tool, ToolKind, define_tool
 from .._tools._pipeline import ToolPipeline
 from .._tools._results import Effect, ToolErrorType, ToolResult
+from ._endings import answer_for_call, committed_results, open_items, record_request_end
 from ._hooks import (
     HookAbortedError,
     HookAction,
@@ -185,10 +190,13 @@ class _Request:
         "abort",
         "accepting",
         "agent",
+        "call_ids",
+        "cancel_reason",
         "continuation",
         "done",
         "error",
         "finishing",
+        "forwards",
         "holds",
         "pending",
         "priority",
@@ -198,6 +206,7 @@ class _Request:
         "sink",
         "started",
         "steering",
+        "stop",
         "stop_reason",
         "text",
         "turns",
@@ -210,7 +219,13 @@ class _Request:
         self.agent = agent
         self.abort = AbortHandle()
         self.steering = AbortHandle()
+        # "Finish what runs, then stop": steering of a foreground subagent (its block tools finish).
+        self.stop = AbortHandle()
         self.pending: list[str] = []
+        self.call_ids: list[str] = []  # the tool calls it scheduled, for the results an abort keeps
+        self.forwards: list[_Forward] = []  # the stream channels it feeds, closed when it ends
+        # Why a cancellation from outside (not an SDK abort) ended it: decided by who hosts it.
+        self.cancel_reason: Callable[[], RequestInterruptReason] = _session_close
         self.done = trio.Event()
         self.text = ""
         self.stop_reason = "end_turn"
@@ -223,6 +238,28 @@ class _Request:
         self.finishing = False  # no new background starts may join it
         self.holds = 0  # background starts in progress under this request
         self.released = trio.Event()
+
+    def finish(self) -> None:
+        """It ended: wake its waiters. A stream always ends, even when its end could not be
+        recorded or sent in time (the reader then learns the outcome from the request)."""
+        for forward in self.forwards:
+            forward.close_now()
+        self.done.set()
+
+
+def _session_close() -> RequestInterruptReason:
+    return RequestInterruptReason.SESSION_CLOSE
+
+
+_INTERRUPT_REASONS = {
+    AbortReason.STEERING: RequestInterruptReason.STEERING,
+    AbortReason.SESSION_CLOSE: RequestInterruptReason.SESSION_CLOSE,
+}
+
+
+def _interrupt_reason(reason: AbortReason) -> RequestInterruptReason:
+    """The journal's reason for a request that an SDK abort with *reason* interrupted."""
+    return _INTERRUPT_REASONS.get(reason, RequestInterruptReason.USER_ABORT)
 
 
 class SubagentHandle:
@@ -239,6 +276,7 @@ class SubagentHandle:
         self.error: str | None = None
         self._finished = trio.Event()
         self._work_scope: trio.CancelScope | None = None
+        self._request: _Request | None = None  # the work running now
         self._killed = False
         self._prompts: list[str] = []
         self._wake = trio.Event()
@@ -289,31 +327,6 @@ def _text_of(message: AssistantMessage) -> str:
     return "".join(part.text for part in message.parts if isinstance(part, TextPart))
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
-    return [exc]
-
-
-def _unwrap(group: BaseExceptionGroup[Any]) -> BaseException:
-    """One typed error out of a nursery's group, preferring lease loss and our own errors."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for sub in exc.exceptions:
-                walk(sub)
-        else:
-            leaves.append(exc)
-
-    walk(group)
-    for kind in (LeaseLostError, SettlementError, TrioAgentError):
-        for leaf in leaves:
-            if isinstance(leaf, kind):
-                return leaf
-    return leaves[0] if leaves else group
-
-
 class Session:
     """A multi-turn agent session. Open it with `open_session`."""
 
@@ -327,8 +340,12 @@ class Session:
         definitions: Mapping[str, SubagentDefinition],
         hooks: Any,
         max_concurrent_requests_queue: int = 64,
+        cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
+        close_timeout: float = 30.0,
     ) -> None:
         self.journal = journal
+        self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
+        self.close_timeout = validate_timeout(close_timeout, name="close_timeout")
         self.session_id = journal.session_id
         self._service = service
         self._services: dict[str, ModelService] = {service.model: service}
@@ -347,7 +364,7 @@ class Session:
         self._accepted = trio.Event()
         self._started = False
         self._worker_done = trio.Event()
-        self._sinks: dict[tuple[str, str], EventSink] = {}
+        self._running: dict[tuple[str, str], _Request] = {}  # (agent id, request id) -> running request
         self._closing = False
         self.subagents: dict[str, SubagentHandle] = {}
         self._inbox: dict[str, list[str]] = {}
@@ -445,6 +462,7 @@ class Session:
             self._join(current, prompt, priority)
             stream = _EventStream(recv, current, joined=True)
             forward = _Forward(send, current.abort)
+            current.forwards.append(forward)
             previous = current.sink
             current.sink = _tee(previous, forward)
             try:
@@ -455,7 +473,9 @@ class Session:
             return
         self._check_not_busy(current, priority)
         request = _Request(prompt, _discard, self.root)
-        request.sink = _Forward(send, request.abort)
+        forward = _Forward(send, request.abort)
+        request.sink = forward
+        request.forwards.append(forward)
         request.priority = priority
         await self._accept(request)
         stream = _EventStream(recv, request, joined=False)
@@ -501,12 +521,15 @@ class Session:
         record = self.journal.projection().request(request.request_id)
         if record is None or record.state is not RequestState.ACCEPTED:
             return
-        with self._cleanup_scope(), contextlib.suppress(TrioAgentError):
-            await self.journal.append(
-                RequestInterrupted(request_id=request.request_id, reason=RequestInterruptReason.USER_ABORT)
+        with self._cleanup_scope("recording an unqueued request"):
+            await record_request_end(
+                self.journal,
+                self.root.agent_id,
+                request.request_id,
+                RequestInterrupted(request_id=request.request_id, reason=RequestInterruptReason.USER_ABORT),
             )
         request.error = RequestAbortedError(why, reason="user_abort")
-        request.done.set()
+        request.finish()
 
     async def abort(self, reason: AbortReason | str = AbortReason.USER_ABORT, message: str = "aborted") -> None:
         """Abort the running request; returns after ``request_interrupted`` is durable."""
@@ -521,16 +544,18 @@ class Session:
         request.abort.abort(reason, message)
         if self._current is not request and not request.started and not request.done.is_set():
             # Still queued: it never starts; record it now instead of waiting for the worker.
-            with contextlib.suppress(TrioAgentError):
-                await self.journal.append(
-                    RequestInterrupted(request_id=request.request_id, reason=RequestInterruptReason.USER_ABORT),
-                    agent_id=request.agent.agent_id,
+            with self._cleanup_scope("recording a queued request's abort"):
+                await record_request_end(
+                    self.journal,
+                    request.agent.agent_id,
+                    request.request_id,
+                    RequestInterrupted(request_id=request.request_id, reason=_interrupt_reason(reason)),
                 )
             request.error = RequestAbortedError(
                 f"the request was aborted before it started: {message}", reason=reason.value
             )
             request.stop_reason = "aborted"
-            request.done.set()
+            request.finish()
             return
         await request.done.wait()
 
@@ -561,9 +586,18 @@ class Session:
                 current.holds -= 1
                 if current.holds == 0:
                     current.released.set()
-        # Between requests: take the request slot so no request starts meanwhile.
-        async with self._request_lock:
-            holder = _Request(f"start subagent {name}", _discard, self.root)
+        # Between requests: a short request of its own holds the request slot meanwhile.
+        try:
+            async with self._request_lock:
+                return await self._start_between_requests(name, prompt, parent)
+        except BaseExceptionGroup as group:
+            raise unwrap_for_boundary(group) from None
+
+    async def _start_between_requests(self, name: str, prompt: str, parent: str) -> SubagentHandle:
+        holder = _Request(f"start subagent {name}", _discard, self.root)
+        try:
+            # From the moment this append is submitted the holder request is open in the
+            # projection: every way out below must end it, a cancellation included.
             await self.journal.append(
                 RequestAccepted(
                     request_id=holder.request_id,
@@ -573,17 +607,19 @@ class Session:
                 RequestStarted(request_id=holder.request_id),
                 agent_id=parent,
             )
-            try:
-                handle = await self._spawn_background(name, prompt, parent, holder.request_id, call_id=None)
-            except BaseException as exc:
-                with self._cleanup_scope(), contextlib.suppress(TrioAgentError):
-                    await self.journal.append(
-                        RequestFailed(request_id=holder.request_id, error=ErrorInfo(message=str(exc)[:2000])),
-                        agent_id=parent,
-                    )
-                raise
+            handle = await self._spawn_background(name, prompt, parent, holder.request_id, call_id=None)
             await self.journal.append(RequestCompleted(request_id=holder.request_id), agent_id=parent)
             return handle
+        except BaseException as exc:
+            if is_cancellation(exc):
+                terminal: Any = RequestInterrupted(
+                    request_id=holder.request_id, reason=RequestInterruptReason.USER_ABORT
+                )
+            else:
+                terminal = RequestFailed(request_id=holder.request_id, error=ErrorInfo(message=str(exc)[:2000]))
+            with self._cleanup_scope("recording an interrupted subagent start"):
+                await record_request_end(self.journal, parent, holder.request_id, terminal)
+            raise
 
     # -- subagents
 
@@ -617,22 +653,46 @@ class Session:
         agent = self._make_agent(definition, parent_id)
         prompt = await self._subagent_start(agent, prompt)
         await self.journal.open_agent(agent.agent_id, parent_agent_id=parent_id)
-        await self.journal.append(
-            SubagentStarted(request_id=request_id, subagent_id=agent.agent_id, call_id=call_id), agent_id=parent_id
-        )
-        if self._closing or self._nursery is None:
-            # The session began closing meanwhile: this subagent never runs, and says so.
-            with self._cleanup_scope(), contextlib.suppress(TrioAgentError):
-                await self.journal.append(
-                    SubagentCancelled(request_id=request_id, subagent_id=agent.agent_id, reason="session closed"),
-                    agent_id=parent_id,
+        try:
+            # Once submitted, subagent_started is in the projection: every way out must end it.
+            await self.journal.append(
+                SubagentStarted(request_id=request_id, subagent_id=agent.agent_id, call_id=call_id),
+                agent_id=parent_id,
+            )
+            if self._closing or self._nursery is None:
+                raise SessionClosedError("the session closed while the subagent was starting")
+            handle = SubagentHandle(self, agent, parent_id, request_id)
+            handle._prompts.append(prompt)
+            # No await from here: the task's own `finally` records its outcome from now on.
+            self._nursery.start_soon(self._background_main, handle)
+            self.subagents[agent.agent_id] = handle
+        except BaseException as exc:
+            # It never runs, and says so.
+            why = "session closed" if self._closing or isinstance(exc, SessionClosedError) else "start interrupted"
+            with self._cleanup_scope("recording a subagent that never started"):
+                await self._record_subagent_end(
+                    parent_id,
+                    SubagentCancelled(request_id=request_id, subagent_id=agent.agent_id, reason=why),
                 )
-            raise SessionClosedError("the session closed while the subagent was starting")
-        handle = SubagentHandle(self, agent, parent_id, request_id)
-        handle._prompts.append(prompt)
-        self.subagents[agent.agent_id] = handle
-        self._nursery.start_soon(self._background_main, handle)
+            raise
         return handle
+
+    async def _record_subagent_end(self, parent_id: str, event: SubagentCompleted | SubagentCancelled) -> bool:
+        """Record a subagent's one outcome on its parent's stream, if it is still running there."""
+        journal = self.journal
+        if journal.lost or journal.fenced or journal.closed:
+            return False
+        record = journal.projection(parent_id)._s.subagents.get(event.subagent_id)
+        if record is None or record.state.value != "running":
+            return False
+        try:
+            await journal.append(event, agent_id=parent_id)
+        except InvalidTransitionError:
+            raise
+        except (JournalError, LeaseLostError) as exc:
+            _log.warning("could not record the end of subagent %s: %s", event.subagent_id, exc)
+            return False
+        return True
 
     async def _background_main(self, handle: SubagentHandle) -> None:
         """The task of one background subagent: runs its prompts until killed or the session closes.
@@ -653,6 +713,15 @@ class Session:
                 handle.error = None
                 with trio.CancelScope() as scope:
                     handle._work_scope = scope
+                    handle._request = request
+
+                    def cancel_reason(scope: trio.CancelScope = scope) -> RequestInterruptReason:
+                        # Its own scope cancelled (cancel(), kill()) is the user's doing, unless closing.
+                        if scope.cancel_called and not self._closing:
+                            return RequestInterruptReason.USER_ABORT
+                        return RequestInterruptReason.SESSION_CLOSE
+
+                    request.cancel_reason = cancel_reason
                     handle.status = SubagentStatus.RUNNING
                     try:
                         await self._accept_on(agent, request)
@@ -662,6 +731,8 @@ class Session:
                     except Exception as exc:  # a subagent crash is reported, never unhandled
                         handle.status = SubagentStatus.FAILED
                         handle.error = f"{type(exc).__name__}: {exc}"
+                    finally:
+                        handle._request = None
                 handle._work_scope = None
                 record = self.journal.projection(agent.agent_id).request(request.request_id)
                 if scope.cancelled_caught and record is not None and record.state is RequestState.COMPLETED:
@@ -669,10 +740,14 @@ class Session:
                 else:
                     scope_cancelled = scope.cancelled_caught
                 if scope_cancelled:
-                    reason = (
-                        RequestInterruptReason.SESSION_CLOSE if self._closing else RequestInterruptReason.USER_ABORT
-                    )
-                    await self._finish_request_cancelled(request, reason)
+                    # Accepted but cancelled before it ran records its end here (a no-op otherwise).
+                    with self._cleanup_scope("recording a cancelled subagent request"):
+                        await record_request_end(
+                            self.journal,
+                            agent.agent_id,
+                            request.request_id,
+                            RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
+                        )
                     # A resumed conversation must answer every tool call the cancelled work left open.
                     agent.history = _repair(agent.history)
                     handle.status = SubagentStatus.CANCELLED if handle._killed else SubagentStatus.IDLE
@@ -690,15 +765,15 @@ class Session:
             if handle._killed and handle.status is not SubagentStatus.CANCELLED:
                 handle.status = SubagentStatus.CANCELLED
             if not handle._recorded:
-                with self._cleanup_scope(), contextlib.suppress(TrioAgentError):
-                    handle._recorded = True
-                    await self.journal.append(
+                handle._recorded = True
+                with self._cleanup_scope("recording a subagent's end"):
+                    await self._record_subagent_end(
+                        handle.parent_id,
                         SubagentCancelled(
                             request_id=handle.parent_request_id,
                             subagent_id=handle.id,
                             reason="session closed" if self._closing else "killed",
                         ),
-                        agent_id=handle.parent_id,
                     )
             handle._finished.set()
             handle._task_done.set()
@@ -706,7 +781,7 @@ class Session:
     async def _report_subagent(self, handle: SubagentHandle) -> None:
         """Tell the parent (its next turn) and record the first final outcome on its stream."""
         summary = handle.result if handle.status is SubagentStatus.COMPLETED else (handle.error or handle.status.value)
-        with self._cleanup_scope():
+        with self._cleanup_scope("recording a subagent's outcome"):
             if not handle._recorded and handle.status in (
                 SubagentStatus.COMPLETED,
                 SubagentStatus.FAILED,
@@ -719,8 +794,7 @@ class Session:
                     event = SubagentCancelled(
                         request_id=handle.parent_request_id, subagent_id=handle.id, reason=handle.status.value
                     )
-                with contextlib.suppress(TrioAgentError):
-                    await self.journal.append(event, agent_id=handle.parent_id)
+                await self._record_subagent_end(handle.parent_id, event)
             note = f"[background subagent {handle.id} ({handle.name}) {handle.status.value}]: {summary or ''}"
             self._inbox.setdefault(handle.parent_id, []).append(note)
 
@@ -751,16 +825,17 @@ class Session:
         return prompt
 
     async def run_foreground_subagent(self, name: str, prompt: str, ctx: ToolContext, sink: EventSink) -> str:
-        """Run a subagent inside the calling tool's execution; the caller's slot is given back meanwhile."""
+        """Run a subagent inside the calling tool's execution; the caller's slot is given back meanwhile.
+
+        The parent's abort reaches the child's work. Steering of the parent's request
+        reaches it as a steering abort of the child's request: its ``cancel`` tools are
+        cancelled, its ``block`` tools finish and settle, then the child's request ends
+        interrupted (steering) and `RequestAbortedError` is raised.
+        """
         definition = self._definition(name)
         agent = self._make_agent(definition, ctx.agent_id)
         prompt = await self._subagent_start(agent, prompt)
         await self.journal.open_agent(agent.agent_id, parent_agent_id=ctx.agent_id)
-        await self.journal.append(
-            SubagentStarted(request_id=ctx.request_id, subagent_id=agent.agent_id, call_id=ctx.tool_call_id),
-            agent_id=ctx.agent_id,
-        )
-        await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, SubagentStatus.RUNNING, background=False))
 
         async def child_sink(event: SessionEvent) -> None:
             # The child's events join the parent's stream; its DoneEvent is not the parent's.
@@ -768,40 +843,65 @@ class Session:
                 await sink(event)
 
         request = _Request(prompt, child_sink, agent)
+        request.cancel_reason = self._cancelled_by_parent
 
-        # The parent's abort reaches the child's work.
         def forward_abort(abort: Abort) -> None:
             request.abort.abort(abort.reason, abort.message)
 
-        token = ctx.abort.add_listener(forward_abort)
+        def forward_steering(abort: Abort) -> None:
+            request.stop.abort(abort.reason, abort.message)
+            request.steering.abort(abort.reason, abort.message)
+
+        listeners: list[tuple[AbortHandle, int]] = []
         status = SubagentStatus.FAILED
         try:
+            # Once submitted, subagent_started is in the projection: the `finally` ends it.
+            await self.journal.append(
+                SubagentStarted(request_id=ctx.request_id, subagent_id=agent.agent_id, call_id=ctx.tool_call_id),
+                agent_id=ctx.agent_id,
+            )
+            listeners.append((ctx.abort, ctx.abort.add_listener(forward_abort)))
+            parent = self._running.get((ctx.agent_id, ctx.request_id))
+            if parent is not None:
+                listeners.append((parent.steering, parent.steering.add_listener(forward_steering)))
+            await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, SubagentStatus.RUNNING, background=False))
             async with ctx.slot_released():
                 await self._accept_on(agent, request)
                 await self._run_request(request)
             status = SubagentStatus.COMPLETED if request.error is None else SubagentStatus.FAILED
         finally:
-            ctx.abort.remove_listener(token)
-            with self._cleanup_scope():
-                await self._finish_request_cancelled(request, RequestInterruptReason.USER_ABORT)
+            for handle, token in listeners:
+                handle.remove_listener(token)
+            with self._cleanup_scope("recording a foreground subagent's end"):
+                # Accepted but cancelled before it ran records its end here (a no-op otherwise).
+                await record_request_end(
+                    self.journal,
+                    agent.agent_id,
+                    request.request_id,
+                    RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
+                )
                 if status is SubagentStatus.COMPLETED:
                     event: Any = SubagentCompleted(request_id=ctx.request_id, subagent_id=agent.agent_id)
                 else:
                     event = SubagentCancelled(
                         request_id=ctx.request_id, subagent_id=agent.agent_id, reason=str(request.error or "cancelled")
                     )
-                with contextlib.suppress(TrioAgentError):
-                    await self.journal.append(event, agent_id=ctx.agent_id)
+                await self._record_subagent_end(ctx.agent_id, event)
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, status, False, request.text[:200]))
-        self._agents.pop(agent.agent_id, None)  # it will make no more calls
+            self._agents.pop(agent.agent_id, None)  # it will make no more calls
         if request.error is not None:
             raise request.error
         return request.text
 
-    def _cleanup_scope(self) -> trio.CancelScope:
-        """A shield for recording what was already decided, bounded so a dead store cannot hang us."""
-        return trio.CancelScope(shield=True, deadline=trio.current_time() + self.journal.commit_grace)
+    def _cancelled_by_parent(self) -> RequestInterruptReason:
+        # A foreground child is cancelled with its parent's tool call: the parent's abort or deadline.
+        return RequestInterruptReason.SESSION_CLOSE if self._closing else RequestInterruptReason.USER_ABORT
+
+    def _cleanup_scope(self, layer: str = "recording a session outcome") -> bounded_shield:
+        """A shield for recording what was already decided, bounded (``cleanup_grace``) so a dead
+        store cannot hang us; an overrun is logged."""
+        return bounded_shield(self.cleanup_grace, layer)
 
     # -- effects
 
@@ -875,7 +975,8 @@ class Session:
         agent = request.agent
         journal = self.journal
         key = (agent.agent_id, request.request_id)
-        self._sinks[key] = lambda event: request.sink(event)
+        self._running[key] = request
+        completed = False
         try:
             await journal.append(RequestStarted(request_id=request.request_id), agent_id=agent.agent_id)
             request.started = True
@@ -895,6 +996,7 @@ class Session:
                         RequestCompleted(request_id=request.request_id, output={"skipped": decision.reason or ""}),
                         agent_id=agent.agent_id,
                     )
+                    completed = True
                     await request.sink(DoneEvent(request.request_id, "", "skipped", 0))
                     return
                 prompt = decision.prompt or prompt
@@ -904,7 +1006,7 @@ class Session:
                 agent.history.append(UserMessage(extra))
             run = _AgentRun(self, agent, request)
             await run.run()
-            if request.abort.aborted:
+            if request.abort.aborted or request.stop.aborted:
                 await self._finish_interrupted(request)
             else:
                 await self._drain_holds(request)
@@ -912,42 +1014,68 @@ class Session:
                     RequestCompleted(request_id=request.request_id, output={"text": request.text}),
                     agent_id=agent.agent_id,
                 )
+                completed = True
                 await request.sink(DoneEvent(request.request_id, request.text, request.stop_reason, request.turns))
-        except LeaseLostError:
-            raise
-        except trio.Cancelled:
-            # Cancelled from outside (the session block, a subagent's work scope): record it, then go on.
-            with self._cleanup_scope():
-                if not journal.lost and not journal.fenced:
-                    await self._finish_request_cancelled(
-                        request,
-                        RequestInterruptReason.SESSION_CLOSE if self._closing else RequestInterruptReason.USER_ABORT,
-                    )
-            raise
-        except Exception as exc:
-            request.error = exc
-            request.stop_reason = "aborted" if isinstance(exc, RequestAbortedError) else "error"
-            with self._cleanup_scope():
-                await self._drain_holds(request)
-                if not journal.lost and not journal.fenced:
-                    await self._close_open_turn(request, TurnAbortReason.ERROR)
-                    with contextlib.suppress(TrioAgentError):
-                        await journal.append(
-                            RequestFailed(request_id=request.request_id, error=ErrorInfo(message=str(exc)[:2000])),
-                            agent_id=agent.agent_id,
-                        )
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await request.sink(
-                        DoneEvent(request.request_id, request.text, request.stop_reason, request.turns, str(exc))
-                    )
+        except BaseException as exc:
+            if not await self._request_raised(request, exc):
+                raise
         finally:
-            self._sinks.pop(key, None)
+            self._running.pop(key, None)
             # No message that joined may be lost: whatever is still pending reaches the next turn.
             request.accepting = False
             if request.pending:
                 self._inbox.setdefault(agent.agent_id, []).extend(request.pending)
                 request.pending.clear()
-            request.done.set()
+            if not completed:
+                # The next request must not send the model a tool call without its answer.
+                agent.history = _repair(agent.history)
+            request.finish()
+
+    async def _request_raised(self, request: _Request, exc: BaseException) -> bool:
+        """Record how a request that raised ended; return whether the exception is handled
+        (recorded as the request's error) or must go on.
+
+        Cancellation (a group holding ``Cancelled`` and no typed error included) is
+        recorded interrupted and goes on unchanged; a typed error wins over a
+        ``Cancelled`` beside it and fails the request; lease loss goes on at once.
+        """
+        journal = self.journal
+        agent_id = request.agent.agent_id
+        typed = typed_error(exc)
+        if isinstance(typed, LeaseLostError):
+            if typed is exc:
+                return False
+            raise typed from None
+        if typed is None and is_cancellation(exc):
+            # Cancelled from outside (the session block, a subagent's work scope, a parent's tool call).
+            with self._cleanup_scope("recording a cancelled request"):
+                await self._drain_holds(request)
+                await record_request_end(
+                    journal,
+                    agent_id,
+                    request.request_id,
+                    RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
+                )
+            return False
+        if typed is None and not isinstance(exc, Exception):
+            return False  # KeyboardInterrupt, SystemExit...: nothing more may run
+        error: BaseException = typed if typed is not None else exc
+        request.error = error
+        request.stop_reason = "aborted" if isinstance(error, RequestAbortedError) else "error"
+        with self._cleanup_scope("recording a failed request"):
+            await self._drain_holds(request)
+            await record_request_end(
+                journal,
+                agent_id,
+                request.request_id,
+                RequestFailed(request_id=request.request_id, error=ErrorInfo(message=str(error)[:2000])),
+                turn_reason=TurnAbortReason.ERROR,
+            )
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await request.sink(
+                    DoneEvent(request.request_id, request.text, request.stop_reason, request.turns, str(error))
+                )
+        return True
 
     @staticmethod
     async def _drain_holds(request: _Request) -> None:
@@ -956,64 +1084,28 @@ class Session:
         if request.holds:
             await request.released.wait()
 
-    async def _close_open_turn(self, request: _Request, reason: TurnAbortReason) -> None:
-        projection = self.journal.projection(request.agent.agent_id)
-        for turn_id, turn in list(projection._s.turns.items()):
-            if turn.request_id == request.request_id and turn.state is TurnState.OPEN:
-                for attempt in projection._s.attempts.values():
-                    if attempt.turn_id == turn_id and attempt.state.value == "running":
-                        with contextlib.suppress(TrioAgentError):
-                            await self.journal.append(
-                                ModelAttemptAborted(
-                                    request_id=request.request_id,
-                                    turn_id=turn_id,
-                                    attempt_id=attempt.attempt_id,
-                                    reason=ModelAbortReason.REQUEST_INTERRUPTED,
-                                ),
-                                agent_id=request.agent.agent_id,
-                            )
-                with contextlib.suppress(TrioAgentError):
-                    await self.journal.append(
-                        TurnAborted(request_id=request.request_id, turn_id=turn_id, reason=reason),
-                        agent_id=request.agent.agent_id,
-                    )
-
     async def _finish_interrupted(self, request: _Request) -> None:
-        abort = request.abort.reason
+        """An SDK abort (or a steering stop) ended the request: record it; keep what was committed."""
+        abort = request.abort.reason or request.stop.reason
         reason = abort.reason if abort is not None else AbortReason.USER_ABORT
-        mapped = {
-            AbortReason.STEERING: RequestInterruptReason.STEERING,
-            AbortReason.SESSION_CLOSE: RequestInterruptReason.SESSION_CLOSE,
-        }.get(reason, RequestInterruptReason.USER_ABORT)
+        agent_id = request.agent.agent_id
         request.stop_reason = "aborted"
         detail = f": {abort.message}" if abort is not None and abort.message else ""
-        request.error = RequestAbortedError(f"the request was aborted ({reason.value}){detail}", reason=reason.value)
-        with self._cleanup_scope():
+        request.error = RequestAbortedError(
+            f"the request was aborted ({reason.value}){detail}",
+            reason=reason.value,
+            results=committed_results(self.journal, agent_id, request.call_ids),
+        )
+        with self._cleanup_scope("recording an interrupted request"):
             await self._drain_holds(request)
-            await self._close_open_turn(request, TurnAbortReason.REQUEST_INTERRUPTED)
-            with contextlib.suppress(TrioAgentError):
-                await self.journal.append(
-                    RequestInterrupted(request_id=request.request_id, reason=mapped), agent_id=request.agent.agent_id
-                )
+            await record_request_end(
+                self.journal,
+                agent_id,
+                request.request_id,
+                RequestInterrupted(request_id=request.request_id, reason=_interrupt_reason(reason)),
+            )
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await request.sink(DoneEvent(request.request_id, request.text, "aborted", request.turns))
-
-    async def _finish_request_cancelled(
-        self, request: _Request, reason: RequestInterruptReason = RequestInterruptReason.SESSION_CLOSE
-    ) -> None:
-        """Record a request whose task was cancelled (session close, subagent cancel)."""
-        projection = self.journal.projection(request.agent.agent_id)
-        record = projection.request(request.request_id)
-        if record is None or record.state not in (RequestState.ACCEPTED, RequestState.STARTED):
-            return
-        with self._cleanup_scope():
-            await self._drain_holds(request)
-            await self._close_open_turn(request, TurnAbortReason.REQUEST_INTERRUPTED)
-            with contextlib.suppress(TrioAgentError):
-                await self.journal.append(
-                    RequestInterrupted(request_id=request.request_id, reason=reason),
-                    agent_id=request.agent.agent_id,
-                )
 
     # -- opening and closing
 
@@ -1139,22 +1231,26 @@ class Session:
     async def _reject_queued(self, queued: _Request) -> None:
         """A request still queued when the session closes: recorded interrupted, its caller told."""
         queued.abort.abort(AbortReason.SESSION_CLOSE, "the session closed before it started")
-        with self._cleanup_scope():
-            with contextlib.suppress(TrioAgentError):
-                await self.journal.append(
-                    RequestInterrupted(request_id=queued.request_id, reason=RequestInterruptReason.SESSION_CLOSE)
-                )
+        with self._cleanup_scope("recording a request the close rejected"):
+            await record_request_end(
+                self.journal,
+                queued.agent.agent_id,
+                queued.request_id,
+                RequestInterrupted(request_id=queued.request_id, reason=RequestInterruptReason.SESSION_CLOSE),
+            )
             queued.error = SessionClosedError("the session closed before the request started")
             queued.stop_reason = "aborted"
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await queued.sink(DoneEvent(queued.request_id, "", "aborted", 0, str(queued.error)))
-            queued.done.set()
+            queued.finish()
 
     async def _close(self, reason: SessionCloseReason) -> None:
+        """End the session's life: every request, call and subagent closed, then one
+        ``session_closed`` per stream that has nothing open. Bounded by ``close_timeout``."""
         self._closing = True
         self._queue_send.close()
-        with trio.CancelScope(shield=True) as scope:
-            scope.deadline = trio.current_time() + 30.0
+        refused: InvalidTransitionError | None = None
+        with bounded_shield(self.close_timeout, "closing the session"):
             current = self._current
             if current is not None and not current.done.is_set():
                 await self._abort_request(current, AbortReason.SESSION_CLOSE, "the session is closing")
@@ -1164,6 +1260,15 @@ class Session:
             while self._accepting:
                 self._accepted = trio.Event()
                 await self._accepted.wait()
+            # Background work is aborted with the close's reason (its calls settle with it), then stopped.
+            for handle in list(self.subagents.values()):
+                work = handle._request
+                if work is not None:
+                    work.abort.abort(AbortReason.SESSION_CLOSE, "the session is closing")
+            for handle in list(self.subagents.values()):
+                work = handle._request
+                if work is not None:
+                    await work.done.wait()
             for handle in list(self.subagents.values()):
                 handle.kill()
             for handle in list(self.subagents.values()):
@@ -1171,13 +1276,32 @@ class Session:
             if self._started:  # SessionEnd pairs with a SessionStart that ran
                 with contextlib.suppress(TrioAgentError):
                     await self._dispatch(HookEvent.SESSION_END, self.root.agent_id, reason=reason.value)
-            if not self.journal.lost and not self.journal.fenced:
-                for agent_id in self.journal.agents:
-                    if self.journal.projection(agent_id).session_state is not SessionState.CLOSED:
-                        with contextlib.suppress(TrioAgentError):
-                            await self.journal.append(
-                                SessionClosed(session_id=self.session_id, reason=reason), agent_id=agent_id
-                            )
+            journal = self.journal
+            if not journal.lost and not journal.fenced:
+                for agent_id in journal.agents:
+                    projection = journal.projection(agent_id)
+                    if projection.session_state is SessionState.CLOSED:
+                        continue
+                    still_open = open_items(projection)
+                    if still_open:
+                        # Never written over open items: recovery on reopen decides them.
+                        _log.warning(
+                            "agent %s has open items at close (%s); they are left to recovery on reopen",
+                            agent_id,
+                            ", ".join(still_open[:5]),
+                        )
+                        continue
+                    try:
+                        await journal.append(
+                            SessionClosed(session_id=self.session_id, reason=reason), agent_id=agent_id
+                        )
+                    except InvalidTransitionError as exc:
+                        refused = refused or exc
+                    except (JournalError, LeaseLostError) as exc:
+                        _log.warning("could not record the close of agent %s: %s", agent_id, exc)
+                        break
+        if refused is not None:
+            raise refused
 
 
 def _raise_for(request: _Request) -> None:
@@ -1230,8 +1354,13 @@ class _Forward:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.closed = True
         if isinstance(event, DoneEvent):
-            self.closed = True
-            await self.send.aclose()
+            self.close_now()
+            await trio.lowlevel.checkpoint()
+
+    def close_now(self) -> None:
+        """End the stream (the reader sees the end and learns the outcome from the request)."""
+        self.closed = True
+        self.send.close()
 
 
 def _tee(first: EventSink, second: EventSink) -> EventSink:
@@ -1301,7 +1430,7 @@ class _AgentRun:
         specs = agent.specs
         turn = 0
         while True:
-            if request.abort.aborted:
+            if request.abort.aborted or request.stop.aborted:
                 return
             if turn >= agent.max_turns:
                 request.accepting = False
@@ -1334,9 +1463,7 @@ class _AgentRun:
             request.text = _text_of(message) or request.text
             if calls:
                 results = await self._run_tools(turn_id, calls, rejected)
-                for part, result in zip(calls, results, strict=True):
-                    agent.history.append(ToolResultMessage(part.id, _model_text(result), is_error=not result.ok))
-                if request.abort.aborted:
+                if request.abort.aborted or request.stop.aborted:
                     return
                 await journal.append(
                     TurnCompleted(request_id=request.request_id, turn_id=turn_id, has_tool_calls=True),
@@ -1401,11 +1528,12 @@ class _AgentRun:
         started: dict[int, ToolCallStart] = {}
         finish = FinishReason.STOP
         usage = Usage()
+        abort, unlink = _model_abort(request)
         try:
             async with service.stream(
                 self._messages(),
                 tools=specs,
-                abort=request.abort,
+                abort=abort,
                 metadata={"session_id": session.session_id, "agent_id": agent.agent_id},
             ) as chunks:
                 async for chunk in chunks:
@@ -1443,6 +1571,8 @@ class _AgentRun:
                 agent_id=agent.agent_id,
             )
             raise
+        finally:
+            unlink()
         ordered = [calls[index] for index in sorted(calls)]
         # A call whose end never arrived (cut off mid-stream) still gets an answer.
         for index in sorted(set(started) - set(calls)):
@@ -1500,28 +1630,64 @@ class _AgentRun:
     async def _run_tools(
         self, turn_id: str, calls: list[ToolCallPart], rejected: Mapping[str, ToolResult]
     ) -> list[ToolResult]:
-        """Run one turn's calls concurrently; one call's failure never destroys another's result."""
-        results: list[ToolResult | None] = [None] * len(calls)
+        """Run one turn's calls concurrently; one call's failure never destroys another's result.
+
+        Each call's answer lands in its slot the moment its result is known (no await
+        in between); on every way out, a cancellation from outside included, the answers
+        join the history in call order, each from its slot or else from what the journal
+        recorded for it, so a settled result is never lost to the model.
+        """
+        slots: list[ToolResult | None] = [None] * len(calls)
 
         async def run_one(index: int, part: ToolCallPart) -> None:
-            results[index] = await self._run_tool(turn_id, part, rejected.get(part.id))
+            await self._run_tool(turn_id, part, rejected.get(part.id), slots, index)
 
         try:
             async with trio.open_nursery() as nursery:
                 for index, part in enumerate(calls):
                     nursery.start_soon(run_one, index, part)
         except BaseExceptionGroup as group:
-            raise _unwrap(group) from group
-        return [result if result is not None else _error("no result", "internal") for result in results]
+            typed = typed_error(group)
+            if typed is None:
+                raise  # a cancellation (or a foreign failure) goes on unchanged
+            raise typed from None
+        finally:
+            self._answer(calls, slots)
+        return [result if result is not None else _error("no result", "internal") for result in slots]
 
-    async def _run_tool(self, turn_id: str, part: ToolCallPart, rejected: ToolResult | None) -> ToolResult:
+    def _answer(self, calls: list[ToolCallPart], slots: list[ToolResult | None]) -> None:
+        """Append the turn's answers to the history in call order (synchronous: nothing can cut it short)."""
+        history = self.agent.history
+        journal = self.session.journal
+        agent_id = self.agent.agent_id
+        for part, result in zip(calls, slots, strict=True):
+            if result is not None:
+                history.append(ToolResultMessage(part.id, _model_text(result), is_error=not result.ok))
+                continue
+            try:
+                answer = answer_for_call(part.id, journal.call(part.id, agent_id))
+            except JournalError:
+                answer = None
+            if answer is not None:
+                history.append(answer)
+
+    async def _run_tool(
+        self,
+        turn_id: str,
+        part: ToolCallPart,
+        rejected: ToolResult | None,
+        slots: list[ToolResult | None],
+        index: int,
+    ) -> None:
         session, agent, request = self.session, self.agent, self.request
         sink = request.sink
         if rejected is not None:
+            slots[index] = rejected
             await sink(ToolUseEvent(agent.agent_id, part.id, part.name, part.arguments))
             await sink(ToolResultEvent(agent.agent_id, part.id, part.name, rejected))
-            return rejected
+            return
         arguments = json.loads(part.arguments) if part.arguments.strip() else {}
+        request.call_ids.append(part.id)
         await sink(ToolUseEvent(agent.agent_id, part.id, part.name, arguments))
 
         async def on_item(item: Any) -> None:
@@ -1544,8 +1710,35 @@ class _AgentRun:
             result = record.result
             for effect in record.effects:  # only now: the call is settled
                 session._apply_effect(agent, effect)
+        slots[index] = result
         await sink(ToolResultEvent(agent.agent_id, part.id, part.name, result))
-        return result
+
+
+def _model_abort(request: _Request) -> tuple[AbortHandle, Callable[[], None]]:
+    """The handle a model call runs under, and how to unlink it afterwards.
+
+    A root request's model call stops on its abort. A foreground child's can also be
+    told to stop (steering reaches it as "finish what runs, then stop"), which ends its
+    model call too: a handle fed by both.
+    """
+    if request.agent.parent_id is None:
+        return request.abort, _no_unlink
+    handle = AbortHandle()
+
+    def forward(abort: Abort) -> None:
+        handle.abort(abort.reason, abort.message)
+
+    links = [(request.abort, request.abort.add_listener(forward)), (request.stop, request.stop.add_listener(forward))]
+
+    def unlink() -> None:
+        for source, token in links:
+            source.remove_listener(token)
+
+    return handle, unlink
+
+
+def _no_unlink() -> None:
+    return None
 
 
 def _stops_loop(result: ToolResult) -> bool:
@@ -1585,7 +1778,9 @@ def _task_tools(get_session: Callable[[], Session]) -> list[Tool[Any]]:
         },
         side_effect=SideEffect.NON_IDEMPOTENT,
         kind=ToolKind.READONLY,
-        interrupt="cancel",
+        # Steering reaches a foreground subagent itself (its cancel tools stop, its block
+        # tools finish, then it ends), so the call is not cancelled from outside by it.
+        interrupt="block",
     )
     async def task(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
         session = get_session()
@@ -1605,8 +1800,12 @@ def _task_tools(get_session: Callable[[], Session]) -> list[Tool[Any]]:
                     data={"task_id": handle.id, "status": "running"},
                 )
             # The subagent's events go to the stream of the request that called the tool.
-            sink = session._sinks.get((ctx.agent_id, ctx.request_id), _discard)
+            parent = session._running.get((ctx.agent_id, ctx.request_id))
+            sink: EventSink = _discard if parent is None else (lambda event: parent.sink(event))
             text = await session.run_foreground_subagent(name, input["prompt"], ctx, sink)
+        except RequestAbortedError as exc:
+            # Steered or aborted: the call settles cancelled with the subagent's reason.
+            return ToolResult.failure(ToolErrorType.INTERRUPTED, f"subagent {name!r}: {exc}", code=exc.reason)
         except HookError as exc:
             code = (
                 exc.code
@@ -1688,6 +1887,8 @@ async def open_session(
     takeover_timeout: float = 0.0,
     model_request_timeout: float = 600.0,
     tool_timeout: float = 600.0,
+    cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
+    close_timeout: float = 30.0,
 ) -> AsyncIterator[Session]:
     """Open a session: ``async with open_session(provider=..., model=...) as session`` (the spec's ``createSession``).
 
@@ -1699,14 +1900,21 @@ async def open_session(
     recovers it (see ``Session.recovery``). Leaving the block cancels what still
     runs, records it, and writes one ``session_closed`` per agent stream.
 
+    ``cleanup_grace`` bounds every shielded clean-up after a cancellation
+    (recording outcomes, closing streams and stores; an overrun is logged as a
+    WARNING on the ``trio_agent`` logger); ``close_timeout`` bounds leaving the
+    block as a whole.
+
     Raises `ConfigError` (bad options, duplicate tools or plugins, bad rules)
     before anything starts; errors at the boundary are trio_agent errors, never
-    exception groups.
+    exception groups, and a cancellation from outside is one ``trio.Cancelled``.
     """
     from ._wiring import build_session_parts
 
     if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
         raise ConfigError(f"max_turns must be a positive int, not {max_turns!r}")
+    cleanup_grace = validate_cleanup_grace(cleanup_grace)
+    close_timeout = validate_timeout(close_timeout, name="close_timeout")
     if isinstance(subagents, (str, bytes)) or not isinstance(subagents, Sequence):
         raise ConfigError(f"subagents must be a list of SubagentDefinition, not {subagents!r}")
     definitions: dict[str, SubagentDefinition] = {}
@@ -1760,7 +1968,13 @@ async def open_session(
                 store = await stack.enter_async_context(open_sqlite_store(path))
             assert store is not None
             durable = await stack.enter_async_context(
-                open_journal(store, session_id=session_id, lease_ttl=lease_ttl, takeover_timeout=takeover_timeout)
+                open_journal(
+                    store,
+                    session_id=session_id,
+                    lease_ttl=lease_ttl,
+                    takeover_timeout=takeover_timeout,
+                    commit_grace=cleanup_grace,
+                )
             )
             service = ModelService(provider_obj, parts.model_middleware, request_timeout=model_request_timeout)
             pipeline = ToolPipeline(
@@ -1771,6 +1985,7 @@ async def open_session(
                 timeout=tool_timeout,
                 workspace=parts.workspace,
                 unwind_grace=max(2.0, (hook_deadlines or {}).get(HookEvent.POST_TOOL_USE, 0.0) + 1.0),
+                settle_grace=cleanup_grace,
             )
             root = _Agent(
                 agent_id=durable.root_agent_id,
@@ -1786,6 +2001,8 @@ async def open_session(
                 root=root,
                 definitions=definitions,
                 hooks=parts.runner,
+                cleanup_grace=cleanup_grace,
+                close_timeout=close_timeout,
             )
             session.permissions = parts.permissions
             session._agents[root.agent_id] = root
@@ -1805,11 +2022,16 @@ async def open_session(
                     await session._close(close_reason)
                     nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        # The body's own error (even a user's exception group) comes out unchanged; a failure of
-        # the session's tasks comes out as one typed error; a group holding anything that is not
-        # an Exception (KeyboardInterrupt, Cancelled...) is never flattened.
+        # A public boundary never raises a group. The body's own error (even a user's exception
+        # group) comes out unchanged; a failure of the session's tasks comes out as one typed
+        # error; a cancellation from outside comes out as one `trio.Cancelled`.
         if len(group.exceptions) == 1:
-            raise group.exceptions[0]  # noqa: B904 - `from` would overwrite the error's own cause
-        if all(isinstance(leaf, Exception) for leaf in _leaves(group)):
-            raise _unwrap(group) from group
-        raise
+            only = group.exceptions[0]
+            if not isinstance(only, BaseExceptionGroup) or (
+                typed_error(only) is None and not contains_cancelled(only)
+            ):
+                raise only  # noqa: B904 - `from` would overwrite the error's own cause
+        single = unwrap_for_boundary(group)
+        if single is group:
+            raise
+        raise single from None
