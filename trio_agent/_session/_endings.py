@@ -20,19 +20,16 @@ Rules
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Mapping
 
 from .._errors import InvalidTransitionError, JournalError, LeaseLostError
+from .._journal._conversation import settled_answer
 from .._journal._durable import CallRecord, DurableJournal
 from .._journal._events import (
     Event,
     ModelAbortReason,
     ModelAttemptAborted,
-    ToolCompleted,
-    ToolFailed,
-    ToolOutcomeUnknown,
     TurnAborted,
     TurnAbortReason,
 )
@@ -133,22 +130,8 @@ async def record_request_end(
 
 
 def answer_for_call(call_id: str, record: CallRecord | None) -> ToolResultMessage | None:
-    """The model's answer for a settled call, as the journal records it (``None``: no answer)."""
-    if record is None:
-        return None
-    settlement = record.settlement
-    if isinstance(settlement, ToolCompleted | ToolFailed):
-        if not settlement.published:
-            return None
-        output = settlement.result.get("output")
-        return ToolResultMessage(
-            call_id,
-            output if isinstance(output, str) else json.dumps(output),
-            is_error=isinstance(settlement, ToolFailed),
-        )
-    if isinstance(settlement, ToolOutcomeUnknown):
-        return ToolResultMessage(call_id, "outcome unknown after a restart", is_error=True)
-    return None
+    """The model's answer for a call as the journal records its settlement (``None``: no answer)."""
+    return None if record is None else settled_answer(record.settlement)
 
 
 def committed_results(journal: DurableJournal, agent_id: str, call_ids: Iterable[str]) -> Mapping[str, ToolResult]:

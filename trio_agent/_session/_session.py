@@ -46,6 +46,7 @@ from .._errors import (
     UnknownSubagentError,
 )
 from .._groups import contains_cancelled, is_cancellation, typed_error, unwrap_for_boundary
+from .._journal._conversation import fold_conversation, reply_record
 from .._journal._durable import DurableJournal, RecoveryReport, open_journal, unknown_outcome_result
 from .._journal._events import (
     ErrorInfo,
@@ -65,9 +66,6 @@ from .._journal._events import (
     SubagentCancelled,
     SubagentCompleted,
     SubagentStarted,
-    ToolCompleted,
-    ToolFailed,
-    ToolOutcomeUnknown,
     TurnAborted,
     TurnAbortReason,
     TurnCompleted,
@@ -78,20 +76,18 @@ from .._journal._projection import RequestState, SessionState, TurnState
 from .._journal._sqlite import open_sqlite_store
 from .._journal._store import JournalStore
 from .._journal._subscribe import DurableEventStream, JournalCursor
+from .._models._assemble import ReplyAssembler, ToolArgumentsError, parse_tool_arguments
+from .._models._history import answer_orphan_calls
 from .._models._messages import (
     AssistantMessage,
-    FinishChunk,
     FinishReason,
     Message,
     SystemMessage,
     TextDelta,
     TextPart,
-    ToolCallEnd,
     ToolCallPart,
-    ToolCallStart,
     ToolResultMessage,
     ToolSpec,
-    Usage,
     UsageChunk,
     UserMessage,
 )
@@ -749,7 +745,7 @@ class Session:
                             RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
                         )
                     # A resumed conversation must answer every tool call the cancelled work left open.
-                    agent.history = _repair(agent.history)
+                    agent.history = answer_orphan_calls(agent.history)
                     handle.status = SubagentStatus.CANCELLED if handle._killed else SubagentStatus.IDLE
                     handle.result = None
                 elif handle.status is not SubagentStatus.FAILED:
@@ -1028,7 +1024,7 @@ class Session:
                 request.pending.clear()
             if not completed:
                 # The next request must not send the model a tool call without its answer.
-                agent.history = _repair(agent.history)
+                agent.history = answer_orphan_calls(agent.history)
             request.finish()
 
     async def _request_raised(self, request: _Request, exc: BaseException) -> bool:
@@ -1189,44 +1185,9 @@ class Session:
             )
 
     async def _rebuild_history(self, agent_id: str) -> list[Message]:
-        """The conversation as the journal tells it: prompts, joined messages, model answers and the
-        published tool results, each answer in call order."""
+        """The conversation as the journal tells it (`fold_conversation`)."""
         events = await self.journal.store.read(self.journal.stream_id(agent_id))
-        outcomes: dict[str, ToolResultMessage] = {}
-        for envelope in events:
-            event = envelope.event
-            if isinstance(event, ToolCompleted | ToolFailed) and event.published:
-                output = event.result.get("output")
-                outcomes[event.call_id] = ToolResultMessage(
-                    event.call_id,
-                    output if isinstance(output, str) else json.dumps(output),
-                    is_error=isinstance(event, ToolFailed),
-                )
-            elif isinstance(event, ToolOutcomeUnknown):
-                outcomes[event.call_id] = ToolResultMessage(
-                    event.call_id, "outcome unknown after a restart", is_error=True
-                )
-        history: list[Message] = []
-        for envelope in events:
-            event = envelope.event
-            if isinstance(event, RequestAccepted):
-                if "start_subagent" not in event.input:  # the short request of a start between requests
-                    history.append(UserMessage(str(event.input.get("prompt", ""))))
-            elif isinstance(event, ModelAttemptCompleted):
-                response = event.response
-                history.extend(UserMessage(str(text)) for text in response.get("inputs", []))
-                parts: list[Any] = []
-                if response.get("text"):
-                    parts.append(TextPart(str(response["text"])))
-                calls = [ToolCallPart(c["id"], c["name"], c["arguments"]) for c in response.get("tool_calls", [])]
-                history.append(AssistantMessage(tuple(parts + calls)))
-                rejected = response.get("rejected", {})
-                for call in calls:
-                    if call.id in rejected:
-                        history.append(ToolResultMessage(call.id, str(rejected[call.id]), is_error=True))
-                    elif call.id in outcomes:
-                        history.append(outcomes[call.id])
-        return _repair(history)
+        return fold_conversation(envelope.event for envelope in events)
 
     async def _reject_queued(self, queued: _Request) -> None:
         """A request still queued when the session closes: recorded interrupted, its caller told."""
@@ -1311,19 +1272,6 @@ def _raise_for(request: _Request) -> None:
         if isinstance(error, TrioAgentError):
             raise error
         raise RequestAbortedError(f"the request failed: {type(error).__name__}: {error}", reason="error") from error
-
-
-def _repair(history: list[Message]) -> list[Message]:
-    """Every tool call in the rebuilt history gets an answer, so providers accept it."""
-    answered = {m.tool_call_id for m in history if isinstance(m, ToolResultMessage)}
-    out: list[Message] = []
-    for message in history:
-        out.append(message)
-        if isinstance(message, AssistantMessage):
-            for part in message.parts:
-                if isinstance(part, ToolCallPart) and part.id not in answered:
-                    out.append(ToolResultMessage(part.id, "no result was recorded (interrupted)", is_error=True))
-    return out
 
 
 class _Forward:
@@ -1457,12 +1405,12 @@ class _AgentRun:
             outcome = await self._model_call(turn, turn_id, specs, inputs)
             if outcome is None:
                 return  # aborted: the request records the interruption
-            message, finish, rejected = outcome
+            message, finish, rejected, arguments = outcome
             agent.history.append(message)
             calls = [part for part in message.parts if isinstance(part, ToolCallPart)]
             request.text = _text_of(message) or request.text
             if calls:
-                results = await self._run_tools(turn_id, calls, rejected)
+                results = await self._run_tools(turn_id, calls, rejected, arguments)
                 if request.abort.aborted or request.stop.aborted:
                     return
                 await journal.append(
@@ -1505,12 +1453,14 @@ class _AgentRun:
 
     async def _model_call(
         self, turn: int, turn_id: str, specs: list[ToolSpec], inputs: list[str]
-    ) -> tuple[AssistantMessage, FinishReason, dict[str, ToolResult]] | None:
+    ) -> tuple[AssistantMessage, FinishReason, dict[str, ToolResult], dict[str, dict[str, Any]]] | None:
         """One model attempt, recorded before the provider is called and after it answered.
 
-        Returns the assistant message, the finish reason and the calls rejected
-        before they could run (cut off by the output limit, unknown tool, tool not
-        allowed, invalid JSON) with the error each one answers; ``None`` if aborted.
+        Returns the assistant message (reasoning kept, every call with a unique id),
+        the finish reason, the calls rejected before they could run (cut off by the
+        output limit, unknown tool, tool not allowed, invalid arguments) with the
+        error each one answers, and the parsed arguments of the others; ``None`` if
+        aborted.
         """
         session, agent, request = self.session, self.agent, self.request
         service = session._service_for(agent)
@@ -1523,11 +1473,9 @@ class _AgentRun:
             ),
             agent_id=agent.agent_id,
         )
-        text: list[str] = []
-        calls: dict[int, ToolCallPart] = {}
-        started: dict[int, ToolCallStart] = {}
-        finish = FinishReason.STOP
-        usage = Usage()
+        # Ids already used on this stream are taken: a model that repeats one gets a new one.
+        assembler = ReplyAssembler(reserved=session.journal.projection(agent.agent_id)._s.tools.keys())
+        feed = assembler.feed
         abort, unlink = _model_abort(request)
         try:
             async with service.stream(
@@ -1537,18 +1485,11 @@ class _AgentRun:
                 metadata={"session_id": session.session_id, "agent_id": agent.agent_id},
             ) as chunks:
                 async for chunk in chunks:
+                    feed(chunk)
                     if isinstance(chunk, TextDelta):
-                        text.append(chunk.text)
                         await request.sink(TextDeltaEvent(agent.agent_id, chunk.text))
-                    elif isinstance(chunk, ToolCallStart):
-                        started[chunk.index] = chunk
-                    elif isinstance(chunk, ToolCallEnd):
-                        calls[chunk.index] = ToolCallPart(chunk.id, chunk.name, chunk.arguments)
                     elif isinstance(chunk, UsageChunk):
-                        usage = chunk.usage
                         await request.sink(UsageEvent(agent.agent_id, chunk.usage))
-                    elif isinstance(chunk, FinishChunk):
-                        finish = chunk.reason
         except ModelAbortedError:
             await session.journal.append(
                 ModelAttemptAborted(
@@ -1573,43 +1514,41 @@ class _AgentRun:
             raise
         finally:
             unlink()
-        ordered = [calls[index] for index in sorted(calls)]
-        # A call whose end never arrived (cut off mid-stream) still gets an answer.
-        for index in sorted(set(started) - set(calls)):
-            start = started[index]
-            ordered.append(ToolCallPart(start.id or f"{attempt_id}-cut{index}", start.name or "_cut_off", ""))
-        rejected = {part.id: result for part in ordered if (result := self._reject(part, finish)) is not None}
-        parts: list[Any] = ([TextPart("".join(text))] if text else []) + ordered
-        message = AssistantMessage(tuple(parts))
+        reply = assembler.finish()
+        calls = reply.tool_calls
+        # Everything a model sends is untrusted: a call that must not run is answered before any runs.
+        rejected: dict[str, ToolResult] = {}
+        arguments: dict[str, dict[str, Any]] = {}
+        cut_off = frozenset(reply.cut_off)
+        for part in calls:
+            checked = self._check(part, reply.finish_reason, part.id in cut_off)
+            if isinstance(checked, ToolResult):
+                rejected[part.id] = checked
+            else:
+                arguments[part.id] = checked
+        record = reply_record(
+            reply, inputs=inputs, rejected={call_id: _model_text(result) for call_id, result in rejected.items()}
+        )
         # Without tool calls the turn ends with the attempt: both land in one append.
         ends_turn = (
-            (TurnCompleted(request_id=request.request_id, turn_id=turn_id, has_tool_calls=False),)
-            if not ordered
-            else ()
+            (TurnCompleted(request_id=request.request_id, turn_id=turn_id, has_tool_calls=False),) if not calls else ()
         )
         await session.journal.append(
             ModelAttemptCompleted(
                 request_id=request.request_id,
                 turn_id=turn_id,
                 attempt_id=attempt_id,
-                response={
-                    "inputs": inputs,
-                    "text": "".join(text),
-                    "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in ordered],
-                    "rejected": {call_id: _model_text(result) for call_id, result in rejected.items()},
-                    "finish_reason": finish.value,
-                    "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
-                },
+                response=record.to_payload(),
             ),
             *ends_turn,
             agent_id=agent.agent_id,
         )
-        return message, finish, rejected
+        return reply.message, reply.finish_reason, rejected, arguments
 
-    def _reject(self, part: ToolCallPart, finish: FinishReason) -> ToolResult | None:
-        """The error for a call that must not run, or ``None`` if it may go to the pipeline."""
+    def _check(self, part: ToolCallPart, finish: FinishReason, cut_off: bool) -> ToolResult | dict[str, Any]:
+        """The error for a call that must not run, or its parsed arguments if it may go to the pipeline."""
         tools = self.session.pipeline.tools
-        if finish is FinishReason.LENGTH:
+        if cut_off or finish is FinishReason.LENGTH:
             return _error(
                 "the model's output was cut off by its length limit before this call was complete; it was not run",
                 "max_tokens",
@@ -1620,15 +1559,16 @@ class _AgentRun:
         if part.name not in self.agent.allowed:
             return _error(f"tool {part.name!r} is not available to this agent", "tool_not_allowed")
         try:
-            arguments = json.loads(part.arguments) if part.arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            return _error(f"the arguments are not valid JSON: {exc}", "invalid_json")
-        if not isinstance(arguments, dict):
-            return _error("the arguments must be a JSON object", "invalid_json")
-        return None
+            return parse_tool_arguments(part.arguments)
+        except ToolArgumentsError as exc:
+            return _error(exc.message, exc.code)
 
     async def _run_tools(
-        self, turn_id: str, calls: list[ToolCallPart], rejected: Mapping[str, ToolResult]
+        self,
+        turn_id: str,
+        calls: list[ToolCallPart],
+        rejected: Mapping[str, ToolResult],
+        arguments: Mapping[str, dict[str, Any]],
     ) -> list[ToolResult]:
         """Run one turn's calls concurrently; one call's failure never destroys another's result.
 
@@ -1640,7 +1580,8 @@ class _AgentRun:
         slots: list[ToolResult | None] = [None] * len(calls)
 
         async def run_one(index: int, part: ToolCallPart) -> None:
-            await self._run_tool(turn_id, part, rejected.get(part.id), slots, index)
+            checked = rejected[part.id] if part.id in rejected else arguments[part.id]
+            await self._run_tool(turn_id, part, checked, slots, index)
 
         try:
             async with trio.open_nursery() as nursery:
@@ -1675,18 +1616,18 @@ class _AgentRun:
         self,
         turn_id: str,
         part: ToolCallPart,
-        rejected: ToolResult | None,
+        checked: ToolResult | dict[str, Any],
         slots: list[ToolResult | None],
         index: int,
     ) -> None:
         session, agent, request = self.session, self.agent, self.request
         sink = request.sink
-        if rejected is not None:
-            slots[index] = rejected
+        if isinstance(checked, ToolResult):  # rejected before it could run
+            slots[index] = checked
             await sink(ToolUseEvent(agent.agent_id, part.id, part.name, part.arguments))
-            await sink(ToolResultEvent(agent.agent_id, part.id, part.name, rejected))
+            await sink(ToolResultEvent(agent.agent_id, part.id, part.name, checked))
             return
-        arguments = json.loads(part.arguments) if part.arguments.strip() else {}
+        arguments = checked
         request.call_ids.append(part.id)
         await sink(ToolUseEvent(agent.agent_id, part.id, part.name, arguments))
 
@@ -1965,7 +1906,7 @@ async def open_session(
             else:
                 provider_obj = provider.with_model(model) if model and model != provider.model else provider
             if path is not None:
-                store = await stack.enter_async_context(open_sqlite_store(path))
+                store = await stack.enter_async_context(open_sqlite_store(path, cleanup_grace=cleanup_grace))
             assert store is not None
             durable = await stack.enter_async_context(
                 open_journal(
@@ -1976,7 +1917,12 @@ async def open_session(
                     commit_grace=cleanup_grace,
                 )
             )
-            service = ModelService(provider_obj, parts.model_middleware, request_timeout=model_request_timeout)
+            service = ModelService(
+                provider_obj,
+                parts.model_middleware,
+                request_timeout=model_request_timeout,
+                cleanup_grace=cleanup_grace,
+            )
             pipeline = ToolPipeline(
                 parts.tools.values(),
                 middleware=parts.tool_middleware,

@@ -1,0 +1,374 @@
+"""The typed model-attempt payload (`ModelReplyRecord`) and the fold that rebuilds a history from events.
+
+Settlement issue item 13: a rebuilt history has the reasoning (with its
+signature) the model produced; journals written before the fix still read.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trio_agent import SideEffect, ToolKind, define_tool, open_session
+from trio_agent._journal._conversation import (
+    OUTCOME_UNKNOWN_ANSWER,
+    ModelReplyRecord,
+    fold_conversation,
+    reply_record,
+)
+from trio_agent._journal._errors import JournalCorruptError
+from trio_agent._journal._events import (
+    ErrorInfo,
+    Event,
+    EventEnvelope,
+    ModelAttemptCompleted,
+    ModelAttemptFailed,
+    ModelAttemptStarted,
+    OutcomeUnknownReason,
+    RequestAccepted,
+    ToolCompleted,
+    ToolFailed,
+    ToolOutcomeUnknown,
+    decode_event,
+    encode_event,
+)
+from trio_agent._models._assemble import ReplyAssembler
+from trio_agent._models._history import ORPHAN_ANSWER, answer_orphan_calls
+from trio_agent._models._messages import (
+    AssistantMessage,
+    FinishChunk,
+    FinishReason,
+    Message,
+    ReasoningDelta,
+    ReasoningPart,
+    StreamChunk,
+    TextDelta,
+    TextPart,
+    ToolCallEnd,
+    ToolCallPart,
+    ToolCallStart,
+    ToolResultMessage,
+    Usage,
+    UsageChunk,
+    UserMessage,
+)
+from trio_agent.testing import Reply, TestModel
+
+IDS: dict[str, Any] = {"request_id": "r1", "turn_id": "r1-t1"}
+SIGNATURE = "EqQBCgIYAhIM1gbcDa9GJwZA2b3hGgxBdjrk=="
+
+
+def assemble(chunks: list[StreamChunk]) -> Any:
+    assembler = ReplyAssembler()
+    for chunk in chunks:
+        assembler.feed(chunk)
+    return assembler.finish()
+
+
+def through_journal(payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload as a store gives it back: encoded, JSON text, decoded (strictly)."""
+    envelope = EventEnvelope(
+        stream_id="s1:root",
+        seq=1,
+        event=ModelAttemptCompleted(attempt_id="r1-t1-a1", response=payload, **IDS),
+        recorded_at=0.0,
+    )
+    decoded = decode_event(json.loads(json.dumps(encode_event(envelope))))
+    assert isinstance(decoded.event, ModelAttemptCompleted)
+    return decoded.event.response
+
+
+# ---------------------------------------------------------------- the record
+
+
+def test_regression_reasoning_and_signature_survive_the_journal() -> None:
+    """assemble -> record -> payload -> journal -> from_payload -> message(): nothing lost, same order."""
+    reply = assemble(
+        [
+            ReasoningDelta("Weather first"),
+            ReasoningDelta(", then time."),
+            ReasoningDelta(signature=SIGNATURE),
+            ReasoningDelta(redacted_data="opaque"),
+            TextDelta("Checking."),
+            ToolCallStart(0, "toolu_1", "get_weather"),
+            ToolCallEnd(0, "toolu_1", "get_weather", '{"city": "Paris"}'),
+            ToolCallStart(1, "", "get_time"),
+            ToolCallEnd(1, "", "get_time", "{}"),
+            UsageChunk(Usage(10, 20, 30, cached_input_tokens=4, cache_creation_input_tokens=0, reasoning_tokens=12)),
+            FinishChunk(FinishReason.TOOL_CALLS),
+        ]
+    )
+    record = reply_record(reply, inputs=["also this"], rejected={"call_1": "unknown tool 'get_time'"})
+    restored = ModelReplyRecord.from_payload(through_journal(record.to_payload()))
+    assert restored == record
+    assert restored.message() == reply.message
+    assert restored.message().parts[:2] == (
+        ReasoningPart("Weather first, then time.", SIGNATURE),
+        ReasoningPart("", redacted_data="opaque"),
+    )
+    assert [call.id for call in restored.tool_calls] == ["toolu_1", "call_1"]  # the assigned id is recorded
+    assert restored.usage.reasoning_tokens == 12 and restored.finish_reason is FinishReason.TOOL_CALLS
+
+
+def test_the_payload_shape() -> None:
+    record = ModelReplyRecord(
+        inputs=["hi"],
+        text="t",
+        reasoning=[ReasoningPart("r", "s")],
+        tool_calls=[ToolCallPart("c1", "n", "{}")],
+        rejected={"c1": "no"},
+        finish_reason=FinishReason.LENGTH,
+        usage=Usage(1, 2, 3),
+    )
+    assert record.to_payload() == {
+        "inputs": ["hi"],
+        "text": "t",
+        "reasoning": [{"text": "r", "signature": "s", "redacted_data": None}],
+        "tool_calls": [{"id": "c1", "name": "n", "arguments": "{}"}],
+        "rejected": {"c1": "no"},
+        "finish_reason": "length",
+        "usage": {
+            "input_tokens": 1,
+            "output_tokens": 2,
+            "total_tokens": 3,
+            "cached_input_tokens": None,
+            "cache_creation_input_tokens": None,
+            "reasoning_tokens": None,
+        },
+    }
+
+
+def test_message_order_is_reasoning_text_calls() -> None:
+    record = ModelReplyRecord(text="t", reasoning=[ReasoningPart("r")], tool_calls=[ToolCallPart("c", "n", "")])
+    assert record.message() == AssistantMessage((ReasoningPart("r"), TextPart("t"), ToolCallPart("c", "n", "")))
+    assert ModelReplyRecord().message() == AssistantMessage(())
+
+
+# The exact shape `_AgentRun._model_call` wrote before reasoning was recorded.
+OLD_PAYLOAD: dict[str, Any] = {
+    "inputs": ["joined"],
+    "text": "Let me look.",
+    "tool_calls": [
+        {"id": "call_1", "name": "read", "arguments": '{"path": "a"}'},
+        {"id": "call_2", "name": "nope", "arguments": "{}"},
+    ],
+    "rejected": {"call_2": "unknown tool 'nope' (available: read)"},
+    "finish_reason": "tool_calls",
+    "usage": {"input_tokens": 12, "output_tokens": 7},
+}
+
+
+def test_the_old_payload_shape_still_reads() -> None:
+    record = ModelReplyRecord.from_payload(through_journal(OLD_PAYLOAD))
+    assert record == ModelReplyRecord(
+        inputs=["joined"],
+        text="Let me look.",
+        tool_calls=[ToolCallPart("call_1", "read", '{"path": "a"}'), ToolCallPart("call_2", "nope", "{}")],
+        rejected={"call_2": "unknown tool 'nope' (available: read)"},
+        finish_reason=FinishReason.TOOL_CALLS,
+        usage=Usage(input_tokens=12, output_tokens=7),
+    )
+
+
+def test_a_partial_old_payload_reads_with_empty_defaults() -> None:
+    # Written by hand in tests/test_session_edges.py; the old fold read it with .get defaults.
+    record = ModelReplyRecord.from_payload(
+        {"text": "", "tool_calls": [{"id": "c1", "name": "task", "arguments": "{}"}]}
+    )
+    assert record == ModelReplyRecord(tool_calls=[ToolCallPart("c1", "task", "{}")])
+
+
+@pytest.mark.parametrize(
+    ("payload", "names"),
+    [
+        ([], "JSON object"),
+        ({"text": 5}, "response.text"),
+        ({"inputs": "abc"}, "response.inputs"),  # a string is not a list of inputs
+        ({"inputs": ["a", 3]}, "response.inputs[1]"),
+        ({"tool_calls": [{"id": "c", "name": "n", "arguments": "{}"}, {"id": "c"}]}, "response.tool_calls[1].name"),
+        ({"tool_calls": {"id": "c"}}, "response.tool_calls"),
+        ({"reasoning": [{"text": "x", "signature": 7}]}, "response.reasoning[0].signature"),
+        ({"rejected": {"c": 1}}, "response.rejected"),
+        ({"rejected": ["c"]}, "response.rejected"),
+        ({"finish_reason": "bored"}, "response.finish_reason"),
+        ({"usage": {"input_tokens": "12"}}, "response.usage.input_tokens"),
+        ({"usage": {"input_tokens": True}}, "response.usage.input_tokens"),
+        ({"usage": {"input": 1}}, "input"),
+        ({"content": "x"}, "content"),  # another shape altogether
+    ],
+)
+def test_a_malformed_payload_is_journal_corruption(payload: Any, names: str) -> None:
+    with pytest.raises(JournalCorruptError) as info:
+        ModelReplyRecord.from_payload(payload)
+    assert names in str(info.value)
+
+
+def test_reply_record_refuses_rejections_of_calls_it_does_not_have() -> None:
+    reply = assemble([ToolCallStart(0, "a", "t"), ToolCallEnd(0, "a", "t", "{}")])
+    with pytest.raises(ValueError, match="'b'"):
+        reply_record(reply, rejected={"b": "x"})
+    assert reply_record(reply).rejected == {}
+
+
+texts = st.text(max_size=8)
+records = st.builds(
+    ModelReplyRecord,
+    inputs=st.lists(texts, max_size=3),
+    text=texts,
+    reasoning=st.lists(st.builds(ReasoningPart, texts, st.none() | texts, st.none() | texts), max_size=3),
+    tool_calls=st.lists(st.builds(ToolCallPart, texts, texts, texts), max_size=3),
+    rejected=st.dictionaries(texts, texts, max_size=3),
+    finish_reason=st.sampled_from(FinishReason),
+    usage=st.builds(
+        Usage,
+        st.integers(0, 10**9),
+        st.integers(0, 10**9),
+        st.integers(0, 10**9),
+        st.none() | st.integers(0, 10**9),
+        st.none() | st.integers(0, 10**9),
+        st.none() | st.integers(0, 10**9),
+    ),
+)
+
+
+@given(records)
+def test_every_record_round_trips_through_the_journal(record: ModelReplyRecord) -> None:
+    assert ModelReplyRecord.from_payload(through_journal(record.to_payload())) == record
+
+
+# ---------------------------------------------------------------- orphan answers
+
+
+def test_unanswered_calls_are_answered_right_after_their_message() -> None:
+    calls = AssistantMessage((TextPart("x"), ToolCallPart("a", "t", ""), ToolCallPart("b", "t", "")))
+    history: list[Message] = [
+        UserMessage("go"),
+        calls,
+        ToolResultMessage("b", "ok"),
+        AssistantMessage((TextPart("done"),)),
+    ]
+    assert answer_orphan_calls(history) == [
+        UserMessage("go"),
+        calls,
+        ToolResultMessage("a", ORPHAN_ANSWER, is_error=True),
+        ToolResultMessage("b", "ok"),
+        AssistantMessage((TextPart("done"),)),
+    ]
+    assert answer_orphan_calls([UserMessage("go")]) == [UserMessage("go")]
+    assert ORPHAN_ANSWER == "no result was recorded (interrupted)"
+
+
+# ---------------------------------------------------------------- the fold
+
+
+def attempt(attempt_id: str, payload: dict[str, Any], turn_id: str = "r1-t1") -> ModelAttemptCompleted:
+    return ModelAttemptCompleted(request_id="r1", turn_id=turn_id, attempt_id=attempt_id, response=payload)
+
+
+def test_fold_over_real_events() -> None:
+    thinking = ReasoningPart("plan", SIGNATURE)
+    first = ModelReplyRecord(
+        inputs=["steer"],
+        text="working",
+        reasoning=[thinking],
+        tool_calls=[
+            ToolCallPart("rej", "nope", "{}"),
+            ToolCallPart("ok", "read", "{}"),
+            ToolCallPart("err", "read", "{}"),
+            ToolCallPart("unknown", "write", "{}"),
+            ToolCallPart("hidden", "read", "{}"),
+            ToolCallPart("lost", "read", "{}"),
+        ],
+        rejected={"rej": "unknown tool 'nope'"},
+        finish_reason=FinishReason.TOOL_CALLS,
+    )
+    second = ModelReplyRecord(text="done")
+    tool: dict[str, Any] = {"request_id": "r1", "turn_id": "r1-t1"}
+    events: list[Event] = [
+        RequestAccepted(request_id="h1", command_id="h1", input={"start_subagent": "helper"}),  # no prompt
+        RequestAccepted(request_id="r1", command_id="r1", input={"prompt": "hello"}),
+        ModelAttemptStarted(attempt_id="r1-t1-a1", model="m", **tool),
+        attempt("r1-t1-a1", first.to_payload()),
+        ToolCompleted(call_id="ok", result={"output": "file text"}, **tool),
+        ToolFailed(call_id="err", result={"output": {"error": "denied"}}, **tool),
+        ToolOutcomeUnknown(call_id="unknown", reason=OutcomeUnknownReason.PROCESS_RESTART, **tool),
+        ToolCompleted(call_id="hidden", result={"output": "never shown"}, published=False, **tool),
+        ModelAttemptFailed(attempt_id="r1-t2-a1", error=ErrorInfo(message="boom"), request_id="r1", turn_id="r1-t2"),
+        attempt("r1-t2-a2", second.to_payload(), turn_id="r1-t2"),
+        RequestAccepted(request_id="r2", command_id="r2", input={}),  # no prompt key: an empty message
+    ]
+    assert fold_conversation(events) == [
+        UserMessage("hello"),
+        UserMessage("steer"),
+        AssistantMessage((thinking, TextPart("working"), *first.tool_calls)),
+        # Unanswered calls first (answer_orphan_calls puts them right after the message), as before.
+        ToolResultMessage("hidden", ORPHAN_ANSWER, is_error=True),  # its result was never published
+        ToolResultMessage("lost", ORPHAN_ANSWER, is_error=True),
+        ToolResultMessage("rej", "unknown tool 'nope'", is_error=True),
+        ToolResultMessage("ok", "file text"),
+        ToolResultMessage("err", '{"error": "denied"}', is_error=True),
+        ToolResultMessage("unknown", OUTCOME_UNKNOWN_ANSWER, is_error=True),
+        AssistantMessage((TextPart("done"),)),
+        UserMessage(""),
+    ]
+
+
+def test_fold_of_an_old_journal() -> None:
+    events: list[Event] = [
+        RequestAccepted(request_id="r1", command_id="r1", input={"prompt": "hi"}),
+        attempt("a1", OLD_PAYLOAD),
+        ToolCompleted(call_id="call_1", result={"output": ["a", 1]}, **IDS),
+    ]
+    assert fold_conversation(events) == [
+        UserMessage("hi"),
+        UserMessage("joined"),
+        AssistantMessage(
+            (
+                TextPart("Let me look."),
+                ToolCallPart("call_1", "read", '{"path": "a"}'),
+                ToolCallPart("call_2", "nope", "{}"),
+            )
+        ),
+        ToolResultMessage("call_1", '["a", 1]'),
+        ToolResultMessage("call_2", "unknown tool 'nope' (available: read)", is_error=True),
+    ]
+
+
+def test_fold_names_the_attempt_of_a_corrupt_payload() -> None:
+    with pytest.raises(JournalCorruptError, match=r"model attempt r1-t1-a7: .*response\.text"):
+        fold_conversation([attempt("r1-t1-a7", {"text": ["not", "text"]})])
+
+
+# ---------------------------------------------------------------- against the live loop
+
+
+async def test_the_fold_rebuilds_what_the_live_loop_built() -> None:
+    @define_tool(
+        name="read",
+        description="reads",
+        input_schema={"type": "object"},
+        side_effect=SideEffect.PURE,
+        kind=ToolKind.READONLY,
+    )
+    async def read(input: dict[str, Any], ctx: Any) -> Any:
+        return {"read": input.get("path")}
+
+    model = TestModel(
+        {
+            "go": [
+                Reply(text="looking", tool_calls=[("read", {"path": "a"}), ("nope", {}), ("read", "{bad json")]),
+                Reply(text="done"),
+            ]
+        }
+    )
+    async with open_session(provider=model, tools=[read]) as session:
+        await session.send("go")
+        live = list(session.root.history)
+        envelopes = await session.journal.store.read(session.journal.stream_id())
+    rebuilt = fold_conversation(envelope.event for envelope in envelopes)
+    assert rebuilt == live
+    assert len([m for m in rebuilt if isinstance(m, ToolResultMessage)]) == 3

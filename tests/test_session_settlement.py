@@ -1,0 +1,337 @@
+"""Every call settles under every cancellation (the settlement issue), at the session level.
+
+One regression test per defect: cancellations landing inside a journal write
+(a store that holds chosen batches), nurseries inside tools, exception groups
+at the boundary, steering of a foreground subagent, results an abort keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from tests.test_journal_durable import GatedStore
+from tests.test_session import events_of, gated_tool, of_type, unsettled_requests
+from trio_agent import (
+    AbortReason,
+    RequestAbortedError,
+    SideEffect,
+    SubagentDefinition,
+    ToolKind,
+    ToolResultMessage,
+    define_tool,
+    open_session,
+)
+from trio_agent.journal import (
+    MemoryStore,
+    RequestAccepted,
+    RequestInterrupted,
+    RequestInterruptReason,
+    SubagentCancelled,
+    SubagentCompleted,
+    SubagentStarted,
+    ToolCancelled,
+    ToolCompleted,
+)
+from trio_agent.testing import Reply, TestModel
+
+OBJECT: dict[str, Any] = {"type": "object"}
+
+
+class HoldingStore(GatedStore):
+    """Holds (until ``release``) the first submitted batch whose events match ``when``."""
+
+    def __init__(self, inner: Any, nursery: trio.Nursery) -> None:
+        super().__init__(inner, nursery)
+        self.when: Callable[[Any], bool] | None = None
+        self.submitted = trio.Event()
+        self.release = trio.Event()
+
+    def submit(self, batch: Any) -> Any:
+        when = self.when
+        if when is not None and any(when(envelope.event) for envelope in batch.envelopes):
+            self.when = None
+            self.hold = self.release
+            try:
+                return super().submit(batch)
+            finally:
+                self.hold = None
+                self.submitted.set()
+        return super().submit(batch)
+
+
+def outcomes_of_subagents(journal: list[Any]) -> dict[str, int]:
+    """How many outcomes each started subagent has on a stream."""
+    counts = {event.subagent_id: 0 for event in of_type(journal, SubagentStarted)}
+    for event in journal:
+        if isinstance(event, SubagentCompleted | SubagentCancelled):
+            counts[event.subagent_id] = counts.get(event.subagent_id, 0) + 1
+    return counts
+
+
+HELPER = SubagentDefinition("helper", "helps", "You help.")
+
+
+async def test_a_cancelled_start_subagent_between_requests_leaves_the_session_usable(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    model = TestModel({"job": [Reply(text="job done")]}, default=Reply(text="fine"))
+    async with trio.open_nursery() as nursery:
+        store = HoldingStore(MemoryStore(), nursery)
+        async with open_session(provider=model, journal=store, subagents=[HELPER]) as session:
+            # The deadline lands while the holder request's accepted + started write commits.
+            store.when = lambda event: isinstance(event, RequestAccepted) and "start_subagent" in event.input
+
+            async def release_soon() -> None:
+                await store.submitted.wait()
+                await trio.sleep(2)  # later than the caller's deadline, within the commit grace
+                store.release.set()
+
+            nursery.start_soon(release_soon)
+            with trio.move_on_after(1) as scope:
+                await session.start_subagent("helper", "job")
+            assert scope.cancelled_caught
+            assert await session.send("hello") == "fine"
+            journal = await events_of(store, session.journal.stream_id())
+            assert unsettled_requests(journal) == []
+            assert [e.reason for e in of_type(journal, RequestInterrupted)] == [RequestInterruptReason.USER_ABORT]
+
+
+async def test_a_background_start_cancelled_after_subagent_started_records_its_end(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    model = TestModel({"job": [Reply(text="job done")]}, default=Reply(text="fine"))
+    async with trio.open_nursery() as nursery:
+        store = HoldingStore(MemoryStore(), nursery)
+        async with open_session(provider=model, journal=store, subagents=[HELPER]) as session:
+            store.when = lambda event: isinstance(event, SubagentStarted)
+
+            async def release_soon() -> None:
+                await store.submitted.wait()
+                await trio.sleep(2)
+                store.release.set()
+
+            nursery.start_soon(release_soon)
+            with trio.move_on_after(1) as scope:
+                await session.start_subagent("helper", "job")
+            assert scope.cancelled_caught
+            journal = await events_of(store, session.journal.stream_id())
+            assert outcomes_of_subagents(journal) == {e.subagent_id: 1 for e in of_type(journal, SubagentStarted)}
+            assert len(of_type(journal, SubagentStarted)) == 1
+            assert unsettled_requests(journal) == []
+            assert await session.send("hello") == "fine"
+
+
+async def test_an_abort_while_a_foreground_subagent_starts_records_its_end(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    model = TestModel(
+        {"delegate": [Reply(tool_calls=[("task", {"subagent": "helper", "prompt": "job"})]), Reply(text="done")]},
+        default=Reply(text="fine"),
+    )
+    async with trio.open_nursery() as nursery:
+        store = HoldingStore(MemoryStore(), nursery)
+        async with open_session(provider=model, journal=store, subagents=[HELPER]) as session:
+            store.when = lambda event: isinstance(event, SubagentStarted)
+            errors: list[BaseException] = []
+
+            async def send() -> None:
+                try:
+                    await session.send("delegate")
+                except RequestAbortedError as exc:
+                    errors.append(exc)
+
+            nursery.start_soon(send)
+            await store.submitted.wait()
+            nursery.start_soon(session.abort)
+            await trio.testing.wait_all_tasks_blocked()
+            store.release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            journal = await events_of(store, session.journal.stream_id())
+            assert len(of_type(journal, SubagentStarted)) == 1
+            assert set(outcomes_of_subagents(journal).values()) == {1}
+            assert unsettled_requests(journal) == []
+            assert len(errors) == 1
+            assert isinstance(await session.send("again"), str)  # the session goes on
+
+
+async def test_a_session_block_cancelled_from_outside_raises_one_cancelled() -> None:
+    slow, started, _release = gated_tool("slow")
+    model = TestModel({"go": [Reply(tool_calls=[("slow", {})]), Reply(text="never")]})
+    store = MemoryStore()
+    caught: list[type[BaseException]] = []
+    with trio.CancelScope() as outer:
+        try:
+            async with open_session(provider=model, tools=[slow], journal=store) as session:
+                session._nursery.start_soon(session.send, "go")  # type: ignore[union-attr]
+                await started.wait()
+                outer.cancel()
+                await trio.sleep_forever()
+        except BaseException as exc:
+            caught.append(type(exc))
+            raise
+    assert caught == [trio.Cancelled]
+    journal = await events_of(store, session.journal.stream_id())
+    # The block was closed from outside: the running request records the close, not a user abort.
+    assert [e.reason for e in of_type(journal, RequestInterrupted)] == [RequestInterruptReason.SESSION_CLOSE]
+    assert unsettled_requests(journal) == []
+
+
+def ticker_tool(name: str, started: trio.Event) -> Any:
+    """A tool that runs a progress ticker in a nursery of its own (its cancellation is a group)."""
+
+    @define_tool(
+        name=name,
+        description="ticks",
+        input_schema=OBJECT,
+        side_effect=SideEffect.PURE,
+        kind=ToolKind.READONLY,
+        interrupt="block",
+    )
+    async def tool(input: dict[str, Any], ctx: Any) -> str:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            started.set()
+            await trio.sleep_forever()
+        return "never"
+
+    return tool
+
+
+async def test_a_tool_with_its_own_nursery_cancelled_from_outside_is_cancellation() -> None:
+    started = trio.Event()
+    model = TestModel({"go": [Reply(tool_calls=[("ticker", {})]), Reply(text="never")]}, default=Reply(text="fine"))
+    store = MemoryStore()
+    async with open_session(provider=model, tools=[ticker_tool("ticker", started)], journal=store) as session:
+        caught: list[BaseException] = []
+        with trio.CancelScope() as scope:
+
+            async def cancel_when_started() -> None:
+                await started.wait()
+                scope.cancel()
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(cancel_when_started)
+                    await session.send("go")
+            except BaseException as exc:
+                caught.append(exc)
+                raise
+        assert scope.cancelled_caught
+        journal = await events_of(store, session.journal.stream_id())
+        cancelled = of_type(journal, ToolCancelled)
+        assert len(cancelled) == 1
+        assert not of_type(journal, ToolCompleted)
+        assert unsettled_requests(journal) == []
+        assert isinstance(await session.send("again"), str)  # the session goes on
+
+
+async def test_finished_sibling_results_survive_a_subagent_cancel(autojump_clock: trio.testing.MockClock) -> None:
+    slow, slow_started, _release = gated_tool("slow", interrupt="block")
+
+    @define_tool(
+        name="fast", description="fast", input_schema=OBJECT, side_effect=SideEffect.PURE, kind=ToolKind.READONLY
+    )
+    async def fast(input: dict[str, Any], ctx: Any) -> str:
+        return "fast result"
+
+    model = TestModel(
+        {
+            "job": [Reply(tool_calls=[("fast", {}), ("slow", {})])],
+            "more": [Reply(text="resumed")],
+        },
+        default=Reply(text="fine"),
+    )
+    store = MemoryStore()
+    async with open_session(provider=model, tools=[fast, slow], journal=store, subagents=[HELPER]) as session:
+        handle = await session.start_subagent("helper", "job")
+        await slow_started.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        handle.cancel()
+        await handle.wait()
+        live = list(handle.agent.history)
+        rebuilt = await session._rebuild_history(handle.id)
+        answers = {m.tool_call_id: m.content for m in live if isinstance(m, ToolResultMessage)}
+        assert "fast result" in answers.values()
+        assert [m for m in live if isinstance(m, ToolResultMessage)] == [
+            m for m in rebuilt if isinstance(m, ToolResultMessage)
+        ]
+
+
+async def test_steering_a_foreground_subagent_lets_its_block_tools_finish(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    log: list[str] = []
+    slow, slow_started, release = gated_tool("slow", interrupt="block", log=log)
+    model = TestModel(
+        {
+            "delegate": [
+                Reply(tool_calls=[("task", {"subagent": "helper", "prompt": "job"})]),
+                Reply(text="parent done"),
+            ],
+            "job": [Reply(tool_calls=[("slow", {})]), Reply(text="child would go on")],
+        },
+        default=Reply(text="fine"),
+    )
+    store = MemoryStore()
+    async with open_session(provider=model, tools=[slow], journal=store, subagents=[HELPER]) as session:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.send, "delegate")
+            await slow_started.wait()
+            nursery.start_soon(lambda: session.send("change of plan", priority="now"))
+            await trio.testing.wait_all_tasks_blocked()
+            assert log == []  # the block tool was not cancelled by the steering
+            release.set()
+        assert log == ["slow:finished"]
+        (child_id,) = [agent for agent in session.journal.agents if agent != session.root.agent_id]
+        child = await events_of(store, session.journal.stream_id(child_id))
+        assert [e.reason for e in of_type(child, RequestInterrupted)] == [RequestInterruptReason.STEERING]
+        assert len(of_type(child, ToolCompleted)) == 1
+        parent = await events_of(store, session.journal.stream_id())
+        assert [e.reason for e in of_type(parent, ToolCancelled)] == ["steering"]
+        assert unsettled_requests(parent) == []
+
+
+async def test_an_sdk_abort_keeps_the_committed_results(autojump_clock: trio.testing.MockClock) -> None:
+    slow, slow_started, _release = gated_tool("slow", interrupt="block")
+
+    @define_tool(
+        name="fast", description="fast", input_schema=OBJECT, side_effect=SideEffect.PURE, kind=ToolKind.READONLY
+    )
+    async def fast(input: dict[str, Any], ctx: Any) -> str:
+        return "fast result"
+
+    model = TestModel({"go": [Reply(tool_calls=[("fast", {}), ("slow", {})]), Reply(text="never")]})
+    async with open_session(provider=model, tools=[fast, slow]) as session:
+        async with trio.open_nursery() as nursery:
+            errors: list[RequestAbortedError] = []
+
+            async def send() -> None:
+                with pytest.raises(RequestAbortedError) as caught:
+                    await session.send("go")
+                errors.append(caught.value)
+
+            nursery.start_soon(send)
+            await slow_started.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            await session.abort(AbortReason.USER_ABORT, "stop")
+        (error,) = errors
+        assert {result.output for result in error.results.values()} == {"fast result"}
+
+
+async def test_background_calls_cancelled_by_close_carry_the_close_reason(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    slow, slow_started, _release = gated_tool("slow", interrupt="cancel")
+    model = TestModel({"job": [Reply(tool_calls=[("slow", {})])]}, default=Reply(text="fine"))
+    store = MemoryStore()
+    async with open_session(provider=model, tools=[slow], journal=store, subagents=[HELPER]) as session:
+        handle = await session.start_subagent("helper", "job")
+        await slow_started.wait()
+    child = await events_of(store, session.journal.stream_id(handle.id))
+    assert [e.reason for e in of_type(child, ToolCancelled)] == ["session_close"]
+    assert [e.reason for e in of_type(child, RequestInterrupted)] == [RequestInterruptReason.SESSION_CLOSE]

@@ -1,0 +1,244 @@
+"""The conversation in the journal: the typed model-attempt payload and the fold that reads it back.
+
+The writer (`reply_record` -> `ModelReplyRecord.to_payload`) and the reader
+(`ModelReplyRecord.from_payload`, `fold_conversation`) live together so the
+history a session rebuilds is exactly the one its loop had.
+
+Rules
+=====
+
+* Payload (``ModelAttemptCompleted.response``): ``inputs`` (user texts that
+  joined before the attempt), ``text``, ``reasoning`` (parts with their
+  ``signature`` / ``redacted_data``), ``tool_calls`` (``id``/``name``/
+  ``arguments`` with the ids the assembler assigned), ``rejected`` (call id ->
+  the error text the model got instead of a run), ``finish_reason``, ``usage``.
+* Reading is strict about types and unknown keys but every key may be missing
+  (its empty value, ``stop``, zero usage): the first payload shape had no
+  ``reasoning`` and only input/output tokens, and journals hold it. Anything
+  else raises `JournalCorruptError` naming the offending field.
+* The assistant message of a record: reasoning, then the text (if any), then
+  the calls, the order the assembler gives a live reply.
+* Fold, over one agent stream's events in order:
+  - `RequestAccepted` -> its ``prompt`` as a user message, except the holder
+    requests of ``start_subagent`` (they carry no prompt);
+  - `ModelAttemptCompleted` -> its inputs as user messages, the assistant
+    message, then each call's answer in call order: the rejection text, else the
+    published `ToolCompleted` / `ToolFailed` result (``output`` as is when a
+    string, else its JSON), else "outcome unknown" for `ToolOutcomeUnknown`
+    (the last such event of a call counts, wherever it is in the stream);
+  - every call still unanswered then gets `answer_orphan_calls`' answer.
+  Failed and aborted attempts contribute nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, get_args, get_origin
+
+import attrs
+import cattrs
+from cattrs.errors import IterableValidationError, IterableValidationNote
+
+from .._models._assemble import ModelReply
+from .._models._history import answer_orphan_calls
+from .._models._messages import (
+    AssistantMessage,
+    ContentPart,
+    FinishReason,
+    Message,
+    ReasoningPart,
+    TextPart,
+    ToolCallPart,
+    ToolResultMessage,
+    Usage,
+    UserMessage,
+)
+from ._errors import JournalCorruptError
+from ._events import Event, ModelAttemptCompleted, RequestAccepted, ToolCompleted, ToolFailed, ToolOutcomeUnknown
+
+__all__ = [
+    "OUTCOME_UNKNOWN_ANSWER",
+    "ModelReplyRecord",
+    "fold_conversation",
+    "reply_record",
+    "settled_answer",
+]
+
+OUTCOME_UNKNOWN_ANSWER = "outcome unknown after a restart"
+"""The answer (an error) of a call settled ``outcome_unknown``."""
+
+
+def _strings(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(values)
+
+
+def _reasoning(values: Iterable[ReasoningPart]) -> tuple[ReasoningPart, ...]:
+    return tuple(values)
+
+
+def _calls(values: Iterable[ToolCallPart]) -> tuple[ToolCallPart, ...]:
+    return tuple(values)
+
+
+def _frozen_map(values: Mapping[str, str]) -> Mapping[str, str]:
+    return types.MappingProxyType(dict(values))
+
+
+@attrs.frozen(kw_only=True)
+class ModelReplyRecord:
+    """The journal form of one completed model attempt."""
+
+    inputs: tuple[str, ...] = attrs.field(default=(), converter=_strings)
+    text: str = ""
+    reasoning: tuple[ReasoningPart, ...] = attrs.field(default=(), converter=_reasoning)
+    tool_calls: tuple[ToolCallPart, ...] = attrs.field(default=(), converter=_calls)
+    rejected: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_map)
+    finish_reason: FinishReason = FinishReason.STOP
+    usage: Usage = attrs.field(factory=Usage)
+
+    def message(self) -> AssistantMessage:
+        parts: list[ContentPart] = [*self.reasoning]
+        if self.text:
+            parts.append(TextPart(self.text))
+        parts.extend(self.tool_calls)
+        return AssistantMessage(tuple(parts))
+
+    def to_payload(self) -> dict[str, Any]:
+        """The JSON object for ``ModelAttemptCompleted.response``."""
+        payload: dict[str, Any] = _converter.unstructure(self, ModelReplyRecord)
+        return payload
+
+    @classmethod
+    def from_payload(cls, payload: object) -> ModelReplyRecord:
+        """The record of a stored payload (either shape); `JournalCorruptError` names what is wrong."""
+        if not isinstance(payload, dict):
+            raise JournalCorruptError(f"a model reply payload must be a JSON object, not {type(payload).__name__}")
+        try:
+            return _converter.structure(payload, cls)
+        except Exception as exc:
+            details = "; ".join(cattrs.transform_error(exc, path="response"))
+            raise JournalCorruptError(f"invalid model reply payload: {details}") from exc
+
+
+def reply_record(
+    reply: ModelReply, *, inputs: Iterable[str] = (), rejected: Mapping[str, str] | None = None
+) -> ModelReplyRecord:
+    """The record of an assembled reply; ``rejected`` maps call ids of the reply to their error text."""
+    calls = reply.message.tool_calls
+    rejected = dict(rejected or {})
+    unknown = rejected.keys() - {call.id for call in calls}
+    if unknown:  # a writer bug: the fold would silently lose these answers
+        raise ValueError(f"rejected ids that are no call of the reply: {sorted(unknown)}")
+    return ModelReplyRecord(
+        inputs=inputs,
+        text=reply.message.text,
+        reasoning=reply.reasoning,
+        tool_calls=calls,
+        rejected=rejected,
+        finish_reason=reply.finish_reason,
+        usage=reply.usage,
+    )
+
+
+def settled_answer(settlement: Event | None) -> ToolResultMessage | None:
+    """The model's answer for a call, from the event that settled it (``None``: no answer yet).
+
+    One rule for the live loop and the fold, so a live history and a rebuilt one agree.
+    """
+    if isinstance(settlement, ToolCompleted | ToolFailed):
+        if not settlement.published:
+            return None
+        output = settlement.result.get("output")
+        return ToolResultMessage(
+            settlement.call_id,
+            output if isinstance(output, str) else json.dumps(output),
+            is_error=isinstance(settlement, ToolFailed),
+        )
+    if isinstance(settlement, ToolOutcomeUnknown):
+        return ToolResultMessage(settlement.call_id, OUTCOME_UNKNOWN_ANSWER, is_error=True)
+    return None
+
+
+def fold_conversation(events: Iterable[Event]) -> list[Message]:
+    """The history one agent stream's events tell (see the module rules)."""
+    events = list(events)
+    outcomes: dict[str, ToolResultMessage] = {}
+    for event in events:
+        if isinstance(event, ToolCompleted | ToolFailed | ToolOutcomeUnknown):
+            answer = settled_answer(event)
+            if answer is not None:
+                outcomes[event.call_id] = answer
+    history: list[Message] = []
+    for event in events:
+        if isinstance(event, RequestAccepted):
+            if "start_subagent" not in event.input:  # the holder request of a start between requests
+                history.append(UserMessage(str(event.input.get("prompt", ""))))
+        elif isinstance(event, ModelAttemptCompleted):
+            try:
+                record = ModelReplyRecord.from_payload(event.response)
+            except JournalCorruptError as exc:
+                raise JournalCorruptError(f"model attempt {event.attempt_id}: {exc}") from exc
+            history.extend(UserMessage(text) for text in record.inputs)
+            history.append(record.message())
+            for call in record.tool_calls:
+                if call.id in record.rejected:
+                    history.append(ToolResultMessage(call.id, record.rejected[call.id], is_error=True))
+                elif call.id in outcomes:
+                    history.append(outcomes[call.id])
+    return answer_orphan_calls(history)
+
+
+# ---------------------------------------------------------------- converter
+
+
+def _strict(kind: type[Any]) -> Callable[[object, object], Any]:
+    # cattrs would turn 5 into "5" and "1" into 1: stored data of the wrong type is corrupt, not coerced.
+    def hook(value: object, _: object) -> Any:
+        if type(value) is not kind:
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    return hook
+
+
+def _is_tuple(kind: Any) -> bool:
+    return get_origin(kind) is tuple
+
+
+def _tuple_hook(kind: Any, converter: cattrs.Converter) -> Callable[[object, object], tuple[Any, ...]]:
+    # cattrs iterates any iterable, so "abc" would become ("a", "b", "c"): a JSON array is required.
+    item = get_args(kind)[0]
+    structure_item = converter.get_structure_hook(item)
+
+    def hook(value: object, _: object) -> tuple[Any, ...]:
+        if not isinstance(value, list):
+            raise TypeError(f"expected a list, got {type(value).__name__}")
+        out: list[Any] = []
+        errors: list[Exception] = []
+        for index, element in enumerate(value):
+            try:
+                out.append(structure_item(element, item))
+            except Exception as exc:  # noted with its index, so the error names e.g. tool_calls[1].name
+                exc.__notes__ = [
+                    *getattr(exc, "__notes__", []),
+                    IterableValidationNote(f"@ index {index}", index, item),
+                ]
+                errors.append(exc)
+        if errors:
+            raise IterableValidationError(f"while structuring {kind!r}", errors, kind)
+        return tuple(out)
+
+    return hook
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    for kind in (str, int, bool):
+        converter.register_structure_hook(kind, _strict(kind))
+    converter.register_structure_hook_factory(_is_tuple, lambda kind: _tuple_hook(kind, converter))
+    return converter
+
+
+_converter = _make_converter()

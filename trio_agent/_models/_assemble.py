@@ -1,0 +1,304 @@
+"""One model stream -> one reply: the assembler every model call of the loop goes through.
+
+Sans-I/O: no Trio, no clock. The loop feeds each `StreamChunk` to
+`ReplyAssembler.feed` as it arrives and calls `ReplyAssembler.finish` once the
+stream ended; the `ModelReply` is what the history and the journal receive.
+
+Rules
+=====
+
+* Parts: the assistant message holds the reasoning parts first (arrival order),
+  then one `TextPart` with all the text (if any text arrived), then the tool
+  calls by stream index. Anthropic wants thinking blocks before ``tool_use``;
+  the other providers read text and calls apart, so this order suits all.
+* Reasoning: consecutive `ReasoningDelta` text joins one `ReasoningPart`. A
+  ``signature`` attaches to the part being built (an empty one if none is) and
+  ends it. A ``redacted_data`` delta is a part of its own. Any text or tool call
+  chunk ends the part being built, so reasoning is never merged across them.
+* Tool calls: a call is known from its `ToolCallStart` and complete with its
+  `ToolCallEnd` (which carries the whole arguments, so deltas are not kept).
+  A started call whose end never came is *cut off*: it becomes
+  ``ToolCallPart(id, name or "_cut_off", "")`` and its assigned id is listed in
+  `ModelReply.cut_off`; such a call must never run.
+* Call ids: every call of a reply gets a unique id, computed from the chunks
+  alone (the same chunks always give the same ids). Non-empty ids are kept on
+  their first occurrence (in index order). Then, in index order, an empty id
+  becomes ``call_<index>`` and a repeated id stays the base; a base already
+  taken gets ``~2``, ``~3`` ... (the first suffix free). Ids passed as
+  ``reserved`` (those already in the conversation) count as taken.
+  `ModelReply.renamed` maps each changed id (assigned -> original).
+* Usage: the last `UsageChunk` wins (providers send cumulative counts).
+  Finish: the last `FinishChunk` wins; none means ``stop``.
+
+`parse_tool_arguments` turns a call's raw arguments into the object a tool
+gets, or a `ToolArgumentsError` whose message the model reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections.abc import Collection, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from ._messages import (
+    AssistantMessage,
+    ContentPart,
+    FinishChunk,
+    FinishReason,
+    ReasoningDelta,
+    ReasoningPart,
+    StreamChunk,
+    TextDelta,
+    TextPart,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallPart,
+    ToolCallStart,
+    Usage,
+    UsageChunk,
+)
+
+__all__ = [
+    "CUT_OFF_NAME",
+    "MAX_ARGUMENT_DEPTH",
+    "ModelReply",
+    "ReplyAssembler",
+    "ToolArgumentsError",
+    "assign_call_ids",
+    "parse_tool_arguments",
+]
+
+CUT_OFF_NAME = "_cut_off"
+"""The name of a cut-off call whose start carried no name."""
+
+_SUFFIX = "~"  # <id>~2: a separator no provider uses in its own ids, so a renamed id never looks original
+
+
+@attrs.frozen
+class ModelReply:
+    """One assembled model reply."""
+
+    message: AssistantMessage
+    finish_reason: FinishReason
+    usage: Usage = attrs.field(factory=Usage)
+    cut_off: tuple[str, ...] = ()
+    """Assigned ids of the calls whose end never arrived (in index order)."""
+    renamed: Mapping[str, str] = attrs.field(factory=dict)
+    """Assigned id -> the id the model sent ("" when it sent none), for calls whose id changed."""
+
+    @property
+    def tool_calls(self) -> tuple[ToolCallPart, ...]:
+        return self.message.tool_calls
+
+    @property
+    def reasoning(self) -> tuple[ReasoningPart, ...]:
+        return tuple(part for part in self.message.parts if isinstance(part, ReasoningPart))
+
+
+class ReplyAssembler:
+    """Feeds on the chunks of one stream; `finish` returns the `ModelReply`. One reply per assembler."""
+
+    __slots__ = (
+        "_ended",
+        "_finish",
+        "_reasoning",
+        "_reasoning_text",
+        "_reserved",
+        "_started",
+        "_text",
+        "_usage",
+    )
+
+    def __init__(self, *, reserved: Collection[str] = ()) -> None:
+        self._reserved = frozenset(reserved)
+        self._text: list[str] = []
+        self._reasoning: list[ReasoningPart] = []
+        self._reasoning_text: list[str] | None = None  # the part being built, None when none is
+        self._started: dict[int, ToolCallStart] = {}
+        self._ended: dict[int, ToolCallEnd] = {}
+        self._finish = FinishReason.STOP
+        self._usage = Usage()
+
+    def feed(self, chunk: StreamChunk) -> None:
+        # Ordered by frequency: text and argument deltas are nearly every chunk.
+        if isinstance(chunk, TextDelta):
+            if self._reasoning_text is not None:
+                self._close_reasoning(None)
+            self._text.append(chunk.text)
+        elif isinstance(chunk, ToolCallDelta):
+            if self._reasoning_text is not None:
+                self._close_reasoning(None)
+        elif isinstance(chunk, ReasoningDelta):
+            self._feed_reasoning(chunk)
+        elif isinstance(chunk, ToolCallStart):
+            if self._reasoning_text is not None:
+                self._close_reasoning(None)
+            self._started[chunk.index] = chunk
+        elif isinstance(chunk, ToolCallEnd):
+            if self._reasoning_text is not None:
+                self._close_reasoning(None)
+            self._ended[chunk.index] = chunk
+        elif isinstance(chunk, UsageChunk):
+            self._usage = chunk.usage
+        elif isinstance(chunk, FinishChunk):
+            self._finish = chunk.reason
+        else:  # pragma: no cover - the StreamChunk union is closed
+            raise TypeError(f"not a stream chunk: {chunk!r}")
+
+    def _feed_reasoning(self, chunk: ReasoningDelta) -> None:
+        if chunk.text:
+            if self._reasoning_text is None:
+                self._reasoning_text = []
+            self._reasoning_text.append(chunk.text)
+        if chunk.signature is not None:
+            if self._reasoning_text is None:
+                self._reasoning_text = []
+            self._close_reasoning(chunk.signature)
+        if chunk.redacted_data is not None:
+            if self._reasoning_text is not None:
+                self._close_reasoning(None)
+            self._reasoning.append(ReasoningPart("", redacted_data=chunk.redacted_data))
+
+    def _close_reasoning(self, signature: str | None) -> None:
+        assert self._reasoning_text is not None
+        self._reasoning.append(ReasoningPart("".join(self._reasoning_text), signature))
+        self._reasoning_text = None
+
+    def finish(self) -> ModelReply:
+        if self._reasoning_text is not None:
+            self._close_reasoning(None)
+        indices = sorted(self._started.keys() | self._ended.keys())
+        originals: list[str] = []
+        for index in indices:
+            end = self._ended.get(index)
+            start = self._started.get(index)
+            originals.append((end.id if end is not None else "") or (start.id if start is not None else ""))
+        assigned = assign_call_ids(indices, originals, self._reserved)
+        calls: list[ToolCallPart] = []
+        cut_off: list[str] = []
+        renamed: dict[str, str] = {}
+        for index, original, call_id in zip(indices, originals, assigned, strict=True):
+            end = self._ended.get(index)
+            if end is not None:
+                calls.append(ToolCallPart(call_id, end.name, end.arguments))
+            else:
+                start = self._started[index]
+                calls.append(ToolCallPart(call_id, start.name or CUT_OFF_NAME, ""))
+                cut_off.append(call_id)
+            if call_id != original:
+                renamed[call_id] = original
+        text = "".join(self._text)
+        parts: list[ContentPart] = [*self._reasoning]
+        if text:
+            parts.append(TextPart(text))
+        parts.extend(calls)
+        return ModelReply(
+            AssistantMessage(tuple(parts)), self._finish, self._usage, tuple(cut_off), MappingProxyType(renamed)
+        )
+
+
+def assign_call_ids(indices: list[int], originals: list[str], reserved: Collection[str] = ()) -> list[str]:
+    """Unique ids for calls at ``indices`` that the model named ``originals`` (see the module rules)."""
+    taken = set(reserved)
+    assigned: list[str | None] = [None] * len(originals)
+    # First occurrences keep their id, so a renamed call can never take a later call's real id.
+    for position, original in enumerate(originals):
+        if original and original not in taken:
+            taken.add(original)
+            assigned[position] = original
+    for position, (index, original) in enumerate(zip(indices, originals, strict=True)):
+        if assigned[position] is not None:
+            continue
+        base = original or f"call_{index}"
+        candidate, n = base, 2
+        while candidate in taken:
+            candidate, n = f"{base}{_SUFFIX}{n}", n + 1
+        taken.add(candidate)
+        assigned[position] = candidate
+    return [call_id for call_id in assigned if call_id is not None]
+
+
+# ---------------------------------------------------------------- tool arguments
+
+MAX_ARGUMENT_DEPTH = 64
+"""The deepest nesting of arrays and objects accepted in tool arguments."""
+
+# A string (closed or running to the end) or a bracket; a string always matches, so the scan is linear.
+_TOKENS = re.compile(r'"(?:[^"\\]+|\\.)*"?|[\[\]{}]', re.DOTALL)
+_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+
+
+class ToolArgumentsError(ValueError):
+    """Arguments a tool cannot receive; ``message`` is written for the model that produced them."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Refused(Exception):
+    """Raised from inside the JSON parser's hooks; carries the model-facing message."""
+
+
+def _constant(name: str) -> Any:
+    raise _Refused(f"{name} is not a valid JSON number; use a finite number or null")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _Refused(f"the number {text[:40]} is too large (beyond a 64-bit float)")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:  # longer than sys.get_int_max_str_digits()
+        raise _Refused(
+            f"an integer with {len(text.lstrip('-'))} digits is too long "
+            f"(at most {sys.get_int_max_str_digits()} digits); send it as a string"
+        ) from None
+
+
+def _depth(text: str) -> int:
+    depth = deepest = 0
+    for match in _TOKENS.finditer(text):
+        token = match.group()
+        if token == "[" or token == "{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token == "]" or token == "}":
+            depth -= 1
+    return deepest
+
+
+def parse_tool_arguments(text: str) -> dict[str, Any]:
+    """The arguments of a call as a JSON object (``{}`` for empty text), or `ToolArgumentsError` ("invalid_json")."""
+    if not text.strip():
+        return {}
+    # Checked before parsing: the parser recurses per level, so a deep document must never reach it.
+    if _depth(text) > MAX_ARGUMENT_DEPTH:
+        raise ToolArgumentsError(
+            "invalid_json",
+            f"the arguments nest arrays and objects more than {MAX_ARGUMENT_DEPTH} levels deep",
+        )
+    try:
+        value = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_int)
+    except _Refused as exc:
+        raise ToolArgumentsError("invalid_json", f"the arguments are not valid: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ToolArgumentsError("invalid_json", f"the arguments are not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # belt and braces: the checks above should catch these
+        raise ToolArgumentsError("invalid_json", f"the arguments cannot be read: {exc}") from None
+    if not isinstance(value, dict):
+        kind = "null" if value is None else _KINDS.get(type(value), type(value).__name__)
+        raise ToolArgumentsError("invalid_json", f"the arguments must be a JSON object ({{...}}), not {kind}")
+    return value
