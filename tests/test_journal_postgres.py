@@ -7,6 +7,8 @@ mock clock means nothing to the database server.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +20,7 @@ import trio.testing
 from pg_cluster import find_bindir
 
 from trio_agent._errors import (
+    ConfigError,
     JournalCorruptError,
     JournalError,
     JournalUnavailableError,
@@ -514,3 +517,106 @@ async def test_what_the_block_raises_comes_out_as_it_is(postgres_dsn: str, fresh
             await store.wait_for_append(stream_id_for("sess", "root"), 0)
     assert scope.cancelled_caught
     assert time.monotonic() - started < PROMPT
+
+
+# ---------------------------------------------------------------- bounded clean-up (cleanup_grace)
+
+GRACE = 0.2
+RELEASE_AFTER = 10.0  # a stuck test thread lets go after this anyway, so a regression fails rather than hangs
+
+
+class GatedClock:
+    """A lease clock (called by the writer thread inside its transaction) that blocks while armed."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self) -> float:
+        if self.armed and not self.release.is_set():
+            self.entered.set()
+            self.release.wait(RELEASE_AFTER)
+        return time.time()
+
+
+def overruns(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "trio_agent" and r.levelno == logging.WARNING]
+
+
+async def test_close_with_a_stuck_write_is_bounded_and_the_journal_stays_consistent(
+    postgres_dsn: str, fresh_pg_schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="trio_agent")
+    stream = stream_id_for("sess", "root")
+    clock = GatedClock()
+    store: PostgresStore | None = None
+    try:
+        async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, clock=clock, cleanup_grace=GRACE) as store:
+            lease = await store.acquire_lease("sess", "A", LONG_TTL)
+            await store.append(batch(lease, stream, envs(stream, 1, 2)))
+            clock.armed = True
+            stuck = store.submit(batch(lease, stream, envs(stream, 3, 2)))
+            assert await trio.to_thread.run_sync(clock.entered.wait, RELEASE_AFTER)  # inside its transaction
+            behind = store.submit(batch(lease, stream, envs(stream, 5, 1)))
+        lane = store._lane
+        assert lane is not None
+        assert not lane.stopped  # the close returned while the write was stuck
+        assert not stuck.done
+    finally:
+        clock.release.set()
+    assert any("journal writer (postgres" in m and "0.2 s" in m for m in overruns(caplog))
+    with trio.fail_after(RELEASE_AFTER):
+        assert await stuck.wait() == AppendResult(stream, 3, 4)  # the transaction in progress completes whole
+        with pytest.raises(JournalUnavailableError):
+            await behind.wait()  # nothing not yet begun is written after the close
+    await trio.to_thread.run_sync(lane._stopped.wait, RELEASE_AFTER)
+    assert store._writer is None  # closed by the writer thread itself, after its transaction
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as again:
+        assert await again.read(stream) == envs(stream, 1, 4)
+        assert await again.head(stream) == 4
+
+
+async def test_a_cancelled_read_whose_thread_never_returns_is_abandoned_after_cleanup_grace(
+    postgres_dsn: str, fresh_pg_schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="trio_agent")
+    entered, release, returned = threading.Event(), threading.Event(), threading.Event()
+    used: list[Any] = []
+
+    def stuck(conn: Any) -> None:
+        # Not in a statement, so the server-side cancel cannot end it: only the bound can.
+        used.append(conn)
+        entered.set()
+        release.wait(RELEASE_AFTER)
+        returned.set()
+
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, cleanup_grace=GRACE) as store:
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(store._query, stuck)
+                    assert await trio.to_thread.run_sync(entered.wait, RELEASE_AFTER)
+                    scope.cancel()
+            assert scope.cancelled_caught
+            assert not returned.is_set()  # the cancelled read ended while its thread still ran
+        finally:
+            release.set()
+        assert any("a cancelled PostgreSQL read" in m and "0.2 s" in m for m in overruns(caplog))
+        with trio.fail_after(RELEASE_AFTER):
+            # The abandoned thread gives its limiter token back once it is back (after closing its connection).
+            borrowers = [object() for _ in range(int(store._read_threads.total_tokens))]
+            for borrower in borrowers:
+                await store._read_threads.acquire_on_behalf_of(borrower)
+            for borrower in borrowers:
+                store._read_threads.release_on_behalf_of(borrower)
+            assert used[0].closed
+            assert used[0] not in store._idle_readers
+            assert await store._query(lambda conn: conn.execute(b"SELECT 7").fetchall()) == [(7,)]
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan")])
+async def test_cleanup_grace_is_validated(postgres_dsn: str, fresh_pg_schema: str, bad: float) -> None:
+    with pytest.raises(ConfigError, match="cleanup_grace"):
+        async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, cleanup_grace=bad):
+            pass  # pragma: no cover

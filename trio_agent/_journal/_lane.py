@@ -14,6 +14,14 @@ the batch gets the error.
 
 Once submitted, work runs whether or not its waiter is still waiting: journal
 order never depends on cancellation.
+
+Closing drains the queue for at most ``cleanup_grace`` seconds. If the thread is
+still busy then (a write stuck on a lock, a dead disk or network), `aclose`
+returns anyway and logs a WARNING: the transaction in progress still commits or
+rolls back as a whole when it ends, every item not yet begun is refused
+(`JournalUnavailableError`, nothing written), and the thread then closes its own
+connection (``on_stop``). The write connection is never closed under a running
+transaction, so a store is never left half-written.
 """
 
 from __future__ import annotations
@@ -27,10 +35,11 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
+from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield
 from .._errors import JournalError, JournalUnavailableError
 from ._store import AppendBatch, AppendResult, AppendTicket, Lease, check_ttl
 
-__all__ = ["LaneItem", "LaneStore", "LeaseOp", "WriterLane"]
+__all__ = ["LaneItem", "LaneStore", "LeaseOp", "WriterLane", "close_in_thread"]
 
 T = TypeVar("T")
 
@@ -75,16 +84,22 @@ class WriterLane:
         commit: Callable[[Sequence[Any]], list[object]],
         *,
         on_committed: Callable[[Sequence[Any], list[object]], None] | None = None,
+        on_stop: Callable[[], None] | None = None,
         max_batch: int = 1000,
+        cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     ) -> None:
         self._name = name
         self._commit = commit
         self._on_committed = on_committed
+        self._on_stop = on_stop
         self._max_batch = max_batch
+        self.cleanup_grace = cleanup_grace
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
-        self._stopped = threading.Event()
+        self._stopped = threading.Event()  # the thread has ended (its connection closed)
+        self._done = trio.Event()  # the same, seen from Trio
+        self._abandoned = threading.Event()  # aclose stopped waiting: begin nothing new
         self._closed = False
         self.batches = 0
         self.items = 0
@@ -101,14 +116,33 @@ class WriterLane:
             return
         self._queue.put((work, resolve))
 
-    async def aclose(self) -> None:
-        """Finish everything queued, then stop the thread (waits for it)."""
+    @property
+    def stopped(self) -> bool:
+        """Whether the thread has ended (after an abandoned drain it may end later than `aclose`)."""
+        return self._stopped.is_set()
+
+    async def aclose(self, grace: float | None = None) -> None:
+        """Finish everything queued, then stop the thread; waits at most *grace* seconds
+        (default: ``cleanup_grace``), shielded. See the module docstring for what an overrun leaves."""
         if self._closed:
             return
         self._closed = True
         self._queue.put(_STOP)
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(self._stopped.wait)
+        if self._thread is None:
+            self._on_stopped()  # never started: nothing to drain
+            return
+        with bounded_shield(self.cleanup_grace if grace is None else grace, f"the {self._name}") as scope:
+            await self._done.wait()
+        if scope.cancelled_caught:
+            self._abandoned.set()
+
+    def _on_stopped(self) -> None:
+        try:
+            if self._on_stop is not None:
+                self._on_stop()
+        finally:
+            self._stopped.set()
+            self._done.set()
 
     def _run(self) -> None:
         try:
@@ -127,6 +161,12 @@ class WriterLane:
                         stop = True
                         break
                     batch.append(more)
+                if self._abandoned.is_set():
+                    refused = JournalUnavailableError(f"{self._name} was closed before this was written; nothing was")
+                    self._wake(batch, [refused] * len(batch))
+                    if stop:
+                        return
+                    continue
                 try:
                     outcomes = self._commit([work for work, _ in batch])
                 except BaseException as exc:
@@ -139,7 +179,16 @@ class WriterLane:
                 if stop:
                     return
         finally:
-            self._stopped.set()
+            try:
+                if self._on_stop is not None:
+                    with contextlib.suppress(Exception):  # closing a connection: nobody left to tell
+                        self._on_stop()
+            finally:
+                self._stopped.set()
+                assert self._token is not None
+                # After the last batch's wake-up (run_sync_soon keeps order), so aclose sees it done.
+                with contextlib.suppress(trio.RunFinishedError):
+                    self._token.run_sync_soon(self._done.set)
 
     def _wake(self, batch: list[tuple[Any, Callable[[object], None]]], outcomes: list[object]) -> None:
         def wake() -> None:
@@ -151,6 +200,34 @@ class WriterLane:
         assert self._token is not None
         with contextlib.suppress(trio.RunFinishedError):  # nobody is left to wake
             self._token.run_sync_soon(wake)
+
+
+async def close_in_thread(close: Callable[[], None], grace: float, layer: str) -> None:
+    """Run *close* (closing connections) in a fresh thread, waiting for it at most *grace* seconds.
+
+    The thread is started even when no time is left, so the connections are closed
+    eventually; an overrun is logged and *close* runs on unobserved. An error from a
+    *close* that finished in time is raised here.
+    """
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    def report(_: object) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(done.set)
+
+    trio.lowlevel.start_thread_soon(run, report, name=f"trio_agent: {layer}")
+    with bounded_shield(grace, layer):
+        await done.wait()
+    if done.is_set() and errors:
+        raise errors[0]
 
 
 @attrs.frozen

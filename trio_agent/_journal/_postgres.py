@@ -22,8 +22,13 @@
 * Readers use their own autocommit connections in Trio worker threads, bounded
   by their own limiters so tool threads cannot starve the journal. A read
   cancelled by a cancel scope is aborted on the server (``cancel_safe``) and the
-  `trio.Cancelled` is delivered once the thread is back; ``statement_timeout``
-  bounds every statement server-side.
+  `trio.Cancelled` is delivered once the thread is back, or after
+  ``cleanup_grace`` at most (the thread then closes its connection when it is
+  back); ``statement_timeout`` bounds every statement server-side.
+* Connecting is cancellable: a connection made after its caller stopped waiting
+  is closed by its thread. Closing the store is bounded by ``cleanup_grace``
+  (see `WriterLane`: a write still running then commits or rolls back whole
+  after `aclose` returned, and its thread closes the write connection).
 * `wait_for_append` is woken in-process after a commit, by LISTEN/NOTIFY from
   other processes (one ``NOTIFY`` per group-commit transaction and stream,
   payload ``"<stream_id>:<head>"``, read natively with
@@ -38,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -52,6 +58,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 
+from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
 from .._errors import (
     ForeignStreamError,
     JournalCorruptError,
@@ -60,7 +67,7 @@ from .._errors import (
     LeaseLostError,
 )
 from ._events import EventEnvelope
-from ._lane import LaneStore, LeaseOp, WriterLane
+from ._lane import LaneStore, LeaseOp, WriterLane, close_in_thread
 from ._store import (
     AppendBatch,
     AppendResult,
@@ -296,7 +303,9 @@ class PostgresStore(LaneStore):
         schema: str = "trio_agent",
         poll_interval: float = 0.5,
         statement_timeout: float = 30.0,
+        cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     ) -> None:
+        self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
         if not isinstance(schema, str) or not _SCHEMA_NAME.match(schema) or len(schema.encode()) > 63:
             raise JournalError(f"schema must be a plain SQL identifier of at most 63 bytes, not {schema!r}")
         if not (isinstance(poll_interval, (int, float)) and math.isfinite(poll_interval) and poll_interval > 0):
@@ -390,41 +399,84 @@ class PostgresStore(LaneStore):
             raise unavailable(exc, f"cannot LISTEN on PostgreSQL at {self.where}") from exc
         return conn
 
+    async def _connect_in_thread(self, connect: Callable[[], _Conn], limiter: trio.CapacityLimiter) -> _Conn:
+        """``connect()`` in a worker thread, cancellably (connect_timeout bounds the thread):
+        a connection made after the caller stopped waiting is closed, never dropped open."""
+        lock = threading.Lock()
+        made: list[_Conn] = []
+        abandoned = False
+
+        def run() -> None:
+            conn = connect()
+            with lock:
+                if not abandoned:
+                    made.append(conn)
+                    return
+            conn.close()
+
+        try:
+            await trio.to_thread.run_sync(run, limiter=limiter, abandon_on_cancel=True)
+        except BaseException:
+            with lock:
+                abandoned = True
+                leftovers = made[:]
+                made.clear()
+            for conn in leftovers:  # made just before the cancellation won
+                conn.close()
+            raise
+        return made[0]
+
     async def _open(self, max_batch: int) -> None:
-        # Shielded: a connection made in a thread must not be lost to a cancellation (connect_timeout bounds it).
-        with trio.CancelScope(shield=True):
-            self._writer = await trio.to_thread.run_sync(self._open_writer, limiter=self._aux_threads)
-            try:
-                self._listener = await trio.to_thread.run_sync(self._open_listener, limiter=self._aux_threads)
-            except BaseException:
-                self._writer.close()
-                raise
+        self._writer = await self._connect_in_thread(self._open_writer, self._aux_threads)
+        try:
+            self._listener = await self._connect_in_thread(self._open_listener, self._aux_threads)
+        except BaseException:
+            self._close_writer()
+            raise
         self._lane = WriterLane(
             f"trio_agent journal writer (postgres {self.where} {self.schema})",
             self._commit,
             on_committed=self._committed,
+            on_stop=self._close_writer,  # in the writer thread: never under a running transaction
             max_batch=max_batch,
+            cleanup_grace=self.cleanup_grace,
         )
         self._lane.start()
 
     async def aclose(self) -> None:
+        """Stop listening, drain the writer, close every connection: ``cleanup_grace`` seconds in all."""
         if self._closed:
             return
         self._closed = True
-        self._listen_scope.cancel()
-        if self._listen_started:
-            with trio.CancelScope(shield=True):
-                await self._listen_done.wait()
-        if self._lane is not None:
-            await self._lane.aclose()
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(self._close_connections, limiter=self._aux_threads)
-        self._wake_all()
+        deadline = trio.current_time() + self.cleanup_grace
+        try:
+            self._listen_scope.cancel()
+            if self._listen_started:
+                with bounded_shield(self.cleanup_grace, f"the PostgreSQL journal's LISTEN task ({self.where})"):
+                    await self._listen_done.wait()
+            if self._lane is not None:
+                await self._lane.aclose(max(deadline - trio.current_time(), 0.0))
+            else:
+                self._close_writer()  # the writer thread never started: nothing is running
+            # Taken here, in the Trio thread that owns them; closed in a worker thread (it may block).
+            conns = [self._listener, *self._idle_readers]
+            self._listener = None
+            self._idle_readers.clear()
+            await close_in_thread(
+                lambda: self._close_all(conns),
+                max(deadline - trio.current_time(), 0.0),
+                f"the PostgreSQL journal's connections ({self.where})",
+            )
+        finally:
+            self._wake_all()
 
-    def _close_connections(self) -> None:
-        conns = [self._writer, self._listener, *self._idle_readers]
-        self._writer = self._listener = None
-        self._idle_readers.clear()
+    def _close_writer(self) -> None:
+        conn, self._writer = self._writer, None
+        if conn is not None:
+            conn.close()
+
+    @staticmethod
+    def _close_all(conns: Sequence[_Conn | None]) -> None:
         for conn in conns:
             if conn is not None:
                 conn.close()
@@ -707,56 +759,71 @@ class PostgresStore(LaneStore):
         async with self._read_slots:
             conn = self._idle_readers.pop() if self._idle_readers else None
             if conn is None:
-                fresh: list[_Conn] = []
-                with trio.CancelScope(shield=True):  # never drop a fresh connection on the floor
-                    fresh.append(await trio.to_thread.run_sync(self._connect, limiter=self._read_threads))
-                conn = fresh[0]
+                conn = await self._connect_in_thread(self._connect, self._read_threads)
                 try:
                     await trio.lowlevel.checkpoint_if_cancelled()
                 except trio.Cancelled:
                     self._idle_readers.append(conn)
                     raise
-            results: list[T] = []
-            errors: list[Exception] = []
-            cancelled = False
-            done = trio.Event()
-            watched = trio.Event()
-
-            async def watchdog() -> None:
-                # Cancelled while the statement runs: abort it on the server, wait for the thread.
-                nonlocal cancelled
-                try:
-                    await done.wait()
-                except trio.Cancelled:
-                    cancelled = True
-                    with trio.CancelScope(shield=True):
-                        while not done.is_set():
-                            await trio.to_thread.run_sync(_cancel_quietly, conn, limiter=self._cancel_threads)
-                            with trio.move_on_after(_CANCEL_RETRY):
-                                await done.wait()
-                finally:
-                    watched.set()
-
+            borrower = object()  # released by the thread's return, which may come after we stopped waiting
             try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(watchdog)
-                    with trio.CancelScope(shield=True):
-                        try:
-                            results.append(await trio.to_thread.run_sync(fn, conn, limiter=self._read_threads))
-                        except Exception as exc:
-                            errors.append(exc)
-                        finally:
-                            done.set()
-                        await watched.wait()
+                await self._read_threads.acquire_on_behalf_of(borrower)
+            except trio.Cancelled:
+                self._idle_readers.append(conn)
+                raise
+            token = trio.lowlevel.current_trio_token()
+            lock = threading.Lock()
+            results: list[T] = []
+            errors: list[BaseException] = []
+            finished = abandoned = cancelled = False
+            done = trio.Event()
+
+            def run() -> None:
+                nonlocal finished
+                try:
+                    results.append(fn(conn))
+                except BaseException as exc:
+                    errors.append(exc)
+                with lock:
+                    finished = True
+                    if abandoned:  # nobody waits for it any more: this thread owns the connection
+                        conn.close()
+
+            def back(_: object) -> None:
+                def wake() -> None:
+                    self._read_threads.release_on_behalf_of(borrower)
+                    done.set()
+
+                with suppress(trio.RunFinishedError):
+                    token.run_sync_soon(wake)
+
+            trio.lowlevel.start_thread_soon(run, back, name="trio_agent journal read")
+            try:
+                await done.wait()
+            except trio.Cancelled:
+                # Abort the statement on the server and wait for the thread, for cleanup_grace at most.
+                cancelled = True
+                with bounded_shield(self.cleanup_grace, f"a cancelled PostgreSQL read ({self.where})"):
+                    while not done.is_set():
+                        await trio.to_thread.run_sync(
+                            _cancel_quietly, conn, limiter=self._cancel_threads, abandon_on_cancel=True
+                        )
+                        with trio.move_on_after(_CANCEL_RETRY):
+                            await done.wait()
+                if not done.is_set():
+                    with lock:
+                        abandoned = not finished
+                raise
             finally:
-                reusable = not cancelled and not self._closed and not conn.broken and not conn.closed
-                if reusable and conn.info.transaction_status == TransactionStatus.IDLE:
-                    self._idle_readers.append(conn)
-                else:
-                    conn.close()
-        if cancelled:
-            await trio.lowlevel.checkpoint()  # delivers the pending Cancelled
+                if not abandoned:
+                    reusable = not cancelled and not self._closed and not conn.broken and not conn.closed
+                    if reusable and conn.info.transaction_status == TransactionStatus.IDLE:
+                        self._idle_readers.append(conn)
+                    else:
+                        conn.close()
         if errors:
+            if not isinstance(errors[0], Exception):
+                raise errors[0]
             raise self._read_error(errors[0])
         return results[0]
 
@@ -915,8 +982,7 @@ class PostgresStore(LaneStore):
             conn = self._listener
             if conn is None:
                 try:
-                    with trio.CancelScope(shield=True):  # aclose closes it, once this task is done
-                        self._listener = await trio.to_thread.run_sync(self._open_listener, limiter=self._aux_threads)
+                    self._listener = await self._connect_in_thread(self._open_listener, self._aux_threads)
                 except JournalError:
                     await trio.sleep(backoff)
                     continue
@@ -952,6 +1018,7 @@ async def open_postgres_store(
     poll_interval: float = 0.5,
     max_batch: int = 1000,
     statement_timeout: float = 30.0,
+    cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
 ) -> AsyncIterator[PostgresStore]:
     """Open (creating if needed) the journal in ``schema`` of the database at ``dsn``.
 
@@ -959,13 +1026,20 @@ async def open_postgres_store(
     ``clock=None`` lets the database server's clock decide lease expiry (right
     for several machines); a clock callable is used instead when given.
     ``statement_timeout`` (seconds, 0 for none) bounds every statement server-side.
+    ``cleanup_grace`` (seconds, default 10) bounds closing the store and the wait for a
+    cancelled read; a write still running at close commits or rolls back whole afterwards.
 
     Raises `JournalUnavailableError` if the database cannot be reached (naming the
     host, never the password) and `JournalCorruptError` if the schema holds another
     journal format.
     """
     store = PostgresStore(
-        dsn, clock=clock, schema=schema, poll_interval=poll_interval, statement_timeout=statement_timeout
+        dsn,
+        clock=clock,
+        schema=schema,
+        poll_interval=poll_interval,
+        statement_timeout=statement_timeout,
+        cleanup_grace=cleanup_grace,
     )
     await store._open(max_batch)  # outside the nursery: an opening error is raised as it is
     try:

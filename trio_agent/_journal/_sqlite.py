@@ -16,6 +16,10 @@
 
 The clock decides lease expiry and is called from the writer thread, so it must
 be thread-safe (the default is `time.time`).
+
+Closing is bounded by ``cleanup_grace`` (see `WriterLane`): a write still running
+then finishes, commits or rolls back whole, in the writer thread after `aclose`
+returned, and that thread closes the write connection itself.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ from typing import Any
 
 import trio
 
+from .._cleanup import DEFAULT_CLEANUP_GRACE, validate_cleanup_grace
 from .._errors import (
     JournalCorruptError,
     JournalError,
     LeaseLostError,
 )
 from ._events import EventEnvelope
-from ._lane import LaneStore, LeaseOp, WriterLane
+from ._lane import LaneStore, LeaseOp, WriterLane, close_in_thread
 from ._store import (
     AppendBatch,
     AppendResult,
@@ -109,7 +114,9 @@ class SQLiteStore(LaneStore):
         clock: Clock = wall_clock,
         poll_interval: float = 0.05,
         readonly: bool = False,
+        cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     ) -> None:
+        self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
         self.path = os.fspath(path)
         self.readonly = readonly
         self.clock = clock
@@ -192,24 +199,36 @@ class SQLiteStore(LaneStore):
             f"trio_agent journal writer ({os.path.basename(self.path)})",
             self._commit,
             on_committed=self._committed,
+            on_stop=self._close_writer,  # in the writer thread: never under a running transaction
             max_batch=max_batch,
+            cleanup_grace=self.cleanup_grace,
         )
         self._lane.start()
 
     async def aclose(self) -> None:
+        """Drain the writer and close every connection, within ``cleanup_grace`` seconds in all."""
         if self._closed:
             return
         self._closed = True
-        if self._lane is not None:
-            await self._lane.aclose()
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(self._close_connections)
-        for event in self._changed.values():
-            event.set()
+        deadline = trio.current_time() + self.cleanup_grace
+        try:
+            if self._lane is not None:
+                await self._lane.aclose(self.cleanup_grace)
+            else:
+                self._close_writer()  # read-only, or the writer thread never started: nothing is running
+            name = os.path.basename(self.path)
+            grace = max(deadline - trio.current_time(), 0.0)
+            await close_in_thread(self._close_readers, grace, f"the SQLite journal's read connections ({name})")
+        finally:
+            for event in self._changed.values():
+                event.set()
 
-    def _close_connections(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+    def _close_writer(self) -> None:
+        conn, self._writer = self._writer, None
+        if conn is not None:
+            conn.close()
+
+    def _close_readers(self) -> None:
         with self._reader_lock:
             for conn in self._all_readers:
                 conn.close()
@@ -585,6 +604,7 @@ async def open_sqlite_store(
     poll_interval: float = 0.05,
     max_batch: int = 1000,
     readonly: bool = False,
+    cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
 ) -> AsyncIterator[SQLiteStore]:
     """Open (creating if needed) the SQLite journal at ``path``; the store's writer thread lives inside the block.
 
@@ -592,8 +612,11 @@ async def open_sqlite_store(
     truncated, another format, another application's database). With
     ``readonly=True`` nothing is ever written (no writer thread, no lease
     operations, no schema changes) and the file must already be a journal.
+
+    Closing (leaving the block) takes at most ``cleanup_grace`` seconds (default 10);
+    a write still running then completes or rolls back whole after the block is left.
     """
-    store = SQLiteStore(path, clock=clock, poll_interval=poll_interval, readonly=readonly)
+    store = SQLiteStore(path, clock=clock, poll_interval=poll_interval, readonly=readonly, cleanup_grace=cleanup_grace)
     await store._open(max_batch)
     try:
         yield store

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -26,6 +27,7 @@ import attrs
 import trio
 
 from .._abort import AbortHandle
+from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
 from .._config import validate_timeout
 from .._errors import (
     MiddlewareShapeError,
@@ -194,6 +196,9 @@ class ModelService:
         middleware: model middleware, first = outermost; one immutable stack shared by all callers.
         retry: the retry policy (``RetryPolicy(max_attempts=1)`` disables retries).
         request_timeout: seconds for one whole call, outside the middleware (default 600).
+        cleanup_grace: seconds that closing a stream (every layer's iterator and the provider's
+            response, together) may take once it is left or cancelled (default 10); a clean-up that
+            overruns is abandoned and logged. A deadline or a cancellation is thus delayed by at most this.
     """
 
     def __init__(
@@ -204,6 +209,7 @@ class ModelService:
         retry: RetryPolicy | None = None,
         request_timeout: float = 600.0,
         rng: random.Random | None = None,
+        cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     ) -> None:
         if isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
             raise MiddlewareShapeError(f"model middleware must be a sequence, got {middleware!r}")
@@ -227,6 +233,7 @@ class ModelService:
         self.middleware = layers
         self.retry = retry or RetryPolicy()
         self.request_timeout = validate_timeout(request_timeout, name="request_timeout")
+        self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
         self._rng = rng or random.Random()
         self._chains: dict[Operation, tuple[Any, ...]] = {
             op: tuple(getattr(layer, name) for layer in layers if _defines(layer, name))
@@ -245,6 +252,7 @@ class ModelService:
             retry=self.retry,
             request_timeout=self.request_timeout,
             rng=self._rng,
+            cleanup_grace=self.cleanup_grace,
         )
 
     def request(
@@ -324,6 +332,16 @@ class ModelService:
         with trio.move_on_after(self.request_timeout) as scope, _abort_cancels(request, scope):
             return await self._guard(chain(request))
         raise self._stopped(request)
+
+    def _layer_name(self, wrapper: object) -> str:
+        """How a clean-up overrun names a middleware layer: its place in the stack and its class."""
+        owner = getattr(wrapper, "__self__", wrapper)
+        index = next((i for i, layer in enumerate(self.middleware) if layer is owner), None)
+        return f"model middleware #{index} ({type(owner).__name__})"
+
+    def _provider_layer(self, operation: Operation) -> str:
+        what = "stream" if operation is Operation.STREAM else "call"
+        return f"the {getattr(self.provider, 'name', type(self.provider).__name__)} provider {what}"
 
     def _stopped(self, request: ModelRequest) -> ModelError:
         """The error for a call whose scope was cancelled by us: its abort handle, else its deadline."""
@@ -436,6 +454,8 @@ class ModelService:
             return lambda req, next_: track(position, layer(req, next_))
 
         wrappers = self._chains[request.operation]
+        names = [self._layer_name(wrapper) for wrapper in wrappers]
+        names.append(self._provider_layer(request.operation))
         layers = [tracked(position, layer) for position, layer in enumerate(wrappers)]
         chain = compose_middleware(layers, lambda req: track(len(wrappers), terminal(req)), check=check, validate=False)
         # One scope for the whole stream (a scope per chunk would cost more than the chunk): it is
@@ -446,11 +466,11 @@ class ModelService:
                 yield _Guarded(outer)
             except BaseException as exc:
                 # The block's own error (or cancellation) wins; a failing cleanup is noted on it.
-                failure = await _close_all(opened)
+                failure = await _close_all(opened, names, self.cleanup_grace)
                 if failure is not None:
                     exc.add_note(f"also, closing a model stream layer raised {failure!r}")
                 raise
-            failure = await _close_all(opened)
+            failure = await _close_all(opened, names, self.cleanup_grace)
             if failure is not None:
                 if isinstance(failure, ModelError):
                     raise failure
@@ -473,15 +493,24 @@ def _abort_cancels(request: ModelRequest, scope: trio.CancelScope) -> Iterator[N
         handle.remove_listener(token)
 
 
-async def _close_all(opened: dict[int, AsyncIterator[Any]]) -> Exception | None:
+async def _close_all(opened: dict[int, AsyncIterator[Any]], names: Sequence[str], grace: float) -> Exception | None:
     """Close every opened iterator, outermost first (middleware cleanups, then the provider's
-    HTTP response); one failing cleanup does not stop the others. Returns the first failure."""
+    HTTP response); one failing cleanup does not stop the others. Returns the first failure.
+
+    All of it together is bounded by *grace*: each layer gets what its predecessors left
+    (its own shield, so an overrun names it). A layer reached with nothing left is still
+    closed, under an expired scope: a ``finally`` that does not await still runs.
+    """
     failure: Exception | None = None
-    with trio.CancelScope(shield=True):
-        for position in sorted(opened):
-            aclose = getattr(opened[position], "aclose", None)
-            if aclose is None:
-                continue
+    deadline = trio.current_time() + grace
+    for position in sorted(opened):
+        iterator = opened[position]
+        aclose = getattr(iterator, "aclose", None)
+        if aclose is None:
+            continue
+        if isinstance(iterator, _RetryingStream):
+            iterator.close_by = deadline  # its own shield must not outlast ours
+        with bounded_shield(max(deadline - trio.current_time(), 0.0), names[position]):
             try:
                 await aclose()
             except Exception as exc:
@@ -531,6 +560,8 @@ class _RetryingStream:
         self._published = False
         self._finished = False
         self._attempt = 1
+        self.close_by = math.inf
+        """When closed by `_close_all`: the trio time its bound ends (the provider close may not outlast it)."""
 
     def __aiter__(self) -> _RetryingStream:
         return self
@@ -571,7 +602,8 @@ class _RetryingStream:
         inner, self._inner = self._inner, None
         aclose = getattr(inner, "aclose", None)
         if aclose is not None:
-            with trio.CancelScope(shield=True):
+            grace = min(self._service.cleanup_grace, max(self.close_by - trio.current_time(), 0.0))
+            with bounded_shield(grace, self._service._provider_layer(Operation.STREAM)):
                 await aclose()
 
     async def aclose(self) -> None:
