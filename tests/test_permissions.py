@@ -56,6 +56,8 @@ from trio_agent._session._permissions import (
     Rule,
     RuleBehavior,
     ToolFilter,
+    update_from_json,
+    update_to_json,
 )
 from trio_agent.testing import call_tool
 
@@ -443,13 +445,38 @@ async def test_signature_content_mapping_callable_and_tool_attribute() -> None:
     assert by_fn.signature(READ, {"q": "x"}) == "Read:x"
     assert by_fn.signature(READ, {}) == "Read"
 
-    class Fetch(Tool[Any]):
-        def signature_content(self, input: dict[str, Any]) -> str:
-            return str(input["url"])
+    # The tool's own, from define_tool(signature_content=), when the engine is given none for it.
+    fetch = define_tool(
+        _echo, name="Fetch", description="d", side_effect="pure", kind="readonly",
+        input_schema={"type": "object"}, signature_content=lambda input: str(input["host"]),
+    )  # fmt: skip
+    assert PermissionEngine().signature(fetch, {"host": "example.org"}) == "Fetch:example.org"
+    assert by_map.signature(fetch, {"host": "example.org"}) == "Fetch:example.org"
+    # A mapping entry or the engine's callable overrides the tool's own.
+    assert by_fn.signature(fetch, {"host": "h", "q": "x"}) == "Fetch:x"
 
-    fields = ("description", "input_schema", "side_effect", "kind", "interrupt", "concurrency_safe", "run")
-    fetch = Fetch(name="Fetch", **{field: getattr(READ, field) for field in fields})
-    assert PermissionEngine().signature(fetch, {"url": "https://x"}) == "Fetch:https://x"
+
+async def test_signature_content_defaults_to_the_declared_conventional_field() -> None:
+    def declaring(*names: str, **schemas: dict[str, Any]) -> Tool[Any]:
+        properties: dict[str, Any] = {name: {"type": "string"} for name in names}
+        properties.update(schemas)
+        return define_tool(
+            _echo, name="T", description="d", side_effect="pure",
+            input_schema={"type": "object", "properties": properties},
+        )  # fmt: skip
+
+    permissions = PermissionEngine()
+    shell = declaring("command", "path")
+    assert permissions.signature(shell, {"command": "  rm -rf build \n", "path": "x"}) == "T:rm -rf build"
+    assert permissions.signature(shell, {"path": "x"}) == "T"  # the chosen field is absent: no content
+    assert permissions.signature(declaring("path", "url"), {"path": "a/b", "url": "u"}) == "T:a/b"
+    assert permissions.signature(declaring("file_path", "path"), {"file_path": "f", "path": "p"}) == "T:f"
+    # Chosen from the schema, never from the call: an undeclared 'command' the model adds is ignored,
+    # and a field that is not declared as a plain string does not count.
+    assert permissions.signature(declaring("url"), {"url": "https://x", "command": "ls"}) == "T:https://x"
+    loose = declaring(command={"type": ["string", "array"]})
+    assert (loose.signature_field, loose.has_signature_content) == (None, False)
+    assert permissions.signature(loose, {"command": "rm -rf /"}) == "T"
 
 
 # -- row 2: path policy ------------------------------------------------------------------
@@ -595,7 +622,8 @@ async def test_row3_tool_ask_survives_rules_approvals_and_bypass_and_is_answered
     # With nobody to answer, the tool's ask is a deny even in bypass.
     lonely = engine(mode="bypass", allow=("Bash",), tool_checks=checks)
     decision = await lonely.decide(BASH, {"command": "rm x"}, ctx())
-    assert (decision.allowed, decision.source) == (False, DecisionSource.NO_ANSWER)
+    assert (decision.allowed, decision.source) == (False, DecisionSource.NO_HANDLER)
+    assert decision.message is not None and "only a permission_handler= can answer" in decision.message
 
 
 async def test_row3_tool_allow_with_updated_input_is_not_final_and_is_rechecked(workspace: dict[str, Path]) -> None:
@@ -630,19 +658,22 @@ async def test_row3_async_check_raising_check_and_junk_deny() -> None:
         assert decision.message is not None and text in decision.message
 
 
-async def test_row3_check_permissions_attribute_on_a_tool_object() -> None:
-    class Guarded(Tool[Any]):
-        def check_permissions(self, input: dict[str, Any]) -> PermissionResult | None:
-            return PermissionDeny("guarded") if input.get("danger") else None
+async def test_row3_check_permissions_from_define_tool() -> None:
+    def check(input: dict[str, Any]) -> PermissionResult | None:
+        return PermissionDeny("guarded") if input.get("danger") else None
 
-    guarded = Guarded(
-        name="Guarded", description="d", input_schema={"type": "object"}, side_effect=SideEffect.PURE,
-        kind=ToolKind.READONLY, interrupt=READ.interrupt, concurrency_safe=True, run=_echo,
+    guarded = define_tool(
+        _echo, name="Guarded", description="d", input_schema={"type": "object"}, side_effect="pure",
+        kind="readonly", check_permissions=check,
     )  # fmt: skip
+    assert guarded.check_permissions is check
     permissions = engine()
     assert (await permissions.decide(guarded, {}, ctx())).allowed
     denied = await permissions.decide(guarded, {"danger": True}, ctx())
     assert (denied.allowed, denied.message) == (False, "guarded")
+    # The engine's tool_checks entry overrides the tool's own.
+    overridden = engine(tool_checks={"Guarded": lambda input: None})
+    assert (await overridden.decide(guarded, {"danger": True}, ctx())).allowed
 
 
 # -- row 4: deny rules -------------------------------------------------------------------------
@@ -903,15 +934,42 @@ async def test_row13_ask_with_nobody_to_answer_denies() -> None:
     recorder = Recorder()
     permissions = engine(record=recorder)
     decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
-    assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.NO_ANSWER, False)
-    assert decision.message == "Write needs permission (mode) and there is no permission handler to ask"
+    assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.NO_HANDLER, False)
+    assert decision.message == (
+        "Write needs permission and there is no permission handler to ask, so the call was denied "
+        "(default mode asks before write tools). This is the session's configuration, not the call: "
+        'to let it run, open the session with permissions={"allow": ["Write"]} or a permission_handler=, '
+        'or define the tool with kind="readonly" if it only reads.'
+    )
+    stage = decision.to_stage_decision()
+    assert isinstance(stage, Deny) and (stage.type, stage.code) == (ToolErrorType.PERMISSION_DENIED, "no_handler")
     assert recorder.entries == []  # nothing was asked, nothing recorded
 
+    # Hooks alone cannot grant: with no handler, passing hooks end in the same no_handler refusal.
     permissions = engine(record=recorder, hooks=[Answerer(None)])
     decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
-    assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.NO_ANSWER, True)
-    assert decision.message is not None and decision.message.endswith("; denied")
+    assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.NO_HANDLER, True)
+    assert decision.message is not None and 'permissions={"allow": ["Write"]}' in decision.message
     assert recorder.log == ["requested", "resolved:deny"]
+
+    # A handler that passes is "nobody answered", not a missing handler.
+    permissions = engine(handler=Answerer(None))
+    decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+    assert (decision.allowed, decision.source) == (False, DecisionSource.NO_ANSWER)
+    assert decision.message is not None and decision.message.endswith("; denied")
+    stage = decision.to_stage_decision()
+    assert isinstance(stage, Deny) and stage.code is None
+
+
+async def test_row13_no_handler_message_names_the_ask_rule_or_the_tool_check() -> None:
+    by_rule = await engine(ask=("Read",)).decide(READ, {}, ctx())
+    assert by_rule.source is DecisionSource.NO_HANDLER
+    assert by_rule.message is not None and "ask rule 'Read'" in by_rule.message
+    assert "kind=" not in by_rule.message  # a read-only tool is not fixed by being read-only
+    checks = {"Bash": lambda input: PermissionAsk("deletes files")}
+    by_tool = await engine(mode="bypass", tool_checks=checks).decide(BASH, {"command": "rm x"}, ctx())
+    assert by_tool.source is DecisionSource.NO_HANDLER
+    assert by_tool.message is not None and "(deletes files)" in by_tool.message
 
 
 # -- deadline and abort ---------------------------------------------------------------------------
@@ -1242,3 +1300,198 @@ def test_tool_filter_validation() -> None:
         ToolFilter(disallowed=["Read", ""])
     with pytest.raises(ConfigError, match="is not a tool name"):
         ToolFilter(allowed=[3])  # type: ignore[list-item]
+
+
+# -- rule updates: reporting, JSON, replay (settlement issue item 11) ------------------------------
+
+
+class UpdateLog:
+    """An ``on_updates_applied`` callback (sync or async) that keeps what it was told."""
+
+    def __init__(self, *, is_async: bool = True, fail: bool = False) -> None:
+        self.calls: list[tuple[tuple[PermissionUpdate, ...], str, str | None]] = []
+        self.is_async = is_async
+        self.fail = fail
+
+    def __call__(self, updates: tuple[PermissionUpdate, ...], /, *, source: str, call_id: str | None) -> Any:
+        self.calls.append((updates, source, call_id))
+        if self.fail:
+            raise RuntimeError("journal down")
+        if self.is_async:
+            return _reported()
+        return None
+
+
+async def _reported() -> None:
+    await trio.lowlevel.checkpoint()
+
+
+async def test_a_handler_answers_updates_are_reported_with_source_and_call_id_then_applied() -> None:
+    update = PermissionUpdate.add("Bash:git *")
+    seen_rules: list[tuple[str, ...]] = []
+    permissions = engine(handler=Answerer(PermissionAllow(rule_updates=[update])))
+
+    async def on_applied(updates: tuple[PermissionUpdate, ...], /, *, source: str, call_id: str | None) -> None:
+        # Called before the updates take effect (write-ahead): the engine does not have them yet.
+        seen_rules.append(tuple(rule.text for rule in permissions.session_allow_rules))
+        log.append((updates, source, call_id))
+
+    log: list[tuple[tuple[PermissionUpdate, ...], str, str | None]] = []
+    permissions.on_updates_applied = on_applied
+    decision = await permissions.decide(BASH, {"command": "git push"}, ctx(call_id="call-7"))
+    assert decision.allowed
+    assert log == [((update,), "handler", "call-7")]
+    assert seen_rules == [()]
+    assert [rule.text for rule in permissions.session_allow_rules] == ["Bash:git *"]
+    # Answers without updates, and decisions that did not ask, report nothing.
+    await permissions.decide(BASH, {"command": "git log"}, ctx())
+    permissions.on_updates_applied = UpdateLog()
+    await engine(handler=Answerer(PermissionAllow())).decide(BASH, {"command": "x"}, ctx())
+    assert len(log) == 1
+
+
+@pytest.mark.parametrize("is_async", [True, False])
+async def test_accept_updates_reports_then_applies_and_replay_does_not_report(is_async: bool) -> None:
+    callback = UpdateLog(is_async=is_async)
+    permissions = engine(mode="bypass", on_updates_applied=callback)
+    deny = PermissionUpdate.add("Bash:curl *", behavior="deny")
+    applied = await permissions.accept_updates([deny], source="tool", call_id="call-1")
+    assert applied == (deny,)
+    assert callback.calls == [((deny,), "tool", "call-1")]
+    assert (await permissions.decide(BASH, {"command": "curl x"}, ctx())).allowed is False
+    # Nothing to apply: no report.
+    assert await permissions.accept_updates([], source="tool") == ()
+    # Reopen: a fresh engine gets the stored updates back without reporting them again.
+    reopened = engine(mode="bypass", on_updates_applied=callback)
+    reopened.replay_updates([update_from_json(update_to_json(deny))])
+    assert len(callback.calls) == 1
+    assert [rule.text for rule in reopened.session_deny_rules] == ["Bash:curl *"]
+    assert (await reopened.decide(BASH, {"command": "curl x"}, ctx())).allowed is False
+
+
+async def test_a_failing_report_applies_nothing_and_propagates() -> None:
+    permissions = engine(mode="bypass", on_updates_applied=UpdateLog(fail=True))
+    with pytest.raises(RuntimeError, match="journal down"):
+        await permissions.accept_updates([PermissionUpdate.add("Bash:curl *", behavior="deny")], source="tool")
+    assert permissions.session_deny_rules == ()
+    # Through an answer: the call fails closed (the pipeline turns the error into a denial).
+    answering = engine(
+        handler=Answerer(PermissionAllow(rule_updates=[PermissionUpdate.add("Bash")])),
+        on_updates_applied=UpdateLog(fail=True),
+    )
+    with pytest.raises(RuntimeError, match="journal down"):
+        await answering.decide(BASH, {"command": "make"}, ctx())
+    assert answering.session_allow_rules == ()
+
+
+async def test_accept_updates_checks_every_item_before_reporting() -> None:
+    callback = UpdateLog()
+    permissions = engine(on_updates_applied=callback)
+    with pytest.raises(ConfigError, match="expected a PermissionUpdate"):
+        await permissions.accept_updates([PermissionUpdate.add("Bash"), "Read"], source="tool")  # type: ignore[list-item]
+    assert (callback.calls, permissions.session_allow_rules) == ([], ())
+    with pytest.raises(ConfigError, match="callable"):
+        engine(on_updates_applied=42)
+
+
+@pytest.mark.parametrize(
+    "update",
+    [
+        PermissionUpdate.add("Bash:git *"),
+        PermissionUpdate.add("Bash:rm *", "mcp__*", behavior="deny"),
+        PermissionUpdate.remove("Read", behavior="allow"),
+        PermissionUpdate.remove("Task:Explore:*", behavior="deny"),
+    ],
+)
+def test_update_json_round_trip(update: PermissionUpdate) -> None:
+    import json
+
+    stored = json.loads(json.dumps(update_to_json(update)))
+    assert stored["action"] == update.action and stored["behavior"] == update.behavior.value
+    assert stored["rules"] == [rule.text for rule in update.rules]
+    again = update_from_json(stored)
+    assert again == update and [r.text for r in again.rules] == [r.text for r in update.rules]
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        None,
+        [],
+        {"action": "add", "rules": ["Bash"]},
+        {"action": "add", "behavior": "allow", "rules": ["Bash"], "extra": 1},
+        {"action": "grant", "behavior": "allow", "rules": ["Bash"]},
+        {"action": "add", "behavior": "ask", "rules": ["Bash"]},
+        {"action": "add", "behavior": "allow", "rules": "Bash"},
+        {"action": "add", "behavior": "allow", "rules": []},
+        {"action": "add", "behavior": "allow", "rules": ["Bash:"]},
+        {"action": "add", "behavior": 1, "rules": ["Bash"]},
+    ],
+)
+def test_update_from_json_rejects_what_update_to_json_never_makes(stored: Any) -> None:
+    with pytest.raises(ConfigError):
+        update_from_json(stored)
+
+
+# -- tools whose every call will be denied (settlement surprise 1) ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "tool", "expected"),
+    [
+        ({}, "Write", "permission mode 'default' asks before write tools"),
+        ({}, "Read", None),
+        ({"mode": "accept_edits"}, "Write", None),
+        ({"mode": "accept_edits"}, "Shell", "permission mode 'accept_edits' asks before execute tools"),
+        ({"mode": "plan"}, "Write", None),  # plan's refusal is the point of plan
+        ({"mode": "bypass", "ask": ("Write",)}, "Write", None),
+        ({"allow": ("Write",)}, "Write", None),
+        ({"allow": ("Wr*",)}, "Write", None),
+        ({"allow": ("Shell:ls*",)}, "Shell", None),  # some calls can run
+        ({"deny": ("Write",)}, "Write", None),  # refused on purpose
+        ({"ask": ("Read",)}, "Read", "it matches ask rule 'Read'"),
+        ({"handler": Answerer(None)}, "Write", None),
+        ({}, "Bash", None),  # its resolver may narrow a call to readonly
+    ],
+)
+def test_never_allowed(kwargs: dict[str, Any], tool: str, expected: str | None) -> None:
+    tools = {"Write": WRITE, "Read": READ, "Bash": BASH, "Shell": make_tool("Shell")}
+    assert engine(**kwargs).never_allowed(tools[tool]) == expected
+
+
+# -- input the validator cannot encode (issue 11 item 8) --------------------------------------------
+
+
+STRICT_SHELL = define_tool(
+    _echo, name="Shell", description="d", kind="execute", side_effect="non_idempotent",
+    input_schema={"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", list(PermissionMode))
+async def test_a_lone_surrogate_key_is_a_validation_error(mode: PermissionMode) -> None:
+    handler = Answerer(PermissionAllow())
+    decision = await engine(mode=mode, handler=handler).decide(STRICT_SHELL, {"\ud800": 1, "command": "ls"}, ctx())
+    assert (decision.allowed, decision.source) == (False, DecisionSource.VALIDATION)
+    assert decision.message is not None and "lone surrogate" in decision.message
+    decision.message.encode("utf-8")  # the message itself is valid Unicode
+    stage = decision.to_stage_decision()
+    assert isinstance(stage, Deny) and (stage.type, stage.code) == (ToolErrorType.VALIDATION, "invalid_input")
+    assert handler.calls == 0
+
+
+async def test_a_lone_surrogate_key_in_a_pipeline_is_invalid_input_not_a_hook_error() -> None:
+    permissions = engine(mode="bypass")
+    pipeline = ToolPipeline([STRICT_SHELL], stages=ToolStages(permission=[permissions.as_stage()]))
+    record = await call_tool(pipeline, "Shell", {"\ud800": 1, "command": "ls"})
+    assert record.result.error is not None and not record.tool_ran
+    assert (record.result.error.type, record.result.error.code) == (ToolErrorType.VALIDATION, "invalid_input")
+
+
+async def test_a_path_the_file_system_cannot_encode_is_denied_by_the_path_policy(tmp_path: Path) -> None:
+    policy = PathPolicy([tmp_path])
+    problem = policy.violation("a/\ud800.txt")
+    assert problem is not None and "not a valid file name" in problem
+    permissions = engine(mode="bypass", path_policy=policy)
+    decision = await permissions.decide(WRITE, {"file_path": "a/\ud800.txt"}, ctx())
+    assert (decision.allowed, decision.source) == (False, DecisionSource.PATH_POLICY)

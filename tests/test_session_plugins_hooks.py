@@ -175,6 +175,110 @@ async def test_tool_and_model_middleware_order_in_a_real_session() -> None:
     assert model_log == onion(["S1", "S2", "P1a", "P1b", "P2"]) * 2
 
 
+class ChatOnly(ModelMiddleware):
+    async def wrap_chat(self, request: Any, next: Any) -> Any:
+        return await next(request)  # pragma: no cover - a session never calls it
+
+
+class SideQueryOnly(ModelMiddleware):
+    async def wrap_side_query(self, request: Any, next: Any) -> Any:
+        return await next(request)  # pragma: no cover
+
+
+class RetryEventsOnly(ModelMiddleware):
+    async def wrap_chat_with_retry_events(self, request: Any, next: Any) -> AsyncIterator[Any]:
+        async for item in next(request):  # pragma: no cover
+            yield item
+
+
+class DuckChat:
+    """Not a ModelMiddleware subclass: only its wrappers count."""
+
+    async def wrap_chat(self, request: Any, next: Any) -> Any:
+        return await next(request)  # pragma: no cover
+
+
+class ChatAndStream(StreamLayer):
+    async def wrap_chat(self, request: Any, next: Any) -> Any:
+        return await next(request)  # pragma: no cover
+
+
+@pytest.mark.parametrize(
+    ("layer", "defined"),
+    [
+        (ChatOnly(), "wrap_chat"),
+        (SideQueryOnly(), "wrap_side_query"),
+        (RetryEventsOnly(), "wrap_chat_with_retry_events"),
+        (DuckChat(), "wrap_chat"),
+    ],
+)
+@pytest.mark.parametrize("where", ["session", "plugin"])
+async def test_model_middleware_without_wrap_stream_rejects_the_session(layer: Any, defined: str, where: str) -> None:
+    """A session streams every model turn: middleware that cannot wrap a stream would silently never run."""
+    config = MiddlewareConfig(model=[StreamLayer("fine", []), layer])
+    options: dict[str, Any] = (
+        {"middleware": config} if where == "session" else {"plugins": [define_plugin(name="timing", middleware=config)]}
+    )
+    model = TestModel(default=Reply(text="never"))
+    with pytest.raises(ConfigError) as info:
+        async with open_session(provider=model, **options):
+            pytest.fail("must not start")  # pragma: no cover
+    message = str(info.value)
+    owner = "session" if where == "session" else "plugin 'timing'"
+    assert message.startswith(f"{owner} model middleware #1 ({type(layer).__name__}) defines {defined} but not")
+    assert "a session streams every model turn" in message and "define wrap_stream" in message
+    assert model.requests == []
+
+
+async def test_model_middleware_with_wrap_stream_and_wrap_chat_runs_in_a_session() -> None:
+    log: list[str] = []
+    model = TestModel(default=Reply(text="ok"))
+    async with open_session(provider=model, middleware=MiddlewareConfig(model=[ChatAndStream("both", log)])) as s:
+        assert await s.send("hi") == "ok"
+    assert log == ["both:before", "both:after"]
+
+
+def _first_python_block(path: str) -> str:
+    with open(path, encoding="utf-8") as file:
+        text = file.read()
+    start = text.index("```python\n") + len("```python\n")
+    return text[start : text.index("```", start)]
+
+
+async def test_the_plugins_md_example_runs_in_a_session() -> None:
+    """docs/plugins.md's opening example, executed: its Timing middleware times every model turn of a
+    session (it used to define only wrap_chat, which a session never calls)."""
+    import logging
+
+    import attrs
+
+    observed: list[float] = []
+
+    class Metrics:
+        def observe(self, seconds: float) -> None:
+            observed.append(seconds)
+
+    @attrs.define
+    class ReviewInput:
+        diff: str
+
+    docs = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "plugins.md")
+    namespace: dict[str, Any] = {
+        "trio": trio,
+        "metrics": Metrics(),
+        "audit_log": logging.getLogger("tests.plugins_md"),
+        "ReviewInput": ReviewInput,
+    }
+    exec(compile(_first_python_block(docs), "docs/plugins.md", "exec"), namespace)
+    model = TestModel(default=Reply(text="lgtm"))
+    async with open_session(provider=model, plugins=[namespace["review"]]) as session:
+        assert await session.send("check this") == "lgtm"
+        assert await session.send("and this") == "lgtm"
+    assert len(observed) == len(model.requests) == 2
+    assert all(seconds >= 0 for seconds in observed)
+    assert "[review]\ncheck this" in user_texts(model.requests[0])
+
+
 async def test_plugin_order_follows_the_plugins_list_not_definition_order() -> None:
     log: list[str] = []
     later = define_plugin(name="defined-first", middleware=MiddlewareConfig(tool=[tool_layer("A", log)]))

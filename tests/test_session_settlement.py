@@ -18,6 +18,8 @@ from tests.test_journal_durable import GatedStore
 from tests.test_session import events_of, gated_tool, of_type, unsettled_requests
 from trio_agent import (
     AbortReason,
+    MiddlewareConfig,
+    ModelMiddleware,
     RequestAbortedError,
     SideEffect,
     SubagentDefinition,
@@ -335,3 +337,34 @@ async def test_background_calls_cancelled_by_close_carry_the_close_reason(
     child = await events_of(store, session.journal.stream_id(handle.id))
     assert [e.reason for e in of_type(child, ToolCancelled)] == ["session_close"]
     assert [e.reason for e in of_type(child, RequestInterrupted)] == [RequestInterruptReason.SESSION_CLOSE]
+
+
+class StuckCleanup(ModelMiddleware):
+    """A stream middleware whose clean-up awaits for 1,000 s."""
+
+    async def wrap_stream(self, request: Any, next: Any) -> Any:  # type: ignore[override]
+        try:
+            async for chunk in next(None):
+                yield chunk
+        finally:
+            await trio.sleep(1000)  # runs inside the library's clean-up shield
+
+
+async def test_a_stuck_stream_clean_up_is_bounded_by_cleanup_grace(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 400 words: the reader below never reads, so the request blocks on its full event channel
+    # with the middleware suspended between chunks; the deadline then closes the stream.
+    model = TestModel(default=Reply(text=" ".join(["word"] * 400)))
+    start = trio.current_time()
+    async with open_session(
+        provider=model, middleware=MiddlewareConfig(model=[StuckCleanup()]), cleanup_grace=2, close_timeout=5
+    ) as session:
+        with trio.move_on_after(1):
+            async with session.stream("hello"):
+                await trio.sleep_forever()
+        # The 1 s deadline became at most 1 s + the grace (not 1,001 s).
+        assert trio.current_time() - start <= 1 + 2 + 0.01
+    # Leaving the block is bounded too.
+    assert trio.current_time() - start <= 1 + 2 + 5 + 0.01
+    assert any("overran" in record.getMessage() for record in caplog.records)

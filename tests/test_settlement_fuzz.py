@@ -20,6 +20,7 @@ A few hundred trials run in CI; ``-m stress`` runs 10,000.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Callable
 from typing import Any
@@ -184,10 +185,8 @@ async def run_trial(seed: int) -> None:
                                 await session.abort()
 
                             nursery.start_soon(abort_later)
-                            try:
+                            with contextlib.suppress(RequestAbortedError):
                                 await session.send("go")
-                            except RequestAbortedError:
-                                pass
                             nursery.cancel_scope.cancel()
                     elif source == "cancel_send":
                         with trio.move_on_after(moment):

@@ -977,3 +977,85 @@ def test_tool_failure_defaults_to_execution():
     result = failure.to_result()
     assert result.error == ToolError(ToolErrorType.EXECUTION, "broke")
     assert str(failure) == "broke"
+
+
+# ---------------------------------------------------------------------------
+# permissions: signature_content and check_permissions (settlement issue item 12)
+
+
+def _content(input: dict[str, Any]) -> str | None:
+    return input.get("q")
+
+
+def _check(input: dict[str, Any]) -> None:
+    return None
+
+
+def test_signature_content_and_check_permissions_are_stored_on_the_tool():
+    tool = make(signature_content=_content, check_permissions=_check)
+    assert (tool.signature_content, tool.check_permissions) == (_content, _check)
+    assert tool.has_signature_content and tool.signature_field is None
+    assert tool.signature_content_for({"q": "x"}) == "x"
+    assert tool.signature_content_for({}) is None
+    # Decorator form takes them too.
+
+    @define_tool(side_effect="pure", input_schema=OBJECT, signature_content=_content, check_permissions=_check)
+    async def decorated(input, ctx):
+        """Decorated."""
+
+    assert (decorated.signature_content, decorated.check_permissions) == (_content, _check)
+    plain = make()
+    assert (plain.signature_content, plain.check_permissions, plain.has_signature_content) == (None, None, False)
+
+
+@pytest.mark.parametrize("field", ["signature_content", "check_permissions"])
+def test_non_callable_permission_parts_rejected(field):
+    with pytest.raises(ToolDefinitionError, match=f"{field} must be callable"):
+        make(**{field: "input['q']"})
+
+
+def test_signature_content_must_return_a_string_or_none():
+    tool = make(signature_content=lambda input: 42)
+    with pytest.raises(TypeError, match="must be a string or None"):
+        tool.signature_content_for({"q": "x"})
+    assert make(signature_content=lambda input: "").signature_content_for({"q": "x"}) is None
+
+
+@attrs.define
+class ShellInput:
+    command: str
+    cwd: Optional[str] = None  # noqa: UP045 - Optional on purpose: not a plain string, never the content
+
+
+@attrs.define
+class MaybePath:
+    path: Optional[str] = None  # noqa: UP045
+
+
+def test_signature_field_from_attrs_input_types():
+    shell = make(input_type=ShellInput)
+    assert shell.signature_field == "command"
+    assert shell.signature_content_for({"command": " git status "}) == "git status"
+    # An optional field is not a plain string property: no default content.
+    assert make(input_type=MaybePath).signature_field is None
+    # Given signature_content wins: the field is not used.
+    assert make(input_type=ShellInput, signature_content=lambda input: "x").signature_field is None
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ({"q": "x", "\ud800": 1}, "at <root>: key '\\ud800' is not valid Unicode"),
+        ({"q": "\udfff"}, "at q: string '\\udfff' is not valid Unicode"),
+    ],
+)
+def test_lone_surrogates_are_input_errors_not_crashes(value, fragment):
+    tool = make(input_schema={"type": "object", "properties": {"q": {"type": "string", "pattern": "^x"}}})
+    errors = tool.input_errors(value)
+    assert any(fragment in line for line in errors), errors
+    "; ".join(errors).encode("utf-8")
+    with pytest.raises(ToolInputError, match="lone surrogate"):
+        tool.validate_input(value)
+    # The behaviour resolver only ever sees valid input: a surrogate key gets the static behaviour.
+    resolving = make(input_schema=OBJECT, resolve_behavior=lambda input: BehaviorOverride(concurrency_safe=False))
+    assert resolving.resolve_behavior({"q": "x", "\ud800": 1}) == resolving.behavior

@@ -142,6 +142,7 @@ from ._session._hooks import HookOutput as HookOutput
 from ._session._hooks import HookReturnError as HookReturnError
 from ._session._hooks import HookTimeoutError as HookTimeoutError
 from ._session._messages import DoneEvent as DoneEvent
+from ._session._messages import PermissionDeniedEvent as PermissionDeniedEvent
 from ._session._messages import SessionEvent as SessionEvent
 from ._session._messages import SubagentEvent as SubagentEvent
 from ._session._messages import SubagentStatus as SubagentStatus
@@ -258,6 +259,7 @@ __all__ = [
     "PathPolicy",
     "PermissionAllow",
     "PermissionAsk",
+    "PermissionDeniedEvent",
     "PermissionDeny",
     "PermissionMode",
     "PermissionRequest",

@@ -16,6 +16,7 @@ from .._tools._results import ToolResult
 
 __all__ = [
     "DoneEvent",
+    "PermissionDeniedEvent",
     "SessionEvent",
     "SubagentEvent",
     "SubagentStatus",
@@ -62,6 +63,22 @@ class ToolResultEvent:
     result: ToolResult
 
 
+@attrs.frozen
+class PermissionDeniedEvent:
+    """A tool call was refused in a way the user should hear about, not only the model.
+
+    ``reason`` is ``"no_handler"``: the call needed permission and the session
+    has no permission handler to ask (its result's ``error.code`` is
+    ``"no_handler"``). ``message`` is what the model was told, with the fix.
+    """
+
+    agent_id: str
+    call_id: str
+    tool: str
+    reason: str
+    message: str = ""
+
+
 class SubagentStatus(enum.Enum):
     RUNNING = "running"
     IDLE = "idle"  # its current work was cancelled; it can be resumed
@@ -100,5 +117,12 @@ class DoneEvent:
 
 
 SessionEvent: TypeAlias = (
-    TextDeltaEvent | ToolUseEvent | ToolProgressEvent | ToolResultEvent | SubagentEvent | UsageEvent | DoneEvent
+    TextDeltaEvent
+    | ToolUseEvent
+    | ToolProgressEvent
+    | ToolResultEvent
+    | PermissionDeniedEvent
+    | SubagentEvent
+    | UsageEvent
+    | DoneEvent
 )

@@ -33,7 +33,8 @@ holds the same table for people; the tests pin every row.
                                   ``remember`` apply. One deadline covers the whole ask;
                                   the call's abort cancels it. Timeout, abort, a raising
                                   or misbehaving hook/handler: deny.
- 13   nobody answered             deny
+ 13   nobody answered             deny (source ``no_handler`` when there is no handler at all;
+                                  its stage `Deny` has code ``"no_handler"``)
 ====  ==========================  ============================================================
 
 Mode table (resolved kind of the call's current input)::
@@ -50,11 +51,12 @@ from __future__ import annotations
 
 import enum
 import inspect
+import logging
 import os
 import re
 import types
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias
 
 import attrs
 import trio
@@ -95,7 +97,12 @@ __all__ = [
     "SignatureContent",
     "ToolFilter",
     "ToolPermissionCheck",
+    "UpdatesApplied",
+    "update_from_json",
+    "update_to_json",
 ]
+
+logger = logging.getLogger("trio_agent.permissions")
 
 
 # ---------------------------------------------------------------- modes and rules
@@ -372,6 +379,31 @@ class PermissionUpdate:
         return cls("remove", rules, behavior)
 
 
+def update_to_json(update: PermissionUpdate) -> JsonObject:
+    """``{"action": "add"|"remove", "behavior": "allow"|"deny", "rules": [rule text, ...]}`` (for the journal)."""
+    if not isinstance(update, PermissionUpdate):
+        raise ConfigError(f"expected a PermissionUpdate, got {update!r}")
+    return {"action": update.action, "behavior": update.behavior.value, "rules": [rule.text for rule in update.rules]}
+
+
+def update_from_json(value: object) -> PermissionUpdate:
+    """The `PermissionUpdate` that `update_to_json` made *value* from; `ConfigError` if *value* is not one."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"a stored permission update must be a JSON object, got {value!r}")
+    keys = set(value)
+    if keys != {"action", "behavior", "rules"}:
+        raise ConfigError(
+            f"a stored permission update has the keys 'action', 'behavior' and 'rules', got {sorted(map(str, keys))}"
+        )
+    rules = value["rules"]
+    if not isinstance(rules, list) or not all(isinstance(rule, str) for rule in rules):
+        raise ConfigError(f"a stored permission update's rules must be a list of strings, got {rules!r}")
+    behavior = value["behavior"]
+    if not isinstance(behavior, str):
+        raise ConfigError(f"a stored permission update's behavior must be a string, got {behavior!r}")
+    return PermissionUpdate(value["action"], rules, behavior)
+
+
 def _optional_json_object(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not isinstance(value, dict):
         raise ConfigError(f"updated_input must be a JSON object (dict) or None, got {type(value).__name__}")
@@ -475,6 +507,19 @@ SignatureContent: TypeAlias = Callable[[JsonObject], str | None]
 """A tool's ``signature_content(input)``: the part after ``Name:`` in its signature (``None``/"" for none)."""
 
 
+class UpdatesApplied(Protocol):
+    """``on_updates_applied(updates, *, source, call_id)``, sync or async: rule updates are about to apply.
+
+    ``source`` is who issued them (``"handler"`` or ``"hook"`` for an answer, or
+    what `PermissionEngine.accept_updates` was given, e.g. ``"tool"``); ``call_id``
+    the tool call they came with.
+    """
+
+    def __call__(
+        self, updates: tuple[PermissionUpdate, ...], /, *, source: str, call_id: str | None
+    ) -> Awaitable[None] | None: ...
+
+
 # ---------------------------------------------------------------- decisions
 
 
@@ -491,6 +536,7 @@ class DecisionSource(enum.Enum):
     HOOK = "hook"
     HANDLER = "handler"
     NO_ANSWER = "no_answer"
+    NO_HANDLER = "no_handler"
     TIMEOUT = "timeout"
     ABORT = "abort"
     ERROR = "error"
@@ -529,19 +575,17 @@ class Decision:
     def to_stage_decision(self, original_input: JsonObject | None = None) -> Allow | Deny:
         """The tool pipeline's view: `Allow` (with the input if it changed) or a ``permission_denied`` `Deny`.
 
-        A ``stop_loop`` denial carries code ``"stop_loop"``; input that fails the
-        tool's schema is a ``validation`` error (code ``"invalid_input"``), as
-        the pipeline's own schema check would report it.
+        A ``stop_loop`` denial carries code ``"stop_loop"``; a call that needed an
+        answer when the engine has no handler carries code ``"no_handler"``;
+        input that fails the tool's schema is a ``validation`` error (code
+        ``"invalid_input"``), as the pipeline's own schema check would report it.
         """
         if self.allowed:
             return Allow(None if self.input is original_input else self.input)
         if self.source is DecisionSource.VALIDATION:
             return Deny(self.message or "invalid input", ToolErrorType.VALIDATION, "invalid_input")
-        return Deny(
-            self.message or "permission denied",
-            ToolErrorType.PERMISSION_DENIED,
-            "stop_loop" if self.stop_loop else None,
-        )
+        code = "stop_loop" if self.stop_loop else "no_handler" if self.source is DecisionSource.NO_HANDLER else None
+        return Deny(self.message or "permission denied", ToolErrorType.PERMISSION_DENIED, code)
 
 
 PermissionPhase: TypeAlias = Literal["requested", "resolved"]
@@ -673,7 +717,11 @@ class PathPolicy:
         if ".." in _SEPARATORS.split(path):
             return f"affected path {path!r} contains a '..' component"
         joined = os.path.join(self.workspace_roots[0], path)
-        real = os.path.realpath(joined)
+        try:
+            real = os.path.realpath(joined)
+        except (UnicodeError, ValueError):
+            # e.g. a lone surrogate the file system encoding cannot take: fail closed, with a reason.
+            return f"affected path {path!r} is not a valid file name"
         if any(_inside(real, root) for root in self._resolved):
             return None
         lexical = os.path.normpath(joined)
@@ -716,6 +764,43 @@ def _callable_name(fn: object) -> str:
     return str(getattr(fn, "__qualname__", None) or repr(fn))
 
 
+def _checked_updates(updates: Iterable[PermissionUpdate]) -> tuple[PermissionUpdate, ...]:
+    if isinstance(updates, PermissionUpdate):
+        return (updates,)
+    checked = tuple(updates)
+    for update in checked:
+        if not isinstance(update, PermissionUpdate):
+            raise ConfigError(f"expected a PermissionUpdate, got {update!r}")
+    return checked
+
+
+def _no_handler_message(
+    name: str,
+    signature: str,
+    kind: ToolKind,
+    mode: PermissionMode,
+    reason: AskReason,
+    message: str | None,
+    rule: Rule | str | None,
+) -> str:
+    """What the model sees when a call needed an answer and nobody can give one: why, and what would fix it."""
+    head = f"{signature} needs permission and there is no permission handler to ask, so the call was denied"
+    allow = f'permissions={{"allow": ["{name}"]}}'
+    if reason is AskReason.TOOL:
+        why = f"the tool's own check asks{f' ({message})' if message else ''}"
+        fix = "only a permission_handler= can answer a tool's own ask"
+    elif reason is AskReason.RULE:
+        why = f"it matches ask rule {str(rule)!r}"
+        fix = f"to let it run, open the session with a permission_handler=, or drop the ask rule and use {allow}"
+    else:
+        why = f"{mode.value} mode asks before {kind.value} tools"
+        fix = (
+            f"to let it run, open the session with {allow} or a permission_handler=, "
+            f'or define the tool with kind="readonly" if it only reads'
+        )
+    return f"{head} ({why}). This is the session's configuration, not the call: {fix}."
+
+
 class PermissionEngine:
     """Decides whether tool calls may run (see the module docstring for the table).
 
@@ -729,13 +814,16 @@ class PermissionEngine:
             before an ask and ``"resolved"`` after it, so the session can make both
             durable. An exception from it propagates (the pipeline fails closed).
         tool_checks: tool name -> the tool's own ``check_permissions(input)``; a tool
-            object with a ``check_permissions`` attribute is used when not listed.
+            not listed uses its `Tool.check_permissions` (``define_tool(check_permissions=)``).
         signature_content: tool name -> ``signature_content(input)``, or one callable
-            ``(tool_name, input) -> str | None`` for all tools; a tool object with a
-            ``signature_content`` attribute is used when not given.
+            ``(tool_name, input) -> str | None`` for all tools; a tool not covered uses
+            `Tool.signature_content_for` (``define_tool(signature_content=)``, else the
+            tool's conventional field such as ``command``).
         tool_filter: a `ToolFilter`, or ``agent_id -> ToolFilter``, enforced on calls.
         ask_timeout: seconds an ask (hooks and handler together) may take (default 600).
         record_grace: bound on the shielded ``resolved`` write after a cancellation (default 10 s).
+        on_updates_applied: told about every rule update an answer or `accept_updates`
+            applies (see `UpdatesApplied`); also settable later as ``engine.on_updates_applied``.
     """
 
     def __init__(
@@ -752,6 +840,7 @@ class PermissionEngine:
         tool_filter: ToolFilter | Callable[[str], ToolFilter] | None = None,
         ask_timeout: float = 600.0,
         record_grace: float = 10.0,
+        on_updates_applied: UpdatesApplied | None = None,
     ) -> None:
         if rules is None:
             rules = PermissionRules()
@@ -798,7 +887,10 @@ class PermissionEngine:
         self._tool_filter = tool_filter
         self.ask_timeout = validate_timeout(ask_timeout, name="permission ask_timeout")
         self.record_grace = validate_timeout(record_grace, name="permission record_grace")
-        # The session layer, changed by answers (rule updates, remember) and `update_rules`.
+        if on_updates_applied is not None and not callable(on_updates_applied):
+            raise ConfigError(f"on_updates_applied must be callable, got {on_updates_applied!r}")
+        self.on_updates_applied: UpdatesApplied | None = on_updates_applied
+        # The session layer, changed by answers (rule updates, remember) and `accept_updates`.
         self._approved: set[str] = set()
         self._session_allow: list[Rule] = []
         self._session_deny: list[Rule] = []
@@ -831,16 +923,43 @@ class PermissionEngine:
     def session_deny_rules(self) -> tuple[Rule, ...]:
         return tuple(self._session_deny)
 
-    def apply_updates(self, updates: Iterable[PermissionUpdate]) -> None:
-        """Apply rule updates to the session layer.
+    async def accept_updates(
+        self, updates: Iterable[PermissionUpdate], *, source: str, call_id: str | None = None
+    ) -> tuple[PermissionUpdate, ...]:
+        """Apply live rule updates (a tool's ``permission_updates`` effect, say) and report them.
 
-        Adding a rule with one behaviour takes it out of the other session list
-        (so the session layer never conflicts with itself); removing works on
-        the session layer only.
+        Every item is checked first (`ConfigError`, nothing applied). Then
+        `on_updates_applied` is called (and awaited if async) *before* the
+        updates take effect, so a journal can make them durable first: if it
+        raises, nothing is applied and the error propagates. Returns the updates
+        applied (none: no callback).
         """
+        checked = _checked_updates(updates)
+        if not checked:
+            return ()
+        callback = self.on_updates_applied
+        if callback is not None:
+            outcome = callback(checked, source=source, call_id=call_id)
+            if inspect.isawaitable(outcome):
+                await outcome
+        self._apply(checked)
+        return checked
+
+    def replay_updates(self, updates: Iterable[PermissionUpdate]) -> None:
+        """Apply stored rule updates again (a reopened session), without calling `on_updates_applied`."""
+        self._apply(_checked_updates(updates))
+
+    def apply_updates(self, updates: Iterable[PermissionUpdate]) -> None:
+        """Apply rule updates to the session layer, without calling `on_updates_applied`.
+
+        For updates that must be reported (journalled), use `accept_updates`.
+        """
+        self._apply(_checked_updates(updates))
+
+    def _apply(self, updates: tuple[PermissionUpdate, ...]) -> None:
+        """Adding a rule with one behaviour takes it out of the other session list (so the session layer
+        never conflicts with itself); removing works on the session layer only."""
         for update in updates:
-            if not isinstance(update, PermissionUpdate):
-                raise ConfigError(f"expected a PermissionUpdate, got {update!r}")
             target = self._session_allow if update.behavior is RuleBehavior.ALLOW else self._session_deny
             other = self._session_deny if update.behavior is RuleBehavior.ALLOW else self._session_allow
             for rule in update.rules:
@@ -851,6 +970,32 @@ class PermissionEngine:
                         target.append(rule)
                 elif rule in target:
                     target.remove(rule)
+
+    def never_allowed(self, tool: Tool[Any]) -> str | None:
+        """Why every call of *tool* will be denied as things stand, or ``None`` when some call could run.
+
+        Only the sure cases: no handler; no allow rule that could match the tool;
+        no wholesale deny rule (that refusal is deliberate); and either the mode asks
+        for the tool's kind (no behaviour resolver that could narrow it, not ``plan``,
+        whose refusal is deliberate) or an ask rule covers every call (not in bypass).
+        """
+        if self._handler is not None:
+            return None
+        name = tool.name
+        for rule in (*self._rules.rules(RuleBehavior.ALLOW), *self._session_allow):
+            if (rule.tool_prefix and name.startswith(rule.tool)) or rule.tool == name:
+                return None
+        for rule in self._rules.rules(RuleBehavior.DENY):
+            if rule.matches_call(name, None):
+                return None
+        mode = self._mode
+        if mode is not PermissionMode.BYPASS:
+            for rule in self._rules.rules(RuleBehavior.ASK):
+                if rule.matches_call(name, None):
+                    return f"it matches ask rule {rule.text!r}"
+        if tool.resolver is None and MODE_TABLE[mode][tool.kind] is RuleBehavior.ASK:
+            return f"permission mode {mode.value!r} asks before {tool.kind.value} tools"
+        return None
 
     def remember(self, signature: str) -> None:
         """Approve this exact signature for the rest of the session."""
@@ -1023,14 +1168,13 @@ class PermissionEngine:
 
     def _content(self, tool: Tool[Any], input: JsonObject) -> str | None:
         fn: Callable[[JsonObject], object] | None = self._content_map.get(tool.name)
-        if fn is None and self._content_fn is not None:
-            value: object = self._content_fn(tool.name, json_copy(input))
+        if fn is not None:
+            value: object = fn(json_copy(input))
+        elif self._content_fn is not None:
+            value = self._content_fn(tool.name, json_copy(input))
         else:
-            if fn is None:
-                fn = getattr(tool, "signature_content", None)
-            if fn is None:
-                return None
-            value = fn(json_copy(input))
+            # The tool's own: define_tool(signature_content=), else its conventional field.
+            return tool.signature_content_for(json_copy(input))
         if value is None:
             return None
         if not isinstance(value, str):
@@ -1040,7 +1184,7 @@ class PermissionEngine:
     def _check_for(self, tool: Tool[Any]) -> ToolPermissionCheck | None:
         check = self._tool_checks.get(tool.name)
         if check is None:
-            check = getattr(tool, "check_permissions", None)
+            check = tool.check_permissions
         return check
 
     def _filter_for(self, agent_id: str) -> ToolFilter | None:
@@ -1085,8 +1229,8 @@ class PermissionEngine:
         signature = subject.signature
         if not answerers:
             return self._deny(
-                subject.input, signature, DecisionSource.NO_ANSWER,
-                f"{signature} needs permission ({reason.value}) and there is no permission handler to ask",
+                subject.input, signature, DecisionSource.NO_HANDLER,
+                _no_handler_message(tool.name, signature, subject.behavior.kind, self._mode, reason, message, rule),
             )  # fmt: skip
         abort = context.abort
         if abort.reason is not None:
@@ -1137,7 +1281,9 @@ class PermissionEngine:
             await self._record("resolved", PermissionRecord(permission_id, request, decision))
         if decision.allowed and isinstance(answer.result, PermissionAllow):
             # Only an allow that stood applies its side effects, and only once it is recorded.
-            self.apply_updates(answer.result.rule_updates)
+            await self.accept_updates(
+                answer.result.rule_updates, source=answer.source.value, call_id=context.tool_call_id
+            )
             if answer.result.remember:
                 self._approved.add(decision.signature)
         return decision
@@ -1186,6 +1332,15 @@ class PermissionEngine:
                     message=f"{who} returned {result!r}, expected PermissionAllow, PermissionDeny, "
                     "PermissionAsk or None",
                 )
+        if self._handler is None:
+            # Only hooks were asked, and they cannot grant: the same refusal as having nobody to ask.
+            return _Answer(
+                DecisionSource.NO_HANDLER,
+                message=_no_handler_message(
+                    request.tool_name, request.signature, request.tool_kind, request.mode,
+                    request.reason, request.message, request.rule,
+                ),
+            )  # fmt: skip
         return _Answer(
             DecisionSource.NO_ANSWER, message=f"nobody answered the permission request for {request.signature}"
         )

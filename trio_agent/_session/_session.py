@@ -94,7 +94,7 @@ from .._models._messages import (
 from .._models._service import ModelService, Provider
 from .._tools._context import CallOrigin, ToolCall, ToolContext
 from .._tools._definition import SideEffect, Tool, ToolKind, define_tool
-from .._tools._pipeline import ToolPipeline
+from .._tools._pipeline import ToolExecutionRecord, ToolPipeline
 from .._tools._results import Effect, ToolErrorType, ToolResult
 from ._endings import answer_for_call, committed_results, open_items, record_request_end
 from ._hooks import (
@@ -109,6 +109,7 @@ from ._hooks import (
 )
 from ._messages import (
     DoneEvent,
+    PermissionDeniedEvent,
     SessionEvent,
     SubagentEvent,
     SubagentStatus,
@@ -901,12 +902,13 @@ class Session:
 
     # -- effects
 
-    def _apply_effect(self, agent: _Agent, effect: Effect) -> None:
+    async def _apply_effect(self, agent: _Agent, effect: Effect, call_id: str) -> None:
         """Apply what a settled tool asked of the session.
 
         ``new_messages`` (a string or a list of strings) reach the agent's model at
-        its next turn; ``permission_updates`` (`PermissionUpdate` s) change the
-        session's permission rules. Other kinds are logged and ignored.
+        its next turn; ``permission_updates`` (`PermissionUpdate` s, accepted only from
+        the tool itself: the pipeline drops them from middleware) change the session's
+        permission rules, journalled first. Other kinds are logged and ignored.
         """
         if effect.kind == "new_messages":
             payload = effect.payload
@@ -916,7 +918,7 @@ class Session:
             payload = effect.payload
             updates = [payload] if isinstance(payload, PermissionUpdate) else list(payload or [])
             try:
-                self.permissions.apply_updates(updates)
+                await self.permissions.accept_updates(updates, source="tool", call_id=call_id)
             except ConfigError as exc:
                 _log.warning("ignored a permission_updates effect: %s", exc)
         else:
@@ -1635,6 +1637,7 @@ class _AgentRun:
             await sink(ToolProgressEvent(agent.agent_id, part.id, item))
 
         origin = CallOrigin(session.session_id, agent.agent_id, request.request_id, turn_id)
+        record: ToolExecutionRecord | None = None
         try:
             record = await session.pipeline.execute(
                 ToolCall(part.id, part.name, arguments),
@@ -1649,9 +1652,14 @@ class _AgentRun:
             result = _error(f"{type(exc).__name__}: {exc}", "internal")
         else:
             result = record.result
+        slots[index] = result  # no await since the call settled: the answer is never lost
+        if record is not None:
             for effect in record.effects:  # only now: the call is settled
-                session._apply_effect(agent, effect)
-        slots[index] = result
+                await session._apply_effect(agent, effect, part.id)
+        error = result.error
+        if error is not None and error.code == "no_handler":
+            # A refusal nobody could have approved is made visible, not only told to the model.
+            await sink(PermissionDeniedEvent(agent.agent_id, part.id, part.name, "no_handler", error.message))
         await sink(ToolResultEvent(agent.agent_id, part.id, part.name, result))
 
 

@@ -7,10 +7,19 @@
   plugins in order. Shared by the root agent and every subagent.
 * One `HookRunner` (session hooks before plugin hooks) and its PreToolUse and
   PostToolUse pipeline stages.
-* One `PermissionEngine` as the pipeline's permission stage. PermissionRequest
+* One `PermissionEngine` as the pipeline's permission stage, given every
+  tool's ``signature_content`` and ``check_permissions``. PermissionRequest
   hooks run before the permission handler (a skip or abort denies; a modified
-  input is what the handler sees); the engine's asks are journalled
-  (``permission_requested`` / ``permission_resolved``) on the calling agent's stream.
+  input is what the handler sees); with no handler they can only deny, and a
+  call that needs an answer is refused with code ``no_handler``. The engine's
+  asks are journalled (``permission_requested`` / ``permission_resolved``) on
+  the calling agent's stream.
+* Checks that reject the session (`ConfigError`) or warn before it starts:
+  model middleware that does not define ``wrap_stream`` (sessions stream every
+  model turn, so it would never run); a ``Name:content`` rule naming a tool
+  whose calls have no signature content (it could never match); one WARNING
+  on the ``trio_agent.permissions`` logger per tool whose calls will all be
+  denied (`PermissionEngine.never_allowed`).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import attrs
 
 from .._errors import ConfigError
 from .._journal._events import PermissionRequested, PermissionResolved
+from .._models._service import _WRAPPERS, _defines
 from .._tools._definition import Tool
 from .._tools._stages import ToolStages
 from ._hooks import HookAction, HookEvent, HookInput, HookRegistry, HookRunner, post_tool_stage, pre_tool_stage
@@ -37,9 +47,13 @@ from ._permissions import (
     PermissionRequest,
     PermissionResult,
     PermissionRules,
+    RuleBehavior,
+    SignatureContent,
     ToolFilter,
+    ToolPermissionCheck,
+    logger,
 )
-from ._plugins import MiddlewareConfig, Plugin, ResolvedPlugins, resolve_plugins
+from ._plugins import MiddlewareConfig, MiddlewareConfigError, Plugin, ResolvedPlugins, resolve_plugins
 
 if TYPE_CHECKING:
     from ._session import Session
@@ -79,6 +93,38 @@ def _rules(permissions: Any) -> PermissionRules | None:
     raise ConfigError(f"permissions must be a PermissionRules or a mapping of rule lists, not {permissions!r}")
 
 
+def _check_streaming(middleware: MiddlewareConfig | None, plugins: Sequence[Plugin]) -> None:
+    """Sessions only stream: model middleware without ``wrap_stream`` would silently never run."""
+    owners: list[tuple[str, tuple[object, ...]]] = [("session", () if middleware is None else middleware.model)]
+    owners.extend((f"plugin {plugin.name!r}", plugin.middleware.model) for plugin in plugins)
+    for owner, layers in owners:
+        for index, layer in enumerate(layers):
+            if _defines(layer, "wrap_stream"):
+                continue
+            defined = ", ".join(name for name in _WRAPPERS.values() if _defines(layer, name))
+            raise MiddlewareConfigError(
+                f"{owner} model middleware #{index} ({type(layer).__name__}) defines {defined} but not "
+                "wrap_stream: a session streams every model turn, so it would never run; define wrap_stream "
+                "(an async generator that iterates next(request))"
+            )
+
+
+def _check_content_rules(rules: PermissionRules | None, tools: Mapping[str, Tool[Any]]) -> None:
+    """A ``Name:content`` rule for a tool whose calls have no content could never match: reject it."""
+    if rules is None:
+        return
+    for behavior in (RuleBehavior.DENY, RuleBehavior.ALLOW, RuleBehavior.ASK):
+        for rule in rules.rules(behavior):
+            tool = None if rule.tool_prefix or rule.content is None else tools.get(rule.tool)
+            if tool is not None and not tool.has_signature_content:
+                raise ConfigError(
+                    f"permissions.{behavior.value} rule {rule.text!r} can never match: calls of tool "
+                    f"{tool.name!r} have no signature content (give define_tool(signature_content=...), or "
+                    "declare a 'command', 'file_path', 'path' or 'url' string property); write "
+                    f"{tool.name!r} to cover every call"
+                )
+
+
 def build_session_parts(
     *,
     builtin_tools: Sequence[Tool[Any]],
@@ -101,11 +147,14 @@ def build_session_parts(
         raise ConfigError(f"plugins must be a list of define_plugin(...) results, not {plugins!r}")
     session_hooks = None if hooks is None else HookRegistry(hooks, source="session")
     resolved = resolve_plugins(middleware, plugins, builtin_tools, tools, session_hooks=session_hooks)
+    _check_streaming(middleware, resolved.plugins)
     for label, names in (("allowed_tools", allowed_tools), ("disallowed_tools", disallowed_tools)):
         if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):
             raise ConfigError(f"{label} must be a list of tool names, not {names!r}")
     selected = resolved.select(allowed=allowed_tools, disallowed=tuple(disallowed_tools or ()))
     registry = {entry.name: entry.tool for entry in resolved.tools}
+    rules = _rules(permissions)
+    _check_content_rules(rules, registry)
     runner = HookRunner(resolved.hooks, deadlines=hook_deadlines)
     roots = [os.path.abspath(os.fspath(root)) for root in workspace_roots] if workspace_roots else None
     holder: list[Session] = []
@@ -129,49 +178,78 @@ def build_session_parts(
 
     has_permission_hooks = runner.has_hooks(HookEvent.PERMISSION_REQUEST)
 
-    async def ask(request: PermissionRequest) -> PermissionResult | None:
-        """PermissionRequest hooks, then the user's handler; nobody answering means deny (engine)."""
-        current = request
-        modified = False
-        if has_permission_hooks:
-            decision = await runner.dispatch(
-                HookEvent.PERMISSION_REQUEST,
-                HookInput(
-                    event=HookEvent.PERMISSION_REQUEST,
-                    session_id=request.session_id,
-                    agent_id=request.agent_id,
-                    tool_name=request.tool_name,
-                    tool_call_id=request.tool_call_id,
-                    tool_input=dict(request.input),
-                    reason=request.message,
-                    extra={"affected_paths": list(request.affected_paths), "tool_kind": request.tool_kind.value},
-                ),
-                abort=request.abort,
+    async def run_hooks(request: PermissionRequest) -> PermissionDeny | PermissionRequest:
+        """The PermissionRequest hooks: a deny, or the request the handler sees (input maybe modified)."""
+        decision = await runner.dispatch(
+            HookEvent.PERMISSION_REQUEST,
+            HookInput(
+                event=HookEvent.PERMISSION_REQUEST,
+                session_id=request.session_id,
+                agent_id=request.agent_id,
+                tool_name=request.tool_name,
+                tool_call_id=request.tool_call_id,
+                tool_input=dict(request.input),
+                reason=request.message,
+                extra={"affected_paths": list(request.affected_paths), "tool_kind": request.tool_kind.value},
+            ),
+            abort=request.abort,
+        )
+        if decision.action is HookAction.SKIP:
+            return PermissionDeny(f"a PermissionRequest hook denied the call: {decision.reason or 'skip'}")
+        if decision.action is HookAction.ABORT:
+            return PermissionDeny(
+                f"a PermissionRequest hook stopped the request: {decision.reason or 'abort'}", stop_loop=True
             )
-            if decision.action is HookAction.SKIP:
-                return PermissionDeny(f"a PermissionRequest hook denied the call: {decision.reason or 'skip'}")
-            if decision.action is HookAction.ABORT:
-                return PermissionDeny(
-                    f"a PermissionRequest hook stopped the request: {decision.reason or 'abort'}", stop_loop=True
-                )
-            if decision.modified_input is not None:
-                current = attrs.evolve(request, input=decision.apply_to(request.input))
-                modified = True
-        if permission_handler is None:
-            return None
+        if decision.modified_input is not None:
+            return attrs.evolve(request, input=decision.apply_to(request.input))
+        return request
+
+    async def ask(request: PermissionRequest) -> PermissionResult | None:
+        """PermissionRequest hooks, then the user's handler (only wired when there is one)."""
+        assert permission_handler is not None
+        current = request
+        if has_permission_hooks:
+            outcome = await run_hooks(request)
+            if isinstance(outcome, PermissionDeny):
+                return outcome
+            current = outcome
         answer = await permission_handler(current)
-        if modified and isinstance(answer, PermissionAllow) and answer.updated_input is None:
+        if current is not request and isinstance(answer, PermissionAllow) and answer.updated_input is None:
             return attrs.evolve(answer, updated_input=dict(current.input))
         return answer
 
+    async def hooks_only(request: PermissionRequest) -> PermissionDeny | None:
+        """No handler: the hooks can still deny; nothing can allow, so the engine refuses (``no_handler``)."""
+        outcome = await run_hooks(request)
+        return outcome if isinstance(outcome, PermissionDeny) else None
+
+    # The tools' own permission parts, given explicitly: the engine is the session's, built for these tools.
+    checks: dict[str, ToolPermissionCheck] = {
+        name: tool.check_permissions for name, tool in registry.items() if tool.check_permissions is not None
+    }
+    contents: dict[str, SignatureContent] = {name: tool.signature_content_for for name, tool in registry.items()}
     engine = PermissionEngine(
-        _rules(permissions),
+        rules,
         mode=permission_mode,
-        handler=ask if (permission_handler is not None or has_permission_hooks) else None,
+        handler=ask if permission_handler is not None else None,
+        hooks=[hooks_only] if permission_handler is None and has_permission_hooks else None,
         path_policy=PathPolicy(roots) if roots else None,
         record=record,
+        tool_checks=checks,
+        signature_content=contents,
         tool_filter=agent_filter,
     )
+    selected_names = {entry.name for entry in selected}
+    for name, tool in registry.items():
+        why = engine.never_allowed(tool) if name in selected_names else None
+        if why is not None:
+            # Logged, not warnings.warn (suites run with -W error): the model only sees the denials.
+            logger.warning(
+                "tool %r can never run in this session: %s, no allow rule matches it and there is no "
+                "permission_handler to ask, so every call will be denied. Pass permissions="
+                '{"allow": ["%s"]}, a permission_handler=, or define it with kind="readonly" if it only reads',
+                name, why, name,
+            )  # fmt: skip
     stages = ToolStages(
         pre_tool=[pre_tool_stage(runner)] if runner.has_hooks(HookEvent.PRE_TOOL_USE) else [],
         permission=[engine.as_stage()],
@@ -182,7 +260,7 @@ def build_session_parts(
     parts = SessionParts(
         resolved=resolved,
         tools=registry,
-        allowed={entry.name for entry in selected},
+        allowed=selected_names,
         model_middleware=tuple(resolved.model_middleware),
         tool_middleware=tuple(resolved.tool_middleware),
         stages=stages,

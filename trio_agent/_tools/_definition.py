@@ -15,9 +15,10 @@ import jsonschema_rs
 
 from .._errors import ToolBehaviorError, ToolDefinitionError, ToolInputError
 from ._results import JsonObject, ToolResult
-from ._schema import schema_for_attrs_class
+from ._schema import default_signature_field, schema_for_attrs_class
 
 if TYPE_CHECKING:
+    from .._session._permissions import PermissionResult
     from ._context import ToolContext
 
 __all__ = [
@@ -36,6 +37,12 @@ _converter = cattrs.Converter(forbid_extra_keys=True, use_alias=True)
 
 In = TypeVar("In")
 T = TypeVar("T")
+
+SignatureContentFn = Callable[[JsonObject], "str | None"]
+"""``signature_content(input) -> str | None``: the part after ``Name:`` in a call's permission signature."""
+
+PermissionCheckFn = Callable[[JsonObject], "PermissionResult | Awaitable[PermissionResult | None] | None"]
+"""``check_permissions(input)``, sync or async: `PermissionAllow` / `PermissionDeny` / `PermissionAsk` / ``None``."""
 
 
 class SideEffect(enum.Enum):
@@ -118,10 +125,49 @@ def _enum_value(enum_type: type[enum.Enum], value: object, *, where: str) -> Any
 
 def _input_errors(validator: jsonschema_rs.Validator, value: object) -> tuple[str, ...]:
     lines = []
-    for error in validator.iter_errors(value):
-        path = "/".join(str(part) for part in error.instance_path) or "<root>"
-        lines.append(f"at {path}: {error.message}")
+    try:
+        for error in validator.iter_errors(value):
+            path = "/".join(str(part) for part in error.instance_path) or "<root>"
+            lines.append(f"at {path}: {error.message}")
+    except UnicodeError:
+        # The validator cannot encode a lone surrogate (e.g. a key the model sent as "\ud800"):
+        # report it as invalid input the model can fix, not as a crash of whoever validates.
+        return _surrogate_errors(value)
     return tuple(lines)
+
+
+def _is_surrogate_free(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _surrogate_errors(value: object) -> tuple[str, ...]:
+    """One line per key or string holding a lone surrogate (never empty: the caller saw one fail).
+
+    Such text is shown escaped (``'\\ud800'``), so the message itself encodes.
+    """
+    lines: list[str] = []
+
+    def walk(item: object, path: tuple[str, ...]) -> None:
+        where = "/".join(path) or "<root>"
+        if isinstance(item, dict):
+            for key, child in item.items():
+                name = str(key)
+                if not _is_surrogate_free(name):
+                    lines.append(f"at {where}: key {name!r} is not valid Unicode (a lone surrogate)")
+                    name = repr(name)
+                walk(child, (*path, name))
+        elif isinstance(item, (list, tuple)):
+            for index, child in enumerate(item):
+                walk(child, (*path, str(index)))
+        elif isinstance(item, str) and not _is_surrogate_free(item):
+            lines.append(f"at {where}: string {item!r} is not valid Unicode (a lone surrogate)")
+
+    walk(value, ())
+    return tuple(lines) or ("at <root>: the input is not valid Unicode (a lone surrogate)",)
 
 
 @attrs.frozen(eq=False)
@@ -147,8 +193,11 @@ class Tool(Generic[In]):
     affected_paths: Callable[[JsonObject], Sequence[str]] | None = attrs.field(default=None, repr=False)
     reconcile: Callable[[JsonObject, str], Awaitable[ToolResult | None]] | None = attrs.field(default=None, repr=False)
     timeout: float | None = None
+    signature_content: SignatureContentFn | None = attrs.field(default=None, repr=False)
+    check_permissions: PermissionCheckFn | None = attrs.field(default=None, repr=False)
     _validator: jsonschema_rs.Validator = attrs.field(init=False, repr=False)
     _static: ToolBehavior = attrs.field(init=False, repr=False)
+    _signature_field: str | None = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         try:
@@ -160,15 +209,64 @@ class Tool(Generic[In]):
         object.__setattr__(self, "_validator", validator)
         static = ToolBehavior(self.side_effect, self.kind, self.interrupt, self.concurrency_safe)
         object.__setattr__(self, "_static", static)
+        field = None if self.signature_content is not None else default_signature_field(self.input_schema)
+        object.__setattr__(self, "_signature_field", field)
 
     @property
     def behavior(self) -> ToolBehavior:
         """The static (most conservative) behaviour."""
         return self._static
 
+    @property
+    def signature_field(self) -> str | None:
+        """The input field whose value is the signature content when no ``signature_content`` is given.
+
+        The first of ``command``, ``file_path``, ``path``, ``url`` that the input
+        schema declares as a top-level ``"type": "string"`` property; ``None``
+        when it declares none (or ``signature_content`` is given).
+        """
+        return self._signature_field
+
+    @property
+    def has_signature_content(self) -> bool:
+        """Whether calls of this tool can have signature content (so ``Name:content`` rules can match them)."""
+        return self.signature_content is not None or self._signature_field is not None
+
+    def signature_content_for(self, value: JsonObject) -> str | None:
+        """The content of a call's permission signature ``Name:content`` (``None``: just ``Name``).
+
+        ``signature_content(value)`` when given, else the value of `signature_field`
+        with surrounding whitespace stripped (so ``"  rm -rf x"`` still matches
+        ``Bash:rm *``). Raises `TypeError` if ``signature_content`` returns
+        something other than a string or ``None``, and what it raises.
+        """
+        fn = self.signature_content
+        if fn is not None:
+            content: object = fn(value)
+        elif self._signature_field is not None:
+            raw = value.get(self._signature_field) if isinstance(value, dict) else None
+            content = raw.strip() if isinstance(raw, str) else None
+        else:
+            return None
+        if content is None:
+            return None
+        if not isinstance(content, str):
+            raise TypeError(f"signature content must be a string or None, got {content!r}")
+        return content or None
+
+    def _valid(self, value: object) -> bool:
+        try:
+            return self._validator.is_valid(value)
+        except UnicodeError:  # a lone surrogate the validator cannot encode: invalid input
+            return False
+
     def input_errors(self, value: object) -> tuple[str, ...]:
-        """One readable line per schema violation of *value*; empty when valid."""
-        if self._validator.is_valid(value):
+        """One readable line per schema violation of *value*; empty when valid.
+
+        A key or string holding a lone surrogate (not valid Unicode) is reported
+        as a violation too, wherever the validator would otherwise fail on it.
+        """
+        if self._valid(value):
             return ()
         return _input_errors(self._validator, value)
 
@@ -201,7 +299,7 @@ class Tool(Generic[In]):
         the side effect or kind past the static declaration.
         """
         resolver = self.resolver
-        if resolver is None or not self._validator.is_valid(value):
+        if resolver is None or not self._valid(value):
             return self._static
         try:
             override = resolver(value)
@@ -269,6 +367,8 @@ def define_tool(
     affected_paths: Callable[[JsonObject], Sequence[str]] | None = None,
     reconcile: Callable[[JsonObject, str], Awaitable[ToolResult | None]] | None = None,
     timeout: float | None = None,
+    signature_content: SignatureContentFn | None = None,
+    check_permissions: PermissionCheckFn | None = None,
 ) -> Tool[Any]: ...
 
 
@@ -289,6 +389,8 @@ def define_tool(
     affected_paths: Callable[[JsonObject], Sequence[str]] | None = None,
     reconcile: Callable[[JsonObject, str], Awaitable[ToolResult | None]] | None = None,
     timeout: float | None = None,
+    signature_content: SignatureContentFn | None = None,
+    check_permissions: PermissionCheckFn | None = None,
 ) -> Callable[[RunFn], Tool[Any]]: ...
 
 
@@ -308,6 +410,8 @@ def define_tool(
     affected_paths: Callable[[JsonObject], Sequence[str]] | None = None,
     reconcile: Callable[[JsonObject, str], Awaitable[ToolResult | None]] | None = None,
     timeout: float | None = None,
+    signature_content: SignatureContentFn | None = None,
+    check_permissions: PermissionCheckFn | None = None,
 ) -> Tool[Any] | Callable[[RunFn], Tool[Any]]:
     """Define a tool; use directly or as a decorator on ``async def run(input, ctx)``.
 
@@ -316,6 +420,18 @@ def define_tool(
     or generated from a typed attrs class, passed as ``input_type`` or found as the
     annotation of ``run``'s first parameter; such input is structured with cattrs
     before ``run`` sees it. ``kind`` defaults to the most conservative ``execute``.
+
+    Permissions (see docs/permissions.md):
+
+    * ``signature_content(input) -> str | None`` gives the ``content`` of the call's
+      signature ``Name:content``, which ``Name:content`` / ``Name:prefix*`` rules
+      match. Without it the content is the value of the first of ``command``,
+      ``file_path``, ``path``, ``url`` the schema declares as a ``"type": "string"``
+      property (stripped), or none.
+    * ``check_permissions(input)``, sync or async, is the tool's own check: return
+      ``PermissionDeny(message)`` (final: nobody is asked), ``PermissionAsk(message)``
+      (always ask, in every mode), ``PermissionAllow(updated_input=...)`` (no objection,
+      optionally normalised input) or ``None`` (no objection).
     """
 
     def build(fn: RunFn) -> Tool[Any]:
@@ -333,6 +449,8 @@ def define_tool(
             affected_paths=affected_paths,
             reconcile=reconcile,
             timeout=timeout,
+            signature_content=signature_content,
+            check_permissions=check_permissions,
         )
 
     if run is None:
@@ -355,6 +473,8 @@ def _build_tool(
     affected_paths: Callable[[JsonObject], Sequence[str]] | None,
     reconcile: Callable[[JsonObject, str], Awaitable[ToolResult | None]] | None,
     timeout: float | None,
+    signature_content: SignatureContentFn | None = None,
+    check_permissions: PermissionCheckFn | None = None,
 ) -> Tool[Any]:
     if not callable(run):
         raise ToolDefinitionError(f"tool run must be an async function, got {run!r}")
@@ -410,6 +530,8 @@ def _build_tool(
         ("resolve_behavior", resolve_behavior),
         ("affected_paths", affected_paths),
         ("reconcile", reconcile),
+        ("signature_content", signature_content),
+        ("check_permissions", check_permissions),
     ):
         if fn is not None and not callable(fn):
             raise ToolDefinitionError(f"tool {tool_name!r}: {label} must be callable, got {fn!r}")
@@ -432,6 +554,8 @@ def _build_tool(
         affected_paths=affected_paths,
         reconcile=reconcile,
         timeout=timeout,
+        signature_content=signature_content,
+        check_permissions=check_permissions,
     )
 
 

@@ -12,7 +12,7 @@ import attrs
 
 from .._errors import ToolDefinitionError
 
-__all__ = ["schema_for_attrs_class"]
+__all__ = ["SIGNATURE_FIELDS", "default_signature_field", "schema_for_attrs_class"]
 
 _SCALARS: dict[Any, dict[str, Any]] = {
     str: {"type": "string"},
@@ -21,6 +21,27 @@ _SCALARS: dict[Any, dict[str, Any]] = {
     bool: {"type": "boolean"},
     type(None): {"type": "null"},
 }
+
+
+SIGNATURE_FIELDS: tuple[str, ...] = ("command", "file_path", "path", "url")
+"""Input fields that give a tool without ``signature_content=`` its permission signature, in this order."""
+
+
+def default_signature_field(schema: Mapping[str, Any]) -> str | None:
+    """The first of `SIGNATURE_FIELDS` that *schema* declares as a top-level ``"type": "string"`` property.
+
+    Chosen from the schema, not from a call's input, so the model cannot pick
+    which field a ``Name:content`` rule is matched against by adding keys, and a
+    declared string field cannot arrive as a list that slips past the rule.
+    """
+    properties = schema.get("properties")
+    if not isinstance(properties, Mapping):
+        return None
+    for name in SIGNATURE_FIELDS:
+        prop = properties.get(name)
+        if isinstance(prop, Mapping) and prop.get("type") == "string":
+            return name
+    return None
 
 
 def schema_for_attrs_class(cls: type) -> dict[str, Any]:
