@@ -1192,3 +1192,56 @@ async def test_stored_events_that_break_the_rules_make_open_fail(kind: str, tmp_
         # The failed open gave its lease back.
         other = await store.acquire_lease(SID, "someone-else", 30)
         assert other.owner == "someone-else"
+
+
+# ---------------------------------------------------------------- permission updates and call states
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_permission_updates_are_read_back_in_order_on_reopen(kind: str, tmp_path: Path) -> None:
+    from trio_agent._journal._events import PermissionUpdated
+
+    async with make_store(kind, tmp_path) as store:
+        async with open_journal(store, session_id=SID) as journal:
+            await journal.append(PermissionUpdated(request_id="r0", source="handler", update={"mode": "plan"}))
+            await start_turn(journal)
+            await journal.append(
+                PermissionUpdated(request_id="request", source="tool", call_id="c1", update={"allow": ["x"]})
+            )
+        async with open_journal(store, session_id=SID) as reopened:
+            updates = reopened.projection().permission_updates
+            assert [(u.source, u.update, u.call_id) for u in updates] == [
+                ("handler", {"mode": "plan"}, None),
+                ("tool", {"allow": ["x"]}, "c1"),
+            ]
+
+
+async def test_call_state_follows_the_projection() -> None:
+    from trio_agent._tools._definition import ToolBehavior
+    from trio_agent._tools._lifecycle import ScheduledCall
+
+    async with open_journal(MemoryStore(), session_id=SID) as journal:
+        origin = await start_turn(journal)
+        event = scheduled("c1", side_effect=SideEffect.IDEMPOTENT)
+        call = ScheduledCall(
+            "c1",
+            "upsert",
+            {"n": 1},
+            ToolBehavior(SideEffect.IDEMPOTENT, ToolKind.EXECUTE, InterruptBehavior.BLOCK, False),
+            "key-c1",
+            SID,
+            origin.agent_id,
+            origin.request_id,
+            origin.turn_id,
+        )
+        assert journal.call_state(call) is None
+        await journal.append(event)
+        assert journal.call_state(call) == "scheduled"
+        await journal.append(started("c1", SideEffect.IDEMPOTENT))
+        assert journal.call_state(call) == "started"
+        await journal.append(
+            RecoveryDecision(**REQ, call_id="c1", decision=ToolRecoveryAction.RERUN_SAME_KEY, reason="restart")
+        )
+        assert journal.call_state(call) == "scheduled"  # it may start again
+        await journal.append(started("c1", SideEffect.IDEMPOTENT), completed("c1", ToolResult.success("ok")))
+        assert journal.call_state(call) == "settled"

@@ -26,6 +26,7 @@ from trio_agent._journal._events import (
     PermissionDecision,
     PermissionRequested,
     PermissionResolved,
+    PermissionUpdated,
     RecoveryDecision,
     RequestAccepted,
     RequestCompleted,
@@ -94,6 +95,8 @@ SAMPLES: list[Any] = [
     ToolOutcomeUnknown(**CALL, reason=OutcomeUnknownReason.PROCESS_RESTART),
     PermissionRequested(**CALL, permission_id="p1", message="ok?"),
     PermissionResolved(**CALL, permission_id="p1", decision=PermissionDecision.DENY),
+    PermissionUpdated(request_id="r1", call_id="c1", source="tool", update={"add": [{"tool": "x", "allow": True}]}),
+    PermissionUpdated(request_id="r1", source="permission_engine", update={}),
     SubagentStarted(request_id="r1", subagent_id="sub1", call_id="c1"),
     SubagentCompleted(request_id="r1", subagent_id="sub1"),
     SubagentCancelled(request_id="r1", subagent_id="sub1", reason="user"),
@@ -246,3 +249,17 @@ ids = st.text(min_size=1, max_size=8)
 def test_round_trip_any_json_payload(request_id: str, command_id: str, payload: dict[str, Any], seq: int) -> None:
     env = envelope(RequestAccepted(request_id=request_id, command_id=command_id, input=payload), seq=seq)
     assert decode_event(encode_event(env)) == env
+
+
+def test_permission_updated_is_tagged_and_checks_its_source() -> None:
+    event = PermissionUpdated(request_id="r1", source="handler", update={"mode": "plan"})
+    data = encode_event(envelope(event))
+    assert data["event"]["type"] == "permission_updated"
+    assert decode_event(data).event == event
+    with pytest.raises(ValueError, match="source"):
+        PermissionUpdated(request_id="r1", source="middleware", update={})
+    data["event"]["source"] = "plugin"
+    with pytest.raises(JournalCorruptError):
+        decode_event(data)
+    with pytest.raises(ValueError):
+        PermissionUpdated(request_id="r1", source="tool", update={"x": float("nan")})

@@ -22,6 +22,7 @@ from trio_agent._journal._events import (
     PermissionDecision,
     PermissionRequested,
     PermissionResolved,
+    PermissionUpdated,
     RecoveryDecision,
     RequestAccepted,
     RequestCompleted,
@@ -293,11 +294,55 @@ def test_tool_needs_open_turn_and_matching_ids() -> None:
     s.reject(started(), "already started")
 
 
-def test_started_side_effect_may_only_narrow() -> None:
+def test_started_side_effect_may_narrow() -> None:
     s = in_turn().add(scheduled(side_effect=SideEffect.IDEMPOTENT))
-    s.reject(started(side_effect=SideEffect.NON_IDEMPOTENT), "wider")
     s.add(started(side_effect=SideEffect.PURE))
     assert s.p.tool("c1").side_effect is SideEffect.PURE  # type: ignore[union-attr]
+    assert s.p.recovery_plan().tool_actions["c1"] is ToolRecoveryAction.RERUN
+
+
+def test_started_side_effect_may_widen_and_recovery_judges_the_started_one() -> None:
+    # Middleware may transform the input (spec); the final input's contract is what was started.
+    s = in_turn().add(scheduled(side_effect=SideEffect.PURE))
+    assert s.p.recovery_plan().tool_actions["c1"] is ToolRecoveryAction.RUN
+    s.add(started(side_effect=SideEffect.NON_IDEMPOTENT))
+    assert s.p.tool("c1").side_effect is SideEffect.NON_IDEMPOTENT  # type: ignore[union-attr]
+    plan = s.p.recovery_plan()
+    assert plan.tool_actions["c1"] is ToolRecoveryAction.SETTLE_OUTCOME_UNKNOWN
+    (item,) = [i for i in plan.items if i.call_id == "c1"]
+    assert item.side_effect is SideEffect.NON_IDEMPOTENT
+    assert s.p.recovery_plan(lambda name: True).tool_actions["c1"] is ToolRecoveryAction.RECONCILE
+
+
+def permission_updated(n: int, call_id: str | None = None, source: str = "tool") -> Any:
+    return PermissionUpdated(request_id="r1", source=source, update={"rule": f"allow-{n}"}, call_id=call_id)
+
+
+def test_permission_updates_are_kept_in_order_while_the_session_is_open() -> None:
+    s = Stream()
+    s.reject(permission_updated(0), "new")  # nothing before session_created
+    s.add(SessionCreated(session_id="s1", agent_id="root"), permission_updated(1, source="permission_engine"))
+    s.add(RequestAccepted(request_id="r1", command_id="cmd1", input={}), RequestStarted(request_id="r1"))
+    s.add(TurnStarted(**RT, turn=1), scheduled(), started(), permission_updated(2, call_id="c1"), completed())
+    s.add(TurnCompleted(**RT, has_tool_calls=True), permission_updated(3, source="handler"))
+    assert [u.update["rule"] for u in s.p.permission_updates] == ["allow-1", "allow-2", "allow-3"]
+    assert s.p.permission_updates[1].call_id == "c1"
+    s.add(SessionClosed(session_id="s1", reason=SessionCloseReason.USER))
+    s.reject(permission_updated(4), "closed")
+    # Replaying the stream gives the same list (what a reopen hands to the permission engine).
+    replayed = Projection(STREAM)
+    replayed.apply_all(s.log)
+    assert replayed.permission_updates == s.p.permission_updates
+
+
+def test_a_refused_batch_drops_its_permission_updates() -> None:
+    s = in_turn().add(permission_updated(1))
+    batch = [env(permission_updated(2), s.p.head + 1), env(completed("nope"), s.p.head + 2)]
+    before = s.p.snapshot()
+    with pytest.raises(InvalidTransitionError):
+        s.p.apply_atomic(batch)
+    assert s.p.snapshot() == before
+    assert [u.update["rule"] for u in s.p.permission_updates] == ["allow-1"]
 
 
 def test_permission_rules() -> None:
@@ -504,6 +549,7 @@ class _Model:
     attempt: str | None = None
     tools: dict[str, dict[str, Any]] = attrs.Factory(dict)
     subagents: list[str] = attrs.Factory(list)
+    permission_updates: int = 0
     n: int = 0
 
     def fresh(self, prefix: str) -> str:
@@ -519,6 +565,7 @@ def _candidates(m: _Model) -> list[Any]:
     if m.session == "closed":
         return []
     out.append(("close", SessionClosed(session_id="s", reason=SessionCloseReason.SHUTDOWN)))
+    out.append(("permission_update", None))
     if len(m.accepted) < 3:
         out.append(("accept", None))
     if m.active is None:
@@ -553,7 +600,9 @@ def _candidates(m: _Model) -> list[Any]:
             se = t["side_effect"]
             if t["state"] == "scheduled":
                 if t["perm"] in ("none", "allow"):
-                    out.append(("start_tool", ToolStarted(**c, input={}, side_effect=se)))
+                    # The final input's contract may be narrower or wider than the scheduled one.
+                    for started_se in SideEffect:
+                        out.append(("start_tool", ToolStarted(**c, input={}, side_effect=started_se)))
                 if t["perm"] == "none":
                     out.append(("ask", PermissionRequested(**c, permission_id=f"p-{call_id}")))
                 if t["perm"] == "pending":
@@ -623,8 +672,14 @@ def _step(m: _Model, kind: str, event: Any, draw: Any) -> Any:
         se = draw(st.sampled_from(list(SideEffect)))
         m.tools[call_id] = {"state": "scheduled", "side_effect": se, "perm": "none", "rerun": False, "decision": None}
         event = scheduled(call_id, se, request_id=m.active, turn_id=m.turn)  # type: ignore[arg-type]
+    elif kind == "permission_update":
+        m.permission_updates += 1
+        event = PermissionUpdated(
+            request_id=m.active or "r0", source="permission_engine", update={"n": m.n}, call_id=None
+        )
     elif kind == "start_tool":
         m.tools[event.call_id]["state"] = "started"
+        m.tools[event.call_id]["side_effect"] = event.side_effect
         m.tools[event.call_id]["rerun"] = False
     elif kind == "decide":
         m.tools[event.call_id]["decision"] = event.decision
@@ -777,3 +832,55 @@ def test_apply_atomic_applies_a_valid_batch_or_nothing(envelopes: list[EventEnve
     for e in envelopes[: cut + size]:
         one_by_one.apply(e)
     assert p.snapshot() == one_by_one.snapshot()
+
+
+# ---------------------------------------------------------------- closing events
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_sequences())
+def test_closing_events_close_everything_but_started_calls(envelopes: list[EventEnvelope]) -> None:
+    p = Projection(STREAM)
+    for e in envelopes:
+        p.apply(e)
+    events = p.closing_events()
+    if p.session_state is not SessionState.OPEN:
+        assert events == []
+        return
+    p.apply_atomic([env(event, p.head + 1 + index) for index, event in enumerate(events)])  # one valid batch
+    s = p._s
+    started = {c.turn_id for c in s.tools.values() if c.state is ToolState.STARTED}
+    assert all(c.state in (ToolState.STARTED,) or c.state.settled for c in s.tools.values())
+    assert s.running_attempt is None
+    assert all(a.state.value != "running" for a in s.subagents.values())
+    assert s.open_turn is None or s.open_turn in started
+    still_open = [r.request_id for r in s.requests.values() if r.state.value in ("accepted", "started")]
+    assert still_open == ([] if s.open_turn is None else [s.turns[s.open_turn].request_id])
+    assert p.closing_events() == []  # what is left is recovery's
+    plan_kinds = {item.kind.value for item in p.recovery_plan().items}
+    assert plan_kinds <= {"tool_started_without_outcome", "open_turn"}
+
+
+def test_closing_events_with_reasons_and_a_pending_permission() -> None:
+    s = in_turn().add(
+        ModelAttemptStarted(**RT, attempt_id="a1", model="m"),
+        scheduled("c1"),
+        PermissionRequested(**RT, call_id="c1", permission_id="p1"),
+        scheduled("c2"),
+    )
+    events = s.p.closing_events(
+        attempt_reason=ModelAbortReason.STEERING,
+        tool_reason="user_abort",
+        turn_reason=TurnAbortReason.ERROR,
+        request_reason=RequestInterruptReason.USER_ABORT,
+    )
+    assert events == [
+        ModelAttemptAborted(**RT, attempt_id="a1", reason=ModelAbortReason.STEERING),
+        PermissionResolved(**RT, call_id="c1", permission_id="p1", decision=PermissionDecision.CANCEL),
+        ToolCancelled(**RT, call_id="c1", reason="user_abort"),
+        ToolCancelled(**RT, call_id="c2", reason="user_abort"),
+        TurnAborted(**RT, reason=TurnAbortReason.ERROR),
+        RequestInterrupted(request_id="r1", reason=RequestInterruptReason.USER_ABORT),
+    ]
+    s.add(*events)
+    assert s.p.recovery_plan().is_empty

@@ -992,7 +992,10 @@ async def test_started_write_failure_propagates_and_tool_does_not_run(layers: in
         await call_tool(pipeline, "count", {}, call_id="j2")
     assert not isinstance(info.value, SettlementError)
     assert counter == []
-    assert journal.kinds("j2") == ["scheduled"]
+    # The journal still takes writes (it is not fenced): the call is closed, cancelled and unpublished.
+    assert journal.kinds("j2") == ["scheduled", "settled"]
+    assert entry(journal, "j2", "settled")["status"] == "cancelled"
+    assert entry(journal, "j2", "settled")["published"] is False
     assert list(pipeline.history) == []
 
 
@@ -1025,7 +1028,8 @@ async def test_started_write_failure_cannot_be_swallowed_into_a_short_circuit() 
         await call_tool(pipeline, "count", {}, call_id="j5")
     assert journal.failures == 1
     assert counter == []
-    assert journal.kinds("j5") == ["scheduled"]
+    assert journal.kinds("j5") == ["scheduled", "settled"]  # closed as cancelled, never a success
+    assert entry(journal, "j5", "settled")["status"] == "cancelled"
     assert list(pipeline.history) == []
 
 
@@ -1034,7 +1038,9 @@ async def test_synthetic_start_write_failure_propagates() -> None:
     pipeline = ToolPipeline([counting_tool([])], middleware=[short_circuit_ok("cached")], lifecycle=journal)
     with pytest.raises(JournalError):
         await call_tool(pipeline, "count", {}, call_id="j3")
-    assert journal.kinds("j3") == ["scheduled"]
+    assert journal.kinds("j3") == ["scheduled", "settled"]  # closed as cancelled, unpublished
+    assert entry(journal, "j3", "settled")["status"] == "cancelled"
+    assert entry(journal, "j3", "settled")["published"] is False
     assert list(pipeline.history) == []
 
 

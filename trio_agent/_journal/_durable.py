@@ -41,6 +41,7 @@ import attrs
 import cattrs
 import trio
 
+from .._cleanup import bounded_shield
 from .._errors import (
     CommandConflictError,
     ConfigError,
@@ -74,7 +75,7 @@ from ._events import (
     ToolScheduled,
     ToolStarted,
 )
-from ._projection import Projection, RecoveryKind, RecoveryPlan
+from ._projection import Projection, RecoveryKind, RecoveryPlan, ToolState
 from ._store import AppendBatch, AppendResult, AppendTicket, JournalStore, Lease, command_digest, stream_id_for
 from ._subscribe import DurableEventStream, JournalCursor, subscribe_durable_events
 
@@ -358,10 +359,11 @@ class DurableJournal:
             except trio.Cancelled:
                 # The write was submitted and will land or fail regardless: learn which
                 # (bounded) so the projection stays true, then let the cancellation go on.
-                with trio.CancelScope(shield=True) as scope:
-                    scope.deadline = trio.current_time() + self.commit_grace
-                    with contextlib.suppress(JournalError, LeaseLostError):
-                        await ticket.wait()
+                with (
+                    bounded_shield(self.commit_grace, "confirming a journal commit after cancellation"),
+                    contextlib.suppress(JournalError, LeaseLostError),
+                ):
+                    await ticket.wait()
                 if not ticket.done:
                     self._fence("a commit was not confirmed before cancellation")
                 else:
@@ -445,6 +447,22 @@ class DurableJournal:
                 f"call {call.call_id!r} is of session {call.session_id!r}, not {self.session_id!r}"
             )
         return self._stream(call.agent_id)
+
+    def call_state(self, call: ScheduledCall) -> str | None:
+        """Where the projection holds *call* (`ToolLifecycle.call_state`).
+
+        A started call that recovery decided to re-run counts as ``"scheduled"``:
+        it may start again.
+        """
+        stream = self._streams.get(self.stream_id(call.agent_id))
+        record = stream.projection.tool(call.call_id) if stream is not None else None
+        if record is None:
+            return None
+        if record.state.settled:
+            return "settled"
+        if record.state is ToolState.STARTED and not record.rerun_allowed:
+            return "started"
+        return "scheduled"
 
     async def on_tool_scheduled(self, call: ScheduledCall) -> None:
         stream = self._call_stream(call)
@@ -781,8 +799,7 @@ async def open_journal(
     finally:
         journal._closed.set()
         if journal._lost is None:
-            with trio.CancelScope(shield=True) as scope:
-                scope.deadline = trio.current_time() + commit_grace
+            with bounded_shield(commit_grace, "closing the journal (pending starts, lease release)"):
                 for ticket in list(journal._pending_starts.values()):
                     with contextlib.suppress(JournalError, LeaseLostError):
                         await ticket.wait()

@@ -27,6 +27,7 @@ from .._tools._results import json_copy
 from ._errors import JournalCorruptError
 
 __all__ = [
+    "PERMISSION_UPDATE_SOURCES",
     "SCHEMA_VERSION",
     "ErrorInfo",
     "Event",
@@ -40,6 +41,7 @@ __all__ = [
     "PermissionDecision",
     "PermissionRequested",
     "PermissionResolved",
+    "PermissionUpdated",
     "RecoveryDecision",
     "RequestAccepted",
     "RequestCompleted",
@@ -120,6 +122,16 @@ def _json_object(instance: object, attribute: attrs.Attribute[Any], value: objec
 def _optional_json_object(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None:
         _json_object(instance, attribute, value)
+
+
+PERMISSION_UPDATE_SOURCES = frozenset({"tool", "permission_engine", "handler"})
+"""Who may change the permission rules: the tool itself (its own ``permission_updates`` effect),
+the permission engine, or a permission handler's answer. Never middleware or a plugin."""
+
+
+def _update_source(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or value not in PERMISSION_UPDATE_SOURCES:
+        raise ValueError(f"{attribute.name} must be one of {sorted(PERMISSION_UPDATE_SOURCES)}, not {value!r}")
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -384,6 +396,21 @@ class PermissionResolved:
 
 
 @attrs.frozen(kw_only=True)
+class PermissionUpdated:
+    """One accepted change of the permission rules, in the order it was applied.
+
+    On reopen the session replays every one of a stream (`Projection.permission_updates`)
+    into its permission engine. ``update`` describes the rule change (its shape is
+    the session's); ``call_id`` names the tool call it came from, if any.
+    """
+
+    request_id: str = _id()
+    source: str = attrs.field(validator=_update_source)
+    update: JsonObject = attrs.field(validator=_json_object)
+    call_id: str | None = attrs.field(default=None, validator=_optional_non_empty)
+
+
+@attrs.frozen(kw_only=True)
 class SubagentStarted:
     """On the parent's stream: ``subagent_id`` names the child's own stream."""
 
@@ -437,6 +464,7 @@ Event: TypeAlias = (
     | ToolOutcomeUnknown
     | PermissionRequested
     | PermissionResolved
+    | PermissionUpdated
     | SubagentStarted
     | SubagentCompleted
     | SubagentCancelled

@@ -27,13 +27,17 @@ Everything that decides a transition lives in this file, in the tables
   cancelled | outcome_unknown; scheduled -> failed | cancelled. Never completed
   (nor outcome_unknown) without a start; nothing after settlement.
   ``tool_started`` needs no pending, denied or cancelled permission; a second
-  ``tool_started`` is only allowed after a recovery decision to re-run.
+  ``tool_started`` is only allowed after a recovery decision to re-run. The
+  start's side effect (that of the final input) replaces the scheduled one,
+  wider or narrower: recovery judges what was started.
 * Permission: requested (call scheduled, not started, none pending) ->
   resolved (same permission id) with allow | deny | cancel; at most one per call.
 * Recovery decision: only for an unsettled call and only the action its state
   and side effect allow (``_TOOL_DECISIONS``): never a re-run of a started
   ``non_idempotent`` call.
 * Subagent: started (its request is started) -> completed | cancelled.
+* Permission update: accepted at any time while the session is open, kept in
+  order (`Projection.permission_updates`) for replay into the engine on reopen.
 * Every event must carry the correlation ids of what it refers to (a tool
   event's request and turn are the ones it was scheduled in, and so on).
 
@@ -56,6 +60,7 @@ from ._events import (
     SCHEMA_VERSION,
     Event,
     EventEnvelope,
+    ModelAbortReason,
     ModelAttemptAborted,
     ModelAttemptCompleted,
     ModelAttemptFailed,
@@ -63,11 +68,13 @@ from ._events import (
     PermissionDecision,
     PermissionRequested,
     PermissionResolved,
+    PermissionUpdated,
     RecoveryDecision,
     RequestAccepted,
     RequestCompleted,
     RequestFailed,
     RequestInterrupted,
+    RequestInterruptReason,
     RequestStarted,
     SessionClosed,
     SessionCreated,
@@ -82,6 +89,7 @@ from ._events import (
     ToolScheduled,
     ToolStarted,
     TurnAborted,
+    TurnAbortReason,
     TurnCompleted,
     TurnStarted,
     event_type_name,
@@ -302,6 +310,8 @@ class _State:
     # Unsettled calls per turn, kept with the tool states so ending a turn need not scan every call.
     unsettled: dict[str, set[str]] = attrs.Factory(dict)
     running_attempt: str | None = None
+    # Accepted permission rule changes, in stream order, for replay into the engine on reopen.
+    permission_updates: list[PermissionUpdated] = attrs.Factory(list)
 
 
 # ---------------------------------------------------------------- recovery plan
@@ -394,9 +404,80 @@ class Projection:
     def request(self, request_id: str) -> RequestRecord | None:
         return self._s.requests.get(request_id)
 
+    @property
+    def permission_updates(self) -> tuple[PermissionUpdated, ...]:
+        """Every `PermissionUpdated` of the stream, in order: replay them into the engine on reopen."""
+        return tuple(self._s.permission_updates)
+
     def snapshot(self) -> object:
         """A deep copy of the whole state; two snapshots compare equal iff the states are equal."""
         return copy.deepcopy(self._s)
+
+    def closing_events(
+        self,
+        *,
+        attempt_reason: ModelAbortReason = ModelAbortReason.REQUEST_INTERRUPTED,
+        tool_reason: str = "session_close",
+        turn_reason: TurnAbortReason = TurnAbortReason.REQUEST_INTERRUPTED,
+        request_reason: RequestInterruptReason = RequestInterruptReason.SESSION_CLOSE,
+        subagent_reason: str = "session_close",
+    ) -> list[Event]:
+        """The events that close what is open on this stream, in an order the rules accept as one batch.
+
+        The running model attempt is aborted; calls that were scheduled but never
+        started are cancelled (a pending permission first resolved ``cancel``);
+        running subagents are cancelled; the open turn is aborted and every
+        accepted or started request interrupted. A *started* call is never closed
+        here: its outcome is for recovery to decide by its contract, so its turn
+        and request stay open too. Nothing is changed; an empty list when nothing
+        is open (or the session is not open).
+        """
+        s = self._s
+        if s.session is not SessionState.OPEN:
+            return []
+        events: list[Event] = []
+        if s.running_attempt is not None:
+            attempt = s.attempts[s.running_attempt]
+            events.append(
+                ModelAttemptAborted(
+                    request_id=attempt.request_id,
+                    turn_id=attempt.turn_id,
+                    attempt_id=attempt.attempt_id,
+                    reason=attempt_reason,
+                )
+            )
+        kept_open: set[str] = set()  # turns (and so requests) that a started call keeps open
+        for call in s.tools.values():
+            if call.state.settled:
+                continue
+            if call.state is ToolState.STARTED:
+                kept_open.add(call.turn_id)
+                continue
+            ids: dict[str, Any] = {"request_id": call.request_id, "turn_id": call.turn_id, "call_id": call.call_id}
+            if call.permission is PermissionState.PENDING:
+                assert call.permission_id is not None
+                events.append(
+                    PermissionResolved(**ids, permission_id=call.permission_id, decision=PermissionDecision.CANCEL)
+                )
+            events.append(ToolCancelled(**ids, reason=tool_reason))
+        for subagent in s.subagents.values():
+            if subagent.state is SubagentState.RUNNING:
+                events.append(
+                    SubagentCancelled(
+                        request_id=subagent.request_id, subagent_id=subagent.subagent_id, reason=subagent_reason
+                    )
+                )
+        blocked_request: str | None = None
+        if s.open_turn is not None:
+            turn = s.turns[s.open_turn]
+            if turn.turn_id in kept_open:
+                blocked_request = turn.request_id
+            else:
+                events.append(TurnAborted(request_id=turn.request_id, turn_id=turn.turn_id, reason=turn_reason))
+        for request in s.requests.values():
+            if request.state in (RequestState.ACCEPTED, RequestState.STARTED) and request.request_id != blocked_request:
+                events.append(RequestInterrupted(request_id=request.request_id, reason=request_reason))
+        return events
 
     # -- transitions
 
@@ -465,6 +546,7 @@ class Projection:
             "records": records,
             "unsettled": unsettled,
             "permissions": permissions,
+            "permission_updates": len(s.permission_updates),
         }
 
     def _restore(self, saved: dict[str, Any]) -> None:
@@ -486,6 +568,7 @@ class Projection:
                 s.permission_ids.add(permission_id)
             else:
                 s.permission_ids.discard(permission_id)
+        del s.permission_updates[saved["permission_updates"] :]
 
     def _plan(self, envelope: EventEnvelope) -> _Mutation:
         if envelope.stream_id != self.stream_id:
@@ -670,8 +753,8 @@ class Projection:
                 raise self._error(envelope, "the call was already started and no re-run was decided")
             if permission not in _STARTABLE_PERMISSIONS:
                 raise self._error(envelope, f"the call's permission is {permission.value}")
-            if event.side_effect.rank > record.side_effect.rank:
-                raise self._error(envelope, "the started side effect is wider than the scheduled one")
+            # The start's contract replaces the scheduled one, wider or narrower: middleware may
+            # transform the input (spec), and recovery must judge the side effect that was started.
             side_effect = event.side_effect
             rerun_allowed = False
         elif isinstance(event, PermissionRequested | PermissionResolved):
@@ -710,6 +793,16 @@ class Projection:
             if isinstance(event, PermissionRequested):
                 record.permission_id = event.permission_id
                 self._s.permission_ids.add(event.permission_id)
+
+        return mutate
+
+    # -- permission rule changes
+
+    def _permission_update(self, envelope: EventEnvelope, event: PermissionUpdated) -> _Mutation:
+        # Accepted at any time while the session is open (checked for every event): a rule can
+        # change between requests too (a permission engine or handler outside any call).
+        def mutate() -> None:
+            self._s.permission_updates.append(event)
 
         return mutate
 
@@ -860,6 +953,7 @@ _HANDLERS: dict[type[Any], _Handler] = {
     PermissionRequested: Projection._tool,
     PermissionResolved: Projection._tool,
     RecoveryDecision: Projection._tool,
+    PermissionUpdated: Projection._permission_update,
     SubagentStarted: Projection._subagent,
     SubagentCompleted: Projection._subagent,
     SubagentCancelled: Projection._subagent,

@@ -10,6 +10,7 @@ import attrs
 import trio
 
 from .._abort import AbortHandle
+from .._cleanup import bounded_shield
 from .._errors import ToolInputError
 from ._results import JsonObject, ToolItem
 
@@ -171,7 +172,7 @@ class ToolContext:
     @contextmanager
     def cleanup_scope(self) -> Iterator[trio.CancelScope]:
         """A shielded scope for cleanup after cancellation, bounded by the pipeline's cleanup grace."""
-        with trio.CancelScope(shield=True, deadline=trio.current_time() + self._cleanup_grace) as scope:
+        with bounded_shield(self._cleanup_grace, f"tool call {self.tool_call_id!r} (cleanup_scope)") as scope:
             yield scope
 
     @asynccontextmanager

@@ -95,6 +95,16 @@ class ToolLifecycle(Protocol):
 
     async def on_tool_settled(self, call: ScheduledCall, settlement: Settlement) -> None: ...
 
+    def call_state(self, call: ScheduledCall) -> str | None:
+        """Where the journal holds *call* now: ``"scheduled"`` (it may start), ``"started"``,
+        ``"settled"``, or ``None`` (not held).
+
+        The pipeline asks after a write raised (a cancellation can land while a
+        write is being confirmed): a call the journal holds open is then settled,
+        so none stays open for ever. A lifecycle without this method is treated as
+        holding a call whose write was interrupted by a cancellation.
+        """
+
 
 @attrs.frozen
 class JournalEntry:
@@ -154,6 +164,9 @@ class InMemoryToolJournal:
                 {"input": json_copy(input), "side_effect": side_effect.value, "synthetic": synthetic},
             )
         )
+
+    def call_state(self, call: ScheduledCall) -> str | None:
+        return self._state.get(call.call_id)
 
     async def on_tool_settled(self, call: ScheduledCall, settlement: Settlement) -> None:
         state = self._state.get(call.call_id)

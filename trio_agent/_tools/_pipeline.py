@@ -25,13 +25,15 @@ import heapq
 import inspect
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
+from types import TracebackType
 from typing import Any, Protocol
 
 import attrs
 import trio
 
 from .._abort import Abort, AbortHandle, AbortReason
+from .._cleanup import bounded_shield
 from .._config import validate_timeout
 from .._errors import (
     ConfigError,
@@ -45,6 +47,7 @@ from .._errors import (
     ToolDefinitionError,
     ToolInputError,
 )
+from .._groups import contains_cancelled, is_cancellation, typed_error
 from .._middleware import check_middleware_shape, compose_middleware
 from ._context import (
     CallOrigin,
@@ -104,6 +107,16 @@ class FaultCode(enum.Enum):
     MIDDLEWARE_RAISED_AFTER_CORE = "middleware_raised_after_core"
     UNWIND_DEADLINE_MISSED = "unwind_deadline_missed"
     CLEANUP_OVERRUN = "cleanup_overrun"
+    EARLY_RETURN = "early_return"
+    """The chain returned while ``call_next()`` was still pending or running."""
+    PERMISSION_UPDATE_REFUSED = "permission_update_refused"
+    """A ``permission_updates`` effect that did not come from the tool itself was dropped."""
+
+
+PERMISSION_UPDATES = "permission_updates"
+"""The `Effect` kind that changes permission rules: only the tool itself may emit it."""
+
+_OPEN_STATES = frozenset({"scheduled", "started"})
 
 
 @attrs.frozen
@@ -161,20 +174,27 @@ class _Call:
         "abort",
         "behavior",
         "cleanup_deadline",
+        "core_entered",
+        "core_finished",
         "core_result",
         "ctx",
         "done",
+        "door_closed",
         "effective_input",
         "effects",
         "fatal",
         "faults",
+        "granted",
         "live_input",
         "mw_scope",
         "next_twice",
         "on_item",
+        "pending",
         "phase",
         "pipeline",
+        "running",
         "scheduled",
+        "settle_attempted",
         "started",
         "synthetic",
         "target",
@@ -217,6 +237,17 @@ class _Call:
         self.tool_ran = False
         self.cleanup_deadline = math.inf
         self.done: trio.Event | None = None
+        # The chain's bookkeeping: `call_next()` awaitables made but not awaited, layers running,
+        # the core entered / finished, and the door that refuses entries after the chain returned.
+        self.pending = 0
+        self.running = 0
+        self.core_entered = False
+        self.core_finished = trio.Event()
+        self.door_closed = False
+        # Set once a settlement was attempted, so an exit never writes a second one.
+        self.settle_attempted = False
+        # `permission_updates` effects the tool itself emitted (by identity).
+        self.granted: list[Effect] = []
 
     def on_abort(self, abort: Abort) -> None:
         phase = self.phase
@@ -228,9 +259,34 @@ class _Call:
             if self.tool_ran:
                 self.pipeline._note_cancel(self)
 
+    def tool_emit(self, emit: Emit) -> Emit:
+        """The tool's own ``ctx.emit``: marks its permission updates before they pass the middleware."""
+
+        async def emit_from_tool(item: ToolItem) -> None:
+            if isinstance(item, Effect) and item.kind == PERMISSION_UPDATES:
+                self.granted.append(item)
+            await emit(item)
+
+        return emit_from_tool
+
     async def sink(self, item: ToolItem) -> None:
         """The outermost ``emit``: collects effects, forwards the rest to the observer."""
         if isinstance(item, Effect):
+            if item.kind == PERMISSION_UPDATES:
+                # Only the tool (or the permission engine, outside the pipeline) may change the rules:
+                # from middleware or a short-circuit this would be a plugin granting itself permissions.
+                for index, granted in enumerate(self.granted):
+                    if granted is item:
+                        del self.granted[index]
+                        break
+                else:
+                    self.faults.append(
+                        MiddlewareFault(
+                            FaultCode.PERMISSION_UPDATE_REFUSED,
+                            "a permission_updates effect that the tool did not emit itself was dropped",
+                        )
+                    )
+                    return
             self.effects.append(item)
         elif isinstance(item, (Progress, ToolMessage)):
             if self.on_item is not None:
@@ -245,6 +301,67 @@ class _Frame:
 
     request: ToolMiddlewareRequest
     call: _Call
+
+
+def _early_return_result() -> ToolResult:
+    return ToolResult.failure(
+        ToolErrorType.EXECUTION,
+        "Tool middleware fault: call_next() was entered after the middleware chain had returned; "
+        "nothing ran (the call was already settled)",
+        code="middleware_early_return",
+    )
+
+
+class _Deferred(Coroutine[Any, Any, ToolResult]):
+    """What ``call_next()`` returns: the inner layer's coroutine is made only when this is awaited.
+
+    So a ``call_next()`` that is never awaited leaves no coroutine behind (no
+    "never awaited" warning), the pipeline can count what is still pending when
+    the chain returns, and an entry after that (the door is closed) runs nothing
+    and returns a fault result. It is a `Coroutine`, so ``nursery.start_soon(call_next)`` works.
+    """
+
+    __slots__ = ("_gen", "_make", "_state", "_used")
+
+    def __init__(self, make: Callable[[], Awaitable[ToolResult]], state: _Call) -> None:
+        self._make = make
+        self._state = state
+        self._used = False
+        self._gen: Generator[Any, Any, ToolResult] | None = None
+        state.pending += 1
+
+    def __await__(self) -> Generator[Any, Any, ToolResult]:
+        if self._used:
+            raise RuntimeError("cannot await the same call_next() twice")
+        self._used = True
+        return self._run()
+
+    def _run(self) -> Generator[Any, Any, ToolResult]:
+        state = self._state
+        state.pending -= 1
+        if state.door_closed:
+            return _early_return_result()
+        state.running += 1
+        try:
+            return (yield from self._make().__await__())
+        finally:
+            state.running -= 1
+
+    def send(self, value: Any) -> Any:
+        if self._gen is None:
+            self._gen = self.__await__()
+        return self._gen.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: TracebackType | None = None) -> Any:
+        if self._gen is None:
+            self._gen = self.__await__()
+        if val is None and tb is None:
+            return self._gen.throw(typ)
+        return self._gen.throw(typ, val, tb)  # pragma: no cover - the legacy signature
+
+    def close(self) -> None:
+        if self._gen is not None:
+            self._gen.close()
 
 
 def _aborted_result(abort: Abort) -> ToolResult:
@@ -407,15 +524,28 @@ class ToolPipeline:
             origin.session_id, origin.agent_id, origin.request_id, origin.turn_id,
         )  # fmt: skip
         lifecycle = self.lifecycle
-        await lifecycle.on_tool_scheduled(scheduled)
-        lifecycle.check_ownership()
-
         call_abort = AbortHandle()
         ctx = ExecutionContext(
             origin.session_id, origin.agent_id, origin.request_id, origin.turn_id, call.id, key,
             call_abort, lifecycle.fencing_token,
         )  # fmt: skip
         state = _Call(self, tool, scheduled, ctx, on_item, json_copy(call.input))
+
+        before = self._call_state(scheduled)
+        try:
+            await lifecycle.on_tool_scheduled(scheduled)
+        except BaseException as exc:
+            # A cancellation can land while the write is being confirmed, after the journal took it:
+            # a call the journal now holds open is settled here, or it would stay open for ever.
+            after = self._call_state(scheduled)
+            held = after in _OPEN_STATES and (after != before or contains_cancelled(exc))
+            if held or (after is None and not self._knows_call_state() and contains_cancelled(exc)):
+                lost = await self._settle_on_exit(state, exc)
+                if lost is not None:
+                    raise lost from exc
+            raise
+        lifecycle.check_ownership()
+
         call_abort.add_listener(state.on_abort)
         links: list[tuple[AbortHandle, int]] = []
         if abort is not None:
@@ -430,15 +560,16 @@ class ToolPipeline:
                 if call_abort.reason.reason is AbortReason.LEASE_LOST:
                     raise LeaseLostError(call_abort.reason.message)
                 return await self._finish(state, call, _aborted_result(call_abort.reason), scheduled_at)
-            try:
-                result, published = await self._run(state)
-            except trio.Cancelled:
-                if state.phase is not _Phase.COMMITTED:
-                    # Cancelled from outside before the core completed: record it, then let it go on.
-                    cancelled = ToolResult.failure(ToolErrorType.INTERRUPTED, "tool call cancelled", code="cancelled")
-                    await self._settle(state, cancelled, SettlementStatus.CANCELLED, False, "cancelled")
-                raise
+            result, published = await self._run(state)
             return await self._finish(state, call, result, scheduled_at, published=published)
+        except BaseException as exc:
+            # Whatever leaves here (an outside cancellation, a group holding one, a journal error),
+            # the call ends settled where the journal can still be written; the exception goes on unchanged
+            # (unless the lease turned out lost: then that is what the caller must hear).
+            lost = await self._settle_on_exit(state, exc)
+            if lost is not None:
+                raise lost from exc
+            raise
         finally:
             for handle, token in links:
                 handle.remove_listener(token)
@@ -479,19 +610,59 @@ class ToolPipeline:
             except NextCalledTwiceError as exc:
                 state.next_twice = True
                 mw_error = exc
-            except (trio.Cancelled, KeyboardInterrupt, SystemExit):
-                raise
             except BaseException as exc:
+                # A group holding Cancelled (a middleware's or tool's own nursery) is a cancellation:
+                # it goes on unchanged, never a middleware failure. A typed error in it wins.
+                if is_cancellation(exc) or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                typed = typed_error(exc)
+                if isinstance(typed, LeaseLostError) and state.fatal is None:
+                    state.fatal = typed
                 mw_error = exc
+            finally:
+                # The chain is over: nothing that is still pending may enter it any more.
+                state.door_closed = True
         self._raise_fatal(state)
         if state.next_twice:
             state.faults.append(MiddlewareFault(FaultCode.NEXT_CALLED_TWICE, "next() called multiple times"))
+        if state.core_entered and not state.core_finished.is_set():
+            # Started the core (in a task of its own) and returned: the real result is the core's.
+            state.faults.append(
+                MiddlewareFault(
+                    FaultCode.EARLY_RETURN,
+                    "middleware returned before the core it started had finished; its real result was awaited",
+                )
+            )
+            await self._drain_core(state)
+            self._raise_fatal(state)
+            if state.core_result is not None:
+                return state.core_result, True
+        elif state.pending or state.running:
+            state.faults.append(
+                MiddlewareFault(
+                    FaultCode.EARLY_RETURN,
+                    "middleware returned while call_next() was pending; it was refused and the call short-circuited",
+                )
+            )
 
         core = state.core_result
         if state.violation is not None:
             return ToolResult.failure(
                 ToolErrorType.EXECUTION, f"Tool middleware failed: {state.violation}", code="middleware_violation"
             ), True
+        if core is None and state.started and not state.synthetic:
+            # The tool_started is recorded but the core ended without a result: a middleware's own scope
+            # cancelled it. The real result is a cancellation; a start is never written twice.
+            if mw_result is None:
+                detail = f"middleware raised after cancelling the started core: {mw_error!r}"
+                state.faults.append(MiddlewareFault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, detail))
+            elif not (mw_result.error is not None and mw_result.error.type is ToolErrorType.INTERRUPTED):
+                state.faults.append(
+                    MiddlewareFault(
+                        FaultCode.CANCELLATION_OVERWRITTEN, "middleware replaced the result of a core it cancelled"
+                    )
+                )
+            return ToolResult.failure(ToolErrorType.INTERRUPTED, "tool call cancelled", code="cancelled"), True
         if core is None:
             # The core never ran: aborted, failed or short-circuited in middleware.
             if scope.cancelled_caught or (mw_result is None and state.abort.reason is not None):
@@ -552,6 +723,11 @@ class ToolPipeline:
         self, layer: ToolMiddleware
     ) -> Callable[[_Frame, Callable[[_Frame | None], Awaitable[ToolResult]]], Awaitable[ToolResult]]:
         def run_layer(frame: _Frame, next_: Callable[[_Frame | None], Awaitable[ToolResult]]) -> Awaitable[ToolResult]:
+            return _Deferred(functools.partial(enter_layer, frame, next_), frame.call)
+
+        def enter_layer(
+            frame: _Frame, next_: Callable[[_Frame | None], Awaitable[ToolResult]]
+        ) -> Awaitable[ToolResult]:
             def call_next(
                 request: ToolMiddlewareRequest | None = None, *, emit: Emit | None = None
             ) -> Awaitable[ToolResult]:
@@ -579,6 +755,8 @@ class ToolPipeline:
         """Checked before every layer and the core: identity, name and interrupt behaviour."""
         state = frame.call
         request = frame.request
+        if state.door_closed:
+            return  # the chain already returned: the entry is refused when it is awaited
         try:
             if not isinstance(request, ToolMiddlewareRequest):
                 raise _GuardViolation(f"call_next() takes a ToolMiddlewareRequest, got {type(request).__name__}")
@@ -604,27 +782,32 @@ class ToolPipeline:
     # -- the core ---------------------------------------------------------------
 
     def _terminal(self, frame: _Frame) -> Awaitable[ToolResult]:
-        return self._core(frame.call, frame.request.input, frame.request.emit)
+        state = frame.call
+        return _Deferred(functools.partial(self._core, state, frame.request.input, frame.request.emit), state)
 
     async def _core(self, state: _Call, model_input: JsonObject, emit: Emit) -> ToolResult:
         """The terminal of the chain: everything between the middleware and the side effect, and the tool."""
+        state.core_entered = True
         state.phase = _Phase.CORE
         try:
-            result = await self._core_body(state, model_input, emit)
-        except _Aborted:
-            abort = state.abort.reason
-            if abort is None:  # our deadline fired: the tool timed out
-                timeout = state.tool.timeout or self.timeout
-                state.abort.abort(AbortReason.TIMEOUT, f"timed out after {timeout:g} s")
+            try:
+                result = await self._core_body(state, model_input, emit)
+            except _Aborted:
                 abort = state.abort.reason
-                assert abort is not None
-            result = _aborted_result(abort)
+                if abort is None:  # our deadline fired: the tool timed out
+                    timeout = state.tool.timeout or self.timeout
+                    state.abort.abort(AbortReason.TIMEOUT, f"timed out after {timeout:g} s")
+                    abort = state.abort.reason
+                    assert abort is not None
+                result = _aborted_result(abort)
+            finally:
+                state.target = None
+            if state.phase is not _Phase.COMMITTED:
+                self._commit(state)
+            state.core_result = result
+            return result
         finally:
-            state.target = None
-        if state.phase is not _Phase.COMMITTED:
-            self._commit(state)
-        state.core_result = result
-        return result
+            state.core_finished.set()
 
     def _commit(self, state: _Call) -> None:
         state.phase = _Phase.COMMITTED
@@ -683,6 +866,9 @@ class ToolPipeline:
     def _prepare_input(self, state: _Call, current: JsonObject) -> ToolResult | tuple[JsonObject, object, ToolBehavior]:
         """Schema check, behaviour for the final input, and structuring for ``run``."""
         tool = state.tool
+        # Frozen here, once: later in-place changes to the middleware's dict (while this call waits
+        # for a slot or a lock) cannot make the journal say something other than what the tool ran with.
+        current = json_copy(current)
         errors = tool.input_errors(current)
         if errors:
             return ToolResult.failure(
@@ -772,9 +958,21 @@ class ToolPipeline:
         if state.abort.reason is not None:
             raise _Aborted
         lifecycle = self.lifecycle
+        # The one final input: what the journal records, the record keeps and the tool's value came from.
+        state.effective_input = final_input
         try:
             lifecycle.check_ownership()
-            await lifecycle.on_execution_started(state.scheduled, final_input, behavior.side_effect, synthetic=False)
+            before = self._call_state(state.scheduled)
+            try:
+                await lifecycle.on_execution_started(
+                    state.scheduled, final_input, behavior.side_effect, synthetic=False
+                )
+            except BaseException:
+                # Cancelled while the start was being confirmed, after the journal took it: it is
+                # started, so the call settles as cancelled (never with a second, synthetic start).
+                if before != "started" and self._call_state(state.scheduled) == "started":
+                    state.started = True
+                raise
             state.started = True
             lifecycle.check_ownership()
         except (LeaseLostError, JournalError) as exc:
@@ -782,8 +980,7 @@ class ToolPipeline:
             raise
         if state.abort.reason is not None:  # arrived while tool_started was written: the tool never runs
             raise _Aborted
-        state.effective_input = final_input
-        context = ToolContext(state.ctx, emit, slot, self.cleanup_grace)
+        context = ToolContext(state.ctx, state.tool_emit(emit), slot, self.cleanup_grace)
         deadline = trio.current_time() + (tool.timeout or self.timeout)
         with trio.CancelScope(deadline=deadline) as scope:
             state.target = scope
@@ -793,10 +990,13 @@ class ToolPipeline:
                 outcome = await tool.run(value, context)
             except ToolFailure as failure:
                 outcome = failure.to_result()
-            except LeaseLostError as exc:
-                state.fatal = exc
-                raise
-            except Exception as exc:
+            except BaseException as exc:
+                typed = typed_error(exc)
+                if isinstance(typed, LeaseLostError):
+                    state.fatal = typed
+                    raise
+                if contains_cancelled(exc) or not isinstance(exc, Exception):
+                    raise  # a cancellation (maybe a group from the tool's own nursery) goes on unchanged
                 outcome = ToolResult.failure(ToolErrorType.EXECUTION, f"{type(exc).__name__}: {exc}", code="tool_error")
             finally:
                 self._untrack_cleanup(state, scope)
@@ -878,6 +1078,63 @@ class ToolPipeline:
 
     # -- settlement and publication ----------------------------------------------
 
+    def _knows_call_state(self) -> bool:
+        return callable(getattr(self.lifecycle, "call_state", None))
+
+    def _call_state(self, scheduled: ScheduledCall) -> str | None:
+        probe = getattr(self.lifecycle, "call_state", None)
+        if not callable(probe):
+            return None
+        state = probe(scheduled)
+        return state if isinstance(state, str) else None
+
+    async def _settle_on_exit(self, state: _Call, exc: BaseException) -> LeaseLostError | None:
+        """*exc* leaves `execute` with the call maybe unsettled: settle it where that can still be written.
+
+        Completed (unpublished) if its core finished, else cancelled. Nothing is
+        written once the lease is lost; a fenced journal refuses the write, and
+        recovery closes the call when the journal is reopened. Never raises: the
+        caller re-raises *exc* unchanged, or the returned `LeaseLostError` when
+        the lease turned out lost (lease loss wins over what it caused).
+        """
+        if state.settle_attempted:
+            return None
+        if state.core_entered and not state.core_finished.is_set():
+            # A core started by middleware in another task still runs: stop it before settling.
+            state.abort.abort(AbortReason.USER_ABORT, "tool call cancelled")
+            with bounded_shield(self.cleanup_grace, f"tool call {state.scheduled.call_id!r} (stopping its core)"):
+                await state.core_finished.wait()
+        state.door_closed = True
+        if isinstance(typed_error(exc), LeaseLostError) or isinstance(state.fatal, LeaseLostError):
+            return None
+        try:
+            self.lifecycle.check_ownership()
+        except LeaseLostError as lost:
+            return lost
+        core = state.core_result
+        if core is not None and state.phase is _Phase.COMMITTED and (state.started or not core.ok):
+            result = core
+            status, reason = _status_for(core)
+        else:
+            result = ToolResult.failure(ToolErrorType.INTERRUPTED, "tool call cancelled", code="cancelled")
+            status, reason = SettlementStatus.CANCELLED, "cancelled"
+        try:
+            await self._settle(state, result, status, False, reason)
+        except LeaseLostError as lost:
+            return lost
+        except JournalError:
+            pass  # fenced: the call stays open for recovery to close
+        return None
+
+    async def _drain_core(self, state: _Call) -> None:
+        """The chain returned while the core it started runs on elsewhere: wait for its real result."""
+        with trio.move_on_after(state.tool.timeout or self.timeout):
+            await state.core_finished.wait()
+        if not state.core_finished.is_set():
+            state.abort.abort(AbortReason.TIMEOUT, "timed out waiting for a core that middleware left running")
+            with bounded_shield(self.cleanup_grace, f"tool call {state.scheduled.call_id!r} (stopping its core)"):
+                await state.core_finished.wait()
+
     async def _synthetic_start(self, state: _Call) -> None:
         effective_input = state.effective_input
         try:
@@ -886,7 +1143,8 @@ class ToolPipeline:
             side_effect = state.tool.side_effect
         lifecycle = self.lifecycle
         lifecycle.check_ownership()
-        with trio.CancelScope(shield=True, deadline=trio.current_time() + self.settle_grace) as scope:
+        call_id = state.scheduled.call_id
+        with bounded_shield(self.settle_grace, f"the synthetic start of tool call {call_id!r}") as scope:
             await lifecycle.on_execution_started(state.scheduled, dict(effective_input), side_effect, synthetic=True)
         if scope.cancelled_caught:
             raise SettlementError(
@@ -899,12 +1157,14 @@ class ToolPipeline:
     async def _settle(
         self, state: _Call, result: ToolResult, status: SettlementStatus, published: bool, reason: str | None
     ) -> None:
+        state.settle_attempted = True
         settlement = Settlement(status, result, state.effective_input, published, reason)
         if self._lifecycle_never_blocks:
             # It cannot be interrupted (it never checkpoints), so a shield would change nothing.
             await self._write_settlement(state, settlement)
             return
-        with trio.CancelScope(shield=True, deadline=trio.current_time() + self.settle_grace) as scope:
+        call_id = state.scheduled.call_id
+        with bounded_shield(self.settle_grace, f"the settlement of tool call {call_id!r}") as scope:
             await self._write_settlement(state, settlement)
         if scope.cancelled_caught:
             raise SettlementError(
