@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -20,6 +21,7 @@ import httpx
 import pydantic
 import pytest
 import trio
+import trio.testing
 
 from tests.fake_server import FakeServer, Gate, Scripted, open_fake_server, queue_handler
 from trio_agent import (
@@ -58,7 +60,9 @@ from trio_agent import (
     UsageChunk,
     UserMessage,
 )
+from trio_agent._cleanup import DEFAULT_CLEANUP_GRACE
 from trio_agent._models._anthropic import AnthropicProvider, retry_after_seconds
+from trio_agent._models._providers import create_provider
 from trio_agent._models._service import ModelRequest
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "anthropic"
@@ -80,7 +84,8 @@ def parse_sse(raw: bytes) -> list[tuple[str, Any]]:
     events = []
     for block in raw.decode().split("\n\n"):
         if block.strip():
-            fields = dict(line.split(": ", 1) for line in block.splitlines())
+            # split("\n"), not splitlines(): U+2028, U+2029 and U+0085 in the data end no line
+            fields = dict(line.split(": ", 1) for line in block.split("\n"))
             events.append((fields["event"], json.loads(fields["data"])))
     return events
 
@@ -885,3 +890,180 @@ async def test_client_ownership_and_with_model_sharing() -> None:
             await given.aclose()
     assert [sent.json()["model"] for sent in server.requests] == ["claude-other", MODEL]
     assert KEY not in repr(provider)
+
+
+# -- real servers: lenient where the answer is complete, bounded where the server is hostile -------------
+
+FOREVER = 3600.0  # a stream_idle_timeout nothing in these tests reaches unless the stream waits for it
+EXPLANATION = JSON["refusal_with_explanation"]["stop_details"]["explanation"]
+
+
+async def test_a_refusal_carries_its_explanation() -> None:
+    responses = (Scripted.json(JSON["refusal_with_explanation"]), Scripted.sse(sse_events("stream_refusal")))
+    async with serve(*responses) as (_, provider):
+        refused = await provider.chat(request())
+        chunks = await collect(provider, request(operation=Operation.STREAM))
+    assert (refused.finish_reason, refused.finish_explanation) == (FinishReason.REFUSAL, EXPLANATION)
+    assert chunks[0] == TextDelta("Here is how to")
+    assert chunks[-1] == FinishChunk(FinishReason.REFUSAL, EXPLANATION)
+    assert FinishChunk(FinishReason.STOP).explanation is None  # no details, no explanation
+
+
+@pytest.mark.parametrize("split", ["whole", "every_byte", "crlf_split_between_cr_and_lf"])
+async def test_unicode_line_separators_in_output_are_text(split: str) -> None:
+    """U+2028, U+2029 and U+0085 end no SSE line (httpx-sse < 0.4.2 split on them)."""
+    async with serve(Scripted.sse(SPLITS[split](SSE["stream_unicode_separators"]))) as (_, provider):
+        chunks = await collect(provider, request(operation=Operation.STREAM))
+    assert text_of(chunks) == "line\u2028sep para\u2029sep next\u0085line"
+    assert chunks[-1] == FinishChunk(FinishReason.STOP)
+
+
+async def test_message_stop_ends_the_stream_whatever_the_connection_does(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The server never closes the body after message_stop: the stream still ends at once (on this
+    mock clock any wait, even for the idle timeout, would show as elapsed time)."""
+    never = trio.Event()
+    async with serve(Scripted.sse([*sse_events("stream_text"), Gate(never)]), stream_idle_timeout=FOREVER) as (
+        _,
+        provider,
+    ):
+        started = trio.current_time()
+        chunks = await collect(provider, request(operation=Operation.STREAM))
+        assert trio.current_time() == started
+    assert text_of(chunks) == STREAM_TEXT and chunks[-1] == FinishChunk(FinishReason.STOP)
+
+
+async def test_a_finished_stream_releases_its_connection_for_reuse() -> None:
+    async with serve(Scripted.sse(sse_events("stream_text")), Scripted.sse(sse_events("stream_text"))) as (
+        server,
+        provider,
+    ):
+        for _ in range(2):
+            async for chunk in provider.stream(request(operation=Operation.STREAM)):
+                if isinstance(chunk, FinishChunk):
+                    # The consumer handles the last chunk; meanwhile the server ends its body.
+                    await trio.testing.wait_all_tasks_blocked()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(server.requests) == 2 and server.closed_connections == 0
+
+
+async def test_an_unterminated_line_over_max_response_bytes_is_refused_while_it_is_read() -> None:
+    limit = 64 * 1024
+    never = trio.Event()
+    flood: list[bytes | Gate] = [sse_events("stream_text")[0], b"data: ", *[b"x" * 65536] * 64, Gate(never)]
+    async with serve(Scripted.sse(flood), max_response_bytes=limit, stream_idle_timeout=FOREVER) as (_, provider):
+        with trio.fail_after(30):  # a hang guard, not synchronisation
+            with pytest.raises(MalformedResponseError, match="max_response_bytes") as caught:
+                await collect(provider, request(operation=Operation.STREAM))
+    assert not caught.value.retryable
+
+
+@pytest.mark.parametrize(
+    ("name", "error_type", "retryable"),
+    [
+        ("error_529", ProviderServerError, True),
+        ("error_429", RateLimitError, True),
+        ("error_401", AuthenticationError, False),
+    ],
+)
+@pytest.mark.parametrize("shape", ["json_body_with_200", "json_served_as_event_stream", "json_for_a_stream"])
+async def test_an_error_body_with_status_200_is_the_servers_typed_error(
+    shape: str, name: str, error_type: type[ProviderError], retryable: bool
+) -> None:
+    body = json.dumps(JSON[name], indent=2).encode()
+    if shape == "json_served_as_event_stream":
+        scripted = Scripted(
+            200, [("content-type", "text/event-stream")], [body[i : i + 5] for i in range(0, len(body), 5)]
+        )
+    else:
+        scripted = Scripted.json(JSON[name])
+    async with serve(scripted) as (_, provider):
+        with pytest.raises(ProviderError) as caught:
+            if shape == "json_body_with_200":
+                await provider.chat(request())
+            else:
+                await collect(provider, request(operation=Operation.STREAM))
+    assert type(caught.value) is error_type
+    assert (caught.value.status, caught.value.retryable) == (None, retryable)
+    assert JSON[name]["error"]["message"] in str(caught.value)
+
+
+async def test_a_json_body_that_is_no_error_served_as_an_event_stream_is_malformed() -> None:
+    scripted = Scripted(200, [("content-type", "text/event-stream")], [json.dumps(JSON["text_reply"]).encode()])
+    async with serve(scripted) as (_, provider):
+        with pytest.raises(MalformedResponseError, match="not text/event-stream") as caught:
+            await collect(provider, request(operation=Operation.STREAM))
+    assert not caught.value.retryable
+
+
+# -- bounded clean-up --------------------------------------------------------------------------------
+
+STUCK = 1000.0  # how long the stuck response's close would take, unbounded
+
+
+class StuckCloseTransport(httpx.AsyncBaseTransport):
+    """Serves *pieces* as a response whose close takes STUCK seconds (a peer that never lets go)."""
+
+    def __init__(self, content_type: str, pieces: Sequence[bytes]) -> None:
+        self.content_type = content_type
+        self.pieces = pieces
+        self.closes_finished = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": self.content_type}, stream=_StuckBody(self))
+
+
+class _StuckBody(httpx.AsyncByteStream):
+    def __init__(self, transport: StuckCloseTransport) -> None:
+        self.transport = transport
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for piece in self.transport.pieces:
+            yield piece
+
+    async def aclose(self) -> None:
+        await trio.sleep(STUCK)
+        self.transport.closes_finished += 1
+
+
+@pytest.mark.parametrize("operation", [Operation.STREAM, Operation.CHAT])
+async def test_a_response_whose_close_hangs_is_abandoned_after_cleanup_grace(
+    operation: Operation, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream left early, or a chat body refused half-read: the response is closed under a shield
+    bounded by cleanup_grace (unbounded, this test would take STUCK seconds)."""
+    caplog.set_level(logging.WARNING, logger="trio_agent")
+    if operation is Operation.STREAM:
+        transport = StuckCloseTransport("text/event-stream", sse_events("stream_text"))
+    else:
+        body = json.dumps(JSON["text_reply"]).encode()
+        transport = StuckCloseTransport("application/json", [body[:100], body[100:]])
+    async with httpx.AsyncClient(transport=transport) as client:
+        limit = 150 if operation is Operation.CHAT else 2**20
+        provider = AnthropicProvider(
+            MODEL, api_key=KEY, base_url="http://stuck", client=client, cleanup_grace=2, max_response_bytes=limit
+        )
+        started = trio.current_time()
+        if operation is Operation.STREAM:
+            stream = provider.stream(request(operation=Operation.STREAM))
+            assert await stream.__anext__() == TextDelta("Hello")
+            await stream.aclose()  # type: ignore[attr-defined]
+        else:
+            with pytest.raises(MalformedResponseError, match="max_response_bytes"):
+                await provider.chat(request())
+        assert trio.current_time() - started == 2.0
+    assert transport.closes_finished == 0
+    [message] = [record.getMessage() for record in caplog.records if "overran" in record.getMessage()]
+    assert "anthropic response close" in message and "2 s" in message
+
+
+def test_cleanup_grace_is_validated_and_carried_by_with_model() -> None:
+    assert AnthropicProvider(MODEL, api_key=KEY).cleanup_grace == DEFAULT_CLEANUP_GRACE
+    provider = AnthropicProvider(MODEL, api_key=KEY, cleanup_grace=0.5)
+    assert provider.with_model("claude-other").cleanup_grace == 0.5
+    made = create_provider("anthropic", MODEL, api_key=KEY, cleanup_grace=3)
+    assert isinstance(made, AnthropicProvider) and made.cleanup_grace == 3.0
+    for bad in (0, -1, float("nan"), "1", True):
+        with pytest.raises(ConfigError, match="cleanup_grace"):
+            AnthropicProvider(MODEL, api_key=KEY, cleanup_grace=bad)  # type: ignore[arg-type]

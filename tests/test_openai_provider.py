@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import socket
+import tracemalloc
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from datetime import UTC, datetime, timedelta
@@ -27,6 +29,7 @@ from openai.types.shared import ErrorObject
 from trio_agent import (
     AssistantMessage,
     AuthenticationError,
+    ConfigError,
     FinishChunk,
     FinishReason,
     MalformedResponseError,
@@ -60,7 +63,9 @@ from trio_agent import (
     UsageChunk,
     UserMessage,
 )
+from trio_agent._cleanup import DEFAULT_CLEANUP_GRACE
 from trio_agent._models._openai import OpenAIProvider
+from trio_agent._models._providers import create_provider
 
 FIXTURES = Path(__file__).parent / "fixtures" / "openai"
 MODEL = "gpt-4o-mini"
@@ -351,7 +356,8 @@ async def test_finish_reasons_are_mapped(wire: str, reason: FinishReason) -> Non
     ("body", "named"),
     [
         (completion({"content": "x"}, "sleepy"), "unknown choices[0].finish_reason 'sleepy'"),
-        (completion({"content": "x"}, None), "missing choices[0].finish_reason"),
+        (completion({"content": None}, None), "missing choices[0].finish_reason"),
+        (completion({"content": ""}, ""), "missing choices[0].finish_reason"),
         ({"id": "x", "object": "chat.completion"}, "missing choices"),
         (completion({"content": "x"}) | {"choices": []}, "choices is empty"),
         ({"choices": [{"index": 0, "finish_reason": "stop"}]}, "missing choices[0].message"),
@@ -680,11 +686,28 @@ async def test_a_stream_cut_mid_way_is_a_retryable_connection_error() -> None:
     assert chunks == [TextDelta("Héllo")]
 
 
-async def test_a_stream_that_ends_without_done_is_an_error() -> None:
-    events = [event for event in sse_events(fixture_sse("stream_text.sse")) if event != DONE]
+async def test_a_stream_that_ends_before_its_finish_reason_is_a_retryable_error() -> None:
+    events = [chunk_event({"content": "Hel"}), chunk_event({"content": "lo"})]  # then the body ends
     async with open_fake_server(queue_handler(Scripted.sse(events))) as server, provider_for(server) as provider:
-        with pytest.raises(ModelConnectionError, match=r"before `data: \[DONE\]`"):
-            await collect(provider, request())
+        chunks: list[StreamChunk] = []
+        with pytest.raises(ModelConnectionError, match=r"before `data: \[DONE\]`") as caught:
+            await collect(provider, request(), chunks)
+    assert caught.value.retryable
+    assert chunks == [TextDelta("Hel"), TextDelta("lo")]
+
+
+async def test_a_body_that_ends_after_the_finish_reason_is_a_finished_answer() -> None:
+    """No ``[DONE]``: the finish_reason already said the reply is complete (usage is reported when sent)."""
+    without_usage = [chunk_event({"content": "Hi"}), chunk_event({}, "stop")]
+    events = [event for event in sse_events(fixture_sse("stream_text.sse")) if event != DONE]
+    handler = queue_handler(Scripted.sse(without_usage), Scripted.sse(events))
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        assert await collect(provider, request()) == [TextDelta("Hi"), FinishChunk(FinishReason.STOP)]
+        chunks = await collect(provider, request())
+    assert chunks[-2:] == [
+        UsageChunk(Usage(24, 7, 31, cached_input_tokens=16, reasoning_tokens=0)),
+        FinishChunk(FinishReason.STOP),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -700,7 +723,7 @@ async def test_a_stream_that_ends_without_done_is_an_error() -> None:
             MalformedResponseError,
             "unknown choices[0].finish_reason",
         ),
-        ([chunk_event({"content": "a"}), DONE], MalformedResponseError, "without a finish_reason"),
+        ([chunk_event({"role": "assistant"}), DONE], MalformedResponseError, "missing finish_reason in the stream"),
         (
             [chunk_event({"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": "{}"}}]})],
             MalformedResponseError,
@@ -860,7 +883,8 @@ async def test_a_cancel_scope_around_a_stream_closes_the_response_promptly() -> 
 
 
 async def test_a_finished_stream_releases_its_connection_for_reuse() -> None:
-    """After [DONE] the body is read to its end, so the next call reuses the same connection."""
+    """When the stream ends, the rest of the body that has arrived (``[DONE]``, the end of the chunked
+    body) is read without waiting, so the next call reuses the same connection."""
     pieces = awkward_pieces(fixture_sse("stream_text.sse"))
     tracker = BodyTracker()
     async with (
@@ -868,11 +892,16 @@ async def test_a_finished_stream_releases_its_connection_for_reuse() -> None:
         httpx.AsyncClient(transport=tracker) as client,
     ):
         provider = provider_for(server, client=client)
-        stream = provider.stream(request())
-        chunks = [chunk async for chunk in stream]  # runs to its natural end
-        assert chunks[-1] == FinishChunk(FinishReason.STOP)
-        assert tracker.open_bodies == 0
-        await collect(provider, request())
+        for _ in range(2):
+            chunks: list[StreamChunk] = []
+            async for chunk in provider.stream(request()):  # runs to its natural end
+                chunks.append(chunk)
+                if isinstance(chunk, FinishChunk):
+                    # The consumer handles the last chunk; meanwhile the server sends the rest of its body.
+                    await trio.testing.wait_all_tasks_blocked()
+            assert chunks[-1] == FinishChunk(FinishReason.STOP)
+            assert tracker.open_bodies == 0
+        await trio.testing.wait_all_tasks_blocked()
         assert len(server.requests) == 2 and server.closed_connections == 0
 
 
@@ -1086,3 +1115,389 @@ async def test_creating_a_stream_sends_nothing_until_it_is_iterated() -> None:
         assert server.requests == []
         async with aclosing(stream):
             assert [chunk async for chunk in stream][-1] == FinishChunk(FinishReason.STOP)
+
+
+# -- real servers: lenient where the answer is complete, bounded where the server is hostile -------------
+
+SPLITS = {
+    "whole": lambda raw: [raw],
+    "awkward": awkward_pieces,
+    "every_byte": lambda raw: [raw[i : i + 1] for i in range(len(raw))],
+}
+
+# Fixtures of backends that differ from OpenAI, and whether the official SDK types accept them.
+BACKEND_STREAMS = {
+    "stream_cortex_no_finish_reason.sse": True,  # finish_reason left out: the SDK allows null
+    "stream_openrouter_empty_finish_reason.sse": False,  # finish_reason "" is no known value
+    "stream_mistral_list_content.sse": False,  # delta.content is a list of chunks, not a string
+    "stream_gemini_empty_tool_call_id.sse": True,  # "" is a string
+    "stream_unicode_separators.sse": True,
+}
+BACKEND_BODIES = {
+    "chat_cortex_no_finish_reason.json": False,  # choices[0].finish_reason is required
+    "chat_mistral_list_content.json": False,
+    "chat_gemini_empty_tool_call_id.json": True,
+}
+
+
+def test_backend_fixtures_against_the_official_sdk_types() -> None:
+    """Where the SDK accepts a backend's payload it validates; where it rejects it, that is the difference."""
+    for name, accepted in BACKEND_STREAMS.items():
+        payloads = sse_data(fixture_sse(name))
+        assert payloads[-1] == "[DONE]", name
+        results = []
+        for data in payloads[:-1]:
+            try:
+                ChatCompletionChunk.model_validate(json.loads(data))
+                results.append(True)
+            except ValueError:
+                results.append(False)
+        assert all(results) is accepted, name
+    for name, accepted in BACKEND_BODIES.items():
+        try:
+            ChatCompletion.model_validate(fixture_json(name))
+            valid = True
+        except ValueError:
+            valid = False
+        assert valid is accepted, name
+
+
+@pytest.mark.parametrize("split", SPLITS)
+async def test_a_stream_without_finish_reason_finishes_from_its_content(split: str) -> None:
+    """Snowflake Cortex sends no finish_reason; OpenRouter (some hosts) an empty one, with tool calls."""
+    handler = queue_handler(
+        Scripted.sse(SPLITS[split](fixture_sse("stream_cortex_no_finish_reason.sse"))),
+        Scripted.sse(SPLITS[split](fixture_sse("stream_openrouter_empty_finish_reason.sse"))),
+    )
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        text = await collect(provider, request())
+        tools = await collect(provider, request())
+    assert text == [
+        TextDelta("Snow"),
+        TextDelta("flake says "),
+        TextDelta("hello."),
+        UsageChunk(Usage(12, 5, 17)),
+        FinishChunk(FinishReason.STOP),
+    ]
+    assert tools == [
+        ToolCallStart(0, "call_8f2a1c", "get_weather"),
+        ToolCallDelta(0, '{"city": "Oslo"}'),
+        ToolCallEnd(0, "call_8f2a1c", "get_weather", '{"city": "Oslo"}'),
+        UsageChunk(Usage(40, 9, 49)),
+        FinishChunk(FinishReason.TOOL_CALLS),
+    ]
+
+
+async def test_a_completion_without_finish_reason_finishes_from_its_content() -> None:
+    calls = completion(
+        {"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, ""
+    )
+    handler = queue_handler(Scripted.json(fixture_json("chat_cortex_no_finish_reason.json")), Scripted.json(calls))
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        text = await provider.chat(request(operation=Operation.CHAT))
+        tools = await provider.chat(request(operation=Operation.CHAT))
+    assert (text.message.text, text.finish_reason, text.usage) == (
+        "Snowflake says hello.",
+        FinishReason.STOP,
+        Usage(12, 5, 17),
+    )
+    assert tools.finish_reason is FinishReason.TOOL_CALLS
+
+
+@pytest.mark.parametrize("split", SPLITS)
+async def test_mistral_list_content_is_text_and_reasoning(split: str) -> None:
+    handler = queue_handler(
+        Scripted.json(fixture_json("chat_mistral_list_content.json")),
+        Scripted.sse(SPLITS[split](fixture_sse("stream_mistral_list_content.sse"))),
+    )
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        response = await provider.chat(request(operation=Operation.CHAT))
+        chunks = await collect(provider, request())
+    assert response.message.parts == (ReasoningPart("A greeting; answer politely."), TextPart("Bonjour à vous !"))
+    assert chunks == [
+        ReasoningDelta("A greeting; "),
+        ReasoningDelta("answer politely."),
+        TextDelta("Bonjour"),
+        TextDelta(" à vous !"),
+        UsageChunk(Usage(8, 22, 30)),
+        FinishChunk(FinishReason.STOP),
+    ]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        [{"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "text", "text": "ok"}],
+        [{"type": "thinking", "thinking": "plain"}, {"type": "text", "text": "ok"}],
+    ],
+    ids=["unknown_chunk_type_skipped", "thinking_as_a_string"],
+)
+async def test_list_content_variants(content: list[Any]) -> None:
+    async with (
+        open_fake_server(queue_handler(Scripted.json(completion({"content": content})))) as server,
+        provider_for(server) as provider,
+    ):
+        response = await provider.chat(request(operation=Operation.CHAT))
+    assert response.message.text == "ok"
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [(["text"], "choices[0].message.content[0] must be an object"), (7, "must be a string or a list")],
+)
+async def test_content_that_is_neither_text_nor_chunks_is_malformed(content: Any, named: str) -> None:
+    async with (
+        open_fake_server(queue_handler(Scripted.json(completion({"content": content})))) as server,
+        provider_for(server) as provider,
+    ):
+        with pytest.raises(MalformedResponseError) as caught:
+            await provider.chat(request(operation=Operation.CHAT))
+    assert named in str(caught.value)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+async def test_an_empty_tool_call_id_passes_through(split: str) -> None:
+    """Gemini sends ``"id": ""``; unique ids are the message assembler's job, not a reason to refuse."""
+    handler = queue_handler(
+        Scripted.json(fixture_json("chat_gemini_empty_tool_call_id.json")),
+        Scripted.sse(SPLITS[split](fixture_sse("stream_gemini_empty_tool_call_id.sse"))),
+    )
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        response = await provider.chat(request(operation=Operation.CHAT))
+        chunks = await collect(provider, request())
+    assert response.message.tool_calls == (ToolCallPart("", "get_weather", '{"city":"Rome"}'),)
+    assert chunks == [
+        ToolCallStart(0, "", "get_weather"),
+        ToolCallDelta(0, '{"city":"Rome"}'),
+        ToolCallStart(1, "", "get_time"),
+        ToolCallDelta(1, '{"zone":"Europe/Rome"}'),
+        ToolCallEnd(0, "", "get_weather", '{"city":"Rome"}'),
+        ToolCallEnd(1, "", "get_time", '{"zone":"Europe/Rome"}'),
+        UsageChunk(Usage(51, 18, 69)),
+        FinishChunk(FinishReason.TOOL_CALLS),
+    ]
+
+
+async def test_index_less_tool_calls_with_empty_ids_are_told_apart_by_name() -> None:
+    def call(**fields: Any) -> dict[str, Any]:
+        return {"type": "function", **fields}
+
+    events = [
+        chunk_event({"tool_calls": [call(id="", function={"name": "f", "arguments": '{"a"'})]}, valid=False),
+        chunk_event({"tool_calls": [call(function={"arguments": ": 1}"})]}, valid=False),
+        chunk_event({"tool_calls": [call(id="", function={"name": "g", "arguments": "{}"})]}, valid=False),
+        chunk_event({}, "tool_calls"),
+        DONE,
+    ]
+    async with open_fake_server(queue_handler(Scripted.sse(events))) as server, provider_for(server) as provider:
+        chunks = await collect(provider, request())
+    assert [chunk for chunk in chunks if isinstance(chunk, ToolCallEnd)] == [
+        ToolCallEnd(0, "", "f", '{"a": 1}'),
+        ToolCallEnd(1, "", "g", "{}"),
+    ]
+
+
+@pytest.mark.parametrize("split", SPLITS)
+async def test_unicode_line_separators_in_output_are_text(split: str) -> None:
+    """U+2028, U+2029 and U+0085 end no SSE line (httpx-sse < 0.4.2 split on them)."""
+    pieces = SPLITS[split](fixture_sse("stream_unicode_separators.sse"))
+    async with open_fake_server(queue_handler(Scripted.sse(pieces))) as server, provider_for(server) as provider:
+        chunks = await collect(provider, request())
+    assert chunks == [
+        TextDelta("line\u2028sep"),
+        TextDelta("para\u2029sep"),
+        TextDelta("next\u0085line"),
+        UsageChunk(Usage(9, 6, 15)),
+        FinishChunk(FinishReason.STOP),
+    ]
+
+
+FOREVER = 3600.0  # a stream_idle_timeout nothing in these tests reaches unless the stream waits for it
+
+
+@pytest.mark.parametrize(
+    "ending",
+    ["done", "usage_after_finish", "finish_with_usage"],
+)
+async def test_the_terminal_event_ends_the_stream_whatever_the_connection_does(
+    ending: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The server never closes the body after the terminal event: the stream still ends at once
+    (on this mock clock any wait, even for the idle timeout, would show as elapsed time)."""
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    never = trio.Event()
+    events = {
+        "done": [chunk_event({"content": "x"}), chunk_event({}, "stop"), DONE],
+        "usage_after_finish": [
+            chunk_event({"content": "x"}),
+            chunk_event({}, "stop"),
+            b"data: " + json.dumps(fixture_json("chunk_usage_only.json") | {"usage": usage}).encode() + b"\n\n",
+        ],
+        "finish_with_usage": [chunk_event({"content": "x"}), chunk_event({}, "stop", usage=usage)],
+    }[ending]
+    async with (
+        open_fake_server(queue_handler(Scripted.sse([*events, Gate(never)]))) as server,
+        provider_for(server, stream_idle_timeout=FOREVER) as provider,
+    ):
+        started = trio.current_time()
+        chunks = await collect(provider, request())
+        assert trio.current_time() == started
+    assert chunks[0] == TextDelta("x") and chunks[-1] == FinishChunk(FinishReason.STOP)
+    assert (UsageChunk(Usage(3, 1, 4)) in chunks) is (ending != "done")
+
+
+async def test_after_a_finish_reason_without_usage_the_wait_for_the_rest_is_bounded(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    never = trio.Event()
+    events = [chunk_event({"content": "x"}), chunk_event({}, "length"), Gate(never)]
+    async with (
+        open_fake_server(queue_handler(Scripted.sse(events))) as server,
+        provider_for(server, stream_idle_timeout=FOREVER) as provider,
+    ):
+        started = trio.current_time()
+        chunks = await collect(provider, request())
+        assert trio.current_time() - started == 1.0  # _TRAILER_SECONDS, not the idle timeout
+    assert chunks == [TextDelta("x"), FinishChunk(FinishReason.LENGTH)]
+
+
+async def test_an_unterminated_line_over_max_response_bytes_is_refused_while_it_is_read() -> None:
+    """16 MiB without a newline, with a 64 KiB bound: refused after about the bound, not buffered whole
+    (the server then stalls forever: a provider that waited for the line's end would hang)."""
+    limit = 64 * 1024
+    piece = b"x" * 65536
+    never = trio.Event()
+    flood: list[bytes | Gate] = [b'data: {"id": "', *[piece] * 256, Gate(never)]
+    async with (
+        open_fake_server(queue_handler(Scripted.sse(flood))) as server,
+        provider_for(server, max_response_bytes=limit, stream_idle_timeout=FOREVER) as provider,
+    ):
+        tracemalloc.start()
+        try:
+            with trio.fail_after(30):  # a hang guard, not synchronisation
+                with pytest.raises(MalformedResponseError, match=f"larger than max_response_bytes={limit}") as caught:
+                    await collect(provider, request())
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert not caught.value.retryable
+    assert peak < 16 * limit  # the bound plus a read or two, not the 16 MiB line
+
+
+async def test_a_json_body_sent_as_an_event_stream_over_the_bound_is_refused() -> None:
+    body = json.dumps({"error": {"message": "x" * 5000, "type": "server_error"}}).encode()
+    scripted = Scripted(200, [("content-type", "text/event-stream")], [body[:100], body[100:]])
+    async with (
+        open_fake_server(queue_handler(scripted)) as server,
+        provider_for(server, max_response_bytes=1000) as provider,
+    ):
+        with pytest.raises(MalformedResponseError, match="JSON body larger than max_response_bytes=1000") as caught:
+            await collect(provider, request())
+    assert not caught.value.retryable
+
+
+@pytest.mark.parametrize(
+    ("name", "error_type", "retryable"),
+    [
+        ("error_429.json", RateLimitError, True),
+        ("error_500.json", ProviderServerError, True),
+        ("error_401.json", AuthenticationError, False),
+    ],
+)
+async def test_a_json_error_served_as_an_event_stream_is_the_servers_error(
+    name: str, error_type: type[ProviderError], retryable: bool
+) -> None:
+    body = b"\n" + json.dumps(fixture_json(name), indent=2).encode()
+    pieces = [body[i : i + 7] for i in range(0, len(body), 7)]
+    scripted = Scripted(200, [("content-type", "text/event-stream; charset=utf-8")], pieces)
+    async with open_fake_server(queue_handler(scripted)) as server, provider_for(server) as provider:
+        with pytest.raises(ProviderError) as caught:
+            await collect(provider, request())
+    assert type(caught.value) is error_type and caught.value.retryable is retryable
+    assert fixture_json(name)["error"]["message"][:20] in str(caught.value)
+
+
+async def test_a_json_body_that_is_no_error_served_as_an_event_stream_is_malformed() -> None:
+    scripted = Scripted(
+        200, [("content-type", "text/event-stream")], [json.dumps(completion({"content": "x"})).encode()]
+    )
+    async with open_fake_server(queue_handler(scripted)) as server, provider_for(server) as provider:
+        with pytest.raises(MalformedResponseError, match="got a JSON body") as caught:
+            await collect(provider, request())
+    assert not caught.value.retryable
+
+
+# -- bounded clean-up --------------------------------------------------------------------------------
+
+STUCK = 1000.0  # how long the stuck response's close would take, unbounded
+
+
+class StuckCloseTransport(httpx.AsyncBaseTransport):
+    """Serves *pieces* as a response whose close takes STUCK seconds (a peer that never lets go)."""
+
+    def __init__(self, content_type: str, pieces: Sequence[bytes]) -> None:
+        self.content_type = content_type
+        self.pieces = pieces
+        self.closes_finished = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": self.content_type}, stream=_StuckBody(self))
+
+
+class _StuckBody(httpx.AsyncByteStream):
+    def __init__(self, transport: StuckCloseTransport) -> None:
+        self.transport = transport
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for piece in self.transport.pieces:
+            yield piece
+
+    async def aclose(self) -> None:
+        await trio.sleep(STUCK)
+        self.transport.closes_finished += 1
+
+
+def overruns(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if "overran" in record.getMessage()]
+
+
+@pytest.mark.parametrize("operation", [Operation.STREAM, Operation.CHAT])
+async def test_a_response_whose_close_hangs_is_abandoned_after_cleanup_grace(
+    operation: Operation, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream left early, or a chat body refused half-read: the response is closed under a shield
+    bounded by cleanup_grace (unbounded, this test would take STUCK seconds)."""
+    caplog.set_level(logging.WARNING, logger="trio_agent")
+    if operation is Operation.STREAM:
+        transport = StuckCloseTransport("text/event-stream", sse_events(fixture_sse("stream_text.sse")))
+    else:
+        body = json.dumps(fixture_json("chat_text.json")).encode()
+        transport = StuckCloseTransport("application/json", [body[:100], body[100:]])
+    async with httpx.AsyncClient(transport=transport) as client:
+        limit = 150 if operation is Operation.CHAT else 2**20
+        provider = OpenAIProvider(
+            MODEL, api_key="k", base_url="http://stuck/v1", client=client, cleanup_grace=2, max_response_bytes=limit
+        )
+        started = trio.current_time()
+        if operation is Operation.STREAM:
+            stream = provider.stream(request())
+            assert await anext(stream) == TextDelta("Héllo")
+            await stream.aclose()  # the consumer leaves early: the response must be closed
+        else:
+            with pytest.raises(MalformedResponseError, match="max_response_bytes=150"):
+                await provider.chat(request(operation=Operation.CHAT))
+        assert trio.current_time() - started == 2.0
+    assert transport.closes_finished == 0
+    [message] = overruns(caplog)
+    assert "openai response close" in message and "2 s" in message
+
+
+async def test_cleanup_grace_is_validated_carried_by_with_model_and_accepted_by_create_provider() -> None:
+    assert OpenAIProvider(MODEL, api_key="k").cleanup_grace == DEFAULT_CLEANUP_GRACE
+    provider = OpenAIProvider(MODEL, api_key="k", cleanup_grace=0.5)
+    assert provider.with_model("gpt-4o").cleanup_grace == 0.5
+    made = create_provider("openai", MODEL, api_key="k", cleanup_grace=3)
+    assert isinstance(made, OpenAIProvider) and made.cleanup_grace == 3.0
+    for bad in (0, -1, float("nan"), "1", True):
+        with pytest.raises(ConfigError, match="cleanup_grace"):
+            OpenAIProvider(MODEL, api_key="k", cleanup_grace=bad)  # type: ignore[arg-type]

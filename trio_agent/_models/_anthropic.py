@@ -12,24 +12,23 @@ Mapping (see ``docs/providers-anthropic.md``):
   object (invalid JSON from the model) are sent as ``{}``, since the API accepts only objects.
 
 The provider never retries: the `ModelService` retry loop owns retries. Errors are typed
-(`ProviderError` and its subclasses, `ModelConnectionError`, `ModelTimeoutError`).
+(`ProviderError` and its subclasses, `ModelConnectionError`, `ModelTimeoutError`). A stream
+ends at ``message_stop``, whatever the connection does afterwards.
 """
 
 from __future__ import annotations
 
-import codecs
 import json
 import os
-import re
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from typing import Any, Final, cast
 
 import attrs
 import httpx
 import trio
-from httpx_sse import ServerSentEvent
 
+from .._cleanup import DEFAULT_CLEANUP_GRACE, validate_cleanup_grace
 from .._config import validate_limit, validate_timeout
 from .._errors import (
     AuthenticationError,
@@ -43,7 +42,7 @@ from .._errors import (
     ProviderServerError,
     RateLimitError,
 )
-from ._http import checked_base_url, retry_after_seconds
+from ._http import SSEEvent, SSEParser, SSEReader, checked_base_url, release_response, retry_after_seconds
 from ._messages import (
     AssistantMessage,
     ContentPart,
@@ -77,7 +76,7 @@ API_KEY_ENV: Final = "ANTHROPIC_API_KEY"
 BASE_URL_ENV: Final = "ANTHROPIC_BASE_URL"
 
 _MAX_ERROR_BODY: Final = 64 * 1024  # an error body is read up to this size (the rest is ignored)
-_MAX_UNWIND_STEPS: Final = 10_000  # buffered chunks discarded while unwinding a body, at most
+_LAYER: Final = "anthropic response close"
 
 STOP_REASONS: Final[Mapping[str, FinishReason]] = {
     "end_turn": FinishReason.STOP,
@@ -122,6 +121,8 @@ class AnthropicProvider:
             `MalformedResponseError`.
         max_tokens: ``max_tokens`` when the request's options do not set it (the API requires it).
         extra_headers: headers added to every request (e.g. ``anthropic-beta``); they win over ours.
+        cleanup_grace: seconds closing a response may take (shielded) before it is abandoned
+            with a WARNING on the ``trio_agent`` logger.
     """
 
     name = "anthropic"
@@ -138,6 +139,7 @@ class AnthropicProvider:
         max_response_bytes: int = 32 * 2**20,
         max_tokens: int = 4096,
         extra_headers: Mapping[str, str] | None = None,
+        cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     ) -> None:
         if not isinstance(model, str) or not model:
             raise ProviderConfigError(f"the Anthropic model must be a non-empty string, got {model!r}")
@@ -151,6 +153,7 @@ class AnthropicProvider:
         self.stream_idle_timeout = validate_timeout(stream_idle_timeout, name="stream_idle_timeout")
         self.max_response_bytes = validate_limit(max_response_bytes, name="max_response_bytes")
         self.max_tokens = validate_limit(max_tokens, name="max_tokens")
+        self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
         self.base_url = _base_url(base_url)
         self._api_key = key
         self._url = self.base_url + "/v1/messages"
@@ -197,6 +200,7 @@ class AnthropicProvider:
             max_response_bytes=self.max_response_bytes,
             max_tokens=self.max_tokens,
             extra_headers=self._extra_headers,
+            cleanup_grace=self.cleanup_grace,
         )
 
     # -- requests -------------------------------------------------------------------------
@@ -245,8 +249,8 @@ class AnthropicProvider:
                 headers=self._headers("application/json"),
                 timeout=httpx.Timeout(self.timeout),
             ) as response:
-                await _raise_for_status(response)
-                return await _read_limited(response, self.max_response_bytes)
+                await _raise_for_status(response, self.cleanup_grace)
+                return await _read_limited(response, self.max_response_bytes, grace=self.cleanup_grace)
         except httpx.TimeoutException as exc:
             raise _request_timeout(exc) from exc
         except httpx.HTTPError as exc:
@@ -266,26 +270,31 @@ class AnthropicProvider:
             async with self._client.stream(
                 "POST", self._url, content=body, headers=self._headers("text/event-stream"), timeout=timeout
             ) as response:
-                await _raise_for_status(response)
-                await _check_event_stream(response)
-                parser = _SSEParser()
-                received = 0
+                await _raise_for_status(response, self.cleanup_grace)
+                await _check_event_stream(response, self.cleanup_grace)
                 chunks = response.aiter_bytes()
+                what = "the Anthropic stream"
+                limit = self.max_response_bytes
+                reader = SSEReader(chunks, SSEParser(limit, what=what), what=what, max_total_bytes=limit)
                 try:
-                    async for data in chunks:
-                        received += len(data)
-                        if received > self.max_response_bytes:
-                            raise MalformedResponseError(
-                                f"the Anthropic stream exceeded max_response_bytes ({self.max_response_bytes} bytes)"
-                            )
-                        for event in parser.feed(data):
-                            for chunk in state.handle(event):
-                                yield chunk
-                finally:
-                    await _unwind(chunks)
-                for event in parser.close():
-                    for chunk in state.handle(event):
+                    final: list[StreamChunk] = []
+                    while (event := await reader.next()) is not None:
+                        out = state.handle(event)
+                        if state.finished:
+                            final = out  # message_stop: read no further
+                            break
+                        for chunk in out:
+                            yield chunk
+                    if not state.finished:
+                        if reader.json_body is not None:
+                            raise _json_body_error(reader.json_body, "an event stream")
+                        raise ModelConnectionError("the Anthropic stream ended before message_stop")
+                    for chunk in final:
                         yield chunk
+                finally:
+                    await release_response(
+                        response, chunks, grace=self.cleanup_grace, layer=_LAYER, finished=state.finished
+                    )
         except httpx.ReadTimeout as exc:
             raise ModelTimeoutError(
                 f"the Anthropic stream was idle for more than {self.stream_idle_timeout:g} s",
@@ -295,8 +304,6 @@ class AnthropicProvider:
             raise _request_timeout(exc) from exc
         except httpx.HTTPError as exc:
             raise _transport_error(exc) from exc
-        if not state.finished:
-            raise ModelConnectionError("the Anthropic stream ended before message_stop")
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -472,7 +479,10 @@ def parse_usage(raw: Any) -> Usage:
 
 
 def parse_message(data: Any) -> ModelResponse:
-    """A `ModelResponse` from an Anthropic ``message`` object."""
+    """A `ModelResponse` from an Anthropic ``message`` object (an error object sent with HTTP 200
+    raises its typed error, as in a stream)."""
+    if isinstance(data, Mapping) and isinstance(data.get("error"), Mapping) and "content" not in data:
+        raise _error_object(data, "response")
     if not isinstance(data, Mapping) or data.get("type") != "message":
         raise MalformedResponseError(f"the Anthropic response is not a message: {str(data)[:200]}")
     blocks = _field(data, "content", list, "message")
@@ -504,7 +514,17 @@ def parse_message(data: Any) -> ModelResponse:
         parse_usage(data.get("usage")),
         _text(data.get("model")),
         _text(data.get("id")),
+        _explanation(data.get("stop_details")),
     )
+
+
+def _explanation(stop_details: Any) -> str | None:
+    """``stop_details.explanation`` (a refusal's, today), when the server gave one."""
+    if isinstance(stop_details, Mapping):
+        explanation = stop_details.get("explanation")
+        if isinstance(explanation, str) and explanation:
+            return explanation
+    return None
 
 
 def _text(value: Any, default: str = "") -> str:
@@ -514,7 +534,7 @@ def _text(value: Any, default: str = "") -> str:
 # -- errors -----------------------------------------------------------------------------------
 
 
-async def _read_limited(response: httpx.Response, limit: int, *, truncate: bool = False) -> bytes:
+async def _read_limited(response: httpx.Response, limit: int, *, grace: float, truncate: bool = False) -> bytes:
     """The body, counting bytes as they arrive; over *limit*: truncated, or `MalformedResponseError`."""
     declared = response.headers.get("content-length", "")
     if not truncate and declared.isdigit() and int(declared) > limit:
@@ -531,30 +551,8 @@ async def _read_limited(response: httpx.Response, limit: int, *, truncate: bool 
                     return bytes(buffer[:limit])
                 raise MalformedResponseError(f"the Anthropic response exceeds max_response_bytes ({limit} bytes)")
     finally:
-        await _unwind(body)
+        await release_response(response, body, grace=grace, layer=_LAYER)
     return bytes(buffer)
-
-
-async def _unwind(body: AsyncIterator[bytes]) -> None:
-    """Finish httpx's body iterator when we stop reading early, without reading on.
-
-    httpx builds a body from nested async generators (``aiter_bytes`` -> ``aiter_raw`` ->
-    the transport's and httpcore's ``__aiter__``). Closing the outermost one leaves the
-    inner ones suspended, and Trio warns when they are garbage collected (encode/httpx#3686).
-    Resuming it inside a cancelled scope makes the innermost read raise ``Cancelled``, which
-    unwinds every layer at once (httpcore closes the connection on the way out); chunks that
-    were already buffered come back without a checkpoint and are discarded. A finished
-    iterator just raises ``StopAsyncIteration``.
-    """
-    with trio.CancelScope() as scope:
-        scope.cancel()
-        for _ in range(_MAX_UNWIND_STEPS):
-            try:
-                await body.__anext__()
-            except StopAsyncIteration:
-                return
-            except Exception:  # the closed connection's own error: the layers are finished
-                return
 
 
 def _error_details(body: bytes) -> tuple[str | None, str]:
@@ -572,11 +570,11 @@ def _error_details(body: bytes) -> tuple[str | None, str]:
     return None, text[:500]
 
 
-async def _raise_for_status(response: httpx.Response) -> None:
+async def _raise_for_status(response: httpx.Response, grace: float) -> None:
     status = response.status_code
     if 200 <= status < 300:
         return
-    kind, detail = _error_details(await _read_limited(response, _MAX_ERROR_BODY, truncate=True))
+    kind, detail = _error_details(await _read_limited(response, _MAX_ERROR_BODY, grace=grace, truncate=True))
     message = f"Anthropic API error {status}" + (f" {kind}" if kind else "") + f": {detail}"
     request_id = response.headers.get("request-id")
     if request_id:
@@ -593,26 +591,37 @@ async def _raise_for_status(response: httpx.Response) -> None:
     raise ProviderError(message, status=status, retryable=status in (408, 409) or None)
 
 
-def _stream_error(data: Mapping[str, Any]) -> ProviderError:
-    """The error for an in-stream ``event: error`` (the HTTP status was 200, so ``status`` is ``None``)."""
+def _error_object(data: Mapping[str, Any], where: str) -> ProviderError:
+    """The error for an error object sent with HTTP 200 (``event: error`` in a stream, or a whole
+    body): typed by its ``type``; ``status`` is ``None``."""
     error = data.get("error")
     error = error if isinstance(error, Mapping) else {}
     kind = _text(error.get("type"), "unknown_error")
     detail = _text(error.get("message"), str(error))
-    message = f"Anthropic stream error {kind}: {detail}"
+    message = f"Anthropic {where} error {kind}: {detail}"
     cls = _ERROR_TYPES.get(kind, ProviderError)
     if cls is RateLimitError:
         return RateLimitError(message, status=None)
     return cls(message, status=None)
 
 
-async def _check_event_stream(response: httpx.Response) -> None:
+async def _check_event_stream(response: httpx.Response, grace: float) -> None:
     content_type = response.headers.get("content-type", "").partition(";")[0].strip().lower()
     if content_type != "text/event-stream":
-        snippet = (await _read_limited(response, 500, truncate=True)).decode("utf-8", "replace")
-        raise MalformedResponseError(
-            f"the Anthropic stream has content-type {content_type or '(none)'!r}, not text/event-stream: {snippet!r}"
-        )
+        body = await _read_limited(response, _MAX_ERROR_BODY, grace=grace, truncate=True)
+        raise _json_body_error(body, f"content-type {content_type or '(none)'!r}")
+
+
+def _json_body_error(body: bytes, shape: str) -> ModelError:
+    """Where a stream was expected: the server's error if *body* is an error object, else malformed."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    if isinstance(data, Mapping) and isinstance(data.get("error"), Mapping):
+        return _error_object(data, "response")
+    snippet = body[:500].decode("utf-8", "replace")
+    return MalformedResponseError(f"the Anthropic stream is {shape}, not text/event-stream: {snippet!r}")
 
 
 def _request_timeout(exc: httpx.TimeoutException) -> ModelTimeoutError:
@@ -631,81 +640,9 @@ def _transport_error(exc: httpx.HTTPError) -> ModelError:
 
 # -- streaming --------------------------------------------------------------------------------
 
-_LINE_END = re.compile(r"\r\n|\r|\n")
 _CONTENT_EVENTS: Final = frozenset(
     ("content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop")
 )
-
-
-class _SSEParser:
-    """An incremental ``text/event-stream`` parser (WHATWG rules).
-
-    Fed raw bytes so the caller can count them as they arrive (httpx-sse's ``EventSource``
-    offers no hook for that and buffers an unterminated line without bound). Lines end in
-    CRLF, LF or CR, possibly split across reads (as are UTF-8 characters); ``:`` lines are
-    comments; an event is dispatched at a blank line if it has data.
-    """
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")()
-        self._pending: list[str] = []
-        self._skip_lf = False
-        self._started = False
-        self._event = ""
-        self._data: list[str] = []
-
-    def feed(self, data: bytes, *, final: bool = False) -> list[ServerSentEvent]:
-        try:
-            text = self._decoder.decode(data, final)
-        except UnicodeDecodeError as exc:
-            raise MalformedResponseError(f"the Anthropic stream is not valid UTF-8: {exc}") from exc
-        if not self._started and text:
-            self._started = True
-            text = text.removeprefix("\ufeff")
-        events = []
-        for line in self._lines(text):
-            event = self._line(line)
-            if event is not None:
-                events.append(event)
-        return events
-
-    def close(self) -> list[ServerSentEvent]:
-        """Events left at the end of the body (an unterminated last event is dropped, as the spec says)."""
-        return self.feed(b"", final=True)
-
-    def _lines(self, text: str) -> Iterator[str]:
-        if self._skip_lf:
-            self._skip_lf = False
-            text = text.removeprefix("\n")
-        position = 0
-        for match in _LINE_END.finditer(text):
-            if match.group() == "\r" and match.end() == len(text):
-                self._skip_lf = True  # maybe the first half of a CRLF split across reads
-            self._pending.append(text[position : match.start()])
-            yield "".join(self._pending)
-            self._pending.clear()
-            position = match.end()
-        if position < len(text):
-            self._pending.append(text[position:])
-
-    def _line(self, line: str) -> ServerSentEvent | None:
-        if not line:
-            if not self._data:
-                self._event = ""
-                return None
-            event = ServerSentEvent(event=self._event or "message", data="\n".join(self._data))
-            self._event = ""
-            self._data = []
-            return event
-        if line.startswith(":"):
-            return None
-        field, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if field == "event":
-            self._event = value
-        elif field == "data":
-            self._data.append(value)
-        return None
 
 
 @attrs.define
@@ -727,10 +664,11 @@ class _StreamState:
         self.tool_calls = 0
         self.usage: dict[str, Any] = {}
         self.stop_reason: Any = None
+        self.explanation: str | None = None
         self.started = False
         self.finished = False
 
-    def handle(self, event: ServerSentEvent) -> list[StreamChunk]:
+    def handle(self, event: SSEEvent) -> list[StreamChunk]:
         if self.finished:
             return []
         try:
@@ -741,7 +679,7 @@ class _StreamState:
             raise MalformedResponseError(f"an Anthropic stream event is not an object: {event.data[:200]!r}")
         kind = event.event if event.event and event.event != "message" else data.get("type")
         if kind == "error":
-            raise _stream_error(data)
+            raise _error_object(data, "stream")
         if kind == "ping":
             return []
         if kind == "message_start":
@@ -765,6 +703,7 @@ class _StreamState:
             delta = data.get("delta")
             if isinstance(delta, Mapping) and delta.get("stop_reason") is not None:
                 self.stop_reason = delta["stop_reason"]
+                self.explanation = _explanation(delta.get("stop_details"))
             self._merge_usage(data.get("usage"))
             return []
         # message_stop
@@ -773,7 +712,7 @@ class _StreamState:
             raise MalformedResponseError(f"the Anthropic stream stopped with unfinished tool calls {open_tools}")
         reason = _finish_reason(self.stop_reason)
         self.finished = True
-        return [UsageChunk(parse_usage(self.usage)), FinishChunk(reason)]
+        return [UsageChunk(parse_usage(self.usage)), FinishChunk(reason, self.explanation)]
 
     def _merge_usage(self, usage: Any) -> None:
         # message_delta counts are cumulative: a later value replaces an earlier one.

@@ -1,17 +1,33 @@
-"""What the HTTP providers share: base-URL validation and ``retry-after`` parsing."""
+"""What the HTTP providers share: base-URL validation, ``retry-after`` parsing, a bounded
+server-sent-events parser and the bounded release of a response."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime
 import email.utils
 import math
+import re
 import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
+import attrs
 import httpx
+import trio
 
-from .._errors import ProviderConfigError
+from .._cleanup import bounded_shield
+from .._errors import MalformedResponseError, ProviderConfigError
 
-__all__ = ["checked_base_url", "retry_after_seconds"]
+__all__ = [
+    "SSEEvent",
+    "SSEParser",
+    "SSEReader",
+    "checked_base_url",
+    "release_response",
+    "retry_after_seconds",
+]
 
 
 def checked_base_url(base_url: object, *, provider: str, source: str, example: str) -> str:
@@ -61,3 +77,208 @@ def retry_after_seconds(headers: httpx.Headers) -> float | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=datetime.UTC)
     return max(when.timestamp() - time.time(), 0.0)
+
+
+# -- server-sent events -------------------------------------------------------------------------
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+_BOM = b"\xef\xbb\xbf"
+_BLANK = b" \t\r\n"
+
+
+@attrs.frozen
+class SSEEvent:
+    """One dispatched server-sent event (``event`` is ``"message"`` when the server named none)."""
+
+    event: str
+    data: str
+
+
+class SSEParser:
+    """An incremental ``text/event-stream`` parser (WHATWG rules) over raw bytes, bounded.
+
+    Lines end in CRLF, LF or CR, possibly split across reads; they are split as bytes (the three
+    are ASCII, never part of a multi-byte character) and decoded one whole line at a time, so
+    only those three end a line (U+2028, U+2029 and U+0085 in model output are text, not line
+    ends). ``:`` lines are comments; an event is dispatched at a blank line if it has data.
+
+    The event being read (its data lines plus an unterminated line) may not exceed
+    *max_event_bytes*: a hostile line without a newline is refused once it passes the bound,
+    without buffering the rest. A body whose first non-blank byte is ``{`` or ``[`` is a JSON
+    document sent as an event stream (an error, usually): it is kept whole, bounded the same way,
+    as `json_body`, for the provider to turn into the server's error.
+    """
+
+    def __init__(self, max_event_bytes: int, *, what: str) -> None:
+        self._limit = max_event_bytes
+        self._what = what
+        self._head: bytearray | None = bytearray()  # the body's start, until its first non-blank byte
+        self._json: bytearray | None = None
+        self._pending = bytearray()
+        self._skip_lf = False
+        self._event = ""
+        self._data: list[str] = []
+        self._data_bytes = 0
+
+    @property
+    def json_body(self) -> bytes | None:
+        """The body, when it was a JSON document rather than an event stream."""
+        return None if self._json is None else bytes(self._json)
+
+    def feed(self, data: bytes) -> list[SSEEvent]:
+        if self._head is not None:
+            self._head += data
+            head = bytes(self._head)
+            if len(head) < len(_BOM) and _BOM.startswith(head):
+                return []  # maybe a byte-order mark split across reads
+            head = head.removeprefix(_BOM)
+            start = head.lstrip(_BLANK)
+            if not start:
+                self._head = bytearray()  # blank lines before the first field change nothing: drop them
+                return []
+            self._head = None
+            if start[:1] in (b"{", b"["):
+                self._json = bytearray()
+                data = start
+            else:
+                data = head
+        if self._json is not None:
+            if len(self._json) + len(data) > self._limit:
+                raise MalformedResponseError(
+                    f"{self._what} is a JSON body larger than max_response_bytes={self._limit}, not an event stream"
+                )
+            self._json += data
+            return []
+        events = []
+        for line in self._lines(data):
+            event = self._line(line)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _check(self, size: int) -> None:
+        if size > self._limit:
+            raise MalformedResponseError(f"an event of {self._what} is larger than max_response_bytes={self._limit}")
+
+    def _lines(self, data: bytes) -> Iterator[bytes]:
+        if self._skip_lf:
+            self._skip_lf = False
+            data = data.removeprefix(b"\n")
+        position = 0
+        for match in _LINE_END.finditer(data):
+            if match.group() == b"\r" and match.end() == len(data):
+                self._skip_lf = True  # maybe the first half of a CRLF split across reads
+            piece = data[position : match.start()]
+            self._check(self._data_bytes + len(self._pending) + len(piece))
+            if self._pending:
+                self._pending += piece
+                line = bytes(self._pending)
+                self._pending.clear()
+            else:
+                line = piece
+            yield line
+            position = match.end()
+        if position < len(data):
+            self._pending += data[position:]
+            self._check(self._data_bytes + len(self._pending))
+
+    def _line(self, raw: bytes) -> SSEEvent | None:
+        if not raw:
+            if not self._data:
+                self._event = ""
+                return None
+            event = SSEEvent(self._event or "message", "\n".join(self._data))
+            self._event = ""
+            self._data = []
+            self._data_bytes = 0
+            return event
+        if raw.startswith(b":"):
+            return None
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise MalformedResponseError(f"{self._what} is not valid UTF-8: {exc}") from exc
+        field, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if field == "event":
+            self._event = value
+        elif field == "data":
+            self._data.append(value)
+            self._data_bytes += len(raw)
+        return None
+
+
+class SSEReader:
+    """Events from an httpx body iterator, one at a time (a plain object, not a generator, so
+    nothing is left for a finaliser when the stream stops early).
+
+    ``max_total_bytes`` bounds the whole body as well (the Anthropic stream's documented bound).
+    """
+
+    def __init__(
+        self, body: AsyncIterator[bytes], parser: SSEParser, *, what: str, max_total_bytes: int | None = None
+    ) -> None:
+        self._body = body
+        self._parser = parser
+        self._what = what
+        self._max_total = max_total_bytes
+        self._received = 0
+        self._queue: collections.deque[SSEEvent] = collections.deque()
+        self.eof = False
+
+    @property
+    def json_body(self) -> bytes | None:
+        return self._parser.json_body
+
+    async def next(self) -> SSEEvent | None:
+        """The next event, or ``None`` at the end of the body."""
+        while not self._queue:
+            if self.eof:
+                return None
+            try:
+                data = await self._body.__anext__()
+            except StopAsyncIteration:
+                self.eof = True
+                return None
+            self._received += len(data)
+            if self._max_total is not None and self._received > self._max_total:
+                raise MalformedResponseError(f"{self._what} exceeded max_response_bytes ({self._max_total} bytes)")
+            self._queue.extend(self._parser.feed(data))
+        return self._queue.popleft()
+
+
+# -- releasing a response --------------------------------------------------------------------------
+
+
+async def release_response(
+    response: httpx.Response, body: AsyncIterator[Any], *, grace: float, layer: str, finished: bool = False
+) -> None:
+    """Close *response* and run its reader *body* (a chain of httpx/httpcore async generators) to
+    its end, so none is left suspended for a garbage-collector finaliser (encode/httpx#3686).
+
+    *finished*: the reply ended at its terminal event; whatever of the body has already arrived
+    is read first (nothing is waited for), so a body whose end is at hand returns its connection
+    to the pool, and one held open by the server loses its connection instead of delaying the
+    stream's end. Bounded by *grace* (`bounded_shield`): this runs when a stream is closed early
+    or cancelled, and must neither be skipped nor hang.
+    """
+    with bounded_shield(grace, layer):
+        try:
+            if finished:
+                with trio.CancelScope() as scope:
+                    # A deadline set after entering fires at the next scheduling round: a read that
+                    # finds bytes already received completes, one that would wait is cancelled.
+                    scope.deadline = trio.current_time()
+                    with contextlib.suppress(Exception):
+                        while True:
+                            await body.__anext__()
+            with contextlib.suppress(Exception):  # best effort: the error that ended the stream matters more
+                await response.aclose()
+        finally:
+            # Also when the close overran its bound: then the first checkpoint in the chain raises
+            # the bound's Cancelled through every layer, which finishes them just the same.
+            while True:
+                try:
+                    await body.__anext__()
+                except Exception:  # StopAsyncIteration, or the read error of a closed connection
+                    break

@@ -165,6 +165,7 @@ class ModelResponse:
     usage: Usage = Usage()
     model: str = ""
     id: str = ""
+    finish_explanation: str | None = None  # the server's words on why it stopped (an Anthropic refusal's)
 
 
 # -- stream chunks ------------------------------------------------------------------------
@@ -214,7 +215,11 @@ class UsageChunk:
 
 @attrs.frozen
 class FinishChunk:
+    """The last chunk. ``explanation``: the server's words on why it stopped, when it gave any
+    (an Anthropic refusal's ``stop_details.explanation``)."""
+
     reason: FinishReason
+    explanation: str | None = None
 
 
 StreamChunk: TypeAlias = (

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible Chat Completions provider, over httpx (streams parsed with httpx-sse).
+"""The OpenAI-compatible Chat Completions provider, over httpx (streams read with our bounded SSE parser).
 
 Works with OpenAI and every server that speaks ``POST {base_url}/chat/completions``
 (vLLM, Ollama, llama.cpp server, LM Studio, OpenRouter, ...). The provider never
@@ -9,21 +9,25 @@ retry loop decides. The provider owns the HTTP client it creates (use it as
 Streams are async generators that hold no cancel scope or nursery across a
 ``yield``: the HTTP response is opened with ``async with client.stream(...)``
 inside the generator, so ``aclose()`` (or a cancellation) closes it before it returns.
+
+Lenient where a server is lenient, bounded where it is hostile (see ``docs/providers.md``):
+a reply that is complete and unambiguous is accepted (no ``finish_reason``, list-shaped
+``content``, an empty tool-call id); a line, an event or a body over ``max_response_bytes``,
+and a connection held open after the reply ended, are bounded.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from types import TracebackType
 from typing import Any, NoReturn
 
 import httpx
 import trio
-from httpx_sse import EventSource, SSEError
 
+from .._cleanup import DEFAULT_CLEANUP_GRACE, validate_cleanup_grace
 from .._config import validate_limit, validate_timeout
 from .._errors import (
     AuthenticationError,
@@ -37,7 +41,7 @@ from .._errors import (
     ProviderServerError,
     RateLimitError,
 )
-from ._http import checked_base_url, retry_after_seconds
+from ._http import SSEParser, SSEReader, checked_base_url, release_response, retry_after_seconds
 from ._messages import (
     AssistantMessage,
     ContentPart,
@@ -67,8 +71,10 @@ __all__ = ["DEFAULT_OPENAI_BASE_URL", "OpenAIProvider"]
 
 DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
 _ERROR_BODY_LIMIT = 64 * 1024  # error bodies are read up to this size, the rest is dropped
-_DRAIN_SECONDS = 1.0  # how long the body may stay open after `data: [DONE]`
-_RELEASE_GUARD_SECONDS = 5.0
+# After a finish_reason without usage, how long the stream waits for the usage report or `[DONE]`
+# (a server that ignores include_usage and holds the connection open costs this, not the idle timeout).
+_TRAILER_SECONDS = 1.0
+_LAYER = "openai response close"
 
 _FINISH_REASONS = {
     "stop": FinishReason.STOP,
@@ -117,8 +123,11 @@ class OpenAIProvider:
             for ``chat``, waiting for the response (each phase on its own).
         stream_idle_timeout: seconds a stream may go without receiving a byte
             (the HTTP read timeout of streaming requests).
-        max_response_bytes: the largest non-streaming body (and SSE event) accepted.
+        max_response_bytes: the largest non-streaming body, and the largest SSE event (or line)
+            of a stream, accepted.
         extra_headers: headers added to every request (e.g. OpenRouter's ``HTTP-Referer``).
+        cleanup_grace: seconds closing a response may take (shielded) before it is abandoned
+            with a WARNING on the ``trio_agent`` logger.
     """
 
     name = "openai"
@@ -134,6 +143,7 @@ class OpenAIProvider:
         stream_idle_timeout: float = 300.0,
         max_response_bytes: int = 32 * 2**20,
         extra_headers: Mapping[str, str] | None = None,
+        cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     ) -> None:
         if not isinstance(model, str) or not model:
             raise ProviderConfigError(f"the OpenAI model must be a non-empty string, got {model!r}")
@@ -152,6 +162,7 @@ class OpenAIProvider:
         self.timeout = validate_timeout(timeout, name="timeout")
         self.stream_idle_timeout = validate_timeout(stream_idle_timeout, name="stream_idle_timeout")
         self.max_response_bytes = validate_limit(max_response_bytes, name="max_response_bytes")
+        self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
         self._api_key = api_key
         self._extra_headers = dict(extra_headers or {})
         self._url = self.base_url + "/chat/completions"
@@ -264,10 +275,15 @@ class OpenAIProvider:
         return _parse_completion(payload, model)
 
     async def stream(self, request: ModelRequest) -> AsyncGenerator[StreamChunk, None]:
-        """A streamed completion (SSE). ``aclose()`` closes the HTTP response before it returns."""
+        """A streamed completion (SSE). ``aclose()`` closes the HTTP response before it returns.
+
+        The stream ends at ``data: [DONE]``, or once the finish_reason and the usage report are in,
+        whatever the connection does afterwards; after a finish_reason without usage it waits at
+        most ``_TRAILER_SECONDS`` for the rest. A body that ends after the finish_reason is complete.
+        """
         client = self._client()
         content = self._body(request, stream=True)
-        assembler = _StreamAssembler(self.max_response_bytes)
+        assembler = _StreamAssembler()
         try:
             async with client.stream(
                 "POST",
@@ -287,27 +303,42 @@ class OpenAIProvider:
                         f"body starts {_preview(body)}",
                         status=response.status_code,
                     )
-                events = EventSource(response).aiter_sse()
+                chunks = response.aiter_bytes()
+                what = "the chat completion stream"
+                reader = SSEReader(chunks, SSEParser(self.max_response_bytes, what=what), what=what)
                 try:
-                    async for event in events:
-                        if event.data.startswith("[DONE]"):
+                    while assembler.finish is None and not assembler.ended:
+                        event = await reader.next()
+                        if event is None:
                             break
                         for chunk in assembler.feed(event.event, event.data):
                             yield chunk
-                    else:
-                        raise ModelConnectionError(
-                            "the chat completion stream ended before `data: [DONE]`"
-                            + (" (after a finish_reason)" if assembler.finish is not None else "")
+                    if reader.json_body is not None:
+                        _raise_for_body(reader.json_body)
+                        raise MalformedResponseError(
+                            f"expected server-sent events, got a JSON body starting {_preview(reader.json_body)}",
+                            status=response.status_code,
                         )
-                    final = assembler.done()
-                    await _drain_after_done(events)
+                    tail: list[StreamChunk] = []
+                    if assembler.finish is not None and not assembler.ended and not reader.eof:
+                        # No yield in here, so the scope is never held across one.
+                        with trio.move_on_after(_TRAILER_SECONDS):
+                            try:
+                                while not assembler.ended and (event := await reader.next()) is not None:
+                                    tail += assembler.feed(event.event, event.data)
+                            except httpx.TransportError:
+                                pass  # the answer is complete; a broken connection after it changes nothing
+                    if not assembler.ended and assembler.finish is None:
+                        raise ModelConnectionError("the chat completion stream ended before `data: [DONE]`")
+                    tail += assembler.done()
+                    for chunk in tail:
+                        yield chunk
                 finally:
-                    await _release(response, events)
+                    await release_response(
+                        response, chunks, grace=self.cleanup_grace, layer=_LAYER, finished=assembler.ended
+                    )
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, streaming=True) from exc
-        # The response is released (its connection back in the pool) before the last chunks go out.
-        for chunk in final:
-            yield chunk
 
     # -- errors -------------------------------------------------------------------------
 
@@ -331,7 +362,7 @@ class OpenAIProvider:
                     )
                 pieces.append(piece)
         finally:
-            await _release(response, body)
+            await release_response(response, body, grace=self.cleanup_grace, layer=_LAYER)
         return b"".join(pieces)
 
     async def _http_error(self, response: httpx.Response) -> ProviderError:
@@ -348,7 +379,7 @@ class OpenAIProvider:
         except httpx.HTTPError:
             pass  # the status alone decides the error class
         finally:
-            await _release(response, reader)
+            await release_response(response, reader, grace=self.cleanup_grace, layer=_LAYER)
         body = b"".join(pieces)
         status = response.status_code
         message, kind = _error_details(body)
@@ -385,39 +416,9 @@ class OpenAIProvider:
                 code="MODEL_REQUEST_TIMEOUT",
                 retryable=isinstance(exc, httpx.ConnectTimeout),
             )
-        if isinstance(exc, (SSEError, httpx.DecodingError)):
+        if isinstance(exc, httpx.DecodingError):
             return MalformedResponseError(f"cannot decode the response from {self._url}: {exc}")
         return ModelConnectionError(f"the connection to {self._url} failed: {type(exc).__name__}: {exc}")
-
-
-async def _drain_after_done(events: AsyncIterator[Any]) -> None:
-    """After ``[DONE]``, read the body to its end so the connection can be reused (bounded: a server
-    that keeps the body open after ``[DONE]`` just loses its connection)."""
-    with trio.move_on_after(_DRAIN_SECONDS):
-        try:
-            async for _ in events:
-                pass
-        except httpx.HTTPError:
-            pass  # the reply is complete; a broken connection after [DONE] changes nothing
-
-
-async def _release(response: httpx.Response, body: AsyncIterator[Any]) -> None:
-    """Close *response* now, then run the reader *body* (a chain of httpx/httpcore async generators
-    reading it) to its end, so none is left suspended for a garbage-collector finaliser.
-
-    After the close every read fails at once, so the chain ends within a few steps. A no-op for a
-    fully read response (its connection goes back to the pool). Shielded: it runs when a stream is
-    closed early or cancelled, and must finish.
-    """
-    with trio.CancelScope(shield=True):
-        with contextlib.suppress(Exception):  # best effort: the error that ended the stream matters more
-            await response.aclose()
-        with trio.move_on_after(_RELEASE_GUARD_SECONDS):  # a hang guard; never reached in practice
-            while True:
-                try:
-                    await body.__anext__()
-                except Exception:  # StopAsyncIteration, or the read error of a closed connection
-                    return
 
 
 # -- configuration ---------------------------------------------------------------------------
@@ -518,13 +519,56 @@ def _arguments(value: Any, where: str) -> str:
     _malformed(f"{where} must be a string, got {type(value).__name__}")
 
 
-def _finish_reason(value: Any, where: str) -> FinishReason:
-    if value is None:
-        _malformed(f"missing {where}")
+def _finish_reason(value: Any, where: str) -> FinishReason | None:
+    """The mapped finish_reason; ``None`` when absent or empty (Snowflake Cortex, some OpenRouter
+    hosts), for the caller to decide from the reply itself."""
+    if value is None or value == "":
+        return None
     reason = _FINISH_REASONS.get(value) if isinstance(value, str) else None
     if reason is None:
         _malformed(f"unknown {where} {value!r}")
     return reason
+
+
+def _inferred_finish(has_tool_calls: bool, has_text: bool, where: str) -> FinishReason:
+    """A reply without a finish_reason is finished if it has tool calls or text; empty, it is ambiguous."""
+    if has_tool_calls:
+        return FinishReason.TOOL_CALLS
+    if has_text:
+        return FinishReason.STOP
+    _malformed(f"missing {where} (and no content or tool calls to finish from)")
+
+
+def _tool_call_id(value: Any, where: str) -> str:
+    """A tool-call id; an empty one (Gemini) passes through as is, for the message assembler to name."""
+    if not isinstance(value, str):
+        _malformed(f"missing {where}" if value is None else f"{where} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _content_pieces(value: Any, where: str) -> list[tuple[bool, str]]:
+    """``(is_reasoning, text)`` pieces of a ``content`` field: a string, or Mistral's list of chunks
+    (``{"type": "text", "text"}`` and ``{"type": "thinking", "thinking": [text chunks]}``).
+    Chunk types with no place in our model (images, references, ...) are skipped."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [(False, value)] if value else []
+    if not isinstance(value, list):
+        _malformed(f"{where} must be a string or a list, got {type(value).__name__}")
+    pieces: list[tuple[bool, str]] = []
+    for position, raw in enumerate(value):
+        item = _object(raw, f"{where}[{position}]")
+        kind = item.get("type")
+        if kind == "text":
+            text = _optional_str(item.get("text"), f"{where}[{position}].text")
+            if text:
+                pieces.append((False, text))
+        elif kind == "thinking":
+            thinking = item.get("thinking")
+            inner = _content_pieces(thinking, f"{where}[{position}].thinking")
+            pieces.extend((True, text) for _, text in inner)
+    return pieces
 
 
 def _parse_usage(value: Any, where: str) -> Usage:
@@ -574,10 +618,11 @@ def _parse_completion(payload: Any, model: str) -> ModelResponse:
     choice = _object(choices[0], "choices[0]")
     message = _object(choice.get("message"), "choices[0].message")
     parts: list[ContentPart] = []
-    reasoning = _reasoning_text(message)
-    if reasoning is not None:
+    pieces = _content_pieces(message.get("content"), "choices[0].message.content")
+    reasoning = _reasoning_text(message) or "".join(text for thought, text in pieces if thought)
+    if reasoning:
         parts.append(ReasoningPart(reasoning))
-    text = _optional_str(message.get("content"), "choices[0].message.content")
+    text = "".join(text for thought, text in pieces if not thought)
     refusal = _optional_str(message.get("refusal"), "choices[0].message.refusal")
     if text:
         parts.append(TextPart(text))
@@ -593,12 +638,15 @@ def _parse_completion(payload: Any, model: str) -> ModelResponse:
             function = _object(call.get("function"), f"{where}.function")
             parts.append(
                 ToolCallPart(
-                    _required_str(call.get("id"), f"{where}.id"),
+                    _tool_call_id(call.get("id"), f"{where}.id"),
                     _required_str(function.get("name"), f"{where}.function.name"),
                     _arguments(function.get("arguments"), f"{where}.function.arguments"),
                 )
             )
-    reason = _finish_reason(choice.get("finish_reason"), "choices[0].finish_reason")
+    where = "choices[0].finish_reason"
+    reason = _finish_reason(choice.get("finish_reason"), where)
+    if reason is None:
+        reason = _inferred_finish(any(isinstance(part, ToolCallPart) for part in parts), bool(text or refusal), where)
     usage = Usage() if body.get("usage") is None else _parse_usage(body["usage"], "usage")
     return ModelResponse(
         AssistantMessage(parts),
@@ -622,20 +670,23 @@ class _ToolCallState:
 class _StreamAssembler:
     """Turns ``chat.completion.chunk`` events into stream chunks; assembles tool-call arguments per index.
 
-    Only choice 0 is read. Tool calls end (`ToolCallEnd`) when the finish_reason arrives (or at
-    ``[DONE]``); usage is kept (the last report wins) and sent at ``[DONE]``, then the `FinishChunk`.
+    Only choice 0 is read. Tool calls end (`ToolCallEnd`) when the finish_reason arrives (or at the
+    end); usage is kept (the last report wins) and sent at the end, then the `FinishChunk`.
+    ``ended``: the reply is over (``[DONE]``, or both the finish_reason and the usage are in).
     """
 
-    def __init__(self, max_event_bytes: int) -> None:
-        self.max_event_bytes = max_event_bytes
+    def __init__(self) -> None:
         self.calls: dict[int, _ToolCallState] = {}
         self.calls_ended = False
+        self.has_text = False
         self.finish: FinishReason | None = None
         self.usage: Usage | None = None
+        self.ended = False
 
     def feed(self, event: str, data: str) -> list[StreamChunk]:
-        if len(data) > self.max_event_bytes:
-            raise MalformedResponseError(f"an SSE event is larger than max_response_bytes={self.max_event_bytes}")
+        if data.startswith("[DONE]"):
+            self.ended = True
+            return []
         if not data.strip():
             if event == "error":
                 raise ProviderError("the stream sent an error event without details")
@@ -652,16 +703,17 @@ class _StreamAssembler:
         if payload.get("usage") is not None:
             self.usage = _parse_usage(payload["usage"], "usage")
         choices = payload.get("choices")
-        if choices is None:
-            return out  # a usage-only chunk (some servers send null instead of [])
-        if not isinstance(choices, list):
-            _malformed("choices must be a list")
-        for position, raw in enumerate(choices):
-            choice = _object(raw, f"choices[{position}]")
-            index = choice.get("index", 0)
-            if index != 0:
-                continue  # n > 1: only the first choice is used
-            self._choice(choice, out)
+        if choices is not None:  # null in a usage-only chunk of some servers, instead of []
+            if not isinstance(choices, list):
+                _malformed("choices must be a list")
+            for position, raw in enumerate(choices):
+                choice = _object(raw, f"choices[{position}]")
+                index = choice.get("index", 0)
+                if index != 0:
+                    continue  # n > 1: only the first choice is used
+                self._choice(choice, out)
+        if self.finish is not None and self.usage is not None:
+            self.ended = True  # nothing of value can follow: only `[DONE]`
         return out
 
     def _choice(self, choice: dict[str, Any], out: list[StreamChunk]) -> None:
@@ -670,40 +722,49 @@ class _StreamAssembler:
         reasoning = _reasoning_text(delta)
         if reasoning is not None:
             out.append(ReasoningDelta(reasoning))
-        for key in ("content", "refusal"):
-            text = _optional_str(delta.get(key), f"choices[0].delta.{key}")
-            if text:
-                out.append(TextDelta(text))
+        for thought, text in _content_pieces(delta.get("content"), "choices[0].delta.content"):
+            out.append(ReasoningDelta(text) if thought else TextDelta(text))
+            self.has_text = self.has_text or not thought
+        refusal = _optional_str(delta.get("refusal"), "choices[0].delta.refusal")
+        if refusal:
+            out.append(TextDelta(refusal))
+            self.has_text = True
         raw_calls = delta.get("tool_calls")
         if raw_calls is not None:
             if not isinstance(raw_calls, list):
                 _malformed("choices[0].delta.tool_calls must be a list")
             for position, raw in enumerate(raw_calls):
                 self._tool_call_delta(_object(raw, f"choices[0].delta.tool_calls[{position}]"), position, out)
-        reason = choice.get("finish_reason")
+        reason = _finish_reason(choice.get("finish_reason"), "choices[0].finish_reason")
         if reason is not None:
-            self.finish = _finish_reason(reason, "choices[0].finish_reason")
+            self.finish = reason
             self._end_calls(out)
 
     def _tool_call_delta(self, call: dict[str, Any], position: int, out: list[StreamChunk]) -> None:
         where = f"choices[0].delta.tool_calls[{position}]"
-        index = call.get("index")
-        if index is None:
-            # Some compatible servers omit the index: a new id starts a call, otherwise it continues the last.
-            new_id = call.get("id")
-            known = {state.id for state in self.calls.values()}
-            index = len(self.calls) if (new_id and new_id not in known) or not self.calls else max(self.calls)
-        elif isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            _malformed(f"{where}.index must be a non-negative integer, got {index!r}")
         function = call.get("function")
         function = {} if function is None else _object(function, f"{where}.function")
+        index = call.get("index")
+        if index is None:
+            # Some compatible servers (Gemini) omit the index: a delta with a new id, or with an
+            # empty id and a name, starts a call; one with a known id continues it; others the last.
+            new_id = call.get("id")
+            by_id = {state.id: state.index for state in self.calls.values() if state.id}
+            if isinstance(new_id, str) and new_id in by_id:
+                index = by_id[new_id]
+            elif not self.calls or (isinstance(new_id, str) and (new_id or function.get("name"))):
+                index = len(self.calls)
+            else:
+                index = max(self.calls)
+        elif isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            _malformed(f"{where}.index must be a non-negative integer, got {index!r}")
         state = self.calls.get(index)
         if state is None:
             if self.calls_ended:
                 _malformed(f"tool call {index} started after the finish_reason")
             state = _ToolCallState(
                 index,
-                _required_str(call.get("id"), f"{where}.id (first delta of tool call {index})"),
+                _tool_call_id(call.get("id"), f"{where}.id (first delta of tool call {index})"),
                 _required_str(function.get("name"), f"{where}.function.name (first delta of tool call {index})"),
             )
             self.calls[index] = state
@@ -724,13 +785,14 @@ class _StreamAssembler:
             out.append(ToolCallEnd(index, state.id, state.name, "".join(state.arguments)))
 
     def done(self) -> list[StreamChunk]:
-        if self.finish is None:
-            _malformed("the stream reached `data: [DONE]` without a finish_reason")
+        reason = self.finish
+        if reason is None:
+            reason = _inferred_finish(bool(self.calls), self.has_text, "finish_reason in the stream")
         out: list[StreamChunk] = []
         self._end_calls(out)
         if self.usage is not None:
             out.append(UsageChunk(self.usage))
-        out.append(FinishChunk(self.finish))
+        out.append(FinishChunk(reason))
         return out
 
 
