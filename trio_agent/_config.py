@@ -6,7 +6,7 @@ import math
 
 from ._errors import ConfigError
 
-__all__ = ["validate_limit", "validate_timeout"]
+__all__ = ["validate_id", "validate_limit", "validate_timeout"]
 
 MAX_TIMEOUT = 2**31 / 1000  # the largest timer the reference accepts, in seconds (~24.8 days)
 
@@ -25,4 +25,22 @@ def validate_limit(value: object, *, name: str) -> int:
     """A positive whole number."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+    return value
+
+
+def validate_id(value: object, *, name: str, max_length: int = 200) -> str:
+    """An id that names streams and rows: non-empty text of at most *max_length* characters,
+    encodable as UTF-8 (no lone surrogates), without control characters or ``/`` (the
+    separator of stream ids). Checked at the door, so a bad id fails alone and never
+    reaches a store's shared batch."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{name} must be a non-empty string, not {value!r}")
+    if len(value) > max_length:
+        raise ConfigError(f"{name} must be at most {max_length} characters, not {len(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{name} must be valid Unicode text (it has a lone surrogate): {value!r}") from None
+    if "/" in value or any(ord(char) < 32 or ord(char) == 127 for char in value):
+        raise ConfigError(f"{name} must not contain '/' or control characters: {value!r}")
     return value

@@ -30,7 +30,7 @@ import trio
 
 from .._abort import Abort, AbortHandle, AbortReason
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
-from .._config import validate_timeout
+from .._config import validate_id, validate_timeout
 from .._errors import (
     ConfigError,
     InvalidTransitionError,
@@ -73,7 +73,7 @@ from .._journal._events import (
 )
 from .._journal._memory import MemoryStore
 from .._journal._projection import RequestState, SessionState, TurnState
-from .._journal._sqlite import open_sqlite_store
+from .._journal._registry import shared_sqlite_store
 from .._journal._store import JournalStore
 from .._journal._subscribe import DurableEventStream, JournalCursor
 from .._models._assemble import ReplyAssembler, ToolArgumentsError, parse_tool_arguments
@@ -163,6 +163,7 @@ class SubagentDefinition:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or len(self.name) > 64:
             raise ConfigError(f"subagent name must be 1-64 characters, not {self.name!r}")
+        validate_id(self.name, name="subagent name", max_length=64)  # it names the subagent's stream
         if self.max_turns is not None and (not isinstance(self.max_turns, int) or self.max_turns < 1):
             raise ConfigError(f"subagent {self.name!r}: max_turns must be a positive int")
 
@@ -1864,6 +1865,8 @@ async def open_session(
         raise ConfigError(f"max_turns must be a positive int, not {max_turns!r}")
     cleanup_grace = validate_cleanup_grace(cleanup_grace)
     close_timeout = validate_timeout(close_timeout, name="close_timeout")
+    if session_id is not None:
+        validate_id(session_id, name="session_id")
     if isinstance(subagents, (str, bytes)) or not isinstance(subagents, Sequence):
         raise ConfigError(f"subagents must be a list of SubagentDefinition, not {subagents!r}")
     definitions: dict[str, SubagentDefinition] = {}
@@ -1914,7 +1917,8 @@ async def open_session(
             else:
                 provider_obj = provider.with_model(model) if model and model != provider.model else provider
             if path is not None:
-                store = await stack.enter_async_context(open_sqlite_store(path, cleanup_grace=cleanup_grace))
+                # One store per file and Trio run, shared by every session that names it.
+                store = await stack.enter_async_context(shared_sqlite_store(path, cleanup_grace=cleanup_grace))
             assert store is not None
             durable = await stack.enter_async_context(
                 open_journal(
