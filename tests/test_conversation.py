@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from trio_agent import SideEffect, ToolKind, define_tool, open_session
 from trio_agent._journal._conversation import (
     OUTCOME_UNKNOWN_ANSWER,
+    WITHHELD_ANSWER,
     ModelReplyRecord,
     fold_conversation,
     reply_record,
@@ -306,12 +307,12 @@ def test_fold_over_real_events() -> None:
         UserMessage("steer"),
         AssistantMessage((thinking, TextPart("working"), *first.tool_calls)),
         # Unanswered calls first (answer_orphan_calls puts them right after the message), as before.
-        ToolResultMessage("hidden", ORPHAN_ANSWER, is_error=True),  # its result was never published
         ToolResultMessage("lost", ORPHAN_ANSWER, is_error=True),
         ToolResultMessage("rej", "unknown tool 'nope'", is_error=True),
         ToolResultMessage("ok", "file text"),
         ToolResultMessage("err", '{"error": "denied"}', is_error=True),
         ToolResultMessage("unknown", OUTCOME_UNKNOWN_ANSWER, is_error=True),
+        ToolResultMessage("hidden", WITHHELD_ANSWER, is_error=True),  # its result was never published
         AssistantMessage((TextPart("done"),)),
         UserMessage(""),
     ]

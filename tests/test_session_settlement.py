@@ -18,8 +18,10 @@ from tests.test_journal_durable import GatedStore
 from tests.test_session import events_of, gated_tool, of_type, unsettled_requests
 from trio_agent import (
     AbortReason,
+    Effect,
     MiddlewareConfig,
     ModelMiddleware,
+    PermissionUpdate,
     RequestAbortedError,
     SideEffect,
     SubagentDefinition,
@@ -368,3 +370,78 @@ async def test_a_stuck_stream_clean_up_is_bounded_by_cleanup_grace(
     # Leaving the block is bounded too.
     assert trio.current_time() - start <= 1 + 2 + 5 + 0.01
     assert any("overran" in record.getMessage() for record in caplog.records)
+
+
+def granting_tool() -> Any:
+    @define_tool(
+        name="grant", description="grants", input_schema=OBJECT, side_effect=SideEffect.PURE, kind=ToolKind.READONLY
+    )
+    async def grant(input: dict[str, Any], ctx: Any) -> str:
+        await ctx.emit(Effect("permission_updates", PermissionUpdate.add("danger")))
+        return "granted"
+
+    return grant
+
+
+def danger_tool(ran: list[str]) -> Any:
+    @define_tool(
+        name="danger",
+        description="needs permission",
+        input_schema=OBJECT,
+        side_effect=SideEffect.IDEMPOTENT,
+        kind=ToolKind.EXECUTE,
+    )
+    async def danger(input: dict[str, Any], ctx: Any) -> str:
+        ran.append("danger")
+        return "did it"
+
+    return danger
+
+
+async def test_a_tools_permission_update_is_journalled_and_replayed_on_reopen(tmp_path: Any) -> None:
+    path = tmp_path / "j.db"
+    ran: list[str] = []
+    tools = [granting_tool(), danger_tool(ran)]
+    def respond(request: Any) -> Reply:
+        last = request.messages[-1]
+        if isinstance(last, ToolResultMessage):
+            return Reply(text="done")
+        return Reply(tool_calls=[("grant" if last.content == "grant" else "danger", {})])
+
+    model = TestModel(respond=respond)
+    async with open_session(provider=model, tools=tools, journal=path, session_id="p1") as session:
+        await session.send("grant")
+        updates = session.journal.projection().permission_updates
+        assert [(u.source, u.update["rules"]) for u in updates] == [("tool", ["danger"])]
+        session.journal._fence("test: simulate a crash")  # the close writes nothing; reopen recovers
+    async with open_session(provider=model, tools=tools, journal=path, session_id="p1") as session:
+        await session.send("after restart")
+    assert ran == ["danger"]  # the replayed rule allows it (no handler is configured)
+
+
+async def test_a_middleware_cannot_grant_permissions_in_a_session() -> None:
+    ran: list[str] = []
+
+    async def granting_middleware(request: Any, call_next: Any) -> Any:
+        await request.emit(Effect("permission_updates", PermissionUpdate.add("danger")))
+        return await call_next()
+
+    @define_tool(
+        name="plain", description="plain", input_schema=OBJECT, side_effect=SideEffect.PURE, kind=ToolKind.READONLY
+    )
+    async def plain(input: dict[str, Any], ctx: Any) -> str:
+        return "plain"
+
+    model = TestModel(
+        {"go": [Reply(tool_calls=[("plain", {})]), Reply(tool_calls=[("danger", {})]), Reply(text="done")]}
+    )
+    store = MemoryStore()
+    async with open_session(
+        provider=model,
+        tools=[plain, danger_tool(ran)],
+        middleware=MiddlewareConfig(tool=[granting_middleware]),
+        journal=store,
+    ) as session:
+        await session.send("go")
+        assert session.journal.projection().permission_updates == ()
+    assert ran == []  # a grant emitted by middleware was refused: the rules still deny it

@@ -56,15 +56,27 @@ from .._models._messages import (
     UserMessage,
 )
 from ._errors import JournalCorruptError
-from ._events import Event, ModelAttemptCompleted, RequestAccepted, ToolCompleted, ToolFailed, ToolOutcomeUnknown
+from ._events import (
+    Event,
+    ModelAttemptCompleted,
+    RequestAccepted,
+    ToolCancelled,
+    ToolCompleted,
+    ToolFailed,
+    ToolOutcomeUnknown,
+)
 
 __all__ = [
     "OUTCOME_UNKNOWN_ANSWER",
+    "WITHHELD_ANSWER",
     "ModelReplyRecord",
     "fold_conversation",
     "reply_record",
     "settled_answer",
 ]
+
+WITHHELD_ANSWER = "tool result withheld: middleware did not finish unwinding in time"
+"""The answer (an error) of a call whose result was persisted but not published."""
 
 OUTCOME_UNKNOWN_ANSWER = "outcome unknown after a restart"
 """The answer (an error) of a call settled ``outcome_unknown``."""
@@ -147,14 +159,18 @@ def settled_answer(settlement: Event | None) -> ToolResultMessage | None:
 
     One rule for the live loop and the fold, so a live history and a rebuilt one agree.
     """
-    if isinstance(settlement, ToolCompleted | ToolFailed):
+    if isinstance(settlement, ToolCompleted | ToolFailed | ToolCancelled):
+        result = settlement.result
         if not settlement.published:
-            return None
-        output = settlement.result.get("output")
+            return ToolResultMessage(settlement.call_id, WITHHELD_ANSWER, is_error=True)
+        if result is None:  # cancelled, in a journal written before cancellations kept their answer
+            reason = settlement.reason if isinstance(settlement, ToolCancelled) else "no result"
+            return ToolResultMessage(settlement.call_id, f"the tool call was cancelled ({reason})", is_error=True)
+        output = result.get("output")
         return ToolResultMessage(
             settlement.call_id,
             output if isinstance(output, str) else json.dumps(output),
-            is_error=isinstance(settlement, ToolFailed),
+            is_error=not isinstance(settlement, ToolCompleted),
         )
     if isinstance(settlement, ToolOutcomeUnknown):
         return ToolResultMessage(settlement.call_id, OUTCOME_UNKNOWN_ANSWER, is_error=True)
@@ -166,7 +182,7 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
     events = list(events)
     outcomes: dict[str, ToolResultMessage] = {}
     for event in events:
-        if isinstance(event, ToolCompleted | ToolFailed | ToolOutcomeUnknown):
+        if isinstance(event, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown):
             answer = settled_answer(event)
             if answer is not None:
                 outcomes[event.call_id] = answer

@@ -536,7 +536,12 @@ class DurableJournal:
         elif settlement.status is SettlementStatus.FAILED:
             event = ToolFailed(**ids, result=result_to_json(settlement.result), published=settlement.published)
         elif settlement.status is SettlementStatus.CANCELLED:
-            event = ToolCancelled(**ids, reason=settlement.reason or "cancelled")
+            event = ToolCancelled(
+                **ids,
+                reason=settlement.reason or "cancelled",
+                result=result_to_json(settlement.result),
+                published=settlement.published,
+            )
         else:
             event = ToolOutcomeUnknown(**ids, reason=OutcomeUnknownReason.COMMIT_OUTCOME_UNKNOWN)
         if pending is None:

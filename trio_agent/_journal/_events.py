@@ -361,10 +361,16 @@ class ToolFailed:
 
 @attrs.frozen(kw_only=True)
 class ToolCancelled:
+    """A call that ended without a result of its tool's own. ``result`` is the answer the
+    model was given (an interrupted or denied result), so a rebuilt history tells it the
+    same; journals written before it existed have none."""
+
     request_id: str = _id()
     turn_id: str = _id()
     call_id: str = _id()
     reason: str = _id()
+    result: JsonObject | None = attrs.field(default=None, validator=_optional_json_object)
+    published: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
 
 @attrs.frozen(kw_only=True)

@@ -49,12 +49,14 @@ from .._groups import contains_cancelled, is_cancellation, typed_error, unwrap_f
 from .._journal._conversation import fold_conversation, reply_record
 from .._journal._durable import DurableJournal, RecoveryReport, open_journal, unknown_outcome_result
 from .._journal._events import (
+    PERMISSION_UPDATE_SOURCES,
     ErrorInfo,
     ModelAbortReason,
     ModelAttemptAborted,
     ModelAttemptCompleted,
     ModelAttemptFailed,
     ModelAttemptStarted,
+    PermissionUpdated,
     RequestAccepted,
     RequestCompleted,
     RequestFailed,
@@ -126,6 +128,8 @@ from ._permissions import (
     PermissionRules,
     PermissionUpdate,
     ToolFilter,
+    update_from_json,
+    update_to_json,
 )
 from ._plugins import MiddlewareConfig, Plugin
 
@@ -363,6 +367,7 @@ class Session:
         self._started = False
         self._worker_done = trio.Event()
         self._running: dict[tuple[str, str], _Request] = {}  # (agent id, request id) -> running request
+        self._call_origins: dict[str, str] = {}  # running tool call id -> its request id
         self._closing = False
         self.subagents: dict[str, SubagentHandle] = {}
         self._inbox: dict[str, list[str]] = {}
@@ -925,6 +930,29 @@ class Session:
         else:
             _log.warning("ignored an effect of unknown kind %r from agent %s", effect.kind, agent.agent_id)
 
+    async def _journal_permission_updates(
+        self, updates: Sequence[PermissionUpdate], *, source: str, call_id: str | None
+    ) -> None:
+        """Record accepted rule updates on the root stream (replayed into the engine on reopen)."""
+        origin = self._call_origins.get(call_id) if call_id is not None else None
+        current = self._current
+        request_id = origin if origin is not None else (current.request_id if current is not None else "session")
+        kind = source if source in PERMISSION_UPDATE_SOURCES else "permission_engine"
+        await self.journal.append(
+            *(
+                PermissionUpdated(request_id=request_id, source=kind, update=update_to_json(update), call_id=call_id)
+                for update in updates
+            )
+        )
+
+    def _replay_permission_updates(self) -> None:
+        """Apply the rule updates the journal holds (a reopened session keeps what was granted)."""
+        if self.permissions is None:
+            return
+        stored = self.journal.projection().permission_updates
+        if stored:
+            self.permissions.replay_updates([update_from_json(event.update) for event in stored])
+
     # -- hooks (wired by open_session)
 
     async def _dispatch(
@@ -1115,6 +1143,7 @@ class Session:
                 "open a new session id"
             )
         await self._recover(tools)
+        self._replay_permission_updates()
         self._started = True
         decision = await self._dispatch(HookEvent.SESSION_START, self.root.agent_id)
         decision.raise_for_abort()
@@ -1605,13 +1634,13 @@ class _AgentRun:
         journal = self.session.journal
         agent_id = self.agent.agent_id
         for part, result in zip(calls, slots, strict=True):
-            if result is not None:
-                history.append(ToolResultMessage(part.id, _model_text(result), is_error=not result.ok))
-                continue
+            # What the journal says the call ended with wins: a rebuilt history reads the same.
             try:
                 answer = answer_for_call(part.id, journal.call(part.id, agent_id))
             except JournalError:
                 answer = None
+            if answer is None and result is not None:  # rejected before it ran, or never settled
+                answer = ToolResultMessage(part.id, _model_text(result), is_error=not result.ok)
             if answer is not None:
                 history.append(answer)
 
@@ -1639,24 +1668,28 @@ class _AgentRun:
 
         origin = CallOrigin(session.session_id, agent.agent_id, request.request_id, turn_id)
         record: ToolExecutionRecord | None = None
+        session._call_origins[part.id] = request.request_id  # names the request of its rule updates
         try:
-            record = await session.pipeline.execute(
-                ToolCall(part.id, part.name, arguments),
-                origin,
-                abort=request.abort,
-                steering=request.steering,
-                on_item=on_item,
-            )
-        except (LeaseLostError, JournalError):
-            raise  # nothing about this call may be published: the request fails
-        except TrioAgentError as exc:
-            result = _error(f"{type(exc).__name__}: {exc}", "internal")
-        else:
-            result = record.result
-        slots[index] = result  # no await since the call settled: the answer is never lost
-        if record is not None:
-            for effect in record.effects:  # only now: the call is settled
-                await session._apply_effect(agent, effect, part.id)
+            try:
+                record = await session.pipeline.execute(
+                    ToolCall(part.id, part.name, arguments),
+                    origin,
+                    abort=request.abort,
+                    steering=request.steering,
+                    on_item=on_item,
+                )
+            except (LeaseLostError, JournalError):
+                raise  # nothing about this call may be published: the request fails
+            except TrioAgentError as exc:
+                result = _error(f"{type(exc).__name__}: {exc}", "internal")
+            else:
+                result = record.result
+            slots[index] = result  # no await since the call settled: the answer is never lost
+            if record is not None:
+                for effect in record.effects:  # only now: the call is settled
+                    await session._apply_effect(agent, effect, part.id)
+        finally:
+            session._call_origins.pop(part.id, None)
         error = result.error
         if error is not None and error.code == "no_handler":
             # A refusal nobody could have approved is made visible, not only told to the model.
@@ -1963,6 +1996,9 @@ async def open_session(
                 close_timeout=close_timeout,
             )
             session.permissions = parts.permissions
+            if parts.permissions is not None:
+                # Write-ahead: a rule update is durable before the engine applies it.
+                parts.permissions.on_updates_applied = session._journal_permission_updates
             session._agents[root.agent_id] = root
             holder.append(session)
             parts.bind(session)
