@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import re
 import logging
 import socket
 import time
@@ -1067,3 +1068,21 @@ def test_cleanup_grace_is_validated_and_carried_by_with_model() -> None:
     for bad in (0, -1, float("nan"), "1", True):
         with pytest.raises(ConfigError, match="cleanup_grace"):
             AnthropicProvider(MODEL, api_key=KEY, cleanup_grace=bad)  # type: ignore[arg-type]
+
+
+def test_call_ids_anthropic_refuses_are_mapped_to_safe_distinct_ids() -> None:
+    from trio_agent._models._anthropic import convert_messages
+
+    messages: tuple[Message, ...] = (
+        UserMessage("go"),
+        AssistantMessage((ToolCallPart("call_1", "a", "{}"), ToolCallPart("call_1~2", "a", "{}"))),
+        ToolResultMessage("call_1", "one"),
+        ToolResultMessage("call_1~2", "two"),
+    )
+    _, converted = convert_messages(messages)
+    uses = [block["id"] for block in converted[1]["content"]]
+    answers = [block["tool_use_id"] for block in converted[2]["content"]]
+    assert uses == answers
+    assert uses[0] == "call_1"
+    assert len(set(uses)) == 2
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]+", call_id) for call_id in uses)

@@ -745,3 +745,24 @@ async def test_lock_timeout_gives_back_the_paths_already_taken(autojump_clock: A
         gate.open("hold_b")
         gate.open("a_only")
     assert pipeline.file_locks.held() == {}
+
+
+async def test_a_descendant_takes_a_path_its_ancestor_holds_and_unrelated_calls_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from trio_agent._errors import FileLockTimeoutError
+    from trio_agent._tools._scheduler import FileLockManager
+
+    locks = FileLockManager()
+    paths = ("/w/a",)
+    held = await locks.acquire_all(paths, True, 1.0, owner="root/task_1")
+    assert held == paths
+    # A subagent's call under the task call: covered by its ancestor's hold, nothing taken.
+    inherited = await locks.acquire_all(paths, True, 1.0, owner="helper-1/call_1", lineage=("root/task_1",))
+    assert inherited == ()
+    locks.release_all(inherited, exclusive=True, owner="helper-1/call_1")
+    # An unrelated call waits (and here times out): the ancestor still holds it.
+    with pytest.raises(FileLockTimeoutError):
+        await locks.acquire_all(paths, True, 1.0, owner="other/call_9", lineage=("root/other",))
+    locks.release_all(held, exclusive=True, owner="root/task_1")
+    assert locks.held() == {}

@@ -18,10 +18,13 @@ from tests.test_journal_durable import GatedStore
 from tests.test_session import events_of, gated_tool, of_type, unsettled_requests
 from trio_agent import (
     AbortReason,
+    AssistantMessage,
     Effect,
     MiddlewareConfig,
     ModelMiddleware,
+    PermissionDeniedEvent,
     PermissionUpdate,
+    ReasoningPart,
     RequestAbortedError,
     SideEffect,
     SubagentDefinition,
@@ -445,3 +448,94 @@ async def test_a_middleware_cannot_grant_permissions_in_a_session() -> None:
         await session.send("go")
         assert session.journal.projection().permission_updates == ()
     assert ran == []  # a grant emitted by middleware was refused: the rules still deny it
+
+
+async def test_file_locks_belong_to_the_call_tree(autojump_clock: trio.testing.MockClock) -> None:
+    """A tool holding a path delegates to a foreground subagent whose tool takes the same path."""
+    edits: list[str] = []
+
+    @define_tool(
+        name="edit",
+        description="edits a file",
+        input_schema={"type": "object", "properties": {"path": {"type": "string"}}},
+        side_effect=SideEffect.IDEMPOTENT,
+        kind=ToolKind.READONLY,
+        affected_paths=lambda input: [input["path"]],
+    )
+    async def edit(input: dict[str, Any], ctx: Any) -> str:
+        edits.append(input["path"])
+        return "edited"
+
+    holder: list[Any] = []
+
+    @define_tool(
+        name="review",
+        description="holds a file and delegates its edit",
+        input_schema={"type": "object", "properties": {"path": {"type": "string"}}},
+        side_effect=SideEffect.IDEMPOTENT,
+        kind=ToolKind.READONLY,
+        affected_paths=lambda input: [input["path"]],
+    )
+    async def review(input: dict[str, Any], ctx: Any) -> str:
+        session = holder[0]
+        return await session.run_foreground_subagent("helper", f"edit {input['path']}", ctx, lambda event: _noop())
+
+    def respond(request: Any) -> Reply:
+        last = request.messages[-1]
+        if isinstance(last, ToolResultMessage):
+            return Reply(text="done")
+        if last.content.startswith("edit"):
+            return Reply(tool_calls=[("edit", {"path": "notes.txt"})])
+        return Reply(tool_calls=[("review", {"path": "notes.txt"})])
+
+    helper = SubagentDefinition("helper", "helps", "You help.", tools=("edit",))
+    async with open_session(
+        provider=TestModel(respond=respond), tools=[edit, review], subagents=[helper], tool_timeout=100
+    ) as session:
+        holder.append(session)
+        with trio.fail_after(20):  # the lock wait would be 30 s before failing
+            assert await session.send("review notes") == "done"
+        assert session.pipeline.file_locks.held() == {}  # everything taken was given back
+    assert edits == ["notes.txt"]
+
+
+async def _noop() -> None:
+    await trio.lowlevel.checkpoint()
+
+
+async def test_reasoning_with_its_signature_goes_back_to_the_model_and_into_the_journal(tmp_path: Any) -> None:
+    @define_tool(
+        name="look", description="looks", input_schema=OBJECT, side_effect=SideEffect.PURE, kind=ToolKind.READONLY
+    )
+    async def look(input: dict[str, Any], ctx: Any) -> str:
+        return "seen"
+
+    model = TestModel(
+        {
+            "think": [
+                Reply(reasoning="let me look", reasoning_signature="sig-123", tool_calls=[("look", {})]),
+                Reply(text="done"),
+            ]
+        }
+    )
+    async with open_session(provider=model, tools=[look], journal=tmp_path / "j.db") as session:
+        await session.send("think")
+        rebuilt = await session._rebuild_history(session.root.agent_id)
+    sent = [m for m in model.requests[1].messages if isinstance(m, AssistantMessage)][0]
+    assert ReasoningPart("let me look", "sig-123") in sent.parts
+    assert [m for m in rebuilt if isinstance(m, AssistantMessage)][0] == sent
+
+
+async def test_a_tool_nobody_can_approve_is_refused_loudly() -> None:
+    @define_tool(name="weather", description="weather", input_schema=OBJECT, side_effect=SideEffect.PURE)
+    async def weather(input: dict[str, Any], ctx: Any) -> str:
+        return "sunny"
+
+    model = TestModel({"weather?": [Reply(tool_calls=[("weather", {})]), Reply(text="sorry")]})
+    async with open_session(provider=model, tools=[weather]) as session:
+        async with session.stream("weather?") as events:
+            seen = [event async for event in events]
+    denied = [event for event in seen if isinstance(event, PermissionDeniedEvent)]
+    assert [(event.tool, event.reason) for event in denied] == [("weather", "no_handler")]
+    answer = [m for m in model.requests[1].messages if isinstance(m, ToolResultMessage)][0]
+    assert 'permissions={"allow": ["weather"]}' in answer.content

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from typing import Any, Final, cast
@@ -405,7 +406,7 @@ def convert_messages(messages: tuple[Message, ...]) -> tuple[list[str], list[dic
                 [
                     {
                         "type": "tool_result",
-                        "tool_use_id": message.tool_call_id,
+                        "tool_use_id": _wire_id(message.tool_call_id),
                         "content": message.content,
                         "is_error": message.is_error,
                     }
@@ -427,7 +428,22 @@ def _assistant_block(part: ContentPart) -> dict[str, Any] | None:
         return None  # unsigned reasoning (another provider's): Anthropic would reject it
     if isinstance(part, TextPart):
         return {"type": "text", "text": part.text} if part.text else None
-    return {"type": "tool_use", "id": part.id, "name": part.name, "input": _tool_input(part.arguments)}
+    return {"type": "tool_use", "id": _wire_id(part.id), "name": part.name, "input": _tool_input(part.arguments)}
+
+
+_WIRE_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def _wire_id(call_id: str) -> str:
+    """A call id as Anthropic accepts it (``^[a-zA-Z0-9_-]+$``).
+
+    Ids from other providers may hold other characters, and the reply assembler marks a
+    repeated id with ``~2``: each unsafe character becomes ``_`` plus its code point in hex,
+    so distinct ids stay distinct and the same id always maps the same way.
+    """
+    if not _WIRE_ID_UNSAFE.search(call_id):
+        return call_id
+    return _WIRE_ID_UNSAFE.sub(lambda match: f"_{ord(match.group()):x}_", call_id)
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:

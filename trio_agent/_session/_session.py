@@ -185,6 +185,7 @@ class _Agent:
     model: str | None = None
     history: list[Message] = attrs.Factory(list)
     specs: list[ToolSpec] | None = None
+    lineage: tuple[str, ...] = ()  # the calls it runs under (a foreground subagent's tool calls)
 
 
 class _Request:
@@ -837,6 +838,8 @@ class Session:
         """
         definition = self._definition(name)
         agent = self._make_agent(definition, ctx.agent_id)
+        # Its calls descend from the calling tool's: file locks that call holds cover them.
+        agent.lineage = (*ctx.execution.lineage, ctx.execution.call_key)
         prompt = await self._subagent_start(agent, prompt)
         await self.journal.open_agent(agent.agent_id, parent_agent_id=ctx.agent_id)
 
@@ -1666,7 +1669,7 @@ class _AgentRun:
         async def on_item(item: Any) -> None:
             await sink(ToolProgressEvent(agent.agent_id, part.id, item))
 
-        origin = CallOrigin(session.session_id, agent.agent_id, request.request_id, turn_id)
+        origin = CallOrigin(session.session_id, agent.agent_id, request.request_id, turn_id, agent.lineage)
         record: ToolExecutionRecord | None = None
         session._call_origins[part.id] = request.request_id  # names the request of its rule updates
         try:

@@ -43,12 +43,17 @@ class ToolCall:
 
 @attrs.frozen
 class CallOrigin:
-    """The ids of the session, agent, request and turn a call belongs to."""
+    """The ids of the session, agent, request and turn a call belongs to.
+
+    ``lineage`` names the calls this one runs under (``"<agent id>/<call id>"``, outermost
+    first), e.g. the ``task`` call whose subagent makes it: file locks they hold cover it.
+    """
 
     session_id: str = "session"
     agent_id: str = "root"
     request_id: str = "request"
     turn_id: str = "turn"
+    lineage: tuple[str, ...] = ()
 
 
 @attrs.frozen(eq=False)
@@ -69,10 +74,16 @@ class ExecutionContext:
     idempotency_key: str
     abort: AbortHandle
     _fence: Callable[[], int | None] = attrs.field(repr=False)
+    lineage: tuple[str, ...] = ()
 
     @property
     def fencing_token(self) -> int | None:
         return self._fence()
+
+    @property
+    def call_key(self) -> str:
+        """``"<agent id>/<call id>"``: how descendants name this call in their ``lineage``."""
+        return f"{self.agent_id}/{self.tool_call_id}"
 
 
 async def _inherit_emit(item: ToolItem) -> None:

@@ -527,7 +527,7 @@ class ToolPipeline:
         call_abort = AbortHandle()
         ctx = ExecutionContext(
             origin.session_id, origin.agent_id, origin.request_id, origin.turn_id, call.id, key,
-            call_abort, lifecycle.fencing_token,
+            call_abort, lifecycle.fencing_token, origin.lineage,
         )  # fmt: skip
         state = _Call(self, tool, scheduled, ctx, on_item, json_copy(call.input))
 
@@ -852,14 +852,22 @@ class ToolPipeline:
                 return await self._start_and_run(state, tool, final_input, value, behavior, emit, slot)
             exclusive = not (behavior.kind is ToolKind.READONLY and behavior.concurrency_safe)
             locked = self.file_locks.normalise(paths, self.workspace)
+            ctx = state.ctx
+            owner = ctx.call_key
             try:
-                await self._abortable(state, self.file_locks.acquire_all, locked, exclusive, self.lock_timeout)
+                taken = await self._abortable(
+                    state,
+                    functools.partial(self.file_locks.acquire_all, owner=owner, lineage=ctx.lineage),
+                    locked,
+                    exclusive,
+                    self.lock_timeout,
+                )
             except FileLockTimeoutError as exc:
                 return ToolResult.failure(ToolErrorType.TIMEOUT, str(exc), code="lock_timeout")
             try:
                 return await self._start_and_run(state, tool, final_input, value, behavior, emit, slot)
             finally:
-                self.file_locks.release_all(locked, exclusive=exclusive)
+                self.file_locks.release_all(taken, exclusive=exclusive, owner=owner)
         finally:
             slot.release()
 

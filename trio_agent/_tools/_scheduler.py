@@ -42,6 +42,7 @@ class SchedulerStatistics:
 @attrs.define(eq=False)
 class _Waiter:
     exclusive: bool
+    owner: str | None = None
     event: trio.Event = attrs.field(factory=trio.Event)
     granted: bool = False
 
@@ -132,28 +133,41 @@ class _PathLock:
     readers: int = 0
     writer: bool = False
     waiters: deque[_Waiter] = attrs.field(factory=deque)
+    owners: list[str] = attrs.field(factory=list)  # the calls holding it (those that said who they are)
 
     def idle(self) -> bool:
         return self.readers == 0 and not self.writer and not self.waiters
 
-    def try_grant(self, exclusive: bool) -> bool:
+    def held_by_any(self, calls: Iterable[str]) -> bool:
+        owners = self.owners
+        return bool(owners) and any(call in owners for call in calls)
+
+    def try_grant(self, exclusive: bool, owner: str | None = None) -> bool:
         if self.waiters:
             return False
         if exclusive:
             if self.readers == 0 and not self.writer:
                 self.writer = True
+                self._own(owner)
                 return True
             return False
         if not self.writer:
             self.readers += 1
+            self._own(owner)
             return True
         return False
 
-    def release(self, exclusive: bool) -> None:
+    def _own(self, owner: str | None) -> None:
+        if owner is not None:
+            self.owners.append(owner)
+
+    def release(self, exclusive: bool, owner: str | None = None) -> None:
         if exclusive:
             self.writer = False
         else:
             self.readers -= 1
+        if owner is not None:
+            self.owners.remove(owner)
         self.wake()
 
     def wake(self) -> None:
@@ -168,6 +182,7 @@ class _PathLock:
                     return
                 self.readers += 1
             self.waiters.popleft()
+            self._own(head.owner)
             head.granted = True
             head.event.set()
 
@@ -177,6 +192,11 @@ class FileLockManager:
 
     Paths are normalised and locked in sorted order, so two calls that need
     overlapping sets cannot deadlock. Waiting is fair (FIFO) and bounded.
+
+    Locks belong to the call tree: a call that names its ``owner`` and its
+    ``lineage`` (the calls it runs under, e.g. ``task`` -> subagent -> tool) takes a
+    path one of its ancestors holds without waiting (the ancestor waits for it, so
+    they never run at the same time); unrelated calls still wait.
     """
 
     def __init__(self) -> None:
@@ -187,44 +207,62 @@ class FileLockManager:
         base = root or os.getcwd()
         return tuple(sorted({os.path.normpath(os.path.join(base, path)) for path in paths}))
 
-    async def acquire_all(self, paths: tuple[str, ...], exclusive: bool, bound: float) -> None:
-        """Acquire every path (already normalised and sorted) or none; raises `FileLockTimeoutError`."""
+    async def acquire_all(
+        self,
+        paths: tuple[str, ...],
+        exclusive: bool,
+        bound: float,
+        *,
+        owner: str | None = None,
+        lineage: tuple[str, ...] = (),
+    ) -> tuple[str, ...]:
+        """Acquire every path (already normalised and sorted) or none; raises `FileLockTimeoutError`.
+
+        Returns the paths actually taken (release those, with the same *owner*):
+        a path an ancestor in *lineage* holds is covered by its hold and not taken again.
+        """
         acquired: list[str] = []
+        index = 0
         try:
             with trio.fail_after(bound):
-                for path in paths:
-                    await self._acquire(path, exclusive)
-                    acquired.append(path)
+                for index, path in enumerate(paths):  # noqa: B007 - the index names the path that timed out
+                    if await self._acquire(path, exclusive, owner, lineage):
+                        acquired.append(path)
         except trio.TooSlowError:
-            self.release_all(acquired, exclusive=exclusive)
-            raise FileLockTimeoutError(paths[len(acquired)], bound) from None
+            self.release_all(acquired, exclusive=exclusive, owner=owner)
+            raise FileLockTimeoutError(paths[index], bound) from None
         except BaseException:
-            self.release_all(acquired, exclusive=exclusive)
+            self.release_all(acquired, exclusive=exclusive, owner=owner)
             raise
+        return tuple(acquired)
 
-    async def _acquire(self, path: str, exclusive: bool) -> None:
+    async def _acquire(self, path: str, exclusive: bool, owner: str | None, lineage: tuple[str, ...]) -> bool:
         lock = self._locks.get(path)
         if lock is None:
             lock = self._locks[path] = _PathLock()
-        if lock.try_grant(exclusive):
-            return
-        waiter = _Waiter(exclusive)
+        elif lineage and lock.held_by_any(lineage):
+            await trio.lowlevel.checkpoint()
+            return False  # an ancestor's hold covers this call
+        if lock.try_grant(exclusive, owner):
+            return True
+        waiter = _Waiter(exclusive, owner)
         lock.waiters.append(waiter)
         try:
             await waiter.event.wait()
         except BaseException:
             if waiter.granted:
-                lock.release(exclusive)
+                lock.release(exclusive, owner)
             else:
                 lock.waiters.remove(waiter)
                 lock.wake()  # a reader queued behind a cancelled writer may go now
             self._forget_if_idle(path, lock)
             raise
+        return True
 
-    def release_all(self, paths: Iterable[str], *, exclusive: bool) -> None:
+    def release_all(self, paths: Iterable[str], *, exclusive: bool, owner: str | None = None) -> None:
         for path in paths:
             lock = self._locks[path]
-            lock.release(exclusive)
+            lock.release(exclusive, owner)
             self._forget_if_idle(path, lock)
 
     def _forget_if_idle(self, path: str, lock: _PathLock) -> None:
