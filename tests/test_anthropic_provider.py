@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import email.utils
 import json
-import re
 import logging
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence

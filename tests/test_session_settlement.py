@@ -521,9 +521,9 @@ async def test_reasoning_with_its_signature_goes_back_to_the_model_and_into_the_
     async with open_session(provider=model, tools=[look], journal=tmp_path / "j.db") as session:
         await session.send("think")
         rebuilt = await session._rebuild_history(session.root.agent_id)
-    sent = [m for m in model.requests[1].messages if isinstance(m, AssistantMessage)][0]
+    sent = next(m for m in model.requests[1].messages if isinstance(m, AssistantMessage))
     assert ReasoningPart("let me look", "sig-123") in sent.parts
-    assert [m for m in rebuilt if isinstance(m, AssistantMessage)][0] == sent
+    assert next(m for m in rebuilt if isinstance(m, AssistantMessage)) == sent
 
 
 async def test_a_tool_nobody_can_approve_is_refused_loudly() -> None:
@@ -532,10 +532,9 @@ async def test_a_tool_nobody_can_approve_is_refused_loudly() -> None:
         return "sunny"
 
     model = TestModel({"weather?": [Reply(tool_calls=[("weather", {})]), Reply(text="sorry")]})
-    async with open_session(provider=model, tools=[weather]) as session:
-        async with session.stream("weather?") as events:
-            seen = [event async for event in events]
+    async with open_session(provider=model, tools=[weather]) as session, session.stream("weather?") as events:
+        seen = [event async for event in events]
     denied = [event for event in seen if isinstance(event, PermissionDeniedEvent)]
     assert [(event.tool, event.reason) for event in denied] == [("weather", "no_handler")]
-    answer = [m for m in model.requests[1].messages if isinstance(m, ToolResultMessage)][0]
+    answer = next(m for m in model.requests[1].messages if isinstance(m, ToolResultMessage))
     assert 'permissions={"allow": ["weather"]}' in answer.content
