@@ -167,6 +167,7 @@ class AppendRun:
     batch: float | None  # the average group-commit batch (None: the store does not tell)
     cpu_us: float  # process CPU (every thread of this process) per event
     trio_cpu_us: float  # of which the Trio thread
+    longest_hold_ms: float | None = None  # the longest write transaction (lock taken to COMMIT returned)
 
 
 def lane_counts(store: Any) -> tuple[int, int] | None:
@@ -224,16 +225,21 @@ async def durable_appends(store: Any, writers: int, per_writer: int) -> AppendRu
     )
 
 
+def with_longest_hold(run: AppendRun, store: Any) -> AppendRun:
+    hold = store.statistics().get("longest_write_hold")
+    return attrs.evolve(run, longest_hold_ms=None if hold is None else hold * 1e3)
+
+
 async def sqlite_appends(path: str, writers: int, per_writer: int) -> AppendRun:
     async with open_sqlite_store(path) as store:
-        return await durable_appends(store, writers, per_writer)
+        return with_longest_hold(await durable_appends(store, writers, per_writer), store)
 
 
 async def postgres_appends(dsn: str, schema: str, writers: int, per_writer: int) -> AppendRun:
     from trio_agent.journal import open_postgres_store
 
     async with open_postgres_store(dsn, schema=schema) as store:
-        return await durable_appends(store, writers, per_writer)
+        return with_longest_hold(await durable_appends(store, writers, per_writer), store)
 
 
 # -- 2. raw floors -----------------------------------------------------------------------------------------
@@ -455,6 +461,7 @@ def median_run(runs: list[AppendRun]) -> AppendRun:
         statistics.median(batches) if batches else None,
         statistics.median(run.cpu_us for run in runs),
         statistics.median(run.trio_cpu_us for run in runs),
+        max((run.longest_hold_ms for run in runs if run.longest_hold_ms is not None), default=None),
     )
 
 
@@ -574,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
         "each writer appends single-event batches to its own stream under a held lease and awaits each ack."
     )
     print(f"PostgreSQL: {pg_status}")
+    holds = ", ".join(
+        f"{n} writers {run.longest_hold_ms:.2f} ms" for n, run in sqlite.items() if run.longest_hold_ms is not None
+    )
+    print(f"SQLite longest write transaction (lock taken to COMMIT returned; other processes wait this long): {holds}")
     print()
     header = (
         f"{'writers':>7} {'events':>7} | {'SQLite/s':>9} {'p50 us':>8} {'p99 us':>8} {'batch':>6} "
@@ -696,6 +707,8 @@ def main(argv: list[str] | None = None) -> int:
             figures[f"{prefix}_w{n}_raw_cpu_us_per_event"] = round(floors[n].cpu_us, 2)
             figures[f"{prefix}_w{n}_ratio"] = round(ratios[n], 3)
             figures[f"{prefix}_w{n}_ratio_best"] = round(bests[n], 3)
+            if run.longest_hold_ms is not None:
+                figures[f"{prefix}_w{n}_longest_write_hold_ms"] = round(run.longest_hold_ms, 2)
     figures["target_ratio_at_100"] = TARGET_RATIO_AT_100
     figures["target_met_at_100"] = bool(met)
     figures["tool_sessions"] = sessions

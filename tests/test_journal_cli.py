@@ -181,3 +181,34 @@ def test_show_a_missing_path_fails_without_creating_it(tmp_path: Path) -> None:
     assert f"no journal at {path}" in done.stderr
     assert not path.exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_show_reads_a_version_1_journal_without_migrating_it(tmp_path: Path) -> None:
+    from test_journal_damage import write_v1_file
+
+    path = tmp_path / "v1.db"
+    write_v1_file(path, sessions=["old"], events=5)
+    before = journal_content(path)
+    done = show(path)
+    assert done.returncode == 0, done.stderr
+    assert "stream old/root (5 events)" in done.stdout
+    assert journal_content(path) == before  # still version 1: only a write-open migrates
+    assert before["journal_meta"] == [("format", "trio_agent.journal/1")]
+
+
+def test_show_reports_a_row_that_fails_its_checksum(journal_path: Path, tmp_path: Path) -> None:
+    path = tmp_path / "damaged.db"
+    path.write_bytes(journal_path.read_bytes())
+    with sqlite3.connect(path) as conn:
+        conn.execute(
+            "UPDATE journal_events SET body = replace(body, 'charge-key', 'charge-kez')"
+            " WHERE stream_id = 'sess-a/root' AND body LIKE '%charge-key%'"
+        )
+        [(seq,)] = conn.execute(
+            "SELECT seq FROM journal_events WHERE stream_id = 'sess-a/root' AND body LIKE '%charge-kez%'"
+        ).fetchall()
+    conn.close()
+    done = show(path)
+    assert done.returncode == 1
+    assert f"sess-a/root#{seq} is corrupt: checksum mismatch" in done.stderr
+    assert "Traceback" not in done.stderr

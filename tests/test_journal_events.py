@@ -263,3 +263,14 @@ def test_permission_updated_is_tagged_and_checks_its_source() -> None:
         decode_event(data)
     with pytest.raises(ValueError):
         PermissionUpdated(request_id="r1", source="tool", update={"x": float("nan")})
+
+
+@pytest.mark.parametrize("tag", [["tool_scheduled"], {"type": "x"}, 7, None])
+def test_an_event_type_that_is_not_a_string_is_corrupt_not_a_type_error(tag: object) -> None:
+    from trio_agent._errors import JournalCorruptError
+    from trio_agent._journal._events import SCHEMA_VERSION, decode_event
+
+    with pytest.raises(JournalCorruptError):
+        decode_event(
+            {"schema_version": SCHEMA_VERSION, "stream_id": "s/root", "seq": 1, "event": {"type": tag}}
+        )

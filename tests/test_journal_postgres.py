@@ -337,7 +337,7 @@ async def test_one_group_commit_isolates_refused_and_failing_items(postgres_dsn:
         body = run_sql(postgres_dsn, f'SELECT body FROM "{fresh_pg_schema}".events')[0][0]
         run_sql(
             postgres_dsn,
-            f'INSERT INTO "{fresh_pg_schema}".events(stream_id, seq, token, body) VALUES (%s, 2, %s, %s)',
+            f'INSERT INTO "{fresh_pg_schema}".events(stream_id, seq, token, body, checksum) VALUES (%s, 2, %s, %s, 0)',
             (blocked, good.token, body),
         )
         streams = [stream_id_for("good", f"agent-{i}") for i in range(30)]
@@ -620,3 +620,83 @@ async def test_cleanup_grace_is_validated(postgres_dsn: str, fresh_pg_schema: st
     with pytest.raises(ConfigError, match="cleanup_grace"):
         async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, cleanup_grace=bad):
             pass  # pragma: no cover
+
+
+# ---------------------------------------------------------------- checksums and the version-1 migration
+
+
+async def test_a_row_edited_with_sql_into_other_valid_json_is_caught(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        await store.append(batch(lease, stream, envs(stream, 1, 3)))
+        table = f'"{fresh_pg_schema}".events'
+        # Still a valid, decodable envelope of the same stream and seq: only the checksum can tell.
+        run_sql(postgres_dsn, f"UPDATE {table} SET body = replace(body, '\"r2\"', '\"r9\"') WHERE seq = 2")
+        assert "r9" in run_sql(postgres_dsn, f"SELECT body FROM {table} WHERE seq = 2")[0][0]
+        with pytest.raises(JournalCorruptError, match=f"{stream}#2 is corrupt: checksum mismatch"):
+            await store.read(stream)
+        assert await store.read(stream, limit=1) == envs(stream, 1, 1)
+        assert await store.read(stream, after=2) == envs(stream, 3, 1)
+        stats = store.statistics()
+        assert stats["batches"] >= 2 and 0.0 < stats["longest_write_hold"] < PROMPT
+
+
+_V1_SCHEMA = (
+    "CREATE SCHEMA {s}",
+    "CREATE TABLE {s}.meta(key text PRIMARY KEY, value text NOT NULL)",
+    "CREATE TABLE {s}.streams(stream_id text PRIMARY KEY, session_id text NOT NULL, head bigint NOT NULL)",
+    "CREATE INDEX streams_session ON {s}.streams(session_id, stream_id)",
+    "CREATE TABLE {s}.events(stream_id text NOT NULL, seq bigint NOT NULL, token bigint NOT NULL,"
+    " body text NOT NULL, PRIMARY KEY(stream_id, seq))",
+    "CREATE TABLE {s}.leases(session_id text PRIMARY KEY, owner text NOT NULL, token bigint NOT NULL,"
+    " expires_at double precision NOT NULL)",
+    "CREATE TABLE {s}.commands(stream_id text NOT NULL, command_id text NOT NULL, digest text NOT NULL,"
+    " first_seq bigint NOT NULL, last_seq bigint NOT NULL, PRIMARY KEY(stream_id, command_id))",
+)
+"""The tables exactly as schema version 1 (``trio_agent.journal.postgres/1``) created them."""
+
+
+async def test_a_version_1_schema_is_migrated_when_a_store_opens_it(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    from trio_agent._journal._codec import row_checksum
+    from trio_agent._journal._postgres import V1_FORMAT
+    from trio_agent._journal._store import encode_body
+
+    s = f'"{fresh_pg_schema}"'
+    for statement in _V1_SCHEMA:
+        run_sql(postgres_dsn, statement.format(s=s))
+    run_sql(postgres_dsn, f"INSERT INTO {s}.meta VALUES ('format', %s)", (V1_FORMAT,))
+    streams = [stream_id_for(f"sess{i}", "root") for i in range(3)]
+    count = 1500 // len(streams) + 1  # more rows than one migration chunk
+    for index, stream in enumerate(streams):
+        rows = [(stream, e.seq, encode_body(e)) for e in envs(stream, 1, count)]
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn, conn.cursor() as cursor:
+            cursor.executemany(f"INSERT INTO {s}.events VALUES (%s, %s, 1, %s)".encode(), rows)
+        run_sql(postgres_dsn, f"INSERT INTO {s}.streams VALUES (%s, %s, %s)", (stream, f"sess{index}", count))
+        run_sql(postgres_dsn, f"INSERT INTO {s}.leases VALUES (%s, 'A', 1, 1e300)", (f"sess{index}",))
+
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        for stream in streams:
+            assert await store.read(stream) == envs(stream, 1, count)
+        lease = await store.current_lease("sess0")
+        assert lease is not None
+        await store.append(batch(lease, streams[0], envs(streams[0], count + 1, 1)))
+        assert await store.head(streams[0]) == count + 1
+    assert run_sql(postgres_dsn, f"SELECT value FROM {s}.meta") == [(STORE_FORMAT,)]
+    nullable = run_sql(
+        postgres_dsn,
+        "SELECT is_nullable FROM information_schema.columns WHERE table_schema = %s AND table_name = 'events'"
+        " AND column_name = 'checksum'",
+        (fresh_pg_schema,),
+    )
+    assert nullable == [("NO",)]
+    for stream, seq, body, checksum in run_sql(postgres_dsn, f"SELECT stream_id, seq, body, checksum FROM {s}.events"):
+        assert checksum == row_checksum(stream, seq, body.encode())
+    # A version-1 writer still attached is refused, never trusted.
+    with pytest.raises(psycopg.errors.NotNullViolation):
+        run_sql(postgres_dsn, f"INSERT INTO {s}.events(stream_id, seq, token, body) VALUES ('x/root', 1, 1, '{{}}')")
+    # Old rows are protected from now on.
+    run_sql(postgres_dsn, f"UPDATE {s}.events SET body = replace(body, '\"r5\"', '\"r6\"') WHERE seq = 5")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        with pytest.raises(JournalCorruptError, match=f"{streams[1]}#5 is corrupt: checksum mismatch"):
+            await store.read(streams[1])

@@ -20,6 +20,7 @@ import json
 import math
 import random
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -33,6 +34,7 @@ import trio.testing
 
 from trio_agent._errors import (
     CommandConflictError,
+    ConfigError,
     ForeignStreamError,
     JournalCorruptError,
     JournalError,
@@ -754,18 +756,40 @@ async def test_a_duplicate_command_submitted_together_lands_once(store: Any) -> 
 ODD_CHARACTERS = {"lone_surrogate": "\ud800", "nul": "\x00"}
 
 
+@pytest.mark.parametrize("odd", list(ODD_CHARACTERS))
+async def test_ids_no_store_can_keep_are_refused_at_the_door(store: Any, odd: str) -> None:
+    bad = f"x{ODD_CHARACTERS[odd]}y"
+    lease = await lease_on(store, "door")
+    stream = stream_id_for("door", "root")
+    for session, stream_id, command in ((bad, stream, None), ("door", bad, None), ("door", stream, bad)):
+        with pytest.raises(ConfigError):
+            AppendBatch(
+                session, stream_id, lease.token, envs(stream_id, 1, 1), command, None if command is None else "d"
+            )
+    with pytest.raises(ConfigError, match="session id"):
+        await store.acquire_lease(bad, "A", LONG_TTL)
+    with pytest.raises(ConfigError, match="owner"):
+        await store.acquire_lease("door", bad, LONG_TTL)
+    for forged in (attrs.evolve(lease, session_id=bad), attrs.evolve(lease, owner=bad)):
+        with pytest.raises(ConfigError):
+            await store.renew_lease(forged, LONG_TTL)
+        with pytest.raises(ConfigError):
+            await store.release_lease(forged)
+    assert await store.current_lease("door") == lease  # nothing reached the store
+
 
 @pytest.mark.parametrize("odd", list(ODD_CHARACTERS))
 async def test_an_append_the_store_cannot_keep_fails_alone(
-    store: Any, store_kind: Backend, request: pytest.FixtureRequest, odd: str
+    store: Any, store_kind: Backend, monkeypatch: pytest.MonkeyPatch, odd: str
 ) -> None:
+    """Past the door (as if it were missing), the writer still refuses such an append alone."""
+    import trio_agent._journal._store as store_module
+
+    monkeypatch.setattr(store_module, "check_id", lambda value, what: value, raising=False)
     lease = await lease_on(store, "odd")
     odd_stream = stream_id_for("odd", f"agent{ODD_CHARACTERS[odd]}x")
     good_streams = [stream_id_for("odd", f"agent-{i:02}") for i in range(20)]
-    try:
-        odd_batch: AppendBatch | None = make_batch(lease, odd_stream, envs(odd_stream, 1, 2))
-    except JournalError:
-        odd_batch = None  # refusing such an id up front is fine too
+    odd_batch: AppendBatch | None = make_batch(lease, odd_stream, envs(odd_stream, 1, 2))
 
     tickets = []
     odd_ticket: AppendTicket | None = None
@@ -814,6 +838,101 @@ async def test_reads_with_an_odd_id_answer_or_raise_journal_errors(
         except JournalError:
             continue
         assert answer == empty
+
+
+class _GateClock:
+    """A store clock that, once armed, holds the writer thread inside its next transaction until
+    `open` (the clock is read after the write lock is taken), so everything submitted meanwhile
+    is committed together in the next group commit."""
+
+    def __init__(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._armed = threading.Event()
+        self._gate = threading.Event()
+        self.entered = trio.Event()
+
+    def __call__(self) -> float:
+        if self._armed.is_set():
+            self._armed.clear()
+            self._token.run_sync_soon(self.entered.set)
+            self._gate.wait(30)
+        return time.time()
+
+    def arm(self) -> None:
+        self._armed.set()
+
+    def open(self) -> None:
+        self._gate.set()
+
+
+@contextlib.asynccontextmanager
+async def _gated_store(kind: Backend, tmp_path: Path, clock: _GateClock) -> AsyncIterator[Any]:
+    if kind.name == "sqlite":
+        async with open_sqlite_store(tmp_path / "journal.db", clock=clock) as sqlite_store:
+            yield sqlite_store
+    else:
+        from trio_agent._journal._postgres import open_postgres_store
+
+        async with open_postgres_store(kind.dsn, schema=kind.schema, clock=clock) as pg_store:
+            yield pg_store
+
+
+@pytest.mark.parametrize("door", ["checked", "bypassed"])
+async def test_a_bad_lease_request_fails_alone_in_its_group_commit(
+    store_kind: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, door: str
+) -> None:
+    """A lease request with a lone surrogate, queued among other sessions' appends, fails alone:
+    at the door (`ConfigError`), and, past it, in the writer (a definite refusal, never
+    `JournalUnavailableError` for the batch, which would fence every neighbour's journal)."""
+    if store_kind.name == "memory":
+        pytest.skip("the memory store has no group commit")
+    if door == "bypassed":
+        import trio_agent._journal._lane as lane_module
+
+        monkeypatch.setattr(lane_module, "check_id", lambda value, what: value, raising=False)
+    clock = _GateClock()
+    async with _gated_store(store_kind, tmp_path, clock) as store:
+        leases = [await store.acquire_lease(f"s{i}", "A", LONG_TTL) for i in range(10)]
+        streams = [stream_id_for(f"s{i}", "root") for i in range(10)]
+        clock.arm()
+        plug = store.submit(make_batch(leases[0], streams[0], envs(streams[0], 1, 1)))
+        with trio.fail_after(10):
+            await clock.entered.wait()  # the writer is inside the plug's transaction
+        batches = store._lane.batches
+        outcomes: list[object] = []
+
+        async def bad_request() -> None:
+            try:
+                outcomes.append(await store.acquire_lease("bad\ud800id", "A", LONG_TTL))
+            except Exception as exc:
+                outcomes.append(exc)
+
+        tickets = [
+            store.submit(make_batch(lease, s, envs(s, 1, 1)))
+            for lease, s in zip(leases[1:5], streams[1:5], strict=True)
+        ]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(bad_request)
+            await trio.testing.wait_all_tasks_blocked()  # queued (or refused at the door)
+            tickets += [
+                store.submit(make_batch(lease, s, envs(s, 1, 1)))
+                for lease, s in zip(leases[5:], streams[5:], strict=True)
+            ]
+            clock.open()
+        with trio.fail_after(10):
+            assert await plug.wait() == AppendResult(streams[0], 1, 1)
+            results = [await ticket.wait() for ticket in tickets]
+        assert results == [AppendResult(s, 1, 1) for s in streams[1:]]
+        for s in streams:
+            assert await store.read(s) == envs(s, 1, 1)
+        [outcome] = outcomes
+        if door == "checked":
+            assert isinstance(outcome, ConfigError), outcome
+        else:
+            assert isinstance(outcome, JournalError) and not isinstance(outcome, JournalUnavailableError), outcome
+            if store_kind.name == "sqlite":
+                # It really shared one writer batch with the appends (plus the plug's, still running then).
+                assert store._lane.batches - batches == 2
 
 
 async def test_ticket_outcome_before_resolution_and_after_cancelled_wait(store: Any) -> None:

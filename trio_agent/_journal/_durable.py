@@ -76,7 +76,16 @@ from ._events import (
     ToolStarted,
 )
 from ._projection import Projection, RecoveryKind, RecoveryPlan, ToolState
-from ._store import AppendBatch, AppendResult, AppendTicket, JournalStore, Lease, command_digest, stream_id_for
+from ._store import (
+    AppendBatch,
+    AppendResult,
+    AppendTicket,
+    JournalStore,
+    Lease,
+    check_id,
+    command_digest,
+    stream_id_for,
+)
 from ._subscribe import DurableEventStream, JournalCursor, subscribe_durable_events
 
 __all__ = [
@@ -306,7 +315,8 @@ class DurableJournal:
         if not events:
             raise JournalError("append needs at least one event")
         self.check_ownership()
-        stream_id = self.stream_id(agent_id)
+        # Checked before the projection moves: an id no store can keep fails this append alone.
+        stream_id = check_id(self.stream_id(agent_id), "stream id")
         stream = self._streams.get(stream_id)
         if stream is None:
             if not (isinstance(events[0], SessionCreated) and events[0].session_id == self.session_id):

@@ -562,7 +562,7 @@ def decode_event(data: dict[str, Any]) -> EventEnvelope:
     event = data.get("event")
     if isinstance(event, dict):
         tag = event.get("type")
-        if tag not in _TAGS:
+        if not isinstance(tag, str) or tag not in _TAGS:  # a list or an object is no tag (and unhashable)
             raise JournalCorruptError(f"unknown event type {tag!r}")
     try:
         return event_converter.structure(json_copy(data), EventEnvelope)

@@ -37,7 +37,7 @@ import trio
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield
 from .._errors import JournalError, JournalUnavailableError
-from ._store import AppendBatch, AppendResult, AppendTicket, Lease, check_ttl
+from ._store import AppendBatch, AppendResult, AppendTicket, Lease, check_id, check_ttl
 
 __all__ = ["LaneItem", "LaneStore", "LeaseOp", "WriterLane", "close_in_thread"]
 
@@ -243,9 +243,30 @@ class LeaseOp:
 
 class LaneStore:
     """The write side every lane-backed store shares: appends and lease operations both go
-    through the store's `WriterLane`, so they commit in submission order, in group commits."""
+    through the store's `WriterLane`, so they commit in submission order, in group commits.
+
+    Ids are checked (`check_id`) before anything is queued, so a bad one fails alone.
+    """
 
     _lane: WriterLane | None
+    longest_write_hold: float = 0.0
+    """The longest a write transaction of this store held the database's write lock (seconds)."""
+
+    def _held(self, seconds: float) -> None:
+        """Called by the writer thread after each write transaction ended."""
+        if seconds > self.longest_write_hold:
+            self.longest_write_hold = seconds
+
+    def statistics(self) -> dict[str, float | int]:
+        """Counters of the writer: ``batches`` (transactions), ``items`` (appends and lease
+        operations) and ``longest_write_hold`` (seconds from the write lock taken to COMMIT
+        returned, the longest so far: every other writer of the database waits that long)."""
+        lane = self._lane
+        return {
+            "batches": 0 if lane is None else lane.batches,
+            "items": 0 if lane is None else lane.items,
+            "longest_write_hold": self.longest_write_hold,
+        }
 
     def _not_open(self) -> str:
         return f"the {type(self).__name__} is not open"
@@ -261,6 +282,8 @@ class LaneStore:
         return await self.submit(batch).wait()
 
     async def _lease_op(self, op: LeaseOp) -> Any:
+        check_id(op.session_id, "session id")
+        check_id(op.owner, "lease owner")
         if self._lane is None:
             raise JournalError(self._not_open())
         item: LaneItem[Any] = LaneItem()

@@ -26,6 +26,7 @@ from ._store import (
     Lease,
     LeaseRow,
     StreamInfo,
+    check_id,
     check_ttl,
     decide_append,
     decide_lease,
@@ -146,6 +147,8 @@ class MemoryStore:
         return None if lease is None else (lease.owner, lease.token, lease.expires_at)
 
     async def acquire_lease(self, session_id: str, owner: str, ttl: float) -> Lease:
+        check_id(session_id, "session id")
+        check_id(owner, "lease owner")
         ttl = check_ttl(ttl)
         await trio.lowlevel.checkpoint()
         lease = decide_lease("acquire", session_id, owner, 0, ttl, self._row(session_id), self.clock())
@@ -154,6 +157,8 @@ class MemoryStore:
         return lease
 
     async def renew_lease(self, lease: Lease, ttl: float) -> Lease:
+        check_id(lease.session_id, "session id")
+        check_id(lease.owner, "lease owner")
         ttl = check_ttl(ttl)
         await trio.lowlevel.checkpoint()
         row = self._row(lease.session_id)
@@ -163,6 +168,8 @@ class MemoryStore:
         return renewed
 
     async def release_lease(self, lease: Lease) -> None:
+        check_id(lease.session_id, "session id")
+        check_id(lease.owner, "lease owner")
         await trio.lowlevel.checkpoint()
         current = self._leases.get(lease.session_id)
         if current is not None and releases(self._row(lease.session_id), lease.token):

@@ -36,6 +36,14 @@
   NOTIFY is only a wake-up hint: callers always re-read.
 
 The clock, when given, is called from the writer thread, so it must be thread-safe.
+
+Every event row carries the checksum of `_codec` (schema version 2), verified on
+every read. A version-1 schema is migrated when a store first opens it, in one
+transaction under the schema's advisory lock: the ``checksum`` column is added and
+filled for every existing row (taken on trust), then made NOT NULL, so a
+version-1 process still writing there is refused, never trusted. Bodies are
+encoded and checksummed before the transaction begins; the longest transaction
+is `statistics()` ``["longest_write_hold"]``.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ from .._errors import (
     JournalUnavailableError,
     LeaseLostError,
 )
+from ._codec import EventRow, commit_encoded, decode_range, row_checksum
 from ._events import EventEnvelope
 from ._lane import LaneStore, LeaseOp, WriterLane, close_in_thread
 from ._store import (
@@ -77,15 +86,16 @@ from ._store import (
     StreamInfo,
     decide_append,
     decide_lease,
-    decode_row,
     releases,
-    row_error,
     unavailable,
 )
 
 __all__ = ["PostgresStore", "open_postgres_store"]
 
-STORE_FORMAT = "trio_agent.journal.postgres/1"
+STORE_FORMAT = "trio_agent.journal.postgres/2"
+V1_FORMAT = "trio_agent.journal.postgres/1"
+"""Before event checksums: migrated when a store opens the schema."""
+_MIGRATE_CHUNK = 1000
 
 _Conn = psycopg.Connection[TupleRow]
 T = TypeVar("T")
@@ -103,7 +113,7 @@ _SCHEMA: tuple[LiteralString, ...] = (
     "CREATE INDEX IF NOT EXISTS streams_session ON {s}.streams(session_id, stream_id)",
     "CREATE TABLE IF NOT EXISTS {s}.events("
     " stream_id text NOT NULL, seq bigint NOT NULL, token bigint NOT NULL, body text NOT NULL,"
-    " PRIMARY KEY(stream_id, seq))",
+    " checksum bigint NOT NULL, PRIMARY KEY(stream_id, seq))",
     # A row with token 0 is a placeholder (no lease yet) so acquisitions can lock it.
     "CREATE TABLE IF NOT EXISTS {s}.leases("
     " session_id text PRIMARY KEY, owner text NOT NULL, token bigint NOT NULL, expires_at double precision NOT NULL)",
@@ -138,9 +148,19 @@ _Q_UPDATE_HEADS: LiteralString = (
     " WHERE t.stream_id = v.stream_id"
 )
 _Q_INSERT_EVENTS: LiteralString = (
-    "INSERT INTO {s}.events(stream_id, seq, token, body)"
-    " SELECT * FROM unnest(%s::text[], %s::bigint[], %s::bigint[], %s::text[])"
+    "INSERT INTO {s}.events(stream_id, seq, token, body, checksum)"
+    " SELECT * FROM unnest(%s::text[], %s::bigint[], %s::bigint[], %s::text[], %s::bigint[])"
 )
+_Q_SET_FORMAT_V2: LiteralString = "UPDATE {s}.meta SET value = %s WHERE key = 'format'"
+_Q_MIGRATE_ADD: LiteralString = "ALTER TABLE {s}.events ADD COLUMN IF NOT EXISTS checksum bigint"
+# The exact stored bytes, as the checksum covers them.
+_Q_MIGRATE_ROWS: LiteralString = "SELECT stream_id, seq, convert_to(body, 'UTF8') FROM {s}.events"
+_Q_MIGRATE_SET: LiteralString = (
+    "UPDATE {s}.events AS t SET checksum = v.checksum"
+    " FROM unnest(%s::text[], %s::bigint[], %s::bigint[]) AS v(stream_id, seq, checksum)"
+    " WHERE t.stream_id = v.stream_id AND t.seq = v.seq"
+)
+_Q_MIGRATE_NOT_NULL: LiteralString = "ALTER TABLE {s}.events ALTER COLUMN checksum SET NOT NULL"
 _Q_INSERT_COMMANDS: LiteralString = (
     "INSERT INTO {s}.commands(stream_id, command_id, digest, first_seq, last_seq)"
     " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::bigint[], %s::bigint[])"
@@ -153,8 +173,8 @@ _Q_UPDATE_LEASES: LiteralString = (
 _Q_NOTIFY: LiteralString = "SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p"
 # The head comes with the rows (one statement, one snapshot) so a missing row is noticed, never skipped.
 _Q_READ: LiteralString = (
-    "SELECT s.head, e.seq, e.body FROM {s}.streams AS s LEFT JOIN LATERAL ("
-    " SELECT seq, body FROM {s}.events AS ev WHERE ev.stream_id = s.stream_id AND ev.seq > %s"
+    "SELECT s.head, e.seq, e.body, e.checksum FROM {s}.streams AS s LEFT JOIN LATERAL ("
+    " SELECT seq, body, checksum FROM {s}.events AS ev WHERE ev.stream_id = s.stream_id AND ev.seq > %s"
     " ORDER BY ev.seq LIMIT %s::bigint) AS e ON true"
     " WHERE s.stream_id = %s ORDER BY e.seq"
 )
@@ -197,7 +217,7 @@ class _State:
 class _Change:
     """The writes of one accepted item."""
 
-    events: tuple[tuple[str, int, int, str], ...] = ()  # (stream_id, seq, token, body)
+    events: tuple[EventRow, ...] = ()  # (stream_id, seq, token, body, checksum)
     stream: tuple[str, str, int, bool] | None = None  # (stream_id, session_id, head, created)
     command: CommandRecord | None = None
     lease: tuple[str, str, int, float] | None = None  # (session_id, owner, token, expires_at)
@@ -217,7 +237,7 @@ class _Change:
 class _Writes:
     """Accepted changes merged into a few multi-row statements."""
 
-    events: list[tuple[str, int, int, str]] = attrs.Factory(list)
+    events: list[EventRow] = attrs.Factory(list)
     created: dict[str, tuple[str, int]] = attrs.Factory(dict)
     heads: dict[str, int] = attrs.Factory(dict)
     commands: list[CommandRecord] = attrs.Factory(list)
@@ -375,6 +395,8 @@ class PostgresStore(LaneStore):
                 row = conn.execute(self._q["_Q_FORMAT"]).fetchone()
                 if row is None:
                     conn.execute(self._q["_Q_SET_FORMAT"], (STORE_FORMAT,))
+                elif row[0] == V1_FORMAT:
+                    self._migrate_v1(conn)  # in this transaction: a failure leaves the schema at version 1
                 elif row[0] != STORE_FORMAT:
                     raise JournalCorruptError(
                         f"schema {self.schema!r} at {self.where} holds journal format {row[0]!r};"
@@ -389,6 +411,25 @@ class PostgresStore(LaneStore):
                 ) from exc
             raise
         return conn
+
+    def _migrate_v1(self, conn: _Conn) -> None:
+        """Version 1 -> 2 inside the open's transaction: add, fill (rows taken on trust) and
+        require the checksum column. Rows are streamed through a server-side cursor."""
+        q = self._q
+        conn.execute(q["_Q_MIGRATE_ADD"])
+        with conn.cursor(name="trio_agent_journal_migration") as rows:
+            rows.execute(q["_Q_MIGRATE_ROWS"])
+            while chunk := rows.fetchmany(_MIGRATE_CHUNK):
+                conn.execute(
+                    q["_Q_MIGRATE_SET"],
+                    (
+                        [stream_id for stream_id, _, _ in chunk],
+                        [seq for _, seq, _ in chunk],
+                        [row_checksum(stream_id, seq, bytes(body)) for stream_id, seq, body in chunk],
+                    ),
+                )
+        conn.execute(q["_Q_MIGRATE_NOT_NULL"])
+        conn.execute(q["_Q_SET_FORMAT_V2"], (STORE_FORMAT,))
 
     def _open_listener(self) -> _Conn:
         conn = self._connect()
@@ -497,31 +538,35 @@ class PostgresStore(LaneStore):
         outcomes: list[object | None] = [_unstorable(work) for work in works]
         storable = [work for work, refused in zip(works, outcomes, strict=True) if refused is None]
         if storable:
-            done = iter(self._commit_storable(storable))
+            done = iter(commit_encoded(storable, self._commit_storable))
             outcomes = [next(done) if refused is None else refused for refused in outcomes]
         return outcomes
 
-    def _commit_storable(self, works: Sequence[Any]) -> list[object]:
+    def _commit_storable(self, works: Sequence[Any], encoded: list[list[EventRow]]) -> list[object]:
+        # Encoded before the transaction (commit_encoded): its row locks are held only for the checks and writes.
         try:
             conn = self._writer_conn()
         except JournalError as exc:
             return [exc] * len(works)
         try:
-            return self._transaction(conn, works, isolate=False)
+            return self._transaction(conn, works, encoded, isolate=False)
         except _Retry:
             pass
         except Exception as exc:
             return [unavailable(exc, f"journal {self.where} {self.schema}: the transaction failed")] * len(works)
         try:
-            return self._transaction(conn, works, isolate=True)
+            return self._transaction(conn, works, encoded, isolate=True)
         except Exception as exc:
             cause = exc.__cause__ if isinstance(exc, _Retry) and exc.__cause__ is not None else exc
             return [unavailable(cause, f"journal {self.where} {self.schema}: the transaction failed")] * len(works)
 
-    def _transaction(self, conn: _Conn, works: Sequence[Any], *, isolate: bool) -> list[object]:
+    def _transaction(
+        self, conn: _Conn, works: Sequence[Any], encoded: list[list[EventRow]], *, isolate: bool
+    ) -> list[object]:
         """One transaction for the whole batch; raises `_Retry` if it failed before COMMIT with nothing written."""
+        began = time.perf_counter()
         try:
-            return self._run_transaction(conn, works, isolate=isolate)
+            return self._run_transaction(conn, works, encoded, isolate=isolate)
         except Exception as exc:
             # The outcome is known only if the server answered: then the transaction is rolled back.
             if conn.broken or conn.closed or isinstance(exc, psycopg.errors.ConnectionFailure):
@@ -536,8 +581,12 @@ class PostgresStore(LaneStore):
             if isinstance(exc, psycopg.OperationalError) and not isinstance(exc, psycopg.errors.TransactionRollback):
                 raise  # a timeout, cancel or resource error: retrying would not help
             raise _Retry(str(exc)) from exc
+        finally:
+            self._held(time.perf_counter() - began)
 
-    def _run_transaction(self, conn: _Conn, works: Sequence[Any], *, isolate: bool) -> list[object]:
+    def _run_transaction(
+        self, conn: _Conn, works: Sequence[Any], encoded: list[list[EventRow]], *, isolate: bool
+    ) -> list[object]:
         sessions = sorted({work.session_id for work in works})
         appends = [work for work in works if isinstance(work, AppendBatch)]
         stream_ids = sorted({batch.stream_id for batch in appends})
@@ -583,9 +632,9 @@ class PostgresStore(LaneStore):
         outcomes: list[object] = []
         if not isolate:
             writes = _Writes()
-            for work in works:
+            for work, rows in zip(works, encoded, strict=True):
                 try:
-                    outcome, change = self._plan(state, work)
+                    outcome, change = self._plan(state, work, rows)
                 except _Rejected as rejected:
                     outcomes.append(rejected.error)
                     continue
@@ -599,9 +648,9 @@ class PostgresStore(LaneStore):
             return outcomes
         # Item by item, one savepoint each: a failing write fails only its own item.
         notified = _Writes()
-        for index, work in enumerate(works):
+        for index, (work, rows) in enumerate(zip(works, encoded, strict=True)):
             try:
-                outcome, change = self._plan(state, work)
+                outcome, change = self._plan(state, work, rows)
             except _Rejected as rejected:
                 outcomes.append(rejected.error)
                 continue
@@ -658,7 +707,13 @@ class PostgresStore(LaneStore):
             events = writes.events
             conn.execute(
                 q["_Q_INSERT_EVENTS"],
-                ([e[0] for e in events], [e[1] for e in events], [e[2] for e in events], [e[3] for e in events]),
+                (
+                    [e[0] for e in events],
+                    [e[1] for e in events],
+                    [e[2] for e in events],
+                    [e[3] for e in events],
+                    [e[4] for e in events],
+                ),
             )
         if writes.commands:
             commands = writes.commands
@@ -686,13 +741,13 @@ class PostgresStore(LaneStore):
         if notifications:
             conn.execute(q["_Q_NOTIFY"], (self.channel, notifications))
 
-    def _plan(self, state: _State, work: Any) -> tuple[object, _Change | None]:
+    def _plan(self, state: _State, work: Any, rows: list[EventRow]) -> tuple[object, _Change | None]:
         if isinstance(work, AppendBatch):
-            return self._plan_append(state, work)
+            return self._plan_append(state, work, rows)
         return self._plan_lease(state, work)
 
     @staticmethod
-    def _plan_append(state: _State, batch: AppendBatch) -> tuple[AppendResult, _Change | None]:
+    def _plan_append(state: _State, batch: AppendBatch, rows: list[EventRow]) -> tuple[AppendResult, _Change | None]:
         stream = state.streams.get(batch.stream_id)
         known = None if batch.command_id is None else state.commands.get((batch.stream_id, batch.command_id))
         try:
@@ -714,10 +769,7 @@ class PostgresStore(LaneStore):
                 batch.stream_id, batch.command_id, batch.command_digest, batch.first_seq, batch.last_seq
             )
         change = _Change(
-            events=tuple(
-                (batch.stream_id, envelope.seq, batch.token, body)
-                for envelope, body in zip(batch.envelopes, batch.bodies, strict=True)
-            ),
+            events=tuple(rows),
             stream=(batch.stream_id, batch.session_id, batch.last_seq, stream is None),
             command=command,
         )
@@ -852,23 +904,9 @@ class PostgresStore(LaneStore):
         def run(conn: _Conn) -> list[EventEnvelope]:
             rows = conn.execute(query, (after, None if limit is None else max(limit, 0), stream_id)).fetchall()
             if not rows:
-                return []
-            head = int(rows[0][0])
-            first = max(after, 0) + 1
-            last = head if limit is None else min(head, first + max(limit, 0) - 1)
-            envelopes: list[EventEnvelope] = []
-            expected = first
-            for _, seq, body in rows:
-                if seq is None:
-                    continue
-                if seq != expected or seq > last:
-                    problem = "is missing" if expected <= last else f"lies past the stream's head {head}"
-                    raise row_error(stream_id, min(seq, expected), ValueError(f"the row {problem}"))
-                envelopes.append(decode_row(stream_id, int(seq), body))
-                expected += 1
-            if expected <= last:
-                raise row_error(stream_id, expected, ValueError(f"the row is missing (head {head})"))
-            return envelopes
+                return []  # no stream row (its events, if any, are never read without a head)
+            events = [(int(seq), body, int(checksum)) for _, seq, body, checksum in rows if seq is not None]
+            return decode_range(stream_id, after=after, limit=limit, head=int(rows[0][0]), rows=events)
 
         return await self._query(run)
 

@@ -14,8 +14,18 @@
   writers, and the lease check inside each append's transaction is the fence.
   Live subscribers in another process learn of appends by polling.
 
-The clock decides lease expiry and is called from the writer thread, so it must
-be thread-safe (the default is `time.time`).
+The clock decides lease expiry and is called from the writer thread, inside the
+write transaction (after the lock is taken), so it must be thread-safe (the
+default is `time.time`).
+
+Every event row carries the checksum of `_codec` (schema version 2). A version-1
+file is migrated on its first write-open, in one transaction: the ``checksum``
+column is added and filled for every existing row, which is thereby taken on
+trust. A read-only store reads a version-1 file as it is, verifying no checksum.
+
+Bodies are encoded and checksummed before ``BEGIN IMMEDIATE``, so the write lock
+is held only for the checks and a few set-wide statements; the longest hold is
+`statistics()` ``["longest_write_hold"]``.
 
 Closing is bounded by ``cleanup_grace`` (see `WriterLane`): a write still running
 then finishes, commits or rolls back whole, in the writer thread after `aclose`
@@ -28,6 +38,7 @@ import contextlib
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -40,6 +51,7 @@ from .._errors import (
     JournalError,
     LeaseLostError,
 )
+from ._codec import EventRow, commit_encoded, decode_range, row_checksum, row_error
 from ._events import EventEnvelope
 from ._lane import LaneStore, LeaseOp, WriterLane, close_in_thread
 from ._store import (
@@ -50,10 +62,8 @@ from ._store import (
     Lease,
     LeaseRow,
     StreamInfo,
-    check_consecutive,
     decide_append,
     decide_lease,
-    decode_row,
     releases,
     unavailable,
     wall_clock,
@@ -61,22 +71,55 @@ from ._store import (
 
 __all__ = ["SQLiteStore", "open_sqlite_store"]
 
-STORE_FORMAT = "trio_agent.journal/1"
+STORE_FORMAT = "trio_agent.journal/2"
+V1_FORMAT = "trio_agent.journal/1"
+"""Before event checksums: migrated on the first write-open, read as it is by a read-only store."""
+
+_EVENTS_TABLE = (
+    "CREATE TABLE IF NOT EXISTS {name}("
+    " stream_id TEXT NOT NULL, seq INTEGER NOT NULL, token INTEGER NOT NULL, body TEXT NOT NULL,"
+    " checksum INTEGER NOT NULL, PRIMARY KEY(stream_id, seq)) WITHOUT ROWID"
+)
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS journal_meta(key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS journal_streams("
     " stream_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, head INTEGER NOT NULL)",
     "CREATE INDEX IF NOT EXISTS journal_streams_session ON journal_streams(session_id, stream_id)",
-    "CREATE TABLE IF NOT EXISTS journal_events("
-    " stream_id TEXT NOT NULL, seq INTEGER NOT NULL, token INTEGER NOT NULL, body TEXT NOT NULL,"
-    " PRIMARY KEY(stream_id, seq)) WITHOUT ROWID",
+    _EVENTS_TABLE.format(name="journal_events"),
     "CREATE TABLE IF NOT EXISTS journal_leases("
     " session_id TEXT PRIMARY KEY, owner TEXT NOT NULL, token INTEGER NOT NULL, expires_at REAL NOT NULL)",
     "CREATE TABLE IF NOT EXISTS journal_commands("
     " stream_id TEXT NOT NULL, command_id TEXT NOT NULL, digest TEXT NOT NULL,"
     " first_seq INTEGER NOT NULL, last_seq INTEGER NOT NULL, PRIMARY KEY(stream_id, command_id)) WITHOUT ROWID",
 )
+
+
+_INSERT_EVENTS = "INSERT INTO journal_events(stream_id, seq, token, body, checksum) VALUES (?, ?, ?, ?, ?)"
+
+
+def _sql_checksum(stream_id: object, seq: object, body: object) -> int:
+    """`row_checksum` as an SQL function, for the migration (a value of the wrong type: -1, never a match)."""
+    if not isinstance(stream_id, bytes) or type(seq) is not int or not isinstance(body, bytes):
+        return -1
+    return row_checksum(stream_id, seq, body)
+
+
+def _migrate_v1(conn: sqlite3.Connection) -> None:
+    """Version 1 -> 2, inside the caller's write transaction: rebuild the events table with a
+    ``checksum NOT NULL`` column filled from the rows as they are (taken on trust). NOT NULL
+    without a default, so a version-1 process still writing to the file is refused, not trusted."""
+    conn.create_function("trio_agent_row_checksum", 3, _sql_checksum, deterministic=True)
+    conn.execute("DROP TABLE IF EXISTS journal_events_v2")
+    conn.execute(_EVENTS_TABLE.format(name="journal_events_v2"))
+    conn.execute(
+        "INSERT INTO journal_events_v2(stream_id, seq, token, body, checksum)"
+        " SELECT stream_id, seq, token, body,"
+        " trio_agent_row_checksum(CAST(stream_id AS BLOB), seq, CAST(body AS BLOB)) FROM journal_events"
+    )
+    conn.execute("DROP TABLE journal_events")
+    conn.execute("ALTER TABLE journal_events_v2 RENAME TO journal_events")
+    conn.execute("UPDATE journal_meta SET value=? WHERE key='format'", (STORE_FORMAT,))
 
 
 class _Isolate(Exception):
@@ -96,6 +139,20 @@ def _connect(path: str, *, readonly: bool) -> sqlite3.Connection:
     if readonly:
         conn.execute("PRAGMA query_only=ON")
     return conn
+
+
+_DAMAGE_CODES = frozenset({1, 11, 26})
+"""SQLITE_ERROR (our own fixed statements fail only if the schema was damaged: "no such
+column"), SQLITE_CORRUPT, SQLITE_NOTADB. Busy, locked, I/O and full stay `JournalUnavailableError`."""
+
+
+def _is_damage(exc: sqlite3.OperationalError) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    text = str(exc)
+    if isinstance(code, int) and code & 0xFF in _DAMAGE_CODES:
+        return True
+    # Python's own "Could not decode to UTF-8" carries no SQLite code: stored text that is not UTF-8.
+    return "not a database" in text or "malformed" in text or "decode" in text
 
 
 def _corrupt(path: str, exc: BaseException) -> JournalCorruptError:
@@ -129,6 +186,7 @@ class SQLiteStore(LaneStore):
         self._read_limiter = trio.CapacityLimiter(4)
         self._changed: dict[str, trio.Event] = {}
         self._closed = False
+        self._verify = True  # the rows carry checksums (schema version 2)
 
     def _not_open(self) -> str:
         return (
@@ -160,6 +218,8 @@ class SQLiteStore(LaneStore):
                 row = conn.execute("SELECT value FROM journal_meta WHERE key='format'").fetchone()
                 if row is None:
                     conn.execute("INSERT INTO journal_meta(key, value) VALUES ('format', ?)", (STORE_FORMAT,))
+                elif row[0] == V1_FORMAT:
+                    _migrate_v1(conn)  # the same transaction: a crash leaves the file at version 1
                 elif row[0] != STORE_FORMAT:
                     raise JournalCorruptError(
                         f"{self.path} holds journal format {row[0]!r}; this code reads {STORE_FORMAT!r}"
@@ -170,8 +230,10 @@ class SQLiteStore(LaneStore):
                 raise
         except JournalError:
             raise
+        except UnicodeDecodeError as exc:  # damaged schema text SQLite hands back undecodable
+            raise _corrupt(self.path, exc) from exc
         except sqlite3.OperationalError as exc:
-            if "not a database" in str(exc) or "malformed" in str(exc):
+            if _is_damage(exc):
                 raise _corrupt(self.path, exc) from exc
             raise unavailable(exc, f"cannot open the journal {self.path}") from exc
         except sqlite3.DatabaseError as exc:
@@ -184,11 +246,13 @@ class SQLiteStore(LaneStore):
         try:
             with contextlib.closing(sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)) as conn:
                 row = conn.execute("SELECT value FROM journal_meta WHERE key='format'").fetchone()
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
             raise _corrupt(self.path, exc) from exc
-        if row is None or row[0] != STORE_FORMAT:
+        if row is None or row[0] not in (STORE_FORMAT, V1_FORMAT):
             found = None if row is None else row[0]
             raise JournalCorruptError(f"{self.path} holds journal format {found!r}; this code reads {STORE_FORMAT!r}")
+        # Never migrated from here: a version-1 file is read as it is, without checksums.
+        self._verify = row[0] == STORE_FORMAT
 
     async def _open(self, max_batch: int) -> None:
         if self.readonly:
@@ -242,14 +306,18 @@ class SQLiteStore(LaneStore):
 
         If writing fails unexpectedly (an id the driver cannot encode...), the
         transaction is rolled back and redone with one savepoint per item, so only
-        the culprit fails.
+        the culprit fails. Bodies are encoded and checksummed first, before the write
+        lock is taken: other writers of the file wait only for the checks and the writes.
         """
+        return commit_encoded(works, self._commit_encoded)
+
+    def _commit_encoded(self, works: Sequence[Any], encoded: list[list[EventRow]]) -> list[object]:
         conn = self._writer
         assert conn is not None
         try:
-            return self._commit_batched(conn, works)
+            return self._commit_batched(conn, works, encoded)
         except _Isolate:
-            return self._commit_isolated(conn, works)
+            return self._commit_isolated(conn, works, encoded)
         except BaseException as exc:
             if conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
@@ -257,25 +325,32 @@ class SQLiteStore(LaneStore):
             error = unavailable(exc, f"journal {self.path}: the transaction failed")
             return [error] * len(works)
 
-    def _commit_batched(self, conn: sqlite3.Connection, works: Sequence[Any]) -> list[object]:
-        now = self.clock()
+    def _commit_batched(
+        self, conn: sqlite3.Connection, works: Sequence[Any], encoded: list[list[EventRow]]
+    ) -> list[object]:
         outcomes: list[object] = []
         leases: dict[str, LeaseRow | None] = {}
         streams: dict[str, tuple[str, int] | None] = {}
         commands: dict[tuple[str, str], tuple[str, int, int] | None] = {}
-        rows: list[tuple[str, int, int, str]] = []
+        rows: list[EventRow] = []
         heads: dict[str, tuple[str, int]] = {}
         new_commands: list[tuple[str, str, str, int, int]] = []
         conn.execute("BEGIN IMMEDIATE")
+        locked = time.perf_counter()
         try:
+            now = self.clock()  # once the lock is held: a wait for it never makes an expired lease look valid
             self._prefetch(conn, works, leases, streams)
-            for work in works:
+            for work, work_rows in zip(works, encoded, strict=True):
                 if not isinstance(work, AppendBatch):
                     leases.pop(work.session_id, None)  # the lease row changes now
                     try:
                         outcomes.append(self._apply_lease(conn, work, now))
                     except _Rejected as rejected:
                         outcomes.append(rejected.error)
+                    except (UnicodeError, ValueError, sqlite3.InterfaceError) as exc:
+                        # An id the driver cannot bind (past the door's check): redo item by item.
+                        conn.execute("ROLLBACK")
+                        raise _Isolate from exc
                     continue
                 try:
                     outcomes.append(self._check_append(conn, work, now, leases, streams, commands))
@@ -284,10 +359,7 @@ class SQLiteStore(LaneStore):
                     continue
                 if outcomes[-1] is not None and getattr(outcomes[-1], "replayed", False):
                     continue
-                rows.extend(
-                    (work.stream_id, envelope.seq, work.token, body)
-                    for envelope, body in zip(work.envelopes, work.bodies, strict=True)
-                )
+                rows.extend(work_rows)
                 streams[work.stream_id] = heads[work.stream_id] = (work.session_id, work.last_seq)
                 if work.command_id is not None:
                     assert work.command_digest is not None
@@ -296,7 +368,7 @@ class SQLiteStore(LaneStore):
                         (work.stream_id, work.command_id, work.command_digest, work.first_seq, work.last_seq)
                     )
             try:
-                conn.executemany("INSERT INTO journal_events(stream_id, seq, token, body) VALUES (?, ?, ?, ?)", rows)
+                conn.executemany(_INSERT_EVENTS, rows)
                 conn.executemany(
                     "INSERT INTO journal_streams(stream_id, session_id, head) VALUES (?, ?, ?)"
                     " ON CONFLICT(stream_id) DO UPDATE SET head=excluded.head",
@@ -318,6 +390,8 @@ class SQLiteStore(LaneStore):
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
             raise
+        finally:
+            self._held(time.perf_counter() - locked)
         return outcomes
 
     @staticmethod
@@ -392,17 +466,20 @@ class SQLiteStore(LaneStore):
         except (JournalError, LeaseLostError) as refusal:
             raise _Rejected(refusal) from None
 
-    def _commit_isolated(self, conn: sqlite3.Connection, works: Sequence[Any]) -> list[object]:
+    def _commit_isolated(
+        self, conn: sqlite3.Connection, works: Sequence[Any], encoded: list[list[EventRow]]
+    ) -> list[object]:
         """The fallback: one savepoint per item, so an item that cannot be written fails alone."""
-        now = self.clock()
         outcomes: list[object] = []
         conn.execute("BEGIN IMMEDIATE")
+        locked = time.perf_counter()
         try:
-            for work in works:
+            now = self.clock()
+            for work, work_rows in zip(works, encoded, strict=True):
                 conn.execute("SAVEPOINT item")  # one name: the statement cache keeps it prepared
                 try:
                     if isinstance(work, AppendBatch):
-                        outcome: object = self._apply_append(conn, work, now)
+                        outcome: object = self._apply_append(conn, work, work_rows, now)
                     else:
                         outcome = self._apply_lease(conn, work, now)
                 except _Rejected as rejected:
@@ -410,7 +487,8 @@ class SQLiteStore(LaneStore):
                     outcome = rejected.error
                 except (UnicodeError, ValueError, sqlite3.InterfaceError, sqlite3.IntegrityError) as exc:
                     conn.execute("ROLLBACK TO item")
-                    outcome = JournalError(f"the store cannot keep this append: {type(exc).__name__}: {exc}")
+                    what = "append" if isinstance(work, AppendBatch) else "lease operation"
+                    outcome = JournalError(f"the store cannot keep this {what}: {type(exc).__name__}: {exc}")
                 conn.execute("RELEASE item")
                 outcomes.append(outcome)
             conn.execute("COMMIT")
@@ -420,23 +498,19 @@ class SQLiteStore(LaneStore):
                     conn.execute("ROLLBACK")
             error = unavailable(exc, f"journal {self.path}: the transaction failed")
             return [error] * len(works)
+        finally:
+            self._held(time.perf_counter() - locked)
         return outcomes
 
     @staticmethod
-    def _apply_append(conn: sqlite3.Connection, batch: AppendBatch, now: float) -> AppendResult:
+    def _apply_append(conn: sqlite3.Connection, batch: AppendBatch, rows: list[EventRow], now: float) -> AppendResult:
         """The fallback path: one append checked and written on its own (inside its savepoint)."""
         streams: dict[str, tuple[str, int] | None] = {}
         result = SQLiteStore._check_append(conn, batch, now, {}, streams, {})
         if result.replayed:
             return result
         stream = streams[batch.stream_id]
-        conn.executemany(
-            "INSERT INTO journal_events(stream_id, seq, token, body) VALUES (?, ?, ?, ?)",
-            [
-                (batch.stream_id, envelope.seq, batch.token, body)
-                for envelope, body in zip(batch.envelopes, batch.bodies, strict=True)
-            ],
-        )
+        conn.executemany(_INSERT_EVENTS, rows)
         if stream is None:
             conn.execute(
                 "INSERT INTO journal_streams(stream_id, session_id, head) VALUES (?, ?, ?)",
@@ -497,13 +571,20 @@ class SQLiteStore(LaneStore):
             return fn(conn)
         except JournalError:
             raise
+        except UnicodeDecodeError as exc:  # stored text that is not UTF-8: damage
+            raise _corrupt(self.path, exc) from exc
         except (UnicodeError, ValueError, sqlite3.InterfaceError) as exc:
             raise JournalError(f"journal {self.path}: the query cannot be run: {type(exc).__name__}: {exc}") from exc
         except sqlite3.OperationalError as exc:
+            if _is_damage(exc):
+                raise _corrupt(self.path, exc) from exc
             raise unavailable(exc, f"journal {self.path}: a read failed") from exc
         except sqlite3.DatabaseError as exc:
             raise _corrupt(self.path, exc) from exc
         finally:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
             with self._reader_lock:
                 self._readers.append(conn)
 
@@ -513,12 +594,21 @@ class SQLiteStore(LaneStore):
         return await trio.to_thread.run_sync(self._with_reader, fn, limiter=self._read_limiter)
 
     async def read(self, stream_id: str, *, after: int = 0, limit: int | None = None) -> list[EventEnvelope]:
+        # The body as stored bytes: the checksum covers them, and text that is not UTF-8 is damage to report.
+        statement = (
+            f"SELECT seq, CAST(body AS BLOB), {'checksum' if self._verify else 'NULL'} FROM journal_events"
+            " WHERE stream_id=? AND seq>? ORDER BY seq LIMIT ?"
+        )
+
         def query(conn: sqlite3.Connection) -> list[EventEnvelope]:
-            rows = conn.execute(
-                "SELECT seq, body FROM journal_events WHERE stream_id=? AND seq>? ORDER BY seq LIMIT ?",
-                (stream_id, after, -1 if limit is None else limit),
-            ).fetchall()
-            return check_consecutive(stream_id, after, [decode_row(stream_id, seq, body) for seq, body in rows])
+            conn.execute("BEGIN")  # one snapshot for the head and the rows
+            found = conn.execute("SELECT head FROM journal_streams WHERE stream_id=?", (stream_id,)).fetchone()
+            rows = conn.execute(statement, (stream_id, after, -1 if limit is None else max(limit, 0))).fetchall()
+            conn.execute("COMMIT")
+            head = None if found is None else found[0]
+            if head is not None and type(head) is not int:
+                raise row_error(stream_id, "head", f"the stream's head is {head!r}")
+            return decode_range(stream_id, after=after, limit=limit, head=head, rows=rows)
 
         result: list[EventEnvelope] = await self._read(query)
         return result

@@ -25,12 +25,12 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import trio
 
-from .._errors import JournalError, JournalUnavailableError
+from .._errors import ConfigError, JournalError, JournalUnavailableError
 from ._events import EventEnvelope, encode_event, event_converter
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "JournalStore",
     "Lease",
     "StreamInfo",
+    "check_id",
     "command_digest",
     "encode_body",
     "stream_id_for",
@@ -51,6 +52,24 @@ Clock = Callable[[], float]
 """Seconds, as the store judges lease expiry (wall time by default; `trio.current_time` in tests)."""
 
 wall_clock: Clock = time.time
+
+
+def check_id(value: object, what: str) -> str:
+    """An id a store keeps (session, stream, owner, command): text every store can hold.
+
+    Checked at the door, before the id joins a group commit: a lone surrogate (not
+    encodable as UTF-8) or a NUL (PostgreSQL text cannot hold it) is a `ConfigError`
+    of its own, never a failed batch that takes its neighbours down with it.
+    """
+    if not isinstance(value, str):
+        raise ConfigError(f"{what} must be a string, not {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{what} must be valid Unicode text (it has a lone surrogate): {value!r}") from None
+    if "\x00" in value:
+        raise ConfigError(f"{what} must not contain NUL: {value!r}")
+    return value
 
 
 def stream_id_for(session_id: str, agent_id: str) -> str:
@@ -130,6 +149,10 @@ class AppendBatch:
     command_digest: str | None = None
 
     def __attrs_post_init__(self) -> None:
+        check_id(self.session_id, "session id")
+        check_id(self.stream_id, "stream id")
+        if self.command_id is not None:
+            check_id(self.command_id, "command id")
         if not self.envelopes:
             raise JournalError("an append needs at least one event")
         first = self.envelopes[0].seq
@@ -269,44 +292,6 @@ def check_ttl(ttl: float) -> float:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
         raise JournalError(f"lease ttl must be a positive finite number of seconds, not {ttl!r}")
     return float(ttl)
-
-
-def row_error(stream_id: str, seq: object, exc: BaseException) -> JournalError:
-    from .._errors import JournalCorruptError
-
-    error = JournalCorruptError(f"stored event {stream_id}#{seq} is corrupt: {exc}")
-    error.__cause__ = exc
-    return error
-
-
-def decode_row(stream_id: str, seq: int, body: Any) -> EventEnvelope:
-    """Decode one stored row strictly, and check it is where it claims to be."""
-    from ._events import decode_event
-
-    try:
-        data = json.loads(body) if isinstance(body, (str, bytes)) else body
-        envelope = decode_event(data)
-    except Exception as exc:
-        raise row_error(stream_id, seq, exc) from exc
-    if envelope.stream_id != stream_id or envelope.seq != seq:
-        raise row_error(
-            stream_id, seq, ValueError(f"row holds {envelope.stream_id}#{envelope.seq}, not {stream_id}#{seq}")
-        )
-    return envelope
-
-
-def check_consecutive(stream_id: str, after: int, envelopes: list[EventEnvelope]) -> list[EventEnvelope]:
-    """Refuse a read whose rows are not ``after + 1, after + 2, ...``: nothing is ever skipped silently."""
-    from .._errors import JournalCorruptError
-
-    expected = max(after, 0) + 1
-    for envelope in envelopes:
-        if envelope.seq != expected:
-            raise JournalCorruptError(
-                f"stream {stream_id!r} is missing event #{expected} (the next stored one is #{envelope.seq})"
-            )
-        expected += 1
-    return envelopes
 
 
 # ---------------------------------------------------------------- the store's rules, once

@@ -74,7 +74,7 @@ from .._journal._events import (
     TurnStarted,
 )
 from .._journal._memory import MemoryStore
-from .._journal._projection import RequestState, SessionState, TurnState
+from .._journal._projection import RequestState, SessionState, ToolState, TurnState
 from .._journal._registry import shared_sqlite_store
 from .._journal._store import JournalStore
 from .._journal._subscribe import DurableEventStream, JournalCursor
@@ -98,7 +98,7 @@ from .._tools._context import CallOrigin, ToolCall, ToolContext
 from .._tools._definition import SideEffect, Tool, ToolKind, define_tool
 from .._tools._pipeline import ToolExecutionRecord, ToolPipeline
 from .._tools._results import Effect, ToolErrorType, ToolResult
-from ._endings import answer_for_call, committed_results, open_items, record_request_end
+from ._endings import answer_for_call, committed_results, open_items, record_request_end, request_is_open
 from ._hooks import (
     HookAbortedError,
     HookAction,
@@ -1163,7 +1163,18 @@ class Session:
             plan = journal.recovery_plan(agent_id, tools=tools)
             if plan.is_empty:
                 continue
+            # Told from the journal, not from the last process's memory: a call an earlier
+            # recovery settled outcome_unknown, in a request that recovery never got to close
+            # (the process died again), is still news to the model and the user.
+            earlier = [
+                call.call_id
+                for call in projection._s.tools.values()
+                if call.state is ToolState.OUTCOME_UNKNOWN and request_is_open(projection, call.request_id)
+            ]
             report = await journal.recover(agent_id, tools=tools)
+            if earlier:
+                merged = tuple(dict.fromkeys([*earlier, *report.outcome_unknown]))
+                report = attrs.evolve(report, outcome_unknown=merged)
             if agent_id == self.root.agent_id:
                 self.recovery = report
             # Subagents that ran before the restart (not those a re-executed call may start below).
