@@ -271,6 +271,23 @@ class DurableJournal:
     def fencing_token(self) -> int | None:
         return self.lease.token
 
+    async def ensure_owner(self) -> None:
+        """Confirm with the store, now, that this process still holds the lease; else `LeaseLostError`.
+
+        It narrows the window in which a paused old owner can act after a takeover; it
+        cannot close it (a pause may land between this check and the effect). Only a
+        downstream that refuses stale fencing tokens, or deduplicates by idempotency key,
+        closes it (see docs/durability.md, "Fencing external effects").
+        """
+        self.check_ownership()
+        sent = trio.current_time()
+        try:
+            self.lease = await self.store.renew_lease(self.lease, self.lease_ttl)
+        except LeaseLostError as exc:
+            self._lose(exc)
+            raise
+        self._valid_until = max(self._valid_until, sent + self.lease_ttl * 0.9)
+
     def _lose(self, exc: BaseException) -> None:
         if self._lost is None:
             self._lost = exc
@@ -664,7 +681,9 @@ class DurableJournal:
                 tool = known[record.scheduled.tool_name]
                 assert tool.reconcile is not None
                 started = record.started_input if record.started_input is not None else record.scheduled.model_input
-                outcome = await tool.reconcile(json_copy(started), record.scheduled.idempotency_key)
+                outcome = await tool.run_reconcile(
+                    json_copy(started), record.scheduled.idempotency_key, fencing_token=self.lease.token
+                )
                 if outcome is None:
                     await self.append(
                         RecoveryDecision(**ids, decision=action, reason="reconcile could not tell whether it happened"),

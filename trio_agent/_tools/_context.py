@@ -75,10 +75,19 @@ class ExecutionContext:
     abort: AbortHandle
     _fence: Callable[[], int | None] = attrs.field(repr=False)
     lineage: tuple[str, ...] = ()
+    _ensure: Callable[[], Awaitable[None]] | None = attrs.field(default=None, repr=False)
 
     @property
     def fencing_token(self) -> int | None:
         return self._fence()
+
+    async def ensure_owner(self) -> None:
+        """Confirm with the journal's store that this process still owns the session (`LeaseLostError`
+        if not). Call it right before an external effect; see `ToolContext.ensure_owner`."""
+        if self._ensure is None:
+            await trio.lowlevel.checkpoint()
+        else:
+            await self._ensure()
 
     @property
     def call_key(self) -> str:
@@ -179,6 +188,17 @@ class ToolContext:
     @property
     def fencing_token(self) -> int | None:
         return self.execution.fencing_token
+
+    async def ensure_owner(self) -> None:
+        """Confirm, with the store, that this process still owns the session; raise `LeaseLostError` if not.
+
+        Call it right before an external effect: it narrows the window in which an old
+        owner that was paused past its lease can act after another took over. It cannot
+        close it (a pause can land between this check and the effect): pass
+        `fencing_token` to a downstream that refuses stale tokens, or deduplicate by
+        `idempotency_key`, to close it.
+        """
+        await self.execution.ensure_owner()
 
     @contextmanager
     def cleanup_scope(self) -> Iterator[trio.CancelScope]:

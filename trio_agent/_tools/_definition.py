@@ -170,6 +170,14 @@ def _surrogate_errors(value: object) -> tuple[str, ...]:
     return tuple(lines) or ("at <root>: the input is not valid Unicode (a lone surrogate)",)
 
 
+def _takes_fencing_token(fn: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "fencing_token" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
 @attrs.frozen(eq=False)
 class Tool(Generic[In]):
     """A tool the model can call. Build one with `define_tool`.
@@ -330,6 +338,21 @@ class Tool(Generic[In]):
                 f"to {resolved.value!r}; it may only narrow the static declaration"  # type: ignore[attr-defined]
             )
         return resolved
+
+    async def run_reconcile(
+        self, value: JsonObject, idempotency_key: str, *, fencing_token: int | None
+    ) -> ToolResult | None:
+        """Ask the tool's ``reconcile`` whether a started call's effect happened.
+
+        ``fencing_token`` is the new owner's lease token: a reconciler that can should
+        raise its downstream's floor to it, so a paused old owner's late write is refused.
+        Reconcilers written as ``reconcile(input, idempotency_key)`` keep working.
+        """
+        reconcile = self.reconcile
+        assert reconcile is not None
+        if _takes_fencing_token(reconcile):
+            return await reconcile(value, idempotency_key, fencing_token=fencing_token)  # type: ignore[call-arg]
+        return await reconcile(value, idempotency_key)
 
     def paths_for(self, value: JsonObject) -> tuple[str, ...]:
         """The paths this call touches (for file locks and the path policy)."""

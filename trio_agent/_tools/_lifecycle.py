@@ -16,6 +16,7 @@ import enum
 from typing import Any, Protocol
 
 import attrs
+import trio
 
 from .._errors import JournalError
 from ._definition import SideEffect, ToolBehavior
@@ -87,6 +88,9 @@ class ToolLifecycle(Protocol):
     def fencing_token(self) -> int | None:
         """The current lease's fencing token, if there is a lease."""
 
+    async def ensure_owner(self) -> None:
+        """Confirm ownership with the store now (raise `LeaseLostError` if it is gone)."""
+
     async def on_tool_scheduled(self, call: ScheduledCall) -> None: ...
 
     async def on_execution_started(
@@ -133,6 +137,9 @@ class InMemoryToolJournal:
 
     def fencing_token(self) -> int | None:
         return None
+
+    async def ensure_owner(self) -> None:
+        await trio.lowlevel.checkpoint()
 
     async def on_tool_scheduled(self, call: ScheduledCall) -> None:
         if call.call_id in self._state:

@@ -527,7 +527,7 @@ class ToolPipeline:
         call_abort = AbortHandle()
         ctx = ExecutionContext(
             origin.session_id, origin.agent_id, origin.request_id, origin.turn_id, call.id, key,
-            call_abort, lifecycle.fencing_token, origin.lineage,
+            call_abort, lifecycle.fencing_token, origin.lineage, getattr(lifecycle, "ensure_owner", None),
         )  # fmt: skip
         state = _Call(self, tool, scheduled, ctx, on_item, json_copy(call.input))
 
