@@ -56,6 +56,10 @@ HOSTILE_ARGUMENTS = [
     "[" * 990 + "]" * 990,
     '{"a":' * 900 + "1" + "}" * 900,
     '{"x": "\\ud800"}',
+    '{"\\udc00": 1}',
+    '{"emoji": "\u2028\u2029\u0085 😀", "nul": "a\\u0000b"}',
+    '{"big": "' + "x" * 200_000 + '"}',
+    '{"n": -0.0, "m": 1e308, "k": 123456789012345678901234567890}',
     "not json",
     "[1, 2]",
     '"a string"',
@@ -72,8 +76,7 @@ def hostile_reply(rng: random.Random) -> Reply:
     return Reply(tool_calls=calls)
 
 
-@pytest.mark.parametrize("seed", range(40))
-async def test_hostile_model_replies_are_answered_and_the_session_goes_on(seed: int) -> None:
+async def run_hostile_session(seed: int) -> None:
     rng = random.Random(seed)
     replies = iter([hostile_reply(rng), Reply(text="first done"), hostile_reply(rng), Reply(text="second done")])
     model = TestModel(respond=lambda request: next(replies))
@@ -92,6 +95,18 @@ async def test_hostile_model_replies_are_answered_and_the_session_goes_on(seed: 
         answered = [m.tool_call_id for m in request.messages if isinstance(m, ToolResultMessage)]
         assert sorted(called) == sorted(answered)
         assert len(set(called)) == len(called)  # unique ids, even when the model repeats them
+
+
+@pytest.mark.parametrize("seed", range(40))
+async def test_hostile_model_replies_are_answered_and_the_session_goes_on(seed: int) -> None:
+    await run_hostile_session(seed)
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("block", range(20))
+async def test_hostile_model_replies_long(block: int) -> None:
+    for seed in range(1000 + block * 100, 1000 + (block + 1) * 100):
+        await run_hostile_session(seed)
 
 
 async def test_duplicate_call_ids_in_one_reply_each_get_an_answer() -> None:
