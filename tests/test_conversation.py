@@ -373,3 +373,21 @@ async def test_the_fold_rebuilds_what_the_live_loop_built() -> None:
     rebuilt = fold_conversation(envelope.event for envelope in envelopes)
     assert rebuilt == live
     assert len([m for m in rebuilt if isinstance(m, ToolResultMessage)]) == 3
+
+
+@given(st.lists(st.text(max_size=5), max_size=20), st.lists(st.text(max_size=5), max_size=20))
+def test_a_message_view_is_a_stable_snapshot_while_the_history_grows(before: list[str], after: list[str]) -> None:
+    from trio_agent._models._history import MessageView
+    from trio_agent._models._messages import SystemMessage
+
+    history: list[Message] = [UserMessage(text) for text in before]
+    system = (SystemMessage("sys"),)
+    view = MessageView(history, system)
+    expected = (*system, *history)
+    history.extend(UserMessage(text) for text in after)  # the session appends after the request was made
+    assert tuple(view) == expected
+    assert len(view) == len(expected)
+    assert view == expected and view == list(expected)
+    assert [view[i] for i in range(-len(view), len(view))] == [*expected, *expected]
+    assert view[1:] == expected[1:]
+    assert view + (UserMessage("x"),) == (*expected, UserMessage("x"))

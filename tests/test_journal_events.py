@@ -15,6 +15,7 @@ from trio_agent._journal._errors import InvalidTransitionError, JournalCorruptEr
 from trio_agent._journal._events import (
     EVENT_TYPES,
     SCHEMA_VERSION,
+    ConversationSeeded,
     ErrorInfo,
     EventEnvelope,
     ModelAbortReason,
@@ -37,6 +38,7 @@ from trio_agent._journal._events import (
     SessionClosed,
     SessionCloseReason,
     SessionCreated,
+    SessionReopened,
     SubagentCancelled,
     SubagentCompleted,
     SubagentStarted,
@@ -101,6 +103,9 @@ SAMPLES: list[Any] = [
     SubagentCompleted(request_id="r1", subagent_id="sub1"),
     SubagentCancelled(request_id="r1", subagent_id="sub1", reason="user"),
     RecoveryDecision(**CALL, decision=ToolRecoveryAction.SETTLE_OUTCOME_UNKNOWN, reason="no reconcile"),
+    SessionClosed(session_id="s1", reason=SessionCloseReason.USER, final=True),
+    SessionReopened(session_id="s1", life=2),
+    ConversationSeeded(session_id="s1", conversation={"messages": [{"type": "UserMessage", "content": "hi"}]}),
 ]
 
 

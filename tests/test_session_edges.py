@@ -107,7 +107,7 @@ async def test_a_subagent_started_between_requests_is_not_a_user_message_after_a
     assert not any(isinstance(m, ToolResultMessage) for m in messages)
 
 
-async def test_session_end_does_not_run_when_a_closed_session_is_refused(tmp_path: Any) -> None:
+async def test_session_end_does_not_run_when_an_ended_session_is_refused(tmp_path: Any) -> None:
     path = tmp_path / "j.db"
     calls: list[str] = []
 
@@ -121,8 +121,9 @@ async def test_session_end_does_not_run_when_a_closed_session_is_refused(tmp_pat
     model = TestModel(default=Reply(text="ok"))
     async with open_session(provider=model, journal=path, session_id="s1", hooks=hooks) as session:
         await session.send("hello")
+        await session.end()
     assert calls == ["start", "end"]
-    with pytest.raises(SessionClosedError, match="was closed"):
+    with pytest.raises(SessionClosedError, match="ended for good"):
         async with open_session(provider=model, journal=path, session_id="s1", hooks=hooks):
             pass
     assert calls == ["start", "end"]

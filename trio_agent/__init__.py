@@ -11,6 +11,7 @@ from ._abort import AbortReason as AbortReason
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import ConfigError as ConfigError
 from ._errors import FileLockTimeoutError as FileLockTimeoutError
+from ._errors import HistoryError as HistoryError
 from ._errors import JournalError as JournalError
 from ._errors import LeaseLostError as LeaseLostError
 from ._errors import MalformedResponseError as MalformedResponseError
@@ -211,6 +212,7 @@ __all__ = [
     "FinishChunk",
     "FinishReason",
     "ForeignStreamError",
+    "HistoryError",
     "HookAbortedError",
     "HookAction",
     "HookDecision",

@@ -5,6 +5,7 @@ Every error that crosses a public boundary is one of these (never a bare
 
     TrioAgentError
      ├── ConfigError               bad configuration value (timeouts, limits, ...)  [ValueError]
+     │    └── HistoryError         a given history is no valid conversation (``index``)
      ├── ToolDefinitionError       a tool definition breaks the contract           [ValueError]
      │    └── ToolBehaviorError    a behaviour resolver widened or returned junk
      ├── ToolInputError            tool input fails the tool's input schema         [ValueError]
@@ -69,6 +70,7 @@ __all__ = [
     "CursorError",
     "FileLockTimeoutError",
     "ForeignStreamError",
+    "HistoryError",
     "InvalidTransitionError",
     "JournalCorruptError",
     "JournalError",
@@ -225,6 +227,15 @@ class LeaseHeldError(JournalError):
 
 class SessionError(TrioAgentError):
     """A session refused or ended a request."""
+
+
+class HistoryError(ConfigError):
+    """A conversation given from outside (``history=``) is not one a provider accepts; ``index``
+    is the position of the first wrong message (``None`` when the history itself is no list)."""
+
+    def __init__(self, message: str, *, index: int | None) -> None:
+        super().__init__(message)
+        self.index = index
 
 
 class SessionBusyError(SessionError):

@@ -26,6 +26,7 @@ from ._errors import (
     SequenceConflictError,
     StaleFencingTokenError,
 )
+from ._journal._conversation import fold_conversation, read_conversation
 from ._journal._durable import (
     CallRecord,
     DurableJournal,
@@ -37,6 +38,7 @@ from ._journal._durable import (
 )
 from ._journal._events import (
     SCHEMA_VERSION,
+    ConversationSeeded,
     ErrorInfo,
     Event,
     EventEnvelope,
@@ -60,6 +62,7 @@ from ._journal._events import (
     SessionClosed,
     SessionCloseReason,
     SessionCreated,
+    SessionReopened,
     SubagentCancelled,
     SubagentCompleted,
     SubagentStarted,
@@ -139,6 +142,7 @@ __all__ = [
     "CaughtUp",
     "CommandConflictError",
     "CommandRecord",
+    "ConversationSeeded",
     "CursorError",
     "DurableEvent",
     "DurableEventStream",
@@ -186,6 +190,7 @@ __all__ = [
     "SessionCloseReason",
     "SessionClosed",
     "SessionCreated",
+    "SessionReopened",
     "StaleFencingTokenError",
     "StreamInfo",
     "SubagentCancelled",
@@ -206,9 +211,11 @@ __all__ = [
     "command_digest",
     "decode_event",
     "encode_event",
+    "fold_conversation",
     "open_journal",
     "open_postgres_store",
     "open_sqlite_store",
+    "read_conversation",
     "result_from_json",
     "result_to_json",
     "stream_id_for",

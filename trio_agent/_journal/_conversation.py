@@ -41,6 +41,7 @@ import attrs
 import cattrs
 from cattrs.errors import IterableValidationError, IterableValidationNote
 
+from .._errors import JournalError
 from .._models._assemble import ModelReply
 from .._models._history import answer_orphan_calls
 from .._models._messages import (
@@ -54,9 +55,12 @@ from .._models._messages import (
     ToolResultMessage,
     Usage,
     UserMessage,
+    message_converter,
 )
+from .._tools._results import JsonObject
 from ._errors import JournalCorruptError
 from ._events import (
+    ConversationSeeded,
     Event,
     ModelAttemptCompleted,
     RequestAccepted,
@@ -65,12 +69,16 @@ from ._events import (
     ToolFailed,
     ToolOutcomeUnknown,
 )
+from ._store import JournalStore, stream_id_for
 
 __all__ = [
     "OUTCOME_UNKNOWN_ANSWER",
     "WITHHELD_ANSWER",
     "ModelReplyRecord",
+    "decode_conversation",
+    "encode_conversation",
     "fold_conversation",
+    "read_conversation",
     "reply_record",
     "settled_answer",
 ]
@@ -177,6 +185,21 @@ def settled_answer(settlement: Event | None) -> ToolResultMessage | None:
     return None
 
 
+def encode_conversation(messages: Iterable[Message]) -> JsonObject:
+    """The payload of `ConversationSeeded`: messages in the message converter's tagged form."""
+    return {"messages": [message_converter.unstructure(message, Message) for message in messages]}
+
+
+def decode_conversation(payload: object) -> list[Message]:
+    """The messages of a `ConversationSeeded` payload; `JournalCorruptError` if it holds something else."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("messages"), list):
+        raise JournalCorruptError("a seeded conversation must be {'messages': [...]}")
+    try:
+        return [message_converter.structure(item, Message) for item in payload["messages"]]  # type: ignore[arg-type]
+    except Exception as exc:
+        raise JournalCorruptError(f"a seeded message cannot be decoded: {exc}") from None
+
+
 def fold_conversation(events: Iterable[Event]) -> list[Message]:
     """The history one agent stream's events tell (see the module rules)."""
     events = list(events)
@@ -188,7 +211,9 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
                 outcomes[event.call_id] = answer
     history: list[Message] = []
     for event in events:
-        if isinstance(event, RequestAccepted):
+        if isinstance(event, ConversationSeeded):
+            history.extend(decode_conversation(event.conversation))
+        elif isinstance(event, RequestAccepted):
             if "start_subagent" not in event.input:  # the holder request of a start between requests
                 history.append(UserMessage(str(event.input.get("prompt", ""))))
         elif isinstance(event, ModelAttemptCompleted):
@@ -258,3 +283,14 @@ def _make_converter() -> cattrs.Converter:
 
 
 _converter = _make_converter()
+
+
+async def read_conversation(store: JournalStore, session_id: str, *, agent_id: str = "root") -> list[Message]:
+    """The conversation of one agent of a session, as its journal tells it (the root's by default).
+
+    Works on a live, closed or ended session, from any process that can read the store.
+    """
+    events = await store.read(stream_id_for(session_id, agent_id))
+    if not events:
+        raise JournalError(f"session {session_id!r} has no journal stream for agent {agent_id!r}")
+    return fold_conversation(envelope.event for envelope in events)

@@ -29,6 +29,7 @@ from ._errors import JournalCorruptError
 __all__ = [
     "PERMISSION_UPDATE_SOURCES",
     "SCHEMA_VERSION",
+    "ConversationSeeded",
     "ErrorInfo",
     "Event",
     "EventEnvelope",
@@ -52,6 +53,7 @@ __all__ = [
     "SessionCloseReason",
     "SessionClosed",
     "SessionCreated",
+    "SessionReopened",
     "SubagentCancelled",
     "SubagentCompleted",
     "SubagentStarted",
@@ -228,8 +230,29 @@ class SessionCreated:
 
 @attrs.frozen(kw_only=True)
 class SessionClosed:
+    """The end of a session's life. ``final``: ended for good, it can be read but never reopened."""
+
     session_id: str = _id()
     reason: SessionCloseReason = attrs.field(validator=attrs.validators.instance_of(SessionCloseReason))
+    final: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+
+@attrs.frozen(kw_only=True)
+class SessionReopened:
+    """A new life of a cleanly closed session: same streams, the conversation goes on. ``life``
+    counts from 2 (the first life starts with ``session_created``)."""
+
+    session_id: str = _id()
+    life: int = attrs.field(validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class ConversationSeeded:
+    """Messages a new session starts from (``open_session(history=...)``), each encoded by the
+    message converter: ``conversation = {"messages": [...]}``. Only before the first request."""
+
+    session_id: str = _id()
+    conversation: JsonObject = attrs.field(validator=_json_object)
 
 
 @attrs.frozen(kw_only=True)
@@ -450,6 +473,8 @@ class RecoveryDecision:
 Event: TypeAlias = (
     SessionCreated
     | SessionClosed
+    | SessionReopened
+    | ConversationSeeded
     | RequestAccepted
     | RequestStarted
     | RequestCompleted

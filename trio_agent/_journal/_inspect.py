@@ -13,6 +13,7 @@ import attrs
 
 from .._errors import JournalError
 from ._events import (
+    ConversationSeeded,
     EventEnvelope,
     ModelAttemptAborted,
     ModelAttemptCompleted,
@@ -28,6 +29,7 @@ from ._events import (
     RequestStarted,
     SessionClosed,
     SessionCreated,
+    SessionReopened,
     SubagentCancelled,
     SubagentCompleted,
     SubagentStarted,
@@ -100,7 +102,12 @@ def _describe(event: object) -> str:
         parent = f" (subagent of {event.parent_agent_id})" if event.parent_agent_id else ""
         return f"agent {event.agent_id} created{parent}"
     if isinstance(event, SessionClosed):
-        return f"session closed: {event.reason.value}"
+        return f"session closed: {event.reason.value}" + (" (ended for good)" if event.final else "")
+    if isinstance(event, SessionReopened):
+        return f"--- life {event.life}: session reopened ---"
+    if isinstance(event, ConversationSeeded):
+        count = len(event.conversation.get("messages", []))
+        return f"conversation seeded with {count} message(s)"
     if isinstance(event, RequestAccepted):
         prompt = str(event.input.get("prompt", ""))[:60]
         return f"request {event.request_id} accepted {prompt!r}"
@@ -173,7 +180,9 @@ async def render_timeline(store: JournalStore, *, session_id: str | None = None)
         lines.append(f"session {session}: {len(stream_ids)} agent stream(s){holder}")
         for stream_id in stream_ids:
             envelopes = await store.read(stream_id)
-            lines.append(f"  stream {stream_id} ({len(envelopes)} events)")
+            lives = 1 + sum(isinstance(envelope.event, SessionReopened) for envelope in envelopes)
+            lived = f", {lives} lives" if lives > 1 else ""
+            lines.append(f"  stream {stream_id} ({len(envelopes)} events{lived})")
             start = envelopes[0].recorded_at if envelopes else 0.0
             for envelope in envelopes:
                 offset = envelope.recorded_at - start

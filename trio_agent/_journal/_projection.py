@@ -13,8 +13,12 @@ Everything that decides a transition lives in this file, in the tables
 
 * Envelopes: same ``stream_id`` as the projection, ``schema_version`` known,
   ``seq`` = head + 1 (gapless, strictly increasing from 1).
-* Session: ``session_created`` is the first event and happens once;
-  ``session_closed`` is terminal: nothing may follow it.
+* Session: ``session_created`` is the first event and happens once.
+  ``session_closed`` ends a life: nothing but ``session_reopened`` may follow it,
+  and nothing at all if it was ``final`` (ended for good). ``session_reopened``
+  starts life n + 1 (``life`` = 2, 3 ...) on the same stream.
+* Conversation: ``conversation_seeded`` only while the session is open, before
+  any request, and once.
 * Request: accepted -> started -> completed | failed | interrupted;
   accepted -> failed | interrupted. At most one request is started and not
   ended. A request cannot end while one of its turns is open.
@@ -58,6 +62,7 @@ from .._tools._definition import SideEffect
 from ._errors import InvalidTransitionError
 from ._events import (
     SCHEMA_VERSION,
+    ConversationSeeded,
     Event,
     EventEnvelope,
     ModelAbortReason,
@@ -78,6 +83,7 @@ from ._events import (
     RequestStarted,
     SessionClosed,
     SessionCreated,
+    SessionReopened,
     SubagentCancelled,
     SubagentCompleted,
     SubagentStarted,
@@ -113,7 +119,8 @@ __all__ = [
 class SessionState(enum.Enum):
     NEW = "new"
     OPEN = "open"
-    CLOSED = "closed"
+    CLOSED = "closed"  # this life ended; it may be reopened
+    ENDED = "ended"  # ended for good
 
 
 class RequestState(enum.Enum):
@@ -169,7 +176,8 @@ class SubagentState(enum.Enum):
 
 _SESSION: dict[tuple[type[Any], SessionState], SessionState] = {
     (SessionCreated, SessionState.NEW): SessionState.OPEN,
-    (SessionClosed, SessionState.OPEN): SessionState.CLOSED,
+    (SessionClosed, SessionState.OPEN): SessionState.CLOSED,  # ENDED when final
+    (SessionReopened, SessionState.CLOSED): SessionState.OPEN,
 }
 
 _REQUEST: dict[tuple[type[Any], RequestState | None], RequestState] = {
@@ -312,6 +320,8 @@ class _State:
     running_attempt: str | None = None
     # Accepted permission rule changes, in stream order, for replay into the engine on reopen.
     permission_updates: list[PermissionUpdated] = attrs.Factory(list)
+    life: int = 0  # 1 after session_created, +1 per session_reopened
+    seeded: bool = False
 
 
 # ---------------------------------------------------------------- recovery plan
@@ -393,6 +403,11 @@ class Projection:
     def head(self) -> int:
         """The sequence number of the last applied event (0 before the first)."""
         return self._s.head
+
+    @property
+    def life(self) -> int:
+        """Which life of the session the stream is in (1 after ``session_created``)."""
+        return self._s.life
 
     @property
     def session_state(self) -> SessionState:
@@ -519,7 +534,7 @@ class Projection:
         ("call_id", "tools"),
         ("subagent_id", "subagents"),
     )
-    _SCALARS = ("head", "session", "session_id", "active_request", "open_turn", "running_attempt")
+    _SCALARS = ("head", "session", "session_id", "active_request", "open_turn", "running_attempt", "life", "seeded")
 
     def _save(self, envelopes: Sequence[EventEnvelope]) -> dict[str, Any]:
         s = self._s
@@ -585,7 +600,7 @@ class Projection:
         handler = _HANDLERS.get(type(event))
         if handler is None:  # pragma: no cover - every event type has a handler
             raise InvalidTransitionError(f"no rule for {type(event).__name__}", seq=envelope.seq)
-        if not isinstance(event, SessionCreated) and self._s.session is not SessionState.OPEN:
+        if not isinstance(event, SessionCreated | SessionReopened) and self._s.session is not SessionState.OPEN:
             raise self._error(envelope, f"the session is {self._s.session.value}")
         return handler(self, envelope, event)
 
@@ -602,15 +617,35 @@ class Projection:
 
     # -- session
 
-    def _session(self, envelope: EventEnvelope, event: SessionCreated | SessionClosed) -> _Mutation:
+    def _session(
+        self, envelope: EventEnvelope, event: SessionCreated | SessionClosed | SessionReopened
+    ) -> _Mutation:
         new = self._next(_SESSION, (type(event), self._s.session), envelope, "the session")
-        if isinstance(event, SessionClosed) and event.session_id != self._s.session_id:
+        if not isinstance(event, SessionCreated) and event.session_id != self._s.session_id:
             raise self._error(envelope, f"session {event.session_id!r} is not {self._s.session_id!r}")
+        if isinstance(event, SessionClosed) and event.final:
+            new = SessionState.ENDED
+        if isinstance(event, SessionReopened) and event.life != self._s.life + 1:
+            raise self._error(envelope, f"life {event.life} does not follow life {self._s.life}")
 
         def mutate() -> None:
             self._s.session = new
             if isinstance(event, SessionCreated):
                 self._s.session_id = event.session_id
+                self._s.life = 1
+            elif isinstance(event, SessionReopened):
+                self._s.life = event.life
+
+        return mutate
+
+    def _seed(self, envelope: EventEnvelope, event: ConversationSeeded) -> _Mutation:
+        if self._s.seeded:
+            raise self._error(envelope, "the conversation was already seeded")
+        if self._s.requests:
+            raise self._error(envelope, "a conversation is seeded before any request")
+
+        def mutate() -> None:
+            self._s.seeded = True
 
         return mutate
 
@@ -932,6 +967,8 @@ _Handler = Callable[[Projection, EventEnvelope, Any], _Mutation]
 _HANDLERS: dict[type[Any], _Handler] = {
     SessionCreated: Projection._session,
     SessionClosed: Projection._session,
+    SessionReopened: Projection._session,
+    ConversationSeeded: Projection._seed,
     RequestAccepted: Projection._request,
     RequestStarted: Projection._request,
     RequestCompleted: Projection._request,

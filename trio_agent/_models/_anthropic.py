@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, cast
 
@@ -382,7 +382,7 @@ def _convert_options(options: Mapping[str, Any], *, has_tools: bool) -> dict[str
     return out
 
 
-def convert_messages(messages: tuple[Message, ...]) -> tuple[list[str], list[dict[str, Any]]]:
+def convert_messages(messages: Sequence[Message]) -> tuple[list[str], list[dict[str, Any]]]:
     """(system texts, Anthropic messages). Consecutive messages of one role become one turn."""
     system: list[str] = []
     turns: list[dict[str, Any]] = []

@@ -9,15 +9,24 @@ Rules
   an error answer right after its assistant message, in call order, ahead of
   any answers already there.
 * Nothing else changes: messages keep their order and identity.
+
+A history given from outside (``open_session(history=...)``) must already be a
+conversation a provider accepts (`validate_history`): user, assistant and tool
+result messages only (the system prompt is the session's own); it starts with a
+user message; every tool call is answered by the tool results that directly
+follow its assistant message, each call once, before the next user or assistant
+message; call ids are unique in the whole history.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
 
-from ._messages import AssistantMessage, Message, ToolCallPart, ToolResultMessage
+from .._errors import HistoryError
+from ._messages import AssistantMessage, Message, SystemMessage, ToolCallPart, ToolResultMessage, UserMessage
 
-__all__ = ["ORPHAN_ANSWER", "answer_orphan_calls"]
+__all__ = ["ORPHAN_ANSWER", "MessageView", "answer_orphan_calls", "validate_history"]
 
 ORPHAN_ANSWER = "no result was recorded (interrupted)"
 """The answer (an error) of a call that has none."""
@@ -35,3 +44,107 @@ def answer_orphan_calls(history: Iterable[Message]) -> list[Message]:
                 if isinstance(part, ToolCallPart) and part.id not in answered:
                     out.append(ToolResultMessage(part.id, ORPHAN_ANSWER, is_error=True))
     return out
+
+
+def validate_history(history: object) -> tuple[Message, ...]:
+    """*history* as a tuple, if it is a conversation a provider accepts; else `HistoryError`
+    naming the first message that is wrong (see the module rules)."""
+    if isinstance(history, (str, bytes)) or not isinstance(history, Sequence):
+        raise HistoryError(f"history must be a list of messages, not {type(history).__name__}", index=None)
+    messages = tuple(history)
+    seen: set[str] = set()
+    pending: dict[str, None] = {}  # calls of the last assistant message not answered yet, in order
+    for index, message in enumerate(messages):
+        where = f"history[{index}]"
+        if isinstance(message, SystemMessage):
+            raise HistoryError(f"{where} is a system message: give the system prompt as system_prompt=", index=index)
+        if not isinstance(message, UserMessage | AssistantMessage | ToolResultMessage):
+            raise HistoryError(f"{where} is not a message: {message!r}", index=index)
+        if index == 0 and not isinstance(message, UserMessage):
+            raise HistoryError(f"{where}: a conversation starts with a user message", index=index)
+        if isinstance(message, ToolResultMessage):
+            if message.tool_call_id not in pending:
+                raise HistoryError(
+                    f"{where} answers tool call {message.tool_call_id!r}, which is not an unanswered call of "
+                    "the assistant message before it",
+                    index=index,
+                )
+            del pending[message.tool_call_id]
+            continue
+        if pending:
+            raise HistoryError(
+                f"{where}: tool call(s) {', '.join(map(repr, pending))} of the assistant message before it "
+                "are not answered (give a tool result message for each, right after it)",
+                index=index,
+            )
+        if isinstance(message, AssistantMessage):
+            for part in message.parts:
+                if isinstance(part, ToolCallPart):
+                    if part.id in seen:
+                        raise HistoryError(f"{where}: tool call id {part.id!r} is used twice", index=index)
+                    seen.add(part.id)
+                    pending[part.id] = None
+    if pending:
+        raise HistoryError(
+            f"history[{len(messages) - 1}]: tool call(s) {', '.join(map(repr, pending))} are not answered",
+            index=len(messages) - 1,
+        )
+    return messages
+
+
+class MessageView(Sequence[Message]):
+    """A read-only view of a conversation as it is now, made without copying it.
+
+    A conversation only grows (messages are appended, never changed or removed; a
+    repair builds a new list), so "the first *n* messages of this list" never
+    changes: a model request can hold that view while the session appends. A
+    ``prefix`` (the system prompt) is shown before them. Compaction, when it comes,
+    replaces the list the session appends to (a summary and the recent messages);
+    views made before keep the old one.
+    """
+
+    __slots__ = ("_log", "_prefix", "_stop")
+
+    def __init__(self, log: list[Message], prefix: tuple[Message, ...] = ()) -> None:
+        self._log = log
+        self._prefix = prefix
+        self._stop = len(log)
+
+    def __len__(self) -> int:
+        return len(self._prefix) + self._stop
+
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Message, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Message | tuple[Message, ...]:
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        size = len(self)
+        if index < 0:
+            index += size
+        if not 0 <= index < size:
+            raise IndexError("message index out of range")
+        prefix = len(self._prefix)
+        return self._prefix[index] if index < prefix else self._log[index - prefix]
+
+    def __iter__(self) -> Iterator[Message]:
+        yield from self._prefix
+        log = self._log
+        for index in range(self._stop):
+            yield log[index]
+
+    def __add__(self, other: Sequence[Message]) -> tuple[Message, ...]:
+        return (*self, *other)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"MessageView({len(self)} messages)"

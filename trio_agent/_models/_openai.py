@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, NoReturn
 
@@ -432,7 +432,7 @@ def _validate_base_url(base_url: str, *, from_env: bool) -> str:
 # -- request mapping ---------------------------------------------------------------------------
 
 
-def _messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
+def _messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     mapped: list[dict[str, Any]] = []
     for message in messages:
         if isinstance(message, SystemMessage):

@@ -39,6 +39,7 @@ from .._errors import (
     StreamInterruptedError,
 )
 from .._middleware import compose_middleware
+from ._history import MessageView
 from ._messages import Message, ModelResponse, StreamChunk, ToolSpec
 
 T = TypeVar("T")
@@ -61,7 +62,10 @@ class Operation(enum.Enum):
     CHAT_WITH_RETRY_EVENTS = "chat_with_retry_events"
 
 
-def _message_tuple(messages: Iterable[Message]) -> tuple[Message, ...]:
+def _message_tuple(messages: Iterable[Message]) -> Sequence[Message]:
+    # A tuple, or a session's copy-free view of its conversation, is kept as it is.
+    if isinstance(messages, tuple | MessageView):
+        return messages
     return tuple(messages)
 
 
@@ -76,7 +80,7 @@ class ModelRequest:
 
     operation: Operation
     model: str
-    messages: tuple[Message, ...] = attrs.field(converter=_message_tuple)
+    messages: Sequence[Message] = attrs.field(converter=_message_tuple)
     tools: tuple[ToolSpec, ...] = attrs.field(default=(), converter=_tool_tuple)
     options: Mapping[str, Any] = attrs.field(factory=dict)
     abort: AbortHandle | None = None
@@ -93,7 +97,7 @@ class ModelRequest:
         return ModelRequest(
             self.operation,
             self.model,
-            self.messages if messages is None else tuple(messages),
+            self.messages if messages is None else _message_tuple(messages),
             self.tools if tools is None else tuple(tools),
             self.options if options is None else options,
             self.abort,

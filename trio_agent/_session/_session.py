@@ -46,10 +46,11 @@ from .._errors import (
     UnknownSubagentError,
 )
 from .._groups import contains_cancelled, is_cancellation, typed_error, unwrap_for_boundary
-from .._journal._conversation import fold_conversation, reply_record
+from .._journal._conversation import encode_conversation, fold_conversation, reply_record
 from .._journal._durable import DurableJournal, RecoveryReport, open_journal, unknown_outcome_result
 from .._journal._events import (
     PERMISSION_UPDATE_SOURCES,
+    ConversationSeeded,
     ErrorInfo,
     ModelAbortReason,
     ModelAttemptAborted,
@@ -65,6 +66,7 @@ from .._journal._events import (
     RequestStarted,
     SessionClosed,
     SessionCloseReason,
+    SessionReopened,
     SubagentCancelled,
     SubagentCompleted,
     SubagentStarted,
@@ -79,7 +81,7 @@ from .._journal._registry import shared_sqlite_store
 from .._journal._store import JournalStore
 from .._journal._subscribe import DurableEventStream, JournalCursor
 from .._models._assemble import ReplyAssembler, ToolArgumentsError, parse_tool_arguments
-from .._models._history import answer_orphan_calls
+from .._models._history import MessageView, answer_orphan_calls, validate_history
 from .._models._messages import (
     AssistantMessage,
     FinishReason,
@@ -374,8 +376,26 @@ class Session:
         self._inbox: dict[str, list[str]] = {}
         self.recovery: RecoveryReport | None = None
         self.recovery_notes: list[str] = []
+        self.life = 1  # which life of the session this is (a cleanly closed session reopened: 2, 3 ...)
+        self._final = False  # the close ends it for good
+        self._closed = False
 
     # -- public API
+
+    def messages(self) -> tuple[Message, ...]:
+        """The root agent's conversation so far (a snapshot; the session owns the live one)."""
+        return tuple(self.root.history)
+
+    async def close(self, *, final: bool = False) -> None:
+        """Close the session now (what leaving the block does). With ``final=True`` it is
+        ended for good: reopening its id is refused. Otherwise a later
+        ``open_session(session_id=...)`` continues the conversation in a new life."""
+        self._final = self._final or final
+        await self._close(SessionCloseReason.COMPLETED)
+
+    async def end(self) -> None:
+        """End the session for good now: ``close(final=True)``."""
+        await self.close(final=True)
 
     @property
     def model(self) -> str:
@@ -1139,12 +1159,28 @@ class Session:
 
     # -- opening and closing
 
-    async def _start(self, tools: Mapping[str, Tool[Any]]) -> None:
-        if self.journal.projection().session_state is SessionState.CLOSED:
+    async def _start(self, tools: Mapping[str, Tool[Any]], history: Sequence[Message] | None) -> None:
+        """Begin this life of the session: a new one, a reopened one, or one recovered after a crash."""
+        projection = self.journal.projection()
+        state = projection.session_state
+        if state is SessionState.ENDED:
             raise SessionClosedError(
-                f"session {self.session_id!r} was closed; it can be read (journal show) but not continued: "
-                "open a new session id"
+                f"session {self.session_id!r} was ended for good (session.end()); it can be read "
+                "(journal show, read_conversation) but not continued: open a new session id"
             )
+        if history is not None:
+            if state is not SessionState.OPEN or projection._s.requests or projection._s.seeded:
+                raise ConfigError(
+                    f"history= seeds a new session, but session {self.session_id!r} already has a conversation"
+                )
+            await self.journal.append(
+                ConversationSeeded(session_id=self.session_id, conversation=encode_conversation(history))
+            )
+        self.life = projection.life
+        if state is SessionState.CLOSED:
+            # A new life on the same streams: the conversation is rebuilt from the journal below.
+            self.life += 1
+            await self.journal.append(SessionReopened(session_id=self.session_id, life=self.life))
         await self._recover(tools)
         self._replay_permission_updates()
         self._started = True
@@ -1158,7 +1194,7 @@ class Session:
         journal = self.journal
         for agent_id in list(journal.agents):
             projection = journal.projection(agent_id)
-            if projection.session_state is SessionState.CLOSED:
+            if projection.session_state is not SessionState.OPEN:
                 continue
             plan = journal.recovery_plan(agent_id, tools=tools)
             if plan.is_empty:
@@ -1224,11 +1260,36 @@ class Session:
                         ),
                         agent_id=agent_id,
                     )
-        self.root.history = await self._rebuild_history(self.root.agent_id)
+        events = [envelope.event for envelope in await journal.store.read(journal.stream_id())]
+        self.root.history = fold_conversation(events)
+        # What the model is told goes through the inbox, so it is recorded with its next model call.
+        notes = self._inbox.setdefault(self.root.agent_id, [])
         if self.recovery_notes:
-            self.root.history.append(
-                UserMessage("[session recovered after a restart]\n" + "\n".join(self.recovery_notes))
-            )
+            notes.append("[session recovered after a restart]\n" + "\n".join(self.recovery_notes))
+        notes.extend(await self._undelivered_subagent_notes(events))
+        if not notes:
+            del self._inbox[self.root.agent_id]
+
+    async def _undelivered_subagent_notes(self, events: Sequence[Any]) -> list[str]:
+        """Background subagents whose outcome was recorded after the last model call of the root
+        (so its note never reached the model, e.g. killed by the previous close)."""
+        last_call = max((i for i, e in enumerate(events) if isinstance(e, ModelAttemptCompleted)), default=-1)
+        notes: list[str] = []
+        for event in events[last_call + 1 :]:
+            if isinstance(event, SubagentCompleted):
+                text = await self._subagent_answer(event.subagent_id)
+                notes.append(f"[background subagent {event.subagent_id} completed]: {text}")
+            elif isinstance(event, SubagentCancelled):
+                notes.append(f"[background subagent {event.subagent_id} cancelled]: {event.reason}")
+        return notes
+
+    async def _subagent_answer(self, subagent_id: str) -> str:
+        try:
+            events = await self.journal.store.read(self.journal.stream_id(subagent_id))
+        except TrioAgentError:
+            return ""
+        answers = [e.event.output for e in events if isinstance(e.event, RequestCompleted) and e.event.output]
+        return str(answers[-1].get("text", "")) if answers else ""
 
     async def _rebuild_history(self, agent_id: str) -> list[Message]:
         """The conversation as the journal tells it (`fold_conversation`)."""
@@ -1254,6 +1315,10 @@ class Session:
     async def _close(self, reason: SessionCloseReason) -> None:
         """End the session's life: every request, call and subagent closed, then one
         ``session_closed`` per stream that has nothing open. Bounded by ``close_timeout``."""
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
         self._closing = True
         self._queue_send.close()
         refused: InvalidTransitionError | None = None
@@ -1287,7 +1352,7 @@ class Session:
             if not journal.lost and not journal.fenced:
                 for agent_id in journal.agents:
                     projection = journal.projection(agent_id)
-                    if projection.session_state is SessionState.CLOSED:
+                    if projection.session_state is not SessionState.OPEN:
                         continue
                     still_open = open_items(projection)
                     if still_open:
@@ -1300,7 +1365,8 @@ class Session:
                         continue
                     try:
                         await journal.append(
-                            SessionClosed(session_id=self.session_id, reason=reason), agent_id=agent_id
+                            SessionClosed(session_id=self.session_id, reason=reason, final=self._final),
+                            agent_id=agent_id,
                         )
                     except InvalidTransitionError as exc:
                         refused = refused or exc
@@ -1411,10 +1477,10 @@ class _AgentRun:
         tools = self.session.pipeline.tools
         return [tools[name] for name in sorted(self.agent.allowed) if name in tools]
 
-    def _messages(self) -> list[Message]:
+    def _messages(self) -> MessageView:
+        """The conversation as the model gets it: the system prompt and a copy-free view of the history."""
         text = "\n\n".join([self.agent.system_prompt, *self.session._context]).strip()
-        system = [SystemMessage(text)] if text else []
-        return system + list(self.agent.history)
+        return MessageView(self.agent.history, (SystemMessage(text),) if text else ())
 
     async def run(self) -> None:
         session, agent, request = self.session, self.agent, self.request
@@ -1886,6 +1952,7 @@ async def open_session(
     tool_timeout: float = 600.0,
     cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     close_timeout: float = 30.0,
+    history: Sequence[Message] | None = None,
 ) -> AsyncIterator[Session]:
     """Open a session: ``async with open_session(provider=..., model=...) as session`` (the spec's ``createSession``).
 
@@ -1894,7 +1961,11 @@ async def open_session(
     then required). ``journal`` is a `JournalStore`, a SQLite file path (opened
     and closed by the session) or ``None`` (an in-memory store: same rules, no
     durability). Reopening an existing ``session_id`` on a durable journal
-    recovers it (see ``Session.recovery``). Leaving the block cancels what still
+    continues it: a cleanly closed session starts a new life with its
+    conversation rebuilt from the journal, a crashed one is recovered first (see
+    ``Session.recovery``); a session ended for good (``session.end()``) is refused.
+    ``history`` seeds a new session with earlier messages (validated; recorded in
+    the journal, so a rebuilt conversation has them). Leaving the block cancels what still
     runs, records it, and writes one ``session_closed`` per agent stream.
 
     ``cleanup_grace`` bounds every shielded clean-up after a cancellation
@@ -1912,6 +1983,7 @@ async def open_session(
         raise ConfigError(f"max_turns must be a positive int, not {max_turns!r}")
     cleanup_grace = validate_cleanup_grace(cleanup_grace)
     close_timeout = validate_timeout(close_timeout, name="close_timeout")
+    seed = None if history is None else validate_history(history)
     if session_id is not None:
         validate_id(session_id, name="session_id")
     if isinstance(subagents, (str, bytes)) or not isinstance(subagents, Sequence):
@@ -2021,7 +2093,7 @@ async def open_session(
                 session._nursery = nursery
                 nursery.start_soon(session._worker)
                 try:
-                    await session._start(parts.tools)
+                    await session._start(parts.tools, seed)
                     yield session
                 except BaseException:
                     close_reason = SessionCloseReason.ERROR
