@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"long session, {requests} requests (CPU us per request, median of the first and the last {window})")
     print(f"  {'':<22} {'first':>10} {'last':>10} {'last/first':>11}")
-    print(f"  {'trio_agent session':<22} {session['first_us']:>10.1f} {session['last_us']:>10.1f} {session['ratio']:>11.2f}")
-    print(f"  {'plain Trio loop':<22} {floor['first_us']:>10.1f} {floor['last_us']:>10.1f} {floor['ratio']:>11.2f}")
+    for name, row in (("trio_agent session", session), ("plain Trio loop", floor)):
+        print(f"  {name:<22} {row['first_us']:>10.1f} {row['last_us']:>10.1f} {row['ratio']:>11.2f}")
     print(f"close / reopen, {cycles} cycles on one SQLite session (wall ms per open, first and last {cycle_window})")
     print(f"  first {reopen['first_ms']:.2f} ms, last {reopen['last_ms']:.2f} ms, ratio {reopen['ratio']:.2f}")
     print(f"  the conversation after the last cycle: {int(reopen['messages'])} messages, all readable")

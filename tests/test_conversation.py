@@ -390,4 +390,4 @@ def test_a_message_view_is_a_stable_snapshot_while_the_history_grows(before: lis
     assert view == expected and view == list(expected)
     assert [view[i] for i in range(-len(view), len(view))] == [*expected, *expected]
     assert view[1:] == expected[1:]
-    assert view + (UserMessage("x"),) == (*expected, UserMessage("x"))
+    assert view.__add__((UserMessage("x"),)) == (*expected, UserMessage("x"))  # request.messages + (...)
