@@ -6,9 +6,10 @@ of the same nursery, so they outlive the request that started them but never
 the session. Leaving the block cancels what still runs, records every
 cancellation and writes exactly one ``session_closed`` per agent stream.
 
-The ONE agent loop (`_AgentRun.run`): model stream -> tool calls (concurrent,
-isolated, results in call order) -> model ... until the model stops, a Stop
-hook lets it, or ``max_turns``. Everything durable goes through the session's
+Each request is one run of the one agent loop (`trio_agent._loop.run_agent_loop`),
+hosted through `_host.py`: model stream -> tool calls (concurrent, isolated,
+results in call order) -> model ... until the model stops, a Stop hook lets it,
+or ``max_turns``. Everything durable goes through the session's
 `DurableJournal` (an in-memory store when no journal is given), so the same
 code runs with and without durability.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import os
 import uuid
@@ -36,8 +36,6 @@ from .._errors import (
     InvalidTransitionError,
     JournalError,
     LeaseLostError,
-    ModelAbortedError,
-    ModelError,
     RequestAbortedError,
     SessionBusyError,
     SessionClosedError,
@@ -46,17 +44,13 @@ from .._errors import (
     UnknownSubagentError,
 )
 from .._groups import contains_cancelled, is_cancellation, typed_error, unwrap_for_boundary
-from .._journal._conversation import encode_conversation, fold_conversation, reply_record
+from .._journal._conversation import encode_conversation, fold_conversation
 from .._journal._durable import DurableJournal, RecoveryReport, open_journal, unknown_outcome_result
 from .._journal._events import (
     PERMISSION_UPDATE_SOURCES,
     ConversationSeeded,
     ErrorInfo,
-    ModelAbortReason,
-    ModelAttemptAborted,
     ModelAttemptCompleted,
-    ModelAttemptFailed,
-    ModelAttemptStarted,
     PermissionUpdated,
     RequestAccepted,
     RequestCompleted,
@@ -72,35 +66,28 @@ from .._journal._events import (
     SubagentStarted,
     TurnAborted,
     TurnAbortReason,
-    TurnCompleted,
-    TurnStarted,
 )
 from .._journal._memory import MemoryStore
 from .._journal._projection import RequestState, SessionState, ToolState, TurnState
 from .._journal._registry import shared_sqlite_store
 from .._journal._store import JournalStore
 from .._journal._subscribe import DurableEventStream, JournalCursor
-from .._models._assemble import ReplyAssembler, ToolArgumentsError, parse_tool_arguments
-from .._models._history import MessageView, answer_orphan_calls, validate_history
+from .._loop._rules import LoopStrategy, max_iterations
+from .._loop._run import run_agent_loop
+from .._models._history import answer_orphan_calls, validate_history
 from .._models._messages import (
     AssistantMessage,
-    FinishReason,
     Message,
-    SystemMessage,
-    TextDelta,
     TextPart,
-    ToolCallPart,
-    ToolResultMessage,
     ToolSpec,
-    UsageChunk,
     UserMessage,
 )
 from .._models._service import ModelService, Provider
 from .._tools._context import CallOrigin, ToolCall, ToolContext
 from .._tools._definition import SideEffect, Tool, ToolKind, define_tool
-from .._tools._pipeline import ToolExecutionRecord, ToolPipeline
+from .._tools._pipeline import ToolPipeline
 from .._tools._results import Effect, ToolErrorType, ToolResult
-from ._endings import answer_for_call, committed_results, open_items, record_request_end, request_is_open
+from ._endings import committed_results, open_items, record_request_end, request_is_open
 from ._hooks import (
     HookAbortedError,
     HookAction,
@@ -111,17 +98,12 @@ from ._hooks import (
     HookInput,
     HookRunner,
 )
+from ._host import SessionHooks, run_ports, run_spec
 from ._messages import (
     DoneEvent,
-    PermissionDeniedEvent,
     SessionEvent,
     SubagentEvent,
     SubagentStatus,
-    TextDeltaEvent,
-    ToolProgressEvent,
-    ToolResultEvent,
-    ToolUseEvent,
-    UsageEvent,
 )
 from ._permissions import (
     PermissionEngine,
@@ -188,6 +170,13 @@ class _Agent:
     history: list[Message] = attrs.Factory(list)
     specs: list[ToolSpec] | None = None
     lineage: tuple[str, ...] = ()  # the calls it runs under (a foreground subagent's tool calls)
+    _strategy: LoopStrategy | None = None
+
+    def strategy(self) -> LoopStrategy:
+        """``max_turns`` as the loop's strategy (made once)."""
+        if self._strategy is None:
+            self._strategy = max_iterations(self.max_turns)
+        return self._strategy
 
 
 class _Request:
@@ -1054,11 +1043,17 @@ class Session:
             agent.history.append(UserMessage(prompt))
             if extra:
                 agent.history.append(UserMessage(extra))
-            run = _AgentRun(self, agent, request)
-            await run.run()
-            if request.abort.aborted or request.stop.aborted:
+            if agent.specs is None:  # the offered tools never change during a session
+                tools = self.pipeline.tools
+                agent.specs = [_tool_spec(tools[name]) for name in sorted(agent.allowed) if name in tools]
+            outcome = await run_agent_loop(
+                run_spec(self, agent, request), run_ports(self, agent, request), SessionHooks(self, agent, request)
+            )
+            request.text = outcome.text or request.text
+            if outcome.aborted:
                 await self._finish_interrupted(request)
             else:
+                request.stop_reason = outcome.stop_reason.value
                 await self._drain_holds(request)
                 await journal.append(
                     RequestCompleted(request_id=request.request_id, output={"text": request.text}),
@@ -1463,359 +1458,6 @@ class _EventStream:
 
     def _raise_if_failed(self) -> None:
         _raise_for(self.request)
-
-
-class _AgentRun:
-    """The agent loop for one request of one agent."""
-
-    def __init__(self, session: Session, agent: _Agent, request: _Request) -> None:
-        self.session = session
-        self.agent = agent
-        self.request = request
-
-    def _tools(self) -> list[Tool[Any]]:
-        tools = self.session.pipeline.tools
-        return [tools[name] for name in sorted(self.agent.allowed) if name in tools]
-
-    def _messages(self) -> MessageView:
-        """The conversation as the model gets it: the system prompt and a copy-free view of the history."""
-        text = "\n\n".join([self.agent.system_prompt, *self.session._context]).strip()
-        return MessageView(self.agent.history, (SystemMessage(text),) if text else ())
-
-    async def run(self) -> None:
-        session, agent, request = self.session, self.agent, self.request
-        journal = session.journal
-        if agent.specs is None:  # the offered tools never change during a session
-            agent.specs = [_tool_spec(tool) for tool in self._tools()]
-        specs = agent.specs
-        turn = 0
-        while True:
-            if request.abort.aborted or request.stop.aborted:
-                return
-            if turn >= agent.max_turns:
-                request.accepting = False
-                request.stop_reason = "max_turns"
-                # Messages that joined during the last turn reach the model at its next turn.
-                if request.pending:
-                    session._inbox.setdefault(agent.agent_id, []).extend(request.pending)
-                    request.pending.clear()
-                return
-            turn += 1
-            request.turns = turn
-            # Messages that arrived meanwhile (priority next/now) and finished background work;
-            # recorded with the model attempt so a rebuilt history has them too.
-            inputs = session._inbox.pop(agent.agent_id, [])
-            while request.pending:
-                inputs.append(request.pending.pop(0))
-            if request.continuation is not None:
-                inputs.append(request.continuation)
-                request.continuation = None
-            for text in inputs:
-                agent.history.append(UserMessage(text))
-            request.steering = AbortHandle()
-            turn_id = f"{request.request_id}-t{turn}"
-            outcome = await self._model_call(turn, turn_id, specs, inputs)
-            if outcome is None:
-                return  # aborted: the request records the interruption
-            message, finish, rejected, arguments = outcome
-            agent.history.append(message)
-            calls = [part for part in message.parts if isinstance(part, ToolCallPart)]
-            request.text = _text_of(message) or request.text
-            if calls:
-                results = await self._run_tools(turn_id, calls, rejected, arguments)
-                if request.abort.aborted or request.stop.aborted:
-                    return
-                await journal.append(
-                    TurnCompleted(request_id=request.request_id, turn_id=turn_id, has_tool_calls=True),
-                    agent_id=agent.agent_id,
-                )
-                if any(_stops_loop(r) for r in results):
-                    request.stop_reason = "permission_denied"
-                    return
-                continue
-            # A reply without tool calls: its turn was completed with the attempt (one append).
-            if request.pending:
-                continue
-            if agent.parent_id is None:
-                event = HookEvent.STOP
-                decision = await session._dispatch(
-                    event, agent.agent_id, last_message=request.text, abort=request.abort
-                )
-            else:
-                decision = await session._dispatch(
-                    HookEvent.SUBAGENT_STOP,
-                    agent.agent_id,
-                    subagent_id=agent.agent_id,
-                    subagent_type=agent.name,
-                    last_message=request.text,
-                    abort=request.abort,
-                )
-            decision.raise_for_abort()
-            if decision.action is HookAction.SKIP:
-                # "Don't stop yet": one more round with the hook's reason as the user's message
-                # (dropped if the turn limit ends the request first).
-                request.continuation = decision.context_text or decision.reason or "Continue."
-                continue
-            if request.pending:
-                continue  # a message joined while the Stop hook ran: it gets its turn
-            # From here on a message with priority "next" starts a new request instead (no await before).
-            request.accepting = False
-            request.stop_reason = "end_turn" if finish is not FinishReason.LENGTH else "max_tokens"
-            return
-
-    async def _model_call(
-        self, turn: int, turn_id: str, specs: list[ToolSpec], inputs: list[str]
-    ) -> tuple[AssistantMessage, FinishReason, dict[str, ToolResult], dict[str, dict[str, Any]]] | None:
-        """One model attempt, recorded before the provider is called and after it answered.
-
-        Returns the assistant message (reasoning kept, every call with a unique id),
-        the finish reason, the calls rejected before they could run (cut off by the
-        output limit, unknown tool, tool not allowed, invalid arguments) with the
-        error each one answers, and the parsed arguments of the others; ``None`` if
-        aborted.
-        """
-        session, agent, request = self.session, self.agent, self.request
-        service = session._service_for(agent)
-        attempt_id = f"{turn_id}-a1"
-        # The turn and its model attempt are durable before the provider is called (one append).
-        await session.journal.append(
-            TurnStarted(request_id=request.request_id, turn_id=turn_id, turn=turn),
-            ModelAttemptStarted(
-                request_id=request.request_id, turn_id=turn_id, attempt_id=attempt_id, model=service.model
-            ),
-            agent_id=agent.agent_id,
-        )
-        # Ids already used on this stream are taken: a model that repeats one gets a new one.
-        assembler = ReplyAssembler(reserved=session.journal.projection(agent.agent_id)._s.tools.keys())
-        feed = assembler.feed
-        abort, unlink = _model_abort(request)
-        try:
-            async with service.stream(
-                self._messages(),
-                tools=specs,
-                abort=abort,
-                metadata={"session_id": session.session_id, "agent_id": agent.agent_id},
-            ) as chunks:
-                async for chunk in chunks:
-                    feed(chunk)
-                    if isinstance(chunk, TextDelta):
-                        await request.sink(TextDeltaEvent(agent.agent_id, chunk.text))
-                    elif isinstance(chunk, UsageChunk):
-                        await request.sink(UsageEvent(agent.agent_id, chunk.usage))
-        except ModelAbortedError:
-            await session.journal.append(
-                ModelAttemptAborted(
-                    request_id=request.request_id,
-                    turn_id=turn_id,
-                    attempt_id=attempt_id,
-                    reason=ModelAbortReason.REQUEST_INTERRUPTED,
-                ),
-                agent_id=agent.agent_id,
-            )
-            return None
-        except ModelError as exc:
-            await session.journal.append(
-                ModelAttemptFailed(
-                    request_id=request.request_id,
-                    turn_id=turn_id,
-                    attempt_id=attempt_id,
-                    error=ErrorInfo(message=str(exc)[:2000], code=exc.code or None, retryable=bool(exc.retryable)),
-                ),
-                agent_id=agent.agent_id,
-            )
-            raise
-        finally:
-            unlink()
-        reply = assembler.finish()
-        calls = reply.tool_calls
-        # Everything a model sends is untrusted: a call that must not run is answered before any runs.
-        rejected: dict[str, ToolResult] = {}
-        arguments: dict[str, dict[str, Any]] = {}
-        cut_off = frozenset(reply.cut_off)
-        for part in calls:
-            checked = self._check(part, reply.finish_reason, part.id in cut_off)
-            if isinstance(checked, ToolResult):
-                rejected[part.id] = checked
-            else:
-                arguments[part.id] = checked
-        record = reply_record(
-            reply, inputs=inputs, rejected={call_id: _model_text(result) for call_id, result in rejected.items()}
-        )
-        # Without tool calls the turn ends with the attempt: both land in one append.
-        ends_turn = (
-            (TurnCompleted(request_id=request.request_id, turn_id=turn_id, has_tool_calls=False),) if not calls else ()
-        )
-        await session.journal.append(
-            ModelAttemptCompleted(
-                request_id=request.request_id,
-                turn_id=turn_id,
-                attempt_id=attempt_id,
-                response=record.to_payload(),
-            ),
-            *ends_turn,
-            agent_id=agent.agent_id,
-        )
-        return reply.message, reply.finish_reason, rejected, arguments
-
-    def _check(self, part: ToolCallPart, finish: FinishReason, cut_off: bool) -> ToolResult | dict[str, Any]:
-        """The error for a call that must not run, or its parsed arguments if it may go to the pipeline."""
-        tools = self.session.pipeline.tools
-        if cut_off or finish is FinishReason.LENGTH:
-            return _error(
-                "the model's output was cut off by its length limit before this call was complete; it was not run",
-                "max_tokens",
-            )
-        if part.name not in tools:
-            known = ", ".join(sorted(self.agent.allowed & set(tools))) or "none"
-            return _error(f"unknown tool {part.name!r} (available: {known})", "unknown_tool")
-        if part.name not in self.agent.allowed:
-            return _error(f"tool {part.name!r} is not available to this agent", "tool_not_allowed")
-        try:
-            return parse_tool_arguments(part.arguments)
-        except ToolArgumentsError as exc:
-            return _error(exc.message, exc.code)
-
-    async def _run_tools(
-        self,
-        turn_id: str,
-        calls: list[ToolCallPart],
-        rejected: Mapping[str, ToolResult],
-        arguments: Mapping[str, dict[str, Any]],
-    ) -> list[ToolResult]:
-        """Run one turn's calls concurrently; one call's failure never destroys another's result.
-
-        Each call's answer lands in its slot the moment its result is known (no await
-        in between); on every way out, a cancellation from outside included, the answers
-        join the history in call order, each from its slot or else from what the journal
-        recorded for it, so a settled result is never lost to the model.
-        """
-        slots: list[ToolResult | None] = [None] * len(calls)
-
-        async def run_one(index: int, part: ToolCallPart) -> None:
-            checked = rejected[part.id] if part.id in rejected else arguments[part.id]
-            await self._run_tool(turn_id, part, checked, slots, index)
-
-        try:
-            async with trio.open_nursery() as nursery:
-                for index, part in enumerate(calls):
-                    nursery.start_soon(run_one, index, part)
-        except BaseExceptionGroup as group:
-            typed = typed_error(group)
-            if typed is None:
-                raise  # a cancellation (or a foreign failure) goes on unchanged
-            raise typed from None
-        finally:
-            self._answer(calls, slots)
-        return [result if result is not None else _error("no result", "internal") for result in slots]
-
-    def _answer(self, calls: list[ToolCallPart], slots: list[ToolResult | None]) -> None:
-        """Append the turn's answers to the history in call order (synchronous: nothing can cut it short)."""
-        history = self.agent.history
-        journal = self.session.journal
-        agent_id = self.agent.agent_id
-        for part, result in zip(calls, slots, strict=True):
-            # What the journal says the call ended with wins: a rebuilt history reads the same.
-            try:
-                answer = answer_for_call(part.id, journal.call(part.id, agent_id))
-            except JournalError:
-                answer = None
-            if answer is None and result is not None:  # rejected before it ran, or never settled
-                answer = ToolResultMessage(part.id, _model_text(result), is_error=not result.ok)
-            if answer is not None:
-                history.append(answer)
-
-    async def _run_tool(
-        self,
-        turn_id: str,
-        part: ToolCallPart,
-        checked: ToolResult | dict[str, Any],
-        slots: list[ToolResult | None],
-        index: int,
-    ) -> None:
-        session, agent, request = self.session, self.agent, self.request
-        sink = request.sink
-        if isinstance(checked, ToolResult):  # rejected before it could run
-            slots[index] = checked
-            await sink(ToolUseEvent(agent.agent_id, part.id, part.name, part.arguments))
-            await sink(ToolResultEvent(agent.agent_id, part.id, part.name, checked))
-            return
-        arguments = checked
-        request.call_ids.append(part.id)
-        await sink(ToolUseEvent(agent.agent_id, part.id, part.name, arguments))
-
-        async def on_item(item: Any) -> None:
-            await sink(ToolProgressEvent(agent.agent_id, part.id, item))
-
-        origin = CallOrigin(session.session_id, agent.agent_id, request.request_id, turn_id, agent.lineage)
-        record: ToolExecutionRecord | None = None
-        session._call_origins[part.id] = request.request_id  # names the request of its rule updates
-        try:
-            try:
-                record = await session.pipeline.execute(
-                    ToolCall(part.id, part.name, arguments),
-                    origin,
-                    abort=request.abort,
-                    steering=request.steering,
-                    on_item=on_item,
-                )
-            except (LeaseLostError, JournalError):
-                raise  # nothing about this call may be published: the request fails
-            except TrioAgentError as exc:
-                result = _error(f"{type(exc).__name__}: {exc}", "internal")
-            else:
-                result = record.result
-            slots[index] = result  # no await since the call settled: the answer is never lost
-            if record is not None:
-                for effect in record.effects:  # only now: the call is settled
-                    await session._apply_effect(agent, effect, part.id)
-        finally:
-            session._call_origins.pop(part.id, None)
-        error = result.error
-        if error is not None and error.code == "no_handler":
-            # A refusal nobody could have approved is made visible, not only told to the model.
-            await sink(PermissionDeniedEvent(agent.agent_id, part.id, part.name, "no_handler", error.message))
-        await sink(ToolResultEvent(agent.agent_id, part.id, part.name, result))
-
-
-def _model_abort(request: _Request) -> tuple[AbortHandle, Callable[[], None]]:
-    """The handle a model call runs under, and how to unlink it afterwards.
-
-    A root request's model call stops on its abort. A foreground child's can also be
-    told to stop (steering reaches it as "finish what runs, then stop"), which ends its
-    model call too: a handle fed by both.
-    """
-    if request.agent.parent_id is None:
-        return request.abort, _no_unlink
-    handle = AbortHandle()
-
-    def forward(abort: Abort) -> None:
-        handle.abort(abort.reason, abort.message)
-
-    links = [(request.abort, request.abort.add_listener(forward)), (request.stop, request.stop.add_listener(forward))]
-
-    def unlink() -> None:
-        for source, token in links:
-            source.remove_listener(token)
-
-    return handle, unlink
-
-
-def _no_unlink() -> None:
-    return None
-
-
-def _stops_loop(result: ToolResult) -> bool:
-    """A permission denial that asked to stop the loop (handler ``stop_loop`` or a PermissionRequest abort)."""
-    return bool(result.metadata.get("stop_loop")) or (result.error is not None and result.error.code == "stop_loop")
-
-
-def _error(message: str, code: str) -> ToolResult:
-    return ToolResult.failure(ToolErrorType.VALIDATION, message, code=code)
-
-
-def _model_text(result: ToolResult) -> str:
-    output = result.output
-    return output if isinstance(output, str) else json.dumps(output, default=str)
 
 
 # ---------------------------------------------------------------- built-in task tools

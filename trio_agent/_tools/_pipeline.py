@@ -185,6 +185,8 @@ class _Call:
         "fatal",
         "faults",
         "granted",
+        "has_pre",
+        "has_unwind",
         "live_input",
         "mw_scope",
         "next_twice",
@@ -195,6 +197,7 @@ class _Call:
         "running",
         "scheduled",
         "settle_attempted",
+        "stages",
         "started",
         "synthetic",
         "target",
@@ -248,6 +251,15 @@ class _Call:
         self.settle_attempted = False
         # `permission_updates` effects the tool itself emitted (by identity).
         self.granted: list[Effect] = []
+        # One run's stages added to the pipeline's (None: the pipeline's own, decided once).
+        self.stages: ToolStages | None = None
+        self.has_pre = False
+        self.has_unwind = False
+
+    def use_stages(self, stages: ToolStages, has_middleware: bool) -> None:
+        self.stages = stages
+        self.has_pre = bool(stages.pre_tool or stages.permission or stages.before or stages.guard)
+        self.has_unwind = has_middleware or bool(stages.post_tool)
 
     def on_abort(self, abort: Abort) -> None:
         phase = self.phase
@@ -491,12 +503,14 @@ class ToolPipeline:
         steering: AbortHandle | None = None,
         on_item: Emit | None = None,
         idempotency_key: str | None = None,
+        stages: ToolStages | None = None,
     ) -> ToolExecutionRecord:
         """Run one tool call to settlement and return its record.
 
         *abort* is the request's handle (reaches every call); *steering* reaches
         only ``cancel`` tools. *on_item* receives the progress and message items
-        that survive the middleware's emit transforms.
+        that survive the middleware's emit transforms. *stages* adds one run's
+        stages (a chat run's before / guard / after hooks) after the pipeline's own.
 
         Raises:
             LeaseLostError: ownership was lost; nothing more was committed or published.
@@ -530,6 +544,8 @@ class ToolPipeline:
             call_abort, lifecycle.fencing_token, origin.lineage, getattr(lifecycle, "ensure_owner", None),
         )  # fmt: skip
         state = _Call(self, tool, scheduled, ctx, on_item, json_copy(call.input))
+        if stages is not None:
+            state.use_stages(self.stages.then(stages), bool(self.middleware))
 
         before = self._call_state(scheduled)
         try:
@@ -588,7 +604,7 @@ class ToolPipeline:
 
     async def _run(self, state: _Call) -> tuple[ToolResult, bool]:
         """Run the middleware chain and the core; return the final result and whether it may be published."""
-        if not self._has_unwind:
+        if not (self._has_unwind if state.stages is None else state.has_unwind):
             result = await self._core(state, state.live_input, state.sink)
             self._raise_fatal(state)
             return result, True
@@ -833,7 +849,7 @@ class ToolPipeline:
         if state.abort.reason is not None:
             raise _Aborted
         tool = state.tool
-        if self._has_pre_stages:
+        if self._has_pre_stages if state.stages is None else state.has_pre:
             prepared = await self._abortable(state, self._pre_stages, state, model_input)
         else:
             prepared = self._prepare_input(state, model_input)
@@ -901,7 +917,7 @@ class ToolPipeline:
         self, state: _Call, model_input: JsonObject
     ) -> ToolResult | tuple[JsonObject, object, ToolBehavior]:
         """pre_tool and permission (pipes) -> before (first decision wins) -> schema check -> guard."""
-        stages = self.stages
+        stages = self.stages if state.stages is None else state.stages
         current = model_input
 
         def request_for(value: JsonObject) -> StageRequest:
@@ -1021,7 +1037,7 @@ class ToolPipeline:
         except LeaseLostError as exc:
             state.fatal = exc
             raise
-        for callback in self.stages.post_tool:
+        for callback in (self.stages if state.stages is None else state.stages).post_tool:
             try:
                 replaced = await callback(StageRequest(tool, final_input, state.ctx, behavior), result)
             except LeaseLostError as exc:

@@ -76,6 +76,18 @@ class ToolStages:
     guard: tuple[Stage, ...] = attrs.field(default=(), converter=_tuple)
     post_tool: tuple[PostStage, ...] = attrs.field(default=(), converter=_tuple)
 
+    def then(self, other: ToolStages) -> ToolStages:
+        """These stages, followed by *other*'s in each slot."""
+        if not (other.pre_tool or other.permission or other.before or other.guard or other.post_tool):
+            return self
+        return ToolStages(
+            (*self.pre_tool, *other.pre_tool),
+            (*self.permission, *other.permission),
+            (*self.before, *other.before),
+            (*self.guard, *other.guard),
+            (*self.post_tool, *other.post_tool),
+        )
+
     def __attrs_post_init__(self) -> None:
         for stage_name in ("pre_tool", "permission", "before", "guard", "post_tool"):
             for index, callback in enumerate(getattr(self, stage_name)):

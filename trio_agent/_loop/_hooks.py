@@ -1,0 +1,147 @@
+"""Every hook point of the loop, in the order it acts: the `Lifecycle` a host hands the driver.
+
+A `Lifecycle` defines any of these; the base class's are no-ops, so a part defines
+only what it needs. Hosts compose several parts (a session's hook events, chat
+middleware) with `compose_lifecycle`, which builds one chain per hook, once, from
+the parts that define it, with the spec's composition rule for each:
+
+==========================  ============================================================
+hook                        composition
+==========================  ============================================================
+setup                       all, in order
+on_config                   pipe (each sees the previous one's config)
+on_start, on_iteration      all, in order
+wrap_events                 pipe of sink decorators (none defined: the sink unchanged)
+on_model_error              any part asking to retry retries (at most 2 per model call)
+on_usage                    all, in order
+tool_stages                 concatenated: before (first decision wins), guard (in order
+                            until one decides), post (replacements chain)
+on_cut_off_call             pipe over the answer
+on_tool_phase_complete      all, in order
+before_stop                 the first message wins (a message means one more turn)
+should_continue             AND, short-circuit on the first False
+on_finish                   all, isolated: one failure re-raised, several grouped
+on_abort, on_error          all, isolated: failures logged, never raised
+==========================  ============================================================
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from .._abort import Abort
+from .._errors import ModelError
+from .._models._messages import Message, ToolCallPart, ToolSpec, Usage
+from .._tools._results import ToolResult
+from .._tools._stages import ToolStages
+from ._ports import RunEventSink
+from ._rules import LoopState, StopReason
+
+__all__ = ["NO_HOOKS", "Finished", "Lifecycle", "ModelConfig", "Phase", "ToolOutcome"]
+
+
+class Phase(enum.Enum):
+    INIT = "init"
+    BEFORE_MODEL = "before_model"
+    MODEL_STREAM = "model_stream"
+    AFTER_MODEL = "after_model"
+    BEFORE_TOOLS = "before_tools"
+    AFTER_TOOLS = "after_tools"
+    STRUCTURED_OUTPUT = "structured_output"
+
+
+@attrs.frozen
+class ModelConfig:
+    """What the next model call sends: ``on_config`` may return a changed copy (``attrs.evolve``)."""
+
+    instructions: str
+    messages: Sequence[Message]
+    tools: tuple[ToolSpec, ...]
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class ToolOutcome:
+    """One call of a tool phase: how it was answered."""
+
+    call: ToolCallPart
+    result: ToolResult
+    ran: bool  # False: refused before it could run (cut off, unknown tool, bad arguments)
+
+
+@attrs.frozen
+class Finished:
+    """How a run that did not fail ended."""
+
+    stop_reason: StopReason
+    text: str
+    turns: int
+    state: LoopState
+    abort: Abort | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return self.stop_reason is StopReason.ABORTED
+
+
+class Lifecycle:
+    """Hook points of the loop; every method is optional (the defaults do nothing)."""
+
+    async def setup(self, ctx: Any) -> None:
+        return None
+
+    async def on_config(self, ctx: Any, config: ModelConfig) -> ModelConfig:
+        return config
+
+    async def on_start(self, ctx: Any) -> None:
+        return None
+
+    async def on_iteration(self, ctx: Any, iteration: int, message_id: str) -> None:
+        return None
+
+    def wrap_events(self, ctx: Any, sink: RunEventSink) -> RunEventSink:
+        return sink
+
+    async def on_model_error(self, ctx: Any, error: ModelError) -> bool:
+        return False
+
+    async def on_usage(self, ctx: Any, usage: Usage) -> None:
+        return None
+
+    def tool_stages(self, ctx: Any) -> ToolStages | None:
+        return None
+
+    async def on_cut_off_call(self, ctx: Any, call: ToolCallPart, result: ToolResult) -> ToolResult:
+        return result
+
+    async def on_tool_phase_complete(self, ctx: Any, outcomes: Sequence[ToolOutcome]) -> None:
+        return None
+
+    async def before_stop(self, ctx: Any, state: LoopState) -> str | None:
+        return None
+
+    async def should_continue(self, ctx: Any, state: LoopState) -> bool:
+        return True
+
+    async def on_finish(self, ctx: Any, outcome: Finished) -> None:
+        return None
+
+    async def on_abort(self, ctx: Any, abort: Abort) -> None:
+        return None
+
+    async def on_error(self, ctx: Any, error: BaseException) -> None:
+        return None
+
+
+NO_HOOKS = Lifecycle()
+"""A lifecycle with no hooks: what a session without chat middleware or Stop hooks runs."""
+
+
+def defines(part: Lifecycle, name: str) -> bool:
+    """Whether *part* overrides hook *name* (composition skips the parts that do not)."""
+    return getattr(type(part), name) is not getattr(Lifecycle, name)
