@@ -15,7 +15,7 @@ import trio
 from .._abort import AbortHandle, AbortReason
 from .._errors import ConfigError
 from .._models._messages import Message
-from ._events import CustomEvent
+from ._events import CustomEvent, RunEvent
 from ._hooks import Phase
 from ._ports import RunEventSink
 
@@ -99,6 +99,10 @@ class RunContext:
     async def emit_custom(self, name: str, value: object = None) -> None:
         """Put a custom event on the run's stream."""
         await self._events(CustomEvent(self.run_id, self.agent_id, name, value))
+
+    async def emit(self, event: RunEvent) -> None:
+        """Put *event* on the run's stream (through the hooks' ``wrap_events`` once the run started)."""
+        await self._events(event)
 
     def retry(self) -> None:
         """From ``on_model_error``: call the model again (``on_config`` runs again first)."""

@@ -6,6 +6,7 @@ It calls the host only through `RunPorts` and the hooks only through one
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,7 +35,10 @@ from ._events import (
     ReasoningContent,
     ReasoningEnd,
     ReasoningStart,
+    RunError,
     RunEvent,
+    RunFinished,
+    RunStarted,
     StepFinished,
     StepStarted,
     TextMessageContent,
@@ -64,7 +68,12 @@ class _Aborted(Exception):
 
 
 async def run_agent_loop(
-    spec: RunSpec, ports: RunPorts, hooks: Lifecycle = NO_HOOKS, *, ctx: RunContext | None = None
+    spec: RunSpec,
+    ports: RunPorts,
+    hooks: Lifecycle = NO_HOOKS,
+    *,
+    ctx: RunContext | None = None,
+    finish_event: bool = True,
 ) -> Finished:
     """Run one agent run to its end and return how it ended.
 
@@ -72,7 +81,10 @@ async def run_agent_loop(
     ``StopReason.ABORTED`` after what was committed is settled and answered.
     Failures raise (``LeaseLostError`` and ``JournalError`` included) after
     ``on_error``; a cancellation from outside propagates unchanged. Exactly one of
-    ``on_finish`` / ``on_abort`` / ``on_error`` runs.
+    ``on_finish`` / ``on_abort`` / ``on_error`` runs, after ``RunFinished`` /
+    ``RunError`` went out (a host that still has work, e.g. a structured-output
+    call, passes ``finish_event=False`` and sends ``RunFinished`` itself through
+    ``ctx.emit``). Every event, these included, passes the hooks' ``wrap_events``.
     """
     events = ports.events
     if ctx is None:
@@ -87,12 +99,20 @@ async def run_agent_loop(
     run = _Run(spec, ports, hooks, ctx)
     try:
         await hooks.setup(ctx)
-        run.events = hooks.wrap_events(ctx, events)
+        run.events = ctx._events = hooks.wrap_events(ctx, events)
         outcome = await run.loop()
+        if finish_event:
+            await run.events(RunFinished(spec.run_id, spec.agent_id, outcome.stop_reason.value, outcome.text))
     except BaseException as exc:
         try:
             if typed_error(exc) is not None or isinstance(exc, Exception):
                 with trio.CancelScope(shield=True):  # bounded by the hooks' own deadlines, if any
+                    if isinstance(exc, Exception):
+                        code = getattr(exc, "code", None)
+                        with contextlib.suppress(Exception):
+                            await run.events(
+                                RunError(spec.run_id, spec.agent_id, str(exc), code if isinstance(code, str) else None)
+                            )
                     await hooks.on_error(ctx, exc)
         finally:
             await _run_deferred(ctx)
@@ -132,6 +152,7 @@ class _Run:
         spec, ports, hooks, ctx = self.spec, self.ports, self.hooks, self.ctx
         config = await hooks.on_config(ctx, self._config())
         await hooks.on_start(ctx)
+        await self.events(RunStarted(spec.run_id, spec.agent_id, spec.thread_id))
         try:
             while True:
                 self._check_abort()

@@ -14,23 +14,11 @@ session hands it:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._abort import Abort, AbortHandle
-from .._errors import ModelError
-from .._journal._conversation import reply_record
-from .._journal._durable import DurableJournal
-from .._journal._events import (
-    ErrorInfo,
-    ModelAbortReason,
-    ModelAttemptAborted,
-    ModelAttemptCompleted,
-    ModelAttemptFailed,
-    ModelAttemptStarted,
-    TurnCompleted,
-    TurnStarted,
-)
+from .._abort import AbortHandle
+from .._journal._run_recorder import JournalRecorder
 from .._loop._events import (
     RunEvent,
     StepStarted,
@@ -43,13 +31,11 @@ from .._loop._events import (
     UsageReported,
 )
 from .._loop._hooks import Lifecycle
-from .._loop._ports import RunPorts, RunSpec, TurnRef
+from .._loop._ports import RunPorts, RunSpec
 from .._loop._rules import LoopState, first_text
-from .._models._assemble import ModelReply
 from .._models._history import MessageView
-from .._models._messages import AssistantMessage, Message, ToolResultMessage
+from .._models._messages import AssistantMessage, Message
 from .._tools._results import Effect
-from ._endings import answer_for_call
 from ._hooks import HookAction, HookEvent
 from ._messages import (
     PermissionDeniedEvent,
@@ -63,7 +49,7 @@ from ._messages import (
 if TYPE_CHECKING:
     from ._session import Session, _Agent, _Request
 
-__all__ = ["AgentConversation", "JournalRecorder", "RequestInbox", "SessionHooks", "run_ports", "run_spec"]
+__all__ = ["AgentConversation", "RequestInbox", "SessionHooks", "run_ports", "run_spec"]
 
 
 class AgentConversation:
@@ -117,80 +103,6 @@ class RequestInbox:
         if request.pending:
             self.session._inbox.setdefault(self.agent_id, []).extend(request.pending)
             request.pending.clear()
-
-
-class JournalRecorder:
-    """The loop's outlet into the session's journal, batching as before: a turn opens with its
-    first attempt (one append), a reply without calls closes its turn (one append)."""
-
-    __slots__ = ("agent_id", "journal")
-
-    def __init__(self, journal: DurableJournal, agent_id: str) -> None:
-        self.journal = journal
-        self.agent_id = agent_id
-
-    async def model_call_started(self, turn: TurnRef, model: str, *, opens_turn: bool) -> None:
-        started = ModelAttemptStarted(
-            request_id=turn.run_id, turn_id=turn.turn_id, attempt_id=turn.attempt_id, model=model
-        )
-        if opens_turn:
-            await self.journal.append(
-                TurnStarted(request_id=turn.run_id, turn_id=turn.turn_id, turn=turn.turn),
-                started,
-                agent_id=self.agent_id,
-            )
-        else:
-            await self.journal.append(started, agent_id=self.agent_id)
-
-    async def model_call_completed(
-        self, turn: TurnRef, reply: ModelReply, *, inputs: Sequence[str], rejected: Mapping[str, str]
-    ) -> None:
-        record = reply_record(reply, inputs=inputs, rejected=rejected)
-        ends_turn = (
-            (TurnCompleted(request_id=turn.run_id, turn_id=turn.turn_id, has_tool_calls=False),)
-            if not reply.tool_calls
-            else ()
-        )
-        await self.journal.append(
-            ModelAttemptCompleted(
-                request_id=turn.run_id,
-                turn_id=turn.turn_id,
-                attempt_id=turn.attempt_id,
-                response=record.to_payload(),
-            ),
-            *ends_turn,
-            agent_id=self.agent_id,
-        )
-
-    async def model_call_failed(self, turn: TurnRef, error: ModelError) -> None:
-        await self.journal.append(
-            ModelAttemptFailed(
-                request_id=turn.run_id,
-                turn_id=turn.turn_id,
-                attempt_id=turn.attempt_id,
-                error=ErrorInfo(message=str(error)[:2000], code=error.code or None, retryable=bool(error.retryable)),
-            ),
-            agent_id=self.agent_id,
-        )
-
-    async def model_call_aborted(self, turn: TurnRef, abort: Abort | None) -> None:
-        await self.journal.append(
-            ModelAttemptAborted(
-                request_id=turn.run_id,
-                turn_id=turn.turn_id,
-                attempt_id=turn.attempt_id,
-                reason=ModelAbortReason.REQUEST_INTERRUPTED,
-            ),
-            agent_id=self.agent_id,
-        )
-
-    async def turn_completed(self, turn: TurnRef) -> None:
-        await self.journal.append(
-            TurnCompleted(request_id=turn.run_id, turn_id=turn.turn_id, has_tool_calls=True), agent_id=self.agent_id
-        )
-
-    def settled_answer(self, call_id: str) -> ToolResultMessage | None:
-        return answer_for_call(call_id, self.journal.call(call_id, self.agent_id))
 
 
 class SessionHooks(Lifecycle):

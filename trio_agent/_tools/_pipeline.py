@@ -73,7 +73,7 @@ from ._results import (
     json_copy,
 )
 from ._scheduler import FileLockManager, ToolScheduler
-from ._stages import Allow, Deny, StageRequest, ToolStages
+from ._stages import Allow, Deny, Skip, StageRequest, ToolStages
 
 __all__ = [
     "CallNext",
@@ -928,13 +928,15 @@ class ToolPipeline:
                 decision = await self._decide(name, callback, request_for(current))
                 if isinstance(decision, Deny):
                     return decision.to_result()
-                if decision is not None and decision.input is not None:
+                if isinstance(decision, Allow) and decision.input is not None:
                     current = decision.input
         for callback in stages.before:
             decision = await self._decide("before", callback, request_for(current))
             if isinstance(decision, Deny):
                 return decision.to_result()
-            if decision is not None:
+            if isinstance(decision, Skip):
+                return await self._post_stages(state, current, decision.result)
+            if isinstance(decision, Allow):
                 if decision.input is not None:
                     current = decision.input
                 break
@@ -945,15 +947,35 @@ class ToolPipeline:
             decision = await self._decide("guard", callback, request_for(prepared[0]))
             if isinstance(decision, Deny):
                 return decision.to_result()
-            if decision is not None:
+            if isinstance(decision, Allow):
                 if decision.input is not None:
                     return self._prepare_input(state, decision.input)
                 break
         return prepared
 
+    async def _post_stages(self, state: _Call, final_input: JsonObject, result: ToolResult) -> ToolResult:
+        """A skipped call's result through the post stages (an error result stays an error)."""
+        stages = self.stages if state.stages is None else state.stages
+        for callback in stages.post_tool:
+            try:
+                replaced = await callback(StageRequest(state.tool, final_input, state.ctx, state.behavior), result)
+            except LeaseLostError:
+                raise
+            except Exception as exc:
+                state.faults.append(
+                    MiddlewareFault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {exc!r}")
+                )
+                continue
+            if isinstance(replaced, ToolResult) and (replaced.error is not None or result.ok):
+                result = replaced
+        return result
+
     async def _decide(
-        self, stage: str, callback: Callable[[StageRequest], Awaitable[Allow | Deny | None]], request: StageRequest
-    ) -> Allow | Deny | None:
+        self,
+        stage: str,
+        callback: Callable[[StageRequest], Awaitable[Allow | Deny | Skip | None]],
+        request: StageRequest,
+    ) -> Allow | Deny | Skip | None:
         name = getattr(callback, "__qualname__", repr(callback))
         try:
             decision = await callback(request)
@@ -962,6 +984,8 @@ class ToolPipeline:
         except Exception as exc:  # hooks fail closed
             return Deny(f"{stage} stage {name} failed: {exc!r}", ToolErrorType.EXECUTION, "hook_error")
         if decision is None or isinstance(decision, (Allow, Deny)):
+            return decision
+        if isinstance(decision, Skip) and stage == "before":
             return decision
         return Deny(
             f"{stage} stage {name} returned {decision!r}, expected Allow, Deny or None",

@@ -25,7 +25,7 @@ from ._context import ExecutionContext
 from ._definition import Tool, ToolBehavior
 from ._results import JsonObject, ToolErrorType, ToolResult
 
-__all__ = ["Allow", "Deny", "PostStage", "Stage", "StageDecision", "StageRequest", "ToolStages"]
+__all__ = ["Allow", "Deny", "PostStage", "Skip", "Stage", "StageDecision", "StageRequest", "ToolStages"]
 
 
 @attrs.frozen
@@ -57,7 +57,15 @@ class Deny:
         return ToolResult.failure(self.type, self.message, code=self.code)
 
 
-StageDecision: TypeAlias = Allow | Deny
+@attrs.frozen
+class Skip:
+    """End the call with *result* without running the tool (a before stage's "skip"); post stages
+    still see it. A success is recorded with a synthetic start, as a short-circuit is."""
+
+    result: ToolResult
+
+
+StageDecision: TypeAlias = Allow | Deny | Skip
 Stage: TypeAlias = Callable[[StageRequest], Awaitable[StageDecision | None]]
 PostStage: TypeAlias = Callable[[StageRequest, ToolResult], Awaitable[ToolResult | None]]
 

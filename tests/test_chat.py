@@ -1,0 +1,184 @@
+"""``chat()``: one run of the agent loop without a session (issue 13)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from trio_agent import SideEffect, ToolKind, ToolResultMessage, UserMessage, define_tool
+from trio_agent._chat._chat import StructuredOutputError, chat
+from trio_agent._lifecycle._middleware import ChatMiddleware
+from trio_agent._loop._events import (
+    RunFinished,
+    RunStarted,
+    StepFinished,
+    StepStarted,
+    TextMessageContent,
+    TextMessageEnd,
+    TextMessageStart,
+    ToolCallEnd,
+    ToolCallResult,
+    ToolCallStart,
+)
+from trio_agent._loop._rules import StopReason, until_finish_reason
+from trio_agent.journal import MemoryStore, RequestCompleted, RequestStarted, open_journal
+from trio_agent.testing import Reply, TestModel
+
+OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@define_tool(name="add", description="adds", input_schema=OBJECT, side_effect=SideEffect.PURE, kind=ToolKind.READONLY)
+async def add(input: dict[str, Any], ctx: Any) -> int:
+    return int(input.get("a", 0)) + int(input.get("b", 0))
+
+
+def adder() -> TestModel:
+    def respond(request: Any) -> Reply:
+        if isinstance(request.messages[-1], ToolResultMessage):
+            return Reply(text=f"the sum is {request.messages[-1].content}")
+        return Reply(tool_calls=[("add", {"a": 1, "b": 2})])
+
+    return TestModel(respond=respond)
+
+
+async def test_a_plain_answer_streams_its_events_and_ends_with_a_result() -> None:
+    model = TestModel(default=Reply(text="hello there"))
+    async with chat(model, "hi") as run:
+        events = [event async for event in run]
+        result = await run.result()
+    kinds = [type(event) for event in events]
+    assert kinds[0] is RunStarted and kinds[-1] is RunFinished
+    assert kinds.index(StepStarted) < kinds.index(TextMessageStart) < kinds.index(TextMessageEnd)
+    assert kinds.index(TextMessageEnd) < kinds.index(StepFinished)
+    assert "".join(e.delta for e in events if isinstance(e, TextMessageContent)) == "hello there"
+    assert result.text == "hello there"
+    assert result.stop_reason is StopReason.END_TURN
+    assert result.messages[0] == UserMessage("hi")
+    assert all(event.run_id == run.run_id for event in events)
+
+
+async def test_a_tool_call_runs_and_its_answer_reaches_the_model() -> None:
+    async with chat(adder(), "add 1 and 2", tools=[add]) as run:
+        events = [event async for event in run]
+        result = await run.result()
+    assert result.text == "the sum is 3"
+    assert result.turns == 2
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    results = [e for e in events if isinstance(e, ToolCallResult)]
+    ends = [e for e in events if isinstance(e, ToolCallEnd)]
+    assert [e.tool_name for e in starts] == ["add"] and results[0].result.output == 3
+    assert ends[0].input == {"a": 1, "b": 2}
+
+
+async def test_the_default_strategy_stops_after_five_iterations() -> None:
+    model = TestModel(default=Reply(tool_calls=[("add", {"a": 1})]))
+    async with chat(model, "loop", tools=[add]) as run:
+        result = await run.result()
+    assert result.turns == 5
+    assert result.stop_reason is StopReason.MAX_TURNS
+
+
+async def test_a_strategy_until_a_finish_reason() -> None:
+    model = TestModel(default=Reply(tool_calls=[("add", {"a": 1})]))
+    async with chat(model, "loop", tools=[add], strategy=until_finish_reason("tool_calls")) as run:
+        result = await run.result()
+    assert result.turns == 1
+
+
+async def test_structured_output_is_validated_against_the_schema() -> None:
+    schema = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}
+
+    def respond(request: Any) -> Reply:
+        if "output_schema" in request.options:
+            return Reply(text=json.dumps({"sum": 3}))
+        return Reply(text="three")
+
+    async with chat(TestModel(respond=respond), "sum?", output_schema=schema) as run:
+        result = await run.result()
+    assert result.structured_output == {"sum": 3}
+
+    bad = TestModel(respond=lambda request: Reply(text='{"sum": "three"}'))
+    async with chat(bad, "sum?", output_schema=schema) as run:
+        with pytest.raises(StructuredOutputError) as caught:
+            await run.result()
+    assert caught.value.issues and "sum" in caught.value.issues[0]
+
+
+async def test_leaving_the_block_early_aborts_the_run_and_keeps_committed_results(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    model = TestModel(default=Reply(text="late", latency=0), script={"go": [Reply(tool_calls=[("add", {"a": 2})])]})
+    async with chat(model, "go", tools=[add]) as run:
+        async for event in run:
+            if isinstance(event, ToolCallResult):
+                break
+    result = await run.result()
+    assert result.stop_reason in (StopReason.ABORTED, StopReason.END_TURN)
+    answers = [m for m in result.messages if isinstance(m, ToolResultMessage)]
+    assert answers and answers[0].content == "2"
+
+
+async def test_a_durable_chat_run_is_recorded_as_a_request() -> None:
+    store = MemoryStore()
+    async with open_journal(store, session_id="c1") as journal:
+        async with chat(adder(), "add", tools=[add], journal=journal) as run:
+            result = await run.result()
+        events = [e.event for e in await store.read(journal.stream_id())]
+    assert result.text == "the sum is 3"
+    assert any(isinstance(e, RequestStarted) for e in events)
+    assert isinstance(events[-1], RequestCompleted)
+
+
+class Counting(ChatMiddleware):
+    """Counts per run in ctx.state: shared by many runs, it must never mix them up."""
+
+    def on_start(self, ctx: Any) -> None:
+        ctx.state["chunks"] = 0
+
+    def on_chunk(self, ctx: Any, event: Any) -> None:
+        ctx.state["chunks"] += 1
+
+    def on_finish(self, ctx: Any, info: Any) -> None:
+        ctx.state["finished"] = True
+        seen.append((ctx.run_id, ctx.state["chunks"]))
+
+
+seen: list[tuple[str, int]] = []
+
+
+async def test_one_middleware_list_shared_by_a_thousand_concurrent_runs() -> None:
+    seen.clear()
+    middleware = [Counting()]
+    counts: dict[str, int] = {}
+
+    async def one(index: int) -> None:
+        model = TestModel(default=Reply(text=" ".join(["w"] * (index % 7 + 1))))
+        async with chat(model, f"hi {index}", middleware=middleware) as run:
+            events = [event async for event in run]
+            counts[run.run_id] = len(events)
+            await run.result()
+
+    async with trio.open_nursery() as nursery:
+        for index in range(1000):
+            nursery.start_soon(one, index)
+    assert len(seen) == 1000
+    # Each run counted its own events only: every event of its stream, and no other run's.
+    assert all(count == counts[run_id] for run_id, count in seen)
+
+
+async def test_bad_input_is_refused_before_anything_runs() -> None:
+    from trio_agent import ConfigError, MiddlewareShapeError
+
+    with pytest.raises(ConfigError):
+        async with chat(TestModel(), ""):
+            pass
+    with pytest.raises(MiddlewareShapeError):
+        async with chat(TestModel(), "hi", middleware=[object()]):  # type: ignore[list-item]
+            pass
+    with pytest.raises(ConfigError, match="output_schema"):
+        async with chat(TestModel(), "hi", output_schema={"type": 7}):
+            pass

@@ -1,0 +1,428 @@
+"""``chat()``: one run of the one agent loop, without a session.
+
+``async with chat(model, "prompt", tools=[...]) as run`` opens a nursery, runs the
+loop in it and yields a `ChatRun`: iterate it for the run's `RunEvent`s (a bounded
+channel: a slow reader slows the run), or ``await run.result()`` for the
+`ChatResult`. Leaving the block before the run ended aborts it (an SDK abort: a
+tool call whose result was committed keeps it) and waits for it to end.
+
+With ``output_schema`` the run ends with a separate structured-output call
+(``on_structured_output_config`` and ``on_config`` with phase
+``structured_output`` run first; the call is not retried); its answer must be
+JSON that the schema accepts, else `StructuredOutputError` lists the issues.
+With ``journal`` (an open `DurableJournal`, owned by the caller) the run is
+recorded as a request of the journal's root agent, as a session records one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+import attrs
+import jsonschema_rs
+import trio
+
+from .._abort import Abort, AbortHandle, AbortReason
+from .._cleanup import bounded_shield
+from .._errors import ConfigError, ModelError, TrioAgentError
+from .._groups import unwrap_for_boundary
+from .._journal._durable import DurableJournal
+from .._journal._events import (
+    ErrorInfo,
+    RequestAccepted,
+    RequestCompleted,
+    RequestFailed,
+    RequestInterrupted,
+    RequestInterruptReason,
+    RequestStarted,
+)
+from .._journal._run_recorder import JournalRecorder
+from .._lifecycle._middleware import ChatMiddleware, apply_structured_output_config, middleware_lifecycle
+from .._loop._context import RunContext
+from .._loop._events import RunError, RunEvent, RunFinished, UsageReported
+from .._loop._hooks import Finished, Phase
+from .._loop._ports import RunPorts, RunSpec, TurnRef, no_effects
+from .._loop._rules import LoopStrategy, StopReason, max_iterations
+from .._loop._run import run_agent_loop
+from .._models._assemble import ModelReply
+from .._models._history import MessageView, validate_history
+from .._models._messages import (
+    FinishReason,
+    Message,
+    SystemMessage,
+    TextPart,
+    ToolResultMessage,
+    ToolSpec,
+    Usage,
+    UserMessage,
+)
+from .._models._service import ModelMiddleware, ModelService, Provider
+from .._tools._definition import Tool
+from .._tools._lifecycle import InMemoryToolJournal
+from .._tools._pipeline import ToolMiddleware, ToolPipeline
+
+__all__ = ["ChatResult", "ChatRun", "StructuredOutputError", "chat"]
+
+DEFAULT_MAX_ITERATIONS = 5
+_runs = itertools.count(1)
+
+
+class StructuredOutputError(TrioAgentError):
+    """The structured-output answer is not JSON the schema accepts; ``issues`` lists why."""
+
+    def __init__(self, message: str, *, issues: Sequence[str], text: str) -> None:
+        super().__init__(message)
+        self.issues = tuple(issues)
+        self.text = text
+
+
+@attrs.frozen
+class ChatResult:
+    """How a ``chat()`` run ended."""
+
+    text: str
+    messages: tuple[Message, ...]
+    stop_reason: StopReason
+    finish_reason: FinishReason | None
+    usage: Usage
+    turns: int
+    structured_output: Any = None
+
+
+class _ListConversation:
+    __slots__ = ("history",)
+
+    def __init__(self, messages: Iterable[Message]) -> None:
+        self.history: list[Message] = list(messages)
+
+    def view(self, prefix: tuple[Message, ...]) -> Sequence[Message]:
+        return MessageView(self.history, prefix)
+
+    def extend(self, messages: Iterable[Message]) -> None:
+        self.history.extend(messages)
+
+
+class _Inbox:
+    """A chat run takes no input while it runs; a hook's "one more round" is its only input."""
+
+    __slots__ = ("closed", "pending")
+
+    def __init__(self) -> None:
+        self.pending: list[str] = []
+        self.closed = False
+
+    def begin_turn(self) -> tuple[list[str], AbortHandle]:
+        taken, self.pending = self.pending, []
+        return taken, AbortHandle()
+
+    def has_pending(self) -> bool:
+        return False
+
+    def add(self, text: str) -> None:
+        self.pending.append(text)
+
+    def close(self) -> None:
+        self.closed = True
+        self.pending.clear()
+
+
+class _NoRecorder:
+    """A run without a journal records nothing."""
+
+    async def model_call_started(self, turn: TurnRef, model: str, *, opens_turn: bool) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def model_call_completed(
+        self, turn: TurnRef, reply: ModelReply, *, inputs: Sequence[str], rejected: Mapping[str, str]
+    ) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def model_call_failed(self, turn: TurnRef, error: ModelError) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def model_call_aborted(self, turn: TurnRef, abort: Abort | None) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def turn_completed(self, turn: TurnRef) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def settled_answer(self, call_id: str) -> ToolResultMessage | None:
+        return None
+
+
+class ChatRun:
+    """A running ``chat()``: ``async for event in run`` and ``await run.result()``."""
+
+    def __init__(self, run_id: str, receive: trio.MemoryReceiveChannel[RunEvent], abort: AbortHandle) -> None:
+        self.run_id = run_id
+        self._receive = receive
+        self._abort = abort
+        self._done = trio.Event()
+        self._result: ChatResult | None = None
+        self._error: BaseException | None = None
+
+    def __aiter__(self) -> ChatRun:
+        return self
+
+    async def __anext__(self) -> RunEvent:
+        try:
+            return await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise StopAsyncIteration from None
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Abort the run (an SDK abort: committed tool results are kept)."""
+        self._abort.abort(AbortReason.USER_ABORT, reason)
+
+    async def result(self) -> ChatResult:
+        """Wait for the run to end (draining events nobody reads) and return its result, or raise its error."""
+        while not self._done.is_set():
+            try:
+                await self._receive.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+def _provider_service(agent_or_model: object, model_middleware: Sequence[ModelMiddleware]) -> ModelService:
+    if isinstance(agent_or_model, ModelService):
+        if model_middleware:
+            raise ConfigError("model_middleware= is for a provider; a ModelService already has its middleware")
+        return agent_or_model
+    provider: Provider = agent_or_model  # type: ignore[assignment]
+    if not (hasattr(provider, "stream") and hasattr(provider, "chat") and hasattr(provider, "model")):
+        raise ConfigError(f"chat() needs a model provider (or a ModelService), got {agent_or_model!r}")
+    return ModelService(provider, model_middleware)
+
+
+def _initial_messages(messages: str | Sequence[Message]) -> list[Message]:
+    if isinstance(messages, str):
+        if not messages.strip():
+            raise ConfigError("a prompt must be a non-empty string")
+        return [UserMessage(messages)]
+    history = list(validate_history(messages))
+    if not history:
+        raise ConfigError("chat() needs a prompt or at least one message")
+    return history
+
+
+@asynccontextmanager
+async def chat(
+    agent_or_model: Provider | ModelService,
+    messages: str | Sequence[Message],
+    *,
+    tools: Sequence[Tool[Any]] = (),
+    middleware: Sequence[ChatMiddleware] = (),
+    model_middleware: Sequence[ModelMiddleware] = (),
+    tool_middleware: Sequence[ToolMiddleware] = (),
+    instructions: str | None = None,
+    output_schema: Mapping[str, Any] | None = None,
+    strategy: LoopStrategy | None = None,
+    journal: DurableJournal | None = None,
+    abort: AbortHandle | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> AsyncIterator[ChatRun]:
+    """One run of the agent loop without a session (module docstring).
+
+    Raises `ConfigError` (bad arguments, an invalid history, an invalid schema),
+    `MiddlewareShapeError` (middleware that is not a list of `ChatMiddleware`)
+    before anything runs; the run's own error from ``run.result()``.
+    """
+    service = _provider_service(agent_or_model, model_middleware)
+    history = _initial_messages(messages)
+    hooks = middleware_lifecycle(middleware)
+    validator = None
+    if output_schema is not None:
+        try:
+            validator = jsonschema_rs.Draft202012Validator(dict(output_schema), offline=True)
+        except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as exc:
+            raise ConfigError(f"output_schema is not valid JSON Schema: {str(exc).splitlines()[0]}") from None
+    pipeline = ToolPipeline(tools, middleware=tool_middleware, lifecycle=journal or InMemoryToolJournal())
+    strategy = strategy or max_iterations(DEFAULT_MAX_ITERATIONS)
+    meta = dict(metadata or {})
+    run_id = str(meta.get("run_id") or f"chat-{uuid.uuid4().hex[:12]}")
+    thread_id = str(meta.get("thread_id") or run_id)
+    agent_id = journal.root_agent_id if journal is not None else "root"
+    run_abort = AbortHandle()
+    links: list[tuple[AbortHandle, int]] = []
+    if abort is not None:
+
+        def forward(outer: Abort) -> None:
+            run_abort.abort(outer.reason, outer.message)
+
+        links.append((abort, abort.add_listener(forward)))
+    send, receive = trio.open_memory_channel[RunEvent](256)
+    run = ChatRun(run_id, receive, run_abort)
+    conversation = _ListConversation(history)
+    offered = tuple(ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in tools)
+
+    async def events(event: RunEvent) -> None:
+        try:
+            if run_abort.aborted:
+                send.send_nowait(event)  # never block once aborted: the reader may be gone
+            else:
+                await send.send(event)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            await trio.lowlevel.checkpoint()
+
+    spec = RunSpec(
+        run_id=run_id,
+        agent_id=agent_id,
+        thread_id=thread_id,
+        instructions=lambda: instructions or "",
+        offered=offered,
+        allowed=frozenset(tool.name for tool in tools),
+        strategy=strategy,
+        model_metadata={**meta, "run_id": run_id, "thread_id": thread_id},
+        session_id=journal.session_id if journal is not None else "chat",
+    )
+    ports = RunPorts(
+        model=service,
+        tools=pipeline,
+        conversation=conversation,
+        inbox=_Inbox(),
+        recorder=JournalRecorder(journal, agent_id) if journal is not None else _NoRecorder(),
+        events=events,
+        effects=no_effects,
+        abort=run_abort,
+    )
+    ctx = RunContext(
+        run_id=run_id,
+        thread_id=thread_id,
+        agent_id=agent_id,
+        abort=run_abort,
+        events=events,
+        messages=lambda: conversation.history,
+        metadata=meta,
+    )
+    usage = Usage()
+
+    async def count_usage(event: RunEvent) -> None:
+        nonlocal usage
+        if isinstance(event, UsageReported):
+            usage = usage + event.usage
+        await events(event)
+
+    ports = attrs.evolve(ports, events=count_usage)
+
+    async def drive() -> None:
+        try:
+            if journal is not None:
+                await journal.append(
+                    RequestAccepted(request_id=run_id, command_id=run_id, input={"chat": True}),
+                    RequestStarted(request_id=run_id),
+                )
+            outcome = await run_agent_loop(spec, ports, hooks, ctx=ctx, finish_event=validator is None)
+            structured = None
+            if validator is not None and not outcome.aborted:
+                structured = await _structured_output(
+                    service, ctx, middleware, conversation, spec, output_schema, validator
+                )
+            if journal is not None:
+                await _record_end(journal, run_id, outcome)
+            run._result = ChatResult(
+                text=outcome.text,
+                messages=tuple(conversation.history),
+                stop_reason=outcome.stop_reason,
+                finish_reason=outcome.state.last_finish_reason,
+                usage=usage,
+                turns=outcome.turns,
+                structured_output=structured,
+            )
+            if validator is not None:
+                await ctx.emit(RunFinished(run_id, agent_id, outcome.stop_reason.value, outcome.text))
+        except Exception as exc:
+            run._error = exc
+            if journal is not None and not journal.fenced and not journal.lost:
+                with bounded_shield(journal.commit_grace, "recording a failed chat run"), suppress(TrioAgentError):
+                    await journal.append(RequestFailed(request_id=run_id, error=ErrorInfo(message=str(exc)[:2000])))
+            if isinstance(exc, StructuredOutputError):
+                await ctx.emit(RunError(run_id, agent_id, str(exc), "structured_output"))
+        finally:
+            send.close()
+            run._done.set()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drive)
+            try:
+                yield run
+            finally:
+                if not run._done.is_set():
+                    # Leaving early aborts the run (committed tool results are kept) and waits for it.
+                    run.abort("the chat block was left before the run ended")
+                    with trio.CancelScope(shield=True):
+                        while not run._done.is_set():
+                            try:
+                                await receive.receive()
+                            except (trio.EndOfChannel, trio.ClosedResourceError):
+                                await run._done.wait()
+    except BaseExceptionGroup as group:
+        raise unwrap_for_boundary(group) from None
+    finally:
+        for handle, token in links:
+            handle.remove_listener(token)
+
+
+async def _record_end(journal: DurableJournal, run_id: str, outcome: Finished) -> None:
+    if outcome.aborted:
+        await journal.append(RequestInterrupted(request_id=run_id, reason=RequestInterruptReason.USER_ABORT))
+    else:
+        await journal.append(RequestCompleted(request_id=run_id, output={"text": outcome.text}))
+
+
+async def _structured_output(
+    service: ModelService,
+    ctx: RunContext,
+    middleware: Sequence[ChatMiddleware],
+    conversation: _ListConversation,
+    spec: RunSpec,
+    schema: Mapping[str, Any] | None,
+    validator: jsonschema_rs.Validator,
+) -> Any:
+    """The final structured-output call: the answer as JSON the schema accepts (never retried)."""
+    assert schema is not None
+    ctx.phase = Phase.STRUCTURED_OUTPUT
+    instructions = spec.instructions()
+    config: dict[str, Any] = {
+        "instructions": instructions,
+        "messages": conversation.view(()),
+        "options": {},
+        "metadata": dict(spec.model_metadata),
+        "output_schema": dict(schema),
+    }
+    config = await apply_structured_output_config(list(middleware), ctx, config)
+    schema = config.pop("output_schema")
+    request = (
+        f"Answer with only a JSON value that this JSON Schema accepts, and nothing else:\n{json.dumps(schema)}"
+    )
+    prefix = (SystemMessage(config["instructions"]),) if config["instructions"] else ()
+    messages = [*prefix, *config["messages"], UserMessage(request)]
+    options = {**config["options"], "output_schema": schema}
+    response = await service.chat(messages, options=options, metadata=config["metadata"])
+    text = "".join(part.text for part in response.message.parts if isinstance(part, TextPart)).strip()
+    if text.startswith("```"):
+        text = text.strip("`").removeprefix("json").strip()
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise StructuredOutputError(
+            f"the structured output is not JSON: {exc}", issues=[f"not JSON: {exc}"], text=text
+        ) from None
+    issues = [
+        f"at {'/'.join(str(p) for p in error.instance_path) or '<root>'}: {error.message}"
+        for error in validator.iter_errors(value)
+    ]
+    if issues:
+        raise StructuredOutputError(
+            "the structured output does not match the schema: " + "; ".join(issues), issues=issues, text=text
+        )
+    return value

@@ -1,0 +1,108 @@
+"""The loop's journal outlet (`RunRecorder`) over a `DurableJournal`, for sessions and durable ``chat()`` runs.
+
+It keeps the batching sessions always had: a turn opens with its first model
+attempt (one append), a reply without calls closes its turn (one append).
+Structurally a `trio_agent._loop._ports.RunRecorder`; the journal does not import the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from .._abort import Abort
+from .._errors import ModelError
+from .._models._assemble import ModelReply
+from .._models._messages import ToolResultMessage
+from ._conversation import reply_record, settled_answer
+from ._durable import DurableJournal
+from ._events import (
+    ErrorInfo,
+    ModelAbortReason,
+    ModelAttemptAborted,
+    ModelAttemptCompleted,
+    ModelAttemptFailed,
+    ModelAttemptStarted,
+    TurnCompleted,
+    TurnStarted,
+)
+
+if TYPE_CHECKING:
+    from .._loop._ports import TurnRef
+
+__all__ = ["JournalRecorder"]
+
+
+class JournalRecorder:
+    """The loop's outlet into the session's journal, batching as before: a turn opens with its
+    first attempt (one append), a reply without calls closes its turn (one append)."""
+
+    __slots__ = ("agent_id", "journal")
+
+    def __init__(self, journal: DurableJournal, agent_id: str) -> None:
+        self.journal = journal
+        self.agent_id = agent_id
+
+    async def model_call_started(self, turn: TurnRef, model: str, *, opens_turn: bool) -> None:
+        started = ModelAttemptStarted(
+            request_id=turn.run_id, turn_id=turn.turn_id, attempt_id=turn.attempt_id, model=model
+        )
+        if opens_turn:
+            await self.journal.append(
+                TurnStarted(request_id=turn.run_id, turn_id=turn.turn_id, turn=turn.turn),
+                started,
+                agent_id=self.agent_id,
+            )
+        else:
+            await self.journal.append(started, agent_id=self.agent_id)
+
+    async def model_call_completed(
+        self, turn: TurnRef, reply: ModelReply, *, inputs: Sequence[str], rejected: Mapping[str, str]
+    ) -> None:
+        record = reply_record(reply, inputs=inputs, rejected=rejected)
+        ends_turn = (
+            (TurnCompleted(request_id=turn.run_id, turn_id=turn.turn_id, has_tool_calls=False),)
+            if not reply.tool_calls
+            else ()
+        )
+        await self.journal.append(
+            ModelAttemptCompleted(
+                request_id=turn.run_id,
+                turn_id=turn.turn_id,
+                attempt_id=turn.attempt_id,
+                response=record.to_payload(),
+            ),
+            *ends_turn,
+            agent_id=self.agent_id,
+        )
+
+    async def model_call_failed(self, turn: TurnRef, error: ModelError) -> None:
+        await self.journal.append(
+            ModelAttemptFailed(
+                request_id=turn.run_id,
+                turn_id=turn.turn_id,
+                attempt_id=turn.attempt_id,
+                error=ErrorInfo(message=str(error)[:2000], code=error.code or None, retryable=bool(error.retryable)),
+            ),
+            agent_id=self.agent_id,
+        )
+
+    async def model_call_aborted(self, turn: TurnRef, abort: Abort | None) -> None:
+        await self.journal.append(
+            ModelAttemptAborted(
+                request_id=turn.run_id,
+                turn_id=turn.turn_id,
+                attempt_id=turn.attempt_id,
+                reason=ModelAbortReason.REQUEST_INTERRUPTED,
+            ),
+            agent_id=self.agent_id,
+        )
+
+    async def turn_completed(self, turn: TurnRef) -> None:
+        await self.journal.append(
+            TurnCompleted(request_id=turn.run_id, turn_id=turn.turn_id, has_tool_calls=True), agent_id=self.agent_id
+        )
+
+    def settled_answer(self, call_id: str) -> ToolResultMessage | None:
+        record = self.journal.call(call_id, self.agent_id)
+        return None if record is None else settled_answer(record.settlement)

@@ -1,0 +1,602 @@
+"""Chat middleware: the spec's ``ChatMiddleware`` hooks, run by the one agent loop.
+
+Rules
+=====
+
+* A middleware is a `ChatMiddleware` (subclass it, or build one with
+  `define_chat_middleware`). Every hook is optional and may be plain or
+  ``async def``: a hook may return a value or an awaitable of it.
+* `middleware_lifecycle` turns a list of middleware into one `Lifecycle`: one
+  adapter part per middleware (defining only the loop hooks its middleware
+  needs), composed with `compose_lifecycle`, so every per-hook chain is built once.
+  Per-run state never lives on a middleware or a part: it goes in ``ctx.state``.
+* Composition, in list order (the spec's table 1.2):
+
+  ===========================  =====================================================
+  setup                        all
+  on_config                    pipe; ``None`` passes, a dict is shallow-merged, a
+                               `ModelConfig` replaces
+  on_structured_output_config  pipe, like on_config (`apply_structured_output_config`)
+  on_start, on_iteration       all
+  on_chunk                     pipe per event: ``None`` keeps, an event replaces, a
+                               list expands (may be empty), `DROP` drops; a dropped
+                               event never reaches later middleware
+  on_before_tool_call          first decision wins (later middleware are not asked)
+  on_guard_tool_call           in order until one decides; sees the final checked args
+  on_after_tool_call           replacements chain; an error stays an error; also for a
+                               call cut off by the output limit (code ``max_tokens``)
+  on_tool_phase_complete       all
+  on_should_continue           AND, short-circuit: only an explicit ``False`` vetoes
+  on_model_error               all; any ``ctx.retry()`` retries
+  on_usage                     all
+  on_finish                    all, isolated: one failure re-raised, several grouped
+  on_abort, on_error           all, isolated: failures logged, never raised
+  ===========================  =====================================================
+
+* A hook that returns something its hook does not accept raises
+  `MiddlewareDecisionError` naming the hook and the middleware. Hooks are not
+  isolated except the terminal ones: an error escapes into the loop (tool-stage
+  errors end the call with an error result, as every tool stage does).
+* ``ctx.chunk_index`` counts the events actually delivered past the middleware.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeAlias, TypeVar, cast
+
+import attrs
+import trio
+
+from .._abort import Abort, AbortReason
+from .._errors import MiddlewareError, MiddlewareShapeError, ModelError
+from .._loop._compose import compose_lifecycle
+from .._loop._context import RunContext
+from .._loop._events import RunEvent
+from .._loop._hooks import Finished, Lifecycle, ModelConfig, ToolOutcome
+from .._loop._ports import RunEventSink
+from .._loop._rules import LoopState
+from .._models._messages import ToolCallPart, ToolSpec, Usage
+from .._tools import _stages
+from .._tools._results import ToolErrorType, ToolResult
+from .._tools._stages import Allow, Deny, StageDecision, StageRequest, ToolStages
+from ._decisions import (
+    DROP,
+    AbortInfo,
+    AbortRun,
+    AfterToolCallDecision,
+    AfterToolCallInfo,
+    BeforeToolCallDecision,
+    Drop,
+    ErrorInfo,
+    FinishInfo,
+    GuardToolCallDecision,
+    IterationInfo,
+    MiddlewareDecisionError,
+    Refuse,
+    ReplaceResult,
+    Skip,
+    ToolCallInfo,
+    ToolPhaseCompleteInfo,
+    TransformArgs,
+)
+
+__all__ = [
+    "HOOK_NAMES",
+    "ChatMiddleware",
+    "ChunkDecision",
+    "ConfigChange",
+    "apply_structured_output_config",
+    "define_chat_middleware",
+    "middleware_lifecycle",
+]
+
+T = TypeVar("T")
+MaybeAwaitable: TypeAlias = T | Awaitable[T]
+
+ConfigChange: TypeAlias = Mapping[str, Any] | ModelConfig | None
+"""``on_config``: ``None`` passes, a partial mapping is shallow-merged, a `ModelConfig` replaces."""
+
+ChunkDecision: TypeAlias = RunEvent | Sequence[RunEvent] | Drop | None
+"""``on_chunk``: ``None`` keeps, an event replaces, a list expands (may be empty), `DROP` drops."""
+
+HOOK_NAMES: tuple[str, ...] = (
+    "setup",
+    "on_config",
+    "on_structured_output_config",
+    "on_start",
+    "on_iteration",
+    "on_chunk",
+    "on_before_tool_call",
+    "on_guard_tool_call",
+    "on_after_tool_call",
+    "on_tool_phase_complete",
+    "on_should_continue",
+    "on_model_error",
+    "on_usage",
+    "on_finish",
+    "on_abort",
+    "on_error",
+)
+"""Every hook of `ChatMiddleware`, in the order a run reaches them."""
+
+_CONFIG_FIELDS = frozenset(field.name for field in attrs.fields(ModelConfig))
+_EVENT_TYPES: tuple[type, ...] = typing.get_args(RunEvent)
+_STARTED = "trio_agent.lifecycle.started"  # ctx.state key: when the run's setup ran (for durations)
+
+# The pipeline's "end the call with a success, unrun" decision, once `_tools/_stages.py` has it.
+_STAGE_SKIP: Callable[[ToolResult], object] | None = getattr(_stages, "Skip", None)
+
+
+class ChatMiddleware:
+    """Subclass and define any hooks (plain or ``async def``); see the module docstring for the rules.
+
+    ``name`` names the middleware in errors and logs (default: the class name).
+    Keep no per-run state on ``self``: one middleware serves many runs at once;
+    use ``ctx.state``.
+    """
+
+    name: str | None = None
+
+    def setup(self, ctx: RunContext) -> MaybeAwaitable[None]:
+        """First, before the first ``on_config``, for every middleware in order."""
+        return None
+
+    def on_config(self, ctx: RunContext, config: ModelConfig) -> MaybeAwaitable[ConfigChange]:
+        """Before the run (phase init) and before every model call; keys: ``instructions``,
+        ``messages``, ``tools``, ``options``, ``metadata``."""
+        return None
+
+    def on_structured_output_config(
+        self, ctx: RunContext, config: Mapping[str, Any]
+    ) -> MaybeAwaitable[Mapping[str, Any] | None]:
+        """Before the structured-output call, with the schema; a partial mapping is shallow-merged."""
+        return None
+
+    def on_start(self, ctx: RunContext) -> MaybeAwaitable[None]:
+        """Once, after the first ``on_config`` and before any model call."""
+        return None
+
+    def on_iteration(self, ctx: RunContext, info: IterationInfo) -> MaybeAwaitable[None]:
+        """At the start of each turn."""
+        return None
+
+    def on_chunk(self, ctx: RunContext, event: RunEvent) -> MaybeAwaitable[ChunkDecision]:
+        """For every event of the run's stream."""
+        return None
+
+    def on_before_tool_call(self, ctx: RunContext, call: ToolCallInfo) -> MaybeAwaitable[BeforeToolCallDecision]:
+        """Before a tool runs, with the model's args: `TransformArgs`, `Skip`, `AbortRun` or ``None``."""
+        return None
+
+    def on_guard_tool_call(self, ctx: RunContext, call: ToolCallInfo) -> MaybeAwaitable[GuardToolCallDecision]:
+        """Just before a tool runs, with the final checked args: `Refuse`, `AbortRun` or ``None``."""
+        return None
+
+    def on_after_tool_call(self, ctx: RunContext, info: AfterToolCallInfo) -> MaybeAwaitable[AfterToolCallDecision]:
+        """After a call was answered (or cut off): `ReplaceResult` or ``None``."""
+        return None
+
+    def on_tool_phase_complete(self, ctx: RunContext, info: ToolPhaseCompleteInfo) -> MaybeAwaitable[None]:
+        """After every call of a turn was answered."""
+        return None
+
+    def on_should_continue(self, ctx: RunContext, state: LoopState) -> MaybeAwaitable[bool | None]:
+        """Whether another turn may start; only ``False`` vetoes (the run then finishes normally)."""
+        return None
+
+    def on_model_error(self, ctx: RunContext, error: ModelError) -> MaybeAwaitable[None]:
+        """A model call failed before any output; call ``ctx.retry()`` to call the model again."""
+        return None
+
+    def on_usage(self, ctx: RunContext, usage: Usage) -> MaybeAwaitable[None]:
+        """Once per model call that reported usage."""
+        return None
+
+    def on_finish(self, ctx: RunContext, info: FinishInfo) -> MaybeAwaitable[None]:
+        """The run ended normally (exactly one of on_finish / on_abort / on_error per run)."""
+        return None
+
+    def on_abort(self, ctx: RunContext, info: AbortInfo) -> MaybeAwaitable[None]:
+        """The run was aborted."""
+        return None
+
+    def on_error(self, ctx: RunContext, info: ErrorInfo) -> MaybeAwaitable[None]:
+        """The run failed."""
+        return None
+
+
+class _DefinedChatMiddleware(ChatMiddleware):
+    """A middleware built from functions: each hook is an instance attribute, called without ``self``."""
+
+    def __repr__(self) -> str:
+        return f"<chat middleware {middleware_name(self)!r}>"
+
+
+def define_chat_middleware(*, name: str | None = None, **hooks: Callable[..., Any] | None) -> ChatMiddleware:
+    """A `ChatMiddleware` whose hooks are *hooks* (keyword-only, by hook name; ``None`` leaves one out).
+
+    Raises:
+        MiddlewareShapeError: an unknown hook name (the message lists the valid ones), a hook
+            that is not callable, or a *name* that is not a string.
+    """
+    if name is not None and not isinstance(name, str):
+        raise MiddlewareShapeError(f"define_chat_middleware: name must be a string, got {name!r}")
+    unknown = sorted(set(hooks) - set(HOOK_NAMES))
+    if unknown:
+        raise MiddlewareShapeError(
+            f"define_chat_middleware: unknown hook {', '.join(map(repr, unknown))}; "
+            f"valid hooks are: name, {', '.join(HOOK_NAMES)}"
+        )
+    middleware = _DefinedChatMiddleware()
+    middleware.name = name
+    for hook, fn in hooks.items():
+        if fn is None:
+            continue
+        if not callable(fn):
+            raise MiddlewareShapeError(f"define_chat_middleware: hook {hook} is not callable: {fn!r}")
+        setattr(middleware, hook, fn)
+    return middleware
+
+
+def middleware_name(middleware: ChatMiddleware) -> str:
+    name = middleware.name
+    return name if isinstance(name, str) and name else type(middleware).__name__
+
+
+def _hook(middleware: ChatMiddleware, hook: str) -> Callable[..., Any] | None:
+    """The middleware's *hook*, or ``None`` where it keeps the base class's no-op."""
+    value = getattr(middleware, hook, None)
+    if value is None:
+        return None
+    if getattr(value, "__func__", None) is getattr(ChatMiddleware, hook):
+        return None
+    if not callable(value):
+        raise MiddlewareShapeError(f"{hook} of middleware {middleware_name(middleware)!r} is not callable: {value!r}")
+    return cast("Callable[..., Any]", value)
+
+
+async def _call(hook: Callable[..., Any], *args: Any) -> Any:
+    value = hook(*args)
+    if inspect.isawaitable(value):
+        value = await value
+    return value
+
+
+# -- decision checks (each names the hook and the middleware) ---------------------------------
+
+
+def _merged_config(change: object, config: ModelConfig, label: str) -> ModelConfig:
+    if change is None:
+        return config
+    if isinstance(change, ModelConfig):
+        return change
+    if not isinstance(change, Mapping):
+        raise MiddlewareDecisionError(
+            "on_config", label, f"returned {change!r}; expected None, a partial dict or a ModelConfig"
+        )
+    unknown = sorted(str(key) for key in change if key not in _CONFIG_FIELDS)
+    if unknown:
+        raise MiddlewareDecisionError(
+            "on_config", label, f"returned unknown config keys {unknown}; valid keys: {sorted(_CONFIG_FIELDS)}"
+        )
+    updates = dict(change)
+    if "instructions" in updates and not isinstance(updates["instructions"], str):
+        raise MiddlewareDecisionError("on_config", label, f"set instructions to {updates['instructions']!r}, not a str")
+    for key in ("messages", "tools"):
+        if key in updates and not isinstance(updates[key], (list, tuple)):
+            raise MiddlewareDecisionError("on_config", label, f"set {key} to {updates[key]!r}, not a list")
+    for key in ("options", "metadata"):
+        if key in updates and not isinstance(updates[key], Mapping):
+            raise MiddlewareDecisionError("on_config", label, f"set {key} to {updates[key]!r}, not a mapping")
+    if "tools" in updates:
+        tools = tuple(updates["tools"])
+        if not all(isinstance(tool, ToolSpec) for tool in tools):
+            raise MiddlewareDecisionError("on_config", label, f"set tools to {tools!r}; each must be a ToolSpec")
+        names = [tool.name for tool in tools]
+        if len(set(names)) != len(names):
+            raise MiddlewareDecisionError("on_config", label, f"set tools with duplicate names: {names}")
+        updates["tools"] = tools
+    return attrs.evolve(config, **updates)
+
+
+def _chunk_events(decision: object, event: RunEvent, label: str) -> Sequence[RunEvent]:
+    if decision is None:
+        return (event,)
+    if decision is DROP:
+        return ()
+    if isinstance(decision, _EVENT_TYPES):
+        return (cast("RunEvent", decision),)
+    if isinstance(decision, (list, tuple)):
+        for item in decision:
+            if not isinstance(item, _EVENT_TYPES):
+                raise MiddlewareDecisionError(
+                    "on_chunk", label, f"returned a list holding {item!r}, which is not a RunEvent"
+                )
+        return cast("Sequence[RunEvent]", decision)
+    raise MiddlewareDecisionError(
+        "on_chunk", label, f"returned {decision!r}; expected None, a RunEvent, a list of RunEvents or DROP"
+    )
+
+
+def _abort_call(ctx: RunContext, reason: str) -> Deny:
+    ctx.abort(reason)
+    # What the pipeline answers a call its abort interrupted (`_aborted_result`), in case the
+    # abort reaches the call only after this stage returned.
+    return Deny(f"tool call {reason}", ToolErrorType.INTERRUPTED, AbortReason.USER_ABORT.value)
+
+
+def _skip_result(value: object) -> ToolResult:
+    return value if isinstance(value, ToolResult) else ToolResult.success(value)
+
+
+def _replaced(current: ToolResult, replacement: object) -> ToolResult:
+    if isinstance(replacement, ToolResult):
+        if current.ok or not replacement.ok:
+            return replacement
+        return attrs.evolve(current, output=replacement.output)  # an error stays an error
+    # A bare value is what the model reads; display and data described the old output.
+    return attrs.evolve(current, output=replacement, display=None, data=None)
+
+
+def _after_result(decision: object, current: ToolResult, label: str) -> ToolResult | None:
+    if decision is None:
+        return None
+    if isinstance(decision, ReplaceResult):
+        return _replaced(current, decision.result)
+    raise MiddlewareDecisionError("on_after_tool_call", label, f"returned {decision!r}; expected None or ReplaceResult")
+
+
+# -- the adapter -------------------------------------------------------------------------
+
+
+class _Part(Lifecycle):
+    """One middleware as a lifecycle part; the hooks come from `_PartHooks`, only those it needs."""
+
+    def __init__(self, middleware: ChatMiddleware, hooks: Mapping[str, Callable[..., Any]]) -> None:
+        self.middleware = middleware
+        self.name = middleware_name(middleware)
+        self.hooks = hooks
+        self.timed = any(name in hooks for name in ("on_finish", "on_abort", "on_error"))
+
+    def __repr__(self) -> str:
+        return f"<lifecycle of chat middleware {self.name!r}>"
+
+    def duration(self, ctx: RunContext) -> float:
+        now = trio.current_time()
+        started = ctx.state.get(_STARTED, now)
+        return now - started if isinstance(started, float) else 0.0
+
+
+class _PartHooks(_Part):
+    """The adapted hooks; never instantiated: `_part_class` copies the ones a middleware needs."""
+
+    async def setup(self, ctx: RunContext) -> None:
+        if self.timed:
+            ctx.state.setdefault(_STARTED, trio.current_time())
+        hook = self.hooks.get("setup")
+        if hook is not None:
+            await _call(hook, ctx)
+
+    async def on_config(self, ctx: RunContext, config: ModelConfig) -> ModelConfig:
+        return _merged_config(await _call(self.hooks["on_config"], ctx, config), config, self.name)
+
+    async def on_start(self, ctx: RunContext) -> None:
+        await _call(self.hooks["on_start"], ctx)
+
+    async def on_iteration(self, ctx: RunContext, iteration: int, message_id: str) -> None:
+        await _call(self.hooks["on_iteration"], ctx, IterationInfo(iteration, message_id))
+
+    def wrap_events(self, ctx: RunContext, sink: RunEventSink) -> RunEventSink:
+        hook, label = self.hooks["on_chunk"], self.name
+
+        async def through(event: RunEvent) -> None:
+            # Awaited one event at a time, so events leave in the order they came.
+            for out in _chunk_events(await _call(hook, ctx, event), event, label):
+                await sink(out)
+
+        return through
+
+    def tool_stages(self, ctx: RunContext) -> ToolStages:
+        before = self.hooks.get("on_before_tool_call")
+        guard = self.hooks.get("on_guard_tool_call")
+        after = self.hooks.get("on_after_tool_call")
+        label = self.name
+
+        async def before_stage(request: StageRequest) -> StageDecision | None:
+            assert before is not None
+            decision = await _call(before, ctx, _call_info(request))
+            return _before_decision(ctx, decision, label)
+
+        async def guard_stage(request: StageRequest) -> StageDecision | None:
+            assert guard is not None
+            decision = await _call(guard, ctx, _call_info(request))
+            if decision is None:
+                return None
+            if isinstance(decision, Refuse):
+                return Deny(decision.message, ToolErrorType.PERMISSION_DENIED, decision.code)
+            if isinstance(decision, AbortRun):
+                return _abort_call(ctx, decision.reason)
+            raise MiddlewareDecisionError(
+                "on_guard_tool_call", label, f"returned {decision!r}; expected None, Refuse or AbortRun"
+            )
+
+        async def post_stage(request: StageRequest, result: ToolResult) -> ToolResult | None:
+            assert after is not None
+            info = AfterToolCallInfo(request.tool.name, request.context.tool_call_id, request.input, result)
+            return _after_result(await _call(after, ctx, info), result, label)
+
+        # Named after the middleware: the pipeline names a failing stage by its __qualname__.
+        before_stage.__qualname__ = f"{label}.on_before_tool_call"
+        guard_stage.__qualname__ = f"{label}.on_guard_tool_call"
+        post_stage.__qualname__ = f"{label}.on_after_tool_call"
+        return ToolStages(
+            before=(before_stage,) if before is not None else (),
+            guard=(guard_stage,) if guard is not None else (),
+            post_tool=(post_stage,) if after is not None else (),
+        )
+
+    async def on_cut_off_call(self, ctx: RunContext, call: ToolCallPart, result: ToolResult) -> ToolResult:
+        info = AfterToolCallInfo(call.name, call.id, call.arguments, result)
+        replaced = _after_result(await _call(self.hooks["on_after_tool_call"], ctx, info), result, self.name)
+        return result if replaced is None else replaced
+
+    async def on_tool_phase_complete(self, ctx: RunContext, outcomes: Sequence[ToolOutcome]) -> None:
+        await _call(self.hooks["on_tool_phase_complete"], ctx, ToolPhaseCompleteInfo(tuple(outcomes)))
+
+    async def should_continue(self, ctx: RunContext, state: LoopState) -> bool:
+        decision = await _call(self.hooks["on_should_continue"], ctx, state)
+        if decision is None or isinstance(decision, bool):
+            return decision is not False
+        raise MiddlewareDecisionError(
+            "on_should_continue", self.name, f"returned {decision!r}; expected True, False or None"
+        )
+
+    async def on_model_error(self, ctx: RunContext, error: ModelError) -> bool:
+        await _call(self.hooks["on_model_error"], ctx, error)
+        return ctx._retry_requested  # the driver opens ctx.retry() around this hook and reads the flag
+
+    async def on_usage(self, ctx: RunContext, usage: Usage) -> None:
+        await _call(self.hooks["on_usage"], ctx, usage)
+
+    async def on_finish(self, ctx: RunContext, outcome: Finished) -> None:
+        info = FinishInfo(outcome.stop_reason, outcome.text, outcome.turns, self.duration(ctx))
+        await _call(self.hooks["on_finish"], ctx, info)
+
+    async def on_abort(self, ctx: RunContext, abort: Abort) -> None:
+        await _call(self.hooks["on_abort"], ctx, AbortInfo(abort.message, self.duration(ctx), abort.reason))
+
+    async def on_error(self, ctx: RunContext, error: BaseException) -> None:
+        await _call(self.hooks["on_error"], ctx, ErrorInfo(error, self.duration(ctx)))
+
+
+def _call_info(request: StageRequest) -> ToolCallInfo:
+    return ToolCallInfo(request.tool.name, request.context.tool_call_id, request.input, request.tool)
+
+
+def _before_decision(ctx: RunContext, decision: object, label: str) -> StageDecision | None:
+    if decision is None:
+        return None
+    if isinstance(decision, TransformArgs):
+        if not isinstance(decision.args, dict):
+            raise MiddlewareDecisionError(
+                "on_before_tool_call", label, f"returned TransformArgs with {decision.args!r}, not a dict"
+            )
+        return Allow(input=decision.args)
+    if isinstance(decision, Skip):
+        if _STAGE_SKIP is None:
+            raise MiddlewareError(
+                f"on_before_tool_call of middleware {label!r} returned Skip, which this tool pipeline "
+                "cannot honour yet (it has no Skip stage decision)"
+            )
+        return cast("StageDecision", _STAGE_SKIP(_skip_result(decision.result)))
+    if isinstance(decision, AbortRun):
+        return _abort_call(ctx, decision.reason)
+    raise MiddlewareDecisionError(
+        "on_before_tool_call", label, f"returned {decision!r}; expected None, TransformArgs, Skip or AbortRun"
+    )
+
+
+# Which loop hooks each middleware hook needs (the terminal ones need setup for the clock).
+_LOOP_HOOKS: Mapping[str, tuple[str, ...]] = {
+    "setup": ("setup",),
+    "on_config": ("on_config",),
+    "on_start": ("on_start",),
+    "on_iteration": ("on_iteration",),
+    "on_chunk": ("wrap_events",),
+    "on_before_tool_call": ("tool_stages",),
+    "on_guard_tool_call": ("tool_stages",),
+    "on_after_tool_call": ("tool_stages", "on_cut_off_call"),
+    "on_tool_phase_complete": ("on_tool_phase_complete",),
+    "on_should_continue": ("should_continue",),
+    "on_model_error": ("on_model_error",),
+    "on_usage": ("on_usage",),
+    "on_finish": ("setup", "on_finish"),
+    "on_abort": ("setup", "on_abort"),
+    "on_error": ("setup", "on_error"),
+}
+
+
+@functools.cache
+def _part_class(loop_hooks: frozenset[str]) -> type[_Part]:
+    # Overrides exactly the loop hooks the middleware needs: `compose_lifecycle` leaves the
+    # others out of their chains (an on_chunk-less list costs nothing per event).
+    namespace = {name: _PartHooks.__dict__[name] for name in loop_hooks}
+    return cast("type[_Part]", type("ChatMiddlewarePart", (_Part,), namespace))
+
+
+class _CountDelivered(Lifecycle):
+    """The innermost event decorator: counts the events that made it past every ``on_chunk``."""
+
+    name = "chunk counter"
+
+    def wrap_events(self, ctx: RunContext, sink: RunEventSink) -> RunEventSink:
+        async def count(event: RunEvent) -> None:
+            await sink(event)
+            ctx.chunk_index += 1
+
+        return count
+
+
+def _checked(middleware: object, where: str) -> Sequence[ChatMiddleware]:
+    if not isinstance(middleware, (list, tuple)):
+        raise MiddlewareShapeError(f"{where}: middleware must be a list of ChatMiddleware, got {middleware!r}")
+    for index, item in enumerate(middleware):
+        if not isinstance(item, ChatMiddleware):
+            raise MiddlewareShapeError(
+                f"{where}: middleware #{index} is not a ChatMiddleware "
+                f"(subclass it or use define_chat_middleware): {item!r}"
+            )
+    return middleware
+
+
+def middleware_lifecycle(middleware: Sequence[ChatMiddleware]) -> Lifecycle:
+    """The `Lifecycle` that runs *middleware* in list order (module docstring).
+
+    Raises:
+        MiddlewareShapeError: *middleware* is not a list or tuple, an item is not a
+            `ChatMiddleware` (the message names its index), or a hook is not callable.
+    """
+    parts: list[Lifecycle] = []
+    for item in _checked(middleware, "middleware_lifecycle"):
+        hooks = {name: fn for name in HOOK_NAMES if (fn := _hook(item, name)) is not None}
+        loop_hooks = frozenset(loop for name in hooks for loop in _LOOP_HOOKS.get(name, ()))
+        if loop_hooks:
+            parts.append(_part_class(loop_hooks)(item, hooks))
+    if any("on_chunk" in part.hooks for part in parts if isinstance(part, _Part)):
+        parts.append(_CountDelivered())
+    return compose_lifecycle(*parts)
+
+
+async def apply_structured_output_config(
+    middleware: Sequence[ChatMiddleware], ctx: RunContext, config: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Pipe *config* (the structured-output call's, schema included) through every
+    ``on_structured_output_config``: ``None`` passes, a partial mapping is shallow-merged.
+
+    Raises:
+        MiddlewareDecisionError: a hook returned something else, or a key *config* does not have.
+    """
+    current = dict(config)
+    for item in _checked(middleware, "apply_structured_output_config"):
+        hook = _hook(item, "on_structured_output_config")
+        if hook is None:
+            continue
+        change = await _call(hook, ctx, dict(current))
+        if change is None:
+            continue
+        label = middleware_name(item)
+        if not isinstance(change, Mapping):
+            raise MiddlewareDecisionError(
+                "on_structured_output_config", label, f"returned {change!r}; expected None or a partial dict"
+            )
+        unknown = sorted(str(key) for key in change if key not in current)
+        if unknown:
+            raise MiddlewareDecisionError(
+                "on_structured_output_config", label, f"returned unknown keys {unknown}; valid: {sorted(current)}"
+            )
+        current = {**current, **change}
+    return current
