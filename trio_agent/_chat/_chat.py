@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -50,7 +50,7 @@ from .._loop._ports import RunPorts, RunSpec, TurnRef, no_effects
 from .._loop._rules import LoopStrategy, StopReason, max_iterations
 from .._loop._run import run_agent_loop
 from .._models._assemble import ModelReply
-from .._models._history import MessageView, validate_history
+from .._models._history import CallIdIndex, MessageView, validate_history
 from .._models._messages import (
     FinishReason,
     Message,
@@ -95,10 +95,14 @@ class ChatResult:
 
 
 class _ListConversation:
-    __slots__ = ("history",)
+    __slots__ = ("history", "index")
 
     def __init__(self, messages: Iterable[Message]) -> None:
         self.history: list[Message] = list(messages)
+        self.index = CallIdIndex()
+
+    def call_ids(self) -> Collection[str]:
+        return self.index.update(self.history)
 
     def view(self, prefix: tuple[Message, ...]) -> Sequence[Message]:
         return MessageView(self.history, prefix)

@@ -42,6 +42,9 @@ class Conversation(Protocol):
 
     def extend(self, messages: Iterable[Message]) -> None: ...
 
+    def call_ids(self) -> Collection[str]:
+        """The tool call ids used so far (kept up to date without rereading the history)."""
+
 
 class Inbox(Protocol):
     """Input that joins a running run at its next turn (steering, background reports, a Stop continuation)."""

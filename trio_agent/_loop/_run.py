@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import trio
@@ -290,7 +290,7 @@ class _Run:
         """Stream one model call into the assembler and the events; ``None`` if aborted."""
         spec, ports, ctx = self.spec, self.ports, self.ctx
         # Ids already used on this stream are taken: a model that repeats one gets a new one.
-        assembler = ReplyAssembler(reserved=_CallIds(ports.conversation.view(())))
+        assembler = ReplyAssembler(reserved=ports.conversation.call_ids())
         feed = assembler.feed
         events = self.events
         run_id, agent_id = spec.run_id, spec.agent_id
@@ -461,37 +461,6 @@ class _RetryableFailure(Exception):
     def __init__(self, error: ModelError) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-class _CallIds:
-    """The call ids of a conversation (the assembler's reserved ids), computed on first use."""
-
-    __slots__ = ("_ids", "_messages")
-
-    def __init__(self, messages: Sequence[Message]) -> None:
-        self._messages = messages
-        self._ids: set[str] | None = None
-
-    def __contains__(self, call_id: object) -> bool:
-        ids = self._ids
-        if ids is None:
-            ids = self._ids = {
-                part.id
-                for message in self._messages
-                for part in getattr(message, "parts", ())
-                if isinstance(part, ToolCallPart)
-            }
-        return call_id in ids
-
-    def __iter__(self) -> Any:
-        self.__contains__("")
-        assert self._ids is not None
-        return iter(self._ids)
-
-    def __len__(self) -> int:
-        self.__contains__("")
-        assert self._ids is not None
-        return len(self._ids)
 
 
 def _either(first: AbortHandle, second: AbortHandle) -> tuple[AbortHandle, Any]:

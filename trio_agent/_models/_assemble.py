@@ -116,7 +116,7 @@ class ReplyAssembler:
     )
 
     def __init__(self, *, reserved: Collection[str] = ()) -> None:
-        self._reserved = frozenset(reserved)
+        self._reserved = reserved  # only asked `in`: a long conversation's ids are never copied
         self._text: list[str] = []
         self._reasoning: list[ReasoningPart] = []
         self._reasoning_text: list[str] | None = None  # the part being built, None when none is
@@ -205,7 +205,18 @@ class ReplyAssembler:
 
 def assign_call_ids(indices: list[int], originals: list[str], reserved: Collection[str] = ()) -> list[str]:
     """Unique ids for calls at ``indices`` that the model named ``originals`` (see the module rules)."""
-    taken = set(reserved)
+    new: set[str] = set()  # taken by this reply; *reserved* is only asked, never copied
+
+    class _Taken:
+        @staticmethod
+        def __contains__(call_id: object) -> bool:
+            return call_id in new or call_id in reserved
+
+        @staticmethod
+        def add(call_id: str) -> None:
+            new.add(call_id)
+
+    taken = _Taken()
     assigned: list[str | None] = [None] * len(originals)
     # First occurrences keep their id, so a renamed call can never take a later call's real id.
     for position, original in enumerate(originals):

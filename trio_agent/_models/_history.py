@@ -20,13 +20,13 @@ message; call ids are unique in the whole history.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import overload
 
 from .._errors import HistoryError
 from ._messages import AssistantMessage, Message, SystemMessage, ToolCallPart, ToolResultMessage, UserMessage
 
-__all__ = ["ORPHAN_ANSWER", "MessageView", "answer_orphan_calls", "validate_history"]
+__all__ = ["ORPHAN_ANSWER", "CallIdIndex", "MessageView", "answer_orphan_calls", "validate_history"]
 
 ORPHAN_ANSWER = "no result was recorded (interrupted)"
 """The answer (an error) of a call that has none."""
@@ -148,3 +148,39 @@ class MessageView(Sequence[Message]):
 
     def __repr__(self) -> str:
         return f"MessageView({len(self)} messages)"
+
+
+class CallIdIndex(Collection[str]):
+    """The tool call ids of a growing conversation, kept up to date by reading only what was appended.
+
+    The reply assembler asks it whether an id is taken (a model that repeats an id
+    from an earlier turn gets a new one). When the conversation is replaced by a new
+    list (a repair, a rebuild), it is read again once.
+    """
+
+    __slots__ = ("_ids", "_log", "_seen")
+
+    def __init__(self) -> None:
+        self._log: list[Message] | None = None
+        self._seen = 0
+        self._ids: set[str] = set()
+
+    def update(self, log: list[Message]) -> CallIdIndex:
+        if log is not self._log:
+            self._log, self._seen, self._ids = log, 0, set()
+        ids = self._ids
+        for index in range(self._seen, len(log)):
+            message = log[index]
+            if isinstance(message, AssistantMessage):
+                ids.update(part.id for part in message.parts if isinstance(part, ToolCallPart))
+        self._seen = len(log)
+        return self
+
+    def __contains__(self, call_id: object) -> bool:
+        return call_id in self._ids
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)

@@ -272,7 +272,7 @@ class ModelService:
         return ModelRequest(
             operation,
             self.provider.model,
-            tuple(messages),
+            _message_tuple(messages),
             tuple(tools),
             dict(options or {}),
             abort,

@@ -14,7 +14,7 @@ session hands it:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._abort import AbortHandle
@@ -65,6 +65,9 @@ class AgentConversation:
 
     def extend(self, messages: Iterable[Message]) -> None:
         self.agent.history.extend(messages)
+
+    def call_ids(self) -> Collection[str]:
+        return self.agent.call_index.update(self.agent.history)
 
 
 class RequestInbox:

@@ -74,7 +74,7 @@ from .._journal._store import JournalStore
 from .._journal._subscribe import DurableEventStream, JournalCursor
 from .._loop._rules import LoopStrategy, max_iterations
 from .._loop._run import run_agent_loop
-from .._models._history import answer_orphan_calls, validate_history
+from .._models._history import CallIdIndex, answer_orphan_calls, validate_history
 from .._models._messages import (
     AssistantMessage,
     Message,
@@ -171,6 +171,7 @@ class _Agent:
     specs: list[ToolSpec] | None = None
     lineage: tuple[str, ...] = ()  # the calls it runs under (a foreground subagent's tool calls)
     _strategy: LoopStrategy | None = None
+    call_index: CallIdIndex = attrs.Factory(CallIdIndex)
 
     def strategy(self) -> LoopStrategy:
         """``max_turns`` as the loop's strategy (made once)."""
