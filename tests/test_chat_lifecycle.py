@@ -1,0 +1,139 @@
+"""Lifecycle middleware through ``chat()`` end to end: abort from every hook, errors from every hook,
+exactly one terminal hook per run, nothing left running (issue 13, "Bad input")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from trio_agent import SideEffect, ToolKind, ToolResultMessage, define_tool
+from trio_agent._chat._chat import chat
+from trio_agent._lifecycle._middleware import ChatMiddleware
+from trio_agent._loop._context import RetryNotAllowedError
+from trio_agent._loop._rules import StopReason
+from trio_agent.testing import Reply, TestModel
+
+OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@define_tool(name="echo", description="echo", input_schema=OBJECT, side_effect=SideEffect.PURE, kind=ToolKind.READONLY)
+async def echo(input: dict[str, Any], ctx: Any) -> str:
+    return "echoed"
+
+
+def tool_then_text() -> TestModel:
+    def respond(request: Any) -> Reply:
+        if isinstance(request.messages[-1], ToolResultMessage):
+            return Reply(text="done")
+        return Reply(tool_calls=[("echo", {})])
+
+    return TestModel(respond=respond)
+
+
+class Terminal(ChatMiddleware):
+    """Records which terminal hooks ran."""
+
+    def __init__(self) -> None:
+        self.terminal: list[str] = []
+
+    def on_finish(self, ctx: Any, info: Any) -> None:
+        self.terminal.append("finish")
+
+    def on_abort(self, ctx: Any, info: Any) -> None:
+        self.terminal.append("abort")
+
+    def on_error(self, ctx: Any, info: Any) -> None:
+        self.terminal.append("error")
+
+
+ABORTING_HOOKS = [
+    "on_config",
+    "on_start",
+    "on_iteration",
+    "on_chunk",
+    "on_before_tool_call",
+    "on_after_tool_call",
+    "on_usage",
+    "on_tool_phase_complete",
+    "on_should_continue",
+]
+
+
+def aborting(hook: str) -> ChatMiddleware:
+    def abort_here(ctx: Any, *args: Any) -> None:
+        ctx.abort(f"aborted in {hook}")
+
+    middleware = ChatMiddleware()
+    setattr(middleware, hook, abort_here)
+    return middleware
+
+
+@pytest.mark.parametrize("hook", ABORTING_HOOKS)
+async def test_an_abort_from_any_hook_ends_the_run_with_exactly_one_on_abort(hook: str) -> None:
+    terminal = Terminal()
+    with trio.fail_after(10):
+        async with chat(tool_then_text(), "go", tools=[echo], middleware=[aborting(hook), terminal]) as run:
+            result = await run.result()
+    assert result.stop_reason is StopReason.ABORTED
+    assert terminal.terminal == ["abort"]
+
+
+def raising(hook: str) -> ChatMiddleware:
+    def fail_here(ctx: Any, *args: Any) -> None:
+        raise RuntimeError(f"boom in {hook}")
+
+    middleware = ChatMiddleware()
+    setattr(middleware, hook, fail_here)
+    return middleware
+
+
+@pytest.mark.parametrize("hook", ["on_config", "on_start", "on_iteration", "on_chunk", "on_usage", "on_should_continue"])
+async def test_an_error_from_a_hook_fails_the_run_with_exactly_one_on_error(hook: str) -> None:
+    terminal = Terminal()
+    with trio.fail_after(10):
+        async with chat(tool_then_text(), "go", tools=[echo], middleware=[raising(hook), terminal]) as run:
+            with pytest.raises(RuntimeError, match=f"boom in {hook}"):
+                await run.result()
+    assert terminal.terminal == ["error"]
+
+
+async def test_a_normal_run_has_exactly_one_on_finish() -> None:
+    terminal = Terminal()
+    async with chat(tool_then_text(), "go", tools=[echo], middleware=[terminal]) as run:
+        result = await run.result()
+    assert result.text == "done"
+    assert terminal.terminal == ["finish"]
+
+
+async def test_model_errors_retry_at_most_twice_and_never_reach_the_stream() -> None:
+    from trio_agent import ModelError
+
+    calls: list[int] = []
+
+    def respond(request: Any) -> Reply:
+        calls.append(1)
+        return Reply(error=ModelError("refused", code="REFUSED", retryable=False))  # no transport retry
+
+    class Retry(ChatMiddleware):
+        def on_model_error(self, ctx: Any, error: Any) -> None:
+            ctx.retry()
+
+    terminal = Terminal()
+    async with chat(TestModel(respond=respond), "go", middleware=[Retry(), terminal]) as run:
+        with pytest.raises(ModelError):
+            await run.result()
+    assert len(calls) == 3  # the call and its two retries
+    assert terminal.terminal == ["error"]
+
+
+async def test_a_retry_asked_outside_on_model_error_is_a_typed_error() -> None:
+    class Early(ChatMiddleware):
+        def on_start(self, ctx: Any) -> None:
+            ctx.retry()
+
+    async with chat(TestModel(default=Reply(text="x")), "go", middleware=[Early()]) as run:
+        with pytest.raises(RetryNotAllowedError):
+            await run.result()
