@@ -90,7 +90,10 @@ def raising(hook: str) -> ChatMiddleware:
     return middleware
 
 
-@pytest.mark.parametrize("hook", ["on_config", "on_start", "on_iteration", "on_chunk", "on_usage", "on_should_continue"])
+RAISING_HOOKS = ["on_config", "on_start", "on_iteration", "on_chunk", "on_usage", "on_should_continue"]
+
+
+@pytest.mark.parametrize("hook", RAISING_HOOKS)
 async def test_an_error_from_a_hook_fails_the_run_with_exactly_one_on_error(hook: str) -> None:
     terminal = Terminal()
     with trio.fail_after(10):
