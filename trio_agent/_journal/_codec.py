@@ -15,6 +15,11 @@ Reading verifies the checksum, then the UTF-8, then decodes strictly and checks 
 row is where it claims to be. Every failure is a `JournalCorruptError` naming
 ``stream#seq``: damage is never reported as unavailability, and never read as data.
 Rows of a version-1 store (no checksum) are checked the same way minus the checksum.
+
+A stored snapshot (`_snapshot`) is a row ``(stream_id, seq, body, checksum)`` under the
+same rule: ``body`` is its exact stored bytes and ``checksum`` is `row_checksum` of them.
+`verify_snapshot` checks it; a mismatch is a `JournalCorruptError` naming ``stream@seq``
+(which the journal reports and ignores: a snapshot is a cache, the events stay the truth).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ __all__ = [
     "encode_rows",
     "row_checksum",
     "row_error",
+    "snapshot_row",
+    "verify_snapshot",
 ]
 
 STORE_SCHEMA_VERSION = 2
@@ -157,3 +164,32 @@ def decode_range(
     if expected <= last:
         raise row_error(stream_id, expected, f"the row is missing (head {head})")
     return envelopes
+
+
+def snapshot_row(stream_id: str, seq: int, body: bytes) -> tuple[bytes, int]:
+    """The stored form of a snapshot body: its bytes and their checksum (the events' rule)."""
+    body = bytes(body)
+    return body, row_checksum(stream_id, seq, body)
+
+
+def verify_snapshot(stream_id: str, seq: object, body: object, checksum: object) -> tuple[int, bytes]:
+    """Check one stored snapshot row; `JournalCorruptError` naming ``stream@seq`` if it fails."""
+
+    def damaged(problem: str) -> JournalCorruptError:
+        return JournalCorruptError(f"stored snapshot {stream_id}@{seq} is corrupt: {problem}")
+
+    if type(seq) is not int or seq < 1:
+        raise damaged(f"its seq is {seq!r}")
+    if isinstance(body, str):
+        try:
+            raw = body.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise damaged(str(exc)) from exc
+    elif isinstance(body, (bytes, bytearray, memoryview)):
+        raw = bytes(body)
+    else:
+        raise damaged(f"the body is {type(body).__name__}, not bytes")
+    computed = row_checksum(stream_id, seq, raw)
+    if type(checksum) is not int or checksum != computed:
+        raise damaged(f"checksum mismatch (stored {checksum!r}, the body hashes to {computed})")
+    return seq, raw

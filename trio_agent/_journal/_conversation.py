@@ -28,6 +28,14 @@ Rules
     (the last such event of a call counts, wherever it is in the stream);
   - every call still unanswered then gets `answer_orphan_calls`' answer.
   Failed and aborted attempts contribute nothing.
+* The incremental fold (`ConversationFold`) gives the same history for the same
+  events fed in any number of steps: a call's answer is kept as a place
+  (`PendingAnswer`) in the history and the settlements as a map, and the places are
+  filled, then orphans answered, only when `messages` is asked; its state
+  (`to_json` / `from_json`) is what a stream's snapshot keeps. It also keeps what
+  the session needs on reopen without reading the stream: the background subagent
+  outcomes recorded since the last completed model attempt, and the last non-empty
+  request output.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from typing import Any, get_args, get_origin
 import attrs
 import cattrs
 from cattrs.errors import IterableValidationError, IterableValidationNote
+from cattrs.strategies import configure_tagged_union
 
 from .._errors import JournalError
 from .._models._assemble import ModelReply
@@ -64,17 +73,23 @@ from ._events import (
     Event,
     ModelAttemptCompleted,
     RequestAccepted,
+    RequestCompleted,
+    SubagentCancelled,
+    SubagentCompleted,
     ToolCancelled,
     ToolCompleted,
     ToolFailed,
     ToolOutcomeUnknown,
+    event_converter,
 )
 from ._store import JournalStore, stream_id_for
 
 __all__ = [
     "OUTCOME_UNKNOWN_ANSWER",
     "WITHHELD_ANSWER",
+    "ConversationFold",
     "ModelReplyRecord",
+    "PendingAnswer",
     "decode_conversation",
     "encode_conversation",
     "fold_conversation",
@@ -231,6 +246,116 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
     return answer_orphan_calls(history)
 
 
+# ---------------------------------------------------------------- the incremental fold
+
+
+@attrs.frozen
+class PendingAnswer:
+    """The place of a call's answer in the history, filled from the settlements on output."""
+
+    call_id: str
+
+
+SubagentOutcome = SubagentCompleted | SubagentCancelled
+
+
+@attrs.define
+class _FoldState:
+    entries: list[Message | PendingAnswer] = attrs.Factory(list)
+    outcomes: dict[str, ToolResultMessage] = attrs.Factory(dict)  # the last settlement of each call
+    since_reply: list[SubagentOutcome] = attrs.Factory(list)
+    last_output: dict[str, Any] | None = None
+
+
+class ConversationFold:
+    """`fold_conversation`, one event at a time (see the module rules).
+
+    ``fold.feed(e)`` for each event of a stream in order, then ``fold.messages()``
+    equals ``fold_conversation`` of those events, however the feeding was split
+    and whether or not the state went through `to_json` / `from_json` between.
+    """
+
+    __slots__ = ("_s",)
+
+    def __init__(self) -> None:
+        self._s = _FoldState()
+
+    def feed(self, event: Event) -> None:
+        """Fold one event; a payload that cannot be read raises `JournalCorruptError` and changes nothing."""
+        s = self._s
+        if isinstance(event, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown):
+            answer = settled_answer(event)
+            if answer is not None:
+                s.outcomes[event.call_id] = answer
+        elif isinstance(event, ConversationSeeded):
+            s.entries.extend(decode_conversation(event.conversation))
+        elif isinstance(event, RequestAccepted):
+            if "start_subagent" not in event.input:  # the holder request of a start between requests
+                s.entries.append(UserMessage(str(event.input.get("prompt", ""))))
+        elif isinstance(event, ModelAttemptCompleted):
+            try:
+                record = ModelReplyRecord.from_payload(event.response)
+            except JournalCorruptError as exc:
+                raise JournalCorruptError(f"model attempt {event.attempt_id}: {exc}") from exc
+            s.entries.extend(UserMessage(text) for text in record.inputs)
+            s.entries.append(record.message())
+            for call in record.tool_calls:
+                if call.id in record.rejected:
+                    s.entries.append(ToolResultMessage(call.id, record.rejected[call.id], is_error=True))
+                else:
+                    s.entries.append(PendingAnswer(call.id))
+            s.since_reply.clear()
+        elif isinstance(event, SubagentCompleted | SubagentCancelled):
+            s.since_reply.append(event)
+        elif isinstance(event, RequestCompleted) and event.output:
+            s.last_output = dict(event.output)
+
+    def messages(self) -> list[Message]:
+        """The history so far (a new list)."""
+        outcomes = self._s.outcomes
+        history: list[Message] = []
+        for entry in self._s.entries:
+            if isinstance(entry, PendingAnswer):
+                answer = outcomes.get(entry.call_id)
+                if answer is not None:
+                    history.append(answer)
+            else:
+                history.append(entry)
+        return answer_orphan_calls(history)
+
+    @property
+    def outcomes_since_reply(self) -> tuple[SubagentCompleted | SubagentCancelled, ...]:
+        """`SubagentCompleted` / `SubagentCancelled` events after the last completed model attempt
+        (all of them if there is none): outcomes whose note may never have reached the model."""
+        return tuple(self._s.since_reply)
+
+    @property
+    def last_output(self) -> dict[str, Any] | None:
+        """The output of the last `RequestCompleted` that had a non-empty one (a subagent's answer)."""
+        return None if self._s.last_output is None else dict(self._s.last_output)
+
+    def to_json(self) -> dict[str, Any]:
+        """The fold's state as JSON-compatible data (for a snapshot)."""
+        data: dict[str, Any] = _fold_converter.unstructure(self._s, _FoldState)
+        return data
+
+    @classmethod
+    def from_json(cls, data: object) -> ConversationFold:
+        """A fold from `to_json` data; `JournalCorruptError` if it holds something else."""
+        fold = cls()
+        try:
+            fold._s = _fold_converter.structure(data, _FoldState)
+        except Exception as exc:
+            details = "; ".join(cattrs.transform_error(exc, path="conversation"))
+            raise JournalCorruptError(f"invalid conversation fold state: {details}") from exc
+        return fold
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ConversationFold) and self._s == other._s
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+
 # ---------------------------------------------------------------- converter
 
 
@@ -283,6 +408,35 @@ def _make_converter() -> cattrs.Converter:
 
 
 _converter = _make_converter()
+
+
+def _make_fold_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    for kind in (str, int, bool):
+        converter.register_structure_hook(kind, _strict(kind))
+    # Messages carry the message converter's tags (the class name); a place for an answer gets its own.
+    configure_tagged_union(ContentPart, converter, tag_name="type")
+    configure_tagged_union(Message | PendingAnswer, converter, tag_name="type")
+
+    def structure_outcome(value: object, _: object) -> SubagentOutcome:
+        event: Event = event_converter.structure(value, Event)  # type: ignore[arg-type]
+        if not isinstance(event, SubagentCompleted | SubagentCancelled):
+            raise TypeError(f"expected a subagent outcome, got {type(event).__name__}")
+        return event
+
+    converter.register_structure_hook(SubagentOutcome, structure_outcome)
+    converter.register_unstructure_hook(SubagentOutcome, lambda event: event_converter.unstructure(event, Event))
+    converter.register_structure_hook(dict[str, Any] | None, lambda v, _: _json_object_or_none(v))
+    return converter
+
+
+def _json_object_or_none(value: object) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"expected a JSON object or null, got {type(value).__name__}")
+    return value
+
+
+_fold_converter = _make_fold_converter()
 
 
 async def read_conversation(store: JournalStore, session_id: str, *, agent_id: str = "root") -> list[Message]:

@@ -11,6 +11,12 @@ submitted; the call returns only after the store committed them. The store
 checks the fencing token inside the same transaction as the write, so a paused
 or partitioned former owner cannot write after a takeover.
 
+Reopening is as cheap as the events since the last snapshot: each stream is
+restored from its snapshot (if it has a usable one) and only the events after it
+are read and applied; `open_journal` writes snapshots on its way out (see
+`_snapshot` for the rules). `DurableJournal.conversation` gives an agent's history
+from the same state, without reading its stream.
+
 Failure rules:
 
 * The lease is lost (the heartbeat could not renew in time, or the store refused
@@ -38,7 +44,6 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import attrs
-import cattrs
 import trio
 
 from .._cleanup import bounded_shield
@@ -54,9 +59,11 @@ from .._errors import (
     LeaseLostError,
     StaleFencingTokenError,
 )
+from .._models._messages import Message
 from .._tools._definition import SideEffect, Tool
 from .._tools._lifecycle import ScheduledCall, Settlement, SettlementStatus
 from .._tools._results import ToolErrorType, ToolResult, json_copy
+from ._conversation import ConversationFold
 from ._events import (
     Event,
     EventEnvelope,
@@ -76,6 +83,16 @@ from ._events import (
     ToolStarted,
 )
 from ._projection import Projection, RecoveryKind, RecoveryPlan, ToolState
+from ._snapshot import (
+    SNAPSHOT_GRACE,
+    CallRecord,
+    _Stream,
+    decode_snapshot,
+    encode_snapshot,
+    logger,
+    result_from_json,
+    result_to_json,
+)
 from ._store import (
     AppendBatch,
     AppendResult,
@@ -99,39 +116,6 @@ __all__ = [
 
 ROOT_AGENT = "root"
 
-_results = cattrs.Converter()
-
-
-def result_to_json(result: ToolResult) -> dict[str, Any]:
-    """A `ToolResult` as stored in the journal (JSON-compatible; non-JSON output is refused)."""
-    data: dict[str, Any] = _results.unstructure(result, ToolResult)
-    copied: dict[str, Any] = json_copy(data)
-    return copied
-
-
-def result_from_json(data: Mapping[str, Any]) -> ToolResult:
-    try:
-        return _results.structure(dict(data), ToolResult)
-    except Exception as exc:
-        raise JournalCorruptError(f"a stored tool result cannot be decoded: {exc}") from exc
-
-
-@attrs.define
-class CallRecord:
-    """What the journal knows about one tool call beyond the projection's state."""
-
-    scheduled: ToolScheduled
-    started_input: dict[str, Any] | None = None
-    attempts: int = 0
-    settlement: ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown | None = None
-
-    @property
-    def result(self) -> ToolResult | None:
-        """The stored result of a completed or failed call."""
-        if isinstance(self.settlement, ToolCompleted | ToolFailed):
-            return result_from_json(self.settlement.result)
-        return None
-
 
 @attrs.frozen
 class RecoveryReport:
@@ -151,31 +135,6 @@ class RecoveryReport:
     reconciled: tuple[str, ...]
     cancelled: tuple[str, ...]
     aborted_attempts: tuple[str, ...]
-
-
-class _Stream:
-    __slots__ = ("agent_id", "calls", "commands", "projection", "stream_id")
-
-    def __init__(self, stream_id: str, agent_id: str) -> None:
-        self.stream_id = stream_id
-        self.agent_id = agent_id
-        self.projection = Projection(stream_id)
-        self.commands: dict[str, tuple[str, AppendResult]] = {}
-        self.calls: dict[str, CallRecord] = {}
-
-    def apply(self, envelope: EventEnvelope) -> None:
-        self.projection.apply(envelope)
-        self.track(envelope.event)
-
-    def track(self, event: Event) -> None:
-        if isinstance(event, ToolScheduled):
-            self.calls[event.call_id] = CallRecord(event)
-        elif isinstance(event, ToolStarted):
-            record = self.calls[event.call_id]
-            record.started_input = dict(event.input)
-            record.attempts += 1
-        elif isinstance(event, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown):
-            self.calls[event.call_id].settlement = event
 
 
 def _default_owner() -> str:
@@ -430,31 +389,116 @@ class DurableJournal:
         for info in await self.store.streams(self.session_id):
             if not info.stream_id.startswith(prefix):
                 raise ForeignStreamError(f"stream {info.stream_id!r} is not named after session {self.session_id!r}")
-            stream = _Stream(info.stream_id, info.stream_id[len(prefix) :])
-            after = 0
-            while True:
-                page = await self.store.read(info.stream_id, after=after, limit=1000)
-                if not page:
-                    break
-                for envelope in page:
-                    try:
-                        stream.apply(envelope)
-                    except InvalidTransitionError as exc:
-                        raise JournalCorruptError(
-                            f"stored stream {info.stream_id!r} breaks the journal's rules at seq {envelope.seq}: {exc}"
-                        ) from exc
-                after = page[-1].seq
-            if stream.projection.head != info.head:
-                raise JournalCorruptError(
-                    f"stream {info.stream_id!r} claims head {info.head} but holds {stream.projection.head} events"
-                )
-            for record in await self.store.commands(info.stream_id):
+            agent_id = info.stream_id[len(prefix) :]
+            stream = await self._restore(info.stream_id, agent_id, info.head)
+            try:
+                await self._replay(stream, info.head)
+            except JournalCorruptError as exc:
+                if stream.snapshot_seq == 0:
+                    raise
+                # The tail does not follow the snapshot: the snapshot is wrong, the events decide.
+                logger.warning("ignoring the snapshot of %s: %s; replaying the stream in full", info.stream_id, exc)
+                stream = _Stream(info.stream_id, agent_id)
+                await self._replay(stream, info.head)
+            for record in await self.store.commands(info.stream_id, after=stream.snapshot_seq):
                 stream.commands[record.command_id] = (
                     record.digest,
                     AppendResult(info.stream_id, record.first_seq, record.last_seq),
                 )
             streams[info.stream_id] = stream
         self._streams = streams
+
+    async def _restore(self, stream_id: str, agent_id: str, head: int) -> _Stream:
+        """The stream as its snapshot has it, or empty if it has no usable one (logged)."""
+        load = getattr(self.store, "load_snapshot", None)  # a store from before snapshots has none
+        if load is not None:
+            try:
+                found: tuple[int, bytes] | None = await load(stream_id)
+                if found is not None:
+                    seq, body = found
+                    if seq > head:
+                        raise JournalCorruptError(f"snapshot {stream_id}@{seq} lies past the stream's head {head}")
+                    return decode_snapshot(stream_id, agent_id, seq, body)
+            except JournalCorruptError as exc:
+                logger.warning("ignoring the snapshot of %s: %s; replaying the stream in full", stream_id, exc)
+        return _Stream(stream_id, agent_id)
+
+    async def _replay(self, stream: _Stream, head: int) -> None:
+        """Apply the stored events after the stream's head, up to ``head`` (the store's)."""
+        after = stream.projection.head
+        while True:
+            page = await self.store.read(stream.stream_id, after=after, limit=1000)
+            if not page:
+                break
+            for envelope in page:
+                try:
+                    stream.apply(envelope)
+                except InvalidTransitionError as exc:
+                    raise JournalCorruptError(
+                        f"stored stream {stream.stream_id!r} breaks the journal's rules at seq {envelope.seq}: {exc}"
+                    ) from exc
+            after = page[-1].seq
+        if stream.projection.head != head:
+            raise JournalCorruptError(
+                f"stream {stream.stream_id!r} claims head {head} but holds {stream.projection.head} events"
+            )
+
+    # -- snapshots and the conversation
+
+    def conversation(self, agent_id: str | None = None) -> list[Message]:
+        """One agent's conversation (the root's by default) as `fold_conversation` of every event
+        of its stream gives it, without reading the stream (`JournalCorruptError` for a payload
+        that cannot be read)."""
+        return self._stream(agent_id).folded().messages()
+
+    def conversation_fold(self, agent_id: str | None = None) -> ConversationFold:
+        """The incremental fold of one agent's stream, caught up (read it; never feed it):
+        ``outcomes_since_reply`` and ``last_output`` are there too."""
+        return self._stream(agent_id).folded()
+
+    def _healthy(self) -> bool:
+        if self._lost is not None or self._fenced is not None:
+            return False
+        for ticket in self._pending_starts.values():
+            if not ticket.done:
+                return False
+            try:
+                ticket.outcome()
+            except (JournalError, LeaseLostError):
+                return False
+        return True
+
+    async def snapshot_all(self, *, min_events: int = 1) -> list[str]:
+        """Save a snapshot of every stream at least ``min_events`` past its last one; best effort.
+
+        Returns the stream ids saved. Nothing is saved unless the journal is healthy (lease
+        held, not fenced, every submitted start committed); a stream whose snapshot cannot be
+        made or saved is logged (WARNING) and skipped: the events stay the truth.
+        """
+        save = getattr(self.store, "save_snapshot", None)
+        saved: list[str] = []
+        if save is None:
+            await trio.lowlevel.checkpoint()
+            return saved
+        for stream in list(self._streams.values()):
+            if not self._healthy():
+                break
+            if stream.projection.head - stream.snapshot_seq < max(min_events, 1):
+                continue
+            try:
+                # Commands the cache may lack (an append cancelled in flight still landed).
+                since = await self.store.commands(stream.stream_id, after=stream.snapshot_seq)
+                seq = stream.projection.head
+                body = encode_snapshot(stream, [(c.command_id, c.digest, c.first_seq, c.last_seq) for c in since])
+                await save(self.session_id, stream.stream_id, seq, self.lease.token, body)
+            except (JournalError, LeaseLostError) as exc:
+                logger.warning("the snapshot of %s was not saved: %s: %s", stream.stream_id, type(exc).__name__, exc)
+                if isinstance(exc, StaleFencingTokenError):
+                    self._lose(exc)  # as an append would: another process owns the session now
+                continue
+            stream.snapshot_seq = seq
+            saved.append(stream.stream_id)
+        return saved
 
     async def open_agent(self, agent_id: str, *, parent_agent_id: str | None = None) -> None:
         """Create an agent's stream (its ``session_created`` event) if it does not exist yet."""
@@ -775,6 +819,7 @@ async def open_journal(
     durable_pure_starts: bool = True,
     commit_grace: float = 10.0,
     root_agent_id: str = ROOT_AGENT,
+    snapshot_every: int | None = 32,
 ) -> AsyncIterator[DurableJournal]:
     """Hold one session's journal: lease, heartbeat, projections.
 
@@ -784,6 +829,10 @@ async def open_journal(
     (0: fail at once with `LeaseHeldError`). ``durable_pure_starts=False`` lets
     ``pure`` tools start without waiting for their ``tool_started`` commit (an
     explicit opt-in; every other tool always waits).
+
+    On the way out, a healthy journal saves a snapshot of every stream that moved at
+    least ``snapshot_every`` events since its last one (``None``: never), so the next
+    open reads only what came after (bounded, best effort; see `_snapshot`).
 
     If the lease is lost, the body is cancelled and the block raises `LeaseLostError`.
     """
@@ -795,6 +844,10 @@ async def open_journal(
         raise ConfigError(f"heartbeat_interval ({interval}) must be shorter than lease_ttl ({lease_ttl})")
     takeover_timeout = _check_seconds("takeover_timeout", takeover_timeout, allow_zero=True)
     commit_grace = _check_seconds("commit_grace", commit_grace)
+    if snapshot_every is not None and (
+        isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1
+    ):
+        raise ConfigError(f"snapshot_every must be a positive number of events or None, not {snapshot_every!r}")
     session_id = session_id or f"session-{uuid.uuid4().hex}"
     if "/" in session_id:
         raise ConfigError(f"session_id must not contain '/': {session_id!r}")
@@ -837,6 +890,12 @@ async def open_journal(
                 for ticket in list(journal._pending_starts.values()):
                     with contextlib.suppress(JournalError, LeaseLostError):
                         await ticket.wait()
+                if snapshot_every is not None and journal._streams:
+                    # While the lease is still ours (the store fences it); never holds the close for long.
+                    with trio.move_on_after(min(SNAPSHOT_GRACE, commit_grace)) as scope:
+                        await journal.snapshot_all(min_events=snapshot_every)
+                    if scope.cancelled_caught:
+                        logger.warning("saving snapshots of session %s overran its bound; left", session_id)
                 with contextlib.suppress(JournalError):  # it expires on its own
                     await store.release_lease(journal.lease)
     if journal._lost is not None:

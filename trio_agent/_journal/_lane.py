@@ -37,9 +37,10 @@ import trio
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield
 from .._errors import JournalError, JournalUnavailableError
-from ._store import AppendBatch, AppendResult, AppendTicket, Lease, check_id, check_ttl
+from ._codec import snapshot_row
+from ._store import AppendBatch, AppendResult, AppendTicket, Lease, SnapshotWrite, check_id, check_ttl
 
-__all__ = ["LaneItem", "LaneStore", "LeaseOp", "WriterLane", "close_in_thread"]
+__all__ = ["LaneItem", "LaneStore", "LeaseOp", "SnapshotWork", "WriterLane", "close_in_thread"]
 
 T = TypeVar("T")
 
@@ -241,9 +242,21 @@ class LeaseOp:
     ttl: float
 
 
+@attrs.frozen
+class SnapshotWork:
+    """A snapshot for a writer lane, checksummed before it is queued (never under the write lock)."""
+
+    write: SnapshotWrite
+    checksum: int
+
+    @property
+    def session_id(self) -> str:
+        return self.write.session_id
+
+
 class LaneStore:
-    """The write side every lane-backed store shares: appends and lease operations both go
-    through the store's `WriterLane`, so they commit in submission order, in group commits.
+    """The write side every lane-backed store shares: appends, snapshots and lease operations
+    all go through the store's `WriterLane`, so they commit in submission order, in group commits.
 
     Ids are checked (`check_id`) before anything is queued, so a bad one fails alone.
     """
@@ -302,3 +315,12 @@ class LaneStore:
 
     async def release_lease(self, lease: Lease) -> None:
         await self._lease_op(LeaseOp("release", lease.session_id, lease.owner, lease.token, 1.0))
+
+    async def save_snapshot(self, session_id: str, stream_id: str, seq: int, token: int, body: bytes) -> None:
+        write = SnapshotWrite(session_id, stream_id, seq, token, body)
+        if self._lane is None:
+            raise JournalError(self._not_open())
+        work = SnapshotWork(write, snapshot_row(stream_id, seq, body)[1])
+        item: LaneItem[None] = LaneItem()
+        self._lane.submit(work, item.resolve)
+        await item.wait()

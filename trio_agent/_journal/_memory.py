@@ -16,6 +16,7 @@ import trio
 from .._errors import (
     JournalCorruptError,
 )
+from ._codec import snapshot_row, verify_snapshot
 from ._events import EventEnvelope
 from ._store import (
     AppendBatch,
@@ -25,11 +26,13 @@ from ._store import (
     CommandRecord,
     Lease,
     LeaseRow,
+    SnapshotWrite,
     StreamInfo,
     check_id,
     check_ttl,
     decide_append,
     decide_lease,
+    decide_snapshot,
     releases,
     wall_clock,
 )
@@ -43,6 +46,8 @@ class _Stream:
     rows: list[EventEnvelope] = attrs.Factory(list)
     commands: dict[str, CommandRecord] = attrs.Factory(dict)
     changed: trio.Event = attrs.Factory(trio.Event)
+    # (seq, body, checksum): kept as a file store keeps it, so a test can damage it like one.
+    snapshot: tuple[int, bytes, int] | None = None
 
 
 class MemoryStore:
@@ -135,10 +140,34 @@ class MemoryStore:
         stream = self._streams.get(stream_id)
         return None if stream is None else stream.commands.get(command_id)
 
-    async def commands(self, stream_id: str) -> list[CommandRecord]:
+    async def commands(self, stream_id: str, *, after: int = 0) -> list[CommandRecord]:
         await trio.lowlevel.checkpoint()
         stream = self._streams.get(stream_id)
-        return [] if stream is None else sorted(stream.commands.values(), key=lambda c: c.first_seq)
+        if stream is None:
+            return []
+        return sorted((c for c in stream.commands.values() if c.first_seq > after), key=lambda c: c.first_seq)
+
+    # -- snapshots
+
+    async def save_snapshot(self, session_id: str, stream_id: str, seq: int, token: int, body: bytes) -> None:
+        write = SnapshotWrite(session_id, stream_id, seq, token, body)
+        await trio.lowlevel.checkpoint()
+        stream = self._streams.get(stream_id)
+        decide_snapshot(
+            write,
+            lease=self._row(session_id),
+            stream=None if stream is None else (stream.session_id, len(stream.rows)),
+            now=self.clock(),
+        )
+        assert stream is not None
+        stream.snapshot = (seq, *snapshot_row(stream_id, seq, body))
+
+    async def load_snapshot(self, stream_id: str) -> tuple[int, bytes] | None:
+        await trio.lowlevel.checkpoint()
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.snapshot is None:
+            return None
+        return verify_snapshot(stream_id, *stream.snapshot)
 
     # -- leases
 

@@ -44,6 +44,14 @@ filled for every existing row (taken on trust), then made NOT NULL, so a
 version-1 process still writing there is refused, never trusted. Bodies are
 encoded and checksummed before the transaction begins; the longest transaction
 is `statistics()` ``["longest_write_hold"]``.
+
+Snapshots (`_snapshot`) live in the ``snapshots`` table (one row per stream: seq, the
+token that wrote it, the body bytes and their checksum by the same rule), written
+through the writer lane and fenced like appends, in the same transaction. The table
+and an index of commands by position are created if missing when a store opens the
+schema, with no format change: they are additive, older workers sharing the schema
+never read them, and a snapshot stays true whatever is appended after it, so workers
+of both versions can run side by side.
 """
 
 from __future__ import annotations
@@ -74,9 +82,9 @@ from .._errors import (
     JournalUnavailableError,
     LeaseLostError,
 )
-from ._codec import EventRow, commit_encoded, decode_range, row_checksum
+from ._codec import EventRow, commit_encoded, decode_range, row_checksum, verify_snapshot
 from ._events import EventEnvelope
-from ._lane import LaneStore, LeaseOp, WriterLane, close_in_thread
+from ._lane import LaneStore, LeaseOp, SnapshotWork, WriterLane, close_in_thread
 from ._store import (
     AppendBatch,
     AppendResult,
@@ -86,6 +94,7 @@ from ._store import (
     StreamInfo,
     decide_append,
     decide_lease,
+    decide_snapshot,
     releases,
     unavailable,
 )
@@ -120,6 +129,11 @@ _SCHEMA: tuple[LiteralString, ...] = (
     "CREATE TABLE IF NOT EXISTS {s}.commands("
     " stream_id text NOT NULL, command_id text NOT NULL, digest text NOT NULL,"
     " first_seq bigint NOT NULL, last_seq bigint NOT NULL, PRIMARY KEY(stream_id, command_id))",
+    # Additive, created if missing (see the module docstring): no format change.
+    "CREATE INDEX IF NOT EXISTS commands_seq ON {s}.commands(stream_id, first_seq)",
+    "CREATE TABLE IF NOT EXISTS {s}.snapshots("
+    " stream_id text PRIMARY KEY, seq bigint NOT NULL, token bigint NOT NULL, body bytea NOT NULL,"
+    " checksum bigint NOT NULL)",
 )
 
 _Q_FORMAT: LiteralString = "SELECT value FROM {s}.meta WHERE key = 'format'"
@@ -187,8 +201,16 @@ _Q_COMMAND: LiteralString = (
     "SELECT digest, first_seq, last_seq FROM {s}.commands WHERE stream_id = %s AND command_id = %s"
 )
 _Q_COMMANDS: LiteralString = (
-    "SELECT command_id, digest, first_seq, last_seq FROM {s}.commands WHERE stream_id = %s ORDER BY first_seq"
+    "SELECT command_id, digest, first_seq, last_seq FROM {s}.commands WHERE stream_id = %s AND first_seq > %s"
+    " ORDER BY first_seq"
 )
+_Q_UPSERT_SNAPSHOTS: LiteralString = (
+    "INSERT INTO {s}.snapshots(stream_id, seq, token, body, checksum)"
+    " SELECT * FROM unnest(%s::text[], %s::bigint[], %s::bigint[], %s::bytea[], %s::bigint[])"
+    " ON CONFLICT (stream_id) DO UPDATE SET seq = excluded.seq, token = excluded.token, body = excluded.body,"
+    " checksum = excluded.checksum"
+)
+_Q_SNAPSHOT: LiteralString = "SELECT seq, body, checksum FROM {s}.snapshots WHERE stream_id = %s"
 _Q_LEASE: LiteralString = "SELECT owner, token, expires_at FROM {s}.leases WHERE session_id = %s AND token > 0"
 
 
@@ -221,6 +243,7 @@ class _Change:
     stream: tuple[str, str, int, bool] | None = None  # (stream_id, session_id, head, created)
     command: CommandRecord | None = None
     lease: tuple[str, str, int, float] | None = None  # (session_id, owner, token, expires_at)
+    snapshot: SnapshotWork | None = None
 
     def apply(self, state: _State) -> None:
         if self.stream is not None:
@@ -242,9 +265,12 @@ class _Writes:
     heads: dict[str, int] = attrs.Factory(dict)
     commands: list[CommandRecord] = attrs.Factory(list)
     leases: dict[str, tuple[str, int, float]] = attrs.Factory(dict)
+    snapshots: dict[str, SnapshotWork] = attrs.Factory(dict)
 
     def add(self, change: _Change) -> None:
         self.events.extend(change.events)
+        if change.snapshot is not None:
+            self.snapshots[change.snapshot.write.stream_id] = change.snapshot  # the last one of a stream wins
         if change.stream is not None:
             stream_id, session_id, head, created = change.stream
             if created or stream_id in self.created:
@@ -298,6 +324,10 @@ def _storable(*values: str | None) -> bool:
 
 
 def _unstorable(work: Any) -> JournalError | None:
+    if isinstance(work, SnapshotWork):
+        if _storable(work.write.session_id, work.write.stream_id):
+            return None
+        return JournalError(f"snapshot of {work.write.stream_id!r} refused: PostgreSQL text cannot hold its ids")
     if isinstance(work, AppendBatch):
         if _storable(work.session_id, work.stream_id, work.command_id, work.command_digest):
             return None  # the bodies are ASCII JSON
@@ -589,7 +619,8 @@ class PostgresStore(LaneStore):
     ) -> list[object]:
         sessions = sorted({work.session_id for work in works})
         appends = [work for work in works if isinstance(work, AppendBatch)]
-        stream_ids = sorted({batch.stream_id for batch in appends})
+        snapshots = [work.write.stream_id for work in works if isinstance(work, SnapshotWork)]
+        stream_ids = sorted({batch.stream_id for batch in appends} | set(snapshots))
         keyed = [batch for batch in appends if batch.command_id is not None]
         acquiring = sorted({work.session_id for work in works if isinstance(work, LeaseOp) and work.kind == "acquire"})
         q = self._q
@@ -727,6 +758,18 @@ class PostgresStore(LaneStore):
                     [c.last_seq for c in commands],
                 ),
             )
+        if writes.snapshots:
+            snaps = [work for _, work in sorted(writes.snapshots.items())]
+            conn.execute(
+                q["_Q_UPSERT_SNAPSHOTS"],
+                (
+                    [w.write.stream_id for w in snaps],
+                    [w.write.seq for w in snaps],
+                    [w.write.token for w in snaps],
+                    [w.write.body for w in snaps],
+                    [w.checksum for w in snaps],
+                ),
+            )
         if writes.leases:
             leases = sorted(writes.leases.items())
             conn.execute(
@@ -744,7 +787,23 @@ class PostgresStore(LaneStore):
     def _plan(self, state: _State, work: Any, rows: list[EventRow]) -> tuple[object, _Change | None]:
         if isinstance(work, AppendBatch):
             return self._plan_append(state, work, rows)
+        if isinstance(work, SnapshotWork):
+            return self._plan_snapshot(state, work)
         return self._plan_lease(state, work)
+
+    @staticmethod
+    def _plan_snapshot(state: _State, work: SnapshotWork) -> tuple[None, _Change]:
+        # Against the state as the batch's earlier items left it: a snapshot may follow its appends.
+        try:
+            decide_snapshot(
+                work.write,
+                lease=state.leases.get(work.write.session_id),
+                stream=state.streams.get(work.write.stream_id),
+                now=state.now,
+            )
+        except (JournalError, LeaseLostError) as refusal:
+            raise _Rejected(refusal) from None
+        return None, _Change(snapshot=work)
 
     @staticmethod
     def _plan_append(state: _State, batch: AppendBatch, rows: list[EventRow]) -> tuple[AppendResult, _Change | None]:
@@ -952,15 +1011,27 @@ class PostgresStore(LaneStore):
 
         return await self._query(run)
 
-    async def commands(self, stream_id: str) -> list[CommandRecord]:
+    async def commands(self, stream_id: str, *, after: int = 0) -> list[CommandRecord]:
         if not _storable(stream_id):  # never stored: PostgreSQL text cannot hold it
             await trio.lowlevel.checkpoint()
             return []
         query = self._q["_Q_COMMANDS"]
 
         def run(conn: _Conn) -> list[CommandRecord]:
-            rows = conn.execute(query, (stream_id,)).fetchall()
+            rows = conn.execute(query, (stream_id, after)).fetchall()
             return [CommandRecord(stream_id, row[0], row[1], int(row[2]), int(row[3])) for row in rows]
+
+        return await self._query(run)
+
+    async def load_snapshot(self, stream_id: str) -> tuple[int, bytes] | None:
+        if not _storable(stream_id):  # never stored: PostgreSQL text cannot hold it
+            await trio.lowlevel.checkpoint()
+            return None
+        query = self._q["_Q_SNAPSHOT"]
+
+        def run(conn: _Conn) -> tuple[int, bytes] | None:
+            row = conn.execute(query, (stream_id,)).fetchone()
+            return None if row is None else verify_snapshot(stream_id, row[0], row[1], row[2])
 
         return await self._query(run)
 

@@ -47,6 +47,10 @@ Everything that decides a transition lives in this file, in the tables
 
 Invalid events raise `InvalidTransitionError` before anything is changed: each
 handler validates first and returns the mutation, which ``apply`` then runs.
+
+The whole state is one attrs value (``_State``): a stream's snapshot (`_snapshot`)
+keeps it as it is, and `Projection.restored` takes it back, so a projection restored
+at seq N and fed N+1 ... M is the projection of 1 ... M.
 """
 
 from __future__ import annotations
@@ -396,6 +400,13 @@ class Projection:
             raise ValueError("stream_id must be a non-empty string")
         self.stream_id = stream_id
         self._s = _State()
+
+    @classmethod
+    def restored(cls, stream_id: str, state: _State) -> Projection:
+        """The projection whose state is ``state`` (a snapshot's; it is taken, not copied)."""
+        projection = cls(stream_id)
+        projection._s = state
+        return projection
 
     # -- reading
 

@@ -23,6 +23,14 @@ file is migrated on its first write-open, in one transaction: the ``checksum``
 column is added and filled for every existing row, which is thereby taken on
 trust. A read-only store reads a version-1 file as it is, verifying no checksum.
 
+Snapshots (`_snapshot`) live in ``journal_snapshots`` (one row per stream: seq, the
+token that wrote it, the body bytes and their checksum by the same rule). The table,
+and an index of commands by position, are created if missing on every write-open,
+with no format change: they are additive, code that predates them never reads them,
+and a snapshot stays true whatever is appended after it (events are never rewritten),
+so a file can go back and forth between versions. A read-only store of a file that
+has no such table reads no snapshot.
+
 Bodies are encoded and checksummed before ``BEGIN IMMEDIATE``, so the write lock
 is held only for the checks and a few set-wide statements; the longest hold is
 `statistics()` ``["longest_write_hold"]``.
@@ -51,9 +59,9 @@ from .._errors import (
     JournalError,
     LeaseLostError,
 )
-from ._codec import EventRow, commit_encoded, decode_range, row_checksum, row_error
+from ._codec import EventRow, commit_encoded, decode_range, row_checksum, row_error, verify_snapshot
 from ._events import EventEnvelope
-from ._lane import LaneStore, LeaseOp, WriterLane, close_in_thread
+from ._lane import LaneStore, LeaseOp, SnapshotWork, WriterLane, close_in_thread
 from ._store import (
     AppendBatch,
     AppendResult,
@@ -64,6 +72,7 @@ from ._store import (
     StreamInfo,
     decide_append,
     decide_lease,
+    decide_snapshot,
     releases,
     unavailable,
     wall_clock,
@@ -92,6 +101,17 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS journal_commands("
     " stream_id TEXT NOT NULL, command_id TEXT NOT NULL, digest TEXT NOT NULL,"
     " first_seq INTEGER NOT NULL, last_seq INTEGER NOT NULL, PRIMARY KEY(stream_id, command_id)) WITHOUT ROWID",
+    # Additive, created if missing (see the module docstring): no format change.
+    "CREATE INDEX IF NOT EXISTS journal_commands_seq ON journal_commands(stream_id, first_seq)",
+    "CREATE TABLE IF NOT EXISTS journal_snapshots("
+    " stream_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, token INTEGER NOT NULL, body BLOB NOT NULL,"
+    " checksum INTEGER NOT NULL)",
+)
+
+_UPSERT_SNAPSHOT = (
+    "INSERT INTO journal_snapshots(stream_id, seq, token, body, checksum) VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT(stream_id) DO UPDATE SET seq=excluded.seq, token=excluded.token, body=excluded.body,"
+    " checksum=excluded.checksum"
 )
 
 
@@ -187,6 +207,7 @@ class SQLiteStore(LaneStore):
         self._changed: dict[str, trio.Event] = {}
         self._closed = False
         self._verify = True  # the rows carry checksums (schema version 2)
+        self._snapshots: bool | None = None if readonly else True  # whether journal_snapshots exists
 
     def _not_open(self) -> str:
         return (
@@ -341,6 +362,15 @@ class SQLiteStore(LaneStore):
             now = self.clock()  # once the lock is held: a wait for it never makes an expired lease look valid
             self._prefetch(conn, works, leases, streams)
             for work, work_rows in zip(works, encoded, strict=True):
+                if isinstance(work, SnapshotWork):
+                    try:
+                        outcomes.append(self._apply_snapshot(conn, work, now, leases, streams))
+                    except _Rejected as rejected:
+                        outcomes.append(rejected.error)
+                    except (UnicodeError, ValueError, sqlite3.InterfaceError) as exc:
+                        conn.execute("ROLLBACK")
+                        raise _Isolate from exc
+                    continue
                 if not isinstance(work, AppendBatch):
                     leases.pop(work.session_id, None)  # the lease row changes now
                     try:
@@ -480,6 +510,8 @@ class SQLiteStore(LaneStore):
                 try:
                     if isinstance(work, AppendBatch):
                         outcome: object = self._apply_append(conn, work, work_rows, now)
+                    elif isinstance(work, SnapshotWork):
+                        outcome = self._apply_snapshot(conn, work, now, {}, {})
                     else:
                         outcome = self._apply_lease(conn, work, now)
                 except _Rejected as rejected:
@@ -487,7 +519,7 @@ class SQLiteStore(LaneStore):
                     outcome = rejected.error
                 except (UnicodeError, ValueError, sqlite3.InterfaceError, sqlite3.IntegrityError) as exc:
                     conn.execute("ROLLBACK TO item")
-                    what = "append" if isinstance(work, AppendBatch) else "lease operation"
+                    what = {AppendBatch: "append", SnapshotWork: "snapshot"}.get(type(work), "lease operation")
                     outcome = JournalError(f"the store cannot keep this {what}: {type(exc).__name__}: {exc}")
                 conn.execute("RELEASE item")
                 outcomes.append(outcome)
@@ -525,6 +557,33 @@ class SQLiteStore(LaneStore):
                 (batch.stream_id, batch.command_id, batch.command_digest, batch.first_seq, batch.last_seq),
             )
         return result
+
+    @staticmethod
+    def _apply_snapshot(
+        conn: sqlite3.Connection,
+        work: SnapshotWork,
+        now: float,
+        leases: dict[str, LeaseRow | None],
+        streams: dict[str, tuple[str, int] | None],
+    ) -> None:
+        """Check one snapshot against this transaction's view (the batch's earlier appends
+        included) and write it."""
+        write = work.write
+        if write.session_id not in leases:
+            row = conn.execute(
+                "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (write.session_id,)
+            ).fetchone()
+            leases[write.session_id] = None if row is None else (str(row[0]), int(row[1]), float(row[2]))
+        if write.stream_id not in streams:
+            row = conn.execute(
+                "SELECT session_id, head FROM journal_streams WHERE stream_id=?", (write.stream_id,)
+            ).fetchone()
+            streams[write.stream_id] = None if row is None else (str(row[0]), int(row[1]))
+        try:
+            decide_snapshot(write, lease=leases[write.session_id], stream=streams[write.stream_id], now=now)
+        except (JournalError, LeaseLostError) as refusal:
+            raise _Rejected(refusal) from None
+        conn.execute(_UPSERT_SNAPSHOT, (write.stream_id, write.seq, write.token, write.body, work.checksum))
 
     @staticmethod
     def _apply_lease(conn: sqlite3.Connection, op: LeaseOp, now: float) -> Lease | None:
@@ -652,16 +711,34 @@ class SQLiteStore(LaneStore):
         result: CommandRecord | None = await self._read(query)
         return result
 
-    async def commands(self, stream_id: str) -> list[CommandRecord]:
+    async def commands(self, stream_id: str, *, after: int = 0) -> list[CommandRecord]:
         def query(conn: sqlite3.Connection) -> list[CommandRecord]:
             rows = conn.execute(
                 "SELECT command_id, digest, first_seq, last_seq FROM journal_commands WHERE stream_id=?"
-                " ORDER BY first_seq",
-                (stream_id,),
+                " AND first_seq>? ORDER BY first_seq",
+                (stream_id, after),
             ).fetchall()
             return [CommandRecord(stream_id, row[0], row[1], int(row[2]), int(row[3])) for row in rows]
 
         result: list[CommandRecord] = await self._read(query)
+        return result
+
+    async def load_snapshot(self, stream_id: str) -> tuple[int, bytes] | None:
+        def query(conn: sqlite3.Connection) -> tuple[int, bytes] | None:
+            if self._snapshots is None:
+                # A read-only store may read a file from before snapshots: no table, no snapshot.
+                found = conn.execute(
+                    "SELECT 1 FROM sqlite_master WHERE type='table' AND name='journal_snapshots'"
+                ).fetchone()
+                self._snapshots = found is not None
+            if not self._snapshots:
+                return None
+            row = conn.execute(
+                "SELECT seq, body, checksum FROM journal_snapshots WHERE stream_id=?", (stream_id,)
+            ).fetchone()
+            return None if row is None else verify_snapshot(stream_id, row[0], row[1], row[2])
+
+        result: tuple[int, bytes] | None = await self._read(query)
         return result
 
     async def current_lease(self, session_id: str) -> Lease | None:

@@ -14,6 +14,12 @@ against a buggy or paused client, inside the same transaction as the write:
 Everything else (which event may follow which) is the projection's job, on the
 client, before anything reaches the store.
 
+A store also keeps at most one *snapshot* per stream (`save_snapshot`, `load_snapshot`;
+see `_snapshot`): opaque bytes that stand for the stream's first ``seq`` events. Saving
+one is fenced like an append (`decide_snapshot`: current, unexpired token; the stream
+exists, is the session's and has reached ``seq``), inside the write's own transaction.
+A snapshot is a cache: it never changes what `read` returns.
+
 Writes are submitted and then awaited: `JournalStore.submit` queues a batch and
 returns an `AppendTicket` at once; once submitted, the write happens whether or
 not anyone waits for it, so journal order never depends on cancellation.
@@ -41,6 +47,7 @@ __all__ = [
     "CommandRecord",
     "JournalStore",
     "Lease",
+    "SnapshotWrite",
     "StreamInfo",
     "check_id",
     "command_digest",
@@ -181,6 +188,25 @@ class AppendBatch:
         return self.envelopes[-1].seq
 
 
+@attrs.frozen
+class SnapshotWrite:
+    """One snapshot to save: ``body`` stands for the first ``seq`` events of ``stream_id``."""
+
+    session_id: str
+    stream_id: str
+    seq: int
+    token: int
+    body: bytes
+
+    def __attrs_post_init__(self) -> None:
+        check_id(self.session_id, "session id")
+        check_id(self.stream_id, "stream id")
+        if type(self.seq) is not int or self.seq < 1:
+            raise JournalError(f"a snapshot's seq must be a positive integer, not {self.seq!r}")
+        if not isinstance(self.body, bytes):
+            raise JournalError(f"a snapshot's body must be bytes, not {type(self.body).__name__}")
+
+
 class AppendTicket:
     """The pending outcome of one submitted append.
 
@@ -261,7 +287,20 @@ class JournalStore(Protocol):
 
     async def command(self, stream_id: str, command_id: str) -> CommandRecord | None: ...
 
-    async def commands(self, stream_id: str) -> list[CommandRecord]: ...
+    async def commands(self, stream_id: str, *, after: int = 0) -> list[CommandRecord]:
+        """The commands of a stream whose first event lies past ``after``, in stream order."""
+
+    async def save_snapshot(self, session_id: str, stream_id: str, seq: int, token: int, body: bytes) -> None:
+        """Keep ``body`` as the snapshot of ``stream_id`` at ``seq``, replacing any earlier one.
+
+        Fenced like an append (`decide_snapshot`): `StaleFencingTokenError` for a stale or
+        expired token, `ForeignStreamError` for another session's stream, `JournalError`
+        if the stream does not exist or has not reached ``seq``.
+        """
+
+    async def load_snapshot(self, stream_id: str) -> tuple[int, bytes] | None:
+        """The stored snapshot of a stream as ``(seq, body)``, its checksum verified
+        (`JournalCorruptError` if it fails), or ``None``."""
 
     async def acquire_lease(self, session_id: str, owner: str, ttl: float) -> Lease:
         """Take the session's lease with a new, higher token; `LeaseHeldError` if another holds it."""
@@ -317,19 +356,9 @@ def decide_append(
     (digest, first_seq, last_seq) of its command id. An identical replay returns the first
     outcome with ``replayed=True`` (and nothing must be written for it).
     """
-    from .._errors import CommandConflictError, ForeignStreamError, SequenceConflictError, StaleFencingTokenError
+    from .._errors import CommandConflictError, SequenceConflictError
 
-    if lease is None or lease[1] == 0 or lease[1] != batch.token or lease[2] < now:
-        detail = (
-            "no lease" if lease is None or lease[1] == 0 else f"the lease has token {lease[1]}, expires at {lease[2]}"
-        )
-        raise StaleFencingTokenError(
-            f"append to {batch.stream_id!r} with fencing token {batch.token} refused by the store: {detail}"
-        )
-    if stream is not None and stream[0] != batch.session_id:
-        raise ForeignStreamError(
-            f"stream {batch.stream_id!r} belongs to session {stream[0]!r}, not {batch.session_id!r}"
-        )
+    _check_fence("append", batch.session_id, batch.stream_id, batch.token, lease=lease, stream=stream, now=now)
     if batch.command_id is not None and command is not None:
         if command[0] != batch.command_digest:
             raise CommandConflictError(
@@ -345,6 +374,47 @@ def decide_append(
             actual=head,
         )
     return AppendResult(batch.stream_id, batch.first_seq, batch.last_seq)
+
+
+def _check_fence(
+    what: str,
+    session_id: str,
+    stream_id: str,
+    token: int,
+    *,
+    lease: LeaseRow | None,
+    stream: tuple[str, int] | None,
+    now: float,
+) -> None:
+    """The fence every write passes: the session's current, unexpired token, on its own stream."""
+    from .._errors import ForeignStreamError, StaleFencingTokenError
+
+    if lease is None or lease[1] == 0 or lease[1] != token or lease[2] < now:
+        detail = (
+            "no lease" if lease is None or lease[1] == 0 else f"the lease has token {lease[1]}, expires at {lease[2]}"
+        )
+        raise StaleFencingTokenError(
+            f"{what} to {stream_id!r} with fencing token {token} refused by the store: {detail}"
+        )
+    if stream is not None and stream[0] != session_id:
+        raise ForeignStreamError(f"stream {stream_id!r} belongs to session {stream[0]!r}, not {session_id!r}")
+
+
+def decide_snapshot(
+    write: SnapshotWrite, *, lease: LeaseRow | None, stream: tuple[str, int] | None, now: float
+) -> None:
+    """Apply the store's rules to one snapshot (as to an append: the fence first), or raise the refusal.
+
+    ``stream`` is the stored (session_id, head) of its stream: it must exist and have
+    reached the snapshot's seq, so a snapshot never stands for events the store lacks.
+    """
+    _check_fence("snapshot", write.session_id, write.stream_id, write.token, lease=lease, stream=stream, now=now)
+    if stream is None:
+        raise JournalError(f"snapshot of {write.stream_id!r} refused: the stream does not exist")
+    if write.seq > stream[1]:
+        raise JournalError(
+            f"snapshot of {write.stream_id!r} at seq {write.seq} refused: the stream's head is {stream[1]}"
+        )
 
 
 def decide_lease(

@@ -1,0 +1,579 @@
+"""Stream snapshots: a reopen restores each stream from its snapshot and applies only the tail.
+
+* Equivalence (hypothesis): for any valid stream and any snapshot point, the journal
+  restored from snapshot + tail holds exactly the state a full replay builds (projection,
+  call records, recovery plan, command ids, conversation), on MemoryStore and SQLite; the
+  incremental conversation fold equals `fold_conversation` however it is split.
+* Damage: a snapshot that fails its checksum, cannot be decoded, has an unknown version,
+  lies past the head or whose tail does not apply is ignored with a WARNING, and the
+  journal loads as from the events alone.
+* Fencing: the store refuses a snapshot like an append (stale or expired token, foreign
+  stream, past the head); a journal that lost its lease saves none.
+* Cost: after 200 close/reopen cycles, a reopen reads a bounded number of events.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.test_journal_projection import valid_sequences
+from tests.test_journal_stores import lease_on
+from trio_agent import open_sqlite_store
+from trio_agent._errors import ForeignStreamError, JournalCorruptError, JournalError, StaleFencingTokenError
+from trio_agent._journal._codec import row_checksum
+from trio_agent._journal._conversation import ConversationFold, ModelReplyRecord, fold_conversation
+from trio_agent._journal._durable import DurableJournal, open_journal
+from trio_agent._journal._events import (
+    ConversationSeeded,
+    Event,
+    EventEnvelope,
+    ModelAttemptCompleted,
+    ModelAttemptStarted,
+    OutcomeUnknownReason,
+    RequestAccepted,
+    RequestCompleted,
+    RequestStarted,
+    SessionClosed,
+    SessionCloseReason,
+    SessionCreated,
+    SessionReopened,
+    SubagentCancelled,
+    SubagentCompleted,
+    ToolCancelled,
+    ToolCompleted,
+    ToolFailed,
+    ToolOutcomeUnknown,
+    TurnCompleted,
+    TurnStarted,
+)
+from trio_agent._journal._memory import MemoryStore
+from trio_agent._journal._snapshot import SNAPSHOT_VERSION, _Stream, decode_snapshot, encode_snapshot
+from trio_agent._journal._store import stream_id_for
+from trio_agent._models._messages import ToolCallPart, UserMessage
+
+SID = "s"
+ROOT = stream_id_for(SID, "root")
+LOGGER = "trio_agent.journal"
+
+
+def restamp(envelopes: list[EventEnvelope], stream_id: str = ROOT) -> list[EventEnvelope]:
+    return [attrs.evolve(e, stream_id=stream_id) for e in envelopes]
+
+
+def replayed(envelopes: list[EventEnvelope], stream_id: str = ROOT) -> _Stream:
+    stream = _Stream(stream_id, stream_id.rsplit("/", 1)[1])
+    for envelope in envelopes:
+        stream.apply(envelope)
+    return stream
+
+
+# ================================================================ the codec, pure
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_sequences(), st.data())
+def test_restored_from_any_point_plus_tail_equals_the_full_replay(envelopes: list[EventEnvelope], data: Any) -> None:
+    envelopes = restamp(envelopes)
+    cut = data.draw(st.integers(1, len(envelopes)), label="snapshot at")
+    prefix = replayed(envelopes[:cut])
+    stream = decode_snapshot(ROOT, "root", cut, encode_snapshot(prefix))
+    for envelope in envelopes[cut:]:
+        stream.apply(envelope)
+    full = replayed(envelopes)
+    assert stream.projection.snapshot() == full.projection.snapshot()
+    assert stream.calls == full.calls
+    assert stream.projection.recovery_plan() == full.projection.recovery_plan()
+    assert stream.projection.recovery_plan(lambda name: True) == full.projection.recovery_plan(lambda name: True)
+    assert stream.folded() == full.folded()
+    assert stream.snapshot_seq == cut
+    # The encoding is stable: the same state gives the same bytes.
+    assert encode_snapshot(stream) == encode_snapshot(full)
+
+
+def test_a_snapshot_must_name_its_own_stream_and_seq() -> None:
+    stream = replayed(
+        [EventEnvelope(stream_id=ROOT, seq=1, event=SessionCreated(session_id=SID, agent_id="root"), recorded_at=0.0)]
+    )
+    body = encode_snapshot(stream)
+    with pytest.raises(JournalCorruptError, match="holds s/root@1"):
+        decode_snapshot(ROOT, "root", 2, body)
+    with pytest.raises(JournalCorruptError, match="holds s/root@1"):
+        decode_snapshot("s/other", "other", 1, body)
+
+
+# ================================================================ the conversation fold, pure
+
+CALLS = ["c1", "c2", "c3"]
+
+
+@st.composite
+def conversation_events(draw: Any) -> list[Event]:
+    """Events the fold reads, in any order (the fold does not judge transitions)."""
+    ids = {"request_id": "r", "turn_id": "t"}
+    text = st.text(max_size=4)
+    settlement = st.sampled_from(CALLS).flatmap(
+        lambda call: st.sampled_from(
+            [
+                ToolCompleted(**ids, call_id=call, result={"output": "ok"}),
+                ToolCompleted(**ids, call_id=call, result={"output": {"n": 1}}, published=False),
+                ToolFailed(**ids, call_id=call, result={"output": "bad"}),
+                ToolCancelled(**ids, call_id=call, reason="stop"),
+                ToolCancelled(**ids, call_id=call, reason="stop", result={"output": "cancelled"}),
+                ToolOutcomeUnknown(**ids, call_id=call, reason=OutcomeUnknownReason.PROCESS_RESTART),
+            ]
+        )
+    )
+
+    def attempt(n: int) -> Any:
+        calls = st.lists(st.sampled_from(CALLS), unique=True, max_size=3)
+        return st.tuples(st.lists(text, max_size=2), text, calls, st.data()).map(
+            lambda t: ModelAttemptCompleted(
+                **ids,
+                attempt_id=f"a{n}",
+                response=ModelReplyRecord(
+                    inputs=t[0],
+                    text=t[1],
+                    tool_calls=[ToolCallPart(c, "tool", "{}") for c in t[2]],
+                    rejected={c: "rejected" for c in t[2][:1] if t[3].draw(st.booleans())},
+                ).to_payload(),
+            )
+        )
+
+    one = st.one_of(
+        text.map(lambda p: RequestAccepted(request_id="r", command_id="c", input={"prompt": p})),
+        st.just(RequestAccepted(request_id="h", command_id="h", input={"start_subagent": "x"})),
+        st.integers(0, 9).flatmap(attempt),
+        settlement,
+        st.just(SubagentCompleted(request_id="r", subagent_id="sub")),
+        st.just(SubagentCancelled(request_id="r", subagent_id="sub", reason="gone")),
+        st.sampled_from([None, {}, {"text": "answer"}]).map(lambda o: RequestCompleted(request_id="r", output=o)),
+        st.just(
+            ConversationSeeded(session_id=SID, conversation={"messages": [{"type": "UserMessage", "content": "s"}]})
+        ),
+    )
+    return list(draw(st.lists(one, max_size=30)))
+
+
+def session_notes(events: list[Event]) -> list[Event]:
+    """What the session scans today: subagent outcomes after the last completed model attempt."""
+    last = max((i for i, e in enumerate(events) if isinstance(e, ModelAttemptCompleted)), default=-1)
+    return [e for e in events[last + 1 :] if isinstance(e, SubagentCompleted | SubagentCancelled)]
+
+
+def session_answer(events: list[Event]) -> dict[str, Any] | None:
+    answers = [e.output for e in events if isinstance(e, RequestCompleted) and e.output]
+    return answers[-1] if answers else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(conversation_events(), st.lists(st.integers(0, 30), max_size=4))
+def test_the_incremental_fold_equals_the_fold_however_it_is_split(events: list[Event], cuts: list[int]) -> None:
+    fold = ConversationFold()
+    start = 0
+    for cut in [*sorted(min(c, len(events)) for c in cuts), len(events)]:
+        for event in events[start:cut]:
+            fold.feed(event)
+        start = max(start, cut)
+        assert fold.messages() == fold_conversation(events[:start])
+        # What a snapshot keeps, through JSON text and back.
+        fold = ConversationFold.from_json(json.loads(json.dumps(fold.to_json())))
+    assert fold.messages() == fold_conversation(events)
+    assert list(fold.outcomes_since_reply) == session_notes(events)
+    assert fold.last_output == session_answer(events)
+
+
+def test_the_fold_reports_a_bad_payload_and_keeps_it_in_line() -> None:
+    bad = ModelAttemptCompleted(request_id="r", turn_id="t", attempt_id="a1", response={"text": 5})
+    stream = _Stream(ROOT, "root")
+    stream.track(RequestAccepted(request_id="r", command_id="c", input={"prompt": "hi"}))
+    stream.track(bad)
+    for _ in range(2):  # asking again reports it again
+        with pytest.raises(JournalCorruptError, match="model attempt a1"):
+            stream.folded()
+    assert stream.fold.messages() == [UserMessage("hi")]
+    with pytest.raises(JournalCorruptError):
+        ConversationFold.from_json({"entries": "nope"})
+
+
+# ================================================================ through the journal, on real stores
+
+
+@asynccontextmanager
+async def backend(kind: str) -> AsyncIterator[Any]:
+    if kind == "memory":
+        yield MemoryStore()
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        async with open_sqlite_store(Path(directory) / "j.db") as sqlite_store:
+            yield sqlite_store
+
+
+async def write_through_journal(journal: DurableJournal, envelopes: list[EventEnvelope]) -> None:
+    for envelope in envelopes:
+        event = envelope.event
+        command = event.command_id if isinstance(event, RequestAccepted) else None
+        await journal.append(event, command_id=command)
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(envelopes=valid_sequences(max_len=40), data=st.data())
+async def test_a_reopen_from_snapshot_and_tail_equals_a_full_replay(
+    kind: str, envelopes: list[EventEnvelope], data: Any
+) -> None:
+    envelopes = restamp(envelopes)
+    cut = data.draw(st.integers(1, len(envelopes)), label="snapshot at")
+    async with backend(kind) as store:
+        # open_journal writes the stream's session_created itself: the sequence's first event.
+        async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+            await write_through_journal(journal, envelopes[1:cut])
+            assert await journal.snapshot_all() == [ROOT]
+        async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+            assert journal._streams[ROOT].snapshot_seq == cut
+            await write_through_journal(journal, envelopes[cut:])  # appends on a restored projection
+        async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+            stored = await store.read(ROOT)
+            assert [e.event for e in stored] == [e.event for e in envelopes]
+            full = replayed(stored)
+            stream = journal._streams[ROOT]
+            assert stream.snapshot_seq == cut
+            assert journal.projection().snapshot() == full.projection.snapshot()
+            assert stream.calls == full.calls
+            assert journal.recovery_plan() == full.projection.recovery_plan()
+            assert journal.conversation() == fold_conversation(e.event for e in stored)
+            commands = {e.event.command_id for e in envelopes if isinstance(e.event, RequestAccepted)}
+            assert set(stream.commands) == commands
+            # A command applied before the snapshot is recognised: its replay appends nothing.
+            for envelope in envelopes[:cut]:
+                if isinstance(envelope.event, RequestAccepted):
+                    result = await journal.append(envelope.event, command_id=envelope.event.command_id)
+                    assert result.replayed and result.first_seq == envelope.seq
+            assert journal.projection().head == len(envelopes)
+
+
+async def test_a_crash_after_a_snapshot_recovers_from_snapshot_and_tail() -> None:
+    store = MemoryStore()
+    async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+        await journal.append(RequestAccepted(request_id="r1", command_id="r1", input={"prompt": "go"}))
+        await journal.append(RequestStarted(request_id="r1"), TurnStarted(request_id="r1", turn_id="t1", turn=1))
+        assert await journal.snapshot_all() == [ROOT]
+        # The process dies after this commit: nothing closes the attempt, no snapshot follows.
+        await journal.append(ModelAttemptStarted(request_id="r1", turn_id="t1", attempt_id="a1", model="m"))
+    async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+        assert journal._streams[ROOT].snapshot_seq == 4
+        full = replayed(await store.read(ROOT))
+        assert journal.recovery_plan() == full.projection.recovery_plan()
+        report = await journal.recover()
+        assert report.aborted_attempts == ("a1",)
+        assert journal.projection().snapshot() != full.projection.snapshot()  # recovery wrote the abort
+    assert replayed(await store.read(ROOT)).projection.recovery_plan() == journal.recovery_plan()
+
+
+@pytest.fixture
+def warnings_of(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    yield caplog
+
+
+def snapshot_row_of(store: Any) -> tuple[int, bytes, int]:
+    snap = store._streams[ROOT].snapshot
+    assert snap is not None
+    return snap  # type: ignore[no-any-return]
+
+
+async def a_closed_session(store: Any, requests: int = 3) -> list[Event]:
+    """A session of a few requests, closed cleanly (its snapshot written on the way out)."""
+    async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+        for n in range(requests):
+            await one_request(journal, n)
+        await journal.append(SessionClosed(session_id=SID, reason=SessionCloseReason.COMPLETED))
+    return [e.event for e in await store.read(ROOT)]
+
+
+async def one_request(journal: DurableJournal, n: int) -> None:
+    rid, tid, aid = (
+        f"r{journal.projection().life}-{n}",
+        f"t{journal.projection().life}-{n}",
+        f"a{journal.projection().life}-{n}",
+    )
+    await journal.append(RequestAccepted(request_id=rid, command_id=rid, input={"prompt": f"p{n}"}), command_id=rid)
+    await journal.append(
+        RequestStarted(request_id=rid),
+        TurnStarted(request_id=rid, turn_id=tid, turn=1),
+        ModelAttemptStarted(request_id=rid, turn_id=tid, attempt_id=aid, model="m"),
+    )
+    await journal.append(
+        ModelAttemptCompleted(
+            request_id=rid, turn_id=tid, attempt_id=aid, response=ModelReplyRecord(text=f"a{n}").to_payload()
+        ),
+        TurnCompleted(request_id=rid, turn_id=tid, has_tool_calls=False),
+        RequestCompleted(request_id=rid, output={"text": f"a{n}"}),
+    )
+
+
+def damage_memory(store: MemoryStore, how: str) -> None:
+    seq, body, checksum = snapshot_row_of(store)
+    if how == "flip a byte":
+        middle = len(body) // 2
+        store._streams[ROOT].snapshot = (
+            seq,
+            body[:middle] + bytes([body[middle] ^ 0x01]) + body[middle + 1 :],
+            checksum,
+        )
+        return
+    data = json.loads(body)
+    if how == "edit the JSON":
+        data["projection"]["requests"] = "nope"
+    elif how == "unknown version":
+        data["version"] = SNAPSHOT_VERSION + 1
+    elif how == "another stream":
+        data["stream_id"] = "s/other"
+    elif how == "a tail that does not follow":
+        data["projection"]["session"] = "ended"  # the tail's session_reopened cannot follow
+    if how == "past the head":
+        seq += 5
+        text = body
+    else:
+        text = json.dumps(data).encode()
+    store._streams[ROOT].snapshot = (seq, text, row_checksum(ROOT, seq, text))
+
+
+DAMAGE = [
+    "flip a byte",
+    "edit the JSON",
+    "unknown version",
+    "another stream",
+    "past the head",
+    "a tail that does not follow",
+]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+async def test_a_damaged_snapshot_is_ignored_with_a_warning(how: str, warnings_of: pytest.LogCaptureFixture) -> None:
+    store = MemoryStore()
+    events = await a_closed_session(store)
+    if how == "a tail that does not follow":
+        async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+            await journal.append(SessionReopened(session_id=SID, life=2))
+        events = [e.event for e in await store.read(ROOT)]
+    damage_memory(store, how)
+    warnings_of.clear()
+    async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+        stream = journal._streams[ROOT]
+        assert stream.snapshot_seq == 0  # replayed in full
+        assert journal.projection().snapshot() == replayed(await store.read(ROOT)).projection.snapshot()
+        assert journal.conversation() == fold_conversation(events)
+        assert set(stream.commands) == {"r1-0", "r1-1", "r1-2"}
+    warned = [r for r in warnings_of.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "ignoring the snapshot of s/root" in warned[0].getMessage()
+
+
+async def test_sqlite_a_damaged_snapshot_row_is_ignored_with_a_warning(
+    tmp_path: Path, warnings_of: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "j.db"
+    async with open_sqlite_store(path) as store:
+        events = await a_closed_session(store)
+        assert (await store.load_snapshot(ROOT)) is not None
+    with sqlite3.connect(path) as conn:
+        (body,) = conn.execute("SELECT body FROM journal_snapshots WHERE stream_id=?", (ROOT,)).fetchone()
+        flipped = bytes(body[:10]) + bytes([body[10] ^ 0x20]) + bytes(body[11:])
+        conn.execute("UPDATE journal_snapshots SET body=? WHERE stream_id=?", (flipped, ROOT))
+    warnings_of.clear()
+    async with open_sqlite_store(path) as store:
+        with pytest.raises(JournalCorruptError, match=r"stored snapshot s/root@\d+ is corrupt: checksum mismatch"):
+            await store.load_snapshot(ROOT)
+        async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+            assert journal._streams[ROOT].snapshot_seq == 0
+            assert journal.conversation() == fold_conversation(events)
+    assert any("checksum mismatch" in r.getMessage() for r in warnings_of.records if r.name == LOGGER)
+
+
+async def test_sqlite_a_read_only_store_of_a_file_without_snapshots_reads_none(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    async with open_sqlite_store(path) as store:
+        await a_closed_session(store)
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE journal_snapshots")  # a file written before snapshots existed
+    async with open_sqlite_store(path, readonly=True) as store:
+        assert await store.load_snapshot(ROOT) is None
+        assert len(await store.read(ROOT)) > 0
+    async with open_sqlite_store(path) as store:  # a write-open adds the table back, no format change
+        assert await store.load_snapshot(ROOT) is None
+        async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+            await journal.append(SessionReopened(session_id=SID, life=2))
+        assert await store.load_snapshot(ROOT) is not None
+
+
+# ================================================================ fencing
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+async def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    if request.param != "postgres":
+        async with backend(request.param) as store:
+            yield store
+        return
+    from trio_agent._journal._postgres import open_postgres_store
+
+    dsn = request.getfixturevalue("postgres_dsn")
+    async with open_postgres_store(dsn, schema=request.getfixturevalue("fresh_pg_schema")) as store:
+        yield store
+
+
+async def test_the_store_refuses_a_snapshot_like_an_append(any_store: Any) -> None:
+    store = any_store
+    lease = await lease_on(store, SID, "worker-1", ttl=60)
+    stream = _Stream(ROOT, "root")
+    envelope = EventEnvelope(
+        stream_id=ROOT, seq=1, event=SessionCreated(session_id=SID, agent_id="root"), recorded_at=0.0
+    )
+    with pytest.raises(JournalError, match="does not exist"):
+        await store.save_snapshot(SID, ROOT, 1, lease.token, b"{}")
+    from trio_agent.journal import AppendBatch
+
+    await store.append(AppendBatch(SID, ROOT, lease.token, [envelope]))
+    stream.apply(envelope)
+    body = encode_snapshot(stream)
+    with pytest.raises(JournalError, match="the stream's head is 1"):
+        await store.save_snapshot(SID, ROOT, 2, lease.token, body)
+    with pytest.raises(ForeignStreamError):
+        other = await lease_on(store, "other", "worker-1", ttl=60)
+        await store.save_snapshot("other", ROOT, 1, other.token, body)
+    await store.save_snapshot(SID, ROOT, 1, lease.token, body)
+    assert await store.load_snapshot(ROOT) == (1, body)
+    # A takeover: the old owner's token is stale for snapshots as for appends.
+    await store.release_lease(lease)
+    taken = await lease_on(store, SID, "worker-2", ttl=60)
+    with pytest.raises(StaleFencingTokenError, match="snapshot to 's/root' with fencing token"):
+        await store.save_snapshot(SID, ROOT, 1, lease.token, b"stale")
+    assert await store.load_snapshot(ROOT) == (1, body)
+    await store.save_snapshot(SID, ROOT, 1, taken.token, body + b" ")
+    assert await store.load_snapshot(ROOT) == (1, body + b" ")
+    assert await store.load_snapshot("s/none") is None
+
+
+async def test_a_journal_that_lost_its_lease_saves_no_snapshot(warnings_of: pytest.LogCaptureFixture) -> None:
+    store = MemoryStore()
+    with pytest.raises(Exception) as info:  # LeaseLostError
+        async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+            await journal.append(RequestAccepted(request_id="r", command_id="r", input={"prompt": "x"}))
+            await store.release_lease(journal.lease)
+            await store.acquire_lease(SID, "thief", 60)  # another process takes the session over
+            assert await journal.snapshot_all() == []  # refused by the store: logged, ignored
+    assert "lease" in str(info.value)
+    assert await store.load_snapshot(ROOT) is None
+    assert any("StaleFencingTokenError" in r.getMessage() for r in warnings_of.records if r.name == LOGGER)
+
+
+# ================================================================ reopen cost
+
+
+class CountingStore:
+    """Passes everything through, counting the events `read` returns."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.clock = inner.clock
+        self.events_read = 0
+
+    async def read(self, stream_id: str, *, after: int = 0, limit: int | None = None) -> list[EventEnvelope]:
+        got: list[EventEnvelope] = await self.inner.read(stream_id, after=after, limit=limit)
+        self.events_read += len(got)
+        return got
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def cycles(store: CountingStore, count: int, every: int) -> list[int]:
+    """``count`` lives of one session (reopen, one request, close); the events read by each open."""
+    reads: list[int] = []
+    for n in range(count):
+        store.events_read = 0
+        async with open_journal(store, session_id=SID, snapshot_every=every) as journal:
+            reads.append(store.events_read)
+            if journal.projection().life >= 1 and journal.projection().session_state.value == "closed":
+                await journal.append(SessionReopened(session_id=SID, life=journal.projection().life + 1))
+            await one_request(journal, n)
+            await journal.append(SessionClosed(session_id=SID, reason=SessionCloseReason.COMPLETED))
+    return reads
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_200_close_reopen_cycles_keep_the_reads_of_a_reopen_bounded(kind: str, tmp_path: Path) -> None:
+    every = 16
+    per_life = 9  # session_reopened, 7 events of a request, session_closed
+    async with backend(kind) as inner:
+        store = CountingStore(inner)
+        reads = await cycles(store, 200, every)
+        # A reopen reads at most the events since the last snapshot (fewer than `every`, as
+        # a snapshot is written on the way out once `every` events piled up), never the journal.
+        assert max(reads[1:]) < every + per_life, reads
+        assert len(await inner.read(ROOT)) == 200 * per_life
+        store.events_read = 0
+        async with open_journal(store, session_id=SID) as journal:
+            assert store.events_read < every + per_life
+            history = journal.conversation()
+            assert history == fold_conversation(e.event for e in await inner.read(ROOT))
+            assert len(history) == 400
+            assert journal.conversation_fold().last_output == {"text": "a199"}
+            assert set(journal._streams[ROOT].commands) == {f"r{life}-{life - 1}" for life in range(1, 201)}
+
+
+async def test_without_snapshots_a_reopen_reads_the_whole_journal() -> None:
+    store = CountingStore(MemoryStore())
+    reads = await cycles(store, 20, every=10**9)
+    assert reads[-1] == 19 * 9  # the control: the bound above is the snapshots' doing
+
+
+# ================================================================ PostgreSQL
+
+
+async def test_postgres_round_trip(
+    postgres_dsn: str, fresh_pg_schema: str, warnings_of: pytest.LogCaptureFixture
+) -> None:
+    from trio_agent._journal._postgres import open_postgres_store
+
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as pg:
+        store = CountingStore(pg)
+        await cycles(store, 30, every=16)
+        seq, body = await pg.load_snapshot(ROOT) or (0, b"")
+        assert 0 < seq <= await pg.head(ROOT)
+        store.events_read = 0
+        async with open_journal(store, session_id=SID) as journal:
+            assert journal._streams[ROOT].snapshot_seq == seq
+            assert store.events_read == await pg.head(ROOT) - seq
+            full = replayed(await pg.read(ROOT))
+            assert journal.projection().snapshot() == full.projection.snapshot()
+            assert journal.conversation() == full.folded().messages()
+            lease = journal.lease
+        taken = await pg.acquire_lease(SID, "worker-2", 60)
+        with pytest.raises(StaleFencingTokenError):
+            await pg.save_snapshot(SID, ROOT, seq, lease.token, body)
+        await pg.release_lease(taken)
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as pg:
+        import psycopg
+
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            conn.execute(f"UPDATE {fresh_pg_schema}.snapshots SET checksum = checksum + 1")
+        with pytest.raises(JournalCorruptError, match="checksum mismatch"):
+            await pg.load_snapshot(ROOT)
+        warnings_of.clear()
+        store = CountingStore(pg)
+        async with open_journal(store, session_id=SID) as journal:
+            assert journal._streams[ROOT].snapshot_seq == 0
+            assert store.events_read == await pg.head(ROOT)
+        assert any("checksum mismatch" in r.getMessage() for r in warnings_of.records if r.name == LOGGER)
