@@ -6,7 +6,7 @@ import enum
 import inspect
 import re
 import typing
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import attrs
@@ -15,7 +15,7 @@ import jsonschema_rs
 
 from .._errors import ToolBehaviorError, ToolDefinitionError, ToolInputError
 from ._results import JsonObject, ToolResult
-from ._schema import default_signature_field, schema_for_attrs_class
+from ._schema import default_signature_field, is_input_class, schema_for_class
 
 if TYPE_CHECKING:
     from .._session._permissions import PermissionResult
@@ -291,6 +291,8 @@ class Tool(Generic[In]):
         if self.input_type is None:
             return typing.cast(In, value)
         try:
+            if _is_pydantic_model(self.input_type):
+                return typing.cast(In, self.input_type.model_validate(value))  # type: ignore[attr-defined]
             return _converter.structure(value, self.input_type)
         except Exception as exc:
             detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else str(exc)
@@ -523,15 +525,13 @@ def _build_tool(
     if input_type is None and input_schema is None:
         input_type = _annotated_input_type(run)
         if input_type is None:
-            raise ToolDefinitionError(
-                f"tool {tool_name!r} has no input schema: pass input_schema= (JSON Schema) or "
-                "input_type= (an attrs class), or annotate run's first parameter with an attrs class"
-            )
+            # `async def weather(city: str, units: str = "c", ctx=None)`: the parameters are the input.
+            input_type, run = _signature_input(run, tool_name)
     if input_type is not None:
         if input_schema is not None:
             raise ToolDefinitionError(f"tool {tool_name!r}: give input_schema or input_type, not both")
         try:
-            schema = schema_for_attrs_class(input_type)
+            schema = _input_class_schema(input_type)
         except ToolDefinitionError as exc:
             raise ToolDefinitionError(f"tool {tool_name!r}: {exc}") from None
     else:
@@ -582,8 +582,79 @@ def _build_tool(
     )
 
 
+def _is_pydantic_model(cls: object) -> bool:
+    return isinstance(cls, type) and hasattr(cls, "model_json_schema") and hasattr(cls, "model_validate")
+
+
+def _input_class_schema(cls: type) -> dict[str, Any]:
+    if _is_pydantic_model(cls):
+        schema: dict[str, Any] = cls.model_json_schema()  # type: ignore[attr-defined]
+        schema.setdefault("type", "object")
+        return schema
+    return schema_for_class(cls)
+
+
+_CONTEXT_PARAMETER = "ctx"
+
+
+def _signature_input(run: RunFn, tool_name: str) -> tuple[type, RunFn]:
+    """An input class made from ``run``'s typed parameters (all but ``ctx``), and a ``run(input, ctx)``
+    that calls it with them as keyword arguments."""
+    from ._context import ToolContext
+
+    try:
+        hints = typing.get_type_hints(run)
+    except Exception as exc:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: cannot resolve the annotations of its parameters ({exc!r})"
+        ) from None
+    fields: dict[str, Any] = {}
+    takes_context = False
+    for parameter in inspect.signature(run).parameters.values():
+        annotation = hints.get(parameter.name)
+        if parameter.name == _CONTEXT_PARAMETER or annotation is ToolContext:
+            takes_context = True
+            continue
+        if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            raise ToolDefinitionError(f"tool {tool_name!r}: *{parameter.name} cannot be a tool input; name each one")
+        if parameter.kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise ToolDefinitionError(f"tool {tool_name!r}: parameter {parameter.name!r} must not be positional-only")
+        if annotation is None:
+            raise ToolDefinitionError(
+                f"tool {tool_name!r} has no input schema: annotate parameter {parameter.name!r} with its type "
+                "(e.g. `city: str`), or pass input_schema= (JSON Schema) or input_type= (an attrs class, a "
+                "dataclass or a pydantic model)"
+            )
+        default = attrs.NOTHING if parameter.default is inspect.Parameter.empty else parameter.default
+        fields[parameter.name] = attrs.field(type=annotation, default=default)
+    if len(fields) == 1:
+        (only,) = fields.values()
+        if only.type is dict or typing.get_origin(only.type) in (dict, Mapping, typing.Mapping):
+            # `run(input: dict, ctx)` means the raw JSON input, whose shape only a schema can say.
+            raise ToolDefinitionError(
+                f"tool {tool_name!r} has no input schema: its input is a plain dict, so pass input_schema= "
+                "(JSON Schema), or give typed parameters (`city: str`) or an input class"
+            )
+    input_class = attrs.make_class(f"{tool_name}_input", fields, kw_only=True, frozen=True)
+    input_class.__doc__ = None
+    names = tuple(fields)
+
+    async def run_with_parameters(value: Any, ctx: ToolContext) -> Any:
+        arguments = {name: getattr(value, name) for name in names}
+        if takes_context:
+            arguments[_CONTEXT_PARAMETER] = ctx
+        call: Callable[..., Awaitable[Any]] = run
+        return await call(**arguments)
+
+    run_with_parameters.__name__ = getattr(run, "__name__", tool_name)
+    run_with_parameters.__doc__ = run.__doc__
+    run_with_parameters.__wrapped__ = run  # type: ignore[attr-defined]
+    return input_class, run_with_parameters
+
+
 def _annotated_input_type(run: RunFn) -> type | None:
-    """The attrs class annotated on ``run``'s first parameter, if any (other annotations are ignored)."""
+    """The input class (attrs class, dataclass or pydantic model) annotated on ``run``'s first
+    parameter, if any (other annotations are ignored)."""
     parameters = list(inspect.signature(run).parameters.values())
     if not parameters:
         return None
@@ -598,6 +669,6 @@ def _annotated_input_type(run: RunFn) -> type | None:
                 f"{getattr(run, '__qualname__', run)}'s first parameter ({exc!r}); define the input class "
                 "at module level or pass input_type="
             ) from None
-    if isinstance(annotation, type) and attrs.has(annotation):
-        return annotation
+    if is_input_class(annotation) or _is_pydantic_model(annotation):
+        return annotation  # type: ignore[no-any-return]
     return None

@@ -1,7 +1,11 @@
-"""JSON Schema (draft 2020-12) generated from typed attrs input classes."""
+"""JSON Schema (draft 2020-12) generated from typed input classes: attrs classes and dataclasses.
+
+(Pydantic models bring their own ``model_json_schema()``; plain typed parameters
+become an attrs class first, see `_definition.py`.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import types
 import typing
@@ -12,7 +16,13 @@ import attrs
 
 from .._errors import ToolDefinitionError
 
-__all__ = ["SIGNATURE_FIELDS", "default_signature_field", "schema_for_attrs_class"]
+__all__ = [
+    "SIGNATURE_FIELDS",
+    "default_signature_field",
+    "is_input_class",
+    "schema_for_attrs_class",
+    "schema_for_class",
+]
 
 _SCALARS: dict[Any, dict[str, Any]] = {
     str: {"type": "string"},
@@ -44,17 +54,26 @@ def default_signature_field(schema: Mapping[str, Any]) -> str | None:
     return None
 
 
-def schema_for_attrs_class(cls: type) -> dict[str, Any]:
-    """The JSON Schema of an attrs class: fields become properties, fields without a default are required.
+def is_input_class(cls: object) -> bool:
+    """An attrs class or a dataclass (whose schema this module can write)."""
+    return isinstance(cls, type) and (attrs.has(cls) or dataclasses.is_dataclass(cls))
+
+
+def schema_for_class(cls: type) -> dict[str, Any]:
+    """The JSON Schema of an attrs class or a dataclass: fields become properties, fields without a
+    default are required.
 
     A field's ``metadata={"description": ...}`` becomes its description; unknown
     properties are rejected (``additionalProperties: false``).
     """
-    if not attrs.has(cls):
-        raise ToolDefinitionError(f"input type {cls!r} is not an attrs class")
+    if not is_input_class(cls):
+        raise ToolDefinitionError(f"input type {cls!r} is not an attrs class or a dataclass")
     schema = _object_schema(cls, seen=())
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     return schema
+
+
+schema_for_attrs_class = schema_for_class  # the earlier name
 
 
 def _object_schema(cls: type, seen: tuple[type, ...]) -> dict[str, Any]:
@@ -66,19 +85,14 @@ def _object_schema(cls: type, seen: tuple[type, ...]) -> dict[str, Any]:
         raise ToolDefinitionError(f"cannot resolve the annotations of {cls.__qualname__}: {exc}") from exc
     properties: dict[str, Any] = {}
     required: list[str] = []
-    for field in attrs.fields(cls):
-        if not field.init:  # not part of the input: cattrs would reject it as an extra key
-            continue
-        annotation = hints.get(field.name, field.type)
+    for name, annotation, has_default, description in _fields(cls, hints):
         if annotation is None:
-            raise ToolDefinitionError(f"{cls.__qualname__}.{field.name} has no type annotation")
-        prop = _type_schema(annotation, (*seen, cls), where=f"{cls.__qualname__}.{field.name}")
-        description = field.metadata.get("description")
+            raise ToolDefinitionError(f"{cls.__qualname__}.{name} has no type annotation")
+        prop = _type_schema(annotation, (*seen, cls), where=f"{cls.__qualname__}.{name}")
         if description:
             prop = {**prop, "description": str(description)}
-        name = field.alias or field.name
         properties[name] = prop
-        if field.default is attrs.NOTHING:
+        if not has_default:
             required.append(name)
     schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
     if required:
@@ -87,6 +101,24 @@ def _object_schema(cls: type, seen: tuple[type, ...]) -> dict[str, Any]:
     if doc and not doc.startswith(cls.__name__ + "("):  # skip attrs' generated signature docs
         schema["description"] = doc.strip()
     return schema
+
+
+def _fields(cls: type, hints: Mapping[str, Any]) -> list[tuple[str, Any, bool, object]]:
+    """(input name, annotation, has a default, description) of each field that is part of the input."""
+    if attrs.has(cls):
+        return [
+            (field.alias or field.name, hints.get(field.name, field.type), field.default is not attrs.NOTHING,
+             field.metadata.get("description"))
+            for field in attrs.fields(cls)
+            if field.init  # not part of the input: cattrs would reject it as an extra key
+        ]  # fmt: skip
+    return [
+        (field.name, hints.get(field.name, field.type),
+         field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING,
+         field.metadata.get("description"))
+        for field in dataclasses.fields(cls)
+        if field.init
+    ]  # fmt: skip
 
 
 def _type_schema(annotation: Any, seen: tuple[type, ...], where: str) -> dict[str, Any]:
@@ -102,7 +134,7 @@ def _type_schema(annotation: Any, seen: tuple[type, ...], where: str) -> dict[st
         return {"enum": list(args)}
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return {"enum": [member.value for member in annotation]}
-    if isinstance(annotation, type) and attrs.has(annotation):
+    if is_input_class(annotation):
         return _object_schema(annotation, seen)
     if origin in (list, tuple, set, frozenset, Sequence, typing.Sequence) or annotation in (list, tuple):
         if origin is tuple and len(args) == 2 and args[1] is Ellipsis:

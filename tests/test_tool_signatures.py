@@ -1,0 +1,99 @@
+"""A tool's input from its signature, a dataclass or a pydantic model, beside attrs classes and JSON Schema."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from trio_agent import ToolContext, ToolDefinitionError, define_tool, open_session
+from trio_agent._tools._context import ToolCall
+from trio_agent._tools._pipeline import ToolPipeline
+from trio_agent.testing import Reply, TestModel
+
+
+@define_tool(side_effect="pure", kind="readonly")
+async def weather(city: str, units: str = "celsius", ctx: ToolContext | None = None) -> str:
+    """Today's weather in a city."""
+    assert ctx is not None
+    return f"sunny in {city} ({units})"
+
+
+def test_plain_typed_parameters_make_the_schema() -> None:
+    schema = weather.input_schema
+    assert schema["properties"] == {"city": {"type": "string"}, "units": {"type": "string"}}
+    assert schema["required"] == ["city"]
+    assert schema["additionalProperties"] is False
+    assert weather.description == "Today's weather in a city."
+
+
+async def test_a_signature_tool_runs_with_its_arguments_and_the_context() -> None:
+    pipeline = ToolPipeline([weather])
+    ok = await pipeline.execute(ToolCall("c1", "weather", {"city": "Paris"}))
+    assert ok.result.output == "sunny in Paris (celsius)"
+    bad = await pipeline.execute(ToolCall("c2", "weather", {"city": 3}))
+    assert bad.result.error is not None and "city" in bad.result.error.message
+
+
+@dataclasses.dataclass
+class Forecast:
+    city: str
+    days: int = 1
+
+
+async def test_a_dataclass_input() -> None:
+    @define_tool(side_effect="pure", kind="readonly")
+    async def forecast(query: Forecast, ctx: Any) -> str:
+        """Forecast."""
+        return f"{query.city} for {query.days} days"
+
+    assert forecast.input_schema["required"] == ["city"]
+    record = await ToolPipeline([forecast]).execute(ToolCall("c1", "forecast", {"city": "Oslo", "days": 3}))
+    assert record.result.output == "Oslo for 3 days"
+
+
+async def test_a_pydantic_model_input() -> None:
+    pydantic = pytest.importorskip("pydantic")
+
+    class Order(pydantic.BaseModel):  # type: ignore[misc,name-defined]
+        item: str
+        quantity: int = 1
+
+    @define_tool(side_effect="idempotent", kind="readonly", input_type=Order)
+    async def order(value: Any, ctx: Any) -> str:
+        """Orders."""
+        return f"{value.quantity} x {value.item}"
+
+    assert order.input_schema["properties"]["item"]["type"] == "string"
+    pipeline = ToolPipeline([order])
+    record = await pipeline.execute(ToolCall("c1", "order", {"item": "tea", "quantity": 2}))
+    assert record.result.output == "2 x tea"
+    bad = await pipeline.execute(ToolCall("c2", "order", {"item": "tea", "quantity": "many"}))
+    assert not bad.result.ok
+
+
+def test_an_unannotated_parameter_is_a_clear_error() -> None:
+    with pytest.raises(ToolDefinitionError, match="annotate parameter 'city'"):
+
+        @define_tool(side_effect="pure", kind="readonly")
+        async def untyped(city, ctx) -> str:  # type: ignore[no-untyped-def]
+            """No types."""
+            return ""
+
+
+def test_var_arguments_are_refused() -> None:
+    with pytest.raises(ToolDefinitionError, match=r"\*args"):
+
+        @define_tool(side_effect="pure", kind="readonly")
+        async def spread(*args: str) -> str:
+            """Spread."""
+            return ""
+
+
+async def test_a_first_tool_written_with_plain_typed_parameters_works_in_a_session() -> None:
+    model = TestModel({"weather?": [Reply(tool_calls=[("weather", {"city": "Rome"})]), Reply(text="nice")]})
+    async with open_session(provider=model, tools=[weather]) as session:
+        assert await session.send("weather?") == "nice"
+    answer = next(m for m in model.requests[1].messages if type(m).__name__ == "ToolResultMessage")
+    assert answer.content == "sunny in Rome (celsius)"
