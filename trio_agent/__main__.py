@@ -4,15 +4,36 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 
 from ._demo import run_demo
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def _version() -> str:
+    try:
+        return metadata.version("trio_agent")
+    except metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree without install
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trio_agent", description="trio_agent command line")
+    parser.add_argument("--version", action="version", version=f"trio_agent {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run the orchestration demo (offline by default: no API key needed)")
-    demo.add_argument("--calls", type=int, default=6, help="how many notes, one background subagent each (default 6)")
+    demo.add_argument(
+        "--calls", type=_positive, default=6, help="how many notes, one background subagent each (default 6)"
+    )
     demo.add_argument(
         "--provider", choices=["openai", "anthropic"], default=None, help="run on a real model (needs its API key)"
     )
@@ -23,13 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     show = journal_commands.add_parser("show", help="print a readable timeline of a journal")
     show.add_argument("path", help="the SQLite journal file")
     show.add_argument("--session", default=None, help="only this session")
+    show.add_argument("--agent", default=None, help="only this agent's stream (e.g. root, reviewer-7)")
     args = parser.parse_args(argv)
     if args.command == "demo":
+        if args.model is not None and args.provider is None:
+            parser.error(
+                "--model needs --provider (openai or anthropic); without it the offline test model plays every agent"
+            )
         return run_demo(calls=args.calls, provider=args.provider, model=args.model, journal=args.journal)
     if args.command == "journal":
         from ._journal._inspect import show_journal
 
-        return show_journal(args.path, args.session)
+        return show_journal(args.path, args.session, args.agent)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

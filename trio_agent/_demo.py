@@ -34,7 +34,8 @@ from typing import Any, TextIO
 import attrs
 import trio
 
-from ._errors import ConfigError, TrioAgentError
+from ._errors import ConfigError
+from ._groups import unwrap_for_boundary
 from ._journal._events import EventEnvelope, ModelAttemptCompleted, RequestCompleted, ToolStarted
 from ._journal._inspect import summarize_calls
 from ._journal._sqlite import open_sqlite_store
@@ -551,7 +552,9 @@ async def _demo(out: TextIO, *, calls: int, provider: str | None, model: str | N
             ) as session:
                 print(
                     f"trio_agent demo: model {session.model}; {calls} notes; session {session.session_id}\n"
-                    f"  workspace {workspace}\n  journal   {journal_path}\n",
+                    f"  workspace {workspace}\n  journal   {journal_path}"
+                    + ("" if journal else "  (temporary: deleted when the demo ends; --journal PATH keeps it)")
+                    + "\n",
                     file=out,
                 )
                 await _orchestrate(session, live)
@@ -611,12 +614,25 @@ def run_demo(
     if provider is not None and not model:
         print(f"error: --model is required with --provider {provider}", file=sys.stderr)
         return 2
+    if calls < 1:
+        print(f"error: --calls must be at least 1, not {calls}", file=sys.stderr)
+        return 2
     try:
-        trio.run(functools.partial(_demo, stream, calls=max(1, calls), provider=provider, model=model, journal=journal))
+        trio.run(functools.partial(_demo, stream, calls=calls, provider=provider, model=model, journal=journal))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BaseExceptionGroup as group:  # one line, never a group traceback
+        exc = unwrap_for_boundary(group)
+        if isinstance(exc, KeyboardInterrupt):
+            print("interrupted", file=sys.stderr)
+            return 130
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     except ConfigError as exc:  # e.g. ProviderConfigError: no API key
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except TrioAgentError as exc:  # e.g. a real model refused the request
+    except Exception as exc:  # e.g. a real model refused the request, or the network is down
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -5,6 +5,7 @@ Read-only: it never writes to the journal and never takes a lease.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -109,8 +110,7 @@ def _describe(event: object) -> str:
         count = len(event.conversation.get("messages", []))
         return f"conversation seeded with {count} message(s)"
     if isinstance(event, RequestAccepted):
-        prompt = str(event.input.get("prompt", ""))[:60]
-        return f"request {event.request_id} accepted {prompt!r}"
+        return f"request {event.request_id} accepted {_preview(str(event.input.get('prompt', '')), 60)!r}"
     if isinstance(event, RequestCompleted):
         return f"request {event.request_id} completed"
     if isinstance(event, RequestFailed):
@@ -134,13 +134,13 @@ def _describe(event: object) -> str:
     if isinstance(event, ModelAttemptFailed):
         return f"model attempt {event.attempt_id} failed: {event.error.message}"
     if isinstance(event, ToolScheduled):
-        return f"{event.call_id} {event.tool_name} scheduled ({event.side_effect.value})"
+        arguments = _preview(json.dumps(event.model_input, ensure_ascii=False), 60)
+        return f"{event.call_id} {event.tool_name}({arguments}) scheduled ({event.side_effect.value})"
     if isinstance(event, ToolStarted):
         return f"{event.call_id} started" + (" (synthetic)" if event.synthetic else "")
     if isinstance(event, ToolCompleted | ToolFailed):
         verb = "completed" if isinstance(event, ToolCompleted) else "failed"
-        output = str(event.result.get("output", ""))
-        output = output if len(output) <= 50 else output[:47] + "..."
+        output = _preview(str(event.result.get("output", "")), 50)
         return f"{event.call_id} {verb}: {output}" + ("" if event.published else " [withheld]")
     if isinstance(event, ToolCancelled):
         return f"{event.call_id} cancelled: {event.reason}"
@@ -161,19 +161,39 @@ def _describe(event: object) -> str:
     return event_type_name(type(event))
 
 
+def _preview(text: str, width: int) -> str:
+    """One line of at most *width* characters (newlines would break the timeline's columns)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 3] + "..."
+
+
 def _clock(stamp: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(stamp)) + f".{int((stamp % 1) * 1000):03d}"
 
 
-async def render_timeline(store: JournalStore, *, session_id: str | None = None) -> str:
-    """The readable timeline of every session (or one) in ``store``."""
+def _stream_order(stream_id: str) -> tuple[int, str]:
+    """The root stream first, then the subagents' by id (``reviewer-7`` after ``root``)."""
+    return (0 if stream_id.endswith("/root") else 1, stream_id)
+
+
+async def render_timeline(
+    store: JournalStore, *, session_id: str | None = None, agent_id: str | None = None
+) -> str:
+    """The readable timeline of every session (or one, or one agent of it) in ``store``."""
     streams = await store.streams(session_id)
     if session_id is not None and not streams:
         raise JournalError(f"the journal has no session {session_id!r}")
+    if agent_id is not None:
+        streams = [info for info in streams if info.stream_id.rsplit("/", 1)[-1] == agent_id]
+        if not streams:
+            where = f" in session {session_id!r}" if session_id else ""
+            raise JournalError(f"the journal has no agent {agent_id!r}{where}")
     lines: list[str] = []
     sessions: dict[str, list[str]] = {}
     for info in streams:
         sessions.setdefault(info.session_id, []).append(info.stream_id)
+    for stream_ids in sessions.values():
+        stream_ids.sort(key=_stream_order)
     for session, stream_ids in sessions.items():
         lease = await store.current_lease(session)
         holder = "" if lease is None else f", lease token {lease.token} ({lease.owner})"
@@ -211,7 +231,7 @@ async def render_timeline(store: JournalStore, *, session_id: str | None = None)
     return "\n".join(lines)
 
 
-def show_journal(path: str, session_id: str | None = None) -> int:
+def show_journal(path: str, session_id: str | None = None, agent_id: str | None = None) -> int:
     """The ``journal show`` command; returns the exit status."""
     import sys
 
@@ -222,10 +242,14 @@ def show_journal(path: str, session_id: str | None = None) -> int:
     if not os.path.exists(path):
         print(f"error: no journal at {path}", file=sys.stderr)
         return 1
+    if os.path.isdir(path):
+        print(f"error: {path} is a directory; give the journal's file (e.g. {os.path.join(path, 'journal.db')})",
+              file=sys.stderr)  # fmt: skip
+        return 1
 
     async def run() -> str:
         async with open_sqlite_store(path, readonly=True) as store:
-            return await render_timeline(store, session_id=session_id)
+            return await render_timeline(store, session_id=session_id, agent_id=agent_id)
 
     try:
         print(trio.run(run))

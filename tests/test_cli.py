@@ -1,0 +1,97 @@
+"""The command line: version, refused options, one-line errors, and ``journal show`` for people."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trio_agent import open_session
+from trio_agent.testing import Reply, TestModel
+
+ENV = {**os.environ, "OPENAI_API_KEY": "", "ANTHROPIC_API_KEY": ""}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trio_agent", *args], capture_output=True, text=True, timeout=120, env=ENV
+    )
+
+
+def test_version() -> None:
+    done = run_cli("--version")
+    assert done.returncode == 0 and done.stdout.startswith("trio_agent ")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("demo", "--model", "gpt-x"), "--model needs --provider"),
+        (("demo", "--calls", "0"), "0 is not >= 1"),
+        (("demo", "--calls", "-1"), "-1 is not >= 1"),
+    ],
+)
+def test_options_that_would_be_silently_changed_are_refused(args: tuple[str, ...], words: str) -> None:
+    done = run_cli(*args)
+    assert done.returncode == 2
+    assert words in done.stderr
+
+
+def test_a_demo_that_cannot_start_says_why_in_one_line() -> None:
+    done = run_cli("demo", "--provider", "openai", "--model", "gpt-x")
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_in_the_demo_is_one_line() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trio_agent", "demo", "--calls", "200"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    assert process.stdout is not None
+    process.stdout.readline()  # the demo is running
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert stderr.strip() == "interrupted"
+
+
+async def journal_with_a_subagent(path: Path) -> None:
+    from trio_agent import SubagentDefinition
+
+    helper = SubagentDefinition("reviewer", "reviews", "You review.")
+    model = TestModel(default=Reply(text="line one\nline two"))
+    async with open_session(provider=model, journal=path, session_id="s1", subagents=[helper]) as session:
+        handle = await session.start_subagent("reviewer", "look")
+        await handle.wait()
+        await session.send("first line\nsecond line")
+
+
+async def test_journal_show_for_people(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    await journal_with_a_subagent(path)
+    done = run_cli("journal", "show", str(path))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.index("stream s1/root") < out.index("stream s1/reviewer")  # root first
+    assert "'first line second line'" in out  # a preview stays on one line
+    only = run_cli("journal", "show", str(path), "--agent", "root")
+    assert "s1/reviewer" not in only.stdout.split("calls:")[0].split("stream s1/root")[1]
+    assert "stream s1/reviewer" not in only.stdout
+    missing = run_cli("journal", "show", str(path), "--agent", "nobody")
+    assert missing.returncode == 1 and "no agent 'nobody'" in missing.stderr
+
+
+def test_journal_show_of_a_directory_is_a_clear_error(tmp_path: Path) -> None:
+    done = run_cli("journal", "show", str(tmp_path))
+    assert done.returncode == 1
+    assert "is a directory" in done.stderr
