@@ -495,3 +495,26 @@ async def test_unwrapping_keeps_the_errors_own_cause() -> None:
         async with open_test_model():
             raise ModelError("wrapped") from cause
     assert caught.value.__cause__ is cause
+
+
+async def test_an_unscripted_conversation_names_its_key_and_the_known_keys() -> None:
+    from trio_agent import ModelError, ModelService, UserMessage
+
+    model = TestModel({"hello": [Reply(text="hi")]})
+    service = ModelService(model)
+    with pytest.raises(ModelError, match=r"no script for conversation 'other'.*'hello'"):
+        await service.chat([UserMessage("other")])
+    assert (await service.chat([UserMessage("hello")])).message.parts
+    with pytest.raises(ModelError, match=r"script for conversation 'hello' ran out.*'hello'"):
+        await service.chat([UserMessage("hello")])
+
+
+async def test_scripts_can_be_keyed_explicitly() -> None:
+    from trio_agent import ModelService, TextPart, UserMessage
+
+    model = TestModel(
+        {"last:b": [Reply(text="for b")]},
+        key=lambda request: "last:" + [m.content for m in request.messages if isinstance(m, UserMessage)][-1],
+    )
+    response = await ModelService(model).chat([UserMessage("a"), UserMessage("b")])
+    assert response.message.parts == (TextPart("for b"),)

@@ -120,12 +120,21 @@ class _Timer:
 
 
 class TestModel:
-    """A `Provider` with scripted, deterministic replies.
+    """A `Provider` with deterministic replies, for tests and offline runs.
 
-    Give ``script`` as a mapping from conversation key (see `conversation_key`) to a
-    list of replies consumed in order, so concurrent conversations never take each
-    other's replies; ``default`` is used for keys without a script (a list consumed
-    in order, or one reply repeated). Or give ``respond``, a function of the request.
+    The simplest is ``respond``: a function from the request to its `Reply`
+    (``TestModel(respond=lambda request: Reply(text="hi"))``); it sees the whole
+    request, so it can answer by the last message, the tools offered, anything.
+
+    Or a ``script``: a mapping from a conversation's *key* to the replies that
+    conversation gets, in order, so concurrent conversations never take each other's
+    replies. The key of a request is ``key(request)``; by default (`conversation_key`)
+    its ``metadata["conversation_id"]`` if set, else the content of its **first user
+    message**, so every request of one session (which keeps its history) reads the
+    same script, one reply per model call, across requests. A conversation whose
+    script ran out, or that has none while no ``default`` is given, is an error that
+    names the conversation's key and the known keys. ``default`` answers
+    conversations without a script (a list consumed in order, or one reply repeated).
     ``requests`` records every request the model received.
     """
 
@@ -140,8 +149,10 @@ class TestModel:
         respond: Responder | None = None,
         model: str = "test-model",
         timer: _Timer | None = None,
+        key: Callable[[ModelRequest], str] | None = None,
     ) -> None:
         self.model = model
+        self._key = key or conversation_key
         self._scripts = {key: deque(replies) for key, replies in (script or {}).items()}
         self._default_one = default if isinstance(default, Reply) else None
         self._default_queue = deque(default) if default is not None and not isinstance(default, Reply) else None
@@ -150,7 +161,7 @@ class TestModel:
         self.requests: list[ModelRequest] = []
 
     def with_model(self, model: str) -> TestModel:
-        clone = TestModel(model=model, respond=self._respond, timer=self._timer)
+        clone = TestModel(model=model, respond=self._respond, timer=self._timer, key=self._key)
         clone._scripts = self._scripts
         clone._default_one = self._default_one
         clone._default_queue = self._default_queue
@@ -161,19 +172,31 @@ class TestModel:
         self.requests.append(request)
         if self._respond is not None:
             return self._respond(request)
-        key = conversation_key(request)
+        key = self._key(request)
         queue = self._scripts.get(key)
         if queue is not None:
             if queue:
                 return queue.popleft()
-            raise ModelError(f"test model's script for conversation {key!r} ran out", code="TEST_MODEL_EXHAUSTED")
+            raise ModelError(
+                f"test model's script for conversation {key!r} ran out (each model call takes one reply; "
+                f"scripted conversations: {self._known()})",
+                code="TEST_MODEL_EXHAUSTED",
+            )
         if self._default_queue:
             return self._default_queue.popleft()
         if self._default_one is not None:
             return self._default_one
         raise ModelError(
-            f"test model has no reply left for conversation {conversation_key(request)!r}", code="TEST_MODEL_EXHAUSTED"
+            f"test model has no script for conversation {key!r} and no default reply left "
+            f"(scripted conversations: {self._known()}; a conversation's key is its first user message "
+            "unless key= says otherwise)",
+            code="TEST_MODEL_EXHAUSTED",
         )
+
+    def _known(self) -> str:
+        keys = sorted(self._scripts)
+        shown = ", ".join(repr(key[:40]) for key in keys[:10])
+        return (shown + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")) or "none"
 
     async def _wait(self, seconds: float) -> None:
         if seconds <= 0:
