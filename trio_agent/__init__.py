@@ -152,6 +152,7 @@ from ._session._messages import ToolProgressEvent as ToolProgressEvent
 from ._session._messages import ToolResultEvent as ToolResultEvent
 from ._session._messages import ToolUseEvent as ToolUseEvent
 from ._session._messages import UsageEvent as UsageEvent
+from ._session._open import open_session as open_session
 from ._session._permissions import PathPolicy as PathPolicy
 from ._session._permissions import PermissionAllow as PermissionAllow
 from ._session._permissions import PermissionAsk as PermissionAsk
@@ -166,9 +167,14 @@ from ._session._plugins import Plugin as Plugin
 from ._session._plugins import TrustLevel as TrustLevel
 from ._session._plugins import define_plugin as define_plugin
 from ._session._session import Session as Session
-from ._session._session import SubagentDefinition as SubagentDefinition
-from ._session._session import SubagentHandle as SubagentHandle
-from ._session._session import open_session as open_session
+from ._session._spec import AgentSpec as AgentSpec
+from ._session._spec import define_agent as define_agent
+from ._session._stream import SessionEventStream as SessionEventStream
+from ._session._subagents import RoutedSubagentPersistence as RoutedSubagentPersistence
+from ._session._subagents import SubagentDefinition as SubagentDefinition
+from ._session._subagents import SubagentHandle as SubagentHandle
+from ._session._subagents import SubagentRunInfo as SubagentRunInfo
+from ._session._subagents import SubagentRunResult as SubagentRunResult
 from .journal import CaughtUp as CaughtUp
 from .journal import DurableEvent as DurableEvent
 from .journal import DurableJournal as DurableJournal
@@ -187,6 +193,7 @@ __all__ = [
     "Abort",
     "AbortHandle",
     "AbortReason",
+    "AgentSpec",
     "Allow",
     "AnthropicProvider",
     "AssistantMessage",
@@ -281,6 +288,7 @@ __all__ = [
     "RequestAbortedError",
     "RetryEvent",
     "RetryPolicy",
+    "RoutedSubagentPersistence",
     "SQLiteStore",
     "ScheduledCall",
     "SchedulerLimits",
@@ -290,6 +298,7 @@ __all__ = [
     "SessionClosedError",
     "SessionError",
     "SessionEvent",
+    "SessionEventStream",
     "Settlement",
     "SettlementError",
     "SettlementStatus",
@@ -302,6 +311,8 @@ __all__ = [
     "SubagentDefinition",
     "SubagentEvent",
     "SubagentHandle",
+    "SubagentRunInfo",
+    "SubagentRunResult",
     "SubagentStatus",
     "SystemMessage",
     "TextDelta",
@@ -347,6 +358,7 @@ __all__ = [
     "UserMessage",
     "compose_middleware",
     "create_provider",
+    "define_agent",
     "define_plugin",
     "define_tool",
     "message_converter",

@@ -49,8 +49,8 @@ class AbortHandle:
     """A one-shot, typed abort signal for a request, a turn or a tool call.
 
     ``abort()`` records the first reason and notifies listeners synchronously;
-    later calls are ignored. Handles can be linked: a child handle is aborted,
-    with the parent's reason, when its parent is.
+    later calls are ignored. Listeners link handles: a listener that aborts
+    another handle forwards this one's reason to it.
     """
 
     __slots__ = ("_abort", "_listeners", "_next_token")
@@ -100,13 +100,3 @@ class AbortHandle:
     def remove_listener(self, token: int) -> None:
         """Forget a listener; unknown tokens are ignored (it may have fired already)."""
         self._listeners.pop(token, None)
-
-    def child(self) -> AbortHandle:
-        """A new handle aborted (with this handle's reason) whenever this one is."""
-        child = AbortHandle()
-
-        def forward(abort: Abort) -> None:
-            child.abort(abort.reason, abort.message)
-
-        self.add_listener(forward)
-        return child

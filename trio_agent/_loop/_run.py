@@ -197,17 +197,26 @@ class _Run:
                         return self._finished(StopReason.VETOED)
                     continue
                 # A reply without calls: its turn ended with the attempt.
-                if ports.inbox.has_pending():
-                    continue
-                more = await hooks.before_stop(ctx, self.state)
-                if more is not None:
-                    ports.inbox.add(more)  # one more round; dropped if the strategy ends the run first
-                    if spec.strategy(self.state) and await hooks.should_continue(ctx, self.state):
+                if ports.inbox.has_pending():  # a message joined: it gets its turn, unless vetoed
+                    if await hooks.should_continue(ctx, self.state):
                         continue
                     ports.inbox.close()
-                    return self._finished(StopReason.MAX_TURNS)
-                if ports.inbox.has_pending():
-                    continue  # a message joined while the Stop hooks ran: it gets its turn
+                    return self._finished(StopReason.VETOED)
+                more = await hooks.before_stop(ctx, self.state)
+                if more is not None:
+                    ports.inbox.add(more)  # one more round; dropped if the run ends first
+                    if not spec.strategy(self.state):
+                        ports.inbox.close()
+                        return self._finished(StopReason.MAX_TURNS)
+                    if not await hooks.should_continue(ctx, self.state):
+                        ports.inbox.close()
+                        return self._finished(StopReason.VETOED)
+                    continue
+                if ports.inbox.has_pending():  # a message joined while the Stop hooks ran
+                    if await hooks.should_continue(ctx, self.state):
+                        continue
+                    ports.inbox.close()
+                    return self._finished(StopReason.VETOED)
                 # From here on a joining message starts a new run instead (no await before close).
                 ports.inbox.close()
                 cut = message.finish_reason.value == "length"

@@ -1,7 +1,9 @@
-"""A session as a host of the one agent loop: the loop's ports over a request of one agent.
+"""A session as a host of the one agent loop: what its runs share, and one request as one run.
 
-The loop (`trio_agent._loop`) knows nothing of sessions. For each request the
-session hands it:
+The loop (`trio_agent._loop`) knows nothing of sessions. `SessionHost` holds what
+every run of a session shares (journal, model services, tool pipeline, the agents,
+their inboxes, the composed lifecycle) and runs one request of one agent as one
+loop run, handing it:
 
 * a `RunSpec` built from the agent (instructions read at every model call, the
   offered tools, the allowlist, ``max_turns`` as the strategy);
@@ -9,16 +11,28 @@ session hands it:
   messages and the session's background reports as the inbox, the journal as the
   recorder, the request's event sink (run events mapped to session events), the
   session's effect handling, the request's abort and stop handles;
-* `SessionHooks`: the session's Stop / SubagentStop hook events as ``before_stop``.
+* the lifecycle composed once per agent spec: `SESSION_HOOKS` (the Stop /
+  SubagentStop hook events as ``before_stop``) first, then the chat middleware.
+  It serves every run of every session of the spec, so what is per run reaches
+  the hooks through the `RunContext`: ``ctx.metadata`` holds ``session_id``,
+  ``agent_id``, ``agent_name``, ``parent_agent_id`` and ``request_id``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import attrs
 
 from .._abort import AbortHandle
+from .._cleanup import bounded_shield
+from .._errors import ConfigError
+from .._journal._durable import DurableJournal
+from .._journal._events import RequestCompleted, RequestStarted
 from .._journal._run_recorder import JournalRecorder
+from .._loop._context import RunContext
 from .._loop._events import (
     RunEvent,
     StepStarted,
@@ -33,11 +47,15 @@ from .._loop._events import (
 from .._loop._hooks import Lifecycle
 from .._loop._ports import RunPorts, RunSpec
 from .._loop._rules import LoopState, first_text
-from .._models._history import MessageView
-from .._models._messages import AssistantMessage, Message
+from .._loop._run import run_agent_loop
+from .._models._history import MessageView, answer_orphan_calls
+from .._models._messages import AssistantMessage, Message, ToolSpec, UserMessage
+from .._models._service import ModelService
+from .._tools._pipeline import ToolPipeline
 from .._tools._results import Effect
-from ._hooks import HookAction, HookEvent
+from ._hooks import HookAction, HookDecision, HookEvent, HookInput, HookRunner
 from ._messages import (
+    DoneEvent,
     PermissionDeniedEvent,
     TextDeltaEvent,
     ToolProgressEvent,
@@ -45,11 +63,287 @@ from ._messages import (
     ToolUseEvent,
     UsageEvent,
 )
+from ._permissions import PermissionEngine, PermissionUpdate
+from ._requests import _Agent, _Request, drain_holds, record_interrupted, record_raised
 
-if TYPE_CHECKING:
-    from ._session import Session, _Agent, _Request
+__all__ = ["SESSION_HOOKS", "AgentConversation", "RequestInbox", "SessionHooks", "SessionHost"]
 
-__all__ = ["AgentConversation", "RequestInbox", "SessionHooks", "run_ports", "run_spec"]
+_log = logging.getLogger("trio_agent.session")
+
+_RUN = "trio_agent.session.run"  # ctx.metadata key of the `_RunInfo` (private to this module)
+
+
+@attrs.frozen
+class _RunInfo:
+    """What the session's own hooks need of one run."""
+
+    host: SessionHost
+    agent: _Agent
+    request: _Request
+
+
+class SessionHost:
+    """What every run of one session shares, and `run_request`: one request as one loop run."""
+
+    def __init__(
+        self,
+        *,
+        journal: DurableJournal,
+        service: ModelService,
+        pipeline: ToolPipeline,
+        root: _Agent,
+        hooks: HookRunner,
+        lifecycle: Lifecycle,
+        permissions: PermissionEngine | None,
+        cleanup_grace: float,
+        agents: dict[str, _Agent] | None = None,
+    ) -> None:
+        self.journal = journal
+        self.session_id = journal.session_id
+        self.pipeline = pipeline
+        self.root = root
+        self.hooks = hooks
+        self.lifecycle = lifecycle
+        self.permissions = permissions
+        self.cleanup_grace = cleanup_grace
+        # The agents that make calls now (the permission engine checks each against its allowlist).
+        self.agents: dict[str, _Agent] = agents if agents is not None else {root.agent_id: root}
+        self.inbox: dict[str, list[str]] = {}  # per agent: reports and effects for its next turn
+        self.context: list[str] = []  # SessionStart hooks' additional context, for every model call
+        self.running: dict[tuple[str, str], _Request] = {}  # (agent id, request id) -> running request
+        self.call_origins: dict[str, str] = {}  # running tool call id -> its request id
+        self.closing = False
+        self._service = service
+        self._services: dict[str, ModelService] = {service.model: service}
+
+    # -- models
+
+    @property
+    def service(self) -> ModelService:
+        return self._service
+
+    def set_model(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"model name must be a non-empty string, not {name!r}")
+        service = self._services.get(name)
+        if service is None:
+            service = self._services[name] = self._service.with_model(name)
+        self._service = service
+
+    def service_for(self, agent: _Agent) -> ModelService:
+        if agent.model is None:
+            return self._service
+        service = self._services.get(agent.model)
+        if service is None:
+            service = self._services[agent.model] = self._service.with_model(agent.model)
+        return service
+
+    # -- shared helpers
+
+    def cleanup_scope(self, layer: str = "recording a session outcome") -> bounded_shield:
+        """A shield for recording what was already decided, bounded (``cleanup_grace``) so a dead
+        store cannot hang us; an overrun is logged."""
+        return bounded_shield(self.cleanup_grace, layer)
+
+    async def dispatch(
+        self, event: HookEvent, agent_id: str, *, abort: AbortHandle | None = None, **fields: Any
+    ) -> HookDecision:
+        """Dispatch one session hook event (session hooks first, then plugin hooks)."""
+        return await self.hooks.dispatch(
+            event, HookInput(event=event, session_id=self.session_id, agent_id=agent_id, **fields), abort=abort
+        )
+
+    async def apply_effect(self, agent: _Agent, effect: Effect, call_id: str) -> None:
+        """Apply what a settled tool asked of the session.
+
+        ``new_messages`` (a string or a list of strings) reach the agent's model at
+        its next turn; ``permission_updates`` (`PermissionUpdate` s, accepted only from
+        the tool itself: the pipeline drops them from middleware) change the session's
+        permission rules, journalled first. Other kinds are logged and ignored.
+        """
+        if effect.kind == "new_messages":
+            payload = effect.payload
+            messages = [payload] if isinstance(payload, str) else list(payload or [])
+            self.inbox.setdefault(agent.agent_id, []).extend(str(message) for message in messages)
+        elif effect.kind == "permission_updates" and self.permissions is not None:
+            payload = effect.payload
+            updates = [payload] if isinstance(payload, PermissionUpdate) else list(payload or [])
+            try:
+                await self.permissions.accept_updates(updates, source="tool", call_id=call_id)
+            except ConfigError as exc:
+                _log.warning("ignored a permission_updates effect: %s", exc)
+        else:
+            _log.warning("ignored an effect of unknown kind %r from agent %s", effect.kind, agent.agent_id)
+
+    # -- one request
+
+    async def run_request(self, request: _Request) -> None:
+        """One request on one agent's stream: started -> turns -> completed | failed | interrupted."""
+        agent = request.agent
+        journal = self.journal
+        key = (agent.agent_id, request.request_id)
+        self.running[key] = request
+        completed = False
+        try:
+            await journal.append(RequestStarted(request_id=request.request_id), agent_id=agent.agent_id)
+            request.started = True
+            prompt = request.prompt
+            extra: str | None = None
+            if agent.parent_id is None:
+                decision = await self.dispatch(
+                    HookEvent.USER_PROMPT_SUBMIT, agent.agent_id, prompt=prompt, abort=request.abort
+                )
+                decision.raise_for_abort()
+                if decision.action is HookAction.SKIP:
+                    # The prompt never reaches the model; the request ends without a model call.
+                    request.text = ""
+                    request.stop_reason = "skipped"
+                    await drain_holds(request)
+                    await journal.append(
+                        RequestCompleted(request_id=request.request_id, output={"skipped": decision.reason or ""}),
+                        agent_id=agent.agent_id,
+                    )
+                    completed = True
+                    await request.sink(DoneEvent(request.request_id, "", "skipped", 0))
+                    return
+                prompt = decision.prompt or prompt
+                extra = decision.context_text
+            agent.history.append(UserMessage(prompt))
+            if extra:
+                agent.history.append(UserMessage(extra))
+            if agent.specs is None:  # the offered tools never change during a session
+                tools = self.pipeline.tools
+                agent.specs = [
+                    ToolSpec(tools[name].name, tools[name].description, dict(tools[name].input_schema))
+                    for name in sorted(agent.allowed)
+                    if name in tools
+                ]
+            ports = self._ports(agent, request)
+            outcome = await run_agent_loop(
+                self._spec(agent, request), ports, self.lifecycle, ctx=self._context(agent, request, ports)
+            )
+            request.text = outcome.text or request.text
+            if outcome.aborted:
+                await record_interrupted(journal, request, self.cleanup_grace)
+            else:
+                request.stop_reason = outcome.stop_reason.value
+                await drain_holds(request)
+                await journal.append(
+                    RequestCompleted(request_id=request.request_id, output={"text": request.text}),
+                    agent_id=agent.agent_id,
+                )
+                completed = True
+                await request.sink(DoneEvent(request.request_id, request.text, request.stop_reason, request.turns))
+        except BaseException as exc:
+            if not await record_raised(journal, request, exc, self.cleanup_grace):
+                raise
+        finally:
+            self.running.pop(key, None)
+            # No message that joined may be lost: whatever is still pending reaches the next turn.
+            request.accepting = False
+            if request.pending:
+                self.inbox.setdefault(agent.agent_id, []).extend(request.pending)
+                request.pending.clear()
+            if not completed:
+                # The next request must not send the model a tool call without its answer.
+                agent.history = answer_orphan_calls(agent.history)
+            request.finish()
+
+    def _spec(self, agent: _Agent, request: _Request) -> RunSpec:
+        context = self.context
+
+        def instructions() -> str:
+            return "\n\n".join([agent.system_prompt, *context]).strip()
+
+        return RunSpec(
+            run_id=request.request_id,
+            agent_id=agent.agent_id,
+            thread_id=self.session_id,
+            instructions=instructions,
+            offered=tuple(agent.specs or ()),
+            allowed=agent.allowed,
+            strategy=agent.strategy(),
+            model_metadata={"session_id": self.session_id, "agent_id": agent.agent_id},
+            lineage=agent.lineage,
+            session_id=self.session_id,
+        )
+
+    def _context(self, agent: _Agent, request: _Request, ports: RunPorts) -> RunContext:
+        conversation = ports.conversation
+        return RunContext(
+            run_id=request.request_id,
+            thread_id=self.session_id,
+            agent_id=agent.agent_id,
+            abort=request.abort,
+            events=ports.events,
+            messages=lambda: conversation.view(()),
+            request_id=request.request_id,
+            metadata={
+                "session_id": self.session_id,
+                "agent_id": agent.agent_id,
+                "agent_name": agent.name,
+                "parent_agent_id": agent.parent_id,
+                "request_id": request.request_id,
+                _RUN: _RunInfo(self, agent, request),
+            },
+        )
+
+    def _ports(self, agent: _Agent, request: _Request) -> RunPorts:
+        agent_id = agent.agent_id
+        text: list[str] = []
+        call_origins = self.call_origins
+        observe = request.observe
+
+        async def events(event: RunEvent) -> None:
+            if observe is not None:
+                await observe(event)
+            # The loop's events, as the session's stream has always shown them.
+            if isinstance(event, TextMessageContent):
+                text.append(event.delta)
+                await request.sink(TextDeltaEvent(agent_id, event.delta))
+            elif isinstance(event, UsageReported):
+                await request.sink(UsageEvent(agent_id, event.usage))
+            elif isinstance(event, ToolCallEnd):
+                request.call_ids.append(event.call_id)
+                call_origins[event.call_id] = request.request_id
+                await request.sink(ToolUseEvent(agent_id, event.call_id, event.tool_name, event.input))
+            elif isinstance(event, ToolCallProgress):
+                await request.sink(ToolProgressEvent(agent_id, event.call_id, event.item))
+            elif isinstance(event, ToolCallResult):
+                call_origins.pop(event.call_id, None)
+                error = event.result.error
+                if error is not None and error.code == "no_handler":
+                    # A refusal nobody could have approved is made visible, not only told to the model.
+                    await request.sink(
+                        PermissionDeniedEvent(agent_id, event.call_id, event.tool_name, "no_handler", error.message)
+                    )
+                await request.sink(ToolResultEvent(agent_id, event.call_id, event.tool_name, event.result))
+            elif isinstance(event, TextMessageStart):
+                text.clear()
+            elif isinstance(event, TextMessageEnd):
+                if text:
+                    request.text = "".join(text)
+            elif isinstance(event, StepStarted):
+                request.turns += 1
+
+        async def effects(agent_id_: str, call_id: str, items: Sequence[Effect]) -> None:
+            try:
+                for effect in items:
+                    await self.apply_effect(agent, effect, call_id)
+            finally:
+                call_origins.pop(call_id, None)
+
+        return RunPorts(
+            model=self.service_for(agent),
+            tools=self.pipeline,
+            conversation=AgentConversation(agent),
+            inbox=RequestInbox(self.inbox, agent_id, request),
+            recorder=JournalRecorder(self.journal, agent_id),
+            events=events,
+            effects=effects,
+            abort=request.abort,
+            stop=request.stop,
+        )
 
 
 class AgentConversation:
@@ -74,16 +368,16 @@ class RequestInbox:
     """Messages that joined the request (priority next/now), the session's background reports for
     the agent, and a Stop hook's continuation."""
 
-    __slots__ = ("agent_id", "request", "session")
+    __slots__ = ("agent_id", "inbox", "request")
 
-    def __init__(self, session: Session, agent_id: str, request: _Request) -> None:
-        self.session = session
+    def __init__(self, inbox: dict[str, list[str]], agent_id: str, request: _Request) -> None:
+        self.inbox = inbox
         self.agent_id = agent_id
         self.request = request
 
     def begin_turn(self) -> tuple[list[str], AbortHandle]:
         request = self.request
-        inputs = self.session._inbox.pop(self.agent_id, [])
+        inputs = self.inbox.pop(self.agent_id, [])
         while request.pending:
             inputs.append(request.pending.pop(0))
         if request.continuation is not None:
@@ -104,27 +398,29 @@ class RequestInbox:
         request.continuation = None
         # No message that joined may be lost: what is pending reaches the agent's next request.
         if request.pending:
-            self.session._inbox.setdefault(self.agent_id, []).extend(request.pending)
+            self.inbox.setdefault(self.agent_id, []).extend(request.pending)
             request.pending.clear()
 
 
 class SessionHooks(Lifecycle):
-    """The session's Stop / SubagentStop hook events as the loop's ``before_stop``."""
+    """The session's Stop / SubagentStop hook events as the loop's ``before_stop``.
 
-    __slots__ = ("agent", "request", "session")
+    Stateless: one instance serves every run; the run's agent and request come from
+    ``ctx.metadata`` (a context built by `SessionHost`). Outside a session it does nothing.
+    """
 
-    def __init__(self, session: Session, agent: _Agent, request: _Request) -> None:
-        self.session = session
-        self.agent = agent
-        self.request = request
+    name = "session hooks"
 
     async def before_stop(self, ctx: Any, state: LoopState) -> str | None:
-        session, agent, request = self.session, self.agent, self.request
+        info = ctx.metadata.get(_RUN) if isinstance(ctx, RunContext) else None
+        if not isinstance(info, _RunInfo):
+            return None
+        host, agent, request = info.host, info.agent, info.request
         last = _last_text(agent.history)
         if agent.parent_id is None:
-            decision = await session._dispatch(HookEvent.STOP, agent.agent_id, last_message=last, abort=request.abort)
+            decision = await host.dispatch(HookEvent.STOP, agent.agent_id, last_message=last, abort=request.abort)
         else:
-            decision = await session._dispatch(
+            decision = await host.dispatch(
                 HookEvent.SUBAGENT_STOP,
                 agent.agent_id,
                 subagent_id=agent.agent_id,
@@ -139,6 +435,10 @@ class SessionHooks(Lifecycle):
         return None
 
 
+SESSION_HOOKS = SessionHooks()
+"""The one `SessionHooks` part every session lifecycle starts with."""
+
+
 def _last_text(history: Sequence[Message]) -> str:
     for message in reversed(history):
         if isinstance(message, AssistantMessage):
@@ -146,79 +446,3 @@ def _last_text(history: Sequence[Message]) -> str:
             if text:
                 return text
     return ""
-
-
-def run_spec(session: Session, agent: _Agent, request: _Request) -> RunSpec:
-    context = session._context
-
-    def instructions() -> str:
-        return "\n\n".join([agent.system_prompt, *context]).strip()
-
-    return RunSpec(
-        run_id=request.request_id,
-        agent_id=agent.agent_id,
-        thread_id=session.session_id,
-        instructions=instructions,
-        offered=tuple(agent.specs or ()),
-        allowed=agent.allowed,
-        strategy=agent.strategy(),
-        model_metadata={"session_id": session.session_id, "agent_id": agent.agent_id},
-        lineage=agent.lineage,
-        session_id=session.session_id,
-    )
-
-
-def run_ports(session: Session, agent: _Agent, request: _Request) -> RunPorts:
-    agent_id = agent.agent_id
-    sink = request.sink
-    text: list[str] = []
-
-    async def events(event: RunEvent) -> None:
-        # The loop's events, as the session's stream has always shown them.
-        if isinstance(event, TextMessageContent):
-            text.append(event.delta)
-            await request.sink(TextDeltaEvent(agent_id, event.delta))
-        elif isinstance(event, UsageReported):
-            await request.sink(UsageEvent(agent_id, event.usage))
-        elif isinstance(event, ToolCallEnd):
-            request.call_ids.append(event.call_id)
-            session._call_origins[event.call_id] = request.request_id
-            await request.sink(ToolUseEvent(agent_id, event.call_id, event.tool_name, event.input))
-        elif isinstance(event, ToolCallProgress):
-            await request.sink(ToolProgressEvent(agent_id, event.call_id, event.item))
-        elif isinstance(event, ToolCallResult):
-            session._call_origins.pop(event.call_id, None)
-            error = event.result.error
-            if error is not None and error.code == "no_handler":
-                # A refusal nobody could have approved is made visible, not only told to the model.
-                await request.sink(
-                    PermissionDeniedEvent(agent_id, event.call_id, event.tool_name, "no_handler", error.message)
-                )
-            await request.sink(ToolResultEvent(agent_id, event.call_id, event.tool_name, event.result))
-        elif isinstance(event, TextMessageStart):
-            text.clear()
-        elif isinstance(event, TextMessageEnd):
-            if text:
-                request.text = "".join(text)
-        elif isinstance(event, StepStarted):
-            request.turns += 1
-
-    async def effects(agent_id_: str, call_id: str, items: Sequence[Effect]) -> None:
-        try:
-            for effect in items:
-                await session._apply_effect(agent, effect, call_id)
-        finally:
-            session._call_origins.pop(call_id, None)
-
-    del sink
-    return RunPorts(
-        model=session._service_for(agent),
-        tools=session.pipeline,
-        conversation=AgentConversation(agent),
-        inbox=RequestInbox(session, agent_id, request),
-        recorder=JournalRecorder(session.journal, agent_id),
-        events=events,
-        effects=effects,
-        abort=request.abort,
-        stop=request.stop,
-    )

@@ -1,4 +1,6 @@
-"""Assembling a session's parts from `open_session`'s options.
+"""Assembling an agent's parts from its options: once per `AgentSpec`, plus what each session adds.
+
+Per spec (`build_agent_parts`, shared by every session of the spec):
 
 * Tools: built-ins, session tools and plugin tools (``resolve_plugins``:
   duplicates rejected, plugin tools tagged ``plugin:<name>`` / ``workspace``),
@@ -7,6 +9,10 @@
   plugins in order. Shared by the root agent and every subagent.
 * One `HookRunner` (session hooks before plugin hooks) and its PreToolUse and
   PostToolUse pipeline stages.
+
+Per session (`permission_engine`, `session_stages`): the session's own rule
+updates and journal, and the agents' allowlists.
+
 * One `PermissionEngine` as the pipeline's permission stage, given every
   tool's ``signature_content`` and ``check_permissions``. PermissionRequest
   hooks run before the permission handler (a skip or abort denies; a modified
@@ -26,11 +32,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from .._errors import ConfigError
+from .._journal._durable import DurableJournal
 from .._journal._events import PermissionRequested, PermissionResolved
 from .._models._service import _WRAPPERS, _defines
 from .._tools._definition import Tool
@@ -44,6 +51,7 @@ from ._permissions import (
     PermissionHandler,
     PermissionMode,
     PermissionRecord,
+    PermissionRecorder,
     PermissionRequest,
     PermissionResult,
     PermissionRules,
@@ -53,29 +61,29 @@ from ._permissions import (
     ToolPermissionCheck,
     logger,
 )
-from ._plugins import MiddlewareConfig, MiddlewareConfigError, Plugin, ResolvedPlugins, resolve_plugins
+from ._plugins import MiddlewareConfig, MiddlewareConfigError, Plugin, resolve_plugins
 
-if TYPE_CHECKING:
-    from ._session import Session
-
-__all__ = ["SessionParts", "build_session_parts"]
+__all__ = ["AgentParts", "build_agent_parts", "session_stages"]
 
 
-@attrs.define
-class SessionParts:
-    resolved: ResolvedPlugins
-    tools: dict[str, Tool[Any]]
-    allowed: set[str]
+@attrs.frozen(eq=False)
+class AgentParts:
+    """What an agent spec validates and composes once; shared by every session opened from it."""
+
+    tools: Mapping[str, Tool[Any]]  # the registry, in registration order
+    allowed: frozenset[str]
     model_middleware: tuple[Any, ...]
     tool_middleware: tuple[Any, ...]
-    stages: ToolStages
-    runner: HookRunner
-    permissions: PermissionEngine
-    workspace: str | None
-    _session: list[Session] = attrs.Factory(list)
+    hooks: HookRunner
+    hook_stages: ToolStages  # PreToolUse / PostToolUse; the permission stage is per session
+    rules: PermissionRules | None
+    permission_mode: PermissionMode | str
+    permission_handler: PermissionHandler | None
+    workspace_roots: tuple[str, ...] | None
 
-    def bind(self, session: Session) -> None:
-        self._session.append(session)
+    @property
+    def workspace(self) -> str | None:
+        return self.workspace_roots[0] if self.workspace_roots else None
 
 
 def _rules(permissions: Any) -> PermissionRules | None:
@@ -125,7 +133,7 @@ def _check_content_rules(rules: PermissionRules | None, tools: Mapping[str, Tool
                 )
 
 
-def build_session_parts(
+def build_agent_parts(
     *,
     builtin_tools: Sequence[Tool[Any]],
     tools: Sequence[Tool[Any]],
@@ -139,8 +147,8 @@ def build_session_parts(
     permission_handler: PermissionHandler | None,
     workspace_roots: Sequence[str | os.PathLike[str]] | None,
     hook_deadlines: Mapping[HookEvent, float] | None,
-    agent_filter: Callable[[str], ToolFilter],
-) -> SessionParts:
+) -> AgentParts:
+    """Validate an agent's options and compose its parts (once per spec; module docstring)."""
     if middleware is not None and not isinstance(middleware, MiddlewareConfig):
         raise ConfigError(f"middleware must be a MiddlewareConfig(model=[...], tool=[...]), not {middleware!r}")
     if isinstance(plugins, (str, bytes)) or not isinstance(plugins, Sequence):
@@ -156,11 +164,51 @@ def build_session_parts(
     rules = _rules(permissions)
     _check_content_rules(rules, registry)
     runner = HookRunner(resolved.hooks, deadlines=hook_deadlines)
-    roots = [os.path.abspath(os.fspath(root)) for root in workspace_roots] if workspace_roots else None
-    holder: list[Session] = []
+    roots = tuple(os.path.abspath(os.fspath(root)) for root in workspace_roots) if workspace_roots else None
+    parts = AgentParts(
+        tools=registry,
+        allowed=frozenset(entry.name for entry in selected),
+        model_middleware=tuple(resolved.model_middleware),
+        tool_middleware=tuple(resolved.tool_middleware),
+        hooks=runner,
+        hook_stages=ToolStages(
+            pre_tool=[pre_tool_stage(runner)] if runner.has_hooks(HookEvent.PRE_TOOL_USE) else [],
+            post_tool=[post_tool_stage(runner)]
+            if runner.has_hooks(HookEvent.POST_TOOL_USE) or runner.has_hooks(HookEvent.POST_TOOL_USE_FAILURE)
+            else [],
+        ),
+        rules=rules,
+        permission_mode=permission_mode,
+        permission_handler=permission_handler,
+        workspace_roots=roots,
+    )
+    # The engine's checks (a bad rule, a tool that can never run) belong to the definition too.
+    _warn_never_allowed(permission_engine(parts, record=None, agent_filter=_no_filter), parts)
+    return parts
+
+
+def _no_filter(agent_id: str) -> ToolFilter:
+    return ToolFilter(allowed=None)
+
+
+def _warn_never_allowed(engine: PermissionEngine, parts: AgentParts) -> None:
+    for name, tool in parts.tools.items():
+        why = engine.never_allowed(tool) if name in parts.allowed else None
+        if why is not None:
+            # Logged, not warnings.warn (suites run with -W error): the model only sees the denials.
+            logger.warning(
+                "tool %r can never run in this session: %s, no allow rule matches it and there is no "
+                "permission_handler to ask, so every call will be denied. Pass permissions="
+                '{"allow": ["%s"]}, a permission_handler=, or define it with kind="readonly" if it only reads',
+                name, why, name,
+            )  # fmt: skip
+
+
+def journal_permissions(journal: DurableJournal) -> PermissionRecorder:
+    """The engine's asks, journalled (``permission_requested`` / ``permission_resolved``) on the
+    calling agent's stream."""
 
     async def record(phase: str, entry: PermissionRecord) -> None:
-        session = holder[0]
         request = entry.request
         ids: dict[str, Any] = {
             "request_id": request.request_id,
@@ -174,8 +222,17 @@ def build_session_parts(
             outcome = entry.outcome
             assert outcome is not None
             event = PermissionResolved(**ids, decision=outcome)
-        await session.journal.append(event, agent_id=request.agent_id)
+        await journal.append(event, agent_id=request.agent_id)
 
+    return record
+
+
+def permission_engine(
+    parts: AgentParts, *, record: PermissionRecorder | None, agent_filter: Callable[[str], ToolFilter]
+) -> PermissionEngine:
+    """A session's permission engine: its own rule updates and records, the spec's rules and tools."""
+    runner = parts.hooks
+    permission_handler = parts.permission_handler
     has_permission_hooks = runner.has_hooks(HookEvent.PERMISSION_REQUEST)
 
     async def run_hooks(request: PermissionRequest) -> PermissionDeny | PermissionRequest:
@@ -223,50 +280,26 @@ def build_session_parts(
         outcome = await run_hooks(request)
         return outcome if isinstance(outcome, PermissionDeny) else None
 
-    # The tools' own permission parts, given explicitly: the engine is the session's, built for these tools.
+    # The tools' own permission parts, given explicitly: the engine is built for these tools.
+    registry = parts.tools
     checks: dict[str, ToolPermissionCheck] = {
         name: tool.check_permissions for name, tool in registry.items() if tool.check_permissions is not None
     }
     contents: dict[str, SignatureContent] = {name: tool.signature_content_for for name, tool in registry.items()}
-    engine = PermissionEngine(
-        rules,
-        mode=permission_mode,
+    return PermissionEngine(
+        parts.rules,
+        mode=parts.permission_mode,
         handler=ask if permission_handler is not None else None,
         hooks=[hooks_only] if permission_handler is None and has_permission_hooks else None,
-        path_policy=PathPolicy(roots) if roots else None,
+        path_policy=PathPolicy(list(parts.workspace_roots)) if parts.workspace_roots else None,
         record=record,
         tool_checks=checks,
         signature_content=contents,
         tool_filter=agent_filter,
     )
-    selected_names = {entry.name for entry in selected}
-    for name, tool in registry.items():
-        why = engine.never_allowed(tool) if name in selected_names else None
-        if why is not None:
-            # Logged, not warnings.warn (suites run with -W error): the model only sees the denials.
-            logger.warning(
-                "tool %r can never run in this session: %s, no allow rule matches it and there is no "
-                "permission_handler to ask, so every call will be denied. Pass permissions="
-                '{"allow": ["%s"]}, a permission_handler=, or define it with kind="readonly" if it only reads',
-                name, why, name,
-            )  # fmt: skip
-    stages = ToolStages(
-        pre_tool=[pre_tool_stage(runner)] if runner.has_hooks(HookEvent.PRE_TOOL_USE) else [],
-        permission=[engine.as_stage()],
-        post_tool=[post_tool_stage(runner)]
-        if runner.has_hooks(HookEvent.POST_TOOL_USE) or runner.has_hooks(HookEvent.POST_TOOL_USE_FAILURE)
-        else [],
-    )
-    parts = SessionParts(
-        resolved=resolved,
-        tools=registry,
-        allowed=selected_names,
-        model_middleware=tuple(resolved.model_middleware),
-        tool_middleware=tuple(resolved.tool_middleware),
-        stages=stages,
-        runner=runner,
-        permissions=engine,
-        workspace=roots[0] if roots else None,
-    )
-    parts._session = holder
-    return parts
+
+
+def session_stages(parts: AgentParts, engine: PermissionEngine) -> ToolStages:
+    """The spec's hook stages around the session's own permission stage."""
+    hooks = parts.hook_stages
+    return ToolStages(pre_tool=hooks.pre_tool, permission=[engine.as_stage()], post_tool=hooks.post_tool)

@@ -1,0 +1,273 @@
+"""Chat middleware in sessions: one stack per spec, run for the root and for foreground and
+background subagents with per-run state only in the context; its order against Stop hooks;
+routed subagent persistence called by the session for every subagent it starts."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Any
+
+import trio
+import trio.testing
+
+from trio_agent import (
+    HookEvent,
+    HookInput,
+    HookOutput,
+    SubagentDefinition,
+    SubagentRunInfo,
+    SubagentRunResult,
+    SubagentStatus,
+    ToolContext,
+    ToolResult,
+    define_agent,
+    define_tool,
+    open_session,
+)
+from trio_agent._lifecycle._middleware import ChatMiddleware
+from trio_agent._loop._context import RunContext
+from trio_agent._loop._events import RunEvent
+from trio_agent.testing import Reply, TestModel
+
+ECHO_SCHEMA = {"type": "object", "properties": {"x": {"type": "string"}}}
+HELPER = SubagentDefinition("helper", "a helper", "You are the helper.")
+
+
+@define_tool(name="echo", side_effect="pure", kind="readonly", input_schema=ECHO_SCHEMA)
+async def echo(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+    """Echo x."""
+    return ToolResult.success(f"echo:{input.get('x', '')}")
+
+
+def task(prompt: str, **extra: Any) -> tuple[str, dict[str, Any]]:
+    return ("task", {"subagent": "helper", "prompt": prompt, **extra})
+
+
+class Recorder(ChatMiddleware):
+    """Records (agent name, hook) per run; its per-run marker lives in ctx.state only."""
+
+    def __init__(self) -> None:
+        self.hooks: list[tuple[str, str, str]] = []  # (run id, agent name, hook)
+        self.bleed: list[str] = []
+
+    def _saw(self, ctx: RunContext, hook: str) -> None:
+        if ctx.state.get("run") != ctx.run_id or ctx.metadata.get("agent_id") != ctx.agent_id:
+            self.bleed.append(f"{hook} of {ctx.run_id} saw {ctx.state.get('run')}")
+        self.hooks.append((ctx.run_id, ctx.metadata["agent_name"], hook))
+
+    async def setup(self, ctx: RunContext) -> None:
+        assert "run" not in ctx.state  # a fresh context per run
+        ctx.state["run"] = ctx.run_id
+        await trio.lowlevel.checkpoint()  # let concurrent runs interleave
+
+    async def on_config(self, ctx: RunContext, config: Any) -> None:
+        self._saw(ctx, "on_config")
+        await trio.lowlevel.checkpoint()
+
+    def on_chunk(self, ctx: RunContext, event: RunEvent) -> None:
+        self._saw(ctx, "on_chunk")
+
+    async def on_before_tool_call(self, ctx: RunContext, call: Any) -> None:
+        self._saw(ctx, "on_before_tool_call")
+        await trio.lowlevel.checkpoint()
+
+    def on_after_tool_call(self, ctx: RunContext, info: Any) -> None:
+        self._saw(ctx, "on_after_tool_call")
+
+    def on_should_continue(self, ctx: RunContext, state: Any) -> None:
+        self._saw(ctx, "on_should_continue")
+
+    def on_finish(self, ctx: RunContext, info: Any) -> None:
+        self._saw(ctx, "on_finish")
+
+    def on_abort(self, ctx: RunContext, info: Any) -> None:
+        self._saw(ctx, "on_abort")
+
+    def on_error(self, ctx: RunContext, info: Any) -> None:
+        self._saw(ctx, "on_error")
+
+
+EVERY_HOOK = {
+    "on_config",
+    "on_chunk",
+    "on_before_tool_call",
+    "on_after_tool_call",
+    "on_should_continue",
+    "on_finish",
+}
+
+
+def script(tag: str = "") -> dict[str, list[Reply]]:
+    return {
+        f"go{tag}": [
+            Reply(tool_calls=[("echo", {"x": "root"}), task(f"fg job{tag}"), task(f"bg job{tag}", background=True)]),
+            Reply("root done"),
+        ],
+        f"fg job{tag}": [Reply(tool_calls=[("echo", {"x": "fg"})]), Reply("fg done")],
+        f"bg job{tag}": [Reply(tool_calls=[("echo", {"x": "bg"})]), Reply("bg done")],
+    }
+
+
+def subagent_script() -> TestModel:
+    return TestModel(script())
+
+
+async def test_chat_middleware_runs_for_the_root_and_foreground_and_background_subagents() -> None:
+    recorder = Recorder()
+    model = subagent_script()
+    spec = define_agent(provider=model, tools=[echo], subagents=[HELPER], lifecycle=[recorder])
+    async with open_session(spec) as session:
+        assert await session.send("go") == "root done"
+        [handle] = session.subagents.values()
+        await handle.wait()
+        assert handle.status is SubagentStatus.COMPLETED
+    by_run: dict[str, set[str]] = {}
+    names: dict[str, str] = {}
+    for run_id, agent, hook in recorder.hooks:
+        by_run.setdefault(run_id, set()).add(hook)
+        names[run_id] = agent
+    assert sorted(names.values()) == ["helper", "helper", "root"]  # one run each: root, fg, bg
+    for run_id, hooks in by_run.items():
+        assert hooks == EVERY_HOOK, names[run_id]
+    assert recorder.bleed == []
+    # Exactly one terminal hook per run.
+    terminal = Counter(run for run, _, hook in recorder.hooks if hook in ("on_finish", "on_abort", "on_error"))
+    assert set(terminal.values()) == {1}
+
+
+async def test_concurrent_runs_of_two_sessions_of_one_spec_keep_their_own_state() -> None:
+    recorder = Recorder()
+    model = TestModel({**script(" A"), **script(" B")})
+    spec = define_agent(provider=model, tools=[echo], subagents=[HELPER], lifecycle=[recorder])
+
+    async def run(tag: str) -> None:
+        async with open_session(spec) as session:
+            assert await session.send(f"go{tag}") == "root done"
+            for handle in list(session.subagents.values()):
+                await handle.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, " A")
+        nursery.start_soon(run, " B")
+    runs = {run for run, _, _ in recorder.hooks}
+    assert len(runs) == 6  # two sessions x (root, foreground, background), one stack
+    assert recorder.bleed == []
+    # The runs really overlapped: hooks of different runs interleave.
+    order = [run for run, _, _ in recorder.hooks]
+    switches = sum(1 for a, b in itertools.pairwise(order) if a != b)
+    assert switches > len(runs)
+
+
+async def test_stop_hooks_ask_first_then_chat_middleware_may_veto_the_extra_turn() -> None:
+    order: list[str] = []
+
+    async def not_yet(inp: HookInput) -> HookOutput | None:
+        order.append("Stop")
+        return HookOutput.skip("Please double-check.")
+
+    class Veto(ChatMiddleware):
+        def on_should_continue(self, ctx: RunContext, state: Any) -> bool:
+            order.append("on_should_continue")
+            return False
+
+    model = TestModel({"go": [Reply("first answer"), Reply("checked answer")]})
+    spec = define_agent(provider=model, hooks={HookEvent.STOP: [not_yet]}, lifecycle=[Veto()])
+    async with open_session(spec) as session:
+        assert await session.send("go") == "first answer"
+    assert order == ["Stop", "on_should_continue"]
+    assert len(model.requests) == 1  # the vetoed continuation never reached the model
+
+    # Without a veto the Stop hook's extra turn runs.
+    order.clear()
+
+    class Allow(ChatMiddleware):
+        def on_should_continue(self, ctx: RunContext, state: Any) -> None:
+            order.append("on_should_continue")
+
+    calls = 0
+
+    async def once(inp: HookInput) -> HookOutput | None:
+        nonlocal calls
+        calls += 1
+        order.append("Stop")
+        return HookOutput.skip("Please double-check.") if calls == 1 else None
+
+    model = TestModel({"go": [Reply("first answer"), Reply("checked answer")]})
+    spec = define_agent(provider=model, hooks={HookEvent.STOP: [once]}, lifecycle=[Allow()])
+    async with open_session(spec) as session:
+        assert await session.send("go") == "checked answer"
+    assert order == ["Stop", "on_should_continue", "Stop"]
+
+
+class Store:
+    """A routed subagent persistence that records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []  # (what, subagent id, detail)
+        self.infos: dict[str, SubagentRunInfo] = {}
+
+    async def start(self, info: SubagentRunInfo) -> None:
+        self.infos[info.subagent_id] = info
+        self.calls.append(("start", info.subagent_id, info.background))
+        await trio.lowlevel.checkpoint()
+
+    async def chunk(self, info: SubagentRunInfo, event: RunEvent) -> None:
+        self.calls.append(("chunk", info.subagent_id, type(event).__name__))
+
+    async def finish(self, info: SubagentRunInfo, result: SubagentRunResult) -> None:
+        self.calls.append(("finish", info.subagent_id, result.text))
+
+    async def abort(self, info: SubagentRunInfo, reason: str) -> None:
+        self.calls.append(("abort", info.subagent_id, reason))
+
+
+class Persisting(ChatMiddleware):
+    def __init__(self, store: Store) -> None:
+        self.routed_subagent_persistence = store
+
+
+async def test_routed_persistence_stores_every_foreground_and_background_subagent_run() -> None:
+    store = Store()
+    spec = define_agent(provider=subagent_script(), tools=[echo], subagents=[HELPER], lifecycle=[Persisting(store)])
+    async with open_session(spec) as session:
+        await session.send("go")
+        [handle] = session.subagents.values()
+        await handle.wait()
+        root_id = session.root.agent_id
+    starts = [(sid, background) for what, sid, background in store.calls if what == "start"]
+    assert len(starts) == 2 and sorted(b for _, b in starts) == [False, True]
+    assert root_id not in store.infos  # only subagents are routed
+    for subagent_id, background in starts:
+        mine = [(what, detail) for what, sid, detail in store.calls if sid == subagent_id]
+        assert mine[0] == ("start", background)
+        assert mine[-1] == ("finish", "bg done" if background else "fg done")
+        chunks = [detail for what, detail in mine if what == "chunk"]
+        assert "ToolCallResult" in chunks and "RunFinished" in chunks
+        assert [what for what, _ in mine].count("finish") == 1
+        info = store.infos[subagent_id]
+        assert info.parent_agent_id == root_id and info.name == "helper"
+        assert (info.call_id is not None) and info.prompt in ("fg job", "bg job")
+
+
+async def test_routed_persistence_hears_the_abort_of_a_killed_subagent() -> None:
+    store = Store()
+    gate = trio.Event()
+
+    @define_tool(name="wait_gate", side_effect="pure", kind="readonly", input_schema={"type": "object"})
+    async def wait_gate(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """Wait for the gate."""
+        await gate.wait()
+        return ToolResult.success("passed")  # pragma: no cover - killed first
+
+    model = TestModel({"stuck": [Reply(tool_calls=[("wait_gate", {})]), Reply("never")]})
+    spec = define_agent(provider=model, tools=[wait_gate], subagents=[HELPER], lifecycle=[Persisting(store)])
+    async with open_session(spec) as session:
+        handle = await session.start_subagent("helper", "stuck")
+        await trio.testing.wait_all_tasks_blocked()
+        handle.kill()
+        await handle.wait()
+        assert handle.status is SubagentStatus.CANCELLED
+    whats = [what for what, sid, _ in store.calls if sid == handle.id]
+    assert whats[0] == "start" and whats[-1] == "abort" and "finish" not in whats
+    assert whats.count("abort") == 1

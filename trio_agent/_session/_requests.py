@@ -1,0 +1,421 @@
+"""Requests: what one message to a session becomes, its queue, and how each one ends.
+
+Rules
+=====
+
+* One request of the root agent runs at a time; the worker takes them from a
+  bounded queue in order. ``request_accepted`` is durable before ``send`` returns
+  or a stream starts.
+* While a request runs, a message with priority ``next`` joins it at its next
+  turn, ``now`` joins it and steers (aborts its ``cancel`` tools), ``later`` queues
+  a new request; no priority is refused (`SessionBusyError`).
+* Every accepted request ends exactly once (completed, failed or interrupted),
+  recorded through `record_request_end`; a request aborted while still queued is
+  recorded at once, never run. A request always wakes its waiters when it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import uuid
+from collections.abc import Awaitable, Callable
+
+import attrs
+import trio
+
+from .._abort import AbortHandle, AbortReason
+from .._cleanup import bounded_shield
+from .._errors import (
+    ConfigError,
+    LeaseLostError,
+    RequestAbortedError,
+    SessionBusyError,
+    SessionClosedError,
+    TrioAgentError,
+)
+from .._groups import is_cancellation, typed_error
+from .._journal._durable import DurableJournal
+from .._journal._events import (
+    ErrorInfo,
+    RequestAccepted,
+    RequestFailed,
+    RequestInterrupted,
+    RequestInterruptReason,
+    TurnAbortReason,
+)
+from .._journal._projection import RequestState
+from .._loop._events import RunEvent
+from .._loop._rules import LoopStrategy, max_iterations
+from .._models._history import CallIdIndex
+from .._models._messages import Message, ToolSpec
+from ._endings import committed_results, record_request_end
+from ._messages import DoneEvent
+from ._stream import EventForward, EventSink
+
+__all__ = ["PRIORITIES", "Priority", "RequestQueue", "interrupt_reason"]
+
+Priority = str  # "next" | "later" | "now"
+PRIORITIES = ("next", "later", "now")
+_agent_numbers = itertools.count(1)
+
+
+def next_agent_number() -> int:
+    return next(_agent_numbers)
+
+
+@attrs.define
+class _Agent:
+    """One agent's configuration inside a session (the root or a subagent)."""
+
+    agent_id: str
+    name: str
+    system_prompt: str
+    allowed: frozenset[str]
+    max_turns: int
+    parent_id: str | None = None
+    model: str | None = None
+    history: list[Message] = attrs.Factory(list)
+    specs: list[ToolSpec] | None = None
+    lineage: tuple[str, ...] = ()  # the calls it runs under (a foreground subagent's tool calls)
+    _strategy: LoopStrategy | None = None
+    call_index: CallIdIndex = attrs.Factory(CallIdIndex)
+
+    def strategy(self) -> LoopStrategy:
+        """``max_turns`` as the loop's strategy (made once)."""
+        if self._strategy is None:
+            self._strategy = max_iterations(self.max_turns)
+        return self._strategy
+
+
+def _session_close() -> RequestInterruptReason:
+    return RequestInterruptReason.SESSION_CLOSE
+
+
+class _Request:
+    __slots__ = (
+        "abort",
+        "accepting",
+        "agent",
+        "call_ids",
+        "cancel_reason",
+        "continuation",
+        "done",
+        "error",
+        "finishing",
+        "forwards",
+        "holds",
+        "observe",
+        "pending",
+        "priority",
+        "prompt",
+        "released",
+        "request_id",
+        "sink",
+        "started",
+        "steering",
+        "stop",
+        "stop_reason",
+        "text",
+        "turns",
+    )
+
+    def __init__(self, prompt: str, sink: EventSink, agent: _Agent) -> None:
+        self.request_id = f"req-{uuid.uuid4().hex[:12]}"
+        self.prompt = prompt
+        self.sink = sink
+        self.agent = agent
+        self.abort = AbortHandle()
+        self.steering = AbortHandle()
+        # "Finish what runs, then stop": steering of a foreground subagent (its block tools finish).
+        self.stop = AbortHandle()
+        self.pending: list[str] = []
+        self.call_ids: list[str] = []  # the tool calls it scheduled, for the results an abort keeps
+        self.forwards: list[EventForward] = []  # the stream channels it feeds, closed when it ends
+        # Why a cancellation from outside (not an SDK abort) ended it: decided by who hosts it.
+        self.cancel_reason: Callable[[], RequestInterruptReason] = _session_close
+        # The run's events as delivered (after chat middleware), for whoever routes it (subagents).
+        self.observe: Callable[[RunEvent], Awaitable[None]] | None = None
+        self.done = trio.Event()
+        self.text = ""
+        self.stop_reason = "end_turn"
+        self.turns = 0
+        self.error: BaseException | None = None
+        self.priority: str | None = None
+        self.started = False  # request_started is durable
+        self.accepting = True  # messages with priority next/now may still join it
+        self.continuation: str | None = None  # a Stop hook's "one more round" message
+        self.finishing = False  # no new background starts may join it
+        self.holds = 0  # background starts in progress under this request
+        self.released = trio.Event()
+
+    def finish(self) -> None:
+        """It ended: wake its waiters. A stream always ends, even when its end could not be
+        recorded or sent in time (the reader then learns the outcome from the request)."""
+        for forward in self.forwards:
+            forward.close_now()
+        self.done.set()
+
+    def raise_if_failed(self) -> None:
+        """Raise a finished request's error as a trio_agent error."""
+        error = self.error
+        if error is not None:
+            if isinstance(error, TrioAgentError):
+                raise error
+            raise RequestAbortedError(f"the request failed: {type(error).__name__}: {error}", reason="error") from error
+
+
+_INTERRUPT_REASONS = {
+    AbortReason.STEERING: RequestInterruptReason.STEERING,
+    AbortReason.SESSION_CLOSE: RequestInterruptReason.SESSION_CLOSE,
+}
+
+
+def interrupt_reason(reason: AbortReason) -> RequestInterruptReason:
+    """The journal's reason for a request that an SDK abort with *reason* interrupted."""
+    return _INTERRUPT_REASONS.get(reason, RequestInterruptReason.USER_ABORT)
+
+
+async def accept_on(journal: DurableJournal, agent_id: str, request: _Request) -> None:
+    """Record *request* accepted on *agent_id*'s stream."""
+    await journal.append(
+        RequestAccepted(request_id=request.request_id, command_id=request.request_id, input={"prompt": request.prompt}),
+        command_id=request.request_id,
+        agent_id=agent_id,
+    )
+
+
+# ---------------------------------------------------------------- how a running request ends
+
+
+async def drain_holds(request: _Request) -> None:
+    """Let background starts under this request finish their writes before it ends."""
+    request.finishing = True
+    if request.holds:
+        await request.released.wait()
+
+
+async def record_raised(journal: DurableJournal, request: _Request, exc: BaseException, grace: float) -> bool:
+    """Record how a request that raised ended; return whether the exception is handled
+    (recorded as the request's error) or must go on.
+
+    Cancellation (a group holding ``Cancelled`` and no typed error included) is
+    recorded interrupted and goes on unchanged; a typed error wins over a
+    ``Cancelled`` beside it and fails the request; lease loss goes on at once.
+    """
+    agent_id = request.agent.agent_id
+    typed = typed_error(exc)
+    if isinstance(typed, LeaseLostError):
+        if typed is exc:
+            return False
+        raise typed from None
+    if typed is None and is_cancellation(exc):
+        # Cancelled from outside (the session block, a subagent's work scope, a parent's tool call).
+        with bounded_shield(grace, "recording a cancelled request"):
+            await drain_holds(request)
+            await record_request_end(
+                journal,
+                agent_id,
+                request.request_id,
+                RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
+            )
+        return False
+    if typed is None and not isinstance(exc, Exception):
+        return False  # KeyboardInterrupt, SystemExit...: nothing more may run
+    error: BaseException = typed if typed is not None else exc
+    request.error = error
+    request.stop_reason = "aborted" if isinstance(error, RequestAbortedError) else "error"
+    with bounded_shield(grace, "recording a failed request"):
+        await drain_holds(request)
+        await record_request_end(
+            journal,
+            agent_id,
+            request.request_id,
+            RequestFailed(request_id=request.request_id, error=ErrorInfo(message=str(error)[:2000])),
+            turn_reason=TurnAbortReason.ERROR,
+        )
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await request.sink(
+                DoneEvent(request.request_id, request.text, request.stop_reason, request.turns, str(error))
+            )
+    return True
+
+
+async def record_interrupted(journal: DurableJournal, request: _Request, grace: float) -> None:
+    """An SDK abort (or a steering stop) ended the request: record it; keep what was committed."""
+    abort = request.abort.reason or request.stop.reason
+    reason = abort.reason if abort is not None else AbortReason.USER_ABORT
+    agent_id = request.agent.agent_id
+    request.stop_reason = "aborted"
+    detail = f": {abort.message}" if abort is not None and abort.message else ""
+    request.error = RequestAbortedError(
+        f"the request was aborted ({reason.value}){detail}",
+        reason=reason.value,
+        results=committed_results(journal, agent_id, request.call_ids),
+    )
+    with bounded_shield(grace, "recording an interrupted request"):
+        await drain_holds(request)
+        await record_request_end(
+            journal,
+            agent_id,
+            request.request_id,
+            RequestInterrupted(request_id=request.request_id, reason=interrupt_reason(reason)),
+        )
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await request.sink(DoneEvent(request.request_id, request.text, "aborted", request.turns))
+
+
+# ---------------------------------------------------------------- the root agent's queue
+
+
+class RequestQueue:
+    """The root agent's requests: intake (priorities, join, steer), the queue, and the worker."""
+
+    def __init__(self, journal: DurableJournal, root: _Agent, *, max_queued: int, cleanup_grace: float) -> None:
+        self.journal = journal
+        self.root = root
+        self.grace = cleanup_grace
+        self.send_channel, self._recv = trio.open_memory_channel[_Request](max_queued)
+        self.current: _Request | None = None
+        self.lock = trio.Lock()  # the request slot: one request (or subagent start) at a time
+        self.closed = False
+        self._accepting = 0  # request_accepted writes in flight (close waits for them)
+        self._accepted = trio.Event()
+        self._worker_done = trio.Event()
+
+    # -- intake
+
+    @staticmethod
+    def check_message(prompt: str, priority: Priority | None) -> None:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ConfigError("a prompt must be a non-empty string")
+        if priority is not None and priority not in PRIORITIES:
+            raise ConfigError(f"priority must be one of {PRIORITIES}, not {priority!r}")
+
+    def joinable(self, priority: Priority | None) -> _Request | None:
+        """The running request a message with *priority* joins, if any."""
+        current = self.current
+        if current is not None and not current.done.is_set() and current.accepting and priority in ("next", "now"):
+            return current
+        return None
+
+    @staticmethod
+    def join(current: _Request, prompt: str, priority: Priority | None) -> None:
+        current.pending.append(prompt)
+        if priority == "now":
+            current.steering.abort(AbortReason.STEERING, "steered by a new message")
+
+    def check_not_busy(self, priority: Priority | None) -> None:
+        current = self.current
+        if current is not None and not current.done.is_set() and priority is None:
+            raise SessionBusyError("a request is running: send with priority='next', 'now' or 'later', or wait for it")
+        if current is None and self._recv.statistics().current_buffer_used and priority is None:
+            raise SessionBusyError("requests are queued: send with priority='later' to queue another")
+
+    async def accept(self, request: _Request) -> None:
+        stats = self.send_channel.statistics()
+        if stats.current_buffer_used >= stats.max_buffer_size:
+            raise SessionBusyError(f"{stats.current_buffer_used} requests are already queued; wait for some to finish")
+        # request_accepted is durable before send returns or the stream starts.
+        self._accepting += 1  # the close waits for this, so the request is settled either way
+        try:
+            try:
+                await accept_on(self.journal, self.root.agent_id, request)
+            except trio.Cancelled:
+                await self._unqueue(request, "the caller was cancelled while the request was accepted")
+                raise
+            if self.closed:
+                await self._unqueue(request, "the session closed while the request was accepted")
+                raise SessionClosedError("the session is closed")
+            self.send_channel.send_nowait(request)
+        finally:
+            self._accepting -= 1
+            if self._accepting == 0:
+                self._accepted.set()
+
+    async def _unqueue(self, request: _Request, why: str) -> None:
+        """An accepted request that will never be queued: record it interrupted (if it was accepted)."""
+        record = self.journal.projection().request(request.request_id)
+        if record is None or record.state is not RequestState.ACCEPTED:
+            return
+        with bounded_shield(self.grace, "recording an unqueued request"):
+            await record_request_end(
+                self.journal,
+                self.root.agent_id,
+                request.request_id,
+                RequestInterrupted(request_id=request.request_id, reason=RequestInterruptReason.USER_ABORT),
+            )
+        request.error = RequestAbortedError(why, reason="user_abort")
+        request.finish()
+
+    async def abort_request(self, request: _Request, reason: AbortReason, message: str) -> None:
+        """Abort *request*; returns once its end is durable."""
+        request.abort.abort(reason, message)
+        if self.current is not request and not request.started and not request.done.is_set():
+            # Still queued: it never starts; record it now instead of waiting for the worker.
+            with bounded_shield(self.grace, "recording a queued request's abort"):
+                await record_request_end(
+                    self.journal,
+                    request.agent.agent_id,
+                    request.request_id,
+                    RequestInterrupted(request_id=request.request_id, reason=interrupt_reason(reason)),
+                )
+            request.error = RequestAbortedError(
+                f"the request was aborted before it started: {message}", reason=reason.value
+            )
+            request.stop_reason = "aborted"
+            request.finish()
+            return
+        await request.done.wait()
+
+    # -- the worker
+
+    async def serve(self, run: Callable[[_Request], Awaitable[None]]) -> None:
+        """Run the queued requests one at a time with *run*; rejects what is queued once closed."""
+        try:
+            async for request in self._recv:
+                if request.done.is_set() or request.abort.aborted:
+                    continue  # aborted while it was queued: `abort_request` records it
+                if self.closed:
+                    await self._reject_queued(request)
+                    continue
+                async with self.lock:
+                    if request.done.is_set() or request.abort.aborted:
+                        continue  # aborted while it waited for the request slot: already recorded
+                    self.current = request
+                    try:
+                        await run(request)
+                    finally:
+                        self.current = None
+        finally:
+            self._worker_done.set()
+
+    async def _reject_queued(self, queued: _Request) -> None:
+        """A request still queued when the session closes: recorded interrupted, its caller told."""
+        queued.abort.abort(AbortReason.SESSION_CLOSE, "the session closed before it started")
+        with bounded_shield(self.grace, "recording a request the close rejected"):
+            await record_request_end(
+                self.journal,
+                queued.agent.agent_id,
+                queued.request_id,
+                RequestInterrupted(request_id=queued.request_id, reason=RequestInterruptReason.SESSION_CLOSE),
+            )
+            queued.error = SessionClosedError("the session closed before the request started")
+            queued.stop_reason = "aborted"
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await queued.sink(DoneEvent(queued.request_id, "", "aborted", 0, str(queued.error)))
+            queued.finish()
+
+    # -- closing
+
+    def close(self) -> None:
+        """Accept nothing more; the worker rejects what is queued and ends."""
+        self.closed = True
+        self.send_channel.close()
+
+    async def drain(self) -> None:
+        """Wait for the worker to end and for accepts in flight to settle (after `close`)."""
+        await self._worker_done.wait()
+        while self._accepting:
+            self._accepted = trio.Event()
+            await self._accepted.wait()

@@ -1,0 +1,178 @@
+"""`define_agent`: an agent's definition, validated and composed once, opened by many sessions.
+
+Rules
+=====
+
+* Everything that does not depend on one session is checked and built here, once:
+  the tool registry (built-ins, the agent's tools, plugin tools), the allowlist,
+  the model and tool middleware stacks, the hook runner and its tool stages, the
+  permission rules, the subagent definitions, and the lifecycle: the session's
+  hook events (`SESSION_HOOKS`) composed with the chat middleware.
+* A bad option raises a `ConfigError` (`MiddlewareShapeError` for chat middleware)
+  before any session exists.
+* Per session, `open_session` adds only the journal, the model service (a provider
+  named by string is created per session), the tool pipeline with the session's
+  scheduler buckets and permission engine, and the session's state.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from .._config import validate_timeout
+from .._errors import ConfigError
+from .._lifecycle._middleware import ChatMiddleware, middleware_lifecycle
+from .._loop._compose import compose_lifecycle
+from .._loop._hooks import Lifecycle
+from .._models._service import Provider, RetryPolicy
+from .._tools._definition import Tool
+from .._tools._scheduler import SchedulerLimits
+from ._hooks import HookCallback, HookEvent
+from ._host import SESSION_HOOKS
+from ._permissions import PermissionHandler, PermissionMode, PermissionRules
+from ._plugins import MiddlewareConfig, Plugin
+from ._subagents import RoutedSubagentPersistence, SubagentDefinition, routed_persistence_of
+from ._task_tools import TaskTools
+from ._wiring import AgentParts, build_agent_parts
+
+__all__ = ["AgentSpec", "define_agent"]
+
+
+@attrs.frozen(eq=False)
+class AgentSpec:
+    """An agent defined once (`define_agent`); ``open_session(spec)`` opens a session of it.
+
+    Immutable and shared: every session opened from it uses the same validated
+    parts (``parts``), the same composed ``lifecycle`` and the same tool objects.
+    """
+
+    provider: Provider | str
+    model: str | None
+    system_prompt: str
+    max_turns: int
+    retry: RetryPolicy | None
+    scheduler_limits: SchedulerLimits
+    model_request_timeout: float
+    tool_timeout: float
+    hook_deadlines: Mapping[HookEvent, float]
+    definitions: Mapping[str, SubagentDefinition]
+    parts: AgentParts
+    middleware: tuple[ChatMiddleware, ...]
+    lifecycle: Lifecycle
+    subagent_persistence: tuple[RoutedSubagentPersistence, ...]
+    task_tools: TaskTools | None = attrs.field(repr=False)
+
+    @property
+    def unwind_grace(self) -> float:
+        """How long a cancelled call's PostToolUse hooks may still run."""
+        return max(2.0, self.hook_deadlines.get(HookEvent.POST_TOOL_USE, 0.0) + 1.0)
+
+
+def _definitions(subagents: object) -> dict[str, SubagentDefinition]:
+    if isinstance(subagents, (str, bytes)) or not isinstance(subagents, Sequence):
+        raise ConfigError(f"subagents must be a list of SubagentDefinition, not {subagents!r}")
+    definitions: dict[str, SubagentDefinition] = {}
+    for definition in subagents:
+        if not isinstance(definition, SubagentDefinition):
+            raise ConfigError(f"subagents must be SubagentDefinition objects, not {definition!r}")
+        if definition.name in definitions:
+            raise ConfigError(f"subagent {definition.name!r} is defined twice")
+        definitions[definition.name] = definition
+    return definitions
+
+
+def define_agent(
+    *,
+    provider: Provider | str,
+    model: str | None = None,
+    system_prompt: str = "",
+    tools: Sequence[Tool[Any]] = (),
+    plugins: Sequence[Plugin] = (),
+    middleware: MiddlewareConfig | None = None,
+    lifecycle: Sequence[ChatMiddleware] = (),
+    hooks: Mapping[HookEvent, Sequence[HookCallback]] | None = None,
+    allowed_tools: Sequence[str] | None = None,
+    disallowed_tools: Sequence[str] | None = None,
+    permissions: PermissionRules | Mapping[str, Sequence[str]] | None = None,
+    permission_mode: PermissionMode | str = PermissionMode.DEFAULT,
+    permission_handler: PermissionHandler | None = None,
+    max_turns: int = 20,
+    subagents: Sequence[SubagentDefinition] = (),
+    workspace_roots: Sequence[str | os.PathLike[str]] | None = None,
+    hook_deadlines: Mapping[HookEvent, float] | None = None,
+    retry: RetryPolicy | None = None,
+    scheduler_limits: SchedulerLimits | None = None,
+    model_request_timeout: float = 600.0,
+    tool_timeout: float = 600.0,
+) -> AgentSpec:
+    """Define an agent once; open sessions of it with ``open_session(spec, ...)``.
+
+    The options are `open_session`'s agent options (docs/sessions.md), plus:
+
+    * ``lifecycle``: chat middleware (`ChatMiddleware`), run for every request of the
+      root agent and of every subagent; composed after the session's Stop /
+      SubagentStop hook events (docs/sessions.md, "Lifecycle middleware"). A
+      middleware's ``routed_subagent_persistence`` stores every subagent run.
+    * ``retry``: the model calls' `RetryPolicy` (default: 3 attempts with backoff).
+    * ``scheduler_limits``: how many tool calls of each kind run at once, per session
+      (default ``SchedulerLimits()``: 10 read-only, 10 write, 3 execute).
+
+    Raises:
+        ConfigError: a bad option (duplicate tools or plugins, bad rules, a bad limit).
+        MiddlewareShapeError: ``lifecycle`` is not a list of `ChatMiddleware`.
+    """
+    if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+        raise ConfigError(f"max_turns must be a positive int, not {max_turns!r}")
+    if not isinstance(provider, str) and not hasattr(provider, "with_model"):
+        raise ConfigError(f"provider must be a Provider or a provider name, not {provider!r}")
+    if isinstance(provider, str) and model is None:
+        raise ConfigError("model is required when provider is given by name")
+    if not isinstance(system_prompt, str):
+        raise ConfigError(f"system_prompt must be a string, not {system_prompt!r}")
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise ConfigError(f"retry must be a RetryPolicy, not {retry!r}")
+    if scheduler_limits is not None and not isinstance(scheduler_limits, SchedulerLimits):
+        raise ConfigError(f"scheduler_limits must be a SchedulerLimits, not {scheduler_limits!r}")
+    model_request_timeout = validate_timeout(model_request_timeout, name="model_request_timeout")
+    tool_timeout = validate_timeout(tool_timeout, name="tool_timeout")
+    definitions = _definitions(subagents)
+    # The session's own hooks first: a Stop hook's "one more turn" is asked before any veto.
+    composed = compose_lifecycle(SESSION_HOOKS, middleware_lifecycle(lifecycle))  # checks the list
+    middleware_list = tuple(lifecycle)
+    persistence = routed_persistence_of(middleware_list)
+    task_tools = TaskTools() if definitions else None
+    parts = build_agent_parts(
+        builtin_tools=task_tools.tools if task_tools is not None else (),
+        tools=tools,
+        plugins=plugins,
+        middleware=middleware,
+        hooks=hooks,
+        allowed_tools=allowed_tools,
+        disallowed_tools=disallowed_tools,
+        permissions=permissions,
+        permission_mode=permission_mode,
+        permission_handler=permission_handler,
+        workspace_roots=workspace_roots,
+        hook_deadlines=hook_deadlines,
+    )
+    return AgentSpec(
+        provider=provider,
+        model=model,
+        system_prompt=system_prompt,
+        max_turns=max_turns,
+        retry=retry,
+        scheduler_limits=scheduler_limits or SchedulerLimits(),
+        model_request_timeout=model_request_timeout,
+        tool_timeout=tool_timeout,
+        hook_deadlines=dict(hook_deadlines or {}),
+        definitions=definitions,
+        parts=parts,
+        middleware=tuple(middleware_list),
+        lifecycle=composed,
+        subagent_persistence=persistence,
+        task_tools=task_tools,
+    )

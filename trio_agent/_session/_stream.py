@@ -1,0 +1,118 @@
+"""A request's events as its caller reads them: sinks, and `SessionEventStream`.
+
+Rules
+=====
+
+* Every request has one event sink; ``send()`` discards, ``stream()`` forwards
+  into a bounded channel (backpressure), a message that joins a running request
+  tees a second channel onto it.
+* A forward never blocks once the request is aborted: the reader may be the very
+  task waiting in ``abort()``, so a full channel then drops events, and the end of
+  the stream is signalled by closing the channel.
+* A stream ends at the request's `DoneEvent`, or when its channel closes; either
+  way the reader learns a failure from the request itself (`RequestEnding`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import trio
+
+from .._abort import AbortHandle
+from ._messages import DoneEvent, SessionEvent
+
+__all__ = ["EventForward", "EventSink", "RequestEnding", "SessionEventStream", "discard", "tee"]
+
+EventSink = Callable[[SessionEvent], Awaitable[None]]
+
+
+async def discard(event: SessionEvent) -> None:
+    return None
+
+
+class EventForward:
+    """An event sink into a bounded channel; drops events once its reader left (module rules)."""
+
+    def __init__(self, send: trio.MemorySendChannel[SessionEvent], abort: AbortHandle | None = None) -> None:
+        self.send = send
+        self.abort = abort
+        self.closed = False
+
+    async def __call__(self, event: SessionEvent) -> None:
+        if self.closed:
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            if self.abort is not None and self.abort.aborted:
+                with contextlib.suppress(trio.WouldBlock):
+                    self.send.send_nowait(event)
+                await trio.lowlevel.checkpoint()
+            else:
+                await self.send.send(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.closed = True
+        if isinstance(event, DoneEvent):
+            self.close_now()
+            await trio.lowlevel.checkpoint()
+
+    def close_now(self) -> None:
+        """End the stream (the reader sees the end and learns the outcome from the request)."""
+        self.closed = True
+        self.send.close()
+
+
+def tee(first: EventSink, second: EventSink) -> EventSink:
+    async def both(event: SessionEvent) -> None:
+        await first(event)
+        await second(event)
+
+    return both
+
+
+class RequestEnding(Protocol):
+    """What a stream needs of its request: when it is done, and its failure."""
+
+    @property
+    def done(self) -> trio.Event: ...
+
+    def raise_if_failed(self) -> None: ...
+
+
+class SessionEventStream:
+    """What ``async with session.stream(prompt) as events`` gives: ``async for event in events``
+    yields the request's `SessionEvent` s up to its `DoneEvent`.
+
+    ``text`` is the final answer once the `DoneEvent` arrived (``done``); ``joined`` says
+    whether the prompt joined a request that was already running. A failed or aborted
+    request raises its error (a `TrioAgentError`) at the end of the iteration.
+    """
+
+    def __init__(self, recv: trio.MemoryReceiveChannel[SessionEvent], request: RequestEnding, *, joined: bool) -> None:
+        self._recv = recv
+        self.request = request
+        self.joined = joined
+        self.text = ""
+        self.done: DoneEvent | None = None
+
+    def __aiter__(self) -> SessionEventStream:
+        return self
+
+    async def __anext__(self) -> SessionEvent:
+        if self.done is not None:
+            raise StopAsyncIteration
+        try:
+            event = await self._recv.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            await self.request.done.wait()
+            self.request.raise_if_failed()
+            raise StopAsyncIteration from None
+        if isinstance(event, DoneEvent):
+            self.done = event
+            self.text = event.text
+            if event.stop_reason in ("error", "aborted"):
+                await self.request.done.wait()
+                self.request.raise_if_failed()
+        return event

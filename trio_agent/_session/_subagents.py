@@ -1,0 +1,596 @@
+"""Subagents: their definitions, background handles, and the supervisor that starts every one.
+
+Rules
+=====
+
+* A subagent's allowlist is its definition's, intersected with the root's; it never
+  gets the task tools (no unbounded recursion). SubagentStart hooks may replace its
+  prompt; a skip or abort refuses it.
+* ``subagent_started`` is recorded on the parent's stream before the subagent runs;
+  from then on every way out records its one end there (completed, or cancelled
+  with a reason), also when it never ran.
+* Foreground: runs inside the calling ``task`` call, whose slot is given back
+  meanwhile; the parent's abort reaches it, the parent's steering stops it (its
+  ``cancel`` tools stop, its ``block`` tools finish). Background: a task of the
+  session's nursery, idle between prompts, reporting each outcome to the parent's
+  next turn.
+* Routed persistence: for every run of every subagent it starts, the supervisor
+  calls each `RoutedSubagentPersistence` of the agent's chat middleware: ``start``
+  once before the run, ``chunk`` per delivered run event, then exactly one of
+  ``finish`` (completed) or ``abort`` (failed, cancelled, refused). ``start`` and
+  ``chunk`` failures fail the run; ``finish`` / ``abort`` failures are logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import trio
+
+from .._abort import Abort, AbortHandle, AbortReason
+from .._config import validate_id
+from .._errors import (
+    ConfigError,
+    InvalidTransitionError,
+    JournalError,
+    LeaseLostError,
+    SessionBusyError,
+    SessionClosedError,
+    SettlementError,
+    UnknownSubagentError,
+)
+from .._journal._events import (
+    RequestInterrupted,
+    RequestInterruptReason,
+    SubagentCancelled,
+    SubagentCompleted,
+    SubagentStarted,
+)
+from .._journal._projection import RequestState
+from .._loop._events import RunEvent
+from .._models._history import answer_orphan_calls
+from .._tools._context import ToolContext
+from ._endings import record_request_end
+from ._hooks import HookAbortedError, HookAction, HookEvent
+from ._host import SessionHost
+from ._messages import DoneEvent, SessionEvent, SubagentEvent, SubagentStatus
+from ._requests import _Agent, _Request, accept_on, next_agent_number
+from ._stream import EventSink, discard
+
+__all__ = [
+    "RoutedSubagentPersistence",
+    "SubagentDefinition",
+    "SubagentHandle",
+    "SubagentRunInfo",
+    "SubagentRunResult",
+    "SubagentSupervisor",
+]
+
+_log = logging.getLogger("trio_agent.session")
+
+TASK_TOOL_NAMES = frozenset({"task", "task_output"})
+
+
+def _optional_names(value: Sequence[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
+
+
+@attrs.frozen
+class SubagentDefinition:
+    """A named subagent: its own system prompt, a tool allowlist (intersected with the
+    session's; ``None`` = all of the session's tools, empty = none), model and turn limit."""
+
+    name: str
+    description: str
+    system_prompt: str
+    tools: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_names)
+    model: str | None = None
+    max_turns: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or len(self.name) > 64:
+            raise ConfigError(f"subagent name must be 1-64 characters, not {self.name!r}")
+        validate_id(self.name, name="subagent name", max_length=64)  # it names the subagent's stream
+        if self.max_turns is not None and (not isinstance(self.max_turns, int) or self.max_turns < 1):
+            raise ConfigError(f"subagent {self.name!r}: max_turns must be a positive int")
+
+
+# ---------------------------------------------------------------- routed persistence
+
+
+@attrs.frozen
+class SubagentRunInfo:
+    """One run of a subagent, as routed persistence sees it."""
+
+    session_id: str
+    subagent_id: str
+    name: str
+    parent_agent_id: str
+    parent_request_id: str
+    request_id: str  # the subagent's own request (its run id)
+    prompt: str
+    background: bool
+    call_id: str | None  # the parent's ``task`` call, if a tool started it
+
+
+@attrs.frozen
+class SubagentRunResult:
+    """How a subagent run that completed ended."""
+
+    text: str
+    stop_reason: str
+    turns: int
+
+
+@runtime_checkable
+class RoutedSubagentPersistence(Protocol):
+    """Stores the subagent runs a session routes work to. Set it as the
+    ``routed_subagent_persistence`` attribute of a chat middleware given to
+    ``define_agent(lifecycle=[...])``; the session calls it, an app never does."""
+
+    async def start(self, info: SubagentRunInfo) -> None: ...
+
+    async def chunk(self, info: SubagentRunInfo, event: RunEvent) -> None: ...
+
+    async def finish(self, info: SubagentRunInfo, result: SubagentRunResult) -> None: ...
+
+    async def abort(self, info: SubagentRunInfo, reason: str) -> None: ...
+
+
+def routed_persistence_of(middleware: Sequence[object]) -> tuple[RoutedSubagentPersistence, ...]:
+    """The ``routed_subagent_persistence`` of each middleware that has one, in list order.
+
+    Raises:
+        ConfigError: one that does not implement `RoutedSubagentPersistence`.
+    """
+    found: list[RoutedSubagentPersistence] = []
+    for index, item in enumerate(middleware):
+        store = getattr(item, "routed_subagent_persistence", None)
+        if store is None:
+            continue
+        if not isinstance(store, RoutedSubagentPersistence):
+            raise ConfigError(
+                f"lifecycle middleware #{index}: routed_subagent_persistence must define async "
+                f"start, chunk, finish and abort, not {store!r}"
+            )
+        found.append(store)
+    return tuple(found)
+
+
+class _Routed:
+    """One subagent run told to every routed persistence (module rules)."""
+
+    def __init__(self, stores: tuple[RoutedSubagentPersistence, ...], info: SubagentRunInfo) -> None:
+        self.stores = stores
+        self.info = info
+        self.started: list[RoutedSubagentPersistence] = []
+
+    async def start(self, request: _Request) -> None:
+        for store in self.stores:
+            await store.start(self.info)
+            self.started.append(store)  # only a store that started is told the end
+        if not self.stores:
+            return
+        stores, info = self.stores, self.info
+
+        async def observe(event: RunEvent) -> None:
+            for store in stores:
+                await store.chunk(info, event)
+
+        request.observe = observe
+
+    async def end(self, request: _Request, status: SubagentStatus) -> None:
+        started, self.started = self.started, []
+        for store in started:
+            try:
+                if status is SubagentStatus.COMPLETED:
+                    await store.finish(self.info, SubagentRunResult(request.text, request.stop_reason, request.turns))
+                else:
+                    await store.abort(self.info, str(request.error) if request.error else status.value)
+            except Exception:
+                _log.exception("routed subagent persistence %r failed for %s", store, self.info.subagent_id)
+
+
+# ---------------------------------------------------------------- handles
+
+
+class SubagentHandle:
+    """A background subagent: ``status``, ``wait()``, ``cancel()`` (stop its current work;
+    `resume` continues it) and ``kill()`` (final)."""
+
+    def __init__(self, agent: _Agent, parent_id: str, request_id: str, *, call_id: str | None = None) -> None:
+        self.agent = agent
+        self.parent_id = parent_id
+        self.parent_request_id = request_id
+        self.call_id = call_id
+        self.status = SubagentStatus.RUNNING
+        self.result: str | None = None
+        self.error: str | None = None
+        self._finished = trio.Event()
+        self._work_scope: trio.CancelScope | None = None
+        self._request: _Request | None = None  # the work running now
+        self._killed = False
+        self._prompts: list[str] = []
+        self._wake = trio.Event()
+        self._recorded = False  # its final outcome is on the parent's stream
+        self._task_done = trio.Event()  # its task in the session's nursery ended
+
+    @property
+    def id(self) -> str:
+        return self.agent.agent_id
+
+    @property
+    def name(self) -> str:
+        return self.agent.name
+
+    async def wait(self) -> str | None:
+        """Wait until the current work ends (completed, failed, cancelled or idle); return its result."""
+        await self._finished.wait()
+        return self.result
+
+    def cancel(self) -> None:
+        """Stop the current work; the subagent stays resumable (`resume`)."""
+        if self._work_scope is not None:
+            self._work_scope.cancel()
+
+    def kill(self) -> None:
+        """Stop for good (recorded as cancelled if it never completed)."""
+        self._killed = True
+        self.cancel()
+        self._wake.set()
+
+    def resume(self, prompt: str) -> None:
+        """Give an idle (cancelled or finished) subagent more work."""
+        if self._killed:
+            raise SessionClosedError(f"subagent {self.id} was killed")
+        if self.status is SubagentStatus.RUNNING or not self._finished.is_set():
+            raise SessionBusyError(f"subagent {self.id} is still running (or still recording its outcome)")
+        self._prompts.append(prompt)
+        self._finished = trio.Event()
+        self.status = SubagentStatus.RUNNING
+        self._wake.set()
+
+
+# ---------------------------------------------------------------- the supervisor
+
+
+class SubagentSupervisor:
+    """Starts, runs, reports and closes every subagent of one session (module rules)."""
+
+    def __init__(
+        self,
+        host: SessionHost,
+        definitions: dict[str, SubagentDefinition],
+        nursery: trio.Nursery,
+        persistence: tuple[RoutedSubagentPersistence, ...] = (),
+    ) -> None:
+        self.host = host
+        self.definitions = definitions
+        self.nursery = nursery
+        self.persistence = persistence
+        self.subagents: dict[str, SubagentHandle] = {}
+
+    def definition(self, name: str) -> SubagentDefinition:
+        definition = self.definitions.get(name)
+        if definition is None:
+            known = ", ".join(sorted(self.definitions)) or "none"
+            raise UnknownSubagentError(f"unknown subagent {name!r} (defined: {known})")
+        return definition
+
+    def _make_agent(self, definition: SubagentDefinition, parent_id: str) -> _Agent:
+        root = self.host.root
+        allowed = root.allowed if definition.tools is None else root.allowed & frozenset(definition.tools)
+        return _Agent(
+            agent_id=f"{definition.name}-{next_agent_number()}",
+            name=definition.name,
+            system_prompt=definition.system_prompt,
+            allowed=allowed - TASK_TOOL_NAMES,
+            max_turns=definition.max_turns or root.max_turns,
+            parent_id=parent_id,
+            model=definition.model,
+        )
+
+    def _routed(
+        self, agent: _Agent, request: _Request, parent_request_id: str, call_id: str | None, *, background: bool
+    ) -> _Routed:
+        assert agent.parent_id is not None
+        info = SubagentRunInfo(
+            session_id=self.host.session_id,
+            subagent_id=agent.agent_id,
+            name=agent.name,
+            parent_agent_id=agent.parent_id,
+            parent_request_id=parent_request_id,
+            request_id=request.request_id,
+            prompt=request.prompt,
+            background=background,
+            call_id=call_id,
+        )
+        return _Routed(self.persistence, info)
+
+    async def _subagent_start(self, agent: _Agent, prompt: str) -> str:
+        """SubagentStart hooks: may replace the prompt; skip or abort refuses the subagent."""
+        decision = await self.host.dispatch(
+            HookEvent.SUBAGENT_START,
+            agent.agent_id,
+            subagent_id=agent.agent_id,
+            subagent_type=agent.name,
+            prompt=prompt,
+        )
+        decision.raise_for_abort()
+        if decision.action is HookAction.SKIP:
+            refused = HookAbortedError(
+                f"a SubagentStart hook refused subagent {agent.name!r}: {decision.reason or 'skip'}",
+                event=HookEvent.SUBAGENT_START,
+                reason=decision.reason,
+                callback=decision.decided_by,
+                source=decision.source,
+            )
+            refused.code = "hook_skip"
+            raise refused
+        self.host.agents[agent.agent_id] = agent
+        prompt = decision.prompt or prompt
+        if decision.context_text:
+            prompt = f"{prompt}\n\n{decision.context_text}"
+        return prompt
+
+    async def record_end(self, parent_id: str, event: SubagentCompleted | SubagentCancelled) -> bool:
+        """Record a subagent's one outcome on its parent's stream, if it is still running there."""
+        journal = self.host.journal
+        if journal.lost or journal.fenced or journal.closed:
+            return False
+        record = journal.projection(parent_id)._s.subagents.get(event.subagent_id)
+        if record is None or record.state.value != "running":
+            return False
+        try:
+            await journal.append(event, agent_id=parent_id)
+        except InvalidTransitionError:
+            raise
+        except (JournalError, LeaseLostError) as exc:
+            _log.warning("could not record the end of subagent %s: %s", event.subagent_id, exc)
+            return False
+        return True
+
+    # -- background
+
+    async def spawn_background(
+        self, name: str, prompt: str, parent_id: str, request_id: str, *, call_id: str | None
+    ) -> SubagentHandle:
+        host = self.host
+        if host.closing:
+            raise SessionClosedError("the session is closed")
+        agent = self._make_agent(self.definition(name), parent_id)
+        prompt = await self._subagent_start(agent, prompt)
+        await host.journal.open_agent(agent.agent_id, parent_agent_id=parent_id)
+        try:
+            # Once submitted, subagent_started is in the projection: every way out must end it.
+            await host.journal.append(
+                SubagentStarted(request_id=request_id, subagent_id=agent.agent_id, call_id=call_id),
+                agent_id=parent_id,
+            )
+            if host.closing:
+                raise SessionClosedError("the session closed while the subagent was starting")
+            handle = SubagentHandle(agent, parent_id, request_id, call_id=call_id)
+            handle._prompts.append(prompt)
+            # No await from here: the task's own `finally` records its outcome from now on.
+            self.nursery.start_soon(self._background_main, handle)
+            self.subagents[agent.agent_id] = handle
+        except BaseException as exc:
+            # It never runs, and says so.
+            why = "session closed" if host.closing or isinstance(exc, SessionClosedError) else "start interrupted"
+            with host.cleanup_scope("recording a subagent that never started"):
+                await self.record_end(
+                    parent_id, SubagentCancelled(request_id=request_id, subagent_id=agent.agent_id, reason=why)
+                )
+            raise
+        return handle
+
+    async def _background_main(self, handle: SubagentHandle) -> None:
+        """The task of one background subagent: runs its prompts until killed or the session closes.
+
+        Between prompts it is idle (completed, failed or cancelled work) and can be
+        resumed. Its start was recorded on the parent's stream; its end is recorded
+        once: completed at its first completion, cancelled when killed before that.
+        """
+        host = self.host
+        agent = handle.agent
+        try:
+            while not handle._killed:
+                if not handle._prompts:
+                    handle._wake = trio.Event()
+                    await handle._wake.wait()
+                    continue
+                prompt = handle._prompts.pop(0)
+                request = _Request(prompt, discard, agent)
+                routed = self._routed(agent, request, handle.parent_request_id, handle.call_id, background=True)
+                handle.error = None
+                with trio.CancelScope() as scope:
+                    handle._work_scope = scope
+                    handle._request = request
+
+                    def cancel_reason(scope: trio.CancelScope = scope) -> RequestInterruptReason:
+                        # Its own scope cancelled (cancel(), kill()) is the user's doing, unless closing.
+                        if scope.cancel_called and not host.closing:
+                            return RequestInterruptReason.USER_ABORT
+                        return RequestInterruptReason.SESSION_CLOSE
+
+                    request.cancel_reason = cancel_reason
+                    handle.status = SubagentStatus.RUNNING
+                    try:
+                        await routed.start(request)
+                        await accept_on(host.journal, agent.agent_id, request)
+                        await host.run_request(request)
+                    except (LeaseLostError, SettlementError):
+                        raise
+                    except Exception as exc:  # a subagent crash is reported, never unhandled
+                        handle.status = SubagentStatus.FAILED
+                        handle.error = f"{type(exc).__name__}: {exc}"
+                    finally:
+                        handle._request = None
+                handle._work_scope = None
+                record = host.journal.projection(agent.agent_id).request(request.request_id)
+                if scope.cancelled_caught and record is not None and record.state is RequestState.COMPLETED:
+                    scope_cancelled = False  # the work finished (durably) before the cancel arrived
+                else:
+                    scope_cancelled = scope.cancelled_caught
+                if scope_cancelled:
+                    # Accepted but cancelled before it ran records its end here (a no-op otherwise).
+                    with host.cleanup_scope("recording a cancelled subagent request"):
+                        await record_request_end(
+                            host.journal,
+                            agent.agent_id,
+                            request.request_id,
+                            RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
+                        )
+                    # A resumed conversation must answer every tool call the cancelled work left open.
+                    agent.history = answer_orphan_calls(agent.history)
+                    handle.status = SubagentStatus.CANCELLED if handle._killed else SubagentStatus.IDLE
+                    handle.result = None
+                elif handle.status is not SubagentStatus.FAILED:
+                    if request.error is not None:
+                        handle.status = SubagentStatus.FAILED
+                        handle.error = str(request.error)
+                    else:
+                        handle.status = SubagentStatus.COMPLETED
+                        handle.result = request.text
+                with host.cleanup_scope("storing a subagent run's end"):
+                    await routed.end(request, handle.status)
+                await self._report(handle)
+                handle._finished.set()
+        finally:
+            if handle._killed and handle.status is not SubagentStatus.CANCELLED:
+                handle.status = SubagentStatus.CANCELLED
+            if not handle._recorded:
+                handle._recorded = True
+                with host.cleanup_scope("recording a subagent's end"):
+                    await self.record_end(
+                        handle.parent_id,
+                        SubagentCancelled(
+                            request_id=handle.parent_request_id,
+                            subagent_id=handle.id,
+                            reason="session closed" if host.closing else "killed",
+                        ),
+                    )
+            handle._finished.set()
+            handle._task_done.set()
+
+    async def _report(self, handle: SubagentHandle) -> None:
+        """Tell the parent (its next turn) and record the first final outcome on its stream."""
+        summary = handle.result if handle.status is SubagentStatus.COMPLETED else (handle.error or handle.status.value)
+        with self.host.cleanup_scope("recording a subagent's outcome"):
+            if not handle._recorded and handle.status in (
+                SubagentStatus.COMPLETED,
+                SubagentStatus.FAILED,
+                SubagentStatus.CANCELLED,
+            ):
+                handle._recorded = True
+                if handle.status is SubagentStatus.COMPLETED:
+                    event: Any = SubagentCompleted(request_id=handle.parent_request_id, subagent_id=handle.id)
+                else:
+                    event = SubagentCancelled(
+                        request_id=handle.parent_request_id, subagent_id=handle.id, reason=handle.status.value
+                    )
+                await self.record_end(handle.parent_id, event)
+            note = f"[background subagent {handle.id} ({handle.name}) {handle.status.value}]: {summary or ''}"
+            self.host.inbox.setdefault(handle.parent_id, []).append(note)
+
+    # -- foreground
+
+    async def run_foreground(self, name: str, prompt: str, ctx: ToolContext, sink: EventSink) -> str:
+        """Run a subagent inside the calling tool's execution; the caller's slot is given back meanwhile.
+
+        The parent's abort reaches the child's work. Steering of the parent's request
+        reaches it as a steering abort of the child's request: its ``cancel`` tools are
+        cancelled, its ``block`` tools finish and settle, then the child's request ends
+        interrupted (steering) and `RequestAbortedError` is raised.
+        """
+        host = self.host
+        agent = self._make_agent(self.definition(name), ctx.agent_id)
+        # Its calls descend from the calling tool's: file locks that call holds cover them.
+        agent.lineage = (*ctx.execution.lineage, ctx.execution.call_key)
+        prompt = await self._subagent_start(agent, prompt)
+        await host.journal.open_agent(agent.agent_id, parent_agent_id=ctx.agent_id)
+
+        async def child_sink(event: SessionEvent) -> None:
+            # The child's events join the parent's stream; its DoneEvent is not the parent's.
+            if not isinstance(event, DoneEvent):
+                await sink(event)
+
+        request = _Request(prompt, child_sink, agent)
+        request.cancel_reason = self._cancelled_by_parent
+        routed = self._routed(agent, request, ctx.request_id, ctx.tool_call_id, background=False)
+
+        def forward_abort(abort: Abort) -> None:
+            request.abort.abort(abort.reason, abort.message)
+
+        def forward_steering(abort: Abort) -> None:
+            request.stop.abort(abort.reason, abort.message)
+            request.steering.abort(abort.reason, abort.message)
+
+        listeners: list[tuple[AbortHandle, int]] = []
+        status = SubagentStatus.FAILED
+        try:
+            # Once submitted, subagent_started is in the projection: the `finally` ends it.
+            await host.journal.append(
+                SubagentStarted(request_id=ctx.request_id, subagent_id=agent.agent_id, call_id=ctx.tool_call_id),
+                agent_id=ctx.agent_id,
+            )
+            listeners.append((ctx.abort, ctx.abort.add_listener(forward_abort)))
+            parent = host.running.get((ctx.agent_id, ctx.request_id))
+            if parent is not None:
+                listeners.append((parent.steering, parent.steering.add_listener(forward_steering)))
+            await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, SubagentStatus.RUNNING, background=False))
+            async with ctx.slot_released():
+                await routed.start(request)
+                await accept_on(host.journal, agent.agent_id, request)
+                await host.run_request(request)
+            status = SubagentStatus.COMPLETED if request.error is None else SubagentStatus.FAILED
+        finally:
+            for handle, token in listeners:
+                handle.remove_listener(token)
+            with host.cleanup_scope("recording a foreground subagent's end"):
+                # Accepted but cancelled before it ran records its end here (a no-op otherwise).
+                await record_request_end(
+                    host.journal,
+                    agent.agent_id,
+                    request.request_id,
+                    RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
+                )
+                if status is SubagentStatus.COMPLETED:
+                    event: Any = SubagentCompleted(request_id=ctx.request_id, subagent_id=agent.agent_id)
+                else:
+                    event = SubagentCancelled(
+                        request_id=ctx.request_id, subagent_id=agent.agent_id, reason=str(request.error or "cancelled")
+                    )
+                await self.record_end(ctx.agent_id, event)
+                await routed.end(request, status)
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, status, False, request.text[:200]))
+            host.agents.pop(agent.agent_id, None)  # it will make no more calls
+        if request.error is not None:
+            raise request.error
+        return request.text
+
+    def _cancelled_by_parent(self) -> RequestInterruptReason:
+        # A foreground child is cancelled with its parent's tool call: the parent's abort or deadline.
+        return RequestInterruptReason.SESSION_CLOSE if self.host.closing else RequestInterruptReason.USER_ABORT
+
+    # -- closing
+
+    async def close(self) -> None:
+        """Abort background work with the close's reason (its calls settle with it), then stop it."""
+        for handle in list(self.subagents.values()):
+            work = handle._request
+            if work is not None:
+                work.abort.abort(AbortReason.SESSION_CLOSE, "the session is closing")
+        for handle in list(self.subagents.values()):
+            work = handle._request
+            if work is not None:
+                await work.done.wait()
+        for handle in list(self.subagents.values()):
+            handle.kill()
+        for handle in list(self.subagents.values()):
+            await handle._task_done.wait()
