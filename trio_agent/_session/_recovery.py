@@ -21,14 +21,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import trio
 
 from .._errors import ConfigError, SessionClosedError, TrioAgentError
-from .._journal._conversation import encode_conversation, fold_conversation
+from .._journal._conversation import encode_conversation
 from .._journal._durable import DurableJournal, RecoveryReport, unknown_outcome_result
 from .._journal._events import (
     ConversationSeeded,
-    ModelAttemptCompleted,
-    RequestCompleted,
     RequestInterrupted,
     RequestInterruptReason,
     SessionReopened,
@@ -152,40 +151,38 @@ async def _recover(host: SessionHost, tools: Mapping[str, Tool[Any]], life: Life
                     ),
                     agent_id=agent_id,
                 )
-    events = [envelope.event for envelope in await journal.store.read(journal.stream_id())]
-    host.root.history = fold_conversation(events)
+    # From memory: the snapshot the journal loaded plus the events after it (no stream read).
+    host.root.history = journal.conversation()
     notes = host.inbox.setdefault(host.root.agent_id, [])
     if life.notes:
         notes.append("[session recovered after a restart]\n" + "\n".join(life.notes))
-    notes.extend(await _undelivered_subagent_notes(journal, events))
+    notes.extend(_undelivered_subagent_notes(journal))
     if not notes:
         del host.inbox[host.root.agent_id]
 
 
-async def _undelivered_subagent_notes(journal: DurableJournal, events: Sequence[Any]) -> list[str]:
+def _undelivered_subagent_notes(journal: DurableJournal) -> list[str]:
     """Background subagents whose outcome was recorded after the last model call of the root
     (so its note never reached the model, e.g. killed by the previous close)."""
-    last_call = max((i for i, e in enumerate(events) if isinstance(e, ModelAttemptCompleted)), default=-1)
     notes: list[str] = []
-    for event in events[last_call + 1 :]:
+    for event in journal.conversation_fold().outcomes_since_reply:
         if isinstance(event, SubagentCompleted):
-            text = await _subagent_answer(journal, event.subagent_id)
-            notes.append(f"[background subagent {event.subagent_id} completed]: {text}")
-        elif isinstance(event, SubagentCancelled):
+            answer = _subagent_answer(journal, event.subagent_id)
+            notes.append(f"[background subagent {event.subagent_id} completed]: {answer}")
+        else:
             notes.append(f"[background subagent {event.subagent_id} cancelled]: {event.reason}")
     return notes
 
 
-async def _subagent_answer(journal: DurableJournal, subagent_id: str) -> str:
+def _subagent_answer(journal: DurableJournal, subagent_id: str) -> str:
     try:
-        events = await journal.store.read(journal.stream_id(subagent_id))
+        output = journal.conversation_fold(subagent_id).last_output
     except TrioAgentError:
         return ""
-    answers = [e.event.output for e in events if isinstance(e.event, RequestCompleted) and e.event.output]
-    return str(answers[-1].get("text", "")) if answers else ""
+    return str((output or {}).get("text", ""))
 
 
 async def rebuild_history(journal: DurableJournal, agent_id: str) -> list[Message]:
-    """The conversation as the journal tells it (`fold_conversation`)."""
-    events = await journal.store.read(journal.stream_id(agent_id))
-    return fold_conversation(envelope.event for envelope in events)
+    """The conversation as the journal tells it (the fold of its stream, kept by the journal)."""
+    await trio.lowlevel.checkpoint()
+    return journal.conversation(agent_id)
