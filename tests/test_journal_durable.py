@@ -986,7 +986,6 @@ async def test_recovery_decides_and_writes_but_never_runs_anything(kind: str, tm
             assert sorted(report.outcome_unknown) == ["c-charge", "c-notify"]
             assert report.reconciled == ("c-transfer",)
             assert report.cancelled == ("c-denied",)
-            assert report.aborted_attempts == ("attempt-1",)
 
             new = after[len(before) :]
             assert after[: len(before)] == before

@@ -331,7 +331,8 @@ def test_permission_updates_are_kept_in_order_while_the_session_is_open() -> Non
     s.reject(permission_updated(4), "closed")
     # Replaying the stream gives the same list (what a reopen hands to the permission engine).
     replayed = Projection(STREAM)
-    replayed.apply_all(s.log)
+    for envelope in s.log:
+        replayed.apply(envelope)
     assert replayed.permission_updates == s.p.permission_updates
 
 

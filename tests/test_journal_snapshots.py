@@ -275,8 +275,7 @@ async def test_a_crash_after_a_snapshot_recovers_from_snapshot_and_tail() -> Non
         assert journal._streams[ROOT].snapshot_seq == 4
         full = replayed(await store.read(ROOT))
         assert journal.recovery_plan() == full.projection.recovery_plan()
-        report = await journal.recover()
-        assert report.aborted_attempts == ("a1",)
+        await journal.recover()
         assert journal.projection().snapshot() != full.projection.snapshot()  # recovery wrote the abort
     assert replayed(await store.read(ROOT)).projection.recovery_plan() == journal.recovery_plan()
 

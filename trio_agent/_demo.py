@@ -62,8 +62,10 @@ from ._session._messages import (
     ToolUseEvent,
     UsageEvent,
 )
+from ._session._open import open_session
 from ._session._plugins import MiddlewareConfig, Plugin, define_plugin
-from ._session._session import Session, SubagentDefinition, SubagentHandle, open_session
+from ._session._session import Session
+from ._session._subagents import SubagentDefinition, SubagentHandle
 from ._tools._context import ToolContext, ToolMiddlewareRequest
 from ._tools._definition import SideEffect, Tool, ToolKind, define_tool
 from ._tools._pipeline import CallNext

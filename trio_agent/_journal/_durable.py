@@ -134,7 +134,6 @@ class RecoveryReport:
     outcome_unknown: tuple[str, ...]
     reconciled: tuple[str, ...]
     cancelled: tuple[str, ...]
-    aborted_attempts: tuple[str, ...]
 
 
 def _default_owner() -> str:
@@ -662,7 +661,6 @@ class DurableJournal:
         unknown: list[str] = []
         reconciled: list[str] = []
         cancelled: list[str] = []
-        aborted: list[str] = []
         replayed = [
             call_id for call_id, action in plan.tool_actions.items() if action is ToolRecoveryAction.REPLAY_RESULT
         ]
@@ -678,7 +676,6 @@ class DurableJournal:
                     ),
                     agent_id=agent_id,
                 )
-                aborted.append(item.attempt_id)
                 continue
             if item.kind is RecoveryKind.PENDING_PERMISSION:
                 # Nobody can answer the old question any more, and a call may ask only once:
@@ -767,7 +764,6 @@ class DurableJournal:
             outcome_unknown=tuple(unknown),
             reconciled=tuple(reconciled),
             cancelled=tuple(cancelled),
-            aborted_attempts=tuple(aborted),
         )
 
     # -- subscriptions

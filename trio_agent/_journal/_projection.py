@@ -517,10 +517,6 @@ class Projection:
         mutation()
         self._s.head = envelope.seq
 
-    def apply_all(self, envelopes: list[EventEnvelope]) -> None:
-        for envelope in envelopes:
-            self.apply(envelope)
-
     def apply_atomic(self, envelopes: Sequence[EventEnvelope]) -> None:
         """Apply every envelope, or none: on a refusal the state is as before, and it is raised.
 

@@ -219,29 +219,21 @@ class ResolvedPlugins:
         *,
         allowed: Sequence[str] | None = None,
         disallowed: Sequence[str] = (),
-        sources: Sequence[str] | None = None,
-        trust_levels: Sequence[TrustLevel] | None = None,
     ) -> tuple[RegisteredTool, ...]:
         """The tools that pass the session's filters, whatever their source.
 
         ``allowed=None`` keeps every name and an empty list none; ``disallowed``
-        applies after it; ``sources`` and ``trust_levels``, if given, keep only
-        tools of those sources and trust levels. Plugin tools get no exemption.
+        applies after it. Plugin tools get no exemption.
         """
         for label, names in (("allowed", allowed), ("disallowed", disallowed)):
             if isinstance(names, str):
                 raise ConfigError(f"{label} tools must be a list of names, not the string {names!r}")
         allowed_set = None if allowed is None else set(allowed)
         disallowed_set = set(disallowed)
-        source_set = None if sources is None else set(sources)
-        trust_set = None if trust_levels is None else set(trust_levels)
         return tuple(
             entry
             for entry in self.tools
-            if (allowed_set is None or entry.name in allowed_set)
-            and entry.name not in disallowed_set
-            and (source_set is None or entry.source_id in source_set)
-            and (trust_set is None or entry.trust_level in trust_set)
+            if (allowed_set is None or entry.name in allowed_set) and entry.name not in disallowed_set
         )
 
 

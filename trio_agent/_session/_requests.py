@@ -209,8 +209,9 @@ async def record_raised(journal: DurableJournal, request: _Request, exc: BaseExc
         if typed is exc:
             return False
         raise typed from None
-    if typed is None and is_cancellation(exc):
-        # Cancelled from outside (the session block, a subagent's work scope, a parent's tool call).
+    if typed is None and (is_cancellation(exc) or isinstance(exc, KeyboardInterrupt)):
+        # Cancelled from outside (the session block, a subagent's work scope, a parent's tool call),
+        # or Ctrl-C landing in this task: recorded, so no request is left open for recovery.
         with bounded_shield(grace, "recording a cancelled request"):
             await drain_holds(request)
             await record_request_end(

@@ -353,13 +353,3 @@ class Session:
                         break
         if refused is not None:
             raise refused
-
-
-def __getattr__(name: str) -> Any:
-    # Until trio_agent/_demo.py imports open_session from trio_agent: `_open` imports this
-    # module, so it cannot be imported here at load time.
-    if name == "open_session":
-        from ._open import open_session
-
-        return open_session
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
