@@ -111,7 +111,7 @@ async def test_structured_output_is_validated_against_the_schema() -> None:
 async def test_leaving_the_block_early_aborts_the_run_and_keeps_committed_results(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    model = TestModel(default=Reply(text="late", latency=0), script={"go": [Reply(tool_calls=[("add", {"a": 2})])]})
+    model = TestModel({"go": [Reply(tool_calls=[("add", {"a": 2})]), Reply(text="late")]})
     async with chat(model, "go", tools=[add]) as run:
         async for event in run:
             if isinstance(event, ToolCallResult):

@@ -117,6 +117,7 @@ from ._tools._stages import ToolStages as ToolStages
 __version__ = "0.1.0"
 
 
+from ._chat._chat import chat as chat
 from ._errors import CommandConflictError as CommandConflictError
 from ._errors import CursorError as CursorError
 from ._errors import ForeignStreamError as ForeignStreamError
@@ -356,6 +357,7 @@ __all__ = [
     "UsageChunk",
     "UsageEvent",
     "UserMessage",
+    "chat",
     "compose_middleware",
     "create_provider",
     "define_agent",

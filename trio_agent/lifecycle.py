@@ -1,7 +1,9 @@
 """Chat middleware and the loop's lifecycle hooks: the public names.
 
-Write middleware by subclassing `ChatMiddleware` (or with `define_chat_middleware`)
-and hand a list of them to a chat run; `middleware_lifecycle` is what turns that
+``chat()`` (exported from ``trio_agent``) runs the loop without a session and yields a
+`ChatRun` of `RunEvent` s and a `ChatResult`. Write middleware by subclassing
+`ChatMiddleware` (or with `define_chat_middleware`) and hand a list of them to a chat run
+or a session (``lifecycle=``); `middleware_lifecycle` is what turns that
 list into the loop's `Lifecycle`. See ``docs/lifecycle.md``::
 
     from trio_agent.lifecycle import ChatMiddleware, DROP, TransformArgs
@@ -9,6 +11,7 @@ list into the loop's `Lifecycle`. See ``docs/lifecycle.md``::
 
 from __future__ import annotations
 
+from ._chat._chat import ChatResult, ChatRun, StructuredOutputError
 from ._lifecycle._decisions import (
     DROP,
     AbortInfo,
@@ -40,7 +43,29 @@ from ._lifecycle._middleware import (
 )
 from ._loop._compose import LifecycleHookError, compose_lifecycle
 from ._loop._context import RetryNotAllowedError, RunContext
+from ._loop._events import (
+    CustomEvent,
+    ReasoningContent,
+    ReasoningEnd,
+    ReasoningStart,
+    RunError,
+    RunEvent,
+    RunFinished,
+    RunStarted,
+    StepFinished,
+    StepStarted,
+    TextMessageContent,
+    TextMessageEnd,
+    TextMessageStart,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallProgress,
+    ToolCallResult,
+    ToolCallStart,
+    UsageReported,
+)
 from ._loop._hooks import NO_HOOKS, Finished, Lifecycle, ModelConfig, Phase, ToolOutcome
+from ._loop._rules import LoopState, LoopStrategy, StopReason, combine_strategies, max_iterations, until_finish_reason
 
 __all__ = [
     "DROP",
@@ -52,8 +77,11 @@ __all__ = [
     "AfterToolCallInfo",
     "BeforeToolCallDecision",
     "ChatMiddleware",
+    "ChatResult",
+    "ChatRun",
     "ChunkDecision",
     "ConfigChange",
+    "CustomEvent",
     "Drop",
     "ErrorInfo",
     "FinishInfo",
@@ -62,20 +90,45 @@ __all__ = [
     "IterationInfo",
     "Lifecycle",
     "LifecycleHookError",
+    "LoopState",
+    "LoopStrategy",
     "MiddlewareDecisionError",
     "ModelConfig",
     "Phase",
+    "ReasoningContent",
+    "ReasoningEnd",
+    "ReasoningStart",
     "Refuse",
     "ReplaceResult",
     "RetryNotAllowedError",
     "RunContext",
+    "RunError",
+    "RunEvent",
+    "RunFinished",
+    "RunStarted",
     "Skip",
+    "StepFinished",
+    "StepStarted",
+    "StopReason",
+    "StructuredOutputError",
+    "TextMessageContent",
+    "TextMessageEnd",
+    "TextMessageStart",
+    "ToolCallArgs",
+    "ToolCallEnd",
     "ToolCallInfo",
+    "ToolCallProgress",
+    "ToolCallResult",
+    "ToolCallStart",
     "ToolOutcome",
     "ToolPhaseCompleteInfo",
     "TransformArgs",
+    "UsageReported",
     "apply_structured_output_config",
+    "combine_strategies",
     "compose_lifecycle",
     "define_chat_middleware",
+    "max_iterations",
     "middleware_lifecycle",
+    "until_finish_reason",
 ]

@@ -269,12 +269,19 @@ async def chat(
     offered = tuple(ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in tools)
 
     async def events(event: RunEvent) -> None:
+        # Without a task switch while the buffer has room (one per chunk would cost more than the
+        # rest of the run); a full buffer makes the run wait for its reader (backpressure).
         try:
+            send.send_nowait(event)
+        except trio.WouldBlock:
             if run_abort.aborted:
-                send.send_nowait(event)  # never block once aborted: the reader may be gone
-            else:
+                await trio.lowlevel.checkpoint()  # never block once aborted: the reader may be gone
+                return
+            try:
                 await send.send(event)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await trio.lowlevel.checkpoint()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
             await trio.lowlevel.checkpoint()
 
     spec = RunSpec(
