@@ -133,6 +133,9 @@ from ._errors import SessionClosedError as SessionClosedError
 from ._errors import SessionError as SessionError
 from ._errors import StaleFencingTokenError as StaleFencingTokenError
 from ._errors import UnknownSubagentError as UnknownSubagentError
+from ._lifecycle._routing import RoutedSubagentPersistence as RoutedSubagentPersistence
+from ._lifecycle._routing import SubagentRunInfo as SubagentRunInfo
+from ._lifecycle._routing import SubagentRunResult as SubagentRunResult
 from ._session._hooks import HookAbortedError as HookAbortedError
 from ._session._hooks import HookAction as HookAction
 from ._session._hooks import HookDecision as HookDecision
@@ -171,11 +174,8 @@ from ._session._session import Session as Session
 from ._session._spec import AgentSpec as AgentSpec
 from ._session._spec import define_agent as define_agent
 from ._session._stream import SessionEventStream as SessionEventStream
-from ._session._subagents import RoutedSubagentPersistence as RoutedSubagentPersistence
 from ._session._subagents import SubagentDefinition as SubagentDefinition
 from ._session._subagents import SubagentHandle as SubagentHandle
-from ._session._subagents import SubagentRunInfo as SubagentRunInfo
-from ._session._subagents import SubagentRunResult as SubagentRunResult
 from .journal import CaughtUp as CaughtUp
 from .journal import DurableEvent as DurableEvent
 from .journal import DurableJournal as DurableJournal

@@ -41,6 +41,7 @@ from ._lifecycle._middleware import (
     define_chat_middleware,
     middleware_lifecycle,
 )
+from ._lifecycle._routing import RoutedSubagentPersistence, SubagentRunInfo, SubagentRunResult
 from ._loop._compose import LifecycleHookError, compose_lifecycle
 from ._loop._context import RetryNotAllowedError, RunContext
 from ._loop._events import (
@@ -101,6 +102,7 @@ __all__ = [
     "Refuse",
     "ReplaceResult",
     "RetryNotAllowedError",
+    "RoutedSubagentPersistence",
     "RunContext",
     "RunError",
     "RunEvent",
@@ -111,6 +113,8 @@ __all__ = [
     "StepStarted",
     "StopReason",
     "StructuredOutputError",
+    "SubagentRunInfo",
+    "SubagentRunResult",
     "TextMessageContent",
     "TextMessageEnd",
     "TextMessageStart",

@@ -83,6 +83,7 @@ from ._decisions import (
     ToolPhaseCompleteInfo,
     TransformArgs,
 )
+from ._routing import RoutedSubagentPersistence
 
 __all__ = [
     "HOOK_NAMES",
@@ -140,6 +141,8 @@ class ChatMiddleware:
     """
 
     name: str | None = None
+    routed_subagent_persistence: RoutedSubagentPersistence | None = None
+    """Set it to store the subagent runs a session routes work to (see `RoutedSubagentPersistence`)."""
 
     def setup(self, ctx: RunContext) -> MaybeAwaitable[None]:
         """First, before the first ``on_config``, for every middleware in order."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import attrs
 import trio
@@ -51,6 +51,7 @@ from .._journal._events import (
     SubagentStarted,
 )
 from .._journal._projection import RequestState
+from .._lifecycle._routing import RoutedSubagentPersistence, SubagentRunInfo, SubagentRunResult
 from .._loop._events import RunEvent
 from .._models._history import answer_orphan_calls
 from .._tools._context import ToolContext
@@ -99,46 +100,7 @@ class SubagentDefinition:
             raise ConfigError(f"subagent {self.name!r}: max_turns must be a positive int")
 
 
-# ---------------------------------------------------------------- routed persistence
-
-
-@attrs.frozen
-class SubagentRunInfo:
-    """One run of a subagent, as routed persistence sees it."""
-
-    session_id: str
-    subagent_id: str
-    name: str
-    parent_agent_id: str
-    parent_request_id: str
-    request_id: str  # the subagent's own request (its run id)
-    prompt: str
-    background: bool
-    call_id: str | None  # the parent's ``task`` call, if a tool started it
-
-
-@attrs.frozen
-class SubagentRunResult:
-    """How a subagent run that completed ended."""
-
-    text: str
-    stop_reason: str
-    turns: int
-
-
-@runtime_checkable
-class RoutedSubagentPersistence(Protocol):
-    """Stores the subagent runs a session routes work to. Set it as the
-    ``routed_subagent_persistence`` attribute of a chat middleware given to
-    ``define_agent(lifecycle=[...])``; the session calls it, an app never does."""
-
-    async def start(self, info: SubagentRunInfo) -> None: ...
-
-    async def chunk(self, info: SubagentRunInfo, event: RunEvent) -> None: ...
-
-    async def finish(self, info: SubagentRunInfo, result: SubagentRunResult) -> None: ...
-
-    async def abort(self, info: SubagentRunInfo, reason: str) -> None: ...
+# ---------------------------------------------------------------- routed persistence (types in _lifecycle/_routing.py)
 
 
 def routed_persistence_of(middleware: Sequence[object]) -> tuple[RoutedSubagentPersistence, ...]:
