@@ -134,7 +134,9 @@ class RunPorts:
     events: RunEventSink
     effects: EffectSink
     abort: AbortHandle  # the run's: reaches the model call and every tool call
-    stop: AbortHandle = attrs.field(factory=AbortHandle)  # "finish what runs, then stop": cancel tools stop
+    # "Finish what runs, then stop" (cancel tools stop, block tools finish); None: this run is never
+    # stopped that way (a session's root request), which saves linking a handle per model call.
+    stop: AbortHandle | None = None
 
 
 async def discard_events(event: RunEvent) -> None:

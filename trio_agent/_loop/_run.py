@@ -223,10 +223,12 @@ class _Run:
                 return self._finished(StopReason.MAX_TOKENS if cut else StopReason.END_TURN)
         except _Aborted:
             ports.inbox.close()
-            return self._finished(StopReason.ABORTED, self.ports.abort.reason or self.ports.stop.reason)
+            stop = self.ports.stop
+            return self._finished(StopReason.ABORTED, self.ports.abort.reason or (stop.reason if stop else None))
 
     def _check_abort(self) -> None:
-        if self.ports.abort.aborted or self.ports.stop.aborted:
+        stop = self.ports.stop
+        if self.ports.abort.aborted or (stop is not None and stop.aborted):
             raise _Aborted
 
     def _finished(self, reason: StopReason, abort: Abort | None = None) -> Finished:
@@ -264,7 +266,8 @@ class _Run:
                     continue
                 raise failure.error from None
             if reply is None:
-                await ports.recorder.model_call_aborted(ref, ports.abort.reason or ports.stop.reason)
+                stop = ports.stop
+                await ports.recorder.model_call_aborted(ref, ports.abort.reason or (stop.reason if stop else None))
                 return None
             break
         # Everything a model sends is untrusted: a call that must not run is answered before any runs.
@@ -305,7 +308,7 @@ class _Run:
         run_id, agent_id = spec.run_id, spec.agent_id
         text_open = reasoning_open = False
         produced = False
-        abort, unlink = _either(ports.abort, ports.stop)
+        abort, unlink = (ports.abort, _no_unlink) if ports.stop is None else _either(ports.abort, ports.stop)
         ctx.phase = Phase.MODEL_STREAM
         try:
             async with ports.model.stream(
@@ -374,10 +377,11 @@ class _Run:
         stages = self.hooks.tool_stages(self.ctx)
         # A stop reaches `cancel` tools as steering does (its `block` tools finish).
         stop = self.ports.stop
+
         def steer(abort: Abort) -> None:
             steering.abort(abort.reason, abort.message)
 
-        token = stop.add_listener(steer)
+        token = stop.add_listener(steer) if stop is not None else -1
 
         async def run_one(index: int, part: ToolCallPart) -> None:
             checked = rejected[part.id] if part.id in rejected else arguments[part.id]
@@ -393,7 +397,8 @@ class _Run:
                 raise  # a cancellation (or a foreign failure) goes on unchanged
             raise typed from None
         finally:
-            stop.remove_listener(token)
+            if stop is not None:
+                stop.remove_listener(token)
             self._answer(calls, slots)
         return [
             ToolOutcome(part, tool_error("no result", "internal") if result is None else result, part.id in arguments)
@@ -470,6 +475,10 @@ class _RetryableFailure(Exception):
     def __init__(self, error: ModelError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _no_unlink() -> None:
+    return None
 
 
 def _either(first: AbortHandle, second: AbortHandle) -> tuple[AbortHandle, Any]:

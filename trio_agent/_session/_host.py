@@ -21,7 +21,7 @@ loop run, handing it:
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -294,37 +294,60 @@ class SessionHost:
         call_origins = self.call_origins
         observe = request.observe
 
+        # The loop's events, as the session's stream has always shown them (one dict lookup per event).
+        async def text_delta(event: Any) -> None:
+            text.append(event.delta)
+            await request.sink(TextDeltaEvent(agent_id, event.delta))
+
+        async def usage(event: Any) -> None:
+            await request.sink(UsageEvent(agent_id, event.usage))
+
+        async def tool_use(event: Any) -> None:
+            request.call_ids.append(event.call_id)
+            call_origins[event.call_id] = request.request_id
+            await request.sink(ToolUseEvent(agent_id, event.call_id, event.tool_name, event.input))
+
+        async def tool_progress(event: Any) -> None:
+            await request.sink(ToolProgressEvent(agent_id, event.call_id, event.item))
+
+        async def tool_result(event: Any) -> None:
+            call_origins.pop(event.call_id, None)
+            error = event.result.error
+            if error is not None and error.code == "no_handler":
+                # A refusal nobody could have approved is made visible, not only told to the model.
+                await request.sink(
+                    PermissionDeniedEvent(agent_id, event.call_id, event.tool_name, "no_handler", error.message)
+                )
+            await request.sink(ToolResultEvent(agent_id, event.call_id, event.tool_name, event.result))
+
+        async def text_start(event: Any) -> None:
+            text.clear()
+
+        async def text_end(event: Any) -> None:
+            if text:
+                request.text = "".join(text)
+
+        async def step(event: Any) -> None:
+            request.turns += 1
+
+        handlers: dict[type, Callable[[Any], Awaitable[None]]] = {
+            TextMessageContent: text_delta,
+            UsageReported: usage,
+            ToolCallEnd: tool_use,
+            ToolCallProgress: tool_progress,
+            ToolCallResult: tool_result,
+            TextMessageStart: text_start,
+            TextMessageEnd: text_end,
+            StepStarted: step,
+        }
+        lookup = handlers.get
+
         async def events(event: RunEvent) -> None:
             if observe is not None:
                 await observe(event)
-            # The loop's events, as the session's stream has always shown them.
-            if isinstance(event, TextMessageContent):
-                text.append(event.delta)
-                await request.sink(TextDeltaEvent(agent_id, event.delta))
-            elif isinstance(event, UsageReported):
-                await request.sink(UsageEvent(agent_id, event.usage))
-            elif isinstance(event, ToolCallEnd):
-                request.call_ids.append(event.call_id)
-                call_origins[event.call_id] = request.request_id
-                await request.sink(ToolUseEvent(agent_id, event.call_id, event.tool_name, event.input))
-            elif isinstance(event, ToolCallProgress):
-                await request.sink(ToolProgressEvent(agent_id, event.call_id, event.item))
-            elif isinstance(event, ToolCallResult):
-                call_origins.pop(event.call_id, None)
-                error = event.result.error
-                if error is not None and error.code == "no_handler":
-                    # A refusal nobody could have approved is made visible, not only told to the model.
-                    await request.sink(
-                        PermissionDeniedEvent(agent_id, event.call_id, event.tool_name, "no_handler", error.message)
-                    )
-                await request.sink(ToolResultEvent(agent_id, event.call_id, event.tool_name, event.result))
-            elif isinstance(event, TextMessageStart):
-                text.clear()
-            elif isinstance(event, TextMessageEnd):
-                if text:
-                    request.text = "".join(text)
-            elif isinstance(event, StepStarted):
-                request.turns += 1
+            handler = lookup(type(event))
+            if handler is not None:
+                await handler(event)
 
         async def effects(agent_id_: str, call_id: str, items: Sequence[Effect]) -> None:
             try:
@@ -342,7 +365,7 @@ class SessionHost:
             events=events,
             effects=effects,
             abort=request.abort,
-            stop=request.stop,
+            stop=request.stop if agent.parent_id is not None else None,  # only a subagent is told to stop
         )
 
 

@@ -34,7 +34,7 @@ from .._errors import (
     SessionClosedError,
     TrioAgentError,
 )
-from .._groups import is_cancellation, typed_error
+from .._groups import is_cancellation, leaves, typed_error
 from .._journal._durable import DurableJournal
 from .._journal._events import (
     ErrorInfo,
@@ -209,7 +209,7 @@ async def record_raised(journal: DurableJournal, request: _Request, exc: BaseExc
         if typed is exc:
             return False
         raise typed from None
-    if typed is None and (is_cancellation(exc) or isinstance(exc, KeyboardInterrupt)):
+    if typed is None and (is_cancellation(exc) or any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves(exc))):
         # Cancelled from outside (the session block, a subagent's work scope, a parent's tool call),
         # or Ctrl-C landing in this task: recorded, so no request is left open for recovery.
         with bounded_shield(grace, "recording a cancelled request"):
@@ -322,7 +322,9 @@ class RequestQueue:
         try:
             try:
                 await accept_on(self.journal, self.root.agent_id, request)
-            except trio.Cancelled:
+            except BaseException:
+                # A cancellation, Ctrl-C or a failed write: the accepted request is never queued,
+                # so it ends here (recorded if the journal took it), never left open.
                 await self._unqueue(request, "the caller was cancelled while the request was accepted")
                 raise
             if self.closed:
