@@ -82,6 +82,7 @@ from ._events import (
     ToolScheduled,
     ToolStarted,
 )
+from ._memory import MemoryStore
 from ._projection import Projection, RecoveryKind, RecoveryPlan, ToolState
 from ._snapshot import (
     SNAPSHOT_GRACE,
@@ -134,6 +135,13 @@ class RecoveryReport:
     outcome_unknown: tuple[str, ...]
     reconciled: tuple[str, ...]
     cancelled: tuple[str, ...]
+
+
+class _Default:
+    """The default of an option whose value depends on the store."""
+
+
+_DEFAULT = _Default()
 
 
 def _default_owner() -> str:
@@ -815,7 +823,7 @@ async def open_journal(
     durable_pure_starts: bool = True,
     commit_grace: float = 10.0,
     root_agent_id: str = ROOT_AGENT,
-    snapshot_every: int | None = 32,
+    snapshot_every: int | _Default | None = _DEFAULT,
 ) -> AsyncIterator[DurableJournal]:
     """Hold one session's journal: lease, heartbeat, projections.
 
@@ -828,7 +836,9 @@ async def open_journal(
 
     On the way out, a healthy journal saves a snapshot of every stream that moved at
     least ``snapshot_every`` events since its last one (``None``: never), so the next
-    open reads only what came after (bounded, best effort; see `_snapshot`).
+    open reads only what came after (bounded, best effort; see `_snapshot`). The
+    default is 32 for durable stores and never for a `MemoryStore`, whose journal does
+    not outlive the process (a reopen in the same process replays memory, which is cheap).
 
     If the lease is lost, the body is cancelled and the block raises `LeaseLostError`.
     """
@@ -840,6 +850,8 @@ async def open_journal(
         raise ConfigError(f"heartbeat_interval ({interval}) must be shorter than lease_ttl ({lease_ttl})")
     takeover_timeout = _check_seconds("takeover_timeout", takeover_timeout, allow_zero=True)
     commit_grace = _check_seconds("commit_grace", commit_grace)
+    if isinstance(snapshot_every, _Default):
+        snapshot_every = None if isinstance(store, MemoryStore) else 32
     if snapshot_every is not None and (
         isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1
     ):
