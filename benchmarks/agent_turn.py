@@ -629,10 +629,17 @@ def main(argv: list[str] | None = None) -> int:
 
     ratios = {key: table["agent"]["cpu_us"] / table["floor"]["cpu_us"] for key, _, table in shapes}
     for key, _, table in shapes:
-        verdict = "met" if ratios[key] <= TARGET_RATIO else "NOT met"
+        if ratios[key] <= TARGET_RATIO:
+            verdict = f"target met (<= {TARGET_RATIO:g}x)"
+        else:
+            verdict = (
+                f"open target: {ratios[key]:.1f}x against a target of <= {TARGET_RATIO:g}x (the floor is a "
+                "hand-written loop over the same model and tools; session.send adds the journal, the request "
+                "queue, hooks, permissions and the tool pipeline)"
+            )
         print(
             f"{key:<11} agent {table['agent']['cpu_us']:7.1f} CPU us/req = {ratios[key]:5.1f}x the floor "
-            f"({table['floor']['cpu_us']:.1f} us): target <= {TARGET_RATIO:g}x {verdict}; "
+            f"({table['floor']['cpu_us']:.1f} us): {verdict}; "
             f"{table['agent']['cpu_rps']:.0f} req/s per core (floor {table['floor']['cpu_rps']:.0f})"
         )
     if skipped:

@@ -646,10 +646,18 @@ def main(argv: list[str] | None = None) -> int:
     print()
     ratio_100 = sqlite_ratio[100]
     met = ratio_100 >= TARGET_RATIO_AT_100
-    print(
-        f"target: SQLite durable >= {TARGET_RATIO_AT_100:.0%} of the raw floor at 100 writers: "
-        f"{'MET' if met else 'NOT MET'} ({ratio_100:.0%} paired median, {sqlite_best[100]:.0%} best vs best)"
-    )
+    if met:
+        print(
+            f"target met: SQLite durable at 100 writers reaches {ratio_100:.0%} of the raw floor "
+            f"(target >= {TARGET_RATIO_AT_100:.0%}; {sqlite_best[100]:.0%} best vs best)"
+        )
+    else:
+        print(
+            f"open target: SQLite durable at 100 writers reaches {ratio_100:.0%} of the raw floor against a target "
+            f"of {TARGET_RATIO_AT_100:.0%} ({sqlite_best[100]:.0%} best vs best; the floor is raw sqlite3 commits "
+            "from one thread, while each durable append also runs the projection check, encodes the event "
+            "and crosses from Trio to the writer thread and back; see the reference table above)"
+        )
     if has_pg:
         print(
             f"        PostgreSQL at 100 writers: {pg_ratio[100]:.0%} of its raw floor ({pg_best[100]:.0%} best vs best)"

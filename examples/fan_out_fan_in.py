@@ -20,16 +20,8 @@ from typing import Any
 
 import trio
 
-from trio_agent import (
-    ModelRequest,
-    SubagentDefinition,
-    ToolContext,
-    ToolResult,
-    ToolResultMessage,
-    UserMessage,
-    define_tool,
-    open_session,
-)
+from trio_agent import SubagentDefinition, ToolContext, ToolResult, define_tool, open_session
+from trio_agent.models import ModelRequest, ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, open_test_model
 
 CITIES = ["Lisbon", "Oslo", "Paris", "Rome"]

@@ -19,33 +19,33 @@ import attrs
 import trio
 
 from trio_agent import (
+    InterruptBehavior,
+    Progress,
+    SideEffect,
+    Tool,
+    ToolContext,
+    ToolKind,
+    ToolMessage,
+    ToolMiddleware,
+    ToolResult,
+    define_tool,
+)
+from trio_agent.middleware import MiddlewareNext, NextCalledTwiceError, compose_middleware
+from trio_agent.testing import ItemRecorder, call_tool
+from trio_agent.tools import (
     AbortHandle,
     BehaviorOverride,
     CallNext,
     Effect,
     Emit,
     InMemoryToolJournal,
-    InterruptBehavior,
-    MiddlewareNext,
-    NextCalledTwiceError,
-    Progress,
-    SideEffect,
     StageRequest,
-    Tool,
-    ToolContext,
     ToolExecutionRecord,
     ToolItem,
-    ToolKind,
-    ToolMessage,
-    ToolMiddleware,
     ToolMiddlewareRequest,
     ToolPipeline,
-    ToolResult,
     ToolStages,
-    compose_middleware,
-    define_tool,
 )
-from trio_agent.testing import ItemRecorder, call_tool
 
 # ---------------------------------------------------------------------------
 # Tools the demos call

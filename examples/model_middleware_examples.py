@@ -16,19 +16,16 @@ from typing import Any
 import attrs
 import trio
 
-from trio_agent import (
+from trio_agent import ModelError, ModelMiddleware, Provider, RateLimitError
+from trio_agent.models import (
     AssistantMessage,
     FinishReason,
     Message,
-    ModelError,
-    ModelMiddleware,
     ModelMiddlewareError,
     ModelRequest,
     ModelResponse,
     ModelService,
-    Provider,
     ProviderServerError,
-    RateLimitError,
     RetryEvent,
     RetryPolicy,
     StreamChunk,

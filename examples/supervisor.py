@@ -22,22 +22,10 @@ from typing import Any
 
 import trio
 
-from trio_agent import (
-    AssistantMessage,
-    CallNext,
-    MiddlewareConfig,
-    ModelRequest,
-    SubagentDefinition,
-    Tool,
-    ToolContext,
-    ToolMiddlewareRequest,
-    ToolResult,
-    ToolResultMessage,
-    UserMessage,
-    define_tool,
-    open_session,
-)
+from trio_agent import MiddlewareConfig, SubagentDefinition, Tool, ToolContext, ToolResult, define_tool, open_session
+from trio_agent.models import AssistantMessage, ModelRequest, ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, open_test_model
+from trio_agent.tools import CallNext, ToolMiddlewareRequest
 
 DOCS = {
     "cancel scopes": "A cancel scope cancels everything inside it; move_on_after makes one with a deadline.",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trio_agent import DoneEvent, ModelRequest, SessionEvent, ToolResultMessage, UserMessage
+from trio_agent import DoneEvent, SessionEvent
+from trio_agent.models import ModelRequest, ToolResultMessage, UserMessage
 
 
 async def stream_events(session: Any, agent_id: str | None = None) -> list[Any]:

@@ -25,10 +25,13 @@ import trio
 import trio.testing
 
 from tests.fake_server import FakeServer, Gate, Scripted, open_fake_server, queue_handler
-from trio_agent import (
+from trio_agent import AuthenticationError, ConfigError, ModelTimeoutError, Provider, ProviderError, RateLimitError
+from trio_agent._cleanup import DEFAULT_CLEANUP_GRACE
+from trio_agent._models._anthropic import AnthropicProvider, retry_after_seconds
+from trio_agent._models._providers import create_provider
+from trio_agent._models._service import ModelRequest
+from trio_agent.models import (
     AssistantMessage,
-    AuthenticationError,
-    ConfigError,
     FinishChunk,
     FinishReason,
     MalformedResponseError,
@@ -36,13 +39,9 @@ from trio_agent import (
     ModelConnectionError,
     ModelNotFoundError,
     ModelService,
-    ModelTimeoutError,
     Operation,
-    Provider,
     ProviderConfigError,
-    ProviderError,
     ProviderServerError,
-    RateLimitError,
     ReasoningDelta,
     ReasoningPart,
     RetryPolicy,
@@ -61,10 +60,6 @@ from trio_agent import (
     UsageChunk,
     UserMessage,
 )
-from trio_agent._cleanup import DEFAULT_CLEANUP_GRACE
-from trio_agent._models._anthropic import AnthropicProvider, retry_after_seconds
-from trio_agent._models._providers import create_provider
-from trio_agent._models._service import ModelRequest
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "anthropic"
 JSON = {path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(FIXTURES.glob("*.json"))}

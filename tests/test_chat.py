@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_agent import SideEffect, ToolKind, ToolResultMessage, UserMessage, define_tool
+from trio_agent import SideEffect, ToolKind, define_tool
 from trio_agent._chat._chat import StructuredOutputError, chat
 from trio_agent._lifecycle._middleware import ChatMiddleware
 from trio_agent._loop._events import (
@@ -26,6 +26,7 @@ from trio_agent._loop._events import (
 )
 from trio_agent._loop._rules import StopReason, until_finish_reason
 from trio_agent.journal import MemoryStore, RequestCompleted, RequestStarted, open_journal
+from trio_agent.models import ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, TestModel
 
 OBJECT: dict[str, Any] = {"type": "object"}
@@ -171,7 +172,8 @@ async def test_one_middleware_list_shared_by_a_thousand_concurrent_runs() -> Non
 
 
 async def test_bad_input_is_refused_before_anything_runs() -> None:
-    from trio_agent import ConfigError, MiddlewareShapeError
+    from trio_agent import ConfigError
+    from trio_agent.middleware import MiddlewareShapeError
 
     with pytest.raises(ConfigError):
         async with chat(TestModel(), ""):

@@ -9,11 +9,12 @@ import pytest
 import trio
 import trio.testing
 
-from trio_agent import SideEffect, ToolKind, ToolResultMessage, define_tool
+from trio_agent import SideEffect, ToolKind, define_tool
 from trio_agent._chat._chat import chat
 from trio_agent._lifecycle._middleware import ChatMiddleware
 from trio_agent._loop._context import RetryNotAllowedError
 from trio_agent._loop._rules import StopReason
+from trio_agent.models import ToolResultMessage
 from trio_agent.testing import Reply, TestModel
 
 OBJECT: dict[str, Any] = {"type": "object"}

@@ -19,15 +19,18 @@ import pytest
 import trio
 import trio.testing
 
-from trio_agent import (
+from trio_agent import ConfigError, ModelMiddleware, ModelTimeoutError
+from trio_agent._errors import JournalUnavailableError
+from trio_agent._journal._events import EventEnvelope, RequestStarted
+from trio_agent._journal._lane import LaneItem, WriterLane
+from trio_agent._journal._sqlite import SQLiteStore, open_sqlite_store
+from trio_agent._journal._store import AppendBatch, AppendResult, Lease, stream_id_for
+from trio_agent.models import (
     AssistantMessage,
-    ConfigError,
     FinishReason,
-    ModelMiddleware,
     ModelRequest,
     ModelResponse,
     ModelService,
-    ModelTimeoutError,
     ProviderServerError,
     RetryPolicy,
     StreamChunk,
@@ -35,11 +38,6 @@ from trio_agent import (
     TextPart,
     UserMessage,
 )
-from trio_agent._errors import JournalUnavailableError
-from trio_agent._journal._events import EventEnvelope, RequestStarted
-from trio_agent._journal._lane import LaneItem, WriterLane
-from trio_agent._journal._sqlite import SQLiteStore, open_sqlite_store
-from trio_agent._journal._store import AppendBatch, AppendResult, Lease, stream_id_for
 
 MESSAGES = [UserMessage("hello")]
 STUCK = 1000.0  # how long a misbehaving clean-up would take: far beyond every bound here

@@ -11,13 +11,8 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_agent import (
-    MiddlewareError,
-    MiddlewareShapeError,
-    NextCalledTwiceError,
-    TrioAgentError,
-    compose_middleware,
-)
+from trio_agent import MiddlewareError, TrioAgentError
+from trio_agent.middleware import MiddlewareShapeError, NextCalledTwiceError, compose_middleware
 
 TWICE = "next() called multiple times"
 

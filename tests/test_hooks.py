@@ -16,18 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_agent import (
-    AbortHandle,
     AbortReason,
     ConfigError,
-    InMemoryToolJournal,
     LeaseLostError,
-    SettlementStatus,
     Tool,
     ToolErrorType,
     ToolFailure,
-    ToolPipeline,
     ToolResult,
-    ToolStages,
     TrioAgentError,
     define_tool,
 )
@@ -46,10 +41,22 @@ from trio_agent._session._hooks import (
     HookReturnError,
     HookRunner,
     HookTimeoutError,
+    PermissionRequestInput,
+    PostToolUseFailureInput,
+    PostToolUseInput,
+    PreToolUseInput,
+    SessionEndInput,
+    SessionStartInput,
+    StopInput,
+    SubagentStartInput,
+    SubagentStopInput,
+    UserPromptSubmitInput,
     post_tool_stage,
     pre_tool_stage,
+    typed_input,
 )
 from trio_agent.testing import call_tool
+from trio_agent.tools import AbortHandle, InMemoryToolJournal, SettlementStatus, ToolPipeline, ToolStages
 
 # -- helpers -------------------------------------------------------------------
 
@@ -78,8 +85,22 @@ def echo_tool(runs: Runs, *, name: str = "echo", fail: str | None = None, timeou
     return define_tool(run, name=name, description="echo", input_schema=SCHEMA, side_effect="pure", timeout=timeout)
 
 
+_REQUIRED: dict[HookEvent, dict[str, Any]] = {
+    HookEvent.USER_PROMPT_SUBMIT: {"prompt": "p"},
+    HookEvent.PRE_TOOL_USE: {"tool_name": "t", "tool_input": {}},
+    HookEvent.PERMISSION_REQUEST: {"tool_name": "t", "tool_input": {}},
+    HookEvent.POST_TOOL_USE: {"tool_name": "t", "tool_input": {}, "tool_result": ToolResult.success("ok")},
+    HookEvent.SUBAGENT_START: {"subagent_id": "a1", "subagent_type": "helper", "prompt": "p"},
+    HookEvent.SUBAGENT_STOP: {"subagent_id": "a1", "subagent_type": "helper"},
+    HookEvent.SESSION_END: {"reason": "completed"},
+}
+
+
 def hook_input(event: HookEvent = HookEvent.PRE_TOOL_USE, **fields: Any) -> HookInput:
+    """A flat HookInput (as the session builds one) with the fields the event always has."""
     fields.setdefault("session_id", "s1")
+    for name, value in _REQUIRED.get(event, {}).items():
+        fields.setdefault(name, value)
     return HookInput(event=event, **fields)
 
 
@@ -314,7 +335,7 @@ async def test_abort_decision_raises_typed_error_on_request() -> None:
         "guard",
         "no secrets",
     )
-    assert info.value.code == "HOOK_ABORTED"
+    assert info.value.code == "hook_abort"
     HookDecision(HookEvent.STOP).raise_for_abort()  # continue: nothing raised
 
 
@@ -327,6 +348,80 @@ async def test_prompt_events_take_a_string_or_a_prompt_object(event: HookEvent) 
     assert decision.prompt == "[b]"
     only_string = runner_for(event, named("a", HookOutput.modify("[a] hi")))
     assert (await only_string.dispatch(event, hook_input(event, prompt="hi"))).prompt == "[a] hi"
+
+
+@pytest.mark.parametrize("event", [HookEvent.USER_PROMPT_SUBMIT, HookEvent.SUBAGENT_START])
+async def test_prompt_events_take_the_specs_user_prompt_key(event: HookEvent) -> None:
+    runner = runner_for(event, named("a", HookOutput.modify({"userPrompt": "[spec] hi"})))
+    decision = await runner.dispatch(event, hook_input(event, prompt="hi"))
+    assert decision.prompt == "[spec] hi"
+    assert decision.modified_input == {"prompt": "[spec] hi"}
+    both = runner_for(event, named("a", HookOutput.modify({"userPrompt": "x", "prompt": "y"})))
+    with pytest.raises(HookReturnError, match="userPrompt"):
+        await both.dispatch(event, hook_input(event, prompt="hi"))
+
+
+# -- per-event input classes ----------------------------------------------------------------
+
+_CLASSES = {
+    HookEvent.SESSION_START: SessionStartInput,
+    HookEvent.USER_PROMPT_SUBMIT: UserPromptSubmitInput,
+    HookEvent.PRE_TOOL_USE: PreToolUseInput,
+    HookEvent.PERMISSION_REQUEST: PermissionRequestInput,
+    HookEvent.POST_TOOL_USE: PostToolUseInput,
+    HookEvent.POST_TOOL_USE_FAILURE: PostToolUseFailureInput,
+    HookEvent.SUBAGENT_START: SubagentStartInput,
+    HookEvent.SUBAGENT_STOP: SubagentStopInput,
+    HookEvent.STOP: StopInput,
+    HookEvent.SESSION_END: SessionEndInput,
+}
+
+
+@pytest.mark.parametrize("event", list(HookEvent))
+async def test_each_event_hands_its_callbacks_its_own_input_class(event: HookEvent) -> None:
+    seen: list[HookInput] = []
+
+    async def record(inp: HookInput) -> None:
+        seen.append(inp)
+
+    fields: dict[str, Any] = {}
+    if event is HookEvent.POST_TOOL_USE_FAILURE:
+        failure = ToolResult.failure(ToolErrorType.EXECUTION, "boom")
+        fields = {"tool_name": "t", "tool_input": {}, "tool_result": failure, "error": failure.error}
+    flat = hook_input(event, **fields)
+    assert type(flat) is HookInput
+    await runner_for(event, record).dispatch(event, flat)
+    [got] = seen
+    assert type(got) is _CLASSES[event]
+    assert isinstance(got, HookInput) and got.event is event and got.session_id == "s1"
+    # The other events' fields stay readable (None), so callbacks typed HookInput keep working.
+    assert got.last_message is None
+
+
+def test_event_inputs_type_the_fields_their_event_always_sets() -> None:
+    pre = PreToolUseInput(session_id="s", tool_name="Bash", tool_input={"command": "ls"})
+    assert (pre.event, pre.tool_name, pre.prompt) == (HookEvent.PRE_TOOL_USE, "Bash", None)
+    prompt = UserPromptSubmitInput(session_id="s", prompt="hello")
+    assert prompt.user_prompt == "hello"
+    with pytest.raises(TypeError, match="tool_name"):
+        PreToolUseInput(session_id="s", tool_input={})  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="has no prompt"):
+        PreToolUseInput(session_id="s", tool_name="t", tool_input={}, prompt="x")
+    with pytest.raises(TypeError, match="input of PreToolUse"):
+        PreToolUseInput(event=HookEvent.STOP, session_id="s", tool_name="t", tool_input={})
+    assert typed_input(pre) is pre
+    with pytest.raises(ConfigError, match="not a valid UserPromptSubmit hook input"):
+        typed_input(HookInput(event=HookEvent.USER_PROMPT_SUBMIT, session_id="s"))
+
+
+def test_hook_errors_live_in_the_error_tree_and_old_imports_still_work() -> None:
+    import trio_agent._errors as errors
+    import trio_agent._session._hooks as hooks
+
+    for name in ("HookError", "HookReturnError", "HookTimeoutError", "HookInterruptedError", "HookAbortedError"):
+        assert getattr(hooks, name) is getattr(errors, name)
+        assert issubclass(getattr(errors, name), TrioAgentError)
+        assert name in (errors.__doc__ or "")
 
 
 # -- garbage returns and raising hooks ----------------------------------------------------
@@ -342,8 +437,12 @@ async def test_prompt_events_take_a_string_or_a_prompt_object(event: HookEvent) 
         (HookEvent.STOP, HookOutput(modified_output="x"), "only PostToolUse"),
         (HookEvent.PRE_TOOL_USE, HookOutput.modify("a string"), "expected a JSON object"),
         (HookEvent.PRE_TOOL_USE, HookOutput.modify({1: "int key"}), "expected a JSON object"),  # type: ignore[dict-item]
-        (HookEvent.USER_PROMPT_SUBMIT, HookOutput.modify({"prompt": "x", "more": 1}), "expected a string or"),
-        (HookEvent.USER_PROMPT_SUBMIT, HookOutput.modify({"prompt": 3}), "expected a string or"),
+        (
+            HookEvent.USER_PROMPT_SUBMIT,
+            HookOutput.modify({"prompt": "x", "more": 1}),
+            "expected a string, {'prompt': str}",
+        ),
+        (HookEvent.USER_PROMPT_SUBMIT, HookOutput.modify({"prompt": 3}), "expected a string, {'prompt': str}"),
     ],
 )
 async def test_garbage_returns_raise_a_typed_error_naming_event_and_callback(
@@ -357,7 +456,7 @@ async def test_garbage_returns_raise_a_typed_error_naming_event_and_callback(
     assert info.value.event is event
     assert info.value.callback == "junk"
     assert info.value.source == "session"
-    assert info.value.code == "HOOK_INVALID_RETURN"
+    assert info.value.code == "hook_invalid_return"
     assert isinstance(info.value, HookError)
     assert log == ["good", "junk"]
 
@@ -408,7 +507,7 @@ async def test_one_deadline_is_shared_by_all_callbacks_of_an_event(autojump_cloc
         await runner.dispatch(HookEvent.STOP, hook_input(HookEvent.STOP))
     assert trio.current_time() - start == pytest.approx(60.0)
     assert log == ["a:start", "a:end", "b:start"]
-    assert (info.value.callback, info.value.seconds, info.value.code) == ("b", 60.0, "HOOK_TIMEOUT")
+    assert (info.value.callback, info.value.seconds, info.value.code) == ("b", 60.0, "hook_timeout")
     assert isinstance(info.value, TimeoutError)
 
 
@@ -757,7 +856,7 @@ async def test_failure_hooks_do_not_run_for_a_timed_out_tool(autojump_clock: tri
     )
     assert record.result.error is not None
     assert record.result.error.type is ToolErrorType.TIMEOUT
-    assert record.result.output == "Error: tool call timed out after 2 s"
+    assert record.result.output == "Error: The tool call did not finish in time and was stopped (timed out after 2 s)."
     assert log == []
     assert journal.kinds("c1") == ["scheduled", "started", "settled"]
 

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 import trio
 
-from trio_agent import CallOrigin, SideEffect, ToolCall, ToolPipeline, define_tool
+from trio_agent import SideEffect, define_tool
 from trio_agent._tools._definition import InterruptBehavior, ToolKind
 from trio_agent.journal import ToolScheduled, ToolStarted, open_journal, open_sqlite_store
 from trio_agent.testing import start_turn
+from trio_agent.tools import CallOrigin, ToolCall, ToolPipeline
 
 REQ: dict[str, Any] = {"request_id": "request", "turn_id": "turn"}
 

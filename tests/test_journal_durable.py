@@ -21,16 +21,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trio_agent import (
-    CallOrigin,
-    ConfigError,
-    SettlementError,
-    SideEffect,
-    ToolCall,
-    ToolPipeline,
-    ToolResult,
-    define_tool,
-)
+from trio_agent import ConfigError, SideEffect, ToolResult, define_tool
 from trio_agent._tools._definition import InterruptBehavior, Tool, ToolKind
 from trio_agent.journal import (
     AppendBatch,
@@ -73,6 +64,7 @@ from trio_agent.journal import (
     result_to_json,
 )
 from trio_agent.testing import FaultyStore, start_turn
+from trio_agent.tools import CallOrigin, SettlementError, ToolCall, ToolPipeline
 
 SID = "sess"
 REQ: dict[str, Any] = {"request_id": "request", "turn_id": "turn"}  # what start_turn opens by default

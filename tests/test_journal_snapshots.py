@@ -30,7 +30,6 @@ from hypothesis import strategies as st
 
 from tests.test_journal_projection import valid_sequences
 from tests.test_journal_stores import lease_on
-from trio_agent import open_sqlite_store
 from trio_agent._errors import ForeignStreamError, JournalCorruptError, JournalError, StaleFencingTokenError
 from trio_agent._journal._codec import row_checksum
 from trio_agent._journal._conversation import ConversationFold, ModelReplyRecord, fold_conversation
@@ -62,6 +61,7 @@ from trio_agent._journal._memory import MemoryStore
 from trio_agent._journal._snapshot import SNAPSHOT_VERSION, _Stream, decode_snapshot, encode_snapshot
 from trio_agent._journal._store import stream_id_for
 from trio_agent._models._messages import ToolCallPart, UserMessage
+from trio_agent.journal import open_sqlite_store
 
 SID = "s"
 ROOT = stream_id_for(SID, "root")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_agent import (
+from trio_agent.models import (
     AssistantMessage,
     ContentPart,
     FinishChunk,

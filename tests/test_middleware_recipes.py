@@ -18,21 +18,23 @@ import trio.testing
 
 from trio_agent import (
     AbortReason,
-    CallNext,
-    FaultCode,
-    InMemoryToolJournal,
     InterruptBehavior,
     Progress,
-    SettlementStatus,
     ToolContext,
     ToolErrorType,
     ToolMessage,
-    ToolMiddlewareRequest,
-    ToolPipeline,
     ToolResult,
     define_tool,
 )
 from trio_agent.testing import ItemRecorder, call_tool
+from trio_agent.tools import (
+    CallNext,
+    FaultCode,
+    InMemoryToolJournal,
+    SettlementStatus,
+    ToolMiddlewareRequest,
+    ToolPipeline,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "middleware_recipes.py"
@@ -367,7 +369,7 @@ def test_script_runs() -> None:
 
 def test_guide_code_blocks_are_in_the_script() -> None:
     script = SCRIPT.read_text()
-    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
+    blocks = re.findall(r"```python[^\n]*\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
     assert len(blocks) >= 8
     missing = [block for block in blocks if block.strip() not in script]
     assert not missing, "guide code not found verbatim in examples/middleware_recipes.py:\n" + "\n---\n".join(missing)

@@ -14,17 +14,14 @@ import pytest
 import trio
 import trio.testing
 
-from trio_agent import (
-    AbortHandle,
+from trio_agent import ModelError, ModelTimeoutError, RateLimitError
+from trio_agent.models import (
     AssistantMessage,
     FinishReason,
-    ModelError,
     ModelMiddlewareError,
     ModelResponse,
     ModelService,
-    ModelTimeoutError,
     ProviderServerError,
-    RateLimitError,
     RetryEvent,
     RetryPolicy,
     SystemMessage,
@@ -37,6 +34,7 @@ from trio_agent import (
     UserMessage,
 )
 from trio_agent.testing import Reply, TestModel
+from trio_agent.tools import AbortHandle
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "model_middleware_examples.py"
@@ -394,7 +392,7 @@ def test_script_runs() -> None:
 
 def test_guide_code_blocks_are_in_the_script() -> None:
     script = SCRIPT.read_text()
-    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
+    blocks = re.findall(r"```python[^\n]*\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
     assert len(blocks) >= 10
     missing = [block for block in blocks if block.strip() not in script]
     assert not missing, "guide code not found verbatim in the examples script:\n" + "\n---\n".join(missing)

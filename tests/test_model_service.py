@@ -15,26 +15,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_agent import (
-    AbortHandle,
-    AssistantMessage,
     AuthenticationError,
     ConfigError,
-    FinishChunk,
-    FinishReason,
-    MiddlewareShapeError,
-    ModelConnectionError,
     ModelError,
     ModelMiddleware,
+    ModelTimeoutError,
+    ProviderError,
+    RateLimitError,
+)
+from trio_agent.middleware import MiddlewareShapeError, NextCalledTwiceError
+from trio_agent.models import (
+    AssistantMessage,
+    FinishChunk,
+    FinishReason,
+    ModelConnectionError,
     ModelMiddlewareError,
     ModelRequest,
     ModelResponse,
     ModelService,
-    ModelTimeoutError,
-    NextCalledTwiceError,
     Operation,
-    ProviderError,
     ProviderServerError,
-    RateLimitError,
     RetryEvent,
     RetryPolicy,
     StreamChunk,
@@ -47,6 +47,7 @@ from trio_agent import (
     UserMessage,
 )
 from trio_agent.testing import Reply, TestModel
+from trio_agent.tools import AbortHandle
 
 MESSAGES = [UserMessage("hello")]
 NO_JITTER = RetryPolicy(jitter=False)

@@ -27,24 +27,29 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 
 from trio_agent import (
-    AssistantMessage,
     AuthenticationError,
     ConfigError,
+    ModelError,
+    ModelTimeoutError,
+    Provider,
+    ProviderError,
+    RateLimitError,
+)
+from trio_agent._cleanup import DEFAULT_CLEANUP_GRACE
+from trio_agent._models._openai import OpenAIProvider
+from trio_agent._models._providers import create_provider
+from trio_agent.models import (
+    AssistantMessage,
     FinishChunk,
     FinishReason,
     MalformedResponseError,
     ModelConnectionError,
-    ModelError,
     ModelNotFoundError,
     ModelRequest,
     ModelService,
-    ModelTimeoutError,
     Operation,
-    Provider,
     ProviderConfigError,
-    ProviderError,
     ProviderServerError,
-    RateLimitError,
     ReasoningDelta,
     ReasoningPart,
     RetryPolicy,
@@ -63,9 +68,6 @@ from trio_agent import (
     UsageChunk,
     UserMessage,
 )
-from trio_agent._cleanup import DEFAULT_CLEANUP_GRACE
-from trio_agent._models._openai import OpenAIProvider
-from trio_agent._models._providers import create_provider
 
 FIXTURES = Path(__file__).parent / "fixtures" / "openai"
 MODEL = "gpt-4o-mini"

@@ -20,22 +20,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_agent import (
-    AbortHandle,
-    Allow,
-    BehaviorOverride,
-    ConfigError,
-    Deny,
-    ExecutionContext,
-    SideEffect,
-    StageRequest,
-    Tool,
-    ToolErrorType,
-    ToolKind,
-    ToolPipeline,
-    ToolStages,
-    define_tool,
-)
+from trio_agent import ConfigError, SideEffect, Tool, ToolErrorType, ToolKind, define_tool
 from trio_agent._journal._events import PermissionDecision
 from trio_agent._session._permissions import (
     MODE_TABLE,
@@ -60,6 +45,16 @@ from trio_agent._session._permissions import (
     update_to_json,
 )
 from trio_agent.testing import call_tool
+from trio_agent.tools import (
+    AbortHandle,
+    Allow,
+    BehaviorOverride,
+    Deny,
+    ExecutionContext,
+    StageRequest,
+    ToolPipeline,
+    ToolStages,
+)
 
 # -- helpers -------------------------------------------------------------------
 

@@ -19,21 +19,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_agent import (
-    BehaviorOverride,
-    Effect,
-    FaultCode,
-    InMemoryToolJournal,
-    LeaseLostError,
-    SettlementStatus,
-    SideEffect,
-    Tool,
-    ToolCall,
-    ToolMiddlewareRequest,
-    ToolPipeline,
-    ToolResult,
-    define_tool,
-)
+from trio_agent import LeaseLostError, SideEffect, Tool, ToolResult, define_tool
 from trio_agent._tools._scheduler import SchedulerLimits, ToolScheduler
 from trio_agent.journal import (
     AppendBatch,
@@ -51,6 +37,16 @@ from trio_agent.journal import (
     open_sqlite_store,
 )
 from trio_agent.testing import call_tool, start_turn
+from trio_agent.tools import (
+    BehaviorOverride,
+    Effect,
+    FaultCode,
+    InMemoryToolJournal,
+    SettlementStatus,
+    ToolCall,
+    ToolMiddlewareRequest,
+    ToolPipeline,
+)
 
 # ---------------------------------------------------------------- helpers
 
@@ -770,7 +766,7 @@ async def test_middleware_scope_cancels_while_tool_started_commits(store_kind: s
 
 @pytest.mark.parametrize("with_middleware", [False, True])
 async def test_an_sdk_abort_through_a_tool_nursery_is_an_abort(with_middleware: bool) -> None:
-    from trio_agent import AbortHandle
+    from trio_agent.tools import AbortHandle
 
     entered = trio.Event()
     groups: list[BaseException] = []

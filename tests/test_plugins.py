@@ -11,22 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trio_agent import (
-    ConfigError,
-    InMemoryToolJournal,
-    MiddlewareShapeError,
-    ModelMiddleware,
-    ModelRequest,
-    ModelResponse,
-    ModelService,
-    Tool,
-    ToolMiddlewareRequest,
-    ToolPipeline,
-    ToolResult,
-    ToolStages,
-    UserMessage,
-    define_tool,
-)
+from trio_agent import ConfigError, ModelMiddleware, Tool, ToolResult, define_tool
 from trio_agent._session._hooks import HookEvent, HookInput, HookOutput, HookRegistry, HookRunner, pre_tool_stage
 from trio_agent._session._plugins import (
     PLUGIN_NAME_PATTERN,
@@ -38,7 +23,10 @@ from trio_agent._session._plugins import (
     define_plugin,
     resolve_plugins,
 )
+from trio_agent.middleware import MiddlewareShapeError
+from trio_agent.models import ModelRequest, ModelResponse, ModelService, UserMessage
 from trio_agent.testing import Reply, TestModel, call_tool
+from trio_agent.tools import InMemoryToolJournal, ToolMiddlewareRequest, ToolPipeline, ToolStages
 
 # -- helpers -------------------------------------------------------------------
 

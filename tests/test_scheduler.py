@@ -14,26 +14,21 @@ import trio
 import trio.testing
 from trio.testing import wait_all_tasks_blocked
 
-from trio_agent import (
+from trio_agent import ConfigError, Tool, ToolErrorType, ToolKind, ToolResult, define_tool
+from trio_agent.testing import call_tool
+from trio_agent.tools import (
     AbortHandle,
     Allow,
     BehaviorOverride,
-    ConfigError,
     FaultCode,
     FileLockManager,
     SchedulerLimits,
     SettlementStatus,
-    Tool,
     ToolCall,
-    ToolErrorType,
-    ToolKind,
     ToolPipeline,
-    ToolResult,
     ToolScheduler,
     ToolStages,
-    define_tool,
 )
-from trio_agent.testing import call_tool
 
 WORKSPACE = "/ws"
 

@@ -16,33 +16,28 @@ import trio.testing
 
 from trio_agent import (
     AbortReason,
-    AssistantMessage,
     ConfigError,
     DoneEvent,
     HookEvent,
-    MemoryStore,
     ModelError,
     Progress,
-    ProviderConfigError,
     RequestAbortedError,
     SessionBusyError,
     SessionClosedError,
     SideEffect,
     TextDeltaEvent,
-    TextPart,
     ToolKind,
     ToolProgressEvent,
     ToolResult,
     ToolResultEvent,
-    ToolResultMessage,
     ToolUseEvent,
     TrioAgentError,
     UsageEvent,
-    UserMessage,
     define_tool,
     open_session,
 )
 from trio_agent.journal import (
+    MemoryStore,
     ModelAttemptAborted,
     RequestAccepted,
     RequestCompleted,
@@ -57,6 +52,7 @@ from trio_agent.journal import (
     TurnAborted,
     TurnAbortReason,
 )
+from trio_agent.models import AssistantMessage, ProviderConfigError, TextPart, ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, TestModel, open_test_model
 
 OBJECT: dict[str, Any] = {"type": "object"}

@@ -9,20 +9,12 @@ import pytest
 
 from tests.test_session import gated_tool
 from trio_agent import (
-    AssistantMessage,
     ConfigError,
-    HistoryError,
-    Message,
     RequestAbortedError,
     SessionClosedError,
     SideEffect,
     SubagentDefinition,
-    SystemMessage,
-    TextPart,
-    ToolCallPart,
     ToolKind,
-    ToolResultMessage,
-    UserMessage,
     define_tool,
     open_session,
 )
@@ -33,6 +25,16 @@ from trio_agent.journal import (
     SessionReopened,
     open_sqlite_store,
     read_conversation,
+)
+from trio_agent.models import (
+    AssistantMessage,
+    HistoryError,
+    Message,
+    SystemMessage,
+    TextPart,
+    ToolCallPart,
+    ToolResultMessage,
+    UserMessage,
 )
 from trio_agent.testing import Reply, TestModel
 

@@ -23,30 +23,21 @@ import trio.testing
 from session_crash.worker import PROMPT, make_tools, read_ledger
 
 from trio_agent import (
-    AssistantMessage,
-    CaughtUp,
     DoneEvent,
-    DurableEvent,
-    JournalCursor,
     LeaseLostError,
-    MemoryStore,
-    ModelRequest,
-    ModelResponse,
     RequestAbortedError,
-    SettlementError,
     SideEffect,
-    TextPart,
-    ToolCallPart,
     ToolResultEvent,
-    ToolResultMessage,
     ToolUseEvent,
     TrioAgentError,
-    UserMessage,
     define_tool,
     open_session,
-    open_sqlite_store,
 )
 from trio_agent.journal import (
+    CaughtUp,
+    DurableEvent,
+    JournalCursor,
+    MemoryStore,
     ModelAttemptStarted,
     RecoveryDecision,
     RequestAccepted,
@@ -61,8 +52,19 @@ from trio_agent.journal import (
     TurnAborted,
     TurnAbortReason,
     TurnStarted,
+    open_sqlite_store,
+)
+from trio_agent.models import (
+    AssistantMessage,
+    ModelRequest,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolResultMessage,
+    UserMessage,
 )
 from trio_agent.testing import FaultyStore, Reply, TestModel
+from trio_agent.tools import SettlementError
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "session_crash" / "worker.py"

@@ -10,17 +10,9 @@ import trio
 import trio.testing
 
 from tests.test_session import events_of, gated_tool, unsettled_requests
-from trio_agent import (
-    HookEvent,
-    HookInput,
-    SessionBusyError,
-    SessionClosedError,
-    SubagentDefinition,
-    ToolResultMessage,
-    UserMessage,
-    open_session,
-)
+from trio_agent import HookEvent, HookInput, SessionBusyError, SessionClosedError, SubagentDefinition, open_session
 from trio_agent.journal import MemoryStore, RequestInterrupted
+from trio_agent.models import ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, TestModel
 
 
@@ -130,7 +122,8 @@ async def test_session_end_does_not_run_when_an_ended_session_is_refused(tmp_pat
 
 
 async def test_effects_are_applied_after_the_call_is_settled() -> None:
-    from trio_agent import Effect, PermissionUpdate, SideEffect, ToolKind, define_tool
+    from trio_agent import PermissionUpdate, SideEffect, ToolKind, define_tool
+    from trio_agent.tools import Effect
 
     seen_settled: list[bool] = []
 

@@ -22,7 +22,6 @@ from trio_agent import (
     RequestAbortedError,
     SideEffect,
     ToolKind,
-    ToolResultMessage,
     TrioAgentError,
     define_tool,
     open_session,
@@ -32,6 +31,7 @@ from trio_agent.journal import (
     RequestFailed,
     ToolOutcomeUnknown,
 )
+from trio_agent.models import ToolResultMessage
 from trio_agent.testing import Reply, TestModel
 
 OBJECT: dict[str, Any] = {"type": "object"}

@@ -16,8 +16,6 @@ from trio_agent import (
     HookInput,
     HookOutput,
     SubagentDefinition,
-    SubagentRunInfo,
-    SubagentRunResult,
     SubagentStatus,
     ToolContext,
     ToolResult,
@@ -28,6 +26,7 @@ from trio_agent import (
 from trio_agent._lifecycle._middleware import ChatMiddleware
 from trio_agent._loop._context import RunContext
 from trio_agent._loop._events import RunEvent
+from trio_agent.lifecycle import SubagentRunInfo, SubagentRunResult
 from trio_agent.testing import Reply, TestModel
 
 ECHO_SCHEMA = {"type": "object", "properties": {"x": {"type": "string"}}}

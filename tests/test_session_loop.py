@@ -16,29 +16,30 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trio_agent import (
-    AssistantMessage,
     DoneEvent,
+    SideEffect,
+    ToolErrorType,
+    ToolKind,
+    ToolResult,
+    ToolResultEvent,
+    ToolUseEvent,
+    define_tool,
+    open_session,
+)
+from trio_agent.journal import MemoryStore, ToolCompleted, ToolFailed, ToolScheduled, TurnCompleted
+from trio_agent.models import (
+    AssistantMessage,
     FinishChunk,
     FinishReason,
-    MemoryStore,
     ModelRequest,
     ModelResponse,
-    SideEffect,
     TextDelta,
     ToolCallDelta,
     ToolCallEnd,
     ToolCallPart,
     ToolCallStart,
-    ToolErrorType,
-    ToolKind,
-    ToolResult,
-    ToolResultEvent,
     ToolResultMessage,
-    ToolUseEvent,
-    define_tool,
-    open_session,
 )
-from trio_agent.journal import ToolCompleted, ToolFailed, ToolScheduled, TurnCompleted
 from trio_agent.testing import Reply, TestModel
 
 OBJECT: dict[str, Any] = {"type": "object"}

@@ -21,7 +21,6 @@ from trio_agent import (
     HookEvent,
     HookInput,
     HookOutput,
-    ModelRequest,
     PermissionAllow,
     PermissionDeny,
     PermissionRequest,
@@ -32,7 +31,6 @@ from trio_agent import (
     ToolContext,
     ToolResult,
     ToolResultEvent,
-    ToolResultMessage,
     ToolUseEvent,
     define_tool,
     open_session,
@@ -46,6 +44,7 @@ from trio_agent._journal._events import (
     ToolScheduled,
     ToolStarted,
 )
+from trio_agent.models import ModelRequest, ToolResultMessage
 from trio_agent.testing import Reply, TestModel
 
 # -- helpers -----------------------------------------------------------------------------

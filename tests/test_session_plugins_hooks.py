@@ -25,27 +25,19 @@ import trio.testing
 from tests.session_helpers import run_request, stream_events, user_texts
 from trio_agent import (
     ConfigError,
-    HookAbortedError,
     HookError,
     HookEvent,
     HookInput,
     HookOutput,
-    HookReturnError,
-    HookTimeoutError,
     ModelMiddleware,
-    ModelRequest,
     PermissionAllow,
     PermissionRequest,
-    StreamChunk,
     SubagentDefinition,
-    SystemMessage,
     Tool,
     ToolContext,
     ToolFailure,
-    ToolMiddlewareRequest,
     ToolResult,
     ToolResultEvent,
-    ToolResultMessage,
     define_plugin,
     define_tool,
     open_session,
@@ -62,7 +54,10 @@ from trio_agent._journal._events import (
     ToolStarted,
 )
 from trio_agent._session._plugins import MiddlewareConfig
+from trio_agent.models import ModelRequest, StreamChunk, SystemMessage, ToolResultMessage
+from trio_agent.plugins import HookAbortedError, HookReturnError, HookTimeoutError
 from trio_agent.testing import Reply, TestModel
+from trio_agent.tools import ToolMiddlewareRequest
 
 # -- helpers -----------------------------------------------------------------------------
 
@@ -241,7 +236,8 @@ async def test_model_middleware_with_wrap_stream_and_wrap_chat_runs_in_a_session
 def _first_python_block(path: str) -> str:
     with open(path, encoding="utf-8") as file:
         text = file.read()
-    start = text.index("```python\n") + len("```python\n")
+    opening = text.index("```python")  # "```python" or "```python fragment" (needs the test's namespace)
+    start = text.index("\n", opening) + 1
     return text[start : text.index("```", start)]
 
 

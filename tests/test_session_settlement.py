@@ -18,18 +18,14 @@ from tests.test_journal_durable import GatedStore
 from tests.test_session import events_of, gated_tool, of_type, unsettled_requests
 from trio_agent import (
     AbortReason,
-    AssistantMessage,
-    Effect,
     MiddlewareConfig,
     ModelMiddleware,
     PermissionDeniedEvent,
     PermissionUpdate,
-    ReasoningPart,
     RequestAbortedError,
     SideEffect,
     SubagentDefinition,
     ToolKind,
-    ToolResultMessage,
     define_tool,
     open_session,
 )
@@ -44,7 +40,9 @@ from trio_agent.journal import (
     ToolCancelled,
     ToolCompleted,
 )
+from trio_agent.models import AssistantMessage, ReasoningPart, ToolResultMessage
 from trio_agent.testing import Reply, TestModel
+from trio_agent.tools import Effect
 
 OBJECT: dict[str, Any] = {"type": "object"}
 

@@ -12,18 +12,12 @@ import trio.testing
 from trio_agent import (
     AgentSpec,
     ConfigError,
-    MemoryStore,
     RateLimitError,
-    RetryPolicy,
-    SchedulerLimits,
     SubagentDefinition,
     ToolContext,
     ToolResult,
-    ToolResultMessage,
-    UserMessage,
     define_agent,
     define_tool,
-    open_journal,
     open_session,
 )
 from trio_agent._errors import MiddlewareShapeError
@@ -31,7 +25,10 @@ from trio_agent._journal._projection import SessionState
 from trio_agent._lifecycle._middleware import ChatMiddleware
 from trio_agent._loop._context import RunContext
 from trio_agent._loop._hooks import ModelConfig
+from trio_agent.journal import MemoryStore, open_journal
+from trio_agent.models import RetryPolicy, ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, TestModel
+from trio_agent.tools import SchedulerLimits
 
 ECHO_SCHEMA = {"type": "object", "properties": {"x": {"type": "string"}}}
 

@@ -31,14 +31,11 @@ import trio.testing
 
 from trio_agent import (
     MiddlewareConfig,
-    ModelRequest,
     RequestAbortedError,
     SessionClosedError,
     SideEffect,
     SubagentDefinition,
     ToolKind,
-    ToolResultMessage,
-    UserMessage,
     define_tool,
     open_session,
 )
@@ -58,6 +55,7 @@ from trio_agent.journal import (
     ToolOutcomeUnknown,
     ToolScheduled,
 )
+from trio_agent.models import ModelRequest, ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, open_test_model
 
 OBJECT: dict[str, Any] = {"type": "object"}

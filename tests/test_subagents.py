@@ -20,28 +20,19 @@ from trio_agent import (
     DoneEvent,
     ModelError,
     ModelMiddleware,
-    ModelRequest,
     RequestAbortedError,
-    SchedulerLimits,
     SessionBusyError,
     SessionClosedError,
-    StreamChunk,
     SubagentDefinition,
     SubagentEvent,
     SubagentHandle,
     SubagentStatus,
-    SystemMessage,
-    TextDelta,
     Tool,
-    ToolCallEnd,
     ToolContext,
-    ToolMiddlewareRequest,
     ToolResult,
     ToolResultEvent,
-    ToolScheduler,
     ToolUseEvent,
     UnknownSubagentError,
-    UserMessage,
     define_tool,
     open_session,
 )
@@ -59,7 +50,9 @@ from trio_agent._journal._events import (
     ToolCancelled,
 )
 from trio_agent._session._plugins import MiddlewareConfig
+from trio_agent.models import ModelRequest, StreamChunk, SystemMessage, TextDelta, ToolCallEnd, UserMessage
 from trio_agent.testing import Reply, TestModel
+from trio_agent.tools import SchedulerLimits, ToolMiddlewareRequest, ToolScheduler
 
 # -- helpers -----------------------------------------------------------------------------
 

@@ -12,16 +12,15 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_agent import (
+from trio_agent import ModelError, RateLimitError
+from trio_agent.models import (
     AssistantMessage,
     FinishChunk,
     FinishReason,
-    ModelError,
     ModelRequest,
     ModelResponse,
     Operation,
     ProviderServerError,
-    RateLimitError,
     ReasoningDelta,
     ReasoningPart,
     StreamChunk,
@@ -498,7 +497,8 @@ async def test_unwrapping_keeps_the_errors_own_cause() -> None:
 
 
 async def test_an_unscripted_conversation_names_its_key_and_the_known_keys() -> None:
-    from trio_agent import ModelError, ModelService, UserMessage
+    from trio_agent import ModelError
+    from trio_agent.models import ModelService, UserMessage
 
     model = TestModel({"hello": [Reply(text="hi")]})
     service = ModelService(model)
@@ -510,7 +510,7 @@ async def test_an_unscripted_conversation_names_its_key_and_the_known_keys() -> 
 
 
 async def test_scripts_can_be_keyed_explicitly() -> None:
-    from trio_agent import ModelService, TextPart, UserMessage
+    from trio_agent.models import ModelService, TextPart, UserMessage
 
     model = TestModel(
         {"last:b": [Reply(text="for b")]},

@@ -14,16 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_agent import (
-    BehaviorOverride,
     ConfigError,
     InterruptBehavior,
     SideEffect,
     Tool,
-    ToolBehavior,
-    ToolBehaviorError,
     ToolContext,
     ToolDefinitionError,
-    ToolError,
     ToolErrorType,
     ToolFailure,
     ToolInputError,
@@ -32,6 +28,7 @@ from trio_agent import (
     TrioAgentError,
     define_tool,
 )
+from trio_agent.tools import BehaviorOverride, ToolBehavior, ToolBehaviorError, ToolError
 
 if TYPE_CHECKING:  # a name that only exists for type checkers, the usual pattern for the ctx annotation
     from trio_agent import ToolContext as TypeOnlyContext

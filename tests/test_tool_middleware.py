@@ -21,38 +21,39 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trio_agent import (
+    ConfigError,
+    InterruptBehavior,
+    JournalError,
+    LeaseLostError,
+    Progress,
+    SideEffect,
+    Tool,
+    ToolDefinitionError,
+    ToolErrorType,
+    ToolFailure,
+    ToolMessage,
+    ToolResult,
+    define_tool,
+)
+from trio_agent.middleware import MiddlewareShapeError, NextCalledTwiceError
+from trio_agent.testing import FailingJournal, ItemRecorder, LeaseStub, call_tool
+from trio_agent.tools import (
     AbortHandle,
     Allow,
     BehaviorOverride,
-    ConfigError,
     Deny,
     Effect,
     ExecutionContext,
     FaultCode,
     InMemoryToolJournal,
-    InterruptBehavior,
-    JournalError,
-    LeaseLostError,
-    MiddlewareShapeError,
-    NextCalledTwiceError,
-    Progress,
     SettlementError,
     SettlementStatus,
-    SideEffect,
     StageRequest,
-    Tool,
     ToolCall,
-    ToolDefinitionError,
-    ToolErrorType,
-    ToolFailure,
-    ToolMessage,
     ToolMiddlewareRequest,
     ToolPipeline,
-    ToolResult,
     ToolStages,
-    define_tool,
 )
-from trio_agent.testing import FailingJournal, ItemRecorder, LeaseStub, call_tool
 
 # -- helpers -------------------------------------------------------------------
 

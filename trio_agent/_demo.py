@@ -34,42 +34,53 @@ from typing import Any, TextIO
 import attrs
 import trio
 
-from ._errors import ConfigError
-from ._groups import unwrap_for_boundary
-from ._journal._events import EventEnvelope, ModelAttemptCompleted, RequestCompleted, ToolStarted
-from ._journal._inspect import summarize_calls
-from ._journal._sqlite import open_sqlite_store
-from ._models._messages import (
+from . import (
+    ConfigError,
+    DoneEvent,
+    HookEvent,
+    HookInput,
+    HookOutput,
+    MiddlewareConfig,
+    ModelMiddleware,
+    Plugin,
+    Progress,
+    Provider,
+    Session,
+    SessionEvent,
+    SideEffect,
+    SubagentDefinition,
+    SubagentEvent,
+    SubagentHandle,
+    SubagentStatus,
+    TextDeltaEvent,
+    Tool,
+    ToolContext,
+    ToolKind,
+    ToolMessage,
+    ToolProgressEvent,
+    ToolResult,
+    ToolResultEvent,
+    ToolUseEvent,
+    UsageEvent,
+    define_plugin,
+    define_tool,
+    open_session,
+)
+from ._groups import unwrap_for_boundary  # the demo's own Ctrl-C handling, not an API
+from ._journal._inspect import summarize_calls  # what `python -m trio_agent journal` prints
+from .journal import EventEnvelope, ModelAttemptCompleted, RequestCompleted, ToolStarted, open_sqlite_store
+from .models import (
     AssistantMessage,
     Message,
+    ModelRequest,
     StreamChunk,
     ToolCallEnd,
     ToolCallPart,
     ToolResultMessage,
     UserMessage,
 )
-from ._models._service import ModelMiddleware, ModelRequest, Provider
-from ._models._test_model import Reply, open_test_model
-from ._session._hooks import HookEvent, HookInput, HookOutput
-from ._session._messages import (
-    DoneEvent,
-    SessionEvent,
-    SubagentEvent,
-    SubagentStatus,
-    TextDeltaEvent,
-    ToolProgressEvent,
-    ToolResultEvent,
-    ToolUseEvent,
-    UsageEvent,
-)
-from ._session._open import open_session
-from ._session._plugins import MiddlewareConfig, Plugin, define_plugin
-from ._session._session import Session
-from ._session._subagents import SubagentDefinition, SubagentHandle
-from ._tools._context import ToolContext, ToolMiddlewareRequest
-from ._tools._definition import SideEffect, Tool, ToolKind, define_tool
-from ._tools._pipeline import CallNext
-from ._tools._results import Progress, ToolMessage, ToolResult
+from .testing import Reply, open_test_model
+from .tools import CallNext, ToolMiddlewareRequest
 
 __all__ = ["DEMO_PROMPT", "STEERING_MESSAGE", "run_demo"]
 
@@ -510,7 +521,16 @@ async def summarize_journal(path: Path, session_id: str, out: TextIO, *, offline
             f"  max {max(durations):8.2f} ms",
             file=out,
         )
-    per_agent = ", ".join(f"{agent} {len(found)}" for agent, found in calls.items())
+    # Grouped by kind of agent ("summarizer-17" is one of the summarizers), so 200 notes stay one short line.
+    groups: dict[str, list[int]] = {}
+    for agent, found in calls.items():
+        groups.setdefault(re.sub(r"-\d+$", "", agent), []).append(len(found))
+    per_agent = ", ".join(
+        f"{kind} {counts[0]}"
+        if len(counts) == 1
+        else f"{len(counts)} {kind}s {sum(counts)} (at most {max(counts)} each)"
+        for kind, counts in groups.items()
+    )
     print(f"  calls per agent: {per_agent}", file=out)
     print(f"  requests completed: {requests}  model attempts: {len(attempts)}", file=out)
     estimated = " (estimated by the test model)" if offline else ""

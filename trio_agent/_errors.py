@@ -29,7 +29,7 @@ Every error that crosses a public boundary is one of these (never a bare
      │    ├── SessionClosedError   the session is closed (or closing)
      │    ├── RequestAbortedError  the request was aborted (``reason``)
      │    └── UnknownSubagentError no subagent definition has that name        [ValueError]
-     ├── HookError                 a hook raised, returned garbage or missed its deadline (in _session/_hooks.py)
+     ├── HookError                 a hook raised, returned garbage or missed its deadline (``event``)
      │    ├── HookReturnError      a hook returned something that is not a HookOutput       [TypeError]
      │    ├── HookTimeoutError     an event's hooks missed its deadline                     [TimeoutError]
      │    ├── HookInterruptedError the request's abort interrupted the dispatch
@@ -53,6 +53,15 @@ Every error that crosses a public boundary is one of these (never a bare
 
 Lease failures are their own type on purpose: they fail closed and never become
 ordinary tool results.
+
+Error codes. Every machine-readable ``code`` is snake_case, in errors
+(``HookError.code``, ``ModelError.code``) and in results (``ToolError.code``,
+``stop_reason``) alike, and the same situation has the same code in both: a
+failing hook is ``hook_error`` whether it surfaces as a `HookError` or as a tool
+result. The hook errors follow the rule; the model codes raised by the
+providers and the model service (``MODEL_REQUEST_TIMEOUT``, ``PROVIDER_FAILED``,
+``TEST_MODEL_EXHAUSTED``, ...) and `ModelError`'s default (the class name) are
+still being moved over.
 """
 
 from __future__ import annotations
@@ -61,6 +70,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._abort import Abort
+    from ._session._hooks import HookEvent
     from ._tools._results import ToolResult
 
 __all__ = [
@@ -71,6 +82,11 @@ __all__ = [
     "FileLockTimeoutError",
     "ForeignStreamError",
     "HistoryError",
+    "HookAbortedError",
+    "HookError",
+    "HookInterruptedError",
+    "HookReturnError",
+    "HookTimeoutError",
     "InvalidTransitionError",
     "JournalCorruptError",
     "JournalError",
@@ -105,6 +121,7 @@ __all__ = [
     "ToolInputError",
     "TrioAgentError",
     "UnknownSubagentError",
+    "require_trio",
 ]
 
 
@@ -264,6 +281,73 @@ class UnknownSubagentError(SessionError, ValueError):
     """No subagent definition has the requested name."""
 
 
+class HookError(TrioAgentError):
+    """A hook failed: it raised, returned garbage or missed the event's deadline.
+
+    ``event`` is the `HookEvent`, ``callback`` the failing callback's name,
+    ``source`` where it was registered (``"session"`` or ``"plugin:<name>"``),
+    ``code`` a stable machine-readable code (snake_case, the same as the tool
+    result's code for the same failure). The cause, if any, is ``__cause__``.
+    """
+
+    default_code = "hook_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        event: HookEvent,
+        callback: str | None = None,
+        source: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.event = event
+        self.callback = callback
+        self.source = source
+        self.code = code or self.default_code
+
+
+class HookTimeoutError(HookError, TimeoutError):
+    """The event's callbacks did not finish within its deadline (``seconds``); ``callback`` was still running."""
+
+    default_code = "hook_timeout"
+
+    def __init__(
+        self, message: str, *, event: HookEvent, seconds: float, callback: str | None = None, source: str | None = None
+    ) -> None:
+        super().__init__(message, event=event, callback=callback, source=source)
+        self.seconds = seconds
+
+
+class HookReturnError(HookError, TypeError):
+    """A hook returned something other than a `HookOutput` or ``None``, or a field its event does not accept."""
+
+    default_code = "hook_invalid_return"
+
+
+class HookInterruptedError(HookError):
+    """The caller's `AbortHandle` was aborted while the event's hooks ran; ``abort`` is its reason."""
+
+    default_code = "hook_interrupted"
+
+    def __init__(self, message: str, *, event: HookEvent, abort: Abort, callback: str | None = None) -> None:
+        super().__init__(message, event=event, callback=callback)
+        self.abort = abort
+
+
+class HookAbortedError(HookError):
+    """A hook answered ``abort`` (raised by `HookDecision.raise_for_abort`); ``reason`` is its reason."""
+
+    default_code = "hook_abort"
+
+    def __init__(
+        self, message: str, *, event: HookEvent, reason: str | None, callback: str | None, source: str | None
+    ) -> None:
+        super().__init__(message, event=event, callback=callback, source=source)
+        self.reason = reason
+
+
 class LeaseLostError(TrioAgentError):
     """The execution lease was lost (taken over, expired or revoked).
 
@@ -366,3 +450,30 @@ class ModelAbortedError(ModelError):
     def __init__(self, message: str, *, abort: object = None) -> None:
         super().__init__(message, code="MODEL_REQUEST_ABORTED")
         self.abort = abort
+
+
+def require_trio(api: str) -> None:
+    """Raise a `ConfigError` with a hint if *api* is used outside a Trio run (say, under ``asyncio.run``).
+
+    Without it an asyncio user gets Trio's bare "must be called from async context".
+    """
+    import asyncio
+
+    import trio
+
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        pass
+    else:
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        where = "outside a Trio run"
+    else:
+        where = "under asyncio"
+    raise ConfigError(
+        f"{api} was called {where}, but trio_agent runs under Trio: "
+        "start your program with trio.run(main) instead of asyncio.run(main())"
+    )

@@ -1,10 +1,10 @@
 """The durable journal: events, projection, stores, leases, recovery and subscriptions.
 
-The names used every day are also exported from `trio_agent` itself; this
-module adds the event classes and the projection for code that reads or
-writes journals directly::
+`JournalError` and `LeaseLostError` are also exported from `trio_agent` itself (the
+same objects). `SQLiteStore`, `open_sqlite_store` and `PostgresStore` load their
+database driver on first use::
 
-    from trio_agent import open_journal, open_sqlite_store
+    from trio_agent.journal import open_journal, open_sqlite_store
     from trio_agent.journal import ToolCompleted, RequestAccepted
 """
 
@@ -26,7 +26,7 @@ from ._errors import (
     SequenceConflictError,
     StaleFencingTokenError,
 )
-from ._journal._conversation import fold_conversation, read_conversation
+from ._journal._conversation import ConversationFold, fold_conversation, read_conversation
 from ._journal._durable import (
     CallRecord,
     DurableJournal,
@@ -81,8 +81,18 @@ from ._journal._events import (
     encode_event,
 )
 from ._journal._memory import MemoryStore
-from ._journal._projection import Projection, RecoveryItem, RecoveryKind, RecoveryPlan, ToolState
-from ._journal._sqlite import SQLiteStore, open_sqlite_store
+from ._journal._projection import (
+    PermissionState,
+    Projection,
+    RecoveryItem,
+    RecoveryKind,
+    RecoveryPlan,
+    RequestRecord,
+    RequestState,
+    SessionState,
+    ToolRecord,
+    ToolState,
+)
 from ._journal._store import (
     AppendBatch,
     AppendResult,
@@ -101,11 +111,21 @@ from ._journal._subscribe import (
     JournalCursor,
     subscribe_durable_events,
 )
+from ._util import fixup_module_metadata as _fixup_module_metadata
+from ._util import import_lazy as _import_lazy
 
 if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
 
     from ._journal._postgres import PostgresStore
+    from ._journal._sqlite import SQLiteStore, open_sqlite_store
+
+# The stores import their database driver (sqlite3, psycopg): loaded on first use.
+_LAZY: dict[str, str] = {
+    "PostgresStore": "trio_agent._journal._postgres",
+    "SQLiteStore": "trio_agent._journal._sqlite",
+    "open_sqlite_store": "trio_agent._journal._sqlite",
+}
 
 
 def open_postgres_store(dsn: str, **options: Any) -> AbstractAsyncContextManager[PostgresStore]:
@@ -118,18 +138,13 @@ def open_postgres_store(dsn: str, **options: Any) -> AbstractAsyncContextManager
     except ImportError as exc:  # pragma: no cover - depends on the environment
         from ._errors import ConfigError
 
-        raise ConfigError(
-            f"the PostgreSQL store needs psycopg 3: pip install 'trio_agent[postgres]' ({exc})"
-        ) from exc
+        raise ConfigError(f"the PostgreSQL store needs psycopg 3: pip install 'trio_agent[postgres]' ({exc})") from exc
     return _open(dsn, **options)
 
 
 def __getattr__(name: str) -> Any:
-    # PostgresStore needs the optional psycopg: imported only when asked for.
-    if name == "PostgresStore":
-        from ._journal._postgres import PostgresStore
-
-        return PostgresStore
+    if name in _LAZY:
+        return _import_lazy(__name__, _LAZY, name, globals())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -142,6 +157,7 @@ __all__ = [
     "CaughtUp",
     "CommandConflictError",
     "CommandRecord",
+    "ConversationFold",
     "ConversationSeeded",
     "CursorError",
     "DurableEvent",
@@ -171,6 +187,7 @@ __all__ = [
     "PermissionDecision",
     "PermissionRequested",
     "PermissionResolved",
+    "PermissionState",
     "PermissionUpdated",
     "PostgresStore",
     "Projection",
@@ -184,13 +201,16 @@ __all__ = [
     "RequestFailed",
     "RequestInterruptReason",
     "RequestInterrupted",
+    "RequestRecord",
     "RequestStarted",
+    "RequestState",
     "SQLiteStore",
     "SequenceConflictError",
     "SessionCloseReason",
     "SessionClosed",
     "SessionCreated",
     "SessionReopened",
+    "SessionState",
     "StaleFencingTokenError",
     "StreamInfo",
     "SubagentCancelled",
@@ -200,6 +220,7 @@ __all__ = [
     "ToolCompleted",
     "ToolFailed",
     "ToolOutcomeUnknown",
+    "ToolRecord",
     "ToolRecoveryAction",
     "ToolScheduled",
     "ToolStarted",
@@ -222,3 +243,5 @@ __all__ = [
     "subscribe_durable_events",
     "unknown_outcome_result",
 ]
+
+_fixup_module_metadata(__name__, globals())

@@ -67,6 +67,7 @@ from ._loop._events import (
 )
 from ._loop._hooks import NO_HOOKS, Finished, Lifecycle, ModelConfig, Phase, ToolOutcome
 from ._loop._rules import LoopState, LoopStrategy, StopReason, combine_strategies, max_iterations, until_finish_reason
+from ._util import fixup_module_metadata as _fixup_module_metadata
 
 __all__ = [
     "DROP",
@@ -136,3 +137,5 @@ __all__ = [
     "middleware_lifecycle",
     "until_finish_reason",
 ]
+
+_fixup_module_metadata(__name__, globals())

@@ -31,6 +31,7 @@ from ._tools._definition import SideEffect
 from ._tools._lifecycle import InMemoryToolJournal, ScheduledCall, Settlement
 from ._tools._pipeline import ToolExecutionRecord, ToolPipeline
 from ._tools._results import JsonObject, ToolItem
+from ._util import fixup_module_metadata as _fixup_module_metadata
 
 __all__ = [
     "FailingJournal",
@@ -209,3 +210,6 @@ class _CommittedThenFailed(AppendTicket):
         with contextlib.suppress(JournalError):
             await self._inner.wait()
         return self.outcome()
+
+
+_fixup_module_metadata(__name__, globals())

@@ -64,7 +64,7 @@ from typing import Any
 
 import trio
 
-from trio_agent import CallOrigin, ToolCall, ToolPipeline, ToolResult, define_tool
+from trio_agent import ToolResult, define_tool
 from trio_agent.journal import (
     AppendBatch,
     AppendResult,
@@ -84,6 +84,7 @@ from trio_agent.journal import (
     open_sqlite_store,
 )
 from trio_agent.testing import start_turn
+from trio_agent.tools import CallOrigin, ToolCall, ToolPipeline
 
 SIDE_EFFECTS = ("pure", "idempotent", "non_idempotent")
 TOOL_NAMES = {"pure": "pure_tool", "idempotent": "idempotent_tool", "non_idempotent": "non_idempotent_tool"}

@@ -29,7 +29,7 @@ import trio
 
 from .._abort import Abort, AbortHandle, AbortReason
 from .._cleanup import bounded_shield
-from .._errors import ConfigError, ModelError, TrioAgentError
+from .._errors import ConfigError, ModelError, TrioAgentError, require_trio
 from .._groups import unwrap_for_boundary
 from .._journal._durable import DurableJournal
 from .._journal._events import (
@@ -240,6 +240,7 @@ async def chat(
     `MiddlewareShapeError` (middleware that is not a list of `ChatMiddleware`)
     before anything runs; the run's own error from ``run.result()``.
     """
+    require_trio("chat()")
     service = _provider_service(agent_or_model, model_middleware)
     history = _initial_messages(messages)
     hooks = middleware_lifecycle(middleware)

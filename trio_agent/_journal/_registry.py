@@ -14,12 +14,15 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING
 
 import trio
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE
 from .._errors import JournalUnavailableError
-from ._sqlite import SQLiteStore, open_sqlite_store
+
+if TYPE_CHECKING:
+    from ._sqlite import SQLiteStore
 
 __all__ = ["shared_sqlite_store"]
 
@@ -59,6 +62,8 @@ async def shared_sqlite_store(
     entry = registry.get(key)
     if entry is None:
         entry = registry[key] = _Entry()
+        from ._sqlite import open_sqlite_store  # the driver loads on first use
+
         opener = open_sqlite_store(path, cleanup_grace=cleanup_grace)
         try:
             entry.store = await opener.__aenter__()

@@ -36,7 +36,17 @@ from typing import Protocol
 import attrs
 import trio
 
-from .._errors import ConfigError, JournalError, JournalUnavailableError
+from .._errors import (
+    CommandConflictError,
+    ConfigError,
+    ForeignStreamError,
+    JournalError,
+    JournalUnavailableError,
+    LeaseHeldError,
+    LeaseLostError,
+    SequenceConflictError,
+    StaleFencingTokenError,
+)
 from ._events import EventEnvelope, encode_event, event_converter
 
 __all__ = [
@@ -356,7 +366,6 @@ def decide_append(
     (digest, first_seq, last_seq) of its command id. An identical replay returns the first
     outcome with ``replayed=True`` (and nothing must be written for it).
     """
-    from .._errors import CommandConflictError, SequenceConflictError
 
     _check_fence("append", batch.session_id, batch.stream_id, batch.token, lease=lease, stream=stream, now=now)
     if batch.command_id is not None and command is not None:
@@ -387,7 +396,6 @@ def _check_fence(
     now: float,
 ) -> None:
     """The fence every write passes: the session's current, unexpired token, on its own stream."""
-    from .._errors import ForeignStreamError, StaleFencingTokenError
 
     if lease is None or lease[1] == 0 or lease[1] != token or lease[2] < now:
         detail = (
@@ -422,7 +430,6 @@ def decide_lease(
 ) -> Lease | None:
     """Apply the lease rules: ``acquire`` and ``renew`` return the new lease (or raise
     `LeaseHeldError` / `LeaseLostError`); ``release`` returns ``None`` (see `releases`)."""
-    from .._errors import LeaseHeldError, LeaseLostError
 
     if kind == "acquire":
         if row is not None and row[1] > 0 and row[2] >= now and row[0] != owner:

@@ -37,7 +37,7 @@ from typing import Any
 import attrs
 
 from .._models._assemble import ToolArgumentsError, parse_tool_arguments
-from .._models._messages import FinishReason, ToolCallPart
+from .._models._messages import FinishReason, TextPart, ToolCallPart
 from .._tools._results import ToolErrorType, ToolResult
 
 __all__ = [
@@ -165,6 +165,4 @@ def rejected_texts(rejected: Mapping[str, ToolResult]) -> dict[str, str]:
 
 
 def first_text(parts: Iterable[object]) -> str:
-    from .._models._messages import TextPart
-
     return "".join(part.text for part in parts if isinstance(part, TextPart))

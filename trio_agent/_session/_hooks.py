@@ -31,9 +31,17 @@ from typing import Any, TypeAlias
 import attrs
 import trio
 
-from .._abort import Abort, AbortHandle
+from .._abort import AbortHandle
 from .._config import validate_timeout
-from .._errors import ConfigError, LeaseLostError, TrioAgentError
+from .._errors import (
+    ConfigError,
+    HookAbortedError,
+    HookError,
+    HookInterruptedError,
+    HookReturnError,
+    HookTimeoutError,
+    LeaseLostError,
+)
 from .._tools._context import ExecutionContext
 from .._tools._results import JsonObject, ToolError, ToolErrorType, ToolResult, json_copy
 from .._tools._stages import Allow, Deny, PostStage, Stage, StageRequest
@@ -41,6 +49,7 @@ from .._tools._stages import Allow, Deny, PostStage, Stage, StageRequest
 __all__ = [
     "DEFAULT_HOOK_DEADLINE",
     "DEFAULT_HOOK_DEADLINES",
+    "HOOK_INPUT_CLASSES",
     "HookAbortedError",
     "HookAction",
     "HookCallback",
@@ -54,9 +63,20 @@ __all__ = [
     "HookReturnError",
     "HookRunner",
     "HookTimeoutError",
+    "PermissionRequestInput",
+    "PostToolUseFailureInput",
+    "PostToolUseInput",
+    "PreToolUseInput",
     "RegisteredHook",
+    "SessionEndInput",
+    "SessionStartInput",
+    "StopInput",
+    "SubagentStartInput",
+    "SubagentStopInput",
+    "UserPromptSubmitInput",
     "post_tool_stage",
     "pre_tool_stage",
+    "typed_input",
 ]
 
 logger = logging.getLogger("trio_agent.hooks")
@@ -104,75 +124,6 @@ class HookAction(enum.Enum):
     ABORT = "abort"
 
 
-# -- errors ------------------------------------------------------------------------
-
-
-class HookError(TrioAgentError):
-    """A hook failed: it raised, returned garbage or missed the event's deadline.
-
-    ``event`` is the `HookEvent`, ``callback`` the failing callback's name,
-    ``source`` where it was registered (``"session"`` or ``"plugin:<name>"``),
-    ``code`` a stable machine-readable code. The cause, if any, is ``__cause__``.
-    """
-
-    default_code = "HOOK_ERROR"
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        event: HookEvent,
-        callback: str | None = None,
-        source: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.event = event
-        self.callback = callback
-        self.source = source
-        self.code = code or self.default_code
-
-
-class HookTimeoutError(HookError, TimeoutError):
-    """The event's callbacks did not finish within its deadline (``seconds``); ``callback`` was still running."""
-
-    default_code = "HOOK_TIMEOUT"
-
-    def __init__(
-        self, message: str, *, event: HookEvent, seconds: float, callback: str | None = None, source: str | None = None
-    ) -> None:
-        super().__init__(message, event=event, callback=callback, source=source)
-        self.seconds = seconds
-
-
-class HookReturnError(HookError, TypeError):
-    """A hook returned something other than a `HookOutput` or ``None``, or a field its event does not accept."""
-
-    default_code = "HOOK_INVALID_RETURN"
-
-
-class HookInterruptedError(HookError):
-    """The caller's `AbortHandle` was aborted while the event's hooks ran; ``abort`` is its reason."""
-
-    default_code = "HOOK_INTERRUPTED"
-
-    def __init__(self, message: str, *, event: HookEvent, abort: Abort, callback: str | None = None) -> None:
-        super().__init__(message, event=event, callback=callback)
-        self.abort = abort
-
-
-class HookAbortedError(HookError):
-    """A hook answered ``abort`` (raised by `HookDecision.raise_for_abort`); ``reason`` is its reason."""
-
-    default_code = "HOOK_ABORTED"
-
-    def __init__(
-        self, message: str, *, event: HookEvent, reason: str | None, callback: str | None, source: str | None
-    ) -> None:
-        super().__init__(message, event=event, callback=callback, source=source)
-        self.reason = reason
-
-
 # -- input and output --------------------------------------------------------------
 
 
@@ -190,7 +141,14 @@ def _mapping_copy(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 @attrs.frozen
 class HookInput:
-    """What a hook callback receives. Only the fields of its event are set (see docs/hooks.md).
+    """What a hook callback receives: the base of the ten per-event input classes.
+
+    A callback gets the class of its event (`PreToolUseInput`, `UserPromptSubmitInput`,
+    ...; see `HOOK_INPUT_CLASSES` and docs/hooks.md), whose fields that the event
+    always sets are typed as such (``PreToolUseInput.tool_name`` is a ``str``).
+    The fields of other events stay readable and are ``None``, so a callback
+    typed ``HookInput`` keeps working. ``HookInput(event=..., ...)`` still builds
+    an input of any event; `HookRunner.dispatch` turns it into the event's class.
 
     Every callback gets its own copy of the event's ORIGINAL input: a change made
     by one callback (in place or through ``modified_input``) is never seen by the
@@ -213,6 +171,198 @@ class HookInput:
     reason: str | None = attrs.field(default=None, validator=_optional(str))
     extra: Mapping[str, Any] = attrs.field(factory=dict, converter=_mapping_copy)
 
+    def __attrs_post_init__(self) -> None:
+        own = _EVENT_FIELDS.get(type(self))
+        if own is None:
+            return
+        foreign = [name for name in _EVENT_SPECIFIC if name not in own and getattr(self, name) is not None]
+        if foreign:
+            raise TypeError(
+                f"{type(self).__name__} has no {', '.join(foreign)}: {self.event.title} hooks receive "
+                f"{', '.join(sorted(own)) or 'only session_id, agent_id and extra'}"
+            )
+
+
+_EVENT_SPECIFIC = (
+    "tool_name",
+    "tool_call_id",
+    "tool_input",
+    "tool_result",
+    "error",
+    "prompt",
+    "subagent_id",
+    "subagent_type",
+    "last_message",
+    "reason",
+)
+
+
+def _is_event(expected: HookEvent) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not expected:
+            raise TypeError(f"{type(instance).__name__} is the input of {expected.title}, not of {value!r}")
+
+    return check
+
+
+@attrs.frozen
+class SessionStartInput(HookInput):
+    """SessionStart: ``session_id`` and ``agent_id`` (the root agent)."""
+
+    event: HookEvent = attrs.field(
+        default=HookEvent.SESSION_START, kw_only=True, validator=_is_event(HookEvent.SESSION_START)
+    )
+
+
+@attrs.frozen
+class UserPromptSubmitInput(HookInput):
+    """UserPromptSubmit: ``prompt``, the text of the request (``user_prompt`` is the same)."""
+
+    event: HookEvent = attrs.field(
+        default=HookEvent.USER_PROMPT_SUBMIT, kw_only=True, validator=_is_event(HookEvent.USER_PROMPT_SUBMIT)
+    )
+    prompt: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+
+    @property
+    def user_prompt(self) -> str:
+        """The spec's name (``userPrompt``) for ``prompt``."""
+        return self.prompt
+
+
+@attrs.frozen
+class PreToolUseInput(HookInput):
+    """PreToolUse: ``tool_name``, ``tool_call_id``, ``tool_input``; ``extra`` has ``request_id`` and ``turn_id``."""
+
+    event: HookEvent = attrs.field(
+        default=HookEvent.PRE_TOOL_USE, kw_only=True, validator=_is_event(HookEvent.PRE_TOOL_USE)
+    )
+    tool_name: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+    tool_input: JsonObject = attrs.field(kw_only=True, validator=attrs.validators.instance_of(dict))
+
+
+@attrs.frozen
+class PermissionRequestInput(HookInput):
+    """PermissionRequest: the tool call, ``reason`` (why it asks) and ``extra`` (affected paths, tool kind)."""
+
+    event: HookEvent = attrs.field(
+        default=HookEvent.PERMISSION_REQUEST, kw_only=True, validator=_is_event(HookEvent.PERMISSION_REQUEST)
+    )
+    tool_name: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+    tool_input: JsonObject = attrs.field(kw_only=True, validator=attrs.validators.instance_of(dict))
+
+
+@attrs.frozen
+class PostToolUseInput(HookInput):
+    """PostToolUse: the tool call (final input) and its successful ``tool_result``."""
+
+    event: HookEvent = attrs.field(
+        default=HookEvent.POST_TOOL_USE, kw_only=True, validator=_is_event(HookEvent.POST_TOOL_USE)
+    )
+    tool_name: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+    tool_input: JsonObject = attrs.field(kw_only=True, validator=attrs.validators.instance_of(dict))
+    tool_result: ToolResult = attrs.field(kw_only=True, validator=attrs.validators.instance_of(ToolResult))
+
+
+@attrs.frozen
+class PostToolUseFailureInput(HookInput):
+    """PostToolUseFailure: the tool call, its failed ``tool_result`` and that result's ``error``."""
+
+    event: HookEvent = attrs.field(
+        default=HookEvent.POST_TOOL_USE_FAILURE, kw_only=True, validator=_is_event(HookEvent.POST_TOOL_USE_FAILURE)
+    )
+    tool_name: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+    tool_input: JsonObject = attrs.field(kw_only=True, validator=attrs.validators.instance_of(dict))
+    tool_result: ToolResult = attrs.field(kw_only=True, validator=attrs.validators.instance_of(ToolResult))
+    error: ToolError = attrs.field(kw_only=True, validator=attrs.validators.instance_of(ToolError))
+
+
+@attrs.frozen
+class SubagentStartInput(HookInput):
+    """SubagentStart: ``subagent_id`` (its new id), ``subagent_type`` (its definition's name), ``prompt``."""
+
+    event: HookEvent = attrs.field(
+        default=HookEvent.SUBAGENT_START, kw_only=True, validator=_is_event(HookEvent.SUBAGENT_START)
+    )
+    subagent_id: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+    subagent_type: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+    prompt: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+
+
+@attrs.frozen
+class SubagentStopInput(HookInput):
+    """SubagentStop: ``subagent_id``, ``subagent_type`` and its ``last_message`` (``None`` if it wrote none)."""
+
+    event: HookEvent = attrs.field(
+        default=HookEvent.SUBAGENT_STOP, kw_only=True, validator=_is_event(HookEvent.SUBAGENT_STOP)
+    )
+    subagent_id: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+    subagent_type: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+
+
+@attrs.frozen
+class StopInput(HookInput):
+    """Stop: ``last_message``, the root agent's final answer (``None`` if it wrote none)."""
+
+    event: HookEvent = attrs.field(default=HookEvent.STOP, kw_only=True, validator=_is_event(HookEvent.STOP))
+
+
+@attrs.frozen
+class SessionEndInput(HookInput):
+    """SessionEnd: ``reason``, ``"completed"`` or ``"error"``."""
+
+    event: HookEvent = attrs.field(
+        default=HookEvent.SESSION_END, kw_only=True, validator=_is_event(HookEvent.SESSION_END)
+    )
+    reason: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+
+
+HOOK_INPUT_CLASSES: Mapping[HookEvent, type[HookInput]] = MappingProxyType(
+    {
+        HookEvent.SESSION_START: SessionStartInput,
+        HookEvent.USER_PROMPT_SUBMIT: UserPromptSubmitInput,
+        HookEvent.PRE_TOOL_USE: PreToolUseInput,
+        HookEvent.PERMISSION_REQUEST: PermissionRequestInput,
+        HookEvent.POST_TOOL_USE: PostToolUseInput,
+        HookEvent.POST_TOOL_USE_FAILURE: PostToolUseFailureInput,
+        HookEvent.SUBAGENT_START: SubagentStartInput,
+        HookEvent.SUBAGENT_STOP: SubagentStopInput,
+        HookEvent.STOP: StopInput,
+        HookEvent.SESSION_END: SessionEndInput,
+    }
+)
+"""The input class a callback of each event receives."""
+
+_TOOL_FIELDS = frozenset({"tool_name", "tool_call_id", "tool_input"})
+_EVENT_FIELDS: Mapping[type[HookInput], frozenset[str]] = {
+    SessionStartInput: frozenset(),
+    UserPromptSubmitInput: frozenset({"prompt"}),
+    PreToolUseInput: _TOOL_FIELDS,
+    PermissionRequestInput: _TOOL_FIELDS | {"reason"},
+    PostToolUseInput: _TOOL_FIELDS | {"tool_result"},
+    PostToolUseFailureInput: _TOOL_FIELDS | {"tool_result", "error"},
+    SubagentStartInput: frozenset({"subagent_id", "subagent_type", "prompt"}),
+    SubagentStopInput: frozenset({"subagent_id", "subagent_type", "last_message"}),
+    StopInput: frozenset({"last_message"}),
+    SessionEndInput: frozenset({"reason"}),
+}
+
+
+def typed_input(value: HookInput) -> HookInput:
+    """*value* as an instance of its event's input class (itself if it already is one).
+
+    Raises:
+        ConfigError: a field the event always sets is missing, or a field of another event is set.
+    """
+    cls = HOOK_INPUT_CLASSES[value.event]
+    if type(value) is cls:
+        return value
+    fields = {field.name: getattr(value, field.name) for field in attrs.fields(HookInput)}
+    fields = {name: item for name, item in fields.items() if item is not None}
+    try:
+        return cls(**fields)
+    except TypeError as exc:
+        raise ConfigError(f"not a valid {value.event.title} hook input: {exc}") from None
+
 
 def _action(value: object) -> HookAction:
     if isinstance(value, HookAction):
@@ -228,8 +378,8 @@ class HookOutput:
     """What a hook callback returns (``None`` means "continue, no changes").
 
     ``modified_input``: for tool events a JSON object merged shallowly over the
-    input; for prompt events (UserPromptSubmit, SubagentStart) a string or
-    ``{"prompt": str}``. ``modified_output`` (PostToolUse, PostToolUseFailure)
+    input; for prompt events (UserPromptSubmit, SubagentStart) a string,
+    ``{"prompt": str}`` or the spec's ``{"userPrompt": str}``. ``modified_output`` (PostToolUse, PostToolUseFailure)
     replaces the result's model-visible output; ``None`` means unchanged.
     ``additional_context`` is text for the model, concatenated across callbacks.
     ``reason`` explains a ``skip`` or ``abort``.
@@ -264,8 +414,9 @@ class HookOutput:
         return cls(HookAction.ABORT, reason=reason)
 
 
-HookCallback: TypeAlias = Callable[[HookInput], Awaitable[HookOutput | None]]
-"""``async def hook(input: HookInput) -> HookOutput | None``."""
+HookCallback: TypeAlias = Callable[[Any], Awaitable[HookOutput | None]]
+"""``async def hook(input: PreToolUseInput) -> HookOutput | None``: the argument is the event's
+input class (see `HOOK_INPUT_CLASSES`), a `HookInput`; annotating it ``HookInput`` works too."""
 
 
 @attrs.frozen
@@ -457,6 +608,7 @@ _INPUT_KIND = {
     HookEvent.PRE_TOOL_USE: _InputKind.OBJECT,
     HookEvent.PERMISSION_REQUEST: _InputKind.OBJECT,
 }
+_PROMPT_KEYS = frozenset({"prompt", "userPrompt"})  # ours, and the spec's name
 _OUTPUT_EVENTS = frozenset({HookEvent.POST_TOOL_USE, HookEvent.POST_TOOL_USE_FAILURE})
 
 
@@ -495,9 +647,13 @@ def _checked(event: HookEvent, hook: RegisteredHook, value: object) -> HookOutpu
             raise bad("returned modified_input, which this event does not accept")
         if kind is _InputKind.PROMPT:
             if isinstance(modified, dict):
-                if set(modified) != {"prompt"} or not isinstance(modified["prompt"], str):
-                    raise bad(f"returned modified_input {modified!r:.200}; expected a string or {{'prompt': str}}")
-                modified = dict(modified)
+                keys = set(modified)
+                if len(keys) != 1 or not keys <= _PROMPT_KEYS or not isinstance(next(iter(modified.values())), str):
+                    raise bad(
+                        f"returned modified_input {modified!r:.200}; expected a string, "
+                        "{'prompt': str} or {'userPrompt': str}"
+                    )
+                modified = {"prompt": next(iter(modified.values()))}
             else:
                 modified = {"prompt": modified}
         else:
@@ -585,6 +741,7 @@ class HookRunner:
         hooks = self.registry.for_event(event)
         if not hooks:
             return HookDecision(event)
+        input = typed_input(input)
         if abort is not None and abort.reason is not None:
             raise HookInterruptedError(
                 f"{event.title} hooks were not run: {abort.reason.message}", event=event, abort=abort.reason
@@ -648,16 +805,20 @@ HOOK_CONTEXT_KEY = "hook_context"
 
 def _tool_input(event: HookEvent, request: StageRequest, result: ToolResult | None = None) -> HookInput:
     ctx = request.context
-    return HookInput(
+    fields: dict[str, Any] = {}
+    if result is not None:
+        fields["tool_result"] = result
+        if result.error is not None:
+            fields["error"] = result.error
+    return HOOK_INPUT_CLASSES[event](
         event=event,
         session_id=ctx.session_id,
         agent_id=ctx.agent_id,
         tool_name=request.tool.name,
         tool_call_id=ctx.tool_call_id,
         tool_input=request.input,
-        tool_result=result,
-        error=result.error if result is not None else None,
         extra={"request_id": ctx.request_id, "turn_id": ctx.turn_id},
+        **fields,
     )
 
 

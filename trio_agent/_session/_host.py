@@ -65,6 +65,7 @@ from ._messages import (
 )
 from ._permissions import PermissionEngine, PermissionUpdate
 from ._requests import _Agent, _Request, drain_holds, record_interrupted, record_raised
+from ._stream import discard
 
 __all__ = ["SESSION_HOOKS", "AgentConversation", "RequestInbox", "SessionHooks", "SessionHost"]
 
@@ -295,23 +296,30 @@ class SessionHost:
         observe = request.observe
 
         # The loop's events, as the session's stream has always shown them (one dict lookup per event).
+        # Session events are built only when someone reads them (`send()` discards them).
         async def text_delta(event: Any) -> None:
             text.append(event.delta)
-            await request.sink(TextDeltaEvent(agent_id, event.delta))
+            if request.sink is not discard:
+                await request.sink(TextDeltaEvent(agent_id, event.delta))
 
         async def usage(event: Any) -> None:
-            await request.sink(UsageEvent(agent_id, event.usage))
+            if request.sink is not discard:
+                await request.sink(UsageEvent(agent_id, event.usage))
 
         async def tool_use(event: Any) -> None:
             request.call_ids.append(event.call_id)
             call_origins[event.call_id] = request.request_id
-            await request.sink(ToolUseEvent(agent_id, event.call_id, event.tool_name, event.input))
+            if request.sink is not discard:
+                await request.sink(ToolUseEvent(agent_id, event.call_id, event.tool_name, event.input))
 
         async def tool_progress(event: Any) -> None:
-            await request.sink(ToolProgressEvent(agent_id, event.call_id, event.item))
+            if request.sink is not discard:
+                await request.sink(ToolProgressEvent(agent_id, event.call_id, event.item))
 
         async def tool_result(event: Any) -> None:
             call_origins.pop(event.call_id, None)
+            if request.sink is discard:
+                return
             error = event.result.error
             if error is not None and error.code == "no_handler":
                 # A refusal nobody could have approved is made visible, not only told to the model.

@@ -19,7 +19,7 @@ import trio
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, validate_cleanup_grace
 from .._config import validate_id, validate_timeout
-from .._errors import ConfigError
+from .._errors import ConfigError, require_trio
 from .._groups import contains_cancelled, typed_error, unwrap_for_boundary
 from .._journal._durable import DurableJournal, open_journal
 from .._journal._events import PERMISSION_UPDATE_SOURCES, PermissionUpdated, SessionCloseReason
@@ -118,6 +118,7 @@ async def open_session(
     before anything starts; errors at the boundary are trio_agent errors, never
     exception groups, and a cancellation from outside is one ``trio.Cancelled``.
     """
+    require_trio("open_session()")
     options: dict[str, Any] = {
         "provider": provider,
         "model": model,

@@ -377,9 +377,14 @@ class _Deferred(Coroutine[Any, Any, ToolResult]):
 
 
 def _aborted_result(abort: Abort) -> ToolResult:
+    # The abort's message is free text ("the user pressed stop", "timed out after 2 s", ...): it
+    # follows a colon or sits in parentheses, never glued into a sentence of ours.
+    message = abort.message.strip().rstrip(".") or abort.reason.value.replace("_", " ")
     if abort.reason is AbortReason.TIMEOUT:
-        return ToolResult.failure(ToolErrorType.TIMEOUT, f"tool call {abort.message}", code=abort.reason.value)
-    return ToolResult.failure(ToolErrorType.INTERRUPTED, f"tool call {abort.message}", code=abort.reason.value)
+        text = f"The tool call did not finish in time and was stopped ({message})."
+        return ToolResult.failure(ToolErrorType.TIMEOUT, text, code=abort.reason.value)
+    text = f"The tool call was stopped before it finished: {message}."
+    return ToolResult.failure(ToolErrorType.INTERRUPTED, text, code=abort.reason.value)
 
 
 def _status_for(result: ToolResult) -> tuple[SettlementStatus, str | None]:
