@@ -58,7 +58,7 @@ from trio_agent._journal._events import (
     TurnStarted,
 )
 from trio_agent._journal._memory import MemoryStore
-from trio_agent._journal._snapshot import SNAPSHOT_VERSION, _Stream, decode_snapshot, encode_snapshot
+from trio_agent._journal._snapshot import FOLD_AFTER, SNAPSHOT_VERSION, _Stream, decode_snapshot, encode_snapshot
 from trio_agent._journal._store import stream_id_for
 from trio_agent._models._messages import ToolCallPart, UserMessage
 from trio_agent.journal import open_sqlite_store
@@ -536,6 +536,26 @@ async def test_without_snapshots_a_reopen_reads_the_whole_journal() -> None:
     store = CountingStore(MemoryStore())
     reads = await cycles(store, 20, every=10**9)
     assert reads[-1] == 19 * 9  # the control: the bound above is the snapshots' doing
+
+
+@pytest.mark.parametrize("every", [None, 16])
+async def test_only_a_journal_that_snapshots_folds_its_conversation_as_it_goes(every: int | None) -> None:
+    # Folding costs a decode per model reply; a journal whose fold no snapshot will need
+    # (a MemoryStore's, by default) folds only when its conversation is asked for.
+    requests = FOLD_AFTER // 7 + 2  # more events than a stream holds unfolded when it snapshots
+    async with open_journal(MemoryStore(), session_id=SID, snapshot_every=every) as journal:
+        for n in range(requests):
+            await one_request(journal, n)
+        stream = journal._streams[ROOT]
+        if every is None:
+            assert len(stream.unfolded) == stream.projection.head
+            assert stream.fold.messages() == []
+        else:
+            assert len(stream.unfolded) <= FOLD_AFTER
+        history = journal.conversation()
+        assert stream.unfolded == []
+        assert history == fold_conversation(e.event for e in await journal.store.read(ROOT))
+        assert len(history) == 2 * requests
 
 
 # ================================================================ PostgreSQL

@@ -85,6 +85,7 @@ from ._events import (
 from ._memory import MemoryStore
 from ._projection import Projection, RecoveryKind, RecoveryPlan, ToolState
 from ._snapshot import (
+    FOLD_AFTER,
     SNAPSHOT_GRACE,
     CallRecord,
     _Stream,
@@ -171,6 +172,7 @@ class DurableJournal:
         durable_pure_starts: bool,
         commit_grace: float,
         root_agent_id: str,
+        fold_after: int | None = FOLD_AFTER,
     ) -> None:
         self.store = store
         self.session_id = session_id
@@ -181,6 +183,9 @@ class DurableJournal:
         self.durable_pure_starts = durable_pure_starts
         self.commit_grace = commit_grace
         self.root_agent_id = root_agent_id
+        # A journal that snapshots folds its conversation as it goes (the snapshot needs it);
+        # one that never does folds only when `conversation` is asked for.
+        self._fold_after = fold_after
         self._streams: dict[str, _Stream] = {}
         self._fenced: str | None = None
         self._lost: BaseException | None = None
@@ -322,7 +327,7 @@ class DurableJournal:
                 return stream, attrs.evolve(known[1], replayed=True)
         stream.projection.apply_atomic(envelopes)  # all or nothing: a refusal changes nothing
         for envelope in envelopes:
-            stream.track(envelope.event)
+            stream.track(envelope.event, fold_after=self._fold_after)
         self._streams[stream_id] = stream
         batch = AppendBatch(self.session_id, stream_id, self.lease.token, envelopes, command_id, digest)
         return stream, batch
@@ -439,7 +444,7 @@ class DurableJournal:
                 break
             for envelope in page:
                 try:
-                    stream.apply(envelope)
+                    stream.apply(envelope, fold_after=self._fold_after)
                 except InvalidTransitionError as exc:
                     raise JournalCorruptError(
                         f"stored stream {stream.stream_id!r} breaks the journal's rules at seq {envelope.seq}: {exc}"
@@ -871,6 +876,7 @@ async def open_journal(
         durable_pure_starts=durable_pure_starts,
         commit_grace=commit_grace,
         root_agent_id=root_agent_id,
+        fold_after=None if snapshot_every is None else FOLD_AFTER,
     )
     journal._valid_until = sent + lease_ttl * 0.9
     try:

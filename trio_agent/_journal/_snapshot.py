@@ -32,6 +32,11 @@ Rules
   stream's head, or whose tail does not apply, is ignored with a WARNING on the
   ``trio_agent.journal`` logger and the stream is replayed in full: a snapshot can
   make a reopen faster, never different.
+* The fold is lazy: events wait unfolded until the conversation is asked for. A
+  journal that snapshots folds once `FOLD_AFTER` events wait (its snapshots need the
+  fold anyway, so the work is spread out); one that never snapshots (a `MemoryStore`'s,
+  by default) folds only when asked: a session that is never reopened decodes no
+  model reply twice.
 * No schema version change: the table is additive (created if missing) and a
   snapshot stays true whatever is appended after it, because events are never
   rewritten; code that predates snapshots ignores them.
@@ -119,7 +124,7 @@ class CallRecord:
         return None
 
 
-_FOLD_AFTER = 512  # unfolded events a stream may hold before it folds them on its own
+FOLD_AFTER = 512  # unfolded events a stream may hold before it folds them on its own
 
 
 class _Stream:
@@ -136,11 +141,13 @@ class _Stream:
         self.unfolded: list[Event] = []
         self.snapshot_seq = 0  # the seq of the snapshot this stream was restored from or last saved at
 
-    def apply(self, envelope: EventEnvelope) -> None:
+    def apply(self, envelope: EventEnvelope, *, fold_after: int | None = FOLD_AFTER) -> None:
         self.projection.apply(envelope)
-        self.track(envelope.event)
+        self.track(envelope.event, fold_after=fold_after)
 
-    def track(self, event: Event) -> None:
+    def track(self, event: Event, *, fold_after: int | None = FOLD_AFTER) -> None:
+        """Record *event*; fold the pending events once more than *fold_after* wait (``None``:
+        only when someone asks, for a journal that never snapshots: its fold may never be needed)."""
         if isinstance(event, ToolScheduled):
             self.calls[event.call_id] = CallRecord(event)
         elif isinstance(event, ToolStarted):
@@ -150,7 +157,7 @@ class _Stream:
         elif isinstance(event, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown):
             self.calls[event.call_id].settlement = event
         self.unfolded.append(event)
-        if len(self.unfolded) > _FOLD_AFTER:
+        if fold_after is not None and len(self.unfolded) > fold_after:
             self._catch_up(strict=False)
 
     def _catch_up(self, *, strict: bool) -> None:
