@@ -797,7 +797,7 @@ async def test_stream_idle_timeout() -> None:
     ):
         with pytest.raises(ModelTimeoutError) as caught:
             await collect(provider, request(operation=Operation.STREAM))
-    assert caught.value.code == "MODEL_STREAM_IDLE_TIMEOUT"
+    assert caught.value.code == "model_stream_idle_timeout"
 
 
 async def test_chat_request_timeout() -> None:
@@ -806,7 +806,7 @@ async def test_chat_request_timeout() -> None:
     async with serve(stalled, timeout=0.3) as (_, provider):
         with pytest.raises(ModelTimeoutError) as caught:
             await provider.chat(request())
-    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+    assert caught.value.code == "model_request_timeout"
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["chat", "stream"])

@@ -28,7 +28,7 @@ async def test_abort_during_chat_raises_typed_error_with_reason(autojump_clock: 
             abort.abort(ta.AbortReason.STEERING)
         assert trio.current_time() < 10  # did not wait for the reply
     (error,) = errors
-    assert error.code == "MODEL_REQUEST_ABORTED"
+    assert error.code == "model_request_aborted"
     assert isinstance(error.abort, ta.Abort) and error.abort.reason is ta.AbortReason.STEERING
 
 

@@ -304,8 +304,8 @@ async def test_retry_reporter_notifies_each_retry(autojump_clock: trio.testing.M
     start = trio.current_time()
     notes, text, calls = await ex.demo_retry_events()
     assert notes == [
-        "attempt 1 failed (RateLimitError); retrying in 0.2 s",
-        "attempt 2 failed (ProviderServerError); retrying in 0.1 s",
+        "attempt 1 failed (rate_limit_error); retrying in 0.2 s",
+        "attempt 2 failed (provider_server_error); retrying in 0.1 s",
     ]
     assert text == "hello!"
     assert calls == 3
@@ -324,7 +324,7 @@ async def test_retry_reporter_passes_every_item_and_the_final_error(autojump_clo
                 items.append(item)
     assert caught.value is errors[1]
     assert items == [RetryEvent(1, 0.5, errors[0])]
-    assert notes == ["attempt 1 failed (ProviderServerError); retrying in 0.5 s"]
+    assert notes == ["attempt 1 failed (provider_server_error); retrying in 0.5 s"]
 
 
 async def test_chat_with_progress_returns_the_response() -> None:

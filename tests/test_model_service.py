@@ -414,7 +414,7 @@ async def test_a_provider_bug_becomes_a_typed_model_error_and_is_not_retried(op:
     with pytest.raises(ModelError) as caught:
         await run_op(ModelService(provider, [make_layer(op, "a", [])], retry=NO_JITTER), op)
     assert type(caught.value) is ModelError
-    assert caught.value.code == "PROVIDER_FAILED" and not caught.value.retryable
+    assert caught.value.code == "provider_failed" and not caught.value.retryable
     assert caught.value.__cause__ is error
     assert provider.calls == 1
 
@@ -428,7 +428,7 @@ async def test_a_provider_bug_after_published_chunks_interrupts_the_stream() -> 
             async for chunk in chunks:
                 received.append(chunk)
     assert received == [TextDelta("0"), TextDelta("1")]
-    assert caught.value.code == "PROVIDER_FAILED"
+    assert caught.value.code == "provider_failed"
     assert caught.value.__cause__.__cause__ is error  # type: ignore[union-attr]
 
 
@@ -917,7 +917,7 @@ async def test_a_wrap_that_never_returns_hits_the_request_deadline(
     start = trio.current_time()
     with pytest.raises(ModelTimeoutError) as caught:
         await run_op(service, op)
-    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+    assert caught.value.code == "model_request_timeout"
     assert isinstance(caught.value, TimeoutError)
     assert trio.current_time() - start == 5.0
     assert seen == [trio.Cancelled], "the deadline is outside the middleware: it only sees cancellation"
@@ -935,7 +935,7 @@ async def test_retry_sleeps_count_against_the_request_deadline(autojump_clock: t
     start = trio.current_time()
     with pytest.raises(ModelTimeoutError) as caught:
         await ModelService(model, retry=policy, request_timeout=5).chat(MESSAGES)
-    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+    assert caught.value.code == "model_request_timeout"
     assert trio.current_time() - start == 5.0
     assert len(model.requests) == 2  # t=0 and t=4; the next would start at t=12
 
@@ -949,7 +949,7 @@ async def test_a_stream_that_stalls_hits_the_request_deadline(autojump_clock: tr
         async with service.stream(MESSAGES) as chunks:
             async for chunk in chunks:
                 received.append(chunk)
-    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+    assert caught.value.code == "model_request_timeout"
     assert trio.current_time() - start == 5.0
     assert received == [TextDelta("0"), TextDelta("1")]
     assert log[-2:] == ["provider finally", "tap finally"]
@@ -968,7 +968,7 @@ async def test_a_wrap_stream_that_stalls_hits_the_request_deadline(autojump_cloc
         async with ModelService(model, [Stall()], request_timeout=5).stream(MESSAGES) as chunks:
             async for chunk in chunks:
                 received.append(chunk)
-    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+    assert caught.value.code == "model_request_timeout"
     assert received == [TextDelta("one")]
 
 

@@ -326,7 +326,7 @@ async def test_options_cannot_override_what_the_provider_sets(key: str) -> None:
     async with open_fake_server(queue_handler()) as server, provider_for(server) as provider:
         with pytest.raises(ModelError, match=repr(key)) as caught:
             await provider.chat(request(options={key: "x"}, operation=Operation.CHAT))
-        assert caught.value.code == "PROVIDER_RESERVED_OPTION"
+        assert caught.value.code == "provider_reserved_option"
         with pytest.raises(ModelError, match=repr(key)):
             await collect(provider, request(options={key: "x"}))
     assert server.requests == []
@@ -922,7 +922,7 @@ async def test_stream_idle_timeout() -> None:
             await collect(provider, request())
     assert chunks == [TextDelta("Héllo")]
     for caught in (after_chunk, before_chunk):
-        assert caught.value.code == "MODEL_STREAM_IDLE_TIMEOUT"
+        assert caught.value.code == "model_stream_idle_timeout"
         assert "stream_idle_timeout" in str(caught.value)
 
 
@@ -932,7 +932,7 @@ async def test_chat_read_timeout_is_a_request_timeout() -> None:
     async with open_fake_server(queue_handler(stalled)) as server, provider_for(server, timeout=0.2) as provider:
         with pytest.raises(ModelTimeoutError) as caught:
             await provider.chat(request(operation=Operation.CHAT))
-    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+    assert caught.value.code == "model_request_timeout"
     assert isinstance(caught.value, TimeoutError)
 
 
@@ -962,7 +962,7 @@ async def test_timeout_bounds_a_whole_chat_call_not_only_each_read() -> None:
         with pytest.raises(ModelTimeoutError, match=r"took longer than timeout=0\.5 s") as caught:
             await provider.chat(request(operation=Operation.CHAT))
         nursery.cancel_scope.cancel()
-    assert caught.value.code == "MODEL_REQUEST_TIMEOUT"
+    assert caught.value.code == "model_request_timeout"
 
 
 # -- through ModelService: retries have one owner ------------------------------------------------------
@@ -1068,7 +1068,7 @@ async def test_an_owned_client_is_closed_on_exit() -> None:
         provider = provider_for(server)
         with pytest.raises(ModelError, match="async with") as not_open:
             await provider.chat(request(operation=Operation.CHAT))
-        assert not_open.value.code == "PROVIDER_NOT_OPEN"
+        assert not_open.value.code == "provider_not_open"
         async with provider:
             await provider.chat(request(operation=Operation.CHAT))
             closed = server.closed  # the keep-alive connection stays open in the client's pool

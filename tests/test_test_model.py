@@ -150,7 +150,7 @@ async def test_default_list_is_consumed_in_order_then_exhausted() -> None:
     assert (await model.chat(request("y"))).message.text == "two"
     with pytest.raises(ModelError) as caught:
         await model.chat(request("z"))
-    assert caught.value.code == "TEST_MODEL_EXHAUSTED"
+    assert caught.value.code == "test_model_exhausted"
     assert not caught.value.retryable
 
 
@@ -159,10 +159,10 @@ async def test_exhausted_script_raises_test_model_exhausted() -> None:
     assert (await model.chat(request("a"))).message.text == "only"
     with pytest.raises(ModelError, match="'a'") as caught:
         await model.chat(request("a"))
-    assert caught.value.code == "TEST_MODEL_EXHAUSTED"
+    assert caught.value.code == "test_model_exhausted"
     with pytest.raises(ModelError) as caught:
         await collect(model, request("never-scripted"))
-    assert caught.value.code == "TEST_MODEL_EXHAUSTED"
+    assert caught.value.code == "test_model_exhausted"
 
 
 async def test_exhausted_script_does_not_fall_back_to_the_default() -> None:
@@ -170,7 +170,7 @@ async def test_exhausted_script_does_not_fall_back_to_the_default() -> None:
     await model.chat(request("a"))
     with pytest.raises(ModelError) as caught:
         await model.chat(request("a"))
-    assert caught.value.code == "TEST_MODEL_EXHAUSTED"
+    assert caught.value.code == "test_model_exhausted"
 
 
 async def test_respond_function_sees_each_request() -> None:
@@ -310,7 +310,7 @@ async def test_stream_cut_without_an_error_uses_a_retryable_default() -> None:
     with pytest.raises(ModelError) as caught:
         async for chunk in model.stream(request("x")):
             chunks.append(chunk)
-    assert caught.value.code == "TEST_STREAM_CUT" and caught.value.retryable
+    assert caught.value.code == "test_stream_cut" and caught.value.retryable
     assert chunks == [TextDelta("a"), TextDelta(" b")]
 
 
@@ -474,7 +474,7 @@ async def test_errors_inside_the_block_leave_it_unwrapped() -> None:
     with pytest.raises(ModelError) as caught:
         async with open_test_model() as model:  # no script, no default
             await model.chat(request("x"))
-    assert caught.value.code == "TEST_MODEL_EXHAUSTED"
+    assert caught.value.code == "test_model_exhausted"
 
 
 async def test_several_errors_raised_inside_the_block_leave_it_as_the_callers_group() -> None:

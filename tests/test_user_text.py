@@ -9,23 +9,29 @@
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
+import trio_agent
 from trio_agent import (
     AbortHandle,
     AbortReason,
     ConfigError,
     InMemoryToolJournal,
+    ModelError,
+    RateLimitError,
     ToolErrorType,
     ToolPipeline,
     chat,
     define_tool,
     open_session,
 )
+from trio_agent.models import ModelAbortedError, ProviderServerError
 from trio_agent.testing import Reply, TestModel, call_tool
 
 SCHEMA: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -101,3 +107,41 @@ def test_chat_under_asyncio_says_to_use_trio_run() -> None:
 async def test_under_trio_there_is_no_hint() -> None:
     async with chat(TestModel(default=Reply(text="hello")), "hi") as run:
         assert (await run.result()).text == "hello"
+
+
+# ---------------------------------------------------------------- one casing for codes
+
+_SNAKE = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
+
+
+def test_every_code_the_library_writes_is_snake_case() -> None:
+    # Codes are compared by programs: one casing everywhere (`_errors` states the rule).
+    package = Path(trio_agent.__file__).parent
+    found = {
+        (path.relative_to(package).as_posix(), code)
+        for path in package.rglob("*.py")
+        for code in re.findall(r"""\bcode=["']([^"']+)["']""", path.read_text())
+    }
+    assert len(found) > 10  # the scan itself is live
+    assert not [item for item in found if not _SNAKE.fullmatch(item[1])]
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (ModelError("x"), "model_error"),
+        (RateLimitError("x"), "rate_limit_error"),
+        (ProviderServerError("x"), "provider_server_error"),
+        (ModelAbortedError("x"), "model_request_aborted"),
+        (ModelError("x", code="custom"), "custom"),
+    ],
+)
+def test_a_model_error_without_a_code_is_named_in_snake_case(error: ModelError, code: str) -> None:
+    assert error.code == code
+
+
+async def test_an_exhausted_test_model_says_so_in_snake_case() -> None:
+    with pytest.raises(ModelError) as caught:
+        async with open_session(provider=TestModel()) as session:
+            await session.send("hi")
+    assert caught.value.code == "test_model_exhausted"

@@ -58,14 +58,13 @@ Error codes. Every machine-readable ``code`` is snake_case, in errors
 (``HookError.code``, ``ModelError.code``) and in results (``ToolError.code``,
 ``stop_reason``) alike, and the same situation has the same code in both: a
 failing hook is ``hook_error`` whether it surfaces as a `HookError` or as a tool
-result. The hook errors follow the rule; the model codes raised by the
-providers and the model service (``MODEL_REQUEST_TIMEOUT``, ``PROVIDER_FAILED``,
-``TEST_MODEL_EXHAUSTED``, ...) and `ModelError`'s default (the class name) are
-still being moved over.
+result. A `ModelError` raised without a code gets its class name in snake_case
+(``rate_limit_error``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -363,6 +362,10 @@ class ProviderConfigError(ConfigError):
     """A provider cannot be configured: unknown name, missing API key (names the variable), bad base URL."""
 
 
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
 class ModelError(TrioAgentError):
     """A model call failed.
 
@@ -375,7 +378,7 @@ class ModelError(TrioAgentError):
 
     def __init__(self, message: str, *, code: str | None = None, retryable: bool | None = None) -> None:
         super().__init__(message)
-        self.code = code or type(self).__name__
+        self.code = code or _snake_case(type(self).__name__)
         if retryable is not None:
             self.retryable = retryable
 
@@ -433,7 +436,7 @@ class ModelConnectionError(ModelError):
 
 
 class ModelTimeoutError(ModelError, TimeoutError):
-    """A deadline passed: ``code`` is ``MODEL_REQUEST_TIMEOUT`` or ``MODEL_STREAM_IDLE_TIMEOUT``."""
+    """A deadline passed: ``code`` is ``model_request_timeout`` or ``model_stream_idle_timeout``."""
 
 
 class StreamInterruptedError(ModelError):
@@ -448,7 +451,7 @@ class ModelAbortedError(ModelError):
     """The request's `AbortHandle` was aborted while the call ran; ``abort`` carries the typed reason."""
 
     def __init__(self, message: str, *, abort: object = None) -> None:
-        super().__init__(message, code="MODEL_REQUEST_ABORTED")
+        super().__init__(message, code="model_request_aborted")
         self.abort = abort
 
 

@@ -117,7 +117,7 @@ class AnthropicProvider:
             one that the provider owns and closes when its ``async with`` block exits.
         timeout: seconds for a whole non-streaming call, and for connecting / sending a streaming one.
         stream_idle_timeout: seconds a stream may stay silent before `ModelTimeoutError`
-            (code ``MODEL_STREAM_IDLE_TIMEOUT``).
+            (code ``model_stream_idle_timeout``).
         max_response_bytes: a response body (or a whole stream) larger than this is a
             `MalformedResponseError`.
         max_tokens: ``max_tokens`` when the request's options do not set it (the API requires it).
@@ -222,7 +222,7 @@ class AnthropicProvider:
             return json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
             raise ModelError(
-                f"the Anthropic request cannot be encoded as JSON: {exc}", code="MODEL_REQUEST_INVALID"
+                f"the Anthropic request cannot be encoded as JSON: {exc}", code="model_request_invalid"
             ) from exc
 
     async def chat(self, request: ModelRequest) -> ModelResponse:
@@ -233,7 +233,7 @@ class AnthropicProvider:
             raw = await self._post(body)
         if raw is None:
             raise ModelTimeoutError(
-                f"the Anthropic request exceeded its {self.timeout:g} s timeout", code="MODEL_REQUEST_TIMEOUT"
+                f"the Anthropic request exceeded its {self.timeout:g} s timeout", code="model_request_timeout"
             )
         try:
             data = json.loads(raw)
@@ -299,7 +299,7 @@ class AnthropicProvider:
         except httpx.ReadTimeout as exc:
             raise ModelTimeoutError(
                 f"the Anthropic stream was idle for more than {self.stream_idle_timeout:g} s",
-                code="MODEL_STREAM_IDLE_TIMEOUT",
+                code="model_stream_idle_timeout",
             ) from exc
         except httpx.TimeoutException as exc:
             raise _request_timeout(exc) from exc
@@ -643,7 +643,7 @@ def _json_body_error(body: bytes, shape: str) -> ModelError:
 def _request_timeout(exc: httpx.TimeoutException) -> ModelTimeoutError:
     return ModelTimeoutError(
         f"the Anthropic request timed out ({type(exc).__name__})",
-        code="MODEL_REQUEST_TIMEOUT",
+        code="model_request_timeout",
         retryable=isinstance(exc, httpx.ConnectTimeout),
     )
 

@@ -202,7 +202,7 @@ class OpenAIProvider:
             raise ModelError(
                 "OpenAIProvider has no open HTTP client: use it as `async with OpenAIProvider(...) as provider` "
                 "or pass client=httpx.AsyncClient(...)",
-                code="PROVIDER_NOT_OPEN",
+                code="provider_not_open",
             )
         return client
 
@@ -222,7 +222,7 @@ class OpenAIProvider:
             if key in options:
                 raise ModelError(
                     f"request option {key!r} is set by the OpenAI provider and cannot be overridden",
-                    code="PROVIDER_RESERVED_OPTION",
+                    code="provider_reserved_option",
                 )
         stream_options = options.pop("stream_options", None)
         extra_body = options.pop("extra_body", None)
@@ -238,7 +238,7 @@ class OpenAIProvider:
         try:
             return json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
-            raise ModelError(f"the request body is not JSON-serialisable: {exc}", code="PROVIDER_BAD_REQUEST") from exc
+            raise ModelError(f"the request body is not JSON-serialisable: {exc}", code="provider_bad_request") from exc
 
     async def chat(self, request: ModelRequest) -> ModelResponse:
         """One non-streaming completion: ``POST {base_url}/chat/completions``, bounded by ``timeout``."""
@@ -248,7 +248,7 @@ class OpenAIProvider:
             return await self._chat(client, content, request.model)
         raise ModelTimeoutError(
             f"the chat completion from {self._url} took longer than timeout={self.timeout:g} s",
-            code="MODEL_REQUEST_TIMEOUT",
+            code="model_request_timeout",
         )
 
     async def _chat(self, client: httpx.AsyncClient, content: bytes, model: str) -> ModelResponse:
@@ -409,11 +409,11 @@ class OpenAIProvider:
                 return ModelTimeoutError(
                     f"the stream from {self._url} sent nothing for {self.stream_idle_timeout:g} s "
                     "(stream_idle_timeout)",
-                    code="MODEL_STREAM_IDLE_TIMEOUT",
+                    code="model_stream_idle_timeout",
                 )
             return ModelTimeoutError(
                 f"the request to {self._url} timed out ({type(exc).__name__}, timeout={self.timeout:g} s)",
-                code="MODEL_REQUEST_TIMEOUT",
+                code="model_request_timeout",
                 retryable=isinstance(exc, httpx.ConnectTimeout),
             )
         if isinstance(exc, httpx.DecodingError):

@@ -353,7 +353,7 @@ class ModelService:
         if abort is not None:
             return ModelAbortedError(f"model request aborted: {abort.message}", abort=abort)
         return ModelTimeoutError(
-            f"model request exceeded its {self.request_timeout:g} s deadline", code="MODEL_REQUEST_TIMEOUT"
+            f"model request exceeded its {self.request_timeout:g} s deadline", code="model_request_timeout"
         )
 
     def _retry_delay(self, attempt: int, error: ModelError) -> float:
@@ -529,7 +529,7 @@ async def _provider_call(awaitable: Awaitable[T]) -> T:
     except (ModelError, StopAsyncIteration):
         raise
     except Exception as exc:
-        raise ModelError(f"the provider raised {exc!r}", code="PROVIDER_FAILED") from exc
+        raise ModelError(f"the provider raised {exc!r}", code="provider_failed") from exc
 
 
 class _Guarded:
@@ -582,7 +582,7 @@ class _RetryingStream:
                 except (ModelError, StopAsyncIteration):
                     raise
                 except Exception as exc:  # anything else is a provider bug, typed as such
-                    raise ModelError(f"the provider raised {exc!r}", code="PROVIDER_FAILED") from exc
+                    raise ModelError(f"the provider raised {exc!r}", code="provider_failed") from exc
             except StopAsyncIteration:
                 # Ended on its own: nothing left to close, so leaving the stream costs no shield.
                 self._inner = None

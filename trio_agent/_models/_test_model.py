@@ -180,7 +180,7 @@ class TestModel:
             raise ModelError(
                 f"test model's script for conversation {key!r} ran out (each model call takes one reply; "
                 f"scripted conversations: {self._known()})",
-                code="TEST_MODEL_EXHAUSTED",
+                code="test_model_exhausted",
             )
         if self._default_queue:
             return self._default_queue.popleft()
@@ -190,7 +190,7 @@ class TestModel:
             f"test model has no script for conversation {key!r} and no default reply left "
             f"(scripted conversations: {self._known()}; a conversation's key is its first user message "
             "unless key= says otherwise)",
-            code="TEST_MODEL_EXHAUSTED",
+            code="test_model_exhausted",
         )
 
     def _known(self) -> str:
@@ -224,7 +224,7 @@ class TestModel:
         response = reply.response(request.model)
         for count, chunk in enumerate(_chunks(response)):
             if reply.fail_after_chunks is not None and count >= reply.fail_after_chunks:
-                raise reply.error or ModelError("scripted stream failure", code="TEST_STREAM_CUT", retryable=True)
+                raise reply.error or ModelError("scripted stream failure", code="test_stream_cut", retryable=True)
             yield chunk
 
 
