@@ -20,6 +20,7 @@ from trio_agent import (
     DoneEvent,
     HookEvent,
     ModelError,
+    Priority,
     Progress,
     RequestAbortedError,
     SessionBusyError,
@@ -748,6 +749,27 @@ async def test_bad_priority_is_a_config_error(priority: Any) -> None:
             await session.send("hello", priority=priority)
         assert await session.send("hello", priority="later") == "ok"
     assert len(model.requests) == 1
+
+
+async def test_priority_is_an_enum_and_its_plain_names_work_too(autojump_clock: trio.testing.MockClock) -> None:
+    assert [p.value for p in Priority] == ["next", "now", "later"] and Priority.NOW == "now"
+    slow, started, release = gated_tool("slow")
+    model = TestModel({"first": [Reply(tool_calls=[("slow", {})]), Reply(text="both")]})
+    async with open_session(provider=model, tools=[slow]) as session:
+        answers: list[str] = []
+        async with trio.open_nursery() as nursery:
+
+            async def send(prompt: str, priority: Priority | None) -> None:
+                answers.append(await session.send(prompt, priority=priority))
+
+            nursery.start_soon(send, "first", None)
+            await started.wait()
+            nursery.start_soon(send, "joined", Priority.NEXT)
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+        assert answers == ["both", "both"]
+        with pytest.raises(ConfigError, match="'next', 'now', 'later'"):
+            await session.send("x", priority="soon")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("max_turns", [0, -1, 1.5, True, "3", None])

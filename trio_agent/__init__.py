@@ -71,6 +71,7 @@ from ._session._permissions import PermissionUpdate as PermissionUpdate
 from ._session._plugins import MiddlewareConfig as MiddlewareConfig
 from ._session._plugins import Plugin as Plugin
 from ._session._plugins import define_plugin as define_plugin
+from ._session._requests import Priority as Priority
 from ._session._session import Session as Session
 from ._session._spec import AgentSpec as AgentSpec
 from ._session._spec import define_agent as define_agent
@@ -122,6 +123,7 @@ __all__ = [
     "PermissionRules",
     "PermissionUpdate",
     "Plugin",
+    "Priority",
     "Progress",
     "Provider",
     "ProviderError",

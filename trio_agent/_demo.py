@@ -43,6 +43,7 @@ from . import (
     MiddlewareConfig,
     ModelMiddleware,
     Plugin,
+    Priority,
     Progress,
     Provider,
     Session,
@@ -602,7 +603,7 @@ async def _orchestrate(session: Session, live: LiveView) -> None:
         async def steer() -> None:
             await live.research_running.wait()
             live.line("you", f"▸ (priority='now') {STEERING_MESSAGE}")
-            await session.send(STEERING_MESSAGE, priority="now")  # joins the running request
+            await session.send(STEERING_MESSAGE, priority=Priority.NOW)  # joins the running request
 
         nursery.start_soon(steer)
         watched = 0

@@ -450,9 +450,9 @@ class ModelMiddlewareError(ModelError):
 class ModelAbortedError(ModelError):
     """The request's `AbortHandle` was aborted while the call ran; ``abort`` carries the typed reason."""
 
-    def __init__(self, message: str, *, abort: object = None) -> None:
+    def __init__(self, message: str, *, abort: Abort | None = None) -> None:
         super().__init__(message, code="model_request_aborted")
-        self.abort = abort
+        self.abort: Abort | None = abort
 
 
 def require_trio(api: str) -> None:

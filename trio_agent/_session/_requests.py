@@ -17,6 +17,7 @@ Rules
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import uuid
 from collections.abc import Awaitable, Callable
@@ -55,8 +56,16 @@ from ._stream import EventForward, EventSink
 
 __all__ = ["PRIORITIES", "Priority", "RequestQueue", "interrupt_reason"]
 
-Priority = str  # "next" | "later" | "now"
-PRIORITIES = ("next", "later", "now")
+
+class Priority(enum.StrEnum):
+    """What a message sent while a request runs does (a plain ``"next"`` works as well)."""
+
+    NEXT = "next"  # joins the running request: the model reads it at its next call
+    NOW = "now"  # joins and steers: the running tool phase stops, then the model reads it
+    LATER = "later"  # queues a request of its own, run after the current one
+
+
+PRIORITIES = tuple(Priority)
 _agent_numbers = itertools.count(1)
 
 
@@ -141,7 +150,7 @@ class _Request:
         self.stop_reason = "end_turn"
         self.turns = 0
         self.error: BaseException | None = None
-        self.priority: str | None = None
+        self.priority: Priority | None = None
         self.started = False  # request_started is durable
         self.accepting = True  # messages with priority next/now may still join it
         self.continuation: str | None = None  # a Stop hook's "one more round" message
@@ -287,26 +296,32 @@ class RequestQueue:
     # -- intake
 
     @staticmethod
-    def check_message(prompt: str, priority: Priority | None) -> None:
+    def check_message(prompt: str, priority: str | None) -> None:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError("a prompt must be a non-empty string")
         if priority is not None and priority not in PRIORITIES:
-            raise ConfigError(f"priority must be one of {PRIORITIES}, not {priority!r}")
+            names = ", ".join(repr(p.value) for p in Priority)
+            raise ConfigError(f"priority must be one of {names} (or None), not {priority!r}")
 
-    def joinable(self, priority: Priority | None) -> _Request | None:
+    def joinable(self, priority: str | None) -> _Request | None:
         """The running request a message with *priority* joins, if any."""
         current = self.current
-        if current is not None and not current.done.is_set() and current.accepting and priority in ("next", "now"):
+        if (
+            current is not None
+            and not current.done.is_set()
+            and current.accepting
+            and priority in (Priority.NEXT, Priority.NOW)
+        ):
             return current
         return None
 
     @staticmethod
-    def join(current: _Request, prompt: str, priority: Priority | None) -> None:
+    def join(current: _Request, prompt: str, priority: str | None) -> None:
         current.pending.append(prompt)
-        if priority == "now":
+        if priority == Priority.NOW:
             current.steering.abort(AbortReason.STEERING, "steered by a new message")
 
-    def check_not_busy(self, priority: Priority | None) -> None:
+    def check_not_busy(self, priority: str | None) -> None:
         current = self.current
         if current is not None and not current.done.is_set() and priority is None:
             raise SessionBusyError("a request is running: send with priority='next', 'now' or 'later', or wait for it")

@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
@@ -127,7 +127,7 @@ class Session:
         if self._host.closing or self._nursery is None:
             raise SessionClosedError("the session is closed")
 
-    async def send(self, prompt: str, *, priority: Priority | None = None) -> str:
+    async def send(self, prompt: str, *, priority: Priority | Literal["next", "now", "later"] | None = None) -> str:
         """Run ``prompt`` as a request and return the final answer.
 
         While a request runs: ``priority="next"`` adds the message to it after
@@ -146,7 +146,7 @@ class Session:
             return current.text
         queue.check_not_busy(priority)
         request = _Request(prompt, discard, self._host.root)
-        request.priority = priority
+        request.priority = None if priority is None else Priority(priority)
         await queue.accept(request)
         try:
             await request.done.wait()
@@ -158,7 +158,9 @@ class Session:
         return request.text
 
     @asynccontextmanager
-    async def stream(self, prompt: str, *, priority: Priority | None = None) -> AsyncIterator[SessionEventStream]:
+    async def stream(
+        self, prompt: str, *, priority: Priority | Literal["next", "now", "later"] | None = None
+    ) -> AsyncIterator[SessionEventStream]:
         """``async with session.stream(prompt) as events: async for event in events``.
 
         Leaving the block before the request finished aborts it.
@@ -186,7 +188,7 @@ class Session:
         forward = EventForward(send, request.abort)
         request.sink = forward
         request.forwards.append(forward)
-        request.priority = priority
+        request.priority = None if priority is None else Priority(priority)
         await queue.accept(request)
         stream = SessionEventStream(recv, request, joined=False)
         try:
