@@ -365,7 +365,7 @@ async def verify() -> dict[str, int]:
         assert await session.send(PROMPT) == "done"
         events = await session.journal.store.read(session.journal.stream_id(), after=head)
         kinds = [type(envelope.event).__name__ for envelope in events]
-        history = list(session.root.history)
+        history = list(session.messages())
     assert entered == {"model": 2 * LAYERS, "tool": LAYERS}, entered
     assert len(model.requests) == 2 and {"ToolCompleted", "RequestCompleted"} <= set(kinds), kinds
     floor = FloorSession(TestModel(respond=respond))

@@ -368,7 +368,7 @@ async def test_the_fold_rebuilds_what_the_live_loop_built() -> None:
     )
     async with open_session(provider=model, tools=[read]) as session:
         await session.send("go")
-        live = list(session.root.history)
+        live = list(session.messages())
         envelopes = await session.journal.store.read(session.journal.stream_id())
     rebuilt = fold_conversation(envelope.event for envelope in envelopes)
     assert rebuilt == live

@@ -66,8 +66,6 @@ ALLOWED_PRIVATE: dict[str, str] = {
     "trio_agent.journal.Projection.restored": "restores a projection from a snapshot's private state",
     "trio_agent.define_tool": "side_effect's default is a sentinel (_Missing) meaning 'not declared'",
     "trio_agent.testing.TestModel.__init__": "timer= is a test hook of the test model's own tests",
-    # To fix in trio_agent/_session/_session.py: Session.root is typed as the private _Agent.
-    "trio_agent.Session.root": "TODO(issue 16): Session.root returns the private _Agent",
 }
 
 

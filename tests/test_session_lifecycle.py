@@ -233,7 +233,7 @@ async def test_routed_persistence_stores_every_foreground_and_background_subagen
         await session.send("go")
         [handle] = session.subagents.values()
         await handle.wait()
-        root_id = session.root.agent_id
+        root_id = session.root_agent_id
     starts = [(sid, background) for what, sid, background in store.calls if what == "start"]
     assert len(starts) == 2 and sorted(b for _, b in starts) == [False, True]
     assert root_id not in store.infos  # only subagents are routed

@@ -440,7 +440,7 @@ async def test_rules_handler_hooks_and_path_policy_apply_to_subagent_calls(works
         workspace_roots=[root],
     ) as session:
         assert await session.send("go") == "parent ok"
-        [child] = [a for a in session.journal.agents if a != session.root.agent_id]
+        [child] = [a for a in session.journal.agents if a != session.root_agent_id]
         child_events = await stream_events(session, child)
         root_events = await stream_events(session)
     assert asked == [(child, "write")]

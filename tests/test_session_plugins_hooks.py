@@ -934,7 +934,7 @@ async def test_subagent_start_refusal_is_a_model_visible_task_error(behaviour: s
         provider=model, subagents=[helper_definition()], hooks={HookEvent.SUBAGENT_START: [refuse]}
     ) as session:
         assert await session.send("go") == "parent ok"
-        assert session.journal.agents == [session.root.agent_id], "no child stream was created"
+        assert session.journal.agents == [session.root_agent_id], "no child stream was created"
     assert len(model.requests) == 2
     [message] = tool_results(model.requests[1])
     assert message.is_error
@@ -1010,7 +1010,7 @@ async def test_session_end_runs_once_on_close_with_the_reason() -> None:
     async with open_session(provider=model, hooks={HookEvent.SESSION_END: [on_end]}) as session:
         await session.send("hi")
         assert ends == []
-    assert ends == [("completed", session.root.agent_id)]
+    assert ends == [("completed", session.root_agent_id)]
     # The body failed: still once, with reason "error", and the body's own error propagates.
     ends.clear()
     with pytest.raises(KeyError):

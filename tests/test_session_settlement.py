@@ -292,7 +292,7 @@ async def test_steering_a_foreground_subagent_lets_its_block_tools_finish(
             assert log == []  # the block tool was not cancelled by the steering
             release.set()
         assert log == ["slow:finished"]
-        (child_id,) = [agent for agent in session.journal.agents if agent != session.root.agent_id]
+        (child_id,) = [agent for agent in session.journal.agents if agent != session.root_agent_id]
         child = await events_of(store, session.journal.stream_id(child_id))
         assert [e.reason for e in of_type(child, RequestInterrupted)] == [RequestInterruptReason.STEERING]
         assert len(of_type(child, ToolCompleted)) == 1
@@ -518,7 +518,7 @@ async def test_reasoning_with_its_signature_goes_back_to_the_model_and_into_the_
     )
     async with open_session(provider=model, tools=[look], journal=tmp_path / "j.db") as session:
         await session.send("think")
-        rebuilt = await session._rebuild_history(session.root.agent_id)
+        rebuilt = await session._rebuild_history(session.root_agent_id)
     sent = next(m for m in model.requests[1].messages if isinstance(m, AssistantMessage))
     assert ReasoningPart("let me look", "sig-123") in sent.parts
     assert next(m for m in rebuilt if isinstance(m, AssistantMessage)) == sent

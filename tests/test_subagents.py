@@ -101,7 +101,7 @@ def requests_of(model: TestModel, agent_id: str) -> list[ModelRequest]:
 
 
 def children(session: Any) -> list[str]:
-    return [agent for agent in session.journal.agents if agent != session.root.agent_id]
+    return [agent for agent in session.journal.agents if agent != session.root_agent_id]
 
 
 def status(handle: SubagentHandle) -> SubagentStatus:
@@ -222,7 +222,7 @@ async def test_foreground_task_parent_waits_and_the_answer_is_the_tool_result() 
     [completed] = [e for e in root_events if isinstance(e, SubagentCompleted)]
     assert started.subagent_id == completed.subagent_id == child
     assert started.call_id == task_result.call_id and started.request_id == done.request_id
-    assert isinstance(child_events[0], SessionCreated) and child_events[0].parent_agent_id == session.root.agent_id
+    assert isinstance(child_events[0], SessionCreated) and child_events[0].parent_agent_id == session.root_agent_id
     assert any(isinstance(e, RequestCompleted) for e in child_events)
     assert not any(isinstance(e, SubagentStarted) for e in child_events)
 
@@ -871,7 +871,7 @@ async def run_agents(tool_probe: ToolProbe, model_probe: ModelProbe) -> dict[str
         subagents=[worker],
         middleware=MiddlewareConfig(model=[FirstCallGate(Gate(AGENTS + 1)), model_probe], tool=[tool_probe]),
     ) as session:
-        agent_of["agent-root"] = session.root.agent_id
+        agent_of["agent-root"] = session.root_agent_id
         handles = []
         # Started outside a request (see test_start_subagent_while_a_request_starts_or_finishes); they run
         # while the others start and while the root agent's request runs.

@@ -47,7 +47,7 @@ from ._host import SessionHost
 from ._messages import SessionEvent
 from ._permissions import PermissionEngine
 from ._recovery import begin_life, rebuild_history
-from ._requests import Priority, RequestQueue, _Agent, _Request
+from ._requests import Priority, RequestQueue, _Request
 from ._stream import EventForward, EventSink, SessionEventStream, discard, tee
 from ._subagents import SubagentDefinition, SubagentHandle, SubagentSupervisor
 
@@ -86,8 +86,9 @@ class Session:
     # -- what it holds
 
     @property
-    def root(self) -> _Agent:
-        return self._host.root
+    def root_agent_id(self) -> str:
+        """The root agent's id: its journal stream is ``journal.stream_id(root_agent_id)``."""
+        return self._host.root.agent_id
 
     @property
     def pipeline(self) -> ToolPipeline:
