@@ -26,6 +26,7 @@ from trio_agent import (
     SessionBusyError,
     SessionClosedError,
     SideEffect,
+    StopReason,
     TextDeltaEvent,
     ToolKind,
     ToolProgressEvent,
@@ -147,6 +148,7 @@ async def test_stream_yields_events_in_a_sensible_order() -> None:
     assert sum(isinstance(e, DoneEvent) for e in seen) == 1
     done = seen[-1]
     assert (done.text, done.stop_reason, done.turns, done.error) == ("all done now", "end_turn", 2, None)
+    assert done.stop_reason is StopReason.END_TURN  # the enum chat() uses, not a bare string
     assert events.text == "all done now"
     # Text deltas of both turns, concatenated per turn, and usage per model call.
     deltas = "".join(e.text for e in seen if isinstance(e, TextDeltaEvent))

@@ -54,8 +54,8 @@ __all__ = [
 ]
 
 
-class StopReason(enum.Enum):
-    """Why a run ended."""
+class StopReason(enum.StrEnum):
+    """Why a run ended (a `StrEnum`: ``StopReason.END_TURN == "end_turn"``)."""
 
     END_TURN = "end_turn"  # the model answered without calls and nothing asked for more
     MAX_TURNS = "max_turns"  # the strategy allowed no further turn

@@ -46,7 +46,7 @@ from .._loop._events import (
 )
 from .._loop._hooks import Lifecycle
 from .._loop._ports import RunPorts, RunSpec
-from .._loop._rules import LoopState, first_text
+from .._loop._rules import LoopState, StopReason, first_text
 from .._loop._run import run_agent_loop
 from .._models._history import MessageView, answer_orphan_calls
 from .._models._messages import AssistantMessage, Message, ToolSpec, UserMessage
@@ -198,14 +198,14 @@ class SessionHost:
                 if decision.action is HookAction.SKIP:
                     # The prompt never reaches the model; the request ends without a model call.
                     request.text = ""
-                    request.stop_reason = "skipped"
+                    request.stop_reason = StopReason.SKIPPED
                     await drain_holds(request)
                     await journal.append(
                         RequestCompleted(request_id=request.request_id, output={"skipped": decision.reason or ""}),
                         agent_id=agent.agent_id,
                     )
                     completed = True
-                    await request.sink(DoneEvent(request.request_id, "", "skipped", 0))
+                    await request.sink(DoneEvent(request.request_id, "", StopReason.SKIPPED, 0))
                     return
                 prompt = decision.prompt or prompt
                 extra = decision.context_text
@@ -227,7 +227,7 @@ class SessionHost:
             if outcome.aborted:
                 await record_interrupted(journal, request, self.cleanup_grace)
             else:
-                request.stop_reason = outcome.stop_reason.value
+                request.stop_reason = outcome.stop_reason
                 await drain_holds(request)
                 await journal.append(
                     RequestCompleted(request_id=request.request_id, output={"text": request.text}),

@@ -11,6 +11,7 @@ from typing import Any, TypeAlias
 
 import attrs
 
+from .._loop._rules import StopReason
 from .._models._messages import Usage
 from .._tools._results import ToolResult
 
@@ -107,11 +108,11 @@ class UsageEvent:
 
 @attrs.frozen
 class DoneEvent:
-    """The request ended: ``stop_reason`` is ``end_turn``, ``max_turns``, ``aborted`` or ``error``."""
+    """The request ended, and why (`StopReason`: ``END_TURN``, ``MAX_TURNS``, ``ABORTED``, ``ERROR``, ...)."""
 
     request_id: str
     text: str
-    stop_reason: str
+    stop_reason: StopReason
     turns: int
     error: str | None = None
 

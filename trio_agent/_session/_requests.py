@@ -47,7 +47,7 @@ from .._journal._events import (
 )
 from .._journal._projection import RequestState
 from .._loop._events import RunEvent
-from .._loop._rules import LoopStrategy, max_iterations
+from .._loop._rules import LoopStrategy, StopReason, max_iterations
 from .._models._history import CallIdIndex
 from .._models._messages import Message, ToolSpec
 from ._endings import committed_results, record_request_end
@@ -147,7 +147,7 @@ class _Request:
         self.observe: Callable[[RunEvent], Awaitable[None]] | None = None
         self.done = trio.Event()
         self.text = ""
-        self.stop_reason = "end_turn"
+        self.stop_reason = StopReason.END_TURN
         self.turns = 0
         self.error: BaseException | None = None
         self.priority: Priority | None = None
@@ -234,7 +234,7 @@ async def record_raised(journal: DurableJournal, request: _Request, exc: BaseExc
         return False  # KeyboardInterrupt, SystemExit...: nothing more may run
     error: BaseException = typed if typed is not None else exc
     request.error = error
-    request.stop_reason = "aborted" if isinstance(error, RequestAbortedError) else "error"
+    request.stop_reason = StopReason.ABORTED if isinstance(error, RequestAbortedError) else StopReason.ERROR
     with bounded_shield(grace, "recording a failed request"):
         await drain_holds(request)
         await record_request_end(
@@ -256,7 +256,7 @@ async def record_interrupted(journal: DurableJournal, request: _Request, grace: 
     abort = request.abort.reason or request.stop.reason
     reason = abort.reason if abort is not None else AbortReason.USER_ABORT
     agent_id = request.agent.agent_id
-    request.stop_reason = "aborted"
+    request.stop_reason = StopReason.ABORTED
     detail = f": {abort.message}" if abort is not None and abort.message else ""
     request.error = RequestAbortedError(
         f"the request was aborted ({reason.value}){detail}",
@@ -272,7 +272,7 @@ async def record_interrupted(journal: DurableJournal, request: _Request, grace: 
             RequestInterrupted(request_id=request.request_id, reason=interrupt_reason(reason)),
         )
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await request.sink(DoneEvent(request.request_id, request.text, "aborted", request.turns))
+            await request.sink(DoneEvent(request.request_id, request.text, StopReason.ABORTED, request.turns))
 
 
 # ---------------------------------------------------------------- the root agent's queue
@@ -381,7 +381,7 @@ class RequestQueue:
             request.error = RequestAbortedError(
                 f"the request was aborted before it started: {message}", reason=reason.value
             )
-            request.stop_reason = "aborted"
+            request.stop_reason = StopReason.ABORTED
             request.finish()
             return
         await request.done.wait()
@@ -419,9 +419,9 @@ class RequestQueue:
                 RequestInterrupted(request_id=queued.request_id, reason=RequestInterruptReason.SESSION_CLOSE),
             )
             queued.error = SessionClosedError("the session closed before the request started")
-            queued.stop_reason = "aborted"
+            queued.stop_reason = StopReason.ABORTED
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await queued.sink(DoneEvent(queued.request_id, "", "aborted", 0, str(queued.error)))
+                await queued.sink(DoneEvent(queued.request_id, "", StopReason.ABORTED, 0, str(queued.error)))
             queued.finish()
 
     # -- closing

@@ -150,7 +150,8 @@ class _Routed:
         for store in started:
             try:
                 if status is SubagentStatus.COMPLETED:
-                    await store.finish(self.info, SubagentRunResult(request.text, request.stop_reason, request.turns))
+                    result = SubagentRunResult(request.text, request.stop_reason.value, request.turns)
+                    await store.finish(self.info, result)
                 else:
                     await store.abort(self.info, str(request.error) if request.error else status.value)
             except Exception:
