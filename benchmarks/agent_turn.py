@@ -92,8 +92,8 @@ def respond(request: ta.ModelRequest) -> Reply:
 
 
 class PassStream(ta.ModelMiddleware):
-    async def wrap_stream(self, request: ta.ModelRequest, next: Any) -> AsyncIterator[ta.StreamChunk]:
-        async for chunk in next(request):
+    async def wrap_stream(self, request: ta.ModelRequest, call_next: Any) -> AsyncIterator[ta.StreamChunk]:
+        async for chunk in call_next(request):
             yield chunk
 
 
@@ -349,9 +349,9 @@ async def verify() -> dict[str, int]:
     entered = {"model": 0, "tool": 0}
 
     class CountingStream(ta.ModelMiddleware):
-        async def wrap_stream(self, request: ta.ModelRequest, next: Any) -> AsyncIterator[ta.StreamChunk]:
+        async def wrap_stream(self, request: ta.ModelRequest, call_next: Any) -> AsyncIterator[ta.StreamChunk]:
             entered["model"] += 1
-            async for chunk in next(request):
+            async for chunk in call_next(request):
                 yield chunk
 
     async def counting_tool(request: ta.ToolMiddlewareRequest, call_next: ta.CallNext) -> ta.ToolResult:

@@ -48,13 +48,13 @@ MESSAGES = [ta.UserMessage("benchmark")]
 
 
 class PassChat(ta.ModelMiddleware):
-    async def wrap_chat(self, request: ta.ModelRequest, next: Any) -> ta.ModelResponse:
-        return await next(request)
+    async def wrap_chat(self, request: ta.ModelRequest, call_next: Any) -> ta.ModelResponse:
+        return await call_next(request)
 
 
 class PassStream(ta.ModelMiddleware):
-    async def wrap_stream(self, request: ta.ModelRequest, next: Any) -> AsyncIterator[ta.StreamChunk]:
-        async for chunk in next(request):
+    async def wrap_stream(self, request: ta.ModelRequest, call_next: Any) -> AsyncIterator[ta.StreamChunk]:
+        async for chunk in call_next(request):
             yield chunk
 
 

@@ -52,14 +52,14 @@ class CallLog(ModelMiddleware):
     def __init__(self, log: list[str]) -> None:
         self.log = log  # shared on purpose: a sink, not request-local state
 
-    async def wrap_chat(self, request: ModelRequest, next: ChatNext) -> ModelResponse:
+    async def wrap_chat(self, request: ModelRequest, call_next: ChatNext) -> ModelResponse:
         self.log.append(f"{request.operation.value} {request.model}: {len(request.messages)} messages")
-        response = await next(request)
+        response = await call_next(request)
         self.log.append(f"{request.operation.value} -> {response.finish_reason.value}")
         return response
 
-    async def wrap_side_query(self, request: ModelRequest, next: ChatNext) -> ModelResponse:
-        return await self.wrap_chat(request, next)
+    async def wrap_side_query(self, request: ModelRequest, call_next: ChatNext) -> ModelResponse:
+        return await self.wrap_chat(request, call_next)
 
 
 # -- caching ----------------------------------------------------------------------------------------
@@ -82,13 +82,13 @@ class ResponseCache(ModelMiddleware):
         }
         return json.dumps(payload, sort_keys=True, default=repr)
 
-    async def wrap_chat(self, request: ModelRequest, next: ChatNext) -> ModelResponse:
+    async def wrap_chat(self, request: ModelRequest, call_next: ChatNext) -> ModelResponse:
         key = self.key(request)  # request-local: a local variable, never an attribute
         cached = self.entries.get(key)
         if cached is not None:
             self.hits += 1
             return cached  # short-circuit: the inner layers and the provider do not run
-        response = await next(request)
+        response = await call_next(request)
         if response.finish_reason is FinishReason.STOP:  # never cache a truncated or tool-calling turn
             self.entries[key] = response
         return response
@@ -107,19 +107,19 @@ class TemperatureByTools(ModelMiddleware):
         temperature = 0.0 if len(request.tools) >= 3 else 0.2 if request.tools else 0.7
         return request.replace(options={**request.options, "temperature": temperature})
 
-    async def wrap_chat(self, request: ModelRequest, next: ChatNext) -> ModelResponse:
-        return await next(self.route(request))
+    async def wrap_chat(self, request: ModelRequest, call_next: ChatNext) -> ModelResponse:
+        return await call_next(self.route(request))
 
-    async def wrap_stream(self, request: ModelRequest, next: StreamNext) -> AsyncIterator[StreamChunk]:
-        async for chunk in next(self.route(request)):
+    async def wrap_stream(self, request: ModelRequest, call_next: StreamNext) -> AsyncIterator[StreamChunk]:
+        async for chunk in call_next(self.route(request)):
             yield chunk
 
 
 class SwitchToSmallModel(ModelMiddleware):
     """WRONG: a middleware cannot change the model; the service rejects the request."""
 
-    async def wrap_chat(self, request: ModelRequest, next: ChatNext) -> ModelResponse:
-        return await next(attrs.evolve(request, model="small-model"))
+    async def wrap_chat(self, request: ModelRequest, call_next: ChatNext) -> ModelResponse:
+        return await call_next(attrs.evolve(request, model="small-model"))
 
 
 def service_for(service: ModelService, messages: Sequence[Message]) -> ModelService:
@@ -156,24 +156,24 @@ class BlockSecrets(ModelMiddleware):
                     retryable=False,
                 )
 
-    async def wrap_chat(self, request: ModelRequest, next: ChatNext) -> ModelResponse:
+    async def wrap_chat(self, request: ModelRequest, call_next: ChatNext) -> ModelResponse:
         self.check(request)
-        return await next(request)
+        return await call_next(request)
 
-    async def wrap_side_query(self, request: ModelRequest, next: ChatNext) -> ModelResponse:
+    async def wrap_side_query(self, request: ModelRequest, call_next: ChatNext) -> ModelResponse:
         self.check(request)
-        return await next(request)
+        return await call_next(request)
 
-    async def wrap_stream(self, request: ModelRequest, next: StreamNext) -> AsyncIterator[StreamChunk]:
+    async def wrap_stream(self, request: ModelRequest, call_next: StreamNext) -> AsyncIterator[StreamChunk]:
         self.check(request)
-        async for chunk in next(request):
+        async for chunk in call_next(request):
             yield chunk
 
     async def wrap_chat_with_retry_events(
-        self, request: ModelRequest, next: EventsNext
+        self, request: ModelRequest, call_next: EventsNext
     ) -> AsyncIterator[RetryEvent | ModelResponse]:
         self.check(request)
-        async for item in next(request):
+        async for item in call_next(request):
             yield item
 
 
@@ -195,13 +195,13 @@ class StreamMetrics(ModelMiddleware):
     def __init__(self, sink: list[StreamStats]) -> None:
         self.sink = sink  # shared on purpose: where the figures go
 
-    async def wrap_stream(self, request: ModelRequest, next: StreamNext) -> AsyncIterator[StreamChunk]:
+    async def wrap_stream(self, request: ModelRequest, call_next: StreamNext) -> AsyncIterator[StreamChunk]:
         started = trio.current_time()
         chunks = 0
         first: float | None = None
         outcome = "closed early"
         try:
-            async for chunk in next(request):
+            async for chunk in call_next(request):
                 if first is None:
                     first = trio.current_time() - started
                 chunks += 1
@@ -226,9 +226,9 @@ class RetryReporter(ModelMiddleware):
         self.notify = notify
 
     async def wrap_chat_with_retry_events(
-        self, request: ModelRequest, next: EventsNext
+        self, request: ModelRequest, call_next: EventsNext
     ) -> AsyncIterator[RetryEvent | ModelResponse]:
-        async for item in next(request):
+        async for item in call_next(request):
             if isinstance(item, RetryEvent):
                 self.notify(f"attempt {item.attempt} failed ({item.error.code}); retrying in {item.delay:g} s")
             yield item

@@ -87,9 +87,9 @@ class StuckCleanup(ModelMiddleware):
     def __init__(self) -> None:
         self.cleaned = False
 
-    async def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
+    async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
         try:
-            async for chunk in next(request):
+            async for chunk in call_next(request):
                 yield chunk
         finally:
             await trio.sleep(STUCK)

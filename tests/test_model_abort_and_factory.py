@@ -44,9 +44,9 @@ async def test_abort_during_stream_closes_layers_and_raises() -> None:
     log: list[str] = []
 
     class Closing(ta.ModelMiddleware):
-        async def wrap_stream(self, request, next):  # type: ignore[no-untyped-def, override]
+        async def wrap_stream(self, request, call_next):  # type: ignore[no-untyped-def, override]
             try:
-                async for chunk in next(request):
+                async for chunk in call_next(request):
                     yield chunk
             finally:
                 log.append("layer closed")

@@ -81,9 +81,9 @@ async def test_cache_short_circuits_inner_layers_and_keys_on_everything_sent() -
     inner_calls: list[str] = []
 
     class Inner:
-        async def wrap_chat(self, request: Any, next: Any) -> ModelResponse:
+        async def wrap_chat(self, request: Any, call_next: Any) -> ModelResponse:
             inner_calls.append(request.model)
-            return await next(request)
+            return await call_next(request)
 
     model = TestModel(default=Reply("answer"))
     cache = ex.ResponseCache()

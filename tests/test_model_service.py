@@ -141,36 +141,36 @@ async def test_each_operation_composes_only_the_middleware_defining_its_wrapper(
     log: list[str] = []
 
     class ChatAndStream(ModelMiddleware):
-        async def wrap_chat(self, request: ModelRequest, next: Any) -> ModelResponse:
+        async def wrap_chat(self, request: ModelRequest, call_next: Any) -> ModelResponse:
             log.append("A.chat>")
-            response = await next(request)
+            response = await call_next(request)
             log.append("A.chat<")
             return response
 
-        async def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
+        async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
             log.append("A.stream>")
-            async for chunk in next(request):
+            async for chunk in call_next(request):
                 yield chunk
             log.append("A.stream<")
 
     class SideOnly(ModelMiddleware):
-        async def wrap_side_query(self, request: ModelRequest, next: Any) -> ModelResponse:
+        async def wrap_side_query(self, request: ModelRequest, call_next: Any) -> ModelResponse:
             log.append("B.side>")
-            response = await next(request)
+            response = await call_next(request)
             log.append("B.side<")
             return response
 
     class EventsOnly(ModelMiddleware):
-        async def wrap_chat_with_retry_events(self, request: ModelRequest, next: Any) -> AsyncIterator[Any]:
+        async def wrap_chat_with_retry_events(self, request: ModelRequest, call_next: Any) -> AsyncIterator[Any]:
             log.append("C.events>")
-            async for item in next(request):
+            async for item in call_next(request):
                 yield item
             log.append("C.events<")
 
     class ChatOnly:  # duck-typed: no base class needed
-        async def wrap_chat(self, request: ModelRequest, next: Any) -> ModelResponse:
+        async def wrap_chat(self, request: ModelRequest, call_next: Any) -> ModelResponse:
             log.append("D.chat>")
-            response = await next(request)
+            response = await call_next(request)
             log.append("D.chat<")
             return response
 
@@ -502,9 +502,9 @@ class Tap(ModelMiddleware):
         self.name = name
         self.log = log
 
-    async def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
+    async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
         try:
-            async for chunk in next(request):
+            async for chunk in call_next(request):
                 self.log.append(f"{self.name} {getattr(chunk, 'text', type(chunk).__name__)}")
                 yield chunk
         finally:
@@ -595,9 +595,9 @@ class BadCleanup(ModelMiddleware):
         self.log = log
         self.error = error
 
-    async def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
+    async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
         try:
-            async for chunk in next(request):
+            async for chunk in call_next(request):
                 yield chunk
         finally:
             self.log.append("bad finally")
@@ -647,8 +647,8 @@ async def test_class_based_stream_wrappers_also_close_outermost_first() -> None:
             log.append("classy aclose")
 
     class Classy:
-        def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
-            return Wrapped(next(request))
+        def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
+            return Wrapped(call_next(request))
 
     service = ModelService(LoggingProvider(log, chunks=10), [Classy(), Tap("inner", log)])
     async with service.stream(MESSAGES) as chunks:
@@ -801,8 +801,8 @@ async def test_wrap_chat_with_retry_events_sees_every_event(autojump_clock: trio
     observed: list[Any] = []
 
     class Observe(ModelMiddleware):
-        async def wrap_chat_with_retry_events(self, request: ModelRequest, next: Any) -> AsyncIterator[Any]:
-            async for item in next(request):
+        async def wrap_chat_with_retry_events(self, request: ModelRequest, call_next: Any) -> AsyncIterator[Any]:
+            async for item in call_next(request):
                 observed.append(item)
                 if not isinstance(item, RetryEvent):  # hide retries from the caller
                     yield item
@@ -957,8 +957,8 @@ async def test_a_stream_that_stalls_hits_the_request_deadline(autojump_clock: tr
 
 async def test_a_wrap_stream_that_stalls_hits_the_request_deadline(autojump_clock: trio.testing.MockClock) -> None:
     class Stall(ModelMiddleware):
-        async def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
-            async for chunk in next(request):
+        async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
+            async for chunk in call_next(request):
                 yield chunk
                 await trio.sleep_forever()
 
@@ -987,13 +987,13 @@ async def test_with_model_builds_a_new_service_with_the_same_stack() -> None:
     seen: list[str] = []
 
     class RecordModel(ModelMiddleware):
-        async def wrap_chat(self, request: ModelRequest, next: Any) -> ModelResponse:
+        async def wrap_chat(self, request: ModelRequest, call_next: Any) -> ModelResponse:
             seen.append(request.model)
-            return await next(request)
+            return await call_next(request)
 
-        async def wrap_stream(self, request: ModelRequest, next: Any) -> AsyncIterator[StreamChunk]:
+        async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
             seen.append(request.model)
-            async for chunk in next(request):
+            async for chunk in call_next(request):
                 yield chunk
 
     model = TestModel(default=Reply("hi"), model="model-a")
@@ -1034,13 +1034,13 @@ class NoWrappers:
 
 
 class SyncChat(ModelMiddleware):
-    def wrap_chat(self, request: ModelRequest, next: Any) -> Any:  # type: ignore[override]
-        return next(request)
+    def wrap_chat(self, request: ModelRequest, call_next: Any) -> Any:  # type: ignore[override]
+        return call_next(request)
 
 
 class SyncSideQuery:
-    def wrap_side_query(self, request: ModelRequest, next: Any) -> Any:
-        return next(request)
+    def wrap_side_query(self, request: ModelRequest, call_next: Any) -> Any:
+        return call_next(request)
 
 
 async def _plain_function(request: Any, next: Any) -> Any:
@@ -1089,21 +1089,21 @@ def test_valid_request_timeouts_are_accepted() -> None:
 class RequestLocalState(ModelMiddleware):
     """Keeps request-local state in a local: correct under concurrency."""
 
-    async def wrap_chat(self, request: ModelRequest, next: Any) -> ModelResponse:
+    async def wrap_chat(self, request: ModelRequest, call_next: Any) -> ModelResponse:
         marker = request.options["marker"]
         for _ in range(request.options["pauses"]):
             await trio.lowlevel.checkpoint()
-        return await next(request.replace(options={**request.options, "echo": marker}))
+        return await call_next(request.replace(options={**request.options, "echo": marker}))
 
 
 class StateOnSelf(ModelMiddleware):
     """Keeps request-local state on the shared instance: the negative control."""
 
-    async def wrap_chat(self, request: ModelRequest, next: Any) -> ModelResponse:
+    async def wrap_chat(self, request: ModelRequest, call_next: Any) -> ModelResponse:
         self.marker = request.options["marker"]
         for _ in range(request.options["pauses"]):
             await trio.lowlevel.checkpoint()
-        return await next(request.replace(options={**request.options, "echo": self.marker}))
+        return await call_next(request.replace(options={**request.options, "echo": self.marker}))
 
 
 def echo(request: ModelRequest) -> Reply:

@@ -63,10 +63,10 @@ class ModelLayer(ModelMiddleware):
         self.log = log
 
     async def wrap_chat(
-        self, request: ModelRequest, next: Callable[[ModelRequest | None], Awaitable[ModelResponse]]
+        self, request: ModelRequest, call_next: Callable[[ModelRequest | None], Awaitable[ModelResponse]]
     ) -> ModelResponse:
         self.log.append(f"{self.tag}:before")
-        response: ModelResponse = await next(None)
+        response: ModelResponse = await call_next(None)
         self.log.append(f"{self.tag}:after")
         return response
 
@@ -143,12 +143,12 @@ class NoWrappers(ModelMiddleware):
 
 
 class SyncChat(ModelMiddleware):
-    def wrap_chat(self, request: Any, next: Any) -> Any:
+    def wrap_chat(self, request: Any, call_next: Any) -> Any:
         return None
 
 
 class CoroutineStream(ModelMiddleware):
-    async def wrap_stream(self, request: Any, next: Any) -> Any:  # type: ignore[override]
+    async def wrap_stream(self, request: Any, call_next: Any) -> Any:  # type: ignore[override]
         return None
 
 

@@ -120,10 +120,10 @@ class StreamLayer(ModelMiddleware):
         self.log = log
 
     async def wrap_stream(
-        self, request: ModelRequest, next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
+        self, request: ModelRequest, call_next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
     ) -> AsyncIterator[StreamChunk]:
         self.log.append(f"{self.tag}:before")
-        async for chunk in next(request):
+        async for chunk in call_next(request):
             yield chunk
         self.log.append(f"{self.tag}:after")
 
@@ -171,31 +171,31 @@ async def test_tool_and_model_middleware_order_in_a_real_session() -> None:
 
 
 class ChatOnly(ModelMiddleware):
-    async def wrap_chat(self, request: Any, next: Any) -> Any:
-        return await next(request)  # pragma: no cover - a session never calls it
+    async def wrap_chat(self, request: Any, call_next: Any) -> Any:
+        return await call_next(request)  # pragma: no cover - a session never calls it
 
 
 class SideQueryOnly(ModelMiddleware):
-    async def wrap_side_query(self, request: Any, next: Any) -> Any:
-        return await next(request)  # pragma: no cover
+    async def wrap_side_query(self, request: Any, call_next: Any) -> Any:
+        return await call_next(request)  # pragma: no cover
 
 
 class RetryEventsOnly(ModelMiddleware):
-    async def wrap_chat_with_retry_events(self, request: Any, next: Any) -> AsyncIterator[Any]:
-        async for item in next(request):  # pragma: no cover
+    async def wrap_chat_with_retry_events(self, request: Any, call_next: Any) -> AsyncIterator[Any]:
+        async for item in call_next(request):  # pragma: no cover
             yield item
 
 
 class DuckChat:
     """Not a ModelMiddleware subclass: only its wrappers count."""
 
-    async def wrap_chat(self, request: Any, next: Any) -> Any:
-        return await next(request)  # pragma: no cover
+    async def wrap_chat(self, request: Any, call_next: Any) -> Any:
+        return await call_next(request)  # pragma: no cover
 
 
 class ChatAndStream(StreamLayer):
-    async def wrap_chat(self, request: Any, next: Any) -> Any:
-        return await next(request)  # pragma: no cover
+    async def wrap_chat(self, request: Any, call_next: Any) -> Any:
+        return await call_next(request)  # pragma: no cover
 
 
 @pytest.mark.parametrize(

@@ -345,9 +345,9 @@ async def test_background_calls_cancelled_by_close_carry_the_close_reason(
 class StuckCleanup(ModelMiddleware):
     """A stream middleware whose clean-up awaits for 1,000 s."""
 
-    async def wrap_stream(self, request: Any, next: Any) -> Any:  # type: ignore[override]
+    async def wrap_stream(self, request: Any, call_next: Any) -> Any:  # type: ignore[override]
         try:
-            async for chunk in next(None):
+            async for chunk in call_next(None):
                 yield chunk
         finally:
             await trio.sleep(1000)  # runs inside the library's clean-up shield

@@ -248,14 +248,14 @@ class Barrier(ModelMiddleware):
         self.released = trio.Event()
 
     async def wrap_stream(
-        self, request: ModelRequest, next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
+        self, request: ModelRequest, call_next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
     ) -> AsyncIterator[StreamChunk]:
         if request.metadata["agent_id"] != "root" and not results(request):
             self.arrived += 1
             if self.arrived == self.size:
                 self.released.set()
             await self.released.wait()
-        async for chunk in next(request):
+        async for chunk in call_next(request):
             yield chunk
 
 
@@ -782,7 +782,7 @@ class ModelProbe(ModelMiddleware):
         self.in_flight = InFlight()
 
     async def wrap_stream(
-        self, request: ModelRequest, next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
+        self, request: ModelRequest, call_next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
     ) -> AsyncIterator[StreamChunk]:
         tag, agent = tag_of(request), str(request.metadata["agent_id"])
         if self.stateful:
@@ -790,7 +790,7 @@ class ModelProbe(ModelMiddleware):
         self.in_flight.enter()
         await spin(self.plan[tag])
         produced: list[str] = []
-        async for chunk in next(request):
+        async for chunk in call_next(request):
             if isinstance(chunk, TextDelta):
                 produced.append(chunk.text)
             elif isinstance(chunk, ToolCallEnd):
@@ -841,11 +841,11 @@ class FirstCallGate(ModelMiddleware):
         self.gate = gate
 
     async def wrap_stream(
-        self, request: ModelRequest, next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
+        self, request: ModelRequest, call_next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
     ) -> AsyncIterator[StreamChunk]:
         if not results(request):
             await self.gate.wait()
-        async for chunk in next(request):
+        async for chunk in call_next(request):
             yield chunk
 
 

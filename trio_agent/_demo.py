@@ -378,11 +378,11 @@ class ReplyCounter(ModelMiddleware):
         self.tool_calls: dict[str, int] = {}
 
     async def wrap_stream(
-        self, request: ModelRequest, next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
+        self, request: ModelRequest, call_next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
     ) -> AsyncIterator[StreamChunk]:
         agent = str(request.metadata.get("agent_id", "?"))
         count = 0  # request-local state lives in locals: one middleware serves every agent at once
-        async for chunk in next(request):
+        async for chunk in call_next(request):
             if isinstance(chunk, ToolCallEnd):
                 count += 1
             yield chunk

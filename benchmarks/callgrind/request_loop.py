@@ -72,8 +72,8 @@ def drive(tree: str, requests: int) -> None:
         return answer_reply if isinstance(request.messages[-1], ta.ToolResultMessage) else call_reply
 
     class PassStream(ta.ModelMiddleware):
-        async def wrap_stream(self, request: ta.ModelRequest, next: Any) -> Any:
-            async for chunk in next(request):
+        async def wrap_stream(self, request: ta.ModelRequest, call_next: Any) -> Any:
+            async for chunk in call_next(request):
                 yield chunk
 
     async def passthrough(request: ta.ToolMiddlewareRequest, call_next: ta.CallNext) -> ta.ToolResult:

@@ -133,28 +133,29 @@ class ModelMiddleware:
 
     Only the middleware that define a wrapper take part in that operation.
     ``wrap_stream`` and ``wrap_chat_with_retry_events`` return async iterators
-    (usually async generator functions that iterate ``next(request)``).
+    (usually async generator functions that iterate ``call_next(request)``). The parameter is
+    named ``call_next`` as in tool middleware: one onion, one word.
     """
 
     async def wrap_chat(
-        self, request: ModelRequest, next: Callable[[ModelRequest | None], Awaitable[ModelResponse]]
+        self, request: ModelRequest, call_next: Callable[[ModelRequest | None], Awaitable[ModelResponse]]
     ) -> ModelResponse:
         raise NotImplementedError  # pragma: no cover - marker: not overridden
 
     async def wrap_side_query(
-        self, request: ModelRequest, next: Callable[[ModelRequest | None], Awaitable[ModelResponse]]
+        self, request: ModelRequest, call_next: Callable[[ModelRequest | None], Awaitable[ModelResponse]]
     ) -> ModelResponse:
         raise NotImplementedError  # pragma: no cover
 
     def wrap_stream(
-        self, request: ModelRequest, next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
+        self, request: ModelRequest, call_next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
     ) -> AsyncIterator[StreamChunk]:
         raise NotImplementedError  # pragma: no cover
 
     def wrap_chat_with_retry_events(
         self,
         request: ModelRequest,
-        next: Callable[[ModelRequest | None], AsyncIterator[RetryEvent | ModelResponse]],
+        call_next: Callable[[ModelRequest | None], AsyncIterator[RetryEvent | ModelResponse]],
     ) -> AsyncIterator[RetryEvent | ModelResponse]:
         raise NotImplementedError  # pragma: no cover
 
