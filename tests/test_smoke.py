@@ -24,7 +24,8 @@ def test_demo_runs_offline_and_summarises_the_journal() -> None:
     assert "journal summary" in text
     assert "cancelled: 1" in text  # the steered research call
     assert "password=[redacted]" in text and "hunter2" not in text
-    assert "cache short-circuits (synthetic starts): 1" in text
+    assert "calls answered from the cache (the tool did not run): 1" in text
+    assert "legend    ▸ you say" in text
     # The offline test model planned the calls (streamed) and answered after the tool results.
     assert "[9 tool calls]" in text
     assert "the research was interrupted by you" in text

@@ -489,6 +489,8 @@ class LiveView:
 
 # ---------------------------------------------------------------- the journal summary
 
+LEGEND = "▸ you say  “…” the model says [its tool calls]  → a tool call  ← its result  … progress  ■ start / end"
+
 
 async def summarize_journal(path: Path, session_id: str, out: TextIO, *, offline: bool = False) -> dict[str, Any]:
     """Print (and return) the closing summary of one session of a SQLite journal."""
@@ -533,10 +535,10 @@ async def summarize_journal(path: Path, session_id: str, out: TextIO, *, offline
         for kind, counts in groups.items()
     )
     print(f"  calls per agent: {per_agent}", file=out)
-    print(f"  requests completed: {requests}  model attempts: {len(attempts)}", file=out)
+    print(f"  requests completed: {requests}  model calls: {len(attempts)}", file=out)
     estimated = " (estimated by the test model)" if offline else ""
     print(f"  tokens: {tokens_in} in, {tokens_out} out{estimated}", file=out)
-    print(f"  cache short-circuits (synthetic starts): {synthetic}", file=out)
+    print(f"  calls answered from the cache (the tool did not run): {synthetic}", file=out)
     return {"calls": len(every), "outcomes": dict(outcomes), "streams": len(envelopes), "synthetic": synthetic}
 
 
@@ -577,7 +579,7 @@ async def _demo(out: TextIO, *, calls: int, provider: str | None, model: str | N
                     f"trio_agent demo: model {session.model}; {calls} notes; session {session.session_id}\n"
                     f"  workspace {workspace}\n  journal   {journal_path}"
                     + ("" if journal else "  (temporary: deleted when the demo ends; --journal PATH keeps it)")
-                    + "\n",
+                    + f"\n  legend    {LEGEND}\n",
                     file=out,
                 )
                 await _orchestrate(session, live)
