@@ -123,6 +123,24 @@ async def test_leaving_the_block_early_aborts_the_run_and_keeps_committed_result
     assert answers and answers[0].content == "2"
 
 
+class StuckOnAbort(ChatMiddleware):
+    async def on_abort(self, ctx: Any, info: Any) -> None:
+        await trio.sleep_forever()  # a clean-up that never ends
+
+
+async def test_leaving_the_block_early_waits_for_the_run_at_most_cleanup_grace(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = TestModel({"go": [Reply(tool_calls=[("add", {"a": 2})]), Reply(text="late")]})
+    async with chat(model, "go", tools=[add], middleware=[StuckOnAbort()], cleanup_grace=3) as run:
+        async for event in run:
+            if isinstance(event, ToolCallResult):
+                left = trio.current_time()
+                break
+    assert trio.current_time() - left == pytest.approx(3)  # the bound, not forever
+    assert any("ending a chat run whose block was left early" in r.getMessage() for r in caplog.records)
+
+
 async def test_a_durable_chat_run_is_recorded_as_a_request() -> None:
     store = MemoryStore()
     async with open_journal(store, session_id="c1") as journal:

@@ -460,7 +460,7 @@ def require_trio(api: str) -> None:
 
     Without it an asyncio user gets Trio's bare "must be called from async context".
     """
-    import asyncio
+    import sys
 
     import trio
 
@@ -470,12 +470,16 @@ def require_trio(api: str) -> None:
         pass
     else:
         return
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        where = "outside a Trio run"
-    else:
-        where = "under asyncio"
+    # Never imports asyncio: a program running under it has loaded it already.
+    asyncio = sys.modules.get("asyncio")
+    where = "outside a Trio run"
+    if asyncio is not None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            where = "under asyncio"
     raise ConfigError(
         f"{api} was called {where}, but trio_agent runs under Trio: "
         "start your program with trio.run(main) instead of asyncio.run(main())"

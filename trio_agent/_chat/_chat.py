@@ -28,7 +28,7 @@ import jsonschema_rs
 import trio
 
 from .._abort import Abort, AbortHandle, AbortReason
-from .._cleanup import bounded_shield
+from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
 from .._errors import ConfigError, ModelError, TrioAgentError, require_trio
 from .._groups import unwrap_for_boundary
 from .._journal._durable import DurableJournal
@@ -233,14 +233,17 @@ async def chat(
     journal: DurableJournal | None = None,
     abort: AbortHandle | None = None,
     metadata: Mapping[str, Any] | None = None,
+    cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
 ) -> AsyncIterator[ChatRun]:
     """One run of the agent loop without a session (module docstring).
 
     Raises `ConfigError` (bad arguments, an invalid history, an invalid schema),
     `MiddlewareShapeError` (middleware that is not a list of `ChatMiddleware`)
     before anything runs; the run's own error from ``run.result()``.
+    ``cleanup_grace`` bounds the wait for an aborted run to end when the block is left early.
     """
     require_trio("chat()")
+    cleanup_grace = validate_cleanup_grace(cleanup_grace)
     service = _provider_service(agent_or_model, model_middleware)
     history = _initial_messages(messages)
     hooks = middleware_lifecycle(middleware)
@@ -371,12 +374,14 @@ async def chat(
                 if not run._done.is_set():
                     # Leaving early aborts the run (committed tool results are kept) and waits for it.
                     run.abort("the chat block was left before the run ended")
-                    with trio.CancelScope(shield=True):
+                    with bounded_shield(cleanup_grace, "ending a chat run whose block was left early") as waited:
                         while not run._done.is_set():
                             try:
                                 await receive.receive()
                             except (trio.EndOfChannel, trio.ClosedResourceError):
                                 await run._done.wait()
+                    if waited.cancelled_caught:
+                        nursery.cancel_scope.cancel()  # it did not end in time: stop waiting for it
     except BaseExceptionGroup as group:
         raise unwrap_for_boundary(group) from None
     finally:
@@ -413,9 +418,7 @@ async def _structured_output(
     }
     config = await apply_structured_output_config(list(middleware), ctx, config)
     schema = config.pop("output_schema")
-    request = (
-        f"Answer with only a JSON value that this JSON Schema accepts, and nothing else:\n{json.dumps(schema)}"
-    )
+    request = f"Answer with only a JSON value that this JSON Schema accepts, and nothing else:\n{json.dumps(schema)}"
     prefix = (SystemMessage(config["instructions"]),) if config["instructions"] else ()
     messages = [*prefix, *config["messages"], UserMessage(request)]
     options = {**config["options"], "output_schema": schema}
