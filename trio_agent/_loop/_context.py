@@ -10,8 +10,6 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import trio
-
 from .._abort import AbortHandle, AbortReason
 from .._errors import ConfigError
 from .._models._messages import Message
@@ -119,7 +117,5 @@ class RunContext:
         for fn in deferred:
             try:
                 await fn()
-            except trio.Cancelled:
-                raise
-            except Exception:
+            except Exception:  # a cancellation (bare or in a group) is a BaseException: it goes on
                 _log.exception("a deferred function of run %s failed", self.run_id)
