@@ -4,7 +4,9 @@
 `ChatRun` of `RunEvent` s and a `ChatResult`. Write middleware by subclassing
 `ChatMiddleware` (or with `define_chat_middleware`) and hand a list of them to a chat run
 or a session (``lifecycle=``); `middleware_lifecycle` is what turns that
-list into the loop's `Lifecycle`. See ``docs/lifecycle.md``::
+list into the loop's `Lifecycle`. Middleware share typed values through capabilities
+(`create_capability`, ``requires`` / ``provides``; ``docs/capabilities.md``).
+See ``docs/lifecycle.md``::
 
     from trio_agent.lifecycle import ChatMiddleware, DROP, TransformArgs
 """
@@ -12,6 +14,13 @@ list into the loop's `Lifecycle`. See ``docs/lifecycle.md``::
 from __future__ import annotations
 
 from ._chat._chat import ChatResult, ChatRun, StructuredOutputError
+from ._lifecycle._capabilities import (
+    Capability,
+    CapabilityError,
+    CapabilityRegistry,
+    create_capability,
+    validate_capabilities,
+)
 from ._lifecycle._decisions import (
     DROP,
     AbortInfo,
@@ -78,6 +87,9 @@ __all__ = [
     "AfterToolCallDecision",
     "AfterToolCallInfo",
     "BeforeToolCallDecision",
+    "Capability",
+    "CapabilityError",
+    "CapabilityRegistry",
     "ChatMiddleware",
     "ChatResult",
     "ChatRun",
@@ -132,10 +144,12 @@ __all__ = [
     "apply_structured_output_config",
     "combine_strategies",
     "compose_lifecycle",
+    "create_capability",
     "define_chat_middleware",
     "max_iterations",
     "middleware_lifecycle",
     "until_finish_reason",
+    "validate_capabilities",
 ]
 
 _fixup_module_metadata(__name__, globals())

@@ -38,6 +38,18 @@ Rules
   isolated except the terminal ones: an error escapes into the loop (tool-stage
   errors end the call with an error result, as every tool stage does).
 * ``ctx.chunk_index`` counts the events actually delivered past the middleware.
+* Capabilities (``_capabilities.py``, ``docs/capabilities.md``): ``requires``,
+  ``provides`` and ``optional_requires`` are tuples of `Capability` handles.
+
+  ===========================  =====================================================
+  requires                     checked by `middleware_lifecycle` (before any run):
+                               each must be in the union of all ``provides``, in any
+                               list order; else `CapabilityError`
+  provides                     after every ``setup`` ran, each must hold a value
+                               (``ctx.provide``); else the run fails with
+                               `CapabilityError` (``on_error`` runs)
+  optional_requires            never checked; read with ``ctx.get_optional``
+  ===========================  =====================================================
 """
 
 from __future__ import annotations
@@ -63,6 +75,14 @@ from .._models._messages import ToolCallPart, ToolSpec, Usage
 from .._tools import _stages
 from .._tools._results import ToolErrorType, ToolResult
 from .._tools._stages import Allow, Deny, StageDecision, StageRequest, ToolStages
+from ._capabilities import (
+    Capability,
+    Declared,
+    capability_handles,
+    check_provided,
+    declared_capabilities,
+    validate_capabilities,
+)
 from ._decisions import (
     DROP,
     AbortInfo,
@@ -137,10 +157,16 @@ class ChatMiddleware:
 
     ``name`` names the middleware in errors and logs (default: the class name).
     Keep no per-run state on ``self``: one middleware serves many runs at once;
-    use ``ctx.state``.
+    use ``ctx.state`` (or capabilities: ``ctx.provide`` / ``ctx.get``).
     """
 
     name: str | None = None
+    requires: tuple[Capability[Any], ...] = ()
+    """Capabilities some middleware must provide (checked before the run, in any list order)."""
+    provides: tuple[Capability[Any], ...] = ()
+    """Capabilities this middleware provides: each must be ``ctx.provide``-d in ``setup``."""
+    optional_requires: tuple[Capability[Any], ...] = ()
+    """Capabilities used if present (``ctx.get_optional``); never checked."""
     routed_subagent_persistence: RoutedSubagentPersistence | None = None
     """Set it to store the subagent runs a session routes work to (see `RoutedSubagentPersistence`)."""
 
@@ -219,12 +245,21 @@ class _DefinedChatMiddleware(ChatMiddleware):
         return f"<chat middleware {middleware_name(self)!r}>"
 
 
-def define_chat_middleware(*, name: str | None = None, **hooks: Callable[..., Any] | None) -> ChatMiddleware:
-    """A `ChatMiddleware` whose hooks are *hooks* (keyword-only, by hook name; ``None`` leaves one out).
+def define_chat_middleware(
+    *,
+    name: str | None = None,
+    requires: Sequence[Capability[Any]] = (),
+    provides: Sequence[Capability[Any]] = (),
+    optional_requires: Sequence[Capability[Any]] = (),
+    **hooks: Callable[..., Any] | None,
+) -> ChatMiddleware:
+    """A `ChatMiddleware` whose hooks are *hooks* (keyword-only, by hook name; ``None`` leaves one out)
+    and whose capability declarations are *requires*, *provides* and *optional_requires*.
 
     Raises:
         MiddlewareShapeError: an unknown hook name (the message lists the valid ones), a hook
-            that is not callable, or a *name* that is not a string.
+            that is not callable, a *name* that is not a string, or a declaration that is not
+            a list or tuple of `Capability` handles (the message names the entry).
     """
     if name is not None and not isinstance(name, str):
         raise MiddlewareShapeError(f"define_chat_middleware: name must be a string, got {name!r}")
@@ -232,10 +267,14 @@ def define_chat_middleware(*, name: str | None = None, **hooks: Callable[..., An
     if unknown:
         raise MiddlewareShapeError(
             f"define_chat_middleware: unknown hook {', '.join(map(repr, unknown))}; "
-            f"valid hooks are: name, {', '.join(HOOK_NAMES)}"
+            f"valid hooks are: name, requires, provides, optional_requires, {', '.join(HOOK_NAMES)}"
         )
     middleware = _DefinedChatMiddleware()
     middleware.name = name
+    owner = f"middleware {middleware_name(middleware)!r}"
+    middleware.requires = capability_handles(requires, "requires", owner)
+    middleware.provides = capability_handles(provides, "provides", owner)
+    middleware.optional_requires = capability_handles(optional_requires, "optional_requires", owner)
     for hook, fn in hooks.items():
         if fn is None:
             continue
@@ -544,6 +583,18 @@ class _CountDelivered(Lifecycle):
         return count
 
 
+class _CheckProvided(Lifecycle):
+    """The last ``setup``: every declared ``provides`` holds a value by now."""
+
+    name = "capability check"
+
+    def __init__(self, declared: Sequence[Declared]) -> None:
+        self.declared = tuple(item for item in declared if item.provides)
+
+    async def setup(self, ctx: RunContext) -> None:
+        check_provided(ctx.capabilities, self.declared)
+
+
 def _checked(middleware: object, where: str) -> Sequence[ChatMiddleware]:
     if not isinstance(middleware, (list, tuple)):
         raise MiddlewareShapeError(f"{where}: middleware must be a list of ChatMiddleware, got {middleware!r}")
@@ -561,14 +612,22 @@ def middleware_lifecycle(middleware: Sequence[ChatMiddleware]) -> Lifecycle:
 
     Raises:
         MiddlewareShapeError: *middleware* is not a list or tuple, an item is not a
-            `ChatMiddleware` (the message names its index), or a hook is not callable.
+            `ChatMiddleware` (the message names its index), a hook is not callable, or a
+            capability declaration is not a tuple of `Capability` handles.
+        CapabilityError: a middleware requires a capability no middleware provides
+            (`validate_capabilities`).
     """
+    checked = _checked(middleware, "middleware_lifecycle")
+    validate_capabilities(checked)
+    declared = [declared_capabilities(item) for item in checked]
     parts: list[Lifecycle] = []
-    for item in _checked(middleware, "middleware_lifecycle"):
+    for item in checked:
         hooks = {name: fn for name in HOOK_NAMES if (fn := _hook(item, name)) is not None}
         loop_hooks = frozenset(loop for name in hooks for loop in _LOOP_HOOKS.get(name, ()))
         if loop_hooks:
             parts.append(_part_class(loop_hooks)(item, hooks))
+    if any(item.provides for item in declared):
+        parts.append(_CheckProvided(declared))
     if any("on_chunk" in part.hooks for part in parts if isinstance(part, _Part)):
         parts.append(_CountDelivered())
     return compose_lifecycle(*parts)

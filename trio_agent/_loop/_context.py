@@ -1,17 +1,20 @@
 """`RunContext`: what every hook of one run sees (ids, phase, turn, messages) and can do.
 
 One context per run, shared by every hook of every lifecycle part; per-run state
-lives here, never on middleware (one middleware stack serves many runs at once).
+lives here, never on middleware (one middleware stack serves many runs at once):
+``state`` (a scratch dict) and ``capabilities`` (typed values, see
+``_lifecycle/_capabilities.py``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from .._abort import AbortHandle, AbortReason
 from .._errors import ConfigError
+from .._lifecycle._capabilities import Capability, CapabilityRegistry
 from .._models._messages import Message
 from ._events import CustomEvent, RunEvent
 from ._hooks import Phase
@@ -20,6 +23,8 @@ from ._ports import RunEventSink
 __all__ = ["RetryNotAllowedError", "RunContext"]
 
 _log = logging.getLogger("trio_agent.loop")
+
+T = TypeVar("T")
 
 
 class RetryNotAllowedError(ConfigError):
@@ -37,6 +42,7 @@ class RunContext:
         "_retry_open",
         "_retry_requested",
         "agent_id",
+        "capabilities",
         "chunk_index",
         "iteration",
         "metadata",
@@ -68,6 +74,7 @@ class RunContext:
         self.chunk_index = 0
         self.metadata: dict[str, Any] = metadata or {}
         self.state: dict[str, Any] = {}  # per-run scratch space for middleware
+        self.capabilities = CapabilityRegistry()  # per-run capability values (ctx.get / ctx.provide)
         self._abort = abort
         self._events = events
         self._messages = messages
@@ -79,6 +86,22 @@ class RunContext:
     def messages(self) -> Sequence[Message]:
         """The conversation so far (read-only)."""
         return tuple(self._messages())
+
+    def get(self, handle: Capability[T]) -> T:
+        """The value of capability *handle* (``ctx.capabilities.get``).
+
+        Raises:
+            CapabilityError: nothing provided it (yet).
+        """
+        return self.capabilities.get(handle)
+
+    def get_optional(self, handle: Capability[T]) -> T | None:
+        """The value of capability *handle*, or ``None`` when nothing provided it."""
+        return self.capabilities.get_optional(handle)
+
+    def provide(self, handle: Capability[T], value: T) -> None:
+        """Provide capability *handle* for this run (in ``setup``); a second provide wins, with a warning."""
+        self.capabilities.provide(handle, value)
 
     @property
     def aborted(self) -> bool:
