@@ -1,6 +1,6 @@
 """The permission engine: the decision table row by row, rules, modes, the ask, the path policy and tool filters.
 
-The table under test (``trio_agent/_session/_permissions.py`` and ``docs/permissions.md``)::
+The table under test (``trio_agent/_permissions/_table.py`` and ``docs/permissions.md``)::
 
     0 tool filter -> 1 behaviour/signature -> 2 path policy -> 3 the tool's check -> 4 deny rules
     -> 5 plan's hard limit -> 6 tool-level ask -> 7 session approvals -> 8 allow rules -> 9 ask rules
@@ -22,19 +22,14 @@ from hypothesis import strategies as st
 
 from trio_agent import ConfigError, SideEffect, Tool, ToolErrorType, ToolKind, define_tool
 from trio_agent._journal._events import PermissionDecision
-from trio_agent._session._permissions import (
+from trio_agent._permissions._engine import PermissionEngine, PermissionRecord, PermissionRequest
+from trio_agent._permissions._rules import (
     MODE_TABLE,
-    AskReason,
-    Decision,
-    DecisionSource,
     PathPolicy,
     PermissionAllow,
     PermissionAsk,
     PermissionDeny,
-    PermissionEngine,
     PermissionMode,
-    PermissionRecord,
-    PermissionRequest,
     PermissionResult,
     PermissionRules,
     PermissionUpdate,
@@ -44,6 +39,7 @@ from trio_agent._session._permissions import (
     update_from_json,
     update_to_json,
 )
+from trio_agent._permissions._table import AskNeeded, AskReason, Decision, DecisionSource
 from trio_agent.testing import call_tool
 from trio_agent.tools import (
     AbortHandle,
@@ -1490,3 +1486,255 @@ async def test_a_path_the_file_system_cannot_encode_is_denied_by_the_path_policy
     permissions = engine(mode="bypass", path_policy=policy)
     decision = await permissions.decide(WRITE, {"file_path": "a/\ud800.txt"}, ctx())
     assert (decision.allowed, decision.source) == (False, DecisionSource.PATH_POLICY)
+
+
+# -- evaluate() and conclude(): an answer given elsewhere (interrupts) ------------------------------
+
+
+def fields(decision: Decision) -> tuple[Any, ...]:
+    return (
+        decision.allowed, decision.source, decision.input, decision.signature, decision.message,
+        decision.stop_loop, decision.rule, decision.asked, decision.permission_id,
+    )  # fmt: skip
+
+
+async def test_evaluate_returns_ask_needed_for_the_default_ask_and_records_nothing() -> None:
+    handler, recorder, updates = Answerer(PermissionAllow()), Recorder(), UpdateLog()
+    permissions = engine(handler=handler, record=recorder, on_updates_applied=updates)
+    input = {"file_path": "a"}
+    ask = await permissions.evaluate(WRITE, input, ctx())
+    assert ask == AskNeeded(
+        tool_name="Write", input={"file_path": "a"}, signature="Write", reason=AskReason.MODE, message=None,
+        rule=None, tool_kind=ToolKind.WRITE, side_effect=SideEffect.IDEMPOTENT, affected_paths=("a",),
+    )  # fmt: skip
+    assert isinstance(ask, AskNeeded) and ask.input is input
+    assert (handler.calls, recorder.log, updates.calls) == (0, [], [])
+
+
+async def test_evaluate_returns_ask_needed_for_an_ask_rule() -> None:
+    ask = await engine(ask=("Bash:git *",), mode="accept_edits").evaluate(BASH, {"command": "git push"}, ctx())
+    assert isinstance(ask, AskNeeded)
+    assert (ask.reason, ask.rule, ask.signature, ask.message) == (AskReason.RULE, "Bash:git *", "Bash:git push", None)
+    assert (ask.tool_kind, ask.side_effect, ask.affected_paths) == (ToolKind.EXECUTE, SideEffect.NON_IDEMPOTENT, ())
+
+
+async def test_evaluate_returns_ask_needed_for_a_tool_level_ask_even_in_bypass_with_an_allow_rule() -> None:
+    checks = {"Read": lambda input: PermissionAsk("reading secrets?")}
+    ask = await engine(mode="bypass", allow=("Read",), tool_checks=checks).evaluate(READ, {"file_path": "x"}, ctx())
+    assert isinstance(ask, AskNeeded)
+    assert (ask.reason, ask.message, ask.rule, ask.tool_kind) == (
+        AskReason.TOOL, "reading secrets?", None, ToolKind.READONLY,
+    )  # fmt: skip
+
+
+async def test_evaluate_gives_decide_s_decision_where_nobody_is_asked() -> None:
+    permissions = engine(allow=("Bash:git *",), deny=("Bash:rm *",))
+    for input in ({"command": "git status"}, {"command": "rm -rf x"}, {"command": "ls"}):
+        decision = await permissions.evaluate(BASH, input, ctx())
+        assert isinstance(decision, Decision)
+        assert fields(decision) == fields(await permissions.decide(BASH, input, ctx()))
+
+
+async def test_conclude_an_allow() -> None:
+    recorder, updates = Recorder(), UpdateLog()
+    permissions = engine(record=recorder, on_updates_applied=updates)
+    input = {"file_path": "a"}
+    ask = await permissions.evaluate(WRITE, input, ctx())
+    assert isinstance(ask, AskNeeded)
+    decision = await permissions.conclude(WRITE, ask, ctx(), PermissionAllow())
+    assert fields(decision) == (
+        True, DecisionSource.INTERRUPT, input, "Write", "allowed by the permission interrupt", False, None, True, None,
+    )  # fmt: skip
+    assert decision.input is input and decision.to_stage_decision(input) == Allow(None)
+    assert decision.outcome is PermissionDecision.ALLOW
+    assert (recorder.log, updates.calls) == ([], [])  # nothing recorded, nothing to apply
+
+
+async def test_conclude_an_allow_with_edited_input_that_passes(tmp_path: Path) -> None:
+    permissions = engine(path_policy=PathPolicy([tmp_path]))
+    ask = await permissions.evaluate(WRITE, {"file_path": "a"}, ctx())
+    assert isinstance(ask, AskNeeded)
+    edited = {"file_path": "b"}
+    decision = await permissions.conclude(WRITE, ask, ctx(), PermissionAllow(updated_input=edited))
+    assert (decision.allowed, decision.source, decision.input, decision.signature) == (
+        True, DecisionSource.INTERRUPT, edited, "Write",
+    )  # fmt: skip
+    assert decision.to_stage_decision({"file_path": "a"}) == Allow(edited)
+
+
+async def test_conclude_an_edit_that_a_deny_rule_refuses_and_nothing_of_the_allow_applies() -> None:
+    updates = UpdateLog()
+    permissions = engine(ask=("Bash:git *",), deny=("Bash:rm *",), on_updates_applied=updates)
+    call = ctx()
+    ask = await permissions.evaluate(BASH, {"command": "git push"}, call)
+    assert isinstance(ask, AskNeeded)
+    answer = PermissionAllow(
+        updated_input={"command": "rm -rf /"}, rule_updates=[PermissionUpdate.add("Bash")], remember=True
+    )
+    decision = await permissions.conclude(BASH, ask, call, answer)
+    assert (decision.allowed, decision.source, decision.rule, decision.signature, decision.asked) == (
+        False, DecisionSource.RULE, "Bash:rm *", "Bash:rm -rf /", True,
+    )  # fmt: skip
+    assert (updates.calls, permissions.session_allow_rules, permissions.approved_signatures) == ([], (), frozenset())
+
+
+async def test_conclude_an_edit_that_fails_the_schema() -> None:
+    permissions = engine()
+    ask = await permissions.evaluate(STRICT_SHELL, {"command": "ls"}, ctx())
+    assert isinstance(ask, AskNeeded)
+    decision = await permissions.conclude(STRICT_SHELL, ask, ctx(), PermissionAllow(updated_input={"command": 3}))
+    assert (decision.allowed, decision.source) == (False, DecisionSource.VALIDATION)
+    stage = decision.to_stage_decision()
+    assert isinstance(stage, Deny) and (stage.type, stage.code) == (ToolErrorType.VALIDATION, "invalid_input")
+
+
+async def test_conclude_an_edit_that_leaves_the_workspace(tmp_path: Path) -> None:
+    permissions = engine(path_policy=PathPolicy([tmp_path]))
+    ask = await permissions.evaluate(WRITE, {"file_path": "a"}, ctx())
+    assert isinstance(ask, AskNeeded)
+    answer = PermissionAllow(updated_input={"file_path": "../outside"})
+    decision = await permissions.conclude(WRITE, ask, ctx(), answer)
+    assert (decision.allowed, decision.source) == (False, DecisionSource.PATH_POLICY)
+
+
+async def test_conclude_an_allow_when_plan_mode_now_denies() -> None:
+    permissions = engine()
+    ask = await permissions.evaluate(WRITE, {"file_path": "a"}, ctx())
+    assert isinstance(ask, AskNeeded)
+    permissions.mode = PermissionMode.PLAN  # switched while the person was deciding
+    decision = await permissions.conclude(WRITE, ask, ctx(), PermissionAllow())
+    assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.MODE, True)
+    assert decision.message == "plan mode denies write tools: 'Write' is not read-only"
+
+
+async def test_conclude_a_deny() -> None:
+    permissions = engine()
+    input = {"file_path": "a"}
+    ask = await permissions.evaluate(WRITE, input, ctx())
+    assert isinstance(ask, AskNeeded)
+    decision = await permissions.conclude(WRITE, ask, ctx(), PermissionDeny("not that file", stop_loop=True))
+    assert fields(decision) == (
+        False, DecisionSource.INTERRUPT, input, "Write", "not that file", True, None, True, None,
+    )  # fmt: skip
+    stage = decision.to_stage_decision(input)
+    assert isinstance(stage, Deny) and (stage.type, stage.code) == (ToolErrorType.PERMISSION_DENIED, "stop_loop")
+    assert decision.outcome is PermissionDecision.DENY
+
+
+async def test_conclude_satisfies_a_tool_level_ask_and_a_tool_deny_still_denies() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def check(input: dict[str, Any]) -> PermissionResult:
+        seen.append(input)
+        if input.get("file_path") == "secret":
+            return PermissionDeny("never the secret")
+        return PermissionAsk("sure?")
+
+    permissions = engine(mode="bypass", tool_checks={"Read": check})
+    ask = await permissions.evaluate(READ, {"file_path": "x"}, ctx())
+    assert isinstance(ask, AskNeeded) and ask.reason is AskReason.TOOL
+    allowed = await permissions.conclude(READ, ask, ctx(), PermissionAllow())
+    assert (allowed.allowed, allowed.source) == (True, DecisionSource.INTERRUPT)
+    assert len(seen) == 2  # the check ran again on the answered input
+    denied = await permissions.conclude(READ, ask, ctx(), PermissionAllow(updated_input={"file_path": "secret"}))
+    assert (denied.allowed, denied.source, denied.message) == (False, DecisionSource.TOOL, "never the secret")
+
+
+async def test_conclude_applies_the_rule_updates_and_remember_of_an_allow_that_stood() -> None:
+    updates = UpdateLog()
+    permissions = engine(on_updates_applied=updates)
+    call = ctx()
+    ask = await permissions.evaluate(BASH, {"command": "git push"}, call)
+    assert isinstance(ask, AskNeeded)
+    update = PermissionUpdate.add("Bash:git *")
+    answer = PermissionAllow(updated_input={"command": "git pull"}, rule_updates=[update], remember=True)
+    decision = await permissions.conclude(BASH, ask, call, answer)
+    assert decision.allowed
+    assert updates.calls == [((update,), "interrupt", call.tool_call_id)]
+    assert [rule.text for rule in permissions.session_allow_rules] == ["Bash:git *"]
+    assert permissions.approved_signatures == {"Bash:git pull"}
+    again = await permissions.evaluate(BASH, {"command": "git pull"}, ctx())
+    assert isinstance(again, Decision) and (again.allowed, again.source) == (True, DecisionSource.SESSION)
+
+
+async def test_conclude_refuses_a_mismatched_tool_or_a_non_answer() -> None:
+    permissions = engine()
+    ask = await permissions.evaluate(WRITE, {"file_path": "a"}, ctx())
+    assert isinstance(ask, AskNeeded)
+    with pytest.raises(ConfigError, match="for tool 'Write', not 'Bash'"):
+        await permissions.conclude(BASH, ask, ctx(), PermissionAllow())
+    with pytest.raises(ConfigError, match="PermissionAllow or a PermissionDeny"):
+        await permissions.conclude(WRITE, ask, ctx(), PermissionAsk())  # type: ignore[arg-type]
+
+
+EVAL_RULES = ["*", "Bash", "Bash:git *", "Bash:ls*", "Read", "Re*", "Write", "Write:a"]
+EVAL_TOOLS = {"Bash": BASH, "Read": READ, "Write": WRITE}
+EVAL_INPUTS = {
+    "Bash": [{"command": "git status"}, {"command": "ls -l"}, {"command": "rm -rf x"}],
+    "Read": [{"file_path": "a"}, {"file_path": "../a"}],
+    "Write": [{"file_path": "a"}, {"file_path": "b/c"}, {"file_path": "../a"}],
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    placed=st.lists(st.tuples(st.sampled_from(EVAL_RULES), st.sampled_from(["allow", "ask", "deny"])), max_size=5),
+    mode=st.sampled_from(list(PermissionMode)),
+    tool_name=st.sampled_from(sorted(EVAL_TOOLS)),
+    which=st.integers(0, 2),
+    check=st.sampled_from(["none", "ask", "deny", "normalise", "raise"]),
+    remembered=st.booleans(),
+    filtered=st.booleans(),
+)
+def test_evaluate_walks_the_table_as_decide_does(
+    placed: list[tuple[str, str]],
+    mode: PermissionMode,
+    tool_name: str,
+    which: int,
+    check: str,
+    remembered: bool,
+    filtered: bool,
+) -> None:
+    lists: dict[str, list[str]] = {"allow": [], "ask": [], "deny": []}
+    used: set[Rule] = set()
+    for text, behavior in placed:
+        if Rule.parse(text) not in used:
+            used.add(Rule.parse(text))
+            lists[behavior].append(text)
+    tool = EVAL_TOOLS[tool_name]
+    inputs = EVAL_INPUTS[tool_name]
+    input = inputs[which % len(inputs)]
+
+    def tool_check(value: dict[str, Any]) -> PermissionResult | None:
+        if check == "raise":
+            raise RuntimeError("check broke")
+        if check == "normalise":
+            return PermissionAllow(updated_input={**value, "normalised": True})
+        return {"none": None, "ask": PermissionAsk("tool asks"), "deny": PermissionDeny("tool says no")}[check]
+
+    handler = Answerer(ASKED)
+    permissions = engine(
+        mode=mode, handler=handler, tool_checks={tool_name: tool_check},
+        path_policy=PathPolicy(["/nonexistent-workspace"]),
+        tool_filter=ToolFilter(disallowed=[tool_name] if filtered else None), **lists,
+    )  # fmt: skip
+    if remembered:
+        permissions.remember(permissions.signature(tool, input))
+
+    async def both() -> tuple[Decision | AskNeeded, Decision]:
+        return await permissions.evaluate(tool, input, ctx()), await permissions.decide(tool, input, ctx())
+
+    verdict, decision = trio.run(both)
+    if isinstance(verdict, Decision):
+        assert handler.calls == 0
+        assert fields(verdict) == fields(decision)
+    else:
+        (request,) = handler.requests
+        assert (
+            request.tool_name, request.input, request.signature, request.reason, request.message, request.rule,
+            request.tool_kind, request.side_effect, request.affected_paths,
+        ) == (
+            verdict.tool_name, verdict.input, verdict.signature, verdict.reason, verdict.message, verdict.rule,
+            verdict.tool_kind, verdict.side_effect, verdict.affected_paths,
+        )  # fmt: skip
+        assert (decision.source, decision.message, decision.asked) == (DecisionSource.HANDLER, ASKED.message, True)

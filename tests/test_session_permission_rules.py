@@ -27,7 +27,7 @@ from trio_agent import (
     define_tool,
     open_session,
 )
-from trio_agent._session._permissions import PermissionAsk, PermissionResult, PermissionUpdate
+from trio_agent._permissions._rules import PermissionAsk, PermissionResult, PermissionUpdate
 from trio_agent.testing import Reply, TestModel
 
 # -- tools -------------------------------------------------------------------------------------

@@ -47,6 +47,13 @@ from ._errors import UnknownSubagentError as UnknownSubagentError
 from ._loop._rules import StopReason as StopReason
 from ._models._service import ModelMiddleware as ModelMiddleware
 from ._models._service import Provider as Provider
+from ._permissions._engine import PermissionRequest as PermissionRequest
+from ._permissions._rules import PermissionAllow as PermissionAllow
+from ._permissions._rules import PermissionAsk as PermissionAsk
+from ._permissions._rules import PermissionDeny as PermissionDeny
+from ._permissions._rules import PermissionMode as PermissionMode
+from ._permissions._rules import PermissionRules as PermissionRules
+from ._permissions._rules import PermissionUpdate as PermissionUpdate
 from ._session._hooks import HookEvent as HookEvent
 from ._session._hooks import HookInput as HookInput
 from ._session._hooks import HookOutput as HookOutput
@@ -61,13 +68,6 @@ from ._session._messages import ToolResultEvent as ToolResultEvent
 from ._session._messages import ToolUseEvent as ToolUseEvent
 from ._session._messages import UsageEvent as UsageEvent
 from ._session._open import open_session as open_session
-from ._session._permissions import PermissionAllow as PermissionAllow
-from ._session._permissions import PermissionAsk as PermissionAsk
-from ._session._permissions import PermissionDeny as PermissionDeny
-from ._session._permissions import PermissionMode as PermissionMode
-from ._session._permissions import PermissionRequest as PermissionRequest
-from ._session._permissions import PermissionRules as PermissionRules
-from ._session._permissions import PermissionUpdate as PermissionUpdate
 from ._session._plugins import MiddlewareConfig as MiddlewareConfig
 from ._session._plugins import Plugin as Plugin
 from ._session._plugins import define_plugin as define_plugin

@@ -5,33 +5,38 @@ mode (`MODE_TABLE`), the `Rule` s, the `PathPolicy` and the `ToolFilter`; a `Dec
 says which source decided::
 
     from trio_agent.permissions import PathPolicy, Rule, RuleBehavior
+
+For an answer given elsewhere (a run that pauses for a person), ``engine.evaluate(...)``
+returns an `AskNeeded` where ``engine.decide(...)`` would ask, and ``engine.conclude(...)``
+turns the answer into a `Decision` (source ``interrupt``).
 """
 
 from __future__ import annotations
 
-from ._session._permissions import (
-    MODE_TABLE,
-    AskReason,
-    Decision,
-    DecisionSource,
-    PathPolicy,
+from ._permissions._engine import (
     PermissionEngine,
     PermissionHandler,
     PermissionHook,
     PermissionPhase,
     PermissionRecord,
+    UpdatesApplied,
+)
+from ._permissions._rules import (
+    MODE_TABLE,
+    PathPolicy,
     PermissionResult,
     Rule,
     RuleBehavior,
     RuleMatch,
     ToolFilter,
     ToolPermissionCheck,
-    UpdatesApplied,
 )
+from ._permissions._table import AskNeeded, AskReason, Decision, DecisionSource
 from ._util import fixup_module_metadata as _fixup_module_metadata
 
 __all__ = [
     "MODE_TABLE",
+    "AskNeeded",
     "AskReason",
     "Decision",
     "DecisionSource",

@@ -51,6 +51,8 @@ from .._loop._run import run_agent_loop
 from .._models._history import MessageView, answer_orphan_calls
 from .._models._messages import AssistantMessage, Message, ToolSpec, UserMessage
 from .._models._service import ModelService
+from .._permissions._engine import PermissionEngine
+from .._permissions._rules import PermissionUpdate
 from .._tools._pipeline import ToolPipeline
 from .._tools._results import Effect
 from ._hooks import HookAction, HookDecision, HookEvent, HookInput, HookRunner
@@ -63,7 +65,6 @@ from ._messages import (
     ToolUseEvent,
     UsageEvent,
 )
-from ._permissions import PermissionEngine, PermissionUpdate
 from ._requests import _Agent, _Request, drain_holds, record_interrupted, record_raised
 from ._stream import discard
 

@@ -30,20 +30,13 @@ from .._lifecycle._middleware import ChatMiddleware
 from .._models._history import validate_history
 from .._models._messages import Message
 from .._models._service import ModelService, Provider, RetryPolicy
+from .._permissions._engine import PermissionHandler, UpdatesApplied
+from .._permissions._rules import PermissionMode, PermissionRules, PermissionUpdate, ToolFilter, update_to_json
 from .._tools._definition import Tool
 from .._tools._pipeline import ToolPipeline
 from .._tools._scheduler import SchedulerLimits, ToolScheduler
 from ._hooks import HookCallback, HookEvent
 from ._host import SessionHost
-from ._permissions import (
-    PermissionHandler,
-    PermissionMode,
-    PermissionRules,
-    PermissionUpdate,
-    ToolFilter,
-    UpdatesApplied,
-    update_to_json,
-)
 from ._plugins import MiddlewareConfig, Plugin
 from ._requests import RequestQueue, _Agent
 from ._session import Session

@@ -38,11 +38,11 @@ from .._journal._events import (
 )
 from .._journal._projection import RequestState, SessionState, ToolState, TurnState
 from .._models._messages import Message
+from .._permissions._rules import update_from_json
 from .._tools._context import CallOrigin, ToolCall
 from .._tools._definition import Tool
 from ._endings import request_is_open
 from ._host import SessionHost
-from ._permissions import update_from_json
 
 __all__ = ["Life", "begin_life", "rebuild_history"]
 

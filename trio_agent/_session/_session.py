@@ -38,6 +38,7 @@ from .._journal._events import (
 from .._journal._projection import SessionState
 from .._journal._subscribe import DurableEventStream, JournalCursor
 from .._models._messages import Message
+from .._permissions._engine import PermissionEngine
 from .._tools._context import ToolContext
 from .._tools._definition import Tool
 from .._tools._pipeline import ToolPipeline
@@ -45,7 +46,6 @@ from ._endings import open_items, record_request_end
 from ._hooks import HookEvent
 from ._host import SessionHost
 from ._messages import SessionEvent
-from ._permissions import PermissionEngine
 from ._recovery import begin_life, rebuild_history
 from ._requests import Priority, RequestQueue, _Request
 from ._stream import EventForward, EventSink, SessionEventStream, discard, tee

@@ -29,11 +29,12 @@ from .._lifecycle._middleware import ChatMiddleware, middleware_lifecycle
 from .._loop._compose import compose_lifecycle
 from .._loop._hooks import Lifecycle
 from .._models._service import Provider, RetryPolicy
+from .._permissions._engine import PermissionHandler
+from .._permissions._rules import PermissionMode, PermissionRules
 from .._tools._definition import Tool
 from .._tools._scheduler import SchedulerLimits
 from ._hooks import HookCallback, HookEvent
 from ._host import SESSION_HOOKS
-from ._permissions import PermissionHandler, PermissionMode, PermissionRules
 from ._plugins import MiddlewareConfig, Plugin
 from ._subagents import RoutedSubagentPersistence, SubagentDefinition, routed_persistence_of
 from ._task_tools import TaskTools

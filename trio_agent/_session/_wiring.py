@@ -40,27 +40,29 @@ from .._errors import ConfigError
 from .._journal._durable import DurableJournal
 from .._journal._events import PermissionRequested, PermissionResolved
 from .._models._service import _WRAPPERS, _defines
-from .._tools._definition import Tool
-from .._tools._stages import ToolStages
-from ._hooks import HookAction, HookEvent, HookInput, HookRegistry, HookRunner, post_tool_stage, pre_tool_stage
-from ._permissions import (
-    PathPolicy,
-    PermissionAllow,
-    PermissionDeny,
+from .._permissions._engine import (
     PermissionEngine,
     PermissionHandler,
-    PermissionMode,
     PermissionRecord,
     PermissionRecorder,
     PermissionRequest,
+    SignatureContent,
+    logger,
+)
+from .._permissions._rules import (
+    PathPolicy,
+    PermissionAllow,
+    PermissionDeny,
+    PermissionMode,
     PermissionResult,
     PermissionRules,
     RuleBehavior,
-    SignatureContent,
     ToolFilter,
     ToolPermissionCheck,
-    logger,
 )
+from .._tools._definition import Tool
+from .._tools._stages import ToolStages
+from ._hooks import HookAction, HookEvent, HookInput, HookRegistry, HookRunner, post_tool_stage, pre_tool_stage
 from ._plugins import MiddlewareConfig, MiddlewareConfigError, Plugin, resolve_plugins
 
 __all__ = ["AgentParts", "build_agent_parts", "session_stages"]

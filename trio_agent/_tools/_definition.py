@@ -18,7 +18,7 @@ from ._results import JsonObject, ToolResult
 from ._schema import default_signature_field, is_input_class, schema_for_class
 
 if TYPE_CHECKING:
-    from .._session._permissions import PermissionResult
+    from .._permissions._rules import PermissionResult
     from ._context import ToolContext
 
 __all__ = [

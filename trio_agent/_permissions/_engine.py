@@ -1,0 +1,718 @@
+"""The permission engine: a session's layer over the decision table.
+
+One `PermissionEngine` serves a session: its root agent and every subagent
+(the tool pipeline is shared, and `PermissionRequest.agent_id` tells who is
+calling). `PermissionEngine.decide` walks the decision table, whose stages
+0-11 are pure functions in `trio_agent._permissions._table` (the table is in
+that module's docstring), runs the tool's own check between them (stage 3,
+user code that may be async), and asks where the table says ask (stages
+12-13: the PermissionRequest hooks, then the handler, under one deadline and
+the call's abort, each ask recorded ``requested`` / ``resolved``).
+
+The engine also holds the session layer the table reads: remembered
+signatures and session allow / deny rules, changed by answers' rule updates
+and `PermissionEngine.accept_updates`.
+
+For an answer given elsewhere (a run that pauses for a person instead of
+asking a handler in-process): `PermissionEngine.evaluate` walks 0-11 and
+returns the `AskNeeded` where `decide` would ask; `PermissionEngine.conclude`
+turns the answer into a `Decision` (source ``interrupt``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, Protocol, TypeAlias
+
+import attrs
+import trio
+import trio.lowlevel
+
+from .._abort import AbortHandle
+from .._config import validate_timeout
+from .._errors import ConfigError, LeaseLostError
+from .._journal._events import PermissionDecision
+from .._tools._context import ExecutionContext
+from .._tools._definition import SideEffect, Tool, ToolKind
+from .._tools._results import JsonObject, json_copy
+from .._tools._stages import Allow, Deny, Stage, StageRequest
+from ._rules import (
+    MODE_TABLE,
+    PathPolicy,
+    PermissionAllow,
+    PermissionAsk,
+    PermissionDeny,
+    PermissionMode,
+    PermissionResult,
+    PermissionRules,
+    PermissionUpdate,
+    Rule,
+    RuleBehavior,
+    ToolFilter,
+    ToolPermissionCheck,
+    as_mode,
+)
+from ._table import (
+    AskNeeded,
+    AskReason,
+    Decision,
+    DecisionSource,
+    Policy,
+    Subject,
+    after_check,
+    check_failed,
+    deny,
+    evaluate_after_screen,
+    screen_rest,
+    subject,
+)
+
+__all__ = [
+    "PermissionEngine",
+    "PermissionHandler",
+    "PermissionHook",
+    "PermissionPhase",
+    "PermissionRecord",
+    "PermissionRecorder",
+    "PermissionRequest",
+    "SignatureContent",
+    "UpdatesApplied",
+]
+
+logger = logging.getLogger("trio_agent.permissions")
+
+
+@attrs.frozen(eq=False)
+class PermissionRequest:
+    """What a PermissionRequest hook and the permission handler see.
+
+    ``input`` is the engine's copy (return ``PermissionAllow(updated_input=...)``
+    to change it); ``abort`` is the call's handle and ``deadline`` the Trio time
+    at which the engine stops waiting and denies. ``agent_id`` is ``"root"`` or
+    a subagent's id.
+    """
+
+    tool_name: str
+    input: JsonObject
+    signature: str
+    mode: PermissionMode
+    tool_kind: ToolKind
+    side_effect: SideEffect
+    affected_paths: tuple[str, ...]
+    reason: AskReason
+    message: str | None
+    rule: str | None
+    agent_id: str
+    session_id: str
+    request_id: str
+    turn_id: str
+    tool_call_id: str
+    permission_id: str
+    deadline: float
+    abort: AbortHandle = attrs.field(repr=False)
+
+
+PermissionHandler: TypeAlias = Callable[[PermissionRequest], Awaitable[PermissionResult | None]]
+"""``async def handler(request) -> PermissionAllow | PermissionDeny | PermissionAsk | None``."""
+
+PermissionHook: TypeAlias = PermissionHandler
+"""A PermissionRequest hook has the handler's shape; ``None`` or `PermissionAsk` passes to the next answerer."""
+
+SignatureContent: TypeAlias = Callable[[JsonObject], str | None]
+"""A tool's ``signature_content(input)``: the part after ``Name:`` in its signature (``None``/"" for none)."""
+
+
+class UpdatesApplied(Protocol):
+    """``on_updates_applied(updates, *, source, call_id)``, sync or async: rule updates are about to apply.
+
+    ``source`` is who issued them (``"handler"``, ``"hook"`` or ``"interrupt"`` for an answer, or
+    what `PermissionEngine.accept_updates` was given, e.g. ``"tool"``); ``call_id``
+    the tool call they came with.
+    """
+
+    def __call__(
+        self, updates: tuple[PermissionUpdate, ...], /, *, source: str, call_id: str | None
+    ) -> Awaitable[None] | None: ...
+
+
+PermissionPhase: TypeAlias = Literal["requested", "resolved"]
+
+
+@attrs.frozen(eq=False)
+class PermissionRecord:
+    """What the engine hands the recorder: the request, and for ``resolved`` the decision."""
+
+    permission_id: str
+    request: PermissionRequest
+    decision: Decision | None = None
+
+    @property
+    def outcome(self) -> PermissionDecision | None:
+        return None if self.decision is None else self.decision.outcome
+
+
+PermissionRecorder: TypeAlias = Callable[[PermissionPhase, PermissionRecord], Awaitable[None]]
+"""``async def record(phase, record)``: ``"requested"`` before asking, ``"resolved"`` after (make both durable)."""
+
+
+@attrs.frozen(eq=False)
+class _Answer:
+    source: DecisionSource
+    result: PermissionAllow | PermissionDeny | None = None
+    message: str | None = None
+
+
+def _callable_name(fn: object) -> str:
+    return str(getattr(fn, "__qualname__", None) or repr(fn))
+
+
+def _checked_updates(updates: Iterable[PermissionUpdate]) -> tuple[PermissionUpdate, ...]:
+    if isinstance(updates, PermissionUpdate):
+        return (updates,)
+    checked = tuple(updates)
+    for update in checked:
+        if not isinstance(update, PermissionUpdate):
+            raise ConfigError(f"expected a PermissionUpdate, got {update!r}")
+    return checked
+
+
+def _no_handler_message(
+    name: str,
+    signature: str,
+    kind: ToolKind,
+    mode: PermissionMode,
+    reason: AskReason,
+    message: str | None,
+    rule: Rule | str | None,
+) -> str:
+    """What the model sees when a call needed an answer and nobody can give one: why, and what would fix it."""
+    head = f"{signature} needs permission and there is no permission handler to ask, so the call was denied"
+    allow = f'permissions={{"allow": ["{name}"]}}'
+    if reason is AskReason.TOOL:
+        why = f"the tool's own check asks{f' ({message})' if message else ''}"
+        fix = "only a permission_handler= can answer a tool's own ask"
+    elif reason is AskReason.RULE:
+        why = f"it matches ask rule {str(rule)!r}"
+        fix = f"to let it run, open the session with a permission_handler=, or drop the ask rule and use {allow}"
+    else:
+        why = f"{mode.value} mode asks before {kind.value} tools"
+        fix = (
+            f"to let it run, open the session with {allow} or a permission_handler=, "
+            f'or define the tool with kind="readonly" if it only reads'
+        )
+    return f"{head} ({why}). This is the session's configuration, not the call: {fix}."
+
+
+class PermissionEngine:
+    """Decides whether tool calls may run (the table is in `trio_agent._permissions._table`'s docstring).
+
+    Args:
+        rules: the configured allow / ask / deny rules (default: none).
+        mode: the permission mode (changeable later through `mode`).
+        handler: answers asks (``async (PermissionRequest) -> result``); asked after the hooks.
+        hooks: PermissionRequest hooks, asked in order before the handler.
+        path_policy: keeps affected paths inside the workspace (default: no path policy).
+        record: ``async record(phase, PermissionRecord)``, called with ``"requested"``
+            before an ask and ``"resolved"`` after it, so the session can make both
+            durable. An exception from it propagates (the pipeline fails closed).
+        tool_checks: tool name -> the tool's own ``check_permissions(input)``; a tool
+            not listed uses its `Tool.check_permissions` (``define_tool(check_permissions=)``).
+        signature_content: tool name -> ``signature_content(input)``, or one callable
+            ``(tool_name, input) -> str | None`` for all tools; a tool not covered uses
+            `Tool.signature_content_for` (``define_tool(signature_content=)``, else the
+            tool's conventional field such as ``command``).
+        tool_filter: a `ToolFilter`, or ``agent_id -> ToolFilter``, enforced on calls.
+        ask_timeout: seconds an ask (hooks and handler together) may take (default 600).
+        record_grace: bound on the shielded ``resolved`` write after a cancellation (default 10 s).
+        on_updates_applied: told about every rule update an answer or `accept_updates`
+            applies (see `UpdatesApplied`); also settable later as ``engine.on_updates_applied``.
+    """
+
+    def __init__(
+        self,
+        rules: PermissionRules | None = None,
+        *,
+        mode: PermissionMode | str = PermissionMode.DEFAULT,
+        handler: PermissionHandler | None = None,
+        hooks: PermissionHook | Sequence[PermissionHook] | None = None,
+        path_policy: PathPolicy | None = None,
+        record: PermissionRecorder | None = None,
+        tool_checks: Mapping[str, ToolPermissionCheck] | None = None,
+        signature_content: Mapping[str, SignatureContent] | Callable[[str, JsonObject], str | None] | None = None,
+        tool_filter: ToolFilter | Callable[[str], ToolFilter] | None = None,
+        ask_timeout: float = 600.0,
+        record_grace: float = 10.0,
+        on_updates_applied: UpdatesApplied | None = None,
+    ) -> None:
+        if rules is None:
+            rules = PermissionRules()
+        if not isinstance(rules, PermissionRules):
+            raise ConfigError(f"rules must be PermissionRules, got {rules!r}")
+        self._rules = rules
+        self._mode = as_mode(mode)
+        if handler is not None and not callable(handler):
+            raise ConfigError(f"permission handler must be an async callable, got {handler!r}")
+        self._handler = handler
+        if hooks is None:
+            hook_list: tuple[PermissionHook, ...] = ()
+        elif callable(hooks):
+            hook_list = (hooks,)
+        else:
+            hook_list = tuple(hooks)
+        for index, hook in enumerate(hook_list):
+            if not callable(hook):
+                raise ConfigError(f"PermissionRequest hook #{index} is not callable: {hook!r}")
+        self._hooks = hook_list
+        if path_policy is not None and not isinstance(path_policy, PathPolicy):
+            raise ConfigError(f"path_policy must be a PathPolicy, got {path_policy!r}")
+        self._path_policy = path_policy
+        if record is not None and not callable(record):
+            raise ConfigError(f"record must be an async callable, got {record!r}")
+        self._record = record
+        self._tool_checks = dict(tool_checks or {})
+        for name, check in self._tool_checks.items():
+            if not callable(check):
+                raise ConfigError(f"tool_checks[{name!r}] is not callable: {check!r}")
+        self._content_map: dict[str, SignatureContent] = {}
+        self._content_fn: Callable[[str, JsonObject], str | None] | None = None
+        if isinstance(signature_content, Mapping):
+            self._content_map = dict(signature_content)
+            for name, fn in self._content_map.items():
+                if not callable(fn):
+                    raise ConfigError(f"signature_content[{name!r}] is not callable: {fn!r}")
+        elif signature_content is not None:
+            if not callable(signature_content):
+                raise ConfigError(f"signature_content must be a mapping or a callable, got {signature_content!r}")
+            self._content_fn = signature_content
+        if tool_filter is not None and not isinstance(tool_filter, ToolFilter) and not callable(tool_filter):
+            raise ConfigError(f"tool_filter must be a ToolFilter or a callable, got {tool_filter!r}")
+        self._tool_filter = tool_filter
+        self.ask_timeout = validate_timeout(ask_timeout, name="permission ask_timeout")
+        self.record_grace = validate_timeout(record_grace, name="permission record_grace")
+        if on_updates_applied is not None and not callable(on_updates_applied):
+            raise ConfigError(f"on_updates_applied must be callable, got {on_updates_applied!r}")
+        self.on_updates_applied: UpdatesApplied | None = on_updates_applied
+        # The session layer, changed by answers (rule updates, remember) and `accept_updates`.
+        self._approved: set[str] = set()
+        self._session_allow: list[Rule] = []
+        self._session_deny: list[Rule] = []
+
+    # -- configuration ---------------------------------------------------------
+
+    @property
+    def rules(self) -> PermissionRules:
+        """The configured rules (never changed by answers)."""
+        return self._rules
+
+    @property
+    def mode(self) -> PermissionMode:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: PermissionMode | str) -> None:
+        self._mode = as_mode(value)
+
+    @property
+    def approved_signatures(self) -> frozenset[str]:
+        """Signatures remembered for the session (exact matches)."""
+        return frozenset(self._approved)
+
+    @property
+    def session_allow_rules(self) -> tuple[Rule, ...]:
+        return tuple(self._session_allow)
+
+    @property
+    def session_deny_rules(self) -> tuple[Rule, ...]:
+        return tuple(self._session_deny)
+
+    async def accept_updates(
+        self, updates: Iterable[PermissionUpdate], *, source: str, call_id: str | None = None
+    ) -> tuple[PermissionUpdate, ...]:
+        """Apply live rule updates (a tool's ``permission_updates`` effect, say) and report them.
+
+        Every item is checked first (`ConfigError`, nothing applied). Then
+        `on_updates_applied` is called (and awaited if async) *before* the
+        updates take effect, so a journal can make them durable first: if it
+        raises, nothing is applied and the error propagates. Returns the updates
+        applied (none: no callback).
+        """
+        checked = _checked_updates(updates)
+        if not checked:
+            return ()
+        callback = self.on_updates_applied
+        if callback is not None:
+            outcome = callback(checked, source=source, call_id=call_id)
+            if inspect.isawaitable(outcome):
+                await outcome
+        self._apply(checked)
+        return checked
+
+    def replay_updates(self, updates: Iterable[PermissionUpdate]) -> None:
+        """Apply stored rule updates again (a reopened session), without calling `on_updates_applied`."""
+        self._apply(_checked_updates(updates))
+
+    def apply_updates(self, updates: Iterable[PermissionUpdate]) -> None:
+        """Apply rule updates to the session layer, without calling `on_updates_applied`.
+
+        For updates that must be reported (journalled), use `accept_updates`.
+        """
+        self._apply(_checked_updates(updates))
+
+    def _apply(self, updates: tuple[PermissionUpdate, ...]) -> None:
+        """Adding a rule with one behaviour takes it out of the other session list (so the session layer
+        never conflicts with itself); removing works on the session layer only."""
+        for update in updates:
+            target = self._session_allow if update.behavior is RuleBehavior.ALLOW else self._session_deny
+            other = self._session_deny if update.behavior is RuleBehavior.ALLOW else self._session_allow
+            for rule in update.rules:
+                if update.action == "add":
+                    if rule in other:
+                        other.remove(rule)
+                    if rule not in target:
+                        target.append(rule)
+                elif rule in target:
+                    target.remove(rule)
+
+    def never_allowed(self, tool: Tool[Any]) -> str | None:
+        """Why every call of *tool* will be denied as things stand, or ``None`` when some call could run.
+
+        Only the sure cases: no handler; no allow rule that could match the tool;
+        no wholesale deny rule (that refusal is deliberate); and either the mode asks
+        for the tool's kind (no behaviour resolver that could narrow it, not ``plan``,
+        whose refusal is deliberate) or an ask rule covers every call (not in bypass).
+        """
+        if self._handler is not None:
+            return None
+        name = tool.name
+        for rule in (*self._rules.rules(RuleBehavior.ALLOW), *self._session_allow):
+            if (rule.tool_prefix and name.startswith(rule.tool)) or rule.tool == name:
+                return None
+        for rule in self._rules.rules(RuleBehavior.DENY):
+            if rule.matches_call(name, None):
+                return None
+        mode = self._mode
+        if mode is not PermissionMode.BYPASS:
+            for rule in self._rules.rules(RuleBehavior.ASK):
+                if rule.matches_call(name, None):
+                    return f"it matches ask rule {rule.text!r}"
+        if tool.resolver is None and MODE_TABLE[mode][tool.kind] is RuleBehavior.ASK:
+            return f"permission mode {mode.value!r} asks before {tool.kind.value} tools"
+        return None
+
+    def remember(self, signature: str) -> None:
+        """Approve this exact signature for the rest of the session."""
+        if not isinstance(signature, str) or not signature:
+            raise ConfigError(f"a signature must be a non-empty string, got {signature!r}")
+        self._approved.add(signature)
+
+    def forget_session(self) -> None:
+        """Drop every session approval and session rule."""
+        self._approved.clear()
+        self._session_allow.clear()
+        self._session_deny.clear()
+
+    def signature(self, tool: Tool[Any], input: JsonObject) -> str:
+        """``Name`` or ``Name:content`` for a call of *tool* with *input* (raises what the callable raises)."""
+        content = self._content(tool, input)
+        return tool.name if not content else f"{tool.name}:{content}"
+
+    def as_stage(self) -> Stage:
+        """This engine as a ``permission`` stage for `ToolStages`."""
+
+        async def permission_stage(request: StageRequest) -> Allow | Deny | None:
+            decision = await self.decide(request.tool, request.input, request.context)
+            return decision.to_stage_decision(request.input)
+
+        permission_stage.__qualname__ = "PermissionEngine.permission_stage"
+        return permission_stage
+
+    # -- the table -------------------------------------------------------------
+
+    async def decide(self, tool: Tool[Any], input: JsonObject, context: ExecutionContext) -> Decision:
+        """Walk the decision table for one call of *tool* with *input*.
+
+        Raises only what the recorder raises, `LeaseLostError`, or
+        ``trio.Cancelled``; everything a tool, hook or handler does wrong
+        becomes a deny.
+        """
+        verdict = await self.evaluate(tool, input, context)
+        if isinstance(verdict, AskNeeded):
+            return await self._ask(tool, verdict, context)
+        return verdict
+
+    async def evaluate(self, tool: Tool[Any], input: JsonObject, context: ExecutionContext) -> Decision | AskNeeded:
+        """Stages 0-11 for one call, exactly as `decide` walks them; `AskNeeded` where `decide` would ask.
+
+        The tool's own check runs (stage 3); nobody is asked, nothing is
+        recorded, the session layer is not changed. Answer an `AskNeeded` with
+        `conclude`. Raises only `LeaseLostError` or ``trio.Cancelled``.
+        """
+        screened = await self._screen(tool, input, context)
+        if isinstance(screened, Decision):
+            return screened
+        return evaluate_after_screen(tool, screened, self._policy())
+
+    async def conclude(
+        self,
+        tool: Tool[Any],
+        ask: AskNeeded,
+        context: ExecutionContext,
+        answer: PermissionAllow | PermissionDeny,
+    ) -> Decision:
+        """Conclude *ask* (from `evaluate`) with an *answer* given elsewhere, e.g. in a continuation run.
+
+        An allow stands only if stages 0-5 pass again on its input
+        (``updated_input``, else the asked input), in the mode and with the
+        rules of now, as for a handler's allow in `decide`: an edit that the
+        schema, the path policy, the tool's check, a deny rule or plan mode
+        refuses is denied (by that stage). A tool-level ask on that input is
+        satisfied by this answer. An allow that stood applies its
+        ``rule_updates`` (through `accept_updates`, source ``"interrupt"``)
+        and ``remember``. A deny answer denies, with its message and
+        ``stop_loop``. The decision's source is ``interrupt`` unless a stage
+        of 0-5 denied the allow; ``asked`` is true and ``permission_id`` is
+        ``None``: the engine records nothing (whoever asked records).
+        """
+        if not isinstance(ask, AskNeeded):
+            raise ConfigError(f"conclude() needs the AskNeeded that evaluate() returned, got {ask!r}")
+        if ask.tool_name != tool.name:
+            raise ConfigError(f"this ask is for tool {ask.tool_name!r}, not {tool.name!r}")
+        if not isinstance(answer, (PermissionAllow, PermissionDeny)):
+            raise ConfigError(f"an answer is a PermissionAllow or a PermissionDeny, got {answer!r}")
+        decision = await self._conclude(tool, ask, context, _Answer(DecisionSource.INTERRUPT, answer), None)
+        if decision.allowed and isinstance(answer, PermissionAllow):
+            await self._apply_answer(answer, DecisionSource.INTERRUPT, decision, context)
+        return decision
+
+    async def _screen(self, tool: Tool[Any], input: JsonObject, context: ExecutionContext) -> Subject | Decision:
+        """Stages 0-5, the ones that can only deny (or make the call ask); run again after an allow answer."""
+        policy = self._policy()
+        screened = subject(
+            tool, input, policy, tool_filter=self._filter_for(context.agent_id), agent_id=context.agent_id
+        )
+        if isinstance(screened, Decision):
+            return screened
+        # 3. The tool's own check: user code, maybe async, so it runs here, between the pure stages.
+        check = self._check_for(tool)
+        if check is not None:
+            try:
+                outcome = check(json_copy(screened.input))
+                if inspect.isawaitable(outcome):
+                    outcome = await outcome
+            except LeaseLostError:
+                raise
+            except Exception as exc:
+                return check_failed(tool, screened, exc)
+            policy = self._policy()  # the rules and the mode as they are after the check
+            screened = after_check(tool, screened, outcome, policy)
+            if isinstance(screened, Decision):
+                return screened
+        return screen_rest(tool, screened, policy)
+
+    def _policy(self) -> Policy:
+        """What the table reads of this engine, as it stands now."""
+        return Policy(
+            self._rules, self._mode, self._approved, self._session_allow, self._session_deny,
+            self._path_policy, self.signature,
+        )  # fmt: skip
+
+    def _content(self, tool: Tool[Any], input: JsonObject) -> str | None:
+        fn: Callable[[JsonObject], object] | None = self._content_map.get(tool.name)
+        if fn is not None:
+            value: object = fn(json_copy(input))
+        elif self._content_fn is not None:
+            value = self._content_fn(tool.name, json_copy(input))
+        else:
+            # The tool's own: define_tool(signature_content=), else its conventional field.
+            return tool.signature_content_for(json_copy(input))
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise TypeError(f"signature content must be a string or None, got {value!r}")
+        return value or None
+
+    def _check_for(self, tool: Tool[Any]) -> ToolPermissionCheck | None:
+        check = self._tool_checks.get(tool.name)
+        if check is None:
+            check = tool.check_permissions
+        return check
+
+    def _filter_for(self, agent_id: str) -> ToolFilter | None:
+        tool_filter = self._tool_filter
+        if tool_filter is None or isinstance(tool_filter, ToolFilter):
+            return tool_filter
+        return tool_filter(agent_id)
+
+    # -- the ask ---------------------------------------------------------------
+
+    async def _ask(self, tool: Tool[Any], ask: AskNeeded, context: ExecutionContext) -> Decision:
+        """Stage 12-13: the hooks, then the handler; record requested / resolved around it."""
+        answerers: list[tuple[DecisionSource, PermissionHandler]] = [(DecisionSource.HOOK, h) for h in self._hooks]
+        if self._handler is not None:
+            answerers.append((DecisionSource.HANDLER, self._handler))
+        signature = ask.signature
+        if not answerers:
+            return deny(
+                ask.input, signature, DecisionSource.NO_HANDLER,
+                _no_handler_message(tool.name, signature, ask.tool_kind, self._mode, ask.reason, ask.message, ask.rule),
+            )  # fmt: skip
+        abort = context.abort
+        if abort.reason is not None:
+            return deny(ask.input, signature, DecisionSource.ABORT, f"permission not asked: {abort.reason.message}")
+        permission_id = f"{context.tool_call_id}:permission"
+        request = PermissionRequest(
+            tool_name=tool.name,
+            input=json_copy(ask.input),
+            signature=signature,
+            mode=self._mode,
+            tool_kind=ask.tool_kind,
+            side_effect=ask.side_effect,
+            affected_paths=ask.affected_paths,
+            reason=ask.reason,
+            message=ask.message,
+            rule=ask.rule,
+            agent_id=context.agent_id,
+            session_id=context.session_id,
+            request_id=context.request_id,
+            turn_id=context.turn_id,
+            tool_call_id=context.tool_call_id,
+            permission_id=permission_id,
+            deadline=trio.current_time() + self.ask_timeout,
+            abort=abort,
+        )
+        if self._record is not None:
+            await self._record("requested", PermissionRecord(permission_id, request))
+        answer = _Answer(DecisionSource.NO_ANSWER)
+        try:
+            answer = await self._consult(answerers, request, abort)
+            decision = await self._conclude(tool, ask, context, answer, permission_id)
+        except trio.Cancelled:
+            # Cancelled from outside while asking: resolve the request as cancelled, then go on cancelling.
+            cancelled = Decision(
+                False, DecisionSource.ABORT, ask.input, signature, "permission request cancelled",
+                asked=True, permission_id=permission_id,
+            )  # fmt: skip
+            await self._record_shielded(PermissionRecord(permission_id, request, cancelled), swallow=True)
+            raise
+        if decision.source is DecisionSource.ABORT:
+            # The call's abort: the write is shielded, then an outer cancellation (the pipeline's) proceeds.
+            await self._record_shielded(PermissionRecord(permission_id, request, decision), swallow=False)
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return decision
+        if self._record is not None:
+            await self._record("resolved", PermissionRecord(permission_id, request, decision))
+        if decision.allowed and isinstance(answer.result, PermissionAllow):
+            # Only an allow that stood applies its side effects, and only once it is recorded.
+            await self._apply_answer(answer.result, answer.source, decision, context)
+        return decision
+
+    async def _consult(
+        self,
+        answerers: Sequence[tuple[DecisionSource, PermissionHandler]],
+        request: PermissionRequest,
+        abort: AbortHandle,
+    ) -> _Answer:
+        """The first allow or deny of the answerers, bounded by the deadline and the call's abort."""
+        answer = _Answer(DecisionSource.NO_ANSWER)
+        with trio.CancelScope() as abort_scope:
+            token = abort.add_listener(lambda _abort: abort_scope.cancel())
+            try:
+                with trio.CancelScope(deadline=request.deadline) as deadline_scope:
+                    answer = await self._first_answer(answerers, request)
+            finally:
+                abort.remove_listener(token)
+        if abort.reason is not None:
+            return _Answer(DecisionSource.ABORT, message=f"permission request cancelled: {abort.reason.message}")
+        if deadline_scope.cancel_called:
+            # Even an answer that came in after the deadline (a handler that ignored the cancellation) is refused.
+            return _Answer(
+                DecisionSource.TIMEOUT,
+                message=f"permission request for {request.signature} got no answer within {self.ask_timeout:g} s",
+            )
+        return answer
+
+    async def _first_answer(
+        self, answerers: Sequence[tuple[DecisionSource, PermissionHandler]], request: PermissionRequest
+    ) -> _Answer:
+        for source, answerer in answerers:
+            who = f"permission {source.value} {_callable_name(answerer)}"
+            try:
+                result: object = await answerer(request)
+            except LeaseLostError:
+                raise
+            except Exception as exc:
+                return _Answer(DecisionSource.ERROR, message=f"{who} failed: {exc!r}")
+            if isinstance(result, (PermissionAllow, PermissionDeny)):
+                return _Answer(source, result)
+            if result is not None and not isinstance(result, PermissionAsk):
+                return _Answer(
+                    DecisionSource.ERROR,
+                    message=f"{who} returned {result!r}, expected PermissionAllow, PermissionDeny, "
+                    "PermissionAsk or None",
+                )
+        if self._handler is None:
+            # Only hooks were asked, and they cannot grant: the same refusal as having nobody to ask.
+            return _Answer(
+                DecisionSource.NO_HANDLER,
+                message=_no_handler_message(
+                    request.tool_name, request.signature, request.tool_kind, request.mode,
+                    request.reason, request.message, request.rule,
+                ),
+            )  # fmt: skip
+        return _Answer(
+            DecisionSource.NO_ANSWER, message=f"nobody answered the permission request for {request.signature}"
+        )
+
+    async def _conclude(
+        self,
+        tool: Tool[Any],
+        ask: AskNeeded,
+        context: ExecutionContext,
+        answer: _Answer,
+        permission_id: str | None,
+    ) -> Decision:
+        result = answer.result
+        if isinstance(result, PermissionAllow):
+            new_input = ask.input if result.updated_input is None else result.updated_input
+            # An allow is final only if stages 0-5 still pass: on the updated input, in the current mode,
+            # with the current rules (plan mode denies even after a handler allows). A tool-level ask
+            # on the new input is satisfied by this very answer; a tool-level deny still denies.
+            screened = await self._screen(tool, new_input, context)
+            if isinstance(screened, Decision):
+                return attrs.evolve(screened, asked=True, permission_id=permission_id)
+            message = f"allowed by the permission {answer.source.value}"
+            return Decision(
+                True, answer.source, screened.input, screened.signature, message,
+                asked=True, permission_id=permission_id,
+            )  # fmt: skip
+        if isinstance(result, PermissionDeny):
+            return Decision(
+                False, answer.source, ask.input, ask.signature, result.message, result.stop_loop,
+                asked=True, permission_id=permission_id,
+            )  # fmt: skip
+        message = answer.message or "permission denied"
+        if answer.source is DecisionSource.NO_ANSWER:
+            message = f"{message}; denied"
+        return Decision(
+            False, answer.source, ask.input, ask.signature, message, asked=True, permission_id=permission_id
+        )
+
+    async def _apply_answer(
+        self, result: PermissionAllow, source: DecisionSource, decision: Decision, context: ExecutionContext
+    ) -> None:
+        """The side effects of an allow that stood: its rule updates, then ``remember`` (the final signature)."""
+        await self.accept_updates(result.rule_updates, source=source.value, call_id=context.tool_call_id)
+        if result.remember:
+            self._approved.add(decision.signature)
+
+    async def _record_shielded(self, record: PermissionRecord, *, swallow: bool) -> None:
+        if self._record is None:
+            return
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + self.record_grace):
+            try:
+                await self._record("resolved", record)
+            except Exception:
+                if not swallow:
+                    raise

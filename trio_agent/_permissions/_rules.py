@@ -1,0 +1,530 @@
+"""The permission vocabulary: modes, rules, rule updates, answers, tool filters and the path policy.
+
+Values only (no engine, no table): `PermissionMode` and `MODE_TABLE`, the `Rule` syntax and
+the `PermissionRules` lists, a `PermissionUpdate` to the session's rules (and its JSON form for
+the journal), the answers a tool's check, a hook or the handler gives (`PermissionAllow`,
+`PermissionDeny`, `PermissionAsk`), the `ToolFilter` of an agent and the `PathPolicy` of a
+workspace. The decision table that reads them is `trio_agent._permissions._table`.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import types
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Literal, TypeAlias
+
+import attrs
+
+from .._errors import ConfigError
+from .._tools._definition import ToolKind
+from .._tools._results import JsonObject
+
+__all__ = [
+    "MODE_TABLE",
+    "PathPolicy",
+    "PermissionAllow",
+    "PermissionAsk",
+    "PermissionDeny",
+    "PermissionMode",
+    "PermissionResult",
+    "PermissionRules",
+    "PermissionUpdate",
+    "Rule",
+    "RuleBehavior",
+    "RuleMatch",
+    "ToolFilter",
+    "ToolPermissionCheck",
+    "as_mode",
+    "update_from_json",
+    "update_to_json",
+]
+
+
+# ---------------------------------------------------------------- modes and rules
+
+
+class PermissionMode(enum.Enum):
+    """How much a session lets through without asking (see `MODE_TABLE`)."""
+
+    DEFAULT = "default"
+    ACCEPT_EDITS = "accept_edits"
+    PLAN = "plan"
+    BYPASS = "bypass"
+
+
+class RuleBehavior(enum.Enum):
+    """What a permission rule (or a mode-table cell) says about a call."""
+
+    ALLOW = "allow"
+    ASK = "ask"
+    DENY = "deny"
+
+
+_A, _Q, _D = RuleBehavior.ALLOW, RuleBehavior.ASK, RuleBehavior.DENY
+_R, _W, _X = ToolKind.READONLY, ToolKind.WRITE, ToolKind.EXECUTE
+
+MODE_TABLE: Mapping[PermissionMode, Mapping[ToolKind, RuleBehavior]] = types.MappingProxyType(
+    {
+        PermissionMode.DEFAULT: types.MappingProxyType({_R: _A, _W: _Q, _X: _Q}),
+        PermissionMode.ACCEPT_EDITS: types.MappingProxyType({_R: _A, _W: _A, _X: _Q}),
+        PermissionMode.PLAN: types.MappingProxyType({_R: _A, _W: _D, _X: _D}),
+        PermissionMode.BYPASS: types.MappingProxyType({_R: _A, _W: _A, _X: _A}),
+    }
+)
+"""What each mode does with a call of each resolved kind when no rule decided.
+
+``DENY`` cells are a hard limit applied before any rule or answer can allow
+(stage 5); ``ALLOW`` cells apply after the rules (stage 10); ``ASK`` falls
+through to the default ask.
+"""
+
+
+def as_mode(value: PermissionMode | str) -> PermissionMode:
+    """The `PermissionMode` that *value* is or names; `ConfigError` saying the choices if none."""
+    if isinstance(value, PermissionMode):
+        return value
+    try:
+        return PermissionMode(value)
+    except ValueError:
+        allowed = ", ".join(repr(mode.value) for mode in PermissionMode)
+        raise ConfigError(f"permission mode must be one of {allowed}, got {value!r}") from None
+
+
+def _behavior(value: RuleBehavior | str) -> RuleBehavior:
+    if isinstance(value, RuleBehavior):
+        return value
+    try:
+        return RuleBehavior(value)
+    except ValueError:
+        raise ConfigError(f"rule behavior must be 'allow', 'ask' or 'deny', got {value!r}") from None
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_TOOL_PREFIX = re.compile(r"[A-Za-z0-9_-]{0,63}\*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@attrs.frozen
+class Rule:
+    """One parsed permission rule.
+
+    Syntax (``text``)::
+
+        *                 every call of every tool
+        Name              every call of tool Name (whatever its signature content)
+        Prefix*           every call of every tool whose name starts with Prefix
+        Name:*            the same as Name
+        Name:content      calls of Name whose signature content is exactly ``content``
+        Name:prefix*      calls of Name whose signature content starts with ``prefix``
+
+    ``*`` is only allowed as the last character; the content may itself contain
+    ``:`` (the tool name ends at the first one). Two rules are equal when they
+    match the same calls (``Bash`` == ``Bash:*``); ``text`` is the spelling.
+    """
+
+    text: str = attrs.field(eq=False)
+    tool: str
+    tool_prefix: bool
+    content: str | None
+    content_prefix: bool
+
+    @classmethod
+    def parse(cls, text: object) -> Rule:
+        """Parse *text*; raise `ConfigError` saying what is wrong with it."""
+        if isinstance(text, Rule):
+            return text
+        if not isinstance(text, str):
+            raise ConfigError(f"a permission rule must be a string, got {text!r}")
+        if not text.strip():
+            raise ConfigError("empty permission rule")
+        if text != text.strip():
+            raise ConfigError(f"permission rule {text!r} has leading or trailing whitespace")
+        if _CONTROL.search(text):
+            raise ConfigError(f"permission rule {text!r} contains a control character")
+        name, sep, content = text.partition(":")
+        star_inside = "*" in text[:-1]
+        if star_inside:
+            raise ConfigError(f"permission rule {text!r}: '*' is only allowed as the last character (a prefix)")
+        if not sep:
+            if name.endswith("*"):
+                if not _TOOL_PREFIX.fullmatch(name):
+                    raise ConfigError(f"permission rule {text!r}: {name[:-1]!r} is not a tool-name prefix")
+                return cls(text, name[:-1], True, None, False)
+            if not _TOOL_NAME.fullmatch(name):
+                raise ConfigError(
+                    f"permission rule {text!r}: {name!r} is not a tool name (1-64 letters, digits, '_' or '-')"
+                )
+            return cls(text, name, False, None, False)
+        if not _TOOL_NAME.fullmatch(name):
+            raise ConfigError(
+                f"permission rule {text!r}: {name!r} is not a tool name (1-64 letters, digits, '_' or '-'); "
+                "a rule with ':content' names exactly one tool"
+            )
+        if not content:
+            raise ConfigError(f"permission rule {text!r}: empty content after ':' (write {name!r} or '{name}:*')")
+        if content == "*":
+            return cls(text, name, False, None, False)
+        if content.endswith("*"):
+            return cls(text, name, False, content[:-1], True)
+        return cls(text, name, False, content, False)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def matches(self, signature: str) -> bool:
+        """Whether this rule matches the signature ``Name`` or ``Name:content``."""
+        name, sep, content = signature.partition(":")
+        return self.matches_call(name, content if sep else None)
+
+    def matches_call(self, tool_name: str, content: str | None) -> bool:
+        """Whether this rule matches a call of *tool_name* with signature *content* (``None``: no content)."""
+        if self.tool_prefix:
+            return tool_name.startswith(self.tool)
+        if tool_name != self.tool:
+            return False
+        if self.content is None:
+            return True
+        if content is None:
+            return False
+        return content.startswith(self.content) if self.content_prefix else content == self.content
+
+
+def _rule_texts(value: Iterable[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)):
+        raise ConfigError(f"permission rules must be a list of rule strings, got the single string {value!r}")
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ConfigError(f"permission rules must be a list of rule strings, got {value!r}") from None
+
+
+@attrs.frozen
+class RuleMatch:
+    """The rule that decided, and how."""
+
+    behavior: RuleBehavior
+    rule: Rule
+
+
+@attrs.frozen
+class PermissionRules:
+    """The ``allow``, ``ask`` and ``deny`` rule lists (see `Rule` for the syntax).
+
+    Validated at construction (`ConfigError`): every rule must parse, and one
+    rule may not appear in two lists (``Bash`` in allow and ``Bash:*`` in deny
+    is the same rule: a conflict). Repeats within one list are dropped.
+    Precedence when several rules match a signature: deny > allow > ask.
+    """
+
+    allow: tuple[str, ...] = attrs.field(default=(), converter=_rule_texts)
+    ask: tuple[str, ...] = attrs.field(default=(), converter=_rule_texts)
+    deny: tuple[str, ...] = attrs.field(default=(), converter=_rule_texts)
+    _parsed: Mapping[RuleBehavior, tuple[Rule, ...]] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        parsed: dict[RuleBehavior, tuple[Rule, ...]] = {}
+        seen: dict[Rule, tuple[RuleBehavior, Rule]] = {}
+        for behavior in (RuleBehavior.DENY, RuleBehavior.ALLOW, RuleBehavior.ASK):
+            rules: list[Rule] = []
+            for index, text in enumerate(getattr(self, behavior.value)):
+                try:
+                    rule = Rule.parse(text)
+                except ConfigError as exc:
+                    raise ConfigError(f"permissions.{behavior.value}[{index}]: {exc}") from None
+                previous = seen.get(rule)
+                if previous is not None:
+                    other_behavior, other = previous
+                    if other_behavior is behavior:
+                        continue  # a repeat within one list
+                    spelled = "" if other.text == rule.text else f" (as {other.text!r})"
+                    raise ConfigError(
+                        f"conflicting permission rules: {rule.text!r} is in both "
+                        f"permissions.{other_behavior.value}{spelled} and permissions.{behavior.value}"
+                    )
+                seen[rule] = (behavior, rule)
+                rules.append(rule)
+            parsed[behavior] = tuple(rules)
+        object.__setattr__(self, "_parsed", types.MappingProxyType(parsed))
+
+    def rules(self, behavior: RuleBehavior) -> tuple[Rule, ...]:
+        """The parsed rules of one list, in order."""
+        return self._parsed[behavior]
+
+    def first(self, behavior: RuleBehavior, signature: str) -> Rule | None:
+        """The first rule of one list that matches *signature*."""
+        for rule in self._parsed[behavior]:
+            if rule.matches(signature):
+                return rule
+        return None
+
+    def match(self, signature: str) -> RuleMatch | None:
+        """The deciding rule for *signature*: deny > allow > ask; ``None`` when no rule matches."""
+        for behavior in (RuleBehavior.DENY, RuleBehavior.ALLOW, RuleBehavior.ASK):
+            rule = self.first(behavior, signature)
+            if rule is not None:
+                return RuleMatch(behavior, rule)
+        return None
+
+
+# ---------------------------------------------------------------- answers
+
+
+def _update_rules(value: Iterable[str | Rule]) -> tuple[Rule, ...]:
+    if isinstance(value, (str, bytes)):
+        raise ConfigError(f"PermissionUpdate.rules must be a list of rules, got the single string {value!r}")
+    rules = tuple(Rule.parse(text) for text in value)
+    if not rules:
+        raise ConfigError("PermissionUpdate.rules is empty")
+    return rules
+
+
+def _update_behavior(value: RuleBehavior | str) -> RuleBehavior:
+    behavior = _behavior(value)
+    if behavior is RuleBehavior.ASK:
+        raise ConfigError("a PermissionUpdate adds or removes allow or deny rules, not ask rules")
+    return behavior
+
+
+def _check_action(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in ("add", "remove"):
+        raise ConfigError(f"PermissionUpdate.action must be 'add' or 'remove', got {value!r}")
+
+
+@attrs.frozen
+class PermissionUpdate:
+    """A change to the session's rules, carried by a `PermissionAllow`.
+
+    ``add`` allow rules become session approvals, ``add`` deny rules session
+    deny rules; ``remove`` takes rules out of the session layer again. The
+    configured `PermissionRules` are never changed (a session allow cannot lift
+    a configured deny: deny wins).
+    """
+
+    action: Literal["add", "remove"] = attrs.field(validator=_check_action)
+    rules: tuple[Rule, ...] = attrs.field(converter=_update_rules)
+    behavior: RuleBehavior = attrs.field(default=RuleBehavior.ALLOW, converter=_update_behavior)
+
+    @classmethod
+    def add(cls, *rules: str | Rule, behavior: RuleBehavior | str = RuleBehavior.ALLOW) -> PermissionUpdate:
+        return cls("add", rules, behavior)
+
+    @classmethod
+    def remove(cls, *rules: str | Rule, behavior: RuleBehavior | str = RuleBehavior.ALLOW) -> PermissionUpdate:
+        return cls("remove", rules, behavior)
+
+
+def update_to_json(update: PermissionUpdate) -> JsonObject:
+    """``{"action": "add"|"remove", "behavior": "allow"|"deny", "rules": [rule text, ...]}`` (for the journal)."""
+    if not isinstance(update, PermissionUpdate):
+        raise ConfigError(f"expected a PermissionUpdate, got {update!r}")
+    return {"action": update.action, "behavior": update.behavior.value, "rules": [rule.text for rule in update.rules]}
+
+
+def update_from_json(value: object) -> PermissionUpdate:
+    """The `PermissionUpdate` that `update_to_json` made *value* from; `ConfigError` if *value* is not one."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"a stored permission update must be a JSON object, got {value!r}")
+    keys = set(value)
+    if keys != {"action", "behavior", "rules"}:
+        raise ConfigError(
+            f"a stored permission update has the keys 'action', 'behavior' and 'rules', got {sorted(map(str, keys))}"
+        )
+    rules = value["rules"]
+    if not isinstance(rules, list) or not all(isinstance(rule, str) for rule in rules):
+        raise ConfigError(f"a stored permission update's rules must be a list of strings, got {rules!r}")
+    behavior = value["behavior"]
+    if not isinstance(behavior, str):
+        raise ConfigError(f"a stored permission update's behavior must be a string, got {behavior!r}")
+    return PermissionUpdate(value["action"], rules, behavior)
+
+
+def _optional_json_object(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"updated_input must be a JSON object (dict) or None, got {type(value).__name__}")
+
+
+def _updates(value: Iterable[PermissionUpdate]) -> tuple[PermissionUpdate, ...]:
+    updates = tuple(value)
+    for update in updates:
+        if not isinstance(update, PermissionUpdate):
+            raise ConfigError(f"rule_updates must hold PermissionUpdate objects, got {update!r}")
+    return updates
+
+
+def _non_empty_message(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"a permission denial needs a message for the model, got {value!r}")
+
+
+@attrs.frozen
+class PermissionAllow:
+    """Let the call run.
+
+    ``updated_input`` replaces the input (the signature and path policy are
+    recomputed from it); ``rule_updates`` change the session's rules;
+    ``remember`` approves this exact signature for the rest of the session.
+    A tool's own check may return this to normalise input; its rule updates
+    and ``remember`` are ignored there.
+    """
+
+    updated_input: JsonObject | None = attrs.field(default=None, validator=_optional_json_object)
+    rule_updates: tuple[PermissionUpdate, ...] = attrs.field(default=(), converter=_updates)
+    remember: bool = False
+
+
+@attrs.frozen
+class PermissionDeny:
+    """Refuse the call; ``message`` is what the model sees. ``stop_loop`` also ends the agent loop."""
+
+    message: str = attrs.field(validator=_non_empty_message)
+    stop_loop: bool = False
+
+
+@attrs.frozen
+class PermissionAsk:
+    """No decision here: ask (a tool's check) or pass to the next answerer (a hook or the handler)."""
+
+    message: str | None = None
+
+
+PermissionResult: TypeAlias = PermissionAllow | PermissionDeny | PermissionAsk
+
+
+ToolPermissionCheck: TypeAlias = Callable[[JsonObject], PermissionResult | Awaitable[PermissionResult | None] | None]
+"""A tool's own ``check_permissions(input)`` (sync or async); ``None`` means no objection."""
+
+
+# ---------------------------------------------------------------- tool filter
+
+
+def _allowed_names(value: Iterable[str] | None) -> frozenset[str] | None:
+    return None if value is None else _names(value, "allowed")
+
+
+def _disallowed_names(value: Iterable[str] | None) -> frozenset[str]:
+    return frozenset() if value is None else _names(value, "disallowed")
+
+
+def _names(value: Iterable[str], field: str) -> frozenset[str]:
+    if isinstance(value, (str, bytes)):
+        raise ConfigError(f"{field} tools must be a list of tool names, got the single string {value!r}")
+    try:
+        names = frozenset(value)
+    except TypeError:
+        raise ConfigError(f"{field} tools must be a list of tool names, got {value!r}") from None
+    for name in names:
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise ConfigError(f"{field} tools: {name!r} is not a tool name")
+    return names
+
+
+@attrs.frozen
+class ToolFilter:
+    """Which tools an agent may use: ``allowed`` minus ``disallowed``.
+
+    The same meaning everywhere (session, subagent, plugin): ``None`` (omitted)
+    means no filter, a list means exactly that set, so ``allowed=[]`` allows
+    nothing and ``disallowed=None`` or ``[]`` removes nothing.
+    """
+
+    allowed: frozenset[str] | None = attrs.field(default=None, converter=_allowed_names)
+    disallowed: frozenset[str] = attrs.field(default=None, converter=_disallowed_names)
+
+    def allows(self, name: str) -> bool:
+        return (self.allowed is None or name in self.allowed) and name not in self.disallowed
+
+    def filter(self, names: Iterable[str]) -> set[str]:
+        """The names this filter lets through."""
+        return {name for name in names if self.allows(name)}
+
+    def intersect(self, other: ToolFilter) -> ToolFilter:
+        """A filter allowing exactly what both allow (a subagent's allowlist within its session's)."""
+        if self.allowed is None:
+            allowed = other.allowed
+        elif other.allowed is None:
+            allowed = self.allowed
+        else:
+            allowed = self.allowed & other.allowed
+        return ToolFilter(allowed, self.disallowed | other.disallowed)
+
+
+# ---------------------------------------------------------------- path policy
+
+
+def _roots(value: Iterable[str | os.PathLike[str]] | str | os.PathLike[str]) -> tuple[str, ...]:
+    items: Iterable[object] = [value] if isinstance(value, (str, bytes, os.PathLike)) else value
+    roots: list[str] = []
+    for root in items:
+        if not isinstance(root, (str, os.PathLike)):
+            raise ConfigError(f"workspace root must be a path, got {root!r}")
+        text = os.fspath(root)
+        if not isinstance(text, str) or not text or "\x00" in text:
+            raise ConfigError(f"workspace root must be a non-empty path, got {root!r}")
+        roots.append(os.path.abspath(text))
+    if not roots:
+        raise ConfigError("PathPolicy needs at least one workspace root")
+    return tuple(roots)
+
+
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([root, path]) == root
+
+
+_SEPARATORS = re.compile(r"[\\/]")
+
+
+@attrs.frozen
+class PathPolicy:
+    """Keep tools with affected paths inside the workspace roots.
+
+    Each affected path is taken relative to the first root (absolute paths stay
+    as they are) and denied when it has a ``..`` component (even one that would
+    stay inside), when it resolves outside every root, or when a symlink in it
+    leads out (resolved with `os.path.realpath`, which follows every existing
+    component, dangling links included, and keeps the missing rest as written).
+    Roots are made absolute at construction and resolved the same way.
+
+    The check runs when the permission is decided; the sandbox, not this
+    policy, must stop a symlink swapped in between the check and the tool's use.
+    """
+
+    workspace_roots: tuple[str, ...] = attrs.field(converter=_roots)
+    _resolved: tuple[str, ...] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_resolved", tuple(os.path.realpath(root) for root in self.workspace_roots))
+
+    def violation(self, path: str) -> str | None:
+        """Why *path* is denied, or ``None`` when it is inside the workspace."""
+        if not isinstance(path, str) or not path:
+            return f"affected path {path!r} is empty or not a string"
+        if "\x00" in path:
+            return f"affected path {path!r} contains a NUL byte"
+        if ".." in _SEPARATORS.split(path):
+            return f"affected path {path!r} contains a '..' component"
+        joined = os.path.join(self.workspace_roots[0], path)
+        try:
+            real = os.path.realpath(joined)
+        except (UnicodeError, ValueError):
+            # e.g. a lone surrogate the file system encoding cannot take: fail closed, with a reason.
+            return f"affected path {path!r} is not a valid file name"
+        if any(_inside(real, root) for root in self._resolved):
+            return None
+        lexical = os.path.normpath(joined)
+        if any(_inside(lexical, root) for root in (*self.workspace_roots, *self._resolved)):
+            return f"affected path {path!r} escapes the workspace through a symlink (it resolves to {real!r})"
+        roots = ", ".join(self.workspace_roots)
+        return f"affected path {path!r} is outside the workspace roots ({roots})"
+
+    def check(self, paths: Iterable[str]) -> str | None:
+        """The first violation among *paths*, or ``None``."""
+        for path in paths:
+            problem = self.violation(path)
+            if problem is not None:
+                return problem
+        return None
