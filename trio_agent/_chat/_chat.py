@@ -42,10 +42,14 @@ from .._journal._events import (
     RequestStarted,
 )
 from .._journal._run_recorder import JournalRecorder
+from .._lifecycle._approvals import PermissionGate
+from .._lifecycle._capabilities import validate_capabilities
+from .._lifecycle._interrupts import PausedRun
 from .._lifecycle._middleware import ChatMiddleware, apply_structured_output_config, middleware_lifecycle
 from .._loop._context import RunContext
 from .._loop._events import RunError, RunEvent, RunFinished, UsageReported
 from .._loop._hooks import Finished, Phase
+from .._loop._interrupts import ClientTool, Interrupt, InterruptAnswer, InterruptDefinition, Resume
 from .._loop._ports import RunPorts, RunSpec, TurnRef, no_effects
 from .._loop._rules import LoopStrategy, StopReason, max_iterations
 from .._loop._run import run_agent_loop
@@ -62,6 +66,8 @@ from .._models._messages import (
     UserMessage,
 )
 from .._models._service import ModelMiddleware, ModelService, Provider
+from .._permissions._engine import PermissionEngine
+from .._permissions._rules import PermissionMode, PermissionRules
 from .._tools._definition import Tool
 from .._tools._lifecycle import InMemoryToolJournal
 from .._tools._pipeline import ToolMiddleware, ToolPipeline
@@ -83,7 +89,7 @@ class StructuredOutputError(TrioAgentError):
 
 @attrs.frozen
 class ChatResult:
-    """How a ``chat()`` run ended."""
+    """How a ``chat()`` run ended; a run that paused has ``paused`` (stop reason ``interrupted``)."""
 
     text: str
     messages: tuple[Message, ...]
@@ -92,6 +98,12 @@ class ChatResult:
     usage: Usage
     turns: int
     structured_output: Any = None
+    paused: PausedRun | None = None
+
+    @property
+    def interrupts(self) -> tuple[Interrupt, ...]:
+        """The questions a paused run waits for (empty unless it paused)."""
+        return () if self.paused is None else self.paused.state.interrupts
 
 
 class _ListConversation:
@@ -207,6 +219,61 @@ def _provider_service(agent_or_model: object, model_middleware: Sequence[ModelMi
     return ModelService(provider, model_middleware)
 
 
+def _split_tools(tools: Sequence[Tool[Any] | ClientTool]) -> tuple[list[Tool[Any]], dict[str, ClientTool]]:
+    server: list[Tool[Any]] = []
+    client: dict[str, ClientTool] = {}
+    for tool in tools:
+        if isinstance(tool, ClientTool):
+            if tool.name in client:
+                raise ConfigError(f"two client tools are named {tool.name!r}")
+            client[tool.name] = tool
+        else:
+            server.append(tool)
+    clash = {tool.name for tool in server} & set(client)
+    if clash:
+        raise ConfigError(f"a tool and a client tool share the name {sorted(clash)[0]!r}")
+    return server, client
+
+
+def _registered_interrupts(
+    interrupts: Sequence[InterruptDefinition], middleware: Sequence[ChatMiddleware]
+) -> dict[str, InterruptDefinition]:
+    """The run's interrupt definitions by id (``interrupts=`` and every middleware's ``interrupts``)."""
+    registered: dict[str, InterruptDefinition] = {}
+    declared = [*interrupts, *(d for mw in middleware for d in getattr(mw, "interrupts", ()))]
+    for definition in declared:
+        if not isinstance(definition, InterruptDefinition):
+            raise ConfigError(f"interrupts must be InterruptDefinition values (define_interrupt), got {definition!r}")
+        known = registered.get(definition.id)
+        if known is not None and known is not definition:
+            raise ConfigError(f"duplicate interrupt definition id {definition.id!r}")
+        registered[definition.id] = definition
+    return registered
+
+
+def _permission_engine(
+    permissions: PermissionRules | Mapping[str, Sequence[str]] | PermissionEngine | None,
+    permission_mode: PermissionMode | str | None,
+    tools: Sequence[Tool[Any]],
+) -> PermissionEngine | None:
+    """The table approvals are judged by; ``None`` when nothing could ever ask or deny."""
+    if isinstance(permissions, PermissionEngine):
+        if permission_mode is not None:
+            raise ConfigError("permission_mode= is for rules; a PermissionEngine already has its mode")
+        return permissions
+    if permissions is None and permission_mode is None and not any(tool.check_permissions for tool in tools):
+        return None
+    if isinstance(permissions, Mapping):
+        unknown = set(permissions) - {"allow", "ask", "deny"}
+        if unknown:
+            raise ConfigError(f"permissions takes allow, ask and deny lists, not {sorted(unknown)}")
+        permissions = PermissionRules(**{key: tuple(value) for key, value in permissions.items()})
+    # With rules, the session's default mode (reads run, writes and commands ask); with no rules
+    # and no mode, only a tool that asks for itself pauses the run ("bypass" skips nothing else).
+    default = PermissionMode.DEFAULT if permissions is not None else PermissionMode.BYPASS
+    return PermissionEngine(permissions, mode=permission_mode or default)
+
+
 def _initial_messages(messages: str | Sequence[Message]) -> list[Message]:
     if isinstance(messages, str):
         if not messages.strip():
@@ -221,9 +288,9 @@ def _initial_messages(messages: str | Sequence[Message]) -> list[Message]:
 @asynccontextmanager
 async def chat(
     agent_or_model: Provider | ModelService,
-    messages: str | Sequence[Message],
+    messages: str | Sequence[Message] | None = None,
     *,
-    tools: Sequence[Tool[Any]] = (),
+    tools: Sequence[Tool[Any] | ClientTool] = (),
     middleware: Sequence[ChatMiddleware] = (),
     model_middleware: Sequence[ModelMiddleware] = (),
     tool_middleware: Sequence[ToolMiddleware] = (),
@@ -234,6 +301,12 @@ async def chat(
     abort: AbortHandle | None = None,
     metadata: Mapping[str, Any] | None = None,
     cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
+    interrupts: Sequence[InterruptDefinition] = (),
+    permissions: PermissionRules | Mapping[str, Sequence[str]] | PermissionEngine | None = None,
+    permission_mode: PermissionMode | str | None = None,
+    resume: PausedRun | None = None,
+    answers: Sequence[InterruptAnswer] = (),
+    signing_key: bytes | None = None,
 ) -> AsyncIterator[ChatRun]:
     """One run of the agent loop without a session (module docstring).
 
@@ -241,11 +314,38 @@ async def chat(
     `MiddlewareShapeError` (middleware that is not a list of `ChatMiddleware`)
     before anything runs; the run's own error from ``run.result()``.
     ``cleanup_grace`` bounds the wait for an aborted run to end when the block is left early.
+
+    Pauses and continuations (``docs/human-in-the-loop.md``): a run that must ask a person
+    ends with ``result.paused``; run ``chat(model, resume=paused, answers=[...])`` with the
+    same tools, middleware and ``signing_key`` to go on. ``permissions`` /
+    ``permission_mode`` (default ``bypass``) decide which calls need approval.
     """
     require_trio("chat()")
     cleanup_grace = validate_cleanup_grace(cleanup_grace)
     service = _provider_service(agent_or_model, model_middleware)
-    history = _initial_messages(messages)
+    resumed: Resume | None = None
+    if resume is not None:
+        if messages is not None:
+            raise ConfigError("chat() takes messages or resume=, not both (a continuation goes on with its history)")
+        if not isinstance(resume, PausedRun):
+            raise ConfigError(f"resume= takes the PausedRun of a paused run, got {type(resume).__name__}")
+        if journal is not None:
+            # A journal must refuse a replayed continuation; until it records pauses durably
+            # (run_paused / interrupts_resolved), say so rather than run a replay unnoticed.
+            raise ConfigError("resume= with journal= is not supported yet: continue a paused run without a journal")
+        resume.verify(signing_key)
+        history = list(resume.state.messages)
+        resumed = Resume(resume.state, tuple(answers), resume.run_id)
+    elif messages is None:
+        raise ConfigError("chat() needs a prompt or at least one message")
+    else:
+        if answers:
+            raise ConfigError("answers= go with resume= (the paused run they answer)")
+        history = _initial_messages(messages)
+    tools, client_tools = _split_tools(tools)
+    registered = _registered_interrupts(interrupts, middleware)
+    engine = _permission_engine(permissions, permission_mode, tools)
+    validate_capabilities(middleware, service.provider)  # the adapter's requires first
     hooks = middleware_lifecycle(middleware)
     validator = None
     if output_schema is not None:
@@ -257,7 +357,7 @@ async def chat(
     strategy = strategy or max_iterations(DEFAULT_MAX_ITERATIONS)
     meta = dict(metadata or {})
     run_id = str(meta.get("run_id") or f"chat-{uuid.uuid4().hex[:12]}")
-    thread_id = str(meta.get("thread_id") or run_id)
+    thread_id = str(meta.get("thread_id") or (resume.thread_id if resume is not None else run_id))
     agent_id = journal.root_agent_id if journal is not None else "root"
     run_abort = AbortHandle()
     links: list[tuple[AbortHandle, int]] = []
@@ -270,7 +370,9 @@ async def chat(
     send, receive = trio.open_memory_channel[RunEvent](256)
     run = ChatRun(run_id, receive, run_abort)
     conversation = _ListConversation(history)
-    offered = tuple(ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in tools)
+    offered = tuple(ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in tools) + tuple(
+        ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in client_tools.values()
+    )
 
     async def events(event: RunEvent) -> None:
         # Without a task switch while the buffer has room (one per chunk would cost more than the
@@ -294,11 +396,15 @@ async def chat(
         thread_id=thread_id,
         instructions=lambda: instructions or "",
         offered=offered,
-        allowed=frozenset(tool.name for tool in tools),
+        allowed=frozenset(tool.name for tool in tools) | frozenset(client_tools),
         strategy=strategy,
         model_metadata={**meta, "run_id": run_id, "thread_id": thread_id},
         session_id=journal.session_id if journal is not None else "chat",
+        client_tools=client_tools,
+        interrupts=registered,
     )
+    session_id = spec.session_id
+    gate = None if engine is None else PermissionGate(engine, pipeline.tools, session_id=session_id, abort=run_abort)
     ports = RunPorts(
         model=service,
         tools=pipeline,
@@ -308,6 +414,7 @@ async def chat(
         events=events,
         effects=no_effects,
         abort=run_abort,
+        gate=gate,
     )
     ctx = RunContext(
         run_id=run_id,
@@ -335,9 +442,14 @@ async def chat(
                     RequestAccepted(request_id=run_id, command_id=run_id, input={"chat": True}),
                     RequestStarted(request_id=run_id),
                 )
-            outcome = await run_agent_loop(spec, ports, hooks, ctx=ctx, finish_event=validator is None)
+            outcome = await run_agent_loop(spec, ports, hooks, ctx=ctx, finish_event=validator is None, resume=resumed)
             structured = None
-            if validator is not None and not outcome.aborted:
+            paused = None
+            if outcome.pause is not None:
+                paused = PausedRun(run_id, thread_id, agent_id, outcome.pause)
+                if signing_key is not None:
+                    paused = paused.signed(signing_key)
+            elif validator is not None and not outcome.aborted:
                 structured = await _structured_output(
                     service, ctx, middleware, conversation, spec, output_schema, validator
                 )
@@ -351,8 +463,9 @@ async def chat(
                 usage=usage,
                 turns=outcome.turns,
                 structured_output=structured,
+                paused=paused,
             )
-            if validator is not None:
+            if validator is not None and paused is None:
                 await ctx.emit(RunFinished(run_id, agent_id, outcome.stop_reason.value, outcome.text))
         except Exception as exc:
             run._error = exc
@@ -390,7 +503,10 @@ async def chat(
 
 
 async def _record_end(journal: DurableJournal, run_id: str, outcome: Finished) -> None:
-    if outcome.aborted:
+    if outcome.pause is not None:
+        asked = [interrupt.id for interrupt in outcome.pause.interrupts]
+        await journal.append(RequestCompleted(request_id=run_id, output={"text": outcome.text, "paused": asked}))
+    elif outcome.aborted:
         await journal.append(RequestInterrupted(request_id=run_id, reason=RequestInterruptReason.USER_ABORT))
     else:
         await journal.append(RequestCompleted(request_id=run_id, output={"text": outcome.text}))

@@ -26,6 +26,8 @@ Rules
   on_after_tool_call           replacements chain; an error stays an error; also for a
                                call cut off by the output limit (code ``max_tokens``)
   on_tool_phase_complete       all
+  on_interrupt_boundary        all; the requests are concatenated into one batch
+  on_interrupt_resolution      all; the most restrictive wins (stop > cancel > continue)
   on_should_continue           AND, short-circuit: only an explicit ``False`` vetoes
   on_model_error               all; any ``ctx.retry()`` retries
   on_usage                     all
@@ -69,6 +71,7 @@ from .._loop._compose import compose_lifecycle
 from .._loop._context import RunContext
 from .._loop._events import RunEvent
 from .._loop._hooks import Finished, Lifecycle, ModelConfig, ToolOutcome
+from .._loop._interrupts import InterruptRequest, InterruptResolutions, ToolResume
 from .._loop._ports import RunEventSink
 from .._loop._rules import LoopState
 from .._models._messages import ToolCallPart, ToolSpec, Usage
@@ -135,6 +138,8 @@ HOOK_NAMES: tuple[str, ...] = (
     "on_guard_tool_call",
     "on_after_tool_call",
     "on_tool_phase_complete",
+    "on_interrupt_boundary",
+    "on_interrupt_resolution",
     "on_should_continue",
     "on_model_error",
     "on_usage",
@@ -211,6 +216,19 @@ class ChatMiddleware:
 
     def on_tool_phase_complete(self, ctx: RunContext, info: ToolPhaseCompleteInfo) -> MaybeAwaitable[None]:
         """After every call of a turn was answered."""
+        return None
+
+    def on_interrupt_boundary(self, ctx: RunContext) -> MaybeAwaitable[Sequence[InterruptRequest] | None]:
+        """At each boundary (``ctx.phase``: before / after model, before / after tools): questions
+        that pause the run (`InterruptDefinition.request`); every middleware's form one batch.
+        On a continuation ``ctx.parent_run_id`` is set (skip questions already answered)."""
+        return None
+
+    def on_interrupt_resolution(
+        self, ctx: RunContext, resolutions: InterruptResolutions
+    ) -> MaybeAwaitable[ToolResume | None]:
+        """On a continuation whose batch held questions: their answers (keep them on a capability
+        or in ``ctx.state``); return `ToolResume` (``stop`` > ``cancel`` > ``continue``)."""
         return None
 
     def on_should_continue(self, ctx: RunContext, state: LoopState) -> MaybeAwaitable[bool | None]:
@@ -429,6 +447,31 @@ class _PartHooks(_Part):
     async def on_start(self, ctx: RunContext) -> None:
         await _call(self.hooks["on_start"], ctx)
 
+    async def on_interrupt_boundary(self, ctx: RunContext) -> Sequence[InterruptRequest]:
+        requests = await _call(self.hooks["on_interrupt_boundary"], ctx)
+        if requests is None:
+            return ()
+        if isinstance(requests, InterruptRequest):
+            return (requests,)
+        if not isinstance(requests, (list, tuple)) or not all(isinstance(r, InterruptRequest) for r in requests):
+            raise MiddlewareDecisionError(
+                "on_interrupt_boundary", self.name,
+                f"returned {requests!r}; expected None or a list of InterruptRequest (definition.request(...))",
+            )  # fmt: skip
+        return tuple(requests)
+
+    async def on_interrupt_resolution(self, ctx: RunContext, resolutions: InterruptResolutions) -> ToolResume | None:
+        answer = await _call(self.hooks["on_interrupt_resolution"], ctx, resolutions)
+        if answer is None:
+            return None
+        try:
+            return ToolResume(answer)
+        except ValueError:
+            raise MiddlewareDecisionError(
+                "on_interrupt_resolution", self.name,
+                f"returned {answer!r}; expected None or ToolResume ('continue', 'cancel', 'stop')",
+            ) from None  # fmt: skip
+
     async def on_iteration(self, ctx: RunContext, iteration: int, message_id: str) -> None:
         await _call(self.hooks["on_iteration"], ctx, IterationInfo(iteration, message_id))
 
@@ -553,6 +596,8 @@ _LOOP_HOOKS: Mapping[str, tuple[str, ...]] = {
     "on_guard_tool_call": ("tool_stages",),
     "on_after_tool_call": ("tool_stages", "on_cut_off_call"),
     "on_tool_phase_complete": ("on_tool_phase_complete",),
+    "on_interrupt_boundary": ("on_interrupt_boundary",),
+    "on_interrupt_resolution": ("on_interrupt_resolution",),
     "on_should_continue": ("should_continue",),
     "on_model_error": ("on_model_error",),
     "on_usage": ("on_usage",),

@@ -17,6 +17,9 @@ Rules
     sees each event first and the events flow through the parts in list order.
   - ``on_model_error``: every part is called; the call is retried if any asked.
   - ``tool_stages``: the parts' `ToolStages` concatenated slot by slot (``None``: none).
+  - ``on_interrupt_boundary``: every part; the requests are concatenated in part order.
+  - ``on_interrupt_resolution``: every part; the most restrictive answer wins
+    (``stop`` > ``cancel`` > ``continue``; ``None`` has no effect).
   - ``before_stop``: the first part giving a message wins; later parts are not asked.
   - ``should_continue``: AND, short-circuit on the first ``False``.
   - ``on_finish``: every part, each isolated; afterwards one failure is re-raised as
@@ -40,6 +43,7 @@ from .._models._messages import ToolCallPart, Usage
 from .._tools._results import ToolResult
 from .._tools._stages import ToolStages
 from ._hooks import NO_HOOKS, Finished, Lifecycle, ModelConfig, ToolOutcome, defines
+from ._interrupts import InterruptRequest, InterruptResolutions, ToolResume, most_restrictive
 from ._ports import RunEventSink
 from ._rules import LoopState
 
@@ -58,6 +62,8 @@ HOOK_NAMES: tuple[str, ...] = (
     "tool_stages",
     "on_cut_off_call",
     "on_tool_phase_complete",
+    "on_interrupt_boundary",
+    "on_interrupt_resolution",
     "before_stop",
     "should_continue",
     "on_finish",
@@ -149,6 +155,18 @@ class _Hooks(_Composed):
     async def on_tool_phase_complete(self, ctx: Any, outcomes: Sequence[ToolOutcome]) -> None:
         for part in self.chains["on_tool_phase_complete"]:
             await part.on_tool_phase_complete(ctx, outcomes)
+
+    async def on_interrupt_boundary(self, ctx: Any) -> Sequence[InterruptRequest]:
+        requests: list[InterruptRequest] = []
+        for part in self.chains["on_interrupt_boundary"]:
+            requests.extend(await part.on_interrupt_boundary(ctx))
+        return requests
+
+    async def on_interrupt_resolution(self, ctx: Any, resolutions: InterruptResolutions) -> ToolResume | None:
+        answers = [
+            await part.on_interrupt_resolution(ctx, resolutions) for part in self.chains["on_interrupt_resolution"]
+        ]
+        return most_restrictive(answers)
 
     async def before_stop(self, ctx: Any, state: LoopState) -> str | None:
         for part in self.chains["before_stop"]:

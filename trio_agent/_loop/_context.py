@@ -46,6 +46,7 @@ class RunContext:
         "chunk_index",
         "iteration",
         "metadata",
+        "parent_run_id",
         "phase",
         "request_id",
         "run_id",
@@ -69,6 +70,7 @@ class RunContext:
         self.thread_id = thread_id
         self.agent_id = agent_id
         self.request_id = request_id or run_id
+        self.parent_run_id: str | None = None  # the paused run a continuation goes on from
         self.phase = Phase.INIT
         self.iteration = 0
         self.chunk_index = 0

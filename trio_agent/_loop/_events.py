@@ -18,8 +18,8 @@ Order within a run::
         StepFinished )*
     RunFinished | RunError
 
-``CustomEvent`` may come anywhere. A run that pauses ends with ``RunFinished``
-whose ``outcome`` is ``"interrupt"``.
+``CustomEvent`` may come anywhere. A run that pauses ends with ``MessagesSnapshot``
+then ``RunFinished`` whose ``outcome`` is ``"interrupt"``.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ from typing import Any, TypeAlias
 
 import attrs
 
-from .._models._messages import Usage
+from .._models._messages import Message, Usage
 from .._tools._results import ToolResult
+from ._interrupts import Interrupt
 
 __all__ = [
     "CustomEvent",
+    "MessagesSnapshot",
     "ReasoningContent",
     "ReasoningEnd",
     "ReasoningStart",
@@ -63,12 +65,23 @@ class RunStarted:
 
 @attrs.frozen
 class RunFinished:
-    """The run ended without an error: ``outcome`` is its `StopReason` value (or ``"interrupt"``)."""
+    """The run ended without an error: ``outcome`` is its `StopReason` value, or ``"interrupt"``
+    for a run that paused, with the batch in ``interrupts``."""
 
     run_id: str
     agent_id: str
     outcome: str
     text: str = ""
+    interrupts: tuple[Interrupt, ...] = ()
+
+
+@attrs.frozen
+class MessagesSnapshot:
+    """The whole conversation (without the system prompt); sent right before a pause's ``RunFinished``."""
+
+    run_id: str
+    agent_id: str
+    messages: tuple[Message, ...]
 
 
 @attrs.frozen
@@ -223,4 +236,5 @@ RunEvent: TypeAlias = (
     | ToolCallResult
     | UsageReported
     | CustomEvent
+    | MessagesSnapshot
 )

@@ -18,6 +18,8 @@ tool_stages                 concatenated: before (first decision wins), guard (i
                             until one decides), post (replacements chain)
 on_cut_off_call             pipe over the answer
 on_tool_phase_complete      all, in order
+on_interrupt_boundary       concatenated, in order: one batch per boundary
+on_interrupt_resolution     all; the most restrictive wins (stop > cancel > continue)
 before_stop                 the first message wins (a message means one more turn)
 should_continue             AND, short-circuit on the first False
 on_finish                   all, isolated: one failure re-raised, several grouped
@@ -27,9 +29,8 @@ on_abort, on_error          all, isolated: failures logged, never raised
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -39,19 +40,12 @@ from .._models._messages import Message, ToolCallPart, ToolSpec, Usage
 from .._tools._results import ToolResult
 from .._tools._stages import ToolStages
 from ._ports import RunEventSink
-from ._rules import LoopState, StopReason
+from ._rules import LoopState, Phase, StopReason
+
+if TYPE_CHECKING:
+    from ._interrupts import InterruptRequest, InterruptResolutions, PauseState, ToolResume
 
 __all__ = ["NO_HOOKS", "Finished", "Lifecycle", "ModelConfig", "Phase", "ToolOutcome"]
-
-
-class Phase(enum.Enum):
-    INIT = "init"
-    BEFORE_MODEL = "before_model"
-    MODEL_STREAM = "model_stream"
-    AFTER_MODEL = "after_model"
-    BEFORE_TOOLS = "before_tools"
-    AFTER_TOOLS = "after_tools"
-    STRUCTURED_OUTPUT = "structured_output"
 
 
 @attrs.frozen
@@ -83,10 +77,15 @@ class Finished:
     turns: int
     state: LoopState
     abort: Abort | None = None
+    pause: PauseState | None = None  # set when the run paused (stop reason ``interrupted``)
 
     @property
     def aborted(self) -> bool:
         return self.stop_reason is StopReason.ABORTED
+
+    @property
+    def paused(self) -> bool:
+        return self.pause is not None
 
 
 class Lifecycle:
@@ -120,6 +119,13 @@ class Lifecycle:
         return result
 
     async def on_tool_phase_complete(self, ctx: Any, outcomes: Sequence[ToolOutcome]) -> None:
+        return None
+
+    async def on_interrupt_boundary(self, ctx: Any) -> Sequence[InterruptRequest]:
+        """At each boundary (``ctx.phase``): questions that pause the run (empty: none)."""
+        return ()
+
+    async def on_interrupt_resolution(self, ctx: Any, resolutions: InterruptResolutions) -> ToolResume | None:
         return None
 
     async def before_stop(self, ctx: Any, state: LoopState) -> str | None:

@@ -17,19 +17,24 @@ from .._errors import ModelError
 from .._models._assemble import ModelReply
 from .._models._messages import Message, ToolResultMessage, ToolSpec
 from .._models._service import ModelService
+from .._tools._context import ToolCall
 from .._tools._pipeline import ToolPipeline
-from .._tools._results import Effect, ToolResult
+from .._tools._results import Effect, JsonObject, ToolResult
+from .._tools._stages import StageDecision, ToolStages
 from ._events import RunEvent
+from ._interrupts import ClientTool, InterruptDefinition
 from ._rules import LoopStrategy
 
 __all__ = [
     "Conversation",
     "EffectSink",
     "Inbox",
+    "NeedsApproval",
     "RunEventSink",
     "RunPorts",
     "RunRecorder",
     "RunSpec",
+    "ToolGate",
     "TurnRef",
 ]
 
@@ -101,6 +106,28 @@ class RunRecorder(Protocol):
         """
 
 
+@attrs.frozen
+class NeedsApproval:
+    """A gate's verdict: this call runs only after a person approves it (the run pauses)."""
+
+    message: str
+
+
+class ToolGate(Protocol):
+    """Screens every call of a tool phase before any of them runs (a run that asks a person by
+    pausing, instead of asking a handler while the call waits). One gate per run."""
+
+    async def screen(self, call: ToolCall, ctx: Any) -> StageDecision | NeedsApproval:
+        """Allow (maybe with normalised input), Deny, or NeedsApproval; remembers the decision."""
+
+    async def approve(self, call: ToolCall, edited_args: JsonObject | None, ctx: Any) -> StageDecision:
+        """A person approved *call* (maybe with edited arguments): the decision that stands
+        after the table ran again on the final arguments; remembers it."""
+
+    def stages(self) -> ToolStages:
+        """The stages that apply the remembered decisions inside the pipeline."""
+
+
 RunEventSink = Callable[[RunEvent], Awaitable[None]]
 """Where the run's events go (a channel with backpressure, a mapping to session events, nowhere)."""
 
@@ -122,6 +149,8 @@ class RunSpec:
     model_metadata: Mapping[str, Any] = attrs.field(factory=dict)
     lineage: tuple[str, ...] = ()  # the calls this run runs under (file locks follow the call tree)
     session_id: str = "session"
+    client_tools: Mapping[str, ClientTool] = attrs.field(factory=dict)  # tools the client runs (a call pauses)
+    interrupts: Mapping[str, InterruptDefinition] = attrs.field(factory=dict)  # registered, by id
 
 
 @attrs.frozen
@@ -137,6 +166,7 @@ class RunPorts:
     # "Finish what runs, then stop" (cancel tools stop, block tools finish); None: this run is never
     # stopped that way (a session's root request), which saves linking a handle per model call.
     stop: AbortHandle | None = None
+    gate: ToolGate | None = None  # screens each batch before any call runs (None: calls ask in the pipeline)
 
 
 async def discard_events(event: RunEvent) -> None:

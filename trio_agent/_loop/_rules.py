@@ -43,6 +43,7 @@ from .._tools._results import ToolErrorType, ToolResult
 __all__ = [
     "LoopState",
     "LoopStrategy",
+    "Phase",
     "StopReason",
     "check_call",
     "combine_strategies",
@@ -52,6 +53,18 @@ __all__ = [
     "tool_error",
     "until_finish_reason",
 ]
+
+
+class Phase(enum.Enum):
+    """Where a run is (``ctx.phase``); the four boundaries are where it may pause."""
+
+    INIT = "init"
+    BEFORE_MODEL = "before_model"
+    MODEL_STREAM = "model_stream"
+    AFTER_MODEL = "after_model"
+    BEFORE_TOOLS = "before_tools"
+    AFTER_TOOLS = "after_tools"
+    STRUCTURED_OUTPUT = "structured_output"
 
 
 class StopReason(enum.StrEnum):
@@ -65,6 +78,7 @@ class StopReason(enum.StrEnum):
     SKIPPED = "skipped"  # the prompt never reached the model (a host's hook skipped it)
     ABORTED = "aborted"
     ERROR = "error"
+    INTERRUPTED = "interrupted"  # paused with a batch of questions; a continuation resumes it
 
 
 @attrs.frozen

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
 
+import attrs
 import trio
 
 from .._abort import Abort, AbortHandle
-from .._errors import JournalError, LeaseLostError, ModelAbortedError, ModelError, TrioAgentError
+from .._errors import JournalError, LeaseLostError, MiddlewareError, ModelAbortedError, ModelError, TrioAgentError
 from .._groups import typed_error
-from .._models._assemble import ModelReply, ReplyAssembler
+from .._models._assemble import ModelReply, ReplyAssembler, ToolArgumentsError, parse_tool_arguments
 from .._models._messages import (
+    FinishReason,
     Message,
     ReasoningDelta,
     SystemMessage,
@@ -29,9 +31,11 @@ from .._models._messages import (
 )
 from .._tools._context import CallOrigin, ToolCall
 from .._tools._pipeline import ToolExecutionRecord
-from .._tools._results import ToolResult
+from .._tools._results import ToolErrorType, ToolResult
+from .._tools._stages import Allow, Deny
 from ._context import RunContext
 from ._events import (
+    MessagesSnapshot,
     ReasoningContent,
     ReasoningEnd,
     ReasoningStart,
@@ -52,7 +56,28 @@ from ._events import (
     UsageReported,
 )
 from ._hooks import NO_HOOKS, Finished, Lifecycle, ModelConfig, Phase, ToolOutcome
-from ._ports import RunPorts, RunSpec, TurnRef
+from ._interrupts import (
+    Approve,
+    Cancel,
+    Interrupt,
+    InterruptAnswer,
+    InterruptIssue,
+    InterruptKind,
+    InterruptRequest,
+    InterruptResolution,
+    InterruptResolutions,
+    InterruptResumeError,
+    PauseState,
+    Reject,
+    Respond,
+    Resume,
+    ToolResume,
+    approval_interrupt,
+    client_tool_interrupt,
+    generic_interrupt,
+    validate_answers,
+)
+from ._ports import NeedsApproval, RunPorts, RunSpec, TurnRef
 from ._rules import LoopState, StopReason, check_call, first_text, model_text, stops_loop, tool_error
 
 __all__ = ["MAX_MODEL_RETRIES", "run_agent_loop"]
@@ -67,6 +92,23 @@ class _Aborted(Exception):
     """The run's abort (or stop) was seen at a safe point."""
 
 
+class _Paused(Exception):
+    """A boundary's batch pauses the run."""
+
+    def __init__(self, state: PauseState) -> None:
+        super().__init__("paused")
+        self.state = state
+
+
+@attrs.frozen
+class _Entry:
+    """Where a continuation goes on: the pause, its checked answers, the hooks' decision."""
+
+    pause: PauseState
+    answers: Mapping[str, InterruptAnswer]
+    decision: ToolResume
+
+
 async def run_agent_loop(
     spec: RunSpec,
     ports: RunPorts,
@@ -74,6 +116,7 @@ async def run_agent_loop(
     *,
     ctx: RunContext | None = None,
     finish_event: bool = True,
+    resume: Resume | None = None,
 ) -> Finished:
     """Run one agent run to its end and return how it ended.
 
@@ -96,11 +139,23 @@ async def run_agent_loop(
             events=events,
             messages=lambda: ports.conversation.view(()),
         )
-    run = _Run(spec, ports, hooks, ctx)
+    run = _Run(spec, ports, hooks, ctx, resume)
+    if resume is not None:
+        ctx.parent_run_id = resume.parent_run_id
     try:
         await hooks.setup(ctx)
         run.events = ctx._events = hooks.wrap_events(ctx, events)
         outcome = await run.loop()
+        if outcome.pause is not None:
+            # Paused: the conversation so far, then the batch; no terminal hook (the run goes on later).
+            if run.step_open:
+                await run.events(StepFinished(spec.run_id, spec.agent_id, f"turn-{run.turns}"))
+            await run.events(MessagesSnapshot(spec.run_id, spec.agent_id, outcome.pause.messages))
+            await run.events(
+                RunFinished(spec.run_id, spec.agent_id, "interrupt", outcome.text, outcome.pause.interrupts)
+            )
+            await _run_deferred(ctx)
+            return outcome
         if finish_event:
             await run.events(RunFinished(spec.run_id, spec.agent_id, outcome.stop_reason.value, outcome.text))
     except BaseException as exc:
@@ -136,7 +191,9 @@ async def _run_deferred(ctx: RunContext) -> None:
 class _Run:
     """The state of one run (never shared between runs)."""
 
-    def __init__(self, spec: RunSpec, ports: RunPorts, hooks: Lifecycle, ctx: RunContext) -> None:
+    def __init__(
+        self, spec: RunSpec, ports: RunPorts, hooks: Lifecycle, ctx: RunContext, resume: Resume | None = None
+    ) -> None:
         self.spec = spec
         self.ports = ports
         self.hooks = hooks
@@ -145,15 +202,24 @@ class _Run:
         self.state = LoopState()
         self.text = ""
         self.turns = 0
+        self.resume = resume
+        self.step_open = False
+        self.open_turn: TurnRef | None = None
+        self.approved: dict[str, dict[str, Any]] = {}  # call id -> the arguments a person approved
 
     # -- the loop
 
     async def loop(self) -> Finished:
         spec, ports, hooks, ctx = self.spec, self.ports, self.hooks, self.ctx
         config = await hooks.on_config(ctx, self._config())
+        entry = await self._resolve(self.resume) if self.resume is not None else None
         await hooks.on_start(ctx)
         await self.events(RunStarted(spec.run_id, spec.agent_id, spec.thread_id))
         try:
+            if entry is not None:
+                outcome = await self._continue(entry, config)
+                if outcome is not None:
+                    return outcome
             while True:
                 self._check_abort()
                 if not spec.strategy(self.state):
@@ -163,76 +229,317 @@ class _Run:
                 turn = self.turns
                 inputs, steering = ports.inbox.begin_turn()
                 ports.conversation.extend(UserMessage(text) for text in inputs)
-                turn_id = f"{spec.run_id}-t{turn}"
-                message_id = f"{turn_id}-m{next(_message_ids)}"
+                message_id = f"{spec.run_id}-t{turn}-m{next(_message_ids)}"
                 ctx.iteration = turn - 1
                 ctx.phase = Phase.BEFORE_MODEL
                 await hooks.on_iteration(ctx, turn - 1, message_id)
                 config = await hooks.on_config(ctx, self._config(config))
-                await self.events(StepStarted(spec.run_id, spec.agent_id, f"turn-{turn}"))
-                reply = await self._model_step(turn, turn_id, message_id, config, inputs)
-                if reply is None:
-                    raise _Aborted
-                ctx.phase = Phase.AFTER_MODEL
-                message, rejected, arguments = reply
-                ports.conversation.extend((message.message,))
-                self.text = first_text(message.message.parts) or self.text
-                calls = list(message.tool_calls)
-                outcomes: list[ToolOutcome] = []
-                if calls:
-                    ctx.phase = Phase.BEFORE_TOOLS
-                    outcomes = await self._tool_phase(turn_id, calls, rejected, arguments, steering)
-                    ctx.phase = Phase.AFTER_TOOLS
-                    await hooks.on_tool_phase_complete(ctx, outcomes)
-                self.state = self.state.after_turn(len(calls), message.finish_reason)
-                await self.events(StepFinished(spec.run_id, spec.agent_id, f"turn-{turn}"))
-                self._check_abort()
-                if calls:
-                    await ports.recorder.turn_completed(self._turn_ref(turn, turn_id, 1))
-                    if any(stops_loop(outcome.result) for outcome in outcomes):
-                        ports.inbox.close()
-                        return self._finished(StopReason.PERMISSION_DENIED)
-                    if not await hooks.should_continue(ctx, self.state):
-                        ports.inbox.close()
-                        return self._finished(StopReason.VETOED)
-                    continue
-                # A reply without calls: its turn ended with the attempt.
-                if ports.inbox.has_pending():  # a message joined: it gets its turn, unless vetoed
-                    if await hooks.should_continue(ctx, self.state):
-                        continue
-                    ports.inbox.close()
-                    return self._finished(StopReason.VETOED)
-                more = await hooks.before_stop(ctx, self.state)
-                if more is not None:
-                    ports.inbox.add(more)  # one more round; dropped if the run ends first
-                    if not spec.strategy(self.state):
-                        ports.inbox.close()
-                        return self._finished(StopReason.MAX_TURNS)
-                    if not await hooks.should_continue(ctx, self.state):
-                        ports.inbox.close()
-                        return self._finished(StopReason.VETOED)
-                    continue
-                if ports.inbox.has_pending():  # a message joined while the Stop hooks ran
-                    if await hooks.should_continue(ctx, self.state):
-                        continue
-                    ports.inbox.close()
-                    return self._finished(StopReason.VETOED)
-                # From here on a joining message starts a new run instead (no await before close).
-                ports.inbox.close()
-                cut = message.finish_reason.value == "length"
-                return self._finished(StopReason.MAX_TOKENS if cut else StopReason.END_TURN)
+                outcome = await self._turn(turn, message_id, config, inputs, steering)
+                if outcome is not None:
+                    return outcome
         except _Aborted:
             ports.inbox.close()
             stop = self.ports.stop
             return self._finished(StopReason.ABORTED, self.ports.abort.reason or (stop.reason if stop else None))
+        except _Paused as paused:
+            ports.inbox.close()
+            if self.open_turn is not None:  # the turn ends with the pause; its calls wait unscheduled
+                await ports.recorder.turn_completed(self.open_turn)
+            return self._finished(StopReason.INTERRUPTED, pause=paused.state)
+
+    async def _turn(
+        self,
+        turn: int,
+        message_id: str,
+        config: ModelConfig,
+        inputs: list[str],
+        steering: AbortHandle,
+        *,
+        asked: bool = False,
+    ) -> Finished | None:
+        """One turn from its model call on; ``None``: go on with the next turn."""
+        spec, ports, ctx = self.spec, self.ports, self.ctx
+        turn_id = f"{spec.run_id}-t{turn}"
+        self.step_open = True
+        await self.events(StepStarted(spec.run_id, spec.agent_id, f"turn-{turn}"))
+        if not asked:
+            await self._boundary(Phase.BEFORE_MODEL)
+        reply = await self._model_step(turn, turn_id, message_id, config, inputs)
+        if reply is None:
+            raise _Aborted
+        ctx.phase = Phase.AFTER_MODEL
+        message, rejected, arguments = reply
+        ports.conversation.extend((message.message,))
+        self.text = first_text(message.message.parts) or self.text
+        calls = list(message.tool_calls)
+        self.open_turn = self._turn_ref(turn, turn_id, 1) if calls else None  # a reply without calls ends its turn
+        await self._boundary(Phase.AFTER_MODEL, calls, rejected)
+        return await self._tools_and_after(turn, turn_id, calls, rejected, arguments, steering, message.finish_reason)
+
+    async def _tools_and_after(
+        self,
+        turn: int,
+        turn_id: str,
+        calls: list[ToolCallPart],
+        rejected: dict[str, ToolResult],
+        arguments: dict[str, dict[str, Any]],
+        steering: AbortHandle,
+        finish: FinishReason,
+        *,
+        answers: Mapping[str, InterruptAnswer] | None = None,
+    ) -> Finished | None:
+        spec, ports, hooks, ctx = self.spec, self.ports, self.hooks, self.ctx
+        outcomes: list[ToolOutcome] = []
+        if calls:
+            ctx.phase = Phase.BEFORE_TOOLS
+            await self._gate(calls, rejected, arguments, answers)
+            outcomes = await self._tool_phase(turn_id, calls, rejected, arguments, steering)
+            ctx.phase = Phase.AFTER_TOOLS
+            await hooks.on_tool_phase_complete(ctx, outcomes)
+            await self._boundary(Phase.AFTER_TOOLS)
+        self.state = self.state.after_turn(len(calls), finish)
+        self.step_open = False
+        await self.events(StepFinished(spec.run_id, spec.agent_id, f"turn-{turn}"))
+        self._check_abort()
+        if calls:
+            await ports.recorder.turn_completed(self._turn_ref(turn, turn_id, 1))
+            self.open_turn = None
+            if any(stops_loop(outcome.result) for outcome in outcomes):
+                ports.inbox.close()
+                return self._finished(StopReason.PERMISSION_DENIED)
+            if not await hooks.should_continue(ctx, self.state):
+                ports.inbox.close()
+                return self._finished(StopReason.VETOED)
+            return None
+        # A reply without calls: its turn ended with the attempt.
+        if ports.inbox.has_pending():  # a message joined: it gets its turn, unless vetoed
+            if await hooks.should_continue(ctx, self.state):
+                return None
+            ports.inbox.close()
+            return self._finished(StopReason.VETOED)
+        more = await hooks.before_stop(ctx, self.state)
+        if more is not None:
+            ports.inbox.add(more)  # one more round; dropped if the run ends first
+            if not spec.strategy(self.state):
+                ports.inbox.close()
+                return self._finished(StopReason.MAX_TURNS)
+            if not await hooks.should_continue(ctx, self.state):
+                ports.inbox.close()
+                return self._finished(StopReason.VETOED)
+            return None
+        if ports.inbox.has_pending():  # a message joined while the Stop hooks ran
+            if await hooks.should_continue(ctx, self.state):
+                return None
+            ports.inbox.close()
+            return self._finished(StopReason.VETOED)
+        # From here on a joining message starts a new run instead (no await before close).
+        ports.inbox.close()
+        cut = finish.value == "length"
+        return self._finished(StopReason.MAX_TOKENS if cut else StopReason.END_TURN)
+
+    # -- interrupts
+
+    async def _boundary(
+        self,
+        phase: Phase,
+        calls: Sequence[ToolCallPart] = (),
+        rejected: Mapping[str, ToolResult] | None = None,
+        pending: Sequence[Interrupt] = (),
+    ) -> None:
+        """Ask every hook at *phase*; pause with *pending* and their requests if there is any."""
+        self.ctx.phase = phase
+        requests = await self.hooks.on_interrupt_boundary(self.ctx)
+        batch = [*pending, *(self._generic(request) for request in requests)]
+        if batch:
+            self._pause(phase, batch, calls, rejected or {})
+
+    def _generic(self, request: object) -> Interrupt:
+        if not isinstance(request, InterruptRequest):
+            raise MiddlewareError(
+                f"on_interrupt_boundary returned {request!r}; expected InterruptRequest values "
+                "(built with an InterruptDefinition's request())"
+            )
+        registered = self.spec.interrupts.get(request.definition.id)
+        if registered is not request.definition:
+            raise MiddlewareError(
+                f"interrupt definition {request.definition.id!r} is not registered on this run "
+                "(pass it in interrupts=[...] or on the middleware)"
+            )
+        return generic_interrupt(request)
+
+    def _pause(
+        self,
+        phase: Phase,
+        batch: list[Interrupt],
+        calls: Sequence[ToolCallPart],
+        rejected: Mapping[str, ToolResult],
+    ) -> NoReturn:
+        ids = [item.id for item in batch]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise MiddlewareError(f"one batch asked the same question twice: {', '.join(duplicates)}")
+        # Calls refused before they could run are answered now; the rest wait for the continuation.
+        answered = [part for part in calls if part.id in rejected]
+        self._answer(answered, [rejected[part.id] for part in answered])
+        pending = tuple(part for part in calls if part.id not in rejected)
+        raise _Paused(
+            PauseState(
+                phase=phase,
+                interrupts=tuple(batch),
+                messages=tuple(self.ports.conversation.view(())),
+                pending_calls=pending,
+                turns=self.turns,
+                state=self.state,
+                text=self.text,
+            )
+        )
+
+    async def _gate(
+        self,
+        calls: list[ToolCallPart],
+        rejected: dict[str, ToolResult],
+        arguments: dict[str, dict[str, Any]],
+        answers: Mapping[str, InterruptAnswer] | None,
+    ) -> None:
+        """Before any call runs: apply the continuation's answers, screen the rest, pause if a
+        person must answer first (approvals, then client tools, then the hooks' questions)."""
+        spec, gate, ctx = self.spec, self.ports.gate, self.ctx
+        answers = answers or {}
+        approvals: list[Interrupt] = []
+        client: list[Interrupt] = []
+        for part in calls:
+            if part.id not in arguments:
+                continue
+            args = arguments[part.id]
+            answer = answers.get(f"approval_{part.id}") or answers.get(f"client_tool_{part.id}")
+            if isinstance(answer, Cancel):
+                del arguments[part.id]
+                rejected[part.id] = tool_error("cancelled by the user", "cancelled")
+                continue
+            if isinstance(answer, Reject):
+                del arguments[part.id]
+                rejected[part.id] = ToolResult.failure(
+                    ToolErrorType.PERMISSION_DENIED, answer.message or "the user declined to run this call",
+                    code="rejected",
+                )  # fmt: skip
+                continue
+            if isinstance(answer, Respond):
+                del arguments[part.id]
+                rejected[part.id] = ToolResult.success(answer.value)
+                continue
+            client_tool = spec.client_tools.get(part.name)
+            if isinstance(answer, Approve):
+                approved = self.approved.get(part.id)
+                if approved is not None:
+                    arguments[part.id] = approved
+            elif gate is not None:
+                verdict = await gate.screen(ToolCall(part.id, part.name, args), ctx)
+                if isinstance(verdict, NeedsApproval):
+                    approvals.append(approval_interrupt(part, args, verdict.message))
+                    continue
+            if client_tool is not None:
+                errors = client_tool.input_errors(arguments[part.id])
+                if errors:
+                    del arguments[part.id]
+                    rejected[part.id] = tool_error(
+                        f"invalid input for tool {part.name!r}: " + "; ".join(errors), "invalid_input"
+                    )
+                    continue
+                client.append(client_tool_interrupt(part, arguments[part.id], client_tool))
+        if answers and not (approvals or client):
+            return  # resumed past this boundary: it is not asked again
+        await self._boundary(Phase.BEFORE_TOOLS, calls, rejected, [*approvals, *client])
+
+    async def _resolve(self, resume: Resume) -> _Entry:
+        """Check the continuation's answers (nothing runs if one is wrong), then ask the hooks."""
+        spec, gate, ctx = self.spec, self.ports.gate, self.ctx
+        pause = resume.pause
+        answers, issues = validate_answers(pause, resume.answers, spec.client_tools)
+        calls = {part.id: part for part in pause.pending_calls}
+        for interrupt in pause.interrupts:
+            answer = answers.get(interrupt.id)
+            if interrupt.kind is not InterruptKind.APPROVAL or not isinstance(answer, Approve):
+                continue
+            part = calls.get(interrupt.tool_call_id or "")
+            if part is None or gate is None:
+                issues.append(InterruptIssue(interrupt.id, "stale", "the call this approval is for is not pending"))
+                continue
+            original = dict(interrupt.input or {})
+            edited = answer.edited_args
+            decision = await gate.approve(ToolCall(part.id, part.name, original), edited, ctx)
+            if isinstance(decision, Deny):
+                if edited is not None:
+                    issues.append(InterruptIssue(interrupt.id, "invalid_edited_args", decision.message))
+                continue  # unedited and refused now: the call is answered with the refusal
+            if isinstance(decision, Allow):
+                self.approved[part.id] = dict(decision.input if decision.input is not None else (edited or original))
+        if issues:
+            raise InterruptResumeError(issues)
+        resolutions = InterruptResolutions(
+            tuple(
+                InterruptResolution(
+                    interrupt,
+                    "cancelled" if isinstance(answers[interrupt.id], Cancel) else "resolved",
+                    getattr(answers[interrupt.id], "value", None),
+                )
+                for interrupt in pause.interrupts
+                if interrupt.kind is InterruptKind.GENERIC
+            )
+        )
+        resumed = ToolResume.CONTINUE
+        if resolutions:
+            resumed = await self.hooks.on_interrupt_resolution(ctx, resolutions) or ToolResume.CONTINUE
+        self.turns = pause.turns
+        self.state = pause.state
+        self.text = pause.text
+        return _Entry(pause, answers, resumed)
+
+    async def _continue(self, entry: _Entry, config: ModelConfig) -> Finished | None:
+        """Go on from where the run paused; ``None``: go on with the next turn."""
+        pause, ports, ctx = entry.pause, self.ports, self.ctx
+        pending = list(pause.pending_calls)
+        if entry.decision is ToolResume.STOP:
+            self._answer(pending, [tool_error("cancelled: the run was stopped", "cancelled")] * len(pending))
+            ports.inbox.close()
+            return self._finished(StopReason.VETOED)
+        answers = dict(entry.answers)
+        if entry.decision is ToolResume.CANCEL:
+            answers = {f"approval_{part.id}": Cancel(f"approval_{part.id}") for part in pending}
+        phase = pause.phase
+        if phase is Phase.AFTER_TOOLS:
+            return None
+        turn = self.turns
+        ctx.iteration = max(turn - 1, 0)
+        steering = AbortHandle()
+        if phase is Phase.BEFORE_MODEL:
+            ctx.phase = Phase.BEFORE_MODEL
+            config = await self.hooks.on_config(ctx, self._config(config))
+            message_id = f"{self.spec.run_id}-t{turn}-m{next(_message_ids)}"
+            return await self._turn(turn, message_id, config, [], steering, asked=True)
+        # Paused after the reply or before its tools: the tool phase of that reply.
+        turn_id = f"{self.spec.run_id}-t{turn}"
+        self.step_open = True
+        await self.events(StepStarted(self.spec.run_id, self.spec.agent_id, f"turn-{turn}"))
+        rejected: dict[str, ToolResult] = {}
+        arguments: dict[str, dict[str, Any]] = {}
+        for part in pending:
+            try:
+                arguments[part.id] = parse_tool_arguments(part.arguments)
+            except ToolArgumentsError as exc:
+                rejected[part.id] = tool_error(exc.message, exc.code)
+        # After the reply, the tool phase has not met its boundary yet: it is asked as usual.
+        given = answers if phase is Phase.BEFORE_TOOLS or entry.decision is ToolResume.CANCEL else None
+        return await self._tools_and_after(
+            turn, turn_id, pending, rejected, arguments, steering, FinishReason.TOOL_CALLS, answers=given
+        )
 
     def _check_abort(self) -> None:
         stop = self.ports.stop
         if self.ports.abort.aborted or (stop is not None and stop.aborted):
             raise _Aborted
 
-    def _finished(self, reason: StopReason, abort: Abort | None = None) -> Finished:
-        return Finished(reason, self.text, self.turns, self.state, abort)
+    def _finished(self, reason: StopReason, abort: Abort | None = None, pause: PauseState | None = None) -> Finished:
+        return Finished(reason, self.text, self.turns, self.state, abort, pause)
 
     def _config(self, previous: ModelConfig | None = None) -> ModelConfig:
         spec = self.spec
@@ -271,7 +578,9 @@ class _Run:
                 return None
             break
         # Everything a model sends is untrusted: a call that must not run is answered before any runs.
-        tools = ports.tools.tools
+        tools: Mapping[str, object] = ports.tools.tools
+        if spec.client_tools:
+            tools = {**tools, **spec.client_tools}
         cut_off = frozenset(reply.cut_off)
         rejected: dict[str, ToolResult] = {}
         arguments: dict[str, dict[str, Any]] = {}
@@ -375,6 +684,9 @@ class _Run:
         """
         slots: list[ToolResult | None] = [None] * len(calls)
         stages = self.hooks.tool_stages(self.ctx)
+        gate = self.ports.gate
+        if gate is not None:  # the gate's decisions come first: the table decided before any call ran
+            stages = gate.stages() if stages is None else gate.stages().then(stages)
         # A stop reaches `cancel` tools as steering does (its `block` tools finish).
         stop = self.ports.stop
 

@@ -231,13 +231,13 @@ StreamChunk: TypeAlias = (
 T = TypeVar("T")
 
 
-def _make_converter() -> cattrs.Converter:
-    converter = cattrs.Converter(forbid_extra_keys=True)
+def configure_messages(converter: cattrs.Converter) -> cattrs.Converter:
+    """Teach *converter* the message unions (tagged by ``type``); other wire formats embed messages."""
     configure_tagged_union(ContentPart, converter, tag_name="type")
     configure_tagged_union(Message, converter, tag_name="type")
     configure_tagged_union(StreamChunk, converter, tag_name="type")
     return converter
 
 
-message_converter = _make_converter()
+message_converter = configure_messages(cattrs.Converter(forbid_extra_keys=True))
 """The cattrs converter for messages, responses and chunks (unions tagged by ``type``)."""

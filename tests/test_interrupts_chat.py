@@ -1,0 +1,554 @@
+"""Human in the loop on ``chat()``: interrupts, approvals, client tools, continuations (issue 14)."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trio_agent import PermissionAsk, SideEffect, ToolKind, define_tool
+from trio_agent._chat._chat import chat
+from trio_agent._errors import ConfigError, MiddlewareError
+from trio_agent._lifecycle._interrupts import PausedRun, answers_from_json, answers_to_json
+from trio_agent._lifecycle._middleware import ChatMiddleware
+from trio_agent._loop._events import MessagesSnapshot, RunError, RunFinished, ToolCallResult
+from trio_agent._loop._interrupts import (
+    Approve,
+    Cancel,
+    InterruptKind,
+    InterruptResumeError,
+    Reject,
+    Respond,
+    ToolResume,
+    define_client_tool,
+    define_interrupt,
+    most_restrictive,
+)
+from trio_agent._loop._rules import Phase, StopReason
+from trio_agent.models import ToolResultMessage
+from trio_agent.testing import Reply, TestModel
+
+KEY = b"k" * 32
+WRITE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"path": {"type": "string"}, "text": {"type": "string"}},
+    "required": ["path", "text"],
+}
+
+
+def make_write(ran: list[dict[str, Any]]) -> Any:
+    @define_tool(
+        name="write",
+        description="writes a file",
+        input_schema=WRITE_SCHEMA,
+        side_effect=SideEffect.IDEMPOTENT,
+        kind=ToolKind.WRITE,
+    )
+    async def write(input: dict[str, Any], ctx: Any) -> str:
+        ran.append(dict(input))
+        return f"wrote {input['path']}"
+
+    return write
+
+
+def make_read(ran: list[str]) -> Any:
+    @define_tool(
+        name="read",
+        description="reads",
+        input_schema={"type": "object"},
+        side_effect=SideEffect.PURE,
+        kind=ToolKind.READONLY,
+    )
+    async def read(input: dict[str, Any], ctx: Any) -> str:
+        ran.append("read")
+        return "contents"
+
+    return read
+
+
+def calls_then_echo(*calls: tuple[str, dict[str, Any]]) -> TestModel:
+    """Asks for *calls* once, then says what the tools answered."""
+
+    def respond(request: Any) -> Reply:
+        last = request.messages[-1]
+        if isinstance(last, ToolResultMessage):
+            answers = [m.content for m in request.messages if isinstance(m, ToolResultMessage)]
+            return Reply(text="done: " + " | ".join(answers))
+        return Reply(tool_calls=list(calls))
+
+    return TestModel(respond=respond)
+
+
+async def run_chat(model: Any, messages: Any = None, **kwargs: Any) -> tuple[list[Any], Any]:
+    async with chat(model, messages, **kwargs) as run:
+        events = [event async for event in run]
+        result = await run.result()
+    return events, result
+
+
+class Recorder(ChatMiddleware):
+    def __init__(self) -> None:
+        self.terminal: list[str] = []
+        self.boundaries: list[Phase] = []
+
+    def on_finish(self, ctx: Any, info: Any) -> None:
+        self.terminal.append("finish")
+
+    def on_abort(self, ctx: Any, info: Any) -> None:
+        self.terminal.append("abort")
+
+    def on_error(self, ctx: Any, info: Any) -> None:
+        self.terminal.append("error")
+
+
+# ---------------------------------------------------------------- approvals
+
+
+async def test_a_call_a_rule_asks_about_pauses_the_run_before_it_runs() -> None:
+    ran: list[dict[str, Any]] = []
+    recorder = Recorder()
+    events, result = await run_chat(
+        calls_then_echo(("write", {"path": "a.txt", "text": "hi"})),
+        "write it",
+        tools=[make_write(ran)],
+        permissions={"ask": ["write"]},
+        middleware=[recorder],
+    )
+    assert ran == []
+    assert result.stop_reason is StopReason.INTERRUPTED
+    [interrupt] = result.interrupts
+    assert interrupt.kind is InterruptKind.APPROVAL
+    assert interrupt.tool_name == "write" and interrupt.input == {"path": "a.txt", "text": "hi"}
+    assert interrupt.id == f"approval_{interrupt.tool_call_id}"
+    # The pause ends the stream: a snapshot, then RunFinished with the batch; no terminal hook.
+    assert isinstance(events[-2], MessagesSnapshot) and isinstance(events[-1], RunFinished)
+    assert events[-1].outcome == "interrupt" and events[-1].interrupts == result.interrupts
+    assert recorder.terminal == []
+
+
+async def test_approve_runs_the_call_and_the_run_goes_on() -> None:
+    ran: list[dict[str, Any]] = []
+    model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
+    tools = [make_write(ran)]
+    _, paused = await run_chat(model, "write it", tools=tools, permissions={"ask": ["write"]})
+    recorder = Recorder()
+    events, result = await run_chat(
+        model, tools=tools, permissions={"ask": ["write"]}, middleware=[recorder],
+        resume=paused.paused, answers=[Approve(paused.interrupts[0].id)],
+    )  # fmt: skip
+    assert ran == [{"path": "a.txt", "text": "hi"}]
+    assert result.stop_reason is StopReason.END_TURN
+    assert result.text == "done: wrote a.txt"
+    assert recorder.terminal == ["finish"]
+    assert any(isinstance(e, ToolCallResult) and e.result.ok for e in events)
+
+
+async def test_approve_with_edited_arguments_runs_the_edit() -> None:
+    ran: list[dict[str, Any]] = []
+    model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
+    tools = [make_write(ran)]
+    _, paused = await run_chat(model, "w", tools=tools, permissions={"ask": ["write"]})
+    edit = {"path": "b.txt", "text": "edited"}
+    _, result = await run_chat(
+        model, tools=tools, permissions={"ask": ["write"]},
+        resume=paused.paused, answers=[Approve(paused.interrupts[0].id, edited_args=edit)],
+    )  # fmt: skip
+    assert ran == [edit]
+    assert result.text == "done: wrote b.txt"
+
+
+@pytest.mark.parametrize(
+    ("edit", "permissions", "fragment"),
+    [
+        ({"path": "b.txt"}, {"ask": ["write"]}, "text"),  # fails the schema
+        ({"path": "/etc/passwd", "text": "x"}, {"ask": ["write"], "deny": ["write:/etc/*"]}, "denied"),
+    ],
+)
+async def test_an_edit_the_table_refuses_is_a_typed_error_and_nothing_runs(
+    edit: dict[str, Any], permissions: dict[str, Any], fragment: str
+) -> None:
+    ran: list[dict[str, Any]] = []
+    model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
+    tools = [make_write(ran)]
+    _, paused = await run_chat(model, "w", tools=tools, permissions=permissions)
+    calls_before = len(model.requests)
+    with pytest.raises(InterruptResumeError) as caught:
+        await run_chat(
+            model, tools=tools, permissions=permissions,
+            resume=paused.paused, answers=[Approve(paused.interrupts[0].id, edited_args=edit)],
+        )  # fmt: skip
+    [issue] = caught.value.issues
+    assert issue.code == "invalid_edited_args" and fragment in issue.message
+    assert ran == [] and len(model.requests) == calls_before
+    # The paused state is unchanged: a valid answer still resumes it.
+    _, result = await run_chat(
+        model, tools=tools, permissions=permissions, resume=paused.paused, answers=[Approve(paused.interrupts[0].id)]
+    )
+    assert ran == [{"path": "a.txt", "text": "hi"}] and result.stop_reason is StopReason.END_TURN
+
+
+async def test_reject_answers_the_call_with_the_message_the_model_reads() -> None:
+    ran: list[dict[str, Any]] = []
+    model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
+    tools = [make_write(ran)]
+    _, paused = await run_chat(model, "w", tools=tools, permissions={"ask": ["write"]})
+    _, result = await run_chat(
+        model, tools=tools, permissions={"ask": ["write"]},
+        resume=paused.paused, answers=[Reject(paused.interrupts[0].id, "not that file")],
+    )  # fmt: skip
+    assert ran == []
+    assert "not that file" in result.text
+
+
+async def test_cancel_answers_the_call_cancelled() -> None:
+    ran: list[dict[str, Any]] = []
+    model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
+    tools = [make_write(ran)]
+    _, paused = await run_chat(model, "w", tools=tools, permissions={"ask": ["write"]})
+    _, result = await run_chat(
+        model, tools=tools, permissions={"ask": ["write"]},
+        resume=paused.paused, answers=[Cancel(paused.interrupts[0].id)],
+    )  # fmt: skip
+    assert ran == [] and "cancelled" in result.text
+
+
+async def test_a_tool_that_asks_for_itself_pauses_even_in_bypass() -> None:
+    ran: list[dict[str, Any]] = []
+
+    @define_tool(name="deploy", description="deploys", input_schema={"type": "object"},
+                 side_effect=SideEffect.NON_IDEMPOTENT, kind=ToolKind.EXECUTE,
+                 check_permissions=lambda input: PermissionAsk("deploys to production"))  # fmt: skip
+    async def deploy(input: dict[str, Any], ctx: Any) -> str:
+        ran.append(input)
+        return "deployed"
+
+    _, result = await run_chat(calls_then_echo(("deploy", {})), "ship", tools=[deploy])
+    [interrupt] = result.interrupts
+    assert interrupt.kind is InterruptKind.APPROVAL and "production" in interrupt.message
+    assert ran == []
+
+
+async def test_while_an_approval_is_pending_no_call_of_its_batch_runs() -> None:
+    wrote: list[dict[str, Any]] = []
+    read: list[str] = []
+    model = calls_then_echo(("read", {}), ("write", {"path": "a.txt", "text": "hi"}))
+    tools = [make_read(read), make_write(wrote)]
+    _, paused = await run_chat(model, "w", tools=tools, permissions={"ask": ["write"]})
+    assert wrote == [] and read == []
+    assert [i.tool_name for i in paused.interrupts] == ["write"]
+    _, result = await run_chat(
+        model, tools=tools, permissions={"ask": ["write"]},
+        resume=paused.paused, answers=[Approve(paused.interrupts[0].id)],
+    )  # fmt: skip
+    assert read == ["read"] and len(wrote) == 1
+    assert result.text == "done: contents | wrote a.txt"
+
+
+# ---------------------------------------------------------------- client tools
+
+
+CONFIRM = define_client_tool(
+    "confirm",
+    "asks the user to confirm",
+    input_schema={"type": "object", "properties": {"question": {"type": "string"}}},
+    output_schema={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+)
+
+
+async def test_a_client_tool_call_pauses_and_the_continuation_carries_its_result() -> None:
+    model = calls_then_echo(("confirm", {"question": "sure?"}))
+    _, paused = await run_chat(model, "ask me", tools=[CONFIRM])
+    [interrupt] = paused.interrupts
+    assert interrupt.kind is InterruptKind.CLIENT_TOOL and interrupt.input == {"question": "sure?"}
+    assert interrupt.response_schema == CONFIRM.output_schema
+    _, result = await run_chat(
+        model, tools=[CONFIRM], resume=paused.paused, answers=[Respond(interrupt.id, {"ok": True})]
+    )
+    assert result.text == 'done: {"ok": true}'
+
+
+async def test_a_client_tool_result_must_match_its_output_schema() -> None:
+    model = calls_then_echo(("confirm", {"question": "sure?"}))
+    _, paused = await run_chat(model, "ask me", tools=[CONFIRM])
+    with pytest.raises(InterruptResumeError) as caught:
+        await run_chat(
+            model, tools=[CONFIRM], resume=paused.paused, answers=[Respond(paused.interrupts[0].id, {"ok": 3})]
+        )
+    assert [issue.code for issue in caught.value.issues] == ["invalid_tool_output"]
+
+
+# ---------------------------------------------------------------- generic interrupts at the boundaries
+
+CHOICE = define_interrupt(
+    "choose",
+    payload_schema={"type": "object", "properties": {"options": {"type": "array"}}},
+    response_schema={"type": "string", "enum": ["red", "blue"]},
+)
+
+
+class AskAt(ChatMiddleware):
+    """Asks once at *phase* (not on the continuation) and remembers the answer."""
+
+    interrupts = (CHOICE,)
+
+    def __init__(self, phase: Phase, resume: ToolResume | None = None) -> None:
+        self.phase = phase
+        self.resume = resume
+        self.seen: list[Any] = []
+        self.phases: list[Phase] = []
+
+    def on_interrupt_boundary(self, ctx: Any) -> Any:
+        self.phases.append(ctx.phase)
+        if ctx.phase is self.phase and ctx.parent_run_id is None:
+            return [CHOICE.request("color", "pick a color", payload={"options": ["red", "blue"]})]
+        return None
+
+    def on_interrupt_resolution(self, ctx: Any, resolutions: Any) -> Any:
+        self.seen.extend((r.status, r.response) for r in resolutions.of(CHOICE))
+        return self.resume
+
+
+@pytest.mark.parametrize("phase", [Phase.BEFORE_MODEL, Phase.AFTER_MODEL, Phase.BEFORE_TOOLS, Phase.AFTER_TOOLS])
+async def test_a_generic_interrupt_pauses_at_each_boundary_and_resumes_there(phase: Phase) -> None:
+    ran: list[str] = []
+    model = calls_then_echo(("read", {}))
+    asker = AskAt(phase)
+    tools = [make_read(ran)]
+    _, paused = await run_chat(model, "go", tools=tools, middleware=[asker])
+    assert paused.stop_reason is StopReason.INTERRUPTED and paused.paused.state.phase is phase
+    [interrupt] = paused.interrupts
+    assert interrupt.kind is InterruptKind.GENERIC and interrupt.payload == {"options": ["red", "blue"]}
+    model_calls = len(model.requests)
+    assert model_calls == (0 if phase is Phase.BEFORE_MODEL else 1)
+    assert ran == ([] if phase is not Phase.AFTER_TOOLS else ["read"])
+    _, result = await run_chat(model, tools=tools, middleware=[asker], resume=paused.paused,
+                               answers=[Respond(interrupt.id, "blue")])  # fmt: skip
+    assert asker.seen == [("resolved", "blue")]
+    assert result.stop_reason is StopReason.END_TURN and result.text == "done: contents"
+    assert ran == ["read"]  # the call ran exactly once, wherever the pause was
+    assert len(model.requests) == 2
+
+
+async def test_the_boundary_hooks_run_at_all_four_phases_in_order() -> None:
+    asker = AskAt(Phase.INIT)  # never asks
+    await run_chat(calls_then_echo(("read", {})), "go", tools=[make_read([])], middleware=[asker])
+    assert asker.phases == [
+        Phase.BEFORE_MODEL, Phase.AFTER_MODEL, Phase.BEFORE_TOOLS, Phase.AFTER_TOOLS,
+        Phase.BEFORE_MODEL, Phase.AFTER_MODEL,
+    ]  # fmt: skip
+
+
+async def test_stop_from_the_resolution_finishes_the_run_without_a_model_call() -> None:
+    model = calls_then_echo(("read", {}))
+    ran: list[str] = []
+    recorder = Recorder()
+    _, paused = await run_chat(model, "go", tools=[make_read(ran)], middleware=[AskAt(Phase.BEFORE_TOOLS)])
+    asker = AskAt(Phase.BEFORE_TOOLS, resume=ToolResume.STOP)
+    _, result = await run_chat(
+        model, tools=[make_read(ran)], middleware=[asker, recorder],
+        resume=paused.paused, answers=[Respond(paused.interrupts[0].id, "red")],
+    )  # fmt: skip
+    assert ran == [] and len(model.requests) == 1
+    assert result.stop_reason is StopReason.VETOED and recorder.terminal == ["finish"]
+    # The pending call is answered, so the history stays valid for another run.
+    assert isinstance(result.messages[-1], ToolResultMessage) and "stopped" in result.messages[-1].content
+
+
+async def test_cancel_from_the_resolution_answers_every_pending_call_cancelled() -> None:
+    model = calls_then_echo(("read", {}))
+    ran: list[str] = []
+    _, paused = await run_chat(model, "go", tools=[make_read(ran)], middleware=[AskAt(Phase.BEFORE_TOOLS)])
+    _, result = await run_chat(
+        model, tools=[make_read(ran)], middleware=[AskAt(Phase.BEFORE_TOOLS, resume=ToolResume.CANCEL)],
+        resume=paused.paused, answers=[Respond(paused.interrupts[0].id, "red")],
+    )  # fmt: skip
+    assert ran == [] and result.text.startswith("done: ") and "cancelled by the user" in result.text
+
+
+async def test_a_mixed_batch_holds_approvals_then_client_tools_then_questions() -> None:
+    wrote: list[dict[str, Any]] = []
+    model = calls_then_echo(("confirm", {"question": "?"}), ("write", {"path": "a", "text": "b"}))
+    tools = [make_write(wrote), CONFIRM]
+    kwargs: dict[str, Any] = {
+        "tools": tools,
+        "permissions": {"ask": ["write"]},
+        "middleware": [AskAt(Phase.BEFORE_TOOLS)],
+    }
+    _, paused = await run_chat(model, "go", **kwargs)
+    kinds = [i.kind for i in paused.interrupts]
+    assert kinds == [InterruptKind.APPROVAL, InterruptKind.CLIENT_TOOL, InterruptKind.GENERIC]
+    approval, client, question = paused.interrupts
+    _, result = await run_chat(
+        model, resume=paused.paused,
+        answers=[Respond(question.id, "red"), Respond(client.id, {"ok": False}), Approve(approval.id)], **kwargs,
+    )  # fmt: skip
+    assert wrote == [{"path": "a", "text": "b"}]
+    assert result.text == 'done: {"ok": false} | wrote a'
+
+
+# ---------------------------------------------------------------- bad continuations
+
+
+async def test_every_bad_answer_is_named_in_one_error_and_nothing_runs() -> None:
+    wrote: list[dict[str, Any]] = []
+    model = calls_then_echo(("confirm", {"question": "?"}), ("write", {"path": "a", "text": "b"}))
+    tools = [make_write(wrote), CONFIRM]
+    _, paused = await run_chat(model, "go", tools=tools, permissions={"ask": ["write"]})
+    approval, client = paused.interrupts
+    recorder = Recorder()
+    events: list[Any] = []
+    with pytest.raises(InterruptResumeError) as caught:
+        bad = [Respond(approval.id, 1), Approve("approval_nope"), Cancel(approval.id)]
+        async with chat(model, tools=tools, permissions={"ask": ["write"]}, middleware=[recorder],
+                        resume=paused.paused, answers=bad) as run:  # fmt: skip
+            events = [event async for event in run]
+            await run.result()
+    codes = {(issue.interrupt_id, issue.code) for issue in caught.value.issues}
+    assert codes == {
+        (approval.id, "wrong_answer"), ("approval_nope", "unknown_interrupt"),
+        (approval.id, "duplicate"), (client.id, "missing"),
+    }  # fmt: skip
+    assert wrote == [] and len(model.requests) == 1
+    assert isinstance(events[-1], RunError) and events[-1].code == caught.value.code
+    assert recorder.terminal == ["error"]
+
+
+async def test_a_signed_state_round_trips_through_json_and_a_tampered_one_is_refused() -> None:
+    wrote: list[dict[str, Any]] = []
+    model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
+    tools = [make_write(wrote)]
+    _, paused = await run_chat(model, "w", tools=tools, permissions={"ask": ["write"]}, signing_key=KEY)
+    wire = json.dumps(paused.paused.to_json())
+    answers = answers_to_json([Approve(paused.interrupts[0].id)])
+
+    forged = json.loads(wire)
+    forged["state"]["pending_calls"][0]["arguments"] = json.dumps({"path": "/etc/passwd", "text": "x"})
+    for state, key in [(forged, KEY), (json.loads(wire), b"x" * 32)]:
+        with pytest.raises(InterruptResumeError) as caught:
+            await run_chat(model, tools=tools, permissions={"ask": ["write"]}, signing_key=key,
+                           resume=PausedRun.from_json(state), answers=answers_from_json(answers))  # fmt: skip
+        assert caught.value.code == "tampered"
+    assert wrote == []
+    state = PausedRun.from_json(json.loads(wire))
+    _, result = await run_chat(model, tools=tools, permissions={"ask": ["write"]}, signing_key=KEY,
+                               resume=state, answers=answers_from_json(answers))  # fmt: skip
+    assert wrote == [{"path": "a.txt", "text": "hi"}] and result.stop_reason is StopReason.END_TURN
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [{"state": {}}, [], "x", {"run_id": 1}],
+)
+def test_a_malformed_paused_state_is_a_typed_error(payload: Any) -> None:
+    with pytest.raises(InterruptResumeError) as caught:
+        PausedRun.from_json(payload)
+    assert caught.value.code == "invalid_payload"
+
+
+@pytest.mark.parametrize(
+    "payload", [{"type": "approve"}, [{"type": "maybe", "interrupt_id": "a"}], [{"type": "reject", "interrupt_id": 3}]]
+)
+def test_malformed_answers_are_a_typed_error(payload: Any) -> None:
+    with pytest.raises(InterruptResumeError):
+        answers_from_json(payload)
+
+
+def test_interrupt_definitions_check_their_payloads_and_ids() -> None:
+    with pytest.raises(ConfigError):
+        define_interrupt("x")  # neither schema
+    with pytest.raises(ConfigError):
+        CHOICE.request("k", "m", payload={"options": "not a list"})
+    with pytest.raises(ConfigError):
+        define_interrupt("y", response_schema={"type": "string"}).request("k", "m", payload={"a": 1})
+
+
+async def test_duplicate_definition_ids_and_unregistered_definitions_are_refused() -> None:
+    other = define_interrupt("choose", response_schema={"type": "string"})
+    with pytest.raises(ConfigError, match="duplicate interrupt definition id 'choose'"):
+        await run_chat(TestModel(default=Reply(text="x")), "go", interrupts=[other], middleware=[AskAt(Phase.INIT)])
+
+    class Rogue(ChatMiddleware):
+        def on_interrupt_boundary(self, ctx: Any) -> Any:
+            return [other.request("k", "m")]
+
+    with pytest.raises(MiddlewareError, match="not registered"):
+        await run_chat(TestModel(default=Reply(text="x")), "go", middleware=[Rogue()])
+
+
+@given(st.lists(st.sampled_from([None, *ToolResume])))
+def test_the_most_restrictive_resolution_wins(values: list[ToolResume | None]) -> None:
+    ranked = [ToolResume.CONTINUE, ToolResume.CANCEL, ToolResume.STOP]
+    expected = max((v for v in values if v is not None), key=ranked.index, default=ToolResume.CONTINUE)
+    assert most_restrictive(values) is expected
+
+
+async def test_two_hundred_paused_runs_resume_in_random_order() -> None:
+    wrote: list[dict[str, Any]] = []
+    tools = [make_write(wrote)]
+
+    def respond(request: Any) -> Reply:
+        if isinstance(request.messages[-1], ToolResultMessage):
+            return Reply(text="ok " + request.messages[-1].content)
+        return Reply(tool_calls=[("write", {"path": request.messages[0].content, "text": "x"})])
+
+    model = TestModel(respond=respond)
+    paused: dict[str, Any] = {}
+
+    async def start(name: str) -> None:
+        _, result = await run_chat(model, name, tools=tools, permissions={"ask": ["write"]}, signing_key=KEY)
+        paused[name] = result.paused
+
+    names = [f"f{i}" for i in range(200)]
+    async with trio.open_nursery() as nursery:
+        for name in names:
+            nursery.start_soon(start, name)
+    assert wrote == [] and len(paused) == 200
+    order = names[:]
+    random.Random(14).shuffle(order)
+    texts: dict[str, str] = {}
+
+    async def finish(name: str) -> None:
+        state = PausedRun.from_json(json.loads(json.dumps(paused[name].to_json())))
+        _, result = await run_chat(model, tools=tools, permissions={"ask": ["write"]}, signing_key=KEY,
+                                   resume=state, answers=[Approve(state.interrupts[0].id)])  # fmt: skip
+        texts[name] = result.text
+
+    async with trio.open_nursery() as nursery:
+        for name in order:
+            nursery.start_soon(finish, name)
+    assert texts == {name: f"ok wrote {name}" for name in names}
+    assert sorted(item["path"] for item in wrote) == sorted(names)
+
+
+async def test_chat_checks_the_model_adapters_required_capabilities_first() -> None:
+    from trio_agent.lifecycle import CapabilityError, create_capability
+
+    sandbox = create_capability("sandbox")
+    model = TestModel(default=Reply(text="x"))
+    model.requires = (sandbox,)  # type: ignore[attr-defined]
+    with pytest.raises(CapabilityError, match=r"Adapter .* requires capability 'sandbox'"):
+        await run_chat(model, "go")
+    assert model.requests == []
+
+
+async def test_a_journal_records_a_pause_and_refuses_a_continuation_it_cannot_check_for_replays() -> None:
+    from trio_agent.journal import MemoryStore, RequestCompleted, open_journal
+
+    ran: list[dict[str, Any]] = []
+    model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
+    tools = [make_write(ran)]
+    store = MemoryStore()
+    async with open_journal(store, session_id="s") as journal:
+        _, paused = await run_chat(model, "w", tools=tools, permissions={"ask": ["write"]}, journal=journal)
+        events = [envelope.event for envelope in await store.read(journal.stream_id())]
+        with pytest.raises(ConfigError, match="not supported yet"):
+            await run_chat(model, tools=tools, permissions={"ask": ["write"]}, journal=journal,
+                           resume=paused.paused, answers=[Approve(paused.interrupts[0].id)])  # fmt: skip
+    [completed] = [event for event in events if isinstance(event, RequestCompleted)]
+    assert completed.output["paused"] == [paused.interrupts[0].id]
+    assert ran == []

@@ -1,0 +1,161 @@
+"""A paused run between two HTTP requests: `PausedRun`, its JSON and its signature.
+
+Rules
+=====
+
+* ``chat()`` that pauses returns a `PausedRun` (``result.paused``): the run's ids and
+  its `PauseState` (the batch, the conversation, the pending calls, the counters).
+  `PausedRun.to_json` / `PausedRun.from_json` (cattrs) make it plain JSON a web
+  server can hand to a client or keep.
+* State a client holds comes back untrusted. With a ``signing_key`` the state is
+  signed: HMAC-SHA256 over the canonical JSON of everything in it (run id, the
+  batch, every pending call id and its arguments, the history). A continuation
+  checks the signature before anything else; a forged or edited state is one
+  `InterruptResumeError` (code ``tampered``). Without a key, keep the state on the
+  server: an unsigned state is taken as it is.
+* A continuation carries only answers (`Approve`, `Reject`, `Respond`, `Cancel`);
+  `answers_from_json` reads them from JSON (``{"type": "approve", "interrupt_id":
+  ..., "edited_args": {...}}``), each bad item named.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.strategies import configure_tagged_union
+
+from .._errors import ConfigError
+from .._loop._interrupts import (
+    Approve,
+    Cancel,
+    Interrupt,
+    InterruptAnswer,
+    InterruptIssue,
+    InterruptKind,
+    InterruptResumeError,
+    PauseState,
+    Reject,
+    Respond,
+    canonical_json,
+)
+from .._loop._rules import Phase
+from .._models._messages import FinishReason, configure_messages
+
+__all__ = ["PausedRun", "answers_from_json", "answers_to_json"]
+
+
+def _make_converter() -> cattrs.Converter:
+    for cls in (Interrupt, PauseState, PausedRun):
+        attrs.resolve_types(cls)
+    converter = configure_messages(cattrs.Converter(forbid_extra_keys=True))
+    converter.register_unstructure_hook(enum.Enum, lambda member: member.value)
+    converter.register_structure_hook(str, _strict_str)
+    for kind in (InterruptKind, Phase, FinishReason):  # a StrEnum is a str: it needs its own hook
+        converter.register_structure_hook(kind, lambda value, cls: cls(value))
+    configure_tagged_union(
+        Approve | Reject | Respond | Cancel,
+        converter,
+        tag_name="type",
+        tag_generator=lambda cls: cls.__name__.lower(),
+    )
+    return converter
+
+
+def _strict_str(value: object, _: type) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+@attrs.frozen
+class PausedRun:
+    """A run that paused (``chat()``'s ``result.paused``): hand it back with the answers to resume."""
+
+    run_id: str
+    thread_id: str
+    agent_id: str
+    state: PauseState
+    signature: str = ""
+
+    @property
+    def interrupts(self) -> tuple[Any, ...]:
+        """The batch of questions to answer (each an `Interrupt`)."""
+        return self.state.interrupts
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = _converter.unstructure(self)
+        return data
+
+    @classmethod
+    def from_json(cls, data: object) -> PausedRun:
+        """Read a paused state (untrusted: a typed error names what is wrong)."""
+        try:
+            return _converter.structure(data, cls)
+        except Exception as exc:
+            detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else exc
+            raise InterruptResumeError(
+                [InterruptIssue(None, "invalid_payload", f"not a paused run: {detail}")]
+            ) from None
+
+    def signed(self, key: bytes) -> PausedRun:
+        return attrs.evolve(self, signature=_digest(self, key))
+
+    def verify(self, key: bytes | None) -> None:
+        """Raise `InterruptResumeError` (``tampered``) unless the signature matches (no key: nothing to check)."""
+        if key is None:
+            return
+        if not self.signature or not hmac.compare_digest(self.signature, _digest(self, key)):
+            raise InterruptResumeError(
+                [
+                    InterruptIssue(
+                        None,
+                        "tampered",
+                        "the paused state's signature does not match: it was changed "
+                        "or forged, or signed with another key",
+                    )
+                ]
+            )
+
+
+_converter = _make_converter()
+
+
+def _digest(paused: PausedRun, key: bytes) -> str:
+    if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+        raise ConfigError("signing_key must be bytes, at least 16 of them")
+    body = _converter.unstructure(attrs.evolve(paused, signature=""))
+    return hmac.new(bytes(key), canonical_json(body).encode(), hashlib.sha256).hexdigest()
+
+
+def answers_to_json(answers: Sequence[InterruptAnswer]) -> list[dict[str, Any]]:
+    return [_converter.unstructure(answer, Approve | Reject | Respond | Cancel) for answer in answers]
+
+
+def answers_from_json(data: object) -> tuple[InterruptAnswer, ...]:
+    """Answers from JSON (a list of ``{"type": "approve" | "reject" | "respond" | "cancel", ...}``)."""
+    if not isinstance(data, Sequence) or isinstance(data, (str, bytes)):
+        raise InterruptResumeError([InterruptIssue(None, "invalid_payload", "answers must be a JSON list")])
+    answers: list[InterruptAnswer] = []
+    issues: list[InterruptIssue] = []
+    for index, item in enumerate(data):
+        interrupt_id = item.get("interrupt_id") if isinstance(item, Mapping) else None
+        try:
+            answers.append(_converter.structure(item, Approve | Reject | Respond | Cancel))  # type: ignore[arg-type]
+        except Exception as exc:
+            detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else exc
+            issues.append(
+                InterruptIssue(
+                    interrupt_id if isinstance(interrupt_id, str) else None,
+                    "invalid_payload",
+                    f"answer #{index}: {detail}",
+                )
+            )
+    if issues:
+        raise InterruptResumeError(issues)
+    return tuple(answers)
