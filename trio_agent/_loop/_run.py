@@ -363,7 +363,7 @@ class _Run:
         if registered is not request.definition:
             raise MiddlewareError(
                 f"interrupt definition {request.definition.id!r} is not registered on this run "
-                "(pass it in interrupts=[...] or on the middleware)"
+                "(chat(interrupts=[...]) or the middleware's `interrupts`; a session cannot pause yet)"
             )
         return generic_interrupt(request)
 
