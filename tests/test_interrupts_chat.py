@@ -552,3 +552,16 @@ async def test_a_journal_records_a_pause_and_refuses_a_continuation_it_cannot_ch
     [completed] = [event for event in events if isinstance(event, RequestCompleted)]
     assert completed.output["paused"] == [paused.interrupts[0].id]
     assert ran == []
+
+
+async def test_a_signed_state_needs_its_key_and_an_approval_needs_the_permission_table() -> None:
+    wrote: list[dict[str, Any]] = []
+    model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
+    tools = [make_write(wrote)]
+    _, paused = await run_chat(model, "w", tools=tools, permissions={"ask": ["write"]}, signing_key=KEY)
+    answers = [Approve(paused.interrupts[0].id)]
+    with pytest.raises(InterruptResumeError, match="pass its signing_key"):
+        await run_chat(model, tools=tools, permissions={"ask": ["write"]}, resume=paused.paused, answers=answers)
+    with pytest.raises(InterruptResumeError, match="permissions="):
+        await run_chat(model, tools=tools, signing_key=KEY, resume=paused.paused, answers=answers)
+    assert wrote == []

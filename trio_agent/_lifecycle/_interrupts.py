@@ -107,8 +107,13 @@ class PausedRun:
         return attrs.evolve(self, signature=_digest(self, key))
 
     def verify(self, key: bytes | None) -> None:
-        """Raise `InterruptResumeError` (``tampered``) unless the signature matches (no key: nothing to check)."""
+        """Raise `InterruptResumeError` (``tampered``) unless the signature matches; a signed state
+        needs its key (an unsigned one, kept on the server, is taken as it is)."""
         if key is None:
+            if self.signature:
+                raise InterruptResumeError(
+                    [InterruptIssue(None, "tampered", "the paused state is signed: pass its signing_key to check it")]
+                )
             return
         if not self.signature or not hmac.compare_digest(self.signature, _digest(self, key)):
             raise InterruptResumeError(

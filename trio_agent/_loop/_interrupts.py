@@ -29,7 +29,7 @@ Rules
   ============  =====================================================
   before_model  the model call of the same turn
   after_model   the tool phase of that reply (``before_tools`` runs again)
-  before_tools  the tool phase (``before_tools`` runs again)
+  before_tools  the tool phase (that boundary is not asked again)
   after_tools   the next turn
   ============  =====================================================
 

@@ -461,8 +461,12 @@ class _Run:
             if interrupt.kind is not InterruptKind.APPROVAL or not isinstance(answer, Approve):
                 continue
             part = calls.get(interrupt.tool_call_id or "")
-            if part is None or gate is None:
+            if part is None:
                 issues.append(InterruptIssue(interrupt.id, "stale", "the call this approval is for is not pending"))
+                continue
+            if gate is None:
+                issues.append(InterruptIssue(interrupt.id, "stale", "this run has no permission table to judge the "
+                                             "approval: continue with the paused run's permissions="))  # fmt: skip
                 continue
             original = dict(interrupt.input or {})
             edited = answer.edited_args
