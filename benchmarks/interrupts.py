@@ -8,7 +8,11 @@ Runs, in one process and interleaved round by round:
   - allowed: the same with ``permissions={"allow": ["write"]}`` (the table is walked, nobody asked);
   - paused: ``permissions={"ask": ["write"]}`` and ``signing_key``: run 1 pauses, the paused
     state goes to JSON text and back (``to_json`` / ``json.dumps`` / ``from_json``), run 2
-    resumes with ``Approve`` (signature checked, the table walked again on the answer).
+    resumes with ``Approve`` (signature checked, the table walked again on the answer);
+  - session: one open session (in-memory journal) with ``permissions={"allow": ["write"]}``:
+    ``send`` runs the call;
+  - session paused: ``permission_asks="interrupt"`` and an ask rule: ``send`` pauses
+    (``run_paused`` journalled), ``resume([Approve])`` goes on (``interrupts_resolved``).
 
 Reported: CPU µs per whole interaction (median over rounds) and each as a ratio to the floor and
 to ``chat``. Prints a table and, as the last line, one JSON object. ``--short`` runs a quick version.
@@ -27,7 +31,7 @@ from typing import Any
 
 import trio
 
-from trio_agent import SideEffect, ToolKind, chat, define_tool
+from trio_agent import SideEffect, ToolKind, chat, define_tool, open_session
 from trio_agent.lifecycle import Approve, PausedRun
 from trio_agent.models import ToolResultMessage
 from trio_agent.testing import Reply, TestModel
@@ -81,13 +85,34 @@ async def paused(model: TestModel) -> str:
     return second.text
 
 
+async def session_send(session: Any) -> str:
+    return str(await session.send("write"))
+
+
+async def session_pause_resume(session: Any) -> str:
+    reply = await session.send("write")
+    return str(await session.resume([Approve(reply.interrupts[0].id)]))
+
+
 async def measure(rounds: int, repeat: int) -> dict[str, float]:
     model = TestModel(respond=respond)
+    async with (
+        open_session(provider=model, tools=[write], permissions={"allow": ["write"]}) as allowed_session,
+        open_session(
+            provider=model, tools=[write], permissions={"ask": ["write"]}, permission_asks="interrupt"
+        ) as asking_session,
+    ):
+        return await _measure(rounds, repeat, model, allowed_session, asking_session)
+
+
+async def _measure(rounds: int, repeat: int, model: TestModel, allowed: Any, asking: Any) -> dict[str, float]:
     configs = {
         "floor": floor,
         "chat": lambda: plain(model, None),
         "allowed": lambda: plain(model, {"allow": ["write"]}),
         "paused": lambda: paused(model),
+        "session": lambda: session_send(allowed),
+        "session paused": lambda: session_pause_resume(asking),
     }
     samples: dict[str, list[float]] = {name: [] for name in configs}
     for fn in configs.values():  # warm up
@@ -112,9 +137,9 @@ def main() -> None:
     figures = trio.run(measure, rounds, repeat)
     base, chat_us = figures["floor"], figures["chat"]
     print(f"human-in-the-loop pause and resume ({rounds} rounds x {repeat}; python {platform.python_version()})")
-    print(f"{'configuration':<12} {'µs / interaction':>17} {'x floor':>9} {'x chat':>8}")
+    print(f"{'configuration':<15} {'µs / interaction':>17} {'x floor':>9} {'x chat':>8}")
     for name, value in figures.items():
-        print(f"{name:<12} {value:>17.1f} {value / base:>9.1f} {value / chat_us:>8.2f}")
+        print(f"{name:<15} {value:>17.1f} {value / base:>9.1f} {value / chat_us:>8.2f}")
     print(
         json.dumps(
             {
@@ -125,6 +150,7 @@ def main() -> None:
                 "direct_floor_us": round(base, 2),
                 "paused_over_chat": round(figures["paused"] / chat_us, 3),
                 "allowed_over_chat": round(figures["allowed"] / chat_us, 3),
+                "session_paused_over_session": round(figures["session paused"] / figures["session"], 3),
                 "chat_over_floor": round(chat_us / base, 2),
             }
         )

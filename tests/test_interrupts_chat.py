@@ -536,22 +536,28 @@ async def test_chat_checks_the_model_adapters_required_capabilities_first() -> N
     assert model.requests == []
 
 
-async def test_a_journal_records_a_pause_and_refuses_a_continuation_it_cannot_check_for_replays() -> None:
-    from trio_agent.journal import MemoryStore, RequestCompleted, open_journal
+async def test_a_journal_records_the_pause_and_refuses_a_replayed_continuation() -> None:
+    from trio_agent.journal import InterruptsResolved, MemoryStore, RunPaused, open_journal
 
     ran: list[dict[str, Any]] = []
     model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
     tools = [make_write(ran)]
     store = MemoryStore()
     async with open_journal(store, session_id="s") as journal:
-        _, paused = await run_chat(model, "w", tools=tools, permissions={"ask": ["write"]}, journal=journal)
+        kwargs: dict[str, Any] = {"tools": tools, "permissions": {"ask": ["write"]}, "journal": journal}
+        _, paused = await run_chat(model, "w", **kwargs)
+        answers = [Approve(paused.interrupts[0].id)]
+        _, result = await run_chat(model, resume=paused.paused, answers=answers, **kwargs)
+        with pytest.raises(InterruptResumeError) as caught:
+            await run_chat(model, resume=paused.paused, answers=answers, **kwargs)
         events = [envelope.event for envelope in await store.read(journal.stream_id())]
-        with pytest.raises(ConfigError, match="not supported yet"):
-            await run_chat(model, tools=tools, permissions={"ask": ["write"]}, journal=journal,
-                           resume=paused.paused, answers=[Approve(paused.interrupts[0].id)])  # fmt: skip
-    [completed] = [event for event in events if isinstance(event, RequestCompleted)]
-    assert completed.output["paused"] == [paused.interrupts[0].id]
-    assert ran == []
+    assert caught.value.code == "stale" and "not paused" in str(caught.value)
+    assert result.text == "done: wrote a.txt" and ran == [{"path": "a.txt", "text": "hi"}]  # ran once
+    [pause] = [e for e in events if isinstance(e, RunPaused)]
+    [resolved] = [e for e in events if isinstance(e, InterruptsResolved)]
+    assert pause.request_id == paused.paused.run_id == resolved.request_id
+    assert pause.state["pending_calls"][0]["id"] == paused.interrupts[0].tool_call_id
+
 
 
 async def test_a_signed_state_needs_its_key_and_an_approval_needs_the_permission_table() -> None:
@@ -565,3 +571,26 @@ async def test_a_signed_state_needs_its_key_and_an_approval_needs_the_permission
     with pytest.raises(InterruptResumeError, match="permissions="):
         await run_chat(model, tools=tools, signing_key=KEY, resume=paused.paused, answers=answers)
     assert wrote == []
+
+
+async def test_a_continuation_of_a_run_that_did_not_pause_is_refused_by_the_journal() -> None:
+    from trio_agent.journal import MemoryStore, open_journal
+
+    model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
+    tools = [make_write([])]
+    async with open_journal(MemoryStore(), session_id="s") as journal:
+        kwargs: dict[str, Any] = {"tools": tools, "permissions": {"ask": ["write"]}, "journal": journal}
+        _, paused = await run_chat(model, "w", **kwargs)
+        _, finished = await run_chat(TestModel(default=Reply(text="plain")), "hi", journal=journal)
+        assert finished.stop_reason is StopReason.END_TURN
+        finished_run_id = _run_id_of(journal, 2)
+        forged = PausedRun(finished_run_id, paused.paused.thread_id, "root", paused.paused.state)
+        with pytest.raises(InterruptResumeError) as caught:
+            await run_chat(model, resume=forged, answers=[Approve(paused.interrupts[0].id)], **kwargs)
+    assert caught.value.code == "stale" and finished_run_id in str(caught.value) and "completed" in str(caught.value)
+
+
+def _run_id_of(journal: Any, nth: int) -> str:
+    """The request id of the *nth* request on the journal's root stream."""
+    requests = list(journal.projection()._s.requests)
+    return requests[nth - 1]

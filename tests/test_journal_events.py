@@ -18,6 +18,7 @@ from trio_agent._journal._events import (
     ConversationSeeded,
     ErrorInfo,
     EventEnvelope,
+    InterruptsResolved,
     ModelAbortReason,
     ModelAttemptAborted,
     ModelAttemptCompleted,
@@ -35,6 +36,7 @@ from trio_agent._journal._events import (
     RequestInterrupted,
     RequestInterruptReason,
     RequestStarted,
+    RunPaused,
     SessionClosed,
     SessionCloseReason,
     SessionCreated,
@@ -106,6 +108,13 @@ SAMPLES: list[Any] = [
     SessionClosed(session_id="s1", reason=SessionCloseReason.USER, final=True),
     SessionReopened(session_id="s1", life=2),
     ConversationSeeded(session_id="s1", conversation={"messages": [{"type": "UserMessage", "content": "hi"}]}),
+    RunPaused(request_id="r1", state={"phase": "before_tools", "pending_calls": [{"id": "c1"}]}),
+    InterruptsResolved(
+        request_id="r1",
+        continuation_id="r2",
+        answers={"approval_c1": {"type": "reject", "interrupt_id": "approval_c1", "message": "no"}},
+        results={"c1": {"text": "no", "is_error": True}},
+    ),
 ]
 
 

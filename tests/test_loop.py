@@ -173,6 +173,12 @@ class ListRecorder:
     async def turn_completed(self, turn: TurnRef) -> None:
         await self._record("turn_completed", turn)
 
+    async def turn_started(self, turn: TurnRef) -> None:
+        await self._record("turn_started", turn)
+
+    async def interrupts_resolved(self, paused_run_id: str, run_id: str, answers: Any, answered: Any) -> None:
+        await trio.lowlevel.checkpoint()
+
     def settled_answer(self, call_id: str) -> ToolResultMessage | None:
         return self.settled.get(call_id)
 

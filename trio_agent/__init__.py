@@ -40,6 +40,7 @@ from ._errors import RequestAbortedError as RequestAbortedError
 from ._errors import SessionBusyError as SessionBusyError
 from ._errors import SessionClosedError as SessionClosedError
 from ._errors import SessionError as SessionError
+from ._errors import SessionPausedError as SessionPausedError
 from ._errors import ToolDefinitionError as ToolDefinitionError
 from ._errors import ToolInputError as ToolInputError
 from ._errors import TrioAgentError as TrioAgentError
@@ -58,6 +59,7 @@ from ._session._hooks import HookEvent as HookEvent
 from ._session._hooks import HookInput as HookInput
 from ._session._hooks import HookOutput as HookOutput
 from ._session._messages import DoneEvent as DoneEvent
+from ._session._messages import PausedReply as PausedReply
 from ._session._messages import PermissionDeniedEvent as PermissionDeniedEvent
 from ._session._messages import SessionEvent as SessionEvent
 from ._session._messages import SubagentEvent as SubagentEvent
@@ -114,6 +116,7 @@ __all__ = [
     "ModelError",
     "ModelMiddleware",
     "ModelTimeoutError",
+    "PausedReply",
     "PermissionAllow",
     "PermissionAsk",
     "PermissionDeniedEvent",
@@ -135,6 +138,7 @@ __all__ = [
     "SessionError",
     "SessionEvent",
     "SessionEventStream",
+    "SessionPausedError",
     "SideEffect",
     "StopReason",
     "SubagentDefinition",

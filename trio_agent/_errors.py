@@ -5,7 +5,9 @@ Every error that crosses a public boundary is one of these (never a bare
 
     TrioAgentError
      ├── ConfigError               bad configuration value (timeouts, limits, ...)  [ValueError]
-     │    └── HistoryError         a given history is no valid conversation (``index``)
+     │    ├── HistoryError         a given history is no valid conversation (``index``)
+     │    └── CapabilityError      a capability nobody provides, or read before it was (lifecycle)
+     ├── InterruptResumeError      a continuation that cannot resume a paused run (``issues``)
      ├── ToolDefinitionError       a tool definition breaks the contract           [ValueError]
      │    └── ToolBehaviorError    a behaviour resolver widened or returned junk
      ├── ToolInputError            tool input fails the tool's input schema         [ValueError]
@@ -27,6 +29,7 @@ Every error that crosses a public boundary is one of these (never a bare
      ├── SessionError              a session refused a request
      │    ├── SessionBusyError     a request is running and no ``priority`` was given
      │    ├── SessionClosedError   the session is closed (or closing)
+     │    ├── SessionPausedError   a request waits for answers: ``session.resume(...)`` first
      │    ├── RequestAbortedError  the request was aborted (``reason``)
      │    └── UnknownSubagentError no subagent definition has that name        [ValueError]
      ├── HookError                 a hook raised, returned garbage or missed its deadline (``event``)
@@ -112,6 +115,7 @@ __all__ = [
     "SessionBusyError",
     "SessionClosedError",
     "SessionError",
+    "SessionPausedError",
     "SettlementError",
     "StaleFencingTokenError",
     "StreamInterruptedError",
@@ -256,6 +260,12 @@ class HistoryError(ConfigError):
 
 class SessionBusyError(SessionError):
     """A request is already running and the new message gave no ``priority`` (next, later or now)."""
+
+
+class SessionPausedError(SessionError):
+    """The session waits for answers to a paused request (``session.resume(...)``); nothing else runs."""
+
+    code = "session_paused"
 
 
 class SessionClosedError(SessionError):

@@ -11,7 +11,9 @@ With ``output_schema`` the run ends with a separate structured-output call
 ``structured_output`` run first; the call is not retried); its answer must be
 JSON that the schema accepts, else `StructuredOutputError` lists the issues.
 With ``journal`` (an open `DurableJournal`, owned by the caller) the run is
-recorded as a request of the journal's root agent, as a session records one.
+recorded as a request of the journal's root agent, as a session records one; a
+pause is recorded (``run_paused``) and the journal answers it once: a replayed
+continuation is refused (`InterruptResumeError`, code ``stale``).
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ from .._journal._events import (
     RequestInterrupted,
     RequestInterruptReason,
     RequestStarted,
+    RunPaused,
 )
 from .._journal._run_recorder import JournalRecorder
 from .._lifecycle._approvals import PermissionGate
 from .._lifecycle._capabilities import validate_capabilities
-from .._lifecycle._interrupts import PausedRun
+from .._lifecycle._interrupts import PausedRun, pause_to_json, registered_interrupts, split_client_tools
 from .._lifecycle._middleware import ChatMiddleware, apply_structured_output_config, middleware_lifecycle
 from .._loop._context import RunContext
 from .._loop._events import RunError, RunEvent, RunFinished, UsageReported
@@ -71,6 +74,7 @@ from .._permissions._rules import PermissionMode, PermissionRules
 from .._tools._definition import Tool
 from .._tools._lifecycle import InMemoryToolJournal
 from .._tools._pipeline import ToolMiddleware, ToolPipeline
+from .._tools._results import ToolResult
 
 __all__ = ["ChatResult", "ChatRun", "StructuredOutputError", "chat"]
 
@@ -167,6 +171,18 @@ class _NoRecorder:
     async def turn_completed(self, turn: TurnRef) -> None:
         await trio.lowlevel.checkpoint()
 
+    async def turn_started(self, turn: TurnRef) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def interrupts_resolved(
+        self,
+        paused_run_id: str,
+        run_id: str,
+        answers: Mapping[str, InterruptAnswer],
+        answered: Mapping[str, ToolResult],
+    ) -> None:
+        await trio.lowlevel.checkpoint()  # a stateless run cannot tell a replay (docs/human-in-the-loop.md)
+
     def settled_answer(self, call_id: str) -> ToolResultMessage | None:
         return None
 
@@ -217,38 +233,6 @@ def _provider_service(agent_or_model: object, model_middleware: Sequence[ModelMi
     if not (hasattr(provider, "stream") and hasattr(provider, "chat") and hasattr(provider, "model")):
         raise ConfigError(f"chat() needs a model provider (or a ModelService), got {agent_or_model!r}")
     return ModelService(provider, model_middleware)
-
-
-def _split_tools(tools: Sequence[Tool[Any] | ClientTool]) -> tuple[list[Tool[Any]], dict[str, ClientTool]]:
-    server: list[Tool[Any]] = []
-    client: dict[str, ClientTool] = {}
-    for tool in tools:
-        if isinstance(tool, ClientTool):
-            if tool.name in client:
-                raise ConfigError(f"two client tools are named {tool.name!r}")
-            client[tool.name] = tool
-        else:
-            server.append(tool)
-    clash = {tool.name for tool in server} & set(client)
-    if clash:
-        raise ConfigError(f"a tool and a client tool share the name {sorted(clash)[0]!r}")
-    return server, client
-
-
-def _registered_interrupts(
-    interrupts: Sequence[InterruptDefinition], middleware: Sequence[ChatMiddleware]
-) -> dict[str, InterruptDefinition]:
-    """The run's interrupt definitions by id (``interrupts=`` and every middleware's ``interrupts``)."""
-    registered: dict[str, InterruptDefinition] = {}
-    declared = [*interrupts, *(d for mw in middleware for d in getattr(mw, "interrupts", ()))]
-    for definition in declared:
-        if not isinstance(definition, InterruptDefinition):
-            raise ConfigError(f"interrupts must be InterruptDefinition values (define_interrupt), got {definition!r}")
-        known = registered.get(definition.id)
-        if known is not None and known is not definition:
-            raise ConfigError(f"duplicate interrupt definition id {definition.id!r}")
-        registered[definition.id] = definition
-    return registered
 
 
 def _permission_engine(
@@ -329,10 +313,6 @@ async def chat(
             raise ConfigError("chat() takes messages or resume=, not both (a continuation goes on with its history)")
         if not isinstance(resume, PausedRun):
             raise ConfigError(f"resume= takes the PausedRun of a paused run, got {type(resume).__name__}")
-        if journal is not None:
-            # A journal must refuse a replayed continuation; until it records pauses durably
-            # (run_paused / interrupts_resolved), say so rather than run a replay unnoticed.
-            raise ConfigError("resume= with journal= is not supported yet: continue a paused run without a journal")
         resume.verify(signing_key)
         history = list(resume.state.messages)
         resumed = Resume(resume.state, tuple(answers), resume.run_id)
@@ -342,8 +322,8 @@ async def chat(
         if answers:
             raise ConfigError("answers= go with resume= (the paused run they answer)")
         history = _initial_messages(messages)
-    tools, client_tools = _split_tools(tools)
-    registered = _registered_interrupts(interrupts, middleware)
+    tools, client_tools = split_client_tools(tools)
+    registered = registered_interrupts(interrupts, middleware)
     engine = _permission_engine(permissions, permission_mode, tools)
     validate_capabilities(middleware, service.provider)  # the adapter's requires first
     hooks = middleware_lifecycle(middleware)
@@ -504,8 +484,8 @@ async def chat(
 
 async def _record_end(journal: DurableJournal, run_id: str, outcome: Finished) -> None:
     if outcome.pause is not None:
-        asked = [interrupt.id for interrupt in outcome.pause.interrupts]
-        await journal.append(RequestCompleted(request_id=run_id, output={"text": outcome.text, "paused": asked}))
+        # Durable: the journal refuses a second continuation of this pause (interrupts_resolved).
+        await journal.append(RunPaused(request_id=run_id, state=pause_to_json(outcome.pause, with_messages=False)))
     elif outcome.aborted:
         await journal.append(RequestInterrupted(request_id=run_id, reason=RequestInterruptReason.USER_ABORT))
     else:

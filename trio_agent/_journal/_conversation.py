@@ -20,12 +20,15 @@ Rules
   the calls, the order the assembler gives a live reply.
 * Fold, over one agent stream's events in order:
   - `RequestAccepted` -> its ``prompt`` as a user message, except the holder
-    requests of ``start_subagent`` (they carry no prompt);
+    requests of ``start_subagent`` and continuations (``resume``: they carry no prompt);
   - `ModelAttemptCompleted` -> its inputs as user messages, the assistant
     message, then each call's answer in call order: the rejection text, else the
     published `ToolCompleted` / `ToolFailed` result (``output`` as is when a
     string, else its JSON), else "outcome unknown" for `ToolOutcomeUnknown`
     (the last such event of a call counts, wherever it is in the stream);
+  - `RunPaused` -> its pending calls wait unanswered (no orphan answer) until
+    `InterruptsResolved`, whose ``results`` answer the calls a person answered
+    without running them (rejected, cancelled, a client tool's output);
   - every call still unanswered then gets `answer_orphan_calls`' answer.
   Failed and aborted attempts contribute nothing.
 * The incremental fold (`ConversationFold`) gives the same history for the same
@@ -71,9 +74,11 @@ from ._errors import JournalCorruptError
 from ._events import (
     ConversationSeeded,
     Event,
+    InterruptsResolved,
     ModelAttemptCompleted,
     RequestAccepted,
     RequestCompleted,
+    RunPaused,
     SubagentCancelled,
     SubagentCompleted,
     ToolCancelled,
@@ -219,17 +224,24 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
     """The history one agent stream's events tell (see the module rules)."""
     events = list(events)
     outcomes: dict[str, ToolResultMessage] = {}
+    awaiting: dict[str, list[str]] = {}
     for event in events:
         if isinstance(event, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown):
             answer = settled_answer(event)
             if answer is not None:
                 outcomes[event.call_id] = answer
+        elif isinstance(event, RunPaused):
+            awaiting[event.request_id] = paused_call_ids(event)
+        elif isinstance(event, InterruptsResolved):
+            awaiting.pop(event.request_id, None)
+            outcomes.update(resolved_answers(event))
     history: list[Message] = []
     for event in events:
         if isinstance(event, ConversationSeeded):
             history.extend(decode_conversation(event.conversation))
         elif isinstance(event, RequestAccepted):
-            if "start_subagent" not in event.input:  # the holder request of a start between requests
+            # Neither the holder request of a start between requests nor a continuation has a prompt.
+            if "start_subagent" not in event.input and "resume" not in event.input:
                 history.append(UserMessage(str(event.input.get("prompt", ""))))
         elif isinstance(event, ModelAttemptCompleted):
             try:
@@ -243,7 +255,25 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
                     history.append(ToolResultMessage(call.id, record.rejected[call.id], is_error=True))
                 elif call.id in outcomes:
                     history.append(outcomes[call.id])
-    return answer_orphan_calls(history)
+    return answer_orphan_calls(history, awaiting=[i for ids in awaiting.values() for i in ids])
+
+
+def paused_call_ids(event: RunPaused) -> list[str]:
+    """The calls a paused run waits with (not answered until its continuation)."""
+    calls = event.state.get("pending_calls")
+    if not isinstance(calls, list):
+        return []
+    return [call["id"] for call in calls if isinstance(call, dict) and isinstance(call.get("id"), str)]
+
+
+def resolved_answers(event: InterruptsResolved) -> dict[str, ToolResultMessage]:
+    """The answers of the calls a continuation answered without running them."""
+    answers: dict[str, ToolResultMessage] = {}
+    for call_id, result in event.results.items():
+        if not isinstance(result, dict) or not isinstance(result.get("text"), str):
+            raise JournalCorruptError(f"interrupts_resolved of {event.request_id}: result of {call_id} is {result!r}")
+        answers[call_id] = ToolResultMessage(call_id, result["text"], is_error=bool(result.get("is_error")))
+    return answers
 
 
 # ---------------------------------------------------------------- the incremental fold
@@ -265,6 +295,7 @@ class _FoldState:
     outcomes: dict[str, ToolResultMessage] = attrs.Factory(dict)  # the last settlement of each call
     since_reply: list[SubagentOutcome] = attrs.Factory(list)
     last_output: dict[str, Any] | None = None
+    awaiting: dict[str, list[str]] = attrs.Factory(dict)  # paused request -> its calls waiting for answers
 
 
 class ConversationFold:
@@ -290,7 +321,8 @@ class ConversationFold:
         elif isinstance(event, ConversationSeeded):
             s.entries.extend(decode_conversation(event.conversation))
         elif isinstance(event, RequestAccepted):
-            if "start_subagent" not in event.input:  # the holder request of a start between requests
+            # Neither the holder request of a start between requests nor a continuation has a prompt.
+            if "start_subagent" not in event.input and "resume" not in event.input:
                 s.entries.append(UserMessage(str(event.input.get("prompt", ""))))
         elif isinstance(event, ModelAttemptCompleted):
             try:
@@ -307,6 +339,12 @@ class ConversationFold:
             s.since_reply.clear()
         elif isinstance(event, SubagentCompleted | SubagentCancelled):
             s.since_reply.append(event)
+        elif isinstance(event, RunPaused):
+            s.awaiting[event.request_id] = paused_call_ids(event)
+        elif isinstance(event, InterruptsResolved):
+            answers = resolved_answers(event)
+            s.awaiting.pop(event.request_id, None)
+            s.outcomes.update(answers)
         elif isinstance(event, RequestCompleted) and event.output:
             s.last_output = dict(event.output)
 
@@ -321,7 +359,7 @@ class ConversationFold:
                     history.append(answer)
             else:
                 history.append(entry)
-        return answer_orphan_calls(history)
+        return answer_orphan_calls(history, awaiting=[i for ids in self._s.awaiting.values() for i in ids])
 
     @property
     def outcomes_since_reply(self) -> tuple[SubagentCompleted | SubagentCancelled, ...]:

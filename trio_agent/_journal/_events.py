@@ -33,6 +33,7 @@ __all__ = [
     "ErrorInfo",
     "Event",
     "EventEnvelope",
+    "InterruptsResolved",
     "ModelAbortReason",
     "ModelAttemptAborted",
     "ModelAttemptCompleted",
@@ -50,6 +51,7 @@ __all__ = [
     "RequestInterruptReason",
     "RequestInterrupted",
     "RequestStarted",
+    "RunPaused",
     "SessionCloseReason",
     "SessionClosed",
     "SessionCreated",
@@ -286,6 +288,27 @@ class RequestInterrupted:
 
 
 @attrs.frozen(kw_only=True)
+class RunPaused:
+    """The request ended paused: ``state`` is where it paused (the batch of questions, the calls
+    waiting for answers, the loop's counters), as `PausedRun` JSON without the history."""
+
+    request_id: str = _id()
+    state: JsonObject = attrs.field(validator=_json_object)
+
+
+@attrs.frozen(kw_only=True)
+class InterruptsResolved:
+    """The paused request ``request_id`` was answered by the continuation ``continuation_id``
+    (a started request): the ``answers`` as given, and the ``results`` the model reads for the
+    calls answered without running (call id -> ``{"text", "is_error"}``)."""
+
+    request_id: str = _id()
+    continuation_id: str = _id()
+    answers: JsonObject = attrs.field(validator=_json_object)
+    results: JsonObject = attrs.field(factory=dict, validator=_json_object)
+
+
+@attrs.frozen(kw_only=True)
 class TurnStarted:
     request_id: str = _id()
     turn_id: str = _id()
@@ -480,6 +503,8 @@ Event: TypeAlias = (
     | RequestCompleted
     | RequestFailed
     | RequestInterrupted
+    | RunPaused
+    | InterruptsResolved
     | TurnStarted
     | TurnCompleted
     | TurnAborted

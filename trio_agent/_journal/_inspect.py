@@ -16,6 +16,7 @@ from .._errors import JournalError
 from ._events import (
     ConversationSeeded,
     EventEnvelope,
+    InterruptsResolved,
     ModelAttemptAborted,
     ModelAttemptCompleted,
     ModelAttemptFailed,
@@ -28,6 +29,7 @@ from ._events import (
     RequestFailed,
     RequestInterrupted,
     RequestStarted,
+    RunPaused,
     SessionClosed,
     SessionCreated,
     SessionReopened,
@@ -119,6 +121,13 @@ def _describe(event: object) -> str:
         return f"request {event.request_id} interrupted: {event.reason.value}"
     if isinstance(event, RequestStarted):
         return f"request {event.request_id} started"
+    if isinstance(event, RunPaused):
+        asked = [str(item.get("id")) for item in event.state.get("interrupts", []) if isinstance(item, dict)]
+        return f"request {event.request_id} paused, waiting for: {', '.join(asked) or 'nothing'}"
+    if isinstance(event, InterruptsResolved):
+        answers = event.answers.items()
+        kinds = ", ".join(f"{key}={value.get('type')}" for key, value in answers if isinstance(value, dict))
+        return f"request {event.request_id} answered by {event.continuation_id}: {kinds}"
     if isinstance(event, ModelAttemptAborted):
         return f"model attempt {event.attempt_id} aborted: {event.reason.value}"
     if isinstance(event, TurnStarted):

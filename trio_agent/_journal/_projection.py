@@ -19,9 +19,12 @@ Everything that decides a transition lives in this file, in the tables
   starts life n + 1 (``life`` = 2, 3 ...) on the same stream.
 * Conversation: ``conversation_seeded`` only while the session is open, before
   any request, and once.
-* Request: accepted -> started -> completed | failed | interrupted;
+* Request: accepted -> started -> completed | failed | interrupted | paused;
   accepted -> failed | interrupted. At most one request is started and not
-  ended. A request cannot end while one of its turns is open.
+  ended. A request cannot end while one of its turns is open. ``run_paused``
+  keeps where it paused (`Projection.pause`) until ``interrupts_resolved``
+  moves it to resumed; that event names the continuation, which must be the
+  started request, and it is accepted once: a replayed continuation is refused.
 * Turn: started (its request is the started one, no other turn open, numbers
   1, 2, 3 ... per request) -> completed | aborted. A turn cannot end while a
   model attempt of it runs or one of its tools is unsettled.
@@ -69,6 +72,7 @@ from ._events import (
     ConversationSeeded,
     Event,
     EventEnvelope,
+    InterruptsResolved,
     ModelAbortReason,
     ModelAttemptAborted,
     ModelAttemptCompleted,
@@ -85,6 +89,7 @@ from ._events import (
     RequestInterrupted,
     RequestInterruptReason,
     RequestStarted,
+    RunPaused,
     SessionClosed,
     SessionCreated,
     SessionReopened,
@@ -133,6 +138,8 @@ class RequestState(enum.Enum):
     COMPLETED = "completed"
     FAILED = "failed"
     INTERRUPTED = "interrupted"
+    PAUSED = "paused"  # ended waiting for answers; a continuation resumes it
+    RESUMED = "resumed"  # a continuation answered it
 
 
 class TurnState(enum.Enum):
@@ -192,6 +199,8 @@ _REQUEST: dict[tuple[type[Any], RequestState | None], RequestState] = {
     (RequestFailed, RequestState.STARTED): RequestState.FAILED,
     (RequestInterrupted, RequestState.ACCEPTED): RequestState.INTERRUPTED,
     (RequestInterrupted, RequestState.STARTED): RequestState.INTERRUPTED,
+    (RunPaused, RequestState.STARTED): RequestState.PAUSED,
+    (InterruptsResolved, RequestState.PAUSED): RequestState.RESUMED,
 }
 
 _TURN: dict[tuple[type[Any], TurnState | None], TurnState] = {
@@ -326,6 +335,8 @@ class _State:
     permission_updates: list[PermissionUpdated] = attrs.Factory(list)
     life: int = 0  # 1 after session_created, +1 per session_reopened
     seeded: bool = False
+    # Paused requests not answered yet: request id -> where it paused (the run_paused state).
+    paused: dict[str, dict[str, Any]] = attrs.Factory(dict)
 
 
 # ---------------------------------------------------------------- recovery plan
@@ -569,6 +580,7 @@ class Projection:
             "unsettled": unsettled,
             "permissions": permissions,
             "permission_updates": len(s.permission_updates),
+            "paused": dict(s.paused),
         }
 
     def _restore(self, saved: dict[str, Any]) -> None:
@@ -591,6 +603,7 @@ class Projection:
             else:
                 s.permission_ids.discard(permission_id)
         del s.permission_updates[saved["permission_updates"] :]
+        s.paused = saved["paused"]
 
     def _plan(self, envelope: EventEnvelope) -> _Mutation:
         if envelope.stream_id != self.stream_id:
@@ -661,6 +674,8 @@ class Projection:
     def _request(self, envelope: EventEnvelope, event: Event) -> _Mutation:
         request_id: str = event.request_id  # type: ignore[union-attr]
         record = self._s.requests.get(request_id)
+        if isinstance(event, InterruptsResolved):
+            return self._resolved(envelope, event, record)
         new = self._next(_REQUEST, (type(event), record.state if record else None), envelope, "the request")
         if isinstance(event, RequestStarted) and self._s.active_request is not None:
             raise self._error(envelope, f"request {self._s.active_request!r} is still running")
@@ -676,8 +691,30 @@ class Projection:
                 self._s.active_request = request_id
             elif self._s.active_request == request_id:
                 self._s.active_request = None
+            if isinstance(event, RunPaused):
+                self._s.paused[request_id] = event.state
 
         return mutate
+
+    def _resolved(self, envelope: EventEnvelope, event: InterruptsResolved, record: RequestRecord | None) -> _Mutation:
+        if record is None or record.state is not RequestState.PAUSED:
+            state = "absent" if record is None else record.state.value
+            raise self._error(envelope, f"request {event.request_id!r} is {state}, not paused (answered already?)")
+        if self._s.active_request != event.continuation_id:
+            raise self._error(envelope, f"the continuation {event.continuation_id!r} is not the started request")
+
+        def mutate() -> None:
+            record.state = RequestState.RESUMED
+            self._s.paused.pop(event.request_id, None)
+
+        return mutate
+
+    def pause(self) -> tuple[str, dict[str, Any]] | None:
+        """The paused request waiting for answers, if any: (request id, its run_paused state)."""
+        if not self._s.paused:
+            return None
+        request_id = next(reversed(self._s.paused))
+        return request_id, self._s.paused[request_id]
 
     # -- turns
 
@@ -981,6 +1018,8 @@ _HANDLERS: dict[type[Any], _Handler] = {
     RequestCompleted: Projection._request,
     RequestFailed: Projection._request,
     RequestInterrupted: Projection._request,
+    RunPaused: Projection._request,
+    InterruptsResolved: Projection._request,
     TurnStarted: Projection._turn,
     TurnCompleted: Projection._turn,
     TurnAborted: Projection._turn,

@@ -12,12 +12,16 @@ from typing import TYPE_CHECKING
 
 from .._abort import Abort
 from .._errors import ModelError
+from .._loop._interrupts import InterruptAnswer, answer_to_json
+from .._loop._rules import model_text
 from .._models._assemble import ModelReply
 from .._models._messages import ToolResultMessage
+from .._tools._results import ToolResult
 from ._conversation import reply_record, settled_answer
 from ._durable import DurableJournal
 from ._events import (
     ErrorInfo,
+    InterruptsResolved,
     ModelAbortReason,
     ModelAttemptAborted,
     ModelAttemptCompleted,
@@ -101,6 +105,31 @@ class JournalRecorder:
     async def turn_completed(self, turn: TurnRef) -> None:
         await self.journal.append(
             TurnCompleted(request_id=turn.run_id, turn_id=turn.turn_id, has_tool_calls=True), agent_id=self.agent_id
+        )
+
+    async def turn_started(self, turn: TurnRef) -> None:
+        await self.journal.append(
+            TurnStarted(request_id=turn.run_id, turn_id=turn.turn_id, turn=turn.turn), agent_id=self.agent_id
+        )
+
+    async def interrupts_resolved(
+        self,
+        paused_run_id: str,
+        run_id: str,
+        answers: Mapping[str, InterruptAnswer],
+        answered: Mapping[str, ToolResult],
+    ) -> None:
+        await self.journal.append(
+            InterruptsResolved(
+                request_id=paused_run_id,
+                continuation_id=run_id,
+                answers={interrupt_id: answer_to_json(answer) for interrupt_id, answer in answers.items()},
+                results={
+                    call_id: {"text": model_text(result), "is_error": not result.ok}
+                    for call_id, result in answered.items()
+                },
+            ),
+            agent_id=self.agent_id,
         )
 
     def settled_answer(self, call_id: str) -> ToolResultMessage | None:

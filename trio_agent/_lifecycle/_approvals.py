@@ -44,13 +44,15 @@ class PermissionGate:
         session_id: str,
         abort: AbortHandle,
         lineage: tuple[str, ...] = (),
+        decisions: dict[tuple[str, str], StageDecision] | None = None,
     ) -> None:
         self._engine = engine
         self._tools = tools
         self._session_id = session_id
         self._abort = abort
         self._lineage = lineage
-        self._decisions: dict[str, StageDecision] = {}
+        # (agent id, call id) -> the decision; a session shares one map with its permission stage.
+        self._decisions: dict[tuple[str, str], StageDecision] = {} if decisions is None else decisions
         self._stages = ToolStages(permission=(self._stage,))
 
     def _context(self, call: ToolCall, ctx: Any) -> ExecutionContext:
@@ -74,7 +76,7 @@ class PermissionGate:
         if isinstance(verdict, AskNeeded):
             return NeedsApproval(_ask_message(verdict))
         decision = verdict.to_stage_decision(call.input)
-        self._decisions[call.id] = decision
+        self._decisions[ctx.agent_id, call.id] = decision
         return decision
 
     async def approve(self, call: ToolCall, edited_args: JsonObject | None, ctx: Any) -> StageDecision:
@@ -101,14 +103,15 @@ class PermissionGate:
         stage = decision.to_stage_decision(final)
         if isinstance(stage, Allow) and stage.input is None and edited_args is not None:
             stage = Allow(edited_args)
-        self._decisions[call.id] = stage
+        self._decisions[ctx.agent_id, call.id] = stage
         return stage
 
     def stages(self) -> ToolStages:
         return self._stages
 
     async def _stage(self, request: StageRequest) -> StageDecision | None:
-        return self._decisions.get(request.context.tool_call_id)
+        context = request.context
+        return self._decisions.get((context.agent_id, context.tool_call_id))
 
 
 def _ask_message(ask: AskNeeded) -> str:

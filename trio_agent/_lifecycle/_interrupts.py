@@ -34,8 +34,10 @@ from .._errors import ConfigError
 from .._loop._interrupts import (
     Approve,
     Cancel,
+    ClientTool,
     Interrupt,
     InterruptAnswer,
+    InterruptDefinition,
     InterruptIssue,
     InterruptKind,
     InterruptResumeError,
@@ -46,8 +48,17 @@ from .._loop._interrupts import (
 )
 from .._loop._rules import Phase
 from .._models._messages import FinishReason, configure_messages
+from .._tools._definition import Tool
 
-__all__ = ["PausedRun", "answers_from_json", "answers_to_json"]
+__all__ = [
+    "PausedRun",
+    "answers_from_json",
+    "answers_to_json",
+    "pause_from_json",
+    "pause_to_json",
+    "registered_interrupts",
+    "split_client_tools",
+]
 
 
 def _make_converter() -> cattrs.Converter:
@@ -136,6 +147,55 @@ def _digest(paused: PausedRun, key: bytes) -> str:
         raise ConfigError("signing_key must be bytes, at least 16 of them")
     body = _converter.unstructure(attrs.evolve(paused, signature=""))
     return hmac.new(bytes(key), canonical_json(body).encode(), hashlib.sha256).hexdigest()
+
+
+def pause_to_json(state: PauseState, *, with_messages: bool = True) -> dict[str, Any]:
+    """Where a run paused, as JSON (a journal keeps it without the history: it has the history)."""
+    if not with_messages:
+        state = attrs.evolve(state, messages=())
+    data: dict[str, Any] = _converter.unstructure(state)
+    return data
+
+
+def pause_from_json(data: object) -> PauseState:
+    """`pause_to_json`'s inverse; a typed error (``invalid_payload``) names what is wrong."""
+    try:
+        return _converter.structure(data, PauseState)
+    except Exception as exc:
+        detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else exc
+        raise InterruptResumeError([InterruptIssue(None, "invalid_payload", f"not a paused state: {detail}")]) from None
+
+
+def split_client_tools(tools: Sequence[Tool[Any] | ClientTool]) -> tuple[list[Tool[Any]], dict[str, ClientTool]]:
+    server: list[Tool[Any]] = []
+    client: dict[str, ClientTool] = {}
+    for tool in tools:
+        if isinstance(tool, ClientTool):
+            if tool.name in client:
+                raise ConfigError(f"two client tools are named {tool.name!r}")
+            client[tool.name] = tool
+        else:
+            server.append(tool)
+    clash = {tool.name for tool in server} & set(client)
+    if clash:
+        raise ConfigError(f"a tool and a client tool share the name {sorted(clash)[0]!r}")
+    return server, client
+
+
+def registered_interrupts(
+    interrupts: Sequence[InterruptDefinition], middleware: Sequence[object]
+) -> dict[str, InterruptDefinition]:
+    """The run's interrupt definitions by id (``interrupts=`` and every middleware's ``interrupts``)."""
+    registered: dict[str, InterruptDefinition] = {}
+    declared = [*interrupts, *(d for mw in middleware for d in getattr(mw, "interrupts", ()))]
+    for definition in declared:
+        if not isinstance(definition, InterruptDefinition):
+            raise ConfigError(f"interrupts must be InterruptDefinition values (define_interrupt), got {definition!r}")
+        known = registered.get(definition.id)
+        if known is not None and known is not definition:
+            raise ConfigError(f"duplicate interrupt definition id {definition.id!r}")
+        registered[definition.id] = definition
+    return registered
 
 
 def answers_to_json(answers: Sequence[InterruptAnswer]) -> list[dict[str, Any]]:

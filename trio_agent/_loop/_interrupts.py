@@ -52,7 +52,7 @@ import jsonschema_rs
 
 from .._errors import ConfigError, TrioAgentError
 from .._models._messages import Message, ToolCallPart
-from .._tools._results import JsonObject
+from .._tools._results import JsonObject, ToolErrorType, ToolResult
 from ._rules import LoopState, Phase
 
 __all__ = [
@@ -74,6 +74,8 @@ __all__ = [
     "Respond",
     "Resume",
     "ToolResume",
+    "answer_to_json",
+    "answered_without_running",
     "define_client_tool",
     "define_interrupt",
     "most_restrictive",
@@ -458,3 +460,40 @@ def _answer_issue(
     if errors:
         return InterruptIssue(interrupt.id, "invalid_response", "; ".join(errors))
     return None
+
+
+CANCELLED_ANSWER = "cancelled by the user"
+STOPPED_ANSWER = "cancelled: the run was stopped"
+
+
+def _cancelled(text: str) -> ToolResult:
+    return ToolResult.failure(ToolErrorType.VALIDATION, text, code="cancelled")
+
+
+def answered_without_running(
+    pause: PauseState, answers: Mapping[str, InterruptAnswer], resume: ToolResume
+) -> dict[str, ToolResult]:
+    """The answer of every pending call a continuation answers without running it: all of them
+    on ``stop`` / ``cancel``; else rejected or cancelled approvals and client tools' outputs."""
+    if resume is not ToolResume.CONTINUE:
+        text = STOPPED_ANSWER if resume is ToolResume.STOP else CANCELLED_ANSWER
+        return {part.id: _cancelled(text) for part in pause.pending_calls}
+    results: dict[str, ToolResult] = {}
+    for interrupt in pause.interrupts:
+        answer = answers.get(interrupt.id)
+        call_id = interrupt.tool_call_id
+        if call_id is None or answer is None or isinstance(answer, Approve):
+            continue
+        if isinstance(answer, Cancel):
+            results[call_id] = _cancelled(CANCELLED_ANSWER)
+        elif isinstance(answer, Reject):
+            message = answer.message or "the user declined to run this call"
+            results[call_id] = ToolResult.failure(ToolErrorType.PERMISSION_DENIED, message, code="rejected")
+        elif isinstance(answer, Respond):
+            results[call_id] = ToolResult.success(answer.value)
+    return results
+
+
+def answer_to_json(answer: InterruptAnswer) -> JsonObject:
+    """An answer as JSON (``{"type": "approve" | "reject" | "respond" | "cancel", ...}``)."""
+    return {"type": type(answer).__name__.lower(), **attrs.asdict(answer)}

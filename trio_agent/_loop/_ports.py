@@ -22,7 +22,7 @@ from .._tools._pipeline import ToolPipeline
 from .._tools._results import Effect, JsonObject, ToolResult
 from .._tools._stages import StageDecision, ToolStages
 from ._events import RunEvent
-from ._interrupts import ClientTool, InterruptDefinition
+from ._interrupts import ClientTool, InterruptAnswer, InterruptDefinition
 from ._rules import LoopStrategy
 
 __all__ = [
@@ -96,6 +96,19 @@ class RunRecorder(Protocol):
     async def model_call_aborted(self, turn: TurnRef, abort: Abort | None) -> None: ...
 
     async def turn_completed(self, turn: TurnRef) -> None: ...
+
+    async def turn_started(self, turn: TurnRef) -> None:
+        """A turn without a model call: a continuation's tool phase of the reply its run paused after."""
+
+    async def interrupts_resolved(
+        self,
+        paused_run_id: str,
+        run_id: str,
+        answers: Mapping[str, InterruptAnswer],
+        answered: Mapping[str, ToolResult],
+    ) -> None:
+        """Run *run_id* answers paused run *paused_run_id*: checked *answers* by interrupt id, and
+        the answers of the calls that will not run (a journal refuses a second answer to one pause)."""
 
     def settled_answer(self, call_id: str) -> ToolResultMessage | None:
         """The answer the journal holds for a settled call (``None``: no journal, or not settled).

@@ -31,7 +31,7 @@ from .._models._messages import (
 )
 from .._tools._context import CallOrigin, ToolCall
 from .._tools._pipeline import ToolExecutionRecord
-from .._tools._results import ToolErrorType, ToolResult
+from .._tools._results import ToolResult
 from .._tools._stages import Allow, Deny
 from ._context import RunContext
 from ._events import (
@@ -60,7 +60,6 @@ from ._interrupts import (
     Approve,
     Cancel,
     Interrupt,
-    InterruptAnswer,
     InterruptIssue,
     InterruptKind,
     InterruptRequest,
@@ -68,10 +67,9 @@ from ._interrupts import (
     InterruptResolutions,
     InterruptResumeError,
     PauseState,
-    Reject,
-    Respond,
     Resume,
     ToolResume,
+    answered_without_running,
     approval_interrupt,
     client_tool_interrupt,
     generic_interrupt,
@@ -105,7 +103,7 @@ class _Entry:
     """Where a continuation goes on: the pause, its checked answers, the hooks' decision."""
 
     pause: PauseState
-    answers: Mapping[str, InterruptAnswer]
+    answered: Mapping[str, ToolResult]  # call id -> the answer of a call answered without running
     decision: ToolResume
 
 
@@ -205,6 +203,7 @@ class _Run:
         self.resume = resume
         self.step_open = False
         self.open_turn: TurnRef | None = None
+        self.turn_offset = 0  # a continuation's turns are numbered from 1 in its own run
         self.approved: dict[str, dict[str, Any]] = {}  # call id -> the arguments a person approved
 
     # -- the loop
@@ -229,7 +228,7 @@ class _Run:
                 turn = self.turns
                 inputs, steering = ports.inbox.begin_turn()
                 ports.conversation.extend(UserMessage(text) for text in inputs)
-                message_id = f"{spec.run_id}-t{turn}-m{next(_message_ids)}"
+                message_id = f"{self._turn_id(turn)}-m{next(_message_ids)}"
                 ctx.iteration = turn - 1
                 ctx.phase = Phase.BEFORE_MODEL
                 await hooks.on_iteration(ctx, turn - 1, message_id)
@@ -259,7 +258,7 @@ class _Run:
     ) -> Finished | None:
         """One turn from its model call on; ``None``: go on with the next turn."""
         spec, ports, ctx = self.spec, self.ports, self.ctx
-        turn_id = f"{spec.run_id}-t{turn}"
+        turn_id = self._turn_id(turn)
         self.step_open = True
         await self.events(StepStarted(spec.run_id, spec.agent_id, f"turn-{turn}"))
         if not asked:
@@ -272,7 +271,7 @@ class _Run:
         ports.conversation.extend((message.message,))
         self.text = first_text(message.message.parts) or self.text
         calls = list(message.tool_calls)
-        self.open_turn = self._turn_ref(turn, turn_id, 1) if calls else None  # a reply without calls ends its turn
+        self.open_turn = self._turn_ref(turn, 1) if calls else None  # a reply without calls ends its turn
         await self._boundary(Phase.AFTER_MODEL, calls, rejected)
         return await self._tools_and_after(turn, turn_id, calls, rejected, arguments, steering, message.finish_reason)
 
@@ -286,13 +285,13 @@ class _Run:
         steering: AbortHandle,
         finish: FinishReason,
         *,
-        answers: Mapping[str, InterruptAnswer] | None = None,
+        answered: Mapping[str, ToolResult] | None = None,
     ) -> Finished | None:
         spec, ports, hooks, ctx = self.spec, self.ports, self.hooks, self.ctx
         outcomes: list[ToolOutcome] = []
         if calls:
             ctx.phase = Phase.BEFORE_TOOLS
-            await self._gate(calls, rejected, arguments, answers)
+            await self._gate(calls, rejected, arguments, answered)
             outcomes = await self._tool_phase(turn_id, calls, rejected, arguments, steering)
             ctx.phase = Phase.AFTER_TOOLS
             await hooks.on_tool_phase_complete(ctx, outcomes)
@@ -302,7 +301,7 @@ class _Run:
         await self.events(StepFinished(spec.run_id, spec.agent_id, f"turn-{turn}"))
         self._check_abort()
         if calls:
-            await ports.recorder.turn_completed(self._turn_ref(turn, turn_id, 1))
+            await ports.recorder.turn_completed(self._turn_ref(turn, 1))
             self.open_turn = None
             if any(stops_loop(outcome.result) for outcome in outcomes):
                 ports.inbox.close()
@@ -399,44 +398,30 @@ class _Run:
         calls: list[ToolCallPart],
         rejected: dict[str, ToolResult],
         arguments: dict[str, dict[str, Any]],
-        answers: Mapping[str, InterruptAnswer] | None,
+        answered: Mapping[str, ToolResult] | None,
     ) -> None:
         """Before any call runs: apply the continuation's answers, screen the rest, pause if a
         person must answer first (approvals, then client tools, then the hooks' questions)."""
         spec, gate, ctx = self.spec, self.ports.gate, self.ctx
-        answers = answers or {}
         approvals: list[Interrupt] = []
         client: list[Interrupt] = []
         for part in calls:
             if part.id not in arguments:
                 continue
+            if answered is not None and part.id in answered:  # answered without running
+                del arguments[part.id]
+                rejected[part.id] = answered[part.id]
+                continue
             args = arguments[part.id]
-            answer = answers.get(f"approval_{part.id}") or answers.get(f"client_tool_{part.id}")
-            if isinstance(answer, Cancel):
-                del arguments[part.id]
-                rejected[part.id] = tool_error("cancelled by the user", "cancelled")
-                continue
-            if isinstance(answer, Reject):
-                del arguments[part.id]
-                rejected[part.id] = ToolResult.failure(
-                    ToolErrorType.PERMISSION_DENIED, answer.message or "the user declined to run this call",
-                    code="rejected",
-                )  # fmt: skip
-                continue
-            if isinstance(answer, Respond):
-                del arguments[part.id]
-                rejected[part.id] = ToolResult.success(answer.value)
-                continue
-            client_tool = spec.client_tools.get(part.name)
-            if isinstance(answer, Approve):
-                approved = self.approved.get(part.id)
-                if approved is not None:
-                    arguments[part.id] = approved
+            approved = self.approved.get(part.id)
+            if approved is not None:
+                arguments[part.id] = approved
             elif gate is not None:
                 verdict = await gate.screen(ToolCall(part.id, part.name, args), ctx)
                 if isinstance(verdict, NeedsApproval):
                     approvals.append(approval_interrupt(part, args, verdict.message))
                     continue
+            client_tool = spec.client_tools.get(part.name)
             if client_tool is not None:
                 errors = client_tool.input_errors(arguments[part.id])
                 if errors:
@@ -446,16 +431,18 @@ class _Run:
                     )
                     continue
                 client.append(client_tool_interrupt(part, arguments[part.id], client_tool))
-        if answers and not (approvals or client):
+        if answered is not None and not (approvals or client):
             return  # resumed past this boundary: it is not asked again
         await self._boundary(Phase.BEFORE_TOOLS, calls, rejected, [*approvals, *client])
 
     async def _resolve(self, resume: Resume) -> _Entry:
-        """Check the continuation's answers (nothing runs if one is wrong), then ask the hooks."""
+        """Check the continuation's answers (nothing runs if one is wrong), ask the hooks, record
+        the answers (a journal refuses a replay), and work out the calls answered without running."""
         spec, gate, ctx = self.spec, self.ports.gate, self.ctx
         pause = resume.pause
         answers, issues = validate_answers(pause, resume.answers, spec.client_tools)
         calls = {part.id: part for part in pause.pending_calls}
+        refused: dict[str, ToolResult] = {}  # approved, but the table refuses the call now
         for interrupt in pause.interrupts:
             answer = answers.get(interrupt.id)
             if interrupt.kind is not InterruptKind.APPROVAL or not isinstance(answer, Approve):
@@ -474,7 +461,9 @@ class _Run:
             if isinstance(decision, Deny):
                 if edited is not None:
                     issues.append(InterruptIssue(interrupt.id, "invalid_edited_args", decision.message))
-                continue  # unedited and refused now: the call is answered with the refusal
+                else:  # unedited and refused now (a rule changed): the call is answered with the refusal
+                    refused[part.id] = decision.to_result()
+                continue
             if isinstance(decision, Allow):
                 self.approved[part.id] = dict(decision.input if decision.input is not None else (edited or original))
         if issues:
@@ -493,22 +482,28 @@ class _Run:
         resumed = ToolResume.CONTINUE
         if resolutions:
             resumed = await self.hooks.on_interrupt_resolution(ctx, resolutions) or ToolResume.CONTINUE
+        answered = {**answered_without_running(pause, answers, resumed), **refused}
+        try:
+            await self.ports.recorder.interrupts_resolved(resume.parent_run_id, spec.run_id, answers, answered)
+        except JournalError as exc:  # the journal refuses a second answer to one pause
+            raise InterruptResumeError(
+                [InterruptIssue(None, "stale", f"paused run {resume.parent_run_id!r} cannot be resumed: {exc}")]
+            ) from None
         self.turns = pause.turns
         self.state = pause.state
         self.text = pause.text
-        return _Entry(pause, answers, resumed)
+        # This run numbers its own turns from 1 (a journal checks that); the count goes on.
+        self.turn_offset = pause.turns - (0 if pause.phase is Phase.AFTER_TOOLS else 1)
+        return _Entry(pause, answered, resumed)
 
     async def _continue(self, entry: _Entry, config: ModelConfig) -> Finished | None:
         """Go on from where the run paused; ``None``: go on with the next turn."""
         pause, ports, ctx = entry.pause, self.ports, self.ctx
         pending = list(pause.pending_calls)
         if entry.decision is ToolResume.STOP:
-            self._answer(pending, [tool_error("cancelled: the run was stopped", "cancelled")] * len(pending))
+            self._answer(pending, [entry.answered[part.id] for part in pending])
             ports.inbox.close()
             return self._finished(StopReason.VETOED)
-        answers = dict(entry.answers)
-        if entry.decision is ToolResume.CANCEL:
-            answers = {f"approval_{part.id}": Cancel(f"approval_{part.id}") for part in pending}
         phase = pause.phase
         if phase is Phase.AFTER_TOOLS:
             return None
@@ -518,10 +513,12 @@ class _Run:
         if phase is Phase.BEFORE_MODEL:
             ctx.phase = Phase.BEFORE_MODEL
             config = await self.hooks.on_config(ctx, self._config(config))
-            message_id = f"{self.spec.run_id}-t{turn}-m{next(_message_ids)}"
+            message_id = f"{self._turn_id(turn)}-m{next(_message_ids)}"
             return await self._turn(turn, message_id, config, [], steering, asked=True)
-        # Paused after the reply or before its tools: the tool phase of that reply.
-        turn_id = f"{self.spec.run_id}-t{turn}"
+        # Paused after the reply or before its tools: the tool phase of that reply, in a turn of its own.
+        ref = self._turn_ref(turn, 1)
+        await ports.recorder.turn_started(ref)
+        self.open_turn = ref
         self.step_open = True
         await self.events(StepStarted(self.spec.run_id, self.spec.agent_id, f"turn-{turn}"))
         rejected: dict[str, ToolResult] = {}
@@ -532,9 +529,9 @@ class _Run:
             except ToolArgumentsError as exc:
                 rejected[part.id] = tool_error(exc.message, exc.code)
         # After the reply, the tool phase has not met its boundary yet: it is asked as usual.
-        given = answers if phase is Phase.BEFORE_TOOLS or entry.decision is ToolResume.CANCEL else None
+        answered = entry.answered if phase is Phase.BEFORE_TOOLS or entry.decision is ToolResume.CANCEL else None
         return await self._tools_and_after(
-            turn, turn_id, pending, rejected, arguments, steering, FinishReason.TOOL_CALLS, answers=given
+            turn, ref.turn_id, pending, rejected, arguments, steering, FinishReason.TOOL_CALLS, answered=answered
         )
 
     def _check_abort(self) -> None:
@@ -554,8 +551,13 @@ class _Run:
             return ModelConfig(instructions, messages, spec.offered, {}, dict(spec.model_metadata))
         return ModelConfig(instructions, messages, previous.tools, previous.options, previous.metadata)
 
-    def _turn_ref(self, turn: int, turn_id: str, attempt: int) -> TurnRef:
-        return TurnRef(self.spec.run_id, self.spec.agent_id, turn, turn_id, f"{turn_id}-a{attempt}")
+    def _turn_id(self, turn: int) -> str:
+        return f"{self.spec.run_id}-t{turn - self.turn_offset}"
+
+    def _turn_ref(self, turn: int, attempt: int) -> TurnRef:
+        local = turn - self.turn_offset  # a continuation numbers its own turns from 1
+        turn_id = f"{self.spec.run_id}-t{local}"
+        return TurnRef(self.spec.run_id, self.spec.agent_id, local, turn_id, f"{turn_id}-a{attempt}")
 
     # -- one model call (with the retries a hook asks for)
 
@@ -565,7 +567,7 @@ class _Run:
         spec, ports, hooks, ctx = self.spec, self.ports, self.hooks, self.ctx
         attempt = 1
         while True:
-            ref = self._turn_ref(turn, turn_id, attempt)
+            ref = self._turn_ref(turn, attempt)
             await ports.recorder.model_call_started(ref, ports.model.model, opens_turn=attempt == 1)
             try:
                 reply = await self._stream_reply(ref, message_id, config)

@@ -32,10 +32,12 @@ ORPHAN_ANSWER = "no result was recorded (interrupted)"
 """The answer (an error) of a call that has none."""
 
 
-def answer_orphan_calls(history: Iterable[Message]) -> list[Message]:
-    """``history`` with every unanswered tool call answered (see the module rules)."""
+def answer_orphan_calls(history: Iterable[Message], *, awaiting: Collection[str] = ()) -> list[Message]:
+    """``history`` with every unanswered tool call answered (see the module rules), except the
+    calls in *awaiting* (a paused run's calls: their answers come with its continuation)."""
     messages = list(history)
     answered = {m.tool_call_id for m in messages if isinstance(m, ToolResultMessage)}
+    answered.update(awaiting)
     out: list[Message] = []
     for message in messages:
         out.append(message)

@@ -21,7 +21,7 @@ loop run, handing it:
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -30,8 +30,10 @@ from .._abort import AbortHandle
 from .._cleanup import bounded_shield
 from .._errors import ConfigError
 from .._journal._durable import DurableJournal
-from .._journal._events import RequestCompleted, RequestStarted
+from .._journal._events import RequestCompleted, RequestStarted, RunPaused
 from .._journal._run_recorder import JournalRecorder
+from .._lifecycle._approvals import PermissionGate
+from .._lifecycle._interrupts import PausedRun, pause_to_json
 from .._loop._context import RunContext
 from .._loop._events import (
     RunEvent,
@@ -45,6 +47,7 @@ from .._loop._events import (
     UsageReported,
 )
 from .._loop._hooks import Lifecycle
+from .._loop._interrupts import ClientTool, InterruptDefinition
 from .._loop._ports import RunPorts, RunSpec
 from .._loop._rules import LoopState, StopReason, first_text
 from .._loop._run import run_agent_loop
@@ -55,6 +58,7 @@ from .._permissions._engine import PermissionEngine
 from .._permissions._rules import PermissionUpdate
 from .._tools._pipeline import ToolPipeline
 from .._tools._results import Effect
+from .._tools._stages import StageDecision
 from ._hooks import HookAction, HookDecision, HookEvent, HookInput, HookRunner
 from ._messages import (
     DoneEvent,
@@ -99,6 +103,9 @@ class SessionHost:
         permissions: PermissionEngine | None,
         cleanup_grace: float,
         agents: dict[str, _Agent] | None = None,
+        interrupts: Mapping[str, InterruptDefinition] | None = None,
+        client_tools: Mapping[str, ClientTool] | None = None,
+        decided: dict[tuple[str, str], StageDecision] | None = None,
     ) -> None:
         self.journal = journal
         self.session_id = journal.session_id
@@ -115,6 +122,11 @@ class SessionHost:
         self.running: dict[tuple[str, str], _Request] = {}  # (agent id, request id) -> running request
         self.call_origins: dict[str, str] = {}  # running tool call id -> its request id
         self.closing = False
+        # Pauses (docs/human-in-the-loop.md): the root agent's questions, and where it waits.
+        self.interrupts: Mapping[str, InterruptDefinition] = interrupts or {}
+        self.client_tools: Mapping[str, ClientTool] = client_tools or {}
+        self.decided = decided  # None: permission asks go to the handler, never to a pause
+        self.paused: PausedRun | None = None
         self._service = service
         self._services: dict[str, ModelService] = {service.model: service}
 
@@ -191,7 +203,9 @@ class SessionHost:
             request.started = True
             prompt = request.prompt
             extra: str | None = None
-            if agent.parent_id is None:
+            if request.resume is not None:
+                pass  # a continuation: its prompt is the answers, already checked by the session
+            elif agent.parent_id is None:
                 decision = await self.dispatch(
                     HookEvent.USER_PROMPT_SUBMIT, agent.agent_id, prompt=prompt, abort=request.abort
                 )
@@ -210,7 +224,8 @@ class SessionHost:
                     return
                 prompt = decision.prompt or prompt
                 extra = decision.context_text
-            agent.history.append(UserMessage(prompt))
+            if request.resume is None:
+                agent.history.append(UserMessage(prompt))
             if extra:
                 agent.history.append(UserMessage(extra))
             if agent.specs is None:  # the offered tools never change during a session
@@ -222,10 +237,30 @@ class SessionHost:
                 ]
             ports = self._ports(agent, request)
             outcome = await run_agent_loop(
-                self._spec(agent, request), ports, self.lifecycle, ctx=self._context(agent, request, ports)
+                self._spec(agent, request),
+                ports,
+                self.lifecycle,
+                ctx=self._context(agent, request, ports),
+                resume=request.resume,
             )
             request.text = outcome.text or request.text
-            if outcome.aborted:
+            if request.resume is not None:
+                self.paused = None  # answered (the journal holds interrupts_resolved)
+            if outcome.pause is not None:
+                # Ended paused: durable before anyone is told, so a restart finds the questions.
+                request.stop_reason = StopReason.INTERRUPTED
+                await journal.append(
+                    RunPaused(
+                        request_id=request.request_id, state=pause_to_json(outcome.pause, with_messages=False)
+                    ),
+                    agent_id=agent.agent_id,
+                )
+                completed = True
+                paused = PausedRun(request.request_id, self.session_id, agent.agent_id, outcome.pause)
+                self.paused = request.paused = paused
+                done = DoneEvent(request.request_id, request.text, request.stop_reason, request.turns)
+                await request.sink(attrs.evolve(done, interrupts=outcome.pause.interrupts))
+            elif outcome.aborted:
                 await record_interrupted(journal, request, self.cleanup_grace)
             else:
                 request.stop_reason = outcome.stop_reason
@@ -247,8 +282,12 @@ class SessionHost:
                 self.inbox.setdefault(agent.agent_id, []).extend(request.pending)
                 request.pending.clear()
             if not completed:
-                # The next request must not send the model a tool call without its answer.
-                agent.history = answer_orphan_calls(agent.history)
+                # The next request must not send the model a tool call without its answer, except
+                # the calls a paused request waits with (a failed continuation leaves it paused).
+                waiting = []
+                if agent.parent_id is None and self.paused is not None:
+                    waiting = [part.id for part in self.paused.state.pending_calls]
+                agent.history = answer_orphan_calls(agent.history, awaiting=waiting)
             request.finish()
 
     def _spec(self, agent: _Agent, request: _Request) -> RunSpec:
@@ -257,17 +296,26 @@ class SessionHost:
         def instructions() -> str:
             return "\n\n".join([agent.system_prompt, *context]).strip()
 
+        offered = tuple(agent.specs or ())
+        allowed: Collection[str] = agent.allowed
+        client_tools: Mapping[str, ClientTool] = {}
+        if agent.parent_id is None and self.client_tools:  # only the root agent's requests pause
+            client_tools = self.client_tools
+            offered += tuple(ToolSpec(t.name, t.description, dict(t.input_schema)) for t in client_tools.values())
+            allowed = agent.allowed | frozenset(client_tools)
         return RunSpec(
             run_id=request.request_id,
             agent_id=agent.agent_id,
             thread_id=self.session_id,
             instructions=instructions,
-            offered=tuple(agent.specs or ()),
-            allowed=agent.allowed,
+            offered=offered,
+            allowed=allowed,
             strategy=agent.strategy(),
             model_metadata={"session_id": self.session_id, "agent_id": agent.agent_id},
             lineage=agent.lineage,
             session_id=self.session_id,
+            client_tools=client_tools,
+            interrupts=self.interrupts if agent.parent_id is None else {},
         )
 
     def _context(self, agent: _Agent, request: _Request, ports: RunPorts) -> RunContext:
@@ -375,6 +423,21 @@ class SessionHost:
             effects=effects,
             abort=request.abort,
             stop=request.stop if agent.parent_id is not None else None,  # only a subagent is told to stop
+            gate=self._gate(agent, request),
+        )
+
+    def _gate(self, agent: _Agent, request: _Request) -> PermissionGate | None:
+        """With ``permission_asks="interrupt"``, the root agent's calls are screened before any runs
+        and what a person must answer pauses the request; subagents ask the handler."""
+        if self.decided is None or agent.parent_id is not None or self.permissions is None:
+            return None
+        return PermissionGate(
+            self.permissions,
+            self.pipeline.tools,
+            session_id=self.session_id,
+            abort=request.abort,
+            lineage=agent.lineage,
+            decisions=self.decided,
         )
 
 

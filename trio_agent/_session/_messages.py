@@ -11,12 +11,14 @@ from typing import Any, TypeAlias
 
 import attrs
 
+from .._loop._interrupts import Interrupt
 from .._loop._rules import StopReason
 from .._models._messages import Usage
 from .._tools._results import ToolResult
 
 __all__ = [
     "DoneEvent",
+    "PausedReply",
     "PermissionDeniedEvent",
     "SessionEvent",
     "SubagentEvent",
@@ -115,6 +117,21 @@ class DoneEvent:
     stop_reason: StopReason
     turns: int
     error: str | None = None
+    interrupts: tuple[Interrupt, ...] = ()  # stop reason ``interrupted``: the questions it waits for
+
+
+class PausedReply(str):
+    """What ``send()`` / ``resume()`` return when the request paused: the text so far (it is a
+    ``str``), with ``paused`` (the `PausedRun`) and ``interrupts`` (the questions)."""
+
+    paused: Any
+    interrupts: tuple[Interrupt, ...]
+
+    def __new__(cls, text: str, paused: Any) -> PausedReply:
+        reply = super().__new__(cls, text)
+        reply.paused = paused
+        reply.interrupts = paused.state.interrupts
+        return reply
 
 
 SessionEvent: TypeAlias = (

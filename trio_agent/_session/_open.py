@@ -26,7 +26,9 @@ from .._journal._events import PERMISSION_UPDATE_SOURCES, PermissionUpdated, Ses
 from .._journal._memory import MemoryStore
 from .._journal._registry import shared_sqlite_store
 from .._journal._store import JournalStore
+from .._lifecycle._capabilities import validate_capabilities
 from .._lifecycle._middleware import ChatMiddleware
+from .._loop._interrupts import ClientTool, InterruptDefinition
 from .._models._history import validate_history
 from .._models._messages import Message
 from .._models._service import ModelService, Provider, RetryPolicy
@@ -35,12 +37,13 @@ from .._permissions._rules import PermissionMode, PermissionRules, PermissionUpd
 from .._tools._definition import Tool
 from .._tools._pipeline import ToolPipeline
 from .._tools._scheduler import SchedulerLimits, ToolScheduler
+from .._tools._stages import StageDecision
 from ._hooks import HookCallback, HookEvent
 from ._host import SessionHost
 from ._plugins import MiddlewareConfig, Plugin
 from ._requests import RequestQueue, _Agent
 from ._session import Session
-from ._spec import AgentSpec, define_agent
+from ._spec import AgentSpec, PermissionAsks, define_agent
 from ._subagents import SubagentDefinition, SubagentSupervisor
 from ._wiring import journal_permissions, permission_engine, session_stages
 
@@ -57,7 +60,7 @@ async def open_session(
     provider: Provider | str | None = None,
     model: str | None = None,
     system_prompt: str = "",
-    tools: Sequence[Tool[Any]] = (),
+    tools: Sequence[Tool[Any] | ClientTool] = (),
     plugins: Sequence[Plugin] = (),
     middleware: MiddlewareConfig | None = None,
     lifecycle: Sequence[ChatMiddleware] = (),
@@ -82,6 +85,8 @@ async def open_session(
     cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     close_timeout: float = 30.0,
     history: Sequence[Message] | None = None,
+    permission_asks: PermissionAsks = "handler",
+    interrupts: Sequence[InterruptDefinition] = (),
 ) -> AsyncIterator[Session]:
     """Open a session: ``async with open_session(spec) as session`` (the spec's ``createSession``).
 
@@ -134,6 +139,8 @@ async def open_session(
         "scheduler_limits": scheduler_limits,
         "model_request_timeout": model_request_timeout,
         "tool_timeout": tool_timeout,
+        "permission_asks": permission_asks,
+        "interrupts": interrupts,
     }
     if spec is None:
         if provider is None:
@@ -155,6 +162,7 @@ async def open_session(
     try:
         async with AsyncExitStack() as stack:
             provider_obj = await _provider(stack, spec)  # a missing API key fails before any journal opens
+            validate_capabilities(spec.middleware, provider_obj)  # the adapter's requires too
             durable = await _journal(stack, journal, session_id, lease_ttl, takeover_timeout, cleanup_grace)
             service = ModelService(
                 provider_obj,
@@ -178,12 +186,14 @@ async def open_session(
                 return ToolFilter(allowed=None if agent is None else sorted(agent.allowed))
 
             engine = permission_engine(spec.parts, record=journal_permissions(durable), agent_filter=agent_filter)
+            # What a person answered by resuming a paused request, per call, for the permission stage.
+            decided: dict[tuple[str, str], StageDecision] | None = {} if spec.permission_asks == "interrupt" else None
             pipeline = ToolPipeline(
                 spec.parts.tools.values(),
                 middleware=spec.parts.tool_middleware,
                 lifecycle=durable,
                 scheduler=ToolScheduler(spec.scheduler_limits),
-                stages=session_stages(spec.parts, engine),
+                stages=session_stages(spec.parts, engine, decided),
                 timeout=spec.tool_timeout,
                 workspace=spec.parts.workspace,
                 unwind_grace=spec.unwind_grace,
@@ -199,6 +209,9 @@ async def open_session(
                 permissions=engine,
                 agents=agents,
                 cleanup_grace=cleanup_grace,
+                interrupts=spec.interrupts,
+                client_tools=spec.client_tools,
+                decided=decided,
             )
             queue = RequestQueue(durable, root, max_queued=64, cleanup_grace=cleanup_grace)
             # Write-ahead: a rule update is durable before the engine applies it.

@@ -37,6 +37,7 @@ from .._journal._events import (
     TurnAbortReason,
 )
 from .._journal._projection import RequestState, SessionState, ToolState, TurnState
+from .._lifecycle._interrupts import PausedRun, pause_from_json
 from .._models._messages import Message
 from .._permissions._rules import update_from_json
 from .._tools._context import CallOrigin, ToolCall
@@ -78,6 +79,10 @@ async def begin_life(host: SessionHost, tools: Mapping[str, Tool[Any]], history:
         life.number += 1
         await journal.append(SessionReopened(session_id=host.session_id, life=life.number))
     await _recover(host, tools, life)
+    pause = journal.projection().pause()
+    if pause is not None:  # a request paused in an earlier life (or process) still waits for answers
+        request_id, where = pause
+        host.paused = PausedRun(request_id, host.session_id, host.root.agent_id, pause_from_json(where))
     if host.permissions is not None:
         stored = journal.projection().permission_updates
         if stored:

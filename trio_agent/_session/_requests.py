@@ -46,7 +46,9 @@ from .._journal._events import (
     TurnAbortReason,
 )
 from .._journal._projection import RequestState
+from .._lifecycle._interrupts import PausedRun
 from .._loop._events import RunEvent
+from .._loop._interrupts import Resume
 from .._loop._rules import LoopStrategy, StopReason, max_iterations
 from .._models._history import CallIdIndex
 from .._models._messages import Message, ToolSpec
@@ -115,11 +117,13 @@ class _Request:
         "forwards",
         "holds",
         "observe",
+        "paused",
         "pending",
         "priority",
         "prompt",
         "released",
         "request_id",
+        "resume",
         "sink",
         "started",
         "steering",
@@ -132,6 +136,8 @@ class _Request:
     def __init__(self, prompt: str, sink: EventSink, agent: _Agent) -> None:
         self.request_id = f"req-{uuid.uuid4().hex[:12]}"
         self.prompt = prompt
+        self.resume: Resume | None = None  # a continuation of a paused request: its answers
+        self.paused: PausedRun | None = None  # set when it ended paused
         self.sink = sink
         self.agent = agent
         self.abort = AbortHandle()
@@ -188,7 +194,14 @@ def interrupt_reason(reason: AbortReason) -> RequestInterruptReason:
 async def accept_on(journal: DurableJournal, agent_id: str, request: _Request) -> None:
     """Record *request* accepted on *agent_id*'s stream."""
     await journal.append(
-        RequestAccepted(request_id=request.request_id, command_id=request.request_id, input={"prompt": request.prompt}),
+        RequestAccepted(
+            request_id=request.request_id,
+            command_id=request.request_id,
+            # A continuation carries no prompt: its answers are recorded with interrupts_resolved.
+            input={"prompt": request.prompt}
+            if request.resume is None
+            else {"resume": request.resume.parent_run_id},
+        ),
         command_id=request.request_id,
         agent_id=agent_id,
     )

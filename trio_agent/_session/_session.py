@@ -21,7 +21,14 @@ import trio
 from .._abort import AbortReason
 from .._cleanup import bounded_shield, validate_cleanup_grace
 from .._config import validate_timeout
-from .._errors import InvalidTransitionError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
+from .._errors import (
+    InvalidTransitionError,
+    JournalError,
+    LeaseLostError,
+    SessionClosedError,
+    SessionPausedError,
+    TrioAgentError,
+)
 from .._groups import is_cancellation, unwrap_for_boundary
 from .._journal._durable import DurableJournal, RecoveryReport
 from .._journal._events import (
@@ -37,6 +44,8 @@ from .._journal._events import (
 )
 from .._journal._projection import SessionState
 from .._journal._subscribe import DurableEventStream, JournalCursor
+from .._lifecycle._interrupts import PausedRun
+from .._loop._interrupts import InterruptAnswer, InterruptIssue, InterruptResumeError, Resume
 from .._models._messages import Message
 from .._permissions._engine import PermissionEngine
 from .._tools._context import ToolContext
@@ -45,7 +54,7 @@ from .._tools._pipeline import ToolPipeline
 from ._endings import open_items, record_request_end
 from ._hooks import HookEvent
 from ._host import SessionHost
-from ._messages import SessionEvent
+from ._messages import PausedReply, SessionEvent
 from ._recovery import begin_life, rebuild_history
 from ._requests import Priority, RequestQueue, _Request
 from ._stream import EventForward, EventSink, SessionEventStream, discard, tee
@@ -128,8 +137,60 @@ class Session:
         if self._host.closing or self._nursery is None:
             raise SessionClosedError("the session is closed")
 
+    def _check_not_paused(self) -> None:
+        paused = self._host.paused
+        if paused is not None:
+            asked = ", ".join(item.id for item in paused.interrupts)
+            raise SessionPausedError(
+                f"session {self.session_id!r} is paused waiting for answers ({asked}): "
+                "answer with session.resume([...]) (Cancel answers every question without running anything)"
+            )
+
+    @property
+    def paused(self) -> PausedRun | None:
+        """The paused request's state (its questions in ``paused.interrupts``), or ``None``."""
+        return self._host.paused
+
+    async def resume(self, answers: Sequence[InterruptAnswer]) -> str:
+        """Answer the paused request's questions and go on; returns what ``send()`` returns.
+
+        Every question is answered once (`Approve` / `Reject` / `Cancel` an approval,
+        `Respond` to a client tool or a question); a bad set of answers raises
+        `InterruptResumeError` naming each issue, nothing runs and the session stays
+        paused. A second continuation of one pause is refused (code ``stale``), also
+        from another process: the journal accepts one ``interrupts_resolved`` per pause.
+        """
+        return await self._run_to_end(self._continuation(answers), "resume() was cancelled")
+
+    @asynccontextmanager
+    async def resume_stream(self, answers: Sequence[InterruptAnswer]) -> AsyncIterator[SessionEventStream]:
+        """`resume`, streamed like `stream`: ``async with session.resume_stream(answers) as events``."""
+        request = self._continuation(answers)
+        send, recv = trio.open_memory_channel[SessionEvent](256)
+        async with self._streamed(request, send, recv) as stream:
+            yield stream
+
+    def _continuation(self, answers: Sequence[InterruptAnswer]) -> _Request:
+        """The request that answers the paused one (checked: the session is open, paused and idle)."""
+        self._check_open()
+        paused = self._host.paused
+        if paused is None:
+            raise InterruptResumeError(
+                [InterruptIssue(None, "stale", f"session {self.session_id!r} is not paused: nothing to resume")]
+            )
+        if isinstance(answers, (str, bytes)) or not isinstance(answers, Sequence):
+            raise InterruptResumeError([InterruptIssue(None, "invalid_payload", "answers must be a list")])
+        self._queue.check_not_busy(None)
+        request = _Request("", discard, self._host.root)
+        request.resume = Resume(paused.state, tuple(answers), paused.run_id)
+        return request
+
     async def send(self, prompt: str, *, priority: Priority | Literal["next", "now", "later"] | None = None) -> str:
         """Run ``prompt`` as a request and return the final answer.
+
+        A request that paused (``permission_asks="interrupt"``, a client tool, a
+        middleware's question) returns a `PausedReply` (a ``str`` with ``interrupts``);
+        answer it with `resume`. While paused, a new prompt raises `SessionPausedError`.
 
         While a request runs: ``priority="next"`` adds the message to it after
         the current turn, ``"now"`` does that and steers (aborts ``cancel``
@@ -144,19 +205,24 @@ class Session:
             queue.join(current, prompt, priority)
             await current.done.wait()
             current.raise_if_failed()
-            return current.text
+            return _reply(current)
+        self._check_not_paused()
         queue.check_not_busy(priority)
         request = _Request(prompt, discard, self._host.root)
         request.priority = None if priority is None else Priority(priority)
+        return await self._run_to_end(request, "send() was cancelled")
+
+    async def _run_to_end(self, request: _Request, cancelled: str) -> str:
+        queue = self._queue
         await queue.accept(request)
         try:
             await request.done.wait()
         finally:
             if not request.done.is_set():
                 with self._host.cleanup_scope():
-                    await queue.abort_request(request, AbortReason.USER_ABORT, "send() was cancelled")
+                    await queue.abort_request(request, AbortReason.USER_ABORT, cancelled)
         request.raise_if_failed()
-        return request.text
+        return _reply(request)
 
     @asynccontextmanager
     async def stream(
@@ -184,12 +250,24 @@ class Session:
             finally:
                 forward.closed = True
             return
+        self._check_not_paused()
         queue.check_not_busy(priority)
         request = _Request(prompt, discard, self._host.root)
+        request.priority = None if priority is None else Priority(priority)
+        async with self._streamed(request, send, recv) as stream:
+            yield stream
+
+    @asynccontextmanager
+    async def _streamed(
+        self,
+        request: _Request,
+        send: trio.MemorySendChannel[SessionEvent],
+        recv: trio.MemoryReceiveChannel[SessionEvent],
+    ) -> AsyncIterator[SessionEventStream]:
+        queue = self._queue
         forward = EventForward(send, request.abort)
         request.sink = forward
         request.forwards.append(forward)
-        request.priority = None if priority is None else Priority(priority)
         await queue.accept(request)
         stream = SessionEventStream(recv, request, joined=False)
         try:
@@ -356,3 +434,8 @@ class Session:
                         break
         if refused is not None:
             raise refused
+
+
+def _reply(request: _Request) -> str:
+    """A request's answer: its text, or a `PausedReply` if it ended paused."""
+    return request.text if request.paused is None else PausedReply(request.text, request.paused)

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
 from .._config import validate_timeout
 from .._errors import ConfigError
+from .._lifecycle._interrupts import registered_interrupts, split_client_tools
 from .._lifecycle._middleware import ChatMiddleware, middleware_lifecycle
 from .._loop._compose import compose_lifecycle
 from .._loop._hooks import Lifecycle
+from .._loop._interrupts import ClientTool, InterruptDefinition
 from .._models._service import Provider, RetryPolicy
 from .._permissions._engine import PermissionHandler
 from .._permissions._rules import PermissionMode, PermissionRules
@@ -40,7 +42,10 @@ from ._subagents import RoutedSubagentPersistence, SubagentDefinition, routed_pe
 from ._task_tools import TaskTools
 from ._wiring import AgentParts, build_agent_parts
 
-__all__ = ["AgentSpec", "define_agent"]
+__all__ = ["AgentSpec", "PermissionAsks", "define_agent"]
+
+PermissionAsks = Literal["handler", "interrupt"]
+"""How a session asks a person about a call: a handler while the call waits, or by pausing the request."""
 
 
 @attrs.frozen(eq=False)
@@ -66,6 +71,9 @@ class AgentSpec:
     lifecycle: Lifecycle
     subagent_persistence: tuple[RoutedSubagentPersistence, ...]
     task_tools: TaskTools | None = attrs.field(repr=False)
+    permission_asks: PermissionAsks = "handler"
+    interrupts: Mapping[str, InterruptDefinition] = attrs.field(factory=dict)
+    client_tools: Mapping[str, ClientTool] = attrs.field(factory=dict)
 
     @property
     def unwind_grace(self) -> float:
@@ -91,7 +99,7 @@ def define_agent(
     provider: Provider | str,
     model: str | None = None,
     system_prompt: str = "",
-    tools: Sequence[Tool[Any]] = (),
+    tools: Sequence[Tool[Any] | ClientTool] = (),
     plugins: Sequence[Plugin] = (),
     middleware: MiddlewareConfig | None = None,
     lifecycle: Sequence[ChatMiddleware] = (),
@@ -109,6 +117,8 @@ def define_agent(
     scheduler_limits: SchedulerLimits | None = None,
     model_request_timeout: float = 600.0,
     tool_timeout: float = 600.0,
+    permission_asks: PermissionAsks = "handler",
+    interrupts: Sequence[InterruptDefinition] = (),
 ) -> AgentSpec:
     """Define an agent once; open sessions of it with ``open_session(spec, ...)``.
 
@@ -121,6 +131,12 @@ def define_agent(
     * ``retry``: the model calls' `RetryPolicy` (default: 3 attempts with backoff).
     * ``scheduler_limits``: how many tool calls of each kind run at once, per session
       (default ``SchedulerLimits()``: 10 read-only, 10 write, 3 execute).
+    * ``permission_asks``: ``"handler"`` (default) asks the ``permission_handler`` while
+      the call waits; ``"interrupt"`` pauses the root agent's request instead, with one
+      batch of approvals a person answers with ``session.resume(...)``
+      (docs/human-in-the-loop.md). Subagents keep asking the handler.
+    * ``interrupts``: the `InterruptDefinition` s middleware may ask with (and ``tools``
+      may hold `ClientTool` s, run by the client: a call pauses the request).
 
     Raises:
         ConfigError: a bad option (duplicate tools or plugins, bad rules, a bad limit).
@@ -140,6 +156,10 @@ def define_agent(
         raise ConfigError(f"scheduler_limits must be a SchedulerLimits, not {scheduler_limits!r}")
     model_request_timeout = validate_timeout(model_request_timeout, name="model_request_timeout")
     tool_timeout = validate_timeout(tool_timeout, name="tool_timeout")
+    if permission_asks not in ("handler", "interrupt"):
+        raise ConfigError(f"permission_asks must be 'handler' or 'interrupt', not {permission_asks!r}")
+    tools, client_tools = split_client_tools(tools)
+    registered = registered_interrupts(interrupts, list(lifecycle) if isinstance(lifecycle, (list, tuple)) else [])
     definitions = _definitions(subagents)
     # The session's own hooks first: a Stop hook's "one more turn" is asked before any veto.
     composed = compose_lifecycle(SESSION_HOOKS, middleware_lifecycle(lifecycle))  # checks the list
@@ -159,6 +179,7 @@ def define_agent(
         permission_handler=permission_handler,
         workspace_roots=workspace_roots,
         hook_deadlines=hook_deadlines,
+        asks_by_pausing=permission_asks == "interrupt",
     )
     return AgentSpec(
         provider=provider,
@@ -176,4 +197,7 @@ def define_agent(
         lifecycle=composed,
         subagent_persistence=persistence,
         task_tools=task_tools,
+        permission_asks=permission_asks,
+        interrupts=registered,
+        client_tools=client_tools,
     )

@@ -61,7 +61,7 @@ from .._permissions._rules import (
     ToolPermissionCheck,
 )
 from .._tools._definition import Tool
-from .._tools._stages import ToolStages
+from .._tools._stages import StageDecision, StageRequest, ToolStages
 from ._hooks import HookAction, HookEvent, HookInput, HookRegistry, HookRunner, post_tool_stage, pre_tool_stage
 from ._plugins import MiddlewareConfig, MiddlewareConfigError, Plugin, resolve_plugins
 
@@ -149,6 +149,7 @@ def build_agent_parts(
     permission_handler: PermissionHandler | None,
     workspace_roots: Sequence[str | os.PathLike[str]] | None,
     hook_deadlines: Mapping[HookEvent, float] | None,
+    asks_by_pausing: bool = False,
 ) -> AgentParts:
     """Validate an agent's options and compose its parts (once per spec; module docstring)."""
     if middleware is not None and not isinstance(middleware, MiddlewareConfig):
@@ -185,7 +186,9 @@ def build_agent_parts(
         workspace_roots=roots,
     )
     # The engine's checks (a bad rule, a tool that can never run) belong to the definition too.
-    _warn_never_allowed(permission_engine(parts, record=None, agent_filter=_no_filter), parts)
+    engine = permission_engine(parts, record=None, agent_filter=_no_filter)
+    if not asks_by_pausing:  # a request that asks by pausing needs no handler
+        _warn_never_allowed(engine, parts)
     return parts
 
 
@@ -301,7 +304,24 @@ def permission_engine(
     )
 
 
-def session_stages(parts: AgentParts, engine: PermissionEngine) -> ToolStages:
-    """The spec's hook stages around the session's own permission stage."""
+def session_stages(
+    parts: AgentParts, engine: PermissionEngine, decided: dict[tuple[str, str], StageDecision] | None = None
+) -> ToolStages:
+    """The spec's hook stages around the session's own permission stage.
+
+    *decided* holds what a person already answered for a call (a run that asks by pausing
+    screens its calls first, `PermissionGate`): the stage takes that decision, once, instead
+    of asking the engine again.
+    """
     hooks = parts.hook_stages
-    return ToolStages(pre_tool=hooks.pre_tool, permission=[engine.as_stage()], post_tool=hooks.post_tool)
+    stage = engine.as_stage()
+    if decided is not None:
+        engine_stage = stage
+
+        async def answered_first(request: StageRequest) -> StageDecision | None:
+            context = request.context
+            decision = decided.pop((context.agent_id, context.tool_call_id), None)
+            return decision if decision is not None else await engine_stage(request)
+
+        stage = answered_first
+    return ToolStages(pre_tool=hooks.pre_tool, permission=[stage], post_tool=hooks.post_tool)
