@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -404,3 +405,37 @@ def test_validation_passes_iff_every_requirement_is_provided(
         assert caught.value.capability in [POOL[i] for i in required - provided]
         adapter_gap = bool(set(adapter or ()) - provided)
         assert str(caught.value).startswith("Adapter 'a'" if adapter_gap else "Middleware 'm")
+
+
+def test_a_handle_types_its_value_under_mypy_strict(tmp_path: Path) -> None:
+    """`ctx.get(handle)` is typed by the handle; providing a value of another type is an error."""
+    from mypy import api
+
+    good = tmp_path / "good.py"
+    good.write_text(
+        "from typing import assert_type\n"
+        "from trio_agent.lifecycle import Capability, RunContext, create_capability\n"
+        "class Database:\n"
+        "    def query(self) -> int:\n"
+        "        return 1\n"
+        "DB = create_capability('db', Database)\n"
+        "assert_type(DB, Capability[Database])\n"
+        "def use(ctx: RunContext) -> int:\n"
+        "    assert_type(ctx.get(DB), Database)\n"
+        "    assert_type(ctx.capabilities.get_optional(DB), Database | None)\n"
+        "    ctx.provide(DB, Database())\n"
+        "    return ctx.get(DB).query()\n"
+    )
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from trio_agent.lifecycle import RunContext, create_capability\n"
+        "class Database: ...\n"
+        "DB = create_capability('db', Database)\n"
+        "def use(ctx: RunContext) -> None:\n"
+        "    ctx.provide(DB, 'not a database')\n"
+    )
+    cache = ["--cache-dir", str(tmp_path / "cache"), "--strict"]
+    out, err, status = api.run([*cache, str(good)])
+    assert status == 0, out + err
+    out, err, status = api.run([*cache, str(bad)])
+    assert status == 1 and "bad.py:5" in out and "provide" in out, out + err

@@ -141,3 +141,17 @@ async def test_a_retry_asked_outside_on_model_error_is_a_typed_error() -> None:
     async with chat(TestModel(default=Reply(text="x")), "go", middleware=[Early()]) as run:
         with pytest.raises(RetryNotAllowedError):
             await run.result()
+
+
+async def test_instructions_changed_in_on_config_reach_the_model_call() -> None:
+    from trio_agent.models import SystemMessage, UserMessage
+
+    class Terse(ChatMiddleware):
+        def on_config(self, ctx: Any, config: Any) -> Any:
+            assert not any(isinstance(m, SystemMessage) for m in config.messages)  # the prompt is separate
+            return {"instructions": config.instructions + " Answer in one sentence."}
+
+    model = TestModel(default=Reply(text="ok"))
+    async with chat(model, "hi", instructions="Be helpful.", middleware=[Terse()]) as run:
+        await run.result()
+    assert model.requests[0].messages == (SystemMessage("Be helpful. Answer in one sentence."), UserMessage("hi"))

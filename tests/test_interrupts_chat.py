@@ -594,3 +594,24 @@ def _run_id_of(journal: Any, nth: int) -> str:
     """The request id of the *nth* request on the journal's root stream."""
     requests = list(journal.projection()._s.requests)
     return requests[nth - 1]
+
+
+async def test_an_edit_that_leaves_the_workspace_is_refused_by_the_path_policy(tmp_path: Any) -> None:
+    ran: list[dict[str, Any]] = []
+
+    @define_tool(name="save", description="saves", input_schema=WRITE_SCHEMA, side_effect=SideEffect.IDEMPOTENT,
+                 kind=ToolKind.WRITE, affected_paths=lambda input: [input["path"]])  # fmt: skip
+    async def save(input: dict[str, Any], ctx: Any) -> str:
+        ran.append(input)
+        return "saved"
+
+    model = calls_then_echo(("save", {"path": "notes.txt", "text": "hi"}))
+    kwargs: dict[str, Any] = {"tools": [save], "permissions": {"ask": ["save"]}, "workspace_roots": [tmp_path]}
+    _, paused = await run_chat(model, "save", **kwargs)
+    edit = Approve(paused.interrupts[0].id, edited_args={"path": "/etc/passwd", "text": "x"})
+    with pytest.raises(InterruptResumeError) as caught:
+        await run_chat(model, resume=paused.paused, answers=[edit], **kwargs)
+    assert caught.value.code == "invalid_edited_args" and "/etc/passwd" in str(caught.value)
+    assert ran == []
+    _, result = await run_chat(model, resume=paused.paused, answers=[Approve(paused.interrupts[0].id)], **kwargs)
+    assert ran == [{"path": "notes.txt", "text": "hi"}] and result.text == "done: saved"

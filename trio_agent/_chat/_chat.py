@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import uuid
 from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -70,7 +71,7 @@ from .._models._messages import (
 )
 from .._models._service import ModelMiddleware, ModelService, Provider
 from .._permissions._engine import PermissionEngine
-from .._permissions._rules import PermissionMode, PermissionRules
+from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules
 from .._tools._definition import Tool
 from .._tools._lifecycle import InMemoryToolJournal
 from .._tools._pipeline import ToolMiddleware, ToolPipeline
@@ -239,13 +240,15 @@ def _permission_engine(
     permissions: PermissionRules | Mapping[str, Sequence[str]] | PermissionEngine | None,
     permission_mode: PermissionMode | str | None,
     tools: Sequence[Tool[Any]],
+    workspace_roots: Sequence[str | os.PathLike[str]] | None,
 ) -> PermissionEngine | None:
     """The table approvals are judged by; ``None`` when nothing could ever ask or deny."""
     if isinstance(permissions, PermissionEngine):
-        if permission_mode is not None:
-            raise ConfigError("permission_mode= is for rules; a PermissionEngine already has its mode")
+        if permission_mode is not None or workspace_roots is not None:
+            raise ConfigError("permission_mode= and workspace_roots= are for rules; a PermissionEngine has its own")
         return permissions
-    if permissions is None and permission_mode is None and not any(tool.check_permissions for tool in tools):
+    quiet = permissions is None and permission_mode is None and workspace_roots is None
+    if quiet and not any(tool.check_permissions for tool in tools):
         return None
     if isinstance(permissions, Mapping):
         unknown = set(permissions) - {"allow", "ask", "deny"}
@@ -255,7 +258,8 @@ def _permission_engine(
     # With rules, the session's default mode (reads run, writes and commands ask); with no rules
     # and no mode, only a tool that asks for itself pauses the run ("bypass" skips nothing else).
     default = PermissionMode.DEFAULT if permissions is not None else PermissionMode.BYPASS
-    return PermissionEngine(permissions, mode=permission_mode or default)
+    policy = PathPolicy([os.fspath(root) for root in workspace_roots]) if workspace_roots else None
+    return PermissionEngine(permissions, mode=permission_mode or default, path_policy=policy)
 
 
 def _initial_messages(messages: str | Sequence[Message]) -> list[Message]:
@@ -288,6 +292,7 @@ async def chat(
     interrupts: Sequence[InterruptDefinition] = (),
     permissions: PermissionRules | Mapping[str, Sequence[str]] | PermissionEngine | None = None,
     permission_mode: PermissionMode | str | None = None,
+    workspace_roots: Sequence[str | os.PathLike[str]] | None = None,
     resume: PausedRun | None = None,
     answers: Sequence[InterruptAnswer] = (),
     signing_key: bytes | None = None,
@@ -302,7 +307,8 @@ async def chat(
     Pauses and continuations (``docs/human-in-the-loop.md``): a run that must ask a person
     ends with ``result.paused``; run ``chat(model, resume=paused, answers=[...])`` with the
     same tools, middleware and ``signing_key`` to go on. ``permissions`` /
-    ``permission_mode`` (default ``bypass``) decide which calls need approval.
+    ``permission_mode`` decide which calls need approval; ``workspace_roots`` keeps the
+    paths a call affects inside them (the path policy, for first and edited arguments).
     """
     require_trio("chat()")
     cleanup_grace = validate_cleanup_grace(cleanup_grace)
@@ -324,7 +330,7 @@ async def chat(
         history = _initial_messages(messages)
     tools, client_tools = split_client_tools(tools)
     registered = registered_interrupts(interrupts, middleware)
-    engine = _permission_engine(permissions, permission_mode, tools)
+    engine = _permission_engine(permissions, permission_mode, tools, workspace_roots)
     validate_capabilities(middleware, service.provider)  # the adapter's requires first
     hooks = middleware_lifecycle(middleware)
     validator = None

@@ -50,7 +50,10 @@ __all__ = ["NO_HOOKS", "Finished", "Lifecycle", "ModelConfig", "Phase", "ToolOut
 
 @attrs.frozen
 class ModelConfig:
-    """What the next model call sends: ``on_config`` may return a changed copy (``attrs.evolve``)."""
+    """What the next model call sends: ``on_config`` may return a changed copy (``attrs.evolve``).
+
+    ``instructions`` is the system prompt (sent first); ``messages`` is the conversation
+    after it, without a system message."""
 
     instructions: str
     messages: Sequence[Message]

@@ -204,6 +204,7 @@ class _Run:
         self.step_open = False
         self.open_turn: TurnRef | None = None
         self.turn_offset = 0  # a continuation's turns are numbered from 1 in its own run
+        self._history: Sequence[Message] = ()  # the history view `_config` handed out last
         self.approved: dict[str, dict[str, Any]] = {}  # call id -> the arguments a person approved
 
     # -- the loop
@@ -545,11 +546,21 @@ class _Run:
     def _config(self, previous: ModelConfig | None = None) -> ModelConfig:
         spec = self.spec
         instructions = spec.instructions()
-        prefix = (SystemMessage(instructions),) if instructions else ()
-        messages = self.ports.conversation.view(prefix)
+        # The history without the system prompt: the prompt is ``instructions``, which a hook may
+        # change; the model call puts it first (`_messages`).
+        messages = self._history = self.ports.conversation.view(())
         if previous is None:
             return ModelConfig(instructions, messages, spec.offered, {}, dict(spec.model_metadata))
         return ModelConfig(instructions, messages, previous.tools, previous.options, previous.metadata)
+
+    def _messages(self, config: ModelConfig) -> Sequence[Message]:
+        """What the model call sends: the config's instructions as the system prompt, then its messages."""
+        if not config.instructions:
+            return config.messages
+        system = SystemMessage(config.instructions)
+        if config.messages is self._history:  # the history itself: a view, no copy
+            return self.ports.conversation.view((system,))
+        return (system, *config.messages)
 
     def _turn_id(self, turn: int) -> str:
         return f"{self.spec.run_id}-t{turn - self.turn_offset}"
@@ -627,7 +638,7 @@ class _Run:
         ctx.phase = Phase.MODEL_STREAM
         try:
             async with ports.model.stream(
-                config.messages,
+                self._messages(config),
                 tools=config.tools,
                 abort=abort,
                 options=config.options,
