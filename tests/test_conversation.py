@@ -31,6 +31,7 @@ from trio_agent._journal._events import (
     ModelAttemptStarted,
     OutcomeUnknownReason,
     RequestAccepted,
+    RequestStarted,
     ToolCompleted,
     ToolFailed,
     ToolOutcomeUnknown,
@@ -292,6 +293,7 @@ def test_fold_over_real_events() -> None:
     events: list[Event] = [
         RequestAccepted(request_id="h1", command_id="h1", input={"start_subagent": "helper"}),  # no prompt
         RequestAccepted(request_id="r1", command_id="r1", input={"prompt": "hello"}),
+        RequestStarted(request_id="r1"),
         ModelAttemptStarted(attempt_id="r1-t1-a1", model="m", **tool),
         attempt("r1-t1-a1", first.to_payload()),
         ToolCompleted(call_id="ok", result={"output": "file text"}, **tool),
@@ -301,6 +303,8 @@ def test_fold_over_real_events() -> None:
         ModelAttemptFailed(attempt_id="r1-t2-a1", error=ErrorInfo(message="boom"), request_id="r1", turn_id="r1-t2"),
         attempt("r1-t2-a2", second.to_payload(), turn_id="r1-t2"),
         RequestAccepted(request_id="r2", command_id="r2", input={}),  # no prompt key: an empty message
+        RequestStarted(request_id="r2"),
+        RequestAccepted(request_id="r3", command_id="r3", input={"prompt": "never started"}),  # adds nothing
     ]
     assert fold_conversation(events) == [
         UserMessage("hello"),
@@ -321,6 +325,7 @@ def test_fold_over_real_events() -> None:
 def test_fold_of_an_old_journal() -> None:
     events: list[Event] = [
         RequestAccepted(request_id="r1", command_id="r1", input={"prompt": "hi"}),
+        RequestStarted(request_id="r1"),
         attempt("a1", OLD_PAYLOAD),
         ToolCompleted(call_id="call_1", result={"output": ["a", 1]}, **IDS),
     ]

@@ -587,7 +587,7 @@ async def test_a_continuation_of_a_run_that_did_not_pause_is_refused_by_the_jour
         forged = PausedRun(finished_run_id, paused.paused.thread_id, "root", paused.paused.state)
         with pytest.raises(InterruptResumeError) as caught:
             await run_chat(model, resume=forged, answers=[Approve(paused.interrupts[0].id)], **kwargs)
-    assert caught.value.code == "stale" and finished_run_id in str(caught.value) and "completed" in str(caught.value)
+    assert caught.value.code == "stale" and finished_run_id in str(caught.value) and "not paused" in str(caught.value)
 
 
 def _run_id_of(journal: Any, nth: int) -> str:

@@ -198,6 +198,7 @@ def test_the_fold_reports_a_bad_payload_and_keeps_it_in_line() -> None:
     bad = ModelAttemptCompleted(request_id="r", turn_id="t", attempt_id="a1", response={"text": 5})
     stream = _Stream(ROOT, "root")
     stream.track(RequestAccepted(request_id="r", command_id="c", input={"prompt": "hi"}))
+    stream.track(RequestStarted(request_id="r"))
     stream.track(bad)
     for _ in range(2):  # asking again reports it again
         with pytest.raises(JournalCorruptError, match="model attempt a1"):

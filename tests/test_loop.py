@@ -176,8 +176,13 @@ class ListRecorder:
     async def turn_started(self, turn: TurnRef) -> None:
         await self._record("turn_started", turn)
 
-    async def interrupts_resolved(self, paused_run_id: str, run_id: str, answers: Any, answered: Any) -> None:
+    async def interrupts_resolved(
+        self, paused_run_id: str, run_id: str, answers: Any, answered: Any, approved: Any = ()
+    ) -> None:
         await trio.lowlevel.checkpoint()
+
+    def pause_is_open(self, paused_run_id: str) -> bool | None:
+        return None
 
     def settled_answer(self, call_id: str) -> ToolResultMessage | None:
         return self.settled.get(call_id)

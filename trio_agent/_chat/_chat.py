@@ -34,6 +34,7 @@ from .._abort import Abort, AbortHandle, AbortReason
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
 from .._errors import ConfigError, ModelError, TrioAgentError, require_trio
 from .._groups import unwrap_for_boundary
+from .._journal._conversation import encode_conversation
 from .._journal._durable import DurableJournal
 from .._journal._events import (
     ErrorInfo,
@@ -181,8 +182,12 @@ class _NoRecorder:
         run_id: str,
         answers: Mapping[str, InterruptAnswer],
         answered: Mapping[str, ToolResult],
+        approved: Sequence[str] = (),
     ) -> None:
         await trio.lowlevel.checkpoint()  # a stateless run cannot tell a replay (docs/human-in-the-loop.md)
+
+    def pause_is_open(self, paused_run_id: str) -> bool | None:
+        return None
 
     def settled_answer(self, call_id: str) -> ToolResultMessage | None:
         return None
@@ -424,8 +429,10 @@ async def chat(
     async def drive() -> None:
         try:
             if journal is not None:
+                # A rebuilt history reads what the run was given (a continuation: nothing new).
+                given = {"resume": resume.run_id} if resume is not None else encode_conversation(history)
                 await journal.append(
-                    RequestAccepted(request_id=run_id, command_id=run_id, input={"chat": True}),
+                    RequestAccepted(request_id=run_id, command_id=run_id, input={"chat": True, **given}),
                     RequestStarted(request_id=run_id),
                 )
             outcome = await run_agent_loop(spec, ports, hooks, ctx=ctx, finish_event=validator is None, resume=resumed)

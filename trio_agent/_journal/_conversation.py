@@ -19,14 +19,17 @@ Rules
 * The assistant message of a record: reasoning, then the text (if any), then
   the calls, the order the assembler gives a live reply.
 * Fold, over one agent stream's events in order:
-  - `RequestAccepted` -> its ``prompt`` as a user message, except the holder
-    requests of ``start_subagent`` and continuations (``resume``: they carry no prompt);
+  - `RequestStarted` -> the ``prompt`` its `RequestAccepted` carried, as a user
+    message (a ``chat()`` run: its given ``messages``), except the holder requests of
+    ``start_subagent`` and continuations (``resume``: they carry no prompt). A request
+    that never started (refused or aborted while queued) adds nothing, as live;
   - `ModelAttemptCompleted` -> its inputs as user messages, the assistant
     message, then each call's answer in call order: the rejection text, else the
     published `ToolCompleted` / `ToolFailed` result (``output`` as is when a
     string, else its JSON), else "outcome unknown" for `ToolOutcomeUnknown`
     (the last such event of a call counts, wherever it is in the stream);
-  - `RunPaused` -> its pending calls wait unanswered (no orphan answer) until
+  - `RunPaused` -> the input that joined a turn paused before its model call, as
+    user messages; its pending calls wait unanswered (no orphan answer) until
     `InterruptsResolved`, whose ``results`` answer the calls a person answered
     without running them (rejected, cancelled, a client tool's output);
   - every call still unanswered then gets `answer_orphan_calls`' answer.
@@ -78,6 +81,7 @@ from ._events import (
     ModelAttemptCompleted,
     RequestAccepted,
     RequestCompleted,
+    RequestStarted,
     RunPaused,
     SubagentCancelled,
     SubagentCompleted,
@@ -236,13 +240,16 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
             awaiting.pop(event.request_id, None)
             outcomes.update(resolved_answers(event))
     history: list[Message] = []
+    queued: dict[str, list[Message]] = {}  # accepted, not started: the prompt waits for its start
     for event in events:
         if isinstance(event, ConversationSeeded):
             history.extend(decode_conversation(event.conversation))
         elif isinstance(event, RequestAccepted):
-            # Neither the holder request of a start between requests nor a continuation has a prompt.
-            if "start_subagent" not in event.input and "resume" not in event.input:
-                history.append(UserMessage(str(event.input.get("prompt", ""))))
+            queued[event.request_id] = accepted_messages(event.input)
+        elif isinstance(event, RequestStarted):
+            history.extend(queued.pop(event.request_id, ()))
+        elif isinstance(event, RunPaused):
+            history.extend(UserMessage(text) for text in paused_inputs(event))
         elif isinstance(event, ModelAttemptCompleted):
             try:
                 record = ModelReplyRecord.from_payload(event.response)
@@ -264,6 +271,27 @@ def paused_call_ids(event: RunPaused) -> list[str]:
     if not isinstance(calls, list):
         return []
     return [call["id"] for call in calls if isinstance(call, dict) and isinstance(call.get("id"), str)]
+
+
+def accepted_messages(given: dict[str, Any]) -> list[Message]:
+    """What a request adds to the conversation when it starts, from its accepted input: its
+    prompt; a ``chat()`` run's whole given history (``messages``); nothing for the holder request
+    of a start between requests or a continuation (``resume``)."""
+    if "start_subagent" in given or "resume" in given:
+        return []
+    if "messages" in given:
+        return decode_conversation(given)
+    return [UserMessage(str(given.get("prompt", "")))]
+
+
+def paused_inputs(event: RunPaused) -> list[str]:
+    """The input that joined a turn paused before its model call (journalled with the pause)."""
+    inputs = event.state.get("inputs")
+    if inputs is None:
+        return []
+    if not isinstance(inputs, list) or not all(isinstance(text, str) for text in inputs):
+        raise JournalCorruptError(f"run_paused of {event.request_id}: inputs is {inputs!r}")
+    return list(inputs)
 
 
 def resolved_answers(event: InterruptsResolved) -> dict[str, ToolResultMessage]:
@@ -296,6 +324,7 @@ class _FoldState:
     since_reply: list[SubagentOutcome] = attrs.Factory(list)
     last_output: dict[str, Any] | None = None
     awaiting: dict[str, list[str]] = attrs.Factory(dict)  # paused request -> its calls waiting for answers
+    queued: dict[str, dict[str, Any]] = attrs.Factory(dict)  # accepted, not started: its input waits
 
 
 class ConversationFold:
@@ -321,9 +350,12 @@ class ConversationFold:
         elif isinstance(event, ConversationSeeded):
             s.entries.extend(decode_conversation(event.conversation))
         elif isinstance(event, RequestAccepted):
-            # Neither the holder request of a start between requests nor a continuation has a prompt.
-            if "start_subagent" not in event.input and "resume" not in event.input:
-                s.entries.append(UserMessage(str(event.input.get("prompt", ""))))
+            accepted_messages(event.input)  # a payload that cannot be read fails here, changing nothing
+            s.queued[event.request_id] = dict(event.input)
+        elif isinstance(event, RequestStarted):
+            given = s.queued.pop(event.request_id, None)
+            if given is not None:
+                s.entries.extend(accepted_messages(given))
         elif isinstance(event, ModelAttemptCompleted):
             try:
                 record = ModelReplyRecord.from_payload(event.response)
@@ -341,6 +373,7 @@ class ConversationFold:
             s.since_reply.append(event)
         elif isinstance(event, RunPaused):
             s.awaiting[event.request_id] = paused_call_ids(event)
+            s.entries.extend(UserMessage(text) for text in paused_inputs(event))
         elif isinstance(event, InterruptsResolved):
             answers = resolved_answers(event)
             s.awaiting.pop(event.request_id, None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Iterable
 from typing import Any, TypeAlias
 
 import attrs
@@ -287,6 +288,13 @@ class RequestInterrupted:
     reason: RequestInterruptReason = attrs.field(validator=attrs.validators.instance_of(RequestInterruptReason))
 
 
+def _ids(values: Iterable[str]) -> tuple[str, ...]:
+    ids = tuple(values)
+    if not all(isinstance(value, str) for value in ids):
+        raise TypeError(f"expected call ids (strings), got {ids!r}")
+    return ids
+
+
 @attrs.frozen(kw_only=True)
 class RunPaused:
     """The request ended paused: ``state`` is where it paused (the batch of questions, the calls
@@ -306,6 +314,7 @@ class InterruptsResolved:
     continuation_id: str = _id()
     answers: JsonObject = attrs.field(validator=_json_object)
     results: JsonObject = attrs.field(factory=dict, validator=_json_object)
+    approved: tuple[str, ...] = attrs.field(default=(), converter=_ids)  # calls a person approved
 
 
 @attrs.frozen(kw_only=True)

@@ -337,6 +337,7 @@ class _State:
     seeded: bool = False
     # Paused requests not answered yet: request id -> where it paused (the run_paused state).
     paused: dict[str, dict[str, Any]] = attrs.Factory(dict)
+    approved: set[str] = attrs.Factory(set)  # calls a person approved (a recovery re-run keeps the approval)
 
 
 # ---------------------------------------------------------------- recovery plan
@@ -581,6 +582,7 @@ class Projection:
             "permissions": permissions,
             "permission_updates": len(s.permission_updates),
             "paused": dict(s.paused),
+            "approved": set(s.approved),
         }
 
     def _restore(self, saved: dict[str, Any]) -> None:
@@ -604,6 +606,7 @@ class Projection:
                 s.permission_ids.discard(permission_id)
         del s.permission_updates[saved["permission_updates"] :]
         s.paused = saved["paused"]
+        s.approved = saved["approved"]
 
     def _plan(self, envelope: EventEnvelope) -> _Mutation:
         if envelope.stream_id != self.stream_id:
@@ -706,8 +709,13 @@ class Projection:
         def mutate() -> None:
             record.state = RequestState.RESUMED
             self._s.paused.pop(event.request_id, None)
+            self._s.approved.update(event.approved)
 
         return mutate
+
+    def approved_calls(self) -> frozenset[str]:
+        """The calls a person approved by resuming a paused request."""
+        return frozenset(self._s.approved)
 
     def pause(self) -> tuple[str, dict[str, Any]] | None:
         """The paused request waiting for answers, if any: (request id, its run_paused state)."""

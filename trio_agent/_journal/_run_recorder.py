@@ -30,6 +30,7 @@ from ._events import (
     TurnCompleted,
     TurnStarted,
 )
+from ._projection import RequestState
 
 if TYPE_CHECKING:
     from .._loop._ports import TurnRef
@@ -118,6 +119,7 @@ class JournalRecorder:
         run_id: str,
         answers: Mapping[str, InterruptAnswer],
         answered: Mapping[str, ToolResult],
+        approved: Sequence[str] = (),
     ) -> None:
         await self.journal.append(
             InterruptsResolved(
@@ -128,9 +130,14 @@ class JournalRecorder:
                     call_id: {"text": model_text(result), "is_error": not result.ok}
                     for call_id, result in answered.items()
                 },
+                approved=tuple(approved),
             ),
             agent_id=self.agent_id,
         )
+
+    def pause_is_open(self, paused_run_id: str) -> bool | None:
+        record = self.journal.projection(self.agent_id).request(paused_run_id)
+        return record is not None and record.state is RequestState.PAUSED
 
     def settled_answer(self, call_id: str) -> ToolResultMessage | None:
         record = self.journal.call(call_id, self.agent_id)

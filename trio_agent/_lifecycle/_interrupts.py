@@ -21,6 +21,7 @@ Rules
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
@@ -100,14 +101,14 @@ class PausedRun:
         return self.state.interrupts
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = _converter.unstructure(self)
+        data: dict[str, Any] = _wire().unstructure(self)
         return data
 
     @classmethod
     def from_json(cls, data: object) -> PausedRun:
         """Read a paused state (untrusted: a typed error names what is wrong)."""
         try:
-            return _converter.structure(data, cls)
+            return _wire().structure(data, cls)
         except Exception as exc:
             detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else exc
             raise InterruptResumeError(
@@ -139,13 +140,13 @@ class PausedRun:
             )
 
 
-_converter = _make_converter()
+_wire = functools.cache(_make_converter)  # built on first use (an import should not pay for cattrs' code generation)
 
 
 def _digest(paused: PausedRun, key: bytes) -> str:
     if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
         raise ConfigError("signing_key must be bytes, at least 16 of them")
-    body = _converter.unstructure(attrs.evolve(paused, signature=""))
+    body = _wire().unstructure(attrs.evolve(paused, signature=""))
     return hmac.new(bytes(key), canonical_json(body).encode(), hashlib.sha256).hexdigest()
 
 
@@ -153,14 +154,14 @@ def pause_to_json(state: PauseState, *, with_messages: bool = True) -> dict[str,
     """Where a run paused, as JSON (a journal keeps it without the history: it has the history)."""
     if not with_messages:
         state = attrs.evolve(state, messages=())
-    data: dict[str, Any] = _converter.unstructure(state)
+    data: dict[str, Any] = _wire().unstructure(state)
     return data
 
 
 def pause_from_json(data: object) -> PauseState:
     """`pause_to_json`'s inverse; a typed error (``invalid_payload``) names what is wrong."""
     try:
-        return _converter.structure(data, PauseState)
+        return _wire().structure(data, PauseState)
     except Exception as exc:
         detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else exc
         raise InterruptResumeError([InterruptIssue(None, "invalid_payload", f"not a paused state: {detail}")]) from None
@@ -199,7 +200,7 @@ def registered_interrupts(
 
 
 def answers_to_json(answers: Sequence[InterruptAnswer]) -> list[dict[str, Any]]:
-    return [_converter.unstructure(answer, Approve | Reject | Respond | Cancel) for answer in answers]
+    return [_wire().unstructure(answer, Approve | Reject | Respond | Cancel) for answer in answers]
 
 
 def answers_from_json(data: object) -> tuple[InterruptAnswer, ...]:
@@ -211,7 +212,7 @@ def answers_from_json(data: object) -> tuple[InterruptAnswer, ...]:
     for index, item in enumerate(data):
         interrupt_id = item.get("interrupt_id") if isinstance(item, Mapping) else None
         try:
-            answers.append(_converter.structure(item, Approve | Reject | Respond | Cancel))  # type: ignore[arg-type]
+            answers.append(_wire().structure(item, Approve | Reject | Respond | Cancel))  # type: ignore[arg-type]
         except Exception as exc:
             detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else exc
             issues.append(

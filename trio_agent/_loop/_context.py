@@ -42,6 +42,7 @@ class RunContext:
         "_retry_open",
         "_retry_requested",
         "agent_id",
+        "can_pause",
         "capabilities",
         "chunk_index",
         "iteration",
@@ -71,6 +72,7 @@ class RunContext:
         self.agent_id = agent_id
         self.request_id = request_id or run_id
         self.parent_run_id: str | None = None  # the paused run a continuation goes on from
+        self.can_pause = True  # False in a subagent's run: on_interrupt_boundary must not ask there
         self.phase = Phase.INIT
         self.iteration = 0
         self.chunk_index = 0

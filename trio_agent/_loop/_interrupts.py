@@ -51,7 +51,7 @@ import attrs
 import jsonschema_rs
 
 from .._errors import ConfigError, TrioAgentError
-from .._models._messages import Message, ToolCallPart
+from .._models._messages import FinishReason, Message, ToolCallPart
 from .._tools._results import JsonObject, ToolErrorType, ToolResult
 from ._rules import LoopState, Phase
 
@@ -380,10 +380,13 @@ class PauseState:
     phase: Phase
     interrupts: tuple[Interrupt, ...]
     messages: tuple[Message, ...]  # the history at the pause, without the system prompt
-    pending_calls: tuple[ToolCallPart, ...] = ()  # the last reply's calls not yet answered
+    pending_calls: tuple[ToolCallPart, ...] = ()  # the reply's calls, none answered yet (in call order)
     turns: int = 0
     state: LoopState = attrs.field(factory=LoopState)
     text: str = ""
+    refused: Mapping[str, ToolResult] = attrs.field(factory=dict)  # pending calls refused before they could run
+    inputs: tuple[str, ...] = ()  # paused before the model: the input that joined the turn
+    finish: FinishReason | None = None  # paused after the reply: why it finished
 
     def interrupt(self, interrupt_id: str) -> Interrupt | None:
         return next((item for item in self.interrupts if item.id == interrupt_id), None)
@@ -405,6 +408,8 @@ def validate_answers(
     (edited arguments are checked by the gate afterwards)."""
     issues: list[InterruptIssue] = []
     by_id: dict[str, InterruptAnswer] = {}
+    if pause.phase not in BOUNDARIES:
+        issues.append(InterruptIssue(None, "invalid_payload", f"a run cannot pause at {pause.phase.value!r}"))
     for index, answer in enumerate(answers):
         if not isinstance(answer, (Approve, Reject, Respond, Cancel)):
             issues.append(InterruptIssue(None, "wrong_answer", f"answer #{index} is not Approve, Reject, Respond "
@@ -455,7 +460,10 @@ def _answer_issue(
         if errors:
             return InterruptIssue(interrupt.id, "invalid_tool_output", "; ".join(errors))
         return None
-    validator = _compile(interrupt.response_schema, f"interrupt {interrupt.id!r} response_schema")
+    try:
+        validator = _compile(interrupt.response_schema, f"interrupt {interrupt.id!r} response_schema")
+    except ConfigError as exc:  # a paused state from outside may carry anything
+        return InterruptIssue(interrupt.id, "invalid_payload", str(exc))
     errors = schema_errors(validator, answer.value)
     if errors:
         return InterruptIssue(interrupt.id, "invalid_response", "; ".join(errors))
@@ -477,7 +485,7 @@ def answered_without_running(
     on ``stop`` / ``cancel``; else rejected or cancelled approvals and client tools' outputs."""
     if resume is not ToolResume.CONTINUE:
         text = STOPPED_ANSWER if resume is ToolResume.STOP else CANCELLED_ANSWER
-        return {part.id: _cancelled(text) for part in pause.pending_calls}
+        return {part.id: _cancelled(text) for part in pause.pending_calls if part.id not in pause.refused}
     results: dict[str, ToolResult] = {}
     for interrupt in pause.interrupts:
         answer = answers.get(interrupt.id)

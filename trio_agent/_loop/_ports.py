@@ -106,9 +106,14 @@ class RunRecorder(Protocol):
         run_id: str,
         answers: Mapping[str, InterruptAnswer],
         answered: Mapping[str, ToolResult],
+        approved: Sequence[str] = (),
     ) -> None:
-        """Run *run_id* answers paused run *paused_run_id*: checked *answers* by interrupt id, and
-        the answers of the calls that will not run (a journal refuses a second answer to one pause)."""
+        """Run *run_id* answers paused run *paused_run_id*: checked *answers* by interrupt id, the
+        answers of the calls that will not run, and the calls a person *approved* (a recovery
+        re-run keeps the approval). A journal refuses a second answer to one pause."""
+
+    def pause_is_open(self, paused_run_id: str) -> bool | None:
+        """Whether *paused_run_id* still waits for answers (``None``: no journal to tell)."""
 
     def settled_answer(self, call_id: str) -> ToolResultMessage | None:
         """The answer the journal holds for a settled call (``None``: no journal, or not settled).
@@ -164,6 +169,7 @@ class RunSpec:
     session_id: str = "session"
     client_tools: Mapping[str, ClientTool] = attrs.field(factory=dict)  # tools the client runs (a call pauses)
     interrupts: Mapping[str, InterruptDefinition] = attrs.field(factory=dict)  # registered, by id
+    can_pause: bool = True  # False: a subagent's run (its host cannot hold a pause)
 
 
 @attrs.frozen

@@ -138,6 +138,7 @@ async def run_agent_loop(
             messages=lambda: ports.conversation.view(()),
         )
     run = _Run(spec, ports, hooks, ctx, resume)
+    ctx.can_pause = spec.can_pause
     if resume is not None:
         ctx.parent_run_id = resume.parent_run_id
     try:
@@ -205,6 +206,8 @@ class _Run:
         self.open_turn: TurnRef | None = None
         self.turn_offset = 0  # a continuation's turns are numbered from 1 in its own run
         self._history: Sequence[Message] = ()  # the history view `_config` handed out last
+        self.turn_inputs: list[str] = []  # what joined the current turn (kept by a pause before the model)
+        self.turn_finish: FinishReason | None = None  # why the current turn's reply finished
         self.approved: dict[str, dict[str, Any]] = {}  # call id -> the arguments a person approved
 
     # -- the loop
@@ -229,6 +232,7 @@ class _Run:
                 turn = self.turns
                 inputs, steering = ports.inbox.begin_turn()
                 ports.conversation.extend(UserMessage(text) for text in inputs)
+                self.turn_inputs = inputs
                 message_id = f"{self._turn_id(turn)}-m{next(_message_ids)}"
                 ctx.iteration = turn - 1
                 ctx.phase = Phase.BEFORE_MODEL
@@ -269,6 +273,7 @@ class _Run:
             raise _Aborted
         ctx.phase = Phase.AFTER_MODEL
         message, rejected, arguments = reply
+        self.turn_finish = message.finish_reason
         ports.conversation.extend((message.message,))
         self.text = first_text(message.message.parts) or self.text
         calls = list(message.tool_calls)
@@ -296,7 +301,6 @@ class _Run:
             outcomes = await self._tool_phase(turn_id, calls, rejected, arguments, steering)
             ctx.phase = Phase.AFTER_TOOLS
             await hooks.on_tool_phase_complete(ctx, outcomes)
-            await self._boundary(Phase.AFTER_TOOLS)
         self.state = self.state.after_turn(len(calls), finish)
         self.step_open = False
         await self.events(StepFinished(spec.run_id, spec.agent_id, f"turn-{turn}"))
@@ -307,10 +311,19 @@ class _Run:
             if any(stops_loop(outcome.result) for outcome in outcomes):
                 ports.inbox.close()
                 return self._finished(StopReason.PERMISSION_DENIED)
-            if not await hooks.should_continue(ctx, self.state):
-                ports.inbox.close()
-                return self._finished(StopReason.VETOED)
-            return None
+            # The turn is complete and recorded: a pause here resumes with the next turn.
+            await self._boundary(Phase.AFTER_TOOLS)
+            return await self._after_tools()
+        return await self._after_reply_without_calls(finish)
+
+    async def _after_tools(self) -> Finished | None:
+        if not await self.hooks.should_continue(self.ctx, self.state):
+            self.ports.inbox.close()
+            return self._finished(StopReason.VETOED)
+        return None
+
+    async def _after_reply_without_calls(self, finish: FinishReason) -> Finished | None:
+        spec, ports, hooks, ctx = self.spec, self.ports, self.hooks, self.ctx
         # A reply without calls: its turn ended with the attempt.
         if ports.inbox.has_pending():  # a message joined: it gets its turn, unless vetoed
             if await hooks.should_continue(ctx, self.state):
@@ -359,11 +372,16 @@ class _Run:
                 f"on_interrupt_boundary returned {request!r}; expected InterruptRequest values "
                 "(built with an InterruptDefinition's request())"
             )
+        if not self.spec.can_pause:
+            raise MiddlewareError(
+                f"on_interrupt_boundary asked {request.definition.id!r} in a run that cannot pause "
+                "(a subagent's): ask only when ctx.can_pause"
+            )
         registered = self.spec.interrupts.get(request.definition.id)
         if registered is not request.definition:
             raise MiddlewareError(
                 f"interrupt definition {request.definition.id!r} is not registered on this run "
-                "(chat(interrupts=[...]) or the middleware's `interrupts`; a session cannot pause yet)"
+                "(chat(interrupts=[...]), open_session(interrupts=[...]) or the middleware's `interrupts`)"
             )
         return generic_interrupt(request)
 
@@ -378,19 +396,20 @@ class _Run:
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
         if duplicates:
             raise MiddlewareError(f"one batch asked the same question twice: {', '.join(duplicates)}")
-        # Calls refused before they could run are answered now; the rest wait for the continuation.
-        answered = [part for part in calls if part.id in rejected]
-        self._answer(answered, [rejected[part.id] for part in answered])
-        pending = tuple(part for part in calls if part.id not in rejected)
+        # Every call of the reply waits, the refused ones with their answer: all are answered
+        # together, in call order, when the run goes on (as a journal rebuilds them).
         raise _Paused(
             PauseState(
                 phase=phase,
                 interrupts=tuple(batch),
                 messages=tuple(self.ports.conversation.view(())),
-                pending_calls=pending,
+                pending_calls=tuple(calls),
                 turns=self.turns,
                 state=self.state,
                 text=self.text,
+                refused={part.id: rejected[part.id] for part in calls if part.id in rejected},
+                inputs=tuple(self.turn_inputs) if phase is Phase.BEFORE_MODEL else (),
+                finish=self.turn_finish if phase in (Phase.AFTER_MODEL, Phase.BEFORE_TOOLS) else None,
             )
         )
 
@@ -441,6 +460,10 @@ class _Run:
         the answers (a journal refuses a replay), and work out the calls answered without running."""
         spec, gate, ctx = self.spec, self.ports.gate, self.ctx
         pause = resume.pause
+        if self.ports.recorder.pause_is_open(resume.parent_run_id) is False:  # the journal can tell now
+            raise InterruptResumeError(
+                [InterruptIssue(None, "stale", f"run {resume.parent_run_id!r} is not paused (answered already?)")]
+            )
         answers, issues = validate_answers(pause, resume.answers, spec.client_tools)
         calls = {part.id: part for part in pause.pending_calls}
         refused: dict[str, ToolResult] = {}  # approved, but the table refuses the call now
@@ -484,8 +507,11 @@ class _Run:
         if resolutions:
             resumed = await self.hooks.on_interrupt_resolution(ctx, resolutions) or ToolResume.CONTINUE
         answered = {**answered_without_running(pause, answers, resumed), **refused}
+        approved = [part_id for part_id in self.approved if part_id not in answered]
         try:
-            await self.ports.recorder.interrupts_resolved(resume.parent_run_id, spec.run_id, answers, answered)
+            await self.ports.recorder.interrupts_resolved(
+                resume.parent_run_id, spec.run_id, answers, answered, approved
+            )
         except JournalError as exc:  # the journal refuses a second answer to one pause
             raise InterruptResumeError(
                 [InterruptIssue(None, "stale", f"paused run {resume.parent_run_id!r} cannot be resumed: {exc}")]
@@ -493,8 +519,13 @@ class _Run:
         self.turns = pause.turns
         self.state = pause.state
         self.text = pause.text
-        # This run numbers its own turns from 1 (a journal checks that); the count goes on.
-        self.turn_offset = pause.turns - (0 if pause.phase is Phase.AFTER_TOOLS else 1)
+        # This run numbers its own turns from 1 (a journal checks that); the count goes on. It
+        # opens the paused turn again unless the turn was over (after its tools, or a reply
+        # without calls).
+        reopens = pause.phase is Phase.BEFORE_MODEL or (
+            pause.phase in (Phase.AFTER_MODEL, Phase.BEFORE_TOOLS) and bool(pause.pending_calls)
+        )
+        self.turn_offset = pause.turns - (1 if reopens else 0)
         return _Entry(pause, answered, resumed)
 
     async def _continue(self, entry: _Entry, config: ModelConfig) -> Finished | None:
@@ -502,12 +533,13 @@ class _Run:
         pause, ports, ctx = entry.pause, self.ports, self.ctx
         pending = list(pause.pending_calls)
         if entry.decision is ToolResume.STOP:
-            self._answer(pending, [entry.answered[part.id] for part in pending])
+            answers = {**entry.answered, **pause.refused}
+            self._answer(pending, [answers[part.id] for part in pending])
             ports.inbox.close()
             return self._finished(StopReason.VETOED)
         phase = pause.phase
         if phase is Phase.AFTER_TOOLS:
-            return None
+            return await self._after_tools()
         turn = self.turns
         ctx.iteration = max(turn - 1, 0)
         steering = AbortHandle()
@@ -515,16 +547,22 @@ class _Run:
             ctx.phase = Phase.BEFORE_MODEL
             config = await self.hooks.on_config(ctx, self._config(config))
             message_id = f"{self._turn_id(turn)}-m{next(_message_ids)}"
+            # The turn's input is in the conversation (and journalled with run_paused) already.
             return await self._turn(turn, message_id, config, [], steering, asked=True)
         # Paused after the reply or before its tools: the tool phase of that reply, in a turn of its own.
+        finish = pause.finish or FinishReason.TOOL_CALLS
+        self.step_open = True
+        await self.events(StepStarted(self.spec.run_id, self.spec.agent_id, f"turn-{turn}"))
+        if not pending:  # a reply without calls: its turn ended with the attempt
+            return await self._tools_and_after(turn, self._turn_id(turn), [], {}, {}, steering, finish)
         ref = self._turn_ref(turn, 1)
         await ports.recorder.turn_started(ref)
         self.open_turn = ref
-        self.step_open = True
-        await self.events(StepStarted(self.spec.run_id, self.spec.agent_id, f"turn-{turn}"))
-        rejected: dict[str, ToolResult] = {}
+        rejected: dict[str, ToolResult] = dict(pause.refused)
         arguments: dict[str, dict[str, Any]] = {}
         for part in pending:
+            if part.id in rejected:
+                continue
             try:
                 arguments[part.id] = parse_tool_arguments(part.arguments)
             except ToolArgumentsError as exc:
@@ -532,7 +570,7 @@ class _Run:
         # After the reply, the tool phase has not met its boundary yet: it is asked as usual.
         answered = entry.answered if phase is Phase.BEFORE_TOOLS or entry.decision is ToolResume.CANCEL else None
         return await self._tools_and_after(
-            turn, ref.turn_id, pending, rejected, arguments, steering, FinishReason.TOOL_CALLS, answered=answered
+            turn, ref.turn_id, pending, rejected, arguments, steering, finish, answered=answered
         )
 
     def _check_abort(self) -> None:

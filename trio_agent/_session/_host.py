@@ -28,12 +28,12 @@ import attrs
 
 from .._abort import AbortHandle
 from .._cleanup import bounded_shield
-from .._errors import ConfigError
+from .._errors import ConfigError, SessionPausedError
 from .._journal._durable import DurableJournal
 from .._journal._events import RequestCompleted, RequestStarted, RunPaused
 from .._journal._run_recorder import JournalRecorder
 from .._lifecycle._approvals import PermissionGate
-from .._lifecycle._interrupts import PausedRun, pause_to_json
+from .._lifecycle._interrupts import PausedRun, pause_from_json, pause_to_json
 from .._loop._context import RunContext
 from .._loop._events import (
     RunEvent,
@@ -106,6 +106,7 @@ class SessionHost:
         interrupts: Mapping[str, InterruptDefinition] | None = None,
         client_tools: Mapping[str, ClientTool] | None = None,
         decided: dict[tuple[str, str], StageDecision] | None = None,
+        asks_by_pausing: bool = False,
     ) -> None:
         self.journal = journal
         self.session_id = journal.session_id
@@ -125,10 +126,25 @@ class SessionHost:
         # Pauses (docs/human-in-the-loop.md): the root agent's questions, and where it waits.
         self.interrupts: Mapping[str, InterruptDefinition] = interrupts or {}
         self.client_tools: Mapping[str, ClientTool] = client_tools or {}
-        self.decided = decided  # None: permission asks go to the handler, never to a pause
-        self.paused: PausedRun | None = None
+        # What a person answered for a call (by resuming a pause), for the permission stage, once.
+        self.decided: dict[tuple[str, str], StageDecision] = {} if decided is None else decided
+        self.asks_by_pausing = asks_by_pausing  # permission_asks="interrupt"
+        self._paused: PausedRun | None = None  # the last pause read from the journal (decoded once)
         self._service = service
         self._services: dict[str, ModelService] = {service.model: service}
+
+    @property
+    def paused(self) -> PausedRun | None:
+        """The root agent's request that waits for answers, as the journal tells it (so an error or
+        a cancellation after ``interrupts_resolved`` can never leave the session stuck paused)."""
+        pause = self.journal.projection(self.root.agent_id).pause()
+        if pause is None:
+            return None
+        request_id, where = pause
+        cached = self._paused
+        if cached is None or cached.run_id != request_id:
+            cached = self._paused = PausedRun(request_id, self.session_id, self.root.agent_id, pause_from_json(where))
+        return cached
 
     # -- models
 
@@ -199,6 +215,12 @@ class SessionHost:
         self.running[key] = request
         completed = False
         try:
+            if request.resume is None and agent.parent_id is None and self.paused is not None:
+                # Queued before (or while) the session paused: it must not run on top of the pause.
+                raise SessionPausedError(
+                    f"session {self.session_id!r} is paused waiting for answers: this request was not run; "
+                    "answer with session.resume([...]) and send it again"
+                )
             await journal.append(RequestStarted(request_id=request.request_id), agent_id=agent.agent_id)
             request.started = True
             prompt = request.prompt
@@ -244,8 +266,6 @@ class SessionHost:
                 resume=request.resume,
             )
             request.text = outcome.text or request.text
-            if request.resume is not None:
-                self.paused = None  # answered (the journal holds interrupts_resolved)
             if outcome.pause is not None:
                 # Ended paused: durable before anyone is told, so a restart finds the questions.
                 request.stop_reason = StopReason.INTERRUPTED
@@ -256,8 +276,7 @@ class SessionHost:
                     agent_id=agent.agent_id,
                 )
                 completed = True
-                paused = PausedRun(request.request_id, self.session_id, agent.agent_id, outcome.pause)
-                self.paused = request.paused = paused
+                request.paused = PausedRun(request.request_id, self.session_id, agent.agent_id, outcome.pause)
                 done = DoneEvent(request.request_id, request.text, request.stop_reason, request.turns)
                 await request.sink(attrs.evolve(done, interrupts=outcome.pause.interrupts))
             elif outcome.aborted:
@@ -284,9 +303,8 @@ class SessionHost:
             if not completed:
                 # The next request must not send the model a tool call without its answer, except
                 # the calls a paused request waits with (a failed continuation leaves it paused).
-                waiting = []
-                if agent.parent_id is None and self.paused is not None:
-                    waiting = [part.id for part in self.paused.state.pending_calls]
+                paused = self.paused if agent.parent_id is None else None
+                waiting = [part.id for part in paused.state.pending_calls] if paused is not None else []
                 agent.history = answer_orphan_calls(agent.history, awaiting=waiting)
             request.finish()
 
@@ -316,6 +334,7 @@ class SessionHost:
             session_id=self.session_id,
             client_tools=client_tools,
             interrupts=self.interrupts if agent.parent_id is None else {},
+            can_pause=agent.parent_id is None,
         )
 
     def _context(self, agent: _Agent, request: _Request, ports: RunPorts) -> RunContext:
@@ -429,7 +448,9 @@ class SessionHost:
     def _gate(self, agent: _Agent, request: _Request) -> PermissionGate | None:
         """With ``permission_asks="interrupt"``, the root agent's calls are screened before any runs
         and what a person must answer pauses the request; subagents ask the handler."""
-        if self.decided is None or agent.parent_id is not None or self.permissions is None:
+        # A continuation is judged by the table whatever the mode (its approvals must be concluded).
+        asks = self.asks_by_pausing or request.resume is not None
+        if not asks or agent.parent_id is not None or self.permissions is None:
             return None
         return PermissionGate(
             self.permissions,

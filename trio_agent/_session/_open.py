@@ -187,7 +187,7 @@ async def open_session(
 
             engine = permission_engine(spec.parts, record=journal_permissions(durable), agent_filter=agent_filter)
             # What a person answered by resuming a paused request, per call, for the permission stage.
-            decided: dict[tuple[str, str], StageDecision] | None = {} if spec.permission_asks == "interrupt" else None
+            decided: dict[tuple[str, str], StageDecision] = {}
             pipeline = ToolPipeline(
                 spec.parts.tools.values(),
                 middleware=spec.parts.tool_middleware,
@@ -212,6 +212,7 @@ async def open_session(
                 interrupts=spec.interrupts,
                 client_tools=spec.client_tools,
                 decided=decided,
+                asks_by_pausing=spec.permission_asks == "interrupt",
             )
             queue = RequestQueue(durable, root, max_queued=64, cleanup_grace=cleanup_grace)
             # Write-ahead: a rule update is durable before the engine applies it.

@@ -37,11 +37,11 @@ from .._journal._events import (
     TurnAbortReason,
 )
 from .._journal._projection import RequestState, SessionState, ToolState, TurnState
-from .._lifecycle._interrupts import PausedRun, pause_from_json
 from .._models._messages import Message
 from .._permissions._rules import update_from_json
 from .._tools._context import CallOrigin, ToolCall
 from .._tools._definition import Tool
+from .._tools._stages import Allow
 from ._endings import request_is_open
 from ._host import SessionHost
 
@@ -78,11 +78,14 @@ async def begin_life(host: SessionHost, tools: Mapping[str, Tool[Any]], history:
         # A new life on the same streams: the conversation is rebuilt from the journal below.
         life.number += 1
         await journal.append(SessionReopened(session_id=host.session_id, life=life.number))
+    # A call a person approved keeps its approval when recovery runs it again.
+    for agent_id in journal.agents:
+        projection = journal.projection(agent_id)
+        for call_id in projection.approved_calls():
+            record = projection.tool(call_id)
+            if record is not None and not record.state.settled:
+                host.decided[agent_id, call_id] = Allow()
     await _recover(host, tools, life)
-    pause = journal.projection().pause()
-    if pause is not None:  # a request paused in an earlier life (or process) still waits for answers
-        request_id, where = pause
-        host.paused = PausedRun(request_id, host.session_id, host.root.agent_id, pause_from_json(where))
     if host.permissions is not None:
         stored = journal.projection().permission_updates
         if stored:

@@ -334,6 +334,11 @@ class RequestQueue:
         if priority == Priority.NOW:
             current.steering.abort(AbortReason.STEERING, "steered by a new message")
 
+    def idle(self) -> bool:
+        """Nothing runs and nothing is queued."""
+        current = self.current
+        return (current is None or current.done.is_set()) and not self._recv.statistics().current_buffer_used
+
     def check_not_busy(self, priority: str | None) -> None:
         current = self.current
         if current is not None and not current.done.is_set() and priority is None:

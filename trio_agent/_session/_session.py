@@ -206,8 +206,9 @@ class Session:
             await current.done.wait()
             current.raise_if_failed()
             return _reply(current)
-        self._check_not_paused()
         queue.check_not_busy(priority)
+        if queue.idle():  # else it queues behind what runs; the worker refuses it if still paused then
+            self._check_not_paused()
         request = _Request(prompt, discard, self._host.root)
         request.priority = None if priority is None else Priority(priority)
         return await self._run_to_end(request, "send() was cancelled")
@@ -250,8 +251,9 @@ class Session:
             finally:
                 forward.closed = True
             return
-        self._check_not_paused()
         queue.check_not_busy(priority)
+        if queue.idle():
+            self._check_not_paused()
         request = _Request(prompt, discard, self._host.root)
         request.priority = None if priority is None else Priority(priority)
         async with self._streamed(request, send, recv) as stream:

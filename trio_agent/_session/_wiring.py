@@ -316,7 +316,7 @@ def session_stages(
     hooks = parts.hook_stages
     stage = engine.as_stage()
     if decided is not None:
-        engine_stage = stage
+        engine_stage = stage  # (only looked up when a person's answer is not there)
 
         async def answered_first(request: StageRequest) -> StageDecision | None:
             context = request.context

@@ -1,0 +1,259 @@
+"""Pauses at the edges: failed continuations, queued requests, every boundary's bookkeeping, recovery.
+
+Each test pins a defect found in review of the interrupts work (issue 14); the live history and
+the one the journal rebuilds must agree after every pause and continuation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from trio_agent import (
+    ModelError,
+    PausedReply,
+    SessionPausedError,
+    SideEffect,
+    ToolKind,
+    TrioAgentError,
+    chat,
+    define_tool,
+    open_session,
+)
+from trio_agent.journal import MemoryStore, open_journal, read_conversation
+from trio_agent.lifecycle import (
+    Approve,
+    ChatMiddleware,
+    Phase,
+    Respond,
+    StopReason,
+    define_interrupt,
+    max_iterations,
+)
+from trio_agent.models import ToolResultMessage, UserMessage
+from trio_agent.testing import FaultyStore, Reply, TestModel
+
+SCHEMA: dict[str, Any] = {"type": "object"}
+QUESTION = define_interrupt("q", response_schema={"type": "string"})
+
+
+def make_write(ran: list[dict[str, Any]]) -> Any:
+    @define_tool(name="write", description="writes", input_schema=SCHEMA, side_effect=SideEffect.IDEMPOTENT,
+                 kind=ToolKind.WRITE)  # fmt: skip
+    async def write(input: dict[str, Any], ctx: Any) -> str:
+        ran.append(dict(input))
+        return "wrote"
+
+    return write
+
+
+def echo(*calls: tuple[str, dict[str, Any]]) -> TestModel:
+    def respond(request: Any) -> Reply:
+        if isinstance(request.messages[-1], ToolResultMessage):
+            answers = [m.content for m in request.messages if isinstance(m, ToolResultMessage)]
+            return Reply(text="done: " + " | ".join(answers))
+        return Reply(tool_calls=list(calls))
+
+    return TestModel(respond=respond)
+
+
+class AskAt(ChatMiddleware):
+    """Asks one question at *phase* of turn *iteration* (never on a continuation)."""
+
+    interrupts = (QUESTION,)
+
+    def __init__(self, phase: Phase, iteration: int = 0) -> None:
+        self.phase, self.iteration = phase, iteration
+
+    def on_interrupt_boundary(self, ctx: Any) -> Any:
+        if ctx.phase is self.phase and ctx.iteration == self.iteration and ctx.parent_run_id is None:
+            return [QUESTION.request("k", "go on?")]
+        return None
+
+
+async def rebuilt(session: Any) -> list[Any]:
+    return list(await read_conversation(session.journal.store, session.session_id))
+
+
+async def test_a_continuation_that_fails_after_answering_leaves_the_session_usable() -> None:
+    def respond(request: Any) -> Reply:
+        if isinstance(request.messages[-1], ToolResultMessage):
+            return Reply(error=ModelError("boom", retryable=False))
+        return Reply(tool_calls=[("write", {})])
+
+    ran: list[dict[str, Any]] = []
+    async with open_session(provider=TestModel(respond=respond), tools=[make_write(ran)],
+                            permissions={"ask": ["write"]}, permission_asks="interrupt") as session:  # fmt: skip
+        reply = await session.send("go")
+        with pytest.raises(ModelError):
+            await session.resume([Approve(reply.interrupts[0].id)])
+        # The answer was recorded (interrupts_resolved): the session is not paused any more.
+        assert ran == [{}] and session.paused is None
+        again = await session.send("next")
+        assert isinstance(again, PausedReply)
+        assert session.messages() == tuple(await rebuilt(session))
+
+
+async def test_a_request_queued_behind_one_that_pauses_is_refused_not_run() -> None:
+    gate = trio.Event()
+
+    class Hold(ChatMiddleware):
+        async def on_iteration(self, ctx: Any, info: Any) -> None:
+            if ctx.parent_run_id is None and info.iteration == 0:
+                await gate.wait()
+
+    ran: list[dict[str, Any]] = []
+    model = echo(("write", {}))
+    async with open_session(provider=model, tools=[make_write(ran)], permissions={"ask": ["write"]},
+                            permission_asks="interrupt", lifecycle=[Hold()]) as session:  # fmt: skip
+        outcome: dict[str, Any] = {}
+
+        async def later() -> None:
+            try:
+                outcome["later"] = await session.send("second", priority="later")
+            except SessionPausedError as exc:
+                outcome["later"] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: session.send("first"))
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(later)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+        assert isinstance(outcome["later"], SessionPausedError)
+        assert all(UserMessage("second") not in request.messages for request in model.requests)
+        assert await session.resume([Approve(session.paused.interrupts[0].id)]) == "done: wrote"
+        assert session.messages() == tuple(await rebuilt(session))
+
+
+async def test_a_pause_after_a_reply_without_calls_resumes_cleanly() -> None:
+    model = TestModel(default=Reply(text="hello"))
+    async with open_session(provider=model, lifecycle=[AskAt(Phase.AFTER_MODEL)]) as session:
+        reply = await session.send("hi")
+        assert isinstance(reply, PausedReply)
+        assert await session.resume([Respond(reply.interrupts[0].id, "y")]) == "hello"
+        assert len(model.requests) == 1
+        assert await session.send("again") == "hello"
+        assert session.messages() == tuple(await rebuilt(session))
+    async with open_journal(MemoryStore(), session_id="c") as journal:
+        async with chat(model, "hi", middleware=[AskAt(Phase.AFTER_MODEL)], journal=journal) as run:
+            paused = await run.result()
+        async with chat(model, resume=paused.paused, answers=[Respond(paused.interrupts[0].id, "y")],
+                        middleware=[AskAt(Phase.AFTER_MODEL)], journal=journal) as run:  # fmt: skip
+            result = await run.result()
+    assert result.stop_reason is StopReason.END_TURN and result.text == "hello"
+
+
+async def test_calls_refused_before_a_pause_reach_the_model_after_it() -> None:
+    async def run(middleware: list[Any]) -> tuple[Any, int]:
+        model = echo(("nope", {}))
+        async with chat(model, "go", tools=[make_write([])], middleware=middleware) as first:
+            result = await first.result()
+        if result.paused is not None:
+            answers = [Respond(result.interrupts[0].id, "y")]
+            async with chat(model, resume=result.paused, answers=answers, tools=[make_write([])],
+                            middleware=middleware) as second:  # fmt: skip
+                result = await second.result()
+        return result, len(model.requests)
+
+    plain, plain_calls = await run([])
+    paused, paused_calls = await run([AskAt(Phase.BEFORE_TOOLS)])
+    assert (paused.text, paused_calls, paused.stop_reason) == (plain.text, plain_calls, plain.stop_reason)
+    assert "unknown tool" in paused.text and paused_calls == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "stop"),
+    [
+        ({"strategy": max_iterations(1)}, StopReason.MAX_TURNS),
+        ({"middleware": [type("No", (ChatMiddleware,), {"on_should_continue": lambda s, c, st: False})()]},
+         StopReason.VETOED),
+    ],
+)  # fmt: skip
+async def test_a_pause_after_tools_keeps_the_turns_bookkeeping(options: dict[str, Any], stop: StopReason) -> None:
+    async def run(pause: bool) -> tuple[StopReason, int]:
+        model = echo(("write", {}))
+        middleware = [*options.get("middleware", []), *([AskAt(Phase.AFTER_TOOLS)] if pause else [])]
+        kwargs = {"tools": [make_write([])], "middleware": middleware, "strategy": options.get("strategy")}
+        async with chat(model, "go", **kwargs) as first:
+            result = await first.result()
+        if result.paused is not None:
+            answers = [Respond(result.interrupts[0].id, "y")]
+            async with chat(model, resume=result.paused, answers=answers, **kwargs) as second:
+                result = await second.result()
+        return result.stop_reason, len(model.requests)
+
+    assert await run(True) == await run(False) == (stop, 1)
+
+
+async def test_input_that_joined_a_turn_paused_before_its_model_call_is_journalled() -> None:
+    release = trio.Event()
+
+    @define_tool(name="wait", description="waits", input_schema=SCHEMA, side_effect=SideEffect.PURE,
+                 kind=ToolKind.READONLY)  # fmt: skip
+    async def wait(input: dict[str, Any], ctx: Any) -> str:
+        await release.wait()
+        return "waited"
+
+    model = echo(("wait", {}))
+    async with open_session(provider=model, tools=[wait], lifecycle=[AskAt(Phase.BEFORE_MODEL, 1)]) as session:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: session.send("go"))
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(lambda: session.send("EXTRA NOTE", priority="next"))
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+        assert session.paused is not None
+        assert UserMessage("EXTRA NOTE") in await rebuilt(session)  # journalled with the pause
+        await session.resume([Respond(session.paused.interrupts[0].id, "y")])
+        assert UserMessage("EXTRA NOTE") in model.requests[-1].messages
+        assert session.messages() == tuple(await rebuilt(session))
+
+
+async def test_answers_keep_call_order_live_and_rebuilt_with_a_refused_call() -> None:
+    ran: list[dict[str, Any]] = []
+    async with open_session(provider=echo(("nope", {}), ("write", {})), tools=[make_write(ran)],
+                            permissions={"ask": ["write"]}, permission_asks="interrupt") as session:  # fmt: skip
+        reply = await session.send("go")
+        text = await session.resume([Approve(reply.interrupts[0].id)])
+        assert text.startswith("done: Error: unknown tool") and text.endswith("| wrote")
+        assert session.messages() == tuple(await rebuilt(session))
+
+
+async def test_a_journalled_chat_run_rebuilds_the_history_it_was_given() -> None:
+    model = echo(("write", {}))
+    store = MemoryStore()
+    async with (
+        open_journal(store, session_id="c") as journal,
+        chat(model, "write a", tools=[make_write([])], journal=journal) as run,
+    ):
+        result = await run.result()
+    assert result.messages == tuple(await read_conversation(store, "c"))
+
+
+async def test_recovery_runs_an_approved_call_again_with_its_approval() -> None:
+    inner = MemoryStore()
+    store = FaultyStore(inner)
+    ran: list[dict[str, Any]] = []
+
+    @define_tool(name="write", description="writes", input_schema=SCHEMA, side_effect=SideEffect.IDEMPOTENT,
+                 kind=ToolKind.WRITE)  # fmt: skip
+    async def write(input: dict[str, Any], ctx: Any) -> str:
+        ran.append(dict(input))
+        if len(ran) == 1:
+            store.fail_next("before")  # the settlement of the first run never lands: a crash
+        return "wrote"
+
+    options: dict[str, Any] = {"tools": [write], "permissions": {"ask": ["write"]}, "permission_asks": "interrupt"}
+    model = echo(("write", {}))
+    async with open_session(provider=model, journal=store, session_id="r", **options) as session:
+        reply = await session.send("go")
+        with pytest.raises(TrioAgentError):
+            await session.resume([Approve(reply.interrupts[0].id)])
+    async with open_session(provider=model, journal=inner, session_id="r", **options) as session:
+        notes = "\n".join(session.recovery_notes)
+        assert len(ran) == 2 and "ok" in notes and "permission" not in notes  # re-run, still approved
+        assert session.messages() == tuple(await rebuilt(session))
