@@ -16,9 +16,11 @@ from typing import Any
 import attrs
 import trio
 
-from trio_agent import ModelError, ModelMiddleware, Provider, RateLimitError
+from trio_agent import ModelError, Provider, RateLimitError
 from trio_agent.models import (
     AssistantMessage,
+    ChatNext,
+    EventsNext,
     FinishReason,
     Message,
     ModelMiddlewareError,
@@ -30,23 +32,22 @@ from trio_agent.models import (
     RetryPolicy,
     StreamChunk,
     StreamInterruptedError,
+    StreamNext,
     TextDelta,
     ToolSpec,
     UserMessage,
+    WrapsChat,
+    WrapsChatWithRetryEvents,
+    WrapsSideQuery,
+    WrapsStream,
     message_converter,
 )
 from trio_agent.testing import Reply, TestModel
 
-# What ``next`` is in each wrapper.
-ChatNext = Callable[[ModelRequest | None], Awaitable[ModelResponse]]
-StreamNext = Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
-EventsNext = Callable[[ModelRequest | None], AsyncIterator[RetryEvent | ModelResponse]]
-
-
 # -- the shape of a model middleware ---------------------------------------------------------------
 
 
-class CallLog(ModelMiddleware):
+class CallLog(WrapsChat, WrapsSideQuery):
     """Record every non-streaming call: operation, model, message count and outcome."""
 
     def __init__(self, log: list[str]) -> None:
@@ -65,7 +66,7 @@ class CallLog(ModelMiddleware):
 # -- caching ----------------------------------------------------------------------------------------
 
 
-class ResponseCache(ModelMiddleware):
+class ResponseCache(WrapsChat):
     """Answer a repeated chat request from memory; the key is everything the provider would see."""
 
     def __init__(self) -> None:
@@ -97,7 +98,7 @@ class ResponseCache(ModelMiddleware):
 # -- routing by options -------------------------------------------------------------------------------
 
 
-class TemperatureByTools(ModelMiddleware):
+class TemperatureByTools(WrapsChat, WrapsStream):
     """Route by options: deterministic sampling when many tools are offered, more freedom when none are."""
 
     @staticmethod
@@ -115,7 +116,7 @@ class TemperatureByTools(ModelMiddleware):
             yield chunk
 
 
-class SwitchToSmallModel(ModelMiddleware):
+class SwitchToSmallModel(WrapsChat):
     """WRONG: a middleware cannot change the model; the service rejects the request."""
 
     async def wrap_chat(self, request: ModelRequest, call_next: ChatNext) -> ModelResponse:
@@ -143,7 +144,7 @@ def message_text(message: Message) -> str:
     return message.content
 
 
-class BlockSecrets(ModelMiddleware):
+class BlockSecrets(WrapsChat, WrapsSideQuery, WrapsStream, WrapsChatWithRetryEvents):
     """Refuse to send a request whose messages contain a credential; the provider is never called."""
 
     @staticmethod
@@ -189,7 +190,7 @@ class StreamStats:
     outcome: str  # "completed", "closed early", or the exception's class name
 
 
-class StreamMetrics(ModelMiddleware):
+class StreamMetrics:  # no base class: any object with the hooks it needs
     """Time to first chunk, chunk count and duration of every stream, however it ends."""
 
     def __init__(self, sink: list[StreamStats]) -> None:
@@ -219,7 +220,7 @@ class StreamMetrics(ModelMiddleware):
 # -- retry events --------------------------------------------------------------------------------------------
 
 
-class RetryReporter(ModelMiddleware):
+class RetryReporter(WrapsChatWithRetryEvents):
     """Tell the user when the service is about to retry; every item is passed on unchanged."""
 
     def __init__(self, notify: Callable[[str], None]) -> None:

@@ -1,8 +1,9 @@
 """The generic middleware composer, for library authors.
 
-`compose_middleware` chains ``async def mw(request, next)`` layers around a terminal
-handler; tool middleware (`trio_agent.ToolMiddleware`) and model middleware
-(`trio_agent.ModelMiddleware`) are built on it::
+`compose_middleware` chains ``async def mw(request, call_next)`` layers around a terminal
+handler; tool middleware (`trio_agent.ToolMiddleware`) and the wrappers of model middleware
+(`trio_agent.ModelMiddleware`) are built on it, and `MiddlewareNext` is what their
+``call_next`` is::
 
     from trio_agent.middleware import Middleware, compose_middleware
 """

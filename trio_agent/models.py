@@ -2,8 +2,10 @@
 
 An application names a model with `trio_agent.create_provider` (or passes any
 `trio_agent.Provider`); this module holds the conversation types, the `ModelService`
-(retries, middleware, abort) and the concrete providers. `OpenAIProvider`,
-`AnthropicProvider` and `PROVIDER_NAMES` load their HTTP client on first use::
+(retries, middleware, abort), the model middleware protocols (`ModelMiddleware` and one per
+hook: `WrapsChat`, `WrapsSideQuery`, `WrapsStream`, `WrapsChatWithRetryEvents`; their
+``call_next`` types `ChatNext`, `StreamNext`, `EventsNext`) and the concrete providers.
+`OpenAIProvider`, `AnthropicProvider` and `PROVIDER_NAMES` load their HTTP client on first use::
 
     from trio_agent.models import ModelService, UserMessage
 """
@@ -47,7 +49,21 @@ from ._models._messages import (
     UserMessage,
     message_converter,
 )
-from ._models._service import ModelRequest, ModelService, Operation, RetryEvent, RetryPolicy
+from ._models._service import (
+    ChatNext,
+    EventsNext,
+    ModelMiddleware,
+    ModelRequest,
+    ModelService,
+    Operation,
+    RetryEvent,
+    RetryPolicy,
+    StreamNext,
+    WrapsChat,
+    WrapsChatWithRetryEvents,
+    WrapsSideQuery,
+    WrapsStream,
+)
 from ._util import fixup_module_metadata as _fixup_module_metadata
 from ._util import import_lazy as _import_lazy
 
@@ -74,7 +90,9 @@ __all__ = [
     "PROVIDER_NAMES",
     "AnthropicProvider",
     "AssistantMessage",
+    "ChatNext",
     "ContentPart",
+    "EventsNext",
     "FinishChunk",
     "FinishReason",
     "HistoryError",
@@ -82,6 +100,7 @@ __all__ = [
     "Message",
     "ModelAbortedError",
     "ModelConnectionError",
+    "ModelMiddleware",
     "ModelMiddlewareError",
     "ModelNotFoundError",
     "ModelRequest",
@@ -97,6 +116,7 @@ __all__ = [
     "RetryPolicy",
     "StreamChunk",
     "StreamInterruptedError",
+    "StreamNext",
     "SystemMessage",
     "TextDelta",
     "TextPart",
@@ -109,6 +129,10 @@ __all__ = [
     "Usage",
     "UsageChunk",
     "UserMessage",
+    "WrapsChat",
+    "WrapsChatWithRetryEvents",
+    "WrapsSideQuery",
+    "WrapsStream",
     "message_converter",
 ]
 

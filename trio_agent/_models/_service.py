@@ -38,13 +38,15 @@ from .._errors import (
     RateLimitError,
     StreamInterruptedError,
 )
-from .._middleware import compose_middleware
+from .._middleware import MiddlewareNext, compose_middleware
 from ._history import MessageView
 from ._messages import Message, ModelResponse, StreamChunk, ToolSpec
 
 T = TypeVar("T")
 
 __all__ = [
+    "ChatNext",
+    "EventsNext",
     "ModelMiddleware",
     "ModelRequest",
     "ModelService",
@@ -52,6 +54,11 @@ __all__ = [
     "Provider",
     "RetryEvent",
     "RetryPolicy",
+    "StreamNext",
+    "WrapsChat",
+    "WrapsChatWithRetryEvents",
+    "WrapsSideQuery",
+    "WrapsStream",
 ]
 
 
@@ -128,36 +135,64 @@ class Provider(Protocol):
     def with_model(self, model: str) -> Provider: ...
 
 
-class ModelMiddleware:
-    """Base class for model middleware; override any of the four wrappers.
+ChatNext = MiddlewareNext[ModelRequest, Awaitable[ModelResponse]]
+"""``call_next`` in `WrapsChat.wrap_chat` and `WrapsSideQuery.wrap_side_query`: ``await call_next(request)``."""
 
-    Only the middleware that define a wrapper take part in that operation.
-    ``wrap_stream`` and ``wrap_chat_with_retry_events`` return async iterators
-    (usually async generator functions that iterate ``call_next(request)``). The parameter is
-    named ``call_next`` as in tool middleware: one onion, one word.
+StreamNext = MiddlewareNext[ModelRequest, AsyncIterator[StreamChunk]]
+"""``call_next`` in `WrapsStream.wrap_stream`: ``async for chunk in call_next(request)``."""
+
+EventsNext = MiddlewareNext[ModelRequest, AsyncIterator[RetryEvent | ModelResponse]]
+"""``call_next`` in `WrapsChatWithRetryEvents.wrap_chat_with_retry_events`: iterate it."""
+
+
+class ModelMiddleware(Protocol):
+    """Model middleware: any object that defines one or more of the four wrappers.
+
+    ================================  ==================================================
+    ``wrap_chat``                     ``async def wrap_chat(self, request, call_next) -> ModelResponse``
+    ``wrap_side_query``               ``async def wrap_side_query(self, request, call_next) -> ModelResponse``
+    ``wrap_stream``                   async generator of `StreamChunk`, iterating ``call_next(request)``
+    ``wrap_chat_with_retry_events``   async generator of `RetryEvent` and the `ModelResponse`
+    ================================  ==================================================
+
+    Python typing has no optional protocol members, so this protocol requires none: a plain
+    class (no base class) with only the wrappers it needs is a ``ModelMiddleware``. Each wrapper
+    also has its own protocol (`WrapsChat`, `WrapsSideQuery`, `WrapsStream`,
+    `WrapsChatWithRetryEvents`); list them as bases to have a type checker check the wrappers'
+    signatures. Subclassing ``ModelMiddleware`` itself is allowed and changes nothing.
+
+    Each operation composes only the middleware that define its wrapper, first registered
+    outermost. ``call_next`` is the same word as in tool middleware (one onion, one word):
+    ``call_next(request)`` runs the inner layers and the provider, ``call_next()`` passes the
+    request on unchanged. An object that defines none of the wrappers, or a wrapper of the wrong
+    kind, is a `MiddlewareShapeError` when the `ModelService` is built.
     """
 
-    async def wrap_chat(
-        self, request: ModelRequest, call_next: Callable[[ModelRequest | None], Awaitable[ModelResponse]]
-    ) -> ModelResponse:
-        raise NotImplementedError  # pragma: no cover - marker: not overridden
 
-    async def wrap_side_query(
-        self, request: ModelRequest, call_next: Callable[[ModelRequest | None], Awaitable[ModelResponse]]
-    ) -> ModelResponse:
-        raise NotImplementedError  # pragma: no cover
+class WrapsChat(ModelMiddleware, Protocol):
+    """Model middleware with ``wrap_chat``: wraps `ModelService.chat`."""
 
-    def wrap_stream(
-        self, request: ModelRequest, call_next: Callable[[ModelRequest | None], AsyncIterator[StreamChunk]]
-    ) -> AsyncIterator[StreamChunk]:
-        raise NotImplementedError  # pragma: no cover
+    async def wrap_chat(self, request: ModelRequest, call_next: ChatNext) -> ModelResponse: ...
+
+
+class WrapsSideQuery(ModelMiddleware, Protocol):
+    """Model middleware with ``wrap_side_query``: wraps `ModelService.side_query`."""
+
+    async def wrap_side_query(self, request: ModelRequest, call_next: ChatNext) -> ModelResponse: ...
+
+
+class WrapsStream(ModelMiddleware, Protocol):
+    """Model middleware with ``wrap_stream`` (an async generator): wraps `ModelService.stream`."""
+
+    def wrap_stream(self, request: ModelRequest, call_next: StreamNext) -> AsyncIterator[StreamChunk]: ...
+
+
+class WrapsChatWithRetryEvents(ModelMiddleware, Protocol):
+    """Model middleware with ``wrap_chat_with_retry_events`` (an async generator)."""
 
     def wrap_chat_with_retry_events(
-        self,
-        request: ModelRequest,
-        call_next: Callable[[ModelRequest | None], AsyncIterator[RetryEvent | ModelResponse]],
-    ) -> AsyncIterator[RetryEvent | ModelResponse]:
-        raise NotImplementedError  # pragma: no cover
+        self, request: ModelRequest, call_next: EventsNext
+    ) -> AsyncIterator[RetryEvent | ModelResponse]: ...
 
 
 _WRAPPERS = {
@@ -166,14 +201,65 @@ _WRAPPERS = {
     Operation.STREAM: "wrap_stream",
     Operation.CHAT_WITH_RETRY_EVENTS: "wrap_chat_with_retry_events",
 }
+_WRAPPER_NAMES = ", ".join(_WRAPPERS.values())
+_ASYNC_WRAPPERS = ("wrap_chat", "wrap_side_query")
+_ITERATOR_WRAPPERS = ("wrap_stream", "wrap_chat_with_retry_events")
+
+# The wrapper protocols' stubs: a class that lists a protocol as a base but does not define its
+# wrapper inherits the stub, which does not count as defining it.
+_STUBS = frozenset(
+    vars(protocol)[name]
+    for protocol, name in (
+        (WrapsChat, "wrap_chat"),
+        (WrapsSideQuery, "wrap_side_query"),
+        (WrapsStream, "wrap_stream"),
+        (WrapsChatWithRetryEvents, "wrap_chat_with_retry_events"),
+    )
+)
 
 
 def _defines(layer: object, name: str) -> bool:
-    method = getattr(layer, name, None)
-    if method is None:
-        return False
-    base = getattr(ModelMiddleware, name)
-    return getattr(method, "__func__", method) is not base
+    """Whether *layer* defines the wrapper *name* (an attribute that is not ``None`` or a protocol stub)."""
+    wrapper = getattr(layer, name, None)
+    return wrapper is not None and getattr(wrapper, "__func__", wrapper) not in _STUBS
+
+
+def _describe(layer: object) -> str:
+    """How an error names a middleware: its class, or what it is when it is a class or a function."""
+    if isinstance(layer, type):
+        return f"class {layer.__qualname__}"
+    if inspect.isroutine(layer):
+        return f"{type(layer).__name__} {getattr(layer, '__qualname__', layer)}"
+    return type(layer).__qualname__
+
+
+def model_middleware_problem(layer: object) -> str | None:
+    """What is wrong with *layer* as model middleware (``None`` if nothing), as ``(what it is) problem``.
+
+    These are the checks `ModelService` makes once, at construction: the per-call path checks nothing.
+    """
+    what = f"({_describe(layer)})"
+    if isinstance(layer, type) and any(_defines(layer, name) for name in _WRAPPERS.values()):
+        return f"{what} is a class, not an instance: pass {layer.__qualname__}(...)"
+    if not any(_defines(layer, name) for name in _WRAPPERS.values()):
+        return f"{what} defines none of the model middleware wrappers {_WRAPPER_NAMES}"
+    for name in _WRAPPERS.values():
+        if _defines(layer, name) and not callable(getattr(layer, name)):
+            value = getattr(layer, name)
+            return (
+                f"{what}: {name} is not callable (got {type(value).__name__} {value!r}); "
+                f"the wrappers are {_WRAPPER_NAMES}"
+            )
+    for name in _ASYNC_WRAPPERS:
+        if _defines(layer, name) and not inspect.iscoroutinefunction(getattr(layer, name)):
+            return f"{what}: {name} must be an async def"
+    for name in _ITERATOR_WRAPPERS:
+        if _defines(layer, name) and inspect.iscoroutinefunction(getattr(layer, name)):
+            return (
+                f"{what}: {name} must return an async iterator (write it as an async generator: "
+                "`async def ...: ... yield chunk`), not be a coroutine function"
+            )
+    return None
 
 
 @attrs.frozen
@@ -209,7 +295,7 @@ class ModelService:
     def __init__(
         self,
         provider: Provider,
-        middleware: Sequence[object] = (),
+        middleware: Sequence[ModelMiddleware] = (),
         *,
         retry: RetryPolicy | None = None,
         request_timeout: float = 600.0,
@@ -220,20 +306,9 @@ class ModelService:
             raise MiddlewareShapeError(f"model middleware must be a sequence, got {middleware!r}")
         layers = tuple(middleware)
         for index, layer in enumerate(layers):
-            if not any(_defines(layer, name) for name in _WRAPPERS.values()):
-                raise MiddlewareShapeError(
-                    f"model middleware #{index} ({type(layer).__name__}) defines none of "
-                    "wrap_chat, wrap_side_query, wrap_stream, wrap_chat_with_retry_events"
-                )
-            for name in ("wrap_chat", "wrap_side_query"):
-                if _defines(layer, name) and not inspect.iscoroutinefunction(getattr(layer, name)):
-                    raise MiddlewareShapeError(f"model middleware #{index}: {name} must be an async def")
-            for name in ("wrap_stream", "wrap_chat_with_retry_events"):
-                if _defines(layer, name) and inspect.iscoroutinefunction(getattr(layer, name)):
-                    raise MiddlewareShapeError(
-                        f"model middleware #{index}: {name} must return an async iterator (write it as an "
-                        "async generator: `async def ...: ... yield chunk`), not be a coroutine function"
-                    )
+            problem = model_middleware_problem(layer)
+            if problem is not None:
+                raise MiddlewareShapeError(f"model middleware #{index} {problem}")
         self.provider = provider
         self.middleware = layers
         self.retry = retry or RetryPolicy()
