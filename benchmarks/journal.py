@@ -12,7 +12,7 @@ Runs, in one process and interleaved round by round:
      (``executemany`` in one transaction per batch); the durable/raw ratio at every writer count
      (target: >= 50 % at 100 writers), and the CPU each spends per event in this process;
   3. durable tool calls: 100 sessions (one `open_journal` each, one SQLite store), each running
-     sequential calls of a trivial tool through ``ToolPipeline(lifecycle=journal)``:
+     sequential calls of a trivial tool through ``ToolPipeline(journal=journal)``:
      ``non_idempotent`` (scheduled, started, settled: 3 awaited commits), ``pure`` with durable
      starts (also 3) and ``pure`` with ``durable_pure_starts=False`` (the start is submitted
      without waiting, but the settlement still waits for it); beside the same 100 tasks calling the
@@ -373,7 +373,7 @@ async def durable_tool_calls(path: str, config: str, sessions: int, calls: int) 
             store, session_id=f"{config}-{index}", durable_pure_starts=durable_pure_starts, lease_ttl=600.0
         ) as journal:
             origin = await start_turn(journal)
-            pipeline = ta.ToolPipeline([tool], lifecycle=journal, history_limit=0)
+            pipeline = ta.ToolPipeline([tool], journal=journal, history_limit=0)
             ready += 1
             if ready == sessions:
                 all_ready.set()
@@ -665,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"tool calls: {sessions} concurrent sessions x {calls} sequential calls (and 1 session x {solo_calls}), "
-        "one open_journal per session on one SQLite store, ToolPipeline(lifecycle=journal)"
+        "one open_journal per session on one SQLite store, ToolPipeline(journal=journal)"
     )
     print(
         f"{'configuration':<44}{'commits':>8}{'calls/s':>10}{'p50 us':>9}{'p99 us':>9}{'CPU us':>8}"

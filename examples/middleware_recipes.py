@@ -138,7 +138,7 @@ async def normalise_query(request: ToolMiddlewareRequest, call_next: CallNext) -
 
 async def demo_normalise() -> tuple[list[ToolExecutionRecord], InMemoryToolJournal]:
     journal = InMemoryToolJournal()
-    pipeline = ToolPipeline([search], middleware=[normalise_query], lifecycle=journal)
+    pipeline = ToolPipeline([search], middleware=[normalise_query], journal=journal)
     records = [
         await call_tool(pipeline, "search", {"query": "  cancel scopes \n"}, call_id="norm-1"),
         await call_tool(pipeline, "search", {"query": "   "}, call_id="norm-2"),  # empty once stripped
@@ -205,14 +205,12 @@ async def demo_redaction(*, unwind_grace: float = 0.05) -> tuple[RedactionDemo, 
     journal = InMemoryToolJournal()
 
     # a) The plain case: the tool's output is masked before settlement.
-    pipeline = ToolPipeline([read_config], middleware=[redact_secrets], lifecycle=journal)
+    pipeline = ToolPipeline([read_config], middleware=[redact_secrets], journal=journal)
     plain = await call_tool(pipeline, "read_config", call_id="redact-plain")
 
     # b) The request is aborted after the tool returned, while the unwind is still running.
     reached, release = trio.Event(), trio.Event()
-    pipeline = ToolPipeline(
-        [read_config], middleware=[redact_secrets, hold_unwind(reached, release)], lifecycle=journal
-    )
+    pipeline = ToolPipeline([read_config], middleware=[redact_secrets, hold_unwind(reached, release)], journal=journal)
     request_abort = AbortHandle()
     records: list[ToolExecutionRecord] = []
     async with trio.open_nursery() as nursery:
@@ -227,9 +225,7 @@ async def demo_redaction(*, unwind_grace: float = 0.05) -> tuple[RedactionDemo, 
 
     # c) The caller's own cancel scope is cancelled at the same moment.
     reached, release = trio.Event(), trio.Event()
-    pipeline = ToolPipeline(
-        [read_config], middleware=[redact_secrets, hold_unwind(reached, release)], lifecycle=journal
-    )
+    pipeline = ToolPipeline([read_config], middleware=[redact_secrets, hold_unwind(reached, release)], journal=journal)
     async with trio.open_nursery() as nursery:
         caller_scope = trio.CancelScope()
 
@@ -246,7 +242,7 @@ async def demo_redaction(*, unwind_grace: float = 0.05) -> tuple[RedactionDemo, 
     pipeline = ToolPipeline(
         [read_config],
         middleware=[redact_secrets, hold_unwind(trio.Event(), trio.Event())],
-        lifecycle=journal,
+        journal=journal,
         unwind_grace=unwind_grace,
     )
     missed = await call_tool(pipeline, "read_config", call_id="redact-missed")
@@ -307,7 +303,7 @@ async def demo_cache() -> CacheDemo:
     pipeline = ToolPipeline(
         [get_quote],
         middleware=[ResultCache({"get_quote"})],
-        lifecycle=journal,
+        journal=journal,
         stages=ToolStages(permission=[allow_and_count]),
     )
     records = [
@@ -537,7 +533,7 @@ def build_pipeline(tools: Iterable[Tool[Any]], journal: InMemoryToolJournal) -> 
     return ToolPipeline(
         tools,
         middleware=[audit, normalise_query, ResultCache({"search", "read_config"}), redact_secrets],
-        lifecycle=journal,
+        journal=journal,
     )
 
 

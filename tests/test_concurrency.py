@@ -155,7 +155,7 @@ async def test_concurrent_executions_with_aborts_leave_nothing_behind() -> None:
     mismatches: list[str] = []
     layers = [SafeLayer("A", Plan(1, 1, 1), mismatches)]
     pipeline = ta.ToolPipeline(
-        [wait_gate], middleware=layers, lifecycle=journal, scheduler=ta.ToolScheduler(ta.SchedulerLimits(readonly=50))
+        [wait_gate], middleware=layers, journal=journal, scheduler=ta.ToolScheduler(ta.SchedulerLimits(readonly=50))
     )
     handles = [ta.AbortHandle() for _ in range(300)]
     records: list[ta.ToolExecutionRecord] = []

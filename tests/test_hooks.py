@@ -120,7 +120,7 @@ def runner_for(event: HookEvent, *hooks: Any, **kwargs: Any) -> HookRunner:
 
 def pipeline_with(runner: HookRunner, tool: Tool[Any], journal: InMemoryToolJournal) -> ToolPipeline:
     stages = ToolStages(pre_tool=[pre_tool_stage(runner)], post_tool=[post_tool_stage(runner)])
-    return ToolPipeline([tool], stages=stages, lifecycle=journal)
+    return ToolPipeline([tool], stages=stages, journal=journal)
 
 
 # -- the event enum --------------------------------------------------------------

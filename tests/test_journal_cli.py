@@ -45,7 +45,7 @@ async def build_journal(path: Path) -> None:
     async with open_sqlite_store(path) as store:
         async with open_journal(store, session_id="sess-a") as journal:
             origin = await start_turn(journal)
-            pipeline = ToolPipeline(TOOLS, lifecycle=journal)
+            pipeline = ToolPipeline(TOOLS, journal=journal)
             ok = await pipeline.execute(ToolCall("call-ok", "adder", {"a": 2, "b": 3}), origin)
             assert ok.result.output == 5
             bad = await pipeline.execute(ToolCall("call-bad", "breaker", {}), origin)
@@ -70,7 +70,7 @@ async def build_journal(path: Path) -> None:
             assert report.outcome_unknown == ("call-lost",)
         async with open_journal(store, session_id="sess-b") as journal:
             origin = await start_turn(journal, request_id="other-request", turn_id="other-turn")
-            pipeline = ToolPipeline(TOOLS, lifecycle=journal)
+            pipeline = ToolPipeline(TOOLS, journal=journal)
             await pipeline.execute(ToolCall("call-elsewhere", "adder", {"a": 1, "b": 1}), origin)
             assert origin == CallOrigin("sess-b", "root", "other-request", "other-turn")
 

@@ -1,5 +1,5 @@
 """The durable journal: leases, store-side fencing, commands, the projection guard,
-unknown write outcomes, the tool lifecycle wired through a real `ToolPipeline`,
+unknown write outcomes, the tool journal wired through a real `ToolPipeline`,
 recovery after a crash, and corrupt stored data.
 
 Lease tests run on Trio's mock clock (``autojump_clock``) with
@@ -540,7 +540,7 @@ async def test_a_cancelled_write_that_lands_within_the_grace_does_not_fence(
             assert (await journal.append(accepted("r2"))).first_seq == 3
 
 
-# ---------------------------------------------------------------- 6. the tool lifecycle through a real pipeline
+# ---------------------------------------------------------------- 6. the tool journal through a real pipeline
 
 
 async def test_scheduled_and_the_final_input_are_committed_before_the_tool_runs() -> None:
@@ -567,7 +567,7 @@ async def test_scheduled_and_the_final_input_are_committed_before_the_tool_runs(
             seen_by_tool.extend(await events_of(store, stream))
             return f"wrote {input['path']}"
 
-        pipeline = ToolPipeline([write_note], middleware=[lowercase_path], lifecycle=journal)
+        pipeline = ToolPipeline([write_note], middleware=[lowercase_path], journal=journal)
         record = await pipeline.execute(ToolCall("c1", "write_note", {"path": "NOTES.TXT"}), origin)
 
     mine = for_call(seen_by_middleware, "c1")
@@ -611,7 +611,7 @@ async def test_the_settlement_is_committed_before_the_result_is_published(
                 nursery.start_soon(open_gate_later)
                 return int(input["a"]) + int(input["b"])
 
-            pipeline = ToolPipeline([add], lifecycle=journal)
+            pipeline = ToolPipeline([add], journal=journal)
             start = trio.current_time()
             with trio.fail_after(60):
                 record = await pipeline.execute(ToolCall("c1", "add", {"a": 2, "b": 3}), origin)
@@ -646,7 +646,7 @@ async def test_a_failed_settlement_raises_and_publishes_nothing(mode: str) -> No
             faulty.fail_next(mode)  # the next write is the settlement
             return "pong"
 
-        pipeline = ToolPipeline([ping], lifecycle=journal)
+        pipeline = ToolPipeline([ping], journal=journal)
         with pytest.raises(SettlementError):
             await pipeline.execute(ToolCall("c1", "ping", {}), origin, on_item=on_item)
         assert len(pipeline.history) == 0
@@ -695,7 +695,7 @@ async def test_a_pure_start_is_not_awaited_when_opted_out_but_lands_before_the_s
                 nursery.start_soon(open_gate_later)
                 return "found"
 
-            pipeline = ToolPipeline([lookup], middleware=[hold_the_start], lifecycle=journal)
+            pipeline = ToolPipeline([lookup], middleware=[hold_the_start], journal=journal)
             start = trio.current_time()
             with trio.fail_after(60):  # mock time: a regression that awaits the start deadlocks, fails fast
                 record = await pipeline.execute(ToolCall("c1", "lookup", {"q": "x"}), origin)
@@ -728,7 +728,7 @@ async def test_a_pure_start_that_never_landed_fails_the_settlement_and_publishes
             ran.append("lookup")
             return "found"
 
-        pipeline = ToolPipeline([lookup], middleware=[refuse_the_start], lifecycle=journal)
+        pipeline = ToolPipeline([lookup], middleware=[refuse_the_start], journal=journal)
         with pytest.raises(SettlementError):
             await pipeline.execute(ToolCall("c1", "lookup", {}), origin)
         assert ran == ["lookup"]  # a pure tool may run before its start is durable ...
@@ -767,7 +767,7 @@ async def test_non_pure_starts_are_always_awaited(autojump_clock: trio.testing.M
                 observed["ran_at"] = trio.current_time()
                 return "ok"
 
-            pipeline = ToolPipeline([upsert], middleware=[hold_the_start], lifecycle=journal)
+            pipeline = ToolPipeline([upsert], middleware=[hold_the_start], journal=journal)
             start = trio.current_time()
             await pipeline.execute(ToolCall("c1", "upsert", {}), origin)
     assert observed["pending"] == {}
@@ -796,7 +796,7 @@ async def test_lease_lost_while_the_tool_runs_raises_and_settles_nothing(
                 finished.append("deploy")
                 return "deployed"
 
-            pipeline = ToolPipeline([deploy], lifecycle=journal)
+            pipeline = ToolPipeline([deploy], journal=journal)
             try:
                 records.append(await pipeline.execute(ToolCall("c1", "deploy", {}), origin))
             except LeaseLostError as exc:
@@ -822,7 +822,7 @@ async def test_lease_lost_before_the_settlement_is_refused_by_the_store() -> Non
                 await _revoke_by_release(store, journal)  # the tool returns at once: only the store notices
                 return "sent"
 
-            pipeline = ToolPipeline([send], lifecycle=journal)
+            pipeline = ToolPipeline([send], journal=journal)
             try:
                 await pipeline.execute(ToolCall("c1", "send", {}), origin)
             except LeaseLostError as exc:
@@ -949,7 +949,7 @@ async def test_recovery_decides_and_writes_but_never_runs_anything(kind: str, tm
         async with open_journal(store, session_id=SID) as journal:
             stream = journal.stream_id()
             before = await events_of(store, stream)
-            pipeline = ToolPipeline(tools.values(), middleware=[counting_middleware(counters)], lifecycle=journal)
+            pipeline = ToolPipeline(tools.values(), middleware=[counting_middleware(counters)], journal=journal)
             report = await journal.recover(tools=pipeline.tools)
             after = await events_of(store, stream)
             assert journal.recovered
@@ -1022,7 +1022,7 @@ async def test_recovered_calls_run_again_through_a_fresh_pipeline() -> None:
     async with open_journal(store, session_id=SID) as journal:
         report = await journal.recover(tools=tools)
         assert counters.total == 0
-        pipeline = ToolPipeline(tools.values(), middleware=[counting_middleware(counters)], lifecycle=journal)
+        pipeline = ToolPipeline(tools.values(), middleware=[counting_middleware(counters)], journal=journal)
         origin = CallOrigin(session_id=SID, agent_id=journal.root_agent_id, **REQ)
         stream = journal.stream_id()
 
@@ -1074,7 +1074,7 @@ async def test_a_recovered_call_cannot_be_rerun_as_another_tool() -> None:
         report = await journal.recover(tools=tools)
         call = next(s for s in report.to_execute if s.call_id == "c-sched")
         assert call.tool_name == "upsert"
-        pipeline = ToolPipeline(tools.values(), lifecycle=journal)
+        pipeline = ToolPipeline(tools.values(), journal=journal)
         origin = CallOrigin(session_id=SID, agent_id=journal.root_agent_id, **REQ)
         with pytest.raises(JournalError):
             await pipeline.execute(
@@ -1209,7 +1209,7 @@ async def test_permission_updates_are_read_back_in_order_on_reopen(kind: str, tm
 
 async def test_call_state_follows_the_projection() -> None:
     from trio_agent._tools._definition import ToolBehavior
-    from trio_agent._tools._lifecycle import ScheduledCall
+    from trio_agent._tools._journal import ScheduledCall
 
     async with open_journal(MemoryStore(), session_id=SID) as journal:
         origin = await start_turn(journal)

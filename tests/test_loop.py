@@ -70,7 +70,7 @@ from trio_agent._models._messages import (
 from trio_agent._models._messages import ToolCallStart as ToolCallStartChunk
 from trio_agent._models._service import ModelRequest, ModelService, RetryPolicy
 from trio_agent._tools._definition import InterruptBehavior, SideEffect, Tool, ToolKind, define_tool
-from trio_agent._tools._lifecycle import InMemoryToolJournal
+from trio_agent._tools._journal import InMemoryToolJournal
 from trio_agent._tools._pipeline import ToolPipeline
 from trio_agent._tools._results import Effect, ToolErrorType, ToolResult
 from trio_agent.testing import Reply, TestModel
@@ -220,7 +220,7 @@ class Fakes:
         self.watchers: list[Callable[[RunEvent], None]] = []
         self.abort = AbortHandle()
         self.stop = AbortHandle()
-        self.pipeline = ToolPipeline(tools, lifecycle=InMemoryToolJournal())
+        self.pipeline = ToolPipeline(tools, journal=InMemoryToolJournal())
         self.spec = RunSpec(
             run_id="run",
             agent_id="root",

@@ -97,7 +97,7 @@ def make_harness(phase: str) -> Harness:
     pipeline = ta.ToolPipeline(
         [tool],
         middleware=[redact],
-        lifecycle=journal,
+        journal=journal,
         stages=stages,
         scheduler=ta.ToolScheduler(ta.SchedulerLimits(execute=1)),
     )
@@ -264,7 +264,7 @@ async def test_unwind_deadline_missed_persists_raw_result_unpublished(autojump_c
         await trio.sleep_forever()  # never finishes unwinding
         return result  # pragma: no cover
 
-    pipeline = ta.ToolPipeline([leak], middleware=[stuck_redactor], lifecycle=journal, unwind_grace=1.0)
+    pipeline = ta.ToolPipeline([leak], middleware=[stuck_redactor], journal=journal, unwind_grace=1.0)
     record = await call_tool(pipeline, "leak", {}, call_id="c1")
     assert record.published is False
     assert record.result.error is not None and record.result.error.code == "unwind_deadline_missed"
@@ -467,7 +467,7 @@ async def test_abort_before_execute_never_enters_middleware() -> None:
         return "ran"
 
     journal = ta.InMemoryToolJournal()
-    pipeline = ta.ToolPipeline([noop], middleware=[spy], lifecycle=journal)
+    pipeline = ta.ToolPipeline([noop], middleware=[spy], journal=journal)
     abort = ta.AbortHandle()
     abort.abort(ta.AbortReason.USER_ABORT)
     record = await call_tool(pipeline, "noop", {}, call_id="c", abort=abort)
@@ -487,7 +487,7 @@ async def test_lease_lost_abort_raises_instead_of_result() -> None:
         return "never"  # pragma: no cover
 
     journal = ta.InMemoryToolJournal()
-    pipeline = ta.ToolPipeline([waits], lifecycle=journal)
+    pipeline = ta.ToolPipeline([waits], journal=journal)
     abort = ta.AbortHandle()
     errors: list[BaseException] = []
     async with trio.open_nursery() as nursery:
@@ -531,7 +531,7 @@ async def test_blocking_settlement_is_shielded_from_outside_cancellation() -> No
         return result
 
     scope_box: list[trio.CancelScope] = []
-    pipeline = ta.ToolPipeline([quick], middleware=[cancel_outside_then_unwind], lifecycle=journal)
+    pipeline = ta.ToolPipeline([quick], middleware=[cancel_outside_then_unwind], journal=journal)
     with trio.CancelScope() as scope:
         scope_box.append(scope)
         await call_tool(pipeline, "quick", {}, call_id="c")

@@ -121,13 +121,13 @@ def codes(record: Any) -> list[FaultCode]:
 class Journals:
     """One call's journal, in memory or durable, read the same way."""
 
-    def __init__(self, lifecycle: InMemoryToolJournal | DurableJournal) -> None:
-        self.lifecycle = lifecycle
+    def __init__(self, journal: InMemoryToolJournal | DurableJournal) -> None:
+        self.journal = journal
 
     def states(self, call_id: str) -> list[str]:
-        if isinstance(self.lifecycle, InMemoryToolJournal):
-            return self.lifecycle.kinds(call_id)
-        record = self.lifecycle.call(call_id)
+        if isinstance(self.journal, InMemoryToolJournal):
+            return self.journal.kinds(call_id)
+        record = self.journal.call(call_id)
         assert record is not None
         out = ["scheduled"] + ["started"] * record.attempts
         if record.settlement is not None:
@@ -135,16 +135,14 @@ class Journals:
         return out
 
     def synthetic(self, call_id: str) -> bool | None:
-        if isinstance(self.lifecycle, InMemoryToolJournal):
-            found = [
-                e.data["synthetic"] for e in self.lifecycle.entries if e.call_id == call_id and e.kind == "started"
-            ]
+        if isinstance(self.journal, InMemoryToolJournal):
+            found = [e.data["synthetic"] for e in self.journal.entries if e.call_id == call_id and e.kind == "started"]
             return found[0] if found else None
         return None
 
 
 @asynccontextmanager
-async def lifecycle_of(kind: str) -> AsyncIterator[tuple[Journals, Any]]:
+async def journal_of(kind: str) -> AsyncIterator[tuple[Journals, Any]]:
     """``(journals, origin)`` for a fresh in-memory or durable (MemoryStore) journal."""
     if kind == "memory":
         yield Journals(InMemoryToolJournal()), None
@@ -165,7 +163,7 @@ async def test_outside_cancel_while_tool_scheduled_commits_settles_the_call(stor
         store = CancellingStore(inner)
         async with open_journal(store, session_id="s") as journal:  # type: ignore[arg-type]
             origin = await start_turn(journal)
-            pipeline = ToolPipeline([simple_tool()], lifecycle=journal)
+            pipeline = ToolPipeline([simple_tool()], journal=journal)
             with trio.CancelScope() as outside:
                 store.trigger = ToolScheduled
                 store.on_submit = outside.cancel
@@ -187,7 +185,7 @@ async def test_outside_cancel_while_tool_scheduled_hangs_fences_and_cancels(
     store = HangingStore(inner)
     async with open_journal(store, session_id="s", commit_grace=1.0) as journal:  # type: ignore[arg-type]
         origin = await start_turn(journal)
-        pipeline = ToolPipeline([simple_tool()], lifecycle=journal)
+        pipeline = ToolPipeline([simple_tool()], journal=journal)
         with trio.CancelScope() as outside:
             store.trigger = ToolScheduled
             store.on_submit = outside.cancel
@@ -206,7 +204,7 @@ async def test_outside_cancel_in_a_blocking_on_tool_scheduled_settles_in_memory(
             await trio.sleep_forever()  # the write is recorded, its confirmation never comes
 
     journal = SlowScheduling()
-    pipeline = ToolPipeline([simple_tool()], lifecycle=journal)
+    pipeline = ToolPipeline([simple_tool()], journal=journal)
     with trio.move_on_after(0) as outside:  # already expired: cancelled at the first checkpoint
         await call_tool(pipeline, "work", {}, call_id="c1")
     assert outside.cancelled_caught
@@ -244,7 +242,7 @@ async def test_outside_cancel_through_a_tool_nursery_settles_cancelled(with_midd
         return await call_next()
 
     pipeline = ToolPipeline(
-        [ticking_tool(entered, groups)], lifecycle=journal, middleware=[passthrough] if with_middleware else []
+        [ticking_tool(entered, groups)], journal=journal, middleware=[passthrough] if with_middleware else []
     )
     async with trio.open_nursery() as nursery:
         outside = trio.CancelScope()
@@ -294,7 +292,7 @@ async def test_outside_cancel_through_a_middleware_nursery_settles_cancelled() -
             raise
         return result
 
-    pipeline = ToolPipeline([tool], lifecycle=journal, middleware=[with_ticker])
+    pipeline = ToolPipeline([tool], journal=journal, middleware=[with_ticker])
     outside = trio.CancelScope()
     async with trio.open_nursery() as nursery:
 
@@ -338,8 +336,8 @@ async def test_early_return_a_middleware_scope_cancels_a_started_core(
             await call_next()
         return ToolResult.success("mine")
 
-    async with lifecycle_of(kind) as (journals, origin):
-        pipeline = ToolPipeline([sleeping_tool()], lifecycle=journals.lifecycle, middleware=[impatient])
+    async with journal_of(kind) as (journals, origin):
+        pipeline = ToolPipeline([sleeping_tool()], journal=journals.journal, middleware=[impatient])
         record = await pipeline.execute(ToolCall("c1", "slow", {}), origin)
         assert record.status is SettlementStatus.CANCELLED
         assert not record.result.ok
@@ -347,7 +345,7 @@ async def test_early_return_a_middleware_scope_cancels_a_started_core(
         assert not record.synthetic_start
         assert journals.states("c1") == ["scheduled", "started", "settled"]
         # Not wedged: the next call runs.
-        pipeline2 = ToolPipeline([simple_tool()], lifecycle=journals.lifecycle)
+        pipeline2 = ToolPipeline([simple_tool()], journal=journals.journal)
         assert (await pipeline2.execute(ToolCall("c2", "work", {}), origin)).result.ok
 
 
@@ -363,14 +361,14 @@ async def test_early_return_while_a_dispatched_core_runs_waits_for_the_real_resu
 
     tool = define_tool(tool_run, name="t", description="t", side_effect="idempotent", input_schema={"type": "object"})
 
-    async with lifecycle_of(kind) as (journals, origin), trio.open_nursery() as outer:
+    async with journal_of(kind) as (journals, origin), trio.open_nursery() as outer:
 
         async def detach(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
             outer.start_soon(call_next)
             await entered.wait()
             return ToolResult.success("mine")
 
-        pipeline = ToolPipeline([tool], lifecycle=journals.lifecycle, middleware=[detach])
+        pipeline = ToolPipeline([tool], journal=journals.journal, middleware=[detach])
         done: list[Any] = []
 
         async def run() -> None:
@@ -400,7 +398,7 @@ async def test_early_return_before_a_dispatched_core_entered_closes_the_door(kin
     tool = define_tool(tool_run, name="t", description="t", side_effect="idempotent", input_schema={"type": "object"})
     late: list[Any] = []
 
-    async with lifecycle_of(kind) as (journals, origin):
+    async with journal_of(kind) as (journals, origin):
         async with trio.open_nursery() as outer:
 
             async def detach(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
@@ -410,7 +408,7 @@ async def test_early_return_before_a_dispatched_core_entered_closes_the_door(kin
                 outer.start_soon(later, call_next())  # dispatched, entered only when the task runs
                 return ToolResult.success("mine")  # before the task got to run
 
-            pipeline = ToolPipeline([tool], lifecycle=journals.lifecycle, middleware=[detach])
+            pipeline = ToolPipeline([tool], journal=journals.journal, middleware=[detach])
             record = await pipeline.execute(ToolCall("c1", "t", {}), origin)
         assert runs == []
         assert record.result.output == "mine"
@@ -439,10 +437,10 @@ async def test_early_return_with_a_never_awaited_call_next(kind: str) -> None:
     async def inner(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
         return await call_next()
 
-    async with lifecycle_of(kind) as (journals, origin):
+    async with journal_of(kind) as (journals, origin):
         for layers in ([forgetful], [forgetful, inner]):
             call_id = f"c{len(layers)}"
-            pipeline = ToolPipeline([tool], lifecycle=journals.lifecycle, middleware=layers)
+            pipeline = ToolPipeline([tool], journal=journals.journal, middleware=layers)
             record = await pipeline.execute(ToolCall(call_id, "t", {}), origin)
             assert runs == []
             assert record.result.output == "mine"
@@ -484,16 +482,16 @@ async def widen(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
 @pytest.mark.parametrize("kind", JOURNALS)
 async def test_a_widening_input_transform_runs_and_records_the_wider_contract(kind: str) -> None:
     runs: list[dict[str, Any]] = []
-    async with lifecycle_of(kind) as (journals, origin):
-        pipeline = ToolPipeline([widening_tool(runs)], lifecycle=journals.lifecycle, middleware=[widen])
+    async with journal_of(kind) as (journals, origin):
+        pipeline = ToolPipeline([widening_tool(runs)], journal=journals.journal, middleware=[widen])
         record = await pipeline.execute(ToolCall("c1", "widen", {"q": 1}), origin)
         assert record.result.ok and runs == [{"q": 1, "wide": True}]
-        lifecycle = journals.lifecycle
-        if isinstance(lifecycle, InMemoryToolJournal):
-            (started,) = [e.data for e in lifecycle.entries if e.kind == "started"]
+        journal = journals.journal
+        if isinstance(journal, InMemoryToolJournal):
+            (started,) = [e.data for e in journal.entries if e.kind == "started"]
             assert started["side_effect"] == "non_idempotent"
         else:
-            assert lifecycle.projection().tool("c1").side_effect is SideEffect.NON_IDEMPOTENT  # type: ignore[union-attr]
+            assert journal.projection().tool("c1").side_effect is SideEffect.NON_IDEMPOTENT  # type: ignore[union-attr]
 
 
 async def test_recovery_plan_sees_the_widened_contract() -> None:
@@ -517,7 +515,7 @@ async def test_recovery_plan_sees_the_widened_contract() -> None:
     )
     async with open_journal(MemoryStore(clock=trio.current_time), session_id="s") as journal:
         origin = await start_turn(journal)
-        pipeline = ToolPipeline([tool], lifecycle=journal, middleware=[widen])
+        pipeline = ToolPipeline([tool], journal=journal, middleware=[widen])
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pipeline.execute, ToolCall("c1", "widen", {}), origin)
             await entered.wait()
@@ -555,10 +553,10 @@ async def test_the_final_input_is_frozen_before_waiting_for_a_slot(kind: str) ->
             live.append(request.input)
         return await call_next()
 
-    async with lifecycle_of(kind) as (journals, origin):
+    async with journal_of(kind) as (journals, origin):
         pipeline = ToolPipeline(
             [tool],
-            lifecycle=journals.lifecycle,
+            journal=journals.journal,
             middleware=[mutate_in_place],
             scheduler=ToolScheduler(SchedulerLimits(execute=1)),
         )
@@ -577,12 +575,12 @@ async def test_the_final_input_is_frozen_before_waiting_for_a_slot(kind: str) ->
         (record,) = done
         assert runs[-1] == {"x": 1}
         assert record.effective_input == {"x": 1}
-        lifecycle = journals.lifecycle
-        if isinstance(lifecycle, InMemoryToolJournal):
-            (started,) = [e.data for e in lifecycle.entries if e.call_id == "target" and e.kind == "started"]
+        journal = journals.journal
+        if isinstance(journal, InMemoryToolJournal):
+            (started,) = [e.data for e in journal.entries if e.call_id == "target" and e.kind == "started"]
             assert started["input"] == {"x": 1}
         else:
-            assert lifecycle.call("target").started_input == {"x": 1}  # type: ignore[union-attr]
+            assert journal.call("target").started_input == {"x": 1}  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------- defect 11: permission updates only from the tool
@@ -641,7 +639,7 @@ async def test_a_group_with_a_typed_error_from_middleware_raises_the_typed_error
     async def lose_lease(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
         raise ExceptionGroup("from a nursery", [LeaseLostError("gone")])
 
-    pipeline = ToolPipeline([simple_tool()], lifecycle=journal, middleware=[lose_lease])
+    pipeline = ToolPipeline([simple_tool()], journal=journal, middleware=[lose_lease])
     with pytest.raises(LeaseLostError, match="gone"):
         await call_tool(pipeline, "work", {}, call_id="c1")
     assert kinds(journal, "c1") == ["scheduled"]  # lease lost: nothing more is written
@@ -670,7 +668,7 @@ async def test_outside_cancel_while_waiting_for_a_detached_core_stops_it_and_set
             await entered.wait()
             return ToolResult.success("mine")
 
-        pipeline = ToolPipeline([tool], lifecycle=journal, middleware=[detach])
+        pipeline = ToolPipeline([tool], journal=journal, middleware=[detach])
 
         async def run() -> None:
             with outside:
@@ -696,7 +694,7 @@ async def test_a_detached_core_is_bounded_by_the_tool_timeout(autojump_clock: tr
             await trio.sleep(1)  # the core has entered the tool by now
             return ToolResult.success("mine")
 
-        pipeline = ToolPipeline([sleeping_tool()], lifecycle=journal, middleware=[detach], timeout=5)
+        pipeline = ToolPipeline([sleeping_tool()], journal=journal, middleware=[detach], timeout=5)
         record = await call_tool(pipeline, "slow", {}, call_id="c1")
     assert record.result.error is not None and record.result.error.type.value == "timeout"
     assert FaultCode.EARLY_RETURN in codes(record)
@@ -722,7 +720,7 @@ async def test_outside_cancel_while_tool_started_commits_settles_cancelled(store
             origin = await start_turn(journal)
             for index, layers in enumerate(([], [impatient])):
                 call_id = f"c{index}"
-                pipeline = ToolPipeline([tool], lifecycle=journal, middleware=layers)
+                pipeline = ToolPipeline([tool], journal=journal, middleware=layers)
                 with trio.CancelScope() as outside:
                     store.trigger = ToolStarted
                     store.on_submit = outside.cancel
@@ -755,7 +753,7 @@ async def test_middleware_scope_cancels_while_tool_started_commits(store_kind: s
 
         async with open_journal(store, session_id="s") as journal:  # type: ignore[arg-type]
             origin = await start_turn(journal)
-            pipeline = ToolPipeline([tool], lifecycle=journal, middleware=[own_scope])
+            pipeline = ToolPipeline([tool], journal=journal, middleware=[own_scope])
             record = await pipeline.execute(ToolCall("c1", "t", {}), origin)
             assert runs == []
             assert record.status is SettlementStatus.CANCELLED
@@ -776,7 +774,7 @@ async def test_an_sdk_abort_through_a_tool_nursery_is_an_abort(with_middleware: 
 
     journal = InMemoryToolJournal()
     pipeline = ToolPipeline(
-        [ticking_tool(entered, groups)], lifecycle=journal, middleware=[passthrough] if with_middleware else []
+        [ticking_tool(entered, groups)], journal=journal, middleware=[passthrough] if with_middleware else []
     )
     handle = AbortHandle()
     done: list[Any] = []

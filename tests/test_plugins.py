@@ -370,7 +370,7 @@ async def test_plugin_hook_and_tool_run_in_the_pipeline_after_session_hooks() ->
         [entry.tool for entry in resolved.tools],
         middleware=resolved.tool_middleware,
         stages=ToolStages(pre_tool=[pre_tool_stage(HookRunner(resolved.hooks))]),
-        lifecycle=journal,
+        journal=journal,
     )
     record = await call_tool(pipeline, "review", {"q": "orig"}, call_id="c1")
     assert log == [

@@ -168,7 +168,7 @@ async def test_cancelled_waiter_leaves_the_queue_and_slot_goes_to_next() -> None
         assert record_b.status is SettlementStatus.CANCELLED
         assert record_b.result.error is not None and record_b.result.error.type is ToolErrorType.INTERRUPTED
         assert not record_b.tool_ran
-        assert pipeline.lifecycle.kinds("b") == ["scheduled", "settled"]  # type: ignore[attr-defined]
+        assert pipeline.journal.kinds("b") == ["scheduled", "settled"]  # type: ignore[attr-defined]
         assert stats(pipeline, "execute") == (1, 1, 1)
         gate.open("a")
         await wait_all_tasks_blocked()
@@ -208,8 +208,8 @@ async def test_cancel_from_outside_releases_slot() -> None:
             assert stats(pipeline, "execute") == (1, 1, 1)
             scope.cancel()
     assert stats(pipeline, "execute") == (0, 0, 1)
-    assert pipeline.lifecycle.kinds("a")[-1] == "settled"  # type: ignore[attr-defined]
-    assert pipeline.lifecycle.kinds("b")[-1] == "settled"  # type: ignore[attr-defined]
+    assert pipeline.journal.kinds("a")[-1] == "settled"  # type: ignore[attr-defined]
+    assert pipeline.journal.kinds("b")[-1] == "settled"  # type: ignore[attr-defined]
 
 
 async def test_scheduler_direct_fifo_and_cancel() -> None:
@@ -309,7 +309,7 @@ async def test_writers_on_the_same_path_are_serialized() -> None:
         await calls.submit(pipeline, "write", "w2", paths=["f.txt"])
         assert gate.started == ["w1"]
         assert pipeline.file_locks.held() == {f"{WORKSPACE}/f.txt": (0, True, 1)}
-        assert pipeline.lifecycle.kinds("w2") == ["scheduled"]  # type: ignore[attr-defined]
+        assert pipeline.journal.kinds("w2") == ["scheduled"]  # type: ignore[attr-defined]
         gate.open("w1")
         await wait_all_tasks_blocked()
         assert gate.started == ["w1", "w2"]
@@ -440,7 +440,7 @@ async def test_lock_wait_is_bounded(autojump_clock: Any) -> None:
         assert record.result.error.code == "lock_timeout"
         assert not record.tool_ran
         assert gate.started == ["w1"]
-        assert pipeline.lifecycle.kinds("w2") == ["scheduled", "settled"]  # type: ignore[attr-defined]
+        assert pipeline.journal.kinds("w2") == ["scheduled", "settled"]  # type: ignore[attr-defined]
         assert pipeline.file_locks.held() == {f"{WORKSPACE}/f.txt": (0, True, 0)}
         assert stats(pipeline, "write") == (1, 0, 10)
         gate.open("w1")

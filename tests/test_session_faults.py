@@ -228,7 +228,7 @@ async def test_an_unknown_outcome_is_still_reported_after_a_crash_during_recover
 
     async def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not holder:
-            holder.append(self.lifecycle)
+            holder.append(self.journal)
         return await original_execute(self, *args, **kwargs)
 
     ToolPipeline.execute = execute  # type: ignore[method-assign]

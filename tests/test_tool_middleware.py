@@ -186,7 +186,7 @@ async def test_transformed_input_reaches_tool_journal_history_in_durable_order()
         return attrs.evolve(result, output=f"[{result.output}]")
 
     journal = LoggingJournal(log)
-    pipeline = ToolPipeline([echo_tool(runs)], middleware=[trim], lifecycle=journal)
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[trim], journal=journal)
     record = await call_tool(pipeline, "echo", {"q": "  hi  "}, call_id="c1")
 
     model_input = {"q": "  hi  "}
@@ -425,7 +425,7 @@ async def test_result_redaction_while_unwinding() -> None:
 
     journal = InMemoryToolJournal()
     tool = define_tool(run, name="secret", description="s", side_effect="pure", input_schema={"type": "object"})
-    record = await call_tool(ToolPipeline([tool], middleware=[redact], lifecycle=journal), "secret", {}, call_id="r1")
+    record = await call_tool(ToolPipeline([tool], middleware=[redact], journal=journal), "secret", {}, call_id="r1")
     assert record.result == ToolResult.success("user=alice password=***")
     assert entry(journal, "r1", "settled")["result"] == record.result
     assert "hunter2" not in repr(journal.entries)
@@ -478,7 +478,7 @@ async def test_successful_short_circuit_records_synthetic_start_and_skips_stages
     pipeline = ToolPipeline(
         [tool],
         middleware=[make_dry, short_circuit_ok("from cache")],
-        lifecycle=journal,
+        journal=journal,
         stages=spied_stages(spy),
     )
     record = await call_tool(pipeline, "guarded", {"q": "x"}, call_id="sc1")
@@ -511,7 +511,7 @@ async def test_error_short_circuit_settles_from_scheduled() -> None:
         return ToolResult.failure(ToolErrorType.EXECUTION, "quota exceeded", code="quota")
 
     journal = InMemoryToolJournal()
-    pipeline = ToolPipeline([echo_tool(runs)], middleware=[refuse], lifecycle=journal, stages=spied_stages(spy))
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[refuse], journal=journal, stages=spied_stages(spy))
     record = await call_tool(pipeline, "echo", {"q": "x"}, call_id="e1")
     assert journal.kinds("e1") == ["scheduled", "settled"]
     assert entry(journal, "e1", "settled")["status"] == "failed"
@@ -587,7 +587,7 @@ async def test_pre_run_rules_at_every_layer_before_nested_short_circuit(
     layers += [short_circuit_ok("cached", entered, f"L{i}") for i in range(position + 1, 3)]
     journal = InMemoryToolJournal()
     pipeline = ToolPipeline(
-        [behaving_tool(runs), echo_tool(other_runs, name="other")], middleware=layers, lifecycle=journal
+        [behaving_tool(runs), echo_tool(other_runs, name="other")], middleware=layers, journal=journal
     )
     record = await call_tool(pipeline, "guarded", {"q": "x", "mode": "normal"}, call_id="v1")
 
@@ -655,7 +655,7 @@ async def test_in_place_input_mutation_started_records_side_effect_of_final_inpu
         return await call_next()
 
     journal = InMemoryToolJournal()
-    pipeline = ToolPipeline([tool], middleware=[mutate], lifecycle=journal)
+    pipeline = ToolPipeline([tool], middleware=[mutate], journal=journal)
     await call_tool(pipeline, "guarded", {"q": "x", "dry": True}, call_id="m2")
     (final_input,) = runs.inputs
     started = entry(journal, "m2", "started")
@@ -672,7 +672,7 @@ async def test_in_place_input_mutation_does_not_rewrite_the_scheduled_entry() ->
         return await call_next()
 
     journal = InMemoryToolJournal()
-    pipeline = ToolPipeline([echo_tool(runs)], middleware=[mutate], lifecycle=journal)
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[mutate], journal=journal)
     record = await call_tool(pipeline, "echo", {"q": "model"}, call_id="m3")
     assert runs.inputs == [{"q": "changed"}]
     assert entry(journal, "m3", "scheduled")["input"] == {"q": "model"}
@@ -834,7 +834,7 @@ async def test_middleware_raising_after_core_keeps_core_result() -> None:
 
     journal = InMemoryToolJournal()
     record = await call_tool(
-        ToolPipeline([counting_tool(counter)], middleware=[explode], lifecycle=journal), "count", {}, call_id="a1"
+        ToolPipeline([counting_tool(counter)], middleware=[explode], journal=journal), "count", {}, call_id="a1"
     )
     assert record.result == ToolResult.success("core-1")
     assert codes(record) == [FaultCode.MIDDLEWARE_RAISED_AFTER_CORE]
@@ -850,7 +850,7 @@ async def test_middleware_raising_before_core_is_an_error_result() -> None:
 
     journal = InMemoryToolJournal()
     record = await call_tool(
-        ToolPipeline([counting_tool(counter)], middleware=[explode], lifecycle=journal), "count", {}, call_id="b1"
+        ToolPipeline([counting_tool(counter)], middleware=[explode], journal=journal), "count", {}, call_id="b1"
     )
     assert counter == []
     assert record.result.error is not None
@@ -892,7 +892,7 @@ async def test_lease_revoked_before_execute_raises_and_middleware_is_never_enter
         return await call_next()
 
     lease = LeaseStub()
-    pipeline = ToolPipeline([counting_tool(counter)], middleware=[spy], lifecycle=lease)
+    pipeline = ToolPipeline([counting_tool(counter)], middleware=[spy], journal=lease)
     lease.revoke()
     with pytest.raises(LeaseLostError):
         await call_tool(pipeline, "count", {}, call_id="l1")
@@ -918,7 +918,7 @@ async def test_lease_revoked_while_tool_runs_is_never_a_result(layers: int) -> N
             return ToolResult.success("covered up")
 
     tool = define_tool(run, name="t", description="t", side_effect="pure", input_schema={"type": "object"})
-    pipeline = ToolPipeline([tool], middleware=[catch_all][:layers], lifecycle=lease)
+    pipeline = ToolPipeline([tool], middleware=[catch_all][:layers], journal=lease)
     with pytest.raises(LeaseLostError):
         await call_tool(pipeline, "t", {}, call_id="l2")
     assert ran == [1]
@@ -935,7 +935,7 @@ async def test_lease_revoked_during_unwind_is_raised_before_settlement() -> None
         lease.revoke()
         return result
 
-    pipeline = ToolPipeline([counting_tool(counter)], middleware=[revoke_after], lifecycle=lease)
+    pipeline = ToolPipeline([counting_tool(counter)], middleware=[revoke_after], journal=lease)
     with pytest.raises(LeaseLostError):
         await call_tool(pipeline, "count", {}, call_id="l3")
     assert counter == [1]
@@ -950,7 +950,7 @@ async def test_lease_revoked_before_a_short_circuit_is_raised() -> None:
         lease.revoke()
         return ToolResult.success("cached")
 
-    pipeline = ToolPipeline([counting_tool([])], middleware=[revoke_and_answer], lifecycle=lease)
+    pipeline = ToolPipeline([counting_tool([])], middleware=[revoke_and_answer], journal=lease)
     with pytest.raises(LeaseLostError):
         await call_tool(pipeline, "count", {}, call_id="l4")
     assert lease.kinds("l4") == ["scheduled"]
@@ -969,7 +969,7 @@ async def test_scheduled_write_failure_raises_before_middleware() -> None:
         return await call_next()
 
     journal = FailingJournal("scheduled")
-    pipeline = ToolPipeline([counting_tool(counter)], middleware=[spy], lifecycle=journal)
+    pipeline = ToolPipeline([counting_tool(counter)], middleware=[spy], journal=journal)
     with pytest.raises(JournalError):
         await call_tool(pipeline, "count", {})
     assert entered == [] and counter == []
@@ -988,7 +988,7 @@ async def test_started_write_failure_propagates_and_tool_does_not_run(layers: in
             return ToolResult.success("covered up")
 
     journal = FailingJournal("started")
-    pipeline = ToolPipeline([counting_tool(counter)], middleware=[catch_all][:layers], lifecycle=journal)
+    pipeline = ToolPipeline([counting_tool(counter)], middleware=[catch_all][:layers], journal=journal)
     with pytest.raises(JournalError) as info:
         await call_tool(pipeline, "count", {}, call_id="j2")
     assert not isinstance(info.value, SettlementError)
@@ -1024,7 +1024,7 @@ async def test_started_write_failure_cannot_be_swallowed_into_a_short_circuit() 
             return ToolResult.success("pretend it ran")
 
     journal = FailFirstStart()
-    pipeline = ToolPipeline([counting_tool(counter)], middleware=[swallow], lifecycle=journal)
+    pipeline = ToolPipeline([counting_tool(counter)], middleware=[swallow], journal=journal)
     with pytest.raises(JournalError):
         await call_tool(pipeline, "count", {}, call_id="j5")
     assert journal.failures == 1
@@ -1036,7 +1036,7 @@ async def test_started_write_failure_cannot_be_swallowed_into_a_short_circuit() 
 
 async def test_synthetic_start_write_failure_propagates() -> None:
     journal = FailingJournal("started")
-    pipeline = ToolPipeline([counting_tool([])], middleware=[short_circuit_ok("cached")], lifecycle=journal)
+    pipeline = ToolPipeline([counting_tool([])], middleware=[short_circuit_ok("cached")], journal=journal)
     with pytest.raises(JournalError):
         await call_tool(pipeline, "count", {}, call_id="j3")
     assert journal.kinds("j3") == ["scheduled", "settled"]  # closed as cancelled, unpublished
@@ -1050,7 +1050,7 @@ async def test_settlement_failure_raises_and_publishes_nothing(layers: int) -> N
     counter: list[int] = []
     journal = FailingJournal("settled")
     recorder = ItemRecorder()
-    pipeline = ToolPipeline([counting_tool(counter)], middleware=[passthrough][:layers], lifecycle=journal)
+    pipeline = ToolPipeline([counting_tool(counter)], middleware=[passthrough][:layers], journal=journal)
     with pytest.raises(SettlementError):
         await call_tool(pipeline, "count", {}, call_id="j4", on_item=recorder)
     assert counter == [1]
@@ -1065,7 +1065,7 @@ async def test_pre_tool_allow_with_input_modifies_input() -> None:
     runs = Runs()
     journal = InMemoryToolJournal()
     stages = ToolStages(pre_tool=[StageSpy().stage("pre", Allow(input={"q": "from-stage"}))])
-    pipeline = ToolPipeline([echo_tool(runs)], stages=stages, lifecycle=journal)
+    pipeline = ToolPipeline([echo_tool(runs)], stages=stages, journal=journal)
     record = await call_tool(pipeline, "echo", {"q": "model"}, call_id="s1")
     assert runs.inputs == [{"q": "from-stage"}]
     assert entry(journal, "s1", "started")["input"] == {"q": "from-stage"}
@@ -1082,7 +1082,7 @@ async def test_permission_deny_cancels_without_running() -> None:
         before=[spy.stage("before")],
         guard=[spy.stage("guard")],
     )
-    pipeline = ToolPipeline([echo_tool(runs)], stages=stages, lifecycle=journal)
+    pipeline = ToolPipeline([echo_tool(runs)], stages=stages, journal=journal)
     record = await call_tool(pipeline, "echo", {"q": "x"}, call_id="s2")
     assert runs.inputs == []
     assert spy.names() == ["permission"]
@@ -1159,7 +1159,7 @@ async def test_input_failing_schema_after_stages_is_a_validation_error() -> None
     spy = StageSpy()
     journal = InMemoryToolJournal()
     stages = ToolStages(pre_tool=[spy.stage("pre", Allow(input={"q": 5}))], guard=[spy.stage("guard")])
-    pipeline = ToolPipeline([echo_tool(runs)], stages=stages, lifecycle=journal)
+    pipeline = ToolPipeline([echo_tool(runs)], stages=stages, journal=journal)
     record = await call_tool(pipeline, "echo", {"q": "fine"}, call_id="s3")
     assert runs.inputs == []
     assert spy.names() == ["pre"]
@@ -1202,7 +1202,7 @@ async def test_post_tool_may_turn_success_into_error() -> None:
 
 async def test_unknown_tool_is_a_validation_error() -> None:
     journal = InMemoryToolJournal()
-    pipeline = ToolPipeline([echo_tool(Runs())], lifecycle=journal)
+    pipeline = ToolPipeline([echo_tool(Runs())], journal=journal)
     record = await call_tool(pipeline, "nope", {"q": "x"}, call_id="u1")
     assert record.result.error is not None
     assert record.result.error.type is ToolErrorType.VALIDATION
@@ -1436,7 +1436,7 @@ def test_random_middleware_stacks_match_the_model(actions: list[str], tool_fails
     )
     journal = InMemoryToolJournal()
     pipeline = ToolPipeline(
-        [tool], middleware=[make_layer(i, a, entered) for i, a in enumerate(actions)], lifecycle=journal
+        [tool], middleware=[make_layer(i, a, entered) for i, a in enumerate(actions)], journal=journal
     )
     record = trio.run(call_tool, pipeline, "t", {"trail": []})
 
@@ -1530,7 +1530,7 @@ async def test_behaviour_error_for_model_input_settles_without_middleware() -> N
 
     journal = InMemoryToolJournal()
     tool = echo_tool(runs, name="fragile", resolve_behavior=resolve)
-    pipeline = ToolPipeline([tool], middleware=[spy], lifecycle=journal)
+    pipeline = ToolPipeline([tool], middleware=[spy], journal=journal)
     record = await call_tool(pipeline, "fragile", {"q": "x"}, call_id="be")
     assert entered == [] and runs.inputs == []
     assert record.result.error is not None and record.result.error.code == "behavior_error"
@@ -1546,7 +1546,7 @@ async def test_tool_mutating_its_input_does_not_change_the_recorded_final_input(
 
     tool = define_tool(run, name="mutator", description="m", side_effect="pure", input_schema={"type": "object"})
     journal = InMemoryToolJournal()
-    pipeline = ToolPipeline([tool], middleware=[passthrough][:layers], lifecycle=journal)
+    pipeline = ToolPipeline([tool], middleware=[passthrough][:layers], journal=journal)
     record = await call_tool(pipeline, "mutator", {"q": "model"}, call_id="tm")
     started = entry(journal, "tm", "started")["input"]
     assert started == {"q": "model"}
@@ -1564,7 +1564,7 @@ async def test_abort_before_execute_never_enters_middleware() -> None:
     abort = AbortHandle()
     abort.abort()
     journal = InMemoryToolJournal()
-    pipeline = ToolPipeline([echo_tool(runs)], middleware=[spy], lifecycle=journal)
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[spy], journal=journal)
     record = await call_tool(pipeline, "echo", {"q": "x"}, call_id="ab", abort=abort)
     assert entered == [] and runs.inputs == []
     assert record.result.error is not None and record.result.error.type is ToolErrorType.INTERRUPTED
@@ -1582,7 +1582,7 @@ async def test_abort_while_middleware_waits_before_the_core() -> None:
 
     abort = AbortHandle()
     journal = InMemoryToolJournal()
-    pipeline = ToolPipeline([echo_tool(runs)], middleware=[slow_lookup], lifecycle=journal)
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[slow_lookup], journal=journal)
     records = []
     async with trio.open_nursery() as nursery:
 
@@ -1611,7 +1611,7 @@ async def test_abort_after_core_completed_keeps_the_committed_result() -> None:
 
     abort = AbortHandle()
     journal = InMemoryToolJournal()
-    pipeline = ToolPipeline([echo_tool(runs)], middleware=[slow_unwind], lifecycle=journal)
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[slow_unwind], journal=journal)
     records = []
     async with trio.open_nursery() as nursery:
 
@@ -1642,7 +1642,7 @@ async def test_outside_cancel_during_unwind_settles_the_committed_result_then_pr
         return attrs.evolve(result, output=f"[{result.output}]")
 
     journal = InMemoryToolJournal()
-    pipeline = ToolPipeline([echo_tool(runs)], middleware=[slow_unwind], lifecycle=journal)
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[slow_unwind], journal=journal)
     returned = []
     async with trio.open_nursery() as nursery:
         scope = trio.CancelScope()
@@ -1672,7 +1672,7 @@ async def test_unwind_deadline_missed_withholds_the_result(autojump_clock: Any) 
         raise AssertionError("unreachable")
 
     journal = InMemoryToolJournal()
-    pipeline = ToolPipeline([echo_tool(runs)], middleware=[stuck], lifecycle=journal, unwind_grace=3)
+    pipeline = ToolPipeline([echo_tool(runs)], middleware=[stuck], journal=journal, unwind_grace=3)
     start = trio.current_time()
     record = await call_tool(pipeline, "echo", {"q": "x"}, call_id="ud")
     assert trio.current_time() - start == pytest.approx(3)
@@ -1744,7 +1744,7 @@ async def test_fencing_token_is_visible_to_middleware_and_tool() -> None:
         return await call_next()
 
     tool = define_tool(run, name="t", description="t", side_effect="pure", input_schema={"type": "object"})
-    await call_tool(ToolPipeline([tool], middleware=[spy], lifecycle=lease), "t", {}, call_id="ft")
+    await call_tool(ToolPipeline([tool], middleware=[spy], journal=lease), "t", {}, call_id="ft")
     assert seen == [("mw", 41, "ft"), ("tool", 42, "ft")]
 
 

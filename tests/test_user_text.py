@@ -46,7 +46,7 @@ def slow_tool(*, timeout: float | None = None) -> Any:
 
 
 async def test_a_tool_call_stopped_by_the_user_reads_as_a_sentence() -> None:
-    pipeline = ToolPipeline([slow_tool()], lifecycle=InMemoryToolJournal())
+    pipeline = ToolPipeline([slow_tool()], journal=InMemoryToolJournal())
     abort = AbortHandle()
     async with trio.open_nursery() as nursery:
         records: list[Any] = []
@@ -66,7 +66,7 @@ async def test_a_tool_call_stopped_by_the_user_reads_as_a_sentence() -> None:
 
 
 async def test_a_tool_call_that_timed_out_reads_as_a_sentence(autojump_clock: trio.testing.MockClock) -> None:
-    pipeline = ToolPipeline([slow_tool(timeout=2)], lifecycle=InMemoryToolJournal())
+    pipeline = ToolPipeline([slow_tool(timeout=2)], journal=InMemoryToolJournal())
     record = await call_tool(pipeline, "slow", {})
     error = record.result.error
     assert error is not None and error.type is ToolErrorType.TIMEOUT

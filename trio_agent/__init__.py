@@ -211,7 +211,6 @@ _MOVED: dict[str, str] = {
             "ToolError",
             "ToolExecutionRecord",
             "ToolItem",
-            "ToolLifecycle",
             "ToolMiddlewareRequest",
             "ToolPipeline",
             "ToolScheduler",
@@ -309,7 +308,7 @@ _MOVED: dict[str, str] = {
     **dict.fromkeys(["RoutedSubagentPersistence", "SubagentRunInfo", "SubagentRunResult"], "trio_agent.lifecycle"),
     # Made private (LOOP.md §10): still reachable, no longer documented.
     "HookDecision": "trio_agent._session._hooks",
-    "JournalEntry": "trio_agent._tools._lifecycle",
+    "JournalEntry": "trio_agent._tools._journal",
 }
 
 

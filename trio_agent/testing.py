@@ -3,7 +3,7 @@
 - `ItemRecorder`: an ``on_item`` callback that keeps every streamed item.
 - `call_tool`: run one call through a pipeline with generated ids.
 - `FailingJournal`: an in-memory journal whose writes can be made to fail.
-- `LeaseStub`: a lifecycle wrapper whose ownership can be revoked.
+- `LeaseStub`: an in-memory tool journal whose ownership can be revoked.
 - `TestModel`, `Reply`, `open_test_model`: the deterministic model (also the demo's
   offline default): scripted replies keyed per conversation, or a function of the request.
 - `start_turn`: write the request and turn events a durable journal needs before
@@ -28,7 +28,7 @@ from ._journal._store import AppendBatch, AppendResult, AppendTicket, JournalSto
 from ._models._test_model import Reply, TestModel, conversation_key, open_test_model
 from ._tools._context import CallOrigin, ToolCall
 from ._tools._definition import SideEffect
-from ._tools._lifecycle import InMemoryToolJournal, ScheduledCall, Settlement
+from ._tools._journal import InMemoryToolJournal, ScheduledCall, Settlement
 from ._tools._pipeline import ToolExecutionRecord, ToolPipeline
 from ._tools._results import JsonObject, ToolItem
 from ._util import fixup_module_metadata as _fixup_module_metadata

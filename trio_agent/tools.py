@@ -2,7 +2,7 @@
 
 An application defines tools with `trio_agent.define_tool` and returns `trio_agent.ToolResult`;
 this module holds what runs them: the `ToolPipeline` (middleware, stages, abort and
-settlement), the `ToolScheduler`, the tool journal (`ToolLifecycle`, `InMemoryToolJournal`)
+settlement), the `ToolScheduler`, the tool journal (`ToolJournal`, `InMemoryToolJournal`)
 and the types a tool middleware or stage sees::
 
     from trio_agent.tools import Allow, Deny, StageRequest, ToolMiddlewareRequest
@@ -14,7 +14,7 @@ from ._abort import Abort, AbortHandle
 from ._errors import FileLockTimeoutError, SettlementError, ToolBehaviorError
 from ._tools._context import CallOrigin, Emit, ExecutionContext, ToolCall, ToolMiddlewareRequest
 from ._tools._definition import BehaviorOverride, ToolBehavior
-from ._tools._lifecycle import InMemoryToolJournal, ScheduledCall, Settlement, SettlementStatus, ToolLifecycle
+from ._tools._journal import InMemoryToolJournal, ScheduledCall, Settlement, SettlementStatus, ToolJournal
 from ._tools._pipeline import CallNext, FaultCode, MiddlewareFault, ToolExecutionRecord, ToolPipeline
 from ._tools._results import Effect, JsonObject, ToolError, ToolItem
 from ._tools._scheduler import FileLockManager, SchedulerLimits, SchedulerStatistics, ToolScheduler
@@ -54,7 +54,7 @@ __all__ = [
     "ToolError",
     "ToolExecutionRecord",
     "ToolItem",
-    "ToolLifecycle",
+    "ToolJournal",
     "ToolMiddlewareRequest",
     "ToolPipeline",
     "ToolScheduler",

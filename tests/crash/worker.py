@@ -346,7 +346,7 @@ async def run_mode(args: argparse.Namespace) -> None:
                     )  # fmt: skip
                     say("NEGCTRL_RERUN", call_id)
             # A fresh live pipeline: recovered calls run as new attempts with their stored keys.
-            pipeline = ToolPipeline(tools.values(), lifecycle=journal)
+            pipeline = ToolPipeline(tools.values(), journal=journal)
             for scheduled in report.to_execute:
                 origin = CallOrigin(
                     session_id=journal.session_id,

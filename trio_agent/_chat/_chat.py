@@ -74,7 +74,7 @@ from .._models._service import ModelMiddleware, ModelService, Provider
 from .._permissions._engine import PermissionEngine
 from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules
 from .._tools._definition import Tool
-from .._tools._lifecycle import InMemoryToolJournal
+from .._tools._journal import InMemoryToolJournal
 from .._tools._pipeline import ToolMiddleware, ToolPipeline
 from .._tools._results import ToolResult
 
@@ -344,7 +344,7 @@ async def chat(
             validator = jsonschema_rs.Draft202012Validator(dict(output_schema), offline=True)
         except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as exc:
             raise ConfigError(f"output_schema is not valid JSON Schema: {str(exc).splitlines()[0]}") from None
-    pipeline = ToolPipeline(tools, middleware=tool_middleware, lifecycle=journal or InMemoryToolJournal())
+    pipeline = ToolPipeline(tools, middleware=tool_middleware, journal=journal or InMemoryToolJournal())
     strategy = strategy or max_iterations(DEFAULT_MAX_ITERATIONS)
     meta = dict(metadata or {})
     run_id = str(meta.get("run_id") or f"chat-{uuid.uuid4().hex[:12]}")

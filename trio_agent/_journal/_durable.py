@@ -27,7 +27,7 @@ Failure rules:
   that the store refused: the journal is fenced; every write raises
   `JournalFencedError` until `reconcile()` re-read the store.
 
-The journal implements the tool pipeline's `ToolLifecycle`: ``tool_scheduled``
+The journal implements the tool pipeline's `ToolJournal`: ``tool_scheduled``
 is durable before anyone sees the call, ``tool_started`` with the final input
 before the side effect starts, the settlement before the result is published.
 """
@@ -61,7 +61,7 @@ from .._errors import (
 )
 from .._models._messages import Message
 from .._tools._definition import SideEffect, Tool
-from .._tools._lifecycle import ScheduledCall, Settlement, SettlementStatus
+from .._tools._journal import ScheduledCall, Settlement, SettlementStatus
 from .._tools._results import ToolErrorType, ToolResult, json_copy
 from ._conversation import ConversationFold
 from ._events import (
@@ -532,7 +532,7 @@ class DurableJournal:
         return self._stream(call.agent_id)
 
     def call_state(self, call: ScheduledCall) -> str | None:
-        """Where the projection holds *call* (`ToolLifecycle.call_state`).
+        """Where the projection holds *call* (`ToolJournal.call_state`).
 
         A started call that recovery decided to re-run counts as ``"scheduled"``:
         it may start again.

@@ -79,7 +79,7 @@ class TurnRef:
 
 
 class RunRecorder(Protocol):
-    """The loop's journal outlet, as `ToolLifecycle` is the pipeline's. Each method returns once
+    """The loop's journal outlet, as `ToolJournal` is the pipeline's. Each method returns once
     what it records is durable (a host without a journal records nothing)."""
 
     async def model_call_started(self, turn: TurnRef, model: str, *, opens_turn: bool) -> None:

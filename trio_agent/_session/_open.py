@@ -191,7 +191,7 @@ async def open_session(
             pipeline = ToolPipeline(
                 spec.parts.tools.values(),
                 middleware=spec.parts.tool_middleware,
-                lifecycle=durable,
+                journal=durable,
                 scheduler=ToolScheduler(spec.scheduler_limits),
                 stages=session_stages(spec.parts, engine, decided),
                 timeout=spec.tool_timeout,

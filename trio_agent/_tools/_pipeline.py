@@ -60,7 +60,7 @@ from ._context import (
     _SlotHolder,
 )
 from ._definition import InterruptBehavior, SideEffect, Tool, ToolBehavior, ToolKind
-from ._lifecycle import InMemoryToolJournal, ScheduledCall, Settlement, SettlementStatus, ToolLifecycle
+from ._journal import InMemoryToolJournal, ScheduledCall, Settlement, SettlementStatus, ToolJournal
 from ._results import (
     Effect,
     JsonObject,
@@ -425,7 +425,7 @@ class ToolPipeline:
     Args:
         tools: the tools by name (names must be unique).
         middleware: tool middleware, first = outermost.
-        lifecycle: the journal outlet (default: a new `InMemoryToolJournal`).
+        journal: the journal outlet (default: a new `InMemoryToolJournal`).
         scheduler: slot buckets by kind (default: a new `ToolScheduler` of this pipeline).
         stages: hook, permission and guard stages (default: none).
         timeout: per-call tool timeout in seconds (default 600); a tool's own ``timeout`` wins.
@@ -443,7 +443,7 @@ class ToolPipeline:
         tools: Iterable[Tool[Any]],
         *,
         middleware: Sequence[ToolMiddleware] = (),
-        lifecycle: ToolLifecycle | None = None,
+        journal: ToolJournal | None = None,
         scheduler: ToolScheduler | None = None,
         file_locks: FileLockManager | None = None,
         stages: ToolStages | None = None,
@@ -469,9 +469,9 @@ class ToolPipeline:
         for index, layer in enumerate(layers):
             _check_tool_middleware(layer, index)
         self.middleware: tuple[ToolMiddleware, ...] = layers
-        self.lifecycle: ToolLifecycle = lifecycle if lifecycle is not None else InMemoryToolJournal()
+        self.journal: ToolJournal = journal if journal is not None else InMemoryToolJournal()
         # Only a class that declares never_blocks itself is trusted: a subclass may add awaits.
-        self._lifecycle_never_blocks = type(self.lifecycle).__dict__.get("never_blocks", False) is True
+        self._journal_never_blocks = type(self.journal).__dict__.get("never_blocks", False) is True
         self.scheduler = scheduler if scheduler is not None else ToolScheduler()
         self.file_locks = file_locks if file_locks is not None else FileLockManager()
         self.stages = stages if stages is not None else ToolStages()
@@ -542,11 +542,11 @@ class ToolPipeline:
             call.id, call.name, call.input, behavior, key,
             origin.session_id, origin.agent_id, origin.request_id, origin.turn_id,
         )  # fmt: skip
-        lifecycle = self.lifecycle
+        journal = self.journal
         call_abort = AbortHandle()
         ctx = ExecutionContext(
             origin.session_id, origin.agent_id, origin.request_id, origin.turn_id, call.id, key,
-            call_abort, lifecycle.fencing_token, origin.lineage, getattr(lifecycle, "ensure_owner", None),
+            call_abort, journal.fencing_token, origin.lineage, getattr(journal, "ensure_owner", None),
         )  # fmt: skip
         state = _Call(self, tool, scheduled, ctx, on_item, json_copy(call.input))
         if stages is not None:
@@ -554,7 +554,7 @@ class ToolPipeline:
 
         before = self._call_state(scheduled)
         try:
-            await lifecycle.on_tool_scheduled(scheduled)
+            await journal.on_tool_scheduled(scheduled)
         except BaseException as exc:
             # A cancellation can land while the write is being confirmed, after the journal took it:
             # a call the journal now holds open is settled here, or it would stay open for ever.
@@ -565,7 +565,7 @@ class ToolPipeline:
                 if lost is not None:
                     raise lost from exc
             raise
-        lifecycle.check_ownership()
+        journal.check_ownership()
 
         call_abort.add_listener(state.on_abort)
         links: list[tuple[AbortHandle, int]] = []
@@ -1010,16 +1010,14 @@ class ToolPipeline:
     ) -> ToolResult:
         if state.abort.reason is not None:
             raise _Aborted
-        lifecycle = self.lifecycle
+        journal = self.journal
         # The one final input: what the journal records, the record keeps and the tool's value came from.
         state.effective_input = final_input
         try:
-            lifecycle.check_ownership()
+            journal.check_ownership()
             before = self._call_state(state.scheduled)
             try:
-                await lifecycle.on_execution_started(
-                    state.scheduled, final_input, behavior.side_effect, synthetic=False
-                )
+                await journal.on_execution_started(state.scheduled, final_input, behavior.side_effect, synthetic=False)
             except BaseException:
                 # Cancelled while the start was being confirmed, after the journal took it: it is
                 # started, so the call settles as cancelled (never with a second, synthetic start).
@@ -1027,7 +1025,7 @@ class ToolPipeline:
                     state.started = True
                 raise
             state.started = True
-            lifecycle.check_ownership()
+            journal.check_ownership()
         except (LeaseLostError, JournalError) as exc:
             state.fatal = exc
             raise
@@ -1062,7 +1060,7 @@ class ToolPipeline:
         # Known from here on, even if the bounded unwind is cut short inside a post_tool stage.
         state.core_result = result
         try:
-            lifecycle.check_ownership()
+            journal.check_ownership()
         except LeaseLostError as exc:
             state.fatal = exc
             raise
@@ -1132,10 +1130,10 @@ class ToolPipeline:
     # -- settlement and publication ----------------------------------------------
 
     def _knows_call_state(self) -> bool:
-        return callable(getattr(self.lifecycle, "call_state", None))
+        return callable(getattr(self.journal, "call_state", None))
 
     def _call_state(self, scheduled: ScheduledCall) -> str | None:
-        probe = getattr(self.lifecycle, "call_state", None)
+        probe = getattr(self.journal, "call_state", None)
         if not callable(probe):
             return None
         state = probe(scheduled)
@@ -1161,7 +1159,7 @@ class ToolPipeline:
         if isinstance(typed_error(exc), LeaseLostError) or isinstance(state.fatal, LeaseLostError):
             return None
         try:
-            self.lifecycle.check_ownership()
+            self.journal.check_ownership()
         except LeaseLostError as lost:
             return lost
         core = state.core_result
@@ -1194,11 +1192,11 @@ class ToolPipeline:
             side_effect = state.tool.resolve_behavior(effective_input).side_effect
         except ToolBehaviorError:
             side_effect = state.tool.side_effect
-        lifecycle = self.lifecycle
-        lifecycle.check_ownership()
+        journal = self.journal
+        journal.check_ownership()
         call_id = state.scheduled.call_id
         with bounded_shield(self.settle_grace, f"the synthetic start of tool call {call_id!r}") as scope:
-            await lifecycle.on_execution_started(state.scheduled, dict(effective_input), side_effect, synthetic=True)
+            await journal.on_execution_started(state.scheduled, dict(effective_input), side_effect, synthetic=True)
         if scope.cancelled_caught:
             raise SettlementError(
                 f"recording the start of short-circuited call {state.scheduled.call_id!r} did not finish within "
@@ -1212,7 +1210,7 @@ class ToolPipeline:
     ) -> None:
         state.settle_attempted = True
         settlement = Settlement(status, result, state.effective_input, published, reason)
-        if self._lifecycle_never_blocks:
+        if self._journal_never_blocks:
             # It cannot be interrupted (it never checkpoints), so a shield would change nothing.
             await self._write_settlement(state, settlement)
             return
@@ -1227,7 +1225,7 @@ class ToolPipeline:
 
     async def _write_settlement(self, state: _Call, settlement: Settlement) -> None:
         try:
-            await self.lifecycle.on_tool_settled(state.scheduled, settlement)
+            await self.journal.on_tool_settled(state.scheduled, settlement)
         except LeaseLostError:
             raise
         except Exception as exc:
@@ -1245,7 +1243,7 @@ class ToolPipeline:
     async def _finish(
         self, state: _Call, call: ToolCall, result: ToolResult, scheduled_at: float, *, published: bool = True
     ) -> ToolExecutionRecord:
-        self.lifecycle.check_ownership()
+        self.journal.check_ownership()
         status, reason = _status_for(result)
         if status is SettlementStatus.COMPLETED and not state.started:
             # A success without a recorded start can only come from a short-circuit.

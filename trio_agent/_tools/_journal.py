@@ -1,6 +1,6 @@
 """The journal outlet of the tool pipeline.
 
-The pipeline reports each call to a `ToolLifecycle`:
+The pipeline reports each call to a `ToolJournal`:
 
     on_tool_scheduled  -> (ownership check) -> on_execution_started -> (ownership check) -> on_tool_settled
 
@@ -28,7 +28,7 @@ __all__ = [
     "ScheduledCall",
     "Settlement",
     "SettlementStatus",
-    "ToolLifecycle",
+    "ToolJournal",
 ]
 
 
@@ -73,11 +73,11 @@ class Settlement:
     reason: str | None = None
 
 
-class ToolLifecycle(Protocol):
+class ToolJournal(Protocol):
     """What the pipeline needs from a journal.
 
     Settlement writes run in a shielded scope bounded by the pipeline's
-    ``settle_grace``, unless the lifecycle's class itself declares
+    ``settle_grace``, unless the journal's class itself declares
     ``never_blocks = True`` to promise that its methods never checkpoint (then
     nothing could interrupt them anyway). Subclasses do not inherit the promise.
     """
@@ -105,7 +105,7 @@ class ToolLifecycle(Protocol):
 
         The pipeline asks after a write raised (a cancellation can land while a
         write is being confirmed): a call the journal holds open is then settled,
-        so none stays open for ever. A lifecycle without this method is treated as
+        so none stays open for ever. A journal without this method is treated as
         holding a call whose write was interrupted by a cancellation.
         """
 
@@ -120,7 +120,7 @@ class JournalEntry:
 
 
 class InMemoryToolJournal:
-    """A non-durable `ToolLifecycle` that checks the call lifecycle and keeps events in a list.
+    """A non-durable `ToolJournal` that checks the call lifecycle and keeps events in a list.
 
     It rejects invalid transitions (started twice, settled twice, completed
     without a start) with `JournalError`, so a pipeline bug cannot hide.
