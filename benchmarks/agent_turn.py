@@ -33,7 +33,8 @@ verdict uses CPU time per request (process time), which other load on a shared m
 the wall-clock ratios are reported beside it.
 
 Prints a table and, as the last line, one JSON object. ``--short`` runs a quick version (20 and 100
-sessions instead of 100 and 1,000: opening 1,000 sessions alone takes seconds).
+sessions instead of 100 and 1,000: opening 1,000 sessions alone takes seconds). ``--progress`` (the default
+when stderr is a terminal) writes a line per round to stderr; see ``_progress.py``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from typing import Any
 
 import attrs
 import trio
+from _progress import add_progress_option, note, start_progress
 
 import trio_agent as ta
 from trio_agent.testing import Reply, TestModel
@@ -390,15 +392,18 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         await time_sequential(CONFIGS[name], 20)
     checkpoints: list[float] = []
     for round_index in range(args.rounds):
+        note(f"round {round_index + 1}/{args.rounds}: sequential, {args.requests} requests")
         for name in _rotate(names, round_index):
             seq[name].append(await time_sequential(CONFIGS[name], args.requests))
         for sessions, per_session in zip(args.sessions, args.per_session, strict=True):
+            note(f"round {round_index + 1}/{args.rounds}: {sessions} concurrent sessions")
             for name in _rotate(names, round_index):
                 conc[(name, sessions)].append(await time_concurrent(CONFIGS[name], sessions, per_session))
         checkpoints.append(await time_checkpoint(5000))
     long: dict[str, Sample] = {}
     if args.long_after:
         for name in ("agent", "floor"):
+            note(f"long session ({name}): {args.requests} requests after {args.long_after}")
             long[name] = await time_long_session(CONFIGS[name], args.long_after, args.requests)
     return {"seq": seq, "conc": conc, "long": long, "checkpoint_us": statistics.median(checkpoints), **checks}
 
@@ -493,7 +498,8 @@ def measure_pydantic_ai(args: argparse.Namespace) -> dict[str, Any]:
         await sequential(10)  # warm-up
         seq: list[Sample] = []
         conc: dict[int, list[Sample]] = {s: [] for s in args.sessions}
-        for _ in range(args.peer_rounds):
+        for peer_round in range(args.peer_rounds):
+            note(f"peer pydantic-ai: round {peer_round + 1}/{args.peer_rounds}")
             seq.append(await sequential(args.peer_requests))
             for sessions, per_session in zip(args.sessions, args.peer_per_session, strict=True):
                 conc[sessions].append(await concurrent(sessions, per_session))
@@ -543,7 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=None, help="sequential requests per round")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-peers", action="store_true", help="skip the asyncio peers even when installed")
+    add_progress_option(parser)
     args = parser.parse_args(argv)
+    start_progress("agent_turn", args)
     short = args.short
     args.requests = args.requests or (30 if short else 200)
     args.rounds = args.rounds or (1 if short else 5)

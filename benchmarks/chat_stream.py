@@ -17,6 +17,7 @@ middleware minus direct); the per-middleware slope (``(t10 - t0) / 10`` per chun
 least-squares slope over 0, 1, 3, 10 as a check). Target: at most 1 µs per chunk per middleware.
 
 Prints a table and, as the last line, one JSON object. ``--short`` runs a quick version.
+``--progress`` (the default when stderr is a terminal) writes a line per round to stderr; see ``_progress.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from typing import Any
 
 import trio
+from _progress import add_progress_option, note, start_progress
 
 import trio_agent as ta
 from trio_agent._chat._chat import chat
@@ -100,6 +102,7 @@ async def measure(rounds: int, runs_per_round: int) -> dict[str, list[float]]:
     for name in config_names():  # warm-up: first-call paths, caches
         await time_once(name, model, stacks)
     for round_index in range(rounds):
+        note(f"round {round_index + 1}/{rounds}: {len(config_names())} configurations x {runs_per_round} runs")
         # Interleaved, the order rotated each round, so drift on a shared machine hits every config alike.
         names = config_names()
         shift = round_index % len(names)
@@ -118,7 +121,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", action="store_true", help="a quick run (fewer rounds)")
     parser.add_argument("--rounds", type=int, default=None)
+    add_progress_option(parser)
     args = parser.parse_args()
+    start_progress("chat_stream", args)
     rounds = args.rounds or (3 if args.short else 9)
     runs_per_round = 2 if args.short else 5
 

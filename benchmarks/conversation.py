@@ -14,6 +14,8 @@ Two measurements, in one process:
     docs/sessions.md).
 
 Prints a table and, as its last line, one JSON object. ``--short`` runs a quick version.
+``--progress`` (the default when stderr is a terminal) writes a progress line to stderr every 10 % of each
+measurement; see ``_progress.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 from typing import Any
 
 import trio
+from _progress import add_progress_option, note, start_progress
 
 import trio_agent as ta
 from trio_agent.testing import Reply, TestModel
@@ -45,11 +48,19 @@ def respond(request: ta.ModelRequest) -> Reply:
     return Reply(tool_calls=[("add", {"a": 1, "b": 2})])
 
 
+def _tick(what: str, index: int, total: int) -> None:
+    """A progress line at every tenth of ``total`` (outside the timed part of each step)."""
+    step = max(1, total // 10)
+    if index % step == 0:
+        note(f"{what}: {index}/{total}")
+
+
 async def long_session(requests: int, window: int) -> dict[str, float]:
     model = TestModel(respond=respond)
     times: list[float] = []
     async with ta.open_session(provider=model, tools=[add]) as session:
         for index in range(requests):
+            _tick("long session", index, requests)
             start = time.process_time()
             await session.send(f"request {index}")
             times.append(time.process_time() - start)
@@ -66,6 +77,7 @@ async def long_floor(requests: int, window: int) -> dict[str, float]:
     history: list[ta.Message] = []
     times: list[float] = []
     for index in range(requests):
+        _tick("plain Trio loop", index, requests)
         start = time.process_time()
         history.append(ta.UserMessage(f"request {index}"))
         while True:
@@ -87,6 +99,7 @@ async def reopen_cycles(cycles: int, window: int, directory: str) -> dict[str, f
     model = TestModel(default=Reply(text="ok"))
     opens: list[float] = []
     for index in range(cycles):
+        _tick("close / reopen", index, cycles)
         start = time.perf_counter()
         async with ta.open_session(provider=model, journal=path, session_id="cycles") as session:
             opens.append(time.perf_counter() - start)
@@ -101,7 +114,9 @@ async def reopen_cycles(cycles: int, window: int, directory: str) -> dict[str, f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--short", action="store_true", help="quick run for smoke tests")
+    add_progress_option(parser)
     args = parser.parse_args(argv)
+    start_progress("conversation", args)
     requests, cycles = (200, 40) if args.short else (2000, 1000)
     window = max(10, requests // 20)
     cycle_window = max(5, cycles // 20)

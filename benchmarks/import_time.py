@@ -12,6 +12,8 @@ define_tool``, is what a typical program runs. The last line is one JSON object.
 
     python benchmarks/import_time.py           # 10 runs each
     python benchmarks/import_time.py --short   # 3 runs each (the smoke test)
+
+``--progress`` (the default when stderr is a terminal) writes a line per run to stderr; see ``_progress.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import json
 import statistics
 import subprocess
 import sys
+
+from _progress import add_progress_option, note, start_progress
 
 TARGET_RATIO = 2.0
 
@@ -48,13 +52,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", action="store_true", help="3 runs each instead of 10")
     parser.add_argument("--runs", type=int, default=None, help="runs per statement")
+    add_progress_option(parser)
     args = parser.parse_args()
+    start_progress("import_time", args)
     runs = args.runs or (3 if args.short else 10)
 
     for statement in STATEMENTS.values():  # warm the OS file cache and the .pyc files
         cold_import_seconds(statement)
     samples: dict[str, list[float]] = {key: [] for key in STATEMENTS}
-    for _ in range(runs):
+    for run in range(runs):
+        note(f"run {run + 1}/{runs}")
         for key, statement in STATEMENTS.items():
             samples[key].append(cold_import_seconds(statement))
     medians = {key: statistics.median(values) for key, values in samples.items()}

@@ -16,6 +16,7 @@ Runs, in one process and interleaved round by round:
 
 Reported: CPU µs per whole interaction (median over rounds) and each as a ratio to the floor and
 to ``chat``. Prints a table and, as the last line, one JSON object. ``--short`` runs a quick version.
+``--progress`` (the default when stderr is a terminal) writes a line per round to stderr; see ``_progress.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from typing import Any
 
 import trio
+from _progress import add_progress_option, note, start_progress
 
 from trio_agent import SideEffect, ToolKind, chat, define_tool, open_session
 from trio_agent.lifecycle import Approve, PausedRun
@@ -117,7 +119,8 @@ async def _measure(rounds: int, repeat: int, model: TestModel, allowed: Any, ask
     samples: dict[str, list[float]] = {name: [] for name in configs}
     for fn in configs.values():  # warm up
         assert await fn() == "done"
-    for _ in range(rounds):
+    for round_index in range(rounds):
+        note(f"round {round_index + 1}/{rounds}: {len(configs)} configurations x {repeat}")
         for name, fn in configs.items():
             gc.collect()
             start = time.process_time()
@@ -131,7 +134,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", action="store_true", help="a quick run (fewer rounds)")
     parser.add_argument("--rounds", type=int, default=None)
+    add_progress_option(parser)
     args = parser.parse_args()
+    start_progress("interrupts", args)
     rounds = args.rounds or (3 if args.short else 15)
     repeat = 20 if args.short else 200
     figures = trio.run(measure, rounds, repeat)

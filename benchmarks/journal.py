@@ -19,6 +19,8 @@ Runs, in one process and interleaved round by round:
      tool function directly; and each journal configuration from one session alone (latency).
 
 Prints a table and, as the last line, one JSON object. ``--short`` runs a quick version.
+``--progress`` (the default when stderr is a terminal) writes a line per writer count and section to
+stderr; see ``_progress.py``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any
 
 import attrs
 import trio
+from _progress import add_progress_option, note, start_progress
 
 import trio_agent as ta
 from trio_agent.journal import AppendBatch, EventEnvelope, ToolStarted, open_journal, open_sqlite_store
@@ -485,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-postgres", action="store_true", help="skip the PostgreSQL columns")
     parser.add_argument("--sessions", type=int, default=None, help="concurrent sessions for the tool calls")
     parser.add_argument("--calls", type=int, default=None, help="sequential tool calls per session")
+    add_progress_option(parser)
     args = parser.parse_args(argv)
+    start_progress("journal", args)
     writer_counts = WRITERS_SHORT if args.short else WRITERS_FULL
     events = EVENTS_SHORT if args.short else EVENTS_FULL
     rounds = args.rounds or (1 if args.short else 3)
@@ -514,8 +519,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with postgres(not args.no_postgres) as (dsn, pg_status):
+            note(f"PostgreSQL: {pg_status}")
             for round_ in range(rounds):
                 for n in writer_counts:
+                    note(f"round {round_ + 1}/{rounds}: appends, {n} writers")
                     per_writer = events[n] // n
                     run = trio.run(sqlite_appends, fresh(f"durable-w{n}"), n, per_writer)
                     sqlite_runs[n].append(run)
@@ -531,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                             pg_runs[n].append(run)
                         except Exception as exc:  # a broken store must not hide the SQLite figures
                             pg_failed = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                note(f"round {round_ + 1}/{rounds}: tool calls, {sessions} sessions x {calls} calls")
                 tool_runs["direct"].append(trio.run(direct_tool_calls, sessions, calls))
                 for name in TOOL_CONFIGS:
                     tool_runs[name].append(trio.run(durable_tool_calls, fresh(f"tools-{name}"), name, sessions, calls))

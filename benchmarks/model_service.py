@@ -15,6 +15,7 @@ the table and figures to the JSON line. ``measure_sse_parsing`` is one: chunks/s
 parsing a 1,000-chunk SSE stream over real HTTP from a local server, beside the same bytes read raw.
 
 Prints a table and, as the last line, one JSON object. ``--short`` runs a quick version.
+``--progress`` (the default when stderr is a terminal) writes a line per round to stderr; see ``_progress.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import attrs
 import httpx
 import trio
+from _progress import add_progress_option, note, start_progress
 
 import trio_agent as ta
 from trio_agent.testing import Reply, TestModel
@@ -170,6 +172,7 @@ async def measure(calls: int, streams: int, rounds: int) -> tuple[dict[str, floa
     _, chunks_per_stream = await stream_runs["stream_layers_3"]()
 
     for round_index in range(rounds):
+        note(f"round {round_index + 1}/{rounds}: chat, {calls} calls per configuration")
         gc.collect()
         chat_time = dict.fromkeys(chat_runs, 0.0)
         done = 0
@@ -183,6 +186,7 @@ async def measure(calls: int, streams: int, rounds: int) -> tuple[dict[str, floa
         for name, elapsed in chat_time.items():
             samples[name].append(elapsed / calls * 1e6)
 
+        note(f"round {round_index + 1}/{rounds}: stream, {streams} streams per configuration")
         gc.collect()
         stream_time = dict.fromkeys(stream_runs, 0.0)
         stream_chunks = dict.fromkeys(stream_runs, 0)
@@ -320,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=None, help="chat calls per configuration and round")
     parser.add_argument("--streams", type=int, default=None, help="1,000-chunk streams per configuration and round")
     parser.add_argument("--rounds", type=int, default=None)
+    add_progress_option(parser)
     args = parser.parse_args(argv)
+    start_progress("model_service", args)
     calls = args.calls or (1000 if args.short else 20_000)
     streams = args.streams or (10 if args.short else 40)
     rounds = args.rounds or (3 if args.short else 7)
@@ -370,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
 
     extra_figures: dict[str, Any] = {}
     for section_fn in EXTRA_SECTIONS:
+        note(f"section {section_fn.__name__}")
         section = section_fn(args.short)
         print()
         print(section.title)

@@ -8,6 +8,7 @@ Runs, in one process and interleaved round by round:
   - raw Trio primitives (a CancelScope, a checkpoint) as a yardstick for this machine.
 
 Prints a table and, as the last line, one JSON object. ``--short`` runs a quick version.
+``--progress`` (the default when stderr is a terminal) writes a line per round to stderr; see ``_progress.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import attrs
 import trio
+from _progress import add_progress_option, note, start_progress
 
 import trio_agent as ta
 
@@ -108,7 +110,8 @@ async def measure(calls: int, rounds: int) -> dict[str, Any]:
     for layers in LAYER_COUNTS:
         samples[f"layers_{layers}"] = []
     await time_pipeline(3, min(calls, 2000))  # warm-up
-    for _ in range(rounds):
+    for round_index in range(rounds):
+        note(f"round {round_index + 1}/{rounds}: {calls} calls per configuration")
         gc.collect()
         samples["direct"].append(await time_direct(calls))
         for layers in LAYER_COUNTS:
@@ -124,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", action="store_true", help="quick run for smoke tests")
     parser.add_argument("--calls", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
+    add_progress_option(parser)
     args = parser.parse_args(argv)
+    start_progress("tool_pipeline", args)
     calls = args.calls or (500 if args.short else 20_000)
     rounds = args.rounds or (2 if args.short else 7)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -213,3 +214,133 @@ def test_show_reports_a_row_that_fails_its_checksum(journal_path: Path, tmp_path
     assert done.returncode == 1
     assert f"sess-a/root#{seq} is corrupt: checksum mismatch" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _truncated(data: bytes, size: int) -> bytes:
+    return data[:size]
+
+
+def _flipped(data: bytes, position: int) -> bytes:
+    damaged = bytearray(data)
+    damaged[position] ^= 0xFF
+    return bytes(damaged)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: _truncated(data, 4096),  # the first page only: the schema points at missing pages
+        lambda data: _truncated(data, len(data) // 2),
+        lambda data: _flipped(data, 28),  # the header's page count
+    ],
+    ids=["first-page-only", "half", "header-page-count"],
+)
+def test_show_leaves_no_wal_or_shm_behind_on_a_damaged_journal(journal_path: Path, tmp_path: Path, damage: Any) -> None:
+    """A damaged WAL-mode journal is refused, and the directory is left as it was: the check that
+    refuses it used to open a ``mode=ro`` connection, which creates ``-wal``/``-shm`` and cannot remove them."""
+    path = tmp_path / "journal.db"
+    data = damage(journal_path.read_bytes())
+    path.write_bytes(data)
+    assert data[18:20] == b"\x02\x02"  # the header still says WAL: SQLite will want the side files
+    done = show(path)
+    assert done.returncode == 1
+    assert "is not a readable trio_agent journal" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert listing(tmp_path) == ["journal.db"]
+    assert path.read_bytes() == data
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+async def test_show_beside_a_live_writer_leaves_its_wal_alone(journal_path: Path, tmp_path: Path) -> None:
+    """The damage fix must not tidy away what a running writer uses: SQLite removes side files
+    only when the last connection closes."""
+    path = tmp_path / "journal.db"
+    shutil.copyfile(journal_path, path)
+    async with open_sqlite_store(path) as store:
+        side_files = listing(tmp_path)
+        assert side_files == ["journal.db", "journal.db-shm", "journal.db-wal"]
+        done = await trio.run_process(
+            [sys.executable, "-m", "trio_agent", "journal", "show", str(path)],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert listing(tmp_path) == side_files
+        async with open_journal(store, session_id="sess-c") as journal:
+            await start_turn(journal)
+            during = await trio.run_process(
+                [sys.executable, "-m", "trio_agent", "journal", "show", str(path), "--session", "sess-c"],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+        assert {info.session_id for info in await store.streams(None)} >= {"sess-a", "sess-b", "sess-c"}
+    assert listing(tmp_path) == ["journal.db"]
+    # The lease of a running session is shown as held; a closed session's as no longer held.
+    header = during.stdout.decode().splitlines()[0]
+    assert re.fullmatch(r"session sess-c: 1 agent stream\(s\), lease token 1 \(.+, held until [\d:.]+\)", header)
+    assert re.search(r"session sess-a: .*lease token \d+ \(.+, not held\)", done.stdout.decode())
+
+
+async def test_show_orders_streams_root_first_then_by_name_with_numbers_as_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    async with open_sqlite_store(path) as store:
+        for agent in ("summarizer-10", "summarizer-2", "root", "reviewer-7", "summarizer-1"):
+            async with open_journal(store, session_id="multi", root_agent_id=agent) as journal:
+                await start_turn(journal)
+    done = await trio.run_process(
+        [sys.executable, "-m", "trio_agent", "journal", "show", str(path)],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    streams = re.findall(r"^  stream multi/(\S+) ", done.stdout.decode(), re.MULTILINE)
+    assert streams == ["root", "reviewer-7", "summarizer-1", "summarizer-2", "summarizer-10"]
+    missing = await trio.run_process(
+        [sys.executable, "-m", "trio_agent", "journal", "show", str(path), "--agent", "summarizer-3"],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    assert missing.returncode == 1
+    assert missing.stderr.decode().strip() == (
+        "error: the journal has no agent 'summarizer-3'; its agents: "
+        "root, reviewer-7, summarizer-1, summarizer-2, summarizer-10"
+    )
+
+
+def test_show_of_a_directory_names_the_sqlite_files_in_it(journal_path: Path, tmp_path: Path) -> None:
+    shutil.copyfile(journal_path, tmp_path / "kept.db")
+    (tmp_path / "notes.txt").write_text("not a database")
+    (tmp_path / "sub").mkdir()
+    done = show(tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        f"error: {tmp_path} is a directory, not a journal file; the SQLite files in it: {tmp_path / 'kept.db'}"
+    )
+    empty = show(tmp_path / "sub")
+    assert empty.returncode == 1
+    assert (
+        empty.stderr.strip()
+        == f"error: {tmp_path / 'sub'} is a directory, not a journal file (it holds no SQLite file)"
+    )
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes")
+def test_show_into_a_pipe_closed_early_stops_quietly(journal_path: Path) -> None:
+    """``journal show big.db | head`` ends without a traceback (exit 141, like a tool SIGPIPE stopped)."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "trio_agent", "journal", "show", str(journal_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as process:
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.close()  # the reader is gone before the timeline is written
+        stderr = process.stderr.read().decode()
+        assert process.wait(timeout=60) == 141, stderr
+    assert stderr == ""

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import io
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from trio_agent._demo import run_demo
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
+BENCHMARKS = sorted(path for path in (ROOT / "benchmarks").glob("*.py") if not path.name.startswith("_"))
 
 
 def test_demo_runs_offline_and_summarises_the_journal() -> None:
@@ -39,11 +43,31 @@ def test_demo_command_line() -> None:
     assert "journal summary" in done.stdout
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes")
+def test_demo_into_a_pipe_closed_early_stops_quietly() -> None:
+    """``python -m trio_agent demo | head -1``: no ``error: BrokenPipeError`` line, exit 141 (SIGPIPE's)."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "trio_agent", "demo", "--calls", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as process:
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.readline()  # the header: the demo is running
+        process.stdout.close()
+        stderr = process.stderr.read().decode()
+        assert process.wait(timeout=120) == 141, stderr
+    assert stderr == ""
+
+
 @pytest.mark.parametrize("script", BENCHMARKS, ids=[path.stem for path in BENCHMARKS])
 def test_benchmark_short_mode_prints_json_last(script: Path) -> None:
-    done = subprocess.run([sys.executable, str(script), "--short"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script), "--short", "--progress"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
+    # Progress goes to stderr, a line per round or section; stdout keeps the table and the JSON line.
+    progress = re.compile(rf"^\[{script.stem} +\d+\.\d s\] \S")
+    assert any(progress.match(line) for line in done.stderr.splitlines()), done.stderr
     lines = done.stdout.strip().splitlines()
+    assert not any(line.startswith(f"[{script.stem} ") for line in lines)
     assert len(lines) > 2, "a readable table comes before the JSON line"
     figures = json.loads(lines[-1])
     assert figures["benchmark"] == script.stem
@@ -52,3 +76,39 @@ def test_benchmark_short_mode_prints_json_last(script: Path) -> None:
     assert numbers and all(math.isfinite(value) for value in numbers)
     direct = [value for key, value in figures.items() if "direct" in key and isinstance(value, float)]
     assert direct and all(value > 0 for value in direct)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _load_progress() -> Any:
+    spec = importlib.util.spec_from_file_location("_bench_progress", ROOT / "benchmarks" / "_progress.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("argv", "terminal", "shown"),
+    [
+        ([], False, False),  # piped or captured: quiet unless asked
+        ([], True, True),  # a terminal: shown
+        (["--progress"], False, True),
+        (["--no-progress"], True, False),
+    ],
+)
+def test_benchmark_progress_is_on_for_a_terminal_or_when_asked(argv: list[str], terminal: bool, shown: bool) -> None:
+    progress = _load_progress()
+    parser = argparse.ArgumentParser()
+    progress.add_progress_option(parser)
+    stream = _Terminal() if terminal else io.StringIO()
+    progress.start_progress("bench", parser.parse_args(argv), stream)
+    progress.note("round 1/3")
+    written = stream.getvalue()
+    if shown:
+        assert re.fullmatch(r"\[bench +\d+\.\d s\] round 1/3\n", written), written
+    else:
+        assert written == ""

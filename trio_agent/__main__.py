@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import metadata
 
@@ -27,6 +28,18 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader went away (``... | head``): stop quietly, as other tools do
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush does not fail again
+        except (OSError, ValueError):  # pragma: no cover - stdout is not a file descriptor
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the closed pipe stopped
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trio_agent", description="trio_agent command line")
     parser.add_argument("--version", action="version", version=f"trio_agent {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -652,8 +652,12 @@ def run_demo(
         if isinstance(exc, KeyboardInterrupt):
             print("interrupted", file=sys.stderr)
             return 130
+        if isinstance(exc, BrokenPipeError):
+            raise exc from None  # the reader of our output went away: the command line stops quietly
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise
     except ConfigError as exc:  # e.g. ProviderConfigError: no API key
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Sequence
 
@@ -47,7 +48,7 @@ from ._events import (
     TurnStarted,
     event_type_name,
 )
-from ._store import JournalStore
+from ._store import JournalStore, Lease
 
 __all__ = ["CallSummary", "render_timeline", "summarize_calls"]
 
@@ -177,26 +178,43 @@ def _preview(text: str, width: int) -> str:
 
 
 def _clock(stamp: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(stamp)) + f".{int((stamp % 1) * 1000):03d}"
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(stamp)) + f".{int((stamp % 1) * 1000):03d}"
+    except (OverflowError, ValueError, OSError):  # no wall-clock time (a lease held "for ever", 1e300)
+        return "--:--:--.---"
 
 
-def _stream_order(stream_id: str) -> tuple[int, str]:
-    """The root stream first, then the subagents' by id (``reviewer-7`` after ``root``)."""
-    return (0 if stream_id.endswith("/root") else 1, stream_id)
+def _stream_order(stream_id: str) -> tuple[bool, tuple[str | int, ...]]:
+    """The root stream first, then the subagents' by id, numbers as numbers (``root``,
+    ``reviewer-7``, ``summarizer-2``, ``summarizer-10``)."""
+    agent = stream_id.rsplit("/", 1)[-1]
+    # re.split with a group alternates text and digits, so equal positions compare like with like.
+    parts = re.split(r"(\d+)", agent)
+    return (agent != "root", tuple(int(part) if index % 2 else part for index, part in enumerate(parts)))
 
 
-async def render_timeline(
-    store: JournalStore, *, session_id: str | None = None, agent_id: str | None = None
-) -> str:
+def _lease_state(lease: Lease | None) -> str:
+    if lease is None:
+        return ""
+    if lease.expires_at < time.time():  # released (a closed session) or lapsed (a crashed one)
+        return f", lease token {lease.token} ({lease.owner}, not held)"
+    until = _clock(lease.expires_at)
+    until = "" if until.startswith("-") else f" until {until}"
+    return f", lease token {lease.token} ({lease.owner}, held{until})"
+
+
+async def render_timeline(store: JournalStore, *, session_id: str | None = None, agent_id: str | None = None) -> str:
     """The readable timeline of every session (or one, or one agent of it) in ``store``."""
-    streams = await store.streams(session_id)
+    streams = every = await store.streams(session_id)
     if session_id is not None and not streams:
         raise JournalError(f"the journal has no session {session_id!r}")
     if agent_id is not None:
         streams = [info for info in streams if info.stream_id.rsplit("/", 1)[-1] == agent_id]
         if not streams:
             where = f" in session {session_id!r}" if session_id else ""
-            raise JournalError(f"the journal has no agent {agent_id!r}{where}")
+            known = sorted({info.stream_id.rsplit("/", 1)[-1] for info in every}, key=_stream_order)
+            listed = ", ".join(known[:8]) + (f" and {len(known) - 8} more" if len(known) > 8 else "")
+            raise JournalError(f"the journal has no agent {agent_id!r}{where}; its agents: {listed or 'none'}")
     lines: list[str] = []
     sessions: dict[str, list[str]] = {}
     for info in streams:
@@ -204,8 +222,7 @@ async def render_timeline(
     for stream_ids in sessions.values():
         stream_ids.sort(key=_stream_order)
     for session, stream_ids in sessions.items():
-        lease = await store.current_lease(session)
-        holder = "" if lease is None else f", lease token {lease.token} ({lease.owner})"
+        holder = _lease_state(await store.current_lease(session))
         lines.append(f"session {session}: {len(stream_ids)} agent stream(s){holder}")
         for stream_id in stream_ids:
             envelopes = await store.read(stream_id)
@@ -252,8 +269,9 @@ def show_journal(path: str, session_id: str | None = None, agent_id: str | None 
         print(f"error: no journal at {path}", file=sys.stderr)
         return 1
     if os.path.isdir(path):
-        print(f"error: {path} is a directory; give the journal's file (e.g. {os.path.join(path, 'journal.db')})",
-              file=sys.stderr)  # fmt: skip
+        found = _databases_in(path)
+        hint = f"; the SQLite files in it: {', '.join(found)}" if found else " (it holds no SQLite file)"
+        print(f"error: {path} is a directory, not a journal file{hint}", file=sys.stderr)
         return 1
 
     async def run() -> str:
@@ -261,8 +279,28 @@ def show_journal(path: str, session_id: str | None = None, agent_id: str | None 
             return await render_timeline(store, session_id=session_id, agent_id=agent_id)
 
     try:
-        print(trio.run(run))
+        timeline = trio.run(run)
     except JournalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    print(timeline)
     return 0
+
+
+def _databases_in(directory: str, limit: int = 5) -> list[str]:
+    """Paths of the SQLite files directly in ``directory`` (by their header), at most ``limit``."""
+    found: list[str] = []
+    for name in sorted(os.listdir(directory)):
+        candidate = os.path.join(directory, name)
+        if not os.path.isfile(candidate):  # never open a FIFO or a device: reading it could block
+            continue
+        try:
+            with open(candidate, "rb") as file:
+                header = file.read(16)
+        except OSError:  # unreadable
+            continue
+        if header == b"SQLite format 3\x00":
+            found.append(candidate)
+            if len(found) == limit:
+                break
+    return found

@@ -264,8 +264,12 @@ class SQLiteStore(LaneStore):
     def _check_readable(self) -> None:
         if not os.path.exists(self.path):
             raise JournalError(f"no journal at {self.path}")
+        # The readers' own kind of connection (read-write, query_only), not ``mode=ro``: a ``mode=ro``
+        # connection creates the ``-wal``/``-shm`` files of a WAL journal but can never remove them,
+        # so a file found damaged here (no reader ever opens it) kept both behind.  The last
+        # read-write connection to close removes them, as SQLite does for every reader.
         try:
-            with contextlib.closing(sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)) as conn:
+            with contextlib.closing(_connect(self.path, readonly=True)) as conn:
                 row = conn.execute("SELECT value FROM journal_meta WHERE key='format'").fetchone()
         except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
             raise _corrupt(self.path, exc) from exc
