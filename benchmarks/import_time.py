@@ -7,8 +7,10 @@ machine load hits both alike:
 * ``import trio_agent``
 * ``import trio, attrs, cattrs`` (the direct dependencies every program loads anyway)
 
-The target is a ratio of at most 2.0. A third line, ``from trio_agent import open_session,
-define_tool``, is what a typical program runs. The last line is one JSON object.
+The target is a ratio of at most 2.0. ``import trio_agent`` loads only the package (every
+top-level name loads on first use); a third line, ``from trio_agent import open_session,
+define_tool``, is what a typical program runs, and its ratio is reported against the same
+target. The last line is one JSON object.
 
     python benchmarks/import_time.py           # 10 runs each
     python benchmarks/import_time.py --short   # 3 runs each (the smoke test)
@@ -72,7 +74,13 @@ def main() -> int:
     for key, statement in STATEMENTS.items():
         values = samples[key]
         print(f"{statement:<52} {medians[key] * 1e3:>10.1f} {min(values) * 1e3:>8.1f} {max(values) * 1e3:>8.1f}")
-    print(f"ratio trio_agent / direct dependencies: {ratio:.2f} (target <= {TARGET_RATIO})")
+    typical = medians["typical"] / medians["direct"]
+    print(f"ratio trio_agent / direct dependencies: {ratio:.2f} (target <= {TARGET_RATIO}; names load on first use)")
+    state = "met" if typical <= TARGET_RATIO else "open target"
+    print(
+        f"ratio typical program / direct dependencies: {typical:.2f} ({state}: the session stack it loads defines "
+        f"about 280 attrs classes, and attrs compiles each one's methods at import)"
+    )
 
     figures = {
         "benchmark": "import_time",
@@ -82,6 +90,8 @@ def main() -> int:
         "typical_program_s": round(medians["typical"], 4),
         "ratio_vs_direct": round(ratio, 2),
         "within_target": ratio <= TARGET_RATIO,
+        "typical_ratio_vs_direct": round(typical, 2),
+        "typical_within_target": typical <= TARGET_RATIO,
     }
     print(json.dumps(figures))
     return 0

@@ -11,7 +11,9 @@ Policy, checked here:
   objects may share a name only in `KNOWN_HOMONYMS` (renaming a class is out of scope).
 * No public signature mentions a private type: the type hints of every exported function,
   class (attributes), public method and property name only public types.
-* ``import trio_agent`` loads no HTTP client and no database driver.
+* ``import trio_agent`` loads only the package: every name loads on first use; a typical
+  program's names (``open_session``, ``define_tool``, ``chat``) load no HTTP client and no
+  database driver.
 """
 
 from __future__ import annotations
@@ -245,8 +247,14 @@ def _modules_loaded_by(statement: str) -> set[str]:
     return set(done.stdout.split())
 
 
-def test_import_loads_no_http_client() -> None:
+def test_import_loads_names_on_first_use() -> None:
     loaded = _modules_loaded_by("import trio_agent")
+    assert "trio_agent._session._open" not in loaded and "trio_agent._journal._events" not in loaded
+    assert "trio_agent._session._open" in _modules_loaded_by("import trio_agent; trio_agent.open_session")
+
+
+def test_import_loads_no_http_client() -> None:
+    loaded = _modules_loaded_by("from trio_agent import open_session, define_tool, chat")
     assert "trio_agent._session._open" in loaded  # the check itself is live
     assert "httpx" not in loaded
     assert not any(
@@ -259,7 +267,7 @@ def test_import_loads_no_http_client() -> None:
 
 
 def test_import_loads_no_database_driver() -> None:
-    loaded = _modules_loaded_by("import trio_agent")
+    loaded = _modules_loaded_by("from trio_agent import open_session, define_tool, chat")
     assert "sqlite3" not in loaded
     assert "psycopg" not in loaded
 

@@ -13,8 +13,9 @@ in public submodules, imported on first use:
 * `trio_agent.lifecycle`: chat middleware, the loop's lifecycle hooks, run events.
 * `trio_agent.testing`: the test model and helpers for testing code built on trio_agent.
 
-``import trio_agent`` loads no HTTP client and no database driver: providers and stores
-load when first used.
+``import trio_agent`` loads only the package: each name loads its part when first used
+(``trio_agent.open_session`` the session stack; a provider its HTTP client, a store its
+database driver), so a program pays only for what it touches.
 """
 
 from __future__ import annotations
@@ -24,79 +25,78 @@ __version__ = "0.1.0"
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._abort import AbortReason as AbortReason
-from ._chat._chat import chat as chat
-from ._errors import AuthenticationError as AuthenticationError
-from ._errors import ConfigError as ConfigError
-from ._errors import HookError as HookError
-from ._errors import JournalError as JournalError
-from ._errors import LeaseLostError as LeaseLostError
-from ._errors import MiddlewareError as MiddlewareError
-from ._errors import ModelError as ModelError
-from ._errors import ModelTimeoutError as ModelTimeoutError
-from ._errors import ProviderError as ProviderError
-from ._errors import RateLimitError as RateLimitError
-from ._errors import RequestAbortedError as RequestAbortedError
-from ._errors import SessionBusyError as SessionBusyError
-from ._errors import SessionClosedError as SessionClosedError
-from ._errors import SessionError as SessionError
-from ._errors import SessionPausedError as SessionPausedError
-from ._errors import ToolDefinitionError as ToolDefinitionError
-from ._errors import ToolInputError as ToolInputError
-from ._errors import TrioAgentError as TrioAgentError
-from ._errors import UnknownSubagentError as UnknownSubagentError
-from ._loop._rules import StopReason as StopReason
-from ._models._service import ModelMiddleware as ModelMiddleware
-from ._models._service import Provider as Provider
-from ._permissions._engine import PermissionRequest as PermissionRequest
-from ._permissions._rules import PermissionAllow as PermissionAllow
-from ._permissions._rules import PermissionAsk as PermissionAsk
-from ._permissions._rules import PermissionDeny as PermissionDeny
-from ._permissions._rules import PermissionMode as PermissionMode
-from ._permissions._rules import PermissionRules as PermissionRules
-from ._permissions._rules import PermissionUpdate as PermissionUpdate
-from ._session._hooks import HookEvent as HookEvent
-from ._session._hooks import HookInput as HookInput
-from ._session._hooks import HookOutput as HookOutput
-from ._session._messages import DoneEvent as DoneEvent
-from ._session._messages import PausedReply as PausedReply
-from ._session._messages import PermissionDeniedEvent as PermissionDeniedEvent
-from ._session._messages import SessionEvent as SessionEvent
-from ._session._messages import SubagentEvent as SubagentEvent
-from ._session._messages import SubagentStatus as SubagentStatus
-from ._session._messages import TextDeltaEvent as TextDeltaEvent
-from ._session._messages import ToolProgressEvent as ToolProgressEvent
-from ._session._messages import ToolResultEvent as ToolResultEvent
-from ._session._messages import ToolUseEvent as ToolUseEvent
-from ._session._messages import UsageEvent as UsageEvent
-from ._session._open import open_session as open_session
-from ._session._plugins import MiddlewareConfig as MiddlewareConfig
-from ._session._plugins import Plugin as Plugin
-from ._session._plugins import define_plugin as define_plugin
-from ._session._requests import Priority as Priority
-from ._session._session import Session as Session
-from ._session._spec import AgentSpec as AgentSpec
-from ._session._spec import define_agent as define_agent
-from ._session._stream import SessionEventStream as SessionEventStream
-from ._session._subagents import SubagentDefinition as SubagentDefinition
-from ._session._subagents import SubagentHandle as SubagentHandle
-from ._tools._context import ToolContext as ToolContext
-from ._tools._definition import InterruptBehavior as InterruptBehavior
-from ._tools._definition import SideEffect as SideEffect
-from ._tools._definition import Tool as Tool
-from ._tools._definition import ToolKind as ToolKind
-from ._tools._definition import define_tool as define_tool
-from ._tools._pipeline import ToolMiddleware as ToolMiddleware
-from ._tools._results import Progress as Progress
-from ._tools._results import ToolErrorType as ToolErrorType
-from ._tools._results import ToolFailure as ToolFailure
-from ._tools._results import ToolMessage as ToolMessage
-from ._tools._results import ToolResult as ToolResult
-from ._util import fixup_module_metadata as _fixup_module_metadata
 from ._util import import_lazy as _import_lazy
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the names below load on first use (``__getattr__``); type checkers see them here
+    from ._abort import AbortReason as AbortReason
+    from ._chat._chat import chat as chat
+    from ._errors import AuthenticationError as AuthenticationError
+    from ._errors import ConfigError as ConfigError
+    from ._errors import HookError as HookError
+    from ._errors import JournalError as JournalError
+    from ._errors import LeaseLostError as LeaseLostError
+    from ._errors import MiddlewareError as MiddlewareError
+    from ._errors import ModelError as ModelError
+    from ._errors import ModelTimeoutError as ModelTimeoutError
+    from ._errors import ProviderError as ProviderError
+    from ._errors import RateLimitError as RateLimitError
+    from ._errors import RequestAbortedError as RequestAbortedError
+    from ._errors import SessionBusyError as SessionBusyError
+    from ._errors import SessionClosedError as SessionClosedError
+    from ._errors import SessionError as SessionError
+    from ._errors import SessionPausedError as SessionPausedError
+    from ._errors import ToolDefinitionError as ToolDefinitionError
+    from ._errors import ToolInputError as ToolInputError
+    from ._errors import TrioAgentError as TrioAgentError
+    from ._errors import UnknownSubagentError as UnknownSubagentError
+    from ._loop._rules import StopReason as StopReason
     from ._models._providers import create_provider as create_provider
+    from ._models._service import ModelMiddleware as ModelMiddleware
+    from ._models._service import Provider as Provider
+    from ._permissions._engine import PermissionRequest as PermissionRequest
+    from ._permissions._rules import PermissionAllow as PermissionAllow
+    from ._permissions._rules import PermissionAsk as PermissionAsk
+    from ._permissions._rules import PermissionDeny as PermissionDeny
+    from ._permissions._rules import PermissionMode as PermissionMode
+    from ._permissions._rules import PermissionRules as PermissionRules
+    from ._permissions._rules import PermissionUpdate as PermissionUpdate
+    from ._session._hooks import HookEvent as HookEvent
+    from ._session._hooks import HookInput as HookInput
+    from ._session._hooks import HookOutput as HookOutput
+    from ._session._messages import DoneEvent as DoneEvent
+    from ._session._messages import PausedReply as PausedReply
+    from ._session._messages import PermissionDeniedEvent as PermissionDeniedEvent
+    from ._session._messages import SessionEvent as SessionEvent
+    from ._session._messages import SubagentEvent as SubagentEvent
+    from ._session._messages import SubagentStatus as SubagentStatus
+    from ._session._messages import TextDeltaEvent as TextDeltaEvent
+    from ._session._messages import ToolProgressEvent as ToolProgressEvent
+    from ._session._messages import ToolResultEvent as ToolResultEvent
+    from ._session._messages import ToolUseEvent as ToolUseEvent
+    from ._session._messages import UsageEvent as UsageEvent
+    from ._session._open import open_session as open_session
+    from ._session._plugins import MiddlewareConfig as MiddlewareConfig
+    from ._session._plugins import Plugin as Plugin
+    from ._session._plugins import define_plugin as define_plugin
+    from ._session._requests import Priority as Priority
+    from ._session._session import Session as Session
+    from ._session._spec import AgentSpec as AgentSpec
+    from ._session._spec import define_agent as define_agent
+    from ._session._stream import SessionEventStream as SessionEventStream
+    from ._session._subagents import SubagentDefinition as SubagentDefinition
+    from ._session._subagents import SubagentHandle as SubagentHandle
+    from ._tools._context import ToolContext as ToolContext
+    from ._tools._definition import InterruptBehavior as InterruptBehavior
+    from ._tools._definition import SideEffect as SideEffect
+    from ._tools._definition import Tool as Tool
+    from ._tools._definition import ToolKind as ToolKind
+    from ._tools._definition import define_tool as define_tool
+    from ._tools._pipeline import ToolMiddleware as ToolMiddleware
+    from ._tools._results import Progress as Progress
+    from ._tools._results import ToolErrorType as ToolErrorType
+    from ._tools._results import ToolFailure as ToolFailure
+    from ._tools._results import ToolMessage as ToolMessage
+    from ._tools._results import ToolResult as ToolResult
 
 __all__ = [
     "AbortReason",
@@ -170,8 +170,79 @@ __all__ = [
     "open_session",
 ]
 
-# Top-level names loaded on first use: the providers import an HTTP client.
-_LAZY: dict[str, str] = {"create_provider": "trio_agent._models._providers"}
+# Every top-level name loads on first use, so ``import trio_agent`` stays cheap and a program
+# pays only for what it touches (the providers import an HTTP client, the stores a database).
+_LAZY: dict[str, str] = {
+    "AbortReason": "trio_agent._abort",
+    "chat": "trio_agent._chat._chat",
+    "AuthenticationError": "trio_agent._errors",
+    "ConfigError": "trio_agent._errors",
+    "HookError": "trio_agent._errors",
+    "JournalError": "trio_agent._errors",
+    "LeaseLostError": "trio_agent._errors",
+    "MiddlewareError": "trio_agent._errors",
+    "ModelError": "trio_agent._errors",
+    "ModelTimeoutError": "trio_agent._errors",
+    "ProviderError": "trio_agent._errors",
+    "RateLimitError": "trio_agent._errors",
+    "RequestAbortedError": "trio_agent._errors",
+    "SessionBusyError": "trio_agent._errors",
+    "SessionClosedError": "trio_agent._errors",
+    "SessionError": "trio_agent._errors",
+    "SessionPausedError": "trio_agent._errors",
+    "ToolDefinitionError": "trio_agent._errors",
+    "ToolInputError": "trio_agent._errors",
+    "TrioAgentError": "trio_agent._errors",
+    "UnknownSubagentError": "trio_agent._errors",
+    "StopReason": "trio_agent._loop._rules",
+    "ModelMiddleware": "trio_agent._models._service",
+    "Provider": "trio_agent._models._service",
+    "PermissionRequest": "trio_agent._permissions._engine",
+    "PermissionAllow": "trio_agent._permissions._rules",
+    "PermissionAsk": "trio_agent._permissions._rules",
+    "PermissionDeny": "trio_agent._permissions._rules",
+    "PermissionMode": "trio_agent._permissions._rules",
+    "PermissionRules": "trio_agent._permissions._rules",
+    "PermissionUpdate": "trio_agent._permissions._rules",
+    "HookEvent": "trio_agent._session._hooks",
+    "HookInput": "trio_agent._session._hooks",
+    "HookOutput": "trio_agent._session._hooks",
+    "DoneEvent": "trio_agent._session._messages",
+    "PausedReply": "trio_agent._session._messages",
+    "PermissionDeniedEvent": "trio_agent._session._messages",
+    "SessionEvent": "trio_agent._session._messages",
+    "SubagentEvent": "trio_agent._session._messages",
+    "SubagentStatus": "trio_agent._session._messages",
+    "TextDeltaEvent": "trio_agent._session._messages",
+    "ToolProgressEvent": "trio_agent._session._messages",
+    "ToolResultEvent": "trio_agent._session._messages",
+    "ToolUseEvent": "trio_agent._session._messages",
+    "UsageEvent": "trio_agent._session._messages",
+    "open_session": "trio_agent._session._open",
+    "MiddlewareConfig": "trio_agent._session._plugins",
+    "Plugin": "trio_agent._session._plugins",
+    "define_plugin": "trio_agent._session._plugins",
+    "Priority": "trio_agent._session._requests",
+    "Session": "trio_agent._session._session",
+    "AgentSpec": "trio_agent._session._spec",
+    "define_agent": "trio_agent._session._spec",
+    "SessionEventStream": "trio_agent._session._stream",
+    "SubagentDefinition": "trio_agent._session._subagents",
+    "SubagentHandle": "trio_agent._session._subagents",
+    "ToolContext": "trio_agent._tools._context",
+    "InterruptBehavior": "trio_agent._tools._definition",
+    "SideEffect": "trio_agent._tools._definition",
+    "Tool": "trio_agent._tools._definition",
+    "ToolKind": "trio_agent._tools._definition",
+    "define_tool": "trio_agent._tools._definition",
+    "ToolMiddleware": "trio_agent._tools._pipeline",
+    "Progress": "trio_agent._tools._results",
+    "ToolErrorType": "trio_agent._tools._results",
+    "ToolFailure": "trio_agent._tools._results",
+    "ToolMessage": "trio_agent._tools._results",
+    "ToolResult": "trio_agent._tools._results",
+    "create_provider": "trio_agent._models._providers",
+}
 
 _SUBMODULES = frozenset({"journal", "lifecycle", "middleware", "models", "permissions", "plugins", "testing", "tools"})
 
@@ -324,6 +395,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY, *_SUBMODULES})
-
-
-_fixup_module_metadata(__name__, globals())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -55,7 +56,7 @@ def fixup_module_metadata(module_name: str, namespace: Mapping[str, object]) -> 
     """
     seen_ids: set[int] = set()
 
-    def fix_one(obj: object) -> None:
+    def fix_one(obj: object, home: str) -> None:
         if id(obj) in seen_ids or not isinstance(obj, (type, types.FunctionType)):
             return
         seen_ids.add(id(obj))
@@ -65,17 +66,21 @@ def fixup_module_metadata(module_name: str, namespace: Mapping[str, object]) -> 
         if isinstance(obj, type):
             _resolve_annotations(obj)
         _ORIGINAL_MODULES.setdefault(id(obj), mod)
-        obj.__module__ = module_name
+        obj.__module__ = home
         if isinstance(obj, type):
             for attr_value in list(vars(obj).values()):
                 if getattr(attr_value, "__module__", None) == mod:
-                    fix_one(attr_value)
+                    fix_one(attr_value, home)
 
+    # The top level's names live at the top level, whichever public module loads them first
+    # (the top level loads its names lazily, so a submodule may well be first).
+    top = sys.modules.get("trio_agent")
+    top_names = frozenset(getattr(top, "__all__", ())) if module_name != "trio_agent" else frozenset()
     exported = namespace.get("__all__")
     names = exported if isinstance(exported, (list, tuple)) else list(namespace)
     for objname in names:
         if not objname.startswith("_") and objname in namespace:  # ignore private attributes
-            fix_one(namespace[objname])
+            fix_one(namespace[objname], "trio_agent" if objname in top_names else module_name)
 
 
 def import_lazy(module_name: str, lazy: Mapping[str, str], name: str, namespace: dict[str, Any]) -> Any:

@@ -56,6 +56,7 @@ import cattrs
 from cattrs.errors import IterableValidationError, IterableValidationNote
 from cattrs.strategies import configure_tagged_union
 
+from .._convert import LazyConverter
 from .._errors import JournalError
 from .._models._assemble import ModelReply
 from .._models._history import answer_orphan_calls
@@ -470,19 +471,16 @@ def _tuple_hook(kind: Any, converter: cattrs.Converter) -> Callable[[object, obj
     return hook
 
 
-def _make_converter() -> cattrs.Converter:
-    converter = cattrs.Converter(forbid_extra_keys=True)
+def _configure(converter: cattrs.Converter) -> None:
     for kind in (str, int, bool):
         converter.register_structure_hook(kind, _strict(kind))
     converter.register_structure_hook_factory(_is_tuple, lambda kind: _tuple_hook(kind, converter))
-    return converter
 
 
-_converter = _make_converter()
+_converter = LazyConverter(_configure, forbid_extra_keys=True)
 
 
-def _make_fold_converter() -> cattrs.Converter:
-    converter = cattrs.Converter(forbid_extra_keys=True)
+def _configure_fold(converter: cattrs.Converter) -> None:
     for kind in (str, int, bool):
         converter.register_structure_hook(kind, _strict(kind))
     # Messages carry the message converter's tags (the class name); a place for an answer gets its own.
@@ -498,7 +496,6 @@ def _make_fold_converter() -> cattrs.Converter:
     converter.register_structure_hook(SubagentOutcome, structure_outcome)
     converter.register_unstructure_hook(SubagentOutcome, lambda event: event_converter.unstructure(event, Event))
     converter.register_structure_hook(dict[str, Any] | None, lambda v, _: _json_object_or_none(v))
-    return converter
 
 
 def _json_object_or_none(value: object) -> dict[str, Any] | None:
@@ -507,7 +504,7 @@ def _json_object_or_none(value: object) -> dict[str, Any] | None:
     return value
 
 
-_fold_converter = _make_fold_converter()
+_fold_converter = LazyConverter(_configure_fold, forbid_extra_keys=True)
 
 
 async def read_conversation(store: JournalStore, session_id: str, *, agent_id: str = "root") -> list[Message]:

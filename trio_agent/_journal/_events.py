@@ -23,6 +23,7 @@ import attrs
 import cattrs
 from cattrs.strategies import configure_tagged_union
 
+from .._convert import LazyConverter
 from .._tools._definition import InterruptBehavior, SideEffect, ToolKind
 from .._tools._results import json_copy
 from ._errors import JournalCorruptError
@@ -585,14 +586,16 @@ def _json_hook(value: object, _: object) -> Any:
     return value
 
 
-event_converter = cattrs.Converter(forbid_extra_keys=True)
-"""The strict converter of journal events (tagged union on ``"type"``)."""
+def _configure_events(converter: cattrs.Converter) -> None:
+    for kind in (str, int, float, bool):
+        converter.register_structure_hook(kind, _strict(kind))
+    converter.register_structure_hook_func(lambda t: t == JsonObject, _json_hook)
+    converter.register_unstructure_hook_func(lambda t: t == JsonObject, lambda value: value)
+    configure_tagged_union(Event, converter, tag_generator=event_type_name, tag_name="type")
 
-for _kind in (str, int, float, bool):
-    event_converter.register_structure_hook(_kind, _strict(_kind))
-event_converter.register_structure_hook_func(lambda t: t == JsonObject, _json_hook)
-event_converter.register_unstructure_hook_func(lambda t: t == JsonObject, lambda value: value)
-configure_tagged_union(Event, event_converter, tag_generator=event_type_name, tag_name="type")
+
+event_converter: cattrs.Converter = LazyConverter(_configure_events, forbid_extra_keys=True)
+"""The strict converter of journal events (tagged union on ``"type"``), configured on first use."""
 
 
 def encode_event(envelope: EventEnvelope, *, validate: bool = True) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from typing import Any, get_origin
 import attrs
 import cattrs
 
+from .._convert import LazyConverter
 from .._errors import JournalCorruptError
 from .._tools._results import ToolResult, json_copy
 from ._conversation import ConversationFold
@@ -228,8 +229,7 @@ def _is_set(kind: Any) -> bool:
     return kind is set or get_origin(kind) is set
 
 
-def _make_converter() -> cattrs.Converter:
-    converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=False)
+def _configure(converter: cattrs.Converter) -> None:
     for kind in (str, int, float, bool):
         converter.register_structure_hook(kind, _strict(kind))
     converter.register_structure_hook_func(lambda t: t == (Settlement | None), _structure_settlement)
@@ -240,7 +240,6 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook_func(
         lambda t: t == (dict[str, Any] | None), lambda v, _: None if v is None else _json_object(v, _)
     )
-    return converter
 
 
 def _json_object(value: object, _: object) -> dict[str, Any]:
@@ -249,7 +248,7 @@ def _json_object(value: object, _: object) -> dict[str, Any]:
     return value
 
 
-_converter = _make_converter()
+_converter = LazyConverter(_configure, forbid_extra_keys=True, detailed_validation=False)
 
 
 def encode_snapshot(stream: _Stream, commands: Iterable[_Command | tuple[str, str, int, int]] = ()) -> bytes:

@@ -15,6 +15,8 @@ import attrs
 import cattrs
 from cattrs.strategies import configure_tagged_union
 
+from .._convert import LazyConverter
+
 __all__ = [
     "AssistantMessage",
     "ContentPart",
@@ -239,5 +241,5 @@ def configure_messages(converter: cattrs.Converter) -> cattrs.Converter:
     return converter
 
 
-message_converter = configure_messages(cattrs.Converter(forbid_extra_keys=True))
+message_converter: cattrs.Converter = LazyConverter(configure_messages, forbid_extra_keys=True)
 """The cattrs converter for messages, responses and chunks (unions tagged by ``type``)."""
