@@ -16,7 +16,6 @@ silently replaced). See docs/plugins.md.
 from __future__ import annotations
 
 import enum
-import inspect
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import attrs
 
 from .._errors import ConfigError, MiddlewareShapeError
-from .._models._service import _WRAPPERS, _defines
+from .._models._service import model_middleware_problem
 from .._tools._definition import Tool
 from .._tools._pipeline import ToolMiddleware, _check_tool_middleware
 from ._hooks import HookCallback, HookEvent, HookRegistry
@@ -79,19 +78,9 @@ def _tool_layers(value: object) -> tuple[ToolMiddleware, ...]:
 
 def _check_model_middleware(layer: object, index: int) -> None:
     """The checks `ModelService` makes, made at registration."""
-    what = f"model middleware #{index} ({type(layer).__name__})"
-    if not any(_defines(layer, name) for name in _WRAPPERS.values()):
-        raise MiddlewareConfigError(
-            f"{what} defines none of wrap_chat, wrap_side_query, wrap_stream, wrap_chat_with_retry_events"
-        )
-    for name in ("wrap_chat", "wrap_side_query"):
-        if _defines(layer, name) and not inspect.iscoroutinefunction(getattr(layer, name)):
-            raise MiddlewareConfigError(f"{what}: {name} must be an async def")
-    for name in ("wrap_stream", "wrap_chat_with_retry_events"):
-        if _defines(layer, name) and inspect.iscoroutinefunction(getattr(layer, name)):
-            raise MiddlewareConfigError(
-                f"{what}: {name} must return an async iterator (an async generator), not be a coroutine function"
-            )
+    problem = model_middleware_problem(layer)  # the very checks the model service makes
+    if problem is not None:
+        raise MiddlewareConfigError(f"model middleware #{index} {problem}")
 
 
 @attrs.frozen
