@@ -55,7 +55,7 @@ from ._events import (
     ToolCallStart,
     UsageReported,
 )
-from ._hooks import NO_HOOKS, Finished, Lifecycle, ModelConfig, Phase, ToolOutcome
+from ._hooks import NO_HOOKS, Finished, Lifecycle, ModelConfig, Phase, ToolOutcome, defines
 from ._interrupts import (
     Approve,
     Cancel,
@@ -205,6 +205,7 @@ class _Run:
         self.step_open = False
         self.open_turn: TurnRef | None = None
         self.turn_offset = 0  # a continuation's turns are numbered from 1 in its own run
+        self.asks_at_boundaries = defines(hooks, "on_interrupt_boundary")
         self._history: Sequence[Message] = ()  # the history view `_config` handed out last
         self.turn_inputs: list[str] = []  # what joined the current turn (kept by a pause before the model)
         self.turn_finish: FinishReason | None = None  # why the current turn's reply finished
@@ -361,6 +362,10 @@ class _Run:
     ) -> None:
         """Ask every hook at *phase*; pause with *pending* and their requests if there is any."""
         self.ctx.phase = phase
+        if not self.asks_at_boundaries:  # no hook asks: four awaits a turn saved
+            if pending:
+                self._pause(phase, list(pending), calls, rejected or {})
+            return
         requests = await self.hooks.on_interrupt_boundary(self.ctx)
         batch = [*pending, *(self._generic(request) for request in requests)]
         if batch:
