@@ -37,7 +37,7 @@ from .._journal._events import PermissionDecision
 from .._tools._context import ExecutionContext
 from .._tools._definition import SideEffect, Tool, ToolKind
 from .._tools._results import JsonObject, json_copy
-from .._tools._stages import Allow, Deny, Stage, StageRequest
+from .._tools._stages import Stage, StageDecision, StageRequest
 from ._rules import (
     MODE_TABLE,
     PathPolicy,
@@ -418,10 +418,20 @@ class PermissionEngine:
         content = self._content(tool, input)
         return tool.name if not content else f"{tool.name}:{content}"
 
-    def as_stage(self) -> Stage:
-        """This engine as a ``permission`` stage for `ToolStages`."""
+    def as_stage(self, answered: dict[tuple[str, str], StageDecision] | None = None) -> Stage:
+        """This engine as a ``permission`` stage for `ToolStages`.
 
-        async def permission_stage(request: StageRequest) -> Allow | Deny | None:
+        *answered* holds decisions made elsewhere for single calls, by (agent id, call id): a
+        person's answer to a paused request (`conclude`), kept for a recovery re-run too. The
+        stage takes such a decision once, instead of walking the table again.
+        """
+
+        async def permission_stage(request: StageRequest) -> StageDecision | None:
+            if answered:
+                context = request.context
+                given = answered.pop((context.agent_id, context.tool_call_id), None)
+                if given is not None:
+                    return given
             decision = await self.decide(request.tool, request.input, request.context)
             return decision.to_stage_decision(request.input)
 

@@ -61,7 +61,7 @@ from .._permissions._rules import (
     ToolPermissionCheck,
 )
 from .._tools._definition import Tool
-from .._tools._stages import StageDecision, StageRequest, ToolStages
+from .._tools._stages import StageDecision, ToolStages
 from ._hooks import HookAction, HookEvent, HookInput, HookRegistry, HookRunner, post_tool_stage, pre_tool_stage
 from ._plugins import MiddlewareConfig, MiddlewareConfigError, Plugin, resolve_plugins
 
@@ -305,23 +305,9 @@ def permission_engine(
 
 
 def session_stages(
-    parts: AgentParts, engine: PermissionEngine, decided: dict[tuple[str, str], StageDecision] | None = None
+    parts: AgentParts, engine: PermissionEngine, answered: dict[tuple[str, str], StageDecision] | None = None
 ) -> ToolStages:
-    """The spec's hook stages around the session's own permission stage.
-
-    *decided* holds what a person already answered for a call (a run that asks by pausing
-    screens its calls first, `PermissionGate`): the stage takes that decision, once, instead
-    of asking the engine again.
-    """
+    """The spec's hook stages around the session's own permission stage (*answered*: what a
+    person answered for single calls by resuming a pause, see `PermissionEngine.as_stage`)."""
     hooks = parts.hook_stages
-    stage = engine.as_stage()
-    if decided is not None:
-        engine_stage = stage  # (only looked up when a person's answer is not there)
-
-        async def answered_first(request: StageRequest) -> StageDecision | None:
-            context = request.context
-            decision = decided.pop((context.agent_id, context.tool_call_id), None)
-            return decision if decision is not None else await engine_stage(request)
-
-        stage = answered_first
-    return ToolStages(pre_tool=hooks.pre_tool, permission=[stage], post_tool=hooks.post_tool)
+    return ToolStages(pre_tool=hooks.pre_tool, permission=[engine.as_stage(answered)], post_tool=hooks.post_tool)
