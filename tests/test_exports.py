@@ -278,3 +278,28 @@ def test_journal_stores_load_on_first_use() -> None:
     assert "psycopg" not in loaded
     loaded = _modules_loaded_by("from trio_agent.journal import SQLiteStore, open_sqlite_store")
     assert "trio_agent._journal._sqlite" in loaded
+
+
+def test_objects_met_without_naming_them_live_at_their_public_home() -> None:
+    """A session's events and errors say ``trio_agent`` even if the program never read those names."""
+    code = (
+        "import trio, pickle\n"
+        "from trio_agent import open_session\n"
+        "from trio_agent.testing import Reply, TestModel\n"
+        "async def main():\n"
+        "    async with open_session(provider=TestModel(default=Reply(text='x'))) as s:\n"
+        "        async with s.stream('hi') as events:\n"
+        "            seen = [e async for e in events]\n"
+        "    print(type(seen[-1]).__module__, type(seen[-1]).__name__)\n"
+        "    import trio_agent._errors as errors\n"
+        "    print(errors.ModelError.__module__)\n"
+        "trio.run(main)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["trio_agent", "DoneEvent", "trio_agent"]
+
+
+def test_a_renamed_name_still_resolves() -> None:
+    import trio_agent.tools
+
+    assert trio_agent.ToolLifecycle is trio_agent.tools.ToolJournal  # type: ignore[attr-defined]

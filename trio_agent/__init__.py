@@ -380,6 +380,8 @@ _MOVED: dict[str, str] = {
     # Made private (LOOP.md §10): still reachable, no longer documented.
     "HookDecision": "trio_agent._session._hooks",
     "JournalEntry": "trio_agent._tools._journal",
+    # Renamed (the word "lifecycle" now means chat middleware): the old name still resolves.
+    "ToolLifecycle": "trio_agent.tools",
 }
 
 

@@ -18,15 +18,21 @@ class LazyConverter(cattrs.Converter):
 
     cattrs generates code for every class a union or a hook names when it is told about
     them; done at import, that cost lands on every ``import trio_agent``. Configuring on the
-    first ``structure`` / ``unstructure`` (under a lock: a store's worker thread may be
-    first) moves it to the first run that needs it.
+    first use (under a lock: a store's worker thread may be first) moves it to the first run
+    that needs it. Every entry point configures first: ``structure`` / ``unstructure``, the
+    hook getters, the ``register_*`` methods (so a hook registered by user code wins over
+    the configured ones, as on a plain converter) and ``copy`` (the copy has every hook).
     """
 
-    def __init__(self, configure: Callable[[cattrs.Converter], object], **options: Any) -> None:
-        super().__init__(**options)
-        self._configure: Callable[[cattrs.Converter], object] | None = configure  # None once configured
+    def __init__(
+        self, *args: Any, configure: Callable[[cattrs.Converter], object] | None = None, **options: Any
+    ) -> None:
+        # Set before cattrs' own __init__, which may register its default hooks.
+        self._configure: Callable[[cattrs.Converter], object] | None = None
         self._lock = threading.RLock()
         self._busy = False
+        super().__init__(*args, **options)
+        self._configure = configure  # None once configured (and for a copy)
 
     def _configured(self) -> None:
         # Other threads wait on the lock until the hooks are all in; a call from inside
@@ -50,3 +56,30 @@ class LazyConverter(cattrs.Converter):
         if self._configure is not None:
             self._configured()
         return super().unstructure(obj, unstructure_as)
+
+
+def _configuring_first(name: str) -> None:
+    plain = getattr(cattrs.Converter, name)
+
+    def method(self: LazyConverter, *args: Any, **kwargs: Any) -> Any:
+        if self._configure is not None:
+            self._configured()
+        return plain(self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = plain.__doc__
+    setattr(LazyConverter, name, method)
+
+
+for _name in (
+    "copy",
+    "get_structure_hook",
+    "get_unstructure_hook",
+    "register_structure_hook",
+    "register_structure_hook_factory",
+    "register_structure_hook_func",
+    "register_unstructure_hook",
+    "register_unstructure_hook_factory",
+    "register_unstructure_hook_func",
+):
+    _configuring_first(_name)

@@ -87,10 +87,17 @@ def import_lazy(module_name: str, lazy: Mapping[str, str], name: str, namespace:
     """Import ``name`` from the private module ``lazy[name]`` on first use, for a module ``__getattr__``.
 
     The object is fixed up to belong to *module_name* and cached in *namespace*, so the
-    module ``__getattr__`` runs once per name.
+    module ``__getattr__`` runs once per name. So is every other lazy name whose module is
+    loaded by now: objects a program meets without naming them (the events a session
+    yields, the errors it raises) must say where they live too, and pickle the same way
+    before and after someone reads their name.
     """
-    source = lazy[name]
-    value = getattr(importlib.import_module(source), name)
-    fixup_module_metadata(module_name, {name: value})
-    namespace[name] = value
-    return value
+    importlib.import_module(lazy[name])
+    loaded = {
+        other: getattr(sys.modules[source], other)
+        for other, source in lazy.items()
+        if other not in namespace and source in sys.modules
+    }
+    fixup_module_metadata(module_name, loaded)
+    namespace.update(loaded)
+    return namespace[name]

@@ -62,3 +62,5 @@ __all__ = [
 ]
 
 _fixup_module_metadata(__name__, globals())
+
+ToolLifecycle = ToolJournal  # the former name (not exported: the word "lifecycle" now means chat middleware)

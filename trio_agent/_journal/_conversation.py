@@ -22,7 +22,9 @@ Rules
   - `RequestStarted` -> the ``prompt`` its `RequestAccepted` carried, as a user
     message (a ``chat()`` run: its given ``messages``), except the holder requests of
     ``start_subagent`` and continuations (``resume``: they carry no prompt). A request
-    that never started (refused or aborted while queued) adds nothing, as live;
+    that never started (refused or aborted while queued) adds nothing, as live. (Known gap:
+    a UserPromptSubmit hook that skips or rewrites the prompt, or adds context, acts after
+    the start and is not journalled, so the rebuilt history has the accepted prompt.)
   - `ModelAttemptCompleted` -> its inputs as user messages, the assistant
     message, then each call's answer in call order: the rejection text, else the
     published `ToolCompleted` / `ToolFailed` result (``output`` as is when a
@@ -477,7 +479,7 @@ def _configure(converter: cattrs.Converter) -> None:
     converter.register_structure_hook_factory(_is_tuple, lambda kind: _tuple_hook(kind, converter))
 
 
-_converter = LazyConverter(_configure, forbid_extra_keys=True)
+_converter = LazyConverter(configure=_configure, forbid_extra_keys=True)
 
 
 def _configure_fold(converter: cattrs.Converter) -> None:
@@ -504,7 +506,7 @@ def _json_object_or_none(value: object) -> dict[str, Any] | None:
     return value
 
 
-_fold_converter = LazyConverter(_configure_fold, forbid_extra_keys=True)
+_fold_converter = LazyConverter(configure=_configure_fold, forbid_extra_keys=True)
 
 
 async def read_conversation(store: JournalStore, session_id: str, *, agent_id: str = "root") -> list[Message]:

@@ -594,7 +594,7 @@ def _configure_events(converter: cattrs.Converter) -> None:
     configure_tagged_union(Event, converter, tag_generator=event_type_name, tag_name="type")
 
 
-event_converter: cattrs.Converter = LazyConverter(_configure_events, forbid_extra_keys=True)
+event_converter: cattrs.Converter = LazyConverter(configure=_configure_events, forbid_extra_keys=True)
 """The strict converter of journal events (tagged union on ``"type"``), configured on first use."""
 
 

@@ -82,7 +82,9 @@ __all__ = [
 ]
 
 SNAPSHOT_FORMAT = "trio_agent.snapshot"
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
+"""2: the conversation fold adds a prompt when its request starts and keeps paused calls open;
+a version-1 snapshot is ignored (the events are replayed), never read under the new rules."""
 SNAPSHOT_GRACE = 2.0
 """Seconds the close of a journal may spend writing snapshots (at most ``commit_grace``)."""
 
@@ -248,7 +250,7 @@ def _json_object(value: object, _: object) -> dict[str, Any]:
     return value
 
 
-_converter = LazyConverter(_configure, forbid_extra_keys=True, detailed_validation=False)
+_converter = LazyConverter(configure=_configure, forbid_extra_keys=True, detailed_validation=False)
 
 
 def encode_snapshot(stream: _Stream, commands: Iterable[_Command | tuple[str, str, int, int]] = ()) -> bytes:

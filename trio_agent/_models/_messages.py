@@ -241,5 +241,5 @@ def configure_messages(converter: cattrs.Converter) -> cattrs.Converter:
     return converter
 
 
-message_converter: cattrs.Converter = LazyConverter(configure_messages, forbid_extra_keys=True)
+message_converter: cattrs.Converter = LazyConverter(configure=configure_messages, forbid_extra_keys=True)
 """The cattrs converter for messages, responses and chunks (unions tagged by ``type``)."""
