@@ -12,6 +12,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from typecheck import mypy_strict
 
 from trio_agent import ConfigError, chat
 from trio_agent.lifecycle import (
@@ -409,10 +410,9 @@ def test_validation_passes_iff_every_requirement_is_provided(
 
 def test_a_handle_types_its_value_under_mypy_strict(tmp_path: Path) -> None:
     """`ctx.get(handle)` is typed by the handle; providing a value of another type is an error."""
-    from mypy import api
-
-    good = tmp_path / "good.py"
-    good.write_text(
+    status, report = mypy_strict(
+        tmp_path,
+        "good.py",
         "from typing import assert_type\n"
         "from trio_agent.lifecycle import Capability, RunContext, create_capability\n"
         "class Database:\n"
@@ -426,16 +426,14 @@ def test_a_handle_types_its_value_under_mypy_strict(tmp_path: Path) -> None:
         "    ctx.provide(DB, Database())\n"
         "    return ctx.get(DB).query()\n"
     )
-    bad = tmp_path / "bad.py"
-    bad.write_text(
+    assert status == 0, report
+    status, report = mypy_strict(
+        tmp_path,
+        "bad.py",
         "from trio_agent.lifecycle import RunContext, create_capability\n"
         "class Database: ...\n"
         "DB = create_capability('db', Database)\n"
         "def use(ctx: RunContext) -> None:\n"
         "    ctx.provide(DB, 'not a database')\n"
     )
-    cache = ["--cache-dir", str(tmp_path / "cache"), "--strict"]
-    out, err, status = api.run([*cache, str(good)])
-    assert status == 0, out + err
-    out, err, status = api.run([*cache, str(bad)])
-    assert status == 1 and "bad.py:5" in out and "provide" in out, out + err
+    assert status == 1 and "bad.py:5" in report and "provide" in report, report
