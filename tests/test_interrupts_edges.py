@@ -257,3 +257,23 @@ async def test_recovery_runs_an_approved_call_again_with_its_approval() -> None:
         notes = "\n".join(session.recovery_notes)
         assert len(ran) == 2 and "ok" in notes and "permission" not in notes  # re-run, still approved
         assert session.messages() == tuple(await rebuilt(session))
+
+
+@pytest.mark.parametrize("mode", ["skip", "modify", "context", "none"])
+async def test_what_the_prompt_hooks_made_of_a_prompt_is_what_a_rebuilt_history_reads(mode: str) -> None:
+    from trio_agent import HookEvent, HookOutput
+
+    async def hook(given: Any) -> Any:
+        if mode == "skip":
+            return HookOutput.skip("no")
+        if mode == "modify":
+            return HookOutput.modify(f"[review] {given.prompt}")
+        if mode == "context":
+            return HookOutput.context("extra context")
+        return None
+
+    model = TestModel(default=Reply(text="hello"))
+    async with open_session(provider=model, hooks={HookEvent.USER_PROMPT_SUBMIT: [hook]}) as session:
+        await session.send("hi")
+        await session.send("again")
+        assert session.messages() == tuple(await rebuilt(session))

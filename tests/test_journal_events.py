@@ -29,6 +29,7 @@ from trio_agent._journal._events import (
     PermissionRequested,
     PermissionResolved,
     PermissionUpdated,
+    PromptSubmitted,
     RecoveryDecision,
     RequestAccepted,
     RequestCompleted,
@@ -109,6 +110,7 @@ SAMPLES: list[Any] = [
     SessionReopened(session_id="s1", life=2),
     ConversationSeeded(session_id="s1", conversation={"messages": [{"type": "UserMessage", "content": "hi"}]}),
     RunPaused(request_id="r1", state={"phase": "before_tools", "pending_calls": [{"id": "c1"}]}),
+    PromptSubmitted(request_id="r1", messages=("[review] hi", "context")),
     InterruptsResolved(
         request_id="r1",
         continuation_id="r2",

@@ -22,9 +22,9 @@ Rules
   - `RequestStarted` -> the ``prompt`` its `RequestAccepted` carried, as a user
     message (a ``chat()`` run: its given ``messages``), except the holder requests of
     ``start_subagent`` and continuations (``resume``: they carry no prompt). A request
-    that never started (refused or aborted while queued) adds nothing, as live. (Known gap:
-    a UserPromptSubmit hook that skips or rewrites the prompt, or adds context, acts after
-    the start and is not journalled, so the rebuilt history has the accepted prompt.)
+    that never started (refused or aborted while queued) adds nothing, as live;
+  - `PromptSubmitted` -> replaces that prompt with what the UserPromptSubmit hooks made of
+    it (a rewritten prompt, added context; nothing when skipped);
   - `ModelAttemptCompleted` -> its inputs as user messages, the assistant
     message, then each call's answer in call order: the rejection text, else the
     published `ToolCompleted` / `ToolFailed` result (``output`` as is when a
@@ -82,6 +82,7 @@ from ._events import (
     Event,
     InterruptsResolved,
     ModelAttemptCompleted,
+    PromptSubmitted,
     RequestAccepted,
     RequestCompleted,
     RequestStarted,
@@ -244,13 +245,21 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
             outcomes.update(resolved_answers(event))
     history: list[Message] = []
     queued: dict[str, list[Message]] = {}  # accepted, not started: the prompt waits for its start
+    last_prompt: tuple[str, int] | None = None  # the started request whose prompt ends the history
     for event in events:
         if isinstance(event, ConversationSeeded):
             history.extend(decode_conversation(event.conversation))
         elif isinstance(event, RequestAccepted):
             queued[event.request_id] = accepted_messages(event.input)
         elif isinstance(event, RequestStarted):
-            history.extend(queued.pop(event.request_id, ()))
+            started = queued.pop(event.request_id, [])
+            history.extend(started)
+            last_prompt = (event.request_id, len(started))
+        elif isinstance(event, PromptSubmitted):
+            if last_prompt is not None and last_prompt[0] == event.request_id:
+                del history[len(history) - last_prompt[1] :]
+            history.extend(UserMessage(text) for text in event.messages)
+            last_prompt = None
         elif isinstance(event, RunPaused):
             history.extend(UserMessage(text) for text in paused_inputs(event))
         elif isinstance(event, ModelAttemptCompleted):
@@ -328,6 +337,7 @@ class _FoldState:
     last_output: dict[str, Any] | None = None
     awaiting: dict[str, list[str]] = attrs.Factory(dict)  # paused request -> its calls waiting for answers
     queued: dict[str, dict[str, Any]] = attrs.Factory(dict)  # accepted, not started: its input waits
+    last_prompt: tuple[str, int] | None = None  # the started request whose prompt ends the entries
 
 
 class ConversationFold:
@@ -357,8 +367,15 @@ class ConversationFold:
             s.queued[event.request_id] = dict(event.input)
         elif isinstance(event, RequestStarted):
             given = s.queued.pop(event.request_id, None)
-            if given is not None:
-                s.entries.extend(accepted_messages(given))
+            started = accepted_messages(given) if given is not None else []
+            s.entries.extend(started)
+            s.last_prompt = (event.request_id, len(started))
+        elif isinstance(event, PromptSubmitted):
+            # Nothing joins between a request's start and its prompt's hooks: the tail is its prompt.
+            if s.last_prompt is not None and s.last_prompt[0] == event.request_id:
+                del s.entries[len(s.entries) - s.last_prompt[1] :]
+            s.entries.extend(UserMessage(text) for text in event.messages)
+            s.last_prompt = None
         elif isinstance(event, ModelAttemptCompleted):
             try:
                 record = ModelReplyRecord.from_payload(event.response)

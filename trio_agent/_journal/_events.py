@@ -46,6 +46,7 @@ __all__ = [
     "PermissionRequested",
     "PermissionResolved",
     "PermissionUpdated",
+    "PromptSubmitted",
     "RecoveryDecision",
     "RequestAccepted",
     "RequestCompleted",
@@ -292,8 +293,19 @@ class RequestInterrupted:
 def _ids(values: Iterable[str]) -> tuple[str, ...]:
     ids = tuple(values)
     if not all(isinstance(value, str) for value in ids):
-        raise TypeError(f"expected call ids (strings), got {ids!r}")
+        raise TypeError(f"expected strings, got {ids!r}")
     return ids
+
+
+@attrs.frozen(kw_only=True)
+class PromptSubmitted:
+    """What a started request's prompt became after the UserPromptSubmit hooks: the user
+    ``messages`` that joined the conversation instead of the accepted prompt (a rewritten
+    prompt, then added context; none when a hook skipped it). Written only when a hook
+    changed something."""
+
+    request_id: str = _id()
+    messages: tuple[str, ...] = attrs.field(default=(), converter=_ids)
 
 
 @attrs.frozen(kw_only=True)
@@ -513,6 +525,7 @@ Event: TypeAlias = (
     | RequestCompleted
     | RequestFailed
     | RequestInterrupted
+    | PromptSubmitted
     | RunPaused
     | InterruptsResolved
     | TurnStarted

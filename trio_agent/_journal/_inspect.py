@@ -24,6 +24,7 @@ from ._events import (
     ModelAttemptStarted,
     PermissionRequested,
     PermissionResolved,
+    PromptSubmitted,
     RecoveryDecision,
     RequestAccepted,
     RequestCompleted,
@@ -122,6 +123,9 @@ def _describe(event: object) -> str:
         return f"request {event.request_id} interrupted: {event.reason.value}"
     if isinstance(event, RequestStarted):
         return f"request {event.request_id} started"
+    if isinstance(event, PromptSubmitted):
+        shown = " / ".join(_preview(text, 40) for text in event.messages) or "nothing (skipped)"
+        return f"request {event.request_id} prompt after hooks: {shown}"
     if isinstance(event, RunPaused):
         asked = [str(item.get("id")) for item in event.state.get("interrupts", []) if isinstance(item, dict)]
         return f"request {event.request_id} paused, waiting for: {', '.join(asked) or 'nothing'}"

@@ -25,6 +25,7 @@ Everything that decides a transition lives in this file, in the tables
   keeps where it paused (`Projection.pause`) until ``interrupts_resolved``
   moves it to resumed; that event names the continuation, which must be the
   started request, and it is accepted once: a replayed continuation is refused.
+  ``prompt_submitted`` only for the started request, before its first turn.
 * Turn: started (its request is the started one, no other turn open, numbers
   1, 2, 3 ... per request) -> completed | aborted. A turn cannot end while a
   model attempt of it runs or one of its tools is unsettled.
@@ -82,6 +83,7 @@ from ._events import (
     PermissionRequested,
     PermissionResolved,
     PermissionUpdated,
+    PromptSubmitted,
     RecoveryDecision,
     RequestAccepted,
     RequestCompleted,
@@ -717,6 +719,17 @@ class Projection:
         """The calls a person approved by resuming a paused request."""
         return frozenset(self._s.approved)
 
+    def _prompt(self, envelope: EventEnvelope, event: PromptSubmitted) -> _Mutation:
+        if self._s.active_request != event.request_id:
+            raise self._error(envelope, f"request {event.request_id!r} is not the started request")
+        if self._s.requests[event.request_id].turns:
+            raise self._error(envelope, f"request {event.request_id!r} already started a turn")
+
+        def mutate() -> None:
+            return None
+
+        return mutate
+
     def pause(self) -> tuple[str, dict[str, Any]] | None:
         """The paused request waiting for answers, if any: (request id, its run_paused state)."""
         if not self._s.paused:
@@ -1027,6 +1040,7 @@ _HANDLERS: dict[type[Any], _Handler] = {
     RequestFailed: Projection._request,
     RequestInterrupted: Projection._request,
     RunPaused: Projection._request,
+    PromptSubmitted: Projection._prompt,
     InterruptsResolved: Projection._request,
     TurnStarted: Projection._turn,
     TurnCompleted: Projection._turn,

@@ -30,7 +30,7 @@ from .._abort import AbortHandle
 from .._cleanup import bounded_shield
 from .._errors import ConfigError, SessionPausedError
 from .._journal._durable import DurableJournal
-from .._journal._events import RequestCompleted, RequestStarted, RunPaused
+from .._journal._events import PromptSubmitted, RequestCompleted, RequestStarted, RunPaused
 from .._journal._run_recorder import JournalRecorder
 from .._lifecycle._approvals import PermissionGate
 from .._lifecycle._interrupts import PausedRun, pause_from_json, pause_to_json
@@ -238,6 +238,7 @@ class SessionHost:
                     request.stop_reason = StopReason.SKIPPED
                     await drain_holds(request)
                     await journal.append(
+                        PromptSubmitted(request_id=request.request_id),  # the prompt never joined
                         RequestCompleted(request_id=request.request_id, output={"skipped": decision.reason or ""}),
                         agent_id=agent.agent_id,
                     )
@@ -246,6 +247,13 @@ class SessionHost:
                     return
                 prompt = decision.prompt or prompt
                 extra = decision.context_text
+                if prompt != request.prompt or extra:
+                    # What joins the conversation is not the accepted prompt: journal it, so a
+                    # history rebuilt from the journal reads as this one does.
+                    joined = (prompt, extra) if extra else (prompt,)
+                    await journal.append(
+                        PromptSubmitted(request_id=request.request_id, messages=joined), agent_id=agent.agent_id
+                    )
             if request.resume is None:
                 agent.history.append(UserMessage(prompt))
             if extra:
