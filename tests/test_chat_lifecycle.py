@@ -155,3 +155,21 @@ async def test_instructions_changed_in_on_config_reach_the_model_call() -> None:
     async with chat(model, "hi", instructions="Be helpful.", middleware=[Terse()]) as run:
         await run.result()
     assert model.requests[0].messages == (SystemMessage("Be helpful. Answer in one sentence."), UserMessage("hi"))
+
+
+async def test_a_hook_that_hangs_while_a_failed_run_is_reported_is_bounded(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    from trio_agent import ModelError
+
+    class Hangs(ChatMiddleware):
+        async def on_error(self, ctx: Any, info: Any) -> None:
+            await trio.sleep_forever()  # a shielded wait must not be unbounded
+
+    model = TestModel(default=Reply(error=ModelError("gone", retryable=False)))
+    started = trio.current_time()
+    with pytest.raises(ModelError):
+        async with chat(model, "hi", middleware=[Hangs()], cleanup_grace=2.0) as run:
+            await run.result()
+    assert trio.current_time() - started == pytest.approx(2.0)
+    assert any("reporting a failed run" in record.getMessage() for record in caplog.records)

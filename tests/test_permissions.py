@@ -1077,6 +1077,26 @@ async def test_outside_cancellation_records_cancel_and_propagates() -> None:
     assert recorder.entries[1][1].decision.source is DecisionSource.ABORT
 
 
+async def test_outside_cancellation_through_a_handlers_nursery_records_cancel_too() -> None:
+    """A handler that waits in a nursery of its own turns the cancellation into a group."""
+    started = trio.Event()
+
+    async def waits_in_a_nursery(request: PermissionRequest) -> PermissionResult:
+        async with trio.open_nursery() as inner:
+            inner.start_soon(trio.sleep_forever)
+            started.set()
+            await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    recorder = Recorder()
+    permissions = engine(handler=waits_in_a_nursery, record=recorder)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(permissions.decide, WRITE, {"file_path": "a"}, ctx())
+        await started.wait()
+        nursery.cancel_scope.cancel()
+    assert recorder.log == ["requested", "resolved:cancel"]
+
+
 # -- recording ---------------------------------------------------------------------------------
 
 

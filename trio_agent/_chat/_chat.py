@@ -393,6 +393,7 @@ async def chat(
         session_id=journal.session_id if journal is not None else "chat",
         client_tools=client_tools,
         interrupts=registered,
+        cleanup_grace=cleanup_grace,
     )
     session_id = spec.session_id
     gate = None if engine is None else PermissionGate(engine, pipeline.tools, session_id=session_id, abort=run_abort)

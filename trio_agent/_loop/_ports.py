@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import attrs
 
 from .._abort import Abort, AbortHandle
+from .._cleanup import DEFAULT_CLEANUP_GRACE
 from .._errors import ModelError
 from .._models._assemble import ModelReply
 from .._models._messages import Message, ToolResultMessage, ToolSpec
@@ -170,6 +171,7 @@ class RunSpec:
     client_tools: Mapping[str, ClientTool] = attrs.field(factory=dict)  # tools the client runs (a call pauses)
     interrupts: Mapping[str, InterruptDefinition] = attrs.field(factory=dict)  # registered, by id
     can_pause: bool = True  # False: a subagent's run (its host cannot hold a pause)
+    cleanup_grace: float = DEFAULT_CLEANUP_GRACE  # bounds the shielded reporting after a failure
 
 
 @attrs.frozen

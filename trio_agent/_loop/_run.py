@@ -15,6 +15,7 @@ import attrs
 import trio
 
 from .._abort import Abort, AbortHandle
+from .._cleanup import bounded_shield
 from .._errors import JournalError, LeaseLostError, MiddlewareError, ModelAbortedError, ModelError, TrioAgentError
 from .._groups import typed_error
 from .._models._assemble import ModelReply, ReplyAssembler, ToolArgumentsError, parse_tool_arguments
@@ -153,14 +154,14 @@ async def run_agent_loop(
             await run.events(
                 RunFinished(spec.run_id, spec.agent_id, "interrupt", outcome.text, outcome.pause.interrupts)
             )
-            await _run_deferred(ctx)
+            await _run_deferred(ctx, spec.cleanup_grace)
             return outcome
         if finish_event:
             await run.events(RunFinished(spec.run_id, spec.agent_id, outcome.stop_reason.value, outcome.text))
     except BaseException as exc:
         try:
             if typed_error(exc) is not None or isinstance(exc, Exception):
-                with trio.CancelScope(shield=True):  # bounded by the hooks' own deadlines, if any
+                with bounded_shield(spec.cleanup_grace, "reporting a failed run (RunError, on_error)"):
                     if isinstance(exc, Exception):
                         code = getattr(exc, "code", None)
                         with contextlib.suppress(Exception):
@@ -169,7 +170,7 @@ async def run_agent_loop(
                             )
                     await hooks.on_error(ctx, exc)
         finally:
-            await _run_deferred(ctx)
+            await _run_deferred(ctx, spec.cleanup_grace)
         raise
     try:
         if outcome.aborted:
@@ -178,12 +179,12 @@ async def run_agent_loop(
         else:
             await hooks.on_finish(ctx, outcome)
     finally:
-        await _run_deferred(ctx)
+        await _run_deferred(ctx, spec.cleanup_grace)
     return outcome
 
 
-async def _run_deferred(ctx: RunContext) -> None:
-    with trio.CancelScope(shield=True):
+async def _run_deferred(ctx: RunContext, grace: float) -> None:
+    with bounded_shield(grace, "running a run's deferred functions"):
         await ctx.run_deferred()
 
 

@@ -33,6 +33,7 @@ import trio.lowlevel
 from .._abort import AbortHandle
 from .._config import validate_timeout
 from .._errors import ConfigError, LeaseLostError
+from .._groups import is_cancellation
 from .._journal._events import PermissionDecision
 from .._tools._context import ExecutionContext
 from .._tools._definition import SideEffect, Tool, ToolKind
@@ -598,8 +599,11 @@ class PermissionEngine:
         try:
             answer = await self._consult(answerers, request, abort)
             decision = await self._conclude(tool, ask, context, answer, permission_id)
-        except trio.Cancelled:
-            # Cancelled from outside while asking: resolve the request as cancelled, then go on cancelling.
+        except BaseException as exc:
+            # Cancelled from outside while asking (also as a group: a hook or handler may open a
+            # nursery): resolve the request as cancelled, then go on cancelling.
+            if not is_cancellation(exc):
+                raise
             cancelled = Decision(
                 False, DecisionSource.ABORT, ask.input, signature, "permission request cancelled",
                 asked=True, permission_id=permission_id,

@@ -343,6 +343,7 @@ class SessionHost:
             client_tools=client_tools,
             interrupts=self.interrupts if agent.parent_id is None else {},
             can_pause=agent.parent_id is None,
+            cleanup_grace=self.cleanup_grace,
         )
 
     def _context(self, agent: _Agent, request: _Request, ports: RunPorts) -> RunContext:
