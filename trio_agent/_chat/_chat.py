@@ -72,7 +72,7 @@ from .._models._messages import (
 )
 from .._models._service import ModelMiddleware, ModelService, Provider
 from .._permissions._engine import PermissionEngine
-from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules
+from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules, rules_from
 from .._tools._definition import Tool
 from .._tools._journal import InMemoryToolJournal
 from .._tools._pipeline import ToolMiddleware, ToolPipeline
@@ -255,11 +255,7 @@ def _permission_engine(
     quiet = permissions is None and permission_mode is None and workspace_roots is None
     if quiet and not any(tool.check_permissions for tool in tools):
         return None
-    if isinstance(permissions, Mapping):
-        unknown = set(permissions) - {"allow", "ask", "deny"}
-        if unknown:
-            raise ConfigError(f"permissions takes allow, ask and deny lists, not {sorted(unknown)}")
-        permissions = PermissionRules(**{key: tuple(value) for key, value in permissions.items()})
+    permissions = rules_from(permissions)
     # With rules, the session's default mode (reads run, writes and commands ask); with no rules
     # and no mode, only a tool that asks for itself pauses the run ("bypass" skips nothing else).
     default = PermissionMode.DEFAULT if permissions is not None else PermissionMode.BYPASS

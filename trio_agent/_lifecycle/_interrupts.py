@@ -79,6 +79,11 @@ def _make_converter() -> cattrs.Converter:
     return converter
 
 
+def _detail(exc: Exception) -> str:
+    """What cattrs found wrong, one line per problem (``transform_error``'s paths)."""
+    return "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else str(exc)
+
+
 def _strict_str(value: object, _: type) -> str:
     if not isinstance(value, str):
         raise ValueError(f"expected a string, got {type(value).__name__}")
@@ -110,7 +115,7 @@ class PausedRun:
         try:
             return _wire().structure(data, cls)
         except Exception as exc:
-            detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else exc
+            detail = _detail(exc)
             raise InterruptResumeError(
                 [InterruptIssue(None, "invalid_payload", f"not a paused run: {detail}")]
             ) from None
@@ -163,7 +168,7 @@ def pause_from_json(data: object) -> PauseState:
     try:
         return _wire().structure(data, PauseState)
     except Exception as exc:
-        detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else exc
+        detail = _detail(exc)
         raise InterruptResumeError([InterruptIssue(None, "invalid_payload", f"not a paused state: {detail}")]) from None
 
 
@@ -214,7 +219,7 @@ def answers_from_json(data: object) -> tuple[InterruptAnswer, ...]:
         try:
             answers.append(_wire().structure(item, Approve | Reject | Respond | Cancel))  # type: ignore[arg-type]
         except Exception as exc:
-            detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else exc
+            detail = _detail(exc)
             issues.append(
                 InterruptIssue(
                     interrupt_id if isinstance(interrupt_id, str) else None,

@@ -52,6 +52,7 @@ import jsonschema_rs
 
 from .._errors import ConfigError, TrioAgentError
 from .._models._messages import FinishReason, Message, ToolCallPart
+from .._tools._definition import input_errors
 from .._tools._results import JsonObject, ToolErrorType, ToolResult
 from ._rules import LoopState, Phase
 
@@ -129,11 +130,8 @@ def schema_errors(validator: jsonschema_rs.Validator | None, value: object) -> t
     if validator is None:
         return ()
     try:
-        return tuple(
-            f"at {'/'.join(str(p) for p in error.instance_path) or '<root>'}: {error.message}"
-            for error in validator.iter_errors(value)
-        )
-    except (UnicodeError, ValueError, TypeError) as exc:
+        return input_errors(validator, value)  # the tools' wording, lone surrogates included
+    except (ValueError, TypeError) as exc:
         return (f"not JSON: {exc}",)
 
 

@@ -528,3 +528,20 @@ class PathPolicy:
             if problem is not None:
                 return problem
         return None
+
+
+def rules_from(permissions: object) -> PermissionRules | None:
+    """``permissions=`` as given to a session or ``chat()``: `PermissionRules`, a mapping of the
+    ``allow`` / ``ask`` / ``deny`` lists, or ``None``."""
+    if permissions is None or isinstance(permissions, PermissionRules):
+        return permissions
+    if isinstance(permissions, Mapping):
+        unknown = set(permissions) - {"allow", "ask", "deny"}
+        if unknown:
+            raise ConfigError(f"permissions takes 'allow', 'ask' and 'deny' lists, not {sorted(unknown)}")
+        return PermissionRules(
+            allow=tuple(permissions.get("allow", ())),
+            ask=tuple(permissions.get("ask", ())),
+            deny=tuple(permissions.get("deny", ())),
+        )
+    raise ConfigError(f"permissions must be a PermissionRules or a mapping of rule lists, not {permissions!r}")

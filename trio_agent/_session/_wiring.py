@@ -59,6 +59,7 @@ from .._permissions._rules import (
     RuleBehavior,
     ToolFilter,
     ToolPermissionCheck,
+    rules_from,
 )
 from .._tools._definition import Tool
 from .._tools._stages import StageDecision, ToolStages
@@ -86,21 +87,6 @@ class AgentParts:
     @property
     def workspace(self) -> str | None:
         return self.workspace_roots[0] if self.workspace_roots else None
-
-
-def _rules(permissions: Any) -> PermissionRules | None:
-    if permissions is None or isinstance(permissions, PermissionRules):
-        return permissions
-    if isinstance(permissions, Mapping):
-        unknown = set(permissions) - {"allow", "ask", "deny"}
-        if unknown:
-            raise ConfigError(f"permissions takes 'allow', 'ask' and 'deny' lists, not {sorted(unknown)}")
-        return PermissionRules(
-            allow=tuple(permissions.get("allow", ())),
-            ask=tuple(permissions.get("ask", ())),
-            deny=tuple(permissions.get("deny", ())),
-        )
-    raise ConfigError(f"permissions must be a PermissionRules or a mapping of rule lists, not {permissions!r}")
 
 
 def _check_streaming(middleware: MiddlewareConfig | None, plugins: Sequence[Plugin]) -> None:
@@ -164,7 +150,7 @@ def build_agent_parts(
             raise ConfigError(f"{label} must be a list of tool names, not {names!r}")
     selected = resolved.select(allowed=allowed_tools, disallowed=tuple(disallowed_tools or ()))
     registry = {entry.name: entry.tool for entry in resolved.tools}
-    rules = _rules(permissions)
+    rules = rules_from(permissions)
     _check_content_rules(rules, registry)
     runner = HookRunner(resolved.hooks, deadlines=hook_deadlines)
     roots = tuple(os.path.abspath(os.fspath(root)) for root in workspace_roots) if workspace_roots else None

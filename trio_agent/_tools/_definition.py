@@ -123,7 +123,7 @@ def _enum_value(enum_type: type[enum.Enum], value: object, *, where: str) -> Any
         raise ToolDefinitionError(f"{where}: {value!r} is not one of {allowed}") from None
 
 
-def _input_errors(validator: jsonschema_rs.Validator, value: object) -> tuple[str, ...]:
+def input_errors(validator: jsonschema_rs.Validator, value: object) -> tuple[str, ...]:
     lines = []
     try:
         for error in validator.iter_errors(value):
@@ -276,7 +276,7 @@ class Tool(Generic[In]):
         """
         if self._valid(value):
             return ()
-        return _input_errors(self._validator, value)
+        return input_errors(self._validator, value)
 
     def validate_input(self, value: object) -> None:
         """Raise `ToolInputError` naming every violation unless *value* satisfies the schema."""
