@@ -7,11 +7,12 @@ Two measurements, in one process:
     first window and over the last window, and their ratio. The model request reads the history through a
     copy-free view, so the ratio should stay near 1 (before: 1.45 after 2,000 requests). Beside it, the
     floor: a plain Trio loop that appends the same messages to a list and hands the model a view of it.
-  - close / reopen: one session on a SQLite file is opened, sent one message and closed C times; the wall
-    time of each open (the reopen: the lease, the streams read, the projection and the conversation rebuilt
-    from the journal) over the first and the last window. Reopening reads the whole stream, so its cost
-    grows with the journal: the ratio says by how much (a projection snapshot would make it flat; see
-    docs/sessions.md).
+  - close / reopen: one session on a SQLite file is opened, sent one message (answered with one tool call,
+    then text) and closed C times; the wall
+    time of each open (the lease, the snapshot and the events after it, the projection; the history and
+    the command ids stay undecoded until needed) over the first and the last window, in a store held open
+    (a server) and by path (a restarted process: the store's open, with SQLite's quick_check of the whole
+    file, comes on top); and the first send after each reopen, which decodes the history it sends.
 
 Prints a table and, as its last line, one JSON object. ``--short`` runs a quick version.
 ``--progress`` (the default when stderr is a terminal) writes a progress line to stderr every 10 % of each
@@ -33,6 +34,7 @@ import trio
 from _progress import add_progress_option, note, start_progress
 
 import trio_agent as ta
+from trio_agent.journal import open_sqlite_store
 from trio_agent.testing import Reply, TestModel
 
 
@@ -95,20 +97,54 @@ async def long_floor(requests: int, window: int) -> dict[str, float]:
 
 
 async def reopen_cycles(cycles: int, window: int, directory: str) -> dict[str, float]:
+    """``cycles`` lives of one session (open, one request, close) on one SQLite file; the wall time
+    of each open. The first and the last ``window`` lives open by path, as a restarted process does
+    (the store is opened too: its integrity check reads the whole file); the lives between open in a
+    store the benchmark holds open, as a server does, and their first and last windows are compared."""
     path = os.path.join(directory, "cycles.db")
-    model = TestModel(default=Reply(text="ok"))
-    opens: list[float] = []
-    for index in range(cycles):
+    model = TestModel(respond=respond)  # a tool call and an answer per life: calls, results, commands all grow
+    restarts: list[float] = []
+    held: list[float] = []
+    first_send: list[float] = []
+
+    async def life(index: int, journal: Any, opens: list[float]) -> None:
         _tick("close / reopen", index, cycles)
         start = time.perf_counter()
-        async with ta.open_session(provider=model, journal=path, session_id="cycles") as session:
+        async with ta.open_session(provider=model, tools=[add], journal=journal, session_id="cycles") as session:
             opens.append(time.perf_counter() - start)
+            sent = time.perf_counter()
             await session.send(f"message {index}")
-    async with ta.open_session(provider=model, journal=path, session_id="cycles") as session:
+            first_send.append(time.perf_counter() - sent)
+
+    for index in range(window):
+        await life(index, path, restarts)
+    async with open_sqlite_store(path) as store:
+        for index in range(window, cycles - window):
+            await life(index, store, held)
+    for index in range(cycles - window, cycles):
+        await life(index, path, restarts)
+    async with ta.open_session(provider=model, tools=[add], journal=path, session_id="cycles") as session:
         readable = len(session.messages())
-    first = statistics.median(opens[:window]) * 1e3
-    last = statistics.median(opens[-window:]) * 1e3
-    return {"first_ms": first, "last_ms": last, "ratio": last / first, "messages": readable}
+
+    def ratio(opens: list[float]) -> tuple[float, float, float]:
+        first, last = statistics.median(opens[:window]) * 1e3, statistics.median(opens[-window:]) * 1e3
+        return first, last, last / first
+
+    held_first, held_last, held_ratio = ratio(held)
+    restart_first, restart_last, restart_ratio = ratio(restarts)
+    send_first, send_last, send_ratio = ratio(first_send)
+    return {
+        "first_ms": held_first,
+        "last_ms": held_last,
+        "ratio": held_ratio,
+        "restart_first_ms": restart_first,
+        "restart_last_ms": restart_last,
+        "restart_ratio": restart_ratio,
+        "send_first_ms": send_first,
+        "send_last_ms": send_last,
+        "send_ratio": send_ratio,
+        "messages": readable,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,24 +165,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'':<22} {'first':>10} {'last':>10} {'last/first':>11}")
     for name, row in (("trio_agent session", session), ("plain Trio loop", floor)):
         print(f"  {name:<22} {row['first_us']:>10.1f} {row['last_us']:>10.1f} {row['ratio']:>11.2f}")
-    print(f"close / reopen, {cycles} cycles on one SQLite session (wall ms per open, first and last {cycle_window})")
-    print(f"  first {reopen['first_ms']:.2f} ms, last {reopen['last_ms']:.2f} ms, ratio {reopen['ratio']:.2f}")
+    print(f"close / reopen, {cycles} lives of one SQLite session (wall ms, medians of first and last {cycle_window})")
+    print(f"  {'':<40} {'first':>8} {'last':>8} {'last/first':>11}")
+    for name, key in (
+        ("reopen, store held open (a server)", ""),
+        ("reopen by path (a restart: + the store)", "restart_"),
+        ("first send after the reopen", "send_"),
+    ):
+        first, last = reopen[f"{key}first_ms"], reopen[f"{key}last_ms"]
+        print(f"  {name:<40} {first:>8.2f} {last:>8.2f} {last / first:>11.2f}")
     print(f"  the conversation after the last cycle: {int(reopen['messages'])} messages, all readable")
-    figures = {
-        "benchmark": "conversation",
-        "requests": requests,
-        "session_first_us": round(session["first_us"], 1),
-        "session_last_us": round(session["last_us"], 1),
-        "session_last_over_first": round(session["ratio"], 3),
-        "direct_first_us": round(floor["first_us"], 1),
-        "direct_last_us": round(floor["last_us"], 1),
-        "direct_last_over_first": round(floor["ratio"], 3),
-        "cycles": cycles,
-        "reopen_first_ms": round(reopen["first_ms"], 3),
-        "reopen_last_ms": round(reopen["last_ms"], 3),
-        "reopen_last_over_first": round(reopen["ratio"], 3),
-        "messages_after_cycles": int(reopen["messages"]),
-    }
+    figures: dict[str, Any] = {"benchmark": "conversation", "requests": requests, "cycles": cycles}
+    for name, row, key, unit in (
+        ("session", session, "", "us"),
+        ("direct", floor, "", "us"),
+        ("reopen", reopen, "", "ms"),
+        ("restart", reopen, "restart_", "ms"),
+        ("first_send", reopen, "send_", "ms"),
+    ):
+        figures[f"{name}_first_{unit}"] = round(row[f"{key}first_{unit}"], 3)
+        figures[f"{name}_last_{unit}"] = round(row[f"{key}last_{unit}"], 3)
+        figures[f"{name}_last_over_first"] = round(row[f"{key}ratio"], 3)
+    figures["messages_after_cycles"] = int(reopen["messages"])
     print(json.dumps(figures))
     return 0
 

@@ -592,8 +592,9 @@ async def test_a_continuation_of_a_run_that_did_not_pause_is_refused_by_the_jour
 
 def _run_id_of(journal: Any, nth: int) -> str:
     """The request id of the *nth* request on the journal's root stream."""
-    requests = list(journal.projection()._s.requests)
-    return requests[nth - 1]
+    state = journal.projection()._s
+    requests = sorted([*state.requests.values(), *state.ended.values()], key=lambda record: record.seq)
+    return str(requests[nth - 1].request_id)
 
 
 async def test_an_edit_that_leaves_the_workspace_is_refused_by_the_path_policy(tmp_path: Any) -> None:

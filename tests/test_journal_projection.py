@@ -231,6 +231,43 @@ def test_turn_rules() -> None:
     s.add(RequestCompleted(request_id="r1"))
 
 
+def test_an_ended_request_forgets_its_turns_and_attempts() -> None:
+    # The state stays the size of what is live: a snapshot (and so a reopen) does not grow with
+    # the requests a session has answered. Late events of a forgotten turn or attempt are refused.
+    s = in_turn().add(
+        ModelAttemptStarted(**RT, attempt_id="a1", model="m"),
+        ModelAttemptCompleted(**RT, attempt_id="a1", response={}),
+        scheduled(),
+        started(),
+        completed(),
+        TurnCompleted(**RT, has_tool_calls=True),
+    )
+    assert set(s.p._s.turns) == {"t1"} and set(s.p._s.attempts) == {"a1"} and "t1" in s.p._s.unsettled
+    s.add(RequestCompleted(request_id="r1"))
+    assert (s.p._s.turns, s.p._s.attempts, s.p._s.unsettled) == ({}, {}, {})
+    assert s.p.request("r1") is not None and s.p.tool("c1") is not None  # requests and calls are kept
+    s.reject(TurnAborted(**RT, reason=TurnAbortReason.ERROR), "absent")
+    s.reject(ModelAttemptCompleted(**RT, attempt_id="a1", response={}), "absent")
+    s.reject(completed(), "completed")
+    s.reject(RequestAccepted(request_id="r1", command_id="c", input={}), "completed")
+
+
+def test_a_refused_batch_that_ends_a_request_keeps_its_turns_and_attempts() -> None:
+    s = in_turn().add(
+        ModelAttemptStarted(**RT, attempt_id="a1", model="m"),
+        ModelAttemptCompleted(**RT, attempt_id="a1", response={}),
+    )
+    before = s.p.snapshot()
+    batch = [
+        TurnCompleted(**RT, has_tool_calls=False),
+        RequestCompleted(request_id="r1"),
+        RequestStarted(request_id="r1"),
+    ]
+    with pytest.raises(InvalidTransitionError, match="completed"):
+        s.p.apply_atomic([env(event, s.p.head + 1 + index) for index, event in enumerate(batch)])
+    assert s.p.snapshot() == before and set(s.p._s.turns) == {"t1"} and set(s.p._s.attempts) == {"a1"}
+
+
 def test_turn_cannot_end_with_running_model_attempt_or_unsettled_tools() -> None:
     s = in_turn().add(ModelAttemptStarted(**RT, attempt_id="a1", model="m"))
     s.reject(TurnCompleted(**RT, has_tool_calls=False), "still running")
@@ -448,7 +485,10 @@ def test_empty_and_finished_streams_have_empty_plans() -> None:
     s.add(RequestCompleted(request_id="r1"))
     plan = s.p.recovery_plan()
     assert plan.is_empty
-    assert plan.tool_actions == {"c1": ToolRecoveryAction.REPLAY_RESULT}
+    assert plan.tool_actions == {}  # an ended request's calls are all settled: nothing to decide
+    assert s.p.tool("c1").state is ToolState.COMPLETED  # type: ignore[union-attr]
+    s = in_turn().add(scheduled(), started(), completed())
+    assert s.p.recovery_plan().tool_actions == {"c1": ToolRecoveryAction.REPLAY_RESULT}
 
 
 def test_recovery_plan_priority_order() -> None:
@@ -804,6 +844,19 @@ def test_nothing_applies_after_close(envelopes: list[EventEnvelope]) -> None:
         with pytest.raises(InvalidTransitionError, match="closed"):
             p.apply(attrs.evolve(e, seq=p.head + 1))
     assert p.snapshot() == before
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_sequences())
+def test_only_live_requests_have_turns_and_attempts(envelopes: list[EventEnvelope]) -> None:
+    p = Projection(STREAM)
+    for e in envelopes:
+        p.apply(e)
+        s = p._s
+        live = {r.request_id for r in s.requests.values() if r.state.value in ("accepted", "started", "paused")}
+        assert {t.request_id for t in s.turns.values()} <= live
+        assert {a.request_id for a in s.attempts.values()} <= live
+        assert set(s.unsettled) <= set(s.turns)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -28,9 +28,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_journal_projection import valid_sequences
+from tests.test_journal_projection import scheduled, started, valid_sequences
 from tests.test_journal_stores import lease_on
-from trio_agent._errors import ForeignStreamError, JournalCorruptError, JournalError, StaleFencingTokenError
+from trio_agent._errors import (
+    ForeignStreamError,
+    InvalidTransitionError,
+    JournalCorruptError,
+    JournalError,
+    StaleFencingTokenError,
+)
 from trio_agent._journal._codec import row_checksum
 from trio_agent._journal._conversation import ConversationFold, ModelReplyRecord, fold_conversation
 from trio_agent._journal._durable import DurableJournal, open_journal
@@ -58,8 +64,17 @@ from trio_agent._journal._events import (
     TurnStarted,
 )
 from trio_agent._journal._memory import MemoryStore
-from trio_agent._journal._snapshot import FOLD_AFTER, SNAPSHOT_VERSION, _Stream, decode_snapshot, encode_snapshot
+from trio_agent._journal._projection import RequestState
+from trio_agent._journal._snapshot import (
+    _LINES,
+    FOLD_AFTER,
+    SNAPSHOT_VERSION,
+    _Stream,
+    decode_snapshot,
+    encode_snapshot,
+)
 from trio_agent._journal._store import stream_id_for
+from trio_agent._journal._stored import StoredIndex
 from trio_agent._models._messages import ToolCallPart, UserMessage
 from trio_agent.journal import open_sqlite_store
 
@@ -186,9 +201,19 @@ def test_the_incremental_fold_equals_the_fold_however_it_is_split(events: list[E
         for event in events[start:cut]:
             fold.feed(event)
         start = max(start, cut)
-        assert fold.messages() == fold_conversation(events[:start])
-        # What a snapshot keeps, through JSON text and back.
-        fold = ConversationFold.from_json(json.loads(json.dumps(fold.to_json())))
+        # What a snapshot keeps, through JSON text and back: the whole state, or the two parts
+        # (the stored entries' text kept undecoded while events append after it, reused, and only
+        # the new entries encoded: equal to encoding them all).
+        if cut % 2:
+            assert fold.messages() == fold_conversation(events[:start])
+            fold = ConversationFold.from_json(json.loads(json.dumps(fold.to_json())))
+        else:
+            state, entries, outcomes = fold.to_parts()
+            reread = ConversationFold.from_parts(json.loads(json.dumps(state)), entries, outcomes)
+            assert reread.messages() == fold_conversation(events[:start])
+            assert json.loads(entries) == reread.to_json()["entries"]
+            assert json.loads(outcomes) == reread.to_json()["outcomes"]
+            fold = ConversationFold.from_parts(json.loads(json.dumps(state)), entries, outcomes)
     assert fold.messages() == fold_conversation(events)
     assert list(fold.outcomes_since_reply) == session_notes(events)
     assert fold.last_output == session_answer(events)
@@ -333,7 +358,8 @@ def damage_memory(store: MemoryStore, how: str) -> None:
             checksum,
         )
         return
-    data = json.loads(body)
+    header, *rest = body.split(b"\n")
+    data = json.loads(header)
     if how == "edit the JSON":
         data["projection"]["requests"] = "nope"
     elif how == "unknown version":
@@ -346,7 +372,7 @@ def damage_memory(store: MemoryStore, how: str) -> None:
         seq += 5
         text = body
     else:
-        text = json.dumps(data).encode()
+        text = b"\n".join([json.dumps(data).encode(), *rest])
     store._streams[ROOT].snapshot = (seq, text, row_checksum(ROOT, seq, text))
 
 
@@ -531,6 +557,138 @@ async def test_200_close_reopen_cycles_keep_the_reads_of_a_reopen_bounded(kind: 
             assert len(history) == 400
             assert journal.conversation_fold().last_output == {"text": "a199"}
             assert set(journal._streams[ROOT].commands) == {f"r{life}-{life - 1}" for life in range(1, 201)}
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_a_reopen_decodes_neither_the_history_nor_the_command_ids(kind: str) -> None:
+    # What grows with the session's age stays the text it was stored as until it is needed: the
+    # history by a read (or a pin's next event), the command ids and ended requests by an id that
+    # may be among them.
+    async with backend(kind) as store:
+        await cycles(CountingStore(store), 30, every=16)
+        _, body, _ = snapshot_row_of(store) if kind == "memory" else (0, (await store.load_snapshot(ROOT))[1], 0)
+        assert len(body.split(b"\n")) == 3 + len(_LINES)
+        async with open_journal(store, session_id=SID, snapshot_every=16) as journal:
+            stream = journal._streams[ROOT]
+            assert stream.commands.stored and stream.fold._stored is not None
+            await journal.append(SessionReopened(session_id=SID, life=journal.projection().life + 1))
+            pinned = journal.deferred_conversation()
+            before = fold_conversation(e.event for e in await store.read(ROOT))
+            assert stream.commands.stored and stream.fold._stored is not None
+            await one_request(journal, 99)  # its events settle the pin; a new command id decodes nothing
+            assert stream.commands.stored and stream.commands.get("r31-99") is not None
+            ended = journal.projection()._s.ended
+            assert isinstance(ended, StoredIndex) and ended.stored and len(ended) == 31
+            assert journal.projection().request("r31-99").state is RequestState.COMPLETED  # type: ignore[union-attr]
+            assert ended.stored
+            reused = RequestAccepted(request_id="r5-4", command_id="another", input={})
+            with pytest.raises(InvalidTransitionError, match="completed"):
+                await journal.append(reused)  # an ended id is never reused: looked up in the stored text
+            assert not ended.stored
+            replayed_command = RequestAccepted(request_id="r3-2", command_id="r3-2", input={"prompt": "p2"})
+            assert (await journal.append(replayed_command, command_id="r3-2")).replayed  # an old one: decoded
+            assert not stream.commands.stored and "r31-99" in stream.commands
+            everything = fold_conversation(e.event for e in await store.read(ROOT))
+            assert pinned() == before and len(before) == 60
+            assert journal.conversation() == everything == [*before, UserMessage("p99"), everything[-1]]
+            await journal.append(SessionClosed(session_id=SID, reason=SessionCloseReason.COMPLETED))
+        async with open_journal(store, session_id=SID) as journal:
+            assert journal.conversation() == everything
+            assert set(journal._streams[ROOT].commands) == {f"r{n}-{n - 1}" for n in range(1, 31)} | {"r31-99"}
+
+
+async def test_a_reopen_decodes_no_call_of_an_ended_request_until_one_is_asked_for() -> None:
+    store = MemoryStore()
+
+    async def with_a_call(journal: DurableJournal, n: int) -> None:
+        rid, tid, aid, cid = f"r{n}", f"t{n}", f"a{n}", f"c{n}"
+        ids = {"request_id": rid, "turn_id": tid}
+        reply = ModelReplyRecord(tool_calls=(ToolCallPart(cid, "tool", json.dumps({"x": n})),)).to_payload()
+        await journal.append(RequestAccepted(request_id=rid, command_id=rid, input={"prompt": f"p{n}"}), command_id=rid)
+        await journal.append(
+            RequestStarted(request_id=rid),
+            TurnStarted(**ids, turn=1),
+            ModelAttemptStarted(**ids, attempt_id=aid, model="m"),
+            ModelAttemptCompleted(**ids, attempt_id=aid, response=reply),
+            scheduled(cid, **ids),
+            started(cid, **ids),
+            ToolCompleted(**ids, call_id=cid, result={"output": n}),
+            TurnCompleted(**ids, has_tool_calls=True),
+            RequestCompleted(request_id=rid),
+        )
+
+    async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+        for n in range(5):
+            await with_a_call(journal, n)
+        await journal.append(SessionClosed(session_id=SID, reason=SessionCloseReason.COMPLETED))
+    async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+        stream, state = journal._streams[ROOT], journal.projection()._s
+        assert state.tools == {} and len(state.ended_tools) == 5
+        assert isinstance(state.ended_tools, StoredIndex) and state.ended_tools.stored and stream.calls.stored
+        await journal.append(SessionReopened(session_id=SID, life=2))
+        await with_a_call(journal, 5)  # a new call id: nothing stored is decoded
+        assert state.ended_tools.stored and stream.calls.stored
+        record = journal.call("c2")  # an old one: its record is read from the stored text
+        assert record is not None and record.result is not None and record.result.output == 2
+        assert not stream.calls.stored
+        reused = scheduled("c1", request_id="r9", turn_id="t9")
+        await journal.append(RequestAccepted(request_id="r9", command_id="r9", input={}), command_id="r9")
+        await journal.append(RequestStarted(request_id="r9"), TurnStarted(request_id="r9", turn_id="t9", turn=1))
+        with pytest.raises(InvalidTransitionError, match="completed"):
+            await journal.append(reused)  # an old call id is never reused
+        assert not state.ended_tools.stored
+        history = journal.conversation()
+        assert history == fold_conversation(e.event for e in await store.read(ROOT))
+
+
+async def test_a_close_that_changed_neither_writes_their_text_back_as_read() -> None:
+    store = MemoryStore()
+    await a_closed_session(store, requests=4)
+    _, first, _ = snapshot_row_of(store)
+    async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+        await journal.append(SessionReopened(session_id=SID, life=2))
+        await journal.append(SessionClosed(session_id=SID, reason=SessionCloseReason.COMPLETED))
+        stream = journal._streams[ROOT]
+        assert stream.fold._stored is not None and stream.commands.stored
+    seq, second, _ = snapshot_row_of(store)
+    assert seq == 4 * 7 + 4 and first.split(b"\n")[1:] == second.split(b"\n")[1:]
+    assert first.split(b"\n")[0] != second.split(b"\n")[0]
+
+
+BAD_LINES = {
+    "entries": (1, b'[{"type":"Nope"}]', "stored conversation cannot be decoded"),
+    "outcomes": (2, b'{"c1":{"type":"Nope"}}', "stored call outcomes cannot be decoded"),
+    "commands": (3, b'{"r":["digest","one",2],"r1-0":["d",1,1],"r1-1":["d",2,2]}', "stored command ids cannot be"),
+}
+
+
+@pytest.mark.parametrize("which", sorted(BAD_LINES))
+async def test_a_stored_line_that_cannot_be_decoded_fails_where_it_is_needed(which: str) -> None:
+    # The checksum vouches for the text; text this code cannot read (never written by it) is
+    # reported when first needed, and nothing is changed.
+    store = MemoryStore()
+    events = await a_closed_session(store)
+    seq, body, _ = snapshot_row_of(store)
+    lines = body.split(b"\n")
+    line, bad, message = BAD_LINES[which]
+    lines[line] = bad
+    if which == "outcomes":  # its count, in the header, says one
+        lines[0] = lines[0].replace(b'"outcomes_count":0', b'"outcomes_count":1')
+    text = b"\n".join(lines)
+    store._streams[ROOT].snapshot = (seq, text, row_checksum(ROOT, seq, text))
+    async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+        assert journal._streams[ROOT].snapshot_seq == seq  # used: nothing was decoded yet
+        await journal.append(SessionReopened(session_id=SID, life=2))
+        if which != "commands":
+            for _ in range(2):  # asking again reports it again
+                with pytest.raises(JournalCorruptError, match=message):
+                    journal.conversation()
+        else:
+            with pytest.raises(JournalCorruptError, match=message):
+                await journal.append(RequestAccepted(request_id="r", command_id="r", input={}), command_id="r")
+            assert journal.projection().request("r") is None  # refused before anything moved
+            assert journal.conversation() == fold_conversation([*events, SessionReopened(session_id=SID, life=2)])
+    assert [e.event for e in await store.read(ROOT)] == [*events, SessionReopened(session_id=SID, life=2)]
 
 
 async def test_without_snapshots_a_reopen_reads_the_whole_journal() -> None:

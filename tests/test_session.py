@@ -611,7 +611,8 @@ async def test_abort_settles_the_request_of_a_running_foreground_subagent(
         for agent_id in session.journal.agents:
             projection = session.journal.projection(agent_id)
             snapshot: Any = projection.snapshot()
-            states[agent_id] = [f"request:{r.state.value}" for r in snapshot.requests.values()] + [
+            requests = [*snapshot.requests.values(), *snapshot.ended.values()]
+            states[agent_id] = [f"request:{r.state.value}" for r in requests] + [
                 f"turn:{t.state.value}" for t in snapshot.turns.values()
             ]
     assert len(states) == 2

@@ -125,6 +125,22 @@ async def test_a_reopened_session_goes_on_with_its_conversation(tmp_path: Path) 
     assert "2 lives" in timeline and "life 2: session reopened" in timeline
 
 
+async def test_a_reopen_decodes_no_history_until_the_first_request_needs_it(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    model = chatty_model()
+    async with open_session(provider=model, tools=[lookup_tool()], journal=path, session_id="b") as session:
+        for prompt in ("one", "two", "three"):  # enough events for a snapshot on the way out
+            await session.send(prompt)
+        before = list(session.messages())
+    async with open_session(provider=model, tools=[lookup_tool()], journal=path, session_id="b") as session:
+        stream = session.journal._streams["b/root"]
+        assert stream.snapshot_seq > 0
+        assert session._host.root._history is None and stream.fold._stored is not None
+        await session.send("again")
+        assert list(model.requests[-2].messages[: len(before)]) == before  # once, as it was
+        assert list(session.messages())[: len(before) + 1] == [*before, UserMessage("again")]
+
+
 async def test_reopen_after_a_close_that_interrupted_a_request_answers_it_once(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     slow, started, _release = gated_tool("slow")

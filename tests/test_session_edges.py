@@ -222,7 +222,7 @@ async def test_a_send_racing_the_close_is_refused_and_recorded(tmp_path: Any) ->
 
         outer.start_soon(late)
         # Leave the block while the late request's accept is being committed.
-        while not session.journal.projection()._s.requests:
+        while not session.journal.projection().has_requests:
             await trio.lowlevel.checkpoint()
     assert len(outcome) == 1
     from trio_agent.journal import open_sqlite_store

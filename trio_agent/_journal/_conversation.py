@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import json
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any, get_args, get_origin
 
 import attrs
@@ -96,6 +96,7 @@ from ._events import (
     event_converter,
 )
 from ._store import JournalStore, stream_id_for
+from ._stored import StoredIndex
 
 __all__ = [
     "OUTCOME_UNKNOWN_ANSWER",
@@ -332,7 +333,8 @@ SubagentOutcome = SubagentCompleted | SubagentCancelled
 @attrs.define
 class _FoldState:
     entries: list[Message | PendingAnswer] = attrs.Factory(list)
-    outcomes: dict[str, ToolResultMessage] = attrs.Factory(dict)  # the last settlement of each call
+    # The last settlement of each call (a snapshot's part stays text until the history is asked for).
+    outcomes: MutableMapping[str, ToolResultMessage] = attrs.Factory(dict)
     since_reply: list[SubagentOutcome] = attrs.Factory(list)
     last_output: dict[str, Any] | None = None
     awaiting: dict[str, list[str]] = attrs.Factory(dict)  # paused request -> its calls waiting for answers
@@ -340,18 +342,48 @@ class _FoldState:
     last_prompt: tuple[str, int] | None = None  # the started request whose prompt ends the entries
 
 
+_Entry = Message | PendingAnswer
+
+
 class ConversationFold:
     """`fold_conversation`, one event at a time (see the module rules).
 
     ``fold.feed(e)`` for each event of a stream in order, then ``fold.messages()``
     equals ``fold_conversation`` of those events, however the feeding was split
-    and whether or not the state went through `to_json` / `from_json` between.
+    and whether or not the state went through `to_json` / `from_json` (or
+    `to_parts` / `from_parts`) between.
+
+    The entries and the outcomes are the parts that grow with the conversation, so
+    `from_parts` keeps them as the JSON text they were stored as: events append after
+    that text without decoding it, and it is decoded only when the history is asked for
+    (or an event takes back what it holds); `to_parts` reuses it and encodes only what
+    was added since (a reopen and a close cost what changed).
     """
 
-    __slots__ = ("_s",)
+    __slots__ = ("_encoded", "_s", "_stored")
 
     def __init__(self) -> None:
         self._s = _FoldState()
+        # The first n entries as stored and not decoded yet: ``_s.entries`` holds those after them.
+        self._stored: tuple[bytes, int] | None = None
+        self._encoded: tuple[bytes, int] | None = None  # the JSON text of the first n entries, as they stand
+
+    def _length(self) -> int:
+        return len(self._s.entries) + (self._stored[1] if self._stored is not None else 0)
+
+    def _entries(self) -> list[Message | PendingAnswer]:
+        """Every entry (decoding the stored ones first, if they are still text)."""
+        if self._stored is not None:
+            text, count = self._stored
+            try:
+                stored = _fold_converter.structure(json.loads(text), list[_Entry])
+            except Exception as exc:
+                raise JournalCorruptError(f"the stored conversation cannot be decoded: {_details(exc)}") from exc
+            if len(stored) != count:
+                raise JournalCorruptError(f"the stored conversation holds {len(stored)} entries, not {count}")
+            self._s.entries[:0] = stored
+            self._stored = None
+        return self._s.entries
 
     def feed(self, event: Event) -> None:
         """Fold one event; a payload that cannot be read raises `JournalCorruptError` and changes nothing."""
@@ -373,7 +405,12 @@ class ConversationFold:
         elif isinstance(event, PromptSubmitted):
             # Nothing joins between a request's start and its prompt's hooks: the tail is its prompt.
             if s.last_prompt is not None and s.last_prompt[0] == event.request_id:
-                del s.entries[len(s.entries) - s.last_prompt[1] :]
+                cut = self._length() - s.last_prompt[1]
+                if self._encoded is not None and cut < self._encoded[1]:  # its text holds entries that go
+                    self._encoded = self._stored if self._stored is not None and cut >= self._stored[1] else None
+                if self._stored is not None and cut < self._stored[1]:
+                    self._entries()  # what goes is in the stored text: read it first
+                del s.entries[cut - self._length() + len(s.entries) :]
             s.entries.extend(UserMessage(text) for text in event.messages)
             s.last_prompt = None
         elif isinstance(event, ModelAttemptCompleted):
@@ -381,13 +418,14 @@ class ConversationFold:
                 record = ModelReplyRecord.from_payload(event.response)
             except JournalCorruptError as exc:
                 raise JournalCorruptError(f"model attempt {event.attempt_id}: {exc}") from exc
-            s.entries.extend(UserMessage(text) for text in record.inputs)
-            s.entries.append(record.message())
+            entries = s.entries
+            entries.extend(UserMessage(text) for text in record.inputs)
+            entries.append(record.message())
             for call in record.tool_calls:
                 if call.id in record.rejected:
-                    s.entries.append(ToolResultMessage(call.id, record.rejected[call.id], is_error=True))
+                    entries.append(ToolResultMessage(call.id, record.rejected[call.id], is_error=True))
                 else:
-                    s.entries.append(PendingAnswer(call.id))
+                    entries.append(PendingAnswer(call.id))
             s.since_reply.clear()
         elif isinstance(event, SubagentCompleted | SubagentCancelled):
             s.since_reply.append(event)
@@ -403,9 +441,9 @@ class ConversationFold:
 
     def messages(self) -> list[Message]:
         """The history so far (a new list)."""
-        outcomes = self._s.outcomes
+        outcomes = dict(self._s.outcomes.items())  # decoded once here, not looked up in stored text per call
         history: list[Message] = []
-        for entry in self._s.entries:
+        for entry in self._entries():
             if isinstance(entry, PendingAnswer):
                 answer = outcomes.get(entry.call_id)
                 if answer is not None:
@@ -426,7 +464,8 @@ class ConversationFold:
         return None if self._s.last_output is None else dict(self._s.last_output)
 
     def to_json(self) -> dict[str, Any]:
-        """The fold's state as JSON-compatible data (for a snapshot)."""
+        """The fold's state as JSON-compatible data."""
+        self._entries()
         data: dict[str, Any] = _fold_converter.unstructure(self._s, _FoldState)
         return data
 
@@ -437,14 +476,81 @@ class ConversationFold:
         try:
             fold._s = _fold_converter.structure(data, _FoldState)
         except Exception as exc:
-            details = "; ".join(cattrs.transform_error(exc, path="conversation"))
-            raise JournalCorruptError(f"invalid conversation fold state: {details}") from exc
+            raise JournalCorruptError(f"invalid conversation fold state: {_details(exc)}") from exc
+        return fold
+
+    def to_parts(self) -> tuple[dict[str, Any], bytes, bytes]:
+        """The state without its entries and outcomes (JSON-compatible, with their counts), the entries
+        as one compact ASCII JSON array and the outcomes as one JSON object: what a snapshot stores, in
+        parts so `from_parts` can leave the last two undecoded."""
+        entries = self._s.entries
+        skipped = self._stored[1] if self._stored is not None else 0  # entries[i] is entry skipped + i
+        if self._encoded is not None and self._encoded[1] >= skipped:
+            text, count = self._encoded
+            added = b",".join(_dumps(_fold_converter.unstructure(e, _Entry)) for e in entries[count - skipped :])
+            if added:
+                text = text[:-1] + (b"," if count else b"") + added + b"]"
+        else:
+            text = _dumps(_fold_converter.unstructure(self._entries(), list[_Entry]))
+        encoded = self._encoded = (text, self._length())
+        outcomes = self._s.outcomes
+        if not isinstance(outcomes, StoredIndex):
+            outcomes = self._s.outcomes = _outcome_index(dict(outcomes))
+        outcome_text, outcome_count = outcomes.to_text()
+        data: dict[str, Any] = _fold_converter.unstructure(attrs.evolve(self._s, entries=[], outcomes={}), _FoldState)
+        del data["entries"], data["outcomes"]
+        data["entries_count"], data["outcomes_count"] = encoded[1], outcome_count
+        return data, encoded[0], outcome_text
+
+    @classmethod
+    def from_parts(cls, state: object, entries: bytes, outcomes: bytes) -> ConversationFold:
+        """A fold from `to_parts`; the entries and outcomes are decoded when first needed
+        (`JournalCorruptError` then, or now for a state that holds something else)."""
+        counts = ("entries_count", "outcomes_count")
+        if not isinstance(state, dict) or any(type(state.get(key)) is not int for key in counts):
+            raise JournalCorruptError("invalid conversation fold state: expected entries_count and outcomes_count")
+        if "entries" in state or "outcomes" in state:
+            raise JournalCorruptError("invalid conversation fold state: its entries and outcomes are stored apart")
+        data = dict(state)
+        count, outcome_count = data.pop("entries_count"), data.pop("outcomes_count")
+        fold = cls.from_json({**data, "entries": [], "outcomes": {}})
+        fold._stored = fold._encoded = (bytes(entries), count)
+        fold._s.outcomes = _outcome_index(text=bytes(outcomes), count=outcome_count)
         return fold
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ConversationFold) and self._s == other._s
+        if not isinstance(other, ConversationFold):
+            return False
+        self._entries()
+        other._entries()
+        return self._s == other._s
 
     __hash__ = None  # type: ignore[assignment]  # mutable
+
+
+def _outcome_index(
+    items: Mapping[str, ToolResultMessage] | None = None, *, text: bytes | None = None, count: int = 0
+) -> StoredIndex[ToolResultMessage]:
+    def encode(call_id: str, answer: ToolResultMessage) -> Any:
+        return _fold_converter.unstructure(answer, ToolResultMessage)
+
+    def decode(call_id: str, row: Any) -> ToolResultMessage:
+        answer: ToolResultMessage = _fold_converter.structure(row, ToolResultMessage)
+        if answer.tool_call_id != call_id:
+            raise TypeError(f"the answer of call {call_id!r} is to call {answer.tool_call_id!r}")
+        return answer
+
+    index = StoredIndex(encode=encode, decode=decode, what="call outcomes", text=text, count=count)
+    index.update(items or {})
+    return index
+
+
+def _details(exc: BaseException) -> str:
+    return "; ".join(cattrs.transform_error(exc, path="conversation")) if isinstance(exc, Exception) else str(exc)
+
+
+def _dumps(data: Any) -> bytes:
+    return json.dumps(data, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
 # ---------------------------------------------------------------- converter

@@ -39,7 +39,7 @@ import math
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -325,6 +325,8 @@ class DurableJournal:
                         f"command {command_id!r} was already applied with different content", command_id=command_id
                     )
                 return stream, attrs.evolve(known[1], replayed=True)
+        if stream.pins:
+            stream.settle_pins()  # the pinned conversations are of before these events
         stream.projection.apply_atomic(envelopes)  # all or nothing: a refusal changes nothing
         for envelope in envelopes:
             stream.track(envelope.event, fold_after=self._fold_after)
@@ -404,19 +406,15 @@ class DurableJournal:
             agent_id = info.stream_id[len(prefix) :]
             stream = await self._restore(info.stream_id, agent_id, info.head)
             try:
-                await self._replay(stream, info.head)
+                await self._catch_up(stream, info.head)
             except JournalCorruptError as exc:
                 if stream.snapshot_seq == 0:
                     raise
-                # The tail does not follow the snapshot: the snapshot is wrong, the events decide.
+                # The tail (or the commands since) does not follow the snapshot: the snapshot is
+                # wrong, the events decide.
                 logger.warning("ignoring the snapshot of %s: %s; replaying the stream in full", info.stream_id, exc)
                 stream = _Stream(info.stream_id, agent_id)
-                await self._replay(stream, info.head)
-            for record in await self.store.commands(info.stream_id, after=stream.snapshot_seq):
-                stream.commands[record.command_id] = (
-                    record.digest,
-                    AppendResult(info.stream_id, record.first_seq, record.last_seq),
-                )
+                await self._catch_up(stream, info.head)
             streams[info.stream_id] = stream
         self._streams = streams
 
@@ -434,6 +432,13 @@ class DurableJournal:
             except JournalCorruptError as exc:
                 logger.warning("ignoring the snapshot of %s: %s; replaying the stream in full", stream_id, exc)
         return _Stream(stream_id, agent_id)
+
+    async def _catch_up(self, stream: _Stream, head: int) -> None:
+        """Apply the events and add the command ids stored after the stream's snapshot (if any)."""
+        await self._replay(stream, head)
+        for record in await self.store.commands(stream.stream_id, after=stream.snapshot_seq):
+            result = AppendResult(stream.stream_id, record.first_seq, record.last_seq)
+            stream.commands[record.command_id] = (record.digest, result)
 
     async def _replay(self, stream: _Stream, head: int) -> None:
         """Apply the stored events after the stream's head, up to ``head`` (the store's)."""
@@ -462,6 +467,11 @@ class DurableJournal:
         of its stream gives it, without reading the stream (`JournalCorruptError` for a payload
         that cannot be read)."""
         return self._stream(agent_id).folded().messages()
+
+    def deferred_conversation(self, agent_id: str | None = None) -> Callable[[], list[Message]]:
+        """One agent's conversation as it stands now, folded and decoded when first called (or at
+        the latest before its stream takes another event): what a reopen hands on without reading."""
+        return self._stream(agent_id).pin()
 
     def conversation_fold(self, agent_id: str | None = None) -> ConversationFold:
         """The incremental fold of one agent's stream, caught up (read it; never feed it):

@@ -29,6 +29,15 @@ Everything that decides a transition lives in this file, in the tables
 * Turn: started (its request is the started one, no other turn open, numbers
   1, 2, 3 ... per request) -> completed | aborted. A turn cannot end while a
   model attempt of it runs or one of its tools is unsettled.
+* Forgetting: when a request ends (completed, failed, interrupted, resumed) its
+  turns and model attempts are dropped from the state: nothing can refer to them
+  again (a late event of one is refused as of an unknown turn or attempt), and the
+  live state, so what a reopen decodes, stays the size of what is live. Turn and
+  attempt ids are unique among the live ones. The request's record moves from
+  ``requests`` (the live ones) to ``ended``, and its calls (all settled) from
+  ``tools`` to ``ended_tools``, where they stay so their ids are never reused (a
+  snapshot keeps both as text, decoded only when an id may be in it). The
+  recovery plan covers the live requests' calls.
 * Model attempt: started (in the open turn, no other attempt running) ->
   completed | failed | aborted.
 * Tool call: scheduled (in the open turn) -> started -> completed | failed |
@@ -61,7 +70,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import attrs
@@ -142,6 +151,11 @@ class RequestState(enum.Enum):
     INTERRUPTED = "interrupted"
     PAUSED = "paused"  # ended waiting for answers; a continuation resumes it
     RESUMED = "resumed"  # a continuation answered it
+
+
+_ENDED = frozenset(
+    {RequestState.COMPLETED, RequestState.FAILED, RequestState.INTERRUPTED, RequestState.RESUMED}
+)  # a request in one of these has no live turn or attempt
 
 
 class TurnState(enum.Enum):
@@ -322,10 +336,12 @@ class _State:
     head: int = 0
     session: SessionState = SessionState.NEW
     session_id: str | None = None
-    requests: dict[str, RequestRecord] = attrs.Factory(dict)
+    requests: dict[str, RequestRecord] = attrs.Factory(dict)  # accepted, started or paused
+    ended: MutableMapping[str, RequestRecord] = attrs.Factory(dict)  # completed, failed, interrupted, resumed
     turns: dict[str, TurnRecord] = attrs.Factory(dict)
     attempts: dict[str, AttemptRecord] = attrs.Factory(dict)
-    tools: dict[str, ToolRecord] = attrs.Factory(dict)
+    tools: dict[str, ToolRecord] = attrs.Factory(dict)  # the calls of live requests
+    ended_tools: MutableMapping[str, ToolRecord] = attrs.Factory(dict)  # the calls of ended requests
     permission_ids: set[str] = attrs.Factory(set)
     subagents: dict[str, SubagentRecord] = attrs.Factory(dict)
     active_request: str | None = None
@@ -383,9 +399,11 @@ class RecoveryItem:
 
 @attrs.frozen
 class RecoveryPlan:
-    """Every unfinished thing of a stream, in priority order, and an action for every tool call.
+    """Every unfinished thing of a stream, in priority order, and an action for every tool call
+    of a live request.
 
-    ``tool_actions`` covers settled calls too (``replay_result``).
+    ``tool_actions`` covers their settled calls too (``replay_result``); the calls of ended
+    requests are all settled and need nothing.
     """
 
     items: tuple[RecoveryItem, ...]
@@ -439,10 +457,15 @@ class Projection:
         return self._s.session
 
     def tool(self, call_id: str) -> ToolRecord | None:
-        return self._s.tools.get(call_id)
+        return self._s.tools.get(call_id) or self._s.ended_tools.get(call_id)
 
     def request(self, request_id: str) -> RequestRecord | None:
-        return self._s.requests.get(request_id)
+        return self._s.requests.get(request_id) or self._s.ended.get(request_id)
+
+    @property
+    def has_requests(self) -> bool:
+        """Whether the stream ever took a request."""
+        return bool(self._s.requests) or bool(self._s.ended)
 
     @property
     def permission_updates(self) -> tuple[PermissionUpdated, ...]:
@@ -550,16 +573,18 @@ class Projection:
 
     _TOUCHED = (
         ("request_id", "requests"),
+        ("request_id", "ended"),
         ("turn_id", "turns"),
         ("attempt_id", "attempts"),
         ("call_id", "tools"),
+        ("call_id", "ended_tools"),
         ("subagent_id", "subagents"),
     )
     _SCALARS = ("head", "session", "session_id", "active_request", "open_turn", "running_attempt", "life", "seeded")
 
     def _save(self, envelopes: Sequence[EventEnvelope]) -> dict[str, Any]:
         s = self._s
-        records: list[tuple[dict[str, Any], str, Any]] = []
+        records: list[tuple[MutableMapping[str, Any], str, Any]] = []
         unsettled: dict[str, set[str] | None] = {}
         permissions: dict[str, bool] = {}
         for envelope in envelopes:
@@ -567,7 +592,7 @@ class Projection:
             for attribute, table_name in self._TOUCHED:
                 key = getattr(event, attribute, None)
                 if isinstance(key, str):
-                    table: dict[str, Any] = getattr(s, table_name)
+                    table: MutableMapping[str, Any] = getattr(s, table_name)
                     record = table.get(key, _MISSING)
                     records.append((table, key, _MISSING if record is _MISSING else copy.copy(record)))
             turn_id = getattr(event, "turn_id", None)
@@ -577,6 +602,18 @@ class Projection:
             permission_id = getattr(event, "permission_id", None)
             if isinstance(permission_id, str):
                 permissions[permission_id] = permission_id in s.permission_ids
+            ending = self._ending(event)
+            if ending is not None:  # what `_forget` may drop or move comes back on a rollback
+                for table in (s.turns, s.attempts, s.tools):
+                    for key, record in table.items():
+                        if record.request_id == ending:
+                            records.append((table, key, copy.copy(record)))
+                            if table is s.tools:
+                                records.append((s.ended_tools, key, _MISSING))
+                for turn_id in [key for key, turn in s.turns.items() if turn.request_id == ending]:
+                    if turn_id not in unsettled:
+                        current = s.unsettled.get(turn_id)
+                        unsettled[turn_id] = None if current is None else set(current)
         return {
             "scalars": {name: getattr(s, name) for name in self._SCALARS},
             "records": records,
@@ -642,9 +679,7 @@ class Projection:
 
     # -- session
 
-    def _session(
-        self, envelope: EventEnvelope, event: SessionCreated | SessionClosed | SessionReopened
-    ) -> _Mutation:
+    def _session(self, envelope: EventEnvelope, event: SessionCreated | SessionClosed | SessionReopened) -> _Mutation:
         new = self._next(_SESSION, (type(event), self._s.session), envelope, "the session")
         if not isinstance(event, SessionCreated) and event.session_id != self._s.session_id:
             raise self._error(envelope, f"session {event.session_id!r} is not {self._s.session_id!r}")
@@ -666,7 +701,7 @@ class Projection:
     def _seed(self, envelope: EventEnvelope, event: ConversationSeeded) -> _Mutation:
         if self._s.seeded:
             raise self._error(envelope, "the conversation was already seeded")
-        if self._s.requests:
+        if self.has_requests:
             raise self._error(envelope, "a conversation is seeded before any request")
 
         def mutate() -> None:
@@ -678,7 +713,7 @@ class Projection:
 
     def _request(self, envelope: EventEnvelope, event: Event) -> _Mutation:
         request_id: str = event.request_id  # type: ignore[union-attr]
-        record = self._s.requests.get(request_id)
+        record = self.request(request_id)  # an ended one only to name its state in the refusal
         if isinstance(event, InterruptsResolved):
             return self._resolved(envelope, event, record)
         new = self._next(_REQUEST, (type(event), record.state if record else None), envelope, "the request")
@@ -698,8 +733,28 @@ class Projection:
                 self._s.active_request = None
             if isinstance(event, RunPaused):
                 self._s.paused[request_id] = event.state
+            if new in _ENDED:
+                self._s.ended[request_id] = self._s.requests.pop(request_id)
+                self._forget(request_id)
 
         return mutate
+
+    def _forget(self, request_id: str) -> None:
+        # Only live requests have records here, so these scans do not grow with the stream.
+        s = self._s
+        for turn_id in [turn.turn_id for turn in s.turns.values() if turn.request_id == request_id]:
+            del s.turns[turn_id]
+            s.unsettled.pop(turn_id, None)
+        for attempt_id in [a.attempt_id for a in s.attempts.values() if a.request_id == request_id]:
+            del s.attempts[attempt_id]
+        for call_id in [call.call_id for call in s.tools.values() if call.request_id == request_id]:
+            s.ended_tools[call_id] = s.tools.pop(call_id)
+
+    def _ending(self, event: Event) -> str | None:
+        """The request ``event`` may end (so `_forget` its turns and attempts), if any."""
+        if isinstance(event, RequestCompleted | RequestFailed | RequestInterrupted | InterruptsResolved):
+            return event.request_id
+        return None
 
     def _resolved(self, envelope: EventEnvelope, event: InterruptsResolved, record: RequestRecord | None) -> _Mutation:
         if record is None or record.state is not RequestState.PAUSED:
@@ -712,6 +767,8 @@ class Projection:
             record.state = RequestState.RESUMED
             self._s.paused.pop(event.request_id, None)
             self._s.approved.update(event.approved)
+            self._s.ended[event.request_id] = self._s.requests.pop(event.request_id)
+            self._forget(event.request_id)
 
         return mutate
 
@@ -820,7 +877,7 @@ class Projection:
             | PermissionResolved
             | RecoveryDecision,
         )
-        record = self._s.tools.get(event.call_id)
+        record = self.tool(event.call_id)  # an ended one only to name its state in the refusal
         new: ToolState = self._next(_TOOL, (type(event), record.state if record else None), envelope, "the call")
         if record is None:
             assert isinstance(event, ToolScheduled)

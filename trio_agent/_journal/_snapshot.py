@@ -8,13 +8,21 @@ restores it and applies only the events after it.
 Rules
 =====
 
-* Format: one JSON object (cattrs-encoded, ASCII, no NaN) with ``format``
+* Format: three lines of compact ASCII JSON (no NaN; JSON text never holds a raw
+  newline). The first is one object (cattrs-encoded) with ``format``
   (``"trio_agent.snapshot"``), ``version`` (`SNAPSHOT_VERSION`), ``stream_id``,
-  ``seq``, ``projection`` (the projection's whole ``_State``), ``calls`` (call id ->
-  `CallRecord`, settlements tagged like events), ``commands`` (every command id whose
-  events are at or before ``seq``) and ``conversation`` (`ConversationFold.to_json`).
-  The store keeps it in one row per stream with the checksum rule of the events
-  (`_codec`: CRC32 of stream id, seq and the exact body bytes).
+  ``seq``, ``projection`` (the projection's whole ``_State``; a request as ``[state, seq,
+  turns]``), ``calls`` (call id -> `CallRecord`, settlements tagged like events) and
+  ``conversation`` (the fold's state without its entries, `ConversationFold.to_parts`).
+  The second is the fold's entries, one JSON array; the third every command id whose
+  events are at or before ``seq``, each ``[id, digest, first_seq, last_seq]``. Those
+  two grow with the session's age, so they are decoded only when first needed (the
+  history by the first request or a read of it, the command ids by the first append
+  with one): a reopen does not pay for them, and a close that changed neither writes
+  their text back as it was read. The checksum and the version vouch for that text
+  meanwhile; a failure to decode it then is a `JournalCorruptError`. The store keeps
+  the three in one row per stream with the checksum rule of the events (`_codec`:
+  CRC32 of stream id, seq and the exact body bytes).
 * Written (`DurableJournal.snapshot_all`) for a stream whose head moved at least
   ``snapshot_every`` events past its last snapshot, when the journal is healthy:
   lease held, not fenced, every submitted start committed. `open_journal` does it on
@@ -46,14 +54,15 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping
-from typing import Any, get_origin
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from typing import Any, TypeVar, get_origin
 
 import attrs
 import cattrs
 
 from .._convert import LazyConverter
 from .._errors import JournalCorruptError
+from .._models._messages import Message
 from .._tools._results import ToolResult, json_copy
 from ._conversation import ConversationFold
 from ._events import (
@@ -67,14 +76,16 @@ from ._events import (
     ToolStarted,
     event_converter,
 )
-from ._projection import Projection, _State
+from ._projection import Projection, RequestRecord, RequestState, ToolRecord, _State
 from ._store import AppendResult
+from ._stored import StoredIndex, dumps
 
 __all__ = [
     "SNAPSHOT_FORMAT",
     "SNAPSHOT_GRACE",
     "SNAPSHOT_VERSION",
     "CallRecord",
+    "ConversationPin",
     "decode_snapshot",
     "encode_snapshot",
     "result_from_json",
@@ -82,9 +93,11 @@ __all__ = [
 ]
 
 SNAPSHOT_FORMAT = "trio_agent.snapshot"
-SNAPSHOT_VERSION = 2
+SNAPSHOT_VERSION = 3
 """2: the conversation fold adds a prompt when its request starts and keeps paused calls open;
-a version-1 snapshot is ignored (the events are replayed), never read under the new rules."""
+3: two lines (the entries apart), commands as arrays, and a projection that forgets the turns and
+attempts of ended requests. An older snapshot is ignored (the events are replayed), never read
+under the new rules."""
 SNAPSHOT_GRACE = 2.0
 """Seconds the close of a journal may spend writing snapshots (at most ``commit_grace``)."""
 
@@ -130,27 +143,87 @@ class CallRecord:
 FOLD_AFTER = 512  # unfolded events a stream may hold before it folds them on its own
 
 
+class ConversationPin:
+    """A stream's conversation as it stood when pinned (`_Stream.pin`), folded and decoded when first
+    called, or at the latest before the stream takes its next event: a reopen can hand the history
+    on without decoding it, and the first request that needs it pays once."""
+
+    __slots__ = ("_failure", "_messages", "_stream")
+
+    def __init__(self, stream: _Stream) -> None:
+        self._stream: _Stream | None = stream
+        self._messages: list[Message] | None = None
+        self._failure: JournalCorruptError | None = None
+
+    def settle(self) -> None:
+        """Take the conversation now (a failure is kept for the call, never raised here)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            try:
+                self._messages = stream.folded().messages()
+            except JournalCorruptError as exc:
+                self._failure = exc
+
+    def __call__(self) -> list[Message]:
+        """The pinned conversation (a new list each time); `JournalCorruptError` if it cannot be read."""
+        if self._stream is not None:
+            self._stream.pins.remove(self)
+            self.settle()
+        if self._failure is not None:
+            raise self._failure
+        assert self._messages is not None
+        return list(self._messages)
+
+
 class _Stream:
-    __slots__ = ("agent_id", "calls", "commands", "fold", "projection", "snapshot_seq", "stream_id", "unfolded")
+    __slots__ = (
+        "agent_id",
+        "calls",
+        "commands",
+        "fold",
+        "pins",
+        "projection",
+        "snapshot_seq",
+        "stream_id",
+        "unfolded",
+    )
 
     def __init__(self, stream_id: str, agent_id: str) -> None:
         self.stream_id = stream_id
         self.agent_id = agent_id
         self.projection = Projection(stream_id)
-        self.commands: dict[str, tuple[str, AppendResult]] = {}
-        self.calls: dict[str, CallRecord] = {}
+        # Command id -> (digest, first outcome): the replay cache (a snapshot's part stays text until needed).
+        self.commands: StoredIndex[tuple[str, AppendResult]] = command_index(stream_id)
+        self.calls: MutableMapping[str, CallRecord] = {}  # every call (a snapshot's part stays text until needed)
         self.fold = ConversationFold()
         # Events applied but not folded yet: folding waits until someone asks (or they pile up).
         self.unfolded: list[Event] = []
         self.snapshot_seq = 0  # the seq of the snapshot this stream was restored from or last saved at
+        self.pins: list[ConversationPin] = []  # unsettled: settled before the next event is tracked
+
+    def pin(self) -> ConversationPin:
+        """The conversation as it stands now, read later (see `ConversationPin`)."""
+        pin = ConversationPin(self)
+        self.pins.append(pin)
+        return pin
+
+    def settle_pins(self) -> None:
+        """Settle the pins before anything moves (a failure stays with its pin)."""
+        pins, self.pins = self.pins, []
+        for pin in pins:
+            pin.settle()
 
     def apply(self, envelope: EventEnvelope, *, fold_after: int | None = FOLD_AFTER) -> None:
+        if self.pins:
+            self.settle_pins()
         self.projection.apply(envelope)
         self.track(envelope.event, fold_after=fold_after)
 
     def track(self, event: Event, *, fold_after: int | None = FOLD_AFTER) -> None:
         """Record *event*; fold the pending events once more than *fold_after* wait (``None``:
         only when someone asks, for a journal that never snapshots: its fold may never be needed)."""
+        if self.pins:
+            self.settle_pins()
         if isinstance(event, ToolScheduled):
             self.calls[event.call_id] = CallRecord(event)
         elif isinstance(event, ToolStarted):
@@ -184,12 +257,83 @@ class _Stream:
 # ---------------------------------------------------------------- the format
 
 
-@attrs.frozen
-class _Command:
-    command_id: str
-    digest: str
-    first_seq: int
-    last_seq: int
+def command_index(stream_id: str, text: bytes | None = None, count: int = 0) -> StoredIndex[tuple[str, AppendResult]]:
+    """A stream's replay cache: command id -> (digest, first outcome), stored as ``[digest, first, last]``."""
+
+    def encode(command_id: str, value: tuple[str, AppendResult]) -> list[Any]:
+        return [value[0], value[1].first_seq, value[1].last_seq]
+
+    def decode(command_id: str, row: Any) -> tuple[str, AppendResult]:
+        if not (isinstance(row, list) and len(row) == 3 and type(row[0]) is str and _seqs(row[1], row[2])):
+            raise TypeError(f"command {command_id!r}: {row!r} is not [digest, first_seq, last_seq]")
+        return row[0], AppendResult(stream_id, row[1], row[2])
+
+    return StoredIndex(encode=encode, decode=decode, what="command ids", text=text, count=count)
+
+
+def _seqs(first: object, last: object) -> bool:
+    return type(first) is int and type(last) is int and 0 < first <= last
+
+
+_REQUEST_STATES = {state.value: state for state in RequestState}
+
+
+def _encode_request(request_id: str, record: RequestRecord) -> list[Any]:
+    return [record.state.value, record.seq, record.turns]
+
+
+def _decode_request(request_id: str, row: Any) -> RequestRecord:
+    if not (
+        isinstance(row, list)
+        and len(row) == 3
+        and row[0] in _REQUEST_STATES
+        and type(row[1]) is int
+        and type(row[2]) is int
+    ):
+        raise TypeError(f"request {request_id!r}: {row!r} is not [state, seq, turns]")
+    return RequestRecord(request_id, _REQUEST_STATES[row[0]], row[1], row[2])
+
+
+def ended_index(text: bytes | None = None, count: int = 0) -> StoredIndex[RequestRecord]:
+    """The projection's ended requests, stored as ``[state, seq, turns]``."""
+    return StoredIndex(encode=_encode_request, decode=_decode_request, what="ended requests", text=text, count=count)
+
+
+def _record_index(
+    kind: type[Any], call_id_of: Callable[[Any], str], what: str, text: bytes | None, count: int
+) -> StoredIndex[Any]:
+    """An index of attrs records of calls, by call id, stored as the converter has them."""
+
+    def encode(key: str, record: Any) -> Any:
+        return _converter.unstructure(record, kind)
+
+    def decode(key: str, row: Any) -> Any:
+        record = _converter.structure(row, kind)
+        if call_id_of(record) != key:
+            raise TypeError(f"the row of call {key!r} is of call {call_id_of(record)!r}")
+        return record
+
+    return StoredIndex(encode=encode, decode=decode, what=what, text=text, count=count)
+
+
+def ended_tools_index(text: bytes | None = None, count: int = 0) -> StoredIndex[ToolRecord]:
+    """The projection's calls of ended requests."""
+    index: StoredIndex[ToolRecord] = _record_index(
+        ToolRecord, lambda record: record.call_id, "calls of ended requests", text, count
+    )
+    return index
+
+
+def call_index(text: bytes | None = None, count: int = 0) -> StoredIndex[CallRecord]:
+    """A stream's `CallRecord` of every call."""
+    index: StoredIndex[CallRecord] = _record_index(
+        CallRecord, lambda record: record.scheduled.call_id, "call records", text, count
+    )
+    return index
+
+
+_LINES = ("commands", "ended_requests", "ended_tools", "calls")
+"""The index lines after the header and the entries, in this order (their sizes: ``_Body.lines``)."""
 
 
 @attrs.frozen
@@ -199,9 +343,8 @@ class _Body:
     stream_id: str
     seq: int
     projection: _State
-    calls: dict[str, CallRecord]
-    commands: list[_Command]
     conversation: dict[str, Any]
+    lines: dict[str, int]  # each index line (`_LINES`) -> its entries
 
 
 def _strict(kind: type[Any]) -> Any:
@@ -227,6 +370,23 @@ def _unstructure_settlement(value: Settlement | None) -> Any:
     return None if value is None else event_converter.unstructure(value, Event)
 
 
+def _structure_requests(value: object, _: object) -> dict[str, RequestRecord]:
+    # The live requests (few): the rows of the ended ones, checked the same way.
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object of requests, got {type(value).__name__}")
+    return {request_id: _decode_request(request_id, row) for request_id, row in value.items()}
+
+
+def _is_ended(kind: Any) -> bool:
+    return kind in (MutableMapping[str, RequestRecord], MutableMapping[str, ToolRecord])
+
+
+def _no_ended(value: object, _: object) -> dict[str, Any]:
+    if value != {}:
+        raise TypeError("the ended requests and their calls are not in the header")
+    return {}
+
+
 def _is_set(kind: Any) -> bool:
     return kind is set or get_origin(kind) is set
 
@@ -237,6 +397,14 @@ def _configure(converter: cattrs.Converter) -> None:
     converter.register_structure_hook_func(lambda t: t == (Settlement | None), _structure_settlement)
     converter.register_unstructure_hook_func(lambda t: t == (Settlement | None), _unstructure_settlement)
     converter.register_unstructure_hook_func(_is_set, lambda value: sorted(value))  # a stable body
+    converter.register_structure_hook_func(lambda t: t == dict[str, RequestRecord], _structure_requests)
+    converter.register_unstructure_hook_func(
+        lambda t: t == dict[str, RequestRecord],
+        lambda requests: {key: _encode_request(key, record) for key, record in requests.items()},
+    )
+    # The ended requests and their calls are lines of their own; the header holds none.
+    converter.register_structure_hook_func(_is_ended, _no_ended)
+    converter.register_unstructure_hook_func(_is_ended, lambda _: {})
     # JSON objects (inputs, results, the fold's state) are taken as they are: the checksum vouched for them.
     converter.register_structure_hook_func(lambda t: t == dict[str, Any], _json_object)
     converter.register_structure_hook_func(
@@ -253,30 +421,46 @@ def _json_object(value: object, _: object) -> dict[str, Any]:
 _converter = LazyConverter(configure=_configure, forbid_extra_keys=True, detailed_validation=False)
 
 
-def encode_snapshot(stream: _Stream, commands: Iterable[_Command | tuple[str, str, int, int]] = ()) -> bytes:
-    """The snapshot of ``stream`` at its head: ``commands`` are added to its own cache (those
-    past the head are left out). `JournalCorruptError` if the conversation cannot be folded."""
+def encode_snapshot(stream: _Stream, commands: Iterable[tuple[str, str, int, int]] = ()) -> bytes:
+    """The snapshot of ``stream`` at its head: ``commands`` (id, digest, first, last) are added to its
+    own cache (those past the head are left out). `JournalCorruptError` if the conversation cannot be
+    folded."""
     fold = stream.folded()
+    state, entries, outcomes = fold.to_parts()
     seq = stream.projection.head
-    known = {
-        cid: _Command(cid, digest, result.first_seq, result.last_seq)
-        for cid, (digest, result) in stream.commands.items()
+    cache = stream.commands
+    for command_id, digest, first_seq, last_seq in commands:
+        if command_id not in cache:
+            cache[command_id] = (digest, AppendResult(stream.stream_id, first_seq, last_seq))
+    projection = stream.projection._s
+    texts = {
+        "commands": cache.to_text(keep=lambda _, value: value[1].last_seq <= seq),
+        "ended_requests": _as_index(projection.ended, ended_index).to_text(),
+        "ended_tools": _as_index(projection.ended_tools, ended_tools_index).to_text(),
+        "calls": _as_index(stream.calls, call_index).to_text(),
     }
-    for command in commands:
-        entry = command if isinstance(command, _Command) else _Command(*command)
-        known.setdefault(entry.command_id, entry)
     body = _Body(
         format=SNAPSHOT_FORMAT,
         version=SNAPSHOT_VERSION,
         stream_id=stream.stream_id,
         seq=seq,
-        projection=stream.projection._s,
-        calls=stream.calls,
-        commands=sorted((c for c in known.values() if c.last_seq <= seq), key=lambda c: c.first_seq),
-        conversation=fold.to_json(),
+        projection=projection,
+        conversation=state,
+        lines={name: texts[name][1] for name in _LINES},
     )
-    data = _converter.unstructure(body, _Body)
-    return json.dumps(data, separators=(",", ":"), allow_nan=False).encode("ascii")
+    header = dumps(_converter.unstructure(body, _Body))
+    return b"\n".join((header, entries, outcomes, *(texts[name][0] for name in _LINES)))
+
+
+V = TypeVar("V")
+
+
+def _as_index(items: MutableMapping[str, V], make: Callable[[], StoredIndex[V]]) -> StoredIndex[V]:
+    if isinstance(items, StoredIndex):
+        return items
+    index = make()
+    index.update(items)
+    return index
 
 
 def decode_snapshot(stream_id: str, agent_id: str, seq: int, body: bytes) -> _Stream:
@@ -285,8 +469,10 @@ def decode_snapshot(stream_id: str, agent_id: str, seq: int, body: bytes) -> _St
     def unusable(problem: str) -> JournalCorruptError:
         return JournalCorruptError(f"snapshot {stream_id}@{seq} cannot be used: {problem}")
 
+    lines = body.split(b"\n")
+    header = lines[0]
     try:
-        data = json.loads(body)
+        data = json.loads(header)
     except ValueError as exc:
         raise unusable(f"it is not JSON: {exc}") from exc
     if not isinstance(data, dict):
@@ -294,19 +480,26 @@ def decode_snapshot(stream_id: str, agent_id: str, seq: int, body: bytes) -> _St
     found = (data.get("format"), data.get("version"))
     if found != (SNAPSHOT_FORMAT, SNAPSHOT_VERSION):
         raise unusable(f"unknown format {found!r} (this code reads {(SNAPSHOT_FORMAT, SNAPSHOT_VERSION)!r})")
+    if len(lines) != 3 + len(_LINES):
+        raise unusable(
+            f"it has {len(lines)} lines, not {3 + len(_LINES)} (state, conversation entries and outcomes, {_LINES})"
+        )
     try:
         decoded = _converter.structure(data, _Body)
-        fold = ConversationFold.from_json(decoded.conversation)
+        fold = ConversationFold.from_parts(decoded.conversation, lines[1], lines[2])
     except Exception as exc:
         raise unusable(f"{type(exc).__name__}: {exc}") from exc
     if (decoded.stream_id, decoded.seq, decoded.projection.head) != (stream_id, seq, seq):
         raise unusable(f"it holds {decoded.stream_id}@{decoded.seq} with a projection at {decoded.projection.head}")
     stream = _Stream(stream_id, agent_id)
+    if set(decoded.lines) != set(_LINES):
+        raise unusable(f"its header names the lines {sorted(decoded.lines)}, not {sorted(_LINES)}")
+    text = dict(zip(_LINES, lines[3:], strict=True))
+    decoded.projection.ended = ended_index(text["ended_requests"], decoded.lines["ended_requests"])
+    decoded.projection.ended_tools = ended_tools_index(text["ended_tools"], decoded.lines["ended_tools"])
     stream.projection = Projection.restored(stream_id, decoded.projection)
-    stream.calls = decoded.calls
-    stream.commands = {
-        c.command_id: (c.digest, AppendResult(stream_id, c.first_seq, c.last_seq)) for c in decoded.commands
-    }
+    stream.calls = call_index(text["calls"], decoded.lines["calls"])
+    stream.commands = command_index(stream_id, text["commands"], decoded.lines["commands"])
     stream.fold = fold
     stream.snapshot_seq = seq
     return stream

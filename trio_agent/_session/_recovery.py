@@ -68,7 +68,7 @@ async def begin_life(host: SessionHost, tools: Mapping[str, Tool[Any]], history:
             "(journal show, read_conversation) but not continued: open a new session id"
         )
     if history is not None:
-        if state is not SessionState.OPEN or projection._s.requests or projection._s.seeded:
+        if state is not SessionState.OPEN or projection.has_requests or projection._s.seeded:
             raise ConfigError(
                 f"history= seeds a new session, but session {host.session_id!r} already has a conversation"
             )
@@ -159,8 +159,9 @@ async def _recover(host: SessionHost, tools: Mapping[str, Tool[Any]], life: Life
                     ),
                     agent_id=agent_id,
                 )
-    # From memory: the snapshot the journal loaded plus the events after it (no stream read).
-    host.root.history = journal.conversation()
+    # From memory (the snapshot the journal loaded plus the events after it), when first needed:
+    # the first request, or `Session.messages`. Opening decodes no history.
+    host.root.defer_history(journal.deferred_conversation())
     notes = host.inbox.setdefault(host.root.agent_id, [])
     if life.notes:
         notes.append("[session recovered after a restart]\n" + "\n".join(life.notes))

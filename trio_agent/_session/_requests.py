@@ -86,11 +86,29 @@ class _Agent:
     max_turns: int
     parent_id: str | None = None
     model: str | None = None
-    history: list[Message] = attrs.Factory(list)
+    _history: list[Message] | None = attrs.Factory(list)
     specs: list[ToolSpec] | None = None
     lineage: tuple[str, ...] = ()  # the calls it runs under (a foreground subagent's tool calls)
     _strategy: LoopStrategy | None = None
     call_index: CallIdIndex = attrs.Factory(CallIdIndex)
+    _deferred: Callable[[], list[Message]] | None = None
+
+    @property
+    def history(self) -> list[Message]:
+        """The conversation (a reopened agent's is read from the journal when first needed)."""
+        if self._history is None:
+            assert self._deferred is not None
+            self._history = self._deferred()
+            self._deferred = None
+        return self._history
+
+    @history.setter
+    def history(self, messages: list[Message]) -> None:
+        self._history, self._deferred = messages, None
+
+    def defer_history(self, load: Callable[[], list[Message]]) -> None:
+        """Take the history from ``load`` when it is first needed (a reopen reads no history)."""
+        self._history, self._deferred = None, load
 
     def strategy(self) -> LoopStrategy:
         """``max_turns`` as the loop's strategy (made once)."""
@@ -198,9 +216,7 @@ async def accept_on(journal: DurableJournal, agent_id: str, request: _Request) -
             request_id=request.request_id,
             command_id=request.request_id,
             # A continuation carries no prompt: its answers are recorded with interrupts_resolved.
-            input={"prompt": request.prompt}
-            if request.resume is None
-            else {"resume": request.resume.parent_run_id},
+            input={"prompt": request.prompt} if request.resume is None else {"resume": request.resume.parent_run_id},
         ),
         command_id=request.request_id,
         agent_id=agent_id,

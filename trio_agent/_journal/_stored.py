@@ -1,0 +1,164 @@
+"""A mapping whose older entries may still be the JSON text a snapshot stored them as.
+
+A stream keeps two indexes that grow with its age and are rarely read back: the
+command ids it took (the replay cache) and the requests that ended (kept so an id
+is never reused). A reopen should not pay for decoding them, so a snapshot stores
+each as one JSON object ``{key: row, ...}`` and `StoredIndex` keeps that text
+as it is.
+
+Rules
+=====
+
+* Entries set after the text was read live in a dict beside it and shadow it.
+* A key is looked up in that dict first, then in the text by its encoded form
+  (``json.dumps(key)`` followed by ``:``, the way the encoder wrote it): absent
+  there means absent, which is the usual answer for a new id, and costs a
+  substring search. A hit decodes the whole text once (a false hit, e.g. a key
+  inside another escaped key, only costs that decode).
+* Iterating, sizing with entries that may shadow the text, deleting a stored key,
+  or a failure to decode decode the text first (a failure is `JournalCorruptError`
+  and leaves the text in place, so asking again reports it again).
+* `to_text` writes the stored text back with the entries since appended, and
+  encodes everything only when the text was decoded or may hold one of them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any, Generic, TypeVar
+
+from ._errors import JournalCorruptError
+
+V = TypeVar("V")
+
+__all__ = ["StoredIndex", "dumps"]
+
+
+def dumps(data: Any) -> bytes:
+    """Compact ASCII JSON, as every line of a snapshot is written."""
+    return json.dumps(data, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
+class StoredIndex(MutableMapping[str, V], Generic[V]):
+    """Key -> value, partly as stored JSON text (see the module rules).
+
+    ``encode(key, value)`` gives a value's row (JSON-compatible); ``decode(key, row)``
+    takes it back, raising for a row it cannot read; ``what`` names the index in errors.
+    """
+
+    __slots__ = ("_count", "_decode", "_encode", "_items", "_text", "_what")
+
+    def __init__(
+        self,
+        *,
+        encode: Callable[[str, V], Any],
+        decode: Callable[[str, Any], V],
+        what: str,
+        text: bytes | None = None,
+        count: int = 0,
+    ) -> None:
+        self._encode = encode
+        self._decode = decode
+        self._what = what
+        self._text = text  # None once decoded (or never stored)
+        self._count = count  # the entries in the text
+        self._items: dict[str, V] = {}
+
+    @property
+    def stored(self) -> bool:
+        """Whether some entries are still undecoded text."""
+        return self._text is not None
+
+    def _may_hold(self, key: str) -> bool:
+        return self._text is not None and dumps(key) + b":" in self._text
+
+    def _load(self) -> None:
+        if self._text is None:
+            return
+        try:
+            rows = json.loads(self._text)
+            if not isinstance(rows, dict):
+                raise TypeError(f"expected a JSON object, got {type(rows).__name__}")
+            stored = {key: self._decode(key, row) for key, row in rows.items()}
+        except Exception as exc:
+            raise JournalCorruptError(f"the stored {self._what} cannot be decoded: {exc}") from exc
+        if len(stored) != self._count:
+            raise JournalCorruptError(f"the stored {self._what} hold {len(stored)} entries, not {self._count}")
+        stored.update(self._items)
+        self._items = stored
+        self._text = None
+
+    def __getitem__(self, key: str) -> V:
+        try:
+            return self._items[key]
+        except KeyError:
+            if not self._may_hold(key):
+                raise
+        self._load()
+        return self._items[key]
+
+    def __contains__(self, key: object) -> bool:
+        if key in self._items:
+            return True
+        if isinstance(key, str) and self._may_hold(key):
+            self._load()
+            return key in self._items
+        return False
+
+    def __setitem__(self, key: str, value: V) -> None:
+        self._items[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if self._may_hold(key):
+            self._load()
+        del self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        self._load()
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        if self._text is not None and any(self._may_hold(key) for key in self._items):
+            self._load()
+        return len(self._items) + (self._count if self._text is not None else 0)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        self._load()
+        return self._items == dict(other.items())
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        if self._text is not None:
+            return f"StoredIndex({self._what}: {self._count} stored, {len(self._items)} since)"
+        return f"StoredIndex({self._what}: {len(self._items)})"
+
+    def to_text(self, keep: Callable[[str, V], bool] = lambda key, value: True) -> tuple[bytes, int]:
+        """The JSON object text of the entries (those ``keep`` keeps of the ones not stored) and their
+        number: the stored text as it was read, the entries since appended after it."""
+        if self._text is not None and any(self._may_hold(key) for key in self._items):
+            self._load()  # one may shadow a stored entry: write the decoded whole
+        rows = {key: self._encode(key, value) for key, value in self._items.items() if keep(key, value)}
+        if self._text is None:
+            return dumps(rows), len(rows)
+        if not rows:
+            return self._text, self._count
+        text = self._text[:-1] + (b"," if self._count else b"") + dumps(rows)[1:]
+        return text, self._count + len(rows)
+
+    @classmethod
+    def of(
+        cls,
+        items: Mapping[str, V],
+        *,
+        encode: Callable[[str, V], Any],
+        decode: Callable[[str, Any], V],
+        what: str,
+    ) -> StoredIndex[V]:
+        """An index of decoded ``items``."""
+        index = cls(encode=encode, decode=decode, what=what)
+        index._items = dict(items)
+        return index
