@@ -212,7 +212,7 @@ def test_the_incremental_fold_equals_the_fold_however_it_is_split(events: list[E
             reread = ConversationFold.from_parts(json.loads(json.dumps(state)), entries, outcomes)
             assert reread.messages() == fold_conversation(events[:start])
             assert json.loads(entries) == reread.to_json()["entries"]
-            assert json.loads(outcomes) == reread.to_json()["outcomes"]
+            assert json.loads(outcomes.partition(b" ")[2]) == reread.to_json()["outcomes"]
             fold = ConversationFold.from_parts(json.loads(json.dumps(state)), entries, outcomes)
     assert fold.messages() == fold_conversation(events)
     assert list(fold.outcomes_since_reply) == session_notes(events)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_agent._errors import JournalCorruptError
-from trio_agent._journal._stored import StoredIndex, dumps
+from trio_agent._journal._stored import StoredIndex, _packed, dumps
 
 # Keys that stress the lookup by encoded form: quotes, backslashes, colons, non-ASCII, prefixes of each other.
 KEYS = st.text(alphabet='ab"\\:é', max_size=4)
@@ -23,7 +23,16 @@ def index(text: bytes | None = None, count: int = 0) -> StoredIndex[int]:
             raise TypeError(f"{key!r}: {row!r} is not an int")
         return row
 
-    return StoredIndex(encode=lambda key, value: value, decode=decode, what="numbers", text=text, count=count)
+    return StoredIndex(encode=lambda key, value: value, decode=decode, what="numbers", line=text, count=count)
+
+
+def line(text: bytes, keys: list[str]) -> bytes:
+    """A stored line: the keys' digests, a space, the JSON text."""
+    return _packed(keys).hex().encode() + b" " + text
+
+
+def json_of(stored_line: bytes) -> Any:
+    return json.loads(stored_line.partition(b" ")[2])
 
 
 def stored(items: dict[str, int]) -> StoredIndex[int]:
@@ -67,7 +76,7 @@ def test_a_stored_index_behaves_as_the_dict_it_stands_for(start: dict[str, int],
             assert len(subject) == len(model)
         else:
             text, count = subject.to_text()
-            assert json.loads(text) == model and count == len(model)
+            assert json_of(text) == model and count == len(model)
             subject = index(text, count)
     assert subject == model and dict(subject.items()) == model
 
@@ -78,17 +87,23 @@ def test_a_new_key_is_answered_without_decoding_and_the_text_is_reused() -> None
     subject["r3"] = 3
     assert len(subject) == 3 and subject.stored
     text, count = subject.to_text()
-    assert text == b'{"r1":1,"r2":2,"r3":3}' and count == 3 and subject.stored
+    assert text == line(b'{"r1":1,"r2":2,"r3":3}', ["r1", "r2", "r3"]) and count == 3 and subject.stored
     assert subject["r2"] == 2 and not subject.stored  # a stored key: decoded once
     assert dumps({"a": 1}) == b'{"a":1}'
 
 
 def test_text_it_cannot_read_is_reported_when_needed_and_stays() -> None:
-    subject = index(b'{"r1":"one"}', 1)
+    subject = index(line(b'{"r1":"one"}', ["r1"]), 1)
     assert subject.get("r2") is None  # not there: nothing decoded
     for _ in range(2):
         with pytest.raises(JournalCorruptError, match="stored numbers cannot be decoded: 'r1'"):
             subject.get("r1")
     assert subject.stored
     with pytest.raises(JournalCorruptError, match="hold 1 entries, not 2"):
-        index(b'{"r1":1}', 2)["r1"]
+        index(line(b'{"r1":1}', ["r1", "r2"]), 2)["r1"]
+    # Digests that do not fit the count (or are not hex): every lookup asks the text itself.
+    for bad in (b"zz " + b'{"r1":1}', line(b'{"r1":1}', [])):
+        unsure = index(bad, 1)
+        assert unsure.get("r2") is None and not unsure.stored and unsure["r1"] == 1
+    with pytest.raises(JournalCorruptError, match="cannot be decoded"):
+        index(b'{"r1":1}', 1).get("r2")  # no digests and no text: a line this code never writes

@@ -540,7 +540,7 @@ def _outcome_index(
             raise TypeError(f"the answer of call {call_id!r} is to call {answer.tool_call_id!r}")
         return answer
 
-    index = StoredIndex(encode=encode, decode=decode, what="call outcomes", text=text, count=count)
+    index = StoredIndex(encode=encode, decode=decode, what="call outcomes", line=text, count=count)
     index.update(items or {})
     return index
 

@@ -98,7 +98,28 @@ def _optional_non_empty(instance: object, attribute: attrs.Attribute[Any], value
         _non_empty(instance, attribute, value)
 
 
+_JSON_LEAVES = frozenset({type(None), bool, str, int})
+
+
+def _is_json(value: object) -> bool:
+    """The common case, fast: exact JSON types (no path text built); anything else is judged by
+    `_explain_json`, which also names where it fails."""
+    kind = type(value)
+    if kind in _JSON_LEAVES:
+        return True
+    if kind is dict:
+        return all(type(key) is str and _is_json(item) for key, item in value.items())  # type: ignore[attr-defined]
+    if kind is list:
+        return all(_is_json(item) for item in value)  # type: ignore[attr-defined]
+    return kind is float and math.isfinite(value)  # type: ignore[arg-type]
+
+
 def _check_json(value: object, path: str) -> None:
+    if not _is_json(value):
+        _explain_json(value, path)
+
+
+def _explain_json(value: object, path: str) -> None:
     if value is None or isinstance(value, (bool, str)):
         return
     if isinstance(value, int):
@@ -109,13 +130,13 @@ def _check_json(value: object, path: str) -> None:
         return
     if isinstance(value, list):
         for index, item in enumerate(value):
-            _check_json(item, f"{path}[{index}]")
+            _explain_json(item, f"{path}[{index}]")
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise ValueError(f"{path} has a non-string key {key!r}")
-            _check_json(item, f"{path}.{key}")
+            _explain_json(item, f"{path}.{key}")
         return
     raise ValueError(f"{path} is not JSON: {type(value).__name__}")
 

@@ -268,7 +268,7 @@ def command_index(stream_id: str, text: bytes | None = None, count: int = 0) -> 
             raise TypeError(f"command {command_id!r}: {row!r} is not [digest, first_seq, last_seq]")
         return row[0], AppendResult(stream_id, row[1], row[2])
 
-    return StoredIndex(encode=encode, decode=decode, what="command ids", text=text, count=count)
+    return StoredIndex(encode=encode, decode=decode, what="command ids", line=text, count=count)
 
 
 def _seqs(first: object, last: object) -> bool:
@@ -296,7 +296,7 @@ def _decode_request(request_id: str, row: Any) -> RequestRecord:
 
 def ended_index(text: bytes | None = None, count: int = 0) -> StoredIndex[RequestRecord]:
     """The projection's ended requests, stored as ``[state, seq, turns]``."""
-    return StoredIndex(encode=_encode_request, decode=_decode_request, what="ended requests", text=text, count=count)
+    return StoredIndex(encode=_encode_request, decode=_decode_request, what="ended requests", line=text, count=count)
 
 
 def _record_index(
@@ -313,7 +313,7 @@ def _record_index(
             raise TypeError(f"the row of call {key!r} is of call {call_id_of(record)!r}")
         return record
 
-    return StoredIndex(encode=encode, decode=decode, what=what, text=text, count=count)
+    return StoredIndex(encode=encode, decode=decode, what=what, line=text, count=count)
 
 
 def ended_tools_index(text: bytes | None = None, count: int = 0) -> StoredIndex[ToolRecord]:

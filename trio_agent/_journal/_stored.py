@@ -9,12 +9,14 @@ as it is.
 Rules
 =====
 
+* Stored form (`to_text`): one line, the CRC32 of every stored key (little-endian
+  32-bit words, in hex), a space, then the JSON object.
 * Entries set after the text was read live in a dict beside it and shadow it.
-* A key is looked up in that dict first, then in the text by its encoded form
-  (``json.dumps(key)`` followed by ``:``, the way the encoder wrote it): absent
-  there means absent, which is the usual answer for a new id, and costs a
-  substring search. A hit decodes the whole text once (a false hit, e.g. a key
-  inside another escaped key, only costs that decode).
+* A key is looked up in that dict first, then by its CRC32 among the stored
+  keys' (a set built from the hex on the first lookup): absent there means
+  absent, the usual answer for a new id, in constant time whatever the size of
+  the text. A hit decodes the whole text once (a CRC shared by two keys only
+  costs that decode).
 * Iterating, sizing with entries that may shadow the text, deleting a stored key,
   or a failure to decode decode the text first (a failure is `JournalCorruptError`
   and leaves the text in place, so asking again reports it again).
@@ -25,7 +27,9 @@ Rules
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+import struct
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, Generic, TypeVar
 
 from ._errors import JournalCorruptError
@@ -40,6 +44,15 @@ def dumps(data: Any) -> bytes:
     return json.dumps(data, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
+def _crc(key: str) -> int:
+    return zlib.crc32(key.encode("utf-8", "surrogatepass"))
+
+
+def _packed(keys: Iterable[str]) -> bytes:
+    crcs = [_crc(key) for key in keys]
+    return struct.pack(f"<{len(crcs)}I", *crcs)
+
+
 class StoredIndex(MutableMapping[str, V], Generic[V]):
     """Key -> value, partly as stored JSON text (see the module rules).
 
@@ -47,7 +60,7 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
     takes it back, raising for a row it cannot read; ``what`` names the index in errors.
     """
 
-    __slots__ = ("_count", "_decode", "_encode", "_items", "_text", "_what")
+    __slots__ = ("_count", "_crcs", "_decode", "_encode", "_items", "_packed", "_text", "_what")
 
     def __init__(
         self,
@@ -55,15 +68,24 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
         encode: Callable[[str, V], Any],
         decode: Callable[[str, Any], V],
         what: str,
-        text: bytes | None = None,
+        line: bytes | None = None,
         count: int = 0,
     ) -> None:
+        """``line`` is what `to_text` wrote (``count`` entries); ``None`` for a new, empty index."""
         self._encode = encode
         self._decode = decode
         self._what = what
-        self._text = text  # None once decoded (or never stored)
         self._count = count  # the entries in the text
         self._items: dict[str, V] = {}
+        self._crcs: frozenset[int] | None = None  # the stored keys' CRCs, once a lookup needed them
+        self._text: bytes | None = None  # None once decoded (or never stored)
+        self._packed = b""
+        if line is not None:
+            packed, space, self._text = line.partition(b" ")
+            try:
+                self._packed = bytes.fromhex(packed.decode("ascii")) if space else b"?"
+            except ValueError:
+                self._packed = b"?"  # unusable digests: lookups fall back to decoding the text
 
     @property
     def stored(self) -> bool:
@@ -71,7 +93,13 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
         return self._text is not None
 
     def _may_hold(self, key: str) -> bool:
-        return self._text is not None and dumps(key) + b":" in self._text
+        if self._text is None:
+            return False
+        if self._crcs is None:
+            if len(self._packed) != 4 * self._count:
+                return True  # no usable digests: the text itself decides
+            self._crcs = frozenset(struct.unpack(f"<{self._count}I", self._packed))
+        return _crc(key) in self._crcs
 
     def _load(self) -> None:
         if self._text is None:
@@ -139,15 +167,17 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
     def to_text(self, keep: Callable[[str, V], bool] = lambda key, value: True) -> tuple[bytes, int]:
         """The JSON object text of the entries (those ``keep`` keeps of the ones not stored) and their
         number: the stored text as it was read, the entries since appended after it."""
-        if self._text is not None and any(self._may_hold(key) for key in self._items):
-            self._load()  # one may shadow a stored entry: write the decoded whole
+        if self._text is not None and (
+            len(self._packed) != 4 * self._count or any(self._may_hold(key) for key in self._items)
+        ):
+            self._load()  # one may shadow a stored entry (or the digests are unusable): write the decoded whole
         rows = {key: self._encode(key, value) for key, value in self._items.items() if keep(key, value)}
         if self._text is None:
-            return dumps(rows), len(rows)
-        if not rows:
-            return self._text, self._count
-        text = self._text[:-1] + (b"," if self._count else b"") + dumps(rows)[1:]
-        return text, self._count + len(rows)
+            return _packed(rows).hex().encode("ascii") + b" " + dumps(rows), len(rows)
+        text = self._text
+        if rows:
+            text = text[:-1] + (b"," if self._count else b"") + dumps(rows)[1:]
+        return (self._packed + _packed(rows)).hex().encode("ascii") + b" " + text, self._count + len(rows)
 
     @classmethod
     def of(

@@ -138,6 +138,11 @@ class RunContext:
             )
         self._retry_requested = True
 
+    @property
+    def has_deferred(self) -> bool:
+        """Whether a deferred function waits to run."""
+        return bool(self._deferred)
+
     async def run_deferred(self) -> None:
         """Run every deferred function (in order, each isolated: a failure is logged)."""
         deferred, self._deferred = self._deferred, []

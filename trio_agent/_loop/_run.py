@@ -184,6 +184,8 @@ async def run_agent_loop(
 
 
 async def _run_deferred(ctx: RunContext, grace: float) -> None:
+    if not ctx.has_deferred:
+        return  # the usual case: no shield to build (a cancel scope costs more than the check)
     with bounded_shield(grace, "running a run's deferred functions"):
         await ctx.run_deferred()
 

@@ -19,6 +19,7 @@ import enum
 import inspect
 import math
 import random
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -586,8 +587,8 @@ async def _close_all(opened: dict[int, AsyncIterator[Any]], names: Sequence[str]
     for position in sorted(opened):
         iterator = opened[position]
         aclose = getattr(iterator, "aclose", None)
-        if aclose is None:
-            continue
+        if aclose is None or (isinstance(iterator, types.AsyncGeneratorType) and iterator.ag_frame is None):
+            continue  # nothing to close (a generator that ran to its end has run its finally already)
         if isinstance(iterator, _RetryingStream):
             iterator.close_by = deadline  # its own shield must not outlast ours
         with bounded_shield(max(deadline - trio.current_time(), 0.0), names[position]):
