@@ -8,21 +8,26 @@ restores it and applies only the events after it.
 Rules
 =====
 
-* Format: three lines of compact ASCII JSON (no NaN; JSON text never holds a raw
-  newline). The first is one object (cattrs-encoded) with ``format``
-  (``"trio_agent.snapshot"``), ``version`` (`SNAPSHOT_VERSION`), ``stream_id``,
-  ``seq``, ``projection`` (the projection's whole ``_State``; a request as ``[state, seq,
-  turns]``), ``calls`` (call id -> `CallRecord`, settlements tagged like events) and
-  ``conversation`` (the fold's state without its entries, `ConversationFold.to_parts`).
-  The second is the fold's entries, one JSON array; the third every command id whose
-  events are at or before ``seq``, each ``[id, digest, first_seq, last_seq]``. Those
-  two grow with the session's age, so they are decoded only when first needed (the
-  history by the first request or a read of it, the command ids by the first append
-  with one): a reopen does not pay for them, and a close that changed neither writes
-  their text back as it was read. The checksum and the version vouch for that text
-  meanwhile; a failure to decode it then is a `JournalCorruptError`. The store keeps
-  the three in one row per stream with the checksum rule of the events (`_codec`:
-  CRC32 of stream id, seq and the exact body bytes).
+* Format: seven lines (no NaN; JSON text never holds a raw newline):
+  1. the header, one JSON object (cattrs-encoded): ``format`` (``"trio_agent.snapshot"``),
+     ``version`` (`SNAPSHOT_VERSION`), ``stream_id``, ``seq``, ``projection`` (the
+     projection's ``_State`` of live requests, a request as ``[state, seq, turns]``;
+     the ended ones are lines of their own), ``conversation`` (the fold's state
+     without its entries and outcomes, `ConversationFold.to_parts`) and ``lines``
+     (the entries of each index line);
+  2. the fold's entries, one JSON array;
+  3. its call outcomes, then, in `_LINES` order, 4. the command ids (``[digest,
+     first_seq, last_seq]``, those at or before ``seq``), 5. the ended requests,
+     6. their calls (`ToolRecord`), 7. every call's `CallRecord`: each an index line
+     (`_stored.StoredIndex`: the keys' CRC32 digests, a space, a JSON object).
+  Lines 2-7 grow with the session's age, so they are decoded only when first needed
+  (the history by the first request or a read of it; an index when a key may be in
+  it, which its digests answer in constant time): a reopen does not pay for them,
+  and a close writes their text back as it was read, with what is new appended.
+  The checksum and the version vouch for that text meanwhile; a failure to decode
+  it then is a `JournalCorruptError`. The store keeps the lines in one row per
+  stream with the checksum rule of the events (`_codec`: CRC32 of stream id, seq
+  and the exact body bytes).
 * Written (`DurableJournal.snapshot_all`) for a stream whose head moved at least
   ``snapshot_every`` events past its last snapshot, when the journal is healthy:
   lease held, not fenced, every submitted start committed. `open_journal` does it on
