@@ -34,6 +34,7 @@ from trio_agent import _util
 
 PUBLIC_MODULES = [
     "trio_agent",
+    "trio_agent.agui",
     "trio_agent.journal",
     "trio_agent.lifecycle",
     "trio_agent.middleware",
@@ -48,6 +49,14 @@ PUBLIC_MODULES = [
 # module (a model stream chunk vs a run event; a journal record vs a hook argument);
 # remove an entry when its class is renamed: the test fails until the list is exact.
 KNOWN_HOMONYMS = {
+    # AG-UI's own names for its wire shapes, beside ours.
+    "AssistantMessage": {"trio_agent.agui", "trio_agent.models"},
+    "CustomEvent": {"trio_agent.agui", "trio_agent.lifecycle"},
+    "Interrupt": {"trio_agent.agui", "trio_agent.lifecycle"},
+    "SystemMessage": {"trio_agent.agui", "trio_agent.models"},
+    "ToolCall": {"trio_agent.agui", "trio_agent.tools"},
+    "ToolMessage": {"trio_agent", "trio_agent.agui"},
+    "UserMessage": {"trio_agent.agui", "trio_agent.models"},
     "ErrorInfo": {"trio_agent.journal", "trio_agent.lifecycle"},
     "Skip": {"trio_agent.lifecycle", "trio_agent.tools"},
     "ToolCallEnd": {"trio_agent.lifecycle", "trio_agent.models"},

@@ -73,14 +73,24 @@ def fixup_module_metadata(module_name: str, namespace: Mapping[str, object]) -> 
                     fix_one(attr_value, home)
 
     # The top level's names live at the top level, whichever public module loads them first
-    # (the top level loads its names lazily, so a submodule may well be first).
+    # (the top level loads its names lazily, so a submodule may well be first); a homonym
+    # (another object under a top-level name, e.g. `trio_agent.agui.ToolMessage`) does not.
     top = sys.modules.get("trio_agent")
     top_names = frozenset(getattr(top, "__all__", ())) if module_name != "trio_agent" else frozenset()
+    top_sources: Mapping[str, str] = getattr(top, "_LAZY", {})
+
+    def home_of(objname: str, obj: object) -> str:
+        if objname not in top_names:
+            return module_name
+        source = top_sources.get(objname)
+        same = source is None or source == getattr(obj, "__module__", None)
+        return "trio_agent" if same else module_name
+
     exported = namespace.get("__all__")
     names = exported if isinstance(exported, (list, tuple)) else list(namespace)
     for objname in names:
         if not objname.startswith("_") and objname in namespace:  # ignore private attributes
-            fix_one(namespace[objname], "trio_agent" if objname in top_names else module_name)
+            fix_one(namespace[objname], home_of(objname, namespace[objname]))
 
 
 def import_lazy(module_name: str, lazy: Mapping[str, str], name: str, namespace: dict[str, Any]) -> Any:

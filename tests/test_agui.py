@@ -1,0 +1,228 @@
+"""AG-UI events (issue 15, part 1): the loop's events as AG-UI wire JSON, checked against the
+protocol's own models (the ``ag-ui-protocol`` package, a test dependency), and their SSE framing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from ag_ui.core import Event as AgUiEventModel
+from ag_ui.core import Message as AgUiMessageModel
+from pydantic import TypeAdapter
+
+from trio_agent import ToolResult, chat, define_tool
+from trio_agent.agui import (
+    KEEP_ALIVE,
+    TOOL_PROGRESS,
+    AgUiEncoder,
+    messages_to_agui,
+    sse_comment,
+    sse_event,
+    to_wire,
+)
+from trio_agent.lifecycle import (
+    CustomEvent,
+    MessagesSnapshot,
+    RunError,
+    RunFinished,
+    RunStarted,
+    StepFinished,
+    StepStarted,
+    TextMessageContent,
+    TextMessageEnd,
+    TextMessageStart,
+    ToolCallProgress,
+    UsageReported,
+)
+from trio_agent.models import AssistantMessage, SystemMessage, TextPart, ToolCallPart, ToolResultMessage, Usage
+from trio_agent.models import UserMessage as TaUserMessage
+from trio_agent.testing import Reply, TestModel
+
+EVENTS: TypeAdapter[Any] = TypeAdapter(AgUiEventModel)
+MESSAGES: TypeAdapter[Any] = TypeAdapter(AgUiMessageModel)
+
+
+def valid(wire: dict[str, Any]) -> dict[str, Any]:
+    """The event as the protocol's models read it back: every field we sent, nothing lost."""
+    model = EVENTS.validate_python(wire)
+    assert model.model_dump(by_alias=True, exclude_none=True, mode="json") == json.loads(json.dumps(wire))
+    return wire
+
+
+@define_tool(name="add", description="adds", input_schema={"type": "object"}, side_effect="pure", kind="readonly")
+async def add(input: dict[str, Any], ctx: Any) -> ToolResult:
+    return ToolResult.success(int(input["a"]) + int(input["b"]))
+
+
+def respond(request: Any) -> Reply:
+    if isinstance(request.messages[-1], ToolResultMessage):
+        return Reply(text="the sum is 3", usage=Usage(input_tokens=7, output_tokens=3, total_tokens=10))
+    return Reply(
+        reasoning="adding", tool_calls=[("add", {"a": 1, "b": 2})], usage=Usage(input_tokens=5, output_tokens=2)
+    )
+
+
+async def wire_of_chat(**kwargs: Any) -> list[dict[str, Any]]:
+    encoder = AgUiEncoder(thread_id="thread-1")
+    out: list[dict[str, Any]] = []
+    async with chat(TestModel(respond=respond), "add 1 and 2", tools=[add], **kwargs) as run:
+        async for event in run:
+            out.extend(valid(data) for data in encoder.wire(event))
+    return out
+
+
+async def test_a_chat_run_with_reasoning_and_a_tool_call_is_a_valid_ag_ui_stream() -> None:
+    wire = await wire_of_chat()
+    types = [data["type"] for data in wire]
+    assert types[0] == "RUN_STARTED" and types[-1] == "RUN_FINISHED"
+    assert wire[0]["threadId"] == "thread-1" and wire[0]["runId"] == wire[-1]["runId"]
+    step = types.index("STEP_STARTED")
+    assert types[step : step + 3] == ["STEP_STARTED", "REASONING_START", "REASONING_MESSAGE_START"]
+    assert types.index("REASONING_MESSAGE_END") + 1 == types.index("REASONING_END")
+    call = [types.index(t) for t in ("TOOL_CALL_START", "TOOL_CALL_ARGS", "TOOL_CALL_END", "TOOL_CALL_RESULT")]
+    assert call == sorted(call)
+    start = wire[call[0]]
+    assert start["toolCallName"] == "add" and json.loads(wire[call[1]]["delta"]) == {"a": 1, "b": 2}
+    assert wire[call[3]] == {
+        "type": "TOOL_CALL_RESULT",
+        "messageId": f"{start['toolCallId']}:result",
+        "toolCallId": start["toolCallId"],
+        "content": "3",
+        "role": "tool",
+    }
+    text = "".join(data["delta"] for data in wire if data["type"] == "TEXT_MESSAGE_CONTENT")
+    assert text == "the sum is 3"
+    finished = wire[-1]
+    assert finished["outcome"] == {"type": "success"}
+    assert finished["result"] == {"stopReason": "end_turn", "text": "the sum is 3"}
+    assert finished["usage"] == [{"inputTokens": 12, "outputTokens": 5, "totalTokens": 17}]  # two calls, summed
+    assert all("subagentRunId" not in data for data in wire)
+
+
+async def test_a_paused_run_finishes_with_an_interrupt_outcome() -> None:
+    wire = await wire_of_chat(permissions={"ask": ["add"]})
+    finished = wire[-1]
+    assert [data["type"] for data in wire[-2:]] == ["MESSAGES_SNAPSHOT", "RUN_FINISHED"]
+    (interrupt,) = finished["outcome"]["interrupts"]
+    assert finished["outcome"]["type"] == "interrupt" and interrupt["id"].startswith("approval_")
+    assert interrupt["toolCallId"] and interrupt["metadata"]["kind"] == "approval"
+    assert interrupt["metadata"]["toolName"] == "add" and interrupt["metadata"]["input"] == {"a": 1, "b": 2}
+    snapshot = wire[-2]["messages"]
+    assert [m["role"] for m in snapshot] == ["user", "assistant"]
+    assert snapshot[1]["toolCalls"][0]["function"]["name"] == "add"
+
+
+def test_a_subagent_run_interleaved_with_its_parent_carries_its_run_id() -> None:
+    encoder = AgUiEncoder(thread_id="t", run_id="root")
+    events = [
+        RunStarted("root", "main", "t"),
+        StepStarted("root", "main", "step-1"),
+        RunStarted("sub", "researcher", "t"),
+        TextMessageStart("root", "main", "m1"),
+        StepStarted("sub", "researcher", "step-1"),
+        TextMessageContent("root", "main", "m1", "hel"),
+        TextMessageStart("sub", "researcher", "s1"),
+        TextMessageContent("sub", "researcher", "s1", "found"),
+        TextMessageEnd("sub", "researcher", "s1"),
+        StepFinished("sub", "researcher", "step-1"),
+        RunFinished("sub", "researcher", "end_turn", "found"),
+        TextMessageContent("root", "main", "m1", "lo"),
+        TextMessageEnd("root", "main", "m1"),
+        StepFinished("root", "main", "step-1"),
+        RunStarted("sub2", "critic", "t"),
+        RunError("sub2", "critic", "it broke", "model_error"),
+        RunFinished("root", "main", "end_turn", "hello"),
+    ]
+    wire = [valid(data) for event in events for data in encoder.wire(event)]
+    by_run: dict[str | None, list[str]] = {}
+    for data in wire:
+        by_run.setdefault(data.get("subagentRunId"), []).append(data["type"])
+    assert by_run["sub"] == [
+        "SUBAGENT_STARTED",
+        "STEP_STARTED",
+        "TEXT_MESSAGE_START",
+        "TEXT_MESSAGE_CONTENT",
+        "TEXT_MESSAGE_END",
+        "STEP_FINISHED",
+        "SUBAGENT_FINISHED",
+    ]
+    assert by_run["sub2"] == ["SUBAGENT_STARTED", "SUBAGENT_ERROR"]
+    assert by_run[None][0] == "RUN_STARTED" and by_run[None][-1] == "RUN_FINISHED"
+    assert "".join(d["delta"] for d in wire if d.get("messageId") == "m1" and "delta" in d) == "hello"
+    started = next(d for d in wire if d["type"] == "SUBAGENT_STARTED")
+    assert started == {"type": "SUBAGENT_STARTED", "subagentRunId": "sub", "name": "researcher"}
+
+
+def test_errors_progress_custom_values_and_empty_deltas() -> None:
+    encoder = AgUiEncoder(thread_id="t")
+
+    class Odd:
+        def __str__(self) -> str:
+            return "odd"
+
+    events = [
+        RunStarted("r", "a", "t"),
+        TextMessageStart("r", "a", "m"),
+        TextMessageContent("r", "a", "m", ""),  # AG-UI deltas are non-empty: left out
+        TextMessageEnd("r", "a", "m"),
+        ToolCallProgress("r", "a", "c1", {"done": 0.5}),
+        CustomEvent("r", "a", "note", {"odd": Odd(), "nan": float("nan"), "items": (1, 2)}),
+        UsageReported("r", "a", Usage(input_tokens=1, output_tokens=1)),
+        RunError("r", "a", "boom", "model_error"),
+    ]
+    wire = [valid(data) for event in events for data in encoder.wire(event)]
+    assert [d["type"] for d in wire] == [
+        "RUN_STARTED",
+        "TEXT_MESSAGE_START",
+        "TEXT_MESSAGE_END",
+        "CUSTOM",
+        "CUSTOM",
+        "RUN_ERROR",
+    ]
+    assert wire[3] == {"type": "CUSTOM", "name": TOOL_PROGRESS, "value": {"toolCallId": "c1", "item": {"done": 0.5}}}
+    assert wire[4]["value"] == {"odd": "odd", "nan": "nan", "items": [1, 2]}
+    assert wire[5] == {"type": "RUN_ERROR", "message": "boom", "code": "model_error"}
+
+
+def test_an_aborted_run_is_cancelled() -> None:
+    encoder = AgUiEncoder(thread_id="t")
+    encoder.wire(RunStarted("r", "a", "t"))
+    (finished,) = encoder.wire(RunFinished("r", "a", "aborted", ""))
+    assert valid(finished)["outcome"] == {"type": "cancelled"}
+
+
+def test_a_conversation_as_ag_ui_messages() -> None:
+    history = [
+        SystemMessage("be brief"),
+        TaUserMessage("add"),
+        AssistantMessage([TextPart("on it"), ToolCallPart("c1", "add", '{"a":1}')]),
+        ToolResultMessage("c1", "boom", is_error=True),
+        AssistantMessage([TextPart("sorry")]),
+    ]
+    wire = [to_wire(message) for message in messages_to_agui(history)]
+    for data in wire:
+        MESSAGES.validate_python(data)
+    assert wire == [
+        {"role": "system", "id": "m0", "content": "be brief"},
+        {"role": "user", "id": "m1", "content": "add"},
+        {
+            "role": "assistant",
+            "id": "m2",
+            "content": "on it",
+            "toolCalls": [{"id": "c1", "function": {"name": "add", "arguments": '{"a":1}'}, "type": "function"}],
+        },
+        {"role": "tool", "id": "m3", "content": "boom", "toolCallId": "c1", "error": "boom"},
+        {"role": "assistant", "id": "m4", "content": "sorry"},
+    ]
+    snapshot = AgUiEncoder(thread_id="t").wire(MessagesSnapshot("r", "a", tuple(history)))
+    assert valid(snapshot[0])["messages"] == wire
+
+
+def test_sse_framing() -> None:
+    frame = sse_event({"type": "CUSTOM", "name": "n", "value": "line\nbreak é \ud800"})
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n") and frame.count(b"\n") == 2
+    assert json.loads(frame[6:].decode()) == {"type": "CUSTOM", "name": "n", "value": "line\nbreak é ?"}
+    assert KEEP_ALIVE == b": keep-alive\n\n" and sse_comment("a\nb") == b": a b\n\n"
+    with pytest.raises(ValueError):
+        sse_event({"value": float("inf")})

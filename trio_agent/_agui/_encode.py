@@ -1,0 +1,248 @@
+"""The loop's events as AG-UI events: one encoder per run stream.
+
+Rules
+=====
+
+* The root run is the one named when the encoder is made (else the first
+  ``RunStarted``); its ``RunStarted`` / ``RunFinished`` / ``RunError`` are
+  ``RUN_STARTED`` / ``RUN_FINISHED`` / ``RUN_ERROR``. Any other run on the stream
+  is a subagent's: ``SUBAGENT_STARTED`` / ``SUBAGENT_FINISHED`` /
+  ``SUBAGENT_ERROR``, and each of its events carries ``subagentRunId`` (its run
+  id), so interleaved runs stay apart.
+* ``RunFinished``: outcome ``interrupt`` is an ``interrupt`` outcome with the
+  run's interrupts (a subagent: ``suspended`` with their ids); ``aborted`` is
+  ``cancelled``; every other stop reason is ``success``, the stop reason in
+  ``result.stopReason`` and the final text in ``result.text``. The usage the run
+  reported (``UsageReported``, one per model call) is summed into ``usage``.
+* Reasoning: ``ReasoningStart`` is ``REASONING_START`` then
+  ``REASONING_MESSAGE_START``, ``ReasoningEnd`` the two ends in reverse.
+* ``ToolCallResult`` is ``TOOL_CALL_RESULT`` with the text the model reads of
+  the result, message id ``<call id>:result``; ``ToolCallProgress`` (no AG-UI
+  counterpart) is ``CUSTOM`` named ``trio_agent.tool_progress``.
+* ``MessagesSnapshot`` is ``MESSAGES_SNAPSHOT``, a message's id its position
+  (``m0``, ``m1`` ...; reasoning parts are left out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .._loop._events import (
+    CustomEvent,
+    MessagesSnapshot,
+    ReasoningContent,
+    ReasoningEnd,
+    ReasoningStart,
+    RunError,
+    RunEvent,
+    RunFinished,
+    RunStarted,
+    StepFinished,
+    StepStarted,
+    TextMessageContent,
+    TextMessageEnd,
+    TextMessageStart,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallProgress,
+    ToolCallResult,
+    ToolCallStart,
+    UsageReported,
+)
+from .._loop._interrupts import Interrupt
+from .._loop._rules import model_text
+from .._models._messages import (
+    AssistantMessage,
+    Message,
+    SystemMessage,
+    ToolResultMessage,
+    Usage,
+    UserMessage,
+)
+from . import _wire as w
+
+__all__ = ["AgUiEncoder", "messages_to_agui", "usage_to_agui"]
+
+TOOL_PROGRESS = "trio_agent.tool_progress"
+
+
+def messages_to_agui(messages: Iterable[Message]) -> tuple[w.AgUiMessage, ...]:
+    """A conversation as AG-UI messages, ids by position (``m0``, ``m1`` ...)."""
+    out: list[w.AgUiMessage] = []
+    for index, message in enumerate(messages):
+        mid = f"m{index}"
+        if isinstance(message, UserMessage):
+            out.append(w.UserMessage(id=mid, content=message.content))
+        elif isinstance(message, SystemMessage):
+            out.append(w.SystemMessage(id=mid, content=message.content))
+        elif isinstance(message, ToolResultMessage):
+            error = message.content if message.is_error else None
+            out.append(w.ToolMessage(id=mid, content=message.content, tool_call_id=message.tool_call_id, error=error))
+        elif isinstance(message, AssistantMessage):
+            calls = tuple(
+                w.ToolCall(id=call.id, function=w.FunctionCall(name=call.name, arguments=call.arguments))
+                for call in message.tool_calls
+            )
+            out.append(w.AssistantMessage(id=mid, content=message.text or None, tool_calls=calls or None))
+    return tuple(out)
+
+
+def usage_to_agui(usage: Sequence[Usage], model: str | None = None) -> tuple[w.TokenUsage, ...] | None:
+    """The usage of a run's model calls, summed (``None`` if none was reported)."""
+    if not usage:
+        return None
+    total = usage[0]
+    for more in usage[1:]:
+        total = total + more
+    return (
+        w.TokenUsage(
+            model=model,
+            input_tokens=total.input_tokens,
+            output_tokens=total.output_tokens,
+            total_tokens=sum(u.total_tokens or u.input_tokens + u.output_tokens for u in usage),
+            reasoning_tokens=total.reasoning_tokens,
+            cached_input_tokens=total.cached_input_tokens,
+        ),
+    )
+
+
+def _interrupt(interrupt: Interrupt, subagent_run_id: str | None) -> w.Interrupt:
+    metadata = {
+        "kind": interrupt.kind.value,
+        "toolName": interrupt.tool_name,
+        "input": interrupt.input,
+        "definitionId": interrupt.definition_id,
+        "key": interrupt.key,
+        "payload": interrupt.payload,
+    }
+    return w.Interrupt(
+        id=interrupt.id,
+        reason=interrupt.reason or interrupt.kind.value,
+        message=interrupt.message or None,
+        tool_call_id=interrupt.tool_call_id,
+        response_schema=w.json_value(interrupt.response_schema) if interrupt.response_schema is not None else None,
+        metadata=w.json_value({key: value for key, value in metadata.items() if value is not None}),
+        subagent_run_id=subagent_run_id,
+    )
+
+
+class AgUiEncoder:
+    """Turns one stream of `RunEvent` s into AG-UI events (see the module rules).
+
+    ``encode(event)`` gives the AG-UI events for one loop event (none, one or two),
+    in order; `to_wire` gives their JSON. Keep one encoder per stream: it remembers
+    the root run and each run's usage.
+    """
+
+    def __init__(self, *, thread_id: str, run_id: str | None = None) -> None:
+        self.thread_id = thread_id
+        self.run_id = run_id  # the root run (the first RunStarted's if None)
+        self._usage: dict[str, list[Usage]] = {}
+
+    def _sub(self, run_id: str) -> str | None:
+        if self.run_id is None:
+            self.run_id = run_id
+        return None if run_id == self.run_id else run_id
+
+    def encode(self, event: RunEvent) -> list[w.AgUiEvent]:
+        sub = self._sub(event.run_id)
+        match event:
+            case RunStarted():
+                if sub is None:
+                    return [w.RunStartedEvent(thread_id=self.thread_id, run_id=event.run_id)]
+                return [w.SubagentStartedEvent(subagent_run_id=sub, name=event.agent_id)]
+            case RunFinished():
+                return [self._finished(event, sub)]
+            case RunError():
+                self._usage.pop(event.run_id, None)
+                if sub is None:
+                    return [w.RunErrorEvent(message=event.message, code=event.code)]
+                return [w.SubagentErrorEvent(subagent_run_id=sub, message=event.message, code=event.code)]
+            case StepStarted():
+                return [w.StepStartedEvent(step_name=event.step, subagent_run_id=sub)]
+            case StepFinished():
+                return [w.StepFinishedEvent(step_name=event.step, subagent_run_id=sub)]
+            case TextMessageStart():
+                return [w.TextMessageStartEvent(message_id=event.message_id, subagent_run_id=sub)]
+            case TextMessageContent():
+                if not event.delta:  # AG-UI requires a non-empty delta
+                    return []
+                return [w.TextMessageContentEvent(message_id=event.message_id, delta=event.delta, subagent_run_id=sub)]
+            case TextMessageEnd():
+                return [w.TextMessageEndEvent(message_id=event.message_id, subagent_run_id=sub)]
+            case ReasoningStart():
+                return [
+                    w.ReasoningStartEvent(message_id=event.message_id, subagent_run_id=sub),
+                    w.ReasoningMessageStartEvent(message_id=event.message_id, subagent_run_id=sub),
+                ]
+            case ReasoningContent():
+                if not event.delta:
+                    return []
+                return [
+                    w.ReasoningMessageContentEvent(message_id=event.message_id, delta=event.delta, subagent_run_id=sub)
+                ]
+            case ReasoningEnd():
+                return [
+                    w.ReasoningMessageEndEvent(message_id=event.message_id, subagent_run_id=sub),
+                    w.ReasoningEndEvent(message_id=event.message_id, subagent_run_id=sub),
+                ]
+            case ToolCallStart():
+                return [
+                    w.ToolCallStartEvent(
+                        tool_call_id=event.call_id,
+                        tool_call_name=event.tool_name,
+                        parent_message_id=event.parent_message_id,
+                        subagent_run_id=sub,
+                    )
+                ]
+            case ToolCallArgs():
+                return [w.ToolCallArgsEvent(tool_call_id=event.call_id, delta=event.delta, subagent_run_id=sub)]
+            case ToolCallEnd():
+                return [w.ToolCallEndEvent(tool_call_id=event.call_id, subagent_run_id=sub)]
+            case ToolCallResult():
+                return [
+                    w.ToolCallResultEvent(
+                        message_id=f"{event.call_id}:result",
+                        tool_call_id=event.call_id,
+                        content=model_text(event.result),
+                        subagent_run_id=sub,
+                    )
+                ]
+            case ToolCallProgress():
+                value = {"toolCallId": event.call_id, "item": w.json_value(event.item)}
+                return [w.CustomEvent(name=TOOL_PROGRESS, value=value, subagent_run_id=sub)]
+            case UsageReported():
+                self._usage.setdefault(event.run_id, []).append(event.usage)
+                return []
+            case CustomEvent():
+                return [w.CustomEvent(name=event.name, value=w.json_value(event.value), subagent_run_id=sub)]
+            case MessagesSnapshot():
+                if sub is not None:
+                    return []  # a subagent's history is not the thread's
+                return [w.MessagesSnapshotEvent(messages=messages_to_agui(event.messages))]
+        return []  # pragma: no cover - every RunEvent is matched above
+
+    def _finished(self, event: RunFinished, sub: str | None) -> w.AgUiEvent:
+        usage = usage_to_agui(self._usage.pop(event.run_id, []))
+        interrupts = tuple(_interrupt(interrupt, sub) for interrupt in event.interrupts)
+        result: dict[str, Any] = {"stopReason": event.outcome, "text": event.text}
+        if sub is not None:
+            if event.outcome == "interrupt":
+                outcome = w.SubagentOutcome(type="suspended", interrupt_ids=tuple(i.id for i in interrupts))
+            else:
+                outcome = w.SubagentOutcome(type="success")
+            return w.SubagentFinishedEvent(subagent_run_id=sub, result=result, outcome=outcome)
+        if event.outcome == "interrupt":
+            run_outcome = w.RunOutcome(type="interrupt", interrupts=interrupts)
+        elif event.outcome == "aborted":
+            run_outcome = w.RunOutcome(type="cancelled")
+        else:
+            run_outcome = w.RunOutcome(type="success")
+        return w.RunFinishedEvent(
+            thread_id=self.thread_id, run_id=event.run_id, outcome=run_outcome, result=result, usage=usage
+        )
+
+    def wire(self, event: RunEvent) -> list[dict[str, Any]]:
+        """``encode(event)`` as JSON objects."""
+        return [w.to_wire(out) for out in self.encode(event)]
