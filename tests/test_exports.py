@@ -43,6 +43,7 @@ PUBLIC_MODULES = [
     "trio_agent.plugins",
     "trio_agent.testing",
     "trio_agent.tools",
+    "trio_agent.web",
 ]
 
 # Different objects under one name in two public modules. Each is unambiguous inside its

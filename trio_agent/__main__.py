@@ -1,4 +1,4 @@
-"""Command line: ``python -m trio_agent demo`` and ``python -m trio_agent journal show PATH``."""
+"""Command line: ``python -m trio_agent demo``, ``serve`` and ``journal show PATH``."""
 
 from __future__ import annotations
 
@@ -52,6 +52,14 @@ def _main(argv: list[str] | None) -> int:
     )
     demo.add_argument("--model", default=None, help="the model name (required with --provider)")
     demo.add_argument("--journal", default=None, help="keep the SQLite journal at this path (default: a temp file)")
+    serve = commands.add_parser("serve", help="serve an agent over AG-UI (offline test model by default)")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="the port (default 8000; 0: any free port)")
+    serve.add_argument(
+        "--provider", choices=["openai", "anthropic"], default=None, help="serve a real model (needs its API key)"
+    )
+    serve.add_argument("--model", default=None, help="the model name (required with --provider)")
+    serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' (needed off loopback)")
     journal = commands.add_parser("journal", help="inspect a SQLite journal")
     journal_commands = journal.add_subparsers(dest="journal_command", required=True)
     show = journal_commands.add_parser("show", help="print a readable timeline of a journal")
@@ -65,6 +73,10 @@ def _main(argv: list[str] | None) -> int:
                 "--model needs --provider (openai or anthropic); without it the offline test model plays every agent"
             )
         return run_demo(calls=args.calls, provider=args.provider, model=args.model, journal=args.journal)
+    if args.command == "serve":
+        from ._web._cli import run_serve
+
+        return run_serve(host=args.host, port=args.port, provider=args.provider, model=args.model, token=args.token)
     if args.command == "journal":
         from ._journal._inspect import show_journal
 

@@ -1,0 +1,233 @@
+"""The AG-UI endpoint (issue 15, part 2): a real Hypercorn server under Trio on loopback, read with
+httpx the way a client would; every event checked against the AG-UI protocol's models."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+from ag_ui.core import Event as AgUiEventModel
+from pydantic import TypeAdapter
+
+import trio_agent as ta
+from tests.test_session import gated_tool
+from trio_agent.testing import Reply, TestModel
+from trio_agent.web import bearer_token, create_app, local_only, serve
+
+EVENTS: TypeAdapter[Any] = TypeAdapter(AgUiEventModel)
+
+
+@ta.define_tool(name="add", description="adds", input_schema={"type": "object"}, side_effect="pure", kind="readonly")
+async def add(input: dict[str, Any], ctx: Any) -> int:
+    return int(input["a"]) + int(input["b"])
+
+
+def respond(request: ta.ModelRequest) -> Reply:
+    last = request.messages[-1]
+    if isinstance(last, ta.ToolResultMessage):
+        return Reply(text=f"result: {last.content}")
+    if isinstance(last, ta.UserMessage) and last.content.startswith("slow"):
+        return Reply(tool_calls=[("slow", {})])
+    if isinstance(last, ta.UserMessage) and last.content.startswith("locate"):
+        return Reply(tool_calls=[("where_am_i", {})])
+    return Reply(tool_calls=[("add", {"a": 1, "b": 2})])
+
+
+@asynccontextmanager
+async def running(app: Any) -> AsyncIterator[httpx.AsyncClient]:
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(lambda task_status: serve(app, port=0, task_status=task_status))
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=50)
+        async with httpx.AsyncClient(base_url=binds[0], limits=limits, timeout=30) as client:
+            yield client
+        nursery.cancel_scope.cancel()
+
+
+def body(prompt: str = "add 1 and 2", *, thread: str = "t1", run: str = "r1", **more: Any) -> dict[str, Any]:
+    return {"threadId": thread, "runId": run, "messages": [{"id": "u1", "role": "user", "content": prompt}], **more}
+
+
+async def events_of(response: httpx.Response) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = json.loads(line[6:])
+            EVENTS.validate_python(data)
+            out.append(data)
+    return out
+
+
+async def post_run(client: httpx.AsyncClient, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    async with client.stream("POST", "/runs", json=payload) as response:
+        assert response.status_code == 200, await response.aread()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return await events_of(response)
+
+
+async def test_a_run_streams_its_ag_ui_events() -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
+    async with running(app) as client:
+        events = await post_run(client, body())
+    types = [e["type"] for e in events]
+    assert types[0] == "RUN_STARTED" and types[-1] == "RUN_FINISHED"
+    assert events[0]["runId"] == "r1" and events[0]["threadId"] == "t1"
+    assert [t for t in types if t.startswith("TOOL_CALL")] == [
+        "TOOL_CALL_START",
+        "TOOL_CALL_ARGS",
+        "TOOL_CALL_END",
+        "TOOL_CALL_RESULT",
+    ]
+    assert "".join(e["delta"] for e in events if e["type"] == "TEXT_MESSAGE_CONTENT") == "result: 3"
+    assert events[-1]["outcome"] == {"type": "success"}
+
+
+@pytest.mark.parametrize(
+    ("send", "status", "code"),
+    [
+        ({"content": b"{", "headers": {"content-type": "application/json"}}, 400, "invalid_json"),
+        ({"content": b"hello", "headers": {"content-type": "text/plain"}}, 415, "unsupported_media_type"),
+        ({"json": {"threadId": 5, "messages": [{"role": "wizard"}]}}, 422, "invalid_input"),
+        ({"json": {"threadId": "t", "runId": "r", "messages": []}}, 422, "invalid_input"),
+        ({"json": body(resume=[{"interruptId": "x", "status": "resolved"}])}, 409, "nothing_to_resume"),
+        ({"json": body("x" * 5000)}, 413, "body_too_large"),
+    ],
+)
+async def test_bad_input_is_an_http_error_naming_what_is_wrong(send: dict[str, Any], status: int, code: str) -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], max_body=4096)
+    async with running(app) as client:
+        response = await client.post("/runs", **send)
+        assert response.status_code == status and response.json()["error"] == code
+        if code == "invalid_input" and status == 422 and "wizard" in str(send):
+            assert response.json()["problems"] == [
+                "$.threadId: expected a non-empty string, got int",
+                "$.runId: missing",
+                "$.messages[0].id: missing",
+                "$.messages[0].role: unknown role 'wizard'",
+            ]
+        assert (await client.post("/runs/nope/abort")).status_code == 404
+    assert app.state.agui.runs == {}
+
+
+async def test_auth_is_asked_for_every_request() -> None:
+    app = create_app(TestModel(respond=respond), auth=bearer_token("s3cret"), tools=[add])
+    async with running(app) as client:
+        assert (await client.post("/runs", json=body())).status_code == 401
+        assert (await client.post("/runs/r1/abort")).status_code == 401
+        headers = {"authorization": "Bearer s3cret"}
+        async with client.stream("POST", "/runs", json=body(), headers=headers) as response:
+            assert response.status_code == 200 and (await events_of(response))[-1]["type"] == "RUN_FINISHED"
+    with pytest.raises(TypeError, match="auth="):
+        create_app(TestModel(respond=respond), auth=None)  # type: ignore[arg-type]
+
+
+async def test_a_paused_run_resumes_once_with_the_answers() -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], permissions={"ask": ["add"]})
+    async with running(app) as client:
+        paused = await post_run(client, body())
+        finished = paused[-1]
+        assert finished["outcome"]["type"] == "interrupt" and "TOOL_CALL_RESULT" not in [e["type"] for e in paused]
+        (interrupt,) = finished["outcome"]["interrupts"]
+        wrong = body(run="r2", resume=[{"interruptId": "nope", "status": "resolved", "payload": {"approved": True}}])
+        refused = await client.post("/runs", json=wrong)
+        assert refused.status_code == 422 and refused.json()["error"] == "invalid_answers"
+        answer = [{"interruptId": interrupt["id"], "status": "resolved", "payload": {"approved": True}}]
+        resumed = await post_run(client, body(run="r2", resume=answer))
+        assert resumed[0]["type"] == "RUN_STARTED" and resumed[-1]["outcome"] == {"type": "success"}
+        result = next(e for e in resumed if e["type"] == "TOOL_CALL_RESULT")
+        assert result["toolCallId"] == interrupt["toolCallId"] and result["content"] == "3"
+        again = await client.post("/runs", json=body(run="r3", resume=answer))
+        assert again.status_code == 409 and again.json()["error"] == "nothing_to_resume"  # accepted once
+
+
+async def test_a_client_tool_pauses_the_run_for_its_output() -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
+    tool = {"name": "where_am_i", "description": "the browser's location", "parameters": {"type": "object"}}
+    async with running(app) as client:
+        paused = await post_run(client, body("locate me", tools=[tool]))
+        (interrupt,) = paused[-1]["outcome"]["interrupts"]
+        assert interrupt["metadata"]["kind"] == "client_tool" and interrupt["metadata"]["toolName"] == "where_am_i"
+        answer = [{"interruptId": interrupt["id"], "status": "resolved", "payload": "Lisbon"}]
+        resumed = await post_run(client, body(run="r2", tools=[tool], resume=answer))
+        assert "".join(e["delta"] for e in resumed if e["type"] == "TEXT_MESSAGE_CONTENT") == "result: Lisbon"
+
+
+async def test_a_client_that_disconnects_aborts_its_run() -> None:
+    log: list[str] = []
+    slow, started, _release = gated_tool("slow", log=log)
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow])
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body("slow please")) as response:
+            with trio.CancelScope() as reading:  # a cancel, not a break: httpx's generators unwind
+                async for line in response.aiter_lines():
+                    if "TOOL_CALL_END" in line:
+                        reading.cancel()
+            with trio.fail_after(10):
+                await started.wait()
+        # Leaving the block closed the connection: the server aborts the run it was serving.
+        with trio.fail_after(10):
+            while app.state.agui.runs:
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.lowlevel.checkpoint()
+    assert log == ["slow:cancelled"]
+
+
+async def test_the_stop_endpoint_aborts_a_running_run() -> None:
+    slow, started, _release = gated_tool("slow")
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow])
+    async with running(app) as client, client.stream("POST", "/runs", json=body("slow please", run="stop-me")) as reply:
+        events: list[dict[str, Any]] = []
+        async with trio.open_nursery() as nursery:
+
+            async def stop_when_started() -> None:
+                await started.wait()
+                stopped = await client.post("/runs/stop-me/abort")
+                assert stopped.status_code == 202 and stopped.json() == {"aborted": True}
+
+            nursery.start_soon(stop_when_started)
+            events = await events_of(reply)
+    assert events[-1]["type"] == "RUN_FINISHED" and events[-1]["outcome"] == {"type": "cancelled"}
+
+
+async def test_an_idle_stream_gets_keep_alive_comments() -> None:
+    slow, started, release = gated_tool("slow")
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow], keep_alive=0.05)
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body("slow please")) as response:
+            seen: list[str] = []
+            async for line in response.aiter_lines():
+                seen.append(line)
+                if line == ": keep-alive":
+                    release.set()  # the tool was idle long enough for a keep-alive: let it finish
+        assert started.is_set() and any(line.startswith("data: ") and "RUN_FINISHED" in line for line in seen)
+
+
+async def test_two_hundred_concurrent_clients() -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
+    results: dict[int, list[dict[str, Any]]] = {}
+    async with running(app) as client:
+
+        async def one(index: int) -> None:
+            results[index] = await post_run(client, body(thread=f"t{index}", run=f"r{index}"))
+
+        async with trio.open_nursery() as nursery:
+            for index in range(200):
+                nursery.start_soon(one, index)
+    assert len(results) == 200
+    for index, events in results.items():
+        assert events[0]["runId"] == f"r{index}" and events[-1]["outcome"] == {"type": "success"}
+        assert "".join(e["delta"] for e in events if e["type"] == "TEXT_MESSAGE_CONTENT") == "result: 3"
+
+
+def test_serve_refuses_to_be_open_by_accident(capsys: pytest.CaptureFixture[str]) -> None:
+    from trio_agent.__main__ import main
+
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    assert "needs --token" in capsys.readouterr().err
+    assert main(["serve", "--provider", "openai"]) == 2
+    assert "--model is required" in capsys.readouterr().err

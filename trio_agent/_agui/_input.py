@@ -1,0 +1,252 @@
+"""AG-UI's ``RunAgentInput``: what a client posts to start (or continue) a run, read strictly.
+
+Rules
+=====
+
+* The body is one JSON object with AG-UI's camelCase keys: ``threadId``, ``runId``
+  (non-empty strings), ``messages`` (each with ``id`` and ``role``: ``user``,
+  ``system``, ``developer``, ``assistant`` with optional ``toolCalls``, ``tool``
+  with ``toolCallId``; ``reasoning`` and ``activity`` messages are accepted and
+  left out of the history), optional ``tools`` (the client's own tools: ``name``,
+  ``description``, ``parameters``), ``context``, ``state``, ``forwardedProps``,
+  ``parentRunId``, ``protocolVersion`` and ``resume`` (``interruptId``, ``status``
+  ``resolved`` | ``cancelled``, ``payload``). Unknown keys are ignored (the
+  protocol grows); a wrong type or a missing key is an `InputError` that lists
+  every problem with its JSON path.
+* Content given as a list of parts keeps its text parts, joined.
+* Answers: ``cancelled`` is `Cancel`; ``resolved`` answers an approval with
+  ``payload.approved`` (``true``: `Approve`, with ``payload.editedArgs`` if given;
+  ``false``: `Reject` with ``payload.message``) and anything else with `Respond`
+  carrying the payload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from .._errors import ConfigError
+from .._loop._interrupts import (
+    Approve,
+    Cancel,
+    ClientTool,
+    Interrupt,
+    InterruptAnswer,
+    InterruptKind,
+    Reject,
+    Respond,
+    define_client_tool,
+)
+from .._models._messages import (
+    AssistantMessage,
+    Message,
+    SystemMessage,
+    TextPart,
+    ToolCallPart,
+    ToolResultMessage,
+    UserMessage,
+)
+
+__all__ = ["InputError", "ResumeEntry", "RunInput", "answers_for", "parse_run_input"]
+
+
+class InputError(ConfigError):
+    """A posted ``RunAgentInput`` that cannot be read; ``problems`` lists each (``path: what``)."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("invalid RunAgentInput: " + "; ".join(self.problems))
+
+
+@attrs.frozen
+class ResumeEntry:
+    interrupt_id: str
+    status: str
+    payload: Any = None
+
+
+@attrs.frozen
+class RunInput:
+    """A read ``RunAgentInput``."""
+
+    thread_id: str
+    run_id: str
+    messages: tuple[Message, ...]
+    tools: tuple[ClientTool, ...] = ()
+    resume: tuple[ResumeEntry, ...] = ()
+    state: Any = None
+    forwarded_props: Any = None
+    parent_run_id: str | None = None
+
+
+class _Reader:
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def fail(self, path: str, what: str) -> None:
+        self.problems.append(f"{path}: {what}")
+
+    def text(self, data: Mapping[str, Any], key: str, path: str, *, required: bool = True) -> str | None:
+        value = data.get(key)
+        if value is None:
+            if required:
+                self.fail(f"{path}.{key}", "missing")
+            return None
+        if not isinstance(value, str) or (required and not value):
+            self.fail(f"{path}.{key}", f"expected a non-empty string, got {_kind(value)}")
+            return None
+        return value
+
+    def content(self, data: Mapping[str, Any], path: str) -> str | None:
+        value = data.get("content")
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            texts = [part.get("text") for part in value if isinstance(part, dict) and part.get("type") == "text"]
+            if all(isinstance(text, str) for text in texts):
+                return "".join(texts)  # type: ignore[arg-type]
+        self.fail(f"{path}.content", f"expected a string or a list of parts, got {_kind(value)}")
+        return None
+
+
+def _kind(value: object) -> str:
+    return "nothing" if value is None else type(value).__name__
+
+
+def _message(reader: _Reader, data: object, path: str) -> Message | None:
+    if not isinstance(data, dict):
+        reader.fail(path, f"expected an object, got {_kind(data)}")
+        return None
+    reader.text(data, "id", path)
+    role = data.get("role")
+    if role in ("user", "system", "developer"):
+        content = reader.content(data, path)
+        if content is None:
+            return None
+        return UserMessage(content) if role == "user" else SystemMessage(content)
+    if role == "assistant":
+        parts: list[Any] = []
+        content = data.get("content")
+        if content is not None:
+            if not isinstance(content, str):
+                reader.fail(f"{path}.content", f"expected a string, got {_kind(content)}")
+            elif content:
+                parts.append(TextPart(content))
+        calls = data.get("toolCalls") or []
+        if not isinstance(calls, list):
+            reader.fail(f"{path}.toolCalls", f"expected a list, got {_kind(calls)}")
+            calls = []
+        for index, call in enumerate(calls):
+            where = f"{path}.toolCalls[{index}]"
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(call, dict) or not isinstance(function, dict):
+                reader.fail(where, "expected {id, function: {name, arguments}}")
+                continue
+            call_id = reader.text(call, "id", where)
+            name = reader.text(function, "name", f"{where}.function")
+            arguments = function.get("arguments", "")
+            if not isinstance(arguments, str):
+                reader.fail(f"{where}.function.arguments", f"expected a JSON string, got {_kind(arguments)}")
+            elif call_id is not None and name is not None:
+                parts.append(ToolCallPart(call_id, name, arguments))
+        return AssistantMessage(parts)
+    if role == "tool":
+        call_id = reader.text(data, "toolCallId", path)
+        content = reader.content(data, path)
+        if call_id is None or content is None:
+            return None
+        error = data.get("error")
+        return ToolResultMessage(call_id, content, is_error=isinstance(error, str) and bool(error))
+    if role in ("reasoning", "activity"):
+        return None  # not part of the history the model reads
+    reader.fail(f"{path}.role", f"unknown role {role!r}")
+    return None
+
+
+def _tool(reader: _Reader, data: object, path: str) -> ClientTool | None:
+    if not isinstance(data, dict):
+        reader.fail(path, f"expected an object, got {_kind(data)}")
+        return None
+    name = reader.text(data, "name", path)
+    description = reader.text(data, "description", path, required=False) or ""
+    parameters = data.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        reader.fail(f"{path}.parameters", f"expected a JSON Schema object, got {_kind(parameters)}")
+        return None
+    if name is None:
+        return None
+    try:
+        return define_client_tool(name, description, input_schema=parameters)
+    except ConfigError as exc:
+        reader.fail(path, str(exc))
+        return None
+
+
+def _resume(reader: _Reader, data: object, path: str) -> ResumeEntry | None:
+    if not isinstance(data, dict):
+        reader.fail(path, f"expected an object, got {_kind(data)}")
+        return None
+    interrupt_id = reader.text(data, "interruptId", path)
+    status = data.get("status")
+    if status not in ("resolved", "cancelled"):
+        reader.fail(f"{path}.status", f"expected 'resolved' or 'cancelled', got {status!r}")
+        return None
+    return None if interrupt_id is None else ResumeEntry(interrupt_id, status, data.get("payload"))
+
+
+def parse_run_input(data: object) -> RunInput:
+    """Read a decoded ``RunAgentInput`` body; `InputError` names every problem."""
+    reader = _Reader()
+    if not isinstance(data, dict):
+        raise InputError([f"$: expected a JSON object, got {_kind(data)}"])
+    thread_id = reader.text(data, "threadId", "$")
+    run_id = reader.text(data, "runId", "$")
+    parent = reader.text(data, "parentRunId", "$", required=False)
+    lists: dict[str, list[Any]] = {}
+    for key in ("messages", "tools", "resume"):
+        value = data.get(key, [] if key != "messages" else None)
+        if value is None and key != "messages":
+            value = []
+        if not isinstance(value, list):
+            reader.fail(f"$.{key}", f"expected a list, got {_kind(value)}")
+            value = []
+        lists[key] = value
+    messages = [_message(reader, item, f"$.messages[{i}]") for i, item in enumerate(lists["messages"])]
+    tools = [_tool(reader, item, f"$.tools[{i}]") for i, item in enumerate(lists["tools"])]
+    resume = [_resume(reader, item, f"$.resume[{i}]") for i, item in enumerate(lists["resume"])]
+    if reader.problems:
+        raise InputError(reader.problems)
+    assert thread_id is not None and run_id is not None
+    return RunInput(
+        thread_id=thread_id,
+        run_id=run_id,
+        messages=tuple(m for m in messages if m is not None),
+        tools=tuple(t for t in tools if t is not None),
+        resume=tuple(r for r in resume if r is not None),
+        state=data.get("state"),
+        forwarded_props=data.get("forwardedProps"),
+        parent_run_id=parent,
+    )
+
+
+def answers_for(entries: Sequence[ResumeEntry], interrupts: Sequence[Interrupt]) -> list[InterruptAnswer]:
+    """The answers ``entries`` give to a paused run's ``interrupts`` (see the module rules). An entry
+    for an unknown interrupt is answered `Respond` and left for the run's own checks to refuse."""
+    kinds = {interrupt.id: interrupt.kind for interrupt in interrupts}
+    answers: list[InterruptAnswer] = []
+    for entry in entries:
+        payload = entry.payload
+        if entry.status == "cancelled":
+            answers.append(Cancel(entry.interrupt_id))
+        elif kinds.get(entry.interrupt_id) is InterruptKind.APPROVAL and isinstance(payload, dict):
+            if payload.get("approved") is True:
+                edited = payload.get("editedArgs")
+                answers.append(Approve(entry.interrupt_id, edited if isinstance(edited, dict) else None))
+            else:
+                message = payload.get("message")
+                answers.append(Reject(entry.interrupt_id, message if isinstance(message, str) else None))
+        else:
+            answers.append(Respond(entry.interrupt_id, payload))
+    return answers

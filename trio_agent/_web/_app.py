@@ -1,0 +1,341 @@
+"""An agent behind a URL: AG-UI over server-sent events, an ASGI app served under Trio.
+
+Rules
+=====
+
+* ``POST /runs`` takes AG-UI's ``RunAgentInput`` (``application/json``, at most
+  ``max_body`` bytes) and answers ``text/event-stream``: the run's AG-UI events,
+  one SSE event each (`trio_agent.agui`). Before the stream starts, a request that
+  cannot run gets an HTTP error with a JSON body ``{"error": code, "message": ...,
+  "problems": [...]}``: 401 ``unauthorized``, 415 ``unsupported_media_type``, 413
+  ``body_too_large``, 400 ``invalid_json``, 422 ``invalid_input`` (every problem with
+  its JSON path) or ``invalid_answers``, 409 ``run_in_progress`` (a run id already
+  running) or ``nothing_to_resume``. Once streaming, a failure is one ``RUN_ERROR``
+  event and the stream ends.
+* A run is one ``chat()`` run of the app's agent: the input's messages are its
+  history, the input's tools are client tools (the run pauses for their output), the
+  app's tools run on the server. It is SDK-owned work: a client that disconnects
+  aborts it (committed tool results are kept, as for any abort), and so does
+  ``POST /runs/{run_id}/abort`` (202; 404 for a run that is not running).
+* A run that pauses ends its stream with ``RUN_FINISHED`` (``interrupt`` outcome);
+  the app keeps the paused state (signed with the app's key) by thread, at most
+  ``max_paused`` threads, the least recently paused dropped first. A continuation is a
+  ``RunAgentInput`` on the same thread with ``resume`` entries (its ``messages`` are
+  ignored: the paused state has the history); it is accepted once.
+* Backpressure: the run's events go through a channel of ``buffer`` frames to the
+  response; a client that reads slowly slows the run, one that stops reading holds at
+  most that many frames (then the run waits, until the client goes away). An idle
+  stream gets a ``: keep-alive`` comment every ``keep_alive`` seconds.
+* Authentication is not optional: ``create_app`` takes ``auth``, a callable on the
+  request (plain or async) returning whether to serve it. `local_only` serves only
+  loopback clients, `bearer_token` a shared secret.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import inspect
+import json
+import logging
+import secrets
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from .._abort import AbortHandle, AbortReason
+from .._agui._encode import AgUiEncoder
+from .._agui._input import InputError, RunInput, answers_for, parse_run_input
+from .._agui._sse import CONTENT_TYPE, KEEP_ALIVE, sse_event
+from .._agui._wire import RunErrorEvent, to_wire
+from .._chat._chat import chat
+from .._errors import TrioAgentError
+from .._lifecycle._interrupts import PausedRun
+from .._loop._interrupts import ClientTool, InterruptResumeError, validate_answers
+from .._tools._definition import Tool
+
+__all__ = ["Auth", "bearer_token", "create_app", "local_only"]
+
+logger = logging.getLogger("trio_agent.web")
+
+Auth = Callable[[Request], bool | Awaitable[bool]]
+"""Whether to serve a request (plain or async)."""
+
+_LOOPBACK = ("127.", "::1", "localhost")
+
+
+def local_only(request: Request) -> bool:
+    """Serve loopback clients only (the default of ``python -m trio_agent serve``)."""
+    host = request.client.host if request.client is not None else ""
+    return host.startswith(_LOOPBACK) or host == "testclient"
+
+
+def bearer_token(token: str) -> Auth:
+    """Serve requests that carry ``Authorization: Bearer <token>`` (compared in constant time)."""
+    if not token:
+        raise ValueError("bearer_token() needs a non-empty token")
+    expected = f"Bearer {token}".encode()
+
+    def check(request: Request) -> bool:
+        return hmac.compare_digest(request.headers.get("authorization", "").encode(), expected)
+
+    return check
+
+
+def _error(status: int, code: str, message: str, problems: Sequence[str] = ()) -> JSONResponse:
+    body: dict[str, Any] = {"error": code, "message": message}
+    if problems:
+        body["problems"] = list(problems)
+    return JSONResponse(body, status_code=status)
+
+
+class _Server:
+    """What one app keeps between requests: the runs in flight and the paused threads."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        tools: Sequence[Tool[Any]],
+        chat_options: Mapping[str, Any],
+        keep_alive: float,
+        max_body: int,
+        buffer: int,
+        max_paused: int,
+        signing_key: bytes,
+    ) -> None:
+        self.model = model
+        self.tools = tuple(tools)
+        self.chat_options = dict(chat_options)
+        self.keep_alive = keep_alive
+        self.max_body = max_body
+        self.buffer = buffer
+        self.max_paused = max_paused
+        self.signing_key = signing_key
+        self.runs: dict[str, AbortHandle] = {}
+        self.paused: collections.OrderedDict[str, PausedRun] = collections.OrderedDict()
+
+    def keep_paused(self, thread_id: str, paused: PausedRun) -> None:
+        self.paused.pop(thread_id, None)
+        self.paused[thread_id] = paused.signed(self.signing_key)
+        while len(self.paused) > self.max_paused:
+            self.paused.popitem(last=False)
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The body, or ``None`` past *limit* bytes (read no further)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _RunStream(Response):
+    """The SSE response of one run: the run, the client and the keep-alive in one nursery."""
+
+    media_type = CONTENT_TYPE
+
+    def __init__(self, server: _Server, run_input: RunInput, start: Callable[[AbortHandle], Any]) -> None:
+        # No Content-Length: the body is a stream (Response's own headers would declare 0).
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [
+            (b"content-type", CONTENT_TYPE.encode() + b"; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
+        self.server = server
+        self.run_input = run_input
+        self.start = start  # opens the chat run (an async context manager) with this abort handle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        server, run_id = self.server, self.run_input.run_id
+        abort = AbortHandle()
+        server.runs[run_id] = abort
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            frames_in, frames_out = trio.open_memory_channel[bytes](server.buffer)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._run, abort, frames_in)
+                nursery.start_soon(_watch_disconnect, receive, abort)
+                try:
+                    await self._forward(frames_out, send)
+                except OSError:  # the client went away while we wrote to it
+                    abort.abort(AbortReason.USER_ABORT, "the client disconnected")
+                finally:
+                    frames_out.close()  # the run stops sending (its block aborts the run)
+                nursery.cancel_scope.cancel()  # the run has ended: stop watching the client
+        finally:
+            server.runs.pop(run_id, None)
+
+    async def _forward(self, frames: trio.MemoryReceiveChannel[bytes], send: Send) -> None:
+        while True:
+            with trio.move_on_after(self.server.keep_alive) as idle:
+                try:
+                    frame = await frames.receive()
+                except trio.EndOfChannel:
+                    break
+            if idle.cancelled_caught:
+                frame = KEEP_ALIVE
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _run(self, abort: AbortHandle, frames: trio.MemorySendChannel[bytes]) -> None:
+        run_input = self.run_input
+        encoder = AgUiEncoder(thread_id=run_input.thread_id, run_id=run_input.run_id)
+        failed = False
+        async with frames:
+            try:
+                async with self.start(abort) as run:
+                    async for event in run:
+                        for data in encoder.wire(event):
+                            failed = failed or data["type"] == "RUN_ERROR"
+                            await frames.send(sse_event(data))
+                    result = await run.result()
+                if result.paused is not None:
+                    self.server.keep_paused(run_input.thread_id, result.paused)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the client is gone: leaving the block aborted the run
+            except TrioAgentError as exc:
+                if not failed:  # the loop reports its own failures; this one happened around it
+                    data = to_wire(RunErrorEvent(message=str(exc), code=getattr(exc, "code", None) or "run_failed"))
+                    try:
+                        await frames.send(sse_event(data))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        return
+
+
+async def _watch_disconnect(receive: Receive, abort: AbortHandle) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            abort.abort(AbortReason.USER_ABORT, "the client disconnected")
+            return
+
+
+def create_app(
+    model: Any,
+    *,
+    auth: Auth,
+    tools: Sequence[Tool[Any]] = (),
+    keep_alive: float = 15.0,
+    max_body: int = 1_000_000,
+    buffer: int = 64,
+    max_paused: int = 1_000,
+    signing_key: bytes | None = None,
+    **chat_options: Any,
+) -> Starlette:
+    """An ASGI app (Starlette) serving ``model`` as AG-UI runs (see the module rules).
+
+    ``model`` and ``chat_options`` (``instructions``, ``middleware``, ``permissions``,
+    ``permission_mode``, ``strategy`` ...) are what each run passes to ``chat()``;
+    ``tools`` run on the server. Serve it with `serve` (Hypercorn under Trio).
+    """
+    if not callable(auth):
+        raise TypeError("create_app() needs auth=, a callable on the request (local_only, bearer_token(...))")
+    for name in ("resume", "answers", "abort", "signing_key", "messages"):
+        if name in chat_options:
+            raise TypeError(f"create_app() sets {name}= of each run itself")
+    server = _Server(
+        model,
+        tools=tools,
+        chat_options=chat_options,
+        keep_alive=keep_alive,
+        max_body=max_body,
+        buffer=buffer,
+        max_paused=max_paused,
+        signing_key=signing_key or secrets.token_bytes(32),
+    )
+
+    async def authorized(request: Request) -> bool:
+        verdict = auth(request)
+        if inspect.isawaitable(verdict):
+            verdict = await verdict
+        return verdict is True
+
+    async def runs(request: Request) -> Response:
+        if not await authorized(request):
+            return _error(401, "unauthorized", "this request is not authorized")
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            return _error(415, "unsupported_media_type", f"POST a RunAgentInput as application/json, not {media!r}")
+        body = await _read_body(request, server.max_body)
+        if body is None:
+            return _error(413, "body_too_large", f"the body is larger than {server.max_body} bytes")
+        try:
+            data = json.loads(body)
+        except ValueError as exc:
+            return _error(400, "invalid_json", f"the body is not JSON: {exc}")
+        try:
+            run_input = parse_run_input(data)
+        except InputError as exc:
+            return _error(422, "invalid_input", "the RunAgentInput cannot be read", exc.problems)
+        if run_input.run_id in server.runs:
+            return _error(409, "run_in_progress", f"run {run_input.run_id!r} is already running")
+        tools_of_run = [*server.tools, *run_input.tools]
+        ids = {"run_id": run_input.run_id, "thread_id": run_input.thread_id}
+        metadata = {**(server.chat_options.get("metadata") or {}), **ids}
+        options = {
+            **server.chat_options,
+            "tools": tools_of_run,
+            "signing_key": server.signing_key,
+            "metadata": metadata,
+        }
+        if run_input.resume:
+            paused = server.paused.get(run_input.thread_id)
+            if paused is None:
+                return _error(409, "nothing_to_resume", f"thread {run_input.thread_id!r} has no paused run")
+            answers = answers_for(run_input.resume, paused.state.interrupts)
+            try:
+                _check_answers(paused, answers, server.signing_key, tools_of_run)
+            except InterruptResumeError as exc:
+                return _error(422, "invalid_answers", str(exc), [issue.message for issue in exc.issues])
+            del server.paused[run_input.thread_id]  # accepted once
+
+            def start(abort: AbortHandle) -> Any:
+                return chat(server.model, resume=paused, answers=answers, abort=abort, **options)
+
+        else:
+            if not run_input.messages:
+                return _error(422, "invalid_input", "the RunAgentInput has no message to answer", ["$.messages: empty"])
+
+            def start(abort: AbortHandle) -> Any:
+                return chat(server.model, list(run_input.messages), abort=abort, **options)
+
+        return _RunStream(server, run_input, start)
+
+    async def abort_run(request: Request) -> Response:
+        if not await authorized(request):
+            return _error(401, "unauthorized", "this request is not authorized")
+        handle = server.runs.get(request.path_params["run_id"])
+        if handle is None:
+            return _error(404, "unknown_run", f"run {request.path_params['run_id']!r} is not running")
+        handle.abort(AbortReason.USER_ABORT, "stopped by the client")
+        return JSONResponse({"aborted": True}, status_code=202)
+
+    routes = [Route("/runs", runs, methods=["POST"]), Route("/runs/{run_id}/abort", abort_run, methods=["POST"])]
+    app = Starlette(routes=routes)
+    app.state.agui = server
+    return app
+
+
+def _check_answers(paused: PausedRun, answers: Sequence[Any], key: bytes, tools: Sequence[object]) -> None:
+    """Refuse answers the run would refuse, before the stream starts (an HTTP 422, not an event)."""
+    paused.verify(key)
+    client_tools = {tool.name: tool for tool in tools if isinstance(tool, ClientTool)}
+    _, issues = validate_answers(paused.state, answers, client_tools)
+    if issues:
+        raise InterruptResumeError(issues)

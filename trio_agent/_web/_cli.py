@@ -1,0 +1,48 @@
+"""``python -m trio_agent serve``: the AG-UI endpoint (and the chat page) on this machine."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import trio
+
+__all__ = ["run_serve"]
+
+
+def run_serve(*, host: str, port: int, provider: str | None, model: str | None, token: str | None) -> int:
+    """Serve until Ctrl-C. Loopback needs no token; any other host does (never open by accident)."""
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    if not loopback and not token:
+        print(f"error: serving on {host} needs --token (clients send 'Authorization: Bearer <token>')", file=sys.stderr)
+        return 2
+    if provider is not None and not model:
+        print(f"error: --model is required with --provider {provider}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(functools.partial(_serve, host=host, port=port, provider=provider, model=model, token=token))
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
+async def _serve(*, host: str, port: int, provider: str | None, model: str | None, token: str | None) -> None:
+    from .._models._providers import create_provider
+    from ._app import bearer_token, create_app, local_only
+    from ._offline import offline_agent
+    from ._serve import serve
+
+    auth = bearer_token(token) if token else local_only
+    chosen: Any
+    if provider is None:
+        chosen, tools, options = offline_agent()
+        print("the offline test model answers (no API key needed); --provider and --model for a real one")
+    else:
+        chosen, tools, options = create_provider(provider, model or ""), [], {}
+    app = create_app(chosen, auth=auth, tools=tools, **options)
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(functools.partial(serve, app, host=host, port=port))
+        for bind in binds:
+            print(f"serving AG-UI on {bind}/runs (Ctrl-C to stop)", flush=True)
