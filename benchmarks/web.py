@@ -182,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  (the bare HTTP floor over the in-process floor: {http_floor:.1f} us per event)")
     figures: dict[str, Any] = {"benchmark": "web", "words": words, "rounds": rounds}
     keys = {
-        "floor, in process (Trio channel)": "floor_channel",
+        "floor, in process (Trio channel)": "direct_channel",
         "chat(), in process": "chat",
         "chat() + AG-UI encoding, in process": "chat_agui",
-        "floor, HTTP (bare ASGI SSE app)": "floor_http",
+        "floor, HTTP (bare ASGI SSE app)": "direct_http",
         "endpoint (POST /runs)": "endpoint",
     }
     for name, key in keys.items():
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         figures[f"{key}_events_per_s"] = round(rows[name]["events_per_s"], 1)
         figures[f"{key}_us_per_event"] = round(rows[name]["us_per_event"], 2)
     figures["http_layer_us_per_event"] = round(endpoint - encoded, 2)
-    figures["http_floor_us_per_event"] = round(http_floor, 2)
+    figures["direct_http_over_channel_us_per_event"] = round(http_floor, 2)
     figures["endpoint_over_chat_agui"] = round(endpoint / encoded, 3)
     print(json.dumps(figures))
     return 0

@@ -62,7 +62,7 @@ from .._models._messages import (
 )
 from . import _wire as w
 
-__all__ = ["AgUiEncoder", "messages_to_agui", "usage_to_agui"]
+__all__ = ["AgUiEncoder", "interrupt_to_agui", "messages_to_agui", "usage_to_agui"]
 
 TOOL_PROGRESS = "trio_agent.tool_progress"
 
@@ -107,7 +107,8 @@ def usage_to_agui(usage: Sequence[Usage], model: str | None = None) -> tuple[w.T
     )
 
 
-def _interrupt(interrupt: Interrupt, subagent_run_id: str | None) -> w.Interrupt:
+def interrupt_to_agui(interrupt: Interrupt, subagent_run_id: str | None = None) -> w.Interrupt:
+    """One of our interrupts as AG-UI's (what it has no field for goes in ``metadata``)."""
     metadata = {
         "kind": interrupt.kind.value,
         "toolName": interrupt.tool_name,
@@ -225,7 +226,7 @@ class AgUiEncoder:
 
     def _finished(self, event: RunFinished, sub: str | None) -> w.AgUiEvent:
         usage = usage_to_agui(self._usage.pop(event.run_id, []))
-        interrupts = tuple(_interrupt(interrupt, sub) for interrupt in event.interrupts)
+        interrupts = tuple(interrupt_to_agui(interrupt, sub) for interrupt in event.interrupts)
         result: dict[str, Any] = {"stopReason": event.outcome, "text": event.text}
         if sub is not None:
             if event.outcome == "interrupt":

@@ -424,7 +424,7 @@ def _configure(converter: cattrs.Converter) -> None:
 _converter = LazyConverter(configure=_configure)
 
 
-def to_wire(event: AgUiEvent | AgUiMessage) -> dict[str, Any]:
-    """The JSON object a client reads for ``event`` (camelCase keys, its ``type``)."""
+def to_wire(event: AgUiEvent | AgUiMessage | Interrupt) -> dict[str, Any]:
+    """The JSON object a client reads for ``event`` (camelCase keys, its ``type`` or ``role``)."""
     data: dict[str, Any] = _converter.unstructure(event, type(event))
     return data

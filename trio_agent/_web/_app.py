@@ -35,12 +35,15 @@ Rules
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import hmac
 import inspect
 import json
 import logging
+import os
 import secrets
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import trio
@@ -51,15 +54,21 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .._abort import AbortHandle, AbortReason
-from .._agui._encode import AgUiEncoder
+from .._agui._encode import AgUiEncoder, messages_to_agui
 from .._agui._input import InputError, RunInput, answers_for, parse_run_input
 from .._agui._sse import CONTENT_TYPE, KEEP_ALIVE, sse_event
-from .._agui._wire import RunErrorEvent, to_wire
+from .._agui._wire import MessagesSnapshotEvent, RunErrorEvent, to_wire
 from .._chat._chat import chat
 from .._errors import TrioAgentError
+from .._journal._sqlite import open_sqlite_store
+from .._journal._store import JournalStore, check_id
 from .._lifecycle._interrupts import PausedRun
 from .._loop._interrupts import ClientTool, InterruptResumeError, validate_answers
+from .._models._messages import UserMessage
+from .._session._session import Session
+from .._session._spec import AgentSpec, define_agent
 from .._tools._definition import Tool
+from ._threads import LiveRun, ThreadHub, open_hub
 
 __all__ = ["Auth", "bearer_token", "create_app", "local_only"]
 
@@ -119,7 +128,9 @@ class _Server:
         self.buffer = buffer
         self.max_paused = max_paused
         self.signing_key = signing_key
-        self.runs: dict[str, AbortHandle] = {}
+        self.runs: dict[str, Callable[[], object]] = {}  # run id -> stop it
+        self.threads: tuple[AgentSpec, Any] | None = None  # (spec, journal) when threads are sessions
+        self.hub: ThreadHub | None = None
         self.paused: collections.OrderedDict[str, PausedRun] = collections.OrderedDict()
 
     def keep_paused(self, thread_id: str, paused: PausedRun) -> None:
@@ -165,7 +176,7 @@ class _RunStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         server, run_id = self.server, self.run_input.run_id
         abort = AbortHandle()
-        server.runs[run_id] = abort
+        server.runs[run_id] = functools.partial(abort.abort, AbortReason.USER_ABORT, "stopped by the client")
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             frames_in, frames_out = trio.open_memory_channel[bytes](server.buffer)
@@ -189,10 +200,7 @@ class _RunStream(Response):
                     frame = await frames.receive()
                 except trio.EndOfChannel:
                     break
-            if idle.cancelled_caught:
-                frame = KEEP_ALIVE
-            else:
-                frame = _with_ready(frame, frames)
+            frame = KEEP_ALIVE if idle.cancelled_caught else _with_ready(frame, frames)
             await send({"type": "http.response.body", "body": frame, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -257,6 +265,8 @@ def create_app(
     buffer: int = 64,
     max_paused: int = 1_000,
     signing_key: bytes | None = None,
+    threads: str | os.PathLike[str] | JournalStore | None = None,
+    agent: AgentSpec | None = None,
     **chat_options: Any,
 ) -> Starlette:
     """An ASGI app (Starlette) serving ``model`` as AG-UI runs (see the module rules).
@@ -264,6 +274,11 @@ def create_app(
     ``model`` and ``chat_options`` (``instructions``, ``middleware``, ``permissions``,
     ``permission_mode``, ``strategy`` ...) are what each run passes to ``chat()``;
     ``tools`` run on the server. Serve it with `serve` (Hypercorn under Trio).
+
+    With ``threads`` (a SQLite path or a `JournalStore`), a thread is a durable session
+    of ``agent`` (default: ``define_agent(provider=model, tools=tools, permission_asks="interrupt",
+    **chat_options)``):
+    see `_threads` for what that changes.
     """
     if not callable(auth):
         raise TypeError("create_app() needs auth=, a callable on the request (local_only, bearer_token(...))")
@@ -304,6 +319,8 @@ def create_app(
             run_input = parse_run_input(data)
         except InputError as exc:
             return _error(422, "invalid_input", "the RunAgentInput cannot be read", exc.problems)
+        if server.hub is not None:
+            return await _thread_run(server, server.hub, run_input)
         if run_input.run_id in server.runs:
             return _error(409, "run_in_progress", f"run {run_input.run_id!r} is already running")
         tools_of_run = [*server.tools, *run_input.tools]
@@ -341,14 +358,43 @@ def create_app(
     async def abort_run(request: Request) -> Response:
         if not await authorized(request):
             return _error(401, "unauthorized", "this request is not authorized")
-        handle = server.runs.get(request.path_params["run_id"])
-        if handle is None:
+        stop = server.runs.get(request.path_params["run_id"])
+        if stop is None:
             return _error(404, "unknown_run", f"run {request.path_params['run_id']!r} is not running")
-        handle.abort(AbortReason.USER_ABORT, "stopped by the client")
+        stop()
         return JSONResponse({"aborted": True}, status_code=202)
 
-    routes = [Route("/runs", runs, methods=["POST"]), Route("/runs/{run_id}/abort", abort_run, methods=["POST"])]
-    app = Starlette(routes=routes)
+    async def thread_view(request: Request) -> Response:
+        if not await authorized(request):
+            return _error(401, "unauthorized", "this request is not authorized")
+        if server.hub is None:
+            return _error(404, "no_threads", "this app keeps no threads (create_app(threads=...))")
+        return await _thread_view(server, server.hub, request.path_params["thread_id"])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if server.threads is None:
+            yield
+            return
+        spec, journal = server.threads
+        async with contextlib.AsyncExitStack() as stack:
+            if isinstance(journal, (str, os.PathLike)):
+                journal = await stack.enter_async_context(open_sqlite_store(os.fspath(journal)))
+            server.hub = await stack.enter_async_context(open_hub(spec, journal))
+            try:
+                yield
+            finally:
+                server.hub = None
+
+    if threads is not None:
+        spec = agent or define_agent(provider=model, tools=tools, permission_asks="interrupt", **chat_options)
+        server.threads = (spec, threads)
+    routes = [
+        Route("/runs", runs, methods=["POST"]),
+        Route("/runs/{run_id}/abort", abort_run, methods=["POST"]),
+        Route("/threads/{thread_id}", thread_view, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
     app.state.agui = server
     return app
 
@@ -360,3 +406,140 @@ def _check_answers(paused: PausedRun, answers: Sequence[Any], key: bytes, tools:
     _, issues = validate_answers(paused.state, answers, client_tools)
     if issues:
         raise InterruptResumeError(issues)
+
+
+class _Follow(Response):
+    """The SSE response of a client following a thread: ``prefix`` frames, then the live run's
+    frames from the start (a reconnect replays them), until the run ends. A client that goes
+    away only stops following."""
+
+    def __init__(self, server: _Server, prefix: Sequence[bytes], live: LiveRun | None) -> None:
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [
+            (b"content-type", CONTENT_TYPE.encode() + b"; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
+        self.server = server
+        self.prefix = list(prefix)
+        self.live = live
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(stop_on_disconnect)
+            with contextlib.suppress(OSError):  # the client went away while we wrote: the run goes on
+                await self._forward(send)
+            nursery.cancel_scope.cancel()
+
+    async def _forward(self, send: Send) -> None:
+        async def write(body: bytes) -> None:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+
+        if self.prefix:
+            await write(b"".join(self.prefix))
+        live, sent = self.live, 0
+        while live is not None:
+            if sent < len(live.frames):
+                batch = live.frames[sent:]
+                sent += len(batch)
+                await write(b"".join(batch))
+                continue
+            if live.done:
+                break
+            with trio.move_on_after(self.server.keep_alive) as idle:
+                await live.changed()
+            if idle.cancelled_caught:
+                await write(KEEP_ALIVE)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _last_prompt(run_input: RunInput) -> str | None:
+    for message in reversed(run_input.messages):
+        if isinstance(message, UserMessage):
+            return message.content
+    return None
+
+
+async def _open_thread(hub: ThreadHub, thread_id: str) -> Any:
+    try:
+        return await hub.thread(thread_id)
+    except TrioAgentError as exc:
+        return _error(503, "thread_unavailable", f"thread {thread_id!r} cannot be opened: {exc}")
+
+
+async def _thread_run(server: _Server, hub: ThreadHub, run_input: RunInput) -> Response:
+    """``POST /runs`` on a thread backed by a session (see `_threads`)."""
+    thread = await _open_thread(hub, run_input.thread_id)
+    if isinstance(thread, Response):
+        return thread
+    live = thread.live
+    if live is not None and not live.done:
+        if live.run_id == run_input.run_id:
+            return _Follow(server, (), live)  # the same run again: a client coming back
+        return _error(409, "run_in_progress", f"thread {run_input.thread_id!r} is running {live.run_id!r}")
+    session = thread.session
+    if run_input.resume:
+        paused = session.paused
+        if paused is None:
+            return _error(409, "nothing_to_resume", f"thread {run_input.thread_id!r} has no paused run")
+        answers = answers_for(run_input.resume, paused.state.interrupts)
+        _, issues = validate_answers(paused.state, answers, {})
+        if issues:
+            return _error(422, "invalid_answers", str(InterruptResumeError(issues)), [i.message for i in issues])
+
+        def open_stream(s: Session) -> Any:
+            return s.resume_stream(answers)
+
+    else:
+        prompt = _last_prompt(run_input)
+        if prompt is None:
+            return _error(
+                422, "invalid_input", "the RunAgentInput has no user message", ["$.messages: no user message"]
+            )
+        if session.paused is not None:
+            return _error(409, "thread_paused", f"thread {run_input.thread_id!r} waits for answers (resume it)")
+
+        def open_stream(s: Session) -> Any:
+            return s.stream(prompt)
+
+    run_id = run_input.run_id
+
+    def stop() -> None:
+        hub.nursery.start_soon(session.abort, AbortReason.USER_ABORT, "stopped by the client")
+
+    server.runs[run_id] = stop
+    live = hub.start_run(thread, run_input.thread_id, run_id, open_stream, lambda: server.runs.pop(run_id, None))
+    return _Follow(server, (), live)
+
+
+async def _thread_view(server: _Server, hub: ThreadHub, thread_id: str) -> Response:
+    """``GET /threads/{id}``: the conversation so far, then the live run if there is one."""
+    if not await _thread_exists(hub, thread_id):
+        return _error(404, "unknown_thread", f"thread {thread_id!r} does not exist")
+    thread = await _open_thread(hub, thread_id)
+    if isinstance(thread, Response):
+        return thread
+    snapshot = MessagesSnapshotEvent(messages=messages_to_agui(thread.session.messages()))
+    prefix = [sse_event(to_wire(snapshot))]
+    live = thread.live if thread.live is not None and not thread.live.done else None
+    paused = hub.paused_frame(thread)
+    if live is None and paused is not None:
+        prefix.append(paused)
+    return _Follow(server, prefix, live)
+
+
+async def _thread_exists(hub: ThreadHub, thread_id: str) -> bool:
+    try:
+        check_id(thread_id, "thread id")
+    except TrioAgentError:
+        return False
+    store = hub.journal
+    return bool(await store.streams(thread_id))

@@ -1,0 +1,173 @@
+"""Web threads backed by durable sessions (issue 15): a disconnect only detaches, a client that
+comes back replays and follows, a reload (or a restarted server) sees the same conversation."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+from ag_ui.core import Event as AgUiEventModel
+from pydantic import TypeAdapter
+
+import trio_agent as ta
+from tests.test_session import gated_tool
+from tests.test_web import add, body, respond
+from trio_agent.testing import Reply, TestModel
+from trio_agent.web import create_app, local_only, serve
+
+EVENTS: TypeAdapter[Any] = TypeAdapter(AgUiEventModel)
+
+
+@asynccontextmanager
+async def running(app: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The app served until the block ends, then shut down gracefully (its sessions close)."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(functools.partial(serve, app, port=0, shutdown_trigger=stop.wait))
+        async with httpx.AsyncClient(base_url=binds[0], timeout=30) as client:
+            yield client
+        stop.set()
+
+
+async def read(response: httpx.Response, until: str | None = None) -> list[dict[str, Any]]:
+    """The events of a stream, to its end or (cancelling the read, not breaking it) to ``until``."""
+    out: list[dict[str, Any]] = []
+    with trio.CancelScope() as reading:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                data = json.loads(line[6:])
+                EVENTS.validate_python(data)
+                out.append(data)
+                if data["type"] == until:
+                    reading.cancel()
+    return out
+
+
+async def view(client: httpx.AsyncClient, thread: str) -> list[dict[str, Any]]:
+    async with client.stream("GET", f"/threads/{thread}") as response:
+        assert response.status_code == 200
+        return await read(response)
+
+
+def texts(events: list[dict[str, Any]]) -> str:
+    return "".join(e["delta"] for e in events if e["type"] == "TEXT_MESSAGE_CONTENT")
+
+
+async def test_a_thread_is_a_session_a_reload_sees_its_conversation(tmp_path: Path) -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "threads.db")
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body(thread="t1")) as response:
+            events = await read(response)
+        assert events[0]["type"] == "RUN_STARTED" and events[-1]["outcome"] == {"type": "success"}
+        assert texts(events) == "result: 3"
+        async with client.stream("POST", "/runs", json=body("add 3 and 4", thread="t1", run="r2")) as response:
+            await read(response)
+        (snapshot,) = await view(client, "t1")
+        roles = [m["role"] for m in snapshot["messages"]]
+        assert roles == ["user", "assistant", "tool", "assistant"] * 2
+        unknown = await client.get("/threads/nope")
+        assert unknown.status_code == 404 and unknown.json()["error"] == "unknown_thread"
+    # A restarted server: the same file, a new app; the thread's conversation is read back.
+    again = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "threads.db")
+    async with running(again) as client:
+        (reloaded,) = await view(client, "t1")
+        assert reloaded == snapshot
+
+
+async def test_a_disconnect_detaches_and_a_returning_client_replays_then_follows(tmp_path: Path) -> None:
+    log: list[str] = []
+    slow, started, release = gated_tool("slow", log=log)
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow], threads=tmp_path / "threads.db")
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body("slow please", run="r1")) as response:
+            first = await read(response, until="TOOL_CALL_END")
+        with trio.fail_after(10):
+            await started.wait()  # the tool runs on, without any client
+        async with trio.open_nursery() as nursery:
+            seen: dict[str, list[dict[str, Any]]] = {}
+
+            async def follow(name: str, request: Any) -> None:
+                async with request as response:
+                    assert response.status_code == 200
+                    seen[name] = await read(response)
+
+            # The same run again (a client coming back) and a second tab, both while it runs.
+            nursery.start_soon(follow, "again", client.stream("POST", "/runs", json=body("slow please", run="r1")))
+            nursery.start_soon(follow, "tab", client.stream("GET", "/threads/t1"))
+            with trio.fail_after(10):
+                while len(app.state.agui.hub._threads["t1"].live.frames) < len(first):
+                    await trio.lowlevel.checkpoint()
+            release.set()
+        assert log == ["slow:finished"]
+        assert seen["again"][: len(first)] == first  # replayed from the start
+        assert seen["again"][-1]["type"] == "RUN_FINISHED" and texts(seen["again"]) == "result: slow done"
+        assert seen["tab"][0]["type"] == "MESSAGES_SNAPSHOT" and seen["tab"][1:] == seen["again"]
+        busy = await client.post("/runs", json=body("slow please", run="r2"))
+        assert busy.status_code == 200  # the previous run ended: a new one may start
+        await busy.aread()
+
+
+async def test_a_paused_thread_shows_its_questions_and_resumes(tmp_path: Path) -> None:
+    app = create_app(
+        TestModel(respond=respond),
+        auth=local_only,
+        tools=[add],
+        threads=tmp_path / "t.db",
+        permissions={"ask": ["add"]},
+    )
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body()) as response:
+            paused = await read(response)
+        (interrupt,) = paused[-1]["outcome"]["interrupts"]
+        shown = await view(client, "t1")
+        assert [e["type"] for e in shown] == ["MESSAGES_SNAPSHOT", "CUSTOM"]
+        assert shown[1]["name"] == "trio_agent.thread_paused" and shown[1]["value"]["interrupts"] == [interrupt]
+        refused = await client.post("/runs", json=body("another", run="r2"))
+        assert refused.status_code == 409 and refused.json()["error"] == "thread_paused"
+        answer = [{"interruptId": interrupt["id"], "status": "resolved", "payload": {"approved": True}}]
+        async with client.stream("POST", "/runs", json=body(run="r3", resume=answer)) as response:
+            resumed = await read(response)
+        assert resumed[-1]["outcome"] == {"type": "success"} and texts(resumed) == "result: 3"
+        again = await client.post("/runs", json=body(run="r4", resume=answer))
+        assert again.status_code == 409 and again.json()["error"] == "nothing_to_resume"
+
+
+async def test_the_stop_endpoint_stops_a_thread_run(tmp_path: Path) -> None:
+    slow, started, _release = gated_tool("slow")
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow], threads=tmp_path / "t.db")
+    events: list[dict[str, Any]] = []
+    async with (
+        running(app) as client,
+        client.stream("POST", "/runs", json=body("slow please", run="r1")) as response,
+        trio.open_nursery() as nursery,
+    ):
+
+        async def stop_when_started() -> None:
+            await started.wait()
+            assert (await client.post("/runs/r1/abort")).status_code == 202
+
+        nursery.start_soon(stop_when_started)
+        events = await read(response)
+    assert events[-1]["type"] == "RUN_FINISHED" and events[-1]["outcome"] == {"type": "cancelled"}
+
+
+async def test_a_thread_that_cannot_be_opened_is_an_http_error(tmp_path: Path) -> None:
+    from trio_agent.journal import open_sqlite_store
+
+    path = tmp_path / "t.db"
+    async with open_sqlite_store(path) as store:
+        # Another process holds the session's lease: the thread cannot be opened here.
+        await store.acquire_lease("t1", "someone-else", 60)
+        app = create_app(TestModel(default=Reply(text="hi")), auth=local_only, threads=store)
+        async with running(app) as client:
+            busy = await client.post("/runs", json=body(thread="t1"))
+            assert busy.status_code == 503 and busy.json()["error"] == "thread_unavailable"
+            async with client.stream("POST", "/runs", json=body(thread="t2")) as response:
+                assert (await read(response))[-1]["type"] == "RUN_FINISHED"  # a neighbour is not affected
+    assert ta.__name__ == "trio_agent"
