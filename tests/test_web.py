@@ -231,3 +231,27 @@ def test_serve_refuses_to_be_open_by_accident(capsys: pytest.CaptureFixture[str]
     assert "needs --token" in capsys.readouterr().err
     assert main(["serve", "--provider", "openai"]) == 2
     assert "--model is required" in capsys.readouterr().err
+
+
+async def test_a_client_that_never_reads_holds_the_run_back_not_the_memory() -> None:
+    from trio_agent.lifecycle import ChatMiddleware, TextMessageContent
+
+    produced = [0]
+
+    class Count(ChatMiddleware):
+        def on_chunk(self, ctx: Any, event: Any) -> None:
+            if isinstance(event, TextMessageContent):
+                produced[0] += 1
+
+    chunks, size = 2_000, 8_000  # 16 MB of text: more than the socket buffers between us hold
+    model = TestModel(default=Reply(text=" ".join(["x" * size] * chunks)))
+    app = create_app(model, auth=local_only, middleware=[Count()], buffer=4)
+    async with running(app) as client, client.stream("POST", "/runs", json=body()) as response:
+        assert response.status_code == 200
+        # Nobody reads: once everything is blocked, the run waits behind the full socket and channel.
+        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+        held = produced[0]
+        assert app.state.agui.runs and held < chunks // 2, held
+        events = await events_of(response)  # now read it all: the run goes on to its end
+    assert produced[0] == chunks and events[-1]["type"] == "RUN_FINISHED"
+    assert sum(len(e["delta"]) for e in events if e["type"] == "TEXT_MESSAGE_CONTENT") == chunks * size + chunks - 1

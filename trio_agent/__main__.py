@@ -60,6 +60,7 @@ def _main(argv: list[str] | None) -> int:
     )
     serve.add_argument("--model", default=None, help="the model name (required with --provider)")
     serve.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' (needed off loopback)")
+    serve.add_argument("--journal", default=None, help="keep the threads in this SQLite file (default: a temp file)")
     journal = commands.add_parser("journal", help="inspect a SQLite journal")
     journal_commands = journal.add_subparsers(dest="journal_command", required=True)
     show = journal_commands.add_parser("show", help="print a readable timeline of a journal")
@@ -76,7 +77,14 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "serve":
         from ._web._cli import run_serve
 
-        return run_serve(host=args.host, port=args.port, provider=args.provider, model=args.model, token=args.token)
+        return run_serve(
+            host=args.host,
+            port=args.port,
+            provider=args.provider,
+            model=args.model,
+            token=args.token,
+            journal=args.journal,
+        )
     if args.command == "journal":
         from ._journal._inspect import show_journal
 

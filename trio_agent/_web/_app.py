@@ -44,13 +44,15 @@ import logging
 import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
 from .._abort import AbortHandle, AbortReason
@@ -73,6 +75,8 @@ from ._threads import LiveRun, ThreadHub, open_hub
 __all__ = ["Auth", "bearer_token", "create_app", "local_only"]
 
 logger = logging.getLogger("trio_agent.web")
+
+_STATIC = Path(__file__).parent / "static"
 
 Auth = Callable[[Request], bool | Awaitable[bool]]
 """Whether to serve a request (plain or async)."""
@@ -112,7 +116,7 @@ class _Server:
         self,
         model: Any,
         *,
-        tools: Sequence[Tool[Any]],
+        tools: Sequence[Tool[Any] | ClientTool],
         chat_options: Mapping[str, Any],
         keep_alive: float,
         max_body: int,
@@ -259,7 +263,7 @@ def create_app(
     model: Any,
     *,
     auth: Auth,
-    tools: Sequence[Tool[Any]] = (),
+    tools: Sequence[Tool[Any] | ClientTool] = (),
     keep_alive: float = 15.0,
     max_body: int = 1_000_000,
     buffer: int = 64,
@@ -267,6 +271,7 @@ def create_app(
     signing_key: bytes | None = None,
     threads: str | os.PathLike[str] | JournalStore | None = None,
     agent: AgentSpec | None = None,
+    page: bool = True,
     **chat_options: Any,
 ) -> Starlette:
     """An ASGI app (Starlette) serving ``model`` as AG-UI runs (see the module rules).
@@ -274,6 +279,8 @@ def create_app(
     ``model`` and ``chat_options`` (``instructions``, ``middleware``, ``permissions``,
     ``permission_mode``, ``strategy`` ...) are what each run passes to ``chat()``;
     ``tools`` run on the server. Serve it with `serve` (Hypercorn under Trio).
+
+    ``page`` serves the chat page at ``/`` (its files under ``/static``).
 
     With ``threads`` (a SQLite path or a `JournalStore`), a thread is a durable session
     of ``agent`` (default: ``define_agent(provider=model, tools=tools, permission_asks="interrupt",
@@ -323,7 +330,8 @@ def create_app(
             return await _thread_run(server, server.hub, run_input)
         if run_input.run_id in server.runs:
             return _error(409, "run_in_progress", f"run {run_input.run_id!r} is already running")
-        tools_of_run = [*server.tools, *run_input.tools]
+        known = {tool.name for tool in server.tools}
+        tools_of_run = [*server.tools, *(tool for tool in run_input.tools if tool.name not in known)]
         ids = {"run_id": run_input.run_id, "thread_id": run_input.thread_id}
         metadata = {**(server.chat_options.get("metadata") or {}), **ids}
         options = {
@@ -389,11 +397,20 @@ def create_app(
     if threads is not None:
         spec = agent or define_agent(provider=model, tools=tools, permission_asks="interrupt", **chat_options)
         server.threads = (spec, threads)
-    routes = [
+    routes: list[Route | Mount] = [
         Route("/runs", runs, methods=["POST"]),
         Route("/runs/{run_id}/abort", abort_run, methods=["POST"]),
         Route("/threads/{thread_id}", thread_view, methods=["GET"]),
     ]
+    if page:
+
+        async def index(request: Request) -> Response:
+            if not await authorized(request):
+                return _error(401, "unauthorized", "this request is not authorized")
+            return FileResponse(_STATIC / "index.html", media_type="text/html")
+
+        routes.append(Route("/", index, methods=["GET"]))
+        routes.append(Mount("/static", app=StaticFiles(directory=_STATIC), name="static"))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.agui = server
     return app

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import tempfile
 from typing import Any
 
 import trio
@@ -11,7 +13,9 @@ import trio
 __all__ = ["run_serve"]
 
 
-def run_serve(*, host: str, port: int, provider: str | None, model: str | None, token: str | None) -> int:
+def run_serve(
+    *, host: str, port: int, provider: str | None, model: str | None, token: str | None, journal: str | None = None
+) -> int:
     """Serve until Ctrl-C. Loopback needs no token; any other host does (never open by accident)."""
     loopback = host in ("127.0.0.1", "localhost", "::1")
     if not loopback and not token:
@@ -21,14 +25,21 @@ def run_serve(*, host: str, port: int, provider: str | None, model: str | None, 
         print(f"error: --model is required with --provider {provider}", file=sys.stderr)
         return 2
     try:
-        trio.run(functools.partial(_serve, host=host, port=port, provider=provider, model=model, token=token))
+        serving = functools.partial(_serve, host=host, port=port, provider=provider, model=model, token=token)
+        if journal is not None:
+            trio.run(functools.partial(serving, journal=journal))
+        else:
+            with tempfile.TemporaryDirectory() as directory:
+                trio.run(functools.partial(serving, journal=os.path.join(directory, "threads.db")))
     except KeyboardInterrupt:
         print("stopped", file=sys.stderr)
         return 130
     return 0
 
 
-async def _serve(*, host: str, port: int, provider: str | None, model: str | None, token: str | None) -> None:
+async def _serve(
+    *, host: str, port: int, provider: str | None, model: str | None, token: str | None, journal: str
+) -> None:
     from .._models._providers import create_provider
     from ._app import bearer_token, create_app, local_only
     from ._offline import offline_agent
@@ -41,8 +52,8 @@ async def _serve(*, host: str, port: int, provider: str | None, model: str | Non
         print("the offline test model answers (no API key needed); --provider and --model for a real one")
     else:
         chosen, tools, options = create_provider(provider, model or ""), [], {}
-    app = create_app(chosen, auth=auth, tools=tools, **options)
+    app = create_app(chosen, auth=auth, tools=tools, threads=journal, **options)
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(functools.partial(serve, app, host=host, port=port))
         for bind in binds:
-            print(f"serving AG-UI on {bind}/runs (Ctrl-C to stop)", flush=True)
+            print(f"chat page on {bind}/ (AG-UI at {bind}/runs; threads in {journal}); Ctrl-C stops", flush=True)

@@ -2,8 +2,9 @@
 
 It answers without a network or an API key, so the page can be tried at once: a prompt
 with two numbers calls ``add`` (which asks for approval first: the page shows the
-question), a prompt naming a city calls the page's own ``where_am_i`` client tool
-when the page declares it, anything else is echoed back a word at a time.
+question), one with "wait" calls ``wait`` for a minute (a run to stop), one with
+"where" calls ``where_am_i``, the page's own client tool; anything else is echoed back a
+word at a time.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import trio
+
+from .._loop._interrupts import ClientTool, define_client_tool
 from .._models._messages import Message, ToolResultMessage, UserMessage
 from .._models._service import ModelRequest
 from .._models._test_model import Reply, TestModel
@@ -38,6 +42,19 @@ async def _add(input: dict[str, Any], ctx: Any) -> ToolResult:
     return ToolResult.success(int(input["a"]) + int(input["b"]))
 
 
+@define_tool(
+    name="wait",
+    description="Wait this many seconds (a long task the page can stop).",
+    input_schema={"type": "object", "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]},
+    side_effect="pure",
+    kind="readonly",
+    interrupt="cancel",
+)
+async def _wait(input: dict[str, Any], ctx: Any) -> ToolResult:
+    await trio.sleep(float(input["seconds"]))
+    return ToolResult.success(f"waited {input['seconds']} s")
+
+
 def _last_user(messages: Sequence[Message]) -> str:
     for message in reversed(messages):
         if isinstance(message, UserMessage):
@@ -53,6 +70,8 @@ def _respond(request: ModelRequest) -> Reply:
     prompt = _last_user(request.messages)
     numbers = _NUMBERS.findall(prompt)
     tools = {spec.name for spec in request.tools}
+    if "wait" in prompt.lower() and "wait" in tools:
+        return Reply(tool_calls=[("wait", {"seconds": 60})])
     if len(numbers) >= 2 and "add" in tools:
         return Reply(tool_calls=[("add", {"a": int(numbers[0]), "b": int(numbers[1])})])
     if "where" in prompt.lower() and "where_am_i" in tools:
@@ -60,6 +79,12 @@ def _respond(request: ModelRequest) -> Reply:
     return Reply(text=f"You said: {prompt}" if prompt else "Hello.")
 
 
-def offline_agent() -> tuple[TestModel, list[Tool[Any]], dict[str, Any]]:
-    """The model, the server's tools and the chat options of the offline agent."""
-    return TestModel(respond=_respond, model="offline"), [_add], {"permissions": {"ask": ["add"]}}
+_WHERE_AM_I = define_client_tool(
+    "where_am_i", "The page's location (its host).", input_schema={"type": "object", "properties": {}}
+)
+
+
+def offline_agent() -> tuple[TestModel, list[Tool[Any] | ClientTool], dict[str, Any]]:
+    """The model, the tools (``add`` on the server, ``where_am_i`` the page's) and the options."""
+    tools: list[Tool[Any] | ClientTool] = [_add, _wait, _WHERE_AM_I]
+    return TestModel(respond=_respond, model="offline"), tools, {"permissions": {"ask": ["add"]}}

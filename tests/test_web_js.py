@@ -1,0 +1,45 @@
+"""The JavaScript client end to end (issue 15): `@ag-ui/client` (Node) against the running endpoint
+with the offline agent: a whole run with a tool call, a pause for approval and its continuation.
+
+Needs Node and ``npm ci --prefix tests/js`` (``.ci/run`` does both); skipped, saying so, where
+they are missing."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from trio_agent._web._offline import offline_agent
+from trio_agent.web import create_app, local_only, serve
+
+JS = Path(__file__).parent / "js"
+NODE = shutil.which("node")
+
+pytestmark = pytest.mark.skipif(
+    NODE is None or not (JS / "node_modules" / "@ag-ui" / "client").is_dir(),
+    reason="needs node and `npm ci --prefix tests/js` (.ci/run installs both)",
+)
+
+
+async def test_the_ag_ui_javascript_client_reads_a_run_a_pause_and_its_continuation(tmp_path: Path) -> None:
+    model, tools, options = offline_agent()
+    app = create_app(model, auth=local_only, tools=tools, threads=tmp_path / "threads.db", **options)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(functools.partial(serve, app, port=0, shutdown_trigger=stop.wait))
+        assert NODE is not None
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                [NODE, str(JS / "agui_e2e.mjs"), binds[0]], capture_stdout=True, capture_stderr=True, check=False
+            )
+        stop.set()
+    assert done.returncode == 0, done.stderr.decode()
+    seen: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert seen["first"][0] == "RUN_STARTED" and seen["first"][-1] == "RUN_FINISHED"
+    assert "TOOL_CALL_RESULT" in seen["second"] and seen["text"] == "The tool returned: 42"
