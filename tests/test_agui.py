@@ -226,3 +226,53 @@ def test_sse_framing() -> None:
     assert KEEP_ALIVE == b": keep-alive\n\n" and sse_comment("a\nb") == b": a b\n\n"
     with pytest.raises(ValueError):
         sse_event({"value": float("inf")})
+
+
+def test_a_session_requests_events_with_a_subagent_are_a_valid_ag_ui_stream() -> None:
+    from trio_agent import DoneEvent, SubagentEvent, TextDeltaEvent, ToolResultEvent, ToolUseEvent, UsageEvent
+    from trio_agent._agui._session_encode import SessionAgUiEncoder
+    from trio_agent._session._messages import SubagentStatus
+    from trio_agent.lifecycle import StopReason
+
+    encoder = SessionAgUiEncoder(thread_id="t", run_id="r", root_agent_id="root")
+    events: list[object] = [
+        TextDeltaEvent("root", "let me "),
+        TextDeltaEvent("root", "look"),
+        SubagentEvent("root", "sub-1", "researcher", SubagentStatus.RUNNING, background=True),
+        TextDeltaEvent("sub-1", "found it"),
+        ToolUseEvent("root", "c1", "add", {"a": 1, "b": 2}),
+        ToolUseEvent("sub-1", "c2", "search", {"q": "x"}),
+        ToolResultEvent("sub-1", "c2", "search", ToolResult.success("a page")),
+        SubagentEvent("root", "sub-1", "researcher", SubagentStatus.COMPLETED, background=True, summary="done"),
+        ToolResultEvent("root", "c1", "add", ToolResult.success(3)),
+        UsageEvent("root", Usage(input_tokens=3, output_tokens=4)),
+        TextDeltaEvent("root", "3"),
+        DoneEvent("req", "let me look3", StopReason.END_TURN, 2),
+    ]
+    wire = [valid(to_wire(out)) for out in encoder.start()]
+    wire += [valid(to_wire(out)) for event in events for out in encoder.encode(event)]
+    by_run: dict[str | None, list[str]] = {}
+    for data in wire:
+        by_run.setdefault(data.get("subagentRunId"), []).append(data["type"])
+    assert by_run["sub-1"] == [
+        "SUBAGENT_STARTED",
+        "TEXT_MESSAGE_START",
+        "TEXT_MESSAGE_CONTENT",
+        "TEXT_MESSAGE_END",
+        "TOOL_CALL_START",
+        "TOOL_CALL_ARGS",
+        "TOOL_CALL_END",
+        "TOOL_CALL_RESULT",
+        "SUBAGENT_FINISHED",
+    ]
+    root = by_run[None]
+    assert root[0] == "RUN_STARTED" and root[-1] == "RUN_FINISHED"
+    assert root.count("TEXT_MESSAGE_START") == root.count("TEXT_MESSAGE_END") == 2  # text, a call, text
+    assert wire[-1]["usage"] == [{"inputTokens": 3, "outputTokens": 4, "totalTokens": 7}]
+    aborted = SessionAgUiEncoder(thread_id="t", run_id="r2", root_agent_id="root")
+    opened = aborted.encode(TextDeltaEvent("root", "partial"))
+    (end, finished) = aborted.aborted("stopped")
+    assert [to_wire(e)["type"] for e in opened] == ["TEXT_MESSAGE_START", "TEXT_MESSAGE_CONTENT"]
+    assert valid(to_wire(end))["type"] == "TEXT_MESSAGE_END" and valid(to_wire(finished))["outcome"] == {
+        "type": "cancelled"
+    }

@@ -255,3 +255,25 @@ async def test_a_client_that_never_reads_holds_the_run_back_not_the_memory() -> 
         events = await events_of(response)  # now read it all: the run goes on to its end
     assert produced[0] == chunks and events[-1]["type"] == "RUN_FINISHED"
     assert sum(len(e["delta"]) for e in events if e["type"] == "TEXT_MESSAGE_CONTENT") == chunks * size + chunks - 1
+
+
+async def test_a_client_that_sends_garbage_or_leaves_mid_body_breaks_nothing() -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
+    async with running(app) as client:
+        url = httpx.URL(str(client.base_url))
+        assert url.host is not None and url.port is not None
+        head = b"POST /runs HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n"
+        for sent in (b"\x00\x01\x02 this is not HTTP\r\n\r\n", head + b'{"threadId": "t", "runI'):
+            stream = await trio.open_tcp_stream(url.host, url.port)
+            async with stream:
+                await stream.send_all(sent)
+                if sent.startswith(b"POST"):
+                    await stream.send_eof()  # the client leaves in the middle of its body
+                with trio.fail_after(10):
+                    reply = b""
+                    while chunk := await stream.receive_some():
+                        reply += chunk
+            assert not reply or reply.startswith(b"HTTP/1.1 4"), reply[:200]
+        assert app.state.agui.runs == {}
+        events = await post_run(client, body())  # the server goes on serving
+        assert events[-1]["outcome"] == {"type": "success"}
