@@ -252,6 +252,30 @@ def test_an_ended_request_forgets_its_turns_and_attempts() -> None:
     s.reject(RequestAccepted(request_id="r1", command_id="c", input={}), "completed")
 
 
+def test_a_refused_batch_that_ends_a_request_keeps_the_live_tables_in_their_order() -> None:
+    # Equal is not enough: the order carries into snapshots (stable bytes) and recovery plans.
+    s = Stream().add(SessionCreated(session_id="s1", agent_id="root"))
+    s.add(RequestAccepted(request_id="r0", command_id="c0", input={}))
+    s.add(RequestAccepted(request_id="r1", command_id="c1", input={}), RequestStarted(request_id="r1"))
+    s.add(TurnStarted(**RT, turn=1))
+    for call in ("c1", "c2"):
+        s.add(scheduled(call), started(call), completed(call))
+    s.add(RequestAccepted(request_id="r2", command_id="c2", input={}), TurnCompleted(**RT, has_tool_calls=True))
+    order = {name: list(getattr(s.p._s, name)) for name in ("requests", "turns", "tools")}
+    batch = [RequestCompleted(request_id="r1"), RequestStarted(request_id="r1")]
+    with pytest.raises(InvalidTransitionError):
+        s.p.apply_atomic([env(event, s.p.head + 1 + index) for index, event in enumerate(batch)])
+    assert (
+        {name: list(getattr(s.p._s, name)) for name in order}
+        == order
+        == {
+            "requests": ["r0", "r1", "r2"],
+            "turns": ["t1"],
+            "tools": ["c1", "c2"],
+        }
+    )
+
+
 def test_a_refused_batch_that_ends_a_request_keeps_its_turns_and_attempts() -> None:
     s = in_turn().add(
         ModelAttemptStarted(**RT, attempt_id="a1", model="m"),

@@ -44,12 +44,14 @@ from trio_agent._journal._events import (
     ConversationSeeded,
     Event,
     EventEnvelope,
+    InterruptsResolved,
     ModelAttemptCompleted,
     ModelAttemptStarted,
     OutcomeUnknownReason,
     RequestAccepted,
     RequestCompleted,
     RequestStarted,
+    RunPaused,
     SessionClosed,
     SessionCloseReason,
     SessionCreated,
@@ -639,6 +641,30 @@ async def test_a_reopen_decodes_no_call_of_an_ended_request_until_one_is_asked_f
         assert not state.ended_tools.stored
         history = journal.conversation()
         assert history == fold_conversation(e.event for e in await store.read(ROOT))
+
+
+async def test_an_approval_is_forgotten_with_its_request_so_a_reopen_reads_no_ended_call() -> None:
+    store = MemoryStore()
+    async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+        append = journal.append
+        await append(RequestAccepted(request_id="r1", command_id="r1", input={"prompt": "p"}), command_id="r1")
+        await append(RequestStarted(request_id="r1"))
+        await append(RunPaused(request_id="r1", state={"pending_calls": [{"id": "c1"}]}))
+        await append(RequestAccepted(request_id="r2", command_id="r2", input={"resume": "r1"}), command_id="r2")
+        await append(RequestStarted(request_id="r2"))
+        await append(InterruptsResolved(request_id="r1", continuation_id="r2", answers={}, approved=("c1",)))
+        ids = {"request_id": "r2", "turn_id": "t1"}
+        assert journal.projection().approved_calls() == {"c1"}  # a recovery re-run keeps it meanwhile
+        await append(TurnStarted(**ids, turn=1))
+        await append(
+            scheduled("c1", **ids), started("c1", **ids), ToolCompleted(**ids, call_id="c1", result={"output": "ok"})
+        )
+        await append(TurnCompleted(**ids, has_tool_calls=True), RequestCompleted(request_id="r2"))
+        assert journal.projection().approved_calls() == frozenset()
+        await append(SessionClosed(session_id=SID, reason=SessionCloseReason.COMPLETED))
+    async with open_journal(store, session_id=SID) as journal:
+        ended = journal.projection()._s.ended_tools
+        assert isinstance(ended, StoredIndex) and ended.stored and len(ended) == 1
 
 
 async def test_a_close_that_changed_neither_writes_their_text_back_as_read() -> None:

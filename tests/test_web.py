@@ -277,3 +277,63 @@ async def test_a_client_that_sends_garbage_or_leaves_mid_body_breaks_nothing() -
         assert app.state.agui.runs == {}
         events = await post_run(client, body())  # the server goes on serving
         assert events[-1]["outcome"] == {"type": "success"}
+
+
+def scope_of(peer: str, host: str, origin: str | None = None) -> Any:
+    from starlette.requests import Request
+
+    headers = [(b"host", host.encode())] + ([(b"origin", origin.encode())] if origin else [])
+    return Request({"type": "http", "client": (peer, 1234), "headers": headers, "method": "POST", "path": "/"})
+
+
+@pytest.mark.parametrize(
+    ("peer", "host", "origin", "served"),
+    [
+        ("127.0.0.1", "127.0.0.1:8000", None, True),
+        ("::1", "[::1]:8000", "http://[::1]:8000", True),
+        ("127.0.0.1", "localhost:8000", "http://localhost:8000", True),
+        ("127.0.0.1", "evil.example:8000", None, False),  # a name rebound to 127.0.0.1
+        ("127.0.0.1", "127.0.0.1:8000", "http://evil.example", False),  # a page elsewhere
+        ("::1234:5678", "[::1]:8000", None, False),  # starts like ::1, is not loopback
+        ("10.0.0.5", "127.0.0.1:8000", None, False),
+    ],
+)
+def test_local_only_serves_loopback_names_and_pages_only(
+    peer: str, host: str, origin: str | None, served: bool
+) -> None:
+    assert local_only(scope_of(peer, host, origin)) is served
+
+
+async def test_json_that_nests_too_deep_or_is_not_json_is_a_400_and_ids_are_checked() -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], max_body=1_000_000)
+    async with running(app) as client:
+        for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"threadId": NaN}'):
+            reply = await client.post("/runs", content=raw, headers={"content-type": "application/json"})
+            assert reply.status_code == 400 and reply.json()["error"] == "invalid_json"
+        for bad in ("t\x00", "x" * 300):
+            reply = await client.post("/runs", json=body(thread=bad))
+            assert reply.status_code == 422 and reply.json()["problems"][0].startswith("$.threadId")
+
+
+async def test_paused_runs_are_kept_within_a_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trio_agent._web import _app
+
+    monkeypatch.setattr(_app, "PAUSED_BYTES", 3_000)
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], permissions={"ask": ["add"]})
+    async with running(app) as client:
+        for index in range(6):
+            events = await post_run(client, body("add " + "padding " * 50, thread=f"t{index}", run=f"r{index}"))
+            assert events[-1]["outcome"]["type"] == "interrupt"
+    kept = app.state.agui.paused
+    assert 0 < len(kept) < 6 and app.state.agui.paused_bytes <= 3_000
+    assert list(kept) == [f"t{index}" for index in range(6 - len(kept), 6)]  # the oldest went first
+
+
+async def test_with_a_token_the_page_is_served_and_the_endpoints_ask_for_it() -> None:
+    app = create_app(TestModel(respond=respond), auth=bearer_token("s3cret"), tools=[add])
+    async with running(app) as client:
+        page = await client.get("/")
+        assert page.status_code == 200 and "static/app.js" in page.text
+        script = await client.get("/static/app.js")
+        assert script.status_code == 200 and "Authorization" in script.text
+        assert (await client.post("/runs", json=body())).status_code == 401

@@ -101,7 +101,7 @@ async def test_a_disconnect_detaches_and_a_returning_client_replays_then_follows
             nursery.start_soon(follow, "again", client.stream("POST", "/runs", json=body("slow please", run="r1")))
             nursery.start_soon(follow, "tab", client.stream("GET", "/threads/t1"))
             with trio.fail_after(10):
-                while len(app.state.agui.hub._threads["t1"].live.frames) < len(first):
+                while app.state.agui.hub._threads["t1"].live.end < len(first):
                     await trio.lowlevel.checkpoint()
             release.set()
         assert log == ["slow:finished"]
@@ -171,3 +171,119 @@ async def test_a_thread_that_cannot_be_opened_is_an_http_error(tmp_path: Path) -
             async with client.stream("POST", "/runs", json=body(thread="t2")) as response:
                 assert (await read(response))[-1]["type"] == "RUN_FINISHED"  # a neighbour is not affected
     assert ta.__name__ == "trio_agent"
+
+
+def where_model() -> TestModel:
+    def answer(request: ta.ModelRequest) -> Reply:
+        last = request.messages[-1]
+        if isinstance(last, ta.ToolResultMessage):
+            return Reply(text=f"you are at {last.content}")
+        return Reply(tool_calls=[("where_am_i", {})])
+
+    return TestModel(respond=answer)
+
+
+async def test_a_thread_resumes_a_client_tool_with_its_output(tmp_path: Path) -> None:
+    from trio_agent.lifecycle import define_client_tool
+
+    where = define_client_tool("where_am_i", "the page's location")
+    app = create_app(where_model(), auth=local_only, tools=[where], threads=tmp_path / "t.db")
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body("where am I?")) as response:
+            paused = await read(response)
+        (interrupt,) = paused[-1]["outcome"]["interrupts"]
+        assert interrupt["metadata"]["kind"] == "client_tool"
+        answer = [{"interruptId": interrupt["id"], "status": "resolved", "payload": "Lisbon"}]
+        async with client.stream("POST", "/runs", json=body(run="r2", resume=answer)) as response:
+            resumed = await read(response)
+        assert resumed[-1]["outcome"] == {"type": "success"} and texts(resumed) == "you are at Lisbon"
+
+
+async def test_run_ids_are_unique_across_threads_and_a_finished_run_is_replayed_not_rerun(tmp_path: Path) -> None:
+    slow, started, release = gated_tool("slow")
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow, add], threads=tmp_path / "t.db")
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body("slow please", thread="a", run="shared")) as response:
+            with trio.fail_after(10):
+                await started.wait()
+            other = await client.post("/runs", json=body(thread="b", run="shared"))
+            assert other.status_code == 409 and other.json()["error"] == "run_in_progress"
+            release.set()
+            first = await read(response)
+        async with client.stream("POST", "/runs", json=body("slow please", thread="a", run="shared")) as response:
+            again = await read(response)  # a retry of a run that ended: its events again, no new run
+        assert again == first
+        (snapshot,) = await view(client, "a")
+        assert [m["content"] for m in snapshot["messages"] if m["role"] == "user"] == ["slow please"]
+
+
+async def test_a_stop_that_comes_before_the_run_opens_still_stops_it(tmp_path: Path) -> None:
+    log: list[str] = []
+    slow, _started, _release = gated_tool("slow", log=log)
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow], threads=tmp_path / "t.db")
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body("slow please", run="r1")) as response:
+            # Before reading a byte (the run's task may not have opened its request yet).
+            app.state.agui.runs["r1"]()
+            events = await read(response)
+        assert events[-1]["outcome"] == {"type": "cancelled"}
+        assert "slow:finished" not in log
+
+
+async def test_a_view_during_a_live_run_shows_it_once(tmp_path: Path) -> None:
+    slow, started, release = gated_tool("slow")
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow, add], threads=tmp_path / "t.db")
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body(run="r1")) as response:
+            await read(response)
+        async with client.stream("POST", "/runs", json=body("slow please", run="r2")) as response:
+            with trio.fail_after(10):
+                await started.wait()
+            async with trio.open_nursery() as nursery:
+                seen: list[dict[str, Any]] = []
+
+                async def watch() -> None:
+                    seen.extend(await view(client, "t1"))
+
+                nursery.start_soon(watch)
+                with trio.fail_after(10):
+                    while not seen and app.state.agui.hub._threads["t1"].live.end < 4:
+                        await trio.lowlevel.checkpoint()
+                await trio.testing.wait_all_tasks_blocked()
+                release.set()
+            await read(response)
+    snapshot = seen[0]
+    assert [m["role"] for m in snapshot["messages"]] == ["user", "assistant", "tool", "assistant"]  # before r2
+    assert [e["type"] for e in seen].count("TOOL_CALL_START") == 1 and seen[-1]["type"] == "RUN_FINISHED"
+
+
+async def test_at_most_max_threads_sessions_stay_open(tmp_path: Path) -> None:
+    from trio_agent._web import _app
+
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "t.db")
+    async with running(app) as client:
+        app.state.agui.hub.max_threads = 2
+        for index in range(5):
+            async with client.stream("POST", "/runs", json=body(thread=f"t{index}", run=f"r{index}")) as response:
+                assert (await read(response))[-1]["outcome"] == {"type": "success"}
+        hub = app.state.agui.hub
+        with trio.fail_after(10):
+            while len(hub._threads) > 2:
+                await trio.testing.wait_all_tasks_blocked()
+        (snapshot,) = await view(client, "t0")  # closed, reopened from the journal
+        assert [m["role"] for m in snapshot["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert _app.__name__.endswith("_app")
+
+
+async def test_a_thread_needs_a_new_user_message_and_the_app_its_lifespan(tmp_path: Path) -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "t.db")
+    async with running(app) as client:
+        payload = body()
+        payload["messages"].append({"id": "a1", "role": "assistant", "content": "hi"})
+        refused = await client.post("/runs", json=payload)
+        assert refused.status_code == 422 and "last message must be the user's" in refused.json()["problems"][0]
+    # Served without its lifespan (e.g. an ASGI transport that runs none): threads say so.
+    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 1234))
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as bare:
+        reply = await bare.post("/runs", json=body())
+        assert reply.status_code == 503 and reply.json()["error"] == "threads_unavailable"

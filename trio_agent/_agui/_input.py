@@ -4,7 +4,8 @@ Rules
 =====
 
 * The body is one JSON object with AG-UI's camelCase keys: ``threadId``, ``runId``
-  (non-empty strings), ``messages`` (each with ``id`` and ``role``: ``user``,
+  (non-empty ids a journal can keep: no NUL, no lone surrogate, at most 256
+  characters), ``messages`` (each with ``id`` and ``role``: ``user``,
   ``system``, ``developer``, ``assistant`` with optional ``toolCalls``, ``tool``
   with ``toolCallId``; ``reasoning`` and ``activity`` messages are accepted and
   left out of the history), optional ``tools`` (the client's own tools: ``name``,
@@ -28,6 +29,7 @@ from typing import Any
 import attrs
 
 from .._errors import ConfigError
+from .._journal._store import check_id
 from .._loop._interrupts import (
     Approve,
     Cancel,
@@ -96,6 +98,21 @@ class _Reader:
             return None
         if not isinstance(value, str) or (required and not value):
             self.fail(f"{path}.{key}", f"expected a non-empty string, got {_kind(value)}")
+            return None
+        return value
+
+    def identifier(self, data: Mapping[str, Any], key: str) -> str | None:
+        """An id a journal can keep (a thread id is a session id): text, at most 256 characters."""
+        value = self.text(data, key, "$")
+        if value is None:
+            return None
+        try:
+            check_id(value, key)
+        except ConfigError as exc:
+            self.fail(f"$.{key}", str(exc))
+            return None
+        if len(value) > 256:
+            self.fail(f"$.{key}", f"longer than 256 characters ({len(value)})")
             return None
         return value
 
@@ -201,8 +218,8 @@ def parse_run_input(data: object) -> RunInput:
     reader = _Reader()
     if not isinstance(data, dict):
         raise InputError([f"$: expected a JSON object, got {_kind(data)}"])
-    thread_id = reader.text(data, "threadId", "$")
-    run_id = reader.text(data, "runId", "$")
+    thread_id = reader.identifier(data, "threadId")
+    run_id = reader.identifier(data, "runId")
     parent = reader.text(data, "parentRunId", "$", required=False)
     lists: dict[str, list[Any]] = {}
     for key in ("messages", "tools", "resume"):

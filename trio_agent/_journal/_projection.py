@@ -459,6 +459,10 @@ class Projection:
     def tool(self, call_id: str) -> ToolRecord | None:
         return self._s.tools.get(call_id) or self._s.ended_tools.get(call_id)
 
+    def live_tool(self, call_id: str) -> ToolRecord | None:
+        """A call of a live request (the ended ones' are all settled and are not looked at)."""
+        return self._s.tools.get(call_id)
+
     def request(self, request_id: str) -> RequestRecord | None:
         return self._s.requests.get(request_id) or self._s.ended.get(request_id)
 
@@ -587,6 +591,7 @@ class Projection:
         records: list[tuple[MutableMapping[str, Any], str, Any]] = []
         unsettled: dict[str, set[str] | None] = {}
         permissions: dict[str, bool] = {}
+        orders: dict[str, list[str]] = {}
         for envelope in envelopes:
             event = envelope.event
             for attribute, table_name in self._TOUCHED:
@@ -603,6 +608,8 @@ class Projection:
             if isinstance(permission_id, str):
                 permissions[permission_id] = permission_id in s.permission_ids
             ending = self._ending(event)
+            if ending is not None and not orders:  # the live tables' order comes back too
+                orders = {name: list(getattr(s, name)) for name in ("requests", "turns", "attempts", "tools")}
             if ending is not None:  # what `_forget` may drop or move comes back on a rollback
                 for table in (s.turns, s.attempts, s.tools):
                     for key, record in table.items():
@@ -622,6 +629,7 @@ class Projection:
             "permission_updates": len(s.permission_updates),
             "paused": dict(s.paused),
             "approved": set(s.approved),
+            "orders": orders,
         }
 
     def _restore(self, saved: dict[str, Any]) -> None:
@@ -646,6 +654,9 @@ class Projection:
         del s.permission_updates[saved["permission_updates"] :]
         s.paused = saved["paused"]
         s.approved = saved["approved"]
+        for name, order in saved["orders"].items():  # records put back at the end go back in place
+            table = getattr(s, name)
+            setattr(s, name, {key: table[key] for key in order})
 
     def _plan(self, envelope: EventEnvelope) -> _Mutation:
         if envelope.stream_id != self.stream_id:
@@ -749,6 +760,7 @@ class Projection:
             del s.attempts[attempt_id]
         for call_id in [call.call_id for call in s.tools.values() if call.request_id == request_id]:
             s.ended_tools[call_id] = s.tools.pop(call_id)
+            s.approved.discard(call_id)  # settled for good: its approval has nothing left to do
 
     def _ending(self, event: Event) -> str | None:
         """The request ``event`` may end (so `_forget` its turns and attempts), if any."""

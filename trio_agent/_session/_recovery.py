@@ -82,7 +82,7 @@ async def begin_life(host: SessionHost, tools: Mapping[str, Tool[Any]], history:
     for agent_id in journal.agents:
         projection = journal.projection(agent_id)
         for call_id in projection.approved_calls():
-            record = projection.tool(call_id)
+            record = projection.live_tool(call_id)  # an ended request's calls are settled: not read
             if record is not None and not record.state.settled:
                 host.decided[agent_id, call_id] = Allow()
     await _recover(host, tools, life)

@@ -11,6 +11,7 @@ cancels what still runs, records every cancellation and writes exactly one
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -271,7 +272,9 @@ class Session:
         request.sink = forward
         request.forwards.append(forward)
         await queue.accept(request)
-        stream = SessionEventStream(recv, request, joined=False)
+        stream = SessionEventStream(
+            recv, request, joined=False, aborter=functools.partial(queue.abort_request, request)
+        )
         try:
             async with recv:
                 yield stream

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import trio
 
-from .._abort import AbortHandle
+from .._abort import AbortHandle, AbortReason
 from ._messages import DoneEvent, SessionEvent
 
 __all__ = ["EventForward", "EventSink", "RequestEnding", "SessionEventStream", "discard", "tee"]
@@ -90,12 +90,28 @@ class SessionEventStream:
     request raises its error (a `TrioAgentError`) at the end of the iteration.
     """
 
-    def __init__(self, recv: trio.MemoryReceiveChannel[SessionEvent], request: RequestEnding, *, joined: bool) -> None:
+    def __init__(
+        self,
+        recv: trio.MemoryReceiveChannel[SessionEvent],
+        request: RequestEnding,
+        *,
+        joined: bool,
+        aborter: Callable[[AbortReason, str], Awaitable[None]] | None = None,
+    ) -> None:
         self._recv = recv
         self.request = request
         self.joined = joined
         self.text = ""
         self.done: DoneEvent | None = None
+        self._aborter = aborter
+
+    async def abort(self, message: str = "aborted", reason: AbortReason = AbortReason.USER_ABORT) -> None:
+        """Abort this stream's request (queued or running; returns once its end is durable). A stream
+        that joined another request's turn aborts nothing: that request is not its own."""
+        if self._aborter is None or self.request.done.is_set():
+            await trio.lowlevel.checkpoint()
+            return
+        await self._aborter(reason, message)
 
     def __aiter__(self) -> SessionEventStream:
         return self

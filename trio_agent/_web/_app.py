@@ -39,6 +39,7 @@ import contextlib
 import functools
 import hmac
 import inspect
+import ipaddress
 import json
 import logging
 import os
@@ -77,17 +78,41 @@ __all__ = ["Auth", "bearer_token", "create_app", "local_only"]
 logger = logging.getLogger("trio_agent.web")
 
 _STATIC = Path(__file__).parent / "static"
+PAUSED_BYTES = 64 * 1024 * 1024
+"""What the paused runs of one app may hold (their JSON), whatever ``max_paused`` allows."""
 
 Auth = Callable[[Request], bool | Awaitable[bool]]
 """Whether to serve a request (plain or async)."""
 
-_LOOPBACK = ("127.", "::1", "localhost")
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_of(value: str) -> str:
+    """The host of a ``Host`` header or an ``Origin`` (``http://h:p``), without the port."""
+    rest = value.split("://", 1)[-1].split("/", 1)[0]
+    if rest.startswith("["):
+        return rest[1 : rest.find("]")] if "]" in rest else rest
+    return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
 
 
 def local_only(request: Request) -> bool:
-    """Serve loopback clients only (the default of ``python -m trio_agent serve``)."""
-    host = request.client.host if request.client is not None else ""
-    return host.startswith(_LOOPBACK) or host == "testclient"
+    """Serve loopback clients only (the default of ``python -m trio_agent serve``): the peer is a
+    loopback address, and so are the ``Host`` the request names and its ``Origin`` if it has one, so
+    a web page elsewhere cannot reach the app through a name it rebinds to 127.0.0.1."""
+    peer = request.client.host if request.client is not None else ""
+    if not _is_loopback(peer):
+        return False
+    if not _is_loopback(_host_of(request.headers.get("host", ""))):
+        return False
+    origin = request.headers.get("origin")
+    return origin is None or _is_loopback(_host_of(origin))
 
 
 def bearer_token(token: str) -> Auth:
@@ -100,6 +125,10 @@ def bearer_token(token: str) -> Auth:
         return hmac.compare_digest(request.headers.get("authorization", "").encode(), expected)
 
     return check
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _error(status: int, code: str, message: str, problems: Sequence[str] = ()) -> JSONResponse:
@@ -136,12 +165,23 @@ class _Server:
         self.threads: tuple[AgentSpec, Any] | None = None  # (spec, journal) when threads are sessions
         self.hub: ThreadHub | None = None
         self.paused: collections.OrderedDict[str, PausedRun] = collections.OrderedDict()
+        self.paused_sizes: dict[str, int] = {}
+        self.paused_bytes = 0
 
     def keep_paused(self, thread_id: str, paused: PausedRun) -> None:
-        self.paused.pop(thread_id, None)
+        """Keep a thread's paused run; the least recently paused go first past ``max_paused``
+        runs or `PAUSED_BYTES` of their JSON (a paused run carries its whole history)."""
+        self.drop_paused(thread_id)
+        size = len(json.dumps(paused.to_json(), default=str))
         self.paused[thread_id] = paused.signed(self.signing_key)
-        while len(self.paused) > self.max_paused:
-            self.paused.popitem(last=False)
+        self.paused_sizes[thread_id] = size
+        self.paused_bytes += size
+        while self.paused and (len(self.paused) > self.max_paused or self.paused_bytes > PAUSED_BYTES):
+            self.drop_paused(next(iter(self.paused)))
+
+    def drop_paused(self, thread_id: str) -> PausedRun | None:
+        self.paused_bytes -= self.paused_sizes.pop(thread_id, 0)
+        return self.paused.pop(thread_id, None)
 
 
 async def _read_body(request: Request, limit: int) -> bytes | None:
@@ -319,14 +359,19 @@ def create_app(
         if body is None:
             return _error(413, "body_too_large", f"the body is larger than {server.max_body} bytes")
         try:
-            data = json.loads(body)
-        except ValueError as exc:
-            return _error(400, "invalid_json", f"the body is not JSON: {exc}")
+            data = json.loads(body, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            return _error(400, "invalid_json", f"the body is not JSON: {what}")
         try:
             run_input = parse_run_input(data)
         except InputError as exc:
             return _error(422, "invalid_input", "the RunAgentInput cannot be read", exc.problems)
-        if server.hub is not None:
+        if server.threads is not None:
+            if server.hub is None:  # served without its lifespan (the hub lives there)
+                return _error(
+                    503, "threads_unavailable", "the app's threads start with its lifespan, which did not run"
+                )
             return await _thread_run(server, server.hub, run_input)
         if run_input.run_id in server.runs:
             return _error(409, "run_in_progress", f"run {run_input.run_id!r} is already running")
@@ -349,7 +394,7 @@ def create_app(
                 _check_answers(paused, answers, server.signing_key, tools_of_run)
             except InterruptResumeError as exc:
                 return _error(422, "invalid_answers", str(exc), [issue.message for issue in exc.issues])
-            del server.paused[run_input.thread_id]  # accepted once
+            server.drop_paused(run_input.thread_id)  # accepted once
 
             def start(abort: AbortHandle) -> Any:
                 return chat(server.model, resume=paused, answers=answers, abort=abort, **options)
@@ -375,8 +420,10 @@ def create_app(
     async def thread_view(request: Request) -> Response:
         if not await authorized(request):
             return _error(401, "unauthorized", "this request is not authorized")
-        if server.hub is None:
+        if server.threads is None:
             return _error(404, "no_threads", "this app keeps no threads (create_app(threads=...))")
+        if server.hub is None:
+            return _error(503, "threads_unavailable", "the app's threads start with its lifespan, which did not run")
         return await _thread_view(server, server.hub, request.path_params["thread_id"])
 
     @contextlib.asynccontextmanager
@@ -405,8 +452,8 @@ def create_app(
     if page:
 
         async def index(request: Request) -> Response:
-            if not await authorized(request):
-                return _error(401, "unauthorized", "this request is not authorized")
+            # The page holds nothing secret (a browser's navigation cannot send a token anyway):
+            # the endpoints it calls are the ones that ask `auth`.
             return FileResponse(_STATIC / "index.html", media_type="text/html")
 
         routes.append(Route("/", index, methods=["GET"]))
@@ -464,9 +511,9 @@ class _Follow(Response):
             await write(b"".join(self.prefix))
         live, sent = self.live, 0
         while live is not None:
-            if sent < len(live.frames):
-                batch = live.frames[sent:]
-                sent += len(batch)
+            batch, end = live.since(sent)
+            if batch:
+                sent = end
                 await write(b"".join(batch))
                 continue
             if live.done:
@@ -476,13 +523,6 @@ class _Follow(Response):
             if idle.cancelled_caught:
                 await write(KEEP_ALIVE)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _last_prompt(run_input: RunInput) -> str | None:
-    for message in reversed(run_input.messages):
-        if isinstance(message, UserMessage):
-            return message.content
-    return None
 
 
 async def _open_thread(hub: ThreadHub, thread_id: str) -> Any:
@@ -497,10 +537,13 @@ async def _thread_run(server: _Server, hub: ThreadHub, run_input: RunInput) -> R
     thread = await _open_thread(hub, run_input.thread_id)
     if isinstance(thread, Response):
         return thread
-    live = thread.live
-    if live is not None and not live.done:
-        if live.run_id == run_input.run_id:
-            return _Follow(server, (), live)  # the same run again: a client coming back
+    run_id, live = run_input.run_id, thread.live
+    if live is not None and live.run_id == run_id:
+        return _Follow(server, (), live)  # the same run again (a client coming back, a retry): replayed
+    if run_id in server.runs:
+        return _error(409, "run_in_progress", f"run {run_id!r} is already running")
+    if thread.busy:
+        assert live is not None
         return _error(409, "run_in_progress", f"thread {run_input.thread_id!r} is running {live.run_id!r}")
     session = thread.session
     if run_input.resume:
@@ -508,7 +551,7 @@ async def _thread_run(server: _Server, hub: ThreadHub, run_input: RunInput) -> R
         if paused is None:
             return _error(409, "nothing_to_resume", f"thread {run_input.thread_id!r} has no paused run")
         answers = answers_for(run_input.resume, paused.state.interrupts)
-        _, issues = validate_answers(paused.state, answers, {})
+        _, issues = validate_answers(paused.state, answers, hub.spec.client_tools)
         if issues:
             return _error(422, "invalid_answers", str(InterruptResumeError(issues)), [i.message for i in issues])
 
@@ -516,24 +559,24 @@ async def _thread_run(server: _Server, hub: ThreadHub, run_input: RunInput) -> R
             return s.resume_stream(answers)
 
     else:
-        prompt = _last_prompt(run_input)
-        if prompt is None:
-            return _error(
-                422, "invalid_input", "the RunAgentInput has no user message", ["$.messages: no user message"]
-            )
+        last = run_input.messages[-1] if run_input.messages else None
+        if not isinstance(last, UserMessage):
+            problem = "$.messages: the last message must be the user's (the thread's history is the session's)"
+            return _error(422, "invalid_input", "nothing new to answer on this thread", [problem])
         if session.paused is not None:
             return _error(409, "thread_paused", f"thread {run_input.thread_id!r} waits for answers (resume it)")
+        prompt = last.content
 
         def open_stream(s: Session) -> Any:
             return s.stream(prompt)
 
-    run_id = run_input.run_id
+    def done() -> None:
+        if server.runs.get(run_id) is stop:
+            del server.runs[run_id]
 
-    def stop() -> None:
-        hub.nursery.start_soon(session.abort, AbortReason.USER_ABORT, "stopped by the client")
-
+    live = hub.start_run(thread, run_input.thread_id, run_id, open_stream, done)
+    stop = live.request_stop
     server.runs[run_id] = stop
-    live = hub.start_run(thread, run_input.thread_id, run_id, open_stream, lambda: server.runs.pop(run_id, None))
     return _Follow(server, (), live)
 
 
@@ -544,9 +587,11 @@ async def _thread_view(server: _Server, hub: ThreadHub, thread_id: str) -> Respo
     thread = await _open_thread(hub, thread_id)
     if isinstance(thread, Response):
         return thread
-    snapshot = MessagesSnapshotEvent(messages=messages_to_agui(thread.session.messages()))
-    prefix = [sse_event(to_wire(snapshot))]
-    live = thread.live if thread.live is not None and not thread.live.done else None
+    live = thread.live if thread.busy else None
+    messages = thread.session.messages()
+    if live is not None:  # the live run's own messages come with its replayed events
+        messages = messages[: live.history_len]
+    prefix = [sse_event(to_wire(MessagesSnapshotEvent(messages=messages_to_agui(messages))))]
     paused = hub.paused_frame(thread)
     if live is None and paused is not None:
         prefix.append(paused)

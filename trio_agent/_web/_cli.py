@@ -56,4 +56,5 @@ async def _serve(
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(functools.partial(serve, app, host=host, port=port))
         for bind in binds:
-            print(f"chat page on {bind}/ (AG-UI at {bind}/runs; threads in {journal}); Ctrl-C stops", flush=True)
+            page = f"{bind}/#token={token}" if token else f"{bind}/"
+            print(f"chat page on {page} (AG-UI at {bind}/runs; threads in {journal}); Ctrl-C stops", flush=True)

@@ -6,23 +6,32 @@ Rules
 * The hub lives for the app (its lifespan): it opens a thread's session on first use
   (``open_session(spec, journal=store, session_id=thread_id)``; the app's default
   spec asks for permissions with pauses, ``permission_asks="interrupt"``) in a task
-  of its own nursery and keeps it open until
-  the app stops, when every session closes cleanly (a reopen later goes on with the
-  conversation).
+  of its own nursery. At most ``max_threads`` sessions stay open: past that, the
+  least recently used thread with no live run is closed (cleanly: it reopens from
+  the journal when next used). When the app stops, every session closes cleanly.
 * A run on a thread is the session's request, driven by a task of the hub, never by
   the HTTP request: a client that disconnects only detaches. Its AG-UI frames are kept
-  in a `LiveRun` (the run's frames so far, and who waits for more), so a client that
-  comes back (or a second tab) replays them and then follows live. One run per thread
-  at a time; the previous run's frames are dropped when the next starts.
+  in a `LiveRun` (the run's frames so far, at most `RUN_BYTES` of them: past that the
+  oldest are dropped from the replay, never from a client already following), so a
+  client that comes back (or a second tab) replays them and then follows live. One
+  run per thread at a time; the previous run's frames are dropped when the next starts.
+* Stopping a run is a request on the run, not on the session: it takes effect as soon
+  as the run's request is open (a stop that comes first waits for it), and never
+  reaches another run.
 * What outlives a run is the session's: ``GET /threads/{id}`` starts with a
-  ``MESSAGES_SNAPSHOT`` of the session's conversation (read from the journal after a
-  restart), then, while a run is live, its frames; a paused thread says so with a
-  ``CUSTOM`` ``trio_agent.thread_paused`` event carrying the interrupts.
+  ``MESSAGES_SNAPSHOT`` of the session's conversation as it was before a live run (the
+  live run's own events follow, replayed), read from the journal after a restart; a
+  paused thread says so with a ``CUSTOM`` ``trio_agent.thread_paused`` event carrying
+  the interrupts.
+* A failure inside one thread (its session, its run) is logged and reported on that
+  thread only (``RUN_ERROR``, or the thread closes); it never stops the hub.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -37,57 +46,104 @@ from .._errors import RequestAbortedError, TrioAgentError
 from .._session._open import open_session
 from .._session._session import Session
 from .._session._spec import AgentSpec
+from .._session._stream import SessionEventStream
 
-__all__ = ["THREAD_PAUSED", "LiveRun", "ThreadHub"]
+__all__ = ["RUN_BYTES", "THREAD_PAUSED", "LiveRun", "ThreadHub", "open_hub"]
 
 THREAD_PAUSED = "trio_agent.thread_paused"
+RUN_BYTES = 16 * 1024 * 1024
+"""The frames of one live run kept for a replay."""
+
+logger = logging.getLogger("trio_agent.web")
 
 
 class LiveRun:
-    """One run's frames, in order, and a wake-up for those who follow it."""
+    """One run's frames, in order (a window of them: see `RUN_BYTES`), and a wake-up for those
+    who follow it. Positions are absolute: frame ``n`` is the run's ``n``-th, whatever was dropped."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, history_len: int, *, max_bytes: int = RUN_BYTES) -> None:
         self.run_id = run_id
-        self.frames: list[bytes] = []
+        self.history_len = history_len  # the session's messages before this run
         self.done = False
+        self._frames: collections.deque[bytes] = collections.deque()
+        self._first = 0  # the position of the oldest frame kept
+        self._bytes = 0
+        self._max_bytes = max_bytes
         self._changed = trio.Event()
+        self._stop_requested = False
+        self._stop: Callable[[], None] | None = None
+
+    @property
+    def end(self) -> int:
+        return self._first + len(self._frames)
+
+    def since(self, position: int) -> tuple[list[bytes], int]:
+        """The frames from ``position`` on (from the oldest kept, if it was dropped) and the end."""
+        skip = max(position - self._first, 0)
+        return list(self._frames)[skip:], self.end
 
     def add(self, frame: bytes) -> None:
-        self.frames.append(frame)
+        self._frames.append(frame)
+        self._bytes += len(frame)
+        while self._bytes > self._max_bytes and len(self._frames) > 1:
+            self._bytes -= len(self._frames.popleft())
+            self._first += 1
         self._changed.set()
         self._changed = trio.Event()
 
     def finish(self) -> None:
         self.done = True
+        self._stop = None
         self._changed.set()
 
     async def changed(self) -> None:
         await self._changed.wait()
+
+    def request_stop(self) -> None:
+        """Stop this run: now if its request is open, else as soon as it opens; never after it ended."""
+        if self.done:
+            return
+        self._stop_requested = True
+        if self._stop is not None:
+            self._stop()
+
+    def stoppable(self, stop: Callable[[], None]) -> None:
+        """The run's request is open: ``stop`` stops it (at once, if a stop was asked for before)."""
+        self._stop = stop
+        if self._stop_requested:
+            stop()
 
 
 class _Thread:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.live: LiveRun | None = None
+        self.closing = trio.Event()
+
+    @property
+    def busy(self) -> bool:
+        return self.live is not None and not self.live.done
 
 
 class ThreadHub:
     """The sessions of the app's threads (see the module rules); made by the app's lifespan."""
 
-    def __init__(self, spec: AgentSpec, journal: Any, nursery: trio.Nursery) -> None:
+    def __init__(self, spec: AgentSpec, journal: Any, nursery: trio.Nursery, *, max_threads: int = 256) -> None:
         self.spec = spec
         self.journal = journal
         self.nursery = nursery
-        self._threads: dict[str, _Thread] = {}
+        self.max_threads = max_threads
+        self._threads: collections.OrderedDict[str, _Thread] = collections.OrderedDict()
         self._opening: dict[str, trio.Event] = {}
         self._failures: dict[str, BaseException] = {}
-        self._closing = trio.Event()
+        self._closed = False
 
     async def thread(self, thread_id: str) -> _Thread:
         """The thread's open session (opened now if needed); its error if it cannot be opened."""
         while thread_id not in self._threads:
             opening = self._opening.get(thread_id)
             if opening is None:
+                self._make_room()
                 opening = self._opening[thread_id] = trio.Event()
                 self._failures.pop(thread_id, None)
                 self.nursery.start_soon(self._keep, thread_id, opening)
@@ -95,29 +151,43 @@ class ThreadHub:
             failure = self._failures.pop(thread_id, None)
             if failure is not None:
                 raise failure
+        self._threads.move_to_end(thread_id)
         return self._threads[thread_id]
 
+    def _make_room(self) -> None:
+        """Close the least recently used idle threads until one more fits under ``max_threads``."""
+        idle = [tid for tid, thread in self._threads.items() if not thread.busy and not thread.closing.is_set()]
+        open_count = sum(1 for thread in self._threads.values() if not thread.closing.is_set())
+        for thread_id in idle[: max(open_count + len(self._opening) + 1 - self.max_threads, 0)]:
+            self._threads[thread_id].closing.set()
+
     async def _keep(self, thread_id: str, opening: trio.Event) -> None:
+        thread: _Thread | None = None
         try:
             async with open_session(self.spec, journal=self.journal, session_id=thread_id) as session:
-                self._threads[thread_id] = _Thread(session)
+                thread = self._threads[thread_id] = _Thread(session)
                 del self._opening[thread_id]
                 opening.set()
-                await self._closing.wait()
-                thread = self._threads.pop(thread_id)
-                if thread.live is not None and not thread.live.done:
+                if not self._closed:
+                    await thread.closing.wait()
+                if thread.busy:
                     await session.abort(AbortReason.SESSION_CLOSE, "the server is stopping")
-        except Exception as exc:  # the request that asked gets it; the app goes on
+        except Exception as exc:  # this thread's failure: the request that asked gets it, the app goes on
             if not opening.is_set():
                 self._failures[thread_id] = exc
                 self._opening.pop(thread_id, None)
                 opening.set()
             else:
-                raise
+                logger.exception("thread %r closed after an error", thread_id)
+        finally:
+            if thread is not None and self._threads.get(thread_id) is thread:
+                del self._threads[thread_id]
 
     def close(self) -> None:
         """Close every session (the app is stopping)."""
-        self._closing.set()
+        self._closed = True
+        for thread in self._threads.values():
+            thread.closing.set()
 
     def start_run(
         self,
@@ -127,7 +197,7 @@ class ThreadHub:
         open_stream: Callable[[Session], Any],
         on_done: Callable[[], object],
     ) -> LiveRun:
-        live = LiveRun(run_id)
+        live = LiveRun(run_id, len(thread.session.messages()))
         thread.live = live
         self.nursery.start_soon(self._drive, thread, thread_id, live, open_stream, on_done)
         return live
@@ -146,15 +216,18 @@ class ThreadHub:
             live.add(sse_event(to_wire(event)))
         try:
             async with open_stream(session) as events:
+                live.stoppable(lambda: self.nursery.start_soon(_abort, events, live.run_id))
                 async for event in events:
                     for out in encoder.encode(event):
                         live.add(sse_event(to_wire(out)))
         except RequestAbortedError as exc:
             for out in encoder.aborted(str(exc)):
                 live.add(sse_event(to_wire(out)))
-        except TrioAgentError as exc:
-            code = getattr(exc, "code", None) or "run_failed"
-            live.add(sse_event(to_wire(RunErrorEvent(message=str(exc), code=str(code)))))
+        except Exception as exc:  # the run's failure is this run's: reported on its stream, the hub goes on
+            if not isinstance(exc, TrioAgentError):
+                logger.exception("run %r of thread %r failed", live.run_id, thread_id)
+            code = str(getattr(exc, "code", None) or "run_failed")
+            live.add(sse_event(to_wire(RunErrorEvent(message=str(exc), code=code))))
         finally:
             live.finish()
             on_done()
@@ -168,10 +241,17 @@ class ThreadHub:
         return sse_event(to_wire(CustomEvent(name=THREAD_PAUSED, value={"interrupts": interrupts})))
 
 
+async def _abort(events: SessionEventStream, run_id: str) -> None:
+    try:
+        await events.abort("stopped by the client")
+    except Exception:  # a stop that failed is logged; it never takes the hub down
+        logger.exception("stopping run %r failed", run_id)
+
+
 @contextlib.asynccontextmanager
-async def open_hub(spec: AgentSpec, journal: Any) -> AsyncIterator[ThreadHub]:
+async def open_hub(spec: AgentSpec, journal: Any, *, max_threads: int = 256) -> AsyncIterator[ThreadHub]:
     async with trio.open_nursery() as nursery:
-        hub = ThreadHub(spec, journal, nursery)
+        hub = ThreadHub(spec, journal, nursery, max_threads=max_threads)
         try:
             yield hub
         finally:

@@ -8,7 +8,10 @@ const threadId = localStorage.getItem("trio_agent.thread") || `thread-${crypto.r
 localStorage.setItem("trio_agent.thread", threadId);
 $("thread").textContent = threadId;
 
-const agent = new HttpAgent({ url: "runs", threadId });
+// A server started with --token: open the page as http://host:port/#token=SECRET.
+const token = new URLSearchParams(location.hash.slice(1)).get("token");
+const headers = token ? { Authorization: `Bearer ${token}` } : {};
+const agent = new HttpAgent({ url: "runs", threadId, headers });
 // The browser's own tool: the agent may ask the page where it is (a client tool).
 const clientTools = [
   { name: "where_am_i", description: "The page's location (its host)", parameters: { type: "object", properties: {} } },
@@ -49,6 +52,7 @@ function render(event) {
       }
       break;
     case "RUN_STARTED":
+      runId = event.runId; // also for a run rejoined after a reload: Stop stops it
       setRunning(true);
       break;
     case "TEXT_MESSAGE_START":
@@ -151,12 +155,12 @@ $("form").addEventListener("submit", (event) => {
 });
 
 $("stop").addEventListener("click", () => {
-  if (runId) fetch(`runs/${encodeURIComponent(runId)}/abort`, { method: "POST" });
+  if (runId) fetch(`runs/${encodeURIComponent(runId)}/abort`, { method: "POST", headers });
 });
 
 // On load: the thread as the server has it (a reload or a second tab), then its live run, if any.
 async function rejoin() {
-  const response = await fetch(`threads/${encodeURIComponent(threadId)}`);
+  const response = await fetch(`threads/${encodeURIComponent(threadId)}`, { headers });
   if (response.status === 404) return; // a new thread
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
