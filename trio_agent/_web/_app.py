@@ -199,20 +199,28 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
+_SSE_HEADERS = [
+    (b"content-type", CONTENT_TYPE.encode() + b"; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # proxies: do not buffer a stream
+]
+
+
+def _sse_response(response: Response) -> None:
+    """A 200 event stream's status and headers. No Content-Length: the body is a stream (Response's
+    own ``__init__`` would declare 0, so the SSE responses set these instead of calling it)."""
+    response.status_code = 200
+    response.background = None
+    response.raw_headers = list(_SSE_HEADERS)
+
+
 class _RunStream(Response):
     """The SSE response of one run: the run, the client and the keep-alive in one nursery."""
 
     media_type = CONTENT_TYPE
 
     def __init__(self, server: _Server, run_input: RunInput, start: Callable[[AbortHandle], Any]) -> None:
-        # No Content-Length: the body is a stream (Response's own headers would declare 0).
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [
-            (b"content-type", CONTENT_TYPE.encode() + b"; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-        ]
+        _sse_response(self)
         self.server = server
         self.run_input = run_input
         self.start = start  # opens the chat run (an async context manager) with this abort handle
@@ -478,13 +486,7 @@ class _Follow(Response):
     away only stops following."""
 
     def __init__(self, server: _Server, prefix: Sequence[bytes], live: LiveRun | None) -> None:
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [
-            (b"content-type", CONTENT_TYPE.encode() + b"; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-        ]
+        _sse_response(self)
         self.server = server
         self.prefix = list(prefix)
         self.live = live
