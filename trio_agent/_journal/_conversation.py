@@ -365,8 +365,8 @@ class ConversationFold:
     def __init__(self) -> None:
         self._s = _FoldState()
         # The first n entries as stored and not decoded yet: ``_s.entries`` holds those after them.
-        self._stored: tuple[bytes, int] | None = None
-        self._encoded: tuple[bytes, int] | None = None  # the JSON text of the first n entries, as they stand
+        self._stored: tuple[bytes | memoryview, int] | None = None
+        self._encoded: tuple[bytes | memoryview, int] | None = None  # the JSON text of the first n entries
 
     def _length(self) -> int:
         return len(self._s.entries) + (self._stored[1] if self._stored is not None else 0)
@@ -376,7 +376,7 @@ class ConversationFold:
         if self._stored is not None:
             text, count = self._stored
             try:
-                stored = _fold_converter.structure(json.loads(text), list[_Entry])
+                stored = _fold_converter.structure(json.loads(bytes(text)), list[_Entry])
             except Exception as exc:
                 raise JournalCorruptError(f"the stored conversation cannot be decoded: {_details(exc)}") from exc
             if len(stored) != count:
@@ -486,7 +486,8 @@ class ConversationFold:
         entries = self._s.entries
         skipped = self._stored[1] if self._stored is not None else 0  # entries[i] is entry skipped + i
         if self._encoded is not None and self._encoded[1] >= skipped:
-            text, count = self._encoded
+            stored_text, count = self._encoded
+            text = bytes(stored_text)
             added = b",".join(_dumps(_fold_converter.unstructure(e, _Entry)) for e in entries[count - skipped :])
             if added:
                 text = text[:-1] + (b"," if count else b"") + added + b"]"
@@ -500,10 +501,10 @@ class ConversationFold:
         data: dict[str, Any] = _fold_converter.unstructure(attrs.evolve(self._s, entries=[], outcomes={}), _FoldState)
         del data["entries"], data["outcomes"]
         data["entries_count"], data["outcomes_count"] = encoded[1], outcome_count
-        return data, encoded[0], outcome_text
+        return data, text, outcome_text
 
     @classmethod
-    def from_parts(cls, state: object, entries: bytes, outcomes: bytes) -> ConversationFold:
+    def from_parts(cls, state: object, entries: bytes | memoryview, outcomes: bytes | memoryview) -> ConversationFold:
         """A fold from `to_parts`; the entries and outcomes are decoded when first needed
         (`JournalCorruptError` then, or now for a state that holds something else)."""
         counts = ("entries_count", "outcomes_count")
@@ -514,8 +515,8 @@ class ConversationFold:
         data = dict(state)
         count, outcome_count = data.pop("entries_count"), data.pop("outcomes_count")
         fold = cls.from_json({**data, "entries": [], "outcomes": {}})
-        fold._stored = fold._encoded = (bytes(entries), count)
-        fold._s.outcomes = _outcome_index(text=bytes(outcomes), count=outcome_count)
+        fold._stored = fold._encoded = (entries, count)
+        fold._s.outcomes = _outcome_index(text=outcomes, count=outcome_count)
         return fold
 
     def __eq__(self, other: object) -> bool:
@@ -529,7 +530,7 @@ class ConversationFold:
 
 
 def _outcome_index(
-    items: Mapping[str, ToolResultMessage] | None = None, *, text: bytes | None = None, count: int = 0
+    items: Mapping[str, ToolResultMessage] | None = None, *, text: bytes | memoryview | None = None, count: int = 0
 ) -> StoredIndex[ToolResultMessage]:
     def encode(call_id: str, answer: ToolResultMessage) -> Any:
         return _fold_converter.unstructure(answer, ToolResultMessage)

@@ -262,7 +262,9 @@ class _Stream:
 # ---------------------------------------------------------------- the format
 
 
-def command_index(stream_id: str, text: bytes | None = None, count: int = 0) -> StoredIndex[tuple[str, AppendResult]]:
+def command_index(
+    stream_id: str, text: bytes | memoryview | None = None, count: int = 0
+) -> StoredIndex[tuple[str, AppendResult]]:
     """A stream's replay cache: command id -> (digest, first outcome), stored as ``[digest, first, last]``."""
 
     def encode(command_id: str, value: tuple[str, AppendResult]) -> list[Any]:
@@ -299,13 +301,13 @@ def _decode_request(request_id: str, row: Any) -> RequestRecord:
     return RequestRecord(request_id, _REQUEST_STATES[row[0]], row[1], row[2])
 
 
-def ended_index(text: bytes | None = None, count: int = 0) -> StoredIndex[RequestRecord]:
+def ended_index(text: bytes | memoryview | None = None, count: int = 0) -> StoredIndex[RequestRecord]:
     """The projection's ended requests, stored as ``[state, seq, turns]``."""
     return StoredIndex(encode=_encode_request, decode=_decode_request, what="ended requests", line=text, count=count)
 
 
 def _record_index(
-    kind: type[Any], call_id_of: Callable[[Any], str], what: str, text: bytes | None, count: int
+    kind: type[Any], call_id_of: Callable[[Any], str], what: str, text: bytes | memoryview | None, count: int
 ) -> StoredIndex[Any]:
     """An index of attrs records of calls, by call id, stored as the converter has them."""
 
@@ -321,7 +323,7 @@ def _record_index(
     return StoredIndex(encode=encode, decode=decode, what=what, line=text, count=count)
 
 
-def ended_tools_index(text: bytes | None = None, count: int = 0) -> StoredIndex[ToolRecord]:
+def ended_tools_index(text: bytes | memoryview | None = None, count: int = 0) -> StoredIndex[ToolRecord]:
     """The projection's calls of ended requests."""
     index: StoredIndex[ToolRecord] = _record_index(
         ToolRecord, lambda record: record.call_id, "calls of ended requests", text, count
@@ -329,7 +331,7 @@ def ended_tools_index(text: bytes | None = None, count: int = 0) -> StoredIndex[
     return index
 
 
-def call_index(text: bytes | None = None, count: int = 0) -> StoredIndex[CallRecord]:
+def call_index(text: bytes | memoryview | None = None, count: int = 0) -> StoredIndex[CallRecord]:
     """A stream's `CallRecord` of every call."""
     index: StoredIndex[CallRecord] = _record_index(
         CallRecord, lambda record: record.scheduled.call_id, "call records", text, count
@@ -468,14 +470,26 @@ def _as_index(items: MutableMapping[str, V], make: Callable[[], StoredIndex[V]])
     return index
 
 
+def _lines(body: bytes) -> list[memoryview]:
+    """The body's lines as views (the archive lines are not copied until they are decoded)."""
+    view = memoryview(body)
+    lines: list[memoryview] = []
+    start = 0
+    while (cut := body.find(b"\n", start)) >= 0:
+        lines.append(view[start:cut])
+        start = cut + 1
+    lines.append(view[start:])
+    return lines
+
+
 def decode_snapshot(stream_id: str, agent_id: str, seq: int, body: bytes) -> _Stream:
     """The stream a stored snapshot stands for; `JournalCorruptError` says why it cannot be used."""
 
     def unusable(problem: str) -> JournalCorruptError:
         return JournalCorruptError(f"snapshot {stream_id}@{seq} cannot be used: {problem}")
 
-    lines = body.split(b"\n")
-    header = lines[0]
+    lines = _lines(body)
+    header = bytes(lines[0])
     try:
         data = json.loads(header)
     except ValueError as exc:

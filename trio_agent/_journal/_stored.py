@@ -26,6 +26,7 @@ Rules
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
 import zlib
@@ -68,7 +69,7 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
         encode: Callable[[str, V], Any],
         decode: Callable[[str, Any], V],
         what: str,
-        line: bytes | None = None,
+        line: bytes | memoryview | None = None,
         count: int = 0,
     ) -> None:
         """``line`` is what `to_text` wrote (``count`` entries); ``None`` for a new, empty index."""
@@ -78,12 +79,18 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
         self._count = count  # the entries in the text
         self._items: dict[str, V] = {}
         self._crcs: frozenset[int] | None = None  # the stored keys' CRCs, once a lookup needed them
-        self._text: bytes | None = None  # None once decoded (or never stored)
+        # None once decoded (or never stored); a view of the snapshot's bytes is not copied until decoded.
+        self._text: bytes | memoryview | None = None
         self._packed = b""
         if line is not None:
-            packed, space, self._text = line.partition(b" ")
+            width = 8 * count  # the digests' hex, as `to_text` writes it
+            if len(line) > width and bytes(line[width : width + 1]) == b" ":
+                head, self._text = bytes(line[:width]), line[width + 1 :]
+            else:  # not the layout this code writes: the first space decides (a copy, never the usual case)
+                head, space, self._text = bytes(line).partition(b" ")
+                head = head if space else b"?"
             try:
-                self._packed = bytes.fromhex(packed.decode("ascii")) if space else b"?"
+                self._packed = bytes.fromhex(head.decode("ascii"))
             except ValueError:
                 self._packed = b"?"  # unusable digests: lookups fall back to decoding the text
 
@@ -105,7 +112,7 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
         if self._text is None:
             return
         try:
-            rows = json.loads(self._text)
+            rows = json.loads(bytes(self._text))
             if not isinstance(rows, dict):
                 raise TypeError(f"expected a JSON object, got {type(rows).__name__}")
             stored = {key: self._decode(key, row) for key, row in rows.items()}
@@ -159,6 +166,14 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> StoredIndex[V]:
+        # A view of a snapshot's bytes cannot be copied as it is: the copy holds the text itself.
+        copied: StoredIndex[V] = StoredIndex(encode=self._encode, decode=self._decode, what=self._what)
+        copied._count, copied._crcs, copied._packed = self._count, self._crcs, self._packed
+        copied._text = None if self._text is None else bytes(self._text)
+        copied._items = copy.deepcopy(self._items, memo)
+        return copied
+
     def __repr__(self) -> str:
         if self._text is not None:
             return f"StoredIndex({self._what}: {self._count} stored, {len(self._items)} since)"
@@ -174,7 +189,7 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
         rows = {key: self._encode(key, value) for key, value in self._items.items() if keep(key, value)}
         if self._text is None:
             return _packed(rows).hex().encode("ascii") + b" " + dumps(rows), len(rows)
-        text = self._text
+        text = bytes(self._text)
         if rows:
             text = text[:-1] + (b"," if self._count else b"") + dumps(rows)[1:]
         return (self._packed + _packed(rows)).hex().encode("ascii") + b" " + text, self._count + len(rows)
