@@ -271,7 +271,7 @@ def test_a_session_requests_events_with_a_subagent_are_a_valid_ag_ui_stream() ->
     assert wire[-1]["usage"] == [{"inputTokens": 3, "outputTokens": 4, "totalTokens": 7}]
     aborted = SessionAgUiEncoder(thread_id="t", run_id="r2", root_agent_id="root")
     opened = aborted.encode(TextDeltaEvent("root", "partial"))
-    (end, finished) = aborted.aborted("stopped")
+    (end, finished) = aborted.aborted()
     assert [to_wire(e)["type"] for e in opened] == ["TEXT_MESSAGE_START", "TEXT_MESSAGE_CONTENT"]
     assert valid(to_wire(end))["type"] == "TEXT_MESSAGE_END" and valid(to_wire(finished))["outcome"] == {
         "type": "cancelled"

@@ -6,7 +6,6 @@ they are missing."""
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from pathlib import Path
@@ -15,8 +14,9 @@ from typing import Any
 import pytest
 import trio
 
+from tests.test_web_threads import served
 from trio_agent._web._offline import offline_agent
-from trio_agent.web import create_app, local_only, serve
+from trio_agent.web import create_app, local_only
 
 JS = Path(__file__).parent / "js"
 NODE = shutil.which("node")
@@ -30,15 +30,12 @@ pytestmark = pytest.mark.skipif(
 async def test_the_ag_ui_javascript_client_reads_a_run_a_pause_and_its_continuation(tmp_path: Path) -> None:
     model, tools, options = offline_agent()
     app = create_app(model, auth=local_only, tools=tools, threads=tmp_path / "threads.db", **options)
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(functools.partial(serve, app, port=0, shutdown_trigger=stop.wait))
+    async with served(app) as url:
         assert NODE is not None
         with trio.fail_after(60):
             done = await trio.run_process(
-                [NODE, str(JS / "agui_e2e.mjs"), binds[0]], capture_stdout=True, capture_stderr=True, check=False
+                [NODE, str(JS / "agui_e2e.mjs"), url], capture_stdout=True, capture_stderr=True, check=False
             )
-        stop.set()
     assert done.returncode == 0, done.stderr.decode()
     seen: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert seen["first"][0] == "RUN_STARTED" and seen["first"][-1] == "RUN_FINISHED"

@@ -8,7 +8,6 @@ at the system's browser, it downloads none); skipped, saying so, where they are 
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
@@ -20,8 +19,9 @@ from typing import Any
 import pytest
 import trio
 
+from tests.test_web_threads import served
 from trio_agent._web._offline import offline_agent
-from trio_agent.web import create_app, local_only, serve
+from trio_agent.web import create_app, local_only
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -49,19 +49,16 @@ def size_of(path: Path) -> int:
 async def test_the_chat_page_in_a_real_browser(tmp_path: Path, screenshot: Path) -> None:
     model, tools, options = offline_agent()
     app = create_app(model, auth=local_only, tools=tools, threads=tmp_path / "threads.db", **options)
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(functools.partial(serve, app, port=0, shutdown_trigger=stop.wait))
+    async with served(app) as url:
         assert CHROMIUM is not None
         script = Path(__file__).parent / "browser" / "page_e2e.py"
         with trio.fail_after(100):
             done = await trio.run_process(
-                [sys.executable, str(script), binds[0] + "/", str(screenshot), CHROMIUM],
+                [sys.executable, str(script), url + "/", str(screenshot), CHROMIUM],
                 capture_stdout=True,
                 capture_stderr=True,
                 check=False,
             )
-        stop.set()
     assert done.returncode == 0, done.stderr.decode()[-4000:]
     seen: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert seen["users"] == ["hello there", "add 2 and 40", "wait for a while"]

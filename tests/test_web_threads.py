@@ -25,14 +25,23 @@ EVENTS: TypeAdapter[Any] = TypeAdapter(AgUiEventModel)
 
 
 @asynccontextmanager
-async def running(app: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """The app served until the block ends, then shut down gracefully (its sessions close)."""
+async def served(app: Any) -> AsyncIterator[str]:
+    """The app served on a free loopback port until the block ends (its URL), then shut down
+    gracefully: its lifespan ends and its sessions close."""
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(functools.partial(serve, app, port=0, shutdown_trigger=stop.wait))
-        async with httpx.AsyncClient(base_url=binds[0], timeout=30) as client:
-            yield client
-        stop.set()
+        try:
+            yield binds[0]
+        finally:
+            stop.set()
+
+
+@asynccontextmanager
+async def running(app: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """`served`, with a client of it."""
+    async with served(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        yield client
 
 
 async def read(response: httpx.Response, until: str | None = None) -> list[dict[str, Any]]:

@@ -143,7 +143,7 @@ class SessionAgUiEncoder:
         message = event.summary or f"the subagent {event.status.value}"
         return [*self._close(sub), w.SubagentErrorEvent(subagent_run_id=sub, message=message, code=event.status.value)]
 
-    def aborted(self, message: str) -> list[w.AgUiEvent]:
+    def aborted(self) -> list[w.AgUiEvent]:
         """The end of a request that was aborted (the session's stream raises instead of a ``DoneEvent``)."""
         return self._done(DoneEvent("", "", StopReason.ABORTED, 0))
 

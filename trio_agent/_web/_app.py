@@ -217,8 +217,6 @@ def _sse_response(response: Response) -> None:
 class _RunStream(Response):
     """The SSE response of one run: the run, the client and the keep-alive in one nursery."""
 
-    media_type = CONTENT_TYPE
-
     def __init__(self, server: _Server, run_input: RunInput, start: Callable[[AbortHandle], Any]) -> None:
         _sse_response(self)
         self.server = server

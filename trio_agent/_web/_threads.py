@@ -220,8 +220,8 @@ class ThreadHub:
                 async for event in events:
                     for out in encoder.encode(event):
                         live.add(sse_event(to_wire(out)))
-        except RequestAbortedError as exc:
-            for out in encoder.aborted(str(exc)):
+        except RequestAbortedError:
+            for out in encoder.aborted():
                 live.add(sse_event(to_wire(out)))
         except Exception as exc:  # the run's failure is this run's: reported on its stream, the hub goes on
             if not isinstance(exc, TrioAgentError):
