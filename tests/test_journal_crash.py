@@ -72,10 +72,11 @@ def assert_campaign(result: HarnessResult, *, points: int, random_kills: int) ->
     # Work was really done and ACKed (and each ACK was checked against the journal).
     assert stats["acked"] >= 10, result.summary()
     assert stats["ledger_lines"] >= stats["acked"], result.summary()
-    # Recovery met each situation: re-run pure, re-run idempotent with its key, run a
-    # never-started call, and refuse to re-run a started non_idempotent call.
+    # Recovery met each situation: re-run pure, re-run idempotent with its key, and refuse to
+    # re-run a started non_idempotent call. (A call's scheduling is written with its start, so
+    # a never-started call needs a sibling that started: see test_journal_durable.py, deferred events.)
     decisions = stats["recovery_decisions"]
-    for action in ("run", "rerun", "rerun_same_key", "settle_outcome_unknown"):
+    for action in ("rerun", "rerun_same_key", "settle_outcome_unknown"):
         assert decisions.get(action, 0) >= 1, result.summary()
     assert stats["settled_as"].get("ToolOutcomeUnknown", 0) >= 1, result.summary()
     # At-least-once made visible: an idempotent call whose effect landed before the

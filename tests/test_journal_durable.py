@@ -459,6 +459,88 @@ async def test_an_agent_stream_must_start_with_session_created() -> None:
         assert await store.head(journal.stream_id("child")) == 2
 
 
+# ---------------------------------------------------------------- 4b. deferred events
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_deferred_events_apply_now_and_ride_with_the_next_append(kind: str, tmp_path: Path) -> None:
+    async with make_store(kind, tmp_path) as store, open_journal(store, session_id=SID) as journal:
+        origin = await start_turn(journal)
+        stream = journal.stream_id()
+        head = await store.head(stream)
+        journal.defer(scheduled("c1"), agent_id=origin.agent_id)
+        assert journal.projection().tool("c1") is not None  # applied at once ...
+        assert await store.head(stream) == head  # ... written later
+        result = await journal.append(started("c1", SideEffect.IDEMPOTENT))
+        assert (result.first_seq, result.last_seq) == (head + 1, head + 2)  # one batch holds both
+        assert [type(e) for e in (await events_of(store, stream))[head:]] == [ToolScheduled, ToolStarted]
+
+
+async def test_a_deferred_event_that_may_not_come_next_changes_nothing() -> None:
+    async with open_journal(MemoryStore(), session_id=SID) as journal:
+        snapshot = journal.projection().snapshot()
+        with pytest.raises(InvalidTransitionError):
+            journal.defer(started("ghost", SideEffect.PURE))
+        assert journal.projection().snapshot() == snapshot
+        await journal.append(accepted("r1"))  # the journal stays usable
+
+
+async def test_a_command_is_written_alone_after_the_deferred_events() -> None:
+    store = MemoryStore()
+    async with open_journal(store, session_id=SID) as journal:
+        await start_turn(journal)
+        journal.defer(scheduled("c1"))
+        commits = store.commits
+        first = await journal.append(accepted("r2"), command_id="cmd-r2")
+        assert store.commits == commits + 2  # the deferred batch, then the command's own
+        assert first.first_seq == first.last_seq
+        replay = await journal.append(accepted("r2"), command_id="cmd-r2")
+        assert replay.replayed and (replay.first_seq, replay.last_seq) == (first.first_seq, first.last_seq)
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_closing_writes_what_is_still_deferred(kind: str, tmp_path: Path) -> None:
+    async with make_store(kind, tmp_path) as store:
+        async with open_journal(store, session_id=SID) as journal:
+            await start_turn(journal)
+            journal.defer(scheduled("c1"))
+            head = journal.projection().head
+        assert await store.head(journal.stream_id()) == head
+        assert isinstance((await events_of(store, journal.stream_id()))[-1], ToolScheduled)
+
+
+async def test_deferred_events_lost_in_a_crash_never_happened(autojump_clock: trio.testing.MockClock) -> None:
+    """A crash loses what was deferred: the store, and a recovery, see the stream without it."""
+    store = MemoryStore(clock=trio.current_time)
+    with pytest.raises(LeaseLostError):
+        async with open_journal(store, session_id=SID, lease_ttl=1) as journal:
+            await start_turn(journal)
+            head = await store.head(journal.stream_id())
+            journal.defer(scheduled("c1"))
+            journal._lose(LeaseLostError("the process died"))  # no clean close: nothing more is written
+            await trio.sleep_forever()
+    assert await store.head(journal.stream_id()) == head
+    async with open_journal(store, session_id=SID, takeover_timeout=2) as reopened:  # the lease runs out
+        assert reopened.projection().tool("c1") is None
+        assert "c1" not in reopened.recovery_plan().tool_actions
+
+
+async def test_a_sibling_scheduled_beside_a_started_call_is_run_by_recovery(tmp_path: Path) -> None:
+    """Schedulings are deferred and written by the first start: a sibling that never started is
+    durable as scheduled, and recovery runs it (a started idempotent call re-runs with its key)."""
+    async with open_sqlite_store(tmp_path / "j.db") as store:
+        with pytest.raises(LeaseLostError):
+            async with open_journal(store, session_id=SID) as journal:
+                await start_turn(journal)
+                journal.defer(scheduled("a"), scheduled("b"))
+                await journal.append(started("a", SideEffect.IDEMPOTENT))
+                journal._lose(LeaseLostError("the process died"))  # no clean close
+        await store.release_lease(journal.lease)  # as its expiry would
+        async with open_journal(store, session_id=SID) as reopened:
+            actions = dict(reopened.recovery_plan().tool_actions)
+    assert actions == {"a": ToolRecoveryAction.RERUN_SAME_KEY, "b": ToolRecoveryAction.RUN}
+
+
 # ---------------------------------------------------------------- 5. unknown outcomes fence the journal
 
 
@@ -544,8 +626,11 @@ async def test_a_cancelled_write_that_lands_within_the_grace_does_not_fence(
 
 
 async def test_scheduled_and_the_final_input_are_committed_before_the_tool_runs() -> None:
+    """The scheduling is in the projection before the middleware runs, and in the store (with
+    the final input) before the tool runs: it is written with the start, in one batch."""
     store = MemoryStore()
     seen_by_middleware: list[Event] = []
+    projected: list[ToolState | None] = []
     seen_by_tool: list[Event] = []
     async with open_journal(store, session_id=SID) as journal:
         origin = await start_turn(journal)
@@ -553,6 +638,8 @@ async def test_scheduled_and_the_final_input_are_committed_before_the_tool_runs(
 
         async def lowercase_path(request: Any, call_next: Any) -> ToolResult:
             seen_by_middleware.extend(await events_of(store, stream))
+            call = journal.projection().tool("c1")
+            projected.append(None if call is None else call.state)
             normalised: ToolResult = await call_next(request.replace(input={"path": request.input["path"].lower()}))
             return normalised
 
@@ -570,12 +657,13 @@ async def test_scheduled_and_the_final_input_are_committed_before_the_tool_runs(
         pipeline = ToolPipeline([write_note], middleware=[lowercase_path], journal=journal)
         record = await pipeline.execute(ToolCall("c1", "write_note", {"path": "NOTES.TXT"}), origin)
 
-    mine = for_call(seen_by_middleware, "c1")
-    assert len(mine) == 1 and isinstance(mine[0], ToolScheduled)
-    assert mine[0].model_input == {"path": "NOTES.TXT"}
-    assert mine[0].idempotency_key == f"{SID}:root:c1"
+    assert projected == [ToolState.SCHEDULED]
+    assert for_call(seen_by_middleware, "c1") == []  # deferred: written with the start
     mine = for_call(seen_by_tool, "c1")
     assert [type(e) for e in mine] == [ToolScheduled, ToolStarted]
+    assert isinstance(mine[0], ToolScheduled)
+    assert mine[0].model_input == {"path": "NOTES.TXT"}
+    assert mine[0].idempotency_key == f"{SID}:root:c1"
     start = mine[1]
     assert isinstance(start, ToolStarted)
     assert start.input == {"path": "notes.txt"}  # the FINAL input, after the middleware
@@ -703,9 +791,10 @@ async def test_a_pure_start_is_not_awaited_when_opted_out_but_lands_before_the_s
             assert journal._pending_starts == {}
             stored = [type(e) for e in for_call(await events_of(inner, stream), "c1")]
     assert observed["pending"] is True
-    assert observed["stored_in_body"] == [ToolScheduled]  # the tool ran before its start was committed
+    # The tool ran before its start (and the scheduling, deferred into the start's batch) was committed ...
+    assert observed["stored_in_body"] == []
     assert observed["ran_at"] - start < 5
-    assert observed["stored_before_gate"] == [ToolScheduled]  # and the settlement waited for it
+    assert observed["stored_before_gate"] == []  # ... and the settlement waited for them
     assert elapsed >= 5
     assert stored == [ToolScheduled, ToolStarted, ToolCompleted]
     assert record.result.output == "found"
@@ -733,7 +822,8 @@ async def test_a_pure_start_that_never_landed_fails_the_settlement_and_publishes
             await pipeline.execute(ToolCall("c1", "lookup", {}), origin)
         assert ran == ["lookup"]  # a pure tool may run before its start is durable ...
         assert len(pipeline.history) == 0  # ... but its result is never published without it
-        assert [type(e) for e in for_call(await events_of(faulty, stream), "c1")] == [ToolScheduled]
+        # The scheduling was deferred into the start's batch: neither landed.
+        assert for_call(await events_of(faulty, stream), "c1") == []
         assert journal.fenced
 
 
@@ -1236,3 +1326,59 @@ async def test_call_state_follows_the_projection() -> None:
         assert journal.call_state(call) == "scheduled"  # it may start again
         await journal.append(started("c1", SideEffect.IDEMPOTENT), completed("c1", ToolResult.success("ok")))
         assert journal.call_state(call) == "settled"
+
+
+# ---------------------------------------------------------------- leases that never expire, heartbeat lag
+
+
+def _all_tasks() -> list[trio.lowlevel.Task]:
+    tasks, todo = [], [trio.lowlevel.current_root_task()]
+    while todo:
+        task = todo.pop()
+        tasks.append(task)
+        todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+    return tasks
+
+
+async def test_a_memory_store_without_a_clock_keeps_its_lease_without_a_heartbeat(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Nothing outside the process can take the session over: the lease never runs out, so no
+    heartbeat runs and a slow event loop cannot lose it; a second holder is still refused."""
+    store = MemoryStore()
+    async with open_journal(store, session_id=SID, lease_ttl=1) as journal:
+        assert not journal.renews_lease
+        assert not [task for task in _all_tasks() if task.name.endswith("_heartbeat")]
+        await trio.sleep(3600)  # an hour of (mock) time with no renewal
+        journal.check_ownership()
+        await journal.append(accepted("r1"))
+        with pytest.raises(LeaseHeldError):
+            async with open_journal(store, session_id=SID, takeover_timeout=5):
+                pass  # pragma: no cover
+    async with open_journal(store, session_id=SID) as reopened:  # released on close: taken at once
+        assert reopened.fencing_token() == 2
+
+
+async def test_the_heartbeat_reports_its_lag_and_warns_past_a_third_of_the_ttl(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    class SlowRenewals(MemoryStore):
+        delay = 0.0
+
+        async def renew_lease(self, lease: Any, ttl: float) -> Any:
+            await trio.sleep(self.delay)  # a loaded event loop or a slow store
+            return await super().renew_lease(lease, ttl)
+
+    store = SlowRenewals(clock=trio.current_time)
+    async with open_journal(store, session_id=SID, lease_ttl=9, heartbeat_interval=3) as journal:
+        assert journal.renews_lease
+        assert [task for task in _all_tasks() if task.name.endswith("_heartbeat")]
+        await trio.sleep(7)
+        assert journal.heartbeat_lag == 0
+        assert not caplog.records
+        store.delay = 4.0  # past a third of the TTL, still inside it
+        await trio.sleep(10)
+        assert journal.heartbeat_lag == pytest.approx(4.0)
+        journal.check_ownership()
+    warnings = [r for r in caplog.records if "renewed" in r.getMessage()]
+    assert len(warnings) == 1 and "lease_ttl" in warnings[0].getMessage()

@@ -71,6 +71,7 @@ from trio_agent._journal._store import (
     command_digest,
     encode_body,
     stream_id_for,
+    wall_clock,
 )
 from trio_agent._tools._definition import InterruptBehavior, SideEffect, ToolKind
 
@@ -219,7 +220,7 @@ def store_kind(request: pytest.FixtureRequest) -> Backend:
 @pytest.fixture
 async def store(store_kind: Backend, tmp_path: Path) -> AsyncIterator[Any]:
     if store_kind.name == "memory":
-        memory = MemoryStore()
+        memory = MemoryStore(clock=wall_clock)  # a clock of its own: leases that expire, as the others'
         yield memory
         await memory.aclose()
     elif store_kind.name == "sqlite":

@@ -23,6 +23,7 @@ import trio.testing
 from session_crash.worker import PROMPT, make_tools, read_ledger
 
 from trio_agent import (
+    ConfigError,
     DoneEvent,
     LeaseLostError,
     RequestAbortedError,
@@ -52,6 +53,7 @@ from trio_agent.journal import (
     TurnAborted,
     TurnAbortReason,
     TurnStarted,
+    open_journal,
     open_sqlite_store,
 )
 from trio_agent.models import (
@@ -139,31 +141,40 @@ async def test_a_request_whose_acceptance_cannot_be_written_never_runs() -> None
         assert of_type(committed, RequestAccepted) == []
 
 
-async def test_turns_and_model_attempts_are_committed_before_the_provider_is_called(tmp_path: Path) -> None:
+async def test_turns_and_model_attempts_are_recorded_before_the_provider_is_called(tmp_path: Path) -> None:
+    """A turn and its model attempt are in the journal's projection before the provider is called;
+    they are deferred (a crash before the next write asks the model again) and written with the
+    next write: the call's start, then the request's end."""
+
     @define_tool(name="noop", description="n", input_schema=OBJECT, side_effect=SideEffect.PURE, kind="readonly")
     async def noop(input: dict[str, Any], ctx: Any) -> str:
         return "nothing"
 
     holder: list[Any] = []
-    at_call: list[list[Any]] = []
+    at_call: list[tuple[int, int]] = []
 
     async def probe(request: ModelRequest) -> None:
-        session = holder[0]
-        at_call.append([e.event for e in await session.journal.store.read(session.journal.stream_id())])
+        journal = holder[0].journal
+        at_call.append((journal.projection().head, await journal.store.head(journal.stream_id())))
 
     inner = TestModel({"go": [Reply(tool_calls=[("noop", {})]), Reply(text="done")]})
-    async with open_session(provider=ProbingProvider(inner, probe), tools=[noop], journal=tmp_path / "j.db") as session:
+    path = tmp_path / "j.db"
+    async with open_session(provider=ProbingProvider(inner, probe), tools=[noop], journal=path) as session:
         holder.append(session)
         session.set_model("second-model")
         assert await session.send("go") == "done"
+        stored = [e.event for e in await session.journal.store.read(session.journal.stream_id())]
     assert len(at_call) == 2
-    for turn, committed in enumerate(at_call, start=1):
-        started, attempt = committed[-2:]
+    assert all(projected > written for projected, written in at_call)  # recorded, not written yet
+    turns = [index for index, event in enumerate(stored) if isinstance(event, TurnStarted)]
+    assert len(turns) == 2
+    for turn, index in enumerate(turns, start=1):
+        started, attempt = stored[index], stored[index + 1]
         assert isinstance(started, TurnStarted) and started.turn == turn
         assert isinstance(attempt, ModelAttemptStarted) and attempt.turn_id == started.turn_id
         assert attempt.model == "second-model" == inner.requests[turn - 1].model
     # The second call came after the first turn's tool settled.
-    assert of_type(at_call[1], ToolCompleted) and not of_type(at_call[0], ToolCompleted)
+    assert of_type(stored[: turns[1]], ToolCompleted) and not of_type(stored[: turns[0]], ToolCompleted)
 
 
 async def test_request_interrupted_is_durable_before_abort_returns(tmp_path: Path) -> None:
@@ -549,3 +560,30 @@ async def test_recovery_after_kill_9_mid_request(tmp_path: Path) -> None:
     assert len(crashed) == 1
     assert [e.reason for e in of_type(events, TurnAborted)] == [TurnAbortReason.PROCESS_RESTART]
     assert len(of_type(events, SessionClosed)) == 1 and isinstance(events[-1], SessionClosed)
+
+
+async def test_durable_pure_starts_is_an_option_of_open_session(tmp_path: Path) -> None:
+    """``durable_pure_starts=False`` reaches the journal the session opens: a pure tool runs
+    while its start is still being written, and the start is durable before the settlement."""
+
+    @define_tool(name="look", description="l", input_schema=OBJECT, side_effect=SideEffect.PURE, kind="readonly")
+    async def look(input: dict[str, Any], ctx: Any) -> str:
+        pending = holder[0].journal._pending_starts
+        seen.append(bool(pending) and not all(ticket.done for ticket in pending.values()))
+        return "seen"
+
+    holder: list[Any] = []
+    seen: list[bool] = []
+    model = TestModel({"go": [Reply(tool_calls=[("look", {})]), Reply(text="done")]})
+    path = tmp_path / "j.db"
+    async with open_session(provider=model, tools=[look], journal=path, durable_pure_starts=False) as session:
+        holder.append(session)
+        assert session.journal.durable_pure_starts is False
+        assert await session.send("go") == "done"
+        stored = [type(e.event) for e in await session.journal.store.read(session.journal.stream_id())]
+    assert seen == [True]  # the tool ran before its start was committed
+    assert stored.index(ToolStarted) < stored.index(ToolCompleted)
+    async with open_journal(MemoryStore()) as open_one:
+        with pytest.raises(ConfigError, match="durable_pure_starts"):
+            async with open_session(provider=model, journal=open_one, durable_pure_starts=False):
+                pass  # pragma: no cover

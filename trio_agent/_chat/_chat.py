@@ -340,7 +340,10 @@ async def chat(
             validator = jsonschema_rs.Draft202012Validator(dict(output_schema), offline=True)
         except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as exc:
             raise ConfigError(f"output_schema is not valid JSON Schema: {str(exc).splitlines()[0]}") from None
-    pipeline = ToolPipeline(tools, middleware=tool_middleware, journal=journal or InMemoryToolJournal())
+    # history_limit=0: the run's events and the journal are its record; nothing reads a pipeline's history.
+    pipeline = ToolPipeline(
+        tools, middleware=tool_middleware, journal=journal or InMemoryToolJournal(), history_limit=0
+    )
     strategy = strategy or max_iterations(DEFAULT_MAX_ITERATIONS)
     meta = dict(metadata or {})
     run_id = str(meta.get("run_id") or f"chat-{uuid.uuid4().hex[:12]}")

@@ -194,6 +194,19 @@ class DurableJournal:
         self._closed = trio.Event()
         self._pending_starts: dict[str, AppendTicket] = {}
         self.recovered = False
+        # A store whose leases never run out needs no heartbeat, and one that commits at once
+        # (`JournalStore.commit`) needs no ticket: the memory store's appends never wait. Only a
+        # class that defines commit itself is trusted: a wrapper may intercept `submit`.
+        self.renews_lease: bool = getattr(store, "leases_expire", True)
+        self._commit_now: Callable[[AppendBatch], AppendResult] | None = (
+            store.commit if "commit" in type(store).__dict__ else None  # type: ignore[attr-defined]
+        )
+        if not self.renews_lease:
+            self._valid_until = math.inf
+        self.heartbeat_lag = 0.0
+        """The longest a renewal came after it was due so far (seconds): what the event loop's
+        load and the store's round trip cost. Choose ``lease_ttl`` well above it (a warning is
+        logged when it passes a third of the TTL)."""
 
     # -- reading
 
@@ -267,11 +280,13 @@ class DurableJournal:
 
     async def _heartbeat(self) -> None:
         while True:
-            await trio.sleep(self.heartbeat_interval)
+            due = trio.current_time() + self.heartbeat_interval
+            await trio.sleep_until(due)
             sent = trio.current_time()
             try:
                 with trio.fail_after(max(self._valid_until - sent, 0.001)):
                     self.lease = await self.store.renew_lease(self.lease, self.lease_ttl)
+                self._note_lag(trio.current_time() - due)
             except LeaseLostError as exc:
                 self._lose(exc)
                 return
@@ -283,6 +298,18 @@ class DurableJournal:
                 continue
             self._valid_until = sent + self.lease_ttl * 0.9
 
+    def _note_lag(self, lag: float) -> None:
+        if lag > self.heartbeat_lag:
+            if lag > self.lease_ttl / 3 >= self.heartbeat_lag:
+                logger.warning(
+                    "the lease heartbeat of session %s renewed %.3f s late (lease_ttl %.1f s): "
+                    "the event loop or the store is slow; a longer lease_ttl keeps the lease",
+                    self.session_id,
+                    lag,
+                    self.lease_ttl,
+                )
+            self.heartbeat_lag = lag
+
     # -- writing
 
     def _fence(self, why: str) -> None:
@@ -290,8 +317,8 @@ class DurableJournal:
             self._fenced = why
 
     def _prepare(
-        self, agent_id: str | None, events: tuple[Event, ...], command_id: str | None
-    ) -> tuple[_Stream, AppendBatch | AppendResult]:
+        self, agent_id: str | None, events: tuple[Event, ...], command_id: str | None, *, defer: bool = False
+    ) -> tuple[_Stream, AppendBatch | AppendResult | None]:
         if self._lost is not None:
             raise LeaseLostError(f"the lease on session {self.session_id!r} was lost: {self._lost}")
         if self._closed.is_set():
@@ -331,8 +358,43 @@ class DurableJournal:
         for envelope in envelopes:
             stream.track(envelope.event, fold_after=self._fold_after)
         self._streams[stream_id] = stream
+        if defer:
+            stream.deferred.extend(envelopes)
+            return stream, None
+        if stream.deferred:
+            assert command_id is None  # `append` writes them on their own before a command
+            envelopes = (*stream.deferred, *envelopes)
+            stream.deferred.clear()
         batch = AppendBatch(self.session_id, stream_id, self.lease.token, envelopes, command_id, digest)
         return stream, batch
+
+    def defer(self, *events: Event, agent_id: str | None = None) -> None:
+        """Apply ``events`` to the stream now and write them with its next append (or `flush`).
+
+        For events whose loss in a crash recovery treats as if they never happened (a request
+        or turn that started, a model reply that a re-run asks for again): they need not be
+        durable on their own, so they cost no commit of their own. The next `append` writes
+        them first, in one batch with its own events, and a close writes what is left. Raises
+        what `append` raises for events that may not come next (nothing changes then).
+        """
+        self._prepare(agent_id, events, None, defer=True)
+
+    async def flush(self) -> None:
+        """Write every stream's deferred events (`defer`); returns once they are committed."""
+        for stream in list(self._streams.values()):
+            if stream.deferred:
+                await self._write(self._deferred_batch(stream))
+
+    def _deferred_batch(self, stream: _Stream) -> AppendBatch:
+        envelopes = tuple(stream.deferred)
+        stream.deferred.clear()
+        return AppendBatch(self.session_id, stream.stream_id, self.lease.token, envelopes)
+
+    async def _write(self, batch: AppendBatch) -> AppendResult:
+        if self._commit_now is not None:
+            # Committed before this returns: not a checkpoint (the caller's next await is one).
+            return self._committed(batch)
+        return await self._await(self.store.submit(batch))
 
     async def append(self, *events: Event, agent_id: str | None = None, command_id: str | None = None) -> AppendResult:
         """Append ``events`` atomically to an agent's stream (the root's by default).
@@ -341,16 +403,33 @@ class DurableJournal:
         replay returns the first outcome (``replayed=True``) and the same id
         with other content raises `CommandConflictError`.
         """
+        if command_id is not None:
+            # A command's batch holds its own events only (its digest and seqs are replayed).
+            waiting = self._streams.get(self.stream_id(agent_id))
+            if waiting is not None and waiting.deferred:
+                await self._write(self._deferred_batch(waiting))
         stream, prepared = self._prepare(agent_id, events, command_id)
         if isinstance(prepared, AppendResult):
             await trio.lowlevel.checkpoint()
             return prepared
-        ticket = self.store.submit(prepared)
-        result = await self._await(ticket)
+        assert prepared is not None
+        result = await self._write(prepared)
         if command_id is not None:
             assert prepared.command_digest is not None
             stream.commands[command_id] = (prepared.command_digest, result)
         return result
+
+    def _committed(self, batch: AppendBatch) -> AppendResult:
+        assert self._commit_now is not None
+        try:
+            return self._commit_now(batch)
+        except StaleFencingTokenError as exc:
+            self._lose(exc)
+            self._fence(str(exc))
+            raise
+        except JournalError as exc:
+            self._fence(f"{type(exc).__name__}: {exc}")
+            raise
 
     async def _await(self, ticket: AppendTicket) -> AppendResult:
         try:
@@ -502,6 +581,12 @@ class DurableJournal:
         if save is None:
             await trio.lowlevel.checkpoint()
             return saved
+        if self._healthy():
+            try:
+                await self.flush()  # a snapshot stands for written events only
+            except (JournalError, LeaseLostError) as exc:
+                logger.warning("no snapshot: the deferred events were not written: %s: %s", type(exc).__name__, exc)
+                return saved
         for stream in list(self._streams.values()):
             if not self._healthy():
                 break
@@ -579,7 +664,8 @@ class DurableJournal:
             await trio.lowlevel.checkpoint()
             return
         behavior = call.behavior
-        await self.append(
+        # Deferred: the call's start (durable before the tool runs) or its settlement writes it.
+        self.defer(
             ToolScheduled(
                 request_id=call.request_id,
                 turn_id=call.turn_id,
@@ -594,6 +680,7 @@ class DurableJournal:
             ),
             agent_id=call.agent_id,
         )
+        await trio.lowlevel.checkpoint()
 
     async def on_execution_started(
         self, call: ScheduledCall, input: dict[str, Any], side_effect: SideEffect, *, synthetic: bool
@@ -888,25 +975,31 @@ async def open_journal(
         root_agent_id=root_agent_id,
         fold_after=None if snapshot_every is None else FOLD_AFTER,
     )
-    journal._valid_until = sent + lease_ttl * 0.9
+    if journal.renews_lease:
+        journal._valid_until = sent + lease_ttl * 0.9
     try:
         await journal._load()
         await journal.open_agent(root_agent_id)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(journal._heartbeat)
-                try:
-                    with trio.CancelScope() as body:
-                        journal._body_scope = body
-                        yield journal
-                finally:
-                    nursery.cancel_scope.cancel()
-                    journal._closed.set()
-        except BaseExceptionGroup as group:
-            # The heartbeat never raises: a group holds the body's own error. Raise it as itself.
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0]  # noqa: B904 - `from` would overwrite the error's own cause
-            raise
+        if not journal.renews_lease:
+            with trio.CancelScope() as body:
+                journal._body_scope = body
+                yield journal
+        else:
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(journal._heartbeat)
+                    try:
+                        with trio.CancelScope() as body:
+                            journal._body_scope = body
+                            yield journal
+                    finally:
+                        nursery.cancel_scope.cancel()
+                        journal._closed.set()
+            except BaseExceptionGroup as group:
+                # The heartbeat never raises: a group holds the body's own error. Raise it as itself.
+                if len(group.exceptions) == 1:
+                    raise group.exceptions[0]  # noqa: B904 - `from` would overwrite the error's own cause
+                raise
     finally:
         journal._closed.set()
         if journal._lost is None:
@@ -914,6 +1007,9 @@ async def open_journal(
                 for ticket in list(journal._pending_starts.values()):
                     with contextlib.suppress(JournalError, LeaseLostError):
                         await ticket.wait()
+                if journal._fenced is None:
+                    with contextlib.suppress(JournalError, LeaseLostError):
+                        await journal.flush()  # what the last appends left deferred
                 if snapshot_every is not None and journal._streams:
                     # While the lease is still ours (the store fences it); never holds the close for long.
                     with trio.move_on_after(min(SNAPSHOT_GRACE, commit_grace)) as scope:

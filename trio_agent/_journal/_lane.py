@@ -262,6 +262,7 @@ class LaneStore:
     """
 
     _lane: WriterLane | None
+    leases_expire = True  # other processes may take a session over: a holder renews its lease
     longest_write_hold: float = 0.0
     """The longest a write transaction of this store held the database's write lock (seconds)."""
 

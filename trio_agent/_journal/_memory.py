@@ -3,12 +3,21 @@
 It keeps the same rules as the durable stores (fencing, gapless sequences,
 stream ownership, command ids). It keeps the event objects themselves (they are
 immutable and were type-checked when built), so nothing is encoded or decoded:
-treat what `read` returns as read-only. Nothing survives the process. Its clock is injectable:
-``MemoryStore(clock=trio.current_time)`` makes lease expiry follow Trio's
-(mock) clock, which is what lease tests with ``autojump_clock`` want.
+treat what `read` returns as read-only. Nothing survives the process.
+
+Leases: nothing outside this process can take a session over, so by default a lease never
+expires (it ends when its holder releases it) and a journal on this store runs no heartbeat:
+a slow event loop cannot cost a session its lease. A second holder is still refused
+(`LeaseHeldError`) and tokens still fence. Give a clock to get expiring leases, as the durable
+stores have: ``MemoryStore(clock=trio.current_time)`` makes lease expiry follow Trio's (mock)
+clock, which is what lease and takeover tests with ``autojump_clock`` want.
+
+It commits synchronously (`commit`), so a journal's append on it never waits.
 """
 
 from __future__ import annotations
+
+import math
 
 import attrs
 import trio
@@ -53,8 +62,10 @@ class _Stream:
 class MemoryStore:
     """A `JournalStore` in a few dicts. Every operation commits at once."""
 
-    def __init__(self, *, clock: Clock = wall_clock) -> None:
-        self.clock = clock
+    def __init__(self, *, clock: Clock | None = None) -> None:
+        self.clock: Clock = clock if clock is not None else wall_clock
+        # Leases expire only by an explicit clock (module docstring).
+        self.leases_expire = clock is not None
         self._streams: dict[str, _Stream] = {}
         self._leases: dict[str, Lease] = {}
         self.commits = 0
@@ -64,7 +75,7 @@ class MemoryStore:
     def submit(self, batch: AppendBatch) -> AppendTicket:
         ticket = AppendTicket(batch)
         try:
-            outcome: AppendResult | BaseException = self._apply(batch)
+            outcome: AppendResult | BaseException = self.commit(batch)
         except Exception as exc:
             outcome = exc
         ticket._resolve(outcome)
@@ -73,7 +84,8 @@ class MemoryStore:
     async def append(self, batch: AppendBatch) -> AppendResult:
         return await self.submit(batch).wait()
 
-    def _apply(self, batch: AppendBatch) -> AppendResult:
+    def commit(self, batch: AppendBatch) -> AppendResult:
+        """Commit ``batch`` now (a synchronous store's `submit` without the ticket); raises what refuses it."""
         stream = self._streams.get(batch.stream_id)
         known = None if stream is None or batch.command_id is None else stream.commands.get(batch.command_id)
         result = decide_append(
@@ -180,6 +192,7 @@ class MemoryStore:
         check_id(owner, "lease owner")
         ttl = check_ttl(ttl)
         await trio.lowlevel.checkpoint()
+        ttl = ttl if self.leases_expire else math.inf
         lease = decide_lease("acquire", session_id, owner, 0, ttl, self._row(session_id), self.clock())
         assert lease is not None
         self._leases[session_id] = lease
@@ -191,6 +204,7 @@ class MemoryStore:
         ttl = check_ttl(ttl)
         await trio.lowlevel.checkpoint()
         row = self._row(lease.session_id)
+        ttl = ttl if self.leases_expire else math.inf
         renewed = decide_lease("renew", lease.session_id, lease.owner, lease.token, ttl, row, self.clock())
         assert renewed is not None
         self._leases[lease.session_id] = renewed

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import trio
+
 from .._abort import Abort
 from .._errors import ModelError
 from .._loop._interrupts import InterruptAnswer, answer_to_json
@@ -52,14 +54,16 @@ class JournalRecorder:
         started = ModelAttemptStarted(
             request_id=turn.run_id, turn_id=turn.turn_id, attempt_id=turn.attempt_id, model=model
         )
+        # Deferred: lost in a crash, an attempt that started is one that never did (it is asked again).
         if opens_turn:
-            await self.journal.append(
+            self.journal.defer(
                 TurnStarted(request_id=turn.run_id, turn_id=turn.turn_id, turn=turn.turn),
                 started,
                 agent_id=self.agent_id,
             )
         else:
-            await self.journal.append(started, agent_id=self.agent_id)
+            self.journal.defer(started, agent_id=self.agent_id)
+        await trio.lowlevel.checkpoint()
 
     async def model_call_completed(
         self, turn: TurnRef, reply: ModelReply, *, inputs: Sequence[str], rejected: Mapping[str, str]
@@ -70,7 +74,9 @@ class JournalRecorder:
             if not reply.tool_calls
             else ()
         )
-        await self.journal.append(
+        # Deferred: the reply is written with what it leads to (a call's start, which must be
+        # durable before the tool runs, or the request's end); a crash before that asks the model again.
+        self.journal.defer(
             ModelAttemptCompleted(
                 request_id=turn.run_id,
                 turn_id=turn.turn_id,
@@ -80,6 +86,7 @@ class JournalRecorder:
             *ends_turn,
             agent_id=self.agent_id,
         )
+        await trio.lowlevel.checkpoint()
 
     async def model_call_failed(self, turn: TurnRef, error: ModelError) -> None:
         await self.journal.append(
@@ -104,9 +111,11 @@ class JournalRecorder:
         )
 
     async def turn_completed(self, turn: TurnRef) -> None:
-        await self.journal.append(
+        # Deferred: its calls' settlements are durable already; the next write carries it.
+        self.journal.defer(
             TurnCompleted(request_id=turn.run_id, turn_id=turn.turn_id, has_tool_calls=True), agent_id=self.agent_id
         )
+        await trio.lowlevel.checkpoint()
 
     async def turn_started(self, turn: TurnRef) -> None:
         await self.journal.append(

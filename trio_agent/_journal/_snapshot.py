@@ -185,6 +185,7 @@ class _Stream:
         "agent_id",
         "calls",
         "commands",
+        "deferred",
         "fold",
         "pins",
         "projection",
@@ -205,6 +206,8 @@ class _Stream:
         self.unfolded: list[Event] = []
         self.snapshot_seq = 0  # the seq of the snapshot this stream was restored from or last saved at
         self.pins: list[ConversationPin] = []  # unsettled: settled before the next event is tracked
+        # Applied by `DurableJournal.defer`, not written yet: the stream's next append carries them.
+        self.deferred: list[EventEnvelope] = []
 
     def pin(self) -> ConversationPin:
         """The conversation as it stands now, read later (see `ConversationPin`)."""

@@ -273,6 +273,12 @@ class JournalStore(Protocol):
     """
 
     clock: Clock
+    leases_expire: bool
+    """Whether a lease runs out unless renewed (a journal then runs a heartbeat). A store whose
+    sessions no other process can take over may say no (`MemoryStore` without a clock).
+
+    A store that commits at once may also define ``commit(batch) -> AppendResult`` (`submit`
+    without the ticket): a journal on it appends without waiting."""
 
     def submit(self, batch: AppendBatch) -> AppendTicket:
         """Queue ``batch`` for the next commit; never blocks.

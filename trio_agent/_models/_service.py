@@ -48,6 +48,7 @@ T = TypeVar("T")
 __all__ = [
     "ChatNext",
     "EventsNext",
+    "ModelLayers",
     "ModelMiddleware",
     "ModelRequest",
     "ModelService",
@@ -263,6 +264,32 @@ def model_middleware_problem(layer: object) -> str | None:
     return None
 
 
+class ModelLayers(tuple[Any, ...]):
+    """Model middleware checked once (`check`): a `ModelService` built from it checks nothing again.
+
+    An `AgentSpec` holds its layers as one, so opening a session re-validates nothing.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def check(cls, middleware: Sequence[ModelMiddleware]) -> ModelLayers:
+        """The layers, each checked (`MiddlewareShapeError` names the first bad one)."""
+        if type(middleware) is cls:
+            return middleware
+        if isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
+            raise MiddlewareShapeError(f"model middleware must be a sequence, got {middleware!r}")
+        for index, layer in enumerate(middleware):
+            problem = model_middleware_problem(layer)
+            if problem is not None:
+                raise MiddlewareShapeError(f"model middleware #{index} {problem}")
+        return cls(middleware)
+
+
+# One generator for the process: backoff jitter needs no per-service seed (seeding reads urandom).
+_JITTER = random.Random()
+
+
 @attrs.frozen
 class RetryPolicy:
     """Backoff for retryable errors: ``base * 2**(attempt-1)`` capped at ``max_delay``, with full jitter;
@@ -303,19 +330,13 @@ class ModelService:
         rng: random.Random | None = None,
         cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     ) -> None:
-        if isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
-            raise MiddlewareShapeError(f"model middleware must be a sequence, got {middleware!r}")
-        layers = tuple(middleware)
-        for index, layer in enumerate(layers):
-            problem = model_middleware_problem(layer)
-            if problem is not None:
-                raise MiddlewareShapeError(f"model middleware #{index} {problem}")
+        layers = ModelLayers.check(middleware)
         self.provider = provider
         self.middleware = layers
         self.retry = retry or RetryPolicy()
         self.request_timeout = validate_timeout(request_timeout, name="request_timeout")
         self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
-        self._rng = rng or random.Random()
+        self._rng = rng or _JITTER
         self._chains: dict[Operation, tuple[Any, ...]] = {
             op: tuple(getattr(layer, name) for layer in layers if _defines(layer, name))
             for op, name in _WRAPPERS.items()

@@ -75,6 +75,7 @@ from ._stream import discard
 __all__ = ["SESSION_HOOKS", "AgentConversation", "RequestInbox", "SessionHooks", "SessionHost"]
 
 _log = logging.getLogger("trio_agent.session")
+_NOTHING_RAN = {event: HookDecision(event) for event in HookEvent}  # a dispatch with no hook registered
 
 _RUN = "trio_agent.session.run"  # ctx.metadata key of the `_RunInfo` (private to this module)
 
@@ -179,6 +180,8 @@ class SessionHost:
         self, event: HookEvent, agent_id: str, *, abort: AbortHandle | None = None, **fields: Any
     ) -> HookDecision:
         """Dispatch one session hook event (session hooks first, then plugin hooks)."""
+        if not self.hooks.has_hooks(event):
+            return _NOTHING_RAN[event]  # as the runner's: no input built, no checkpoint
         return await self.hooks.dispatch(
             event, HookInput(event=event, session_id=self.session_id, agent_id=agent_id, **fields), abort=abort
         )
@@ -221,7 +224,8 @@ class SessionHost:
                     f"session {self.session_id!r} is paused waiting for answers: this request was not run; "
                     "answer with session.resume([...]) and send it again"
                 )
-            await journal.append(RequestStarted(request_id=request.request_id), agent_id=agent.agent_id)
+            # Deferred: a crash before the next write leaves it accepted, which recovery treats alike.
+            journal.defer(RequestStarted(request_id=request.request_id), agent_id=agent.agent_id)
             request.started = True
             prompt = request.prompt
             extra: str | None = None
@@ -278,9 +282,7 @@ class SessionHost:
                 # Ended paused: durable before anyone is told, so a restart finds the questions.
                 request.stop_reason = StopReason.INTERRUPTED
                 await journal.append(
-                    RunPaused(
-                        request_id=request.request_id, state=pause_to_json(outcome.pause, with_messages=False)
-                    ),
+                    RunPaused(request_id=request.request_id, state=pause_to_json(outcome.pause, with_messages=False)),
                     agent_id=agent.agent_id,
                 )
                 completed = True

@@ -82,6 +82,7 @@ async def open_session(
     session_id: str | None = None,
     lease_ttl: float = 30.0,
     takeover_timeout: float = 0.0,
+    durable_pure_starts: bool = True,
     cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     close_timeout: float = 30.0,
     history: Sequence[Message] | None = None,
@@ -106,6 +107,10 @@ async def open_session(
     ``history`` seeds a new session with earlier messages (validated; recorded in
     the journal, so a rebuilt conversation has them). Leaving the block cancels what still
     runs, records it, and writes one ``session_closed`` per agent stream.
+
+    ``durable_pure_starts=False`` lets ``pure`` tools start without waiting for their
+    ``tool_started`` commit, on a journal the session opens (`open_journal`'s option;
+    an open `DurableJournal` keeps its own).
 
     ``cleanup_grace`` bounds every shielded clean-up after a cancellation
     (recording outcomes, closing streams and stores; an overrun is logged as a
@@ -159,11 +164,17 @@ async def open_session(
         validate_id(session_id, name="session_id")
     if isinstance(journal, DurableJournal) and session_id not in (None, journal.session_id):
         raise ConfigError(f"session_id {session_id!r} differs from the given journal's {journal.session_id!r}")
+    if not isinstance(durable_pure_starts, bool):
+        raise ConfigError(f"durable_pure_starts must be True or False, not {durable_pure_starts!r}")
+    if isinstance(journal, DurableJournal) and durable_pure_starts != journal.durable_pure_starts:
+        raise ConfigError("durable_pure_starts belongs to open_journal for a journal given open")
     try:
         async with AsyncExitStack() as stack:
             provider_obj = await _provider(stack, spec)  # a missing API key fails before any journal opens
             validate_capabilities(spec.middleware, provider_obj)  # the adapter's requires too
-            durable = await _journal(stack, journal, session_id, lease_ttl, takeover_timeout, cleanup_grace)
+            durable = await _journal(
+                stack, journal, session_id, lease_ttl, takeover_timeout, cleanup_grace, durable_pure_starts
+            )
             service = ModelService(
                 provider_obj,
                 spec.parts.model_middleware,
@@ -198,6 +209,7 @@ async def open_session(
                 workspace=spec.parts.workspace,
                 unwind_grace=spec.unwind_grace,
                 settle_grace=cleanup_grace,
+                history_limit=0,  # the journal is the session's record of its calls
             )
             host = SessionHost(
                 journal=durable,
@@ -265,6 +277,7 @@ async def _journal(
     lease_ttl: float,
     takeover_timeout: float,
     cleanup_grace: float,
+    durable_pure_starts: bool,
 ) -> DurableJournal:
     """The session's journal: the given one (its owner closes it), or one opened on *stack*."""
     if isinstance(journal, DurableJournal):
@@ -285,6 +298,7 @@ async def _journal(
             lease_ttl=lease_ttl,
             takeover_timeout=takeover_timeout,
             commit_grace=cleanup_grace,
+            durable_pure_starts=durable_pure_starts,
         )
     )
 

@@ -39,7 +39,7 @@ import attrs
 from .._errors import ConfigError
 from .._journal._durable import DurableJournal
 from .._journal._events import PermissionRequested, PermissionResolved
-from .._models._service import _WRAPPERS, _defines
+from .._models._service import _WRAPPERS, ModelLayers, _defines
 from .._permissions._engine import (
     PermissionEngine,
     PermissionHandler,
@@ -62,6 +62,7 @@ from .._permissions._rules import (
     rules_from,
 )
 from .._tools._definition import Tool
+from .._tools._pipeline import ToolLayers
 from .._tools._stages import StageDecision, ToolStages
 from ._hooks import HookAction, HookEvent, HookInput, HookRegistry, HookRunner, post_tool_stage, pre_tool_stage
 from ._plugins import MiddlewareConfig, MiddlewareConfigError, Plugin, resolve_plugins
@@ -75,8 +76,8 @@ class AgentParts:
 
     tools: Mapping[str, Tool[Any]]  # the registry, in registration order
     allowed: frozenset[str]
-    model_middleware: tuple[Any, ...]
-    tool_middleware: tuple[Any, ...]
+    model_middleware: ModelLayers  # checked once, here: a session's services check nothing again
+    tool_middleware: ToolLayers
     hooks: HookRunner
     hook_stages: ToolStages  # PreToolUse / PostToolUse; the permission stage is per session
     rules: PermissionRules | None
@@ -157,8 +158,8 @@ def build_agent_parts(
     parts = AgentParts(
         tools=registry,
         allowed=frozenset(entry.name for entry in selected),
-        model_middleware=tuple(resolved.model_middleware),
-        tool_middleware=tuple(resolved.tool_middleware),
+        model_middleware=ModelLayers.check(resolved.model_middleware),
+        tool_middleware=ToolLayers.check(resolved.tool_middleware),
         hooks=runner,
         hook_stages=ToolStages(
             pre_tool=[pre_tool_stage(runner)] if runner.has_hooks(HookEvent.PRE_TOOL_USE) else [],

@@ -80,6 +80,7 @@ __all__ = [
     "FaultCode",
     "MiddlewareFault",
     "ToolExecutionRecord",
+    "ToolLayers",
     "ToolMiddleware",
     "ToolPipeline",
 ]
@@ -414,6 +415,26 @@ def _check_tool_middleware(layer: object, index: int) -> None:
         )
 
 
+class ToolLayers(tuple[Any, ...]):
+    """Tool middleware checked once (`check`): a `ToolPipeline` built from it checks nothing again.
+
+    An `AgentSpec` holds its layers as one, so opening a session re-validates nothing.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def check(cls, middleware: Sequence[ToolMiddleware]) -> ToolLayers:
+        """The layers, each checked (`MiddlewareShapeError` names the first bad one)."""
+        if type(middleware) is cls:
+            return middleware
+        if isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
+            raise MiddlewareShapeError(f"middleware must be a sequence of tool middleware, got {middleware!r}")
+        for index, layer in enumerate(middleware):
+            _check_tool_middleware(layer, index)
+        return cls(middleware)
+
+
 class ToolPipeline:
     """Runs tool calls through the journal, the tool middleware onion and the core stages.
 
@@ -463,11 +484,7 @@ class ToolPipeline:
                 raise ToolDefinitionError(f"duplicate tool name {tool.name!r}; nothing is silently replaced")
             registry[tool.name] = tool
         self.tools: dict[str, Tool[Any]] = registry
-        if isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
-            raise MiddlewareShapeError(f"middleware must be a sequence of tool middleware, got {middleware!r}")
-        layers = tuple(middleware)
-        for index, layer in enumerate(layers):
-            _check_tool_middleware(layer, index)
+        layers = ToolLayers.check(middleware)
         self.middleware: tuple[ToolMiddleware, ...] = layers
         self.journal: ToolJournal = journal if journal is not None else InMemoryToolJournal()
         # Only a class that declares never_blocks itself is trusted: a subclass may add awaits.
@@ -492,7 +509,10 @@ class ToolPipeline:
         stages_ = self.stages
         self._has_pre_stages = bool(stages_.pre_tool or stages_.permission or stages_.before or stages_.guard)
         self._chain: Callable[[_Frame], Awaitable[ToolResult]] | None = (
-            compose_middleware([self._adapt(layer) for layer in layers], self._terminal, check=self._guard)
+            # The adapters are ours, around layers checked above: nothing to check again.
+            compose_middleware(
+                [self._adapt(layer) for layer in layers], self._terminal, check=self._guard, validate=False
+            )
             if layers
             else None
         )
