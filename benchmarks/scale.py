@@ -65,7 +65,8 @@ no lease lost, the invariant check clean. Trio runs on one thread, so the proces
 
 ``--gc-freeze`` calls ``gc.collect(); gc.freeze()`` after start-up (imports, specs, a warm-up request):
 the application-level option docs/performance.md measures (the objects alive then are never scanned
-again by the cyclic GC).
+again by the cyclic GC). ``--gc-threshold N`` sets the young generation's threshold (Python's default
+is 700 allocations): the other knob measured there.
 
 Prints a table and, as the last line, one JSON object (``"benchmark": "scale"``; the floor's figures
 are the keys with "direct"). ``--sessions 10000`` runs only the sizes given; ``--variants plain`` only
@@ -738,6 +739,8 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             assert await handle.wait() == "checked", handle.error
         history = [type(message).__name__ for message in session.messages()]
         assert history[:4] == ["UserMessage", "AssistantMessage", "ToolResultMessage", "ToolResultMessage"], history
+    if args.gc_threshold:
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])  # the young generation's size only
     if args.gc_freeze:
         # The application-level option docs/performance.md measures: after start-up (imports, specs,
         # the warm-up), move every object the GC tracks to a generation it never scans again.
@@ -992,6 +995,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-sessions", type=int, default=None, help="N of the idle phase (0 skips it)")
     parser.add_argument("--run-timeout", type=float, default=900.0, help="seconds per agent run before giving up")
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after start-up (docs/performance.md)")
+    parser.add_argument(
+        "--gc-threshold", type=int, default=0, help="gc.set_threshold(N, ...) for the young generation (default: 700)"
+    )
     add_progress_option(parser)
     args = parser.parse_args(argv)
     start_progress("scale", args)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ._errors import MiddlewareShapeError, NextCalledTwiceError
 
@@ -77,28 +77,56 @@ def compose_middleware(
             check_middleware_shape(layer, what="middleware", index=index)
     if not callable(terminal):
         raise MiddlewareShapeError(f"terminal is not callable: got {terminal!r}")
-    count = len(layers)
+    return _Composed(layers, terminal, check)
 
-    def run(request: Req) -> Res:
-        # One dispatch index per execution chain: a call at or below the last
-        # dispatched position is a second next() from some layer.
-        last = -1
 
-        def dispatch(index: int, current: Req) -> Res:
-            nonlocal last
-            if index <= last:
-                raise NextCalledTwiceError()
-            last = index
-            if check is not None:
-                check(current)
-            if index == count:
-                return terminal(current)
+# The chain is three small classes rather than closures: a closure that hands itself down (each
+# `next` calling `dispatch`) is a reference cycle per call, which only the cyclic GC can free.
 
-            def next_(replacement: Req | None = None, /) -> Res:
-                return dispatch(index + 1, current if replacement is None else replacement)
 
-            return layers[index](current, next_)
+class _Composed:
+    __slots__ = ("_check", "_layers", "_terminal")
 
-        return dispatch(0, request)
+    def __init__(self, layers: tuple[Any, ...], terminal: Callable[[Any], Any], check: Callable[[Any], None] | None):
+        self._layers = layers
+        self._terminal = terminal
+        self._check = check
 
-    return run
+    def __call__(self, request: Any) -> Any:
+        return _Run(self).dispatch(0, request)
+
+
+class _Run:
+    """One execution chain: the last dispatched position, so a second ``next()`` is caught."""
+
+    __slots__ = ("_composed", "_last")
+
+    def __init__(self, composed: _Composed) -> None:
+        self._composed = composed
+        self._last = -1
+
+    def dispatch(self, index: int, current: Any) -> Any:
+        # A call at or below the last dispatched position is a second next() from some layer.
+        if index <= self._last:
+            raise NextCalledTwiceError()
+        self._last = index
+        composed = self._composed
+        if composed._check is not None:
+            composed._check(current)
+        if index == len(composed._layers):
+            return composed._terminal(current)
+        return composed._layers[index](current, _Next(self, index + 1, current))
+
+
+class _Next:
+    """``next(request=None)`` of one layer: the inner layers, with the current request or a new one."""
+
+    __slots__ = ("_current", "_index", "_run")
+
+    def __init__(self, run: _Run, index: int, current: Any) -> None:
+        self._run = run
+        self._index = index
+        self._current = current
+
+    def __call__(self, replacement: Any = None, /) -> Any:
+        return self._run.dispatch(self._index, self._current if replacement is None else replacement)

@@ -203,20 +203,25 @@ class ReplyAssembler:
         )
 
 
+class _Taken:
+    """The ids taken: this reply's own, and *reserved* (only asked, never copied)."""
+
+    __slots__ = ("new", "reserved")
+
+    def __init__(self, reserved: Collection[str]) -> None:
+        self.new: set[str] = set()
+        self.reserved = reserved
+
+    def __contains__(self, call_id: object) -> bool:
+        return call_id in self.new or call_id in self.reserved
+
+    def add(self, call_id: str) -> None:
+        self.new.add(call_id)
+
+
 def assign_call_ids(indices: list[int], originals: list[str], reserved: Collection[str] = ()) -> list[str]:
     """Unique ids for calls at ``indices`` that the model named ``originals`` (see the module rules)."""
-    new: set[str] = set()  # taken by this reply; *reserved* is only asked, never copied
-
-    class _Taken:
-        @staticmethod
-        def __contains__(call_id: object) -> bool:
-            return call_id in new or call_id in reserved
-
-        @staticmethod
-        def add(call_id: str) -> None:
-            new.add(call_id)
-
-    taken = _Taken()
+    taken = _Taken(reserved)
     assigned: list[str | None] = [None] * len(originals)
     # First occurrences keep their id, so a renamed call can never take a later call's real id.
     for position, original in enumerate(originals):

@@ -318,14 +318,19 @@ async def _provider(stack: AsyncExitStack, spec: AgentSpec) -> Provider:
 
 
 def _permission_journal(host: SessionHost, queue: RequestQueue) -> UpdatesApplied:
-    """Record accepted rule updates on the root stream (replayed into the engine on reopen)."""
+    """Record accepted rule updates on the root stream (replayed into the engine on reopen).
+
+    The recorder holds the host's parts, not the host: the host holds the engine that holds
+    the recorder, and a cycle would leave a closed session to the cyclic GC.
+    """
+    journal, call_origins = host.journal, host.call_origins
 
     async def record(updates: Sequence[PermissionUpdate], *, source: str, call_id: str | None) -> None:
-        origin = host.call_origins.get(call_id) if call_id is not None else None
+        origin = call_origins.get(call_id) if call_id is not None else None
         current = queue.current
         request_id = origin if origin is not None else (current.request_id if current is not None else "session")
         kind = source if source in PERMISSION_UPDATE_SOURCES else "permission_engine"
-        await host.journal.append(
+        await journal.append(
             *(
                 PermissionUpdated(request_id=request_id, source=kind, update=update_to_json(update), call_id=call_id)
                 for update in updates

@@ -587,8 +587,8 @@ class ToolPipeline:
             raise
         journal.check_ownership()
 
-        call_abort.add_listener(state.on_abort)
-        links: list[tuple[AbortHandle, int]] = []
+        # Removed in the finally below, with the links: the handle and the call refer to each other.
+        links: list[tuple[AbortHandle, int]] = [(call_abort, call_abort.add_listener(state.on_abort))]
         if abort is not None:
             links.append((abort, abort.add_listener(_forward(call_abort))))
         if steering is not None and behavior.interrupt is InterruptBehavior.CANCEL:
@@ -792,7 +792,8 @@ class ToolPipeline:
 
         return run_layer
 
-    def _guard(self, frame: _Frame) -> None:
+    @staticmethod
+    def _guard(frame: _Frame) -> None:
         """Checked before every layer and the core: identity, name and interrupt behaviour."""
         state = frame.call
         request = frame.request
@@ -822,9 +823,12 @@ class ToolPipeline:
 
     # -- the core ---------------------------------------------------------------
 
-    def _terminal(self, frame: _Frame) -> Awaitable[ToolResult]:
+    @staticmethod
+    def _terminal(frame: _Frame) -> Awaitable[ToolResult]:
+        # Static, like _guard: the composed chain holds no bound method, so no pipeline -> chain ->
+        # pipeline cycle (a chat() run's pipeline dies by refcount); the call knows its pipeline.
         state = frame.call
-        return _Deferred(functools.partial(self._core, state, frame.request.input, frame.request.emit), state)
+        return _Deferred(functools.partial(state.pipeline._core, state, frame.request.input, frame.request.emit), state)
 
     async def _core(self, state: _Call, model_input: JsonObject, emit: Emit) -> ToolResult:
         """The terminal of the chain: everything between the middleware and the side effect, and the tool."""
