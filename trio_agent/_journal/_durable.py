@@ -419,6 +419,24 @@ class DurableJournal:
             stream.commands[command_id] = (prepared.command_digest, result)
         return result
 
+    @property
+    def never_blocks(self) -> bool:
+        """Whether `on_tool_settled` never checkpoints: on a store that commits at once (the memory
+        store) a settlement cannot be interrupted, so the pipeline needs no shield around it."""
+        return self._commit_now is not None
+
+    def _outcome(self, ticket: AppendTicket) -> AppendResult:
+        """The outcome of a resolved ticket, fencing the journal as `_await` does on a refusal."""
+        try:
+            return ticket.outcome()
+        except StaleFencingTokenError as exc:
+            self._lose(exc)
+            self._fence(str(exc))
+            raise
+        except JournalError as exc:
+            self._fence(f"{type(exc).__name__}: {exc}")
+            raise
+
     def _committed(self, batch: AppendBatch) -> AppendResult:
         assert self._commit_now is not None
         try:
@@ -680,7 +698,6 @@ class DurableJournal:
             ),
             agent_id=call.agent_id,
         )
-        await trio.lowlevel.checkpoint()
 
     async def on_execution_started(
         self, call: ScheduledCall, input: dict[str, Any], side_effect: SideEffect, *, synthetic: bool
@@ -707,7 +724,7 @@ class DurableJournal:
         self._call_stream(call)
         pending = self._pending_starts.pop(call.call_id, None)
         if pending is not None and pending.done:
-            await self._await(pending)  # raises if the start was refused
+            self._outcome(pending)  # raises if the start was refused
             pending = None
         ids: dict[str, Any] = {"request_id": call.request_id, "turn_id": call.turn_id, "call_id": call.call_id}
         event: Event

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import trio
-
 from .._abort import Abort
 from .._errors import ModelError
 from .._loop._interrupts import InterruptAnswer, answer_to_json
@@ -55,25 +53,18 @@ class JournalRecorder:
             request_id=turn.run_id, turn_id=turn.turn_id, attempt_id=turn.attempt_id, model=model
         )
         # Deferred: lost in a crash, an attempt that started is one that never did (it is asked again).
+        # One event per defer: each alone is a valid next step, so nothing needs saving for a rollback.
+        # No checkpoint of its own: the model call that follows is one.
         if opens_turn:
             self.journal.defer(
-                TurnStarted(request_id=turn.run_id, turn_id=turn.turn_id, turn=turn.turn),
-                started,
-                agent_id=self.agent_id,
+                TurnStarted(request_id=turn.run_id, turn_id=turn.turn_id, turn=turn.turn), agent_id=self.agent_id
             )
-        else:
-            self.journal.defer(started, agent_id=self.agent_id)
-        await trio.lowlevel.checkpoint()
+        self.journal.defer(started, agent_id=self.agent_id)
 
     async def model_call_completed(
         self, turn: TurnRef, reply: ModelReply, *, inputs: Sequence[str], rejected: Mapping[str, str]
     ) -> None:
         record = reply_record(reply, inputs=inputs, rejected=rejected)
-        ends_turn = (
-            (TurnCompleted(request_id=turn.run_id, turn_id=turn.turn_id, has_tool_calls=False),)
-            if not reply.tool_calls
-            else ()
-        )
         # Deferred: the reply is written with what it leads to (a call's start, which must be
         # durable before the tool runs, or the request's end); a crash before that asks the model again.
         self.journal.defer(
@@ -83,10 +74,13 @@ class JournalRecorder:
                 attempt_id=turn.attempt_id,
                 response=record.to_payload(),
             ),
-            *ends_turn,
             agent_id=self.agent_id,
         )
-        await trio.lowlevel.checkpoint()
+        if not reply.tool_calls:
+            self.journal.defer(
+                TurnCompleted(request_id=turn.run_id, turn_id=turn.turn_id, has_tool_calls=False),
+                agent_id=self.agent_id,
+            )
 
     async def model_call_failed(self, turn: TurnRef, error: ModelError) -> None:
         await self.journal.append(
@@ -115,7 +109,6 @@ class JournalRecorder:
         self.journal.defer(
             TurnCompleted(request_id=turn.run_id, turn_id=turn.turn_id, has_tool_calls=True), agent_id=self.agent_id
         )
-        await trio.lowlevel.checkpoint()
 
     async def turn_started(self, turn: TurnRef) -> None:
         await self.journal.append(

@@ -337,6 +337,7 @@ class ModelService:
         self.request_timeout = validate_timeout(request_timeout, name="request_timeout")
         self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
         self._rng = rng or _JITTER
+        self._names: dict[Operation, tuple[str, ...]] = {}
         self._chains: dict[Operation, tuple[Any, ...]] = {
             op: tuple(getattr(layer, name) for layer in layers if _defines(layer, name))
             for op, name in _WRAPPERS.items()
@@ -556,8 +557,12 @@ class ModelService:
             return lambda req, next_: track(position, layer(req, next_))
 
         wrappers = self._chains[request.operation]
-        names = [self._layer_name(wrapper) for wrapper in wrappers]
-        names.append(self._provider_layer(request.operation))
+        names = self._names.get(request.operation)
+        if names is None:  # how a clean-up overrun names each layer: the same for every call
+            names = self._names[request.operation] = (
+                *(self._layer_name(wrapper) for wrapper in wrappers),
+                self._provider_layer(request.operation),
+            )
         layers = [tracked(position, layer) for position, layer in enumerate(wrappers)]
         chain = compose_middleware(layers, lambda req: track(len(wrappers), terminal(req)), check=check, validate=False)
         # One scope for the whole stream (a scope per chunk would cost more than the chunk): it is
@@ -610,6 +615,8 @@ async def _close_all(opened: dict[int, AsyncIterator[Any]], names: Sequence[str]
         aclose = getattr(iterator, "aclose", None)
         if aclose is None or (isinstance(iterator, types.AsyncGeneratorType) and iterator.ag_frame is None):
             continue  # nothing to close (a generator that ran to its end has run its finally already)
+        if isinstance(iterator, _RetryingStream) and iterator.closed:
+            continue  # the provider's stream ended on its own (or was never opened): no shield for nothing
         if isinstance(iterator, _RetryingStream):
             iterator.close_by = deadline  # its own shield must not outlast ours
         with bounded_shield(max(deadline - trio.current_time(), 0.0), names[position]):
@@ -667,6 +674,11 @@ class _RetryingStream:
 
     def __aiter__(self) -> _RetryingStream:
         return self
+
+    @property
+    def closed(self) -> bool:
+        """Nothing of the provider's is open (not started, ended on its own, or closed)."""
+        return self._inner is None
 
     async def __anext__(self) -> StreamChunk:
         if self._finished:

@@ -78,8 +78,9 @@ class ToolJournal(Protocol):
 
     Settlement writes run in a shielded scope bounded by the pipeline's
     ``settle_grace``, unless the journal's class itself declares
-    ``never_blocks = True`` to promise that its methods never checkpoint (then
-    nothing could interrupt them anyway). Subclasses do not inherit the promise.
+    ``never_blocks = True`` (or a ``never_blocks`` property that is true for the
+    instance) to promise that its settlement (`on_tool_settled`) never checkpoints:
+    then nothing could interrupt it anyway. Subclasses do not inherit the promise.
     """
 
     def check_ownership(self) -> None:

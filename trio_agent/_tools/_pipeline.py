@@ -488,7 +488,10 @@ class ToolPipeline:
         self.middleware: tuple[ToolMiddleware, ...] = layers
         self.journal: ToolJournal = journal if journal is not None else InMemoryToolJournal()
         # Only a class that declares never_blocks itself is trusted: a subclass may add awaits.
-        self._journal_never_blocks = type(self.journal).__dict__.get("never_blocks", False) is True
+        declared = type(self.journal).__dict__.get("never_blocks", False)
+        self._journal_never_blocks = declared is True or (
+            isinstance(declared, property) and getattr(self.journal, "never_blocks", False) is True
+        )
         self.scheduler = scheduler if scheduler is not None else ToolScheduler()
         self.file_locks = file_locks if file_locks is not None else FileLockManager()
         self.stages = stages if stages is not None else ToolStages()
