@@ -125,3 +125,74 @@ async def test_an_idle_session_on_the_memory_journal_runs_one_task() -> None:
         await trio.testing.wait_all_tasks_blocked()
         added = Counter(task.name for task in _tasks()) - before
     assert added == Counter({"trio_agent.session.request_worker": 1}), added
+
+
+async def test_result_without_a_reader_drops_the_events_and_never_blocks_the_run() -> None:
+    """``await run.result()`` with nobody iterating: what was queued is dropped and the run queues
+    nothing more (no task switch per event), even past the channel's buffer."""
+    long_answer = Reply(" ".join(["word"] * 1000))  # far more events than the channel holds
+    model = TestModel(respond=lambda request: long_answer)
+    reader = trio.lowlevel.current_task()
+    steps = _Steps(reader)
+    trio.lowlevel.add_instrument(steps)
+    try:
+        async with ta.chat(model, "talk") as run:
+            with trio.fail_after(10):
+                steps.count = 0
+                result = await run.result()
+                woken = steps.count
+            assert run._receive.statistics().current_buffer_used == 0
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert result.text == long_answer.text
+    assert woken < 10, f"the reader was woken {woken} times for one result()"
+
+
+class _Steps(trio.abc.Instrument):
+    """Counts the steps one task runs (each is a wake-up)."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.count = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.count += 1
+
+
+async def test_a_layer_is_inspected_once_however_many_runs_use_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trio_agent._models._service as service_module
+    import trio_agent._tools._pipeline as pipeline_module
+
+    inspected: list[object] = []
+    model_check, tool_check = service_module.model_middleware_problem, pipeline_module._check_tool_middleware
+
+    def counting_model_check(layer: object) -> str | None:
+        inspected.append(layer)
+        return model_check(layer)
+
+    def counting_tool_check(layer: object, index: int) -> None:
+        inspected.append(layer)
+        tool_check(layer, index)
+
+    monkeypatch.setattr(service_module, "model_middleware_problem", counting_model_check)
+    monkeypatch.setattr(pipeline_module, "_check_tool_middleware", counting_tool_check)
+    layer, model = PassStream(), TestModel(respond=respond)
+
+    async def tool_layer(request: ta.ToolMiddlewareRequest, call_next: ta.CallNext) -> ta.ToolResult:
+        return await call_next()
+
+    for _ in range(3):
+        async with ta.chat(model, "add", tools=[add], model_middleware=[layer], tool_middleware=[tool_layer]) as run:
+            assert (await run.result()).text == "done"
+    assert inspected == [layer, tool_layer]
+
+    class NotMiddleware:
+        pass
+
+    bad = NotMiddleware()
+    for _ in range(2):  # a layer that failed is checked (and refused) every time
+        with pytest.raises(ta.MiddlewareShapeError):
+            async with ta.chat(model, "add", model_middleware=[bad]):
+                pass  # pragma: no cover
+    assert inspected[2:] == [bad, bad]

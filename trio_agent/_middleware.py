@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ._errors import MiddlewareShapeError, NextCalledTwiceError
 
-__all__ = ["Middleware", "MiddlewareNext", "check_middleware_shape", "compose_middleware"]
+__all__ = ["Middleware", "MiddlewareNext", "PassedChecks", "check_middleware_shape", "compose_middleware"]
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")
@@ -40,6 +42,29 @@ def check_middleware_shape(layer: object, *, what: str, index: int, params: int 
             f"{what} #{index} ({_name(layer)}) must accept {params} positional arguments "
             f"(request, next); its signature is {signature}: {exc}"
         ) from None
+
+
+class PassedChecks:
+    """The layers that passed a shape check, so the same object is not inspected again.
+
+    Weak: a layer is forgotten with its last reference. A layer that cannot be weakly
+    referenced (or hashed) is simply checked every time.
+    """
+
+    __slots__ = ("_passed",)
+
+    def __init__(self) -> None:
+        self._passed: weakref.WeakSet[object] = weakref.WeakSet()
+
+    def __contains__(self, layer: object) -> bool:
+        try:
+            return layer in self._passed
+        except TypeError:
+            return False
+
+    def add(self, layer: object) -> None:
+        with contextlib.suppress(TypeError):
+            self._passed.add(layer)
 
 
 def _name(obj: object) -> str:

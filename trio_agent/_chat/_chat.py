@@ -203,6 +203,8 @@ class ChatRun:
         self._done = trio.Event()
         self._result: ChatResult | None = None
         self._error: BaseException | None = None
+        self.unread = False
+        """Set by `result`: nobody reads the events any more, so the run stops queueing them."""
 
     def __aiter__(self) -> ChatRun:
         return self
@@ -218,12 +220,16 @@ class ChatRun:
         self._abort.abort(AbortReason.USER_ABORT, reason)
 
     async def result(self) -> ChatResult:
-        """Wait for the run to end (draining events nobody reads) and return its result, or raise its error."""
-        while not self._done.is_set():
-            try:
-                await self._receive.receive()
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                await self._done.wait()
+        """Wait for the run to end and return its result, or raise its error.
+
+        The events nobody read are dropped, and from now on the run queues none (a task
+        switch per event would cost more than the rest of the run).
+        """
+        self.unread = True
+        with suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            while True:  # what is queued; a run blocked on a full channel goes on
+                self._receive.receive_nowait()
+        await self._done.wait()
         if self._error is not None:
             raise self._error
         assert self._result is not None
@@ -367,6 +373,8 @@ async def chat(
     async def events(event: RunEvent) -> None:
         # Without a task switch while the buffer has room (one per chunk would cost more than the
         # rest of the run); a full buffer makes the run wait for its reader (backpressure).
+        if run.unread:
+            return
         try:
             send.send_nowait(event)
         except trio.WouldBlock:

@@ -39,7 +39,7 @@ from .._errors import (
     RateLimitError,
     StreamInterruptedError,
 )
-from .._middleware import MiddlewareNext, compose_middleware
+from .._middleware import MiddlewareNext, PassedChecks, compose_middleware
 from ._history import MessageView
 from ._messages import Message, ModelResponse, StreamChunk, ToolSpec
 
@@ -280,10 +280,17 @@ class ModelLayers(tuple[Any, ...]):
         if isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
             raise MiddlewareShapeError(f"model middleware must be a sequence, got {middleware!r}")
         for index, layer in enumerate(middleware):
+            if layer in _CHECKED:
+                continue
             problem = model_middleware_problem(layer)
             if problem is not None:
                 raise MiddlewareShapeError(f"model middleware #{index} {problem}")
+            _CHECKED.add(layer)
         return cls(middleware)
+
+
+# Layers that passed the checks (a chat() run per request must not inspect the same objects again).
+_CHECKED = PassedChecks()
 
 
 # One generator for the process: backoff jitter needs no per-service seed (seeding reads urandom).

@@ -48,7 +48,7 @@ from .._errors import (
     ToolInputError,
 )
 from .._groups import contains_cancelled, is_cancellation, typed_error
-from .._middleware import check_middleware_shape, compose_middleware
+from .._middleware import PassedChecks, check_middleware_shape, compose_middleware
 from ._context import (
     CallOrigin,
     Emit,
@@ -431,8 +431,15 @@ class ToolLayers(tuple[Any, ...]):
         if isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
             raise MiddlewareShapeError(f"middleware must be a sequence of tool middleware, got {middleware!r}")
         for index, layer in enumerate(middleware):
+            if layer in _CHECKED:
+                continue
             _check_tool_middleware(layer, index)
+            _CHECKED.add(layer)
         return cls(middleware)
+
+
+# Layers that passed the checks (a chat() run per request must not inspect the same functions again).
+_CHECKED = PassedChecks()
 
 
 class ToolPipeline:
