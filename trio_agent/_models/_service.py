@@ -21,7 +21,7 @@ import math
 import random
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -522,8 +522,7 @@ class ModelService:
 
     # -- streaming ------------------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def stream(
+    def stream(
         self,
         messages: Sequence[Message],
         *,
@@ -531,66 +530,129 @@ class ModelService:
         options: Mapping[str, Any] | None = None,
         abort: AbortHandle | None = None,
         metadata: Mapping[str, Any] | None = None,
-    ) -> AsyncIterator[AsyncIterator[StreamChunk]]:
+    ) -> AbstractAsyncContextManager[AsyncIterator[StreamChunk]]:
         """``async with service.stream(...) as chunks: async for chunk in chunks``.
 
         Chunks pass through unbuffered. Leaving the block closes each middleware's
         iterator (outermost first) and then the provider's HTTP response.
         """
         request = self.request(Operation.STREAM, messages, tools=tools, options=options, abort=abort, metadata=metadata)
-        async with self._open_iterators(request, self._stream_terminal) as chunks:
-            yield chunks
+        return self._open_iterators(request, self._stream_terminal)
 
     def _stream_terminal(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
         return _RetryingStream(self, request)
 
-    @asynccontextmanager
-    async def _open_iterators(
+    def _open_iterators(
         self, request: ModelRequest, terminal: Callable[[ModelRequest], AsyncIterator[Any]]
-    ) -> AsyncIterator[AsyncIterator[Any]]:
-        check = self._checker(request)
-        check(request)
-        # Position -> iterator: layer i at i, the terminal last. Closing goes by position, so the
-        # order is outermost first even when a wrapper opens its inner stream eagerly.
-        opened: dict[int, AsyncIterator[Any]] = {}
-
-        def track(position: int, iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
-            if not hasattr(iterator, "__anext__"):
-                raise ModelMiddlewareError(f"a stream wrapper must return an async iterator, got {iterator!r}")
-            opened[position] = iterator
-            return iterator
-
-        def tracked(position: int, layer: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-            return lambda req, next_: track(position, layer(req, next_))
-
-        wrappers = self._chains[request.operation]
+    ) -> _OpenIterators:
         names = self._names.get(request.operation)
         if names is None:  # how a clean-up overrun names each layer: the same for every call
             names = self._names[request.operation] = (
-                *(self._layer_name(wrapper) for wrapper in wrappers),
+                *(self._layer_name(wrapper) for wrapper in self._chains[request.operation]),
                 self._provider_layer(request.operation),
             )
-        layers = [tracked(position, layer) for position, layer in enumerate(wrappers)]
-        chain = compose_middleware(layers, lambda req: track(len(wrappers), terminal(req)), check=check, validate=False)
-        # One scope for the whole stream (a scope per chunk would cost more than the chunk): it is
-        # entered and left in this task around the consumer's block, never across an iterator's yield.
-        with trio.move_on_after(self.request_timeout) as deadline, _abort_cancels(request, deadline):
-            try:
-                outer = chain(request)
-                yield _Guarded(outer)
-            except BaseException as exc:
-                # The block's own error (or cancellation) wins; a failing cleanup is noted on it.
-                failure = await _close_all(opened, names, self.cleanup_grace)
-                if failure is not None:
-                    exc.add_note(f"also, closing a model stream layer raised {failure!r}")
-                raise
-            failure = await _close_all(opened, names, self.cleanup_grace)
+        return _OpenIterators(self, request, terminal, names)
+
+
+class _Track:
+    """A layer (or the terminal) whose iterator is kept by position, to be closed in order."""
+
+    __slots__ = ("_layer", "_opened", "_position")
+
+    def __init__(self, position: int, layer: Callable[..., AsyncIterator[Any]], opened: dict[int, Any]) -> None:
+        self._position = position
+        self._layer = layer
+        self._opened = opened
+
+    def __call__(self, *args: Any) -> AsyncIterator[Any]:
+        iterator = self._layer(*args)
+        if not hasattr(iterator, "__anext__"):
+            raise ModelMiddlewareError(f"a stream wrapper must return an async iterator, got {iterator!r}")
+        self._opened[self._position] = iterator
+        return iterator
+
+
+class _OpenIterators:
+    """``async with``: one streaming request's composed iterators, under one deadline scope that its
+    abort handle cancels; leaving closes every iterator opened, outermost first.
+
+    A class, not a generator-based context manager: a model call opens one, and two generator
+    frames per call were a measurable part of a request. The scope is entered and left in the
+    consumer's task around its block (a scope per chunk would cost more than the chunk), never
+    across an iterator's yield.
+    """
+
+    __slots__ = ("_deadline", "_names", "_opened", "_request", "_service", "_terminal", "_token")
+
+    def __init__(
+        self,
+        service: ModelService,
+        request: ModelRequest,
+        terminal: Callable[[ModelRequest], AsyncIterator[Any]],
+        names: tuple[str, ...],
+    ) -> None:
+        self._service = service
+        self._request = request
+        self._terminal = terminal
+        self._names = names
+        # Position -> iterator: layer i at i, the terminal last. Closing goes by position, so the
+        # order is outermost first even when a wrapper opens its inner stream eagerly.
+        self._opened: dict[int, AsyncIterator[Any]] = {}
+        self._deadline = trio.CancelScope()
+        self._token: int | None = None
+
+    async def __aenter__(self) -> AsyncIterator[Any]:
+        service, request, opened = self._service, self._request, self._opened
+        check = service._checker(request)
+        check(request)
+        wrappers = service._chains[request.operation]
+        layers = [_Track(position, layer, opened) for position, layer in enumerate(wrappers)]
+        chain = compose_middleware(layers, _Track(len(wrappers), self._terminal, opened), check=check, validate=False)
+        deadline = self._deadline
+        deadline.deadline = trio.current_time() + service.request_timeout
+        deadline.__enter__()
+        handle = request.abort
+        if handle is not None:  # aborting the request cancels the scope (at once if already aborted)
+            self._token = handle.add_listener(lambda abort: deadline.cancel(reason=abort.message))
+        try:
+            outer = chain(request)
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, exc.__traceback__)  # raises what replaces exc, if anything
+            raise
+        return _Guarded(outer)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: types.TracebackType | None
+    ) -> bool:
+        service, request = self._service, self._request
+        error = exc
+        try:
+            failure = await _close_all(self._opened, self._names, service.cleanup_grace)
             if failure is not None:
-                if isinstance(failure, ModelError):
-                    raise failure
-                raise ModelMiddlewareError(f"closing a model stream layer raised {failure!r}") from failure
+                if exc is not None:  # the block's own error (or cancellation) wins; the cleanup's is noted
+                    exc.add_note(f"also, closing a model stream layer raised {failure!r}")
+                elif isinstance(failure, ModelError):
+                    error = failure
+                else:
+                    error = ModelMiddlewareError(f"closing a model stream layer raised {failure!r}")
+                    error.__cause__ = failure
+        except BaseException as raised:  # pragma: no cover - _close_all catches what the layers raise
+            error = raised
+        finally:
+            if self._token is not None and request.abort is not None:
+                request.abort.remove_listener(self._token)
+        deadline = self._deadline
+        if error is None:
+            deadline.__exit__(None, None, None)
+        elif deadline.__exit__(type(error), error, error.__traceback__):
+            error = None  # our deadline's (or abort's) cancellation, caught here
+        if error is not None:
+            if error is exc:
+                return False  # on its way out unchanged
+            raise error
         if deadline.cancelled_caught:
-            raise self._stopped(request)
+            raise service._stopped(request) from None
+        return False
 
 
 @contextmanager

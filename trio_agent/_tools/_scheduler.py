@@ -106,22 +106,30 @@ class ToolScheduler:
 
     def __init__(self, limits: SchedulerLimits | None = None) -> None:
         self.limits = limits or SchedulerLimits()
-        self._buckets = {kind: _Bucket(self.limits.for_kind(kind)) for kind in ToolKind}
+        # Made on first use: most sessions use one or two kinds, and an idle session should be small.
+        self._buckets: dict[ToolKind, _Bucket] = {}
+
+    def _bucket(self, kind: ToolKind) -> _Bucket:
+        bucket = self._buckets.get(kind)
+        if bucket is None:
+            bucket = self._buckets[kind] = _Bucket(self.limits.for_kind(kind))
+        return bucket
 
     def try_acquire(self, kind: ToolKind) -> bool:
         """Take a slot without waiting; False if none is free or others are already waiting."""
-        return self._buckets[kind].try_acquire()
+        return self._bucket(kind).try_acquire()
 
     async def acquire(self, kind: ToolKind) -> None:
         """Wait (FIFO, cancellable) for a slot of *kind*."""
-        await self._buckets[kind].acquire()
+        await self._bucket(kind).acquire()
 
     def release(self, kind: ToolKind) -> None:
-        self._buckets[kind].release()
+        self._bucket(kind).release()
 
     def statistics(self) -> SchedulerStatistics:
         buckets = {}
-        for kind, bucket in self._buckets.items():
+        for kind in ToolKind:
+            bucket = self._bucket(kind)
             buckets[kind.value] = (bucket.total - bucket.free, len(bucket.waiters), bucket.total)
         return SchedulerStatistics(buckets)
 
