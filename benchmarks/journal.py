@@ -1,16 +1,34 @@
-"""Durable journal throughput, side by side with the raw store it sits on.
+"""Durable journal throughput, side by side with a hand-written raw store doing the same work.
 
 Runs, in one process and interleaved round by round:
   1. durable appends: 1, 10, 100 and 1000 concurrent writers, each a Trio task appending
-     single-event batches to its own stream under a held lease and awaiting every ack
-     (appends/s, ack latency p50/p99), on SQLite (WAL, synchronous=FULL, a temporary file on
-     disk, never tmpfs) and on PostgreSQL (a throw-away cluster from tests/pg_cluster.py) when
-     the server binaries and `trio_agent.journal.open_postgres_store` are available;
-  2. the raw floor at the same batch sizes: plain ``sqlite3`` inserts of the same encoded rows
-     (WAL+FULL, one transaction per batch, batch = the average batch the group-commit writer
-     achieved at that writer count) in a plain thread without Trio, and the same with psycopg
-     (``executemany`` in one transaction per batch); the durable/raw ratio at every writer count
-     (target: >= 50 % at 100 writers), and the CPU each spends per event in this process;
+     single-event batches (no command id) to its own stream under a held lease and awaiting
+     every ack (appends/s, ack latency p50/p99), on SQLite (WAL, synchronous=FULL, a temporary
+     file on disk, never tmpfs) and on PostgreSQL (a throw-away cluster from tests/pg_cluster.py)
+     when the server binaries and `trio_agent.journal.open_postgres_store` are available;
+  2. the raw floor: the same appends as a hand-written group-commit loop in one plain thread
+     (no Trio, no trio_agent code inside the timed loop), one transaction per batch of the size
+     the durable writer achieved at that writer count (its average, rounded). Each batch, timed:
+     every event is JSON-encoded (``json.dumps`` of the dict `encode_event` gives for the same
+     envelope, built untimed; byte for byte the store's body) and checksummed (CRC32 over the
+     stream id, seq and body, the store's rule), then in one transaction exactly the statements
+     the store's writer runs for such a batch:
+       SQLite (``sqlite3``, WAL+FULL): ``BEGIN IMMEDIATE``; the batch's lease rows read with
+       ``SELECT ... FROM journal_leases WHERE session_id IN (...)`` and its streams' heads with
+       ``SELECT ... FROM journal_streams WHERE stream_id IN (...)`` (500 ids a statement), each
+       event's lease token and expiry and its seq against the head checked in Python; one
+       ``executemany`` INSERT into ``journal_events`` (stream, seq, token, body, checksum), one
+       ``executemany`` upsert of the heads into ``journal_streams`` (indexed by session); COMMIT.
+       PostgreSQL (``psycopg``, autocommit connection, two pipelines): ``BEGIN``, the lease rows
+       locked ``FOR UPDATE`` in session order, ``clock_timestamp()``, the heads; the same checks;
+       then the new streams inserted and the others' heads updated (``unnest``), the events
+       inserted with one ``unnest`` INSERT, one ``pg_notify`` per stream, ``COMMIT``.
+     The tables an append touches (events, streams, leases) are created as the store creates
+     them, columns, keys and indexes alike; the lease rows are written before the clock starts
+     (the durable run acquires its leases untimed too). The commands table is neither created
+     nor written: these appends carry no command id, so the store does not touch it either. The
+     durable/raw ratio at every writer count (target: >= 50 % at 100 writers), and the CPU each
+     spends per event in this process;
   3. durable tool calls: 100 sessions (one `open_journal` each, one SQLite store), each running
      sequential calls of a trivial tool through ``ToolPipeline(journal=journal)``:
      ``non_idempotent`` (scheduled, started, settled: 3 awaited commits), ``pure`` with durable
@@ -18,9 +36,9 @@ Runs, in one process and interleaved round by round:
      without waiting, but the settlement still waits for it); beside the same 100 tasks calling the
      tool function directly; and each journal configuration from one session alone (latency).
 
-Prints a table and, as the last line, one JSON object. ``--short`` runs a quick version.
-``--progress`` (the default when stderr is a terminal) writes a line per writer count and section to
-stderr; see ``_progress.py``.
+Prints a table and, as the last line, one JSON object. ``--short`` runs a quick version;
+``--writers 100`` (or ``1,100``...) measures only those writer counts. ``--progress`` (the default
+when stderr is a terminal) writes a line per writer count and section to stderr; see ``_progress.py``.
 """
 
 from __future__ import annotations
@@ -39,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -48,7 +67,14 @@ import trio
 from _progress import add_progress_option, note, start_progress
 
 import trio_agent as ta
-from trio_agent.journal import AppendBatch, EventEnvelope, ToolStarted, open_journal, open_sqlite_store
+from trio_agent.journal import (
+    AppendBatch,
+    EventEnvelope,
+    ToolStarted,
+    encode_event,
+    open_journal,
+    open_sqlite_store,
+)
 from trio_agent.testing import start_turn
 
 TESTS_DIR = str(Path(__file__).resolve().parent.parent / "tests")  # the throw-away PostgreSQL cluster lives there
@@ -128,16 +154,67 @@ def stream_of(writer: int) -> tuple[str, str]:
     return session, f"{session}/root"
 
 
-def encoded_rows(writers: int, per_writer: int) -> list[tuple[str, int, int, str]]:
-    """The rows the durable run writes, in the order group commit sees them (round robin)."""
+FloorEvent = tuple[str, str, int, dict[str, Any]]
+"""One event for the raw floor: session id, stream id, seq and the event as the dict the store encodes."""
+
+FLOOR_TOKEN = 1  # the lease token of every floor session (its lease rows are written before the clock starts)
+FLOOR_LEASE_OWNER = "bench"
+
+
+def floor_events(writers: int, per_writer: int) -> list[FloorEvent]:
+    """The events the durable run appends, in the order group commit sees them (round robin), each as
+    the dict `encode_event` makes of the same envelope (built here, untimed: the floor times the JSON)."""
     now = time.time()
-    rows = []
+    events = []
     for seq in range(1, per_writer + 1):
         for writer in range(writers):
-            _, stream_id = stream_of(writer)
-            batch = AppendBatch(stream_id.split("/")[0], stream_id, 1, (event_for(stream_id, seq, now),))
-            rows.append((stream_id, seq, 1, batch.bodies[0]))
+            session, stream_id = stream_of(writer)
+            events.append((session, stream_id, seq, encode_event(event_for(stream_id, seq, now), validate=False)))
+    return events
+
+
+def floor_rows(chunk: list[FloorEvent]) -> list[tuple[str, int, int, str, int]]:
+    """The floor's encoding, inside its timed loop: the JSON body and its CRC32 (the store's rule:
+    over ``b"<len(stream)>:<stream>:<seq>:" + body``), as event rows ``(stream, seq, token, body, crc)``."""
+    rows = []
+    for _, stream_id, seq, data in chunk:
+        body = json.dumps(data, separators=(",", ":"), allow_nan=False)
+        stream = stream_id.encode()
+        checksum = zlib.crc32(body.encode(), zlib.crc32(b"%d:%b:%d:" % (len(stream), stream, seq)))
+        rows.append((stream_id, seq, FLOOR_TOKEN, body, checksum))
     return rows
+
+
+def check_floor_encoding() -> None:
+    """The floor writes exactly the rows the store would write for the same envelope (checked once, untimed)."""
+    from trio_agent._journal._codec import encode_rows  # the store's own encoder, to compare with
+
+    session, stream_id = stream_of(0)
+    envelope = event_for(stream_id, 1, time.time())
+    expected = encode_rows(AppendBatch(session, stream_id, FLOOR_TOKEN, (envelope,)))
+    got = floor_rows([(session, stream_id, 1, encode_event(envelope, validate=False))])
+    if got != expected:
+        raise SystemExit(f"the raw floor's rows differ from the store's:\n  floor {got}\n  store {expected}")
+
+
+def floor_check(
+    chunk: list[FloorEvent],
+    leases: dict[str, tuple[str, int, float]],
+    heads: dict[str, tuple[str, int]],
+    now: float,
+) -> dict[str, tuple[str, int]]:
+    """The floor's checks, in the transaction: each event's lease (token, expiry) and its seq against the
+    stream's head (and the stream's session); returns the new heads of the streams written."""
+    written: dict[str, tuple[str, int]] = {}
+    for session_id, stream_id, seq, _ in chunk:
+        lease = leases.get(session_id)
+        if lease is None or lease[1] != FLOOR_TOKEN or lease[2] <= now:
+            raise RuntimeError(f"raw floor: lease of {session_id!r} lost")
+        stream = heads.get(stream_id)
+        if (stream is not None and stream[0] != session_id) or (0 if stream is None else stream[1]) != seq - 1:
+            raise RuntimeError(f"raw floor: {stream_id!r} is at {stream}, the append starts at {seq}")
+        heads[stream_id] = written[stream_id] = (session_id, seq)
+    return written
 
 
 def in_plain_thread(fn: Callable[[], Any]) -> Any:
@@ -251,51 +328,155 @@ async def postgres_appends(dsn: str, schema: str, writers: int, per_writer: int)
 @attrs.frozen
 class RawRun:
     per_s: float
-    cpu_us: float  # CPU of the inserting thread per event (for PostgreSQL: the client's only)
+    cpu_us: float  # CPU of the floor's thread per event, encoding included (for PostgreSQL: the client's only)
 
 
-def raw_sqlite(path: str, rows: list[tuple[str, int, int, str]], batch: int) -> RawRun:
-    """Plain sqlite3 inserts, WAL+FULL, one transaction per ``batch`` rows."""
+# The SQLite store's tables an append touches, as it creates them (`trio_agent/_journal/_sqlite.py`).
+SQLITE_FLOOR_SCHEMA = (
+    "CREATE TABLE journal_streams(stream_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, head INTEGER NOT NULL)",
+    "CREATE INDEX journal_streams_session ON journal_streams(session_id, stream_id)",
+    "CREATE TABLE journal_events(stream_id TEXT NOT NULL, seq INTEGER NOT NULL, token INTEGER NOT NULL,"
+    " body TEXT NOT NULL, checksum INTEGER NOT NULL, PRIMARY KEY(stream_id, seq)) WITHOUT ROWID",
+    "CREATE TABLE journal_leases("
+    " session_id TEXT PRIMARY KEY, owner TEXT NOT NULL, token INTEGER NOT NULL, expires_at REAL NOT NULL)",
+)
+SQLITE_INSERT_EVENTS = "INSERT INTO journal_events(stream_id, seq, token, body, checksum) VALUES (?, ?, ?, ?, ?)"
+SQLITE_UPSERT_HEADS = (
+    "INSERT INTO journal_streams(stream_id, session_id, head) VALUES (?, ?, ?)"
+    " ON CONFLICT(stream_id) DO UPDATE SET head=excluded.head"
+)
+IN_LIST = 500  # ids per ``IN (...)`` lookup, as the store's prefetch
+
+
+def raw_sqlite(path: str, events: list[FloorEvent], batch: int) -> RawRun:
+    """The store's group commit by hand: per ``batch`` events, encode and checksum them, then in one
+    ``BEGIN IMMEDIATE`` transaction read and check the leases and heads, insert the events, upsert the heads."""
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
-        conn.execute(
-            "CREATE TABLE journal_events(stream_id TEXT NOT NULL, seq INTEGER NOT NULL, token INTEGER NOT NULL,"
-            " body TEXT NOT NULL, PRIMARY KEY(stream_id, seq)) WITHOUT ROWID"
+        for statement in SQLITE_FLOOR_SCHEMA:
+            conn.execute(statement)
+        sessions = sorted({event[0] for event in events})
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(
+            "INSERT INTO journal_leases(session_id, owner, token, expires_at) VALUES (?, ?, ?, ?)",
+            [(session, FLOOR_LEASE_OWNER, FLOOR_TOKEN, time.time() + 3600.0) for session in sessions],
         )
-        chunks = [rows[i : i + batch] for i in range(0, len(rows), batch)]
-        insert = "INSERT INTO journal_events(stream_id, seq, token, body) VALUES (?, ?, ?, ?)"
+        conn.execute("COMMIT")
+        chunks = [events[i : i + batch] for i in range(0, len(events), batch)]
         cpu, start = time.thread_time(), time.perf_counter()
         for chunk in chunks:
+            rows = floor_rows(chunk)  # before the lock, as the store encodes before BEGIN
+            session_ids = sorted({event[0] for event in chunk})
+            stream_ids = sorted({event[1] for event in chunk})
             conn.execute("BEGIN IMMEDIATE")
-            conn.executemany(insert, chunk)
+            now = time.time()
+            leases: dict[str, tuple[str, int, float]] = {}
+            heads: dict[str, tuple[str, int]] = {}
+            for i in range(0, len(session_ids), IN_LIST):
+                part = session_ids[i : i + IN_LIST]
+                query = (
+                    "SELECT session_id, owner, token, expires_at FROM journal_leases"
+                    f" WHERE session_id IN ({','.join('?' * len(part))})"
+                )
+                for row in conn.execute(query, part):
+                    leases[row[0]] = (row[1], row[2], row[3])
+            for i in range(0, len(stream_ids), IN_LIST):
+                part = stream_ids[i : i + IN_LIST]
+                query = (
+                    "SELECT stream_id, session_id, head FROM journal_streams"
+                    f" WHERE stream_id IN ({','.join('?' * len(part))})"
+                )
+                for row in conn.execute(query, part):
+                    heads[row[0]] = (row[1], row[2])
+            written = floor_check(chunk, leases, heads, now)
+            conn.executemany(SQLITE_INSERT_EVENTS, rows)
+            conn.executemany(
+                SQLITE_UPSERT_HEADS, [(stream, session, head) for stream, (session, head) in written.items()]
+            )
             conn.execute("COMMIT")
         elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
-        return RawRun(len(rows) / elapsed, cpu / len(rows) * 1e6)
+        return RawRun(len(events) / elapsed, cpu / len(events) * 1e6)
     finally:
         conn.close()
 
 
-def raw_postgres(dsn: str, table: str, rows: list[tuple[str, int, int, str]], batch: int) -> RawRun:
-    """psycopg ``executemany`` inserts, one transaction per ``batch`` rows."""
+# The PostgreSQL store's tables an append touches, as it creates them (`trio_agent/_journal/_postgres.py`).
+PG_FLOOR_SCHEMA = (
+    "CREATE SCHEMA {s}",
+    "CREATE TABLE {s}.streams(stream_id text PRIMARY KEY, session_id text NOT NULL, head bigint NOT NULL)",
+    "CREATE INDEX ON {s}.streams(session_id, stream_id)",
+    "CREATE TABLE {s}.events(stream_id text NOT NULL, seq bigint NOT NULL, token bigint NOT NULL, body text NOT NULL,"
+    " checksum bigint NOT NULL, PRIMARY KEY(stream_id, seq))",
+    "CREATE TABLE {s}.leases("
+    " session_id text PRIMARY KEY, owner text NOT NULL, token bigint NOT NULL, expires_at double precision NOT NULL)",
+)
+
+
+def raw_postgres(dsn: str, schema: str, events: list[FloorEvent], batch: int) -> RawRun:
+    """The PostgreSQL store's group commit by hand: per ``batch`` events, encode and checksum them, then one
+    transaction in two pipelines: lock the lease rows, read the clock and the heads; check; write and commit."""
     import psycopg
 
-    with psycopg.connect(dsn) as conn:
-        with conn.transaction():
-            conn.execute(
-                f"CREATE TABLE {table}(stream_id text NOT NULL, seq bigint NOT NULL, token bigint NOT NULL,"
-                " body text NOT NULL, PRIMARY KEY(stream_id, seq))"
-            )
-        chunks = [rows[i : i + batch] for i in range(0, len(rows), batch)]
-        insert = f"INSERT INTO {table}(stream_id, seq, token, body) VALUES (%s, %s, %s, %s)"
-        with conn.cursor() as cursor:
-            cpu, start = time.thread_time(), time.perf_counter()
-            for chunk in chunks:
-                with conn.transaction():
-                    cursor.executemany(insert, chunk)
-            elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
-            return RawRun(len(rows) / elapsed, cpu / len(rows) * 1e6)
+    q_lock = (
+        f"SELECT session_id, owner, token, expires_at FROM {schema}.leases"
+        " WHERE session_id = ANY(%s::text[]) ORDER BY session_id FOR UPDATE"
+    )
+    q_now = "SELECT extract(epoch FROM clock_timestamp())::float8"
+    q_heads = f"SELECT stream_id, session_id, head FROM {schema}.streams WHERE stream_id = ANY(%s::text[])"
+    q_new_streams = (
+        f"INSERT INTO {schema}.streams(stream_id, session_id, head)"
+        " SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[])"
+    )
+    q_heads_set = (
+        f"UPDATE {schema}.streams AS t SET head = v.head FROM unnest(%s::text[], %s::bigint[]) AS v(stream_id, head)"
+        " WHERE t.stream_id = v.stream_id"
+    )
+    q_events = (
+        f"INSERT INTO {schema}.events(stream_id, seq, token, body, checksum)"
+        " SELECT * FROM unnest(%s::text[], %s::bigint[], %s::bigint[], %s::text[], %s::bigint[])"
+    )
+    q_notify = "SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p"
+    channel = f"{schema}_journal"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for statement in PG_FLOOR_SCHEMA:
+            conn.execute(statement.format(s=schema))
+        sessions = sorted({event[0] for event in events})
+        conn.execute(
+            f"INSERT INTO {schema}.leases(session_id, owner, token, expires_at) SELECT s, %s, %s, %s"
+            " FROM unnest(%s::text[]) AS s",
+            (FLOOR_LEASE_OWNER, FLOOR_TOKEN, time.time() + 3600.0, sessions),
+        )
+        chunks = [events[i : i + batch] for i in range(0, len(events), batch)]
+        cpu, start = time.thread_time(), time.perf_counter()
+        for chunk in chunks:
+            rows = floor_rows(chunk)
+            session_ids = sorted({event[0] for event in chunk})
+            stream_ids = sorted({event[1] for event in chunk})
+            with conn.pipeline():
+                conn.execute("BEGIN")
+                lease_cursor = conn.execute(q_lock, (session_ids,))
+                now_cursor = conn.execute(q_now)
+                heads_cursor = conn.execute(q_heads, (stream_ids,))
+            now_row = now_cursor.fetchone()
+            assert now_row is not None
+            leases = {row[0]: (row[1], int(row[2]), float(row[3])) for row in lease_cursor.fetchall()}
+            heads = {row[0]: (row[1], int(row[2])) for row in heads_cursor.fetchall()}
+            existing = set(heads)
+            written = sorted(floor_check(chunk, leases, heads, float(now_row[0])).items())
+            created = [(stream, session, head) for stream, (session, head) in written if stream not in existing]
+            moved = [(stream, head) for stream, (_, head) in written if stream in existing]
+            with conn.pipeline():
+                if created:
+                    conn.execute(q_new_streams, tuple(list(column) for column in zip(*created, strict=True)))
+                if moved:
+                    conn.execute(q_heads_set, ([stream for stream, _ in moved], [head for _, head in moved]))
+                conn.execute(q_events, tuple(list(column) for column in zip(*rows, strict=True)))
+                conn.execute(q_notify, (channel, [f"{stream}:{head}" for stream, (_, head) in written]))
+                conn.execute("COMMIT")
+        elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        return RawRun(len(events) / elapsed, cpu / len(events) * 1e6)
 
 
 # -- 3. durable tool calls ---------------------------------------------------------------------------------
@@ -488,11 +669,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-postgres", action="store_true", help="skip the PostgreSQL columns")
     parser.add_argument("--sessions", type=int, default=None, help="concurrent sessions for the tool calls")
     parser.add_argument("--calls", type=int, default=None, help="sequential tool calls per session")
+    parser.add_argument(
+        "--writers",
+        default=None,
+        help=f"comma-separated writer counts to measure, of {','.join(map(str, WRITERS_FULL))} (default: all; "
+        f"--short: {','.join(map(str, WRITERS_SHORT))})",
+    )
     add_progress_option(parser)
     args = parser.parse_args(argv)
-    start_progress("journal", args)
-    writer_counts = WRITERS_SHORT if args.short else WRITERS_FULL
     events = EVENTS_SHORT if args.short else EVENTS_FULL
+    writer_counts = WRITERS_SHORT if args.short else WRITERS_FULL
+    if args.writers is not None:
+        try:
+            chosen = {int(part) for part in args.writers.split(",") if part.strip()}
+        except ValueError:
+            parser.error(f"--writers: not a list of integers: {args.writers!r}")
+        if not chosen or not chosen <= set(events):
+            parser.error(f"--writers: choose among {','.join(map(str, sorted(events)))}")
+        writer_counts = tuple(sorted(chosen))
+    start_progress("journal", args)
     rounds = args.rounds or (1 if args.short else 3)
     sessions = args.sessions or (SESSIONS_SHORT if args.short else SESSIONS_FULL)
     calls = args.calls or (CALLS_SHORT if args.short else CALLS_FULL)
@@ -501,8 +696,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir, fs_kind = disk_dir()
     load_before = os.getloadavg()[0]
     began = time.perf_counter()
-    rows = {n: encoded_rows(n, events[n] // n) for n in writer_counts}
-    mean_body = statistics.fmean(len(row[3]) for row in rows[writer_counts[-1]])
+    check_floor_encoding()
+    floor_input = {n: floor_events(n, events[n] // n) for n in writer_counts}
+    mean_body = statistics.fmean(len(row[3]) for row in floor_rows(floor_input[writer_counts[-1]][:1000]))
     sqlite_runs: dict[int, list[AppendRun]] = {n: [] for n in writer_counts}
     sqlite_raw: dict[int, list[RawRun]] = {n: [] for n in writer_counts}
     pg_runs: dict[int, list[AppendRun]] = {n: [] for n in writer_counts}
@@ -527,13 +723,13 @@ def main(argv: list[str] | None = None) -> int:
                     run = trio.run(sqlite_appends, fresh(f"durable-w{n}"), n, per_writer)
                     sqlite_runs[n].append(run)
                     batch = max(1, round(run.batch if run.batch is not None else n))
-                    raw = functools.partial(raw_sqlite, fresh(f"raw-w{n}"), rows[n], batch)
+                    raw = functools.partial(raw_sqlite, fresh(f"raw-w{n}"), floor_input[n], batch)
                     sqlite_raw[n].append(in_plain_thread(raw))
                     if dsn is not None and pg_failed is None:
                         try:
                             run = trio.run(postgres_appends, dsn, f"bench_r{round_}_w{n}", n, per_writer)
                             batch = max(1, round(run.batch if run.batch is not None else n))
-                            raw = functools.partial(raw_postgres, dsn, f"raw_r{round_}_w{n}", rows[n], batch)
+                            raw = functools.partial(raw_postgres, dsn, f"raw_r{round_}_w{n}", floor_input[n], batch)
                             pg_raw[n].append(in_plain_thread(raw))
                             pg_runs[n].append(run)
                         except Exception as exc:  # a broken store must not hide the SQLite figures
@@ -621,8 +817,10 @@ def main(argv: list[str] | None = None) -> int:
             line += f" | {pg_status}"
         print(line)
     print(
-        "  raw/s = the floor: plain inserts of the same encoded rows, one transaction per batch of the size the "
-        "durable writer achieved (rounded), in a plain thread without Trio"
+        "  raw/s = the floor: the store's work by hand in a plain thread without Trio, one transaction per batch "
+        "of the size the durable writer achieved (rounded): each event json.dumps'd and CRC32'd (timed), then "
+        "the leases and heads read and checked, the events inserted, the heads written, COMMIT"
+        + (" (PostgreSQL: leases locked FOR UPDATE, server clock, pipelined, one NOTIFY per stream)" if has_pg else "")
         + ("; * = the store does not report its batches, the writer count is assumed" if has_pg else "")
     )
     print(
@@ -643,7 +841,10 @@ def main(argv: list[str] | None = None) -> int:
             line += f" | {pg[n].cpu_us:>10.1f} {pg[n].trio_cpu_us:>7.1f} {pg_floor[n].cpu_us:>6.1f}"
         print(line)
     print()
-    print("reference (durable-trio.md §2.2, SQLite WAL+FULL; group commit from trio vs raw at batch = writers):")
+    print(
+        "reference (durable-trio.md §2.2, SQLite WAL+FULL; group commit from trio vs raw at batch = writers, where raw "
+        "was pre-encoded inserts into one table, a lower bar than this script's floor):"
+    )
     print(f"{'writers':>7} | {'group/s':>9} {'p50 us':>8} {'p99 us':>8} {'batch':>6} {'raw/s':>9} {'dur/raw':>7}")
     for n, (per_s, batch_ref, p50, p99) in REFERENCE_GROUP.items():
         print(
@@ -652,9 +853,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"  PostgreSQL reference: {REFERENCE_PG}")
     print()
-    ratio_100 = sqlite_ratio[100]
-    met = ratio_100 >= TARGET_RATIO_AT_100
-    if met:
+    ratio_100 = sqlite_ratio.get(100)
+    met = ratio_100 is not None and ratio_100 >= TARGET_RATIO_AT_100
+    if ratio_100 is None:
+        print("target (SQLite durable at 100 writers >= 50 % of the raw floor): not measured (see --writers)")
+    elif met:
         print(
             f"target met: SQLite durable at 100 writers reaches {ratio_100:.0%} of the raw floor "
             f"(target >= {TARGET_RATIO_AT_100:.0%}; {sqlite_best[100]:.0%} best vs best)"
@@ -662,11 +865,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(
             f"open target: SQLite durable at 100 writers reaches {ratio_100:.0%} of the raw floor against a target "
-            f"of {TARGET_RATIO_AT_100:.0%} ({sqlite_best[100]:.0%} best vs best; the floor is raw sqlite3 commits "
-            "from one thread, while each durable append also runs the projection check, encodes the event "
-            "and crosses from Trio to the writer thread and back; see the reference table above)"
+            f"of {TARGET_RATIO_AT_100:.0%} ({sqlite_best[100]:.0%} best vs best; the floor runs the same statements "
+            "and encoding from one thread, while each durable append also builds an AppendBatch, crosses from Trio "
+            "to the writer thread and back, and goes through the store's general checks)"
         )
-    if has_pg:
+    if has_pg and 100 in pg_ratio:
         print(
             f"        PostgreSQL at 100 writers: {pg_ratio[100]:.0%} of its raw floor ({pg_best[100]:.0%} best vs best)"
         )
@@ -726,7 +929,8 @@ def main(argv: list[str] | None = None) -> int:
             if run.longest_hold_ms is not None:
                 figures[f"{prefix}_w{n}_longest_write_hold_ms"] = round(run.longest_hold_ms, 2)
     figures["target_ratio_at_100"] = TARGET_RATIO_AT_100
-    figures["target_met_at_100"] = bool(met)
+    if ratio_100 is not None:
+        figures["target_met_at_100"] = bool(met)
     figures["tool_sessions"] = sessions
     figures["tool_calls_per_session"] = calls
     figures["tools_direct_calls_per_s"] = round(direct.per_s, 1)

@@ -229,6 +229,53 @@ async def test_a_subscriber_ends_when_the_journal_closes_after_delivering_everyt
     assert sum(isinstance(item, CaughtUp) for item in got) == 1
 
 
+class _StaleReads:
+    """A store whose reads, while ``hold`` is set, answer with what they read and only return when
+    it fires: a read that started before an append and ended after the close."""
+
+    def __init__(self, inner: MemoryStore) -> None:
+        self.inner = inner
+        self.clock = inner.clock
+        self.hold: trio.Event | None = None
+        self.reading = trio.Event()
+
+    async def read(self, stream_id: str, *, after: int = 0, limit: int | None = None) -> list[Any]:
+        rows = await self.inner.read(stream_id, after=after, limit=limit)
+        hold = self.hold
+        if hold is not None:
+            self.hold = None
+            self.reading.set()
+            await hold.wait()
+        return rows
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_an_event_committed_while_a_read_ran_is_delivered_before_the_close_ends_the_stream() -> None:
+    inner = MemoryStore()
+    store = _StaleReads(inner)
+    closed = trio.Event()
+    async with open_journal(inner, session_id=SID) as journal:
+        await journal.append(accepted("r1"))
+        async with subscribe_durable_events(store, STREAM, closed=closed) as sub:  # type: ignore[arg-type]
+            assert seqs(await until_caught_up(sub)) == [1, 2]
+            release = store.hold = trio.Event()
+            got: list[Item] = []
+
+            async def read_on() -> None:
+                async for item in sub:
+                    got.append(item)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_on)
+                await store.reading.wait()  # its read saw nothing new ...
+                await journal.append(accepted("r2"))  # ... then r2 committed and the session closed
+                closed.set()
+                release.set()
+    assert seqs(got) == [3]
+
+
 async def test_a_slow_subscriber_never_stalls_commits(store: JournalStore) -> None:
     count = 500
     async with (

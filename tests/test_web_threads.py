@@ -44,8 +44,11 @@ async def running(app: Any) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-async def read(response: httpx.Response, until: str | None = None) -> list[dict[str, Any]]:
-    """The events of a stream, to its end or (cancelling the read, not breaking it) to ``until``."""
+async def read(
+    response: httpx.Response, until: str | None = None, *, first: trio.Event | None = None
+) -> list[dict[str, Any]]:
+    """The events of a stream, to its end or (cancelling the read, not breaking it) to ``until``;
+    ``first`` is set once the first event arrived (the client is attached)."""
     out: list[dict[str, Any]] = []
     with trio.CancelScope() as reading:
         async for line in response.aiter_lines():
@@ -53,6 +56,8 @@ async def read(response: httpx.Response, until: str | None = None) -> list[dict[
                 data = json.loads(line[6:])
                 EVENTS.validate_python(data)
                 out.append(data)
+                if first is not None:
+                    first.set()
                 if data["type"] == until:
                     reading.cancel()
     return out
@@ -100,18 +105,19 @@ async def test_a_disconnect_detaches_and_a_returning_client_replays_then_follows
             await started.wait()  # the tool runs on, without any client
         async with trio.open_nursery() as nursery:
             seen: dict[str, list[dict[str, Any]]] = {}
+            attached = {"again": trio.Event(), "tab": trio.Event()}
 
             async def follow(name: str, request: Any) -> None:
                 async with request as response:
                     assert response.status_code == 200
-                    seen[name] = await read(response)
+                    seen[name] = await read(response, first=attached[name])
 
             # The same run again (a client coming back) and a second tab, both while it runs.
             nursery.start_soon(follow, "again", client.stream("POST", "/runs", json=body("slow please", run="r1")))
             nursery.start_soon(follow, "tab", client.stream("GET", "/threads/t1"))
             with trio.fail_after(10):
-                while app.state.agui.hub._threads["t1"].live.end < len(first):
-                    await trio.lowlevel.checkpoint()
+                for event in attached.values():  # both follow the run before it may end
+                    await event.wait()
             release.set()
         assert log == ["slow:finished"]
         assert seen["again"][: len(first)] == first  # replayed from the start

@@ -248,7 +248,7 @@ class DurableJournal:
         """Raise `LeaseLostError` if the lease is lost or no longer valid by the local clock."""
         if self._lost is not None:
             raise LeaseLostError(f"the lease on session {self.session_id!r} was lost: {self._lost}")
-        if trio.current_time() >= self._valid_until:
+        if self.renews_lease and trio.current_time() >= self._valid_until:
             self._lose(LeaseLostError("the lease was not renewed in time"))
             raise LeaseLostError(f"the lease on session {self.session_id!r} expired locally before renewal")
 

@@ -99,6 +99,9 @@ class DurableEventStream:
                 return DurableEvent(envelope)
             if self._ended:
                 raise StopAsyncIteration
+            # Seen before the read: an event committed while the read ran (then the close) is read
+            # next time round, never lost to a close that the read's answer did not include.
+            closed_before = self._closed is not None and self._closed.is_set()
             try:
                 rows = await self._store.read(self.stream_id, after=self._seq, limit=self._page_size)
             except JournalError:
@@ -122,7 +125,7 @@ class DurableEventStream:
             if self._closed_at_cursor:
                 self._ended = True  # resumed after session_closed: nothing can follow
                 raise StopAsyncIteration
-            if self._closed is not None and self._closed.is_set():
+            if closed_before:
                 self._ended = True
                 raise StopAsyncIteration
             await self._wait()
