@@ -117,7 +117,9 @@ from typing import Any
 
 import attrs
 import trio
+from _gc import GC
 from _progress import add_progress_option, note, start_progress
+from _workload import AddInput, add, add_numbers
 
 import trio_agent as ta
 from trio_agent.testing import Reply, TestModel
@@ -137,24 +139,6 @@ FLOOR_TARGETS: dict[str, float] = {
 PEER_TARGETS: dict[str, float] = {"chat": 8.0, "session_fresh_memory": 6.0}
 
 # -- the workload -------------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class AddInput:
-    a: int
-    b: int
-
-
-async def add_numbers(a: int, b: int) -> int:
-    """The tool's work, shared by the agent and the floor: one checkpoint, like the fake model."""
-    await trio.lowlevel.checkpoint()
-    return a + b
-
-
-@ta.define_tool(side_effect="pure", kind="readonly")
-async def add(input: AddInput, ctx: ta.ToolContext) -> ta.ToolResult:
-    """Add two integers."""
-    return ta.ToolResult.success(await add_numbers(input.a, input.b))
 
 
 TOOL_SPECS = (ta.ToolSpec(add.name, add.description, dict(add.input_schema)),)
@@ -312,26 +296,6 @@ LABELS = {
 # -- measuring ----------------------------------------------------------------------------------------------
 
 
-class GcTimer:
-    """Wall time spent in garbage collection and objects it freed (``gc.callbacks``), for each measurement."""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self.collected = 0  # objects freed by the cyclic collector (garbage reference counting left behind)
-        self._start = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.total += time.perf_counter() - self._start
-            self.collected += info.get("collected", 0)
-
-
-GC = GcTimer()
-
-
 @attrs.define
 class Sample:
     """One timed measurement: ``requests`` requests in ``wall`` seconds, ``cpu`` process seconds."""
@@ -424,8 +388,8 @@ async def time_checkpoint(calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-async def verify() -> dict[str, int]:
-    """The agent really runs the workload: 3 + 3 layers entered, one tool call, the journal written."""
+def counting_layers() -> tuple[dict[str, int], Any, Any]:
+    """Pass-through layers that count their entries: ``(entered, model layer class, tool layer)``."""
     entered = {"model": 0, "tool": 0}
 
     class CountingStream(ta.ModelMiddleware):
@@ -436,7 +400,15 @@ async def verify() -> dict[str, int]:
 
     async def counting_tool(request: ta.ToolMiddlewareRequest, call_next: ta.CallNext) -> ta.ToolResult:
         entered["tool"] += 1
-        return await call_next()
+        result: ta.ToolResult = await call_next()
+        return result
+
+    return entered, CountingStream, counting_tool
+
+
+async def verify() -> dict[str, int]:
+    """The agent really runs the workload: 3 + 3 layers entered, one tool call, the journal written."""
+    entered, CountingStream, counting_tool = counting_layers()
 
     model = TestModel(respond=respond)
     middleware = ta.MiddlewareConfig(model=[CountingStream() for _ in range(LAYERS)], tool=[counting_tool] * LAYERS)
@@ -618,18 +590,7 @@ async def time_runtime(opener: RequestOpener, requests: int) -> Sample:
 
 async def verify_runtimes() -> None:
     """chat() enters 3 + 3 layers and feeds the tool result back; a SQLite session writes its journal."""
-    entered = {"model": 0, "tool": 0}
-
-    class CountingStream(ta.ModelMiddleware):
-        async def wrap_stream(self, request: ta.ModelRequest, call_next: Any) -> AsyncIterator[ta.StreamChunk]:
-            entered["model"] += 1
-            async for chunk in call_next(request):
-                yield chunk
-
-    async def counting_tool(request: ta.ToolMiddlewareRequest, call_next: ta.CallNext) -> ta.ToolResult:
-        entered["tool"] += 1
-        result: ta.ToolResult = await call_next()
-        return result
+    entered, CountingStream, counting_tool = counting_layers()
 
     model = TestModel(respond=respond)
     layers = [CountingStream() for _ in range(LAYERS)]

@@ -96,7 +96,9 @@ from typing import Any
 import attrs
 import trio
 import trio.testing
+from _gc import GC
 from _progress import add_progress_option, note, start_progress
+from _workload import add, add_numbers
 
 import trio_agent as ta
 from trio_agent import journal as tj
@@ -115,24 +117,6 @@ TARGET_TASKS = 1.0
 VARIANTS = ("plain", "mixed")
 
 # -- the workload -------------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class AddInput:
-    a: int
-    b: int
-
-
-async def add_numbers(a: int, b: int) -> int:
-    """The tool's work, shared by the agent and the floor: one checkpoint."""
-    await trio.lowlevel.checkpoint()
-    return a + b
-
-
-@ta.define_tool(side_effect="pure", kind="readonly")
-async def add(input: AddInput, ctx: ta.ToolContext) -> ta.ToolResult:
-    """Add two integers."""
-    return ta.ToolResult.success(await add_numbers(input.a, input.b))
 
 
 ADD_CALL = ("add", {"a": 1, "b": 2})
@@ -215,27 +199,6 @@ def make_plans(n: int, variant: str, args: argparse.Namespace) -> list[Plan]:
 
 
 # -- measuring ----------------------------------------------------------------------------------------------
-
-
-class GcTimer:
-    """Wall time spent in garbage collection (``gc.callbacks``), and the full collections."""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self.full = 0
-        self._start = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.total += time.perf_counter() - self._start
-            if info.get("generation") == 2:
-                self.full += 1
-
-
-GC = GcTimer()
 
 
 class WarningCounter(logging.Handler):

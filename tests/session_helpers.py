@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import trio
+
 from trio_agent import DoneEvent, SessionEvent
 from trio_agent.models import ModelRequest, ToolResultMessage, UserMessage
 
@@ -30,3 +32,13 @@ def results(request: ModelRequest) -> list[ToolResultMessage]:
 
 def user_texts(request: ModelRequest) -> list[str]:
     return [m.content for m in request.messages if isinstance(m, UserMessage)]
+
+
+def all_tasks() -> list[trio.lowlevel.Task]:
+    """Every task of the running Trio run, walked from the root task."""
+    tasks, todo = [], [trio.lowlevel.current_root_task()]
+    while todo:
+        task = todo.pop()
+        tasks.append(task)
+        todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+    return tasks

@@ -20,6 +20,7 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from session_helpers import all_tasks
 
 from trio_agent import ConfigError, SideEffect, ToolResult, define_tool
 from trio_agent._tools._definition import InterruptBehavior, Tool, ToolKind
@@ -1331,15 +1332,6 @@ async def test_call_state_follows_the_projection() -> None:
 # ---------------------------------------------------------------- leases that never expire, heartbeat lag
 
 
-def _all_tasks() -> list[trio.lowlevel.Task]:
-    tasks, todo = [], [trio.lowlevel.current_root_task()]
-    while todo:
-        task = todo.pop()
-        tasks.append(task)
-        todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
-    return tasks
-
-
 async def test_a_memory_store_without_a_clock_keeps_its_lease_without_a_heartbeat(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -1348,7 +1340,7 @@ async def test_a_memory_store_without_a_clock_keeps_its_lease_without_a_heartbea
     store = MemoryStore()
     async with open_journal(store, session_id=SID, lease_ttl=1) as journal:
         assert not journal.renews_lease
-        assert not [task for task in _all_tasks() if task.name.endswith("_heartbeat")]
+        assert not [task for task in all_tasks() if task.name.endswith("_heartbeat")]
         await trio.sleep(3600)  # an hour of (mock) time with no renewal
         journal.check_ownership()
         await journal.append(accepted("r1"))
@@ -1372,7 +1364,7 @@ async def test_the_heartbeat_reports_its_lag_and_warns_past_a_third_of_the_ttl(
     store = SlowRenewals(clock=trio.current_time)
     async with open_journal(store, session_id=SID, lease_ttl=9, heartbeat_interval=3) as journal:
         assert journal.renews_lease
-        assert [task for task in _all_tasks() if task.name.endswith("_heartbeat")]
+        assert [task for task in all_tasks() if task.name.endswith("_heartbeat")]
         await trio.sleep(7)
         assert journal.heartbeat_lag == 0
         assert not caplog.records

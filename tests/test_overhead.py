@@ -17,6 +17,7 @@ import attrs
 import pytest
 import trio
 import trio.testing
+from session_helpers import all_tasks
 
 import trio_agent as ta
 from trio_agent.journal import open_sqlite_store
@@ -108,22 +109,13 @@ async def _count_cycles(shape: str, model: TestModel, spec: ta.AgentSpec, journa
     return found
 
 
-def _tasks() -> list[trio.lowlevel.Task]:
-    tasks, todo = [], [trio.lowlevel.current_root_task()]
-    while todo:
-        task = todo.pop()
-        tasks.append(task)
-        todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
-    return tasks
-
-
 async def test_an_idle_session_on_the_memory_journal_runs_one_task() -> None:
     spec = ta.define_agent(provider=TestModel(respond=respond), tools=[add])
-    before = Counter(task.name for task in _tasks())
+    before = Counter(task.name for task in all_tasks())
     async with ta.open_session(spec) as session:
         assert await session.send("add 1 and 2") == "done"
         await trio.testing.wait_all_tasks_blocked()
-        added = Counter(task.name for task in _tasks()) - before
+        added = Counter(task.name for task in all_tasks()) - before
     assert added == Counter({"trio_agent.session.request_worker": 1}), added
 
 

@@ -6,11 +6,18 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 from ._errors import MiddlewareShapeError, NextCalledTwiceError
 
-__all__ = ["Middleware", "MiddlewareNext", "PassedChecks", "check_middleware_shape", "compose_middleware"]
+__all__ = [
+    "CheckedLayers",
+    "Middleware",
+    "MiddlewareNext",
+    "PassedChecks",
+    "check_middleware_shape",
+    "compose_middleware",
+]
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")
@@ -42,6 +49,37 @@ def check_middleware_shape(layer: object, *, what: str, index: int, params: int 
             f"{what} #{index} ({_name(layer)}) must accept {params} positional arguments "
             f"(request, next); its signature is {signature}: {exc}"
         ) from None
+
+
+class CheckedLayers(tuple[Any, ...]):
+    """A tuple of middleware layers, each checked once (`check`): whatever is built from one checks
+    nothing again. Subclasses say what a layer must be (`_check_layer`) and keep their own
+    `PassedChecks`, so a layer passed to many runs is inspected once.
+    """
+
+    __slots__ = ()
+    _sequence_error = "middleware must be a sequence, got {!r}"
+    _passed: PassedChecks
+
+    @staticmethod
+    def _check_layer(layer: object, index: int) -> None:
+        """Raise `MiddlewareShapeError` unless *layer* (at *index*) is a layer of this kind."""
+        raise NotImplementedError
+
+    @classmethod
+    def check(cls, middleware: Sequence[Any]) -> Self:
+        """The layers, each checked (`MiddlewareShapeError` names the first bad one)."""
+        if type(middleware) is cls:
+            return middleware
+        if isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
+            raise MiddlewareShapeError(cls._sequence_error.format(middleware))
+        passed = cls._passed
+        for index, layer in enumerate(middleware):
+            if layer in passed:
+                continue
+            cls._check_layer(layer, index)
+            passed.add(layer)
+        return cls(middleware)
 
 
 class PassedChecks:

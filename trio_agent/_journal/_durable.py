@@ -425,28 +425,29 @@ class DurableJournal:
         store) a settlement cannot be interrupted, so the pipeline needs no shield around it."""
         return self._commit_now is not None
 
-    def _outcome(self, ticket: AppendTicket) -> AppendResult:
-        """The outcome of a resolved ticket, fencing the journal as `_await` does on a refusal."""
-        try:
-            return ticket.outcome()
-        except StaleFencingTokenError as exc:
+    def _refused(self, exc: BaseException) -> None:
+        """A write the store refused, or whose outcome is unknown: the journal is fenced (and a
+        stale token means the lease is lost)."""
+        if isinstance(exc, StaleFencingTokenError):
             self._lose(exc)
             self._fence(str(exc))
-            raise
-        except JournalError as exc:
+        else:
             self._fence(f"{type(exc).__name__}: {exc}")
+
+    def _outcome(self, ticket: AppendTicket) -> AppendResult:
+        """The outcome of a resolved ticket (raises, fenced, what refused it)."""
+        try:
+            return ticket.outcome()
+        except (StaleFencingTokenError, JournalError) as exc:
+            self._refused(exc)
             raise
 
     def _committed(self, batch: AppendBatch) -> AppendResult:
         assert self._commit_now is not None
         try:
             return self._commit_now(batch)
-        except StaleFencingTokenError as exc:
-            self._lose(exc)
-            self._fence(str(exc))
-            raise
-        except JournalError as exc:
-            self._fence(f"{type(exc).__name__}: {exc}")
+        except (StaleFencingTokenError, JournalError) as exc:
+            self._refused(exc)
             raise
 
     async def _await(self, ticket: AppendTicket) -> AppendResult:
@@ -466,18 +467,11 @@ class DurableJournal:
                 else:
                     try:
                         ticket.outcome()
-                    except StaleFencingTokenError as exc:
-                        self._lose(exc)
-                        self._fence(str(exc))
                     except (JournalError, LeaseLostError) as exc:
-                        self._fence(f"{type(exc).__name__}: {exc}")
+                        self._refused(exc)
                 raise  # the cancellation goes on, whatever the write's outcome was
-        except StaleFencingTokenError as exc:
-            self._lose(exc)
-            self._fence(str(exc))
-            raise
-        except JournalError as exc:
-            self._fence(f"{type(exc).__name__}: {exc}")
+        except (StaleFencingTokenError, JournalError) as exc:
+            self._refused(exc)
             raise
 
     async def reconcile(self) -> None:

@@ -39,7 +39,7 @@ from .._errors import (
     RateLimitError,
     StreamInterruptedError,
 )
-from .._middleware import MiddlewareNext, PassedChecks, compose_middleware
+from .._middleware import CheckedLayers, MiddlewareNext, PassedChecks, compose_middleware
 from ._history import MessageView
 from ._messages import Message, ModelResponse, StreamChunk, ToolSpec
 
@@ -264,33 +264,21 @@ def model_middleware_problem(layer: object) -> str | None:
     return None
 
 
-class ModelLayers(tuple[Any, ...]):
+class ModelLayers(CheckedLayers):
     """Model middleware checked once (`check`): a `ModelService` built from it checks nothing again.
 
     An `AgentSpec` holds its layers as one, so opening a session re-validates nothing.
     """
 
     __slots__ = ()
+    _sequence_error = "model middleware must be a sequence, got {!r}"
+    _passed = PassedChecks()  # a chat() run per request must not inspect the same objects again
 
-    @classmethod
-    def check(cls, middleware: Sequence[ModelMiddleware]) -> ModelLayers:
-        """The layers, each checked (`MiddlewareShapeError` names the first bad one)."""
-        if type(middleware) is cls:
-            return middleware
-        if isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
-            raise MiddlewareShapeError(f"model middleware must be a sequence, got {middleware!r}")
-        for index, layer in enumerate(middleware):
-            if layer in _CHECKED:
-                continue
-            problem = model_middleware_problem(layer)
-            if problem is not None:
-                raise MiddlewareShapeError(f"model middleware #{index} {problem}")
-            _CHECKED.add(layer)
-        return cls(middleware)
-
-
-# Layers that passed the checks (a chat() run per request must not inspect the same objects again).
-_CHECKED = PassedChecks()
+    @staticmethod
+    def _check_layer(layer: object, index: int) -> None:
+        problem = model_middleware_problem(layer)
+        if problem is not None:
+            raise MiddlewareShapeError(f"model middleware #{index} {problem}")
 
 
 # One generator for the process: backoff jitter needs no per-service seed (seeding reads urandom).

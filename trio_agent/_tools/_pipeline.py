@@ -48,7 +48,7 @@ from .._errors import (
     ToolInputError,
 )
 from .._groups import contains_cancelled, is_cancellation, typed_error
-from .._middleware import PassedChecks, check_middleware_shape, compose_middleware
+from .._middleware import CheckedLayers, PassedChecks, check_middleware_shape, compose_middleware
 from ._context import (
     CallOrigin,
     Emit,
@@ -415,31 +415,19 @@ def _check_tool_middleware(layer: object, index: int) -> None:
         )
 
 
-class ToolLayers(tuple[Any, ...]):
+class ToolLayers(CheckedLayers):
     """Tool middleware checked once (`check`): a `ToolPipeline` built from it checks nothing again.
 
     An `AgentSpec` holds its layers as one, so opening a session re-validates nothing.
     """
 
     __slots__ = ()
+    _sequence_error = "middleware must be a sequence of tool middleware, got {!r}"
+    _passed = PassedChecks()  # a chat() run per request must not inspect the same functions again
 
-    @classmethod
-    def check(cls, middleware: Sequence[ToolMiddleware]) -> ToolLayers:
-        """The layers, each checked (`MiddlewareShapeError` names the first bad one)."""
-        if type(middleware) is cls:
-            return middleware
-        if isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
-            raise MiddlewareShapeError(f"middleware must be a sequence of tool middleware, got {middleware!r}")
-        for index, layer in enumerate(middleware):
-            if layer in _CHECKED:
-                continue
-            _check_tool_middleware(layer, index)
-            _CHECKED.add(layer)
-        return cls(middleware)
-
-
-# Layers that passed the checks (a chat() run per request must not inspect the same functions again).
-_CHECKED = PassedChecks()
+    @staticmethod
+    def _check_layer(layer: object, index: int) -> None:
+        _check_tool_middleware(layer, index)
 
 
 class ToolPipeline:
