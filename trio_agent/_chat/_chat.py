@@ -370,9 +370,14 @@ async def chat(
         ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in client_tools.values()
     )
 
+    usage = Usage()
+
     async def events(event: RunEvent) -> None:
         # Without a task switch while the buffer has room (one per chunk would cost more than the
         # rest of the run); a full buffer makes the run wait for its reader (backpressure).
+        nonlocal usage
+        if isinstance(event, UsageReported):
+            usage = usage + event.usage
         if run.unread:
             return
         try:
@@ -424,15 +429,6 @@ async def chat(
         messages=lambda: conversation.history,
         metadata=meta,
     )
-    usage = Usage()
-
-    async def count_usage(event: RunEvent) -> None:
-        nonlocal usage
-        if isinstance(event, UsageReported):
-            usage = usage + event.usage
-        await events(event)
-
-    ports = attrs.evolve(ports, events=count_usage)
 
     async def drive() -> None:
         try:
