@@ -23,9 +23,9 @@ from typing import Any
 import attrs
 
 from .._errors import ConfigError, MiddlewareShapeError
-from .._models._service import model_middleware_problem
+from .._models._service import ModelLayers
 from .._tools._definition import Tool
-from .._tools._pipeline import ToolMiddleware, _check_tool_middleware
+from .._tools._pipeline import ToolLayers, ToolMiddleware
 from ._hooks import HookCallback, HookEvent, HookRegistry
 
 __all__ = [
@@ -76,13 +76,6 @@ def _tool_layers(value: object) -> tuple[ToolMiddleware, ...]:
     return _layers(value, "tool")
 
 
-def _check_model_middleware(layer: object, index: int) -> None:
-    """The checks `ModelService` makes, made at registration."""
-    problem = model_middleware_problem(layer)  # the very checks the model service makes
-    if problem is not None:
-        raise MiddlewareConfigError(f"model middleware #{index} {problem}")
-
-
 @attrs.frozen
 class MiddlewareConfig:
     """Model and tool middleware, each list first = outermost. Validated on construction.
@@ -96,13 +89,13 @@ class MiddlewareConfig:
     tool: tuple[ToolMiddleware, ...] = attrs.field(default=(), converter=_tool_layers)
 
     def __attrs_post_init__(self) -> None:
-        for index, layer in enumerate(self.model):
-            _check_model_middleware(layer, index)
-        for index, tool_layer in enumerate(self.tool):
-            try:
-                _check_tool_middleware(tool_layer, index)
-            except MiddlewareShapeError as exc:
-                raise MiddlewareConfigError(str(exc)) from None
+        # The very checks the model service and the pipeline make; a layer that passed them is
+        # remembered, so the spec's services do not inspect it again.
+        try:
+            ModelLayers.check(self.model)
+            ToolLayers.check(self.tool)
+        except MiddlewareShapeError as exc:
+            raise MiddlewareConfigError(str(exc)) from None
 
 
 def _check_name(name: object) -> str:
