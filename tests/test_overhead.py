@@ -109,13 +109,24 @@ async def _count_cycles(shape: str, model: TestModel, spec: ta.AgentSpec, journa
     return found
 
 
-async def test_an_idle_session_on_the_memory_journal_runs_one_task() -> None:
+async def test_an_idle_session_on_the_memory_journal_runs_no_task() -> None:
+    """``send()`` runs in its caller's task, and the worker starts only when a request must wait."""
     spec = ta.define_agent(provider=TestModel(respond=respond), tools=[add])
     before = Counter(task.name for task in all_tasks())
     async with ta.open_session(spec) as session:
         assert await session.send("add 1 and 2") == "done"
         await trio.testing.wait_all_tasks_blocked()
         added = Counter(task.name for task in all_tasks()) - before
+    assert added == Counter(), added
+
+
+async def test_the_worker_starts_when_a_request_has_to_wait() -> None:
+    spec = ta.define_agent(provider=TestModel(respond=respond), tools=[add])
+    before = Counter(task.name for task in all_tasks())
+    async with ta.open_session(spec) as session, session.stream("add 1 and 2") as events:
+        added = Counter(task.name for task in all_tasks()) - before  # a stream's request: the worker's
+        async for _ in events:
+            pass
     assert added == Counter({"trio_agent.session.request_worker": 1}), added
 
 

@@ -10,8 +10,16 @@ import trio
 import trio.testing
 
 from tests.test_session import events_of, gated_tool, unsettled_requests
-from trio_agent import HookEvent, HookInput, SessionBusyError, SessionClosedError, SubagentDefinition, open_session
-from trio_agent.journal import MemoryStore, RequestInterrupted
+from trio_agent import (
+    HookEvent,
+    HookInput,
+    RequestAbortedError,
+    SessionBusyError,
+    SessionClosedError,
+    SubagentDefinition,
+    open_session,
+)
+from trio_agent.journal import MemoryStore, RequestInterrupted, RequestInterruptReason
 from trio_agent.models import ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, TestModel
 
@@ -302,3 +310,69 @@ async def test_recovery_reruns_a_scheduled_background_task_without_cancelling_it
     assert started == [handle.id]
     assert [e.subagent_id for e in events if isinstance(e, SubagentCompleted)] == [handle.id]
     assert not [e for e in events if isinstance(e, SubagentCancelled)]
+
+
+async def test_send_on_an_idle_session_runs_in_the_callers_task() -> None:
+    tasks: list[trio.lowlevel.Task] = []
+
+    def respond(request: Any) -> Reply:
+        tasks.append(trio.lowlevel.current_task())  # the model is streamed by the request's task
+        return Reply(text="ok")
+
+    async with open_session(provider=TestModel(respond=respond)) as session:
+        assert await session.send("one") == "ok"
+        assert await session.send("two") == "ok"
+    assert tasks == [trio.lowlevel.current_task()] * 2
+
+
+async def test_a_cancelled_caller_interrupts_the_request_it_runs_as_a_user_abort(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    slow, started, _release = gated_tool("slow")
+    store = MemoryStore()
+    model = TestModel({"first": [Reply(tool_calls=[("slow", {})]), Reply(text="fine")]})
+    async with open_session(provider=model, tools=[slow], journal=store) as session:
+        with trio.move_on_after(5) as scope:
+            await session.send("first")
+        assert scope.cancelled_caught and started.is_set()
+        journal = await events_of(store, session.journal.stream_id())
+        assert [e.reason for e in journal if isinstance(e, RequestInterrupted)] == [RequestInterruptReason.USER_ABORT]
+        # The slot is free again: the next request runs.
+        assert await session.send("again") == "fine"
+    assert unsettled_requests(await events_of(store, session.journal.stream_id())) == []
+
+
+async def test_a_request_taken_by_the_worker_is_recorded_when_the_session_is_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The first request runs in its caller's task; the second waits in the worker for the slot
+    # when the session's nursery is cancelled (what a crashing session task does).
+    slow, started, _release = gated_tool("slow")
+    store = MemoryStore()
+    model = TestModel({"first": [Reply(tool_calls=[("slow", {})]), Reply(text="never")]})
+    outcomes: dict[str, BaseException | str] = {}
+
+    async def send(session: Any, prompt: str, priority: str | None) -> None:
+        try:
+            outcomes[prompt] = await session.send(prompt, priority=priority)
+        except (SessionClosedError, RequestAbortedError) as exc:
+            outcomes[prompt] = exc
+
+    with trio.fail_after(60):
+        async with (
+            trio.open_nursery() as outer,
+            open_session(provider=model, tools=[slow], journal=store) as session,
+        ):
+            outer.start_soon(send, session, "first", None)
+            await started.wait()
+            outer.start_soon(send, session, "queued", "later")
+            await trio.testing.wait_all_tasks_blocked()
+            assert session._queue.queued == 1
+            session._nursery.cancel_scope.cancel()
+            await trio.sleep_forever()
+    assert isinstance(outcomes["first"], RequestAbortedError)
+    assert isinstance(outcomes["queued"], SessionClosedError)
+    journal = await events_of(store, session.journal.stream_id())
+    reasons = [e.reason for e in journal if isinstance(e, RequestInterrupted)]
+    assert reasons == [RequestInterruptReason.SESSION_CLOSE] * 2
+    assert unsettled_requests(journal) == []

@@ -81,6 +81,7 @@ from ._events import (
     ToolRecoveryAction,
     ToolScheduled,
     ToolStarted,
+    place_event,
 )
 from ._memory import MemoryStore
 from ._projection import Projection, RecoveryKind, RecoveryPlan, ToolState
@@ -157,6 +158,14 @@ def _check_seconds(name: str, value: float, *, allow_zero: bool = False) -> floa
     return float(value)
 
 
+def _recorded_at(now: object) -> float:
+    """A store clock's reading that is not a plain finite float: an int is fine, anything else
+    is the clock's bug, named before anything is written."""
+    if type(now) is int:
+        return float(now)
+    raise JournalError(f"the store's clock returned {now!r}, not a finite number of seconds")
+
+
 class DurableJournal:
     """One session's journal over a `JournalStore`. Open it with `open_journal`."""
 
@@ -187,6 +196,7 @@ class DurableJournal:
         # one that never does folds only when `conversation` is asked for.
         self._fold_after = fold_after
         self._streams: dict[str, _Stream] = {}
+        self._checked_ids: dict[str | None, str] = {}  # agent id -> its stream id, checked once
         self._fenced: str | None = None
         self._lost: BaseException | None = None
         self._valid_until = trio.current_time() + lease_ttl * 0.9
@@ -329,20 +339,27 @@ class DurableJournal:
             )
         if not events:
             raise JournalError("append needs at least one event")
-        self.check_ownership()
-        # Checked before the projection moves: an id no store can keep fails this append alone.
-        stream_id = check_id(self.stream_id(agent_id), "stream id")
+        if self.renews_lease:
+            self.check_ownership()
+        stream_id = self._checked_ids.get(agent_id)
+        if stream_id is None:
+            # Checked before the projection moves: an id no store can keep fails this append alone.
+            stream_id = check_id(self.stream_id(agent_id), "stream id")
+            self._checked_ids[agent_id] = stream_id
         stream = self._streams.get(stream_id)
         if stream is None:
             if not (isinstance(events[0], SessionCreated) and events[0].session_id == self.session_id):
                 raise JournalError(f"the stream of agent {agent_id!r} must start with session_created")
             stream = _Stream(stream_id, agent_id or self.root_agent_id)
         now = self.store.clock()
-        head = stream.projection.head
-        envelopes = tuple(
-            EventEnvelope(stream_id=stream_id, seq=head + 1 + index, event=event, recorded_at=now)
-            for index, event in enumerate(events)
-        )
+        if type(now) is not float or not math.isfinite(now):
+            now = _recorded_at(now)
+        seq = stream.projection.head
+        placed: list[EventEnvelope] = []
+        for event in events:
+            seq += 1
+            placed.append(place_event(stream_id, seq, event, now))
+        envelopes = tuple(placed)
         digest = command_digest(envelopes) if command_id is not None else None
         if command_id is not None:
             known = stream.commands.get(command_id)

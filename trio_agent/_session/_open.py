@@ -239,7 +239,7 @@ async def open_session(
                 )
                 if spec.task_tools is not None:
                     stack.enter_context(spec.task_tools.serving(durable.session_id, supervisor))
-                nursery.start_soon(queue.serve, host.run_request, name="trio_agent.session.request_worker")
+                queue.serve_in(nursery, host.run_request)
                 try:
                     await session._start(spec.parts.tools, seed)
                     yield session

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
-from .._abort import AbortHandle, AbortReason
+from .._abort import Abort, AbortHandle, AbortReason
 from .._cleanup import bounded_shield
 from .._errors import (
     ConfigError,
@@ -314,13 +314,18 @@ class RequestQueue:
         self.journal = journal
         self.root = root
         self.grace = cleanup_grace
+        self.max_queued = max_queued
+        self._worker_done = trio.Event()
         self.send_channel, self._recv = trio.open_memory_channel[_Request](max_queued)
+        self._waiting: _Request | None = None  # taken by the worker, waiting for the request slot
+        # The worker starts with the first request that has to wait: an idle session runs no task.
+        self._serve_in: tuple[trio.Nursery, Callable[[_Request], Awaitable[None]]] | None = None
+        self._worker_done.set()
         self.current: _Request | None = None
         self.lock = trio.Lock()  # the request slot: one request (or subagent start) at a time
         self.closed = False
         self._accepting = 0  # request_accepted writes in flight (close waits for them)
         self._accepted = trio.Event()
-        self._worker_done = trio.Event()
 
     # -- intake
 
@@ -350,22 +355,27 @@ class RequestQueue:
         if priority == Priority.NOW:
             current.steering.abort(AbortReason.STEERING, "steered by a new message")
 
+    @property
+    def queued(self) -> int:
+        """Accepted requests that wait to run (the one the worker took and holds counts)."""
+        return self._recv.statistics().current_buffer_used + (self._waiting is not None)
+
     def idle(self) -> bool:
         """Nothing runs and nothing is queued."""
         current = self.current
-        return (current is None or current.done.is_set()) and not self._recv.statistics().current_buffer_used
+        return (current is None or current.done.is_set()) and not self.queued
 
     def check_not_busy(self, priority: str | None) -> None:
         current = self.current
         if current is not None and not current.done.is_set() and priority is None:
             raise SessionBusyError("a request is running: send with priority='next', 'now' or 'later', or wait for it")
-        if current is None and self._recv.statistics().current_buffer_used and priority is None:
+        if current is None and self.queued and priority is None:
             raise SessionBusyError("requests are queued: send with priority='later' to queue another")
 
     async def accept(self, request: _Request) -> None:
-        stats = self.send_channel.statistics()
-        if stats.current_buffer_used >= stats.max_buffer_size:
-            raise SessionBusyError(f"{stats.current_buffer_used} requests are already queued; wait for some to finish")
+        queued = self.queued
+        if queued >= self.max_queued:
+            raise SessionBusyError(f"{queued} requests are already queued; wait for some to finish")
         # request_accepted is durable before send returns or the stream starts.
         self._accepting += 1  # the close waits for this, so the request is settled either way
         try:
@@ -379,11 +389,57 @@ class RequestQueue:
             if self.closed:
                 await self._unqueue(request, "the session closed while the request was accepted")
                 raise SessionClosedError("the session is closed")
+            self._start_worker()
             self.send_channel.send_nowait(request)
         finally:
             self._accepting -= 1
             if self._accepting == 0:
                 self._accepted.set()
+
+    def runs_here(self) -> bool:
+        """Nothing runs or waits and the request slot is free: a request may run in its caller's task."""
+        return self.current is None and not self.closed and not self.lock.locked() and not self.queued
+
+    async def run_here(
+        self,
+        request: _Request,
+        run: Callable[[_Request], Awaitable[None]],
+        cancel_reason: Callable[[], RequestInterruptReason],
+    ) -> None:
+        """Accept and run *request* in the calling task (`runs_here` said the session is idle).
+
+        No hand-off to the worker: the slot is taken before the first await, so what arrives
+        meanwhile queues behind this request or joins it, exactly as if the worker ran it. A
+        cancellation of the caller interrupts the request (*cancel_reason* says why).
+        """
+        self.lock.acquire_nowait()  # free: `runs_here` checked it, and nothing awaited since
+        self.current = request
+        self._accepting += 1
+        try:
+            try:
+                try:
+                    await accept_on(self.journal, self.root.agent_id, request)
+                except BaseException:
+                    await self._unqueue(request, "the caller was cancelled while the request was accepted")
+                    raise
+                finally:
+                    self._accepting -= 1
+                    if self._accepting == 0:
+                        self._accepted.set()
+                if self.closed:
+                    await self._unqueue(request, "the session closed while the request was accepted")
+                    raise SessionClosedError("the session is closed")
+                if request.abort.aborted:  # aborted while it was accepted: it never starts
+                    await self._record_unstarted(request, request.abort.reason)
+                    return
+                request.cancel_reason = cancel_reason
+                await run(request)
+            finally:
+                self.current = None
+                if not request.done.is_set():  # a failed acceptance: nobody may wait for it forever
+                    request.finish()
+        finally:
+            self.lock.release()
 
     async def _unqueue(self, request: _Request, why: str) -> None:
         """An accepted request that will never be queued: record it interrupted (if it was accepted)."""
@@ -405,22 +461,39 @@ class RequestQueue:
         request.abort.abort(reason, message)
         if self.current is not request and not request.started and not request.done.is_set():
             # Still queued: it never starts; record it now instead of waiting for the worker.
-            with bounded_shield(self.grace, "recording a queued request's abort"):
-                await record_request_end(
-                    self.journal,
-                    request.agent.agent_id,
-                    request.request_id,
-                    RequestInterrupted(request_id=request.request_id, reason=interrupt_reason(reason)),
-                )
-            request.error = RequestAbortedError(
-                f"the request was aborted before it started: {message}", reason=reason.value
-            )
-            request.stop_reason = StopReason.ABORTED
-            request.finish()
+            await self._record_unstarted(request, request.abort.reason)
             return
         await request.done.wait()
 
+    async def _record_unstarted(self, request: _Request, abort: Abort | None) -> None:
+        """An accepted request that was aborted before it started: recorded interrupted, finished."""
+        reason = abort.reason if abort is not None else AbortReason.USER_ABORT
+        with bounded_shield(self.grace, "recording a queued request's abort"):
+            await record_request_end(
+                self.journal,
+                request.agent.agent_id,
+                request.request_id,
+                RequestInterrupted(request_id=request.request_id, reason=interrupt_reason(reason)),
+            )
+        message = abort.message if abort is not None else "aborted"
+        request.error = RequestAbortedError(
+            f"the request was aborted before it started: {message}", reason=reason.value
+        )
+        request.stop_reason = StopReason.ABORTED
+        request.finish()
+
     # -- the worker
+
+    def serve_in(self, nursery: trio.Nursery, run: Callable[[_Request], Awaitable[None]]) -> None:
+        """Run what has to wait with *run*, in a worker task of *nursery* started when first needed."""
+        self._serve_in = (nursery, run)
+
+    def _start_worker(self) -> None:
+        if self._serve_in is not None:
+            nursery, run = self._serve_in
+            self._serve_in = None
+            self._worker_done = trio.Event()
+            nursery.start_soon(self.serve, run, name="trio_agent.session.request_worker")
 
     async def serve(self, run: Callable[[_Request], Awaitable[None]]) -> None:
         """Run the queued requests one at a time with *run*; rejects what is queued once closed."""
@@ -431,16 +504,33 @@ class RequestQueue:
                 if self.closed:
                     await self._reject_queued(request)
                     continue
-                async with self.lock:
-                    if request.done.is_set() or request.abort.aborted:
-                        continue  # aborted while it waited for the request slot: already recorded
-                    self.current = request
-                    try:
-                        await run(request)
-                    finally:
-                        self.current = None
+                self._waiting = request
+                try:
+                    await self.lock.acquire()  # a request run in its caller's task may hold the slot
+                except BaseException:
+                    await self._reject_queued(request)  # taken from the queue: it must still end
+                    raise
+                finally:
+                    self._waiting = None
+                try:
+                    await self._run_taken(request, run)
+                finally:
+                    self.lock.release()
         finally:
             self._worker_done.set()
+
+    async def _run_taken(self, request: _Request, run: Callable[[_Request], Awaitable[None]]) -> None:
+        """Run a queued request that got the slot, unless it was aborted or the session closed meanwhile."""
+        if request.done.is_set() or request.abort.aborted:
+            return  # aborted while it waited for the request slot: `abort_request` recorded it
+        if self.closed:
+            await self._reject_queued(request)
+            return
+        self.current = request
+        try:
+            await run(request)
+        finally:
+            self.current = None
 
     async def _reject_queued(self, queued: _Request) -> None:
         """A request still queued when the session closes: recorded interrupted, its caller told."""
@@ -463,6 +553,7 @@ class RequestQueue:
     def close(self) -> None:
         """Accept nothing more; the worker rejects what is queued and ends."""
         self.closed = True
+        self._serve_in = None
         self.send_channel.close()
 
     async def drain(self) -> None:

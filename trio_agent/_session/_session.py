@@ -216,6 +216,10 @@ class Session:
 
     async def _run_to_end(self, request: _Request, cancelled: str) -> str:
         queue = self._queue
+        if queue.runs_here():  # idle: the caller's task runs it, no hand-off to the worker
+            await queue.run_here(request, self._host.run_request, self._cancelled_by)
+            request.raise_if_failed()
+            return _reply(request)
         await queue.accept(request)
         try:
             await request.done.wait()
@@ -225,6 +229,13 @@ class Session:
                     await queue.abort_request(request, AbortReason.USER_ABORT, cancelled)
         request.raise_if_failed()
         return _reply(request)
+
+    def _cancelled_by(self) -> RequestInterruptReason:
+        """Why a request run in its caller's task was cancelled: the session's end, or its caller."""
+        nursery = self._nursery
+        if self._host.closing or nursery is None or nursery.cancel_scope.cancel_called:
+            return RequestInterruptReason.SESSION_CLOSE
+        return RequestInterruptReason.USER_ABORT
 
     @asynccontextmanager
     async def stream(
