@@ -424,7 +424,7 @@ def test_a_handle_types_its_value_under_mypy_strict(tmp_path: Path) -> None:
         "    assert_type(ctx.get(DB), Database)\n"
         "    assert_type(ctx.capabilities.get_optional(DB), Database | None)\n"
         "    ctx.provide(DB, Database())\n"
-        "    return ctx.get(DB).query()\n"
+        "    return ctx.get(DB).query()\n",
     )
     assert status == 0, report
     status, report = mypy_strict(
@@ -434,6 +434,6 @@ def test_a_handle_types_its_value_under_mypy_strict(tmp_path: Path) -> None:
         "class Database: ...\n"
         "DB = create_capability('db', Database)\n"
         "def use(ctx: RunContext) -> None:\n"
-        "    ctx.provide(DB, 'not a database')\n"
+        "    ctx.provide(DB, 'not a database')\n",
     )
     assert status == 1 and "bad.py:5" in report and "provide" in report, report

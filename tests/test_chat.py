@@ -131,7 +131,8 @@ class StuckOnAbort(ChatMiddleware):
 async def test_leaving_the_block_early_waits_for_the_run_at_most_cleanup_grace(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = TestModel({"go": [Reply(tool_calls=[("add", {"a": 2})]), Reply(text="late")]})
+    # The answer takes a while: the block is left while the run still waits for it.
+    model = TestModel({"go": [Reply(tool_calls=[("add", {"a": 2})]), Reply(text="late", latency=60)]})
     async with chat(model, "go", tools=[add], middleware=[StuckOnAbort()], cleanup_grace=3) as run:
         async for event in run:
             if isinstance(event, ToolCallResult):

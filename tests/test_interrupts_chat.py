@@ -559,7 +559,6 @@ async def test_a_journal_records_the_pause_and_refuses_a_replayed_continuation()
     assert pause.state["pending_calls"][0]["id"] == paused.interrupts[0].tool_call_id
 
 
-
 async def test_a_signed_state_needs_its_key_and_an_approval_needs_the_permission_table() -> None:
     wrote: list[dict[str, Any]] = []
     model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))

@@ -287,6 +287,4 @@ def test_an_event_type_that_is_not_a_string_is_corrupt_not_a_type_error(tag: obj
     from trio_agent._journal._events import SCHEMA_VERSION, decode_event
 
     with pytest.raises(JournalCorruptError):
-        decode_event(
-            {"schema_version": SCHEMA_VERSION, "stream_id": "s/root", "seq": 1, "event": {"type": tag}}
-        )
+        decode_event({"schema_version": SCHEMA_VERSION, "stream_id": "s/root", "seq": 1, "event": {"type": tag}})

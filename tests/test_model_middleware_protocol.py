@@ -173,7 +173,7 @@ def test_a_plain_class_type_checks_under_mypy_strict(tmp_path: Path) -> None:
         "def build(provider: Provider) -> ModelService:\n"
         "    layers: list[ModelMiddleware] = [Shout()]\n"
         "    chat(provider, 'hi', model_middleware=[Shout()])\n"
-        "    return ModelService(provider, [*layers, Shout()])\n"
+        "    return ModelService(provider, [*layers, Shout()])\n",
     )
     assert status == 0, report
     status, report = mypy_strict(
@@ -182,6 +182,6 @@ def test_a_plain_class_type_checks_under_mypy_strict(tmp_path: Path) -> None:
         "from trio_agent.models import ModelRequest, StreamChunk, StreamNext, WrapsStream\n"
         "class Wrong(WrapsStream):\n"
         "    async def wrap_stream(self, request: ModelRequest, call_next: StreamNext) -> StreamChunk:\n"
-        "        return await call_next().__anext__()\n"
+        "        return await call_next().__anext__()\n",
     )
     assert status == 1 and "bad.py:3" in report and "wrap_stream" in report, report

@@ -199,3 +199,29 @@ async def test_a_layer_is_inspected_once_however_many_runs_use_it(monkeypatch: p
             async with ta.chat(model, "add", model_middleware=[bad]):
                 pass  # pragma: no cover
     assert inspected[2:] == [bad, bad]
+
+
+@pytest.mark.parametrize("calls", [1, 3])
+async def test_a_lone_tool_call_runs_in_the_requests_task_and_several_run_side_by_side(calls: int) -> None:
+    tasks: list[trio.lowlevel.Task] = []
+
+    @ta.define_tool(side_effect="pure", kind="readonly", input_type=AddInput, name="where")
+    async def where(input: AddInput, ctx: ta.ToolContext) -> ta.ToolResult:
+        """Add, noting the task it runs in."""
+        tasks.append(trio.lowlevel.current_task())
+        await trio.lowlevel.checkpoint()
+        return ta.ToolResult.success(input.a + input.b)
+
+    def respond_with(request: ta.ModelRequest) -> Reply:
+        if isinstance(request.messages[-1], ta.ToolResultMessage):
+            return Reply("done")
+        return Reply(tool_calls=[("where", {"a": n, "b": 1}) for n in range(calls)])
+
+    async with ta.open_session(provider=TestModel(respond=respond_with), tools=[where]) as session:
+        assert await session.send("where do tools run?") == "done"
+    here = trio.lowlevel.current_task()
+    assert len(tasks) == calls
+    if calls == 1:
+        assert tasks == [here]  # send() runs the request here, and the lone call with it
+    else:
+        assert here not in tasks and len(set(tasks)) == calls

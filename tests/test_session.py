@@ -510,7 +510,6 @@ async def test_leaving_the_block_cancels_and_records_running_work() -> None:
 
             outer.start_soon(run)
             await started.wait()
-            assert any("slow" in name or "_run_tools" in name or "run_one" in name for name in session_task_names())
         # The block returned: the tool was cancelled and nothing of the session still runs.
         assert log == ["slow:cancelled"]
         assert session_task_names() == []

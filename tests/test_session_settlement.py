@@ -403,6 +403,7 @@ async def test_a_tools_permission_update_is_journalled_and_replayed_on_reopen(tm
     path = tmp_path / "j.db"
     ran: list[str] = []
     tools = [granting_tool(), danger_tool(ran)]
+
     def respond(request: Any) -> Reply:
         last = request.messages[-1]
         if isinstance(last, ToolResultMessage):

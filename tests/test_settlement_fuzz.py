@@ -135,9 +135,7 @@ def check_journal(store: MemoryStore, *, session_closed: bool) -> None:
         events = [envelope.event for envelope in stream.rows]
         scheduled = [e.call_id for e in events if isinstance(e, ToolScheduled)]
         settled = [
-            e.call_id
-            for e in events
-            if isinstance(e, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown)
+            e.call_id for e in events if isinstance(e, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown)
         ]
         assert sorted(scheduled) == sorted(settled), f"{stream_id}: unsettled calls {set(scheduled) - set(settled)}"
         accepted = [e.request_id for e in events if isinstance(e, RequestAccepted)]
@@ -237,9 +235,7 @@ CI_TRIALS = 250
 
 
 @pytest.mark.parametrize("block", range(5))
-async def test_settlement_holds_under_every_cancellation(
-    block: int, autojump_clock: trio.testing.MockClock
-) -> None:
+async def test_settlement_holds_under_every_cancellation(block: int, autojump_clock: trio.testing.MockClock) -> None:
     for seed in range(block * CI_TRIALS // 5, (block + 1) * CI_TRIALS // 5):
         try:
             await run_trial(seed)

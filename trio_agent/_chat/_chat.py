@@ -154,27 +154,29 @@ class _Inbox:
 
 
 class _NoRecorder:
-    """A run without a journal records nothing."""
+    """A run without a journal records nothing, and so never waits: its methods do not checkpoint
+    (a yield per model call and turn was a measurable part of a run; the model stream and the
+    tools are the run's checkpoints)."""
 
     async def model_call_started(self, turn: TurnRef, model: str, *, opens_turn: bool) -> None:
-        await trio.lowlevel.checkpoint()
+        return None
 
     async def model_call_completed(
         self, turn: TurnRef, reply: ModelReply, *, inputs: Sequence[str], rejected: Mapping[str, str]
     ) -> None:
-        await trio.lowlevel.checkpoint()
+        return None
 
     async def model_call_failed(self, turn: TurnRef, error: ModelError) -> None:
-        await trio.lowlevel.checkpoint()
+        return None
 
     async def model_call_aborted(self, turn: TurnRef, abort: Abort | None) -> None:
-        await trio.lowlevel.checkpoint()
+        return None
 
     async def turn_completed(self, turn: TurnRef) -> None:
-        await trio.lowlevel.checkpoint()
+        return None
 
     async def turn_started(self, turn: TurnRef) -> None:
-        await trio.lowlevel.checkpoint()
+        return None
 
     async def interrupts_resolved(
         self,
@@ -184,7 +186,7 @@ class _NoRecorder:
         answered: Mapping[str, ToolResult],
         approved: Sequence[str] = (),
     ) -> None:
-        await trio.lowlevel.checkpoint()  # a stateless run cannot tell a replay (docs/human-in-the-loop.md)
+        return None  # a stateless run cannot tell a replay (docs/human-in-the-loop.md)
 
     def pause_is_open(self, paused_run_id: str) -> bool | None:
         return None

@@ -738,7 +738,8 @@ class _Run:
         arguments: Mapping[str, dict[str, Any]],
         steering: AbortHandle,
     ) -> list[ToolOutcome]:
-        """Run one turn's calls concurrently; one call's failure never destroys another's result.
+        """Run one turn's calls concurrently (a lone call in this task); one call's failure never
+        destroys another's result.
 
         Each call's answer lands in its slot the moment its result is known (no await in
         between); on every way out, a cancellation from outside included, the answers join
@@ -763,9 +764,12 @@ class _Run:
             await self._run_call(turn_id, part, checked, slots, index, steering, stages)
 
         try:
-            async with trio.open_nursery() as nursery:
-                for index, part in enumerate(calls):
-                    nursery.start_soon(run_one, index, part)
+            if len(calls) == 1:
+                await run_one(0, calls[0])  # nothing to run beside it: no task of its own
+            else:
+                async with trio.open_nursery() as nursery:
+                    for index, part in enumerate(calls):
+                        nursery.start_soon(run_one, index, part)
         except BaseExceptionGroup as group:
             typed = typed_error(group)
             if typed is None:
