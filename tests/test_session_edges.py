@@ -376,3 +376,22 @@ async def test_a_request_taken_by_the_worker_is_recorded_when_the_session_is_can
     reasons = [e.reason for e in journal if isinstance(e, RequestInterrupted)]
     assert reasons == [RequestInterruptReason.SESSION_CLOSE] * 2
     assert unsettled_requests(journal) == []
+
+
+async def test_a_request_run_by_the_block_itself_records_session_close_when_the_block_is_cancelled() -> None:
+    slow, started, _release = gated_tool("slow")
+    store = MemoryStore()
+    model = TestModel({"go": [Reply(tool_calls=[("slow", {})]), Reply(text="never")]})
+    with trio.CancelScope() as outer:
+        async with open_session(provider=model, tools=[slow], journal=store) as session:
+
+            async def cancel_when_started() -> None:
+                await started.wait()
+                outer.cancel()  # from a scope around the session, while the block's send() runs
+
+            session._nursery.start_soon(cancel_when_started)  # type: ignore[union-attr]
+            await session.send("go")
+    assert outer.cancelled_caught
+    journal = await events_of(store, session.journal.stream_id())
+    assert [e.reason for e in journal if isinstance(e, RequestInterrupted)] == [RequestInterruptReason.SESSION_CLOSE]
+    assert unsettled_requests(journal) == []

@@ -23,6 +23,7 @@ Req = TypeVar("Req")
 Res = TypeVar("Res")
 Req_contra = TypeVar("Req_contra", contravariant=True)
 Res_co = TypeVar("Res_co", covariant=True)
+T = TypeVar("T")
 
 
 class MiddlewareNext(Protocol[Req_contra, Res_co]):
@@ -57,7 +58,7 @@ class CheckedLayers(tuple[Any, ...]):
     `PassedChecks`, so a layer passed to many runs is inspected once.
     """
 
-    __slots__ = ()
+    # No __slots__: `derived` keeps what is built from the layers on the object itself.
     _sequence_error = "middleware must be a sequence, got {!r}"
     _passed: PassedChecks
 
@@ -80,6 +81,14 @@ class CheckedLayers(tuple[Any, ...]):
             cls._check_layer(layer, index)
             passed.add(layer)
         return cls(middleware)
+
+    def derived(self, key: str, build: Callable[[Self], T]) -> T:
+        """What *build* makes of these layers alone (a composed chain), made once per layers
+        object: sessions opened from one spec share it. *build* must not keep this object."""
+        made: dict[str, Any] = self.__dict__
+        if key not in made:
+            made[key] = build(self)
+        return made[key]  # type: ignore[no-any-return]
 
 
 class PassedChecks:

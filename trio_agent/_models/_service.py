@@ -302,6 +302,13 @@ class RetryPolicy:
         return rng.uniform(0, ceiling) if self.jitter else ceiling
 
 
+def _chains_of(layers: ModelLayers) -> dict[Operation, tuple[Any, ...]]:
+    """Each operation's wrappers: the layers' methods for it, first = outermost."""
+    return {
+        op: tuple(getattr(layer, name) for layer in layers if _defines(layer, name)) for op, name in _WRAPPERS.items()
+    }
+
+
 class ModelService:
     """A provider wrapped with a model middleware stack, a retry loop and a request deadline.
 
@@ -333,10 +340,7 @@ class ModelService:
         self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
         self._rng = rng or _JITTER
         self._names: dict[Operation, tuple[str, ...]] = {}
-        self._chains: dict[Operation, tuple[Any, ...]] = {
-            op: tuple(getattr(layer, name) for layer in layers if _defines(layer, name))
-            for op, name in _WRAPPERS.items()
-        }
+        self._chains: dict[Operation, tuple[Any, ...]] = layers.derived("model_chains", _chains_of)
 
     @property
     def model(self) -> str:

@@ -74,6 +74,10 @@ async def begin_life(host: SessionHost, tools: Mapping[str, Tool[Any]], history:
             )
         await journal.append(ConversationSeeded(session_id=host.session_id, conversation=encode_conversation(history)))
     life = Life(number=projection.life)
+    if state is SessionState.OPEN and all(journal.projection(agent).head == 1 for agent in journal.agents):
+        # Nothing but session_created on any stream (a session created now): nothing to recover,
+        # no conversation to rebuild, no rules to replay.
+        return life
     if state is SessionState.CLOSED:
         # A new life on the same streams: the conversation is rebuilt from the journal below.
         life.number += 1

@@ -558,7 +558,8 @@ class RequestQueue:
 
     async def drain(self) -> None:
         """Wait for the worker to end and for accepts in flight to settle (after `close`)."""
-        await self._worker_done.wait()
+        if not self._worker_done.is_set():  # else no checkpoint: a close with nothing to wait for
+            await self._worker_done.wait()
         while self._accepting:
             self._accepted = trio.Event()
             await self._accepted.wait()

@@ -231,9 +231,10 @@ class Session:
         return _reply(request)
 
     def _cancelled_by(self) -> RequestInterruptReason:
-        """Why a request run in its caller's task was cancelled: the session's end, or its caller."""
+        """Why a request run in its caller's task was cancelled: the session's end (closing, or its
+        nursery cancelled, also from a scope around the session), or else its caller."""
         nursery = self._nursery
-        if self._host.closing or nursery is None or nursery.cancel_scope.cancel_called:
+        if self._host.closing or nursery is None or _cancelled_around(nursery.cancel_scope):
             return RequestInterruptReason.SESSION_CLOSE
         return RequestInterruptReason.USER_ABORT
 
@@ -450,6 +451,15 @@ class Session:
                         break
         if refused is not None:
             raise refused
+
+
+def _cancelled_around(scope: trio.CancelScope) -> bool:
+    """Whether *scope* is cancelled, by itself or by a scope around it. Trio has no public way to
+    ask the second; the scope's cancel status knows it (read defensively: absent, it is not)."""
+    if scope.cancel_called:
+        return True
+    status = getattr(scope, "_cancel_status", None)
+    return getattr(status, "effectively_cancelled", False) is True
 
 
 def _reply(request: _Request) -> str:

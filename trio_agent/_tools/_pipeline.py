@@ -430,6 +430,13 @@ class ToolLayers(CheckedLayers):
         _check_tool_middleware(layer, index)
 
 
+def _compose(layers: ToolLayers) -> Callable[[_Frame], Awaitable[ToolResult]]:
+    """The chain of *layers* around the core: the adapters are ours, around checked layers (nothing
+    to check again), and hold no pipeline (a call's frame knows it), so pipelines share it."""
+    adapted = [ToolPipeline._adapt(layer) for layer in layers]
+    return compose_middleware(adapted, ToolPipeline._terminal, check=ToolPipeline._guard, validate=False)
+
+
 class ToolPipeline:
     """Runs tool calls through the journal, the tool middleware onion and the core stages.
 
@@ -507,12 +514,7 @@ class ToolPipeline:
         stages_ = self.stages
         self._has_pre_stages = bool(stages_.pre_tool or stages_.permission or stages_.before or stages_.guard)
         self._chain: Callable[[_Frame], Awaitable[ToolResult]] | None = (
-            # The adapters are ours, around layers checked above: nothing to check again.
-            compose_middleware(
-                [self._adapt(layer) for layer in layers], self._terminal, check=self._guard, validate=False
-            )
-            if layers
-            else None
+            layers.derived("tool_chain", _compose) if layers else None
         )
 
     # -- public ---------------------------------------------------------------
@@ -758,8 +760,9 @@ class ToolPipeline:
                 return core, True
         return mw_result, True
 
+    @staticmethod
     def _adapt(
-        self, layer: ToolMiddleware
+        layer: ToolMiddleware,
     ) -> Callable[[_Frame, Callable[[_Frame | None], Awaitable[ToolResult]]], Awaitable[ToolResult]]:
         def run_layer(frame: _Frame, next_: Callable[[_Frame | None], Awaitable[ToolResult]]) -> Awaitable[ToolResult]:
             return _Deferred(functools.partial(enter_layer, frame, next_), frame.call)
