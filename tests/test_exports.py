@@ -313,3 +313,21 @@ def test_a_renamed_name_still_resolves() -> None:
     import trio_agent.tools
 
     assert trio_agent.ToolLifecycle is trio_agent.tools.ToolJournal  # type: ignore[attr-defined]
+
+
+def test_a_moved_name_is_looked_up_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trio_agent.ToolResultMessage`` in a loop must not run the import machinery on every read
+    (it once made the benchmarks' hand-written floor look twice as expensive as it is)."""
+    trio_agent.__dict__.pop("ToolResultMessage", None)
+    imports: list[str] = []
+    real = importlib.import_module
+
+    def counting(name: str, package: str | None = None) -> types.ModuleType:
+        imports.append(name)
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", counting)
+    first = trio_agent.ToolResultMessage
+    for _ in range(10):
+        assert trio_agent.ToolResultMessage is first
+    assert len(imports) == 1, imports

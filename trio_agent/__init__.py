@@ -391,9 +391,11 @@ def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
+        value = getattr(importlib.import_module(_MOVED[name]), name)
+        globals()[name] = value  # found once: a moved name read in a loop costs no import each time
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY, *_SUBMODULES})
+    return sorted({*globals(), *_LAZY, *_SUBMODULES} - _MOVED.keys())  # a moved name read once is cached
