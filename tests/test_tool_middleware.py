@@ -1784,6 +1784,15 @@ async def test_history_limit_keeps_the_latest_calls() -> None:
         ToolPipeline([echo_tool(Runs())], history_limit=-1)
 
 
+async def test_a_pipeline_without_history_keeps_nothing_however_many_share_the_empty_one() -> None:
+    first, second = (ToolPipeline([echo_tool(Runs())], history_limit=0) for _ in range(2))
+    for i in range(3):
+        await call_tool(first, "echo", {"q": str(i)})
+        await call_tool(second, "echo", {"q": str(i)})
+    assert len(first.history) == len(second.history) == 0
+    assert first.statistics()["history"] == 0
+
+
 async def test_request_with_its_own_emit_is_honoured() -> None:
     """A request passed to call_next carrying a bound emit routes inner items through it."""
 

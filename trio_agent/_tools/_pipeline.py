@@ -430,6 +430,9 @@ class ToolLayers(CheckedLayers):
         _check_tool_middleware(layer, index)
 
 
+_NO_HISTORY: deque[ToolExecutionRecord] = deque(maxlen=0)
+
+
 def _compose(layers: ToolLayers) -> Callable[[_Frame], Awaitable[ToolResult]]:
     """The chain of *layers* around the core: the adapters are ours, around checked layers (nothing
     to check again), and hold no pipeline (a call's frame knows it), so pipelines share it."""
@@ -505,7 +508,8 @@ class ToolPipeline:
         if isinstance(history_limit, bool) or not isinstance(history_limit, int) or history_limit < 0:
             raise ConfigError(f"history_limit must be a whole number >= 0, got {history_limit!r}")
         self.workspace = workspace
-        self.history: deque[ToolExecutionRecord] = deque(maxlen=history_limit)
+        # No history kept: one shared empty deque (appending to it keeps nothing), not ~600 bytes each.
+        self.history: deque[ToolExecutionRecord] = deque(maxlen=history_limit) if history_limit else _NO_HISTORY
         # Calls whose tool is running, keyed by the moment their cleanup would overrun.
         self._cleanup_heap: list[tuple[float, int, _Call]] = []
         self._cleanup_seq = 0

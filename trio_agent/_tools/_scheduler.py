@@ -59,7 +59,7 @@ class _Bucket:
     def __init__(self, total: int) -> None:
         self.total = total
         self.free = total
-        self.waiters: deque[_Waiter] = deque()
+        self.waiters: deque[_Waiter] | None = None  # made by the first wait (a deque holds ~600 bytes)
 
     def try_acquire(self) -> bool:
         if self.free and not self.waiters:
@@ -76,14 +76,17 @@ class _Bucket:
                 raise
             return
         waiter = _Waiter(exclusive=True)
-        self.waiters.append(waiter)
+        if self.waiters is None:
+            self.waiters = deque()
+        waiters = self.waiters
+        waiters.append(waiter)
         try:
             await waiter.event.wait()
         except BaseException:
             if waiter.granted:
                 self.release()
             else:
-                self.waiters.remove(waiter)
+                waiters.remove(waiter)
             raise
 
     def release(self) -> None:
@@ -130,7 +133,7 @@ class ToolScheduler:
         buckets = {}
         for kind in ToolKind:
             bucket = self._bucket(kind)
-            buckets[kind.value] = (bucket.total - bucket.free, len(bucket.waiters), bucket.total)
+            buckets[kind.value] = (bucket.total - bucket.free, len(bucket.waiters or ()), bucket.total)
         return SchedulerStatistics(buckets)
 
 
