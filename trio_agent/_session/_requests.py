@@ -376,21 +376,25 @@ class RequestQueue:
         queued = self.queued
         if queued >= self.max_queued:
             raise SessionBusyError(f"{queued} requests are already queued; wait for some to finish")
-        # request_accepted is durable before send returns or the stream starts.
+        await self._accept_durably(request)
+        self._start_worker()
+        self.send_channel.send_nowait(request)
+
+    async def _accept_durably(self, request: _Request) -> None:
+        """Record *request* accepted (durable before send returns or the stream starts), or end it:
+        a request that is not accepted, or accepted while the session closed, is never left open."""
         self._accepting += 1  # the close waits for this, so the request is settled either way
         try:
             try:
                 await accept_on(self.journal, self.root.agent_id, request)
             except BaseException:
-                # A cancellation, Ctrl-C or a failed write: the accepted request is never queued,
+                # A cancellation, Ctrl-C or a failed write: the accepted request never runs,
                 # so it ends here (recorded if the journal took it), never left open.
                 await self._unqueue(request, "the caller was cancelled while the request was accepted")
                 raise
             if self.closed:
                 await self._unqueue(request, "the session closed while the request was accepted")
                 raise SessionClosedError("the session is closed")
-            self._start_worker()
-            self.send_channel.send_nowait(request)
         finally:
             self._accepting -= 1
             if self._accepting == 0:
@@ -414,21 +418,9 @@ class RequestQueue:
         """
         self.lock.acquire_nowait()  # free: `runs_here` checked it, and nothing awaited since
         self.current = request
-        self._accepting += 1
         try:
             try:
-                try:
-                    await accept_on(self.journal, self.root.agent_id, request)
-                except BaseException:
-                    await self._unqueue(request, "the caller was cancelled while the request was accepted")
-                    raise
-                finally:
-                    self._accepting -= 1
-                    if self._accepting == 0:
-                        self._accepted.set()
-                if self.closed:
-                    await self._unqueue(request, "the session closed while the request was accepted")
-                    raise SessionClosedError("the session is closed")
+                await self._accept_durably(request)
                 if request.abort.aborted:  # aborted while it was accepted: it never starts
                     await self._record_unstarted(request, request.abort.reason)
                     return
