@@ -53,7 +53,7 @@ async def test_a_full_queue_refuses_before_anything_is_written(autojump_clock: t
     async with open_session(provider=model, tools=[slow], journal=store) as session, trio.open_nursery() as nursery:
         nursery.start_soon(session.send, "first")
         await started.wait()
-        capacity = session._queue_send.statistics().max_buffer_size
+        capacity = session._queue.max_queued
 
         async def later(prompt: str) -> None:
             await session.send(prompt, priority="later")

@@ -316,7 +316,8 @@ class RequestQueue:
         self.grace = cleanup_grace
         self.max_queued = max_queued
         self._worker_done = trio.Event()
-        self.send_channel, self._recv = trio.open_memory_channel[_Request](max_queued)
+        # The requests that wait, made with the first one (an idle session holds no channel).
+        self._line: tuple[trio.MemorySendChannel[_Request], trio.MemoryReceiveChannel[_Request]] | None = None
         self._waiting: _Request | None = None  # taken by the worker, waiting for the request slot
         # The worker starts with the first request that has to wait: an idle session runs no task.
         self._serve_in: tuple[trio.Nursery, Callable[[_Request], Awaitable[None]]] | None = None
@@ -358,7 +359,9 @@ class RequestQueue:
     @property
     def queued(self) -> int:
         """Accepted requests that wait to run (the one the worker took and holds counts)."""
-        return self._recv.statistics().current_buffer_used + (self._waiting is not None)
+        line = self._line
+        buffered = 0 if line is None else line[1].statistics().current_buffer_used
+        return buffered + (self._waiting is not None)
 
     def idle(self) -> bool:
         """Nothing runs and nothing is queued."""
@@ -377,8 +380,16 @@ class RequestQueue:
         if queued >= self.max_queued:
             raise SessionBusyError(f"{queued} requests are already queued; wait for some to finish")
         await self._accept_durably(request)
+        send, _ = self._waiting_line()
         self._start_worker()
-        self.send_channel.send_nowait(request)
+        send.send_nowait(request)
+
+    def _waiting_line(
+        self,
+    ) -> tuple[trio.MemorySendChannel[_Request], trio.MemoryReceiveChannel[_Request]]:
+        if self._line is None:
+            self._line = trio.open_memory_channel[_Request](self.max_queued)
+        return self._line
 
     async def _accept_durably(self, request: _Request) -> None:
         """Record *request* accepted (durable before send returns or the stream starts), or end it:
@@ -490,7 +501,8 @@ class RequestQueue:
     async def serve(self, run: Callable[[_Request], Awaitable[None]]) -> None:
         """Run the queued requests one at a time with *run*; rejects what is queued once closed."""
         try:
-            async for request in self._recv:
+            _, line = self._waiting_line()
+            async for request in line:
                 if request.done.is_set() or request.abort.aborted:
                     continue  # aborted while it was queued: `abort_request` records it
                 if self.closed:
@@ -546,7 +558,8 @@ class RequestQueue:
         """Accept nothing more; the worker rejects what is queued and ends."""
         self.closed = True
         self._serve_in = None
-        self.send_channel.close()
+        if self._line is not None:
+            self._line[0].close()
 
     async def drain(self) -> None:
         """Wait for the worker to end and for accepts in flight to settle (after `close`)."""

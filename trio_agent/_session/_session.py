@@ -116,10 +116,6 @@ class Session:
     def definitions(self) -> Mapping[str, SubagentDefinition]:
         return self._supervisor.definitions
 
-    @property
-    def _queue_send(self) -> trio.MemorySendChannel[_Request]:
-        return self._queue.send_channel
-
     def messages(self) -> tuple[Message, ...]:
         """The root agent's conversation so far (a snapshot; the session owns the live one)."""
         return tuple(self._host.root.history)
