@@ -315,18 +315,17 @@ class RequestQueue:
         self.root = root
         self.grace = cleanup_grace
         self.max_queued = max_queued
-        self._worker_done = trio.Event()
+        self._worker_done: trio.Event | None = None  # made when the worker starts
         # The requests that wait, made with the first one (an idle session holds no channel).
         self._line: tuple[trio.MemorySendChannel[_Request], trio.MemoryReceiveChannel[_Request]] | None = None
         self._waiting: _Request | None = None  # taken by the worker, waiting for the request slot
         # The worker starts with the first request that has to wait: an idle session runs no task.
         self._serve_in: tuple[trio.Nursery, Callable[[_Request], Awaitable[None]]] | None = None
-        self._worker_done.set()
         self.current: _Request | None = None
         self.lock = trio.Lock()  # the request slot: one request (or subagent start) at a time
         self.closed = False
         self._accepting = 0  # request_accepted writes in flight (close waits for them)
-        self._accepted = trio.Event()
+        self._accepted: trio.Event | None = None  # made when the close waits for an acceptance
 
     # -- intake
 
@@ -408,7 +407,7 @@ class RequestQueue:
                 raise SessionClosedError("the session is closed")
         finally:
             self._accepting -= 1
-            if self._accepting == 0:
+            if self._accepting == 0 and self._accepted is not None:
                 self._accepted.set()
 
     def runs_here(self) -> bool:
@@ -500,6 +499,9 @@ class RequestQueue:
 
     async def serve(self, run: Callable[[_Request], Awaitable[None]]) -> None:
         """Run the queued requests one at a time with *run*; rejects what is queued once closed."""
+        done = self._worker_done  # made when it was started, so that a close waits for it
+        if done is None:
+            done = self._worker_done = trio.Event()
         try:
             _, line = self._waiting_line()
             async for request in line:
@@ -521,7 +523,7 @@ class RequestQueue:
                 finally:
                     self.lock.release()
         finally:
-            self._worker_done.set()
+            done.set()
 
     async def _run_taken(self, request: _Request, run: Callable[[_Request], Awaitable[None]]) -> None:
         """Run a queued request that got the slot, unless it was aborted or the session closed meanwhile."""
@@ -563,8 +565,9 @@ class RequestQueue:
 
     async def drain(self) -> None:
         """Wait for the worker to end and for accepts in flight to settle (after `close`)."""
-        if not self._worker_done.is_set():  # else no checkpoint: a close with nothing to wait for
-            await self._worker_done.wait()
+        worker_done = self._worker_done
+        if worker_done is not None and not worker_done.is_set():  # else no checkpoint: nothing to wait for
+            await worker_done.wait()
         while self._accepting:
-            self._accepted = trio.Event()
-            await self._accepted.wait()
+            accepted = self._accepted = trio.Event()
+            await accepted.wait()
