@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
-from .._abort import Abort, AbortHandle, AbortReason
+from .._abort import AbortHandle, AbortReason
 from .._cleanup import bounded_shield
 from .._errors import (
     ConfigError,
@@ -432,7 +432,7 @@ class RequestQueue:
             try:
                 await self._accept_durably(request)
                 if request.abort.aborted:  # aborted while it was accepted: it never starts
-                    await self._record_unstarted(request, request.abort.reason)
+                    await self._record_unstarted(request)
                     return
                 request.cancel_reason = cancel_reason
                 await run(request)
@@ -463,12 +463,13 @@ class RequestQueue:
         request.abort.abort(reason, message)
         if self.current is not request and not request.started and not request.done.is_set():
             # Still queued: it never starts; record it now instead of waiting for the worker.
-            await self._record_unstarted(request, request.abort.reason)
+            await self._record_unstarted(request)
             return
         await request.done.wait()
 
-    async def _record_unstarted(self, request: _Request, abort: Abort | None) -> None:
+    async def _record_unstarted(self, request: _Request) -> None:
         """An accepted request that was aborted before it started: recorded interrupted, finished."""
+        abort = request.abort.reason
         reason = abort.reason if abort is not None else AbortReason.USER_ABORT
         with bounded_shield(self.grace, "recording a queued request's abort"):
             await record_request_end(
@@ -494,14 +495,11 @@ class RequestQueue:
         if self._serve_in is not None:
             nursery, run = self._serve_in
             self._serve_in = None
-            self._worker_done = trio.Event()
-            nursery.start_soon(self.serve, run, name="trio_agent.session.request_worker")
+            done = self._worker_done = trio.Event()  # made now: a close from here on waits for it
+            nursery.start_soon(self._serve, run, done, name="trio_agent.session.request_worker")
 
-    async def serve(self, run: Callable[[_Request], Awaitable[None]]) -> None:
+    async def _serve(self, run: Callable[[_Request], Awaitable[None]], done: trio.Event) -> None:
         """Run the queued requests one at a time with *run*; rejects what is queued once closed."""
-        done = self._worker_done  # made when it was started, so that a close waits for it
-        if done is None:
-            done = self._worker_done = trio.Event()
         try:
             _, line = self._waiting_line()
             async for request in line:

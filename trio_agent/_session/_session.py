@@ -214,15 +214,14 @@ class Session:
         queue = self._queue
         if queue.runs_here():  # idle: the caller's task runs it, no hand-off to the worker
             await queue.run_here(request, self._host.run_request, self._cancelled_by)
-            request.raise_if_failed()
-            return _reply(request)
-        await queue.accept(request)
-        try:
-            await request.done.wait()
-        finally:
-            if not request.done.is_set():
-                with self._host.cleanup_scope():
-                    await queue.abort_request(request, AbortReason.USER_ABORT, cancelled)
+        else:
+            await queue.accept(request)
+            try:
+                await request.done.wait()
+            finally:
+                if not request.done.is_set():
+                    with self._host.cleanup_scope():
+                        await queue.abort_request(request, AbortReason.USER_ABORT, cancelled)
         request.raise_if_failed()
         return _reply(request)
 
