@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import socket
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -55,7 +53,6 @@ from .._errors import (
     JournalCorruptError,
     JournalError,
     JournalFencedError,
-    LeaseHeldError,
     LeaseLostError,
     StaleFencingTokenError,
 )
@@ -83,6 +80,7 @@ from ._events import (
     ToolStarted,
     place_event,
 )
+from ._lease import HeldLease, acquire, check_seconds, check_timing, default_owner
 from ._memory import MemoryStore
 from ._projection import Projection, RecoveryKind, RecoveryPlan, ToolState
 from ._snapshot import (
@@ -146,18 +144,6 @@ class _Default:
 _DEFAULT = _Default()
 
 
-def _default_owner() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-def _check_seconds(name: str, value: float, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number of seconds, not {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, not {value!r}")
-    return float(value)
-
-
 def _recorded_at(now: object) -> float:
     """A store clock's reading that is not a plain finite float: an int is fine, anything else
     is the clock's bug, named before anything is written."""
@@ -182,13 +168,19 @@ class DurableJournal:
         commit_grace: float,
         root_agent_id: str,
         fold_after: int | None = FOLD_AFTER,
+        sent: float | None = None,
     ) -> None:
         self.store = store
         self.session_id = session_id
         self.owner = owner
-        self.lease = lease
-        self.lease_ttl = lease_ttl
-        self.heartbeat_interval = heartbeat_interval
+        self.held = HeldLease(
+            store,
+            lease,
+            ttl=lease_ttl,
+            interval=heartbeat_interval,
+            sent=trio.current_time() if sent is None else sent,
+            on_lost=self._on_lost,
+        )
         self.durable_pure_starts = durable_pure_starts
         self.commit_grace = commit_grace
         self.root_agent_id = root_agent_id
@@ -198,25 +190,58 @@ class DurableJournal:
         self._streams: dict[str, _Stream] = {}
         self._checked_ids: dict[str | None, str] = {}  # agent id -> its stream id, checked once
         self._fenced: str | None = None
-        self._lost: BaseException | None = None
-        self._valid_until = trio.current_time() + lease_ttl * 0.9
         self._body_scope: trio.CancelScope | None = None
         self._closed = trio.Event()
         self._pending_starts: dict[str, AppendTicket] = {}
         self.recovered = False
-        # A store whose leases never run out needs no heartbeat, and one that commits at once
-        # (`JournalStore.commit`) needs no ticket: the memory store's appends never wait. Only a
-        # class that defines commit itself is trusted: a wrapper may intercept `submit`.
-        self.renews_lease: bool = getattr(store, "leases_expire", True)
+        # A store whose leases never run out needs no heartbeat (`HeldLease`), and one that commits
+        # at once (`JournalStore.commit`) needs no ticket: the memory store's appends never wait.
+        # Only a class that defines commit itself is trusted: a wrapper may intercept `submit`.
         self._commit_now: Callable[[AppendBatch], AppendResult] | None = (
             store.commit if "commit" in type(store).__dict__ else None  # type: ignore[attr-defined]
         )
-        if not self.renews_lease:
-            self._valid_until = math.inf
-        self.heartbeat_lag = 0.0
-        """The longest a renewal came after it was due so far (seconds): what the event loop's
-        load and the store's round trip cost. Choose ``lease_ttl`` well above it (a warning is
-        logged when it passes a third of the TTL)."""
+
+    # -- the lease (held by `HeldLease`; these read and steer it)
+
+    @property
+    def lease(self) -> Lease:
+        return self.held.lease
+
+    @property
+    def lease_ttl(self) -> float:
+        return self.held.ttl
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return self.held.interval
+
+    @property
+    def renews_lease(self) -> bool:
+        return self.held.expires
+
+    @property
+    def heartbeat_lag(self) -> float:
+        """The longest a renewal came after it was due so far (seconds); see `HeldLease.lag`."""
+        return self.held.lag
+
+    @property
+    def _lost(self) -> BaseException | None:
+        return self.held.lost
+
+    @property
+    def _valid_until(self) -> float:
+        return self.held.valid_until
+
+    @_valid_until.setter
+    def _valid_until(self, value: float) -> None:
+        self.held.valid_until = value
+
+    def _on_lost(self, exc: BaseException) -> None:
+        if self._body_scope is not None:
+            self._body_scope.cancel()
+
+    def _lose(self, exc: BaseException) -> None:
+        self.held.lose(exc)
 
     # -- reading
 
@@ -256,11 +281,7 @@ class DurableJournal:
 
     def check_ownership(self) -> None:
         """Raise `LeaseLostError` if the lease is lost or no longer valid by the local clock."""
-        if self._lost is not None:
-            raise LeaseLostError(f"the lease on session {self.session_id!r} was lost: {self._lost}")
-        if self.renews_lease and trio.current_time() >= self._valid_until:
-            self._lose(LeaseLostError("the lease was not renewed in time"))
-            raise LeaseLostError(f"the lease on session {self.session_id!r} expired locally before renewal")
+        self.held.check()
 
     def fencing_token(self) -> int | None:
         return self.lease.token
@@ -273,52 +294,7 @@ class DurableJournal:
         downstream that refuses stale fencing tokens, or deduplicates by idempotency key,
         closes it (see docs/durability.md, "Fencing external effects").
         """
-        self.check_ownership()
-        sent = trio.current_time()
-        try:
-            self.lease = await self.store.renew_lease(self.lease, self.lease_ttl)
-        except LeaseLostError as exc:
-            self._lose(exc)
-            raise
-        self._valid_until = max(self._valid_until, sent + self.lease_ttl * 0.9)
-
-    def _lose(self, exc: BaseException) -> None:
-        if self._lost is None:
-            self._lost = exc
-            if self._body_scope is not None:
-                self._body_scope.cancel()
-
-    async def _heartbeat(self) -> None:
-        while True:
-            due = trio.current_time() + self.heartbeat_interval
-            await trio.sleep_until(due)
-            sent = trio.current_time()
-            try:
-                with trio.fail_after(max(self._valid_until - sent, 0.001)):
-                    self.lease = await self.store.renew_lease(self.lease, self.lease_ttl)
-                self._note_lag(trio.current_time() - due)
-            except LeaseLostError as exc:
-                self._lose(exc)
-                return
-            except (JournalError, trio.TooSlowError) as exc:
-                # The store is unreachable: keep trying while the lease is still locally valid.
-                if trio.current_time() >= self._valid_until:
-                    self._lose(exc)
-                    return
-                continue
-            self._valid_until = sent + self.lease_ttl * 0.9
-
-    def _note_lag(self, lag: float) -> None:
-        if lag > self.heartbeat_lag:
-            if lag > self.lease_ttl / 3 >= self.heartbeat_lag:
-                logger.warning(
-                    "the lease heartbeat of session %s renewed %.3f s late (lease_ttl %.1f s): "
-                    "the event loop or the store is slow; a longer lease_ttl keeps the lease",
-                    self.session_id,
-                    lag,
-                    self.lease_ttl,
-                )
-            self.heartbeat_lag = lag
+        await self.held.confirm()
 
     # -- writing
 
@@ -923,24 +899,6 @@ def unknown_outcome_result(call_id: str, tool_name: str) -> ToolResult:
     )
 
 
-async def _acquire(
-    store: JournalStore, session_id: str, owner: str, ttl: float, takeover_timeout: float
-) -> tuple[Lease, float]:
-    """The lease, and when the successful request was sent (local validity counts from then)."""
-    deadline = trio.current_time() + takeover_timeout
-    while True:
-        sent = trio.current_time()
-        try:
-            return await store.acquire_lease(session_id, owner, ttl), sent
-        except LeaseHeldError as exc:
-            wait = exc.expires_at - store.clock()
-            now = trio.current_time()
-            if now + max(wait, 0.0) > deadline:
-                raise
-            # Wait for the holder's expiry (by the store's clock), polling in case it releases early.
-            await trio.sleep(min(max(wait, 0.0) + 0.001, max(deadline - now, 0.0), 0.25))
-
-
 @asynccontextmanager
 async def open_journal(
     store: JournalStore,
@@ -954,6 +912,8 @@ async def open_journal(
     commit_grace: float = 10.0,
     root_agent_id: str = ROOT_AGENT,
     snapshot_every: int | _Default | None = _DEFAULT,
+    lease: Lease | None = None,
+    lease_sent: float | None = None,
 ) -> AsyncIterator[DurableJournal]:
     """Hold one session's journal: lease, heartbeat, projections.
 
@@ -970,27 +930,36 @@ async def open_journal(
     default is 32 for durable stores and never for a `MemoryStore`, whose journal does
     not outlive the process (a reopen in the same process replays memory, which is cheap).
 
+    ``lease`` adopts a lease already taken on the session (a worker's claim, see
+    `serve_sessions`), granted by a request sent at ``lease_sent`` (trio's clock): its
+    validity counts from then. The block then renews and releases it as its own.
+
     If the lease is lost, the body is cancelled and the block raises `LeaseLostError`.
     """
-    lease_ttl = _check_seconds("lease_ttl", lease_ttl)
-    interval = _check_seconds(
-        "heartbeat_interval", heartbeat_interval if heartbeat_interval is not None else lease_ttl / 3
-    )
-    if interval >= lease_ttl:
-        raise ConfigError(f"heartbeat_interval ({interval}) must be shorter than lease_ttl ({lease_ttl})")
-    takeover_timeout = _check_seconds("takeover_timeout", takeover_timeout, allow_zero=True)
-    commit_grace = _check_seconds("commit_grace", commit_grace)
+    lease_ttl, interval = check_timing(lease_ttl, heartbeat_interval)
+    takeover_timeout = check_seconds("takeover_timeout", takeover_timeout, allow_zero=True)
+    commit_grace = check_seconds("commit_grace", commit_grace)
     if isinstance(snapshot_every, _Default):
         snapshot_every = None if isinstance(store, MemoryStore) else 32
     if snapshot_every is not None and (
         isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1
     ):
         raise ConfigError(f"snapshot_every must be a positive number of events or None, not {snapshot_every!r}")
+    if lease is not None:
+        if session_id not in (None, lease.session_id) or owner not in (None, lease.owner):
+            raise ConfigError(
+                f"the adopted lease is on session {lease.session_id!r} for owner {lease.owner!r}, "
+                f"not session_id={session_id!r}, owner={owner!r}"
+            )
+        session_id, owner = lease.session_id, lease.owner
     session_id = session_id or f"session-{uuid.uuid4().hex}"
     if "/" in session_id:
         raise ConfigError(f"session_id must not contain '/': {session_id!r}")
-    owner = owner or _default_owner()
-    lease, sent = await _acquire(store, session_id, owner, lease_ttl, takeover_timeout)
+    owner = owner or default_owner()
+    if lease is None:
+        lease, sent = await acquire(store, session_id, owner, lease_ttl, takeover_timeout)
+    else:
+        sent = trio.current_time() if lease_sent is None else lease_sent
     journal = DurableJournal(
         store,
         session_id=session_id,
@@ -1002,9 +971,8 @@ async def open_journal(
         commit_grace=commit_grace,
         root_agent_id=root_agent_id,
         fold_after=None if snapshot_every is None else FOLD_AFTER,
+        sent=sent,
     )
-    if journal.renews_lease:
-        journal._valid_until = sent + lease_ttl * 0.9
     try:
         await journal._load()
         await journal.open_agent(root_agent_id)
@@ -1015,7 +983,7 @@ async def open_journal(
         else:
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(journal._heartbeat)
+                    nursery.start_soon(journal.held.keep_alive, name=f"{session_id}_heartbeat")
                     try:
                         with trio.CancelScope() as body:
                             journal._body_scope = body
@@ -1044,7 +1012,6 @@ async def open_journal(
                         await journal.snapshot_all(min_events=snapshot_every)
                     if scope.cancelled_caught:
                         logger.warning("saving snapshots of session %s overran its bound; left", session_id)
-                with contextlib.suppress(JournalError):  # it expires on its own
-                    await store.release_lease(journal.lease)
+                await journal.held.release()
     if journal._lost is not None:
         raise LeaseLostError(f"the lease on session {session_id!r} was lost: {journal._lost}") from journal._lost
