@@ -244,7 +244,9 @@ _LAZY: dict[str, str] = {
     "create_provider": "trio_agent._models._providers",
 }
 
-_SUBMODULES = frozenset({"journal", "lifecycle", "middleware", "models", "permissions", "plugins", "testing", "tools"})
+_SUBMODULES = frozenset(
+    {"journal", "lifecycle", "middleware", "models", "permissions", "plugins", "testing", "tools", "workers"}
+)
 
 # Names that were top-level before the public face was cut down (issue 16), and the module
 # that holds each now. They still resolve as ``trio_agent.<name>`` (not in ``__all__`` or

@@ -1,4 +1,5 @@
-"""Command line: ``python -m trio_agent demo``, ``serve`` and ``journal show PATH``."""
+"""Command line (``trio-agent`` or ``python -m trio_agent``): ``demo``, ``serve``, ``journal show PATH``,
+and the PostgreSQL workers: ``worker``, ``submit``, ``sessions``, ``workers``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive, finite number of seconds")
     return value
 
 
@@ -40,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trio_agent", description="trio_agent command line")
+    parser = argparse.ArgumentParser(prog="trio-agent", description="trio_agent command line")
     parser.add_argument("--version", action="version", version=f"trio_agent {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run the orchestration demo (offline by default: no API key needed)")
@@ -67,7 +78,60 @@ def _main(argv: list[str] | None) -> int:
     show.add_argument("path", help="the SQLite journal file")
     show.add_argument("--session", default=None, help="only this session")
     show.add_argument("--agent", default=None, help="only this agent's stream (e.g. root, reviewer-7)")
+    dsn_help = "the PostgreSQL DSN (default: $TRIO_AGENT_DSN)"
+    worker = commands.add_parser("worker", help="serve sessions submitted to a PostgreSQL database")
+    worker.add_argument("--dsn", default=None, help=dsn_help)
+    worker.add_argument("--agent", default=None, help="module:attribute of an AgentSpec (default: the offline agent)")
+    worker.add_argument("--concurrency", type=_positive, default=8, help="sessions served at once (default 8)")
+    worker.add_argument("--schema", default="trio_agent", help="the journal's schema (default trio_agent)")
+    worker.add_argument("--lease-ttl", type=_seconds, default=30.0, help="session lease TTL in seconds (default 30)")
+    worker.add_argument("--poll-interval", type=_seconds, default=2.0, help="fallback polling, seconds (default 2)")
+    worker.add_argument(
+        "--shutdown-grace", type=_seconds, default=30.0, help="on SIGTERM, seconds to finish before handing off"
+    )
+    worker.add_argument("--no-live", action="store_true", help="do not publish live text deltas")
+    worker.add_argument("--worker-id", default=None, help="this worker's id (default host:pid:random)")
+    submit = commands.add_parser("submit", help="submit a request to a session served by workers")
+    submit.add_argument("session_id")
+    submit.add_argument("prompt")
+    submit.add_argument("--dsn", default=None, help=dsn_help)
+    submit.add_argument("--schema", default="trio_agent")
+    submit.add_argument("--request-id", default=None, help="idempotency: the same id is submitted once")
+    submit.add_argument("--priority", type=int, default=0, help="higher runs first within the session")
+    submit.add_argument("--wait", type=_seconds, default=None, help="wait up to N seconds; print the outcome")
+    for name, what in (("sessions", "list sessions and their state"), ("workers", "list workers and their load")):
+        listing = commands.add_parser(name, help=what)
+        listing.add_argument("--dsn", default=None, help=dsn_help)
+        listing.add_argument("--schema", default="trio_agent")
+        listing.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
+    if args.command in ("worker", "submit", "sessions", "workers"):
+        from ._workers import _cli
+
+        if args.command == "worker":
+            return _cli.run_worker(
+                dsn=args.dsn,
+                agent=args.agent,
+                concurrency=args.concurrency,
+                schema=args.schema,
+                lease_ttl=args.lease_ttl,
+                poll_interval=args.poll_interval,
+                shutdown_grace=args.shutdown_grace,
+                live=not args.no_live,
+                worker_id=args.worker_id,
+            )
+        if args.command == "submit":
+            return _cli.run_submit(
+                dsn=args.dsn,
+                schema=args.schema,
+                session_id=args.session_id,
+                prompt=args.prompt,
+                request_id=args.request_id,
+                priority=args.priority,
+                wait=args.wait,
+            )
+        listing_of = _cli.run_sessions if args.command == "sessions" else _cli.run_workers
+        return listing_of(dsn=args.dsn, schema=args.schema, as_json=args.json)
     if args.command == "demo":
         if args.model is not None and args.provider is None:
             parser.error(

@@ -172,6 +172,7 @@ class RunSpec:
     interrupts: Mapping[str, InterruptDefinition] = attrs.field(factory=dict)  # registered, by id
     can_pause: bool = True  # False: a subagent's run (its host cannot hold a pause)
     cleanup_grace: float = DEFAULT_CLEANUP_GRACE  # bounds the shielded reporting after a failure
+    turns_before: int = 0  # turns this run recorded in an earlier process (a request taken over)
 
 
 @attrs.frozen

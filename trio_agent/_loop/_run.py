@@ -207,7 +207,9 @@ class _Run:
         self.resume = resume
         self.step_open = False
         self.open_turn: TurnRef | None = None
-        self.turn_offset = 0  # a continuation's turns are numbered from 1 in its own run
+        # A continuation's turns are numbered from 1 in its own run; a request taken over from
+        # an earlier process numbers on after the turns it recorded there.
+        self.turn_offset = -spec.turns_before
         self.asks_at_boundaries = defines(hooks, "on_interrupt_boundary")
         self._history: Sequence[Message] = ()  # the history view `_config` handed out last
         self.turn_inputs: list[str] = []  # what joined the current turn (kept by a pause before the model)

@@ -224,13 +224,14 @@ class SessionHost:
                     f"session {self.session_id!r} is paused waiting for answers: this request was not run; "
                     "answer with session.resume([...]) and send it again"
                 )
-            # Deferred: a crash before the next write leaves it accepted, which recovery treats alike.
-            journal.defer(RequestStarted(request_id=request.request_id), agent_id=agent.agent_id)
+            if not request.continuing:
+                # Deferred: a crash before the next write leaves it accepted, which recovery treats alike.
+                journal.defer(RequestStarted(request_id=request.request_id), agent_id=agent.agent_id)
             request.started = True
             prompt = request.prompt
             extra: str | None = None
-            if request.resume is not None:
-                pass  # a continuation: its prompt is the answers, already checked by the session
+            if request.resume is not None or request.continuing:
+                pass  # a continuation (its prompt is the answers), or a request already past its prompt
             elif agent.parent_id is None:
                 decision = await self.dispatch(
                     HookEvent.USER_PROMPT_SUBMIT, agent.agent_id, prompt=prompt, abort=request.abort
@@ -258,7 +259,7 @@ class SessionHost:
                     await journal.append(
                         PromptSubmitted(request_id=request.request_id, messages=joined), agent_id=agent.agent_id
                     )
-            if request.resume is None:
+            if request.resume is None and not request.continuing:
                 agent.history.append(UserMessage(prompt))
             if extra:
                 agent.history.append(UserMessage(extra))
@@ -346,6 +347,7 @@ class SessionHost:
             interrupts=self.interrupts if agent.parent_id is None else {},
             can_pause=agent.parent_id is None,
             cleanup_grace=self.cleanup_grace,
+            turns_before=request.turns_before,
         )
 
     def _context(self, agent: _Agent, request: _Request, ports: RunPorts) -> RunContext:

@@ -13,7 +13,7 @@ import inspect
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
@@ -88,6 +88,7 @@ async def open_session(
     history: Sequence[Message] | None = None,
     permission_asks: PermissionAsks = "handler",
     interrupts: Sequence[InterruptDefinition] = (),
+    unfinished: Literal["interrupt", "keep"] = "interrupt",
 ) -> AsyncIterator[Session]:
     """Open a session: ``async with open_session(spec) as session`` (the spec's ``createSession``).
 
@@ -111,6 +112,12 @@ async def open_session(
     ``durable_pure_starts=False`` lets ``pure`` tools start without waiting for their
     ``tool_started`` commit, on a journal the session opens (`open_journal`'s option;
     an open `DurableJournal` keeps its own).
+
+    ``unfinished`` says what reopening does with the root's requests a crash (or a
+    worker's hand-off) left open: ``"interrupt"`` records them interrupted by the
+    restart; ``"keep"`` (what a worker taking the session over uses) leaves accepted
+    ones runnable and started ones to go on from their last durable point, each run by
+    `Session.serve_request`. Calls are recovered by their contracts either way.
 
     ``cleanup_grace`` bounds every shielded clean-up after a cancellation
     (recording outcomes, closing streams and stores; an overrun is logged as a
@@ -164,6 +171,8 @@ async def open_session(
         validate_id(session_id, name="session_id")
     if isinstance(journal, DurableJournal) and session_id not in (None, journal.session_id):
         raise ConfigError(f"session_id {session_id!r} differs from the given journal's {journal.session_id!r}")
+    if unfinished not in ("interrupt", "keep"):
+        raise ConfigError(f"unfinished must be 'interrupt' or 'keep', not {unfinished!r}")
     if not isinstance(durable_pure_starts, bool):
         raise ConfigError(f"durable_pure_starts must be True or False, not {durable_pure_starts!r}")
     if isinstance(journal, DurableJournal) and durable_pure_starts != journal.durable_pure_starts:
@@ -241,7 +250,7 @@ async def open_session(
                     stack.enter_context(spec.task_tools.serving(durable.session_id, supervisor))
                 queue.serve_in(nursery, host.run_request)
                 try:
-                    await session._start(spec.parts.tools, seed)
+                    await session._start(spec.parts.tools, seed, keep_requests=unfinished == "keep")
                     yield session
                 except BaseException:
                     close_reason = SessionCloseReason.ERROR

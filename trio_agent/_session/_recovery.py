@@ -9,7 +9,10 @@ Rules
   conversation is rebuilt from the journal.
 * On every stream still open, the journal's recovery plan is applied: calls it
   allows are re-run live, unknown outcomes are told, and what the crash left open
-  (turns, requests, subagents) is closed as interrupted by the restart.
+  (turns, requests, subagents) is closed as interrupted by the restart, except, when
+  the opener keeps them (a worker taking a session over), the requests: accepted ones
+  stay runnable and started ones go on from their last durable point
+  (`Session.serve_request`).
 * What the model must learn (recovery notes, background subagents whose outcome it
   never saw) goes to the root's inbox, so it is recorded with its next model call.
 * Permission rule updates the journal holds are replayed into the engine.
@@ -57,7 +60,13 @@ class Life:
     notes: list[str] = attrs.Factory(list)
 
 
-async def begin_life(host: SessionHost, tools: Mapping[str, Tool[Any]], history: Sequence[Message] | None) -> Life:
+async def begin_life(
+    host: SessionHost,
+    tools: Mapping[str, Tool[Any]],
+    history: Sequence[Message] | None,
+    *,
+    keep_requests: bool = False,
+) -> Life:
     """Begin this life of the session (module rules)."""
     journal = host.journal
     projection = journal.projection()
@@ -89,7 +98,7 @@ async def begin_life(host: SessionHost, tools: Mapping[str, Tool[Any]], history:
             record = projection.live_tool(call_id)  # an ended request's calls are settled: not read
             if record is not None and not record.state.settled:
                 host.decided[agent_id, call_id] = Allow()
-    await _recover(host, tools, life)
+    await _recover(host, tools, life, keep_requests)
     if host.permissions is not None:
         stored = journal.projection().permission_updates
         if stored:
@@ -97,7 +106,7 @@ async def begin_life(host: SessionHost, tools: Mapping[str, Tool[Any]], history:
     return life
 
 
-async def _recover(host: SessionHost, tools: Mapping[str, Tool[Any]], life: Life) -> None:
+async def _recover(host: SessionHost, tools: Mapping[str, Tool[Any]], life: Life, keep_requests: bool) -> None:
     """Apply the journal's recovery plan on every stream and re-run what it allows, live."""
     journal = host.journal
     for agent_id in list(journal.agents):
@@ -150,7 +159,8 @@ async def _recover(host: SessionHost, tools: Mapping[str, Tool[Any]], life: Life
                     agent_id=agent_id,
                 )
         for request in list(projection._s.requests.values()):
-            if request.state in (RequestState.ACCEPTED, RequestState.STARTED):
+            keep = keep_requests and agent_id == host.root.agent_id
+            if request.state in (RequestState.ACCEPTED, RequestState.STARTED) and not keep:
                 await journal.append(
                     RequestInterrupted(request_id=request.request_id, reason=RequestInterruptReason.PROCESS_RESTART),
                     agent_id=agent_id,

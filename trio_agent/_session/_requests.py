@@ -129,6 +129,7 @@ class _Request:
         "call_ids",
         "cancel_reason",
         "continuation",
+        "continuing",
         "done",
         "error",
         "finishing",
@@ -149,10 +150,11 @@ class _Request:
         "stop_reason",
         "text",
         "turns",
+        "turns_before",
     )
 
-    def __init__(self, prompt: str, sink: EventSink, agent: _Agent) -> None:
-        self.request_id = f"req-{uuid.uuid4().hex[:12]}"
+    def __init__(self, prompt: str, sink: EventSink, agent: _Agent, request_id: str | None = None) -> None:
+        self.request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
         self.prompt = prompt
         self.resume: Resume | None = None  # a continuation of a paused request: its answers
         self.paused: PausedRun | None = None  # set when it ended paused
@@ -178,6 +180,10 @@ class _Request:
         self.started = False  # request_started is durable
         self.accepting = True  # messages with priority next/now may still join it
         self.continuation: str | None = None  # a Stop hook's "one more round" message
+        # Started by an earlier owner of the session (a worker that died or handed it off): it goes
+        # on from its last durable point, its prompt already in the conversation.
+        self.continuing = False
+        self.turns_before = 0
         self.finishing = False  # no new background starts may join it
         self.holds = 0  # background starts in progress under this request
         self.released = trio.Event()
@@ -210,7 +216,10 @@ def interrupt_reason(reason: AbortReason) -> RequestInterruptReason:
 
 
 async def accept_on(journal: DurableJournal, agent_id: str, request: _Request) -> None:
-    """Record *request* accepted on *agent_id*'s stream."""
+    """Record *request* accepted on *agent_id*'s stream (once: one an earlier owner of the session
+    accepted, and that a worker now serves, is recorded already)."""
+    if journal.projection(agent_id).request(request.request_id) is not None:
+        return
     await journal.append(
         RequestAccepted(
             request_id=request.request_id,

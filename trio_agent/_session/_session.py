@@ -21,7 +21,7 @@ import trio
 
 from .._abort import AbortReason
 from .._cleanup import bounded_shield, validate_cleanup_grace
-from .._config import validate_timeout
+from .._config import validate_id, validate_timeout
 from .._errors import (
     InvalidTransitionError,
     JournalError,
@@ -43,7 +43,7 @@ from .._journal._events import (
     SessionClosed,
     SessionCloseReason,
 )
-from .._journal._projection import SessionState
+from .._journal._projection import RequestState, SessionState
 from .._journal._subscribe import DurableEventStream, JournalCursor
 from .._lifecycle._interrupts import PausedRun
 from .._loop._interrupts import InterruptAnswer, InterruptIssue, InterruptResumeError, Resume
@@ -209,6 +209,30 @@ class Session:
         request = _Request(prompt, discard, self._host.root)
         request.priority = None if priority is None else Priority(priority)
         return await self._run_to_end(request, "send() was cancelled")
+
+    async def serve_request(self, request_id: str, prompt: str, *, sink: EventSink = discard) -> RequestState:
+        """Run request *request_id* to its end at most once, and return how the journal says it ended.
+
+        What a worker does with each submission (`serve_sessions`), idempotent by request id:
+        a request the journal never saw is accepted with *prompt* and run; one accepted by an
+        earlier owner of the session (``open_session(..., unfinished="keep")``) runs; one it
+        started goes on from its last durable point (its settled calls kept, the next model
+        call next); one that already ended is not run again. A failing request ends
+        ``failed`` (recorded), never raising here; *sink* receives its events as `stream` s do.
+        """
+        validate_id(request_id, name="request_id")
+        self._check_open()
+        record = self.journal.projection().request(request_id)
+        if record is not None and record.state not in (RequestState.ACCEPTED, RequestState.STARTED):
+            return record.state
+        request = _Request(prompt, sink, self._host.root, request_id=request_id)
+        if record is not None and record.state is RequestState.STARTED:
+            request.continuing = True
+            request.turns_before = record.turns  # its turns go on numbering after the recorded ones
+        with contextlib.suppress(TrioAgentError):  # the journal holds its end; a caller reads it there
+            await self._run_to_end(request, "serve_request() was cancelled")
+        ended = self.journal.projection().request(request_id)
+        return RequestState.ACCEPTED if ended is None else ended.state
 
     async def _run_to_end(self, request: _Request, cancelled: str) -> str:
         queue = self._queue
@@ -376,9 +400,11 @@ class Session:
 
     # -- opening and closing
 
-    async def _start(self, tools: Mapping[str, Tool[Any]], history: Sequence[Message] | None) -> None:
+    async def _start(
+        self, tools: Mapping[str, Tool[Any]], history: Sequence[Message] | None, *, keep_requests: bool = False
+    ) -> None:
         """Begin this life of the session (`begin_life`), then the SessionStart hooks."""
-        life = await begin_life(self._host, tools, history)
+        life = await begin_life(self._host, tools, history, keep_requests=keep_requests)
         self.life, self.recovery = life.number, life.recovery
         self.recovery_notes.extend(life.notes)
         self._started = True

@@ -1,0 +1,168 @@
+"""A session taken over keeps its unfinished requests (``unfinished="keep"``) and
+`Session.serve_request` runs each one to its end exactly once: the journal side of the
+workers, without PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from trio_agent import ConfigError, LeaseLostError, define_agent, define_tool, open_session
+from trio_agent.journal import (
+    MemoryStore,
+    RequestAccepted,
+    RequestCompleted,
+    RequestInterrupted,
+    RequestStarted,
+    ToolOutcomeUnknown,
+    open_journal,
+)
+from trio_agent.models import ToolResultMessage, UserMessage
+from trio_agent.testing import Reply, TestModel
+
+OBJECT = {"type": "object"}
+
+
+def of_type(events: list[Any], kind: type) -> list[Any]:
+    return [event for event in events if isinstance(event, kind)]
+
+
+async def events_of(store: MemoryStore, session_id: str) -> list[Any]:
+    return [envelope.event for envelope in await store.read(f"{session_id}/root")]
+
+
+async def die_during(store: MemoryStore, spec: Any, session_id: str, run: Any) -> None:
+    """Run ``run(session, nursery)`` until it returns (what it started in *nursery* still runs),
+    then "die": nothing more is written (not even the close); the lease is given back later,
+    as its expiry would."""
+    async with (
+        open_journal(store, session_id=session_id) as journal,
+        open_session(spec, journal=journal) as session,
+        trio.open_nursery() as nursery,
+    ):
+        await run(session, nursery)
+        journal._lose(LeaseLostError("the worker died"))
+        await trio.sleep_forever()  # the lost lease cancels the body
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def crashed(store: MemoryStore, spec: Any, session_id: str, run: Any) -> None:
+    with pytest.raises(LeaseLostError):
+        await die_during(store, spec, session_id, run)
+    lease = await store.current_lease(session_id)
+    assert lease is not None
+    await store.release_lease(lease)
+
+
+async def test_a_started_request_goes_on_from_its_last_durable_point() -> None:
+    store = MemoryStore()
+    ran: list[str] = []
+    started = trio.Event()
+
+    @define_tool(name="pay", description="p", input_schema=OBJECT, side_effect="non_idempotent", kind="write")
+    async def pay(input: dict[str, Any], ctx: Any) -> str:
+        ran.append(ctx.tool_call_id)
+        started.set()
+        await trio.sleep_forever()
+        return "paid"  # pragma: no cover
+
+    @define_tool(name="look", description="l", input_schema=OBJECT, side_effect="pure", kind="readonly")
+    async def look(input: dict[str, Any], ctx: Any) -> str:
+        return "looked"
+
+    def respond(request: Any) -> Reply:
+        results = [m for m in request.messages if isinstance(m, ToolResultMessage)]
+        if not results:
+            return Reply(tool_calls=[("look", {})])
+        if len(results) == 1:
+            return Reply(tool_calls=[("pay", {})])
+        return Reply(f"done after {len(results)} results")
+
+    model = TestModel(respond=respond)
+    spec = define_agent(provider=model, tools=[look, pay], permissions={"allow": ["pay"]})
+
+    async def run(session: Any, nursery: trio.Nursery) -> None:
+        nursery.start_soon(session.serve_request, "req-1", "go")
+        with trio.fail_after(5):
+            await started.wait()  # the process dies with the call started
+
+    await crashed(store, spec, "s", run)
+    before = await events_of(store, "s")
+    assert of_type(before, RequestStarted) and not of_type(before, RequestCompleted)
+    calls_before = len(model.requests)
+
+    async with open_session(spec, journal=store, session_id="s", unfinished="keep") as session:
+        assert session.journal.projection().request("req-1").state.value == "started"
+        ended = await session.serve_request("req-1", "go")
+        assert ended.value == "completed"
+        assert (await session.serve_request("req-1", "go")).value == "completed"  # once: not run again
+    after = await events_of(store, "s")
+    # One terminal event; the started payment is not repeated (its outcome is unknown) and the
+    # settled look is kept: the model is asked next, with both results, and no second prompt.
+    assert len(of_type(after, RequestCompleted)) == 1 and not of_type(after, RequestInterrupted)
+    assert len(of_type(after, ToolOutcomeUnknown)) == 1
+    assert len(ran) == 1
+    assert len(of_type(after, RequestAccepted)) == 1 and len(of_type(after, RequestStarted)) == 1
+    resumed = model.requests[calls_before]
+    prompts = [m.content for m in resumed.messages if isinstance(m, UserMessage)]
+    assert prompts[0] == "go" and prompts.count("go") == 1  # the prompt is not asked again
+    assert "outcome of pay call" in prompts[-1]  # the model learns what the restart left unknown
+    assert len([m for m in resumed.messages if isinstance(m, ToolResultMessage)]) == 2
+
+
+async def test_an_accepted_request_stays_runnable_and_runs_once() -> None:
+    store = MemoryStore()
+    spec = define_agent(provider=TestModel(default=Reply("answer")))
+
+    async def run(session: Any, nursery: trio.Nursery) -> None:
+        await session.journal.append(
+            RequestAccepted(request_id="req-2", command_id="req-2", input={"prompt": "queued"}), command_id="req-2"
+        )
+
+    await crashed(store, spec, "s2", run)
+    async with open_session(spec, journal=store, session_id="s2", unfinished="keep") as session:
+        assert session.journal.projection().request("req-2").state.value == "accepted"
+        assert (await session.serve_request("req-2", "queued")).value == "completed"
+    events = await events_of(store, "s2")
+    assert len(of_type(events, RequestAccepted)) == 1
+    assert [e.output for e in of_type(events, RequestCompleted)] == [{"text": "answer"}]
+
+
+async def test_the_default_reopen_still_interrupts_what_the_crash_left_open() -> None:
+    store = MemoryStore()
+    spec = define_agent(provider=TestModel(default=Reply("answer")))
+
+    async def run(session: Any, nursery: trio.Nursery) -> None:
+        await session.journal.append(
+            RequestAccepted(request_id="req-3", command_id="req-3", input={"prompt": "queued"}), command_id="req-3"
+        )
+
+    await crashed(store, spec, "s3", run)
+    async with open_session(spec, journal=store, session_id="s3") as session:
+        assert session.journal.projection().request("req-3").state.value == "interrupted"
+        assert (await session.serve_request("req-3", "queued")).value == "interrupted"  # ended: not run
+
+
+async def test_serve_request_records_a_failure_and_returns_it() -> None:
+    def respond(request: Any) -> Reply:
+        raise RuntimeError("the model broke")
+
+    spec = define_agent(provider=TestModel(respond=respond))
+    async with open_session(spec) as session:
+        assert (await session.serve_request("req-4", "hi")).value == "failed"
+
+
+@pytest.mark.parametrize("bad", ["", "a" * 300, 7])
+async def test_serve_request_refuses_a_bad_request_id(bad: Any) -> None:
+    async with open_session(define_agent(provider=TestModel(default=Reply("x")))) as session:
+        with pytest.raises(ConfigError, match="request_id"):
+            await session.serve_request(bad, "hi")
+
+
+async def test_open_session_refuses_an_unknown_unfinished_mode() -> None:
+    with pytest.raises(ConfigError, match="unfinished"):
+        async with open_session(define_agent(provider=TestModel(default=Reply("x"))), unfinished="resume"):  # type: ignore[arg-type]
+            pass  # pragma: no cover

@@ -1,0 +1,200 @@
+"""``trio-agent worker | submit | sessions | workers``: the workers from the command line."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import signal
+import sys
+from typing import Any
+
+import attrs
+import trio
+
+from .._errors import TrioAgentError
+
+__all__ = ["load_spec", "run_sessions", "run_submit", "run_worker", "run_workers"]
+
+
+def load_spec(target: str | None) -> Any:
+    """``module:attribute`` -> the `AgentSpec` it names (or a callable that returns one);
+    ``None``: the offline agent."""
+    from .._session._spec import AgentSpec
+
+    if target is None:
+        from ._offline import offline_spec
+
+        return offline_spec()
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise SystemExit(f"error: --agent must be module:attribute (e.g. myapp.agents:spec), not {target!r}")
+    try:
+        found: Any = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"error: cannot load --agent {target}: {exc}") from None
+    if not isinstance(found, AgentSpec) and callable(found):
+        found = found()
+    if not isinstance(found, AgentSpec):
+        raise SystemExit(f"error: --agent {target} is not an AgentSpec (define_agent(...)), nor returns one")
+    return found
+
+
+async def _worker(spec: Any, options: dict[str, Any]) -> Any:
+    from ._serve import serve_sessions
+
+    stop = trio.Event()
+    finished = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def signals() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+                async for number in received:
+                    if stop.is_set():  # a second signal: stop now (running requests are interrupted)
+                        nursery.cancel_scope.cancel()
+                        return
+                    print(f"{signal.Signals(number).name}: stopping (again to stop at once)", file=sys.stderr)
+                    stop.set()
+
+        async def serving(task_status: trio.TaskStatus[Any]) -> None:
+            await serve_sessions(spec, stop=stop, task_status=task_status, **options)
+            finished.set()
+
+        nursery.start_soon(signals)
+        report = await nursery.start(serving)
+        print(f"worker {report.worker_id} serving (concurrency {options['concurrency']})", flush=True)
+        await finished.wait()
+        nursery.cancel_scope.cancel()
+    return report
+
+
+def run_worker(
+    *,
+    dsn: str | None,
+    agent: str | None,
+    concurrency: int,
+    schema: str,
+    lease_ttl: float,
+    poll_interval: float,
+    shutdown_grace: float,
+    live: bool,
+    worker_id: str | None,
+) -> int:
+    spec = load_spec(agent)
+    if agent is None:
+        print("the offline test model answers (no API key needed); --agent module:spec for yours", flush=True)
+    options: dict[str, Any] = {
+        "dsn": dsn,
+        "concurrency": concurrency,
+        "schema": schema,
+        "lease_ttl": lease_ttl,
+        "poll_interval": poll_interval,
+        "shutdown_grace": shutdown_grace,
+        "live": live,
+        "worker_id": worker_id,
+    }
+    try:
+        report = trio.run(_worker, spec, options)
+    except TrioAgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(attrs.asdict(report)), flush=True)
+    return 0
+
+
+def run_submit(
+    *,
+    dsn: str | None,
+    schema: str,
+    session_id: str,
+    prompt: str,
+    request_id: str | None,
+    priority: int,
+    wait: float | None,
+) -> int:
+    from ._queue import resolve_dsn, submit
+
+    try:
+        target = resolve_dsn(dsn)
+        request_id = submit(session_id, prompt, request_id=request_id, priority=priority, dsn=target, schema=schema)
+        print(request_id, flush=True)
+        if wait is None:
+            return 0
+        outcome = trio.run(_wait, target, schema, session_id, request_id, wait)
+    except TrioAgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except trio.TooSlowError:
+        print(f"error: request {request_id} did not end within {wait} s (it stays queued)", file=sys.stderr)
+        return 3
+    print(json.dumps(attrs.asdict(outcome)), flush=True)
+    return 0 if outcome.state == "completed" else 4
+
+
+async def _wait(dsn: str, schema: str, session_id: str, request_id: str, seconds: float) -> Any:
+    from .._journal._postgres import open_postgres_store
+    from ._results import wait_for_request
+
+    async with open_postgres_store(dsn, schema=schema) as store:
+        with trio.fail_after(seconds):
+            return await wait_for_request(store, session_id, request_id)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in [header, *rows]]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _left(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s"
+
+
+def run_sessions(*, dsn: str | None, schema: str, as_json: bool) -> int:
+    from ._queue import list_sessions
+
+    try:
+        sessions = list_sessions(dsn=dsn, schema=schema)
+    except TrioAgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps([attrs.asdict(s) for s in sessions]))
+        return 0
+    rows = [
+        [
+            s.session_id,
+            s.state,
+            s.worker or "-",
+            "-" if s.lease_until is None else f"{s.lease_until:.1f}s",
+            f"{s.queued}",
+        ]
+        for s in sessions
+    ]
+    print(_table(rows, ["SESSION", "STATE", "WORKER", "LEASE LEFT", "QUEUED"]))
+    return 0
+
+
+def run_workers(*, dsn: str | None, schema: str, as_json: bool) -> int:
+    from ._queue import list_workers
+
+    try:
+        workers = list_workers(dsn=dsn, schema=schema)
+    except TrioAgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps([attrs.asdict(w) for w in workers]))
+        return 0
+    rows = [
+        [
+            w.worker_id,
+            "live" if w.live and not w.stopping else "stopping" if w.live else "gone",
+            f"{w.hosted}/{w.concurrency}",
+            str(w.served),
+            f"{w.seen_ago:.1f}s",
+            f"{w.uptime:.0f}s",
+        ]
+        for w in workers
+    ]
+    print(_table(rows, ["WORKER", "STATE", "SESSIONS", "SERVED", "SEEN", "UPTIME"]))
+    return 0

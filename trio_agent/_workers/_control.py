@@ -1,0 +1,197 @@
+"""A worker's own connections: the control connection (claims, inbox, registry) and the
+inbox listener.
+
+Rules
+=====
+
+* Control statements run on one sync psycopg connection in a worker thread, one at a
+  time. A statement is never abandoned half-way: a cancelled caller waits for it
+  (``statement_timeout`` bounds it server-side), so a claim that committed is always
+  handed back, and its leases opened or released, never forgotten.
+* The listener is pumped natively (`trio.lowlevel.wait_readable`), no thread. A
+  notification is only a hint to look again; a lost connection is reopened with a
+  backoff, and polling with jitter covers whatever it missed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+from collections.abc import Callable
+from typing import TypeVar
+
+import psycopg
+import trio
+from psycopg import sql
+from psycopg.rows import TupleRow
+
+from .._errors import JournalUnavailableError
+from .._journal._store import Lease
+from ._queue import ensure_tables
+from ._sql import Statements
+
+__all__ = ["Control", "InboxListener"]
+
+_Conn = psycopg.Connection[TupleRow]
+T = TypeVar("T")
+
+
+def _connect(dsn: str, statement_timeout: float, name: str) -> _Conn:
+    try:
+        return psycopg.connect(
+            dsn,
+            autocommit=True,
+            connect_timeout=10,
+            application_name=name,
+            options=f"-c statement_timeout={round(statement_timeout * 1000)}",
+        )
+    except psycopg.Error as exc:
+        raise JournalUnavailableError(f"cannot connect to PostgreSQL: {str(exc).strip()}") from None
+
+
+class Control:
+    """The worker's control connection (module rules)."""
+
+    def __init__(self, dsn: str, statements: Statements, *, worker_id: str, statement_timeout: float = 30.0) -> None:
+        self.dsn = dsn
+        self.statements = statements
+        self.q = statements.q
+        self.worker_id = worker_id
+        self.statement_timeout = statement_timeout
+        self._conn: _Conn | None = None
+        self._one = trio.CapacityLimiter(1)
+
+    async def _run(self, work: Callable[[_Conn], T]) -> T:
+        def run() -> T:
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = self._conn = _connect(self.dsn, self.statement_timeout, "trio_agent worker")
+            try:
+                return work(conn)
+            except psycopg.Error as exc:
+                if conn.closed or conn.broken:
+                    self._conn = None
+                raise JournalUnavailableError(f"a worker statement failed: {str(exc).strip()}") from None
+
+        return await trio.to_thread.run_sync(run, limiter=self._one)
+
+    async def open(self) -> None:
+        await self._run(lambda conn: ensure_tables(conn, self.statements))
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    async def claim(self, count: int, ttl: float) -> list[Lease]:
+        """Take up to *count* runnable sessions' leases (oldest waiting work first)."""
+
+        def work(conn: _Conn) -> list[Lease]:
+            rows = conn.execute(self.q["claim"], (count, self.worker_id, ttl)).fetchall()
+            return [Lease(session_id, owner, token, expires_at) for session_id, owner, token, expires_at in rows]
+
+        return await self._run(work)
+
+    async def open_rows(self, session_id: str) -> list[tuple[str, str, str]]:
+        """The session's submissions not done: (request id, prompt, state), in serving order."""
+        return await self._run(lambda conn: conn.execute(self.q["open_rows"], (session_id,)).fetchall())
+
+    async def mark(self, lease: Lease, request_id: str, state: str, outcome: str | None) -> bool:
+        """Move a submission (fenced by *lease*); whether the holder's write landed."""
+
+        def work(conn: _Conn) -> bool:
+            params = (state, outcome, lease.session_id, request_id, lease.owner, lease.token)
+            return conn.execute(self.q["mark"], params).rowcount == 1
+
+        return await self._run(work)
+
+    async def register(self, lease: Lease, state: str) -> None:
+        """Say what the session is now (fenced by *lease*)."""
+        params = (lease.session_id, state, self.worker_id, lease.session_id, lease.owner, lease.token)
+        await self._run(lambda conn: conn.execute(self.q["register"], params))
+
+    async def notify(self, session_id: str) -> None:
+        """Wake the workers: the session has work and no holder."""
+        await self._run(lambda conn: conn.execute(self.q["notify"], (self.statements.inbox_channel, session_id)))
+
+    async def seen(self, *, concurrency: int, hosted: int, served: int, stopping: bool, interval: float) -> None:
+        params = (
+            self.worker_id,
+            socket.gethostname(),
+            os.getpid(),
+            concurrency,
+            hosted,
+            served,
+            stopping,
+            interval,
+        )
+        await self._run(lambda conn: conn.execute(self.q["worker_seen"], params))
+
+    async def gone(self) -> None:
+        await self._run(lambda conn: conn.execute(self.q["worker_gone"], (self.worker_id,)))
+
+    async def publish(self, channel: str, payloads: list[str]) -> None:
+        """NOTIFY every payload on *channel* (live deltas: not durable, best effort)."""
+        statement = b"SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p"
+        await self._run(lambda conn: conn.execute(statement, (channel, payloads)))
+
+
+class InboxListener:
+    """LISTEN on a channel and set `wake` on every notification (module rules)."""
+
+    def __init__(self, dsn: str, channel: str, wake: Callable[[str], None]) -> None:
+        self.dsn = dsn
+        self.channel = channel
+        self.wake = wake
+        self.notifications = 0
+
+    def _open(self) -> _Conn:
+        conn = _connect(self.dsn, 0, "trio_agent worker listener")
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+        except psycopg.Error as exc:
+            conn.close()
+            raise JournalUnavailableError(f"cannot LISTEN: {str(exc).strip()}") from None
+        return conn
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        backoff = 0.5
+        started = False
+        while True:
+            try:
+                conn = await trio.to_thread.run_sync(self._open)
+            except JournalUnavailableError:
+                if not started:
+                    raise
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.5
+            try:
+                if not started:
+                    started = True
+                    task_status.started()
+                else:
+                    self.wake("")  # notifications were lost while disconnected: look again
+                with contextlib.suppress(psycopg.Error, OSError):
+                    await self._pump(conn)
+            finally:
+                conn.close()
+            await trio.sleep(backoff)
+
+    async def _pump(self, conn: _Conn) -> None:
+        pgconn = conn.pgconn
+        fd = conn.fileno()
+        while True:
+            pgconn.consume_input()
+            while (notify := pgconn.notifies()) is not None:
+                self.notifications += 1
+                self.wake(notify.extra.decode("utf-8", "replace"))
+            await trio.lowlevel.wait_readable(fd)
+
+
+def jittered(seconds: float, rng_value: float) -> float:
+    """*seconds* spread by +-20% (``rng_value`` in [0, 1)), so idle workers do not poll in step."""
+    return max(seconds * (0.8 + 0.4 * rng_value), 0.0) if math.isfinite(seconds) else seconds

@@ -1,0 +1,281 @@
+"""The durable request queue, from any process: submit, and read where things stand.
+
+These are plain blocking functions over a DSN (psycopg 3, sync), usable outside
+Trio; from a Trio task run them with ``trio.to_thread.run_sync``. A submission
+returns once its row is committed: from then on some worker runs the request
+exactly once, and its events and outcome are in the session's journal stream
+(`subscribe_durable_events`, or `wait_for_request`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+
+import attrs
+import psycopg
+import psycopg.errors
+from psycopg.rows import TupleRow
+
+from .._config import validate_id
+from .._errors import CommandConflictError, ConfigError, JournalUnavailableError
+from ._sql import Statements
+
+__all__ = [
+    "DSN_ENV",
+    "RequestStatus",
+    "SessionStatus",
+    "Submitter",
+    "WorkerStatus",
+    "list_sessions",
+    "list_workers",
+    "request_status",
+    "resolve_dsn",
+    "submit",
+]
+
+DSN_ENV = "TRIO_AGENT_DSN"
+"""The environment variable a DSN is read from when none is given."""
+
+_Conn = psycopg.Connection[TupleRow]
+
+
+def resolve_dsn(dsn: str | None) -> str:
+    """*dsn*, or else ``$TRIO_AGENT_DSN``; `ConfigError` if neither is set."""
+    found = dsn if dsn is not None else os.environ.get(DSN_ENV)
+    if not found or not isinstance(found, str):
+        raise ConfigError(f"no PostgreSQL DSN: pass dsn= (or --dsn) or set ${DSN_ENV}")
+    return found
+
+
+@attrs.frozen
+class RequestStatus:
+    """Where one submission stands in the inbox (the journal holds its events and outcome).
+
+    ``state``: ``pending`` (no worker took it yet), ``taken`` (a worker is serving it) or
+    ``done``; ``outcome`` (when done): ``completed``, ``failed``, ``interrupted`` or ``paused``.
+    """
+
+    session_id: str
+    request_id: str
+    state: str
+    outcome: str | None
+
+
+@attrs.frozen
+class SessionStatus:
+    """One session as the registry sees it.
+
+    ``state``: ``running`` (a worker holds its lease: ``worker``, until ``lease_until``
+    seconds from now), ``runnable`` (work waits, no holder), ``paused`` (waiting for
+    answers to an interrupt), ``waiting`` (idle, waiting for input) or ``done`` (ended for
+    good). ``queued`` counts its submissions not done.
+    """
+
+    session_id: str
+    state: str
+    worker: str | None
+    lease_until: float | None
+    queued: int
+
+
+@attrs.frozen
+class WorkerStatus:
+    """One worker process: ``live`` if it was seen within three of its heartbeat intervals."""
+
+    worker_id: str
+    host: str
+    pid: int
+    concurrency: int
+    hosted: int
+    served: int
+    stopping: bool
+    live: bool
+    seen_ago: float
+    uptime: float
+
+
+def _connect(dsn: str) -> _Conn:
+    try:
+        return psycopg.connect(dsn, autocommit=True, connect_timeout=10, application_name="trio_agent submit")
+    except psycopg.Error as exc:
+        raise JournalUnavailableError(f"cannot connect to PostgreSQL: {str(exc).strip()}") from None
+
+
+def ensure_tables(conn: _Conn, statements: Statements) -> None:
+    """Create the worker tables if missing (one schema change at a time, under the journal's lock)."""
+    with conn.transaction():
+        conn.execute(statements.q["lock"], (statements.lock_key,))
+        for statement in statements.create:
+            conn.execute(statement)
+
+
+def _check_schema(schema: object) -> str:
+    if not isinstance(schema, str) or not schema.isidentifier() or len(schema.encode()) > 63:
+        raise ConfigError(f"schema must be a plain SQL identifier of at most 63 bytes, not {schema!r}")
+    return schema
+
+
+class Submitter:
+    """One connection that submits and reads statuses: ``with Submitter(dsn) as queue``.
+
+    Not thread-safe: one per thread. `submit` (the function) opens one per call.
+    """
+
+    def __init__(self, dsn: str | None = None, *, schema: str = "trio_agent") -> None:
+        self.statements = Statements(_check_schema(schema))
+        self._conn = _connect(resolve_dsn(dsn))
+        self._ready = False
+
+    def __enter__(self) -> Submitter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._conn.close()
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except psycopg.Error as exc:
+            raise JournalUnavailableError(f"{what} failed: {str(exc).strip()}") from None
+
+    def _ensure(self) -> None:
+        if not self._ready:
+            with self._errors("creating the worker tables"):
+                ensure_tables(self._conn, self.statements)
+            self._ready = True
+
+    def submit(self, session_id: str, prompt: str, *, request_id: str | None = None, priority: int = 0) -> str:
+        """Durably accept *prompt* as request *request_id* of *session_id*; returns the request id.
+
+        Idempotent: submitting the same request id again with the same prompt and priority
+        returns at once and changes nothing; with different content it raises
+        `CommandConflictError`. ``priority``: among one session's waiting submissions the
+        highest runs first (then the oldest). Some worker serving the schema runs it once.
+        """
+        validate_id(session_id, name="session_id")
+        if "/" in session_id:
+            raise ConfigError(f"session_id must not contain '/': {session_id!r}")
+        if request_id is None:
+            request_id = f"req-{uuid.uuid4().hex[:12]}"
+        validate_id(request_id, name="request_id")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ConfigError("prompt must be a non-empty string")
+        if "\x00" in prompt:
+            raise ConfigError("prompt must not contain NUL characters")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
+            raise ConfigError(f"priority must be a 32-bit whole number, not {priority!r}")
+        self._ensure()
+        q = self.statements.q
+        with self._errors("submitting a request"), self._conn.transaction():
+            self._conn.execute(q["placeholder"], (session_id,))
+            row = self._conn.execute(q["submit"], (session_id, request_id, prompt, priority)).fetchone()
+            if row is None:
+                known = self._conn.execute(q["submitted"], (session_id, request_id)).fetchone()
+                if known is not None and (known[0], known[1]) != (prompt, priority):
+                    raise CommandConflictError(
+                        f"request {request_id!r} of session {session_id!r} was already submitted with "
+                        "a different prompt or priority",
+                        command_id=request_id,
+                    )
+                return request_id
+            # In the transaction: delivered at its commit, never before the row is visible.
+            self._conn.execute(q["notify"], (self.statements.inbox_channel, session_id))
+        return request_id
+
+    def status(self, session_id: str, request_id: str) -> RequestStatus | None:
+        """Where a submission stands, or ``None`` if it was never submitted."""
+        self._ensure()
+        with self._errors("reading a request's status"):
+            row = self._conn.execute(self.statements.q["status"], (session_id, request_id)).fetchone()
+        return None if row is None else RequestStatus(session_id, request_id, row[0], row[1])
+
+    def sessions(self) -> list[SessionStatus]:
+        """Every session that was submitted to or served by a worker, with its state."""
+        self._ensure()
+        with self._errors("listing sessions"):
+            rows = self._conn.execute(self.statements.q["sessions"]).fetchall()
+        return [_session_status(*row) for row in rows]
+
+    def workers(self) -> list[WorkerStatus]:
+        """Every worker registered in the schema (a crashed one stays until its row is reused)."""
+        self._ensure()
+        with self._errors("listing workers"):
+            rows = self._conn.execute(self.statements.q["workers"]).fetchall()
+        return [
+            WorkerStatus(
+                worker_id=worker_id,
+                host=host,
+                pid=pid,
+                concurrency=concurrency,
+                hosted=hosted,
+                served=served,
+                stopping=stopping,
+                live=now - seen_at <= 3 * interval,
+                seen_ago=max(now - seen_at, 0.0),
+                uptime=max(now - started_at, 0.0),
+            )
+            for worker_id, host, pid, concurrency, hosted, served, stopping, started_at, seen_at, interval, now in rows
+        ]
+
+
+def _session_status(
+    session_id: str,
+    owner: str | None,
+    token: int | None,
+    expires_at: float | None,
+    now: float,
+    queued: int,
+    said: str | None,
+    said_by: str | None,
+) -> SessionStatus:
+    if owner and token and expires_at is not None and expires_at >= now:
+        return SessionStatus(session_id, "running", owner, expires_at - now, queued)
+    if queued:
+        return SessionStatus(session_id, "runnable", None, None, queued)
+    state = {"paused": "paused", "ended": "done"}.get(said or "", "waiting")
+    return SessionStatus(session_id, state, None, None, queued)
+
+
+def submit(
+    session_id: str,
+    prompt: str,
+    *,
+    request_id: str | None = None,
+    priority: int = 0,
+    dsn: str | None = None,
+    schema: str = "trio_agent",
+) -> str:
+    """Submit one request from any process (see `Submitter.submit`); returns its request id.
+
+    ``dsn`` defaults to ``$TRIO_AGENT_DSN``. Opens and closes one connection: for many
+    submissions keep a `Submitter`.
+    """
+    with Submitter(dsn, schema=schema) as queue:
+        return queue.submit(session_id, prompt, request_id=request_id, priority=priority)
+
+
+def request_status(
+    session_id: str, request_id: str, *, dsn: str | None = None, schema: str = "trio_agent"
+) -> RequestStatus | None:
+    """Where one submission stands (``None``: never submitted)."""
+    with Submitter(dsn, schema=schema) as queue:
+        return queue.status(session_id, request_id)
+
+
+def list_sessions(*, dsn: str | None = None, schema: str = "trio_agent") -> list[SessionStatus]:
+    """The registry: every session submitted to or served by a worker, and its state."""
+    with Submitter(dsn, schema=schema) as queue:
+        return queue.sessions()
+
+
+def list_workers(*, dsn: str | None = None, schema: str = "trio_agent") -> list[WorkerStatus]:
+    """Every registered worker, live or not, with its load."""
+    with Submitter(dsn, schema=schema) as queue:
+        return queue.workers()

@@ -1,0 +1,181 @@
+"""Reading a submitted request back, from any process: its outcome from the journal, and its
+live text deltas.
+
+Rules
+=====
+
+* `wait_for_request` reads the session's root stream (`subscribe_durable_events`:
+  replay, then live) until the request's one terminal event: ``request_completed``,
+  ``request_failed``, ``request_interrupted``, or ``run_paused`` (it waits for answers).
+  A session closed and reopened between requests ends one subscription; the wait goes
+  on after it from the same cursor. The journal is the truth: nothing else is read.
+* `subscribe_live` LISTENs for the deltas a worker publishes (``serve_sessions(live=
+  True)``). They are not durable: a subscriber that connects late, or a notification
+  PostgreSQL drops, misses text; ``n`` counts a request's deltas so a gap shows. Read
+  the outcome with `wait_for_request`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from types import TracebackType
+
+import attrs
+import psycopg
+import trio
+from psycopg import sql
+from psycopg.rows import TupleRow
+
+from .._errors import ConfigError, JournalUnavailableError
+from .._journal._durable import ROOT_AGENT
+from .._journal._events import RequestCompleted, RequestFailed, RequestInterrupted, RunPaused
+from .._journal._store import JournalStore, stream_id_for
+from .._journal._subscribe import DurableEvent, subscribe_durable_events
+from ._queue import _check_schema, resolve_dsn
+from ._sql import live_channel
+
+__all__ = ["LiveDelta", "LiveSubscription", "RequestOutcome", "subscribe_live", "wait_for_request"]
+
+
+@attrs.frozen
+class RequestOutcome:
+    """How a request ended, as its session's journal recorded it.
+
+    ``state``: ``completed`` (``text`` is the answer), ``failed`` (``error``),
+    ``interrupted`` (``reason``) or ``paused`` (waiting for answers to an interrupt).
+    ``seq`` is the terminal event's position in the root stream.
+    """
+
+    request_id: str
+    state: str
+    text: str = ""
+    error: str | None = None
+    reason: str | None = None
+    seq: int = 0
+
+
+def _outcome(request_id: str, event: object, seq: int) -> RequestOutcome | None:
+    if getattr(event, "request_id", None) != request_id:
+        return None
+    if isinstance(event, RequestCompleted):
+        return RequestOutcome(request_id, "completed", text=str((event.output or {}).get("text", "")), seq=seq)
+    if isinstance(event, RequestFailed):
+        return RequestOutcome(request_id, "failed", error=event.error.message, seq=seq)
+    if isinstance(event, RequestInterrupted):
+        return RequestOutcome(request_id, "interrupted", reason=str(event.reason.value), seq=seq)
+    if isinstance(event, RunPaused):
+        return RequestOutcome(request_id, "paused", seq=seq)
+    return None
+
+
+async def wait_for_request(store: JournalStore, session_id: str, request_id: str) -> RequestOutcome:
+    """Wait until request *request_id* of *session_id* ends, and return how (module rules).
+
+    *store* is any open journal store of that journal (in another process:
+    `open_postgres_store` on the workers' DSN and schema). Put a deadline around it
+    (``trio.fail_after``) if the wait must be bounded.
+    """
+    stream_id = stream_id_for(session_id, ROOT_AGENT)
+    seq = 0
+    while True:
+        async with subscribe_durable_events(store, stream_id, after=min(seq, await store.head(stream_id))) as events:
+            async for item in events:
+                if isinstance(item, DurableEvent):
+                    seq = item.envelope.seq
+                    found = _outcome(request_id, item.envelope.event, seq)
+                    if found is not None:
+                        return found
+        # The stream ended at a session_closed: the next life (or the first) appends after it.
+        await store.wait_for_append(stream_id, seq)
+
+
+@attrs.frozen
+class LiveDelta:
+    """A piece of a request's text as a worker streamed it (not durable)."""
+
+    session_id: str
+    request_id: str
+    agent_id: str
+    n: int
+    text: str
+
+
+_Conn = psycopg.Connection[TupleRow]
+
+
+class LiveSubscription:
+    """``async for delta in subscription``: the live deltas of one session (module rules)."""
+
+    def __init__(self, conn: _Conn, session_id: str | None) -> None:
+        self._conn = conn
+        self._session_id = session_id
+        self._ready: deque[LiveDelta] = deque()
+        self.malformed = 0  # payloads that were not a worker's (counted, skipped)
+
+    def __aiter__(self) -> LiveSubscription:
+        return self
+
+    async def __anext__(self) -> LiveDelta:
+        pgconn = self._conn.pgconn
+        fd = self._conn.fileno()
+        while not self._ready:
+            try:
+                pgconn.consume_input()
+                while (notify := pgconn.notifies()) is not None:
+                    self._take(notify.extra.decode("utf-8", "replace"))
+            except psycopg.Error as exc:
+                raise JournalUnavailableError(f"the live subscription's connection failed: {exc}") from None
+            if not self._ready:
+                await trio.lowlevel.wait_readable(fd)
+        return self._ready.popleft()
+
+    def _take(self, payload: str) -> None:
+        try:
+            data = json.loads(payload)
+            delta = LiveDelta(str(data["s"]), str(data["r"]), str(data["a"]), int(data["n"]), str(data["t"]))
+        except (ValueError, KeyError, TypeError):
+            self.malformed += 1
+            return
+        if self._session_id is None or delta.session_id == self._session_id:
+            self._ready.append(delta)
+
+    async def aclose(self) -> None:
+        self._conn.close()
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> LiveSubscription:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+async def subscribe_live(
+    session_id: str | None = None, *, dsn: str | None = None, schema: str = "trio_agent"
+) -> LiveSubscription:
+    """Listen for live deltas of *session_id* (``None``: every session):
+    ``async with await subscribe_live(sid, dsn=...) as deltas: async for delta in deltas``.
+
+    Listening starts before this returns: every delta published from then on is seen.
+    """
+    channel = live_channel(_check_schema(schema))
+    target = resolve_dsn(dsn)
+    if session_id is not None and not isinstance(session_id, str):
+        raise ConfigError(f"session_id must be a string or None, not {session_id!r}")
+
+    def connect() -> _Conn:
+        try:
+            conn = psycopg.connect(target, autocommit=True, connect_timeout=10, application_name="trio_agent live")
+        except psycopg.Error as exc:
+            raise JournalUnavailableError(f"cannot connect to PostgreSQL: {str(exc).strip()}") from None
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        except psycopg.Error as exc:
+            conn.close()
+            raise JournalUnavailableError(f"cannot LISTEN: {str(exc).strip()}") from None
+        return conn
+
+    return LiveSubscription(await trio.to_thread.run_sync(connect), session_id)

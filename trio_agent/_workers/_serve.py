@@ -1,0 +1,407 @@
+"""`serve_sessions`: one worker process serving sessions from a PostgreSQL schema.
+
+Rules
+=====
+
+* Claim: while it has free slots (``concurrency``), the worker claims runnable
+  sessions (`_sql`: ``FOR UPDATE SKIP LOCKED``, a new fencing token each). It looks
+  again when a submission's NOTIFY arrives, when one of its sessions is released, and
+  otherwise every ``poll_interval`` (+-20% jitter). Nothing spins.
+* Host: a claimed session is opened on its claimed lease (`open_journal(lease=...)`)
+  and with ``unfinished="keep"``: the previous holder's accepted requests stay
+  runnable and started ones go on from their last durable point. Each submission not
+  done is served once, in order, by `Session.serve_request` (idempotent by request
+  id), and marked done with the journal's outcome. The session is kept while it has
+  work and released when idle (closed cleanly; the lease given back, so the next
+  submission is claimed at once, by any worker).
+* Open requests the journal holds without a submission (a plain process's requests
+  that crashed) are recorded interrupted by the restart, as a plain reopen would.
+* A session that fails to open or serve is not released: its lease runs out on its
+  own, so a broken session is retried at most once per ``lease_ttl``, never in a loop.
+  One session's failure never stops the worker or its other sessions.
+* Stop (``stop`` set, SIGTERM in the CLI): no more claims and no new requests; the
+  running ones get ``shutdown_grace`` seconds to finish, then are handed off: the
+  worker gives the session up without recording anything (as if it died) and releases
+  the lease at once, so another worker takes it over, with a higher token, from its
+  last durable point. Cancelling `serve_sessions` instead closes its sessions as a
+  session close does (running requests are recorded interrupted).
+* Live deltas (``live=True``): the text deltas of every request go out as NOTIFY
+  payloads (`subscribe_live`); they are not durable, the journal stays the truth.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import trio
+
+from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
+from .._errors import ConfigError, LeaseLostError, SessionClosedError, TrioAgentError
+from .._journal._durable import DurableJournal, open_journal
+from .._journal._events import RequestInterrupted, RequestInterruptReason
+from .._journal._lease import check_seconds, default_owner
+from .._journal._postgres import PostgresStore, open_postgres_store
+from .._journal._projection import RequestState
+from .._journal._store import Lease
+from .._session._endings import record_request_end
+from .._session._messages import SessionEvent, TextDeltaEvent
+from .._session._open import open_session
+from .._session._session import Session
+from .._session._spec import AgentSpec
+from ._control import Control, InboxListener, jittered
+from ._queue import _check_schema, resolve_dsn
+from ._sql import Statements
+
+__all__ = ["WorkerReport", "serve_sessions"]
+
+_log = logging.getLogger("trio_agent.workers")
+
+_ENDED = {
+    RequestState.COMPLETED: "completed",
+    RequestState.FAILED: "failed",
+    RequestState.INTERRUPTED: "interrupted",
+    RequestState.PAUSED: "paused",
+}
+_LIVE_BATCH = 256
+_NOTIFY_MAX = 7000  # bytes of text per live payload (PostgreSQL refuses 8000 or more in all)
+
+
+@attrs.define
+class WorkerReport:
+    """What one `serve_sessions` run did (returned when it stops)."""
+
+    worker_id: str
+    claimed: int = 0
+    served: int = 0
+    handed_off: int = 0
+    failed_sessions: int = 0
+    notifications: int = 0
+
+
+class _Hosted:
+    __slots__ = ("failed", "handing_off", "journal", "lease")
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.journal: DurableJournal | None = None
+        self.handing_off = False
+        self.failed = False
+
+
+class _Worker:
+    def __init__(
+        self,
+        spec: AgentSpec,
+        store: PostgresStore,
+        control: Control,
+        *,
+        concurrency: int,
+        lease_ttl: float,
+        poll_interval: float,
+        cleanup_grace: float,
+        live: bool,
+    ) -> None:
+        self.spec = spec
+        self.store = store
+        self.control = control
+        self.statements = control.statements
+        self.concurrency = concurrency
+        self.lease_ttl = lease_ttl
+        self.poll_interval = poll_interval
+        self.cleanup_grace = cleanup_grace
+        self.report = WorkerReport(control.worker_id)
+        self.hosted: dict[str, _Hosted] = {}
+        self.stopping = False
+        self._wake = trio.Event()
+        self._drained = trio.Event()
+        self._rng = random.Random()
+        self._live: trio.MemorySendChannel[str] | None = None
+        self._live_recv: trio.MemoryReceiveChannel[str] | None = None
+        if live:
+            self._live, self._live_recv = trio.open_memory_channel[str](4096)
+
+    def wake(self, _payload: str = "") -> None:
+        self._wake.set()
+
+    # -- claiming
+
+    async def claim_loop(self, sessions: trio.Nursery) -> None:
+        while not self.stopping:
+            self._wake = trio.Event()  # before looking: whatever lands from now on wakes us
+            free = self.concurrency - len(self.hosted)
+            if free > 0:
+                sent = trio.current_time()
+                try:
+                    leases = await self.control.claim(free, self.lease_ttl)
+                except TrioAgentError as exc:
+                    _log.warning("claiming sessions failed (retrying): %s", exc)
+                    leases = []
+                for lease in leases:
+                    hosted = self.hosted[lease.session_id] = _Hosted(lease)
+                    self.report.claimed += 1
+                    sessions.start_soon(self.host, hosted, sent, name=f"worker session {lease.session_id}")
+                if leases and len(leases) == free:
+                    continue  # maybe more waiting: look again once a slot frees (the loop waits below)
+            with trio.move_on_after(jittered(self.poll_interval, self._rng.random())):
+                await self._wake.wait()
+
+    # -- hosting one session
+
+    async def host(self, hosted: _Hosted, sent: float) -> None:
+        lease = hosted.lease
+        session_id = lease.session_id
+        try:
+            async with open_journal(
+                self.store,
+                lease=lease,
+                lease_sent=sent,
+                lease_ttl=self.lease_ttl,
+                commit_grace=self.cleanup_grace,
+            ) as journal:
+                hosted.journal = journal
+                try:
+                    await self._open_and_serve(journal, hosted)
+                except SessionClosedError:
+                    await self._refuse_all(journal, "the session was ended for good; submit to a new session id")
+                except TrioAgentError as exc:
+                    if journal.lost:
+                        raise
+                    # Not released: the lease runs out on its own, so the session is retried later.
+                    self.report.failed_sessions += 1
+                    hosted.failed = True
+                    _log.error("session %s failed on worker %s: %s", session_id, self.report.worker_id, exc)
+                    journal.held.lose(exc)
+            if self.stopping:  # released: what it left queued goes to another worker now
+                await self.control.notify(session_id)
+        except LeaseLostError as exc:
+            if hosted.handing_off:
+                self.report.handed_off += 1
+                await self._release(hosted)
+            elif not hosted.failed:
+                _log.warning("worker %s lost session %s: %s", self.report.worker_id, session_id, exc)
+        except TrioAgentError as exc:
+            self.report.failed_sessions += 1
+            _log.error("session %s could not be opened on worker %s: %s", session_id, self.report.worker_id, exc)
+        finally:
+            del self.hosted[session_id]
+            if not self.hosted and self.stopping:
+                self._drained.set()
+            self.wake()  # a slot is free, and the session may have work that came in meanwhile
+
+    async def _open_and_serve(self, journal: DurableJournal, hosted: _Hosted) -> None:
+        async with open_session(
+            self.spec, journal=journal, unfinished="keep", cleanup_grace=self.cleanup_grace
+        ) as session:
+            await self.control.register(journal.lease, "running")
+            await self._serve(session, journal)
+            state = "paused" if session.paused is not None else "idle"
+        if not hosted.handing_off:
+            await self.control.register(journal.lease, state)
+
+    async def _serve(self, session: Session, journal: DurableJournal) -> None:
+        rows = await self.control.open_rows(journal.session_id)
+        await self._interrupt_unsubmitted(journal, {request_id for request_id, _, _ in rows})
+        while rows and not self.stopping:
+            for request_id, prompt, state in rows:
+                if self.stopping:
+                    return
+                if state == "pending" and not await self.control.mark(journal.lease, request_id, "taken", None):
+                    raise LeaseLostError("the session's lease was taken over before the request was taken")
+                ended = await session.serve_request(request_id, prompt, sink=self._sink(journal, request_id))
+                outcome = _ENDED.get(ended)
+                if outcome is None:
+                    return  # still open: the session is going away (handed off or closing)
+                await self.control.mark(journal.lease, request_id, "done", outcome)
+                self.report.served += 1
+            rows = await self.control.open_rows(journal.session_id)
+
+    async def _interrupt_unsubmitted(self, journal: DurableJournal, submitted: set[str]) -> None:
+        """Open root requests that no submission stands for: nobody waits for them, so they end."""
+        projection = journal.projection()
+        for request_id, record in list(projection._s.requests.items()):
+            if request_id not in submitted and record.state in (RequestState.ACCEPTED, RequestState.STARTED):
+                await record_request_end(
+                    journal,
+                    journal.root_agent_id,
+                    request_id,
+                    RequestInterrupted(request_id=request_id, reason=RequestInterruptReason.PROCESS_RESTART),
+                )
+
+    async def _refuse_all(self, journal: DurableJournal, why: str) -> None:
+        _log.warning("session %s: %s", journal.session_id, why)
+        for request_id, _, _ in await self.control.open_rows(journal.session_id):
+            await self.control.mark(journal.lease, request_id, "done", "refused")
+        await self.control.register(journal.lease, "ended")
+
+    async def _release(self, hosted: _Hosted) -> None:
+        """Give a handed-off session's lease back now, and wake whoever may take it."""
+        journal = hosted.journal
+        lease = journal.lease if journal is not None else hosted.lease
+        with bounded_shield(self.cleanup_grace, "handing a session off"):
+            try:
+                await self.store.release_lease(lease)
+                await self.control.notify(lease.session_id)
+            except TrioAgentError as exc:
+                _log.warning("handing off session %s: %s (its lease runs out instead)", lease.session_id, exc)
+
+    # -- live deltas
+
+    def _sink(self, journal: DurableJournal, request_id: str) -> Any:
+        send = self._live
+        session_id = journal.session_id
+        if send is None:
+            from .._session._stream import discard
+
+            return discard
+        counter = [0]
+
+        async def sink(event: SessionEvent) -> None:
+            if isinstance(event, TextDeltaEvent) and event.text:
+                text = event.text
+                for start in range(0, len(text), _NOTIFY_MAX // 4):  # 4 bytes per character at most
+                    counter[0] += 1
+                    piece = text[start : start + _NOTIFY_MAX // 4]
+                    payload = {"s": session_id, "r": request_id, "a": event.agent_id, "n": counter[0], "t": piece}
+                    await send.send(json.dumps(payload, separators=(",", ":")))
+
+        return sink
+
+    async def publish_live(self) -> None:
+        receive = self._live_recv
+        if receive is None:
+            return
+        channel = self.statements.live_channel
+        async with receive:
+            async for first in receive:
+                batch = [first]
+                while len(batch) < _LIVE_BATCH:
+                    try:
+                        batch.append(receive.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                try:
+                    await self.control.publish(channel, batch)
+                except TrioAgentError as exc:
+                    _log.debug("live deltas dropped (not durable): %s", exc)
+
+    # -- registry
+
+    async def heartbeat(self) -> None:
+        interval = self.lease_ttl / 3
+        while True:
+            try:
+                await self.control.seen(
+                    concurrency=self.concurrency,
+                    hosted=len(self.hosted),
+                    served=self.report.served,
+                    stopping=self.stopping,
+                    interval=interval,
+                )
+            except TrioAgentError as exc:
+                _log.debug("worker heartbeat failed: %s", exc)
+            await trio.sleep(interval)
+
+    # -- stopping
+
+    async def stop(self, grace: float) -> None:
+        """No more claims or requests; *grace* seconds for running requests, then hand the rest off."""
+        self.stopping = True
+        self.wake()
+        if not self.hosted:
+            return
+        with trio.move_on_after(grace):
+            await self._drained.wait()
+        for hosted in list(self.hosted.values()):
+            journal = hosted.journal
+            hosted.handing_off = True
+            if journal is not None:
+                journal.held.lose(LeaseLostError("handed off: the worker is shutting down"))
+        await self._drained.wait()
+
+
+async def serve_sessions(
+    spec: AgentSpec,
+    dsn: str | None = None,
+    *,
+    concurrency: int = 8,
+    schema: str = "trio_agent",
+    worker_id: str | None = None,
+    lease_ttl: float = 30.0,
+    poll_interval: float = 2.0,
+    shutdown_grace: float = 30.0,
+    stop: trio.Event | None = None,
+    live: bool = True,
+    cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
+    store_options: Mapping[str, Any] | None = None,
+    task_status: trio.TaskStatus[WorkerReport] = trio.TASK_STATUS_IGNORED,
+) -> WorkerReport:
+    """Serve the sessions submitted to *schema* of the PostgreSQL database at *dsn* (module rules).
+
+    Runs until *stop* is set (then stops gracefully: see the rules) or it is cancelled,
+    and returns a `WorkerReport`. ``dsn`` defaults to ``$TRIO_AGENT_DSN``. *spec* is
+    built once for the process; every session gets only its own state. With
+    ``nursery.start(serve_sessions, ...)`` it reports started (the same report object,
+    filled in as it goes) once it listens and has announced itself in ``workers``.
+    """
+    if not isinstance(spec, AgentSpec):
+        raise ConfigError(f"serve_sessions takes an AgentSpec (define_agent(...)), not {spec!r}")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ConfigError(f"concurrency must be a whole number >= 1, not {concurrency!r}")
+    lease_ttl = check_seconds("lease_ttl", lease_ttl)
+    poll_interval = check_seconds("poll_interval", poll_interval)
+    shutdown_grace = check_seconds("shutdown_grace", shutdown_grace, allow_zero=True)
+    cleanup_grace = validate_cleanup_grace(cleanup_grace)
+    statements = Statements(_check_schema(schema))
+    dsn = resolve_dsn(dsn)
+    control = Control(dsn, statements, worker_id=worker_id or default_owner())
+    try:
+        await control.open()
+        async with open_postgres_store(dsn, schema=schema, **dict(store_options or {})) as store:
+            worker = _Worker(
+                spec,
+                store,
+                control,
+                concurrency=concurrency,
+                lease_ttl=lease_ttl,
+                poll_interval=poll_interval,
+                cleanup_grace=cleanup_grace,
+                live=live,
+            )
+            listener = InboxListener(dsn, statements.inbox_channel, worker.wake)
+            async with trio.open_nursery() as services:
+                await services.start(listener.run)
+                services.start_soon(worker.heartbeat)
+                services.start_soon(worker.publish_live)
+                async with trio.open_nursery() as sessions:
+                    sessions.start_soon(worker.claim_loop, sessions)
+                    task_status.started(worker.report)
+                    if stop is not None:
+                        await stop.wait()
+                        await worker.stop(shutdown_grace)
+                        sessions.cancel_scope.cancel()
+                    else:
+                        await trio.sleep_forever()
+                worker.report.notifications = listener.notifications
+                if worker._live is not None:
+                    await worker._live.aclose()
+                with bounded_shield(cleanup_grace, "unregistering the worker"):
+                    try:
+                        await control.gone()
+                    except TrioAgentError as exc:
+                        _log.debug("unregistering worker failed: %s", exc)
+                services.cancel_scope.cancel()
+            return worker.report
+    except BaseExceptionGroup as group:
+        from .._groups import unwrap_for_boundary
+
+        single = unwrap_for_boundary(group)
+        if single is group:
+            raise
+        raise single from None
+    finally:
+        control.close()

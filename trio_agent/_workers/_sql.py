@@ -1,0 +1,142 @@
+"""The worker tables beside the journal's, and every statement on them.
+
+Rules
+=====
+
+* The tables are additive (created if missing, in the journal's schema, under an
+  advisory lock): ``inbox`` (submissions), ``registry`` (what a worker last said about
+  a session) and ``workers`` (live workers and their load). They hold hints and
+  submissions; the journal's streams stay the truth about every request.
+* ``inbox`` is unique on (session id, request id), so a retried submission is one row.
+  A row moves ``pending`` -> ``taken`` (a worker is serving it) -> ``done`` (its outcome
+  is in the journal). Only the session's lease holder moves rows: every such write
+  checks the holder's fencing token in the same statement, so a paused former holder
+  changes nothing.
+* A session is runnable when it has a row not ``done`` and its lease is free (expired,
+  released or never taken). A claim takes such sessions with ``FOR UPDATE SKIP
+  LOCKED``, so claiming workers never wait for each other, and gives each a new,
+  higher fencing token by the server's clock, as `decide_lease` would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import LiteralString
+
+from psycopg import sql
+
+__all__ = ["SCHEMA", "Statements", "inbox_channel", "live_channel"]
+
+SCHEMA: tuple[LiteralString, ...] = (
+    "CREATE SCHEMA IF NOT EXISTS {s}",
+    # The journal's lease table (the same definition): submissions add placeholder rows to it.
+    "CREATE TABLE IF NOT EXISTS {s}.leases("
+    " session_id text PRIMARY KEY, owner text NOT NULL, token bigint NOT NULL, expires_at double precision NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS {s}.inbox("
+    " seq bigserial PRIMARY KEY, session_id text NOT NULL, request_id text NOT NULL, prompt text NOT NULL,"
+    " priority integer NOT NULL, submitted_at double precision NOT NULL, state text NOT NULL,"
+    " outcome text, updated_at double precision NOT NULL, UNIQUE(session_id, request_id))",
+    "CREATE INDEX IF NOT EXISTS inbox_open ON {s}.inbox(session_id) WHERE state <> 'done'",
+    "CREATE TABLE IF NOT EXISTS {s}.registry("
+    " session_id text PRIMARY KEY, state text NOT NULL, worker_id text NOT NULL, updated_at double precision NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS {s}.workers("
+    " worker_id text PRIMARY KEY, host text NOT NULL, pid integer NOT NULL, concurrency integer NOT NULL,"
+    " hosted integer NOT NULL, served bigint NOT NULL, stopping boolean NOT NULL, interval double precision NOT NULL,"
+    " started_at double precision NOT NULL, seen_at double precision NOT NULL)",
+)
+
+_NOW: LiteralString = "extract(epoch FROM clock_timestamp())::float8"
+
+_STATEMENTS: dict[str, LiteralString] = {
+    "lock": "SELECT pg_advisory_xact_lock(hashtext(%s))",
+    "submit": (
+        "INSERT INTO {s}.inbox(session_id, request_id, prompt, priority, submitted_at, state, updated_at)"
+        f" VALUES (%s, %s, %s, %s, {_NOW}, 'pending', {_NOW})"
+        " ON CONFLICT (session_id, request_id) DO NOTHING RETURNING seq"
+    ),
+    "submitted": "SELECT prompt, priority FROM {s}.inbox WHERE session_id = %s AND request_id = %s",
+    "placeholder": (
+        "INSERT INTO {s}.leases(session_id, owner, token, expires_at) VALUES (%s, '', 0, '-Infinity'::float8)"
+        " ON CONFLICT (session_id) DO NOTHING"
+    ),
+    "notify": "SELECT pg_notify(%s, %s)",
+    "status": "SELECT state, outcome FROM {s}.inbox WHERE session_id = %s AND request_id = %s",
+    # Oldest waiting work first; within a session, the highest priority first.
+    "claim": (
+        f"WITH now AS (SELECT {_NOW} AS t),"
+        " ready AS (SELECT l.session_id FROM {s}.leases AS l"
+        " WHERE l.expires_at < (SELECT t FROM now)"
+        " AND EXISTS (SELECT 1 FROM {s}.inbox AS i WHERE i.session_id = l.session_id AND i.state <> 'done')"
+        " ORDER BY (SELECT min(i.seq) FROM {s}.inbox AS i WHERE i.session_id = l.session_id AND i.state <> 'done')"
+        " LIMIT %s FOR UPDATE OF l SKIP LOCKED)"
+        " UPDATE {s}.leases AS t SET owner = %s, token = t.token + 1, expires_at = (SELECT t FROM now) + %s"
+        " FROM ready WHERE t.session_id = ready.session_id"
+        " RETURNING t.session_id, t.owner, t.token, t.expires_at"
+    ),
+    "open_rows": (
+        "SELECT request_id, prompt, state FROM {s}.inbox WHERE session_id = %s AND state <> 'done'"
+        " ORDER BY state = 'taken' DESC, priority DESC, seq"
+    ),
+    # Fenced: only the current holder of the session's lease (owner and token) moves its rows.
+    "mark": (
+        f"UPDATE {{s}}.inbox AS i SET state = %s, outcome = %s, updated_at = {_NOW}"
+        " WHERE i.session_id = %s AND i.request_id = %s AND EXISTS (SELECT 1 FROM {s}.leases AS l"
+        " WHERE l.session_id = i.session_id AND l.owner = %s AND l.token = %s)"
+    ),
+    "register": (
+        "INSERT INTO {s}.registry(session_id, state, worker_id, updated_at)"
+        f" SELECT %s, %s, %s, {_NOW} WHERE EXISTS (SELECT 1 FROM {{s}}.leases AS l"
+        " WHERE l.session_id = %s AND l.owner = %s AND l.token = %s)"
+        " ON CONFLICT (session_id) DO UPDATE SET state = excluded.state, worker_id = excluded.worker_id,"
+        " updated_at = excluded.updated_at"
+    ),
+    "worker_seen": (
+        "INSERT INTO {s}.workers(worker_id, host, pid, concurrency, hosted, served, stopping, interval,"
+        f" started_at, seen_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, {_NOW}, {_NOW})"
+        " ON CONFLICT (worker_id) DO UPDATE SET hosted = excluded.hosted, served = excluded.served,"
+        " stopping = excluded.stopping, seen_at = excluded.seen_at"
+    ),
+    "worker_gone": "DELETE FROM {s}.workers WHERE worker_id = %s",
+    "sessions": (
+        f"SELECT k.session_id, l.owner, l.token, l.expires_at, {_NOW},"
+        " (SELECT count(*) FROM {s}.inbox AS i WHERE i.session_id = k.session_id AND i.state <> 'done'),"
+        " r.state, r.worker_id"
+        " FROM (SELECT session_id FROM {s}.registry UNION SELECT session_id FROM {s}.inbox) AS k"
+        " LEFT JOIN {s}.leases AS l ON l.session_id = k.session_id"
+        " LEFT JOIN {s}.registry AS r ON r.session_id = k.session_id ORDER BY k.session_id"
+    ),
+    "workers": (
+        "SELECT worker_id, host, pid, concurrency, hosted, served, stopping, started_at, seen_at, interval,"
+        f" {_NOW} FROM {{s}}.workers ORDER BY worker_id"
+    ),
+}
+
+
+def _hashed_channel(schema: str, suffix: str) -> str:
+    name = f"{schema}_{suffix}"
+    if len(name.encode()) > 63:
+        name = f"trio_agent_{suffix}_" + hashlib.sha256(schema.encode()).hexdigest()[:24]
+    return name
+
+
+def inbox_channel(schema: str) -> str:
+    """The NOTIFY channel that wakes workers when a submission lands."""
+    return _hashed_channel(schema, "inbox")
+
+
+def live_channel(schema: str) -> str:
+    """The NOTIFY channel that carries live (non-durable) deltas to other processes."""
+    return _hashed_channel(schema, "live")
+
+
+class Statements:
+    """Every statement above, rendered once for one schema."""
+
+    def __init__(self, schema: str) -> None:
+        ident = sql.Identifier(schema)
+        self.schema = schema
+        self.create = [sql.SQL(statement).format(s=ident).as_bytes(None) for statement in SCHEMA]
+        self.q = {name: sql.SQL(text).format(s=ident).as_bytes(None) for name, text in _STATEMENTS.items()}
+        self.lock_key = f"trio_agent.journal:{schema}"  # the journal's own schema lock: one DDL at a time
+        self.inbox_channel = inbox_channel(schema)
+        self.live_channel = live_channel(schema)

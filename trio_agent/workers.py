@@ -1,0 +1,50 @@
+"""Workers: serve sessions from many processes and machines on one PostgreSQL database.
+
+Submit from anywhere (a plain blocking function, usable outside Trio), serve with as
+many worker processes as the load needs, and read outcomes back from the journal::
+
+    from trio_agent.workers import submit, serve_sessions, wait_for_request
+
+    request_id = submit("session-42", "summarise the report", dsn=DSN)   # any process
+    await serve_sessions(spec, DSN, concurrency=8)                        # each worker
+    outcome = await wait_for_request(store, "session-42", request_id)    # any process
+
+``trio-agent worker --dsn ... --agent module:spec`` runs a worker from the command
+line; ``trio-agent sessions`` and ``trio-agent workers`` show the registry. See
+docs/deployment.md.
+"""
+
+from __future__ import annotations
+
+from ._workers._queue import (
+    DSN_ENV,
+    RequestStatus,
+    SessionStatus,
+    Submitter,
+    WorkerStatus,
+    list_sessions,
+    list_workers,
+    request_status,
+    submit,
+)
+from ._workers._results import LiveDelta, LiveSubscription, RequestOutcome, subscribe_live, wait_for_request
+from ._workers._serve import WorkerReport, serve_sessions
+
+__all__ = [
+    "DSN_ENV",
+    "LiveDelta",
+    "LiveSubscription",
+    "RequestOutcome",
+    "RequestStatus",
+    "SessionStatus",
+    "Submitter",
+    "WorkerReport",
+    "WorkerStatus",
+    "list_sessions",
+    "list_workers",
+    "request_status",
+    "serve_sessions",
+    "submit",
+    "subscribe_live",
+    "wait_for_request",
+]
