@@ -38,7 +38,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import psycopg
 import trio
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
 from .._errors import ConfigError, LeaseLostError, SessionClosedError, TrioAgentError
@@ -79,6 +81,7 @@ class WorkerReport:
     claimed: int = 0
     served: int = 0
     handed_off: int = 0
+    lost_sessions: int = 0  # taken over while held (paused past the lease, the store unreachable)
     failed_sessions: int = 0
     notifications: int = 0
 
@@ -183,6 +186,7 @@ class _Worker:
                 self.report.handed_off += 1
                 await self._release(hosted)
             elif not hosted.failed:
+                self.report.lost_sessions += 1
                 _log.warning("worker %s lost session %s: %s", self.report.worker_id, session_id, exc)
         except TrioAgentError as exc:
             self.report.failed_sessions += 1
@@ -324,6 +328,19 @@ class _Worker:
         await self._drained.wait()
 
 
+def _bounded_transactions(dsn: str, lease_ttl: float) -> str:
+    """*dsn* whose sessions the server ends when idle inside a transaction for a lease TTL: a
+    worker stopped (SIGSTOP, a frozen VM) half-way through a write must not hold its row locks,
+    and with them its sessions, until it wakes. Its write then fails; the lease is lost anyway."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.Error:
+        raise ConfigError("the PostgreSQL DSN is not a valid connection string or URI") from None
+    timeout_ms = max(round(lease_ttl * 1000), 1000)
+    options = f"{params.get('options') or ''} -c idle_in_transaction_session_timeout={timeout_ms}".strip()
+    return make_conninfo(dsn, options=options)
+
+
 async def serve_sessions(
     spec: AgentSpec,
     dsn: str | None = None,
@@ -358,10 +375,11 @@ async def serve_sessions(
     cleanup_grace = validate_cleanup_grace(cleanup_grace)
     statements = Statements(_check_schema(schema))
     dsn = resolve_dsn(dsn)
+    store_dsn = _bounded_transactions(dsn, lease_ttl)
     control = Control(dsn, statements, worker_id=worker_id or default_owner())
     try:
         await control.open()
-        async with open_postgres_store(dsn, schema=schema, **dict(store_options or {})) as store:
+        async with open_postgres_store(store_dsn, schema=schema, **dict(store_options or {})) as store:
             worker = _Worker(
                 spec,
                 store,

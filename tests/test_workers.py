@@ -1,0 +1,565 @@
+"""Workers on a throw-away PostgreSQL cluster, in this process: the durable request queue,
+claims, takeover, hand-off, registry, live deltas and the command line.
+
+The multi-process kill/pause/terminate runs are in ``test_workers_processes.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import trio
+
+from trio_agent import ConfigError, LeaseLostError, define_agent, define_tool, open_session
+from trio_agent.journal import (
+    CommandConflictError,
+    RequestAccepted,
+    RequestCompleted,
+    RequestInterrupted,
+    RequestInterruptReason,
+    RequestStarted,
+    ToolOutcomeUnknown,
+    open_journal,
+    open_postgres_store,
+)
+from trio_agent.models import ToolResultMessage
+from trio_agent.testing import Reply, TestModel
+from trio_agent.workers import (
+    Submitter,
+    list_sessions,
+    list_workers,
+    request_status,
+    serve_sessions,
+    submit,
+    subscribe_live,
+    wait_for_request,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+OBJECT = {"type": "object"}
+TERMINAL = (RequestCompleted, RequestInterrupted)
+
+
+def answer(text: str = "done") -> Any:
+    return define_agent(provider=TestModel(default=Reply(text)))
+
+
+@asynccontextmanager
+async def worker(spec: Any, dsn: str, schema: str, **options: Any) -> AsyncIterator[Any]:
+    """A worker in this process; stopped (gracefully) when the block ends."""
+    stop = trio.Event()
+    options.setdefault("poll_interval", 0.2)
+    async with trio.open_nursery() as nursery:
+        report = await nursery.start(functools.partial(serve_sessions, spec, dsn, schema=schema, stop=stop, **options))
+        try:
+            yield report
+        finally:
+            stop.set()
+
+
+async def root_events(store: Any, session_id: str) -> list[Any]:
+    return [envelope.event for envelope in await store.read(f"{session_id}/root")]
+
+
+async def until_done(dsn: str, schema: str, session_id: str, request_id: str) -> Any:
+    """Poll the inbox (another process's table: nothing to wait on) until the row is done."""
+    while True:
+        status = await trio.to_thread.run_sync(
+            functools.partial(request_status, session_id, request_id, dsn=dsn, schema=schema)
+        )
+        if status is not None and status.state == "done":
+            return status
+        await trio.sleep(0.05)
+
+
+async def until_session_state(dsn: str, schema: str, session_id: str, state: str) -> None:
+    while True:
+        sessions = await trio.to_thread.run_sync(functools.partial(list_sessions, dsn=dsn, schema=schema))
+        if any(s.session_id == session_id and s.state == state for s in sessions):
+            return
+        await trio.sleep(0.05)
+
+
+def ends_of(events: list[Any], request_id: str) -> list[Any]:
+    return [e for e in events if isinstance(e, TERMINAL) and e.request_id == request_id]
+
+
+# ---------------------------------------------------------------- submitting
+
+
+def test_submit_is_idempotent_and_refuses_a_conflicting_retry(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    with Submitter(postgres_dsn, schema=fresh_pg_schema) as queue:
+        first = queue.submit("s1", "hello", request_id="r1")
+        assert first == "r1"
+        assert queue.submit("s1", "hello", request_id="r1") == "r1"  # a retry: one row
+        with pytest.raises(CommandConflictError, match="different prompt"):
+            queue.submit("s1", "something else", request_id="r1")
+        generated = queue.submit("s1", "again")
+        assert generated.startswith("req-") and generated != "r1"
+        assert queue.status("s1", "r1") == queue.status("s1", "r1")
+        status = queue.status("s1", "r1")
+        assert status is not None and (status.state, status.outcome) == ("pending", None)
+        assert queue.status("s1", "never") is None
+    with psycopg.connect(postgres_dsn) as conn:
+        rows = conn.execute(f'SELECT request_id FROM "{fresh_pg_schema}".inbox ORDER BY seq').fetchall()
+    assert [row[0] for row in rows] == ["r1", generated]
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "names"),
+    [
+        (("", "hi"), {}, "session_id"),
+        (("a/b", "hi"), {}, "session_id"),
+        (("s", ""), {}, "prompt"),
+        (("s", "   "), {}, "prompt"),
+        (("s", "nul\x00byte"), {}, "NUL"),
+        (("s", 42), {}, "prompt"),
+        (("s", "hi"), {"request_id": ""}, "request_id"),
+        (("s", "hi"), {"priority": True}, "priority"),
+        (("s", "hi"), {"priority": 2**40}, "priority"),
+        (("s", "hi"), {"priority": 1.5}, "priority"),
+    ],
+)
+def test_submit_refuses_bad_input_by_name(
+    postgres_dsn: str, fresh_pg_schema: str, args: tuple[Any, ...], kwargs: dict[str, Any], names: str
+) -> None:
+    with pytest.raises(ConfigError, match=names):
+        submit(*args, dsn=postgres_dsn, schema=fresh_pg_schema, **kwargs)
+    with psycopg.connect(postgres_dsn) as conn:
+        exists = conn.execute("SELECT to_regclass(%s)", (f'"{fresh_pg_schema}".inbox',)).fetchone()
+        if exists is not None and exists[0] is not None:
+            assert conn.execute(f'SELECT count(*) FROM "{fresh_pg_schema}".inbox').fetchone() == (0,)
+
+
+def test_submit_without_a_dsn_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRIO_AGENT_DSN", raising=False)
+    with pytest.raises(ConfigError, match="TRIO_AGENT_DSN"):
+        submit("s", "hi")
+
+
+def test_submit_to_an_unreachable_server_is_a_typed_error() -> None:
+    from trio_agent.journal import JournalUnavailableError
+
+    with pytest.raises(JournalUnavailableError, match="cannot connect"):
+        submit("s", "hi", dsn="postgresql://nobody@127.0.0.1:1/none?connect_timeout=2")
+
+
+# ---------------------------------------------------------------- serving
+
+
+async def test_a_worker_serves_each_submission_once_in_priority_order(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    model = TestModel(respond=lambda request: Reply(f"answer to {request.messages[-1].content}"))
+    spec = define_agent(provider=model)
+    with Submitter(postgres_dsn, schema=fresh_pg_schema) as queue:
+        queue.submit("s1", "low", request_id="low", priority=0)
+        queue.submit("s1", "high", request_id="high", priority=5)
+        queue.submit("s2", "other", request_id="other")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        async with worker(spec, postgres_dsn, fresh_pg_schema, concurrency=2) as report:
+            with trio.fail_after(30):
+                outcomes = {
+                    rid: await wait_for_request(store, sid, rid)
+                    for sid, rid in [("s1", "low"), ("s1", "high"), ("s2", "other")]
+                }
+                # Submitted while the worker runs: woken by NOTIFY (or the poll), served too.
+                late = await trio.to_thread.run_sync(
+                    functools.partial(submit, "s2", "late", dsn=postgres_dsn, schema=fresh_pg_schema)
+                )
+                outcomes[late] = await wait_for_request(store, "s2", late)
+        assert {rid: o.state for rid, o in outcomes.items()} == dict.fromkeys(outcomes, "completed")
+        assert outcomes["high"].text == "answer to high"
+        assert outcomes["high"].seq < outcomes["low"].seq  # the higher priority ran first
+        events = await root_events(store, "s1")
+        assert [e.request_id for e in events if isinstance(e, RequestAccepted)] == ["high", "low"]
+        for sid, rid in [("s1", "low"), ("s1", "high"), ("s2", "other"), ("s2", late)]:
+            assert len(ends_of(await root_events(store, sid), rid)) == 1
+    assert report.served == 4
+    status = request_status("s1", "low", dsn=postgres_dsn, schema=fresh_pg_schema)
+    assert status is not None and (status.state, status.outcome) == ("done", "completed")
+
+
+async def test_two_workers_share_sessions_and_run_each_request_exactly_once(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    spec = define_agent(provider=TestModel(default=Reply("ok", latency=0.01)))
+    with Submitter(postgres_dsn, schema=fresh_pg_schema) as queue:
+        ids = [(f"s{i}", queue.submit(f"s{i}", f"p{i}")) for i in range(24)]
+    async with (
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store,
+        worker(spec, postgres_dsn, fresh_pg_schema, concurrency=4, worker_id="w-a") as a,
+        worker(spec, postgres_dsn, fresh_pg_schema, concurrency=4, worker_id="w-b") as b,
+    ):
+        with trio.fail_after(60):
+            for sid, rid in ids:
+                assert (await wait_for_request(store, sid, rid)).state == "completed"
+        for sid, rid in ids:
+            assert len(ends_of(await root_events(store, sid), rid)) == 1
+    assert a.served + b.served == len(ids)
+    assert a.claimed + b.claimed >= len(ids)
+
+
+async def test_a_session_that_was_ended_refuses_its_submissions(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    spec = answer()
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        async with open_session(spec, journal=store, session_id="gone") as session:
+            await session.end()
+        rid = await trio.to_thread.run_sync(
+            functools.partial(submit, "gone", "anyone?", dsn=postgres_dsn, schema=fresh_pg_schema)
+        )
+        async with worker(spec, postgres_dsn, fresh_pg_schema):
+            with trio.fail_after(20):
+                status = await until_done(postgres_dsn, fresh_pg_schema, "gone", rid)
+        assert status.outcome == "refused"
+    states = {s.session_id: s.state for s in list_sessions(dsn=postgres_dsn, schema=fresh_pg_schema)}
+    assert states["gone"] == "done"
+
+
+# ---------------------------------------------------------------- takeover
+
+
+async def test_a_dead_workers_session_is_taken_over_from_its_last_durable_point(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """A worker dies (nothing more written, lease left to expire) with a request started: its
+    look settled, its payment started. Another worker claims the session with a higher token,
+    keeps the look, tells the payment's outcome is unknown (never paid twice), asks the model
+    next, and ends the request exactly once."""
+    paid: list[str] = []
+    started = trio.Event()
+
+    @define_tool(name="pay", description="p", input_schema=OBJECT, side_effect="non_idempotent", kind="readonly")
+    async def pay(input: dict[str, Any], ctx: Any) -> str:
+        paid.append(ctx.idempotency_key)
+        started.set()
+        await trio.sleep_forever()
+        return "paid"  # pragma: no cover
+
+    @define_tool(name="look", description="l", input_schema=OBJECT, side_effect="pure", kind="readonly")
+    async def look(input: dict[str, Any], ctx: Any) -> str:
+        return "looked"
+
+    def respond(request: Any) -> Reply:
+        results = [m for m in request.messages if isinstance(m, ToolResultMessage)]
+        if not results:
+            return Reply(tool_calls=[("look", {})])
+        if len(results) == 1:
+            return Reply(tool_calls=[("pay", {})])
+        return Reply(f"finished with {len(results)} results")
+
+    spec = define_agent(provider=TestModel(respond=respond), tools=[look, pay])
+    rid = await trio.to_thread.run_sync(
+        functools.partial(submit, "taken", "go", dsn=postgres_dsn, schema=fresh_pg_schema)
+    )
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._sql import Statements
+
+    control = Control(postgres_dsn, Statements(fresh_pg_schema), worker_id="dead-worker")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        try:
+            await control.open()
+            [lease] = await control.claim(1, ttl=1.0)
+            with pytest.raises(LeaseLostError):
+                async with (
+                    open_journal(store, lease=lease, lease_ttl=1.0, heartbeat_interval=0.3) as journal,
+                    open_session(spec, journal=journal, unfinished="keep") as session,
+                    trio.open_nursery() as nursery,
+                ):
+                    nursery.start_soon(session.serve_request, rid, "go")
+                    with trio.fail_after(10):
+                        await started.wait()
+                    journal._lose(LeaseLostError("kill -9"))  # nothing more is written by it
+                    await trio.sleep_forever()
+        finally:
+            control.close()
+        before = await root_events(store, "taken")
+        assert any(isinstance(e, RequestStarted) for e in before) and not ends_of(before, rid)
+        async with worker(spec, postgres_dsn, fresh_pg_schema, lease_ttl=5.0) as report:
+            with trio.fail_after(30):
+                outcome = await wait_for_request(store, "taken", rid)
+        assert outcome.state == "completed" and outcome.text == "finished with 2 results"
+        events = await root_events(store, "taken")
+        assert len(ends_of(events, rid)) == 1
+        assert len([e for e in events if isinstance(e, ToolOutcomeUnknown)]) == 1
+        assert len(paid) == 1
+        current = await store.current_lease("taken")
+        assert current is None or current.token > lease.token
+    assert report.claimed == 1 and report.served == 1
+
+
+async def test_requests_nobody_submitted_are_interrupted_by_the_takeover(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """A plain process's session crashed with a request accepted: no submission stands for it,
+    so a worker that takes the session over ends it (process_restart) and serves the submitted one."""
+    spec = answer()
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        with pytest.raises(LeaseLostError):
+            async with open_journal(store, session_id="mixed", lease_ttl=1.0, heartbeat_interval=0.3) as journal:
+                await journal.append(
+                    RequestAccepted(request_id="orphan", command_id="orphan", input={"prompt": "x"}),
+                    command_id="orphan",
+                )
+                journal._lose(LeaseLostError("crashed"))
+                await trio.sleep_forever()
+        rid = await trio.to_thread.run_sync(
+            functools.partial(submit, "mixed", "served", dsn=postgres_dsn, schema=fresh_pg_schema)
+        )
+        async with worker(spec, postgres_dsn, fresh_pg_schema):
+            with trio.fail_after(30):
+                assert (await wait_for_request(store, "mixed", rid)).state == "completed"
+        events = await root_events(store, "mixed")
+        [orphan] = ends_of(events, "orphan")
+        assert isinstance(orphan, RequestInterrupted) and orphan.reason is RequestInterruptReason.PROCESS_RESTART
+
+
+async def test_a_stale_holder_cannot_move_inbox_rows(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._sql import Statements
+
+    await trio.to_thread.run_sync(
+        functools.partial(submit, "fenced", "hi", request_id="r", dsn=postgres_dsn, schema=fresh_pg_schema)
+    )
+    old = Control(postgres_dsn, Statements(fresh_pg_schema), worker_id="old")
+    new = Control(postgres_dsn, Statements(fresh_pg_schema), worker_id="new")
+    try:
+        await old.open()
+        [stale] = await old.claim(1, ttl=0.05)
+        with trio.fail_after(10):
+            while not (claimed := await new.claim(1, ttl=30)):
+                await trio.sleep(0.02)  # waiting for the server clock to pass the stale lease's expiry
+        [fresh] = claimed
+        assert fresh.token == stale.token + 1
+        assert not await old.mark(stale, "r", "done", "completed")  # refused: not the holder
+        assert await new.mark(fresh, "r", "taken", None)
+        assert not await old.claim(1, ttl=30)  # held: SKIP LOCKED / not expired, nothing to take
+    finally:
+        old.close()
+        new.close()
+    status = request_status("fenced", "r", dsn=postgres_dsn, schema=fresh_pg_schema)
+    assert status is not None and status.state == "taken"
+
+
+async def test_a_stopping_worker_hands_a_running_request_off_at_once(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    """Stop with a request still running past the grace: the worker gives the session up without
+    recording anything and releases the lease, so another worker takes over at once (long before
+    the 30 s lease would expire) and finishes the request exactly once."""
+    gate = trio.Event()
+    entered = trio.Event()
+
+    @define_tool(name="wait", description="w", input_schema=OBJECT, side_effect="pure", kind="readonly")
+    async def wait(input: dict[str, Any], ctx: Any) -> str:
+        entered.set()
+        await gate.wait()
+        return "waited"
+
+    def respond(request: Any) -> Reply:
+        if isinstance(request.messages[-1], ToolResultMessage):
+            return Reply("after the wait")
+        return Reply(tool_calls=[("wait", {})])
+
+    spec = define_agent(provider=TestModel(respond=respond), tools=[wait])
+    rid = await trio.to_thread.run_sync(
+        functools.partial(submit, "handed", "go", dsn=postgres_dsn, schema=fresh_pg_schema)
+    )
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            first = await nursery.start(
+                functools.partial(
+                    serve_sessions,
+                    spec,
+                    postgres_dsn,
+                    schema=fresh_pg_schema,
+                    stop=stop,
+                    lease_ttl=30.0,
+                    shutdown_grace=0.1,
+                    poll_interval=0.2,
+                    worker_id="first",
+                )
+            )
+            with trio.fail_after(10):
+                await entered.wait()
+            stop.set()
+        assert first.handed_off == 1 and first.served == 0
+        assert not ends_of(await root_events(store, "handed"), rid)
+        lease = await store.current_lease("handed")
+        assert lease is None or lease.expires_at < store.clock()  # released, not left to expire
+        gate.set()
+        async with worker(spec, postgres_dsn, fresh_pg_schema, worker_id="second") as second:
+            with trio.fail_after(10):  # far below the first worker's 30 s lease
+                outcome = await wait_for_request(store, "handed", rid)
+        assert outcome.state == "completed" and outcome.text == "after the wait"
+        assert len(ends_of(await root_events(store, "handed"), rid)) == 1
+    assert second.served == 1
+
+
+# ---------------------------------------------------------------- registry, live deltas, command line
+
+
+async def test_the_registry_shows_running_sessions_and_live_workers(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    gate, entered = trio.Event(), trio.Event()
+
+    @define_tool(name="wait", description="w", input_schema=OBJECT, side_effect="pure", kind="readonly")
+    async def wait(input: dict[str, Any], ctx: Any) -> str:
+        entered.set()
+        await gate.wait()
+        return "ok"
+
+    def respond(request: Any) -> Reply:
+        last = request.messages[-1]
+        return Reply("fine") if isinstance(last, ToolResultMessage) else Reply(tool_calls=[("wait", {})])
+
+    spec = define_agent(provider=TestModel(respond=respond), tools=[wait])
+    rid = await trio.to_thread.run_sync(
+        functools.partial(submit, "busy", "go", dsn=postgres_dsn, schema=fresh_pg_schema)
+    )
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        async with worker(spec, postgres_dsn, fresh_pg_schema, worker_id="reg", lease_ttl=0.9) as report:
+            with trio.fail_after(10):
+                await entered.wait()
+            sessions = await trio.to_thread.run_sync(
+                functools.partial(list_sessions, dsn=postgres_dsn, schema=fresh_pg_schema)
+            )
+            [busy] = [s for s in sessions if s.session_id == "busy"]
+            assert busy.state == "running" and busy.worker == "reg" and busy.queued == 1
+            assert busy.lease_until is not None and 0 < busy.lease_until <= 0.9
+            with trio.fail_after(10):
+                while True:  # the worker's heartbeat (every lease_ttl / 3) reports its load
+                    workers = await trio.to_thread.run_sync(
+                        functools.partial(list_workers, dsn=postgres_dsn, schema=fresh_pg_schema)
+                    )
+                    if workers and workers[0].hosted == 1:
+                        break
+                    await trio.sleep(0.05)
+            [me] = workers
+            assert me.worker_id == "reg" and me.live and not me.stopping and me.concurrency == 8
+            gate.set()
+            with trio.fail_after(10):
+                await wait_for_request(store, "busy", rid)
+        assert report.served == 1
+    sessions = list_sessions(dsn=postgres_dsn, schema=fresh_pg_schema)
+    assert [(s.session_id, s.state, s.queued) for s in sessions] == [("busy", "waiting", 0)]
+    assert list_workers(dsn=postgres_dsn, schema=fresh_pg_schema) == []  # a clean stop unregisters
+
+
+async def test_live_deltas_reach_a_subscriber_in_another_connection(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    text = "streamed " * 40
+    spec = answer(text)
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        async with (
+            await subscribe_live("live", dsn=postgres_dsn, schema=fresh_pg_schema) as deltas,
+            await subscribe_live("someone-else", dsn=postgres_dsn, schema=fresh_pg_schema) as others,
+            worker(spec, postgres_dsn, fresh_pg_schema),
+        ):
+            rid = await trio.to_thread.run_sync(
+                functools.partial(submit, "live", "hi", dsn=postgres_dsn, schema=fresh_pg_schema)
+            )
+            seen: list[Any] = []
+            with trio.fail_after(20):
+                async for delta in deltas:
+                    seen.append(delta)
+                    if "".join(d.text for d in seen) == text:
+                        break
+            outcome = await wait_for_request(store, "live", rid)
+            with trio.move_on_after(0.2):
+                await others.__anext__()
+                raise AssertionError("a delta of another session reached the wrong subscriber")
+        assert outcome.text == text
+        assert {d.request_id for d in seen} == {rid} and [d.n for d in seen] == list(range(1, len(seen) + 1))
+
+
+async def test_the_command_line_submits_waits_and_lists(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    env = {**os.environ, "TRIO_AGENT_DSN": postgres_dsn}
+    cli = [sys.executable, "-m", "trio_agent"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cli, *args], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    from trio_agent._workers._offline import offline_spec
+
+    async with worker(offline_spec(), postgres_dsn, fresh_pg_schema, worker_id="cli-worker"):
+        done = await trio.to_thread.run_sync(
+            functools.partial(run, "submit", "calc", "add 2 and 40", "--schema", fresh_pg_schema, "--wait", "60")
+        )
+        assert done.returncode == 0, done.stderr
+        request_id, outcome = done.stdout.strip().splitlines()
+        assert json.loads(outcome)["text"] == "the sum is 42.0" and json.loads(outcome)["request_id"] == request_id
+        listed = await trio.to_thread.run_sync(functools.partial(run, "sessions", "--schema", fresh_pg_schema))
+        assert listed.returncode == 0 and "calc" in listed.stdout and "SESSION" in listed.stdout
+        workers = await trio.to_thread.run_sync(
+            functools.partial(run, "workers", "--schema", fresh_pg_schema, "--json")
+        )
+        assert [w["worker_id"] for w in json.loads(workers.stdout)] == ["cli-worker"]
+
+
+def test_the_command_line_refuses_bad_input_with_a_typed_message(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    cli = [sys.executable, "-m", "trio_agent"]
+    env = {**os.environ, "TRIO_AGENT_DSN": postgres_dsn}
+    refused = subprocess.run(
+        [*cli, "submit", "calc", "", "--schema", fresh_pg_schema], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 1 and "prompt" in refused.stderr
+    env.pop("TRIO_AGENT_DSN")
+    no_dsn = subprocess.run([*cli, "sessions"], env=env, capture_output=True, text=True, timeout=60)
+    assert no_dsn.returncode == 1 and "TRIO_AGENT_DSN" in no_dsn.stderr
+    no_agent = subprocess.run(
+        [*cli, "worker", "--dsn", postgres_dsn, "--agent", "no_such_module:spec"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert no_agent.returncode != 0 and "cannot load --agent" in no_agent.stderr
+
+
+async def test_serve_sessions_refuses_bad_options_by_name(postgres_dsn: str) -> None:
+    spec = answer()
+    for options, name in [
+        ({"concurrency": 0}, "concurrency"),
+        ({"concurrency": True}, "concurrency"),
+        ({"lease_ttl": 0}, "lease_ttl"),
+        ({"poll_interval": -1}, "poll_interval"),
+        ({"schema": "bad-name"}, "schema"),
+        ({"dsn": "host='unterminated"}, "DSN"),
+    ]:
+        options = {"dsn": postgres_dsn, **options}
+        with pytest.raises(ConfigError, match=name):
+            await serve_sessions(spec, **options)
+    with pytest.raises(ConfigError, match="AgentSpec"):
+        await serve_sessions("not a spec", postgres_dsn)  # type: ignore[arg-type]
+
+
+async def test_a_request_that_pauses_is_done_paused_and_the_session_shows_paused(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    @define_tool(name="delete", description="d", input_schema=OBJECT, side_effect="non_idempotent", kind="write")
+    async def delete(input: dict[str, Any], ctx: Any) -> str:
+        raise AssertionError("runs only after a person approves")  # pragma: no cover
+
+    spec = define_agent(
+        provider=TestModel(default=Reply(tool_calls=[("delete", {})])),
+        tools=[delete],
+        permission_asks="interrupt",
+    )
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        rid = await trio.to_thread.run_sync(
+            functools.partial(submit, "asks", "delete it", dsn=postgres_dsn, schema=fresh_pg_schema)
+        )
+        async with worker(spec, postgres_dsn, fresh_pg_schema):
+            with trio.fail_after(20):
+                outcome = await wait_for_request(store, "asks", rid)
+                status = await until_done(postgres_dsn, fresh_pg_schema, "asks", rid)
+                await until_session_state(postgres_dsn, fresh_pg_schema, "asks", "paused")
+        assert outcome.state == "paused" and status.outcome == "paused"
+        # A person answers in a process of their own: it opens the session and resumes it.
+        async with open_session(spec, journal=store, session_id="asks") as session:
+            assert session.paused is not None
