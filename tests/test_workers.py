@@ -563,3 +563,13 @@ async def test_a_request_that_pauses_is_done_paused_and_the_session_shows_paused
         # A person answers in a process of their own: it opens the session and resumes it.
         async with open_session(spec, journal=store, session_id="asks") as session:
             assert session.paused is not None
+
+
+@pytest.mark.parametrize("text", ["plain " * 3000, "\x01\x02" * 3000, "\U0001f600" * 5000, "é\n" * 4000, "x"])
+def test_live_payloads_always_fit_a_notify(text: str) -> None:
+    from trio_agent._workers._serve import _live_payload, _pieces
+
+    wide = "\U0001f600" * 200
+    pieces = _pieces(text)
+    assert "".join(pieces) == text
+    assert all(len(_live_payload(wide, wide, wide, 2**31, piece).encode()) <= 7999 for piece in pieces)

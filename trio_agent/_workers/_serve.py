@@ -70,7 +70,7 @@ _ENDED = {
     RequestState.PAUSED: "paused",
 }
 _LIVE_BATCH = 256
-_NOTIFY_MAX = 7000  # bytes of text per live payload (PostgreSQL refuses 8000 or more in all)
+_NOTIFY_MAX = 7999  # bytes: PostgreSQL refuses a NOTIFY payload of 8000 bytes or more
 
 
 @attrs.define
@@ -84,6 +84,29 @@ class WorkerReport:
     lost_sessions: int = 0  # taken over while held (paused past the lease, the store unreachable)
     failed_sessions: int = 0
     notifications: int = 0
+
+
+def _live_payload(session_id: str, request_id: str, agent_id: str, n: int, text: str) -> str:
+    payload = {"s": session_id, "r": request_id, "a": agent_id, "n": n, "t": text}
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+
+
+_WIDE = "\U0001f600" * 200  # the widest id there can be: 200 characters of 4 bytes
+
+
+def _pieces(text: str, limit: int = 1000) -> list[str]:
+    """*text* cut so each live payload fits a NOTIFY (ids of 200 characters and escapes included)."""
+    pieces = [text[start : start + limit] for start in range(0, len(text), limit)]
+    # Escaped control characters take 6 bytes each: halve a piece until its payload fits.
+    fitted: list[str] = []
+    while pieces:
+        piece = pieces.pop(0)
+        if len(piece) > 1 and len(_live_payload(_WIDE, _WIDE, _WIDE, 2**31, piece).encode()) > _NOTIFY_MAX:
+            half = len(piece) // 2
+            pieces[:0] = [piece[:half], piece[half:]]
+        else:
+            fitted.append(piece)
+    return fitted
 
 
 class _Hosted:
@@ -171,13 +194,19 @@ class _Worker:
                     await self._open_and_serve(journal, hosted)
                 except SessionClosedError:
                     await self._refuse_all(journal, "the session was ended for good; submit to a new session id")
-                except TrioAgentError as exc:
+                except Exception as exc:  # one session's failure (a bug included) never stops the worker
                     if journal.lost:
                         raise
                     # Not released: the lease runs out on its own, so the session is retried later.
                     self.report.failed_sessions += 1
                     hosted.failed = True
-                    _log.error("session %s failed on worker %s: %s", session_id, self.report.worker_id, exc)
+                    _log.error(
+                        "session %s failed on worker %s: %s",
+                        session_id,
+                        self.report.worker_id,
+                        exc,
+                        exc_info=not isinstance(exc, TrioAgentError),
+                    )
                     journal.held.lose(exc)
             if self.stopping:  # released: what it left queued goes to another worker now
                 await self.control.notify(session_id)
@@ -266,12 +295,9 @@ class _Worker:
 
         async def sink(event: SessionEvent) -> None:
             if isinstance(event, TextDeltaEvent) and event.text:
-                text = event.text
-                for start in range(0, len(text), _NOTIFY_MAX // 4):  # 4 bytes per character at most
+                for piece in _pieces(event.text):
                     counter[0] += 1
-                    piece = text[start : start + _NOTIFY_MAX // 4]
-                    payload = {"s": session_id, "r": request_id, "a": event.agent_id, "n": counter[0], "t": piece}
-                    await send.send(json.dumps(payload, separators=(",", ":")))
+                    await send.send(_live_payload(session_id, request_id, event.agent_id, counter[0], piece))
 
         return sink
 
