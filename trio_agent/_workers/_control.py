@@ -4,10 +4,11 @@ inbox listener.
 Rules
 =====
 
-* Control statements run on one sync psycopg connection in a worker thread, one at a
-  time. A statement is never abandoned half-way: a cancelled caller waits for it
-  (``statement_timeout`` bounds it server-side), so a claim that committed is always
-  handed back, and its leases opened or released, never forgotten.
+* Control statements run on a few sync psycopg connections (autocommit: each statement is
+  its own transaction), each in a worker thread, at most ``pool`` at a time. A statement is
+  never abandoned half-way: a cancelled caller waits for it (``statement_timeout`` bounds it
+  server-side), so a claim that committed is always handed back, and its leases opened or
+  released, never forgotten. A broken connection is dropped and the next call opens another.
 * The listener is pumped natively (`trio.lowlevel.wait_readable`), no thread. A
   notification is only a hint to look again; a lost connection is reopened with a
   backoff, and polling with jitter covers whatever it missed.
@@ -19,6 +20,7 @@ import contextlib
 import math
 import os
 import socket
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -51,39 +53,67 @@ def _connect(dsn: str, statement_timeout: float, name: str) -> _Conn:
         raise JournalUnavailableError(f"cannot connect to PostgreSQL: {str(exc).strip()}") from None
 
 
-class Control:
-    """The worker's control connection (module rules)."""
+Row = tuple[str, str, int, int]
+"""A submission taken: (request id, prompt, priority, seq)."""
 
-    def __init__(self, dsn: str, statements: Statements, *, worker_id: str, statement_timeout: float = 30.0) -> None:
+
+class Control:
+    """The worker's control connections (module rules)."""
+
+    def __init__(
+        self,
+        dsn: str,
+        statements: Statements,
+        *,
+        worker_id: str,
+        statement_timeout: float = 30.0,
+        pool: int = 4,
+    ) -> None:
         self.dsn = dsn
         self.statements = statements
         self.q = statements.q
         self.worker_id = worker_id
         self.statement_timeout = statement_timeout
-        self._conn: _Conn | None = None
-        self._one = trio.CapacityLimiter(1)
+        self._idle: list[_Conn] = []
+        self._idle_lock = threading.Lock()
+        self._slots = trio.CapacityLimiter(pool)
+        self.statements_run = 0  # observability: round trips this worker made
 
     async def _run(self, work: Callable[[_Conn], T]) -> T:
         def run() -> T:
-            conn = self._conn
+            with self._idle_lock:
+                conn = self._idle.pop() if self._idle else None
             if conn is None or conn.closed:
-                conn = self._conn = _connect(self.dsn, self.statement_timeout, "trio_agent worker")
+                conn = _connect(self.dsn, self.statement_timeout, "trio_agent worker")
             try:
-                return work(conn)
+                result = work(conn)
             except psycopg.Error as exc:
                 if conn.closed or conn.broken:
-                    self._conn = None
+                    conn.close()
+                else:
+                    self._give_back(conn)
                 raise JournalUnavailableError(f"a worker statement failed: {str(exc).strip()}") from None
+            except BaseException:
+                conn.close()
+                raise
+            self._give_back(conn)
+            return result
 
-        return await trio.to_thread.run_sync(run, limiter=self._one)
+        self.statements_run += 1
+        return await trio.to_thread.run_sync(run, limiter=self._slots)
+
+    def _give_back(self, conn: _Conn) -> None:
+        with self._idle_lock:
+            self._idle.append(conn)
 
     async def open(self) -> None:
         await self._run(lambda conn: ensure_tables(conn, self.statements))
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
     async def claim(self, count: int, ttl: float) -> list[Lease]:
         """Take up to *count* runnable sessions' leases (oldest waiting work first)."""
@@ -94,9 +124,16 @@ class Control:
 
         return await self._run(work)
 
-    async def open_rows(self, session_id: str) -> list[tuple[str, str, str]]:
-        """The session's submissions not done: (request id, prompt, state), in serving order."""
-        return await self._run(lambda conn: conn.execute(self.q["open_rows"], (session_id,)).fetchall())
+    async def take(self, lease: Lease) -> list[Row]:
+        """Take the session's submissions not done (fenced by *lease*); none if it is not ours."""
+        params = (lease.session_id, lease.owner, lease.token)
+        return await self._run(lambda conn: conn.execute(self.q["take"], params).fetchall())
+
+    async def finish_and_take(self, lease: Lease, request_id: str, outcome: str) -> list[Row]:
+        """Mark *request_id* done with *outcome* and take the rest, in one round trip (fenced)."""
+        sid, owner, token = lease.session_id, lease.owner, lease.token
+        params = (outcome, sid, request_id, owner, token, sid, request_id, owner, token)
+        return await self._run(lambda conn: conn.execute(self.q["finish_and_take"], params).fetchall())
 
     async def mark(self, lease: Lease, request_id: str, state: str, outcome: str | None) -> bool:
         """Move a submission (fenced by *lease*); whether the holder's write landed."""

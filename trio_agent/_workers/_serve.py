@@ -55,7 +55,7 @@ from .._session._messages import SessionEvent, TextDeltaEvent
 from .._session._open import open_session
 from .._session._session import Session
 from .._session._spec import AgentSpec
-from ._control import Control, InboxListener, jittered
+from ._control import Control, InboxListener, Row, jittered
 from ._queue import _check_schema, resolve_dsn
 from ._sql import Statements
 
@@ -84,6 +84,19 @@ class WorkerReport:
     lost_sessions: int = 0  # taken over while held (paused past the lease, the store unreachable)
     failed_sessions: int = 0
     notifications: int = 0
+
+
+def _next_row(journal: DurableJournal, rows: list[Row]) -> tuple[str, str]:
+    """The submission to serve next: one an earlier holder left open in the journal first (it may
+    be half-way), then the highest priority, then the oldest."""
+    projection = journal.projection()
+
+    def order(row: Row) -> tuple[bool, int, int]:
+        request_id, _, priority, seq = row
+        return (projection.request(request_id) is None, -priority, seq)
+
+    request_id, prompt, _, _ = min(rows, key=order)
+    return request_id, prompt
 
 
 def _live_payload(session_id: str, request_id: str, agent_id: str, n: int, text: str) -> str:
@@ -230,28 +243,23 @@ class _Worker:
         async with open_session(
             self.spec, journal=journal, unfinished="keep", cleanup_grace=self.cleanup_grace
         ) as session:
-            await self.control.register(journal.lease, "running")
-            await self._serve(session, journal)
+            await self._serve(session, journal)  # the claim registered it running
             state = "paused" if session.paused is not None else "idle"
         if not hosted.handing_off:
             await self.control.register(journal.lease, state)
 
     async def _serve(self, session: Session, journal: DurableJournal) -> None:
-        rows = await self.control.open_rows(journal.session_id)
-        await self._interrupt_unsubmitted(journal, {request_id for request_id, _, _ in rows})
+        """Serve the session's submissions until none is left: one round trip per request."""
+        rows = await self.control.take(journal.lease)
+        await self._interrupt_unsubmitted(journal, {row[0] for row in rows})
         while rows and not self.stopping:
-            for request_id, prompt, state in rows:
-                if self.stopping:
-                    return
-                if state == "pending" and not await self.control.mark(journal.lease, request_id, "taken", None):
-                    raise LeaseLostError("the session's lease was taken over before the request was taken")
-                ended = await session.serve_request(request_id, prompt, sink=self._sink(journal, request_id))
-                outcome = _ENDED.get(ended)
-                if outcome is None:
-                    return  # still open: the session is going away (handed off or closing)
-                await self.control.mark(journal.lease, request_id, "done", outcome)
-                self.report.served += 1
-            rows = await self.control.open_rows(journal.session_id)
+            request_id, prompt = _next_row(journal, rows)
+            ended = await session.serve_request(request_id, prompt, sink=self._sink(journal, request_id))
+            outcome = _ENDED.get(ended)
+            if outcome is None:
+                return  # still open: the session is going away (handed off or closing)
+            rows = await self.control.finish_and_take(journal.lease, request_id, outcome)
+            self.report.served += 1
 
     async def _interrupt_unsubmitted(self, journal: DurableJournal, submitted: set[str]) -> None:
         """Open root requests that no submission stands for: nobody waits for them, so they end."""
@@ -267,7 +275,7 @@ class _Worker:
 
     async def _refuse_all(self, journal: DurableJournal, why: str) -> None:
         _log.warning("session %s: %s", journal.session_id, why)
-        for request_id, _, _ in await self.control.open_rows(journal.session_id):
+        for request_id, *_ in await self.control.take(journal.lease):
             await self.control.mark(journal.lease, request_id, "done", "refused")
         await self.control.register(journal.lease, "ended")
 

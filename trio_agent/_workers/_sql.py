@@ -68,16 +68,37 @@ _STATEMENTS: dict[str, LiteralString] = {
         " WHERE l.expires_at < (SELECT t FROM now)"
         " AND EXISTS (SELECT 1 FROM {s}.inbox AS i WHERE i.session_id = l.session_id AND i.state <> 'done')"
         " ORDER BY (SELECT min(i.seq) FROM {s}.inbox AS i WHERE i.session_id = l.session_id AND i.state <> 'done')"
-        " LIMIT %s FOR UPDATE OF l SKIP LOCKED)"
-        " UPDATE {s}.leases AS t SET owner = %s, token = t.token + 1, expires_at = (SELECT t FROM now) + %s"
+        " LIMIT %s FOR UPDATE OF l SKIP LOCKED),"
+        " claimed AS (UPDATE {s}.leases AS t SET owner = %s, token = t.token + 1,"
+        " expires_at = (SELECT t FROM now) + %s"
         " FROM ready WHERE t.session_id = ready.session_id"
-        " RETURNING t.session_id, t.owner, t.token, t.expires_at"
-    ),
-    "open_rows": (
-        "SELECT request_id, prompt, state FROM {s}.inbox WHERE session_id = %s AND state <> 'done'"
-        " ORDER BY state = 'taken' DESC, priority DESC, seq"
+        " RETURNING t.session_id, t.owner, t.token, t.expires_at),"
+        # The registry learns who runs it in the same statement.
+        " registered AS (INSERT INTO {s}.registry(session_id, state, worker_id, updated_at)"
+        " SELECT session_id, 'running', owner, (SELECT t FROM now) FROM claimed"
+        " ON CONFLICT (session_id) DO UPDATE SET state = excluded.state, worker_id = excluded.worker_id,"
+        " updated_at = excluded.updated_at)"
+        " SELECT session_id, owner, token, expires_at FROM claimed"
     ),
     # Fenced: only the current holder of the session's lease (owner and token) moves its rows.
+    # Take every submission not done (what a previous holder took too); done rows stay done.
+    "take": (
+        f"UPDATE {{s}}.inbox AS i SET state = 'taken', updated_at = {_NOW}"
+        " WHERE i.session_id = %s AND i.state <> 'done' AND EXISTS (SELECT 1 FROM {s}.leases AS l"
+        " WHERE l.session_id = i.session_id AND l.owner = %s AND l.token = %s)"
+        " RETURNING i.request_id, i.prompt, i.priority, i.seq"
+    ),
+    # One round trip per request: its row done, and the rest (new submissions included) taken.
+    "finish_and_take": (
+        f"WITH done AS (UPDATE {{s}}.inbox AS i SET state = 'done', outcome = %s, updated_at = {_NOW}"
+        " WHERE i.session_id = %s AND i.request_id = %s AND EXISTS (SELECT 1 FROM {s}.leases AS l"
+        " WHERE l.session_id = i.session_id AND l.owner = %s AND l.token = %s) RETURNING i.seq)"
+        f" UPDATE {{s}}.inbox AS i SET state = 'taken', updated_at = {_NOW}"
+        " WHERE i.session_id = %s AND i.state <> 'done' AND i.request_id <> %s"
+        " AND EXISTS (SELECT 1 FROM {s}.leases AS l"
+        " WHERE l.session_id = i.session_id AND l.owner = %s AND l.token = %s)"
+        " RETURNING i.request_id, i.prompt, i.priority, i.seq"
+    ),
     "mark": (
         f"UPDATE {{s}}.inbox AS i SET state = %s, outcome = %s, updated_at = {_NOW}"
         " WHERE i.session_id = %s AND i.request_id = %s AND EXISTS (SELECT 1 FROM {s}.leases AS l"
