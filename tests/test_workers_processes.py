@@ -253,11 +253,12 @@ def test_workers_survive_kill_pause_and_terminate(fleet: Fleet, postgres_dsn: st
 
 
 @pytest.mark.stress
+@pytest.mark.parametrize("seed", [18, 19, 20])
 def test_workers_under_random_faults_serve_five_hundred_sessions(
-    fleet: Fleet, postgres_dsn: str, fresh_pg_schema: str
+    fleet: Fleet, postgres_dsn: str, fresh_pg_schema: str, seed: int
 ) -> None:
     schema = fresh_pg_schema
-    rng = random.Random(18)
+    rng = random.Random(seed)
     for _ in range(4):
         fleet.start()
     submitted = submit_all(postgres_dsn, schema, 500)
