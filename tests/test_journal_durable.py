@@ -1374,3 +1374,36 @@ async def test_the_heartbeat_reports_its_lag_and_warns_past_a_third_of_the_ttl(
         journal.check_ownership()
     warnings = [r for r in caplog.records if "renewed" in r.getMessage()]
     assert len(warnings) == 1 and "lease_ttl" in warnings[0].getMessage()
+
+
+async def test_the_heartbeat_renews_while_a_long_session_loads(autojump_clock: trio.testing.MockClock) -> None:
+    """Loading takes longer than the lease: renewals run from the start, so the first write is
+    still ours (before, the heartbeat began after the load and the lease had lapsed locally)."""
+
+    class SlowToLoad(MemoryStore):
+        async def streams(self, session_id: str | None = None) -> Any:
+            await trio.sleep(20)  # a long session read over a slow link
+            return await super().streams(session_id)
+
+    store = SlowToLoad(clock=trio.current_time)
+    async with open_journal(store, session_id=SID, lease_ttl=9, heartbeat_interval=3) as journal:
+        journal.check_ownership()
+        assert journal.projection().head == 1  # session_created written after the load, with the lease held
+    lease = await store.current_lease(SID)
+    assert lease is None or lease.expires_at < trio.current_time()  # released on the way out
+
+
+async def test_a_lease_lost_while_loading_fails_the_open_with_lease_lost(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    class TakenWhileLoading(MemoryStore):
+        async def streams(self, session_id: str | None = None) -> Any:
+            await trio.sleep(5)
+            return await super().streams(session_id)
+
+        async def renew_lease(self, lease: Any, ttl: float) -> Any:
+            raise LeaseLostError("taken over")
+
+    with pytest.raises(LeaseLostError):
+        async with open_journal(TakenWhileLoading(clock=trio.current_time), session_id=SID, lease_ttl=9):
+            raise AssertionError("the body must not run")  # pragma: no cover

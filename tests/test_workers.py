@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 import trio
+import trio.testing
 
 from trio_agent import ConfigError, LeaseLostError, define_agent, define_tool, open_session
 from trio_agent.journal import (
@@ -220,6 +221,9 @@ async def test_a_session_that_was_ended_refuses_its_submissions(postgres_dsn: st
             with trio.fail_after(20):
                 status = await until_done(postgres_dsn, fresh_pg_schema, "gone", rid)
         assert status.outcome == "refused"
+        with trio.fail_after(10):  # the submitter learns it from the journal too
+            outcome = await wait_for_request(store, "gone", rid)
+        assert outcome.state == "refused"
     states = {s.session_id: s.state for s in list_sessions(dsn=postgres_dsn, schema=fresh_pg_schema)}
     assert states["gone"] == "done"
 
@@ -565,11 +569,215 @@ async def test_a_request_that_pauses_is_done_paused_and_the_session_shows_paused
             assert session.paused is not None
 
 
-@pytest.mark.parametrize("text", ["plain " * 3000, "\x01\x02" * 3000, "\U0001f600" * 5000, "é\n" * 4000, "x"])
-def test_live_payloads_always_fit_a_notify(text: str) -> None:
-    from trio_agent._workers._serve import _live_payload, _pieces
+@pytest.mark.parametrize(
+    "text", ["plain " * 3000, "\x01\x02" * 3000, "\U0001f600" * 5000, "é\n" * 4000, "x", "lone \ud800 surrogate"]
+)
+def test_live_payloads_always_fit_a_notify_whatever_the_text(text: str) -> None:
+    from trio_agent._workers._live import NOTIFY_MAX, live_payloads
 
-    wide = "\U0001f600" * 200
-    pieces = _pieces(text)
-    assert "".join(pieces) == text
-    assert all(len(_live_payload(wide, wide, wide, 2**31, piece).encode()) <= 7999 for piece in pieces)
+    for ids in ("s", "\U0001f600" * 200):
+        payloads = live_payloads(ids, ids, ids, 7, text)
+        decoded = [json.loads(payload) for payload in payloads]
+        assert "".join(d["t"] for d in decoded) == text
+        assert [d["n"] for d in decoded] == list(range(7, 7 + len(decoded)))
+        assert all(len(payload.encode("ascii")) <= NOTIFY_MAX for payload in payloads)
+
+
+async def test_the_live_sink_never_waits_and_counts_what_it_drops() -> None:
+    from trio_agent._session._messages import TextDeltaEvent
+    from trio_agent._workers._live import LivePublisher
+
+    publisher = LivePublisher(control=None, channel="unused", capacity=2)  # type: ignore[arg-type]
+    sink = publisher.sink_for("s", "r")
+    with trio.testing.assert_no_checkpoints():  # a full channel never holds the run
+        for text in ["a", "b", "c", "d"]:
+            await sink(TextDeltaEvent("root", text))
+    assert publisher.dropped == 2
+
+
+# ---------------------------------------------------------------- failures stay contained (review findings)
+
+
+async def test_a_session_that_cannot_be_opened_is_parked_not_spun(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    """A damaged journal fails the open: the worker holds the lease one TTL without serving
+    (the registry says failing), so nobody re-claims it in a loop."""
+    spec = answer()
+    async with (
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store,
+        open_session(spec, journal=store, session_id="broken") as session,
+    ):
+        await session.send("first")
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(f'UPDATE "{fresh_pg_schema}".events SET checksum = checksum + 1 WHERE seq = 2')
+        conn.execute(f'DELETE FROM "{fresh_pg_schema}".snapshots')
+    await trio.to_thread.run_sync(
+        functools.partial(submit, "broken", "again", dsn=postgres_dsn, schema=fresh_pg_schema)
+    )
+    async with worker(spec, postgres_dsn, fresh_pg_schema, lease_ttl=3.0, poll_interval=0.05) as report:
+        with trio.fail_after(10):
+            await until_session_state(postgres_dsn, fresh_pg_schema, "broken", "failing")
+            while report.failed_sessions == 0:
+                await trio.sleep(0.05)  # the worker's report, filled in as it goes
+        await trio.sleep(1.0)  # the scenario: a second of polling every 50 ms while it is parked
+        assert report.claimed == 1 and report.failed_sessions == 1
+    [status] = [s for s in list_sessions(dsn=postgres_dsn, schema=fresh_pg_schema) if s.session_id == "broken"]
+    assert status.state == "failing" and status.queued == 1
+
+
+async def test_a_worker_never_claims_a_session_it_still_hosts(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._sql import Statements
+
+    await trio.to_thread.run_sync(
+        functools.partial(submit, "mine", "hi", request_id="r", dsn=postgres_dsn, schema=fresh_pg_schema)
+    )
+    control = Control(postgres_dsn, Statements(fresh_pg_schema), worker_id="me")
+    try:
+        await control.open()
+        [first] = await control.claim(1, ttl=0.05)
+        with trio.fail_after(10):
+            while await store_clock_before(postgres_dsn, first.expires_at):
+                await trio.sleep(0.02)  # the server's clock must pass the lease's expiry
+        assert await control.claim(1, ttl=30, exclude=["mine"]) == []
+        [again] = await control.claim(1, ttl=30)
+        assert again.token == first.token + 1
+    finally:
+        control.close()
+
+
+async def store_clock_before(dsn: str, when: float) -> bool:
+    def read() -> bool:
+        with psycopg.connect(dsn) as conn:
+            row = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+        return row is not None and row[0] <= when
+
+    return await trio.to_thread.run_sync(read)
+
+
+async def test_a_cancelled_control_statement_does_not_wait_for_a_silent_server(postgres_dsn: str) -> None:
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._sql import Statements
+
+    control = Control(postgres_dsn, Statements("t_unused"), worker_id="w")
+    try:
+        with trio.move_on_after(0.2) as scope:
+            await control._run(lambda conn: conn.execute("SELECT pg_sleep(5)"))
+        assert scope.cancelled_caught
+        assert trio.current_time() - scope.deadline < 1.0  # back at once, not after the 5 s statement
+    finally:
+        control.close()
+
+
+async def test_a_submission_written_around_submit_is_refused_not_wedging_the_session(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    spec = answer()
+    good = await trio.to_thread.run_sync(
+        functools.partial(submit, "wedge", "fine", request_id="good", dsn=postgres_dsn, schema=fresh_pg_schema)
+    )
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(
+            f'INSERT INTO "{fresh_pg_schema}".inbox(session_id, request_id, prompt, priority, submitted_at,'
+            " state, updated_at) VALUES ('wedge', '', 'no id', 9, 0, 'pending', 0)"
+        )
+    async with (
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store,
+        worker(spec, postgres_dsn, fresh_pg_schema) as report,
+    ):
+        with trio.fail_after(20):
+            assert (await wait_for_request(store, "wedge", good)).state == "completed"
+            bad = await until_done(postgres_dsn, fresh_pg_schema, "wedge", "")
+    assert bad.outcome == "refused" and report.refused == 1 and report.failed_sessions == 0
+
+
+async def test_live_text_with_a_lone_surrogate_still_completes(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    spec = answer("broken \ud800 text")
+    async with (
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store,
+        worker(spec, postgres_dsn, fresh_pg_schema, live=True),
+    ):
+        rid = await trio.to_thread.run_sync(
+            functools.partial(submit, "odd", "hi", dsn=postgres_dsn, schema=fresh_pg_schema)
+        )
+        with trio.fail_after(20):
+            outcome = await wait_for_request(store, "odd", rid)
+    assert outcome.state == "completed"
+
+
+async def test_a_live_subscriber_skips_strangers_payloads_and_ends_when_closed(postgres_dsn: str) -> None:
+    schema = "t_live_strangers"
+    subscription = await subscribe_live("s", dsn=postgres_dsn, schema=schema)
+    from trio_agent._workers._sql import live_channel
+
+    def notify(*payloads: str) -> None:
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            for payload in payloads:
+                conn.execute("SELECT pg_notify(%s, %s)", (live_channel(schema), payload))
+
+    good = json.dumps({"s": "s", "r": "r", "a": "root", "n": 1, "t": "hello"})
+    strangers = ["[" * 7000, '{"s":"s","r":"r","a":"a","n":1e999,"t":"x"}', '{"n": true}', "not json", "[]"]
+    await trio.to_thread.run_sync(notify, *strangers, good)
+    async with subscription as deltas:
+        with trio.fail_after(10):
+            delta = await deltas.__anext__()
+        assert (delta.text, delta.n) == ("hello", 1) and deltas.malformed == len(strangers)
+        async with trio.open_nursery() as nursery:
+            ended = trio.Event()
+
+            async def read_on() -> None:
+                async for _ in deltas:
+                    raise AssertionError("nothing else was sent")
+                ended.set()
+
+            nursery.start_soon(read_on)
+            await trio.testing.wait_all_tasks_blocked()
+            await deltas.aclose()
+            with trio.fail_after(5):
+                await ended.wait()
+
+
+def test_bad_dsn_and_schema_are_named(postgres_dsn: str) -> None:
+    with pytest.raises(ConfigError, match="connection string"):
+        submit("s", "hi", dsn=42)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="schema"):
+        submit("s", "hi", dsn=postgres_dsn, schema="schéma")
+
+
+async def test_a_paused_request_answered_before_its_row_was_marked_ends_resumed_without_a_loop(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """A worker died between `run_paused` and marking the row; a person answered meanwhile (the
+    original request is `resumed`). The next worker marks the row done `resumed`, once."""
+    from trio_agent.lifecycle import Approve
+
+    deleted: list[str] = []
+
+    @define_tool(name="delete", description="d", input_schema=OBJECT, side_effect="non_idempotent", kind="write")
+    async def delete(input: dict[str, Any], ctx: Any) -> str:
+        deleted.append(ctx.tool_call_id)
+        return "deleted"
+
+    def respond(request: Any) -> Reply:
+        last = request.messages[-1]
+        return Reply("all gone") if isinstance(last, ToolResultMessage) else Reply(tool_calls=[("delete", {})])
+
+    spec = define_agent(provider=TestModel(respond=respond), tools=[delete], permission_asks="interrupt")
+    rid = await trio.to_thread.run_sync(
+        functools.partial(submit, "answered", "delete it", dsn=postgres_dsn, schema=fresh_pg_schema)
+    )
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        async with worker(spec, postgres_dsn, fresh_pg_schema):
+            with trio.fail_after(20):
+                await until_done(postgres_dsn, fresh_pg_schema, "answered", rid)
+                await until_session_state(postgres_dsn, fresh_pg_schema, "answered", "paused")
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:  # as if its worker died before the mark
+            conn.execute(f"UPDATE \"{fresh_pg_schema}\".inbox SET state = 'taken', outcome = NULL")
+        async with open_session(spec, journal=store, session_id="answered") as session:
+            assert session.paused is not None
+            [question] = session.paused.interrupts
+            assert await session.resume([Approve(question.id)]) == "all gone"
+        async with worker(spec, postgres_dsn, fresh_pg_schema, poll_interval=0.05) as report:
+            with trio.fail_after(20):
+                status = await until_done(postgres_dsn, fresh_pg_schema, "answered", rid)
+            await trio.sleep(0.5)  # the scenario: ten polls with nothing left to claim
+        assert status.outcome == "resumed" and report.claimed == 1 and len(deleted) == 1

@@ -166,3 +166,35 @@ async def test_open_session_refuses_an_unknown_unfinished_mode() -> None:
     with pytest.raises(ConfigError, match="unfinished"):
         async with open_session(define_agent(provider=TestModel(default=Reply("x"))), unfinished="resume"):  # type: ignore[arg-type]
             pass  # pragma: no cover
+
+
+async def test_serve_request_raises_when_the_end_could_not_be_recorded() -> None:
+    """The store refuses the writes that end the request: serve_request must not report an
+    outcome the journal never recorded (a worker would mark the submission done on its word)."""
+    from trio_agent import TrioAgentError
+    from trio_agent.testing import FaultyStore
+
+    inner = MemoryStore()
+    store = FaultyStore(inner)
+
+    def respond(request: Any) -> Reply:
+        store.fail_next("before", count=10)  # every write from the reply on is refused
+        return Reply("done")
+
+    spec = define_agent(provider=TestModel(respond=respond))
+    with pytest.raises(TrioAgentError):
+        async with open_session(spec, journal=store, session_id="fenced") as session:
+            with pytest.raises(TrioAgentError) as raised:
+                await session.serve_request("req-5", "hi")
+            assert "req-5" in str(raised.value) or session.journal.fenced
+            raise raised.value  # the close of a fenced journal may fail too: either way, typed
+    events = await events_of(inner, "fenced")
+    assert not of_type(events, RequestCompleted)
+
+
+async def test_serve_request_refuses_a_bad_prompt_by_name() -> None:
+    async with open_session(define_agent(provider=TestModel(default=Reply("x")))) as session:
+        for bad in ["", "   ", 42]:
+            with pytest.raises(ConfigError, match="prompt"):
+                await session.serve_request("req-6", bad)  # type: ignore[arg-type]
+        assert session.journal.projection().request("req-6") is None

@@ -974,19 +974,22 @@ async def open_journal(
         sent=sent,
     )
     try:
-        await journal._load()
-        await journal.open_agent(root_agent_id)
         if not journal.renews_lease:
+            await journal._load()
+            await journal.open_agent(root_agent_id)
             with trio.CancelScope() as body:
                 journal._body_scope = body
                 yield journal
         else:
             try:
                 async with trio.open_nursery() as nursery:
+                    # Renewing from the start: loading a long session must not outlast the lease.
                     nursery.start_soon(journal.held.keep_alive, name=f"{session_id}_heartbeat")
                     try:
                         with trio.CancelScope() as body:
                             journal._body_scope = body
+                            await journal._load()
+                            await journal.open_agent(root_agent_id)
                             yield journal
                     finally:
                         nursery.cancel_scope.cancel()

@@ -466,6 +466,10 @@ class Projection:
     def request(self, request_id: str) -> RequestRecord | None:
         return self._s.requests.get(request_id) or self._s.ended.get(request_id)
 
+    def unfinished_requests(self) -> list[RequestRecord]:
+        """The requests accepted or started and not ended (a paused one waits: not listed)."""
+        return [r for r in self._s.requests.values() if r.state in (RequestState.ACCEPTED, RequestState.STARTED)]
+
     @property
     def has_requests(self) -> bool:
         """Whether the stream ever took a request."""

@@ -25,6 +25,7 @@ from .._config import validate_id, validate_timeout
 from .._errors import (
     InvalidTransitionError,
     JournalError,
+    JournalFencedError,
     LeaseLostError,
     SessionClosedError,
     SessionPausedError,
@@ -218,20 +219,35 @@ class Session:
         earlier owner of the session (``open_session(..., unfinished="keep")``) runs; one it
         started goes on from its last durable point (its settled calls kept, the next model
         call next); one that already ended is not run again. A failing request ends
-        ``failed`` (recorded), never raising here; *sink* receives its events as `stream` s do.
+        ``failed`` (recorded) and is returned, not raised; *sink* receives its events as
+        `stream` s do.
+
+        The state returned is durable: when the journal could not record the request's end
+        (its lease lost, or a write refused or of unknown outcome: the journal is fenced),
+        this raises that error instead, and the store, not this process, knows how it ended.
         """
         validate_id(request_id, name="request_id")
         self._check_open()
-        record = self.journal.projection().request(request_id)
+        journal = self.journal
+        record = journal.projection().request(request_id)
         if record is not None and record.state not in (RequestState.ACCEPTED, RequestState.STARTED):
             return record.state
+        if record is None:
+            self._queue.check_message(prompt, None)
         request = _Request(prompt, sink, self._host.root, request_id=request_id)
         if record is not None and record.state is RequestState.STARTED:
             request.continuing = True
             request.turns_before = record.turns  # its turns go on numbering after the recorded ones
-        with contextlib.suppress(TrioAgentError):  # the journal holds its end; a caller reads it there
+        try:
             await self._run_to_end(request, "serve_request() was cancelled")
-        ended = self.journal.projection().request(request_id)
+        except TrioAgentError:
+            if journal.lost or journal.fenced:
+                raise
+            # Otherwise it ended as the journal recorded it (failed, interrupted): read below.
+        journal.check_ownership()  # LeaseLostError if the lease went meanwhile
+        if journal.fenced:
+            raise JournalFencedError(f"the end of request {request_id!r} may not be recorded: the journal is fenced")
+        ended = journal.projection().request(request_id)
         return RequestState.ACCEPTED if ended is None else ended.state
 
     async def _run_to_end(self, request: _Request, cancelled: str) -> str:

@@ -30,10 +30,10 @@ def load_spec(target: str | None) -> Any:
         raise SystemExit(f"error: --agent must be module:attribute (e.g. myapp.agents:spec), not {target!r}")
     try:
         found: Any = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise SystemExit(f"error: cannot load --agent {target}: {exc}") from None
-    if not isinstance(found, AgentSpec) and callable(found):
-        found = found()
+        if not isinstance(found, AgentSpec) and callable(found):
+            found = found()
+    except Exception as exc:  # the user's module: whatever it raises is reported, not a traceback
+        raise SystemExit(f"error: cannot load --agent {target}: {type(exc).__name__}: {exc}") from None
     if not isinstance(found, AgentSpec):
         raise SystemExit(f"error: --agent {target} is not an AgentSpec (define_agent(...)), nor returns one")
     return found

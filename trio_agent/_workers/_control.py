@@ -5,10 +5,12 @@ Rules
 =====
 
 * Control statements run on a few sync psycopg connections (autocommit: each statement is
-  its own transaction), each in a worker thread, at most ``pool`` at a time. A statement is
-  never abandoned half-way: a cancelled caller waits for it (``statement_timeout`` bounds it
-  server-side), so a claim that committed is always handed back, and its leases opened or
-  released, never forgotten. A broken connection is dropped and the next call opens another.
+  its own transaction), each in a worker thread, at most ``pool`` at a time. A cancelled
+  caller does not wait for its statement: a server that stopped answering must not hold a
+  stop. What such a statement did is harmless: a claim's leases run out unused (the sessions
+  wait one TTL), an inbox move is fenced and repeated by the next holder. A broken connection
+  is dropped and the next call opens another. TCP keepalives (and a user timeout) end a
+  connection to a server that vanished, so its thread comes back.
 * The listener is pumped natively (`trio.lowlevel.wait_readable`), no thread. A
   notification is only a hint to look again; a lost connection is reopened with a
   backoff, and polling with jitter covers whatever it missed.
@@ -31,6 +33,7 @@ from psycopg.rows import TupleRow
 
 from .._errors import JournalUnavailableError
 from .._journal._store import Lease
+from ._conn import connect, connection_info
 from ._queue import ensure_tables
 from ._sql import Statements
 
@@ -38,19 +41,6 @@ __all__ = ["Control", "InboxListener"]
 
 _Conn = psycopg.Connection[TupleRow]
 T = TypeVar("T")
-
-
-def _connect(dsn: str, statement_timeout: float, name: str) -> _Conn:
-    try:
-        return psycopg.connect(
-            dsn,
-            autocommit=True,
-            connect_timeout=10,
-            application_name=name,
-            options=f"-c statement_timeout={round(statement_timeout * 1000)}",
-        )
-    except psycopg.Error as exc:
-        raise JournalUnavailableError(f"cannot connect to PostgreSQL: {str(exc).strip()}") from None
 
 
 Row = tuple[str, str, int, int]
@@ -69,14 +59,14 @@ class Control:
         statement_timeout: float = 30.0,
         pool: int = 4,
     ) -> None:
-        self.dsn = dsn
+        self.conninfo = connection_info(dsn, name="trio_agent worker", statement_timeout=statement_timeout)
         self.statements = statements
         self.q = statements.q
         self.worker_id = worker_id
-        self.statement_timeout = statement_timeout
         self._idle: list[_Conn] = []
         self._idle_lock = threading.Lock()
         self._slots = trio.CapacityLimiter(pool)
+        self._closed = False
         self.statements_run = 0  # observability: round trips this worker made
 
     async def _run(self, work: Callable[[_Conn], T]) -> T:
@@ -84,7 +74,7 @@ class Control:
             with self._idle_lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None or conn.closed:
-                conn = _connect(self.dsn, self.statement_timeout, "trio_agent worker")
+                conn = connect(self.conninfo)
             try:
                 result = work(conn)
             except psycopg.Error as exc:
@@ -100,26 +90,33 @@ class Control:
             return result
 
         self.statements_run += 1
-        return await trio.to_thread.run_sync(run, limiter=self._slots)
+        # Abandoned if the caller is cancelled: a server that stopped answering must not hold a
+        # stop or a cancellation (the thread gives its connection back, or closes it, when done).
+        return await trio.to_thread.run_sync(run, limiter=self._slots, abandon_on_cancel=True)
 
     def _give_back(self, conn: _Conn) -> None:
         with self._idle_lock:
-            self._idle.append(conn)
+            if not self._closed:
+                self._idle.append(conn)
+                return
+        conn.close()  # the thread of an abandoned statement came back after `close`
 
     async def open(self) -> None:
         await self._run(lambda conn: ensure_tables(conn, self.statements))
 
     def close(self) -> None:
         with self._idle_lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
 
-    async def claim(self, count: int, ttl: float) -> list[Lease]:
-        """Take up to *count* runnable sessions' leases (oldest waiting work first)."""
+    async def claim(self, count: int, ttl: float, *, exclude: list[str] | None = None) -> list[Lease]:
+        """Take up to *count* runnable sessions' leases (oldest waiting work first), none of
+        *exclude* (the sessions this worker still hosts)."""
 
         def work(conn: _Conn) -> list[Lease]:
-            rows = conn.execute(self.q["claim"], (count, self.worker_id, ttl)).fetchall()
+            rows = conn.execute(self.q["claim"], (exclude or [], count, self.worker_id, ttl)).fetchall()
             return [Lease(session_id, owner, token, expires_at) for session_id, owner, token, expires_at in rows]
 
         return await self._run(work)
@@ -132,7 +129,7 @@ class Control:
     async def finish_and_take(self, lease: Lease, request_id: str, outcome: str) -> list[Row]:
         """Mark *request_id* done with *outcome* and take the rest, in one round trip (fenced)."""
         sid, owner, token = lease.session_id, lease.owner, lease.token
-        params = (outcome, sid, request_id, owner, token, sid, request_id, owner, token)
+        params = (outcome, sid, request_id, owner, token, sid, owner, token)
         return await self._run(lambda conn: conn.execute(self.q["finish_and_take"], params).fetchall())
 
     async def mark(self, lease: Lease, request_id: str, state: str, outcome: str | None) -> bool:
@@ -146,7 +143,7 @@ class Control:
 
     async def register(self, lease: Lease, state: str) -> None:
         """Say what the session is now (fenced by *lease*)."""
-        params = (lease.session_id, state, self.worker_id, lease.session_id, lease.owner, lease.token)
+        params = (state, self.worker_id, lease.session_id, lease.owner, lease.token)
         await self._run(lambda conn: conn.execute(self.q["register"], params))
 
     async def notify(self, session_id: str) -> None:
@@ -179,13 +176,13 @@ class InboxListener:
     """LISTEN on a channel and set `wake` on every notification (module rules)."""
 
     def __init__(self, dsn: str, channel: str, wake: Callable[[str], None]) -> None:
-        self.dsn = dsn
+        self.conninfo = connection_info(dsn, name="trio_agent worker listener")
         self.channel = channel
         self.wake = wake
         self.notifications = 0
 
     def _open(self) -> _Conn:
-        conn = _connect(self.dsn, 0, "trio_agent worker listener")
+        conn = connect(self.conninfo)
         try:
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
         except psycopg.Error as exc:

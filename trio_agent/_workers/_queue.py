@@ -21,6 +21,8 @@ from psycopg.rows import TupleRow
 
 from .._config import validate_id
 from .._errors import CommandConflictError, ConfigError, JournalUnavailableError
+from .._journal._postgres import _SCHEMA_NAME
+from ._conn import connect, connection_info
 from ._sql import Statements
 
 __all__ = [
@@ -44,8 +46,10 @@ _Conn = psycopg.Connection[TupleRow]
 
 def resolve_dsn(dsn: str | None) -> str:
     """*dsn*, or else ``$TRIO_AGENT_DSN``; `ConfigError` if neither is set."""
+    if dsn is not None and not isinstance(dsn, str):
+        raise ConfigError(f"dsn must be a connection string or URI, not {type(dsn).__name__}")
     found = dsn if dsn is not None else os.environ.get(DSN_ENV)
-    if not found or not isinstance(found, str):
+    if not found:
         raise ConfigError(f"no PostgreSQL DSN: pass dsn= (or --dsn) or set ${DSN_ENV}")
     return found
 
@@ -70,8 +74,10 @@ class SessionStatus:
 
     ``state``: ``running`` (a worker holds its lease: ``worker``, until ``lease_until``
     seconds from now), ``runnable`` (work waits, no holder), ``paused`` (waiting for
-    answers to an interrupt), ``waiting`` (idle, waiting for input) or ``done`` (ended for
-    good). ``queued`` counts its submissions not done.
+    answers to an interrupt), ``waiting`` (idle, waiting for input), ``done`` (ended for
+    good) or ``failing`` (it failed on ``worker``, which holds it for ``lease_until`` more
+    seconds before anyone retries it; the worker's log says why). ``queued`` counts its
+    submissions not done.
     """
 
     session_id: str
@@ -98,14 +104,14 @@ class WorkerStatus:
 
 
 def _connect(dsn: str) -> _Conn:
-    try:
-        return psycopg.connect(dsn, autocommit=True, connect_timeout=10, application_name="trio_agent submit")
-    except psycopg.Error as exc:
-        raise JournalUnavailableError(f"cannot connect to PostgreSQL: {str(exc).strip()}") from None
+    return connect(connection_info(dsn, name="trio_agent submit"))
 
 
 def ensure_tables(conn: _Conn, statements: Statements) -> None:
-    """Create the worker tables if missing (one schema change at a time, under the journal's lock)."""
+    """Create the worker tables if missing. Looked up first, so the usual call takes no lock and
+    needs no CREATE privilege; only a missing table takes the journal's schema lock."""
+    if conn.execute(statements.q["tables_present"], statements.table_names).fetchone() == (True,):
+        return
     with conn.transaction():
         conn.execute(statements.q["lock"], (statements.lock_key,))
         for statement in statements.create:
@@ -113,7 +119,9 @@ def ensure_tables(conn: _Conn, statements: Statements) -> None:
 
 
 def _check_schema(schema: object) -> str:
-    if not isinstance(schema, str) or not schema.isidentifier() or len(schema.encode()) > 63:
+    """The journal store's rule (ASCII letters, digits, ``_``), so a schema a submitter accepts is
+    one every worker can open."""
+    if not isinstance(schema, str) or not _SCHEMA_NAME.match(schema) or len(schema.encode()) > 63:
         raise ConfigError(f"schema must be a plain SQL identifier of at most 63 bytes, not {schema!r}")
     return schema
 
@@ -235,7 +243,11 @@ def _session_status(
     said: str | None,
     said_by: str | None,
 ) -> SessionStatus:
-    if owner and token and expires_at is not None and expires_at >= now:
+    live = bool(owner and token and expires_at is not None and expires_at >= now)
+    if said == "failed":  # parked by the worker it failed on: retried when the lease runs out
+        left = expires_at - now if live and expires_at is not None else None
+        return SessionStatus(session_id, "failing", said_by, left, queued)
+    if live and expires_at is not None:
         return SessionStatus(session_id, "running", owner, expires_at - now, queued)
     if queued:
         return SessionStatus(session_id, "runnable", None, None, queued)

@@ -29,9 +29,10 @@ from psycopg.rows import TupleRow
 
 from .._errors import ConfigError, JournalUnavailableError
 from .._journal._durable import ROOT_AGENT
-from .._journal._events import RequestCompleted, RequestFailed, RequestInterrupted, RunPaused
+from .._journal._events import RequestCompleted, RequestFailed, RequestInterrupted, RunPaused, SessionClosed
 from .._journal._store import JournalStore, stream_id_for
 from .._journal._subscribe import DurableEvent, subscribe_durable_events
+from ._conn import connect, connection_info
 from ._queue import _check_schema, resolve_dsn
 from ._sql import live_channel
 
@@ -43,7 +44,8 @@ class RequestOutcome:
     """How a request ended, as its session's journal recorded it.
 
     ``state``: ``completed`` (``text`` is the answer), ``failed`` (``error``),
-    ``interrupted`` (``reason``) or ``paused`` (waiting for answers to an interrupt).
+    ``interrupted`` (``reason``), ``paused`` (waiting for answers to an interrupt) or
+    ``refused`` (the session was ended for good before it ran; ``reason`` says so).
     ``seq`` is the terminal event's position in the root stream.
     """
 
@@ -55,7 +57,9 @@ class RequestOutcome:
     seq: int = 0
 
 
-def _outcome(request_id: str, event: object, seq: int) -> RequestOutcome | None:
+def _outcome(request_id: str, event: object, seq: int, seen: bool) -> RequestOutcome | None:
+    if isinstance(event, SessionClosed) and event.final and not seen:
+        return RequestOutcome(request_id, "refused", reason="the session was ended for good", seq=seq)
     if getattr(event, "request_id", None) != request_id:
         return None
     if isinstance(event, RequestCompleted):
@@ -78,12 +82,15 @@ async def wait_for_request(store: JournalStore, session_id: str, request_id: str
     """
     stream_id = stream_id_for(session_id, ROOT_AGENT)
     seq = 0
+    seen = False  # the request appeared in the stream
     while True:
         async with subscribe_durable_events(store, stream_id, after=min(seq, await store.head(stream_id))) as events:
             async for item in events:
                 if isinstance(item, DurableEvent):
                     seq = item.envelope.seq
-                    found = _outcome(request_id, item.envelope.event, seq)
+                    event = item.envelope.event
+                    seen = seen or getattr(event, "request_id", None) == request_id
+                    found = _outcome(request_id, event, seq, seen)
                     if found is not None:
                         return found
         # The stream ended at a session_closed: the next life (or the first) appends after it.
@@ -104,6 +111,19 @@ class LiveDelta:
 _Conn = psycopg.Connection[TupleRow]
 
 
+def _delta(data: object) -> LiveDelta | None:
+    if not isinstance(data, dict):
+        return None
+    fields = (data.get("s"), data.get("r"), data.get("a"), data.get("t"))
+    n = data.get("n")
+    if not all(isinstance(value, str) for value in fields) or type(n) is not int or n < 1:
+        return None
+    session_id, request_id, agent_id, text = fields
+    assert isinstance(session_id, str) and isinstance(request_id, str) and isinstance(agent_id, str)
+    assert isinstance(text, str)
+    return LiveDelta(session_id, request_id, agent_id, n, text)
+
+
 class LiveSubscription:
     """``async for delta in subscription``: the live deltas of one session (module rules)."""
 
@@ -117,6 +137,8 @@ class LiveSubscription:
         return self
 
     async def __anext__(self) -> LiveDelta:
+        if self._conn.closed and not self._ready:
+            raise StopAsyncIteration
         pgconn = self._conn.pgconn
         fd = self._conn.fileno()
         while not self._ready:
@@ -127,21 +149,28 @@ class LiveSubscription:
             except psycopg.Error as exc:
                 raise JournalUnavailableError(f"the live subscription's connection failed: {exc}") from None
             if not self._ready:
-                await trio.lowlevel.wait_readable(fd)
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                except trio.ClosedResourceError:  # closed by `aclose` from another task
+                    raise StopAsyncIteration from None
         return self._ready.popleft()
 
     def _take(self, payload: str) -> None:
+        # Any role that may connect can NOTIFY this channel: a payload is untrusted.
         try:
-            data = json.loads(payload)
-            delta = LiveDelta(str(data["s"]), str(data["r"]), str(data["a"]), int(data["n"]), str(data["t"]))
-        except (ValueError, KeyError, TypeError):
+            delta = _delta(json.loads(payload))
+        except Exception:  # too deep, too large a number, not JSON: skipped and counted
+            delta = None
+        if delta is None:
             self.malformed += 1
-            return
-        if self._session_id is None or delta.session_id == self._session_id:
+        elif self._session_id is None or delta.session_id == self._session_id:
             self._ready.append(delta)
 
     async def aclose(self) -> None:
-        self._conn.close()
+        """Stop listening; a task reading the subscription ends its iteration."""
+        if not self._conn.closed:
+            trio.lowlevel.notify_closing(self._conn.fileno())
+            self._conn.close()
         await trio.lowlevel.checkpoint()
 
     async def __aenter__(self) -> LiveSubscription:
@@ -166,11 +195,10 @@ async def subscribe_live(
     if session_id is not None and not isinstance(session_id, str):
         raise ConfigError(f"session_id must be a string or None, not {session_id!r}")
 
-    def connect() -> _Conn:
-        try:
-            conn = psycopg.connect(target, autocommit=True, connect_timeout=10, application_name="trio_agent live")
-        except psycopg.Error as exc:
-            raise JournalUnavailableError(f"cannot connect to PostgreSQL: {str(exc).strip()}") from None
+    conninfo = connection_info(target, name="trio_agent live")
+
+    def connect_listening() -> _Conn:
+        conn = connect(conninfo)
         try:
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         except psycopg.Error as exc:
@@ -178,4 +206,4 @@ async def subscribe_live(
             raise JournalUnavailableError(f"cannot LISTEN: {str(exc).strip()}") from None
         return conn
 
-    return LiveSubscription(await trio.to_thread.run_sync(connect), session_id)
+    return LiveSubscription(await trio.to_thread.run_sync(connect_listening), session_id)

@@ -4,37 +4,39 @@ Rules
 =====
 
 * Claim: while it has free slots (``concurrency``), the worker claims runnable
-  sessions (`_sql`: ``FOR UPDATE SKIP LOCKED``, a new fencing token each). It looks
-  again when a submission's NOTIFY arrives, when one of its sessions is released, and
-  otherwise every ``poll_interval`` (+-20% jitter). Nothing spins.
+  sessions (`_sql`: ``FOR UPDATE SKIP LOCKED``, a new fencing token each), never one it
+  still hosts. It looks again when a submission's NOTIFY arrives, when one of its
+  sessions is released, and otherwise every ``poll_interval`` (+-20% jitter). Nothing spins.
 * Host: a claimed session is opened on its claimed lease (`open_journal(lease=...)`)
   and with ``unfinished="keep"``: the previous holder's accepted requests stay
   runnable and started ones go on from their last durable point. Each submission not
-  done is served once, in order, by `Session.serve_request` (idempotent by request
-  id), and marked done with the journal's outcome. The session is kept while it has
-  work and released when idle (closed cleanly; the lease given back, so the next
+  done is served once, by `Session.serve_request` (idempotent by request id), the ones
+  the journal already knows first, then by priority and age; its row is marked done with
+  the journal's outcome only once that outcome is durable. The session is kept while it
+  has work and released when idle (closed cleanly; the lease given back, so the next
   submission is claimed at once, by any worker).
+* A submission no session would accept (a bad id or prompt, written around `submit`) is
+  marked done ``refused``; so are the submissions of a session ended for good.
 * Open requests the journal holds without a submission (a plain process's requests
   that crashed) are recorded interrupted by the restart, as a plain reopen would.
-* A session that fails to open or serve is not released: its lease runs out on its
-  own, so a broken session is retried at most once per ``lease_ttl``, never in a loop.
-  One session's failure never stops the worker or its other sessions.
+* A session that fails to open or serve is parked, not released: the worker holds its
+  lease for one more TTL without serving it (the registry says ``failed``), so a broken
+  session is retried once per ``lease_ttl``, never in a loop. One session's failure (a bug
+  included) never stops the worker or its other sessions.
 * Stop (``stop`` set, SIGTERM in the CLI): no more claims and no new requests; the
   running ones get ``shutdown_grace`` seconds to finish, then are handed off: the
   worker gives the session up without recording anything (as if it died) and releases
   the lease at once, so another worker takes it over, with a higher token, from its
   last durable point. Cancelling `serve_sessions` instead closes its sessions as a
   session close does (running requests are recorded interrupted).
-* Live deltas (``live=True``): the text deltas of every request go out as NOTIFY
-  payloads (`subscribe_live`); they are not durable, the journal stays the truth.
+* Live deltas (``live=True``): `_live`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -43,7 +45,7 @@ import trio
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
-from .._errors import ConfigError, LeaseLostError, SessionClosedError, TrioAgentError
+from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
 from .._journal._durable import DurableJournal, open_journal
 from .._journal._events import RequestInterrupted, RequestInterruptReason
 from .._journal._lease import check_seconds, default_owner
@@ -51,11 +53,12 @@ from .._journal._postgres import PostgresStore, open_postgres_store
 from .._journal._projection import RequestState
 from .._journal._store import Lease
 from .._session._endings import record_request_end
-from .._session._messages import SessionEvent, TextDeltaEvent
 from .._session._open import open_session
 from .._session._session import Session
 from .._session._spec import AgentSpec
+from .._session._stream import discard
 from ._control import Control, InboxListener, Row, jittered
+from ._live import LivePublisher
 from ._queue import _check_schema, resolve_dsn
 from ._sql import Statements
 
@@ -63,14 +66,7 @@ __all__ = ["WorkerReport", "serve_sessions"]
 
 _log = logging.getLogger("trio_agent.workers")
 
-_ENDED = {
-    RequestState.COMPLETED: "completed",
-    RequestState.FAILED: "failed",
-    RequestState.INTERRUPTED: "interrupted",
-    RequestState.PAUSED: "paused",
-}
-_LIVE_BATCH = 256
-_NOTIFY_MAX = 7999  # bytes: PostgreSQL refuses a NOTIFY payload of 8000 bytes or more
+_UNFINISHED = (RequestState.ACCEPTED, RequestState.STARTED)
 
 
 @attrs.define
@@ -82,11 +78,14 @@ class WorkerReport:
     served: int = 0
     handed_off: int = 0
     lost_sessions: int = 0  # taken over while held (paused past the lease, the store unreachable)
-    failed_sessions: int = 0
+    failed_sessions: int = 0  # could not be opened or served: parked for a lease TTL
+    refused: int = 0  # submissions no session would accept
     notifications: int = 0
+    live_sent: int = 0
+    live_dropped: int = 0
 
 
-def _next_row(journal: DurableJournal, rows: list[Row]) -> tuple[str, str]:
+def _next_row(journal: DurableJournal, rows: Iterable[Row]) -> tuple[str, str]:
     """The submission to serve next: one an earlier holder left open in the journal first (it may
     be half-way), then the highest priority, then the oldest."""
     projection = journal.projection()
@@ -97,29 +96,6 @@ def _next_row(journal: DurableJournal, rows: list[Row]) -> tuple[str, str]:
 
     request_id, prompt, _, _ = min(rows, key=order)
     return request_id, prompt
-
-
-def _live_payload(session_id: str, request_id: str, agent_id: str, n: int, text: str) -> str:
-    payload = {"s": session_id, "r": request_id, "a": agent_id, "n": n, "t": text}
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-
-
-_WIDE = "\U0001f600" * 200  # the widest id there can be: 200 characters of 4 bytes
-
-
-def _pieces(text: str, limit: int = 1000) -> list[str]:
-    """*text* cut so each live payload fits a NOTIFY (ids of 200 characters and escapes included)."""
-    pieces = [text[start : start + limit] for start in range(0, len(text), limit)]
-    # Escaped control characters take 6 bytes each: halve a piece until its payload fits.
-    fitted: list[str] = []
-    while pieces:
-        piece = pieces.pop(0)
-        if len(piece) > 1 and len(_live_payload(_WIDE, _WIDE, _WIDE, 2**31, piece).encode()) > _NOTIFY_MAX:
-            half = len(piece) // 2
-            pieces[:0] = [piece[:half], piece[half:]]
-        else:
-            fitted.append(piece)
-    return fitted
 
 
 class _Hosted:
@@ -159,10 +135,7 @@ class _Worker:
         self._wake = trio.Event()
         self._drained = trio.Event()
         self._rng = random.Random()
-        self._live: trio.MemorySendChannel[str] | None = None
-        self._live_recv: trio.MemoryReceiveChannel[str] | None = None
-        if live:
-            self._live, self._live_recv = trio.open_memory_channel[str](4096)
+        self.live = LivePublisher(control, control.statements.live_channel) if live else None
 
     def wake(self, _payload: str = "") -> None:
         self._wake.set()
@@ -176,7 +149,7 @@ class _Worker:
             if free > 0:
                 sent = trio.current_time()
                 try:
-                    leases = await self.control.claim(free, self.lease_ttl)
+                    leases = await self.control.claim(free, self.lease_ttl, exclude=list(self.hosted))
                 except TrioAgentError as exc:
                     _log.warning("claiming sessions failed (retrying): %s", exc)
                     leases = []
@@ -192,92 +165,113 @@ class _Worker:
     # -- hosting one session
 
     async def host(self, hosted: _Hosted, sent: float) -> None:
-        lease = hosted.lease
-        session_id = lease.session_id
+        session_id = hosted.lease.session_id
         try:
-            async with open_journal(
-                self.store,
-                lease=lease,
-                lease_sent=sent,
-                lease_ttl=self.lease_ttl,
-                commit_grace=self.cleanup_grace,
-            ) as journal:
-                hosted.journal = journal
-                try:
+            try:
+                async with open_journal(
+                    self.store,
+                    lease=hosted.lease,
+                    lease_sent=sent,
+                    lease_ttl=self.lease_ttl,
+                    commit_grace=self.cleanup_grace,
+                ) as journal:
+                    hosted.journal = journal
                     await self._open_and_serve(journal, hosted)
-                except SessionClosedError:
-                    await self._refuse_all(journal, "the session was ended for good; submit to a new session id")
-                except Exception as exc:  # one session's failure (a bug included) never stops the worker
-                    if journal.lost:
-                        raise
-                    # Not released: the lease runs out on its own, so the session is retried later.
-                    self.report.failed_sessions += 1
-                    hosted.failed = True
-                    _log.error(
-                        "session %s failed on worker %s: %s",
-                        session_id,
-                        self.report.worker_id,
-                        exc,
-                        exc_info=not isinstance(exc, TrioAgentError),
-                    )
-                    journal.held.lose(exc)
-            if self.stopping:  # released: what it left queued goes to another worker now
-                await self.control.notify(session_id)
-        except LeaseLostError as exc:
-            if hosted.handing_off:
-                self.report.handed_off += 1
-                await self._release(hosted)
-            elif not hosted.failed:
-                self.report.lost_sessions += 1
-                _log.warning("worker %s lost session %s: %s", self.report.worker_id, session_id, exc)
-        except TrioAgentError as exc:
-            self.report.failed_sessions += 1
-            _log.error("session %s could not be opened on worker %s: %s", session_id, self.report.worker_id, exc)
+                if self.stopping:  # released: what it left queued goes to another worker now
+                    await self.control.notify(session_id)
+            except LeaseLostError as exc:
+                if hosted.handing_off:
+                    self.report.handed_off += 1
+                    await self._release(hosted)
+                else:
+                    self.report.lost_sessions += 1
+                    _log.warning("worker %s lost session %s: %s", self.report.worker_id, session_id, exc)
+            except Exception as exc:  # one session's failure (a bug included) never stops the worker
+                hosted.failed = True
+                self.report.failed_sessions += 1
+                _log.error(
+                    "session %s failed on worker %s (parked for %s s): %s",
+                    session_id,
+                    self.report.worker_id,
+                    self.lease_ttl,
+                    exc,
+                    exc_info=not isinstance(exc, TrioAgentError),
+                )
+                await self._park(session_id)
+        except Exception:  # bookkeeping itself (the store gone): logged, never the worker's end
+            _log.exception("worker %s: cleaning up after session %s failed", self.report.worker_id, session_id)
         finally:
-            del self.hosted[session_id]
+            if self.hosted.get(session_id) is hosted:
+                del self.hosted[session_id]
             if not self.hosted and self.stopping:
                 self._drained.set()
-            self.wake()  # a slot is free, and the session may have work that came in meanwhile
+            if not hosted.failed:
+                self.wake()  # a slot is free, and the session may have work that came in meanwhile
 
     async def _open_and_serve(self, journal: DurableJournal, hosted: _Hosted) -> None:
-        async with open_session(
-            self.spec, journal=journal, unfinished="keep", cleanup_grace=self.cleanup_grace
-        ) as session:
-            await self._serve(session, journal)  # the claim registered it running
-            state = "paused" if session.paused is not None else "idle"
+        try:
+            async with open_session(
+                self.spec, journal=journal, unfinished="keep", cleanup_grace=self.cleanup_grace
+            ) as session:
+                await self._serve(session, journal)  # the claim registered it running
+                state = "paused" if session.paused is not None else "idle"
+        except SessionClosedError:
+            await self._refuse_all(journal, "the session was ended for good; submit to a new session id")
+            return
         if not hosted.handing_off:
             await self.control.register(journal.lease, state)
 
     async def _serve(self, session: Session, journal: DurableJournal) -> None:
         """Serve the session's submissions until none is left: one round trip per request."""
-        rows = await self.control.take(journal.lease)
-        await self._interrupt_unsubmitted(journal, {row[0] for row in rows})
-        while rows and not self.stopping:
-            request_id, prompt = _next_row(journal, rows)
-            ended = await session.serve_request(request_id, prompt, sink=self._sink(journal, request_id))
-            outcome = _ENDED.get(ended)
-            if outcome is None:
-                return  # still open: the session is going away (handed off or closing)
-            rows = await self.control.finish_and_take(journal.lease, request_id, outcome)
-            self.report.served += 1
+        waiting = {row[0]: row for row in await self.control.take(journal.lease)}
+        await self._interrupt_unsubmitted(journal, set(waiting))
+        while waiting and not self.stopping:
+            request_id, prompt = _next_row(journal, waiting.values())
+            sink = self.live.sink_for(journal.session_id, request_id) if self.live is not None else discard
+            try:
+                ended = await session.serve_request(request_id, prompt, sink=sink)
+            except ConfigError as exc:  # refused before anything ran: a submission written around submit()
+                _log.warning("session %s: request %r refused: %s", journal.session_id, request_id, exc)
+                outcome = "refused"
+                self.report.refused += 1
+            else:
+                if ended in _UNFINISHED:
+                    if self.stopping or journal.lost:
+                        return  # going away: the next holder goes on from the journal
+                    raise JournalError(f"request {request_id!r} is still {ended.value} after being served")
+                outcome = ended.value
+                self.report.served += 1
+            del waiting[request_id]
+            # Marked done only now: the outcome is durable (serve_request raised otherwise).
+            for row in await self.control.finish_and_take(journal.lease, request_id, outcome):
+                waiting[row[0]] = row
 
     async def _interrupt_unsubmitted(self, journal: DurableJournal, submitted: set[str]) -> None:
         """Open root requests that no submission stands for: nobody waits for them, so they end."""
-        projection = journal.projection()
-        for request_id, record in list(projection._s.requests.items()):
-            if request_id not in submitted and record.state in (RequestState.ACCEPTED, RequestState.STARTED):
+        for record in journal.projection().unfinished_requests():
+            if record.request_id not in submitted:
                 await record_request_end(
                     journal,
                     journal.root_agent_id,
-                    request_id,
-                    RequestInterrupted(request_id=request_id, reason=RequestInterruptReason.PROCESS_RESTART),
+                    record.request_id,
+                    RequestInterrupted(request_id=record.request_id, reason=RequestInterruptReason.PROCESS_RESTART),
                 )
 
     async def _refuse_all(self, journal: DurableJournal, why: str) -> None:
         _log.warning("session %s: %s", journal.session_id, why)
         for request_id, *_ in await self.control.take(journal.lease):
             await self.control.mark(journal.lease, request_id, "done", "refused")
+            self.report.refused += 1
         await self.control.register(journal.lease, "ended")
+
+    async def _park(self, session_id: str) -> None:
+        """Hold a failed session's lease for one TTL without serving it: the retry's backoff, for
+        every worker. (Another worker that claimed it meanwhile keeps it.)"""
+        try:
+            lease = await self.store.acquire_lease(session_id, self.report.worker_id, self.lease_ttl)
+            await self.control.register(lease, "failed")
+        except TrioAgentError as exc:
+            _log.debug("parking session %s: %s", session_id, exc)
 
     async def _release(self, hosted: _Hosted) -> None:
         """Give a handed-off session's lease back now, and wake whoever may take it."""
@@ -289,43 +283,6 @@ class _Worker:
                 await self.control.notify(lease.session_id)
             except TrioAgentError as exc:
                 _log.warning("handing off session %s: %s (its lease runs out instead)", lease.session_id, exc)
-
-    # -- live deltas
-
-    def _sink(self, journal: DurableJournal, request_id: str) -> Any:
-        send = self._live
-        session_id = journal.session_id
-        if send is None:
-            from .._session._stream import discard
-
-            return discard
-        counter = [0]
-
-        async def sink(event: SessionEvent) -> None:
-            if isinstance(event, TextDeltaEvent) and event.text:
-                for piece in _pieces(event.text):
-                    counter[0] += 1
-                    await send.send(_live_payload(session_id, request_id, event.agent_id, counter[0], piece))
-
-        return sink
-
-    async def publish_live(self) -> None:
-        receive = self._live_recv
-        if receive is None:
-            return
-        channel = self.statements.live_channel
-        async with receive:
-            async for first in receive:
-                batch = [first]
-                while len(batch) < _LIVE_BATCH:
-                    try:
-                        batch.append(receive.receive_nowait())
-                    except trio.WouldBlock:
-                        break
-                try:
-                    await self.control.publish(channel, batch)
-                except TrioAgentError as exc:
-                    _log.debug("live deltas dropped (not durable): %s", exc)
 
     # -- registry
 
@@ -428,25 +385,29 @@ async def serve_sessions(
             async with trio.open_nursery() as services:
                 await services.start(listener.run)
                 services.start_soon(worker.heartbeat)
-                services.start_soon(worker.publish_live)
-                async with trio.open_nursery() as sessions:
-                    sessions.start_soon(worker.claim_loop, sessions)
-                    task_status.started(worker.report)
-                    if stop is not None:
-                        await stop.wait()
-                        await worker.stop(shutdown_grace)
-                        sessions.cancel_scope.cancel()
-                    else:
-                        await trio.sleep_forever()
-                worker.report.notifications = listener.notifications
-                if worker._live is not None:
-                    await worker._live.aclose()
-                with bounded_shield(cleanup_grace, "unregistering the worker"):
-                    try:
-                        await control.gone()
-                    except TrioAgentError as exc:
-                        _log.debug("unregistering worker failed: %s", exc)
-                services.cancel_scope.cancel()
+                if worker.live is not None:
+                    services.start_soon(worker.live.run)
+                try:
+                    async with trio.open_nursery() as sessions:
+                        sessions.start_soon(worker.claim_loop, sessions)
+                        task_status.started(worker.report)
+                        if stop is not None:
+                            await stop.wait()
+                            await worker.stop(shutdown_grace)
+                            sessions.cancel_scope.cancel()
+                        else:
+                            await trio.sleep_forever()
+                finally:
+                    worker.report.notifications = listener.notifications
+                    if worker.live is not None:
+                        worker.live.close()
+                        worker.report.live_sent, worker.report.live_dropped = worker.live.sent, worker.live.dropped
+                    with bounded_shield(cleanup_grace, "unregistering the worker"):
+                        try:
+                            await control.gone()
+                        except TrioAgentError as exc:
+                            _log.debug("unregistering worker failed: %s", exc)
+                    services.cancel_scope.cancel()
             return worker.report
     except BaseExceptionGroup as group:
         from .._groups import unwrap_for_boundary

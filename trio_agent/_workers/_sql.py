@@ -46,9 +46,20 @@ SCHEMA: tuple[LiteralString, ...] = (
 )
 
 _NOW: LiteralString = "extract(epoch FROM clock_timestamp())::float8"
+# The holder's fence, as the store applies it to appends: owner, token, and not expired.
+_HELD: LiteralString = (
+    "EXISTS (SELECT 1 FROM {s}.leases AS l WHERE l.session_id = i.session_id AND l.owner = %s AND l.token = %s"
+    f" AND l.expires_at >= {_NOW})"
+)
+
+_TAKEN: LiteralString = " RETURNING i.request_id, i.prompt, i.priority, i.seq"
 
 _STATEMENTS: dict[str, LiteralString] = {
     "lock": "SELECT pg_advisory_xact_lock(hashtext(%s))",
+    "tables_present": (
+        "SELECT to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL"
+        " AND to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL"
+    ),
     "submit": (
         "INSERT INTO {s}.inbox(session_id, request_id, prompt, priority, submitted_at, state, updated_at)"
         f" VALUES (%s, %s, %s, %s, {_NOW}, 'pending', {_NOW})"
@@ -65,7 +76,7 @@ _STATEMENTS: dict[str, LiteralString] = {
     "claim": (
         f"WITH now AS (SELECT {_NOW} AS t),"
         " ready AS (SELECT l.session_id FROM {s}.leases AS l"
-        " WHERE l.expires_at < (SELECT t FROM now)"
+        " WHERE l.expires_at < (SELECT t FROM now) AND l.session_id <> ALL(%s::text[])"
         " AND EXISTS (SELECT 1 FROM {s}.inbox AS i WHERE i.session_id = l.session_id AND i.state <> 'done')"
         " ORDER BY (SELECT min(i.seq) FROM {s}.inbox AS i WHERE i.session_id = l.session_id AND i.state <> 'done')"
         " LIMIT %s FOR UPDATE OF l SKIP LOCKED),"
@@ -84,31 +95,24 @@ _STATEMENTS: dict[str, LiteralString] = {
     # Take every submission not done (what a previous holder took too); done rows stay done.
     "take": (
         f"UPDATE {{s}}.inbox AS i SET state = 'taken', updated_at = {_NOW}"
-        " WHERE i.session_id = %s AND i.state <> 'done' AND EXISTS (SELECT 1 FROM {s}.leases AS l"
-        " WHERE l.session_id = i.session_id AND l.owner = %s AND l.token = %s)"
-        " RETURNING i.request_id, i.prompt, i.priority, i.seq"
+        " WHERE i.session_id = %s AND i.state <> 'done' AND " + _HELD + _TAKEN
     ),
-    # One round trip per request: its row done, and the rest (new submissions included) taken.
+    # One round trip per request: its row done, and the submissions that arrived since taken.
     "finish_and_take": (
         f"WITH done AS (UPDATE {{s}}.inbox AS i SET state = 'done', outcome = %s, updated_at = {_NOW}"
-        " WHERE i.session_id = %s AND i.request_id = %s AND EXISTS (SELECT 1 FROM {s}.leases AS l"
-        " WHERE l.session_id = i.session_id AND l.owner = %s AND l.token = %s) RETURNING i.seq)"
+        " WHERE i.session_id = %s AND i.request_id = %s AND " + _HELD + " RETURNING i.seq)"
         f" UPDATE {{s}}.inbox AS i SET state = 'taken', updated_at = {_NOW}"
-        " WHERE i.session_id = %s AND i.state <> 'done' AND i.request_id <> %s"
-        " AND EXISTS (SELECT 1 FROM {s}.leases AS l"
-        " WHERE l.session_id = i.session_id AND l.owner = %s AND l.token = %s)"
-        " RETURNING i.request_id, i.prompt, i.priority, i.seq"
+        " WHERE i.session_id = %s AND i.state = 'pending' AND " + _HELD + _TAKEN
     ),
     "mark": (
         f"UPDATE {{s}}.inbox AS i SET state = %s, outcome = %s, updated_at = {_NOW}"
-        " WHERE i.session_id = %s AND i.request_id = %s AND EXISTS (SELECT 1 FROM {s}.leases AS l"
-        " WHERE l.session_id = i.session_id AND l.owner = %s AND l.token = %s)"
+        " WHERE i.session_id = %s AND i.request_id = %s AND " + _HELD
     ),
     "register": (
         "INSERT INTO {s}.registry(session_id, state, worker_id, updated_at)"
-        f" SELECT %s, %s, %s, {_NOW} WHERE EXISTS (SELECT 1 FROM {{s}}.leases AS l"
-        " WHERE l.session_id = %s AND l.owner = %s AND l.token = %s)"
-        " ON CONFLICT (session_id) DO UPDATE SET state = excluded.state, worker_id = excluded.worker_id,"
+        f" SELECT i.session_id, %s, %s, {_NOW} FROM (SELECT %s::text AS session_id) AS i WHERE "
+        + _HELD
+        + " ON CONFLICT (session_id) DO UPDATE SET state = excluded.state, worker_id = excluded.worker_id,"
         " updated_at = excluded.updated_at"
     ),
     "worker_seen": (
@@ -159,5 +163,9 @@ class Statements:
         self.create = [sql.SQL(statement).format(s=ident).as_bytes(None) for statement in SCHEMA]
         self.q = {name: sql.SQL(text).format(s=ident).as_bytes(None) for name, text in _STATEMENTS.items()}
         self.lock_key = f"trio_agent.journal:{schema}"  # the journal's own schema lock: one DDL at a time
+        quoted = ident.as_string(None)
+        self.table_names = tuple(
+            f"{quoted}.{name}" for name in ("leases", "inbox", "inbox_open", "registry", "workers")
+        )
         self.inbox_channel = inbox_channel(schema)
         self.live_channel = live_channel(schema)
