@@ -179,7 +179,6 @@ class DurableJournal:
             ttl=lease_ttl,
             interval=heartbeat_interval,
             sent=trio.current_time() if sent is None else sent,
-            on_lost=self._on_lost,
         )
         self.durable_pure_starts = durable_pure_starts
         self.commit_grace = commit_grace
@@ -190,7 +189,6 @@ class DurableJournal:
         self._streams: dict[str, _Stream] = {}
         self._checked_ids: dict[str | None, str] = {}  # agent id -> its stream id, checked once
         self._fenced: str | None = None
-        self._body_scope: trio.CancelScope | None = None
         self._closed = trio.Event()
         self._pending_starts: dict[str, AppendTicket] = {}
         self.recovered = False
@@ -235,10 +233,6 @@ class DurableJournal:
     @_valid_until.setter
     def _valid_until(self, value: float) -> None:
         self.held.valid_until = value
-
-    def _on_lost(self, exc: BaseException) -> None:
-        if self._body_scope is not None:
-            self._body_scope.cancel()
 
     def _lose(self, exc: BaseException) -> None:
         self.held.lose(exc)
@@ -978,7 +972,7 @@ async def open_journal(
             await journal._load()
             await journal.open_agent(root_agent_id)
             with trio.CancelScope() as body:
-                journal._body_scope = body
+                journal.held.body = body
                 yield journal
         else:
             try:
@@ -987,7 +981,7 @@ async def open_journal(
                     nursery.start_soon(journal.held.keep_alive, name=f"{session_id}_heartbeat")
                     try:
                         with trio.CancelScope() as body:
-                            journal._body_scope = body
+                            journal.held.body = body
                             await journal._load()
                             await journal.open_agent(root_agent_id)
                             yield journal

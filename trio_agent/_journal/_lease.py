@@ -9,7 +9,8 @@ through `HeldLease`, so there is one set of rules for both:
 * The heartbeat renews every ``interval``. A renewal the store refuses
   (`LeaseLostError`) loses the lease at once; a store that cannot be reached is
   retried until the local validity runs out, then the lease is lost.
-* Losing the lease calls ``on_lost`` once (the journal cancels its body there).
+* Losing the lease cancels ``body`` (the scope of the work it guards: the journal's
+  block), once. A scope, not a callback into the owner: no reference cycle.
   Nothing is written with a lost lease: the store refuses the stale token anyway.
 * A store whose leases never expire (``leases_expire = False``: only this process
   could ever hold the session) needs no heartbeat; its lease is valid for ever.
@@ -22,7 +23,6 @@ import math
 import os
 import socket
 import uuid
-from collections.abc import Callable
 
 import trio
 
@@ -87,13 +87,12 @@ class HeldLease:
         ttl: float,
         interval: float,
         sent: float,
-        on_lost: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.store = store
         self.lease = lease
         self.ttl = ttl
         self.interval = interval
-        self.on_lost = on_lost
+        self.body: trio.CancelScope | None = None  # cancelled when the lease is lost
         self.expires: bool = getattr(store, "leases_expire", True)
         self.valid_until = sent + ttl * VALID_SHARE if self.expires else math.inf
         self.lost: BaseException | None = None
@@ -109,8 +108,8 @@ class HeldLease:
     def lose(self, exc: BaseException) -> None:
         if self.lost is None:
             self.lost = exc
-            if self.on_lost is not None:
-                self.on_lost(exc)
+            if self.body is not None:
+                self.body.cancel()
 
     def check(self) -> None:
         """Raise `LeaseLostError` if the lease is lost or no longer valid by the local clock."""
