@@ -20,6 +20,7 @@ import psycopg
 import pytest
 import trio
 import trio.testing
+from workers_helpers import takeover_agent
 
 from trio_agent import ConfigError, LeaseLostError, define_agent, define_tool, open_session
 from trio_agent.journal import (
@@ -238,29 +239,8 @@ async def test_a_dead_workers_session_is_taken_over_from_its_last_durable_point(
     look settled, its payment started. Another worker claims the session with a higher token,
     keeps the look, tells the payment's outcome is unknown (never paid twice), asks the model
     next, and ends the request exactly once."""
-    paid: list[str] = []
-    started = trio.Event()
-
-    @define_tool(name="pay", description="p", input_schema=OBJECT, side_effect="non_idempotent", kind="readonly")
-    async def pay(input: dict[str, Any], ctx: Any) -> str:
-        paid.append(ctx.idempotency_key)
-        started.set()
-        await trio.sleep_forever()
-        return "paid"  # pragma: no cover
-
-    @define_tool(name="look", description="l", input_schema=OBJECT, side_effect="pure", kind="readonly")
-    async def look(input: dict[str, Any], ctx: Any) -> str:
-        return "looked"
-
-    def respond(request: Any) -> Reply:
-        results = [m for m in request.messages if isinstance(m, ToolResultMessage)]
-        if not results:
-            return Reply(tool_calls=[("look", {})])
-        if len(results) == 1:
-            return Reply(tool_calls=[("pay", {})])
-        return Reply(f"finished with {len(results)} results")
-
-    spec = define_agent(provider=TestModel(respond=respond), tools=[look, pay])
+    scenario = takeover_agent()
+    spec, paid, started = scenario.spec, scenario.paid, scenario.started
     rid = await trio.to_thread.run_sync(
         functools.partial(submit, "taken", "go", dsn=postgres_dsn, schema=fresh_pg_schema)
     )

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from workers_helpers import takeover_agent
 
-from trio_agent import ConfigError, LeaseLostError, define_agent, define_tool, open_session
+from trio_agent import ConfigError, LeaseLostError, define_agent, open_session
 from trio_agent.journal import (
     MemoryStore,
     RequestAccepted,
@@ -59,30 +60,8 @@ async def crashed(store: MemoryStore, spec: Any, session_id: str, run: Any) -> N
 
 async def test_a_started_request_goes_on_from_its_last_durable_point() -> None:
     store = MemoryStore()
-    ran: list[str] = []
-    started = trio.Event()
-
-    @define_tool(name="pay", description="p", input_schema=OBJECT, side_effect="non_idempotent", kind="write")
-    async def pay(input: dict[str, Any], ctx: Any) -> str:
-        ran.append(ctx.tool_call_id)
-        started.set()
-        await trio.sleep_forever()
-        return "paid"  # pragma: no cover
-
-    @define_tool(name="look", description="l", input_schema=OBJECT, side_effect="pure", kind="readonly")
-    async def look(input: dict[str, Any], ctx: Any) -> str:
-        return "looked"
-
-    def respond(request: Any) -> Reply:
-        results = [m for m in request.messages if isinstance(m, ToolResultMessage)]
-        if not results:
-            return Reply(tool_calls=[("look", {})])
-        if len(results) == 1:
-            return Reply(tool_calls=[("pay", {})])
-        return Reply(f"done after {len(results)} results")
-
-    model = TestModel(respond=respond)
-    spec = define_agent(provider=model, tools=[look, pay], permissions={"allow": ["pay"]})
+    scenario = takeover_agent()
+    spec, model, ran, started = scenario.spec, scenario.model, scenario.paid, scenario.started
 
     async def run(session: Any, nursery: trio.Nursery) -> None:
         nursery.start_soon(session.serve_request, "req-1", "go")
@@ -102,7 +81,8 @@ async def test_a_started_request_goes_on_from_its_last_durable_point() -> None:
     after = await events_of(store, "s")
     # One terminal event; the started payment is not repeated (its outcome is unknown) and the
     # settled look is kept: the model is asked next, with both results, and no second prompt.
-    assert len(of_type(after, RequestCompleted)) == 1 and not of_type(after, RequestInterrupted)
+    assert [e.output for e in of_type(after, RequestCompleted)] == [{"text": "finished with 2 results"}]
+    assert not of_type(after, RequestInterrupted)
     assert len(of_type(after, ToolOutcomeUnknown)) == 1
     assert len(ran) == 1
     assert len(of_type(after, RequestAccepted)) == 1 and len(of_type(after, RequestStarted)) == 1

@@ -130,8 +130,7 @@ def _main(argv: list[str] | None) -> int:
                 priority=args.priority,
                 wait=args.wait,
             )
-        listing_of = _cli.run_sessions if args.command == "sessions" else _cli.run_workers
-        return listing_of(dsn=args.dsn, schema=args.schema, as_json=args.json)
+        return _cli.run_listing(args.command, dsn=args.dsn, schema=args.schema, as_json=args.json)
     if args.command == "demo":
         if args.model is not None and args.provider is None:
             parser.error(

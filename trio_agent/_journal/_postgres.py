@@ -99,7 +99,7 @@ from ._store import (
     unavailable,
 )
 
-__all__ = ["PostgresStore", "open_postgres_store"]
+__all__ = ["PostgresStore", "open_postgres_store", "pump_notifications"]
 
 STORE_FORMAT = "trio_agent.journal.postgres/2"
 V1_FORMAT = "trio_agent.journal.postgres/1"
@@ -1105,17 +1105,26 @@ class PostgresStore(LaneStore):
             await trio.sleep(backoff)
 
     async def _pump(self, conn: _Conn) -> None:
-        pgconn = conn.pgconn
-        fd = conn.fileno()
-        while True:
-            pgconn.consume_input()
-            while (notify := pgconn.notifies()) is not None:
-                payload = notify.extra.decode("utf-8", "replace")
-                stream_id, _, head = payload.rpartition(":")
-                if stream_id and head.isdigit():
-                    self.notifications += 1
-                    self._wake(stream_id)
-            await trio.lowlevel.wait_readable(fd)
+        await pump_notifications(conn, self._notified)
+
+    def _notified(self, payload: str) -> None:
+        stream_id, _, head = payload.rpartition(":")
+        if stream_id and head.isdigit():
+            self.notifications += 1
+            self._wake(stream_id)
+
+
+async def pump_notifications(conn: _Conn, deliver: Callable[[str], None]) -> None:
+    """Hand every NOTIFY payload *conn* receives to *deliver*, for ever, natively (no thread):
+    the connection's socket is waited on with `trio.lowlevel.wait_readable`. Raises
+    `psycopg.Error` (or `OSError`) when the connection fails; the caller reconnects."""
+    pgconn = conn.pgconn
+    fd = conn.fileno()
+    while True:
+        pgconn.consume_input()
+        while (notify := pgconn.notifies()) is not None:
+            deliver(notify.extra.decode("utf-8", "replace"))
+        await trio.lowlevel.wait_readable(fd)
 
 
 @asynccontextmanager

@@ -13,7 +13,7 @@ import trio
 
 from .._errors import TrioAgentError
 
-__all__ = ["load_spec", "run_sessions", "run_submit", "run_worker", "run_workers"]
+__all__ = ["load_spec", "run_listing", "run_submit", "run_worker"]
 
 
 def load_spec(target: str | None) -> Any:
@@ -145,56 +145,41 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _left(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:.1f}s"
+def _session_rows(sessions: list[Any]) -> list[list[str]]:
+    def left(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds:.1f}s"
+
+    return [[s.session_id, s.state, s.worker or "-", left(s.lease_until), f"{s.queued}"] for s in sessions]
 
 
-def run_sessions(*, dsn: str | None, schema: str, as_json: bool) -> int:
-    from ._queue import list_sessions
+def _worker_rows(workers: list[Any]) -> list[list[str]]:
+    def state(w: Any) -> str:
+        return "live" if w.live and not w.stopping else "stopping" if w.live else "gone"
 
-    try:
-        sessions = list_sessions(dsn=dsn, schema=schema)
-    except TrioAgentError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if as_json:
-        print(json.dumps([attrs.asdict(s) for s in sessions]))
-        return 0
-    rows = [
-        [
-            s.session_id,
-            s.state,
-            s.worker or "-",
-            "-" if s.lease_until is None else f"{s.lease_until:.1f}s",
-            f"{s.queued}",
-        ]
-        for s in sessions
-    ]
-    print(_table(rows, ["SESSION", "STATE", "WORKER", "LEASE LEFT", "QUEUED"]))
-    return 0
-
-
-def run_workers(*, dsn: str | None, schema: str, as_json: bool) -> int:
-    from ._queue import list_workers
-
-    try:
-        workers = list_workers(dsn=dsn, schema=schema)
-    except TrioAgentError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if as_json:
-        print(json.dumps([attrs.asdict(w) for w in workers]))
-        return 0
-    rows = [
-        [
-            w.worker_id,
-            "live" if w.live and not w.stopping else "stopping" if w.live else "gone",
-            f"{w.hosted}/{w.concurrency}",
-            str(w.served),
-            f"{w.seen_ago:.1f}s",
-            f"{w.uptime:.0f}s",
-        ]
+    return [
+        [w.worker_id, state(w), f"{w.hosted}/{w.concurrency}", f"{w.served}", f"{w.seen_ago:.1f}s", f"{w.uptime:.0f}s"]
         for w in workers
     ]
-    print(_table(rows, ["WORKER", "STATE", "SESSIONS", "SERVED", "SEEN", "UPTIME"]))
+
+
+_LISTINGS = {
+    "sessions": ("list_sessions", _session_rows, ["SESSION", "STATE", "WORKER", "LEASE LEFT", "QUEUED"]),
+    "workers": ("list_workers", _worker_rows, ["WORKER", "STATE", "SESSIONS", "SERVED", "SEEN", "UPTIME"]),
+}
+
+
+def run_listing(what: str, *, dsn: str | None, schema: str, as_json: bool) -> int:
+    """``trio-agent sessions`` / ``trio-agent workers``: a table, or JSON."""
+    from . import _queue
+
+    function, to_rows, header = _LISTINGS[what]
+    try:
+        found = getattr(_queue, function)(dsn=dsn, schema=schema)
+    except TrioAgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps([attrs.asdict(item) for item in found]))
+    else:
+        print(_table(to_rows(found), header))
     return 0

@@ -32,6 +32,7 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 
 from .._errors import JournalUnavailableError
+from .._journal._postgres import pump_notifications
 from .._journal._store import Lease
 from ._conn import connect, connection_info
 from ._queue import ensure_tables
@@ -216,14 +217,11 @@ class InboxListener:
             await trio.sleep(backoff)
 
     async def _pump(self, conn: _Conn) -> None:
-        pgconn = conn.pgconn
-        fd = conn.fileno()
-        while True:
-            pgconn.consume_input()
-            while (notify := pgconn.notifies()) is not None:
-                self.notifications += 1
-                self.wake(notify.extra.decode("utf-8", "replace"))
-            await trio.lowlevel.wait_readable(fd)
+        await pump_notifications(conn, self._notified)
+
+    def _notified(self, payload: str) -> None:
+        self.notifications += 1
+        self.wake(payload)
 
 
 def jittered(seconds: float, rng_value: float) -> float:

@@ -1,0 +1,51 @@
+"""The agent of the takeover tests (in-memory and PostgreSQL): the model asks for a settled
+``look``, then a ``pay`` that starts and never ends (the worker dies there), then answers with
+how many results it saw."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import trio
+
+from trio_agent import define_agent, define_tool
+from trio_agent.models import ToolResultMessage
+from trio_agent.testing import Reply, TestModel
+
+OBJECT = {"type": "object"}
+
+
+@attrs.define
+class Takeover:
+    spec: Any
+    model: TestModel
+    paid: list[str] = attrs.Factory(list)  # the payments' idempotency keys, one per run of pay
+    started: trio.Event = attrs.Factory(trio.Event)
+
+
+def takeover_agent() -> Takeover:
+    def respond(request: Any) -> Reply:
+        results = [m for m in request.messages if isinstance(m, ToolResultMessage)]
+        if not results:
+            return Reply(tool_calls=[("look", {})])
+        if len(results) == 1:
+            return Reply(tool_calls=[("pay", {})])
+        return Reply(f"finished with {len(results)} results")
+
+    model = TestModel(respond=respond)
+    scenario = Takeover(spec=None, model=model)
+
+    @define_tool(name="pay", description="p", input_schema=OBJECT, side_effect="non_idempotent", kind="readonly")
+    async def pay(input: dict[str, Any], ctx: Any) -> str:
+        scenario.paid.append(ctx.idempotency_key)
+        scenario.started.set()
+        await trio.sleep_forever()
+        return "paid"  # pragma: no cover
+
+    @define_tool(name="look", description="l", input_schema=OBJECT, side_effect="pure", kind="readonly")
+    async def look(input: dict[str, Any], ctx: Any) -> str:
+        return "looked"
+
+    scenario.spec = define_agent(provider=model, tools=[look, pay])
+    return scenario
