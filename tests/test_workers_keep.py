@@ -178,3 +178,23 @@ async def test_serve_request_refuses_a_bad_prompt_by_name() -> None:
             with pytest.raises(ConfigError, match="prompt"):
                 await session.serve_request("req-6", bad)  # type: ignore[arg-type]
         assert session.journal.projection().request("req-6") is None
+
+
+async def test_a_request_taken_over_counts_its_earlier_turns_against_max_turns() -> None:
+    store = MemoryStore()
+    scenario = takeover_agent()
+    spec = define_agent(provider=scenario.model, tools=list(scenario.spec.parts.tools.values()), max_turns=2)
+
+    async def run(session: Any, nursery: trio.Nursery) -> None:
+        nursery.start_soon(session.serve_request, "req-7", "go")
+        with trio.fail_after(5):
+            await scenario.started.wait()  # in its second turn
+
+    await crashed(store, spec, "s7", run)
+    calls_before = len(scenario.model.requests)
+    async with open_session(spec, journal=store, session_id="s7", unfinished="keep") as session:
+        assert (await session.serve_request("req-7", "go")).value == "completed"
+    # The two turns it took before the crash were its max_turns: no third model call is made.
+    assert len(scenario.model.requests) == calls_before
+    [done] = of_type(await events_of(store, "s7"), RequestCompleted)
+    assert done.output == {"text": ""}

@@ -201,15 +201,15 @@ class _Run:
         self.hooks = hooks
         self.ctx = ctx
         self.events = ports.events
-        self.state = LoopState()
+        # A request taken over from an earlier process goes on counting the turns it took
+        # there: its turn ids number on, and they count against the strategy's limit.
+        self.state = LoopState(iteration=spec.turns_before)
         self.text = ""
-        self.turns = 0
+        self.turns = spec.turns_before
         self.resume = resume
         self.step_open = False
         self.open_turn: TurnRef | None = None
-        # A continuation's turns are numbered from 1 in its own run; a request taken over from
-        # an earlier process numbers on after the turns it recorded there.
-        self.turn_offset = -spec.turns_before
+        self.turn_offset = 0  # a continuation numbers its own turns from 1 (set in `_continue`)
         self.asks_at_boundaries = defines(hooks, "on_interrupt_boundary")
         self._history: Sequence[Message] = ()  # the history view `_config` handed out last
         self.turn_inputs: list[str] = []  # what joined the current turn (kept by a pause before the model)
