@@ -299,8 +299,9 @@ class DurableJournal:
     def _prepare(
         self, agent_id: str | None, events: tuple[Event, ...], command_id: str | None, *, defer: bool = False
     ) -> tuple[_Stream, AppendBatch | AppendResult | None]:
-        if self._lost is not None:
-            raise LeaseLostError(f"the lease on session {self.session_id!r} was lost: {self._lost}")
+        held = self.held  # read once: every append passes here
+        if held.lost is not None:
+            raise LeaseLostError(f"the lease on session {self.session_id!r} was lost: {held.lost}")
         if self._closed.is_set():
             raise JournalError(f"the journal of session {self.session_id!r} is closed")
         if self._fenced is not None:
@@ -309,8 +310,8 @@ class DurableJournal:
             )
         if not events:
             raise JournalError("append needs at least one event")
-        if self.renews_lease:
-            self.check_ownership()
+        if held.expires:
+            held.check()
         stream_id = self._checked_ids.get(agent_id)
         if stream_id is None:
             # Checked before the projection moves: an id no store can keep fails this append alone.
@@ -352,7 +353,7 @@ class DurableJournal:
             assert command_id is None  # `append` writes them on their own before a command
             envelopes = (*stream.deferred, *envelopes)
             stream.deferred.clear()
-        batch = AppendBatch(self.session_id, stream_id, self.lease.token, envelopes, command_id, digest)
+        batch = AppendBatch(self.session_id, stream_id, held.lease.token, envelopes, command_id, digest)
         return stream, batch
 
     def defer(self, *events: Event, agent_id: str | None = None) -> None:

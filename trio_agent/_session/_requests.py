@@ -124,6 +124,7 @@ def _session_close() -> RequestInterruptReason:
 class _Request:
     __slots__ = (
         "abort",
+        "accepted_before",
         "accepting",
         "agent",
         "call_ids",
@@ -183,6 +184,7 @@ class _Request:
         # Started by an earlier owner of the session (a worker that died or handed it off): it goes
         # on from its last durable point, its prompt already in the conversation.
         self.continuing = False
+        self.accepted_before = False  # its request_accepted is in the journal (a request taken over)
         self.turns_before = 0
         self.finishing = False  # no new background starts may join it
         self.holds = 0  # background starts in progress under this request
@@ -218,7 +220,7 @@ def interrupt_reason(reason: AbortReason) -> RequestInterruptReason:
 async def accept_on(journal: DurableJournal, agent_id: str, request: _Request) -> None:
     """Record *request* accepted on *agent_id*'s stream (once: one an earlier owner of the session
     accepted, and that a worker now serves, is recorded already)."""
-    if journal.projection(agent_id).request(request.request_id) is not None:
+    if request.accepted_before:
         return
     await journal.append(
         RequestAccepted(

@@ -235,6 +235,7 @@ class Session:
         if record is None:
             self._queue.check_message(prompt, None)
         request = _Request(prompt, sink, self._host.root, request_id=request_id)
+        request.accepted_before = record is not None
         if record is not None and record.state is RequestState.STARTED:
             request.continuing = True
             request.turns_before = record.turns  # its turns go on numbering after the recorded ones
