@@ -761,3 +761,126 @@ async def test_a_paused_request_answered_before_its_row_was_marked_ends_resumed_
                 status = await until_done(postgres_dsn, fresh_pg_schema, "answered", rid)
             await trio.sleep(0.5)  # the scenario: ten polls with nothing left to claim
         assert status.outcome == "resumed" and report.claimed == 1 and len(deleted) == 1
+
+
+async def test_a_worker_keeps_serving_after_its_pooled_connections_were_cut(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """The server ends the worker's idle control connections while a request runs (a restart, an
+    idle timeout): marking it done retries on a fresh connection, and the healthy session is
+    neither parked nor served twice."""
+    gate, entered = trio.Event(), trio.Event()
+
+    @define_tool(name="wait", description="w", input_schema=OBJECT, side_effect="pure", kind="readonly")
+    async def wait(input: dict[str, Any], ctx: Any) -> str:
+        entered.set()
+        await gate.wait()
+        return "ok"
+
+    def respond(request: Any) -> Reply:
+        last = request.messages[-1]
+        return Reply("fine") if isinstance(last, ToolResultMessage) else Reply(tool_calls=[("wait", {})])
+
+    spec = define_agent(provider=TestModel(respond=respond), tools=[wait])
+
+    def cut() -> int:
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = 'trio_agent worker' AND state = 'idle'"
+            ).fetchall()
+        return len(rows)
+
+    rid = await trio.to_thread.run_sync(
+        functools.partial(submit, "cut", "go", dsn=postgres_dsn, schema=fresh_pg_schema)
+    )
+    # No polling and a slow heartbeat: the next control statement is the request's own mark.
+    async with worker(spec, postgres_dsn, fresh_pg_schema, poll_interval=60.0, lease_ttl=30.0) as report:
+        with trio.fail_after(20):
+            await entered.wait()
+            assert await trio.to_thread.run_sync(cut) >= 1
+            gate.set()
+            status = await until_done(postgres_dsn, fresh_pg_schema, "cut", rid)
+    assert status.outcome == "completed"
+    assert report.failed_sessions == 0 and report.served == 1
+
+
+async def test_a_submission_to_a_session_id_no_journal_takes_is_refused(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:  # written around submit()
+        await trio.to_thread.run_sync(functools.partial(submit, "ok", "x", dsn=postgres_dsn, schema=fresh_pg_schema))
+        conn.execute(f'INSERT INTO "{fresh_pg_schema}".leases VALUES (%s, %s, 0, %s)', ("bad/id", "", float("-inf")))
+        conn.execute(
+            f'INSERT INTO "{fresh_pg_schema}".inbox(session_id, request_id, prompt, priority, submitted_at,'
+            " state, updated_at) VALUES ('bad/id', 'r', 'p', 0, 0, 'pending', 0)"
+        )
+    async with worker(answer(), postgres_dsn, fresh_pg_schema, lease_ttl=3.0, poll_interval=0.05) as report:
+        with trio.fail_after(20):
+            status = await until_done(postgres_dsn, fresh_pg_schema, "bad/id", "r")
+    assert status.outcome == "refused" and report.failed_sessions == 0 and report.refused == 1
+
+
+async def test_a_graceful_stop_hosts_what_an_in_flight_claim_took_then_lets_it_go(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """Stop lands while a claim is on its way: the claim's sessions are not stranded under a lease
+    nobody serves; they are released at once for the next worker."""
+    from trio_agent._workers._control import Control
+
+    claimed = trio.Event()
+    resume = trio.Event()
+    original = Control.claim
+
+    async def slow_claim(self: Control, count: int, ttl: float, *, exclude: list[str] | None = None) -> Any:
+        leases = await original(self, count, ttl, exclude=exclude)
+        if leases:
+            claimed.set()
+            await resume.wait()  # the stop comes now, with the claim committed
+        return leases
+
+    rid = await trio.to_thread.run_sync(
+        functools.partial(submit, "in-flight", "hi", dsn=postgres_dsn, schema=fresh_pg_schema)
+    )
+    Control.claim = slow_claim  # type: ignore[method-assign]
+    try:
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                functools.partial(
+                    serve_sessions, answer(), postgres_dsn, schema=fresh_pg_schema, stop=stop, lease_ttl=30.0
+                )
+            )
+            with trio.fail_after(10):
+                await claimed.wait()
+            stop.set()
+            await trio.testing.wait_all_tasks_blocked()
+            resume.set()
+    finally:
+        Control.claim = original  # type: ignore[method-assign]
+    async with (
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store,
+        worker(answer(), postgres_dsn, fresh_pg_schema),
+    ):
+        with trio.fail_after(10):  # far below the 30 s lease the stopped worker's claim took
+            assert (await wait_for_request(store, "in-flight", rid)).state == "completed"
+
+
+async def test_deltas_that_arrived_before_a_close_are_still_delivered(postgres_dsn: str) -> None:
+    from trio_agent._workers._sql import live_channel
+
+    schema = "t_live_buffered"
+    deltas = await subscribe_live("s", dsn=postgres_dsn, schema=schema)
+
+    def notify_together() -> None:  # one transaction: delivered together at its commit
+        with psycopg.connect(postgres_dsn) as conn, conn.transaction():
+            for n in (1, 2):
+                payload = json.dumps({"s": "s", "r": "r", "a": "root", "n": n, "t": f"part {n}"})
+                conn.execute("SELECT pg_notify(%s, %s)", (live_channel(schema), payload))
+
+    await trio.to_thread.run_sync(notify_together)
+    with trio.fail_after(10):
+        first = await deltas.__anext__()
+    await deltas.aclose()
+    assert first.n == 1
+    assert [delta.n async for delta in deltas] == [2]  # buffered, then the iteration ends

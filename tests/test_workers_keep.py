@@ -198,3 +198,31 @@ async def test_a_request_taken_over_counts_its_earlier_turns_against_max_turns()
     assert len(scenario.model.requests) == calls_before
     [done] = of_type(await events_of(store, "s7"), RequestCompleted)
     assert done.output == {"text": ""}
+
+
+async def test_a_store_that_raises_on_submit_fences_the_journal_and_serve_request_raises() -> None:
+    """The projection moves before the write: a store raising synchronously on the request's end
+    (as a closed PostgreSQL store does) must fence the journal, or serve_request would report the
+    projection's `completed`, which the store never got."""
+    from trio_agent import TrioAgentError
+    from trio_agent.journal import JournalUnavailableError
+
+    class RefusesTheEnd(MemoryStore):
+        armed = True
+
+        def submit(self, batch: Any) -> Any:
+            if self.armed and any(isinstance(e.event, RequestCompleted) for e in batch.envelopes):
+                self.armed = False
+                raise JournalUnavailableError("the store is not open")
+            return super().submit(batch)
+
+    store = RefusesTheEnd()
+    spec = define_agent(provider=TestModel(default=Reply("hi")))
+    async with open_journal(store, session_id="refuses") as journal:
+        with pytest.raises(TrioAgentError):
+            async with open_session(spec, journal=journal) as session:
+                with pytest.raises(TrioAgentError):
+                    await session.serve_request("req-8", "hello")
+                assert journal.fenced
+                raise TrioAgentError("done with it")
+    assert not of_type(await events_of(store, "refuses"), RequestCompleted)

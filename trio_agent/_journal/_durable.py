@@ -382,7 +382,16 @@ class DurableJournal:
         if self._commit_now is not None:
             # Committed before this returns: not a checkpoint (the caller's next await is one).
             return self._committed(batch)
-        return await self._await(self.store.submit(batch))
+        return await self._await(self._submit(batch))
+
+    def _submit(self, batch: AppendBatch) -> AppendTicket:
+        """Hand *batch* to the store. The projection already moved: a store that raises here (not
+        open, a bug) leaves what it holds unknown, so the journal is fenced, as for any refusal."""
+        try:
+            return self.store.submit(batch)
+        except Exception as exc:
+            self._refused(exc)
+            raise
 
     async def append(self, *events: Event, agent_id: str | None = None, command_id: str | None = None) -> AppendResult:
         """Append ``events`` atomically to an agent's stream (the root's by default).
@@ -434,7 +443,7 @@ class DurableJournal:
         assert self._commit_now is not None
         try:
             return self._commit_now(batch)
-        except (StaleFencingTokenError, JournalError) as exc:
+        except Exception as exc:  # refused, or a store's bug: either way the projection is ahead
             self._refused(exc)
             raise
 
@@ -697,7 +706,7 @@ class DurableJournal:
             # Explicit opt-in for pure tools only: submit without waiting for the commit.
             _, prepared = self._prepare(call.agent_id, (event,), None)
             assert isinstance(prepared, AppendBatch)
-            self._pending_starts[call.call_id] = self.store.submit(prepared)
+            self._pending_starts[call.call_id] = self._submit(prepared)
             await trio.lowlevel.checkpoint()
             return
         await self.append(event, agent_id=call.agent_id)
@@ -731,7 +740,7 @@ class DurableJournal:
         # and report success only when both are committed.
         _, prepared = self._prepare(call.agent_id, (event,), None)
         assert isinstance(prepared, AppendBatch)
-        settled = self.store.submit(prepared)
+        settled = self._submit(prepared)
         await self._await(pending)
         await self._await(settled)
 

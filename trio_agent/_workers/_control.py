@@ -38,10 +38,15 @@ from ._conn import connect, connection_info
 from ._queue import ensure_tables
 from ._sql import Statements
 
-__all__ = ["Control", "InboxListener"]
+__all__ = ["Control", "ControlError", "InboxListener"]
 
 _Conn = psycopg.Connection[TupleRow]
 T = TypeVar("T")
+
+
+class ControlError(JournalUnavailableError):
+    """A worker's own statement failed (the database unreachable, a connection lost): a failure
+    of the worker's bookkeeping, not of the session it was serving."""
 
 
 Row = tuple[str, str, int, int]
@@ -71,29 +76,46 @@ class Control:
         self.statements_run = 0  # observability: round trips this worker made
 
     async def _run(self, work: Callable[[_Conn], T]) -> T:
-        def run() -> T:
-            with self._idle_lock:
-                conn = self._idle.pop() if self._idle else None
-            if conn is None or conn.closed:
-                conn = connect(self.conninfo)
+        def attempt(conn: _Conn) -> T:
             try:
                 result = work(conn)
-            except psycopg.Error as exc:
+            except psycopg.Error:
                 if conn.closed or conn.broken:
                     conn.close()
                 else:
                     self._give_back(conn)
-                raise JournalUnavailableError(f"a worker statement failed: {str(exc).strip()}") from None
+                raise
             except BaseException:
                 conn.close()
                 raise
             self._give_back(conn)
             return result
 
+        def run() -> T:
+            with self._idle_lock:
+                pooled = self._idle.pop() if self._idle else None
+            if pooled is not None and not pooled.closed:
+                try:
+                    return attempt(pooled)
+                except psycopg.OperationalError:
+                    if not pooled.closed:
+                        raise
+                    # A pooled connection the server had closed while it sat idle (a restart, a
+                    # failover, an idle timeout): once more on a fresh one.
+            try:
+                return attempt(connect(self.conninfo))
+            except psycopg.Error as exc:
+                raise ControlError(f"a worker statement failed: {str(exc).strip()}") from None
+
         self.statements_run += 1
         # Abandoned if the caller is cancelled: a server that stopped answering must not hold a
         # stop or a cancellation (the thread gives its connection back, or closes it, when done).
-        return await trio.to_thread.run_sync(run, limiter=self._slots, abandon_on_cancel=True)
+        try:
+            return await trio.to_thread.run_sync(run, limiter=self._slots, abandon_on_cancel=True)
+        except psycopg.Error as exc:  # the pooled attempt's own error, when it was not retried
+            raise ControlError(f"a worker statement failed: {str(exc).strip()}") from None
+        except JournalUnavailableError as exc:  # cannot connect
+            raise ControlError(str(exc)) from None
 
     def _give_back(self, conn: _Conn) -> None:
         with self._idle_lock:

@@ -137,7 +137,9 @@ class LiveSubscription:
         return self
 
     async def __anext__(self) -> LiveDelta:
-        if self._conn.closed and not self._ready:
+        if self._ready:  # what arrived before a close is still delivered
+            return self._ready.popleft()
+        if self._conn.closed:
             raise StopAsyncIteration
         pgconn = self._conn.pgconn
         fd = self._conn.fileno()

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -45,19 +45,20 @@ import trio
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
+from .._config import validate_id
 from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
 from .._journal._durable import DurableJournal, open_journal
 from .._journal._events import RequestInterrupted, RequestInterruptReason
 from .._journal._lease import check_seconds, default_owner
 from .._journal._postgres import PostgresStore, open_postgres_store
 from .._journal._projection import RequestState
-from .._journal._store import Lease
+from .._journal._store import Lease, check_id, stream_id_for
 from .._session._endings import record_request_end
 from .._session._open import open_session
 from .._session._session import Session
 from .._session._spec import AgentSpec
 from .._session._stream import discard
-from ._control import Control, InboxListener, Row, jittered
+from ._control import Control, ControlError, InboxListener, Row, jittered
 from ._live import LivePublisher
 from ._queue import _check_schema, resolve_dsn
 from ._sql import Statements
@@ -98,6 +99,23 @@ def _next_row(journal: DurableJournal, rows: Iterable[Row]) -> tuple[str, str]:
     return request_id, prompt
 
 
+def _usable_session_id(session_id: str) -> bool:
+    try:
+        validate_id(session_id, name="session_id")
+        check_id(stream_id_for(session_id, "root"), "stream id")
+    except TrioAgentError:
+        return False
+    return "/" not in session_id
+
+
+async def _hint(statement: Awaitable[object]) -> None:
+    """A registry write or a wake-up after the real work is done: a failure is logged, not acted on."""
+    try:
+        await statement
+    except ControlError as exc:
+        _log.debug("a worker hint failed: %s", exc)
+
+
 class _Hosted:
     __slots__ = ("failed", "handing_off", "journal", "lease")
 
@@ -134,6 +152,7 @@ class _Worker:
         self.stopping = False
         self._wake = trio.Event()
         self._drained = trio.Event()
+        self._claiming_done = trio.Event()
         self._rng = random.Random()
         self.live = LivePublisher(control, control.statements.live_channel) if live else None
 
@@ -143,6 +162,12 @@ class _Worker:
     # -- claiming
 
     async def claim_loop(self, sessions: trio.Nursery) -> None:
+        try:
+            await self._claim_until_stopping(sessions)
+        finally:
+            self._claiming_done.set()
+
+    async def _claim_until_stopping(self, sessions: trio.Nursery) -> None:
         while not self.stopping:
             self._wake = trio.Event()  # before looking: whatever lands from now on wakes us
             free = self.concurrency - len(self.hosted)
@@ -168,6 +193,10 @@ class _Worker:
         session_id = hosted.lease.session_id
         try:
             try:
+                if not _usable_session_id(session_id):  # written around submit(): no journal takes it
+                    await self._refuse_rows(hosted.lease, f"session id {session_id!r} is not one a journal accepts")
+                    await self.store.release_lease(hosted.lease)
+                    return
                 async with open_journal(
                     self.store,
                     lease=hosted.lease,
@@ -178,7 +207,7 @@ class _Worker:
                     hosted.journal = journal
                     await self._open_and_serve(journal, hosted)
                 if self.stopping:  # released: what it left queued goes to another worker now
-                    await self.control.notify(session_id)
+                    await _hint(self.control.notify(session_id))
             except LeaseLostError as exc:
                 if hosted.handing_off:
                     self.report.handed_off += 1
@@ -186,6 +215,10 @@ class _Worker:
                 else:
                     self.report.lost_sessions += 1
                     _log.warning("worker %s lost session %s: %s", self.report.worker_id, session_id, exc)
+            except ControlError as exc:
+                # The worker's own bookkeeping failed, not the session: it was closed and released
+                # as usual, and whatever is not marked done is served again by its next holder.
+                _log.warning("worker %s released session %s: %s", self.report.worker_id, session_id, exc)
             except Exception as exc:  # one session's failure (a bug included) never stops the worker
                 hosted.failed = True
                 self.report.failed_sessions += 1
@@ -219,7 +252,7 @@ class _Worker:
             await self._refuse_all(journal, "the session was ended for good; submit to a new session id")
             return
         if not hosted.handing_off:
-            await self.control.register(journal.lease, state)
+            await _hint(self.control.register(journal.lease, state))
 
     async def _serve(self, session: Session, journal: DurableJournal) -> None:
         """Serve the session's submissions until none is left: one round trip per request."""
@@ -231,6 +264,8 @@ class _Worker:
             try:
                 ended = await session.serve_request(request_id, prompt, sink=sink)
             except ConfigError as exc:  # refused before anything ran: a submission written around submit()
+                if journal.projection().request(request_id) is not None:
+                    raise  # it ran: whatever this is, it is not a refusal of the submission
                 _log.warning("session %s: request %r refused: %s", journal.session_id, request_id, exc)
                 outcome = "refused"
                 self.report.refused += 1
@@ -258,16 +293,23 @@ class _Worker:
                 )
 
     async def _refuse_all(self, journal: DurableJournal, why: str) -> None:
-        _log.warning("session %s: %s", journal.session_id, why)
-        for request_id, *_ in await self.control.take(journal.lease):
-            await self.control.mark(journal.lease, request_id, "done", "refused")
+        await self._refuse_rows(journal.lease, why)
+
+    async def _refuse_rows(self, lease: Lease, why: str) -> None:
+        """Mark every submission of the session done ``refused`` (fenced by *lease*)."""
+        _log.warning("session %s: %s", lease.session_id, why)
+        for request_id, *_ in await self.control.take(lease):
+            await self.control.mark(lease, request_id, "done", "refused")
             self.report.refused += 1
-        await self.control.register(journal.lease, "ended")
+        await self.control.register(lease, "ended")
 
     async def _park(self, session_id: str) -> None:
         """Hold a failed session's lease for one TTL without serving it: the retry's backoff, for
         every worker. (Another worker that claimed it meanwhile keeps it.)"""
         try:
+            current = await self.store.current_lease(session_id)
+            if current is not None and current.expires_at >= self.store.clock():
+                return  # someone holds it (another worker claimed it meanwhile): theirs
             lease = await self.store.acquire_lease(session_id, self.report.worker_id, self.lease_ttl)
             await self.control.register(lease, "failed")
         except TrioAgentError as exc:
@@ -307,6 +349,7 @@ class _Worker:
         """No more claims or requests; *grace* seconds for running requests, then hand the rest off."""
         self.stopping = True
         self.wake()
+        await self._claiming_done.wait()  # a claim in flight lands, and its sessions are hosted (then let go)
         if not self.hosted:
             return
         with trio.move_on_after(grace):
@@ -364,6 +407,8 @@ async def serve_sessions(
     poll_interval = check_seconds("poll_interval", poll_interval)
     shutdown_grace = check_seconds("shutdown_grace", shutdown_grace, allow_zero=True)
     cleanup_grace = validate_cleanup_grace(cleanup_grace)
+    if store_options and "clock" in store_options:
+        raise ConfigError("store_options must not set clock: claims and fences use the database server's clock")
     statements = Statements(_check_schema(schema))
     dsn = resolve_dsn(dsn)
     store_dsn = _bounded_transactions(dsn, lease_ttl)
