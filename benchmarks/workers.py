@@ -32,12 +32,12 @@ Measured, in one run and in this order:
      request must then complete on the survivor. Median over 3 trials (``--short``: 1).
   5. worker idle CPU: two workers with nothing to serve, one with the defaults (poll 2 s, lease TTL
      30 s, what the headline ``idle_cpu_percent`` is) and one as in the rows (poll 0.2 s), both ready and
-     settled for 1 s, then their CPU time (/proc/<pid>/stat) over 10 s (``--short``: 2 s), as % of one core.
+     settled for 1 s, then their CPU time (/proc/<pid>/stat) over 10 s (``--short``: 1 s), as % of one core.
   6. the PostgreSQL journal at 100 writers against its raw floor, by benchmarks/journal.py's own
      functions (``postgres_appends``, ``raw_postgres``; see its docstring): 30,000 events, median of 3
      paired rounds (``--short``: 1,500 events, 1 round). Last measured at 19 %; the target is >= 40 %.
 
-Sizes: R = 400 per row (``--short``: R = 40 and only 1 and 2 workers; ``--requests`` overrides R).
+Sizes: R = 400 per row (``--short``: R = 24 and only 1 worker; ``--requests`` overrides R).
 Every process runs on the same machine (2 cores here): the clients, the workers and the server share
 it, so more workers than cores add contention, not capacity. Without PostgreSQL server binaries the
 PostgreSQL rows and sections are reported skipped (the in-process rows still run).
@@ -84,11 +84,11 @@ AGENT = "_workers_agent:spec"
 
 CONCURRENCY = 16  # sessions per worker process, and in flight in the in-process rows
 POLL_INTERVAL = 0.2
-REQUESTS_FULL, REQUESTS_SHORT = 400, 40
-WORKERS_FULL, WORKERS_SHORT = (1, 2, 4), (1, 2)
+REQUESTS_FULL, REQUESTS_SHORT = 400, 24
+WORKERS_FULL, WORKERS_SHORT = (1, 2, 4), (1,)
 TAKEOVER_TRIALS_FULL, TAKEOVER_TRIALS_SHORT = 3, 1
 TAKEOVER_TTL = 1.0
-IDLE_FULL, IDLE_SHORT = 10.0, 2.0
+IDLE_FULL, IDLE_SHORT = 10.0, 1.0
 JOURNAL_WRITERS = 100
 JOURNAL_ROUNDS_FULL, JOURNAL_ROUNDS_SHORT = 3, 1
 JOURNAL_LAST_MEASURED = 0.19
