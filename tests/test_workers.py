@@ -20,7 +20,7 @@ import psycopg
 import pytest
 import trio
 import trio.testing
-from workers_helpers import takeover_agent
+from workers_helpers import gated_agent, takeover_agent
 
 from trio_agent import ConfigError, LeaseLostError, define_agent, define_tool, open_session
 from trio_agent.journal import (
@@ -337,21 +337,8 @@ async def test_a_stopping_worker_hands_a_running_request_off_at_once(postgres_ds
     """Stop with a request still running past the grace: the worker gives the session up without
     recording anything and releases the lease, so another worker takes over at once (long before
     the 30 s lease would expire) and finishes the request exactly once."""
-    gate = trio.Event()
-    entered = trio.Event()
-
-    @define_tool(name="wait", description="w", input_schema=OBJECT, side_effect="pure", kind="readonly")
-    async def wait(input: dict[str, Any], ctx: Any) -> str:
-        entered.set()
-        await gate.wait()
-        return "waited"
-
-    def respond(request: Any) -> Reply:
-        if isinstance(request.messages[-1], ToolResultMessage):
-            return Reply("after the wait")
-        return Reply(tool_calls=[("wait", {})])
-
-    spec = define_agent(provider=TestModel(respond=respond), tools=[wait])
+    gated = gated_agent("after the wait")
+    spec, gate, entered = gated.spec, gated.gate, gated.entered
     rid = await trio.to_thread.run_sync(
         functools.partial(submit, "handed", "go", dsn=postgres_dsn, schema=fresh_pg_schema)
     )
@@ -391,19 +378,8 @@ async def test_a_stopping_worker_hands_a_running_request_off_at_once(postgres_ds
 
 
 async def test_the_registry_shows_running_sessions_and_live_workers(postgres_dsn: str, fresh_pg_schema: str) -> None:
-    gate, entered = trio.Event(), trio.Event()
-
-    @define_tool(name="wait", description="w", input_schema=OBJECT, side_effect="pure", kind="readonly")
-    async def wait(input: dict[str, Any], ctx: Any) -> str:
-        entered.set()
-        await gate.wait()
-        return "ok"
-
-    def respond(request: Any) -> Reply:
-        last = request.messages[-1]
-        return Reply("fine") if isinstance(last, ToolResultMessage) else Reply(tool_calls=[("wait", {})])
-
-    spec = define_agent(provider=TestModel(respond=respond), tools=[wait])
+    gated = gated_agent()
+    spec, gate, entered = gated.spec, gated.gate, gated.entered
     rid = await trio.to_thread.run_sync(
         functools.partial(submit, "busy", "go", dsn=postgres_dsn, schema=fresh_pg_schema)
     )
@@ -769,19 +745,8 @@ async def test_a_worker_keeps_serving_after_its_pooled_connections_were_cut(
     """The server ends the worker's idle control connections while a request runs (a restart, an
     idle timeout): marking it done retries on a fresh connection, and the healthy session is
     neither parked nor served twice."""
-    gate, entered = trio.Event(), trio.Event()
-
-    @define_tool(name="wait", description="w", input_schema=OBJECT, side_effect="pure", kind="readonly")
-    async def wait(input: dict[str, Any], ctx: Any) -> str:
-        entered.set()
-        await gate.wait()
-        return "ok"
-
-    def respond(request: Any) -> Reply:
-        last = request.messages[-1]
-        return Reply("fine") if isinstance(last, ToolResultMessage) else Reply(tool_calls=[("wait", {})])
-
-    spec = define_agent(provider=TestModel(respond=respond), tools=[wait])
+    gated = gated_agent()
+    spec, gate, entered = gated.spec, gated.gate, gated.entered
 
     def cut() -> int:
         with psycopg.connect(postgres_dsn, autocommit=True) as conn:

@@ -50,6 +50,16 @@ async def die_during(store: MemoryStore, spec: Any, session_id: str, run: Any) -
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def accepts(request_id: str) -> Any:
+    """A run that records *request_id* accepted (as ``send`` would) and dies before it starts."""
+
+    async def run(session: Any, nursery: trio.Nursery) -> None:
+        accepted = RequestAccepted(request_id=request_id, command_id=request_id, input={"prompt": "queued"})
+        await session.journal.append(accepted, command_id=request_id)
+
+    return run
+
+
 async def crashed(store: MemoryStore, spec: Any, session_id: str, run: Any) -> None:
     with pytest.raises(LeaseLostError):
         await die_during(store, spec, session_id, run)
@@ -97,12 +107,7 @@ async def test_an_accepted_request_stays_runnable_and_runs_once() -> None:
     store = MemoryStore()
     spec = define_agent(provider=TestModel(default=Reply("answer")))
 
-    async def run(session: Any, nursery: trio.Nursery) -> None:
-        await session.journal.append(
-            RequestAccepted(request_id="req-2", command_id="req-2", input={"prompt": "queued"}), command_id="req-2"
-        )
-
-    await crashed(store, spec, "s2", run)
+    await crashed(store, spec, "s2", accepts("req-2"))
     async with open_session(spec, journal=store, session_id="s2", unfinished="keep") as session:
         assert session.journal.projection().request("req-2").state.value == "accepted"
         assert (await session.serve_request("req-2", "queued")).value == "completed"
@@ -115,12 +120,7 @@ async def test_the_default_reopen_still_interrupts_what_the_crash_left_open() ->
     store = MemoryStore()
     spec = define_agent(provider=TestModel(default=Reply("answer")))
 
-    async def run(session: Any, nursery: trio.Nursery) -> None:
-        await session.journal.append(
-            RequestAccepted(request_id="req-3", command_id="req-3", input={"prompt": "queued"}), command_id="req-3"
-        )
-
-    await crashed(store, spec, "s3", run)
+    await crashed(store, spec, "s3", accepts("req-3"))
     async with open_session(spec, journal=store, session_id="s3") as session:
         assert session.journal.projection().request("req-3").state.value == "interrupted"
         assert (await session.serve_request("req-3", "queued")).value == "interrupted"  # ended: not run

@@ -32,7 +32,10 @@ from typing import IO, Any
 import psycopg
 import pytest
 import trio
+from psycopg import sql
 
+from trio_agent._journal._postgres import _channel as journal_channel
+from trio_agent._workers._sql import inbox_channel
 from trio_agent.journal import RequestCompleted, RequestFailed, RequestInterrupted, open_postgres_store
 from trio_agent.workers import Submitter
 
@@ -151,13 +154,28 @@ def done_count(conn: psycopg.Connection[Any], schema: str) -> int:
     return int(row[0])
 
 
-def wait_until(what: str, condition: Any, *, timeout: float) -> None:
-    """Poll another process's state (a database row) until *condition* holds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+class Watch:
+    """A LISTEN connection on the journal's and the inbox's channels: the workers' appends and the
+    submissions wake a wait for another process's state, which is then read again."""
+
+    def __init__(self, dsn: str, schema: str) -> None:
+        self.conn = psycopg.connect(dsn, autocommit=True)
+        for channel in (journal_channel(schema), inbox_channel(schema)):
+            self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+    def until(self, what: str, condition: Any, *, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"timed out waiting for {what}")
+            # Woken by the next append or submission; an inbox mark sends none, so a quiet
+            # second also ends the wait and the state is read again.
+            for _ in self.conn.notifies(timeout=min(left, 1.0), stop_after=1):
+                pass
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def holds_a_session(conn: psycopg.Connection[Any], schema: str, worker_id: str) -> bool:
@@ -222,30 +240,33 @@ def test_workers_survive_kill_pause_and_terminate(fleet: Fleet, postgres_dsn: st
     workers = [fleet.start() for _ in range(3)]
     # Submitted in waves, so every fault lands while requests run.
     submitted = submit_all(postgres_dsn, schema, 30)
+    watch = Watch(postgres_dsn, schema)
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:
-        wait_until("the first requests", lambda: done_count(conn, schema) >= 4, timeout=60)
+        watch.until("the first requests", lambda: done_count(conn, schema) >= 4, timeout=60)
         # kill -9 one worker mid-run and start another in its place.
         workers[0].kill()
         fleet.start()
         submitted += submit_all(postgres_dsn, schema, 30, first=30)
         # Pause one past its lease (while it holds sessions), then let it run again.
         paused = workers[1]
-        wait_until("the paused worker to hold a session", lambda: holds_a_session(conn, schema, "w1"), timeout=60)
+        watch.until("the paused worker to hold a session", lambda: holds_a_session(conn, schema, "w1"), timeout=60)
         paused.process.send_signal(signal.SIGSTOP)
-        wait_until(
+        watch.until(
             "another worker to take the paused worker's sessions",
             lambda: not holds_a_session(conn, schema, "w1"),
             timeout=30,
         )
-        time.sleep(LEASE_TTL)  # the scenario: it stays stopped a while after losing its leases
+        done = done_count(conn, schema)  # it stays stopped while the others serve on
+        watch.until("more requests", lambda: done_count(conn, schema) >= done + 3, timeout=60)
         paused.process.send_signal(signal.SIGCONT)
         # SIGTERM one mid-run: it finishes or hands off within its grace and exits cleanly.
         submitted += submit_all(postgres_dsn, schema, 30, first=60)
-        wait_until("w2 to hold a session", lambda: holds_a_session(conn, schema, "w2"), timeout=60)
+        watch.until("w2 to hold a session", lambda: holds_a_session(conn, schema, "w2"), timeout=60)
         report = workers[2].terminate()
         assert report["worker_id"] == "w2"
         fleet.start()
-        wait_until("every request", lambda: done_count(conn, schema) == len(submitted), timeout=120)
+        watch.until("every request", lambda: done_count(conn, schema) == len(submitted), timeout=120)
+    watch.close()
     reports = {worker.worker_id: worker.terminate() for worker in fleet.workers if worker.process.poll() is None}
     assert reports["w1"]["lost_sessions"] >= 1  # it woke to find its sessions taken: refused, it let them go
     ends = check_invariants(postgres_dsn, schema, submitted)
@@ -262,11 +283,17 @@ def test_workers_under_random_faults_serve_five_hundred_sessions(
     for _ in range(4):
         fleet.start()
     submitted = submit_all(postgres_dsn, schema, 500)
+    total = len(submitted)
+    watch = Watch(postgres_dsn, schema)
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:
-        deadline = time.monotonic() + 600
-        while done_count(conn, schema) < len(submitted):
-            assert time.monotonic() < deadline, "the fleet did not finish in time"
-            time.sleep(rng.uniform(0.5, 1.5))  # the scenario's fault rate, not synchronisation
+
+        def progress(more: int, what: str) -> None:
+            """Faults are paced by the work done, not by the clock: wait for *more* requests."""
+            target = min(done_count(conn, schema) + more, total)
+            watch.until(what, lambda: done_count(conn, schema) >= target, timeout=120)
+
+        while done_count(conn, schema) < total:
+            progress(rng.randint(5, 25), "the next requests")
             live = [w for w in fleet.workers if w.process.poll() is None]
             fault = rng.choice(["kill", "pause", "terminate", "none"])
             victim = rng.choice(live)
@@ -275,11 +302,12 @@ def test_workers_under_random_faults_serve_five_hundred_sessions(
                 fleet.start()
             elif fault == "pause":
                 victim.process.send_signal(signal.SIGSTOP)
-                time.sleep(rng.uniform(0.5, 2.5) * LEASE_TTL)
+                progress(rng.randint(2, 10), "requests served while one worker is stopped")
                 victim.process.send_signal(signal.SIGCONT)
             elif fault == "terminate":
                 victim.terminate()
                 fleet.start()
+    watch.close()
     for worker in fleet.workers:
         if worker.process.poll() is None:
             worker.terminate()

@@ -49,3 +49,30 @@ def takeover_agent() -> Takeover:
 
     scenario.spec = define_agent(provider=model, tools=[look, pay])
     return scenario
+
+
+@attrs.define
+class Gated:
+    """An agent whose request holds in a ``wait`` call until ``gate`` is set (``entered`` says it
+    is there), then answers ``answer``."""
+
+    spec: Any
+    gate: trio.Event = attrs.Factory(trio.Event)
+    entered: trio.Event = attrs.Factory(trio.Event)
+
+
+def gated_agent(answer: str = "fine") -> Gated:
+    gated = Gated(spec=None)
+
+    @define_tool(name="wait", description="w", input_schema=OBJECT, side_effect="pure", kind="readonly")
+    async def wait(input: dict[str, Any], ctx: Any) -> str:
+        gated.entered.set()
+        await gated.gate.wait()
+        return "waited"
+
+    def respond(request: Any) -> Reply:
+        last = request.messages[-1]
+        return Reply(answer) if isinstance(last, ToolResultMessage) else Reply(tool_calls=[("wait", {})])
+
+    gated.spec = define_agent(provider=TestModel(respond=respond), tools=[wait])
+    return gated

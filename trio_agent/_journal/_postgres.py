@@ -289,10 +289,11 @@ class _Writes:
         return [p for p in payloads if len(p.encode()) <= _NOTIFY_PAYLOAD_MAX]
 
 
-def _channel(schema: str) -> str:
-    name = f"{schema}_journal"
+def _channel(schema: str, purpose: str = "journal") -> str:
+    """The NOTIFY channel for *purpose* in *schema* (hashed when the name would pass 63 bytes)."""
+    name = f"{schema}_{purpose}"
     if len(name.encode()) > 63:
-        name = "trio_agent_journal_" + hashlib.sha256(schema.encode()).hexdigest()[:24]
+        name = f"trio_agent_{purpose}_" + hashlib.sha256(schema.encode()).hexdigest()[:24]
     return name
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
@@ -13,10 +15,11 @@ __all__ = ["connect", "connection_info"]
 _Conn = psycopg.Connection[TupleRow]
 
 
-def connection_info(dsn: str, *, name: str, statement_timeout: float | None = None) -> str:
+def connection_info(dsn: str, *, name: str, settings: Mapping[str, int] | None = None) -> str:
     """*dsn* with what every worker connection sets: its name, TCP keepalives and a user
-    timeout (a vanished server ends the connection), and a statement timeout; the DSN's own
-    settings (``options`` included) are kept. `ConfigError` for a DSN that is not one."""
+    timeout (a vanished server ends the connection), and server *settings* (``-c name=value``,
+    e.g. timeouts in ms); the DSN's own settings (``options`` included) are kept. `ConfigError`
+    for a DSN that is not one."""
     try:
         params = conninfo_to_dict(dsn)
     except psycopg.Error:
@@ -31,9 +34,9 @@ def connection_info(dsn: str, *, name: str, statement_timeout: float | None = No
     extra = {key: value for key, value in extra.items() if key not in params}
     extra.setdefault("connect_timeout", params.get("connect_timeout", 10))
     extra.setdefault("application_name", params.get("application_name", name))
-    if statement_timeout is not None:
-        options = str(params.get("options") or "")
-        extra["options"] = f"{options} -c statement_timeout={round(statement_timeout * 1000)}".strip()
+    if settings:
+        options = " ".join([str(params.get("options") or ""), *(f"-c {k}={v}" for k, v in settings.items())])
+        extra["options"] = options.strip()
     return make_conninfo(dsn, **extra)
 
 

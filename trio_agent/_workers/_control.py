@@ -19,7 +19,6 @@ Rules
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import socket
 import threading
@@ -65,7 +64,8 @@ class Control:
         statement_timeout: float = 30.0,
         pool: int = 4,
     ) -> None:
-        self.conninfo = connection_info(dsn, name="trio_agent worker", statement_timeout=statement_timeout)
+        timeout_ms = round(statement_timeout * 1000)
+        self.conninfo = connection_info(dsn, name="trio_agent worker", settings={"statement_timeout": timeout_ms})
         self.statements = statements
         self.q = statements.q
         self.worker_id = worker_id
@@ -73,7 +73,6 @@ class Control:
         self._idle_lock = threading.Lock()
         self._slots = trio.CapacityLimiter(pool)
         self._closed = False
-        self.statements_run = 0  # observability: round trips this worker made
 
     async def _run(self, work: Callable[[_Conn], T]) -> T:
         def attempt(conn: _Conn) -> T:
@@ -107,7 +106,6 @@ class Control:
             except psycopg.Error as exc:
                 raise ControlError(f"a worker statement failed: {str(exc).strip()}") from None
 
-        self.statements_run += 1
         # Abandoned if the caller is cancelled: a server that stopped answering must not hold a
         # stop or a cancellation (the thread gives its connection back, or closes it, when done).
         try:
@@ -248,4 +246,4 @@ class InboxListener:
 
 def jittered(seconds: float, rng_value: float) -> float:
     """*seconds* spread by +-20% (``rng_value`` in [0, 1)), so idle workers do not poll in step."""
-    return max(seconds * (0.8 + 0.4 * rng_value), 0.0) if math.isfinite(seconds) else seconds
+    return seconds * (0.8 + 0.4 * rng_value)

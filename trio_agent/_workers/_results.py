@@ -114,14 +114,17 @@ _Conn = psycopg.Connection[TupleRow]
 def _delta(data: object) -> LiveDelta | None:
     if not isinstance(data, dict):
         return None
-    fields = (data.get("s"), data.get("r"), data.get("a"), data.get("t"))
-    n = data.get("n")
-    if not all(isinstance(value, str) for value in fields) or type(n) is not int or n < 1:
-        return None
-    session_id, request_id, agent_id, text = fields
-    assert isinstance(session_id, str) and isinstance(request_id, str) and isinstance(agent_id, str)
-    assert isinstance(text, str)
-    return LiveDelta(session_id, request_id, agent_id, n, text)
+    session_id, request_id, agent_id, n, text = (data.get(key) for key in ("s", "r", "a", "n", "t"))
+    if (
+        isinstance(session_id, str)
+        and isinstance(request_id, str)
+        and isinstance(agent_id, str)
+        and isinstance(text, str)
+        and type(n) is int
+        and n >= 1
+    ):
+        return LiveDelta(session_id, request_id, agent_id, n, text)
+    return None
 
 
 class LiveSubscription:

@@ -40,9 +40,7 @@ from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any
 
 import attrs
-import psycopg
 import trio
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
 from .._config import validate_id
@@ -58,6 +56,7 @@ from .._session._open import open_session
 from .._session._session import Session
 from .._session._spec import AgentSpec
 from .._session._stream import discard
+from ._conn import connection_info
 from ._control import Control, ControlError, InboxListener, Row, jittered
 from ._live import LivePublisher
 from ._queue import _check_schema, resolve_dsn
@@ -366,13 +365,10 @@ def _bounded_transactions(dsn: str, lease_ttl: float) -> str:
     """*dsn* whose sessions the server ends when idle inside a transaction for a lease TTL: a
     worker stopped (SIGSTOP, a frozen VM) half-way through a write must not hold its row locks,
     and with them its sessions, until it wakes. Its write then fails; the lease is lost anyway."""
-    try:
-        params = conninfo_to_dict(dsn)
-    except psycopg.Error:
-        raise ConfigError("the PostgreSQL DSN is not a valid connection string or URI") from None
     timeout_ms = max(round(lease_ttl * 1000), 1000)
-    options = f"{params.get('options') or ''} -c idle_in_transaction_session_timeout={timeout_ms}".strip()
-    return make_conninfo(dsn, options=options)
+    return connection_info(
+        dsn, name="trio_agent worker journal", settings={"idle_in_transaction_session_timeout": timeout_ms}
+    )
 
 
 async def serve_sessions(

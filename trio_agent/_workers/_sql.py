@@ -20,10 +20,11 @@ Rules
 
 from __future__ import annotations
 
-import hashlib
 from typing import LiteralString
 
 from psycopg import sql
+
+from .._journal._postgres import _channel
 
 __all__ = ["SCHEMA", "Statements", "inbox_channel", "live_channel"]
 
@@ -137,21 +138,14 @@ _STATEMENTS: dict[str, LiteralString] = {
 }
 
 
-def _hashed_channel(schema: str, suffix: str) -> str:
-    name = f"{schema}_{suffix}"
-    if len(name.encode()) > 63:
-        name = f"trio_agent_{suffix}_" + hashlib.sha256(schema.encode()).hexdigest()[:24]
-    return name
-
-
 def inbox_channel(schema: str) -> str:
     """The NOTIFY channel that wakes workers when a submission lands."""
-    return _hashed_channel(schema, "inbox")
+    return _channel(schema, "inbox")
 
 
 def live_channel(schema: str) -> str:
     """The NOTIFY channel that carries live (non-durable) deltas to other processes."""
-    return _hashed_channel(schema, "live")
+    return _channel(schema, "live")
 
 
 class Statements:
