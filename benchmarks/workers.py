@@ -32,7 +32,8 @@ Measured, in one run and in this order:
      request must then complete on the survivor. Median over 3 trials (``--short``: 1).
   5. worker idle CPU: two workers with nothing to serve, one with the defaults (poll 2 s, lease TTL
      30 s, what the headline ``idle_cpu_percent`` is) and one as in the rows (poll 0.2 s), both ready and
-     settled for 1 s, then their CPU time (/proc/<pid>/stat) over 10 s (``--short``: 1 s), as % of one core.
+     settled for 1 s (``--short``: 0.3 s), then their CPU time (/proc/<pid>/stat) over 10 s
+     (``--short``: 1 s), as % of one core.
   6. the PostgreSQL journal at 100 writers against its raw floor, by benchmarks/journal.py's own
      functions (``postgres_appends``, ``raw_postgres``; see its docstring): 30,000 events, median of 3
      paired rounds (``--short``: 1,500 events, 1 round). Last measured at 19 %; the target is >= 40 %.
@@ -540,11 +541,11 @@ class Idle:
     resolution_percent: float  # one clock tick over the window
 
 
-def idle_cpu(fleet: Fleet, seconds: float, poll_interval: float | None, schema: str) -> Idle:
+def idle_cpu(fleet: Fleet, seconds: float, poll_interval: float | None, schema: str, settle: float = 1.0) -> Idle:
     """The CPU an idle worker (and the server, meanwhile) uses, as % of one core."""
     worker = fleet.start(schema, poll_interval=poll_interval)
     worker.wait_ready()
-    time.sleep(1.0)  # start-up work (the first heartbeat, the first claims) settles
+    time.sleep(settle)  # start-up work (the first heartbeat, the first claims) settles
     before, server = cpu_seconds(worker.pid), server_cpu_seconds(fleet.postmaster)
     start = time.perf_counter()
     time.sleep(seconds)
@@ -611,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     worker_counts = WORKERS_SHORT if args.short else WORKERS_FULL
     trials = TAKEOVER_TRIALS_SHORT if args.short else TAKEOVER_TRIALS_FULL
     idle_seconds = IDLE_SHORT if args.short else IDLE_FULL
+    settle = 0.3 if args.short else 1.0
     load_before = os.getloadavg()[0]
     began = time.perf_counter()
 
@@ -640,9 +642,9 @@ def main(argv: list[str] | None = None) -> int:
                             note(f"takeover, trial {trial + 1}/{trials}")
                             takeovers.append(trio.run(takeover_trial, fleet, trial))
                         note(f"worker idle CPU over {idle_seconds:.0f} s, defaults")
-                        idle_default = idle_cpu(fleet, idle_seconds, None, "bench_idle_default")
+                        idle_default = idle_cpu(fleet, idle_seconds, None, "bench_idle_default", settle)
                         note(f"worker idle CPU over {idle_seconds:.0f} s, --poll-interval {POLL_INTERVAL}")
-                        idle_polling = idle_cpu(fleet, idle_seconds, POLL_INTERVAL, "bench_idle_polling")
+                        idle_polling = idle_cpu(fleet, idle_seconds, POLL_INTERVAL, "bench_idle_polling", settle)
                         idle = {"default": idle_default, "polling": idle_polling}  # both or neither
                     except Exception as exc:  # a broken worker must not hide the other figures
                         first = str(exc).splitlines()[0] if str(exc) else ""
