@@ -30,8 +30,11 @@ Section 2, one request side by side (issue 17), N sequential requests per runtim
 request unless it says "reused":
   - floor: the hand-written loop above on a fresh conversation per request (the reference of every ratio);
   - floor + layers: the layered floor above, fresh per request;
-  - chat(): ``async with ta.chat(model, prompt, tools=[add], model_middleware=[3 PassStream],
-    tool_middleware=[3 pass-through]) as run: await run.result()``, no journal;
+  - chat(): ``await ta.chat(model, prompt, tools=[add], model_middleware=[3 PassStream],
+    tool_middleware=[3 pass-through])``, no journal: the run in the caller's task, the result only (the
+    plain entry, as the peers' ``Runner.run`` / ``Agent.run``);
+  - chat, streamed: ``async with ta.chat(...) as run: await run.result()``, the same run in a task of its
+    own beside the block, its events on a channel (what streaming the events costs at the least);
   - session reused / fresh, memory: ``open_session(spec)`` of one ``define_agent(...)`` spec (the agent above),
     in-memory journal; "reused" is ``session.send`` on one open session, "fresh" times ``open_session`` + one
     ``send`` + leaving the block (closing) for every request, as a server opening a session per
@@ -88,7 +91,7 @@ instead of 100 and 1,000, fewer requests; with ``--instructions``, N = 5 and 25 
 ``--no-peers`` skips the peers. ``--progress`` (the default when stderr is a terminal) writes a line per
 round or section to stderr; see ``_progress.py``. JSON keys: section 1's as they were (``direct_*`` are the
 floor's), section 2's ``request_<runtime>_*`` and section 3's ``instructions_<runtime>_*``, where <runtime> is
-floor, floor_layered, chat, session_reused_memory, session_fresh_memory, session_reused_sqlite,
+floor, floor_layered, chat, chat_stream, session_reused_memory, session_fresh_memory, session_reused_sqlite,
 session_fresh_sqlite, pydantic_ai, openai_agents or langchain (``direct_request_*`` and
 ``direct_instructions_per_request`` repeat the floor's); a runtime not measured has only its ``*_status``.
 """
@@ -493,6 +496,15 @@ async def run_floor_layered(model: TestModel, directory: str) -> AsyncIterator[R
 @asynccontextmanager
 async def run_chat(model: TestModel, directory: str) -> AsyncIterator[Request]:
     async def one() -> None:
+        result = await ta.chat(model, PROMPT, tools=[add], model_middleware=MODEL_LAYERS, tool_middleware=TOOL_LAYERS)
+        assert result.text == "done", result.text
+
+    yield one
+
+
+@asynccontextmanager
+async def run_chat_stream(model: TestModel, directory: str) -> AsyncIterator[Request]:
+    async def one() -> None:
         async with ta.chat(
             model, PROMPT, tools=[add], model_middleware=MODEL_LAYERS, tool_middleware=TOOL_LAYERS
         ) as run:
@@ -543,6 +555,7 @@ TRIO_RUNTIMES: dict[str, RequestOpener] = {
     "floor": run_floor,
     "floor_layered": run_floor_layered,
     "chat": run_chat,
+    "chat_stream": run_chat_stream,
     "session_reused_memory": run_session_reused_memory,
     "session_fresh_memory": run_session_fresh_memory,
     "session_reused_sqlite": run_session_reused_sqlite,
@@ -552,6 +565,7 @@ RUNTIME_LABELS = {
     "floor": "floor: hand-written loop",
     "floor_layered": "floor + 3 layers + list",
     "chat": "chat(), no journal",
+    "chat_stream": "async with chat() as run",
     "session_reused_memory": "session reused, memory",
     "session_fresh_memory": "session fresh, memory",
     "session_reused_sqlite": "session reused, SQLite",
@@ -600,6 +614,9 @@ async def verify_runtimes() -> None:
         result = await run.result()
     assert entered == {"model": 2 * LAYERS, "tool": LAYERS} and result.text == "done", (entered, result)
     assert isinstance(result.messages[2], ta.ToolResultMessage) and result.messages[2].content == "3", result
+    tool_layers = [counting_tool] * LAYERS
+    result = await ta.chat(model, PROMPT, tools=[add], model_middleware=layers, tool_middleware=tool_layers)
+    assert entered == {"model": 4 * LAYERS, "tool": 2 * LAYERS} and result.text == "done", (entered, result)
     with tempfile.TemporaryDirectory(prefix="agent_turn_") as directory:
         path = os.path.join(directory, "journal.db")
         async with ta.open_sqlite_store(path) as store, ta.open_session(agent_spec(model), journal=store) as session:

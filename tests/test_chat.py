@@ -26,7 +26,7 @@ from trio_agent._loop._events import (
 )
 from trio_agent._loop._rules import StopReason, until_finish_reason
 from trio_agent.journal import MemoryStore, RequestCompleted, RequestStarted, open_journal
-from trio_agent.models import ToolResultMessage, UserMessage
+from trio_agent.models import ToolResultMessage, Usage, UserMessage
 from trio_agent.testing import Reply, TestModel
 
 OBJECT: dict[str, Any] = {"type": "object"}
@@ -202,4 +202,67 @@ async def test_bad_input_is_refused_before_anything_runs() -> None:
             pass
     with pytest.raises(ConfigError, match="output_schema"):
         async with chat(TestModel(), "hi", output_schema={"type": 7}):
+            pass
+
+
+# -- ``await chat(...)``: the run in the caller's task, the result only -------------------------------------
+
+
+async def test_awaiting_chat_runs_in_the_callers_task_and_returns_what_the_block_form_returns() -> None:
+    tasks: list[object] = []
+
+    @define_tool(name="where", description="where it runs", input_schema=OBJECT, side_effect=SideEffect.PURE)
+    async def where(input: dict[str, Any], ctx: Any) -> str:
+        tasks.append(trio.lowlevel.current_task())
+        return "here"
+
+    def respond(request: Any) -> Reply:
+        if isinstance(request.messages[-1], ToolResultMessage):
+            return Reply(text="done", usage=Usage(input_tokens=5, output_tokens=2, total_tokens=7))
+        return Reply(tool_calls=[("where", {})], usage=Usage(input_tokens=3, output_tokens=1, total_tokens=4))
+
+    awaited = await chat(TestModel(respond=respond), "go", tools=[where])
+    async with chat(TestModel(respond=respond), "go", tools=[where]) as run:
+        streamed = await run.result()
+    assert tasks[0] is trio.lowlevel.current_task()  # no task of its own
+    assert tasks[1] is not trio.lowlevel.current_task()  # the block form runs beside the block
+    assert (awaited.text, awaited.turns, awaited.stop_reason) == (streamed.text, streamed.turns, streamed.stop_reason)
+    assert [type(m) for m in awaited.messages] == [type(m) for m in streamed.messages]  # call ids differ
+    # The usage is what the model calls reported, whether or not anybody read the events.
+    assert awaited.usage == streamed.usage == Usage(input_tokens=8, output_tokens=3, total_tokens=11)
+
+
+async def test_awaiting_chat_raises_the_runs_error_and_refuses_bad_input() -> None:
+    from trio_agent import ConfigError, ModelError
+
+    with pytest.raises(ConfigError):
+        await chat(TestModel(), "")
+    failing = TestModel(default=Reply(error=ModelError("down", code="server_error", retryable=False)))
+    with pytest.raises(ModelError, match="down"):
+        await chat(failing, "hi")
+
+
+async def test_chat_middleware_still_sees_every_event_of_an_awaited_run() -> None:
+    seen.clear()
+    result = await chat(TestModel(default=Reply(text="a b c")), "hi", middleware=[Counting()])
+    async with chat(TestModel(default=Reply(text="a b c")), "hi") as run:
+        streamed = [event async for event in run]
+    assert result.text == "a b c"
+    assert seen and seen[0][1] == len(streamed)  # on_chunk saw the events the stream would have carried
+
+
+async def test_cancelling_the_caller_of_an_awaited_chat_cancels_its_run(autojump_clock: trio.testing.MockClock) -> None:
+    model = TestModel(default=Reply(text="late", latency=60))
+    with trio.move_on_after(5) as scope:
+        await chat(model, "hi")
+    assert scope.cancelled_caught
+    assert trio.current_time() == pytest.approx(5)
+
+
+async def test_a_chat_call_is_entered_once() -> None:
+    call = chat(TestModel(default=Reply(text="hi")), "hi")
+    async with call as run:
+        await run.result()
+    with pytest.raises(RuntimeError, match="entered once"):
+        async with call:
             pass

@@ -1,8 +1,9 @@
 """Chat middleware and the loop's lifecycle hooks: the public names.
 
-``chat()`` (exported from ``trio_agent``) runs the loop without a session and yields a
-`ChatRun` of `RunEvent` s and a `ChatResult`. Write middleware by subclassing
-`ChatMiddleware` (or with `define_chat_middleware`) and hand a list of them to a chat run
+``chat()`` (exported from ``trio_agent``) runs the loop without a session: entered, it yields a
+`ChatRun` of `RunEvent` s and a `ChatResult`; awaited (its `ChatCall`), it returns the
+`ChatResult`. Write middleware by subclassing `ChatMiddleware` (or with
+`define_chat_middleware`) and hand a list of them to a chat run
 or a session (``lifecycle=``); `middleware_lifecycle` is what turns that
 list into the loop's `Lifecycle`. Middleware share typed values through capabilities
 (`create_capability`, ``requires`` / ``provides``; ``docs/capabilities.md``).
@@ -13,7 +14,7 @@ See ``docs/lifecycle.md``::
 
 from __future__ import annotations
 
-from ._chat._chat import ChatResult, ChatRun, StructuredOutputError
+from ._chat._chat import ChatCall, ChatResult, ChatRun, StructuredOutputError
 from ._lifecycle._capabilities import (
     Capability,
     CapabilityError,
@@ -114,6 +115,7 @@ __all__ = [
     "Capability",
     "CapabilityError",
     "CapabilityRegistry",
+    "ChatCall",
     "ChatMiddleware",
     "ChatResult",
     "ChatRun",

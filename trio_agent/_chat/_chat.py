@@ -21,9 +21,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import types
 import uuid
-from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Collection, Generator, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from typing import Any
 
 import attrs
@@ -52,10 +53,10 @@ from .._lifecycle._capabilities import validate_capabilities
 from .._lifecycle._interrupts import PausedRun, pause_to_json, registered_interrupts, split_client_tools
 from .._lifecycle._middleware import ChatMiddleware, apply_structured_output_config, middleware_lifecycle
 from .._loop._context import RunContext
-from .._loop._events import RunError, RunEvent, RunFinished, UsageReported
+from .._loop._events import RunError, RunEvent, RunFinished
 from .._loop._hooks import Finished, Phase
 from .._loop._interrupts import ClientTool, Interrupt, InterruptAnswer, InterruptDefinition, Resume
-from .._loop._ports import RunPorts, RunSpec, TurnRef, no_effects
+from .._loop._ports import RunEventSink, RunPorts, RunSpec, TurnRef, discard_events, no_effects
 from .._loop._rules import LoopStrategy, StopReason, max_iterations
 from .._loop._run import run_agent_loop
 from .._models._assemble import ModelReply
@@ -78,7 +79,7 @@ from .._tools._journal import InMemoryToolJournal
 from .._tools._pipeline import ToolMiddleware, ToolPipeline
 from .._tools._results import ToolResult
 
-__all__ = ["ChatResult", "ChatRun", "StructuredOutputError", "chat"]
+__all__ = ["ChatCall", "ChatResult", "ChatRun", "StructuredOutputError", "chat"]
 
 DEFAULT_MAX_ITERATIONS = 5
 _runs = itertools.count(1)
@@ -282,8 +283,7 @@ def _initial_messages(messages: str | Sequence[Message]) -> list[Message]:
     return history
 
 
-@asynccontextmanager
-async def chat(
+def chat(
     agent_or_model: Provider | ModelService,
     messages: str | Sequence[Message] | None = None,
     *,
@@ -305,12 +305,18 @@ async def chat(
     resume: PausedRun | None = None,
     answers: Sequence[InterruptAnswer] = (),
     signing_key: bytes | None = None,
-) -> AsyncIterator[ChatRun]:
+) -> ChatCall:
     """One run of the agent loop without a session (module docstring).
+
+    ``async with chat(...) as run`` runs it in a task of its own beside the block (stream its
+    events, or ``await run.result()``); ``await chat(...)`` runs it in the caller's task and
+    returns the `ChatResult` (no task, no event stream: the cheaper form when only the result
+    is wanted).
 
     Raises `ConfigError` (bad arguments, an invalid history, an invalid schema),
     `MiddlewareShapeError` (middleware that is not a list of `ChatMiddleware`)
-    before anything runs; the run's own error from ``run.result()``.
+    before anything runs (when the block is entered or the call awaited); the run's own
+    error from ``run.result()`` (from the ``await``).
     ``cleanup_grace`` bounds the wait for an aborted run to end when the block is left early.
 
     Pauses and continuations (``docs/human-in-the-loop.md``): a run that must ask a person
@@ -319,67 +325,230 @@ async def chat(
     ``permission_mode`` decide which calls need approval; ``workspace_roots`` keeps the
     paths a call affects inside them (the path policy, for first and edited arguments).
     """
-    require_trio("chat()")
-    cleanup_grace = validate_cleanup_grace(cleanup_grace)
-    service = _provider_service(agent_or_model, model_middleware)
-    resumed: Resume | None = None
-    if resume is not None:
-        if messages is not None:
-            raise ConfigError("chat() takes messages or resume=, not both (a continuation goes on with its history)")
-        if not isinstance(resume, PausedRun):
-            raise ConfigError(f"resume= takes the PausedRun of a paused run, got {type(resume).__name__}")
-        resume.verify(signing_key)
-        history = list(resume.state.messages)
-        resumed = Resume(resume.state, tuple(answers), resume.run_id)
-    elif messages is None:
-        raise ConfigError("chat() needs a prompt or at least one message")
-    else:
-        if answers:
-            raise ConfigError("answers= go with resume= (the paused run they answer)")
-        history = _initial_messages(messages)
-    tools, client_tools = split_client_tools(tools)
-    registered = registered_interrupts(interrupts, middleware)
-    engine = _permission_engine(permissions, permission_mode, tools, workspace_roots)
-    validate_capabilities(middleware, service.provider)  # the adapter's requires first
-    hooks = middleware_lifecycle(middleware)
-    validator = None
-    if output_schema is not None:
+    # The arguments by name (nothing else is bound yet): checked when the run is entered or awaited.
+    return ChatCall(locals())
+
+
+class ChatCall:
+    """What `chat` returns: ``async with`` it for a `ChatRun`, or ``await`` it for the `ChatResult`."""
+
+    __slots__ = ("_entered", "_options")
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self._options = options
+        self._entered: AbstractAsyncContextManager[ChatRun] | None = None
+
+    def __await__(self) -> Generator[Any, None, ChatResult]:
+        return self._result().__await__()
+
+    async def _result(self) -> ChatResult:
+        require_trio("chat()")
+        prepared = _prepare(self._options)
         try:
-            validator = jsonschema_rs.Draft202012Validator(dict(output_schema), offline=True)
-        except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as exc:
-            raise ConfigError(f"output_schema is not valid JSON Schema: {str(exc).splitlines()[0]}") from None
-    # history_limit=0: the run's events and the journal are its record; nothing reads a pipeline's history.
-    pipeline = ToolPipeline(
-        tools, middleware=tool_middleware, journal=journal or InMemoryToolJournal(), history_limit=0
-    )
-    strategy = strategy or max_iterations(DEFAULT_MAX_ITERATIONS)
-    meta = dict(metadata or {})
-    run_id = str(meta.get("run_id") or f"chat-{uuid.uuid4().hex[:12]}")
-    thread_id = str(meta.get("thread_id") or (resume.thread_id if resume is not None else run_id))
-    agent_id = journal.root_agent_id if journal is not None else "root"
-    run_abort = AbortHandle()
-    links: list[tuple[AbortHandle, int]] = []
-    if abort is not None:
+            # The caller's task runs the loop; nobody can read its events (hooks still see them).
+            await prepared.drive(discard_events)
+        finally:
+            prepared.unlink()
+        if prepared.error is not None:
+            raise prepared.error
+        assert prepared.result is not None
+        return prepared.result
 
-        def forward(outer: Abort) -> None:
-            run_abort.abort(outer.reason, outer.message)
+    async def __aenter__(self) -> ChatRun:
+        if self._entered is not None:
+            raise RuntimeError("a chat() call may be entered once")
+        self._entered = _in_task(self._options)
+        return await self._entered.__aenter__()
 
-        links.append((abort, abort.add_listener(forward)))
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: types.TracebackType | None
+    ) -> bool | None:
+        assert self._entered is not None
+        return await self._entered.__aexit__(exc_type, exc, tb)
+
+
+class _Prepared:
+    """One chat run, checked and wired: `drive` runs it to its end (in whichever task calls it)."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        cleanup_grace = validate_cleanup_grace(options["cleanup_grace"])
+        service = _provider_service(options["agent_or_model"], options["model_middleware"])
+        resume, messages, answers = options["resume"], options["messages"], options["answers"]
+        resumed: Resume | None = None
+        if resume is not None:
+            if messages is not None:
+                raise ConfigError(
+                    "chat() takes messages or resume=, not both (a continuation goes on with its history)"
+                )
+            if not isinstance(resume, PausedRun):
+                raise ConfigError(f"resume= takes the PausedRun of a paused run, got {type(resume).__name__}")
+            resume.verify(options["signing_key"])
+            history = list(resume.state.messages)
+            resumed = Resume(resume.state, tuple(answers), resume.run_id)
+        elif messages is None:
+            raise ConfigError("chat() needs a prompt or at least one message")
+        else:
+            if answers:
+                raise ConfigError("answers= go with resume= (the paused run they answer)")
+            history = _initial_messages(messages)
+        middleware = options["middleware"]
+        tools, client_tools = split_client_tools(options["tools"])
+        registered = registered_interrupts(options["interrupts"], middleware)
+        roots = options["workspace_roots"]
+        engine = _permission_engine(options["permissions"], options["permission_mode"], tools, roots)
+        validate_capabilities(middleware, service.provider)  # the adapter's requires first
+        hooks = middleware_lifecycle(middleware)
+        validator = None
+        output_schema = options["output_schema"]
+        if output_schema is not None:
+            try:
+                validator = jsonschema_rs.Draft202012Validator(dict(output_schema), offline=True)
+            except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as exc:
+                raise ConfigError(f"output_schema is not valid JSON Schema: {str(exc).splitlines()[0]}") from None
+        journal = options["journal"]
+        # history_limit=0: the run's events and the journal are its record; nothing reads a pipeline's history.
+        pipeline = ToolPipeline(
+            tools, middleware=options["tool_middleware"], journal=journal or InMemoryToolJournal(), history_limit=0
+        )
+        strategy = options["strategy"] or max_iterations(DEFAULT_MAX_ITERATIONS)
+        meta = dict(options["metadata"] or {})
+        run_id = str(meta.get("run_id") or f"chat-{uuid.uuid4().hex[:12]}")
+        thread_id = str(meta.get("thread_id") or (resume.thread_id if resume is not None else run_id))
+        agent_id = journal.root_agent_id if journal is not None else "root"
+        self.abort = AbortHandle()
+        self._links: list[tuple[AbortHandle, int]] = []
+        if options["abort"] is not None:
+            run_abort = self.abort
+
+            def forward(outer: Abort) -> None:
+                run_abort.abort(outer.reason, outer.message)
+
+            self._links.append((options["abort"], options["abort"].add_listener(forward)))
+        self.run_id, self.thread_id, self.agent_id = run_id, thread_id, agent_id
+        self.cleanup_grace = cleanup_grace
+        self.service, self.middleware, self.hooks = service, middleware, hooks
+        self.journal, self.history, self.resume, self.resumed = journal, history, resume, resumed
+        self.output_schema, self.validator, self.signing_key = output_schema, validator, options["signing_key"]
+        self.conversation = _ListConversation(history)
+        offered = tuple(ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in tools) + tuple(
+            ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in client_tools.values()
+        )
+        instructions = options["instructions"]
+        self.spec = RunSpec(
+            run_id=run_id,
+            agent_id=agent_id,
+            thread_id=thread_id,
+            instructions=lambda: instructions or "",
+            offered=offered,
+            allowed=frozenset(tool.name for tool in tools) | frozenset(client_tools),
+            strategy=strategy,
+            model_metadata={**meta, "run_id": run_id, "thread_id": thread_id},
+            session_id=journal.session_id if journal is not None else "chat",
+            client_tools=client_tools,
+            interrupts=registered,
+            cleanup_grace=cleanup_grace,
+        )
+        self.gate = (
+            None
+            if engine is None
+            else PermissionGate(engine, pipeline.tools, session_id=self.spec.session_id, abort=self.abort)
+        )
+        self.pipeline = pipeline
+        self.metadata = meta
+        self.result: ChatResult | None = None
+        self.error: Exception | None = None
+
+    def unlink(self) -> None:
+        for handle, token in self._links:
+            handle.remove_listener(token)
+        self._links.clear()
+
+    async def drive(self, events: RunEventSink) -> None:
+        """Run the loop to its end: ``result`` or ``error`` is set (a cancellation propagates)."""
+        journal, run_id, agent_id, conversation = self.journal, self.run_id, self.agent_id, self.conversation
+        ports = RunPorts(
+            model=self.service,
+            tools=self.pipeline,
+            conversation=conversation,
+            inbox=_Inbox(),
+            recorder=JournalRecorder(journal, agent_id) if journal is not None else _NoRecorder(),
+            events=events,
+            effects=no_effects,
+            abort=self.abort,
+            gate=self.gate,
+        )
+        ctx = RunContext(
+            run_id=run_id,
+            thread_id=self.thread_id,
+            agent_id=agent_id,
+            abort=self.abort,
+            events=events,
+            messages=lambda: conversation.history,
+            metadata=self.metadata,
+        )
+        try:
+            if journal is not None:
+                # A rebuilt history reads what the run was given (a continuation: nothing new).
+                resume = self.resume
+                given = {"resume": resume.run_id} if resume is not None else encode_conversation(self.history)
+                await journal.append(
+                    RequestAccepted(request_id=run_id, command_id=run_id, input={"chat": True, **given}),
+                    RequestStarted(request_id=run_id),
+                )
+            validator = self.validator
+            outcome = await run_agent_loop(
+                self.spec, ports, self.hooks, ctx=ctx, finish_event=validator is None, resume=self.resumed
+            )
+            structured = None
+            paused = None
+            if outcome.pause is not None:
+                paused = PausedRun(run_id, self.thread_id, agent_id, outcome.pause)
+                if self.signing_key is not None:
+                    paused = paused.signed(self.signing_key)
+            elif validator is not None and not outcome.aborted:
+                structured = await _structured_output(
+                    self.service, ctx, self.middleware, conversation, self.spec, self.output_schema, validator
+                )
+            if journal is not None:
+                await _record_end(journal, run_id, outcome)
+            self.result = ChatResult(
+                text=outcome.text,
+                messages=tuple(conversation.history),
+                stop_reason=outcome.stop_reason,
+                finish_reason=outcome.state.last_finish_reason,
+                usage=outcome.usage,
+                turns=outcome.turns,
+                structured_output=structured,
+                paused=paused,
+            )
+            if validator is not None and paused is None:
+                await ctx.emit(RunFinished(run_id, agent_id, outcome.stop_reason.value, outcome.text))
+        except Exception as exc:
+            self.error = exc
+            if journal is not None and not journal.fenced and not journal.lost:
+                with bounded_shield(journal.commit_grace, "recording a failed chat run"), suppress(TrioAgentError):
+                    await journal.append(RequestFailed(request_id=run_id, error=ErrorInfo(message=str(exc)[:2000])))
+            if isinstance(exc, StructuredOutputError):
+                await ctx.emit(RunError(run_id, agent_id, str(exc), "structured_output"))
+
+
+def _prepare(options: Mapping[str, Any]) -> _Prepared:
+    return _Prepared(options)
+
+
+@asynccontextmanager
+async def _in_task(options: Mapping[str, Any]) -> AsyncIterator[ChatRun]:
+    """``async with chat(...)``: the run in a task beside the block, its events on a bounded channel."""
+    require_trio("chat()")
+    prepared = _prepare(options)
     send, receive = trio.open_memory_channel[RunEvent](256)
-    run = ChatRun(run_id, receive, run_abort)
-    conversation = _ListConversation(history)
-    offered = tuple(ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in tools) + tuple(
-        ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in client_tools.values()
-    )
-
-    usage = Usage()
+    run = ChatRun(prepared.run_id, receive, prepared.abort)
+    run_abort = prepared.abort
+    cleanup_grace = prepared.cleanup_grace
 
     async def events(event: RunEvent) -> None:
         # Without a task switch while the buffer has room (one per chunk would cost more than the
         # rest of the run); a full buffer makes the run wait for its reader (backpressure).
-        nonlocal usage
-        if isinstance(event, UsageReported):
-            usage = usage + event.usage
         if run.unread:
             return
         try:
@@ -395,84 +564,10 @@ async def chat(
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await trio.lowlevel.checkpoint()
 
-    spec = RunSpec(
-        run_id=run_id,
-        agent_id=agent_id,
-        thread_id=thread_id,
-        instructions=lambda: instructions or "",
-        offered=offered,
-        allowed=frozenset(tool.name for tool in tools) | frozenset(client_tools),
-        strategy=strategy,
-        model_metadata={**meta, "run_id": run_id, "thread_id": thread_id},
-        session_id=journal.session_id if journal is not None else "chat",
-        client_tools=client_tools,
-        interrupts=registered,
-        cleanup_grace=cleanup_grace,
-    )
-    session_id = spec.session_id
-    gate = None if engine is None else PermissionGate(engine, pipeline.tools, session_id=session_id, abort=run_abort)
-    ports = RunPorts(
-        model=service,
-        tools=pipeline,
-        conversation=conversation,
-        inbox=_Inbox(),
-        recorder=JournalRecorder(journal, agent_id) if journal is not None else _NoRecorder(),
-        events=events,
-        effects=no_effects,
-        abort=run_abort,
-        gate=gate,
-    )
-    ctx = RunContext(
-        run_id=run_id,
-        thread_id=thread_id,
-        agent_id=agent_id,
-        abort=run_abort,
-        events=events,
-        messages=lambda: conversation.history,
-        metadata=meta,
-    )
-
     async def drive() -> None:
         try:
-            if journal is not None:
-                # A rebuilt history reads what the run was given (a continuation: nothing new).
-                given = {"resume": resume.run_id} if resume is not None else encode_conversation(history)
-                await journal.append(
-                    RequestAccepted(request_id=run_id, command_id=run_id, input={"chat": True, **given}),
-                    RequestStarted(request_id=run_id),
-                )
-            outcome = await run_agent_loop(spec, ports, hooks, ctx=ctx, finish_event=validator is None, resume=resumed)
-            structured = None
-            paused = None
-            if outcome.pause is not None:
-                paused = PausedRun(run_id, thread_id, agent_id, outcome.pause)
-                if signing_key is not None:
-                    paused = paused.signed(signing_key)
-            elif validator is not None and not outcome.aborted:
-                structured = await _structured_output(
-                    service, ctx, middleware, conversation, spec, output_schema, validator
-                )
-            if journal is not None:
-                await _record_end(journal, run_id, outcome)
-            run._result = ChatResult(
-                text=outcome.text,
-                messages=tuple(conversation.history),
-                stop_reason=outcome.stop_reason,
-                finish_reason=outcome.state.last_finish_reason,
-                usage=usage,
-                turns=outcome.turns,
-                structured_output=structured,
-                paused=paused,
-            )
-            if validator is not None and paused is None:
-                await ctx.emit(RunFinished(run_id, agent_id, outcome.stop_reason.value, outcome.text))
-        except Exception as exc:
-            run._error = exc
-            if journal is not None and not journal.fenced and not journal.lost:
-                with bounded_shield(journal.commit_grace, "recording a failed chat run"), suppress(TrioAgentError):
-                    await journal.append(RequestFailed(request_id=run_id, error=ErrorInfo(message=str(exc)[:2000])))
-            if isinstance(exc, StructuredOutputError):
-                await ctx.emit(RunError(run_id, agent_id, str(exc), "structured_output"))
+            await prepared.drive(events)
+            run._result, run._error = prepared.result, prepared.error
         finally:
             send.close()
             run._done.set()
@@ -497,8 +592,7 @@ async def chat(
     except BaseExceptionGroup as group:
         raise unwrap_for_boundary(group) from None
     finally:
-        for handle, token in links:
-            handle.remove_listener(token)
+        prepared.unlink()
 
 
 async def _record_end(journal: DurableJournal, run_id: str, outcome: Finished) -> None:

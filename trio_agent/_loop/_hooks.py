@@ -81,6 +81,7 @@ class Finished:
     state: LoopState
     abort: Abort | None = None
     pause: PauseState | None = None  # set when the run paused (stop reason ``interrupted``)
+    usage: Usage = attrs.field(factory=Usage)  # the sum of what the run's model calls reported
 
     @property
     def aborted(self) -> bool:

@@ -68,7 +68,11 @@ class Inbox(Protocol):
         the last ``has_pending()`` that returned False and this call."""
 
 
-@attrs.frozen
+# RunSpec, RunPorts and TurnRef are made per run or per model call and never changed: plain slotted
+# classes (`attrs.define`), whose __init__ assigns, not frozen ones that call object.__setattr__ per field.
+
+
+@attrs.define
 class TurnRef:
     """Names one turn of one run (a session's request id is its run id)."""
 
@@ -154,7 +158,7 @@ EffectSink = Callable[[str, str, Sequence[Effect]], Awaitable[None]]
 """``await effects(agent_id, call_id, effects)``: what a settled call asked of its host."""
 
 
-@attrs.frozen
+@attrs.define
 class RunSpec:
     """What differs between the root agent, a subagent and a ``chat()`` call: data, never branches."""
 
@@ -175,7 +179,7 @@ class RunSpec:
     turns_before: int = 0  # turns this run recorded in an earlier process (a request taken over)
 
 
-@attrs.frozen
+@attrs.define
 class RunPorts:
     model: ModelService
     tools: ToolPipeline

@@ -27,6 +27,7 @@ from .._models._messages import (
     TextDelta,
     ToolCallPart,
     ToolResultMessage,
+    Usage,
     UsageChunk,
     UserMessage,
 )
@@ -76,7 +77,7 @@ from ._interrupts import (
     generic_interrupt,
     validate_answers,
 )
-from ._ports import NeedsApproval, RunPorts, RunSpec, TurnRef
+from ._ports import NeedsApproval, RunPorts, RunSpec, TurnRef, discard_events
 from ._rules import LoopState, StopReason, check_call, first_text, model_text, stops_loop, tool_error
 
 __all__ = ["MAX_MODEL_RETRIES", "run_agent_loop"]
@@ -145,6 +146,8 @@ async def run_agent_loop(
     try:
         await hooks.setup(ctx)
         run.events = ctx._events = hooks.wrap_events(ctx, events)
+        # Nobody reads the events (no stream, no hook wraps them): the hot paths do not build them.
+        run.quiet = run.events is discard_events
         outcome = await run.loop()
         if outcome.pause is not None:
             # Paused: the conversation so far, then the batch; no terminal hook (the run goes on later).
@@ -156,7 +159,7 @@ async def run_agent_loop(
             )
             await _run_deferred(ctx, spec.cleanup_grace)
             return outcome
-        if finish_event:
+        if finish_event and not run.quiet:
             await run.events(RunFinished(spec.run_id, spec.agent_id, outcome.stop_reason.value, outcome.text))
     except BaseException as exc:
         try:
@@ -215,6 +218,8 @@ class _Run:
         self.turn_inputs: list[str] = []  # what joined the current turn (kept by a pause before the model)
         self.turn_finish: FinishReason | None = None  # why the current turn's reply finished
         self.approved: dict[str, dict[str, Any]] = {}  # call id -> the arguments a person approved
+        self.quiet = False  # set by `run_agent_loop`: no event is read (see there)
+        self.usages: list[Usage] = []  # what each model call reported
 
     # -- the loop
 
@@ -223,7 +228,8 @@ class _Run:
         config = await hooks.on_config(ctx, self._config())
         entry = await self._resolve(self.resume) if self.resume is not None else None
         await hooks.on_start(ctx)
-        await self.events(RunStarted(spec.run_id, spec.agent_id, spec.thread_id))
+        if not self.quiet:
+            await self.events(RunStarted(spec.run_id, spec.agent_id, spec.thread_id))
         try:
             if entry is not None:
                 outcome = await self._continue(entry, config)
@@ -271,7 +277,8 @@ class _Run:
         spec, ports, ctx = self.spec, self.ports, self.ctx
         turn_id = self._turn_id(turn)
         self.step_open = True
-        await self.events(StepStarted(spec.run_id, spec.agent_id, f"turn-{turn}"))
+        if not self.quiet:
+            await self.events(StepStarted(spec.run_id, spec.agent_id, f"turn-{turn}"))
         if not asked:
             await self._boundary(Phase.BEFORE_MODEL)
         reply = await self._model_step(turn, turn_id, message_id, config, inputs)
@@ -309,7 +316,8 @@ class _Run:
             await hooks.on_tool_phase_complete(ctx, outcomes)
         self.state = self.state.after_turn(len(calls), finish)
         self.step_open = False
-        await self.events(StepFinished(spec.run_id, spec.agent_id, f"turn-{turn}"))
+        if not self.quiet:
+            await self.events(StepFinished(spec.run_id, spec.agent_id, f"turn-{turn}"))
         self._check_abort()
         if calls:
             await ports.recorder.turn_completed(self._turn_ref(turn, 1))
@@ -589,7 +597,10 @@ class _Run:
             raise _Aborted
 
     def _finished(self, reason: StopReason, abort: Abort | None = None, pause: PauseState | None = None) -> Finished:
-        return Finished(reason, self.text, self.turns, self.state, abort, pause)
+        usage = Usage()
+        for reported in self.usages:
+            usage = usage + reported
+        return Finished(reason, self.text, self.turns, self.state, abort, pause, usage)
 
     def _config(self, previous: ModelConfig | None = None) -> ModelConfig:
         spec = self.spec
@@ -682,6 +693,7 @@ class _Run:
         run_id, agent_id = spec.run_id, spec.agent_id
         text_open = reasoning_open = False
         produced = False
+        quiet = self.quiet
         abort, unlink = (ports.abort, _no_unlink) if ports.stop is None else _either(ports.abort, ports.stop)
         ctx.phase = Phase.MODEL_STREAM
         try:
@@ -696,6 +708,8 @@ class _Run:
                     feed(chunk)
                     if isinstance(chunk, TextDelta):
                         produced = True
+                        if quiet:
+                            continue
                         if reasoning_open:
                             reasoning_open = False
                             await events(ReasoningEnd(run_id, agent_id, message_id))
@@ -705,14 +719,16 @@ class _Run:
                         await events(TextMessageContent(run_id, agent_id, message_id, chunk.text))
                     elif isinstance(chunk, ReasoningDelta):
                         produced = True
-                        if chunk.text:
+                        if chunk.text and not quiet:
                             if not reasoning_open:
                                 reasoning_open = True
                                 await events(ReasoningStart(run_id, agent_id, message_id))
                             await events(ReasoningContent(run_id, agent_id, message_id, chunk.text))
                     elif isinstance(chunk, UsageChunk):
+                        self.usages.append(chunk.usage)
                         await self.hooks.on_usage(ctx, chunk.usage)
-                        await events(UsageReported(run_id, agent_id, chunk.usage))
+                        if not quiet:
+                            await events(UsageReported(run_id, agent_id, chunk.usage))
                     else:
                         produced = True
         except ModelAbortedError:
@@ -815,14 +831,18 @@ class _Run:
         spec, ports = self.spec, self.ports
         events = self.events
         run_id, agent_id = spec.run_id, spec.agent_id
-        await events(ToolCallStart(run_id, agent_id, part.id, part.name))
-        await events(ToolCallArgs(run_id, agent_id, part.id, part.arguments))
+        quiet = self.quiet
+        if not quiet:
+            await events(ToolCallStart(run_id, agent_id, part.id, part.name))
+            await events(ToolCallArgs(run_id, agent_id, part.id, part.arguments))
         if isinstance(checked, ToolResult):  # refused before it could run
             slots[index] = checked
-            await events(ToolCallEnd(run_id, agent_id, part.id, part.name, part.arguments))
-            await events(ToolCallResult(run_id, agent_id, part.id, part.name, checked))
+            if not quiet:
+                await events(ToolCallEnd(run_id, agent_id, part.id, part.name, part.arguments))
+                await events(ToolCallResult(run_id, agent_id, part.id, part.name, checked))
             return
-        await events(ToolCallEnd(run_id, agent_id, part.id, part.name, checked))
+        if not quiet:
+            await events(ToolCallEnd(run_id, agent_id, part.id, part.name, checked))
 
         async def on_item(item: Any) -> None:
             await events(ToolCallProgress(run_id, agent_id, part.id, item))
@@ -847,7 +867,8 @@ class _Run:
         slots[index] = result  # no await since the call settled: the answer is never lost
         if record is not None and record.effects:
             await ports.effects(agent_id, part.id, record.effects)  # only now: the call is settled
-        await events(ToolCallResult(run_id, agent_id, part.id, part.name, result))
+        if not quiet:
+            await events(ToolCallResult(run_id, agent_id, part.id, part.name, result))
 
 
 class _RetryableFailure(Exception):

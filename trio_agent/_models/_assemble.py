@@ -123,7 +123,7 @@ class ReplyAssembler:
         self._started: dict[int, ToolCallStart] = {}
         self._ended: dict[int, ToolCallEnd] = {}
         self._finish = FinishReason.STOP
-        self._usage = Usage()
+        self._usage = _NO_USAGE
 
     def feed(self, chunk: StreamChunk) -> None:
         # Ordered by frequency: text and argument deltas are nearly every chunk.
@@ -173,6 +173,10 @@ class ReplyAssembler:
     def finish(self) -> ModelReply:
         if self._reasoning_text is not None:
             self._close_reasoning(None)
+        if not self._started and not self._ended:  # no calls: nothing to name
+            text = "".join(self._text)
+            parts: list[ContentPart] = [*self._reasoning, TextPart(text)] if text else [*self._reasoning]
+            return ModelReply(AssistantMessage(tuple(parts)), self._finish, self._usage, (), _NO_RENAMES)
         indices = sorted(self._started.keys() | self._ended.keys())
         originals: list[str] = []
         for index in indices:
@@ -194,13 +198,21 @@ class ReplyAssembler:
             if call_id != original:
                 renamed[call_id] = original
         text = "".join(self._text)
-        parts: list[ContentPart] = [*self._reasoning]
+        parts = [*self._reasoning]
         if text:
             parts.append(TextPart(text))
         parts.extend(calls)
         return ModelReply(
-            AssistantMessage(tuple(parts)), self._finish, self._usage, tuple(cut_off), MappingProxyType(renamed)
+            AssistantMessage(tuple(parts)),
+            self._finish,
+            self._usage,
+            tuple(cut_off),
+            MappingProxyType(renamed) if renamed else _NO_RENAMES,
         )
+
+
+_NO_RENAMES: Mapping[str, str] = MappingProxyType({})
+_NO_USAGE = Usage()  # immutable: one for every reply that reports none
 
 
 class _Taken:
@@ -284,6 +296,10 @@ def _int(text: str) -> int:
         ) from None
 
 
+# One decoder for every call: ``json.loads`` with hooks builds a new decoder and scanner each time.
+_DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_float, parse_int=_int)
+
+
 def _depth(text: str) -> int:
     depth = deepest = 0
     for match in _TOKENS.finditer(text):
@@ -300,14 +316,15 @@ def parse_tool_arguments(text: str) -> dict[str, Any]:
     """The arguments of a call as a JSON object (``{}`` for empty text), or `ToolArgumentsError` ("invalid_json")."""
     if not text.strip():
         return {}
-    # Checked before parsing: the parser recurses per level, so a deep document must never reach it.
-    if _depth(text) > MAX_ARGUMENT_DEPTH:
+    # Checked before parsing: the parser recurses per level, so a deep document must never reach it
+    # (a text shorter than the limit cannot open more brackets than that).
+    if len(text) > MAX_ARGUMENT_DEPTH and _depth(text) > MAX_ARGUMENT_DEPTH:
         raise ToolArgumentsError(
             "invalid_json",
             f"the arguments nest arrays and objects more than {MAX_ARGUMENT_DEPTH} levels deep",
         )
     try:
-        value = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_int)
+        value = _DECODER.decode(text)
     except _Refused as exc:
         raise ToolArgumentsError("invalid_json", f"the arguments are not valid: {exc}") from None
     except json.JSONDecodeError as exc:

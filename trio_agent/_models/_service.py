@@ -302,11 +302,23 @@ class RetryPolicy:
         return rng.uniform(0, ceiling) if self.jitter else ceiling
 
 
-def _chains_of(layers: ModelLayers) -> dict[Operation, tuple[Any, ...]]:
-    """Each operation's wrappers: the layers' methods for it, first = outermost."""
-    return {
-        op: tuple(getattr(layer, name) for layer in layers if _defines(layer, name)) for op, name in _WRAPPERS.items()
-    }
+_DEFAULT_RETRY = RetryPolicy()
+
+
+class _Chains(dict[Operation, tuple[Any, ...]]):
+    """Each operation's wrappers (the layers' methods for it, first = outermost), found on first use:
+    most services only ever stream."""
+
+    __slots__ = ("_layers",)
+
+    def __init__(self, layers: ModelLayers) -> None:
+        super().__init__()
+        self._layers = tuple(layers)
+
+    def __missing__(self, operation: Operation) -> tuple[Any, ...]:
+        name = _WRAPPERS[operation]
+        chain = self[operation] = tuple(getattr(layer, name) for layer in self._layers if _defines(layer, name))
+        return chain
 
 
 class ModelService:
@@ -335,12 +347,11 @@ class ModelService:
         layers = ModelLayers.check(middleware)
         self.provider = provider
         self.middleware = layers
-        self.retry = retry or RetryPolicy()
+        self.retry = retry or _DEFAULT_RETRY
         self.request_timeout = validate_timeout(request_timeout, name="request_timeout")
         self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
         self._rng = rng or _JITTER
-        self._names: dict[Operation, tuple[str, ...]] = {}
-        self._chains: dict[Operation, tuple[Any, ...]] = layers.derived("model_chains", _chains_of)
+        self._chains: dict[Operation, tuple[Any, ...]] = layers.derived("model_chains", _Chains)
 
     @property
     def model(self) -> str:
@@ -537,13 +548,12 @@ class ModelService:
     def _open_iterators(
         self, request: ModelRequest, terminal: Callable[[ModelRequest], AsyncIterator[Any]]
     ) -> _OpenIterators:
-        names = self._names.get(request.operation)
-        if names is None:  # how a clean-up overrun names each layer: the same for every call
-            names = self._names[request.operation] = (
-                *(self._layer_name(wrapper) for wrapper in self._chains[request.operation]),
-                self._provider_layer(request.operation),
-            )
-        return _OpenIterators(self, request, terminal, names)
+        return _OpenIterators(self, request, terminal)
+
+    def _position_name(self, operation: Operation, position: int) -> str:
+        """How a clean-up overrun names the layer at *position* of *operation*'s chain (the terminal last)."""
+        chain = self._chains[operation]
+        return self._layer_name(chain[position]) if position < len(chain) else self._provider_layer(operation)
 
 
 class _Track:
@@ -574,23 +584,21 @@ class _OpenIterators:
     across an iterator's yield.
     """
 
-    __slots__ = ("_deadline", "_names", "_opened", "_request", "_service", "_terminal", "_token")
+    __slots__ = ("_deadline", "_opened", "_request", "_service", "_terminal", "_token")
 
     def __init__(
         self,
         service: ModelService,
         request: ModelRequest,
         terminal: Callable[[ModelRequest], AsyncIterator[Any]],
-        names: tuple[str, ...],
     ) -> None:
         self._service = service
         self._request = request
         self._terminal = terminal
-        self._names = names
         # Position -> iterator: layer i at i, the terminal last. Closing goes by position, so the
         # order is outermost first even when a wrapper opens its inner stream eagerly.
         self._opened: dict[int, AsyncIterator[Any]] = {}
-        self._deadline = trio.CancelScope()
+        self._deadline: trio.CancelScope | None = None
         self._token: int | None = None
 
     async def __aenter__(self) -> AsyncIterator[Any]:
@@ -600,8 +608,8 @@ class _OpenIterators:
         wrappers = service._chains[request.operation]
         layers = [_Track(position, layer, opened) for position, layer in enumerate(wrappers)]
         chain = compose_middleware(layers, _Track(len(wrappers), self._terminal, opened), check=check, validate=False)
-        deadline = self._deadline
-        deadline.deadline = trio.current_time() + service.request_timeout
+        # The deadline given to the constructor: setting it on a made scope costs a third more.
+        deadline = self._deadline = trio.CancelScope(deadline=trio.current_time() + service.request_timeout)
         deadline.__enter__()
         handle = request.abort
         if handle is not None:  # aborting the request cancels the scope (at once if already aborted)
@@ -619,7 +627,7 @@ class _OpenIterators:
         service, request = self._service, self._request
         error = exc
         try:
-            failure = await _close_all(self._opened, self._names, service.cleanup_grace)
+            failure = await _close_all(self._opened, service, request.operation)
             if failure is not None:
                 if exc is not None:  # the block's own error (or cancellation) wins; the cleanup's is noted
                     exc.add_note(f"also, closing a model stream layer raised {failure!r}")
@@ -634,6 +642,7 @@ class _OpenIterators:
             if self._token is not None and request.abort is not None:
                 request.abort.remove_listener(self._token)
         deadline = self._deadline
+        assert deadline is not None
         if error is None:
             deadline.__exit__(None, None, None)
         elif deadline.__exit__(type(error), error, error.__traceback__):
@@ -661,16 +670,18 @@ def _abort_cancels(request: ModelRequest, scope: trio.CancelScope) -> Iterator[N
         handle.remove_listener(token)
 
 
-async def _close_all(opened: dict[int, AsyncIterator[Any]], names: Sequence[str], grace: float) -> Exception | None:
+async def _close_all(
+    opened: dict[int, AsyncIterator[Any]], service: ModelService, operation: Operation
+) -> Exception | None:
     """Close every opened iterator, outermost first (middleware cleanups, then the provider's
     HTTP response); one failing cleanup does not stop the others. Returns the first failure.
 
-    All of it together is bounded by *grace*: each layer gets what its predecessors left
+    All of it together is bounded by the service's ``cleanup_grace``: each layer gets what its predecessors left
     (its own shield, so an overrun names it). A layer reached with nothing left is still
     closed, under an expired scope: a ``finally`` that does not await still runs.
     """
     failure: Exception | None = None
-    deadline = trio.current_time() + grace
+    deadline = trio.current_time() + service.cleanup_grace
     for position in sorted(opened):
         iterator = opened[position]
         aclose = getattr(iterator, "aclose", None)
@@ -680,7 +691,7 @@ async def _close_all(opened: dict[int, AsyncIterator[Any]], names: Sequence[str]
             continue  # the provider's stream ended on its own (or was never opened): no shield for nothing
         if isinstance(iterator, _RetryingStream):
             iterator.close_by = deadline  # its own shield must not outlast ours
-        with bounded_shield(max(deadline - trio.current_time(), 0.0), names[position]):
+        with bounded_shield(max(deadline - trio.current_time(), 0.0), service._position_name(operation, position)):
             try:
                 await aclose()
             except Exception as exc:
