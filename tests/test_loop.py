@@ -1098,3 +1098,33 @@ def test_the_nesting_check_can_fail() -> None:
         check_well_nested([*base[:5], *base[6:]])  # a call without a result
     with pytest.raises(AssertionError):
         check_well_nested([*base[:6], base[7]])  # a step never finished
+
+
+async def test_a_host_that_says_nothing_listens_gets_no_events_until_something_does() -> None:
+    async def three(input: dict[str, Any]) -> int:
+        return 3
+
+    fakes = Fakes([Reply(tool_calls=[("add", {})]), Reply(text="done")], [make_tool("add", three)])
+    listening = False
+    fakes.ports = attrs.evolve(fakes.ports, listening=lambda: listening)
+
+    class ListenAfterTools(Hooks):
+        async def on_tool_phase_complete(self, ctx: Any, outcomes: Sequence[ToolOutcome]) -> None:
+            nonlocal listening
+            assert fakes.events == []  # nothing was built while nothing listened
+            listening = True  # a subscriber arrives after the tool phase
+
+    outcome = await fakes.run(ListenAfterTools())
+    assert outcome.text == "done"
+    # From then on every event is built: the turn's end, the second turn, the run's end.
+    assert fakes.kinds() == [
+        "StepFinished",
+        "StepStarted",
+        "TextMessageStart",
+        "TextMessageContent",
+        "UsageReported",
+        "TextMessageEnd",
+        "StepFinished",
+        "RunFinished",
+    ]
+    assert outcome.usage.total_tokens > 0  # both calls' usage, reported or not

@@ -193,6 +193,9 @@ class RunPorts:
     # stopped that way (a session's root request), which saves linking a handle per model call.
     stop: AbortHandle | None = None
     gate: ToolGate | None = None  # screens each batch before any call runs (None: calls ask in the pipeline)
+    # Whether anything reads `events` now (None: always, unless it is `discard_events`): the loop
+    # builds no event while nothing does (a session with no subscriber, say).
+    listening: Callable[[], bool] | None = None
 
 
 async def discard_events(event: RunEvent) -> None:

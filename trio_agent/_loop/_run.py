@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import attrs
@@ -146,8 +146,12 @@ async def run_agent_loop(
     try:
         await hooks.setup(ctx)
         run.events = ctx._events = hooks.wrap_events(ctx, events)
-        # Nobody reads the events (no stream, no hook wraps them): the hot paths do not build them.
-        run.quiet = run.events is discard_events
+        # The hot paths build no event nobody reads: none when the sink discards them, and, with a
+        # host that says when anything listens, none while nothing does. A hook that wraps the sink
+        # reads them all.
+        if run.events is events:
+            run._discards = events is discard_events
+            run._listening = ports.listening
         outcome = await run.loop()
         if outcome.pause is not None:
             # Paused: the conversation so far, then the batch; no terminal hook (the run goes on later).
@@ -218,8 +222,15 @@ class _Run:
         self.turn_inputs: list[str] = []  # what joined the current turn (kept by a pause before the model)
         self.turn_finish: FinishReason | None = None  # why the current turn's reply finished
         self.approved: dict[str, dict[str, Any]] = {}  # call id -> the arguments a person approved
-        self.quiet = False  # set by `run_agent_loop`: no event is read (see there)
+        self._discards = False  # set by `run_agent_loop` (see there), as is:
+        self._listening: Callable[[], bool] | None = None
         self.usages: list[Usage] = []  # what each model call reported
+
+    @property
+    def quiet(self) -> bool:
+        """Whether no event built now would be read (`run_agent_loop` says when)."""
+        listening = self._listening
+        return self._discards or (listening is not None and not listening())
 
     # -- the loop
 

@@ -16,6 +16,7 @@ provider's HTTP response, before the block's exit returns.
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import math
 import random
@@ -388,22 +389,6 @@ class ModelService:
             dict(metadata or {}),
         )
 
-    # -- invariants ---------------------------------------------------------------------
-
-    @staticmethod
-    def _checker(initial: ModelRequest) -> Callable[[ModelRequest], None]:
-        def check(request: ModelRequest) -> None:
-            if not isinstance(request, ModelRequest):
-                raise ModelMiddlewareError(f"next() takes a ModelRequest, got {type(request).__name__}")
-            if request.operation is not initial.operation:
-                raise ModelMiddlewareError("Model middleware cannot change the model operation")
-            if request.model != initial.model:
-                raise ModelMiddlewareError("Model middleware cannot change the active model")
-            if request.abort is not initial.abort:
-                raise ModelMiddlewareError("Model middleware cannot replace the abort handle")
-
-        return check
-
     # -- non-streaming ------------------------------------------------------------------
 
     async def chat(
@@ -435,7 +420,7 @@ class ModelService:
         """Run a ``chat`` or ``side_query`` request through the middleware, retries and deadline."""
         if request.operation not in (Operation.CHAT, Operation.SIDE_QUERY):
             raise ModelMiddlewareError(f"call() runs chat or side_query requests, not {request.operation.value}")
-        check = self._checker(request)
+        check = functools.partial(_check_kept, request)
         check(request)
 
         async def terminal(current: ModelRequest) -> ModelResponse:
@@ -556,6 +541,18 @@ class ModelService:
         return self._layer_name(chain[position]) if position < len(chain) else self._provider_layer(operation)
 
 
+def _check_kept(initial: ModelRequest, request: ModelRequest) -> None:
+    """What every layer's ``next(request)`` must keep of the call's first request."""
+    if not isinstance(request, ModelRequest):
+        raise ModelMiddlewareError(f"next() takes a ModelRequest, got {type(request).__name__}")
+    if request.operation is not initial.operation:
+        raise ModelMiddlewareError("Model middleware cannot change the model operation")
+    if request.model != initial.model:
+        raise ModelMiddlewareError("Model middleware cannot change the active model")
+    if request.abort is not initial.abort:
+        raise ModelMiddlewareError("Model middleware cannot replace the abort handle")
+
+
 class _Track:
     """A layer (or the terminal) whose iterator is kept by position, to be closed in order."""
 
@@ -584,7 +581,7 @@ class _OpenIterators:
     across an iterator's yield.
     """
 
-    __slots__ = ("_deadline", "_opened", "_request", "_service", "_terminal", "_token")
+    __slots__ = ("_deadline", "_opened", "_outer", "_request", "_service", "_terminal", "_token")
 
     def __init__(
         self,
@@ -600,10 +597,14 @@ class _OpenIterators:
         self._opened: dict[int, AsyncIterator[Any]] = {}
         self._deadline: trio.CancelScope | None = None
         self._token: int | None = None
+        self._outer: AsyncIterator[Any] | None = None
+
+    def _check(self, request: ModelRequest) -> None:
+        _check_kept(self._request, request)
 
     async def __aenter__(self) -> AsyncIterator[Any]:
         service, request, opened = self._service, self._request, self._opened
-        check = service._checker(request)
+        check = self._check
         check(request)
         wrappers = service._chains[request.operation]
         layers = [_Track(position, layer, opened) for position, layer in enumerate(wrappers)]
@@ -615,11 +616,29 @@ class _OpenIterators:
         if handle is not None:  # aborting the request cancels the scope (at once if already aborted)
             self._token = handle.add_listener(lambda abort: deadline.cancel(reason=abort.message))
         try:
-            outer = chain(request)
+            self._outer = chain(request)
         except BaseException as exc:
             await self.__aexit__(type(exc), exc, exc.__traceback__)  # raises what replaces exc, if anything
             raise
-        return _Guarded(outer)
+        return self
+
+    # The block's iterator is this object itself (one object less per call): it types what escapes
+    # the chain, so a middleware bug becomes a ModelMiddlewareError with its cause.
+
+    def __aiter__(self) -> _OpenIterators:
+        return self
+
+    async def __anext__(self) -> Any:
+        # An abort or deadline reaches the consumer even if the provider never checkpoints (~0.2 us).
+        await trio.lowlevel.checkpoint_if_cancelled()
+        outer = self._outer
+        assert outer is not None, "iterated outside its block"
+        try:
+            return await outer.__anext__()
+        except (ModelError, StopAsyncIteration):
+            raise
+        except Exception as exc:
+            raise ModelMiddlewareError(f"model middleware raised {exc!r}") from exc
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: types.TracebackType | None
@@ -676,12 +695,13 @@ async def _close_all(
     """Close every opened iterator, outermost first (middleware cleanups, then the provider's
     HTTP response); one failing cleanup does not stop the others. Returns the first failure.
 
-    All of it together is bounded by the service's ``cleanup_grace``: each layer gets what its predecessors left
-    (its own shield, so an overrun names it). A layer reached with nothing left is still
-    closed, under an expired scope: a ``finally`` that does not await still runs.
+    All of it together is bounded by the service's ``cleanup_grace`` (from the first layer that
+    needs closing): each layer gets what its predecessors left (its own shield, so an overrun names
+    it). A layer reached with nothing left is still closed, under an expired scope: a ``finally``
+    that does not await still runs.
     """
     failure: Exception | None = None
-    deadline = trio.current_time() + service.cleanup_grace
+    deadline: float | None = None
     for position in sorted(opened):
         iterator = opened[position]
         aclose = getattr(iterator, "aclose", None)
@@ -689,6 +709,8 @@ async def _close_all(
             continue  # nothing to close (a generator that ran to its end has run its finally already)
         if isinstance(iterator, _RetryingStream) and iterator.closed:
             continue  # the provider's stream ended on its own (or was never opened): no shield for nothing
+        if deadline is None:
+            deadline = trio.current_time() + service.cleanup_grace
         if isinstance(iterator, _RetryingStream):
             iterator.close_by = deadline  # its own shield must not outlast ours
         with bounded_shield(max(deadline - trio.current_time(), 0.0), service._position_name(operation, position)):
@@ -707,28 +729,6 @@ async def _provider_call(awaitable: Awaitable[T]) -> T:
         raise
     except Exception as exc:
         raise ModelError(f"the provider raised {exc!r}", code="provider_failed") from exc
-
-
-class _Guarded:
-    """Types what escapes the chain: a middleware bug becomes a ModelMiddlewareError with its cause."""
-
-    __slots__ = ("_inner",)
-
-    def __init__(self, inner: AsyncIterator[Any]) -> None:
-        self._inner = inner
-
-    def __aiter__(self) -> _Guarded:
-        return self
-
-    async def __anext__(self) -> Any:
-        # An abort or deadline reaches the consumer even if the provider never checkpoints (~0.2 us).
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            return await self._inner.__anext__()
-        except (ModelError, StopAsyncIteration):
-            raise
-        except Exception as exc:
-            raise ModelMiddlewareError(f"model middleware raised {exc!r}") from exc
 
 
 class _RetryingStream:
