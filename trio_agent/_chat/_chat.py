@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import types
-import uuid
 from collections.abc import AsyncIterator, Collection, Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from typing import Any
@@ -412,7 +411,7 @@ class _Prepared:
         )
         strategy = options["strategy"] or max_iterations(DEFAULT_MAX_ITERATIONS)
         meta = dict(options["metadata"] or {})
-        run_id = str(meta.get("run_id") or f"chat-{uuid.uuid4().hex[:12]}")
+        run_id = str(meta.get("run_id") or f"chat-{os.urandom(6).hex()}")  # 48 random bits, as uuid4().hex[:12]
         thread_id = str(meta.get("thread_id") or (resume.thread_id if resume is not None else run_id))
         agent_id = journal.root_agent_id if journal is not None else "root"
         self.abort = AbortHandle()

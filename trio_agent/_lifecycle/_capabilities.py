@@ -251,11 +251,10 @@ def validate_capabilities(middleware: Sequence[ChatMiddleware], adapter: object 
     declared = [declared_capabilities(item) for item in middleware]
     provided = list(dict.fromkeys(handle for item in declared for handle in item.provides))
     known = set(provided)
-    if adapter is not None:
+    requires = getattr(adapter, "requires", None) if adapter is not None else None
+    if requires is not None:  # named only when it declares something (most adapters do not)
         name = _adapter_name(adapter)
-        for handle in capability_handles(
-            getattr(adapter, "requires", None), "requires", f"adapter {name!r}", CapabilityError
-        ):
+        for handle in capability_handles(requires, "requires", f"adapter {name!r}", CapabilityError):
             if handle not in known:
                 raise _missing("Adapter", name, handle, provided)
     for item in declared:

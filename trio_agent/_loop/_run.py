@@ -782,23 +782,25 @@ class _Run:
             stages = gate.stages() if stages is None else gate.stages().then(stages)
         # A stop reaches `cancel` tools as steering does (its `block` tools finish).
         stop = self.ports.stop
+        token = -1
+        if stop is not None:
 
-        def steer(abort: Abort) -> None:
-            steering.abort(abort.reason, abort.message)
+            def steer(abort: Abort) -> None:
+                steering.abort(abort.reason, abort.message)
 
-        token = stop.add_listener(steer) if stop is not None else -1
+            token = stop.add_listener(steer)
 
-        async def run_one(index: int, part: ToolCallPart) -> None:
-            checked = rejected[part.id] if part.id in rejected else arguments[part.id]
-            await self._run_call(turn_id, part, checked, slots, index, steering, stages)
+        def checked(part: ToolCallPart) -> ToolResult | dict[str, Any]:
+            return rejected[part.id] if part.id in rejected else arguments[part.id]
 
         try:
-            if len(calls) == 1:
-                await run_one(0, calls[0])  # nothing to run beside it: no task of its own
+            if len(calls) == 1:  # nothing to run beside it: no task of its own
+                part = calls[0]
+                await self._run_call(turn_id, part, checked(part), slots, 0, steering, stages)
             else:
                 async with trio.open_nursery() as nursery:
                     for index, part in enumerate(calls):
-                        nursery.start_soon(run_one, index, part)
+                        nursery.start_soon(self._run_call, turn_id, part, checked(part), slots, index, steering, stages)
         except BaseExceptionGroup as group:
             typed = typed_error(group)
             if typed is None:
