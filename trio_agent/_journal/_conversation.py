@@ -1,8 +1,8 @@
 """The conversation in the journal: the typed model-attempt payload and the fold that reads it back.
 
-The writer (`reply_record` -> `ModelReplyRecord.to_payload`) and the reader
-(`ModelReplyRecord.from_payload`, `fold_conversation`) live together so the
-history a session rebuilds is exactly the one its loop had.
+The writer (`reply_record` -> `ModelReplyRecord.to_payload`, or `reply_payload`
+in one step) and the reader (`ModelReplyRecord.from_payload`, `fold_conversation`)
+live together so the history a session rebuilds is exactly the one its loop had.
 
 Rules
 =====
@@ -48,6 +48,7 @@ Rules
 
 from __future__ import annotations
 
+import functools
 import json
 import types
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
@@ -108,6 +109,7 @@ __all__ = [
     "encode_conversation",
     "fold_conversation",
     "read_conversation",
+    "reply_payload",
     "reply_record",
     "settled_answer",
 ]
@@ -117,6 +119,11 @@ WITHHELD_ANSWER = "tool result withheld: middleware did not finish unwinding in 
 
 OUTCOME_UNKNOWN_ANSWER = "outcome unknown after a restart"
 """The answer (an error) of a call settled ``outcome_unknown``."""
+
+# Tuples for isinstance: a ``A | B`` union is built anew each time the expression runs.
+_ANSWERED = (ToolCompleted, ToolFailed, ToolCancelled)
+_SETTLEMENTS = (ToolCompleted, ToolFailed, ToolCancelled, ToolOutcomeUnknown)
+_SUBAGENT_OUTCOMES = (SubagentCompleted, SubagentCancelled)
 
 
 def _strings(values: Iterable[str]) -> tuple[str, ...]:
@@ -191,12 +198,57 @@ def reply_record(
     )
 
 
+def reply_payload(
+    reply: ModelReply, *, inputs: Iterable[str] = (), rejected: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``reply_record(reply, ...).to_payload()``, built without the record: what a live reply writes.
+
+    One pass over the message's parts, and the converter's own hooks for the parts and the
+    usage, so the payload is the record's, key for key (a test holds them together).
+    """
+    reasoning_hook, call_hook, usage_hook = _payload_hooks()
+    texts: list[str] = []
+    reasoning: list[Any] = []
+    calls: list[Any] = []
+    ids: set[str] = set()
+    for part in reply.message.parts:
+        if isinstance(part, TextPart):
+            texts.append(part.text)
+        elif isinstance(part, ReasoningPart):
+            reasoning.append(reasoning_hook(part))
+        elif isinstance(part, ToolCallPart):
+            calls.append(call_hook(part))
+            ids.add(part.id)
+    answered = dict(rejected or {})
+    unknown = answered.keys() - ids
+    if unknown:  # a writer bug: the fold would silently lose these answers
+        raise ValueError(f"rejected ids that are no call of the reply: {sorted(unknown)}")
+    return {
+        "inputs": list(inputs),
+        "text": "".join(texts),
+        "reasoning": reasoning,
+        "tool_calls": calls,
+        "rejected": answered,
+        "finish_reason": reply.finish_reason.value,
+        "usage": usage_hook(reply.usage),
+    }
+
+
+@functools.cache
+def _payload_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any], Callable[[Any], Any]]:
+    return (
+        _converter.get_unstructure_hook(ReasoningPart),
+        _converter.get_unstructure_hook(ToolCallPart),
+        _converter.get_unstructure_hook(Usage),
+    )
+
+
 def settled_answer(settlement: Event | None) -> ToolResultMessage | None:
     """The model's answer for a call, from the event that settled it (``None``: no answer yet).
 
     One rule for the live loop and the fold, so a live history and a rebuilt one agree.
     """
-    if isinstance(settlement, ToolCompleted | ToolFailed | ToolCancelled):
+    if isinstance(settlement, _ANSWERED):
         result = settlement.result
         if not settlement.published:
             return ToolResultMessage(settlement.call_id, WITHHELD_ANSWER, is_error=True)
@@ -235,7 +287,7 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
     outcomes: dict[str, ToolResultMessage] = {}
     awaiting: dict[str, list[str]] = {}
     for event in events:
-        if isinstance(event, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown):
+        if isinstance(event, _SETTLEMENTS):
             answer = settled_answer(event)
             if answer is not None:
                 outcomes[event.call_id] = answer
@@ -388,7 +440,7 @@ class ConversationFold:
     def feed(self, event: Event) -> None:
         """Fold one event; a payload that cannot be read raises `JournalCorruptError` and changes nothing."""
         s = self._s
-        if isinstance(event, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown):
+        if isinstance(event, _SETTLEMENTS):
             answer = settled_answer(event)
             if answer is not None:
                 s.outcomes[event.call_id] = answer
@@ -427,7 +479,7 @@ class ConversationFold:
                 else:
                     entries.append(PendingAnswer(call.id))
             s.since_reply.clear()
-        elif isinstance(event, SubagentCompleted | SubagentCancelled):
+        elif isinstance(event, _SUBAGENT_OUTCOMES):
             s.since_reply.append(event)
         elif isinstance(event, RunPaused):
             s.awaiting[event.request_id] = paused_call_ids(event)
@@ -615,7 +667,7 @@ def _configure_fold(converter: cattrs.Converter) -> None:
 
     def structure_outcome(value: object, _: object) -> SubagentOutcome:
         event: Event = event_converter.structure(value, Event)  # type: ignore[arg-type]
-        if not isinstance(event, SubagentCompleted | SubagentCancelled):
+        if not isinstance(event, _SUBAGENT_OUTCOMES):
             raise TypeError(f"expected a subagent outcome, got {type(event).__name__}")
         return event
 

@@ -189,7 +189,8 @@ class DurableJournal:
         self._streams: dict[str, _Stream] = {}
         self._checked_ids: dict[str | None, str] = {}  # agent id -> its stream id, checked once
         self._fenced: str | None = None
-        self._closed = trio.Event()
+        self._closed = trio.Event()  # for subscribers; `_shut` is the same fact, read per write
+        self._shut = False
         self._pending_starts: dict[str, AppendTicket] = {}
         self.recovered = False
         # A store whose leases never run out needs no heartbeat (`HeldLease`), and one that commits
@@ -263,10 +264,18 @@ class DurableJournal:
 
     @property
     def closed(self) -> bool:
-        return self._closed.is_set()
+        return self._shut
+
+    def _close(self) -> None:
+        self._shut = True
+        self._closed.set()
+
+    def _stream_id_of(self, agent_id: str | None) -> str:
+        """`stream_id`, without formatting it again once a write checked it."""
+        return self._checked_ids.get(agent_id) or self.stream_id(agent_id)
 
     def _stream(self, agent_id: str | None) -> _Stream:
-        stream = self._streams.get(self.stream_id(agent_id))
+        stream = self._streams.get(self._stream_id_of(agent_id))
         if stream is None:
             raise JournalError(f"session {self.session_id!r} has no stream for agent {agent_id!r}")
         return stream
@@ -302,7 +311,7 @@ class DurableJournal:
         held = self.held  # read once: every append passes here
         if held.lost is not None:
             raise LeaseLostError(f"the lease on session {self.session_id!r} was lost: {held.lost}")
-        if self._closed.is_set():
+        if self._shut:
             raise JournalError(f"the journal of session {self.session_id!r} is closed")
         if self._fenced is not None:
             raise JournalFencedError(
@@ -325,14 +334,20 @@ class DurableJournal:
         now = self.store.clock()
         if type(now) is not float or not math.isfinite(now):
             now = _recorded_at(now)
-        seq = stream.projection.head
-        placed: list[EventEnvelope] = []
-        for event in events:
-            seq += 1
-            placed.append(place_event(stream_id, seq, event, now))
-        envelopes = tuple(placed)
-        digest = command_digest(envelopes) if command_id is not None else None
+        projection = stream.projection
+        seq = projection._s.head  # `head`, without the property's call: every event passes here
+        if len(events) == 1:  # most writes are one event (every `defer`)
+            envelopes: tuple[EventEnvelope, ...] = (place_event(stream_id, seq + 1, events[0], now),)
+        else:
+            placed: list[EventEnvelope] = []
+            for event in events:
+                seq += 1
+                placed.append(place_event(stream_id, seq, event, now))
+            envelopes = tuple(placed)
+        digest: str | None = None
         if command_id is not None:
+            command_id = check_id(command_id, "command id")
+            digest = command_digest(envelopes)
             known = stream.commands.get(command_id)
             if known is not None:
                 if known[0] != digest:
@@ -342,9 +357,10 @@ class DurableJournal:
                 return stream, attrs.evolve(known[1], replayed=True)
         if stream.pins:
             stream.settle_pins()  # the pinned conversations are of before these events
-        stream.projection.apply_atomic(envelopes)  # all or nothing: a refusal changes nothing
+        projection.apply_atomic(envelopes)  # all or nothing: a refusal changes nothing
+        fold_after = self._fold_after
         for envelope in envelopes:
-            stream.track(envelope.event, fold_after=self._fold_after)
+            stream.track(envelope.event, fold_after)
         self._streams[stream_id] = stream
         if defer:
             stream.deferred.extend(envelopes)
@@ -353,7 +369,8 @@ class DurableJournal:
             assert command_id is None  # `append` writes them on their own before a command
             envelopes = (*stream.deferred, *envelopes)
             stream.deferred.clear()
-        batch = AppendBatch(self.session_id, stream_id, held.lease.token, envelopes, command_id, digest)
+        # Built from what this journal checked and counted itself (`AppendBatch.placed`).
+        batch = AppendBatch.placed(self.session_id, stream_id, held.lease.token, envelopes, command_id, digest)
         return stream, batch
 
     def defer(self, *events: Event, agent_id: str | None = None) -> None:
@@ -376,7 +393,7 @@ class DurableJournal:
     def _deferred_batch(self, stream: _Stream) -> AppendBatch:
         envelopes = tuple(stream.deferred)
         stream.deferred.clear()
-        return AppendBatch(self.session_id, stream.stream_id, self.lease.token, envelopes)
+        return AppendBatch.placed(self.session_id, stream.stream_id, self.lease.token, envelopes)
 
     async def _write(self, batch: AppendBatch) -> AppendResult:
         if self._commit_now is not None:
@@ -402,7 +419,7 @@ class DurableJournal:
         """
         if command_id is not None:
             # A command's batch holds its own events only (its digest and seqs are replayed).
-            waiting = self._streams.get(self.stream_id(agent_id))
+            waiting = self._streams.get(self._stream_id_of(agent_id))
             if waiting is not None and waiting.deferred:
                 await self._write(self._deferred_batch(waiting))
         stream, prepared = self._prepare(agent_id, events, command_id)
@@ -410,7 +427,10 @@ class DurableJournal:
             await trio.lowlevel.checkpoint()
             return prepared
         assert prepared is not None
-        result = await self._write(prepared)
+        if self._commit_now is not None:
+            result = self._committed(prepared)  # as `_write`, without a coroutine of its own
+        else:
+            result = await self._await(self._submit(prepared))
         if command_id is not None:
             assert prepared.command_digest is not None
             stream.commands[command_id] = (prepared.command_digest, result)
@@ -440,9 +460,10 @@ class DurableJournal:
             raise
 
     def _committed(self, batch: AppendBatch) -> AppendResult:
-        assert self._commit_now is not None
+        commit = self._commit_now
+        assert commit is not None
         try:
-            return self._commit_now(batch)
+            return commit(batch)
         except Exception as exc:  # refused, or a store's bug: either way the projection is ahead
             self._refused(exc)
             raise
@@ -641,7 +662,7 @@ class DurableJournal:
         A started call that recovery decided to re-run counts as ``"scheduled"``:
         it may start again.
         """
-        stream = self._streams.get(self.stream_id(call.agent_id))
+        stream = self._streams.get(self._stream_id_of(call.agent_id))
         record = stream.projection.tool(call.call_id) if stream is not None else None
         if record is None:
             return None
@@ -997,14 +1018,14 @@ async def open_journal(
                             yield journal
                     finally:
                         nursery.cancel_scope.cancel()
-                        journal._closed.set()
+                        journal._close()
             except BaseExceptionGroup as group:
                 # The heartbeat never raises: a group holds the body's own error. Raise it as itself.
                 if len(group.exceptions) == 1:
                     raise group.exceptions[0]  # noqa: B904 - `from` would overwrite the error's own cause
                 raise
     finally:
-        journal._closed.set()
+        journal._close()
         if journal._lost is None:
             with bounded_shield(commit_grace, "closing the journal (pending starts, lease release)"):
                 for ticket in list(journal._pending_starts.values()):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
 import attrs
@@ -99,31 +99,31 @@ def _optional_non_empty(instance: object, attribute: attrs.Attribute[Any], value
 
 
 _JSON_LEAVES = frozenset({type(None), bool, str, int})
+_JSON_CONTAINERS = frozenset({dict, list})
 
 
 def _is_json(value: object) -> bool:
     """The common case, fast: exact JSON types (no path text built); anything else is judged by
-    `_explain_json`, which also names where it fails. Leaves are judged in the loop, without a
-    call each: most payloads are flat."""
+    `_explain_json`, which also names where it fails. Leaves and empty containers are judged in
+    the loop, without a call each: most payloads are flat."""
     kind = type(value)
     if kind in _JSON_LEAVES:
         return True
     if kind is dict:
         for key, item in value.items():  # type: ignore[attr-defined]
-            if type(key) is not str or (type(item) not in _JSON_LEAVES and not _is_json(item)):
+            if type(key) is not str:
+                return False
+            inner = type(item)
+            if inner not in _JSON_LEAVES and (inner not in _JSON_CONTAINERS or item) and not _is_json(item):
                 return False
         return True
     if kind is list:
-        for item in value:  # type: ignore[attr-defined]  # noqa: SIM110 - no generator per list
-            if type(item) not in _JSON_LEAVES and not _is_json(item):
+        for item in value:  # type: ignore[attr-defined]
+            inner = type(item)
+            if inner not in _JSON_LEAVES and (inner not in _JSON_CONTAINERS or item) and not _is_json(item):
                 return False
         return True
     return kind is float and math.isfinite(value)  # type: ignore[arg-type]
-
-
-def _check_json(value: object, path: str) -> None:
-    if not _is_json(value):
-        _explain_json(value, path)
 
 
 def _explain_json(value: object, path: str) -> None:
@@ -149,9 +149,11 @@ def _explain_json(value: object, path: str) -> None:
 
 
 def _json_object(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is dict and _is_json(value):
+        return  # the common case, in one call
     if not isinstance(value, dict):
         raise ValueError(f"{attribute.name} must be a JSON object, not {type(value).__name__}")
-    _check_json(value, attribute.name)
+    _explain_json(value, attribute.name)
 
 
 def _optional_json_object(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -604,7 +606,21 @@ class EventEnvelope:
 
 _EVENT_TYPE_SET = frozenset(EVENT_TYPES)
 _new = object.__new__
-_set = object.__setattr__
+
+
+def slot_setter(cls: type[Any], name: str) -> Callable[[Any, Any], None]:
+    """The setter of one slot of a (frozen, slotted) attrs class: it fills an instance built
+    without ``__init__`` at the cost of one C call, without the attribute lookup of
+    ``object.__setattr__``. For values whose checks the builder has made itself."""
+    setter: Callable[[Any, Any], None] = cls.__dict__[name].__set__
+    return setter
+
+
+_put_stream_id = slot_setter(EventEnvelope, "stream_id")
+_put_seq = slot_setter(EventEnvelope, "seq")
+_put_event = slot_setter(EventEnvelope, "event")
+_put_schema_version = slot_setter(EventEnvelope, "schema_version")
+_put_recorded_at = slot_setter(EventEnvelope, "recorded_at")
 
 
 def place_event(stream_id: str, seq: int, event: Event, recorded_at: float) -> EventEnvelope:
@@ -617,11 +633,11 @@ def place_event(stream_id: str, seq: int, event: Event, recorded_at: float) -> E
     if type(event) not in _EVENT_TYPE_SET and not isinstance(event, EVENT_TYPES):
         raise TypeError(f"not a journal event: {type(event).__name__}")
     envelope: EventEnvelope = _new(EventEnvelope)
-    _set(envelope, "stream_id", stream_id)
-    _set(envelope, "seq", seq)
-    _set(envelope, "event", event)
-    _set(envelope, "schema_version", SCHEMA_VERSION)
-    _set(envelope, "recorded_at", recorded_at)
+    _put_stream_id(envelope, stream_id)
+    _put_seq(envelope, seq)
+    _put_event(envelope, event)
+    _put_schema_version(envelope, SCHEMA_VERSION)
+    _put_recorded_at(envelope, recorded_at)
     return envelope
 
 

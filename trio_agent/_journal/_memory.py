@@ -54,7 +54,8 @@ class _Stream:
     session_id: str
     rows: list[EventEnvelope] = attrs.Factory(list)
     commands: dict[str, CommandRecord] = attrs.Factory(dict)
-    changed: trio.Event = attrs.Factory(trio.Event)
+    # Set by the next append; made only when someone waits for one (most appends have no reader).
+    changed: trio.Event | None = None
     # (seq, body, checksum): kept as a file store keeps it, so a test can damage it like one.
     snapshot: tuple[int, bytes, int] | None = None
 
@@ -87,7 +88,8 @@ class MemoryStore:
     def commit(self, batch: AppendBatch) -> AppendResult:
         """Commit ``batch`` now (a synchronous store's `submit` without the ticket); raises what refuses it."""
         stream = self._streams.get(batch.stream_id)
-        known = None if stream is None or batch.command_id is None else stream.commands.get(batch.command_id)
+        command_id = batch.command_id
+        known = None if stream is None or command_id is None else stream.commands.get(command_id)
         result = decide_append(
             batch,
             lease=self._row(batch.session_id),
@@ -100,15 +102,16 @@ class MemoryStore:
         if stream is None:
             stream = self._streams[batch.stream_id] = _Stream(batch.session_id)
         stream.rows.extend(batch.envelopes)
-        if batch.command_id is not None:
+        if command_id is not None:
             assert batch.command_digest is not None
-            stream.commands[batch.command_id] = CommandRecord(
-                batch.stream_id, batch.command_id, batch.command_digest, batch.first_seq, batch.last_seq
+            stream.commands[command_id] = CommandRecord(
+                batch.stream_id, command_id, batch.command_digest, result.first_seq, result.last_seq
             )
         self.commits += 1
-        stream.changed.set()
-        stream.changed = trio.Event()
-        return AppendResult(batch.stream_id, batch.first_seq, batch.last_seq)
+        if stream.changed is not None:
+            stream.changed.set()
+            stream.changed = None
+        return result
 
     # -- reads
 
@@ -231,6 +234,8 @@ class MemoryStore:
             # No stream yet: poll gently; streams are created by their first append.
             await trio.sleep(0.01)
             return
+        if stream.changed is None:
+            stream.changed = trio.Event()
         await stream.changed.wait()
 
     async def aclose(self) -> None:

@@ -59,7 +59,8 @@ Everything that decides a transition lives in this file, in the tables
   event's request and turn are the ones it was scheduled in, and so on).
 
 Invalid events raise `InvalidTransitionError` before anything is changed: each
-handler validates first and returns the mutation, which ``apply`` then runs.
+handler validates first and changes the state only after every check passed (and
+only when applying: `Projection.check` runs the same handler without the change).
 
 The whole state is one attrs value (``_State``): a stream's snapshot (`_snapshot`)
 keeps it as it is, and `Projection.restored` takes it back, so a projection restored
@@ -136,14 +137,21 @@ __all__ = [
 ]
 
 
-class SessionState(enum.Enum):
+class _Identity(enum.Enum):
+    """An enum whose members hash by identity, as they compare: the transition tables are
+    looked up with a state per event, and `enum.Enum.__hash__` is a Python call."""
+
+    __hash__ = object.__hash__
+
+
+class SessionState(_Identity):
     NEW = "new"
     OPEN = "open"
     CLOSED = "closed"  # this life ended; it may be reopened
     ENDED = "ended"  # ended for good
 
 
-class RequestState(enum.Enum):
+class RequestState(_Identity):
     ACCEPTED = "accepted"
     STARTED = "started"
     COMPLETED = "completed"
@@ -158,20 +166,20 @@ _ENDED = frozenset(
 )  # a request in one of these has no live turn or attempt
 
 
-class TurnState(enum.Enum):
+class TurnState(_Identity):
     OPEN = "open"
     COMPLETED = "completed"
     ABORTED = "aborted"
 
 
-class AttemptState(enum.Enum):
+class AttemptState(_Identity):
     RUNNING = "running"
     COMPLETED = "completed"
     FAILED = "failed"
     ABORTED = "aborted"
 
 
-class ToolState(enum.Enum):
+class ToolState(_Identity):
     SCHEDULED = "scheduled"
     STARTED = "started"
     COMPLETED = "completed"
@@ -184,7 +192,7 @@ class ToolState(enum.Enum):
         return self not in (ToolState.SCHEDULED, ToolState.STARTED)
 
 
-class PermissionState(enum.Enum):
+class PermissionState(_Identity):
     NONE = "none"
     PENDING = "pending"
     ALLOWED = "allowed"
@@ -192,7 +200,7 @@ class PermissionState(enum.Enum):
     CANCELLED = "cancelled"
 
 
-class SubagentState(enum.Enum):
+class SubagentState(_Identity):
     RUNNING = "running"
     COMPLETED = "completed"
     CANCELLED = "cancelled"
@@ -263,6 +271,10 @@ _SUBAGENT: dict[tuple[type[Any], SubagentState | None], SubagentState] = {
 }
 
 _STARTABLE_PERMISSIONS = frozenset({PermissionState.NONE, PermissionState.ALLOWED})
+
+# Read per event: module names, not enum class attributes (`enum.EnumType` has a `__getattr__`).
+_OPEN = SessionState.OPEN
+_UNSETTLED = (ToolState.SCHEDULED, ToolState.STARTED)
 
 # Which recovery decisions a call may record: (state, side effect of the start) -> allowed.
 # For a scheduled call the side effect does not matter (the key uses None).
@@ -420,7 +432,6 @@ def _no_reconcile(tool_name: str) -> bool:
 
 # ---------------------------------------------------------------- the projection
 
-_Mutation = Callable[[], None]
 _MISSING = object()
 
 
@@ -554,13 +565,11 @@ class Projection:
 
     def check(self, envelope: EventEnvelope) -> None:
         """Raise `InvalidTransitionError` if ``envelope`` may not be applied next; change nothing."""
-        self._plan(envelope)
+        self._step(envelope, False)
 
     def apply(self, envelope: EventEnvelope) -> None:
         """Apply ``envelope``, or raise `InvalidTransitionError` and leave the state unchanged."""
-        mutation = self._plan(envelope)
-        mutation()
-        self._s.head = envelope.seq
+        self._step(envelope, True)
 
     def apply_atomic(self, envelopes: Sequence[EventEnvelope]) -> None:
         """Apply every envelope, or none: on a refusal the state is as before, and it is raised.
@@ -569,12 +578,12 @@ class Projection:
         and the few scalars), so the cost does not grow with the stream.
         """
         if len(envelopes) == 1:
-            self.apply(envelopes[0])
+            self._step(envelopes[0], True)  # one refusal changes nothing: nothing to save
             return
         saved = self._save(envelopes)
         try:
             for envelope in envelopes:
-                self.apply(envelope)
+                self._step(envelope, True)
         except BaseException:
             self._restore(saved)
             raise
@@ -662,24 +671,30 @@ class Projection:
             table = getattr(s, name)
             setattr(s, name, {key: table[key] for key in order})
 
-    def _plan(self, envelope: EventEnvelope) -> _Mutation:
+    def _step(self, envelope: EventEnvelope, apply: bool) -> None:
+        """Judge ``envelope`` by the rules and, if ``apply``, move the state past it.
+
+        Each handler validates first and changes the state only after every check passed (and
+        only when applying): a refusal leaves the state as it was.
+        """
+        s = self._s
         if envelope.stream_id != self.stream_id:
             raise InvalidTransitionError(
                 f"event from stream {envelope.stream_id!r} on stream {self.stream_id!r}", seq=envelope.seq
             )
         if envelope.schema_version != SCHEMA_VERSION:
             raise InvalidTransitionError(f"unknown schema version {envelope.schema_version!r}", seq=envelope.seq)
-        if envelope.seq != self._s.head + 1:
-            raise InvalidTransitionError(
-                f"sequence {envelope.seq} does not follow head {self._s.head}", seq=envelope.seq
-            )
+        if envelope.seq != s.head + 1:
+            raise InvalidTransitionError(f"sequence {envelope.seq} does not follow head {s.head}", seq=envelope.seq)
         event = envelope.event
         handler = _HANDLERS.get(type(event))
         if handler is None:  # pragma: no cover - every event type has a handler
             raise InvalidTransitionError(f"no rule for {type(event).__name__}", seq=envelope.seq)
-        if not isinstance(event, SessionCreated | SessionReopened) and self._s.session is not SessionState.OPEN:
-            raise self._error(envelope, f"the session is {self._s.session.value}")
-        return handler(self, envelope, event)
+        if s.session is not _OPEN and not isinstance(event, (SessionCreated, SessionReopened)):
+            raise self._error(envelope, f"the session is {s.session.value}")
+        handler(self, envelope, event, apply)
+        if apply:
+            s.head = envelope.seq
 
     @staticmethod
     def _error(envelope: EventEnvelope, message: str) -> InvalidTransitionError:
@@ -689,119 +704,137 @@ class Projection:
         try:
             return table[key]
         except KeyError:
-            state = key[1].value if isinstance(key[1], enum.Enum) else "absent"
-            raise self._error(envelope, f"not allowed when {what} is {state}") from None
+            raise self._not_allowed(envelope, what, key[1]) from None
+
+    @classmethod
+    def _not_allowed(cls, envelope: EventEnvelope, what: str, state: object) -> InvalidTransitionError:
+        """The refusal of an event the table has no transition for (the busiest handlers look
+        their table up in line; the others use `_next`)."""
+        named = state.value if isinstance(state, enum.Enum) else "absent"
+        return cls._error(envelope, f"not allowed when {what} is {named}")
 
     # -- session
 
-    def _session(self, envelope: EventEnvelope, event: SessionCreated | SessionClosed | SessionReopened) -> _Mutation:
-        new = self._next(_SESSION, (type(event), self._s.session), envelope, "the session")
-        if not isinstance(event, SessionCreated) and event.session_id != self._s.session_id:
-            raise self._error(envelope, f"session {event.session_id!r} is not {self._s.session_id!r}")
+    def _session(
+        self, envelope: EventEnvelope, event: SessionCreated | SessionClosed | SessionReopened, apply: bool
+    ) -> None:
+        s = self._s
+        new = self._next(_SESSION, (type(event), s.session), envelope, "the session")
+        if not isinstance(event, SessionCreated) and event.session_id != s.session_id:
+            raise self._error(envelope, f"session {event.session_id!r} is not {s.session_id!r}")
         if isinstance(event, SessionClosed) and event.final:
             new = SessionState.ENDED
-        if isinstance(event, SessionReopened) and event.life != self._s.life + 1:
-            raise self._error(envelope, f"life {event.life} does not follow life {self._s.life}")
+        if isinstance(event, SessionReopened) and event.life != s.life + 1:
+            raise self._error(envelope, f"life {event.life} does not follow life {s.life}")
+        if not apply:
+            return
+        s.session = new
+        if isinstance(event, SessionCreated):
+            s.session_id = event.session_id
+            s.life = 1
+        elif isinstance(event, SessionReopened):
+            s.life = event.life
 
-        def mutate() -> None:
-            self._s.session = new
-            if isinstance(event, SessionCreated):
-                self._s.session_id = event.session_id
-                self._s.life = 1
-            elif isinstance(event, SessionReopened):
-                self._s.life = event.life
-
-        return mutate
-
-    def _seed(self, envelope: EventEnvelope, event: ConversationSeeded) -> _Mutation:
+    def _seed(self, envelope: EventEnvelope, event: ConversationSeeded, apply: bool) -> None:
         if self._s.seeded:
             raise self._error(envelope, "the conversation was already seeded")
         if self.has_requests:
             raise self._error(envelope, "a conversation is seeded before any request")
-
-        def mutate() -> None:
+        if apply:
             self._s.seeded = True
-
-        return mutate
 
     # -- requests
 
-    def _request(self, envelope: EventEnvelope, event: Event) -> _Mutation:
-        request_id: str = event.request_id  # type: ignore[union-attr]
-        record = self.request(request_id)  # an ended one only to name its state in the refusal
+    def _request(
+        self,
+        envelope: EventEnvelope,
+        event: RequestAccepted
+        | RequestStarted
+        | RequestCompleted
+        | RequestFailed
+        | RequestInterrupted
+        | RunPaused
+        | InterruptsResolved,
+        apply: bool,
+    ) -> None:
+        s = self._s
+        request_id = event.request_id
+        # An ended one only to name its state in the refusal (`request`, in line).
+        record = s.requests.get(request_id) or s.ended.get(request_id)
         if isinstance(event, InterruptsResolved):
-            return self._resolved(envelope, event, record)
-        new = self._next(_REQUEST, (type(event), record.state if record else None), envelope, "the request")
-        if isinstance(event, RequestStarted) and self._s.active_request is not None:
-            raise self._error(envelope, f"request {self._s.active_request!r} is still running")
-        if self._s.open_turn is not None and self._s.turns[self._s.open_turn].request_id == request_id:
-            raise self._error(envelope, f"turn {self._s.open_turn!r} of the request is still open")
-
-        def mutate() -> None:
-            if record is None:
-                self._s.requests[request_id] = RequestRecord(request_id, new, envelope.seq)
-                return
-            record.state = new
-            if new is RequestState.STARTED:
-                self._s.active_request = request_id
-            elif self._s.active_request == request_id:
-                self._s.active_request = None
-            if isinstance(event, RunPaused):
-                self._s.paused[request_id] = event.state
-            if new in _ENDED:
-                self._s.ended[request_id] = self._s.requests.pop(request_id)
-                self._forget(request_id)
-
-        return mutate
+            self._resolved(envelope, event, record, apply)
+            return
+        state = None if record is None else record.state
+        new = _REQUEST.get((type(event), state))
+        if new is None:
+            raise self._not_allowed(envelope, "the request", state)
+        if isinstance(event, RequestStarted) and s.active_request is not None:
+            raise self._error(envelope, f"request {s.active_request!r} is still running")
+        if s.open_turn is not None and s.turns[s.open_turn].request_id == request_id:
+            raise self._error(envelope, f"turn {s.open_turn!r} of the request is still open")
+        if not apply:
+            return
+        if record is None:
+            s.requests[request_id] = RequestRecord(request_id, new, envelope.seq)
+            return
+        record.state = new
+        if new is RequestState.STARTED:
+            s.active_request = request_id
+        elif s.active_request == request_id:
+            s.active_request = None
+        if isinstance(event, RunPaused):
+            s.paused[request_id] = event.state
+        if new in _ENDED:
+            s.ended[request_id] = s.requests.pop(request_id)
+            self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
         # Only live requests have records here, so these scans do not grow with the stream.
         s = self._s
-        for turn_id in [turn.turn_id for turn in s.turns.values() if turn.request_id == request_id]:
-            del s.turns[turn_id]
-            s.unsettled.pop(turn_id, None)
-        for attempt_id in [a.attempt_id for a in s.attempts.values() if a.request_id == request_id]:
-            del s.attempts[attempt_id]
-        for call_id in [call.call_id for call in s.tools.values() if call.request_id == request_id]:
-            s.ended_tools[call_id] = s.tools.pop(call_id)
-            s.approved.discard(call_id)  # settled for good: its approval has nothing left to do
+        for turn in list(s.turns.values()):
+            if turn.request_id == request_id:
+                del s.turns[turn.turn_id]
+                s.unsettled.pop(turn.turn_id, None)
+        for attempt in list(s.attempts.values()):
+            if attempt.request_id == request_id:
+                del s.attempts[attempt.attempt_id]
+        for call in list(s.tools.values()):
+            if call.request_id == request_id:
+                s.ended_tools[call.call_id] = s.tools.pop(call.call_id)
+                s.approved.discard(call.call_id)  # settled for good: its approval has nothing left to do
 
     def _ending(self, event: Event) -> str | None:
         """The request ``event`` may end (so `_forget` its turns and attempts), if any."""
-        if isinstance(event, RequestCompleted | RequestFailed | RequestInterrupted | InterruptsResolved):
+        if isinstance(event, (RequestCompleted, RequestFailed, RequestInterrupted, InterruptsResolved)):
             return event.request_id
         return None
 
-    def _resolved(self, envelope: EventEnvelope, event: InterruptsResolved, record: RequestRecord | None) -> _Mutation:
+    def _resolved(
+        self, envelope: EventEnvelope, event: InterruptsResolved, record: RequestRecord | None, apply: bool
+    ) -> None:
+        s = self._s
         if record is None or record.state is not RequestState.PAUSED:
             state = "absent" if record is None else record.state.value
             raise self._error(envelope, f"request {event.request_id!r} is {state}, not paused (answered already?)")
-        if self._s.active_request != event.continuation_id:
+        if s.active_request != event.continuation_id:
             raise self._error(envelope, f"the continuation {event.continuation_id!r} is not the started request")
-
-        def mutate() -> None:
-            record.state = RequestState.RESUMED
-            self._s.paused.pop(event.request_id, None)
-            self._s.approved.update(event.approved)
-            self._s.ended[event.request_id] = self._s.requests.pop(event.request_id)
-            self._forget(event.request_id)
-
-        return mutate
+        if not apply:
+            return
+        record.state = RequestState.RESUMED
+        s.paused.pop(event.request_id, None)
+        s.approved.update(event.approved)
+        s.ended[event.request_id] = s.requests.pop(event.request_id)
+        self._forget(event.request_id)
 
     def approved_calls(self) -> frozenset[str]:
         """The calls a person approved by resuming a paused request."""
         return frozenset(self._s.approved)
 
-    def _prompt(self, envelope: EventEnvelope, event: PromptSubmitted) -> _Mutation:
+    def _prompt(self, envelope: EventEnvelope, event: PromptSubmitted, apply: bool) -> None:
         if self._s.active_request != event.request_id:
             raise self._error(envelope, f"request {event.request_id!r} is not the started request")
         if self._s.requests[event.request_id].turns:
             raise self._error(envelope, f"request {event.request_id!r} already started a turn")
-
-        def mutate() -> None:
-            return None
-
-        return mutate
 
     def pause(self) -> tuple[str, dict[str, Any]] | None:
         """The paused request waiting for answers, if any: (request id, its run_paused state)."""
@@ -812,40 +845,37 @@ class Projection:
 
     # -- turns
 
-    def _turn(self, envelope: EventEnvelope, event: TurnStarted | TurnCompleted | TurnAborted) -> _Mutation:
-        record = self._s.turns.get(event.turn_id)
-        new = self._next(_TURN, (type(event), record.state if record else None), envelope, "the turn")
+    def _turn(self, envelope: EventEnvelope, event: TurnStarted | TurnCompleted | TurnAborted, apply: bool) -> None:
+        s = self._s
+        record = s.turns.get(event.turn_id)
+        state = None if record is None else record.state
+        new = _TURN.get((type(event), state))
+        if new is None:
+            raise self._not_allowed(envelope, "the turn", state)
         if isinstance(event, TurnStarted):
-            if self._s.active_request != event.request_id:
+            if s.active_request != event.request_id:
                 raise self._error(envelope, f"request {event.request_id!r} is not the started request")
-            if self._s.open_turn is not None:
-                raise self._error(envelope, f"turn {self._s.open_turn!r} is still open")
-            request = self._s.requests[event.request_id]
+            if s.open_turn is not None:
+                raise self._error(envelope, f"turn {s.open_turn!r} is still open")
+            request = s.requests[event.request_id]
             if event.turn != request.turns + 1:
                 raise self._error(envelope, f"turn number {event.turn} does not follow {request.turns}")
-        else:
-            assert record is not None
-            if record.request_id != event.request_id:
-                raise self._error(envelope, f"turn {event.turn_id!r} belongs to request {record.request_id!r}")
-            if self._s.running_attempt is not None:
-                raise self._error(envelope, f"model attempt {self._s.running_attempt!r} is still running")
-            unsettled = self._s.unsettled.get(event.turn_id)
-            if unsettled:
-                raise self._error(envelope, f"tool calls {sorted(unsettled)} are not settled")
-
-        def mutate() -> None:
-            if isinstance(event, TurnStarted):
-                self._s.turns[event.turn_id] = TurnRecord(
-                    event.turn_id, event.request_id, event.turn, new, envelope.seq
-                )
-                self._s.requests[event.request_id].turns = event.turn
-                self._s.open_turn = event.turn_id
-            else:
-                assert record is not None
-                record.state = new
-                self._s.open_turn = None
-
-        return mutate
+            if apply:
+                s.turns[event.turn_id] = TurnRecord(event.turn_id, event.request_id, event.turn, new, envelope.seq)
+                request.turns = event.turn
+                s.open_turn = event.turn_id
+            return
+        assert record is not None
+        if record.request_id != event.request_id:
+            raise self._error(envelope, f"turn {event.turn_id!r} belongs to request {record.request_id!r}")
+        if s.running_attempt is not None:
+            raise self._error(envelope, f"model attempt {s.running_attempt!r} is still running")
+        unsettled = s.unsettled.get(event.turn_id)
+        if unsettled:
+            raise self._error(envelope, f"tool calls {sorted(unsettled)} are not settled")
+        if apply:
+            record.state = new
+            s.open_turn = None
 
     def _require_open_turn(self, envelope: EventEnvelope, request_id: str, turn_id: str) -> None:
         if self._s.open_turn != turn_id:
@@ -855,67 +885,74 @@ class Projection:
 
     # -- model attempts
 
-    def _attempt(self, envelope: EventEnvelope, event: Event) -> _Mutation:
-        assert isinstance(event, ModelAttemptStarted | ModelAttemptCompleted | ModelAttemptFailed | ModelAttemptAborted)
-        record = self._s.attempts.get(event.attempt_id)
-        new = self._next(_ATTEMPT, (type(event), record.state if record else None), envelope, "the model attempt")
+    def _attempt(
+        self,
+        envelope: EventEnvelope,
+        event: ModelAttemptStarted | ModelAttemptCompleted | ModelAttemptFailed | ModelAttemptAborted,
+        apply: bool,
+    ) -> None:
+        s = self._s
+        record = s.attempts.get(event.attempt_id)
+        state = None if record is None else record.state
+        new = _ATTEMPT.get((type(event), state))
+        if new is None:
+            raise self._not_allowed(envelope, "the model attempt", state)
         if record is None:
             self._require_open_turn(envelope, event.request_id, event.turn_id)
-            if self._s.running_attempt is not None:
-                raise self._error(envelope, f"model attempt {self._s.running_attempt!r} is still running")
-        elif (record.request_id, record.turn_id) != (event.request_id, event.turn_id):
-            raise self._error(envelope, f"model attempt {event.attempt_id!r} belongs to another request or turn")
-
-        def mutate() -> None:
-            if record is None:
-                self._s.attempts[event.attempt_id] = AttemptRecord(
+            if s.running_attempt is not None:
+                raise self._error(envelope, f"model attempt {s.running_attempt!r} is still running")
+            if apply:
+                s.attempts[event.attempt_id] = AttemptRecord(
                     event.attempt_id, event.request_id, event.turn_id, new, envelope.seq
                 )
-                self._s.running_attempt = event.attempt_id
-            else:
-                record.state = new
-                self._s.running_attempt = None
-
-        return mutate
+                s.running_attempt = event.attempt_id
+            return
+        if record.request_id != event.request_id or record.turn_id != event.turn_id:
+            raise self._error(envelope, f"model attempt {event.attempt_id!r} belongs to another request or turn")
+        if apply:
+            record.state = new
+            s.running_attempt = None
 
     # -- tools, permissions and recovery decisions
 
-    def _tool(self, envelope: EventEnvelope, event: Event) -> _Mutation:
-        assert isinstance(
-            event,
-            ToolScheduled
-            | ToolStarted
-            | ToolCompleted
-            | ToolFailed
-            | ToolCancelled
-            | ToolOutcomeUnknown
-            | PermissionRequested
-            | PermissionResolved
-            | RecoveryDecision,
-        )
-        record = self.tool(event.call_id)  # an ended one only to name its state in the refusal
-        new: ToolState = self._next(_TOOL, (type(event), record.state if record else None), envelope, "the call")
+    def _tool(
+        self,
+        envelope: EventEnvelope,
+        event: ToolScheduled
+        | ToolStarted
+        | ToolCompleted
+        | ToolFailed
+        | ToolCancelled
+        | ToolOutcomeUnknown
+        | PermissionRequested
+        | PermissionResolved
+        | RecoveryDecision,
+        apply: bool,
+    ) -> None:
+        s = self._s
+        # An ended one only to name its state in the refusal (`tool`, in line).
+        record = s.tools.get(event.call_id) or s.ended_tools.get(event.call_id)
+        state = None if record is None else record.state
+        new = _TOOL.get((type(event), state))
+        if new is None:
+            raise self._not_allowed(envelope, "the call", state)
         if record is None:
             assert isinstance(event, ToolScheduled)
             self._require_open_turn(envelope, event.request_id, event.turn_id)
-            scheduled = event
-
-            def create() -> None:
-                self._s.unsettled.setdefault(scheduled.turn_id, set()).add(scheduled.call_id)
-                self._s.tools[scheduled.call_id] = ToolRecord(
-                    call_id=scheduled.call_id,
-                    request_id=scheduled.request_id,
-                    turn_id=scheduled.turn_id,
-                    tool_name=scheduled.tool_name,
-                    side_effect=scheduled.side_effect,
-                    idempotency_key=scheduled.idempotency_key,
+            if apply:
+                s.unsettled.setdefault(event.turn_id, set()).add(event.call_id)
+                s.tools[event.call_id] = ToolRecord(
+                    call_id=event.call_id,
+                    request_id=event.request_id,
+                    turn_id=event.turn_id,
+                    tool_name=event.tool_name,
+                    side_effect=event.side_effect,
+                    idempotency_key=event.idempotency_key,
                     state=new,
                     seq=envelope.seq,
                 )
-
-            return create
-
-        if (record.request_id, record.turn_id) != (event.request_id, event.turn_id):
+            return
+        if record.request_id != event.request_id or record.turn_id != event.turn_id:
             raise self._error(envelope, f"call {event.call_id!r} belongs to another request or turn")
         permission = record.permission
         decision = record.decision
@@ -930,14 +967,17 @@ class Projection:
             # transform the input (spec), and recovery must judge the side effect that was started.
             side_effect = event.side_effect
             rerun_allowed = False
-        elif isinstance(event, PermissionRequested | PermissionResolved):
-            decision_value = event.decision if isinstance(event, PermissionResolved) else None
+        elif isinstance(event, PermissionRequested):
             permission = self._next(
-                _PERMISSION, (type(event), record.permission, decision_value), envelope, "the call's permission"
+                _PERMISSION, (PermissionRequested, record.permission, None), envelope, "the call's permission"
             )
-            if isinstance(event, PermissionRequested) and event.permission_id in self._s.permission_ids:
+            if event.permission_id in s.permission_ids:
                 raise self._error(envelope, f"permission id {event.permission_id!r} was already used")
-            if isinstance(event, PermissionResolved) and event.permission_id != record.permission_id:
+        elif isinstance(event, PermissionResolved):
+            permission = self._next(
+                _PERMISSION, (PermissionResolved, record.permission, event.decision), envelope, "the call's permission"
+            )
+            if event.permission_id != record.permission_id:
                 raise self._error(envelope, f"permission {event.permission_id!r} is not the pending one")
         elif isinstance(event, RecoveryDecision):
             key_effect = None if record.state is ToolState.SCHEDULED else record.side_effect
@@ -951,59 +991,51 @@ class Projection:
                 raise self._error(envelope, f"the call's permission is {permission.value}")
             decision = event.decision
             rerun_allowed = event.decision in _RERUN_DECISIONS
-
-        def mutate() -> None:
-            assert record is not None
-            record.state = new
-            if new.settled:
-                self._s.unsettled.get(record.turn_id, set()).discard(record.call_id)
-            record.permission = permission
-            record.decision = decision
-            record.rerun_allowed = rerun_allowed
-            record.side_effect = side_effect
-            if isinstance(event, ToolStarted):
-                record.started_seq = envelope.seq
-            if isinstance(event, PermissionRequested):
-                record.permission_id = event.permission_id
-                self._s.permission_ids.add(event.permission_id)
-
-        return mutate
+        if not apply:
+            return
+        record.state = new
+        if new not in _UNSETTLED:
+            s.unsettled.get(record.turn_id, set()).discard(record.call_id)
+        record.permission = permission
+        record.decision = decision
+        record.rerun_allowed = rerun_allowed
+        record.side_effect = side_effect
+        if isinstance(event, ToolStarted):
+            record.started_seq = envelope.seq
+        elif isinstance(event, PermissionRequested):
+            record.permission_id = event.permission_id
+            s.permission_ids.add(event.permission_id)
 
     # -- permission rule changes
 
-    def _permission_update(self, envelope: EventEnvelope, event: PermissionUpdated) -> _Mutation:
+    def _permission_update(self, envelope: EventEnvelope, event: PermissionUpdated, apply: bool) -> None:
         # Accepted at any time while the session is open (checked for every event): a rule can
         # change between requests too (a permission engine or handler outside any call).
-        def mutate() -> None:
+        if apply:
             self._s.permission_updates.append(event)
-
-        return mutate
 
     # -- subagents
 
-    def _subagent(self, envelope: EventEnvelope, event: Event) -> _Mutation:
-        assert isinstance(event, SubagentStarted | SubagentCompleted | SubagentCancelled)
-        record = self._s.subagents.get(event.subagent_id)
-        new = self._next(_SUBAGENT, (type(event), record.state if record else None), envelope, "the subagent")
+    def _subagent(
+        self, envelope: EventEnvelope, event: SubagentStarted | SubagentCompleted | SubagentCancelled, apply: bool
+    ) -> None:
+        s = self._s
+        record = s.subagents.get(event.subagent_id)
+        new = self._next(_SUBAGENT, (type(event), None if record is None else record.state), envelope, "the subagent")
         if record is None:
-            if self._s.active_request != event.request_id:
+            if s.active_request != event.request_id:
                 raise self._error(envelope, f"request {event.request_id!r} is not the started request")
             if isinstance(event, SubagentStarted) and event.call_id is not None:
-                call = self._s.tools.get(event.call_id)
+                call = s.tools.get(event.call_id)
                 if call is None or call.state is not ToolState.STARTED:
                     raise self._error(envelope, f"call {event.call_id!r} is not running")
-        elif record.request_id != event.request_id:
+            if apply:
+                s.subagents[event.subagent_id] = SubagentRecord(event.subagent_id, event.request_id, new, envelope.seq)
+            return
+        if record.request_id != event.request_id:
             raise self._error(envelope, f"subagent {event.subagent_id!r} belongs to request {record.request_id!r}")
-
-        def mutate() -> None:
-            if record is None:
-                self._s.subagents[event.subagent_id] = SubagentRecord(
-                    event.subagent_id, event.request_id, new, envelope.seq
-                )
-            else:
-                record.state = new
-
-        return mutate
+        if apply:
+            record.state = new
 
     # -- recovery
 
@@ -1100,7 +1132,7 @@ def _tool_action(call: ToolRecord, has_reconcile: Callable[[str], bool]) -> Tool
     return ToolRecoveryAction.SETTLE_OUTCOME_UNKNOWN
 
 
-_Handler = Callable[[Projection, EventEnvelope, Any], _Mutation]
+_Handler = Callable[[Projection, EventEnvelope, Any, bool], None]
 
 _HANDLERS: dict[type[Any], _Handler] = {
     SessionCreated: Projection._session,

@@ -17,7 +17,7 @@ from .._loop._rules import model_text
 from .._models._assemble import ModelReply
 from .._models._messages import ToolResultMessage
 from .._tools._results import ToolResult
-from ._conversation import reply_record, settled_answer
+from ._conversation import reply_payload, settled_answer
 from ._durable import DurableJournal
 from ._events import (
     ErrorInfo,
@@ -64,7 +64,7 @@ class JournalRecorder:
     async def model_call_completed(
         self, turn: TurnRef, reply: ModelReply, *, inputs: Sequence[str], rejected: Mapping[str, str]
     ) -> None:
-        record = reply_record(reply, inputs=inputs, rejected=rejected)
+        response = reply_payload(reply, inputs=inputs, rejected=rejected)
         # Deferred: the reply is written with what it leads to (a call's start, which must be
         # durable before the tool runs, or the request's end); a crash before that asks the model again.
         self.journal.defer(
@@ -72,7 +72,7 @@ class JournalRecorder:
                 request_id=turn.run_id,
                 turn_id=turn.turn_id,
                 attempt_id=turn.attempt_id,
-                response=record.to_payload(),
+                response=response,
             ),
             agent_id=self.agent_id,
         )

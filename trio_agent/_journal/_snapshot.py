@@ -111,8 +111,22 @@ logger = logging.getLogger("trio_agent.journal")
 _results = cattrs.Converter()
 
 
+_SCALARS = frozenset({type(None), bool, int, float, str})
+
+
 def result_to_json(result: ToolResult) -> dict[str, Any]:
     """A `ToolResult` as stored in the journal (JSON-compatible; non-JSON output is refused)."""
+    output, display = result.output, result.display
+    if (
+        type(output) in _SCALARS
+        and result.error is None
+        and result.data is None
+        and (display is None or type(display) is str)
+        and type(result.metadata) is dict
+        and not result.metadata
+    ):
+        # The usual success, a plain value: what the converter gives it (a test holds them together).
+        return {"output": output, "error": None, "display": display, "data": None, "metadata": {}}
     data: dict[str, Any] = _results.unstructure(result, ToolResult)
     copied: dict[str, Any] = json_copy(data)
     return copied
@@ -140,10 +154,13 @@ class CallRecord:
     @property
     def result(self) -> ToolResult | None:
         """The stored result of a completed or failed call."""
-        if isinstance(self.settlement, ToolCompleted | ToolFailed):
+        if isinstance(self.settlement, (ToolCompleted, ToolFailed)):
             return result_from_json(self.settlement.result)
         return None
 
+
+_SETTLEMENTS = (ToolCompleted, ToolFailed, ToolCancelled, ToolOutcomeUnknown)
+_CALL_EVENTS = frozenset({ToolScheduled, ToolStarted, *_SETTLEMENTS})  # the events a `CallRecord` follows
 
 FOLD_AFTER = 512  # unfolded events a stream may hold before it folds them on its own
 
@@ -225,21 +242,22 @@ class _Stream:
         if self.pins:
             self.settle_pins()
         self.projection.apply(envelope)
-        self.track(envelope.event, fold_after=fold_after)
+        self.track(envelope.event, fold_after)
 
-    def track(self, event: Event, *, fold_after: int | None = FOLD_AFTER) -> None:
+    def track(self, event: Event, fold_after: int | None = FOLD_AFTER) -> None:
         """Record *event*; fold the pending events once more than *fold_after* wait (``None``:
         only when someone asks, for a journal that never snapshots: its fold may never be needed)."""
         if self.pins:
             self.settle_pins()
-        if isinstance(event, ToolScheduled):
-            self.calls[event.call_id] = CallRecord(event)
-        elif isinstance(event, ToolStarted):
-            record = self.calls[event.call_id]
-            record.started_input = dict(event.input)
-            record.attempts += 1
-        elif isinstance(event, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown):
-            self.calls[event.call_id].settlement = event
+        if type(event) in _CALL_EVENTS:  # the projection took it: its type is exact
+            if isinstance(event, ToolScheduled):
+                self.calls[event.call_id] = CallRecord(event)
+            elif isinstance(event, ToolStarted):
+                record = self.calls[event.call_id]
+                record.started_input = dict(event.input)
+                record.attempts += 1
+            elif isinstance(event, _SETTLEMENTS):
+                self.calls[event.call_id].settlement = event
         self.unfolded.append(event)
         if fold_after is not None and len(self.unfolded) > fold_after:
             self._catch_up(strict=False)
@@ -371,7 +389,7 @@ def _structure_settlement(value: object, _: object) -> Settlement | None:
     if value is None:
         return None
     event: Event = event_converter.structure(value, Event)  # type: ignore[arg-type]
-    if not isinstance(event, ToolCompleted | ToolFailed | ToolCancelled | ToolOutcomeUnknown):
+    if not isinstance(event, _SETTLEMENTS):
         raise TypeError(f"expected a settlement, got {type(event).__name__}")
     return event
 

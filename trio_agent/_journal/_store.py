@@ -47,7 +47,7 @@ from .._errors import (
     SequenceConflictError,
     StaleFencingTokenError,
 )
-from ._events import EventEnvelope, encode_event, event_converter
+from ._events import EventEnvelope, encode_event, event_converter, slot_setter
 
 __all__ = [
     "AppendBatch",
@@ -142,11 +142,15 @@ def encode_body(envelope: EventEnvelope) -> str:
     return json.dumps(encode_event(envelope, validate=False), separators=(",", ":"), allow_nan=False)
 
 
+# `json.dumps` with these options builds an encoder per call; the digest's text is this one's.
+_digest_encoder = json.JSONEncoder(separators=(",", ":"), sort_keys=True, allow_nan=False)
+
+
 def command_digest(envelopes: Sequence[EventEnvelope]) -> str:
     """A digest of what a command writes, without its position and time, so a replay matches."""
     content = [event_converter.unstructure(envelope.event, type(envelope.event)) for envelope in envelopes]
     kinds = [type(envelope.event).__name__ for envelope in envelopes]
-    text = json.dumps([kinds, content], separators=(",", ":"), sort_keys=True, allow_nan=False)
+    text = _digest_encoder.encode([kinds, content])
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -181,6 +185,29 @@ class AppendBatch:
         if (self.command_id is None) != (self.command_digest is None):
             raise JournalError("command_id and command_digest go together")
 
+    @classmethod
+    def placed(
+        cls,
+        session_id: str,
+        stream_id: str,
+        token: int,
+        envelopes: tuple[EventEnvelope, ...],
+        command_id: str | None = None,
+        command_digest: str | None = None,
+    ) -> AppendBatch:
+        """A batch a journal built from envelopes it placed itself (`place_event`), without the
+        constructor's checks: it checked the stream id (whose text holds the session id) and the
+        command id at its door, numbered the envelopes on that stream one after the other, and
+        gives a digest exactly with a command id."""
+        batch: AppendBatch = _new(cls)
+        _put_session_id(batch, session_id)
+        _put_stream_id(batch, stream_id)
+        _put_token(batch, token)
+        _put_envelopes(batch, envelopes)
+        _put_command_id(batch, command_id)
+        _put_command_digest(batch, command_digest)
+        return batch
+
     @property
     def bodies(self) -> tuple[str, ...]:
         """The stored text of each envelope, encoded on demand (by a writer thread, for the file stores).
@@ -196,6 +223,15 @@ class AppendBatch:
     @property
     def last_seq(self) -> int:
         return self.envelopes[-1].seq
+
+
+_new = object.__new__
+_put_session_id = slot_setter(AppendBatch, "session_id")
+_put_stream_id = slot_setter(AppendBatch, "stream_id")
+_put_token = slot_setter(AppendBatch, "token")
+_put_envelopes = slot_setter(AppendBatch, "envelopes")
+_put_command_id = slot_setter(AppendBatch, "command_id")
+_put_command_digest = slot_setter(AppendBatch, "command_digest")
 
 
 @attrs.frozen
@@ -381,14 +417,16 @@ def decide_append(
             )
         return AppendResult(batch.stream_id, command[1], command[2], replayed=True)
     head = 0 if stream is None else stream[1]
-    if batch.first_seq != head + 1:
+    envelopes = batch.envelopes
+    first = envelopes[0].seq
+    if first != head + 1:
         raise SequenceConflictError(
-            f"stream {batch.stream_id!r} is at {head}, the append starts at {batch.first_seq}",
+            f"stream {batch.stream_id!r} is at {head}, the append starts at {first}",
             stream_id=batch.stream_id,
-            expected=batch.first_seq - 1,
+            expected=first - 1,
             actual=head,
         )
-    return AppendResult(batch.stream_id, batch.first_seq, batch.last_seq)
+    return AppendResult(batch.stream_id, first, envelopes[-1].seq)
 
 
 def _check_fence(

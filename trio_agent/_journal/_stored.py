@@ -31,11 +31,13 @@ import json
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from ._errors import JournalCorruptError
 
 V = TypeVar("V")
+T = TypeVar("T")
+_ABSENT: Any = object()
 
 __all__ = ["StoredIndex", "dumps"]
 
@@ -132,6 +134,22 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
                 raise
         self._load()
         return self._items[key]
+
+    @overload
+    def get(self, key: str, /) -> V | None: ...
+
+    @overload
+    def get(self, key: str, default: V | T, /) -> V | T: ...
+
+    def get(self, key: str, default: object = None, /) -> object:
+        # Not `Mapping.get`: a new key (the usual lookup) would raise and catch a KeyError twice.
+        value = self._items.get(key, _ABSENT)
+        if value is not _ABSENT:
+            return value
+        if isinstance(key, str) and self._may_hold(key):
+            self._load()
+            return self._items.get(key, default)
+        return default
 
     def __contains__(self, key: object) -> bool:
         if key in self._items:
