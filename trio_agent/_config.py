@@ -13,6 +13,8 @@ MAX_TIMEOUT = 2**31 / 1000  # the largest timer the reference accepts, in second
 
 def validate_timeout(value: object, *, name: str) -> float:
     """A positive, finite number of seconds no larger than `MAX_TIMEOUT`."""
+    if type(value) is float and 0 < value <= MAX_TIMEOUT:  # the usual case (NaN fails the comparison)
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
     seconds = float(value)

@@ -407,7 +407,10 @@ class _Prepared:
         journal = options["journal"]
         # history_limit=0: the run's events and the journal are its record; nothing reads a pipeline's history.
         pipeline = ToolPipeline(
-            tools, middleware=options["tool_middleware"], journal=journal or InMemoryToolJournal(), history_limit=0
+            tools,
+            middleware=options["tool_middleware"],
+            journal=journal or InMemoryToolJournal(),
+            history_limit=0,
         )
         strategy = options["strategy"] or max_iterations(DEFAULT_MAX_ITERATIONS)
         meta = dict(options["metadata"] or {})
