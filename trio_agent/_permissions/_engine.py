@@ -84,6 +84,8 @@ __all__ = [
 
 logger = logging.getLogger("trio_agent.permissions")
 
+_NO_RULES = PermissionRules()  # immutable: every engine without rules shares it
+
 
 @attrs.frozen(eq=False)
 class PermissionRequest:
@@ -206,6 +208,43 @@ def _no_handler_message(
     return f"{head} ({why}). This is the session's configuration, not the call: {fix}."
 
 
+class _Signatures:
+    """``Name`` or ``Name:content`` of a call: the content from the engine's mapping or callable,
+    else the tool's own (`Tool.signature_content_for`)."""
+
+    __slots__ = ("content_fn", "content_map")
+
+    def __init__(
+        self,
+        content_map: Mapping[str, SignatureContent],
+        content_fn: Callable[[str, JsonObject], str | None] | None,
+    ) -> None:
+        self.content_map = content_map
+        self.content_fn = content_fn
+
+    def __call__(self, tool: Tool[Any], input: JsonObject) -> str:
+        content = self.content(tool, input)
+        return tool.name if not content else f"{tool.name}:{content}"
+
+    def content(self, tool: Tool[Any], input: JsonObject) -> str | None:
+        fn: Callable[[JsonObject], object] | None = self.content_map.get(tool.name)
+        if fn is not None:
+            value: object = fn(json_copy(input))
+        elif self.content_fn is not None:
+            value = self.content_fn(tool.name, json_copy(input))
+        elif tool.signature_content is None and type(tool).signature_content_for is Tool.signature_content_for:
+            # The tool's conventional field, read by the library (nothing of the input is handed out).
+            return tool.signature_content_for(input)
+        else:
+            # The tool's own: define_tool(signature_content=).
+            return tool.signature_content_for(json_copy(input))
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise TypeError(f"signature content must be a string or None, got {value!r}")
+        return value or None
+
+
 class PermissionEngine:
     """Decides whether tool calls may run (the table is in `trio_agent._permissions._table`'s docstring).
 
@@ -248,7 +287,7 @@ class PermissionEngine:
         on_updates_applied: UpdatesApplied | None = None,
     ) -> None:
         if rules is None:
-            rules = PermissionRules()
+            rules = _NO_RULES
         if not isinstance(rules, PermissionRules):
             raise ConfigError(f"rules must be PermissionRules, got {rules!r}")
         self._rules = rules
@@ -299,6 +338,40 @@ class PermissionEngine:
         self._approved: set[str] = set()
         self._session_allow: list[Rule] = []
         self._session_deny: list[Rule] = []
+        self._made_policy: Policy | None = None  # `_policy`
+
+    def derive(
+        self,
+        *,
+        record: PermissionRecorder | None,
+        tool_filter: ToolFilter | Callable[[str], ToolFilter] | None,
+    ) -> PermissionEngine:
+        """A new engine with this one's configuration (rules, mode, answerers, path policy, the
+        tools' checks and contents, bounds), its own *record* and *tool_filter*, and an empty
+        session layer: what a session opened from one agent definition gets, checked once."""
+        if record is not None and not callable(record):
+            raise ConfigError(f"record must be an async callable, got {record!r}")
+        if tool_filter is not None and not isinstance(tool_filter, ToolFilter) and not callable(tool_filter):
+            raise ConfigError(f"tool_filter must be a ToolFilter or a callable, got {tool_filter!r}")
+        engine = object.__new__(PermissionEngine)
+        engine._rules = self._rules
+        engine._mode = self._mode
+        engine._handler = self._handler
+        engine._hooks = self._hooks
+        engine._path_policy = self._path_policy
+        engine._record = record
+        engine._tool_checks = self._tool_checks  # never changed after construction: shared
+        engine._content_map = self._content_map
+        engine._content_fn = self._content_fn
+        engine._tool_filter = tool_filter
+        engine.ask_timeout = self.ask_timeout
+        engine.record_grace = self.record_grace
+        engine.on_updates_applied = None
+        engine._approved = set()
+        engine._session_allow = []
+        engine._session_deny = []
+        engine._made_policy = None
+        return engine
 
     # -- configuration ---------------------------------------------------------
 
@@ -416,8 +489,7 @@ class PermissionEngine:
 
     def signature(self, tool: Tool[Any], input: JsonObject) -> str:
         """``Name`` or ``Name:content`` for a call of *tool* with *input* (raises what the callable raises)."""
-        content = self._content(tool, input)
-        return tool.name if not content else f"{tool.name}:{content}"
+        return _Signatures(self._content_map, self._content_fn)(tool, input)
 
     def as_stage(self, answered: dict[tuple[str, str], StageDecision] | None = None) -> Stage:
         """This engine as a ``permission`` stage for `ToolStages`.
@@ -523,26 +595,16 @@ class PermissionEngine:
         return screen_rest(tool, screened, policy)
 
     def _policy(self) -> Policy:
-        """What the table reads of this engine, as it stands now."""
-        return Policy(
-            self._rules, self._mode, self._approved, self._session_allow, self._session_deny,
-            self._path_policy, self.signature,
-        )  # fmt: skip
-
-    def _content(self, tool: Tool[Any], input: JsonObject) -> str | None:
-        fn: Callable[[JsonObject], object] | None = self._content_map.get(tool.name)
-        if fn is not None:
-            value: object = fn(json_copy(input))
-        elif self._content_fn is not None:
-            value = self._content_fn(tool.name, json_copy(input))
-        else:
-            # The tool's own: define_tool(signature_content=), else its conventional field.
-            return tool.signature_content_for(json_copy(input))
-        if value is None:
-            return None
-        if not isinstance(value, str):
-            raise TypeError(f"signature content must be a string or None, got {value!r}")
-        return value or None
+        """What the table reads of this engine, as it stands now: made again when the mode changes
+        (the session layer is read through the engine's own collections, the rest never changes)."""
+        policy = self._made_policy
+        if policy is None or policy.mode is not self._mode:
+            signatures = _Signatures(self._content_map, self._content_fn)  # holds no engine: no cycle
+            policy = self._made_policy = Policy(
+                self._rules, self._mode, self._approved, self._session_allow, self._session_deny,
+                self._path_policy, signatures,
+            )  # fmt: skip
+        return policy
 
     def _check_for(self, tool: Tool[Any]) -> ToolPermissionCheck | None:
         check = self._tool_checks.get(tool.name)

@@ -10,7 +10,9 @@ loop run, handing it:
 * `RunPorts`: the agent's history as the conversation, the request's joined
   messages and the session's background reports as the inbox, the journal as the
   recorder, the request's event sink (run events mapped to session events), the
-  session's effect handling, the request's abort and stop handles;
+  session's effect handling, the request's abort and stop handles; for a root
+  request, whether anything reads its events (``listening``: none are built while
+  nothing does, and what the session keeps of a run does not depend on them);
 * the lifecycle composed once per agent spec: `SESSION_HOOKS` (the Stop /
   SubagentStop hook events as ``before_stop``) first, then the chat middleware.
   It serves every run of every session of the spec, so what is per run reaches
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -48,11 +51,11 @@ from .._loop._events import (
 )
 from .._loop._hooks import Lifecycle
 from .._loop._interrupts import ClientTool, InterruptDefinition
-from .._loop._ports import RunPorts, RunSpec
+from .._loop._ports import RunEventSink, RunPorts, RunSpec
 from .._loop._rules import LoopState, StopReason, first_text
 from .._loop._run import run_agent_loop
 from .._models._history import MessageView, answer_orphan_calls
-from .._models._messages import AssistantMessage, Message, ToolSpec, UserMessage
+from .._models._messages import AssistantMessage, Message, ToolCallPart, ToolSpec, UserMessage
 from .._models._service import ModelService
 from .._permissions._engine import PermissionEngine
 from .._permissions._rules import PermissionUpdate
@@ -69,7 +72,7 @@ from ._messages import (
     ToolUseEvent,
     UsageEvent,
 )
-from ._requests import _Agent, _Request, drain_holds, record_interrupted, record_raised
+from ._requests import RunParts, _Agent, _Request, drain_holds, record_interrupted, record_raised
 from ._stream import discard
 
 __all__ = ["SESSION_HOOKS", "AgentConversation", "RequestInbox", "SessionHooks", "SessionHost"]
@@ -80,13 +83,15 @@ _NOTHING_RAN = {event: HookDecision(event) for event in HookEvent}  # a dispatch
 _RUN = "trio_agent.session.run"  # ctx.metadata key of the `_RunInfo` (private to this module)
 
 
-@attrs.frozen
 class _RunInfo:
     """What the session's own hooks need of one run."""
 
-    host: SessionHost
-    agent: _Agent
-    request: _Request
+    __slots__ = ("agent", "host", "request")
+
+    def __init__(self, host: SessionHost, agent: _Agent, request: _Request) -> None:
+        self.host = host
+        self.agent = agent
+        self.request = request
 
 
 class SessionHost:
@@ -108,6 +113,7 @@ class SessionHost:
         client_tools: Mapping[str, ClientTool] | None = None,
         decided: dict[tuple[str, str], StageDecision] | None = None,
         asks_by_pausing: bool = False,
+        tracks_running: bool = True,
     ) -> None:
         self.journal = journal
         self.session_id = journal.session_id
@@ -121,7 +127,10 @@ class SessionHost:
         self.agents: dict[str, _Agent] = agents if agents is not None else {root.agent_id: root}
         self.inbox: dict[str, list[str]] = {}  # per agent: reports and effects for its next turn
         self.context: list[str] = []  # SessionStart hooks' additional context, for every model call
-        self.running: dict[tuple[str, str], _Request] = {}  # (agent id, request id) -> running request
+        # (agent id, request id) -> running request, for the task tool's foreground subagents (the
+        # only reader): kept only when the session has subagents (`tracks_running`).
+        self.running: dict[tuple[str, str], _Request] = {}
+        self.tracks_running = tracks_running
         self.call_origins: dict[str, str] = {}  # running tool call id -> its request id
         self.closing = False
         # Pauses (docs/human-in-the-loop.md): the root agent's questions, and where it waits.
@@ -132,7 +141,8 @@ class SessionHost:
         self.asks_by_pausing = asks_by_pausing  # permission_asks="interrupt"
         self._paused: PausedRun | None = None  # the last pause read from the journal (decoded once)
         self._service = service
-        self._services: dict[str, ModelService] = {service.model: service}
+        # By model name, made when another model is first asked for (`_named`).
+        self._services: dict[str, ModelService] | None = None
 
     @property
     def paused(self) -> PausedRun | None:
@@ -156,17 +166,23 @@ class SessionHost:
     def set_model(self, name: str) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"model name must be a non-empty string, not {name!r}")
-        service = self._services.get(name)
-        if service is None:
-            service = self._services[name] = self._service.with_model(name)
-        self._service = service
+        self._service = self._named(name)
 
     def service_for(self, agent: _Agent) -> ModelService:
         if agent.model is None:
             return self._service
-        service = self._services.get(agent.model)
+        return self._named(agent.model)
+
+    def _named(self, name: str) -> ModelService:
+        """The service of model *name* (one per name: the session's own first, then ones derived from
+        the current one; all with the same middleware stack)."""
+        services = self._services
+        if services is None:
+            first = self._service
+            services = self._services = {first.model: first}
+        service = services.get(name)
         if service is None:
-            service = self._services[agent.model] = self._service.with_model(agent.model)
+            service = services[name] = self._service.with_model(name)
         return service
 
     # -- shared helpers
@@ -215,7 +231,8 @@ class SessionHost:
         agent = request.agent
         journal = self.journal
         key = (agent.agent_id, request.request_id)
-        self.running[key] = request
+        if self.tracks_running:
+            self.running[key] = request
         completed = False
         try:
             if request.resume is None and agent.parent_id is None and self.paused is not None:
@@ -232,7 +249,8 @@ class SessionHost:
             extra: str | None = None
             if request.resume is not None or request.continuing:
                 pass  # a continuation (its prompt is the answers), or a request already past its prompt
-            elif agent.parent_id is None:
+            elif agent.parent_id is None and self.hooks.has_hooks(HookEvent.USER_PROMPT_SUBMIT):
+                # (With none registered the prompt joins as accepted: what a dispatch with no hook decides.)
                 decision = await self.dispatch(
                     HookEvent.USER_PROMPT_SUBMIT, agent.agent_id, prompt=prompt, abort=request.abort
                 )
@@ -263,19 +281,13 @@ class SessionHost:
                 agent.history.append(UserMessage(prompt))
             if extra:
                 agent.history.append(UserMessage(extra))
-            if agent.specs is None:  # the offered tools never change during a session
-                tools = self.pipeline.tools
-                agent.specs = [
-                    ToolSpec(tools[name].name, tools[name].description, dict(tools[name].input_schema))
-                    for name in sorted(agent.allowed)
-                    if name in tools
-                ]
-            ports = self._ports(agent, request)
+            conversation = AgentConversation(agent, request)
+            ports = self._ports(agent, request, conversation)
             outcome = await run_agent_loop(
                 self._spec(agent, request),
                 ports,
                 self.lifecycle,
-                ctx=self._context(agent, request, ports),
+                ctx=self._context(agent, request, ports.events, conversation.snapshot),
                 resume=request.resume,
             )
             request.text = outcome.text or request.text
@@ -288,8 +300,9 @@ class SessionHost:
                 )
                 completed = True
                 request.paused = PausedRun(request.request_id, self.session_id, agent.agent_id, outcome.pause)
-                done = DoneEvent(request.request_id, request.text, request.stop_reason, request.turns)
-                await request.sink(attrs.evolve(done, interrupts=outcome.pause.interrupts))
+                if request.sink is not discard:
+                    done = DoneEvent(request.request_id, request.text, request.stop_reason, request.turns)
+                    await request.sink(attrs.evolve(done, interrupts=outcome.pause.interrupts))
             elif outcome.aborted:
                 await record_interrupted(journal, request, self.cleanup_grace)
             else:
@@ -300,12 +313,14 @@ class SessionHost:
                     agent_id=agent.agent_id,
                 )
                 completed = True
-                await request.sink(DoneEvent(request.request_id, request.text, request.stop_reason, request.turns))
+                if request.sink is not discard:
+                    await request.sink(DoneEvent(request.request_id, request.text, request.stop_reason, request.turns))
         except BaseException as exc:
             if not await record_raised(journal, request, exc, self.cleanup_grace):
                 raise
         finally:
-            self.running.pop(key, None)
+            if self.tracks_running:
+                self.running.pop(key, None)
             # No message that joined may be lost: whatever is still pending reaches the next turn.
             request.accepting = False
             if request.pending:
@@ -320,18 +335,11 @@ class SessionHost:
             request.finish()
 
     def _spec(self, agent: _Agent, request: _Request) -> RunSpec:
-        context = self.context
-
-        def instructions() -> str:
-            return "\n\n".join([agent.system_prompt, *context]).strip()
-
-        offered = tuple(agent.specs or ())
-        allowed: Collection[str] = agent.allowed
-        client_tools: Mapping[str, ClientTool] = {}
-        if agent.parent_id is None and self.client_tools:  # only the root agent's requests pause
-            client_tools = self.client_tools
-            offered += tuple(ToolSpec(t.name, t.description, dict(t.input_schema)) for t in client_tools.values())
-            allowed = agent.allowed | frozenset(client_tools)
+        parts = agent.run_parts
+        if parts is None:
+            parts = agent.run_parts = self._run_parts(agent)
+        instructions, offered, allowed, metadata = parts
+        root = agent.parent_id is None
         return RunSpec(
             run_id=request.request_id,
             agent_id=agent.agent_id,
@@ -340,25 +348,44 @@ class SessionHost:
             offered=offered,
             allowed=allowed,
             strategy=agent.strategy(),
-            model_metadata={"session_id": self.session_id, "agent_id": agent.agent_id},
+            model_metadata=metadata,  # read-only: the loop copies it into each model call
             lineage=agent.lineage,
             session_id=self.session_id,
-            client_tools=client_tools,
-            interrupts=self.interrupts if agent.parent_id is None else {},
-            can_pause=agent.parent_id is None,
+            client_tools=self.client_tools if root else {},
+            interrupts=self.interrupts if root else {},
+            can_pause=root,
             cleanup_grace=self.cleanup_grace,
             turns_before=request.turns_before,
         )
 
-    def _context(self, agent: _Agent, request: _Request, ports: RunPorts) -> RunContext:
-        conversation = ports.conversation
+    def _run_parts(self, agent: _Agent) -> RunParts:
+        """What every run of *agent* hands the loop alike: made at its first request (the offered
+        tools, the allowlist and the instructions' parts never change during a session)."""
+        tools = self.pipeline.tools
+        specs = [
+            ToolSpec(tools[name].name, tools[name].description, dict(tools[name].input_schema))
+            for name in sorted(agent.allowed)
+            if name in tools
+        ]
+        offered = tuple(specs)
+        allowed: Collection[str] = agent.allowed
+        client_tools = self.client_tools
+        if agent.parent_id is None and client_tools:  # only the root agent's requests pause
+            offered += tuple(ToolSpec(t.name, t.description, dict(t.input_schema)) for t in client_tools.values())
+            allowed = agent.allowed | frozenset(client_tools)
+        metadata = MappingProxyType({"session_id": self.session_id, "agent_id": agent.agent_id})
+        return _Instructions(agent.system_prompt, self.context), offered, allowed, metadata
+
+    def _context(
+        self, agent: _Agent, request: _Request, events: RunEventSink, messages: Callable[[], Sequence[Message]]
+    ) -> RunContext:
         return RunContext(
             run_id=request.request_id,
             thread_id=self.session_id,
             agent_id=agent.agent_id,
             abort=request.abort,
-            events=ports.events,
-            messages=lambda: conversation.view(()),
+            events=events,
+            messages=messages,
             request_id=request.request_id,
             metadata={
                 "session_id": self.session_id,
@@ -370,92 +397,26 @@ class SessionHost:
             },
         )
 
-    def _ports(self, agent: _Agent, request: _Request) -> RunPorts:
-        agent_id = agent.agent_id
-        text: list[str] = []
-        call_origins = self.call_origins
-        observe = request.observe
-
-        # The loop's events, as the session's stream has always shown them (one dict lookup per event).
-        # Session events are built only when someone reads them (`send()` discards them).
-        async def text_delta(event: Any) -> None:
-            text.append(event.delta)
-            if request.sink is not discard:
-                await request.sink(TextDeltaEvent(agent_id, event.delta))
-
-        async def usage(event: Any) -> None:
-            if request.sink is not discard:
-                await request.sink(UsageEvent(agent_id, event.usage))
-
-        async def tool_use(event: Any) -> None:
-            request.call_ids.append(event.call_id)
-            call_origins[event.call_id] = request.request_id
-            if request.sink is not discard:
-                await request.sink(ToolUseEvent(agent_id, event.call_id, event.tool_name, event.input))
-
-        async def tool_progress(event: Any) -> None:
-            if request.sink is not discard:
-                await request.sink(ToolProgressEvent(agent_id, event.call_id, event.item))
-
-        async def tool_result(event: Any) -> None:
-            call_origins.pop(event.call_id, None)
-            if request.sink is discard:
-                return
-            error = event.result.error
-            if error is not None and error.code == "no_handler":
-                # A refusal nobody could have approved is made visible, not only told to the model.
-                await request.sink(
-                    PermissionDeniedEvent(agent_id, event.call_id, event.tool_name, "no_handler", error.message)
-                )
-            await request.sink(ToolResultEvent(agent_id, event.call_id, event.tool_name, event.result))
-
-        async def text_start(event: Any) -> None:
-            text.clear()
-
-        async def text_end(event: Any) -> None:
-            if text:
-                request.text = "".join(text)
-
-        async def step(event: Any) -> None:
-            request.turns += 1
-
-        handlers: dict[type, Callable[[Any], Awaitable[None]]] = {
-            TextMessageContent: text_delta,
-            UsageReported: usage,
-            ToolCallEnd: tool_use,
-            ToolCallProgress: tool_progress,
-            ToolCallResult: tool_result,
-            TextMessageStart: text_start,
-            TextMessageEnd: text_end,
-            StepStarted: step,
-        }
-        lookup = handlers.get
-
-        async def events(event: RunEvent) -> None:
-            if observe is not None:
-                await observe(event)
-            handler = lookup(type(event))
-            if handler is not None:
-                await handler(event)
-
-        async def effects(agent_id_: str, call_id: str, items: Sequence[Effect]) -> None:
-            try:
-                for effect in items:
-                    await self.apply_effect(agent, effect, call_id)
-            finally:
-                call_origins.pop(call_id, None)
-
+    def _ports(self, agent: _Agent, request: _Request, conversation: AgentConversation) -> RunPorts:
+        events = _RunEvents(self, agent, request)
+        # A root request tells the loop when anything reads its events (a stream, or one that joined):
+        # none are built meanwhile, and what the session itself keeps of them is kept without them
+        # (`_RunEvents`). A continuation, and every subagent run, hears all of them.
+        quiet_while_unread = agent.parent_id is None and request.resume is None
+        if quiet_while_unread:
+            request.turn_counted = False
         return RunPorts(
             model=self.service_for(agent),
             tools=self.pipeline,
-            conversation=AgentConversation(agent),
-            inbox=RequestInbox(self.inbox, agent_id, request),
-            recorder=JournalRecorder(self.journal, agent_id),
+            conversation=conversation,
+            inbox=RequestInbox(self.inbox, agent.agent_id, request, counts_turns=quiet_while_unread),
+            recorder=JournalRecorder(self.journal, agent.agent_id),
             events=events,
-            effects=effects,
+            effects=events.effects,
             abort=request.abort,
             stop=request.stop if agent.parent_id is not None else None,  # only a subagent is told to stop
             gate=self._gate(agent, request),
+            listening=request.listening if quiet_while_unread else None,
         )
 
     def _gate(self, agent: _Agent, request: _Request) -> PermissionGate | None:
@@ -475,19 +436,167 @@ class SessionHost:
         )
 
 
-class AgentConversation:
-    """An agent's history: appended to, read by the model through a copy-free view."""
+class _Instructions:
+    """An agent's instructions, read at every model call: its system prompt, then the session's
+    SessionStart context (which may grow). Holds no agent, so an agent may keep it."""
 
-    __slots__ = ("agent",)
+    __slots__ = ("context", "system_prompt")
 
-    def __init__(self, agent: _Agent) -> None:
+    def __init__(self, system_prompt: str, context: list[str]) -> None:
+        self.system_prompt = system_prompt
+        self.context = context
+
+    def __call__(self) -> str:
+        context = self.context
+        if not context:
+            return self.system_prompt.strip()
+        return "\n\n".join([self.system_prompt, *context]).strip()
+
+
+class _RunEvents:
+    """One request's run events, mapped to the session's events (one dict lookup per event).
+
+    Session events are built only for a sink that reads them (`send()` discards them). What the
+    session keeps of a run (its text, turns and calls) does not depend on hearing the events: a
+    root request's loop builds none while nobody reads them (`_Request.listening`), so the text
+    and the calls come from the replies the conversation takes (`AgentConversation`), and the
+    turns from the inbox (`RequestInbox`) while nobody listens.
+    """
+
+    __slots__ = ("agent", "agent_id", "call_origins", "host", "observe", "request")
+
+    def __init__(self, host: SessionHost, agent: _Agent, request: _Request) -> None:
+        self.host = host
         self.agent = agent
+        self.agent_id = agent.agent_id
+        self.request = request
+        self.call_origins = host.call_origins
+        self.observe = request.observe
+
+    async def __call__(self, event: RunEvent) -> None:
+        observe = self.observe
+        if observe is not None:
+            await observe(event)
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            await handler(self, event)
+
+    async def _text_start(self, event: Any) -> None:
+        self.request.heard_text = []
+
+    async def _text_delta(self, event: Any) -> None:
+        request = self.request
+        heard = request.heard_text
+        if heard is not None:
+            heard.append(event.delta)
+        if request.sink is not discard:
+            await request.sink(TextDeltaEvent(self.agent_id, event.delta))
+
+    async def _text_end(self, event: Any) -> None:
+        request = self.request
+        if request.heard_text:
+            request.text = "".join(request.heard_text)
+
+    async def _usage(self, event: Any) -> None:
+        request = self.request
+        if request.sink is not discard:
+            await request.sink(UsageEvent(self.agent_id, event.usage))
+
+    async def _tool_use(self, event: Any) -> None:
+        request = self.request
+        request.call_ids.append(event.call_id)  # a continuation's calls are of an earlier reply
+        self.call_origins[event.call_id] = request.request_id
+        if request.sink is not discard:
+            await request.sink(ToolUseEvent(self.agent_id, event.call_id, event.tool_name, event.input))
+
+    async def _tool_progress(self, event: Any) -> None:
+        request = self.request
+        if request.sink is not discard:
+            await request.sink(ToolProgressEvent(self.agent_id, event.call_id, event.item))
+
+    async def _tool_result(self, event: Any) -> None:
+        self.call_origins.pop(event.call_id, None)
+        request = self.request
+        if request.sink is discard:
+            return
+        error = event.result.error
+        if error is not None and error.code == "no_handler":
+            # A refusal nobody could have approved is made visible, not only told to the model.
+            await request.sink(
+                PermissionDeniedEvent(self.agent_id, event.call_id, event.tool_name, "no_handler", error.message)
+            )
+        await request.sink(ToolResultEvent(self.agent_id, event.call_id, event.tool_name, event.result))
+
+    async def _step(self, event: Any) -> None:
+        request = self.request
+        if request.turn_counted:  # counted by the inbox while nobody listened (`RequestInbox.begin_turn`)
+            request.turn_counted = False
+        else:
+            request.turns += 1
+
+    async def effects(self, agent_id: str, call_id: str, items: Sequence[Effect]) -> None:
+        try:
+            for effect in items:
+                await self.host.apply_effect(self.agent, effect, call_id)
+        finally:
+            self.call_origins.pop(call_id, None)
+
+
+_HANDLERS: dict[type, Callable[[_RunEvents, Any], Awaitable[None]]] = {
+    TextMessageStart: _RunEvents._text_start,
+    TextMessageContent: _RunEvents._text_delta,
+    TextMessageEnd: _RunEvents._text_end,
+    UsageReported: _RunEvents._usage,
+    ToolCallEnd: _RunEvents._tool_use,
+    ToolCallProgress: _RunEvents._tool_progress,
+    ToolCallResult: _RunEvents._tool_result,
+    StepStarted: _RunEvents._step,
+}
+
+
+class AgentConversation:
+    """An agent's history as one request's run sees it: appended to, read by the model through a
+    copy-free view. The run's replies give the request its text and its calls."""
+
+    __slots__ = ("agent", "request")
+
+    def __init__(self, agent: _Agent, request: _Request) -> None:
+        self.agent = agent
+        self.request = request
 
     def view(self, prefix: tuple[Message, ...]) -> Sequence[Message]:
         return MessageView(self.agent.history, prefix)
 
+    def snapshot(self) -> Sequence[Message]:
+        return MessageView(self.agent.history, ())
+
     def extend(self, messages: Iterable[Message]) -> None:
-        self.agent.history.extend(messages)
+        history = self.agent.history
+        start = len(history)
+        history.extend(messages)
+        if len(history) - start == 1:  # the usual call: one reply, or one turn's input
+            message = history[start]
+            if isinstance(message, AssistantMessage):
+                self._replied(message)
+            return
+        for message in history[start:]:
+            if isinstance(message, AssistantMessage):
+                self._replied(message)
+
+    def _replied(self, message: AssistantMessage) -> None:
+        request = self.request
+        if request.heard_text is not None:
+            request.heard_text = None  # its text was heard as it streamed (`_RunEvents`)
+        else:
+            # Streamed while nobody listened: the reply's text, as the loop's own (`Finished.text`).
+            text = first_text(message.parts)
+            if text:
+                request.text = text
+        # An abort keeps the committed results of the calls (`record_interrupted`).
+        call_ids = request.call_ids
+        for part in message.parts:
+            if isinstance(part, ToolCallPart):
+                call_ids.append(part.id)
 
     def call_ids(self) -> Collection[str]:
         return self.agent.call_index.update(self.agent.history)
@@ -497,15 +606,25 @@ class RequestInbox:
     """Messages that joined the request (priority next/now), the session's background reports for
     the agent, and a Stop hook's continuation."""
 
-    __slots__ = ("agent_id", "inbox", "request")
+    __slots__ = ("agent_id", "counts_turns", "inbox", "request")
 
-    def __init__(self, inbox: dict[str, list[str]], agent_id: str, request: _Request) -> None:
+    def __init__(
+        self, inbox: dict[str, list[str]], agent_id: str, request: _Request, *, counts_turns: bool = False
+    ) -> None:
         self.inbox = inbox
         self.agent_id = agent_id
         self.request = request
+        self.counts_turns = counts_turns  # the loop may build no StepStarted (`_RunEvents`)
 
     def begin_turn(self) -> tuple[list[str], AbortHandle]:
         request = self.request
+        if self.counts_turns:
+            # Nobody listens: the loop will build no StepStarted for this turn, so it counts here
+            # (a listener that joins before it would see the event: `_RunEvents._step` skips it).
+            listening = request.listening()
+            request.turn_counted = not listening
+            if not listening:
+                request.turns += 1
         inputs = self.inbox.pop(self.agent_id, [])
         while request.pending:
             inputs.append(request.pending.pop(0))
@@ -545,6 +664,9 @@ class SessionHooks(Lifecycle):
         if not isinstance(info, _RunInfo):
             return None
         host, agent, request = info.host, info.agent, info.request
+        event = HookEvent.STOP if agent.parent_id is None else HookEvent.SUBAGENT_STOP
+        if not host.hooks.has_hooks(event):
+            return None  # what a dispatch with no hook decides (`SessionHost.dispatch`)
         last = _last_text(agent.history)
         if agent.parent_id is None:
             decision = await host.dispatch(HookEvent.STOP, agent.agent_id, last_message=last, abort=request.abort)

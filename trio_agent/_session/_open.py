@@ -1,19 +1,24 @@
 """`open_session`: a session of an `AgentSpec` (or of keyword options, which build one).
 
-Order, each step depending only on the ones before it: the journal (opened here,
-or given: then the caller keeps it), the provider (a name is created and closed
-here), the model service, the permission engine (recording into the journal),
-the tool pipeline, the host, the nursery, the subagent supervisor, the request
-queue, the `Session`. Nothing is bound late.
+Order, each step depending only on the ones before it: the provider (a name is
+created and closed here), the journal (opened here, or given: then the caller
+keeps it), the model service (the spec's, on its own provider), the permission
+engine (derived from the spec's, recording into the journal), the tool pipeline,
+the host, the request queue, the nursery, the subagent supervisor, the `Session`.
+Nothing is bound late. The block is a plain class (`_SessionBlock`): it leaves what
+it entered in reverse, as the nested ``async with`` blocks would, and keeps no
+generator frame or exit stack while the session is open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, Literal
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from types import TracebackType
+from typing import Any, Literal, NoReturn
 
 import trio
 
@@ -31,9 +36,9 @@ from .._lifecycle._middleware import ChatMiddleware
 from .._loop._interrupts import ClientTool, InterruptDefinition
 from .._models._history import validate_history
 from .._models._messages import Message
-from .._models._service import ModelService, Provider, RetryPolicy
-from .._permissions._engine import PermissionHandler, UpdatesApplied
-from .._permissions._rules import PermissionMode, PermissionRules, PermissionUpdate, ToolFilter, update_to_json
+from .._models._service import Provider, RetryPolicy
+from .._permissions._engine import PermissionHandler
+from .._permissions._rules import PermissionMode, PermissionRules, PermissionUpdate, update_to_json
 from .._tools._definition import Tool
 from .._tools._pipeline import ToolPipeline
 from .._tools._scheduler import SchedulerLimits, ToolScheduler
@@ -45,15 +50,15 @@ from ._requests import RequestQueue, _Agent
 from ._session import Session
 from ._spec import AgentSpec, PermissionAsks, define_agent
 from ._subagents import SubagentDefinition, SubagentSupervisor
-from ._wiring import journal_permissions, permission_engine, session_stages
+from ._task_tools import TaskTools
+from ._wiring import journal_permissions, session_stages
 
 __all__ = ["open_session"]
 
 JournalOption = DurableJournal | JournalStore | str | os.PathLike[str] | None
 
 
-@asynccontextmanager
-async def open_session(
+def open_session(
     spec: AgentSpec | None = None,
     /,
     *,
@@ -89,7 +94,7 @@ async def open_session(
     permission_asks: PermissionAsks = "handler",
     interrupts: Sequence[InterruptDefinition] = (),
     unfinished: Literal["interrupt", "keep"] = "interrupt",
-) -> AsyncIterator[Session]:
+) -> AbstractAsyncContextManager[Session]:
     """Open a session: ``async with open_session(spec) as session`` (the spec's ``createSession``).
 
     *spec* is an `AgentSpec` (`define_agent`); without one, the agent options
@@ -128,179 +133,339 @@ async def open_session(
     before anything starts; errors at the boundary are trio_agent errors, never
     exception groups, and a cancellation from outside is one ``trio.Cancelled``.
     """
-    require_trio("open_session()")
-    options: dict[str, Any] = {
-        "provider": provider,
-        "model": model,
-        "system_prompt": system_prompt,
-        "tools": tools,
-        "plugins": plugins,
-        "middleware": middleware,
-        "lifecycle": lifecycle,
-        "hooks": hooks,
-        "allowed_tools": allowed_tools,
-        "disallowed_tools": disallowed_tools,
-        "permissions": permissions,
-        "permission_mode": permission_mode,
-        "permission_handler": permission_handler,
-        "max_turns": max_turns,
-        "subagents": subagents,
-        "workspace_roots": workspace_roots,
-        "hook_deadlines": hook_deadlines,
-        "retry": retry,
-        "scheduler_limits": scheduler_limits,
-        "model_request_timeout": model_request_timeout,
-        "tool_timeout": tool_timeout,
-        "permission_asks": permission_asks,
-        "interrupts": interrupts,
-    }
-    if spec is None:
-        if provider is None:
-            raise ConfigError("open_session needs an AgentSpec (define_agent) or provider=")
-        spec = define_agent(**options)
-    elif not isinstance(spec, AgentSpec):
-        raise ConfigError(f"open_session takes an AgentSpec (define_agent(...)), not {spec!r}")
-    else:
-        given = sorted(name for name, value in options.items() if value != _DEFAULTS[name])
-        if given:
-            raise ConfigError(f"agent options {given} belong to define_agent; pass them there, not with a spec")
-    cleanup_grace = validate_cleanup_grace(cleanup_grace)
-    close_timeout = validate_timeout(close_timeout, name="close_timeout")
-    seed = None if history is None else validate_history(history)
-    if session_id is not None:
-        validate_id(session_id, name="session_id")
-    if isinstance(journal, DurableJournal) and session_id not in (None, journal.session_id):
-        raise ConfigError(f"session_id {session_id!r} differs from the given journal's {journal.session_id!r}")
-    if unfinished not in ("interrupt", "keep"):
-        raise ConfigError(f"unfinished must be 'interrupt' or 'keep', not {unfinished!r}")
-    if not isinstance(durable_pure_starts, bool):
-        raise ConfigError(f"durable_pure_starts must be True or False, not {durable_pure_starts!r}")
-    if isinstance(journal, DurableJournal) and durable_pure_starts != journal.durable_pure_starts:
-        raise ConfigError("durable_pure_starts belongs to open_journal for a journal given open")
-    try:
-        async with AsyncExitStack() as stack:
-            provider_obj = await _provider(stack, spec)  # a missing API key fails before any journal opens
-            validate_capabilities(spec.middleware, provider_obj)  # the adapter's requires too
-            durable = await _journal(
-                stack, journal, session_id, lease_ttl, takeover_timeout, cleanup_grace, durable_pure_starts
-            )
-            service = ModelService(
-                provider_obj,
-                spec.parts.model_middleware,
-                retry=spec.retry,
-                request_timeout=spec.model_request_timeout,
-                cleanup_grace=cleanup_grace,
-            )
-            root = _Agent(
-                agent_id=durable.root_agent_id,
-                name="root",
-                system_prompt=spec.system_prompt,
-                allowed=spec.parts.allowed,
-                max_turns=spec.max_turns,
-            )
-            agents = {root.agent_id: root}  # the host's live registry of agents that make calls
+    # In define_agent's order (`_AGENT_OPTIONS`): checked with their defaults when the block opens.
+    agent_options: tuple[Any, ...] = (
+        provider, model, system_prompt, tools, plugins, middleware, lifecycle, hooks, allowed_tools,
+        disallowed_tools, permissions, permission_mode, permission_handler, max_turns, subagents,
+        workspace_roots, hook_deadlines, retry, scheduler_limits, model_request_timeout, tool_timeout,
+        permission_asks, interrupts,
+    )  # fmt: skip
+    return _SessionBlock(
+        spec,
+        agent_options,
+        _Options(
+            journal, session_id, lease_ttl, takeover_timeout, durable_pure_starts, cleanup_grace, close_timeout,
+            history, unfinished,
+        ),
+    )  # fmt: skip
 
-            def agent_filter(agent_id: str) -> ToolFilter:
-                # Every agent's calls are checked against its own allowlist (subagents included).
-                agent = agents.get(agent_id)
-                return ToolFilter(allowed=None if agent is None else sorted(agent.allowed))
 
-            engine = permission_engine(spec.parts, record=journal_permissions(durable), agent_filter=agent_filter)
-            # What a person answered by resuming a paused request, per call, for the permission stage.
-            decided: dict[tuple[str, str], StageDecision] = {}
-            pipeline = ToolPipeline(
-                spec.parts.tools.values(),
-                middleware=spec.parts.tool_middleware,
-                journal=durable,
-                scheduler=ToolScheduler(spec.scheduler_limits),
-                stages=session_stages(spec.parts, engine, decided),
-                timeout=spec.tool_timeout,
-                workspace=spec.parts.workspace,
-                unwind_grace=spec.unwind_grace,
-                settle_grace=cleanup_grace,
-                history_limit=0,  # the journal is the session's record of its calls
-            )
-            host = SessionHost(
-                journal=durable,
-                service=service,
-                pipeline=pipeline,
-                root=root,
-                hooks=spec.parts.hooks,
-                lifecycle=spec.lifecycle,
-                permissions=engine,
-                agents=agents,
-                cleanup_grace=cleanup_grace,
-                interrupts=spec.interrupts,
-                client_tools=spec.client_tools,
-                decided=decided,
-                asks_by_pausing=spec.permission_asks == "interrupt",
-            )
-            queue = RequestQueue(durable, root, max_queued=64, cleanup_grace=cleanup_grace)
-            # Write-ahead: a rule update is durable before the engine applies it.
-            engine.on_updates_applied = _permission_journal(host, queue)
-            close_reason = SessionCloseReason.COMPLETED
-            async with trio.open_nursery() as nursery:
-                supervisor = SubagentSupervisor(
-                    host, dict(spec.definitions), nursery, persistence=spec.subagent_persistence
-                )
-                session = Session(
-                    host=host, queue=queue, supervisor=supervisor, nursery=nursery, close_timeout=close_timeout
-                )
-                if spec.task_tools is not None:
-                    stack.enter_context(spec.task_tools.serving(durable.session_id, supervisor))
-                queue.serve_in(nursery, host.run_request)
-                try:
-                    await session._start(spec.parts.tools, seed, keep_requests=unfinished == "keep")
-                    yield session
-                except BaseException:
-                    close_reason = SessionCloseReason.ERROR
-                    raise
-                finally:
-                    await session._close(close_reason)
-                    nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # A public boundary never raises a group. The body's own error (even a user's exception
-        # group) comes out unchanged; a failure of the session's tasks comes out as one typed
-        # error; a cancellation from outside comes out as one `trio.Cancelled`.
-        if len(group.exceptions) == 1:
-            only = group.exceptions[0]
-            if not isinstance(only, BaseExceptionGroup) or (typed_error(only) is None and not contains_cancelled(only)):
-                raise only  # noqa: B904 - `from` would overwrite the error's own cause
-        single = unwrap_for_boundary(group)
-        if single is group:
+class _Options:
+    """`open_session`'s options that are not the agent's, as given (checked when the block opens)."""
+
+    __slots__ = (
+        "cleanup_grace",
+        "close_timeout",
+        "durable_pure_starts",
+        "history",
+        "journal",
+        "lease_ttl",
+        "session_id",
+        "takeover_timeout",
+        "unfinished",
+    )
+
+    def __init__(
+        self,
+        journal: JournalOption,
+        session_id: str | None,
+        lease_ttl: float,
+        takeover_timeout: float,
+        durable_pure_starts: bool,
+        cleanup_grace: float,
+        close_timeout: float,
+        history: Sequence[Message] | None,
+        unfinished: str,
+    ) -> None:
+        self.journal = journal
+        self.session_id = session_id
+        self.lease_ttl = lease_ttl
+        self.takeover_timeout = takeover_timeout
+        self.durable_pure_starts = durable_pure_starts
+        self.cleanup_grace = cleanup_grace
+        self.close_timeout = close_timeout
+        self.history = history
+        self.unfinished = unfinished
+
+
+class _SessionBlock:
+    """``async with open_session(...)``: what the block opens, in order, and leaves in reverse.
+
+    Opening enters the provider (one named by string), then the journal, then the session's
+    nursery, and starts the session in it; leaving closes the session, then leaves the
+    nursery, the journal and the provider, exactly as the nested ``async with`` blocks of
+    that order would (`_leave`). No generator frame or exit stack outlives the opening.
+    """
+
+    __slots__ = ("_journal_cm", "_nursery", "_nursery_cm", "_options", "_provider_cm", "_routed", "_session")
+
+    def __init__(self, spec: AgentSpec | None, agent_options: tuple[Any, ...], options: _Options) -> None:
+        self._options: tuple[AgentSpec | None, tuple[Any, ...], _Options] | None = (spec, agent_options, options)
+        self._provider_cm: AbstractAsyncContextManager[Provider] | None = None
+        self._journal_cm: AbstractAsyncContextManager[DurableJournal] | None = None
+        self._nursery_cm: AbstractAsyncContextManager[trio.Nursery] | None = None
+        self._nursery: trio.Nursery | None = None
+        self._routed: tuple[TaskTools, str] | None = None  # the spec's task tools route this session
+        self._session: Session | None = None  # from the start of its life on: it must be closed
+
+    async def __aenter__(self) -> Session:
+        try:
+            try:
+                return await self._enter()
+            except BaseException as exc:
+                if self._provider_cm is None:
+                    raise  # nothing was opened yet
+                await self._leave(exc)
+                raise RuntimeError("open_session: an exit swallowed the error that stopped the opening") from exc
+        except BaseExceptionGroup as group:
+            _raise_at_boundary(group)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        try:
+            try:
+                await self._leave(exc)
+            except BaseExceptionGroup as group:
+                _raise_at_boundary(group)
+        except BaseException as out:
+            if out is exc:  # the body's own error goes on as itself
+                out.__traceback__ = tb
+                return False
             raise
-        raise single from None
+        finally:
+            # What the block opened is closed: a caller that keeps the block keeps none of it.
+            self._session = self._nursery = self._nursery_cm = self._journal_cm = self._provider_cm = None
+        return False
+
+    async def _enter(self) -> Session:
+        require_trio("open_session()")
+        given = self._options
+        if given is None:
+            raise RuntimeError("an open_session(...) block can be entered once")
+        self._options = None
+        spec, agent_options, options = given
+        if spec is None:
+            if agent_options[0] is None:  # provider
+                raise ConfigError("open_session needs an AgentSpec (define_agent) or provider=")
+            spec = define_agent(**dict(zip(_AGENT_OPTIONS, agent_options, strict=True)))
+        elif not isinstance(spec, AgentSpec):
+            raise ConfigError(f"open_session takes an AgentSpec (define_agent(...)), not {spec!r}")
+        elif agent_options != _AGENT_DEFAULTS:
+            named = sorted(
+                name
+                for name, value, default in zip(_AGENT_OPTIONS, agent_options, _AGENT_DEFAULTS, strict=True)
+                if value != default
+            )
+            if named:
+                raise ConfigError(f"agent options {named} belong to define_agent; pass them there, not with a spec")
+        journal, session_id, unfinished = options.journal, options.session_id, options.unfinished
+        cleanup_grace = validate_cleanup_grace(options.cleanup_grace)
+        close_timeout = validate_timeout(options.close_timeout, name="close_timeout")
+        seed = None if options.history is None else validate_history(options.history)
+        if session_id is not None:
+            validate_id(session_id, name="session_id")
+        if isinstance(journal, DurableJournal) and session_id not in (None, journal.session_id):
+            raise ConfigError(f"session_id {session_id!r} differs from the given journal's {journal.session_id!r}")
+        if unfinished not in ("interrupt", "keep"):
+            raise ConfigError(f"unfinished must be 'interrupt' or 'keep', not {unfinished!r}")
+        durable_pure_starts = options.durable_pure_starts
+        if not isinstance(durable_pure_starts, bool):
+            raise ConfigError(f"durable_pure_starts must be True or False, not {durable_pure_starts!r}")
+        if isinstance(journal, DurableJournal) and durable_pure_starts != journal.durable_pure_starts:
+            raise ConfigError("durable_pure_starts belongs to open_journal for a journal given open")
+
+        # A missing API key fails before any journal opens.
+        provider_cm = _provider(spec)
+        provider_obj = await provider_cm.__aenter__()
+        self._provider_cm = provider_cm
+        if spec.middleware or getattr(provider_obj, "requires", None) is not None:
+            validate_capabilities(spec.middleware, provider_obj)  # the adapter's requires too
+        journal_cm = _journal(
+            journal, session_id, options.lease_ttl, options.takeover_timeout, cleanup_grace, durable_pure_starts
+        )
+        durable = await journal_cm.__aenter__()
+        self._journal_cm = journal_cm
+        service = spec.model_service(provider_obj, cleanup_grace)
+        root = _Agent(
+            agent_id=durable.root_agent_id,
+            name="root",
+            system_prompt=spec.system_prompt,
+            allowed=spec.parts.allowed,
+            max_turns=spec.max_turns,
+            tool_filter=spec.parts.root_filter,
+        )
+        agents = {root.agent_id: root}  # the host's live registry of agents that make calls
+        engine = spec.parts.session_engine(journal_permissions(durable), agents)
+        # What a person answered by resuming a paused request, per call, for the permission stage.
+        decided: dict[tuple[str, str], StageDecision] = {}
+        pipeline = ToolPipeline(
+            spec.parts.tools.values(),
+            middleware=spec.parts.tool_middleware,
+            journal=durable,
+            scheduler=ToolScheduler(spec.scheduler_limits),
+            stages=session_stages(spec.parts, engine, decided),
+            timeout=spec.tool_timeout,
+            workspace=spec.parts.workspace,
+            unwind_grace=spec.unwind_grace,
+            settle_grace=cleanup_grace,
+            history_limit=0,  # the journal is the session's record of its calls
+        )
+        host = SessionHost(
+            journal=durable,
+            service=service,
+            pipeline=pipeline,
+            root=root,
+            hooks=spec.parts.hooks,
+            lifecycle=spec.lifecycle,
+            permissions=engine,
+            agents=agents,
+            cleanup_grace=cleanup_grace,
+            interrupts=spec.interrupts,
+            client_tools=spec.client_tools,
+            decided=decided,
+            asks_by_pausing=spec.permission_asks == "interrupt",
+            tracks_running=bool(spec.definitions),  # only the task tool's foreground subagents look
+        )
+        queue = RequestQueue(durable, root, max_queued=64, cleanup_grace=cleanup_grace)
+        # Write-ahead: a rule update is durable before the engine applies it.
+        engine.on_updates_applied = _RecordUpdates(host, queue)
+        nursery_cm = trio.open_nursery()
+        nursery = await nursery_cm.__aenter__()
+        self._nursery_cm, self._nursery = nursery_cm, nursery
+        supervisor = SubagentSupervisor(host, dict(spec.definitions), nursery, persistence=spec.subagent_persistence)
+        session = Session(host=host, queue=queue, supervisor=supervisor, nursery=nursery, close_timeout=close_timeout)
+        task_tools = spec.task_tools
+        if task_tools is not None:
+            task_tools.route(durable.session_id, supervisor)
+            self._routed = (task_tools, durable.session_id)
+        queue.serve_in(nursery, host.run_request)
+        self._session = session
+        await session._start(spec.parts.tools, seed, keep_requests=unfinished == "keep")
+        return session
+
+    async def _leave(self, exc: BaseException | None) -> None:
+        """Leave what `_enter` entered, innermost first, as these nested blocks would with *exc*
+        coming out of the innermost (the body, or a failed start)::
+
+            async with provider:                  # _provider_cm
+                async with journal:               # _journal_cm
+                    try:
+                        async with nursery:       # _nursery_cm
+                            try: <the body>
+                            finally: close the session, then cancel what still runs
+                    finally: unroute the task tools
+
+        Raises what comes out of the outermost; returns if nothing does.
+        """
+        try:
+            try:
+                try:
+                    try:
+                        try:
+                            if exc is not None:
+                                raise exc
+                        finally:
+                            session = self._session
+                            if session is not None:
+                                await session._close(
+                                    SessionCloseReason.ERROR if exc is not None else SessionCloseReason.COMPLETED
+                                )
+                                nursery = self._nursery
+                                if nursery is not None and nursery.child_tasks:  # else its exit waits for nothing
+                                    nursery.cancel_scope.cancel()
+                    except BaseException as error:
+                        if self._nursery_cm is None or not await self._nursery_cm.__aexit__(
+                            type(error), error, error.__traceback__
+                        ):
+                            raise
+                    else:
+                        if self._nursery_cm is not None:
+                            await self._nursery_cm.__aexit__(None, None, None)
+                finally:
+                    routed = self._routed
+                    if routed is not None:
+                        routed[0].unroute(routed[1])
+            except BaseException as error:
+                if self._journal_cm is None or not await self._journal_cm.__aexit__(
+                    type(error), error, error.__traceback__
+                ):
+                    raise
+            else:
+                if self._journal_cm is not None:
+                    await self._journal_cm.__aexit__(None, None, None)
+        except BaseException as error:
+            if self._provider_cm is None or not await self._provider_cm.__aexit__(
+                type(error), error, error.__traceback__
+            ):
+                raise
+        else:
+            if self._provider_cm is not None:
+                await self._provider_cm.__aexit__(None, None, None)
 
 
-# What each agent option is when not given (`provider` has none in define_agent).
-_DEFAULTS: dict[str, Any] = {
-    **{name: parameter.default for name, parameter in inspect.signature(define_agent).parameters.items()},
-    "provider": None,
-}
+def _raise_at_boundary(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """A public boundary never raises a group (called while *group* is handled). The body's own
+    error (even a user's exception group) comes out unchanged; a failure of the session's tasks
+    comes out as one typed error; a cancellation from outside comes out as one `trio.Cancelled`."""
+    if len(group.exceptions) == 1:
+        only = group.exceptions[0]
+        if not isinstance(only, BaseExceptionGroup) or (typed_error(only) is None and not contains_cancelled(only)):
+            raise only  # no `from`: it would overwrite the error's own cause
+    single = unwrap_for_boundary(group)
+    if single is group:
+        raise  # the group being handled, unchanged
+    raise single from None
 
 
-async def _journal(
-    stack: AsyncExitStack,
+# The agent options `open_session` takes for `define_agent`, in its order, and each one's default
+# (`provider` has none in define_agent).
+_AGENT_OPTIONS: tuple[str, ...] = tuple(inspect.signature(define_agent).parameters)
+_AGENT_DEFAULTS: tuple[Any, ...] = tuple(
+    None if name == "provider" else parameter.default
+    for name, parameter in inspect.signature(define_agent).parameters.items()
+)
+
+
+def _journal(
     journal: JournalOption,
     session_id: str | None,
     lease_ttl: float,
     takeover_timeout: float,
     cleanup_grace: float,
     durable_pure_starts: bool,
-) -> DurableJournal:
-    """The session's journal: the given one (its owner closes it), or one opened on *stack*."""
+) -> AbstractAsyncContextManager[DurableJournal]:
+    """The session's journal: the given one (its owner closes it), or one the block opens and closes."""
     if isinstance(journal, DurableJournal):
         if journal.closed:
             raise ConfigError("the given DurableJournal is closed")
-        return journal
-    if journal is None:
-        store: JournalStore = MemoryStore()
-    elif isinstance(journal, (str, os.PathLike)):
-        # One store per file and Trio run, shared by every session that names it.
-        store = await stack.enter_async_context(shared_sqlite_store(os.fspath(journal), cleanup_grace=cleanup_grace))
-    else:
-        store = journal
-    return await stack.enter_async_context(
+        return contextlib.nullcontext(journal)
+    if isinstance(journal, (str, os.PathLike)):
+        return _sqlite_journal(
+            os.fspath(journal), session_id, lease_ttl, takeover_timeout, cleanup_grace, durable_pure_starts
+        )
+    return open_journal(
+        MemoryStore() if journal is None else journal,
+        session_id=session_id,
+        lease_ttl=lease_ttl,
+        takeover_timeout=takeover_timeout,
+        commit_grace=cleanup_grace,
+        durable_pure_starts=durable_pure_starts,
+    )
+
+
+@asynccontextmanager
+async def _sqlite_journal(
+    path: str,
+    session_id: str | None,
+    lease_ttl: float,
+    takeover_timeout: float,
+    cleanup_grace: float,
+    durable_pure_starts: bool,
+) -> AsyncIterator[DurableJournal]:
+    # One store per file and Trio run, shared by every session that names it.
+    async with (
+        shared_sqlite_store(path, cleanup_grace=cleanup_grace) as store,
         open_journal(
             store,
             session_id=session_id,
@@ -308,42 +473,53 @@ async def _journal(
             takeover_timeout=takeover_timeout,
             commit_grace=cleanup_grace,
             durable_pure_starts=durable_pure_starts,
-        )
-    )
+        ) as durable,
+    ):
+        yield durable
 
 
-async def _provider(stack: AsyncExitStack, spec: AgentSpec) -> Provider:
+def _provider(spec: AgentSpec) -> AbstractAsyncContextManager[Provider]:
     """The spec's provider: one named by string is created here and closed with the session."""
     provider, model = spec.provider, spec.model
     if isinstance(provider, str):
-        from .._models._providers import create_provider  # providers import optional HTTP clients
-
-        created: Any = create_provider(provider, model or "")
-        if hasattr(created, "__aenter__"):
-            await stack.enter_async_context(created)
-        result: Provider = created
-        return result
-    return provider.with_model(model) if model and model != provider.model else provider
+        return _named_provider(provider, model or "")
+    return contextlib.nullcontext(provider.with_model(model) if model and model != provider.model else provider)
 
 
-def _permission_journal(host: SessionHost, queue: RequestQueue) -> UpdatesApplied:
+@asynccontextmanager
+async def _named_provider(name: str, model: str) -> AsyncIterator[Provider]:
+    from .._models._providers import create_provider  # providers import optional HTTP clients
+
+    created: Any = create_provider(name, model)
+    if hasattr(created, "__aenter__"):
+        async with created:
+            yield created
+    else:
+        yield created
+
+
+class _RecordUpdates:
     """Record accepted rule updates on the root stream (replayed into the engine on reopen).
 
-    The recorder holds the host's parts, not the host: the host holds the engine that holds
-    the recorder, and a cycle would leave a closed session to the cyclic GC.
+    Holds the host's parts, not the host: the host holds the engine that holds this, and a
+    cycle would leave a closed session to the cyclic GC.
     """
-    journal, call_origins = host.journal, host.call_origins
 
-    async def record(updates: Sequence[PermissionUpdate], *, source: str, call_id: str | None) -> None:
-        origin = call_origins.get(call_id) if call_id is not None else None
-        current = queue.current
+    __slots__ = ("call_origins", "journal", "queue")
+
+    def __init__(self, host: SessionHost, queue: RequestQueue) -> None:
+        self.journal = host.journal
+        self.call_origins = host.call_origins
+        self.queue = queue
+
+    async def __call__(self, updates: Sequence[PermissionUpdate], *, source: str, call_id: str | None) -> None:
+        origin = self.call_origins.get(call_id) if call_id is not None else None
+        current = self.queue.current
         request_id = origin if origin is not None else (current.request_id if current is not None else "session")
         kind = source if source in PERMISSION_UPDATE_SOURCES else "permission_engine"
-        await journal.append(
+        await self.journal.append(
             *(
                 PermissionUpdated(request_id=request_id, source=kind, update=update_to_json(update), call_id=call_id)
                 for update in updates
             )
         )
-
-    return record

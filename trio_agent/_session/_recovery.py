@@ -66,11 +66,14 @@ async def begin_life(
     history: Sequence[Message] | None,
     *,
     keep_requests: bool = False,
-) -> Life:
-    """Begin this life of the session (module rules)."""
+) -> Life | None:
+    """Begin this life of the session (module rules); ``None``: the first life of a session created
+    now, with nothing to recover, rebuild or replay."""
     journal = host.journal
     projection = journal.projection()
     state = projection.session_state
+    if history is None and state is SessionState.OPEN and _only_created(journal):
+        return None
     if state is SessionState.ENDED:
         raise SessionClosedError(
             f"session {host.session_id!r} was ended for good (session.end()); it can be read "
@@ -83,10 +86,6 @@ async def begin_life(
             )
         await journal.append(ConversationSeeded(session_id=host.session_id, conversation=encode_conversation(history)))
     life = Life(number=projection.life)
-    if state is SessionState.OPEN and all(journal.projection(agent).head == 1 for agent in journal.agents):
-        # Nothing but session_created on any stream (a session created now): nothing to recover,
-        # no conversation to rebuild, no rules to replay.
-        return life
     if state is SessionState.CLOSED:
         # A new life on the same streams: the conversation is rebuilt from the journal below.
         life.number += 1
@@ -104,6 +103,12 @@ async def begin_life(
         if stored:
             host.permissions.replay_updates([update_from_json(event.update) for event in stored])
     return life
+
+
+def _only_created(journal: DurableJournal) -> bool:
+    """Nothing but ``session_created`` on any stream: nothing to recover, no conversation to
+    rebuild, no rules to replay."""
+    return all(journal.projection(agent).head == 1 for agent in journal.agents)
 
 
 async def _recover(host: SessionHost, tools: Mapping[str, Tool[Any]], life: Life, keep_requests: bool) -> None:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
-import uuid
-from collections.abc import Awaitable, Callable
+import os
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import Any
 
 import attrs
 import trio
@@ -52,9 +53,10 @@ from .._loop._interrupts import Resume
 from .._loop._rules import LoopStrategy, StopReason, max_iterations
 from .._models._history import CallIdIndex
 from .._models._messages import Message, ToolSpec
+from .._permissions._rules import ToolFilter
 from ._endings import committed_results, record_request_end
 from ._messages import DoneEvent
-from ._stream import EventForward, EventSink
+from ._stream import EventForward, EventSink, discard
 
 __all__ = ["PRIORITIES", "Priority", "RequestQueue", "interrupt_reason"]
 
@@ -68,6 +70,10 @@ class Priority(enum.StrEnum):
 
 
 PRIORITIES = tuple(Priority)
+
+RunParts = tuple[Callable[[], str], tuple[ToolSpec, ...], Collection[str], Mapping[str, Any]]
+"""The instructions, offered tools, allowlist and model metadata of every run of one agent."""
+
 _agent_numbers = itertools.count(1)
 
 
@@ -87,11 +93,18 @@ class _Agent:
     parent_id: str | None = None
     model: str | None = None
     _history: list[Message] | None = attrs.Factory(list)
-    specs: list[ToolSpec] | None = None
+    run_parts: RunParts | None = None  # what each of its runs hands the loop alike (`SessionHost._spec`)
     lineage: tuple[str, ...] = ()  # the calls it runs under (a foreground subagent's tool calls)
     _strategy: LoopStrategy | None = None
     call_index: CallIdIndex = attrs.Factory(CallIdIndex)
     _deferred: Callable[[], list[Message]] | None = None
+    _tool_filter: ToolFilter | None = None
+
+    def tool_filter(self) -> ToolFilter:
+        """``allowed`` as the permission engine's filter of this agent's calls (made once)."""
+        if self._tool_filter is None:
+            self._tool_filter = ToolFilter(allowed=self.allowed)
+        return self._tool_filter
 
     @property
     def history(self) -> list[Message]:
@@ -135,6 +148,7 @@ class _Request:
         "error",
         "finishing",
         "forwards",
+        "heard_text",
         "holds",
         "observe",
         "paused",
@@ -150,12 +164,13 @@ class _Request:
         "stop",
         "stop_reason",
         "text",
+        "turn_counted",
         "turns",
         "turns_before",
     )
 
     def __init__(self, prompt: str, sink: EventSink, agent: _Agent, request_id: str | None = None) -> None:
-        self.request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        self.request_id = request_id or f"req-{os.urandom(6).hex()}"  # 48 random bits, as uuid4().hex[:12]
         self.prompt = prompt
         self.resume: Resume | None = None  # a continuation of a paused request: its answers
         self.paused: PausedRun | None = None  # set when it ended paused
@@ -176,6 +191,8 @@ class _Request:
         self.text = ""
         self.stop_reason = StopReason.END_TURN
         self.turns = 0
+        self.turn_counted = False  # this turn was counted while nobody listened (`RequestInbox.begin_turn`)
+        self.heard_text: list[str] | None = None  # the text of the reply being streamed to a listener
         self.error: BaseException | None = None
         self.priority: Priority | None = None
         self.started = False  # request_started is durable
@@ -188,7 +205,11 @@ class _Request:
         self.turns_before = 0
         self.finishing = False  # no new background starts may join it
         self.holds = 0  # background starts in progress under this request
-        self.released = trio.Event()
+        self.released: trio.Event | None = None  # made with the first hold
+
+    def listening(self) -> bool:
+        """Whether anything reads the request's events now (a stream, one that joined, an observer)."""
+        return self.sink is not discard or self.observe is not None
 
     def finish(self) -> None:
         """It ended: wake its waiters. A stream always ends, even when its end could not be
@@ -240,8 +261,9 @@ async def accept_on(journal: DurableJournal, agent_id: str, request: _Request) -
 async def drain_holds(request: _Request) -> None:
     """Let background starts under this request finish their writes before it ends."""
     request.finishing = True
-    if request.holds:
-        await request.released.wait()
+    released = request.released
+    if request.holds and released is not None:
+        await released.wait()
 
 
 async def record_raised(journal: DurableJournal, request: _Request, exc: BaseException, grace: float) -> bool:
@@ -333,7 +355,10 @@ class RequestQueue:
         # The worker starts with the first request that has to wait: an idle session runs no task.
         self._serve_in: tuple[trio.Nursery, Callable[[_Request], Awaitable[None]]] | None = None
         self.current: _Request | None = None
-        self.lock = trio.Lock()  # the request slot: one request (or subagent start) at a time
+        # The request slot: one request (or subagent start) at a time. A request run in its caller's
+        # task holds it as a flag; the semaphore is made when something has to wait for it.
+        self._held_here = False
+        self._slot: trio.Semaphore | None = None
         self.closed = False
         self._accepting = 0  # request_accepted writes in flight (close waits for them)
         self._accepted: trio.Event | None = None  # made when the close waits for an acceptance
@@ -421,9 +446,35 @@ class RequestQueue:
             if self._accepting == 0 and self._accepted is not None:
                 self._accepted.set()
 
+    def settled(self) -> bool:
+        """Nothing runs, waits, is being accepted, and no worker task runs (closing it awaits nothing)."""
+        current = self.current
+        worker_done = self._worker_done
+        return (
+            (current is None or current.done.is_set())
+            and (worker_done is None or worker_done.is_set())
+            and not self._accepting
+            and not self.queued
+        )
+
+    def slot(self) -> trio.Semaphore:
+        """The request slot, for what waits for it (`async with queue.slot()`)."""
+        slot = self._slot
+        if slot is None:
+            # Held by a request run in its caller's task meanwhile: taken on its behalf (`run_here`).
+            slot = self._slot = trio.Semaphore(0 if self._held_here else 1, max_value=1)
+        return slot
+
     def runs_here(self) -> bool:
         """Nothing runs or waits and the request slot is free: a request may run in its caller's task."""
-        return self.current is None and not self.closed and not self.lock.locked() and not self.queued
+        slot = self._slot
+        return (
+            self.current is None
+            and not self.closed
+            and not self._held_here
+            and (slot is None or slot.value > 0)
+            and not self.queued
+        )
 
     async def run_here(
         self,
@@ -437,7 +488,11 @@ class RequestQueue:
         meanwhile queues behind this request or joins it, exactly as if the worker ran it. A
         cancellation of the caller interrupts the request (*cancel_reason* says why).
         """
-        self.lock.acquire_nowait()  # free: `runs_here` checked it, and nothing awaited since
+        slot = self._slot
+        if slot is None:
+            self._held_here = True
+        else:
+            slot.acquire_nowait()  # free: `runs_here` checked it, and nothing awaited since
         self.current = request
         try:
             try:
@@ -452,7 +507,13 @@ class RequestQueue:
                 if not request.done.is_set():  # a failed acceptance: nobody may wait for it forever
                     request.finish()
         finally:
-            self.lock.release()
+            if self._held_here:
+                self._held_here = False
+                if self._slot is not None:  # made while this request ran: taken on its behalf
+                    self._slot.release()
+            else:
+                assert slot is not None
+                slot.release()
 
     async def _unqueue(self, request: _Request, why: str) -> None:
         """An accepted request that will never be queued: record it interrupted (if it was accepted)."""
@@ -520,8 +581,9 @@ class RequestQueue:
                     await self._reject_queued(request)
                     continue
                 self._waiting = request
+                slot = self.slot()
                 try:
-                    await self.lock.acquire()  # a request run in its caller's task may hold the slot
+                    await slot.acquire()  # a request run in its caller's task may hold the slot
                 except BaseException:
                     await self._reject_queued(request)  # taken from the queue: it must still end
                     raise
@@ -530,7 +592,7 @@ class RequestQueue:
                 try:
                     await self._run_taken(request, run)
                 finally:
-                    self.lock.release()
+                    slot.release()
         finally:
             done.set()
 

@@ -20,8 +20,8 @@ from typing import Any, Literal
 import trio
 
 from .._abort import AbortReason
-from .._cleanup import bounded_shield, validate_cleanup_grace
-from .._config import validate_id, validate_timeout
+from .._cleanup import bounded_shield
+from .._config import validate_id
 from .._errors import (
     InvalidTransitionError,
     JournalError,
@@ -85,8 +85,8 @@ class Session:
         self._nursery: trio.Nursery | None = nursery
         self.journal: DurableJournal = host.journal
         self.session_id = host.session_id
-        self.cleanup_grace = validate_cleanup_grace(host.cleanup_grace)
-        self.close_timeout = validate_timeout(close_timeout, name="close_timeout")
+        self.cleanup_grace = host.cleanup_grace  # both checked by open_session
+        self.close_timeout = close_timeout
         self.recovery: RecoveryReport | None = None
         self.recovery_notes: list[str] = []
         self.life = 1  # which life of the session this is (a cleanly closed session reopened: 2, 3 ...)
@@ -363,18 +363,19 @@ class Session:
         parent = parent_agent_id or self._host.root.agent_id
         current = self._queue.current
         if current is not None and current.started and not current.finishing:
-            if current.holds == 0:
-                current.released = trio.Event()
+            released = current.released
+            if current.holds == 0 or released is None:
+                released = current.released = trio.Event()
             current.holds += 1
             try:
                 return await supervisor.spawn_background(name, prompt, parent, current.request_id, call_id=None)
             finally:
                 current.holds -= 1
                 if current.holds == 0:
-                    current.released.set()
+                    released.set()
         # Between requests: a short request of its own holds the request slot meanwhile.
         try:
-            async with self._queue.lock:
+            async with self._queue.slot():
                 return await self._start_between_requests(name, prompt, parent)
         except BaseExceptionGroup as group:
             raise unwrap_for_boundary(group) from None
@@ -421,14 +422,17 @@ class Session:
         self, tools: Mapping[str, Tool[Any]], history: Sequence[Message] | None, *, keep_requests: bool = False
     ) -> None:
         """Begin this life of the session (`begin_life`), then the SessionStart hooks."""
-        life = await begin_life(self._host, tools, history, keep_requests=keep_requests)
-        self.life, self.recovery = life.number, life.recovery
-        self.recovery_notes.extend(life.notes)
+        host = self._host
+        life = await begin_life(host, tools, history, keep_requests=keep_requests)
+        if life is not None:
+            self.life, self.recovery = life.number, life.recovery
+            self.recovery_notes.extend(life.notes)
         self._started = True
-        decision = await self._host.dispatch(HookEvent.SESSION_START, self._host.root.agent_id)
-        decision.raise_for_abort()
-        if decision.context_text:
-            self._host.context.append(decision.context_text)
+        if host.hooks.has_hooks(HookEvent.SESSION_START):
+            decision = await host.dispatch(HookEvent.SESSION_START, host.root.agent_id)
+            decision.raise_for_abort()
+            if decision.context_text:
+                host.context.append(decision.context_text)
 
     async def close(self, *, final: bool = False) -> None:
         """Close the session now (what leaving the block does). With ``final=True`` it is
@@ -451,44 +455,67 @@ class Session:
         self._host.closing = True
         queue = self._queue
         queue.close()
-        refused: InvalidTransitionError | None = None
-        with bounded_shield(self.close_timeout, "closing the session"):
-            current = queue.current
-            if current is not None and not current.done.is_set():
-                await queue.abort_request(current, AbortReason.SESSION_CLOSE, "the session is closing")
-            # The worker rejects what is still queued; requests accepted meanwhile record themselves.
-            await queue.drain()
-            await self._supervisor.close()
-            if self._started:  # SessionEnd pairs with a SessionStart that ran
-                with contextlib.suppress(TrioAgentError):
-                    await self._host.dispatch(HookEvent.SESSION_END, self._host.root.agent_id, reason=reason.value)
-            journal = self.journal
-            if not journal.lost and not journal.fenced:
-                for agent_id in journal.agents:
-                    projection = journal.projection(agent_id)
-                    if projection.session_state is not SessionState.OPEN:
-                        continue
-                    still_open = open_items(projection)
-                    if still_open:
-                        # Never written over open items: recovery on reopen decides them.
-                        _log.warning(
-                            "agent %s has open items at close (%s); they are left to recovery on reopen",
-                            agent_id,
-                            ", ".join(still_open[:5]),
-                        )
-                        continue
-                    try:
-                        await journal.append(
-                            SessionClosed(session_id=self.session_id, reason=reason, final=self._final),
-                            agent_id=agent_id,
-                        )
-                    except InvalidTransitionError as exc:
-                        refused = refused or exc
-                    except (JournalError, LeaseLostError) as exc:
-                        _log.warning("could not record the close of agent %s: %s", agent_id, exc)
-                        break
+        if self._close_may_wait(queue):
+            with bounded_shield(self.close_timeout, "closing the session"):
+                refused = await self._close_steps(queue, reason)
+        else:
+            # Nothing below reaches a checkpoint: a shield (a cancel scope) would guard nothing.
+            refused = await self._close_steps(queue, reason)
         if refused is not None:
             raise refused
+
+    def _close_may_wait(self, queue: RequestQueue) -> bool:
+        """Whether closing may reach a checkpoint: a request runs or waits, a subagent or a
+        SessionEnd hook runs, or the journal's appends may wait for their commit."""
+        journal = self.journal
+        return (
+            not queue.settled()
+            or bool(self._supervisor.subagents)
+            or (self._started and self._host.hooks.has_hooks(HookEvent.SESSION_END))
+            # Only the class itself is trusted to say so: a subclass may add awaits.
+            or type(journal) is not DurableJournal
+            or not journal.never_blocks
+        )
+
+    async def _close_steps(self, queue: RequestQueue, reason: SessionCloseReason) -> InvalidTransitionError | None:
+        """Stop what runs, then one ``session_closed`` per stream with nothing open; returns the
+        first refusal of one (raised once the rest is done)."""
+        refused: InvalidTransitionError | None = None
+        current = queue.current
+        if current is not None and not current.done.is_set():
+            await queue.abort_request(current, AbortReason.SESSION_CLOSE, "the session is closing")
+        # The worker rejects what is still queued; requests accepted meanwhile record themselves.
+        await queue.drain()
+        await self._supervisor.close()
+        if self._started:  # SessionEnd pairs with a SessionStart that ran
+            with contextlib.suppress(TrioAgentError):
+                await self._host.dispatch(HookEvent.SESSION_END, self._host.root.agent_id, reason=reason.value)
+        journal = self.journal
+        if journal.lost or journal.fenced:
+            return refused
+        for agent_id in journal.agents:
+            projection = journal.projection(agent_id)
+            if projection.session_state is not SessionState.OPEN:
+                continue
+            still_open = open_items(projection)
+            if still_open:
+                # Never written over open items: recovery on reopen decides them.
+                _log.warning(
+                    "agent %s has open items at close (%s); they are left to recovery on reopen",
+                    agent_id,
+                    ", ".join(still_open[:5]),
+                )
+                continue
+            try:
+                await journal.append(
+                    SessionClosed(session_id=self.session_id, reason=reason, final=self._final), agent_id=agent_id
+                )
+            except InvalidTransitionError as exc:
+                refused = refused or exc
+            except (JournalError, LeaseLostError) as exc:
+                _log.warning("could not record the close of agent %s: %s", agent_id, exc)
+                break
+        return refused
 
 
 def _cancelled_around(scope: trio.CancelScope) -> bool:

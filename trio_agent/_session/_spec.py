@@ -10,9 +10,11 @@ Rules
   hook events (`SESSION_HOOKS`) composed with the chat middleware.
 * A bad option raises a `ConfigError` (`MiddlewareShapeError` for chat middleware)
   before any session exists.
-* Per session, `open_session` adds only the journal, the model service (a provider
-  named by string is created per session), the tool pipeline with the session's
-  scheduler buckets and permission engine, and the session's state.
+* Per session, `open_session` adds only the journal, the tool pipeline with the
+  session's scheduler buckets and permission engine (derived from the spec's), and
+  the session's state. The model service on the spec's own provider is made once
+  per spec (`AgentSpec.model_service`); a provider named by string is created per
+  session, and so is its service.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .._lifecycle._middleware import ChatMiddleware, middleware_lifecycle
 from .._loop._compose import compose_lifecycle
 from .._loop._hooks import Lifecycle
 from .._loop._interrupts import ClientTool, InterruptDefinition
-from .._models._service import Provider, RetryPolicy
+from .._models._service import ModelService, Provider, RetryPolicy
 from .._permissions._engine import PermissionHandler
 from .._permissions._rules import PermissionMode, PermissionRules
 from .._tools._definition import Tool
@@ -74,11 +76,32 @@ class AgentSpec:
     permission_asks: PermissionAsks = "handler"
     interrupts: Mapping[str, InterruptDefinition] = attrs.field(factory=dict)
     client_tools: Mapping[str, ClientTool] = attrs.field(factory=dict)
+    # The model services of its sessions on its own provider, by cleanup grace (`model_service`).
+    _services: dict[float, ModelService] = attrs.field(factory=dict, init=False, repr=False)
 
     @property
     def unwind_grace(self) -> float:
         """How long a cancelled call's PostToolUse hooks may still run."""
         return max(2.0, self.hook_deadlines.get(HookEvent.POST_TOOL_USE, 0.0) + 1.0)
+
+    def model_service(self, provider: Provider, cleanup_grace: float) -> ModelService:
+        """A session's model service: on the spec's own provider, one shared by its sessions (a
+        service holds configuration only: another model is another service, `with_model`)."""
+        if provider is not self.provider:
+            return self._new_service(provider, cleanup_grace)
+        service = self._services.get(cleanup_grace)
+        if service is None:
+            service = self._services[cleanup_grace] = self._new_service(provider, cleanup_grace)
+        return service
+
+    def _new_service(self, provider: Provider, cleanup_grace: float) -> ModelService:
+        return ModelService(
+            provider,
+            self.parts.model_middleware,
+            retry=self.retry,
+            request_timeout=self.model_request_timeout,
+            cleanup_grace=cleanup_grace,
+        )
 
 
 def _definitions(subagents: object) -> dict[str, SubagentDefinition]:

@@ -3,13 +3,11 @@
 The tools are defined once per agent spec and shared by all its sessions; a call
 finds its own session's `SubagentSupervisor` by the call's session id in
 `TaskTools`, where each session registers its supervisor for its lifetime
-(`TaskTools.serving`). They use the supervisor's public methods only.
+(`TaskTools.route`, `TaskTools.unroute`). They use the supervisor's public methods only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import trio
@@ -34,16 +32,14 @@ class TaskTools:
         self._supervisors: dict[str, SubagentSupervisor] = {}
         self.tools: tuple[Tool[Any], ...] = (self._task_tool(), self._task_output_tool())
 
-    @contextmanager
-    def serving(self, session_id: str, supervisor: SubagentSupervisor) -> Iterator[None]:
-        """Route the calls of session *session_id* to *supervisor* while the block runs."""
+    def route(self, session_id: str, supervisor: SubagentSupervisor) -> None:
+        """Route the calls of session *session_id* to *supervisor* (until `unroute`)."""
         if session_id in self._supervisors:
             raise SessionBusyError(f"session {session_id!r} is already open with this agent spec")
         self._supervisors[session_id] = supervisor
-        try:
-            yield
-        finally:
-            del self._supervisors[session_id]
+
+    def unroute(self, session_id: str) -> None:
+        del self._supervisors[session_id]
 
     def _supervisor(self, ctx: ToolContext) -> SubagentSupervisor | None:
         return self._supervisors.get(ctx.session_id)

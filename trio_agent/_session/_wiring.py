@@ -10,10 +10,11 @@ Per spec (`build_agent_parts`, shared by every session of the spec):
 * One `HookRunner` (session hooks before plugin hooks) and its PreToolUse and
   PostToolUse pipeline stages.
 
-Per session (`permission_engine`, `session_stages`): the session's own rule
+Per session (`AgentParts.session_engine`, `session_stages`): the session's own rule
 updates and journal, and the agents' allowlists.
 
-* One `PermissionEngine` as the pipeline's permission stage, given every
+* One `PermissionEngine` as the pipeline's permission stage, derived from the
+  spec's (`permission_engine`, checked once with the spec), given every
   tool's ``signature_content`` and ``check_permissions``. PermissionRequest
   hooks run before the permission handler (a skip or abort denies; a modified
   input is what the handler sees); with no handler they can only deny, and a
@@ -66,8 +67,9 @@ from .._tools._pipeline import ToolLayers
 from .._tools._stages import StageDecision, ToolStages
 from ._hooks import HookAction, HookEvent, HookInput, HookRegistry, HookRunner, post_tool_stage, pre_tool_stage
 from ._plugins import MiddlewareConfig, MiddlewareConfigError, Plugin, resolve_plugins
+from ._requests import _Agent
 
-__all__ = ["AgentParts", "build_agent_parts", "session_stages"]
+__all__ = ["AgentFilters", "AgentParts", "build_agent_parts", "session_stages"]
 
 
 @attrs.frozen(eq=False)
@@ -84,10 +86,34 @@ class AgentParts:
     permission_mode: PermissionMode | str
     permission_handler: PermissionHandler | None
     workspace_roots: tuple[str, ...] | None
+    # The spec's permission engine (`permission_engine`), checked once; each session derives its own.
+    engine: PermissionEngine | None = None
+    root_filter: ToolFilter | None = None  # ``allowed`` as the engine's filter of the root's calls
 
     @property
     def workspace(self) -> str | None:
         return self.workspace_roots[0] if self.workspace_roots else None
+
+    def session_engine(self, record: PermissionRecorder, agents: Mapping[str, _Agent]) -> PermissionEngine:
+        """A session's permission engine: the spec's, with the session's own records and rule
+        updates, checking every agent's calls against its own allowlist (subagents included)."""
+        template = self.engine
+        if template is None:
+            template = permission_engine(self, record=None, agent_filter=_no_filter)
+        return template.derive(record=record, tool_filter=AgentFilters(agents))
+
+
+class AgentFilters:
+    """``agent_id -> ToolFilter``: the allowlist of each live agent (an agent that is gone: none)."""
+
+    __slots__ = ("_agents",)
+
+    def __init__(self, agents: Mapping[str, _Agent]) -> None:
+        self._agents = agents
+
+    def __call__(self, agent_id: str) -> ToolFilter:
+        agent = self._agents.get(agent_id)
+        return _NO_FILTER if agent is None else agent.tool_filter()
 
 
 def _check_streaming(middleware: MiddlewareConfig | None, plugins: Sequence[Plugin]) -> None:
@@ -176,11 +202,18 @@ def build_agent_parts(
     engine = permission_engine(parts, record=None, agent_filter=_no_filter)
     if not asks_by_pausing:  # a request that asks by pausing needs no handler
         _warn_never_allowed(engine, parts)
-    return parts
+    try:
+        root_filter: ToolFilter | None = ToolFilter(allowed=parts.allowed)
+    except ConfigError:
+        root_filter = None  # a name no rule could name: refused at the call, as before (`_Agent.tool_filter`)
+    return attrs.evolve(parts, engine=engine, root_filter=root_filter)
+
+
+_NO_FILTER = ToolFilter(allowed=None)
 
 
 def _no_filter(agent_id: str) -> ToolFilter:
-    return ToolFilter(allowed=None)
+    return _NO_FILTER
 
 
 def _warn_never_allowed(engine: PermissionEngine, parts: AgentParts) -> None:
@@ -199,8 +232,16 @@ def _warn_never_allowed(engine: PermissionEngine, parts: AgentParts) -> None:
 def journal_permissions(journal: DurableJournal) -> PermissionRecorder:
     """The engine's asks, journalled (``permission_requested`` / ``permission_resolved``) on the
     calling agent's stream."""
+    return _RecordAsks(journal)
 
-    async def record(phase: str, entry: PermissionRecord) -> None:
+
+class _RecordAsks:
+    __slots__ = ("journal",)
+
+    def __init__(self, journal: DurableJournal) -> None:
+        self.journal = journal
+
+    async def __call__(self, phase: str, entry: PermissionRecord) -> None:
         request = entry.request
         ids: dict[str, Any] = {
             "request_id": request.request_id,
@@ -214,9 +255,7 @@ def journal_permissions(journal: DurableJournal) -> PermissionRecorder:
             outcome = entry.outcome
             assert outcome is not None
             event = PermissionResolved(**ids, decision=outcome)
-        await journal.append(event, agent_id=request.agent_id)
-
-    return record
+        await self.journal.append(event, agent_id=request.agent_id)
 
 
 def permission_engine(
