@@ -1,4 +1,4 @@
-"""The generic onion composer that the tool and model chains are built on."""
+"""The generic onion composer that the tool and model chains are built on, and the checked layer tuples."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from ._errors import MiddlewareShapeError, NextCalledTwiceError
 
 __all__ = [
     "CheckedLayers",
+    "Composed",
+    "ComposedNext",
     "Middleware",
     "MiddlewareNext",
     "PassedChecks",
@@ -72,15 +74,30 @@ class CheckedLayers(tuple[Any, ...]):
         """The layers, each checked (`MiddlewareShapeError` names the first bad one)."""
         if type(middleware) is cls:
             return middleware
-        if isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
+        if not middleware and type(middleware) in (list, tuple):
+            return cls._empty()
+        if type(middleware) not in (list, tuple) and (  # the common sequences, without the ABC check
+            isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence)
+        ):
             raise MiddlewareShapeError(cls._sequence_error.format(middleware))
         passed = cls._passed
+        known = passed._passed  # `layer in passed`, inline: asked per layer of every chat() run
         for index, layer in enumerate(middleware):
-            if layer in passed:
+            ref = known.get(id(layer))
+            if ref is not None and ref() is layer:
                 continue
             cls._check_layer(layer, index)
             passed.add(layer)
         return cls(middleware)
+
+    @classmethod
+    def _empty(cls) -> Self:
+        """No layers: one shared object per class (nothing to check, nothing built from it differs)."""
+        empty = cls.__dict__.get("_no_layers")
+        if empty is None:
+            empty = cls()
+            setattr(cls, "_no_layers", empty)  # noqa: B010 - on the class itself, not inherited
+        return empty
 
     def derived(self, key: str, build: Callable[[Self], T]) -> T:
         """What *build* makes of these layers alone (a composed chain), made once per layers
@@ -95,23 +112,29 @@ class PassedChecks:
     """The layers that passed a shape check, so the same object is not inspected again.
 
     Weak: a layer is forgotten with its last reference. A layer that cannot be weakly
-    referenced (or hashed) is simply checked every time.
+    referenced is simply checked every time. Kept by identity (a layer's own ``__eq__`` or
+    ``__hash__`` is never called), and asked once per layer per pipeline or model service.
     """
 
     __slots__ = ("_passed",)
 
     def __init__(self) -> None:
-        self._passed: weakref.WeakSet[object] = weakref.WeakSet()
+        self._passed: dict[int, weakref.ref[object]] = {}
 
     def __contains__(self, layer: object) -> bool:
-        try:
-            return layer in self._passed
-        except TypeError:
-            return False
+        ref = self._passed.get(id(layer))
+        return ref is not None and ref() is layer
 
     def add(self, layer: object) -> None:
-        with contextlib.suppress(TypeError):
-            self._passed.add(layer)
+        key = id(layer)
+        passed = self._passed
+
+        def forget(ref: weakref.ref[object]) -> None:
+            if passed.get(key) is ref:  # not a later object that got the same id
+                del passed[key]
+
+        with contextlib.suppress(TypeError):  # not weakly referable: checked every time
+            passed[key] = weakref.ref(layer, forget)
 
 
 def _name(obj: object) -> str:
@@ -141,7 +164,7 @@ def compose_middleware(
 
     The layer list is copied when composing, so later changes to *middleware* do
     not affect the composed chain. ``validate=False`` skips the shape check, for
-    callers that already checked the layers once and compose per call.
+    callers that already checked the layers once.
     """
     layers = tuple(middleware)
     if validate:
@@ -149,56 +172,96 @@ def compose_middleware(
             check_middleware_shape(layer, what="middleware", index=index)
     if not callable(terminal):
         raise MiddlewareShapeError(f"terminal is not callable: got {terminal!r}")
-    return _Composed(layers, terminal, check)
+    return Composed(layers, terminal, check)
 
 
-# The chain is three small classes rather than closures: a closure that hands itself down (each
+# The chain is two small classes rather than closures: a closure that hands itself down (each
 # `next` calling `dispatch`) is a reference cycle per call, which only the cyclic GC can free.
+# A composed chain keeps nothing of a run, so one chain can serve every run (`CheckedLayers.derived`).
 
 
-class _Composed:
+class Composed:
+    """A composed chain (what `compose_middleware` returns): each run makes one `ComposedNext` per layer it enters."""
+
     __slots__ = ("_check", "_layers", "_terminal")
 
-    def __init__(self, layers: tuple[Any, ...], terminal: Callable[[Any], Any], check: Callable[[Any], None] | None):
+    def __init__(self, layers: tuple[Any, ...], terminal: Callable[..., Any], check: Callable[..., None] | None):
         self._layers = layers
         self._terminal = terminal
         self._check = check
 
     def __call__(self, request: Any) -> Any:
-        return _Run(self).dispatch(0, request)
+        if self._check is not None:
+            self._check(request)
+        if not self._layers:
+            return self._terminal(request)
+        return self._layers[0](request, ComposedNext(self, 1, request, None))
+
+    def start(self, request: Any, run: object, link: type[ComposedNext]) -> Any:
+        """A run that carries *run*: what its check and terminal need besides the request, so they
+        are called as ``check(run, request)`` and ``terminal(run, request)`` and a chain composed once
+        serves every run. Its ``next`` is a *link*: a `ComposedNext` subclass that changes how ``next``
+        is called, not what it does (the tool pipeline's takes ``emit=`` and enters the inner layers
+        when its result is awaited). *request* is the caller's own, so it is not checked."""
+        if not self._layers:
+            return self._terminal(run, request)
+        return self._layers[0](request, link(self, 1, request, run))
 
 
-class _Run:
-    """One execution chain: the last dispatched position, so a second ``next()`` is caught."""
+class ComposedNext:
+    """``next(request=None)`` of one layer: the inner layers, with the current request or a new one.
 
-    __slots__ = ("_composed", "_last")
+    Each layer gets its own, and the inner layer at position *index* is entered only by it: so
+    calling it a second time is exactly a second ``next()`` of one execution chain. Calling it is
+    two steps, which a subclass may take at different times: `_admit` (the rules at the boundary)
+    and `_enter` (the inner layer, or the terminal).
+    """
 
-    def __init__(self, composed: _Composed) -> None:
-        self._composed = composed
-        self._last = -1
+    __slots__ = ("_chain", "_current", "_index", "_run", "_used")
 
-    def dispatch(self, index: int, current: Any) -> Any:
-        # A call at or below the last dispatched position is a second next() from some layer.
-        if index <= self._last:
-            raise NextCalledTwiceError()
-        self._last = index
-        composed = self._composed
-        if composed._check is not None:
-            composed._check(current)
-        if index == len(composed._layers):
-            return composed._terminal(current)
-        return composed._layers[index](current, _Next(self, index + 1, current))
-
-
-class _Next:
-    """``next(request=None)`` of one layer: the inner layers, with the current request or a new one."""
-
-    __slots__ = ("_current", "_index", "_run")
-
-    def __init__(self, run: _Run, index: int, current: Any) -> None:
-        self._run = run
+    def __init__(self, chain: Composed, index: int, current: Any, run: object) -> None:
+        self._chain = chain
         self._index = index
         self._current = current
+        self._run = run  # None, or what the run carries (`Composed.start`)
+        self._used = False
 
     def __call__(self, replacement: Any = None, /) -> Any:
-        return self._run.dispatch(self._index, self._current if replacement is None else replacement)
+        # `_admit` then `_enter`, inline: the model chains take this path at every layer of every call.
+        if self._used:
+            raise NextCalledTwiceError()
+        self._used = True
+        current = self._current if replacement is None else replacement
+        chain = self._chain
+        run = self._run
+        check = chain._check
+        if check is not None:
+            if run is None:
+                check(current)
+            else:
+                check(run, current)
+        index = self._index
+        if index == len(chain._layers):
+            return chain._terminal(current) if run is None else chain._terminal(run, current)
+        return chain._layers[index](current, type(self)(chain, index + 1, current, run))
+
+    def _admit(self, current: Any) -> None:
+        """``next`` once per layer, and the chain's check of the request the inner layer gets."""
+        if self._used:
+            raise NextCalledTwiceError()
+        self._used = True
+        check = self._chain._check
+        if check is not None:
+            if self._run is None:
+                check(current)
+            else:
+                check(self._run, current)
+
+    def _enter(self, current: Any) -> Any:
+        """The inner layer with *current* and its own next (of this one's class), or the terminal."""
+        chain = self._chain
+        index = self._index
+        run = self._run
+        if index == len(chain._layers):
+            return chain._terminal(current) if run is None else chain._terminal(run, current)
+        return chain._layers[index](current, type(self)(chain, index + 1, current, run))

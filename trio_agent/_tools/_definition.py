@@ -206,6 +206,9 @@ class Tool(Generic[In]):
     _validator: jsonschema_rs.Validator = attrs.field(init=False, repr=False)
     _static: ToolBehavior = attrs.field(init=False, repr=False)
     _signature_field: str | None = attrs.field(init=False, repr=False)
+    # How `structure_input` turns JSON into an ``input_type`` instance: found on first use (not when a
+    # module defines its tools), then every call skips the converter's dispatch.
+    _structure: Callable[[JsonObject, Any], Any] | None = attrs.field(default=None, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         try:
@@ -288,12 +291,18 @@ class Tool(Generic[In]):
 
     def structure_input(self, value: JsonObject) -> In:
         """Turn validated JSON input into what ``run`` receives."""
-        if self.input_type is None:
+        input_type = self.input_type
+        if input_type is None:
             return typing.cast(In, value)
+        structure = self._structure
+        if structure is None:
+            if _is_pydantic_model(input_type):
+                structure = _structure_pydantic
+            else:
+                structure = _converter.get_structure_hook(input_type)
+            object.__setattr__(self, "_structure", structure)
         try:
-            if _is_pydantic_model(self.input_type):
-                return typing.cast(In, self.input_type.model_validate(value))  # type: ignore[attr-defined]
-            return _converter.structure(value, self.input_type)
+            return typing.cast(In, structure(value, input_type))
         except Exception as exc:
             detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else str(exc)
             raise ToolInputError(
@@ -580,6 +589,10 @@ def _build_tool(
         signature_content=signature_content,
         check_permissions=check_permissions,
     )
+
+
+def _structure_pydantic(value: JsonObject, cls: Any) -> Any:
+    return cls.model_validate(value)
 
 
 def _is_pydantic_model(cls: object) -> bool:

@@ -111,13 +111,28 @@ class ToolJournal(Protocol):
         """
 
 
-@attrs.frozen
 class JournalEntry:
-    """One event of the in-memory journal: ``kind`` is ``scheduled``, ``started`` or ``settled``."""
+    """One event of the in-memory journal: ``kind`` is ``scheduled``, ``started`` or ``settled``.
 
-    kind: str
-    call_id: str
-    data: dict[str, Any]
+    A plain class: the journal makes three per call (frozen attrs would cost a call per field).
+    """
+
+    __slots__ = ("call_id", "data", "kind")
+
+    def __init__(self, kind: str, call_id: str, data: dict[str, Any]) -> None:
+        self.kind = kind
+        self.call_id = call_id
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"JournalEntry(kind={self.kind!r}, call_id={self.call_id!r}, data={self.data!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not JournalEntry:
+            return NotImplemented
+        return (self.kind, self.call_id, self.data) == (other.kind, other.call_id, other.data)
+
+    __hash__ = None  # type: ignore[assignment]  # like its data, a dict: compared, never hashed
 
 
 class InMemoryToolJournal:
@@ -125,13 +140,18 @@ class InMemoryToolJournal:
 
     It rejects invalid transitions (started twice, settled twice, completed
     without a start) with `JournalError`, so a pipeline bug cannot hide.
+    ``keep_entries=False`` checks the lifecycle only and keeps no events (`entries`
+    stays empty): for a pipeline whose journal nobody reads.
     """
 
     never_blocks = True  # no method awaits anything: settlement needs no shield
+    # And a write that raises has changed nothing: the pipeline need not probe the call's state around it.
+    _atomic_writes = True
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_entries: bool = True) -> None:
         self.entries: list[JournalEntry] = []
         self._state: dict[str, str] = {}
+        self._keep = keep_entries
 
     def check_ownership(self) -> None:
         return None
@@ -146,6 +166,8 @@ class InMemoryToolJournal:
         if call.call_id in self._state:
             raise JournalError(f"tool call {call.call_id!r} was already scheduled")
         self._state[call.call_id] = "scheduled"
+        if not self._keep:
+            return
         self.entries.append(
             JournalEntry(
                 "scheduled",
@@ -153,7 +175,8 @@ class InMemoryToolJournal:
                 {
                     "tool": call.tool_name,
                     "input": json_copy(call.model_input),
-                    "side_effect": call.behavior.side_effect.value,
+                    # `_value_` (the enum's documented slot) rather than the `value` property: no call.
+                    "side_effect": call.behavior.side_effect._value_,
                 },
             )
         )
@@ -165,11 +188,13 @@ class InMemoryToolJournal:
         if state != "scheduled":
             raise JournalError(f"tool call {call.call_id!r} cannot start from state {state!r}")
         self._state[call.call_id] = "started"
+        if not self._keep:
+            return
         self.entries.append(
             JournalEntry(
                 "started",
                 call.call_id,
-                {"input": json_copy(input), "side_effect": side_effect.value, "synthetic": synthetic},
+                {"input": json_copy(input), "side_effect": side_effect._value_, "synthetic": synthetic},
             )
         )
 
@@ -183,12 +208,14 @@ class InMemoryToolJournal:
         if settlement.status is SettlementStatus.COMPLETED and state != "started":
             raise JournalError(f"tool call {call.call_id!r} completed without a recorded start")
         self._state[call.call_id] = "settled"
+        if not self._keep:
+            return
         self.entries.append(
             JournalEntry(
                 "settled",
                 call.call_id,
                 {
-                    "status": settlement.status.value,
+                    "status": settlement.status._value_,
                     "result": settlement.result,
                     "published": settlement.published,
                     "reason": settlement.reason,

@@ -26,15 +26,15 @@ import inspect
 import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
-from types import TracebackType
-from typing import Any, Protocol
+from types import CoroutineType, TracebackType
+from typing import Any, Protocol, TypeAlias
 
 import attrs
 import trio
 
 from .._abort import Abort, AbortHandle, AbortReason
 from .._cleanup import bounded_shield
-from .._config import validate_timeout
+from .._config import MAX_TIMEOUT, validate_timeout
 from .._errors import (
     ConfigError,
     FileLockTimeoutError,
@@ -48,7 +48,14 @@ from .._errors import (
     ToolInputError,
 )
 from .._groups import contains_cancelled, is_cancellation, typed_error
-from .._middleware import CheckedLayers, PassedChecks, check_middleware_shape, compose_middleware
+from .._middleware import (
+    CheckedLayers,
+    Composed,
+    ComposedNext,
+    PassedChecks,
+    check_middleware_shape,
+    compose_middleware,
+)
 from ._context import (
     CallOrigin,
     Emit,
@@ -168,36 +175,43 @@ class _Phase(enum.Enum):
     COMMITTED = 2  # the core returned: abort is only recorded
 
 
+_Prepared: TypeAlias = tuple[JsonObject, object, ToolBehavior]
+"""The final input, what ``run`` receives, and the behaviour of the final input."""
+
+
 class _Call:
-    """Per-execution state. Lives in locals and on the request frame, never on the pipeline."""
+    """Per-execution state. Lives in locals and on the chain's links, never on the pipeline."""
 
     __slots__ = (
         "abort",
         "behavior",
         "cleanup_deadline",
+        "clock",
+        "core_done",
         "core_entered",
-        "core_finished",
         "core_result",
+        "core_waiter",
         "ctx",
         "done",
         "door_closed",
         "effective_input",
         "effects",
+        "entered",
         "fatal",
         "faults",
         "granted",
         "has_pre",
-        "has_unwind",
         "live_input",
+        "locks",
         "mw_scope",
         "next_twice",
         "on_item",
         "pending",
         "phase",
         "pipeline",
-        "running",
         "scheduled",
         "settle_attempted",
+        "slot",
         "stages",
         "started",
         "synthetic",
@@ -215,6 +229,7 @@ class _Call:
         ctx: ExecutionContext,
         on_item: Emit | None,
         live_input: JsonObject,
+        clock: trio.abc.Clock,
     ) -> None:
         self.pipeline = pipeline
         self.tool = tool
@@ -223,6 +238,7 @@ class _Call:
         self.abort = ctx.abort
         self.behavior = scheduled.behavior
         self.on_item = on_item
+        self.clock = clock  # looked up once: the call reads the time several times
         # The dict middleware and the tool see: a copy, so the model's input (scheduled.model_input,
         # record.call.input) stays as sent, and in-place changes are detected by comparing against it.
         self.live_input: JsonObject = live_input
@@ -241,26 +257,26 @@ class _Call:
         self.tool_ran = False
         self.cleanup_deadline = math.inf
         self.done: trio.Event | None = None
-        # The chain's bookkeeping: `call_next()` awaitables made but not awaited, layers running,
-        # the core entered / finished, and the door that refuses entries after the chain returned.
+        # The chain's bookkeeping: `call_next()` awaitables made but not awaited, the coroutines
+        # the chain entered (a list while it runs), the core entered / finished (an event only for
+        # whoever waits for it), and the door that refuses entries after the chain returned.
         self.pending = 0
-        self.running = 0
+        self.entered: list[CoroutineType[Any, Any, ToolResult]] | None = None
         self.core_entered = False
-        self.core_finished = trio.Event()
+        self.core_done = False
+        self.core_waiter: trio.Event | None = None
         self.door_closed = False
         # Set once a settlement was attempted, so an exit never writes a second one.
         self.settle_attempted = False
-        # `permission_updates` effects the tool itself emitted (by identity).
-        self.granted: list[Effect] = []
-        # One run's stages added to the pipeline's (None: the pipeline's own, decided once).
-        self.stages: ToolStages | None = None
-        self.has_pre = False
-        self.has_unwind = False
-
-    def use_stages(self, stages: ToolStages, has_middleware: bool) -> None:
-        self.stages = stages
-        self.has_pre = bool(stages.pre_tool or stages.permission or stages.before or stages.guard)
-        self.has_unwind = has_middleware or bool(stages.post_tool)
+        # `permission_updates` effects the tool itself emitted (by identity); made by the first.
+        self.granted: list[Effect] | None = None
+        # The pipeline's stages, with one run's added (see `execute`).
+        self.stages: ToolStages = pipeline.stages
+        self.has_pre = pipeline._has_pre_stages
+        # What the core holds until it ends: its scheduler slot, and its file locks
+        # (paths taken, exclusive, owner).
+        self.slot: _SlotHolder | None = None
+        self.locks: tuple[tuple[str, ...], bool, str] | None = None
 
     def on_abort(self, abort: Abort) -> None:
         phase = self.phase
@@ -272,15 +288,34 @@ class _Call:
             if self.tool_ran:
                 self.pipeline._note_cancel(self)
 
+    def core_finished(self) -> trio.Event:
+        """An event set when the core has finished (made for the first who waits)."""
+        waiter = self.core_waiter
+        if waiter is None:
+            waiter = self.core_waiter = trio.Event()
+            if self.core_done:
+                waiter.set()
+        return waiter
+
     def tool_emit(self, emit: Emit) -> Emit:
-        """The tool's own ``ctx.emit``: marks its permission updates before they pass the middleware."""
+        """The tool's own ``ctx.emit``: marks its permission updates before they pass the middleware.
+
+        A closure, not state on the call: *emit* is often the call's own `sink`, and the call
+        holding it would be a reference cycle.
+        """
 
         async def emit_from_tool(item: ToolItem) -> None:
             if isinstance(item, Effect) and item.kind == PERMISSION_UPDATES:
+                if self.granted is None:
+                    self.granted = []
                 self.granted.append(item)
             await emit(item)
 
         return emit_from_tool
+
+    def forward_abort(self, abort: Abort) -> None:
+        """The listener on the request's handle (and steering's): it aborts the call's own."""
+        self.abort.abort(abort.reason, abort.message)
 
     async def sink(self, item: ToolItem) -> None:
         """The outermost ``emit``: collects effects, forwards the rest to the observer."""
@@ -288,9 +323,9 @@ class _Call:
             if item.kind == PERMISSION_UPDATES:
                 # Only the tool (or the permission engine, outside the pipeline) may change the rules:
                 # from middleware or a short-circuit this would be a plugin granting itself permissions.
-                for index, granted in enumerate(self.granted):
+                for index, granted in enumerate(self.granted or ()):
                     if granted is item:
-                        del self.granted[index]
+                        del self.granted[index]  # type: ignore[union-attr]
                         break
                 else:
                     self.faults.append(
@@ -308,14 +343,6 @@ class _Call:
             raise TypeError(f"emit() takes Progress, ToolMessage or Effect items, got {item!r}")
 
 
-@attrs.frozen(eq=False)
-class _Frame:
-    """What travels through the composed chain: the request (which carries the current emit) and the call."""
-
-    request: ToolMiddlewareRequest
-    call: _Call
-
-
 def _early_return_result() -> ToolResult:
     return ToolResult.failure(
         ToolErrorType.EXECUTION,
@@ -325,56 +352,169 @@ def _early_return_result() -> ToolResult:
     )
 
 
-class _Deferred(Coroutine[Any, Any, ToolResult]):
-    """What ``call_next()`` returns: the inner layer's coroutine is made only when this is awaited.
+def _guard(state: _Call, request: ToolMiddlewareRequest) -> None:
+    """The chain's check, before every inner layer and the core: identity, name and interrupt behaviour."""
+    if state.door_closed:
+        return  # the chain already returned: the entry is refused when it is awaited
+    if (
+        type(request) is ToolMiddlewareRequest
+        and request.context is state.ctx
+        and request.tool_name == state.tool.name
+        and request.input == state.scheduled.model_input  # not replaced, nor changed in place
+    ):
+        state.effective_input = request.input
+        return
+    try:
+        if not isinstance(request, ToolMiddlewareRequest):
+            raise _GuardViolation(f"call_next() takes a ToolMiddlewareRequest, got {type(request).__name__}")
+        if request.tool_name != state.tool.name:
+            raise _GuardViolation("Tool middleware cannot change the tool name")
+        if request.context is not state.ctx:
+            raise _GuardViolation("Tool middleware cannot replace the execution context")
+        if request.input != state.scheduled.model_input:  # replaced, or changed in place
+            if not isinstance(request.input, dict):
+                raise _GuardViolation("Tool middleware must pass a JSON object as input")
+            try:
+                behavior = state.tool.resolve_behavior(request.input)
+            except ToolBehaviorError as exc:
+                raise _GuardViolation(str(exc)) from None
+            if behavior.interrupt is not state.behavior.interrupt:
+                raise _GuardViolation("Tool middleware cannot change the tool interrupt behavior")
+    except _GuardViolation as exc:
+        if state.violation is None:
+            state.violation = str(exc)
+        raise
+    state.effective_input = request.input
 
-    So a ``call_next()`` that is never awaited leaves no coroutine behind (no
-    "never awaited" warning), the pipeline can count what is still pending when
-    the chain returns, and an entry after that (the door is closed) runs nothing
-    and returns a fault result. It is a `Coroutine`, so ``nursery.start_soon(call_next)`` works.
+
+def _terminal(state: _Call, request: ToolMiddlewareRequest) -> Coroutine[Any, Any, ToolResult]:
+    # A function of the call, like `_guard`: the composed chain holds no pipeline (the call knows
+    # it), so every pipeline of the same layers shares it and a chat() run's pipeline dies by refcount.
+    return state.pipeline._core(state, request.input, request.emit)
+
+
+def _compose(layers: ToolLayers) -> Composed:
+    """The chain of *layers* (checked: nothing to check again) around the core. Its runs carry
+    the call (`Composed.start`): the guard and the terminal take it first."""
+    # Typed as taking the request alone; a run's (`Composed.start`) take the call first.
+    check: Any = _guard
+    terminal: Any = _terminal
+    chain = compose_middleware(layers, terminal, check=check, validate=False)
+    assert isinstance(chain, Composed)
+    return chain
+
+
+async def _refused() -> ToolResult:
+    return _early_return_result()
+
+
+async def _awaiting(awaitable: Awaitable[ToolResult]) -> ToolResult:
+    return await awaitable
+
+
+class _CallNext(ComposedNext, Coroutine[Any, Any, ToolResult]):
+    """The composer's ``next`` of one tool layer, called as ``call_next(request=None, *, emit=None)``;
+    once called, it is also the awaitable that call returns. Its run is the call (`_Call`).
+
+    Calling it passes the composer's rules (next once, the guard); the inner layer (or the core)
+    is entered only when it is awaited: so a ``call_next()`` that is never awaited leaves no
+    coroutine behind (no "never awaited" warning), the pipeline can tell what is still pending
+    or running when the chain returns, and an entry after that (the door is closed) runs
+    nothing and returns a fault result. It is a `Coroutine`, so ``nursery.start_soon(call_next)``
+    works. One object per layer and call.
     """
 
-    __slots__ = ("_gen", "_make", "_state", "_used")
+    # Set when needed (so read with a guard or a default): _awaitable, once called (until awaited);
+    # _gen, what `send` drives when this is run as a coroutine.
+    __slots__ = ("_awaitable", "_gen")
+    _run: _Call
 
-    def __init__(self, make: Callable[[], Awaitable[ToolResult]], state: _Call) -> None:
-        self._make = make
-        self._state = state
+    def __init__(self, chain: Composed, index: int, current: ToolMiddlewareRequest, run: _Call) -> None:
+        # `ComposedNext.__init__`, as a site of its own: shared with the model chains' links, its
+        # attribute stores would see two classes and CPython would not specialise them.
+        self._chain = chain
+        self._index = index
+        self._current = current
+        self._run = run
         self._used = False
-        self._gen: Generator[Any, Any, ToolResult] | None = None
+
+    def __call__(self, request: ToolMiddlewareRequest | None = None, *, emit: Emit | None = None) -> _CallNext:
+        state = self._run
+        inner = self._current
+        if request is not None or emit is not None:
+            current = inner
+            inner = current if request is None else request
+            # The emit for inner layers: the emit= argument, else the request's own
+            # (if it was bound), else the current one.
+            inner_emit = inner.emit if emit is None else emit
+            if inner_emit is _inherit_emit:
+                inner_emit = current.emit
+            if inner.emit is not inner_emit:
+                inner = ToolMiddlewareRequest(inner.tool_name, inner.input, inner.context, inner_emit)
+        try:
+            self._admit(inner)
+        except NextCalledTwiceError:
+            state.next_twice = True
+            raise
+        self._current = inner  # what the inner layers get
+        self._awaitable = True
         state.pending += 1
+        return self
 
     def __await__(self) -> Generator[Any, Any, ToolResult]:
-        if self._used:
-            raise RuntimeError("cannot await the same call_next() twice")
-        self._used = True
-        return self._run()
-
-    def _run(self) -> Generator[Any, Any, ToolResult]:
-        state = self._state
-        state.pending -= 1
-        if state.door_closed:
-            return _early_return_result()
-        state.running += 1
         try:
-            return (yield from self._make().__await__())
-        finally:
-            state.running -= 1
+            awaitable = self._awaitable
+        except AttributeError:  # never called, or its call was refused: nothing was returned to await
+            raise TypeError("call_next must be called: `await call_next()`") from None
+        if not awaitable:
+            raise RuntimeError("cannot await the same call_next() twice")
+        self._awaitable = False
+        state = self._run
+        state.pending -= 1
+        if state.door_closed:  # the chain returned: nothing runs
+            return _refused().__await__()
+        inner = self._enter(self._current)
+        if type(inner) is not CoroutineType:
+            inner = _awaiting(inner)
+        entered = state.entered
+        assert entered is not None  # the door is open: the chain runs
+        entered.append(inner)
+        return inner.__await__()  # type: ignore[no-any-return]
+
+    def _driven(self) -> Generator[Any, Any, ToolResult]:
+        gen = getattr(self, "_gen", None)
+        if gen is None:
+            gen = self._gen = self.__await__()
+        return gen
 
     def send(self, value: Any) -> Any:
-        if self._gen is None:
-            self._gen = self.__await__()
-        return self._gen.send(value)
+        return self._driven().send(value)
 
     def throw(self, typ: Any, val: Any = None, tb: TracebackType | None = None) -> Any:
-        if self._gen is None:
-            self._gen = self.__await__()
         if val is None and tb is None:
-            return self._gen.throw(typ)
-        return self._gen.throw(typ, val, tb)  # pragma: no cover - the legacy signature
+            return self._driven().throw(typ)
+        return self._driven().throw(typ, val, tb)  # pragma: no cover - the legacy signature
 
     def close(self) -> None:
-        if self._gen is not None:
-            self._gen.close()
+        gen = getattr(self, "_gen", None)
+        if gen is not None:
+            gen.close()
+
+
+class _NoScope:
+    """``with``-able stand-in where a scope the code is already in serves (no second scope)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+_NO_SCOPE = _NoScope()
+_NOT_RUN: Any = object()  # the tool's outcome before it ran
 
 
 def _aborted_result(abort: Abort) -> ToolResult:
@@ -431,13 +571,17 @@ class ToolLayers(CheckedLayers):
 
 
 _NO_HISTORY: deque[ToolExecutionRecord] = deque(maxlen=0)
+_NO_STAGES = ToolStages()  # immutable: every pipeline without stages shares it
 
 
-def _compose(layers: ToolLayers) -> Callable[[_Frame], Awaitable[ToolResult]]:
-    """The chain of *layers* around the core: the adapters are ours, around checked layers (nothing
-    to check again), and hold no pipeline (a call's frame knows it), so pipelines share it."""
-    adapted = [ToolPipeline._adapt(layer) for layer in layers]
-    return compose_middleware(adapted, ToolPipeline._terminal, check=ToolPipeline._guard, validate=False)
+def _has_pre(stages: ToolStages) -> bool:
+    return bool(stages.pre_tool or stages.permission or stages.before or stages.guard)
+
+
+def _declares(journal: object, name: str) -> bool:
+    """Whether *journal*'s own class (not an ancestor) promises *name*: a subclass may add awaits."""
+    declared = type(journal).__dict__.get(name, False)
+    return declared is True or (isinstance(declared, property) and getattr(journal, name, False) is True)
 
 
 class ToolPipeline:
@@ -445,7 +589,7 @@ class ToolPipeline:
 
     One pipeline serves a session, its root agent and all its subagents; it is
     safe to call `execute` from many tasks at once. The middleware stack is an
-    immutable tuple composed once; per-call state never lives on middleware or
+    immutable tuple checked once; per-call state never lives on middleware or
     on the pipeline.
 
     Args:
@@ -491,20 +635,43 @@ class ToolPipeline:
         self.tools: dict[str, Tool[Any]] = registry
         layers = ToolLayers.check(middleware)
         self.middleware: tuple[ToolMiddleware, ...] = layers
-        self.journal: ToolJournal = journal if journal is not None else InMemoryToolJournal()
+        journal = self.journal = journal if journal is not None else InMemoryToolJournal()
         # Only a class that declares never_blocks itself is trusted: a subclass may add awaits.
-        declared = type(self.journal).__dict__.get("never_blocks", False)
-        self._journal_never_blocks = declared is True or (
-            isinstance(declared, property) and getattr(self.journal, "never_blocks", False) is True
-        )
+        self._journal_never_blocks = _declares(journal, "never_blocks")
+        # A journal whose writes never checkpoint and raise before they change anything needs no
+        # probe of the call's state around them (a write that raised left it as it was).
+        self._journal_atomic = _declares(journal, "_atomic_writes")
+        self._fence = journal.fencing_token
+        probe = getattr(journal, "call_state", None)
+        self._probe: Callable[[ScheduledCall], object] | None = probe if callable(probe) else None
+        self._ensure = getattr(journal, "ensure_owner", None)
         self.scheduler = scheduler if scheduler is not None else ToolScheduler()
-        self.file_locks = file_locks if file_locks is not None else FileLockManager()
-        self.stages = stages if stages is not None else ToolStages()
-        self.timeout = validate_timeout(timeout, name="tool timeout")
-        self.lock_timeout = validate_timeout(lock_timeout, name="lock_timeout")
-        self.cleanup_grace = validate_timeout(cleanup_grace, name="cleanup_grace")
-        self.unwind_grace = validate_timeout(unwind_grace, name="unwind_grace")
-        self.settle_grace = validate_timeout(settle_grace, name="settle_grace")
+        # Made on first use: most pipelines never lock a file.
+        self._file_locks = file_locks
+        stages_ = self.stages = stages if stages is not None else _NO_STAGES
+        # The defaults are plain floats in range: checked only if one is not (a chat() run builds a pipeline).
+        if not (
+            type(timeout) is float
+            and type(lock_timeout) is float
+            and type(cleanup_grace) is float
+            and type(unwind_grace) is float
+            and type(settle_grace) is float
+            and 0.0 < timeout <= MAX_TIMEOUT  # NaN fails each of these
+            and 0.0 < lock_timeout <= MAX_TIMEOUT
+            and 0.0 < cleanup_grace <= MAX_TIMEOUT
+            and 0.0 < unwind_grace <= MAX_TIMEOUT
+            and 0.0 < settle_grace <= MAX_TIMEOUT
+        ):
+            timeout = validate_timeout(timeout, name="tool timeout")
+            lock_timeout = validate_timeout(lock_timeout, name="lock_timeout")
+            cleanup_grace = validate_timeout(cleanup_grace, name="cleanup_grace")
+            unwind_grace = validate_timeout(unwind_grace, name="unwind_grace")
+            settle_grace = validate_timeout(settle_grace, name="settle_grace")
+        self.timeout = timeout
+        self.lock_timeout = lock_timeout
+        self.cleanup_grace = cleanup_grace
+        self.unwind_grace = unwind_grace
+        self.settle_grace = settle_grace
         if isinstance(history_limit, bool) or not isinstance(history_limit, int) or history_limit < 0:
             raise ConfigError(f"history_limit must be a whole number >= 0, got {history_limit!r}")
         self.workspace = workspace
@@ -514,12 +681,22 @@ class ToolPipeline:
         self._cleanup_heap: list[tuple[float, int, _Call]] = []
         self._cleanup_seq = 0
         self.cleanup_overruns = 0
-        self._has_unwind = bool(layers) or bool(self.stages.post_tool)
-        stages_ = self.stages
-        self._has_pre_stages = bool(stages_.pre_tool or stages_.permission or stages_.before or stages_.guard)
-        self._chain: Callable[[_Frame], Awaitable[ToolResult]] | None = (
-            layers.derived("tool_chain", _compose) if layers else None
-        )
+        self._has_unwind = bool(layers) or bool(stages_.post_tool)
+        self._has_pre_stages = _has_pre(stages_)
+        # Composed once per layers object: sessions opened from one spec share it.
+        self._chain: Composed | None = layers.derived("tool_chain", _compose) if layers else None
+
+    @property
+    def file_locks(self) -> FileLockManager:
+        """The per-path locks of this pipeline's calls."""
+        locks = self._file_locks
+        if locks is None:
+            locks = self._file_locks = FileLockManager()
+        return locks
+
+    @file_locks.setter
+    def file_locks(self, value: FileLockManager) -> None:
+        self._file_locks = value
 
     # -- public ---------------------------------------------------------------
 
@@ -547,8 +724,10 @@ class ToolPipeline:
                 settlement failed, in which case nothing was published).
             trio.Cancelled: cancellation from outside, after settling what was committed.
         """
-        origin = origin or _DEFAULT_ORIGIN
-        scheduled_at = trio.current_time()
+        if origin is None:
+            origin = _DEFAULT_ORIGIN
+        clock = trio.lowlevel.current_clock()
+        scheduled_at = clock.current_time()
         tool = self.tools.get(call.name)
         if tool is None:
             known = ", ".join(sorted(self.tools)) or "none"
@@ -570,19 +749,26 @@ class ToolPipeline:
         call_abort = AbortHandle()
         ctx = ExecutionContext(
             origin.session_id, origin.agent_id, origin.request_id, origin.turn_id, call.id, key,
-            call_abort, journal.fencing_token, origin.lineage, getattr(journal, "ensure_owner", None),
+            call_abort, self._fence, origin.lineage, self._ensure,
         )  # fmt: skip
-        state = _Call(self, tool, scheduled, ctx, on_item, json_copy(call.input))
+        state = _Call(self, tool, scheduled, ctx, on_item, json_copy(call.input), clock)
+        has_unwind = self._has_unwind
         if stages is not None:
-            state.use_stages(self.stages.then(stages), bool(self.middleware))
+            merged = self.stages.then(stages)
+            if merged is not self.stages:
+                state.stages = merged
+                state.has_pre = _has_pre(merged)
+                has_unwind = has_unwind or bool(merged.post_tool)
 
-        before = self._call_state(scheduled)
+        before = None if self._journal_atomic else self._call_state(scheduled)
         try:
             await journal.on_tool_scheduled(scheduled)
         except BaseException as exc:
             # A cancellation can land while the write is being confirmed, after the journal took it:
             # a call the journal now holds open is settled here, or it would stay open for ever.
             after = self._call_state(scheduled)
+            if self._journal_atomic:
+                before = after  # the write raised, so it changed nothing
             held = after in _OPEN_STATES and (after != before or contains_cancelled(exc))
             if held or (after is None and not self._knows_call_state() and contains_cancelled(exc)):
                 lost = await self._settle_on_exit(state, exc)
@@ -591,22 +777,63 @@ class ToolPipeline:
             raise
         journal.check_ownership()
 
-        # Removed in the finally below, with the links: the handle and the call refer to each other.
-        links: list[tuple[AbortHandle, int]] = [(call_abort, call_abort.add_listener(state.on_abort))]
-        if abort is not None:
-            links.append((abort, abort.add_listener(_forward(call_abort))))
-        if steering is not None and behavior.interrupt is InterruptBehavior.CANCEL:
-            links.append((steering, steering.add_listener(_forward(call_abort))))
+        # Removed in the finally below: the handle and the call refer to each other.
+        token = call_abort.add_listener(state.on_abort)
+        forward = state.forward_abort
+        abort_token = -1 if abort is None else abort.add_listener(forward)
+        if steering is not None and behavior.interrupt is not InterruptBehavior.CANCEL:
+            steering = None  # steering reaches only `cancel` tools
+        steer_token = -1 if steering is None else steering.add_listener(forward)
         try:
             if behavior_error is not None:
                 result = ToolResult.failure(ToolErrorType.EXECUTION, str(behavior_error), code="behavior_error")
-                return await self._finish(state, call, result, scheduled_at, published=True)
-            if call_abort.reason is not None:  # aborted before we began: middleware is never entered
+                published = True
+            elif call_abort.reason is not None:  # aborted before we began: middleware is never entered
                 if call_abort.reason.reason is AbortReason.LEASE_LOST:
                     raise LeaseLostError(call_abort.reason.message)
-                return await self._finish(state, call, _aborted_result(call_abort.reason), scheduled_at)
-            result, published = await self._run(state)
-            return await self._finish(state, call, result, scheduled_at, published=published)
+                result, published = _aborted_result(call_abort.reason), True
+            elif has_unwind:
+                result, published = await self._run_layered(state)
+            else:
+                result = await self._core(state, state.live_input, state.sink)
+                self._raise_fatal(state)
+                published = True
+            # Settle (a success without a recorded start can only come from a short-circuit), then publish.
+            journal.check_ownership()
+            status, reason = _status_for(result)
+            if status is SettlementStatus.COMPLETED and not state.started:
+                await self._synthetic_start(state)
+            if self._journal_never_blocks:
+                # `_settle`, one await less: it cannot be interrupted (it never checkpoints), so no shield.
+                state.settle_attempted = True
+                settlement = Settlement(status, result, state.effective_input, published, reason)
+                try:
+                    await journal.on_tool_settled(scheduled, settlement)
+                except LeaseLostError:
+                    raise
+                except Exception as exc:
+                    raise _settlement_failed(state, exc) from exc
+            else:
+                await self._settle(state, result, status, published, reason)
+            record = ToolExecutionRecord(
+                call,
+                state.effective_input,
+                result if published else _withheld_result(),
+                status,
+                behavior,
+                tuple(state.effects),
+                tuple(state.faults),
+                published,
+                state.tool_ran,
+                state.synthetic,
+                call_abort.reason,
+                scheduled_at,
+                clock.current_time(),
+            )
+            self.history.append(record)
+            # Cancellation from outside continues here, after the committed result is settled.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return record
         except BaseException as exc:
             # Whatever leaves here (an outside cancellation, a group holding one, a journal error),
             # the call ends settled where the journal can still be written; the exception goes on unchanged
@@ -616,8 +843,11 @@ class ToolPipeline:
                 raise lost from exc
             raise
         finally:
-            for handle, token in links:
-                handle.remove_listener(token)
+            call_abort.remove_listener(token)
+            if abort is not None:
+                abort.remove_listener(abort_token)
+            if steering is not None:
+                steering.remove_listener(steer_token)
 
     def statistics(self) -> dict[str, Any]:
         """Counters for diagnostics."""
@@ -631,25 +861,19 @@ class ToolPipeline:
 
     # -- the chain ------------------------------------------------------------
 
-    async def _run(self, state: _Call) -> tuple[ToolResult, bool]:
-        """Run the middleware chain and the core; return the final result and whether it may be published."""
-        if not (self._has_unwind if state.stages is None else state.has_unwind):
-            result = await self._core(state, state.live_input, state.sink)
-            self._raise_fatal(state)
-            return result, True
-        return await self._run_layered(state)
-
     async def _run_layered(self, state: _Call) -> tuple[ToolResult, bool]:
+        """Run the middleware chain and the core; return the final result and whether it may be published."""
         chain = self._chain
-
         mw_result: ToolResult | None = None
         mw_error: BaseException | None = None
         with trio.CancelScope() as scope:
             state.mw_scope = scope
             try:
                 if chain is not None:
+                    state.entered = []
+                    # The outermost layer gets our own request: nothing to guard.
                     request = ToolMiddlewareRequest(state.tool.name, state.live_input, state.ctx, state.sink)
-                    mw_result = await chain(_Frame(request, state))
+                    mw_result = await chain.start(request, state, _CallNext)
                 else:
                     mw_result = await self._core(state, state.live_input, state.sink)
             except NextCalledTwiceError as exc:
@@ -665,12 +889,21 @@ class ToolPipeline:
                     state.fatal = typed
                 mw_error = exc
             finally:
-                # The chain is over: nothing that is still pending may enter it any more.
+                # The chain is over: nothing that is still pending may enter it any more. What it
+                # entered is taken off the call (a coroutine still running refers back to it).
                 state.door_closed = True
+                entered, state.entered = state.entered, None
+        # A `call_next()` still pending, or the inner layers it entered still running (in a task of
+        # their own: a coroutine that has finished has no frame).
+        still_open = state.pending > 0
+        for coroutine in entered or ():
+            if coroutine.cr_frame is not None:
+                still_open = True
+                break
         self._raise_fatal(state)
         if state.next_twice:
             state.faults.append(MiddlewareFault(FaultCode.NEXT_CALLED_TWICE, "next() called multiple times"))
-        if state.core_entered and not state.core_finished.is_set():
+        if state.core_entered and not state.core_done:
             # Started the core (in a task of its own) and returned: the real result is the core's.
             state.faults.append(
                 MiddlewareFault(
@@ -682,7 +915,7 @@ class ToolPipeline:
             self._raise_fatal(state)
             if state.core_result is not None:
                 return state.core_result, True
-        elif state.pending or state.running:
+        elif still_open:
             state.faults.append(
                 MiddlewareFault(
                     FaultCode.EARLY_RETURN,
@@ -764,84 +997,137 @@ class ToolPipeline:
                 return core, True
         return mw_result, True
 
-    @staticmethod
-    def _adapt(
-        layer: ToolMiddleware,
-    ) -> Callable[[_Frame, Callable[[_Frame | None], Awaitable[ToolResult]]], Awaitable[ToolResult]]:
-        def run_layer(frame: _Frame, next_: Callable[[_Frame | None], Awaitable[ToolResult]]) -> Awaitable[ToolResult]:
-            return _Deferred(functools.partial(enter_layer, frame, next_), frame.call)
-
-        def enter_layer(
-            frame: _Frame, next_: Callable[[_Frame | None], Awaitable[ToolResult]]
-        ) -> Awaitable[ToolResult]:
-            def call_next(
-                request: ToolMiddlewareRequest | None = None, *, emit: Emit | None = None
-            ) -> Awaitable[ToolResult]:
-                try:
-                    if request is None and emit is None:
-                        return next_(None)
-                    inner = frame.request if request is None else request
-                    # The emit for inner layers: the emit= argument, else the request's own
-                    # (if it was bound), else the current one.
-                    inner_emit = inner.emit if emit is None else emit
-                    if inner_emit is _inherit_emit:
-                        inner_emit = frame.request.emit
-                    if inner.emit is not inner_emit:
-                        inner = ToolMiddlewareRequest(inner.tool_name, inner.input, inner.context, inner_emit)
-                    return next_(_Frame(inner, frame.call))
-                except NextCalledTwiceError:
-                    frame.call.next_twice = True
-                    raise
-
-            return layer(frame.request, call_next)
-
-        return run_layer
-
-    @staticmethod
-    def _guard(frame: _Frame) -> None:
-        """Checked before every layer and the core: identity, name and interrupt behaviour."""
-        state = frame.call
-        request = frame.request
-        if state.door_closed:
-            return  # the chain already returned: the entry is refused when it is awaited
-        try:
-            if not isinstance(request, ToolMiddlewareRequest):
-                raise _GuardViolation(f"call_next() takes a ToolMiddlewareRequest, got {type(request).__name__}")
-            if request.tool_name != state.tool.name:
-                raise _GuardViolation("Tool middleware cannot change the tool name")
-            if request.context is not state.ctx:
-                raise _GuardViolation("Tool middleware cannot replace the execution context")
-            if request.input != state.scheduled.model_input:  # replaced, or changed in place
-                if not isinstance(request.input, dict):
-                    raise _GuardViolation("Tool middleware must pass a JSON object as input")
-                try:
-                    behavior = state.tool.resolve_behavior(request.input)
-                except ToolBehaviorError as exc:
-                    raise _GuardViolation(str(exc)) from None
-                if behavior.interrupt is not state.behavior.interrupt:
-                    raise _GuardViolation("Tool middleware cannot change the tool interrupt behavior")
-        except _GuardViolation as exc:
-            if state.violation is None:
-                state.violation = str(exc)
-            raise
-        state.effective_input = request.input
-
     # -- the core ---------------------------------------------------------------
 
-    @staticmethod
-    def _terminal(frame: _Frame) -> Awaitable[ToolResult]:
-        # Static, like _guard: the composed chain holds no bound method, so no pipeline -> chain ->
-        # pipeline cycle (a chat() run's pipeline dies by refcount); the call knows its pipeline.
-        state = frame.call
-        return _Deferred(functools.partial(state.pipeline._core, state, frame.request.input, frame.request.emit), state)
-
     async def _core(self, state: _Call, model_input: JsonObject, emit: Emit) -> ToolResult:
-        """The terminal of the chain: everything between the middleware and the side effect, and the tool."""
+        """The terminal of the chain: everything between the middleware and the side effect, and the tool.
+
+        One cancel scope that the call's abort cancels (`state.target`): the tool's own, with its
+        deadline, or, when something may wait before the tool starts (stages, an overrunning
+        cleanup, the slot, file locks), one entered before those waits whose deadline is set when
+        the tool starts. The journal's ``tool_started`` write is never cancelled by an abort.
+        """
         state.core_entered = True
         state.phase = _Phase.CORE
         try:
             try:
-                result = await self._core_body(state, model_input, emit)
+                try:
+                    if state.abort.reason is not None:
+                        raise _Aborted
+                    tool = state.tool
+                    prepared: _Prepared | ToolResult | None = None
+                    paths: tuple[str, ...] | None = None
+                    early: trio.CancelScope | None = None
+                    if state.has_pre:
+                        early = trio.CancelScope()
+                    else:
+                        prepared = self._prepare_input(state, model_input)
+                        if type(prepared) is tuple:
+                            if self._cleanup_heap and self._overrunning() is not None:
+                                early = trio.CancelScope()
+                            else:
+                                slot = state.slot = _SlotHolder(self.scheduler, prepared[2].kind)
+                                if not slot.acquire_nowait():
+                                    early = trio.CancelScope()
+                                else:
+                                    paths = tool.paths_for(prepared[0])
+                                    if paths:
+                                        early = trio.CancelScope()
+                    outcome: Any = _NOT_RUN
+                    with _NO_SCOPE if early is None else early:
+                        if early is not None:
+                            state.target = early
+                            prepared = await self._wait_for_start(state, model_input, prepared, paths)
+                            state.target = None
+                        if type(prepared) is tuple:
+                            final_input, value, behavior = prepared
+                            if state.abort.reason is not None:
+                                raise _Aborted
+                            # The one final input: what the journal records, the record keeps and the
+                            # tool's value came from.
+                            state.effective_input = final_input
+                            journal = self.journal
+                            try:
+                                journal.check_ownership()
+                                before = None if self._journal_atomic else self._call_state(state.scheduled)
+                                try:
+                                    await journal.on_execution_started(
+                                        state.scheduled, final_input, behavior.side_effect, synthetic=False
+                                    )
+                                except BaseException:
+                                    # Cancelled while the start was being confirmed, after the journal took it:
+                                    # it is started, so the call settles as cancelled (never with a second,
+                                    # synthetic start).
+                                    if (
+                                        not self._journal_atomic
+                                        and before != "started"
+                                        and self._call_state(state.scheduled) == "started"
+                                    ):
+                                        state.started = True
+                                    raise
+                                state.started = True
+                                journal.check_ownership()
+                            except (LeaseLostError, JournalError) as exc:
+                                state.fatal = exc
+                                raise
+                            if state.abort.reason is not None:  # arrived while tool_started was written
+                                raise _Aborted  # the tool never runs
+                            context = ToolContext(state.ctx, state.tool_emit(emit), state.slot, self.cleanup_grace)
+                            deadline = state.clock.current_time() + (tool.timeout or self.timeout)
+                            if early is None:
+                                scope = trio.CancelScope(deadline=deadline)
+                                entered: trio.CancelScope | _NoScope = scope
+                            else:
+                                scope, entered = early, _NO_SCOPE
+                                scope.deadline = deadline
+                            with entered:
+                                state.target = scope
+                                self._track_cleanup(state, deadline + self.cleanup_grace)
+                                state.tool_ran = True
+                                try:
+                                    outcome = await tool.run(value, context)
+                                except ToolFailure as failure:
+                                    outcome = failure.to_result()
+                                except BaseException as exc:
+                                    typed = typed_error(exc)
+                                    if isinstance(typed, LeaseLostError):
+                                        state.fatal = typed
+                                        raise
+                                    if contains_cancelled(exc) or not isinstance(exc, Exception):
+                                        raise  # a cancellation (maybe a group from the tool's own nursery) goes on
+                                    outcome = ToolResult.failure(
+                                        ToolErrorType.EXECUTION, f"{type(exc).__name__}: {exc}", code="tool_error"
+                                    )
+                                finally:
+                                    self._untrack_cleanup(state, scope)
+                                # The side effect is done: commit before anything else can be cancelled.
+                                state.target = None
+                                self._commit(state)
+                            if scope.cancelled_caught and state.phase is not _Phase.COMMITTED:
+                                raise _Aborted
+                    if early is not None and early.cancelled_caught and state.phase is not _Phase.COMMITTED:
+                        raise _Aborted
+                    if outcome is _NOT_RUN:  # short-circuited: denied, skipped, invalid, a lock timeout
+                        assert isinstance(prepared, ToolResult)
+                        result = prepared
+                    else:
+                        result = outcome if isinstance(outcome, ToolResult) else ToolResult.success(outcome)
+                        # Known from here on, even if the bounded unwind is cut short inside a post_tool stage.
+                        state.core_result = result
+                        try:
+                            self.journal.check_ownership()
+                        except LeaseLostError as exc:
+                            state.fatal = exc
+                            raise
+                        if state.stages.post_tool:
+                            result = await self._post_tool(state, result, prepared)  # type: ignore[arg-type]
+                finally:
+                    locks = state.locks
+                    if locks is not None:
+                        state.locks = None
+                        self.file_locks.release_all(locks[0], exclusive=locks[1], owner=locks[2])
+                    if state.slot is not None:
+                        state.slot.release()
             except _Aborted:
                 abort = state.abort.reason
                 if abort is None:  # our deadline fired: the tool timed out
@@ -857,7 +1143,75 @@ class ToolPipeline:
             state.core_result = result
             return result
         finally:
-            state.core_finished.set()
+            state.core_done = True
+            if state.core_waiter is not None:
+                state.core_waiter.set()
+
+    async def _wait_for_start(
+        self,
+        state: _Call,
+        model_input: JsonObject,
+        prepared: _Prepared | ToolResult | None,
+        paths: tuple[str, ...] | None,
+    ) -> _Prepared | ToolResult:
+        """What may wait before the tool starts, in the scope the call's abort cancels: the stages (or the
+        schema check), an overrunning cleanup, the slot, the file locks. Each step is done once: the
+        ones `_core` already did without waiting are skipped."""
+        if prepared is None:
+            prepared = await self._pre_stages(state, model_input)
+        if isinstance(prepared, ToolResult):
+            return prepared
+        if self._cleanup_heap and self._overrunning() is not None:
+            if state.abort.reason is not None:
+                raise _Aborted
+            await self._wait_for_overrunning_cleanup()
+        final_input, _, behavior = prepared
+        slot = state.slot
+        if slot is None:
+            slot = state.slot = _SlotHolder(self.scheduler, behavior.kind)
+            held = slot.acquire_nowait()
+        else:
+            held = slot.held
+        if not held:
+            if state.abort.reason is not None:
+                raise _Aborted
+            await slot.acquire()
+        if paths is None:
+            paths = state.tool.paths_for(final_input)
+        if paths:
+            exclusive = not (behavior.kind is ToolKind.READONLY and behavior.concurrency_safe)
+            locked = self.file_locks.normalise(paths, self.workspace)
+            ctx = state.ctx
+            owner = ctx.call_key
+            if state.abort.reason is not None:
+                raise _Aborted
+            try:
+                taken = await self.file_locks.acquire_all(
+                    locked, exclusive, self.lock_timeout, owner=owner, lineage=ctx.lineage
+                )
+            except FileLockTimeoutError as exc:
+                return ToolResult.failure(ToolErrorType.TIMEOUT, str(exc), code="lock_timeout")
+            state.locks = (taken, exclusive, owner)
+        return prepared
+
+    async def _post_tool(self, state: _Call, result: ToolResult, prepared: _Prepared) -> ToolResult:
+        """The tool's result through the post_tool stages (an error result stays an error)."""
+        final_input, _, behavior = prepared
+        for callback in state.stages.post_tool:
+            try:
+                replaced = await callback(StageRequest(state.tool, final_input, state.ctx, behavior), result)
+            except LeaseLostError as exc:
+                state.fatal = exc
+                raise
+            except Exception as exc:
+                state.faults.append(
+                    MiddlewareFault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {exc!r}")
+                )
+                continue
+            if isinstance(replaced, ToolResult) and (replaced.error is not None or result.ok):
+                result = replaced
+                state.core_result = result
+        return result
 
     def _commit(self, state: _Call) -> None:
         state.phase = _Phase.COMMITTED
@@ -865,61 +1219,7 @@ class ToolPipeline:
         if mw_scope is not None:
             # From here on the unwind may not be cancelled from outside, only bounded.
             mw_scope.shield = True
-            mw_scope.deadline = trio.current_time() + self.unwind_grace
-
-    async def _abortable(self, state: _Call, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-        """Await ``fn(*args)`` in a scope that the call's abort cancels; raise `_Aborted` if it did."""
-        if state.abort.reason is not None:
-            raise _Aborted
-        with trio.CancelScope() as scope:
-            state.target = scope
-            value = await fn(*args)
-        state.target = None
-        if scope.cancelled_caught:
-            raise _Aborted
-        return value
-
-    async def _core_body(self, state: _Call, model_input: JsonObject, emit: Emit) -> ToolResult:
-        if state.abort.reason is not None:
-            raise _Aborted
-        tool = state.tool
-        if self._has_pre_stages if state.stages is None else state.has_pre:
-            prepared = await self._abortable(state, self._pre_stages, state, model_input)
-        else:
-            prepared = self._prepare_input(state, model_input)
-        if isinstance(prepared, ToolResult):
-            return prepared
-        final_input, value, behavior = prepared
-
-        if self._cleanup_heap:
-            await self._abortable(state, self._wait_for_overrunning_cleanup)
-        slot = _SlotHolder(self.scheduler, behavior.kind)
-        if not slot.acquire_nowait():
-            await self._abortable(state, slot.acquire)
-        try:
-            paths = tool.paths_for(final_input)
-            if not paths:
-                return await self._start_and_run(state, tool, final_input, value, behavior, emit, slot)
-            exclusive = not (behavior.kind is ToolKind.READONLY and behavior.concurrency_safe)
-            locked = self.file_locks.normalise(paths, self.workspace)
-            ctx = state.ctx
-            owner = ctx.call_key
-            try:
-                taken = await self._abortable(
-                    state,
-                    functools.partial(self.file_locks.acquire_all, owner=owner, lineage=ctx.lineage),
-                    locked,
-                    exclusive,
-                    self.lock_timeout,
-                )
-            except FileLockTimeoutError as exc:
-                return ToolResult.failure(ToolErrorType.TIMEOUT, str(exc), code="lock_timeout")
-            try:
-                return await self._start_and_run(state, tool, final_input, value, behavior, emit, slot)
-            finally:
-                self.file_locks.release_all(taken, exclusive=exclusive, owner=owner)
-        finally:
-            slot.release()
+            mw_scope.deadline = state.clock.current_time() + self.unwind_grace
 
     def _prepare_input(self, state: _Call, current: JsonObject) -> ToolResult | tuple[JsonObject, object, ToolBehavior]:
         """Schema check, behaviour for the final input, and structuring for ``run``."""
@@ -951,21 +1251,18 @@ class ToolPipeline:
         self, state: _Call, model_input: JsonObject
     ) -> ToolResult | tuple[JsonObject, object, ToolBehavior]:
         """pre_tool and permission (pipes) -> before (first decision wins) -> schema check -> guard."""
-        stages = self.stages if state.stages is None else state.stages
+        stages = state.stages
         current = model_input
-
-        def request_for(value: JsonObject) -> StageRequest:
-            return StageRequest(state.tool, value, state.ctx, state.behavior)
-
+        tool, ctx, behavior = state.tool, state.ctx, state.behavior
         for name, callbacks in (("pre_tool", stages.pre_tool), ("permission", stages.permission)):
             for callback in callbacks:
-                decision = await self._decide(name, callback, request_for(current))
+                decision = await self._decide(name, callback, StageRequest(tool, current, ctx, behavior))
                 if isinstance(decision, Deny):
                     return decision.to_result()
                 if isinstance(decision, Allow) and decision.input is not None:
                     current = decision.input
         for callback in stages.before:
-            decision = await self._decide("before", callback, request_for(current))
+            decision = await self._decide("before", callback, StageRequest(tool, current, ctx, behavior))
             if isinstance(decision, Deny):
                 return decision.to_result()
             if isinstance(decision, Skip):
@@ -978,7 +1275,7 @@ class ToolPipeline:
         if isinstance(prepared, ToolResult):
             return prepared
         for callback in stages.guard:
-            decision = await self._decide("guard", callback, request_for(prepared[0]))
+            decision = await self._decide("guard", callback, StageRequest(tool, prepared[0], ctx, behavior))
             if isinstance(decision, Deny):
                 return decision.to_result()
             if isinstance(decision, Allow):
@@ -989,7 +1286,7 @@ class ToolPipeline:
 
     async def _post_stages(self, state: _Call, final_input: JsonObject, result: ToolResult) -> ToolResult:
         """A skipped call's result through the post stages (an error result stays an error)."""
-        stages = self.stages if state.stages is None else state.stages
+        stages = state.stages
         for callback in stages.post_tool:
             try:
                 replaced = await callback(StageRequest(state.tool, final_input, state.ctx, state.behavior), result)
@@ -1010,104 +1307,21 @@ class ToolPipeline:
         callback: Callable[[StageRequest], Awaitable[Allow | Deny | Skip | None]],
         request: StageRequest,
     ) -> Allow | Deny | Skip | None:
-        name = getattr(callback, "__qualname__", repr(callback))
         try:
             decision = await callback(request)
         except LeaseLostError:
             raise
         except Exception as exc:  # hooks fail closed
-            return Deny(f"{stage} stage {name} failed: {exc!r}", ToolErrorType.EXECUTION, "hook_error")
+            return Deny(f"{stage} stage {_stage_name(callback)} failed: {exc!r}", ToolErrorType.EXECUTION, "hook_error")
         if decision is None or isinstance(decision, (Allow, Deny)):
             return decision
         if isinstance(decision, Skip) and stage == "before":
             return decision
         return Deny(
-            f"{stage} stage {name} returned {decision!r}, expected Allow, Deny or None",
+            f"{stage} stage {_stage_name(callback)} returned {decision!r}, expected Allow, Deny or None",
             ToolErrorType.EXECUTION,
             "hook_error",
         )
-
-    async def _start_and_run(
-        self,
-        state: _Call,
-        tool: Tool[Any],
-        final_input: JsonObject,
-        value: object,
-        behavior: ToolBehavior,
-        emit: Emit,
-        slot: _SlotHolder,
-    ) -> ToolResult:
-        if state.abort.reason is not None:
-            raise _Aborted
-        journal = self.journal
-        # The one final input: what the journal records, the record keeps and the tool's value came from.
-        state.effective_input = final_input
-        try:
-            journal.check_ownership()
-            before = self._call_state(state.scheduled)
-            try:
-                await journal.on_execution_started(state.scheduled, final_input, behavior.side_effect, synthetic=False)
-            except BaseException:
-                # Cancelled while the start was being confirmed, after the journal took it: it is
-                # started, so the call settles as cancelled (never with a second, synthetic start).
-                if before != "started" and self._call_state(state.scheduled) == "started":
-                    state.started = True
-                raise
-            state.started = True
-            journal.check_ownership()
-        except (LeaseLostError, JournalError) as exc:
-            state.fatal = exc
-            raise
-        if state.abort.reason is not None:  # arrived while tool_started was written: the tool never runs
-            raise _Aborted
-        context = ToolContext(state.ctx, state.tool_emit(emit), slot, self.cleanup_grace)
-        deadline = trio.current_time() + (tool.timeout or self.timeout)
-        with trio.CancelScope(deadline=deadline) as scope:
-            state.target = scope
-            self._track_cleanup(state, deadline + self.cleanup_grace)
-            state.tool_ran = True
-            try:
-                outcome = await tool.run(value, context)
-            except ToolFailure as failure:
-                outcome = failure.to_result()
-            except BaseException as exc:
-                typed = typed_error(exc)
-                if isinstance(typed, LeaseLostError):
-                    state.fatal = typed
-                    raise
-                if contains_cancelled(exc) or not isinstance(exc, Exception):
-                    raise  # a cancellation (maybe a group from the tool's own nursery) goes on unchanged
-                outcome = ToolResult.failure(ToolErrorType.EXECUTION, f"{type(exc).__name__}: {exc}", code="tool_error")
-            finally:
-                self._untrack_cleanup(state, scope)
-            # The side effect is done: commit before anything else can be cancelled.
-            state.target = None
-            self._commit(state)
-        if scope.cancelled_caught and state.phase is not _Phase.COMMITTED:
-            raise _Aborted
-        result = outcome if isinstance(outcome, ToolResult) else ToolResult.success(outcome)
-        # Known from here on, even if the bounded unwind is cut short inside a post_tool stage.
-        state.core_result = result
-        try:
-            journal.check_ownership()
-        except LeaseLostError as exc:
-            state.fatal = exc
-            raise
-        for callback in (self.stages if state.stages is None else state.stages).post_tool:
-            try:
-                replaced = await callback(StageRequest(tool, final_input, state.ctx, behavior), result)
-            except LeaseLostError as exc:
-                state.fatal = exc
-                raise
-            except Exception as exc:
-                state.faults.append(
-                    MiddlewareFault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {exc!r}")
-                )
-                continue
-            if isinstance(replaced, ToolResult) and (replaced.error is not None or result.ok):
-                result = replaced
-                state.core_result = result
-        return result
 
     # -- cleanup overrun tracking ----------------------------------------------
 
@@ -1119,7 +1333,9 @@ class ToolPipeline:
 
     def _untrack_cleanup(self, state: _Call, scope: trio.CancelScope) -> None:
         # Lazy deletion: mark done; the heap drops finished entries when it looks at them.
-        if scope.cancel_called and (now := trio.current_time()) > state.cleanup_deadline:
+        # The time first: a scope's `cancel_called` reads the clock itself, and past the cleanup
+        # deadline the scope was cancelled (by its deadline or an abort) anyway.
+        if (now := state.clock.current_time()) > state.cleanup_deadline and scope.cancel_called:
             self.cleanup_overruns += 1
             state.faults.append(
                 MiddlewareFault(
@@ -1142,8 +1358,8 @@ class ToolPipeline:
             self._cleanup_seq += 1
             heapq.heappush(self._cleanup_heap, (deadline, self._cleanup_seq, state))
 
-    async def _wait_for_overrunning_cleanup(self) -> None:
-        """Block new tool starts while a cancelled tool overruns its cleanup grace."""
+    def _overrunning(self) -> _Call | None:
+        """A cancelled call whose tool still runs past its cleanup grace, if any (new starts wait for it)."""
         heap = self._cleanup_heap
         while heap:
             deadline, _, other = heap[0]
@@ -1151,7 +1367,13 @@ class ToolPipeline:
                 heapq.heappop(heap)  # finished, or superseded by an earlier deadline entry
                 continue
             if deadline > trio.current_time():
-                return
+                return None
+            return other
+        return None
+
+    async def _wait_for_overrunning_cleanup(self) -> None:
+        """Block new tool starts while a cancelled tool overruns its cleanup grace."""
+        while (other := self._overrunning()) is not None:
             if other.done is None:
                 other.done = trio.Event()
             await other.done.wait()
@@ -1159,11 +1381,11 @@ class ToolPipeline:
     # -- settlement and publication ----------------------------------------------
 
     def _knows_call_state(self) -> bool:
-        return callable(getattr(self.journal, "call_state", None))
+        return self._probe is not None
 
     def _call_state(self, scheduled: ScheduledCall) -> str | None:
-        probe = getattr(self.journal, "call_state", None)
-        if not callable(probe):
+        probe = self._probe
+        if probe is None:
             return None
         state = probe(scheduled)
         return state if isinstance(state, str) else None
@@ -1179,11 +1401,11 @@ class ToolPipeline:
         """
         if state.settle_attempted:
             return None
-        if state.core_entered and not state.core_finished.is_set():
+        if state.core_entered and not state.core_done:
             # A core started by middleware in another task still runs: stop it before settling.
             state.abort.abort(AbortReason.USER_ABORT, "tool call cancelled")
             with bounded_shield(self.cleanup_grace, f"tool call {state.scheduled.call_id!r} (stopping its core)"):
-                await state.core_finished.wait()
+                await state.core_finished().wait()
         state.door_closed = True
         if isinstance(typed_error(exc), LeaseLostError) or isinstance(state.fatal, LeaseLostError):
             return None
@@ -1209,11 +1431,11 @@ class ToolPipeline:
     async def _drain_core(self, state: _Call) -> None:
         """The chain returned while the core it started runs on elsewhere: wait for its real result."""
         with trio.move_on_after(state.tool.timeout or self.timeout):
-            await state.core_finished.wait()
-        if not state.core_finished.is_set():
+            await state.core_finished().wait()
+        if not state.core_done:
             state.abort.abort(AbortReason.TIMEOUT, "timed out waiting for a core that middleware left running")
             with bounded_shield(self.cleanup_grace, f"tool call {state.scheduled.call_id!r} (stopping its core)"):
-                await state.core_finished.wait()
+                await state.core_finished().wait()
 
     async def _synthetic_start(self, state: _Call) -> None:
         effective_input = state.effective_input
@@ -1258,9 +1480,7 @@ class ToolPipeline:
         except LeaseLostError:
             raise
         except Exception as exc:
-            raise SettlementError(
-                f"settling tool call {state.scheduled.call_id!r} failed: {exc}; nothing was published"
-            ) from exc
+            raise _settlement_failed(state, exc) from exc
 
     def _raise_fatal(self, state: _Call) -> None:
         if state.fatal is not None:
@@ -1268,36 +1488,6 @@ class ToolPipeline:
         abort = state.abort.reason
         if abort is not None and abort.reason is AbortReason.LEASE_LOST:
             raise LeaseLostError(abort.message)
-
-    async def _finish(
-        self, state: _Call, call: ToolCall, result: ToolResult, scheduled_at: float, *, published: bool = True
-    ) -> ToolExecutionRecord:
-        self.journal.check_ownership()
-        status, reason = _status_for(result)
-        if status is SettlementStatus.COMPLETED and not state.started:
-            # A success without a recorded start can only come from a short-circuit.
-            await self._synthetic_start(state)
-        await self._settle(state, result, status, published, reason)
-        visible = result
-        if not published:
-            visible = ToolResult.failure(
-                ToolErrorType.EXECUTION,
-                "tool result withheld: middleware did not finish unwinding in time",
-                code="unwind_deadline_missed",
-            )
-        record = self._record(
-            call,
-            state.effective_input,
-            visible,
-            status,
-            state.behavior,
-            state,
-            scheduled_at,
-            published=published,
-        )
-        # Cancellation from outside continues here, after the committed result is settled.
-        await trio.lowlevel.checkpoint_if_cancelled()
-        return record
 
     def _record(
         self,
@@ -1330,11 +1520,22 @@ class ToolPipeline:
         return record
 
 
-def _forward(target: AbortHandle) -> Callable[[Abort], None]:
-    def forward(abort: Abort) -> None:
-        target.abort(abort.reason, abort.message)
+def _stage_name(callback: object) -> str:
+    # Only for a message: a callback's repr is not made for every call that passes.
+    name = getattr(callback, "__qualname__", None)
+    return name if name is not None else repr(callback)
 
-    return forward
+
+def _withheld_result() -> ToolResult:
+    return ToolResult.failure(
+        ToolErrorType.EXECUTION,
+        "tool result withheld: middleware did not finish unwinding in time",
+        code="unwind_deadline_missed",
+    )
+
+
+def _settlement_failed(state: _Call, exc: Exception) -> SettlementError:
+    return SettlementError(f"settling tool call {state.scheduled.call_id!r} failed: {exc}; nothing was published")
 
 
 _DEFAULT_ORIGIN = CallOrigin()

@@ -28,10 +28,21 @@ def json_copy(value: Any) -> Any:
     """A copy of JSON containers (dicts and lists); immutable leaves are shared."""
     kind = type(value)
     if kind is dict:
-        return {key: json_copy(item) for key, item in value.items()}
+        copy = value.copy()
+        for key, item in copy.items():  # replacing a key's value does not disturb the iteration
+            if type(item) in _CONTAINERS:
+                copy[key] = json_copy(item)
+        return copy
     if kind is list:
-        return [json_copy(item) for item in value]
+        copy = value.copy()
+        for index, item in enumerate(copy):
+            if type(item) in _CONTAINERS:
+                copy[index] = json_copy(item)
+        return copy
     return value
+
+
+_CONTAINERS = (dict, list)  # exactly these types are copied (leaves, subclasses included, are shared)
 
 
 class ToolErrorType(enum.Enum):
@@ -83,7 +94,7 @@ class ToolResult:
         data: Any = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> ToolResult:
-        return cls(output, None, display, data, dict(metadata or {}))
+        return cls(output, None, display, data, {} if metadata is None else dict(metadata))
 
     @classmethod
     def failure(

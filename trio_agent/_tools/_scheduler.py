@@ -32,6 +32,9 @@ class SchedulerLimits:
         return int(getattr(self, kind.value))
 
 
+_DEFAULT_LIMITS = SchedulerLimits()  # immutable: shared by every scheduler made without limits
+
+
 @attrs.frozen
 class SchedulerStatistics:
     """Per kind: ``(borrowed, waiting, total)``."""
@@ -108,7 +111,7 @@ class ToolScheduler:
     """
 
     def __init__(self, limits: SchedulerLimits | None = None) -> None:
-        self.limits = limits or SchedulerLimits()
+        self.limits = limits if limits is not None else _DEFAULT_LIMITS
         # Made on first use: most sessions use one or two kinds, and an idle session should be small.
         self._buckets: dict[ToolKind, _Bucket] = {}
 
@@ -120,14 +123,15 @@ class ToolScheduler:
 
     def try_acquire(self, kind: ToolKind) -> bool:
         """Take a slot without waiting; False if none is free or others are already waiting."""
-        return self._bucket(kind).try_acquire()
+        bucket = self._buckets.get(kind) or self._bucket(kind)
+        return bucket.try_acquire()
 
     async def acquire(self, kind: ToolKind) -> None:
         """Wait (FIFO, cancellable) for a slot of *kind*."""
         await self._bucket(kind).acquire()
 
     def release(self, kind: ToolKind) -> None:
-        self._bucket(kind).release()
+        (self._buckets.get(kind) or self._bucket(kind)).release()
 
     def statistics(self) -> SchedulerStatistics:
         buckets = {}
