@@ -405,11 +405,12 @@ class _Prepared:
             except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as exc:
                 raise ConfigError(f"output_schema is not valid JSON Schema: {str(exc).splitlines()[0]}") from None
         journal = options["journal"]
-        # history_limit=0: the run's events and the journal are its record; nothing reads a pipeline's history.
+        # history_limit=0 and a tool journal that keeps no entries: the run's events and the durable
+        # journal are its record; nothing reads the pipeline's own.
         pipeline = ToolPipeline(
             tools,
             middleware=options["tool_middleware"],
-            journal=journal or InMemoryToolJournal(),
+            journal=journal or InMemoryToolJournal(keep_entries=False),
             history_limit=0,
         )
         strategy = options["strategy"] or max_iterations(DEFAULT_MAX_ITERATIONS)
