@@ -168,10 +168,14 @@ def stops_loop(result: ToolResult) -> bool:
     return bool(result.metadata.get("stop_loop")) or (result.error is not None and result.error.code == "stop_loop")
 
 
+# ``json.dumps(..., default=str)``, with one encoder: with any keyword ``dumps`` builds a new one per call.
+_TEXT_ENCODER = json.JSONEncoder(default=str)
+
+
 def model_text(result: ToolResult) -> str:
     """What the model reads of a result."""
     output = result.output
-    return output if isinstance(output, str) else json.dumps(output, default=str)
+    return output if isinstance(output, str) else _TEXT_ENCODER.encode(output)
 
 
 def rejected_texts(rejected: Mapping[str, ToolResult]) -> dict[str, str]:
