@@ -39,6 +39,7 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from types import TracebackType
 from typing import Any
 
 import attrs
@@ -84,6 +85,7 @@ from ._lease import HeldLease, acquire, check_seconds, check_timing, default_own
 from ._memory import MemoryStore
 from ._projection import Projection, RecoveryKind, RecoveryPlan, ToolState
 from ._snapshot import (
+    CALL_EVENTS,
     FOLD_AFTER,
     SNAPSHOT_GRACE,
     CallRecord,
@@ -155,6 +157,26 @@ def _recorded_at(now: object) -> float:
 class DurableJournal:
     """One session's journal over a `JournalStore`. Open it with `open_journal`."""
 
+    # Slotted, and nothing made before it is needed: thousands of sessions may hold one each.
+    __slots__ = (
+        "_checked_ids",
+        "_closed",
+        "_commits_now",
+        "_fenced",
+        "_fold_after",
+        "_pending_starts",
+        "_shut",
+        "_streams",
+        "commit_grace",
+        "durable_pure_starts",
+        "held",
+        "owner",
+        "recovered",
+        "root_agent_id",
+        "session_id",
+        "store",
+    )
+
     def __init__(
         self,
         store: JournalStore,
@@ -189,16 +211,14 @@ class DurableJournal:
         self._streams: dict[str, _Stream] = {}
         self._checked_ids: dict[str | None, str] = {}  # agent id -> its stream id, checked once
         self._fenced: str | None = None
-        self._closed = trio.Event()  # for subscribers; `_shut` is the same fact, read per write
+        self._closed: trio.Event | None = None  # for subscribers, made by the first (`_closed_event`)
         self._shut = False
         self._pending_starts: dict[str, AppendTicket] = {}
         self.recovered = False
         # A store whose leases never run out needs no heartbeat (`HeldLease`), and one that commits
         # at once (`JournalStore.commit`) needs no ticket: the memory store's appends never wait.
         # Only a class that defines commit itself is trusted: a wrapper may intercept `submit`.
-        self._commit_now: Callable[[AppendBatch], AppendResult] | None = (
-            store.commit if "commit" in type(store).__dict__ else None  # type: ignore[attr-defined]
-        )
+        self._commits_now = "commit" in type(store).__dict__
 
     # -- the lease (held by `HeldLease`; these read and steer it)
 
@@ -268,7 +288,16 @@ class DurableJournal:
 
     def _close(self) -> None:
         self._shut = True
-        self._closed.set()
+        if self._closed is not None:
+            self._closed.set()
+
+    def _closed_event(self) -> trio.Event:
+        """Set once the journal is closed (`_shut` is the same fact, read per write)."""
+        if self._closed is None:
+            self._closed = trio.Event()
+            if self._shut:
+                self._closed.set()
+        return self._closed
 
     def _stream_id_of(self, agent_id: str | None) -> str:
         """`stream_id`, without formatting it again once a write checked it."""
@@ -354,21 +383,28 @@ class DurableJournal:
                     raise CommandConflictError(
                         f"command {command_id!r} was already applied with different content", command_id=command_id
                     )
-                return stream, attrs.evolve(known[1], replayed=True)
+                return stream, AppendResult(stream_id, known[1], known[2], replayed=True)
         if stream.pins:
             stream.settle_pins()  # the pinned conversations are of before these events
         projection.apply_atomic(envelopes)  # all or nothing: a refusal changes nothing
-        fold_after = self._fold_after
+        # `_Stream.track` of each event, in line (every event passes here; the pins are settled).
+        unfolded = stream.unfolded
         for envelope in envelopes:
-            stream.track(envelope.event, fold_after)
+            event = envelope.event
+            if type(event) in CALL_EVENTS:
+                stream.track_call(event)
+            unfolded.append(event)
+        fold_after = self._fold_after
+        if fold_after is not None and len(unfolded) > fold_after:
+            stream.fold_some()
         self._streams[stream_id] = stream
         if defer:
-            stream.deferred.extend(envelopes)
+            stream.deferred += envelopes
             return stream, None
         if stream.deferred:
             assert command_id is None  # `append` writes them on their own before a command
-            envelopes = (*stream.deferred, *envelopes)
-            stream.deferred.clear()
+            envelopes = stream.deferred + envelopes
+            stream.deferred = ()
         # Built from what this journal checked and counted itself (`AppendBatch.placed`).
         batch = AppendBatch.placed(self.session_id, stream_id, held.lease.token, envelopes, command_id, digest)
         return stream, batch
@@ -391,12 +427,11 @@ class DurableJournal:
                 await self._write(self._deferred_batch(stream))
 
     def _deferred_batch(self, stream: _Stream) -> AppendBatch:
-        envelopes = tuple(stream.deferred)
-        stream.deferred.clear()
+        envelopes, stream.deferred = stream.deferred, ()
         return AppendBatch.placed(self.session_id, stream.stream_id, self.lease.token, envelopes)
 
     async def _write(self, batch: AppendBatch) -> AppendResult:
-        if self._commit_now is not None:
+        if self._commits_now:
             # Committed before this returns: not a checkpoint (the caller's next await is one).
             return self._committed(batch)
         return await self._await(self._submit(batch))
@@ -427,20 +462,20 @@ class DurableJournal:
             await trio.lowlevel.checkpoint()
             return prepared
         assert prepared is not None
-        if self._commit_now is not None:
+        if self._commits_now:
             result = self._committed(prepared)  # as `_write`, without a coroutine of its own
         else:
             result = await self._await(self._submit(prepared))
         if command_id is not None:
             assert prepared.command_digest is not None
-            stream.commands[command_id] = (prepared.command_digest, result)
+            stream.commands[command_id] = (prepared.command_digest, result.first_seq, result.last_seq)
         return result
 
     @property
     def never_blocks(self) -> bool:
         """Whether `on_tool_settled` never checkpoints: on a store that commits at once (the memory
         store) a settlement cannot be interrupted, so the pipeline needs no shield around it."""
-        return self._commit_now is not None
+        return self._commits_now
 
     def _refused(self, exc: BaseException) -> None:
         """A write the store refused, or whose outcome is unknown: the journal is fenced (and a
@@ -460,10 +495,9 @@ class DurableJournal:
             raise
 
     def _committed(self, batch: AppendBatch) -> AppendResult:
-        commit = self._commit_now
-        assert commit is not None
         try:
-            return commit(batch)
+            result: AppendResult = self.store.commit(batch)  # type: ignore[attr-defined]
+            return result
         except Exception as exc:  # refused, or a store's bug: either way the projection is ahead
             self._refused(exc)
             raise
@@ -546,8 +580,7 @@ class DurableJournal:
         """Apply the events and add the command ids stored after the stream's snapshot (if any)."""
         await self._replay(stream, head)
         for record in await self.store.commands(stream.stream_id, after=stream.snapshot_seq):
-            result = AppendResult(stream.stream_id, record.first_seq, record.last_seq)
-            stream.commands[record.command_id] = (record.digest, result)
+            stream.commands[record.command_id] = (record.digest, record.first_seq, record.last_seq)
 
     async def _replay(self, stream: _Stream, head: int) -> None:
         """Apply the stored events after the stream's head, up to ``head`` (the store's)."""
@@ -911,7 +944,7 @@ class DurableJournal:
         self, *, agent_id: str | None = None, after: JournalCursor | str | int = 0
     ) -> AbstractAsyncContextManager[DurableEventStream]:
         """Committed events of one agent's stream: replay, one `CaughtUp`, then live (ends when the journal closes)."""
-        return subscribe_durable_events(self.store, self.stream_id(agent_id), after=after, closed=self._closed)
+        return subscribe_durable_events(self.store, self.stream_id(agent_id), after=after, closed=self._closed_event())
 
 
 def unknown_outcome_result(call_id: str, tool_name: str) -> ToolResult:
@@ -924,8 +957,7 @@ def unknown_outcome_result(call_id: str, tool_name: str) -> ToolResult:
     )
 
 
-@asynccontextmanager
-async def open_journal(
+def open_journal(
     store: JournalStore,
     *,
     session_id: str | None = None,
@@ -939,7 +971,7 @@ async def open_journal(
     snapshot_every: int | _Default | None = _DEFAULT,
     lease: Lease | None = None,
     lease_sent: float | None = None,
-) -> AsyncIterator[DurableJournal]:
+) -> AbstractAsyncContextManager[DurableJournal]:
     """Hold one session's journal: lease, heartbeat, projections.
 
     ``session_id`` defaults to a new one; an existing session is loaded from the
@@ -961,85 +993,204 @@ async def open_journal(
 
     If the lease is lost, the body is cancelled and the block raises `LeaseLostError`.
     """
-    lease_ttl, interval = check_timing(lease_ttl, heartbeat_interval)
-    takeover_timeout = check_seconds("takeover_timeout", takeover_timeout, allow_zero=True)
-    commit_grace = check_seconds("commit_grace", commit_grace)
-    if isinstance(snapshot_every, _Default):
-        snapshot_every = None if isinstance(store, MemoryStore) else 32
-    if snapshot_every is not None and (
-        isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1
-    ):
-        raise ConfigError(f"snapshot_every must be a positive number of events or None, not {snapshot_every!r}")
-    if lease is not None:
-        if session_id not in (None, lease.session_id) or owner not in (None, lease.owner):
-            raise ConfigError(
-                f"the adopted lease is on session {lease.session_id!r} for owner {lease.owner!r}, "
-                f"not session_id={session_id!r}, owner={owner!r}"
-            )
-        session_id, owner = lease.session_id, lease.owner
-    session_id = session_id or f"session-{uuid.uuid4().hex}"
-    if "/" in session_id:
-        raise ConfigError(f"session_id must not contain '/': {session_id!r}")
-    owner = owner or default_owner()
-    if lease is None:
-        lease, sent = await acquire(store, session_id, owner, lease_ttl, takeover_timeout)
-    else:
-        sent = trio.current_time() if lease_sent is None else lease_sent
-    journal = DurableJournal(
+    return _JournalBlock(
         store,
-        session_id=session_id,
-        owner=owner,
-        lease=lease,
-        lease_ttl=lease_ttl,
-        heartbeat_interval=interval,
-        durable_pure_starts=durable_pure_starts,
-        commit_grace=commit_grace,
-        root_agent_id=root_agent_id,
-        fold_after=None if snapshot_every is None else FOLD_AFTER,
-        sent=sent,
+        session_id,
+        owner,
+        lease_ttl,
+        heartbeat_interval,
+        takeover_timeout,
+        durable_pure_starts,
+        commit_grace,
+        root_agent_id,
+        snapshot_every,
+        lease,
+        lease_sent,
     )
-    try:
-        if not journal.renews_lease:
-            await journal._load()
-            await journal.open_agent(root_agent_id)
-            with trio.CancelScope() as body:
-                journal.held.body = body
-                yield journal
+
+
+class _JournalBlock:
+    """The block of `open_journal`. A class rather than a generator: a session holds it as long as
+    it lives (one small object, not a generator and its frame), and entering and leaving it cost
+    no generator steps. A store whose leases expire gets a heartbeat in a nursery (`_renewing`).
+
+    The arguments are checked on entry, as the body of a generator function would check them."""
+
+    __slots__ = (
+        "_body",
+        "_commit_grace",
+        "_durable_pure_starts",
+        "_heartbeat_interval",
+        "_journal",
+        "_lease",
+        "_lease_sent",
+        "_lease_ttl",
+        "_owner",
+        "_renewing",
+        "_root_agent_id",
+        "_session_id",
+        "_snapshot_every",
+        "_store",
+        "_takeover_timeout",
+    )
+
+    def __init__(
+        self,
+        store: JournalStore,
+        session_id: str | None,
+        owner: str | None,
+        lease_ttl: float,
+        heartbeat_interval: float | None,
+        takeover_timeout: float,
+        durable_pure_starts: bool,
+        commit_grace: float,
+        root_agent_id: str,
+        snapshot_every: int | _Default | None,
+        lease: Lease | None,
+        lease_sent: float | None,
+    ) -> None:
+        self._store = store
+        self._session_id = session_id
+        self._owner = owner
+        self._lease_ttl = lease_ttl
+        self._heartbeat_interval = heartbeat_interval
+        self._takeover_timeout = takeover_timeout
+        self._durable_pure_starts = durable_pure_starts
+        self._commit_grace = commit_grace
+        self._root_agent_id = root_agent_id
+        self._snapshot_every = snapshot_every
+        self._lease = lease
+        self._lease_sent = lease_sent
+        self._journal: DurableJournal | None = None
+        self._body: trio.CancelScope | None = None
+        self._renewing: AbstractAsyncContextManager[DurableJournal] | None = None
+
+    async def __aenter__(self) -> DurableJournal:
+        store, session_id, owner, lease = self._store, self._session_id, self._owner, self._lease
+        lease_ttl, interval = check_timing(self._lease_ttl, self._heartbeat_interval)
+        takeover_timeout = check_seconds("takeover_timeout", self._takeover_timeout, allow_zero=True)
+        commit_grace = check_seconds("commit_grace", self._commit_grace)
+        snapshot_every = self._snapshot_every
+        if isinstance(snapshot_every, _Default):
+            snapshot_every = None if isinstance(store, MemoryStore) else 32
+        if snapshot_every is not None and (
+            isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1
+        ):
+            raise ConfigError(f"snapshot_every must be a positive number of events or None, not {snapshot_every!r}")
+        self._snapshot_every = snapshot_every
+        if lease is not None:
+            if session_id not in (None, lease.session_id) or owner not in (None, lease.owner):
+                raise ConfigError(
+                    f"the adopted lease is on session {lease.session_id!r} for owner {lease.owner!r}, "
+                    f"not session_id={session_id!r}, owner={owner!r}"
+                )
+            session_id, owner = lease.session_id, lease.owner
+        session_id = session_id or f"session-{uuid.uuid4().hex}"
+        if "/" in session_id:
+            raise ConfigError(f"session_id must not contain '/': {session_id!r}")
+        owner = owner or default_owner()
+        if lease is None:
+            lease, sent = await acquire(store, session_id, owner, lease_ttl, takeover_timeout)
         else:
-            try:
-                async with trio.open_nursery() as nursery:
-                    # Renewing from the start: loading a long session must not outlast the lease.
-                    nursery.start_soon(journal.held.keep_alive, name=f"{session_id}_heartbeat")
-                    try:
-                        with trio.CancelScope() as body:
-                            journal.held.body = body
-                            await journal._load()
-                            await journal.open_agent(root_agent_id)
-                            yield journal
-                    finally:
-                        nursery.cancel_scope.cancel()
-                        journal._close()
-            except BaseExceptionGroup as group:
-                # The heartbeat never raises: a group holds the body's own error. Raise it as itself.
-                if len(group.exceptions) == 1:
-                    raise group.exceptions[0]  # noqa: B904 - `from` would overwrite the error's own cause
-                raise
+            sent = trio.current_time() if self._lease_sent is None else self._lease_sent
+        self._lease = None  # held by the journal from here on
+        journal = self._journal = DurableJournal(
+            store,
+            session_id=session_id,
+            owner=owner,
+            lease=lease,
+            lease_ttl=lease_ttl,
+            heartbeat_interval=interval,
+            durable_pure_starts=self._durable_pure_starts,
+            commit_grace=commit_grace,
+            root_agent_id=self._root_agent_id,
+            fold_after=None if snapshot_every is None else FOLD_AFTER,
+            sent=sent,
+        )
+        if journal.renews_lease:
+            renewing = self._renewing = _renewing(journal, snapshot_every)
+            return await renewing.__aenter__()
+        try:
+            await journal._load()
+            await journal.open_agent(journal.root_agent_id)
+        except BaseException:
+            await _finish(journal, snapshot_every)
+            raise
+        body = self._body = trio.CancelScope()
+        body.__enter__()
+        journal.held.body = body
+        return journal
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> bool:
+        if self._renewing is not None:
+            return bool(await self._renewing.__aexit__(exc_type, exc, traceback))
+        journal, body, snapshot_every = self._journal, self._body, self._snapshot_every
+        assert journal is not None and body is not None, "the block was not entered"
+        assert not isinstance(snapshot_every, _Default)  # resolved on entry
+        try:
+            swallowed = body.__exit__(exc_type, exc, traceback)
+        finally:
+            await _finish(journal, snapshot_every)
+        if exc is not None and not swallowed:
+            return False  # the body's error goes on
+        _raise_if_lost(journal)
+        return swallowed
+
+
+@asynccontextmanager
+async def _renewing(journal: DurableJournal, snapshot_every: int | None) -> AsyncIterator[DurableJournal]:
+    """The body of a journal whose lease must be renewed: the heartbeat runs beside it."""
+    try:
+        try:
+            async with trio.open_nursery() as nursery:
+                # Renewing from the start: loading a long session must not outlast the lease.
+                nursery.start_soon(journal.held.keep_alive, name=f"{journal.session_id}_heartbeat")
+                try:
+                    with trio.CancelScope() as body:
+                        journal.held.body = body
+                        await journal._load()
+                        await journal.open_agent(journal.root_agent_id)
+                        yield journal
+                finally:
+                    nursery.cancel_scope.cancel()
+                    journal._close()
+        except BaseExceptionGroup as group:
+            # The heartbeat never raises: a group holds the body's own error. Raise it as itself.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0]  # noqa: B904 - `from` would overwrite the error's own cause
+            raise
     finally:
-        journal._close()
-        if journal._lost is None:
-            with bounded_shield(commit_grace, "closing the journal (pending starts, lease release)"):
-                for ticket in list(journal._pending_starts.values()):
-                    with contextlib.suppress(JournalError, LeaseLostError):
-                        await ticket.wait()
-                if journal._fenced is None:
-                    with contextlib.suppress(JournalError, LeaseLostError):
-                        await journal.flush()  # what the last appends left deferred
-                if snapshot_every is not None and journal._streams:
-                    # While the lease is still ours (the store fences it); never holds the close for long.
-                    with trio.move_on_after(min(SNAPSHOT_GRACE, commit_grace)) as scope:
-                        await journal.snapshot_all(min_events=snapshot_every)
-                    if scope.cancelled_caught:
-                        logger.warning("saving snapshots of session %s overran its bound; left", session_id)
-                await journal.held.release()
+        await _finish(journal, snapshot_every)
+    _raise_if_lost(journal)
+
+
+async def _finish(journal: DurableJournal, snapshot_every: int | None) -> None:
+    """The way out of `open_journal`, whatever ended the body: unless the lease was lost, write
+    what is pending, save the snapshots due (bounded) and release the lease."""
+    journal._close()
     if journal._lost is not None:
-        raise LeaseLostError(f"the lease on session {session_id!r} was lost: {journal._lost}") from journal._lost
+        return
+    commit_grace = journal.commit_grace
+    with bounded_shield(commit_grace, "closing the journal (pending starts, lease release)"):
+        for ticket in list(journal._pending_starts.values()):
+            with contextlib.suppress(JournalError, LeaseLostError):
+                await ticket.wait()
+        if journal._fenced is None:
+            with contextlib.suppress(JournalError, LeaseLostError):
+                await journal.flush()  # what the last appends left deferred
+        if snapshot_every is not None and journal._streams:
+            # While the lease is still ours (the store fences it); never holds the close for long.
+            with trio.move_on_after(min(SNAPSHOT_GRACE, commit_grace)) as scope:
+                await journal.snapshot_all(min_events=snapshot_every)
+            if scope.cancelled_caught:
+                logger.warning("saving snapshots of session %s overran its bound; left", journal.session_id)
+        await journal.held.release()
+
+
+def _raise_if_lost(journal: DurableJournal) -> None:
+    if journal._lost is not None:
+        raise LeaseLostError(
+            f"the lease on session {journal.session_id!r} was lost: {journal._lost}"
+        ) from journal._lost

@@ -79,6 +79,8 @@ async def acquire(
 class HeldLease:
     """A lease this process holds on one session (module rules)."""
 
+    __slots__ = ("body", "expires", "interval", "lag", "lease", "lost", "store", "ttl", "valid_until")
+
     def __init__(
         self,
         store: JournalStore,

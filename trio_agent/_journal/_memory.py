@@ -5,6 +5,14 @@ stream ownership, command ids). It keeps the event objects themselves (they are
 immutable and were type-checked when built), so nothing is encoded or decoded:
 treat what `read` returns as read-only. Nothing survives the process.
 
+What a stream keeps is what `read` needs and no more, in forms the cyclic GC can leave
+alone (a session's store lives as long as the session, and thousands may be alive): per
+row the event, and its ``recorded_at`` packed in a bytearray; the envelope is made again
+on read (its stream id is the stream's, its seq the row's place). A row whose envelope
+cannot be made that way (another schema version, a ``recorded_at`` that is not a float,
+a test's damage through `_Stream.rows`) keeps its envelope whole, and `read` checks its
+stream id and seq. A command id keeps ``(digest, first_seq, last_seq)``.
+
 Leases: nothing outside this process can take a session over, so by default a lease never
 expires (it ends when its holder releases it) and a journal on this store runs no heartbeat:
 a slow event loop cannot cost a session its lease. A second holder is still refused
@@ -18,6 +26,9 @@ It commits synchronously (`commit`), so a journal's append on it never waits.
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import attrs
 import trio
@@ -26,7 +37,7 @@ from .._errors import (
     JournalCorruptError,
 )
 from ._codec import snapshot_row, verify_snapshot
-from ._events import EventEnvelope
+from ._events import SCHEMA_VERSION, Event, EventEnvelope, place_event
 from ._store import (
     AppendBatch,
     AppendResult,
@@ -48,20 +59,75 @@ from ._store import (
 
 __all__ = ["MemoryStore"]
 
+_DOUBLE = struct.Struct("=d")
+_pack = _DOUBLE.pack
 
-@attrs.define
+
 class _Stream:
-    session_id: str
-    rows: list[EventEnvelope] = attrs.Factory(list)
-    commands: dict[str, CommandRecord] = attrs.Factory(dict)
-    # Set by the next append; made only when someone waits for one (most appends have no reader).
-    changed: trio.Event | None = None
-    # (seq, body, checksum): kept as a file store keeps it, so a test can damage it like one.
-    snapshot: tuple[int, bytes, int] | None = None
+    __slots__ = ("changed", "commands", "events", "session_id", "snapshot", "stream_id", "times")
+
+    def __init__(self, stream_id: str, session_id: str) -> None:
+        self.stream_id = stream_id
+        self.session_id = session_id
+        # Row i: the event of seq i + 1, or its whole envelope (module docstring); its recorded_at.
+        self.events: list[Event | EventEnvelope] = []
+        self.times = bytearray()  # the rows' recorded_at, packed (`_DOUBLE`): no object the GC tracks
+        self.commands: dict[str, tuple[str, int, int]] = {}  # command id -> (digest, first_seq, last_seq)
+        # Set by the next append; made only when someone waits for one (most appends have no reader).
+        self.changed: trio.Event | None = None
+        # (seq, body, checksum): kept as a file store keeps it, so a test can damage it like one.
+        self.snapshot: tuple[int, bytes, int] | None = None
+
+    def envelope(self, index: int) -> EventEnvelope:
+        """The envelope of row ``index`` (seq ``index + 1``), as it was appended."""
+        row = self.events[index]
+        if isinstance(row, EventEnvelope):
+            return row
+        recorded_at: float = _DOUBLE.unpack_from(self.times, index * _DOUBLE.size)[0]
+        return place_event(self.stream_id, index + 1, row, recorded_at)
+
+    @property
+    def rows(self) -> _Rows:
+        """The stored envelopes, as a list of them would show them (for tests: read, or damage one)."""
+        return _Rows(self)
+
+
+class _Rows(Sequence[EventEnvelope]):
+    """A view of a stream's rows as envelopes; setting one keeps that envelope whole."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: _Stream) -> None:
+        self._stream = stream
+
+    def __len__(self) -> int:
+        return len(self._stream.events)
+
+    @overload
+    def __getitem__(self, index: int) -> EventEnvelope: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[EventEnvelope]: ...
+
+    def __getitem__(self, index: int | slice) -> EventEnvelope | list[EventEnvelope]:
+        stream = self._stream
+        if isinstance(index, slice):
+            return [stream.envelope(i) for i in range(*index.indices(len(stream.events)))]
+        return stream.envelope(range(len(stream.events))[index])
+
+    def __setitem__(self, index: int, envelope: EventEnvelope) -> None:
+        self._stream.events[index] = envelope
+
+    def __iter__(self) -> Iterator[EventEnvelope]:
+        stream = self._stream
+        for index in range(len(stream.events)):
+            yield stream.envelope(index)
 
 
 class MemoryStore:
     """A `JournalStore` in a few dicts. Every operation commits at once."""
+
+    __slots__ = ("_leases", "_streams", "clock", "commits", "leases_expire")
 
     def __init__(self, *, clock: Clock | None = None) -> None:
         self.clock: Clock = clock if clock is not None else wall_clock
@@ -93,20 +159,30 @@ class MemoryStore:
         result = decide_append(
             batch,
             lease=self._row(batch.session_id),
-            stream=None if stream is None else (stream.session_id, len(stream.rows)),
-            command=None if known is None else (known.digest, known.first_seq, known.last_seq),
+            stream=None if stream is None else (stream.session_id, len(stream.events)),
+            command=known,
             now=self.clock(),
         )
         if result.replayed:
             return result
         if stream is None:
-            stream = self._streams[batch.stream_id] = _Stream(batch.session_id)
-        stream.rows.extend(batch.envelopes)
+            stream = self._streams[batch.stream_id] = _Stream(batch.stream_id, batch.session_id)
+        events, times = stream.events, stream.times
+        for envelope in batch.envelopes:
+            recorded_at = envelope.recorded_at
+            if (
+                type(recorded_at) is float
+                and envelope.schema_version == SCHEMA_VERSION
+                and type(envelope) is EventEnvelope
+            ):
+                events.append(envelope.event)  # the envelope is made again on read (module docstring)
+            else:
+                events.append(envelope)
+                recorded_at = math.nan
+            times += _pack(recorded_at)
         if command_id is not None:
             assert batch.command_digest is not None
-            stream.commands[command_id] = CommandRecord(
-                batch.stream_id, command_id, batch.command_digest, result.first_seq, result.last_seq
-            )
+            stream.commands[command_id] = (batch.command_digest, result.first_seq, result.last_seq)
         self.commits += 1
         if stream.changed is not None:
             stream.changed.set()
@@ -121,31 +197,30 @@ class MemoryStore:
         if stream is None:
             return []
         after = max(after, 0)
-        rows = stream.rows[after:]
-        if limit is not None:
-            rows = rows[:limit]
-        for index, envelope in enumerate(rows):
-            if envelope.stream_id != stream_id or envelope.seq != after + 1 + index:
+        envelopes: list[EventEnvelope] = []
+        for index in range(after, len(stream.events))[:limit]:  # as slicing a list of the rows would
+            envelope = stream.envelope(index)
+            if envelope.stream_id != stream_id or envelope.seq != index + 1:
                 raise JournalCorruptError(
-                    f"stored event {stream_id}#{after + 1 + index} is corrupt: "
-                    f"row holds {envelope.stream_id}#{envelope.seq}"
+                    f"stored event {stream_id}#{index + 1} is corrupt: row holds {envelope.stream_id}#{envelope.seq}"
                 )
-        return list(rows)
+            envelopes.append(envelope)
+        return envelopes
 
     async def head(self, stream_id: str) -> int:
         await trio.lowlevel.checkpoint()
         stream = self._streams.get(stream_id)
-        return 0 if stream is None else len(stream.rows)
+        return 0 if stream is None else len(stream.events)
 
     async def stream_info(self, stream_id: str) -> StreamInfo | None:
         await trio.lowlevel.checkpoint()
         stream = self._streams.get(stream_id)
-        return None if stream is None else StreamInfo(stream_id, stream.session_id, len(stream.rows))
+        return None if stream is None else StreamInfo(stream_id, stream.session_id, len(stream.events))
 
     async def streams(self, session_id: str | None = None) -> list[StreamInfo]:
         await trio.lowlevel.checkpoint()
         return [
-            StreamInfo(stream_id, stream.session_id, len(stream.rows))
+            StreamInfo(stream_id, stream.session_id, len(stream.events))
             for stream_id, stream in sorted(self._streams.items())
             if session_id is None or stream.session_id == session_id
         ]
@@ -153,14 +228,16 @@ class MemoryStore:
     async def command(self, stream_id: str, command_id: str) -> CommandRecord | None:
         await trio.lowlevel.checkpoint()
         stream = self._streams.get(stream_id)
-        return None if stream is None else stream.commands.get(command_id)
+        row = None if stream is None else stream.commands.get(command_id)
+        return None if row is None else CommandRecord(stream_id, command_id, *row)
 
     async def commands(self, stream_id: str, *, after: int = 0) -> list[CommandRecord]:
         await trio.lowlevel.checkpoint()
         stream = self._streams.get(stream_id)
         if stream is None:
             return []
-        return sorted((c for c in stream.commands.values() if c.first_seq > after), key=lambda c: c.first_seq)
+        rows = [(command_id, *row) for command_id, row in stream.commands.items() if row[1] > after]
+        return [CommandRecord(stream_id, *row) for row in sorted(rows, key=lambda row: row[2])]
 
     # -- snapshots
 
@@ -171,7 +248,7 @@ class MemoryStore:
         decide_snapshot(
             write,
             lease=self._row(session_id),
-            stream=None if stream is None else (stream.session_id, len(stream.rows)),
+            stream=None if stream is None else (stream.session_id, len(stream.events)),
             now=self.clock(),
         )
         assert stream is not None
@@ -227,7 +304,7 @@ class MemoryStore:
 
     async def wait_for_append(self, stream_id: str, after: int) -> None:
         stream = self._streams.get(stream_id)
-        if stream is not None and len(stream.rows) > after:
+        if stream is not None and len(stream.events) > after:
             await trio.lowlevel.checkpoint()
             return
         if stream is None:

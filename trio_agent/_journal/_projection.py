@@ -354,7 +354,9 @@ class _State:
     attempts: dict[str, AttemptRecord] = attrs.Factory(dict)
     tools: dict[str, ToolRecord] = attrs.Factory(dict)  # the calls of live requests
     ended_tools: MutableMapping[str, ToolRecord] = attrs.Factory(dict)  # the calls of ended requests
-    permission_ids: set[str] = attrs.Factory(set)
+    # Frozen sets and a tuple, replaced on change (rare): a stream holds them all its life, and
+    # the empty ones cost nothing (a set or list would be an object of its own for the cyclic GC).
+    permission_ids: frozenset[str] = frozenset()
     subagents: dict[str, SubagentRecord] = attrs.Factory(dict)
     active_request: str | None = None
     open_turn: str | None = None
@@ -362,12 +364,12 @@ class _State:
     unsettled: dict[str, set[str]] = attrs.Factory(dict)
     running_attempt: str | None = None
     # Accepted permission rule changes, in stream order, for replay into the engine on reopen.
-    permission_updates: list[PermissionUpdated] = attrs.Factory(list)
+    permission_updates: tuple[PermissionUpdated, ...] = ()
     life: int = 0  # 1 after session_created, +1 per session_reopened
     seeded: bool = False
     # Paused requests not answered yet: request id -> where it paused (the run_paused state).
     paused: dict[str, dict[str, Any]] = attrs.Factory(dict)
-    approved: set[str] = attrs.Factory(set)  # calls a person approved (a recovery re-run keeps the approval)
+    approved: frozenset[str] = frozenset()  # calls a person approved (a recovery re-run keeps the approval)
 
 
 # ---------------------------------------------------------------- recovery plan
@@ -438,6 +440,8 @@ _MISSING = object()
 class Projection:
     """The state of one agent stream, built from its events."""
 
+    __slots__ = ("_s", "stream_id")
+
     def __init__(self, stream_id: str) -> None:
         if not stream_id:
             raise ValueError("stream_id must be a non-empty string")
@@ -489,7 +493,7 @@ class Projection:
     @property
     def permission_updates(self) -> tuple[PermissionUpdated, ...]:
         """Every `PermissionUpdated` of the stream, in order: replay them into the engine on reopen."""
-        return tuple(self._s.permission_updates)
+        return self._s.permission_updates
 
     def snapshot(self) -> object:
         """A deep copy of the whole state; two snapshots compare equal iff the states are equal."""
@@ -603,7 +607,6 @@ class Projection:
         s = self._s
         records: list[tuple[MutableMapping[str, Any], str, Any]] = []
         unsettled: dict[str, set[str] | None] = {}
-        permissions: dict[str, bool] = {}
         orders: dict[str, list[str]] = {}
         for envelope in envelopes:
             event = envelope.event
@@ -617,9 +620,6 @@ class Projection:
             if isinstance(turn_id, str) and turn_id not in unsettled:
                 current = s.unsettled.get(turn_id)
                 unsettled[turn_id] = None if current is None else set(current)
-            permission_id = getattr(event, "permission_id", None)
-            if isinstance(permission_id, str):
-                permissions[permission_id] = permission_id in s.permission_ids
             ending = self._ending(event)
             if ending is not None and not orders:  # the live tables' order comes back too
                 orders = {name: list(getattr(s, name)) for name in ("requests", "turns", "attempts", "tools")}
@@ -638,10 +638,10 @@ class Projection:
             "scalars": {name: getattr(s, name) for name in self._SCALARS},
             "records": records,
             "unsettled": unsettled,
-            "permissions": permissions,
-            "permission_updates": len(s.permission_updates),
+            "permission_ids": s.permission_ids,  # these three are immutable: kept, not copied
+            "permission_updates": s.permission_updates,
             "paused": dict(s.paused),
-            "approved": set(s.approved),
+            "approved": s.approved,
             "orders": orders,
         }
 
@@ -659,12 +659,8 @@ class Projection:
                 s.unsettled.pop(turn_id, None)
             else:
                 s.unsettled[turn_id] = calls
-        for permission_id, present in saved["permissions"].items():
-            if present:
-                s.permission_ids.add(permission_id)
-            else:
-                s.permission_ids.discard(permission_id)
-        del s.permission_updates[saved["permission_updates"] :]
+        s.permission_ids = saved["permission_ids"]
+        s.permission_updates = saved["permission_updates"]
         s.paused = saved["paused"]
         s.approved = saved["approved"]
         for name, order in saved["orders"].items():  # records put back at the end go back in place
@@ -801,7 +797,8 @@ class Projection:
         for call in list(s.tools.values()):
             if call.request_id == request_id:
                 s.ended_tools[call.call_id] = s.tools.pop(call.call_id)
-                s.approved.discard(call.call_id)  # settled for good: its approval has nothing left to do
+                if call.call_id in s.approved:  # settled for good: its approval has nothing left to do
+                    s.approved = s.approved - {call.call_id}
 
     def _ending(self, event: Event) -> str | None:
         """The request ``event`` may end (so `_forget` its turns and attempts), if any."""
@@ -822,13 +819,13 @@ class Projection:
             return
         record.state = RequestState.RESUMED
         s.paused.pop(event.request_id, None)
-        s.approved.update(event.approved)
+        s.approved = s.approved.union(event.approved)
         s.ended[event.request_id] = s.requests.pop(event.request_id)
         self._forget(event.request_id)
 
     def approved_calls(self) -> frozenset[str]:
         """The calls a person approved by resuming a paused request."""
-        return frozenset(self._s.approved)
+        return self._s.approved
 
     def _prompt(self, envelope: EventEnvelope, event: PromptSubmitted, apply: bool) -> None:
         if self._s.active_request != event.request_id:
@@ -940,7 +937,11 @@ class Projection:
             assert isinstance(event, ToolScheduled)
             self._require_open_turn(envelope, event.request_id, event.turn_id)
             if apply:
-                s.unsettled.setdefault(event.turn_id, set()).add(event.call_id)
+                calls = s.unsettled.get(event.turn_id)
+                if calls is None:
+                    s.unsettled[event.turn_id] = {event.call_id}
+                else:
+                    calls.add(event.call_id)
                 s.tools[event.call_id] = ToolRecord(
                     call_id=event.call_id,
                     request_id=event.request_id,
@@ -995,7 +996,9 @@ class Projection:
             return
         record.state = new
         if new not in _UNSETTLED:
-            s.unsettled.get(record.turn_id, set()).discard(record.call_id)
+            calls = s.unsettled.get(record.turn_id)
+            if calls is not None:
+                calls.discard(record.call_id)
         record.permission = permission
         record.decision = decision
         record.rerun_allowed = rerun_allowed
@@ -1004,7 +1007,7 @@ class Projection:
             record.started_seq = envelope.seq
         elif isinstance(event, PermissionRequested):
             record.permission_id = event.permission_id
-            s.permission_ids.add(event.permission_id)
+            s.permission_ids = s.permission_ids | {event.permission_id}
 
     # -- permission rule changes
 
@@ -1012,7 +1015,7 @@ class Projection:
         # Accepted at any time while the session is open (checked for every event): a rule can
         # change between requests too (a permission engine or handler outside any call).
         if apply:
-            self._s.permission_updates.append(event)
+            self._s.permission_updates += (event,)
 
     # -- subagents
 

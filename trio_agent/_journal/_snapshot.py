@@ -82,7 +82,6 @@ from ._events import (
     event_converter,
 )
 from ._projection import Projection, RequestRecord, RequestState, ToolRecord, _State
-from ._store import AppendResult
 from ._stored import StoredIndex, dumps
 
 __all__ = [
@@ -160,7 +159,7 @@ class CallRecord:
 
 
 _SETTLEMENTS = (ToolCompleted, ToolFailed, ToolCancelled, ToolOutcomeUnknown)
-_CALL_EVENTS = frozenset({ToolScheduled, ToolStarted, *_SETTLEMENTS})  # the events a `CallRecord` follows
+CALL_EVENTS = frozenset({ToolScheduled, ToolStarted, *_SETTLEMENTS})  # the events a `CallRecord` follows
 
 FOLD_AFTER = 512  # unfolded events a stream may hold before it folds them on its own
 
@@ -189,7 +188,9 @@ class ConversationPin:
     def __call__(self) -> list[Message]:
         """The pinned conversation (a new list each time); `JournalCorruptError` if it cannot be read."""
         if self._stream is not None:
-            self._stream.pins.remove(self)
+            pins = self._stream.pins
+            assert pins is not None  # an unsettled pin is among its stream's
+            pins.remove(self)
             self.settle()
         if self._failure is not None:
             raise self._failure
@@ -198,12 +199,17 @@ class ConversationPin:
 
 
 class _Stream:
+    """One stream's state (module docstring). A session lives long and thousands may be alive, so
+    what it keeps is what some reader needs, made when first needed, in forms the cyclic GC can
+    leave alone where there is a choice: the replay cache holds tuples of text and numbers, and
+    nothing is allocated for a fold, pins or deferred events that a stream does not have."""
+
     __slots__ = (
+        "_fold",
         "agent_id",
         "calls",
         "commands",
         "deferred",
-        "fold",
         "pins",
         "projection",
         "snapshot_seq",
@@ -215,27 +221,43 @@ class _Stream:
         self.stream_id = stream_id
         self.agent_id = agent_id
         self.projection = Projection(stream_id)
-        # Command id -> (digest, first outcome): the replay cache (a snapshot's part stays text until needed).
-        self.commands: StoredIndex[tuple[str, AppendResult]] = command_index(stream_id)
+        # Command id -> (digest, first_seq, last_seq): the replay cache. A dict until a snapshot
+        # writes it; a snapshot's part stays text until needed (`command_index`).
+        self.commands: MutableMapping[str, tuple[str, int, int]] = {}
         self.calls: MutableMapping[str, CallRecord] = {}  # every call (a snapshot's part stays text until needed)
-        self.fold = ConversationFold()
+        self._fold: ConversationFold | None = None  # made when first fed or read (`fold`)
         # Events applied but not folded yet: folding waits until someone asks (or they pile up).
         self.unfolded: list[Event] = []
         self.snapshot_seq = 0  # the seq of the snapshot this stream was restored from or last saved at
-        self.pins: list[ConversationPin] = []  # unsettled: settled before the next event is tracked
+        self.pins: list[ConversationPin] | None = None  # unsettled: settled before the next event is tracked
         # Applied by `DurableJournal.defer`, not written yet: the stream's next append carries them.
-        self.deferred: list[EventEnvelope] = []
+        self.deferred: tuple[EventEnvelope, ...] = ()
+
+    @property
+    def fold(self) -> ConversationFold:
+        """The incremental fold of the events fed so far (not caught up: see `folded`)."""
+        fold = self._fold
+        if fold is None:
+            fold = self._fold = ConversationFold()
+        return fold
+
+    @fold.setter
+    def fold(self, fold: ConversationFold) -> None:
+        self._fold = fold
 
     def pin(self) -> ConversationPin:
         """The conversation as it stands now, read later (see `ConversationPin`)."""
         pin = ConversationPin(self)
-        self.pins.append(pin)
+        if self.pins is None:
+            self.pins = [pin]
+        else:
+            self.pins.append(pin)
         return pin
 
     def settle_pins(self) -> None:
         """Settle the pins before anything moves (a failure stays with its pin)."""
-        pins, self.pins = self.pins, []
-        for pin in pins:
+        pins, self.pins = self.pins, None
+        for pin in pins or ():
             pin.settle()
 
     def apply(self, envelope: EventEnvelope, *, fold_after: int | None = FOLD_AFTER) -> None:
@@ -249,24 +271,33 @@ class _Stream:
         only when someone asks, for a journal that never snapshots: its fold may never be needed)."""
         if self.pins:
             self.settle_pins()
-        if type(event) in _CALL_EVENTS:  # the projection took it: its type is exact
-            if isinstance(event, ToolScheduled):
-                self.calls[event.call_id] = CallRecord(event)
-            elif isinstance(event, ToolStarted):
-                record = self.calls[event.call_id]
-                record.started_input = dict(event.input)
-                record.attempts += 1
-            elif isinstance(event, _SETTLEMENTS):
-                self.calls[event.call_id].settlement = event
+        if type(event) in CALL_EVENTS:  # the projection took it: its type is exact
+            self.track_call(event)
         self.unfolded.append(event)
         if fold_after is not None and len(self.unfolded) > fold_after:
             self._catch_up(strict=False)
 
+    def track_call(self, event: Event) -> None:
+        """Record a call's event (one of `CALL_EVENTS`) in its `CallRecord`."""
+        if isinstance(event, ToolScheduled):
+            self.calls[event.call_id] = CallRecord(event)
+        elif isinstance(event, ToolStarted):
+            record = self.calls[event.call_id]
+            record.started_input = dict(event.input)
+            record.attempts += 1
+        elif isinstance(event, _SETTLEMENTS):
+            self.calls[event.call_id].settlement = event
+
+    def fold_some(self) -> None:
+        """Fold what waits, as far as it folds (a payload it cannot read waits for `folded`)."""
+        self._catch_up(strict=False)
+
     def _catch_up(self, *, strict: bool) -> None:
         done = 0
+        fold = self.fold
         try:
             for event in self.unfolded:
-                self.fold.feed(event)
+                fold.feed(event)
                 done += 1
         except JournalCorruptError:
             if strict:
@@ -283,20 +314,19 @@ class _Stream:
 # ---------------------------------------------------------------- the format
 
 
-def command_index(
-    stream_id: str, text: bytes | memoryview | None = None, count: int = 0
-) -> StoredIndex[tuple[str, AppendResult]]:
-    """A stream's replay cache: command id -> (digest, first outcome), stored as ``[digest, first, last]``."""
+def _encode_command(command_id: str, value: tuple[str, int, int]) -> list[Any]:
+    return list(value)
 
-    def encode(command_id: str, value: tuple[str, AppendResult]) -> list[Any]:
-        return [value[0], value[1].first_seq, value[1].last_seq]
 
-    def decode(command_id: str, row: Any) -> tuple[str, AppendResult]:
-        if not (isinstance(row, list) and len(row) == 3 and type(row[0]) is str and _seqs(row[1], row[2])):
-            raise TypeError(f"command {command_id!r}: {row!r} is not [digest, first_seq, last_seq]")
-        return row[0], AppendResult(stream_id, row[1], row[2])
+def _decode_command(command_id: str, row: Any) -> tuple[str, int, int]:
+    if not (isinstance(row, list) and len(row) == 3 and type(row[0]) is str and _seqs(row[1], row[2])):
+        raise TypeError(f"command {command_id!r}: {row!r} is not [digest, first_seq, last_seq]")
+    return row[0], row[1], row[2]
 
-    return StoredIndex(encode=encode, decode=decode, what="command ids", line=text, count=count)
+
+def command_index(text: bytes | memoryview | None = None, count: int = 0) -> StoredIndex[tuple[str, int, int]]:
+    """A stream's replay cache: command id -> (digest, first_seq, last_seq), stored as ``[digest, first, last]``."""
+    return StoredIndex(encode=_encode_command, decode=_decode_command, what="command ids", line=text, count=count)
 
 
 def _seqs(first: object, last: object) -> bool:
@@ -416,7 +446,7 @@ def _no_ended(value: object, _: object) -> dict[str, Any]:
 
 
 def _is_set(kind: Any) -> bool:
-    return kind is set or get_origin(kind) is set
+    return kind in (set, frozenset) or get_origin(kind) in (set, frozenset)
 
 
 def _configure(converter: cattrs.Converter) -> None:
@@ -456,13 +486,13 @@ def encode_snapshot(stream: _Stream, commands: Iterable[tuple[str, str, int, int
     fold = stream.folded()
     state, entries, outcomes = fold.to_parts()
     seq = stream.projection.head
-    cache = stream.commands
+    cache = stream.commands = _as_index(stream.commands, command_index)
     for command_id, digest, first_seq, last_seq in commands:
         if command_id not in cache:
-            cache[command_id] = (digest, AppendResult(stream.stream_id, first_seq, last_seq))
+            cache[command_id] = (digest, first_seq, last_seq)
     projection = stream.projection._s
     texts = {
-        "commands": cache.to_text(keep=lambda _, value: value[1].last_seq <= seq),
+        "commands": cache.to_text(keep=lambda _, value: value[2] <= seq),
         "ended_requests": _as_index(projection.ended, ended_index).to_text(),
         "ended_tools": _as_index(projection.ended_tools, ended_tools_index).to_text(),
         "calls": _as_index(stream.calls, call_index).to_text(),
@@ -539,7 +569,7 @@ def decode_snapshot(stream_id: str, agent_id: str, seq: int, body: bytes) -> _St
     decoded.projection.ended_tools = ended_tools_index(text["ended_tools"], decoded.lines["ended_tools"])
     stream.projection = Projection.restored(stream_id, decoded.projection)
     stream.calls = call_index(text["calls"], decoded.lines["calls"])
-    stream.commands = command_index(stream_id, text["commands"], decoded.lines["commands"])
+    stream.commands = command_index(text["commands"], decoded.lines["commands"])
     stream.fold = fold
     stream.snapshot_seq = seq
     return stream

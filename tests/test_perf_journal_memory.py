@@ -1,0 +1,169 @@
+"""What a journal and its memory store keep per session, and that readers still get what they got (issue 17).
+
+Thousands of sessions may sit idle at once, each with its own `MemoryStore`, so what they keep
+is kept in forms the cyclic GC leaves alone where there is a choice: the store keeps the events
+and makes their envelopes again on read (an envelope it cannot make again stays whole), command
+ids as tuples of text and numbers; a journal's stream makes its fold, pins and deferred events
+only when it has some, and its replay cache holds tuples too.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from trio_agent import LeaseLostError
+from trio_agent._journal._durable import DurableJournal, open_journal
+from trio_agent._journal._events import (
+    Event,
+    EventEnvelope,
+    PermissionDecision,
+    PermissionRequested,
+    PermissionResolved,
+    RequestAccepted,
+    RequestCompleted,
+    RequestStarted,
+    SessionCreated,
+    ToolCompleted,
+    ToolScheduled,
+    ToolStarted,
+    TurnCompleted,
+    TurnStarted,
+    place_event,
+)
+from trio_agent._journal._memory import MemoryStore
+from trio_agent._journal._snapshot import decode_snapshot, encode_snapshot
+from trio_agent._journal._store import AppendBatch, CommandRecord, command_digest
+from trio_agent._tools._definition import InterruptBehavior, SideEffect, ToolKind
+from trio_agent.models import UserMessage
+
+SID = "s"
+ROOT = "s/root"
+
+
+async def test_the_memory_store_makes_its_envelopes_again_equal() -> None:
+    store = MemoryStore()
+    lease = await store.acquire_lease(SID, "me", 10.0)
+    events: list[Event] = [
+        SessionCreated(session_id=SID, agent_id="root"),
+        RequestAccepted(request_id="r", command_id="c", input={"prompt": "p"}),
+        RequestStarted(request_id="r"),
+    ]
+    envelopes = [place_event(ROOT, seq, event, 1000.0 + seq / 7) for seq, event in enumerate(events, 1)]
+    await store.append(AppendBatch(SID, ROOT, lease.token, envelopes[:1]))
+    digest = command_digest(envelopes[1:])
+    await store.append(AppendBatch(SID, ROOT, lease.token, envelopes[1:], "c", digest))
+    assert await store.read(ROOT) == envelopes
+    assert await store.read(ROOT, after=1, limit=1) == envelopes[1:2]
+    assert await store.read(ROOT, after=-3, limit=-1) == envelopes[:-1]  # as slicing a list would
+    assert list(store._streams[ROOT].rows) == envelopes
+    assert not any(isinstance(row, EventEnvelope) for row in store._streams[ROOT].events)
+    assert await store.command(ROOT, "c") == CommandRecord(ROOT, "c", digest, 2, 3)
+    assert await store.commands(ROOT) == [CommandRecord(ROOT, "c", digest, 2, 3)]
+    gc.collect()
+    gc.collect()
+    assert not gc.is_tracked(store._streams[ROOT].commands)
+
+
+async def test_an_envelope_the_store_cannot_make_again_is_kept_whole() -> None:
+    store = MemoryStore()
+    lease = await store.acquire_lease(SID, "me", 10.0)
+    odd = [
+        EventEnvelope(stream_id=ROOT, seq=1, event=SessionCreated(session_id=SID, agent_id="root"), recorded_at=5),
+        EventEnvelope(stream_id=ROOT, seq=2, event=RequestStarted(request_id="r"), recorded_at=1.5, schema_version=7),
+    ]
+    await store.append(AppendBatch(SID, ROOT, lease.token, odd))
+    read = await store.read(ROOT)
+    assert read[0] is odd[0] and type(read[0].recorded_at) is int
+    assert read[1] is odd[1]
+
+
+async def one_request(journal: DurableJournal) -> None:
+    ids: dict[str, Any] = {"request_id": "r", "turn_id": "t"}
+    await journal.append(RequestAccepted(request_id="r", command_id="r", input={"prompt": "p"}), command_id="r")
+    journal.defer(RequestStarted(request_id="r"))
+    journal.defer(TurnStarted(**ids, turn=1))
+    await journal.append(
+        ToolScheduled(
+            **ids,
+            call_id="c",
+            tool_name="add",
+            model_input={"a": 1},
+            side_effect=SideEffect.PURE,
+            kind=ToolKind.READONLY,
+            interrupt=InterruptBehavior.CANCEL,
+            concurrency_safe=True,
+            idempotency_key="k",
+        ),
+        PermissionRequested(**ids, call_id="c", permission_id="p"),
+        PermissionResolved(**ids, call_id="c", permission_id="p", decision=PermissionDecision.ALLOW),
+    )
+    await journal.append(ToolStarted(**ids, call_id="c", input={"a": 1}, side_effect=SideEffect.PURE))
+    await journal.append(ToolCompleted(**ids, call_id="c", result={"output": 2}))
+    await journal.append(TurnCompleted(**ids, has_tool_calls=True), RequestCompleted(request_id="r"))
+
+
+async def test_an_idle_stream_keeps_no_fold_pins_or_deferred_events_until_asked() -> None:
+    store = MemoryStore()
+    async with open_journal(store, session_id=SID) as journal:
+        await one_request(journal)
+        stream = journal._streams[ROOT]
+        assert stream._fold is None and stream.pins is None and stream.deferred == ()
+        assert journal._closed is None  # made by the first subscriber
+        state = journal.projection()._s
+        assert type(state.permission_ids) is frozenset and state.permission_ids == {"p"}
+        assert state.permission_updates == () and state.approved == frozenset()
+        assert stream.commands == {"r": (stream.commands["r"][0], 2, 2)}
+        replayed = await journal.append(
+            RequestAccepted(request_id="r", command_id="r", input={"prompt": "p"}), command_id="r"
+        )
+        assert replayed.replayed and (replayed.stream_id, replayed.first_seq, replayed.last_seq) == (ROOT, 2, 2)
+        assert journal.conversation()[0] == UserMessage("p")
+        assert stream._fold is not None
+        # A snapshot of it reads back to the same state.
+        restored = decode_snapshot(ROOT, "root", stream.projection.head, encode_snapshot(stream))
+        assert restored.projection.snapshot() == stream.projection.snapshot()
+        assert dict(restored.commands) == dict(stream.commands)
+
+
+async def test_a_subscription_made_before_or_after_the_close_ends_with_it() -> None:
+    store = MemoryStore()
+    seen: list[object] = []
+
+    async def follow(journal: DurableJournal) -> None:
+        async with journal.subscribe_durable_events() as events:
+            async for item in events:
+                seen.append(item)
+
+    async with trio.open_nursery() as nursery, open_journal(store, session_id=SID) as journal:
+        nursery.start_soon(follow, journal)
+        await trio.testing.wait_all_tasks_blocked()
+        assert journal._closed is not None and not journal._closed.is_set()
+    assert journal._closed.is_set() and seen
+    async with open_journal(store, session_id="other") as closed:
+        pass
+    with trio.fail_after(1):
+        await follow(closed)
+
+
+async def test_a_lost_lease_still_cancels_the_body_of_a_memory_journal() -> None:
+    store = MemoryStore()
+    reached = False
+    with pytest.raises(LeaseLostError):
+        async with open_journal(store, session_id=SID) as journal:
+            journal.held.lose(LeaseLostError("taken"))
+            await trio.lowlevel.checkpoint()
+            reached = True
+    assert not reached
+
+
+async def test_the_body_error_of_a_memory_journal_comes_out_as_itself() -> None:
+    store = MemoryStore()
+    with pytest.raises(KeyError, match="mine"):
+        async with open_journal(store, session_id=SID):
+            raise KeyError("mine")
+    assert (await store.current_lease(SID)).expires_at == float("-inf")  # type: ignore[union-attr]  # released
