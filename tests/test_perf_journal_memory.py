@@ -167,3 +167,30 @@ async def test_the_body_error_of_a_memory_journal_comes_out_as_itself() -> None:
         async with open_journal(store, session_id=SID):
             raise KeyError("mine")
     assert (await store.current_lease(SID)).expires_at == float("-inf")  # type: ignore[union-attr]  # released
+
+
+async def test_a_memory_journal_opens_and_closes_without_a_scheduler_pass() -> None:
+    store = MemoryStore()
+    with trio.testing.assert_no_checkpoints():  # lease, load and release taken without waiting
+        async with open_journal(store, session_id="s", owner="a"):
+            pass
+    async with open_journal(store, session_id="s", owner="b"):  # released: another owner takes it
+        pass
+
+
+async def test_a_memory_store_whose_leases_expire_still_waits_for_the_holder(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = MemoryStore(clock=trio.current_time)  # leases that expire: a taker polls for the holder
+    taken = trio.Event()
+    async with trio.open_nursery() as nursery, open_journal(store, session_id="s", owner="a", lease_ttl=30):
+
+        async def second() -> None:
+            async with open_journal(store, session_id="s", owner="b", takeover_timeout=60):
+                taken.set()
+
+        nursery.start_soon(second)
+        await trio.sleep(5)
+        assert not taken.is_set()  # held, renewed: the second owner waits
+    assert taken.is_set()  # released at the close: taken without waiting for the expiry
+    assert trio.current_time() < 30

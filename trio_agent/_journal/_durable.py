@@ -543,7 +543,9 @@ class DurableJournal:
     async def _load(self) -> None:
         streams: dict[str, _Stream] = {}
         prefix = f"{self.session_id}/"
-        for info in await self.store.streams(self.session_id):
+        now = type(self.store).__dict__.get("streams_now")  # as `acquire` does for the lease
+        infos = now(self.store, self.session_id) if now is not None else await self.store.streams(self.session_id)
+        for info in infos:
             if not info.stream_id.startswith(prefix):
                 raise ForeignStreamError(f"stream {info.stream_id!r} is not named after session {self.session_id!r}")
             agent_id = info.stream_id[len(prefix) :]

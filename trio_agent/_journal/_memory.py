@@ -219,6 +219,10 @@ class MemoryStore:
 
     async def streams(self, session_id: str | None = None) -> list[StreamInfo]:
         await trio.lowlevel.checkpoint()
+        return self.streams_now(session_id)
+
+    def streams_now(self, session_id: str | None = None) -> list[StreamInfo]:
+        """`streams` without the checkpoint (the journal of a session opening calls it)."""
         return [
             StreamInfo(stream_id, stream.session_id, len(stream.events))
             for stream_id, stream in sorted(self._streams.items())
@@ -268,10 +272,14 @@ class MemoryStore:
         return None if lease is None else (lease.owner, lease.token, lease.expires_at)
 
     async def acquire_lease(self, session_id: str, owner: str, ttl: float) -> Lease:
+        await trio.lowlevel.checkpoint()
+        return self.acquire_lease_now(session_id, owner, ttl)
+
+    def acquire_lease_now(self, session_id: str, owner: str, ttl: float) -> Lease:
+        """`acquire_lease` without the checkpoint: nothing here waits (`open_journal` calls it)."""
         check_id(session_id, "session id")
         check_id(owner, "lease owner")
         ttl = check_ttl(ttl)
-        await trio.lowlevel.checkpoint()
         ttl = ttl if self.leases_expire else math.inf
         lease = decide_lease("acquire", session_id, owner, 0, ttl, self._row(session_id), self.clock())
         assert lease is not None
@@ -291,9 +299,13 @@ class MemoryStore:
         return renewed
 
     async def release_lease(self, lease: Lease) -> None:
+        await trio.lowlevel.checkpoint()
+        self.release_lease_now(lease)
+
+    def release_lease_now(self, lease: Lease) -> None:
+        """`release_lease` without the checkpoint (a journal closing calls it)."""
         check_id(lease.session_id, "session id")
         check_id(lease.owner, "lease owner")
-        await trio.lowlevel.checkpoint()
         current = self._leases.get(lease.session_id)
         if current is not None and releases(self._row(lease.session_id), lease.token):
             self._leases[lease.session_id] = attrs.evolve(current, expires_at=float("-inf"))
