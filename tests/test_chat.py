@@ -259,10 +259,19 @@ async def test_cancelling_the_caller_of_an_awaited_chat_cancels_its_run(autojump
     assert trio.current_time() == pytest.approx(5)
 
 
-async def test_a_chat_call_is_entered_once() -> None:
-    call = chat(TestModel(default=Reply(text="hi")), "hi")
+async def test_a_chat_call_is_entered_or_awaited_once() -> None:
+    model = TestModel(default=Reply(text="hi"))
+    call = chat(model, "hi")
     async with call as run:
         await run.result()
-    with pytest.raises(RuntimeError, match="entered once"):
+    with pytest.raises(RuntimeError, match="once"):
         async with call:
             pass
+    awaited = chat(model, "hi")
+    await awaited
+    with pytest.raises(RuntimeError, match="once"):
+        await awaited
+    with pytest.raises(RuntimeError, match="once"):
+        async with awaited:
+            pass
+    assert len(model.requests) == 2  # one model call per run, never a second run of a call

@@ -23,6 +23,8 @@ from trio_agent import (
     StopReason,
     TextDeltaEvent,
     ToolKind,
+    ToolResultEvent,
+    ToolUseEvent,
     define_agent,
     define_tool,
     open_session,
@@ -89,6 +91,12 @@ async def test_a_stream_that_joins_a_quiet_request_gets_its_whole_turn_count_and
     assert (done.text, done.turns, done.stop_reason) == ("final words", 3, StopReason.END_TURN)
     assert "".join(e.text for e in joined if isinstance(e, TextDeltaEvent)) == "final words"
     assert answers == ["final words"]
+    # The call that ran when it joined: announced to the stream, then its result (not only the text).
+    assert [type(e).__name__ for e in joined if isinstance(e, (ToolUseEvent, ToolResultEvent))] == [
+        "ToolUseEvent",
+        "ToolResultEvent",
+    ]
+    assert next(e for e in joined if isinstance(e, ToolResultEvent)).result.output == "slow done"
 
 
 async def test_a_stream_from_the_start_counts_the_same_turns() -> None:

@@ -331,13 +331,20 @@ def chat(
 class ChatCall:
     """What `chat` returns: ``async with`` it for a `ChatRun`, or ``await`` it for the `ChatResult`."""
 
-    __slots__ = ("_entered", "_options")
+    __slots__ = ("_entered", "_options", "_used")
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         self._options = options
         self._entered: AbstractAsyncContextManager[ChatRun] | None = None
+        self._used = False
+
+    def _use(self) -> None:
+        if self._used:
+            raise RuntimeError("a chat() call may be entered or awaited once (call chat() again for another run)")
+        self._used = True
 
     def __await__(self) -> Generator[Any, None, ChatResult]:
+        self._use()
         return self._result().__await__()
 
     async def _result(self) -> ChatResult:
@@ -354,8 +361,7 @@ class ChatCall:
         return prepared.result
 
     async def __aenter__(self) -> ChatRun:
-        if self._entered is not None:
-            raise RuntimeError("a chat() call may be entered once")
+        self._use()
         self._entered = _in_task(self._options)
         return await self._entered.__aenter__()
 

@@ -72,7 +72,7 @@ class Inbox(Protocol):
 # classes (`attrs.define`), whose __init__ assigns, not frozen ones that call object.__setattr__ per field.
 
 
-@attrs.define
+@attrs.define(unsafe_hash=True)  # hashable by value, as it was frozen: a recorder may key by it
 class TurnRef:
     """Names one turn of one run (a session's request id is its run id)."""
 

@@ -856,9 +856,24 @@ class _Run:
             return
         if not quiet:
             await events(ToolCallEnd(run_id, agent_id, part.id, part.name, checked))
+        announced = not quiet
+
+        async def heard() -> bool:
+            """Whether anything listens now; one that arrived while the call ran hears of it first."""
+            nonlocal announced
+            if announced:
+                return True
+            if self.quiet:
+                return False
+            announced = True
+            await events(ToolCallStart(run_id, agent_id, part.id, part.name))
+            await events(ToolCallArgs(run_id, agent_id, part.id, part.arguments))
+            await events(ToolCallEnd(run_id, agent_id, part.id, part.name, checked))
+            return True
 
         async def on_item(item: Any) -> None:
-            await events(ToolCallProgress(run_id, agent_id, part.id, item))
+            if await heard():
+                await events(ToolCallProgress(run_id, agent_id, part.id, item))
 
         origin = CallOrigin(spec.session_id, agent_id, run_id, turn_id, spec.lineage)
         record: ToolExecutionRecord | None = None
@@ -880,7 +895,7 @@ class _Run:
         slots[index] = result  # no await since the call settled: the answer is never lost
         if record is not None and record.effects:
             await ports.effects(agent_id, part.id, record.effects)  # only now: the call is settled
-        if not quiet:
+        if await heard():
             await events(ToolCallResult(run_id, agent_id, part.id, part.name, result))
 
 
