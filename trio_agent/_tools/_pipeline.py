@@ -1197,21 +1197,7 @@ class ToolPipeline:
     async def _post_tool(self, state: _Call, result: ToolResult, prepared: _Prepared) -> ToolResult:
         """The tool's result through the post_tool stages (an error result stays an error)."""
         final_input, _, behavior = prepared
-        for callback in state.stages.post_tool:
-            try:
-                replaced = await callback(StageRequest(state.tool, final_input, state.ctx, behavior), result)
-            except LeaseLostError as exc:
-                state.fatal = exc
-                raise
-            except Exception as exc:
-                state.faults.append(
-                    MiddlewareFault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {exc!r}")
-                )
-                continue
-            if isinstance(replaced, ToolResult) and (replaced.error is not None or result.ok):
-                result = replaced
-                state.core_result = result
-        return result
+        return await self._post_stages(state, final_input, result, behavior=behavior, ran=True)
 
     def _commit(self, state: _Call) -> None:
         state.phase = _Phase.COMMITTED
@@ -1284,13 +1270,25 @@ class ToolPipeline:
                 break
         return prepared
 
-    async def _post_stages(self, state: _Call, final_input: JsonObject, result: ToolResult) -> ToolResult:
-        """A skipped call's result through the post stages (an error result stays an error)."""
-        stages = state.stages
-        for callback in stages.post_tool:
+    async def _post_stages(
+        self,
+        state: _Call,
+        final_input: JsonObject,
+        result: ToolResult,
+        *,
+        behavior: ToolBehavior | None = None,
+        ran: bool = False,
+    ) -> ToolResult:
+        """*result* through the post_tool stages (an error result stays an error): the tool's own
+        when it *ran* (then a lost lease is the call's fatal error and a replacement is the core's
+        result), else a skipped call's."""
+        for callback in state.stages.post_tool:
+            request = StageRequest(state.tool, final_input, state.ctx, state.behavior if behavior is None else behavior)
             try:
-                replaced = await callback(StageRequest(state.tool, final_input, state.ctx, state.behavior), result)
-            except LeaseLostError:
+                replaced = await callback(request, result)
+            except LeaseLostError as exc:
+                if ran:
+                    state.fatal = exc
                 raise
             except Exception as exc:
                 state.faults.append(
@@ -1299,6 +1297,8 @@ class ToolPipeline:
                 continue
             if isinstance(replaced, ToolResult) and (replaced.error is not None or result.ok):
                 result = replaced
+                if ran:
+                    state.core_result = result
         return result
 
     async def _decide(
