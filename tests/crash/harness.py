@@ -340,7 +340,7 @@ class CrashHarness:
         *,
         session_id: str = "crash-session",
         seed: int = 0,
-        lease_ttl: float = 0.5,
+        lease_ttl: float = 1.0,
         requests_per_worker: int = 4,
         worker_timeout: float = 60.0,
         parallel: bool = False,
@@ -596,7 +596,7 @@ async def run_campaign(
     points: Sequence[CrashPoint] = (),
     random_kills: int = 0,
     seed: int = 0,
-    lease_ttl: float = 0.5,
+    lease_ttl: float = 1.0,
     parallel: bool = False,
     session_id: str = "crash-session",
 ) -> HarnessResult:
