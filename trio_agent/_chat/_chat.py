@@ -18,7 +18,6 @@ continuation is refused (`InterruptResumeError`, code ``stale``).
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import types
@@ -81,7 +80,6 @@ from .._tools._results import ToolResult
 __all__ = ["ChatCall", "ChatResult", "ChatRun", "StructuredOutputError", "chat"]
 
 DEFAULT_MAX_ITERATIONS = 5
-_runs = itertools.count(1)
 
 
 class StructuredOutputError(TrioAgentError):
@@ -349,7 +347,7 @@ class ChatCall:
 
     async def _result(self) -> ChatResult:
         require_trio("chat()")
-        prepared = _prepare(self._options)
+        prepared = _Prepared(self._options)
         try:
             # The caller's task runs the loop; nobody can read its events (hooks still see them).
             await prepared.drive(discard_events)
@@ -541,15 +539,11 @@ class _Prepared:
                 await ctx.emit(RunError(run_id, agent_id, str(exc), "structured_output"))
 
 
-def _prepare(options: Mapping[str, Any]) -> _Prepared:
-    return _Prepared(options)
-
-
 @asynccontextmanager
 async def _in_task(options: Mapping[str, Any]) -> AsyncIterator[ChatRun]:
     """``async with chat(...)``: the run in a task beside the block, its events on a bounded channel."""
     require_trio("chat()")
-    prepared = _prepare(options)
+    prepared = _Prepared(options)
     send, receive = trio.open_memory_channel[RunEvent](256)
     run = ChatRun(prepared.run_id, receive, prepared.abort)
     run_abort = prepared.abort
