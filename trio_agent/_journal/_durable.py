@@ -119,6 +119,8 @@ __all__ = [
 
 ROOT_AGENT = "root"
 
+_NO_STARTS: dict[str, AppendTicket] = {}  # `DurableJournal._pending_starts` of a journal with none: never written
+
 
 @attrs.frozen
 class RecoveryReport:
@@ -213,7 +215,9 @@ class DurableJournal:
         self._fenced: str | None = None
         self._closed: trio.Event | None = None  # for subscribers, made by the first (`_closed_event`)
         self._shut = False
-        self._pending_starts: dict[str, AppendTicket] = {}
+        # Call id -> the ticket of its unawaited start: the shared empty one until the first (only
+        # ``durable_pure_starts=False`` makes any; it is never written to, see `on_execution_started`).
+        self._pending_starts: dict[str, AppendTicket] = _NO_STARTS
         self.recovered = False
         # A store whose leases never run out needs no heartbeat (`HeldLease`), and one that commits
         # at once (`JournalStore.commit`) needs no ticket: the memory store's appends never wait.
@@ -762,6 +766,8 @@ class DurableJournal:
             # Explicit opt-in for pure tools only: submit without waiting for the commit.
             _, prepared = self._prepare(call.agent_id, (event,), None)
             assert isinstance(prepared, AppendBatch)
+            if self._pending_starts is _NO_STARTS:
+                self._pending_starts = {}
             self._pending_starts[call.call_id] = self._submit(prepared)
             await trio.lowlevel.checkpoint()
             return
@@ -1020,6 +1026,7 @@ class _JournalBlock:
 
     __slots__ = (
         "_body",
+        "_body_lent",
         "_commit_grace",
         "_durable_pure_starts",
         "_heartbeat_interval",
@@ -1065,7 +1072,25 @@ class _JournalBlock:
         self._lease_sent = lease_sent
         self._journal: DurableJournal | None = None
         self._body: trio.CancelScope | None = None
+        self._body_lent = False  # `lend_body`
         self._renewing: AbstractAsyncContextManager[DurableJournal] | None = None
+
+    def lend_body(self) -> _JournalBlock:
+        """Let the caller's own scope be the body's (`use_body_scope`), when this block would enter
+        one only for that: a store whose leases never expire runs no heartbeat, and its block's
+        scope would exist only to be cancelled by a lost lease. `open_session` lends its nursery's
+        (it holds everything the block holds), so an idle session keeps no scope for it. A lost
+        lease cancels nothing until the caller gives its scope: it must not await before."""
+        self._body_lent = True
+        return self
+
+    def use_body_scope(self, scope: trio.CancelScope) -> None:
+        """After entering a block that `lend_body`: *scope*, entered around everything the caller
+        runs in the block from now on, is what a lost lease cancels (a heartbeat's block keeps
+        its own)."""
+        journal = self._journal
+        if self._body_lent and self._renewing is None and journal is not None:
+            journal.held.body = scope
 
     async def __aenter__(self) -> DurableJournal:
         store, session_id, owner, lease = self._store, self._session_id, self._owner, self._lease
@@ -1118,9 +1143,10 @@ class _JournalBlock:
         except BaseException:
             await _finish(journal, snapshot_every)
             raise
-        body = self._body = trio.CancelScope()
-        body.__enter__()
-        journal.held.body = body
+        if not self._body_lent:
+            body = self._body = trio.CancelScope()
+            body.__enter__()
+            journal.held.body = body
         return journal
 
     async def __aexit__(
@@ -1129,10 +1155,11 @@ class _JournalBlock:
         if self._renewing is not None:
             return bool(await self._renewing.__aexit__(exc_type, exc, traceback))
         journal, body, snapshot_every = self._journal, self._body, self._snapshot_every
-        assert journal is not None and body is not None, "the block was not entered"
+        assert journal is not None, "the block was not entered"
         assert not isinstance(snapshot_every, _Default)  # resolved on entry
         try:
-            swallowed = body.__exit__(exc_type, exc, traceback)
+            # A lent body (`lend_body`) was the caller's scope: it caught its own cancellation.
+            swallowed = body.__exit__(exc_type, exc, traceback) if body is not None else False
         finally:
             await _finish(journal, snapshot_every)
         if exc is not None and not swallowed:

@@ -85,6 +85,10 @@ __all__ = [
 logger = logging.getLogger("trio_agent.permissions")
 
 _NO_RULES = PermissionRules()  # immutable: every engine without rules shares it
+# An empty session layer: an engine makes its own collections when it first changes (an idle
+# session that was never asked keeps none), and until then shares its template's `Policy`.
+_NO_APPROVALS: frozenset[str] = frozenset()
+_NO_SESSION_RULES: tuple[Rule, ...] = ()
 
 
 @attrs.frozen(eq=False)
@@ -245,6 +249,29 @@ class _Signatures:
         return value or None
 
 
+class _PermissionStage:
+    """`PermissionEngine.as_stage`: a bound method of this (two fields) rather than a closure (a
+    function, its cells and their tuple): every session keeps one as long as it lives."""
+
+    __slots__ = ("answered", "engine")
+
+    def __init__(self, engine: PermissionEngine, answered: dict[tuple[str, str], StageDecision] | None) -> None:
+        self.engine = engine
+        self.answered = answered
+
+    async def permission_stage(self, request: StageRequest) -> StageDecision | None:
+        answered = self.answered
+        if answered:
+            context = request.context
+            given = answered.pop((context.agent_id, context.tool_call_id), None)
+            if given is not None:
+                return given
+        decision = await self.engine.decide(request.tool, request.input, request.context)
+        return decision.to_stage_decision(request.input)
+
+    permission_stage.__qualname__ = "PermissionEngine.permission_stage"  # the name a stage's error shows
+
+
 class PermissionEngine:
     """Decides whether tool calls may run (the table is in `trio_agent._permissions._table`'s docstring).
 
@@ -269,6 +296,28 @@ class PermissionEngine:
         on_updates_applied: told about every rule update an answer or `accept_updates`
             applies (see `UpdatesApplied`); also settable later as ``engine.on_updates_applied``.
     """
+
+    # Slotted: every session holds one (`derive`), and thousands may be alive.
+    __slots__ = (
+        "_approved",
+        "_bare_policy",
+        "_content_fn",
+        "_content_map",
+        "_handler",
+        "_hooks",
+        "_made_policy",
+        "_mode",
+        "_path_policy",
+        "_record",
+        "_rules",
+        "_session_allow",
+        "_session_deny",
+        "_tool_checks",
+        "_tool_filter",
+        "ask_timeout",
+        "on_updates_applied",
+        "record_grace",
+    )
 
     def __init__(
         self,
@@ -334,11 +383,13 @@ class PermissionEngine:
         if on_updates_applied is not None and not callable(on_updates_applied):
             raise ConfigError(f"on_updates_applied must be callable, got {on_updates_applied!r}")
         self.on_updates_applied: UpdatesApplied | None = on_updates_applied
-        # The session layer, changed by answers (rule updates, remember) and `accept_updates`.
-        self._approved: set[str] = set()
-        self._session_allow: list[Rule] = []
-        self._session_deny: list[Rule] = []
+        # The session layer, changed by answers (rule updates, remember) and `accept_updates`:
+        # shared empty ones until it first changes (`_approvals`, `_rule_lists`).
+        self._approved: set[str] | frozenset[str] = _NO_APPROVALS
+        self._session_allow: list[Rule] | tuple[Rule, ...] = _NO_SESSION_RULES
+        self._session_deny: list[Rule] | tuple[Rule, ...] = _NO_SESSION_RULES
         self._made_policy: Policy | None = None  # `_policy`
+        self._bare_policy: Policy | None = None  # `_empty_layer_policy`
 
     def derive(
         self,
@@ -367,10 +418,12 @@ class PermissionEngine:
         engine.ask_timeout = self.ask_timeout
         engine.record_grace = self.record_grace
         engine.on_updates_applied = None
-        engine._approved = set()
-        engine._session_allow = []
-        engine._session_deny = []
-        engine._made_policy = None
+        engine._approved = _NO_APPROVALS
+        engine._session_allow = _NO_SESSION_RULES
+        engine._session_deny = _NO_SESSION_RULES
+        # What the table reads of the new engine is this one's, with an empty session layer: shared.
+        engine._made_policy = self._empty_layer_policy()
+        engine._bare_policy = None
         return engine
 
     # -- configuration ---------------------------------------------------------
@@ -437,9 +490,12 @@ class PermissionEngine:
     def _apply(self, updates: tuple[PermissionUpdate, ...]) -> None:
         """Adding a rule with one behaviour takes it out of the other session list (so the session layer
         never conflicts with itself); removing works on the session layer only."""
+        if not updates:
+            return
+        allow, deny = self._rule_lists()
         for update in updates:
-            target = self._session_allow if update.behavior is RuleBehavior.ALLOW else self._session_deny
-            other = self._session_deny if update.behavior is RuleBehavior.ALLOW else self._session_allow
+            target = allow if update.behavior is RuleBehavior.ALLOW else deny
+            other = deny if update.behavior is RuleBehavior.ALLOW else allow
             for rule in update.rules:
                 if update.action == "add":
                     if rule in other:
@@ -479,13 +535,33 @@ class PermissionEngine:
         """Approve this exact signature for the rest of the session."""
         if not isinstance(signature, str) or not signature:
             raise ConfigError(f"a signature must be a non-empty string, got {signature!r}")
-        self._approved.add(signature)
+        self._approvals().add(signature)
 
     def forget_session(self) -> None:
         """Drop every session approval and session rule."""
-        self._approved.clear()
-        self._session_allow.clear()
-        self._session_deny.clear()
+        if isinstance(self._approved, set):
+            self._approved.clear()
+        if isinstance(self._session_allow, list):
+            self._session_allow.clear()
+        if isinstance(self._session_deny, list):
+            self._session_deny.clear()
+
+    def _approvals(self) -> set[str]:
+        """The engine's own set of remembered signatures, made when the first is remembered."""
+        approved = self._approved
+        if not isinstance(approved, set):
+            approved = self._approved = set()
+            self._made_policy = None  # the policy reads the engine's own collections
+        return approved
+
+    def _rule_lists(self) -> tuple[list[Rule], list[Rule]]:
+        """The engine's own session allow and deny lists, made at the first rule update."""
+        allow, deny = self._session_allow, self._session_deny
+        if not isinstance(allow, list) or not isinstance(deny, list):
+            allow = self._session_allow = list(allow)
+            deny = self._session_deny = list(deny)
+            self._made_policy = None  # the policy reads the engine's own collections
+        return allow, deny
 
     def signature(self, tool: Tool[Any], input: JsonObject) -> str:
         """``Name`` or ``Name:content`` for a call of *tool* with *input* (raises what the callable raises)."""
@@ -498,18 +574,7 @@ class PermissionEngine:
         person's answer to a paused request (`conclude`), kept for a recovery re-run too. The
         stage takes such a decision once, instead of walking the table again.
         """
-
-        async def permission_stage(request: StageRequest) -> StageDecision | None:
-            if answered:
-                context = request.context
-                given = answered.pop((context.agent_id, context.tool_call_id), None)
-                if given is not None:
-                    return given
-            decision = await self.decide(request.tool, request.input, request.context)
-            return decision.to_stage_decision(request.input)
-
-        permission_stage.__qualname__ = "PermissionEngine.permission_stage"
-        return permission_stage
+        return _PermissionStage(self, answered).permission_stage
 
     # -- the table -------------------------------------------------------------
 
@@ -596,12 +661,25 @@ class PermissionEngine:
 
     def _policy(self) -> Policy:
         """What the table reads of this engine, as it stands now: made again when the mode changes
-        (the session layer is read through the engine's own collections, the rest never changes)."""
+        or the session layer gets its own collections (it is read through them; the rest never
+        changes)."""
         policy = self._made_policy
         if policy is None or policy.mode is not self._mode:
             signatures = _Signatures(self._content_map, self._content_fn)  # holds no engine: no cycle
             policy = self._made_policy = Policy(
                 self._rules, self._mode, self._approved, self._session_allow, self._session_deny,
+                self._path_policy, signatures,
+            )  # fmt: skip
+        return policy
+
+    def _empty_layer_policy(self) -> Policy:
+        """`_policy` of an engine derived from this one before its session layer changes (made once
+        per mode, then shared by every such engine)."""
+        policy = self._bare_policy
+        if policy is None or policy.mode is not self._mode:
+            signatures = _Signatures(self._content_map, self._content_fn)
+            policy = self._bare_policy = Policy(
+                self._rules, self._mode, _NO_APPROVALS, _NO_SESSION_RULES, _NO_SESSION_RULES,
                 self._path_policy, signatures,
             )  # fmt: skip
         return policy
@@ -781,7 +859,7 @@ class PermissionEngine:
         """The side effects of an allow that stood: its rule updates, then ``remember`` (the final signature)."""
         await self.accept_updates(result.rule_updates, source=source.value, call_id=context.tool_call_id)
         if result.remember:
-            self._approved.add(decision.signature)
+            self._approvals().add(decision.signature)
 
     async def _record_shielded(self, record: PermissionRecord, *, swallow: bool) -> None:
         if self._record is None:

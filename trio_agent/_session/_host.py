@@ -59,6 +59,7 @@ from .._models._messages import AssistantMessage, Message, ToolCallPart, ToolSpe
 from .._models._service import ModelService
 from .._permissions._engine import PermissionEngine
 from .._permissions._rules import PermissionUpdate
+from .._tools._definition import Tool
 from .._tools._pipeline import ToolPipeline
 from .._tools._results import Effect
 from .._tools._stages import StageDecision
@@ -81,6 +82,7 @@ _log = logging.getLogger("trio_agent.session")
 _NOTHING_RAN = {event: HookDecision(event) for event in HookEvent}  # a dispatch with no hook registered
 
 _RUN = "trio_agent.session.run"  # ctx.metadata key of the `_RunInfo` (private to this module)
+_NONE: Mapping[str, Any] = MappingProxyType({})  # no interrupts / client tools: one for every session
 
 
 class _RunInfo:
@@ -96,6 +98,33 @@ class _RunInfo:
 
 class SessionHost:
     """What every run of one session shares, and `run_request`: one request as one loop run."""
+
+    # Slotted, as every object an idle session keeps (thousands may be alive).
+    __slots__ = (
+        "_paused",
+        "_service",
+        "_services",
+        "agents",
+        "asks_by_pausing",
+        "call_origins",
+        "cleanup_grace",
+        "client_tools",
+        "closing",
+        "context",
+        "decided",
+        "hooks",
+        "inbox",
+        "interrupts",
+        "journal",
+        "lifecycle",
+        "permissions",
+        "pipeline",
+        "root",
+        "running",
+        "session_id",
+        "tool_specs",
+        "tracks_running",
+    )
 
     def __init__(
         self,
@@ -114,6 +143,7 @@ class SessionHost:
         decided: dict[tuple[str, str], StageDecision] | None = None,
         asks_by_pausing: bool = False,
         tracks_running: bool = True,
+        tool_specs: dict[str, tuple[Tool[Any], ToolSpec]] | None = None,
     ) -> None:
         self.journal = journal
         self.session_id = journal.session_id
@@ -134,11 +164,12 @@ class SessionHost:
         self.call_origins: dict[str, str] = {}  # running tool call id -> its request id
         self.closing = False
         # Pauses (docs/human-in-the-loop.md): the root agent's questions, and where it waits.
-        self.interrupts: Mapping[str, InterruptDefinition] = interrupts or {}
-        self.client_tools: Mapping[str, ClientTool] = client_tools or {}
+        self.interrupts: Mapping[str, InterruptDefinition] = interrupts or _NONE
+        self.client_tools: Mapping[str, ClientTool] = client_tools or _NONE
         # What a person answered for a call (by resuming a pause), for the permission stage, once.
         self.decided: dict[tuple[str, str], StageDecision] = {} if decided is None else decided
         self.asks_by_pausing = asks_by_pausing  # permission_asks="interrupt"
+        self.tool_specs = tool_specs  # shared by the sessions of a spec (`AgentParts.tool_specs`)
         self._paused: PausedRun | None = None  # the last pause read from the journal (decoded once)
         self._service = service
         # By model name, made when another model is first asked for (`_named`).
@@ -362,12 +393,7 @@ class SessionHost:
         """What every run of *agent* hands the loop alike: made at its first request (the offered
         tools, the allowlist and the instructions' parts never change during a session)."""
         tools = self.pipeline.tools
-        specs = [
-            ToolSpec(tools[name].name, tools[name].description, dict(tools[name].input_schema))
-            for name in sorted(agent.allowed)
-            if name in tools
-        ]
-        offered = tuple(specs)
+        offered = tuple(self._tool_spec(tools[name]) for name in sorted(agent.allowed) if name in tools)
         allowed: Collection[str] = agent.allowed
         client_tools = self.client_tools
         if agent.parent_id is None and client_tools:  # only the root agent's requests pause
@@ -375,6 +401,18 @@ class SessionHost:
             allowed = agent.allowed | frozenset(client_tools)
         metadata = MappingProxyType({"session_id": self.session_id, "agent_id": agent.agent_id})
         return _Instructions(agent.system_prompt, self.context), offered, allowed, metadata
+
+    def _tool_spec(self, tool: Tool[Any]) -> ToolSpec:
+        """What the model is offered for *tool*: made once per tool of the spec (its schema is read
+        only), again if the session's pipeline holds another tool of that name."""
+        cache = self.tool_specs
+        known = None if cache is None else cache.get(tool.name)
+        if known is not None and known[0] is tool:
+            return known[1]
+        spec = ToolSpec(tool.name, tool.description, dict(tool.input_schema))
+        if cache is not None:
+            cache[tool.name] = (tool, spec)
+        return spec
 
     def _context(
         self, agent: _Agent, request: _Request, events: RunEventSink, messages: Callable[[], Sequence[Message]]

@@ -12,13 +12,12 @@ generator frame or exit stack while the session is open.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from types import TracebackType
-from typing import Any, Literal, NoReturn
+from types import MappingProxyType, TracebackType
+from typing import Any, Generic, Literal, NoReturn, TypeVar, cast
 
 import trio
 
@@ -26,7 +25,7 @@ from .._cleanup import DEFAULT_CLEANUP_GRACE, validate_cleanup_grace
 from .._config import validate_id, validate_timeout
 from .._errors import ConfigError, require_trio
 from .._groups import contains_cancelled, typed_error, unwrap_for_boundary
-from .._journal._durable import DurableJournal, open_journal
+from .._journal._durable import DurableJournal, _JournalBlock, open_journal
 from .._journal._events import PERMISSION_UPDATE_SOURCES, PermissionUpdated, SessionCloseReason
 from .._journal._memory import MemoryStore
 from .._journal._registry import shared_sqlite_store
@@ -56,6 +55,10 @@ from ._wiring import journal_permissions, session_stages
 __all__ = ["open_session"]
 
 JournalOption = DurableJournal | JournalStore | str | os.PathLike[str] | None
+
+_T = TypeVar("_T")
+
+_NO_DEFINITIONS: Mapping[str, SubagentDefinition] = MappingProxyType({})
 
 
 def open_session(
@@ -326,14 +329,20 @@ class _SessionBlock:
             decided=decided,
             asks_by_pausing=spec.permission_asks == "interrupt",
             tracks_running=bool(spec.definitions),  # only the task tool's foreground subagents look
+            tool_specs=spec.parts.tool_specs,
         )
         queue = RequestQueue(durable, root, max_queued=64, cleanup_grace=cleanup_grace)
         # Write-ahead: a rule update is durable before the engine applies it.
         engine.on_updates_applied = _RecordUpdates(host, queue)
         nursery_cm = trio.open_nursery()
-        nursery = await nursery_cm.__aenter__()
+        nursery = await nursery_cm.__aenter__()  # no checkpoint since the journal's block was entered
         self._nursery_cm, self._nursery = nursery_cm, nursery
-        supervisor = SubagentSupervisor(host, dict(spec.definitions), nursery, persistence=spec.subagent_persistence)
+        if isinstance(journal_cm, _JournalBlock):
+            # What a lost lease cancels: the nursery holds all the session runs, and the body.
+            journal_cm.use_body_scope(nursery.cancel_scope)
+        # A session's own copy of the definitions (none defined: one empty mapping for all).
+        definitions = dict(spec.definitions) if spec.definitions else _NO_DEFINITIONS
+        supervisor = SubagentSupervisor(host, definitions, nursery, persistence=spec.subagent_persistence)
         session = Session(host=host, queue=queue, supervisor=supervisor, nursery=nursery, close_timeout=close_timeout)
         task_tools = spec.task_tools
         if task_tools is not None:
@@ -439,12 +448,12 @@ def _journal(
     if isinstance(journal, DurableJournal):
         if journal.closed:
             raise ConfigError("the given DurableJournal is closed")
-        return contextlib.nullcontext(journal)
+        return _Given(journal)
     if isinstance(journal, (str, os.PathLike)):
         return _sqlite_journal(
             os.fspath(journal), session_id, lease_ttl, takeover_timeout, cleanup_grace, durable_pure_starts
         )
-    return open_journal(
+    block = open_journal(
         MemoryStore() if journal is None else journal,
         session_id=session_id,
         lease_ttl=lease_ttl,
@@ -452,6 +461,8 @@ def _journal(
         commit_grace=cleanup_grace,
         durable_pure_starts=durable_pure_starts,
     )
+    # The session's nursery is the body's scope (`_SessionBlock._enter`): one scope fewer per session.
+    return cast("_JournalBlock", block).lend_body()
 
 
 @asynccontextmanager
@@ -483,7 +494,25 @@ def _provider(spec: AgentSpec) -> AbstractAsyncContextManager[Provider]:
     provider, model = spec.provider, spec.model
     if isinstance(provider, str):
         return _named_provider(provider, model or "")
-    return contextlib.nullcontext(provider.with_model(model) if model and model != provider.model else provider)
+    return _Given(provider.with_model(model) if model and model != provider.model else provider)
+
+
+class _Given(Generic[_T]):
+    """``async with`` of something the caller owns: enters as it, leaves it open (`contextlib.nullcontext`
+    without an instance dict: a session keeps one as long as it lives)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: _T) -> None:
+        self._value = value
+
+    async def __aenter__(self) -> _T:
+        return self._value
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        return None
 
 
 @asynccontextmanager

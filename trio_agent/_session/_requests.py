@@ -76,6 +76,8 @@ RunParts = tuple[Callable[[], str], tuple[ToolSpec, ...], Collection[str], Mappi
 
 _agent_numbers = itertools.count(1)
 
+_STRATEGIES: dict[int, LoopStrategy] = {}  # max_turns -> its `max_iterations` (stateless: shared)
+
 
 def next_agent_number() -> int:
     return next(_agent_numbers)
@@ -124,10 +126,17 @@ class _Agent:
         self._history, self._deferred = None, load
 
     def strategy(self) -> LoopStrategy:
-        """``max_turns`` as the loop's strategy (made once)."""
-        if self._strategy is None:
-            self._strategy = max_iterations(self.max_turns)
-        return self._strategy
+        """``max_turns`` as the loop's strategy (made once per limit, for every agent of the process:
+        it holds nothing but the limit, and thousands of idle sessions need not keep one each)."""
+        strategy = self._strategy
+        if strategy is None:
+            strategy = _STRATEGIES.get(self.max_turns)
+            if strategy is None:
+                strategy = max_iterations(self.max_turns)
+                if len(_STRATEGIES) < 64:  # a few limits are in use; a process that makes more pays per agent
+                    _STRATEGIES[self.max_turns] = strategy
+            self._strategy = strategy
+        return strategy
 
 
 def _session_close() -> RequestInterruptReason:
@@ -343,6 +352,25 @@ async def record_interrupted(journal: DurableJournal, request: _Request, grace: 
 class RequestQueue:
     """The root agent's requests: intake (priorities, join, steer), the queue, and the worker."""
 
+    # Slotted, as every object an idle session keeps (thousands may be alive).
+    __slots__ = (
+        "_accepted",
+        "_accepting",
+        "_held_here",
+        "_line",
+        "_serve_in",
+        "_serve_run",
+        "_slot",
+        "_waiting",
+        "_worker_done",
+        "closed",
+        "current",
+        "grace",
+        "journal",
+        "max_queued",
+        "root",
+    )
+
     def __init__(self, journal: DurableJournal, root: _Agent, *, max_queued: int, cleanup_grace: float) -> None:
         self.journal = journal
         self.root = root
@@ -353,7 +381,8 @@ class RequestQueue:
         self._line: tuple[trio.MemorySendChannel[_Request], trio.MemoryReceiveChannel[_Request]] | None = None
         self._waiting: _Request | None = None  # taken by the worker, waiting for the request slot
         # The worker starts with the first request that has to wait: an idle session runs no task.
-        self._serve_in: tuple[trio.Nursery, Callable[[_Request], Awaitable[None]]] | None = None
+        self._serve_in: trio.Nursery | None = None
+        self._serve_run: Callable[[_Request], Awaitable[None]] | None = None  # (two slots: no tuple to keep)
         self.current: _Request | None = None
         # The request slot: one request (or subagent start) at a time. A request run in its caller's
         # task holds it as a flag; the semaphore is made when something has to wait for it.
@@ -561,12 +590,12 @@ class RequestQueue:
 
     def serve_in(self, nursery: trio.Nursery, run: Callable[[_Request], Awaitable[None]]) -> None:
         """Run what has to wait with *run*, in a worker task of *nursery* started when first needed."""
-        self._serve_in = (nursery, run)
+        self._serve_in, self._serve_run = nursery, run
 
     def _start_worker(self) -> None:
-        if self._serve_in is not None:
-            nursery, run = self._serve_in
-            self._serve_in = None
+        nursery, run = self._serve_in, self._serve_run
+        if nursery is not None and run is not None:
+            self._serve_in = self._serve_run = None
             done = self._worker_done = trio.Event()  # made now: a close from here on waits for it
             nursery.start_soon(self._serve, run, done, name="trio_agent.session.request_worker")
 
@@ -630,7 +659,7 @@ class RequestQueue:
     def close(self) -> None:
         """Accept nothing more; the worker rejects what is queued and ends."""
         self.closed = True
-        self._serve_in = None
+        self._serve_in = self._serve_run = None
         if self._line is not None:
             self._line[0].close()
 

@@ -70,6 +70,24 @@ _log = logging.getLogger("trio_agent.session")
 class Session:
     """A multi-turn agent session. Open it with `open_session`."""
 
+    # Slotted: thousands of idle sessions may be alive, and a dict each is bytes and a GC object.
+    __slots__ = (
+        "_closed",
+        "_final",
+        "_host",
+        "_nursery",
+        "_queue",
+        "_started",
+        "_supervisor",
+        "cleanup_grace",
+        "close_timeout",
+        "journal",
+        "life",
+        "recovery",
+        "recovery_notes",
+        "session_id",
+    )
+
     def __init__(
         self,
         *,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -224,10 +224,19 @@ class SubagentHandle:
 class SubagentSupervisor:
     """Starts, runs, reports and closes every subagent of one session (module rules)."""
 
+    # Slotted, as every object an idle session keeps (thousands may be alive).
+    __slots__ = (
+        "definitions",
+        "host",
+        "nursery",
+        "persistence",
+        "subagents",
+    )
+
     def __init__(
         self,
         host: SessionHost,
-        definitions: dict[str, SubagentDefinition],
+        definitions: Mapping[str, SubagentDefinition],
         nursery: trio.Nursery,
         persistence: tuple[RoutedSubagentPersistence, ...] = (),
     ) -> None:

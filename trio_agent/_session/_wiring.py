@@ -40,6 +40,7 @@ import attrs
 from .._errors import ConfigError
 from .._journal._durable import DurableJournal
 from .._journal._events import PermissionRequested, PermissionResolved
+from .._models._messages import ToolSpec
 from .._models._service import _WRAPPERS, ModelLayers, _defines
 from .._permissions._engine import (
     PermissionEngine,
@@ -89,6 +90,9 @@ class AgentParts:
     # The spec's permission engine (`permission_engine`), checked once; each session derives its own.
     engine: PermissionEngine | None = None
     root_filter: ToolFilter | None = None  # ``allowed`` as the engine's filter of the root's calls
+    # Tool name -> (the tool, the `ToolSpec` the model is offered for it): one per tool for every
+    # session (`SessionHost._run_parts`), not a copy of its schema each.
+    tool_specs: dict[str, tuple[Tool[Any], ToolSpec]] = attrs.field(factory=dict, init=False, repr=False)
 
     @property
     def workspace(self) -> str | None:
