@@ -71,14 +71,26 @@ class CheckedLayers(tuple[Any, ...]):
 
     @classmethod
     def check(cls, middleware: Sequence[Any]) -> Self:
-        """The layers, each checked (`MiddlewareShapeError` names the first bad one)."""
+        """The layers, each checked (`MiddlewareShapeError` names the first bad one).
+
+        The same layer objects as the last check of this class get the same layers object back,
+        with what was built from them (`derived`): a ``chat()`` run per request passes its list
+        again. One per class, so what that keeps alive is one stack of layers.
+        """
         if type(middleware) is cls:
             return middleware
-        if not middleware and type(middleware) in (list, tuple):
-            return cls._empty()
-        if type(middleware) not in (list, tuple) and (  # the common sequences, without the ABC check
-            isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence)
-        ):
+        kind = type(middleware)
+        if kind is list or kind is tuple:
+            if not middleware:
+                return cls._empty()
+            last: Self | None = cls.__dict__.get("_last")
+            if last is not None and len(last) == len(middleware):
+                for given, kept in zip(middleware, last, strict=True):
+                    if given is not kept:
+                        break
+                else:
+                    return last
+        elif isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
             raise MiddlewareShapeError(cls._sequence_error.format(middleware))
         passed = cls._passed
         known = passed._passed  # `layer in passed`, inline: asked per layer of every chat() run
@@ -88,7 +100,10 @@ class CheckedLayers(tuple[Any, ...]):
                 continue
             cls._check_layer(layer, index)
             passed.add(layer)
-        return cls(middleware)
+        layers = cls(middleware)
+        if layers:
+            setattr(cls, "_last", layers)  # noqa: B010 - on the class itself, not inherited
+        return layers
 
     @classmethod
     def _empty(cls) -> Self:

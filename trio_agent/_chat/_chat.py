@@ -80,6 +80,7 @@ from .._tools._results import ToolResult
 __all__ = ["ChatCall", "ChatResult", "ChatRun", "StructuredOutputError", "chat"]
 
 DEFAULT_MAX_ITERATIONS = 5
+_DEFAULT_STRATEGY = max_iterations(DEFAULT_MAX_ITERATIONS)  # keeps nothing of a run: one serves every run
 
 
 class StructuredOutputError(TrioAgentError):
@@ -417,7 +418,7 @@ class _Prepared:
             journal=journal or InMemoryToolJournal(keep_entries=False),
             history_limit=0,
         )
-        strategy = options["strategy"] or max_iterations(DEFAULT_MAX_ITERATIONS)
+        strategy = options["strategy"] or _DEFAULT_STRATEGY
         meta = dict(options["metadata"] or {})
         run_id = str(meta.get("run_id") or f"chat-{os.urandom(6).hex()}")  # 48 random bits, as uuid4().hex[:12]
         thread_id = str(meta.get("thread_id") or (resume.thread_id if resume is not None else run_id))

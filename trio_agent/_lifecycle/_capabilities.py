@@ -248,10 +248,12 @@ def validate_capabilities(middleware: Sequence[ChatMiddleware], adapter: object 
         raise MiddlewareShapeError(
             f"validate_capabilities: middleware must be a list of ChatMiddleware, got {middleware!r}"
         )
+    requires = getattr(adapter, "requires", None) if adapter is not None else None
+    if not middleware and requires is None:
+        return  # nothing requires anything (a chat() run per request asks this)
     declared = [declared_capabilities(item) for item in middleware]
     provided = list(dict.fromkeys(handle for item in declared for handle in item.provides))
     known = set(provided)
-    requires = getattr(adapter, "requires", None) if adapter is not None else None
     if requires is not None:  # named only when it declares something (most adapters do not)
         name = _adapter_name(adapter)
         for handle in capability_handles(requires, "requires", f"adapter {name!r}", CapabilityError):

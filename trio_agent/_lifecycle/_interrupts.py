@@ -182,7 +182,7 @@ def split_client_tools(tools: Sequence[Tool[Any] | ClientTool]) -> tuple[list[To
             client[tool.name] = tool
         else:
             server.append(tool)
-    clash = {tool.name for tool in server} & set(client)
+    clash = {tool.name for tool in server} & set(client) if client else None
     if clash:
         raise ConfigError(f"a tool and a client tool share the name {sorted(clash)[0]!r}")
     return server, client
@@ -193,6 +193,8 @@ def registered_interrupts(
 ) -> dict[str, InterruptDefinition]:
     """The run's interrupt definitions by id (``interrupts=`` and every middleware's ``interrupts``)."""
     registered: dict[str, InterruptDefinition] = {}
+    if not interrupts and not middleware:
+        return registered
     declared = [*interrupts, *(d for mw in middleware for d in getattr(mw, "interrupts", ()))]
     for definition in declared:
         if not isinstance(definition, InterruptDefinition):

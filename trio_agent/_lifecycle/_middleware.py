@@ -70,7 +70,7 @@ from .._errors import MiddlewareError, MiddlewareShapeError, ModelError
 from .._loop._compose import compose_lifecycle
 from .._loop._context import RunContext
 from .._loop._events import RunEvent
-from .._loop._hooks import Finished, Lifecycle, ModelConfig, ToolOutcome
+from .._loop._hooks import NO_HOOKS, Finished, Lifecycle, ModelConfig, ToolOutcome
 from .._loop._interrupts import InterruptRequest, InterruptResolutions, ToolResume
 from .._loop._ports import RunEventSink
 from .._loop._rules import LoopState
@@ -662,6 +662,8 @@ def middleware_lifecycle(middleware: Sequence[ChatMiddleware]) -> Lifecycle:
         CapabilityError: a middleware requires a capability no middleware provides
             (`validate_capabilities`).
     """
+    if not middleware and type(middleware) in (list, tuple):
+        return NO_HOOKS  # nothing to check or compose (a chat() run per request asks this)
     checked = _checked(middleware, "middleware_lifecycle")
     validate_capabilities(checked)
     declared = [declared_capabilities(item) for item in checked]

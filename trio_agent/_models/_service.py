@@ -40,7 +40,7 @@ from .._errors import (
     RateLimitError,
     StreamInterruptedError,
 )
-from .._middleware import CheckedLayers, MiddlewareNext, PassedChecks, compose_middleware
+from .._middleware import CheckedLayers, Composed, ComposedNext, MiddlewareNext, PassedChecks, compose_middleware
 from ._history import MessageView
 from ._messages import Message, ModelResponse, StreamChunk, ToolSpec
 
@@ -322,6 +322,26 @@ class _Chains(dict[Operation, tuple[Any, ...]]):
         return chain
 
 
+class _OpenChains(dict[Operation, Composed]):
+    """Each iterator operation's wrappers composed once (`_OpenIterators` carries what a call needs):
+    every call of every service built from the same layers runs the same chain."""
+
+    __slots__ = ("_chains",)
+
+    def __init__(self, layers: ModelLayers) -> None:
+        super().__init__()
+        self._chains = layers.derived("model_chains", _Chains)
+
+    def __missing__(self, operation: Operation) -> Composed:
+        # Typed as taking the request alone; a run's (`Composed.start`) take the call first.
+        check: Any = _check_open
+        terminal: Any = _open_terminal
+        composed = compose_middleware(self._chains[operation], terminal, check=check, validate=False)
+        assert isinstance(composed, Composed)
+        self[operation] = composed
+        return composed
+
+
 class ModelService:
     """A provider wrapped with a model middleware stack, a retry loop and a request deadline.
 
@@ -353,6 +373,7 @@ class ModelService:
         self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
         self._rng = rng or _JITTER
         self._chains: dict[Operation, tuple[Any, ...]] = layers.derived("model_chains", _Chains)
+        self._open_chains: dict[Operation, Composed] = layers.derived("model_open_chains", _OpenChains)
 
     @property
     def model(self) -> str:
@@ -379,14 +400,14 @@ class ModelService:
         abort: AbortHandle | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> ModelRequest:
-        return ModelRequest(
+        return ModelRequest(  # its converters make the tuples
             operation,
             self.provider.model,
-            _message_tuple(messages),
-            tuple(tools),
-            dict(options or {}),
+            messages,
+            tools,
+            dict(options) if options else {},
             abort,
-            dict(metadata or {}),
+            dict(metadata) if metadata else {},
         )
 
     # -- non-streaming ------------------------------------------------------------------
@@ -553,22 +574,24 @@ def _check_kept(initial: ModelRequest, request: ModelRequest) -> None:
         raise ModelMiddlewareError("Model middleware cannot replace the abort handle")
 
 
-class _Track:
-    """A layer (or the terminal) whose iterator is kept by position, to be closed in order."""
+def _check_open(run: _OpenIterators, request: ModelRequest) -> None:
+    _check_kept(run._request, request)
 
-    __slots__ = ("_layer", "_opened", "_position")
 
-    def __init__(self, position: int, layer: Callable[..., AsyncIterator[Any]], opened: dict[int, Any]) -> None:
-        self._position = position
-        self._layer = layer
-        self._opened = opened
+def _open_terminal(run: _OpenIterators, request: ModelRequest) -> AsyncIterator[Any]:
+    return run._terminal(request)
 
-    def __call__(self, *args: Any) -> AsyncIterator[Any]:
-        iterator = self._layer(*args)
-        if not hasattr(iterator, "__anext__"):
-            raise ModelMiddlewareError(f"a stream wrapper must return an async iterator, got {iterator!r}")
-        self._opened[self._position] = iterator
-        return iterator
+
+class _TrackedNext(ComposedNext):
+    """``next`` of a stream layer: the iterator the inner layer (or the terminal) returns is kept
+    by its position in the call's `_OpenIterators`, to be closed in order."""
+
+    __slots__ = ()
+
+    def __call__(self, replacement: Any = None, /) -> Any:
+        iterator = super().__call__(replacement)
+        run: _OpenIterators = self._run  # type: ignore[assignment]
+        return run._track(self._index, iterator)
 
 
 class _OpenIterators:
@@ -599,16 +622,17 @@ class _OpenIterators:
         self._token: int | None = None
         self._outer: AsyncIterator[Any] | None = None
 
-    def _check(self, request: ModelRequest) -> None:
-        _check_kept(self._request, request)
+    def _track(self, position: int, iterator: Any) -> AsyncIterator[Any]:
+        """Keep the iterator of the layer at *position* (the terminal last), to be closed in order."""
+        if not hasattr(iterator, "__anext__"):
+            raise ModelMiddlewareError(f"a stream wrapper must return an async iterator, got {iterator!r}")
+        self._opened[position] = iterator
+        return iterator  # type: ignore[no-any-return]
 
     async def __aenter__(self) -> AsyncIterator[Any]:
-        service, request, opened = self._service, self._request, self._opened
-        check = self._check
-        check(request)
-        wrappers = service._chains[request.operation]
-        layers = [_Track(position, layer, opened) for position, layer in enumerate(wrappers)]
-        chain = compose_middleware(layers, _Track(len(wrappers), self._terminal, opened), check=check, validate=False)
+        service, request = self._service, self._request
+        _check_kept(request, request)
+        chain = service._open_chains[request.operation]
         # The deadline given to the constructor: setting it on a made scope costs a third more.
         deadline = self._deadline = trio.CancelScope(deadline=trio.current_time() + service.request_timeout)
         deadline.__enter__()
@@ -616,7 +640,7 @@ class _OpenIterators:
         if handle is not None:  # aborting the request cancels the scope (at once if already aborted)
             self._token = handle.add_listener(lambda abort: deadline.cancel(reason=abort.message))
         try:
-            self._outer = chain(request)
+            self._outer = self._track(0, chain.start(request, self, _TrackedNext))
         except BaseException as exc:
             await self.__aexit__(type(exc), exc, exc.__traceback__)  # raises what replaces exc, if anything
             raise
