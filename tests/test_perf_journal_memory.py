@@ -113,7 +113,7 @@ async def test_an_idle_stream_keeps_no_fold_pins_or_deferred_events_until_asked(
         await one_request(journal)
         stream = journal._streams[ROOT]
         assert stream._fold is None and stream.pins is None and stream.deferred == ()
-        assert journal._closed is None  # made by the first subscriber
+        assert journal._subscriptions is None  # made by the first subscriber
         state = journal.projection()._s
         assert type(state.permission_ids) is frozenset and state.permission_ids == {"p"}
         assert state.permission_updates == () and state.approved == frozenset()
@@ -142,8 +142,9 @@ async def test_a_subscription_made_before_or_after_the_close_ends_with_it() -> N
     async with trio.open_nursery() as nursery, open_journal(store, session_id=SID) as journal:
         nursery.start_soon(follow, journal)
         await trio.testing.wait_all_tasks_blocked()
-        assert journal._closed is not None and not journal._closed.is_set()
-    assert journal._closed.is_set() and seen
+        subscriptions = journal._subscriptions
+        assert subscriptions is not None and not subscriptions.closed.is_set()
+    assert subscriptions.closed.is_set() and seen
     async with open_journal(store, session_id="other") as closed:
         pass
     with trio.fail_after(1):

@@ -347,6 +347,35 @@ async def test_a_subscription_ends_with_session_closed(tmp_path: Path) -> None:
     assert of_type(events, RequestCompleted)
 
 
+async def test_a_subscriber_that_reads_only_after_the_session_closed_gets_every_event(tmp_path: Path) -> None:
+    # The session owns its SQLite store and closes it on the way out: a subscriber that did not run
+    # until then must still read everything up to session_closed (it used to end at its last read).
+    model = TestModel(default=Reply(text="answer"))
+    seen: list[Any] = []
+    go = trio.Event()
+    async with trio.open_nursery() as nursery:
+        async with open_session(provider=model, journal=tmp_path / "j.db") as session:
+            ready = trio.Event()
+
+            async def follow() -> None:
+                async with session.subscribe_durable_events() as subscription:
+                    async for item in subscription:
+                        seen.append(item)
+                        if isinstance(item, CaughtUp):
+                            ready.set()
+                            await go.wait()  # held back until the session (and its store) closed
+
+            nursery.start_soon(follow)
+            await ready.wait()
+            await session.send("hello")
+        go.set()
+    events = [item.envelope.event for item in seen if isinstance(item, DurableEvent)]
+    assert isinstance(events[-1], SessionClosed)
+    assert of_type(events, RequestCompleted)
+    seqs = [item.envelope.seq for item in seen if isinstance(item, DurableEvent)]
+    assert seqs == list(range(1, len(seqs) + 1))  # nothing twice, nothing skipped
+
+
 # ---------------------------------------------------------------- history after a restart
 
 

@@ -106,7 +106,7 @@ from ._store import (
     command_digest,
     stream_id_for,
 )
-from ._subscribe import DurableEventStream, JournalCursor, subscribe_durable_events
+from ._subscribe import DurableEventStream, JournalCursor, SubscriptionsClose, journal_subscription
 
 __all__ = [
     "CallRecord",
@@ -162,13 +162,13 @@ class DurableJournal:
     # Slotted, and nothing made before it is needed: thousands of sessions may hold one each.
     __slots__ = (
         "_checked_ids",
-        "_closed",
         "_commits_now",
         "_fenced",
         "_fold_after",
         "_pending_starts",
         "_shut",
         "_streams",
+        "_subscriptions",
         "commit_grace",
         "durable_pure_starts",
         "held",
@@ -213,7 +213,7 @@ class DurableJournal:
         self._streams: dict[str, _Stream] = {}
         self._checked_ids: dict[str | None, str] = {}  # agent id -> its stream id, checked once
         self._fenced: str | None = None
-        self._closed: trio.Event | None = None  # for subscribers, made by the first (`_closed_event`)
+        self._subscriptions: SubscriptionsClose | None = None  # made by the first subscription
         self._shut = False
         # Call id -> the ticket of its unawaited start: the shared empty one until the first (only
         # ``durable_pure_starts=False`` makes any; it is never written to, see `on_execution_started`).
@@ -291,17 +291,18 @@ class DurableJournal:
         return self._shut
 
     def _close(self) -> None:
+        """No write from now on (the subscriptions hear of it in `_finish`, after their rest)."""
         self._shut = True
-        if self._closed is not None:
-            self._closed.set()
 
-    def _closed_event(self) -> trio.Event:
-        """Set once the journal is closed (`_shut` is the same fact, read per write)."""
-        if self._closed is None:
-            self._closed = trio.Event()
+    def _subscriptions_close(self) -> SubscriptionsClose:
+        """How the subscriptions end with the journal: each gets the rest of its stream, then
+        ``closed`` is set (`_finish`; already set for a journal that is closed)."""
+        close = self._subscriptions
+        if close is None:
+            close = self._subscriptions = SubscriptionsClose()
             if self._shut:
-                self._closed.set()
-        return self._closed
+                close.closed.set()
+        return close
 
     def _stream_id_of(self, agent_id: str | None) -> str:
         """`stream_id`, without formatting it again once a write checked it."""
@@ -952,7 +953,7 @@ class DurableJournal:
         self, *, agent_id: str | None = None, after: JournalCursor | str | int = 0
     ) -> AbstractAsyncContextManager[DurableEventStream]:
         """Committed events of one agent's stream: replay, one `CaughtUp`, then live (ends when the journal closes)."""
-        return subscribe_durable_events(self.store, self.stream_id(agent_id), after=after, closed=self._closed_event())
+        return journal_subscription(self.store, self.stream_id(agent_id), self._subscriptions_close(), after=after)
 
 
 def unknown_outcome_result(call_id: str, tool_name: str) -> ToolResult:
@@ -1199,16 +1200,25 @@ async def _finish(journal: DurableJournal, snapshot_every: int | None) -> None:
     """The way out of `open_journal`, whatever ended the body: unless the lease was lost, write
     what is pending, save the snapshots due (bounded) and release the lease."""
     journal._close()
+    subscriptions = journal._subscriptions
     if journal._lost is not None:
+        if subscriptions is not None:
+            subscriptions.closed.set()
         return
     commit_grace = journal.commit_grace
     with bounded_shield(commit_grace, "closing the journal (pending starts, lease release)"):
-        for ticket in list(journal._pending_starts.values()):
-            with contextlib.suppress(JournalError, LeaseLostError):
-                await ticket.wait()
-        if journal._fenced is None:
-            with contextlib.suppress(JournalError, LeaseLostError):
-                await journal.flush()  # what the last appends left deferred
+        try:
+            for ticket in list(journal._pending_starts.values()):
+                with contextlib.suppress(JournalError, LeaseLostError):
+                    await ticket.wait()
+            if journal._fenced is None:
+                with contextlib.suppress(JournalError, LeaseLostError):
+                    await journal.flush()  # what the last appends left deferred
+        finally:
+            # Before the store can close with the session that owned it: every subscription is
+            # handed what it has not read yet (up to session_closed), and only then hears the close.
+            if subscriptions is not None:
+                await subscriptions.close()
         if snapshot_every is not None and journal._streams:
             # While the lease is still ours (the store fences it); never holds the close for long.
             with trio.move_on_after(min(SNAPSHOT_GRACE, commit_grace)) as scope:

@@ -8,6 +8,7 @@ cancel scope or nursery is ever suspended across a ``yield``.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import deque
 from collections.abc import AsyncIterator
@@ -20,7 +21,15 @@ from .._errors import CursorError, JournalCorruptError, JournalError
 from ._events import EventEnvelope, SessionClosed
 from ._store import JournalStore
 
-__all__ = ["CaughtUp", "DurableEvent", "DurableEventStream", "JournalCursor", "subscribe_durable_events"]
+__all__ = [
+    "CaughtUp",
+    "DurableEvent",
+    "DurableEventStream",
+    "JournalCursor",
+    "SubscriptionsClose",
+    "journal_subscription",
+    "subscribe_durable_events",
+]
 
 _CURSOR = re.compile(r"^(?P<stream>.+)@(?P<seq>\d+)$")
 
@@ -73,7 +82,8 @@ class DurableEventStream:
     ) -> None:
         self._store = store
         self.stream_id = stream_id
-        self._seq = after
+        self._seq = after  # the last event delivered
+        self._read_to = after  # the last event read (delivered or in the buffer)
         self._page_size = page_size
         self._closed = closed
         self._buffer: deque[EventEnvelope] = deque()
@@ -103,21 +113,15 @@ class DurableEventStream:
             # next time round, never lost to a close that the read's answer did not include.
             closed_before = self._closed is not None and self._closed.is_set()
             try:
-                rows = await self._store.read(self.stream_id, after=self._seq, limit=self._page_size)
+                rows = await self._store.read(self.stream_id, after=self._read_to, limit=self._page_size)
             except JournalError:
                 if self._closed is not None and self._closed.is_set():
-                    self._ended = True  # the session (and the store it owned) closed: the stream ends
-                    raise StopAsyncIteration from None
+                    # The session (and the store it owned) closed. Its close handed this stream what
+                    # was left to read (`SubscriptionsClose`): that goes out, then the stream ends.
+                    self._ended = True
+                    continue
                 raise
-            if rows:
-                expected = self._seq + 1
-                for envelope in rows:
-                    if envelope.seq != expected:
-                        raise JournalCorruptError(
-                            f"stream {self.stream_id!r} skips from {expected - 1} to {envelope.seq}: nothing is skipped"
-                        )
-                    expected += 1
-                self._buffer.extend(rows)
+            if self._take(rows):
                 continue
             if not self._caught_up:
                 self._caught_up = True
@@ -129,6 +133,30 @@ class DurableEventStream:
                 self._ended = True
                 raise StopAsyncIteration
             await self._wait()
+
+    def _take(self, rows: list[EventEnvelope]) -> bool:
+        """Buffer the rows after what was read (a close may have read some of them meanwhile)."""
+        expected = self._read_to + 1
+        taken = False
+        for envelope in rows:
+            if envelope.seq < expected:
+                continue
+            if envelope.seq != expected:
+                raise JournalCorruptError(
+                    f"stream {self.stream_id!r} skips from {expected - 1} to {envelope.seq}: nothing is skipped"
+                )
+            self._buffer.append(envelope)
+            self._read_to = expected
+            expected += 1
+            taken = True
+        return taken
+
+    async def _read_the_rest(self) -> None:
+        """Buffer everything committed that this stream has not read (`SubscriptionsClose`)."""
+        while not self._ended:
+            rows = await self._store.read(self.stream_id, after=self._read_to, limit=self._page_size)
+            if not self._take(rows):
+                return
 
     async def _wait(self) -> None:
         if self._closed is None:
@@ -144,6 +172,34 @@ class DurableEventStream:
             nursery.start_soon(wait_closed)
             await self._store.wait_for_append(self.stream_id, self._seq)
             nursery.cancel_scope.cancel()
+
+
+class SubscriptionsClose:
+    """How a journal's subscriptions end with it: `close` first hands every live one what is
+    committed and not yet read, then sets `closed`. A subscriber that runs only later (the store
+    it read from may be closed by then, with the session that owned it) still gets every event
+    up to the close, and one that reads nothing new after `closed` knows it has them all."""
+
+    __slots__ = ("_live", "closed")
+
+    def __init__(self) -> None:
+        self.closed = trio.Event()
+        self._live: set[DurableEventStream] = set()
+
+    def add(self, stream: DurableEventStream) -> None:
+        self._live.add(stream)
+
+    def discard(self, stream: DurableEventStream) -> None:
+        self._live.discard(stream)
+
+    async def close(self) -> None:
+        """Read each live subscription's rest (a failed read leaves that one to its own), then set `closed`."""
+        try:
+            for stream in list(self._live):
+                with contextlib.suppress(JournalError):  # it meets the same error on its own next read
+                    await stream._read_the_rest()
+        finally:
+            self.closed.set()
 
 
 @asynccontextmanager
@@ -163,6 +219,30 @@ async def subscribe_durable_events(
     iteration ends after the stream's ``session_closed`` event, or when
     ``closed`` is set and everything committed was delivered.
     """
+    yield await _open_stream(store, stream_id, after, page_size, closed)
+
+
+@asynccontextmanager
+async def journal_subscription(
+    store: JournalStore, stream_id: str, close: SubscriptionsClose, *, after: JournalCursor | str | int = 0
+) -> AsyncIterator[DurableEventStream]:
+    """`subscribe_durable_events` for a journal: while the block runs, *close* hands the stream the
+    rest of what was committed before it says the journal closed (`SubscriptionsClose`)."""
+    stream = await _open_stream(store, stream_id, after, 256, close.closed)
+    close.add(stream)
+    try:
+        yield stream
+    finally:
+        close.discard(stream)
+
+
+async def _open_stream(
+    store: JournalStore,
+    stream_id: str,
+    after: JournalCursor | str | int,
+    page_size: int,
+    closed: trio.Event | None,
+) -> DurableEventStream:
     if isinstance(after, str):
         after = JournalCursor.parse(after)
     if isinstance(after, JournalCursor):
@@ -184,4 +264,4 @@ async def subscribe_durable_events(
     if seq > 0:
         last = await store.read(stream_id, after=seq - 1, limit=1)
         stream._closed_at_cursor = bool(last) and isinstance(last[0].event, SessionClosed)
-    yield stream
+    return stream
