@@ -12,6 +12,7 @@ import trio
 from .._abort import AbortHandle
 from .._cleanup import bounded_shield
 from .._errors import ToolInputError
+from ._builders import constructor
 from ._results import JsonObject, ToolItem
 
 if TYPE_CHECKING:
@@ -123,6 +124,28 @@ class ToolMiddlewareRequest:
         return ToolMiddlewareRequest(self.tool_name, input, self.context, self.emit)
 
 
+# The pipeline builds these per call (a request per layered call): built cheaper (see `_builders`),
+# every field given (a request's emit bound already: its converter would have nothing to do).
+execution_context: Callable[
+    [
+        str,
+        str,
+        str,
+        str,
+        str,
+        str,
+        AbortHandle,
+        Callable[[], int | None],
+        tuple[str, ...],
+        Callable[[], Awaitable[None]] | None,
+    ],
+    ExecutionContext,
+] = constructor(ExecutionContext)
+middleware_request: Callable[[str, JsonObject, ExecutionContext, Emit], ToolMiddlewareRequest] = constructor(
+    ToolMiddlewareRequest, trusted=("emit",)
+)
+
+
 class _SlotHolder:
     """The scheduler slot a running call holds, so a waiting parent can give it back."""
 
@@ -225,3 +248,6 @@ class ToolContext:
             # If this wait is cancelled the slot stays released; the pipeline's
             # own release at the end of the call is then a no-op.
             await slot.acquire()
+
+
+tool_context: Callable[[ExecutionContext, Emit, _SlotHolder | None, float], ToolContext] = constructor(ToolContext)

@@ -302,12 +302,13 @@ class Tool(Generic[In]):
                 structure = _converter.get_structure_hook(input_type)
             object.__setattr__(self, "_structure", structure)
         try:
-            return typing.cast(In, structure(value, input_type))
+            structured: In = structure(value, input_type)  # not `typing.cast`: a call per tool call
         except Exception as exc:
             detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else str(exc)
             raise ToolInputError(
                 f"invalid input for tool {self.name!r}: {detail}", tool_name=self.name, errors=(detail,)
             ) from None
+        return structured
 
     def resolve_behavior(self, value: JsonObject) -> ToolBehavior:
         """Resolve this call's behaviour from *value*.

@@ -13,12 +13,14 @@ result is published. The durable journal implements this protocol; the
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
 import trio
 
 from .._errors import JournalError
+from ._builders import constructor
 from ._definition import SideEffect, ToolBehavior
 from ._results import JsonObject, ToolResult, json_copy
 
@@ -71,6 +73,15 @@ class Settlement:
     effective_input: JsonObject | None
     published: bool = True
     reason: str | None = None
+
+
+# The pipeline builds one of each per call: built cheaper (see `_builders`), every field given.
+scheduled_call: Callable[[str, str, JsonObject, ToolBehavior, str, str, str, str, str], ScheduledCall] = constructor(
+    ScheduledCall
+)
+settlement: Callable[[SettlementStatus, ToolResult, JsonObject | None, bool, str | None], Settlement] = constructor(
+    Settlement
+)
 
 
 class ToolJournal(Protocol):

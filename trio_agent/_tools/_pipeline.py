@@ -56,18 +56,29 @@ from .._middleware import (
     check_middleware_shape,
     compose_middleware,
 )
+from ._builders import constructor
 from ._context import (
     CallOrigin,
     Emit,
     ExecutionContext,
     ToolCall,
-    ToolContext,
     ToolMiddlewareRequest,
     _inherit_emit,
     _SlotHolder,
+    execution_context,
+    middleware_request,
+    tool_context,
 )
 from ._definition import InterruptBehavior, SideEffect, Tool, ToolBehavior, ToolKind
-from ._journal import InMemoryToolJournal, ScheduledCall, Settlement, SettlementStatus, ToolJournal
+from ._journal import (
+    InMemoryToolJournal,
+    ScheduledCall,
+    Settlement,
+    SettlementStatus,
+    ToolJournal,
+    scheduled_call,
+    settlement,
+)
 from ._results import (
     Effect,
     JsonObject,
@@ -161,6 +172,27 @@ class ToolExecutionRecord:
         return self.ended_at - self.scheduled_at
 
 
+# One per call: built cheaper (see `_builders`), every field given.
+_execution_record: Callable[
+    [
+        ToolCall,
+        JsonObject | None,
+        ToolResult,
+        SettlementStatus,
+        ToolBehavior,
+        tuple[Effect, ...],
+        tuple[MiddlewareFault, ...],
+        bool,
+        bool,
+        bool,
+        Abort | None,
+        float,
+        float,
+    ],
+    ToolExecutionRecord,
+] = constructor(ToolExecutionRecord)
+
+
 class _GuardViolation(Exception):
     """A middleware broke a pre-run rule; the call ends with an error and the tool does not run."""
 
@@ -184,6 +216,7 @@ class _Call:
 
     __slots__ = (
         "abort",
+        "aborted",
         "behavior",
         "cleanup_deadline",
         "clock",
@@ -236,6 +269,9 @@ class _Call:
         self.scheduled = scheduled
         self.ctx = ctx
         self.abort = ctx.abort
+        # ``abort.reason`` as `on_abort` heard it (the listener from the call's start to its end):
+        # a slot, read where the handle's property would be a call.
+        self.aborted: Abort | None = None
         self.behavior = scheduled.behavior
         self.on_item = on_item
         self.clock = clock  # looked up once: the call reads the time several times
@@ -243,8 +279,9 @@ class _Call:
         # record.call.input) stays as sent, and in-place changes are detected by comparing against it.
         self.live_input: JsonObject = live_input
         self.effective_input: JsonObject = live_input
-        self.effects: list[Effect] = []
-        self.faults: list[MiddlewareFault] = []
+        # Made by the first item: most calls have neither.
+        self.effects: list[Effect] | None = None
+        self.faults: list[MiddlewareFault] | None = None
         self.phase = _Phase.MIDDLEWARE
         self.mw_scope: trio.CancelScope | None = None
         self.target: trio.CancelScope | None = None
@@ -279,6 +316,7 @@ class _Call:
         self.locks: tuple[tuple[str, ...], bool, str] | None = None
 
     def on_abort(self, abort: Abort) -> None:
+        self.aborted = abort
         phase = self.phase
         if phase is _Phase.MIDDLEWARE:
             if self.mw_scope is not None:
@@ -287,6 +325,13 @@ class _Call:
             self.target.cancel(reason=abort.message)
             if self.tool_ran:
                 self.pipeline._note_cancel(self)
+
+    def fault(self, code: FaultCode, message: str) -> None:
+        """Record a middleware fault that the pipeline corrected."""
+        if self.faults is None:
+            self.faults = [MiddlewareFault(code, message)]
+        else:
+            self.faults.append(MiddlewareFault(code, message))
 
     def core_finished(self) -> trio.Event:
         """An event set when the core has finished (made for the first who waits)."""
@@ -305,13 +350,22 @@ class _Call:
         """
 
         async def emit_from_tool(item: ToolItem) -> None:
-            if isinstance(item, Effect) and item.kind == PERMISSION_UPDATES:
-                if self.granted is None:
-                    self.granted = []
-                self.granted.append(item)
+            self.note_granted(item)
             await emit(item)
 
         return emit_from_tool
+
+    async def sink_from_tool(self, item: ToolItem) -> None:
+        """`tool_emit` of the call's own `sink` (no middleware in between): a bound method, no closure."""
+        self.note_granted(item)
+        await self.sink(item)
+
+    def note_granted(self, item: ToolItem) -> None:
+        """Mark *item* as the tool's own if it is a permission update."""
+        if isinstance(item, Effect) and item.kind == PERMISSION_UPDATES:
+            if self.granted is None:
+                self.granted = []
+            self.granted.append(item)
 
     def forward_abort(self, abort: Abort) -> None:
         """The listener on the request's handle (and steering's): it aborts the call's own."""
@@ -328,14 +382,15 @@ class _Call:
                         del self.granted[index]  # type: ignore[union-attr]
                         break
                 else:
-                    self.faults.append(
-                        MiddlewareFault(
-                            FaultCode.PERMISSION_UPDATE_REFUSED,
-                            "a permission_updates effect that the tool did not emit itself was dropped",
-                        )
+                    self.fault(
+                        FaultCode.PERMISSION_UPDATE_REFUSED,
+                        "a permission_updates effect that the tool did not emit itself was dropped",
                     )
                     return
-            self.effects.append(item)
+            if self.effects is None:
+                self.effects = [item]
+            else:
+                self.effects.append(item)
         elif isinstance(item, (Progress, ToolMessage)):
             if self.on_item is not None:
                 await self.on_item(item)
@@ -642,6 +697,9 @@ class ToolPipeline:
         # probe of the call's state around them (a write that raised left it as it was).
         self._journal_atomic = _declares(journal, "_atomic_writes")
         self._fence = journal.fencing_token
+        # The in-memory journal has no lease: its ownership check, asked five times a call, is a no-op.
+        check = journal.check_ownership
+        self._owner_checks = getattr(check, "__func__", None) is not InMemoryToolJournal.check_ownership
         probe = getattr(journal, "call_state", None)
         self._probe: Callable[[ScheduledCall], object] | None = probe if callable(probe) else None
         self._ensure = getattr(journal, "ensure_owner", None)
@@ -741,13 +799,13 @@ class ToolPipeline:
         except ToolBehaviorError as exc:
             behavior, behavior_error = tool.behavior, exc
         key = idempotency_key or f"{origin.session_id}:{origin.agent_id}:{call.id}"
-        scheduled = ScheduledCall(
+        scheduled = scheduled_call(
             call.id, call.name, call.input, behavior, key,
             origin.session_id, origin.agent_id, origin.request_id, origin.turn_id,
         )  # fmt: skip
         journal = self.journal
         call_abort = AbortHandle()
-        ctx = ExecutionContext(
+        ctx = execution_context(
             origin.session_id, origin.agent_id, origin.request_id, origin.turn_id, call.id, key,
             call_abort, self._fence, origin.lineage, self._ensure,
         )  # fmt: skip
@@ -775,7 +833,8 @@ class ToolPipeline:
                 if lost is not None:
                     raise lost from exc
             raise
-        journal.check_ownership()
+        if self._owner_checks:
+            journal.check_ownership()
 
         # Removed in the finally below: the handle and the call refer to each other.
         token = call_abort.add_listener(state.on_abort)
@@ -788,45 +847,50 @@ class ToolPipeline:
             if behavior_error is not None:
                 result = ToolResult.failure(ToolErrorType.EXECUTION, str(behavior_error), code="behavior_error")
                 published = True
-            elif call_abort.reason is not None:  # aborted before we began: middleware is never entered
-                if call_abort.reason.reason is AbortReason.LEASE_LOST:
-                    raise LeaseLostError(call_abort.reason.message)
-                result, published = _aborted_result(call_abort.reason), True
+            elif state.aborted is not None:  # aborted before we began: middleware is never entered
+                if state.aborted.reason is AbortReason.LEASE_LOST:
+                    raise LeaseLostError(state.aborted.message)
+                result, published = _aborted_result(state.aborted), True
             elif has_unwind:
                 result, published = await self._run_layered(state)
             else:
-                result = await self._core(state, state.live_input, state.sink)
-                self._raise_fatal(state)
+                result = await self._core(state, state.live_input, None)
+                if state.fatal is not None or state.aborted is not None:  # what `_raise_fatal` looks at
+                    self._raise_fatal(state)
                 published = True
             # Settle (a success without a recorded start can only come from a short-circuit), then publish.
-            journal.check_ownership()
-            status, reason = _status_for(result)
+            if self._owner_checks:
+                journal.check_ownership()
+            if result.error is None:  # `_status_for`, inline for the common case
+                status, reason = SettlementStatus.COMPLETED, None
+            else:
+                status, reason = _status_for(result)
             if status is SettlementStatus.COMPLETED and not state.started:
                 await self._synthetic_start(state)
             if self._journal_never_blocks:
                 # `_settle`, one await less: it cannot be interrupted (it never checkpoints), so no shield.
                 state.settle_attempted = True
-                settlement = Settlement(status, result, state.effective_input, published, reason)
+                settled = settlement(status, result, state.effective_input, published, reason)
                 try:
-                    await journal.on_tool_settled(scheduled, settlement)
+                    await journal.on_tool_settled(scheduled, settled)
                 except LeaseLostError:
                     raise
                 except Exception as exc:
                     raise _settlement_failed(state, exc) from exc
             else:
                 await self._settle(state, result, status, published, reason)
-            record = ToolExecutionRecord(
+            record = _execution_record(
                 call,
                 state.effective_input,
                 result if published else _withheld_result(),
                 status,
                 behavior,
-                tuple(state.effects),
-                tuple(state.faults),
+                () if state.effects is None else tuple(state.effects),
+                () if state.faults is None else tuple(state.faults),
                 published,
                 state.tool_ran,
                 state.synthetic,
-                call_abort.reason,
+                state.aborted,
                 scheduled_at,
                 clock.current_time(),
             )
@@ -872,10 +936,10 @@ class ToolPipeline:
                 if chain is not None:
                     state.entered = []
                     # The outermost layer gets our own request: nothing to guard.
-                    request = ToolMiddlewareRequest(state.tool.name, state.live_input, state.ctx, state.sink)
+                    request = middleware_request(state.tool.name, state.live_input, state.ctx, state.sink)
                     mw_result = await chain.start(request, state, _CallNext)
                 else:
-                    mw_result = await self._core(state, state.live_input, state.sink)
+                    mw_result = await self._core(state, state.live_input, None)
             except NextCalledTwiceError as exc:
                 state.next_twice = True
                 mw_error = exc
@@ -902,25 +966,21 @@ class ToolPipeline:
                 break
         self._raise_fatal(state)
         if state.next_twice:
-            state.faults.append(MiddlewareFault(FaultCode.NEXT_CALLED_TWICE, "next() called multiple times"))
+            state.fault(FaultCode.NEXT_CALLED_TWICE, "next() called multiple times")
         if state.core_entered and not state.core_done:
             # Started the core (in a task of its own) and returned: the real result is the core's.
-            state.faults.append(
-                MiddlewareFault(
-                    FaultCode.EARLY_RETURN,
-                    "middleware returned before the core it started had finished; its real result was awaited",
-                )
+            state.fault(
+                FaultCode.EARLY_RETURN,
+                "middleware returned before the core it started had finished; its real result was awaited",
             )
             await self._drain_core(state)
             self._raise_fatal(state)
             if state.core_result is not None:
                 return state.core_result, True
         elif still_open:
-            state.faults.append(
-                MiddlewareFault(
-                    FaultCode.EARLY_RETURN,
-                    "middleware returned while call_next() was pending; it was refused and the call short-circuited",
-                )
+            state.fault(
+                FaultCode.EARLY_RETURN,
+                "middleware returned while call_next() was pending; it was refused and the call short-circuited",
             )
 
         core = state.core_result
@@ -933,18 +993,14 @@ class ToolPipeline:
             # cancelled it. The real result is a cancellation; a start is never written twice.
             if mw_result is None:
                 detail = f"middleware raised after cancelling the started core: {mw_error!r}"
-                state.faults.append(MiddlewareFault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, detail))
+                state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, detail)
             elif not (mw_result.error is not None and mw_result.error.type is ToolErrorType.INTERRUPTED):
-                state.faults.append(
-                    MiddlewareFault(
-                        FaultCode.CANCELLATION_OVERWRITTEN, "middleware replaced the result of a core it cancelled"
-                    )
-                )
+                state.fault(FaultCode.CANCELLATION_OVERWRITTEN, "middleware replaced the result of a core it cancelled")
             return ToolResult.failure(ToolErrorType.INTERRUPTED, "tool call cancelled", code="cancelled"), True
         if core is None:
             # The core never ran: aborted, failed or short-circuited in middleware.
-            if scope.cancelled_caught or (mw_result is None and state.abort.reason is not None):
-                abort = state.abort.reason or Abort(AbortReason.USER_ABORT, "aborted")
+            if scope.cancelled_caught or (mw_result is None and state.aborted is not None):
+                abort = state.aborted or Abort(AbortReason.USER_ABORT, "aborted")
                 return _aborted_result(abort), True
             if mw_result is None:
                 return ToolResult.failure(
@@ -962,17 +1018,15 @@ class ToolPipeline:
 
         # The core ran and returned: its result is authoritative where middleware broke a rule.
         if scope.cancelled_caught:
-            state.faults.append(
-                MiddlewareFault(
-                    FaultCode.UNWIND_DEADLINE_MISSED,
-                    f"middleware unwind missed its {self.unwind_grace:g} s deadline; the raw result was "
-                    "persisted and withheld",
-                )
+            state.fault(
+                FaultCode.UNWIND_DEADLINE_MISSED,
+                f"middleware unwind missed its {self.unwind_grace:g} s deadline; the raw result was "
+                "persisted and withheld",
             )
             return core, False
         if mw_result is None or not isinstance(mw_result, ToolResult):
             detail = repr(mw_error) if mw_result is None else f"returned {type(mw_result).__name__}"
-            state.faults.append(MiddlewareFault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, detail))
+            state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, detail)
             return core, True
         core_error = core.error
         if core_error is not None:
@@ -984,23 +1038,20 @@ class ToolPipeline:
                         if core_error.type is ToolErrorType.TIMEOUT
                         else FaultCode.CANCELLATION_OVERWRITTEN
                     )
-                    state.faults.append(
-                        MiddlewareFault(code, f"middleware replaced the core's {core_error.type.value} result")
-                    )
+                    state.fault(code, f"middleware replaced the core's {core_error.type.value} result")
                     return core, True
             elif mw_result.ok:
-                state.faults.append(
-                    MiddlewareFault(
-                        FaultCode.FAILED_CORE_TURNED_SUCCESS, "middleware turned a failed core into success"
-                    )
-                )
+                state.fault(FaultCode.FAILED_CORE_TURNED_SUCCESS, "middleware turned a failed core into success")
                 return core, True
         return mw_result, True
 
     # -- the core ---------------------------------------------------------------
 
-    async def _core(self, state: _Call, model_input: JsonObject, emit: Emit) -> ToolResult:
+    async def _core(self, state: _Call, model_input: JsonObject, emit: Emit | None) -> ToolResult:
         """The terminal of the chain: everything between the middleware and the side effect, and the tool.
+
+        *emit* is ``None`` when no middleware runs: then the tool emits to the call's `sink`, and
+        *model_input* is the call's `live_input`, which no one else has seen (so it need not be copied).
 
         One cancel scope that the call's abort cancels (`state.target`): the tool's own, with its
         deadline, or, when something may wait before the tool starts (stages, an overrunning
@@ -1012,7 +1063,7 @@ class ToolPipeline:
         try:
             try:
                 try:
-                    if state.abort.reason is not None:
+                    if state.aborted is not None:
                         raise _Aborted
                     tool = state.tool
                     prepared: _Prepared | ToolResult | None = None
@@ -1021,7 +1072,7 @@ class ToolPipeline:
                     if state.has_pre:
                         early = trio.CancelScope()
                     else:
-                        prepared = self._prepare_input(state, model_input)
+                        prepared = self._prepare_input(state, model_input, private=emit is None)
                         if type(prepared) is tuple:
                             if self._cleanup_heap and self._overrunning() is not None:
                                 early = trio.CancelScope()
@@ -1030,7 +1081,7 @@ class ToolPipeline:
                                 if not slot.acquire_nowait():
                                     early = trio.CancelScope()
                                 else:
-                                    paths = tool.paths_for(prepared[0])
+                                    paths = () if tool.affected_paths is None else tool.paths_for(prepared[0])
                                     if paths:
                                         early = trio.CancelScope()
                     outcome: Any = _NOT_RUN
@@ -1041,14 +1092,15 @@ class ToolPipeline:
                             state.target = None
                         if type(prepared) is tuple:
                             final_input, value, behavior = prepared
-                            if state.abort.reason is not None:
+                            if state.aborted is not None:
                                 raise _Aborted
                             # The one final input: what the journal records, the record keeps and the
                             # tool's value came from.
                             state.effective_input = final_input
                             journal = self.journal
                             try:
-                                journal.check_ownership()
+                                if self._owner_checks:
+                                    journal.check_ownership()
                                 before = None if self._journal_atomic else self._call_state(state.scheduled)
                                 try:
                                     await journal.on_execution_started(
@@ -1066,13 +1118,15 @@ class ToolPipeline:
                                         state.started = True
                                     raise
                                 state.started = True
-                                journal.check_ownership()
+                                if self._owner_checks:
+                                    journal.check_ownership()
                             except (LeaseLostError, JournalError) as exc:
                                 state.fatal = exc
                                 raise
-                            if state.abort.reason is not None:  # arrived while tool_started was written
+                            if state.aborted is not None:  # arrived while tool_started was written
                                 raise _Aborted  # the tool never runs
-                            context = ToolContext(state.ctx, state.tool_emit(emit), state.slot, self.cleanup_grace)
+                            tool_emit = state.sink_from_tool if emit is None else state.tool_emit(emit)
+                            context = tool_context(state.ctx, tool_emit, state.slot, self.cleanup_grace)
                             deadline = state.clock.current_time() + (tool.timeout or self.timeout)
                             if early is None:
                                 scope = trio.CancelScope(deadline=deadline)
@@ -1082,7 +1136,10 @@ class ToolPipeline:
                                 scope.deadline = deadline
                             with entered:
                                 state.target = scope
-                                self._track_cleanup(state, deadline + self.cleanup_grace)
+                                # Tracked until `_untrack_cleanup`: new starts wait for it if it overruns.
+                                cleanup_deadline = state.cleanup_deadline = deadline + self.cleanup_grace
+                                self._cleanup_seq += 1
+                                heapq.heappush(self._cleanup_heap, (cleanup_deadline, self._cleanup_seq, state))
                                 state.tool_ran = True
                                 try:
                                     outcome = await tool.run(value, context)
@@ -1102,7 +1159,9 @@ class ToolPipeline:
                                     self._untrack_cleanup(state, scope)
                                 # The side effect is done: commit before anything else can be cancelled.
                                 state.target = None
-                                self._commit(state)
+                                state.phase = _Phase.COMMITTED
+                                if state.mw_scope is not None:
+                                    self._commit(state)
                             if scope.cancelled_caught and state.phase is not _Phase.COMMITTED:
                                 raise _Aborted
                     if early is not None and early.cancelled_caught and state.phase is not _Phase.COMMITTED:
@@ -1114,11 +1173,12 @@ class ToolPipeline:
                         result = outcome if isinstance(outcome, ToolResult) else ToolResult.success(outcome)
                         # Known from here on, even if the bounded unwind is cut short inside a post_tool stage.
                         state.core_result = result
-                        try:
-                            self.journal.check_ownership()
-                        except LeaseLostError as exc:
-                            state.fatal = exc
-                            raise
+                        if self._owner_checks:
+                            try:
+                                self.journal.check_ownership()
+                            except LeaseLostError as exc:
+                                state.fatal = exc
+                                raise
                         if state.stages.post_tool:
                             result = await self._post_tool(state, result, prepared)  # type: ignore[arg-type]
                 finally:
@@ -1129,11 +1189,11 @@ class ToolPipeline:
                     if state.slot is not None:
                         state.slot.release()
             except _Aborted:
-                abort = state.abort.reason
+                abort = state.aborted
                 if abort is None:  # our deadline fired: the tool timed out
                     timeout = state.tool.timeout or self.timeout
                     state.abort.abort(AbortReason.TIMEOUT, f"timed out after {timeout:g} s")
-                    abort = state.abort.reason
+                    abort = state.aborted
                     assert abort is not None
                 result = _aborted_result(abort)
             finally:
@@ -1162,7 +1222,7 @@ class ToolPipeline:
         if isinstance(prepared, ToolResult):
             return prepared
         if self._cleanup_heap and self._overrunning() is not None:
-            if state.abort.reason is not None:
+            if state.aborted is not None:
                 raise _Aborted
             await self._wait_for_overrunning_cleanup()
         final_input, _, behavior = prepared
@@ -1173,7 +1233,7 @@ class ToolPipeline:
         else:
             held = slot.held
         if not held:
-            if state.abort.reason is not None:
+            if state.aborted is not None:
                 raise _Aborted
             await slot.acquire()
         if paths is None:
@@ -1183,7 +1243,7 @@ class ToolPipeline:
             locked = self.file_locks.normalise(paths, self.workspace)
             ctx = state.ctx
             owner = ctx.call_key
-            if state.abort.reason is not None:
+            if state.aborted is not None:
                 raise _Aborted
             try:
                 taken = await self.file_locks.acquire_all(
@@ -1207,19 +1267,23 @@ class ToolPipeline:
             mw_scope.shield = True
             mw_scope.deadline = state.clock.current_time() + self.unwind_grace
 
-    def _prepare_input(self, state: _Call, current: JsonObject) -> ToolResult | tuple[JsonObject, object, ToolBehavior]:
-        """Schema check, behaviour for the final input, and structuring for ``run``."""
+    def _prepare_input(
+        self, state: _Call, current: JsonObject, *, private: bool = False
+    ) -> ToolResult | tuple[JsonObject, object, ToolBehavior]:
+        """Schema check, behaviour for the final input, and structuring for ``run``. *private*: no one
+        but the pipeline has seen *current* (it is not copied again)."""
         tool = state.tool
         # Frozen here, once: later in-place changes to the middleware's dict (while this call waits
         # for a slot or a lock) cannot make the journal say something other than what the tool ran with.
-        current = json_copy(current)
+        if not private:
+            current = json_copy(current)
         errors = tool.input_errors(current)
         if errors:
             return ToolResult.failure(
                 ToolErrorType.VALIDATION, f"invalid input for tool {tool.name!r}: " + "; ".join(errors),
                 code="invalid_input", details={"errors": list(errors)},
             )  # fmt: skip
-        if current == state.scheduled.model_input:
+        if private or current == state.scheduled.model_input:  # private: a copy of it no one changed
             behavior = state.behavior
         else:
             try:
@@ -1291,9 +1355,7 @@ class ToolPipeline:
                     state.fatal = exc
                 raise
             except Exception as exc:
-                state.faults.append(
-                    MiddlewareFault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {exc!r}")
-                )
+                state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {exc!r}")
                 continue
             if isinstance(replaced, ToolResult) and (replaced.error is not None or result.ok):
                 result = replaced
@@ -1325,24 +1387,16 @@ class ToolPipeline:
 
     # -- cleanup overrun tracking ----------------------------------------------
 
-    def _track_cleanup(self, state: _Call, deadline: float) -> None:
-        self._cleanup_seq += 1
-        entry = (deadline, self._cleanup_seq, state)
-        state.cleanup_deadline = deadline
-        heapq.heappush(self._cleanup_heap, entry)
-
     def _untrack_cleanup(self, state: _Call, scope: trio.CancelScope) -> None:
         # Lazy deletion: mark done; the heap drops finished entries when it looks at them.
         # The time first: a scope's `cancel_called` reads the clock itself, and past the cleanup
         # deadline the scope was cancelled (by its deadline or an abort) anyway.
         if (now := state.clock.current_time()) > state.cleanup_deadline and scope.cancel_called:
             self.cleanup_overruns += 1
-            state.faults.append(
-                MiddlewareFault(
-                    FaultCode.CLEANUP_OVERRUN,
-                    f"tool {state.tool.name!r} took {now - state.cleanup_deadline + self.cleanup_grace:.3g} s to "
-                    f"stop after cancellation (grace {self.cleanup_grace:g} s)",
-                )
+            state.fault(
+                FaultCode.CLEANUP_OVERRUN,
+                f"tool {state.tool.name!r} took {now - state.cleanup_deadline + self.cleanup_grace:.3g} s to "
+                f"stop after cancellation (grace {self.cleanup_grace:g} s)",
             )
         state.cleanup_deadline = -math.inf
         if state.done is not None:
@@ -1460,23 +1514,23 @@ class ToolPipeline:
         self, state: _Call, result: ToolResult, status: SettlementStatus, published: bool, reason: str | None
     ) -> None:
         state.settle_attempted = True
-        settlement = Settlement(status, result, state.effective_input, published, reason)
+        settled = settlement(status, result, state.effective_input, published, reason)
         if self._journal_never_blocks:
             # It cannot be interrupted (it never checkpoints), so a shield would change nothing.
-            await self._write_settlement(state, settlement)
+            await self._write_settlement(state, settled)
             return
         call_id = state.scheduled.call_id
         with bounded_shield(self.settle_grace, f"the settlement of tool call {call_id!r}") as scope:
-            await self._write_settlement(state, settlement)
+            await self._write_settlement(state, settled)
         if scope.cancelled_caught:
             raise SettlementError(
                 f"settling tool call {state.scheduled.call_id!r} did not finish within {self.settle_grace:g} s; "
                 "nothing was published"
             )
 
-    async def _write_settlement(self, state: _Call, settlement: Settlement) -> None:
+    async def _write_settlement(self, state: _Call, settled: Settlement) -> None:
         try:
-            await self.journal.on_tool_settled(state.scheduled, settlement)
+            await self.journal.on_tool_settled(state.scheduled, settled)
         except LeaseLostError:
             raise
         except Exception as exc:
@@ -1485,7 +1539,7 @@ class ToolPipeline:
     def _raise_fatal(self, state: _Call) -> None:
         if state.fatal is not None:
             raise state.fatal
-        abort = state.abort.reason
+        abort = state.aborted
         if abort is not None and abort.reason is AbortReason.LEASE_LOST:
             raise LeaseLostError(abort.message)
 
@@ -1501,20 +1555,20 @@ class ToolPipeline:
         *,
         published: bool = True,
     ) -> ToolExecutionRecord:
-        record = ToolExecutionRecord(
-            call=call,
-            effective_input=effective_input,
-            result=result,
-            status=status,
-            behavior=behavior,
-            effects=tuple(state.effects) if state is not None else (),
-            faults=tuple(state.faults) if state is not None else (),
-            published=published,
-            tool_ran=state.tool_ran if state is not None else False,
-            synthetic_start=state.synthetic if state is not None else False,
-            aborted=state.abort.reason if state is not None else None,
-            scheduled_at=scheduled_at,
-            ended_at=trio.current_time(),
+        record = _execution_record(
+            call,
+            effective_input,
+            result,
+            status,
+            behavior,
+            () if state is None or state.effects is None else tuple(state.effects),
+            () if state is None or state.faults is None else tuple(state.faults),
+            published,
+            state.tool_ran if state is not None else False,
+            state.synthetic if state is not None else False,
+            state.aborted if state is not None else None,
+            scheduled_at,
+            trio.current_time(),
         )
         self.history.append(record)
         return record

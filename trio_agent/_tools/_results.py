@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
 import attrs
+
+from ._builders import constructor
 
 __all__ = [
     "Effect",
@@ -26,23 +28,24 @@ JsonObject: TypeAlias = dict[str, Any]
 
 def json_copy(value: Any) -> Any:
     """A copy of JSON containers (dicts and lists); immutable leaves are shared."""
+    # Exactly dicts and lists are copied (leaves, subclasses included, are shared). Tested with
+    # `is`, not `in (dict, list)`: a miss there compares the types, a call each.
     kind = type(value)
     if kind is dict:
         copy = value.copy()
         for key, item in copy.items():  # replacing a key's value does not disturb the iteration
-            if type(item) in _CONTAINERS:
+            kind = type(item)
+            if kind is dict or kind is list:
                 copy[key] = json_copy(item)
         return copy
     if kind is list:
         copy = value.copy()
         for index, item in enumerate(copy):
-            if type(item) in _CONTAINERS:
+            kind = type(item)
+            if kind is dict or kind is list:
                 copy[index] = json_copy(item)
         return copy
     return value
-
-
-_CONTAINERS = (dict, list)  # exactly these types are copied (leaves, subclasses included, are shared)
 
 
 class ToolErrorType(enum.Enum):
@@ -94,7 +97,10 @@ class ToolResult:
         data: Any = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> ToolResult:
-        return cls(output, None, display, data, {} if metadata is None else dict(metadata))
+        if cls is not ToolResult:
+            return cls(output, None, display, data, {} if metadata is None else dict(metadata))
+        # Most tools return one: built cheaper (see `_builders`).
+        return _result(output, None, display, data, {} if metadata is None else dict(metadata))
 
     @classmethod
     def failure(
@@ -110,6 +116,9 @@ class ToolResult:
         """An error result; the model sees *output*, by default ``"Error: <message>"``."""
         error = ToolError(type, message, code, details)
         return cls(f"Error: {message}" if output is None else output, error, None, None, dict(metadata or {}))
+
+
+_result: Callable[[Any, ToolError | None, str | None, Any, Mapping[str, Any]], ToolResult] = constructor(ToolResult)
 
 
 class ToolFailure(Exception):

@@ -113,25 +113,34 @@ class ToolScheduler:
     def __init__(self, limits: SchedulerLimits | None = None) -> None:
         self.limits = limits if limits is not None else _DEFAULT_LIMITS
         # Made on first use: most sessions use one or two kinds, and an idle session should be small.
-        self._buckets: dict[ToolKind, _Bucket] = {}
+        # Keyed by the kind's value: a string hashes in C, an enum member through its Python `__hash__`.
+        self._buckets: dict[str, _Bucket] = {}
 
     def _bucket(self, kind: ToolKind) -> _Bucket:
-        bucket = self._buckets.get(kind)
+        bucket = self._buckets.get(kind._value_)
         if bucket is None:
-            bucket = self._buckets[kind] = _Bucket(self.limits.for_kind(kind))
+            bucket = self._buckets[kind._value_] = _Bucket(self.limits.for_kind(kind))
         return bucket
 
     def try_acquire(self, kind: ToolKind) -> bool:
         """Take a slot without waiting; False if none is free or others are already waiting."""
-        bucket = self._buckets.get(kind) or self._bucket(kind)
-        return bucket.try_acquire()
+        bucket = self._buckets.get(kind._value_) or self._bucket(kind)
+        # `bucket.try_acquire()`, inline: asked by every call.
+        if bucket.free and not bucket.waiters:
+            bucket.free -= 1
+            return True
+        return False
 
     async def acquire(self, kind: ToolKind) -> None:
         """Wait (FIFO, cancellable) for a slot of *kind*."""
         await self._bucket(kind).acquire()
 
     def release(self, kind: ToolKind) -> None:
-        (self._buckets.get(kind) or self._bucket(kind)).release()
+        bucket = self._buckets.get(kind._value_) or self._bucket(kind)
+        if bucket.waiters:
+            bucket.release()
+        else:
+            bucket.free += 1  # `bucket.release()`, inline: done by every call
 
     def statistics(self) -> SchedulerStatistics:
         buckets = {}
