@@ -184,7 +184,7 @@ async def _passthrough(request: ta.ToolMiddlewareRequest, call_next: ta.CallNext
 
 
 def test_a_constructor_is_made_from_the_fields_and_refuses_what_validates_or_converts() -> None:
-    from trio_agent._tools._builders import constructor
+    from trio_agent._builders import constructor
 
     @attrs.frozen
     class Plain:

@@ -78,8 +78,12 @@ from ._events import (
     ToolOutcomeUnknown,
     ToolRecoveryAction,
     ToolScheduled,
-    ToolStarted,
     place_event,
+    tool_cancelled,
+    tool_completed,
+    tool_failed,
+    tool_scheduled,
+    tool_started,
 )
 from ._lease import HeldLease, acquire, check_seconds, check_timing, default_owner
 from ._memory import MemoryStore
@@ -102,6 +106,7 @@ from ._store import (
     AppendTicket,
     JournalStore,
     Lease,
+    append_result,
     check_id,
     command_digest,
     stream_id_for,
@@ -361,6 +366,7 @@ class DurableJournal:
             stream_id = check_id(self.stream_id(agent_id), "stream id")
             self._checked_ids[agent_id] = stream_id
         stream = self._streams.get(stream_id)
+        fresh = stream is None
         if stream is None:
             if not (isinstance(events[0], SessionCreated) and events[0].session_id == self.session_id):
                 raise JournalError(f"the stream of agent {agent_id!r} must start with session_created")
@@ -388,21 +394,30 @@ class DurableJournal:
                     raise CommandConflictError(
                         f"command {command_id!r} was already applied with different content", command_id=command_id
                     )
-                return stream, AppendResult(stream_id, known[1], known[2], replayed=True)
+                return stream, append_result(stream_id, known[1], known[2], True)
         if stream.pins:
             stream.settle_pins()  # the pinned conversations are of before these events
-        projection.apply_atomic(envelopes)  # all or nothing: a refusal changes nothing
         # `_Stream.track` of each event, in line (every event passes here; the pins are settled).
         unfolded = stream.unfolded
-        for envelope in envelopes:
-            event = envelope.event
+        if len(envelopes) == 1:
+            # One refusal changes nothing (`Projection.apply_atomic`, without its call).
+            projection._step(envelopes[0], True)
+            event = envelopes[0].event
             if type(event) in CALL_EVENTS:
                 stream.track_call(event)
             unfolded.append(event)
+        else:
+            projection.apply_atomic(envelopes)  # all or nothing: a refusal changes nothing
+            for envelope in envelopes:
+                event = envelope.event
+                if type(event) in CALL_EVENTS:
+                    stream.track_call(event)
+                unfolded.append(event)
         fold_after = self._fold_after
         if fold_after is not None and len(unfolded) > fold_after:
             stream.fold_some()
-        self._streams[stream_id] = stream
+        if fresh:
+            self._streams[stream_id] = stream  # its first events were taken: the stream exists
         if defer:
             stream.deferred += envelopes
             return stream, None
@@ -736,17 +751,17 @@ class DurableJournal:
         behavior = call.behavior
         # Deferred: the call's start (durable before the tool runs) or its settlement writes it.
         self.defer(
-            ToolScheduled(
-                request_id=call.request_id,
-                turn_id=call.turn_id,
-                call_id=call.call_id,
-                tool_name=call.tool_name,
-                model_input=json_copy(call.model_input),
-                side_effect=behavior.side_effect,
-                kind=behavior.kind,
-                interrupt=behavior.interrupt,
-                concurrency_safe=behavior.concurrency_safe,
-                idempotency_key=call.idempotency_key,
+            tool_scheduled(
+                call.request_id,
+                call.turn_id,
+                call.call_id,
+                call.tool_name,
+                json_copy(call.model_input),
+                behavior.side_effect,
+                behavior.kind,
+                behavior.interrupt,
+                behavior.concurrency_safe,
+                call.idempotency_key,
             ),
             agent_id=call.agent_id,
         )
@@ -755,13 +770,8 @@ class DurableJournal:
         self, call: ScheduledCall, input: dict[str, Any], side_effect: SideEffect, *, synthetic: bool
     ) -> None:
         self._call_stream(call)
-        event = ToolStarted(
-            request_id=call.request_id,
-            turn_id=call.turn_id,
-            call_id=call.call_id,
-            input=json_copy(dict(input)),
-            side_effect=side_effect,
-            synthetic=synthetic,
+        event = tool_started(
+            call.request_id, call.turn_id, call.call_id, json_copy(dict(input)), side_effect, synthetic
         )
         if side_effect is SideEffect.PURE and not self.durable_pure_starts and not synthetic:
             # Explicit opt-in for pure tools only: submit without waiting for the commit.
@@ -780,21 +790,32 @@ class DurableJournal:
         if pending is not None and pending.done:
             self._outcome(pending)  # raises if the start was refused
             pending = None
-        ids: dict[str, Any] = {"request_id": call.request_id, "turn_id": call.turn_id, "call_id": call.call_id}
         event: Event
-        if settlement.status is SettlementStatus.COMPLETED:
-            event = ToolCompleted(**ids, result=result_to_json(settlement.result), published=settlement.published)
-        elif settlement.status is SettlementStatus.FAILED:
-            event = ToolFailed(**ids, result=result_to_json(settlement.result), published=settlement.published)
-        elif settlement.status is SettlementStatus.CANCELLED:
-            event = ToolCancelled(
-                **ids,
-                reason=settlement.reason or "cancelled",
-                result=result_to_json(settlement.result),
-                published=settlement.published,
+        status = settlement.status
+        if status is SettlementStatus.COMPLETED:
+            event = tool_completed(
+                call.request_id, call.turn_id, call.call_id, result_to_json(settlement.result), settlement.published
+            )
+        elif status is SettlementStatus.FAILED:
+            event = tool_failed(
+                call.request_id, call.turn_id, call.call_id, result_to_json(settlement.result), settlement.published
+            )
+        elif status is SettlementStatus.CANCELLED:
+            event = tool_cancelled(
+                call.request_id,
+                call.turn_id,
+                call.call_id,
+                settlement.reason or "cancelled",
+                result_to_json(settlement.result),
+                settlement.published,
             )
         else:
-            event = ToolOutcomeUnknown(**ids, reason=OutcomeUnknownReason.COMMIT_OUTCOME_UNKNOWN)
+            event = ToolOutcomeUnknown(
+                request_id=call.request_id,
+                turn_id=call.turn_id,
+                call_id=call.call_id,
+                reason=OutcomeUnknownReason.COMMIT_OUTCOME_UNKNOWN,
+            )
         if pending is None:
             await self.append(event, agent_id=call.agent_id)
             return

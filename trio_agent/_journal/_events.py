@@ -23,6 +23,7 @@ import attrs
 import cattrs
 from cattrs.strategies import configure_tagged_union
 
+from .._builders import checked_constructor, constructor
 from .._convert import LazyConverter
 from .._tools._definition import InterruptBehavior, SideEffect, ToolKind
 from .._tools._results import json_copy
@@ -605,22 +606,12 @@ class EventEnvelope:
 
 
 _EVENT_TYPE_SET = frozenset(EVENT_TYPES)
-_new = object.__new__
 
 
-def slot_setter(cls: type[Any], name: str) -> Callable[[Any, Any], None]:
-    """The setter of one slot of a (frozen, slotted) attrs class: it fills an instance built
-    without ``__init__`` at the cost of one C call, without the attribute lookup of
-    ``object.__setattr__``. For values whose checks the builder has made itself."""
-    setter: Callable[[Any, Any], None] = cls.__dict__[name].__set__
-    return setter
-
-
-_put_stream_id = slot_setter(EventEnvelope, "stream_id")
-_put_seq = slot_setter(EventEnvelope, "seq")
-_put_event = slot_setter(EventEnvelope, "event")
-_put_schema_version = slot_setter(EventEnvelope, "schema_version")
-_put_recorded_at = slot_setter(EventEnvelope, "recorded_at")
+# The journal checks what it places (`place_event`): an envelope built without its validators.
+_placed: Callable[[str, int, Event, int, float], EventEnvelope] = constructor(
+    EventEnvelope, trusted=("stream_id", "seq", "event", "schema_version", "recorded_at")
+)
 
 
 def place_event(stream_id: str, seq: int, event: Event, recorded_at: float) -> EventEnvelope:
@@ -632,13 +623,67 @@ def place_event(stream_id: str, seq: int, event: Event, recorded_at: float) -> E
     """
     if type(event) not in _EVENT_TYPE_SET and not isinstance(event, EVENT_TYPES):
         raise TypeError(f"not a journal event: {type(event).__name__}")
-    envelope: EventEnvelope = _new(EventEnvelope)
-    _put_stream_id(envelope, stream_id)
-    _put_seq(envelope, seq)
-    _put_event(envelope, event)
-    _put_schema_version(envelope, SCHEMA_VERSION)
-    _put_recorded_at(envelope, recorded_at)
-    return envelope
+    return _placed(stream_id, seq, event, SCHEMA_VERSION, recorded_at)
+
+
+_InstanceOf: type[Any] = type(attrs.validators.instance_of(int))
+_Optional: type[Any] = type(attrs.validators.optional(attrs.validators.instance_of(int)))
+
+
+def _check_source(validator: object, name: str, names: dict[str, object]) -> str | None:
+    """The expression that accepts *name*'s value when *validator* would (``None``: none known).
+
+    Each test is exact (``type(x) is str``, not ``isinstance``): a value it does not accept goes
+    to the class's own constructor, which accepts it or raises what it always raised."""
+    if validator is _non_empty:
+        return f"(type({name}) is str and {name} != '')"
+    if validator is _optional_non_empty:
+        return f"({name} is None or (type({name}) is str and {name} != ''))"
+    if validator is _json_object or validator is _optional_json_object:
+        names["_is_json"] = _is_json
+        test = f"(type({name}) is dict and _is_json({name}))"
+        return test if validator is _json_object else f"({name} is None or {test})"
+    if validator is _positive:
+        return f"(type({name}) is int and {name} >= 1)"
+    known: Any = validator
+    if isinstance(known, _Optional):
+        inner = _check_source(known.validator, name, names)
+        return None if inner is None else f"({name} is None or {inner})"
+    if isinstance(known, _InstanceOf) and isinstance(known.type, type):
+        names[f"_{name}_type"] = known.type
+        return f"type({name}) is _{name}_type"
+    return None
+
+
+# The events the journal's own writers build on every request, in field order (all fields).
+request_started: Callable[[str], RequestStarted] = checked_constructor(RequestStarted, _check_source)
+request_accepted: Callable[[str, str, JsonObject], RequestAccepted] = checked_constructor(
+    RequestAccepted, _check_source
+)
+request_completed: Callable[[str, JsonObject | None], RequestCompleted] = checked_constructor(
+    RequestCompleted, _check_source
+)
+turn_started: Callable[[str, str, int], TurnStarted] = checked_constructor(TurnStarted, _check_source)
+turn_completed: Callable[[str, str, bool], TurnCompleted] = checked_constructor(TurnCompleted, _check_source)
+model_attempt_started: Callable[[str, str, str, str], ModelAttemptStarted] = checked_constructor(
+    ModelAttemptStarted, _check_source
+)
+model_attempt_completed: Callable[[str, str, str, JsonObject], ModelAttemptCompleted] = checked_constructor(
+    ModelAttemptCompleted, _check_source
+)
+tool_scheduled: Callable[
+    [str, str, str, str, JsonObject, SideEffect, ToolKind, InterruptBehavior, bool, str], ToolScheduled
+] = checked_constructor(ToolScheduled, _check_source)
+tool_started: Callable[[str, str, str, JsonObject, SideEffect, bool], ToolStarted] = checked_constructor(
+    ToolStarted, _check_source
+)
+tool_completed: Callable[[str, str, str, JsonObject, bool], ToolCompleted] = checked_constructor(
+    ToolCompleted, _check_source
+)
+tool_failed: Callable[[str, str, str, JsonObject, bool], ToolFailed] = checked_constructor(ToolFailed, _check_source)
+tool_cancelled: Callable[[str, str, str, str, JsonObject | None, bool], ToolCancelled] = checked_constructor(
+    ToolCancelled, _check_source
+)
 
 
 # ---------------------------------------------------------------- converter

@@ -274,6 +274,7 @@ _STARTABLE_PERMISSIONS = frozenset({PermissionState.NONE, PermissionState.ALLOWE
 
 # Read per event: module names, not enum class attributes (`enum.EnumType` has a `__getattr__`).
 _OPEN = SessionState.OPEN
+_NO_PERMISSION = PermissionState.NONE
 _UNSETTLED = (ToolState.SCHEDULED, ToolState.STARTED)
 
 # Which recovery decisions a call may record: (state, side effect of the start) -> allowed.
@@ -370,6 +371,59 @@ class _State:
     # Paused requests not answered yet: request id -> where it paused (the run_paused state).
     paused: dict[str, dict[str, Any]] = attrs.Factory(dict)
     approved: frozenset[str] = frozenset()  # calls a person approved (a recovery re-run keeps the approval)
+
+
+_new = object.__new__
+
+# The records a live request makes (one request, two turns and attempts, a call ...), built
+# without the class call: stores into a fresh slotted instance, every field given.
+
+
+def _request_record(request_id: str, state: RequestState, seq: int) -> RequestRecord:
+    record: RequestRecord = _new(RequestRecord)
+    record.request_id = request_id
+    record.state = state
+    record.seq = seq
+    record.turns = 0
+    return record
+
+
+def _turn_record(turn_id: str, request_id: str, turn: int, state: TurnState, seq: int) -> TurnRecord:
+    record: TurnRecord = _new(TurnRecord)
+    record.turn_id = turn_id
+    record.request_id = request_id
+    record.turn = turn
+    record.state = state
+    record.seq = seq
+    return record
+
+
+def _attempt_record(attempt_id: str, request_id: str, turn_id: str, state: AttemptState, seq: int) -> AttemptRecord:
+    record: AttemptRecord = _new(AttemptRecord)
+    record.attempt_id = attempt_id
+    record.request_id = request_id
+    record.turn_id = turn_id
+    record.state = state
+    record.seq = seq
+    return record
+
+
+def _tool_record(event: ToolScheduled, state: ToolState, seq: int) -> ToolRecord:
+    record: ToolRecord = _new(ToolRecord)
+    record.call_id = event.call_id
+    record.request_id = event.request_id
+    record.turn_id = event.turn_id
+    record.tool_name = event.tool_name
+    record.side_effect = event.side_effect
+    record.idempotency_key = event.idempotency_key
+    record.state = state
+    record.seq = seq
+    record.started_seq = None
+    record.permission = _NO_PERMISSION
+    record.permission_id = None
+    record.decision = None
+    record.rerun_allowed = False
+    return record
 
 
 # ---------------------------------------------------------------- recovery plan
@@ -771,7 +825,7 @@ class Projection:
         if not apply:
             return
         if record is None:
-            s.requests[request_id] = RequestRecord(request_id, new, envelope.seq)
+            s.requests[request_id] = _request_record(request_id, new, envelope.seq)
             return
         record.state = new
         if new is RequestState.STARTED:
@@ -799,6 +853,20 @@ class Projection:
                 s.ended_tools[call.call_id] = s.tools.pop(call.call_id)
                 if call.call_id in s.approved:  # settled for good: its approval has nothing left to do
                     s.approved = s.approved - {call.call_id}
+        # A dict emptied by deletions keeps its table; `clear` gives it back (an idle session's
+        # live tables are all empty, and thousands of sessions may be idle).
+        if not s.requests:
+            s.requests.clear()
+        if not s.turns:
+            s.turns.clear()
+        if not s.attempts:
+            s.attempts.clear()
+        if not s.tools:
+            s.tools.clear()
+        if not s.unsettled:
+            s.unsettled.clear()
+        if not s.paused:
+            s.paused.clear()
 
     def _ending(self, event: Event) -> str | None:
         """The request ``event`` may end (so `_forget` its turns and attempts), if any."""
@@ -858,7 +926,7 @@ class Projection:
             if event.turn != request.turns + 1:
                 raise self._error(envelope, f"turn number {event.turn} does not follow {request.turns}")
             if apply:
-                s.turns[event.turn_id] = TurnRecord(event.turn_id, event.request_id, event.turn, new, envelope.seq)
+                s.turns[event.turn_id] = _turn_record(event.turn_id, event.request_id, event.turn, new, envelope.seq)
                 request.turns = event.turn
                 s.open_turn = event.turn_id
             return
@@ -899,7 +967,7 @@ class Projection:
             if s.running_attempt is not None:
                 raise self._error(envelope, f"model attempt {s.running_attempt!r} is still running")
             if apply:
-                s.attempts[event.attempt_id] = AttemptRecord(
+                s.attempts[event.attempt_id] = _attempt_record(
                     event.attempt_id, event.request_id, event.turn_id, new, envelope.seq
                 )
                 s.running_attempt = event.attempt_id
@@ -942,16 +1010,7 @@ class Projection:
                     s.unsettled[event.turn_id] = {event.call_id}
                 else:
                     calls.add(event.call_id)
-                s.tools[event.call_id] = ToolRecord(
-                    call_id=event.call_id,
-                    request_id=event.request_id,
-                    turn_id=event.turn_id,
-                    tool_name=event.tool_name,
-                    side_effect=event.side_effect,
-                    idempotency_key=event.idempotency_key,
-                    state=new,
-                    seq=envelope.seq,
-                )
+                s.tools[event.call_id] = _tool_record(event, new, envelope.seq)
             return
         if record.request_id != event.request_id or record.turn_id != event.turn_id:
             raise self._error(envelope, f"call {event.call_id!r} belongs to another request or turn")

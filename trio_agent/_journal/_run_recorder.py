@@ -24,11 +24,12 @@ from ._events import (
     InterruptsResolved,
     ModelAbortReason,
     ModelAttemptAborted,
-    ModelAttemptCompleted,
     ModelAttemptFailed,
-    ModelAttemptStarted,
-    TurnCompleted,
     TurnStarted,
+    model_attempt_completed,
+    model_attempt_started,
+    turn_completed,
+    turn_started,
 )
 from ._projection import RequestState
 
@@ -49,16 +50,12 @@ class JournalRecorder:
         self.agent_id = agent_id
 
     async def model_call_started(self, turn: TurnRef, model: str, *, opens_turn: bool) -> None:
-        started = ModelAttemptStarted(
-            request_id=turn.run_id, turn_id=turn.turn_id, attempt_id=turn.attempt_id, model=model
-        )
+        started = model_attempt_started(turn.run_id, turn.turn_id, turn.attempt_id, model)
         # Deferred: lost in a crash, an attempt that started is one that never did (it is asked again).
         # One event per defer: each alone is a valid next step, so nothing needs saving for a rollback.
         # No checkpoint of its own: the model call that follows is one.
         if opens_turn:
-            self.journal.defer(
-                TurnStarted(request_id=turn.run_id, turn_id=turn.turn_id, turn=turn.turn), agent_id=self.agent_id
-            )
+            self.journal.defer(turn_started(turn.run_id, turn.turn_id, turn.turn), agent_id=self.agent_id)
         self.journal.defer(started, agent_id=self.agent_id)
 
     async def model_call_completed(
@@ -68,19 +65,10 @@ class JournalRecorder:
         # Deferred: the reply is written with what it leads to (a call's start, which must be
         # durable before the tool runs, or the request's end); a crash before that asks the model again.
         self.journal.defer(
-            ModelAttemptCompleted(
-                request_id=turn.run_id,
-                turn_id=turn.turn_id,
-                attempt_id=turn.attempt_id,
-                response=response,
-            ),
-            agent_id=self.agent_id,
+            model_attempt_completed(turn.run_id, turn.turn_id, turn.attempt_id, response), agent_id=self.agent_id
         )
         if not reply.tool_calls:
-            self.journal.defer(
-                TurnCompleted(request_id=turn.run_id, turn_id=turn.turn_id, has_tool_calls=False),
-                agent_id=self.agent_id,
-            )
+            self.journal.defer(turn_completed(turn.run_id, turn.turn_id, False), agent_id=self.agent_id)
 
     async def model_call_failed(self, turn: TurnRef, error: ModelError) -> None:
         await self.journal.append(
@@ -106,9 +94,7 @@ class JournalRecorder:
 
     async def turn_completed(self, turn: TurnRef) -> None:
         # Deferred: its calls' settlements are durable already; the next write carries it.
-        self.journal.defer(
-            TurnCompleted(request_id=turn.run_id, turn_id=turn.turn_id, has_tool_calls=True), agent_id=self.agent_id
-        )
+        self.journal.defer(turn_completed(turn.run_id, turn.turn_id, True), agent_id=self.agent_id)
 
     async def turn_started(self, turn: TurnRef) -> None:
         await self.journal.append(

@@ -31,11 +31,12 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
 
+from .._builders import constructor
 from .._errors import (
     CommandConflictError,
     ConfigError,
@@ -47,7 +48,7 @@ from .._errors import (
     SequenceConflictError,
     StaleFencingTokenError,
 )
-from ._events import EventEnvelope, encode_event, event_converter, slot_setter
+from ._events import EventEnvelope, encode_event, event_converter
 
 __all__ = [
     "AppendBatch",
@@ -59,6 +60,7 @@ __all__ = [
     "Lease",
     "SnapshotWrite",
     "StreamInfo",
+    "append_result",
     "check_id",
     "command_digest",
     "encode_body",
@@ -136,21 +138,47 @@ class AppendResult:
     replayed: bool = False
 
 
+def _json_writer(*, sort_keys: bool) -> Callable[[Any], str]:
+    """``json.dumps(value, separators=(",", ":"), allow_nan=False, sort_keys=...)``, the same text
+    and errors, from one encoder made once: ``json.dumps`` with options makes a `json.JSONEncoder`
+    and its C encoder per call (parsing a dozen arguments), more than encoding a small event costs.
+
+    The shared C encoder keeps no marks of the containers it is inside (a failed encode would
+    leave its marks behind for the next, in any thread), so a cycle runs into the recursion
+    limit rather than being named: then ``json.dumps`` itself encodes it again, and raises what
+    it always raised."""
+    encoder = json.JSONEncoder(separators=(",", ":"), sort_keys=sort_keys, allow_nan=False)
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython has the C accelerator
+        return encoder.encode
+    # (markers, default, encoder, indent, key_separator, item_separator, sort_keys, skipkeys, allow_nan)
+    chunks = make(None, encoder.default, json.encoder.encode_basestring_ascii, None, ":", ",", sort_keys, False, False)
+    join = "".join
+
+    def write(value: Any) -> str:
+        try:
+            return join(chunks(value, 0))
+        except RecursionError:
+            return json.dumps(value, separators=(",", ":"), sort_keys=sort_keys, allow_nan=False)
+
+    return write
+
+
+_write_body = _json_writer(sort_keys=False)
+_write_digest = _json_writer(sort_keys=True)
+
+
 def encode_body(envelope: EventEnvelope) -> str:
     """The stored text of one envelope (validated: junk is never written)."""
     # Events type-check every field when built, so the hot path skips the decode round trip.
-    return json.dumps(encode_event(envelope, validate=False), separators=(",", ":"), allow_nan=False)
-
-
-# `json.dumps` with these options builds an encoder per call; the digest's text is this one's.
-_digest_encoder = json.JSONEncoder(separators=(",", ":"), sort_keys=True, allow_nan=False)
+    return _write_body(encode_event(envelope, validate=False))
 
 
 def command_digest(envelopes: Sequence[EventEnvelope]) -> str:
     """A digest of what a command writes, without its position and time, so a replay matches."""
     content = [event_converter.unstructure(envelope.event, type(envelope.event)) for envelope in envelopes]
     kinds = [type(envelope.event).__name__ for envelope in envelopes]
-    text = _digest_encoder.encode([kinds, content])
+    text = _write_digest([kinds, content])
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -199,14 +227,7 @@ class AppendBatch:
         constructor's checks: it checked the stream id (whose text holds the session id) and the
         command id at its door, numbered the envelopes on that stream one after the other, and
         gives a digest exactly with a command id."""
-        batch: AppendBatch = _new(cls)
-        _put_session_id(batch, session_id)
-        _put_stream_id(batch, stream_id)
-        _put_token(batch, token)
-        _put_envelopes(batch, envelopes)
-        _put_command_id(batch, command_id)
-        _put_command_digest(batch, command_digest)
-        return batch
+        return _placed_batch(session_id, stream_id, token, envelopes, command_id, command_digest)
 
     @property
     def bodies(self) -> tuple[str, ...]:
@@ -225,13 +246,12 @@ class AppendBatch:
         return self.envelopes[-1].seq
 
 
-_new = object.__new__
-_put_session_id = slot_setter(AppendBatch, "session_id")
-_put_stream_id = slot_setter(AppendBatch, "stream_id")
-_put_token = slot_setter(AppendBatch, "token")
-_put_envelopes = slot_setter(AppendBatch, "envelopes")
-_put_command_id = slot_setter(AppendBatch, "command_id")
-_put_command_digest = slot_setter(AppendBatch, "command_digest")
+# Every append makes one of each: built cheaper (see `_builders`), every field given. A placed
+# batch's envelopes are a tuple already (`AppendBatch.placed`), so its converter has nothing to do.
+_placed_batch: Callable[[str, str, int, tuple[EventEnvelope, ...], str | None, str | None], AppendBatch] = constructor(
+    AppendBatch, trusted=("envelopes",)
+)
+append_result: Callable[[str, int, int, bool], AppendResult] = constructor(AppendResult)
 
 
 @attrs.frozen
@@ -409,13 +429,13 @@ def decide_append(
     outcome with ``replayed=True`` (and nothing must be written for it).
     """
 
-    _check_fence("append", batch.session_id, batch.stream_id, batch.token, lease=lease, stream=stream, now=now)
+    _check_fence("append", batch.session_id, batch.stream_id, batch.token, lease, stream, now)
     if batch.command_id is not None and command is not None:
         if command[0] != batch.command_digest:
             raise CommandConflictError(
                 f"command {batch.command_id!r} was already applied with different content", command_id=batch.command_id
             )
-        return AppendResult(batch.stream_id, command[1], command[2], replayed=True)
+        return append_result(batch.stream_id, command[1], command[2], True)
     head = 0 if stream is None else stream[1]
     envelopes = batch.envelopes
     first = envelopes[0].seq
@@ -426,7 +446,7 @@ def decide_append(
             expected=first - 1,
             actual=head,
         )
-    return AppendResult(batch.stream_id, first, envelopes[-1].seq)
+    return append_result(batch.stream_id, first, envelopes[-1].seq, False)
 
 
 def _check_fence(
@@ -434,7 +454,6 @@ def _check_fence(
     session_id: str,
     stream_id: str,
     token: int,
-    *,
     lease: LeaseRow | None,
     stream: tuple[str, int] | None,
     now: float,
@@ -460,7 +479,7 @@ def decide_snapshot(
     ``stream`` is the stored (session_id, head) of its stream: it must exist and have
     reached the snapshot's seq, so a snapshot never stands for events the store lacks.
     """
-    _check_fence("snapshot", write.session_id, write.stream_id, write.token, lease=lease, stream=stream, now=now)
+    _check_fence("snapshot", write.session_id, write.stream_id, write.token, lease, stream, now)
     if stream is None:
         raise JournalError(f"snapshot of {write.stream_id!r} refused: the stream does not exist")
     if write.seq > stream[1]:

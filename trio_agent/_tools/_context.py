@@ -10,9 +10,9 @@ import attrs
 import trio
 
 from .._abort import AbortHandle
+from .._builders import constructor
 from .._cleanup import bounded_shield
 from .._errors import ToolInputError
-from ._builders import constructor
 from ._results import JsonObject, ToolItem
 
 if TYPE_CHECKING:

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from .._builders import constructor
 from .._errors import JournalError
-from ._builders import constructor
 from ._definition import SideEffect, ToolBehavior
 from ._results import JsonObject, ToolResult, json_copy
 

@@ -33,6 +33,7 @@ import attrs
 import trio
 
 from .._abort import Abort, AbortHandle, AbortReason
+from .._builders import constructor
 from .._cleanup import bounded_shield
 from .._config import MAX_TIMEOUT, validate_timeout
 from .._errors import (
@@ -56,7 +57,6 @@ from .._middleware import (
     check_middleware_shape,
     compose_middleware,
 )
-from ._builders import constructor
 from ._context import (
     CallOrigin,
     Emit,

@@ -8,7 +8,7 @@ from typing import Any, TypeAlias
 
 import attrs
 
-from ._builders import constructor
+from .._builders import constructor
 
 __all__ = [
     "Effect",
