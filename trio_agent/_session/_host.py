@@ -33,7 +33,7 @@ from .._abort import AbortHandle
 from .._cleanup import bounded_shield
 from .._errors import ConfigError, SessionPausedError
 from .._journal._durable import DurableJournal
-from .._journal._events import PromptSubmitted, RequestCompleted, RequestStarted, RunPaused
+from .._journal._events import PromptSubmitted, RunPaused, request_completed, request_started
 from .._journal._run_recorder import JournalRecorder
 from .._lifecycle._approvals import PermissionGate
 from .._lifecycle._interrupts import PausedRun, pause_from_json, pause_to_json
@@ -274,7 +274,7 @@ class SessionHost:
                 )
             if not request.continuing:
                 # Deferred: a crash before the next write leaves it accepted, which recovery treats alike.
-                journal.defer(RequestStarted(request_id=request.request_id), agent_id=agent.agent_id)
+                journal.defer(request_started(request.request_id), agent_id=agent.agent_id)
             request.started = True
             prompt = request.prompt
             extra: str | None = None
@@ -293,7 +293,7 @@ class SessionHost:
                     await drain_holds(request)
                     await journal.append(
                         PromptSubmitted(request_id=request.request_id),  # the prompt never joined
-                        RequestCompleted(request_id=request.request_id, output={"skipped": decision.reason or ""}),
+                        request_completed(request.request_id, {"skipped": decision.reason or ""}),
                         agent_id=agent.agent_id,
                     )
                     completed = True
@@ -340,7 +340,7 @@ class SessionHost:
                 request.stop_reason = outcome.stop_reason
                 await drain_holds(request)
                 await journal.append(
-                    RequestCompleted(request_id=request.request_id, output={"text": request.text}),
+                    request_completed(request.request_id, {"text": request.text}),
                     agent_id=agent.agent_id,
                 )
                 completed = True

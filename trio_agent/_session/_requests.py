@@ -40,11 +40,11 @@ from .._groups import is_cancellation, leaves, typed_error
 from .._journal._durable import DurableJournal
 from .._journal._events import (
     ErrorInfo,
-    RequestAccepted,
     RequestFailed,
     RequestInterrupted,
     RequestInterruptReason,
     TurnAbortReason,
+    request_accepted,
 )
 from .._journal._projection import RequestState
 from .._lifecycle._interrupts import PausedRun
@@ -253,11 +253,11 @@ async def accept_on(journal: DurableJournal, agent_id: str, request: _Request) -
     if request.accepted_before:
         return
     await journal.append(
-        RequestAccepted(
-            request_id=request.request_id,
-            command_id=request.request_id,
+        request_accepted(
+            request.request_id,
+            request.request_id,
             # A continuation carries no prompt: its answers are recorded with interrupts_resolved.
-            input={"prompt": request.prompt} if request.resume is None else {"resume": request.resume.parent_run_id},
+            {"prompt": request.prompt} if request.resume is None else {"resume": request.resume.parent_run_id},
         ),
         command_id=request.request_id,
         agent_id=agent_id,
