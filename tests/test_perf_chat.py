@@ -123,3 +123,56 @@ async def test_chat_still_refuses_a_tool_and_a_client_tool_of_one_name() -> None
     client = define_client_tool("lookup", "client side")
     with pytest.raises(ta.ConfigError, match="share the name 'lookup'"):
         await ta.chat(TestModel(default=Reply("x")), "hi", tools=[lookup, client])
+
+
+def test_values_a_run_builds_through_generated_constructors_are_the_classes_own() -> None:
+    from trio_agent._chat._chat import ChatResult, _chat_result
+    from trio_agent._loop._hooks import Finished, ModelConfig, ToolOutcome
+    from trio_agent._loop._rules import LoopState, StopReason, loop_state
+    from trio_agent._loop._run import _finished, _model_config, _tool_outcome, _tool_result_message
+    from trio_agent._models._assemble import ModelReply, _assistant_message, _model_reply, _tool_call_part
+    from trio_agent._models._messages import (
+        AssistantMessage,
+        FinishReason,
+        TextPart,
+        ToolCallPart,
+        ToolResultMessage,
+        Usage,
+    )
+    from trio_agent._models._service import Operation, _model_request
+
+    usage = Usage(1, 2, 3, None, 4, None)
+    state = LoopState(1, 2, 1, FinishReason.STOP)
+    part = ToolCallPart("c1", "add", "{}")
+    message = AssistantMessage((TextPart("hi"), part))
+    result = ta.ToolResult.success(3)
+    pairs = [
+        (_model_config("i", (), (), {}, {"m": 1}), ModelConfig("i", (), (), {}, {"m": 1})),
+        (loop_state(1, 2, 1, FinishReason.STOP), state),
+        (
+            _finished(StopReason.END_TURN, "t", 2, state, None, None, usage),
+            Finished(StopReason.END_TURN, "t", 2, state, usage=usage),
+        ),
+        (_tool_outcome(part, result, True), ToolOutcome(part, result, True)),
+        (_tool_result_message("c1", "3", False), ToolResultMessage("c1", "3")),
+        (_assistant_message((TextPart("hi"), part)), message),
+        (_tool_call_part("c1", "add", "{}"), part),
+        (
+            _model_reply(message, FinishReason.STOP, usage, (), {}),
+            ModelReply(message, FinishReason.STOP, usage, (), {}),
+        ),
+        (usage + Usage(1, 1, 2), Usage(2, 3, 5, None, 4, None)),
+        (
+            _chat_result("t", (), StopReason.END_TURN, FinishReason.STOP, usage, 1, None, None),
+            ChatResult("t", (), StopReason.END_TURN, FinishReason.STOP, usage, 1),
+        ),
+        (
+            _model_request(Operation.STREAM, "m", (UserMessage("hi"),), (), {}, None, {}),
+            ModelRequest(Operation.STREAM, "m", [UserMessage("hi")]),
+        ),
+    ]
+    for built, expected in pairs:
+        assert type(built) is type(expected)
+        if not isinstance(expected, ModelRequest):  # compared by identity (eq=False)
+            assert built == expected
+        assert repr(built) == repr(expected)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import os
 import types
-from collections.abc import AsyncIterator, Collection, Generator, Iterable, Mapping, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from typing import Any
 
@@ -30,6 +31,7 @@ import jsonschema_rs
 import trio
 
 from .._abort import Abort, AbortHandle, AbortReason
+from .._builders import constructor
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
 from .._errors import ConfigError, ModelError, TrioAgentError, require_trio
 from .._groups import unwrap_for_boundary
@@ -109,6 +111,12 @@ class ChatResult:
     def interrupts(self) -> tuple[Interrupt, ...]:
         """The questions a paused run waits for (empty unless it paused)."""
         return () if self.paused is None else self.paused.state.interrupts
+
+
+# One a run: built cheaper (see `_builders`), every field given.
+_chat_result: Callable[
+    [str, tuple[Message, ...], StopReason, FinishReason | None, Usage, int, Any, PausedRun | None], ChatResult
+] = constructor(ChatResult)
 
 
 class _ListConversation:
@@ -235,6 +243,18 @@ class ChatRun:
             raise self._error
         assert self._result is not None
         return self._result
+
+
+# What the model is offered of a tool, made once per tool (a tool is immutable): a chat() run per
+# request offers the same tools again. Weak: a tool nobody holds is forgotten.
+_OFFERED: weakref.WeakKeyDictionary[Tool[Any], ToolSpec] = weakref.WeakKeyDictionary()
+
+
+def _offered(tool: Tool[Any]) -> ToolSpec:
+    spec = _OFFERED.get(tool)
+    if spec is None:
+        spec = _OFFERED[tool] = ToolSpec(tool.name, tool.description, dict(tool.input_schema))
+    return spec
 
 
 def _provider_service(agent_or_model: object, model_middleware: Sequence[ModelMiddleware]) -> ModelService:
@@ -438,7 +458,7 @@ class _Prepared:
         self.journal, self.history, self.resume, self.resumed = journal, history, resume, resumed
         self.output_schema, self.validator, self.signing_key = output_schema, validator, options["signing_key"]
         self.conversation = _ListConversation(history)
-        offered = tuple(ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in tools) + tuple(
+        offered = tuple(map(_offered, tools)) + tuple(
             ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in client_tools.values()
         )
         instructions = options["instructions"]
@@ -519,15 +539,15 @@ class _Prepared:
                 )
             if journal is not None:
                 await _record_end(journal, run_id, outcome)
-            self.result = ChatResult(
-                text=outcome.text,
-                messages=tuple(conversation.history),
-                stop_reason=outcome.stop_reason,
-                finish_reason=outcome.state.last_finish_reason,
-                usage=outcome.usage,
-                turns=outcome.turns,
-                structured_output=structured,
-                paused=paused,
+            self.result = _chat_result(
+                outcome.text,
+                tuple(conversation.history),
+                outcome.stop_reason,
+                outcome.state.last_finish_reason,
+                outcome.usage,
+                outcome.turns,
+                structured,
+                paused,
             )
             if validator is not None and paused is None:
                 await ctx.emit(RunFinished(run_id, agent_id, outcome.stop_reason.value, outcome.text))

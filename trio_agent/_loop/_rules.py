@@ -36,6 +36,7 @@ from typing import Any
 
 import attrs
 
+from .._builders import constructor
 from .._models._assemble import ToolArgumentsError, parse_tool_arguments
 from .._models._messages import FinishReason, TextPart, ToolCallPart
 from .._tools._results import ToolErrorType, ToolResult
@@ -91,7 +92,11 @@ class LoopState:
     last_finish_reason: FinishReason | None = None
 
     def after_turn(self, calls: int, finish: FinishReason) -> LoopState:
-        return LoopState(self.iteration + 1, self.tool_call_count + calls, calls, finish)
+        return loop_state(self.iteration + 1, self.tool_call_count + calls, calls, finish)
+
+
+# One a turn: built cheaper (see `_builders`), every field given.
+loop_state: Callable[[int, int, int, FinishReason | None], LoopState] = constructor(LoopState)
 
 
 LoopStrategy = Callable[[LoopState], bool]

@@ -15,6 +15,7 @@ import attrs
 import trio
 
 from .._abort import Abort, AbortHandle
+from .._builders import constructor
 from .._cleanup import bounded_shield
 from .._errors import JournalError, LeaseLostError, MiddlewareError, ModelAbortedError, ModelError, TrioAgentError
 from .._groups import typed_error
@@ -27,6 +28,7 @@ from .._models._messages import (
     TextDelta,
     ToolCallPart,
     ToolResultMessage,
+    ToolSpec,
     Usage,
     UsageChunk,
     UserMessage,
@@ -78,7 +80,7 @@ from ._interrupts import (
     validate_answers,
 )
 from ._ports import NeedsApproval, RunPorts, RunSpec, TurnRef, discard_events
-from ._rules import LoopState, StopReason, check_call, first_text, model_text, stops_loop, tool_error
+from ._rules import LoopState, StopReason, check_call, first_text, loop_state, model_text, stops_loop, tool_error
 
 __all__ = ["MAX_MODEL_RETRIES", "run_agent_loop"]
 
@@ -210,7 +212,7 @@ class _Run:
         self.events = ports.events
         # A request taken over from an earlier process goes on counting the turns it took
         # there: its turn ids number on, and they count against the strategy's limit.
-        self.state = LoopState(iteration=spec.turns_before)
+        self.state = loop_state(spec.turns_before, 0, 0, None)
         self.text = ""
         self.turns = spec.turns_before
         self.resume = resume
@@ -225,6 +227,8 @@ class _Run:
         self._discards = False  # set by `run_agent_loop` (see there), as is:
         self._listening: Callable[[], bool] | None = None
         self.usages: list[Usage] = []  # what each model call reported
+        self._last_ref: TurnRef | None = None  # `_turn_ref`'s last answer, and the attempt it names
+        self._last_attempt = 0
 
     @property
     def quiet(self) -> bool:
@@ -608,10 +612,11 @@ class _Run:
             raise _Aborted
 
     def _finished(self, reason: StopReason, abort: Abort | None = None, pause: PauseState | None = None) -> Finished:
-        usage = Usage()
-        for reported in self.usages:
+        usages = self.usages
+        usage = usages[0] if usages else Usage()  # as Usage() + usages[0]: the same counts
+        for reported in usages[1:]:
             usage = usage + reported
-        return Finished(reason, self.text, self.turns, self.state, abort, pause, usage)
+        return _finished(reason, self.text, self.turns, self.state, abort, pause, usage)
 
     def _config(self, previous: ModelConfig | None = None) -> ModelConfig:
         spec = self.spec
@@ -620,8 +625,8 @@ class _Run:
         # change; the model call puts it first (`_messages`).
         messages = self._history = self.ports.conversation.view(())
         if previous is None:
-            return ModelConfig(instructions, messages, spec.offered, {}, dict(spec.model_metadata))
-        return ModelConfig(instructions, messages, previous.tools, previous.options, previous.metadata)
+            return _model_config(instructions, messages, spec.offered, {}, dict(spec.model_metadata))
+        return _model_config(instructions, messages, previous.tools, previous.options, previous.metadata)
 
     def _messages(self, config: ModelConfig) -> Sequence[Message]:
         """What the model call sends: the config's instructions as the system prompt, then its messages."""
@@ -637,8 +642,13 @@ class _Run:
 
     def _turn_ref(self, turn: int, attempt: int) -> TurnRef:
         local = turn - self.turn_offset  # a continuation numbers its own turns from 1
+        last = self._last_ref  # a turn names its first attempt three times (model call, calls, end)
+        if last is not None and last.turn == local and attempt == self._last_attempt:
+            return last
         turn_id = f"{self.spec.run_id}-t{local}"
-        return TurnRef(self.spec.run_id, self.spec.agent_id, local, turn_id, f"{turn_id}-a{attempt}")
+        ref = self._last_ref = TurnRef(self.spec.run_id, self.spec.agent_id, local, turn_id, f"{turn_id}-a{attempt}")
+        self._last_attempt = attempt
+        return ref
 
     # -- one model call (with the retries a hook asks for)
 
@@ -811,7 +821,7 @@ class _Run:
                 stop.remove_listener(token)
             self._answer(calls, slots)
         return [
-            ToolOutcome(part, tool_error("no result", "internal") if result is None else result, part.id in arguments)
+            _tool_outcome(part, tool_error("no result", "internal") if result is None else result, part.id in arguments)
             for part, result in zip(calls, slots, strict=True)
         ]
 
@@ -826,7 +836,7 @@ class _Run:
             except JournalError:
                 answer = None
             if answer is None and result is not None:  # rejected before it ran, or never settled
-                answer = ToolResultMessage(part.id, model_text(result), is_error=not result.ok)
+                answer = _tool_result_message(part.id, model_text(result), not result.ok)
             if answer is not None:
                 answers.append(answer)
         self.ports.conversation.extend(answers)
@@ -905,6 +915,17 @@ class _RetryableFailure(Exception):
     def __init__(self, error: ModelError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+# Made a few times a run: built cheaper (see `_builders`), every field given.
+_model_config: Callable[
+    [str, Sequence[Message], tuple[ToolSpec, ...], Mapping[str, Any], Mapping[str, Any]], ModelConfig
+] = constructor(ModelConfig)
+_tool_outcome: Callable[[ToolCallPart, ToolResult, bool], ToolOutcome] = constructor(ToolOutcome)
+_tool_result_message: Callable[[str, str, bool], ToolResultMessage] = constructor(ToolResultMessage)
+_finished: Callable[[StopReason, str, int, LoopState, Abort | None, PauseState | None, Usage], Finished] = constructor(
+    Finished
+)
 
 
 def _no_unlink() -> None:

@@ -40,12 +40,13 @@ import json
 import math
 import re
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import attrs
 
+from .._builders import constructor
 from ._messages import (
     AssistantMessage,
     ContentPart,
@@ -176,7 +177,7 @@ class ReplyAssembler:
         if not self._started and not self._ended:  # no calls: nothing to name
             text = "".join(self._text)
             parts: list[ContentPart] = [*self._reasoning, TextPart(text)] if text else [*self._reasoning]
-            return ModelReply(AssistantMessage(tuple(parts)), self._finish, self._usage, (), _NO_RENAMES)
+            return _model_reply(_assistant_message(tuple(parts)), self._finish, self._usage, (), _NO_RENAMES)
         indices = sorted(self._started.keys() | self._ended.keys())
         originals: list[str] = []
         for index in indices:
@@ -190,7 +191,7 @@ class ReplyAssembler:
         for index, original, call_id in zip(indices, originals, assigned, strict=True):
             end = self._ended.get(index)
             if end is not None:
-                calls.append(ToolCallPart(call_id, end.name, end.arguments))
+                calls.append(_tool_call_part(call_id, end.name, end.arguments))
             else:
                 start = self._started[index]
                 calls.append(ToolCallPart(call_id, start.name or CUT_OFF_NAME, ""))
@@ -202,8 +203,8 @@ class ReplyAssembler:
         if text:
             parts.append(TextPart(text))
         parts.extend(calls)
-        return ModelReply(
-            AssistantMessage(tuple(parts)),
+        return _model_reply(
+            _assistant_message(tuple(parts)),
             self._finish,
             self._usage,
             tuple(cut_off),
@@ -212,6 +213,14 @@ class ReplyAssembler:
 
 
 _NO_RENAMES: Mapping[str, str] = MappingProxyType({})
+# Two a request: built cheaper (see `_builders`), every field given (a message's parts a tuple).
+_assistant_message: Callable[[tuple[ContentPart, ...]], AssistantMessage] = constructor(
+    AssistantMessage, trusted=("parts",)
+)
+_tool_call_part: Callable[[str, str, str], ToolCallPart] = constructor(ToolCallPart)
+_model_reply: Callable[[AssistantMessage, FinishReason, Usage, tuple[str, ...], Mapping[str, str]], ModelReply] = (
+    constructor(ModelReply)
+)
 _NO_USAGE = Usage()  # immutable: one for every reply that reports none
 
 

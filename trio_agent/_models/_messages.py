@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias, TypeVar
 
 import attrs
 import cattrs
 from cattrs.strategies import configure_tagged_union
 
+from .._builders import constructor
 from .._convert import LazyConverter
 
 __all__ = [
@@ -66,17 +67,22 @@ class Usage:
     reasoning_tokens: int | None = None
 
     def __add__(self, other: Usage) -> Usage:
-        def add(a: int | None, b: int | None) -> int | None:
-            return None if a is None and b is None else (a or 0) + (b or 0)
-
-        return Usage(
+        return _usage(
             self.input_tokens + other.input_tokens,
             self.output_tokens + other.output_tokens,
             self.total_tokens + other.total_tokens,
-            add(self.cached_input_tokens, other.cached_input_tokens),
-            add(self.cache_creation_input_tokens, other.cache_creation_input_tokens),
-            add(self.reasoning_tokens, other.reasoning_tokens),
+            _add_details(self.cached_input_tokens, other.cached_input_tokens),
+            _add_details(self.cache_creation_input_tokens, other.cache_creation_input_tokens),
+            _add_details(self.reasoning_tokens, other.reasoning_tokens),
         )
+
+
+def _add_details(a: int | None, b: int | None) -> int | None:
+    return None if a is None and b is None else (a or 0) + (b or 0)
+
+
+# A run adds a usage per model call: built cheaper (see `_builders`), every field given.
+_usage: Callable[[int, int, int, int | None, int | None, int | None], Usage] = constructor(Usage)
 
 
 @attrs.frozen
