@@ -218,7 +218,7 @@ def test_a_corrupt_stored_event_is_still_refused() -> None:
 
 
 def test_projection_records_built_in_place_are_the_classes_own() -> None:
-    assert _request_record("r", RequestState.ACCEPTED, 3) == RequestRecord("r", RequestState.ACCEPTED, 3)
+    assert _request_record("r", RequestState.ACCEPTED, 3, 0) == RequestRecord("r", RequestState.ACCEPTED, 3)
     assert _turn_record("t", "r", 2, TurnState.OPEN, 4) == TurnRecord("t", "r", 2, TurnState.OPEN, 4)
     assert _attempt_record("a", "r", "t", AttemptState.RUNNING, 5) == AttemptRecord(
         "a", "r", "t", AttemptState.RUNNING, 5
@@ -234,7 +234,7 @@ def test_projection_records_built_in_place_are_the_classes_own() -> None:
         state=ToolState.SCHEDULED,
         seq=6,
     )
-    for record in (_request_record("r", RequestState.ACCEPTED, 3), _tool_record(event, ToolState.SCHEDULED, 6)):
+    for record in (_request_record("r", RequestState.ACCEPTED, 3, 0), _tool_record(event, ToolState.SCHEDULED, 6)):
         for field in attrs.fields(type(record)):
             getattr(record, field.name)  # every slot is filled
 

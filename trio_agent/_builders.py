@@ -42,7 +42,7 @@ def constructor(cls: type[T], *, trusted: Collection[str] = ()) -> Callable[...,
     for field in fields:
         if (field.validator is not None or field.converter is not None) and field.name not in trusted:
             raise TypeError(f"{cls.__qualname__}.{field.name} validates or converts: build it with the class")
-    lines = [f"def build({', '.join(field.alias for field in fields)}):", *_stores(fields, "    ")]
+    lines = [f"def build({', '.join(field.alias for field in fields)}):", *_stores(cls, fields, "    ")]
     return _compile(cls, lines, {}, "constructor")
 
 
@@ -57,7 +57,7 @@ def checked_constructor(cls: type[T], check: CheckSource) -> Callable[..., T]:
         test = None if field.converter is not None else check(field.validator, field.alias, names)
         tests.append("False" if test is None else test)
     arguments = ", ".join(field.alias for field in fields)
-    lines = [f"def build({arguments}):", f"    if {' and '.join(tests) or 'True'}:", *_stores(fields, "        ")]
+    lines = [f"def build({arguments}):", f"    if {' and '.join(tests) or 'True'}:", *_stores(cls, fields, "        ")]
     lines.append(f"    return _Frozen({', '.join(f'{field.alias}={field.alias}' for field in fields)})")
     return _compile(cls, lines, names, "checked_constructor")
 
@@ -66,27 +66,38 @@ def _fields(cls: type[Any]) -> tuple[Any, ...]:
     return tuple(attrs.fields(cls))
 
 
-def _stores(fields: tuple[Any, ...], indent: str) -> list[str]:
+def _plain(cls: type[Any]) -> bool:
+    """Whether *cls* stores its fields itself (not frozen): then it is its own builder."""
+    return cls.__setattr__ is object.__setattr__ and cls.__delattr__ is object.__delattr__  # type: ignore[comparison-overlap]
+
+
+def _stores(cls: type[Any], fields: tuple[Any, ...], indent: str) -> list[str]:
     # Aliases never start with an underscore, so the function's own names cannot clash with them.
     lines = [f"{indent}_made = _new(_Builder)"]
     lines += [f"{indent}_made.{field.name} = {field.alias}" for field in fields]
-    lines += [f"{indent}_made.__class__ = _Frozen", f"{indent}return _made"]
+    if not _plain(cls):
+        lines.append(f"{indent}_made.__class__ = _Frozen")
+    lines.append(f"{indent}return _made")
     return lines
 
 
 def _compile(cls: type[T], lines: list[str], names: dict[str, object], kind: str) -> Callable[..., T]:
-    builder = type(
-        f"{cls.__name__}Builder",
-        (cls,),
-        {
-            "__slots__": (),
-            # Both: CPython fills the setattr slot from the pair, and only the plain pair gives the
-            # generic setter that the interpreter specialises stores for.
-            "__setattr__": object.__setattr__,
-            "__delattr__": object.__delattr__,
-            "__module__": cls.__module__,
-            "__qualname__": f"{cls.__qualname__}.Builder",
-        },
+    builder = (
+        cls
+        if _plain(cls)
+        else type(
+            f"{cls.__name__}Builder",
+            (cls,),
+            {
+                "__slots__": (),
+                # Both: CPython fills the setattr slot from the pair, and only the plain pair gives the
+                # generic setter that the interpreter specialises stores for.
+                "__setattr__": object.__setattr__,
+                "__delattr__": object.__delattr__,
+                "__module__": cls.__module__,
+                "__qualname__": f"{cls.__qualname__}.Builder",
+            },
+        )
     )
     namespace: dict[str, Any] = {**names, "_new": object.__new__, "_Builder": builder, "_Frozen": cls}
     exec(compile("\n".join(lines), f"<trio_agent {kind} of {cls.__qualname__}>", "exec"), namespace)

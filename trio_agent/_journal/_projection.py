@@ -76,6 +76,7 @@ from typing import Any
 
 import attrs
 
+from .._builders import constructor
 from .._tools._definition import SideEffect
 from ._errors import InvalidTransitionError
 from ._events import (
@@ -373,57 +374,36 @@ class _State:
     approved: frozenset[str] = frozenset()  # calls a person approved (a recovery re-run keeps the approval)
 
 
-_new = object.__new__
-
-# The records a live request makes (one request, two turns and attempts, a call ...), built
-# without the class call: stores into a fresh slotted instance, every field given.
-
-
-def _request_record(request_id: str, state: RequestState, seq: int) -> RequestRecord:
-    record: RequestRecord = _new(RequestRecord)
-    record.request_id = request_id
-    record.state = state
-    record.seq = seq
-    record.turns = 0
-    return record
-
-
-def _turn_record(turn_id: str, request_id: str, turn: int, state: TurnState, seq: int) -> TurnRecord:
-    record: TurnRecord = _new(TurnRecord)
-    record.turn_id = turn_id
-    record.request_id = request_id
-    record.turn = turn
-    record.state = state
-    record.seq = seq
-    return record
-
-
-def _attempt_record(attempt_id: str, request_id: str, turn_id: str, state: AttemptState, seq: int) -> AttemptRecord:
-    record: AttemptRecord = _new(AttemptRecord)
-    record.attempt_id = attempt_id
-    record.request_id = request_id
-    record.turn_id = turn_id
-    record.state = state
-    record.seq = seq
-    return record
+# The records a live request makes (one request, two turns and attempts, a call ...): built
+# cheaper (see `_builders`), every field given.
+_request_record: Callable[[str, RequestState, int, int], RequestRecord] = constructor(RequestRecord)
+_turn_record: Callable[[str, str, int, TurnState, int], TurnRecord] = constructor(TurnRecord)
+_attempt_record: Callable[[str, str, str, AttemptState, int], AttemptRecord] = constructor(AttemptRecord)
+_new_tool_record: Callable[
+    [
+        str,
+        str,
+        str,
+        str,
+        SideEffect,
+        str,
+        ToolState,
+        int,
+        int | None,
+        PermissionState,
+        str | None,
+        ToolRecoveryAction | None,
+        bool,
+    ],
+    ToolRecord,
+] = constructor(ToolRecord)
 
 
 def _tool_record(event: ToolScheduled, state: ToolState, seq: int) -> ToolRecord:
-    record: ToolRecord = _new(ToolRecord)
-    record.call_id = event.call_id
-    record.request_id = event.request_id
-    record.turn_id = event.turn_id
-    record.tool_name = event.tool_name
-    record.side_effect = event.side_effect
-    record.idempotency_key = event.idempotency_key
-    record.state = state
-    record.seq = seq
-    record.started_seq = None
-    record.permission = _NO_PERMISSION
-    record.permission_id = None
-    record.decision = None
-    record.rerun_allowed = False
-    return record
+    return _new_tool_record(
+        event.call_id, event.request_id, event.turn_id, event.tool_name, event.side_effect,
+        event.idempotency_key, state, seq, None, _NO_PERMISSION, None, None, False,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- recovery plan
@@ -825,7 +805,7 @@ class Projection:
         if not apply:
             return
         if record is None:
-            s.requests[request_id] = _request_record(request_id, new, envelope.seq)
+            s.requests[request_id] = _request_record(request_id, new, envelope.seq, 0)
             return
         record.state = new
         if new is RequestState.STARTED:
