@@ -209,3 +209,22 @@ def test_a_constructor_is_made_from_the_fields_and_refuses_what_validates_or_con
         with pytest.raises(TypeError, match="validates or converts"):
             constructor(cls)
     assert constructor(Converted, trusted=("value",))(3) == Converted(3)
+
+    @attrs.frozen
+    class SelfChecked:
+        value: int
+
+        def __attrs_post_init__(self) -> None:
+            if self.value < 0:
+                raise ValueError("negative")
+
+    with pytest.raises(TypeError, match="checks itself"):
+        constructor(SelfChecked)
+    assert constructor(SelfChecked, trusted=("__attrs_post_init__",))(1) == SelfChecked(1)
+
+    @attrs.define
+    class Mutable:
+        value: int
+
+    made = constructor(Mutable)(2)
+    assert type(made) is Mutable and made == Mutable(2)

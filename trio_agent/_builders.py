@@ -12,9 +12,10 @@ repr'd, pickled and evolved as attrs defines.
 A constructor is generated from the class's fields, as attrs generates ``__init__``, so it never
 falls out of step with them, and takes every field, positionally:
 
-* `constructor` applies no defaults, validators or converters: a class whose fields validate or
-  convert is refused, except for the fields named *trusted* (whose callers pass what the
-  validator accepts and what the converter would have made);
+* `constructor` applies no defaults, validators, converters or ``__attrs_post_init__``: a class
+  that has any of them is refused, except for what is named *trusted* (fields whose callers pass
+  what the validator accepts and what the converter would have made, or ``__attrs_post_init__``
+  when the caller made its checks);
 * `checked_constructor` runs the checks it is given, inline, and hands anything they do not
   plainly accept to the class itself, which accepts it or raises what it always raised.
 """
@@ -42,6 +43,8 @@ def constructor(cls: type[T], *, trusted: Collection[str] = ()) -> Callable[...,
     for field in fields:
         if (field.validator is not None or field.converter is not None) and field.name not in trusted:
             raise TypeError(f"{cls.__qualname__}.{field.name} validates or converts: build it with the class")
+    if hasattr(cls, "__attrs_post_init__") and "__attrs_post_init__" not in trusted:
+        raise TypeError(f"{cls.__qualname__} checks itself after its fields: build it with the class")
     lines = [f"def build({', '.join(field.alias for field in fields)}):", *_stores(cls, fields, "    ")]
     return _compile(cls, lines, {}, "constructor")
 

@@ -247,9 +247,10 @@ class AppendBatch:
 
 
 # Every append makes one of each: built cheaper (see `_builders`), every field given. A placed
-# batch's envelopes are a tuple already (`AppendBatch.placed`), so its converter has nothing to do.
+# batch's envelopes are a tuple already and were checked where they were placed (`AppendBatch.placed`):
+# its converter and its own checks have nothing to do.
 _placed_batch: Callable[[str, str, int, tuple[EventEnvelope, ...], str | None, str | None], AppendBatch] = constructor(
-    AppendBatch, trusted=("envelopes",)
+    AppendBatch, trusted=("envelopes", "__attrs_post_init__")
 )
 append_result: Callable[[str, int, int, bool], AppendResult] = constructor(AppendResult)
 
