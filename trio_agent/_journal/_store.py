@@ -139,29 +139,9 @@ class AppendResult:
 
 
 def _json_writer(*, sort_keys: bool) -> Callable[[Any], str]:
-    """``json.dumps(value, separators=(",", ":"), allow_nan=False, sort_keys=...)``, the same text
-    and errors, from one encoder made once: ``json.dumps`` with options makes a `json.JSONEncoder`
-    and its C encoder per call (parsing a dozen arguments), more than encoding a small event costs.
-
-    The shared C encoder keeps no marks of the containers it is inside (a failed encode would
-    leave its marks behind for the next, in any thread), so a cycle runs into the recursion
-    limit rather than being named: then ``json.dumps`` itself encodes it again, and raises what
-    it always raised."""
-    encoder = json.JSONEncoder(separators=(",", ":"), sort_keys=sort_keys, allow_nan=False)
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:  # pragma: no cover - CPython has the C accelerator
-        return encoder.encode
-    # (markers, default, encoder, indent, key_separator, item_separator, sort_keys, skipkeys, allow_nan)
-    chunks = make(None, encoder.default, json.encoder.encode_basestring_ascii, None, ":", ",", sort_keys, False, False)
-    join = "".join
-
-    def write(value: Any) -> str:
-        try:
-            return join(chunks(value, 0))
-        except RecursionError:
-            return json.dumps(value, separators=(",", ":"), sort_keys=sort_keys, allow_nan=False)
-
-    return write
+    """``json.dumps(value, separators=(",", ":"), allow_nan=False, sort_keys=...)``: the same text
+    and errors, from one encoder made once (``json.dumps`` with options makes one per call)."""
+    return json.JSONEncoder(separators=(",", ":"), sort_keys=sort_keys, allow_nan=False).encode
 
 
 _write_body = _json_writer(sort_keys=False)
