@@ -85,6 +85,7 @@ from ._events import (
     tool_scheduled,
     tool_started,
 )
+from ._lane import LaneStore
 from ._lease import HeldLease, acquire, check_seconds, check_timing, default_owner
 from ._memory import MemoryStore
 from ._projection import Projection, RecoveryKind, RecoveryPlan, ToolState
@@ -456,10 +457,65 @@ class DurableJournal:
             return self._committed(batch)
         return await self._await(self._submit(batch))
 
-    def _submit(self, batch: AppendBatch) -> AppendTicket:
-        """Hand *batch* to the store. The projection already moved: a store that raises here (not
-        open, a bug) leaves what it holds unknown, so the journal is fenced, as for any refusal."""
+    async def _write_together(self, batches: list[AppendBatch], *, release: bool = False) -> AppendResult | None:
+        """Write *batches* in submission order, then (``release``) give the lease back: on a lane
+        store in one transaction that resolves in one wake-up, elsewhere one after another.
+        Returns the last batch's result; a refusal is raised (the journal is fenced), a failed
+        release only logged (the lease expires on its own)."""
+        store = self.store
+        result: AppendResult | None = None
+        if not isinstance(store, LaneStore):
+            try:
+                for batch in batches:
+                    result = await self._write(batch)
+            finally:
+                if release:
+                    await self.held.release()
+            return result
+        releasing = None
+        tickets: list[AppendTicket] = []
+        with store.grouped():
+            try:
+                for batch in batches:
+                    tickets.append(self._submit(batch))
+            finally:  # the lease is given back even if a batch could not be handed over
+                if release and self.held.lost is None and not self.held.pending:
+                    releasing = store.submit_release(self.held.lease)
+        refused: BaseException | None = None
         try:
+            if tickets:
+                # The group resolves at once: the last waiter's wake-up is everyone's, and
+                # `_await` confirms it (bounded) if a cancellation lands here.
+                result = await self._await(tickets[-1])
+            elif releasing is not None:
+                with contextlib.suppress(JournalError):
+                    await releasing.wait()
+        finally:
+            failed = releasing.failure() if releasing is not None else None
+            if failed is not None:
+                logger.debug("releasing the lease on %s failed (it expires on its own): %s", self.session_id, failed)
+            for ticket in tickets[:-1]:  # resolved with the last: a refusal fences the journal
+                if ticket.done and refused is None:
+                    try:
+                        self._outcome(ticket)
+                    except (JournalError, LeaseLostError) as exc:
+                        refused = exc
+        if refused is not None:
+            raise refused
+        return result
+
+    def _submit(self, batch: AppendBatch) -> AppendTicket:
+        """Hand *batch* to the store (with the lease's acquisition ahead of it while that is
+        `HeldLease.pending`). The projection already moved: a store that raises here (not open,
+        a bug) leaves what it holds unknown, so the journal is fenced, as for any refusal."""
+        try:
+            held = self.held
+            if held.pending:
+                store = self.store
+                assert isinstance(store, LaneStore)  # only a keeper's store has pending leases
+                with store.grouped():
+                    held.submit_acquire()
+                    return store.submit(batch)
             return self.store.submit(batch)
         except Exception as exc:
             self._refused(exc)
@@ -472,18 +528,34 @@ class DurableJournal:
         replay returns the first outcome (``replayed=True``) and the same id
         with other content raises `CommandConflictError`.
         """
+        ahead: AppendBatch | None = None
         if command_id is not None:
-            # A command's batch holds its own events only (its digest and seqs are replayed).
+            # A command's batch holds its own events only (its digest and seqs are replayed): what
+            # is deferred goes in a batch before it, in the same transaction where the store can.
             waiting = self._streams.get(self._stream_id_of(agent_id))
             if waiting is not None and waiting.deferred:
-                await self._write(self._deferred_batch(waiting))
-        stream, prepared = self._prepare(agent_id, events, command_id)
+                ahead = self._deferred_batch(waiting)
+        try:
+            stream, prepared = self._prepare(agent_id, events, command_id)
+        except BaseException:
+            if ahead is not None:
+                await self._write(ahead)  # taken from the stream: written whatever this refused
+            raise
         if isinstance(prepared, AppendResult):
-            await trio.lowlevel.checkpoint()
+            if ahead is not None:
+                await self._write(ahead)
+            else:
+                await trio.lowlevel.checkpoint()
             return prepared
         assert prepared is not None
         if self._commits_now:
+            if ahead is not None:
+                self._committed(ahead)
             result = self._committed(prepared)  # as `_write`, without a coroutine of its own
+        elif ahead is not None:
+            written = await self._write_together([ahead, prepared])
+            assert written is not None  # the last batch's
+            result = written
         else:
             result = await self._await(self._submit(prepared))
         if command_id is not None:
@@ -691,6 +763,19 @@ class DurableJournal:
             stream.snapshot_seq = seq
             saved.append(stream.stream_id)
         return saved
+
+    async def _begin(self, *, new: bool, defer_created: bool) -> None:
+        """Load the session's streams (a session id made just now has none to read) and create
+        the root agent's. ``defer_created``: its ``session_created`` is deferred (`defer`), written
+        with the first append or at the close; a crash before either leaves no trace of a
+        session that recorded nothing."""
+        if not new:
+            await self._load()
+        root = self.root_agent_id
+        if not defer_created:
+            await self.open_agent(root)
+        elif self.stream_id(root) not in self._streams:
+            self.defer(SessionCreated(session_id=self.session_id, agent_id=root, parent_agent_id=None), agent_id=root)
 
     async def open_agent(self, agent_id: str, *, parent_agent_id: str | None = None) -> None:
         """Create an agent's stream (its ``session_created`` event) if it does not exist yet."""
@@ -1098,21 +1183,26 @@ class _JournalBlock:
         self._renewing: AbstractAsyncContextManager[DurableJournal] | None = None
 
     def lend_body(self) -> _JournalBlock:
-        """Let the caller's own scope be the body's (`use_body_scope`), when this block would enter
-        one only for that: a store whose leases never expire runs no heartbeat, and its block's
-        scope would exist only to be cancelled by a lost lease. `open_session` lends its nursery's
-        (it holds everything the block holds), so an idle session keeps no scope for it. A lost
-        lease cancels nothing until the caller gives its scope: it must not await before."""
+        """Let the caller's nursery hold the body (`use_body_nursery`), when this block would
+        enter a scope (and a nursery, for a heartbeat) only for that. `open_session` lends its
+        nursery (it holds everything the block holds): an idle session keeps no scope of the
+        block's, and a new session's heartbeat runs in it. A lost lease cancels nothing until
+        the caller gives its nursery: it must not await before. A session that loads stored
+        streams keeps the block's own heartbeat, which renews while it loads. The session writes
+        the root's ``session_created`` with its first append (`DurableJournal._begin`)."""
         self._body_lent = True
         return self
 
-    def use_body_scope(self, scope: trio.CancelScope) -> None:
-        """After entering a block that `lend_body`: *scope*, entered around everything the caller
-        runs in the block from now on, is what a lost lease cancels (a heartbeat's block keeps
-        its own)."""
+    def use_body_nursery(self, nursery: trio.Nursery) -> None:
+        """After entering a block that `lend_body`: *nursery*, entered around everything the
+        caller runs in the block from now on, is what a lost lease cancels, and where the
+        heartbeat runs; the caller cancels it before leaving the block."""
         journal = self._journal
         if self._body_lent and self._renewing is None and journal is not None:
-            journal.held.body = scope
+            held = journal.held
+            held.body = nursery.cancel_scope
+            if held.expires and held.keeper is None and held.lost is None:
+                nursery.start_soon(held.keep_alive, name=f"{journal.session_id}_heartbeat")
 
     async def __aenter__(self) -> DurableJournal:
         store, session_id, owner, lease = self._store, self._session_id, self._owner, self._lease
@@ -1134,11 +1224,19 @@ class _JournalBlock:
                     f"not session_id={session_id!r}, owner={owner!r}"
                 )
             session_id, owner = lease.session_id, lease.owner
+        new = not session_id  # made here: nothing can be stored under it yet
         session_id = session_id or f"session-{uuid.uuid4().hex}"
         if "/" in session_id:
             raise ConfigError(f"session_id must not contain '/': {session_id!r}")
         owner = owner or default_owner()
-        if lease is None:
+        keeper = store._lease_keeper if isinstance(store, LaneStore) else None
+        # A new session on a store whose keeper renews it takes its lease with its first write,
+        # in the same transaction (`HeldLease.pending`): nobody else can hold a lease on a name
+        # just made, and nothing is written under it before.
+        provisional = lease is None and new and keeper is not None
+        if provisional:
+            lease, sent = Lease(session_id, owner, 1, math.inf), trio.current_time()
+        elif lease is None:
             lease, sent = await acquire(store, session_id, owner, lease_ttl, takeover_timeout)
         else:
             sent = trio.current_time() if self._lease_sent is None else self._lease_sent
@@ -1156,12 +1254,15 @@ class _JournalBlock:
             fold_after=None if snapshot_every is None else FOLD_AFTER,
             sent=sent,
         )
-        if journal.renews_lease:
-            renewing = self._renewing = _renewing(journal, snapshot_every)
+        held = journal.held
+        held.pending = provisional
+        if keeper is not None and held.expires:
+            keeper.keep(held)  # from now: loading a long session must not outlast the lease
+        elif held.expires and not (new and self._body_lent):
+            renewing = self._renewing = _renewing(journal, snapshot_every, new, self._body_lent)
             return await renewing.__aenter__()
         try:
-            await journal._load()
-            await journal.open_agent(journal.root_agent_id)
+            await journal._begin(new=new, defer_created=self._body_lent)
         except BaseException:
             await _finish(journal, snapshot_every)
             raise
@@ -1191,7 +1292,9 @@ class _JournalBlock:
 
 
 @asynccontextmanager
-async def _renewing(journal: DurableJournal, snapshot_every: int | None) -> AsyncIterator[DurableJournal]:
+async def _renewing(
+    journal: DurableJournal, snapshot_every: int | None, new: bool, defer_created: bool
+) -> AsyncIterator[DurableJournal]:
     """The body of a journal whose lease must be renewed: the heartbeat runs beside it."""
     try:
         try:
@@ -1201,8 +1304,7 @@ async def _renewing(journal: DurableJournal, snapshot_every: int | None) -> Asyn
                 try:
                     with trio.CancelScope() as body:
                         journal.held.body = body
-                        await journal._load()
-                        await journal.open_agent(journal.root_agent_id)
+                        await journal._begin(new=new, defer_created=defer_created)
                         yield journal
                 finally:
                     nursery.cancel_scope.cancel()
@@ -1221,32 +1323,50 @@ async def _finish(journal: DurableJournal, snapshot_every: int | None) -> None:
     """The way out of `open_journal`, whatever ended the body: unless the lease was lost, write
     what is pending, save the snapshots due (bounded) and release the lease."""
     journal._close()
+    held = journal.held
+    if held.keeper is not None:
+        held.keeper.drop(held)  # before the release: a renewal after it would find it lost
     subscriptions = journal._subscriptions
     if journal._lost is not None:
         if subscriptions is not None:
             subscriptions.closed.set()
         return
     commit_grace = journal.commit_grace
+    streams = journal._streams
+    # With no snapshot to save while the lease is held, the deferred events and the release
+    # share one transaction (`_write_together`).
+    release_with_flush = snapshot_every is None or not any(
+        stream.projection.head - stream.snapshot_seq >= snapshot_every for stream in streams.values()
+    )
     with bounded_shield(commit_grace, "closing the journal (pending starts, lease release)"):
         try:
             for ticket in list(journal._pending_starts.values()):
                 with contextlib.suppress(JournalError, LeaseLostError):
                     await ticket.wait()
             if journal._fenced is None:
+                # What the last appends left deferred.
+                batches = [journal._deferred_batch(stream) for stream in streams.values() if stream.deferred]
                 with contextlib.suppress(JournalError, LeaseLostError):
-                    await journal.flush()  # what the last appends left deferred
+                    if release_with_flush:
+                        await journal._write_together(batches, release=True)
+                    else:
+                        for batch in batches:
+                            await journal._write(batch)
+            else:
+                release_with_flush = False
         finally:
             # Before the store can close with the session that owned it: every subscription is
             # handed what it has not read yet (up to session_closed), and only then hears the close.
             if subscriptions is not None:
                 await subscriptions.close()
-        if snapshot_every is not None and journal._streams:
+        if not release_with_flush and snapshot_every is not None and streams:
             # While the lease is still ours (the store fences it); never holds the close for long.
             with trio.move_on_after(min(SNAPSHOT_GRACE, commit_grace)) as scope:
                 await journal.snapshot_all(min_events=snapshot_every)
             if scope.cancelled_caught:
                 logger.warning("saving snapshots of session %s overran its bound; left", journal.session_id)
-        await journal.held.release()
+        if not release_with_flush:
+            await journal.held.release()
 
 
 def _raise_if_lost(journal: DurableJournal) -> None:

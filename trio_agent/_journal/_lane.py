@@ -15,6 +15,10 @@ the batch gets the error.
 Once submitted, work runs whether or not its waiter is still waiting: journal
 order never depends on cancellation.
 
+Work submitted inside `WriterLane.grouped` is queued as one unit: it commits in
+one transaction and its waiters wake together (a session's last events and its
+lease release cost one commit, not two).
+
 Closing drains the queue for at most ``cleanup_grace`` seconds. If the thread is
 still busy then (a write stuck on a lock, a dead disk or network), `aclose`
 returns anyway and logs a WARNING: the transaction in progress still commits or
@@ -38,6 +42,7 @@ import trio
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield
 from .._errors import JournalError, JournalUnavailableError
 from ._codec import snapshot_row
+from ._lease import LeaseKeeper
 from ._store import AppendBatch, AppendResult, AppendTicket, Lease, SnapshotWrite, check_id, check_ttl
 
 __all__ = ["LaneItem", "LaneStore", "LeaseOp", "SnapshotWork", "WriterLane", "close_in_thread"]
@@ -65,6 +70,18 @@ class LaneItem(Generic[T]):
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    def failure(self) -> BaseException | None:
+        """The error it resolved with (``None`` while pending or after a success)."""
+        return self._error
+
+    def result(self) -> T:
+        """The result it resolved with (after `done`, when `failure` is ``None``)."""
+        return self._result  # type: ignore[return-value]
+
+    async def wait_done(self) -> None:
+        """Wait until it is resolved, whichever way."""
+        await self._done.wait()
 
     async def wait(self) -> T:
         await self._done.wait()
@@ -102,6 +119,7 @@ class WriterLane:
         self._done = trio.Event()  # the same, seen from Trio
         self._abandoned = threading.Event()  # aclose stopped waiting: begin nothing new
         self._closed = False
+        self._group: list[tuple[Any, Callable[[object], None]]] | None = None
         self.batches = 0
         self.items = 0
 
@@ -115,7 +133,14 @@ class WriterLane:
         if self._closed:
             resolve(JournalUnavailableError(f"{self._name} is closed; nothing was written"))
             return
+        if self._group is not None:
+            self._group.append((work, resolve))
+            return
         self._queue.put((work, resolve))
+
+    def grouped(self) -> _Group:
+        """A block whose submissions are queued as one unit, on leaving it: one transaction."""
+        return _Group(self)
 
     @property
     def stopped(self) -> bool:
@@ -151,7 +176,8 @@ class WriterLane:
                 first = self._queue.get()
                 if first is _STOP:
                     return
-                batch: list[tuple[Any, Callable[[object], None]]] = [first]
+                # A group (a list) stays whole, even past ``max_batch``.
+                batch: list[tuple[Any, Callable[[object], None]]] = first if type(first) is list else [first]
                 stop = False
                 while len(batch) < self._max_batch:
                     try:
@@ -161,7 +187,10 @@ class WriterLane:
                     if more is _STOP:
                         stop = True
                         break
-                    batch.append(more)
+                    if type(more) is list:
+                        batch += more
+                    else:
+                        batch.append(more)
                 if self._abandoned.is_set():
                     refused = JournalUnavailableError(f"{self._name} was closed before this was written; nothing was")
                     self._wake(batch, [refused] * len(batch))
@@ -201,6 +230,29 @@ class WriterLane:
         assert self._token is not None
         with contextlib.suppress(trio.RunFinishedError):  # nobody is left to wake
             self._token.run_sync_soon(wake)
+
+
+class _Group:
+    """`WriterLane.grouped`: what was submitted is queued even if the block raised (each item has
+    a waiter); a group entered inside another is part of it."""
+
+    __slots__ = ("_items", "_lane", "_outermost")
+
+    def __init__(self, lane: WriterLane) -> None:
+        self._lane = lane
+        self._items: list[tuple[Any, Callable[[object], None]]] = []
+        self._outermost = False
+
+    def __enter__(self) -> None:
+        if self._lane._group is None:
+            self._lane._group = self._items
+            self._outermost = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._outermost:
+            self._lane._group = None
+            if self._items:
+                self._lane._queue.put(self._items)
 
 
 async def close_in_thread(close: Callable[[], None], grace: float, layer: str) -> None:
@@ -263,6 +315,9 @@ class LaneStore:
 
     _lane: WriterLane | None
     leases_expire = True  # other processes may take a session over: a holder renews its lease
+    _lease_keeper: LeaseKeeper | None = None
+    """Set while the block that opened the store runs its `LeaseKeeper`: the journals renew
+    their leases through it instead of a heartbeat task each."""
     longest_write_hold: float = 0.0
     """The longest a write transaction of this store held the database's write lock (seconds)."""
 
@@ -295,27 +350,56 @@ class LaneStore:
     async def append(self, batch: AppendBatch) -> AppendResult:
         return await self.submit(batch).wait()
 
-    async def _lease_op(self, op: LeaseOp) -> Any:
+    def grouped(self) -> contextlib.AbstractContextManager[None]:
+        """A block whose appends and lease operations, submitted without awaiting (`submit`,
+        `submit_release`), commit in one transaction and resolve together."""
+        if self._lane is None:
+            raise JournalError(self._not_open())
+        return self._lane.grouped()
+
+    def _submit_lease_op(self, op: LeaseOp) -> LaneItem[Any]:
         check_id(op.session_id, "session id")
         check_id(op.owner, "lease owner")
         if self._lane is None:
             raise JournalError(self._not_open())
         item: LaneItem[Any] = LaneItem()
         self._lane.submit(op, item.resolve)
-        return await item.wait()
+        return item
+
+    async def _lease_op(self, op: LeaseOp) -> Any:
+        return await self._submit_lease_op(op).wait()
 
     async def acquire_lease(self, session_id: str, owner: str, ttl: float) -> Lease:
         lease: Lease = await self._lease_op(LeaseOp("acquire", session_id, owner, 0, check_ttl(ttl)))
         return lease
 
-    async def renew_lease(self, lease: Lease, ttl: float) -> Lease:
-        renewed: Lease = await self._lease_op(
+    def submit_renew(self, lease: Lease, ttl: float) -> LaneItem[Lease]:
+        """`renew_lease`, queued: await the item for the renewed lease."""
+        item: LaneItem[Lease] = self._submit_lease_op(
             LeaseOp("renew", lease.session_id, lease.owner, lease.token, check_ttl(ttl))
         )
-        return renewed
+        return item
+
+    async def renew_lease(self, lease: Lease, ttl: float) -> Lease:
+        return await self.submit_renew(lease, ttl).wait()
+
+    def submit_acquire(self, session_id: str, owner: str, ttl: float, resolve: Callable[[object], None]) -> None:
+        """`acquire_lease`, queued: ``resolve(lease or error)`` runs in the Trio thread after its commit."""
+        op = LeaseOp("acquire", session_id, owner, 0, check_ttl(ttl))
+        check_id(op.session_id, "session id")
+        check_id(op.owner, "lease owner")
+        if self._lane is None:
+            raise JournalError(self._not_open())
+        self._lane.submit(op, resolve)
+
+    def submit_release(self, lease: Lease) -> LaneItem[None]:
+        """`release_lease`, queued: await the item for its outcome."""
+        op = LeaseOp("release", lease.session_id, lease.owner, lease.token, 1.0)
+        item: LaneItem[None] = self._submit_lease_op(op)
+        return item
 
     async def release_lease(self, lease: Lease) -> None:
-        await self._lease_op(LeaseOp("release", lease.session_id, lease.owner, lease.token, 1.0))
+        await self.submit_release(lease).wait()
 
     async def save_snapshot(self, session_id: str, stream_id: str, seq: int, token: int, body: bytes) -> None:
         write = SnapshotWrite(session_id, stream_id, seq, token, body)

@@ -14,22 +14,31 @@ through `HeldLease`, so there is one set of rules for both:
   Nothing is written with a lost lease: the store refuses the stale token anyway.
 * A store whose leases never expire (``leases_expire = False``: only this process
   could ever hold the session) needs no heartbeat; its lease is valid for ever.
+* A store opened with a `LeaseKeeper` (`open_sqlite_store`) renews every lease held
+  through it from one task, in one transaction per round: a session costs no task of
+  its own. Otherwise each holder runs `HeldLease.keep_alive`. The rules are the same.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 import os
 import socket
 import uuid
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .._errors import ConfigError, JournalError, LeaseHeldError, LeaseLostError
 from ._store import JournalStore, Lease
 
-__all__ = ["HeldLease", "acquire", "check_seconds", "check_timing", "default_owner"]
+if TYPE_CHECKING:
+    from ._lane import LaneItem, LaneStore
+
+__all__ = ["HeldLease", "LeaseKeeper", "acquire", "check_seconds", "check_timing", "default_owner"]
 
 logger = logging.getLogger("trio_agent.journal")
 
@@ -84,7 +93,19 @@ async def acquire(
 class HeldLease:
     """A lease this process holds on one session (module rules)."""
 
-    __slots__ = ("body", "expires", "interval", "lag", "lease", "lost", "store", "ttl", "valid_until")
+    __slots__ = (
+        "body",
+        "expires",
+        "interval",
+        "keeper",
+        "lag",
+        "lease",
+        "lost",
+        "pending",
+        "store",
+        "ttl",
+        "valid_until",
+    )
 
     def __init__(
         self,
@@ -103,6 +124,11 @@ class HeldLease:
         self.expires: bool = getattr(store, "leases_expire", True)
         self.valid_until = sent + ttl * VALID_SHARE if self.expires else math.inf
         self.lost: BaseException | None = None
+        self.keeper: LeaseKeeper | None = None  # the store's keeper renews it (`LeaseKeeper.keep`)
+        self.pending = False
+        """Granted provisionally (a new session's, token 1): taken from the store by
+        `submit_acquire`, in one transaction with the first write, or by the keeper's next
+        round if that comes first. Valid from ``sent`` meanwhile, as a granted one."""
         self.lag = 0.0
         """The longest a renewal came after it was due so far (seconds): what the event loop's
         load and the store's round trip cost. Choose the TTL well above it (a warning is
@@ -126,6 +152,25 @@ class HeldLease:
             self.lose(LeaseLostError("the lease was not renewed in time"))
             raise LeaseLostError(f"the lease on session {self.session_id!r} expired locally before renewal")
 
+    def submit_acquire(self) -> None:
+        """Queue the taking of the `pending` lease on its lane store; what comes back replaces
+        the provisional lease (its token is 1: nobody held the name), and a refusal loses it."""
+        self.pending = False
+        sent = trio.current_time()
+        lease = self.lease
+
+        def acquired(outcome: object) -> None:  # in the Trio thread; never raises
+            if isinstance(outcome, BaseException):
+                self.lose(outcome)
+            elif isinstance(outcome, Lease) and outcome.token == lease.token:
+                self.lease = outcome
+                self.valid_until = sent + self.ttl * VALID_SHARE
+            else:
+                self.lose(LeaseLostError(f"the store granted {outcome!r}, not the provisional {lease!r}"))
+
+        store: LaneStore = self.store  # type: ignore[assignment]
+        store.submit_acquire(lease.session_id, lease.owner, self.ttl, acquired)
+
     async def confirm(self) -> None:
         """Renew now: the store confirms this process still holds the lease, else `LeaseLostError`."""
         self.check()
@@ -145,18 +190,27 @@ class HeldLease:
             sent = trio.current_time()
             try:
                 with trio.fail_after(max(self.valid_until - sent, 0.001)):
-                    self.lease = await self.store.renew_lease(self.lease, self.ttl)
-                self._note_lag(trio.current_time() - due)
-            except LeaseLostError as exc:
-                self.lose(exc)
-                return
-            except (JournalError, trio.TooSlowError) as exc:
-                # The store is unreachable: keep trying while the lease is still locally valid.
-                if trio.current_time() >= self.valid_until:
-                    self.lose(exc)
+                    lease = await self.store.renew_lease(self.lease, self.ttl)
+            except (LeaseLostError, JournalError, trio.TooSlowError) as exc:
+                if self.renewal_failed(exc):
                     return
                 continue
-            self.valid_until = sent + self.ttl * VALID_SHARE
+            self.renewed(lease, sent, due)
+
+    def renewed(self, lease: Lease, sent: float, due: float) -> None:
+        """A renewal sent at *sent* (due at *due*) returned *lease*."""
+        self.lease = lease
+        self._note_lag(trio.current_time() - due)
+        self.valid_until = sent + self.ttl * VALID_SHARE
+
+    def renewal_failed(self, exc: BaseException) -> bool:
+        """A renewal failed with *exc*; returns whether the lease is lost now. A refusal
+        (`LeaseLostError`) loses it at once; a store that cannot be reached (or answers too
+        late) is retried while the lease is still locally valid."""
+        if isinstance(exc, LeaseLostError) or trio.current_time() >= self.valid_until:
+            self.lose(exc)
+            return True
+        return False
 
     def _note_lag(self, lag: float) -> None:
         if lag > self.lag:
@@ -171,8 +225,9 @@ class HeldLease:
             self.lag = lag
 
     async def release(self) -> None:
-        """Give the lease back (a lost one is left to expire; a failed release expires on its own)."""
-        if self.lost is None:
+        """Give the lease back (a lost one is left to expire; a failed release expires on its own;
+        a `pending` one was never taken)."""
+        if self.lost is None and not self.pending:
             try:
                 now = type(self.store).__dict__.get("release_lease_now")  # as `acquire` does
                 if now is not None:
@@ -181,3 +236,142 @@ class HeldLease:
                     await self.store.release_lease(self.lease)
             except JournalError as exc:
                 logger.debug("releasing the lease on %s failed (it expires on its own): %s", self.session_id, exc)
+
+
+class LeaseKeeper:
+    """Renews every lease held through one lane store, from one task (`run`, in the block that
+    opened the store): the leases due are renewed together, in one transaction, and each holder
+    keeps its own schedule, lag and local validity (`HeldLease`). `keep` and `drop` cost no
+    checkpoint. A renewal answered after its holder was dropped is ignored (its release follows
+    it in the lane)."""
+
+    __slots__ = ("_due", "_order", "_scope", "_store", "_wake", "_wake_at")
+
+    def __init__(self, store: LaneStore) -> None:
+        self._store = store
+        self._scope = trio.CancelScope()  # `stop` cancels `run`
+        # (due, order, holder); a dropped holder's entry stays until it comes up (skipped then).
+        self._due: list[tuple[float, int, HeldLease]] = []
+        self._order = itertools.count()
+        self._wake = trio.Event()  # set when a lease comes due before the keeper would wake
+        self._wake_at = math.inf
+
+    def keep(self, held: HeldLease) -> None:
+        """Renew *held* every ``held.interval`` from now, until `drop` (or its loss)."""
+        held.keeper = self
+        self._schedule(held, trio.current_time() + held.interval)
+
+    def drop(self, held: HeldLease) -> None:
+        """Renew *held* no more (before its release)."""
+        if held.keeper is self:
+            held.keeper = None
+
+    def _schedule(self, held: HeldLease, due: float) -> None:
+        heapq.heappush(self._due, (due, next(self._order), held))
+        if due < self._wake_at:
+            self._wake.set()
+
+    def stop(self) -> None:
+        """End `run` (the store is closing): the leases still kept are renewed no more."""
+        self._scope.cancel()
+        if self._store._lease_keeper is self:
+            self._store._lease_keeper = None
+
+    async def run(self) -> None:
+        """Sleep until a lease is due, renew every lease due, and again; until `stop`."""
+        with self._scope:
+            await self._rounds()
+
+    async def _rounds(self) -> None:
+        while True:
+            due = self._due
+            self._wake_at = due[0][0] if due else math.inf
+            with trio.move_on_at(self._wake_at):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            now = trio.current_time()
+            round_: list[tuple[float, HeldLease]] = []
+            while due and due[0][0] <= now:
+                at, _, held = heapq.heappop(due)
+                if held.keeper is not self or held.lost is not None:
+                    continue
+                if held.pending:  # not taken yet (nothing written): take it now
+                    held.submit_acquire()
+                    self._schedule(held, now + held.interval)
+                else:
+                    round_.append((at, held))
+            if round_:
+                try:
+                    await self._renew(round_)
+                except Exception as exc:  # a bug: fail closed for this round's sessions, keep the rest
+                    logger.exception("the lease keeper failed renewing %d leases; they are lost", len(round_))
+                    for _, held in round_:
+                        if held.keeper is self:
+                            held.lose(exc)
+
+    async def _renew(self, round_: list[tuple[float, HeldLease]]) -> None:
+        store = self._store
+        sent = trio.current_time()
+        late = [(at, held) for at, held in round_ if held.valid_until <= sent]
+        for _, held in late:  # ran out locally before its turn came (a stalled loop): no use renewing
+            held.renewal_failed(trio.TooSlowError("the lease was not renewed before it ran out locally"))
+        if late:
+            round_ = [(at, held) for at, held in round_ if held.lost is None]
+            if not round_:
+                return
+        items: list[tuple[float, HeldLease, LaneItem[Lease] | None]] = []
+        failed: BaseException | None = None
+        try:
+            with store.grouped():
+                for at, held in round_:
+                    items.append((at, held, store.submit_renew(held.lease, held.ttl)))
+        except JournalError as exc:  # the store is closing: nothing more was queued
+            failed = exc
+            items += [(at, held, None) for at, held in round_[len(items) :]]
+        # Answered within the shortest local validity of the round, or counted as too slow.
+        with trio.move_on_at(min(held.valid_until for _, held, _ in items)):
+            for _, _, item in items:
+                if item is not None:
+                    await item.wait_done()
+        for at, held, item in items:
+            if held.keeper is not self:
+                continue  # dropped meanwhile: released after this renewal, or lost
+            if item is None or not item.done:
+                error: BaseException = failed or trio.TooSlowError("the lease renewal was not answered in time")
+            else:
+                error_or_none = item.failure()
+                if error_or_none is None:
+                    held.renewed(item.result(), sent, at)
+                    self._schedule(held, trio.current_time() + held.interval)
+                    continue
+                error = error_or_none
+            if not held.renewal_failed(error):
+                self._schedule(held, trio.current_time() + held.interval)
+
+
+class keeping_leases:
+    """``async with keeping_leases(store)``: a `LeaseKeeper` renews the leases held through
+    *store* while the block runs (its task is the block's). What the block raises comes out
+    as itself, never in a group: the keeper never raises."""
+
+    __slots__ = ("_keeper", "_nursery_cm")
+
+    def __init__(self, store: LaneStore) -> None:
+        self._keeper = LeaseKeeper(store)
+        self._nursery_cm = trio.open_nursery()
+
+    async def __aenter__(self) -> None:
+        nursery = await self._nursery_cm.__aenter__()
+        keeper = self._keeper
+        keeper._store._lease_keeper = keeper
+        nursery.start_soon(keeper.run, name="trio_agent lease keeper")
+
+    async def __aexit__(self, *exc_info: Any) -> bool:
+        self._keeper.stop()
+        exc = exc_info[1]
+        try:
+            return bool(await self._nursery_cm.__aexit__(*exc_info))
+        except BaseExceptionGroup as group:
+            if exc is not None and len(group.exceptions) == 1 and group.exceptions[0] is exc:
+                return False  # the block's own error goes on unchanged
+            raise

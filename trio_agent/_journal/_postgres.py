@@ -85,6 +85,7 @@ from .._errors import (
 from ._codec import EventRow, commit_encoded, decode_range, row_checksum, verify_snapshot
 from ._events import EventEnvelope
 from ._lane import LaneStore, LeaseOp, SnapshotWork, WriterLane, close_in_thread
+from ._lease import LeaseKeeper
 from ._store import (
     AppendBatch,
     AppendResult,
@@ -522,6 +523,8 @@ class PostgresStore(LaneStore):
         self._closed = True
         deadline = trio.current_time() + self.cleanup_grace
         try:
+            if self._lease_keeper is not None:
+                self._lease_keeper.stop()
             self._listen_scope.cancel()
             if self._listen_started:
                 with bounded_shield(self.cleanup_grace, f"the PostgreSQL journal's LISTEN task ({self.where})"):
@@ -1166,6 +1169,8 @@ async def open_postgres_store(
             try:
                 store._listen_started = True
                 nursery.start_soon(store._listen)
+                keeper = store._lease_keeper = LeaseKeeper(store)
+                nursery.start_soon(keeper.run, name="trio_agent lease keeper")
                 yield store
             finally:
                 await store.aclose()

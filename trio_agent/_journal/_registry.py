@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import trio
 
@@ -62,9 +62,11 @@ async def shared_sqlite_store(
     entry = registry.get(key)
     if entry is None:
         entry = registry[key] = _Entry()
-        from ._sqlite import open_sqlite_store  # the driver loads on first use
+        from ._sqlite import SQLiteStoreBlock, open_sqlite_store  # the driver loads on first use
 
         opener = open_sqlite_store(path, cleanup_grace=cleanup_grace)
+        # Entered by the first user's task and left by the last one's: no task of its own.
+        cast(SQLiteStoreBlock, opener).keep_leases = False
         try:
             entry.store = await opener.__aenter__()
             entry.closer = opener

@@ -47,8 +47,9 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
 from typing import Any
 
 import trio
@@ -62,6 +63,7 @@ from .._errors import (
 from ._codec import EventRow, commit_encoded, decode_range, row_checksum, row_error, verify_snapshot
 from ._events import EventEnvelope
 from ._lane import LaneStore, LeaseOp, SnapshotWork, WriterLane, close_in_thread
+from ._lease import keeping_leases
 from ._store import (
     AppendBatch,
     AppendResult,
@@ -408,11 +410,12 @@ class SQLiteStore(LaneStore):
                     " ON CONFLICT(stream_id) DO UPDATE SET head=excluded.head",
                     [(stream_id, session, head) for stream_id, (session, head) in heads.items()],
                 )
-                conn.executemany(
-                    "INSERT INTO journal_commands(stream_id, command_id, digest, first_seq, last_seq)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    new_commands,
-                )
+                if new_commands:
+                    conn.executemany(
+                        "INSERT INTO journal_commands(stream_id, command_id, digest, first_seq, last_seq)"
+                        " VALUES (?, ?, ?, ?, ?)",
+                        new_commands,
+                    )
             except (UnicodeError, ValueError, TypeError, sqlite3.InterfaceError, sqlite3.IntegrityError) as exc:
                 conn.execute("ROLLBACK")
                 raise _Isolate from exc
@@ -767,8 +770,7 @@ class SQLiteStore(LaneStore):
             await event.wait()
 
 
-@asynccontextmanager
-async def open_sqlite_store(
+def open_sqlite_store(
     path: str | os.PathLike[str],
     *,
     clock: Clock = wall_clock,
@@ -776,7 +778,7 @@ async def open_sqlite_store(
     max_batch: int = 1000,
     readonly: bool = False,
     cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
-) -> AsyncIterator[SQLiteStore]:
+) -> AbstractAsyncContextManager[SQLiteStore]:
     """Open (creating if needed) the SQLite journal at ``path``; the store's writer thread lives inside the block.
 
     Raises `JournalCorruptError` if the file is not a readable journal (damaged,
@@ -786,10 +788,44 @@ async def open_sqlite_store(
 
     Closing (leaving the block) takes at most ``cleanup_grace`` seconds (default 10);
     a write still running then completes or rolls back whole after the block is left.
+
+    The leases of the sessions journaled in the store are renewed from one task of the
+    block (`LeaseKeeper`), in one transaction per round, not by a heartbeat task each.
     """
     store = SQLiteStore(path, clock=clock, poll_interval=poll_interval, readonly=readonly, cleanup_grace=cleanup_grace)
-    await store._open(max_batch)
-    try:
-        yield store
-    finally:
-        await store.aclose()
+    return SQLiteStoreBlock(store, max_batch, keep_leases=True)
+
+
+class SQLiteStoreBlock:
+    """`open_sqlite_store`'s block; without ``keep_leases`` (the run's shared store, which one
+    task may enter and another leave) it runs no task, and each session renews its own lease."""
+
+    __slots__ = ("_keeping", "_max_batch", "_store", "keep_leases")
+
+    def __init__(self, store: SQLiteStore, max_batch: int, *, keep_leases: bool) -> None:
+        self._store = store
+        self._max_batch = max_batch
+        self.keep_leases = keep_leases
+        self._keeping: keeping_leases | None = None
+
+    async def __aenter__(self) -> SQLiteStore:
+        store = self._store
+        await store._open(self._max_batch)
+        if self.keep_leases and not store.readonly:
+            keeping = keeping_leases(store)
+            try:
+                await keeping.__aenter__()
+            except BaseException:
+                await store.aclose()
+                raise
+            self._keeping = keeping
+        return store
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> bool:
+        try:
+            keeping = self._keeping
+            return False if keeping is None else await keeping.__aexit__(exc_type, exc, traceback)
+        finally:
+            await self._store.aclose()

@@ -339,7 +339,7 @@ class _SessionBlock:
         self._nursery_cm, self._nursery = nursery_cm, nursery
         if isinstance(journal_cm, _JournalBlock):
             # What a lost lease cancels: the nursery holds all the session runs, and the body.
-            journal_cm.use_body_scope(nursery.cancel_scope)
+            journal_cm.use_body_nursery(nursery)
         # A session's own copy of the definitions (none defined: one empty mapping for all).
         definitions = dict(spec.definitions) if spec.definitions else _NO_DEFINITIONS
         supervisor = SubagentSupervisor(host, definitions, nursery, persistence=spec.subagent_persistence)
@@ -378,11 +378,15 @@ class _SessionBlock:
                             session = self._session
                             if session is not None:
                                 await session._close(
-                                    SessionCloseReason.ERROR if exc is not None else SessionCloseReason.COMPLETED
+                                    SessionCloseReason.ERROR if exc is not None else SessionCloseReason.COMPLETED,
+                                    # A journal given open is its owner's to close.
+                                    journal_closes=not isinstance(self._journal_cm, (_Given, type(None))),
                                 )
-                                nursery = self._nursery
-                                if nursery is not None and nursery.child_tasks:  # else its exit waits for nothing
-                                    nursery.cancel_scope.cancel()
+                            # What still runs (the heartbeat at least, on an expiring store) stops;
+                            # a nursery with no task to wait for is left uncancelled.
+                            nursery = self._nursery
+                            if nursery is not None and nursery.child_tasks:
+                                nursery.cancel_scope.cancel()
                     except BaseException as error:
                         if self._nursery_cm is None or not await self._nursery_cm.__aexit__(
                             type(error), error, error.__traceback__

@@ -463,9 +463,13 @@ class Session:
         """End the session for good now: ``close(final=True)``."""
         await self.close(final=True)
 
-    async def _close(self, reason: SessionCloseReason) -> None:
+    async def _close(self, reason: SessionCloseReason, *, journal_closes: bool = False) -> None:
         """End the session's life: every request, call and subagent closed, then one
-        ``session_closed`` per stream that has nothing open. Bounded by ``close_timeout``."""
+        ``session_closed`` per stream that has nothing open. Bounded by ``close_timeout``.
+
+        ``journal_closes``: the journal's block is left next (`open_session`'s way out), so the
+        ``session_closed`` events are deferred to its close, which writes them in one
+        transaction with the lease's release."""
         if self._closed:
             await trio.lowlevel.checkpoint()
             return
@@ -475,10 +479,10 @@ class Session:
         queue.close()
         if self._close_may_wait(queue):
             with bounded_shield(self.close_timeout, "closing the session"):
-                refused = await self._close_steps(queue, reason)
+                refused = await self._close_steps(queue, reason, journal_closes)
         else:
             # Nothing below reaches a checkpoint: a shield (a cancel scope) would guard nothing.
-            refused = await self._close_steps(queue, reason)
+            refused = await self._close_steps(queue, reason, journal_closes)
         if refused is not None:
             raise refused
 
@@ -495,7 +499,9 @@ class Session:
             or not journal.never_blocks
         )
 
-    async def _close_steps(self, queue: RequestQueue, reason: SessionCloseReason) -> InvalidTransitionError | None:
+    async def _close_steps(
+        self, queue: RequestQueue, reason: SessionCloseReason, journal_closes: bool
+    ) -> InvalidTransitionError | None:
         """Stop what runs, then one ``session_closed`` per stream with nothing open; returns the
         first refusal of one (raised once the rest is done)."""
         refused: InvalidTransitionError | None = None
@@ -524,10 +530,12 @@ class Session:
                     ", ".join(still_open[:5]),
                 )
                 continue
+            closed = SessionClosed(session_id=self.session_id, reason=reason, final=self._final)
             try:
-                await journal.append(
-                    SessionClosed(session_id=self.session_id, reason=reason, final=self._final), agent_id=agent_id
-                )
+                if journal_closes:
+                    journal.defer(closed, agent_id=agent_id)
+                else:
+                    await journal.append(closed, agent_id=agent_id)
             except InvalidTransitionError as exc:
                 refused = refused or exc
             except (JournalError, LeaseLostError) as exc:
