@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import uuid
+import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
@@ -1225,7 +1225,7 @@ class _JournalBlock:
                 )
             session_id, owner = lease.session_id, lease.owner
         new = not session_id  # made here: nothing can be stored under it yet
-        session_id = session_id or f"session-{uuid.uuid4().hex}"
+        session_id = session_id or f"session-{os.urandom(16).hex()}"  # 128 random bits, as uuid4().hex
         if "/" in session_id:
             raise ConfigError(f"session_id must not contain '/': {session_id!r}")
         owner = owner or default_owner()

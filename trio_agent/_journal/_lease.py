@@ -21,13 +21,13 @@ through `HeldLease`, so there is one set of rules for both:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
 import math
 import os
 import socket
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -47,7 +47,14 @@ VALID_SHARE = 0.9
 
 
 def default_owner() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    """``"<host>:<pid>:<32 random bits>"``: unique per holder, so two journals of one process on
+    one session still exclude each other."""
+    return f"{_host()}:{os.getpid()}:{os.urandom(4).hex()}"
+
+
+@functools.cache
+def _host() -> str:
+    return socket.gethostname()
 
 
 def check_seconds(name: str, value: float, *, allow_zero: bool = False) -> float:
