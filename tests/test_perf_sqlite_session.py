@@ -20,7 +20,7 @@ import trio
 import trio.testing
 
 from trio_agent import LeaseLostError, define_agent, open_session
-from trio_agent._journal._durable import open_journal
+from trio_agent._journal._durable import DurableJournal, open_journal
 from trio_agent._journal._lease import HeldLease, LeaseKeeper
 from trio_agent._journal._sqlite import SQLiteStore, open_sqlite_store
 from trio_agent.journal import RequestAccepted, SessionClosed, SessionCreated
@@ -332,3 +332,110 @@ async def test_a_keeper_round_that_fails_loses_its_leases_and_the_keeper_goes_on
         mock_clock.jump(10)
         await _answered(submitted)
         assert len(submitted) == 1 and second.lost is None
+
+
+async def test_a_lease_lost_while_the_session_loads_cancels_the_body_at_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    load = DurableJournal._load
+
+    async def losing(self: DurableJournal) -> None:
+        await load(self)
+        self.held.lose(LeaseLostError("refused while loading"))  # what a refused renewal does
+
+    reached: list[str] = []
+    async with open_sqlite_store(os.fspath(tmp_path / "j.db")) as store:
+        monkeypatch.setattr(DurableJournal, "_load", losing)
+        with pytest.raises(LeaseLostError):
+            async with open_journal(store, session_id="named"):
+                await trio.lowlevel.checkpoint()
+                reached.append("journal body")
+        with pytest.raises(LeaseLostError):
+            async with open_session(_agent(), journal=store, session_id="other"):
+                await trio.lowlevel.checkpoint()
+                reached.append("session body")
+    assert reached == []
+
+
+async def test_leaving_the_store_block_under_an_outer_cancel_raises_cancelled_not_a_group(tmp_path: Any) -> None:
+    caught: list[BaseException] = []
+    with trio.CancelScope() as outer:
+        try:
+            async with open_sqlite_store(os.fspath(tmp_path / "j.db")):
+                outer.cancel()
+        except BaseException as exc:
+            caught.append(exc)
+            raise
+    assert outer.cancelled_caught
+    assert [type(exc) for exc in caught] == [trio.Cancelled]
+
+
+async def test_a_pending_lease_survives_a_store_that_cannot_be_reached_once(
+    tmp_path: Any, mock_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trio_agent import JournalUnavailableError
+
+    async with open_sqlite_store(os.fspath(tmp_path / "j.db")) as store:
+        submit = store.submit_acquire
+        answered = trio.Event()
+
+        def blip(session_id: str, owner: str, ttl: float, resolve: Any) -> None:
+            monkeypatch.setattr(store, "submit_acquire", submit)  # once
+            resolve(JournalUnavailableError("database is locked"))
+            answered.set()
+
+        monkeypatch.setattr(store, "submit_acquire", blip)
+        async with open_session(_agent(), journal=store, lease_ttl=9) as session:
+            mock_clock.jump(3)  # the keeper's round tries to take it
+            await answered.wait()
+            held = session.journal.held
+            assert held.pending and not held.lost  # asked again, as a renewal would be
+            assert await session.send("hi") == "hello"  # taken with the first write
+            assert not held.pending and held.lease.token == 1
+
+
+async def test_ensure_owner_takes_a_pending_lease(tmp_path: Any) -> None:
+    async with (
+        open_sqlite_store(os.fspath(tmp_path / "j.db")) as store,
+        open_session(_agent(), journal=store) as session,
+    ):
+        journal = session.journal
+        assert journal.held.pending
+        await journal.ensure_owner()
+        assert not journal.held.pending and not journal.lost
+        lease = await store.current_lease(session.session_id)
+        assert lease is not None and journal.lease == lease
+        assert await session.send("hi") == "hello"
+
+
+async def test_reconcile_before_the_first_write_landed_starts_the_root_again(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trio_agent import JournalUnavailableError
+    from trio_agent._journal._durable import _JournalBlock
+
+    async with open_sqlite_store(os.fspath(tmp_path / "j.db")) as store, trio.open_nursery() as nursery:
+        block = open_journal(store)
+        assert isinstance(block, _JournalBlock)
+        block.lend_body()  # as open_session does: the root's session_created is deferred
+        journal = await block.__aenter__()
+        block.use_body_nursery(nursery)
+        submit = store.submit
+
+        def refuse(batch: Any) -> Any:
+            monkeypatch.setattr(store, "submit", submit)  # once
+            raise JournalUnavailableError("the disk is gone")
+
+        monkeypatch.setattr(store, "submit", refuse)
+        first = RequestAccepted(request_id="r1", command_id="c1", input={"prompt": "hi"})
+        with pytest.raises(JournalUnavailableError):
+            await journal.append(first, command_id="c1")
+        assert journal.fenced
+        await journal.reconcile()  # nothing of the session is stored: the root starts again
+        assert journal.projection().head == 1 and not journal.fenced
+        result = await journal.append(first, command_id="c1")
+        assert (result.first_seq, result.last_seq) == (2, 2)
+        events = [envelope.event for envelope in await store.read(journal.stream_id())]
+        assert [type(event) for event in events] == [SessionCreated, RequestAccepted]
+        await block.__aexit__(None, None, None)
+        nursery.cancel_scope.cancel()

@@ -631,6 +631,10 @@ class DurableJournal:
         self._pending_starts.clear()
         await self._load()
         self._fenced = None
+        root = self.root_agent_id
+        if self.stream_id(root) not in self._streams:
+            # Its deferred session_created never landed (`_begin`): the root starts again.
+            self.defer(SessionCreated(session_id=self.session_id, agent_id=root, parent_agent_id=None), agent_id=root)
 
     async def _load(self) -> None:
         streams: dict[str, _Stream] = {}
@@ -1200,7 +1204,7 @@ class _JournalBlock:
         journal = self._journal
         if self._body_lent and self._renewing is None and journal is not None:
             held = journal.held
-            held.body = nursery.cancel_scope
+            held.guard(nursery.cancel_scope)
             if held.expires and held.keeper is None and held.lost is None:
                 nursery.start_soon(held.keep_alive, name=f"{journal.session_id}_heartbeat")
 
@@ -1269,7 +1273,7 @@ class _JournalBlock:
         if not self._body_lent:
             body = self._body = trio.CancelScope()
             body.__enter__()
-            journal.held.body = body
+            journal.held.guard(body)
         return journal
 
     async def __aexit__(
@@ -1303,7 +1307,7 @@ async def _renewing(
                 nursery.start_soon(journal.held.keep_alive, name=f"{journal.session_id}_heartbeat")
                 try:
                     with trio.CancelScope() as body:
-                        journal.held.body = body
+                        journal.held.guard(body)
                         await journal._begin(new=new, defer_created=defer_created)
                         yield journal
                 finally:

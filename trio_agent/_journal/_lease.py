@@ -159,29 +159,61 @@ class HeldLease:
             self.lose(LeaseLostError("the lease was not renewed in time"))
             raise LeaseLostError(f"the lease on session {self.session_id!r} expired locally before renewal")
 
+    def guard(self, body: trio.CancelScope) -> None:
+        """Make *body* what a loss cancels; cancelled at once if the lease is lost already (a
+        renewal refused while the session loaded)."""
+        self.body = body
+        if self.lost is not None:
+            body.cancel()
+
     def submit_acquire(self) -> None:
-        """Queue the taking of the `pending` lease on its lane store; what comes back replaces
-        the provisional lease (its token is 1: nobody held the name), and a refusal loses it."""
+        """Queue the taking of the `pending` lease on its lane store (`took` decides the outcome)."""
         self.pending = False
         sent = trio.current_time()
-        lease = self.lease
-
-        def acquired(outcome: object) -> None:  # in the Trio thread; never raises
-            if isinstance(outcome, BaseException):
-                self.lose(outcome)
-            elif isinstance(outcome, Lease) and outcome.token == lease.token:
-                self.lease = outcome
-                self.valid_until = sent + self.ttl * VALID_SHARE
-            else:
-                self.lose(LeaseLostError(f"the store granted {outcome!r}, not the provisional {lease!r}"))
-
+        provisional = self.lease
         store: LaneStore = self.store  # type: ignore[assignment]
-        store.submit_acquire(lease.session_id, lease.owner, self.ttl, acquired)
+        store.submit_acquire(
+            provisional.session_id, provisional.owner, self.ttl, lambda outcome: self.took(outcome, sent, provisional)
+        )
+
+    def took(self, outcome: object, sent: float, provisional: Lease) -> None:
+        """The store's answer to taking the `pending` lease (in the Trio thread; never raises): the
+        lease it granted replaces the provisional one (token 1: nobody held the name); a refusal
+        loses it; a store that could not be reached is asked again (the next write or round)
+        while the lease is still locally valid, as a renewal would be."""
+        if isinstance(outcome, Lease) and outcome.token == provisional.token:
+            if self.lease is provisional:
+                self.lease = outcome
+            self.valid_until = max(self.valid_until, sent + self.ttl * VALID_SHARE)
+        elif isinstance(outcome, (LeaseLostError, LeaseHeldError)) or not isinstance(outcome, JournalError):
+            self.lose(
+                outcome
+                if isinstance(outcome, BaseException)
+                else LeaseLostError(f"the store granted {outcome!r}, not the provisional {provisional!r}")
+            )
+        elif trio.current_time() >= self.valid_until:
+            self.lose(outcome)
+        elif self.lost is None and self.lease is provisional:
+            self.pending = True
 
     async def confirm(self) -> None:
-        """Renew now: the store confirms this process still holds the lease, else `LeaseLostError`."""
+        """Renew now (take a `pending` lease): the store confirms this process holds the lease,
+        else `LeaseLostError`."""
         self.check()
         sent = trio.current_time()
+        if self.pending:
+            self.pending = False
+            provisional = self.lease
+            outcome: object
+            try:
+                outcome = await self.store.acquire_lease(provisional.session_id, provisional.owner, self.ttl)
+            except (JournalError, LeaseLostError) as exc:
+                outcome = exc
+            self.took(outcome, sent, provisional)
+            if isinstance(outcome, BaseException):
+                self.check()
+                raise outcome
+            return
         try:
             self.lease = await self.store.renew_lease(self.lease, self.ttl)
         except LeaseLostError as exc:
@@ -335,11 +367,20 @@ class LeaseKeeper:
         except JournalError as exc:  # the store is closing: nothing more was queued
             failed = exc
             items += [(at, held, None) for at, held in round_[len(items) :]]
-        # Answered within the shortest local validity of the round, or counted as too slow.
-        with trio.move_on_at(min(held.valid_until for _, held, _ in items)):
-            for _, _, item in items:
-                if item is not None:
-                    await item.wait_done()
+        # Each renewal is waited for until its own lease runs out locally (as `keep_alive`'s
+        # `fail_after`); one not answered by then counts as too slow.
+        while True:
+            now = trio.current_time()
+            waiting = [
+                (held, item)
+                for _, held, item in items
+                if item is not None and not item.done and held.keeper is self and held.valid_until > now
+            ]
+            if not waiting:
+                break
+            with trio.move_on_at(min(held.valid_until for held, _ in waiting)):
+                for _, answer in waiting:
+                    await answer.wait_done()
         for at, held, item in items:
             if held.keeper is not self:
                 continue  # dropped meanwhile: released after this renewal, or lost
@@ -379,6 +420,15 @@ class keeping_leases:
         try:
             return bool(await self._nursery_cm.__aexit__(*exc_info))
         except BaseExceptionGroup as group:
-            if exc is not None and len(group.exceptions) == 1 and group.exceptions[0] is exc:
+            if len(group.exceptions) != 1:
+                raise
+            if group.exceptions[0] is exc:
                 return False  # the block's own error goes on unchanged
-            raise
+            # A cancellation from outside that landed while the nursery closed: as itself.
+            error = group.exceptions[0]
+            context = error.__context__
+            try:
+                raise error
+            finally:
+                error.__context__ = context
+                del error, context
