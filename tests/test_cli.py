@@ -48,6 +48,10 @@ def test_a_demo_that_cannot_start_says_why_in_one_line() -> None:
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_ctrl_c_in_the_demo_is_one_line() -> None:
     process = subprocess.Popen(
@@ -56,6 +60,9 @@ def test_ctrl_c_in_the_demo_is_one_line() -> None:
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,
+        # Ctrl-C as a terminal delivers it, even where this run ignores SIGINT (a job started in
+        # the background of a script inherits SIG_IGN, and Python then never raises it).
+        preexec_fn=_sigint_default,
     )
     assert process.stdout is not None
     process.stdout.readline()  # the demo is running

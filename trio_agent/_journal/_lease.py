@@ -14,9 +14,13 @@ through `HeldLease`, so there is one set of rules for both:
   Nothing is written with a lost lease: the store refuses the stale token anyway.
 * A store whose leases never expire (``leases_expire = False``: only this process
   could ever hold the session) needs no heartbeat; its lease is valid for ever.
-* A store opened with a `LeaseKeeper` (`open_sqlite_store`) renews every lease held
-  through it from one task, in one transaction per round: a session costs no task of
-  its own. Otherwise each holder runs `HeldLease.keep_alive`. The rules are the same.
+* A store opened with a `LeaseKeeper` (`open_sqlite_store`, `open_postgres_store`)
+  renews every lease held through it from one task, in one transaction per round: a
+  session costs no task of its own. Otherwise each holder runs `HeldLease.keep_alive`.
+  The rules are the same.
+* On such a store a new session's lease is provisional (`HeldLease.pending`) until it
+  is taken with the session's first write, in the same transaction, or by the keeper's
+  first round: nobody else can hold a lease on a name just made.
 """
 
 from __future__ import annotations
