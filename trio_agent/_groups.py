@@ -16,12 +16,13 @@ Rules (one place, used by the pipeline, the agent loop and the session):
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NoReturn
 
 import trio
 
 from ._errors import JournalError, LeaseLostError, SettlementError, TrioAgentError
 
-__all__ = ["contains_cancelled", "is_cancellation", "leaves", "typed_error", "unwrap_for_boundary"]
+__all__ = ["contains_cancelled", "is_cancellation", "leaves", "raise_alone", "typed_error", "unwrap_for_boundary"]
 
 # Which typed error wins when several are in one group.
 _PRECEDENCE: tuple[type[BaseException], ...] = (LeaseLostError, SettlementError, JournalError, TrioAgentError)
@@ -85,3 +86,18 @@ def unwrap_for_boundary(exc: BaseException) -> BaseException:
     if len(all_leaves) == 1:
         return all_leaves[0]
     return exc
+
+
+def raise_alone(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """Raise the only exception of *group* as itself, with its own context (called while
+    *group* is handled, for a nursery whose tasks never raise: its group can only wrap what
+    its body raised or a cancellation from outside); a group of several is raised as it is."""
+    if len(group.exceptions) != 1:
+        raise group
+    error = group.exceptions[0]
+    context = error.__context__
+    try:
+        raise error
+    finally:
+        error.__context__ = context
+        del error, context

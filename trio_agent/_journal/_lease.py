@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from .._errors import ConfigError, JournalError, LeaseHeldError, LeaseLostError
+from .._groups import raise_alone
 from ._store import JournalStore, Lease
 
 if TYPE_CHECKING:
@@ -424,15 +425,6 @@ class keeping_leases:
         try:
             return bool(await self._nursery_cm.__aexit__(*exc_info))
         except BaseExceptionGroup as group:
-            if len(group.exceptions) != 1:
-                raise
-            if group.exceptions[0] is exc:
+            if len(group.exceptions) == 1 and group.exceptions[0] is exc:
                 return False  # the block's own error goes on unchanged
-            # A cancellation from outside that landed while the nursery closed: as itself.
-            error = group.exceptions[0]
-            context = error.__context__
-            try:
-                raise error
-            finally:
-                error.__context__ = context
-                del error, context
+            raise_alone(group)  # or a cancellation from outside that landed while it closed

@@ -82,6 +82,7 @@ from .._errors import (
     JournalUnavailableError,
     LeaseLostError,
 )
+from .._groups import raise_alone
 from ._codec import EventRow, commit_encoded, decode_range, row_checksum, verify_snapshot
 from ._events import EventEnvelope
 from ._lane import LaneStore, LeaseOp, SnapshotWork, WriterLane, close_in_thread
@@ -1175,15 +1176,7 @@ async def open_postgres_store(
             finally:
                 await store.aclose()
     except BaseExceptionGroup as group:
-        # The listener never raises, so the group only wraps what the block raised: raise that as it was.
-        if len(group.exceptions) != 1:
-            raise
-        error = group.exceptions[0]
-        context = error.__context__
-        try:
-            raise error
-        finally:
-            error.__context__ = context
-            del error, context
+        # The listener and the keeper never raise: the group only wraps what the block raised.
+        raise_alone(group)
     finally:
         await store.aclose()  # if the nursery never started
