@@ -9,8 +9,8 @@ Runs, in one process and interleaved round by round:
   2. the raw floor: the same appends as a hand-written group-commit loop in one plain thread
      (no Trio, no trio_agent code inside the timed loop), one transaction per batch of the size
      the durable writer achieved at that writer count (its average, rounded). Each batch, timed:
-     every event is JSON-encoded (``json.dumps`` of the dict `encode_event` gives for the same
-     envelope, built untimed; byte for byte the store's body) and checksummed (CRC32 over the
+     every event is JSON-encoded (``orjson.dumps``, the store's encoder, of the dict `encode_event`
+     gives for the same envelope, built untimed; byte for byte the store's body) and checksummed (CRC32 over the
      stream id, seq and body, the store's rule), then in one transaction exactly the statements
      the store's writer runs for such a batch:
        SQLite (``sqlite3``, WAL+FULL): ``BEGIN IMMEDIATE``; the batch's lease rows read with
@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import orjson
 import trio
 from _progress import add_progress_option, note, start_progress
 
@@ -178,7 +179,7 @@ def floor_rows(chunk: list[FloorEvent]) -> list[tuple[str, int, int, str, int]]:
     over ``b"<len(stream)>:<stream>:<seq>:" + body``), as event rows ``(stream, seq, token, body, crc)``."""
     rows = []
     for _, stream_id, seq, data in chunk:
-        body = json.dumps(data, separators=(",", ":"), allow_nan=False)
+        body = orjson.dumps(data).decode("ascii")
         stream = stream_id.encode()
         checksum = zlib.crc32(body.encode(), zlib.crc32(b"%d:%b:%d:" % (len(stream), stream, seq)))
         rows.append((stream_id, seq, FLOOR_TOKEN, body, checksum))
@@ -818,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(
         "  raw/s = the floor: the store's work by hand in a plain thread without Trio, one transaction per batch "
-        "of the size the durable writer achieved (rounded): each event json.dumps'd and CRC32'd (timed), then "
+        "of the size the durable writer achieved (rounded): each event orjson-encoded and CRC32'd (timed), then "
         "the leases and heads read and checked, the events inserted, the heads written, COMMIT"
         + (" (PostgreSQL: leases locked FOR UPDATE, server clock, pipelined, one NOTIFY per stream)" if has_pg else "")
         + ("; * = the store does not report its batches, the writer count is assumed" if has_pg else "")

@@ -4,6 +4,9 @@ give `json.dumps`'s text and errors, and a projection's records and emptied tabl
 
 from __future__ import annotations
 
+import datetime
+import decimal
+import enum
 import json
 import sys
 from typing import Any
@@ -180,7 +183,20 @@ def _cyclic() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    "value", [{"a": float("nan")}, {"a": object()}, {(1,): 2}, {"a": {1, 2}}, {1: 2, "a": 1}, _cyclic()]
+    "value",
+    [
+        {"a": float("nan")},
+        {"a": object()},
+        {(1,): 2},
+        {"a": {1, 2}},
+        {1: 2, "a": 1},
+        _cyclic(),
+        # orjson writes these (a non-finite float as null, a datetime, a decimal): refused all the same.
+        {"a": None, "b": [1.5, {"c": float("inf")}]},
+        [None, float("-inf")],
+        {"a": datetime.datetime(2026, 1, 1)},
+        {"a": decimal.Decimal("1.5")},
+    ],
 )
 def test_the_reused_json_writers_refuse_what_json_dumps_refuses(value: Any) -> None:
     for write, sort_keys in ((_write_body, False), (_write_digest, True)):
@@ -188,6 +204,36 @@ def test_the_reused_json_writers_refuse_what_json_dumps_refuses(value: Any) -> N
             assert _outcome(write, value) == _outcome(
                 json.dumps, value, separators=(",", ":"), sort_keys=sort_keys, allow_nan=False
             )
+
+
+class _Colour(enum.StrEnum):
+    RED = "red"
+
+
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"ascii": "plain", "n": None, "floats": [0.1, 1e-07, 1e-05, 1e16, -0.0, 5e-324], "i": -(2**63)},
+        {"big": 2**70, "small": -(2**70)},  # past orjson's 64 bits
+        {"text": "h\u00e9 \u2028 \U0001f600", "surrogate": "\ud800"},  # escaped: the stored text is ASCII
+        {"colour": _Colour.RED, "key": _Colour.RED},
+        _nested(300),  # deeper than orjson goes
+        {"control": '\x00\x1f\n"\\'},
+    ],
+    ids=["mixed", "big-int", "non-ascii", "str-enum", "deep", "control"],
+)
+def test_a_stored_body_holds_what_json_dumps_would_store(value: Any) -> None:
+    text = _write_body(value)
+    assert text.isascii()
+    assert json.loads(text) == json.loads(json.dumps(value, separators=(",", ":"), allow_nan=False))
+    assert json.loads(text) == json.loads(json.dumps(value))
 
 
 def test_stored_text_and_digests_are_unchanged() -> None:

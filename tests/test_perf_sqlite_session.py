@@ -114,9 +114,10 @@ async def test_sessions_on_a_store_block_run_no_heartbeat_task(
     async with open_sqlite_store(os.fspath(tmp_path / "j.db")) as store:
         assert isinstance(store._lease_keeper, LeaseKeeper)
         submitted = _spy_renewals(store, monkeypatch)
-        async with open_session(spec, journal=store, lease_ttl=9) as one, open_session(
-            _agent(), journal=store, lease_ttl=9
-        ) as two:
+        async with (
+            open_session(spec, journal=store, lease_ttl=9) as one,
+            open_session(_agent(), journal=store, lease_ttl=9) as two,
+        ):
             assert await one.send("hi") == "hello"  # each takes its lease with its first write
             assert await two.send("hi") == "hello"
             names = _task_names()

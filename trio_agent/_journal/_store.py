@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
+import orjson
 import trio
 
 from .._builders import constructor
@@ -144,8 +145,58 @@ def _json_writer(*, sort_keys: bool) -> Callable[[Any], str]:
     return json.JSONEncoder(separators=(",", ":"), sort_keys=sort_keys, allow_nan=False).encode
 
 
-_write_body = _json_writer(sort_keys=False)
+_write_escaped = _json_writer(sort_keys=False)
+# A command's digest must read the same in every version that may replay the command: it keeps
+# the standard library's text (orjson spells some floats differently, ``1e16`` for ``1e+16``).
 _write_digest = _json_writer(sort_keys=True)
+
+
+# orjson serialises some values the standard library refuses (dataclasses, datetimes, subclasses of
+# the JSON types): those are handed to `_refuse`, and the standard library decides on them.
+_ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
+
+
+def _refuse(value: object) -> None:
+    raise TypeError(f"not for orjson: {type(value).__name__}")
+
+
+def _write_body(data: Any) -> str:
+    """The stored JSON text of an unstructured envelope: ASCII, compact; what ``json.dumps(data,
+    separators=(",", ":"), allow_nan=False)`` writes, or the same values, and refused alike.
+
+    orjson writes it in about a tenth of the standard library's instructions (a request's dozen
+    bodies were most of a SQLite writer's Python work). The standard library writes it instead
+    where orjson's text would not do: text outside ASCII (the stored form is ASCII, escaped), a
+    value orjson refuses (an integer past 64 bits, a lone surrogate, deep nesting, a non-string
+    key) or hands back (`_ORJSON_OPTIONS`), and a non-finite float, which orjson writes as
+    ``null`` where it must be refused (looked for only in a text that has a ``null``).
+    """
+    try:
+        text = orjson.dumps(data, default=_refuse, option=_ORJSON_OPTIONS)
+    except orjson.JSONEncodeError:
+        return _write_escaped(data)
+    if not text.isascii() or (b"null" in text and not _all_finite(data)):
+        return _write_escaped(data)
+    return text.decode("ascii")
+
+
+def _all_finite(value: Any) -> bool:
+    """Whether no float in *value* (JSON types, as orjson took them) is a NaN or an infinity."""
+    kind = type(value)
+    if kind is float:
+        return bool(value - value == 0.0)  # NaN and the infinities give NaN
+    if kind is dict:
+        value = value.values()
+    elif kind is not list and kind is not tuple:
+        return True
+    for item in value:
+        inner = type(item)
+        if inner is float:
+            if item - item != 0.0:
+                return False
+        elif (inner is dict or inner is list or inner is tuple) and not _all_finite(item):
+            return False
+    return True
 
 
 def encode_body(envelope: EventEnvelope) -> str:
