@@ -57,6 +57,11 @@ Every error that crosses a public boundary is one of these (never a bare
 Lease failures are their own type on purpose: they fail closed and never become
 ordinary tool results.
 
+Pickling. Every error survives ``pickle`` (a worker process, a thread pool, a log
+handler): it comes back as the same class with the same ``args``, attributes and
+notes, without its constructor being called again (many take keyword-only
+arguments, which ``args`` does not hold). Its attributes must be picklable too.
+
 Error codes. Every machine-readable ``code`` is snake_case, in errors
 (``HookError.code``, ``ModelError.code``) and in results (``ToolError.code``,
 ``stop_reason``) alike, and the same situation has the same code in both: a
@@ -69,7 +74,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._abort import Abort
@@ -130,6 +135,18 @@ __all__ = [
 
 class TrioAgentError(Exception):
     """Base class of every error raised by trio_agent."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception's own reduce calls ``cls(*args)`` on load, which an error whose constructor
+        # takes keyword-only arguments (or builds its message from others) refuses.
+        return _unpickled, (type(self), self.args, self.__dict__)
+
+
+def _unpickled(cls: type[TrioAgentError], args: tuple[Any, ...], state: dict[str, Any]) -> TrioAgentError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class ConfigError(TrioAgentError, ValueError):
