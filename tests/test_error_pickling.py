@@ -4,6 +4,7 @@ the errors whose constructors take keyword-only arguments."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import pickle
 import pkgutil
@@ -116,6 +117,35 @@ def test_the_errors_with_keyword_arguments_are_all_covered() -> None:
             cls("something went wrong")
         except TypeError as exc:  # pragma: no cover - the failure message names the class
             pytest.fail(f"{cls.__qualname__} needs an example in BUILT: {exc}")
+
+
+class _Holder:
+    error: TrioAgentError
+
+
+def test_an_attribute_that_refers_back_to_the_error_comes_back() -> None:
+    error = RequestAbortedError("aborted", reason="user")
+    holder = _Holder()
+    holder.error = error
+    error.holder = holder  # type: ignore[attr-defined]
+    error.me = error  # type: ignore[attr-defined]
+    for back in (pickle.loads(pickle.dumps(error)), copy.deepcopy(error)):
+        assert back.me is back
+        assert back.holder.error is back
+        assert back.reason == "user"
+
+
+class _Timeout(TrioAgentError, TimeoutError):
+    pass
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_an_os_error_keeps_errno_and_filename(protocol: int) -> None:
+    error = _Timeout(110, "timed out", "/tmp/f")
+    back = pickle.loads(pickle.dumps(error, protocol))
+    assert (back.errno, back.strerror, back.filename, str(back)) == (110, "timed out", "/tmp/f", str(error))
+    lock = pickle.loads(pickle.dumps(FileLockTimeoutError("/tmp/a", 2.5), protocol))
+    assert (lock.path, str(lock)) == ("/tmp/a", "waited more than 2.5 s for the lock on /tmp/a")
 
 
 def test_a_model_error_keeps_its_code_and_retryable_flag() -> None:

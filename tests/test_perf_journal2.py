@@ -9,9 +9,11 @@ import decimal
 import enum
 import json
 import sys
+import uuid
 from typing import Any
 
 import attrs
+import orjson
 import pytest
 import trio
 
@@ -176,6 +178,39 @@ def test_the_reused_json_writers_write_what_json_dumps_writes(value: Any) -> Non
     assert _write_digest(value) == json.dumps(value, separators=(",", ":"), sort_keys=True, allow_nan=False)
 
 
+class _Plain(enum.Enum):
+    A = "a"
+    NAN = float("nan")
+
+
+class _Level(str, enum.Enum):  # noqa: UP042 - the shape orjson mishandled
+    """A str enum whose value is not its text: orjson would write the value, the standard library the text."""
+
+    def __new__(cls, value: int, label: str) -> _Level:
+        member = str.__new__(cls, label)
+        member._value_ = value
+        return member
+
+    HIGH = (3, "high")
+
+
+class _Unvalued(str, enum.Enum):  # noqa: UP042 - the shape orjson mishandled
+    """A str enum whose ``value`` raises: orjson (with its subclass option) crashed the process on it."""
+
+    FAST = "fast"
+
+    @property
+    def value(self) -> str:  # type: ignore[override]
+        raise LookupError("no value")
+
+
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 def _cyclic() -> dict[str, Any]:
     value: dict[str, Any] = {}
     value["self"] = value
@@ -196,6 +231,11 @@ def _cyclic() -> dict[str, Any]:
         [None, float("-inf")],
         {"a": datetime.datetime(2026, 1, 1)},
         {"a": decimal.Decimal("1.5")},
+        # orjson writes any enum by its value and a UUID as text; the standard library refuses them.
+        {"a": _Plain.A},
+        {"a": _Plain.NAN, "b": None},
+        {"a": uuid.UUID(int=1)},
+        {"a": orjson.Fragment(b"NaN")},
     ],
 )
 def test_the_reused_json_writers_refuse_what_json_dumps_refuses(value: Any) -> None:
@@ -210,13 +250,6 @@ class _Colour(enum.StrEnum):
     RED = "red"
 
 
-def _nested(depth: int) -> list[Any]:
-    value: list[Any] = []
-    for _ in range(depth):
-        value = [value]
-    return value
-
-
 @pytest.mark.parametrize(
     "value",
     [
@@ -224,10 +257,11 @@ def _nested(depth: int) -> list[Any]:
         {"big": 2**70, "small": -(2**70)},  # past orjson's 64 bits
         {"text": "h\u00e9 \u2028 \U0001f600", "surrogate": "\ud800"},  # escaped: the stored text is ASCII
         {"colour": _Colour.RED, "key": _Colour.RED},
+        {"level": _Level.HIGH, "mode": _Unvalued.FAST, "flag": enum.IntFlag("F", "X").X},
         _nested(300),  # deeper than orjson goes
         {"control": '\x00\x1f\n"\\'},
     ],
-    ids=["mixed", "big-int", "non-ascii", "str-enum", "deep", "control"],
+    ids=["mixed", "big-int", "non-ascii", "str-enum", "odd-enums", "deep", "control"],
 )
 def test_a_stored_body_holds_what_json_dumps_would_store(value: Any) -> None:
     text = _write_body(value)

@@ -138,14 +138,21 @@ class TrioAgentError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Exception's own reduce calls ``cls(*args)`` on load, which an error whose constructor
-        # takes keyword-only arguments (or builds its message from others) refuses.
-        return _unpickled, (type(self), self.args, self.__dict__)
+        # takes keyword-only arguments (or builds its message from others) refuses. The state
+        # goes third, so pickle sets it after the error exists: an attribute that refers back to
+        # the error (a cycle) comes back too. OSError keeps errno and the rest outside __dict__.
+        state = dict(self.__dict__)
+        if isinstance(self, OSError):
+            for name in ("errno", "strerror", "filename", "filename2"):
+                value = getattr(self, name)
+                if value is not None:
+                    state[name] = value
+        return _unpickled, (type(self), self.args), state or None
 
 
-def _unpickled(cls: type[TrioAgentError], args: tuple[Any, ...], state: dict[str, Any]) -> TrioAgentError:
+def _unpickled(cls: type[TrioAgentError], args: tuple[Any, ...]) -> TrioAgentError:
     error = cls.__new__(cls, *args)
     error.args = args
-    error.__dict__.update(state)
     return error
 
 
