@@ -10,7 +10,8 @@ Runs, in one process and interleaved round by round:
      (no Trio, no trio_agent code inside the timed loop), one transaction per batch of the size
      the durable writer achieved at that writer count (its average, rounded). Each batch, timed:
      every event is JSON-encoded (``orjson.dumps``, the store's encoder, of the dict `encode_event`
-     gives for the same envelope, built untimed; byte for byte the store's body) and checksummed (CRC32 over the
+     gives for the same envelope, built untimed; byte for byte the store's body, which also checks
+     that the data is of JSON's own types first) and checksummed (CRC32 over the
      stream id, seq and body, the store's rule), then in one transaction exactly the statements
      the store's writer runs for such a batch:
        SQLite (``sqlite3``, WAL+FULL): ``BEGIN IMMEDIATE``; the batch's lease rows read with
