@@ -195,3 +195,51 @@ async def test_a_memory_store_whose_leases_expire_still_waits_for_the_holder(
         assert not taken.is_set()  # held, renewed: the second owner waits
     assert taken.is_set()  # released at the close: taken without waiting for the expiry
     assert trio.current_time() < 30
+
+
+async def test_a_memory_journal_closes_without_a_shield_and_still_writes_inside_a_cancelled_scope(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trio_agent._journal._durable as durable
+
+    def no_shield(*args: Any) -> Any:
+        raise AssertionError("the close of a memory journal needs no shield: nothing in it waits")
+
+    monkeypatch.setattr(durable, "bounded_shield", no_shield)
+    store = MemoryStore()
+    with trio.CancelScope() as scope:
+        async with open_journal(store, session_id=SID) as journal:
+            journal.defer(RequestAccepted(request_id="r", command_id="r", input={}))
+            scope.cancel()
+    kinds = [type(envelope.event) for envelope in await store.read(journal.stream_id())]
+    assert kinds == [SessionCreated, RequestAccepted]  # the deferred event was written at the close
+    assert (await store.current_lease(SID)).expires_at == float("-inf")  # type: ignore[union-attr]  # released
+
+
+async def test_a_fenced_memory_journal_writes_nothing_more_at_its_close_and_releases_its_lease() -> None:
+    store = MemoryStore()
+    async with open_journal(store, session_id=SID) as journal:
+        journal.defer(RequestAccepted(request_id="r", command_id="r", input={}))
+        journal._fence("a test")
+    kinds = [type(envelope.event) for envelope in await store.read(journal.stream_id())]
+    assert kinds == [SessionCreated]
+    assert (await store.current_lease(SID)).expires_at == float("-inf")  # type: ignore[union-attr]  # released
+
+
+class _ReleasingLater(MemoryStore):
+    """A memory store whose release waits (no `release_lease_now` of its own): the close must shield it."""
+
+    async def release_lease(self, lease: Any) -> None:
+        await trio.lowlevel.checkpoint()
+        self.release_lease_now(lease)
+
+
+async def test_a_memory_store_whose_release_waits_is_still_released_inside_a_cancelled_scope() -> None:
+    store = _ReleasingLater()
+    with trio.CancelScope() as scope:
+        async with open_journal(store, session_id=SID) as journal:
+            journal.defer(RequestAccepted(request_id="r", command_id="r", input={}))
+            scope.cancel()
+    kinds = [type(envelope.event) for envelope in await store.read(journal.stream_id())]
+    assert kinds == [SessionCreated, RequestAccepted]
+    assert (await store.current_lease(SID)).expires_at == float("-inf")  # type: ignore[union-attr]  # released
