@@ -345,10 +345,10 @@ class DurableJournal:
         if self._fenced is None:
             self._fenced = why
 
-    def _prepare(
-        self, agent_id: str | None, events: tuple[Event, ...], command_id: str | None, *, defer: bool = False
-    ) -> tuple[_Stream, AppendBatch | AppendResult | None]:
-        held = self.held  # read once: every append passes here
+    def _check_writable(self) -> None:
+        """Raise what refuses every write now: a lost lease (also one expired by the local clock),
+        a closed journal, a fence. Checked before anything is taken from a stream to be written."""
+        held = self.held
         if held.lost is not None:
             raise LeaseLostError(f"the lease on session {self.session_id!r} was lost: {held.lost}")
         if self._shut:
@@ -357,10 +357,19 @@ class DurableJournal:
             raise JournalFencedError(
                 f"the journal of session {self.session_id!r} is fenced ({self._fenced}); call reconcile() first"
             )
-        if not events:
-            raise JournalError("append needs at least one event")
         if held.expires:
             held.check()
+
+    def _prepare(
+        self, agent_id: str | None, events: tuple[Event, ...], command_id: str | None, *, defer: bool = False
+    ) -> tuple[_Stream, AppendBatch | AppendResult | None]:
+        held = self.held  # read once: every append passes here
+        if held.lost is not None or self._shut or self._fenced is not None:
+            self._check_writable()  # raises the refusal
+        if held.expires:
+            held.check()
+        if not events:
+            raise JournalError("append needs at least one event")
         stream_id = self._checked_ids.get(agent_id)
         if stream_id is None:
             # Checked before the projection moves: an id no store can keep fails this append alone.
@@ -422,6 +431,12 @@ class DurableJournal:
         if defer:
             stream.deferred += envelopes
             return stream, None
+        if command_id is not None:
+            assert digest is not None
+            # Known from now on, as the projection knows its events: a replay after a cancellation
+            # that landed while the write was confirmed is a replay (a write that fails fences the
+            # journal, and `reconcile` reads the commands again from the store).
+            stream.commands[command_id] = (digest, envelopes[0].seq, envelopes[-1].seq)
         if stream.deferred:
             assert command_id is None  # `append` writes them on their own before a command
             envelopes = stream.deferred + envelopes
@@ -442,9 +457,11 @@ class DurableJournal:
         self._prepare(agent_id, events, None, defer=True)
 
     async def flush(self) -> None:
-        """Write every stream's deferred events (`defer`); returns once they are committed."""
+        """Write every stream's deferred events (`defer`); returns once they are committed.
+        Raises what `append` raises for a journal that may not write (lost, closed, fenced)."""
         for stream in list(self._streams.values()):
             if stream.deferred:
+                self._check_writable()  # again for each: the write before may have fenced it
                 await self._write(self._deferred_batch(stream))
 
     def _deferred_batch(self, stream: _Stream) -> AppendBatch:
@@ -459,15 +476,26 @@ class DurableJournal:
 
     async def _write_together(self, batches: list[AppendBatch], *, release: bool = False) -> AppendResult | None:
         """Write *batches* in submission order, then (``release``) give the lease back: on a lane
-        store in one transaction that resolves in one wake-up, elsewhere one after another.
+        store in one transaction that resolves in one wake-up, elsewhere all handed over before
+        the first is awaited (nothing else can take a place between them), confirmed in order.
         Returns the last batch's result; a refusal is raised (the journal is fenced), a failed
         release only logged (the lease expires on its own)."""
         store = self.store
         result: AppendResult | None = None
         if not isinstance(store, LaneStore):
             try:
-                for batch in batches:
-                    result = await self._write(batch)
+                if self._commits_now:
+                    for batch in batches:
+                        result = self._committed(batch)
+                else:
+                    handed = [self._submit(batch) for batch in batches]
+                    for index, ticket in enumerate(handed):
+                        try:
+                            result = await self._await(ticket)
+                        except BaseException:
+                            for later in handed[index + 1 :]:  # in flight behind it: learn how they end
+                                await self._confirm(later)
+                            raise
             finally:
                 if release:
                     await self.held.release()
@@ -534,9 +562,10 @@ class DurableJournal:
             # is deferred goes in a batch before it, in the same transaction where the store can.
             waiting = self._streams.get(self._stream_id_of(agent_id))
             if waiting is not None and waiting.deferred:
+                self._check_writable()  # nothing is taken from a journal that may not write
                 ahead = self._deferred_batch(waiting)
         try:
-            stream, prepared = self._prepare(agent_id, events, command_id)
+            _, prepared = self._prepare(agent_id, events, command_id)
         except BaseException:
             if ahead is not None:
                 await self._write(ahead)  # taken from the stream: written whatever this refused
@@ -558,9 +587,14 @@ class DurableJournal:
             result = written
         else:
             result = await self._await(self._submit(prepared))
-        if command_id is not None:
-            assert prepared.command_digest is not None
-            stream.commands[command_id] = (prepared.command_digest, result.first_seq, result.last_seq)
+        if result.replayed:
+            # The store held this command and the journal did not: the projection now holds its
+            # events once more than the store does.
+            self._fence(f"command {command_id!r} was already in the store")
+            raise JournalFencedError(
+                f"command {command_id!r} of session {self.session_id!r} was already in the store, though "
+                "this journal had not seen it; the journal is fenced: call reconcile()"
+            )
         return result
 
     @property
@@ -599,24 +633,28 @@ class DurableJournal:
             try:
                 return await ticket.wait()
             except trio.Cancelled:
-                # The write was submitted and will land or fail regardless: learn which
-                # (bounded) so the projection stays true, then let the cancellation go on.
-                with (
-                    bounded_shield(self.commit_grace, "confirming a journal commit after cancellation"),
-                    contextlib.suppress(JournalError, LeaseLostError),
-                ):
-                    await ticket.wait()
-                if not ticket.done:
-                    self._fence("a commit was not confirmed before cancellation")
-                else:
-                    try:
-                        ticket.outcome()
-                    except (JournalError, LeaseLostError) as exc:
-                        self._refused(exc)
+                await self._confirm(ticket)
                 raise  # the cancellation goes on, whatever the write's outcome was
         except (StaleFencingTokenError, JournalError) as exc:
             self._refused(exc)
             raise
+
+    async def _confirm(self, ticket: AppendTicket) -> None:
+        """Learn how a submitted write ended, where its waiter cannot wait for it (a cancellation,
+        or a write before it that failed): it lands or fails regardless, so wait for it, shielded
+        and bounded, that the projection stays true; a refusal, or no answer in time, fences."""
+        with (
+            bounded_shield(self.commit_grace, "confirming a journal commit after cancellation"),
+            contextlib.suppress(JournalError, LeaseLostError),
+        ):
+            await ticket.wait()
+        if not ticket.done:
+            self._fence("a commit was not confirmed before cancellation")
+        else:
+            try:
+                ticket.outcome()
+            except (JournalError, LeaseLostError) as exc:
+                self._refused(exc)
 
     async def reconcile(self) -> None:
         """Re-read every stream of the session from the store and lift the fence.
@@ -754,7 +792,7 @@ class DurableJournal:
             if stream.projection.head - stream.snapshot_seq < max(min_events, 1):
                 continue
             try:
-                # Commands the cache may lack (an append cancelled in flight still landed).
+                # The store's commands as well as the cache's: what the snapshot holds is what the store holds.
                 since = await self.store.commands(stream.stream_id, after=stream.snapshot_seq)
                 seq = stream.projection.head
                 body = encode_snapshot(stream, [(c.command_id, c.digest, c.first_seq, c.last_seq) for c in since])
@@ -914,7 +952,11 @@ class DurableJournal:
         _, prepared = self._prepare(call.agent_id, (event,), None)
         assert isinstance(prepared, AppendBatch)
         settled = self._submit(prepared)
-        await self._await(pending)
+        try:
+            await self._await(pending)
+        except BaseException:
+            await self._confirm(settled)  # submitted behind the start: how it ends is learned too
+            raise
         await self._await(settled)
 
     # -- recovery
