@@ -288,3 +288,50 @@ def test_an_event_type_that_is_not_a_string_is_corrupt_not_a_type_error(tag: obj
 
     with pytest.raises(JournalCorruptError):
         decode_event({"schema_version": SCHEMA_VERSION, "stream_id": "s/root", "seq": 1, "event": {"type": tag}})
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("depth", [200, 201, 900])
+def test_how_deep_a_payload_may_nest_is_a_fixed_limit_whatever_builds_the_event(depth: int) -> None:
+    # The events a session builds go through fast constructors; whether one is refused must not
+    # depend on which constructor built it, nor on how deep the caller's stack is (it did: two
+    # frames fewer let the fast one accept what the class refused, near the recursion limit).
+    from trio_agent._journal._events import tool_started
+
+    def by_the_class() -> object:
+        return ToolStarted(
+            request_id="r", turn_id="t", call_id="c", input=_nested(depth), side_effect=SideEffect.PURE, synthetic=False
+        )
+
+    def fast() -> object:
+        return tool_started("r", "t", "c", _nested(depth), SideEffect.PURE, False)
+
+    for build in (by_the_class, fast):
+        if depth <= 200:
+            event = build()
+            envelope = EventEnvelope(stream_id="s/root", seq=1, event=event, recorded_at=1.0)  # type: ignore[arg-type]
+            assert decode_event(encode_event(envelope)) == envelope  # what is accepted reads back
+        else:
+            with pytest.raises(ValueError, match="deeper than 200 levels"):
+                build()
+
+
+def test_a_stored_event_nested_deeper_than_the_limit_is_corrupt_on_read() -> None:
+    envelope = EventEnvelope(
+        stream_id="s/root",
+        seq=1,
+        event=ToolStarted(
+            request_id="r", turn_id="t", call_id="c", input=_nested(150), side_effect=SideEffect.PURE, synthetic=False
+        ),
+        recorded_at=1.0,
+    )
+    data = encode_event(envelope)
+    data["event"]["input"] = _nested(250)  # as a stored row another writer made
+    with pytest.raises(JournalCorruptError):
+        decode_event(data)

@@ -103,31 +103,39 @@ _JSON_LEAVES = frozenset({type(None), bool, str, int})
 _JSON_CONTAINERS = frozenset({dict, list})
 
 
-def _is_json(value: object) -> bool:
+MAX_JSON_DEPTH = 200
+"""How deeply a payload's containers may nest. Fixed, so that what is accepted does not depend on
+how deep the caller's stack is, and so that every later step (the stored text, reading it back)
+has room below the interpreter's recursion limit."""
+
+
+def _is_json(value: object, depth: int = 0) -> bool:
     """The common case, fast: exact JSON types (no path text built); anything else is judged by
     `_explain_json`, which also names where it fails. Leaves and empty containers are judged in
     the loop, without a call each: most payloads are flat."""
     kind = type(value)
     if kind in _JSON_LEAVES:
         return True
+    if depth >= MAX_JSON_DEPTH:
+        return False
     if kind is dict:
         for key, item in value.items():  # type: ignore[attr-defined]
             if type(key) is not str:
                 return False
             inner = type(item)
-            if inner not in _JSON_LEAVES and (inner not in _JSON_CONTAINERS or item) and not _is_json(item):
+            if inner not in _JSON_LEAVES and (inner not in _JSON_CONTAINERS or item) and not _is_json(item, depth + 1):
                 return False
         return True
     if kind is list:
         for item in value:  # type: ignore[attr-defined]
             inner = type(item)
-            if inner not in _JSON_LEAVES and (inner not in _JSON_CONTAINERS or item) and not _is_json(item):
+            if inner not in _JSON_LEAVES and (inner not in _JSON_CONTAINERS or item) and not _is_json(item, depth + 1):
                 return False
         return True
     return kind is float and math.isfinite(value)  # type: ignore[arg-type]
 
 
-def _explain_json(value: object, path: str) -> None:
+def _explain_json(value: object, path: str, depth: int = 0) -> None:
     if value is None or isinstance(value, (bool, str)):
         return
     if isinstance(value, int):
@@ -136,15 +144,17 @@ def _explain_json(value: object, path: str) -> None:
         if not math.isfinite(value):
             raise ValueError(f"{path} is not a finite number: {value!r}")
         return
+    if isinstance(value, (list, dict)) and depth >= MAX_JSON_DEPTH:
+        raise ValueError(f"{path} nests containers deeper than {MAX_JSON_DEPTH} levels")
     if isinstance(value, list):
         for index, item in enumerate(value):
-            _explain_json(item, f"{path}[{index}]")
+            _explain_json(item, f"{path}[{index}]", depth + 1)
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise ValueError(f"{path} has a non-string key {key!r}")
-            _explain_json(item, f"{path}.{key}")
+            _explain_json(item, f"{path}.{key}", depth + 1)
         return
     raise ValueError(f"{path} is not JSON: {type(value).__name__}")
 
