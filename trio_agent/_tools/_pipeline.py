@@ -1080,10 +1080,16 @@ class ToolPipeline:
                                 slot = state.slot = _SlotHolder(self.scheduler, prepared[2].kind)
                                 if not slot.acquire_nowait():
                                     early = trio.CancelScope()
+                                elif tool.affected_paths is not None:
+                                    found = self._paths(tool, prepared[0])
+                                    if isinstance(found, ToolResult):
+                                        prepared = found  # the call fails: it runs no tool
+                                    else:
+                                        paths = found
+                                        if paths:
+                                            early = trio.CancelScope()
                                 else:
-                                    paths = () if tool.affected_paths is None else tool.paths_for(prepared[0])
-                                    if paths:
-                                        early = trio.CancelScope()
+                                    paths = ()
                     outcome: Any = _NOT_RUN
                     with _NO_SCOPE if early is None else early:
                         if early is not None:
@@ -1237,7 +1243,10 @@ class ToolPipeline:
                 raise _Aborted
             await slot.acquire()
         if paths is None:
-            paths = state.tool.paths_for(final_input)
+            found = self._paths(state.tool, final_input)
+            if isinstance(found, ToolResult):
+                return found
+            paths = found
         if paths:
             exclusive = not (behavior.kind is ToolKind.READONLY and behavior.concurrency_safe)
             locked = self.file_locks.normalise(paths, self.workspace)
@@ -1273,11 +1282,18 @@ class ToolPipeline:
         """Schema check, behaviour for the final input, and structuring for ``run``. *private*: no one
         but the pipeline has seen *current* (it is not copied again)."""
         tool = state.tool
-        # Frozen here, once: later in-place changes to the middleware's dict (while this call waits
-        # for a slot or a lock) cannot make the journal say something other than what the tool ran with.
-        if not private:
-            current = json_copy(current)
-        errors = tool.input_errors(current)
+        # Whatever a stage or middleware handed over, and whatever the tool's own code makes of it,
+        # fails this call alone, with a typed result: nothing here raises out of the call.
+        try:
+            # Frozen here, once: later in-place changes to the middleware's dict (while this call waits
+            # for a slot or a lock) cannot make the journal say something other than what the tool ran with.
+            if not private:
+                current = json_copy(current)
+            errors = tool.input_errors(current)
+        except Exception as exc:
+            return ToolResult.failure(
+                ToolErrorType.VALIDATION, f"invalid input for tool {tool.name!r}: {exc}", code="invalid_input"
+            )
         if errors:
             return ToolResult.failure(
                 ToolErrorType.VALIDATION, f"invalid input for tool {tool.name!r}: " + "; ".join(errors),
@@ -1290,12 +1306,31 @@ class ToolPipeline:
                 behavior = tool.resolve_behavior(current)
             except ToolBehaviorError as exc:
                 return ToolResult.failure(ToolErrorType.EXECUTION, str(exc), code="behavior_error")
+            except Exception as exc:
+                message = f"the behaviour of tool {tool.name!r} could not be resolved: {exc!r}"
+                return ToolResult.failure(ToolErrorType.EXECUTION, message, code="behavior_error")
+            if behavior.interrupt is not state.behavior.interrupt:
+                # What steering does to this call was decided when it was scheduled (as for middleware).
+                message = "a stage cannot change the tool interrupt behavior"
+                return ToolResult.failure(ToolErrorType.EXECUTION, message, code="behavior_error")
         try:
             # An untyped tool gets its own copy, so changing it cannot rewrite the recorded final input.
             value = tool.structure_input(current) if tool.input_type is not None else json_copy(current)
         except ToolInputError as exc:
             return ToolResult.failure(ToolErrorType.VALIDATION, str(exc), code="invalid_input")
+        except Exception as exc:
+            message = f"invalid input for tool {tool.name!r}: {exc!r}"
+            return ToolResult.failure(ToolErrorType.VALIDATION, message, code="invalid_input")
         return current, value, behavior
+
+    @staticmethod
+    def _paths(tool: Tool[Any], final_input: JsonObject) -> tuple[str, ...] | ToolResult:
+        """The paths the call touches, or the failure of the tool's ``affected_paths`` (this call's alone)."""
+        try:
+            return tool.paths_for(final_input)
+        except Exception as exc:
+            message = f"affected paths of tool {tool.name!r} failed: {exc!r}"
+            return ToolResult.failure(ToolErrorType.EXECUTION, message, code="tool_error")
 
     async def _pre_stages(
         self, state: _Call, model_input: JsonObject

@@ -1,0 +1,139 @@
+"""What a stage, a middleware or the tool's own callbacks make of a call's input fails that call alone.
+
+A review found three ways out of the pipeline that bypassed its typed results: the tool's
+``affected_paths`` raising, and input a stage allowed with that the schema check cannot read,
+left ``execute`` as bare exceptions on the fast path (and as a ``middleware_error`` blaming the
+middleware on the layered one), so a `chat()` run lost its turn and its neighbour calls; and a
+stage could change the interrupt behaviour, which only middleware was refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import trio_agent as ta
+from trio_agent._tools._definition import InterruptBehavior
+from trio_agent.testing import Reply, TestModel
+from trio_agent.tools import (
+    AbortHandle,
+    Allow,
+    BehaviorOverride,
+    InMemoryToolJournal,
+    ToolCall,
+    ToolPipeline,
+    ToolStages,
+)
+
+
+async def _write(input: dict[str, Any], ctx: Any) -> ta.ToolResult:
+    return ta.ToolResult.success("written")
+
+
+WRITE = ta.define_tool(
+    _write,
+    name="write",
+    description="Write a file.",
+    side_effect="idempotent",
+    kind="write",
+    input_schema={"type": "object", "properties": {"path": {"type": "string"}}},
+    affected_paths=lambda value: [value["path"]],  # raises KeyError without a path
+)
+
+
+async def _passthrough(request: Any, call_next: Any) -> ta.ToolResult:
+    result: ta.ToolResult = await call_next()
+    return result
+
+
+async def _allow(request: Any) -> Allow:
+    return Allow()
+
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "fast path": {},
+    "a guard stage": {"stages": ToolStages(guard=[_allow])},
+    "middleware": {"middleware": [_passthrough]},
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+async def test_affected_paths_that_raise_fail_the_call_alone_the_same_way_on_every_path(shape: str) -> None:
+    journal = InMemoryToolJournal()
+    pipeline = ToolPipeline([WRITE], journal=journal, **SHAPES[shape])
+    record = await pipeline.execute(ToolCall("c1", "write", {}))
+    assert record.status.value == "failed" and not record.tool_ran
+    assert record.result.error is not None and record.result.error.code == "tool_error"
+    assert "affected paths of tool 'write' failed: KeyError('path')" in record.result.error.message
+    assert journal.kinds("c1")[-1] == "settled"  # as any failed call
+
+
+@pytest.mark.parametrize("bad", [{"path": b"x"}, {"path": {1, 2}}, {"path": object()}, {1: "x"}])
+async def test_input_a_stage_allowed_that_is_not_json_fails_the_call_as_invalid_input(bad: dict[Any, Any]) -> None:
+    async def replace(request: Any) -> Allow:
+        return Allow(input=bad)
+
+    pipeline = ToolPipeline([WRITE], journal=InMemoryToolJournal(), stages=ToolStages(pre_tool=[replace]))
+    record = await pipeline.execute(ToolCall("c1", "write", {"path": "a"}))
+    assert record.status.value == "failed" and not record.tool_ran
+    assert record.result.error is not None and record.result.error.code == "invalid_input"
+
+
+async def test_a_chat_turn_keeps_its_other_calls_when_one_calls_affected_paths_raise() -> None:
+    async def slow(input: dict[str, Any], ctx: Any) -> ta.ToolResult:
+        await trio.lowlevel.checkpoint()
+        return ta.ToolResult.success("slow finished")
+
+    neighbour = ta.define_tool(
+        slow, name="slow", description="Slow.", side_effect="pure", kind="readonly", input_schema={"type": "object"}
+    )
+    model = TestModel(script={"go": [Reply(tool_calls=[("write", {}), ("slow", {})]), Reply(text="done")]})
+    result = await ta.chat(model, "go", tools=[WRITE, neighbour])
+    assert result.text == "done"
+    answers = {
+        message.content for message in model.requests[-1].messages if type(message).__name__ == "ToolResultMessage"
+    }
+    assert "slow finished" in answers
+    assert any("affected paths of tool 'write' failed" in answer for answer in answers)
+
+
+async def test_a_stage_cannot_change_the_interrupt_behaviour_as_middleware_cannot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def run(input: dict[str, Any], ctx: Any) -> ta.ToolResult:
+        await trio.sleep(10)
+        return ta.ToolResult.success("finished")
+
+    def resolve(value: dict[str, Any]) -> BehaviorOverride | None:
+        return BehaviorOverride(interrupt=InterruptBehavior.BLOCK) if value.get("mode") == "long" else None
+
+    tool = ta.define_tool(
+        run,
+        name="t",
+        description="Runs.",
+        side_effect="pure",
+        kind="readonly",
+        interrupt="cancel",
+        input_schema={"type": "object", "properties": {"mode": {"type": "string"}}},
+        resolve_behavior=resolve,
+    )
+
+    async def to_long(request: Any) -> Allow:
+        return Allow(input={"mode": "long"})
+
+    pipeline = ToolPipeline([tool], journal=InMemoryToolJournal(), stages=ToolStages(pre_tool=[to_long]))
+    steering = AbortHandle()
+    async with trio.open_nursery() as nursery:
+
+        async def steer() -> None:
+            await trio.sleep(1)
+            steering.abort(ta.AbortReason.STEERING)
+
+        nursery.start_soon(steer)
+        record = await pipeline.execute(ToolCall("c1", "t", {"mode": "short"}), steering=steering)
+    assert record.status.value == "failed" and not record.tool_ran
+    assert record.result.error is not None and record.result.error.code == "behavior_error"
+    assert "interrupt behavior" in record.result.error.message
