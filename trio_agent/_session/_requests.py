@@ -292,13 +292,18 @@ async def record_raised(journal: DurableJournal, request: _Request, exc: BaseExc
     if typed is None and (is_cancellation(exc) or any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves(exc))):
         # Cancelled from outside (the session block, a subagent's work scope, a parent's tool call),
         # or Ctrl-C landing in this task: recorded, so no request is left open for recovery.
+        reason = request.cancel_reason()
+        # What a message that joined this request is told (its sender waits for this request's end):
+        # the caller's own cancellation goes on as it is.
+        request.error = RequestAbortedError(f"the request was interrupted ({reason.value})", reason=reason.value)
+        request.stop_reason = StopReason.ABORTED
         with bounded_shield(grace, "recording a cancelled request"):
             await drain_holds(request)
             await record_request_end(
                 journal,
                 agent_id,
                 request.request_id,
-                RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
+                RequestInterrupted(request_id=request.request_id, reason=reason),
             )
         return False
     if typed is None and not isinstance(exc, Exception):
@@ -366,14 +371,25 @@ class RequestQueue:
         "closed",
         "current",
         "grace",
+        "inbox",
         "journal",
         "max_queued",
         "root",
     )
 
-    def __init__(self, journal: DurableJournal, root: _Agent, *, max_queued: int, cleanup_grace: float) -> None:
+    def __init__(
+        self,
+        journal: DurableJournal,
+        root: _Agent,
+        *,
+        max_queued: int,
+        cleanup_grace: float,
+        inbox: dict[str, list[str]] | None = None,
+    ) -> None:
         self.journal = journal
         self.root = root
+        # The host's: what joined a request that never started reaches the agent's next turn.
+        self.inbox: dict[str, list[str]] = {} if inbox is None else inbox
         self.grace = cleanup_grace
         self.max_queued = max_queued
         self._worker_done: trio.Event | None = None  # made when the worker starts
@@ -569,7 +585,13 @@ class RequestQueue:
         await request.done.wait()
 
     async def _record_unstarted(self, request: _Request) -> None:
-        """An accepted request that was aborted before it started: recorded interrupted, finished."""
+        """An accepted request that was aborted before it started: recorded interrupted, finished.
+        A message that joined it meanwhile is not lost: it reaches the agent's next turn, as for
+        a request aborted while it ran (`SessionHost.run_request`)."""
+        request.accepting = False
+        if request.pending:
+            self.inbox.setdefault(request.agent.agent_id, []).extend(request.pending)
+            request.pending.clear()
         abort = request.abort.reason
         reason = abort.reason if abort is not None else AbortReason.USER_ABORT
         with bounded_shield(self.grace, "recording a queued request's abort"):
@@ -623,7 +645,24 @@ class RequestQueue:
                 finally:
                     slot.release()
         finally:
-            done.set()
+            try:
+                # Cancelled (the session's block, a lost lease): what is still queued must end too,
+                # or its callers wait for ever and its acceptance stays open in the journal.
+                await self._reject_left()
+            finally:
+                done.set()
+
+    async def _reject_left(self) -> None:
+        line = self._line
+        if line is None:
+            return
+        while True:
+            try:
+                request = line[1].receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            if not (request.done.is_set() or request.abort.aborted):
+                await self._reject_queued(request)
 
     async def _run_taken(self, request: _Request, run: Callable[[_Request], Awaitable[None]]) -> None:
         """Run a queued request that got the slot, unless it was aborted or the session closed meanwhile."""

@@ -272,7 +272,10 @@ class Session:
     async def _run_to_end(self, request: _Request, cancelled: str) -> str:
         queue = self._queue
         if queue.runs_here():  # idle: the caller's task runs it, no hand-off to the worker
-            await queue.run_here(request, self._host.run_request, self._cancelled_by)
+            try:
+                await queue.run_here(request, self._host.run_request, self._cancelled_by)
+            except BaseExceptionGroup as group:  # a tool's or a hook's nursery, cancelled: one error out
+                raise unwrap_for_boundary(group) from None
         else:
             await queue.accept(request)
             try:

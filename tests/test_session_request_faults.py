@@ -1,0 +1,181 @@
+"""How a session's requests end when their callers or the session are cancelled (a review's findings).
+
+* The session's block cancelled from outside (or a lost lease) while requests wait in its queue:
+  the worker rejected only the one it held; the others never ended, their callers waited for
+  ever and their acceptance stayed open in the journal.
+* `send()` on an idle session runs the request in the caller's task; cancelled while a tool ran
+  a nursery of its own, it raised a bare exception group where the queued path raises `Cancelled`.
+* A message that joined (``priority="next"``) a request whose caller was then cancelled was
+  told it succeeded (an empty answer); one that joined a request aborted before it started was
+  lost instead of reaching the next turn.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import trio
+import trio.testing
+
+from trio_agent import (
+    RequestAbortedError,
+    SessionClosedError,
+    ToolResult,
+    define_tool,
+    open_session,
+)
+from trio_agent._journal._events import RequestInterrupted, SessionClosed
+from trio_agent._journal._memory import MemoryStore
+from trio_agent._journal._store import AppendBatch, AppendResult, AppendTicket
+from trio_agent._session._endings import open_items
+from trio_agent.testing import Reply, TestModel
+
+
+async def test_requests_queued_when_the_session_is_cancelled_all_end(autojump_clock: trio.testing.MockClock) -> None:
+    model = TestModel(respond=lambda request: Reply(text="ok", latency=10))
+    outcomes: dict[str, str] = {}
+
+    async def caller(name: str, session: Any, priority: str | None) -> None:
+        try:
+            outcomes[name] = await session.send(name, priority=priority)
+        except (RequestAbortedError, SessionClosedError) as exc:
+            outcomes[name] = type(exc).__name__
+
+    with trio.fail_after(60):  # a caller left waiting would hang the test
+        async with trio.open_nursery() as outside:  # callers outside the session's block
+            with trio.move_on_after(2):
+                async with open_session(provider=model) as session:
+                    outside.start_soon(caller, "a", session, None)  # runs in its caller's task
+                    await trio.sleep(0.1)
+                    for name in ("b", "c", "d"):  # the worker takes b; c and d wait in the queue
+                        outside.start_soon(caller, name, session, "later")
+                    await trio.sleep_forever()
+    assert outcomes == {
+        "a": "RequestAbortedError",
+        "b": "SessionClosedError",
+        "c": "SessionClosedError",
+        "d": "SessionClosedError",
+    }
+    events = [envelope.event for envelope in await session.journal.store.read(session.journal.stream_id())]
+    assert sum(isinstance(event, RequestInterrupted) for event in events) == 4
+    assert isinstance(events[-1], SessionClosed) and not open_items(session.journal.projection())
+
+
+@define_tool(side_effect="pure", kind="readonly", interrupt="cancel", input_schema={"type": "object"})
+async def fan(input: dict[str, Any], ctx: Any) -> ToolResult:
+    """A tool that runs two tasks of its own."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.sleep, 100)
+        nursery.start_soon(trio.sleep, 100)
+    return ToolResult.success("done")
+
+
+async def test_send_run_in_its_callers_task_raises_cancelled_not_a_group(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    model = TestModel(default=Reply(tool_calls=[("fan", {})]))
+    raised: list[BaseException] = []
+    async with open_session(provider=model, tools=[fan]) as session:
+        with trio.move_on_after(5):
+            try:
+                await session.send("go")
+            except BaseException as exc:
+                raised.append(exc)
+                raise
+    assert len(raised) == 1 and isinstance(raised[0], trio.Cancelled)
+
+
+async def test_a_message_that_joined_a_request_whose_caller_was_cancelled_is_told_so(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    model = TestModel(respond=lambda request: Reply(text="answer", latency=10))
+    joined: list[object] = []
+    async with open_session(provider=model) as session, trio.open_nursery() as nursery:
+
+        async def owner() -> None:
+            with trio.move_on_after(3):
+                await session.send("first")  # idle session: runs in this task
+
+        async def joiner() -> None:
+            try:
+                joined.append(await session.send("more", priority="next"))
+            except RequestAbortedError as exc:
+                joined.append(exc)
+
+        nursery.start_soon(owner)
+        await trio.sleep(2)
+        nursery.start_soon(joiner)
+    assert len(joined) == 1 and isinstance(joined[0], RequestAbortedError), joined
+
+
+class _GatedStore(MemoryStore):
+    """A memory store whose writes commit, in order, only while ``gate`` is open."""
+
+    __slots__ = ("_receive", "_send", "gate")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = trio.Event()
+        self.gate.set()
+        self._send, self._receive = trio.open_memory_channel[tuple[AppendBatch, AppendTicket]](math.inf)
+
+    def submit(self, batch: AppendBatch) -> AppendTicket:
+        ticket = AppendTicket(batch)
+        self._send.send_nowait((batch, ticket))
+        return ticket
+
+    async def run(self) -> None:
+        async for batch, ticket in self._receive:
+            await self.gate.wait()
+            outcome: AppendResult | BaseException
+            try:
+                outcome = MemoryStore.commit(self, batch)
+            except Exception as exc:
+                outcome = exc
+            ticket._resolve(outcome)
+
+
+async def test_a_message_that_joined_a_request_aborted_before_it_started_reaches_the_next_turn() -> None:
+    store = _GatedStore()
+    model = TestModel(default=Reply(text="ok"))
+    async with trio.open_nursery() as writer:
+        writer.start_soon(store.run)
+        async with open_session(provider=model, journal=store) as session:
+            await session.send("warm")
+            store.gate = trio.Event()  # the next acceptance waits for its commit
+            told: dict[str, object] = {}
+            async with trio.open_nursery() as nursery:
+
+                async def first() -> None:
+                    try:
+                        await session.send("first")
+                    except RequestAbortedError as exc:
+                        told["first"] = exc
+
+                async def join() -> None:
+                    try:
+                        await session.send("remember this", priority="next")
+                    except RequestAbortedError as exc:
+                        told["joined"] = exc
+
+                nursery.start_soon(first)
+                await trio.testing.wait_all_tasks_blocked()  # "first" is being accepted
+                nursery.start_soon(join)
+                await trio.testing.wait_all_tasks_blocked()  # the message joined it
+                aborting = trio.Event()
+
+                async def abort() -> None:
+                    aborting.set()
+                    await session.abort()
+
+                nursery.start_soon(abort)
+                await aborting.wait()
+                store.gate.set()
+            assert set(told) == {"first", "joined"}
+            await session.send("next one")
+            seen = [
+                message.content for message in model.requests[-1].messages if type(message).__name__ == "UserMessage"
+            ]
+            assert seen == ["warm", "next one", "remember this"]
+        writer.cancel_scope.cancel()
