@@ -8,6 +8,8 @@
 * A message that joined (``priority="next"``) a request whose caller was then cancelled was
   told it succeeded (an empty answer); one that joined a request aborted before it started was
   lost instead of reaching the next turn.
+* Leaving the block while `session.close()` ran in another task closed the journal under that
+  close: no ``session_closed`` was written.
 """
 
 from __future__ import annotations
@@ -179,3 +181,29 @@ async def test_a_message_that_joined_a_request_aborted_before_it_started_reaches
             ]
             assert seen == ["warm", "next one", "remember this"]
         writer.cancel_scope.cancel()
+
+
+async def test_leaving_the_block_while_another_task_closes_the_session_waits_for_that_close(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from trio_agent import HookEvent
+
+    async def slow_end(input: Any) -> None:
+        await trio.sleep(1)
+
+    model = TestModel(default=Reply(text="ok"))
+    closed_at: list[float] = []
+    async with trio.open_nursery() as outside:
+        async with open_session(provider=model, hooks={HookEvent.SESSION_END: [slow_end]}) as session:
+            await session.send("hi")
+
+            async def closer() -> None:
+                await session.close()
+                closed_at.append(trio.current_time())
+
+            outside.start_soon(closer)
+            await trio.testing.wait_all_tasks_blocked()  # the close runs its SessionEnd hook
+        left_at = trio.current_time()
+    assert closed_at and left_at >= closed_at[0]  # the block did not close the journal under it
+    events = [envelope.event for envelope in await session.journal.store.read(session.journal.stream_id())]
+    assert isinstance(events[-1], SessionClosed)

@@ -72,7 +72,9 @@ class Session:
 
     # Slotted: thousands of idle sessions may be alive, and a dict each is bytes and a GC object.
     __slots__ = (
+        "_close_done",
         "_closed",
+        "_closing",
         "_final",
         "_host",
         "_nursery",
@@ -111,6 +113,8 @@ class Session:
         self._started = False
         self._final = False  # the close ends it for good
         self._closed = False
+        self._closing = False  # a close runs (in some task)
+        self._close_done: trio.Event | None = None  # made by a second close that waits for the first
 
     # -- what it holds
 
@@ -474,18 +478,32 @@ class Session:
         ``session_closed`` events are deferred to its close, which writes them in one
         transaction with the lease's release."""
         if self._closed:
-            await trio.lowlevel.checkpoint()
+            if not self._closing:
+                await trio.lowlevel.checkpoint()
+                return
+            # Another task is closing: this close (the block's way out, maybe cancelled) returns
+            # once that one is done, or the journal would be closed under it.
+            done = self._close_done
+            if done is None:
+                done = self._close_done = trio.Event()
+            with bounded_shield(self.close_timeout, "waiting for the session's close in another task"):
+                await done.wait()
             return
-        self._closed = True
-        self._host.closing = True
-        queue = self._queue
-        queue.close()
-        if self._close_may_wait(queue):
-            with bounded_shield(self.close_timeout, "closing the session"):
+        self._closed = self._closing = True
+        try:
+            self._host.closing = True
+            queue = self._queue
+            queue.close()
+            if self._close_may_wait(queue):
+                with bounded_shield(self.close_timeout, "closing the session"):
+                    refused = await self._close_steps(queue, reason, journal_closes)
+            else:
+                # Nothing below reaches a checkpoint: a shield (a cancel scope) would guard nothing.
                 refused = await self._close_steps(queue, reason, journal_closes)
-        else:
-            # Nothing below reaches a checkpoint: a shield (a cancel scope) would guard nothing.
-            refused = await self._close_steps(queue, reason, journal_closes)
+        finally:
+            self._closing = False
+            if self._close_done is not None:
+                self._close_done.set()
         if refused is not None:
             raise refused
 
