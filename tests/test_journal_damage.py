@@ -590,3 +590,52 @@ def test_any_one_byte_change_fails_the_checksum(seq: int, session: str, position
         seq ^= xor
     with pytest.raises(JournalCorruptError, match=re.escape(f"{stream}#{seq} is corrupt: checksum mismatch")):
         decode_row(stream, seq, body, checksum)
+
+
+def _created(session_id: str, token: int) -> AppendBatch:
+    from trio_agent._journal._events import place_event
+
+    stream = f"{session_id}/root"
+    event = SessionCreated(session_id=session_id, agent_id="root", parent_agent_id=None)
+    return AppendBatch(session_id, stream, token, [place_event(stream, 1, event, 1.0)])
+
+
+@pytest.mark.parametrize(("table", "edit"), [("journal_leases", "token=9e999"), ("journal_leases", "owner=x'ff'")])
+async def test_a_mistyped_stored_lease_row_fails_its_own_session_alone_in_a_group_commit(
+    tmp_path: Path, table: str, edit: str
+) -> None:
+    # An edited file: SQLite keeps 9e999 as a REAL infinity in an INTEGER column. int() of it raised
+    # OverflowError, which failed the whole group: the neighbour's append and lease renewal too.
+    path = tmp_path / "journal.db"
+    async with open_sqlite_store(str(path)) as store:
+        lease_a = await store.acquire_lease("A", "me", 60)
+        lease_b = await store.acquire_lease("B", "me", 60)
+        with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+            conn.execute(f"UPDATE {table} SET {edit} WHERE session_id='A'")
+        with store.grouped():
+            appended_a = store.submit(_created("A", lease_a.token))
+            appended_b = store.submit(_created("B", lease_b.token))
+            renewed_b = store.submit_renew(lease_b, 60)
+        with pytest.raises(JournalCorruptError):
+            await appended_a.wait()
+        assert (await appended_b.wait()).first_seq == 1
+        assert (await renewed_b.wait()).token == lease_b.token
+        with pytest.raises(JournalCorruptError):
+            await store.current_lease("A")
+
+
+async def test_a_mistyped_stored_head_is_damage_to_its_stream_alone(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    async with open_sqlite_store(str(path)) as store:
+        lease_a = await store.acquire_lease("A", "me", 60)
+        lease_b = await store.acquire_lease("B", "me", 60)
+        await store.append(_created("A", lease_a.token))
+        with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+            conn.execute("UPDATE journal_streams SET head=9e999 WHERE stream_id='A/root'")
+        with store.grouped():
+            appended_b = store.submit(_created("B", lease_b.token))
+        assert (await appended_b.wait()).first_seq == 1
+        with pytest.raises(JournalCorruptError):
+            await store.stream_info("A/root")
+        with pytest.raises(JournalCorruptError):
+            await store.streams("A")

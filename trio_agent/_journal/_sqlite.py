@@ -177,6 +177,31 @@ def _is_damage(exc: sqlite3.OperationalError) -> bool:
     return "not a database" in text or "malformed" in text or "decode" in text
 
 
+class _StoredValueError(ValueError):
+    """A stored value of another type than its column's (an edited or damaged file): that row is
+    damage. A `ValueError`, so a write that meets it is redone item by item and fails alone."""
+
+
+def _int(value: object) -> int:
+    if type(value) is int:
+        return value
+    raise _StoredValueError(f"a stored count or token is not an integer: {value!r}")
+
+
+def _float(value: object) -> float:
+    if type(value) is float and value == value:  # not NaN (an expiry may be infinite)
+        return value
+    if type(value) is int:
+        return float(value)
+    raise _StoredValueError(f"a stored time is not a number: {value!r}")
+
+
+def _text(value: object) -> str:
+    if type(value) is str:
+        return value
+    raise _StoredValueError(f"a stored id is not text: {value!r}")
+
+
 def _corrupt(path: str, exc: BaseException) -> JournalCorruptError:
     error = JournalCorruptError(f"{path} is not a readable trio_agent journal: {exc}")
     error.__cause__ = exc
@@ -449,7 +474,7 @@ class SQLiteStore(LaneStore):
                 marks = ",".join("?" * len(chunk))
                 query = f"SELECT session_id, owner, token, expires_at FROM journal_leases WHERE session_id IN ({marks})"
                 for row in conn.execute(query, chunk):
-                    leases[row[0]] = (str(row[1]), int(row[2]), float(row[3]))
+                    leases[row[0]] = (_text(row[1]), _int(row[2]), _float(row[3]))
             for start in range(0, len(stream_ids), 500):
                 chunk = stream_ids[start : start + 500]
                 for stream_id in chunk:
@@ -457,7 +482,7 @@ class SQLiteStore(LaneStore):
                 marks = ",".join("?" * len(chunk))
                 query = f"SELECT stream_id, session_id, head FROM journal_streams WHERE stream_id IN ({marks})"
                 for row in conn.execute(query, chunk):
-                    streams[row[0]] = (str(row[1]), int(row[2]))
+                    streams[row[0]] = (_text(row[1]), _int(row[2]))
         except (UnicodeError, ValueError, sqlite3.InterfaceError):
             # An id the driver cannot bind: fall back to per-append lookups, which refuse it alone.
             leases.clear()
@@ -478,18 +503,20 @@ class SQLiteStore(LaneStore):
                 row = conn.execute(
                     "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (batch.session_id,)
                 ).fetchone()
-                leases[batch.session_id] = None if row is None else (str(row[0]), int(row[1]), float(row[2]))
+                leases[batch.session_id] = None if row is None else (_text(row[0]), _int(row[1]), _float(row[2]))
             if batch.stream_id not in streams:
                 row = conn.execute(
                     "SELECT session_id, head FROM journal_streams WHERE stream_id=?", (batch.stream_id,)
                 ).fetchone()
-                streams[batch.stream_id] = None if row is None else (str(row[0]), int(row[1]))
+                streams[batch.stream_id] = None if row is None else (_text(row[0]), _int(row[1]))
             key = (batch.stream_id, batch.command_id or "")
             if batch.command_id is not None and key not in commands:
                 row = conn.execute(
                     "SELECT digest, first_seq, last_seq FROM journal_commands WHERE stream_id=? AND command_id=?", key
                 ).fetchone()
-                commands[key] = None if row is None else (str(row[0]), int(row[1]), int(row[2]))
+                commands[key] = None if row is None else (_text(row[0]), _int(row[1]), _int(row[2]))
+        except _StoredValueError as exc:  # this append's rows are damaged: it fails alone
+            raise _Rejected(JournalCorruptError(f"the stored rows of {batch.stream_id!r} are damaged: {exc}")) from exc
         except (UnicodeError, ValueError, sqlite3.InterfaceError) as exc:
             raise _Rejected(JournalError(f"the store cannot keep this append: {type(exc).__name__}: {exc}")) from exc
         try:
@@ -580,12 +607,12 @@ class SQLiteStore(LaneStore):
             row = conn.execute(
                 "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (write.session_id,)
             ).fetchone()
-            leases[write.session_id] = None if row is None else (str(row[0]), int(row[1]), float(row[2]))
+            leases[write.session_id] = None if row is None else (_text(row[0]), _int(row[1]), _float(row[2]))
         if write.stream_id not in streams:
             row = conn.execute(
                 "SELECT session_id, head FROM journal_streams WHERE stream_id=?", (write.stream_id,)
             ).fetchone()
-            streams[write.stream_id] = None if row is None else (str(row[0]), int(row[1]))
+            streams[write.stream_id] = None if row is None else (_text(row[0]), _int(row[1]))
         try:
             decide_snapshot(write, lease=leases[write.session_id], stream=streams[write.stream_id], now=now)
         except (JournalError, LeaseLostError) as refusal:
@@ -597,7 +624,7 @@ class SQLiteStore(LaneStore):
         found = conn.execute(
             "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (op.session_id,)
         ).fetchone()
-        row: LeaseRow | None = None if found is None else (str(found[0]), int(found[1]), float(found[2]))
+        row: LeaseRow | None = None if found is None else (_text(found[0]), _int(found[1]), _float(found[2]))
         if op.kind == "release":
             if releases(row, op.token):
                 conn.execute("UPDATE journal_leases SET expires_at=? WHERE session_id=?", (-1e300, op.session_id))
@@ -637,7 +664,7 @@ class SQLiteStore(LaneStore):
             return fn(conn)
         except JournalError:
             raise
-        except UnicodeDecodeError as exc:  # stored text that is not UTF-8: damage
+        except (UnicodeDecodeError, _StoredValueError) as exc:  # text that is not UTF-8, a mistyped value: damage
             raise _corrupt(self.path, exc) from exc
         except (UnicodeError, ValueError, sqlite3.InterfaceError) as exc:
             raise JournalError(f"journal {self.path}: the query cannot be run: {type(exc).__name__}: {exc}") from exc
@@ -688,7 +715,7 @@ class SQLiteStore(LaneStore):
             row = conn.execute(
                 "SELECT session_id, head FROM journal_streams WHERE stream_id=?", (stream_id,)
             ).fetchone()
-            return None if row is None else StreamInfo(stream_id, row[0], int(row[1]))
+            return None if row is None else StreamInfo(stream_id, _text(row[0]), _int(row[1]))
 
         result: StreamInfo | None = await self._read(query)
         return result
@@ -702,7 +729,7 @@ class SQLiteStore(LaneStore):
                     "SELECT stream_id, session_id, head FROM journal_streams WHERE session_id=? ORDER BY stream_id",
                     (session_id,),
                 )
-            return [StreamInfo(row[0], row[1], int(row[2])) for row in rows.fetchall()]
+            return [StreamInfo(_text(row[0]), _text(row[1]), _int(row[2])) for row in rows.fetchall()]
 
         result: list[StreamInfo] = await self._read(query)
         return result
@@ -713,7 +740,9 @@ class SQLiteStore(LaneStore):
                 "SELECT digest, first_seq, last_seq FROM journal_commands WHERE stream_id=? AND command_id=?",
                 (stream_id, command_id),
             ).fetchone()
-            return None if row is None else CommandRecord(stream_id, command_id, row[0], int(row[1]), int(row[2]))
+            if row is None:
+                return None
+            return CommandRecord(stream_id, command_id, _text(row[0]), _int(row[1]), _int(row[2]))
 
         result: CommandRecord | None = await self._read(query)
         return result
@@ -725,7 +754,7 @@ class SQLiteStore(LaneStore):
                 " AND first_seq>? ORDER BY first_seq",
                 (stream_id, after),
             ).fetchall()
-            return [CommandRecord(stream_id, row[0], row[1], int(row[2]), int(row[3])) for row in rows]
+            return [CommandRecord(stream_id, _text(row[0]), _text(row[1]), _int(row[2]), _int(row[3])) for row in rows]
 
         result: list[CommandRecord] = await self._read(query)
         return result
@@ -753,7 +782,7 @@ class SQLiteStore(LaneStore):
             row = conn.execute(
                 "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (session_id,)
             ).fetchone()
-            return None if row is None else Lease(session_id, row[0], int(row[1]), float(row[2]))
+            return None if row is None else Lease(session_id, _text(row[0]), _int(row[1]), _float(row[2]))
 
         result: Lease | None = await self._read(query)
         return result

@@ -153,7 +153,8 @@ _write_digest = _json_writer(sort_keys=True)
 
 def _write_body(data: Any) -> str:
     """The stored JSON text of an unstructured envelope: ASCII, compact; what ``json.dumps(data,
-    separators=(",", ":"), allow_nan=False)`` writes, or the same values, and refused alike.
+    separators=(",", ":"), allow_nan=False)`` writes, or the same values in other spelling (orjson
+    writes ``1e-7`` for ``1e-07`` and leaves DEL unescaped, as JSON allows), and refused alike.
 
     orjson writes it in about half the standard library's instructions, its check included (a
     request's dozen bodies were most of a SQLite writer's Python work), but only for data of JSON's
