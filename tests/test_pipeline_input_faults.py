@@ -4,7 +4,8 @@ A review found three ways out of the pipeline that bypassed its typed results: t
 ``affected_paths`` raising, and input a stage allowed with that the schema check cannot read,
 left ``execute`` as bare exceptions on the fast path (and as a ``middleware_error`` blaming the
 middleware on the layered one), so a `chat()` run lost its turn and its neighbour calls; and a
-stage could change the interrupt behaviour, which only middleware was refused.
+stage could change the interrupt behaviour, which only middleware was refused. And the heap of
+running calls kept every call that finished beside a long-running one alive.
 """
 
 from __future__ import annotations
@@ -137,3 +138,28 @@ async def test_a_stage_cannot_change_the_interrupt_behaviour_as_middleware_canno
     assert record.status.value == "failed" and not record.tool_ran
     assert record.result.error is not None and record.result.error.code == "behavior_error"
     assert "interrupt behavior" in record.result.error.message
+
+
+async def test_calls_that_finished_beside_a_long_running_call_are_not_kept_alive() -> None:
+    # The pipeline's heap of running calls (kept so that new starts wait for a cancelled call
+    # that overruns its cleanup) dropped finished entries only from its top: beside a long call
+    # (a subagent's, say), every call that finished after it stayed alive with its result.
+    release = trio.Event()
+
+    async def run(input: dict[str, Any], ctx: Any) -> ta.ToolResult:
+        if input.get("long"):
+            await release.wait()
+        return ta.ToolResult.success("x" * 1000)
+
+    tool = ta.define_tool(
+        run, name="t", description="Runs.", side_effect="pure", kind="readonly", input_schema={"type": "object"}
+    )
+    pipeline = ToolPipeline([tool], journal=InMemoryToolJournal(keep_entries=False), history_limit=0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pipeline.execute, ToolCall("long", "t", {"long": True}))
+        await trio.testing.wait_all_tasks_blocked()
+        for index in range(50):
+            await pipeline.execute(ToolCall(f"c{index}", "t", {}))
+        assert len(pipeline._cleanup_heap) == 1  # the long call's own entry only
+        release.set()
+    assert pipeline._cleanup_heap == []

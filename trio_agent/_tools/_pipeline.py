@@ -1439,6 +1439,11 @@ class ToolPipeline:
         heap = self._cleanup_heap
         while heap and heap[0][2].cleanup_deadline == -math.inf:
             heapq.heappop(heap)
+        if heap:
+            # Below a call that still runs (a long tool, a subagent's), finished entries would keep
+            # their calls alive (result, input, context) until it ends: drop every finished one now.
+            heap[:] = [entry for entry in heap if entry[2].cleanup_deadline != -math.inf]
+            heapq.heapify(heap)
 
     def _note_cancel(self, state: _Call) -> None:
         deadline = trio.current_time() + self.cleanup_grace
