@@ -930,33 +930,42 @@ class ToolPipeline:
         chain = self._chain
         mw_result: ToolResult | None = None
         mw_error: BaseException | None = None
-        with trio.CancelScope() as scope:
-            state.mw_scope = scope
-            try:
-                if chain is not None:
-                    state.entered = []
-                    # The outermost layer gets our own request: nothing to guard.
-                    request = middleware_request(state.tool.name, state.live_input, state.ctx, state.sink)
-                    mw_result = await chain.start(request, state, _CallNext)
-                else:
-                    mw_result = await self._core(state, state.live_input, None)
-            except NextCalledTwiceError as exc:
-                state.next_twice = True
-                mw_error = exc
-            except BaseException as exc:
-                # A group holding Cancelled (a middleware's or tool's own nursery) is a cancellation:
-                # it goes on unchanged, never a middleware failure. A typed error in it wins.
-                if is_cancellation(exc) or isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                    raise
-                typed = typed_error(exc)
-                if isinstance(typed, LeaseLostError) and state.fatal is None:
-                    state.fatal = typed
-                mw_error = exc
-            finally:
-                # The chain is over: nothing that is still pending may enter it any more. What it
-                # entered is taken off the call (a coroutine still running refers back to it).
-                state.door_closed = True
-                entered, state.entered = state.entered, None
+        entered: list[CoroutineType[Any, Any, ToolResult]] | None = None
+        try:
+            with trio.CancelScope() as scope:
+                state.mw_scope = scope
+                try:
+                    if chain is not None:
+                        state.entered = []
+                        # The outermost layer gets our own request: nothing to guard.
+                        request = middleware_request(state.tool.name, state.live_input, state.ctx, state.sink)
+                        mw_result = await chain.start(request, state, _CallNext)
+                    else:
+                        mw_result = await self._core(state, state.live_input, None)
+                except NextCalledTwiceError as exc:
+                    state.next_twice = True
+                    mw_error = exc
+                except BaseException as exc:
+                    # A group holding Cancelled (a middleware's or tool's own nursery) is a cancellation:
+                    # it goes on unchanged, never a middleware failure. A typed error in it wins.
+                    if is_cancellation(exc) or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    typed = typed_error(exc)
+                    if isinstance(typed, LeaseLostError) and state.fatal is None:
+                        state.fatal = typed
+                    mw_error = exc
+                finally:
+                    # The chain is over: nothing that is still pending may enter it any more. What it
+                    # entered is taken off the call (a coroutine still running refers back to it).
+                    state.door_closed = True
+                    entered, state.entered = state.entered, None
+        except Exception as rest:
+            # The scope caught its cancellation out of a group (a middleware's own nursery) and let
+            # through an error raised beside it in cleanup: the chain was stopped by the abort or the
+            # unwind deadline all the same, and what follows judges that as it would a Cancelled.
+            if not scope.cancelled_caught:
+                raise
+            mw_error = rest
         # A `call_next()` still pending, or the inner layers it entered still running (in a task of
         # their own: a coroutine that has finished has no frame).
         still_open = state.pending > 0
@@ -1091,85 +1100,94 @@ class ToolPipeline:
                                 else:
                                     paths = ()
                     outcome: Any = _NOT_RUN
-                    with _NO_SCOPE if early is None else early:
-                        if early is not None:
-                            state.target = early
-                            prepared = await self._wait_for_start(state, model_input, prepared, paths)
-                            state.target = None
-                        if type(prepared) is tuple:
-                            final_input, value, behavior = prepared
-                            if state.aborted is not None:
-                                raise _Aborted
-                            # The one final input: what the journal records, the record keeps and the
-                            # tool's value came from.
-                            state.effective_input = final_input
-                            journal = self.journal
-                            try:
-                                if self._owner_checks:
-                                    journal.check_ownership()
-                                before = None if self._journal_atomic else self._call_state(state.scheduled)
-                                try:
-                                    await journal.on_execution_started(
-                                        state.scheduled, final_input, behavior.side_effect, synthetic=False
-                                    )
-                                except BaseException:
-                                    # Cancelled while the start was being confirmed, after the journal took it:
-                                    # it is started, so the call settles as cancelled (never with a second,
-                                    # synthetic start).
-                                    if (
-                                        not self._journal_atomic
-                                        and before != "started"
-                                        and self._call_state(state.scheduled) == "started"
-                                    ):
-                                        state.started = True
-                                    raise
-                                state.started = True
-                                if self._owner_checks:
-                                    journal.check_ownership()
-                            except (LeaseLostError, JournalError) as exc:
-                                state.fatal = exc
-                                raise
-                            if state.aborted is not None:  # arrived while tool_started was written
-                                raise _Aborted  # the tool never runs
-                            tool_emit = state.sink_from_tool if emit is None else state.tool_emit(emit)
-                            context = tool_context(state.ctx, tool_emit, state.slot, self.cleanup_grace)
-                            deadline = state.clock.current_time() + (tool.timeout or self.timeout)
-                            if early is None:
-                                scope = trio.CancelScope(deadline=deadline)
-                                entered: trio.CancelScope | _NoScope = scope
-                            else:
-                                scope, entered = early, _NO_SCOPE
-                                scope.deadline = deadline
-                            with entered:
-                                state.target = scope
-                                # Tracked until `_untrack_cleanup`: new starts wait for it if it overruns.
-                                cleanup_deadline = state.cleanup_deadline = deadline + self.cleanup_grace
-                                self._cleanup_seq += 1
-                                heapq.heappush(self._cleanup_heap, (cleanup_deadline, self._cleanup_seq, state))
-                                state.tool_ran = True
-                                try:
-                                    outcome = await tool.run(value, context)
-                                except ToolFailure as failure:
-                                    outcome = failure.to_result()
-                                except BaseException as exc:
-                                    typed = typed_error(exc)
-                                    if isinstance(typed, LeaseLostError):
-                                        state.fatal = typed
-                                        raise
-                                    if contains_cancelled(exc) or not isinstance(exc, Exception):
-                                        raise  # a cancellation (maybe a group from the tool's own nursery) goes on
-                                    outcome = ToolResult.failure(
-                                        ToolErrorType.EXECUTION, f"{type(exc).__name__}: {exc}", code="tool_error"
-                                    )
-                                finally:
-                                    self._untrack_cleanup(state, scope)
-                                # The side effect is done: commit before anything else can be cancelled.
+                    active: trio.CancelScope | None = early  # the scope that may cancel what runs now
+                    try:
+                        with _NO_SCOPE if early is None else early:
+                            if early is not None:
+                                state.target = early
+                                prepared = await self._wait_for_start(state, model_input, prepared, paths)
                                 state.target = None
-                                state.phase = _Phase.COMMITTED
-                                if state.mw_scope is not None:
-                                    self._commit(state)
-                            if scope.cancelled_caught and state.phase is not _Phase.COMMITTED:
-                                raise _Aborted
+                            if type(prepared) is tuple:
+                                final_input, value, behavior = prepared
+                                if state.aborted is not None:
+                                    raise _Aborted
+                                # The one final input: what the journal records, the record keeps and the
+                                # tool's value came from.
+                                state.effective_input = final_input
+                                journal = self.journal
+                                try:
+                                    if self._owner_checks:
+                                        journal.check_ownership()
+                                    before = None if self._journal_atomic else self._call_state(state.scheduled)
+                                    try:
+                                        await journal.on_execution_started(
+                                            state.scheduled, final_input, behavior.side_effect, synthetic=False
+                                        )
+                                    except BaseException:
+                                        # Cancelled while the start was being confirmed, after the journal took it:
+                                        # it is started, so the call settles as cancelled (never with a second,
+                                        # synthetic start).
+                                        if (
+                                            not self._journal_atomic
+                                            and before != "started"
+                                            and self._call_state(state.scheduled) == "started"
+                                        ):
+                                            state.started = True
+                                        raise
+                                    state.started = True
+                                    if self._owner_checks:
+                                        journal.check_ownership()
+                                except (LeaseLostError, JournalError) as exc:
+                                    state.fatal = exc
+                                    raise
+                                if state.aborted is not None:  # arrived while tool_started was written
+                                    raise _Aborted  # the tool never runs
+                                tool_emit = state.sink_from_tool if emit is None else state.tool_emit(emit)
+                                context = tool_context(state.ctx, tool_emit, state.slot, self.cleanup_grace)
+                                deadline = state.clock.current_time() + (tool.timeout or self.timeout)
+                                if early is None:
+                                    scope = active = trio.CancelScope(deadline=deadline)
+                                    entered: trio.CancelScope | _NoScope = scope
+                                else:
+                                    scope, entered = early, _NO_SCOPE
+                                    scope.deadline = deadline
+                                with entered:
+                                    state.target = scope
+                                    # Tracked until `_untrack_cleanup`: new starts wait for it if it overruns.
+                                    cleanup_deadline = state.cleanup_deadline = deadline + self.cleanup_grace
+                                    self._cleanup_seq += 1
+                                    heapq.heappush(self._cleanup_heap, (cleanup_deadline, self._cleanup_seq, state))
+                                    state.tool_ran = True
+                                    try:
+                                        outcome = await tool.run(value, context)
+                                    except ToolFailure as failure:
+                                        outcome = failure.to_result()
+                                    except BaseException as exc:
+                                        typed = typed_error(exc)
+                                        if isinstance(typed, LeaseLostError):
+                                            state.fatal = typed
+                                            raise
+                                        if contains_cancelled(exc) or not isinstance(exc, Exception):
+                                            raise  # a cancellation (maybe a group from the tool's own nursery) goes on
+                                        outcome = ToolResult.failure(
+                                            ToolErrorType.EXECUTION, f"{type(exc).__name__}: {exc}", code="tool_error"
+                                        )
+                                    finally:
+                                        self._untrack_cleanup(state, scope)
+                                    # The side effect is done: commit before anything else can be cancelled.
+                                    state.target = None
+                                    state.phase = _Phase.COMMITTED
+                                    if state.mw_scope is not None:
+                                        self._commit(state)
+                                if scope.cancelled_caught and state.phase is not _Phase.COMMITTED:
+                                    raise _Aborted
+                    except Exception as rest:
+                        # A scope of ours caught its cancellation out of a group (a stage's or the tool's own
+                        # nursery) and let through an error raised beside it in their cleanup: the call was
+                        # stopped by its abort or deadline all the same.
+                        if active is None or not active.cancelled_caught or state.phase is _Phase.COMMITTED:
+                            raise
+                        raise _Aborted from rest
                     if early is not None and early.cancelled_caught and state.phase is not _Phase.COMMITTED:
                         raise _Aborted
                     if outcome is _NOT_RUN:  # short-circuited: denied, skipped, invalid, a lock timeout
