@@ -10,6 +10,9 @@
   lost instead of reaching the next turn.
 * Leaving the block while `session.close()` ran in another task closed the journal under that
   close: no ``session_closed`` was written.
+* The queue's length was read off its channel: a request handed straight to the waiting worker
+  was not counted (a send without priority ran ahead of it), one aborted while it waited was,
+  and more concurrent sends than it holds passed the check before their acceptance was written.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
@@ -207,3 +211,83 @@ async def test_leaving_the_block_while_another_task_closes_the_session_waits_for
     assert closed_at and left_at >= closed_at[0]  # the block did not close the journal under it
     events = [envelope.event for envelope in await session.journal.store.read(session.journal.stream_id())]
     assert isinstance(events[-1], SessionClosed)
+
+
+async def test_a_request_handed_straight_to_the_waiting_worker_counts_as_queued(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Counted off the channel's buffer, a request handed straight to a worker waiting on an empty
+    # channel was not queued: a send() without priority then ran first, in its caller's task.
+    from trio_agent import SessionBusyError
+
+    order: list[str] = []
+
+    def respond(request: Any) -> Reply:
+        prompt = [message for message in request.messages if type(message).__name__ == "UserMessage"][-1].content
+        order.append(prompt)
+        return Reply(text=f"ok:{prompt}")
+
+    async with open_session(provider=TestModel(respond=respond)) as session:
+        async with session.stream("s0") as events:  # a stream's request always goes to the worker
+            async for _ in events:
+                pass
+        await trio.testing.wait_all_tasks_blocked()  # the worker waits on its empty channel
+        async with session.stream("s1") as events:
+            with pytest.raises(SessionBusyError):  # it was not: "x" ran first, in its caller's task
+                await session.send("x")
+            async for _ in events:
+                pass
+    assert order == ["s0", "s1"]
+
+
+async def test_a_request_aborted_while_it_waited_is_not_counted_as_queued() -> None:
+    async with open_session(provider=TestModel(default=Reply(text="ok"))) as session:
+        async with session.stream("a"):
+            pass  # left at once: its request, still waiting for the worker, is recorded interrupted
+        assert await session.send("b") == "ok"  # not SessionBusyError: nothing waits any more
+
+
+async def test_more_concurrent_sends_than_the_queue_holds_are_refused_and_none_is_left_open() -> None:
+    # The queue's length was checked before the acceptance was written (an await): more sends than
+    # it holds passed the check, and the extra ones raised trio.WouldBlock after being accepted,
+    # left open for ever.
+    from trio_agent import SessionBusyError
+
+    store = _GatedStore()
+    release = trio.Event()
+
+    @define_tool(side_effect="pure", kind="readonly", input_schema={"type": "object"})
+    async def hold(input: dict[str, Any], ctx: Any) -> ToolResult:
+        """Holds the first request."""
+        await release.wait()
+        return ToolResult.success("done")
+
+    def respond(request: Any) -> Reply:
+        if len(request.messages) == 1 and request.messages[0].content == "first":
+            return Reply(tool_calls=[("hold", {})])
+        return Reply(text="ok")
+
+    refused = 0
+    async with trio.open_nursery() as writer:
+        writer.start_soon(store.run)
+        async with open_session(provider=TestModel(respond=respond), tools=[hold], journal=store) as session:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(session.send, "first")
+                await trio.testing.wait_all_tasks_blocked()  # "first" waits in its tool
+                store.gate = trio.Event()  # every acceptance now waits for its commit
+
+                async def later(index: int) -> None:
+                    nonlocal refused
+                    try:
+                        await session.send(f"later {index}", priority="later")
+                    except SessionBusyError:
+                        refused += 1
+
+                for index in range(70):
+                    nursery.start_soon(later, index)
+                await trio.testing.wait_all_tasks_blocked()
+                store.gate.set()
+                release.set()
+            assert refused == 70 - 64
+            assert not open_items(session.journal.projection())
+        writer.cancel_scope.cancel()

@@ -159,6 +159,7 @@ class _Request:
         "forwards",
         "heard_text",
         "holds",
+        "in_line",
         "observe",
         "paused",
         "pending",
@@ -190,6 +191,7 @@ class _Request:
         # "Finish what runs, then stop": steering of a foreground subagent (its block tools finish).
         self.stop = AbortHandle()
         self.pending: list[str] = []
+        self.in_line = False  # counted by its queue as waiting (`RequestQueue.queued`)
         self.call_ids: list[str] = []  # the tool calls it scheduled, for the results an abort keeps
         self.forwards: list[EventForward] = []  # the stream channels it feeds, closed when it ends
         # Why a cancellation from outside (not an SDK abort) ended it: decided by who hosts it.
@@ -363,6 +365,7 @@ class RequestQueue:
         "_accepting",
         "_held_here",
         "_line",
+        "_queued",
         "_serve_in",
         "_serve_run",
         "_slot",
@@ -396,6 +399,10 @@ class RequestQueue:
         # The requests that wait, made with the first one (an idle session holds no channel).
         self._line: tuple[trio.MemorySendChannel[_Request], trio.MemoryReceiveChannel[_Request]] | None = None
         self._waiting: _Request | None = None  # taken by the worker, waiting for the request slot
+        # Requests accepted to wait, from before their acceptance is written (its place is taken
+        # then) until they run or end: counted, not read off the channel, which misses one handed
+        # straight to the worker and counts one aborted while it waited.
+        self._queued = 0
         # The worker starts with the first request that has to wait: an idle session runs no task.
         self._serve_in: trio.Nursery | None = None
         self._serve_run: Callable[[_Request], Awaitable[None]] | None = None  # (two slots: no tuple to keep)
@@ -439,9 +446,13 @@ class RequestQueue:
     @property
     def queued(self) -> int:
         """Accepted requests that wait to run (the one the worker took and holds counts)."""
-        line = self._line
-        buffered = 0 if line is None else line[1].statistics().current_buffer_used
-        return buffered + (self._waiting is not None)
+        return self._queued
+
+    def _leave_line(self, request: _Request) -> None:
+        """*request* waits no more (it runs, or ended): once, wherever that is noticed first."""
+        if request.in_line:
+            request.in_line = False
+            self._queued -= 1
 
     def idle(self) -> bool:
         """Nothing runs and nothing is queued."""
@@ -456,10 +467,17 @@ class RequestQueue:
             raise SessionBusyError("requests are queued: send with priority='later' to queue another")
 
     async def accept(self, request: _Request) -> None:
-        queued = self.queued
+        queued = self._queued
         if queued >= self.max_queued:
             raise SessionBusyError(f"{queued} requests are already queued; wait for some to finish")
-        await self._accept_durably(request)
+        # Its place is taken before the acceptance is written (an await): the line never overfills.
+        self._queued += 1
+        request.in_line = True
+        try:
+            await self._accept_durably(request)
+        except BaseException:
+            self._leave_line(request)
+            raise
         send, _ = self._waiting_line()
         self._start_worker()
         send.send_nowait(request)
@@ -588,6 +606,7 @@ class RequestQueue:
         """An accepted request that was aborted before it started: recorded interrupted, finished.
         A message that joined it meanwhile is not lost: it reaches the agent's next turn, as for
         a request aborted while it ran (`SessionHost.run_request`)."""
+        self._leave_line(request)
         request.accepting = False
         if request.pending:
             self.inbox.setdefault(request.agent.agent_id, []).extend(request.pending)
@@ -627,6 +646,7 @@ class RequestQueue:
             _, line = self._waiting_line()
             async for request in line:
                 if request.done.is_set() or request.abort.aborted:
+                    self._leave_line(request)
                     continue  # aborted while it was queued: `abort_request` records it
                 if self.closed:
                     await self._reject_queued(request)
@@ -663,14 +683,17 @@ class RequestQueue:
                 return
             if not (request.done.is_set() or request.abort.aborted):
                 await self._reject_queued(request)
+            self._leave_line(request)
 
     async def _run_taken(self, request: _Request, run: Callable[[_Request], Awaitable[None]]) -> None:
         """Run a queued request that got the slot, unless it was aborted or the session closed meanwhile."""
         if request.done.is_set() or request.abort.aborted:
+            self._leave_line(request)
             return  # aborted while it waited for the request slot: `abort_request` recorded it
         if self.closed:
             await self._reject_queued(request)
             return
+        self._leave_line(request)
         self.current = request
         try:
             await run(request)
@@ -679,6 +702,7 @@ class RequestQueue:
 
     async def _reject_queued(self, queued: _Request) -> None:
         """A request still queued when the session closes: recorded interrupted, its caller told."""
+        self._leave_line(queued)
         queued.abort.abort(AbortReason.SESSION_CLOSE, "the session closed before it started")
         with bounded_shield(self.grace, "recording a request the close rejected"):
             await record_request_end(
