@@ -639,3 +639,39 @@ async def test_a_mistyped_stored_head_is_damage_to_its_stream_alone(tmp_path: Pa
             await store.stream_info("A/root")
         with pytest.raises(JournalCorruptError):
             await store.streams("A")
+
+
+async def test_a_read_in_flight_while_the_store_closes_ends_with_its_result(tmp_path: Path) -> None:
+    # The close closed every read connection, the one a read in flight used too: the read raised
+    # sqlite3's own error, or a JournalCorruptError, though nothing was damaged.
+    import threading
+
+    path = tmp_path / "journal.db"
+    store_block = open_sqlite_store(str(path))
+    store = await store_block.__aenter__()
+    try:
+        lease = await store.acquire_lease("A", "me", 60)
+        await store.append(_created("A", lease.token))
+        entered, go = threading.Event(), threading.Event()
+
+        def slow(conn: sqlite3.Connection) -> int:
+            entered.set()
+            go.wait(10)
+            count: int = conn.execute("SELECT count(*) FROM journal_events").fetchone()[0]
+            return count
+
+        results: list[int] = []
+        async with trio.open_nursery() as nursery:
+
+            async def read() -> None:
+                results.append(await store._read(slow))
+
+            nursery.start_soon(read)
+            await trio.to_thread.run_sync(entered.wait)
+            await store.aclose()  # while the read runs
+            go.set()
+        assert results == [1]
+        with pytest.raises(JournalError, match="closed"):
+            store._with_reader(slow)
+    finally:
+        await store_block.__aexit__(None, None, None)

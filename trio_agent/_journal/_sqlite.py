@@ -227,8 +227,8 @@ class SQLiteStore(LaneStore):
         self.poll_interval = poll_interval
         self._writer: sqlite3.Connection | None = None
         self._lane: WriterLane | None = None
-        self._readers: list[sqlite3.Connection] = []
-        self._all_readers: list[sqlite3.Connection] = []
+        self._readers: list[sqlite3.Connection] = []  # idle read connections
+        self._readers_closed = False  # from the close on: a read in flight closes its own connection
         self._reader_lock = threading.Lock()
         self._read_limiter = trio.CapacityLimiter(4)
         self._changed: dict[str, trio.Event] = {}
@@ -345,11 +345,13 @@ class SQLiteStore(LaneStore):
             conn.close()
 
     def _close_readers(self) -> None:
+        # Only the idle ones: a connection a read in flight uses is closed by that read when it ends
+        # (closed under it, the read raised sqlite3's own error, or its rollback did).
         with self._reader_lock:
-            for conn in self._all_readers:
-                conn.close()
-            self._readers.clear()
-            self._all_readers.clear()
+            self._readers_closed = True
+            idle, self._readers = self._readers, []
+        for conn in idle:
+            conn.close()
 
     # -- the writer thread
 
@@ -655,11 +657,11 @@ class SQLiteStore(LaneStore):
 
     def _with_reader(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         with self._reader_lock:
+            if self._readers_closed:
+                raise JournalError("the SQLite store is closed")
             conn = self._readers.pop() if self._readers else None
         if conn is None:
             conn = _connect(self.path, readonly=True)
-            with self._reader_lock:
-                self._all_readers.append(conn)
         try:
             return fn(conn)
         except JournalError:
@@ -679,7 +681,11 @@ class SQLiteStore(LaneStore):
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
             with self._reader_lock:
-                self._readers.append(conn)
+                closing = self._readers_closed
+                if not closing:
+                    self._readers.append(conn)
+            if closing:
+                conn.close()
 
     async def _read(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         if self._closed:
