@@ -11,17 +11,17 @@
 * Batches written together are handed to the store together: an append from another task
   cannot take a place between them.
 
-`_LaterStore` commits like a writer thread: later, in submission order, from a task of its own.
+`LaterStore` commits like a writer thread: later, in submission order, from a task of its own.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
+from store_helpers import LaterStore
 
 from trio_agent import JournalFencedError, JournalUnavailableError, LeaseLostError
 from trio_agent._journal._durable import DurableJournal, open_journal
@@ -35,46 +35,13 @@ from trio_agent._journal._events import (
     SessionCreated,
 )
 from trio_agent._journal._memory import MemoryStore
-from trio_agent._journal._store import AppendBatch, AppendResult, AppendTicket
+from trio_agent._journal._store import AppendBatch, AppendResult
 from trio_agent._tools._definition import InterruptBehavior, SideEffect, ToolBehavior, ToolKind
 from trio_agent._tools._journal import ScheduledCall, Settlement, SettlementStatus
 from trio_agent._tools._results import ToolResult
 from trio_agent.testing import FaultyStore, start_turn
 
 SOURCE = sorted(PERMISSION_UPDATE_SOURCES)[0]
-
-
-class _LaterStore(MemoryStore):
-    """A memory store whose writes commit ``delay`` seconds after submission, in order (no
-    ``commit`` of its own, so the journal awaits each write's ticket). ``fail_next`` makes the
-    next write fail with an unknown outcome, nothing written."""
-
-    __slots__ = ("_receive", "_send", "delay", "fail_next")
-
-    def __init__(self, delay: float) -> None:
-        super().__init__()
-        self.delay = delay
-        self.fail_next = False
-        self._send, self._receive = trio.open_memory_channel[tuple[AppendBatch, AppendTicket]](math.inf)
-
-    def submit(self, batch: AppendBatch) -> AppendTicket:
-        ticket = AppendTicket(batch)
-        self._send.send_nowait((batch, ticket))
-        return ticket
-
-    async def run(self) -> None:
-        async for batch, ticket in self._receive:
-            await trio.sleep(self.delay)
-            outcome: AppendResult | BaseException
-            if self.fail_next:
-                self.fail_next = False
-                outcome = JournalUnavailableError("the writer failed")
-            else:
-                try:
-                    outcome = MemoryStore.commit(self, batch)
-                except Exception as exc:
-                    outcome = exc
-            ticket._resolve(outcome)
 
 
 class _FailingCommit(MemoryStore):
@@ -145,7 +112,7 @@ async def test_flush_after_the_lease_expired_by_the_local_clock_writes_nothing(
 
 
 async def test_a_command_cancelled_while_its_write_was_confirmed_is_a_replay_when_retried() -> None:
-    store = _LaterStore(delay=0.1)
+    store = LaterStore(delay=0.1)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(store.run)
         async with open_journal(store, session_id="s", snapshot_every=None) as journal:
@@ -173,20 +140,24 @@ async def test_a_store_that_already_held_a_command_the_journal_had_not_seen_fenc
         assert len(journal.projection().permission_updates) == 1
 
 
+async def _pure_call_started(journal: DurableJournal) -> ScheduledCall:
+    """A pure call scheduled and started on a journal that does not wait for pure starts."""
+    origin = await start_turn(journal)
+    behavior = ToolBehavior(SideEffect.PURE, ToolKind.READONLY, InterruptBehavior.CANCEL, True)
+    call = ScheduledCall("call", "lookup", {"q": 1}, behavior, "key", "s", "root", origin.request_id, origin.turn_id)
+    await journal.on_tool_scheduled(call)
+    await journal.on_execution_started(call, {"q": 1}, SideEffect.PURE, synthetic=False)
+    return call
+
+
 async def test_a_settlement_behind_an_unconfirmed_pure_start_is_confirmed_when_the_wait_is_cancelled(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    store = _LaterStore(delay=1.0)
+    store = LaterStore(delay=1.0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(store.run)
         async with open_journal(store, session_id="s", durable_pure_starts=False, snapshot_every=None) as journal:
-            origin = await start_turn(journal)
-            behavior = ToolBehavior(SideEffect.PURE, ToolKind.READONLY, InterruptBehavior.CANCEL, True)
-            call = ScheduledCall(
-                "call", "lookup", {"q": 1}, behavior, "key", "s", "root", origin.request_id, origin.turn_id
-            )
-            await journal.on_tool_scheduled(call)
-            await journal.on_execution_started(call, {"q": 1}, SideEffect.PURE, synthetic=False)
+            call = await _pure_call_started(journal)
             settlement = Settlement(SettlementStatus.COMPLETED, ToolResult.success("found"), {"q": 1})
             with trio.move_on_after(0.5) as scope:  # the start is still in flight
                 await journal.on_tool_settled(call, settlement)
@@ -201,17 +172,11 @@ async def test_a_settlement_behind_an_unconfirmed_pure_start_is_confirmed_when_t
 async def test_a_settlement_whose_write_fails_behind_a_cancelled_wait_fences_the_journal(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    store = _LaterStore(delay=1.0)
+    store = LaterStore(delay=1.0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(store.run)
         async with open_journal(store, session_id="s", durable_pure_starts=False, snapshot_every=None) as journal:
-            origin = await start_turn(journal)
-            behavior = ToolBehavior(SideEffect.PURE, ToolKind.READONLY, InterruptBehavior.CANCEL, True)
-            call = ScheduledCall(
-                "call", "lookup", {"q": 1}, behavior, "key", "s", "root", origin.request_id, origin.turn_id
-            )
-            await journal.on_tool_scheduled(call)
-            await journal.on_execution_started(call, {"q": 1}, SideEffect.PURE, synthetic=False)
+            call = await _pure_call_started(journal)
 
             async def fail_the_settlement() -> None:
                 await trio.sleep(1.5)  # after the start committed, before the settlement does
@@ -225,15 +190,20 @@ async def test_a_settlement_whose_write_fails_behind_a_cancelled_wait_fences_the
         nursery.cancel_scope.cancel()
 
 
+async def _accepted_and_started_deferred(journal: DurableJournal) -> None:
+    """Request ``r`` accepted (a command), its start deferred: a command after it writes it ahead."""
+    await journal.append(RequestAccepted(request_id="r", command_id="c", input={}), command_id="c")
+    journal.defer(RequestStarted(request_id="r"))
+
+
 async def test_a_command_behind_deferred_events_is_written_when_the_wait_is_cancelled(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    store = _LaterStore(delay=1.0)
+    store = LaterStore(delay=1.0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(store.run)
         async with open_journal(store, session_id="s", snapshot_every=None) as journal:
-            await journal.append(RequestAccepted(request_id="r", command_id="c", input={}), command_id="c")
-            journal.defer(RequestStarted(request_id="r"))
+            await _accepted_and_started_deferred(journal)
             with trio.move_on_after(0.5) as scope:
                 await journal.append(RequestCompleted(request_id="r", output={}), command_id="c2")
             assert scope.cancelled_caught and not journal.fenced
@@ -244,12 +214,11 @@ async def test_a_command_behind_deferred_events_is_written_when_the_wait_is_canc
 async def test_a_command_behind_deferred_events_and_an_append_beside_it_both_land_in_order(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    store = _LaterStore(delay=1.0)
+    store = LaterStore(delay=1.0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(store.run)
         async with open_journal(store, session_id="s", snapshot_every=None) as journal:
-            await journal.append(RequestAccepted(request_id="r", command_id="c", input={}), command_id="c")
-            journal.defer(RequestStarted(request_id="r"))
+            await _accepted_and_started_deferred(journal)
             results: dict[str, AppendResult] = {}
 
             async def command() -> None:

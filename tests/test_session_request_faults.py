@@ -17,12 +17,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
+from store_helpers import LaterStore
 
 from trio_agent import (
     RequestAbortedError,
@@ -32,8 +32,6 @@ from trio_agent import (
     open_session,
 )
 from trio_agent._journal._events import RequestInterrupted, SessionClosed
-from trio_agent._journal._memory import MemoryStore
-from trio_agent._journal._store import AppendBatch, AppendResult, AppendTicket
 from trio_agent._session._endings import open_items
 from trio_agent.testing import Reply, TestModel
 
@@ -115,35 +113,8 @@ async def test_a_message_that_joined_a_request_whose_caller_was_cancelled_is_tol
     assert len(joined) == 1 and isinstance(joined[0], RequestAbortedError), joined
 
 
-class _GatedStore(MemoryStore):
-    """A memory store whose writes commit, in order, only while ``gate`` is open."""
-
-    __slots__ = ("_receive", "_send", "gate")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = trio.Event()
-        self.gate.set()
-        self._send, self._receive = trio.open_memory_channel[tuple[AppendBatch, AppendTicket]](math.inf)
-
-    def submit(self, batch: AppendBatch) -> AppendTicket:
-        ticket = AppendTicket(batch)
-        self._send.send_nowait((batch, ticket))
-        return ticket
-
-    async def run(self) -> None:
-        async for batch, ticket in self._receive:
-            await self.gate.wait()
-            outcome: AppendResult | BaseException
-            try:
-                outcome = MemoryStore.commit(self, batch)
-            except Exception as exc:
-                outcome = exc
-            ticket._resolve(outcome)
-
-
 async def test_a_message_that_joined_a_request_aborted_before_it_started_reaches_the_next_turn() -> None:
-    store = _GatedStore()
+    store = LaterStore()
     model = TestModel(default=Reply(text="ok"))
     async with trio.open_nursery() as writer:
         writer.start_soon(store.run)
@@ -253,7 +224,7 @@ async def test_more_concurrent_sends_than_the_queue_holds_are_refused_and_none_i
     # left open for ever.
     from trio_agent import SessionBusyError
 
-    store = _GatedStore()
+    store = LaterStore()
     release = trio.Event()
 
     @define_tool(side_effect="pure", kind="readonly", input_schema={"type": "object"})
