@@ -673,6 +673,7 @@ class RequestQueue:
                 done.set()
 
     async def _reject_left(self) -> None:
+        """End what is still in the line when the worker ends, as the close ends what it finds there."""
         line = self._line
         if line is None:
             return
