@@ -442,7 +442,8 @@ class DurableJournal:
             envelopes = stream.deferred + envelopes
             stream.deferred = ()
         # Built from what this journal checked and counted itself (`AppendBatch.placed`).
-        batch = AppendBatch.placed(self.session_id, stream_id, held.lease.token, envelopes, command_id, digest)
+        lease = held.lease
+        batch = AppendBatch.placed(self.session_id, stream_id, lease.token, envelopes, command_id, digest, lease.owner)
         return stream, batch
 
     def defer(self, *events: Event, agent_id: str | None = None) -> None:
@@ -466,7 +467,8 @@ class DurableJournal:
 
     def _deferred_batch(self, stream: _Stream) -> AppendBatch:
         envelopes, stream.deferred = stream.deferred, ()
-        return AppendBatch.placed(self.session_id, stream.stream_id, self.lease.token, envelopes)
+        lease = self.lease
+        return AppendBatch.placed(self.session_id, stream.stream_id, lease.token, envelopes, owner=lease.owner)
 
     async def _write(self, batch: AppendBatch) -> AppendResult:
         if self._commits_now:

@@ -227,7 +227,11 @@ def _envelope_tuple(envelopes: Sequence[EventEnvelope]) -> tuple[EventEnvelope, 
 
 @attrs.frozen
 class AppendBatch:
-    """One atomic append: all of ``envelopes`` land on ``stream_id`` or none does."""
+    """One atomic append: all of ``envelopes`` land on ``stream_id`` or none does.
+
+    ``owner``, when given, is the lease owner the writer holds ``token`` as: the store refuses the
+    append unless the lease is that owner's (a token alone may be another owner's, when a new
+    session's lease is taken with its first write and someone else took it first)."""
 
     session_id: str
     stream_id: str
@@ -235,12 +239,15 @@ class AppendBatch:
     envelopes: tuple[EventEnvelope, ...] = attrs.field(converter=_envelope_tuple)
     command_id: str | None = None
     command_digest: str | None = None
+    owner: str | None = None
 
     def __attrs_post_init__(self) -> None:
         check_id(self.session_id, "session id")
         check_id(self.stream_id, "stream id")
         if self.command_id is not None:
             check_id(self.command_id, "command id")
+        if self.owner is not None:
+            check_id(self.owner, "lease owner")
         if not self.envelopes:
             raise JournalError("an append needs at least one event")
         first = self.envelopes[0].seq
@@ -261,12 +268,13 @@ class AppendBatch:
         envelopes: tuple[EventEnvelope, ...],
         command_id: str | None = None,
         command_digest: str | None = None,
+        owner: str | None = None,
     ) -> AppendBatch:
         """A batch a journal built from envelopes it placed itself (`place_event`), without the
-        constructor's checks: it checked the stream id (whose text holds the session id) and the
-        command id at its door, numbered the envelopes on that stream one after the other, and
-        gives a digest exactly with a command id."""
-        return _placed_batch(session_id, stream_id, token, envelopes, command_id, command_digest)
+        constructor's checks: it checked the stream id (whose text holds the session id), the
+        command id and its lease's owner at its door, numbered the envelopes on that stream one
+        after the other, and gives a digest exactly with a command id."""
+        return _placed_batch(session_id, stream_id, token, envelopes, command_id, command_digest, owner)
 
     @property
     def bodies(self) -> tuple[str, ...]:
@@ -288,8 +296,8 @@ class AppendBatch:
 # Every append makes one of each: built cheaper (see `_builders`), every field given. A placed
 # batch's envelopes are a tuple already and were checked where they were placed (`AppendBatch.placed`):
 # its converter and its own checks have nothing to do.
-_placed_batch: Callable[[str, str, int, tuple[EventEnvelope, ...], str | None, str | None], AppendBatch] = constructor(
-    AppendBatch, trusted=("envelopes", "__attrs_post_init__")
+_placed_batch: Callable[[str, str, int, tuple[EventEnvelope, ...], str | None, str | None, str | None], AppendBatch] = (
+    constructor(AppendBatch, trusted=("envelopes", "__attrs_post_init__"))
 )
 append_result: Callable[[str, int, int, bool], AppendResult] = constructor(AppendResult)
 
@@ -469,7 +477,7 @@ def decide_append(
     outcome with ``replayed=True`` (and nothing must be written for it).
     """
 
-    _check_fence("append", batch.session_id, batch.stream_id, batch.token, lease, stream, now)
+    _check_fence("append", batch.session_id, batch.stream_id, batch.token, lease, stream, now, batch.owner)
     if batch.command_id is not None and command is not None:
         if command[0] != batch.command_digest:
             raise CommandConflictError(
@@ -497,8 +505,10 @@ def _check_fence(
     lease: LeaseRow | None,
     stream: tuple[str, int] | None,
     now: float,
+    owner: str | None = None,
 ) -> None:
-    """The fence every write passes: the session's current, unexpired token, on its own stream."""
+    """The fence every write passes: the session's current, unexpired token (of *owner*, when the
+    writer says whose), on its own stream."""
 
     if lease is None or lease[1] == 0 or lease[1] != token or lease[2] < now:
         detail = (
@@ -506,6 +516,11 @@ def _check_fence(
         )
         raise StaleFencingTokenError(
             f"{what} to {stream_id!r} with fencing token {token} refused by the store: {detail}"
+        )
+    if owner is not None and lease[0] != owner:
+        raise StaleFencingTokenError(
+            f"{what} to {stream_id!r} with fencing token {token} refused by the store: "
+            f"the lease with that token is held by another owner"
         )
     if stream is not None and stream[0] != session_id:
         raise ForeignStreamError(f"stream {stream_id!r} belongs to session {stream[0]!r}, not {session_id!r}")
