@@ -202,6 +202,16 @@ def _text(value: object) -> str:
     raise _StoredValueError(f"a stored id is not text: {value!r}")
 
 
+def _lease_row(owner: object, token: object, expires_at: object) -> LeaseRow:
+    """A stored lease row (owner, token, expires_at), checked."""
+    return (_text(owner), _int(token), _float(expires_at))
+
+
+def _stream_row(session_id: object, head: object) -> tuple[str, int]:
+    """A stored stream row (session_id, head), checked."""
+    return (_text(session_id), _int(head))
+
+
 def _corrupt(path: str, exc: BaseException) -> JournalCorruptError:
     error = JournalCorruptError(f"{path} is not a readable trio_agent journal: {exc}")
     error.__cause__ = exc
@@ -476,7 +486,7 @@ class SQLiteStore(LaneStore):
                 marks = ",".join("?" * len(chunk))
                 query = f"SELECT session_id, owner, token, expires_at FROM journal_leases WHERE session_id IN ({marks})"
                 for row in conn.execute(query, chunk):
-                    leases[row[0]] = (_text(row[1]), _int(row[2]), _float(row[3]))
+                    leases[row[0]] = _lease_row(*row[1:])
             for start in range(0, len(stream_ids), 500):
                 chunk = stream_ids[start : start + 500]
                 for stream_id in chunk:
@@ -484,7 +494,7 @@ class SQLiteStore(LaneStore):
                 marks = ",".join("?" * len(chunk))
                 query = f"SELECT stream_id, session_id, head FROM journal_streams WHERE stream_id IN ({marks})"
                 for row in conn.execute(query, chunk):
-                    streams[row[0]] = (_text(row[1]), _int(row[2]))
+                    streams[row[0]] = _stream_row(*row[1:])
         except (UnicodeError, ValueError, sqlite3.InterfaceError):
             # An id the driver cannot bind: fall back to per-append lookups, which refuse it alone.
             leases.clear()
@@ -505,12 +515,12 @@ class SQLiteStore(LaneStore):
                 row = conn.execute(
                     "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (batch.session_id,)
                 ).fetchone()
-                leases[batch.session_id] = None if row is None else (_text(row[0]), _int(row[1]), _float(row[2]))
+                leases[batch.session_id] = None if row is None else _lease_row(*row)
             if batch.stream_id not in streams:
                 row = conn.execute(
                     "SELECT session_id, head FROM journal_streams WHERE stream_id=?", (batch.stream_id,)
                 ).fetchone()
-                streams[batch.stream_id] = None if row is None else (_text(row[0]), _int(row[1]))
+                streams[batch.stream_id] = None if row is None else _stream_row(*row)
             key = (batch.stream_id, batch.command_id or "")
             if batch.command_id is not None and key not in commands:
                 row = conn.execute(
@@ -609,12 +619,12 @@ class SQLiteStore(LaneStore):
             row = conn.execute(
                 "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (write.session_id,)
             ).fetchone()
-            leases[write.session_id] = None if row is None else (_text(row[0]), _int(row[1]), _float(row[2]))
+            leases[write.session_id] = None if row is None else _lease_row(*row)
         if write.stream_id not in streams:
             row = conn.execute(
                 "SELECT session_id, head FROM journal_streams WHERE stream_id=?", (write.stream_id,)
             ).fetchone()
-            streams[write.stream_id] = None if row is None else (_text(row[0]), _int(row[1]))
+            streams[write.stream_id] = None if row is None else _stream_row(*row)
         try:
             decide_snapshot(write, lease=leases[write.session_id], stream=streams[write.stream_id], now=now)
         except (JournalError, LeaseLostError) as refusal:
@@ -626,7 +636,7 @@ class SQLiteStore(LaneStore):
         found = conn.execute(
             "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (op.session_id,)
         ).fetchone()
-        row: LeaseRow | None = None if found is None else (_text(found[0]), _int(found[1]), _float(found[2]))
+        row: LeaseRow | None = None if found is None else _lease_row(*found)
         if op.kind == "release":
             if releases(row, op.token):
                 conn.execute("UPDATE journal_leases SET expires_at=? WHERE session_id=?", (-1e300, op.session_id))
