@@ -333,6 +333,51 @@ async def test_start_subagent_returns_a_handle_at_once_and_reports_durably() -> 
     assert note not in user_texts(model.requests[0])
 
 
+async def test_start_subagent_while_a_request_is_accepted_starts_under_it_without_waiting_for_its_end() -> None:
+    # A request run in its caller's task is current from before its acceptance is written: a
+    # start meanwhile waits for the request to start, not for the whole request to end.
+    from store_helpers import LaterStore
+
+    store = LaterStore()
+    gate = trio.Event()
+    started: list[str] = []
+    model = TestModel(
+        {
+            "warm": [Reply(text="warmed"), Reply(tool_calls=[("wait_gate", {})]), Reply(text="root done")],
+            "bg": [Reply(text="background answer")],
+        }
+    )
+    async with trio.open_nursery() as writer:
+        writer.start_soon(store.run)
+        async with open_session(
+            provider=model, journal=store, tools=[gated_tool(gate, started, [])], subagents=[HELPER]
+        ) as session:
+            await session.send("warm")
+            store.gate = trio.Event()  # the next acceptance waits for its commit
+            handles: list[SubagentHandle] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(session.send, "first")
+                await trio.testing.wait_all_tasks_blocked()  # "first" is being accepted
+
+                async def start() -> None:
+                    handles.append(await session.start_subagent("helper", "bg"))
+
+                nursery.start_soon(start)
+                await trio.testing.wait_all_tasks_blocked()
+                store.gate.set()
+                await trio.testing.wait_all_tasks_blocked()
+                # The root request waits in its tool, and the subagent was started under it.
+                assert started[:1] == [session.root_agent_id]
+                assert len(handles) == 1, "start_subagent waited for the end of the request"
+                assert await handles[0].wait() == "background answer"
+                gate.set()
+            root_events = await stream_events(session)
+            [start] = [e for e in root_events if isinstance(e, SubagentStarted)]
+            first = [e.request_id for e in root_events if isinstance(e, RequestCompleted)][1]
+            assert start.request_id == first
+        writer.cancel_scope.cancel()
+
+
 async def test_a_background_task_survives_the_request_that_started_it() -> None:
     gate = trio.Event()
     started: list[str] = []

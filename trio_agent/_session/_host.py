@@ -275,7 +275,7 @@ class SessionHost:
             if not request.continuing:
                 # Deferred: a crash before the next write leaves it accepted, which recovery treats alike.
                 journal.defer(request_started(request.request_id), agent_id=agent.agent_id)
-            request.started = True
+            request.mark_started()
             prompt = request.prompt
             extra: str | None = None
             if request.resume is not None or request.continuing:

@@ -149,6 +149,7 @@ class _Request:
         "accepted_before",
         "accepting",
         "agent",
+        "begun",
         "call_ids",
         "cancel_reason",
         "continuation",
@@ -207,6 +208,7 @@ class _Request:
         self.error: BaseException | None = None
         self.priority: Priority | None = None
         self.started = False  # request_started is durable
+        self.begun: trio.Event | None = None  # made by what waits for it to start (`wait_started`)
         self.accepting = True  # messages with priority next/now may still join it
         self.continuation: str | None = None  # a Stop hook's "one more round" message
         # Started by an earlier owner of the session (a worker that died or handed it off): it goes
@@ -222,12 +224,26 @@ class _Request:
         """Whether anything reads the request's events now (a stream, one that joined, an observer)."""
         return self.sink is not discard or self.observe is not None
 
+    def mark_started(self) -> None:
+        """Its ``request_started`` is taken: what waits for it to start may start under it."""
+        self.started = True
+        if self.begun is not None:
+            self.begun.set()
+
+    async def wait_started(self) -> None:
+        """Wait until it started or ended (it may end without starting: aborted while accepted)."""
+        if self.begun is None:
+            self.begun = trio.Event()
+        await self.begun.wait()
+
     def finish(self) -> None:
         """It ended: wake its waiters. A stream always ends, even when its end could not be
         recorded or sent in time (the reader then learns the outcome from the request)."""
         for forward in self.forwards:
             forward.close_now()
         self.done.set()
+        if self.begun is not None:
+            self.begun.set()
 
     def raise_if_failed(self) -> None:
         """Raise a finished request's error as a trio_agent error."""

@@ -387,6 +387,12 @@ class Session:
         supervisor.definition(name)  # unknown names fail before anything is written
         parent = parent_agent_id or self._host.root.agent_id
         current = self._queue.current
+        while current is not None and not current.started and not current.done.is_set():
+            # Being accepted (a request run in its caller's task is current from before its
+            # acceptance is written): it starts under that request, not after its end.
+            await current.wait_started()
+            self._check_open()
+            current = self._queue.current
         if current is not None and current.started and not current.finishing:
             released = current.released
             if current.holds == 0 or released is None:
