@@ -8,9 +8,11 @@ import itertools
 from collections import Counter
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
+from tests.session_helpers import stream_events
 from trio_agent import (
     HookEvent,
     HookInput,
@@ -270,3 +272,47 @@ async def test_routed_persistence_hears_the_abort_of_a_killed_subagent() -> None
     whats = [what for what, sid, _ in store.calls if sid == handle.id]
     assert whats[0] == "start" and whats[-1] == "abort" and "finish" not in whats
     assert whats.count("abort") == 1
+
+
+async def _background_stuck_in_a_tool(how: str) -> tuple[Store, Any, list[Any], list[Any]]:
+    """A background subagent waits in a tool when the session ends: closed, or cancelled from outside."""
+    from trio_agent._journal._events import RequestInterrupted, SubagentCancelled
+
+    store = Store()
+    gate = trio.Event()
+
+    @define_tool(
+        name="wait_gate", side_effect="pure", kind="readonly", interrupt="cancel", input_schema={"type": "object"}
+    )
+    async def wait_gate(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """Wait for the gate."""
+        await gate.wait()
+        return ToolResult.success("passed")  # pragma: no cover - the session ends first
+
+    model = TestModel({"stuck": [Reply(tool_calls=[("wait_gate", {})]), Reply("never")]})
+    spec = define_agent(provider=model, tools=[wait_gate], subagents=[HELPER], lifecycle=[Persisting(store)])
+    with trio.move_on_after(5):
+        async with open_session(spec) as session:
+            handle = await session.start_subagent("helper", "stuck")
+            await trio.testing.wait_all_tasks_blocked()
+            if how == "cancelled from outside":
+                await trio.sleep_forever()
+    root = [e for e in await stream_events(session) if isinstance(e, SubagentCancelled)]
+    child = [e for e in await stream_events(session, handle.id) if isinstance(e, RequestInterrupted)]
+    return store, handle, root, child
+
+
+@pytest.mark.parametrize("how", ["closed", "cancelled from outside"])
+async def test_a_background_subagent_running_when_the_session_ends_is_cancelled_as_closed(
+    how: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Cancelled from outside, its handle stayed RUNNING, the parent stream said "killed" and the
+    # routed store was never told; closed, the parent stream said "failed".
+    from trio_agent._journal._events import RequestInterruptReason
+
+    store, handle, root, child = await _background_stuck_in_a_tool(how)
+    assert handle.status is SubagentStatus.CANCELLED
+    assert [e.reason for e in root] == ["session closed"]
+    assert [e.reason for e in child] == [RequestInterruptReason.SESSION_CLOSE]
+    whats = [what for what, sid, _ in store.calls if sid == handle.id]
+    assert whats[0] == "start" and whats[-1] == "abort" and whats.count("abort") == 1

@@ -958,3 +958,74 @@ def test_the_check_catches_middleware_that_keeps_request_state_on_self(stateful:
     found = mismatches(seen, agent_of)
     assert found, "state kept on the shared instance must be detected"
     assert all(line.startswith(stateful) for line in found)
+
+
+async def test_kill_and_the_close_keep_a_finished_subagent_completed() -> None:
+    # Both set CANCELLED on every killed handle, so a completed one showed CANCELLED beside its result.
+    model = TestModel({"a": [Reply(text="answer A")], "b": [Reply(text="answer B")]})
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        a = await session.start_subagent("helper", "a")
+        b = await session.start_subagent("helper", "b")
+        assert (await a.wait(), await b.wait()) == ("answer A", "answer B")
+        a.kill()
+        await trio.testing.wait_all_tasks_blocked()
+        assert status(a) is SubagentStatus.COMPLETED and a.result == "answer A"
+    assert status(b) is SubagentStatus.COMPLETED and b.result == "answer B"
+    root_events = await stream_events(session)
+    assert sorted(e.subagent_id for e in root_events if isinstance(e, SubagentCompleted)) == sorted([a.id, b.id])
+    assert not any(isinstance(e, SubagentCancelled) for e in root_events)
+
+
+async def test_a_completed_foreground_subagent_stays_completed_when_an_abort_lands_as_its_call_takes_its_slot() -> None:
+    # The status was decided after the `task` call took its scheduler slot back: an abort while it
+    # waited for the slot recorded a completed child as cancelled on the parent's stream.
+    class HoldChild(ModelMiddleware):
+        def __init__(self) -> None:
+            self.arrived = trio.Event()
+            self.release = trio.Event()
+
+        async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
+            if request.metadata["agent_id"].startswith("helper") and user_texts(request)[-1] == "sub":
+                self.arrived.set()
+                await self.release.wait()
+            async for chunk in call_next(request):
+                yield chunk
+
+    gate = trio.Event()
+    hold = HoldChild()
+    model = TestModel(
+        {
+            "go": [Reply(tool_calls=[task("sub")]), Reply(text="never")],
+            "sub": [Reply(text="child answer")],
+            "bg": [Reply(tool_calls=[("wait_gate", {})]), Reply(text="bg done")],
+        }
+    )
+    async with open_session(
+        provider=model,
+        subagents=[HELPER],
+        tools=[gated_tool(gate, [], [])],
+        scheduler_limits=SchedulerLimits(readonly=1),
+        middleware=MiddlewareConfig(model=[hold]),
+    ) as session:
+        async with trio.open_nursery() as nursery:
+
+            async def send() -> None:
+                with pytest.raises(RequestAbortedError):
+                    await session.send("go")
+
+            nursery.start_soon(send)
+            await hold.arrived.wait()  # the task call gave its slot back; the child is in its model call
+            background = await session.start_subagent("helper", "bg")  # takes the only read-only slot
+            await trio.testing.wait_all_tasks_blocked()
+            hold.release.set()  # the child completes; the task call waits for its slot
+            await trio.testing.wait_all_tasks_blocked()
+            await session.abort()
+        gate.set()
+        await background.wait()
+        root_events = await stream_events(session)
+    [child] = [e.subagent_id for e in root_events if isinstance(e, SubagentStarted) and e.call_id is not None]
+    assert [type(e) for e in await stream_events(session, child) if isinstance(e, RequestCompleted)] == [
+        RequestCompleted
+    ]
+    assert [e.subagent_id for e in root_events if isinstance(e, SubagentCompleted)].count(child) == 1
+    assert not any(isinstance(e, SubagentCancelled) and e.subagent_id == child for e in root_events)

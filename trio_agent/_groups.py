@@ -66,6 +66,15 @@ def is_cancellation(exc: BaseException) -> bool:
     return contains_cancelled(exc) and typed_error(exc) is None
 
 
+def cancelled_around(scope: trio.CancelScope) -> bool:
+    """Whether *scope* is cancelled, by itself or by a scope around it. Trio has no public way to
+    ask the second; the scope's cancel status knows it (read defensively: absent, it is not)."""
+    if scope.cancel_called:
+        return True
+    status = getattr(scope, "_cancel_status", None)
+    return getattr(status, "effectively_cancelled", False) is True
+
+
 def unwrap_for_boundary(exc: BaseException) -> BaseException:
     """Rule 3: the one exception a public boundary raises for *exc*.
 

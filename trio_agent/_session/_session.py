@@ -31,7 +31,7 @@ from .._errors import (
     SessionPausedError,
     TrioAgentError,
 )
-from .._groups import is_cancellation, unwrap_for_boundary
+from .._groups import cancelled_around, is_cancellation, unwrap_for_boundary
 from .._journal._durable import DurableJournal, RecoveryReport
 from .._journal._events import (
     ErrorInfo,
@@ -295,7 +295,7 @@ class Session:
         """Why a request run in its caller's task was cancelled: the session's end (closing, or its
         nursery cancelled, also from a scope around the session), or else its caller."""
         nursery = self._nursery
-        if self._host.closing or nursery is None or _cancelled_around(nursery.cancel_scope):
+        if self._host.closing or nursery is None or cancelled_around(nursery.cancel_scope):
             return RequestInterruptReason.SESSION_CLOSE
         return RequestInterruptReason.USER_ABORT
 
@@ -569,15 +569,6 @@ class Session:
                 _log.warning("could not record the close of agent %s: %s", agent_id, exc)
                 break
         return refused
-
-
-def _cancelled_around(scope: trio.CancelScope) -> bool:
-    """Whether *scope* is cancelled, by itself or by a scope around it. Trio has no public way to
-    ask the second; the scope's cancel status knows it (read defensively: absent, it is not)."""
-    if scope.cancel_called:
-        return True
-    status = getattr(scope, "_cancel_status", None)
-    return getattr(status, "effectively_cancelled", False) is True
 
 
 def _reply(request: _Request) -> str:

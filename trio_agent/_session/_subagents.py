@@ -43,6 +43,7 @@ from .._errors import (
     SettlementError,
     UnknownSubagentError,
 )
+from .._groups import cancelled_around, is_cancellation
 from .._journal._events import (
     RequestInterrupted,
     RequestInterruptReason,
@@ -361,11 +362,13 @@ class SubagentSupervisor:
         return handle
 
     async def _background_main(self, handle: SubagentHandle) -> None:
-        """The task of one background subagent: runs its prompts until killed or the session closes.
+        """The task of one background subagent: runs its prompts until killed or the session ends.
 
         Between prompts it is idle (completed, failed or cancelled work) and can be
         resumed. Its start was recorded on the parent's stream; its end is recorded
         once: completed at its first completion, cancelled when killed before that.
+        Each prompt's work ends through `_end_work` on every way out, a cancellation of
+        the session's nursery from outside (a scope around the session) included.
         """
         host = self.host
         agent = handle.agent
@@ -379,62 +382,38 @@ class SubagentSupervisor:
                 request = _Request(prompt, discard, agent)
                 routed = self._routed(agent, request, handle.parent_request_id, handle.call_id, background=True)
                 handle.error = None
-                with trio.CancelScope() as scope:
-                    handle._work_scope = scope
-                    handle._request = request
+                scope = handle._work_scope = trio.CancelScope()
+                handle._request = request
 
-                    def cancel_reason(scope: trio.CancelScope = scope) -> RequestInterruptReason:
-                        # Its own scope cancelled (cancel(), kill()) is the user's doing, unless closing.
-                        if scope.cancel_called and not host.closing:
-                            return RequestInterruptReason.USER_ABORT
-                        return RequestInterruptReason.SESSION_CLOSE
+                def cancel_reason(scope: trio.CancelScope = scope) -> RequestInterruptReason:
+                    # Its own scope cancelled (cancel(), kill()) is the user's doing, unless the session ends.
+                    if scope.cancel_called and not self._session_ends():
+                        return RequestInterruptReason.USER_ABORT
+                    return RequestInterruptReason.SESSION_CLOSE
 
-                    request.cancel_reason = cancel_reason
-                    handle.status = SubagentStatus.RUNNING
-                    try:
-                        await routed.start(request)
-                        await accept_on(host.journal, agent.agent_id, request)
-                        await host.run_request(request)
-                    except (LeaseLostError, SettlementError):
+                request.cancel_reason = cancel_reason
+                handle.status = SubagentStatus.RUNNING
+                try:
+                    with scope:
+                        try:
+                            await routed.start(request)
+                            await accept_on(host.journal, agent.agent_id, request)
+                            await host.run_request(request)
+                        except (LeaseLostError, SettlementError):
+                            raise
+                        except Exception as exc:  # a subagent crash is reported, never unhandled
+                            handle.status = SubagentStatus.FAILED
+                            handle.error = f"{type(exc).__name__}: {exc}"
+                except BaseException as exc:
+                    if not is_cancellation(exc):
                         raise
-                    except Exception as exc:  # a subagent crash is reported, never unhandled
-                        handle.status = SubagentStatus.FAILED
-                        handle.error = f"{type(exc).__name__}: {exc}"
-                    finally:
-                        handle._request = None
-                handle._work_scope = None
-                record = host.journal.projection(agent.agent_id).request(request.request_id)
-                if scope.cancelled_caught and record is not None and record.state is RequestState.COMPLETED:
-                    scope_cancelled = False  # the work finished (durably) before the cancel arrived
-                else:
-                    scope_cancelled = scope.cancelled_caught
-                if scope_cancelled:
-                    # Accepted but cancelled before it ran records its end here (a no-op otherwise).
-                    with host.cleanup_scope("recording a cancelled subagent request"):
-                        await record_request_end(
-                            host.journal,
-                            agent.agent_id,
-                            request.request_id,
-                            RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
-                        )
-                    # A resumed conversation must answer every tool call the cancelled work left open.
-                    agent.history = answer_orphan_calls(agent.history)
-                    handle.status = SubagentStatus.CANCELLED if handle._killed else SubagentStatus.IDLE
-                    handle.result = None
-                elif handle.status is not SubagentStatus.FAILED:
-                    if request.error is not None:
-                        handle.status = SubagentStatus.FAILED
-                        handle.error = str(request.error)
-                    else:
-                        handle.status = SubagentStatus.COMPLETED
-                        handle.result = request.text
-                with host.cleanup_scope("storing a subagent run's end"):
-                    await routed.end(request, handle.status)
-                await self._report(handle)
-                handle._finished.set()
+                    # Cancelled from outside: the session ends (its block, a scope around it).
+                    await self._end_work(handle, request, routed, cancelled=True)
+                    raise
+                await self._end_work(handle, request, routed, cancelled=scope.cancelled_caught)
         finally:
-            if handle._killed and handle.status is not SubagentStatus.CANCELLED:
-                handle.status = SubagentStatus.CANCELLED
+            if handle.status in (SubagentStatus.RUNNING, SubagentStatus.IDLE):
+                handle.status = SubagentStatus.CANCELLED  # its task ends: nothing can resume it
             if not handle._recorded:
                 handle._recorded = True
                 with host.cleanup_scope("recording a subagent's end"):
@@ -443,30 +422,75 @@ class SubagentSupervisor:
                         SubagentCancelled(
                             request_id=handle.parent_request_id,
                             subagent_id=handle.id,
-                            reason="session closed" if host.closing else "killed",
+                            reason="session closed" if self._session_ends() else "killed",
                         ),
                     )
             handle._finished.set()
             handle._task_done.set()
 
+    def _session_ends(self) -> bool:
+        """The session closes, or its nursery is cancelled (by itself or a scope around the session)."""
+        return self.host.closing or cancelled_around(self.nursery.cancel_scope)
+
+    async def _end_work(self, handle: SubagentHandle, request: _Request, routed: _Routed, *, cancelled: bool) -> None:
+        """One prompt's work ended: its request's end is durable, the handle says how it ended,
+        the routed persistence and the parent are told (shielded: it also runs while cancelled)."""
+        host = self.host
+        agent = handle.agent
+        handle._request = handle._work_scope = None
+        record = host.journal.projection(agent.agent_id).request(request.request_id)
+        if cancelled and record is not None and record.state is RequestState.COMPLETED:
+            cancelled = False  # the work finished (durably) before the cancel arrived
+        # The session's close aborts the work (its calls settle with that reason): an abort, not a failure.
+        aborted = handle.status is not SubagentStatus.FAILED and request.abort.aborted and request.error is not None
+        if cancelled or aborted:
+            # Accepted but cancelled before it ran records its end here (a no-op otherwise).
+            with host.cleanup_scope("recording a cancelled subagent request"):
+                await record_request_end(
+                    host.journal,
+                    agent.agent_id,
+                    request.request_id,
+                    RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
+                )
+            # A resumed conversation must answer every tool call the cancelled work left open.
+            agent.history = answer_orphan_calls(agent.history)
+            ends = handle._killed or self._session_ends()
+            handle.status = SubagentStatus.CANCELLED if ends else SubagentStatus.IDLE
+            handle.result = None
+        elif handle.status is not SubagentStatus.FAILED:
+            if request.error is not None:
+                handle.status = SubagentStatus.FAILED
+                handle.error = str(request.error)
+            else:
+                handle.status = SubagentStatus.COMPLETED
+                handle.result = request.text
+        with host.cleanup_scope("storing a subagent run's end"):
+            await routed.end(request, handle.status)
+        await self._report(handle)
+        handle._finished.set()
+
     async def _report(self, handle: SubagentHandle) -> None:
         """Tell the parent (its next turn) and record the first final outcome on its stream."""
-        summary = handle.result if handle.status is SubagentStatus.COMPLETED else (handle.error or handle.status.value)
+        status = handle.status
+        closed = status is SubagentStatus.CANCELLED and self._session_ends()
+        summary = handle.result if status is SubagentStatus.COMPLETED else (handle.error or status.value)
         with self.host.cleanup_scope("recording a subagent's outcome"):
-            if not handle._recorded and handle.status in (
+            if not handle._recorded and status in (
                 SubagentStatus.COMPLETED,
                 SubagentStatus.FAILED,
                 SubagentStatus.CANCELLED,
             ):
                 handle._recorded = True
-                if handle.status is SubagentStatus.COMPLETED:
+                if status is SubagentStatus.COMPLETED:
                     event: Any = SubagentCompleted(request_id=handle.parent_request_id, subagent_id=handle.id)
                 else:
                     event = SubagentCancelled(
-                        request_id=handle.parent_request_id, subagent_id=handle.id, reason=handle.status.value
+                        request_id=handle.parent_request_id,
+                        subagent_id=handle.id,
+                        reason="session closed" if closed else status.value,
                     )
                 await self.record_end(handle.parent_id, event)
-            note = f"[background subagent {handle.id} ({handle.name}) {handle.status.value}]: {summary or ''}"
+            note = f"[background subagent {handle.id} ({handle.name}) {status.value}]: {summary or ''}"
             self.host.inbox.setdefault(handle.parent_id, []).append(note)
 
     # -- foreground
@@ -504,6 +528,7 @@ class SubagentSupervisor:
 
         listeners: list[tuple[AbortHandle, int]] = []
         status = SubagentStatus.FAILED
+        failure = "cancelled"  # why it ended without a request error of its own
         try:
             # Once submitted, subagent_started is in the projection: the `finally` ends it.
             await host.journal.append(
@@ -519,7 +544,11 @@ class SubagentSupervisor:
                 await routed.start(request)
                 await accept_on(host.journal, agent.agent_id, request)
                 await host.run_request(request)
-            status = SubagentStatus.COMPLETED if request.error is None else SubagentStatus.FAILED
+                # Decided now: taking the slot back awaits, and a cancellation there keeps this end.
+                status = SubagentStatus.COMPLETED if request.error is None else SubagentStatus.FAILED
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             for handle, token in listeners:
                 handle.remove_listener(token)
@@ -535,7 +564,7 @@ class SubagentSupervisor:
                     event: Any = SubagentCompleted(request_id=ctx.request_id, subagent_id=agent.agent_id)
                 else:
                     event = SubagentCancelled(
-                        request_id=ctx.request_id, subagent_id=agent.agent_id, reason=str(request.error or "cancelled")
+                        request_id=ctx.request_id, subagent_id=agent.agent_id, reason=str(request.error or failure)
                     )
                 await self.record_end(ctx.agent_id, event)
                 await routed.end(request, status)
@@ -547,8 +576,9 @@ class SubagentSupervisor:
         return request.text
 
     def _cancelled_by_parent(self) -> RequestInterruptReason:
-        # A foreground child is cancelled with its parent's tool call: the parent's abort or deadline.
-        return RequestInterruptReason.SESSION_CLOSE if self.host.closing else RequestInterruptReason.USER_ABORT
+        # A foreground child is cancelled with its parent's tool call: the parent's abort or deadline,
+        # or the session's end (also a scope around the session), as its root request says then.
+        return RequestInterruptReason.SESSION_CLOSE if self._session_ends() else RequestInterruptReason.USER_ABORT
 
     # -- closing
 
