@@ -1029,3 +1029,36 @@ async def test_a_completed_foreground_subagent_stays_completed_when_an_abort_lan
     ]
     assert [e.subagent_id for e in root_events if isinstance(e, SubagentCompleted)].count(child) == 1
     assert not any(isinstance(e, SubagentCancelled) and e.subagent_id == child for e in root_events)
+
+
+async def test_start_subagent_under_another_agent_needs_a_known_agent_that_runs_a_request() -> None:
+    # An unknown parent raised a bare JournalError, an idle one an InvalidTransitionError (or
+    # recorded the start under the root's request on the other agent's stream).
+    from trio_agent import ConfigError
+
+    gate = trio.Event()
+    started: list[str] = []
+    model = TestModel(
+        {
+            "bg": [Reply(tool_calls=[("wait_gate", {})]), Reply(text="bg done")],
+            "nested": [Reply(text="nested done")],
+            "root": [Reply(text="root")],
+        }
+    )
+    async with open_session(provider=model, subagents=[HELPER], tools=[gated_tool(gate, started, [])]) as session:
+        with pytest.raises(ConfigError, match="no-such-agent"):
+            await session.start_subagent("helper", "x", parent_agent_id="no-such-agent")
+        bg = await session.start_subagent("helper", "bg")
+        await trio.testing.wait_all_tasks_blocked()
+        nested = await session.start_subagent("helper", "nested", parent_agent_id=bg.id)
+        assert await nested.wait() == "nested done"
+        gate.set()
+        assert await bg.wait() == "bg done"
+        with pytest.raises(ConfigError, match="runs no request"):
+            await session.start_subagent("helper", "x", parent_agent_id=bg.id)
+        assert await session.send("root") == "root"
+        bg_events = await stream_events(session, bg.id)
+    [start] = [e for e in bg_events if isinstance(e, SubagentStarted)]
+    [bg_request] = [e.request_id for e in bg_events if isinstance(e, RequestCompleted)]
+    assert start.subagent_id == nested.id and start.request_id == bg_request
+    assert not any(isinstance(e, SubagentStarted) and e.subagent_id == nested.id for e in await stream_events(session))

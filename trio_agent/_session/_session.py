@@ -23,6 +23,7 @@ from .._abort import AbortReason
 from .._cleanup import bounded_shield
 from .._config import validate_id
 from .._errors import (
+    ConfigError,
     InvalidTransitionError,
     JournalError,
     JournalFencedError,
@@ -380,12 +381,16 @@ class Session:
         """Start a background subagent in the session's nursery; returns its handle at once.
 
         Its start is recorded on the parent's stream under the running request, or,
-        between requests, under a short request of its own.
+        between requests, under a short request of its own. Under another agent than the
+        root (``parent_agent_id``), only while that agent runs a request.
         """
         self._check_open()
         supervisor = self._supervisor
         supervisor.definition(name)  # unknown names fail before anything is written
-        parent = parent_agent_id or self._host.root.agent_id
+        root_id = self._host.root.agent_id
+        parent = parent_agent_id or root_id
+        if parent != root_id:
+            return await self._start_under_agent(name, prompt, parent)
         current = self._queue.current
         while current is not None and not current.started and not current.done.is_set():
             # Being accepted (a request run in its caller's task is current from before its
@@ -394,22 +399,39 @@ class Session:
             self._check_open()
             current = self._queue.current
         if current is not None and current.started and not current.finishing:
-            released = current.released
-            if current.holds == 0 or released is None:
-                released = current.released = trio.Event()
-            current.holds += 1
-            try:
-                return await supervisor.spawn_background(name, prompt, parent, current.request_id, call_id=None)
-            finally:
-                current.holds -= 1
-                if current.holds == 0:
-                    released.set()
+            return await self._start_under(current, name, prompt, parent)
         # Between requests: a short request of its own holds the request slot meanwhile.
         try:
             async with self._queue.slot():
                 return await self._start_between_requests(name, prompt, parent)
         except BaseExceptionGroup as group:
             raise unwrap_for_boundary(group) from None
+
+    async def _start_under(self, request: _Request, name: str, prompt: str, parent: str) -> SubagentHandle:
+        """Start it under *request*, which waits for the start to be recorded before it ends."""
+        released = request.released
+        if request.holds == 0 or released is None:
+            released = request.released = trio.Event()
+        request.holds += 1
+        try:
+            return await self._supervisor.spawn_background(name, prompt, parent, request.request_id, call_id=None)
+        finally:
+            request.holds -= 1
+            if request.holds == 0:
+                released.set()
+
+    async def _start_under_agent(self, name: str, prompt: str, parent: str) -> SubagentHandle:
+        """Start it under the request another agent (a subagent) runs now: its stream has no
+        request slot, so a short request of its own could clash with the agent's next one."""
+        if not isinstance(parent, str) or parent not in self.journal.agents:
+            raise ConfigError(f"parent_agent_id {parent!r}: no agent of this session has that id")
+        for (agent_id, _), request in self._host.running.items():
+            if agent_id == parent and request.started and not request.finishing:
+                return await self._start_under(request, name, prompt, parent)
+        raise ConfigError(
+            f"parent_agent_id {parent!r}: that agent runs no request now; a subagent is started under "
+            "another agent only while it works (or under the root, which takes a request of its own)"
+        )
 
     async def _start_between_requests(self, name: str, prompt: str, parent: str) -> SubagentHandle:
         holder = _Request(f"start subagent {name}", discard, self._host.root)
