@@ -545,6 +545,27 @@ async def test_a_callback_swallowing_the_deadline_still_times_out(autojump_clock
         await runner_for(HookEvent.STOP, stubborn).dispatch(HookEvent.STOP, hook_input(HookEvent.STOP))
 
 
+async def test_a_callback_whose_own_nursery_fails_while_the_deadline_cancels_it_times_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Trio hands the rest of the nursery's group through the deadline's scope: a bare
+    # ExceptionGroup left dispatch instead of the hook's typed timeout.
+    async def with_helpers(inp: HookInput) -> None:
+        async def helper() -> None:
+            try:
+                await trio.sleep(100)
+            finally:
+                raise ValueError("cleanup failed")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(helper)
+            await trio.sleep(100)
+
+    with pytest.raises(HookTimeoutError) as info:
+        await runner_for(HookEvent.STOP, with_helpers).dispatch(HookEvent.STOP, hook_input(HookEvent.STOP))
+    assert isinstance(info.value.__cause__, BaseExceptionGroup)
+
+
 async def test_outside_cancellation_propagates_as_cancelled(autojump_clock: trio.testing.MockClock) -> None:
     log: list[str] = []
     runner = runner_for(HookEvent.STOP, sleeper("a", 30, log))

@@ -42,6 +42,7 @@ from .._errors import (
     HookTimeoutError,
     LeaseLostError,
 )
+from .._groups import contains_cancelled, typed_error
 from .._tools._context import ExecutionContext
 from .._tools._results import JsonObject, ToolError, ToolErrorType, ToolResult, json_copy
 from .._tools._stages import Allow, Deny, PostStage, Stage, StageRequest
@@ -749,26 +750,39 @@ class HookRunner:
         seconds = self.deadlines[event]
         outputs: list[tuple[RegisteredHook, HookOutput | None]] = []
         current: RegisteredHook | None = None
-        with trio.CancelScope(deadline=trio.current_time() + seconds) as scope:
-            token = abort.add_listener(lambda _: scope.cancel()) if abort is not None else None
-            try:
-                for hook in hooks:
-                    current = hook
-                    try:
-                        value = await hook.callback(_fresh(input))
-                    except LeaseLostError:
-                        raise
-                    except Exception as exc:
-                        raise HookError(
-                            f"{event.title} hook {hook.name} ({hook.source}) failed: {exc!r}",
-                            event=event,
-                            callback=hook.name,
-                            source=hook.source,
-                        ) from exc
-                    outputs.append((hook, _checked(event, hook, value)))
-            finally:
-                if abort is not None and token is not None:
-                    abort.remove_listener(token)
+        scope = trio.CancelScope(deadline=trio.current_time() + seconds)
+        cleanup: BaseExceptionGroup[BaseException] | None = None
+        try:
+            with scope:
+                token = abort.add_listener(lambda _: scope.cancel()) if abort is not None else None
+                try:
+                    for hook in hooks:
+                        current = hook
+                        try:
+                            value = await hook.callback(_fresh(input))
+                        except LeaseLostError:
+                            raise
+                        except Exception as exc:
+                            raise HookError(
+                                f"{event.title} hook {hook.name} ({hook.source}) failed: {exc!r}",
+                                event=event,
+                                callback=hook.name,
+                                source=hook.source,
+                            ) from exc
+                        outputs.append((hook, _checked(event, hook, value)))
+                finally:
+                    if abort is not None and token is not None:
+                        abort.remove_listener(token)
+        except BaseExceptionGroup as group:
+            # A callback's own nursery that this scope cancelled (deadline, abort) and whose cleanup
+            # raised: trio passes the rest of its group through the scope. The cancellation ends
+            # the dispatch as below; anything else (an outer cancellation, a lost lease) goes on.
+            typed = typed_error(group)
+            if typed is not None:
+                raise typed from group
+            if not scope.cancel_called or contains_cancelled(group):
+                raise
+            cleanup = group
         if scope.cancel_called:
             # Also when a callback swallowed the Cancelled: a missed deadline is a missed deadline.
             name = current.name if current is not None else None
@@ -778,14 +792,14 @@ class HookRunner:
                     event=event,
                     abort=abort.reason,
                     callback=name,
-                )
+                ) from cleanup
             raise HookTimeoutError(
                 f"{event.title} hooks missed their {seconds:g} s deadline (still running: {name})",
                 event=event,
                 seconds=seconds,
                 callback=name,
                 source=current.source if current is not None else None,
-            )
+            ) from cleanup
         return _fold(event, outputs)
 
     # -- PreToolUse context travelling to the call's result --------------------------
