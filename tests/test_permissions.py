@@ -1011,6 +1011,27 @@ async def test_an_answer_after_the_deadline_is_refused(autojump_clock: trio.test
     assert (decision.allowed, decision.source) == (False, DecisionSource.TIMEOUT)
 
 
+async def test_a_handler_whose_own_nursery_fails_as_the_deadline_cancels_it_is_denied_at_the_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Trio passes the rest of the nursery's group through the deadline's scope: a bare
+    # ExceptionGroup left the engine instead of the timeout's denial.
+    async def with_helpers(request: PermissionRequest) -> PermissionResult:
+        async def helper() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                raise ValueError("cleanup failed")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(helper)
+            await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    decision = await engine(handler=with_helpers, ask_timeout=5).decide(WRITE, {"file_path": "a"}, ctx())
+    assert (decision.allowed, decision.source) == (False, DecisionSource.TIMEOUT)
+
+
 async def test_the_calls_abort_cancels_the_ask() -> None:
     started = trio.Event()
     seen: list[AbortHandle] = []

@@ -33,7 +33,7 @@ import trio.lowlevel
 from .._abort import AbortHandle
 from .._config import validate_timeout
 from .._errors import ConfigError, LeaseLostError
-from .._groups import is_cancellation
+from .._groups import contains_cancelled, is_cancellation, typed_error
 from .._journal._events import PermissionDecision
 from .._tools._context import ExecutionContext
 from .._tools._definition import SideEffect, Tool, ToolKind
@@ -770,13 +770,24 @@ class PermissionEngine:
     ) -> _Answer:
         """The first allow or deny of the answerers, bounded by the deadline and the call's abort."""
         answer = _Answer(DecisionSource.NO_ANSWER)
-        with trio.CancelScope() as abort_scope:
-            token = abort.add_listener(lambda _abort: abort_scope.cancel())
-            try:
-                with trio.CancelScope(deadline=request.deadline) as deadline_scope:
-                    answer = await self._first_answer(answerers, request)
-            finally:
-                abort.remove_listener(token)
+        deadline_scope = trio.CancelScope(deadline=request.deadline)
+        try:
+            with trio.CancelScope() as abort_scope:
+                token = abort.add_listener(lambda _abort: abort_scope.cancel())
+                try:
+                    with deadline_scope:
+                        answer = await self._first_answer(answerers, request)
+                finally:
+                    abort.remove_listener(token)
+        except BaseExceptionGroup as group:
+            # An answerer's own nursery that the deadline or the abort cancelled and whose cleanup
+            # raised: trio passes the rest of its group through our scopes. That cancellation
+            # decides the answer below; anything else (an outer cancellation, a lost lease) goes on.
+            typed = typed_error(group)
+            if typed is not None:
+                raise typed from group
+            if not (deadline_scope.cancel_called or abort_scope.cancel_called) or contains_cancelled(group):
+                raise
         if abort.reason is not None:
             return _Answer(DecisionSource.ABORT, message=f"permission request cancelled: {abort.reason.message}")
         if deadline_scope.cancel_called:
