@@ -52,6 +52,7 @@ from trio_agent._journal._events import (
     PermissionDecision,
     PermissionResolved,
     RequestAccepted,
+    RequestCompleted,
     RequestFailed,
     RequestStarted,
     SessionCreated,
@@ -73,6 +74,7 @@ from trio_agent._journal._store import (
     stream_id_for,
     wall_clock,
 )
+from trio_agent._journal._subscribe import DurableEvent, subscribe_durable_events
 from trio_agent._tools._definition import InterruptBehavior, SideEffect, ToolKind
 
 LONG_TTL = 60.0
@@ -1017,6 +1019,57 @@ async def test_racing_writers_on_one_stream_stay_gapless(store: Any) -> None:
     assert ids == sorted(f"w{i}-{k}" for i in range(writers) for k in range(each))
     assert conflicts > 0  # the writers did race (they all read head 0 first)
     assert await store.head(stream) == writers * each
+
+
+# ================================================================ conformance: a damaged row
+
+
+def _damage_row(store_kind: Backend, store: Any, tmp_path: Path, stream: str, seq: int, moved: EventEnvelope) -> None:
+    """Damage row *seq* of *stream* the way each store can be damaged: a memory row out of place,
+    a database row's body edited behind the store's back (its checksum no longer matches)."""
+    if store_kind.name == "memory":
+        store._streams[stream].rows[seq - 1] = moved
+    elif store_kind.name == "sqlite":
+        statement = "UPDATE journal_events SET body = replace(body, 'r', 'R') WHERE stream_id=? AND seq=?"
+        _sqlite_write(tmp_path / "journal.db", statement, (stream, seq))
+    else:
+        import psycopg
+
+        table = f'"{store_kind.schema}".events'
+        with psycopg.connect(store_kind.dsn, autocommit=True) as conn:
+            conn.execute(f"UPDATE {table} SET body = replace(body, 'r', 'R') WHERE seq = %s".encode(), (seq,))
+
+
+async def test_a_damaged_row_hides_no_event_before_it(store_kind: Backend, store: Any, tmp_path: Path) -> None:
+    from trio_agent._workers._results import wait_for_request  # lazily: it needs psycopg
+
+    lease = await lease_on(store, "sess")
+    stream = stream_id_for("sess", "root")
+    written = [
+        one(stream, 1, RequestAccepted(request_id="r1", command_id="c1", input={"prompt": "x"})),
+        one(stream, 2, RequestStarted(request_id="r1")),
+        one(stream, 3, RequestCompleted(request_id="r1", output={"text": "answer"})),
+        one(stream, 4, RequestAccepted(request_id="r2", command_id="c2", input={"prompt": "y"})),
+        one(stream, 5, RequestAccepted(request_id="r3", command_id="c3", input={"prompt": "z"})),
+    ]
+    await store.append(make_batch(lease, stream, written))
+    _damage_row(store_kind, store, tmp_path, stream, 5, written[3])
+    # A read fails at the damaged row and says what it decoded before it.
+    with pytest.raises(JournalCorruptError, match=f"{stream}#5") as failed:
+        await store.read(stream)
+    assert failed.value.intact == tuple(written[:4])
+    # A subscription (one page holds the whole stream) delivers up to the damage, then raises for it.
+    delivered: list[int] = []
+    with trio.fail_after(10), pytest.raises(JournalCorruptError, match=f"{stream}#5"):
+        async with subscribe_durable_events(store, stream) as sub:
+            async for item in sub:
+                if isinstance(item, DurableEvent):
+                    delivered.append(item.envelope.seq)
+    assert delivered == [1, 2, 3, 4]
+    # A request that ended before the damage is read back.
+    with trio.fail_after(10):
+        outcome = await wait_for_request(store, "sess", "r1")
+    assert (outcome.state, outcome.text, outcome.seq) == ("completed", "answer", 3)
 
 
 # ================================================================ conformance: wait_for_append

@@ -17,7 +17,7 @@ Every error that crosses a public boundary is one of these (never a bare
      ├── FileLockTimeoutError      waiting for a file lock exceeded its bound       [TimeoutError]
      ├── JournalError              the journal refused or failed a write
      │    ├── SettlementError      a settlement could not be made durable; nothing was published
-     │    ├── JournalCorruptError  stored data cannot be decoded (bad file, unknown schema version)
+     │    ├── JournalCorruptError  stored data cannot be decoded (bad file, unknown schema version; ``intact``)
      │    ├── InvalidTransitionError  the projection refuses an event; nothing was written (``seq``)
      │    ├── CommandConflictError the same command id with other content (``command_id``)
      │    ├── SequenceConflictError another writer appended to the stream (``stream_id``)
@@ -78,6 +78,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._abort import Abort
+    from ._journal._events import EventEnvelope
     from ._session._hooks import HookEvent
     from ._tools._results import ToolResult
 
@@ -212,7 +213,16 @@ class SettlementError(JournalError):
 
 
 class JournalCorruptError(JournalError):
-    """Durable data cannot be decoded: a damaged file, unknown field, bad enum or unknown schema version."""
+    """Durable data cannot be decoded: a damaged file, unknown field, bad enum or unknown schema version.
+
+    A read that meets a damaged row fails at it, naming ``stream#seq``; ``intact`` holds the
+    events the same read decoded before that row, in order (empty when the damage came first or
+    the error is not a read's): a reader can go up to the damage, never past it.
+    """
+
+    def __init__(self, message: str, *, intact: tuple[EventEnvelope, ...] = ()) -> None:
+        super().__init__(message)
+        self.intact = intact
 
 
 class InvalidTransitionError(JournalError):

@@ -142,7 +142,9 @@ def decode_range(
     ``limit``), against the stream's ``head`` read in the same snapshot (``None``: no stream row).
 
     Exactly ``after + 1 ... min(head, after + limit)`` must be there: a missing row, a row past
-    the head or events without a stream are reported, never skipped or returned.
+    the head or events without a stream are reported, never skipped or returned. The error
+    carries the rows decoded before the damage (`JournalCorruptError.intact`): one damaged
+    row must not hide the good ones before it from a reader that goes row by row.
     """
     rows = list(rows)
     if head is None:
@@ -153,16 +155,20 @@ def decode_range(
     last = head if limit is None else min(head, first + max(limit, 0) - 1)
     envelopes: list[EventEnvelope] = []
     expected = first
-    for seq, body, checksum in rows:
-        if type(seq) is not int:
-            raise row_error(stream_id, expected, f"the row's seq is {seq!r}")
-        if seq != expected or seq > last:
-            problem = "is missing" if expected <= last else f"lies past the stream's head {head}"
-            raise row_error(stream_id, min(seq, expected), f"the row {problem}")
-        envelopes.append(decode_row(stream_id, seq, body, checksum))
-        expected += 1
-    if expected <= last:
-        raise row_error(stream_id, expected, f"the row is missing (head {head})")
+    try:
+        for seq, body, checksum in rows:
+            if type(seq) is not int:
+                raise row_error(stream_id, expected, f"the row's seq is {seq!r}")
+            if seq != expected or seq > last:
+                problem = "is missing" if expected <= last else f"lies past the stream's head {head}"
+                raise row_error(stream_id, min(seq, expected), f"the row {problem}")
+            envelopes.append(decode_row(stream_id, seq, body, checksum))
+            expected += 1
+        if expected <= last:
+            raise row_error(stream_id, expected, f"the row is missing (head {head})")
+    except JournalCorruptError as exc:
+        exc.intact = tuple(envelopes)
+        raise
     return envelopes
 
 

@@ -202,7 +202,8 @@ class MemoryStore:
             envelope = stream.envelope(index)
             if envelope.stream_id != stream_id or envelope.seq != index + 1:
                 raise JournalCorruptError(
-                    f"stored event {stream_id}#{index + 1} is corrupt: row holds {envelope.stream_id}#{envelope.seq}"
+                    f"stored event {stream_id}#{index + 1} is corrupt: row holds {envelope.stream_id}#{envelope.seq}",
+                    intact=tuple(envelopes),
                 )
             envelopes.append(envelope)
         return envelopes

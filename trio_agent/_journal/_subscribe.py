@@ -113,7 +113,7 @@ class DurableEventStream:
             # next time round, never lost to a close that the read's answer did not include.
             closed_before = self._closed is not None and self._closed.is_set()
             try:
-                rows = await self._store.read(self.stream_id, after=self._read_to, limit=self._page_size)
+                rows = await self._read_page()
             except JournalError:
                 if self._closed is not None and self._closed.is_set():
                     # The session (and the store it owned) closed. Its close handed this stream what
@@ -133,6 +133,16 @@ class DurableEventStream:
                 self._ended = True
                 raise StopAsyncIteration
             await self._wait()
+
+    async def _read_page(self) -> list[EventEnvelope]:
+        """The next page after what was read. A damaged row ends the page before it: the events the
+        read decoded ahead of it go out first, and the read that starts at it raises."""
+        try:
+            return await self._store.read(self.stream_id, after=self._read_to, limit=self._page_size)
+        except JournalCorruptError as exc:
+            if not exc.intact:
+                raise
+            return list(exc.intact)
 
     def _take(self, rows: list[EventEnvelope]) -> bool:
         """Buffer the rows after what was read (a close may have read some of them meanwhile)."""
@@ -154,7 +164,7 @@ class DurableEventStream:
     async def _read_the_rest(self) -> None:
         """Buffer everything committed that this stream has not read (`SubscriptionsClose`)."""
         while not self._ended:
-            rows = await self._store.read(self.stream_id, after=self._read_to, limit=self._page_size)
+            rows = await self._read_page()
             if not self._take(rows):
                 return
 
