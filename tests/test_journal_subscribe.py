@@ -3,6 +3,8 @@ slow subscribers and uncommitted events, on the memory and the SQLite store."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,11 @@ from trio_agent.journal import (
     CursorError,
     DurableEvent,
     DurableEventStream,
+    JournalCorruptError,
     JournalCursor,
+    JournalError,
     JournalStore,
+    LeaseLostError,
     MemoryStore,
     RequestAccepted,
     SessionClosed,
@@ -400,3 +405,90 @@ async def test_resuming_after_session_closed_ends(autojump_clock: trio.testing.M
         async with subscribe_durable_events(store, STREAM, after=JournalCursor(STREAM, 2)) as sub:
             items = [item async for item in sub]
     assert items == [CaughtUp(JournalCursor(STREAM, 2))]
+
+
+class ClosingStore:
+    """A memory store that can be closed under its subscribers (as a session closes the store it
+    owned): reads then fail. While ``hang`` is set, reads never answer (a close cut short)."""
+
+    def __init__(self, inner: MemoryStore) -> None:
+        self.inner = inner
+        self.clock = inner.clock
+        self.closed = False
+        self.hang = False
+
+    async def read(self, stream_id: str, *, after: int = 0, limit: int | None = None) -> list[Any]:
+        if self.hang:
+            await trio.sleep_forever()
+        if self.closed:
+            raise JournalError("the store is closed")
+        return await self.inner.read(stream_id, after=after, limit=limit)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def drain(sub: DurableEventStream) -> list[int]:
+    delivered: list[int] = []
+    async for item in sub:
+        if isinstance(item, DurableEvent):
+            delivered.append(item.envelope.seq)
+    return delivered
+
+
+async def test_a_subscriber_handed_the_rest_ends_cleanly_after_its_store_closed() -> None:
+    store = ClosingStore(MemoryStore())
+    async with contextlib.AsyncExitStack() as stack:
+        async with open_journal(store, session_id=SID) as journal:  # type: ignore[arg-type]
+            sub = await stack.enter_async_context(journal.subscribe_durable_events())
+            await journal.append(accepted("r1"), accepted("r2"))
+        store.closed = True
+        with trio.fail_after(10):
+            assert await drain(sub) == [1, 2, 3]
+
+
+async def test_a_close_cut_short_before_a_subscription_had_the_rest_is_no_clean_end(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = ClosingStore(MemoryStore())
+    async with contextlib.AsyncExitStack() as stack:
+        async with open_journal(store, session_id=SID, commit_grace=1.0) as journal:  # type: ignore[arg-type]
+            sub = await stack.enter_async_context(journal.subscribe_durable_events())
+            await journal.append(accepted("r1"), accepted("r2"))
+            store.hang = True  # the close's handover never answers: its bound cuts it short
+        store.hang, store.closed = False, True
+        with trio.fail_after(10), pytest.raises(JournalError, match="before the end of its stream was delivered"):
+            await drain(sub)
+        assert sub.cursor == JournalCursor(STREAM, 0)  # where to resume on an open store
+
+
+async def test_a_subscriber_of_a_journal_that_lost_its_lease_is_not_told_it_has_everything() -> None:
+    store = ClosingStore(MemoryStore())
+    async with contextlib.AsyncExitStack() as stack:
+        with pytest.raises(LeaseLostError):
+            async with open_journal(store, session_id=SID) as journal:  # type: ignore[arg-type]
+                sub = await stack.enter_async_context(journal.subscribe_durable_events())
+                await journal.append(accepted("r1"))
+                journal._lose(LeaseLostError("taken over"))  # its close hands nothing over
+        store.closed = True
+        with trio.fail_after(10), pytest.raises(JournalError, match="before the end of its stream was delivered"):
+            await drain(sub)
+
+
+async def test_damage_met_by_the_close_is_raised_never_taken_for_the_end(store: JournalStore, tmp_path: Path) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        async with open_journal(store, session_id=SID) as journal:
+            sub = await stack.enter_async_context(journal.subscribe_durable_events())
+            await journal.append(*(accepted(f"r{index}") for index in range(4)))
+            if isinstance(store, MemoryStore):
+                store._streams[STREAM].rows[2] = store._streams[STREAM].rows[3]  # a row out of place
+            else:
+                with contextlib.closing(sqlite3.connect(tmp_path / "j.db")) as conn:
+                    conn.execute("UPDATE journal_events SET body = replace(body, 'r1', 'R1') WHERE seq = 3")
+                    conn.commit()
+        delivered: list[int] = []
+        with trio.fail_after(10), pytest.raises(JournalCorruptError, match=f"{STREAM}#3"):
+            async for item in sub:
+                if isinstance(item, DurableEvent):
+                    delivered.append(item.envelope.seq)
+        assert delivered == [1, 2]

@@ -90,6 +90,10 @@ class DurableEventStream:
         self._caught_up = False
         self._ended = False
         self._closed_at_cursor = False
+        # `SubscriptionsClose`: whether the journal's close read everything committed into the
+        # buffer, or the error that stopped it. Only a stream handed its rest may end at a failed read.
+        self._handed_over = False
+        self._handover_error: JournalError | None = None
 
     @property
     def cursor(self) -> JournalCursor:
@@ -114,13 +118,17 @@ class DurableEventStream:
             closed_before = self._closed is not None and self._closed.is_set()
             try:
                 rows = await self._read_page()
-            except JournalError:
-                if self._closed is not None and self._closed.is_set():
-                    # The session (and the store it owned) closed. Its close handed this stream what
-                    # was left to read (`SubscriptionsClose`): that goes out, then the stream ends.
-                    self._ended = True
-                    continue
-                raise
+            except JournalCorruptError:
+                raise  # damage is never an end, closed or not
+            except JournalError as exc:
+                if self._closed is None or not self._closed.is_set():
+                    raise
+                if not self._handed_over:
+                    raise self._unfinished(exc)  # noqa: B904 - its own cause is set there
+                # The session (and the store it owned) closed. Its close handed this stream what
+                # was left to read (`SubscriptionsClose`): that went out, and the stream ends.
+                self._ended = True
+                continue
             if self._take(rows):
                 continue
             if not self._caught_up:
@@ -133,6 +141,25 @@ class DurableEventStream:
                 self._ended = True
                 raise StopAsyncIteration
             await self._wait()
+
+    def _unfinished(self, failed: JournalError) -> JournalError:
+        """The error of a stream whose journal closed before handing it the rest, and whose own
+        read of the rest failed: never a clean end, which would say everything was delivered."""
+        stopped = self._handover_error
+        if isinstance(stopped, JournalCorruptError):
+            return stopped  # the damage the close met is what lies ahead of this stream
+        why = (
+            f"handing it the rest failed ({stopped})"
+            if stopped is not None
+            else "its close did not hand it the rest (cut short by commit_grace, or the lease was lost)"
+        )
+        error = JournalError(
+            f"the subscription to {self.stream_id!r} ended at {self.cursor} before the end of its stream was"
+            f" delivered: the journal closed, {why}, and reading the rest failed: {failed}"
+            " (resume from the cursor on an open store)"
+        )
+        error.__cause__ = failed
+        return error
 
     async def _read_page(self) -> list[EventEnvelope]:
         """The next page after what was read. A damaged row ends the page before it: the events the
@@ -163,10 +190,14 @@ class DurableEventStream:
 
     async def _read_the_rest(self) -> None:
         """Buffer everything committed that this stream has not read (`SubscriptionsClose`)."""
-        while not self._ended:
-            rows = await self._read_page()
-            if not self._take(rows):
-                return
+        try:
+            while not self._ended:
+                if not self._take(await self._read_page()):
+                    break
+        except JournalError as exc:
+            self._handover_error = exc
+            raise
+        self._handed_over = True
 
     async def _wait(self) -> None:
         if self._closed is None:
@@ -188,7 +219,12 @@ class SubscriptionsClose:
     """How a journal's subscriptions end with it: `close` first hands every live one what is
     committed and not yet read, then sets `closed`. A subscriber that runs only later (the store
     it read from may be closed by then, with the session that owned it) still gets every event
-    up to the close, and one that reads nothing new after `closed` knows it has them all."""
+    up to the close, and one that reads nothing new after `closed` knows it has them all.
+
+    A stream whose rest was not handed over (the read failed, the close's bound cut it short, or
+    `closed` was set without `close`, as on a lost lease) reads on by itself; if that read fails
+    it raises (`DurableEventStream._unfinished`), never ends as if complete. The rest is held in
+    memory until read: at most what the close could read within its bound (``commit_grace``)."""
 
     __slots__ = ("_live", "closed")
 
@@ -206,7 +242,7 @@ class SubscriptionsClose:
         """Read each live subscription's rest (a failed read leaves that one to its own), then set `closed`."""
         try:
             for stream in list(self._live):
-                with contextlib.suppress(JournalError):  # it meets the same error on its own next read
+                with contextlib.suppress(JournalError):  # kept by the stream: it reports it when it gets there
                     await stream._read_the_rest()
         finally:
             self.closed.set()
