@@ -16,6 +16,16 @@ import pytest
 import trio
 
 from trio_agent import SideEffect, define_tool
+from trio_agent._journal._events import (
+    ConversationSeeded,
+    EventEnvelope,
+    InterruptsResolved,
+    RequestAccepted,
+    RequestStarted,
+    RunPaused,
+    SessionCreated,
+)
+from trio_agent._journal._store import AppendBatch, stream_id_for
 from trio_agent._tools._definition import InterruptBehavior, ToolKind
 from trio_agent.journal import ToolScheduled, ToolStarted, open_journal, open_sqlite_store
 from trio_agent.testing import start_turn
@@ -214,6 +224,39 @@ def test_show_reports_a_row_that_fails_its_checksum(journal_path: Path, tmp_path
     assert done.returncode == 1
     assert f"sess-a/root#{seq} is corrupt: checksum mismatch" in done.stderr
     assert "Traceback" not in done.stderr
+    # The damage ends its own stream's timeline, shown up to it, and no other.
+    out = done.stdout
+    assert f"stream sess-a/root ({seq - 1} events, damaged at #{seq})" in out
+    assert re.search(rf"^\s+{seq - 1}  .*$", out, re.MULTILINE), out
+    assert f"damaged at #{seq}: stored event sess-a/root#{seq} is corrupt: checksum mismatch" in out
+    assert "session sess-b" in out and "stream sess-b/root" in out
+
+
+def test_show_describes_payloads_of_unexpected_shapes_without_crashing(tmp_path: Path) -> None:
+    """Decodable events whose free-form payloads are not what the writer puts there."""
+    path = tmp_path / "odd.db"
+
+    async def write() -> None:
+        stream = stream_id_for("odd", "root")
+        events: list[Any] = [
+            SessionCreated(session_id="odd", agent_id="root"),
+            ConversationSeeded(session_id="odd", conversation={"messages": 5}),
+            RequestAccepted(request_id="r1", command_id="c1", input={"prompt": ["not", "text"]}),
+            RequestStarted(request_id="r1"),
+            RunPaused(request_id="r1", state={"interrupts": 5}),
+            InterruptsResolved(request_id="r1", continuation_id="k1", answers={"a": 5}),
+        ]
+        placed = [EventEnvelope(stream_id=stream, seq=i + 1, event=e, recorded_at=1.0) for i, e in enumerate(events)]
+        async with open_sqlite_store(path) as store:
+            lease = await store.acquire_lease("odd", "writer", 60.0)
+            await store.append(AppendBatch("odd", stream, lease.token, placed))
+
+    trio.run(write)
+    done = show(path)
+    assert done.returncode == 0, done.stderr
+    assert "conversation seeded (its messages are int, not a list)" in done.stdout
+    assert "request r1 paused (its interrupts are int, not a list)" in done.stdout
+    assert "request r1 answered by k1" in done.stdout
 
 
 def _truncated(data: bytes, size: int) -> bytes:

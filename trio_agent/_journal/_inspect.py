@@ -1,6 +1,9 @@
 """``python -m trio_agent journal show PATH [--session ID]``: a readable timeline of a journal.
 
-Read-only: it never writes to the journal and never takes a lease.
+Read-only: it never writes to the journal and never takes a lease. It is what one reads a
+damaged journal with, so it trusts nothing stored: a damaged row ends its own stream's
+timeline (``damaged at #N``) and no other, and a payload of an unexpected shape is described
+as such, never a crash.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from .._errors import JournalError
+from .._errors import JournalCorruptError, JournalError
 from ._events import (
     ConversationSeeded,
     EventEnvelope,
@@ -111,8 +114,10 @@ def _describe(event: object) -> str:
     if isinstance(event, SessionReopened):
         return f"--- life {event.life}: session reopened ---"
     if isinstance(event, ConversationSeeded):
-        count = len(event.conversation.get("messages", []))
-        return f"conversation seeded with {count} message(s)"
+        messages = event.conversation.get("messages", [])
+        if not isinstance(messages, list):
+            return f"conversation seeded (its messages are {type(messages).__name__}, not a list)"
+        return f"conversation seeded with {len(messages)} message(s)"
     if isinstance(event, RequestAccepted):
         return f"request {event.request_id} accepted {_preview(str(event.input.get('prompt', '')), 60)!r}"
     if isinstance(event, RequestCompleted):
@@ -127,7 +132,10 @@ def _describe(event: object) -> str:
         shown = " / ".join(_preview(text, 40) for text in event.messages) or "nothing (skipped)"
         return f"request {event.request_id} prompt after hooks: {shown}"
     if isinstance(event, RunPaused):
-        asked = [str(item.get("id")) for item in event.state.get("interrupts", []) if isinstance(item, dict)]
+        interrupts = event.state.get("interrupts", [])
+        if not isinstance(interrupts, list):
+            return f"request {event.request_id} paused (its interrupts are {type(interrupts).__name__}, not a list)"
+        asked = [str(item.get("id")) for item in interrupts if isinstance(item, dict)]
         return f"request {event.request_id} paused, waiting for: {', '.join(asked) or 'nothing'}"
     if isinstance(event, InterruptsResolved):
         answers = event.answers.items()
@@ -207,8 +215,27 @@ def _lease_state(lease: Lease | None) -> str:
     return f", lease token {lease.token} ({lease.owner}, held{until})"
 
 
+@attrs.frozen
+class _Timeline:
+    text: str
+    damage: list[JournalCorruptError]  # one per damaged stream, in the order shown
+
+
 async def render_timeline(store: JournalStore, *, session_id: str | None = None, agent_id: str | None = None) -> str:
-    """The readable timeline of every session (or one, or one agent of it) in ``store``."""
+    """The readable timeline of every session (or one, or one agent of it) in ``store``; a damaged
+    stream is shown up to its damaged row, then ``damaged at #N``."""
+    return (await _timeline(store, session_id=session_id, agent_id=agent_id)).text
+
+
+async def _read_stream(store: JournalStore, stream_id: str) -> tuple[list[EventEnvelope], JournalCorruptError | None]:
+    """A stream's events up to its first damaged row (if any), and the damage."""
+    try:
+        return await store.read(stream_id), None
+    except JournalCorruptError as exc:
+        return list(exc.intact), exc
+
+
+async def _timeline(store: JournalStore, *, session_id: str | None, agent_id: str | None) -> _Timeline:
     streams = every = await store.streams(session_id)
     if session_id is not None and not streams:
         raise JournalError(f"the journal has no session {session_id!r}")
@@ -220,6 +247,7 @@ async def render_timeline(store: JournalStore, *, session_id: str | None = None,
             listed = ", ".join(known[:8]) + (f" and {len(known) - 8} more" if len(known) > 8 else "")
             raise JournalError(f"the journal has no agent {agent_id!r}{where}; its agents: {listed or 'none'}")
     lines: list[str] = []
+    damage: list[JournalCorruptError] = []
     sessions: dict[str, list[str]] = {}
     for info in streams:
         sessions.setdefault(info.session_id, []).append(info.stream_id)
@@ -229,10 +257,12 @@ async def render_timeline(store: JournalStore, *, session_id: str | None = None,
         holder = _lease_state(await store.current_lease(session))
         lines.append(f"session {session}: {len(stream_ids)} agent stream(s){holder}")
         for stream_id in stream_ids:
-            envelopes = await store.read(stream_id)
+            envelopes, damaged = await _read_stream(store, stream_id)
             lives = 1 + sum(isinstance(envelope.event, SessionReopened) for envelope in envelopes)
             lived = f", {lives} lives" if lives > 1 else ""
-            lines.append(f"  stream {stream_id} ({len(envelopes)} events{lived})")
+            # The read names the damaged row in its message; it is the one after what it decoded.
+            at = f", damaged at #{len(envelopes) + 1}" if damaged is not None else ""
+            lines.append(f"  stream {stream_id} ({len(envelopes)} events{lived}{at})")
             start = envelopes[0].recorded_at if envelopes else 0.0
             for envelope in envelopes:
                 offset = envelope.recorded_at - start
@@ -240,6 +270,9 @@ async def render_timeline(store: JournalStore, *, session_id: str | None = None,
                     f"    {envelope.seq:>5}  {_clock(envelope.recorded_at)}  +{offset:8.3f}s  "
                     f"{_describe(envelope.event)}"
                 )
+            if damaged is not None:
+                damage.append(damaged)
+                lines.append(f"    damaged at #{len(envelopes) + 1}: {damaged}; the rest of this stream is not shown")
             calls = summarize_calls(envelopes)
             if calls:
                 lines.append("    calls:")
@@ -258,7 +291,7 @@ async def render_timeline(store: JournalStore, *, session_id: str | None = None,
                 lines.append(f"    {len(calls)} call(s): {summary}")
     if not lines:
         lines.append("the journal is empty")
-    return "\n".join(lines)
+    return _Timeline("\n".join(lines), damage)
 
 
 def show_journal(path: str, session_id: str | None = None, agent_id: str | None = None) -> int:
@@ -278,17 +311,19 @@ def show_journal(path: str, session_id: str | None = None, agent_id: str | None 
         print(f"error: {path} is a directory, not a journal file{hint}", file=sys.stderr)
         return 1
 
-    async def run() -> str:
+    async def run() -> _Timeline:
         async with open_sqlite_store(path, readonly=True) as store:
-            return await render_timeline(store, session_id=session_id, agent_id=agent_id)
+            return await _timeline(store, session_id=session_id, agent_id=agent_id)
 
     try:
         timeline = trio.run(run)
     except JournalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(timeline)
-    return 0
+    print(timeline.text)
+    for damaged in timeline.damage:  # shown in the timeline too; the status says the journal is damaged
+        print(f"error: {damaged}", file=sys.stderr)
+    return 1 if timeline.damage else 0
 
 
 def _databases_in(directory: str, limit: int = 5) -> list[str]:
