@@ -102,3 +102,10 @@ def test_journal_show_of_a_directory_is_a_clear_error(tmp_path: Path) -> None:
     done = run_cli("journal", "show", str(tmp_path))
     assert done.returncode == 1
     assert "is a directory" in done.stderr
+
+
+def test_a_worker_that_cannot_reach_its_database_says_why_without_a_traceback() -> None:
+    done = run_cli("worker", "--dsn", "host=127.0.0.1 port=1 connect_timeout=5")
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: cannot connect to PostgreSQL"), done.stderr
+    assert "Traceback" not in done.stderr and "ExceptionGroup" not in done.stderr

@@ -40,6 +40,21 @@ def load_spec(target: str | None) -> Any:
 
 
 async def _worker(spec: Any, options: dict[str, Any]) -> Any:
+    """Serve until stopped; one exception out, never a group (`run_worker` prints a typed one)."""
+    from .._groups import unwrap_for_boundary
+
+    try:
+        return await _serve_with_signals(spec, options)
+    except BaseExceptionGroup as group:
+        # A failure of `serve_sessions` (its start too: an unreachable database) comes out of
+        # this nursery wrapped beside the signal task's cancellation.
+        single = unwrap_for_boundary(group)
+        if single is group:
+            raise
+        raise single from None
+
+
+async def _serve_with_signals(spec: Any, options: dict[str, Any]) -> Any:
     from ._serve import serve_sessions
 
     stop = trio.Event()
