@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -410,6 +411,43 @@ async def test_the_registry_shows_running_sessions_and_live_workers(postgres_dsn
     sessions = list_sessions(dsn=postgres_dsn, schema=fresh_pg_schema)
     assert [(s.session_id, s.state, s.queued) for s in sessions] == [("busy", "waiting", 0)]
     assert list_workers(dsn=postgres_dsn, schema=fresh_pg_schema) == []  # a clean stop unregisters
+
+
+async def test_a_worker_restarted_under_its_id_takes_over_the_crashed_runs_row(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._sql import Statements
+
+    def registered() -> tuple[Any, ...]:
+        with psycopg.connect(postgres_dsn) as conn:
+            row = conn.execute(
+                f'SELECT host, pid, concurrency, interval, started_at FROM "{fresh_pg_schema}".workers'
+            ).fetchone()
+        assert row is not None
+        return tuple(row)
+
+    crashed = Control(postgres_dsn, Statements(fresh_pg_schema), worker_id="w1")
+    try:
+        await crashed.open()
+        await crashed.seen(concurrency=2, hosted=1, served=5, stopping=False, interval=100.0)
+    finally:
+        crashed.close()  # never unregistered: its row stays, as after a kill -9
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:  # another host, long ago
+        conn.execute(
+            f"UPDATE \"{fresh_pg_schema}\".workers SET host = 'gone', pid = 1, started_at = started_at - 3600".encode()
+        )
+    restarted = Control(postgres_dsn, Statements(fresh_pg_schema), worker_id="w1")
+    try:
+        await restarted.seen(concurrency=7, hosted=0, served=0, stopping=False, interval=1.0)
+        host, pid, concurrency, interval, started_at = await trio.to_thread.run_sync(registered)
+        assert (host, pid, concurrency, interval) == (socket.gethostname(), os.getpid(), 7, 1.0)
+        [me] = await trio.to_thread.run_sync(functools.partial(list_workers, dsn=postgres_dsn, schema=fresh_pg_schema))
+        assert me.uptime < 600  # this run's, not the crashed run's
+        await restarted.seen(concurrency=7, hosted=1, served=1, stopping=False, interval=1.0)
+        assert (await trio.to_thread.run_sync(registered))[4] == started_at  # a heartbeat keeps the run's start
+    finally:
+        restarted.close()
 
 
 async def test_live_deltas_reach_a_subscriber_in_another_connection(postgres_dsn: str, fresh_pg_schema: str) -> None:

@@ -73,6 +73,7 @@ class Control:
         self._idle_lock = threading.Lock()
         self._slots = trio.CapacityLimiter(pool)
         self._closed = False
+        self._registered = False  # this run's row written once (`seen`): its start time is set
 
     async def _run(self, work: Callable[[_Conn], T]) -> T:
         def attempt(conn: _Conn) -> T:
@@ -172,6 +173,8 @@ class Control:
         await self._run(lambda conn: conn.execute(self.q["notify"], (self.statements.inbox_channel, session_id)))
 
     async def seen(self, *, concurrency: int, hosted: int, served: int, stopping: bool, interval: float) -> None:
+        """Register this run, or say it is alive: every column of its row is this run's, and the
+        first heartbeat of the run (of this `Control`) resets its start time."""
         params = (
             self.worker_id,
             socket.gethostname(),
@@ -181,8 +184,10 @@ class Control:
             served,
             stopping,
             interval,
+            not self._registered,
         )
         await self._run(lambda conn: conn.execute(self.q["worker_seen"], params))
+        self._registered = True
 
     async def gone(self) -> None:
         await self._run(lambda conn: conn.execute(self.q["worker_gone"], (self.worker_id,)))

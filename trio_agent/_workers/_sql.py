@@ -116,11 +116,15 @@ _STATEMENTS: dict[str, LiteralString] = {
         + " ON CONFLICT (session_id) DO UPDATE SET state = excluded.state, worker_id = excluded.worker_id,"
         " updated_at = excluded.updated_at"
     ),
+    # Every column is this run's: a row left by a crashed run of the same worker id (never
+    # unregistered) is taken over whole. The run's first heartbeat (the last parameter) starts its uptime.
     "worker_seen": (
-        "INSERT INTO {s}.workers(worker_id, host, pid, concurrency, hosted, served, stopping, interval,"
+        "INSERT INTO {s}.workers AS w(worker_id, host, pid, concurrency, hosted, served, stopping, interval,"
         f" started_at, seen_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, {_NOW}, {_NOW})"
-        " ON CONFLICT (worker_id) DO UPDATE SET hosted = excluded.hosted, served = excluded.served,"
-        " stopping = excluded.stopping, seen_at = excluded.seen_at"
+        " ON CONFLICT (worker_id) DO UPDATE SET host = excluded.host, pid = excluded.pid,"
+        " concurrency = excluded.concurrency, hosted = excluded.hosted, served = excluded.served,"
+        " stopping = excluded.stopping, interval = excluded.interval,"
+        " started_at = CASE WHEN %s THEN excluded.started_at ELSE w.started_at END, seen_at = excluded.seen_at"
     ),
     "worker_gone": "DELETE FROM {s}.workers WHERE worker_id = %s",
     "sessions": (
