@@ -50,6 +50,8 @@ from trio_agent._journal._events import (
     OutcomeUnknownReason,
     RequestAccepted,
     RequestCompleted,
+    RequestInterrupted,
+    RequestInterruptReason,
     RequestStarted,
     RunPaused,
     SessionClosed,
@@ -289,6 +291,27 @@ async def test_a_reopen_from_snapshot_and_tail_equals_a_full_replay(
                     result = await journal.append(envelope.event, command_id=envelope.event.command_id)
                     assert result.replayed and result.first_seq == envelope.seq
             assert journal.projection().head == len(envelopes)
+
+
+async def test_requests_that_end_without_starting_leave_nothing_in_the_snapshot() -> None:
+    """An aborted or refused request that never started is forgotten by the fold when it ends:
+    its input does not ride in every later snapshot (which grew with each such request)."""
+    store = MemoryStore()
+    prompt = "never-started-" * 20
+    async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+        for index in range(5):
+            rid = f"r{index}"
+            await journal.append(RequestAccepted(request_id=rid, command_id=rid, input={"prompt": prompt}))
+            await journal.append(RequestInterrupted(request_id=rid, reason=RequestInterruptReason.USER_ABORT))
+        await journal.append(RequestAccepted(request_id="ok", command_id="ok", input={"prompt": "hello"}))
+        await journal.append(RequestStarted(request_id="ok"))
+        assert await journal.snapshot_all() == [ROOT]
+    found = await store.load_snapshot(ROOT)
+    assert found is not None
+    assert prompt.encode() not in bytes(found[1])
+    async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+        assert journal._streams[ROOT].snapshot_seq == found[0]
+        assert journal.conversation() == [UserMessage("hello")]
 
 
 async def test_a_crash_after_a_snapshot_recovers_from_snapshot_and_tail() -> None:

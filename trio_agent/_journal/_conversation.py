@@ -22,7 +22,8 @@ Rules
   - `RequestStarted` -> the ``prompt`` its `RequestAccepted` carried, as a user
     message (a ``chat()`` run: its given ``messages``), except the holder requests of
     ``start_subagent`` and continuations (``resume``: they carry no prompt). A request
-    that never started (refused or aborted while queued) adds nothing, as live;
+    that never started (refused or aborted while queued) adds nothing, as live, and
+    the incremental fold forgets its input when it ends;
   - `PromptSubmitted` -> replaces that prompt with what the UserPromptSubmit hooks made of
     it (a rewritten prompt, added context; nothing when skipped);
   - `ModelAttemptCompleted` -> its inputs as user messages, the assistant
@@ -86,6 +87,8 @@ from ._events import (
     PromptSubmitted,
     RequestAccepted,
     RequestCompleted,
+    RequestFailed,
+    RequestInterrupted,
     RequestStarted,
     RunPaused,
     SubagentCancelled,
@@ -124,6 +127,7 @@ OUTCOME_UNKNOWN_ANSWER = "outcome unknown after a restart"
 _ANSWERED = (ToolCompleted, ToolFailed, ToolCancelled)
 _SETTLEMENTS = (ToolCompleted, ToolFailed, ToolCancelled, ToolOutcomeUnknown)
 _SUBAGENT_OUTCOMES = (SubagentCompleted, SubagentCancelled)
+_REQUEST_ENDS = (RequestCompleted, RequestFailed, RequestInterrupted)
 
 
 def _strings(values: Iterable[str]) -> tuple[str, ...]:
@@ -488,8 +492,12 @@ class ConversationFold:
             answers = resolved_answers(event)
             s.awaiting.pop(event.request_id, None)
             s.outcomes.update(answers)
-        elif isinstance(event, RequestCompleted) and event.output:
-            s.last_output = dict(event.output)
+        elif isinstance(event, _REQUEST_ENDS):
+            # A request that ended without starting (refused, aborted while queued) leaves nothing
+            # waiting: its input would otherwise ride in every snapshot of the stream for ever.
+            s.queued.pop(event.request_id, None)
+            if isinstance(event, RequestCompleted) and event.output:
+                s.last_output = dict(event.output)
 
     def messages(self) -> list[Message]:
         """The history so far (a new list)."""
