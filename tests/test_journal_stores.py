@@ -1126,6 +1126,44 @@ async def test_wait_for_append_returns_when_the_stream_is_already_past(store: An
         await store.wait_for_append(stream, 0)
 
 
+async def test_abandoned_waits_leave_no_wake_up_behind(store_kind: Backend, store: Any) -> None:
+    """Waits on streams that never get another append (timed out, cancelled at their await) drop
+    their wake-up when the last waiter leaves; one waiter leaving does not cost another its wake-up."""
+    if store_kind.name == "memory":
+        pytest.skip("the memory store keeps one wake-up in each stream it holds, and none for others")
+    lease = await lease_on(store, "sess")
+    stream = stream_id_for("sess", "root")
+    await store.append(make_batch(lease, stream, envs(stream, 1, 1)))
+    store.poll_interval = 0.01  # the fallback poll: a wait that times out
+    with trio.fail_after(10):
+        for index in range(50):
+            await store.wait_for_append(stream_id_for(f"never-{index}", "root"), 0)  # times out
+            with trio.move_on_after(0):  # cancelled at its first checkpoint
+                await store.wait_for_append(stream_id_for(f"gone-{index}", "root"), 0)
+    assert len(store._changed) == 0
+    store.poll_interval = 3600.0  # from now on only an append wakes a waiter
+    woken: list[str] = []
+
+    async def waiter(name: str, scope: trio.CancelScope) -> None:
+        with scope:
+            await store.wait_for_append(stream, 1)
+            woken.append(name)
+
+    stays, leaves = trio.CancelScope(), trio.CancelScope()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter, "stays", stays)
+            nursery.start_soon(waiter, "leaves", leaves)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(store._changed) == 1  # one wake-up, shared
+            leaves.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(store._changed) == 1  # still wanted by the other
+            await store.append(make_batch(lease, stream, envs(stream, 2, 1)))
+    assert woken == ["stays"]
+    assert len(store._changed) == 0
+
+
 # ================================================================ bad input (store-independent)
 
 

@@ -90,6 +90,7 @@ from ._lease import LeaseKeeper
 from ._store import (
     AppendBatch,
     AppendResult,
+    AppendWaits,
     Clock,
     CommandRecord,
     Lease,
@@ -405,7 +406,7 @@ class PostgresStore(LaneStore):
         self._listen_scope = trio.CancelScope()
         self._listen_done = trio.Event()
         self._listen_started = False
-        self._changed: dict[str, trio.Event] = {}
+        self._changed = AppendWaits()
         self._closed = False
         self.notifications = 0  # NOTIFY wake-ups received (observability, tests)
 
@@ -1055,32 +1056,24 @@ class PostgresStore(LaneStore):
     # -- live tailing
 
     def _wake(self, stream_id: str) -> None:
-        event = self._changed.pop(stream_id, None)
-        if event is not None:
-            event.set()
+        self._changed.wake(stream_id)
 
     def _wake_all(self) -> None:
-        events = list(self._changed.values())
-        self._changed.clear()
-        for event in events:
-            event.set()
+        self._changed.wake_all()
 
     async def wait_for_append(self, stream_id: str, after: int) -> None:
         if self._closed:
             await trio.lowlevel.checkpoint()
             return
-        event = self._changed.get(stream_id)
-        if event is None:
-            event = self._changed[stream_id] = trio.Event()
         # Registered before looking, so an append committed from now on wakes us. Another process's
         # append wakes us through NOTIFY; polling covers a lost or missed notification.
-        with trio.move_on_after(self.poll_interval):
+        with self._changed.waiting(stream_id) as changed, trio.move_on_after(self.poll_interval):
             try:
                 if await self.head(stream_id) > after:
                     return
             except JournalError:
                 pass  # the caller's next read reports it; do not spin
-            await event.wait()
+            await changed.wait()
 
     async def _listen(self) -> None:
         """Pump the LISTEN connection natively (no thread); reconnect if it drops."""

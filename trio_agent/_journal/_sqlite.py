@@ -67,6 +67,7 @@ from ._lease import keeping_leases
 from ._store import (
     AppendBatch,
     AppendResult,
+    AppendWaits,
     Clock,
     CommandRecord,
     Lease,
@@ -241,7 +242,7 @@ class SQLiteStore(LaneStore):
         self._readers_closed = False  # from the close on: a read in flight closes its own connection
         self._reader_lock = threading.Lock()
         self._read_limiter = trio.CapacityLimiter(4)
-        self._changed: dict[str, trio.Event] = {}
+        self._changed = AppendWaits()
         self._closed = False
         self._verify = True  # the rows carry checksums (schema version 2)
         self._snapshots: bool | None = None if readonly else True  # whether journal_snapshots exists
@@ -346,8 +347,7 @@ class SQLiteStore(LaneStore):
             grace = max(deadline - trio.current_time(), 0.0)
             await close_in_thread(self._close_readers, grace, f"the SQLite journal's read connections ({name})")
         finally:
-            for event in self._changed.values():
-                event.set()
+            self._changed.wake_all()
 
     def _close_writer(self) -> None:
         conn, self._writer = self._writer, None
@@ -657,9 +657,7 @@ class SQLiteStore(LaneStore):
     def _committed(self, works: Sequence[Any], outcomes: list[object]) -> None:
         for work, outcome in zip(works, outcomes, strict=True):
             if isinstance(work, AppendBatch) and isinstance(outcome, AppendResult) and not outcome.replayed:
-                event = self._changed.pop(work.stream_id, None)
-                if event is not None:
-                    event.set()
+                self._changed.wake(work.stream_id)
 
     # -- writes
 
@@ -807,12 +805,9 @@ class SQLiteStore(LaneStore):
         if self._closed:
             await trio.lowlevel.checkpoint()
             return
-        event = self._changed.get(stream_id)
-        if event is None:
-            event = self._changed[stream_id] = trio.Event()
         # Another process may append too: poll as a fallback to the in-process wake-up.
-        with trio.move_on_after(self.poll_interval):
-            await event.wait()
+        with self._changed.waiting(stream_id) as changed, trio.move_on_after(self.poll_interval):
+            await changed.wait()
 
 
 def open_sqlite_store(

@@ -27,10 +27,11 @@ not anyone waits for it, so journal order never depends on cancellation.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -55,6 +56,7 @@ __all__ = [
     "AppendBatch",
     "AppendResult",
     "AppendTicket",
+    "AppendWaits",
     "Clock",
     "CommandRecord",
     "JournalStore",
@@ -72,6 +74,53 @@ Clock = Callable[[], float]
 """Seconds, as the store judges lease expiry (wall time by default; `trio.current_time` in tests)."""
 
 wall_clock: Clock = time.time
+
+
+class _Waiting:
+    __slots__ = ("count", "event")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.count = 0
+
+
+class AppendWaits:
+    """A store's in-process wake-ups for `wait_for_append`: per stream, the event its next commit
+    sets. An entry lives only while someone waits on it: the last waiter to leave (woken, timed
+    out or cancelled) drops it, so waits on streams that never get another append leave nothing."""
+
+    __slots__ = ("_waits",)
+
+    def __init__(self) -> None:
+        self._waits: dict[str, _Waiting] = {}
+
+    def __len__(self) -> int:
+        return len(self._waits)
+
+    @contextlib.contextmanager
+    def waiting(self, stream_id: str) -> Iterator[trio.Event]:
+        """The event the next commit to *stream_id* sets, while the block runs."""
+        waiting = self._waits.get(stream_id)
+        if waiting is None:
+            waiting = self._waits[stream_id] = _Waiting()
+        waiting.count += 1
+        try:
+            yield waiting.event
+        finally:  # given back however the wait ends, a cancellation at its await included
+            waiting.count -= 1
+            if not waiting.count and self._waits.get(stream_id) is waiting:  # not woken (and replaced)
+                del self._waits[stream_id]
+
+    def wake(self, stream_id: str) -> None:
+        waiting = self._waits.pop(stream_id, None)
+        if waiting is not None:
+            waiting.event.set()
+
+    def wake_all(self) -> None:
+        waits = list(self._waits.values())
+        self._waits.clear()
+        for waiting in waits:
+            waiting.event.set()
 
 
 def check_id(value: object, what: str) -> str:
