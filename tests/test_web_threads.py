@@ -302,3 +302,48 @@ async def test_a_thread_needs_a_new_user_message_and_the_app_its_lifespan(tmp_pa
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as bare:
         reply = await bare.post("/runs", json=body())
         assert reply.status_code == 503 and reply.json()["error"] == "threads_unavailable"
+
+
+async def test_a_follower_that_falls_behind_the_kept_frames_is_told_never_left_with_a_hole() -> None:
+    from trio_agent._web._app import _Follow
+    from trio_agent._web._threads import LiveRun
+    from trio_agent.agui import sse_event
+
+    def frame(index: int) -> bytes:
+        return sse_event({"type": "CUSTOM", "name": "n", "value": index})
+
+    app = create_app(TestModel(default=Reply(text="hi")), auth=local_only)
+    live = LiveRun("r1", 0, max_bytes=10 * len(frame(0)))
+    live.add(frame(0))
+    written: list[bytes] = []
+    reading = trio.Event()  # the client reads its first write, then nothing until told
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            written.append(message["body"])
+            if len(written) == 1:
+                await reading.wait()
+
+    async def receive() -> Any:
+        await trio.sleep_forever()
+
+    scope = {"type": "http", "method": "POST", "path": "/runs", "headers": []}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_Follow(app.state.agui, (), live), scope, receive, send)
+        await trio.testing.wait_all_tasks_blocked()  # blocked writing frame 0 to a client that does not read
+        for index in range(1, 50):  # the run goes on: the oldest frames, 1 on, are dropped
+            live.add(frame(index))
+        live.finish()
+        reading.set()
+    events = [json.loads(line[6:]) for line in b"".join(written).decode().splitlines() if line.startswith("data: ")]
+    assert [e.get("value") for e in events[:-1]] == [0]  # what it got has no hole ...
+    assert events[-1]["type"] == "RUN_ERROR" and events[-1]["code"] == "fell_behind"  # ... and it is told
+    assert "GET /threads/" in events[-1]["message"]
+    # A client attaching now replays the frames kept, from the oldest, to the end.
+    late: list[bytes] = []
+
+    async def keep(message: Any) -> None:
+        late.append(message.get("body", b""))
+
+    await _Follow(app.state.agui, (), live)(scope, receive, keep)
+    assert live.first > 1 and b"".join(late) == b"".join(frame(index) for index in range(live.first, 50))

@@ -480,14 +480,16 @@ def _check_answers(paused: PausedRun, answers: Sequence[Any], key: bytes, tools:
 
 class _Follow(Response):
     """The SSE response of a client following a thread: ``prefix`` frames, then the live run's
-    frames from the start (a reconnect replays them), until the run ends. A client that goes
-    away only stops following."""
+    frames from the oldest kept (a reconnect replays them), until the run ends. A client that goes
+    away only stops following; one so far behind that frames it has not read were dropped gets a
+    ``RUN_ERROR`` ``fell_behind`` and its stream ends (never a stream with a hole in it)."""
 
     def __init__(self, server: _Server, prefix: Sequence[bytes], live: LiveRun | None) -> None:
         _sse_response(self)
         self.server = server
         self.prefix = list(prefix)
         self.live = live
+        self.position = 0 if live is None else live.first  # attached now: owed every frame from here on
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -509,9 +511,13 @@ class _Follow(Response):
 
         if self.prefix:
             await write(b"".join(self.prefix))
-        live, sent = self.live, 0
+        live, sent = self.live, self.position
         while live is not None:
-            batch, end = live.since(sent)
+            frames = live.since(sent)
+            if frames is None:
+                await write(_fell_behind(live))
+                break
+            batch, end = frames
             if batch:
                 sent = end
                 await write(b"".join(batch))
@@ -523,6 +529,15 @@ class _Follow(Response):
             if idle.cancelled_caught:
                 await write(KEEP_ALIVE)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _fell_behind(live: LiveRun) -> bytes:
+    message = (
+        f"this client read too slowly: run {live.run_id!r} went more than {live.max_bytes} bytes of events "
+        "ahead of it, and those were dropped. Its stream ends here: GET /threads/{thread_id} again for a "
+        "fresh MESSAGES_SNAPSHOT"
+    )
+    return sse_event(to_wire(RunErrorEvent(message=message, code="fell_behind")))
 
 
 async def _open_thread(hub: ThreadHub, thread_id: str) -> Any:

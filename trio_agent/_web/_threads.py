@@ -12,8 +12,10 @@ Rules
 * A run on a thread is the session's request, driven by a task of the hub, never by
   the HTTP request: a client that disconnects only detaches. Its AG-UI frames are kept
   in a `LiveRun` (the run's frames so far, at most `RUN_BYTES` of them: past that the
-  oldest are dropped from the replay, never from a client already following), so a
-  client that comes back (or a second tab) replays them and then follows live. One
+  oldest are dropped), so a client that comes back (or a second tab) replays them from
+  the oldest kept and then follows live. The run never waits for a client: one that
+  reads so slowly that frames it has not read yet are dropped is told so (``RUN_ERROR``
+  ``fell_behind``: reload the thread) and its stream ends, never with a hole in it. One
   run per thread at a time; the previous run's frames are dropped when the next starts.
 * Stopping a run is a request on the run, not on the session: it takes effect as soon
   as the run's request is open (a stop that comes first waits for it), and never
@@ -59,7 +61,9 @@ logger = logging.getLogger("trio_agent.web")
 
 class LiveRun:
     """One run's frames, in order (a window of them: see `RUN_BYTES`), and a wake-up for those
-    who follow it. Positions are absolute: frame ``n`` is the run's ``n``-th, whatever was dropped."""
+    who follow it. Positions are absolute: frame ``n`` is the run's ``n``-th, whatever was dropped.
+    The window slides whoever follows (the run never waits for a reader): `since` says when a
+    reader's next frame is gone."""
 
     def __init__(self, run_id: str, history_len: int, *, max_bytes: int = RUN_BYTES) -> None:
         self.run_id = run_id
@@ -74,13 +78,24 @@ class LiveRun:
         self._stop: Callable[[], None] | None = None
 
     @property
+    def first(self) -> int:
+        """The position of the oldest frame kept: where a replay starts."""
+        return self._first
+
+    @property
     def end(self) -> int:
         return self._first + len(self._frames)
 
-    def since(self, position: int) -> tuple[list[bytes], int]:
-        """The frames from ``position`` on (from the oldest kept, if it was dropped) and the end."""
-        skip = max(position - self._first, 0)
-        return list(self._frames)[skip:], self.end
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    def since(self, position: int) -> tuple[list[bytes], int] | None:
+        """The frames from ``position`` on and the end; ``None`` if the frame at ``position`` was
+        dropped already (its reader fell behind: it could only go on with a hole)."""
+        if position < self._first:
+            return None
+        return list(self._frames)[position - self._first :], self.end
 
     def add(self, frame: bytes) -> None:
         self._frames.append(frame)
