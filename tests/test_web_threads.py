@@ -347,3 +347,30 @@ async def test_a_follower_that_falls_behind_the_kept_frames_is_told_never_left_w
 
     await _Follow(app.state.agui, (), live)(scope, receive, keep)
     assert live.first > 1 and b"".join(late) == b"".join(frame(index) for index in range(live.first, 50))
+
+
+async def test_a_thread_closing_to_make_room_is_reopened_and_one_in_use_is_not_closed(tmp_path: Path) -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "t.db")
+    async with running(app) as client:
+        hub = app.state.agui.hub
+        hub.max_threads = 1
+        async with client.stream("POST", "/runs", json=body(thread="a", run="a1")) as response:
+            await read(response)
+        first = hub._threads["a"]
+        async with trio.open_nursery() as nursery:
+
+            async def open_b() -> None:
+                async with hub.use("b"):
+                    pass
+
+            nursery.start_soon(open_b)
+            while not first.closing.is_set():  # b's request makes room: a's session starts closing
+                await trio.lowlevel.checkpoint()
+            async with hub.use("a") as again:  # a request for a now: a's session again, open
+                assert first.closed.is_set() and again is not first
+                with trio.fail_after(10):
+                    assert await again.session.send("add 1 and 2") == "result: 3"
+                await trio.testing.wait_all_tasks_blocked()  # b has opened meanwhile, over the limit ...
+                assert not again.closing.is_set()  # ... and never closes a thread a request uses
+        async with client.stream("POST", "/runs", json=body(thread="a", run="a2")) as response:
+            assert (await read(response))[-1]["outcome"] == {"type": "success"}

@@ -71,7 +71,7 @@ from .._models._messages import UserMessage
 from .._session._session import Session
 from .._session._spec import AgentSpec, define_agent
 from .._tools._definition import Tool
-from ._threads import LiveRun, ThreadHub, open_hub
+from ._threads import LiveRun, ThreadHub, _Thread, open_hub
 
 __all__ = ["Auth", "bearer_token", "create_app", "local_only"]
 
@@ -540,18 +540,25 @@ def _fell_behind(live: LiveRun) -> bytes:
     return sse_event(to_wire(RunErrorEvent(message=message, code="fell_behind")))
 
 
-async def _open_thread(hub: ThreadHub, thread_id: str) -> Any:
+async def _open_thread(stack: contextlib.AsyncExitStack, hub: ThreadHub, thread_id: str) -> _Thread | Response:
+    """The thread, in use until ``stack`` closes (see `ThreadHub.use`), or the HTTP error to answer."""
     try:
-        return await hub.thread(thread_id)
+        return await stack.enter_async_context(hub.use(thread_id))
     except TrioAgentError as exc:
         return _error(503, "thread_unavailable", f"thread {thread_id!r} cannot be opened: {exc}")
 
 
 async def _thread_run(server: _Server, hub: ThreadHub, run_input: RunInput) -> Response:
     """``POST /runs`` on a thread backed by a session (see `_threads`)."""
-    thread = await _open_thread(hub, run_input.thread_id)
-    if isinstance(thread, Response):
-        return thread
+    async with contextlib.AsyncExitStack() as stack:
+        thread = await _open_thread(stack, hub, run_input.thread_id)
+        if isinstance(thread, Response):
+            return thread
+        return _start_thread_run(server, hub, thread, run_input)
+
+
+def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_input: RunInput) -> Response:
+    """The run's stream on the open ``thread`` (the request holds it), or why it cannot start."""
     run_id, live = run_input.run_id, thread.live
     if live is not None and live.run_id == run_id:
         return _Follow(server, (), live)  # the same run again (a client coming back, a retry): replayed
@@ -599,9 +606,15 @@ async def _thread_view(server: _Server, hub: ThreadHub, thread_id: str) -> Respo
     """``GET /threads/{id}``: the conversation so far, then the live run if there is one."""
     if not await _thread_exists(hub, thread_id):
         return _error(404, "unknown_thread", f"thread {thread_id!r} does not exist")
-    thread = await _open_thread(hub, thread_id)
-    if isinstance(thread, Response):
-        return thread
+    async with contextlib.AsyncExitStack() as stack:
+        thread = await _open_thread(stack, hub, thread_id)
+        if isinstance(thread, Response):
+            return thread
+        return _follow_thread(server, hub, thread)
+
+
+def _follow_thread(server: _Server, hub: ThreadHub, thread: _Thread) -> Response:
+    """The open ``thread``'s conversation (a snapshot), then its live run if one runs."""
     live = thread.live if thread.busy else None
     messages = thread.session.messages()
     if live is not None:  # the live run's own messages come with its replayed events

@@ -7,8 +7,10 @@ Rules
   (``open_session(spec, journal=store, session_id=thread_id)``; the app's default
   spec asks for permissions with pauses, ``permission_asks="interrupt"``) in a task
   of its own nursery. At most ``max_threads`` sessions stay open: past that, the
-  least recently used thread with no live run is closed (cleanly: it reopens from
-  the journal when next used). When the app stops, every session closes cleanly.
+  least recently used thread with no live run and no request using it is closed
+  (cleanly: it reopens from the journal when next used; a request for a thread that is
+  closing waits for its session to close, then reopens it, and is never handed a
+  session that is closing). When the app stops, every session closes cleanly.
 * A run on a thread is the session's request, driven by a task of the hub, never by
   the HTTP request: a client that disconnects only detaches. Its AG-UI frames are kept
   in a `LiveRun` (the run's frames so far, at most `RUN_BYTES` of them: past that the
@@ -44,7 +46,7 @@ from .._agui._encode import interrupt_to_agui
 from .._agui._session_encode import SessionAgUiEncoder
 from .._agui._sse import sse_event
 from .._agui._wire import CustomEvent, RunErrorEvent, to_wire
-from .._errors import RequestAbortedError, TrioAgentError
+from .._errors import RequestAbortedError, SessionClosedError, TrioAgentError
 from .._session._open import open_session
 from .._session._session import Session
 from .._session._spec import AgentSpec
@@ -133,7 +135,8 @@ class _Thread:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.live: LiveRun | None = None
-        self.closing = trio.Event()
+        self.closing = trio.Event()  # asked to close (to make room, or the app stops)
+        self.closed = trio.Event()  # its session closed: the thread may be opened again
 
     @property
     def busy(self) -> bool:
@@ -151,11 +154,32 @@ class ThreadHub:
         self._threads: collections.OrderedDict[str, _Thread] = collections.OrderedDict()
         self._opening: dict[str, trio.Event] = {}
         self._failures: dict[str, BaseException] = {}
+        self._users: collections.Counter[str] = collections.Counter()  # requests opening or using a thread
         self._closed = False
 
-    async def thread(self, thread_id: str) -> _Thread:
-        """The thread's open session (opened now if needed); its error if it cannot be opened."""
-        while thread_id not in self._threads:
+    @contextlib.asynccontextmanager
+    async def use(self, thread_id: str) -> AsyncIterator[_Thread]:
+        """The thread with its session open for the block (opened now if needed); its error if it
+        cannot be opened. No other request closes it to make room while the block runs."""
+        self._users[thread_id] += 1
+        try:
+            yield await self._open(thread_id)
+        finally:
+            self._users[thread_id] -= 1
+            if not self._users[thread_id]:
+                del self._users[thread_id]
+
+    async def _open(self, thread_id: str) -> _Thread:
+        while True:
+            if self._closed:
+                raise SessionClosedError(f"the server is stopping: thread {thread_id!r} cannot be opened")
+            thread = self._threads.get(thread_id)
+            if thread is not None and not thread.closing.is_set():
+                self._threads.move_to_end(thread_id)
+                return thread
+            if thread is not None:  # its session is closing: once it has closed, it opens again
+                await thread.closed.wait()
+                continue
             opening = self._opening.get(thread_id)
             if opening is None:
                 self._make_room()
@@ -166,12 +190,15 @@ class ThreadHub:
             failure = self._failures.pop(thread_id, None)
             if failure is not None:
                 raise failure
-        self._threads.move_to_end(thread_id)
-        return self._threads[thread_id]
 
     def _make_room(self) -> None:
-        """Close the least recently used idle threads until one more fits under ``max_threads``."""
-        idle = [tid for tid, thread in self._threads.items() if not thread.busy and not thread.closing.is_set()]
+        """Close the least recently used idle threads until one more fits under ``max_threads``
+        (idle: no live run and no request opening or using it)."""
+        idle = [
+            tid
+            for tid, thread in self._threads.items()
+            if not thread.busy and not thread.closing.is_set() and not self._users[tid]
+        ]
         open_count = sum(1 for thread in self._threads.values() if not thread.closing.is_set())
         for thread_id in idle[: max(open_count + len(self._opening) + 1 - self.max_threads, 0)]:
             self._threads[thread_id].closing.set()
@@ -183,8 +210,9 @@ class ThreadHub:
                 thread = self._threads[thread_id] = _Thread(session)
                 del self._opening[thread_id]
                 opening.set()
-                if not self._closed:
-                    await thread.closing.wait()
+                if self._closed:  # the app stopped while it opened
+                    thread.closing.set()
+                await thread.closing.wait()
                 if thread.busy:
                     await session.abort(AbortReason.SESSION_CLOSE, "the server is stopping")
         except Exception as exc:  # this thread's failure: the request that asked gets it, the app goes on
@@ -195,8 +223,10 @@ class ThreadHub:
             else:
                 logger.exception("thread %r closed after an error", thread_id)
         finally:
-            if thread is not None and self._threads.get(thread_id) is thread:
-                del self._threads[thread_id]
+            if thread is not None:
+                if self._threads.get(thread_id) is thread:
+                    del self._threads[thread_id]
+                thread.closed.set()
 
     def close(self) -> None:
         """Close every session (the app is stopping)."""
