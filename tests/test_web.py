@@ -315,6 +315,16 @@ async def test_json_that_nests_too_deep_or_is_not_json_is_a_400_and_ids_are_chec
             assert reply.status_code == 422 and reply.json()["problems"][0].startswith("$.threadId")
 
 
+async def test_a_number_that_is_not_finite_is_refused_with_its_path() -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
+    async with running(app) as client:
+        # 1e400 is JSON, but too large for a float: it reads as infinity, which nothing downstream can take.
+        raw = json.dumps(body(state={"limits": [1, "__big__"]})).replace('"__big__"', "-1e400")
+        reply = await client.post("/runs", content=raw, headers={"content-type": "application/json"})
+        assert reply.status_code == 422 and reply.json()["error"] == "invalid_input"
+        assert reply.json()["problems"] == ["$.state.limits[1]: not a finite number (it reads as -inf)"]
+
+
 async def test_paused_runs_are_kept_within_a_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     from trio_agent._web import _app
 

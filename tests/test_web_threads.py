@@ -374,3 +374,63 @@ async def test_a_thread_closing_to_make_room_is_reopened_and_one_in_use_is_not_c
                 assert not again.closing.is_set()  # ... and never closes a thread a request uses
         async with client.stream("POST", "/runs", json=body(thread="a", run="a2")) as response:
             assert (await read(response))[-1]["outcome"] == {"type": "success"}
+
+
+async def test_answers_a_thread_cannot_keep_are_refused_before_the_stream(tmp_path: Path) -> None:
+    app = create_app(
+        TestModel(respond=respond),
+        auth=local_only,
+        tools=[add],
+        threads=tmp_path / "t.db",
+        permissions={"ask": ["add"]},
+    )
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body()) as response:
+            (interrupt,) = (await read(response))[-1]["outcome"]["interrupts"]
+
+        def resume(value: str, run: str) -> bytes:
+            payload = {"approved": True, "editedArgs": {"a": 1, "b": 2, "x": "__x__"}}
+            answer = [{"interruptId": interrupt["id"], "status": "resolved", "payload": payload}]
+            return json.dumps(body(run=run, resume=answer)).replace('"__x__"', value).encode()
+
+        headers = {"content-type": "application/json"}
+        huge = await client.post("/runs", content=resume("1e400", "r2"), headers=headers)
+        assert huge.status_code == 422 and huge.json()["error"] == "invalid_input"
+        assert huge.json()["problems"] == ["$.resume[0].payload.editedArgs.x: not a finite number (it reads as inf)"]
+        deep = await client.post("/runs", content=resume("[" * 250 + "]" * 250, "r3"), headers=headers)
+        assert deep.status_code == 422 and deep.json()["error"] == "invalid_answers"
+        message = deep.json()["message"]
+        assert "journal cannot keep them" in message and "nests containers deeper" in message
+        async with client.stream("POST", "/runs", content=resume("[[1]]", "r4"), headers=headers) as response:
+            assert (await read(response))[-1]["outcome"] == {"type": "success"}  # the thread still waited for them
+
+
+async def test_a_run_whose_request_fails_ends_with_run_error_not_cancelled(tmp_path: Path) -> None:
+    import math
+
+    from trio_agent.lifecycle import Approve
+
+    app = create_app(
+        TestModel(respond=respond),
+        auth=local_only,
+        tools=[add],
+        threads=tmp_path / "t.db",
+        permissions={"ask": ["add"]},
+    )
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body()) as response:
+            (interrupt,) = (await read(response))[-1]["outcome"]["interrupts"]
+        hub = app.state.agui.hub
+        # Answers the app refuses at its door, given to the session as they are: its request fails
+        # when it records them (a RequestAbortedError with reason "error", not a stop).
+        answers = [Approve(interrupt["id"], {"a": 1, "b": 2, "x": math.inf})]
+        async with hub.use("t1") as thread:
+            live = hub.start_run(thread, "t1", "r2", lambda session: session.resume_stream(answers), lambda: None)
+        with trio.fail_after(10):
+            while not live.done:
+                await live.changed()
+    frames = live.since(0)
+    assert frames is not None
+    events = [json.loads(frame.decode()[len("data: ") :]) for frame in frames[0]]
+    assert [e["type"] for e in events] == ["RUN_STARTED", "RUN_ERROR"]
+    assert events[-1]["code"] == "run_failed" and "not a finite number" in events[-1]["message"]

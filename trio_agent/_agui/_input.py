@@ -13,7 +13,9 @@ Rules
   ``parentRunId``, ``protocolVersion`` and ``resume`` (``interruptId``, ``status``
   ``resolved`` | ``cancelled``, ``payload``). Unknown keys are ignored (the
   protocol grows); a wrong type or a missing key is an `InputError` that lists
-  every problem with its JSON path.
+  every problem with its JSON path. So is a number anywhere in the body that is not
+  finite (a literal too large for a float, such as ``1e400``, reads as infinity; JSON
+  has no infinity, and no model, journal or client could take it).
 * Content given as a list of parts keeps its text parts, joined.
 * Answers: ``cancelled`` is `Cancel`; ``resolved`` answers an approval with
   ``payload.approved`` (``true``: `Approve`, with ``payload.editedArgs`` if given;
@@ -23,6 +25,7 @@ Rules
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -213,6 +216,27 @@ def _resume(reader: _Reader, data: object, path: str) -> ResumeEntry | None:
     return None if interrupt_id is None else ResumeEntry(interrupt_id, status, data.get("payload"))
 
 
+def _non_finite(data: object) -> list[str]:
+    """Where ``data`` (decoded JSON) holds a number that is not finite. Without recursion: a body
+    nests as deeply as the decoder let it."""
+    problems: list[str] = []
+    pending: list[tuple[str, object]] = [("$", data)]
+    while pending:
+        path, value = pending.pop()
+        items: Any = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            if type(item) is float:
+                if not math.isfinite(item):
+                    problems.append(f"{_at(path, key)}: not a finite number (it reads as {item!r})")
+            elif isinstance(item, (dict, list)) and item:
+                pending.append((_at(path, key), item))
+    return sorted(problems)
+
+
+def _at(path: str, key: object) -> str:
+    return f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}"
+
+
 def parse_run_input(data: object) -> RunInput:
     """Read a decoded ``RunAgentInput`` body; `InputError` names every problem."""
     reader = _Reader()
@@ -233,6 +257,7 @@ def parse_run_input(data: object) -> RunInput:
     messages = [_message(reader, item, f"$.messages[{i}]") for i, item in enumerate(lists["messages"])]
     tools = [_tool(reader, item, f"$.tools[{i}]") for i, item in enumerate(lists["tools"])]
     resume = [_resume(reader, item, f"$.resume[{i}]") for i, item in enumerate(lists["resume"])]
+    reader.problems.extend(_non_finite(data))
     if reader.problems:
         raise InputError(reader.problems)
     assert thread_id is not None and run_id is not None

@@ -7,10 +7,11 @@ Rules
 =====
 
 * `start` is ``RUN_STARTED``; the request's ``DoneEvent`` (or `aborted`, for a request
-  whose stream ended with `RequestAbortedError`) is ``RUN_FINISHED`` (outcome
-  ``interrupt`` with the interrupts for a pause, ``cancelled`` for an abort, else
-  ``success``; result ``{stopReason, text}``; the usage summed) or, for an error,
-  ``RUN_ERROR``. Text messages still open are ended first.
+  whose stream ended with `RequestAbortedError` because it was stopped) is ``RUN_FINISHED``
+  (outcome ``interrupt`` with the interrupts for a pause, ``cancelled`` for an abort, else
+  ``success``; result ``{stopReason, text}``; the usage summed) or, for an error (a
+  ``DoneEvent`` with one, or `failed` for a stream that raised it), ``RUN_ERROR``. Text
+  messages still open are ended first.
 * Text deltas of an agent open a text message (id ``<run id>-t<n>``) that stays open
   until that agent's next tool call or the end: one message per stretch of text.
 * ``ToolUseEvent`` is ``TOOL_CALL_START``, ``TOOL_CALL_ARGS`` (the final input as
@@ -146,6 +147,13 @@ class SessionAgUiEncoder:
     def aborted(self) -> list[w.AgUiEvent]:
         """The end of a request that was aborted (the session's stream raises instead of a ``DoneEvent``)."""
         return self._done(DoneEvent("", "", StopReason.ABORTED, 0))
+
+    def failed(self, message: str, code: str) -> list[w.AgUiEvent]:
+        """The end of a request that failed (the session's stream raises instead of a ``DoneEvent``)."""
+        out: list[w.AgUiEvent] = []
+        for agent in list(self._open):
+            out.extend(self._close(agent))
+        return [*out, w.RunErrorEvent(message=message, code=code)]
 
     def _done(self, event: DoneEvent) -> list[w.AgUiEvent]:
         out: list[w.AgUiEvent] = []

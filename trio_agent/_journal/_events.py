@@ -78,6 +78,7 @@ __all__ = [
     "encode_event",
     "event_converter",
     "event_type_name",
+    "json_problem",
 ]
 
 SCHEMA_VERSION = 1
@@ -157,6 +158,19 @@ def _explain_json(value: object, path: str, depth: int = 0) -> None:
             _explain_json(item, f"{path}.{key}", depth + 1)
         return
     raise ValueError(f"{path} is not JSON: {type(value).__name__}")
+
+
+def json_problem(value: object, path: str, *, depth: int = 0) -> str | None:
+    """Why ``value``, found ``depth`` containers deep in an event's JSON field, is no JSON an event may
+    carry (a number that is not finite, containers nested past `MAX_JSON_DEPTH` ...), naming where;
+    ``None`` if it is. For a check before the event is made (at the door, not in the middle of a run)."""
+    if _is_json(value, depth):
+        return None
+    try:
+        _explain_json(value, path, depth)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _json_object(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -45,7 +45,7 @@ from .._abort import AbortReason
 from .._agui._encode import interrupt_to_agui
 from .._agui._session_encode import SessionAgUiEncoder
 from .._agui._sse import sse_event
-from .._agui._wire import CustomEvent, RunErrorEvent, to_wire
+from .._agui._wire import CustomEvent, to_wire
 from .._errors import RequestAbortedError, SessionClosedError, TrioAgentError
 from .._session._open import open_session
 from .._session._session import Session
@@ -265,14 +265,15 @@ class ThreadHub:
                 async for event in events:
                     for out in encoder.encode(event):
                         live.add(sse_event(to_wire(out)))
-        except RequestAbortedError:
-            for out in encoder.aborted():
+        except Exception as exc:  # the run's end is this run's: reported on its stream, the hub goes on
+            if isinstance(exc, RequestAbortedError) and exc.reason != "error":
+                ends = encoder.aborted()  # stopped (by the client, the server stopping ...): cancelled
+            else:  # failed, also a request the session ended because it failed: an error, with its reason
+                if not isinstance(exc, TrioAgentError):
+                    logger.exception("run %r of thread %r failed", live.run_id, thread_id)
+                ends = encoder.failed(str(exc), str(getattr(exc, "code", None) or "run_failed"))
+            for out in ends:
                 live.add(sse_event(to_wire(out)))
-        except Exception as exc:  # the run's failure is this run's: reported on its stream, the hub goes on
-            if not isinstance(exc, TrioAgentError):
-                logger.exception("run %r of thread %r failed", live.run_id, thread_id)
-            code = str(getattr(exc, "code", None) or "run_failed")
-            live.add(sse_event(to_wire(RunErrorEvent(message=str(exc), code=code))))
         finally:
             live.finish()
             on_done()
