@@ -315,6 +315,17 @@ async def test_json_that_nests_too_deep_or_is_not_json_is_a_400_and_ids_are_chec
             assert reply.status_code == 422 and reply.json()["problems"][0].startswith("$.threadId")
 
 
+async def test_ids_follow_the_session_id_rules_so_every_run_can_be_addressed() -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
+    async with running(app) as client:
+        # 'run/1' could never be stopped: /runs/{run_id}/abort does not match a '/'.
+        for key, bad in (("run", "run/1"), ("run", "r\n1"), ("thread", "team/alpha"), ("thread", "x" * 201)):
+            reply = await client.post("/runs", json=body(**{key: bad}))
+            field = "$.runId" if key == "run" else "$.threadId"
+            assert reply.status_code == 422 and reply.json()["error"] == "invalid_input"
+            assert reply.json()["problems"][0].startswith(f"{field}: ") and "must" in reply.json()["problems"][0]
+
+
 async def test_a_number_that_is_not_finite_is_refused_with_its_path() -> None:
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
     async with running(app) as client:

@@ -434,3 +434,15 @@ async def test_a_run_whose_request_fails_ends_with_run_error_not_cancelled(tmp_p
     events = [json.loads(frame.decode()[len("data: ") :]) for frame in frames[0]]
     assert [e["type"] for e in events] == ["RUN_STARTED", "RUN_ERROR"]
     assert events[-1]["code"] == "run_failed" and "not a finite number" in events[-1]["message"]
+
+
+async def test_a_thread_id_no_session_can_have_is_invalid_input_not_unavailable(tmp_path: Path) -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "t.db")
+    async with running(app) as client:
+        for bad in ("team/alpha", "a\nb", "x" * 201):
+            reply = await client.post("/runs", json=body(thread=bad))
+            assert reply.status_code == 422 and reply.json()["error"] == "invalid_input"
+            assert reply.json()["problems"][0].startswith("$.threadId: ")
+        async with client.stream("POST", "/runs", json=body(thread="x" * 200)) as response:
+            assert (await read(response))[-1]["outcome"] == {"type": "success"}  # the longest a session id may be
+        assert (await client.get("/threads/a%0Ab")).status_code == 404

@@ -4,11 +4,12 @@ Rules
 =====
 
 * The body is one JSON object with AG-UI's camelCase keys: ``threadId``, ``runId``
-  (non-empty ids a journal can keep: no NUL, no lone surrogate, at most 256
-  characters), ``messages`` (each with ``id`` and ``role``: ``user``,
-  ``system``, ``developer``, ``assistant`` with optional ``toolCalls``, ``tool``
-  with ``toolCallId``; ``reasoning`` and ``activity`` messages are accepted and
-  left out of the history), optional ``tools`` (the client's own tools: ``name``,
+  (ids by the rules of a session id, `validate_id`: non-empty text of at most 200
+  characters, no ``/``, no control character, no lone surrogate; a thread id is a
+  session id, and either may be a path segment: ``/runs/{runId}/abort``), ``messages``
+  (each with ``id`` and ``role``: ``user``, ``system``, ``developer``, ``assistant``
+  with optional ``toolCalls``, ``tool`` with ``toolCallId``; ``reasoning`` and
+  ``activity`` messages are accepted and left out of the history), optional ``tools`` (the client's own tools: ``name``,
   ``description``, ``parameters``), ``context``, ``state``, ``forwardedProps``,
   ``parentRunId``, ``protocolVersion`` and ``resume`` (``interruptId``, ``status``
   ``resolved`` | ``cancelled``, ``payload``). Unknown keys are ignored (the
@@ -31,8 +32,8 @@ from typing import Any
 
 import attrs
 
+from .._config import validate_id
 from .._errors import ConfigError
-from .._journal._store import check_id
 from .._loop._interrupts import (
     Approve,
     Cancel,
@@ -105,19 +106,15 @@ class _Reader:
         return value
 
     def identifier(self, data: Mapping[str, Any], key: str) -> str | None:
-        """An id a journal can keep (a thread id is a session id): text, at most 256 characters."""
+        """An id by the rules of a session id (a thread id is one; a run id names a URL's segment)."""
         value = self.text(data, key, "$")
         if value is None:
             return None
         try:
-            check_id(value, key)
+            return validate_id(value, name=key)
         except ConfigError as exc:
             self.fail(f"$.{key}", str(exc))
             return None
-        if len(value) > 256:
-            self.fail(f"$.{key}", f"longer than 256 characters ({len(value)})")
-            return None
-        return value
 
     def content(self, data: Mapping[str, Any], path: str) -> str | None:
         value = data.get("content")

@@ -62,10 +62,11 @@ from .._agui._input import InputError, RunInput, answers_for, parse_run_input
 from .._agui._sse import CONTENT_TYPE, KEEP_ALIVE, sse_event
 from .._agui._wire import MessagesSnapshotEvent, RunErrorEvent, to_wire
 from .._chat._chat import chat
-from .._errors import TrioAgentError
+from .._config import validate_id
+from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
 from .._journal._run_recorder import answers_problem
 from .._journal._sqlite import open_sqlite_store
-from .._journal._store import JournalStore, check_id
+from .._journal._store import JournalStore
 from .._lifecycle._interrupts import PausedRun
 from .._loop._interrupts import ClientTool, InterruptIssue, InterruptResumeError, validate_answers
 from .._models._messages import UserMessage
@@ -542,10 +543,13 @@ def _fell_behind(live: LiveRun) -> bytes:
 
 
 async def _open_thread(stack: contextlib.AsyncExitStack, hub: ThreadHub, thread_id: str) -> _Thread | Response:
-    """The thread, in use until ``stack`` closes (see `ThreadHub.use`), or the HTTP error to answer."""
+    """The thread, in use until ``stack`` closes (see `ThreadHub.use`), or the HTTP error to answer:
+    503 when its session cannot be opened here now (its store failed or refused, another process
+    holds its lease, the server is stopping). Anything else is a fault of ours, not a 503: the id
+    was checked at the door by the session's own rules."""
     try:
         return await stack.enter_async_context(hub.use(thread_id))
-    except TrioAgentError as exc:
+    except (JournalError, LeaseLostError, SessionClosedError) as exc:
         return _error(503, "thread_unavailable", f"thread {thread_id!r} cannot be opened: {exc}")
 
 
@@ -632,8 +636,8 @@ def _follow_thread(server: _Server, hub: ThreadHub, thread: _Thread) -> Response
 
 async def _thread_exists(hub: ThreadHub, thread_id: str) -> bool:
     try:
-        check_id(thread_id, "thread id")
-    except TrioAgentError:
-        return False
+        validate_id(thread_id, name="thread id")
+    except ConfigError:
+        return False  # no session can have this id
     store = hub.journal
     return bool(await store.streams(thread_id))
