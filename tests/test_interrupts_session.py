@@ -127,6 +127,27 @@ async def test_approve_with_edits_reject_and_cancel_on_a_session(
     assert fragment in result.content
 
 
+@pytest.mark.parametrize(
+    "edited",
+    [{"path": "a", "text": float("inf")}, {"path": "a", "text": json.loads("[" * 250 + "]" * 250)}],
+    ids=["not finite", "too deep"],
+)
+async def test_answers_no_journal_can_keep_are_refused_and_the_session_stays_paused(edited: dict[str, Any]) -> None:
+    # They passed the answer check and failed the continuation when it recorded them: the
+    # request ended failed instead of the resume being refused with the pause kept.
+    ran: list[dict[str, Any]] = []
+    async with session_of(echo_model(("write", {"path": "a", "text": "x"})), ran) as session:
+        reply = await session.send("write a")
+        [interrupt] = reply.interrupts
+        with pytest.raises(InterruptResumeError) as caught:
+            await session.resume([Approve(interrupt.id, edited_args=edited)])
+        [issue] = [issue for issue in caught.value.issues if issue.code == "invalid_payload"]
+        assert issue.interrupt_id == interrupt.id and f"answers.{interrupt.id}.edited_args" in issue.message
+        assert session.paused is not None and ran == []
+        assert await session.resume([Approve(interrupt.id)]) == "done: wrote a"
+    assert ran == [{"path": "a", "text": "x"}]
+
+
 async def test_a_mixed_batch_of_an_approval_a_client_tool_and_a_question_on_a_session() -> None:
     choice = define_interrupt("choice", response_schema={"type": "string"})
 

@@ -25,6 +25,7 @@ from cattrs.strategies import configure_tagged_union
 
 from .._builders import checked_constructor, constructor
 from .._convert import LazyConverter
+from .._json import explain_json, is_json
 from .._tools._definition import InterruptBehavior, SideEffect, ToolKind
 from .._tools._results import json_copy
 from ._errors import JournalCorruptError
@@ -78,7 +79,6 @@ __all__ = [
     "encode_event",
     "event_converter",
     "event_type_name",
-    "json_problem",
 ]
 
 SCHEMA_VERSION = 1
@@ -100,85 +100,12 @@ def _optional_non_empty(instance: object, attribute: attrs.Attribute[Any], value
         _non_empty(instance, attribute, value)
 
 
-_JSON_LEAVES = frozenset({type(None), bool, str, int})
-_JSON_CONTAINERS = frozenset({dict, list})
-
-
-MAX_JSON_DEPTH = 200
-"""How deeply a payload's containers may nest. Fixed, so that what is accepted does not depend on
-how deep the caller's stack is, and so that every later step (the stored text, reading it back)
-has room below the interpreter's recursion limit."""
-
-
-def _is_json(value: object, depth: int = 0) -> bool:
-    """The common case, fast: exact JSON types (no path text built); anything else is judged by
-    `_explain_json`, which also names where it fails. Leaves and empty containers are judged in
-    the loop, without a call each: most payloads are flat."""
-    kind = type(value)
-    if kind in _JSON_LEAVES:
-        return True
-    if depth >= MAX_JSON_DEPTH:
-        return False
-    if kind is dict:
-        for key, item in value.items():  # type: ignore[attr-defined]
-            if type(key) is not str:
-                return False
-            inner = type(item)
-            if inner not in _JSON_LEAVES and (inner not in _JSON_CONTAINERS or item) and not _is_json(item, depth + 1):
-                return False
-        return True
-    if kind is list:
-        for item in value:  # type: ignore[attr-defined]
-            inner = type(item)
-            if inner not in _JSON_LEAVES and (inner not in _JSON_CONTAINERS or item) and not _is_json(item, depth + 1):
-                return False
-        return True
-    return kind is float and math.isfinite(value)  # type: ignore[arg-type]
-
-
-def _explain_json(value: object, path: str, depth: int = 0) -> None:
-    if value is None or isinstance(value, (bool, str)):
-        return
-    if isinstance(value, int):
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{path} is not a finite number: {value!r}")
-        return
-    if isinstance(value, (list, dict)) and depth >= MAX_JSON_DEPTH:
-        raise ValueError(f"{path} nests containers deeper than {MAX_JSON_DEPTH} levels")
-    if isinstance(value, list):
-        for index, item in enumerate(value):
-            _explain_json(item, f"{path}[{index}]", depth + 1)
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ValueError(f"{path} has a non-string key {key!r}")
-            _explain_json(item, f"{path}.{key}", depth + 1)
-        return
-    raise ValueError(f"{path} is not JSON: {type(value).__name__}")
-
-
-def json_problem(value: object, path: str, *, depth: int = 0) -> str | None:
-    """Why ``value``, found ``depth`` containers deep in an event's JSON field, is no JSON an event may
-    carry (a number that is not finite, containers nested past `MAX_JSON_DEPTH` ...), naming where;
-    ``None`` if it is. For a check before the event is made (at the door, not in the middle of a run)."""
-    if _is_json(value, depth):
-        return None
-    try:
-        _explain_json(value, path, depth)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 def _json_object(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if type(value) is dict and _is_json(value):
+    if type(value) is dict and is_json(value):
         return  # the common case, in one call
     if not isinstance(value, dict):
         raise ValueError(f"{attribute.name} must be a JSON object, not {type(value).__name__}")
-    _explain_json(value, attribute.name)
+    explain_json(value, attribute.name)
 
 
 def _optional_json_object(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -664,8 +591,8 @@ def _check_source(validator: object, name: str, names: dict[str, object]) -> str
     if validator is _optional_non_empty:
         return f"({name} is None or (type({name}) is str and {name} != ''))"
     if validator is _json_object or validator is _optional_json_object:
-        names["_is_json"] = _is_json
-        test = f"(type({name}) is dict and _is_json({name}))"
+        names["is_json"] = is_json
+        test = f"(type({name}) is dict and is_json({name}))"
         return test if validator is _json_object else f"({name} is None or {test})"
     if validator is _positive:
         return f"(type({name}) is int and {name} >= 1)"

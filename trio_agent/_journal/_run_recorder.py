@@ -7,10 +7,8 @@ Structurally a `trio_agent._loop._ports.RunRecorder`; the journal does not impor
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
-
-import attrs
 
 from .._abort import Abort
 from .._errors import ModelError
@@ -28,7 +26,6 @@ from ._events import (
     ModelAttemptAborted,
     ModelAttemptFailed,
     TurnStarted,
-    json_problem,
     model_attempt_completed,
     model_attempt_started,
     turn_completed,
@@ -39,20 +36,7 @@ from ._projection import RequestState
 if TYPE_CHECKING:
     from .._loop._ports import TurnRef
 
-__all__ = ["JournalRecorder", "answers_problem"]
-
-
-def answers_problem(answers: Iterable[InterruptAnswer]) -> str | None:
-    """Why `JournalRecorder.interrupts_resolved` could not record ``answers`` (a number that is not
-    finite, containers nested too deeply), naming where; ``None`` if it can. For a check before the
-    continuation starts: recording them is its first step, and a refusal there fails the request."""
-    for answer in answers:
-        for field in attrs.fields(type(answer)):
-            where = f"answers.{answer.interrupt_id}.{field.name}"  # as `interrupts_resolved` lays them out
-            problem = json_problem(getattr(answer, field.name), where, depth=2)
-            if problem is not None:
-                return problem
-    return None
+__all__ = ["JournalRecorder"]
 
 
 class JournalRecorder:

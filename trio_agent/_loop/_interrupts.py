@@ -51,6 +51,7 @@ import attrs
 import jsonschema_rs
 
 from .._errors import ConfigError, TrioAgentError
+from .._json import json_problem
 from .._models._messages import FinishReason, Message, ToolCallPart
 from .._tools._definition import input_errors
 from .._tools._results import JsonObject, ToolErrorType, ToolResult
@@ -423,7 +424,7 @@ def validate_answers(
             issues.append(InterruptIssue(answer.interrupt_id, "duplicate", "answered more than once"))
             continue
         by_id[answer.interrupt_id] = answer
-        issue = _answer_issue(interrupt, answer, client_tools)
+        issue = _answer_issue(interrupt, answer, client_tools) or _unkept_payload(answer)
         if issue is not None:
             issues.append(issue)
     for interrupt in pause.interrupts:
@@ -431,6 +432,18 @@ def validate_answers(
             issues.append(InterruptIssue(interrupt.id, "missing", f"no answer to {interrupt.kind} question "
                                          f"{interrupt.message!r}"))  # fmt: skip
     return by_id, issues
+
+
+def _unkept_payload(answer: InterruptAnswer) -> InterruptIssue | None:
+    """An answer no journal could keep (a number that is not finite, containers nested too
+    deeply): refused with the other issues, before anything runs, never when the continuation
+    records it (which would fail the request). Paths as the answers are recorded."""
+    for field in attrs.fields(type(answer)):
+        where = f"answers.{answer.interrupt_id}.{field.name}"
+        problem = json_problem(getattr(answer, field.name), where, depth=2)
+        if problem is not None:
+            return InterruptIssue(answer.interrupt_id, "invalid_payload", problem)
+    return None
 
 
 def _answer_issue(

@@ -64,11 +64,10 @@ from .._agui._wire import MessagesSnapshotEvent, RunErrorEvent, to_wire
 from .._chat._chat import chat
 from .._config import validate_id
 from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
-from .._journal._run_recorder import answers_problem
 from .._journal._sqlite import open_sqlite_store
 from .._journal._store import JournalStore
 from .._lifecycle._interrupts import PausedRun
-from .._loop._interrupts import ClientTool, InterruptIssue, InterruptResumeError, validate_answers
+from .._loop._interrupts import ClientTool, InterruptResumeError, validate_answers
 from .._models._messages import UserMessage
 from .._session._session import Session
 from .._session._spec import AgentSpec, define_agent
@@ -579,9 +578,6 @@ def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_inpu
             return _error(409, "nothing_to_resume", f"thread {run_input.thread_id!r} has no paused run")
         answers = answers_for(run_input.resume, paused.state.interrupts)
         _, issues = validate_answers(paused.state, answers, hub.spec.client_tools)
-        unkept = answers_problem(answers)  # the session records them first: refused here, not mid-stream
-        if unkept is not None:
-            issues.append(InterruptIssue(None, "invalid_payload", f"the thread's journal cannot keep them: {unkept}"))
         if issues:
             return _error(422, "invalid_answers", str(InterruptResumeError(issues)), [i.message for i in issues])
 

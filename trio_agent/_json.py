@@ -1,0 +1,84 @@
+"""What JSON a payload may be: the one rule for every event, answer and wire value we keep.
+
+Exactly JSON's types (``None``, ``bool``, ``str``, ``int``, finite ``float``, ``list``, ``dict``
+with ``str`` keys), nested at most `MAX_JSON_DEPTH` containers deep. `is_json` answers fast for
+the common case; `explain_json` names where a value fails; `json_problem` says why, or ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["MAX_JSON_DEPTH", "explain_json", "is_json", "json_problem"]
+
+_LEAVES = frozenset({type(None), bool, str, int})
+_CONTAINERS = frozenset({dict, list})
+
+
+MAX_JSON_DEPTH = 200
+"""How deeply a payload's containers may nest. Fixed, so that what is accepted does not depend on
+how deep the caller's stack is, and so that every later step (the stored text, reading it back)
+has room below the interpreter's recursion limit."""
+
+
+def is_json(value: object, depth: int = 0) -> bool:
+    """The common case, fast: exact JSON types (no path text built); anything else is judged by
+    `explain_json`, which also names where it fails. Leaves and empty containers are judged in
+    the loop, without a call each: most payloads are flat."""
+    kind = type(value)
+    if kind in _LEAVES:
+        return True
+    if depth >= MAX_JSON_DEPTH:
+        return False
+    if kind is dict:
+        for key, item in value.items():  # type: ignore[attr-defined]
+            if type(key) is not str:
+                return False
+            inner = type(item)
+            if inner not in _LEAVES and (inner not in _CONTAINERS or item) and not is_json(item, depth + 1):
+                return False
+        return True
+    if kind is list:
+        for item in value:  # type: ignore[attr-defined]
+            inner = type(item)
+            if inner not in _LEAVES and (inner not in _CONTAINERS or item) and not is_json(item, depth + 1):
+                return False
+        return True
+    return kind is float and math.isfinite(value)  # type: ignore[arg-type]
+
+
+def explain_json(value: object, path: str, depth: int = 0) -> None:
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path} is not a finite number: {value!r}")
+        return
+    if isinstance(value, (list, dict)) and depth >= MAX_JSON_DEPTH:
+        raise ValueError(f"{path} nests containers deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            explain_json(item, f"{path}[{index}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{path} has a non-string key {key!r}")
+            explain_json(item, f"{path}.{key}", depth + 1)
+        return
+    raise ValueError(f"{path} is not JSON: {type(value).__name__}")
+
+
+def json_problem(value: object, path: str, *, depth: int = 0) -> str | None:
+    """Why ``value``, found ``depth`` containers deep in an event's JSON field, is no JSON an event may
+    carry (a number that is not finite, containers nested past `MAX_JSON_DEPTH` ...), naming where;
+    ``None`` if it is. For a check before the event is made (at the door, not in the middle of a run)."""
+    if is_json(value, depth):
+        return None
+    try:
+        explain_json(value, path, depth)
+    except ValueError as exc:
+        return str(exc)
+    return None
