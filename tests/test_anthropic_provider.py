@@ -643,6 +643,34 @@ async def test_stream_bad_events_are_malformed(bad: bytes, match: str) -> None:
             await collect(provider, request(operation=Operation.STREAM))
 
 
+DEEP = b"[" * 5000 + b"]" * 5000  # valid JSON, nested deeper than the json module can recurse
+
+
+async def test_json_nested_too_deeply_to_parse_is_malformed_not_a_bare_recursion_error() -> None:
+    events = sse_events("stream_text")
+    deep_event = b'event: content_block_delta\ndata: {"delta": ' + DEEP + b"}\n\n"
+    async with serve(
+        Scripted(200, [("content-type", "application/json")], [DEEP], chunked=False),
+        Scripted.sse([*events[:2], deep_event, *events[2:]]),
+        Scripted.sse([*events[:2], deep_event, *events[2:]]),
+        Scripted(529, [("content-type", "application/json")], [DEEP], chunked=False),
+    ) as (_, provider):
+        with pytest.raises(MalformedResponseError, match="the Anthropic response nests arrays and objects too deeply"):
+            await provider.chat(request())
+        with pytest.raises(MalformedResponseError, match="an Anthropic stream event nests arrays and objects too"):
+            await collect(provider, request(operation=Operation.STREAM))
+        # Through the service: the provider's typed error, not a bare error reported as provider_failed.
+        service = ModelService(provider, retry=RetryPolicy(max_attempts=1))
+        with pytest.raises(MalformedResponseError, match="too deeply"):
+            async with service.stream([UserMessage("Hi")]) as chunks:
+                async for _ in chunks:
+                    pass
+        # An error body that cannot be parsed is shown as text, whatever the reason.
+        with pytest.raises(ProviderServerError, match=r"Anthropic API error 529: \[\[\[") as caught:
+            await provider.chat(request())
+    assert caught.value.status == 529
+
+
 async def test_stream_unknown_stop_reason_is_malformed() -> None:
     events = sse_events("stream_text")
     events[-2] = event({"type": "message_delta", "delta": {"stop_reason": "banana"}, "usage": {"output_tokens": 1}})

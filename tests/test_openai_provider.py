@@ -391,6 +391,34 @@ async def test_a_completion_that_is_not_json_is_malformed() -> None:
             await provider.chat(request(operation=Operation.CHAT))
 
 
+DEEP = b"[" * 5000 + b"]" * 5000  # valid JSON, nested deeper than the json module can recurse
+
+
+async def test_json_nested_too_deeply_to_parse_is_malformed_not_a_bare_recursion_error() -> None:
+    deep_event = b'data: {"choices": ' + DEEP + b"}\n\n"
+    handler = queue_handler(
+        Scripted(200, [("content-type", "application/json")], [DEEP], chunked=False),
+        Scripted.sse([deep_event]),
+        Scripted.sse([deep_event]),
+        Scripted(400, [("content-type", "application/json")], [DEEP], chunked=False),
+    )
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        with pytest.raises(MalformedResponseError, match="the chat completion nests arrays and objects too deeply"):
+            await provider.chat(request(operation=Operation.CHAT))
+        with pytest.raises(MalformedResponseError, match="an SSE event nests arrays and objects too deeply"):
+            await collect(provider, request())
+        # Through the service: the provider's typed error, not a bare error reported as provider_failed.
+        service = ModelService(provider, retry=RetryPolicy(max_attempts=1))
+        with pytest.raises(MalformedResponseError, match="too deeply"):
+            async with service.stream(HELLO) as chunks:
+                async for _ in chunks:
+                    pass
+        # An error body that cannot be parsed is shown as text, whatever the reason.
+        with pytest.raises(ProviderError, match=r"HTTP 400 .*: \[\[\[") as caught:
+            await provider.chat(request(operation=Operation.CHAT))
+    assert type(caught.value) is ProviderError and caught.value.status == 400
+
+
 async def test_oversize_bodies_are_rejected_without_buffering_them() -> None:
     big = completion({"content": "x" * 5000})
     chunked = Scripted(

@@ -43,7 +43,15 @@ from .._errors import (
     ProviderServerError,
     RateLimitError,
 )
-from ._http import SSEEvent, SSEParser, SSEReader, checked_base_url, release_response, retry_after_seconds
+from ._http import (
+    SSEEvent,
+    SSEParser,
+    SSEReader,
+    checked_base_url,
+    load_json,
+    release_response,
+    retry_after_seconds,
+)
 from ._messages import (
     AssistantMessage,
     ContentPart,
@@ -235,11 +243,7 @@ class AnthropicProvider:
             raise ModelTimeoutError(
                 f"the Anthropic request exceeded its {self.timeout:g} s timeout", code="model_request_timeout"
             )
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
-            raise MalformedResponseError(f"the Anthropic response is not valid JSON: {exc}") from exc
-        return parse_message(data)
+        return parse_message(load_json(raw, what="the Anthropic response"))
 
     async def _post(self, body: bytes) -> bytes:
         try:
@@ -575,8 +579,8 @@ def _error_details(body: bytes) -> tuple[str | None, str]:
     """(Anthropic error type, message) from an error body ``{"type": "error", "error": {...}}``."""
     text = body.decode("utf-8", "replace").strip()
     try:
-        data = json.loads(text)
-    except ValueError:
+        data = load_json(text, what="the Anthropic error body")
+    except MalformedResponseError:
         return None, text[:500] or "(empty body)"
     error = data.get("error") if isinstance(data, Mapping) else None
     if isinstance(error, Mapping):
@@ -631,8 +635,8 @@ async def _check_event_stream(response: httpx.Response, grace: float) -> None:
 def _json_body_error(body: bytes, shape: str) -> ModelError:
     """Where a stream was expected: the server's error if *body* is an error object, else malformed."""
     try:
-        data = json.loads(body)
-    except ValueError:
+        data = load_json(body, what="the Anthropic body")
+    except MalformedResponseError:
         data = None
     if isinstance(data, Mapping) and isinstance(data.get("error"), Mapping):
         return _error_object(data, "response")
@@ -687,10 +691,7 @@ class _StreamState:
     def handle(self, event: SSEEvent) -> list[StreamChunk]:
         if self.finished:
             return []
-        try:
-            data = json.loads(event.data)
-        except ValueError as exc:
-            raise MalformedResponseError(f"an Anthropic stream event is not valid JSON: {event.data[:200]!r}") from exc
+        data = load_json(event.data, what="an Anthropic stream event")
         if not isinstance(data, dict):
             raise MalformedResponseError(f"an Anthropic stream event is not an object: {event.data[:200]!r}")
         kind = event.event if event.event and event.event != "message" else data.get("type")

@@ -1,5 +1,5 @@
-"""What the HTTP providers share: base-URL validation, ``retry-after`` parsing, a bounded
-server-sent-events parser and the bounded release of a response."""
+"""What the HTTP providers share: base-URL validation, ``retry-after`` parsing, JSON loading of
+server data, a bounded server-sent-events parser and the bounded release of a response."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import collections
 import contextlib
 import datetime
 import email.utils
+import json
 import math
 import re
 import time
@@ -25,6 +26,7 @@ __all__ = [
     "SSEParser",
     "SSEReader",
     "checked_base_url",
+    "load_json",
     "release_response",
     "retry_after_seconds",
 ]
@@ -77,6 +79,24 @@ def retry_after_seconds(headers: httpx.Headers) -> float | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=datetime.UTC)
     return max(when.timestamp() - time.time(), 0.0)
+
+
+def load_json(data: str | bytes, *, what: str, status: int | None = None) -> Any:
+    """*data* (sent by a server) parsed as JSON, or a `MalformedResponseError` that names *what*
+    and shows the start of *data*.
+
+    JSON nested deeper than the parser can recurse raises `RecursionError`, which is not a
+    `ValueError`: caught here as well, so a hostile body fails its call as malformed like any
+    other unreadable body, instead of escaping as a bare error.
+    """
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        problem = f"is not valid JSON ({exc})"
+    except RecursionError:
+        problem = "nests arrays and objects too deeply to be parsed"
+    start = data[:200].decode("utf-8", "replace") if isinstance(data, bytes) else data[:200]
+    raise MalformedResponseError(f"{what} {problem}: {start!r}", status=status) from None
 
 
 # -- server-sent events -------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from .._errors import (
     ProviderServerError,
     RateLimitError,
 )
-from ._http import SSEParser, SSEReader, checked_base_url, release_response, retry_after_seconds
+from ._http import SSEParser, SSEReader, checked_base_url, load_json, release_response, retry_after_seconds
 from ._messages import (
     AssistantMessage,
     ContentPart,
@@ -265,14 +265,7 @@ class OpenAIProvider:
                 body = await self._read_bounded(response)
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, streaming=False) from exc
-        try:
-            payload = json.loads(body)
-        except ValueError as exc:
-            raise MalformedResponseError(
-                f"the chat completion is not valid JSON: {exc}; body starts {_preview(body)}",
-                status=response.status_code,
-            ) from exc
-        return _parse_completion(payload, model)
+        return _parse_completion(load_json(body, what="the chat completion", status=response.status_code), model)
 
     async def stream(self, request: ModelRequest) -> AsyncGenerator[StreamChunk, None]:
         """A streamed completion (SSE). ``aclose()`` closes the HTTP response before it returns.
@@ -691,10 +684,7 @@ class _StreamAssembler:
             if event == "error":
                 raise ProviderError("the stream sent an error event without details")
             return []  # an event without data, e.g. a ping
-        try:
-            payload = json.loads(data)
-        except ValueError as exc:
-            raise MalformedResponseError(f"an SSE event is not valid JSON ({exc}): {data[:200]!r}") from exc
+        payload = load_json(data, what="an SSE event")
         if not isinstance(payload, dict):
             _malformed(f"an SSE event must be a JSON object, got {data[:200]!r}")
         if event == "error" or payload.get("error") is not None:
@@ -807,8 +797,8 @@ def _error_details(body: bytes) -> tuple[str, str]:
     """(message, kind) from an error body: OpenAI's ``{"error": {"message", "type", "code"}}`` or a
     compatible server's variant (``{"error": "..."}``, ``{"detail": ...}``, ``{"message": ...}``)."""
     try:
-        payload = json.loads(body)
-    except ValueError:
+        payload = load_json(body, what="the error body")
+    except MalformedResponseError:
         return body[:500].decode("utf-8", "replace").strip(), ""
     return _payload_details(payload)
 
@@ -857,8 +847,8 @@ def _raise_error_payload(payload: dict[str, Any], *, status: int | None) -> NoRe
 def _raise_for_body(body: bytes) -> None:
     """If a non-SSE body (where SSE was expected) is an error object, raise it as a typed error."""
     try:
-        payload = json.loads(body)
-    except ValueError:
+        payload = load_json(body, what="the body")
+    except MalformedResponseError:
         return
     if isinstance(payload, dict) and payload.get("error") is not None:
         _raise_error_payload(payload, status=None)
