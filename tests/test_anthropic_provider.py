@@ -634,6 +634,10 @@ async def test_stream_ending_without_message_stop_is_a_connection_error() -> Non
             "unknown block",
         ),
         (b"event: ping\ndata: \xff\xfe\n\n", "UTF-8"),
+        # Without an event: line the type is the data's: anything but a string is malformed.
+        (b'data: {"type": ["content_block_delta"]}\n\n', "no valid type"),
+        (b'data: {"type": {"a": 1}}\n\n', "no valid type"),
+        (b'data: {"index": 0}\n\n', "no valid type"),
     ],
 )
 async def test_stream_bad_events_are_malformed(bad: bytes, match: str) -> None:

@@ -695,6 +695,8 @@ class _StreamState:
         if not isinstance(data, dict):
             raise MalformedResponseError(f"an Anthropic stream event is not an object: {event.data[:200]!r}")
         kind = event.event if event.event and event.event != "message" else data.get("type")
+        if not isinstance(kind, str):  # a list or an object would not even hash for the lookups below
+            raise MalformedResponseError(f"an Anthropic stream event has no valid type: {event.data[:200]!r}")
         if kind == "error":
             raise _error_object(data, "stream")
         if kind == "ping":
