@@ -317,6 +317,33 @@ async def test_request_mapping_of_messages_tools_and_options() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"n": 1e999}',  # valid JSON whose number is beyond a float: parsed to inf
+        '{"n": NaN}',
+        '{"n": -Infinity}',
+        '{"a": ' + "[" * 3000 + "]" * 3000 + "}",  # deeper than the json module can recurse
+        '{"a": ' + "[" * 65 + "]" * 65 + "}",  # deeper than any tool accepts
+    ],
+)
+async def test_tool_arguments_a_tool_would_refuse_never_poison_the_conversation(arguments: str) -> None:
+    """The arguments were refused to the tool; the conversation goes on, the call sent with ``{}``."""
+    history: list[Message] = [
+        UserMessage("compute"),
+        AssistantMessage((ToolCallPart("t1", "calc", arguments),)),
+        ToolResultMessage("t1", "the arguments are not valid", is_error=True),
+        UserMessage("again"),
+    ]
+    async with serve(Scripted.json(JSON["text_reply"]), Scripted.sse(sse_events("stream_text"))) as (server, provider):
+        await provider.chat(request(history))
+        await collect(provider, request(history, operation=Operation.STREAM))
+    for recorded in server.requests:
+        assert recorded.json()["messages"][1]["content"] == [
+            {"type": "tool_use", "id": "t1", "name": "calc", "input": {}}
+        ]
+
+
 async def test_thinking_config_dict_and_provider_max_tokens() -> None:
     thinking = {"type": "enabled", "budget_tokens": 1024}
     async with serve(Scripted.json(JSON["text_reply"]), max_tokens=2048) as (server, provider):

@@ -9,7 +9,8 @@ Mapping (see ``docs/providers-anthropic.md``):
   ``redacted_data`` as ``redacted_thinking`` blocks, unchanged; unsigned reasoning (from
   another provider) cannot be verified by Anthropic and is left out.
 * `ToolCallPart` arguments are sent as the ``input`` object; arguments that are not a JSON
-  object (invalid JSON from the model) are sent as ``{}``, since the API accepts only objects.
+  object (invalid JSON from the model, or JSON a tool would refuse: non-finite numbers, nesting
+  deeper than `MAX_ARGUMENT_DEPTH`) are sent as ``{}``, since the API accepts only objects.
 
 The provider never retries: the `ModelService` retry loop owns retries. Errors are typed
 (`ProviderError` and its subclasses, `ModelConnectionError`, `ModelTimeoutError`). A stream
@@ -43,6 +44,7 @@ from .._errors import (
     ProviderServerError,
     RateLimitError,
 )
+from ._assemble import ToolArgumentsError, parse_tool_arguments
 from ._http import (
     SSEEvent,
     SSEParser,
@@ -451,12 +453,17 @@ def _wire_id(call_id: str) -> str:
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:
-    """The ``input`` object for a tool call: its JSON arguments, or ``{}`` when they are not a JSON object."""
+    """The ``input`` object for a tool call: its JSON arguments, or ``{}`` when they are not a JSON
+    object that can be sent back.
+
+    Parsed as a tool receives them (`parse_tool_arguments`): a number beyond a float (``1e999``),
+    ``NaN`` or nesting too deep parse with plain ``json.loads`` but could never be encoded again
+    (or overflow the stack), and every later request of the conversation would fail.
+    """
     try:
-        value = json.loads(arguments or "{}")
-    except ValueError:
+        return parse_tool_arguments(arguments)
+    except ToolArgumentsError:
         return {}
-    return value if isinstance(value, dict) else {}
 
 
 # -- response mapping -------------------------------------------------------------------------
