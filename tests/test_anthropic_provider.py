@@ -23,6 +23,8 @@ import pydantic
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.fake_server import FakeServer, Gate, Scripted, open_fake_server, queue_handler
 from trio_agent import AuthenticationError, ConfigError, ModelTimeoutError, Provider, ProviderError, RateLimitError
@@ -1140,3 +1142,45 @@ def test_call_ids_anthropic_refuses_are_mapped_to_safe_distinct_ids() -> None:
     assert uses[0] == "call_1"
     assert len(set(uses)) == 2
     assert all(re.fullmatch(r"[A-Za-z0-9_-]+", call_id) for call_id in uses)
+
+
+def test_wire_ids_never_collide() -> None:
+    """Ids as the assembler and other providers give them: a renamed repeat (``toolu_a~2``) and a
+    real id spelled like an escape of it, or ids that differ only in an unsafe character, stay
+    distinct on the wire; ids Anthropic accepts as they are keep their spelling where possible."""
+    from trio_agent._models._anthropic import _wire_id
+
+    ids = ["toolu_a", "toolu_a~2", "toolu_a_7e_2", "toolu_a-7e-2", "toolu_a--7e-2", "call:1", "call_3a_1", "call-3a-1"]
+    ids += ["a-b", "a--b", "a-2d-b", "a~-b", "é", "-e9-", "--", "-", "~"]
+    wire = [_wire_id(call_id) for call_id in ids]
+    assert len(set(wire)) == len(ids)
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]+", call_id) for call_id in wire)
+    assert _wire_id("toolu_01T1x1fJ34qAmk2tNTrN7Up6") == "toolu_01T1x1fJ34qAmk2tNTrN7Up6"
+    assert _wire_id("call_1~2") == "call_1-7e-2"
+
+
+def read_wire_id(wire: str) -> str:
+    """The id `_wire_id` escaped into *wire*, read back by its documented code: ``--`` is ``-``,
+    ``-<hex>-`` the character of that code point."""
+    out, position = [], 0
+    while position < len(wire):
+        if wire[position] != "-":
+            out.append(wire[position])
+            position += 1
+        elif wire.startswith("--", position):
+            out.append("-")
+            position += 2
+        else:
+            end = wire.index("-", position + 1)
+            out.append(chr(int(wire[position + 1 : end], 16)))
+            position = end + 1
+    return "".join(out)
+
+
+@given(st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=12))
+def test_wire_ids_are_safe_and_read_back_to_the_id(call_id: str) -> None:
+    from trio_agent._models._anthropic import _wire_id
+
+    wire = _wire_id(call_id)
+    assert re.fullmatch(r"[A-Za-z0-9_-]+", wire)
+    assert read_wire_id(wire) == call_id  # so no two ids share a wire id

@@ -437,19 +437,28 @@ def _assistant_block(part: ContentPart) -> dict[str, Any] | None:
     return {"type": "tool_use", "id": _wire_id(part.id), "name": part.name, "input": _tool_input(part.arguments)}
 
 
-_WIRE_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+# Characters `_wire_id` rewrites: the ones Anthropic refuses, and ``-``, its escape character.
+_WIRE_ID_ESCAPED = re.compile(r"[^A-Za-z0-9_]")
 
 
 def _wire_id(call_id: str) -> str:
-    """A call id as Anthropic accepts it (``^[a-zA-Z0-9_-]+$``).
+    """A call id as Anthropic accepts it (``^[a-zA-Z0-9_-]+$``), one-to-one.
 
     Ids from other providers may hold other characters, and the reply assembler marks a
-    repeated id with ``~2``: each unsafe character becomes ``_`` plus its code point in hex,
-    so distinct ids stay distinct and the same id always maps the same way.
+    repeated id with ``~2``. ``-`` is the escape character: it becomes ``--``, and any other
+    character Anthropic refuses becomes ``-<code point in hex>-``. Each character's code is
+    read back unambiguously (``--`` or ``-`` + hex digits + ``-``, never starting alike), so
+    distinct ids stay distinct and the same id always maps the same way. Ids of letters, digits
+    and ``_`` (Anthropic's own ``toolu_...``, OpenAI's ``call_...``) are sent unchanged.
     """
-    if not _WIRE_ID_UNSAFE.search(call_id):
+    if not _WIRE_ID_ESCAPED.search(call_id):
         return call_id
-    return _WIRE_ID_UNSAFE.sub(lambda match: f"_{ord(match.group()):x}_", call_id)
+    return _WIRE_ID_ESCAPED.sub(_escape_id_character, call_id)
+
+
+def _escape_id_character(match: re.Match[str]) -> str:
+    character = match.group()
+    return "--" if character == "-" else f"-{ord(character):x}-"
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:
