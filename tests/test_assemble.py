@@ -315,6 +315,51 @@ def test_assigned_ids_are_unique_stable_and_keep_first_real_ids(
         assert first.renamed.get(call_id, call_id) == original
 
 
+def first_free_suffixes(indices: list[int], originals: list[str], reserved: Sequence[str]) -> list[str]:
+    """The module's naming rule spelled out naively: a base already taken gets the first free ``~n``."""
+    taken = set(reserved)
+    assigned: list[str | None] = [None] * len(originals)
+    for position, original in enumerate(originals):
+        if original and original not in taken:
+            taken.add(original)
+            assigned[position] = original
+    for position, (index, original) in enumerate(zip(indices, originals, strict=True)):
+        if assigned[position] is None:
+            base = candidate = original or f"call_{index}"
+            n = 2
+            while candidate in taken:
+                candidate, n = f"{base}~{n}", n + 1
+            taken.add(candidate)
+            assigned[position] = candidate
+    return [call_id for call_id in assigned if call_id is not None]
+
+
+@given(st.lists(ID_ALPHABET, max_size=16), st.lists(ID_ALPHABET, max_size=4))
+def test_assign_call_ids_follows_the_first_free_suffix_rule(originals: list[str], reserved: list[str]) -> None:
+    indices = list(range(len(originals)))
+    assert assign_call_ids(indices, originals, reserved) == first_free_suffixes(indices, originals, reserved)
+
+
+class CountingIds(set[str]):
+    """Reserved ids that count how often they are asked."""
+
+    asked = 0
+
+    def __contains__(self, call_id: object) -> bool:
+        self.asked += 1
+        return super().__contains__(call_id)
+
+
+def test_renaming_many_repeats_of_one_id_probes_each_suffix_once() -> None:
+    """A model that names every call alike (and did so all conversation long): each suffix is tried
+    once, not once per repeat, which was quadratic (16,000 repeats blocked the event loop 15 s)."""
+    n = 1000
+    reserved = CountingIds(["x", *(f"x~{k}" for k in range(2, n + 1))])
+    assigned = assign_call_ids(list(range(n)), ["x"] * n, reserved)
+    assert assigned == [f"x~{k}" for k in range(n + 1, 2 * n + 1)]
+    assert reserved.asked <= 3 * n
+
+
 def test_assign_call_ids_alone() -> None:
     assert assign_call_ids([0, 1, 2], ["", "", "a"]) == ["call_0", "call_1", "a"]
     assert assign_call_ids([], []) == []

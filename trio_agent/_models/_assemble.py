@@ -249,13 +249,19 @@ def assign_call_ids(indices: list[int], originals: list[str], reserved: Collecti
         if original and original not in taken:
             taken.add(original)
             assigned[position] = original
+    # Per base, the suffix to try next (1: the base itself). The ones below it are taken and stay
+    # taken, so a base's suffixes are probed once in all: probing from 2 for every repeat was quadratic.
+    next_suffix: dict[str, int] = {}
     for position, (index, original) in enumerate(zip(indices, originals, strict=True)):
         if assigned[position] is not None:
             continue
         base = original or f"call_{index}"
-        candidate, n = base, 2
+        n = next_suffix.get(base, 1)
+        candidate = base if n == 1 else f"{base}{_SUFFIX}{n}"
         while candidate in taken:
-            candidate, n = f"{base}{_SUFFIX}{n}", n + 1
+            n += 1
+            candidate = f"{base}{_SUFFIX}{n}"
+        next_suffix[base] = n + 1
         taken.add(candidate)
         assigned[position] = candidate
     return [call_id for call_id in assigned if call_id is not None]
