@@ -1327,6 +1327,46 @@ async def test_index_less_tool_calls_with_empty_ids_are_told_apart_by_name() -> 
     ]
 
 
+class WalkCountingCalls(dict[int, Any]):
+    """The stream assembler's calls, counting every walk over all of them."""
+
+    walks = 0
+
+    def __iter__(self) -> Any:
+        self.walks += 1
+        return super().__iter__()
+
+    def values(self) -> Any:
+        self.walks += 1
+        return super().values()
+
+
+def test_index_less_tool_call_deltas_never_walk_all_calls() -> None:
+    """Each index-less delta used to rebuild an id -> index map of every call so far (and take the
+    max index): quadratic in the number of calls. The map is kept as calls start; the calls are
+    walked once, when they end."""
+    from trio_agent._models._openai import _StreamAssembler
+
+    def data(delta: dict[str, Any], finish: str | None = None) -> str:
+        return chunk_event(delta, finish, valid=False).decode().removeprefix("data: ")
+
+    assembler = _StreamAssembler()
+    assembler.calls = calls = WalkCountingCalls()
+    n = 200
+    out: list[StreamChunk] = []
+    for i in range(n):
+        start = {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": '{"a"'}}
+        out += assembler.feed("message", data({"tool_calls": [start]}))
+        again = {"id": f"c{i}", "type": "function", "function": {"arguments": ": "}}  # a known id continues
+        rest = {"type": "function", "function": {"arguments": f"{i}}}"}}  # no id: the last call continues
+        out += assembler.feed("message", data({"tool_calls": [again, rest]}))
+    assert calls.walks == 0
+    out += assembler.feed("message", data({}, "tool_calls"))
+    assert calls.walks == 1
+    ends = [chunk for chunk in out if isinstance(chunk, ToolCallEnd)]
+    assert ends == [ToolCallEnd(i, f"c{i}", "f", f'{{"a": {i}}}') for i in range(n)]
+
+
 @pytest.mark.parametrize("split", SPLITS)
 async def test_unicode_line_separators_in_output_are_text(split: str) -> None:
     """U+2028, U+2029 and U+0085 end no SSE line (httpx-sse < 0.4.2 split on them)."""

@@ -670,6 +670,10 @@ class _StreamAssembler:
 
     def __init__(self) -> None:
         self.calls: dict[int, _ToolCallState] = {}
+        # For deltas without an index: the call of each id (the latest with it) and the highest
+        # index, kept as calls start (rebuilt on every delta, they made a stream quadratic).
+        self.index_of_id: dict[str, int] = {}
+        self.last_index = -1
         self.calls_ended = False
         self.has_text = False
         self.finish: FinishReason | None = None
@@ -739,13 +743,12 @@ class _StreamAssembler:
             # Some compatible servers (Gemini) omit the index: a delta with a new id, or with an
             # empty id and a name, starts a call; one with a known id continues it; others the last.
             new_id = call.get("id")
-            by_id = {state.id: state.index for state in self.calls.values() if state.id}
-            if isinstance(new_id, str) and new_id in by_id:
-                index = by_id[new_id]
+            if isinstance(new_id, str) and new_id in self.index_of_id:
+                index = self.index_of_id[new_id]
             elif not self.calls or (isinstance(new_id, str) and (new_id or function.get("name"))):
                 index = len(self.calls)
             else:
-                index = max(self.calls)
+                index = self.last_index
         elif isinstance(index, bool) or not isinstance(index, int) or index < 0:
             _malformed(f"{where}.index must be a non-negative integer, got {index!r}")
         state = self.calls.get(index)
@@ -758,6 +761,9 @@ class _StreamAssembler:
                 _required_str(function.get("name"), f"{where}.function.name (first delta of tool call {index})"),
             )
             self.calls[index] = state
+            if state.id:
+                self.index_of_id[state.id] = index
+            self.last_index = max(self.last_index, index)
             out.append(ToolCallStart(index, state.id, state.name))
         elif self.calls_ended:
             _malformed(f"tool call {index} continued after the finish_reason")
