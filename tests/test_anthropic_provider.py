@@ -30,6 +30,7 @@ from tests.fake_server import FakeServer, Gate, Scripted, open_fake_server, queu
 from trio_agent import AuthenticationError, ConfigError, ModelTimeoutError, Provider, ProviderError, RateLimitError
 from trio_agent._cleanup import DEFAULT_CLEANUP_GRACE
 from trio_agent._models._anthropic import AnthropicProvider, retry_after_seconds
+from trio_agent._models._assemble import ReplyAssembler
 from trio_agent._models._providers import create_provider
 from trio_agent._models._service import ModelRequest
 from trio_agent.models import (
@@ -674,6 +675,62 @@ async def test_stream_bad_events_are_malformed(bad: bytes, match: str) -> None:
     async with serve(Scripted.sse([*events[:2], bad, *events[2:]])) as (_, provider):
         with pytest.raises(MalformedResponseError, match=match):
             await collect(provider, request(operation=Operation.STREAM))
+
+
+async def test_a_surrogate_pair_split_across_events_is_joined_and_the_conversation_goes_on() -> None:
+    """``"\\ud83d"`` then ``"\\ude00"`` (a proxy slicing UTF-16): each half alone is a lone surrogate
+    that no request can encode. The deltas published are valid text (a high half waits for its
+    pair; one whose pair never comes is U+FFFD), and so is the reply, so the next request is sent."""
+    high, low = "\ud83d", "\ude00"
+
+    def delta(index: int, **fields: str) -> bytes:
+        return event({"type": "content_block_delta", "index": index, "delta": fields})
+
+    def start(index: int, block: dict[str, Any]) -> bytes:
+        return event({"type": "content_block_start", "index": index, "content_block": block})
+
+    events = [
+        event({"type": "message_start", "message": {"usage": {"input_tokens": 5}}}),
+        start(0, {"type": "thinking", "thinking": ""}),
+        delta(0, type="thinking_delta", thinking=f"hmm {high}"),
+        delta(0, type="thinking_delta", thinking=f"{low} {high}"),
+        delta(0, type="signature_delta", signature=SIGNATURE),
+        event({"type": "content_block_stop", "index": 0}),
+        start(1, {"type": "text", "text": f"smile {high}"}),
+        delta(1, type="text_delta", text=f"{low}!{high}"),
+        event({"type": "content_block_stop", "index": 1}),
+        start(2, {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}),
+        delta(2, type="input_json_delta", partial_json='{"s": "' + high),
+        delta(2, type="input_json_delta", partial_json=low + '"}'),
+        event({"type": "content_block_stop", "index": 2}),
+        event({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}}),
+        event({"type": "message_stop"}),
+    ]
+    async with serve(Scripted.sse(events), Scripted.json(JSON["text_reply"])) as (server, provider):
+        chunks = await collect(provider, request(operation=Operation.STREAM))
+        assembler = ReplyAssembler()
+        for chunk in chunks:
+            assembler.feed(chunk)
+        reply = assembler.finish()
+        await provider.chat(request([UserMessage("Hi"), reply.message, ToolResultMessage("toolu_1", "ok")]))
+    assert chunks[:11] == [
+        ReasoningDelta("hmm "),
+        ReasoningDelta("\U0001f600 "),
+        ReasoningDelta("\ufffd"),  # the signature ended the reasoning before a pair came
+        ReasoningDelta(signature=SIGNATURE),
+        TextDelta("smile "),
+        TextDelta("\U0001f600!"),
+        TextDelta("\ufffd"),  # at the block's end
+        ToolCallStart(0, "toolu_1", "f"),
+        ToolCallDelta(0, '{"s": "'),
+        ToolCallDelta(0, '\U0001f600"}'),
+        ToolCallEnd(0, "toolu_1", "f", '{"s": "\U0001f600"}'),
+    ]
+    assert server.requests[1].json()["messages"][1]["content"] == [
+        {"type": "thinking", "thinking": "hmm \U0001f600 \ufffd", "signature": SIGNATURE},
+        {"type": "text", "text": "smile \U0001f600!\ufffd"},
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"s": "\U0001f600"}},
+    ]
 
 
 DEEP = b"[" * 5000 + b"]" * 5000  # valid JSON, nested deeper than the json module can recurse

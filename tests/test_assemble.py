@@ -17,11 +17,13 @@ from hypothesis import strategies as st
 from trio_agent._models._anthropic import convert_messages
 from trio_agent._models._assemble import (
     CUT_OFF_NAME,
+    DeltaMender,
     ModelReply,
     ReplyAssembler,
     ToolArgumentsError,
     assign_call_ids,
     parse_tool_arguments,
+    well_formed,
 )
 from trio_agent._models._messages import (
     AssistantMessage,
@@ -94,6 +96,48 @@ def test_text_deltas_join_into_one_part() -> None:
 def test_empty_stream_and_empty_text_give_no_parts() -> None:
     assert assemble([]).message == AssistantMessage(())
     assert assemble([TextDelta(""), FinishChunk(FinishReason.STOP)]).message == AssistantMessage(())
+
+
+HIGH, LOW = "\ud83d", "\ude00"  # the UTF-16 halves of U+1F600, as JSON "\\ud83d" escapes decode apart
+
+
+def test_a_surrogate_pair_split_across_deltas_is_joined_and_lone_halves_replaced() -> None:
+    """A proxy slicing UTF-16 splits an emoji over two events; kept as two lone surrogates, the
+    reply could never be encoded again and every later request of the session would fail."""
+    reply = assemble(
+        [
+            ReasoningDelta(f"think {HIGH}"),
+            ReasoningDelta(f"{LOW} and {LOW}"),
+            ReasoningDelta(signature="sig"),
+            TextDelta(f"smile {HIGH}"),
+            TextDelta(f"{LOW}!{HIGH}"),
+            ToolCallStart(0, f"id{HIGH}", f"t{LOW}"),
+            ToolCallEnd(0, f"id{HIGH}", f"t{LOW}", f'{{"s": "{HIGH}{LOW}{HIGH}"}}'),
+            ToolCallStart(1, "cut", f"n{HIGH}"),
+        ]
+    )
+    assert reply.message.parts == (
+        ReasoningPart("think \U0001f600 and \ufffd", "sig"),
+        TextPart("smile \U0001f600!\ufffd"),
+        ToolCallPart("id\ufffd", "t\ufffd", '{"s": "\U0001f600\ufffd"}'),
+        ToolCallPart("cut", "n\ufffd", ""),
+    )
+    assert json.dumps(reply.message.parts[2].arguments, ensure_ascii=False).encode()  # encodable
+    assert assemble([TextDelta(f"a{HIGH}"), TextDelta(LOW)]).message == AssistantMessage((TextPart("a\U0001f600"),))
+
+
+DELTA_TEXT = st.text(alphabet=st.sampled_from(["a", "é", HIGH, LOW, "\U0001f600", "\udbff", "\udc00"]), max_size=5)
+
+
+@given(st.lists(DELTA_TEXT, max_size=8))
+def test_mended_deltas_are_well_formed_and_join_as_the_assembled_text(deltas: list[str]) -> None:
+    """What a provider publishes, delta by delta, is valid Unicode, and adds up to the reply's text."""
+    mender = DeltaMender()
+    published = [mender.mend(delta) for delta in deltas] + [mender.flush()]
+    for piece in published:
+        piece.encode("utf-8")
+    assert "".join(published) == well_formed("".join(deltas))
+    assert assemble([TextDelta(delta) for delta in deltas]).message.text == well_formed("".join(deltas))
 
 
 def test_last_usage_and_last_finish_win() -> None:

@@ -36,6 +36,7 @@ from trio_agent import (
     RateLimitError,
 )
 from trio_agent._cleanup import DEFAULT_CLEANUP_GRACE
+from trio_agent._models._assemble import ReplyAssembler
 from trio_agent._models._openai import OpenAIProvider
 from trio_agent._models._providers import create_provider
 from trio_agent.models import (
@@ -1325,6 +1326,47 @@ async def test_index_less_tool_calls_with_empty_ids_are_told_apart_by_name() -> 
         ToolCallEnd(0, "", "f", '{"a": 1}'),
         ToolCallEnd(1, "", "g", "{}"),
     ]
+
+
+async def test_a_surrogate_pair_split_across_events_is_joined_and_the_conversation_goes_on() -> None:
+    """``"\\ud83d"`` then ``"\\ude00"`` (a proxy slicing UTF-16): each half alone is a lone surrogate
+    that no request can encode. The deltas published are valid text (a high half waits for its
+    pair; one whose pair never comes is U+FFFD), and so is the reply, so the next request is sent."""
+    high, low = "\ud83d", "\ude00"
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"s": "' + high}}
+    events = [
+        chunk_event({"reasoning_content": f"hmm {high}"}, valid=False),
+        chunk_event({"reasoning_content": low}, valid=False),
+        chunk_event({"content": f"smile {high}"}, valid=False),
+        chunk_event({"content": f"{low} and {high}"}, valid=False),
+        chunk_event({"tool_calls": [call]}, valid=False),
+        chunk_event({"tool_calls": [{"index": 0, "function": {"arguments": low + '"}'}}]}, valid=False),
+        chunk_event({}, "tool_calls"),
+        DONE,
+    ]
+    handler = queue_handler(Scripted.sse(events), Scripted.json(fixture_json("chat_text.json")))
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        chunks = await collect(provider, request())
+        assembler = ReplyAssembler()
+        for chunk in chunks:
+            assembler.feed(chunk)
+        reply = assembler.finish()
+        await provider.chat(request(*HELLO, reply.message, ToolResultMessage("c1", "ok"), operation=Operation.CHAT))
+    assert chunks[:8] == [
+        ReasoningDelta("hmm "),
+        ReasoningDelta("\U0001f600"),
+        TextDelta("smile "),
+        TextDelta("\U0001f600 and "),
+        ToolCallStart(0, "c1", "f"),
+        ToolCallDelta(0, '{"s": "'),
+        ToolCallDelta(0, '\U0001f600"}'),
+        TextDelta("\ufffd"),  # the high half that ended the text never got its pair
+    ]
+    assert chunks[8] == ToolCallEnd(0, "c1", "f", '{"s": "\U0001f600"}')
+    assert reply.message.text == "smile \U0001f600 and \ufffd"
+    sent = server.requests[1].json()["messages"][1]
+    assert sent["content"] == "smile \U0001f600 and \ufffd"
+    assert sent["tool_calls"][0]["function"]["arguments"] == '{"s": "\U0001f600"}'
 
 
 class WalkCountingCalls(dict[int, Any]):

@@ -44,7 +44,7 @@ from .._errors import (
     ProviderServerError,
     RateLimitError,
 )
-from ._assemble import ToolArgumentsError, parse_tool_arguments
+from ._assemble import DeltaMender, ToolArgumentsError, parse_tool_arguments, well_formed
 from ._http import (
     SSEEvent,
     SSEParser,
@@ -690,6 +690,8 @@ class _Block:
     arguments: list[str] = attrs.field(factory=list)
     initial_input: Any = None
     stopped: bool = False
+    # A surrogate pair split across two deltas ("\ud83d" then "\ude00") is joined.
+    mender: DeltaMender = attrs.field(factory=DeltaMender)
 
 
 class _StreamState:
@@ -774,14 +776,15 @@ class _StreamState:
         kind = content.get("type")
         where = f"streamed {kind} block"
         if kind == "text":
-            self.blocks[index] = _Block("text")
+            block = self.blocks[index] = _Block("text")
             text = content.get("text")
-            return [TextDelta(text)] if isinstance(text, str) and text else []
+            return [TextDelta(text)] if isinstance(text, str) and (text := block.mender.mend(text)) else []
         if kind == "thinking":
-            self.blocks[index] = _Block("thinking")
+            block = self.blocks[index] = _Block("thinking")
             chunks: list[StreamChunk] = []
-            if isinstance(content.get("thinking"), str) and content["thinking"]:
-                chunks.append(ReasoningDelta(content["thinking"]))
+            thinking = content.get("thinking")
+            if isinstance(thinking, str) and (thinking := block.mender.mend(thinking)):
+                chunks.append(ReasoningDelta(thinking))
             if isinstance(content.get("signature"), str) and content["signature"]:
                 chunks.append(ReasoningDelta(signature=content["signature"]))
             return chunks
@@ -813,15 +816,17 @@ class _StreamState:
         kind = delta.get("type")
         where = f"streamed {kind}"
         if block.kind == "text" and kind == "text_delta":
-            text = _field(delta, "text", str, where)
+            text = block.mender.mend(_field(delta, "text", str, where))
             return [TextDelta(text)] if text else []
         if block.kind == "thinking" and kind == "thinking_delta":
-            text = _field(delta, "thinking", str, where)
+            text = block.mender.mend(_field(delta, "thinking", str, where))
             return [ReasoningDelta(text)] if text else []
         if block.kind == "thinking" and kind == "signature_delta":
-            return [ReasoningDelta(signature=_field(delta, "signature", str, where))]
+            held = block.mender.flush()  # the signature ends the reasoning text
+            signed = ReasoningDelta(signature=_field(delta, "signature", str, where))
+            return [ReasoningDelta(held), signed] if held else [signed]
         if block.kind == "tool_use" and kind == "input_json_delta":
-            piece = _field(delta, "partial_json", str, where)
+            piece = block.mender.mend(_field(delta, "partial_json", str, where))
             if not piece:
                 return []
             block.arguments.append(piece)
@@ -837,12 +842,18 @@ class _StreamState:
     def _block_stop(self, data: Mapping[str, Any]) -> list[StreamChunk]:
         block = self._block(data)
         block.stopped = True
+        held = block.mender.flush()  # a high surrogate whose pair never came, as U+FFFD
         if block.kind != "tool_use":
-            return []
+            if held and block.kind == "text":
+                return [TextDelta(held)]
+            return [ReasoningDelta(held)] if held and block.kind == "thinking" else []
+        if held:
+            block.arguments.append(held)
         if block.arguments:
             arguments = "".join(block.arguments)
         elif isinstance(block.initial_input, Mapping) and block.initial_input:
-            arguments = json.dumps(block.initial_input, ensure_ascii=False)
+            arguments = well_formed(json.dumps(block.initial_input, ensure_ascii=False))
         else:
             arguments = "{}"
-        return [ToolCallEnd(block.ordinal, block.id, block.name, arguments)]
+        end = ToolCallEnd(block.ordinal, block.id, block.name, arguments)
+        return [ToolCallDelta(block.ordinal, held), end] if held else [end]

@@ -29,6 +29,11 @@ Rules
   `ModelReply.renamed` maps each changed id (assigned -> original).
 * Usage: the last `UsageChunk` wins (providers send cumulative counts).
   Finish: the last `FinishChunk` wins; none means ``stop``.
+* Text is well-formed: every string of the reply (text, reasoning, call ids,
+  names and arguments) has a UTF-16 surrogate pair split across two deltas
+  joined into its character, and any other lone surrogate replaced by U+FFFD
+  (`well_formed`). A JSON ``\\ud83d`` escape decodes to a lone surrogate, which
+  no request or journal can encode: one kept would fail every later request.
 
 `parse_tool_arguments` turns a call's raw arguments into the object a tool
 gets, or a `ToolArgumentsError` whose message the model reads.
@@ -68,11 +73,13 @@ from ._messages import (
 __all__ = [
     "CUT_OFF_NAME",
     "MAX_ARGUMENT_DEPTH",
+    "DeltaMender",
     "ModelReply",
     "ReplyAssembler",
     "ToolArgumentsError",
     "assign_call_ids",
     "parse_tool_arguments",
+    "well_formed",
 ]
 
 CUT_OFF_NAME = "_cut_off"
@@ -164,18 +171,18 @@ class ReplyAssembler:
         if chunk.redacted_data is not None:
             if self._reasoning_text is not None:
                 self._close_reasoning(None)
-            self._reasoning.append(ReasoningPart("", redacted_data=chunk.redacted_data))
+            self._reasoning.append(ReasoningPart("", redacted_data=well_formed(chunk.redacted_data)))
 
     def _close_reasoning(self, signature: str | None) -> None:
         assert self._reasoning_text is not None
-        self._reasoning.append(ReasoningPart("".join(self._reasoning_text), signature))
+        self._reasoning.append(ReasoningPart(well_formed("".join(self._reasoning_text)), _optional(signature)))
         self._reasoning_text = None
 
     def finish(self) -> ModelReply:
         if self._reasoning_text is not None:
             self._close_reasoning(None)
         if not self._started and not self._ended:  # no calls: nothing to name
-            text = "".join(self._text)
+            text = well_formed("".join(self._text))
             parts: list[ContentPart] = [*self._reasoning, TextPart(text)] if text else [*self._reasoning]
             return _model_reply(_assistant_message(tuple(parts)), self._finish, self._usage, (), _NO_RENAMES)
         indices = sorted(self._started.keys() | self._ended.keys())
@@ -183,7 +190,9 @@ class ReplyAssembler:
         for index in indices:
             end = self._ended.get(index)
             start = self._started.get(index)
-            originals.append((end.id if end is not None else "") or (start.id if start is not None else ""))
+            originals.append(
+                well_formed((end.id if end is not None else "") or (start.id if start is not None else ""))
+            )
         assigned = assign_call_ids(indices, originals, self._reserved)
         calls: list[ToolCallPart] = []
         cut_off: list[str] = []
@@ -191,14 +200,14 @@ class ReplyAssembler:
         for index, original, call_id in zip(indices, originals, assigned, strict=True):
             end = self._ended.get(index)
             if end is not None:
-                calls.append(_tool_call_part(call_id, end.name, end.arguments))
+                calls.append(_tool_call_part(call_id, well_formed(end.name), well_formed(end.arguments)))
             else:
                 start = self._started[index]
-                calls.append(ToolCallPart(call_id, start.name or CUT_OFF_NAME, ""))
+                calls.append(ToolCallPart(call_id, well_formed(start.name) or CUT_OFF_NAME, ""))
                 cut_off.append(call_id)
             if call_id != original:
                 renamed[call_id] = original
-        text = "".join(self._text)
+        text = well_formed("".join(self._text))
         parts = [*self._reasoning]
         if text:
             parts.append(TextPart(text))
@@ -210,6 +219,51 @@ class ReplyAssembler:
             tuple(cut_off),
             MappingProxyType(renamed) if renamed else _NO_RENAMES,
         )
+
+
+# ---------------------------------------------------------------- surrogates
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def well_formed(text: str) -> str:
+    """*text* as valid Unicode: surrogate pairs (halves that arrived apart) joined into their
+    character, any other lone surrogate replaced by U+FFFD. The same object when it has none."""
+    if text.isascii() or _SURROGATE.search(text) is None:  # isascii() is O(1): the usual case
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _optional(text: str | None) -> str | None:
+    return None if text is None else well_formed(text)
+
+
+class DeltaMender:
+    """Makes one channel of stream deltas (a text, a reasoning, a call's arguments) well-formed as
+    they are published: a high surrogate that ends a delta is held back and sent with the next
+    one (its low half, split off by a proxy slicing UTF-16, comes first thing there); any other
+    lone surrogate becomes U+FFFD. `flush` returns what is still held, as U+FFFD, when the
+    channel ends. The deltas joined (with the flush) equal `well_formed` of the raw ones joined.
+    """
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def mend(self, text: str) -> str:
+        if self._held:
+            text, self._held = self._held + text, ""
+        elif text.isascii() or _SURROGATE.search(text) is None:  # the usual case: a cheap check
+            return text
+        if text and "\ud800" <= text[-1] <= "\udbff":
+            text, self._held = text[:-1], text[-1]
+        return well_formed(text)
+
+    def flush(self) -> str:
+        """U+FFFD for a high surrogate still held (its pair never came), else ``""``."""
+        held, self._held = self._held, ""
+        return "\ufffd" if held else ""
 
 
 _NO_RENAMES: Mapping[str, str] = MappingProxyType({})

@@ -41,6 +41,7 @@ from .._errors import (
     ProviderServerError,
     RateLimitError,
 )
+from ._assemble import DeltaMender
 from ._http import SSEParser, SSEReader, checked_base_url, load_json, release_response, retry_after_seconds
 from ._messages import (
     AssistantMessage,
@@ -651,13 +652,14 @@ def _parse_completion(payload: Any, model: str) -> ModelResponse:
 
 
 class _ToolCallState:
-    __slots__ = ("arguments", "id", "index", "name")
+    __slots__ = ("arguments", "id", "index", "mender", "name")
 
     def __init__(self, index: int, id: str, name: str) -> None:
         self.index = index
         self.id = id
         self.name = name
         self.arguments: list[str] = []
+        self.mender = DeltaMender()
 
 
 class _StreamAssembler:
@@ -674,6 +676,9 @@ class _StreamAssembler:
         # index, kept as calls start (rebuilt on every delta, they made a stream quadratic).
         self.index_of_id: dict[str, int] = {}
         self.last_index = -1
+        # A surrogate pair split across two events ("\ud83d" then "\ude00") is joined, per channel.
+        self.text = DeltaMender()
+        self.reasoning = DeltaMender()
         self.calls_ended = False
         self.has_text = False
         self.finish: FinishReason | None = None
@@ -714,15 +719,21 @@ class _StreamAssembler:
         delta = choice.get("delta")
         delta = {} if delta is None else _object(delta, "choices[0].delta")
         reasoning = _reasoning_text(delta)
-        if reasoning is not None:
+        if reasoning is not None and (reasoning := self.reasoning.mend(reasoning)):
             out.append(ReasoningDelta(reasoning))
         for thought, text in _content_pieces(delta.get("content"), "choices[0].delta.content"):
-            out.append(ReasoningDelta(text) if thought else TextDelta(text))
-            self.has_text = self.has_text or not thought
+            if thought:
+                if text := self.reasoning.mend(text):
+                    out.append(ReasoningDelta(text))
+            else:
+                self.has_text = True
+                if text := self.text.mend(text):
+                    out.append(TextDelta(text))
         refusal = _optional_str(delta.get("refusal"), "choices[0].delta.refusal")
         if refusal:
-            out.append(TextDelta(refusal))
             self.has_text = True
+            if refusal := self.text.mend(refusal):
+                out.append(TextDelta(refusal))
         raw_calls = delta.get("tool_calls")
         if raw_calls is not None:
             if not isinstance(raw_calls, list):
@@ -732,7 +743,15 @@ class _StreamAssembler:
         reason = _finish_reason(choice.get("finish_reason"), "choices[0].finish_reason")
         if reason is not None:
             self.finish = reason
+            self._flush(out)
             self._end_calls(out)
+
+    def _flush(self, out: list[StreamChunk]) -> None:
+        """A high surrogate still held for its pair, which did not come, as U+FFFD."""
+        if reasoning := self.reasoning.flush():
+            out.append(ReasoningDelta(reasoning))
+        if text := self.text.flush():
+            out.append(TextDelta(text))
 
     def _tool_call_delta(self, call: dict[str, Any], position: int, out: list[StreamChunk]) -> None:
         where = f"choices[0].delta.tool_calls[{position}]"
@@ -768,7 +787,7 @@ class _StreamAssembler:
         elif self.calls_ended:
             _malformed(f"tool call {index} continued after the finish_reason")
         piece = _arguments(function.get("arguments"), f"{where}.function.arguments")
-        if piece:
+        if piece and (piece := state.mender.mend(piece)):
             state.arguments.append(piece)
             out.append(ToolCallDelta(index, piece))
 
@@ -778,6 +797,9 @@ class _StreamAssembler:
         self.calls_ended = True
         for index in sorted(self.calls):
             state = self.calls[index]
+            if held := state.mender.flush():
+                state.arguments.append(held)
+                out.append(ToolCallDelta(index, held))
             out.append(ToolCallEnd(index, state.id, state.name, "".join(state.arguments)))
 
     def done(self) -> list[StreamChunk]:
@@ -785,6 +807,7 @@ class _StreamAssembler:
         if reason is None:
             reason = _inferred_finish(bool(self.calls), self.has_text, "finish_reason in the stream")
         out: list[StreamChunk] = []
+        self._flush(out)
         self._end_calls(out)
         if self.usage is not None:
             out.append(UsageChunk(self.usage))
