@@ -761,6 +761,27 @@ async def test_json_nested_too_deeply_to_parse_is_malformed_not_a_bare_recursion
     assert caught.value.status == 529
 
 
+async def test_token_counts_out_of_range_are_ignored_as_counts_of_the_wrong_type() -> None:
+    """Anthropic's usage parsing ignores a count that is not an integer; a negative or absurd one
+    is no count either, and must never reach the usage totals and hooks."""
+    events = sse_events("stream_text")
+    events[0] = event(
+        {
+            "type": "message_start",
+            "message": {"usage": {"input_tokens": -1000000, "cache_read_input_tokens": -5, "output_tokens": "1"}},
+        }
+    )
+    events[-2] = event({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": -3}})
+    body = JSON["text_reply"] | {
+        "usage": {"input_tokens": 10**40, "output_tokens": 4, "cache_creation_input_tokens": -1}
+    }
+    async with serve(Scripted.sse(events), Scripted.json(body)) as (_, provider):
+        chunks = await collect(provider, request(operation=Operation.STREAM))
+        response = await provider.chat(request())
+    assert [chunk for chunk in chunks if isinstance(chunk, UsageChunk)] == [UsageChunk(Usage(0, 0, 0))]
+    assert response.usage == Usage(0, 4, 4)
+
+
 async def test_stream_unknown_stop_reason_is_malformed() -> None:
     events = sse_events("stream_text")
     events[-2] = event({"type": "message_delta", "delta": {"stop_reason": "banana"}, "usage": {"output_tokens": 1}})

@@ -374,6 +374,21 @@ async def test_finish_reasons_are_mapped(wire: str, reason: FinishReason) -> Non
             "missing choices[0].message.tool_calls[0].function.name",
         ),
         (completion({"content": "x"}, usage={"completion_tokens": 1}), "missing usage.prompt_tokens"),
+        (
+            completion({"content": "x"}, usage={"prompt_tokens": -1000000, "completion_tokens": 1}),
+            "usage.prompt_tokens must be a token count from 0 to 9007199254740991, got -1000000",
+        ),
+        (
+            completion({"content": "x"}, usage={"prompt_tokens": 1, "completion_tokens": 10**40}),
+            "usage.completion_tokens must be a token count",
+        ),
+        (
+            completion(
+                {"content": "x"},
+                usage={"prompt_tokens": 1, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": -7}},
+            ),
+            "usage.prompt_tokens_details.cached_tokens must be a token count",
+        ),
         ([1, 2], "response body must be an object"),
     ],
 )

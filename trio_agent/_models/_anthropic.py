@@ -46,6 +46,7 @@ from .._errors import (
 )
 from ._assemble import DeltaMender, ToolArgumentsError, parse_tool_arguments, well_formed
 from ._http import (
+    MAX_TOKEN_COUNT,
     SSEEvent,
     SSEParser,
     SSEReader,
@@ -493,7 +494,10 @@ def _finish_reason(value: Any) -> FinishReason:
 
 
 def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A token count, or ``None`` for anything else (a count of the wrong type or out of range is ignored)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_COUNT:
+        return value
+    return None
 
 
 def parse_usage(raw: Any) -> Usage:

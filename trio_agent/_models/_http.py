@@ -22,6 +22,7 @@ from .._cleanup import bounded_shield
 from .._errors import MalformedResponseError, ProviderConfigError
 
 __all__ = [
+    "MAX_TOKEN_COUNT",
     "SSEEvent",
     "SSEParser",
     "SSEReader",
@@ -79,6 +80,12 @@ def retry_after_seconds(headers: httpx.Headers) -> float | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=datetime.UTC)
     return max(when.timestamp() - time.time(), 0.0)
+
+
+MAX_TOKEN_COUNT = 2**53 - 1
+"""The largest token count a provider accepts from a server (exact as a JSON number everywhere,
+and a session's totals stay far inside a 64-bit journal column): a larger or a negative count is
+no count at all, treated as each provider treats a count of the wrong type."""
 
 
 def load_json(data: str | bytes, *, what: str, status: int | None = None) -> Any:

@@ -42,7 +42,15 @@ from .._errors import (
     RateLimitError,
 )
 from ._assemble import DeltaMender
-from ._http import SSEParser, SSEReader, checked_base_url, load_json, release_response, retry_after_seconds
+from ._http import (
+    MAX_TOKEN_COUNT,
+    SSEParser,
+    SSEReader,
+    checked_base_url,
+    load_json,
+    release_response,
+    retry_after_seconds,
+)
 from ._messages import (
     AssistantMessage,
     ContentPart,
@@ -487,11 +495,14 @@ def _required_str(value: Any, where: str) -> str:
 
 
 def _optional_int(container: dict[str, Any], key: str, where: str) -> int | None:
+    """A token count: an integer from 0 to `MAX_TOKEN_COUNT`, else malformed (``None`` when absent)."""
     value = container.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         _malformed(f"{where}.{key} must be an integer, got {value!r}")
+    if not 0 <= value <= MAX_TOKEN_COUNT:
+        _malformed(f"{where}.{key} must be a token count from 0 to {MAX_TOKEN_COUNT}, got {value}")
     return value
 
 
