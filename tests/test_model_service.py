@@ -757,6 +757,45 @@ def test_full_jitter_delay_is_within_the_backoff_ceiling(attempt: int, base: flo
     assert RetryPolicy(base_delay=base, max_delay=cap, jitter=False).delay(attempt, ModelError("x"), None) == ceiling  # type: ignore[arg-type]
 
 
+async def test_a_policy_of_many_attempts_retries_past_attempt_1024(autojump_clock: trio.testing.MockClock) -> None:
+    """``base_delay * 2**(attempt-1)`` overflowed a float at attempt 1025; the OverflowError was
+    reported as a ModelMiddlewareError blaming the middleware. The doubling stops at max_delay."""
+    attempts = 1100
+    errors = [ModelConnectionError(f"refused {i}") for i in range(attempts)]
+    model = TestModel({"hello": [Reply(error=error) for error in errors]})
+    policy = RetryPolicy(max_attempts=attempts, base_delay=0.5, max_delay=2.0, jitter=False)
+    start = trio.current_time()
+    with pytest.raises(ModelConnectionError) as caught:
+        await ModelService(model, retry=policy, request_timeout=10_000).chat(MESSAGES)
+    assert caught.value is errors[-1]
+    assert len(model.requests) == attempts
+    assert trio.current_time() - start == 0.5 + 1.0 + 2.0 * (attempts - 3)
+    assert RetryPolicy(max_delay=30.0, jitter=False).delay(10**6, errors[0], random.Random(0)) == 30.0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_attempts", 0),
+        ("max_attempts", -1),
+        ("max_attempts", 2.5),
+        ("max_attempts", True),
+        ("base_delay", -0.5),
+        ("base_delay", math.nan),
+        ("base_delay", math.inf),
+        ("base_delay", "1"),
+        ("max_delay", -1),
+        ("max_delay", 10.0**9),
+        ("max_delay", math.nan),
+        ("jitter", "yes"),
+        ("jitter", 1),
+    ],
+)
+def test_a_nonsense_retry_policy_is_a_config_error(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=f"RetryPolicy.{field} must be"):
+        RetryPolicy(**{field: value})
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_jittered_delays_are_reported_and_slept(seed: int, autojump_clock: trio.testing.MockClock) -> None:
     errors = [ProviderServerError(f"e{i}", status=503) for i in range(4)]

@@ -31,8 +31,9 @@ import trio
 from .._abort import AbortHandle
 from .._builders import constructor
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
-from .._config import validate_timeout
+from .._config import MAX_TIMEOUT, validate_timeout
 from .._errors import (
+    ConfigError,
     MiddlewareShapeError,
     ModelAbortedError,
     ModelError,
@@ -294,20 +295,42 @@ class ModelLayers(CheckedLayers):
 _JITTER = random.Random()
 
 
+def _attempts(policy: RetryPolicy, attribute: attrs.Attribute[int], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"RetryPolicy.{attribute.name} must be a whole number >= 1, got {value!r}")
+
+
+def _seconds(policy: RetryPolicy, attribute: attrs.Attribute[float], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TIMEOUT:
+        raise ConfigError(
+            f"RetryPolicy.{attribute.name} must be a number of seconds from 0 to {MAX_TIMEOUT:g}, got {value!r}"
+        )
+
+
+def _flag(policy: RetryPolicy, attribute: attrs.Attribute[bool], value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"RetryPolicy.{attribute.name} must be True or False, got {value!r}")
+
+
+# 2**1024 overflows a float (attempt 1025 of a long policy raised OverflowError). At 2**1023 the
+# ceiling is max_delay (<= MAX_TIMEOUT) for any base_delay above 1e-300.
+_MAX_DOUBLINGS = 1023
+
+
 @attrs.frozen
 class RetryPolicy:
     """Backoff for retryable errors: ``base * 2**(attempt-1)`` capped at ``max_delay``, with full jitter;
-    a server's ``retry-after`` is honoured (capped at ``max_delay``)."""
+    a server's ``retry-after`` is honoured (capped at ``max_delay``). Nonsense values are a `ConfigError`."""
 
-    max_attempts: int = 3
-    base_delay: float = 0.5
-    max_delay: float = 30.0
-    jitter: bool = True
+    max_attempts: int = attrs.field(default=3, validator=_attempts)
+    base_delay: float = attrs.field(default=0.5, validator=_seconds)
+    max_delay: float = attrs.field(default=30.0, validator=_seconds)
+    jitter: bool = attrs.field(default=True, validator=_flag)
 
     def delay(self, attempt: int, error: ModelError, rng: random.Random) -> float:
         if isinstance(error, RateLimitError) and error.retry_after is not None:
             return min(max(error.retry_after, 0.0), self.max_delay)
-        ceiling = min(self.base_delay * 2 ** (attempt - 1), self.max_delay)
+        ceiling = min(self.base_delay * 2 ** min(attempt - 1, _MAX_DOUBLINGS), self.max_delay)
         return rng.uniform(0, ceiling) if self.jitter else ceiling
 
 
