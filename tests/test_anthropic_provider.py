@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -733,17 +734,16 @@ async def test_a_surrogate_pair_split_across_events_is_joined_and_the_conversati
     ]
 
 
-DEEP = b"[" * 5000 + b"]" * 5000  # valid JSON, nested deeper than the json module can recurse
-
-
 async def test_json_nested_too_deeply_to_parse_is_malformed_not_a_bare_recursion_error() -> None:
     events = sse_events("stream_text")
-    deep_event = b'event: content_block_delta\ndata: {"delta": ' + DEEP + b"}\n\n"
+    depth = sys.getrecursionlimit() + 100  # valid JSON, nested deeper than the json module can recurse
+    deep = b"[" * depth + b"]" * depth
+    deep_event = b'event: content_block_delta\ndata: {"delta": ' + deep + b"}\n\n"
     async with serve(
-        Scripted(200, [("content-type", "application/json")], [DEEP], chunked=False),
+        Scripted(200, [("content-type", "application/json")], [deep], chunked=False),
         Scripted.sse([*events[:2], deep_event, *events[2:]]),
         Scripted.sse([*events[:2], deep_event, *events[2:]]),
-        Scripted(529, [("content-type", "application/json")], [DEEP], chunked=False),
+        Scripted(529, [("content-type", "application/json")], [deep], chunked=False),
     ) as (_, provider):
         with pytest.raises(MalformedResponseError, match="the Anthropic response nests arrays and objects too deeply"):
             await provider.chat(request())

@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import socket
+import sys
 import tracemalloc
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
@@ -407,16 +408,15 @@ async def test_a_completion_that_is_not_json_is_malformed() -> None:
             await provider.chat(request(operation=Operation.CHAT))
 
 
-DEEP = b"[" * 5000 + b"]" * 5000  # valid JSON, nested deeper than the json module can recurse
-
-
 async def test_json_nested_too_deeply_to_parse_is_malformed_not_a_bare_recursion_error() -> None:
-    deep_event = b'data: {"choices": ' + DEEP + b"}\n\n"
+    depth = sys.getrecursionlimit() + 100  # valid JSON, nested deeper than the json module can recurse
+    deep = b"[" * depth + b"]" * depth
+    deep_event = b'data: {"choices": ' + deep + b"}\n\n"
     handler = queue_handler(
-        Scripted(200, [("content-type", "application/json")], [DEEP], chunked=False),
+        Scripted(200, [("content-type", "application/json")], [deep], chunked=False),
         Scripted.sse([deep_event]),
         Scripted.sse([deep_event]),
-        Scripted(400, [("content-type", "application/json")], [DEEP], chunked=False),
+        Scripted(400, [("content-type", "application/json")], [deep], chunked=False),
     )
     async with open_fake_server(handler) as server, provider_for(server) as provider:
         with pytest.raises(MalformedResponseError, match="the chat completion nests arrays and objects too deeply"):
