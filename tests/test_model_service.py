@@ -963,6 +963,55 @@ async def test_a_wrap_that_never_returns_hits_the_request_deadline(
     assert model.requests == []
 
 
+async def _helpers_that_fail_in_cleanup() -> None:
+    """A middleware's own nursery whose helper raises in its cleanup when the deadline cancels it."""
+
+    async def helper() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise ValueError("cleanup failed")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(helper)
+        await trio.sleep_forever()
+
+
+@pytest.mark.parametrize("op", [Operation.CHAT, Operation.SIDE_QUERY])
+async def test_a_wrap_whose_own_nursery_fails_as_the_deadline_cancels_it_is_a_timeout(
+    op: Operation, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Trio passes the rest of the nursery's group through the deadline's scope: a bare
+    # ExceptionGroup left the call instead of the request's timeout.
+    async def with_helpers(self: object, request: ModelRequest, next: Any) -> ModelResponse:
+        await _helpers_that_fail_in_cleanup()
+        raise AssertionError("unreachable")
+
+    helpers = type("Helpers", (), {WRAPPER[op]: with_helpers})()
+    service = ModelService(TestModel(default=Reply("x")), [helpers], request_timeout=5)
+    with pytest.raises(ModelTimeoutError) as caught:
+        await run_op(service, op)
+    assert isinstance(caught.value.__cause__, BaseExceptionGroup)
+
+
+async def test_a_wrap_stream_whose_own_nursery_fails_as_the_deadline_cancels_it_is_a_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    class Helpers(ModelMiddleware):
+        async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
+            await _helpers_that_fail_in_cleanup()
+            async for chunk in call_next(request):  # pragma: no cover - the deadline comes first
+                yield chunk
+
+    with pytest.raises(ModelTimeoutError) as caught:
+        async with ModelService(TestModel(default=Reply("x")), [Helpers()], request_timeout=5).stream(
+            MESSAGES
+        ) as chunks:
+            async for _ in chunks:
+                pass  # pragma: no cover
+    assert isinstance(caught.value.__cause__, BaseExceptionGroup)
+
+
 async def test_a_slow_provider_within_the_deadline_succeeds(autojump_clock: trio.testing.MockClock) -> None:
     model = TestModel(default=Reply("in time", latency=4.9))
     assert (await ModelService(model, request_timeout=5).chat(MESSAGES)).message.text == "in time"

@@ -41,7 +41,9 @@ from .._errors import (
     ModelTimeoutError,
     RateLimitError,
     StreamInterruptedError,
+    TrioAgentError,
 )
+from .._groups import contains_cancelled, typed_error
 from .._middleware import CheckedLayers, Composed, ComposedNext, MiddlewareNext, PassedChecks, compose_middleware
 from ._history import MessageView
 from ._messages import Message, ModelResponse, StreamChunk, ToolSpec
@@ -479,8 +481,11 @@ class ModelService:
             return await self._with_retries(current)
 
         chain = compose_middleware(self._chains[request.operation], terminal, check=check, validate=False)
-        with trio.move_on_after(self.request_timeout) as scope, _abort_cancels(request, scope):
-            return await self._guard(chain(request))
+        try:
+            with trio.move_on_after(self.request_timeout) as scope, _abort_cancels(request, scope):
+                return await self._guard(chain(request))
+        except BaseExceptionGroup as group:
+            raise self._stopped_with(request, scope, group) from group
         raise self._stopped(request)
 
     def _layer_name(self, wrapper: object) -> str:
@@ -501,6 +506,20 @@ class ModelService:
         return ModelTimeoutError(
             f"model request exceeded its {self.request_timeout:g} s deadline", code="model_request_timeout"
         )
+
+    def _stopped_with(
+        self, request: ModelRequest, scope: trio.CancelScope, group: BaseExceptionGroup[Any]
+    ) -> TrioAgentError:
+        """The error for a group that left our deadline's scope: a middleware's own nursery that the
+        deadline (or the abort) cancelled and whose cleanup raised, which trio passes through the
+        scope without its ``Cancelled``. The call ends as the cancellation would have ended it (a
+        typed error in the group wins); anything else (an outer cancellation) goes on unchanged."""
+        typed = typed_error(group)
+        if typed is not None:
+            return typed
+        if not scope.cancel_called or contains_cancelled(group):
+            raise group
+        return self._stopped(request)
 
     def _retry_delay(self, attempt: int, error: ModelError) -> float:
         """The wait before attempt ``attempt + 1``; re-raises *error* when it may not be retried."""
@@ -718,8 +737,12 @@ class _OpenIterators:
         assert deadline is not None
         if error is None:
             deadline.__exit__(None, None, None)
-        elif deadline.__exit__(type(error), error, error.__traceback__):
-            error = None  # our deadline's (or abort's) cancellation, caught here
+        else:
+            try:
+                if deadline.__exit__(type(error), error, error.__traceback__):
+                    error = None  # our deadline's (or abort's) cancellation, caught here
+            except BaseExceptionGroup as group:  # the rest of a middleware nursery's group (see `_stopped_with`)
+                raise service._stopped_with(request, deadline, group) from group
         if error is not None:
             if error is exc:
                 return False  # on its way out unchanged
