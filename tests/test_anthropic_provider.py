@@ -1262,3 +1262,14 @@ def test_wire_ids_are_safe_and_read_back_to_the_id(call_id: str) -> None:
     wire = _wire_id(call_id)
     assert re.fullmatch(r"[A-Za-z0-9_-]+", wire)
     assert read_wire_id(wire) == call_id  # so no two ids share a wire id
+
+
+async def test_lone_surrogates_in_the_history_are_sent_as_replacement_characters() -> None:
+    # Text a tool returned or a user sent made every later request of the conversation fail to encode.
+    call = ToolCallPart("toolu_1", "f", "{}")
+    history = [UserMessage("a \udc80 b"), AssistantMessage((call,)), ToolResultMessage("toolu_1", "half \ud83d x")]
+    async with serve(Scripted.json(JSON["text_reply"])) as (server, provider):
+        await provider.chat(request(history))
+    sent = server.requests[0].json()["messages"]
+    assert "a \ufffd b" in json.dumps(sent[0], ensure_ascii=False)
+    assert "half \ufffd x" in json.dumps(sent[2], ensure_ascii=False)

@@ -1628,3 +1628,20 @@ async def test_cleanup_grace_is_validated_carried_by_with_model_and_accepted_by_
     for bad in (0, -1, float("nan"), "1", True):
         with pytest.raises(ConfigError, match="cleanup_grace"):
             OpenAIProvider(MODEL, api_key="k", cleanup_grace=bad)  # type: ignore[arg-type]
+
+
+async def test_lone_surrogates_in_the_history_are_sent_as_replacement_characters() -> None:
+    # Text a tool returned or a user sent (a file read with surrogateescape, say) made every later
+    # request of the conversation fail to encode: one bad string failed the session for good.
+    call = ToolCallPart("c1", "f", "{}")
+    history = (
+        UserMessage("a \udc80 b"),
+        AssistantMessage((call,)),
+        ToolResultMessage("c1", "half \ud83d pair \ud83d\ude00"),
+    )
+    handler = queue_handler(Scripted.json(fixture_json("chat_text.json")))
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        await provider.chat(request(*history, operation=Operation.CHAT))
+    sent = server.requests[0].json()["messages"]
+    assert sent[0]["content"] == "a \ufffd b"
+    assert sent[2]["content"] == "half \ufffd pair \U0001f600"

@@ -51,6 +51,7 @@ from ._http import (
     SSEParser,
     SSEReader,
     checked_base_url,
+    json_body,
     load_json,
     release_response,
     retry_after_seconds,
@@ -230,7 +231,7 @@ class AnthropicProvider:
     def _body(self, request: ModelRequest, *, stream: bool) -> bytes:
         payload = build_payload(request, default_max_tokens=self.max_tokens, stream=stream)
         try:
-            return json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+            return json_body(payload, compact=True)
         except (TypeError, ValueError) as exc:
             raise ModelError(
                 f"the Anthropic request cannot be encoded as JSON: {exc}", code="model_request_invalid"

@@ -20,6 +20,7 @@ import trio
 
 from .._cleanup import bounded_shield
 from .._errors import MalformedResponseError, ProviderConfigError
+from ._assemble import well_formed
 
 __all__ = [
     "MAX_TOKEN_COUNT",
@@ -27,6 +28,7 @@ __all__ = [
     "SSEParser",
     "SSEReader",
     "checked_base_url",
+    "json_body",
     "load_json",
     "release_response",
     "retry_after_seconds",
@@ -86,6 +88,21 @@ MAX_TOKEN_COUNT = 2**53 - 1
 """The largest token count a provider accepts from a server (exact as a JSON number everywhere,
 and a session's totals stay far inside a 64-bit journal column): a larger or a negative count is
 no count at all, treated as each provider treats a count of the wrong type."""
+
+
+def json_body(payload: object, *, compact: bool = False) -> bytes:
+    """*payload* as a request body: UTF-8 JSON, raw non-ASCII text, no NaN or infinity (`ValueError`).
+
+    A lone surrogate anywhere in it (a tool's output or a user's text read with
+    ``surrogateescape``; a model's own text is mended as it is assembled) cannot be UTF-8: it is
+    sent as U+FFFD, as its pair halves are joined, instead of failing this request and every later
+    one of the conversation. Text without one is encoded once, as before."""
+    separators = (",", ":") if compact else None
+    text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=separators)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return well_formed(text).encode()
 
 
 def load_json(data: str | bytes, *, what: str, status: int | None = None) -> Any:

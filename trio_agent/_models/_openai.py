@@ -47,6 +47,7 @@ from ._http import (
     SSEParser,
     SSEReader,
     checked_base_url,
+    json_body,
     load_json,
     release_response,
     retry_after_seconds,
@@ -245,7 +246,7 @@ class OpenAIProvider:
             extra = dict(stream_options) if isinstance(stream_options, Mapping) else {}
             body["stream_options"] = {**extra, "include_usage": True}
         try:
-            return json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+            return json_body(body)
         except (TypeError, ValueError) as exc:
             raise ModelError(f"the request body is not JSON-serialisable: {exc}", code="provider_bad_request") from exc
 
