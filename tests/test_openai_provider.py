@@ -1488,6 +1488,15 @@ async def test_after_a_finish_reason_without_usage_the_wait_for_the_rest_is_boun
     assert chunks == [TextDelta("x"), FinishChunk(FinishReason.LENGTH)]
 
 
+async def test_junk_after_the_finish_reason_keeps_the_complete_answer() -> None:
+    # The answer was published with its finish; an unreadable event in the usage trailer then
+    # failed the whole stream (a StreamInterruptedError for an answer that was complete).
+    events = [chunk_event({"content": "x"}), chunk_event({}, "stop"), b"data: {not json\n\n", DONE]
+    async with open_fake_server(queue_handler(Scripted.sse(events))) as server, provider_for(server) as provider:
+        chunks = await collect(provider, request())
+    assert chunks == [TextDelta("x"), FinishChunk(FinishReason.STOP)]
+
+
 async def test_an_unterminated_line_over_max_response_bytes_is_refused_while_it_is_read() -> None:
     """16 MiB without a newline, with a 64 KiB bound: refused after about the bound, not buffered whole
     (the server then stalls forever: a provider that waited for the line's end would hang)."""

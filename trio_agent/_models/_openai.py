@@ -329,8 +329,10 @@ class OpenAIProvider:
                             try:
                                 while not assembler.ended and (event := await reader.next()) is not None:
                                     tail += assembler.feed(event.event, event.data)
-                            except httpx.TransportError:
-                                pass  # the answer is complete; a broken connection after it changes nothing
+                            except (httpx.TransportError, MalformedResponseError):
+                                # The answer is complete: a broken connection or an unreadable event
+                                # after it changes nothing (the usage it might have carried is lost).
+                                pass
                     if not assembler.ended and assembler.finish is None:
                         raise ModelConnectionError("the chat completion stream ended before `data: [DONE]`")
                     tail += assembler.done()
