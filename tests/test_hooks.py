@@ -15,6 +15,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.cancel_helpers import nursery_failing_in_cleanup
 from trio_agent import (
     AbortReason,
     ConfigError,
@@ -551,15 +552,7 @@ async def test_a_callback_whose_own_nursery_fails_while_the_deadline_cancels_it_
     # Trio hands the rest of the nursery's group through the deadline's scope: a bare
     # ExceptionGroup left dispatch instead of the hook's typed timeout.
     async def with_helpers(inp: HookInput) -> None:
-        async def helper() -> None:
-            try:
-                await trio.sleep(100)
-            finally:
-                raise ValueError("cleanup failed")
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(helper)
-            await trio.sleep(100)
+        await nursery_failing_in_cleanup()
 
     with pytest.raises(HookTimeoutError) as info:
         await runner_for(HookEvent.STOP, with_helpers).dispatch(HookEvent.STOP, hook_input(HookEvent.STOP))

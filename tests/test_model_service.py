@@ -14,6 +14,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.cancel_helpers import nursery_failing_in_cleanup
 from trio_agent import (
     AuthenticationError,
     ConfigError,
@@ -963,20 +964,6 @@ async def test_a_wrap_that_never_returns_hits_the_request_deadline(
     assert model.requests == []
 
 
-async def _helpers_that_fail_in_cleanup() -> None:
-    """A middleware's own nursery whose helper raises in its cleanup when the deadline cancels it."""
-
-    async def helper() -> None:
-        try:
-            await trio.sleep_forever()
-        finally:
-            raise ValueError("cleanup failed")
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(helper)
-        await trio.sleep_forever()
-
-
 @pytest.mark.parametrize("op", [Operation.CHAT, Operation.SIDE_QUERY])
 async def test_a_wrap_whose_own_nursery_fails_as_the_deadline_cancels_it_is_a_timeout(
     op: Operation, autojump_clock: trio.testing.MockClock
@@ -984,8 +971,7 @@ async def test_a_wrap_whose_own_nursery_fails_as_the_deadline_cancels_it_is_a_ti
     # Trio passes the rest of the nursery's group through the deadline's scope: a bare
     # ExceptionGroup left the call instead of the request's timeout.
     async def with_helpers(self: object, request: ModelRequest, next: Any) -> ModelResponse:
-        await _helpers_that_fail_in_cleanup()
-        raise AssertionError("unreachable")
+        await nursery_failing_in_cleanup()
 
     helpers = type("Helpers", (), {WRAPPER[op]: with_helpers})()
     service = ModelService(TestModel(default=Reply("x")), [helpers], request_timeout=5)
@@ -999,7 +985,7 @@ async def test_a_wrap_stream_whose_own_nursery_fails_as_the_deadline_cancels_it_
 ) -> None:
     class Helpers(ModelMiddleware):
         async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
-            await _helpers_that_fail_in_cleanup()
+            await nursery_failing_in_cleanup()
             async for chunk in call_next(request):  # pragma: no cover - the deadline comes first
                 yield chunk
 

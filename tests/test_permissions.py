@@ -20,6 +20,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.cancel_helpers import nursery_failing_in_cleanup
 from trio_agent import ConfigError, SideEffect, Tool, ToolErrorType, ToolKind, define_tool
 from trio_agent._journal._events import PermissionDecision
 from trio_agent._permissions._engine import PermissionEngine, PermissionRecord, PermissionRequest
@@ -1017,16 +1018,7 @@ async def test_a_handler_whose_own_nursery_fails_as_the_deadline_cancels_it_is_d
     # Trio passes the rest of the nursery's group through the deadline's scope: a bare
     # ExceptionGroup left the engine instead of the timeout's denial.
     async def with_helpers(request: PermissionRequest) -> PermissionResult:
-        async def helper() -> None:
-            try:
-                await trio.sleep_forever()
-            finally:
-                raise ValueError("cleanup failed")
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(helper)
-            await trio.sleep_forever()
-        raise AssertionError("unreachable")
+        await nursery_failing_in_cleanup()
 
     decision = await engine(handler=with_helpers, ask_timeout=5).decide(WRITE, {"file_path": "a"}, ctx())
     assert (decision.allowed, decision.source) == (False, DecisionSource.TIMEOUT)

@@ -17,21 +17,12 @@ import trio
 import trio.testing
 
 import trio_agent as ta
+from tests.cancel_helpers import failing_child, nursery_failing_in_cleanup
 from trio_agent.tools import AbortHandle, InMemoryToolJournal, ToolCall, ToolPipeline, ToolStages
 
 
-async def _failing_child() -> None:
-    try:
-        await trio.sleep_forever()
-    finally:
-        raise ValueError("cleanup failed")
-
-
 async def _work_with_a_nursery(input: dict[str, Any], ctx: Any) -> ta.ToolResult:
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_failing_child)
-        await trio.sleep_forever()
-    raise AssertionError("unreachable")
+    await nursery_failing_in_cleanup()
 
 
 async def _passthrough(request: Any, call_next: Any) -> ta.ToolResult:
@@ -84,7 +75,7 @@ WORK = ta.define_tool(
 
 async def _middleware_with_a_nursery(request: Any, call_next: Any) -> ta.ToolResult:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_failing_child)
+        nursery.start_soon(failing_child)
         await trio.sleep(5)  # the abort lands here, before call_next
         nursery.cancel_scope.cancel()
     result: ta.ToolResult = await call_next()
@@ -93,7 +84,7 @@ async def _middleware_with_a_nursery(request: Any, call_next: Any) -> ta.ToolRes
 
 async def _stage_with_a_nursery(request: Any) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_failing_child)
+        nursery.start_soon(failing_child)
         await trio.sleep(5)
         nursery.cancel_scope.cancel()
 
@@ -122,7 +113,7 @@ async def test_a_committed_result_stands_when_an_unwind_in_a_nursery_overruns_it
     async def slow_unwind(request: Any, call_next: Any) -> ta.ToolResult:
         result: ta.ToolResult = await call_next()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_failing_child)
+            nursery.start_soon(failing_child)
             await trio.sleep(10)  # past the unwind grace (2 s)
         return result
 

@@ -428,6 +428,16 @@ class SubagentSupervisor:
             handle._finished.set()
             handle._task_done.set()
 
+    async def _end_unended(self, request: _Request) -> None:
+        """A subagent's request accepted but cancelled before it ran ends here, interrupted for the
+        reason its cancellation gives (`record_request_end` is a no-op for one that ended)."""
+        await record_request_end(
+            self.host.journal,
+            request.agent.agent_id,
+            request.request_id,
+            RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
+        )
+
     def _session_ends(self) -> bool:
         """The session closes, or its nursery is cancelled (by itself or a scope around the session)."""
         return self.host.closing or cancelled_around(self.nursery.cancel_scope)
@@ -444,14 +454,8 @@ class SubagentSupervisor:
         # The session's close aborts the work (its calls settle with that reason): an abort, not a failure.
         aborted = handle.status is not SubagentStatus.FAILED and request.abort.aborted and request.error is not None
         if cancelled or aborted:
-            # Accepted but cancelled before it ran records its end here (a no-op otherwise).
             with host.cleanup_scope("recording a cancelled subagent request"):
-                await record_request_end(
-                    host.journal,
-                    agent.agent_id,
-                    request.request_id,
-                    RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
-                )
+                await self._end_unended(request)
             # A resumed conversation must answer every tool call the cancelled work left open.
             agent.history = answer_orphan_calls(agent.history)
             ends = handle._killed or self._session_ends()
@@ -553,13 +557,7 @@ class SubagentSupervisor:
             for handle, token in listeners:
                 handle.remove_listener(token)
             with host.cleanup_scope("recording a foreground subagent's end"):
-                # Accepted but cancelled before it ran records its end here (a no-op otherwise).
-                await record_request_end(
-                    host.journal,
-                    agent.agent_id,
-                    request.request_id,
-                    RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
-                )
+                await self._end_unended(request)
                 if status is SubagentStatus.COMPLETED:
                     event: Any = SubagentCompleted(request_id=ctx.request_id, subagent_id=agent.agent_id)
                 else:
