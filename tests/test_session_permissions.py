@@ -399,6 +399,39 @@ async def test_path_policy_in_a_session(workspace: tuple[Path, Path], mode: str)
     assert not (outside / "secret.txt").exists()
 
 
+async def test_one_workspace_root_given_as_a_string_is_that_root(workspace: tuple[Path, Path]) -> None:
+    # A lone string was split into one root per character, "/" among them: every path was inside.
+    root, outside = workspace
+    log: list[Any] = []
+    target = str(outside / "secret.txt")
+    model = TestModel({"go": [Reply(tool_calls=[("touch", {"path": target})]), Reply(text="ok")]})
+    async with open_session(
+        provider=model,
+        tools=[make_tool("touch", log, kind="write", paths=True)],
+        workspace_roots=str(root),
+        permission_mode="bypass",
+    ) as session:
+        seen, _ = await run_request(session, "go")
+    assert log == []
+    [result] = [e.result for e in seen if isinstance(e, ToolResultEvent)]
+    assert result.error is not None and "outside the workspace roots" in result.error.message
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "match"),
+    [
+        ("workspace_roots", [], "at least one workspace root"),
+        ("permissions", {"deny": "Bash"}, "deny"),
+        ("permissions", {"allow": "Read"}, "allow"),
+    ],
+)
+async def test_permission_options_of_the_wrong_shape_are_config_errors(option: str, value: Any, match: str) -> None:
+    # An empty root list turned the path policy off; a lone rule string became one rule per letter.
+    with pytest.raises(ConfigError, match=match):
+        async with open_session(provider=TestModel(default=Reply(text="ok")), **{option: value}):
+            pass  # pragma: no cover - refused before the block
+
+
 # ======================================================================== subagents' calls
 
 HELPER = SubagentDefinition("helper", "a helper", "You help.")

@@ -539,9 +539,9 @@ def rules_from(permissions: object) -> PermissionRules | None:
         unknown = set(permissions) - {"allow", "ask", "deny"}
         if unknown:
             raise ConfigError(f"permissions takes 'allow', 'ask' and 'deny' lists, not {sorted(unknown)}")
-        return PermissionRules(
-            allow=tuple(permissions.get("allow", ())),
-            ask=tuple(permissions.get("ask", ())),
-            deny=tuple(permissions.get("deny", ())),
-        )
+        lists = {key: permissions.get(key, ()) for key in ("allow", "ask", "deny")}
+        for key, value in lists.items():
+            if isinstance(value, (str, bytes)):  # tuple() of it would make one rule of each letter
+                raise ConfigError(f"permissions[{key!r}] must be a list of rule strings, not the string {value!r}")
+        return PermissionRules(**lists)
     raise ConfigError(f"permissions must be a PermissionRules or a mapping of rule lists, not {permissions!r}")

@@ -184,7 +184,8 @@ def build_agent_parts(
     rules = rules_from(permissions)
     _check_content_rules(rules, registry)
     runner = HookRunner(resolved.hooks, deadlines=hook_deadlines)
-    roots = tuple(os.path.abspath(os.fspath(root)) for root in workspace_roots) if workspace_roots else None
+    # Checked by the policy's own rules (one path or several; none is a ConfigError, never "no policy").
+    roots = None if workspace_roots is None else PathPolicy(workspace_roots).workspace_roots
     parts = AgentParts(
         tools=registry,
         allowed=frozenset(entry.name for entry in selected),
