@@ -432,6 +432,49 @@ async def test_permission_options_of_the_wrong_shape_are_config_errors(option: s
             pass  # pragma: no cover - refused before the block
 
 
+async def test_recovery_reruns_calls_under_the_session_rules_the_journal_holds() -> None:
+    # Recovery re-ran the calls of the last life before the journalled rule updates were
+    # replayed: a session deny recorded while the call ran did not hold for its re-run.
+    from trio_agent import JournalError, PermissionUpdate, RequestAbortedError, SideEffect, ToolKind, define_tool
+    from trio_agent.journal import MemoryStore
+
+    ran: list[str] = []
+    started = trio.Event()
+
+    def danger(block: bool) -> Any:
+        @define_tool(
+            name="danger", input_schema={"type": "object"}, side_effect=SideEffect.IDEMPOTENT, kind=ToolKind.EXECUTE
+        )
+        async def run(input: dict[str, Any], ctx: Any) -> str:
+            """Does something one may regret."""
+            ran.append("danger")
+            if block:
+                started.set()
+                await trio.sleep_forever()
+            return "did it"
+
+        return run
+
+    store = MemoryStore()
+    model = TestModel(default=Reply(text="ok"), script={"go": [Reply(tool_calls=[("danger", {})])]})
+    options: dict[str, Any] = {"provider": model, "journal": store, "session_id": "s", "permission_mode": "bypass"}
+    async with open_session(tools=[danger(True)], **options) as session, trio.open_nursery() as nursery:
+
+        async def send() -> None:
+            with pytest.raises((RequestAbortedError, JournalError)):
+                await session.send("go")
+
+        nursery.start_soon(send)
+        await started.wait()
+        await session.permissions.accept_updates([PermissionUpdate.add("danger", behavior="deny")], source="handler")
+        session.journal._fence("the process died")  # nothing more is written: as a crash leaves it
+        nursery.cancel_scope.cancel()
+    assert ran == ["danger"]
+    async with open_session(tools=[danger(False)], **options) as session:
+        assert [rule.text for rule in session.permissions.session_deny_rules] == ["danger"]
+    assert ran == ["danger"], "recovery re-ran the call the session's deny rule refuses"
+
+
 # ======================================================================== subagents' calls
 
 HELPER = SubagentDefinition("helper", "a helper", "You help.")

@@ -7,6 +7,8 @@ Rules
   seeds a session with no conversation yet (`ConfigError`).
 * A cleanly closed session starts a new life (``session_reopened``); its
   conversation is rebuilt from the journal.
+* Permission rule updates the journal holds are replayed into the engine first:
+  what recovery re-runs is decided under the session's rules of the last life.
 * On every stream still open, the journal's recovery plan is applied: calls it
   allows are re-run live, unknown outcomes are told, and what the crash left open
   (turns, requests, subagents) is closed as interrupted by the restart, except, when
@@ -15,7 +17,6 @@ Rules
   (`Session.serve_request`).
 * What the model must learn (recovery notes, background subagents whose outcome it
   never saw) goes to the root's inbox, so it is recorded with its next model call.
-* Permission rule updates the journal holds are replayed into the engine.
 """
 
 from __future__ import annotations
@@ -97,11 +98,13 @@ async def begin_life(
             record = projection.live_tool(call_id)  # an ended request's calls are settled: not read
             if record is not None and not record.state.settled:
                 host.decided[agent_id, call_id] = Allow()
-    await _recover(host, tools, life, keep_requests)
+    # The session's rules as the journal holds them before anything runs again: recovery re-runs
+    # calls through the live permission stage, which must see the rules of the last life.
     if host.permissions is not None:
         stored = journal.projection().permission_updates
         if stored:
             host.permissions.replay_updates([update_from_json(event.update) for event in stored])
+    await _recover(host, tools, life, keep_requests)
     return life
 
 
