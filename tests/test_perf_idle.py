@@ -129,6 +129,6 @@ async def test_a_session_layer_made_on_first_use_is_the_engines_own() -> None:
     # The other engine, and the template, saw none of it.
     assert two.approved_signatures == frozenset() and two.session_allow_rules == ()
     assert two._policy().approved == frozenset() and template.session_allow_rules == ()
-    one.forget_session()
+    await one.forget_session()
     assert one.approved_signatures == frozenset() and one.session_allow_rules == ()
     assert one._policy().approved == frozenset() and list(one._policy().session_allow) == []

@@ -777,7 +777,7 @@ async def test_row7_remember_and_rule_updates_let_later_calls_skip_the_handler()
     permissions.apply_updates([PermissionUpdate.remove("Bash:git *")])
     asked = await permissions.decide(BASH, {"command": "git log"}, ctx())
     assert (asked.allowed, asked.source, handler.calls) == (False, DecisionSource.HANDLER, 3)
-    permissions.forget_session()
+    await permissions.forget_session()
     assert permissions.approved_signatures == frozenset()
 
 

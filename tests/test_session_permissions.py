@@ -475,6 +475,27 @@ async def test_recovery_reruns_calls_under_the_session_rules_the_journal_holds()
     assert ran == ["danger"], "recovery re-ran the call the session's deny rule refuses"
 
 
+async def test_session_rules_forgotten_stay_forgotten_after_a_reopen() -> None:
+    # forget_session cleared the rules in memory only: the reopen replayed the journalled grant.
+    from trio_agent import PermissionUpdate
+    from trio_agent.journal import MemoryStore
+
+    log: list[Any] = []
+    store = MemoryStore()
+    model = TestModel(default=Reply(text="ok"), script={"go": [Reply(tool_calls=[("touch", {})]), Reply(text="done")]})
+    options: dict[str, Any] = {"provider": model, "journal": store, "session_id": "s"}
+    tools = [make_tool("touch", log, kind="write")]
+    async with open_session(tools=tools, **options) as session:
+        await session.permissions.accept_updates([PermissionUpdate.add("touch")], source="handler")
+        await session.permissions.accept_updates([PermissionUpdate.add("Bash", behavior="deny")], source="handler")
+        await session.permissions.forget_session()
+        assert session.permissions.session_allow_rules == session.permissions.session_deny_rules == ()
+    async with open_session(tools=tools, **options) as session:
+        assert session.permissions.session_allow_rules == session.permissions.session_deny_rules == ()
+        await session.send("go")
+    assert log == []  # default mode, nobody to ask: the forgotten allow no longer lets it run
+
+
 # ======================================================================== subagents' calls
 
 HELPER = SubagentDefinition("helper", "a helper", "You help.")

@@ -537,14 +537,22 @@ class PermissionEngine:
             raise ConfigError(f"a signature must be a non-empty string, got {signature!r}")
         self._approvals().add(signature)
 
-    def forget_session(self) -> None:
-        """Drop every session approval and session rule."""
+    async def forget_session(self) -> None:
+        """Drop every session approval and session rule.
+
+        The rules go as updates (``remove``) through `accept_updates`, so whoever records the
+        updates records this too: a session's journal, whose reopen would otherwise replay the
+        rules it had granted. The remembered signatures were never recorded: they just go.
+        """
+        removals = [
+            PermissionUpdate.remove(*rules, behavior=behavior)
+            for rules, behavior in ((self._session_allow, RuleBehavior.ALLOW), (self._session_deny, RuleBehavior.DENY))
+            if rules
+        ]
+        if removals:
+            await self.accept_updates(removals, source="forget_session")
         if isinstance(self._approved, set):
             self._approved.clear()
-        if isinstance(self._session_allow, list):
-            self._session_allow.clear()
-        if isinstance(self._session_deny, list):
-            self._session_deny.clear()
 
     def _approvals(self) -> set[str]:
         """The engine's own set of remembered signatures, made when the first is remembered."""
