@@ -103,6 +103,16 @@ def _behavior(value: RuleBehavior | str) -> RuleBehavior:
 
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# What lets a shell run a second command, or write or read elsewhere, after the first one's words:
+# separators and pipes, command and process substitution, redirection, line breaks.
+_CHAINING = re.compile(r"[;&|`<>\n\r]|\$\(")
+
+
+def chains(command: str) -> bool:
+    """Whether shell text *command* may run more than one command (or redirect), as far as a
+    prefix rule can tell without a shell parser: it holds a separator, pipe, substitution,
+    redirection or line break. Quoting is not read, so a quoted ``;`` counts too (fail closed)."""
+    return _CHAINING.search(command) is not None
 _TOOL_PREFIX = re.compile(r"[A-Za-z0-9_-]{0,63}\*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -178,6 +188,17 @@ class Rule:
         """Whether this rule matches the signature ``Name`` or ``Name:content``."""
         name, sep, content = signature.partition(":")
         return self.matches_call(name, content if sep else None)
+
+    def grants(self, signature: str, *, shell: bool) -> bool:
+        """Whether this rule, as an allow rule, lets *signature* run: as `matches`, except that for
+        a shell command (*shell*) a prefix rule never grants what goes on past its prefix into
+        another command (`chains`): ``Bash:git status*`` was written for ``git status``, not for
+        ``git status; rm -rf ~``, which asks instead."""
+        if not self.matches(signature):
+            return False
+        if not (shell and self.content_prefix and self.content is not None):
+            return True
+        return not chains(signature.partition(":")[2][len(self.content) :])
 
     def matches_call(self, tool_name: str, content: str | None) -> bool:
         """Whether this rule matches a call of *tool_name* with signature *content* (``None``: no content)."""
@@ -259,6 +280,13 @@ class PermissionRules:
         """The first rule of one list that matches *signature*."""
         for rule in self._parsed[behavior]:
             if rule.matches(signature):
+                return rule
+        return None
+
+    def granting(self, signature: str, *, shell: bool) -> Rule | None:
+        """The first allow rule that grants *signature* (`Rule.grants`)."""
+        for rule in self._parsed[RuleBehavior.ALLOW]:
+            if rule.grants(signature, shell=shell):
                 return rule
         return None
 

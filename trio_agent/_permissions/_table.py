@@ -385,11 +385,12 @@ def evaluate_after_screen(tool: Tool[Any], subject: Subject, policy: Policy) -> 
     # 7. Session approvals: remembered signatures and session allow rules.
     if signature in policy.approved:
         return _allow(subject, DecisionSource.SESSION, "approved for this session")
+    shell = tool.signature_field == "command"  # a prefix allow never grants a chained command
     for rule in policy.session_allow:
-        if rule.matches(signature):
+        if rule.grants(signature, shell=shell):
             return _allow(subject, DecisionSource.SESSION, f"session rule {rule.text!r}", rule)
     # 8. Allow rules: the hooks and the handler are not asked.
-    rule_ = policy.rules.first(RuleBehavior.ALLOW, signature)
+    rule_ = policy.rules.granting(signature, shell=shell)
     if rule_ is not None:
         return _allow(subject, DecisionSource.RULE, f"allowed by rule {rule_.text!r}", rule_)
     mode = policy.mode
