@@ -59,12 +59,15 @@ from trio_agent._models._messages import (
     FinishChunk,
     FinishReason,
     Message,
+    ReasoningDelta,
     ReasoningPart,
     StreamChunk,
     TextDelta,
     ToolCallPart,
     ToolResultMessage,
     ToolSpec,
+    Usage,
+    UsageChunk,
     UserMessage,
 )
 from trio_agent._models._messages import ToolCallStart as ToolCallStartChunk
@@ -1030,7 +1033,7 @@ def check_well_nested(events: Sequence[RunEvent]) -> None:
                 assert calls[event.call_id] == ["start", "args", "end"]
                 calls[event.call_id].append("result")
             case UsageReported():
-                assert step is not None
+                assert step is not None and open_message is None, "usage comes after the call's text"
             case _:
                 raise AssertionError(f"unexpected event {event!r}")
     assert step is None and open_message is None
@@ -1122,9 +1125,98 @@ async def test_a_host_that_says_nothing_listens_gets_no_events_until_something_d
         "StepStarted",
         "TextMessageStart",
         "TextMessageContent",
-        "UsageReported",
         "TextMessageEnd",
+        "UsageReported",
         "StepFinished",
         "RunFinished",
     ]
     assert outcome.usage.total_tokens > 0  # both calls' usage, reported or not
+
+
+# -- the event grammar on every way out, and usage once per model call ----------------------------------------
+
+
+def chunk_fakes(*replies: Sequence[StreamChunk]) -> Fakes:
+    fakes = Fakes([])
+    service = ModelService(ChunkProvider(replies), retry=RetryPolicy(max_attempts=1))
+    fakes.ports = attrs.evolve(fakes.ports, model=service)
+    return fakes
+
+
+class UsageLog(Hooks):
+    def __init__(self) -> None:
+        super().__init__()
+        self.usages: list[Usage] = []
+
+    async def on_usage(self, ctx: Any, usage: Usage) -> None:
+        self.usages.append(usage)
+
+
+async def test_cumulative_usage_chunks_count_once_per_model_call_after_the_text() -> None:
+    first = Usage(input_tokens=100, output_tokens=1, total_tokens=101)
+    last = Usage(input_tokens=100, output_tokens=20, total_tokens=120)  # cumulative: it includes the first
+    fakes = chunk_fakes([TextDelta("hi"), UsageChunk(first), UsageChunk(last), FinishChunk(FinishReason.STOP)])
+    hooks = UsageLog()
+    finished = await fakes.run(hooks)
+    assert hooks.usages == [last]
+    assert finished.usage == last
+    assert [e.usage for e in fakes.events if isinstance(e, UsageReported)] == [last]
+    kinds = fakes.kinds()
+    assert kinds.index("TextMessageEnd") < kinds.index("UsageReported") < kinds.index("StepFinished")
+    check_well_nested(fakes.events)
+
+
+async def test_an_abort_mid_stream_closes_the_text_message_and_the_step() -> None:
+    fakes = chunk_fakes([TextDelta("a"), TextDelta(" b"), TextDelta(" c"), FinishChunk(FinishReason.STOP)])
+
+    def abort_on_text(event: RunEvent) -> None:
+        if isinstance(event, TextMessageContent):
+            fakes.abort.abort(message="enough")
+
+    fakes.watchers.append(abort_on_text)
+    finished = await fakes.run()
+    assert finished.stop_reason is StopReason.ABORTED
+    assert fakes.kinds() == [
+        "RunStarted",
+        "StepStarted",
+        "TextMessageStart",
+        "TextMessageContent",
+        "TextMessageEnd",
+        "StepFinished",
+        "RunFinished",
+    ]
+
+
+async def test_a_failure_mid_stream_closes_the_text_message_and_the_step_before_run_error() -> None:
+    fakes = chunk_fakes([TextDelta("a"), TextDelta(" b"), FinishChunk(FinishReason.STOP)])
+
+    class FailOnText(Hooks):
+        def wrap_events(self, ctx: Any, sink: Any) -> Any:
+            async def through(event: RunEvent) -> None:
+                await sink(event)
+                if isinstance(event, TextMessageContent):
+                    raise ValueError("a hook broke")
+
+            return through
+
+    with pytest.raises(ValueError):
+        await fakes.run(FailOnText())
+    check_well_nested(fakes.events)
+    assert fakes.kinds()[-3:] == ["TextMessageEnd", "StepFinished", "RunError"]
+
+
+async def test_reasoning_after_the_text_began_ends_the_text_message_first() -> None:
+    fakes = chunk_fakes([TextDelta("a"), ReasoningDelta("thinking"), TextDelta("b"), FinishChunk(FinishReason.STOP)])
+    await fakes.run()
+    check_well_nested(fakes.events)
+    assert fakes.kinds()[2:-2] == [
+        "TextMessageStart",
+        "TextMessageContent",
+        "TextMessageEnd",
+        "ReasoningStart",
+        "ReasoningContent",
+        "ReasoningEnd",
+        "TextMessageStart",
+        "TextMessageContent",
+        "TextMessageEnd",
+    ]

@@ -157,8 +157,7 @@ async def run_agent_loop(
         outcome = await run.loop()
         if outcome.pause is not None:
             # Paused: the conversation so far, then the batch; no terminal hook (the run goes on later).
-            if run.step_open:
-                await run.events(StepFinished(spec.run_id, spec.agent_id, f"turn-{run.turns}"))
+            await run._close_step()
             await run.events(MessagesSnapshot(spec.run_id, spec.agent_id, outcome.pause.messages))
             await run.events(
                 RunFinished(spec.run_id, spec.agent_id, "interrupt", outcome.text, outcome.pause.interrupts)
@@ -173,6 +172,8 @@ async def run_agent_loop(
                 with bounded_shield(spec.cleanup_grace, "reporting a failed run (RunError, on_error)"):
                     if isinstance(exc, Exception):
                         code = getattr(exc, "code", None)
+                        with contextlib.suppress(Exception):
+                            await run._close_step()
                         with contextlib.suppress(Exception):
                             await run.events(
                                 RunError(spec.run_id, spec.agent_id, str(exc), code if isinstance(code, str) else None)
@@ -270,6 +271,7 @@ class _Run:
                     return outcome
         except _Aborted:
             ports.inbox.close()
+            await self._close_step()
             stop = self.ports.stop
             return self._finished(StopReason.ABORTED, self.ports.abort.reason or (stop.reason if stop else None))
         except _Paused as paused:
@@ -277,6 +279,13 @@ class _Run:
             if self.open_turn is not None:  # the turn ends with the pause; its calls wait unscheduled
                 await ports.recorder.turn_completed(self.open_turn)
             return self._finished(StopReason.INTERRUPTED, pause=paused.state)
+
+    async def _close_step(self) -> None:
+        """End the open step (an abort, a pause or a failure cut it short): every step ends."""
+        if self.step_open:
+            self.step_open = False
+            if not self.quiet:
+                await self.events(StepFinished(self.spec.run_id, self.spec.agent_id, f"turn-{self.turns}"))
 
     async def _turn(
         self,
@@ -705,7 +714,12 @@ class _Run:
             ctx._retry_open, ctx._retry_requested = False, False
 
     async def _stream_reply(self, ref: TurnRef, message_id: str, config: ModelConfig) -> ModelReply | None:
-        """Stream one model call into the assembler and the events; ``None`` if aborted."""
+        """Stream one model call into the assembler and the events; ``None`` if aborted.
+
+        The events keep the documented grammar on every way out: reasoning and text blocks
+        never nest and are closed before the call's usage (reported once per call, what its
+        last `UsageChunk` said: the counts are cumulative) and before anything after the call.
+        """
         spec, ports, ctx = self.spec, self.ports, self.ctx
         # Ids already used on this stream are taken: a model that repeats one gets a new one.
         assembler = ReplyAssembler(reserved=ports.conversation.call_ids())
@@ -713,7 +727,8 @@ class _Run:
         events = self.events
         run_id, agent_id = spec.run_id, spec.agent_id
         text_open = reasoning_open = False
-        produced = False
+        produced = aborted = False
+        failure: ModelError | None = None
         quiet = self.quiet
         abort, unlink = (ports.abort, _no_unlink) if ports.stop is None else _either(ports.abort, ports.stop)
         ctx.phase = Phase.MODEL_STREAM
@@ -740,24 +755,30 @@ class _Run:
                         await events(TextMessageContent(run_id, agent_id, message_id, chunk.text))
                     elif isinstance(chunk, ReasoningDelta):
                         produced = True
+                        if chunk.text and not quiet and not reasoning_open:
+                            if text_open:  # the model thinks again mid-answer: its text message ends first
+                                text_open = False
+                                await events(TextMessageEnd(run_id, agent_id, message_id))
+                            reasoning_open = True
+                            await events(ReasoningStart(run_id, agent_id, message_id))
                         if chunk.text and not quiet:
-                            if not reasoning_open:
-                                reasoning_open = True
-                                await events(ReasoningStart(run_id, agent_id, message_id))
                             await events(ReasoningContent(run_id, agent_id, message_id, chunk.text))
-                    elif isinstance(chunk, UsageChunk):
-                        self.usages.append(chunk.usage)
-                        await self.hooks.on_usage(ctx, chunk.usage)
-                        if not quiet:
-                            await events(UsageReported(run_id, agent_id, chunk.usage))
-                    else:
+                    elif not isinstance(chunk, UsageChunk):
                         produced = True
         except ModelAbortedError:
-            return None
+            aborted = True
         except ModelError as error:
             if not produced:
                 raise _RetryableFailure(error) from None
             await ports.recorder.model_call_failed(ref, error)
+            failure = error
+        except Exception:
+            # A hook failed mid-stream: the blocks it left open still end, before `RunError`.
+            with contextlib.suppress(Exception):
+                if reasoning_open:
+                    await events(ReasoningEnd(run_id, agent_id, message_id))
+                if text_open:
+                    await events(TextMessageEnd(run_id, agent_id, message_id))
             raise
         finally:
             unlink()
@@ -765,7 +786,15 @@ class _Run:
             await events(ReasoningEnd(run_id, agent_id, message_id))
         if text_open:
             await events(TextMessageEnd(run_id, agent_id, message_id))
-        return assembler.finish()
+        if failure is not None:
+            raise failure
+        usage = assembler.reported_usage
+        if usage is not None:  # what the call reported, aborted or not: once per call
+            self.usages.append(usage)
+            await self.hooks.on_usage(ctx, usage)
+            if not quiet:
+                await events(UsageReported(run_id, agent_id, usage))
+        return None if aborted else assembler.finish()
 
     # -- one tool phase
 

@@ -159,6 +159,12 @@ class ReplyAssembler:
         else:  # pragma: no cover - the StreamChunk union is closed
             raise TypeError(f"not a stream chunk: {chunk!r}")
 
+    @property
+    def reported_usage(self) -> Usage | None:
+        """The call's usage so far (the last `UsageChunk`: the counts are cumulative), ``None``
+        while it reported none."""
+        return None if self._usage is _NO_USAGE else self._usage
+
     def _feed_reasoning(self, chunk: ReasoningDelta) -> None:
         if chunk.text:
             if self._reasoning_text is None:
