@@ -133,6 +133,24 @@ async def test_model_errors_retry_at_most_twice_and_never_reach_the_stream() -> 
     assert terminal.terminal == ["error"]
 
 
+async def test_on_config_runs_again_with_phase_before_model_after_a_retry() -> None:
+    from trio_agent import ModelError
+
+    phases: list[str] = []
+
+    class Retry(ChatMiddleware):
+        def on_config(self, ctx: Any, config: Any) -> None:
+            phases.append(ctx.phase.value)
+
+        def on_model_error(self, ctx: Any, error: Any) -> None:
+            ctx.retry()
+
+    model = TestModel(default=[Reply(error=ModelError("flaky", retryable=False)), Reply(text="ok")])
+    result = await chat(model, "hi", middleware=[Retry()])
+    assert result.text == "ok"
+    assert phases == ["init", "before_model", "before_model"]
+
+
 async def test_a_retry_asked_outside_on_model_error_is_a_typed_error() -> None:
     class Early(ChatMiddleware):
         def on_start(self, ctx: Any) -> None:

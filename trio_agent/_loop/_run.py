@@ -675,6 +675,7 @@ class _Run:
                 await ports.recorder.model_call_failed(ref, failure.error)
                 if attempt <= MAX_MODEL_RETRIES and await self._wants_retry(failure.error):
                     attempt += 1
+                    ctx.phase = Phase.BEFORE_MODEL  # the retried call is configured as the first was
                     config = await hooks.on_config(ctx, self._config(config))
                     continue
                 raise failure.error from None
