@@ -191,3 +191,34 @@ async def test_a_hook_that_hangs_while_a_failed_run_is_reported_is_bounded(
             await run.result()
     assert trio.current_time() - started == pytest.approx(2.0)
     assert any("reporting a failed run" in record.getMessage() for record in caplog.records)
+
+
+class BreaksOnToolCallStart(ChatMiddleware):
+    def on_chunk(self, ctx: Any, event: Any) -> None:
+        from trio_agent.lifecycle import ToolCallStart
+
+        if isinstance(event, ToolCallStart):
+            raise ValueError("on_chunk bug")
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+@pytest.mark.parametrize("form", ["await", "block"])
+async def test_a_plain_hook_error_in_a_turn_of_several_calls_fails_the_run_as_with_one_call(
+    calls: int, form: str
+) -> None:
+    errors: list[BaseException] = []
+
+    class Errors(ChatMiddleware):
+        def on_error(self, ctx: Any, info: Any) -> None:
+            errors.append(info.error)
+
+    model = TestModel(default=[Reply(tool_calls=[("echo", {})] * calls), Reply(text="done")])
+    middleware = [BreaksOnToolCallStart(), Errors()]
+    with pytest.raises(ValueError, match="on_chunk bug") as caught:
+        if form == "await":
+            await chat(model, "hi", tools=[echo], middleware=middleware)
+        else:
+            async with chat(model, "hi", tools=[echo], middleware=middleware) as run:
+                await run.result()
+    assert not isinstance(caught.value, BaseExceptionGroup)
+    assert errors == [caught.value]  # on_error got the same one exception

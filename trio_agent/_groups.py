@@ -11,6 +11,11 @@ Rules (one place, used by the pipeline, the agent loop and the session):
 3. Public boundaries (``send``, ``stream``, ``open_session``, ``start_subagent``)
    never raise groups: a group made only of ``Cancelled`` leaves becomes one leaf
    ``Cancelled``; a group with a typed error becomes that error.
+4. Work the library runs side by side that a caller sees as one step (a turn's tool
+   calls, with their hooks) fails as the same work run alone would: a group of
+   foreign errors (no typed error, no cancellation) becomes its first leaf, the
+   others noted on it (`first_failure`), so ``on_error`` and the caller get one
+   exception whether a turn had one call or several.
 """
 
 from __future__ import annotations
@@ -22,7 +27,15 @@ import trio
 
 from ._errors import JournalError, LeaseLostError, SettlementError, TrioAgentError
 
-__all__ = ["contains_cancelled", "is_cancellation", "leaves", "raise_alone", "typed_error", "unwrap_for_boundary"]
+__all__ = [
+    "contains_cancelled",
+    "first_failure",
+    "is_cancellation",
+    "leaves",
+    "raise_alone",
+    "typed_error",
+    "unwrap_for_boundary",
+]
 
 # Which typed error wins when several are in one group.
 _PRECEDENCE: tuple[type[BaseException], ...] = (LeaseLostError, SettlementError, JournalError, TrioAgentError)
@@ -95,6 +108,25 @@ def unwrap_for_boundary(exc: BaseException) -> BaseException:
     if len(all_leaves) == 1:
         return all_leaves[0]
     return exc
+
+
+def first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """Rule 4: the one exception side-by-side work raises for *group*.
+
+    Its typed error if it holds one; the group itself if it holds a cancellation or
+    anything but an `Exception` (``KeyboardInterrupt``: Trio needs them as they are);
+    else its first leaf, with a note naming the other failures.
+    """
+    typed = typed_error(group)
+    if typed is not None:
+        return typed
+    all_leaves = list(leaves(group))
+    if not all(isinstance(leaf, Exception) for leaf in all_leaves):
+        return group
+    first, others = all_leaves[0], all_leaves[1:]
+    if others:
+        first.add_note(f"{len(others)} more failure(s) beside it: " + "; ".join(map(repr, others)))
+    return first
 
 
 def raise_alone(group: BaseExceptionGroup[BaseException]) -> NoReturn:

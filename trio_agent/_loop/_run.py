@@ -18,7 +18,7 @@ from .._abort import Abort, AbortHandle
 from .._builders import constructor
 from .._cleanup import bounded_shield
 from .._errors import JournalError, LeaseLostError, MiddlewareError, ModelAbortedError, ModelError, TrioAgentError
-from .._groups import typed_error
+from .._groups import first_failure, typed_error
 from .._models._assemble import ModelReply, ReplyAssembler, ToolArgumentsError, parse_tool_arguments
 from .._models._messages import (
     FinishReason,
@@ -842,10 +842,11 @@ class _Run:
                     for index, part in enumerate(calls):
                         nursery.start_soon(self._run_call, turn_id, part, checked(part), slots, index, steering, stages)
         except BaseExceptionGroup as group:
-            typed = typed_error(group)
-            if typed is None:
-                raise  # a cancellation (or a foreign failure) goes on unchanged
-            raise typed from None
+            # One exception, as a lone call would raise (a cancellation goes on unchanged).
+            failure = first_failure(group)
+            if failure is group:
+                raise
+            raise failure from None
         finally:
             if stop is not None:
                 stop.remove_listener(token)
