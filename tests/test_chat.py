@@ -9,10 +9,11 @@ import pytest
 import trio
 import trio.testing
 
-from trio_agent import SideEffect, ToolKind, define_tool
+from trio_agent import ModelError, SideEffect, ToolKind, define_tool
 from trio_agent._chat._chat import StructuredOutputError, chat
-from trio_agent._lifecycle._middleware import ChatMiddleware
+from trio_agent._lifecycle._middleware import ChatMiddleware, define_chat_middleware
 from trio_agent._loop._events import (
+    RunError,
     RunFinished,
     RunStarted,
     StepFinished,
@@ -26,6 +27,7 @@ from trio_agent._loop._events import (
 )
 from trio_agent._loop._rules import StopReason, until_finish_reason
 from trio_agent.journal import MemoryStore, RequestCompleted, RequestStarted, open_journal
+from trio_agent.lifecycle import MiddlewareDecisionError
 from trio_agent.models import ToolResultMessage, Usage, UserMessage
 from trio_agent.testing import Reply, TestModel
 
@@ -107,6 +109,133 @@ async def test_structured_output_is_validated_against_the_schema() -> None:
         with pytest.raises(StructuredOutputError) as caught:
             await run.result()
     assert caught.value.issues and "sum" in caught.value.issues[0]
+
+
+class StructuredLog(ChatMiddleware):
+    """Logs the hooks around the structured-output call."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def on_config(self, ctx: Any, config: Any) -> None:
+        self.log.append(f"on_config:{ctx.phase.value}")
+
+    def on_structured_output_config(self, ctx: Any, config: Any) -> None:
+        self.log.append("on_structured_output_config")
+
+    def on_usage(self, ctx: Any, usage: Usage) -> None:
+        self.log.append(f"on_usage:{usage.total_tokens}")
+
+    def on_finish(self, ctx: Any, info: Any) -> None:
+        self.log.append("on_finish")
+
+    def on_abort(self, ctx: Any, info: Any) -> None:
+        self.log.append("on_abort")
+
+    def on_error(self, ctx: Any, info: Any) -> None:
+        self.log.append(f"on_error:{type(info.error).__name__}")
+
+    def on_start(self, ctx: Any) -> None:
+        ctx.defer(lambda: self.log.append("deferred"))
+
+
+async def test_the_structured_output_call_is_the_runs_last_step_before_its_terminal_hook() -> None:
+    replies = [
+        Reply(text="hello", usage=Usage(input_tokens=1, output_tokens=1, total_tokens=2)),
+        Reply(text='{"a": 1}', usage=Usage(input_tokens=100, output_tokens=100, total_tokens=200)),
+    ]
+    spy = StructuredLog()
+    async with chat(TestModel(default=replies), "hi", middleware=[spy], output_schema=OBJECT) as run:
+        events = [event async for event in run]
+        result = await run.result()
+    assert spy.log == [
+        "on_config:init",
+        "on_config:before_model",
+        "on_usage:2",
+        "on_structured_output_config",
+        "on_config:structured_output",
+        "on_usage:200",
+        "on_finish",
+        "deferred",
+    ]
+    assert [type(event).__name__ for event in events[-3:]] == ["StepFinished", "UsageReported", "RunFinished"]
+    assert result.structured_output == {"a": 1}
+    assert result.usage.total_tokens == 202  # both calls
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (Reply(text="not json"), StructuredOutputError),
+        (Reply(text="[" * 100_000 + "]" * 100_000), StructuredOutputError),  # never a RecursionError
+        (Reply(text="NaN"), StructuredOutputError),
+        (Reply(error=ModelError("overloaded", retryable=False)), ModelError),
+    ],
+    ids=["not-json", "deeply-nested", "nan", "model-error"],
+)
+async def test_a_failing_structured_output_call_fails_the_run_with_run_error_and_on_error(
+    answer: Reply, error: type[Exception]
+) -> None:
+    spy = StructuredLog()
+    model = TestModel(default=[Reply(text="hello"), answer])
+    async with chat(model, "hi", middleware=[spy], output_schema={"type": "number"}) as run:
+        events = [event async for event in run]
+        with pytest.raises(error):
+            await run.result()
+    assert spy.log[-2:] == [f"on_error:{error.__name__}", "deferred"]
+    assert "on_finish" not in spy.log
+    assert isinstance(events[-1], RunError)
+    assert not any(isinstance(event, RunFinished) for event in events)
+
+
+async def test_an_abort_during_the_structured_output_call_ends_the_run_aborted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    spy = StructuredLog()
+    model = TestModel(default=[Reply(text="hello"), Reply(text='{"a": 1}', latency=60)])
+    async with chat(model, "hi", middleware=[spy], output_schema=OBJECT) as run:
+        async for event in run:
+            if isinstance(event, StepFinished):
+                break
+        await trio.testing.wait_all_tasks_blocked()  # the structured-output call waits for its answer
+        started = trio.current_time()
+        run.abort("stop now")
+        result = await run.result()
+    assert trio.current_time() - started < 1  # the call took the abort: it did not wait out its answer
+    assert result.stop_reason is StopReason.ABORTED and result.structured_output is None
+    assert spy.log[-2:] == ["on_abort", "deferred"]
+
+
+async def test_structured_output_is_checked_against_the_schema_a_hook_sent() -> None:
+    sent: list[Any] = []
+
+    def respond(request: Any) -> Reply:
+        sent.append(request.options.get("output_schema"))
+        return Reply(text="hello") if len(sent) == 1 else Reply(text='{"items": [1, 2]}')
+
+    def wrap(ctx: Any, config: Any) -> Any:
+        items = config["output_schema"]
+        return {"output_schema": {"type": "object", "properties": {"items": items}, "required": ["items"]}}
+
+    middleware = [define_chat_middleware(on_structured_output_config=wrap)]
+    result = await chat(TestModel(respond=respond), "hi", output_schema={"type": "array"}, middleware=middleware)
+    assert sent[-1]["required"] == ["items"]
+    assert result.structured_output == {"items": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"output_schema": {"type": 5}}, {"output_schema": True}, {"messages": 5}, {"options": None}],
+    ids=["invalid-schema", "schema-not-an-object", "messages", "options"],
+)
+async def test_an_on_structured_output_config_value_its_key_cannot_hold_is_a_decision_error(
+    change: dict[str, Any],
+) -> None:
+    model = TestModel(default=[Reply(text="hello"), Reply(text="[1]")])
+    middleware = [define_chat_middleware(name="bad", on_structured_output_config=lambda ctx, config: change)]
+    with pytest.raises(MiddlewareDecisionError, match="on_structured_output_config of middleware 'bad'"):
+        await chat(model, "hi", output_schema={"type": "array"}, middleware=middleware)
+    assert len(model.requests) == 1  # the structured-output call was never sent
 
 
 async def test_leaving_the_block_early_aborts_the_run_and_keeps_committed_results(

@@ -18,6 +18,7 @@ continuation is refused (`InterruptResumeError`, code ``stale``).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import types
@@ -51,19 +52,25 @@ from .._journal._run_recorder import JournalRecorder
 from .._lifecycle._approvals import PermissionGate
 from .._lifecycle._capabilities import validate_capabilities
 from .._lifecycle._interrupts import PausedRun, pause_to_json, registered_interrupts, split_client_tools
-from .._lifecycle._middleware import ChatMiddleware, apply_structured_output_config, middleware_lifecycle
+from .._lifecycle._middleware import (
+    ChatMiddleware,
+    apply_structured_output_config,
+    middleware_lifecycle,
+    output_schema_validator,
+)
 from .._loop._context import RunContext
-from .._loop._events import RunError, RunEvent, RunFinished
-from .._loop._hooks import Finished, Phase
+from .._loop._events import RunEvent, UsageReported
+from .._loop._hooks import Finished, ModelConfig, Phase
 from .._loop._interrupts import ClientTool, Interrupt, InterruptAnswer, InterruptDefinition, Resume
 from .._loop._ports import RunEventSink, RunPorts, RunSpec, TurnRef, discard_events, no_effects
 from .._loop._rules import LoopStrategy, StopReason, max_iterations
 from .._loop._run import run_agent_loop
-from .._models._assemble import ModelReply
+from .._models._assemble import JSONTextError, ModelReply, parse_json_value
 from .._models._history import CallIdIndex, MessageView, validate_history
 from .._models._messages import (
     FinishReason,
     Message,
+    ModelResponse,
     SystemMessage,
     TextPart,
     ToolResultMessage,
@@ -87,6 +94,8 @@ _DEFAULT_STRATEGY = max_iterations(DEFAULT_MAX_ITERATIONS)  # keeps nothing of a
 
 class StructuredOutputError(TrioAgentError):
     """The structured-output answer is not JSON the schema accepts; ``issues`` lists why."""
+
+    code = "structured_output"  # the run's RunError code
 
     def __init__(self, message: str, *, issues: Sequence[str], text: str) -> None:
         super().__init__(message)
@@ -426,9 +435,9 @@ class _Prepared:
         output_schema = options["output_schema"]
         if output_schema is not None:
             try:
-                validator = jsonschema_rs.Draft202012Validator(dict(output_schema), offline=True)
-            except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as exc:
-                raise ConfigError(f"output_schema is not valid JSON Schema: {str(exc).splitlines()[0]}") from None
+                validator = output_schema_validator(output_schema)
+            except ValueError as exc:
+                raise ConfigError(f"output_schema: {exc}") from None
         journal = options["journal"]
         # history_limit=0 and a tool journal that keeps no entries: the run's events and the durable
         # journal are its record; nothing reads the pipeline's own.
@@ -485,6 +494,7 @@ class _Prepared:
         self.metadata = meta
         self.result: ChatResult | None = None
         self.error: Exception | None = None
+        self.structured: Any = None  # the structured-output answer, once checked
 
     def unlink(self) -> None:
         for handle, token in self._links:
@@ -523,20 +533,17 @@ class _Prepared:
                     RequestAccepted(request_id=run_id, command_id=run_id, input={"chat": True, **given}),
                     RequestStarted(request_id=run_id),
                 )
-            validator = self.validator
+            # With an output schema the structured-output call is the run's last step: before
+            # RunFinished and the terminal hook, its failure the run's (RunError, on_error).
+            finalize = None if self.validator is None else functools.partial(self._structured_output, ctx)
             outcome = await run_agent_loop(
-                self.spec, ports, self.hooks, ctx=ctx, finish_event=validator is None, resume=self.resumed
+                self.spec, ports, self.hooks, ctx=ctx, finalize=finalize, resume=self.resumed
             )
-            structured = None
             paused = None
             if outcome.pause is not None:
                 paused = PausedRun(run_id, self.thread_id, agent_id, outcome.pause)
                 if self.signing_key is not None:
                     paused = paused.signed(self.signing_key)
-            elif validator is not None and not outcome.aborted:
-                structured = await _structured_output(
-                    self.service, ctx, self.middleware, conversation, self.spec, self.output_schema, validator
-                )
             if journal is not None:
                 await _record_end(journal, run_id, outcome)
             self.result = _chat_result(
@@ -546,18 +553,55 @@ class _Prepared:
                 outcome.state.last_finish_reason,
                 outcome.usage,
                 outcome.turns,
-                structured,
+                self.structured,
                 paused,
             )
-            if validator is not None and paused is None:
-                await ctx.emit(RunFinished(run_id, agent_id, outcome.stop_reason.value, outcome.text))
         except Exception as exc:
             self.error = exc
             if journal is not None and not journal.fenced and not journal.lost:
                 with bounded_shield(journal.commit_grace, "recording a failed chat run"), suppress(TrioAgentError):
                     await journal.append(RequestFailed(request_id=run_id, error=ErrorInfo(message=str(exc)[:2000])))
-            if isinstance(exc, StructuredOutputError):
-                await ctx.emit(RunError(run_id, agent_id, str(exc), "structured_output"))
+
+    async def _structured_output(self, ctx: RunContext, outcome: Finished) -> Finished:
+        """The run's last step with ``output_schema`` (module docstring): one structured-output call
+        (never retried) whose answer must be JSON the schema accepts; its usage counts."""
+        ctx.phase = Phase.STRUCTURED_OUTPUT
+        spec, original, validator = self.spec, self.output_schema, self.validator
+        assert original is not None and validator is not None
+        config = await apply_structured_output_config(
+            self.middleware,
+            ctx,
+            {
+                "instructions": spec.instructions(),
+                "messages": self.conversation.view(()),
+                "options": {},
+                "metadata": dict(spec.model_metadata),
+                "output_schema": dict(original),
+            },
+        )
+        schema = config["output_schema"]
+        if schema != original:  # the answer is checked against the schema the call sent
+            validator = output_schema_validator(schema)  # checked already: a hook's invalid one was refused
+        # on_config sees the call as on_structured_output_config left it, without the schema (the spec's order).
+        call = await self.hooks.on_config(
+            ctx, ModelConfig(config["instructions"], config["messages"], (), config["options"], config["metadata"])
+        )
+        request = (
+            f"Answer with only a JSON value that this JSON Schema accepts, and nothing else:\n{json.dumps(schema)}"
+        )
+        prefix = (SystemMessage(call.instructions),) if call.instructions else ()
+        response = await self.service.chat(
+            [*prefix, *call.messages, UserMessage(request)],
+            tools=call.tools,
+            options={**call.options, "output_schema": schema},
+            abort=self.abort,
+            metadata=call.metadata,
+        )
+        usage = response.usage
+        await self.hooks.on_usage(ctx, usage)
+        await ctx.emit(UsageReported(self.run_id, self.agent_id, usage))
+        self.structured = _checked_answer(response, validator)
+        return attrs.evolve(outcome, usage=outcome.usage + usage)
 
 
 @asynccontextmanager
@@ -629,41 +673,16 @@ async def _record_end(journal: DurableJournal, run_id: str, outcome: Finished) -
         await journal.append(RequestCompleted(request_id=run_id, output={"text": outcome.text}))
 
 
-async def _structured_output(
-    service: ModelService,
-    ctx: RunContext,
-    middleware: Sequence[ChatMiddleware],
-    conversation: _ListConversation,
-    spec: RunSpec,
-    schema: Mapping[str, Any] | None,
-    validator: jsonschema_rs.Validator,
-) -> Any:
-    """The final structured-output call: the answer as JSON the schema accepts (never retried)."""
-    assert schema is not None
-    ctx.phase = Phase.STRUCTURED_OUTPUT
-    instructions = spec.instructions()
-    config: dict[str, Any] = {
-        "instructions": instructions,
-        "messages": conversation.view(()),
-        "options": {},
-        "metadata": dict(spec.model_metadata),
-        "output_schema": dict(schema),
-    }
-    config = await apply_structured_output_config(list(middleware), ctx, config)
-    schema = config.pop("output_schema")
-    request = f"Answer with only a JSON value that this JSON Schema accepts, and nothing else:\n{json.dumps(schema)}"
-    prefix = (SystemMessage(config["instructions"]),) if config["instructions"] else ()
-    messages = [*prefix, *config["messages"], UserMessage(request)]
-    options = {**config["options"], "output_schema": schema}
-    response = await service.chat(messages, options=options, metadata=config["metadata"])
+def _checked_answer(response: ModelResponse, validator: jsonschema_rs.Validator) -> Any:
+    """The structured-output answer as a JSON value the schema accepts, else `StructuredOutputError`."""
     text = "".join(part.text for part in response.message.parts if isinstance(part, TextPart)).strip()
     if text.startswith("```"):
         text = text.strip("`").removeprefix("json").strip()
     try:
-        value = json.loads(text)
-    except ValueError as exc:
+        value = parse_json_value(text)  # the model's text is untrusted: depth and numbers are bounded
+    except JSONTextError as exc:
         raise StructuredOutputError(
-            f"the structured output is not JSON: {exc}", issues=[f"not JSON: {exc}"], text=text
+            f"the structured output is {exc.problem}", issues=[f"not JSON: {exc.problem}"], text=text
         ) from None
     issues = [
         f"at {'/'.join(str(p) for p in error.instance_path) or '<root>'}: {error.message}"

@@ -63,6 +63,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeAlias, TypeVar, cast
 
 import attrs
+import jsonschema_rs
 import trio
 
 from .._abort import Abort, AbortReason
@@ -116,6 +117,7 @@ __all__ = [
     "apply_structured_output_config",
     "define_chat_middleware",
     "middleware_lifecycle",
+    "output_schema_validator",
 ]
 
 T = TypeVar("T")
@@ -680,6 +682,34 @@ def middleware_lifecycle(middleware: Sequence[ChatMiddleware]) -> Lifecycle:
     return compose_lifecycle(*parts)
 
 
+def output_schema_validator(schema: object) -> jsonschema_rs.Validator:
+    """*schema* (an output schema: a JSON Schema object) compiled, or `ValueError` saying in one
+    line why it is not one."""
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"an output schema is a JSON Schema object (a mapping), not {schema!r}")
+    try:
+        return jsonschema_rs.Draft202012Validator(dict(schema), offline=True)
+    except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError, TypeError) as exc:
+        raise ValueError(f"not valid JSON Schema: {str(exc).splitlines()[0]}") from None
+
+
+def _structured_change(change: Mapping[str, Any], label: str) -> None:
+    """Each key of an ``on_structured_output_config`` answer holds what its call can send."""
+    hook = "on_structured_output_config"
+    if "instructions" in change and not isinstance(change["instructions"], str):
+        raise MiddlewareDecisionError(hook, label, f"set instructions to {change['instructions']!r}, not a str")
+    if "messages" in change and not isinstance(change["messages"], (list, tuple)):
+        raise MiddlewareDecisionError(hook, label, f"set messages to {change['messages']!r}, not a list")
+    for key in ("options", "metadata"):
+        if key in change and not isinstance(change[key], Mapping):
+            raise MiddlewareDecisionError(hook, label, f"set {key} to {change[key]!r}, not a mapping")
+    if "output_schema" in change:
+        try:
+            output_schema_validator(change["output_schema"])
+        except ValueError as exc:
+            raise MiddlewareDecisionError(hook, label, f"set output_schema to {exc}") from None
+
+
 async def apply_structured_output_config(
     middleware: Sequence[ChatMiddleware], ctx: RunContext, config: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -687,7 +717,8 @@ async def apply_structured_output_config(
     ``on_structured_output_config``: ``None`` passes, a partial mapping is shallow-merged.
 
     Raises:
-        MiddlewareDecisionError: a hook returned something else, or a key *config* does not have.
+        MiddlewareDecisionError: a hook returned something else, a key *config* does not have,
+            or a value its key cannot hold (``output_schema`` must be valid JSON Schema).
     """
     current = dict(config)
     for item in _checked(middleware, "apply_structured_output_config"):
@@ -707,5 +738,6 @@ async def apply_structured_output_config(
             raise MiddlewareDecisionError(
                 "on_structured_output_config", label, f"returned unknown keys {unknown}; valid: {sorted(current)}"
             )
+        _structured_change(change, label)
         current = {**current, **change}
     return current

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import attrs
@@ -117,7 +117,7 @@ async def run_agent_loop(
     hooks: Lifecycle = NO_HOOKS,
     *,
     ctx: RunContext | None = None,
-    finish_event: bool = True,
+    finalize: Callable[[Finished], Awaitable[Finished]] | None = None,
     resume: Resume | None = None,
 ) -> Finished:
     """Run one agent run to its end and return how it ended.
@@ -127,9 +127,12 @@ async def run_agent_loop(
     Failures raise (``LeaseLostError`` and ``JournalError`` included) after
     ``on_error``; a cancellation from outside propagates unchanged. Exactly one of
     ``on_finish`` / ``on_abort`` / ``on_error`` runs, after ``RunFinished`` /
-    ``RunError`` went out (a host that still has work, e.g. a structured-output
-    call, passes ``finish_event=False`` and sends ``RunFinished`` itself through
-    ``ctx.emit``). Every event, these included, passes the hooks' ``wrap_events``.
+    ``RunError`` went out. A host with a last step of the run (``chat()``'s
+    structured-output call) passes ``finalize``: awaited with the outcome of a run
+    that ended neither paused nor aborted, before ``RunFinished`` and the terminal
+    hook, it returns the outcome the run ends with; its failure fails the run
+    (``RunError``, ``on_error``), an abort during it ends the run aborted. Every
+    event, these included, passes the hooks' ``wrap_events``.
     """
     events = ports.events
     if ctx is None:
@@ -164,7 +167,9 @@ async def run_agent_loop(
             )
             await _run_deferred(ctx, spec.cleanup_grace)
             return outcome
-        if finish_event and not run.quiet:
+        if finalize is not None and not outcome.aborted:
+            outcome = await run.finalize(finalize, outcome)
+        if not run.quiet:
             await run.events(RunFinished(spec.run_id, spec.agent_id, outcome.stop_reason.value, outcome.text))
     except BaseException as exc:
         try:
@@ -279,6 +284,17 @@ class _Run:
             if self.open_turn is not None:  # the turn ends with the pause; its calls wait unscheduled
                 await ports.recorder.turn_completed(self.open_turn)
             return self._finished(StopReason.INTERRUPTED, pause=paused.state)
+
+    async def finalize(self, step: Callable[[Finished], Awaitable[Finished]], outcome: Finished) -> Finished:
+        """The host's last step of a run that ended (`run_agent_loop`); an abort ends the run aborted."""
+        abort = self.ports.abort
+        if not abort.aborted:
+            try:
+                return await step(outcome)
+            except ModelAbortedError:
+                if not abort.aborted:
+                    raise
+        return self._finished(StopReason.ABORTED, abort.reason)
 
     async def _close_step(self) -> None:
         """End the open step (an abort, a pause or a failure cut it short): every step ends."""

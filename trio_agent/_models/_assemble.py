@@ -74,10 +74,12 @@ __all__ = [
     "CUT_OFF_NAME",
     "MAX_ARGUMENT_DEPTH",
     "DeltaMender",
+    "JSONTextError",
     "ModelReply",
     "ReplyAssembler",
     "ToolArgumentsError",
     "assign_call_ids",
+    "parse_json_value",
     "parse_tool_arguments",
     "well_formed",
 ]
@@ -387,25 +389,40 @@ def _depth(text: str) -> int:
     return deepest
 
 
+class JSONTextError(ValueError):
+    """Text that `parse_json_value` does not read; ``problem`` completes "<the text> is/are ..."."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+
+def parse_json_value(text: str) -> Any:
+    """A model's (untrusted) *text* as a JSON value, or `JSONTextError`: nested deeper than
+    `MAX_ARGUMENT_DEPTH`, ``NaN`` or an infinite number, an integer too long to convert, or
+    anything else that is not JSON. The interpreter's recursion limit is never reached."""
+    # Checked before parsing: the parser recurses per level, so a deep document must never reach it
+    # (a text shorter than the limit cannot open more brackets than that).
+    if len(text) > MAX_ARGUMENT_DEPTH and _depth(text) > MAX_ARGUMENT_DEPTH:
+        raise JSONTextError(f"nested more than {MAX_ARGUMENT_DEPTH} levels deep (arrays and objects)")
+    try:
+        return _DECODER.decode(text)
+    except _Refused as exc:
+        raise JSONTextError(f"not valid: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise JSONTextError(f"not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # belt and braces: the checks above should catch these
+        raise JSONTextError(f"unreadable: {exc}") from None
+
+
 def parse_tool_arguments(text: str) -> dict[str, Any]:
     """The arguments of a call as a JSON object (``{}`` for empty text), or `ToolArgumentsError` ("invalid_json")."""
     if not text.strip():
         return {}
-    # Checked before parsing: the parser recurses per level, so a deep document must never reach it
-    # (a text shorter than the limit cannot open more brackets than that).
-    if len(text) > MAX_ARGUMENT_DEPTH and _depth(text) > MAX_ARGUMENT_DEPTH:
-        raise ToolArgumentsError(
-            "invalid_json",
-            f"the arguments nest arrays and objects more than {MAX_ARGUMENT_DEPTH} levels deep",
-        )
     try:
-        value = _DECODER.decode(text)
-    except _Refused as exc:
-        raise ToolArgumentsError("invalid_json", f"the arguments are not valid: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ToolArgumentsError("invalid_json", f"the arguments are not valid JSON: {exc}") from None
-    except (ValueError, RecursionError) as exc:  # belt and braces: the checks above should catch these
-        raise ToolArgumentsError("invalid_json", f"the arguments cannot be read: {exc}") from None
+        value = parse_json_value(text)
+    except JSONTextError as exc:
+        raise ToolArgumentsError("invalid_json", f"the arguments are {exc.problem}") from None
     if not isinstance(value, dict):
         kind = "null" if value is None else _KINDS.get(type(value), type(value).__name__)
         raise ToolArgumentsError("invalid_json", f"the arguments must be a JSON object ({{...}}), not {kind}")
