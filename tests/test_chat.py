@@ -26,7 +26,15 @@ from trio_agent._loop._events import (
     ToolCallStart,
 )
 from trio_agent._loop._rules import StopReason, until_finish_reason
-from trio_agent.journal import MemoryStore, RequestCompleted, RequestStarted, open_journal
+from trio_agent.journal import (
+    MemoryStore,
+    RequestCompleted,
+    RequestFailed,
+    RequestInterrupted,
+    RequestInterruptReason,
+    RequestStarted,
+    open_journal,
+)
 from trio_agent.lifecycle import MiddlewareDecisionError
 from trio_agent.models import ToolResultMessage, Usage, UserMessage
 from trio_agent.testing import Reply, TestModel
@@ -280,6 +288,96 @@ async def test_a_durable_chat_run_is_recorded_as_a_request() -> None:
     assert result.text == "the sum is 3"
     assert any(isinstance(e, RequestStarted) for e in events)
     assert isinstance(events[-1], RequestCompleted)
+
+
+async def journal_events(store: MemoryStore, journal: Any) -> list[Any]:
+    return [e.event for e in await store.read(journal.stream_id())]
+
+
+@pytest.mark.parametrize("form", ["await", "block"])
+async def test_a_durable_chat_run_cancelled_from_outside_is_recorded_interrupted(
+    form: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    store = MemoryStore()
+    async with open_journal(store, session_id="c1") as journal:
+        with trio.move_on_after(5) as scope:
+            slow = TestModel(default=Reply(text="late", latency=60))
+            if form == "await":
+                await chat(slow, "hi", journal=journal)
+            else:
+                async with chat(slow, "hi", journal=journal) as run:
+                    await run.result()
+        assert scope.cancelled_caught
+        events = await journal_events(store, journal)
+        assert isinstance(events[-1], RequestInterrupted)
+        assert events[-1].reason is RequestInterruptReason.USER_ABORT
+        # The journal takes the next run.
+        result = await chat(TestModel(default=Reply(text="ok")), "again", journal=journal)
+        assert result.text == "ok" and isinstance((await journal_events(store, journal))[-1], RequestCompleted)
+
+
+async def test_a_durable_chat_run_left_while_a_tool_outlasts_cleanup_grace_is_recorded_interrupted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    @define_tool(name="slow", description="slow", input_schema=OBJECT, side_effect=SideEffect.PURE,
+                 kind=ToolKind.READONLY)  # fmt: skip
+    async def slow(input: dict[str, Any], ctx: Any) -> str:
+        await trio.sleep(60)
+        return "done"
+
+    store = MemoryStore()
+    model = TestModel(default=[Reply(tool_calls=[("slow", {})]), Reply(text="ok")])
+    async with open_journal(store, session_id="c1") as journal:
+        async with chat(model, "go", tools=[slow], journal=journal, cleanup_grace=1) as run:
+            async for event in run:
+                if isinstance(event, ToolCallEnd):
+                    break
+        events = await journal_events(store, journal)
+        assert isinstance(events[-1], RequestInterrupted)
+        result = await chat(TestModel(default=Reply(text="ok")), "again", journal=journal)
+        assert result.text == "ok"
+
+
+async def test_a_durable_chat_run_aborted_during_a_tool_is_recorded_interrupted() -> None:
+    release = trio.Event()
+
+    @define_tool(name="held", description="held", input_schema=OBJECT, side_effect=SideEffect.PURE,
+                 kind=ToolKind.READONLY)  # fmt: skip
+    async def held(input: dict[str, Any], ctx: Any) -> str:
+        await release.wait()
+        return "done"
+
+    store = MemoryStore()
+    model = TestModel(default=[Reply(tool_calls=[("held", {})]), Reply(text="never")])
+    async with open_journal(store, session_id="c1") as journal:
+        async with chat(model, "go", tools=[held], journal=journal) as run:
+            async for event in run:
+                if isinstance(event, ToolCallEnd):
+                    run.abort("stop")  # the tool finishes (it blocks aborts); the run ends aborted
+                    release.set()
+            result = await run.result()
+        assert result.stop_reason is StopReason.ABORTED
+        assert isinstance((await journal_events(store, journal))[-1], RequestInterrupted)
+        assert (await chat(TestModel(default=Reply(text="ok")), "again", journal=journal)).text == "ok"
+
+
+async def test_a_durable_chat_run_failing_mid_turn_is_recorded_failed_and_the_journal_goes_on() -> None:
+    def breaks_on_text(ctx: Any, event: Any) -> None:
+        if isinstance(event, TextMessageContent):
+            raise ValueError("a hook broke")
+
+    store = MemoryStore()
+    async with open_journal(store, session_id="c1") as journal:
+        with pytest.raises(ValueError):
+            await chat(
+                TestModel(default=Reply(text="a b c")),
+                "hi",
+                journal=journal,
+                middleware=[define_chat_middleware(on_chunk=breaks_on_text)],
+            )
+        assert isinstance((await journal_events(store, journal))[-1], RequestFailed)
+        result = await chat(TestModel(default=Reply(text="ok")), "again", journal=journal)
+        assert result.text == "ok"
 
 
 class Counting(ChatMiddleware):

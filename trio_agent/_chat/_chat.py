@@ -11,7 +11,8 @@ With ``output_schema`` the run ends with a separate structured-output call
 ``structured_output`` run first; the call is not retried); its answer must be
 JSON that the schema accepts, else `StructuredOutputError` lists the issues.
 With ``journal`` (an open `DurableJournal`, owned by the caller) the run is
-recorded as a request of the journal's root agent, as a session records one; a
+recorded as a request of the journal's root agent, as a session records one, and
+ended on every way out (a cancellation from outside: interrupted); a
 pause is recorded (``run_paused``) and the journal answers it once: a replayed
 continuation is refused (`InterruptResumeError`, code ``stale``).
 """
@@ -47,6 +48,7 @@ from .._journal._events import (
     RequestInterruptReason,
     RequestStarted,
     RunPaused,
+    TurnAbortReason,
 )
 from .._journal._run_recorder import JournalRecorder
 from .._lifecycle._approvals import PermissionGate
@@ -81,6 +83,7 @@ from .._models._messages import (
 from .._models._service import ModelMiddleware, ModelService, Provider
 from .._permissions._engine import PermissionEngine
 from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules, rules_from
+from .._session._endings import record_request_end
 from .._tools._definition import Tool
 from .._tools._journal import InMemoryToolJournal
 from .._tools._pipeline import ToolMiddleware, ToolPipeline
@@ -545,7 +548,7 @@ class _Prepared:
                 if self.signing_key is not None:
                     paused = paused.signed(self.signing_key)
             if journal is not None:
-                await _record_end(journal, run_id, outcome)
+                await _record_end(journal, agent_id, run_id, outcome)
             self.result = _chat_result(
                 outcome.text,
                 tuple(conversation.history),
@@ -558,9 +561,18 @@ class _Prepared:
             )
         except Exception as exc:
             self.error = exc
-            if journal is not None and not journal.fenced and not journal.lost:
+            if journal is not None:
+                failed = RequestFailed(request_id=run_id, error=ErrorInfo(message=str(exc)[:2000]))
                 with bounded_shield(journal.commit_grace, "recording a failed chat run"), suppress(TrioAgentError):
-                    await journal.append(RequestFailed(request_id=run_id, error=ErrorInfo(message=str(exc)[:2000])))
+                    await record_request_end(journal, agent_id, run_id, failed, turn_reason=TurnAbortReason.ERROR)
+        except BaseException:
+            # Cancelled from outside (a scope around the call, the block's nursery): the request
+            # ends interrupted, as a session's does, else the journal refuses every later run.
+            if journal is not None:
+                interrupted = RequestInterrupted(request_id=run_id, reason=RequestInterruptReason.USER_ABORT)
+                with bounded_shield(journal.commit_grace, "recording a cancelled chat run"), suppress(TrioAgentError):
+                    await record_request_end(journal, agent_id, run_id, interrupted)
+            raise
 
     async def _structured_output(self, ctx: RunContext, outcome: Finished) -> Finished:
         """The run's last step with ``output_schema`` (module docstring): one structured-output call
@@ -663,12 +675,14 @@ async def _in_task(options: Mapping[str, Any]) -> AsyncIterator[ChatRun]:
         prepared.unlink()
 
 
-async def _record_end(journal: DurableJournal, run_id: str, outcome: Finished) -> None:
+async def _record_end(journal: DurableJournal, agent_id: str, run_id: str, outcome: Finished) -> None:
     if outcome.pause is not None:
         # Durable: the journal refuses a second continuation of this pause (interrupts_resolved).
         await journal.append(RunPaused(request_id=run_id, state=pause_to_json(outcome.pause, with_messages=False)))
     elif outcome.aborted:
-        await journal.append(RequestInterrupted(request_id=run_id, reason=RequestInterruptReason.USER_ABORT))
+        # An abort may end the run inside a turn (its calls settled): the turn ends with the request.
+        interrupted = RequestInterrupted(request_id=run_id, reason=RequestInterruptReason.USER_ABORT)
+        await record_request_end(journal, agent_id, run_id, interrupted)
     else:
         await journal.append(RequestCompleted(request_id=run_id, output={"text": outcome.text}))
 
