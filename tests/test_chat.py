@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_agent import ModelError, SideEffect, ToolKind, define_tool
+from trio_agent import ConfigError, ModelError, SideEffect, ToolKind, define_tool
 from trio_agent._chat._chat import StructuredOutputError, chat
 from trio_agent._lifecycle._middleware import ChatMiddleware, define_chat_middleware
 from trio_agent._loop._events import (
@@ -502,3 +502,29 @@ async def test_a_chat_call_is_entered_or_awaited_once() -> None:
         async with awaited:
             pass
     assert len(model.requests) == 2  # one model call per run, never a second run of a call
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"strategy": 5},
+        {"tools": [object()]},
+        {"tools": add},  # one tool, not a list
+        {"output_schema": True},
+        {"output_schema": "x"},
+        {"metadata": [1]},
+        {"instructions": 5},
+    ],
+    ids=lambda bad: "-".join(f"{key}={type(value).__name__}" for key, value in bad.items()),
+)
+@pytest.mark.parametrize("form", ["await", "block"])
+async def test_bad_arguments_raise_config_error_before_anything_runs(bad: dict[str, Any], form: str) -> None:
+    spy = StructuredLog()
+    model = TestModel(default=Reply(text="hi"))
+    with pytest.raises(ConfigError):
+        if form == "await":
+            await chat(model, "hi", middleware=[spy], **bad)
+        else:
+            async with chat(model, "hi", middleware=[spy], **bad):
+                raise AssertionError("the block is never entered")
+    assert spy.log == [] and model.requests == []

@@ -302,6 +302,18 @@ def _permission_engine(
     return PermissionEngine(permissions, mode=permission_mode or default, path_policy=policy)
 
 
+def _check_shapes(options: Mapping[str, Any]) -> None:
+    """`ConfigError` for an argument of the wrong kind, before anything runs (a run would fail
+    with a raw TypeError midway, after its first hooks)."""
+    strategy, metadata, instructions = options["strategy"], options["metadata"], options["instructions"]
+    if strategy is not None and not callable(strategy):
+        raise ConfigError(f"strategy must be a LoopStrategy (a callable of LoopState), not {strategy!r}")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise ConfigError(f"metadata must be a mapping, not {metadata!r}")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ConfigError(f"instructions must be a string, not {instructions!r}")
+
+
 def _initial_messages(messages: str | Sequence[Message]) -> list[Message]:
     if isinstance(messages, str):
         if not messages.strip():
@@ -428,6 +440,7 @@ class _Prepared:
                 raise ConfigError("answers= go with resume= (the paused run they answer)")
             history = _initial_messages(messages)
         middleware = options["middleware"]
+        _check_shapes(options)
         tools, client_tools = split_client_tools(options["tools"])
         registered = registered_interrupts(options["interrupts"], middleware)
         roots = options["workspace_roots"]

@@ -173,9 +173,14 @@ def pause_from_json(data: object) -> PauseState:
 
 
 def split_client_tools(tools: Sequence[Tool[Any] | ClientTool]) -> tuple[list[Tool[Any]], dict[str, ClientTool]]:
+    """The run's tools and client tools (by name); `ConfigError` for anything else in *tools*."""
+    if not isinstance(tools, (list, tuple)):
+        raise ConfigError(f"tools must be a list of Tool (define_tool) and ClientTool values, not {tools!r}")
     server: list[Tool[Any]] = []
     client: dict[str, ClientTool] = {}
-    for tool in tools:
+    for index, tool in enumerate(tools):
+        if not isinstance(tool, (Tool, ClientTool)):
+            raise ConfigError(f"tools[{index}] is not a Tool (define_tool) or a ClientTool: {tool!r}")
         if isinstance(tool, ClientTool):
             if tool.name in client:
                 raise ConfigError(f"two client tools are named {tool.name!r}")
