@@ -615,3 +615,20 @@ async def test_an_edit_that_leaves_the_workspace_is_refused_by_the_path_policy(t
     assert ran == []
     _, result = await run_chat(model, resume=paused.paused, answers=[Approve(paused.interrupts[0].id)], **kwargs)
     assert ran == [{"path": "notes.txt", "text": "hi"}] and result.text == "done: saved"
+
+
+async def test_a_single_workspace_root_is_one_root_and_no_root_is_a_config_error(tmp_path: Any) -> None:
+    ran: list[dict[str, Any]] = []
+
+    @define_tool(name="save", description="saves", input_schema=WRITE_SCHEMA, side_effect=SideEffect.IDEMPOTENT,
+                 kind=ToolKind.WRITE, affected_paths=lambda input: [input["path"]])  # fmt: skip
+    async def save(input: dict[str, Any], ctx: Any) -> str:
+        ran.append(input)
+        return "saved"
+
+    # One root given as a string (not split into characters, which made "/" a root).
+    model = calls_then_echo(("save", {"path": "/etc/passwd", "text": "x"}))
+    _, result = await run_chat(model, "save", tools=[save], permission_mode="bypass", workspace_roots=str(tmp_path))
+    assert ran == [] and "outside the workspace" in result.text
+    with pytest.raises(ConfigError, match="at least one workspace root"):
+        await run_chat(calls_then_echo(), "hi", tools=[save], workspace_roots=[])

@@ -284,7 +284,7 @@ def _permission_engine(
     permissions: PermissionRules | Mapping[str, Sequence[str]] | PermissionEngine | None,
     permission_mode: PermissionMode | str | None,
     tools: Sequence[Tool[Any]],
-    workspace_roots: Sequence[str | os.PathLike[str]] | None,
+    workspace_roots: Sequence[str | os.PathLike[str]] | str | os.PathLike[str] | None,
 ) -> PermissionEngine | None:
     """The table approvals are judged by; ``None`` when nothing could ever ask or deny."""
     if isinstance(permissions, PermissionEngine):
@@ -298,7 +298,9 @@ def _permission_engine(
     # With rules, the session's default mode (reads run, writes and commands ask); with no rules
     # and no mode, only a tool that asks for itself pauses the run ("bypass" skips nothing else).
     default = PermissionMode.DEFAULT if permissions is not None else PermissionMode.BYPASS
-    policy = PathPolicy([os.fspath(root) for root in workspace_roots]) if workspace_roots else None
+    # As given: PathPolicy reads one path or several, and refuses no root at all (ConfigError) rather
+    # than this run silently going without a path policy.
+    policy = PathPolicy(workspace_roots) if workspace_roots is not None else None
     return PermissionEngine(permissions, mode=permission_mode or default, path_policy=policy)
 
 
@@ -343,7 +345,7 @@ def chat(
     interrupts: Sequence[InterruptDefinition] = (),
     permissions: PermissionRules | Mapping[str, Sequence[str]] | PermissionEngine | None = None,
     permission_mode: PermissionMode | str | None = None,
-    workspace_roots: Sequence[str | os.PathLike[str]] | None = None,
+    workspace_roots: Sequence[str | os.PathLike[str]] | str | os.PathLike[str] | None = None,
     resume: PausedRun | None = None,
     answers: Sequence[InterruptAnswer] = (),
     signing_key: bytes | None = None,
