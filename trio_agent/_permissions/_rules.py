@@ -113,6 +113,8 @@ def chains(command: str) -> bool:
     prefix rule can tell without a shell parser: it holds a separator, pipe, substitution,
     redirection or line break. Quoting is not read, so a quoted ``;`` counts too (fail closed)."""
     return _CHAINING.search(command) is not None
+
+
 _TOOL_PREFIX = re.compile(r"[A-Za-z0-9_-]{0,63}\*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
