@@ -359,6 +359,55 @@ async def test_one_group_commit_isolates_refused_and_failing_items(postgres_dsn:
         assert store._lane.batches < 20  # grouped, not one transaction per append
 
 
+def refuse_with(dsn: str, schema: str, table: str, column: str, value: str, sqlstate: str) -> None:
+    """Make the database refuse a row of *table* whose *column* is *value* with *sqlstate* (a
+    trigger standing in for a limit one item hits: an index row too large, memory, ...)."""
+    run_sql(
+        dsn,
+        f'CREATE FUNCTION "{schema}".refuse_{table}() RETURNS trigger LANGUAGE plpgsql AS $$'
+        f" BEGIN IF NEW.{column} = '{value}' THEN"
+        f" RAISE EXCEPTION 'refused by the test' USING ERRCODE = '{sqlstate}'; END IF; RETURN NEW; END $$",
+    )
+    run_sql(
+        dsn,
+        f'CREATE TRIGGER refuse BEFORE INSERT ON "{schema}".{table}'
+        f' FOR EACH ROW EXECUTE FUNCTION "{schema}".refuse_{table}()',
+    )
+
+
+@pytest.mark.parametrize(("sqlstate", "error"), [("54000", "ProgramLimitExceeded"), ("53200", "OutOfMemory")])
+async def test_an_item_the_database_refuses_with_an_operational_error_fails_alone(
+    postgres_dsn: str, fresh_pg_schema: str, sqlstate: str, error: str
+) -> None:
+    """psycopg raises several per-item refusals as `OperationalError` (classes 53 and 54): they
+    are redone item by item like any other, so the neighbours of the group commit never suffer."""
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        good = await store.acquire_lease("good", "A", LONG_TTL)
+        other = await store.acquire_lease("other", "B", LONG_TTL)
+        good_stream, bad_stream = stream_id_for("good", "root"), stream_id_for("other", "root")
+        await store.append(batch(good, good_stream, envs(good_stream, 1, 1)))
+        refuse_with(postgres_dsn, fresh_pg_schema, "events", "stream_id", bad_stream, sqlstate)
+        refuse_with(postgres_dsn, fresh_pg_schema, "leases", "session_id", "refused", sqlstate)
+        taken: dict[str, object] = {}
+        with store.grouped():  # one transaction, as under concurrency
+            neighbour = store.submit(batch(good, good_stream, envs(good_stream, 2, 1)))
+            culprit = store.submit(batch(other, bad_stream, envs(bad_stream, 1, 1)))
+            renewal = store.submit_renew(good, LONG_TTL)
+            for session in ("refused", "fresh"):  # a new session's lease row is refused, another's is not
+                store.submit_acquire(session, "C", LONG_TTL, lambda outcome, s=session: taken.__setitem__(s, outcome))
+        with trio.fail_after(PROMPT):
+            assert await neighbour.wait() == AppendResult(good_stream, 2, 2)
+            assert (await renewal.wait()).token == good.token
+            with pytest.raises(JournalUnavailableError, match=f"refused the write: {error}"):
+                await culprit.wait()
+        assert isinstance(taken["fresh"], Lease) and taken["fresh"].token == 1
+        assert isinstance(taken["refused"], JournalUnavailableError)
+        assert f"refused the write: {error}" in str(taken["refused"])
+        assert await store.read(good_stream) == envs(good_stream, 1, 2)
+        assert await store.head(bad_stream) == 0
+        assert await store.current_lease("refused") is None
+
+
 async def test_a_lost_writer_connection_fails_the_batch_then_reconnects(
     postgres_dsn: str, fresh_pg_schema: str
 ) -> None:

@@ -781,6 +781,51 @@ async def test_ids_no_store_can_keep_are_refused_at_the_door(store: Any, odd: st
     assert await store.current_lease("door") == lease  # nothing reached the store
 
 
+def _id_of(size: int, rng: random.Random) -> str:
+    """*size* UTF-8 bytes of random four-byte characters (nothing a database could compress)."""
+    assert size % 4 == 0
+    return "".join(chr(rng.randrange(0x10000, 0x10FFFF)) for _ in range(size // 4))
+
+
+async def test_ids_longer_than_every_store_keeps_are_refused_at_the_door_and_the_longest_are_kept(
+    store: Any,
+) -> None:
+    """`check_id` caps ids in UTF-8 bytes, for every store alike: PostgreSQL cannot index a longer
+    one, and there such an id failed its whole group commit (every neighbour's journal fenced)."""
+    from trio_agent._journal._store import MAX_ID_BYTES
+
+    rng = random.Random(7)
+    too_long = _id_of(MAX_ID_BYTES + 4, rng)  # 301 characters: counted in bytes, not characters
+    lease = await lease_on(store, "door")
+    stream = stream_id_for("door", "root")
+    for session, stream_id, command in ((too_long, stream, None), ("door", too_long, None), ("door", stream, too_long)):
+        with pytest.raises(ConfigError, match=f"at most {MAX_ID_BYTES} bytes"):
+            AppendBatch(
+                session, stream_id, lease.token, envs(stream_id, 1, 1), command, None if command is None else "d"
+            )
+    with pytest.raises(ConfigError, match="session id"):
+        await store.acquire_lease(too_long, "A", LONG_TTL)
+    with pytest.raises(ConfigError, match="owner"):
+        await store.acquire_lease("door", too_long, LONG_TTL)
+    assert await store.current_lease("door") == lease  # nothing reached the store
+
+    # The longest ids it accepts are kept, two of them in one index entry too (stream and command).
+    session = _id_of(MAX_ID_BYTES - 8, rng)
+    longest = await lease_on(store, session, owner=_id_of(MAX_ID_BYTES, rng))
+    long_stream = session + "/" + "a" * 7
+    command = _id_of(MAX_ID_BYTES, rng)
+    events = envs(long_stream, 1, 2)
+    appended = await store.append(
+        AppendBatch(session, long_stream, longest.token, events, command, command_digest(events), longest.owner)
+    )
+    assert appended == AppendResult(long_stream, 1, 2)
+    assert await store.read(long_stream) == events
+    assert await store.command(long_stream, command) == CommandRecord(
+        long_stream, command, command_digest(events), 1, 2
+    )
+    assert (await store.renew_lease(longest, LONG_TTL)).token == longest.token
+
+
 @pytest.mark.parametrize("odd", list(ODD_CHARACTERS))
 async def test_an_append_the_store_cannot_keep_fails_alone(
     store: Any, store_kind: Backend, monkeypatch: pytest.MonkeyPatch, odd: str

@@ -236,6 +236,7 @@ class _State:
     streams: dict[str, tuple[str, int]]  # stream -> (session, head), existing streams only
     commands: dict[tuple[str, str], CommandRecord]
     now: float
+    unplaced: dict[str, BaseException] = attrs.Factory(dict)  # session -> why its lease row could not be made
 
 
 @attrs.frozen
@@ -339,6 +340,26 @@ def _unstorable(work: Any) -> JournalError | None:
     if _storable(work.session_id, work.owner):
         return None
     return JournalError(f"lease on {work.session_id!r} refused: PostgreSQL text cannot hold its session id or owner")
+
+
+# Errors about the connection or the server as a whole, never about one item: a timeout or
+# cancel (class 57, QueryCanceled among them, and the operator's shutdowns), a lost connection
+# (class 08), a transaction ended for idling, a system error (class 58).
+_BATCH_FAILURES = (
+    psycopg.errors.OperatorIntervention,
+    psycopg.errors.ConnectionException,
+    psycopg.errors.IdleInTransactionSessionTimeout,
+    psycopg.errors.SystemError,
+)
+
+
+def _fails_the_batch(exc: BaseException) -> bool:
+    """Whether *exc* fails a whole batch. Any other server error (a constraint, an index row
+    too large, a resource or program limit: psycopg raises several as `OperationalError`) may be
+    one item's, so the batch is redone with a savepoint per item and only its culprit fails."""
+    if isinstance(exc, _BATCH_FAILURES):
+        return True
+    return isinstance(exc, psycopg.OperationalError) and exc.sqlstate is None  # the client's own: the connection
 
 
 def _cancel_quietly(conn: _Conn) -> None:
@@ -614,8 +635,8 @@ class PostgresStore(LaneStore):
             except Exception:
                 conn.close()
                 raise exc from None
-            if isinstance(exc, psycopg.OperationalError) and not isinstance(exc, psycopg.errors.TransactionRollback):
-                raise  # a timeout, cancel or resource error: retrying would not help
+            if _fails_the_batch(exc):
+                raise  # about the connection or the server, not one item: retrying would not help
             raise _Retry(str(exc)) from exc
         finally:
             self._held(time.perf_counter() - began)
@@ -630,9 +651,17 @@ class PostgresStore(LaneStore):
         keyed = [batch for batch in appends if batch.command_id is not None]
         acquiring = sorted({work.session_id for work in works if isinstance(work, LeaseOp) and work.kind == "acquire"})
         q = self._q
-        if acquiring:
+        unplaced: dict[str, BaseException] = {}
+        if acquiring and not isolate:
             # Its own (autocommitted) statement, so a new session has a row to lock below.
             conn.execute(q["_Q_PLACEHOLDERS"], (acquiring,))
+        for session_id in acquiring if isolate else ():
+            try:  # one statement each: a session whose row the database refuses fails alone
+                conn.execute(q["_Q_PLACEHOLDERS"], ([session_id],))
+            except psycopg.Error as exc:
+                if conn.broken or conn.closed or _fails_the_batch(exc):
+                    raise
+                unplaced[session_id] = self._refused(exc)
         with conn.pipeline():
             conn.execute(b"BEGIN")
             lease_cursor = conn.execute(q["_Q_LOCK_LEASES"], (sessions,))
@@ -665,6 +694,7 @@ class PostgresStore(LaneStore):
                 for row in commands_cursor.fetchall()
             },
             now=now,
+            unplaced=unplaced,
         )
         outcomes: list[object] = []
         if not isolate:
@@ -723,6 +753,9 @@ class PostgresStore(LaneStore):
                 return ForeignStreamError(
                     f"stream {work.stream_id!r} belongs to session {row[0]!r}, not {work.session_id!r}"
                 )
+        return self._refused(exc)
+
+    def _refused(self, exc: psycopg.Error) -> JournalUnavailableError:
         error = JournalUnavailableError(
             f"journal {self.where} {self.schema}: the database refused the write: {type(exc).__name__}: {exc}"
         )
@@ -847,8 +880,9 @@ class PostgresStore(LaneStore):
             if row is not None and releases(row, op.token):
                 return None, _Change(lease=(op.session_id, row[0], row[1], -math.inf))
             return None, None
-        if op.kind == "acquire" and row is None:  # the placeholder statement makes this impossible
-            raise _Rejected(JournalUnavailableError(f"no lease row for session {op.session_id!r}"))
+        if op.kind == "acquire" and row is None:  # only when the placeholder statement was refused
+            refused = state.unplaced.get(op.session_id)
+            raise _Rejected(refused or JournalUnavailableError(f"no lease row for session {op.session_id!r}"))
         try:
             lease = decide_lease(op.kind, op.session_id, op.owner, op.token, op.ttl, row, state.now)
         except (JournalError, LeaseLostError) as refusal:

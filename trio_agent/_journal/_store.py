@@ -123,21 +123,31 @@ class AppendWaits:
             waiting.event.set()
 
 
+MAX_ID_BYTES = 1200
+"""The longest id a store keeps, in UTF-8 bytes. PostgreSQL indexes two ids in one entry (a
+stream and a command id, a session and a stream id), and an index entry must stay under 2,704
+bytes; every session id `validate_id` accepts (200 characters, 800 bytes) still gets a
+subagent's stream (64 more characters and a number)."""
+
+
 def check_id(value: object, what: str) -> str:
     """An id a store keeps (session, stream, owner, command): text every store can hold.
 
     Checked at the door, before the id joins a group commit: a lone surrogate (not
-    encodable as UTF-8) or a NUL (PostgreSQL text cannot hold it) is a `ConfigError`
-    of its own, never a failed batch that takes its neighbours down with it.
+    encodable as UTF-8), a NUL (PostgreSQL text cannot hold it) or more than
+    `MAX_ID_BYTES` bytes (PostgreSQL cannot index it) is a `ConfigError` of its own, never
+    a failed batch that takes its neighbours down with it. Every store checks the same.
     """
     if not isinstance(value, str):
         raise ConfigError(f"{what} must be a string, not {type(value).__name__}")
     try:
-        value.encode("utf-8")
+        size = len(value.encode("utf-8"))
     except UnicodeEncodeError:
         raise ConfigError(f"{what} must be valid Unicode text (it has a lone surrogate): {value!r}") from None
     if "\x00" in value:
         raise ConfigError(f"{what} must not contain NUL: {value!r}")
+    if size > MAX_ID_BYTES:
+        raise ConfigError(f"{what} must be at most {MAX_ID_BYTES} bytes of UTF-8, not {size}: {value[:40]!r}...")
     return value
 
 
