@@ -285,6 +285,68 @@ async def test_workers_racing_for_a_lease_exactly_one_wins_and_takeover_fences(
         assert third.token > second.token
 
 
+async def test_a_lease_row_locked_elsewhere_holds_only_its_own_session(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    """Another process frozen inside a transaction holds one session's lease row (here: a
+    takeover attempt waits on it). The writer does not wait on that row: the other sessions'
+    appends and renewals in the same group commit land at once; the locked session's work waits
+    alone, lands once the row is free, and fails alone past statement_timeout."""
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, statement_timeout=30) as store:
+        await store.release_lease(await store.acquire_lease("stuck", "A", LONG_TTL))  # its row exists, free
+        mine = await store.acquire_lease("mine", "B", LONG_TTL)
+        stream = stream_id_for("mine", "root")
+        await store.append(batch(mine, stream, envs(stream, 1, 1)))
+        taken: list[object] = []
+        answered = trio.Event()
+
+        def took(outcome: object) -> None:
+            taken.append(outcome)
+            answered.set()
+
+        with psycopg.connect(postgres_dsn) as frozen:
+            frozen.execute(
+                f'SELECT 1 FROM "{fresh_pg_schema}".leases WHERE session_id = %s FOR UPDATE'.encode(), ("stuck",)
+            )
+            with store.grouped():
+                store.submit_acquire("stuck", "B", LONG_TTL, took)
+                ticket = store.submit(batch(mine, stream, envs(stream, 2, 1)))
+                renewal = store.submit_renew(mine, LONG_TTL)
+            with trio.fail_after(PROMPT):  # not statement_timeout later
+                assert await ticket.wait() == AppendResult(stream, 2, 2)
+                assert (await renewal.wait()).token == mine.token
+                # Later work of other sessions does not queue behind it either.
+                assert await store.append(batch(mine, stream, envs(stream, 3, 1))) == AppendResult(stream, 3, 3)
+            assert taken == []  # still waiting for its row
+            frozen.rollback()
+            with trio.fail_after(PROMPT):
+                await answered.wait()  # the lane offered it again, and now it locked the row
+        [lease] = taken
+        assert isinstance(lease, Lease) and (lease.session_id, lease.owner) == ("stuck", "B")
+        assert await store.current_lease("stuck") == lease
+
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, statement_timeout=0.5) as store:
+        with psycopg.connect(postgres_dsn) as frozen:
+            frozen.execute(
+                f'SELECT 1 FROM "{fresh_pg_schema}".leases WHERE session_id = %s FOR UPDATE'.encode(), ("stuck",)
+            )
+            started = time.monotonic()
+            with trio.fail_after(PROMPT), pytest.raises(JournalUnavailableError, match="locked by another transaction"):
+                await store.acquire_lease("stuck", "C", LONG_TTL)
+            assert time.monotonic() - started >= 0.5
+            frozen.rollback()
+        assert await store.current_lease("stuck") == lease  # nothing was written
+
+
+async def test_a_transaction_left_idle_is_ended_by_the_server(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    """A process frozen half-way through a write must not hold its row locks until it wakes: the
+    store's connections end a transaction idle for statement_timeout (a DSN's own setting wins)."""
+    show = lambda conn: conn.execute(b"SHOW idle_in_transaction_session_timeout").fetchone()[0]  # noqa: E731
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, statement_timeout=7) as store:
+        assert await store._query(show) == "7s"
+    own = f"{postgres_dsn} options='-c idle_in_transaction_session_timeout=1234'"
+    async with open_postgres_store(own, schema=fresh_pg_schema, statement_timeout=7) as store:
+        assert await store._query(show) == "1234ms"
+
+
 async def test_the_server_clock_decides_lease_expiry(postgres_dsn: str, fresh_pg_schema: str) -> None:
     stream = stream_id_for("sess", "root")
     async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:

@@ -19,6 +19,14 @@ Work submitted inside `WriterLane.grouped` is queued as one unit: it commits in
 one transaction and its waiters wake together (a session's last events and its
 lease release cost one commit, not two).
 
+A backend that never waits for another process's lock (PostgreSQL: ``SKIP
+LOCKED``) answers `Deferred` for an item it could not lock; nothing was done for
+it. The lane keeps such items, in order and ahead of anything queued after them,
+and offers them again in its next batches (at once with new work, else after a
+short pause), for ``defer_limit`` seconds at most: then they fail
+(`JournalUnavailableError`, nothing written). So one session's locked row holds
+only that session's work, never the lane.
+
 Closing drains the queue for at most ``cleanup_grace`` seconds. If the thread is
 still busy then (a write stuck on a lock, a dead disk or network), `aclose`
 returns anyway and logs a WARNING: the transaction in progress still commits or
@@ -31,8 +39,10 @@ transaction, so a store is never left half-written.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -45,7 +55,7 @@ from ._codec import snapshot_row
 from ._lease import LeaseKeeper
 from ._store import AppendBatch, AppendResult, AppendTicket, Lease, SnapshotWrite, check_id, check_ttl
 
-__all__ = ["LaneItem", "LaneStore", "LeaseOp", "SnapshotWork", "WriterLane", "close_in_thread"]
+__all__ = ["Deferred", "LaneItem", "LaneStore", "LeaseOp", "SnapshotWork", "WriterLane", "close_in_thread"]
 
 T = TypeVar("T")
 
@@ -91,6 +101,15 @@ class LaneItem(Generic[T]):
 
 
 _STOP = object()
+_DEFER_PAUSE = (0.01, 0.25)  # the pause before offering deferred work again grows from 10 ms to 250 ms
+
+
+@attrs.frozen
+class Deferred:
+    """A commit's answer for an item it did nothing for, to be offered again (module docstring).
+    ``reason`` says what it waits for, in the error if it waits past the lane's ``defer_limit``."""
+
+    reason: str
 
 
 class WriterLane:
@@ -105,8 +124,11 @@ class WriterLane:
         on_stop: Callable[[], None] | None = None,
         max_batch: int = 1000,
         cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
+        defer_limit: float | None = None,
     ) -> None:
         self._name = name
+        self._defers = defer_limit is not None  # else the commit never answers `Deferred`: never looked for
+        self._defer_limit = math.inf if defer_limit is None else defer_limit
         self._commit = commit
         self._on_committed = on_committed
         self._on_stop = on_stop
@@ -120,6 +142,9 @@ class WriterLane:
         self._abandoned = threading.Event()  # aclose stopped waiting: begin nothing new
         self._closed = False
         self._group: list[tuple[Any, Callable[[object], None]]] | None = None
+        # Work the commit answered `Deferred`, in submission order, and since when (monotonic) by id.
+        self._deferred: list[tuple[Any, Callable[[object], None]]] = []
+        self._deferred_since: dict[int, float] = {}
         self.batches = 0
         self.items = 0
 
@@ -172,14 +197,30 @@ class WriterLane:
 
     def _run(self) -> None:
         try:
+            stop = False
             while True:
-                first = self._queue.get()
-                if first is _STOP:
-                    return
-                # A group (a list) stays whole, even past ``max_batch``.
-                batch: list[tuple[Any, Callable[[object], None]]] = first if type(first) is list else [first]
-                stop = False
-                while len(batch) < self._max_batch:
+                if self._deferred:
+                    batch = self._deferred  # first: it was queued before anything still queued
+                    self._deferred = []
+                    first: Any = None
+                    if stop:  # nothing more will come: only the pause (or the close giving up)
+                        self._abandoned.wait(self._defer_pause())
+                    else:
+                        with contextlib.suppress(queue.Empty):
+                            first = self._queue.get(timeout=self._defer_pause())
+                    if first is _STOP:
+                        stop = True
+                    elif first is not None:
+                        batch += first if type(first) is list else [first]
+                else:
+                    if stop:
+                        return
+                    first = self._queue.get()
+                    if first is _STOP:
+                        return
+                    # A group (a list) stays whole, even past ``max_batch``.
+                    batch = first if type(first) is list else [first]
+                while not stop and len(batch) < self._max_batch:
                     try:
                         more = self._queue.get_nowait()
                     except queue.Empty:
@@ -204,10 +245,10 @@ class WriterLane:
                     error.__cause__ = exc
                     outcomes = [error] * len(batch)
                 self.batches += 1
+                if self._defers and (self._deferred_since or any(type(o) is Deferred for o in outcomes)):
+                    batch, outcomes = self._keep_deferred(batch, outcomes)
                 self.items += len(batch)
                 self._wake(batch, outcomes)
-                if stop:
-                    return
         finally:
             try:
                 if self._on_stop is not None:
@@ -219,6 +260,36 @@ class WriterLane:
                 # After the last batch's wake-up (run_sync_soon keeps order), so aclose sees it done.
                 with contextlib.suppress(trio.RunFinishedError):
                     self._token.run_sync_soon(self._done.set)
+
+    def _defer_pause(self) -> float:
+        """How long to wait for new work before offering the deferred again: half what the oldest
+        has waited, within `_DEFER_PAUSE` (a lock held for long is asked about less often)."""
+        waited = time.monotonic() - min(self._deferred_since.values())
+        low, high = _DEFER_PAUSE
+        return min(max(waited / 2, low), high)
+
+    def _keep_deferred(
+        self, batch: list[tuple[Any, Callable[[object], None]]], outcomes: list[object]
+    ) -> tuple[list[tuple[Any, Callable[[object], None]]], list[object]]:
+        """Keep the items the commit deferred (until ``defer_limit``); return the ones to wake."""
+        now = time.monotonic()
+        since = self._deferred_since
+        resolved: list[tuple[Any, Callable[[object], None]]] = []
+        answers: list[object] = []
+        for item, outcome in zip(batch, outcomes, strict=True):
+            key = id(item[0])
+            if type(outcome) is Deferred:
+                first = since.setdefault(key, now)
+                if now - first < self._defer_limit:
+                    self._deferred.append(item)
+                    continue
+                outcome = JournalUnavailableError(
+                    f"{self._name}: {outcome.reason} for {now - first:.1f} s; nothing was written"
+                )
+            since.pop(key, None)
+            resolved.append(item)
+            answers.append(outcome)
+        return resolved, answers
 
     def _wake(self, batch: list[tuple[Any, Callable[[object], None]]], outcomes: list[object]) -> None:
         def wake() -> None:

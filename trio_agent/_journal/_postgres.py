@@ -4,8 +4,11 @@
 * One writer thread (`WriterLane`) owns the write connection and group commits:
   every append and lease operation queued while it was busy goes into ONE
   transaction. That transaction first locks the lease rows of every session it
-  touches (``SELECT ... ORDER BY session_id FOR UPDATE``: a fixed order, so two
-  stores never deadlock), reads the clock, the streams' heads and the command
+  touches (``SELECT ... FOR UPDATE SKIP LOCKED``: it never waits, so two stores
+  never deadlock and one row held elsewhere, by a process frozen half-way through
+  a write, never holds the writer: that session's items are answered `Deferred`
+  and wait alone, offered again in the next batches, for ``statement_timeout`` at
+  most), reads the clock, the streams' heads and the command
   ids it needs, checks every item in order under those locks, then writes all
   accepted items with a few multi-row statements and commits: two pipelined
   round trips per batch whatever its size (one more when it acquires a lease).
@@ -24,7 +27,9 @@
   cancelled by a cancel scope is aborted on the server (``cancel_safe``) and the
   `trio.Cancelled` is delivered once the thread is back, or after
   ``cleanup_grace`` at most (the thread then closes its connection when it is
-  back); ``statement_timeout`` bounds every statement server-side.
+  back); ``statement_timeout`` bounds every statement server-side, and a
+  transaction left idle as long is ended by the server
+  (``idle_in_transaction_session_timeout``, unless the DSN sets its own).
 * Connecting is cancellable: a connection made after its caller stopped waiting
   is closed by its thread. Closing the store is bounded by ``cleanup_grace``
   (see `WriterLane`: a write still running then commits or rolls back whole
@@ -85,7 +90,7 @@ from .._errors import (
 from .._groups import raise_alone
 from ._codec import EventRow, commit_encoded, decode_range, row_checksum, verify_snapshot
 from ._events import EventEnvelope
-from ._lane import LaneStore, LeaseOp, SnapshotWork, WriterLane, close_in_thread
+from ._lane import Deferred, LaneStore, LeaseOp, SnapshotWork, WriterLane, close_in_thread
 from ._lease import LeaseKeeper
 from ._store import (
     AppendBatch,
@@ -146,10 +151,12 @@ _Q_PLACEHOLDERS: LiteralString = (
     " SELECT s, '', 0, '-Infinity'::float8 FROM unnest(%s::text[]) AS s ORDER BY s"
     " ON CONFLICT (session_id) DO NOTHING"
 )
+# Never waits: a row another transaction holds is skipped, and only its session's items wait (`Deferred`).
 _Q_LOCK_LEASES: LiteralString = (
     "SELECT session_id, owner, token, expires_at FROM {s}.leases"
-    " WHERE session_id = ANY(%s::text[]) ORDER BY session_id FOR UPDATE"
+    " WHERE session_id = ANY(%s::text[]) ORDER BY session_id FOR UPDATE SKIP LOCKED"
 )
+_Q_LEASE_ROWS: LiteralString = "SELECT session_id FROM {s}.leases WHERE session_id = ANY(%s::text[])"
 _Q_NOW: LiteralString = "SELECT extract(epoch FROM clock_timestamp())::float8"
 _Q_STREAMS_OF: LiteralString = "SELECT stream_id, session_id, head FROM {s}.streams WHERE stream_id = ANY(%s::text[])"
 _Q_COMMANDS_OF: LiteralString = (
@@ -237,6 +244,7 @@ class _State:
     commands: dict[tuple[str, str], CommandRecord]
     now: float
     unplaced: dict[str, BaseException] = attrs.Factory(dict)  # session -> why its lease row could not be made
+    busy: frozenset[str] = frozenset()  # sessions whose lease row another transaction holds: deferred
 
 
 @attrs.frozen
@@ -403,6 +411,11 @@ class PostgresStore(LaneStore):
         options = str(params.get("options") or "")
         timeout_ms = round(statement_timeout * 1000)
         options = f"{options} -c statement_timeout={timeout_ms}".strip()
+        if "idle_in_transaction_session_timeout" not in options:  # the DSN's own (a worker's: its TTL) wins
+            # A process frozen half-way through a write (SIGSTOP, a VM paused) must not hold its row
+            # locks, and the sessions behind them, until it wakes: its transaction is ended as long.
+            options += f" -c idle_in_transaction_session_timeout={timeout_ms}"
+        self._defer_limit = statement_timeout if statement_timeout > 0 else math.inf
         extra: dict[str, Any] = {"options": options}
         if "connect_timeout" not in params:
             extra["connect_timeout"] = 10
@@ -536,6 +549,7 @@ class PostgresStore(LaneStore):
             on_stop=self._close_writer,  # in the writer thread: never under a running transaction
             max_batch=max_batch,
             cleanup_grace=self.cleanup_grace,
+            defer_limit=self._defer_limit,  # a session's locked lease row is waited for as a statement is
         )
         self._lane.start()
 
@@ -682,8 +696,13 @@ class PostgresStore(LaneStore):
         else:
             assert self._lease_clock is not None
             now = float(self._lease_clock())
+        leases = {row[0]: (row[1], int(row[2]), float(row[3])) for row in lease_cursor.fetchall()}
+        busy: frozenset[str] = frozenset()
+        if len(leases) < len(sessions):  # skipped (locked elsewhere) or no row at all: one more look
+            rows = conn.execute(q["_Q_LEASE_ROWS"], ([s for s in sessions if s not in leases],)).fetchall()
+            busy = frozenset(row[0] for row in rows)
         state = _State(
-            leases={row[0]: (row[1], int(row[2]), float(row[3])) for row in lease_cursor.fetchall()},
+            leases=leases,
             streams={}
             if streams_cursor is None
             else {row[0]: (row[1], int(row[2])) for row in streams_cursor.fetchall()},
@@ -695,6 +714,7 @@ class PostgresStore(LaneStore):
             },
             now=now,
             unplaced=unplaced,
+            busy=busy,
         )
         outcomes: list[object] = []
         if not isolate:
@@ -824,6 +844,8 @@ class PostgresStore(LaneStore):
             conn.execute(q["_Q_NOTIFY"], (self.channel, notifications))
 
     def _plan(self, state: _State, work: Any, rows: list[EventRow]) -> tuple[object, _Change | None]:
+        if work.session_id in state.busy:  # checked by nothing yet: offered again by the lane
+            return Deferred(f"the lease row of session {work.session_id!r} is locked by another transaction"), None
         if isinstance(work, AppendBatch):
             return self._plan_append(state, work, rows)
         if isinstance(work, SnapshotWork):
