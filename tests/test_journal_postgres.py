@@ -363,6 +363,36 @@ async def test_the_server_clock_decides_lease_expiry(postgres_dsn: str, fresh_pg
         assert await store.head(stream) == 1
 
 
+async def test_a_takeover_waits_by_the_server_clock_whatever_the_local_clock_says(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """With clock=None the server's clock decides expiry, so a takeover's wait is what the lease
+    has left by that clock (`LeaseHeldError.now`, read with the refusal), not expires_at minus
+    this host's clock: behind, it gave up at once; ahead, it asked every millisecond."""
+    from trio_agent._journal._durable import open_journal
+
+    async with (
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as holder,
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as taker,
+    ):
+        await holder.acquire_lease("s0", "A", 0.5)
+        (server_now,) = run_sql(postgres_dsn, "SELECT extract(epoch FROM clock_timestamp())::float8")[0]
+        with pytest.raises(LeaseHeldError) as refused:
+            await taker.acquire_lease("s0", "B", LONG_TTL)
+        assert refused.value.now is not None and abs(refused.value.now - server_now) < PROMPT
+        assert 0 < refused.value.expires_at - refused.value.now <= 0.5
+
+        for session_id, skew in (("behind", -60.0), ("ahead", 60.0)):
+            await holder.acquire_lease(session_id, "A", 0.5)  # its owner dies: it runs out in 0.5 s
+            taker.clock = lambda skew=skew: time.time() + skew  # this host's clock, a minute off
+            before = taker.statistics()["batches"]
+            with trio.fail_after(PROMPT):
+                async with open_journal(taker, session_id=session_id, takeover_timeout=10) as journal:
+                    assert journal.lease.owner != "A" and journal.lease.token == 2
+            asks = taker.statistics()["batches"] - before
+            assert asks <= 0.5 / 0.05 + 5, f"{session_id}: {asks} write transactions to wait 0.5 s"
+
+
 async def test_an_injected_clock_replaces_the_server_clock(postgres_dsn: str, fresh_pg_schema: str) -> None:
     now = [1000.0]
     stream = stream_id_for("sess", "root")

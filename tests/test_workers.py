@@ -618,6 +618,35 @@ async def test_a_session_that_cannot_be_opened_is_parked_not_spun(postgres_dsn: 
     assert status.state == "failing" and status.queued == 1
 
 
+async def test_parking_judges_a_live_lease_by_the_server_clock(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    """Parking never takes a live lease (a replica under the same worker id may hold it): live by
+    the server's clock, as claims judge it, not this host's, which may be an hour ahead."""
+    import time
+
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._serve import _Worker
+    from trio_agent._workers._sql import Statements
+
+    control = Control(postgres_dsn, Statements(fresh_pg_schema), worker_id="me")
+    try:
+        await control.open()
+        async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+            parker = _Worker(
+                answer(), store, control, concurrency=1, lease_ttl=5, poll_interval=1, cleanup_grace=1, live=False
+            )
+            held = await store.acquire_lease("s", "me", 60)
+            store.clock = lambda: time.time() + 3600
+            await parker._park("s")
+            assert await store.current_lease("s") == held  # left alone
+            await store.release_lease(held)
+            store.clock = lambda: time.time() - 3600
+            await parker._park("s")  # free by the server's clock: parked, whatever this host says
+            parked = await store.current_lease("s")
+            assert parked is not None and (parked.owner, parked.token) == ("me", held.token + 1)
+    finally:
+        control.close()
+
+
 async def test_a_worker_never_claims_a_session_it_still_hosts(postgres_dsn: str, fresh_pg_schema: str) -> None:
     from trio_agent._workers._control import Control
     from trio_agent._workers._sql import Statements

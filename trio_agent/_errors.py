@@ -25,7 +25,7 @@ Every error that crosses a public boundary is one of these (never a bare
      │    ├── CursorError          a subscription cursor past the head or from another stream
      │    ├── JournalFencedError   an earlier write's outcome is unknown: reconcile first
      │    ├── JournalUnavailableError  the store failed or timed out mid-write (outcome unknown)
-     │    └── LeaseHeldError       another owner holds an unexpired lease (``owner``, ``expires_at``)
+     │    └── LeaseHeldError       another owner holds an unexpired lease (``owner``, ``expires_at``, ``now``)
      ├── SessionError              a session refused a request
      │    ├── SessionBusyError     a request is running and no ``priority`` was given
      │    ├── SessionClosedError   the session is closed (or closing)
@@ -271,12 +271,18 @@ class JournalUnavailableError(JournalError):
 
 
 class LeaseHeldError(JournalError):
-    """Another owner holds an unexpired execution lease."""
+    """Another owner holds an unexpired execution lease.
 
-    def __init__(self, message: str, *, owner: str, expires_at: float) -> None:
+    ``expires_at`` is on the store's clock (the database server's, for PostgreSQL by default);
+    ``now`` is that clock when the store refused, read in the same transaction (``None`` when
+    not known), so ``expires_at - now`` is how long the lease has left whatever the local clock says.
+    """
+
+    def __init__(self, message: str, *, owner: str, expires_at: float, now: float | None = None) -> None:
         super().__init__(message)
         self.owner = owner
         self.expires_at = expires_at
+        self.now = now
 
 
 class SessionError(TrioAgentError):

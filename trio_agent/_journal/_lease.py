@@ -50,6 +50,9 @@ logger = logging.getLogger("trio_agent.journal")
 VALID_SHARE = 0.9
 """How much of the TTL a lease counts as ours after its request was sent."""
 
+TAKEOVER_POLL = 0.05
+"""The shortest pause between two asks for a lease another owner holds (seconds)."""
+
 
 def default_owner() -> str:
     """``"<host>:<pid>:<32 random bits>"``: unique per holder, so two journals of one process on
@@ -94,12 +97,15 @@ async def acquire(
                 return take_now(store, session_id, owner, ttl), sent
             return await store.acquire_lease(session_id, owner, ttl), sent
         except LeaseHeldError as exc:
-            wait = exc.expires_at - store.clock()
+            # What the lease has left by the store's own clock, read with the refusal: the server's
+            # for PostgreSQL, which the local clock may be far from.
+            wait = max(exc.expires_at - (store.clock() if exc.now is None else exc.now), 0.0)
             now = trio.current_time()
-            if now + max(wait, 0.0) > deadline:
+            if now >= deadline or now + wait > deadline:
                 raise
-            # Wait for the holder's expiry (by the store's clock), polling in case it releases early.
-            await trio.sleep(min(max(wait, 0.0) + 0.001, max(deadline - now, 0.0), 0.25))
+            # Wait for the holder's expiry, asking again now and then in case it releases early:
+            # never more often than `TAKEOVER_POLL` (each ask is a write transaction).
+            await trio.sleep(min(max(wait + 0.001, TAKEOVER_POLL), 0.25, deadline - now))
 
 
 class HeldLease:

@@ -222,6 +222,10 @@ _Q_UPSERT_SNAPSHOTS: LiteralString = (
 )
 _Q_SNAPSHOT: LiteralString = "SELECT seq, body, checksum FROM {s}.snapshots WHERE stream_id = %s"
 _Q_LEASE: LiteralString = "SELECT owner, token, expires_at FROM {s}.leases WHERE session_id = %s AND token > 0"
+_Q_LEASE_NOW: LiteralString = (
+    "SELECT owner, token, expires_at, extract(epoch FROM clock_timestamp())::float8 FROM {s}.leases"
+    " WHERE session_id = %s AND token > 0"
+)
 
 
 class _Rejected(Exception):
@@ -1106,6 +1110,24 @@ class PostgresStore(LaneStore):
         def run(conn: _Conn) -> Lease | None:
             row = conn.execute(query, (session_id,)).fetchone()
             return None if row is None else Lease(session_id, row[0], int(row[1]), float(row[2]))
+
+        return await self._query(run)
+
+    async def live_lease(self, session_id: str) -> Lease | None:
+        """The session's lease if it has not expired by the store's clock (the server's, read
+        in the same statement, with ``clock=None``): the local clock does not matter."""
+        if not _storable(session_id):  # never stored: PostgreSQL text cannot hold it
+            await trio.lowlevel.checkpoint()
+            return None
+        query = self._q["_Q_LEASE_NOW"]
+        clock = self._lease_clock
+
+        def run(conn: _Conn) -> Lease | None:
+            row = conn.execute(query, (session_id,)).fetchone()
+            if row is None:
+                return None
+            now = float(row[3]) if clock is None else float(clock())
+            return Lease(session_id, row[0], int(row[1]), float(row[2])) if float(row[2]) >= now else None
 
         return await self._query(run)
 

@@ -611,7 +611,10 @@ def decide_lease(
     if kind == "acquire":
         if row is not None and row[1] > 0 and row[2] >= now and row[0] != owner:
             raise LeaseHeldError(
-                f"session {session_id!r} is leased by {row[0]!r} until {row[2]}", owner=row[0], expires_at=row[2]
+                f"session {session_id!r} is leased by {row[0]!r} until {row[2]}",
+                owner=row[0],
+                expires_at=row[2],
+                now=now,
             )
         # Every acquisition gets a higher token, so a previous owner's is stale for ever.
         return Lease(session_id, owner, (0 if row is None else row[1]) + 1, now + ttl)

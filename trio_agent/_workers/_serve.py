@@ -306,8 +306,8 @@ class _Worker:
         """Hold a failed session's lease for one TTL without serving it: the retry's backoff, for
         every worker. (Another worker that claimed it meanwhile keeps it.)"""
         try:
-            current = await self.store.current_lease(session_id)
-            if current is not None and current.expires_at >= self.store.clock():
+            # Judged by the server's clock, as claims are: this host's clock may be far from it.
+            if await self.store.live_lease(session_id) is not None:
                 return  # someone holds it (another worker claimed it meanwhile): theirs
             lease = await self.store.acquire_lease(session_id, self.report.worker_id, self.lease_ttl)
             await self.control.register(lease, "failed")
