@@ -983,6 +983,52 @@ async def test_a_bad_lease_request_fails_alone_in_its_group_commit(
                 assert store._lane.batches - batches == 2
 
 
+async def test_an_acquisition_cancelled_before_it_is_queued_takes_nothing(store: Any) -> None:
+    """A caller whose deadline passed already (`open_journal` under ``move_on_after(0)``) queued
+    its acquisition all the same: nobody held the lease it got, and the session stayed locked
+    against everyone, this process too, for the whole TTL."""
+    from trio_agent._journal._durable import open_journal
+
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await store.acquire_lease("s1", "A", LONG_TTL)
+    assert scope.cancelled_caught
+    with trio.move_on_after(0) as scope:
+        async with open_journal(store, session_id="s2", lease_ttl=LONG_TTL):
+            pass
+    assert scope.cancelled_caught
+    assert await store.current_lease("s1") is None
+    left = await store.current_lease("s2")  # none, or released (a store that takes it without waiting)
+    assert left is None or left.expires_at == -math.inf
+    for session_id in ("s1", "s2"):
+        assert (await store.acquire_lease(session_id, "B", LONG_TTL)).owner == "B"  # at once
+
+
+async def test_an_acquisition_cancelled_while_queued_gives_its_lease_back(store_kind: Backend, tmp_path: Path) -> None:
+    """Queued lane work is never cancelled, so the lease is granted after its caller stopped
+    waiting: it is released right after (the lane keeps order), never left to its TTL."""
+    if store_kind.name == "memory":
+        pytest.skip("the memory store takes a lease without queueing it")
+    clock = _GateClock()
+    async with _gated_store(store_kind, tmp_path, clock) as store:
+        other = await store.acquire_lease("other", "A", LONG_TTL)
+        clock.arm()
+        plug = store.submit_renew(other, LONG_TTL)
+        with trio.fail_after(10):
+            await clock.entered.wait()  # the writer is inside the plug's transaction
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.acquire_lease, "s1", "A", LONG_TTL)
+            await trio.testing.wait_all_tasks_blocked()  # queued behind the plug
+            nursery.cancel_scope.cancel()
+        clock.open()
+        with trio.fail_after(10):
+            await plug.wait()
+            # Its answer (granted) came before this renewal's, so the release is queued by now.
+            await store.renew_lease(other, LONG_TTL)
+            taken = await store.acquire_lease("s1", "B", LONG_TTL)
+        assert (taken.owner, taken.token) == ("B", 2)  # granted to A, given back, taken by B
+
+
 async def test_ticket_outcome_before_resolution_and_after_cancelled_wait(store: Any) -> None:
     lease = await lease_on(store, "sess")
     stream = stream_id_for("sess", "root")

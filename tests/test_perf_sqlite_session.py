@@ -409,6 +409,24 @@ async def test_ensure_owner_takes_a_pending_lease(tmp_path: Any) -> None:
         assert await session.send("hi") == "hello"
 
 
+async def test_a_cancelled_ensure_owner_still_takes_the_pending_lease(tmp_path: Any) -> None:
+    """The acquisition is queued before the wait is cancelled: the journal adopts what the store
+    grants (the store gives back only a lease nobody will hold), so the session goes on."""
+    async with (
+        open_sqlite_store(os.fspath(tmp_path / "j.db")) as store,
+        open_session(_agent(), journal=store) as session,
+    ):
+        journal = session.journal
+        assert journal.held.pending
+        with trio.move_on_after(0) as scope:
+            await journal.ensure_owner()
+        assert scope.cancelled_caught
+        assert await session.send("hi") == "hello"  # after the acquisition, in the lane
+        lease = await store.current_lease(session.session_id)
+        assert lease is not None and journal.lease == lease and lease.expires_at > store.clock()
+        assert not journal.held.pending and not journal.lost
+
+
 async def test_reconcile_before_the_first_write_landed_starts_the_root_again(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -63,12 +63,13 @@ T = TypeVar("T")
 class LaneItem(Generic[T]):
     """A waiter for one piece of lane work: pass ``item.resolve`` to `WriterLane.submit`."""
 
-    __slots__ = ("_done", "_error", "_result")
+    __slots__ = ("_done", "_error", "_result", "_then")
 
     def __init__(self) -> None:
         self._done = trio.Event()
         self._result: T | None = None
         self._error: BaseException | None = None
+        self._then: Callable[[object], None] | None = None
 
     def resolve(self, outcome: object) -> None:
         if isinstance(outcome, BaseException):
@@ -76,6 +77,15 @@ class LaneItem(Generic[T]):
         else:
             self._result = outcome  # type: ignore[assignment]
         self._done.set()
+        if self._then is not None:
+            self._then(outcome)
+
+    def then(self, callback: Callable[[object], None]) -> None:
+        """Call *callback* with the outcome once it is resolved (now, if it is already)."""
+        if self._done.is_set():
+            callback(self._result if self._error is None else self._error)
+        else:
+            self._then = callback
 
     @property
     def done(self) -> bool:
@@ -441,8 +451,23 @@ class LaneStore:
         return await self._submit_lease_op(op).wait()
 
     async def acquire_lease(self, session_id: str, owner: str, ttl: float) -> Lease:
-        lease: Lease = await self._lease_op(LeaseOp("acquire", session_id, owner, 0, check_ttl(ttl)))
-        return lease
+        op = LeaseOp("acquire", session_id, owner, 0, check_ttl(ttl))
+        await trio.lowlevel.checkpoint_if_cancelled()  # a caller cancelled already takes nothing
+        item: LaneItem[Lease] = self._submit_lease_op(op)
+        try:
+            return await item.wait()
+        except trio.Cancelled:
+            # Queued work is never cancelled: the lease is granted all the same, and nobody would
+            # renew or release it, locking the session for a whole TTL. It is given back as soon
+            # as it is granted (the release follows the acquisition in the lane).
+            item.then(self._give_back)
+            raise
+
+    def _give_back(self, outcome: object) -> None:
+        """Release a lease granted to a caller that stopped waiting for it (never raises)."""
+        if isinstance(outcome, Lease):
+            with contextlib.suppress(JournalError):  # a closed store: the lease runs out instead
+                self.submit_release(outcome)
 
     def submit_renew(self, lease: Lease, ttl: float) -> LaneItem[Lease]:
         """`renew_lease`, queued: await the item for the renewed lease."""

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -177,15 +178,20 @@ class HeldLease:
         if self.lost is not None:
             body.cancel()
 
-    def submit_acquire(self) -> None:
-        """Queue the taking of the `pending` lease on its lane store (`took` decides the outcome)."""
+    def submit_acquire(self, then: Callable[[object], None] | None = None) -> None:
+        """Queue the taking of the `pending` lease on its lane store (`took` decides the outcome;
+        *then*, if given, is called with it after)."""
         self.pending = False
         sent = trio.current_time()
         provisional = self.lease
+
+        def answer(outcome: object) -> None:
+            self.took(outcome, sent, provisional)
+            if then is not None:
+                then(outcome)
+
         store: LaneStore = self.store  # type: ignore[assignment]
-        store.submit_acquire(
-            provisional.session_id, provisional.owner, self.ttl, lambda outcome: self.took(outcome, sent, provisional)
-        )
+        store.submit_acquire(provisional.session_id, provisional.owner, self.ttl, answer)
 
     def took(self, outcome: object, sent: float, provisional: Lease) -> None:
         """The store's answer to taking the `pending` lease (in the Trio thread; never raises): the
@@ -213,14 +219,24 @@ class HeldLease:
         self.check()
         sent = trio.current_time()
         if self.pending:
-            self.pending = False
+            # Through `took`, as a write or the keeper takes it: what the store grants is this
+            # lease's even if this wait is cancelled (never a lease nobody holds).
+            answers: list[object] = []
+            answered = trio.Event()
+
+            def answer(outcome: object) -> None:
+                answers.append(outcome)
+                answered.set()
+
             provisional = self.lease
-            outcome: object
             try:
-                outcome = await self.store.acquire_lease(provisional.session_id, provisional.owner, self.ttl)
-            except (JournalError, LeaseLostError) as exc:
-                outcome = exc
-            self.took(outcome, sent, provisional)
+                self.submit_acquire(answer)
+            except JournalError as exc:  # not queued (the store is not open): asked again later
+                self.took(exc, sent, provisional)
+                self.check()
+                raise
+            await answered.wait()
+            [outcome] = answers
             if isinstance(outcome, BaseException):
                 self.check()
                 raise outcome
