@@ -976,6 +976,19 @@ def test_tool_failure_defaults_to_execution():
     assert str(failure) == "broke"
 
 
+def test_tool_failure_type_given_by_value():
+    failure = ToolFailure("slow", type="timeout")
+    assert failure.type is ToolErrorType.TIMEOUT
+    assert failure.to_result().error == ToolError(ToolErrorType.TIMEOUT, "slow")
+
+
+@pytest.mark.parametrize("bad", ["bogus", 3, None, ["timeout"]])
+def test_tool_failure_refuses_a_type_that_is_not_one_naming_it(bad):
+    with pytest.raises(ValueError, match=r"ToolFailure type .* is not a ToolErrorType") as caught:
+        ToolFailure("x", type=bad)
+    assert repr(bad) in str(caught.value)
+
+
 # ---------------------------------------------------------------------------
 # permissions: signature_content and check_permissions (settlement issue item 12)
 

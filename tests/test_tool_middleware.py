@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -1243,6 +1244,44 @@ async def test_tool_outcomes(behaviour: str, error_type: ToolErrorType | None, o
             assert "connection reset" in record.result.error.message
         else:
             assert "KeyError" in record.result.error.message
+
+
+class _BrokenFailure(ToolFailure):
+    def __init__(self, message: str, how: str) -> None:
+        super().__init__(message)
+        self.how = how
+
+    def to_result(self) -> ToolResult:
+        if self.how == "raises":
+            raise RuntimeError("no result")
+        return ToolResult.success("not an error")
+
+
+@pytest.mark.parametrize(
+    ("failure", "error_type", "code", "mentions"),
+    [
+        # A value of ToolErrorType is taken as that type (as define_tool takes side_effect="pure").
+        (lambda: ToolFailure("upstream timed out", type="timeout"), ToolErrorType.TIMEOUT, None, "upstream"),
+        # Not a type: ToolFailure itself refuses it, inside the tool: that call's execution error.
+        (lambda: ToolFailure("x", type="bogus"), ToolErrorType.EXECUTION, "tool_error", "'bogus'"),
+        # Whatever a ToolFailure's to_result does, the call gets an error result.
+        (lambda: _BrokenFailure("x", "raises"), ToolErrorType.EXECUTION, "tool_error", "no result"),
+        (lambda: _BrokenFailure("x", "succeeds"), ToolErrorType.EXECUTION, "tool_error", "a success"),
+    ],
+)
+async def test_tool_failure_of_any_shape_fails_its_call_alone(
+    failure: Callable[[], ToolFailure], error_type: ToolErrorType, code: str | None, mentions: str
+) -> None:
+    async def run(inp: dict[str, Any], ctx: Any) -> Any:
+        raise failure()
+
+    tool = define_tool(run, name="t", description="t", side_effect="pure", input_schema={"type": "object"})
+    record = await call_tool(ToolPipeline([tool]), "t", {})
+    assert record.status is SettlementStatus.FAILED
+    assert record.result.error is not None
+    assert record.result.error.type is error_type
+    assert record.result.error.code == code
+    assert mentions in record.result.error.message
 
 
 # -- construction ------------------------------------------------------------------

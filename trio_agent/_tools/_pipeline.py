@@ -1161,7 +1161,7 @@ class ToolPipeline:
                                     try:
                                         outcome = await tool.run(value, context)
                                     except ToolFailure as failure:
-                                        outcome = failure.to_result()
+                                        outcome = _failure_result(failure)
                                     except BaseException as exc:
                                         typed = typed_error(exc)
                                         if isinstance(typed, LeaseLostError):
@@ -1636,6 +1636,27 @@ def _stage_name(callback: object) -> str:
     # Only for a message: a callback's repr is not made for every call that passes.
     name = getattr(callback, "__qualname__", None)
     return name if name is not None else repr(callback)
+
+
+def _failure_result(failure: ToolFailure) -> ToolResult:
+    """The error result of a `ToolFailure` the tool raised. Made from the tool's exception, so it stays
+    that call's error result whatever the exception does (a subclass's ``to_result`` that raises or
+    returns no error result), never an error of the pipeline."""
+    try:
+        result = failure.to_result()
+    except Exception as exc:
+        problem = f"its to_result() raised {exc!r}"
+    else:
+        if isinstance(result, ToolResult) and result.error is not None:
+            return result
+        problem = (
+            "its to_result() returned a success"
+            if isinstance(result, ToolResult)
+            else f"its to_result() returned {type(result).__name__}, not a ToolResult"
+        )
+    return ToolResult.failure(
+        ToolErrorType.EXECUTION, f"{type(failure).__name__}: {failure} ({problem})", code="tool_error"
+    )
 
 
 def _withheld_result() -> ToolResult:

@@ -121,15 +121,30 @@ class ToolResult:
 _result: Callable[[Any, ToolError | None, str | None, Any, Mapping[str, Any]], ToolResult] = constructor(ToolResult)
 
 
+def _error_type(value: object) -> ToolErrorType:
+    """*value* as a `ToolErrorType` (its member or its value, e.g. ``"timeout"``); `ValueError` naming it otherwise."""
+    if isinstance(value, ToolErrorType):
+        return value
+    try:
+        return ToolErrorType(value)
+    except (ValueError, TypeError):
+        allowed = ", ".join(repr(member.value) for member in ToolErrorType)
+        raise ValueError(f"ToolFailure type {value!r} is not a ToolErrorType (one of {allowed})") from None
+
+
 class ToolFailure(Exception):
     """Raise inside a tool to fail the call with a chosen `ToolErrorType`.
 
     Any other exception from a tool becomes an ``execution`` error result.
     """
 
-    def __init__(self, message: str, *, type: ToolErrorType = ToolErrorType.EXECUTION, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, type: ToolErrorType | str = ToolErrorType.EXECUTION, code: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.type = type
+        # Checked here, where the tool raises it: a bad type is the tool's own error (an execution
+        # error result naming it), never a failure of whoever turns this into a result later.
+        self.type = _error_type(type)
         self.code = code
 
     def to_result(self) -> ToolResult:
