@@ -15,11 +15,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
-from trio_agent import LeaseLostError, SideEffect, Tool, ToolResult, define_tool
+from trio_agent import LeaseLostError, SideEffect, Tool, ToolErrorType, ToolResult, define_tool
 from trio_agent._tools._scheduler import SchedulerLimits, ToolScheduler
 from trio_agent.journal import (
     AppendBatch,
@@ -46,6 +47,7 @@ from trio_agent.tools import (
     ToolCall,
     ToolMiddlewareRequest,
     ToolPipeline,
+    ToolStages,
 )
 
 # ---------------------------------------------------------------- helpers
@@ -796,3 +798,95 @@ async def test_an_sdk_abort_through_a_tool_nursery_is_an_abort(with_middleware: 
     assert record.status is SettlementStatus.CANCELLED
     assert record.result.error is not None and record.result.error.code == "user_abort"
     assert kinds(journal, "c1") == ["scheduled", "started", "settled"]
+
+
+# ---------------------------------------------------------------- a result that is not JSON
+
+
+class Opaque:
+    def __repr__(self) -> str:
+        return "<Opaque>"
+
+
+NOT_JSON: dict[str, tuple[Callable[[], Any], str]] = {
+    "set": (lambda: {1, 2}, "result.output is not JSON: set"),
+    "bytes": (lambda: b"\x00", "result.output is not JSON: bytes"),
+    "nan": (lambda: float("nan"), "result.output is not a finite number"),
+    "int key": (lambda: {1: "a"}, "result.output has a non-string key 1"),
+    "object": (lambda: Opaque(), "result.output is not JSON: Opaque"),
+    "object output": (lambda: ToolResult.success(Opaque()), "result.output is not JSON: Opaque"),
+    "data": (lambda: ToolResult.success("fine", data={"x": Opaque()}), "result.data.x is not JSON: Opaque"),
+    "metadata": (lambda: ToolResult.success("fine", metadata={"o": {1, 2}}), "result.metadata.o is not JSON: set"),
+    "error details": (
+        lambda: ToolResult.failure(ToolErrorType.EXECUTION, "no", details={"why": Opaque()}),
+        "result.error.details.why is not JSON: Opaque",
+    ),
+}
+
+
+def returning_tool(make: Callable[[], Any], name: str = "bad") -> Tool[Any]:
+    async def run(inp: dict[str, Any], ctx: Any) -> Any:
+        return make()
+
+    return define_tool(run, name=name, description="returns it", side_effect="pure", input_schema={"type": "object"})
+
+
+@pytest.mark.parametrize("kind", JOURNALS)
+@pytest.mark.parametrize("value", NOT_JSON)
+async def test_a_tool_result_that_is_not_json_fails_that_call(kind: str, value: str) -> None:
+    make, problem = NOT_JSON[value]
+    async with journal_of(kind) as (journals, origin):
+        pipeline = ToolPipeline([returning_tool(make)], journal=journals.journal)
+        record = await call_tool(pipeline, "bad", {}, call_id="c1", origin=origin)
+        assert record.status is SettlementStatus.FAILED
+        assert record.published and record.tool_ran
+        error = record.result.error
+        assert error is not None and error.type is ToolErrorType.EXECUTION and error.code == "invalid_result"
+        assert error.message.startswith("tool 'bad' returned a non-JSON result: ")
+        assert problem in error.message
+        assert journals.states("c1") == ["scheduled", "started", "settled"]
+
+
+@pytest.mark.parametrize("kind", JOURNALS)
+async def test_results_the_journal_stores_as_json_stay_successes(kind: str) -> None:
+    @attrs.frozen
+    class Point:
+        x: int
+
+    async with journal_of(kind) as (journals, origin):
+        for make, output in (
+            (lambda: (1, "a"), (1, "a")),  # stored as a list
+            (lambda: Point(1), Point(1)),  # stored as its fields
+            (lambda: ToolResult.success("ok", data={"n": [1.5]}, metadata={"m": None}), "ok"),
+        ):
+            pipeline = ToolPipeline([returning_tool(make)], journal=journals.journal)
+            record = await call_tool(pipeline, "bad", {}, origin=origin)
+            assert record.status is SettlementStatus.COMPLETED
+            assert record.result.output == output
+
+
+@pytest.mark.parametrize("kind", JOURNALS)
+@pytest.mark.parametrize("where", ["short-circuit", "after the core", "post_tool stage"])
+async def test_a_non_json_result_from_middleware_or_a_stage_fails_that_call(kind: str, where: str) -> None:
+    async def short_circuit(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        return ToolResult.success({1, 2})
+
+    async def after_core(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        result: ToolResult = await call_next()
+        return attrs.evolve(result, data=Opaque())
+
+    async def post_tool(request: Any, result: ToolResult) -> ToolResult:
+        return attrs.evolve(result, metadata={"o": Opaque()})
+
+    middleware = {"short-circuit": [short_circuit], "after the core": [after_core]}.get(where, [])
+    stages = ToolStages(post_tool=[post_tool]) if where == "post_tool stage" else None
+    async with journal_of(kind) as (journals, origin):
+        pipeline = ToolPipeline([simple_tool()], journal=journals.journal, middleware=middleware, stages=stages)
+        record = await call_tool(pipeline, "work", {}, call_id="c1", origin=origin)
+        assert record.status is SettlementStatus.FAILED
+        error = record.result.error
+        assert error is not None and error.code == "invalid_result"
+        assert "is not JSON: " in error.message
+        # A short-circuit that was refused never got a (synthetic) start.
+        expected = ["scheduled", "settled"] if where == "short-circuit" else ["scheduled", "started", "settled"]
+        assert journals.states("c1") == expected

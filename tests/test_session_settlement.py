@@ -537,3 +537,27 @@ async def test_a_tool_nobody_can_approve_is_refused_loudly() -> None:
     assert [(event.tool, event.reason) for event in denied] == [("weather", "no_handler")]
     answer = next(m for m in model.requests[1].messages if isinstance(m, ToolResultMessage))
     assert 'permissions={"allow": ["weather"]}' in answer.content
+
+
+async def test_a_tool_returning_a_non_json_value_fails_that_call_not_the_request() -> None:
+    @define_tool(name="bad", description="bad", input_schema=OBJECT, side_effect="pure", kind="readonly")
+    async def bad(input: dict[str, Any], ctx: Any) -> set[int]:
+        return {1, 2}
+
+    @define_tool(name="good", description="good", input_schema=OBJECT, side_effect="pure", kind="readonly")
+    async def good(input: dict[str, Any], ctx: Any) -> str:
+        return "fine"
+
+    model = TestModel({"go": [Reply(tool_calls=[("bad", {}), ("good", {})]), Reply(text="done")]})
+    store = MemoryStore()
+    async with open_session(provider=model, tools=[bad, good], journal=store) as session:
+        assert await session.send("go") == "done"
+        results = [m for m in model.requests[-1].messages if isinstance(m, ToolResultMessage)]
+        assert sorted((r.is_error, r.content) for r in results) == [
+            (False, "fine"),
+            (True, "Error: tool 'bad' returned a non-JSON result: result.output is not JSON: set"),
+        ]
+        journal = await events_of(store, session.journal.stream_id())
+        assert unsettled_requests(journal) == []
+        settled = sorted(type(e).__name__ for e in journal if type(e).__name__ in ("ToolCompleted", "ToolFailed"))
+        assert settled == ["ToolCompleted", "ToolFailed"]

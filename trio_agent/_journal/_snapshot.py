@@ -68,7 +68,8 @@ import cattrs
 from .._convert import LazyConverter
 from .._errors import JournalCorruptError
 from .._models._messages import Message
-from .._tools._results import ToolResult, json_copy
+from .._tools._results import ToolResult, result_to_json
+from .._tools._results import results_converter as _results
 from ._conversation import ConversationFold
 from ._events import (
     Event,
@@ -106,29 +107,6 @@ SNAPSHOT_GRACE = 2.0
 """Seconds the close of a journal may spend writing snapshots (at most ``commit_grace``)."""
 
 logger = logging.getLogger("trio_agent.journal")
-
-_results = cattrs.Converter()
-
-
-_SCALARS = frozenset({type(None), bool, int, float, str})
-
-
-def result_to_json(result: ToolResult) -> dict[str, Any]:
-    """A `ToolResult` as stored in the journal (JSON-compatible; non-JSON output is refused)."""
-    output, display = result.output, result.display
-    if (
-        type(output) in _SCALARS
-        and result.error is None
-        and result.data is None
-        and (display is None or type(display) is str)
-        and type(result.metadata) is dict
-        and not result.metadata
-    ):
-        # The usual success, a plain value: what the converter gives it (a test holds them together).
-        return {"output": output, "error": None, "display": display, "data": None, "metadata": {}}
-    data: dict[str, Any] = _results.unstructure(result, ToolResult)
-    copied: dict[str, Any] = json_copy(data)
-    return copied
 
 
 def result_from_json(data: Mapping[str, Any]) -> ToolResult:

@@ -185,7 +185,8 @@ class Tool(Generic[In]):
     ``run(input, ctx)`` receives the validated input (an instance of ``input_type``
     when the tool was defined from a typed attrs class, else the JSON object), streams
     items with ``await ctx.emit(item)`` and returns a `ToolResult` (any other return
-    value becomes a success with that value as output).
+    value becomes a success with that value as output). A result that is not JSON fails
+    its call (``invalid_result``).
     """
 
     name: str

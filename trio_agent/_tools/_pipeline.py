@@ -89,6 +89,7 @@ from ._results import (
     ToolMessage,
     ToolResult,
     json_copy,
+    result_problem,
 )
 from ._scheduler import FileLockManager, ToolScheduler
 from ._stages import Allow, Deny, Skip, StageRequest, ToolStages
@@ -1021,6 +1022,8 @@ class ToolPipeline:
                     f"Tool middleware failed: returned {type(mw_result).__name__}, expected ToolResult",
                     code="middleware_error",
                 ), True
+            if result_problem(mw_result) is not None:
+                return _unstorable(mw_result, "tool middleware returned"), True
             if mw_result.ok:
                 await self._synthetic_start(state)
             return mw_result, True
@@ -1037,6 +1040,8 @@ class ToolPipeline:
             detail = repr(mw_error) if mw_result is None else f"returned {type(mw_result).__name__}"
             state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, detail)
             return core, True
+        if mw_result is not core and result_problem(mw_result) is not None:
+            mw_result = _unstorable(mw_result, "tool middleware returned")
         core_error = core.error
         if core_error is not None:
             if core_error.type in (ToolErrorType.INTERRUPTED, ToolErrorType.TIMEOUT):
@@ -1195,6 +1200,8 @@ class ToolPipeline:
                         result = prepared
                     else:
                         result = outcome if isinstance(outcome, ToolResult) else ToolResult.success(outcome)
+                        if result_problem(result) is not None:
+                            result = _unstorable(result, f"tool {tool.name!r} returned")
                         # Known from here on, even if the bounded unwind is cut short inside a post_tool stage.
                         state.core_result = result
                         if self._owner_checks:
@@ -1411,6 +1418,8 @@ class ToolPipeline:
                 state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {exc!r}")
                 continue
             if isinstance(replaced, ToolResult) and (replaced.error is not None or result.ok):
+                if result_problem(replaced) is not None:
+                    replaced = _unstorable(replaced, f"post_tool stage {_stage_name(callback)} returned")
                 result = replaced
                 if ran:
                     state.core_result = result
@@ -1656,6 +1665,16 @@ def _failure_result(failure: ToolFailure) -> ToolResult:
         )
     return ToolResult.failure(
         ToolErrorType.EXECUTION, f"{type(failure).__name__}: {failure} ({problem})", code="tool_error"
+    )
+
+
+def _unstorable(result: ToolResult, source: str) -> ToolResult:
+    """The error result that replaces *result*, which is no JSON the journal can store (`result_problem`):
+    that call fails, where the settlement would otherwise fail the request and its other calls."""
+    return ToolResult.failure(
+        ToolErrorType.EXECUTION,
+        f"{source} a non-JSON result: {result_problem(result)}",
+        code="invalid_result",
     )
 
 

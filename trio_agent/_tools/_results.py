@@ -7,8 +7,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
 import attrs
+import cattrs
 
 from .._builders import constructor
+from .._json import is_json, json_problem
 
 __all__ = [
     "Effect",
@@ -20,6 +22,8 @@ __all__ = [
     "ToolItem",
     "ToolMessage",
     "ToolResult",
+    "result_problem",
+    "result_to_json",
 ]
 
 JsonObject: TypeAlias = dict[str, Any]
@@ -119,6 +123,51 @@ class ToolResult:
 
 
 _result: Callable[[Any, ToolError | None, str | None, Any, Mapping[str, Any]], ToolResult] = constructor(ToolResult)
+
+results_converter = cattrs.Converter()
+"""Turns a `ToolResult` into its stored form and back (`result_to_json`, the journal's ``result_from_json``)."""
+
+_SCALARS = frozenset({type(None), bool, int, float, str})
+
+
+def result_to_json(result: ToolResult) -> dict[str, Any]:
+    """A `ToolResult` as stored in the journal (JSON-compatible; non-JSON output is refused)."""
+    output, display = result.output, result.display
+    if (
+        type(output) in _SCALARS
+        and result.error is None
+        and result.data is None
+        and (display is None or type(display) is str)
+        and type(result.metadata) is dict
+        and not result.metadata
+    ):
+        # The usual success, a plain value: what the converter gives it (a test holds them together).
+        return {"output": output, "error": None, "display": display, "data": None, "metadata": {}}
+    data: dict[str, Any] = results_converter.unstructure(result, ToolResult)
+    copied: dict[str, Any] = json_copy(data)
+    return copied
+
+
+def result_problem(result: ToolResult) -> str | None:
+    """Why *result* cannot be stored (its stored form, `result_to_json`, is no JSON: a set, bytes,
+    ``NaN``, a dict with an ``int`` key, an object, in ``output``, ``data`` or ``metadata``), naming
+    where; ``None`` if it can. The journal applies the same rule when the call is settled.
+
+    The usual success (JSON output and nothing else) is judged without building its stored form.
+    """
+    if (
+        result.error is None
+        and result.data is None
+        and not result.metadata
+        and (result.display is None or type(result.display) is str)
+        and is_json(result.output)
+    ):
+        return None
+    try:
+        stored = result_to_json(result)
+    except Exception as exc:  # the converter cannot take it apart
+        return f"result cannot be converted to JSON: {exc!r}"
+    return json_problem(stored, "result")
 
 
 def _error_type(value: object) -> ToolErrorType:
