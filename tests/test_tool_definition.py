@@ -28,7 +28,8 @@ from trio_agent import (
     TrioAgentError,
     define_tool,
 )
-from trio_agent.tools import BehaviorOverride, ToolBehavior, ToolBehaviorError, ToolError
+from trio_agent.testing import call_tool
+from trio_agent.tools import BehaviorOverride, ToolBehavior, ToolBehaviorError, ToolError, ToolPipeline
 
 if TYPE_CHECKING:  # a name that only exists for type checkers, the usual pattern for the ctx annotation
     from trio_agent import ToolContext as TypeOnlyContext
@@ -689,6 +690,126 @@ def test_schema_accepted_input_always_structures(data):
 @functools.cache
 def _everything_tool_cached() -> Tool[Any]:
     return everything_tool()
+
+
+# ---------------------------------------------------------------------------
+# unions: the JSON type of a value says which member it is
+
+
+@attrs.define
+class ByName:
+    name: str
+
+
+@attrs.define
+class ById:
+    id: int
+
+
+@attrs.define
+class AlsoByName:
+    name: str
+
+
+@attrs.define
+class Unions:
+    int_or_str: int | str = 0
+    float_or_bool: float | bool = 0.0
+    list_or_str: list[int] | str = ""
+    dict_or_list: dict[str, int] | list[int] = attrs.Factory(list)
+    int_or_float: int | float = 0
+    literal_or_int: Literal["auto"] | int = "auto"
+    color_or_int: Color | int = 0
+    class_or_str: ByName | str = ""
+    classes: ByName | ById | None = None
+    nested: list[int | str] = attrs.Factory(list)
+    anything: Optional[Any] = None  # noqa: UP045 (typing spells it so)
+
+
+def unions_tool() -> Tool[Any]:
+    return define_tool(noop, name="unions", description="d", side_effect="pure", input_type=Unions)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("int_or_str", "x", "x"),
+        ("int_or_str", 3, 3),
+        ("int_or_str", "3", "3"),  # never int("3"): the JSON type says str
+        ("int_or_str", 2.0, 2),  # JSON Schema's "integer" takes 2.0
+        ("float_or_bool", True, True),
+        ("float_or_bool", 3, 3.0),  # "number" takes integers
+        ("list_or_str", [1, 2], [1, 2]),
+        ("list_or_str", "s", "s"),
+        ("dict_or_list", {"a": 1}, {"a": 1}),
+        ("dict_or_list", [1], [1]),
+        ("int_or_float", 2, 2),
+        ("int_or_float", 2.5, 2.5),
+        ("literal_or_int", "auto", "auto"),
+        ("literal_or_int", 7, 7),
+        ("color_or_int", "red", Color.RED),
+        ("color_or_int", 4, 4),
+        ("class_or_str", {"name": "n"}, ByName("n")),
+        ("class_or_str", "s", "s"),
+        ("classes", {"id": 1}, ById(1)),
+        ("classes", {"name": "n"}, ByName("n")),
+        ("classes", None, None),
+        ("nested", [1, "a"], [1, "a"]),
+        ("anything", {"any": [1]}, {"any": [1]}),
+        ("anything", None, None),
+    ],
+)
+def test_a_union_field_structures_the_member_its_json_type_names(field: str, value: Any, expected: Any) -> None:
+    tool = unions_tool()
+    assert tool.input_errors({field: value}) == ()
+    structured = getattr(tool.structure_input({field: value}), field)
+    assert structured == expected
+    assert type(structured) is type(expected)
+
+
+async def test_a_tool_with_union_parameters_runs() -> None:
+    @define_tool(side_effect="pure", kind="readonly")
+    async def pick(value: int | str, items: dict[str, int] | list[int], ctx: ToolContext) -> str:
+        """Pick."""
+        return f"{value!r} {items!r}"
+
+    pipeline = ToolPipeline([pick])
+    assert (await call_tool(pipeline, "pick", {"value": "x", "items": [1]})).result.output == "'x' [1]"
+    assert (await call_tool(pipeline, "pick", {"value": 3, "items": {"a": 1}})).result.output == "3 {'a': 1}"
+
+
+@attrs.define
+class TwoLists:
+    value: list[int] | list[str]
+
+
+@attrs.define
+class DictOrClass:
+    value: dict[str, int] | ByName
+
+
+@attrs.define
+class EnumOrStr:
+    value: Color | str
+
+
+@attrs.define
+class LookAlikes:
+    value: ByName | AlsoByName
+
+
+@pytest.mark.parametrize(
+    ("cls", "message"),
+    [
+        (TwoLists, r"TwoLists.value: in list\[int\] \| list\[str\], a JSON array could be list"),
+        (DictOrClass, "a JSON object could be"),
+        (EnumOrStr, "a JSON string could be"),
+        (LookAlikes, "LookAlikes.value: the input classes of .* cannot be told apart"),
+    ],
+)
+def test_a_union_whose_members_a_json_value_cannot_tell_apart_is_refused_at_definition(cls, message) -> None:
+    with pytest.raises(ToolDefinitionError, match=message):
+        define_tool(noop, name="t", description="d", side_effect="pure", input_type=cls)
 
 
 # ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import jsonschema_rs
 
 from .._errors import ToolBehaviorError, ToolDefinitionError, ToolInputError
 from ._results import JsonObject, ToolResult
-from ._schema import default_signature_field, is_input_class, schema_for_class
+from ._schema import default_signature_field, input_converter, is_input_class, schema_for_class
 
 if TYPE_CHECKING:
     from .._permissions._rules import PermissionResult
@@ -32,8 +32,6 @@ __all__ = [
 ]
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-# use_alias: private attrs fields (``_x``) are keyed by their alias (``x``), as in the generated schema.
-_converter = cattrs.Converter(forbid_extra_keys=True, use_alias=True)
 
 In = TypeVar("In")
 T = TypeVar("T")
@@ -300,7 +298,7 @@ class Tool(Generic[In]):
             if _is_pydantic_model(input_type):
                 structure = _structure_pydantic
             else:
-                structure = _converter.get_structure_hook(input_type)
+                structure = input_converter.get_structure_hook(input_type)
             object.__setattr__(self, "_structure", structure)
         try:
             structured: In = structure(value, input_type)  # not `typing.cast`: a call per tool call

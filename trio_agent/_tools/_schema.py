@@ -1,7 +1,13 @@
-"""JSON Schema (draft 2020-12) generated from typed input classes: attrs classes and dataclasses.
+"""JSON Schema (draft 2020-12) generated from typed input classes (attrs classes and dataclasses),
+and the converter that structures input into them.
 
 (Pydantic models bring their own ``model_json_schema()``; plain typed parameters
-become an attrs class first, see `_definition.py`.)"""
+become an attrs class first, see `_definition.py`.)
+
+A union becomes ``anyOf``; the converter then picks the member by the JSON type of the value
+(`union_members`), so a union is accepted only where that type says which member it is: the
+schema and the structuring follow one rule, checked when the tool is defined.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +15,23 @@ import dataclasses
 import enum
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Union
 
 import attrs
+import cattrs
+from cattrs.disambiguators import create_default_dis_func
 
 from .._errors import ToolDefinitionError
 
 __all__ = [
     "SIGNATURE_FIELDS",
     "default_signature_field",
+    "input_converter",
     "is_input_class",
     "schema_for_attrs_class",
     "schema_for_class",
+    "union_members",
 ]
 
 _SCALARS: dict[Any, dict[str, Any]] = {
@@ -129,7 +139,9 @@ def _type_schema(annotation: Any, seen: tuple[type, ...], where: str) -> dict[st
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin in (Union, types.UnionType):
-        return {"anyOf": [_type_schema(arg, seen, where) for arg in args]}
+        any_of = [_type_schema(arg, seen, where) for arg in args]
+        union_members(annotation, where=where)  # one the converter can structure, or refused here
+        return {"anyOf": any_of}
     if origin is Literal:
         return {"enum": list(args)}
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
@@ -156,3 +168,112 @@ def _type_schema(annotation: Any, seen: tuple[type, ...], where: str) -> dict[st
         values = _type_schema(args[1], seen, where) if args else {}
         return {"type": "object", "additionalProperties": values}
     raise ToolDefinitionError(f"{where}: cannot express type {annotation!r} in JSON Schema")
+
+
+# -- structuring -------------------------------------------------------------------
+
+# use_alias: private attrs fields (``_x``) are keyed by their alias (``x``), as in the generated schema.
+input_converter = cattrs.Converter(forbid_extra_keys=True, use_alias=True)
+"""Turns validated JSON input into an input class instance (`Tool.structure_input`)."""
+
+_NONE = type(None)
+# The JSON type of a decoded value (input is JSON: exactly these types).
+_VALUE_KINDS: dict[type, str] = {
+    _NONE: "null", bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"
+}
+_SCALAR_KINDS: dict[Any, str] = {_NONE: "null", bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+def _member_kinds(member: Any, where: str) -> tuple[str, ...]:
+    """The JSON types of the values a union member takes."""
+    if member in _SCALAR_KINDS:
+        return (_SCALAR_KINDS[member],)
+    origin = typing.get_origin(member)
+    values: tuple[Any, ...] | None = None
+    if origin is Literal:
+        values = typing.get_args(member)
+    elif isinstance(member, type) and issubclass(member, enum.Enum):
+        values = tuple(item.value for item in member)
+    if values is not None:
+        kinds = tuple(dict.fromkeys(_VALUE_KINDS.get(type(value), "") for value in values))
+        if "" in kinds:
+            raise ToolDefinitionError(f"{where}: the values of {member!r} are not all JSON scalars")
+        return kinds
+    if is_input_class(member) or origin in (dict, Mapping, typing.Mapping) or member is dict:
+        return ("object",)
+    if origin in (list, tuple, set, frozenset, Sequence, typing.Sequence) or member in (list, tuple):
+        return ("array",)
+    raise ToolDefinitionError(f"{where}: cannot express type {member!r} in JSON Schema")
+
+
+def union_members(union: Any, *, where: str) -> tuple[dict[str, Any], bool]:
+    """For each JSON type, the member of *union* that a value of that type is structured as, and
+    whether ``Any`` is a member (it takes the values no other member takes, unchanged).
+
+    Raises `ToolDefinitionError` when a JSON type does not say which member a value is: two members
+    take it (``list[int] | list[str]``, ``dict[str, int] | Point``, ``Color | str``), except input
+    classes that cattrs tells apart by their fields (``A | B``; they share the ``object`` entry as
+    ``Union[A, B]``).
+    """
+    by_kind: dict[str, list[Any]] = {}
+    takes_any = False
+    for member in typing.get_args(union):
+        if member is Any:
+            takes_any = True
+            continue
+        for kind in _member_kinds(member, where):
+            by_kind.setdefault(kind, []).append(member)
+    members: dict[str, Any] = {}
+    for kind, found in by_kind.items():
+        if len(found) == 1:
+            members[kind] = found[0]
+        elif kind == "object" and all(is_input_class(member) for member in found):
+            try:
+                create_default_dis_func(input_converter, *found)
+            except Exception as exc:
+                raise ToolDefinitionError(
+                    f"{where}: the input classes of {union!r} cannot be told apart: {exc}"
+                ) from None
+            members[kind] = Union[tuple(found)]  # noqa: UP007 (built from a tuple)
+        else:
+            names = " and ".join(repr(member) for member in found)
+            raise ToolDefinitionError(
+                f"{where}: in {union!r}, a JSON {kind} could be {names}; the input cannot say which "
+                "(give input_schema=, or members that differ in JSON type)"
+            )
+    return members, takes_any
+
+
+def _needs_union_hook(annotation: Any) -> bool:
+    """A union other than input classes and ``None`` (cattrs tells those apart by their fields itself)."""
+    if typing.get_origin(annotation) not in (Union, types.UnionType):
+        return False
+    return not all(member is _NONE or is_input_class(member) for member in typing.get_args(annotation))
+
+
+def _union_hook(union: Any) -> Callable[[Any, Any], Any]:
+    members, takes_any = union_members(union, where=repr(union))
+    hooks = {
+        kind: (member, None if member is _NONE else input_converter.get_structure_hook(member))
+        for kind, member in members.items()
+    }
+    # JSON Schema's "number" takes integers and its "integer" takes 2.0: so does the structuring.
+    if "number" in hooks:
+        hooks.setdefault("integer", hooks["number"])
+
+    def structure_union(value: Any, _: Any) -> Any:
+        kind = _VALUE_KINDS.get(type(value))
+        entry = hooks.get(kind) if kind is not None else None
+        if entry is None and kind == "number" and value.is_integer():
+            entry = hooks.get("integer")
+        if entry is None:
+            if takes_any:
+                return value
+            raise ValueError(f"{value!r} is not a {union!r}")
+        member, hook = entry
+        return None if hook is None else hook(value, member)
+
+    return structure_union
+
+
+input_converter.register_structure_hook_factory(_needs_union_hook, _union_hook)
