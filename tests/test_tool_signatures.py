@@ -73,6 +73,26 @@ async def test_a_pydantic_model_input() -> None:
     assert not bad.result.ok
 
 
+async def test_the_context_parameter_is_passed_under_its_own_name() -> None:
+    @define_tool(side_effect="pure", kind="readonly")
+    async def where(city: str, context: ToolContext) -> str:
+        """Where a call runs."""
+        return f"{city} in call {context.tool_call_id}"
+
+    assert set(where.input_schema["properties"]) == {"city"}
+    record = await ToolPipeline([where]).execute(ToolCall("c1", "where", {"city": "Paris"}))
+    assert record.result.output == "Paris in call c1"
+
+
+def test_two_context_parameters_are_refused() -> None:
+    with pytest.raises(ToolDefinitionError, match="'ctx' and 'context' both take the context"):
+
+        @define_tool(side_effect="pure", kind="readonly")
+        async def twice(city: str, ctx: ToolContext, context: ToolContext) -> str:
+            """Two contexts."""
+            return city
+
+
 def test_an_unannotated_parameter_is_a_clear_error() -> None:
     with pytest.raises(ToolDefinitionError, match="annotate parameter 'city'"):
 

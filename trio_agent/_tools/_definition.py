@@ -622,11 +622,16 @@ def _signature_input(run: RunFn, tool_name: str) -> tuple[type, RunFn]:
             f"tool {tool_name!r}: cannot resolve the annotations of its parameters ({exc!r})"
         ) from None
     fields: dict[str, Any] = {}
-    takes_context = False
+    context: str | None = None  # the name of the parameter that takes the context, if any
     for parameter in inspect.signature(run).parameters.values():
         annotation = hints.get(parameter.name)
         if parameter.name == _CONTEXT_PARAMETER or annotation is ToolContext:
-            takes_context = True
+            if context is not None:
+                raise ToolDefinitionError(
+                    f"tool {tool_name!r}: parameters {context!r} and {parameter.name!r} both take the context; "
+                    "keep one"
+                )
+            context = parameter.name
             continue
         if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             raise ToolDefinitionError(f"tool {tool_name!r}: *{parameter.name} cannot be a tool input; name each one")
@@ -654,8 +659,8 @@ def _signature_input(run: RunFn, tool_name: str) -> tuple[type, RunFn]:
 
     async def run_with_parameters(value: Any, ctx: ToolContext) -> Any:
         arguments = {name: getattr(value, name) for name in names}
-        if takes_context:
-            arguments[_CONTEXT_PARAMETER] = ctx
+        if context is not None:
+            arguments[context] = ctx  # under its own name: `context: ToolContext` is one too
         call: Callable[..., Awaitable[Any]] = run
         return await call(**arguments)
 
