@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import pytest
@@ -91,6 +92,67 @@ def test_two_context_parameters_are_refused() -> None:
         async def twice(city: str, ctx: ToolContext, context: ToolContext) -> str:
             """Two contexts."""
             return city
+
+
+class WeatherService:
+    """Weather for a city, from an object."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    async def __call__(self, city: str, ctx: ToolContext | None = None) -> str:
+        return f"{self.prefix} {city}"
+
+
+class Shadowed:
+    """Class attributes that are no parameters."""
+
+    city: int = 0
+
+    async def __call__(self, city, ctx=None):  # type: ignore[no-untyped-def]
+        return city
+
+
+class DescribedByCall:
+    async def __call__(self, city: str) -> str:
+        """Described by its __call__."""
+        return city
+
+
+async def test_a_callable_object_is_typed_by_its_call_method() -> None:
+    tool = define_tool(WeatherService("sunny in"), name="weather", side_effect="pure", kind="readonly")
+    assert tool.description == "Weather for a city, from an object."
+    assert tool.input_schema["properties"] == {"city": {"type": "string"}}
+    record = await ToolPipeline([tool]).execute(ToolCall("c1", "weather", {"city": "Oslo"}))
+    assert record.result.output == "sunny in Oslo"
+    described = define_tool(DescribedByCall(), name="described", side_effect="pure")
+    assert described.description == "Described by its __call__."
+
+
+def test_a_callable_objects_class_annotations_are_not_its_parameters() -> None:
+    with pytest.raises(ToolDefinitionError, match="annotate parameter 'city'"):
+        define_tool(Shadowed(), name="shadowed", side_effect="pure")
+
+
+async def _forecast(city: str, days: int = 1, ctx: ToolContext | None = None) -> str:
+    """Forecast for a city."""
+    return f"{city} for {days} days"
+
+
+async def _raw(input: dict[str, Any], ctx: Any) -> str:
+    """Echoes its input."""
+    return str(input)
+
+
+async def test_a_partial_is_named_described_and_typed_by_its_function() -> None:
+    tool = define_tool(functools.partial(_forecast, days=3), side_effect="pure", kind="readonly")
+    assert tool.name == "_forecast"
+    assert tool.description == "Forecast for a city."
+    assert tool.input_schema["required"] == ["city"]
+    record = await ToolPipeline([tool]).execute(ToolCall("c1", "_forecast", {"city": "Oslo"}))
+    assert record.result.output == "Oslo for 3 days"
+    raw = define_tool(functools.partial(_raw), name="raw", side_effect="pure", input_schema={"type": "object"})
+    assert raw.description == "Echoes its input."  # not functools.partial's own docstring
 
 
 def test_an_unannotated_parameter_is_a_clear_error() -> None:

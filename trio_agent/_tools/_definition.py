@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import re
 import typing
@@ -512,7 +513,8 @@ def _build_tool(
 ) -> Tool[Any]:
     if not callable(run):
         raise ToolDefinitionError(f"tool run must be an async function, got {run!r}")
-    tool_name = name if name is not None else getattr(run, "__name__", None)
+    function = _unwrap_partial(run)  # a partial is named and described by the function it wraps
+    tool_name = name if name is not None else getattr(function, "__name__", None)
     if not isinstance(tool_name, str) or not _NAME.fullmatch(tool_name):
         raise ToolDefinitionError(
             f"invalid tool name {tool_name!r}: must be 1-64 characters of letters, digits, '_' or '-'"
@@ -527,7 +529,10 @@ def _build_tool(
     effect = _enum_value(SideEffect, side_effect, where=f"tool {tool_name!r}: side_effect")
     tool_kind = _enum_value(ToolKind, kind, where=f"tool {tool_name!r}: kind")
     interrupt_behavior = _enum_value(InterruptBehavior, interrupt, where=f"tool {tool_name!r}: interrupt")
-    text = description if description is not None else inspect.getdoc(run)
+    text = description
+    if text is None:
+        # A callable object is described by its class's docstring, else its `__call__`'s.
+        text = inspect.getdoc(function) or inspect.getdoc(_annotated_function(run))
     if not text or not text.strip():
         raise ToolDefinitionError(f"tool {tool_name!r} has no description (pass description= or a docstring)")
 
@@ -616,7 +621,7 @@ def _signature_input(run: RunFn, tool_name: str) -> tuple[type, RunFn]:
     from ._context import ToolContext
 
     try:
-        hints = typing.get_type_hints(run)
+        hints = typing.get_type_hints(_annotated_function(run))
     except Exception as exc:
         raise ToolDefinitionError(
             f"tool {tool_name!r}: cannot resolve the annotations of its parameters ({exc!r})"
@@ -628,8 +633,7 @@ def _signature_input(run: RunFn, tool_name: str) -> tuple[type, RunFn]:
         if parameter.name == _CONTEXT_PARAMETER or annotation is ToolContext:
             if context is not None:
                 raise ToolDefinitionError(
-                    f"tool {tool_name!r}: parameters {context!r} and {parameter.name!r} both take the context; "
-                    "keep one"
+                    f"tool {tool_name!r}: parameters {context!r} and {parameter.name!r} both take the context; keep one"
                 )
             context = parameter.name
             continue
@@ -670,6 +674,23 @@ def _signature_input(run: RunFn, tool_name: str) -> tuple[type, RunFn]:
     return input_class, run_with_parameters
 
 
+def _unwrap_partial(run: Any) -> Any:
+    while isinstance(run, functools.partial):
+        run = run.func
+    return run
+
+
+def _annotated_function(run: Any) -> Any:
+    """Where the annotations (and the globals they are resolved in) of ``run``'s parameters are: the
+    function itself, a partial's function, or a callable object's ``__call__`` (not the instance,
+    whose class attributes' annotations are no parameters)."""
+    function = _unwrap_partial(run)
+    if inspect.isfunction(function) or inspect.ismethod(function):
+        return function
+    call = type(function).__call__
+    return call if inspect.isfunction(call) else function
+
+
 def _annotated_input_type(run: RunFn) -> type | None:
     """The input class (attrs class, dataclass or pydantic model) annotated on ``run``'s first
     parameter, if any (other annotations are ignored)."""
@@ -678,7 +699,7 @@ def _annotated_input_type(run: RunFn) -> type | None:
         return None
     annotation = parameters[0].annotation
     if isinstance(annotation, str):
-        namespace = dict(getattr(run, "__globals__", {}))
+        namespace = dict(getattr(_annotated_function(run), "__globals__", {}))
         try:
             annotation = eval(annotation, namespace)  # resolve just this one string annotation
         except Exception as exc:

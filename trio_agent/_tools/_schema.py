@@ -179,7 +179,13 @@ input_converter = cattrs.Converter(forbid_extra_keys=True, use_alias=True)
 _NONE = type(None)
 # The JSON type of a decoded value (input is JSON: exactly these types).
 _VALUE_KINDS: dict[type, str] = {
-    _NONE: "null", bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"
+    _NONE: "null",
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+    str: "string",
+    list: "array",
+    dict: "object",
 }
 _SCALAR_KINDS: dict[Any, str] = {_NONE: "null", bool: "boolean", int: "integer", float: "number", str: "string"}
 
