@@ -155,6 +155,88 @@ async def test_a_partial_is_named_described_and_typed_by_its_function() -> None:
     assert raw.description == "Echoes its input."  # not functools.partial's own docstring
 
 
+async def test_an_input_class_tool_may_take_no_context_or_take_it_by_keyword() -> None:
+    @define_tool(side_effect="pure", kind="readonly")
+    async def plain(query: Forecast) -> str:
+        """Without a context."""
+        return f"{query.city} for {query.days} days"
+
+    @define_tool(side_effect="pure", kind="readonly")
+    async def keyword(query: Forecast, *, context: ToolContext) -> str:
+        """With the context by keyword."""
+        return f"{query.city} in call {context.tool_call_id}"
+
+    pipeline = ToolPipeline([plain, keyword])
+    assert (await pipeline.execute(ToolCall("c1", "plain", {"city": "Oslo"}))).result.output == "Oslo for 1 days"
+    assert (await pipeline.execute(ToolCall("c2", "keyword", {"city": "Rome"}))).result.output == "Rome in call c2"
+
+
+@pytest.mark.parametrize("where", ["before the context", "after the context", "instead of the context"])
+def test_a_parameter_beside_an_input_class_without_a_default_is_refused_naming_it(where: str) -> None:
+    async def before(query: Forecast, limit: int, ctx: ToolContext) -> str:
+        return ""
+
+    async def after(query: Forecast, ctx: ToolContext, limit: int) -> str:
+        return ""
+
+    async def instead(query: Forecast, limit: int) -> str:
+        return ""
+
+    run = {"before the context": before, "after the context": after, "instead of the context": instead}[where]
+    with pytest.raises(ToolDefinitionError, match=r"run takes parameter 'limit' \(without a default\), but it is"):
+        define_tool(run, name="search", description="Search.", side_effect="pure")
+
+
+async def test_parameters_with_defaults_beside_the_input_keep_them() -> None:
+    tools = []
+    for kind in ("a", "b"):
+
+        async def bound(input: dict[str, Any], ctx: ToolContext, kind: str = kind) -> str:
+            return f"{kind} in call {ctx.tool_call_id}"
+
+        tools.append(
+            define_tool(
+                bound, name=f"bound_{kind}", description="d", side_effect="pure", input_schema={"type": "object"}
+            )
+        )
+
+    async def limited(query: Forecast, limit: int = 5, ctx: ToolContext | None = None) -> str:
+        assert ctx is not None  # given by keyword: `limit` keeps its default
+        return f"{query.city} x{limit} in call {ctx.tool_call_id}"
+
+    tools.append(define_tool(limited, description="d", side_effect="pure"))
+    pipeline = ToolPipeline(tools)
+    assert (await pipeline.execute(ToolCall("c1", "bound_a", {}))).result.output == "a in call c1"
+    assert (await pipeline.execute(ToolCall("c2", "bound_b", {}))).result.output == "b in call c2"
+    record = await pipeline.execute(ToolCall("c3", "limited", {"city": "Oslo"}))
+    assert record.result.output == "Oslo x5 in call c3"
+
+
+def test_a_schema_tool_must_take_its_input_positionally() -> None:
+    async def keyword_only(*, input: dict[str, Any], ctx: Any) -> str:
+        return ""
+
+    with pytest.raises(ToolDefinitionError, match="run must take the input as its first positional parameter"):
+        define_tool(keyword_only, description="d", side_effect="pure", input_schema={"type": "object"})
+
+
+async def test_schema_tools_keep_their_context_by_position_whatever_its_name() -> None:
+    async def named(input: dict[str, Any], context) -> str:  # type: ignore[no-untyped-def]
+        return context.tool_call_id  # type: ignore[no-any-return]
+
+    async def spread(*args: Any) -> str:
+        return str(args[1].tool_call_id)
+
+    tools = [
+        define_tool(run, description="d", side_effect="pure", input_schema={"type": "object"})
+        for run in (named, spread)
+    ]
+    assert tools[0].run is named and tools[1].run is spread  # called as they are
+    pipeline = ToolPipeline(tools)
+    assert (await pipeline.execute(ToolCall("c1", "named", {}))).result.output == "c1"
+    assert (await pipeline.execute(ToolCall("c2", "spread", {}))).result.output == "c2"
+
+
 def test_an_unannotated_parameter_is_a_clear_error() -> None:
     with pytest.raises(ToolDefinitionError, match="annotate parameter 'city'"):
 

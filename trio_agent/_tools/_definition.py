@@ -536,11 +536,16 @@ def _build_tool(
     if not text or not text.strip():
         raise ToolDefinitionError(f"tool {tool_name!r} has no description (pass description= or a docstring)")
 
+    from_parameters = False
     if input_type is None and input_schema is None:
         input_type = _annotated_input_type(run)
         if input_type is None:
             # `async def weather(city: str, units: str = "c", ctx=None)`: the parameters are the input.
             input_type, run = _signature_input(run, tool_name)
+            from_parameters = True
+    if not from_parameters:
+        # `async def run(input, ctx)`: the whole input is the first parameter.
+        run = _input_and_context(run, tool_name)
     if input_type is not None:
         if input_schema is not None:
             raise ToolDefinitionError(f"tool {tool_name!r}: give input_schema or input_type, not both")
@@ -672,6 +677,89 @@ def _signature_input(run: RunFn, tool_name: str) -> tuple[type, RunFn]:
     run_with_parameters.__doc__ = run.__doc__
     run_with_parameters.__wrapped__ = run  # type: ignore[attr-defined]
     return input_class, run_with_parameters
+
+
+def _is_context(parameter: inspect.Parameter, annotation: Any, position: int) -> bool:
+    """Whether *parameter*, after the input, takes the context: it is named ``ctx`` or annotated
+    ``ToolContext``, or it is the second positional one (``run(input, ctx)``) and says nothing else
+    (no annotation, one that cannot be resolved, ``Any``, ``object``)."""
+    from ._context import ToolContext
+
+    if parameter.name == _CONTEXT_PARAMETER or annotation is ToolContext:
+        return True
+    if ToolContext in typing.get_args(annotation):  # `ToolContext | None`
+        return True
+    positional = parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return positional and position == 1 and (annotation is None or annotation is Any or annotation is object)
+
+
+def _input_and_context(run: RunFn, tool_name: str) -> RunFn:
+    """``run`` checked to take the input first and, at most, the context: what is called as
+    ``run(input, ctx)``, adapted when it takes no context or takes it by keyword.
+
+    Other parameters are never given: one with a default keeps it (``kind: str = kind``, a loop's
+    value bound); one without raises `ToolDefinitionError` (``async def search(q: Query, limit:
+    int, ctx)``: ``limit`` would be missing from every call, and is no part of the schema).
+    """
+    try:
+        parameters = list(inspect.signature(run).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): called as it is
+        return run
+    if any(parameter.kind is inspect.Parameter.VAR_POSITIONAL for parameter in parameters[:2]):
+        return run  # `run(*args)`, `run(input, *args)`: takes both
+    if not parameters or parameters[0].kind not in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: run must take the input as its first positional parameter: "
+            "`async def run(input, ctx)`"
+        )
+    try:
+        hints = typing.get_type_hints(_annotated_function(run))
+    except Exception:  # a name only a type checker knows: judged by the names and positions alone
+        hints = {}
+    context: inspect.Parameter | None = None
+    for position, parameter in enumerate(parameters[1:], start=1):
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            continue
+        annotation = hints.get(parameter.name)
+        if context is None and _is_context(parameter, annotation, position):
+            context = parameter
+            continue
+        if parameter.default is not inspect.Parameter.empty:
+            continue  # never given: it keeps its default
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: run takes parameter {parameter.name!r} (without a default), but it is called "
+            f"as run(input, ctx): the input is its first parameter, so make {parameter.name!r} a field of the "
+            "input (or give every input as a typed parameter, `async def run(city: str, ctx)`)"
+        )
+    if context is None:
+        # `async def search(q: Query)`: no context wanted.
+        async def run_with_input(value: Any, ctx: ToolContext) -> Any:
+            return await run(value)  # type: ignore[call-arg]
+
+        return _adapted(run_with_input, run, tool_name)
+    if context is parameters[1] and context.kind is not inspect.Parameter.KEYWORD_ONLY:
+        return run  # `run(input, ctx)` itself
+    if context.kind is inspect.Parameter.POSITIONAL_ONLY:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: the context parameter {context.name!r} must come right after the input"
+        )
+    name = context.name
+
+    async def run_with_context_keyword(value: Any, ctx: ToolContext) -> Any:
+        call: Callable[..., Awaitable[Any]] = run
+        return await call(value, **{name: ctx})
+
+    return _adapted(run_with_context_keyword, run, tool_name)
+
+
+def _adapted(adapter: RunFn, run: RunFn, tool_name: str) -> RunFn:
+    adapter.__name__ = getattr(run, "__name__", tool_name)
+    adapter.__doc__ = run.__doc__
+    adapter.__wrapped__ = run  # type: ignore[attr-defined]
+    return adapter
 
 
 def _unwrap_partial(run: Any) -> Any:
