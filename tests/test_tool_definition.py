@@ -395,6 +395,14 @@ def test_valid_direct_schema_validates_input():
     assert tool.structure_input(value) is value
 
 
+def test_the_callers_schema_is_copied_at_definition():
+    schema = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+    tool = make(input_schema=schema)
+    schema["properties"]["x"]["type"] = "integer"  # a base schema reused for a second tool
+    assert tool.input_schema["properties"]["x"] == {"type": "string"}
+    assert tool.input_errors({"x": "a"}) == ()
+
+
 @pytest.mark.parametrize(
     "schema",
     [

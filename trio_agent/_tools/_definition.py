@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import functools
 import inspect
@@ -559,7 +560,9 @@ def _build_tool(
             raise ToolDefinitionError(
                 f"tool {tool_name!r}: input_schema must be a dict, got {type(input_schema).__name__}"
             )
-        schema = input_schema
+        # Our own copy: the caller's dict (a base schema reused for the next tool, say) may change
+        # later, and what the model is offered must stay what the validator was compiled from.
+        schema = copy.deepcopy(input_schema)
     if schema.get("type") != "object":
         raise ToolDefinitionError(
             f'tool {tool_name!r}: input_schema must describe an object ("type": "object"), got {schema.get("type")!r}'
