@@ -761,3 +761,65 @@ async def test_a_descendant_takes_a_path_its_ancestor_holds_and_unrelated_calls_
         await locks.acquire_all(paths, True, 1.0, owner="other/call_9", lineage=("root/other",))
     locks.release_all(held, exclusive=True, owner="root/task_1")
     assert locks.held() == {}
+
+
+async def test_a_descendant_writer_waits_for_an_unrelated_reader_beside_its_reading_ancestor(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from trio_agent._errors import FileLockTimeoutError
+    from trio_agent._tools._scheduler import FileLockManager
+
+    locks = FileLockManager()
+    paths = ("/w/a",)
+    parent = await locks.acquire_all(paths, False, 1.0, owner="root/task_1")  # a read-only task
+    reader = await locks.acquire_all(paths, False, 1.0, owner="root/read_7")  # an unrelated reader
+    # A shared request under the reading ancestor is covered: nothing is taken.
+    assert await locks.acquire_all(paths, False, 1.0, owner="sub-1/read_1", lineage=("root/task_1",)) == ()
+    taken: list[tuple[str, ...]] = []
+
+    async def child_writer() -> None:
+        taken.append(await locks.acquire_all(paths, True, 5.0, owner="sub-1/write_1", lineage=("root/task_1",)))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(child_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        assert taken == []  # the ancestor only reads: the unrelated reader keeps the writer out
+        assert locks.held() == {"/w/a": (2, False, 1)}
+        locks.release_all(reader, exclusive=False, owner="root/read_7")
+    # Only its ancestor reads now, and the ancestor waits for it: the writer goes in beside that read.
+    assert taken == [paths]
+    assert locks.held() == {"/w/a": (1, True, 0)}
+    # Meanwhile another reader waits for the writer.
+    with pytest.raises(FileLockTimeoutError):
+        await locks.acquire_all(paths, False, 1.0, owner="root/read_8")
+    locks.release_all(taken[0], exclusive=True, owner="sub-1/write_1")
+    locks.release_all(parent, exclusive=False, owner="root/task_1")
+    assert locks.held() == {}
+
+
+async def test_a_descendant_writer_goes_ahead_of_a_queued_writer_that_waits_for_its_reading_ancestor(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from trio_agent._tools._scheduler import FileLockManager
+
+    locks = FileLockManager()
+    paths = ("/w/a",)
+    parent = await locks.acquire_all(paths, False, 1.0, owner="root/task_1")
+    queued: list[tuple[str, ...]] = []
+
+    async def unrelated_writer() -> None:
+        queued.append(await locks.acquire_all(paths, True, 5.0, owner="root/write_9"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(unrelated_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        # The queued writer waits for the ancestor, the ancestor for its descendant: it goes first.
+        child = await locks.acquire_all(paths, True, 1.0, owner="sub-1/write_1", lineage=("root/task_1",))
+        assert child == paths
+        locks.release_all(child, exclusive=True, owner="sub-1/write_1")
+        await trio.testing.wait_all_tasks_blocked()
+        assert queued == []  # still behind the ancestor's read
+        locks.release_all(parent, exclusive=False, owner="root/task_1")
+    assert queued == [paths]
+    locks.release_all(queued[0], exclusive=True, owner="root/write_9")
+    assert locks.held() == {}

@@ -48,6 +48,7 @@ class _Waiter:
     owner: str | None = None
     event: trio.Event = attrs.field(factory=trio.Event)
     granted: bool = False
+    lineage: tuple[str, ...] = ()  # the calls it runs under (file locks only)
 
 
 class _Bucket:
@@ -152,42 +153,69 @@ class ToolScheduler:
 
 @attrs.define(eq=False)
 class _PathLock:
-    """A fair reader/writer lock: grants strictly in arrival order, so readers never starve a writer."""
+    """A fair reader/writer lock: grants strictly in arrival order, so readers never starve a writer.
+
+    Holds belong to the call tree (`FileLockManager`): a call's ancestors wait for it, so an
+    ancestor's hold never stands in its way where that hold already covers the call, and a call
+    may write where its ancestors (and no one else) only read.
+    """
 
     readers: int = 0
     writer: bool = False
     waiters: deque[_Waiter] = attrs.field(factory=deque)
     owners: list[str] = attrs.field(factory=list)  # the calls holding it (those that said who they are)
+    writer_owner: str | None = None  # the call holding it exclusively, if it said who it is
 
     def idle(self) -> bool:
         return self.readers == 0 and not self.writer and not self.waiters
 
-    def held_by_any(self, calls: Iterable[str]) -> bool:
+    def covers(self, exclusive: bool, lineage: tuple[str, ...]) -> bool:
+        """Whether an ancestor in *lineage* holds it in a way that covers the request: exclusively,
+        or at all for a shared request. (An ancestor that only reads does not cover a write: an
+        unrelated reader may hold it beside that ancestor.)"""
         owners = self.owners
-        return bool(owners) and any(call in owners for call in calls)
+        if not owners:
+            return False
+        if self.writer and self.writer_owner is not None and self.writer_owner in lineage:
+            return True
+        return not exclusive and any(call in lineage for call in owners)
 
-    def try_grant(self, exclusive: bool, owner: str | None = None) -> bool:
+    def _only_ancestors_read(self, lineage: tuple[str, ...]) -> bool:
+        """No writer, and every reader is an ancestor in *lineage*: they wait for the call, so it may
+        write (ahead of the queue: what is queued waits for those ancestors, who wait for it)."""
+        if self.writer or not lineage or not self.readers:
+            return False
+        return sum(1 for call in self.owners if call in lineage) == self.readers
+
+    def try_grant(self, exclusive: bool, owner: str | None = None, lineage: tuple[str, ...] = ()) -> bool:
+        if exclusive and lineage and self._only_ancestors_read(lineage):
+            self._grant(True, owner)
+            return True
         if self.waiters:
             return False
         if exclusive:
             if self.readers == 0 and not self.writer:
-                self.writer = True
-                self._own(owner)
+                self._grant(True, owner)
                 return True
             return False
         if not self.writer:
-            self.readers += 1
-            self._own(owner)
+            self._grant(False, owner)
             return True
         return False
 
-    def _own(self, owner: str | None) -> None:
+    def _grant(self, exclusive: bool, owner: str | None) -> None:
+        if exclusive:
+            self.writer = True
+            self.writer_owner = owner
+        else:
+            self.readers += 1
         if owner is not None:
             self.owners.append(owner)
 
     def release(self, exclusive: bool, owner: str | None = None) -> None:
         if exclusive:
             self.writer = False
+            self.writer_owner = None
         else:
             self.readers -= 1
         if owner is not None:
@@ -195,20 +223,29 @@ class _PathLock:
         self.wake()
 
     def wake(self) -> None:
-        while self.waiters:
-            head = self.waiters[0]
+        waiters = self.waiters
+        while waiters:
+            head = waiters[0]
             if head.exclusive:
-                if self.readers or self.writer:
-                    return
-                self.writer = True
-            else:
-                if self.writer:
-                    return
-                self.readers += 1
-            self.waiters.popleft()
-            self._own(head.owner)
-            head.granted = True
-            head.event.set()
+                if (self.readers or self.writer) and not self._only_ancestors_read(head.lineage):
+                    break
+            elif self.writer:
+                break
+            waiters.popleft()
+            self._hand_over(head)
+        if waiters and not self.writer:
+            # A writer queued behind the head whose only obstacle now is its ancestors' reads: it
+            # goes first (the head waits for those ancestors, and they for it).
+            for waiter in waiters:
+                if waiter.exclusive and self._only_ancestors_read(waiter.lineage):
+                    waiters.remove(waiter)
+                    self._hand_over(waiter)
+                    break
+
+    def _hand_over(self, waiter: _Waiter) -> None:
+        self._grant(waiter.exclusive, waiter.owner)
+        waiter.granted = True
+        waiter.event.set()
 
 
 class FileLockManager:
@@ -219,8 +256,10 @@ class FileLockManager:
 
     Locks belong to the call tree: a call that names its ``owner`` and its
     ``lineage`` (the calls it runs under, e.g. ``task`` -> subagent -> tool) takes a
-    path one of its ancestors holds without waiting (the ancestor waits for it, so
-    they never run at the same time); unrelated calls still wait.
+    path without waiting where an ancestor's hold covers it (the ancestor holds it
+    exclusively, or the call only reads), and writes a path that only its ancestors
+    read (they wait for it, so they never run at the same time). Otherwise it waits
+    like any call: an unrelated reader beside a reading ancestor keeps a writer out.
     """
 
     def __init__(self) -> None:
@@ -264,12 +303,12 @@ class FileLockManager:
         lock = self._locks.get(path)
         if lock is None:
             lock = self._locks[path] = _PathLock()
-        elif lineage and lock.held_by_any(lineage):
+        elif lineage and lock.covers(exclusive, lineage):
             await trio.lowlevel.checkpoint()
             return False  # an ancestor's hold covers this call
-        if lock.try_grant(exclusive, owner):
+        if lock.try_grant(exclusive, owner, lineage):
             return True
-        waiter = _Waiter(exclusive, owner)
+        waiter = _Waiter(exclusive, owner, lineage=lineage)
         lock.waiters.append(waiter)
         try:
             await waiter.event.wait()
