@@ -17,6 +17,7 @@ from trio_agent import (
     ToolContext,
     ToolResult,
     define_agent,
+    define_plugin,
     define_tool,
     open_session,
 )
@@ -26,6 +27,7 @@ from trio_agent._lifecycle._middleware import ChatMiddleware
 from trio_agent._loop._context import RunContext
 from trio_agent._loop._hooks import ModelConfig
 from trio_agent.journal import MemoryStore, open_journal
+from trio_agent.lifecycle import define_client_tool
 from trio_agent.models import RetryPolicy, ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, TestModel
 from trio_agent.tools import SchedulerLimits
@@ -184,6 +186,29 @@ class BadStore(ChatMiddleware):
 def test_bad_agent_options_raise_typed_errors(options: dict[str, Any], error: type[Exception]) -> None:
     with pytest.raises(error):
         define_agent(provider=TestModel(default=Reply("x")), **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "owner"),
+    [
+        pytest.param({"tools": [echo_tool()]}, "a tool and a client tool share the name 'echo'", id="tools"),
+        pytest.param(
+            {"plugins": [define_plugin(name="extras", tools=[echo_tool()])]},
+            "client tool 'echo' shares its name with a tool of plugin 'extras'",
+            id="plugin",
+        ),
+        pytest.param(
+            {"subagents": [SubagentDefinition("helper", "helps", "help")]},
+            "client tool 'task' shares its name with a built-in subagent tool",
+            id="builtin",
+        ),
+    ],
+)
+def test_a_client_tool_may_not_share_a_name_with_any_tool_of_the_agent(options: dict[str, Any], owner: str) -> None:
+    name = "task" if "subagents" in options else "echo"
+    tools = [*options.pop("tools", ()), define_client_tool(name, "runs in the client")]
+    with pytest.raises(ConfigError, match=owner):
+        define_agent(provider=TestModel(default=Reply("x")), tools=tools, **options)
 
 
 def test_a_provider_name_needs_a_model() -> None:

@@ -204,6 +204,8 @@ def define_agent(
         hook_deadlines=hook_deadlines,
         asks_by_pausing=permission_asks == "interrupt",
     )
+    if client_tools:
+        _check_client_tool_names(client_tools, parts.tools, task_tools, plugins)
     return AgentSpec(
         provider=provider,
         model=model,
@@ -224,3 +226,23 @@ def define_agent(
         interrupts=registered,
         client_tools=client_tools,
     )
+
+
+def _check_client_tool_names(
+    client_tools: Mapping[str, ClientTool],
+    registry: Mapping[str, Tool[Any]],
+    task_tools: TaskTools | None,
+    plugins: Sequence[Plugin],
+) -> None:
+    """A client tool may not share its name with any tool of the agent: ``tools=`` (checked as they are
+    split), a plugin's, or the built-in ``task`` tools (registered only after that split). The model
+    would be offered two tools of one name."""
+    for name in client_tools:
+        if name not in registry:
+            continue
+        if task_tools is not None and any(tool.name == name for tool in task_tools.tools):
+            owner = "a built-in subagent tool"
+        else:
+            found = (f"a tool of plugin {p.name!r}" for p in plugins if any(tool.name == name for tool in p.tools))
+            owner = next(found, "a tool")
+        raise ConfigError(f"client tool {name!r} shares its name with {owner}; the model would be offered both")
