@@ -71,7 +71,7 @@ def test_built_values_hash_and_pickle_like_constructed_ones() -> None:
 
 def test_identity_values_are_built_with_every_field() -> None:
     handle = ta.AbortHandle()
-    ctx = execution_context("s", "a", "r", "t", "c", "k", handle, _fence, ("x/y",), None)
+    ctx = execution_context("s", "a", "r", "t", "c", "k", handle, _fence, ("x/y",), None, None)
     expected = ta.ExecutionContext("s", "a", "r", "t", "c", "k", handle, _fence, ("x/y",), None)
     assert type(ctx) is ta.ExecutionContext
     for field in attrs.fields(ta.ExecutionContext):

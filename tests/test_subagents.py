@@ -1062,3 +1062,32 @@ async def test_start_subagent_under_another_agent_needs_a_known_agent_that_runs_
     [bg_request] = [e.request_id for e in bg_events if isinstance(e, RequestCompleted)]
     assert start.subagent_id == nested.id and start.request_id == bg_request
     assert not any(isinstance(e, SubagentStarted) and e.subagent_id == nested.id for e in await stream_events(session))
+
+
+async def test_one_spec_serves_subagents_to_two_sessions_with_one_session_id_in_two_stores() -> None:
+    from trio_agent import define_agent
+    from trio_agent.journal import MemoryStore
+
+    model = TestModel(
+        {
+            "go a": [Reply(tool_calls=[task("sub a")]), Reply(text="a done")],
+            "go b": [Reply(tool_calls=[task("sub b")]), Reply(text="b done")],
+            "sub a": [Reply(text="child a")],
+            "sub b": [Reply(text="child b")],
+        }
+    )
+    spec = define_agent(provider=model, subagents=[HELPER])
+    store_a, store_b = MemoryStore(), MemoryStore()
+    async with (
+        open_session(spec, journal=store_a, session_id="user-session") as a,
+        open_session(spec, journal=store_b, session_id="user-session") as b,
+    ):
+        # Each task call reaches the supervisor of the session that made it, not the first one opened.
+        for session, prompt, answer in ((b, "go b", "child b"), (a, "go a", "child a")):
+            assert await session.send(prompt) == prompt.replace("go", "").strip() + " done"
+            [message] = results(model.requests[-1])
+            assert message.content == answer and not message.is_error
+            [child] = children(session)
+            [started] = [e for e in await stream_events(session) if isinstance(e, SubagentStarted)]
+            assert started.subagent_id == child
+            assert any(isinstance(e, RequestCompleted) for e in await stream_events(session, child))

@@ -191,6 +191,19 @@ class _Options:
         self.unfinished = unfinished
 
 
+class _SessionKey:
+    """One open session's token (`ExecutionContext.session_key`): compared by identity, so two sessions
+    with one session_id (in two stores) are two keys."""
+
+    __slots__ = ("session_id",)
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+
+    def __repr__(self) -> str:
+        return f"<session {self.session_id!r} key {id(self):#x}>"
+
+
 class _SessionBlock:
     """``async with open_session(...)``: what the block opens, in order, and leaves in reverse.
 
@@ -208,7 +221,7 @@ class _SessionBlock:
         self._journal_cm: AbstractAsyncContextManager[DurableJournal] | None = None
         self._nursery_cm: AbstractAsyncContextManager[trio.Nursery] | None = None
         self._nursery: trio.Nursery | None = None
-        self._routed: tuple[TaskTools, str] | None = None  # the spec's task tools route this session
+        self._routed: tuple[TaskTools, _SessionKey] | None = None  # the spec's task tools route this session
         self._session: Session | None = None  # from the start of its life on: it must be closed
 
     async def __aenter__(self) -> Session:
@@ -302,6 +315,8 @@ class _SessionBlock:
         engine = spec.parts.session_engine(journal_permissions(durable), agents)
         # What a person answered by resuming a paused request, per call, for the permission stage.
         decided: dict[tuple[str, str], StageDecision] = {}
+        # This open session's own token: the spec's shared task tools find its supervisor by it.
+        session_key = _SessionKey(durable.session_id)
         pipeline = ToolPipeline(
             spec.parts.tools.values(),
             middleware=spec.parts.tool_middleware,
@@ -313,6 +328,7 @@ class _SessionBlock:
             unwind_grace=spec.unwind_grace,
             settle_grace=cleanup_grace,
             history_limit=0,  # the journal is the session's record of its calls
+            session_key=session_key,
         )
         host = SessionHost(
             journal=durable,
@@ -346,8 +362,8 @@ class _SessionBlock:
         session = Session(host=host, queue=queue, supervisor=supervisor, nursery=nursery, close_timeout=close_timeout)
         task_tools = spec.task_tools
         if task_tools is not None:
-            task_tools.route(durable.session_id, supervisor)
-            self._routed = (task_tools, durable.session_id)
+            task_tools.route(session_key, supervisor)
+            self._routed = (task_tools, session_key)
         queue.serve_in(nursery, host.run_request)
         self._session = session
         await session._start(spec.parts.tools, seed, keep_requests=unfinished == "keep")

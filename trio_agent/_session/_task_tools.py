@@ -1,9 +1,11 @@
 """The built-in ``task`` and ``task_output`` tools (registered when an agent defines subagents).
 
 The tools are defined once per agent spec and shared by all its sessions; a call
-finds its own session's `SubagentSupervisor` by the call's session id in
-`TaskTools`, where each session registers its supervisor for its lifetime
-(`TaskTools.route`, `TaskTools.unroute`). They use the supervisor's public methods only.
+finds its own session's `SubagentSupervisor` by the call's ``session_key`` (the token of
+the open session whose pipeline runs it: not its session id, which two sessions in two
+stores may share) in `TaskTools`, where each session registers its supervisor for its
+lifetime (`TaskTools.route`, `TaskTools.unroute`). They use the supervisor's public
+methods only.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import trio
 
-from .._errors import RequestAbortedError, SessionBusyError
+from .._errors import RequestAbortedError
 from .._tools._context import ToolContext
 from .._tools._definition import SideEffect, Tool, ToolKind, define_tool
 from .._tools._results import ToolErrorType, ToolResult
@@ -29,20 +31,22 @@ class TaskTools:
     """The two tools, and which supervisor serves each open session."""
 
     def __init__(self) -> None:
-        self._supervisors: dict[str, SubagentSupervisor] = {}
+        self._supervisors: dict[object, SubagentSupervisor] = {}
         self.tools: tuple[Tool[Any], ...] = (self._task_tool(), self._task_output_tool())
 
-    def route(self, session_id: str, supervisor: SubagentSupervisor) -> None:
-        """Route the calls of session *session_id* to *supervisor* (until `unroute`)."""
-        if session_id in self._supervisors:
-            raise SessionBusyError(f"session {session_id!r} is already open with this agent spec")
-        self._supervisors[session_id] = supervisor
+    def route(self, session_key: object, supervisor: SubagentSupervisor) -> None:
+        """Route the calls made with *session_key* (an open session's own token) to *supervisor*
+        (until `unroute`)."""
+        if session_key is None or session_key in self._supervisors:
+            raise ValueError(f"session key {session_key!r} is not one open session's own")
+        self._supervisors[session_key] = supervisor
 
-    def unroute(self, session_id: str) -> None:
-        del self._supervisors[session_id]
+    def unroute(self, session_key: object) -> None:
+        del self._supervisors[session_key]
 
     def _supervisor(self, ctx: ToolContext) -> SubagentSupervisor | None:
-        return self._supervisors.get(ctx.session_id)
+        key = ctx.execution.session_key
+        return None if key is None else self._supervisors.get(key)
 
     def _task_tool(self) -> Tool[Any]:
         @define_tool(

@@ -77,6 +77,10 @@ class ExecutionContext:
     _fence: Callable[[], int | None] = attrs.field(repr=False)
     lineage: tuple[str, ...] = ()
     _ensure: Callable[[], Awaitable[None]] | None = attrs.field(default=None, repr=False)
+    # Which open session runs the call (its pipeline's `session_key`): an opaque token, since two
+    # sessions may share a session_id (in two stores) and tools shared by a spec's sessions must
+    # still tell them apart. None outside a session.
+    session_key: object = attrs.field(default=None, repr=False)
 
     @property
     def fencing_token(self) -> int | None:
@@ -138,6 +142,7 @@ execution_context: Callable[
         Callable[[], int | None],
         tuple[str, ...],
         Callable[[], Awaitable[None]] | None,
+        object,
     ],
     ExecutionContext,
 ] = constructor(ExecutionContext)

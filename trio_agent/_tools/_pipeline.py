@@ -662,6 +662,8 @@ class ToolPipeline:
         settle_grace: deadline for a shielded settlement write (default 10 s).
         workspace: base directory for relative affected paths (default: the working directory).
         history_limit: how many settled calls `history` keeps (default 10,000).
+        session_key: an opaque token of the session whose calls this pipeline runs, given to each
+            call as ``ExecutionContext.session_key`` (default ``None``).
     """
 
     def __init__(
@@ -680,6 +682,7 @@ class ToolPipeline:
         settle_grace: float = 10.0,
         workspace: str | None = None,
         history_limit: int = 10_000,
+        session_key: object = None,
     ) -> None:
         registry: dict[str, Tool[Any]] = {}
         for tool in tools:
@@ -734,6 +737,7 @@ class ToolPipeline:
         if isinstance(history_limit, bool) or not isinstance(history_limit, int) or history_limit < 0:
             raise ConfigError(f"history_limit must be a whole number >= 0, got {history_limit!r}")
         self.workspace = workspace
+        self.session_key = session_key
         # No history kept: one shared empty deque (appending to it keeps nothing), not ~600 bytes each.
         self.history: deque[ToolExecutionRecord] = deque(maxlen=history_limit) if history_limit else _NO_HISTORY
         # Calls whose tool is running, keyed by the moment their cleanup would overrun.
@@ -808,7 +812,7 @@ class ToolPipeline:
         call_abort = AbortHandle()
         ctx = execution_context(
             origin.session_id, origin.agent_id, origin.request_id, origin.turn_id, call.id, key,
-            call_abort, self._fence, origin.lineage, self._ensure,
+            call_abort, self._fence, origin.lineage, self._ensure, self.session_key,
         )  # fmt: skip
         state = _Call(self, tool, scheduled, ctx, on_item, json_copy(call.input), clock)
         has_unwind = self._has_unwind
