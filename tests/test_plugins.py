@@ -339,6 +339,23 @@ def test_plugin_tools_pass_the_same_filters_as_every_tool() -> None:
         resolved.select(allowed="review")
 
 
+def test_plugins_md_documents_select_as_it_is() -> None:
+    import inspect
+    import re
+    from pathlib import Path
+
+    from trio_agent._session._plugins import ResolvedPlugins
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
+    documented = re.findall(r"select\(((?:[^()]|\(\))*)\)", text)  # `()` may stand inside: `disallowed=()`
+    assert documented  # the page shows the call
+    parameters = set(inspect.signature(ResolvedPlugins.select).parameters) - {"self"}
+    for arguments in documented:
+        # Every keyword the page names (`allowed=None`, `*, disallowed=()`) is one select takes.
+        named = set(re.findall(r"(\w+)\s*=", arguments))
+        assert named <= parameters, f"docs/plugins.md: select({arguments}) names {named - parameters}"
+
+
 # -- end to end: plugin hooks and tools in one pipeline ------------------------------------------
 
 

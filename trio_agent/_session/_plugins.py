@@ -55,7 +55,7 @@ class MiddlewareConfigError(ConfigError, MiddlewareShapeError):
 
 
 class TrustLevel(enum.Enum):
-    """How far a tool's source is trusted; a session's tool-source policy may filter on it."""
+    """How far a tool's source is trusted (recorded on each `RegisteredTool`; nothing filters on it)."""
 
     TRUSTED = "trusted"  # built-in tools and the session's own tools
     WORKSPACE = "workspace"  # plugin tools
