@@ -185,6 +185,22 @@ async def test_an_exact_allow_rule_and_a_whole_tool_allow_still_grant_what_they_
     assert bash_ran(ran) == {command}
 
 
+async def test_a_path_deny_rule_sees_the_path_with_dot_segments_and_doubled_separators_resolved() -> None:
+    # Content rules are prefixes: /home/u//.ssh/k, /home/u/./.ssh/k, /home/x/../u/.ssh/k and
+    # //home/u/.ssh/k all read /home/u/.ssh/k but slipped past the deny rule.
+    spellings = [
+        "/home/u//.ssh/k",
+        "/home/u/./.ssh/k",
+        "/home/x/../u/.ssh/k",
+        "//home/u/.ssh/k",
+        "/home/u/.ssh/",
+        " /home/u/.ssh/k ",
+    ]
+    calls = [("Read", {"file_path": path}) for path in [*spellings, "/home/u/notes.txt"]]
+    ran, _, _ = await run_calls(calls, permissions={"deny": ["Read:/home/u/.ssh/*"]}, permission_mode="bypass")
+    assert [inp["file_path"] for name, inp in ran if name == "Read"] == ["/home/u/notes.txt"]
+
+
 @pytest.mark.parametrize("explicit", [False, True], ids=["command-field", "signature_content"])
 async def test_deny_bash_rm_in_bypass_mode(explicit: bool) -> None:
     """The issue's case: ``deny: ["Bash:rm *"]`` in bypass; ``rm -rf build`` must not run, the rest must."""

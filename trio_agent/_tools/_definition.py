@@ -6,6 +6,7 @@ import copy
 import enum
 import functools
 import inspect
+import posixpath
 import re
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -86,6 +87,21 @@ class InterruptBehavior(enum.Enum):
 
 _SIDE_EFFECT_RANK = {SideEffect.PURE: 0, SideEffect.IDEMPOTENT: 1, SideEffect.NON_IDEMPOTENT: 2}
 _KIND_RANK = {ToolKind.READONLY: 0, ToolKind.WRITE: 1, ToolKind.EXECUTE: 2}
+
+
+# The conventional signature fields that hold a file path (`SIGNATURE_FIELDS`).
+_PATH_FIELDS = frozenset({"file_path", "path"})
+
+
+def normal_path(path: str) -> str:
+    """*path* as a path rule sees it: ``.`` and ``..`` segments and repeated separators resolved
+    lexically (symlinks are not followed: the path policy judges where a path really leads). A
+    leading ``//``, which POSIX lets a system read its own way, is one ``/`` here; a trailing
+    ``/`` stays (``Read:/etc/ssh/*`` must still match ``/etc/ssh/``)."""
+    normal = posixpath.normpath(path)
+    if normal.startswith("//"):
+        normal = normal[1:]
+    return normal + "/" if path.endswith("/") and not normal.endswith("/") else normal
 
 
 @attrs.frozen
@@ -249,15 +265,20 @@ class Tool(Generic[In]):
 
         ``signature_content(value)`` when given, else the value of `signature_field`
         with surrounding whitespace stripped (so ``"  rm -rf x"`` still matches
-        ``Bash:rm *``). Raises `TypeError` if ``signature_content`` returns
-        something other than a string or ``None``, and what it raises.
+        ``Bash:rm *``); a path field (``file_path``, ``path``) is also normalised
+        lexically (`normal_path`), so ``/home/u//.ssh/k`` or ``/home/x/../u/.ssh/k``
+        is matched as ``/home/u/.ssh/k``. Raises `TypeError` if ``signature_content``
+        returns something other than a string or ``None``, and what it raises.
         """
         fn = self.signature_content
         if fn is not None:
             content: object = fn(value)
         elif self._signature_field is not None:
-            raw = value.get(self._signature_field) if isinstance(value, dict) else None
+            field = self._signature_field
+            raw = value.get(field) if isinstance(value, dict) else None
             content = raw.strip() if isinstance(raw, str) else None
+            if content and field in _PATH_FIELDS:
+                content = normal_path(content)
         else:
             return None
         if content is None:
