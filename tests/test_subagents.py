@@ -1091,3 +1091,46 @@ async def test_one_spec_serves_subagents_to_two_sessions_with_one_session_id_in_
             [started] = [e for e in await stream_events(session) if isinstance(e, SubagentStarted)]
             assert started.subagent_id == child
             assert any(isinstance(e, RequestCompleted) for e in await stream_events(session, child))
+
+
+async def test_a_background_subagent_whose_acceptance_fails_does_not_hold_up_the_close(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Its request never ran, so nothing finished it: the close waited for it until close_timeout.
+    from trio_agent import JournalUnavailableError, TrioAgentError
+    from trio_agent._journal._store import AppendTicket
+    from trio_agent.journal import MemoryStore, RequestAccepted
+
+    class DiesWithTheSubagentsAcceptance(MemoryStore):
+        """The subagent's request_accepted write fails after a while, and every write after it."""
+
+        def __init__(self, nursery: trio.Nursery) -> None:
+            super().__init__()
+            self.nursery = nursery
+            self.dead = False
+
+        def submit(self, batch: Any) -> AppendTicket:
+            accepting = any(isinstance(e.event, RequestAccepted) for e in batch.envelopes)
+            if self.dead or (accepting and "/helper-" in batch.stream_id):
+                ticket = AppendTicket(batch)
+                if self.dead:
+                    ticket._resolve(JournalUnavailableError("the store died"))
+                    return ticket
+                self.dead = True
+
+                async def fail_later() -> None:
+                    await trio.sleep(0.2)
+                    ticket._resolve(JournalUnavailableError("the store died"))
+
+                self.nursery.start_soon(fail_later)
+                return ticket
+            return super().submit(batch)
+
+    model = TestModel({"go": [Reply(tool_calls=[task("sub", background=True)]), Reply(text="root done")]})
+    async with trio.open_nursery() as nursery:
+        store = DiesWithTheSubagentsAcceptance(nursery)
+        started = trio.current_time()
+        with pytest.raises(TrioAgentError):
+            async with open_session(provider=model, journal=store, subagents=[HELPER], close_timeout=3) as session:
+                await session.send("go")
+        assert trio.current_time() - started < 3

@@ -448,6 +448,10 @@ class SubagentSupervisor:
         host = self.host
         agent = handle.agent
         handle._request = handle._work_scope = None
+        if not request.done.is_set():
+            # It never ran (its start or acceptance failed, or it was cancelled first): nothing
+            # else finishes it, and the session's close waits for it.
+            request.finish()
         record = host.journal.projection(agent.agent_id).request(request.request_id)
         if cancelled and record is not None and record.state is RequestState.COMPLETED:
             cancelled = False  # the work finished (durably) before the cancel arrived
@@ -569,6 +573,8 @@ class SubagentSupervisor:
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, status, False, request.text[:200]))
             host.agents.pop(agent.agent_id, None)  # it will make no more calls
+            if not request.done.is_set():
+                request.finish()  # it never ran: its stream channels end, nothing waits for it
         if request.error is not None:
             raise request.error
         return request.text
