@@ -33,6 +33,9 @@ def test_version() -> None:
         (("demo", "--model", "gpt-x"), "--model needs --provider"),
         (("demo", "--calls", "0"), "0 is not >= 1"),
         (("demo", "--calls", "-1"), "-1 is not >= 1"),
+        (("serve", "--model", "gpt-x"), "--model needs --provider"),  # it was silently ignored
+        (("serve", "--port", "70000"), "70000 is not a port"),  # a traceback from bind()
+        (("worker", "--lease-ttl", "1e9"), "at most"),  # a misleading "cannot connect" from the server
     ],
 )
 def test_options_that_would_be_silently_changed_are_refused(args: tuple[str, ...], words: str) -> None:
@@ -70,6 +73,60 @@ def test_ctrl_c_in_the_demo_is_one_line() -> None:
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
     assert stderr.strip() == "interrupted"
+
+
+def test_serve_with_a_journal_it_cannot_open_says_why_in_one_line_before_announcing_anything(
+    tmp_path: Path,
+) -> None:
+    done = run_cli("serve", "--port", "0", "--journal", str(tmp_path / "missing" / "threads.db"))
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: JournalUnavailableError"), done.stderr
+    assert "chat page" not in done.stdout
+
+
+def _started(command: list[str], ready: str) -> subprocess.Popen[str]:
+    """The command line running *command*, once it printed a line holding *ready*."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trio_agent", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        preexec_fn=_sigint_default,
+    )
+    assert process.stdout is not None
+    for line in process.stdout:
+        if ready in line:
+            return process
+    raise AssertionError(f"{command} ended before printing {ready!r}: {process.communicate()}")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize(
+    ("stop", "status", "said"), [(signal.SIGINT, 130, "stopped"), (signal.SIGTERM, 143, "stopped (SIGTERM)")]
+)
+def test_serve_stops_on_ctrl_c_and_sigterm_in_one_line(
+    tmp_path: Path, stop: signal.Signals, status: int, said: str
+) -> None:
+    # Ctrl-C came out of trio's nursery as a group (a traceback, status 1); SIGTERM killed it outright.
+    process = _started(["serve", "--port", "0", "--journal", str(tmp_path / "threads.db")], "chat page on")
+    process.send_signal(stop)
+    _, stderr = process.communicate(timeout=60)
+    assert (process.returncode, stderr.strip().splitlines()[-1]) == (status, said)  # after the server's log line
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_sigterm_in_the_demo_closes_its_session_as_ctrl_c_does(tmp_path: Path) -> None:
+    # SIGTERM killed the process: the lease stayed held, no session_closed, the workspace left behind.
+    journal = tmp_path / "demo.db"
+    process = _started(["demo", "--calls", "2000", "--journal", str(journal)], "")
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert (process.returncode, stderr.strip()) == (143, "terminated")
+    shown = run_cli("journal", "show", str(journal))
+    assert "not held" in shown.stdout and "session closed" in shown.stdout, shown.stdout
 
 
 async def journal_with_a_subagent(path: Path) -> None:

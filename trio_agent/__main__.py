@@ -8,6 +8,7 @@ import os
 import sys
 from importlib import metadata
 
+from ._config import MAX_TIMEOUT
 from ._demo import run_demo
 
 
@@ -26,8 +27,18 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is not a positive, finite number of seconds")
+    if not 0 < value <= MAX_TIMEOUT:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds above 0 and at most {MAX_TIMEOUT:g}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0 to 65535; 0: any free port)")
     return value
 
 
@@ -65,7 +76,7 @@ def _main(argv: list[str] | None) -> int:
     demo.add_argument("--journal", default=None, help="keep the SQLite journal at this path (default: a temp file)")
     serve = commands.add_parser("serve", help="serve an agent over AG-UI (offline test model by default)")
     serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="the port (default 8000; 0: any free port)")
+    serve.add_argument("--port", type=_port, default=8000, help="the port (default 8000; 0: any free port)")
     serve.add_argument(
         "--provider", choices=["openai", "anthropic"], default=None, help="serve a real model (needs its API key)"
     )
@@ -133,12 +144,15 @@ def _main(argv: list[str] | None) -> int:
         return _cli.run_listing(args.command, dsn=args.dsn, schema=args.schema, as_json=args.json)
     if args.command == "demo":
         if args.model is not None and args.provider is None:
-            parser.error(
+            demo.error(
                 "--model needs --provider (openai or anthropic); without it the offline test model plays every agent"
             )
         return run_demo(calls=args.calls, provider=args.provider, model=args.model, journal=args.journal)
     if args.command == "serve":
         from ._web._cli import run_serve
+
+        if args.model is not None and args.provider is None:
+            serve.error("--model needs --provider (openai or anthropic); without it the offline test model answers")
 
         return run_serve(
             host=args.host,

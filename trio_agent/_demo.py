@@ -69,6 +69,7 @@ from . import (
 )
 from ._groups import unwrap_for_boundary  # the demo's own Ctrl-C handling, not an API
 from ._journal._inspect import summarize_calls  # what `python -m trio_agent journal` prints
+from ._terminate import TERMINATED, until_terminated
 from .journal import EventEnvelope, ModelAttemptCompleted, RequestCompleted, ToolStarted, open_sqlite_store
 from .models import (
     AssistantMessage,
@@ -643,7 +644,8 @@ def run_demo(
         print(f"error: --calls must be at least 1, not {calls}", file=sys.stderr)
         return 2
     try:
-        trio.run(functools.partial(_demo, stream, calls=calls, provider=provider, model=model, journal=journal))
+        demo = functools.partial(_demo, stream, calls=calls, provider=provider, model=model, journal=journal)
+        terminated = trio.run(until_terminated, demo)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -664,4 +666,7 @@ def run_demo(
     except Exception as exc:  # e.g. a real model refused the request, or the network is down
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    if terminated:
+        print("terminated", file=sys.stderr)
+        return TERMINATED
     return 0

@@ -10,13 +10,18 @@ from typing import Any
 
 import trio
 
+from .._errors import ConfigError, TrioAgentError
+from .._groups import unwrap_for_boundary
+from .._terminate import TERMINATED, until_terminated
+
 __all__ = ["run_serve"]
 
 
 def run_serve(
     *, host: str, port: int, provider: str | None, model: str | None, token: str | None, journal: str | None = None
 ) -> int:
-    """Serve until Ctrl-C. Loopback needs no token; any other host does (never open by accident)."""
+    """Serve until Ctrl-C or SIGTERM. Loopback needs no token; any other host does (never open by
+    accident). Every failure is one ``error: ...`` line and a non-zero status, never a traceback."""
     loopback = host in ("127.0.0.1", "localhost", "::1")
     if not loopback and not token:
         print(f"error: serving on {host} needs --token (clients send 'Authorization: Bearer <token>')", file=sys.stderr)
@@ -24,22 +29,36 @@ def run_serve(
     if provider is not None and not model:
         print(f"error: --model is required with --provider {provider}", file=sys.stderr)
         return 2
+    serving = functools.partial(_serve, host=host, port=port, provider=provider, model=model, token=token)
     try:
-        serving = functools.partial(_serve, host=host, port=port, provider=provider, model=model, token=token)
         if journal is not None:
-            trio.run(functools.partial(serving, journal=journal))
+            terminated = trio.run(until_terminated, functools.partial(serving, journal=journal))
         else:
             with tempfile.TemporaryDirectory() as directory:
-                trio.run(functools.partial(serving, journal=os.path.join(directory, "threads.db")))
-    except KeyboardInterrupt:
-        print("stopped", file=sys.stderr)
-        return 130
+                path = os.path.join(directory, "threads.db")
+                terminated = trio.run(until_terminated, functools.partial(serving, journal=path))
+    except BaseException as raised:
+        exc = unwrap_for_boundary(raised) if isinstance(raised, BaseExceptionGroup) else raised
+        if isinstance(exc, KeyboardInterrupt):
+            print("stopped", file=sys.stderr)
+            return 130
+        if isinstance(exc, ConfigError):  # e.g. ProviderConfigError: no API key
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, (TrioAgentError, OSError, OverflowError)):  # the journal, the address, the port
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        raise
+    if terminated:
+        print("stopped (SIGTERM)", file=sys.stderr)
+        return TERMINATED
     return 0
 
 
 async def _serve(
     *, host: str, port: int, provider: str | None, model: str | None, token: str | None, journal: str
 ) -> None:
+    from .._journal._sqlite import open_sqlite_store
     from .._models._providers import create_provider
     from ._app import bearer_token, create_app, local_only
     from ._offline import offline_agent
@@ -52,8 +71,9 @@ async def _serve(
         print("the offline test model answers (no API key needed); --provider and --model for a real one")
     else:
         chosen, tools, options = create_provider(provider, model or ""), [], {}
-    app = create_app(chosen, auth=auth, tools=tools, threads=journal, **options)
-    async with trio.open_nursery() as nursery:
+    # The journal opens before the port is bound: a bad path fails before anything is announced.
+    async with open_sqlite_store(journal) as store, trio.open_nursery() as nursery:
+        app = create_app(chosen, auth=auth, tools=tools, threads=store, **options)
         binds = await nursery.start(functools.partial(serve, app, host=host, port=port))
         for bind in binds:
             page = f"{bind}/#token={token}" if token else f"{bind}/"
