@@ -7,6 +7,7 @@ autojump clock where a tool or the model would otherwise wait).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -276,6 +277,39 @@ async def test_abort_during_a_tool_interrupts_the_request_durably(autojump_clock
         # Aborting with nothing running is a no-op; the session keeps working.
         await session.abort()
         assert await session.send("again") == "fine"
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["completed", "failed"])
+@pytest.mark.parametrize("how", ["events.abort", "session.abort", "session.close"])
+async def test_abort_wakes_the_final_done_event_waiting_on_a_reader_that_does_not_read(
+    how: str, fails: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    # 255 text deltas and the usage event fill the stream's 256 slots: the request's end is
+    # recorded, and its DoneEvent (completed, or failed: sent under the cleanup shield) waits
+    # on the full channel. An abort from the reader's own task must wake that send.
+    words = " ".join(["w"] * 300)
+    reply = Reply(text=words, fail_after_chunks=256) if fails else Reply(text=words[: 255 * 2 - 1])
+    store = MemoryStore()
+    async with open_session(provider=TestModel(default=reply), journal=store) as session:
+        async with session.stream("hi") as events:
+            await trio.testing.wait_all_tasks_blocked()
+            journal = await events_of(store, session.journal.stream_id())
+            ended = of_type(journal, RequestFailed if fails else RequestCompleted)
+            assert len(ended) == 1  # recorded: only the DoneEvent's send is left
+            with trio.fail_after(10):  # well under cleanup_grace (30 s), which bounds the failed send
+                if how == "events.abort":
+                    await events.abort()
+                elif how == "session.abort":
+                    await session.abort()
+                else:
+                    await session.close()
+            # The stream ends (its channel closed) with what fitted; the DoneEvent was dropped.
+            seen: list[Any] = []
+            with pytest.raises(TrioAgentError) if fails else contextlib.nullcontext():
+                async for event in events:
+                    seen.append(event)
+            assert len(seen) == 256 and not any(isinstance(event, DoneEvent) for event in seen)
+        assert session._queue.current is None or session._queue.current.done.is_set()
 
 
 async def test_abort_during_the_model_call_records_the_aborted_attempt() -> None:

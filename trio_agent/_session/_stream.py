@@ -7,15 +7,16 @@ Rules
   into a bounded channel (backpressure), a message that joins a running request
   tees a second channel onto it.
 * A forward never blocks once the request is aborted: the reader may be the very
-  task waiting in ``abort()``, so a full channel then drops events, and the end of
-  the stream is signalled by closing the channel.
+  task waiting in ``abort()`` (or ``close()``, which aborts it), so a full channel
+  then drops events, and the end of the stream is signalled by closing the channel.
+  A send already waiting on a full channel when the abort comes is woken and drops
+  its event too, the request's final `DoneEvent` included.
 * A stream ends at the request's `DoneEvent`, or when its channel closes; either
   way the reader learns a failure from the request itself (`RequestEnding`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -46,17 +47,33 @@ class EventForward:
             await trio.lowlevel.checkpoint()
             return
         try:
-            if self.abort is not None and self.abort.aborted:
-                with contextlib.suppress(trio.WouldBlock):
-                    self.send.send_nowait(event)
-                await trio.lowlevel.checkpoint()
+            # What trio's own send() does while the channel has room: no cancel scope per event.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                self.send.send_nowait(event)
+            except trio.WouldBlock:
+                await self._send_unless_aborted(event)
             else:
-                await self.send.send(event)
+                await trio.lowlevel.cancel_shielded_checkpoint()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.closed = True
         if isinstance(event, DoneEvent):
             self.close_now()
             await trio.lowlevel.checkpoint()
+
+    async def _send_unless_aborted(self, event: SessionEvent) -> None:
+        """Wait for room for *event*, unless the request is (or gets) aborted: then drop it."""
+        abort = self.abort
+        if abort is None:
+            await self.send.send(event)
+            return
+        with trio.CancelScope() as waiting:
+            # An abort from any task (the reader's own abort(), a close) wakes the waiting send.
+            token = abort.add_listener(lambda _abort: waiting.cancel())
+            try:
+                await self.send.send(event)
+            finally:
+                abort.remove_listener(token)
 
     def close_now(self) -> None:
         """End the stream (the reader sees the end and learns the outcome from the request)."""
