@@ -18,6 +18,7 @@ from tests.test_journal_durable import GatedStore
 from tests.test_session import events_of, gated_tool, of_type, unsettled_requests
 from trio_agent import (
     AbortReason,
+    HookEvent,
     MiddlewareConfig,
     ModelMiddleware,
     PermissionDeniedEvent,
@@ -34,6 +35,7 @@ from trio_agent.journal import (
     RequestAccepted,
     RequestInterrupted,
     RequestInterruptReason,
+    SessionClosed,
     SubagentCancelled,
     SubagentCompleted,
     SubagentStarted,
@@ -371,6 +373,29 @@ async def test_a_stuck_stream_clean_up_is_bounded_by_cleanup_grace(
     # Leaving the block is bounded too.
     assert trio.current_time() - start <= 1 + 2 + 5 + 0.01
     assert any("overran" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize("how", ["block", "close"])
+async def test_a_close_that_overruns_close_timeout_is_abandoned_and_logged_not_raised(
+    how: str, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def slow_end(input: Any) -> None:
+        await trio.sleep(3)
+
+    store = MemoryStore()
+    model = TestModel(default=Reply(text="ok"))
+    start = trio.current_time()
+    async with open_session(
+        provider=model, journal=store, close_timeout=1, hooks={HookEvent.SESSION_END: [slow_end]}
+    ) as session:
+        assert await session.send("hi") == "ok"
+        if how == "close":
+            await session.close()
+    assert trio.current_time() - start <= 1 + 0.01
+    overran = [record.getMessage() for record in caplog.records if "overran" in record.getMessage()]
+    assert overran and "close_timeout" in overran[0]
+    # Abandoned before session_closed: the stream is left open, for recovery on reopen.
+    assert not of_type(await events_of(store, session.journal.stream_id()), SessionClosed)
 
 
 def granting_tool() -> Any:

@@ -36,11 +36,12 @@ class bounded_shield:  # lower-case: used like trio's own context managers
     the bound cut the clean-up short (then a WARNING was logged).
     """
 
-    __slots__ = ("_scope", "_started", "grace", "layer")
+    __slots__ = ("_scope", "_started", "bound", "grace", "layer")
 
-    def __init__(self, grace: float, layer: str) -> None:
+    def __init__(self, grace: float, layer: str, *, bound: str = "cleanup_grace") -> None:
         self.grace = grace
         self.layer = layer
+        self.bound = bound  # the option that set *grace*, named in the warning
         self._started = 0.0
 
     def __enter__(self) -> trio.CancelScope:
@@ -58,9 +59,10 @@ class bounded_shield:  # lower-case: used like trio's own context managers
         suppressed = self._scope.__exit__(exc_type, exc, tb)
         if self._scope.cancelled_caught:
             logger.warning(
-                "clean-up of %s overran its %.3g s bound (cleanup_grace) after %.3g s; it was abandoned",
+                "clean-up of %s overran its %.3g s bound (%s) after %.3g s; it was abandoned",
                 self.layer,
                 self.grace,
+                self.bound,
                 trio.current_time() - self._started,
             )
         return suppressed

@@ -514,16 +514,21 @@ class Session:
             done = self._close_done
             if done is None:
                 done = self._close_done = trio.Event()
-            with bounded_shield(self.close_timeout, "waiting for the session's close in another task"):
+            with bounded_shield(
+                self.close_timeout, "waiting for the session's close in another task", bound="close_timeout"
+            ):
                 await done.wait()
             return
         self._closed = self._closing = True
+        # Stays None when the close overran close_timeout: what was not done by then is abandoned
+        # (logged by the shield; what is left open is recovery's on reopen), nothing is raised.
+        refused: InvalidTransitionError | None = None
         try:
             self._host.closing = True
             queue = self._queue
             queue.close()
             if self._close_may_wait(queue):
-                with bounded_shield(self.close_timeout, "closing the session"):
+                with bounded_shield(self.close_timeout, "closing the session", bound="close_timeout"):
                     refused = await self._close_steps(queue, reason, journal_closes)
             else:
                 # Nothing below reaches a checkpoint: a shield (a cancel scope) would guard nothing.
