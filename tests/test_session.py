@@ -312,6 +312,32 @@ async def test_abort_wakes_the_final_done_event_waiting_on_a_reader_that_does_no
         assert session._queue.current is None or session._queue.current.done.is_set()
 
 
+async def test_abort_with_a_bad_reason_is_a_config_error_idle_or_running_and_streams_take_the_value(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    slow, started, _release = gated_tool("slow")
+    model = TestModel({"go": [Reply(tool_calls=[("slow", {})]), Reply(text="done")]})
+    async with open_session(provider=model, tools=[slow]) as session:
+        for bad in ("bogus", 123, None):
+            with pytest.raises(ConfigError, match="abort reason"):
+                await session.abort(bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="abort message"):
+            await session.abort(message=123)  # type: ignore[arg-type]
+        with pytest.raises(RequestAbortedError, match="steering"):
+            async with session.stream("go") as events:
+                await started.wait()
+                for bad in ("bogus", 123):
+                    with pytest.raises(ConfigError, match="abort reason"):
+                        await session.abort(bad)  # type: ignore[arg-type]
+                    with pytest.raises(ConfigError, match="abort reason"):
+                        await events.abort(reason=bad)  # type: ignore[arg-type]
+                # Nothing was aborted by the bad calls; the value of a reason is taken as the reason.
+                assert session._queue.current is not None and not session._queue.current.abort.aborted
+                await events.abort(reason="steering")
+                async for _ in events:
+                    pass
+
+
 async def test_abort_during_the_model_call_records_the_aborted_attempt() -> None:
     store = MemoryStore()
     script = {"think": [Reply(text="slow answer", latency=1000.0)]}

@@ -15,7 +15,9 @@ from collections.abc import Callable
 
 import attrs
 
-__all__ = ["Abort", "AbortHandle", "AbortReason"]
+from ._errors import ConfigError
+
+__all__ = ["Abort", "AbortHandle", "AbortReason", "abort_reason"]
 
 
 class AbortReason(enum.Enum):
@@ -34,6 +36,22 @@ class Abort:
 
     reason: AbortReason
     message: str
+
+
+def abort_reason(reason: object, message: object) -> AbortReason:
+    """A public ``abort(reason, message)``'s reason as an `AbortReason` (its value, a ``str``, is
+    accepted too); a bad reason or message is a `ConfigError` naming it, whether or not anything runs."""
+    if not isinstance(message, str):
+        raise ConfigError(f"abort message must be a str, got {message!r}")
+    if isinstance(reason, AbortReason):
+        return reason
+    if isinstance(reason, str):
+        try:
+            return AbortReason(reason)
+        except ValueError:
+            pass
+    choices = ", ".join(repr(member.value) for member in AbortReason)
+    raise ConfigError(f"abort reason must be an AbortReason or one of {choices}, got {reason!r}")
 
 
 _DEFAULT_MESSAGES = {

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import trio
 
-from .._abort import AbortReason
+from .._abort import AbortReason, abort_reason
 from .._cleanup import bounded_shield
 from .._config import validate_id
 from .._errors import (
@@ -361,8 +361,9 @@ class Session:
                     await queue.abort_request(request, AbortReason.USER_ABORT, "the stream was closed early")
 
     async def abort(self, reason: AbortReason | str = AbortReason.USER_ABORT, message: str = "aborted") -> None:
-        """Abort the running request; returns after ``request_interrupted`` is durable."""
-        reason = AbortReason(reason) if isinstance(reason, str) else reason
+        """Abort the running request; returns after ``request_interrupted`` is durable.
+        A bad *reason* (not an `AbortReason` or its value) raises `ConfigError`, also when idle."""
+        reason = abort_reason(reason, message)
         current = self._queue.current
         if current is None or current.done.is_set():
             await trio.lowlevel.checkpoint()

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import trio
 
-from .._abort import AbortHandle, AbortReason
+from .._abort import AbortHandle, AbortReason, abort_reason
 from ._messages import DoneEvent, SessionEvent
 
 __all__ = ["EventForward", "EventSink", "RequestEnding", "SessionEventStream", "discard", "tee"]
@@ -122,13 +122,15 @@ class SessionEventStream:
         self.done: DoneEvent | None = None
         self._aborter = aborter
 
-    async def abort(self, message: str = "aborted", reason: AbortReason = AbortReason.USER_ABORT) -> None:
+    async def abort(self, message: str = "aborted", reason: AbortReason | str = AbortReason.USER_ABORT) -> None:
         """Abort this stream's request (queued or running; returns once its end is durable). A stream
-        that joined another request's turn aborts nothing: that request is not its own."""
+        that joined another request's turn aborts nothing: that request is not its own. *reason*
+        is an `AbortReason` or its value, as for ``session.abort``; a bad one raises `ConfigError`."""
+        checked = abort_reason(reason, message)
         if self._aborter is None or self.request.done.is_set():
             await trio.lowlevel.checkpoint()
             return
-        await self._aborter(reason, message)
+        await self._aborter(checked, message)
 
     def __aiter__(self) -> SessionEventStream:
         return self
