@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -616,3 +617,22 @@ async def test_durable_pure_starts_is_an_option_of_open_session(tmp_path: Path) 
         with pytest.raises(ConfigError, match="durable_pure_starts"):
             async with open_session(provider=model, journal=open_one, durable_pure_starts=False):
                 pass  # pragma: no cover
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        pytest.param({"lease_ttl": "30"}, "lease_ttl", id="lease_ttl-str"),
+        pytest.param({"lease_ttl": -1}, "lease_ttl", id="lease_ttl-negative"),
+        pytest.param({"takeover_timeout": "x"}, "takeover_timeout", id="takeover_timeout-str"),
+        pytest.param({"takeover_timeout": -5}, "takeover_timeout", id="takeover_timeout-negative"),
+    ],
+)
+async def test_bad_journal_options_are_refused_before_the_sqlite_file_is_made(
+    tmp_path: Path, options: dict[str, Any], named: str
+) -> None:
+    path = tmp_path / "j.db"
+    with pytest.raises(ConfigError, match=named):
+        async with open_session(provider=TestModel(default=Reply("x")), **{"journal": path, **options}):
+            pass  # pragma: no cover
+    assert os.listdir(tmp_path) == []

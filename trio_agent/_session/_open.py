@@ -27,6 +27,7 @@ from .._errors import ConfigError, require_trio
 from .._groups import contains_cancelled, typed_error, unwrap_for_boundary
 from .._journal._durable import DurableJournal, _JournalBlock, open_journal
 from .._journal._events import PERMISSION_UPDATE_SOURCES, PermissionUpdated, SessionCloseReason
+from .._journal._lease import check_seconds, check_timing
 from .._journal._memory import MemoryStore
 from .._journal._registry import shared_sqlite_store
 from .._journal._store import JournalStore
@@ -281,6 +282,9 @@ class _SessionBlock:
         seed = None if options.history is None else validate_history(options.history)
         if session_id is not None:
             validate_id(session_id, name="session_id")
+        # open_journal checks these too, but only once a SQLite file was made: checked before anything opens.
+        check_timing(options.lease_ttl, None)
+        check_seconds("takeover_timeout", options.takeover_timeout, allow_zero=True)
         if isinstance(journal, DurableJournal) and session_id not in (None, journal.session_id):
             raise ConfigError(f"session_id {session_id!r} differs from the given journal's {journal.session_id!r}")
         if unfinished not in ("interrupt", "keep"):
