@@ -626,6 +626,7 @@ async def test_durable_pure_starts_is_an_option_of_open_session(tmp_path: Path) 
         pytest.param({"lease_ttl": -1}, "lease_ttl", id="lease_ttl-negative"),
         pytest.param({"takeover_timeout": "x"}, "takeover_timeout", id="takeover_timeout-str"),
         pytest.param({"takeover_timeout": -5}, "takeover_timeout", id="takeover_timeout-negative"),
+        pytest.param({"journal": 123}, "journal must be", id="journal-int"),
     ],
 )
 async def test_bad_journal_options_are_refused_before_the_sqlite_file_is_made(

@@ -282,6 +282,7 @@ class _SessionBlock:
         seed = None if options.history is None else validate_history(options.history)
         if session_id is not None:
             validate_id(session_id, name="session_id")
+        _check_journal_option(journal)
         # open_journal checks these too, but only once a SQLite file was made: checked before anything opens.
         check_timing(options.lease_ttl, None)
         check_seconds("takeover_timeout", options.takeover_timeout, allow_zero=True)
@@ -511,6 +512,20 @@ async def _sqlite_journal(
         ) as durable,
     ):
         yield durable
+
+
+# What every JournalStore has (the protocol is not runtime-checkable): enough to tell a store from a mistake.
+_STORE_METHODS = ("submit", "read", "acquire_lease", "release_lease")
+
+
+def _check_journal_option(journal: object) -> None:
+    if journal is None or isinstance(journal, (DurableJournal, str, os.PathLike)):
+        return
+    if not all(callable(getattr(journal, name, None)) for name in _STORE_METHODS):
+        raise ConfigError(
+            "journal must be a DurableJournal, a JournalStore, a SQLite file path or None, "
+            f"not {type(journal).__name__} {journal!r}"
+        )
 
 
 def _provider(spec: AgentSpec) -> AbstractAsyncContextManager[Provider]:
