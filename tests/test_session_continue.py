@@ -179,6 +179,26 @@ async def test_an_ended_session_is_refused_and_can_still_be_read(tmp_path: Path)
     assert conversation[0] == UserMessage("hello")
 
 
+async def test_end_after_a_plain_close_is_refused_and_reopen_then_end_ends_it(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    async with open_session(provider=chatty_model(), journal=path, session_id="c") as session:
+        await session.send("hello")
+        await session.close()
+        with pytest.raises(SessionClosedError, match="already closed"):
+            await session.end()
+        with pytest.raises(SessionClosedError, match="already closed"):
+            await session.close(final=True)
+        await session.close()  # a second plain close still does nothing more
+    # Not silently left reopenable as if ended: the way the error names ends it for good.
+    async with open_session(provider=chatty_model(), journal=path, session_id="c") as again:
+        assert again.life == 2
+        await again.end()
+        await again.end()  # ending an ended session again does nothing more
+    with pytest.raises(SessionClosedError, match="ended for good"):
+        async with open_session(provider=chatty_model(), journal=path, session_id="c"):
+            pass  # pragma: no cover
+
+
 async def test_background_subagent_outcomes_reach_the_reopened_conversation(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     slow, started, _release = gated_tool("slow")

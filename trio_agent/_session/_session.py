@@ -491,12 +491,21 @@ class Session:
     async def close(self, *, final: bool = False) -> None:
         """Close the session now (what leaving the block does). With ``final=True`` it is
         ended for good: reopening its id is refused. Otherwise a later
-        ``open_session(session_id=...)`` continues the conversation in a new life."""
+        ``open_session(session_id=...)`` continues the conversation in a new life.
+
+        ``final=True`` (``end()``) after a close that was not final raises `SessionClosedError`:
+        that close's ``session_closed`` is written, and a closed life takes no second one."""
+        if final and self._closed and not self._closing and not self._final:
+            raise SessionClosedError(
+                f"session {self.session_id!r} was already closed (not for good), so end() cannot end it "
+                "for good now: end() it instead of closing it, or reopen it with "
+                "open_session(session_id=...) and end() it there"
+            )
         self._final = self._final or final
         await self._close(SessionCloseReason.COMPLETED)
 
     async def end(self) -> None:
-        """End the session for good now: ``close(final=True)``."""
+        """End the session for good now: ``close(final=True)`` (`SessionClosedError` after a plain close)."""
         await self.close(final=True)
 
     async def _close(self, reason: SessionCloseReason, *, journal_closes: bool = False) -> None:
