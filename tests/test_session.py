@@ -525,6 +525,35 @@ async def test_stream_of_a_joined_message_sees_the_rest_of_the_request(autojump_
     assert "".join(e.text for e in joined_events if isinstance(e, TextDeltaEvent)) == "final words"
 
 
+@pytest.mark.parametrize("first", ["send", "stream"])
+async def test_every_joined_stream_hears_of_the_running_call_before_its_result(
+    first: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    slow, started, release = gated_tool("slow")
+    model = TestModel({"first": [Reply(text="looking", tool_calls=[("slow", {})]), Reply(text="final words")]})
+    seen: dict[str, list[Any]] = {}
+    async with open_session(provider=model, tools=[slow]) as session:
+
+        async def read(name: str, prompt: str, priority: str | None) -> None:
+            async with session.stream(prompt, priority=priority) as events:  # type: ignore[arg-type]
+                seen[name] = [event async for event in events]
+
+        async with trio.open_nursery() as nursery:
+            if first == "send":
+                nursery.start_soon(session.send, "first")
+            else:
+                nursery.start_soon(read, "original", "first", None)
+            await started.wait()
+            nursery.start_soon(read, "joined-1", "more", "next")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(read, "joined-2", "even more", "next")
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+    for name, events in seen.items():
+        calls = [type(event) for event in events if isinstance(event, (ToolUseEvent, ToolResultEvent))]
+        assert calls == [ToolUseEvent, ToolResultEvent], name  # announced once, before its result
+
+
 async def test_priority_next_while_the_request_finishes_is_not_lost() -> None:
     in_stop, release = trio.Event(), trio.Event()
 

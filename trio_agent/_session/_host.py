@@ -545,7 +545,12 @@ class _RunEvents:
         request.call_ids.append(event.call_id)  # a continuation's calls are of an earlier reply
         self.call_origins[event.call_id] = request.request_id
         if request.sink is not discard:
-            await request.sink(ToolUseEvent(self.agent_id, event.call_id, event.tool_name, event.input))
+            use = ToolUseEvent(self.agent_id, event.call_id, event.tool_name, event.input)
+            running = request.running_calls
+            if running is None:
+                running = request.running_calls = {}
+            running[event.call_id] = use
+            await request.sink(use)
 
     async def _tool_progress(self, event: Any) -> None:
         request = self.request
@@ -555,6 +560,9 @@ class _RunEvents:
     async def _tool_result(self, event: Any) -> None:
         self.call_origins.pop(event.call_id, None)
         request = self.request
+        running = request.running_calls
+        if running:
+            running.pop(event.call_id, None)
         if request.sink is discard:
             return
         error = event.result.error

@@ -55,7 +55,7 @@ from .._models._history import CallIdIndex
 from .._models._messages import Message, ToolSpec
 from .._permissions._rules import ToolFilter
 from ._endings import committed_results, record_request_end
-from ._messages import DoneEvent
+from ._messages import DoneEvent, ToolUseEvent
 from ._stream import EventForward, EventSink, discard
 
 __all__ = ["PRIORITIES", "Priority", "RequestQueue", "interrupt_reason"]
@@ -169,6 +169,7 @@ class _Request:
         "released",
         "request_id",
         "resume",
+        "running_calls",
         "sink",
         "started",
         "steering",
@@ -195,6 +196,9 @@ class _Request:
         self.in_line = False  # counted by its queue as waiting (`RequestQueue.queued`)
         self.call_ids: list[str] = []  # the tool calls it scheduled, for the results an abort keeps
         self.forwards: list[EventForward] = []  # the stream channels it feeds, closed when it ends
+        # The ToolUseEvent of each call announced to a listener and not yet answered, by call id:
+        # what a stream that joins is told first (made with the first announced call).
+        self.running_calls: dict[str, ToolUseEvent] | None = None
         # Why a cancellation from outside (not an SDK abort) ended it: decided by who hosts it.
         self.cancel_reason: Callable[[], RequestInterruptReason] = _session_close
         # The run's events as delivered (after chat middleware), for whoever routes it (subagents).

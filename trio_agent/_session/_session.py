@@ -318,6 +318,9 @@ class Session:
             queue.join(current, prompt, priority)
             stream = SessionEventStream(recv, current, joined=True)
             forward = EventForward(send, current.abort)
+            # Calls already announced and still running are announced to this stream first (no
+            # checkpoint until the tee below: nothing is missed or heard twice).
+            forward.announce(current.running_calls)
             current.forwards.append(forward)
             current.sink = tee(current.sink, forward)
             try:

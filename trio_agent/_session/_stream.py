@@ -17,13 +17,14 @@ Rules
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 import trio
 
 from .._abort import AbortHandle, AbortReason, abort_reason
-from ._messages import DoneEvent, SessionEvent
+from ._messages import DoneEvent, SessionEvent, ToolUseEvent
 
 __all__ = ["EventForward", "EventSink", "RequestEnding", "SessionEventStream", "discard", "tee"]
 
@@ -74,6 +75,14 @@ class EventForward:
                 await self.send.send(event)
             finally:
                 abort.remove_listener(token)
+
+    def announce(self, running: Mapping[str, ToolUseEvent] | None) -> None:
+        """Tell a stream that joins a request of the calls that run (their `ToolUseEvent` s),
+        into its channel before anything else; its fresh channel has room for them."""
+        if running:
+            for use in running.values():
+                with contextlib.suppress(trio.WouldBlock):
+                    self.send.send_nowait(use)
 
     def close_now(self) -> None:
         """End the stream (the reader sees the end and learns the outcome from the request)."""
