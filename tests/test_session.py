@@ -224,6 +224,19 @@ async def test_model_name_given_at_open_is_used() -> None:
     assert model.requests[-1].model == "named-model"
 
 
+async def test_set_model_while_a_request_runs_applies_to_its_next_model_call(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    slow, started, release = gated_tool("slow")
+    model = TestModel({"go": [Reply(text="calling", tool_calls=[("slow", {})]), Reply(text="answer")]})
+    async with open_session(provider=model, tools=[slow]) as session, trio.open_nursery() as nursery:
+        nursery.start_soon(session.send, "go")
+        await started.wait()
+        session.set_model("big-model")  # during the tool: the request's second model call is next
+        release.set()
+    assert [request.model for request in model.requests] == ["test-model", "big-model"]
+
+
 async def test_leaving_the_stream_early_aborts_the_request(autojump_clock: trio.testing.MockClock) -> None:
     log: list[str] = []
     slow, started, _release = gated_tool("slow", log=log)

@@ -194,10 +194,17 @@ class SessionHost:
     def service(self) -> ModelService:
         return self._service
 
-    def set_model(self, name: str) -> None:
+    def set_model(self, name: str, current: _Request | None = None) -> None:
+        """Use model *name* from the next model call on: also in the runs going on now (*current*,
+        the root's request, and the running subagents' requests) of agents with no model of their own."""
         if not isinstance(name, str) or not name:
             raise ConfigError(f"model name must be a non-empty string, not {name!r}")
-        self._service = self._named(name)
+        service = self._service = self._named(name)
+        # The loop reads its ports' model at each model call.
+        for request in (current, *self.running.values()):
+            ports = request.ports if request is not None else None
+            if ports is not None and request is not None and request.agent.model is None:
+                ports.model = service
 
     def service_for(self, agent: _Agent) -> ModelService:
         if agent.model is None:
@@ -313,7 +320,7 @@ class SessionHost:
             if extra:
                 agent.history.append(UserMessage(extra))
             conversation = AgentConversation(agent, request)
-            ports = self._ports(agent, request, conversation)
+            ports = request.ports = self._ports(agent, request, conversation)
             outcome = await run_agent_loop(
                 self._spec(agent, request),
                 ports,
@@ -350,6 +357,7 @@ class SessionHost:
             if not await record_raised(journal, request, exc, self.cleanup_grace):
                 raise
         finally:
+            request.ports = None  # no request <-> ports cycle left for the garbage collector
             if self.tracks_running:
                 self.running.pop(key, None)
             # No message that joined may be lost: whatever is still pending reaches the next turn.

@@ -50,6 +50,7 @@ from .._journal._projection import RequestState
 from .._lifecycle._interrupts import PausedRun
 from .._loop._events import RunEvent
 from .._loop._interrupts import Resume
+from .._loop._ports import RunPorts
 from .._loop._rules import LoopStrategy, StopReason, max_iterations
 from .._models._history import CallIdIndex
 from .._models._messages import Message, ToolSpec
@@ -164,6 +165,7 @@ class _Request:
         "observe",
         "paused",
         "pending",
+        "ports",
         "priority",
         "prompt",
         "released",
@@ -199,6 +201,8 @@ class _Request:
         # The ToolUseEvent of each call announced to a listener and not yet answered, by call id:
         # what a stream that joins is told first (made with the first announced call).
         self.running_calls: dict[str, ToolUseEvent] | None = None
+        # Its run's ports while it runs: set_model switches their model for the next model call.
+        self.ports: RunPorts | None = None
         # Why a cancellation from outside (not an SDK abort) ended it: decided by who hosts it.
         self.cancel_reason: Callable[[], RequestInterruptReason] = _session_close
         # The run's events as delivered (after chat middleware), for whoever routes it (subagents).

@@ -149,8 +149,9 @@ class Session:
         return self._host.service.model
 
     def set_model(self, name: str) -> None:
-        """Use model ``name`` from the next model call on (same middleware stack)."""
-        self._host.set_model(name)
+        """Use model ``name`` from the next model call on, also in the request running now (same
+        middleware stack)."""
+        self._host.set_model(name, self._queue.current)
 
     # -- requests
 
