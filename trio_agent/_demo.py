@@ -646,26 +646,20 @@ def run_demo(
     try:
         demo = functools.partial(_demo, stream, calls=calls, provider=provider, model=model, journal=journal)
         terminated = trio.run(until_terminated, demo)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BaseExceptionGroup as group:  # one line, never a group traceback
-        exc = unwrap_for_boundary(group)
+    except BaseException as raised:  # one line, never a group traceback
+        exc = unwrap_for_boundary(raised) if isinstance(raised, BaseExceptionGroup) else raised
         if isinstance(exc, KeyboardInterrupt):
             print("interrupted", file=sys.stderr)
             return 130
         if isinstance(exc, BrokenPipeError):
             raise exc from None  # the reader of our output went away: the command line stops quietly
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:
+        if isinstance(exc, ConfigError):  # e.g. ProviderConfigError: no API key
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, Exception):  # e.g. a real model refused the request, or the network is down
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
         raise
-    except ConfigError as exc:  # e.g. ProviderConfigError: no API key
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # e.g. a real model refused the request, or the network is down
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
     if terminated:
         print("terminated", file=sys.stderr)
         return TERMINATED
