@@ -19,6 +19,7 @@ See docs/human-in-the-loop.md.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from typing import Any
@@ -145,7 +146,9 @@ async def client(base: str) -> None:
 
 async def main(port: int | None = None) -> None:
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(trio.serve_tcp, serve_connection, port or 0)
+        # Loopback only: the endpoint has no authentication.
+        serve_loopback = functools.partial(trio.serve_tcp, host="127.0.0.1")
+        listeners = await nursery.start(serve_loopback, serve_connection, port or 0)
         if port is not None:
             print(f"serving on http://localhost:{port}")
             return  # serve until interrupted
@@ -154,4 +157,9 @@ async def main(port: int | None = None) -> None:
 
 
 if __name__ == "__main__":
-    trio.run(main, int(sys.argv[2]) if sys.argv[1:2] == ["--serve"] else None)
+    serve_port: int | None = None
+    if sys.argv[1:2] == ["--serve"]:
+        if len(sys.argv) != 3 or not sys.argv[2].isdigit() or not 0 < int(sys.argv[2]) < 65536:
+            sys.exit("usage: approval_server.py [--serve PORT]  (PORT: 1 to 65535)")
+        serve_port = int(sys.argv[2])
+    trio.run(main, serve_port)

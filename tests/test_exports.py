@@ -44,6 +44,7 @@ PUBLIC_MODULES = [
     "trio_agent.testing",
     "trio_agent.tools",
     "trio_agent.web",
+    "trio_agent.workers",
 ]
 
 # Different objects under one name in two public modules. Each is unambiguous inside its

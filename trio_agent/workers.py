@@ -16,6 +16,7 @@ docs/deployment.md.
 
 from __future__ import annotations
 
+from ._util import fixup_module_metadata as _fixup_module_metadata
 from ._workers._queue import (
     DSN_ENV,
     RequestStatus,
@@ -48,3 +49,5 @@ __all__ = [
     "subscribe_live",
     "wait_for_request",
 ]
+
+_fixup_module_metadata(__name__, globals())
