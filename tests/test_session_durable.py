@@ -624,6 +624,7 @@ async def test_durable_pure_starts_is_an_option_of_open_session(tmp_path: Path) 
     [
         pytest.param({"lease_ttl": "30"}, "lease_ttl", id="lease_ttl-str"),
         pytest.param({"lease_ttl": -1}, "lease_ttl", id="lease_ttl-negative"),
+        pytest.param({"lease_ttl": 1e9}, "at most", id="lease_ttl-past-every-timer"),  # a database refused it
         pytest.param({"takeover_timeout": "x"}, "takeover_timeout", id="takeover_timeout-str"),
         pytest.param({"takeover_timeout": -5}, "takeover_timeout", id="takeover_timeout-negative"),
         pytest.param({"journal": 123}, "journal must be", id="journal-int"),

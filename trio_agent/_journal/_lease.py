@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from .._config import MAX_TIMEOUT
 from .._errors import ConfigError, JournalError, LeaseHeldError, LeaseLostError
 from .._groups import raise_alone
 from ._store import JournalStore, Lease
@@ -71,6 +72,8 @@ def check_seconds(name: str, value: float, *, allow_zero: bool = False) -> float
         raise ConfigError(f"{name} must be a finite number of seconds, not {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, not {value!r}")
+    if value > MAX_TIMEOUT:  # past every timer a database or trio is given (a lease TTL becomes one)
+        raise ConfigError(f"{name} must be at most {MAX_TIMEOUT:g} seconds, not {value!r}")
     return float(value)
 
 
