@@ -55,20 +55,28 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_ctrl_c_in_the_demo_is_one_line() -> None:
+def _started(command: list[str], ready: str) -> subprocess.Popen[str]:
+    """The command line running *command*, once it printed a line holding *ready*. Ctrl-C is
+    delivered as a terminal delivers it, even where this run ignores SIGINT (a job started in the
+    background of a script inherits SIG_IGN, and Python then never raises it)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "trio_agent", "demo", "--calls", "200"],
+        [sys.executable, "-m", "trio_agent", *command],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,
-        # Ctrl-C as a terminal delivers it, even where this run ignores SIGINT (a job started in
-        # the background of a script inherits SIG_IGN, and Python then never raises it).
         preexec_fn=_sigint_default,
     )
     assert process.stdout is not None
-    process.stdout.readline()  # the demo is running
+    for line in process.stdout:
+        if ready in line:
+            return process
+    raise AssertionError(f"{command} ended before printing {ready!r}: {process.communicate()}")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_in_the_demo_is_one_line() -> None:
+    process = _started(["demo", "--calls", "200"], "")  # the demo is running
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
@@ -83,23 +91,6 @@ def test_serve_with_a_journal_it_cannot_open_says_why_in_one_line_before_announc
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: JournalUnavailableError"), done.stderr
     assert "chat page" not in done.stdout
-
-
-def _started(command: list[str], ready: str) -> subprocess.Popen[str]:
-    """The command line running *command*, once it printed a line holding *ready*."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "trio_agent", *command],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-        preexec_fn=_sigint_default,
-    )
-    assert process.stdout is not None
-    for line in process.stdout:
-        if ready in line:
-            return process
-    raise AssertionError(f"{command} ended before printing {ready!r}: {process.communicate()}")
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
