@@ -973,3 +973,14 @@ async def test_send_after_close_is_a_session_closed_error() -> None:
     with pytest.raises(SessionClosedError):
         async with session.stream("late"):
             pass  # pragma: no cover
+
+
+@pytest.mark.parametrize("agent_id", [123, "x" * 2000, "a\x00b"])
+async def test_a_subscription_to_an_agent_no_stream_can_have_is_a_config_error(agent_id: Any) -> None:
+    # It was accepted and waited for ever for a stream that could never exist.
+    from trio_agent import ConfigError
+
+    async with open_session(provider=TestModel(default=Reply(text="ok"))) as session:
+        with pytest.raises(ConfigError):
+            async with session.subscribe_durable_events(agent_id=agent_id):
+                pass  # pragma: no cover - refused before it opens

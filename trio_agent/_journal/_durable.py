@@ -1106,8 +1106,15 @@ class DurableJournal:
     def subscribe_durable_events(
         self, *, agent_id: str | None = None, after: JournalCursor | str | int = 0
     ) -> AbstractAsyncContextManager[DurableEventStream]:
-        """Committed events of one agent's stream: replay, one `CaughtUp`, then live (ends when the journal closes)."""
-        return journal_subscription(self.store, self.stream_id(agent_id), self._subscriptions_close(), after=after)
+        """Committed events of one agent's stream: replay, one `CaughtUp`, then live (ends when the journal closes).
+
+        The stream need not exist yet (a subagent's is made when it starts), but its agent id must be
+        one a stream can have: anything else is a `ConfigError`, never a subscription that waits for ever.
+        """
+        if agent_id is not None and not isinstance(agent_id, str):
+            raise ConfigError(f"agent_id must be a string (or None for the root), not {agent_id!r}")
+        stream_id = check_id(self.stream_id(agent_id), "stream id")
+        return journal_subscription(self.store, stream_id, self._subscriptions_close(), after=after)
 
 
 def unknown_outcome_result(call_id: str, tool_name: str) -> ToolResult:
