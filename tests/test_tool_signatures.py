@@ -155,6 +155,16 @@ async def test_a_partial_is_named_described_and_typed_by_its_function() -> None:
     assert raw.description == "Echoes its input."  # not functools.partial's own docstring
 
 
+async def test_what_a_partial_binds_is_no_input_the_model_can_override() -> None:
+    # days=3 was offered to the model as an optional field with default 3, and {"days": 30} ran.
+    tool = define_tool(functools.partial(_forecast, days=3), side_effect="pure", kind="readonly")
+    assert set(tool.input_schema["properties"]) == {"city"}
+    pipeline = ToolPipeline([tool])
+    record = await pipeline.execute(ToolCall("c1", "_forecast", {"city": "Oslo", "days": 30}))
+    assert record.result.error is not None and record.result.error.code == "invalid_input"
+    assert (await pipeline.execute(ToolCall("c2", "_forecast", {"city": "Oslo"}))).result.output == "Oslo for 3 days"
+
+
 async def test_an_input_class_tool_may_take_no_context_or_take_it_by_keyword() -> None:
     @define_tool(side_effect="pure", kind="readonly")
     async def plain(query: Forecast) -> str:

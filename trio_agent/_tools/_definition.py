@@ -657,7 +657,12 @@ def _signature_input(run: RunFn, tool_name: str) -> tuple[type, RunFn]:
         ) from None
     fields: dict[str, Any] = {}
     context: str | None = None  # the name of the parameter that takes the context, if any
+    # What a partial binds is the application's choice, not the model's: never an input field
+    # (a model sending it is refused by the schema, as any unknown key).
+    bound = frozenset(run.keywords) if isinstance(run, functools.partial) else frozenset()
     for parameter in inspect.signature(run).parameters.values():
+        if parameter.name in bound:
+            continue
         annotation = hints.get(parameter.name)
         if parameter.name == _CONTEXT_PARAMETER or annotation is ToolContext:
             if context is not None:
