@@ -316,3 +316,28 @@ async def test_a_background_subagent_running_when_the_session_ends_is_cancelled_
     assert [e.reason for e in child] == [RequestInterruptReason.SESSION_CLOSE]
     whats = [what for what, sid, _ in store.calls if sid == handle.id]
     assert whats[0] == "start" and whats[-1] == "abort" and whats.count("abort") == 1
+
+
+@pytest.mark.parametrize("step", ["start", "chunk"])
+async def test_a_routed_persistence_raising_one_of_our_journal_errors_fails_only_that_subagent(step: str) -> None:
+    # A LeaseLostError from the application's store (its own journal's, say) was taken for the
+    # session's own lease: the whole session ended for one subagent's bookkeeping.
+    from trio_agent import LeaseLostError
+
+    class Failing(Store):
+        async def start(self, info: SubagentRunInfo) -> None:
+            await super().start(info)
+            if step == "start":
+                raise LeaseLostError("the store's own lease was lost")
+
+        async def chunk(self, info: SubagentRunInfo, event: RunEvent) -> None:
+            raise LeaseLostError("the store's own lease was lost")
+
+    store = Failing()
+    model = TestModel({"bg": [Reply("bg done")], "root": [Reply("root done"), Reply("again")]})
+    spec = define_agent(provider=model, subagents=[HELPER], lifecycle=[Persisting(store)])
+    async with open_session(spec) as session:
+        handle = await session.start_subagent("helper", "bg")
+        await handle.wait()
+        assert handle.status is SubagentStatus.FAILED and "LeaseLostError" in (handle.error or "")
+        assert await session.send("root") == "root done"  # the session goes on

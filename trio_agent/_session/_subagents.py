@@ -38,6 +38,7 @@ from .._errors import (
     InvalidTransitionError,
     JournalError,
     LeaseLostError,
+    MiddlewareError,
     SessionBusyError,
     SessionClosedError,
     SettlementError,
@@ -124,6 +125,15 @@ def routed_persistence_of(middleware: Sequence[object]) -> tuple[RoutedSubagentP
     return tuple(found)
 
 
+def _persistence_failed(store: object, step: str, info: SubagentRunInfo, exc: Exception) -> MiddlewareError:
+    """What an application's routed persistence raised, as the failure of this subagent's run alone:
+    even one of our own errors (a `LeaseLostError` from the store's own journal, say) is not the
+    session's, which would end the session for a neighbour's bookkeeping."""
+    return MiddlewareError(
+        f"routed subagent persistence {store!r} failed in {step} for {info.subagent_id}: {type(exc).__name__}: {exc}"
+    )
+
+
 class _Routed:
     """One subagent run told to every routed persistence (module rules)."""
 
@@ -133,16 +143,23 @@ class _Routed:
         self.started: list[RoutedSubagentPersistence] = []
 
     async def start(self, request: _Request) -> None:
+        info = self.info
         for store in self.stores:
-            await store.start(self.info)
+            try:
+                await store.start(info)
+            except Exception as exc:
+                raise _persistence_failed(store, "start", info, exc) from exc
             self.started.append(store)  # only a store that started is told the end
         if not self.stores:
             return
-        stores, info = self.stores, self.info
+        stores = self.stores
 
         async def observe(event: RunEvent) -> None:
             for store in stores:
-                await store.chunk(info, event)
+                try:
+                    await store.chunk(info, event)
+                except Exception as exc:
+                    raise _persistence_failed(store, "chunk", info, exc) from exc
 
         request.observe = observe
 
