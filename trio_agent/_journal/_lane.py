@@ -456,10 +456,12 @@ class LaneStore:
         item: LaneItem[Lease] = self._submit_lease_op(op)
         try:
             return await item.wait()
-        except trio.Cancelled:
-            # Queued work is never cancelled: the lease is granted all the same, and nobody would
-            # renew or release it, locking the session for a whole TTL. It is given back as soon
-            # as it is granted (the release follows the acquisition in the lane).
+        except BaseException:
+            # Whatever ends the wait (a cancellation, Ctrl-C: `item.wait` runs no nursery, so no
+            # group reaches here): queued work is never cancelled, so the lease is granted all the
+            # same and nobody would renew or release it, locking the session for a whole TTL. It is
+            # given back as soon as it is granted (the release follows the acquisition in the lane);
+            # an acquisition that failed gave nothing, and `_give_back` leaves it.
             item.then(self._give_back)
             raise
 
