@@ -596,14 +596,21 @@ def _run_id_of(journal: Any, nth: int) -> str:
     return str(requests[nth - 1].request_id)
 
 
-async def test_an_edit_that_leaves_the_workspace_is_refused_by_the_path_policy(tmp_path: Any) -> None:
-    ran: list[dict[str, Any]] = []
+def saving_tool(ran: list[dict[str, Any]]) -> Any:
+    """A write tool whose affected path is its ``path``; each input it ran with goes to *ran*."""
 
     @define_tool(name="save", description="saves", input_schema=WRITE_SCHEMA, side_effect=SideEffect.IDEMPOTENT,
                  kind=ToolKind.WRITE, affected_paths=lambda input: [input["path"]])  # fmt: skip
     async def save(input: dict[str, Any], ctx: Any) -> str:
         ran.append(input)
         return "saved"
+
+    return save
+
+
+async def test_an_edit_that_leaves_the_workspace_is_refused_by_the_path_policy(tmp_path: Any) -> None:
+    ran: list[dict[str, Any]] = []
+    save = saving_tool(ran)
 
     model = calls_then_echo(("save", {"path": "notes.txt", "text": "hi"}))
     kwargs: dict[str, Any] = {"tools": [save], "permissions": {"ask": ["save"]}, "workspace_roots": [tmp_path]}
@@ -619,12 +626,7 @@ async def test_an_edit_that_leaves_the_workspace_is_refused_by_the_path_policy(t
 
 async def test_a_single_workspace_root_is_one_root_and_no_root_is_a_config_error(tmp_path: Any) -> None:
     ran: list[dict[str, Any]] = []
-
-    @define_tool(name="save", description="saves", input_schema=WRITE_SCHEMA, side_effect=SideEffect.IDEMPOTENT,
-                 kind=ToolKind.WRITE, affected_paths=lambda input: [input["path"]])  # fmt: skip
-    async def save(input: dict[str, Any], ctx: Any) -> str:
-        ran.append(input)
-        return "saved"
+    save = saving_tool(ran)
 
     # One root given as a string (not split into characters, which made "/" a root).
     model = calls_then_echo(("save", {"path": "/etc/passwd", "text": "x"}))

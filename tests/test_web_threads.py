@@ -128,14 +128,14 @@ async def test_a_disconnect_detaches_and_a_returning_client_replays_then_follows
         await busy.aread()
 
 
+def asking_app(tmp_path: Path) -> Any:
+    """A threads app whose `add` asks for approval: its first run pauses."""
+    model = TestModel(respond=respond)
+    return create_app(model, auth=local_only, tools=[add], threads=tmp_path / "t.db", permissions={"ask": ["add"]})
+
+
 async def test_a_paused_thread_shows_its_questions_and_resumes(tmp_path: Path) -> None:
-    app = create_app(
-        TestModel(respond=respond),
-        auth=local_only,
-        tools=[add],
-        threads=tmp_path / "t.db",
-        permissions={"ask": ["add"]},
-    )
+    app = asking_app(tmp_path)
     async with running(app) as client:
         async with client.stream("POST", "/runs", json=body()) as response:
             paused = await read(response)
@@ -377,13 +377,7 @@ async def test_a_thread_closing_to_make_room_is_reopened_and_one_in_use_is_not_c
 
 
 async def test_answers_a_thread_cannot_keep_are_refused_before_the_stream(tmp_path: Path) -> None:
-    app = create_app(
-        TestModel(respond=respond),
-        auth=local_only,
-        tools=[add],
-        threads=tmp_path / "t.db",
-        permissions={"ask": ["add"]},
-    )
+    app = asking_app(tmp_path)
     async with running(app) as client:
         async with client.stream("POST", "/runs", json=body()) as response:
             (interrupt,) = (await read(response))[-1]["outcome"]["interrupts"]
