@@ -1257,8 +1257,17 @@ def test_result_and_update_validation() -> None:
         PermissionUpdate.add("Ba*sh")
     with pytest.raises(ConfigError, match="is empty"):
         PermissionUpdate.add()
-    with pytest.raises(ConfigError, match="'add' or 'remove'"):
+    with pytest.raises(ConfigError, match="'add', 'remove' or 'set_mode'"):
         PermissionUpdate("replace", ("Bash",))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="permission mode must be one of"):
+        PermissionUpdate.set_mode("yolo")
+    with pytest.raises(ConfigError, match="needs the mode"):
+        PermissionUpdate("set_mode")
+    with pytest.raises(ConfigError, match="sets the mode only"):
+        PermissionUpdate("set_mode", ("Bash",), mode="plan")
+    with pytest.raises(ConfigError, match="not the mode"):
+        PermissionUpdate("add", ("Bash",), mode="plan")
+    assert PermissionUpdate.set_mode("plan").mode is PermissionMode.PLAN
     update = PermissionUpdate.add("Bash:git *", "Read", behavior="deny")
     assert ([r.text for r in update.rules], update.behavior, update.action) == (
         ["Bash:git *", "Read"], RuleBehavior.DENY, "add",
@@ -1418,6 +1427,53 @@ async def test_accept_updates_checks_every_item_before_reporting() -> None:
         engine(on_updates_applied=42)
 
 
+async def test_a_mode_change_is_reported_before_it_applies_and_replays() -> None:
+    # engine.mode = ... changed the live mode only: nothing was reported, so a session could not
+    # journal it and a reopen was back in the configured mode (a switch to plan failed open).
+    modes: list[PermissionMode] = []
+
+    def on_applied(updates: tuple[PermissionUpdate, ...], /, *, source: str, call_id: str | None) -> None:
+        modes.append(permissions.mode)  # write-ahead: still the old mode while it is reported
+        log.append((updates, source, call_id))
+
+    log: list[tuple[tuple[PermissionUpdate, ...], str, str | None]] = []
+    permissions = engine(mode="bypass", on_updates_applied=on_applied)
+    await permissions.set_mode("plan")
+    assert log == [((PermissionUpdate.set_mode("plan"),), "set_mode", None)]
+    assert (modes, permissions.mode) == ([PermissionMode.BYPASS], PermissionMode.PLAN)
+    refused = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+    assert (refused.allowed, refused.source) == (False, DecisionSource.MODE)
+    # Assigning would skip the report: refused, naming the way that reports.
+    with pytest.raises(ConfigError, match=r"await permissions.set_mode\('default'\)"):
+        permissions.mode = "default"
+    with pytest.raises(ConfigError, match="permission mode must be one of"):
+        await permissions.set_mode("yolo")
+    assert (permissions.mode, len(log)) == (PermissionMode.PLAN, 1)
+    # A reopened engine (configured bypass) replays the stored switch without reporting it again.
+    reopened = engine(mode="bypass", on_updates_applied=on_applied)
+    reopened.replay_updates([update_from_json(update_to_json(update)) for update in log[0][0]])
+    assert (reopened.mode, len(log)) == (PermissionMode.PLAN, 1)
+    # A handler's answer may switch the mode too, once its allow stood (reported as the handler's).
+    answering = engine(
+        mode="plan",
+        ask=("Read",),
+        handler=Answerer(PermissionAllow(rule_updates=[PermissionUpdate.set_mode("accept_edits")])),
+        on_updates_applied=on_applied,
+    )
+    asked = await answering.decide(READ, {"file_path": "a"}, ctx(call_id="call-9"))
+    assert (asked.allowed, asked.source, answering.mode) == (True, DecisionSource.HANDLER, PermissionMode.ACCEPT_EDITS)
+    assert log[-1][1:] == ("handler", "call-9")
+
+
+def test_set_mode_json_round_trip() -> None:
+    import json
+
+    update = PermissionUpdate.set_mode(PermissionMode.ACCEPT_EDITS)
+    stored = json.loads(json.dumps(update_to_json(update)))
+    assert stored == {"action": "set_mode", "mode": "accept_edits"}
+    assert update_from_json(stored) == update
+
+
 @pytest.mark.parametrize(
     "update",
     [
@@ -1450,6 +1506,11 @@ def test_update_json_round_trip(update: PermissionUpdate) -> None:
         {"action": "add", "behavior": "allow", "rules": []},
         {"action": "add", "behavior": "allow", "rules": ["Bash:"]},
         {"action": "add", "behavior": 1, "rules": ["Bash"]},
+        {"action": "set_mode", "mode": "yolo"},
+        {"action": "set_mode", "mode": 1},
+        {"action": "set_mode"},
+        {"action": "set_mode", "mode": "plan", "rules": []},
+        {"action": "add", "behavior": "allow", "rules": ["Bash"], "mode": "plan"},
     ],
 )
 def test_update_from_json_rejects_what_update_to_json_never_makes(stored: Any) -> None:

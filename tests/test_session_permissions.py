@@ -496,6 +496,44 @@ async def test_session_rules_forgotten_stay_forgotten_after_a_reopen() -> None:
     assert log == []  # default mode, nobody to ask: the forgotten allow no longer lets it run
 
 
+async def test_a_mode_switch_is_journalled_and_survives_a_crash_and_a_reopen() -> None:
+    # session.permissions.mode = "plan" changed the live engine only: a reopen, after a crash or a
+    # clean close, was back in the configured mode, so a switch to plan failed open.
+    from trio_agent.journal import MemoryStore
+
+    log: list[Any] = []
+    store = MemoryStore()
+
+    async def allow_all(request: PermissionRequest) -> PermissionAllow:
+        return PermissionAllow()
+
+    def respond(request: ModelRequest) -> Reply:
+        return Reply(text="done") if isinstance(request.messages[-1], ToolResultMessage) else calls_all("write")
+
+    model = TestModel(respond=respond)
+    options: dict[str, Any] = {
+        "provider": model, "journal": store, "session_id": "s", "tools": three_tools(log),
+        "permission_mode": "accept_edits", "permission_handler": allow_all,
+    }  # fmt: skip
+    async with open_session(**options) as session:
+        assert session.permissions is not None
+        with pytest.raises(ConfigError, match=r"set_mode\('plan'\)"):
+            session.permissions.mode = "plan"  # not journalled, so refused rather than lost on reopen
+        await session.permissions.set_mode("plan")
+        session.journal._fence("the process died")  # nothing more is written: as a crash leaves it
+    async with open_session(**options) as session:
+        assert session.permissions is not None and session.permissions.mode.value == "plan"
+        await session.send("go")
+    assert log == []  # plan's hard limit holds after the reopen, whatever the handler says
+    async with open_session(**options) as session:  # after a clean close too
+        assert session.permissions is not None and session.permissions.mode.value == "plan"
+        await session.permissions.set_mode("accept_edits")
+    async with open_session(**options) as session:
+        assert session.permissions is not None and session.permissions.mode.value == "accept_edits"
+        await session.send("go")
+    assert ran_names(log) == {"write"}
+
+
 # ======================================================================== subagents' calls
 
 HELPER = SubagentDefinition("helper", "a helper", "You help.")

@@ -456,8 +456,8 @@ class PermissionUpdated:
     """One accepted change of the permission rules, in the order it was applied.
 
     On reopen the session replays every one of a stream (`Projection.permission_updates`)
-    into its permission engine. ``update`` describes the rule change (its shape is
-    the session's); ``call_id`` names the tool call it came from, if any.
+    into its permission engine. ``update`` describes the rule change or the mode switch
+    (its shape is the session's); ``call_id`` names the tool call it came from, if any.
     """
 
     request_id: str = _id()

@@ -134,9 +134,10 @@ SignatureContent: TypeAlias = Callable[[JsonObject], str | None]
 class UpdatesApplied(Protocol):
     """``on_updates_applied(updates, *, source, call_id)``, sync or async: rule updates are about to apply.
 
-    ``source`` is who issued them (``"handler"``, ``"hook"`` or ``"interrupt"`` for an answer, or
-    what `PermissionEngine.accept_updates` was given, e.g. ``"tool"``); ``call_id``
-    the tool call they came with.
+    ``source`` is who issued them (``"handler"``, ``"hook"`` or ``"interrupt"`` for an answer,
+    ``"set_mode"`` for `PermissionEngine.set_mode`, ``"forget_session"``, or what
+    `PermissionEngine.accept_updates` was given, e.g. ``"tool"``); ``call_id`` the tool call
+    they came with.
     """
 
     def __call__(
@@ -439,7 +440,21 @@ class PermissionEngine:
 
     @mode.setter
     def mode(self, value: PermissionMode | str) -> None:
-        self._mode = as_mode(value)
+        mode = as_mode(value)
+        if self.on_updates_applied is not None:
+            # The change must be reported (a session journals it) before it takes effect, which a
+            # property cannot wait for; changed here it would be lost on reopen (plan failing open).
+            raise ConfigError(
+                f"this engine records its permission changes (a session journals them), so its mode is "
+                f"changed with `await permissions.set_mode({mode.value!r})`, not by assignment"
+            )
+        self._mode = mode
+
+    async def set_mode(self, mode: PermissionMode | str) -> None:
+        """Switch the permission mode for the next decisions: a ``set_mode`` `PermissionUpdate`
+        through `accept_updates` (source ``"set_mode"``), so a session journals it first and a
+        reopened session keeps it. A bad mode is a `ConfigError` (nothing changes)."""
+        await self.accept_updates([PermissionUpdate.set_mode(mode)], source="set_mode")
 
     @property
     def approved_signatures(self) -> frozenset[str]:
@@ -489,11 +504,15 @@ class PermissionEngine:
 
     def _apply(self, updates: tuple[PermissionUpdate, ...]) -> None:
         """Adding a rule with one behaviour takes it out of the other session list (so the session layer
-        never conflicts with itself); removing works on the session layer only."""
+        never conflicts with itself); removing works on the session layer only; ``set_mode`` switches
+        the mode (the table's policy follows it)."""
         if not updates:
             return
-        allow, deny = self._rule_lists()
         for update in updates:
+            if update.mode is not None:
+                self._mode = update.mode
+                continue
+            allow, deny = self._rule_lists()
             target = allow if update.behavior is RuleBehavior.ALLOW else deny
             other = deny if update.behavior is RuleBehavior.ALLOW else allow
             for rule in update.rules:

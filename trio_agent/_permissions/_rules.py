@@ -307,10 +307,7 @@ class PermissionRules:
 def _update_rules(value: Iterable[str | Rule]) -> tuple[Rule, ...]:
     if isinstance(value, (str, bytes)):
         raise ConfigError(f"PermissionUpdate.rules must be a list of rules, got the single string {value!r}")
-    rules = tuple(Rule.parse(text) for text in value)
-    if not rules:
-        raise ConfigError("PermissionUpdate.rules is empty")
-    return rules
+    return tuple(Rule.parse(text) for text in value)
 
 
 def _update_behavior(value: RuleBehavior | str) -> RuleBehavior:
@@ -320,24 +317,44 @@ def _update_behavior(value: RuleBehavior | str) -> RuleBehavior:
     return behavior
 
 
+def _update_mode(value: PermissionMode | str | None) -> PermissionMode | None:
+    return None if value is None else as_mode(value)
+
+
 def _check_action(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value not in ("add", "remove"):
-        raise ConfigError(f"PermissionUpdate.action must be 'add' or 'remove', got {value!r}")
+    if value not in ("add", "remove", "set_mode"):
+        raise ConfigError(f"PermissionUpdate.action must be 'add', 'remove' or 'set_mode', got {value!r}")
 
 
 @attrs.frozen
 class PermissionUpdate:
-    """A change to the session's rules, carried by a `PermissionAllow`.
+    """A change to the session's permissions, carried by a `PermissionAllow` (or given to
+    `PermissionEngine.accept_updates`).
 
     ``add`` allow rules become session approvals, ``add`` deny rules session
     deny rules; ``remove`` takes rules out of the session layer again. The
     configured `PermissionRules` are never changed (a session allow cannot lift
-    a configured deny: deny wins).
+    a configured deny: deny wins). ``set_mode`` switches the permission mode
+    (``mode``; no rules): a session journals it like a rule change, so a
+    reopened session keeps it.
     """
 
-    action: Literal["add", "remove"] = attrs.field(validator=_check_action)
-    rules: tuple[Rule, ...] = attrs.field(converter=_update_rules)
+    action: Literal["add", "remove", "set_mode"] = attrs.field(validator=_check_action)
+    rules: tuple[Rule, ...] = attrs.field(default=(), converter=_update_rules)
     behavior: RuleBehavior = attrs.field(default=RuleBehavior.ALLOW, converter=_update_behavior)
+    mode: PermissionMode | None = attrs.field(default=None, converter=_update_mode)
+
+    def __attrs_post_init__(self) -> None:
+        if self.action == "set_mode":
+            if self.mode is None:
+                raise ConfigError("a set_mode PermissionUpdate needs the mode to set")
+            if self.rules:
+                raise ConfigError("a set_mode PermissionUpdate sets the mode only: give its rules in an add or remove")
+        else:
+            if not self.rules:
+                raise ConfigError("PermissionUpdate.rules is empty")
+            if self.mode is not None:
+                raise ConfigError(f"an {self.action!r} PermissionUpdate changes rules, not the mode: use set_mode")
 
     @classmethod
     def add(cls, *rules: str | Rule, behavior: RuleBehavior | str = RuleBehavior.ALLOW) -> PermissionUpdate:
@@ -347,11 +364,18 @@ class PermissionUpdate:
     def remove(cls, *rules: str | Rule, behavior: RuleBehavior | str = RuleBehavior.ALLOW) -> PermissionUpdate:
         return cls("remove", rules, behavior)
 
+    @classmethod
+    def set_mode(cls, mode: PermissionMode | str) -> PermissionUpdate:
+        return cls("set_mode", mode=mode)
+
 
 def update_to_json(update: PermissionUpdate) -> JsonObject:
-    """``{"action": "add"|"remove", "behavior": "allow"|"deny", "rules": [rule text, ...]}`` (for the journal)."""
+    """``{"action": "add"|"remove", "behavior": "allow"|"deny", "rules": [rule text, ...]}``, or
+    ``{"action": "set_mode", "mode": "plan"}`` (for the journal)."""
     if not isinstance(update, PermissionUpdate):
         raise ConfigError(f"expected a PermissionUpdate, got {update!r}")
+    if update.mode is not None:
+        return {"action": update.action, "mode": update.mode.value}
     return {"action": update.action, "behavior": update.behavior.value, "rules": [rule.text for rule in update.rules]}
 
 
@@ -360,6 +384,15 @@ def update_from_json(value: object) -> PermissionUpdate:
     if not isinstance(value, Mapping):
         raise ConfigError(f"a stored permission update must be a JSON object, got {value!r}")
     keys = set(value)
+    if value.get("action") == "set_mode":
+        if keys != {"action", "mode"}:
+            raise ConfigError(
+                f"a stored set_mode permission update has the keys 'action' and 'mode', got {sorted(map(str, keys))}"
+            )
+        mode = value["mode"]
+        if not isinstance(mode, str):
+            raise ConfigError(f"a stored permission update's mode must be a string, got {mode!r}")
+        return PermissionUpdate("set_mode", mode=mode)
     if keys != {"action", "behavior", "rules"}:
         raise ConfigError(
             f"a stored permission update has the keys 'action', 'behavior' and 'rules', got {sorted(map(str, keys))}"

@@ -246,7 +246,8 @@ class SessionHost:
         ``new_messages`` (a string or a list of strings) reach the agent's model at
         its next turn; ``permission_updates`` (`PermissionUpdate` s, accepted only from
         the tool itself: the pipeline drops them from middleware) change the session's
-        permission rules, journalled first. Other kinds are logged and ignored.
+        permission rules, journalled first (an effect with a ``set_mode`` is ignored whole:
+        a tool does not change the mode). Other kinds are logged and ignored.
         """
         if effect.kind == "new_messages":
             payload = effect.payload
@@ -255,6 +256,15 @@ class SessionHost:
         elif effect.kind == "permission_updates" and self.permissions is not None:
             payload = effect.payload
             updates = [payload] if isinstance(payload, PermissionUpdate) else list(payload or [])
+            if any(isinstance(update, PermissionUpdate) and update.mode is not None for update in updates):
+                # A tool changes rules, never the mode: leaving plan would lift the hard limit that no
+                # rule, approval or answer can lift, and only a person (an answer) may do that.
+                _log.warning(
+                    "ignored a permission_updates effect from call %s: a tool may change the session's "
+                    "rules, not its permission mode (set_mode)",
+                    call_id,
+                )
+                return
             try:
                 await self.permissions.accept_updates(updates, source="tool", call_id=call_id)
             except ConfigError as exc:
