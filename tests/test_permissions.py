@@ -870,6 +870,11 @@ async def test_row12_hooks_then_handler_first_decision_wins() -> None:
     decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
     assert (decision.source, handler.calls) == (DecisionSource.HANDLER, 1)
 
+    # An engine's own hook answers like the handler, so its allow stands with no handler at all
+    # (a session's PermissionRequest hooks cannot allow: tests/test_session_permission_rules.py).
+    decision = await engine(hooks=[allowing]).decide(WRITE, {"file_path": "a"}, ctx())
+    assert (decision.allowed, decision.source) == (True, DecisionSource.HOOK)
+
 
 async def test_row12_handler_sees_the_request_and_updates_the_input() -> None:
     handler = Answerer(lambda request: PermissionAllow(updated_input={"command": "git status --short"}))
@@ -937,7 +942,7 @@ async def test_row13_ask_with_nobody_to_answer_denies() -> None:
     assert isinstance(stage, Deny) and (stage.type, stage.code) == (ToolErrorType.PERMISSION_DENIED, "no_handler")
     assert recorder.entries == []  # nothing was asked, nothing recorded
 
-    # Hooks alone cannot grant: with no handler, passing hooks end in the same no_handler refusal.
+    # Hooks that all pass leave nobody to answer: with no handler, the same no_handler refusal.
     permissions = engine(record=recorder, hooks=[Answerer(None)])
     decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
     assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.NO_HANDLER, True)

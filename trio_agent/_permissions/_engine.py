@@ -280,7 +280,8 @@ class PermissionEngine:
         rules: the configured allow / ask / deny rules (default: none).
         mode: the permission mode (changeable later through `mode`).
         handler: answers asks (``async (PermissionRequest) -> result``); asked after the hooks.
-        hooks: PermissionRequest hooks, asked in order before the handler.
+        hooks: PermissionRequest hooks, asked in order before the handler; the first allow or
+            deny decides, as the handler's would, whether there is a handler or not.
         path_policy: keeps affected paths inside the workspace (default: no path policy).
         record: ``async record(phase, PermissionRecord)``, called with ``"requested"``
             before an ask and ``"resolved"`` after it, so the session can make both
@@ -845,7 +846,7 @@ class PermissionEngine:
                     "PermissionAsk or None",
                 )
         if self._handler is None:
-            # Only hooks were asked, and they cannot grant: the same refusal as having nobody to ask.
+            # Only hooks were asked and none answered: the same refusal as having nobody to ask.
             return _Answer(
                 DecisionSource.NO_HANDLER,
                 message=_no_handler_message(
