@@ -781,6 +781,17 @@ async def test_row7_remember_and_rule_updates_let_later_calls_skip_the_handler()
     assert permissions.approved_signatures == frozenset()
 
 
+async def test_row7_remember_for_a_tool_without_signature_content_covers_every_call() -> None:
+    # As documented: the signature of a tool without content is its name, so "always" for one
+    # call is "don't ask again for this tool", whatever the input.
+    handler = Answerer(PermissionAllow(remember=True))
+    permissions = engine(handler=handler)
+    first = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+    assert (first.signature, permissions.approved_signatures) == ("Write", {"Write"})
+    other = await permissions.decide(WRITE, {"file_path": "/etc/passwd"}, ctx())
+    assert (other.allowed, other.source, handler.calls) == (True, DecisionSource.SESSION, 1)
+
+
 async def test_a_session_allow_never_lifts_a_configured_deny() -> None:
     permissions = engine(mode="bypass", deny=("Bash",))
     permissions.apply_updates([PermissionUpdate.add("Bash")])

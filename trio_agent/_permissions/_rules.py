@@ -430,7 +430,8 @@ class PermissionAllow:
 
     ``updated_input`` replaces the input (the signature and path policy are
     recomputed from it); ``rule_updates`` change the session's rules;
-    ``remember`` approves this exact signature for the rest of the session.
+    ``remember`` approves this exact signature for the rest of the session (for a tool
+    whose calls have no signature content that is ``Name``: every later call of the tool).
     A tool's own check may return this to normalise input; its rule updates
     and ``remember`` are ignored there.
     """
