@@ -472,6 +472,21 @@ async def test_a_tool_cannot_change_the_permission_mode(caplog: pytest.LogCaptur
     assert any("not its permission mode" in record.getMessage() for record in caplog.records)
 
 
+async def test_a_tools_grant_never_lifts_a_configured_deny() -> None:
+    # A tool's rule updates weigh an answer's: any tool's rules, but never past a configured deny
+    # (row 4 comes before every approval), even in bypass.
+    ran: list[str] = []
+    calls = [Reply(tool_calls=[("grant", {})]), Reply(tool_calls=[("danger", {})]), Reply(text="done")]
+    async with open_session(
+        provider=TestModel({"go": calls}), tools=[granting_tool(), danger_tool(ran)], journal=MemoryStore(),
+        permissions={"deny": ["danger"]}, permission_mode="bypass",
+    ) as session:  # fmt: skip
+        await session.send("go")
+        assert session.permissions is not None
+        assert [rule.text for rule in session.permissions.session_allow_rules] == ["danger"]
+    assert ran == []
+
+
 async def test_a_middleware_cannot_grant_permissions_in_a_session() -> None:
     ran: list[str] = []
 

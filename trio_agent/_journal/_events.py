@@ -115,7 +115,8 @@ def _optional_json_object(instance: object, attribute: attrs.Attribute[Any], val
 
 PERMISSION_UPDATE_SOURCES = frozenset({"tool", "permission_engine", "handler"})
 """Who may change the permission rules: the tool itself (its own ``permission_updates`` effect),
-the permission engine, or a permission handler's answer. Never middleware or a plugin."""
+the permission engine, or a permission handler's answer. Never middleware or a plugin's middleware
+(a plugin's tool is a tool: its own effect counts)."""
 
 
 def _update_source(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
