@@ -145,6 +145,35 @@ async def test_a_paused_run_resumes_once_with_the_answers() -> None:
         assert again.status_code == 409 and again.json()["error"] == "nothing_to_resume"  # accepted once
 
 
+async def test_an_approval_is_read_strictly_and_edited_args_as_a_json_string_are_the_edit() -> None:
+    # editedArgs as a JSON string (how AG-UI carries a tool call's arguments) or a list was dropped:
+    # the call ran with the model's own input. approved "true" (a string) was taken as a rejection.
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], permissions={"ask": ["add"]})
+    async with running(app) as client:
+        (interrupt,) = (await post_run(client, body()))[-1]["outcome"]["interrupts"]
+
+        def answer(payload: dict[str, Any], run: str) -> dict[str, Any]:
+            return body(run=run, resume=[{"interruptId": interrupt["id"], "status": "resolved", "payload": payload}])
+
+        for index, (payload, problem) in enumerate(
+            [
+                ({"approved": True, "editedArgs": ["a", 10]}, "payload.editedArgs must be a JSON object"),
+                ({"approved": True, "editedArgs": "[10, 5]"}, "its string holds an array"),
+                ({"approved": True, "editedArgs": '{"a": NaN}'}, "a string that is not JSON: NaN is not JSON"),
+                ({"approved": "true"}, "payload.approved must be true or false, got a string"),
+                ({"editedArgs": {"a": 10, "b": 5}}, "payload.approved must be true or false, got null"),
+                ({"approved": False, "message": 5}, "payload.message must be a string, got a number"),
+            ]
+        ):
+            refused = await client.post("/runs", json=answer(payload, f"x{index}"))
+            assert refused.status_code == 422 and refused.json()["error"] == "invalid_answers", payload
+            (said,) = refused.json()["problems"]
+            assert problem in said, (payload, said)
+        resumed = await post_run(client, answer({"approved": True, "editedArgs": '{"a": 10, "b": 5}'}, "r2"))
+        result = next(e for e in resumed if e["type"] == "TOOL_CALL_RESULT")
+        assert result["content"] == "15"  # the edit ran, not the model's {"a": 1, "b": 2}
+
+
 async def test_a_client_tool_pauses_the_run_for_its_output() -> None:
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
     tool = {"name": "where_am_i", "description": "the browser's location", "parameters": {"type": "object"}}

@@ -399,6 +399,28 @@ async def test_answers_a_thread_cannot_keep_are_refused_before_the_stream(tmp_pa
             assert (await read(response))[-1]["outcome"] == {"type": "success"}  # the thread still waited for them
 
 
+async def test_a_thread_reads_an_approval_strictly_and_takes_edited_args_given_as_a_json_string(
+    tmp_path: Path,
+) -> None:
+    app = asking_app(tmp_path)
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body()) as response:
+            (interrupt,) = (await read(response))[-1]["outcome"]["interrupts"]
+
+        def answer(payload: dict[str, Any], run: str) -> dict[str, Any]:
+            return body(run=run, resume=[{"interruptId": interrupt["id"], "status": "resolved", "payload": payload}])
+
+        refused = await client.post("/runs", json=answer({"approved": True, "editedArgs": ["a", 10]}, "r2"))
+        assert refused.status_code == 422 and refused.json()["error"] == "invalid_answers"
+        assert "invalid_edited_args" in refused.json()["message"]
+        refused = await client.post("/runs", json=answer({"approved": "yes"}, "r3"))
+        assert refused.status_code == 422 and "payload.approved must be true or false" in refused.json()["message"]
+        edited = answer({"approved": True, "editedArgs": '{"a": 10, "b": 5}'}, "r4")
+        async with client.stream("POST", "/runs", json=edited) as response:
+            resumed = await read(response)  # the thread still waited: the refusals took nothing
+        assert texts(resumed) == "result: 15"
+
+
 async def test_a_run_whose_request_fails_ends_with_run_error_not_cancelled(tmp_path: Path) -> None:
     # A request that failed (a RequestAbortedError with reason "error", as a session raises for a
     # failure that is not one of ours) ended as RUN_FINISHED "cancelled", like a stop.

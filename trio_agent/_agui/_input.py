@@ -21,13 +21,17 @@ Rules
 * Answers: ``cancelled`` is `Cancel`; ``resolved`` answers an approval with
   ``payload.approved`` (``true``: `Approve`, with ``payload.editedArgs`` if given;
   ``false``: `Reject` with ``payload.message``) and anything else with `Respond`
-  carrying the payload.
+  carrying the payload. An approval's payload is read strictly (`answers_for` raises
+  `InterruptResumeError`): ``approved`` must be a boolean, ``message`` a string if
+  given, and ``editedArgs`` a JSON object or, as AG-UI carries a tool call's
+  arguments, a JSON string holding one.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -40,7 +44,9 @@ from .._loop._interrupts import (
     ClientTool,
     Interrupt,
     InterruptAnswer,
+    InterruptIssue,
     InterruptKind,
+    InterruptResumeError,
     Reject,
     Respond,
     define_client_tool,
@@ -272,20 +278,86 @@ def parse_run_input(data: object) -> RunInput:
 
 def answers_for(entries: Sequence[ResumeEntry], interrupts: Sequence[Interrupt]) -> list[InterruptAnswer]:
     """The answers ``entries`` give to a paused run's ``interrupts`` (see the module rules). An entry
-    for an unknown interrupt is answered `Respond` and left for the run's own checks to refuse."""
+    for an unknown interrupt is answered `Respond` and left for the run's own checks to refuse.
+
+    An approval's payload is read strictly: a decision that cannot be read is refused
+    (`InterruptResumeError`, every issue named) rather than guessed, since a guess either runs the
+    model's own input in place of the edit or rejects what the person approved."""
     kinds = {interrupt.id: interrupt.kind for interrupt in interrupts}
     answers: list[InterruptAnswer] = []
+    issues: list[InterruptIssue] = []
     for entry in entries:
         payload = entry.payload
         if entry.status == "cancelled":
             answers.append(Cancel(entry.interrupt_id))
         elif kinds.get(entry.interrupt_id) is InterruptKind.APPROVAL and isinstance(payload, dict):
-            if payload.get("approved") is True:
-                edited = payload.get("editedArgs")
-                answers.append(Approve(entry.interrupt_id, edited if isinstance(edited, dict) else None))
-            else:
-                message = payload.get("message")
-                answers.append(Reject(entry.interrupt_id, message if isinstance(message, str) else None))
+            answer, problems = _approval(entry.interrupt_id, payload)
+            issues.extend(problems)
+            if answer is not None:
+                answers.append(answer)
         else:
             answers.append(Respond(entry.interrupt_id, payload))
+    if issues:
+        raise InterruptResumeError(issues)
     return answers
+
+
+def _approval(interrupt_id: str, payload: Mapping[str, Any]) -> tuple[Approve | Reject | None, list[InterruptIssue]]:
+    """An approval's payload as `Approve` / `Reject`, or what is wrong with it."""
+    issues: list[InterruptIssue] = []
+
+    def wrong(code: str, message: str) -> None:
+        issues.append(InterruptIssue(interrupt_id, code, message))
+
+    approved = payload.get("approved")
+    if not isinstance(approved, bool):
+        wrong("wrong_answer", f"payload.approved must be true or false, got {_kind_json(approved)}")
+    edited = _edited_args(payload.get("editedArgs"), wrong)
+    message = payload.get("message")
+    if message is not None and not isinstance(message, str):
+        wrong("wrong_answer", f"payload.message must be a string, got {_kind_json(message)}")
+    if issues:
+        return None, issues
+    if approved:
+        return Approve(interrupt_id, edited), issues
+    return Reject(interrupt_id, message), issues
+
+
+def _edited_args(value: object, wrong: Callable[[str, str], None]) -> dict[str, Any] | None:
+    """``payload.editedArgs``: a JSON object, or (as AG-UI carries a tool call's arguments: a
+    ``function.arguments``, a ``TOOL_CALL_ARGS`` delta) a JSON string holding one. Absent or
+    ``null`` is no edit."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            decoded = json.loads(value, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            wrong("invalid_edited_args", f"payload.editedArgs is a string that is not JSON: {what}")
+            return None
+        if isinstance(decoded, dict):
+            return decoded
+        holds = _kind_json(decoded)
+        wrong("invalid_edited_args", f"payload.editedArgs must hold a JSON object, its string holds {holds}")
+        return None
+    got = _kind_json(value)
+    wrong("invalid_edited_args", f"payload.editedArgs must be a JSON object (or one as a JSON string), got {got}")
+    return None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _kind_json(value: object) -> str:
+    """A decoded JSON value's kind, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "an array" if isinstance(value, list) else "an object" if isinstance(value, dict) else type(value).__name__

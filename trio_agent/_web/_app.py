@@ -396,8 +396,8 @@ def create_app(
             paused = server.paused.get(run_input.thread_id)
             if paused is None:
                 return _error(409, "nothing_to_resume", f"thread {run_input.thread_id!r} has no paused run")
-            answers = answers_for(run_input.resume, paused.state.interrupts)
             try:
+                answers = answers_for(run_input.resume, paused.state.interrupts)
                 _check_answers(paused, answers, server.signing_key, tools_of_run)
             except InterruptResumeError as exc:
                 return _error(422, "invalid_answers", str(exc), [issue.message for issue in exc.issues])
@@ -576,7 +576,10 @@ def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_inpu
         paused = session.paused
         if paused is None:
             return _error(409, "nothing_to_resume", f"thread {run_input.thread_id!r} has no paused run")
-        answers = answers_for(run_input.resume, paused.state.interrupts)
+        try:
+            answers = answers_for(run_input.resume, paused.state.interrupts)
+        except InterruptResumeError as exc:
+            return _error(422, "invalid_answers", str(exc), [issue.message for issue in exc.issues])
         _, issues = validate_answers(paused.state, answers, hub.spec.client_tools)
         if issues:
             return _error(422, "invalid_answers", str(InterruptResumeError(issues)), [i.message for i in issues])
