@@ -24,6 +24,9 @@ from trio_agent.agui import (
 from trio_agent.lifecycle import (
     CustomEvent,
     MessagesSnapshot,
+    ReasoningContent,
+    ReasoningEnd,
+    ReasoningStart,
     RunError,
     RunFinished,
     RunStarted,
@@ -152,6 +155,59 @@ def test_a_subagent_run_interleaved_with_its_parent_carries_its_run_id() -> None
     assert "".join(d["delta"] for d in wire if d.get("messageId") == "m1" and "delta" in d) == "hello"
     started = next(d for d in wire if d["type"] == "SUBAGENT_STARTED")
     assert started == {"type": "SUBAGENT_STARTED", "subagentRunId": "sub", "name": "researcher"}
+
+
+def fold(wire: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """What an AG-UI client keeps of a stream's messages: one message per id (its role, its text)."""
+    kept: dict[str, tuple[str, str]] = {}
+    for data in wire:
+        if data["type"] in ("TEXT_MESSAGE_START", "REASONING_MESSAGE_START"):
+            role = "assistant" if data["type"] == "TEXT_MESSAGE_START" else "reasoning"
+            kept.setdefault(data["messageId"], (role, ""))
+        elif data["type"] in ("TEXT_MESSAGE_CONTENT", "REASONING_MESSAGE_CONTENT"):
+            role, text = kept[data["messageId"]]
+            kept[data["messageId"]] = (role, text + data["delta"])
+    return kept
+
+
+async def test_reasoning_and_the_answer_are_two_messages_not_one() -> None:
+    # The loop gives a turn's reasoning and its text one message id, and the encoder passed it on:
+    # a client folded the answer into the reasoning message, and the next history lost the answer.
+    encoder = AgUiEncoder(thread_id="t")
+    wire: list[dict[str, Any]] = []
+    async with chat(TestModel(default=Reply(reasoning="let me think", text="It is 42.")), "hi") as run:
+        async for event in run:
+            wire.extend(valid(data) for data in encoder.wire(event))
+    assert sorted(fold(wire).values()) == [("assistant", "It is 42."), ("reasoning", "let me think")]
+    reasoning = {d["messageId"] for d in wire if d["type"].startswith("REASONING")}
+    (text_id,) = {d["messageId"] for d in wire if d["type"].startswith("TEXT_MESSAGE")}
+    assert reasoning == {f"{text_id}:reasoning-1"}  # every event of the block, one id
+
+
+def test_each_reasoning_block_of_a_message_has_its_own_id() -> None:
+    encoder = AgUiEncoder(thread_id="t")
+    events = [
+        RunStarted("r", "a", "t"),
+        TextMessageStart("r", "a", "m"),
+        TextMessageContent("r", "a", "m", "first "),
+        TextMessageEnd("r", "a", "m"),
+        ReasoningStart("r", "a", "m"),
+        ReasoningContent("r", "a", "m", "hmm"),
+        ReasoningEnd("r", "a", "m"),
+        TextMessageStart("r", "a", "m"),
+        TextMessageContent("r", "a", "m", "second"),
+        TextMessageEnd("r", "a", "m"),
+        ReasoningStart("r", "a", "m"),
+        ReasoningContent("r", "a", "m", "again"),
+        ReasoningEnd("r", "a", "m"),
+        RunFinished("r", "a", "end_turn", "first second"),
+    ]
+    wire = [valid(data) for event in events for data in encoder.wire(event)]
+    assert fold(wire) == {
+        "m": ("assistant", "first second"),
+        "m:reasoning-1": ("reasoning", "hmm"),
+        "m:reasoning-2": ("reasoning", "again"),
+    }
 
 
 def test_errors_progress_custom_values_and_empty_deltas() -> None:

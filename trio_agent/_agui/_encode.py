@@ -15,7 +15,12 @@ Rules
   ``result.stopReason`` and the final text in ``result.text``. The usage the run
   reported (``UsageReported``, one per model call) is summed into ``usage``.
 * Reasoning: ``ReasoningStart`` is ``REASONING_START`` then
-  ``REASONING_MESSAGE_START``, ``ReasoningEnd`` the two ends in reverse.
+  ``REASONING_MESSAGE_START``, ``ReasoningEnd`` the two ends in reverse. Each
+  reasoning block has its own message id, ``<message id>:reasoning-<n>`` (``n``
+  counts the stream's blocks): the loop gives a turn's reasoning and its text one
+  message id, and an AG-UI client keeps one message per id, so a shared id would
+  fold the answer into a reasoning message (which the next request's history
+  leaves out).
 * ``ToolCallResult`` is ``TOOL_CALL_RESULT`` with the text the model reads of
   the result, message id ``<call id>:result``; ``ToolCallProgress`` (no AG-UI
   counterpart) is ``CUSTOM`` named ``trio_agent.tool_progress``.
@@ -25,6 +30,7 @@ Rules
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -140,6 +146,8 @@ class AgUiEncoder:
         self.thread_id = thread_id
         self.run_id = run_id  # the root run (the first RunStarted's if None)
         self._usage: dict[str, list[Usage]] = {}
+        self._reasoning: dict[tuple[str, str], str] = {}  # (run id, message id) -> its open reasoning message
+        self._reasoning_ids = itertools.count(1)
 
     def _sub(self, run_id: str) -> str | None:
         if self.run_id is None:
@@ -157,6 +165,7 @@ class AgUiEncoder:
                 return [self._finished(event, sub)]
             case RunError():
                 self._usage.pop(event.run_id, None)
+                self._end_run(event.run_id)
                 if sub is None:
                     return [w.RunErrorEvent(message=event.message, code=event.code)]
                 return [w.SubagentErrorEvent(subagent_run_id=sub, message=event.message, code=event.code)]
@@ -173,20 +182,23 @@ class AgUiEncoder:
             case TextMessageEnd():
                 return [w.TextMessageEndEvent(message_id=event.message_id, subagent_run_id=sub)]
             case ReasoningStart():
+                reasoning_id = f"{event.message_id}:reasoning-{next(self._reasoning_ids)}"
+                self._reasoning[event.run_id, event.message_id] = reasoning_id
                 return [
-                    w.ReasoningStartEvent(message_id=event.message_id, subagent_run_id=sub),
-                    w.ReasoningMessageStartEvent(message_id=event.message_id, subagent_run_id=sub),
+                    w.ReasoningStartEvent(message_id=reasoning_id, subagent_run_id=sub),
+                    w.ReasoningMessageStartEvent(message_id=reasoning_id, subagent_run_id=sub),
                 ]
             case ReasoningContent():
                 if not event.delta:
                     return []
-                return [
-                    w.ReasoningMessageContentEvent(message_id=event.message_id, delta=event.delta, subagent_run_id=sub)
-                ]
+                reasoning_id = self._reasoning_id(event.run_id, event.message_id)
+                return [w.ReasoningMessageContentEvent(message_id=reasoning_id, delta=event.delta, subagent_run_id=sub)]
             case ReasoningEnd():
+                reasoning_id = self._reasoning_id(event.run_id, event.message_id)
+                self._reasoning.pop((event.run_id, event.message_id), None)
                 return [
-                    w.ReasoningMessageEndEvent(message_id=event.message_id, subagent_run_id=sub),
-                    w.ReasoningEndEvent(message_id=event.message_id, subagent_run_id=sub),
+                    w.ReasoningMessageEndEvent(message_id=reasoning_id, subagent_run_id=sub),
+                    w.ReasoningEndEvent(message_id=reasoning_id, subagent_run_id=sub),
                 ]
             case ToolCallStart():
                 return [
@@ -224,7 +236,18 @@ class AgUiEncoder:
                 return [w.MessagesSnapshotEvent(messages=messages_to_agui(event.messages))]
         return []  # pragma: no cover - every RunEvent is matched above
 
+    def _reasoning_id(self, run_id: str, message_id: str) -> str:
+        """The open reasoning block's message id (one the loop did not start gets the block id
+        ``:reasoning`` rather than the text's id)."""
+        return self._reasoning.get((run_id, message_id), f"{message_id}:reasoning")
+
+    def _end_run(self, run_id: str) -> None:
+        """Forget a run's reasoning blocks left open (it ended inside one)."""
+        for key in [key for key in self._reasoning if key[0] == run_id]:
+            del self._reasoning[key]
+
     def _finished(self, event: RunFinished, sub: str | None) -> w.AgUiEvent:
+        self._end_run(event.run_id)
         usage = usage_to_agui(self._usage.pop(event.run_id, []))
         interrupts = tuple(interrupt_to_agui(interrupt, sub) for interrupt in event.interrupts)
         result: dict[str, Any] = {"stopReason": event.outcome, "text": event.text}
