@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import attrs
 import pytest
 from ag_ui.core import Event as AgUiEventModel
 from ag_ui.core import Message as AgUiMessageModel
@@ -16,11 +17,13 @@ from trio_agent.agui import (
     KEEP_ALIVE,
     TOOL_PROGRESS,
     AgUiEncoder,
+    json_value,
     messages_to_agui,
     sse_comment,
     sse_event,
     to_wire,
 )
+from trio_agent.agui import CustomEvent as WireCustomEvent
 from trio_agent.lifecycle import (
     CustomEvent,
     MessagesSnapshot,
@@ -241,6 +244,63 @@ def test_errors_progress_custom_values_and_empty_deltas() -> None:
     assert wire[5] == {"type": "RUN_ERROR", "message": "boom", "code": "model_error"}
 
 
+def test_json_value_never_fails_on_a_value_that_contains_itself_nests_deeply_or_cannot_be_printed() -> None:
+    class Unprintable:
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    @attrs.define
+    class Node:
+        child: Any = None
+
+    node = Node()
+    node.child = node
+    cyclic: dict[str, Any] = {}
+    cyclic["me"] = cyclic
+    shared = [1]
+    deep: Any = []
+    for _ in range(5000):
+        deep = [deep]
+    written = json_value(
+        {"node": node, "cyclic": cyclic, "twice": [shared, shared], "odd": Unprintable(), "deep": deep}
+    )
+    assert written["node"] == {"child": str(node)}
+    assert written["cyclic"] == {"me": "{'me': {...}}"}
+    assert written["twice"] == [[1], [1]]  # met twice, never inside itself: written both times
+    assert written["odd"] == "<Unprintable>"
+    cut = written["deep"]
+    for _ in range(199):
+        (cut,) = cut
+    assert cut == "<list nested more than 200 levels deep>"
+    valid(to_wire(WireCustomEvent(name="n", value=written)))
+    sse_event(to_wire(WireCustomEvent(name="n", value=written)))
+
+
+def test_an_event_before_its_runs_run_started_comes_after_the_run_started() -> None:
+    # "CustomEvent may come anywhere": a middleware's on_start emits one before RunStarted, and
+    # an AG-UI client refuses a stream whose first event is not RUN_STARTED.
+    encoder = AgUiEncoder(thread_id="t", run_id="r")
+    events = [
+        CustomEvent("r", "a", "hello", 1),
+        RunStarted("r", "a", "t"),
+        CustomEvent("sub", "helper", "early", 2),
+        RunStarted("sub", "helper", "t"),
+        RunFinished("sub", "helper", "end_turn", ""),
+        RunFinished("r", "a", "end_turn", ""),
+    ]
+    wire = [valid(data) for event in events for data in encoder.wire(event)]
+    assert [(d["type"], d.get("subagentRunId")) for d in wire] == [
+        ("RUN_STARTED", None),
+        ("CUSTOM", None),
+        ("SUBAGENT_STARTED", "sub"),
+        ("CUSTOM", "sub"),
+        ("SUBAGENT_FINISHED", "sub"),
+        ("RUN_FINISHED", None),
+    ]
+    assert wire[0] == {"type": "RUN_STARTED", "threadId": "t", "runId": "r"}
+    assert wire[2] == {"type": "SUBAGENT_STARTED", "subagentRunId": "sub", "name": "helper"}
+
+
 def test_an_aborted_run_is_cancelled() -> None:
     encoder = AgUiEncoder(thread_id="t")
     encoder.wire(RunStarted("r", "a", "t"))
@@ -272,7 +332,7 @@ def test_a_conversation_as_ag_ui_messages() -> None:
         {"role": "assistant", "id": "m4", "content": "sorry"},
     ]
     snapshot = AgUiEncoder(thread_id="t").wire(MessagesSnapshot("r", "a", tuple(history)))
-    assert valid(snapshot[0])["messages"] == wire
+    assert valid(snapshot[-1])["messages"] == wire  # after the RUN_STARTED its first event opens
 
 
 def test_sse_framing() -> None:

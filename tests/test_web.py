@@ -17,6 +17,9 @@ from pydantic import TypeAdapter
 
 import trio_agent as ta
 from tests.test_session import gated_tool
+from trio_agent._web import _app
+from trio_agent.agui import AgUiEncoder
+from trio_agent.lifecycle import ChatMiddleware, TextMessageContent
 from trio_agent.testing import Reply, TestModel
 from trio_agent.web import bearer_token, create_app, local_only, serve
 
@@ -174,6 +177,60 @@ async def test_an_approval_is_read_strictly_and_edited_args_as_a_json_string_are
         assert result["content"] == "15"  # the edit ran, not the model's {"a": 1, "b": 2}
 
 
+class EmitsOnStart(ChatMiddleware):
+    """Emits a custom event in ``on_start``: before the run's ``RunStarted``."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    async def on_start(self, ctx: Any) -> None:
+        await ctx.emit_custom("progress", self.value)
+
+
+async def test_a_custom_value_that_contains_itself_or_nests_deeply_is_written_and_the_stream_starts_right() -> None:
+    # json_value recursed without end on such a value: the stream broke with no event at all and
+    # the client waited for ever. And a custom event from on_start came before RUN_STARTED.
+    cyclic: list[Any] = []
+    cyclic.append(cyclic)
+    deep: Any = "leaf"
+    for _ in range(2000):
+        deep = {"k": deep}
+    value = {"tree": cyclic, "deep": deep}
+    app = create_app(TestModel(default=Reply(text="hi")), auth=local_only, middleware=[EmitsOnStart(value)])
+    async with running(app) as client:
+        with trio.fail_after(10):
+            events = await post_run(client, body())
+    assert [e["type"] for e in events[:2]] == ["RUN_STARTED", "CUSTOM"] and events[-1]["type"] == "RUN_FINISHED"
+    written = events[1]["value"]
+    assert written["tree"] == ["[[...]]"]  # itself, where it comes round again: its str
+    cut = written["deep"]
+    for _ in range(199):
+        cut = cut["k"]
+    assert cut == "<dict nested more than 200 levels deep>"
+
+
+async def test_a_failure_to_write_an_event_is_one_run_error_and_the_stream_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Only our own errors were caught: any other (an encoder's) escaped the response, which sent
+    # no end, and the client waited for ever.
+    class Broken(AgUiEncoder):
+        def wire(self, event: Any) -> list[dict[str, Any]]:
+            if isinstance(event, TextMessageContent):
+                raise RuntimeError("cannot write this")
+            return super().wire(event)
+
+    monkeypatch.setattr(_app, "AgUiEncoder", Broken)
+    app = create_app(TestModel(default=Reply(text="hi there")), auth=local_only)
+    async with running(app) as client:
+        with trio.fail_after(10):
+            events = await post_run(client, body())
+    assert events[0]["type"] == "RUN_STARTED"
+    assert [e["type"] for e in events].count("RUN_ERROR") == 1 and events[-1]["type"] == "RUN_ERROR"
+    assert events[-1]["code"] == "run_failed" and "RuntimeError: cannot write this" in events[-1]["message"]
+    assert app.state.agui.runs == {}
+
+
 async def test_a_client_tool_pauses_the_run_for_its_output() -> None:
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
     tool = {"name": "where_am_i", "description": "the browser's location", "parameters": {"type": "object"}}
@@ -263,8 +320,6 @@ def test_serve_refuses_to_be_open_by_accident(capsys: pytest.CaptureFixture[str]
 
 
 async def test_a_client_that_never_reads_holds_the_run_back_not_the_memory() -> None:
-    from trio_agent.lifecycle import ChatMiddleware, TextMessageContent
-
     produced = [0]
 
     class Count(ChatMiddleware):
@@ -366,8 +421,6 @@ async def test_a_number_that_is_not_finite_is_refused_with_its_path() -> None:
 
 
 async def test_paused_runs_are_kept_within_a_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trio_agent._web import _app
-
     monkeypatch.setattr(_app, "PAUSED_BYTES", 3_000)
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], permissions={"ask": ["add"]})
     async with running(app) as client:

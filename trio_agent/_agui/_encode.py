@@ -8,7 +8,11 @@ Rules
   ``RUN_STARTED`` / ``RUN_FINISHED`` / ``RUN_ERROR``. Any other run on the stream
   is a subagent's: ``SUBAGENT_STARTED`` / ``SUBAGENT_FINISHED`` /
   ``SUBAGENT_ERROR``, and each of its events carries ``subagentRunId`` (its run
-  id), so interleaved runs stay apart.
+  id), so interleaved runs stay apart. A run's first event opens it on the wire
+  whatever it is: a ``CustomEvent`` may come before its ``RunStarted`` (a
+  middleware's ``on_start`` emits one), and AG-UI wants ``RUN_STARTED`` first, so
+  such an event is preceded by the ``RUN_STARTED`` (``SUBAGENT_STARTED``) and the
+  ``RunStarted`` that follows adds nothing.
 * ``RunFinished``: outcome ``interrupt`` is an ``interrupt`` outcome with the
   run's interrupts (a subagent: ``suspended`` with their ids); ``aborted`` is
   ``cancelled``; every other stop reason is ``success``, the stop reason in
@@ -148,6 +152,7 @@ class AgUiEncoder:
         self._usage: dict[str, list[Usage]] = {}
         self._reasoning: dict[tuple[str, str], str] = {}  # (run id, message id) -> its open reasoning message
         self._reasoning_ids = itertools.count(1)
+        self._started: set[str] = set()  # the runs opened on the wire (RUN_STARTED / SUBAGENT_STARTED)
 
     def _sub(self, run_id: str) -> str | None:
         if self.run_id is None:
@@ -156,11 +161,20 @@ class AgUiEncoder:
 
     def encode(self, event: RunEvent) -> list[w.AgUiEvent]:
         sub = self._sub(event.run_id)
+        if event.run_id in self._started:
+            return self._encode(event, sub)
+        self._started.add(event.run_id)  # its first event, RunStarted or not, opens it on the wire
+        opened: w.AgUiEvent = (
+            w.RunStartedEvent(thread_id=self.thread_id, run_id=event.run_id)
+            if sub is None
+            else w.SubagentStartedEvent(subagent_run_id=sub, name=event.agent_id)
+        )
+        return [opened, *self._encode(event, sub)]
+
+    def _encode(self, event: RunEvent, sub: str | None) -> list[w.AgUiEvent]:
         match event:
             case RunStarted():
-                if sub is None:
-                    return [w.RunStartedEvent(thread_id=self.thread_id, run_id=event.run_id)]
-                return [w.SubagentStartedEvent(subagent_run_id=sub, name=event.agent_id)]
+                return []  # the run was opened by its first event (this one, or one before it)
             case RunFinished():
                 return [self._finished(event, sub)]
             case RunError():

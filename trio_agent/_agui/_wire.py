@@ -13,7 +13,9 @@ Rules
 * Values the protocol types as "any JSON" (a custom event's value, a run's result,
   an interrupt's metadata) are written through `json_value`: JSON as it is, an
   attrs value through its fields, anything else as its ``str`` (a wire event is
-  never refused for an odd value a hook put there).
+  never refused for an odd value a hook put there); a container that contains
+  itself is written as its ``str`` where it repeats, and nesting past
+  `MAX_JSON_DEPTH` (200) is cut there.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import cattrs
 from cattrs.gen import make_dict_unstructure_fn, override
 
 from .._convert import LazyConverter
+from .._json import MAX_JSON_DEPTH
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -376,21 +379,49 @@ def _camel(name: str) -> str:
 def json_value(value: object) -> Any:
     """``value`` as JSON data: JSON as it is, attrs values and mappings by their fields,
     sequences item by item, an enum by its value, anything else (and a non-finite
-    number) as its ``str``."""
+    number) as its ``str`` (or, if its ``str`` raises, its type's name in ``<>``).
+
+    Never fails and stays bounded: a container that contains itself is written as its
+    ``str`` where it comes round again, and containers nested past `MAX_JSON_DEPTH`
+    are cut there, written as a string that says so (the result must still go through
+    ``json.dumps``, whose own recursion has a limit)."""
+    return _json_value(value, 0, set())
+
+
+def _json_value(value: object, depth: int, inside: set[int]) -> Any:
     if value is None or isinstance(value, (bool, str, int)):
         return value.value if isinstance(value, enum.Enum) else value
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, enum.Enum):
-        return json_value(value.value)
-    if isinstance(value, Mapping):
-        return {str(key): json_value(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_value(item) for item in value]
-    if attrs.has(type(value)):
+        return _json_value(value.value, depth, inside)
+    is_attrs = attrs.has(type(value))
+    if not (is_attrs or isinstance(value, (Mapping, list, tuple))):
+        return _text(value)
+    if id(value) in inside:  # it contains itself: written once, then as its str where it repeats
+        return _text(value)
+    if depth >= MAX_JSON_DEPTH:
+        return f"<{type(value).__name__} nested more than {MAX_JSON_DEPTH} levels deep>"
+    inside.add(id(value))
+    try:
+        if isinstance(value, Mapping):
+            return {_text(key): _json_value(item, depth + 1, inside) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [_json_value(item, depth + 1, inside) for item in value]
         names = [field.name for field in attrs.fields(type(value))]  # type: ignore[arg-type]
-        return {_camel(name): json_value(getattr(value, name)) for name in names}
-    return str(value)
+        return {_camel(name): _json_value(getattr(value, name), depth + 1, inside) for name in names}
+    finally:
+        inside.discard(id(value))
+
+
+def _text(value: object) -> str:
+    """``str(value)``; a ``__str__`` that raises (or recurses without end) gives the type's name."""
+    if isinstance(value, str):
+        return value
+    try:
+        return str(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
 
 
 _WIRE = frozenset(value for value in list(globals().values()) if isinstance(value, type) and attrs.has(value))

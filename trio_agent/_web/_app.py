@@ -271,13 +271,20 @@ class _RunStream(Response):
                     self.server.keep_paused(run_input.thread_id, result.paused)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return  # the client is gone: leaving the block aborted the run
-            except TrioAgentError as exc:
-                if not failed:  # the loop reports its own failures; this one happened around it
-                    data = to_wire(RunErrorEvent(message=str(exc), code=getattr(exc, "code", None) or "run_failed"))
-                    try:
-                        await frames.send(sse_event(data))
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        return
+            except Exception as exc:
+                # Whatever failed (the run, or writing an event of it: an encoder's bug), the stream
+                # says so and ends: an error let out of here would leave the client with no end.
+                if failed:  # the loop reported its own failure; this one happened around it
+                    return
+                if isinstance(exc, TrioAgentError):
+                    message, code = str(exc), getattr(exc, "code", None) or "run_failed"
+                else:
+                    logger.exception("run %r of thread %r failed", run_input.run_id, run_input.thread_id)
+                    message, code = f"the run failed: {type(exc).__name__}: {exc}", "run_failed"
+                try:
+                    await frames.send(sse_event(to_wire(RunErrorEvent(message=message, code=code))))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
 
 
 _BATCH = 64 * 1024  # bytes of ready frames written in one piece
