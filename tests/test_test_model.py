@@ -12,7 +12,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_agent import ModelError, RateLimitError
+from trio_agent import ConfigError, ModelError, RateLimitError
 from trio_agent.models import (
     AssistantMessage,
     FinishChunk,
@@ -518,3 +518,78 @@ async def test_scripts_can_be_keyed_explicitly() -> None:
     )
     response = await ModelService(model).chat([UserMessage("a"), UserMessage("b")])
     assert response.message.parts == (TextPart("for b"),)
+
+
+# -- a script's mistakes -------------------------------------------------------------------------
+
+
+async def test_a_latency_that_is_not_a_finite_duration_is_refused_and_never_reaches_the_shared_timer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A NaN latency went on the timer heap that every conversation of open_test_model shares:
+    # trio.move_on_at(nan) raised in the timer task and took down every conversation.
+    for latency in (float("nan"), float("inf"), -1.0, True, "1"):
+        with pytest.raises(ConfigError, match=r"Reply\.latency must be a finite number of seconds >= 0"):
+            Reply("x", latency=latency)  # type: ignore[arg-type]
+    answered: list[str] = []
+    async with open_test_model({"good": [Reply("fine", latency=0.5)]}) as model:
+
+        async def good() -> None:
+            answered.append((await model.chat(request("good"))).message.text)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(good)
+            await trio.testing.wait_all_tasks_blocked()  # the neighbour waits on the timer
+            with pytest.raises(ConfigError):
+                Reply("x", latency=float("nan"))  # the mistake fails where it is written
+    assert answered == ["fine"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"text": None}, r"Reply\.text must be a string, got NoneType"),
+        ({"reasoning": 5}, r"Reply\.reasoning must be a string, got int"),
+        ({"tool_calls": [("add",)]}, r"Reply\.tool_calls\[0\] must be a \(name, arguments\) pair"),
+        ({"tool_calls": ("add", {})}, r"Reply\.tool_calls\[0\] must be a \(name, arguments\) pair"),
+        ({"tool_calls": [("add", {"a": {1, 2}})]}, r"Reply\.tool_calls\[0\]\.arguments\.a is not JSON: set"),
+        ({"tool_calls": [("add", {"a": float("nan")})]}, r"Reply\.tool_calls\[0\]\.arguments\.a is not a finite"),
+        ({"error": ValueError("boom")}, r"Reply\.error must be a ModelError or None, got ValueError"),
+        ({"finish_reason": "stop"}, r"Reply\.finish_reason must be a FinishReason or None, got str"),
+        ({"fail_after_chunks": -1}, r"Reply\.fail_after_chunks must be a whole number >= 0"),
+    ],
+)
+def test_a_reply_whose_fields_cannot_be_a_model_reply_is_refused_naming_the_field(
+    fields: dict[str, Any], named: str
+) -> None:
+    # Each of these failed later, inside the model call, as a bare AttributeError / TypeError /
+    # ValueError (or, for the error, raised itself in place of a ModelError).
+    with pytest.raises(ConfigError, match=named):
+        Reply(**fields)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"script": {"hi": Reply(text="x")}}, r"script\['hi'\] is one Reply: give a list"),
+        ({"script": {"hi": ["x"]}}, r"script\['hi'\]\[0\] is str \('x'\), not a Reply"),
+        ({"script": {"hi": "x"}}, r"script\['hi'\] must be a list of Reply, got str"),
+        ({"script": {1: [Reply()]}}, r"key 1 is not a string"),
+        ({"script": [Reply()]}, r"script=\) must map a conversation.s key to its replies, got list"),
+        ({"default": [Reply(), None]}, r"default\[1\] is NoneType \(None\), not a Reply"),
+        ({"respond": Reply()}, r"respond=\) must be a function of the request, got Reply"),
+    ],
+)
+def test_a_script_of_the_wrong_shape_is_refused_naming_where(kwargs: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        TestModel(**kwargs)
+
+
+@pytest.mark.parametrize("returned", [None, "hello", {"text": "hi"}])
+async def test_a_respond_that_returns_no_reply_is_a_model_error_called_directly_or_streamed(returned: Any) -> None:
+    model = TestModel(respond=lambda request: returned)
+    with pytest.raises(ModelError, match=r"respond= returned \w+ .*, not a Reply") as caught:
+        await model.chat(request())
+    assert caught.value.code == "test_model_bad_reply"
+    with pytest.raises(ModelError, match="not a Reply"):
+        await collect(model, request())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -13,7 +14,8 @@ from typing import Any
 import attrs
 import trio
 
-from .._errors import ModelError
+from .._errors import ConfigError, ModelError
+from .._json import json_problem
 from ._messages import (
     AssistantMessage,
     FinishChunk,
@@ -48,6 +50,11 @@ class Reply:
     ``error`` makes the call fail with that `ModelError` instead; ``fail_after_chunks``
     makes a stream fail after that many chunks. ``latency`` delays the reply (seconds,
     driven by the model's one timer task when opened with `open_test_model`).
+
+    Each field is checked when the reply is made (`ConfigError` naming it): a script's
+    mistake fails where it is written, not inside a model call, and never in the timer
+    task that a whole `open_test_model` shares (a ``NaN`` latency there failed every
+    conversation).
     """
 
     text: str = ""
@@ -59,6 +66,11 @@ class Reply:
     error: ModelError | None = None
     fail_after_chunks: int | None = None
     latency: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        problem = _reply_problem(self)
+        if problem is not None:
+            raise ConfigError(f"Reply.{problem}")
 
     def response(self, model: str) -> ModelResponse:
         parts: list[Any] = []
@@ -72,6 +84,36 @@ class Reply:
         reason = self.finish_reason or (FinishReason.TOOL_CALLS if self.tool_calls else FinishReason.STOP)
         usage = self.usage or _estimate_usage(self.text, parts)
         return ModelResponse(AssistantMessage(tuple(parts)), reason, usage, model, f"test-{next(_ids)}")
+
+
+def _reply_problem(reply: Reply) -> str | None:
+    """What is wrong with ``reply``'s fields (``field: why``), or ``None``."""
+    for name in ("text", "reasoning", "reasoning_signature"):
+        value = getattr(reply, name)
+        if not isinstance(value, str) and not (value is None and name != "text"):
+            return f"{name} must be a string, got {type(value).__name__}"
+    if isinstance(reply.tool_calls, (str, bytes)) or not isinstance(reply.tool_calls, Sequence):
+        return f"tool_calls must be a sequence of (name, arguments) pairs, got {type(reply.tool_calls).__name__}"
+    for index, call in enumerate(reply.tool_calls):
+        where = f"tool_calls[{index}]"
+        if not isinstance(call, (tuple, list)) or len(call) != 2 or not isinstance(call[0], str) or not call[0]:
+            return f"{where} must be a (name, arguments) pair with a non-empty name, got {call!r}"
+        arguments = call[1]
+        if not isinstance(arguments, str):
+            problem = json_problem(arguments, f"{where}.arguments")
+            if problem is not None:  # JSON text would not carry it (a raw string scripts invalid JSON)
+                return problem
+    for name, kind in (("finish_reason", FinishReason), ("usage", Usage), ("error", ModelError)):
+        value = getattr(reply, name)
+        if value is not None and not isinstance(value, kind):
+            return f"{name} must be a {kind.__name__} or None, got {type(value).__name__}"
+    count = reply.fail_after_chunks
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+        return f"fail_after_chunks must be a whole number >= 0 or None, got {count!r}"
+    latency = reply.latency
+    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not math.isfinite(latency) or latency < 0:
+        return f"latency must be a finite number of seconds >= 0, got {latency!r}"
+    return None
 
 
 def _estimate_usage(text: str, parts: Sequence[Any]) -> Usage:
@@ -92,6 +134,34 @@ def conversation_key(request: ModelRequest) -> str:
 
 
 Responder = Callable[[ModelRequest], Reply]
+
+
+def _scripts(script: object) -> dict[str, deque[Reply]]:
+    """A ``script=`` as queues by key; its shape is checked here (`ConfigError` naming the key)."""
+    if script is None:
+        return {}
+    if not isinstance(script, Mapping):
+        got = type(script).__name__
+        raise ConfigError(f"TestModel(script=) must map a conversation's key to its replies, got {got}")
+    scripts: dict[str, deque[Reply]] = {}
+    for key, replies in script.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"TestModel(script=) key {key!r} is not a string (a conversation's key is one)")
+        scripts[key] = _replies(replies, f"script[{key!r}]")
+    return scripts
+
+
+def _replies(replies: object, where: str) -> deque[Reply]:
+    """``replies`` (a list of `Reply` s, in order) as a queue; ``where`` names it in the error."""
+    if isinstance(replies, Reply):
+        raise ConfigError(f"TestModel {where} is one Reply: give a list of the replies, in order ([Reply(...)])")
+    if isinstance(replies, (str, bytes)) or not isinstance(replies, Iterable):
+        raise ConfigError(f"TestModel {where} must be a list of Reply, got {type(replies).__name__}")
+    queue = deque(replies)
+    for index, reply in enumerate(queue):
+        if not isinstance(reply, Reply):
+            raise ConfigError(f"TestModel {where}[{index}] is {type(reply).__name__} ({reply!r:.80}), not a Reply")
+    return queue
 
 
 class _Timer:
@@ -153,9 +223,11 @@ class TestModel:
     ) -> None:
         self.model = model
         self._key = key or conversation_key
-        self._scripts = {key: deque(replies) for key, replies in (script or {}).items()}
+        self._scripts = _scripts(script)
         self._default_one = default if isinstance(default, Reply) else None
-        self._default_queue = deque(default) if default is not None and not isinstance(default, Reply) else None
+        self._default_queue = None if default is None or isinstance(default, Reply) else _replies(default, "default")
+        if respond is not None and not callable(respond):
+            raise ConfigError(f"TestModel(respond=) must be a function of the request, got {type(respond).__name__}")
         self._respond = respond
         self._timer = timer
         self.requests: list[ModelRequest] = []
@@ -171,7 +243,13 @@ class TestModel:
     def _next_reply(self, request: ModelRequest) -> Reply:
         self.requests.append(request)
         if self._respond is not None:
-            return self._respond(request)
+            reply = self._respond(request)
+            if not isinstance(reply, Reply):  # a provider's failure is a ModelError, whoever calls it
+                raise ModelError(
+                    f"test model's respond= returned {type(reply).__name__} ({reply!r:.80}), not a Reply",
+                    code="test_model_bad_reply",
+                )
+            return reply
         key = self._key(request)
         queue = self._scripts.get(key)
         if queue is not None:
