@@ -21,7 +21,7 @@ from trio_agent._web import _app
 from trio_agent.agui import AgUiEncoder
 from trio_agent.lifecycle import ChatMiddleware, TextMessageContent
 from trio_agent.testing import Reply, TestModel
-from trio_agent.web import bearer_token, create_app, local_only, serve
+from trio_agent.web import InputError, bearer_token, create_app, local_only, parse_run_input, serve
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(AgUiEventModel)
 
@@ -115,6 +115,46 @@ async def test_bad_input_is_an_http_error_naming_what_is_wrong(send: dict[str, A
             ]
         assert (await client.post("/runs/nope/abort")).status_code == 404
     assert app.state.agui.runs == {}
+
+
+def test_every_typed_field_of_a_run_input_is_checked_not_only_the_ones_read() -> None:
+    # toolCalls 0 / false / "" read as "no calls", a tool message's non-string error as "not an
+    # error", and context and protocolVersion were never looked at.
+    user = {"id": "u", "role": "user", "content": "hi"}
+    given = {
+        "threadId": "t",
+        "runId": "r",
+        "protocolVersion": 5,
+        "context": [5, {"description": "d"}, {"description": "d", "value": 3}],
+        "messages": [
+            user,
+            {"id": "a", "role": "assistant", "toolCalls": 0},
+            {"id": "b", "role": "assistant", "toolCalls": ""},
+            {"id": "c", "role": "tool", "toolCallId": "c1", "content": "x", "error": 5},
+        ],
+    }
+    with pytest.raises(InputError) as caught:
+        parse_run_input(given)
+    assert caught.value.problems == (
+        "$.protocolVersion: expected a non-empty string, got int",
+        "$.messages[1].toolCalls: expected a list, got int",
+        "$.messages[2].toolCalls: expected a list, got str",
+        "$.messages[3].error: expected a string (the error's text), got int",
+        "$.context[0]: expected an object {description, value}, got int",
+        "$.context[1].value: missing",
+        "$.context[2].value: expected a string, got int",
+    )
+    with pytest.raises(InputError, match=r"\$\.context: expected a list, got str"):
+        parse_run_input({**given, "context": "nope", "protocolVersion": "0.1", "messages": [user]})
+    read = parse_run_input(
+        {
+            **given,
+            "protocolVersion": "0.1",
+            "context": [{"description": "the page", "value": "/home"}],
+            "messages": [user, {"id": "c", "role": "tool", "toolCallId": "c1", "content": "x", "error": "boom"}],
+        }
+    )
+    assert read.messages[1] == ta.ToolResultMessage("c1", "x", is_error=True)
 
 
 async def test_auth_is_asked_for_every_request() -> None:

@@ -10,8 +10,9 @@ Rules
   (each with ``id`` and ``role``: ``user``, ``system``, ``developer``, ``assistant``
   with optional ``toolCalls``, ``tool`` with ``toolCallId``; ``reasoning`` and
   ``activity`` messages are accepted and left out of the history), optional ``tools`` (the client's own tools: ``name``,
-  ``description``, ``parameters``), ``context``, ``state``, ``forwardedProps``,
-  ``parentRunId``, ``protocolVersion`` and ``resume`` (``interruptId``, ``status``
+  ``description``, ``parameters``), ``context`` (``{description, value}``, both
+  strings: checked, not used), ``state``, ``forwardedProps``, ``parentRunId``,
+  ``protocolVersion`` (a string) and ``resume`` (``interruptId``, ``status``
   ``resolved`` | ``cancelled``, ``payload``). Unknown keys are ignored (the
   protocol grows); a wrong type or a missing key is an `InputError` that lists
   every problem with its JSON path. So is a number anywhere in the body that is not
@@ -157,8 +158,10 @@ def _message(reader: _Reader, data: object, path: str) -> Message | None:
                 reader.fail(f"{path}.content", f"expected a string, got {_kind(content)}")
             elif content:
                 parts.append(TextPart(content))
-        calls = data.get("toolCalls") or []
-        if not isinstance(calls, list):
+        calls = data.get("toolCalls")
+        if calls is None:
+            calls = []
+        elif not isinstance(calls, list):
             reader.fail(f"{path}.toolCalls", f"expected a list, got {_kind(calls)}")
             calls = []
         for index, call in enumerate(calls):
@@ -181,7 +184,10 @@ def _message(reader: _Reader, data: object, path: str) -> Message | None:
         if call_id is None or content is None:
             return None
         error = data.get("error")
-        return ToolResultMessage(call_id, content, is_error=isinstance(error, str) and bool(error))
+        if error is not None and not isinstance(error, str):
+            reader.fail(f"{path}.error", f"expected a string (the error's text), got {_kind(error)}")
+            return None
+        return ToolResultMessage(call_id, content, is_error=bool(error))
     if role in ("reasoning", "activity"):
         return None  # not part of the history the model reads
     reader.fail(f"{path}.role", f"unknown role {role!r}")
@@ -219,6 +225,18 @@ def _resume(reader: _Reader, data: object, path: str) -> ResumeEntry | None:
     return None if interrupt_id is None else ResumeEntry(interrupt_id, status, data.get("payload"))
 
 
+def _context(reader: _Reader, data: object, path: str) -> None:
+    """One ``context`` item: ``{description, value}``, both strings (read, not kept: the app's
+    own instructions say what a run knows)."""
+    if not isinstance(data, dict):
+        reader.fail(path, f"expected an object {{description, value}}, got {_kind(data)}")
+        return
+    for key in ("description", "value"):
+        value = data.get(key)
+        if not isinstance(value, str):
+            reader.fail(f"{path}.{key}", "missing" if value is None else f"expected a string, got {_kind(value)}")
+
+
 def _non_finite(data: object) -> list[str]:
     """Where ``data`` (decoded JSON) holds a number that is not finite. Without recursion: a body
     nests as deeply as the decoder let it."""
@@ -248,8 +266,9 @@ def parse_run_input(data: object) -> RunInput:
     thread_id = reader.identifier(data, "threadId")
     run_id = reader.identifier(data, "runId")
     parent = reader.text(data, "parentRunId", "$", required=False)
+    reader.text(data, "protocolVersion", "$", required=False)
     lists: dict[str, list[Any]] = {}
-    for key in ("messages", "tools", "resume"):
+    for key in ("messages", "tools", "context", "resume"):
         value = data.get(key, [] if key != "messages" else None)
         if value is None and key != "messages":
             value = []
@@ -259,6 +278,8 @@ def parse_run_input(data: object) -> RunInput:
         lists[key] = value
     messages = [_message(reader, item, f"$.messages[{i}]") for i, item in enumerate(lists["messages"])]
     tools = [_tool(reader, item, f"$.tools[{i}]") for i, item in enumerate(lists["tools"])]
+    for index, item in enumerate(lists["context"]):
+        _context(reader, item, f"$.context[{index}]")
     resume = [_resume(reader, item, f"$.resume[{i}]") for i, item in enumerate(lists["resume"])]
     reader.problems.extend(_non_finite(data))
     if reader.problems:
