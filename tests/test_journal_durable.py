@@ -26,6 +26,7 @@ from trio_agent import ConfigError, SideEffect, ToolResult, define_tool
 from trio_agent._tools._definition import InterruptBehavior, Tool, ToolKind
 from trio_agent.journal import (
     AppendBatch,
+    AppendResult,
     AppendTicket,
     CommandConflictError,
     Event,
@@ -135,6 +136,7 @@ class GatedStore:
         self.clock = inner.clock
         self._nursery = nursery
         self.hold: trio.Event | None = None
+        self.refuse: JournalError | None = None  # while set, a held append is refused with it once let go
         self.held: list[AppendBatch] = []
         self._last: AppendTicket | None = None
 
@@ -155,6 +157,8 @@ class GatedStore:
                 await behind._done.wait()
             outcome: object
             try:
+                if self.refuse is not None:
+                    raise self.refuse
                 outcome = await self.inner.submit(batch).wait()
             except Exception as exc:
                 outcome = exc
@@ -421,6 +425,75 @@ async def test_commands_replay_identically_and_conflict_on_other_content(kind: s
                 await journal.append(other, command_id="cmd-1")
             assert await store.head(stream) == head
             assert [e.event for e in await store.read(stream)].count(event) == 1
+
+
+@pytest.mark.parametrize("refused", [False, True])
+async def test_a_retry_of_a_command_in_flight_is_answered_only_as_its_first_write_ends(refused: bool) -> None:
+    """A client retry that comes while the command's first write is in flight waits for that
+    write: told "replayed" only once it committed; a refusal reaches the retry too."""
+    inner = MemoryStore()
+    outcomes: dict[str, AppendResult | JournalError] = {}
+    async with trio.open_nursery() as nursery:
+        store = GatedStore(inner, nursery)
+        async with open_journal(store, session_id=SID) as journal:
+            await journal.flush()
+
+            async def write(name: str) -> None:
+                try:
+                    outcomes[name] = await journal.append(accepted("r1"), command_id="cmd-1")
+                except JournalError as exc:
+                    outcomes[name] = exc
+
+            gate = store.hold = trio.Event()
+            nursery.start_soon(write, "first")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(write, "retry")
+            await trio.testing.wait_all_tasks_blocked()
+            assert outcomes == {}  # the first write is in flight: the retry is not answered yet
+            store.hold = None
+            store.refuse = JournalUnavailableError("the disk said no") if refused else None
+            gate.set()
+            await trio.testing.wait_all_tasks_blocked()
+            first, retry = outcomes["first"], outcomes["retry"]
+            if refused:
+                assert isinstance(first, JournalUnavailableError) and retry is first
+                assert journal.fenced
+                await journal.reconcile()
+                assert journal.projection().request("r1") is None
+                assert not (await journal.append(accepted("r1"), command_id="cmd-1")).replayed
+            else:
+                assert isinstance(first, AppendResult) and isinstance(retry, AppendResult)
+                assert not first.replayed and retry.replayed
+                assert (retry.first_seq, retry.last_seq) == (first.first_seq, first.last_seq)
+                assert not journal.fenced
+            assert [e.event for e in await inner.read(journal.stream_id())].count(accepted("r1")) == 1
+
+
+async def test_a_retry_of_a_command_whose_first_write_never_concluded_is_fenced(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The first write hangs and its caller gives up (its confirmation is bounded): the retry
+    waiting for it is told the journal is fenced, never that the command applied."""
+    faulty = FaultyStore(MemoryStore(clock=trio.current_time))
+    async with open_journal(faulty, session_id=SID, commit_grace=0.5) as journal:
+        await journal.flush()
+        faulty.fail_next("hang")
+        retried: list[AppendResult | JournalError] = []
+
+        async def retry() -> None:
+            try:
+                retried.append(await journal.append(accepted("r1"), command_id="cmd-1"))
+            except JournalError as exc:
+                retried.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            with trio.move_on_after(1):
+                nursery.start_soon(retry)  # runs once the first is in flight
+                await journal.append(accepted("r1"), command_id="cmd-1")
+        assert len(retried) == 1 and isinstance(retried[0], JournalFencedError)
+        await journal.reconcile()
+        assert journal.projection().request("r1") is None
+        assert not (await journal.append(accepted("r1"), command_id="cmd-1")).replayed
 
 
 # ---------------------------------------------------------------- 4. projection guard

@@ -128,6 +128,22 @@ ROOT_AGENT = "root"
 _NO_STARTS: dict[str, AppendTicket] = {}  # `DurableJournal._pending_starts` of a journal with none: never written
 
 
+class _CommandInFlight:
+    """A command's write, submitted and not concluded by the append that wrote it: a retry of the
+    command waits until ``settled`` (that append knows the write's outcome, or gave up on it),
+    then takes the ticket's outcome as its own."""
+
+    __slots__ = ("settled", "ticket")
+
+    def __init__(self, ticket: AppendTicket) -> None:
+        self.ticket = ticket
+        self.settled = trio.Event()
+
+
+# `DurableJournal._in_flight` of a journal with no command in flight yet: never written.
+_NO_COMMANDS: dict[tuple[str, str], _CommandInFlight] = {}
+
+
 @attrs.frozen
 class RecoveryReport:
     """What `DurableJournal.recover` decided and wrote for one stream.
@@ -171,6 +187,7 @@ class DurableJournal:
         "_commits_now",
         "_fenced",
         "_fold_after",
+        "_in_flight",
         "_pending_starts",
         "_shut",
         "_streams",
@@ -224,6 +241,9 @@ class DurableJournal:
         # Call id -> the ticket of its unawaited start: the shared empty one until the first (only
         # ``durable_pure_starts=False`` makes any; it is never written to, see `on_execution_started`).
         self._pending_starts: dict[str, AppendTicket] = _NO_STARTS
+        # (stream id, command id) -> its write in flight (`_submit`, `_settle_command`): the shared
+        # empty one until the first (a store that commits at once never has one).
+        self._in_flight: dict[tuple[str, str], _CommandInFlight] = _NO_COMMANDS
         self.recovered = False
         # A store whose leases never run out needs no heartbeat (`HeldLease`), and one that commits
         # at once (`JournalStore.commit`) needs no ticket: the memory store's appends never wait.
@@ -545,11 +565,42 @@ class DurableJournal:
                 assert isinstance(store, LaneStore)  # only a keeper's store has pending leases
                 with store.grouped():
                     held.submit_acquire()
-                    return store.submit(batch)
-            return self.store.submit(batch)
+                    ticket = store.submit(batch)
+            else:
+                ticket = self.store.submit(batch)
         except Exception as exc:
             self._refused(exc)
             raise
+        if batch.command_id is not None:
+            # The command is in the replay cache already (`_prepare`): a retry must not be told it
+            # applied before this write is known to have (`_replay_in_flight`).
+            if self._in_flight is _NO_COMMANDS:
+                self._in_flight = {}
+            self._in_flight[batch.stream_id, batch.command_id] = _CommandInFlight(ticket)
+        return ticket
+
+    def _settle_command(self, batch: AppendBatch) -> None:
+        """The append that wrote *batch* (a command's) is done waiting for it: wake its retries."""
+        assert batch.command_id is not None
+        flight = self._in_flight.pop((batch.stream_id, batch.command_id), None)
+        if flight is not None:
+            flight.settled.set()
+
+    async def _replay_in_flight(self, flight: _CommandInFlight, command_id: str) -> None:
+        """A retry of a command whose first write was in flight: wait until the append that wrote
+        it concluded, then answer as it was answered. A refusal is raised as it refused that write;
+        an outcome it gave up on (not confirmed in time) or a command the store already held
+        leaves the journal fenced, and the retry raises that. Cancelling the retry leaves the
+        write alone: its own append confirms it (`_await`, `_confirm`)."""
+        await flight.settled.wait()
+        ticket = flight.ticket
+        if ticket.done and not self._outcome(ticket).replayed:  # `_outcome` raises what refused it
+            return
+        self._check_writable()  # fenced (or lost) by the append that wrote it
+        raise JournalFencedError(
+            f"the first write of command {command_id!r} of session {self.session_id!r} did not conclude; "
+            "the journal is fenced: call reconcile()"
+        )
 
     async def append(self, *events: Event, agent_id: str | None = None, command_id: str | None = None) -> AppendResult:
         """Append ``events`` atomically to an agent's stream (the root's by default).
@@ -575,7 +626,11 @@ class DurableJournal:
         if isinstance(prepared, AppendResult):
             if ahead is not None:
                 await self._write(ahead)
-            else:
+            assert command_id is not None  # only a command is replayed
+            flight = self._in_flight.get((prepared.stream_id, command_id)) if self._in_flight else None
+            if flight is not None:
+                await self._replay_in_flight(flight, command_id)
+            elif ahead is None:
                 await trio.lowlevel.checkpoint()
             return prepared
         assert prepared is not None
@@ -584,9 +639,17 @@ class DurableJournal:
                 self._committed(ahead)
             result = self._committed(prepared)  # as `_write`, without a coroutine of its own
         elif ahead is not None:
-            written = await self._write_together([ahead, prepared])
+            try:
+                written = await self._write_together([ahead, prepared])
+            finally:
+                self._settle_command(prepared)
             assert written is not None  # the last batch's
             result = written
+        elif command_id is not None:
+            try:
+                result = await self._await(self._submit(prepared))
+            finally:
+                self._settle_command(prepared)
         else:
             result = await self._await(self._submit(prepared))
         if result.replayed:
