@@ -452,6 +452,117 @@ async def test_sqlite_a_damaged_snapshot_row_is_ignored_with_a_warning(
     assert any("checksum mismatch" in r.getMessage() for r in warnings_of.records if r.name == LOGGER)
 
 
+async def a_session_left_mid_request(store: MemoryStore, *, tail: bool) -> None:
+    """A session whose snapshot holds a live request: started, its turn open, a model attempt
+    running; with ``tail``, the attempt completed after the snapshot."""
+    async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+        await one_request(journal, 0)
+        await journal.append(RequestAccepted(request_id="r", command_id="r", input={"prompt": "p"}), command_id="r")
+        await journal.append(
+            RequestStarted(request_id="r"),
+            TurnStarted(request_id="r", turn_id="t", turn=1),
+            ModelAttemptStarted(request_id="r", turn_id="t", attempt_id="a", model="m"),
+        )
+    if tail:
+        async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+            await journal.append(ATTEMPT_COMPLETED)
+
+
+ATTEMPT_COMPLETED = ModelAttemptCompleted(
+    request_id="r", turn_id="t", attempt_id="a", response=ModelReplyRecord(text="x").to_payload()
+)
+
+
+def rewrite_header(store: MemoryStore, how: str) -> None:
+    """Rewrite the snapshot's header as *how* says, with a right checksum: a snapshot another
+    version of the code could have written, or a restore or a hand edit, that a checksum cannot tell."""
+    seq, body, _ = snapshot_row_of(store)
+    header, *rest = body.split(b"\n")
+    data = json.loads(header)
+    projection = data["projection"]
+    if how == "open_turn names no turn":
+        projection["open_turn"] = "ghost"
+    elif how == "running_attempt names no attempt":
+        projection["running_attempt"] = "ghost"
+    elif how == "active_request names no request":
+        projection["active_request"] = "ghost"
+    elif how == "a turn filed under another id":
+        projection["turns"]["t"]["turn_id"] = "ghost"
+    elif how == "an attempt of no request":
+        projection["attempts"]["a"]["request_id"] = ""
+    elif how == "no live turn for an open one":
+        projection["turns"] = {}
+    elif how == "a negative count of entries":
+        data["lines"]["ended_requests"] = -1
+    if how == "a header nested past the recursion limit":
+        text = b'{"format":"trio_agent.snapshot","version":3,"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    else:
+        text = json.dumps(data).encode()
+    text = b"\n".join([text, *rest])
+    store._streams[ROOT].snapshot = (seq, text, row_checksum(ROOT, seq, text))
+
+
+CONTRADICTIONS = [
+    "open_turn names no turn",
+    "running_attempt names no attempt",
+    "active_request names no request",
+    "a turn filed under another id",
+    "an attempt of no request",
+    "no live turn for an open one",
+    "a negative count of entries",
+    "a header nested past the recursion limit",
+]
+
+
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("how", CONTRADICTIONS)
+async def test_a_snapshot_that_contradicts_itself_is_ignored_with_a_warning(
+    how: str, tail: bool, warnings_of: pytest.LogCaptureFixture
+) -> None:
+    """Its checksum is right but its state does not hold together: the stream is replayed in
+    full (never a KeyError or ValueError out of the open, or out of the session's next write)."""
+    store = MemoryStore()
+    await a_session_left_mid_request(store, tail=tail)
+    rewrite_header(store, how)
+    warnings_of.clear()
+    async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+        assert journal._streams[ROOT].snapshot_seq == 0  # replayed in full
+        assert journal.projection().snapshot() == replayed(await store.read(ROOT)).projection.snapshot()
+        assert journal.projection().has_requests
+        if not tail:
+            await journal.append(ATTEMPT_COMPLETED)
+        await journal.append(
+            TurnCompleted(request_id="r", turn_id="t", has_tool_calls=False),
+            RequestCompleted(request_id="r", output={"text": "x"}),
+        )
+        assert journal.projection().request("r").state is RequestState.COMPLETED  # type: ignore[union-attr]
+    warned = [r.getMessage() for r in warnings_of.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "ignoring the snapshot of s/root" in warned[0], warned
+    assert "cannot be used" in warned[0]  # refused as it was decoded, before any event met it
+
+
+async def test_a_tail_that_fails_on_a_snapshot_for_any_reason_makes_the_snapshot_ignored(
+    monkeypatch: pytest.MonkeyPatch, warnings_of: pytest.LogCaptureFixture
+) -> None:
+    """A contradiction the decoding does not see (here: its check turned off) shows when the tail
+    applies, as whatever the projection raises: the snapshot is wrong, the events decide."""
+    import trio_agent._journal._snapshot as snapshot_module
+
+    store = MemoryStore()
+    await a_session_left_mid_request(store, tail=False)
+    async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+        # A request event of the tail: the projection looks the open turn up.
+        await journal.append(RequestAccepted(request_id="r2", command_id="r2", input={"prompt": "q"}), command_id="r2")
+    rewrite_header(store, "open_turn names no turn")
+    monkeypatch.setattr(snapshot_module, "_state_problem", lambda state: None)
+    warnings_of.clear()
+    async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+        assert journal._streams[ROOT].snapshot_seq == 0
+        assert journal.projection().snapshot() == replayed(await store.read(ROOT)).projection.snapshot()
+    warned = [r.getMessage() for r in warnings_of.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "does not follow its snapshot" in warned[0] and "KeyError" in warned[0], warned
+
+
 async def test_sqlite_a_read_only_store_of_a_file_without_snapshots_reads_none(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     async with open_sqlite_store(path) as store:

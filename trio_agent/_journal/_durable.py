@@ -797,6 +797,15 @@ class DurableJournal:
                     raise JournalCorruptError(
                         f"stored stream {stream.stream_id!r} breaks the journal's rules at seq {envelope.seq}: {exc}"
                     ) from exc
+                except Exception as exc:
+                    if stream.snapshot_seq == 0:
+                        raise  # the events alone: the projection's own bug, not stored damage
+                    # A snapshot whose state contradicts itself in a way `decode_snapshot` did not
+                    # see: the events after it do not apply, so the snapshot is wrong (`_load`).
+                    raise JournalCorruptError(
+                        f"stored stream {stream.stream_id!r} does not follow its snapshot at seq {envelope.seq}: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
             after = page[-1].seq
         if stream.projection.head != head:
             raise JournalCorruptError(

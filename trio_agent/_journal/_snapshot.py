@@ -41,8 +41,9 @@ Rules
   cancelled in flight is not lost); a reopen adds the store's commands after ``seq``.
 * Read: `open_journal` (and `reconcile`) take each stream's snapshot, restore from it
   and apply the events after ``seq``. A snapshot that fails its checksum, cannot be
-  decoded, has another format or version, names another stream or seq, lies past the
-  stream's head, or whose tail does not apply, is ignored with a WARNING on the
+  decoded, has another format or version, names another stream or seq, whose live
+  state does not hold together (`_state_problem`), lies past the stream's head, or
+  whose tail does not apply (whatever applying it raises), is ignored with a WARNING on the
   ``trio_agent.journal`` logger and the stream is replayed in full: a snapshot can
   make a reopen faster, never different.
 * The fold is lazy: events wait unfolded until the conversation is asked for. A
@@ -82,7 +83,7 @@ from ._events import (
     ToolStarted,
     event_converter,
 )
-from ._projection import Projection, RequestRecord, RequestState, ToolRecord, _State
+from ._projection import PermissionState, Projection, RequestRecord, RequestState, ToolRecord, _State
 from ._stored import StoredIndex, dumps
 
 __all__ = [
@@ -511,6 +512,49 @@ def _lines(body: bytes) -> list[memoryview]:
     return lines
 
 
+def _state_problem(state: _State) -> str | None:
+    """What in a snapshot's projection contradicts itself (a checksum vouches for the bytes, not
+    for the code that wrote them), or ``None``. Only the live records are looked at (a handful):
+    the ones the projection reaches by id when the next event comes. A record is filed under its
+    own non-empty id, and a live turn, attempt or call belongs to a live request (and turn): the
+    projection forgets them when their request ends."""
+    tables: tuple[tuple[str, Mapping[str, Any], str], ...] = (
+        ("requests", state.requests, "request_id"),
+        ("turns", state.turns, "turn_id"),
+        ("attempts", state.attempts, "attempt_id"),
+        ("tools", state.tools, "call_id"),
+        ("subagents", state.subagents, "subagent_id"),
+    )
+    for name, table, id_field in tables:
+        for key, record in table.items():
+            if not key or getattr(record, id_field) != key:
+                return f"{name} files {getattr(record, id_field)!r} under {key!r}"
+            if not record.request_id:
+                return f"{name} {key!r} belongs to no request"
+    for name, table, _ in tables[1:4]:
+        for key, record in table.items():
+            if record.request_id not in state.requests:
+                return f"{name} {key!r} belongs to request {record.request_id!r}, which is not live"
+            turn_id = getattr(record, "turn_id", key)  # a turn is its own
+            turn = state.turns.get(turn_id)
+            if turn is None or turn.request_id != record.request_id:
+                return f"{name} {key!r} belongs to turn {turn_id!r}, which is not a live turn of its request"
+    for name, value, table in (
+        ("active_request", state.active_request, state.requests),
+        ("open_turn", state.open_turn, state.turns),
+        ("running_attempt", state.running_attempt, state.attempts),
+    ):
+        if value is not None and value not in table:
+            return f"{name} names {value!r}, which is not among the live records"
+    for turn_id, calls in state.unsettled.items():
+        if turn_id not in state.turns or not calls.issubset(state.tools):
+            return f"the unsettled calls {sorted(calls)} of turn {turn_id!r} are not live calls of a live turn"
+    for call_id, call in state.tools.items():
+        if call.permission is PermissionState.PENDING and not call.permission_id:
+            return f"call {call_id!r} waits for a permission without an id"
+    return None
+
+
 def decode_snapshot(stream_id: str, agent_id: str, seq: int, body: bytes) -> _Stream:
     """The stream a stored snapshot stands for; `JournalCorruptError` says why it cannot be used."""
 
@@ -521,8 +565,8 @@ def decode_snapshot(stream_id: str, agent_id: str, seq: int, body: bytes) -> _St
     header = bytes(lines[0])
     try:
         data = json.loads(header)
-    except ValueError as exc:
-        raise unusable(f"it is not JSON: {exc}") from exc
+    except Exception as exc:  # not JSON, or JSON nested past the recursion limit: either way unusable
+        raise unusable(f"its header does not decode: {type(exc).__name__}: {exc}") from exc
     if not isinstance(data, dict):
         raise unusable(f"it is a JSON {type(data).__name__}, not an object")
     found = (data.get("format"), data.get("version"))
@@ -542,6 +586,12 @@ def decode_snapshot(stream_id: str, agent_id: str, seq: int, body: bytes) -> _St
     stream = _Stream(stream_id, agent_id)
     if set(decoded.lines) != set(_LINES):
         raise unusable(f"its header names the lines {sorted(decoded.lines)}, not {sorted(_LINES)}")
+    negative = sorted(name for name, count in decoded.lines.items() if count < 0)
+    if negative:
+        raise unusable(f"its header gives the lines {negative} a negative number of entries")
+    problem = _state_problem(decoded.projection)
+    if problem is not None:
+        raise unusable(f"its projection does not hold together: {problem}")
     text = dict(zip(_LINES, lines[3:], strict=True))
     decoded.projection.ended = ended_index(text["ended_requests"], decoded.lines["ended_requests"])
     decoded.projection.ended_tools = ended_tools_index(text["ended_tools"], decoded.lines["ended_tools"])
