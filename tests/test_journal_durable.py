@@ -334,6 +334,12 @@ async def test_release_on_exit_lets_another_owner_in_at_once(autojump_clock: tri
         {"takeover_timeout": -1},
         {"commit_grace": 0},
         {"session_id": "a/b"},
+        {"session_id": 5},
+        {"session_id": "a\x00"},
+        {"root_agent_id": ""},
+        {"root_agent_id": 5},
+        {"root_agent_id": "a\x00"},
+        {"root_agent_id": "x" * 2000},
     ],
 )
 async def test_bad_options_raise_config_error_before_taking_the_lease(options: dict[str, Any]) -> None:
@@ -344,6 +350,21 @@ async def test_bad_options_raise_config_error_before_taking_the_lease(options: d
             pytest.fail("must not open")
     assert await store.current_lease(kwargs["session_id"]) is None
     assert await store.streams() == []
+
+
+@pytest.mark.parametrize("agent_id", [5, b"a", ["a"]])
+async def test_an_agent_id_that_is_no_string_fails_the_append_alone(agent_id: Any) -> None:
+    """Never a stream named after its repr (5 came back as "5" after a reopen)."""
+    store = MemoryStore()
+    async with open_journal(store, session_id=SID) as journal:
+        created = SessionCreated(session_id=SID, agent_id="a", parent_agent_id="root")
+        with pytest.raises(ConfigError, match="agent_id must be a string"):
+            await journal.append(created, agent_id=agent_id)
+        with pytest.raises(ConfigError, match="agent_id must be a string"):
+            await journal.append(created, agent_id=agent_id, command_id="cmd-a")
+        assert journal.agents == ["root"] and not journal.fenced
+        await journal.append(created, agent_id="a")
+    assert sorted(info.stream_id for info in await store.streams(SID)) == [f"{SID}/a", f"{SID}/root"]
 
 
 async def test_an_exception_from_the_body_is_not_wrapped() -> None:

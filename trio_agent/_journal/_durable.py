@@ -170,6 +170,22 @@ class _Default:
 _DEFAULT = _Default()
 
 
+def _checked_agent_id(agent_id: object) -> str | None:
+    """An agent id as the journal's methods take it: a string, or ``None`` for the root (the
+    id rules of a stream are checked on the stream id it makes). Anything else is a `ConfigError`,
+    never a stream named after its ``repr`` (``5`` would come back as ``"5"`` after a reopen)."""
+    if agent_id is not None and not isinstance(agent_id, str):
+        raise ConfigError(f"agent_id must be a string (or None for the root), not {agent_id!r}")
+    return agent_id
+
+
+def _checked_name(value: object, what: str) -> str:
+    """A session or root agent id given to `open_journal`: non-empty text a store can keep."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{what} must be a non-empty string, not {value!r}")
+    return check_id(value, what)
+
+
 def _recorded_at(now: object) -> float:
     """A store clock's reading that is not a plain finite float: an int is fine, anything else
     is the clock's bug, named before anything is written."""
@@ -332,7 +348,11 @@ class DurableJournal:
 
     def _stream_id_of(self, agent_id: str | None) -> str:
         """`stream_id`, without formatting it again once a write checked it."""
-        return self._checked_ids.get(agent_id) or self.stream_id(agent_id)
+        try:
+            return self._checked_ids.get(agent_id) or self.stream_id(agent_id)
+        except TypeError:  # an unhashable agent id: named as the wrong type it is
+            _checked_agent_id(agent_id)
+            raise
 
     def _stream(self, agent_id: str | None) -> _Stream:
         stream = self._streams.get(self._stream_id_of(agent_id))
@@ -390,10 +410,14 @@ class DurableJournal:
             held.check()
         if not events:
             raise JournalError("append needs at least one event")
-        stream_id = self._checked_ids.get(agent_id)
+        try:
+            stream_id = self._checked_ids.get(agent_id)
+        except TypeError:  # an unhashable agent id: refused just below
+            stream_id = None
         if stream_id is None:
-            # Checked before the projection moves: an id no store can keep fails this append alone.
-            stream_id = check_id(self.stream_id(agent_id), "stream id")
+            # Checked once, before the projection moves: an id no store can keep (or no id at
+            # all) fails this append alone.
+            stream_id = check_id(self.stream_id(_checked_agent_id(agent_id)), "stream id")
             self._checked_ids[agent_id] = stream_id
         stream = self._streams.get(stream_id)
         fresh = stream is None
@@ -1183,9 +1207,7 @@ class DurableJournal:
         The stream need not exist yet (a subagent's is made when it starts), but its agent id must be
         one a stream can have: anything else is a `ConfigError`, never a subscription that waits for ever.
         """
-        if agent_id is not None and not isinstance(agent_id, str):
-            raise ConfigError(f"agent_id must be a string (or None for the root), not {agent_id!r}")
-        stream_id = check_id(self.stream_id(agent_id), "stream id")
+        stream_id = check_id(self.stream_id(_checked_agent_id(agent_id)), "stream id")
         return journal_subscription(self.store, stream_id, self._subscriptions_close(), after=after)
 
 
@@ -1344,6 +1366,9 @@ class _JournalBlock:
         ):
             raise ConfigError(f"snapshot_every must be a positive number of events or None, not {snapshot_every!r}")
         self._snapshot_every = snapshot_every
+        if session_id is not None and not isinstance(session_id, str):
+            raise ConfigError(f"session_id must be a string (or None for a new session), not {session_id!r}")
+        root_agent_id = _checked_name(self._root_agent_id, "root_agent_id")
         if lease is not None:
             if session_id not in (None, lease.session_id) or owner not in (None, lease.owner):
                 raise ConfigError(
@@ -1355,6 +1380,8 @@ class _JournalBlock:
         session_id = session_id or f"session-{os.urandom(16).hex()}"  # 128 random bits, as uuid4().hex
         if "/" in session_id:
             raise ConfigError(f"session_id must not contain '/': {session_id!r}")
+        check_id(session_id, "session id")
+        check_id(stream_id_for(session_id, root_agent_id), "the root agent's stream id")
         owner = owner or default_owner()
         keeper = store._lease_keeper if isinstance(store, LaneStore) else None
         # A new session on a store whose keeper renews it takes its lease with its first write,
@@ -1377,7 +1404,7 @@ class _JournalBlock:
             heartbeat_interval=interval,
             durable_pure_starts=self._durable_pure_starts,
             commit_grace=commit_grace,
-            root_agent_id=self._root_agent_id,
+            root_agent_id=root_agent_id,
             fold_after=None if snapshot_every is None else FOLD_AFTER,
             sent=sent,
         )
