@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from tests.test_journal_projection import scheduled, started, valid_sequences
 from tests.test_journal_stores import lease_on
 from trio_agent._errors import (
+    ConfigError,
     ForeignStreamError,
     InvalidTransitionError,
     JournalCorruptError,
@@ -849,6 +850,17 @@ async def test_a_stored_line_that_cannot_be_decoded_fails_where_it_is_needed(whi
             assert journal.projection().request("r") is None  # refused before anything moved
             assert journal.conversation() == fold_conversation([*events, SessionReopened(session_id=SID, life=2)])
     assert [e.event for e in await store.read(ROOT)] == [*events, SessionReopened(session_id=SID, life=2)]
+
+
+@pytest.mark.parametrize("min_events", ["x", 1.5, True, None])
+async def test_snapshot_all_refuses_a_min_events_that_is_no_count(min_events: Any) -> None:
+    store = MemoryStore()
+    async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
+        await one_request(journal, 0)
+        with pytest.raises(ConfigError, match="min_events"):
+            await journal.snapshot_all(min_events=min_events)
+        assert await journal.snapshot_all(min_events=0) == [ROOT]  # as 1: every stream that moved
+    assert store._streams[ROOT].snapshot is not None
 
 
 async def test_without_snapshots_a_reopen_reads_the_whole_journal() -> None:

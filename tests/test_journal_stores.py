@@ -303,6 +303,7 @@ async def test_read_after_and_limit_page_through_a_stream(store: Any) -> None:
     assert await store.read(stream, after=23) == []
     assert await store.read(stream, after=1000) == []
     assert await store.read(stream, limit=0) == []
+    assert await store.read(stream, limit=-1) == []  # at most -1 events: none, in every store
     assert await store.head(stream) == 23
 
 

@@ -871,8 +871,11 @@ class DurableJournal:
 
         Returns the stream ids saved. Nothing is saved unless the journal is healthy (lease
         held, not fenced, every submitted start committed); a stream whose snapshot cannot be
-        made or saved is logged (WARNING) and skipped: the events stay the truth.
+        made or saved is logged (WARNING) and skipped: the events stay the truth. A ``min_events``
+        that is not an int is a `ConfigError`.
         """
+        if isinstance(min_events, bool) or not isinstance(min_events, int):
+            raise ConfigError(f"min_events must be a number of events, not {min_events!r}")
         save = getattr(self.store, "save_snapshot", None)
         saved: list[str] = []
         if save is None:

@@ -198,7 +198,9 @@ class MemoryStore:
             return []
         after = max(after, 0)
         envelopes: list[EventEnvelope] = []
-        for index in range(after, len(stream.events))[:limit]:  # as slicing a list of the rows would
+        # As slicing a list of the rows would, but a negative limit is no events (as the SQL stores
+        # have it), never "all but the last".
+        for index in range(after, len(stream.events))[: None if limit is None else max(limit, 0)]:
             envelope = stream.envelope(index)
             if envelope.stream_id != stream_id or envelope.seq != index + 1:
                 raise JournalCorruptError(
