@@ -15,6 +15,8 @@ import trio.testing
 from trio_agent import (
     ModelError,
     PausedReply,
+    PermissionAsk,
+    RequestAbortedError,
     SessionPausedError,
     SideEffect,
     ToolKind,
@@ -276,4 +278,105 @@ async def test_what_the_prompt_hooks_made_of_a_prompt_is_what_a_rebuilt_history_
     async with open_session(provider=model, hooks={HookEvent.USER_PROMPT_SUBMIT: [hook]}) as session:
         await session.send("hi")
         await session.send("again")
+        assert session.messages() == tuple(await rebuilt(session))
+
+
+class AskSlowly(ChatMiddleware):
+    """Asks at *phase* of the first turn, but only after *release* (an abort lands meanwhile)."""
+
+    interrupts = (QUESTION,)
+
+    def __init__(self, phase: Phase) -> None:
+        self.phase = phase
+        self.entered, self.release = trio.Event(), trio.Event()
+        self.terminal: list[str] = []
+
+    async def on_interrupt_boundary(self, ctx: Any) -> Any:
+        if ctx.phase is self.phase and not self.entered.is_set():
+            self.entered.set()
+            await self.release.wait()
+            return [QUESTION.request("k", "go on?")]
+        return None
+
+    def on_abort(self, ctx: Any, info: Any) -> None:
+        self.terminal.append("on_abort")
+
+    def on_finish(self, ctx: Any, info: Any) -> None:
+        self.terminal.append("on_finish")
+
+
+@pytest.mark.parametrize("phase", [Phase.BEFORE_MODEL, Phase.AFTER_MODEL, Phase.BEFORE_TOOLS, Phase.AFTER_TOOLS])
+async def test_an_abort_while_a_boundary_hook_asks_wins_over_the_pause(phase: Phase) -> None:
+    ran: list[dict[str, Any]] = []
+    asker = AskSlowly(phase)
+    async with (
+        open_journal(MemoryStore(), session_id="c") as journal,
+        chat(echo(("write", {})), "go", tools=[make_write(ran)], middleware=[asker], journal=journal) as run,
+    ):
+        await asker.entered.wait()
+        run.abort("the user pressed stop")
+        asker.release.set()
+        result = await run.result()
+    assert result.stop_reason is StopReason.ABORTED and result.paused is None
+    assert asker.terminal == ["on_abort"]
+    # A call the abort left waiting never runs, and is answered: the history can go on.
+    answers = [m for m in result.messages if isinstance(m, ToolResultMessage)]
+    if phase in (Phase.AFTER_MODEL, Phase.BEFORE_TOOLS):
+        assert ran == [] and [a.is_error for a in answers] == [True]
+    await chat(TestModel(default=Reply(text="ok")), [*result.messages, UserMessage("again")])
+
+
+async def test_an_abort_while_the_permission_screen_runs_wins_over_the_approval_pause() -> None:
+    entered, release = trio.Event(), trio.Event()
+
+    class SlowPolicy(ChatMiddleware):
+        def __init__(self) -> None:
+            self.terminal: list[str] = []
+
+        def on_abort(self, ctx: Any, info: Any) -> None:
+            self.terminal.append("on_abort")
+
+    async def check(input: dict[str, Any]) -> PermissionAsk:
+        entered.set()
+        await release.wait()
+        return PermissionAsk("deploys to production")
+
+    ran: list[dict[str, Any]] = []
+
+    @define_tool(name="deploy", description="deploys", input_schema=SCHEMA, side_effect=SideEffect.NON_IDEMPOTENT,
+                 kind=ToolKind.EXECUTE, check_permissions=check)  # fmt: skip
+    async def deploy(input: dict[str, Any], ctx: Any) -> str:
+        ran.append(input)
+        return "deployed"
+
+    policy = SlowPolicy()
+    async with chat(echo(("deploy", {})), "go", tools=[deploy], middleware=[policy]) as run:
+        await entered.wait()
+        run.abort("the user pressed stop")
+        release.set()
+        result = await run.result()
+    assert result.stop_reason is StopReason.ABORTED and result.paused is None
+    assert policy.terminal == ["on_abort"] and ran == []
+
+
+async def test_a_session_abort_while_a_boundary_hook_asks_ends_the_request_aborted() -> None:
+    asker = AskSlowly(Phase.BEFORE_MODEL)
+    async with open_session(provider=TestModel(default=Reply(text="hi")), lifecycle=[asker]) as session:
+        outcome: dict[str, Any] = {}
+
+        async def send() -> None:
+            try:
+                outcome["reply"] = await session.send("go")
+            except RequestAbortedError as exc:
+                outcome["reply"] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            await asker.entered.wait()
+            nursery.start_soon(session.abort)
+            await trio.testing.wait_all_tasks_blocked()
+            asker.release.set()
+        assert isinstance(outcome["reply"], RequestAbortedError)
+        assert session.paused is None and asker.terminal == ["on_abort"]
+        assert await session.send("again") == "hi"
         assert session.messages() == tuple(await rebuilt(session))

@@ -20,6 +20,7 @@ from .._cleanup import bounded_shield
 from .._errors import JournalError, LeaseLostError, MiddlewareError, ModelAbortedError, ModelError, TrioAgentError
 from .._groups import first_failure, typed_error
 from .._models._assemble import ModelReply, ReplyAssembler, ToolArgumentsError, parse_tool_arguments
+from .._models._history import ORPHAN_ANSWER
 from .._models._messages import (
     FinishReason,
     Message,
@@ -35,7 +36,7 @@ from .._models._messages import (
 )
 from .._tools._context import CallOrigin, ToolCall
 from .._tools._pipeline import ToolExecutionRecord
-from .._tools._results import ToolResult
+from .._tools._results import ToolErrorType, ToolResult
 from .._tools._stages import Allow, Deny
 from ._context import RunContext
 from ._events import (
@@ -450,6 +451,12 @@ class _Run:
         calls: Sequence[ToolCallPart],
         rejected: Mapping[str, ToolResult],
     ) -> NoReturn:
+        if self._aborted():
+            # Abort wins over a pause (it may have landed while a boundary hook or the gate's screen
+            # ran): the calls that would have waited are answered unrun, as a rebuilt history answers
+            # them, and the run ends aborted.
+            self._answer(list(calls), [rejected.get(part.id) or _unrun_answer() for part in calls])
+            raise _Aborted
         ids = [item.id for item in batch]
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
         if duplicates:
@@ -631,9 +638,12 @@ class _Run:
             turn, ref.turn_id, pending, rejected, arguments, steering, finish, answered=answered
         )
 
-    def _check_abort(self) -> None:
+    def _aborted(self) -> bool:
         stop = self.ports.stop
-        if self.ports.abort.aborted or (stop is not None and stop.aborted):
+        return self.ports.abort.aborted or (stop is not None and stop.aborted)
+
+    def _check_abort(self) -> None:
+        if self._aborted():
             raise _Aborted
 
     def _finished(self, reason: StopReason, abort: Abort | None = None, pause: PauseState | None = None) -> Finished:
@@ -973,6 +983,11 @@ _tool_result_message: Callable[[str, str, bool], ToolResultMessage] = constructo
 _finished: Callable[[StopReason, str, int, LoopState, Abort | None, PauseState | None, Usage], Finished] = constructor(
     Finished
 )
+
+
+def _unrun_answer() -> ToolResult:
+    """The answer of a call the run's abort left unrun (the text a rebuilt history gives it)."""
+    return ToolResult.failure(ToolErrorType.INTERRUPTED, ORPHAN_ANSWER, code="aborted", output=ORPHAN_ANSWER)
 
 
 def _no_unlink() -> None:
