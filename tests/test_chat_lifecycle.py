@@ -3,6 +3,7 @@ exactly one terminal hook per run, nothing left running (issue 13, "Bad input").
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -222,3 +223,38 @@ async def test_a_plain_hook_error_in_a_turn_of_several_calls_fails_the_run_as_wi
                 await run.result()
     assert not isinstance(caught.value, BaseExceptionGroup)
     assert errors == [caught.value]  # on_error got the same one exception
+
+
+class Quiet(ChatMiddleware):
+    """A second middleware: with it, the failing one is composed."""
+
+    def on_usage(self, ctx: Any, usage: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+async def test_a_failing_on_abort_or_on_error_is_logged_however_many_middleware(
+    parts: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    class BadAbort(ChatMiddleware):
+        def on_iteration(self, ctx: Any, info: Any) -> None:
+            ctx.abort("stop now")
+
+        def on_abort(self, ctx: Any, info: Any) -> None:
+            raise RuntimeError("on_abort broke")
+
+    class BadError(ChatMiddleware):
+        def on_start(self, ctx: Any) -> None:
+            raise ValueError("the run's real error")
+
+        def on_error(self, ctx: Any, info: Any) -> None:
+            raise RuntimeError("on_error broke")
+
+    extra: list[ChatMiddleware] = [Quiet()] if parts == 2 else []
+    with caplog.at_level(logging.ERROR, logger="trio_agent.lifecycle"):
+        result = await chat(TestModel(default=Reply(text="hi")), "go", middleware=[BadAbort(), *extra])
+        assert result.stop_reason is StopReason.ABORTED
+        with pytest.raises(ValueError, match="the run's real error"):
+            await chat(TestModel(default=Reply(text="hi")), "go", middleware=[BadError(), *extra])
+    logged = [record.getMessage() for record in caplog.records if record.name == "trio_agent.lifecycle"]
+    assert logged == ["on_abort of BadAbort failed", "on_error of BadError failed"]

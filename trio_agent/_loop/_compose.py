@@ -6,7 +6,9 @@ Rules
 * Only the parts that define a hook (`defines`) take part in its chain; a hook no
   part defines is not overridden at all, so the driver pays nothing for it
   (``wrap_events`` then returns the sink itself: zero cost per event).
-* Zero parts compose to `NO_HOOKS`; one part composes to that part itself.
+* Zero parts compose to `NO_HOOKS`; one part composes to that part itself (the driver,
+  `run_agent_loop`, logs a failing ``on_abort`` / ``on_error`` of whatever lifecycle it runs,
+  so a lone part's failure is not raised either).
   Composed parts are flattened, so nesting compositions changes nothing.
 * Per hook, in list order:
 

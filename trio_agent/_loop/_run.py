@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -38,6 +39,7 @@ from .._tools._context import CallOrigin, ToolCall
 from .._tools._pipeline import ToolExecutionRecord
 from .._tools._results import ToolErrorType, ToolResult
 from .._tools._stages import Allow, Deny
+from ._compose import part_name
 from ._context import RunContext
 from ._events import (
     MessagesSnapshot,
@@ -84,6 +86,10 @@ from ._ports import NeedsApproval, RunPorts, RunSpec, TurnRef, discard_events
 from ._rules import LoopState, StopReason, check_call, first_text, loop_state, model_text, stops_loop, tool_error
 
 __all__ = ["MAX_MODEL_RETRIES", "run_agent_loop"]
+
+# on_abort / on_error failures are logged, never raised (the run's own outcome stands), here as
+# well as in a composition: a lone part is not composed, and a host may hand any `Lifecycle`.
+_log = logging.getLogger("trio_agent.lifecycle")
 
 MAX_MODEL_RETRIES = 2
 """A model call is retried (when a hook asks, before it produced output) at most this often."""
@@ -184,14 +190,20 @@ async def run_agent_loop(
                             await run.events(
                                 RunError(spec.run_id, spec.agent_id, str(exc), code if isinstance(code, str) else None)
                             )
-                    await hooks.on_error(ctx, exc)
+                    try:
+                        await hooks.on_error(ctx, exc)
+                    except Exception:
+                        _log.exception("on_error of %s failed", part_name(hooks))
         finally:
             await _run_deferred(ctx, spec.cleanup_grace)
         raise
     try:
         if outcome.aborted:
             assert outcome.abort is not None
-            await hooks.on_abort(ctx, outcome.abort)
+            try:
+                await hooks.on_abort(ctx, outcome.abort)
+            except Exception:
+                _log.exception("on_abort of %s failed", part_name(hooks))
         else:
             await hooks.on_finish(ctx, outcome)
     finally:
