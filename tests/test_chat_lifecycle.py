@@ -258,3 +258,38 @@ async def test_a_failing_on_abort_or_on_error_is_logged_however_many_middleware(
             await chat(TestModel(default=Reply(text="hi")), "go", middleware=[BadError(), *extra])
     logged = [record.getMessage() for record in caplog.records if record.name == "trio_agent.lifecycle"]
     assert logged == ["on_abort of BadAbort failed", "on_error of BadError failed"]
+
+
+@pytest.mark.parametrize("form", ["await", "async with"])
+async def test_a_run_cancelled_from_outside_ends_with_on_abort(
+    autojump_clock: trio.testing.MockClock, form: str
+) -> None:
+    class Watch(Terminal):
+        async def on_abort(self, ctx: Any, info: Any) -> None:
+            await trio.sleep(0.5)  # shielded (and bounded): the cancellation does not cut it short
+            self.terminal.append(f"abort: {info.reason} ({info.kind.value})")
+
+    watch = Watch()
+    model = TestModel(default=Reply(text="hi", latency=5))
+    with trio.move_on_after(1) as scope:
+        if form == "await":
+            await chat(model, "go", middleware=[watch])
+        else:
+            async with chat(model, "go", middleware=[watch]) as run:
+                await run.result()
+    assert scope.cancelled_caught
+    assert len(watch.terminal) == 1 and watch.terminal[0].startswith("abort: ")
+
+
+async def test_the_on_abort_of_a_run_cancelled_from_outside_is_bounded(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Hangs(ChatMiddleware):
+        async def on_abort(self, ctx: Any, info: Any) -> None:
+            await trio.sleep_forever()
+
+    started = trio.current_time()
+    with trio.move_on_after(1):
+        await chat(TestModel(default=Reply(text="hi", latency=5)), "go", middleware=[Hangs()], cleanup_grace=2.0)
+    assert trio.current_time() - started == pytest.approx(3.0)
+    assert any("a cancelled run ended" in record.getMessage() for record in caplog.records)

@@ -15,11 +15,11 @@ from typing import Any, NoReturn
 import attrs
 import trio
 
-from .._abort import Abort, AbortHandle
+from .._abort import Abort, AbortHandle, AbortReason
 from .._builders import constructor
 from .._cleanup import bounded_shield
 from .._errors import JournalError, LeaseLostError, MiddlewareError, ModelAbortedError, ModelError, TrioAgentError
-from .._groups import first_failure, typed_error
+from .._groups import first_failure, is_cancellation, typed_error
 from .._models._assemble import ModelReply, ReplyAssembler, ToolArgumentsError, parse_tool_arguments
 from .._models._history import ORPHAN_ANSWER
 from .._models._messages import (
@@ -132,7 +132,8 @@ async def run_agent_loop(
     An SDK abort (``ports.abort``) or a stop (``ports.stop``) ends it with
     ``StopReason.ABORTED`` after what was committed is settled and answered.
     Failures raise (``LeaseLostError`` and ``JournalError`` included) after
-    ``on_error``; a cancellation from outside propagates unchanged. Exactly one of
+    ``on_error``; a cancellation from outside propagates unchanged, after ``on_abort``
+    (bounded by ``cleanup_grace``, no ``RunFinished``). Exactly one of
     ``on_finish`` / ``on_abort`` / ``on_error`` runs, after ``RunFinished`` /
     ``RunError`` went out. A host with a last step of the run (``chat()``'s
     structured-output call) passes ``finalize``: awaited with the outcome of a run
@@ -194,6 +195,14 @@ async def run_agent_loop(
                         await hooks.on_error(ctx, exc)
                     except Exception:
                         _log.exception("on_error of %s failed", part_name(hooks))
+            elif is_cancellation(exc):
+                # Cancelled from outside (a cancel scope around the run): the run ends aborted, so
+                # its terminal hook is on_abort, bounded and shielded as the cleanup is.
+                with bounded_shield(spec.cleanup_grace, "telling the hooks a cancelled run ended (on_abort)"):
+                    try:
+                        await hooks.on_abort(ctx, ports.abort.reason or _CANCELLED)
+                    except Exception:
+                        _log.exception("on_abort of %s failed", part_name(hooks))
         finally:
             await _run_deferred(ctx, spec.cleanup_grace)
         raise
@@ -209,6 +218,10 @@ async def run_agent_loop(
     finally:
         await _run_deferred(ctx, spec.cleanup_grace)
     return outcome
+
+
+_CANCELLED = Abort(AbortReason.USER_ABORT, "the run was cancelled from outside")
+"""What `on_abort` hears of a run cancelled from outside without an abort of its own."""
 
 
 async def _run_deferred(ctx: RunContext, grace: float) -> None:
