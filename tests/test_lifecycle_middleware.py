@@ -26,7 +26,7 @@ from trio_agent._loop._context import RunContext
 from trio_agent._loop._events import CustomEvent, RunEvent
 from trio_agent._loop._hooks import NO_HOOKS, Finished, ModelConfig, ToolOutcome, defines
 from trio_agent._loop._rules import LoopState, StopReason
-from trio_agent._models._messages import ToolCallPart, ToolSpec, Usage
+from trio_agent._models._messages import ToolCallPart, ToolSpec, Usage, UserMessage
 from trio_agent._tools import _stages
 from trio_agent._tools._context import ExecutionContext, ToolCall
 from trio_agent._tools._definition import define_tool
@@ -181,6 +181,15 @@ async def test_1_2_on_config_may_return_a_whole_model_config() -> None:
         ({"tools": ["a"]}, "ToolSpec"),
         ({"options": [1]}, "not a mapping"),
         (42, "expected None, a partial dict or a ModelConfig"),
+        ({"messages": [UserMessage("hi"), "not a message"]}, r"messages\[1\] .* not a Message"),
+        # A whole ModelConfig is checked as a partial dict is (attrs checks no types).
+        (attrs.evolve(CONFIG, instructions=3), "not a str"),
+        (attrs.evolve(CONFIG, messages=None), "not a list"),
+        (attrs.evolve(CONFIG, messages=[None]), r"messages\[0\] .* not a Message"),
+        (attrs.evolve(CONFIG, tools=["a"]), "ToolSpec"),
+        (attrs.evolve(CONFIG, tools=(SPEC_A, SPEC_A)), "duplicate names"),
+        (attrs.evolve(CONFIG, options=None), "not a mapping"),
+        (attrs.evolve(CONFIG, metadata=[1]), "not a mapping"),
     ],
 )
 async def test_1_3_invalid_on_config_results_are_typed_errors_naming_hook_and_middleware(

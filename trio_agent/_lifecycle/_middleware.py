@@ -75,7 +75,7 @@ from .._loop._hooks import NO_HOOKS, Finished, Lifecycle, ModelConfig, ToolOutco
 from .._loop._interrupts import InterruptRequest, InterruptResolutions, ToolResume
 from .._loop._ports import RunEventSink
 from .._loop._rules import LoopState
-from .._models._messages import ToolCallPart, ToolSpec, Usage
+from .._models._messages import Message, ToolCallPart, ToolSpec, Usage
 from .._tools import _stages
 from .._tools._results import ToolErrorType, ToolResult
 from .._tools._stages import Allow, Deny, StageDecision, StageRequest, ToolStages
@@ -153,6 +153,7 @@ HOOK_NAMES: tuple[str, ...] = (
 
 _CONFIG_FIELDS = frozenset(field.name for field in attrs.fields(ModelConfig))
 _EVENT_TYPES: tuple[type, ...] = typing.get_args(RunEvent)
+_MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
 _STARTED = "trio_agent.lifecycle.started"  # ctx.state key: when the run's setup ran (for durations)
 
 # The pipeline's "end the call with a success, unrun" decision, once `_tools/_stages.py` has it.
@@ -334,9 +335,15 @@ async def _call(hook: Callable[..., Any], *args: Any) -> Any:
 def _merged_config(change: object, config: ModelConfig, label: str) -> ModelConfig:
     if change is None:
         return config
+    whole = change if isinstance(change, ModelConfig) else None
     if isinstance(change, ModelConfig):
-        return change
-    if not isinstance(change, Mapping):
+        if change is config:
+            return config
+        # A whole config is checked as a partial dict of what it changed (attrs checks no types).
+        change = {
+            name: value for name in _CONFIG_FIELDS if (value := getattr(change, name)) is not getattr(config, name)
+        }
+    elif not isinstance(change, Mapping):
         raise MiddlewareDecisionError(
             "on_config", label, f"returned {change!r}; expected None, a partial dict or a ModelConfig"
         )
@@ -345,7 +352,16 @@ def _merged_config(change: object, config: ModelConfig, label: str) -> ModelConf
         raise MiddlewareDecisionError(
             "on_config", label, f"returned unknown config keys {unknown}; valid keys: {sorted(_CONFIG_FIELDS)}"
         )
-    updates = dict(change)
+    # What it kept as it was needs no check (the history itself is a view, not a list).
+    updates = {key: value for key, value in change.items() if value is not getattr(config, key)}
+    if not updates:
+        return config
+    if "messages" in updates and isinstance(updates["messages"], (list, tuple)):
+        for index, message in enumerate(updates["messages"]):
+            if not isinstance(message, _MESSAGE_TYPES):
+                raise MiddlewareDecisionError(
+                    "on_config", label, f"set messages[{index}] to {message!r}, which is not a Message"
+                )
     if "instructions" in updates and not isinstance(updates["instructions"], str):
         raise MiddlewareDecisionError("on_config", label, f"set instructions to {updates['instructions']!r}, not a str")
     for key in ("messages", "tools"):
@@ -362,6 +378,8 @@ def _merged_config(change: object, config: ModelConfig, label: str) -> ModelConf
         if len(set(names)) != len(names):
             raise MiddlewareDecisionError("on_config", label, f"set tools with duplicate names: {names}")
         updates["tools"] = tools
+    if whole is not None and whole.tools is updates.get("tools", whole.tools):
+        return whole  # checked, and nothing to convert
     return attrs.evolve(config, **updates)
 
 
