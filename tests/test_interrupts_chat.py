@@ -11,9 +11,9 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trio_agent import PermissionAsk, SideEffect, ToolKind, define_tool
+from trio_agent import PermissionAsk, SideEffect, ToolKind, define_tool, open_session
 from trio_agent._chat._chat import chat
-from trio_agent._errors import ConfigError, MiddlewareError
+from trio_agent._errors import ConfigError, MiddlewareError, MiddlewareShapeError
 from trio_agent._lifecycle._interrupts import PausedRun, answers_from_json, answers_to_json
 from trio_agent._lifecycle._middleware import ChatMiddleware
 from trio_agent._loop._events import MessagesSnapshot, RunError, RunFinished, ToolCallResult
@@ -634,3 +634,56 @@ async def test_a_single_workspace_root_is_one_root_and_no_root_is_a_config_error
     assert ran == [] and "outside the workspace" in result.text
     with pytest.raises(ConfigError, match="at least one workspace root"):
         await run_chat(calls_then_echo(), "hi", tools=[save], workspace_roots=[])
+
+
+@pytest.mark.parametrize("signature", ["é" * 64, "\udcff" * 64, "0" * 64, "short"])
+async def test_a_forged_signature_of_any_text_is_refused_as_tampered(signature: str) -> None:
+    wrote: list[dict[str, Any]] = []
+    model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
+    tools = [make_write(wrote)]
+    _, paused = await run_chat(model, "w", tools=tools, permissions={"ask": ["write"]}, signing_key=KEY)
+    data = paused.paused.to_json()
+    data["signature"] = signature
+    with pytest.raises(InterruptResumeError) as caught:
+        await run_chat(model, tools=tools, permissions={"ask": ["write"]}, signing_key=KEY,
+                       resume=PausedRun.from_json(data), answers=[Approve(paused.interrupts[0].id)])  # fmt: skip
+    assert caught.value.code == "tampered" and wrote == []
+
+
+@pytest.mark.parametrize("answers", [None, 5, "approve", {"approval_call_1": "approve"}, iter(())])
+async def test_answers_that_are_not_a_list_are_an_invalid_payload(answers: Any) -> None:
+    wrote: list[dict[str, Any]] = []
+    model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
+    tools = [make_write(wrote)]
+    _, paused = await run_chat(model, "w", tools=tools, permissions={"ask": ["write"]})
+    with pytest.raises(InterruptResumeError) as caught:
+        await chat(model, tools=tools, permissions={"ask": ["write"]}, resume=paused.paused, answers=answers)
+    assert [issue.code for issue in caught.value.issues] == ["invalid_payload"]
+    assert "answers must be a list" in str(caught.value) and wrote == []
+
+
+class _Plain(ChatMiddleware):
+    pass
+
+
+class _OwnsOneInterrupt(ChatMiddleware):
+    interrupts = CHOICE  # type: ignore[assignment]  # the tuple forgotten
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "names"),
+    [
+        ({"middleware": _Plain()}, MiddlewareShapeError, "middleware must be a list"),
+        ({"interrupts": CHOICE}, ConfigError, "interrupts must be a list"),
+        ({"middleware": [_OwnsOneInterrupt()]}, MiddlewareShapeError, "interrupts of middleware #0"),
+    ],
+)
+async def test_middleware_and_interrupts_of_the_wrong_shape_are_typed_errors(
+    options: dict[str, Any], error: type[Exception], names: str
+) -> None:
+    with pytest.raises(error, match=names):
+        await chat(TestModel(default=Reply(text="hi")), "go", **options)
+    session_options = {"lifecycle" if key == "middleware" else key: value for key, value in options.items()}
+    with pytest.raises(error, match=names):
+        async with open_session(provider=TestModel(default=Reply(text="hi")), **session_options):
+            pass

@@ -63,7 +63,15 @@ from .._lifecycle._middleware import (
 from .._loop._context import RunContext
 from .._loop._events import RunEvent, UsageReported
 from .._loop._hooks import Finished, ModelConfig, Phase
-from .._loop._interrupts import ClientTool, Interrupt, InterruptAnswer, InterruptDefinition, Resume
+from .._loop._interrupts import (
+    ClientTool,
+    Interrupt,
+    InterruptAnswer,
+    InterruptDefinition,
+    InterruptIssue,
+    InterruptResumeError,
+    Resume,
+)
 from .._loop._ports import RunEventSink, RunPorts, RunSpec, TurnRef, discard_events, no_effects
 from .._loop._rules import LoopStrategy, StopReason, max_iterations
 from .._loop._run import run_agent_loop
@@ -433,6 +441,8 @@ class _Prepared:
             if not isinstance(resume, PausedRun):
                 raise ConfigError(f"resume= takes the PausedRun of a paused run, got {type(resume).__name__}")
             resume.verify(options["signing_key"])
+            if isinstance(answers, (str, bytes)) or not isinstance(answers, Sequence):
+                raise InterruptResumeError([InterruptIssue(None, "invalid_payload", "answers must be a list")])
             history = list(resume.state.messages)
             resumed = Resume(resume.state, tuple(answers), resume.run_id)
         elif messages is None:

@@ -31,7 +31,7 @@ import attrs
 import cattrs
 from cattrs.strategies import configure_tagged_union
 
-from .._errors import ConfigError
+from .._errors import ConfigError, MiddlewareShapeError
 from .._loop._interrupts import (
     Approve,
     Cancel,
@@ -132,7 +132,7 @@ class PausedRun:
                     [InterruptIssue(None, "tampered", "the paused state is signed: pass its signing_key to check it")]
                 )
             return
-        if not self.signature or not hmac.compare_digest(self.signature, _digest(self, key)):
+        if not _signature_matches(self.signature, key, self):
             raise InterruptResumeError(
                 [
                     InterruptIssue(
@@ -146,6 +146,13 @@ class PausedRun:
 
 
 _wire = functools.cache(_make_converter)  # built on first use (an import should not pay for cattrs' code generation)
+
+
+def _signature_matches(signature: object, key: bytes, paused: PausedRun) -> bool:
+    if not signature or not isinstance(signature, str):
+        return False
+    # As bytes: compare_digest refuses a str holding non-ASCII text, which a forged signature may.
+    return hmac.compare_digest(signature.encode("utf-8", "surrogatepass"), _digest(paused, key).encode())
 
 
 def _digest(paused: PausedRun, key: bytes) -> str:
@@ -196,11 +203,30 @@ def split_client_tools(tools: Sequence[Tool[Any] | ClientTool]) -> tuple[list[To
 def registered_interrupts(
     interrupts: Sequence[InterruptDefinition], middleware: Sequence[object]
 ) -> dict[str, InterruptDefinition]:
-    """The run's interrupt definitions by id (``interrupts=`` and every middleware's ``interrupts``)."""
+    """The run's interrupt definitions by id (``interrupts=`` and every middleware's ``interrupts``).
+
+    Raises:
+        ConfigError: *interrupts* is not a list, or holds anything but `InterruptDefinition` values,
+            or two definitions share an id.
+        MiddlewareShapeError: *middleware* is not a list, or a middleware's ``interrupts`` is not one.
+    """
     registered: dict[str, InterruptDefinition] = {}
+    if not isinstance(interrupts, (list, tuple)):
+        raise ConfigError(
+            f"interrupts must be a list of InterruptDefinition values (define_interrupt), got {interrupts!r}"
+        )
+    if not isinstance(middleware, (list, tuple)):
+        raise MiddlewareShapeError(f"middleware must be a list of ChatMiddleware, got {middleware!r}")
     if not interrupts and not middleware:
         return registered
-    declared = [*interrupts, *(d for mw in middleware for d in getattr(mw, "interrupts", ()))]
+    declared = list(interrupts)
+    for index, mw in enumerate(middleware):
+        own = getattr(mw, "interrupts", ())
+        if not isinstance(own, (list, tuple)):
+            raise MiddlewareShapeError(
+                f"the interrupts of middleware #{index} must be a tuple of InterruptDefinition values, got {own!r}"
+            )
+        declared.extend(own)
     for definition in declared:
         if not isinstance(definition, InterruptDefinition):
             raise ConfigError(f"interrupts must be InterruptDefinition values (define_interrupt), got {definition!r}")
