@@ -30,6 +30,7 @@ from trio_agent._loop._interrupts import (
     most_restrictive,
 )
 from trio_agent._loop._rules import Phase, StopReason
+from trio_agent.lifecycle import Refuse, Skip, TransformArgs
 from trio_agent.models import ToolResultMessage
 from trio_agent.testing import Reply, TestModel
 
@@ -280,6 +281,58 @@ async def test_a_client_tool_result_must_match_its_output_schema() -> None:
             model, tools=[CONFIRM], resume=paused.paused, answers=[Respond(paused.interrupts[0].id, {"ok": 3})]
         )
     assert [issue.code for issue in caught.value.issues] == ["invalid_tool_output"]
+
+
+class ScreensClientCalls(ChatMiddleware):
+    """Records what on_before_tool_call / on_guard_tool_call saw; decides as told."""
+
+    def __init__(self, before: Any = None, guard: Any = None) -> None:
+        self.before, self.guard = before, guard
+        self.seen: list[tuple[str, str, dict[str, Any], Any]] = []
+
+    def on_before_tool_call(self, ctx: Any, call: Any) -> Any:
+        self.seen.append(("before", call.tool_name, dict(call.args), call.tool))
+        return self.before
+
+    def on_guard_tool_call(self, ctx: Any, call: Any) -> Any:
+        self.seen.append(("guard", call.tool_name, dict(call.args), call.tool))
+        return self.guard
+
+
+async def test_the_guard_hook_refuses_a_client_tool_call_before_it_reaches_the_client() -> None:
+    model = calls_then_echo(("confirm", {"question": "sure?"}))
+    screen = ScreensClientCalls(guard=Refuse("client tools are off today"))
+    _, result = await run_chat(model, "ask me", tools=[CONFIRM], middleware=[screen])
+    assert result.paused is None and result.stop_reason is StopReason.END_TURN
+    assert result.text == "done: Error: client tools are off today"
+    assert screen.seen == [
+        ("before", "confirm", {"question": "sure?"}, None),
+        ("guard", "confirm", {"question": "sure?"}, None),
+    ]
+
+
+async def test_the_before_hook_transforms_a_client_tool_call_then_its_schema_checks_it() -> None:
+    model = calls_then_echo(("confirm", {"question": "sure?"}))
+    screen = ScreensClientCalls(before=TransformArgs({"question": "really sure?"}))
+    _, paused = await run_chat(model, "ask me", tools=[CONFIRM], middleware=[screen])
+    [interrupt] = paused.interrupts
+    assert interrupt.input == {"question": "really sure?"}
+    assert screen.seen[-1] == ("guard", "confirm", {"question": "really sure?"}, None)
+    # Answered: the hooks are not asked again on the continuation.
+    _, result = await run_chat(model, tools=[CONFIRM], middleware=[screen], resume=paused.paused,
+                               answers=[Respond(interrupt.id, {"ok": True})])  # fmt: skip
+    assert result.text == 'done: {"ok": true}' and len(screen.seen) == 2
+    bad = ScreensClientCalls(before=TransformArgs({"question": 3}))
+    _, result = await run_chat(model, "ask me", tools=[CONFIRM], middleware=[bad])
+    assert result.paused is None and "invalid input for tool 'confirm'" in result.text
+    assert [seen[0] for seen in bad.seen] == ["before"]  # the guard sees only checked input
+
+
+async def test_the_before_hook_may_answer_a_client_tool_call_itself() -> None:
+    model = calls_then_echo(("confirm", {"question": "sure?"}))
+    screen = ScreensClientCalls(before=Skip({"ok": True}))
+    _, result = await run_chat(model, "ask me", tools=[CONFIRM], middleware=[screen])
+    assert result.paused is None and result.text == 'done: {"ok": true}'
 
 
 # ---------------------------------------------------------------- generic interrupts at the boundaries

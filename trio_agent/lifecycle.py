@@ -77,7 +77,16 @@ from ._loop._events import (
     ToolCallStart,
     UsageReported,
 )
-from ._loop._hooks import NO_HOOKS, Finished, Lifecycle, ModelConfig, Phase, ToolOutcome
+from ._loop._hooks import (
+    NO_HOOKS,
+    ClientCall,
+    ClientCallStages,
+    Finished,
+    Lifecycle,
+    ModelConfig,
+    Phase,
+    ToolOutcome,
+)
 from ._loop._interrupts import (
     Approve,
     Cancel,
@@ -120,6 +129,8 @@ __all__ = [
     "ChatResult",
     "ChatRun",
     "ChunkDecision",
+    "ClientCall",
+    "ClientCallStages",
     "ClientTool",
     "ConfigChange",
     "CustomEvent",

@@ -21,8 +21,10 @@ Rules
   on_chunk                     pipe per event: ``None`` keeps, an event replaces, a
                                list expands (may be empty), `DROP` drops; a dropped
                                event never reaches later middleware
-  on_before_tool_call          first decision wins (later middleware are not asked)
+  on_before_tool_call          first decision wins (later middleware are not asked);
+                               also before a client tool's call is sent to the client
   on_guard_tool_call           in order until one decides; sees the final checked args
+                               (a client tool's too)
   on_after_tool_call           replacements chain; an error stays an error; also for a
                                call cut off by the output limit (code ``max_tokens``)
   on_tool_phase_complete       all
@@ -71,7 +73,7 @@ from .._errors import MiddlewareError, MiddlewareShapeError, ModelError
 from .._loop._compose import compose_lifecycle
 from .._loop._context import RunContext
 from .._loop._events import RunEvent
-from .._loop._hooks import NO_HOOKS, Finished, Lifecycle, ModelConfig, ToolOutcome
+from .._loop._hooks import NO_HOOKS, ClientCall, ClientCallStages, Finished, Lifecycle, ModelConfig, ToolOutcome
 from .._loop._interrupts import InterruptRequest, InterruptResolutions, ToolResume
 from .._loop._ports import RunEventSink
 from .._loop._rules import LoopState
@@ -518,16 +520,7 @@ class _PartHooks(_Part):
 
         async def guard_stage(request: StageRequest) -> StageDecision | None:
             assert guard is not None
-            decision = await _call(guard, ctx, _call_info(request))
-            if decision is None:
-                return None
-            if isinstance(decision, Refuse):
-                return Deny(decision.message, ToolErrorType.PERMISSION_DENIED, decision.code)
-            if isinstance(decision, AbortRun):
-                return _abort_call(ctx, decision.reason)
-            raise MiddlewareDecisionError(
-                "on_guard_tool_call", label, f"returned {decision!r}; expected None, Refuse or AbortRun"
-            )
+            return _guard_decision(ctx, await _call(guard, ctx, _call_info(request)), label)
 
         async def post_stage(request: StageRequest, result: ToolResult) -> ToolResult | None:
             assert after is not None
@@ -542,6 +535,29 @@ class _PartHooks(_Part):
             before=(before_stage,) if before is not None else (),
             guard=(guard_stage,) if guard is not None else (),
             post_tool=(post_stage,) if after is not None else (),
+        )
+
+    def client_call_stages(self, ctx: RunContext) -> ClientCallStages:
+        # The same hooks, for a client tool's call before it goes to the client (``tool`` is None).
+        before = self.hooks.get("on_before_tool_call")
+        guard = self.hooks.get("on_guard_tool_call")
+        label = self.name
+
+        async def before_stage(call: ClientCall) -> StageDecision | None:
+            assert before is not None
+            info = ToolCallInfo(call.tool_name, call.call_id, call.input)
+            return _before_decision(ctx, await _call(before, ctx, info), label)
+
+        async def guard_stage(call: ClientCall) -> StageDecision | None:
+            assert guard is not None
+            info = ToolCallInfo(call.tool_name, call.call_id, call.input)
+            return _guard_decision(ctx, await _call(guard, ctx, info), label)
+
+        before_stage.__qualname__ = f"{label}.on_before_tool_call"
+        guard_stage.__qualname__ = f"{label}.on_guard_tool_call"
+        return ClientCallStages(
+            before=(before_stage,) if before is not None else (),
+            guard=(guard_stage,) if guard is not None else (),
         )
 
     async def on_cut_off_call(self, ctx: RunContext, call: ToolCallPart, result: ToolResult) -> ToolResult:
@@ -605,6 +621,18 @@ def _before_decision(ctx: RunContext, decision: object, label: str) -> StageDeci
     )
 
 
+def _guard_decision(ctx: RunContext, decision: object, label: str) -> StageDecision | None:
+    if decision is None:
+        return None
+    if isinstance(decision, Refuse):
+        return Deny(decision.message, ToolErrorType.PERMISSION_DENIED, decision.code)
+    if isinstance(decision, AbortRun):
+        return _abort_call(ctx, decision.reason)
+    raise MiddlewareDecisionError(
+        "on_guard_tool_call", label, f"returned {decision!r}; expected None, Refuse or AbortRun"
+    )
+
+
 # Which loop hooks each middleware hook needs (the terminal ones need setup for the clock).
 _LOOP_HOOKS: Mapping[str, tuple[str, ...]] = {
     "setup": ("setup",),
@@ -612,8 +640,8 @@ _LOOP_HOOKS: Mapping[str, tuple[str, ...]] = {
     "on_start": ("on_start",),
     "on_iteration": ("on_iteration",),
     "on_chunk": ("wrap_events",),
-    "on_before_tool_call": ("tool_stages",),
-    "on_guard_tool_call": ("tool_stages",),
+    "on_before_tool_call": ("tool_stages", "client_call_stages"),
+    "on_guard_tool_call": ("tool_stages", "client_call_stages"),
     "on_after_tool_call": ("tool_stages", "on_cut_off_call"),
     "on_tool_phase_complete": ("on_tool_phase_complete",),
     "on_interrupt_boundary": ("on_interrupt_boundary",),

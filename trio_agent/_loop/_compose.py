@@ -18,7 +18,8 @@ Rules
   - ``wrap_events``: a pipe of sink decorators, the first part outermost, so part #0
     sees each event first and the events flow through the parts in list order.
   - ``on_model_error``: every part is called; the call is retried if any asked.
-  - ``tool_stages``: the parts' `ToolStages` concatenated slot by slot (``None``: none).
+  - ``tool_stages``, ``client_call_stages``: the parts' stages concatenated slot by slot
+    (``None``: none).
   - ``on_interrupt_boundary``: every part; the requests are concatenated in part order.
   - ``on_interrupt_resolution``: every part; the most restrictive answer wins
     (``stop`` > ``cancel`` > ``continue``; ``None`` has no effect).
@@ -44,7 +45,7 @@ from .._errors import ModelError, TrioAgentError
 from .._models._messages import ToolCallPart, Usage
 from .._tools._results import ToolResult
 from .._tools._stages import ToolStages
-from ._hooks import NO_HOOKS, Finished, Lifecycle, ModelConfig, ToolOutcome, defines
+from ._hooks import NO_HOOKS, ClientCallStages, Finished, Lifecycle, ModelConfig, ToolOutcome, defines
 from ._interrupts import InterruptRequest, InterruptResolutions, ToolResume, most_restrictive
 from ._ports import RunEventSink
 from ._rules import LoopState
@@ -62,6 +63,7 @@ HOOK_NAMES: tuple[str, ...] = (
     "on_model_error",
     "on_usage",
     "tool_stages",
+    "client_call_stages",
     "on_cut_off_call",
     "on_tool_phase_complete",
     "on_interrupt_boundary",
@@ -145,6 +147,14 @@ class _Hooks(_Composed):
         stages: ToolStages | None = None
         for part in self.chains["tool_stages"]:
             more = part.tool_stages(ctx)
+            if more is not None:
+                stages = more if stages is None else stages.then(more)
+        return stages
+
+    def client_call_stages(self, ctx: Any) -> ClientCallStages | None:
+        stages: ClientCallStages | None = None
+        for part in self.chains["client_call_stages"]:
+            more = part.client_call_stages(ctx)
             if more is not None:
                 stages = more if stages is None else stages.then(more)
         return stages

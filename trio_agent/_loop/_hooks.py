@@ -16,6 +16,8 @@ on_model_error              any part asking to retry retries (at most 2 per mode
 on_usage                    all, in order
 tool_stages                 concatenated: before (first decision wins), guard (in order
                             until one decides), post (replacements chain)
+client_call_stages          concatenated, as tool_stages' before and guard: a client
+                            tool's call, before it is sent to the client
 on_cut_off_call             pipe over the answer
 on_tool_phase_complete      all, in order
 on_interrupt_boundary       concatenated, in order: one batch per boundary
@@ -29,8 +31,8 @@ on_abort, on_error          all, isolated: failures logged, never raised
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import attrs
 
@@ -38,14 +40,24 @@ from .._abort import Abort
 from .._errors import ModelError
 from .._models._messages import Message, ToolCallPart, ToolSpec, Usage
 from .._tools._results import ToolResult
-from .._tools._stages import ToolStages
+from .._tools._stages import Allow, Deny, Skip, ToolStages
 from ._ports import RunEventSink
 from ._rules import LoopState, Phase, StopReason
 
 if TYPE_CHECKING:
     from ._interrupts import InterruptRequest, InterruptResolutions, PauseState, ToolResume
 
-__all__ = ["NO_HOOKS", "Finished", "Lifecycle", "ModelConfig", "Phase", "ToolOutcome"]
+__all__ = [
+    "NO_HOOKS",
+    "ClientCall",
+    "ClientCallStages",
+    "ClientStage",
+    "Finished",
+    "Lifecycle",
+    "ModelConfig",
+    "Phase",
+    "ToolOutcome",
+]
 
 
 @attrs.frozen
@@ -69,6 +81,33 @@ class ToolOutcome:
     call: ToolCallPart
     result: ToolResult
     ran: bool  # False: refused before it could run (cut off, unknown tool, bad arguments)
+
+
+@attrs.frozen
+class ClientCall:
+    """A call to a client tool as a `ClientCallStages` stage sees it (before it goes to the client)."""
+
+    tool_name: str
+    call_id: str
+    input: dict[str, Any]
+
+
+ClientStage: TypeAlias = Callable[[ClientCall], Awaitable[Allow | Deny | Skip | None]]
+
+
+@attrs.frozen
+class ClientCallStages:
+    """What runs before a client tool's call is sent to the client, as a tool's ``before`` and
+    ``guard`` stages run before it runs: ``before`` (first decision wins; ``Allow(input)``
+    replaces the input, ``Skip(result)`` answers the call), then the tool's input schema, then
+    ``guard`` (in order until one decides). A ``Deny`` answers the call with its refusal."""
+
+    before: tuple[ClientStage, ...] = ()
+    guard: tuple[ClientStage, ...] = ()
+
+    def then(self, other: ClientCallStages) -> ClientCallStages:
+        """These stages, followed by *other*'s in each slot."""
+        return ClientCallStages((*self.before, *other.before), (*self.guard, *other.guard))
 
 
 @attrs.frozen
@@ -117,6 +156,9 @@ class Lifecycle:
         return None
 
     def tool_stages(self, ctx: Any) -> ToolStages | None:
+        return None
+
+    def client_call_stages(self, ctx: Any) -> ClientCallStages | None:
         return None
 
     async def on_cut_off_call(self, ctx: Any, call: ToolCallPart, result: ToolResult) -> ToolResult:

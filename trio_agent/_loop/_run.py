@@ -38,7 +38,7 @@ from .._models._messages import (
 from .._tools._context import CallOrigin, ToolCall
 from .._tools._pipeline import ToolExecutionRecord
 from .._tools._results import ToolErrorType, ToolResult
-from .._tools._stages import Allow, Deny
+from .._tools._stages import Allow, Deny, Skip
 from ._compose import part_name
 from ._context import RunContext
 from ._events import (
@@ -62,10 +62,22 @@ from ._events import (
     ToolCallStart,
     UsageReported,
 )
-from ._hooks import NO_HOOKS, Finished, Lifecycle, ModelConfig, Phase, ToolOutcome, defines
+from ._hooks import (
+    NO_HOOKS,
+    ClientCall,
+    ClientCallStages,
+    ClientStage,
+    Finished,
+    Lifecycle,
+    ModelConfig,
+    Phase,
+    ToolOutcome,
+    defines,
+)
 from ._interrupts import (
     Approve,
     Cancel,
+    ClientTool,
     Interrupt,
     InterruptIssue,
     InterruptKind,
@@ -515,6 +527,8 @@ class _Run:
         spec, gate, ctx = self.spec, self.ports.gate, self.ctx
         approvals: list[Interrupt] = []
         client: list[Interrupt] = []
+        client_stages: ClientCallStages | None = None
+        asked_stages = False
         for part in calls:
             if part.id not in arguments:
                 continue
@@ -533,14 +547,15 @@ class _Run:
                     continue
             client_tool = spec.client_tools.get(part.name)
             if client_tool is not None:
-                errors = client_tool.input_errors(arguments[part.id])
-                if errors:
+                if not asked_stages:
+                    client_stages, asked_stages = self.hooks.client_call_stages(ctx), True
+                screened = await _screen_client_call(part, arguments[part.id], client_tool, client_stages)
+                if isinstance(screened, ToolResult):  # refused, invalid or skipped: answered, not sent
                     del arguments[part.id]
-                    rejected[part.id] = tool_error(
-                        f"invalid input for tool {part.name!r}: " + "; ".join(errors), "invalid_input"
-                    )
+                    rejected[part.id] = screened
                     continue
-                client.append(client_tool_interrupt(part, arguments[part.id], client_tool))
+                arguments[part.id] = screened
+                client.append(client_tool_interrupt(part, screened, client_tool))
         if answered is not None and not (approvals or client):
             return  # resumed past this boundary: it is not asked again
         await self._boundary(Phase.BEFORE_TOOLS, calls, rejected, [*approvals, *client])
@@ -1008,6 +1023,57 @@ _tool_result_message: Callable[[str, str, bool], ToolResultMessage] = constructo
 _finished: Callable[[StopReason, str, int, LoopState, Abort | None, PauseState | None, Usage], Finished] = constructor(
     Finished
 )
+
+
+async def _screen_client_call(
+    part: ToolCallPart, args: dict[str, Any], tool: ClientTool, stages: ClientCallStages | None
+) -> ToolResult | dict[str, Any]:
+    """A client tool's call before it goes to the client, as the pipeline screens a tool's call:
+    the hooks' before stages (first decision wins), the tool's input schema, their guard stages
+    (in order until one decides). Its final input, or the answer of a call not sent."""
+    current = args
+    if stages is not None:
+        for stage in stages.before:
+            decision = await _client_decision("before", stage, ClientCall(part.name, part.id, current))
+            if isinstance(decision, Deny):
+                return decision.to_result()
+            if isinstance(decision, Skip):
+                return decision.result
+            if isinstance(decision, Allow):
+                if decision.input is not None:
+                    current = decision.input
+                break
+    errors = tool.input_errors(current)
+    if not errors and stages is not None:
+        for stage in stages.guard:
+            decision = await _client_decision("guard", stage, ClientCall(part.name, part.id, current))
+            if isinstance(decision, Deny):
+                return decision.to_result()
+            if isinstance(decision, Allow):
+                if decision.input is not None:
+                    current = decision.input
+                    errors = tool.input_errors(current)
+                break
+    if errors:
+        return tool_error(f"invalid input for tool {part.name!r}: " + "; ".join(errors), "invalid_input")
+    return current
+
+
+async def _client_decision(stage: str, callback: ClientStage, call: ClientCall) -> Allow | Deny | Skip | None:
+    """A stage's decision; a stage that fails or answers nonsense refuses the call (fails closed, as
+    the pipeline's stages do)."""
+    try:
+        decision = await callback(call)
+    except LeaseLostError:
+        raise
+    except Exception as exc:
+        name = getattr(callback, "__qualname__", repr(callback))
+        return Deny(f"{stage} stage {name} failed: {exc!r}", ToolErrorType.EXECUTION, "hook_error")
+    if decision is None or isinstance(decision, (Allow, Deny)) or (stage == "before" and isinstance(decision, Skip)):
+        return decision
+    name = getattr(callback, "__qualname__", repr(callback))
+    return Deny(f"{stage} stage {name} returned {decision!r}, expected Allow, Deny or None", ToolErrorType.EXECUTION,
+                "hook_error")  # fmt: skip
 
 
 def _unrun_answer() -> ToolResult:
