@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import importlib
 import inspect
+import pkgutil
 import subprocess
 import sys
 import types
@@ -169,8 +170,11 @@ def test_moved_names_still_resolve_from_the_top_level() -> None:
 
 
 def _namespace() -> dict[str, Any]:
-    # Every class and function of every loaded trio_agent module, to resolve annotations
-    # that name a type imported only for type checkers.
+    # Every class and function of every trio_agent module, to resolve annotations that name a
+    # type imported only for type checkers. Each module is imported first: what earlier tests
+    # happened to load must not decide whether a name resolves.
+    for info in pkgutil.walk_packages(trio_agent.__path__, "trio_agent."):
+        importlib.import_module(info.name)
     namespace: dict[str, Any] = {}
     for module_name, module in list(sys.modules.items()):
         if module_name == "trio_agent" or module_name.startswith("trio_agent."):
