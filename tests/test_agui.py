@@ -187,6 +187,24 @@ async def test_reasoning_and_the_answer_are_two_messages_not_one() -> None:
     assert reasoning == {f"{text_id}:reasoning-1"}  # every event of the block, one id
 
 
+async def test_a_tool_call_names_the_assistant_message_it_belongs_to() -> None:
+    # TOOL_CALL_START carried no parentMessageId, so a client split one assistant turn (its text
+    # and its calls) into several messages, and posted that split history back.
+    def text_and_call(request: Any) -> Reply:
+        if isinstance(request.messages[-1], ToolResultMessage):
+            return Reply(text="done")
+        return Reply(text="adding now", tool_calls=[("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})])
+
+    encoder = AgUiEncoder(thread_id="t")
+    wire: list[dict[str, Any]] = []
+    async with chat(TestModel(respond=text_and_call), "add", tools=[add]) as run:
+        async for event in run:
+            wire.extend(valid(data) for data in encoder.wire(event))
+    first_text = next(d["messageId"] for d in wire if d["type"] == "TEXT_MESSAGE_START")
+    parents = [d.get("parentMessageId") for d in wire if d["type"] == "TOOL_CALL_START"]
+    assert parents == [first_text, first_text]
+
+
 def test_each_reasoning_block_of_a_message_has_its_own_id() -> None:
     encoder = AgUiEncoder(thread_id="t")
     events = [

@@ -262,6 +262,7 @@ class _Run:
         self.resume = resume
         self.step_open = False
         self.open_turn: TurnRef | None = None
+        self.message_id: str | None = None  # the open turn's message: its tool calls' parent
         self.turn_offset = 0  # a continuation numbers its own turns from 1 (set in `_continue`)
         self.asks_at_boundaries = defines(hooks, "on_interrupt_boundary")
         self._history: Sequence[Message] = ()  # the history view `_config` handed out last
@@ -354,6 +355,7 @@ class _Run:
         """One turn from its model call on; ``None``: go on with the next turn."""
         spec, ports, ctx = self.spec, self.ports, self.ctx
         turn_id = self._turn_id(turn)
+        self.message_id = message_id
         self.step_open = True
         if not self.quiet:
             await self.events(StepStarted(spec.run_id, spec.agent_id, f"turn-{turn}"))
@@ -953,7 +955,7 @@ class _Run:
         run_id, agent_id = spec.run_id, spec.agent_id
         quiet = self.quiet
         if not quiet:
-            await events(ToolCallStart(run_id, agent_id, part.id, part.name))
+            await events(ToolCallStart(run_id, agent_id, part.id, part.name, self.message_id))
             await events(ToolCallArgs(run_id, agent_id, part.id, part.arguments))
         if isinstance(checked, ToolResult):  # refused before it could run
             slots[index] = checked
@@ -973,7 +975,7 @@ class _Run:
             if self.quiet:
                 return False
             announced = True
-            await events(ToolCallStart(run_id, agent_id, part.id, part.name))
+            await events(ToolCallStart(run_id, agent_id, part.id, part.name, self.message_id))
             await events(ToolCallArgs(run_id, agent_id, part.id, part.arguments))
             await events(ToolCallEnd(run_id, agent_id, part.id, part.name, checked))
             return True
