@@ -20,6 +20,7 @@ from trio_agent.tools import (
     AbortHandle,
     Allow,
     BehaviorOverride,
+    CallOrigin,
     FaultCode,
     FileLockManager,
     SchedulerLimits,
@@ -752,9 +753,10 @@ async def test_a_descendant_takes_a_path_its_ancestor_holds_and_unrelated_calls_
     paths = ("/w/a",)
     held = await locks.acquire_all(paths, True, 1.0, owner="root/task_1")
     assert held == paths
-    # A subagent's call under the task call: covered by its ancestor's hold, nothing taken.
+    # A subagent's call under the task call: its ancestor's hold is no obstacle; it holds the path too.
     inherited = await locks.acquire_all(paths, True, 1.0, owner="helper-1/call_1", lineage=("root/task_1",))
-    assert inherited == ()
+    assert inherited == paths
+    assert locks.held() == {"/w/a": (0, True, 0)}
     locks.release_all(inherited, exclusive=True, owner="helper-1/call_1")
     # An unrelated call waits (and here times out): the ancestor still holds it.
     with pytest.raises(FileLockTimeoutError):
@@ -773,8 +775,10 @@ async def test_a_descendant_writer_waits_for_an_unrelated_reader_beside_its_read
     paths = ("/w/a",)
     parent = await locks.acquire_all(paths, False, 1.0, owner="root/task_1")  # a read-only task
     reader = await locks.acquire_all(paths, False, 1.0, owner="root/read_7")  # an unrelated reader
-    # A shared request under the reading ancestor is covered: nothing is taken.
-    assert await locks.acquire_all(paths, False, 1.0, owner="sub-1/read_1", lineage=("root/task_1",)) == ()
+    # A shared request under the reading ancestor reads beside it, and gives its read back.
+    sibling = await locks.acquire_all(paths, False, 1.0, owner="sub-1/read_1", lineage=("root/task_1",))
+    assert locks.held() == {"/w/a": (3, False, 0)}
+    locks.release_all(sibling, exclusive=False, owner="sub-1/read_1")
     taken: list[tuple[str, ...]] = []
 
     async def child_writer() -> None:
@@ -823,3 +827,98 @@ async def test_a_descendant_writer_goes_ahead_of_a_queued_writer_that_waits_for_
     assert queued == [paths]
     locks.release_all(queued[0], exclusive=True, owner="root/write_9")
     assert locks.held() == {}
+
+
+@pytest.mark.parametrize(
+    ("ancestor_exclusive", "first_exclusive", "second_exclusive"),
+    [(True, True, True), (True, True, False), (True, False, True), (False, True, False), (False, False, True)],
+)
+async def test_two_calls_under_one_ancestor_exclude_each_other(
+    autojump_clock: trio.testing.MockClock, ancestor_exclusive: bool, first_exclusive: bool, second_exclusive: bool
+) -> None:
+    locks = FileLockManager()
+    paths = ("/w/a",)
+    lineage = ("root/task_1",)
+    parent = await locks.acquire_all(paths, ancestor_exclusive, 1.0, owner="root/task_1")
+    first = await locks.acquire_all(paths, first_exclusive, 1.0, owner="sub-1/call_1", lineage=lineage)
+    taken: list[tuple[str, ...]] = []
+
+    async def second() -> None:
+        taken.append(await locks.acquire_all(paths, second_exclusive, 5.0, owner="sub-1/call_2", lineage=lineage))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(second)
+        await wait_all_tasks_blocked()
+        assert taken == []  # the ancestor's hold lets each in, but not beside its sibling
+        assert locks.held()["/w/a"][2] == 1
+        locks.release_all(first, exclusive=first_exclusive, owner="sub-1/call_1")
+    assert taken == [paths]
+    locks.release_all(taken[0], exclusive=second_exclusive, owner="sub-1/call_2")
+    locks.release_all(parent, exclusive=ancestor_exclusive, owner="root/task_1")
+    assert locks.held() == {}
+
+
+async def test_a_call_waiting_for_its_sibling_goes_ahead_of_a_call_waiting_for_their_ancestor(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    locks = FileLockManager()
+    paths = ("/w/a",)
+    lineage = ("root/task_1",)
+    parent = await locks.acquire_all(paths, True, 1.0, owner="root/task_1")
+    first = await locks.acquire_all(paths, True, 1.0, owner="sub-1/call_1", lineage=lineage)
+    order: list[str] = []
+
+    async def take(owner: str, lineage: tuple[str, ...]) -> None:
+        taken = await locks.acquire_all(paths, True, 5.0, owner=owner, lineage=lineage)
+        order.append(owner)
+        locks.release_all(taken, exclusive=True, owner=owner)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(take, "root/other_9", ())  # waits for the ancestor, which waits for its calls
+        await wait_all_tasks_blocked()
+        nursery.start_soon(take, "sub-1/call_2", lineage)
+        await wait_all_tasks_blocked()
+        locks.release_all(first, exclusive=True, owner="sub-1/call_1")
+        await wait_all_tasks_blocked()
+        assert order == ["sub-1/call_2"]
+        locks.release_all(parent, exclusive=True, owner="root/task_1")
+    assert order == ["sub-1/call_2", "root/other_9"]
+    assert locks.held() == {}
+
+
+async def test_calls_a_subagent_runs_side_by_side_under_its_task_do_not_overlap_on_a_path(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = Gate()
+    holder: list[ToolPipeline] = []
+
+    async def task(inp: dict[str, Any], ctx: Any) -> str:
+        origin = CallOrigin(lineage=(ctx.execution.call_key,))
+        async with ctx.slot_released(), trio.open_nursery() as nursery:
+            for key, name in (("w1", "write"), ("r1", "read"), ("w2", "write")):
+                nursery.start_soon(holder[0].execute, ToolCall(key, name, {"id": key, "paths": ["a"]}), origin)
+                await wait_all_tasks_blocked()
+        return "task"
+
+    tools = [
+        gate.tool("write", "write"),
+        gate.tool("read", "readonly", concurrency_safe=True),
+        define_tool(
+            task, description="t", side_effect="pure", kind="write", input_schema=SCHEMA,
+            affected_paths=lambda inp: inp.get("paths", []),
+        ),
+    ]  # fmt: skip
+    pipeline = ToolPipeline(tools, workspace=WORKSPACE)
+    holder.append(pipeline)
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "task", "t", paths=["a"])
+        # The task's exclusive hold lets each of its calls in, one at a time.
+        for key, started in (("w1", ["w1"]), ("r1", ["w1", "r1"]), ("w2", ["w1", "r1", "w2"])):
+            assert gate.started == started
+            gate.open(key)
+            await wait_all_tasks_blocked()
+    assert calls.records["t"].result == ToolResult.success("task")
+    assert gate.max_inside == 1
+    assert gate.finished == ["w1", "r1", "w2"]
+    assert pipeline.file_locks.held() == {}

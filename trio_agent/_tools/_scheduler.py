@@ -156,91 +156,77 @@ class _PathLock:
     """A fair reader/writer lock: grants strictly in arrival order, so readers never starve a writer.
 
     Holds belong to the call tree (`FileLockManager`): a call's ancestors wait for it, so an
-    ancestor's hold never stands in its way where that hold already covers the call, and a call
-    may write where its ancestors (and no one else) only read.
+    ancestor's hold never stands in its way (and a call whose ancestor holds the lock goes ahead of
+    the queue, which waits for that ancestor). Every other hold does, a sibling's included: two
+    calls under one ancestor exclude each other as any two calls do.
     """
 
     readers: int = 0
-    writer: bool = False
+    writers: int = 0  # more than one only where a descendant writes under its ancestor's exclusive hold
     waiters: deque[_Waiter] = attrs.field(factory=deque)
-    owners: list[str] = attrs.field(factory=list)  # the calls holding it (those that said who they are)
-    writer_owner: str | None = None  # the call holding it exclusively, if it said who it is
+    holds: list[tuple[str, bool]] = attrs.field(factory=list)  # (owner, exclusive) of holds that said who
 
     def idle(self) -> bool:
-        return self.readers == 0 and not self.writer and not self.waiters
+        return self.readers == 0 and self.writers == 0 and not self.waiters
 
-    def covers(self, exclusive: bool, lineage: tuple[str, ...]) -> bool:
-        """Whether an ancestor in *lineage* holds it in a way that covers the request: exclusively,
-        or at all for a shared request. (An ancestor that only reads does not cover a write: an
-        unrelated reader may hold it beside that ancestor.)"""
-        owners = self.owners
-        if not owners:
-            return False
-        if self.writer and self.writer_owner is not None and self.writer_owner in lineage:
-            return True
-        return not exclusive and any(call in lineage for call in owners)
+    def _ancestor_holds(self, lineage: tuple[str, ...]) -> bool:
+        return any(owner in lineage for owner, _ in self.holds)
 
-    def _only_ancestors_read(self, lineage: tuple[str, ...]) -> bool:
-        """No writer, and every reader is an ancestor in *lineage*: they wait for the call, so it may
-        write (ahead of the queue: what is queued waits for those ancestors, who wait for it)."""
-        if self.writer or not lineage or not self.readers:
-            return False
-        return sum(1 for call in self.owners if call in lineage) == self.readers
+    def _blocked(self, exclusive: bool, lineage: tuple[str, ...]) -> bool:
+        """Whether a hold other than an ancestor's (in *lineage*) excludes the request: any hold a
+        write, a write a read."""
+        if exclusive:
+            others = self.readers + self.writers
+            if others and lineage:
+                others -= sum(1 for owner, _ in self.holds if owner in lineage)
+            return others > 0
+        writers = self.writers
+        if writers and lineage:
+            writers -= sum(1 for owner, held_exclusive in self.holds if held_exclusive and owner in lineage)
+        return writers > 0
 
     def try_grant(self, exclusive: bool, owner: str | None = None, lineage: tuple[str, ...] = ()) -> bool:
-        if exclusive and lineage and self._only_ancestors_read(lineage):
-            self._grant(True, owner)
-            return True
-        if self.waiters:
+        # Behind the queue unless an ancestor holds the lock: what is queued waits for that ancestor,
+        # which waits for this call.
+        if self.waiters and not (lineage and self._ancestor_holds(lineage)):
             return False
-        if exclusive:
-            if self.readers == 0 and not self.writer:
-                self._grant(True, owner)
-                return True
+        if self._blocked(exclusive, lineage):
             return False
-        if not self.writer:
-            self._grant(False, owner)
-            return True
-        return False
+        self._grant(exclusive, owner)
+        return True
 
     def _grant(self, exclusive: bool, owner: str | None) -> None:
         if exclusive:
-            self.writer = True
-            self.writer_owner = owner
+            self.writers += 1
         else:
             self.readers += 1
         if owner is not None:
-            self.owners.append(owner)
+            self.holds.append((owner, exclusive))
 
     def release(self, exclusive: bool, owner: str | None = None) -> None:
         if exclusive:
-            self.writer = False
-            self.writer_owner = None
+            self.writers -= 1
         else:
             self.readers -= 1
         if owner is not None:
-            self.owners.remove(owner)
+            self.holds.remove((owner, exclusive))
         self.wake()
 
     def wake(self) -> None:
         waiters = self.waiters
         while waiters:
             head = waiters[0]
-            if head.exclusive:
-                if (self.readers or self.writer) and not self._only_ancestors_read(head.lineage):
-                    break
-            elif self.writer:
+            if self._blocked(head.exclusive, head.lineage):
                 break
             waiters.popleft()
             self._hand_over(head)
-        if waiters and not self.writer:
-            # A writer queued behind the head whose only obstacle now is its ancestors' reads: it
-            # goes first (the head waits for those ancestors, and they for it).
-            for waiter in waiters:
-                if waiter.exclusive and self._only_ancestors_read(waiter.lineage):
+        if waiters and self.holds:
+            # A waiter whose ancestor holds the lock goes ahead of the head (which waits for that
+            # ancestor, and the ancestor for it) once no other hold is in its way.
+            for waiter in [waiter for waiter in waiters if waiter.lineage]:
+                if self._ancestor_holds(waiter.lineage) and not self._blocked(waiter.exclusive, waiter.lineage):
                     waiters.remove(waiter)
                     self._hand_over(waiter)
-                    break
 
     def _hand_over(self, waiter: _Waiter) -> None:
         self._grant(waiter.exclusive, waiter.owner)
@@ -255,11 +241,11 @@ class FileLockManager:
     overlapping sets cannot deadlock. Waiting is fair (FIFO) and bounded.
 
     Locks belong to the call tree: a call that names its ``owner`` and its
-    ``lineage`` (the calls it runs under, e.g. ``task`` -> subagent -> tool) takes a
-    path without waiting where an ancestor's hold covers it (the ancestor holds it
-    exclusively, or the call only reads), and writes a path that only its ancestors
-    read (they wait for it, so they never run at the same time). Otherwise it waits
-    like any call: an unrelated reader beside a reading ancestor keeps a writer out.
+    ``lineage`` (the calls it runs under, e.g. ``task`` -> subagent -> tool) never
+    waits for its ancestors' holds (they wait for it) and goes ahead of the queue
+    where one of them holds the path. It still takes a hold of its own, so every
+    other hold keeps it out as for any call: a sibling's (two calls under one
+    ancestor exclude each other), and an unrelated reader's beside a reading ancestor.
     """
 
     def __init__(self) -> None:
@@ -281,16 +267,15 @@ class FileLockManager:
     ) -> tuple[str, ...]:
         """Acquire every path (already normalised and sorted) or none; raises `FileLockTimeoutError`.
 
-        Returns the paths actually taken (release those, with the same *owner*):
-        a path an ancestor in *lineage* holds is covered by its hold and not taken again.
+        Returns the paths taken (release them with the same *exclusive* and *owner*).
         """
         acquired: list[str] = []
         index = 0
         try:
             with trio.fail_after(bound):
                 for index, path in enumerate(paths):  # noqa: B007 - the index names the path that timed out
-                    if await self._acquire(path, exclusive, owner, lineage):
-                        acquired.append(path)
+                    await self._acquire(path, exclusive, owner, lineage)
+                    acquired.append(path)
         except trio.TooSlowError:
             self.release_all(acquired, exclusive=exclusive, owner=owner)
             raise FileLockTimeoutError(paths[index], bound) from None
@@ -299,15 +284,12 @@ class FileLockManager:
             raise
         return tuple(acquired)
 
-    async def _acquire(self, path: str, exclusive: bool, owner: str | None, lineage: tuple[str, ...]) -> bool:
+    async def _acquire(self, path: str, exclusive: bool, owner: str | None, lineage: tuple[str, ...]) -> None:
         lock = self._locks.get(path)
         if lock is None:
             lock = self._locks[path] = _PathLock()
-        elif lineage and lock.covers(exclusive, lineage):
-            await trio.lowlevel.checkpoint()
-            return False  # an ancestor's hold covers this call
         if lock.try_grant(exclusive, owner, lineage):
-            return True
+            return
         waiter = _Waiter(exclusive, owner, lineage=lineage)
         lock.waiters.append(waiter)
         try:
@@ -320,7 +302,6 @@ class FileLockManager:
                 lock.wake()  # a reader queued behind a cancelled writer may go now
             self._forget_if_idle(path, lock)
             raise
-        return True
 
     def release_all(self, paths: Iterable[str], *, exclusive: bool, owner: str | None = None) -> None:
         for path in paths:
@@ -334,4 +315,4 @@ class FileLockManager:
 
     def held(self) -> dict[str, tuple[int, bool, int]]:
         """For tests and diagnostics: path -> (readers, writer held, waiters)."""
-        return {path: (lock.readers, lock.writer, len(lock.waiters)) for path, lock in self._locks.items()}
+        return {path: (lock.readers, lock.writers > 0, len(lock.waiters)) for path, lock in self._locks.items()}
