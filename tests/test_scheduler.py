@@ -663,6 +663,85 @@ async def test_slot_released_wait_cancelled_leaves_the_bucket_consistent() -> No
     assert stats(pipeline, "execute") == (0, 0, 1)
 
 
+async def test_a_call_waiting_for_a_lock_leaves_the_slot_to_the_holder_s_child(autojump_clock: Any) -> None:
+    # The parent holds /ws/a and gives its slot back to run a child under it; an unrelated call that
+    # comes meanwhile waits for /ws/a without the slot, so the child (and the parent's re-acquire)
+    # get one: no one waits out the lock_timeout.
+    gate = Gate()
+    holder: list[ToolPipeline] = []
+    child_records: list[Any] = []
+
+    async def parent(inp: dict[str, Any], ctx: Any) -> str:
+        async with ctx.slot_released():
+            await gate.events["parent"].wait()
+            origin = CallOrigin(lineage=(ctx.execution.call_key,))
+            child_records.append(await holder[0].execute(ToolCall("c", "child", {"id": "c", "paths": ["a"]}), origin))
+        return "parent"
+
+    tools = [
+        gate.tool("child", "write"),
+        gate.tool("unrelated", "write"),
+        define_tool(
+            parent, description="p", side_effect="pure", kind="write", input_schema=SCHEMA,
+            affected_paths=lambda inp: inp.get("paths", []),
+        ),
+    ]  # fmt: skip
+    pipeline = ToolPipeline(tools, scheduler=ToolScheduler(SchedulerLimits(write=1)), workspace=WORKSPACE)
+    holder.append(pipeline)
+    with trio.fail_after(5):  # the lock_timeout is 30 s: a deadlock fails here
+        async with trio.open_nursery() as nursery:
+            calls = Calls(nursery)
+            await calls.submit(pipeline, "parent", "p", paths=["a"])
+            await calls.submit(pipeline, "unrelated", "u", paths=["a"])
+            assert stats(pipeline, "write") == (0, 0, 1)  # the lock waiter holds no slot
+            gate.open("parent")
+            await wait_all_tasks_blocked()
+            assert gate.started == ["c"]
+            gate.open("c")
+            await wait_all_tasks_blocked()
+            assert gate.started == ["c", "u"]  # after the parent ended and let go of /ws/a
+            gate.open("u")
+    assert trio.current_time() == 0
+    assert child_records[0].result == ToolResult.success("child:c")
+    assert calls.records["p"].result == ToolResult.success("parent")
+    assert calls.records["u"].result == ToolResult.success("unrelated:u")
+    assert stats(pipeline, "write") == (0, 0, 1)
+    assert pipeline.file_locks.held() == {}
+
+
+async def test_slot_released_re_acquires_past_a_call_waiting_for_its_lock(autojump_clock: Any) -> None:
+    gate = Gate()
+    events: list[str] = []
+
+    async def parent(inp: dict[str, Any], ctx: Any) -> str:
+        async with ctx.slot_released():
+            await gate.events["parent"].wait()
+        events.append("parent resumed")
+        return "parent"
+
+    tools = [
+        gate.tool("other", "execute"),
+        define_tool(
+            parent, description="p", side_effect="pure", input_schema=SCHEMA,
+            affected_paths=lambda inp: inp.get("paths", []),
+        ),
+    ]  # fmt: skip
+    pipeline = ToolPipeline(tools, scheduler=ToolScheduler(SchedulerLimits(execute=1)), workspace=WORKSPACE)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            calls = Calls(nursery)
+            await calls.submit(pipeline, "parent", "p", paths=["a"])
+            await calls.submit(pipeline, "other", "o", paths=["a"])
+            gate.open("parent")
+            await wait_all_tasks_blocked()
+            assert events == ["parent resumed"]
+            assert gate.started == ["o"]
+            gate.open("o")
+    assert trio.current_time() == 0
+    assert calls.records["p"].result == ToolResult.success("parent")
+    assert calls.records["o"].result == ToolResult.success("other:o")
+
+
 async def test_cleanup_overrun_holds_back_new_tool_starts(autojump_clock: Any) -> None:
     cleanup_done = trio.Event()
 

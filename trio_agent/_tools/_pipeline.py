@@ -1278,18 +1278,29 @@ class ToolPipeline:
             paths = found
         if paths:
             exclusive = not (behavior.kind is ToolKind.READONLY and behavior.concurrency_safe)
-            locked = self.file_locks.normalise(paths, self.workspace)
+            file_locks = self.file_locks
+            locked = file_locks.normalise(paths, self.workspace)
             ctx = state.ctx
             owner = ctx.call_key
-            if state.aborted is not None:
-                raise _Aborted
-            try:
-                taken = await self.file_locks.acquire_all(
-                    locked, exclusive, self.lock_timeout, owner=owner, lineage=ctx.lineage
-                )
-            except FileLockTimeoutError as exc:
-                return ToolResult.failure(ToolErrorType.TIMEOUT, str(exc), code="lock_timeout")
-            state.locks = (taken, exclusive, owner)
+            taken = file_locks.try_acquire_all(locked, exclusive, owner=owner, lineage=ctx.lineage)
+            if taken is None:
+                # Never wait for a lock while holding a slot: the lock's holder may have given its own
+                # slot back (`slot_released`, e.g. while its subagent runs) and need one to go on, for
+                # itself or its children. Waiting for a slot while holding locks is safe: that is what
+                # the holder's own re-acquire does, and no slot holder waits for a lock.
+                slot.release()
+                if state.aborted is not None:
+                    raise _Aborted
+                try:
+                    taken = await file_locks.acquire_all(
+                        locked, exclusive, self.lock_timeout, owner=owner, lineage=ctx.lineage
+                    )
+                except FileLockTimeoutError as exc:
+                    return ToolResult.failure(ToolErrorType.TIMEOUT, str(exc), code="lock_timeout")
+                state.locks = (taken, exclusive, owner)
+                await slot.acquire()
+            else:
+                state.locks = (taken, exclusive, owner)
         return prepared
 
     async def _post_tool(self, state: _Call, result: ToolResult, prepared: _Prepared) -> ToolResult:

@@ -256,6 +256,28 @@ class FileLockManager:
         base = root or os.getcwd()
         return tuple(sorted({os.path.normpath(os.path.join(base, path)) for path in paths}))
 
+    def try_acquire_all(
+        self,
+        paths: tuple[str, ...],
+        exclusive: bool,
+        *,
+        owner: str | None = None,
+        lineage: tuple[str, ...] = (),
+    ) -> tuple[str, ...] | None:
+        """Take every path (already normalised and sorted) now, or none and return ``None``: for a
+        caller that must not wait while it holds something else."""
+        taken: list[str] = []
+        for path in paths:
+            lock = self._locks.get(path)
+            if lock is None:
+                lock = self._locks[path] = _PathLock()
+            if not lock.try_grant(exclusive, owner, lineage):
+                self._forget_if_idle(path, lock)
+                self.release_all(taken, exclusive=exclusive, owner=owner)
+                return None
+            taken.append(path)
+        return paths
+
     async def acquire_all(
         self,
         paths: tuple[str, ...],
