@@ -26,6 +26,7 @@ from trio_agent._loop._events import (
     ToolCallStart,
 )
 from trio_agent._loop._rules import StopReason, until_finish_reason
+from trio_agent._models._history import ORPHAN_ANSWER
 from trio_agent.journal import (
     MemoryStore,
     RequestCompleted,
@@ -528,3 +529,58 @@ async def test_bad_arguments_raise_config_error_before_anything_runs(bad: dict[s
             async with chat(model, "hi", middleware=[spy], **bad):
                 raise AssertionError("the block is never entered")
     assert spy.log == [] and model.requests == []
+
+
+async def _cancelled_of_its_own() -> trio.Cancelled:
+    """A ``Cancelled`` of a scope that has already exited: nothing around the caller is cancelled."""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled as exc:
+            return exc
+    raise AssertionError("unreachable")
+
+
+@define_tool(name="stray", description="raises its own Cancelled", input_schema=OBJECT, side_effect=SideEffect.PURE)
+async def stray(input: dict[str, Any], ctx: Any) -> str:
+    raise await _cancelled_of_its_own()
+
+
+@define_tool(name="ok", description="answers", input_schema=OBJECT, side_effect=SideEffect.PURE)
+async def ok(input: dict[str, Any], ctx: Any) -> str:
+    await trio.testing.wait_all_tasks_blocked()  # still running while its sibling fails
+    return "ok"
+
+
+@pytest.mark.parametrize("calls", [[("stray", {}), ("ok", {})], [("stray", {})]])
+async def test_a_cancelled_a_tool_raises_of_its_own_is_its_error_and_its_siblings_go_on(
+    calls: list[tuple[str, dict[str, Any]]],
+) -> None:
+    model = TestModel(script={"go": [Reply(tool_calls=calls), Reply(text="done")]})
+    try:
+        result = await chat(model, "go", tools=[stray, ok])
+    except trio.Cancelled:  # a Cancelled out of a test would end it silently, as passed
+        pytest.fail("the tool's own Cancelled left chat() as a cancellation")
+    assert result.text == "done"
+    answers = [m for m in model.requests[-1].messages if isinstance(m, ToolResultMessage)]
+    assert [(m.is_error, "not cancelled" in m.content) for m in answers[:1]] == [(True, True)]
+    assert [(m.is_error, m.content) for m in answers[1:]] == [(False, "ok")] * (len(calls) - 1)
+
+
+async def test_every_call_of_a_turn_is_answered_when_a_call_ends_without_a_result() -> None:
+    # A middleware's stray Cancelled ends its call's task without a result, and the turn's nursery
+    # cancels the sibling (and takes the Cancelled): the next request still answers both calls.
+    async def stray_middleware(request: Any, call_next: Any) -> Any:
+        if request.tool_name == "stray":
+            raise await _cancelled_of_its_own()
+        return await call_next()
+
+    calls: list[tuple[str, dict[str, Any]]] = [("stray", {}), ("ok", {})]
+    model = TestModel(script={"go": [Reply(tool_calls=calls), Reply(text="done")]})
+    result = await chat(model, "go", tools=[stray, ok], tool_middleware=[stray_middleware])
+    assert result.text == "done"
+    answers = [m for m in model.requests[-1].messages if isinstance(m, ToolResultMessage)]
+    assert len(answers) == 2
+    assert all(m.is_error for m in answers)
+    assert answers[0].content == ORPHAN_ANSWER

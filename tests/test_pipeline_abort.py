@@ -537,3 +537,39 @@ async def test_blocking_settlement_is_shielded_from_outside_cancellation() -> No
         await call_tool(pipeline, "quick", {}, call_id="c")
     assert scope.cancelled_caught and done.is_set()
     assert settled(journal, "c")["status"] == "completed"
+
+
+async def _cancelled_of_its_own() -> trio.Cancelled:
+    """A ``Cancelled`` of a scope that has already exited: nothing around the caller is cancelled."""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled as exc:
+            return exc
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("layered", [False, True])
+async def test_a_cancelled_the_tool_raises_while_nothing_cancels_the_call_is_its_error(layered: bool) -> None:
+    async def stray(input: dict[str, Any], ctx: ta.ToolContext) -> str:
+        raise await _cancelled_of_its_own()
+
+    tool = ta.define_tool(stray, description="raises a Cancelled of its own", side_effect="pure",
+                          input_schema={"type": "object"})  # fmt: skip
+
+    async def passthrough(request: ta.ToolMiddlewareRequest, call_next: ta.CallNext) -> ta.ToolResult:
+        result: ta.ToolResult = await call_next()
+        return result
+
+    journal = ta.InMemoryToolJournal()
+    pipeline = ta.ToolPipeline([tool], journal=journal, middleware=[passthrough] if layered else [])
+    try:
+        record = await call_tool(pipeline, "stray", {}, call_id="c1")
+    except trio.Cancelled:  # a Cancelled out of a test would end it silently, as passed
+        pytest.fail("the tool's own Cancelled left execute as a cancellation")
+    assert record.status is ta.SettlementStatus.FAILED
+    assert record.result.error is not None and record.result.error.code == "tool_error"
+    assert "not cancelled" in str(record.result.output)
+    assert journal.kinds("c1") == ["scheduled", "started", "settled"]
+    assert_pipeline_idle(pipeline)

@@ -934,10 +934,15 @@ class _Run:
                 answer = recorder.settled_answer(part.id)
             except JournalError:
                 answer = None
-            if answer is None and result is not None:  # rejected before it ran, or never settled
-                answer = _tool_result_message(part.id, model_text(result), not result.ok)
-            if answer is not None:
-                answers.append(answer)
+            if answer is None:
+                if result is not None:  # rejected before it ran, or never settled
+                    answer = _tool_result_message(part.id, model_text(result), not result.ok)
+                else:
+                    # No result (its task was cancelled beside a sibling's failure): every call gets an
+                    # answer, or the next request would carry a call without one. The answer a rebuilt
+                    # history gives it (`answer_orphan_calls`), so both read the same.
+                    answer = _tool_result_message(part.id, ORPHAN_ANSWER, True)
+            answers.append(answer)
         self.ports.conversation.extend(answers)
 
     async def _run_call(

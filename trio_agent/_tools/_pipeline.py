@@ -48,7 +48,7 @@ from .._errors import (
     ToolDefinitionError,
     ToolInputError,
 )
-from .._groups import contains_cancelled, is_cancellation, typed_error
+from .._groups import cancelled_around, contains_cancelled, is_cancellation, leaves, typed_error
 from .._middleware import (
     CheckedLayers,
     Composed,
@@ -1176,11 +1176,17 @@ class ToolPipeline:
                                         if isinstance(typed, LeaseLostError):
                                             state.fatal = typed
                                             raise
-                                        if contains_cancelled(exc) or not isinstance(exc, Exception):
-                                            raise  # a cancellation (maybe a group from the tool's own nursery) goes on
-                                        outcome = ToolResult.failure(
-                                            ToolErrorType.EXECUTION, f"{type(exc).__name__}: {exc}", code="tool_error"
-                                        )
+                                        if contains_cancelled(exc):
+                                            # A cancellation (maybe a group from the tool's own nursery) goes
+                                            # on. With nothing around the call cancelled, it is a Cancelled of a
+                                            # scope of the tool's own that escaped it: the tool's error.
+                                            if cancelled_around(scope) or _must_propagate(exc):
+                                                raise
+                                            outcome = _stray_cancelled_result(exc)
+                                        elif not isinstance(exc, Exception):
+                                            raise
+                                        else:
+                                            outcome = _raised_result(exc)
                                     finally:
                                         self._untrack_cleanup(state, scope)
                                     # The side effect is done: commit before anything else can be cancelled.
@@ -1680,6 +1686,27 @@ def _failure_result(failure: ToolFailure) -> ToolResult:
         )
     return ToolResult.failure(
         ToolErrorType.EXECUTION, f"{type(failure).__name__}: {failure} ({problem})", code="tool_error"
+    )
+
+
+def _must_propagate(exc: BaseException) -> bool:
+    """Whether *exc* (holding a ``Cancelled``) holds something that must go on whatever the
+    cancellation was (``KeyboardInterrupt``, ``SystemExit``)."""
+    return any(not isinstance(leaf, (Exception, trio.Cancelled)) for leaf in leaves(exc))
+
+
+def _raised_result(exc: Exception) -> ToolResult:
+    return ToolResult.failure(ToolErrorType.EXECUTION, f"{type(exc).__name__}: {exc}", code="tool_error")
+
+
+def _stray_cancelled_result(exc: BaseException) -> ToolResult:
+    """The error result of a tool that raised ``trio.Cancelled`` (maybe in a group) while nothing
+    around the call was cancelled: a cancellation of its own, escaped from the scope it belonged to."""
+    return ToolResult.failure(
+        ToolErrorType.EXECUTION,
+        f"the tool raised {type(exc).__name__} though the call was not cancelled "
+        "(a cancellation of a scope of its own that escaped it)",
+        code="tool_error",
     )
 
 
