@@ -37,7 +37,7 @@ from trio_agent.journal import (
     open_journal,
     open_sqlite_store,
 )
-from trio_agent.testing import call_tool, start_turn
+from trio_agent.testing import LeaseStub, call_tool, start_turn
 from trio_agent.tools import (
     BehaviorOverride,
     Effect,
@@ -641,9 +641,10 @@ async def test_other_effects_from_middleware_still_pass() -> None:
 
 
 async def test_a_group_with_a_typed_error_from_middleware_raises_the_typed_error() -> None:
-    journal = InMemoryToolJournal()
+    journal = LeaseStub()
 
     async def lose_lease(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        journal.revoke()  # this journal's lease: another store's would fail only the call
         raise ExceptionGroup("from a nursery", [LeaseLostError("gone")])
 
     pipeline = ToolPipeline([simple_tool()], journal=journal, middleware=[lose_lease])

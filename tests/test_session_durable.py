@@ -247,16 +247,37 @@ async def test_a_failed_settlement_fails_the_request_with_settlement_error() -> 
             await session.send("pay")
 
 
-async def test_lease_lost_error_from_a_tool_call_ends_the_session_with_lease_lost_error() -> None:
+async def test_a_tool_fenced_out_after_a_takeover_ends_the_session_with_lease_lost_error() -> None:
+    store = MemoryStore(clock=trio.current_time)
+    sessions: list[Any] = []
+
     @define_tool(name="fenced", description="f", input_schema=OBJECT, side_effect=SideEffect.PURE, kind="readonly")
     async def fenced(input: dict[str, Any], ctx: Any) -> str:
+        # Another process took the session over; the downstream saw its newer fencing token.
+        session = sessions[0]
+        await store.release_lease(session.journal.lease)
+        await store.acquire_lease(session.session_id, "another-owner", 60.0)
         raise LeaseLostError("the downstream service saw a newer fencing token")
 
     model = TestModel({"go": [Reply(tool_calls=[("fenced", {})]), Reply(text="must not be reached")]})
     with pytest.raises(LeaseLostError):
-        async with open_session(provider=model, tools=[fenced]) as session:
+        async with open_session(provider=model, tools=[fenced], journal=store) as session:
+            sessions.append(session)
             await session.send("go")
     assert len(model.requests) == 1
+
+
+async def test_a_lease_lost_error_a_tool_raises_about_another_store_fails_only_that_call() -> None:
+    @define_tool(name="nested", description="n", input_schema=OBJECT, side_effect=SideEffect.PURE, kind="readonly")
+    async def nested(input: dict[str, Any], ctx: Any) -> str:
+        raise LeaseLostError("the lease of the nested session's own store was lost")
+
+    model = TestModel({"go": [Reply(tool_calls=[("nested", {})]), Reply(text="went on")]})
+    async with open_session(provider=model, tools=[nested]) as session:
+        assert await session.send("go") == "went on"
+    answer = model.requests[-1].messages[-1]
+    assert isinstance(answer, ToolResultMessage) and answer.is_error
+    assert "nested session's own store" in answer.content
 
 
 async def test_losing_the_lease_ends_the_session_with_lease_lost_error(autojump_clock: trio.testing.MockClock) -> None:

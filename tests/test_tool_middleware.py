@@ -944,6 +944,68 @@ async def test_lease_revoked_during_unwind_is_raised_before_settlement() -> None
     assert list(pipeline.history) == []
 
 
+WHERE_A_LEASE_LOSS_IS_RAISED = ["tool", "before stage", "post_tool stage", "middleware"]
+
+
+def lease_losing_pipeline(where: str, lease: LeaseStub, *, own: bool) -> ToolPipeline:
+    """A pipeline whose tool, stage or middleware raises `LeaseLostError`: for this journal's lease
+    (*own*: it revokes the lease first) or for a store of its own (this lease still holds)."""
+
+    def lose() -> None:
+        if own:
+            lease.revoke()
+        raise LeaseLostError("the lease of the store it drives was lost")
+
+    async def run(inp: dict[str, Any], ctx: Any) -> str:
+        if where == "tool":
+            lose()
+        return "done"
+
+    async def before(request: StageRequest) -> None:
+        lose()
+
+    async def post_tool(request: StageRequest, result: ToolResult) -> None:
+        lose()
+
+    async def middleware(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+        lose()
+        raise AssertionError("unreachable")
+
+    tool = define_tool(run, name="t", description="t", side_effect="pure", input_schema={"type": "object"})
+    stages = ToolStages(
+        before=[before] if where == "before stage" else [], post_tool=[post_tool] if where == "post_tool stage" else []
+    )
+    return ToolPipeline([tool], journal=lease, stages=stages, middleware=[middleware] if where == "middleware" else [])
+
+
+@pytest.mark.parametrize("where", WHERE_A_LEASE_LOSS_IS_RAISED)
+async def test_a_lease_loss_a_tool_stage_or_middleware_raises_for_another_store_fails_only_that_call(
+    where: str,
+) -> None:
+    lease = LeaseStub()
+    pipeline = lease_losing_pipeline(where, lease, own=False)
+    record = await call_tool(pipeline, "t", {}, call_id="c1")
+    assert lease.kinds("c1")[-1] == "settled"
+    assert list(pipeline.history) == [record]
+    if where == "post_tool stage":  # a post_tool stage that raises is a fault; the tool's result stands
+        assert record.status is SettlementStatus.COMPLETED
+        assert [fault.code for fault in record.faults] == [FaultCode.MIDDLEWARE_RAISED_AFTER_CORE]
+    else:
+        assert record.status is SettlementStatus.FAILED
+        assert record.result.error is not None and record.result.error.type is ToolErrorType.EXECUTION
+        assert "the lease of the store it drives was lost" in record.result.error.message
+
+
+@pytest.mark.parametrize("where", WHERE_A_LEASE_LOSS_IS_RAISED)
+async def test_a_lease_loss_a_tool_stage_or_middleware_raises_for_this_journal_is_raised(where: str) -> None:
+    lease = LeaseStub()
+    pipeline = lease_losing_pipeline(where, lease, own=True)
+    with pytest.raises(LeaseLostError):
+        await call_tool(pipeline, "t", {}, call_id="c1")
+    assert "settled" not in lease.kinds("c1")
+    assert list(pipeline.history) == []
+
+
 async def test_lease_revoked_before_a_short_circuit_is_raised() -> None:
     lease = LeaseStub()
 

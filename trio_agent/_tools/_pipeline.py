@@ -956,7 +956,7 @@ class ToolPipeline:
                     if is_cancellation(exc) or isinstance(exc, (KeyboardInterrupt, SystemExit)):
                         raise
                     typed = typed_error(exc)
-                    if isinstance(typed, LeaseLostError) and state.fatal is None:
+                    if isinstance(typed, LeaseLostError) and state.fatal is None and self._own_lease_lost():
                         state.fatal = typed
                     mw_error = exc
                 finally:
@@ -1173,7 +1173,7 @@ class ToolPipeline:
                                         outcome = _failure_result(failure)
                                     except BaseException as exc:
                                         typed = typed_error(exc)
-                                        if isinstance(typed, LeaseLostError):
+                                        if isinstance(typed, LeaseLostError) and self._own_lease_lost():
                                             state.fatal = typed
                                             raise
                                         if contains_cancelled(exc):
@@ -1432,6 +1432,9 @@ class ToolPipeline:
             try:
                 replaced = await callback(request, result)
             except LeaseLostError as exc:
+                if not self._own_lease_lost():  # another lease's (a store the stage drives): its failure
+                    state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {exc!r}")
+                    continue
                 if ran:
                     state.fatal = exc
                 raise
@@ -1454,9 +1457,10 @@ class ToolPipeline:
     ) -> Allow | Deny | Skip | None:
         try:
             decision = await callback(request)
-        except LeaseLostError:
-            raise
         except Exception as exc:  # hooks fail closed
+            # A lost lease is the session's only if it is this journal's (not a store the stage drives).
+            if isinstance(exc, LeaseLostError) and self._own_lease_lost():
+                raise
             return Deny(f"{stage} stage {_stage_name(callback)} failed: {exc!r}", ToolErrorType.EXECUTION, "hook_error")
         if decision is None or isinstance(decision, (Allow, Deny)):
             return decision
@@ -1467,6 +1471,17 @@ class ToolPipeline:
             ToolErrorType.EXECUTION,
             "hook_error",
         )
+
+    def _own_lease_lost(self) -> bool:
+        """Whether this journal's lease is lost: a `LeaseLostError` a tool, stage or middleware raised
+        ends the session only then (it may be about a store of its own, e.g. a nested session's)."""
+        if not self._owner_checks:
+            return False  # a journal without a lease (the in-memory one) cannot lose it
+        try:
+            self.journal.check_ownership()
+        except LeaseLostError:
+            return True
+        return False
 
     # -- cleanup overrun tracking ----------------------------------------------
 
