@@ -49,6 +49,7 @@ from trio_agent.tools import (
     InMemoryToolJournal,
     SettlementError,
     SettlementStatus,
+    Skip,
     StageRequest,
     ToolCall,
     ToolMiddlewareRequest,
@@ -1821,6 +1822,49 @@ async def test_stage_returning_junk_fails_closed(stage: str) -> None:
     record = await call_tool(ToolPipeline([echo_tool(runs)], stages=ToolStages(**{stage: [junk]})), "echo", {"q": "x"})
     assert runs.inputs == []
     assert record.result.error is not None and record.result.error.code == "hook_error"
+
+
+@pytest.mark.parametrize("result", ["done", None, {"output": 1}], ids=repr)
+async def test_a_skip_without_a_tool_result_fails_closed(result: Any) -> None:
+    runs = Runs()
+
+    async def skip(request: StageRequest) -> Skip:
+        return Skip(result)
+
+    journal = InMemoryToolJournal()
+    pipeline = ToolPipeline([echo_tool(runs)], stages=ToolStages(before=[skip]), journal=journal)
+    record = await call_tool(pipeline, "echo", {"q": "x"}, call_id="k1")
+    assert runs.inputs == []
+    assert record.status is SettlementStatus.FAILED
+    assert record.result.error is not None and record.result.error.code == "hook_error"
+    assert "Skip takes a ToolResult" in record.result.error.message
+    assert journal.kinds("k1") == ["scheduled", "settled"]
+    assert pipeline.scheduler.statistics().buckets["execute"] == (0, 0, 3)
+
+
+def test_skip_and_deny_check_what_they_are_given() -> None:
+    with pytest.raises(ConfigError, match="Skip takes a ToolResult, got str"):
+        Skip("done")  # type: ignore[arg-type]
+    # Deny takes an error type as ToolFailure does: the member or its value.
+    assert Deny("no", type="timeout").type is ToolErrorType.TIMEOUT
+    with pytest.raises(ConfigError, match="Deny type 'bogus' is not a ToolErrorType"):
+        Deny("no", type="bogus")
+
+
+@pytest.mark.parametrize("stage", ["pre_tool", "permission", "before", "guard"])
+async def test_a_deny_with_its_type_as_a_value_ends_the_call_as_that_type(stage: str) -> None:
+    runs = Runs()
+
+    async def deny(request: StageRequest) -> Deny:
+        return Deny("not allowed here", type="permission_denied")
+
+    journal = InMemoryToolJournal()
+    pipeline = ToolPipeline([echo_tool(runs)], stages=ToolStages(**{stage: [deny]}), journal=journal)
+    record = await call_tool(pipeline, "echo", {"q": "x"}, call_id="d1")
+    assert runs.inputs == []
+    assert record.status is SettlementStatus.CANCELLED
+    assert record.result.error is not None and record.result.error.type is ToolErrorType.PERMISSION_DENIED
+    assert entry(journal, "d1", "settled")["reason"] == "permission_denied"
 
 
 async def test_guard_replacing_input_is_validated_again() -> None:

@@ -170,15 +170,16 @@ def result_problem(result: ToolResult) -> str | None:
     return json_problem(stored, "result")
 
 
-def _error_type(value: object) -> ToolErrorType:
-    """*value* as a `ToolErrorType` (its member or its value, e.g. ``"timeout"``); `ValueError` naming it otherwise."""
+def _error_type(value: object, what: str = "ToolFailure", error: type[ValueError] = ValueError) -> ToolErrorType:
+    """*value* as a `ToolErrorType` (its member or its value, e.g. ``"timeout"``); *error* naming it
+    (as *what*'s type) otherwise."""
     if isinstance(value, ToolErrorType):
         return value
     try:
         return ToolErrorType(value)
     except (ValueError, TypeError):
         allowed = ", ".join(repr(member.value) for member in ToolErrorType)
-        raise ValueError(f"ToolFailure type {value!r} is not a ToolErrorType (one of {allowed})") from None
+        raise error(f"{what} type {value!r} is not a ToolErrorType (one of {allowed})") from None
 
 
 class ToolFailure(Exception):

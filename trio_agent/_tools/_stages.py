@@ -21,9 +21,10 @@ from typing import Any, TypeAlias
 
 import attrs
 
+from .._errors import ConfigError
 from ._context import ExecutionContext
 from ._definition import Tool, ToolBehavior
-from ._results import JsonObject, ToolErrorType, ToolResult
+from ._results import JsonObject, ToolErrorType, ToolResult, _error_type
 
 __all__ = ["Allow", "Deny", "PostStage", "Skip", "Stage", "StageDecision", "StageRequest", "ToolStages"]
 
@@ -45,12 +46,22 @@ class Allow:
     input: JsonObject | None = None
 
 
+def _deny_type(value: object) -> ToolErrorType:
+    """A `ToolErrorType` or its value (``"timeout"``), as `ToolFailure` takes it; else `ConfigError`."""
+    return _error_type(value, "Deny", ConfigError)
+
+
+def _skip_result(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, ToolResult):
+        raise ConfigError(f"Skip takes a ToolResult, got {type(value).__name__}: {value!r}")
+
+
 @attrs.frozen
 class Deny:
-    """End the call with an error result the model sees."""
+    """End the call with an error result the model sees. ``type`` is a `ToolErrorType` or its value."""
 
     message: str
-    type: ToolErrorType = ToolErrorType.PERMISSION_DENIED
+    type: ToolErrorType = attrs.field(default=ToolErrorType.PERMISSION_DENIED, converter=_deny_type)
     code: str | None = None
 
     def to_result(self) -> ToolResult:
@@ -62,7 +73,7 @@ class Skip:
     """End the call with *result* without running the tool (a before stage's "skip"); post stages
     still see it. A success is recorded with a synthetic start, as a short-circuit is."""
 
-    result: ToolResult
+    result: ToolResult = attrs.field(validator=_skip_result)
 
 
 StageDecision: TypeAlias = Allow | Deny | Skip
@@ -100,6 +111,4 @@ class ToolStages:
         for stage_name in ("pre_tool", "permission", "before", "guard", "post_tool"):
             for index, callback in enumerate(getattr(self, stage_name)):
                 if not callable(callback):
-                    from .._errors import ConfigError
-
                     raise ConfigError(f"{stage_name} stage #{index} is not callable: {callback!r}")
