@@ -44,6 +44,7 @@ from trio_agent.tools import (
     FaultCode,
     InMemoryToolJournal,
     SettlementStatus,
+    Skip,
     ToolCall,
     ToolMiddlewareRequest,
     ToolPipeline,
@@ -867,7 +868,7 @@ async def test_results_the_journal_stores_as_json_stay_successes(kind: str) -> N
 
 
 @pytest.mark.parametrize("kind", JOURNALS)
-@pytest.mark.parametrize("where", ["short-circuit", "after the core", "post_tool stage"])
+@pytest.mark.parametrize("where", ["short-circuit", "after the core", "post_tool stage", "before stage skip"])
 async def test_a_non_json_result_from_middleware_or_a_stage_fails_that_call(kind: str, where: str) -> None:
     async def short_circuit(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
         return ToolResult.success({1, 2})
@@ -879,8 +880,14 @@ async def test_a_non_json_result_from_middleware_or_a_stage_fails_that_call(kind
     async def post_tool(request: Any, result: ToolResult) -> ToolResult:
         return attrs.evolve(result, metadata={"o": Opaque()})
 
+    async def skip(request: Any) -> Skip:
+        return Skip(ToolResult.success({1, 2}))
+
     middleware = {"short-circuit": [short_circuit], "after the core": [after_core]}.get(where, [])
-    stages = ToolStages(post_tool=[post_tool]) if where == "post_tool stage" else None
+    stages = {
+        "post_tool stage": ToolStages(post_tool=[post_tool]),
+        "before stage skip": ToolStages(before=[skip]),
+    }.get(where)
     async with journal_of(kind) as (journals, origin):
         pipeline = ToolPipeline([simple_tool()], journal=journals.journal, middleware=middleware, stages=stages)
         record = await call_tool(pipeline, "work", {}, call_id="c1", origin=origin)
@@ -889,5 +896,6 @@ async def test_a_non_json_result_from_middleware_or_a_stage_fails_that_call(kind
         assert error is not None and error.code == "invalid_result"
         assert "is not JSON: " in error.message
         # A short-circuit that was refused never got a (synthetic) start.
-        expected = ["scheduled", "settled"] if where == "short-circuit" else ["scheduled", "started", "settled"]
+        refused = where in ("short-circuit", "before stage skip")
+        expected = ["scheduled", "settled"] if refused else ["scheduled", "started", "settled"]
         assert journals.states("c1") == expected

@@ -1465,6 +1465,10 @@ class ToolPipeline:
         if decision is None or isinstance(decision, (Allow, Deny)):
             return decision
         if isinstance(decision, Skip) and stage == "before":
+            result = decision.result  # a ToolResult: `Skip` checks it when it is made
+            if result_problem(result) is not None:
+                # As for a tool's result: that call fails, not the settlement (and the request).
+                return Skip(_unstorable(result, f"{stage} stage {_stage_name(callback)} skipped with"))
             return decision
         return Deny(
             f"{stage} stage {_stage_name(callback)} returned {decision!r}, expected Allow, Deny or None",
