@@ -656,8 +656,9 @@ class ToolPipeline:
         stages: hook, permission and guard stages (default: none).
         timeout: per-call tool timeout in seconds (default 600); a tool's own ``timeout`` wins.
         lock_timeout: bound on waiting for file locks (default 30 s).
-        cleanup_grace: how long a cancelled tool may take to clean up before it is
-            reported and new tool starts wait for it (default 5 s).
+        cleanup_grace: how long a tool the pipeline cancelled (its abort or its timeout) may take
+            to clean up before it is reported and new tool starts wait for it (default 5 s). A
+            cancellation from outside is not tracked: Trio tells no one a scope around it was cancelled.
         unwind_grace: deadline for the middleware unwind after the core completed (default 2 s).
         settle_grace: deadline for a shielded settlement write (default 10 s).
         workspace: base directory for relative affected paths (default: the working directory).
