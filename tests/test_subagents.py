@@ -635,6 +635,51 @@ async def test_start_subagent_while_a_request_starts_or_finishes(window: str) ->
         assert handle is not None and await handle.wait() == "bg answer"
 
 
+async def test_a_restart_cancels_the_calls_a_subagent_scheduled_and_never_started() -> None:
+    """The process dies while a background subagent's first call runs and its second waits for
+    the only slot. The subagent never runs again after the restart, so the waiting call is
+    settled cancelled: recovery ran it (a non_idempotent send) for nobody to read."""
+    from trio_agent import LeaseLostError, define_agent
+    from trio_agent.journal import MemoryStore, RecoveryDecision, ToolRecoveryAction, ToolScheduled, open_journal
+
+    sent: list[Any] = []
+    sending, restarted = trio.Event(), trio.Event()
+
+    @define_tool(name="send", input_schema={"type": "object"}, side_effect="non_idempotent", kind="readonly")
+    async def send(inp: dict[str, Any], ctx: ToolContext) -> str:
+        """Sends a message (must not happen twice)."""
+        sent.append(inp["n"])
+        sending.set()
+        await restarted.wait()  # holds the slot until the process dies
+        return "sent"
+
+    model = TestModel({"bg": [Reply(tool_calls=[("send", {"n": 1}), ("send", {"n": 2})])]})
+    spec = define_agent(provider=model, tools=[send], subagents=[HELPER], scheduler_limits=SchedulerLimits(readonly=1))
+    store = MemoryStore()
+    with pytest.raises(LeaseLostError):
+        async with open_journal(store, session_id="s") as journal, open_session(spec, journal=journal) as session:
+            handle = await session.start_subagent("helper", "bg")
+            await sending.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            await journal.flush()  # the waiting call's tool_scheduled is durable, as any later write makes it
+            journal._lose(LeaseLostError("the process died"))
+            await trio.sleep_forever()
+    lease = await store.current_lease("s")
+    assert lease is not None
+    await store.release_lease(lease)
+    [waiting] = [n for n in (1, 2) if n not in sent]
+    restarted.set()
+    async with open_session(spec, journal=store, session_id="s") as session:
+        child = await stream_events(session, handle.id)
+    assert sent == [3 - waiting], "recovery started the call of a subagent that never runs again"
+    [scheduled] = [e for e in child if isinstance(e, ToolScheduled) and e.model_input == {"n": waiting}]
+    decisions = {e.call_id: e.decision for e in child if isinstance(e, RecoveryDecision)}
+    assert decisions[scheduled.call_id] is ToolRecoveryAction.CANCEL
+    assert [e.call_id for e in child if isinstance(e, ToolCancelled)] == [scheduled.call_id]
+    root = await stream_events(session)
+    assert [e.reason for e in root if isinstance(e, SubagentCancelled)] == ["process_restart"]
+
+
 # ======================================================================== leaving the session
 
 

@@ -88,7 +88,7 @@ from ._events import (
 from ._lane import LaneStore
 from ._lease import HeldLease, acquire, check_seconds, check_timing, default_owner
 from ._memory import MemoryStore
-from ._projection import Projection, RecoveryKind, RecoveryPlan, ToolState
+from ._projection import PermissionState, Projection, RecoveryKind, RecoveryPlan, ToolState
 from ._snapshot import (
     CALL_EVENTS,
     FOLD_AFTER,
@@ -1063,19 +1063,29 @@ class DurableJournal:
     # -- recovery
 
     def recovery_plan(
-        self, agent_id: str | None = None, *, tools: Mapping[str, Tool[Any]] | None = None
+        self,
+        agent_id: str | None = None,
+        *,
+        tools: Mapping[str, Tool[Any]] | None = None,
+        agent_continues: bool = True,
     ) -> RecoveryPlan:
-        """The projection's plan for one stream; ``tools`` tells which tools have a ``reconcile``."""
+        """The projection's plan for one stream; ``tools`` tells which tools have a ``reconcile``;
+        ``agent_continues=False``: the stream's agent never runs again, so its calls that never
+        started are cancelled (`Projection.recovery_plan`)."""
         known = tools or {}
 
         def has_reconcile(name: str) -> bool:
             tool = known.get(name)
             return tool is not None and tool.reconcile is not None
 
-        return self._stream(agent_id).projection.recovery_plan(has_reconcile)
+        return self._stream(agent_id).projection.recovery_plan(has_reconcile, agent_continues=agent_continues)
 
     async def recover(
-        self, agent_id: str | None = None, *, tools: Mapping[str, Tool[Any]] | None = None
+        self,
+        agent_id: str | None = None,
+        *,
+        tools: Mapping[str, Tool[Any]] | None = None,
+        agent_continues: bool = True,
     ) -> RecoveryReport:
         """Apply the recovery plan of one stream: write decisions and settlements only.
 
@@ -1086,10 +1096,12 @@ class DurableJournal:
         call is reconciled by its tool's ``reconcile`` if it has one (a check,
         not the side effect), else settled ``outcome_unknown``. Model attempts
         without an outcome are recorded aborted (``process_restart``).
+        ``agent_continues=False`` (the stream's agent never runs again, e.g. a subagent
+        after a restart): the calls it scheduled and never started are settled cancelled.
         """
         stream = self._stream(agent_id)
         known = tools or {}
-        plan = self.recovery_plan(agent_id, tools=known)
+        plan = self.recovery_plan(agent_id, tools=known, agent_continues=agent_continues)
         decisions: dict[str, ToolRecoveryAction] = {}
         to_execute: list[ToolScheduled] = []
         unknown: list[str] = []
@@ -1146,9 +1158,15 @@ class DurableJournal:
                 await self.append(RecoveryDecision(**ids, decision=action, reason=reason), agent_id=agent_id)
                 to_execute.append(record.scheduled)
             elif action is ToolRecoveryAction.CANCEL:
+                tracked = stream.projection.tool(item.call_id)
+                if tracked is not None and tracked.permission in (PermissionState.DENIED, PermissionState.CANCELLED):
+                    why, settled_why = "permission was denied or cancelled", "permission denied before restart"
+                else:
+                    why = "scheduled but never started, and its agent does not run again: never run"
+                    settled_why = "its agent does not run again after the restart"
                 await self.append(
-                    RecoveryDecision(**ids, decision=action, reason="permission was denied or cancelled"),
-                    ToolCancelled(**ids, reason="permission denied before restart"),
+                    RecoveryDecision(**ids, decision=action, reason=why),
+                    ToolCancelled(**ids, reason=settled_why),
                     agent_id=agent_id,
                 )
                 cancelled.append(item.call_id)

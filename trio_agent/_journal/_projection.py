@@ -1081,12 +1081,19 @@ class Projection:
 
     # -- recovery
 
-    def recovery_plan(self, has_reconcile: Callable[[str], bool] = _no_reconcile) -> RecoveryPlan:
+    def recovery_plan(
+        self, has_reconcile: Callable[[str], bool] = _no_reconcile, *, agent_continues: bool = True
+    ) -> RecoveryPlan:
         """Every unfinished thing in priority order, and the action for every tool call.
 
         ``has_reconcile(tool_name)`` says whether a tool has a ``reconcile``: a
         started ``non_idempotent`` call without an outcome is reconciled if so,
         else settled ``outcome_unknown``. It is never re-run.
+
+        ``agent_continues=False``: the stream's agent never runs again (a subagent after a
+        restart), so a call it scheduled and never started is cancelled, not run: its effect
+        never began and no model would read its result. A started call is finished by its
+        contract all the same (the world may already hold part of its effect).
         """
         s = self._s
         items: list[RecoveryItem] = []
@@ -1103,7 +1110,7 @@ class Projection:
                     )
                 )
         for call in s.tools.values():
-            action = _tool_action(call, has_reconcile)
+            action = _tool_action(call, has_reconcile, agent_continues)
             actions[call.call_id] = action
             common: dict[str, Any] = {
                 "request_id": call.request_id,
@@ -1158,11 +1165,13 @@ class Projection:
         return RecoveryPlan(tuple(items), actions)
 
 
-def _tool_action(call: ToolRecord, has_reconcile: Callable[[str], bool]) -> ToolRecoveryAction:
+def _tool_action(
+    call: ToolRecord, has_reconcile: Callable[[str], bool], agent_continues: bool = True
+) -> ToolRecoveryAction:
     if call.state.settled:
         return ToolRecoveryAction.REPLAY_RESULT
     if call.state is ToolState.SCHEDULED:
-        if call.permission in (PermissionState.DENIED, PermissionState.CANCELLED):
+        if call.permission in (PermissionState.DENIED, PermissionState.CANCELLED) or not agent_continues:
             return ToolRecoveryAction.CANCEL
         return ToolRecoveryAction.RUN
     if call.side_effect is SideEffect.PURE:

@@ -121,7 +121,10 @@ async def _recover(host: SessionHost, tools: Mapping[str, Tool[Any]], life: Life
         projection = journal.projection(agent_id)
         if projection.session_state is not SessionState.OPEN:
             continue
-        plan = journal.recovery_plan(agent_id, tools=tools)
+        # A subagent never runs again after a restart (its handle died with the process): what
+        # it scheduled and never started is cancelled, not started for nobody to read.
+        continues = agent_id == host.root.agent_id
+        plan = journal.recovery_plan(agent_id, tools=tools, agent_continues=continues)
         if plan.is_empty:
             continue
         # Told from the journal, not from the last process's memory: a call an earlier
@@ -132,7 +135,7 @@ async def _recover(host: SessionHost, tools: Mapping[str, Tool[Any]], life: Life
             for call in projection._s.tools.values()
             if call.state is ToolState.OUTCOME_UNKNOWN and request_is_open(projection, call.request_id)
         ]
-        report = await journal.recover(agent_id, tools=tools)
+        report = await journal.recover(agent_id, tools=tools, agent_continues=continues)
         if earlier:
             merged = tuple(dict.fromkeys([*earlier, *report.outcome_unknown]))
             report = attrs.evolve(report, outcome_unknown=merged)
