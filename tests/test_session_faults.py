@@ -31,7 +31,7 @@ from trio_agent.journal import (
     RequestFailed,
     ToolOutcomeUnknown,
 )
-from trio_agent.models import ToolResultMessage
+from trio_agent.models import ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, TestModel
 
 OBJECT: dict[str, Any] = {"type": "object"}
@@ -248,3 +248,73 @@ async def test_an_unknown_outcome_is_still_reported_after_a_crash_during_recover
         pay_id = next(e.call_id for e in events if isinstance(e, ToolOutcomeUnknown))
         assert pay_id in unknown
         assert any("pay" in note for note in s.recovery_notes)
+
+
+async def test_a_call_re_run_before_a_crash_during_recovery_is_still_told() -> None:
+    # Recovery re-ran one call to its end, then the process died re-running the other: the next
+    # recovery found the first settled and never said it had been re-run (its note was in memory).
+    from trio_agent.journal import RecoveryDecision, open_journal
+
+    store = MemoryStore()
+    model = TestModel(
+        default=Reply(text="ok"),
+        script={"go": [Reply(tool_calls=[("fetch", {"n": 1}), ("fetch", {"n": 2})]), Reply(text="we were fetching")]},
+    )
+    life = ["running"]
+    ran: list[int] = []
+    journals: list[Any] = []
+
+    @define_tool(
+        name="fetch",
+        description="fetches",
+        input_schema=OBJECT,
+        side_effect=SideEffect.IDEMPOTENT,
+        kind=ToolKind.READONLY,
+    )
+    async def fetch(input: dict[str, Any], ctx: Any) -> str:
+        ran.append(input["n"])
+        if life[0] == "running":
+            await trio.sleep_forever()
+        if life[0] == "recovering" and len(ran) == 4:
+            journals[-1]._fence("test: the process dies re-running the second call")
+        return "fetched"
+
+    options: dict[str, Any] = {"provider": model, "tools": [fetch]}
+    # 1. Both calls start; the process dies while they run.
+    async with (
+        open_journal(store, session_id="c") as journal,
+        open_session(journal=journal, **options) as s,
+        trio.open_nursery() as nursery,
+    ):
+
+        async def send() -> None:
+            with pytest.raises((RequestAbortedError, JournalError)):
+                await s.send("go")
+
+        nursery.start_soon(send)
+        while len(ran) < 2:
+            await trio.testing.wait_all_tasks_blocked()
+        journal._fence("test: crash")
+        nursery.cancel_scope.cancel()
+    # 2. Recovery re-runs one call to its end and dies re-running the other.
+    life[0] = "recovering"
+    with pytest.raises(TrioAgentError):
+        async with open_journal(store, session_id="c") as journal:
+            journals.append(journal)
+            async with open_session(journal=journal, **options):
+                pass  # pragma: no cover - the recovery dies
+    assert len(ran) == 4
+    events = [e.event for e in await store.read("c/root")]
+    assert len([e for e in events if isinstance(e, RecoveryDecision)]) == 2
+    # 3. The next recovery re-runs the one left and tells of both re-runs.
+    life[0] = "done"
+    async with open_session(journal=store, session_id="c", **options) as s:
+        notes = list(s.recovery_notes)
+        await s.send("where were we?")
+    call_ids = {e.call_id for e in events if isinstance(e, RecoveryDecision)}
+    after = [envelope.event for envelope in await store.read("c/root")]
+    decided = [e.decision.value for e in after if isinstance(e, RecoveryDecision)]
+    assert decided == ["rerun_same_key"] * 3  # the second recovery decides the call left as the first did
+    assert sorted(notes) == sorted(f"re-ran fetch call {call_id}: ok" for call_id in call_ids)
+    told = [m.content for m in model.requests[-1].messages if isinstance(m, UserMessage)]
+    assert all(any(note in text for text in told) for note in notes)  # the model learns both

@@ -16,7 +16,9 @@ Rules
   stay runnable and started ones go on from their last durable point
   (`Session.serve_request`).
 * What the model must learn (recovery notes, background subagents whose outcome it
-  never saw) goes to the root's inbox, so it is recorded with its next model call.
+  never saw) goes to the root's inbox, so it is recorded with its next model call. The
+  notes are read from the journal, so a crash during recovery loses none: the re-runs and
+  unknown outcomes of an earlier recovery, in a request it never closed, are told again.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .._journal._events import (
     SessionReopened,
     SubagentCancelled,
     SubagentCompleted,
+    ToolRecoveryAction,
     TurnAborted,
     TurnAbortReason,
 )
@@ -108,6 +111,12 @@ async def begin_life(
     return life
 
 
+# The decisions that let recovery run a call again, and the ends such a run is told by (an
+# outcome_unknown one is told as unknown).
+_RERUN_DECISIONS = frozenset({ToolRecoveryAction.RUN, ToolRecoveryAction.RERUN, ToolRecoveryAction.RERUN_SAME_KEY})
+_RERUN_ENDS = frozenset({ToolState.COMPLETED, ToolState.FAILED, ToolState.CANCELLED})
+
+
 def _only_created(journal: DurableJournal) -> bool:
     """Nothing but ``session_created`` on any stream: nothing to recover, no conversation to
     rebuild, no rules to replay."""
@@ -127,14 +136,19 @@ async def _recover(host: SessionHost, tools: Mapping[str, Tool[Any]], life: Life
         plan = journal.recovery_plan(agent_id, tools=tools, agent_continues=continues)
         if plan.is_empty:
             continue
-        # Told from the journal, not from the last process's memory: a call an earlier
-        # recovery settled outcome_unknown, in a request that recovery never got to close
-        # (the process died again), is still news to the model and the user.
-        earlier = [
-            call.call_id
-            for call in projection._s.tools.values()
-            if call.state is ToolState.OUTCOME_UNKNOWN and request_is_open(projection, call.request_id)
-        ]
+        # Told from the journal, not from the last process's memory: what an earlier recovery
+        # did, in a request it never got to close (the process died again), is still news to
+        # the model and the user: a call it settled outcome_unknown, and a call it re-ran to
+        # its end (this recovery finds it settled and would not say it was ever re-run).
+        earlier: list[str] = []
+        for tracked in projection._s.tools.values():
+            if not request_is_open(projection, tracked.request_id):
+                continue
+            if tracked.state is ToolState.OUTCOME_UNKNOWN:
+                earlier.append(tracked.call_id)
+            elif tracked.decision in _RERUN_DECISIONS and tracked.state in _RERUN_ENDS:
+                outcome = "ok" if tracked.state is ToolState.COMPLETED else "error"
+                life.notes.append(f"re-ran {tracked.tool_name} call {tracked.call_id}: {outcome}")
         report = await journal.recover(agent_id, tools=tools, agent_continues=continues)
         if earlier:
             merged = tuple(dict.fromkeys([*earlier, *report.outcome_unknown]))
