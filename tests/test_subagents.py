@@ -9,6 +9,7 @@ import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -678,6 +679,58 @@ async def test_a_restart_cancels_the_calls_a_subagent_scheduled_and_never_starte
     assert [e.call_id for e in child if isinstance(e, ToolCancelled)] == [scheduled.call_id]
     root = await stream_events(session)
     assert [e.reason for e in root if isinstance(e, SubagentCancelled)] == ["process_restart"]
+
+
+@pytest.mark.parametrize("narrowed", [None, "definition", "session"])
+async def test_a_restart_re_runs_a_subagents_call_under_its_allowlist(narrowed: str | None) -> None:
+    """A subagent's pure call started when the process died runs again at the reopen, under that
+    subagent's allowlist as the spec of the new life gives it: it ran with no filter at all (the
+    permission stage knew no agent of that id), so a tool since taken from the subagent (or the
+    session) still ran."""
+    from trio_agent import LeaseLostError, define_agent
+    from trio_agent.journal import MemoryStore, ToolCompleted, open_journal
+
+    looked: list[str] = []
+    looking, restarted = trio.Event(), trio.Event()
+
+    @define_tool(name="look", input_schema={"type": "object"}, side_effect="pure", kind="readonly")
+    async def look(inp: dict[str, Any], ctx: ToolContext) -> str:
+        """Looks around."""
+        looked.append(ctx.agent_id)
+        looking.set()
+        await restarted.wait()  # runs until the process dies
+        return "looked"
+
+    other = make_tool("other")
+    model = TestModel({"bg": [Reply(tool_calls=[("look", {})])]})
+    looker = SubagentDefinition("looker", "looks", "You look.", tools=["look", "other"])
+    store = MemoryStore()
+    spec = define_agent(provider=model, tools=[look, other], subagents=[looker])
+    with pytest.raises(LeaseLostError):
+        async with open_journal(store, session_id="s") as journal, open_session(spec, journal=journal) as session:
+            handle = await session.start_subagent("looker", "bg")
+            await looking.wait()
+            journal._lose(LeaseLostError("the process died"))
+            await trio.sleep_forever()
+    lease = await store.current_lease("s")
+    assert lease is not None
+    await store.release_lease(lease)
+    restarted.set()
+    options: dict[str, Any] = {"provider": model, "tools": [look, other], "subagents": [looker]}
+    if narrowed == "definition":
+        options["subagents"] = [attrs.evolve(looker, tools=["other"])]
+    elif narrowed == "session":
+        options["allowed_tools"] = ["other"]
+    async with open_session(define_agent(**options), journal=store, session_id="s") as session:
+        child = await stream_events(session, handle.id)
+    settled = [e for e in child if isinstance(e, (ToolCompleted, ToolCancelled))]
+    if narrowed is None:
+        assert looked == [handle.id, handle.id] and isinstance(settled[-1], ToolCompleted)
+    else:
+        assert looked == [handle.id], "a tool the subagent may no longer use ran again"
+        [denied] = settled
+        assert isinstance(denied, ToolCancelled) and denied.reason == "permission_denied"
+        assert f"not available to agent {handle.id!r}" in denied.result["output"]
 
 
 # ======================================================================== leaving the session

@@ -23,7 +23,7 @@ Rules
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -51,6 +51,7 @@ from .._tools._definition import Tool
 from .._tools._stages import Allow
 from ._endings import request_is_open
 from ._host import SessionHost
+from ._requests import _Agent
 
 __all__ = ["Life", "begin_life", "rebuild_history"]
 
@@ -70,9 +71,11 @@ async def begin_life(
     history: Sequence[Message] | None,
     *,
     keep_requests: bool = False,
+    subagent_of: Callable[[str, str], _Agent] | None = None,
 ) -> Life | None:
     """Begin this life of the session (module rules); ``None``: the first life of a session created
-    now, with nothing to recover, rebuild or replay."""
+    now, with nothing to recover, rebuild or replay. ``subagent_of(agent_id, parent_id)``: the
+    subagent of an earlier life with that stream (its allowlist), for re-running its calls."""
     journal = host.journal
     projection = journal.projection()
     state = projection.session_state
@@ -107,7 +110,7 @@ async def begin_life(
         stored = journal.projection().permission_updates
         if stored:
             host.permissions.replay_updates([update_from_json(event.update) for event in stored])
-    await _recover(host, tools, life, keep_requests)
+    await _recover(host, tools, life, keep_requests, subagent_of)
     return life
 
 
@@ -123,7 +126,13 @@ def _only_created(journal: DurableJournal) -> bool:
     return all(journal.projection(agent).head == 1 for agent in journal.agents)
 
 
-async def _recover(host: SessionHost, tools: Mapping[str, Tool[Any]], life: Life, keep_requests: bool) -> None:
+async def _recover(
+    host: SessionHost,
+    tools: Mapping[str, Tool[Any]],
+    life: Life,
+    keep_requests: bool,
+    subagent_of: Callable[[str, str], _Agent] | None,
+) -> None:
     """Apply the journal's recovery plan on every stream and re-run what it allows, live."""
     journal = host.journal
     for agent_id in list(journal.agents):
@@ -159,16 +168,26 @@ async def _recover(host: SessionHost, tools: Mapping[str, Tool[Any]], life: Life
         stale = [
             record for record in journal.projection(agent_id)._s.subagents.values() if record.state.value == "running"
         ]
-        for scheduled in report.to_execute:
-            origin = CallOrigin(host.session_id, agent_id, scheduled.request_id, scheduled.turn_id)
-            record = await host.pipeline.execute(
-                ToolCall(scheduled.call_id, scheduled.tool_name, dict(scheduled.model_input)),
-                origin,
-                idempotency_key=scheduled.idempotency_key,
-            )
-            life.notes.append(
-                f"re-ran {scheduled.tool_name} call {scheduled.call_id}: {'ok' if record.result.ok else 'error'}"
-            )
+        # A subagent's calls are re-run under its own allowlist, as its live calls were: the
+        # permission stage checks an agent the session knows (one it does not know has no filter).
+        stand_in = agent_id not in host.agents and report.to_execute and subagent_of is not None
+        if stand_in:
+            assert subagent_of is not None
+            host.agents[agent_id] = subagent_of(agent_id, host.root.agent_id)
+        try:
+            for scheduled in report.to_execute:
+                origin = CallOrigin(host.session_id, agent_id, scheduled.request_id, scheduled.turn_id)
+                record = await host.pipeline.execute(
+                    ToolCall(scheduled.call_id, scheduled.tool_name, dict(scheduled.model_input)),
+                    origin,
+                    idempotency_key=scheduled.idempotency_key,
+                )
+                life.notes.append(
+                    f"re-ran {scheduled.tool_name} call {scheduled.call_id}: {'ok' if record.result.ok else 'error'}"
+                )
+        finally:
+            if stand_in:
+                host.agents.pop(agent_id, None)  # it makes no more calls
         for call_id in report.outcome_unknown:
             call = journal.call(call_id, agent_id)
             name = call.scheduled.tool_name if call is not None else "?"

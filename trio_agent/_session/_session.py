@@ -481,7 +481,9 @@ class Session:
     ) -> None:
         """Begin this life of the session (`begin_life`), then the SessionStart hooks."""
         host = self._host
-        life = await begin_life(host, tools, history, keep_requests=keep_requests)
+        life = await begin_life(
+            host, tools, history, keep_requests=keep_requests, subagent_of=self._supervisor.recovered_agent
+        )
         if life is not None:
             self.life, self.recovery = life.number, life.recovery
             self.recovery_notes.extend(life.notes)

@@ -273,15 +273,37 @@ class SubagentSupervisor:
 
     def _make_agent(self, definition: SubagentDefinition, parent_id: str) -> _Agent:
         root = self.host.root
-        allowed = root.allowed if definition.tools is None else root.allowed & frozenset(definition.tools)
         return _Agent(
             agent_id=f"{definition.name}-{next_agent_number()}",
             name=definition.name,
             system_prompt=definition.system_prompt,
-            allowed=allowed - TASK_TOOL_NAMES,
+            allowed=self._allowed(definition),
             max_turns=definition.max_turns or root.max_turns,
             parent_id=parent_id,
             model=definition.model,
+        )
+
+    def _allowed(self, definition: SubagentDefinition) -> frozenset[str]:
+        """The tools a subagent of *definition* may use: its allowlist within the session's."""
+        root = self.host.root
+        allowed = root.allowed if definition.tools is None else root.allowed & frozenset(definition.tools)
+        return allowed - TASK_TOOL_NAMES
+
+    def recovered_agent(self, agent_id: str, parent_id: str) -> _Agent:
+        """The subagent of an earlier life whose stream is *agent_id*, as far as recovery needs it:
+        the allowlist its calls are re-run under. Its definition is the one its id names
+        (``<name>-<n>``, as `_make_agent` makes it); an id naming no definition of this session
+        may use no tool."""
+        name, _, number = agent_id.rpartition("-")
+        definition = self.definitions.get(name) if number.isdigit() else None
+        root = self.host.root
+        return _Agent(
+            agent_id=agent_id,
+            name=name or agent_id,
+            system_prompt="" if definition is None else definition.system_prompt,
+            allowed=frozenset() if definition is None else self._allowed(definition),
+            max_turns=root.max_turns,
+            parent_id=parent_id,
         )
 
     def _routed(
