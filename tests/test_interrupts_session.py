@@ -261,6 +261,26 @@ async def test_a_handler_session_never_pauses_and_a_bad_option_is_refused() -> N
     assert not isinstance(text, PausedReply) and ran == [] and "denied" in text.lower()
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"allowed_tools": ["write"]}, id="not-in-allowed"),
+        pytest.param({"allowed_tools": []}, id="allowed-empty"),
+        pytest.param({"disallowed_tools": ["confirm"]}, id="disallowed"),
+    ],
+)
+async def test_the_tool_filter_applies_to_client_tools(options: dict[str, Any]) -> None:
+    """A client tool the allowed/disallowed lists leave out is neither offered nor called: its call
+    is refused like any other tool's, so the request does not pause."""
+    ran: list[dict[str, Any]] = []
+    model = echo_model(("confirm", {}))
+    async with session_of(model, ran, tools=[make_write(ran), CONFIRM], **options) as session:
+        reply = await session.send("confirm")
+    assert "confirm" not in {tool.name for tool in model.requests[0].tools}
+    assert not isinstance(reply, PausedReply)
+    assert "Error: unknown tool 'confirm'" in reply
+
+
 async def test_an_in_memory_session_pauses_and_resumes_too() -> None:
     ran: list[dict[str, Any]] = []
     async with session_of(echo_model(("write", {"path": "a", "text": "x"})), ran, journal=MemoryStore()) as session:

@@ -32,6 +32,7 @@ from trio_agent import (
     ToolResult,
     ToolResultEvent,
     ToolUseEvent,
+    define_agent,
     define_tool,
     open_session,
 )
@@ -347,6 +348,30 @@ async def test_allowed_and_disallowed_lists(
             assert (event.result.error is None) == (event.tool_name in expected)
             if event.tool_name not in expected:
                 assert "not available" in event.result.error.message  # type: ignore[union-attr]
+
+
+async def test_allowed_and_disallowed_tools_may_be_iterators_read_once() -> None:
+    """A generator is used up by one pass: the check and the filter read the same names, so a
+    disallowed tool is never offered or run (it once stayed allowed: fail open)."""
+    log: list[Any] = []
+    model = TestModel({"go": [calls_all("read", "write", "run"), Reply(text="ok")]})
+    async with open_session(
+        provider=model,
+        tools=three_tools(log),
+        allowed_tools=iter(["read", "write"]),
+        disallowed_tools=(name for name in ["write"]),
+        permission_mode="bypass",
+    ) as session:
+        await run_request(session, "go")
+    assert {spec.name for spec in model.requests[0].tools} == {"read"}
+    assert ran_names(log) == {"read"}
+
+
+@pytest.mark.parametrize("option", ["allowed_tools", "disallowed_tools"])
+@pytest.mark.parametrize("value", [5, "read", {"read": 1}, [1]])
+def test_a_tool_list_that_is_not_a_list_of_names_is_a_config_error(option: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=f"{option} must be a list of tool names"):
+        define_agent(provider=TestModel(default=Reply(text="x")), **{option: value})
 
 
 # ======================================================================== path policy

@@ -38,6 +38,7 @@ __all__ = [
     "TrustLevel",
     "define_plugin",
     "resolve_plugins",
+    "tool_names",
 ]
 
 PLUGIN_NAME_PATTERN = r"[a-z0-9](?:[a-z0-9._-]{0,62}[a-z0-9])?"
@@ -60,6 +61,21 @@ class TrustLevel(enum.Enum):
     TRUSTED = "trusted"  # built-in tools and the session's own tools
     WORKSPACE = "workspace"  # plugin tools
     REMOTE = "remote"  # tools from remote servers (e.g. MCP)
+
+
+def tool_names(value: object, what: str) -> tuple[str, ...] | None:
+    """A list of tool names (``allowed_tools``, ``disallowed_tools``), read exactly once: a generator
+    is used up by one pass, so the check and the filter must share this tuple (else a disallowed
+    tool would stay allowed). ``None`` stays ``None`` (no filter)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ConfigError(f"{what} must be a list of tool names, not {value!r}")
+    names = tuple(value)
+    for name in names:
+        if not isinstance(name, str):
+            raise ConfigError(f"{what} must be a list of tool names, not {value!r} (it holds {name!r})")
+    return names
 
 
 def _layers(value: object, what: str) -> tuple[Any, ...]:
@@ -199,19 +215,18 @@ class ResolvedPlugins:
     def select(
         self,
         *,
-        allowed: Sequence[str] | None = None,
-        disallowed: Sequence[str] = (),
+        allowed: Iterable[str] | None = None,
+        disallowed: Iterable[str] | None = (),
     ) -> tuple[RegisteredTool, ...]:
         """The tools that pass the session's filters, whatever their source.
 
         ``allowed=None`` keeps every name and an empty list none; ``disallowed``
-        applies after it. Plugin tools get no exemption.
+        applies after it. Plugin tools get no exemption. Each list is read once
+        (a generator works); anything but a list of names is a `ConfigError`.
         """
-        for label, names in (("allowed", allowed), ("disallowed", disallowed)):
-            if isinstance(names, str):
-                raise ConfigError(f"{label} tools must be a list of names, not the string {names!r}")
-        allowed_set = None if allowed is None else set(allowed)
-        disallowed_set = set(disallowed)
+        allowed_names = tool_names(allowed, "allowed tools")
+        allowed_set = None if allowed_names is None else set(allowed_names)
+        disallowed_set = set(tool_names(disallowed, "disallowed tools") or ())
         return tuple(
             entry
             for entry in self.tools

@@ -20,7 +20,7 @@ Rules
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -39,7 +39,7 @@ from .._tools._definition import Tool
 from .._tools._scheduler import SchedulerLimits
 from ._hooks import HookCallback, HookEvent
 from ._host import SESSION_HOOKS
-from ._plugins import MiddlewareConfig, Plugin
+from ._plugins import MiddlewareConfig, Plugin, tool_names
 from ._subagents import RoutedSubagentPersistence, SubagentDefinition, routed_persistence_of
 from ._task_tools import TaskTools
 from ._wiring import AgentParts, build_agent_parts
@@ -127,8 +127,8 @@ def define_agent(
     middleware: MiddlewareConfig | None = None,
     lifecycle: Sequence[ChatMiddleware] = (),
     hooks: Mapping[HookEvent, Sequence[HookCallback]] | None = None,
-    allowed_tools: Sequence[str] | None = None,
-    disallowed_tools: Sequence[str] | None = None,
+    allowed_tools: Iterable[str] | None = None,
+    disallowed_tools: Iterable[str] | None = None,
     permissions: PermissionRules | Mapping[str, Sequence[str]] | None = None,
     permission_mode: PermissionMode | str = PermissionMode.DEFAULT,
     permission_handler: PermissionHandler | None = None,
@@ -182,6 +182,9 @@ def define_agent(
     if permission_asks not in ("handler", "interrupt"):
         raise ConfigError(f"permission_asks must be 'handler' or 'interrupt', not {permission_asks!r}")
     tools, client_tools = split_client_tools(tools)
+    # Each read once, here: the same names filter the tools and the client tools.
+    allowed_tools = tool_names(allowed_tools, "allowed_tools")
+    disallowed_tools = tool_names(disallowed_tools, "disallowed_tools")
     registered = registered_interrupts(interrupts, list(lifecycle) if isinstance(lifecycle, (list, tuple)) else [])
     definitions = _definitions(subagents)
     # The session's own hooks first: a Stop hook's "one more turn" is asked before any veto.
@@ -206,6 +209,12 @@ def define_agent(
     )
     if client_tools:
         _check_client_tool_names(client_tools, parts.tools, task_tools, plugins)
+        # The same filter as every other tool's: one the filter leaves out is neither offered nor run.
+        client_tools = {
+            name: tool
+            for name, tool in client_tools.items()
+            if (allowed_tools is None or name in allowed_tools) and name not in (disallowed_tools or ())
+        }
     return AgentSpec(
         provider=provider,
         model=model,

@@ -32,7 +32,7 @@ updates and journal, and the agents' allowlists.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -67,7 +67,7 @@ from .._tools._definition import Tool
 from .._tools._pipeline import ToolLayers
 from .._tools._stages import StageDecision, ToolStages
 from ._hooks import HookAction, HookEvent, HookInput, HookRegistry, HookRunner, post_tool_stage, pre_tool_stage
-from ._plugins import MiddlewareConfig, MiddlewareConfigError, Plugin, resolve_plugins
+from ._plugins import MiddlewareConfig, MiddlewareConfigError, Plugin, resolve_plugins, tool_names
 from ._requests import _Agent
 
 __all__ = ["AgentFilters", "AgentParts", "build_agent_parts", "session_stages"]
@@ -159,8 +159,8 @@ def build_agent_parts(
     plugins: Sequence[Plugin],
     middleware: MiddlewareConfig | None,
     hooks: Mapping[Any, Sequence[Any]] | None,
-    allowed_tools: Sequence[str] | None,
-    disallowed_tools: Sequence[str] | None,
+    allowed_tools: Iterable[str] | None,
+    disallowed_tools: Iterable[str] | None,
     permissions: Any,
     permission_mode: PermissionMode | str,
     permission_handler: PermissionHandler | None,
@@ -176,10 +176,9 @@ def build_agent_parts(
     session_hooks = None if hooks is None else HookRegistry(hooks, source="session")
     resolved = resolve_plugins(middleware, plugins, builtin_tools, tools, session_hooks=session_hooks)
     _check_streaming(middleware, resolved.plugins)
-    for label, names in (("allowed_tools", allowed_tools), ("disallowed_tools", disallowed_tools)):
-        if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):
-            raise ConfigError(f"{label} must be a list of tool names, not {names!r}")
-    selected = resolved.select(allowed=allowed_tools, disallowed=tuple(disallowed_tools or ()))
+    selected = resolved.select(
+        allowed=tool_names(allowed_tools, "allowed_tools"), disallowed=tool_names(disallowed_tools, "disallowed_tools")
+    )
     registry = {entry.name: entry.tool for entry in resolved.tools}
     rules = rules_from(permissions)
     _check_content_rules(rules, registry)
