@@ -724,8 +724,21 @@ async def test_pre_tool_use_context_lands_in_the_result_metadata() -> None:
     record = await call_tool(pipeline_with(runner, echo_tool(runs), journal), "echo", {"q": "hi"}, call_id="c1")
     assert record.result.ok
     assert record.result.metadata[HOOK_CONTEXT_KEY] == ("pre-ctx", "post-ctx")
+    assert record.result.output == "echo:hi\npre-ctx\npost-ctx"  # the model reads it, in order
+    assert journal.entries[-1].data["result"].output == record.result.output
     assert record.result.metadata["m"] == 1
     assert len(runner._pending_context) == 0
+
+
+async def test_hook_context_follows_a_json_output_as_the_model_reads_it() -> None:
+    async def structured(inp: dict[str, Any], ctx: Any) -> ToolResult:
+        return ToolResult.success({"rows": [1, 2]}, data={"rows": [1, 2]})
+
+    tool = define_tool(structured, name="rows", description="rows", input_schema=SCHEMA, side_effect="pure")
+    runner = runner_for(HookEvent.PRE_TOOL_USE, named("pre", HookOutput.context("cached")))
+    record = await call_tool(pipeline_with(runner, tool, InMemoryToolJournal()), "rows", {"q": "x"})
+    assert record.result.output == '{"rows": [1, 2]}\ncached'
+    assert record.result.data == {"rows": [1, 2]}  # for programs: unchanged
 
 
 async def test_pre_tool_use_context_without_post_hooks_still_reaches_the_result() -> None:
@@ -733,7 +746,7 @@ async def test_pre_tool_use_context_without_post_hooks_still_reaches_the_result(
     runner = runner_for(HookEvent.PRE_TOOL_USE, named("pre", HookOutput.context("only-pre")))
     record = await call_tool(pipeline_with(runner, echo_tool(runs), journal), "echo", {"q": "hi"})
     assert record.result.metadata[HOOK_CONTEXT_KEY] == ("only-pre",)
-    assert record.result.output == "echo:hi"
+    assert record.result.output == "echo:hi\nonly-pre"  # text for the model, after the output
 
 
 async def test_stages_without_hooks_change_nothing() -> None:
@@ -823,7 +836,7 @@ async def test_post_tool_use_failure_keeps_the_error_and_may_rewrite_its_text() 
     record = await call_tool(
         pipeline_with(HookRunner(registry), echo_tool(runs, fail="raise"), journal), "echo", {"q": "x"}, call_id="c1"
     )
-    assert record.result.output == "Error: try a shorter query"
+    assert record.result.output == "Error: try a shorter query\nhint"
     assert record.result.error is not None
     assert (record.result.error.type, record.result.error.code) == (ToolErrorType.EXECUTION, "tool_code")
     assert record.result.metadata[HOOK_CONTEXT_KEY] == ("hint",)

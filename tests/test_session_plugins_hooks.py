@@ -646,9 +646,34 @@ async def test_post_tool_use_modified_output_reaches_the_model() -> None:
         seen, _ = await run_request(s, "go")
     assert seen_results == [("echo", {"x": "secret"}, "echo:secret")]
     [message] = tool_results(model.requests[1])
-    assert message.content == "[redacted]" and not message.is_error
+    assert message.content == "[redacted]\nredaction applied" and not message.is_error
     [result_event] = [e for e in seen if isinstance(e, ToolResultEvent)]
     assert result_event.result.metadata["hook_context"] == ("redaction applied",)
+
+
+@pytest.mark.parametrize("post_hook", [False, True], ids=["pre-only", "with-post-hook"])
+async def test_pre_tool_use_context_reaches_the_model_with_or_without_post_hooks(post_hook: bool) -> None:
+    """A PreToolUse hook's context is text for the model: it follows the call's output in the
+    tool result the model reads (and sits in the result's metadata), whether or not a
+    PostToolUse hook is registered (it once needed one, or it was dropped)."""
+
+    async def note(inp: HookInput) -> HookOutput:
+        return HookOutput.context("NOTE: from cache")
+
+    hooks: dict[HookEvent, list[Any]] = {HookEvent.PRE_TOOL_USE: [note]}
+    if post_hook:
+        hooks[HookEvent.POST_TOOL_USE] = [no_op_hook]
+    model = TestModel({"go": [Reply(tool_calls=[("echo", {"x": "1"})]), Reply(text="ok")]})
+    async with open_session(provider=model, tools=[make_tool("echo")], hooks=hooks) as session:
+        seen, _ = await run_request(session, "go")
+    [message] = tool_results(model.requests[1])
+    assert message.content == "echo:1\nNOTE: from cache" and not message.is_error
+    [result_event] = [e for e in seen if isinstance(e, ToolResultEvent)]
+    assert result_event.result.metadata["hook_context"] == ("NOTE: from cache",)
+
+
+async def no_op_hook(inp: HookInput) -> None:
+    return None
 
 
 async def test_post_tool_use_failure_sees_the_error_and_may_rewrite_its_output() -> None:

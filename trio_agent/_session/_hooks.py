@@ -43,6 +43,7 @@ from .._errors import (
     LeaseLostError,
 )
 from .._groups import contains_cancelled, typed_error
+from .._loop._rules import model_text
 from .._tools._context import ExecutionContext
 from .._tools._results import JsonObject, ToolError, ToolErrorType, ToolResult, json_copy
 from .._tools._stages import Allow, Deny, PostStage, Stage, StageRequest
@@ -845,7 +846,7 @@ def pre_tool_stage(runner: HookRunner) -> Stage:
     """A ``pre_tool`` stage running the PreToolUse hooks. It fails closed.
 
     * continue: ``Allow(input=...)`` with the merged modifications, or ``None`` if none;
-      additional context is attached to the call's result by `post_tool_stage`.
+      additional context is added to the call's result (the model's text) by `post_tool_stage`.
     * skip: ``Deny`` (``permission_denied``, code ``hook_skip``): the tool does not run
       and the call settles ``cancelled`` straight from ``scheduled`` (no ``tool_started``).
     * abort: ``Deny`` (``execution``, code ``hook_abort``): settles ``failed`` from ``scheduled``.
@@ -884,13 +885,17 @@ def pre_tool_stage(runner: HookRunner) -> Stage:
 
 
 def _add_context(result: ToolResult, texts: tuple[str, ...], **metadata: Any) -> ToolResult:
+    """*result* with the tool hooks' context: for the model, after its output (the text it reads:
+    `model_text`, so a non-string output is encoded as JSON first), and in
+    ``metadata["hook_context"]`` for code. Journalled with the result, so a rebuilt history agrees."""
     if not texts and not metadata:
         return result
     merged = dict(result.metadata)
     merged.update(metadata)
-    if texts:
-        merged[HOOK_CONTEXT_KEY] = tuple(merged.get(HOOK_CONTEXT_KEY, ())) + texts
-    return attrs.evolve(result, metadata=merged)
+    if not texts:
+        return attrs.evolve(result, metadata=merged)
+    merged[HOOK_CONTEXT_KEY] = tuple(merged.get(HOOK_CONTEXT_KEY, ())) + texts
+    return attrs.evolve(result, output=_with_context(model_text(result), texts), metadata=merged)
 
 
 def post_tool_stage(runner: HookRunner) -> PostStage:
@@ -906,8 +911,9 @@ def post_tool_stage(runner: HookRunner) -> PostStage:
     folding; a failing hook keeps the original error (logged, and noted in
     ``metadata["hook_error"]``).
 
-    Additional context of PreToolUse and these hooks goes to
-    ``result.metadata["hook_context"]``.
+    Additional context of PreToolUse and these hooks is appended to the output the model
+    reads, and kept in ``result.metadata["hook_context"]``. Install it whenever PreToolUse
+    hooks exist, or their context never reaches the result.
     """
     if not isinstance(runner, HookRunner):
         raise ConfigError(f"post_tool_stage needs a HookRunner, got {runner!r}")

@@ -8,7 +8,8 @@ Per spec (`build_agent_parts`, shared by every session of the spec):
 * One model and one tool middleware stack: session middleware outermost, then
   plugins in order. Shared by the root agent and every subagent.
 * One `HookRunner` (session hooks before plugin hooks) and its PreToolUse and
-  PostToolUse pipeline stages.
+  PostToolUse pipeline stages (the post stage also when only PreToolUse hooks exist: it
+  carries their context to the result).
 
 Per session (`AgentParts.session_engine`, `session_stages`): the session's own rule
 updates and journal, and the agents' allowlists.
@@ -193,9 +194,8 @@ def build_agent_parts(
         hooks=runner,
         hook_stages=ToolStages(
             pre_tool=[pre_tool_stage(runner)] if runner.has_hooks(HookEvent.PRE_TOOL_USE) else [],
-            post_tool=[post_tool_stage(runner)]
-            if runner.has_hooks(HookEvent.POST_TOOL_USE) or runner.has_hooks(HookEvent.POST_TOOL_USE_FAILURE)
-            else [],
+            # PreToolUse context reaches the result through the post stage: needed with either kind.
+            post_tool=[post_tool_stage(runner)] if any(runner.has_hooks(event) for event in _TOOL_HOOK_EVENTS) else [],
         ),
         rules=rules,
         permission_mode=permission_mode,
@@ -214,6 +214,7 @@ def build_agent_parts(
 
 
 _NO_FILTER = ToolFilter(allowed=None)
+_TOOL_HOOK_EVENTS = (HookEvent.PRE_TOOL_USE, HookEvent.POST_TOOL_USE, HookEvent.POST_TOOL_USE_FAILURE)
 
 
 def _no_filter(agent_id: str) -> ToolFilter:
