@@ -227,7 +227,16 @@ async def test_a_clean_close_logs_nothing(
     assert overruns(caplog) == []
 
 
-@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "10", True])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        *(0, -1, float("nan"), float("inf"), "10", True),
+        # ints too large for a float (OverflowError) or to print (ValueError): still a ConfigError
+        pytest.param(10**400, id="huge-int"),
+        pytest.param(-(10**400), id="huge-negative-int"),
+        pytest.param(10**5000, id="unprintable-int"),
+    ],
+)
 def test_cleanup_grace_is_validated(bad: Any) -> None:
     with pytest.raises(ConfigError, match="cleanup_grace"):
         ModelService(Provider(), cleanup_grace=bad)

@@ -733,6 +733,12 @@ def test_non_callable_middleware_rejected_naming_index(bad):
     assert "#2" in str(info.value)
 
 
+@pytest.mark.parametrize("bad", [5, None, object()])
+def test_a_middleware_list_that_is_not_iterable_is_a_shape_error(bad):
+    with pytest.raises(MiddlewareShapeError, match="middleware must be a list"):
+        compose_middleware(bad, lambda r: r)
+
+
 def test_non_callable_middleware_at_index_zero():
     with pytest.raises(MiddlewareShapeError, match="#0"):
         compose_middleware([None], lambda r: r)

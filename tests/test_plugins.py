@@ -337,6 +337,10 @@ def test_plugin_tools_pass_the_same_filters_as_every_tool() -> None:
     assert names(allowed=["review", "lint"], disallowed=["review"]) == ["lint"]
     with pytest.raises(ConfigError):
         resolved.select(allowed="review")
+    assert names(allowed=iter(["Read", "lint"]), disallowed=(n for n in ["lint"])) == ["Read"]  # read once
+    for bad in ({"allowed": 5}, {"disallowed": 5}, {"allowed": [None]}, {"disallowed": {"lint": 1}}):
+        with pytest.raises(ConfigError, match="must be a list of tool names"):
+            resolved.select(**bad)
 
 
 def test_plugins_md_documents_select_as_it_is() -> None:

@@ -12,6 +12,7 @@ import trio.testing
 from trio_agent import (
     AgentSpec,
     ConfigError,
+    HookEvent,
     RateLimitError,
     SubagentDefinition,
     ToolContext,
@@ -181,6 +182,14 @@ class BadStore(ChatMiddleware):
         pytest.param({"subagents": [SubagentDefinition("a", "x", "y")] * 2}, ConfigError, id="subagents"),
         pytest.param({"tools": [echo_tool(), echo_tool()]}, ConfigError, id="duplicate-tools"),
         pytest.param({"model_request_timeout": -1}, ConfigError, id="timeout"),
+        # An int too large for a float (OverflowError) or to print (ValueError) is still a ConfigError.
+        pytest.param({"tool_timeout": 10**400}, ConfigError, id="timeout-huge-int"),
+        pytest.param({"model_request_timeout": 10**5000}, ConfigError, id="timeout-unprintable-int"),
+        pytest.param({"hook_deadlines": {HookEvent.PRE_TOOL_USE: 10**400}}, ConfigError, id="hook-deadline-huge"),
+        pytest.param({"workspace_roots": 5}, ConfigError, id="workspace_roots-not-a-list"),
+        pytest.param({"workspace_roots": {"/tmp": 1}}, ConfigError, id="workspace_roots-mapping"),
+        pytest.param({"allowed_tools": 5}, ConfigError, id="allowed_tools-not-a-list"),
+        pytest.param({"max_turns": -(10**5000)}, ConfigError, id="max_turns-unprintable-int"),
     ],
 )
 def test_bad_agent_options_raise_typed_errors(options: dict[str, Any], error: type[Exception]) -> None:

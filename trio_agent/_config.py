@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from ._errors import ConfigError
 
 __all__ = ["validate_id", "validate_limit", "validate_timeout"]
@@ -17,16 +15,26 @@ def validate_timeout(value: object, *, name: str) -> float:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
-    seconds = float(value)
-    if math.isnan(seconds) or seconds <= 0 or seconds > MAX_TIMEOUT:
-        raise ConfigError(f"{name} must be > 0 and <= {MAX_TIMEOUT:g} seconds, got {value!r}")
-    return seconds
+    # Compared as given, before float(): an int too large for a float would raise OverflowError
+    # there; Python compares ints and floats exactly (and NaN fails the comparison).
+    if not 0 < value <= MAX_TIMEOUT:
+        raise ConfigError(f"{name} must be > 0 and <= {MAX_TIMEOUT:g} seconds, got {_short(value)}")
+    return float(value)
+
+
+def _short(value: object) -> str:
+    """*value*'s repr, cut short: a huge int's repr is thousands of digits (and past 4300 raises)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        return "an int too large to print"
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
 
 
 def validate_limit(value: object, *, name: str) -> int:
     """A positive whole number."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+        raise ConfigError(f"{name} must be a whole number >= 1, got {_short(value)}")
     return value
 
 

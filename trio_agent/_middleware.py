@@ -181,7 +181,10 @@ def compose_middleware(
     not affect the composed chain. ``validate=False`` skips the shape check, for
     callers that already checked the layers once.
     """
-    layers = tuple(middleware)
+    try:
+        layers = tuple(middleware)
+    except TypeError:  # not iterable: a shape error like any other (api.md)
+        raise MiddlewareShapeError(f"middleware must be a list of middleware, got {middleware!r:.200}") from None
     if validate:
         for index, layer in enumerate(layers):
             check_middleware_shape(layer, what="middleware", index=index)

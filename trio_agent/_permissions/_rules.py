@@ -521,7 +521,13 @@ class ToolFilter:
 
 
 def _roots(value: Iterable[str | os.PathLike[str]] | str | os.PathLike[str]) -> tuple[str, ...]:
-    items: Iterable[object] = [value] if isinstance(value, (str, bytes, os.PathLike)) else value
+    items: Iterable[object]
+    if isinstance(value, (str, bytes, os.PathLike)):
+        items = [value]
+    elif isinstance(value, Iterable) and not isinstance(value, Mapping):
+        items = value
+    else:
+        raise ConfigError(f"workspace roots must be a path or a list of paths, got {value!r:.200}")
     roots: list[str] = []
     for root in items:
         if not isinstance(root, (str, os.PathLike)):

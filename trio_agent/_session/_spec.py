@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import attrs
 
-from .._config import validate_timeout
+from .._config import validate_limit, validate_timeout
 from .._errors import ConfigError
 from .._lifecycle._interrupts import registered_interrupts, split_client_tools
 from .._lifecycle._middleware import ChatMiddleware, middleware_lifecycle
@@ -165,8 +165,7 @@ def define_agent(
         ConfigError: a bad option (duplicate tools or plugins, bad rules, a bad limit).
         MiddlewareShapeError: ``lifecycle`` is not a list of `ChatMiddleware`.
     """
-    if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
-        raise ConfigError(f"max_turns must be a positive int, not {max_turns!r}")
+    max_turns = validate_limit(max_turns, name="max_turns")
     if not isinstance(provider, str) and not hasattr(provider, "with_model"):
         raise ConfigError(f"provider must be a Provider or a provider name, not {provider!r}")
     if isinstance(provider, str) and model is None:
