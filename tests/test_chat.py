@@ -38,6 +38,7 @@ from trio_agent.journal import (
 )
 from trio_agent.lifecycle import MiddlewareDecisionError
 from trio_agent.models import ToolResultMessage, Usage, UserMessage
+from trio_agent.plugins import MiddlewareConfigError
 from trio_agent.testing import Reply, TestModel
 
 OBJECT: dict[str, Any] = {"type": "object"}
@@ -118,6 +119,29 @@ async def test_structured_output_is_validated_against_the_schema() -> None:
         with pytest.raises(StructuredOutputError) as caught:
             await run.result()
     assert caught.value.issues and "sum" in caught.value.issues[0]
+
+
+class ChatOnly:
+    """Model middleware with only ``wrap_chat``: a chat() run streams its turns, so it runs only for
+    output_schema's structured-output call."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def wrap_chat(self, request: Any, call_next: Any) -> Any:
+        self.calls += 1
+        return await call_next(request)
+
+
+async def test_model_middleware_that_would_never_run_is_refused_before_the_run() -> None:
+    model = TestModel(respond=lambda request: Reply(text="3" if "output_schema" in request.options else "three"))
+    with pytest.raises(MiddlewareConfigError, match=r"chat\(\) model middleware #0 \(ChatOnly\).*not wrap_stream"):
+        await chat(model, "sum?", model_middleware=[ChatOnly()])
+    assert model.requests == []  # refused before any model call
+    # With output_schema its wrap_chat runs for the structured-output call: accepted, and it runs.
+    layer = ChatOnly()
+    result = await chat(model, "sum?", model_middleware=[layer], output_schema={"type": "integer"})
+    assert (result.structured_output, layer.calls) == (3, 1)
 
 
 class StructuredLog(ChatMiddleware):

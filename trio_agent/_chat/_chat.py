@@ -92,6 +92,7 @@ from .._models._service import ModelMiddleware, ModelService, Provider
 from .._permissions._engine import PermissionEngine
 from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules, rules_from
 from .._session._endings import record_request_end
+from .._session._plugins import check_model_middleware_runs
 from .._tools._definition import Tool
 from .._tools._journal import InMemoryToolJournal
 from .._tools._pipeline import ToolMiddleware, ToolPipeline
@@ -277,7 +278,9 @@ def _offered(tool: Tool[Any]) -> ToolSpec:
     return spec
 
 
-def _provider_service(agent_or_model: object, model_middleware: Sequence[ModelMiddleware]) -> ModelService:
+def _provider_service(
+    agent_or_model: object, model_middleware: Sequence[ModelMiddleware], *, structured: bool
+) -> ModelService:
     if isinstance(agent_or_model, ModelService):
         if model_middleware:
             raise ConfigError("model_middleware= is for a provider; a ModelService already has its middleware")
@@ -285,7 +288,18 @@ def _provider_service(agent_or_model: object, model_middleware: Sequence[ModelMi
     provider: Provider = agent_or_model  # type: ignore[assignment]
     if not (hasattr(provider, "stream") and hasattr(provider, "chat") and hasattr(provider, "model")):
         raise ConfigError(f"chat() needs a model provider (or a ModelService), got {agent_or_model!r}")
-    return ModelService(provider, model_middleware)
+    service = ModelService(provider, model_middleware)  # checks the layers' shapes first
+    if model_middleware:
+        # The run streams every model turn; only output_schema's structured-output call is a chat call.
+        check_model_middleware_runs(
+            "chat()",
+            model_middleware,
+            runs=("wrap_stream", "wrap_chat") if structured else ("wrap_stream",),
+            why="chat() streams every model turn (only the structured-output call of output_schema= uses "
+            "wrap_chat), so it would never run; define wrap_stream (an async generator that iterates "
+            "next(request))",
+        )
+    return service
 
 
 def _permission_engine(
@@ -430,7 +444,9 @@ class _Prepared:
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         cleanup_grace = validate_cleanup_grace(options["cleanup_grace"])
-        service = _provider_service(options["agent_or_model"], options["model_middleware"])
+        service = _provider_service(
+            options["agent_or_model"], options["model_middleware"], structured=options["output_schema"] is not None
+        )
         resume, messages, answers = options["resume"], options["messages"], options["answers"]
         resumed: Resume | None = None
         if resume is not None:

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 from .._errors import ConfigError, MiddlewareShapeError
-from .._models._service import ModelLayers
+from .._models._service import _WRAPPERS, ModelLayers, _defines
 from .._tools._definition import Tool
 from .._tools._pipeline import ToolLayers, ToolMiddleware
 from ._hooks import HookCallback, HookEvent, HookRegistry
@@ -36,6 +36,7 @@ __all__ = [
     "RegisteredTool",
     "ResolvedPlugins",
     "TrustLevel",
+    "check_model_middleware_runs",
     "define_plugin",
     "resolve_plugins",
     "tool_names",
@@ -53,6 +54,19 @@ class MiddlewareConfigError(ConfigError, MiddlewareShapeError):
     Both a `ConfigError` (it is caught at registration) and a `MiddlewareShapeError`
     (what `ToolPipeline` and `ModelService` raise for the same mistake).
     """
+
+
+def check_model_middleware_runs(owner: str, layers: Iterable[object], *, runs: Sequence[str], why: str) -> None:
+    """`MiddlewareConfigError` for model middleware that defines none of the wrappers *runs* (those
+    of the calls its caller makes): it would silently never run. *why* says so to the user."""
+    for index, layer in enumerate(layers):
+        if any(_defines(layer, name) for name in runs):
+            continue
+        defined = ", ".join(name for name in _WRAPPERS.values() if _defines(layer, name))
+        raise MiddlewareConfigError(
+            f"{owner} model middleware #{index} ({type(layer).__name__}) defines {defined} but not "
+            f"{' or '.join(runs)}: {why}"
+        )
 
 
 class TrustLevel(enum.Enum):

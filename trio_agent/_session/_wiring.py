@@ -42,7 +42,7 @@ from .._errors import ConfigError
 from .._journal._durable import DurableJournal
 from .._journal._events import PermissionRequested, PermissionResolved
 from .._models._messages import ToolSpec
-from .._models._service import _WRAPPERS, ModelLayers, _defines
+from .._models._service import ModelLayers
 from .._permissions._engine import (
     PermissionEngine,
     PermissionHandler,
@@ -68,7 +68,7 @@ from .._tools._definition import Tool
 from .._tools._pipeline import ToolLayers
 from .._tools._stages import StageDecision, ToolStages
 from ._hooks import HookAction, HookEvent, HookInput, HookRegistry, HookRunner, post_tool_stage, pre_tool_stage
-from ._plugins import MiddlewareConfig, MiddlewareConfigError, Plugin, resolve_plugins, tool_names
+from ._plugins import MiddlewareConfig, Plugin, check_model_middleware_runs, resolve_plugins, tool_names
 from ._requests import _Agent
 
 __all__ = ["AgentFilters", "AgentParts", "build_agent_parts", "session_stages"]
@@ -126,15 +126,13 @@ def _check_streaming(middleware: MiddlewareConfig | None, plugins: Sequence[Plug
     owners: list[tuple[str, tuple[object, ...]]] = [("session", () if middleware is None else middleware.model)]
     owners.extend((f"plugin {plugin.name!r}", plugin.middleware.model) for plugin in plugins)
     for owner, layers in owners:
-        for index, layer in enumerate(layers):
-            if _defines(layer, "wrap_stream"):
-                continue
-            defined = ", ".join(name for name in _WRAPPERS.values() if _defines(layer, name))
-            raise MiddlewareConfigError(
-                f"{owner} model middleware #{index} ({type(layer).__name__}) defines {defined} but not "
-                "wrap_stream: a session streams every model turn, so it would never run; define wrap_stream "
-                "(an async generator that iterates next(request))"
-            )
+        check_model_middleware_runs(
+            owner,
+            layers,
+            runs=("wrap_stream",),
+            why="a session streams every model turn, so it would never run; define wrap_stream "
+            "(an async generator that iterates next(request))",
+        )
 
 
 def _check_content_rules(rules: PermissionRules | None, tools: Mapping[str, Tool[Any]]) -> None:
