@@ -190,6 +190,10 @@ class BadStore(ChatMiddleware):
         pytest.param({"workspace_roots": {"/tmp": 1}}, ConfigError, id="workspace_roots-mapping"),
         pytest.param({"allowed_tools": 5}, ConfigError, id="allowed_tools-not-a-list"),
         pytest.param({"max_turns": -(10**5000)}, ConfigError, id="max_turns-unprintable-int"),
+        pytest.param({"model": 5}, ConfigError, id="model-not-a-string"),
+        pytest.param({"model": ["gpt"]}, ConfigError, id="model-a-list"),
+        pytest.param({"model": ""}, ConfigError, id="model-empty"),
+        pytest.param({"permission_handler": 5}, ConfigError, id="permission_handler-not-callable"),
     ],
 )
 def test_bad_agent_options_raise_typed_errors(options: dict[str, Any], error: type[Exception]) -> None:

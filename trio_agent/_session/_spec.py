@@ -168,8 +168,14 @@ def define_agent(
     max_turns = validate_limit(max_turns, name="max_turns")
     if not isinstance(provider, str) and not hasattr(provider, "with_model"):
         raise ConfigError(f"provider must be a Provider or a provider name, not {provider!r}")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ConfigError(f"model must be a non-empty model name (a string) or None, not {model!r:.200}")
     if isinstance(provider, str) and model is None:
         raise ConfigError("model is required when provider is given by name")
+    if permission_handler is not None and not callable(permission_handler):
+        raise ConfigError(
+            f"permission_handler must be an async function of a PermissionRequest, not {permission_handler!r:.200}"
+        )
     if not isinstance(system_prompt, str):
         raise ConfigError(f"system_prompt must be a string, not {system_prompt!r}")
     if retry is not None and not isinstance(retry, RetryPolicy):
