@@ -25,6 +25,7 @@ from trio_agent._session._plugins import (
 )
 from trio_agent.middleware import MiddlewareShapeError
 from trio_agent.models import ModelRequest, ModelResponse, ModelService, UserMessage
+from trio_agent.plugins import UnknownToolError
 from trio_agent.testing import Reply, TestModel, call_tool
 from trio_agent.tools import InMemoryToolJournal, ToolMiddlewareRequest, ToolPipeline, ToolStages
 
@@ -279,8 +280,9 @@ def test_tools_get_sources_and_trust_levels_in_registration_order() -> None:
     )
     assert resolved.tool("review").source_id == "plugin:rev"
     assert resolved.tool("review").trust_level.value == "workspace"
-    with pytest.raises(KeyError):
+    with pytest.raises(UnknownToolError, match="no tool named 'missing' is registered") as caught:
         resolved.tool("missing")
+    assert isinstance(caught.value, ConfigError) and isinstance(caught.value, KeyError)  # typed, and still a lookup
 
 
 @pytest.mark.parametrize(
@@ -358,6 +360,27 @@ def test_plugins_md_documents_select_as_it_is() -> None:
         # Every keyword the page names (`allowed=None`, `*, disallowed=()`) is one select takes.
         named = set(re.findall(r"(\w+)\s*=", arguments))
         assert named <= parameters, f"docs/plugins.md: select({arguments}) names {named - parameters}"
+
+
+def test_plugins_md_names_the_modules_that_export_each_name() -> None:
+    """Each "`a`, `b` and `c` ... from `module`" list of the page's export sentence is true of that
+    module's ``__all__`` (it once placed TrustLevel in trio_agent and called the public
+    resolve_plugins/ResolvedPlugins/RegisteredTool internal)."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
+    start = text.index("`define_plugin`, `Plugin` and `MiddlewareConfig` are exported")
+    sentence = text[start : text.index(". ", start)]
+    names = r"(?:`\w+`(?:,\s*|\s+and\s+))*`\w+`"
+    claims = re.findall(rf"({names})\s+(?:are exported\s+)?from\s+`(trio_agent[\w.]*)`", sentence)
+    assert {module for _, module in claims} == {"trio_agent", "trio_agent.plugins"}
+    for listed, module in claims:
+        exported = importlib.import_module(module).__all__
+        for name in re.findall(r"`(\w+)`", listed):
+            assert name in exported, f"docs/plugins.md says {name} is exported from {module}"
+    assert "internal (`trio_agent._session._plugins`)" not in text
 
 
 # -- end to end: plugin hooks and tools in one pipeline ------------------------------------------

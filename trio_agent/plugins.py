@@ -29,7 +29,14 @@ from ._session._hooks import (
     SubagentStopInput,
     UserPromptSubmitInput,
 )
-from ._session._plugins import MiddlewareConfigError, RegisteredTool, ResolvedPlugins, TrustLevel, resolve_plugins
+from ._session._plugins import (
+    MiddlewareConfigError,
+    RegisteredTool,
+    ResolvedPlugins,
+    TrustLevel,
+    UnknownToolError,
+    resolve_plugins,
+)
 from ._util import fixup_module_metadata as _fixup_module_metadata
 
 __all__ = [
@@ -55,6 +62,7 @@ __all__ = [
     "SubagentStartInput",
     "SubagentStopInput",
     "TrustLevel",
+    "UnknownToolError",
     "UserPromptSubmitInput",
     "resolve_plugins",
 ]

@@ -36,6 +36,7 @@ __all__ = [
     "RegisteredTool",
     "ResolvedPlugins",
     "TrustLevel",
+    "UnknownToolError",
     "check_model_middleware_runs",
     "define_plugin",
     "resolve_plugins",
@@ -75,6 +76,14 @@ class TrustLevel(enum.Enum):
     TRUSTED = "trusted"  # built-in tools and the session's own tools
     WORKSPACE = "workspace"  # plugin tools
     REMOTE = "remote"  # tools from remote servers (e.g. MCP)
+
+
+class UnknownToolError(ConfigError, KeyError):
+    """`ResolvedPlugins.tool` was asked for a name no tool is registered under. Also a `KeyError`
+    (a lookup by name that found nothing), so code catching that goes on working."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""  # not KeyError's repr of the message
 
 
 def tool_names(value: object, what: str) -> tuple[str, ...] | None:
@@ -220,11 +229,13 @@ class ResolvedPlugins:
     plugins: tuple[Plugin, ...]
 
     def tool(self, name: str) -> RegisteredTool:
-        """The registered tool called *name*; `KeyError` if there is none."""
+        """The registered tool called *name*; `UnknownToolError` (a `ConfigError` and a `KeyError`)
+        naming the registered ones if there is none."""
         for entry in self.tools:
             if entry.name == name:
                 return entry
-        raise KeyError(name)
+        known = ", ".join(repr(entry.name) for entry in self.tools) or "none"
+        raise UnknownToolError(f"no tool named {name!r} is registered (registered: {known})")
 
     def select(
         self,
