@@ -11,6 +11,7 @@ import trio.testing
 
 from tests.test_session import events_of, gated_tool, unsettled_requests
 from trio_agent import (
+    ConfigError,
     HookEvent,
     HookInput,
     RequestAbortedError,
@@ -19,7 +20,7 @@ from trio_agent import (
     SubagentDefinition,
     open_session,
 )
-from trio_agent.journal import MemoryStore, RequestInterrupted, RequestInterruptReason
+from trio_agent.journal import MemoryStore, RequestInterrupted, RequestInterruptReason, open_journal, read_conversation
 from trio_agent.models import ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, TestModel
 
@@ -395,3 +396,36 @@ async def test_a_request_run_by_the_block_itself_records_session_close_when_the_
     journal = await events_of(store, session.journal.stream_id())
     assert [e.reason for e in journal if isinstance(e, RequestInterrupted)] == [RequestInterruptReason.SESSION_CLOSE]
     assert unsettled_requests(journal) == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param("a\x85b", id="C1-next-line"),
+        pytest.param("a\x9b31mb", id="C1-CSI"),
+        pytest.param("a\u2028b", id="line-separator"),
+        pytest.param("a\u2029b", id="paragraph-separator"),
+        pytest.param("a\u202eb", id="bidi-override"),
+        pytest.param("a\u200bb", id="zero-width-space"),
+        pytest.param("a\x1fb", id="C0"),
+    ],
+)
+async def test_a_session_id_with_control_or_invisible_characters_is_refused(bad: str) -> None:
+    """C1 controls (U+0085, the CSI U+009B) slipped through: only C0 and DEL were refused."""
+    with pytest.raises(ConfigError, match=rf"session_id must not contain control characters: .*U\+{ord(bad[1]):04X}"):
+        async with open_session(provider=TestModel(default=Reply(text="x")), session_id=bad):
+            pass  # pragma: no cover
+
+
+async def test_a_session_made_before_the_c1_rule_is_still_read_and_reopened_through_its_journal() -> None:
+    """Journals never re-check ids: a session whose id predates the rule is read as before, and
+    reopened through open_journal (open_session(session_id=...) is the door that refuses it)."""
+    store, legacy = MemoryStore(), "legacy\x85id"
+    first = TestModel(default=Reply(text="first"))
+    async with open_journal(store, session_id=legacy) as journal, open_session(provider=first, journal=journal) as s:
+        assert await s.send("one") == "first"
+    assert len(await read_conversation(store, legacy)) == 2  # the prompt and the answer
+    second = TestModel(default=Reply(text="second"))
+    async with open_journal(store, session_id=legacy) as journal, open_session(provider=second, journal=journal) as s:
+        assert await s.send("two") == "second"
+        assert len(s.messages()) == 4

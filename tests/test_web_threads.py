@@ -448,7 +448,7 @@ async def test_a_run_whose_request_fails_ends_with_run_error_not_cancelled(tmp_p
 async def test_a_thread_id_no_session_can_have_is_invalid_input_not_unavailable(tmp_path: Path) -> None:
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "t.db")
     async with running(app) as client:
-        for bad in ("team/alpha", "a\nb", "x" * 201):
+        for bad in ("team/alpha", "a\nb", "x" * 201, "a\x85b", "a\u2028b", "a\u202eb"):
             reply = await client.post("/runs", json=body(thread=bad))
             assert reply.status_code == 422 and reply.json()["error"] == "invalid_input"
             assert reply.json()["problems"][0].startswith("$.threadId: ")

@@ -837,6 +837,18 @@ async def test_a_worker_keeps_serving_after_its_pooled_connections_were_cut(
     assert report.failed_sessions == 0 and report.served == 1
 
 
+def test_a_queued_session_whose_id_predates_the_c1_rule_is_still_served() -> None:
+    """submit() refuses C1 controls, format characters and separators now; a session queued
+    before, under the older rule, is still one a worker serves (it opens it by its journal)."""
+    from trio_agent._config import validate_id
+    from trio_agent._workers._serve import _usable_session_id
+
+    with pytest.raises(ConfigError, match="U\\+0085"):
+        validate_id("legacy\x85id", name="session_id")  # what submit() checks
+    assert _usable_session_id("legacy\x85id")
+    assert not _usable_session_id("bad/id") and not _usable_session_id("a\x1fb")
+
+
 async def test_a_submission_to_a_session_id_no_journal_takes_is_refused(
     postgres_dsn: str, fresh_pg_schema: str
 ) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 from ._errors import ConfigError
 
 __all__ = ["validate_id", "validate_limit", "validate_timeout"]
@@ -38,11 +40,27 @@ def validate_limit(value: object, *, name: str) -> int:
     return value
 
 
-def validate_id(value: object, *, name: str, max_length: int = 200) -> str:
+# Unicode categories an id may not hold: controls (C0, DEL and C1, e.g. U+0085 NEXT LINE, U+009B
+# CSI, which terminals act on), format characters (invisible: zero-width spaces, bidi overrides,
+# so two ids could look the same) and the line and paragraph separators.
+_REFUSED_CATEGORIES = {
+    "Cc": "a control",
+    "Cf": "an invisible format",
+    "Zl": "a line separator",
+    "Zp": "a paragraph separator",
+}
+
+
+def validate_id(value: object, *, name: str, max_length: int = 200, stored: bool = False) -> str:
     """An id that names streams and rows: non-empty text of at most *max_length* characters,
-    encodable as UTF-8 (no lone surrogates), without control characters or ``/`` (the
-    separator of stream ids). Checked at the door, so a bad id fails alone and never
-    reaches a store's shared batch."""
+    encodable as UTF-8 (no lone surrogates), without ``/`` (the separator of stream ids),
+    control characters (C0, DEL, C1), format characters or line/paragraph separators. Checked
+    at the door, so a bad id fails alone and never reaches a store's shared batch.
+
+    ``stored=True`` is for an id that may name something already stored and is only read: it
+    keeps the rule ids were made under before C1 controls, format characters and separators
+    were refused (C0 controls and DEL only), so such a session can still be read and served.
+    """
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{name} must be a non-empty string, not {value!r}")
     if len(value) > max_length:
@@ -51,6 +69,15 @@ def validate_id(value: object, *, name: str, max_length: int = 200) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise ConfigError(f"{name} must be valid Unicode text (it has a lone surrogate): {value!r}") from None
-    if "/" in value or any(ord(char) < 32 or ord(char) == 127 for char in value):
-        raise ConfigError(f"{name} must not contain '/' or control characters: {value!r}")
+    if "/" in value:
+        raise ConfigError(f"{name} must not contain '/': {value!r}")
+    if value.isascii() or stored:  # the usual id; in ASCII the refused characters are C0 and DEL
+        bad = next((char for char in value if ord(char) < 32 or ord(char) == 127), None)
+    else:
+        bad = next((char for char in value if unicodedata.category(char) in _REFUSED_CATEGORIES), None)
+    if bad is not None:
+        kind = _REFUSED_CATEGORIES[unicodedata.category(bad)]
+        raise ConfigError(
+            f"{name} must not contain control characters: it has {kind} character U+{ord(bad):04X}: {value!r}"
+        )
     return value

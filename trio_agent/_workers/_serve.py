@@ -100,7 +100,8 @@ def _next_row(journal: DurableJournal, rows: Iterable[Row]) -> tuple[str, str]:
 
 def _usable_session_id(session_id: str) -> bool:
     try:
-        validate_id(session_id, name="session_id")
+        # A queued session is served by the rules it was submitted under (it may predate the C1 rule).
+        validate_id(session_id, name="session_id", stored=True)
         check_id(stream_id_for(session_id, "root"), "stream id")
     except TrioAgentError:
         return False
