@@ -328,6 +328,8 @@ async def test_release_on_exit_lets_another_owner_in_at_once(autojump_clock: tri
         {"lease_ttl": math.inf},
         {"lease_ttl": True},
         {"lease_ttl": "30"},
+        {"lease_ttl": 10**400},  # too large for a float: OverflowError before
+        {"lease_ttl": -(10**4000)},  # close to the 4,300 digits a repr may have
         {"lease_ttl": 10, "heartbeat_interval": 10},
         {"lease_ttl": 10, "heartbeat_interval": 11},
         {"lease_ttl": 10, "heartbeat_interval": 0},
@@ -413,6 +415,19 @@ async def test_the_store_refuses_a_stale_owner_even_when_its_local_check_passes(
         assert old.lost and old.fenced
         lease = await store.current_lease(SID)
         assert lease is not None and lease.owner == "new"
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+@pytest.mark.parametrize("ttl", [10**400, -(10**5000), math.nan, 0], ids=["huge", "unprintable", "nan", "zero"])
+async def test_a_store_refuses_a_lease_ttl_no_float_can_hold_with_a_journal_error(
+    kind: str, ttl: float, tmp_path: Path
+) -> None:
+    # An int too large for a float raised OverflowError (isfinite, float) and one too long to
+    # print ValueError (the message's repr), instead of the store's JournalError.
+    async with make_store(kind, tmp_path) as store:
+        with pytest.raises(JournalError, match="lease ttl"):
+            await store.acquire_lease(SID, "owner", ttl)
+        assert await store.current_lease(SID) is None
 
 
 # ---------------------------------------------------------------- 3. commands

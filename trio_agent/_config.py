@@ -6,7 +6,7 @@ import unicodedata
 
 from ._errors import ConfigError
 
-__all__ = ["validate_id", "validate_limit", "validate_timeout"]
+__all__ = ["short_repr", "validate_id", "validate_limit", "validate_timeout"]
 
 MAX_TIMEOUT = 2**31 / 1000  # the largest timer the reference accepts, in seconds (~24.8 days)
 
@@ -20,11 +20,11 @@ def validate_timeout(value: object, *, name: str) -> float:
     # Compared as given, before float(): an int too large for a float would raise OverflowError
     # there; Python compares ints and floats exactly (and NaN fails the comparison).
     if not 0 < value <= MAX_TIMEOUT:
-        raise ConfigError(f"{name} must be > 0 and <= {MAX_TIMEOUT:g} seconds, got {_short(value)}")
+        raise ConfigError(f"{name} must be > 0 and <= {MAX_TIMEOUT:g} seconds, got {short_repr(value)}")
     return float(value)
 
 
-def _short(value: object) -> str:
+def short_repr(value: object) -> str:
     """*value*'s repr, cut short: a huge int's repr is thousands of digits (and past 4300 raises)."""
     try:
         text = repr(value)
@@ -36,7 +36,7 @@ def _short(value: object) -> str:
 def validate_limit(value: object, *, name: str) -> int:
     """A positive whole number."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a whole number >= 1, got {_short(value)}")
+        raise ConfigError(f"{name} must be a whole number >= 1, got {short_repr(value)}")
     return value
 
 
