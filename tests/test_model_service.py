@@ -1150,6 +1150,15 @@ def test_a_coroutine_iterator_wrapper_is_rejected_at_construction(name: str) -> 
         ModelService(TestModel(), [type("CoroutineWrapper", (), {name: wrapper})()])
 
 
+@pytest.mark.parametrize("name", ["wrap_stream", "wrap_chat_with_retry_events"])
+def test_a_sync_generator_iterator_wrapper_is_rejected_at_construction(name: str) -> None:
+    def wrapper(self: object, request: ModelRequest, next: Any) -> Any:  # `async` forgotten
+        yield from next(request)
+
+    with pytest.raises(MiddlewareShapeError, match=f"{name} must return an async iterator.*generator function"):
+        ModelService(TestModel(), [type("SyncGeneratorWrapper", (), {name: wrapper})()])
+
+
 @pytest.mark.parametrize("timeout", [0, -1, math.nan, math.inf, "5", True, None, 10**12])
 def test_invalid_request_timeout_is_a_config_error(timeout: Any) -> None:
     with pytest.raises(ConfigError, match="request_timeout"):

@@ -261,10 +261,14 @@ def model_middleware_problem(layer: object) -> str | None:
         if _defines(layer, name) and not inspect.iscoroutinefunction(getattr(layer, name)):
             return f"{what}: {name} must be an async def"
     for name in _ITERATOR_WRAPPERS:
-        if _defines(layer, name) and inspect.iscoroutinefunction(getattr(layer, name)):
+        if not _defines(layer, name):
+            continue
+        wrapper = getattr(layer, name)
+        if inspect.iscoroutinefunction(wrapper) or inspect.isgeneratorfunction(wrapper):
+            kind = "a coroutine function" if inspect.iscoroutinefunction(wrapper) else "a (sync) generator function"
             return (
                 f"{what}: {name} must return an async iterator (write it as an async generator: "
-                "`async def ...: ... yield chunk`), not be a coroutine function"
+                f"`async def ...: ... yield chunk`), not be {kind}"
             )
     return None
 
