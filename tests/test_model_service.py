@@ -688,7 +688,21 @@ async def test_retries_stop_at_max_attempts_and_raise_the_last_error(autojump_cl
     assert trio.current_time() - start == 1.0 + 2.0 + 3.0  # capped at max_delay
 
 
-@pytest.mark.parametrize(("retry_after", "waited"), [(7, 7.0), (0.25, 0.25), (100, 30.0), (-5, 0.0), (None, 0.5)])
+@pytest.mark.parametrize(
+    ("retry_after", "waited"),
+    # No number (a custom provider's NaN, string or bool): the backoff, as with none.
+    [
+        (7, 7.0),
+        (0.25, 0.25),
+        (100, 30.0),
+        (-5, 0.0),
+        (None, 0.5),
+        (math.inf, 30.0),
+        (math.nan, 0.5),
+        ("5", 0.5),
+        (True, 0.5),
+    ],
+)
 async def test_rate_limit_honours_retry_after(
     retry_after: float | None, waited: float, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -933,6 +947,85 @@ async def test_stream_retry_closes_the_failed_attempt_before_the_next(autojump_c
     chunks = await run_op(ModelService(provider, retry=NO_JITTER), Operation.STREAM)
     assert chunks == [TextDelta("ok")]
     assert log == ["attempt 1 closed", "attempt 2 closed"]
+
+
+class ReadsOnAfterErrors(ModelMiddleware):
+    """Catches a stream error and keeps reading (to log it and go on) until the stream ends."""
+
+    def __init__(self) -> None:
+        self.errors: list[ModelError] = []
+
+    async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
+        inner = call_next(request)
+        while True:
+            try:
+                chunk = await inner.__anext__()
+            except StopAsyncIteration:
+                return
+            except ModelError as error:
+                self.errors.append(error)
+                continue
+            yield chunk
+
+
+@pytest.mark.parametrize("max_attempts", [3, 1])
+async def test_a_stream_that_raised_stays_finished_and_never_replays(max_attempts: int) -> None:
+    """After chunks (StreamInterruptedError) or on the last attempt, reading on ends the stream:
+    the provider is not asked again and nothing published is sent twice."""
+    error = ModelConnectionError("connection reset")
+    chunks_before = 2 if max_attempts == 3 else 0
+    model = TestModel({"hello": [Reply("a b c", error=error, fail_after_chunks=chunks_before), Reply("again")]})
+    layer = ReadsOnAfterErrors()
+    service = ModelService(model, [layer], retry=RetryPolicy(max_attempts=max_attempts, jitter=False))
+    received = await run_op(service, Operation.STREAM)
+    assert received == [TextDelta("a"), TextDelta(" b")][:chunks_before]
+    assert len(model.requests) == 1
+    assert len(layer.errors) == 1
+
+
+async def test_a_stream_read_after_its_block_opens_no_new_request() -> None:
+    model = TestModel(default=Reply("a b c"))
+    async with ModelService(model).stream(MESSAGES) as chunks:
+        assert await chunks.__anext__() == TextDelta("a")
+    with pytest.raises(StopAsyncIteration):
+        await chunks.__anext__()
+    assert len(model.requests) == 1
+
+
+class EagerStreamProvider(LoggingProvider):
+    """Builds its request when ``stream()`` is called (a plain def, as the protocol allows); the first call fails."""
+
+    def __init__(self, log: list[str], error: Exception) -> None:
+        super().__init__(log)
+        self.error = error
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:  # type: ignore[override]
+        self.requests.append(request)
+        if len(self.requests) == 1:
+            raise self.error
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[StreamChunk]:
+        await trio.lowlevel.checkpoint()
+        yield TextDelta("ok")
+
+
+async def test_a_provider_stream_call_that_raises_is_retried_like_a_failed_read(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    provider = EagerStreamProvider([], ModelConnectionError("refused"))
+    assert await run_op(ModelService(provider, retry=NO_JITTER), Operation.STREAM) == [TextDelta("ok")]
+    assert len(provider.requests) == 2
+
+
+async def test_a_provider_stream_call_with_a_bug_is_a_provider_error_not_middleware() -> None:
+    error = ValueError("bad option")
+    provider = EagerStreamProvider([], error)
+    with pytest.raises(ModelError) as caught:
+        await run_op(ModelService(provider, [Tap("tap", [])], retry=NO_JITTER), Operation.STREAM)
+    assert type(caught.value) is ModelError and caught.value.code == "provider_failed"
+    assert caught.value.__cause__ is error
+    assert len(provider.requests) == 1
 
 
 # -- deadlines -----------------------------------------------------------------------------------------------

@@ -334,8 +334,13 @@ class RetryPolicy:
     jitter: bool = attrs.field(default=True, validator=_flag)
 
     def delay(self, attempt: int, error: ModelError, rng: random.Random) -> float:
-        if isinstance(error, RateLimitError) and error.retry_after is not None:
-            return min(max(error.retry_after, 0.0), self.max_delay)
+        if isinstance(error, RateLimitError):
+            # A provider's (possibly a custom one's) retry_after: a number of seconds, clamped to
+            # [0, max_delay] (a date already past is "now"); a NaN or what is no number at all is
+            # no advice, so the backoff applies as with none (trio.sleep refuses NaN).
+            after: object = error.retry_after
+            if isinstance(after, int | float) and not isinstance(after, bool) and not math.isnan(after):
+                return min(max(float(after), 0.0), self.max_delay)
         ceiling = min(self.base_delay * 2 ** min(attempt - 1, _MAX_DOUBLINGS), self.max_delay)
         return rng.uniform(0, ceiling) if self.jitter else ceiling
 
@@ -836,34 +841,45 @@ class _RetryingStream:
     async def __anext__(self) -> StreamChunk:
         if self._finished:
             raise StopAsyncIteration
-        while True:
-            if self._inner is None:
-                self._inner = self._service.provider.stream(self._request)
-            try:
+        try:
+            while True:
                 try:
-                    chunk = await self._inner.__anext__()
-                except (ModelError, StopAsyncIteration):
-                    raise
-                except Exception as exc:  # anything else is a provider bug, typed as such
-                    raise ModelError(f"the provider raised {exc!r}", code="provider_failed") from exc
-            except StopAsyncIteration:
-                # Ended on its own: nothing left to close, so leaving the stream costs no shield.
-                self._inner = None
-                self._finished = True
-                raise
-            except ModelError as error:
-                await self._close_inner()
-                if self._published:
-                    if isinstance(error, (StreamInterruptedError, ModelTimeoutError)):
+                    try:
+                        # Opening is inside: a provider whose plain-def stream() fails at once
+                        # (building the request) fails the attempt like a failing first read.
+                        inner = self._inner
+                        if inner is None:
+                            inner = self._inner = self._service.provider.stream(self._request)
+                        chunk = await inner.__anext__()
+                    except (ModelError, StopAsyncIteration):
                         raise
-                    raise StreamInterruptedError(
-                        f"the stream failed after chunks were published: {error}", code=error.code, retryable=False
-                    ) from error
-                await trio.sleep(self._service._retry_delay(self._attempt, error))
-                self._attempt += 1
-                continue
-            self._published = True
-            return chunk
+                    except Exception as exc:  # anything else is a provider bug, typed as such
+                        raise ModelError(f"the provider raised {exc!r}", code="provider_failed") from exc
+                except StopAsyncIteration:
+                    # Ended on its own: nothing left to close, so leaving the stream costs no shield.
+                    self._inner = None
+                    raise
+                except ModelError as error:
+                    await self._close_inner()
+                    if self._published:
+                        if isinstance(error, (StreamInterruptedError, ModelTimeoutError)):
+                            raise
+                        raise StreamInterruptedError(
+                            f"the stream failed after chunks were published: {error}",
+                            code=error.code,
+                            retryable=False,
+                        ) from error
+                    await trio.sleep(self._service._retry_delay(self._attempt, error))
+                    self._attempt += 1
+                    continue
+                self._published = True
+                return chunk
+        except BaseException:
+            # Whatever ends it (its end, its last error, a cancellation) ends it for good, as an
+            # async generator's: read again, it must not open a new provider request and replay
+            # what was already published.
+            self._finished = True
+            raise
 
     async def _close_inner(self) -> None:
         inner, self._inner = self._inner, None
@@ -874,4 +890,5 @@ class _RetryingStream:
                 await aclose()
 
     async def aclose(self) -> None:
+        self._finished = True  # closed: never reopened
         await self._close_inner()
