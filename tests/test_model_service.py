@@ -29,6 +29,7 @@ from trio_agent.models import (
     AssistantMessage,
     FinishChunk,
     FinishReason,
+    ModelAbortedError,
     ModelConnectionError,
     ModelMiddlewareError,
     ModelRequest,
@@ -431,6 +432,165 @@ async def test_a_provider_bug_after_published_chunks_interrupts_the_stream() -> 
     assert received == [TextDelta("0"), TextDelta("1")]
     assert caught.value.code == "provider_failed"
     assert caught.value.__cause__.__cause__ is error  # type: ignore[union-attr]
+
+
+def wrong_item_layer(op: Operation, item: object) -> object:
+    """A layer that calls the inner layers and then answers (chat) or yields (iterators) *item*."""
+    if op in (Operation.CHAT, Operation.SIDE_QUERY):
+
+        async def wrap(self: object, request: ModelRequest, next: Any) -> Any:
+            await next(request)
+            return item
+
+    else:
+
+        async def wrap(self: object, request: ModelRequest, next: Any) -> AsyncIterator[Any]:  # type: ignore[misc]
+            async for _ in next(request):
+                yield item
+
+    return type("WrongItem", (), {WRAPPER[op]: wrap})()
+
+
+@pytest.mark.parametrize("item", [None, {"text": "a"}, "junk", TextDelta("a")], ids=["none", "dict", "str", "other"])
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_a_layer_answering_the_wrong_type_is_a_model_middleware_error_naming_it(op: Operation, item: Any) -> None:
+    if op is Operation.STREAM and isinstance(item, TextDelta):
+        item = CANNED  # a chunk is right for a stream: a response is not
+    service = ModelService(TestModel(default=Reply("x")), [make_layer(op, "outer", []), wrong_item_layer(op, item)])
+    expected = rf"model middleware #0 \(Layer_outer\): {WRAPPER[op]} .*inner layer"
+    with pytest.raises(ModelMiddlewareError, match=expected) as caught:
+        await run_op(service, op)
+    assert ("None" if item is None else type(item).__name__) in str(caught.value)
+    service = ModelService(TestModel(default=Reply("x")), [wrong_item_layer(op, item)])
+    with pytest.raises(ModelMiddlewareError, match=rf"#0 \(WrongItem\): {WRAPPER[op]} (returned|yielded)"):
+        await run_op(service, op)
+
+
+class TextDeltaPlus(TextDelta):
+    """A chunk of a subclass: still a chunk."""
+
+
+async def test_a_subclass_of_a_chunk_type_passes() -> None:
+    async def wrap(self: object, request: ModelRequest, next: Any) -> AsyncIterator[Any]:
+        async for chunk in next(request):
+            yield TextDeltaPlus(chunk.text) if isinstance(chunk, TextDelta) else chunk
+
+    layer = type("Plus", (), {"wrap_stream": wrap})()
+    chunks = await run_op(ModelService(TestModel(default=Reply("a b")), [layer]), Operation.STREAM)
+    assert [type(chunk) for chunk in chunks[:2]] == [TextDeltaPlus, TextDeltaPlus]
+
+
+class JunkProvider(BrokenProvider):
+    """A provider with a bug: its chat answers a string, its stream yields a dict."""
+
+    def __init__(self) -> None:
+        super().__init__(ValueError("unused"))
+        self.requests: list[ModelRequest] = []
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:
+        self.requests.append(request)
+        await trio.lowlevel.checkpoint()
+        return "not a response"  # type: ignore[return-value]
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        self.requests.append(request)
+        await trio.lowlevel.checkpoint()
+        yield {"text": "a"}  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_a_provider_answering_the_wrong_type_is_a_provider_error_not_middleware(op: Operation) -> None:
+    provider = JunkProvider()
+    with pytest.raises(ModelError) as caught:
+        await run_op(ModelService(provider, [make_layer(op, "a", [])], retry=NO_JITTER), op)
+    assert type(caught.value) is ModelError and caught.value.code == "provider_failed"
+    assert "the provider's" in str(caught.value)
+    assert len(provider.requests) == 1
+
+
+class PlainDefStream:
+    """``wrap_stream`` as a plain def returning an iterator (allowed): it runs when the block is entered."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+
+    def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
+        if self.error is not None:
+            raise self.error
+        call_next(request)
+        return call_next(request)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("raises", [True, False], ids=["raises", "next-twice"])
+async def test_a_plain_def_stream_wrapper_failing_when_called_is_a_model_middleware_error(raises: bool) -> None:
+    error = ValueError("bad wrapper")
+    model = TestModel(default=Reply("x"))
+    with pytest.raises(ModelMiddlewareError) as caught:
+        await run_op(ModelService(model, [PlainDefStream(error if raises else None)]), Operation.STREAM)
+    if raises:
+        assert caught.value.__cause__ is error
+    else:
+        assert isinstance(caught.value.__cause__, NextCalledTwiceError)
+    assert model.requests == []
+
+
+def nursery_layer(op: Operation) -> object:
+    """Awaits (or iterates) ``call_next`` inside a nursery of its own, beside a heartbeat task."""
+    if op in (Operation.CHAT, Operation.SIDE_QUERY):
+
+        async def wrap(self: object, request: ModelRequest, next: Any) -> Any:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.sleep_forever)
+                try:
+                    return await next(request)
+                finally:
+                    nursery.cancel_scope.cancel()
+
+    else:
+
+        async def wrap(self: object, request: ModelRequest, next: Any) -> AsyncIterator[Any]:  # type: ignore[misc]
+            items = []
+            async with trio.open_nursery() as nursery:  # closed before any yield
+                nursery.start_soon(trio.sleep_forever)
+                try:
+                    items = [item async for item in next(request)]
+                finally:
+                    nursery.cancel_scope.cancel()
+            for item in items:
+                yield item
+
+    return type("Nursery", (), {WRAPPER[op]: wrap})()
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_a_provider_error_grouped_by_a_layer_nursery_stays_that_error(op: Operation) -> None:
+    error = RateLimitError("slow down", status=429)
+    model = TestModel(default=Reply(error=error))
+    service = ModelService(model, [nursery_layer(op)], retry=RetryPolicy(max_attempts=1))
+    with pytest.raises(RateLimitError) as caught:
+        await run_op(service, op)
+    assert caught.value is error
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_an_already_aborted_request_fails_even_when_a_layer_answers_without_awaiting(op: Operation) -> None:
+    handle = AbortHandle()
+    handle.abort()
+    service = ModelService(TestModel(default=Reply("x")), [make_layer(op, "cache", [], short=True)])
+    with pytest.raises(ModelAbortedError):
+        await run_op(service, op, abort=handle)
+
+
+async def test_iterating_a_stream_outside_its_block_is_a_typed_error() -> None:
+    model = TestModel(default=Reply("x"))
+    stream: Any = ModelService(model).stream(MESSAGES)
+    with pytest.raises(ModelError, match="outside its `async with` block") as caught:
+        async for _ in stream:
+            pass
+    assert caught.value.code == "model_stream_not_entered"
+    with pytest.raises(ModelError, match="outside its `async with` block"):
+        await stream.__anext__()
+    assert model.requests == []
 
 
 @pytest.mark.parametrize("op", ALL_OPS)

@@ -20,6 +20,7 @@ import functools
 import inspect
 import math
 import random
+import reprlib
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
@@ -46,7 +47,19 @@ from .._errors import (
 from .._groups import contains_cancelled, typed_error
 from .._middleware import CheckedLayers, Composed, ComposedNext, MiddlewareNext, PassedChecks, compose_middleware
 from ._history import MessageView
-from ._messages import Message, ModelResponse, StreamChunk, ToolSpec
+from ._messages import (
+    FinishChunk,
+    Message,
+    ModelResponse,
+    ReasoningDelta,
+    StreamChunk,
+    TextDelta,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    ToolSpec,
+    UsageChunk,
+)
 
 T = TypeVar("T")
 
@@ -126,6 +139,36 @@ class RetryEvent:
     attempt: int
     delay: float
     error: ModelError
+
+
+# What each iterator operation may yield, checked per item (a set lookup; isinstance only for a subclass).
+_CHUNK_KINDS: frozenset[type] = frozenset(
+    (TextDelta, ReasoningDelta, ToolCallStart, ToolCallDelta, ToolCallEnd, UsageChunk, FinishChunk)
+)
+_EVENT_KINDS: frozenset[type] = frozenset((RetryEvent, ModelResponse))
+_KIND_NAMES = {_CHUNK_KINDS: "a stream chunk", _EVENT_KINDS: "a RetryEvent or the ModelResponse"}
+
+
+def _what(item: object) -> str:
+    """A wrong item, for an error message: its type and a short repr."""
+    return "None" if item is None else f"{type(item).__name__} {reprlib.repr(item)}"
+
+
+def _is_kind(item: object, kinds: frozenset[type]) -> bool:
+    return type(item) in kinds or isinstance(item, tuple(kinds))
+
+
+def _middleware_failure(exc: Exception) -> ModelError:
+    """What a non-`ModelError` escaping the model middleware fails the call with: a `ModelError`
+    inside a group (a layer awaited ``call_next`` in its own nursery) is the call's error, as it
+    would be without the nursery; anything else is a middleware bug, typed with it as the cause."""
+    if isinstance(exc, BaseExceptionGroup):
+        typed = typed_error(exc)
+        if isinstance(typed, ModelError):
+            return typed
+    error = ModelMiddlewareError(f"model middleware raised {exc!r}")
+    error.__cause__ = exc
+    return error
 
 
 @runtime_checkable
@@ -485,6 +528,9 @@ class ModelService:
             raise ModelMiddlewareError(f"call() runs chat or side_query requests, not {request.operation.value}")
         check = functools.partial(_check_kept, request)
         check(request)
+        if request.abort is not None and request.abort.reason is not None:
+            # As a stream does: a layer that answers without awaiting must not hide the abort.
+            raise self._stopped(request)
 
         async def terminal(current: ModelRequest) -> ModelResponse:
             return await self._with_retries(current)
@@ -492,7 +538,7 @@ class ModelService:
         chain = compose_middleware(self._chains[request.operation], terminal, check=check, validate=False)
         try:
             with trio.move_on_after(self.request_timeout) as scope, _abort_cancels(request, scope):
-                return await self._guard(chain(request))
+                return await self._guard(chain(request), request.operation)
         except BaseExceptionGroup as group:
             raise self._stopped_with(request, scope, group) from group
         raise self._stopped(request)
@@ -540,20 +586,30 @@ class ModelService:
         attempt = 1
         while True:
             try:
-                return await _provider_call(self.provider.chat(request))
+                return _provider_response(await _provider_call(self.provider.chat(request)))
             except ModelError as error:
                 delay = self._retry_delay(attempt, error)
             await trio.sleep(delay)
             attempt += 1
 
-    @staticmethod
-    async def _guard(awaitable: Awaitable[ModelResponse]) -> ModelResponse:
+    async def _guard(self, awaitable: Awaitable[ModelResponse], operation: Operation) -> ModelResponse:
         try:
-            return await awaitable
+            response = await awaitable
         except ModelError:
             raise
-        except Exception as exc:  # a middleware bug: typed, with its cause
-            raise ModelMiddlewareError(f"model middleware raised {exc!r}") from exc
+        except Exception as exc:  # a middleware bug: typed, with its cause (or a ModelError it grouped)
+            error = _middleware_failure(exc)
+            raise error from error.__cause__
+        if type(response) is ModelResponse or isinstance(response, ModelResponse):
+            return response
+        # The provider's answer was checked: a layer returned this (the terminal is never the outermost here).
+        raise ModelMiddlewareError(self._wrong_item(operation, response, "returned", "a ModelResponse"))
+
+    def _wrong_item(self, operation: Operation, item: object, did: str, expected: str) -> str:
+        """The error message for a wrong *item* out of *operation*'s outermost layer."""
+        chain = self._chains[operation]
+        inner = " (or passed it on from an inner layer)" if len(chain) > 1 else ""
+        return f"{self._layer_name(chain[0])}: {_WRAPPERS[operation]} {did} {_what(item)}{inner}, not {expected}"
 
     # -- retry events ---------------------------------------------------------------------
 
@@ -571,14 +627,14 @@ class ModelService:
         request = self.request(
             Operation.CHAT_WITH_RETRY_EVENTS, messages, tools=tools, options=options, abort=abort, metadata=metadata
         )
-        async with self._open_iterators(request, self._retry_events_terminal) as events:
+        async with self._open_iterators(request, self._retry_events_terminal, _EVENT_KINDS) as events:
             yield events
 
     async def _retry_events_terminal(self, request: ModelRequest) -> AsyncIterator[RetryEvent | ModelResponse]:
         attempt = 1
         while True:
             try:
-                response = await _provider_call(self.provider.chat(request))
+                response = _provider_response(await _provider_call(self.provider.chat(request)))
             except ModelError as error:
                 delay = self._retry_delay(attempt, error)
                 yield RetryEvent(attempt, delay, error)
@@ -605,15 +661,15 @@ class ModelService:
         iterator (outermost first) and then the provider's HTTP response.
         """
         request = self.request(Operation.STREAM, messages, tools=tools, options=options, abort=abort, metadata=metadata)
-        return self._open_iterators(request, self._stream_terminal)
+        return self._open_iterators(request, self._stream_terminal, _CHUNK_KINDS)
 
     def _stream_terminal(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
         return _RetryingStream(self, request)
 
     def _open_iterators(
-        self, request: ModelRequest, terminal: Callable[[ModelRequest], AsyncIterator[Any]]
+        self, request: ModelRequest, terminal: Callable[[ModelRequest], AsyncIterator[Any]], kinds: frozenset[type]
     ) -> _OpenIterators:
-        return _OpenIterators(self, request, terminal)
+        return _OpenIterators(self, request, terminal, kinds)
 
     def _position_name(self, operation: Operation, position: int) -> str:
         """How a clean-up overrun names the layer at *position* of *operation*'s chain (the terminal last)."""
@@ -663,17 +719,19 @@ class _OpenIterators:
     across an iterator's yield.
     """
 
-    __slots__ = ("_deadline", "_opened", "_outer", "_request", "_service", "_terminal", "_token")
+    __slots__ = ("_deadline", "_kinds", "_opened", "_outer", "_request", "_service", "_terminal", "_token")
 
     def __init__(
         self,
         service: ModelService,
         request: ModelRequest,
         terminal: Callable[[ModelRequest], AsyncIterator[Any]],
+        kinds: frozenset[type],
     ) -> None:
         self._service = service
         self._request = request
         self._terminal = terminal
+        self._kinds = kinds  # what the block may see: the terminal's items are checked already
         # Position -> iterator: layer i at i, the terminal last. Closing goes by position, so the
         # order is outermost first even when a wrapper opens its inner stream eagerly.
         self._opened: dict[int, AsyncIterator[Any]] = {}
@@ -700,27 +758,55 @@ class _OpenIterators:
         try:
             self._outer = self._track(0, chain.start(request, self, _TrackedNext))
         except BaseException as exc:
-            await self.__aexit__(type(exc), exc, exc.__traceback__)  # raises what replaces exc, if anything
-            raise
+            # A plain-def wrapper runs here, when it is called: what it raises is typed as an
+            # async generator's would be at its first step.
+            if isinstance(exc, ModelError) or not isinstance(exc, Exception):
+                await self.__aexit__(type(exc), exc, exc.__traceback__)  # raises what replaces exc, if anything
+                raise
+            error = _middleware_failure(exc)
+            await self.__aexit__(type(error), error, exc.__traceback__)
+            raise error from error.__cause__
         return self
 
     # The block's iterator is this object itself (one object less per call): it types what escapes
     # the chain, so a middleware bug becomes a ModelMiddlewareError with its cause.
 
     def __aiter__(self) -> _OpenIterators:
+        if self._outer is None:
+            raise self._not_entered()
         return self
 
     async def __anext__(self) -> Any:
         # An abort or deadline reaches the consumer even if the provider never checkpoints (~0.2 us).
         await trio.lowlevel.checkpoint_if_cancelled()
         outer = self._outer
-        assert outer is not None, "iterated outside its block"
+        if outer is None:
+            raise self._not_entered()
         try:
-            return await outer.__anext__()
+            item = await outer.__anext__()
         except (ModelError, StopAsyncIteration):
             raise
         except Exception as exc:
-            raise ModelMiddlewareError(f"model middleware raised {exc!r}") from exc
+            error = _middleware_failure(exc)
+            raise error from error.__cause__
+        if type(item) in self._kinds:
+            return item
+        return self._odd_item(item)
+
+    def _odd_item(self, item: object) -> Any:
+        """*item*, if it is of a subclass of what the block may see; else the outermost layer's error."""
+        kinds = self._kinds
+        if _is_kind(item, kinds):
+            return item
+        operation = self._request.operation
+        raise ModelMiddlewareError(self._service._wrong_item(operation, item, "yielded", _KIND_NAMES[kinds]))
+
+    def _not_entered(self) -> ModelError:
+        return ModelError(
+            "a model stream was iterated outside its `async with` block: write "
+            "`async with service.stream(...) as chunks: async for chunk in chunks: ...`",
+            code="model_stream_not_entered",
+        )
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: types.TracebackType | None
@@ -817,6 +903,16 @@ async def _provider_call(awaitable: Awaitable[T]) -> T:
         raise ModelError(f"the provider raised {exc!r}", code="provider_failed") from exc
 
 
+def _provider_response(response: object) -> ModelResponse:
+    """The provider's answer to ``chat``; anything but a `ModelResponse` is a provider bug, typed as such."""
+    if type(response) is ModelResponse or isinstance(response, ModelResponse):
+        return response
+    raise ModelError(
+        f"the provider's chat returned {_what(response)}, not a ModelResponse",
+        code="provider_failed",
+    )
+
+
 class _RetryingStream:
     """The provider stream with the service's retry loop: retried only before the first chunk."""
 
@@ -851,6 +947,11 @@ class _RetryingStream:
                         if inner is None:
                             inner = self._inner = self._service.provider.stream(self._request)
                         chunk = await inner.__anext__()
+                        if type(chunk) not in _CHUNK_KINDS and not _is_kind(chunk, _CHUNK_KINDS):
+                            raise ModelError(
+                                f"the provider's stream yielded {_what(chunk)}, not a stream chunk",
+                                code="provider_failed",
+                            )
                     except (ModelError, StopAsyncIteration):
                         raise
                     except Exception as exc:  # anything else is a provider bug, typed as such
