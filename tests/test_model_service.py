@@ -1412,6 +1412,49 @@ def test_a_sync_generator_iterator_wrapper_is_rejected_at_construction(name: str
         ModelService(TestModel(), [type("SyncGeneratorWrapper", (), {name: wrapper})()])
 
 
+@pytest.mark.parametrize(
+    ("arguments", "words"),
+    [
+        ({"messages": None}, "messages must be a sequence of messages, not None"),
+        ({"messages": "hello"}, "messages must be a sequence of messages, not str"),
+        ({"messages": [UserMessage("q"), "hi"]}, r"messages\[1\] is not a message.*str 'hi'"),
+        ({"messages": (UserMessage("q"), {"role": "user"})}, r"messages\[1\] is not a message.*dict"),
+        ({"tools": None}, "tools must be a sequence of ToolSpec, not None"),
+        ({"tools": ["t"]}, r"tools\[0\] is not a ToolSpec: str 't'"),
+        ({"options": [("temperature", 1)]}, "options must be a mapping"),
+        ({"metadata": "trace-1"}, "metadata must be a mapping"),
+    ],
+)
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_bad_call_arguments_are_a_config_error_naming_them(
+    op: Operation, arguments: dict[str, Any], words: str
+) -> None:
+    model = TestModel(default=Reply("x"))
+    service = ModelService(model)
+    arguments = {"messages": MESSAGES, **arguments}
+    if op is Operation.SIDE_QUERY and "tools" in arguments:
+        arguments.pop("tools")
+        arguments["options"] = "temperature=1"
+        words = "options must be a mapping"
+    with pytest.raises(ConfigError, match=words):
+        if op in (Operation.CHAT, Operation.SIDE_QUERY):
+            await getattr(service, op.value)(**arguments)
+        else:
+            async with getattr(service, op.value)(**arguments) as items:
+                pytest.fail(f"a bad request opened: {items!r}")
+    assert model.requests == []
+
+
+def test_a_request_built_or_replaced_with_bad_messages_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="messages must be a sequence"):
+        ModelRequest(Operation.CHAT, "m", None)  # type: ignore[arg-type]
+    request = ModelRequest(Operation.CHAT, "m", MESSAGES)
+    with pytest.raises(ConfigError, match=r"messages\[0\] is not a message"):
+        request.replace(messages=["hi"])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match=r"tools\[0\] is not a ToolSpec"):
+        request.replace(tools=[{"name": "t"}])  # type: ignore[list-item]
+
+
 @pytest.mark.parametrize("timeout", [0, -1, math.nan, math.inf, "5", True, None, 10**12])
 def test_invalid_request_timeout_is_a_config_error(timeout: Any) -> None:
     with pytest.raises(ConfigError, match="request_timeout"):

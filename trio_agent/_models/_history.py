@@ -15,7 +15,11 @@ conversation a provider accepts (`validate_history`): user, assistant and tool
 result messages only (the system prompt is the session's own); it starts with a
 user message; every tool call is answered by the tool results that directly
 follow its assistant message, each call once, before the next user or assistant
-message; call ids are unique in the whole history.
+message; call ids are unique in the whole history. Each message holds what its
+class says (strings where the class has strings; an assistant message holds content
+parts; a call id and a tool name are non-empty strings): the classes do not check
+their fields when built (a conversation builds messages every turn), so a history
+from outside is checked here, once.
 """
 
 from __future__ import annotations
@@ -24,7 +28,16 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import overload
 
 from .._errors import HistoryError
-from ._messages import AssistantMessage, Message, SystemMessage, ToolCallPart, ToolResultMessage, UserMessage
+from ._messages import (
+    AssistantMessage,
+    Message,
+    ReasoningPart,
+    SystemMessage,
+    TextPart,
+    ToolCallPart,
+    ToolResultMessage,
+    UserMessage,
+)
 
 __all__ = ["ORPHAN_ANSWER", "CallIdIndex", "MessageView", "answer_orphan_calls", "validate_history"]
 
@@ -62,6 +75,9 @@ def validate_history(history: object) -> tuple[Message, ...]:
             raise HistoryError(f"{where} is a system message: give the system prompt as system_prompt=", index=index)
         if not isinstance(message, UserMessage | AssistantMessage | ToolResultMessage):
             raise HistoryError(f"{where} is not a message: {message!r}", index=index)
+        problem = _content_problem(message)
+        if problem is not None:
+            raise HistoryError(f"{where}: {problem}", index=index)
         if index == 0 and not isinstance(message, UserMessage):
             raise HistoryError(f"{where}: a conversation starts with a user message", index=index)
         if isinstance(message, ToolResultMessage):
@@ -92,6 +108,55 @@ def validate_history(history: object) -> tuple[Message, ...]:
             index=len(messages) - 1,
         )
     return messages
+
+
+def _field_problem(
+    owner: str, field: str, value: object, *, optional: bool = False, nonempty: bool = False
+) -> str | None:
+    if optional and value is None:
+        return None
+    if not isinstance(value, str):
+        kind = "a string or None" if optional else "a string"
+        return f"{owner}.{field} must be {kind}, not {type(value).__name__} {value!r:.80}"
+    if nonempty and not value:
+        return f"{owner}.{field} must not be empty"
+    return None
+
+
+def _content_problem(message: UserMessage | AssistantMessage | ToolResultMessage) -> str | None:
+    """What is wrong inside *message* (its fields), or ``None``."""
+    if isinstance(message, UserMessage):
+        return _field_problem("UserMessage", "content", message.content)
+    if isinstance(message, ToolResultMessage):
+        if not isinstance(message.is_error, bool):
+            return f"ToolResultMessage.is_error must be True or False, not {message.is_error!r:.80}"
+        return _field_problem(
+            "ToolResultMessage", "tool_call_id", message.tool_call_id, nonempty=True
+        ) or _field_problem("ToolResultMessage", "content", message.content)
+    for number, part in enumerate(message.parts):
+        owner = f"parts[{number}]"
+        if isinstance(part, TextPart):
+            problem = _field_problem(owner, "text", part.text)
+        elif isinstance(part, ReasoningPart):
+            problem = (
+                _field_problem(owner, "text", part.text)
+                or _field_problem(owner, "signature", part.signature, optional=True)
+                or _field_problem(owner, "redacted_data", part.redacted_data, optional=True)
+            )
+        elif isinstance(part, ToolCallPart):
+            problem = (
+                _field_problem(owner, "id", part.id, nonempty=True)
+                or _field_problem(owner, "name", part.name, nonempty=True)
+                or _field_problem(owner, "arguments", part.arguments)
+            )
+        else:
+            return (
+                f"{owner} of the assistant message is not a content part (TextPart, ReasoningPart or "
+                f"ToolCallPart): {type(part).__name__} {part!r:.80}"
+            )
+        if problem is not None:
+            return problem
+    return None
 
 
 class MessageView(Sequence[Message]):
@@ -139,7 +204,15 @@ class MessageView(Sequence[Message]):
             yield log[index]
 
     def __add__(self, other: Sequence[Message]) -> tuple[Message, ...]:
+        if isinstance(other, str | bytes) or not isinstance(other, Sequence):
+            return NotImplemented
         return (*self, *other)
+
+    def __radd__(self, other: Sequence[Message]) -> tuple[Message, ...]:
+        # ``(system, *extra) + request.messages``: a middleware cannot tell a view from a tuple.
+        if isinstance(other, str | bytes) or not isinstance(other, Sequence):
+            return NotImplemented
+        return (*other, *self)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, str):

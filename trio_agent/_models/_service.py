@@ -48,17 +48,21 @@ from .._groups import contains_cancelled, typed_error
 from .._middleware import CheckedLayers, Composed, ComposedNext, MiddlewareNext, PassedChecks, compose_middleware
 from ._history import MessageView
 from ._messages import (
+    AssistantMessage,
     FinishChunk,
     Message,
     ModelResponse,
     ReasoningDelta,
     StreamChunk,
+    SystemMessage,
     TextDelta,
     ToolCallDelta,
     ToolCallEnd,
     ToolCallStart,
+    ToolResultMessage,
     ToolSpec,
     UsageChunk,
+    UserMessage,
 )
 
 T = TypeVar("T")
@@ -89,15 +93,63 @@ class Operation(enum.Enum):
     CHAT_WITH_RETRY_EVENTS = "chat_with_retry_events"
 
 
+_MESSAGE_KINDS: frozenset[type] = frozenset((SystemMessage, UserMessage, AssistantMessage, ToolResultMessage))
+
+
 def _message_tuple(messages: Iterable[Message]) -> Sequence[Message]:
-    # A tuple, or a session's copy-free view of its conversation, is kept as it is.
-    if isinstance(messages, tuple | MessageView):
+    """*messages* as a tuple (kept as it is if it is one) of messages, else `ConfigError`.
+
+    A session's copy-free view of its conversation is kept unchecked: the session checked every
+    message it holds, and checking the whole conversation again every turn would cost O(n) a turn.
+    Only the classes are checked here (a fast set lookup each); a history from outside has its
+    fields checked where it comes in (`validate_history`)."""
+    if type(messages) is MessageView:
         return messages
-    return tuple(messages)
+    if isinstance(messages, tuple):
+        result = messages
+    elif isinstance(messages, str | bytes) or not isinstance(messages, Iterable):
+        raise ConfigError(f"messages must be a sequence of messages, not {_what(messages)}")
+    else:
+        result = tuple(messages)
+    for index, message in enumerate(result):
+        if type(message) not in _MESSAGE_KINDS and not _is_kind(message, _MESSAGE_KINDS):
+            raise ConfigError(
+                f"messages[{index}] is not a message (SystemMessage, UserMessage, AssistantMessage or "
+                f"ToolResultMessage): {_what(message)}"
+            )
+    return result
 
 
 def _tool_tuple(tools: Iterable[ToolSpec]) -> tuple[ToolSpec, ...]:
-    return tuple(tools)
+    """*tools* as a tuple (kept as it is if it is one) of `ToolSpec`, else `ConfigError`."""
+    if isinstance(tools, tuple):
+        result = tools
+    elif isinstance(tools, str | bytes) or not isinstance(tools, Iterable):
+        raise ConfigError(f"tools must be a sequence of ToolSpec, not {_what(tools)}")
+    else:
+        result = tuple(tools)
+    for index, tool in enumerate(result):
+        if not isinstance(tool, ToolSpec):
+            raise ConfigError(f"tools[{index}] is not a ToolSpec: {_what(tool)}")
+    return result
+
+
+def _mapping(value: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
+    """``options`` / ``metadata`` as a dict of its own (``None``: empty), else `ConfigError`."""
+    if value is None:
+        return {}
+    if type(value) is dict or isinstance(value, Mapping):
+        return dict(value)
+    raise ConfigError(f"{name} must be a mapping (a dict) or None, not {_what(value)}")
+
+
+def _what(item: object) -> str:
+    """A wrong item, for an error message: its type and a short repr."""
+    return "None" if item is None else f"{type(item).__name__} {reprlib.repr(item)}"
+
+
+def _is_kind(item: object, kinds: frozenset[type]) -> bool:
+    return type(item) in kinds or isinstance(item, tuple(kinds))
 
 
 @attrs.frozen(eq=False)
@@ -125,7 +177,7 @@ class ModelRequest:
             self.operation,
             self.model,
             self.messages if messages is None else _message_tuple(messages),
-            self.tools if tools is None else tuple(tools),
+            self.tools if tools is None else _tool_tuple(tools),
             self.options if options is None else options,
             self.abort,
             self.metadata,
@@ -147,15 +199,6 @@ _CHUNK_KINDS: frozenset[type] = frozenset(
 )
 _EVENT_KINDS: frozenset[type] = frozenset((RetryEvent, ModelResponse))
 _KIND_NAMES = {_CHUNK_KINDS: "a stream chunk", _EVENT_KINDS: "a RetryEvent or the ModelResponse"}
-
-
-def _what(item: object) -> str:
-    """A wrong item, for an error message: its type and a short repr."""
-    return "None" if item is None else f"{type(item).__name__} {reprlib.repr(item)}"
-
-
-def _is_kind(item: object, kinds: frozenset[type]) -> bool:
-    return type(item) in kinds or isinstance(item, tuple(kinds))
 
 
 def _middleware_failure(exc: Exception) -> ModelError:
@@ -485,14 +528,15 @@ class ModelService:
         abort: AbortHandle | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> ModelRequest:
+        # The caller's arguments, checked (one call fails, with a ConfigError naming the argument).
         return _model_request(
             operation,
             self.provider.model,
             _message_tuple(messages),
-            tools if type(tools) is tuple else tuple(tools),
-            dict(options) if options else {},
+            _tool_tuple(tools),
+            _mapping(options, "options"),
             abort,
-            dict(metadata) if metadata else {},
+            _mapping(metadata, "metadata"),
         )
 
     # -- non-streaming ------------------------------------------------------------------
