@@ -348,6 +348,23 @@ def test_parsed_arguments_raises_value_error_on_invalid_json(raw: str) -> None:
     assert part.arguments == raw  # the raw text is kept for the model to see
 
 
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        ("[" * 100_000, "nested more than"),
+        ('{"a": ' * 5_000 + "1" + "}" * 5_000, "nested more than"),
+        ("NaN", "NaN"),
+        ('{"a": Infinity}', "Infinity"),
+        ('{"a": 1e999}', "too large"),
+    ],
+    ids=["deep-array", "deep-object", "nan", "infinity", "overflow"],
+)
+def test_parsed_arguments_refuses_deep_or_non_finite_json_with_value_error(raw: str, words: str) -> None:
+    """Untrusted model text: a ValueError the model can see, never a RecursionError or a NaN."""
+    with pytest.raises(ValueError, match=words):
+        ToolCallPart("c", "f", raw).parsed_arguments()
+
+
 @settings(max_examples=40, deadline=None)
 @given(value=st.dictionaries(st.text(max_size=8), json_values, max_size=5))
 def test_parsed_arguments_inverts_json_dumps(value: dict[str, Any]) -> None:

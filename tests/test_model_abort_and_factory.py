@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import trio
 import trio.testing
@@ -79,6 +81,33 @@ def test_unknown_provider_name_lists_the_known_ones() -> None:
 
 def test_test_provider_by_name() -> None:
     provider = ta.create_provider("test", "offline")
+    assert isinstance(provider, TestModel) and provider.model == "offline"
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "words"),
+    [
+        ("test", {"foo": 1}, r"the test provider has no option 'foo'; its options are .*respond"),
+        ("openai", {"api_key": "k", "foo": 1}, r"the openai provider has no option 'foo'; its options are .*timeout"),
+        ("anthropic", {"api_key": "k", "bogus": 2, "x": 3}, r"no option 'bogus', 'x'; its options are .*max_tokens"),
+    ],
+)
+def test_an_unknown_provider_option_is_a_provider_config_error_naming_it(
+    name: str, options: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(ta.ProviderConfigError, match=words):
+        ta.create_provider(name, "m", **options)
+
+
+@pytest.mark.parametrize("name", ["test", "openai", "anthropic"])
+@pytest.mark.parametrize("model", [None, "", 5])
+def test_a_model_that_is_no_name_is_a_provider_config_error(name: str, model: Any) -> None:
+    with pytest.raises(ta.ProviderConfigError, match="model must be a non-empty string"):
+        ta.create_provider(name, model, api_key="k")
+
+
+def test_the_test_provider_takes_its_options_by_name() -> None:
+    provider = ta.create_provider("test", "offline", default=Reply("scripted"))
     assert isinstance(provider, TestModel) and provider.model == "offline"
 
 

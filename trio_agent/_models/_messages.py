@@ -7,7 +7,6 @@ cattrs, tagging unions by a ``type`` field so a stored conversation round-trips.
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias, TypeVar
 
@@ -109,8 +108,12 @@ class ToolCallPart:
     arguments: str
 
     def parsed_arguments(self) -> Any:
-        """``json.loads(arguments)``; raises ``ValueError`` on invalid JSON (an error the model must see)."""
-        return json.loads(self.arguments or "{}")
+        """The arguments as a JSON value (``{}`` for none); raises ``ValueError`` on what is not JSON,
+        ``NaN`` or an infinite number, or nesting deeper than the assembler accepts (an error the
+        model must see), never ``RecursionError``: the text is the model's, so untrusted."""
+        from ._assemble import parse_json_value  # the assembler imports this module
+
+        return parse_json_value(self.arguments or "{}")
 
 
 ContentPart: TypeAlias = TextPart | ReasoningPart | ToolCallPart
