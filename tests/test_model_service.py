@@ -791,6 +791,82 @@ async def test_a_failing_cleanup_does_not_swallow_an_outside_cancellation() -> N
     assert log[-2:] == ["bad finally", "provider finally"]
 
 
+async def test_a_failing_cleanup_leaves_the_block_s_own_error_with_a_note() -> None:
+    """As the guide says: the consumer's error wins; the cleanup's is noted on it."""
+    log: list[str] = []
+    service = ModelService(LoggingProvider(log, chunks=10), [BadCleanup(log, RuntimeError("cleanup failed"))])
+    with pytest.raises(KeyError) as caught:
+        async with service.stream(MESSAGES) as chunks:
+            async for _ in chunks:
+                raise KeyError("consumer's own")
+    assert caught.value.__notes__ == ["also, closing a model stream layer raised RuntimeError('cleanup failed')"]
+
+
+class AwaitingCleanup(ModelMiddleware):
+    """A wrap_stream whose ``finally`` awaits, once bare and once under a shield of its own."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name = name
+        self.log = log
+
+    async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
+        try:
+            async for chunk in call_next(request):
+                yield chunk
+        finally:
+            try:
+                await trio.sleep(0.01)
+                self.log.append(f"{self.name} bare await ran")
+            except trio.Cancelled:
+                self.log.append(f"{self.name} bare await cancelled")
+            with trio.CancelScope(deadline=trio.current_time() + 1, shield=True):
+                await trio.sleep(0.01)
+                self.log.append(f"{self.name} shielded await ran")
+
+
+async def test_a_deadline_during_a_read_runs_cleanups_innermost_first_unshielded(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """As the guide says: Cancelled comes up through the generators, so only a layer's own shield lets it await."""
+    log: list[str] = []
+    service = ModelService(
+        LoggingProvider([], chunks=10, stall_after=1),
+        [AwaitingCleanup("outer", log), AwaitingCleanup("inner", log)],
+        request_timeout=5,
+    )
+    with pytest.raises(ModelTimeoutError):
+        async with service.stream(MESSAGES) as chunks:
+            async for _ in chunks:
+                pass
+    assert log == [
+        "inner bare await cancelled",
+        "inner shielded await ran",
+        "outer bare await cancelled",
+        "outer shielded await ran",
+    ]
+
+
+async def test_a_cancellation_between_chunks_runs_cleanups_outermost_first_shielded(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    log: list[str] = []
+    service = ModelService(
+        LoggingProvider([], chunks=10), [AwaitingCleanup("outer", log), AwaitingCleanup("inner", log)]
+    )
+    with trio.CancelScope() as scope:
+        async with service.stream(MESSAGES) as chunks:
+            async for _ in chunks:
+                scope.cancel()  # the consumer is cancelled in its own code, between chunks
+                await trio.lowlevel.checkpoint()
+    assert scope.cancelled_caught
+    assert log == [
+        "outer bare await ran",
+        "outer shielded await ran",
+        "inner bare await ran",
+        "inner shielded await ran",
+    ]
+
+
 async def test_class_based_stream_wrappers_also_close_outermost_first() -> None:
     log: list[str] = []
 
