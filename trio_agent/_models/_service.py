@@ -107,6 +107,8 @@ def _message_tuple(messages: Iterable[Message]) -> Sequence[Message]:
         return messages
     if isinstance(messages, tuple):
         result = messages
+    elif type(messages) is list:  # the common cases first: no ABC isinstance
+        result = tuple(messages)
     elif isinstance(messages, str | bytes) or not isinstance(messages, Iterable):
         raise ConfigError(f"messages must be a sequence of messages, not {_what(messages)}")
     else:
@@ -533,10 +535,10 @@ class ModelService:
             operation,
             self.provider.model,
             _message_tuple(messages),
-            _tool_tuple(tools),
-            _mapping(options, "options"),
+            tools if tools == () else _tool_tuple(tools),
+            {} if options is None else _mapping(options, "options"),
             abort,
-            _mapping(metadata, "metadata"),
+            {} if metadata is None else _mapping(metadata, "metadata"),
         )
 
     # -- non-streaming ------------------------------------------------------------------
