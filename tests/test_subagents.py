@@ -4,9 +4,13 @@ names, leaving the session, and one shared middleware stack under 101 concurrent
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import sys
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -731,6 +735,130 @@ async def test_a_restart_re_runs_a_subagents_call_under_its_allowlist(narrowed: 
         [denied] = settled
         assert isinstance(denied, ToolCancelled) and denied.reason == "permission_denied"
         assert f"not available to agent {handle.id!r}" in denied.result["output"]
+
+
+# ======================================================================== subagent ids across lives
+
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+SUBAGENT_WORKER = CHECKOUT / "tests" / "session_crash" / "subagent_worker.py"
+
+
+async def subagent_ids_of_one_life(session: Any, *, hang: trio.Event | None = None) -> list[str]:
+    """A foreground subagent (the root's task call), then a background one; the ids this life made."""
+    before = set(session.journal.agents)
+    assert await session.send("go") == "root done"
+    background = await session.start_subagent("helper", "bg")
+    if hang is None:
+        assert await background.wait() == "bg done"
+    else:
+        await hang.wait()
+    return [agent for agent in session.journal.agents if agent not in before]
+
+
+@pytest.mark.parametrize("store_kind", ["memory", "sqlite"])
+@pytest.mark.parametrize("first_life_ends", ["close", "crash"])
+async def test_a_reopened_session_gives_new_subagents_ids_after_those_its_journal_holds(
+    store_kind: str, first_life_ends: str, tmp_path: Path
+) -> None:
+    """Subagent ids count per session and name from 1; a reopened session goes on after the ids its
+    journal holds (the counter was the process's: a new process handed out ``helper-1`` again, and
+    its ``session_created`` failed on the stream already there)."""
+    from trio_agent import LeaseLostError, define_agent
+    from trio_agent.journal import MemoryStore, open_journal, open_sqlite_store
+
+    hanging, restarted = trio.Event(), trio.Event()
+
+    @define_tool(name="hang", input_schema={"type": "object"}, side_effect="pure", kind="readonly")
+    async def hang(inp: dict[str, Any], ctx: ToolContext) -> str:
+        """Runs until the process dies (recovery runs it again, to its end)."""
+        hanging.set()
+        await restarted.wait()
+        return "hung"
+
+    def spec(*, bg: Reply) -> Any:
+        model = TestModel(
+            {
+                "go": [Reply(tool_calls=[task("sub")]), Reply(text="root done")],
+                "sub": [Reply(text="helper done")],
+                "bg": [bg],
+            }
+        )
+        return define_agent(provider=model, tools=[hang], subagents=[HELPER])
+
+    async with contextlib.AsyncExitStack() as stack:
+        store: Any = MemoryStore()
+        if store_kind == "sqlite":
+            store = await stack.enter_async_context(open_sqlite_store(tmp_path / "j.db"))
+        if first_life_ends == "close":
+            async with open_session(spec(bg=Reply(text="bg done")), journal=store, session_id="s") as session:
+                first = await subagent_ids_of_one_life(session)
+        else:
+            with pytest.raises(LeaseLostError):
+                async with (
+                    open_journal(store, session_id="s") as journal,
+                    open_session(spec(bg=Reply(tool_calls=[("hang", {})])), journal=journal) as session,
+                ):
+                    first = await subagent_ids_of_one_life(session, hang=hanging)
+                    await journal.flush()
+                    journal._lose(LeaseLostError("the process died"))
+                    await trio.sleep_forever()
+            lease = await store.current_lease("s")
+            assert lease is not None
+            await store.release_lease(lease)
+            restarted.set()
+        async with open_session(spec(bg=Reply(text="bg done")), journal=store, session_id="s") as session:
+            second = await subagent_ids_of_one_life(session)
+            root = await stream_events(session)
+    assert first == ["helper-1", "helper-2"]
+    assert second == ["helper-3", "helper-4"], "the reopened session reused an id of its journal"
+    assert [e.subagent_id for e in root if isinstance(e, SubagentCompleted)][-2:] == second
+
+
+async def test_subagent_ids_count_per_session() -> None:
+    """Two sessions of one spec in one process each number their subagents from 1, per name."""
+    from trio_agent import define_agent
+    from trio_agent.journal import MemoryStore
+
+    other = SubagentDefinition("other", "another helper", "You help too.")
+    spec = define_agent(provider=TestModel(default=Reply(text="done")), subagents=[HELPER, other])
+    store = MemoryStore()
+    async with (
+        open_session(spec, journal=store, session_id="a") as a,
+        open_session(spec, journal=store, session_id="b") as b,
+    ):
+        made = [await session.start_subagent(name, "go") for session in (a, b, a) for name in ("helper", "other")]
+        for handle in made:
+            await handle.wait()
+    assert [handle.id for handle in made] == ["helper-1", "other-1", "helper-1", "other-1", "helper-2", "other-2"]
+
+
+async def test_a_new_process_never_reuses_a_subagent_id_the_journal_holds(tmp_path: Path) -> None:
+    """The defect as a user meets it: three lives of one session, each a process of its own (every
+    counter of the library starts afresh), the first closed cleanly, the second crashing while a
+    subagent runs. Each later life gives its subagents new ids, and they run."""
+    from trio_agent.journal import open_sqlite_store
+
+    journal = tmp_path / "j.db"
+    lives: list[list[str]] = []
+    for mode in ("close", "crash", "close"):
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                [sys.executable, str(SUBAGENT_WORKER), str(journal), "s", mode],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                cwd=str(CHECKOUT),
+                env={**os.environ, "PYTHONPATH": str(CHECKOUT)},  # this checkout's trio_agent
+            )
+        assert done.returncode == (3 if mode == "crash" else 0), done.stderr.decode()
+        lives.append(json.loads(done.stdout.decode().strip().splitlines()[-1]))
+        if mode == "crash":  # the dead process still holds the lease
+            async with open_sqlite_store(journal) as store:
+                lease = await store.current_lease("s")
+                assert lease is not None
+                await store.release_lease(lease)
+    assert lives == [["helper-1", "helper-2"], ["helper-3", "helper-4"], ["helper-5", "helper-6"]]
 
 
 # ======================================================================== leaving the session

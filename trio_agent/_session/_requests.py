@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import itertools
 import os
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
@@ -75,13 +74,7 @@ PRIORITIES = tuple(Priority)
 RunParts = tuple[Callable[[], str], tuple[ToolSpec, ...], Collection[str], Mapping[str, Any]]
 """The instructions, offered tools, allowlist and model metadata of every run of one agent."""
 
-_agent_numbers = itertools.count(1)
-
 _STRATEGIES: dict[int, LoopStrategy] = {}  # max_turns -> its `max_iterations` (stateless: shared)
-
-
-def next_agent_number() -> int:
-    return next(_agent_numbers)
 
 
 @attrs.define

@@ -3,6 +3,8 @@
 Rules
 =====
 
+* A subagent's id is ``<name>-<n>``, n counting the session's subagents of that name;
+  a reopened session goes on after the ids its journal holds (never reuses a stream).
 * A subagent's allowlist is its definition's, intersected with the root's; it never
   gets the task tools (no unbounded recursion). SubagentStart hooks may replace its
   prompt; a skip or abort refuses it.
@@ -61,7 +63,7 @@ from ._endings import record_request_end
 from ._hooks import HookAbortedError, HookAction, HookEvent
 from ._host import SessionHost
 from ._messages import DoneEvent, SessionEvent, SubagentEvent, SubagentStatus
-from ._requests import _Agent, _Request, accept_on, next_agent_number
+from ._requests import _Agent, _Request, accept_on
 from ._stream import EventSink, discard
 
 __all__ = [
@@ -244,6 +246,7 @@ class SubagentSupervisor:
 
     # Slotted, as every object an idle session keeps (thousands may be alive).
     __slots__ = (
+        "_numbers",
         "definitions",
         "host",
         "nursery",
@@ -263,6 +266,7 @@ class SubagentSupervisor:
         self.nursery = nursery
         self.persistence = persistence
         self.subagents: dict[str, SubagentHandle] = {}
+        self._numbers: dict[str, int] | None = None  # per name, the last n given (`_new_agent_id`)
 
     def definition(self, name: str) -> SubagentDefinition:
         definition = self.definitions.get(name)
@@ -274,7 +278,7 @@ class SubagentSupervisor:
     def _make_agent(self, definition: SubagentDefinition, parent_id: str) -> _Agent:
         root = self.host.root
         return _Agent(
-            agent_id=f"{definition.name}-{next_agent_number()}",
+            agent_id=self._new_agent_id(definition.name),
             name=definition.name,
             system_prompt=definition.system_prompt,
             allowed=self._allowed(definition),
@@ -282,6 +286,23 @@ class SubagentSupervisor:
             parent_id=parent_id,
             model=definition.model,
         )
+
+    def _new_agent_id(self, name: str) -> str:
+        """``<name>-<n>``: n counts this session's subagents of *name* from 1, going on after the
+        largest n its journal holds. The journal is the only memory a reopened session has (a new
+        process, even): a counter of the process handed out an id whose stream was already there,
+        and the new subagent failed on its ``session_created``. Read once, at the first subagent
+        (an idle session never pays for it); after that only this supervisor makes such ids."""
+        numbers = self._numbers
+        if numbers is None:
+            numbers = self._numbers = {}
+            # The root's id too: its stream may not be written yet (a new session defers it).
+            for agent_id in (self.host.root.agent_id, *self.host.journal.agents):
+                base, _, digits = agent_id.rpartition("-")
+                if base and digits.isascii() and digits.isdigit():
+                    numbers[base] = max(numbers.get(base, 0), int(digits))
+        number = numbers[name] = numbers.get(name, 0) + 1
+        return f"{name}-{number}"
 
     def _allowed(self, definition: SubagentDefinition) -> frozenset[str]:
         """The tools a subagent of *definition* may use: its allowlist within the session's."""
