@@ -290,16 +290,28 @@ def _provider_service(
         raise ConfigError(f"chat() needs a model provider (or a ModelService), got {agent_or_model!r}")
     service = ModelService(provider, model_middleware)  # checks the layers' shapes first
     if model_middleware:
-        # The run streams every model turn; only output_schema's structured-output call is a chat call.
-        check_model_middleware_runs(
-            "chat()",
-            model_middleware,
-            runs=("wrap_stream", "wrap_chat") if structured else ("wrap_stream",),
-            why="chat() streams every model turn (only the structured-output call of output_schema= uses "
-            "wrap_chat), so it would never run; define wrap_stream (an async generator that iterates "
-            "next(request))",
-        )
+        # Once per layers object (a chat() run per request passes its list again), as their shapes.
+        service.middleware.derived(*_CHECK_RUNS[structured])
     return service
+
+
+def _check_runs(layers: Sequence[ModelMiddleware], *, structured: bool) -> bool:
+    # The run streams every model turn; only output_schema's structured-output call is a chat call.
+    check_model_middleware_runs(
+        "chat()",
+        layers,
+        runs=("wrap_stream", "wrap_chat") if structured else ("wrap_stream",),
+        why="chat() streams every model turn (only the structured-output call of output_schema= uses "
+        "wrap_chat), so it would never run; define wrap_stream (an async generator that iterates "
+        "next(request))",
+    )
+    return True
+
+
+_CHECK_RUNS = {
+    False: ("chat_runs", functools.partial(_check_runs, structured=False)),
+    True: ("chat_structured_runs", functools.partial(_check_runs, structured=True)),
+}
 
 
 def _permission_engine(
