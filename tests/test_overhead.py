@@ -178,8 +178,18 @@ async def test_a_layer_is_inspected_once_however_many_runs_use_it(monkeypatch: p
         inspected.append(layer)
         tool_check(layer, index)
 
+    import trio_agent._chat._chat as chat_module
+
+    runs_checked: list[object] = []
+    runs_check = chat_module.check_model_middleware_runs
+
+    def counting_runs_check(owner: str, layers: Any, **kwargs: Any) -> None:
+        runs_checked.append(tuple(layers))
+        runs_check(owner, layers, **kwargs)
+
     monkeypatch.setattr(service_module, "model_middleware_problem", counting_model_check)
     monkeypatch.setattr(pipeline_module, "_check_tool_middleware", counting_tool_check)
+    monkeypatch.setattr(chat_module, "check_model_middleware_runs", counting_runs_check)
     layer, model = PassStream(), TestModel(respond=respond)
 
     async def tool_layer(request: ta.ToolMiddlewareRequest, call_next: ta.CallNext) -> ta.ToolResult:
@@ -189,6 +199,7 @@ async def test_a_layer_is_inspected_once_however_many_runs_use_it(monkeypatch: p
         async with ta.chat(model, "add", tools=[add], model_middleware=[layer], tool_middleware=[tool_layer]) as run:
             assert (await run.result()).text == "done"
     assert inspected == [layer, tool_layer]
+    assert runs_checked == [(layer,)]  # that chat() can run the layer: also checked once
 
     class NotMiddleware:
         pass
