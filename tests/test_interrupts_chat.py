@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from trio_agent import PermissionAsk, SideEffect, ToolKind, define_tool, open_session
 from trio_agent._chat._chat import chat
-from trio_agent._errors import ConfigError, MiddlewareError, MiddlewareShapeError
+from trio_agent._errors import ConfigError, LeaseLostError, MiddlewareError, MiddlewareShapeError
 from trio_agent._lifecycle._interrupts import PausedRun, answers_from_json, answers_to_json
 from trio_agent._lifecycle._middleware import ChatMiddleware
 from trio_agent._loop._events import MessagesSnapshot, RunError, RunFinished, ToolCallResult
@@ -333,6 +333,52 @@ async def test_the_before_hook_may_answer_a_client_tool_call_itself() -> None:
     screen = ScreensClientCalls(before=Skip({"ok": True}))
     _, result = await run_chat(model, "ask me", tools=[CONFIRM], middleware=[screen])
     assert result.paused is None and result.text == 'done: {"ok": true}'
+
+
+PING = define_client_tool("ping", "pings the user", input_schema={"type": "object"})
+
+
+class SkipsConfirmWithASet(ChatMiddleware):
+    def on_before_tool_call(self, ctx: Any, call: Any) -> Any:
+        return Skip({1, 2}) if call.tool_name == "confirm" else None
+
+
+async def test_a_client_call_skipped_with_a_non_json_result_fails_alone_and_the_pause_serialises() -> None:
+    model = calls_then_echo(("confirm", {"question": "sure?"}), ("ping", {}))
+    options: dict[str, Any] = {"tools": [CONFIRM, PING], "middleware": [SkipsConfirmWithASet()]}
+    _, paused = await run_chat(model, "ask me", **options)
+    [interrupt] = paused.interrupts  # the other call still goes to the client
+    assert interrupt.tool_name == "ping"
+    data = json.loads(json.dumps(paused.paused.to_json()))  # the pause is JSON
+    [refused] = data["state"]["refused"].values()
+    assert refused["error"]["code"] == "invalid_result"
+    _, result = await run_chat(model, resume=PausedRun.from_json(data), answers=[Respond(interrupt.id, {})], **options)
+    assert result.text.startswith("done: Error: before stage") and "non-JSON result" in result.text
+    assert result.text.endswith(" | {}")
+
+
+class LosesALease(ChatMiddleware):
+    """A guard stage that raises LeaseLostError: of a store it drives, or after *journal*'s own lease is lost."""
+
+    def __init__(self, journal: Any = None) -> None:
+        self.journal = journal
+
+    def on_guard_tool_call(self, ctx: Any, call: Any) -> Any:
+        if self.journal is not None:
+            self.journal._lose(LeaseLostError("taken over"))
+        raise LeaseLostError("another store's lease")
+
+
+async def test_a_lost_lease_from_a_client_call_stage_refuses_that_call_unless_it_is_the_journals() -> None:
+    from trio_agent.journal import MemoryStore, open_journal
+
+    model = calls_then_echo(("confirm", {"question": "sure?"}))
+    async with open_journal(MemoryStore(), session_id="s") as journal:
+        _, result = await run_chat(model, "ask me", tools=[CONFIRM], middleware=[LosesALease()], journal=journal)
+    assert result.paused is None and "guard stage" in result.text and "another store's lease" in result.text
+    with pytest.raises(LeaseLostError):
+        async with open_journal(MemoryStore(), session_id="s") as journal:
+            await run_chat(model, "ask me", tools=[CONFIRM], middleware=[LosesALease(journal)], journal=journal)
 
 
 # ---------------------------------------------------------------- generic interrupts at the boundaries

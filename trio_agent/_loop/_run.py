@@ -38,7 +38,7 @@ from .._models._messages import (
 from .._tools._context import CallOrigin, ToolCall
 from .._tools._pipeline import ToolExecutionRecord
 from .._tools._results import ToolErrorType, ToolResult
-from .._tools._stages import Allow, Deny, Skip
+from .._tools._stages import Allow, Deny, Skip, decide
 from ._compose import part_name
 from ._context import RunContext
 from ._events import (
@@ -66,7 +66,6 @@ from ._hooks import (
     NO_HOOKS,
     ClientCall,
     ClientCallStages,
-    ClientStage,
     Finished,
     Lifecycle,
     ModelConfig,
@@ -551,7 +550,10 @@ class _Run:
             if client_tool is not None:
                 if not asked_stages:
                     client_stages, asked_stages = self.hooks.client_call_stages(ctx), True
-                screened = await _screen_client_call(part, arguments[part.id], client_tool, client_stages)
+                # The pipeline's journal is the run's: a lost lease ends the run only if it is that one's.
+                screened = await _screen_client_call(
+                    part, arguments[part.id], client_tool, client_stages, self.ports.tools._own_lease_lost
+                )
                 if isinstance(screened, ToolResult):  # refused, invalid or skipped: answered, not sent
                     del arguments[part.id]
                     rejected[part.id] = screened
@@ -1033,15 +1035,19 @@ _finished: Callable[[StopReason, str, int, LoopState, Abort | None, PauseState |
 
 
 async def _screen_client_call(
-    part: ToolCallPart, args: dict[str, Any], tool: ClientTool, stages: ClientCallStages | None
+    part: ToolCallPart,
+    args: dict[str, Any],
+    tool: ClientTool,
+    stages: ClientCallStages | None,
+    own_lease_lost: Callable[[], bool],
 ) -> ToolResult | dict[str, Any]:
-    """A client tool's call before it goes to the client, as the pipeline screens a tool's call:
-    the hooks' before stages (first decision wins), the tool's input schema, their guard stages
-    (in order until one decides). Its final input, or the answer of a call not sent."""
+    """A client tool's call before it goes to the client, as the pipeline screens a tool's call (with
+    its rules: `decide`): the hooks' before stages (first decision wins), the tool's input schema,
+    their guard stages (in order until one decides). Its final input, or the answer of a call not sent."""
     current = args
     if stages is not None:
         for stage in stages.before:
-            decision = await _client_decision("before", stage, ClientCall(part.name, part.id, current))
+            decision = await decide("before", stage, ClientCall(part.name, part.id, current), own_lease_lost)
             if isinstance(decision, Deny):
                 return decision.to_result()
             if isinstance(decision, Skip):
@@ -1053,7 +1059,7 @@ async def _screen_client_call(
     errors = tool.input_errors(current)
     if not errors and stages is not None:
         for stage in stages.guard:
-            decision = await _client_decision("guard", stage, ClientCall(part.name, part.id, current))
+            decision = await decide("guard", stage, ClientCall(part.name, part.id, current), own_lease_lost)
             if isinstance(decision, Deny):
                 return decision.to_result()
             if isinstance(decision, Allow):
@@ -1064,23 +1070,6 @@ async def _screen_client_call(
     if errors:
         return tool_error(f"invalid input for tool {part.name!r}: " + "; ".join(errors), "invalid_input")
     return current
-
-
-async def _client_decision(stage: str, callback: ClientStage, call: ClientCall) -> Allow | Deny | Skip | None:
-    """A stage's decision; a stage that fails or answers nonsense refuses the call (fails closed, as
-    the pipeline's stages do)."""
-    try:
-        decision = await callback(call)
-    except LeaseLostError:
-        raise
-    except Exception as exc:
-        name = getattr(callback, "__qualname__", repr(callback))
-        return Deny(f"{stage} stage {name} failed: {exc!r}", ToolErrorType.EXECUTION, "hook_error")
-    if decision is None or isinstance(decision, (Allow, Deny)) or (stage == "before" and isinstance(decision, Skip)):
-        return decision
-    name = getattr(callback, "__qualname__", repr(callback))
-    return Deny(f"{stage} stage {name} returned {decision!r}, expected Allow, Deny or None", ToolErrorType.EXECUTION,
-                "hook_error")  # fmt: skip
 
 
 def _unrun_answer() -> ToolResult:

@@ -88,11 +88,12 @@ from ._results import (
     ToolItem,
     ToolMessage,
     ToolResult,
+    _unstorable,
     json_copy,
     result_problem,
 )
 from ._scheduler import FileLockManager, ToolScheduler
-from ._stages import Allow, Deny, Skip, StageRequest, ToolStages
+from ._stages import Allow, Deny, Skip, StageRequest, ToolStages, _stage_name, decide
 
 __all__ = [
     "CallNext",
@@ -1388,13 +1389,15 @@ class ToolPipeline:
         tool, ctx, behavior = state.tool, state.ctx, state.behavior
         for name, callbacks in (("pre_tool", stages.pre_tool), ("permission", stages.permission)):
             for callback in callbacks:
-                decision = await self._decide(name, callback, StageRequest(tool, current, ctx, behavior))
+                request = StageRequest(tool, current, ctx, behavior)
+                decision = await decide(name, callback, request, self._own_lease_lost)
                 if isinstance(decision, Deny):
                     return decision.to_result()
                 if isinstance(decision, Allow) and decision.input is not None:
                     current = decision.input
         for callback in stages.before:
-            decision = await self._decide("before", callback, StageRequest(tool, current, ctx, behavior))
+            request = StageRequest(tool, current, ctx, behavior)
+            decision = await decide("before", callback, request, self._own_lease_lost)
             if isinstance(decision, Deny):
                 return decision.to_result()
             if isinstance(decision, Skip):
@@ -1407,7 +1410,8 @@ class ToolPipeline:
         if isinstance(prepared, ToolResult):
             return prepared
         for callback in stages.guard:
-            decision = await self._decide("guard", callback, StageRequest(tool, prepared[0], ctx, behavior))
+            request = StageRequest(tool, prepared[0], ctx, behavior)
+            decision = await decide("guard", callback, request, self._own_lease_lost)
             if isinstance(decision, Deny):
                 return decision.to_result()
             if isinstance(decision, Allow):
@@ -1449,33 +1453,6 @@ class ToolPipeline:
                 if ran:
                     state.core_result = result
         return result
-
-    async def _decide(
-        self,
-        stage: str,
-        callback: Callable[[StageRequest], Awaitable[Allow | Deny | Skip | None]],
-        request: StageRequest,
-    ) -> Allow | Deny | Skip | None:
-        try:
-            decision = await callback(request)
-        except Exception as exc:  # hooks fail closed
-            # A lost lease is the session's only if it is this journal's (not a store the stage drives).
-            if isinstance(exc, LeaseLostError) and self._own_lease_lost():
-                raise
-            return Deny(f"{stage} stage {_stage_name(callback)} failed: {exc!r}", ToolErrorType.EXECUTION, "hook_error")
-        if decision is None or isinstance(decision, (Allow, Deny)):
-            return decision
-        if isinstance(decision, Skip) and stage == "before":
-            result = decision.result  # a ToolResult: `Skip` checks it when it is made
-            if result_problem(result) is not None:
-                # As for a tool's result: that call fails, not the settlement (and the request).
-                return Skip(_unstorable(result, f"{stage} stage {_stage_name(callback)} skipped with"))
-            return decision
-        return Deny(
-            f"{stage} stage {_stage_name(callback)} returned {decision!r}, expected Allow, Deny or None",
-            ToolErrorType.EXECUTION,
-            "hook_error",
-        )
 
     def _own_lease_lost(self) -> bool:
         """Whether this journal's lease is lost: a `LeaseLostError` a tool, stage or middleware raised
@@ -1682,12 +1659,6 @@ class ToolPipeline:
         return record
 
 
-def _stage_name(callback: object) -> str:
-    # Only for a message: a callback's repr is not made for every call that passes.
-    name = getattr(callback, "__qualname__", None)
-    return name if name is not None else repr(callback)
-
-
 def _failure_result(failure: ToolFailure) -> ToolResult:
     """The error result of a `ToolFailure` the tool raised. Made from the tool's exception, so it stays
     that call's error result whatever the exception does (a subclass's ``to_result`` that raises or
@@ -1727,16 +1698,6 @@ def _stray_cancelled_result(exc: BaseException) -> ToolResult:
         f"the tool raised {type(exc).__name__} though the call was not cancelled "
         "(a cancellation of a scope of its own that escaped it)",
         code="tool_error",
-    )
-
-
-def _unstorable(result: ToolResult, source: str) -> ToolResult:
-    """The error result that replaces *result*, which is no JSON the journal can store (`result_problem`):
-    that call fails, where the settlement would otherwise fail the request and its other calls."""
-    return ToolResult.failure(
-        ToolErrorType.EXECUTION,
-        f"{source} a non-JSON result: {result_problem(result)}",
-        code="invalid_result",
     )
 
 

@@ -170,6 +170,16 @@ def result_problem(result: ToolResult) -> str | None:
     return json_problem(stored, "result")
 
 
+def _unstorable(result: ToolResult, source: str) -> ToolResult:
+    """The error result that replaces *result*, which is no JSON the journal can store (`result_problem`):
+    that call fails, where the settlement would otherwise fail the request and its other calls."""
+    return ToolResult.failure(
+        ToolErrorType.EXECUTION,
+        f"{source} a non-JSON result: {result_problem(result)}",
+        code="invalid_result",
+    )
+
+
 def _error_type(value: object, what: str = "ToolFailure", error: type[ValueError] = ValueError) -> ToolErrorType:
     """*value* as a `ToolErrorType` (its member or its value, e.g. ``"timeout"``); *error* naming it
     (as *what*'s type) otherwise."""

@@ -17,16 +17,18 @@ model sees and the tool does not run.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import attrs
 
-from .._errors import ConfigError
+from .._errors import ConfigError, LeaseLostError
 from ._context import ExecutionContext
 from ._definition import Tool, ToolBehavior
-from ._results import JsonObject, ToolErrorType, ToolResult, _error_type
+from ._results import JsonObject, ToolErrorType, ToolResult, _error_type, _unstorable, result_problem
 
 __all__ = ["Allow", "Deny", "PostStage", "Skip", "Stage", "StageDecision", "StageRequest", "ToolStages"]
+
+_Request = TypeVar("_Request")
 
 
 @attrs.frozen
@@ -112,3 +114,41 @@ class ToolStages:
             for index, callback in enumerate(getattr(self, stage_name)):
                 if not callable(callback):
                     raise ConfigError(f"{stage_name} stage #{index} is not callable: {callback!r}")
+
+
+async def decide(
+    stage: str,
+    callback: Callable[[_Request], Awaitable[StageDecision | None]],
+    request: _Request,
+    own_lease_lost: Callable[[], bool],
+) -> StageDecision | None:
+    """The decision of one deciding stage on *request*: a tool's call (the pipeline's stages) or a
+    client tool's (`ClientCallStages`, before the call goes to the client). A stage that raises or
+    answers nonsense refuses the call (stages fail closed); only a ``before`` stage may `Skip`, and
+    a skip whose result is no JSON fails that call. A `LeaseLostError` goes on only when
+    *own_lease_lost()* says it is the journal's own: a stage may drive a store of its own."""
+    try:
+        decision = await callback(request)
+    except Exception as exc:
+        if isinstance(exc, LeaseLostError) and own_lease_lost():
+            raise
+        return Deny(f"{stage} stage {_stage_name(callback)} failed: {exc!r}", ToolErrorType.EXECUTION, "hook_error")
+    if decision is None or isinstance(decision, (Allow, Deny)):
+        return decision
+    if isinstance(decision, Skip) and stage == "before":
+        result = decision.result  # a ToolResult: `Skip` checks it when it is made
+        if result_problem(result) is not None:
+            # As for a tool's result: that call fails, not the settlement (or the pause that holds it).
+            return Skip(_unstorable(result, f"{stage} stage {_stage_name(callback)} skipped with"))
+        return decision
+    return Deny(
+        f"{stage} stage {_stage_name(callback)} returned {decision!r}, expected Allow, Deny or None",
+        ToolErrorType.EXECUTION,
+        "hook_error",
+    )
+
+
+def _stage_name(callback: object) -> str:
+    # Only for a message: a callback's repr is not made for every call that passes.
+    name = getattr(callback, "__qualname__", None)
+    return name if name is not None else repr(callback)
