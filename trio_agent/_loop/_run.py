@@ -37,7 +37,7 @@ from .._models._messages import (
 )
 from .._tools._context import CallOrigin, ToolCall
 from .._tools._pipeline import ToolExecutionRecord
-from .._tools._results import ToolErrorType, ToolResult
+from .._tools._results import ToolResult
 from .._tools._stages import Allow, Deny, Skip, decide
 from ._compose import part_name
 from ._context import RunContext
@@ -491,9 +491,9 @@ class _Run:
     ) -> NoReturn:
         if self._aborted():
             # Abort wins over a pause (it may have landed while a boundary hook or the gate's screen
-            # ran): the calls that would have waited are answered unrun, as a rebuilt history answers
-            # them, and the run ends aborted.
-            self._answer(list(calls), [rejected.get(part.id) or _unrun_answer() for part in calls])
+            # ran): the refused calls with their answers, the ones that would have waited unrun (no
+            # result: `_answer` gives them a rebuilt history's answer), and the run ends aborted.
+            self._answer(list(calls), [rejected.get(part.id) for part in calls])
             raise _Aborted
         ids = [item.id for item in batch]
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
@@ -1070,11 +1070,6 @@ async def _screen_client_call(
     if errors:
         return tool_error(f"invalid input for tool {part.name!r}: " + "; ".join(errors), "invalid_input")
     return current
-
-
-def _unrun_answer() -> ToolResult:
-    """The answer of a call the run's abort left unrun (the text a rebuilt history gives it)."""
-    return ToolResult.failure(ToolErrorType.INTERRUPTED, ORPHAN_ANSWER, code="aborted", output=ORPHAN_ANSWER)
 
 
 def _no_unlink() -> None:
