@@ -148,6 +148,20 @@ async def test_answers_no_journal_can_keep_are_refused_and_the_session_stays_pau
     assert ran == [{"path": "a", "text": "x"}]
 
 
+@pytest.mark.parametrize("answers", [None, "approve", {"approval_call_1": "approve"}, iter(())])
+async def test_answers_that_are_not_a_list_are_refused_as_chat_refuses_them(answers: Any) -> None:
+    ran: list[dict[str, Any]] = []
+    async with session_of(echo_model(("write", {"path": "a", "text": "x"})), ran) as session:
+        reply = await session.send("write a")
+        with pytest.raises(InterruptResumeError) as caught:
+            await session.resume(answers)
+        assert [(issue.code, issue.message) for issue in caught.value.issues] == [
+            ("invalid_payload", "answers must be a list")
+        ]
+        assert session.paused is not None and ran == []
+        assert await session.resume([Approve(reply.interrupts[0].id)]) == "done: wrote a"
+
+
 async def test_a_mixed_batch_of_an_approval_a_client_tool_and_a_question_on_a_session() -> None:
     choice = define_interrupt("choice", response_schema={"type": "string"})
 

@@ -53,7 +53,13 @@ from .._journal._events import (
 from .._journal._run_recorder import JournalRecorder
 from .._lifecycle._approvals import PermissionGate
 from .._lifecycle._capabilities import validate_capabilities
-from .._lifecycle._interrupts import PausedRun, pause_to_json, registered_interrupts, split_client_tools
+from .._lifecycle._interrupts import (
+    PausedRun,
+    continuation_answers,
+    pause_to_json,
+    registered_interrupts,
+    split_client_tools,
+)
 from .._lifecycle._middleware import (
     ChatMiddleware,
     apply_structured_output_config,
@@ -68,8 +74,6 @@ from .._loop._interrupts import (
     Interrupt,
     InterruptAnswer,
     InterruptDefinition,
-    InterruptIssue,
-    InterruptResumeError,
     Resume,
 )
 from .._loop._ports import RunEventSink, RunPorts, RunSpec, TurnRef, discard_events, no_effects
@@ -469,10 +473,9 @@ class _Prepared:
             if not isinstance(resume, PausedRun):
                 raise ConfigError(f"resume= takes the PausedRun of a paused run, got {type(resume).__name__}")
             resume.verify(options["signing_key"])
-            if isinstance(answers, (str, bytes)) or not isinstance(answers, Sequence):
-                raise InterruptResumeError([InterruptIssue(None, "invalid_payload", "answers must be a list")])
+            checked = continuation_answers(answers)
             history = list(resume.state.messages)
-            resumed = Resume(resume.state, tuple(answers), resume.run_id)
+            resumed = Resume(resume.state, checked, resume.run_id)
         elif messages is None:
             raise ConfigError("chat() needs a prompt or at least one message")
         else:

@@ -237,6 +237,15 @@ def registered_interrupts(
     return registered
 
 
+def continuation_answers(answers: object) -> tuple[InterruptAnswer, ...]:
+    """The answers a continuation was given (``chat(resume=..., answers=...)``, `Session.resume`),
+    kept as they are now; anything but a list or tuple (a str, a mapping, an iterator) is an
+    `InterruptResumeError` (``invalid_payload``). The run checks each answer against its pause."""
+    if isinstance(answers, (str, bytes)) or not isinstance(answers, Sequence):
+        raise InterruptResumeError([InterruptIssue(None, "invalid_payload", "answers must be a list")])
+    return tuple(answers)
+
+
 def answers_to_json(answers: Sequence[InterruptAnswer]) -> list[dict[str, Any]]:
     return [_wire().unstructure(answer, Approve | Reject | Respond | Cancel) for answer in answers]
 

@@ -47,7 +47,7 @@ from .._journal._events import (
 )
 from .._journal._projection import RequestState, SessionState
 from .._journal._subscribe import DurableEventStream, JournalCursor
-from .._lifecycle._interrupts import PausedRun
+from .._lifecycle._interrupts import PausedRun, continuation_answers
 from .._loop._interrupts import InterruptAnswer, InterruptIssue, InterruptResumeError, Resume
 from .._models._messages import Message
 from .._permissions._engine import PermissionEngine
@@ -200,11 +200,10 @@ class Session:
             raise InterruptResumeError(
                 [InterruptIssue(None, "stale", f"session {self.session_id!r} is not paused: nothing to resume")]
             )
-        if isinstance(answers, (str, bytes)) or not isinstance(answers, Sequence):
-            raise InterruptResumeError([InterruptIssue(None, "invalid_payload", "answers must be a list")])
+        checked = continuation_answers(answers)
         self._queue.check_not_busy(None)
         request = _Request("", discard, self._host.root)
-        request.resume = Resume(paused.state, tuple(answers), paused.run_id)
+        request.resume = Resume(paused.state, checked, paused.run_id)
         return request
 
     async def send(self, prompt: str, *, priority: Priority | Literal["next", "now", "later"] | None = None) -> str:
