@@ -146,6 +146,16 @@ def test_repr_shows_the_public_path() -> None:
     assert trio_agent.lifecycle.StopReason.__module__ == "trio_agent"
 
 
+def test_the_loop_hooks_surface_is_public_whole() -> None:
+    # `ClientCallStages.before` / `.guard` hold `ClientStage` callbacks: a type an application
+    # writes against must be importable from where the class is.
+    from trio_agent._loop import _hooks
+
+    missing = [name for name in _hooks.__all__ if name not in trio_agent.lifecycle.__all__]
+    assert not missing
+    assert trio_agent.lifecycle.ClientStage is _hooks.ClientStage
+
+
 def test_one_object_per_name() -> None:
     by_name: dict[str, dict[str, object]] = collections.defaultdict(dict)
     for module_name, name, obj in _exports():
