@@ -38,3 +38,17 @@ def test_every_code_block_runs(doc: str, index: int, code: str, tmp_path: Path) 
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
     )
     assert done.returncode == 0, f"{doc} block {index} failed:\n{done.stderr[-2000:]}"
+
+
+def test_api_md_lists_what_trio_agent_plugins_exports_of_plugin_resolution() -> None:
+    # The define_plugin section of api.md says which names of plugin resolution live in
+    # trio_agent.plugins; the errors a user catches (UnknownToolError, ...) are among them.
+    import trio_agent.plugins
+    from trio_agent._session import _plugins
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    start = api.index("### `define_plugin`")
+    section = api[start : api.index("\n### ", start + 1)]
+    exported = [name for name in _plugins.__all__ if name in trio_agent.plugins.__all__]
+    assert exported and [name for name in exported if f"`{name}`" not in section] == []
+    assert "`ResolvedPlugins.tool(name)` raises `UnknownToolError`" in section
