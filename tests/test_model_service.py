@@ -937,6 +937,9 @@ async def test_retries_stop_at_max_attempts_and_raise_the_last_error(autojump_cl
         (math.nan, 0.5),
         ("5", 0.5),
         (True, 0.5),
+        # Ints too large for a float: clamped as given (float() of them raised OverflowError).
+        pytest.param(10**400, 30.0, id="huge"),
+        pytest.param(-(10**400), 0.0, id="huge-negative"),
     ],
 )
 async def test_rate_limit_honours_retry_after(
@@ -1038,6 +1041,8 @@ async def test_a_policy_of_many_attempts_retries_past_attempt_1024(autojump_cloc
         ("max_delay", -1),
         ("max_delay", 10.0**9),
         ("max_delay", math.nan),
+        pytest.param("max_delay", 10**400, id="max_delay-huge"),  # too large for a float
+        pytest.param("max_delay", 10**5000, id="max_delay-unprintable"),  # repr raised ValueError
         ("jitter", "yes"),
         ("jitter", 1),
     ],

@@ -527,8 +527,9 @@ async def test_a_latency_that_is_not_a_finite_duration_is_refused_and_never_reac
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     # A NaN latency went on the timer heap that every conversation of open_test_model shares:
-    # trio.move_on_at(nan) raised in the timer task and took down every conversation.
-    for latency in (float("nan"), float("inf"), -1.0, True, "1"):
+    # trio.move_on_at(nan) raised in the timer task and took down every conversation. An int too
+    # large for a float raised OverflowError (math.isfinite) rather than the ConfigError.
+    for latency in (float("nan"), float("inf"), -1.0, True, "1", 10**400, -(10**5000)):
         with pytest.raises(ConfigError, match=r"Reply\.latency must be a finite number of seconds >= 0"):
             Reply("x", latency=latency)  # type: ignore[arg-type]
     answered: list[str] = []

@@ -2,26 +2,55 @@
 
 from __future__ import annotations
 
+import sys
 import unicodedata
 
-from ._errors import ConfigError
+from ._errors import ConfigError, TrioAgentError
 
-__all__ = ["short_repr", "validate_id", "validate_limit", "validate_timeout"]
+__all__ = ["finite_seconds", "seconds_problem", "short_repr", "validate_id", "validate_limit", "validate_timeout"]
 
 MAX_TIMEOUT = 2**31 / 1000  # the largest timer the reference accepts, in seconds (~24.8 days)
+
+_LARGEST_FLOAT = sys.float_info.max  # a number above it (an int: float() raises) is no float's
+
+
+def seconds_problem(value: object, *, allow_zero: bool = False, maximum: float | None = None) -> str | None:
+    """What is wrong with *value* as a finite number of seconds (``"must be ..., got ..."``), or
+    ``None``: an int or float (not a bool), > 0 (>= 0 with *allow_zero*), at most *maximum* (else
+    the largest float).
+
+    Compared as given, never through float() or math.isfinite(): for an int too large for a float
+    both raise OverflowError, and Python compares ints and floats exactly (NaN fails every
+    comparison, infinity the upper bound). The value is printed through `short_repr`."""
+    top = _LARGEST_FLOAT if maximum is None else maximum
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if number and (value >= 0 if allow_zero else value > 0) and value <= top:  # type: ignore[operator]
+        return None
+    bounds = (">= 0" if allow_zero else "> 0") + ("" if maximum is None else f" and at most {maximum:g}")
+    return f"must be a finite number of seconds {bounds}, got {short_repr(value)}"
+
+
+def finite_seconds(
+    value: object,
+    name: str,
+    *,
+    allow_zero: bool = False,
+    maximum: float | None = None,
+    error: type[TrioAgentError] = ConfigError,
+) -> float:
+    """*value* as a float number of seconds (the rules of `seconds_problem`), else *error* naming
+    *name*: the one check every duration of the package goes through."""
+    problem = seconds_problem(value, allow_zero=allow_zero, maximum=maximum)
+    if problem is not None:
+        raise error(f"{name} {problem}")
+    return float(value)  # type: ignore[arg-type]  # an int or float within a float's range
 
 
 def validate_timeout(value: object, *, name: str) -> float:
     """A positive, finite number of seconds no larger than `MAX_TIMEOUT`."""
     if type(value) is float and 0 < value <= MAX_TIMEOUT:  # the usual case (NaN fails the comparison)
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
-    # Compared as given, before float(): an int too large for a float would raise OverflowError
-    # there; Python compares ints and floats exactly (and NaN fails the comparison).
-    if not 0 < value <= MAX_TIMEOUT:
-        raise ConfigError(f"{name} must be > 0 and <= {MAX_TIMEOUT:g} seconds, got {short_repr(value)}")
-    return float(value)
+    return finite_seconds(value, name, maximum=MAX_TIMEOUT)
 
 
 def short_repr(value: object) -> str:

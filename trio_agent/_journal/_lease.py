@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .._config import MAX_TIMEOUT, short_repr
+from .._config import MAX_TIMEOUT, finite_seconds
 from .._errors import ConfigError, JournalError, LeaseHeldError, LeaseLostError
 from .._groups import raise_alone
 from ._store import JournalStore, Lease
@@ -68,14 +68,8 @@ def _host() -> str:
 
 
 def check_seconds(name: str, value: float, *, allow_zero: bool = False) -> float:
-    # Compared as given: isfinite() or float() of an int too large for a float raises OverflowError.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not -math.inf < value < math.inf:
-        raise ConfigError(f"{name} must be a finite number of seconds, not {short_repr(value)}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, not {short_repr(value)}")
-    if value > MAX_TIMEOUT:  # past every timer a database or trio is given (a lease TTL becomes one)
-        raise ConfigError(f"{name} must be at most {MAX_TIMEOUT:g} seconds, not {short_repr(value)}")
-    return float(value)
+    # At most MAX_TIMEOUT: past every timer a database or trio is given (a lease TTL becomes one).
+    return finite_seconds(value, name, allow_zero=allow_zero, maximum=MAX_TIMEOUT)
 
 
 def check_timing(lease_ttl: float, heartbeat_interval: float | None) -> tuple[float, float]:

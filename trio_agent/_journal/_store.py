@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -40,7 +39,7 @@ import orjson
 import trio
 
 from .._builders import constructor
-from .._config import short_repr
+from .._config import finite_seconds
 from .._errors import (
     CommandConflictError,
     ConfigError,
@@ -507,14 +506,7 @@ def unavailable(exc: BaseException, what: str) -> JournalUnavailableError:
 
 
 def check_ttl(ttl: float) -> float:
-    # Compared as given (NaN and infinity fail the comparison): isfinite() of an int too large for
-    # a float raises OverflowError, as float() does (refused below), and its repr ValueError.
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= _LARGEST_FLOAT:
-        raise JournalError(f"lease ttl must be a positive finite number of seconds, not {short_repr(ttl)}")
-    return float(ttl)
-
-
-_LARGEST_FLOAT = int(sys.float_info.max)  # an int above it float() refuses; NaN and inf fail too
+    return finite_seconds(ttl, "lease ttl", error=JournalError)
 
 
 # ---------------------------------------------------------------- the store's rules, once

@@ -32,7 +32,7 @@ import trio
 from .._abort import AbortHandle
 from .._builders import constructor
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
-from .._config import MAX_TIMEOUT, validate_timeout
+from .._config import MAX_TIMEOUT, finite_seconds, validate_timeout
 from .._errors import (
     ConfigError,
     MiddlewareShapeError,
@@ -395,10 +395,7 @@ def _attempts(policy: RetryPolicy, attribute: attrs.Attribute[int], value: objec
 
 
 def _seconds(policy: RetryPolicy, attribute: attrs.Attribute[float], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TIMEOUT:
-        raise ConfigError(
-            f"RetryPolicy.{attribute.name} must be a number of seconds from 0 to {MAX_TIMEOUT:g}, got {value!r}"
-        )
+    finite_seconds(value, f"RetryPolicy.{attribute.name}", allow_zero=True, maximum=MAX_TIMEOUT)
 
 
 def _flag(policy: RetryPolicy, attribute: attrs.Attribute[bool], value: object) -> None:
@@ -425,10 +422,12 @@ class RetryPolicy:
         if isinstance(error, RateLimitError):
             # A provider's (possibly a custom one's) retry_after: a number of seconds, clamped to
             # [0, max_delay] (a date already past is "now"); a NaN or what is no number at all is
-            # no advice, so the backoff applies as with none (trio.sleep refuses NaN).
+            # no advice, so the backoff applies as with none (trio.sleep refuses NaN). Clamped as
+            # given, float() last: float() or isnan() of an int too large for a float raises
+            # OverflowError (NaN is the one number unequal to itself).
             after: object = error.retry_after
-            if isinstance(after, int | float) and not isinstance(after, bool) and not math.isnan(after):
-                return min(max(float(after), 0.0), self.max_delay)
+            if isinstance(after, int | float) and not isinstance(after, bool) and after == after:
+                return float(min(max(after, 0.0), self.max_delay))
         ceiling = min(self.base_delay * 2 ** min(attempt - 1, _MAX_DOUBLINGS), self.max_delay)
         return rng.uniform(0, ceiling) if self.jitter else ceiling
 

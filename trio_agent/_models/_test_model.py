@@ -5,7 +5,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
-import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -14,6 +13,7 @@ from typing import Any
 import attrs
 import trio
 
+from .._config import seconds_problem
 from .._errors import ConfigError, ModelError
 from .._json import json_problem
 from ._messages import (
@@ -110,10 +110,8 @@ def _reply_problem(reply: Reply) -> str | None:
     count = reply.fail_after_chunks
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
         return f"fail_after_chunks must be a whole number >= 0 or None, got {count!r}"
-    latency = reply.latency
-    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not math.isfinite(latency) or latency < 0:
-        return f"latency must be a finite number of seconds >= 0, got {latency!r}"
-    return None
+    problem = seconds_problem(reply.latency, allow_zero=True)
+    return None if problem is None else f"latency {problem}"
 
 
 def _estimate_usage(text: str, parts: Sequence[Any]) -> Usage:
