@@ -202,7 +202,11 @@ async def test_an_approval_is_read_strictly_and_edited_args_as_a_json_string_are
             [
                 ({"approved": True, "editedArgs": ["a", 10]}, "payload.editedArgs must be a JSON object"),
                 ({"approved": True, "editedArgs": "[10, 5]"}, "its string holds an array"),
-                ({"approved": True, "editedArgs": '{"a": NaN}'}, "a string that is not JSON: NaN is not JSON"),
+                ({"approved": True, "editedArgs": '{"a": NaN}'}, "a string that is not valid: NaN is not"),
+                # read as the model's arguments are: 1e999 became inf (refused later, not as the
+                # edit), and nesting had no limit but the interpreter's
+                ({"approved": True, "editedArgs": '{"a": 1e999}'}, "a string that is not valid: the number 1e999"),
+                ({"approved": True, "editedArgs": "[" * 100 + "]" * 100}, "a string that is nested more than"),
                 ({"approved": "true"}, "payload.approved must be true or false, got a string"),
                 ({"editedArgs": {"a": 10, "b": 5}}, "payload.approved must be true or false, got null"),
                 ({"approved": False, "message": 5}, "payload.message must be a string, got a number"),

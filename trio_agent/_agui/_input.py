@@ -30,7 +30,6 @@ Rules
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -52,6 +51,7 @@ from .._loop._interrupts import (
     Respond,
     define_client_tool,
 )
+from .._models._assemble import JSONTextError, parse_json_value
 from .._models._messages import (
     AssistantMessage,
     Message,
@@ -351,11 +351,12 @@ def _edited_args(value: object, wrong: Callable[[str, str], None]) -> dict[str, 
     if value is None or isinstance(value, dict):
         return value
     if isinstance(value, str):
+        # Read as the model's own arguments are (a depth limit, finite numbers only): json.loads
+        # turned 1e999 into inf, which passed here and was refused later as a bad payload.
         try:
-            decoded = json.loads(value, parse_constant=_no_constant)
-        except (ValueError, RecursionError) as exc:
-            what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            wrong("invalid_edited_args", f"payload.editedArgs is a string that is not JSON: {what}")
+            decoded = parse_json_value(value)
+        except JSONTextError as exc:
+            wrong("invalid_edited_args", f"payload.editedArgs is a string that is {exc.problem}")
             return None
         if isinstance(decoded, dict):
             return decoded
@@ -365,10 +366,6 @@ def _edited_args(value: object, wrong: Callable[[str, str], None]) -> dict[str, 
     got = _kind_json(value)
     wrong("invalid_edited_args", f"payload.editedArgs must be a JSON object (or one as a JSON string), got {got}")
     return None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _kind_json(value: object) -> str:
