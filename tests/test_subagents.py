@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import types
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from trio_agent._journal._events import (
     ToolCancelled,
 )
 from trio_agent._session._plugins import MiddlewareConfig
+from trio_agent._session._subagents import SubagentSupervisor
 from trio_agent.models import ModelRequest, StreamChunk, SystemMessage, TextDelta, ToolCallEnd, UserMessage
 from trio_agent.testing import Reply, TestModel
 from trio_agent.tools import SchedulerLimits, ToolMiddlewareRequest, ToolScheduler
@@ -1360,3 +1362,16 @@ async def test_a_background_subagent_whose_acceptance_fails_does_not_hold_up_the
             async with open_session(provider=model, journal=store, subagents=[HELPER], close_timeout=3) as session:
                 await session.send("go")
         assert trio.current_time() - started < 3
+
+
+def test_only_an_id_of_ascii_digits_names_the_definition_a_recovered_subagent_runs_under() -> None:
+    # '<name>-<n>' was read twice: numbering took ASCII digits only, recovery any str.isdigit()
+    # digit, so a stream 'helper-\u0661' (ARABIC-INDIC DIGIT ONE, never an id made here) was
+    # recovered with helper's tools.
+    root = types.SimpleNamespace(agent_id="root", allowed=frozenset({"read", "write"}), max_turns=5)
+    host: Any = types.SimpleNamespace(root=root)
+    supervisor = SubagentSupervisor(host, {"helper": HELPER}, nursery=None)  # type: ignore[arg-type]
+    made = supervisor.recovered_agent("helper-1", "root")
+    assert (made.name, made.allowed) == ("helper", frozenset({"read", "write"}))
+    foreign = supervisor.recovered_agent("helper-\u0661", "root")
+    assert (foreign.name, foreign.allowed, foreign.system_prompt) == ("helper-\u0661", frozenset(), "")

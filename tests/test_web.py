@@ -108,7 +108,7 @@ async def test_bad_input_is_an_http_error_naming_what_is_wrong(send: dict[str, A
         assert response.status_code == status and response.json()["error"] == code
         if code == "invalid_input" and status == 422 and "wizard" in str(send):
             assert response.json()["problems"] == [
-                "$.threadId: expected a non-empty string, got int",
+                "$.threadId: expected a non-empty string, got a number",
                 "$.runId: missing",
                 "$.messages[0].id: missing",
                 "$.messages[0].role: unknown role 'wizard'",
@@ -136,15 +136,15 @@ def test_every_typed_field_of_a_run_input_is_checked_not_only_the_ones_read() ->
     with pytest.raises(InputError) as caught:
         parse_run_input(given)
     assert caught.value.problems == (
-        "$.protocolVersion: expected a non-empty string, got int",
-        "$.messages[1].toolCalls: expected a list, got int",
-        "$.messages[2].toolCalls: expected a list, got str",
-        "$.messages[3].error: expected a string (the error's text), got int",
-        "$.context[0]: expected an object {description, value}, got int",
+        "$.protocolVersion: expected a non-empty string, got a number",
+        "$.messages[1].toolCalls: expected a list, got a number",
+        "$.messages[2].toolCalls: expected a list, got a string",
+        "$.messages[3].error: expected a string (the error's text), got a number",
+        "$.context[0]: expected an object {description, value}, got a number",
         "$.context[1].value: missing",
-        "$.context[2].value: expected a string, got int",
+        "$.context[2].value: expected a string, got a number",
     )
-    with pytest.raises(InputError, match=r"\$\.context: expected a list, got str"):
+    with pytest.raises(InputError, match=r"\$\.context: expected a list, got a string"):
         parse_run_input({**given, "context": "nope", "protocolVersion": "0.1", "messages": [user]})
     read = parse_run_input(
         {

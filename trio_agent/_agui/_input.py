@@ -131,12 +131,9 @@ class _Reader:
             texts = [part.get("text") for part in value if isinstance(part, dict) and part.get("type") == "text"]
             if all(isinstance(text, str) for text in texts):
                 return "".join(texts)  # type: ignore[arg-type]
-        self.fail(f"{path}.content", f"expected a string or a list of parts, got {_kind(value)}")
+        got = "missing" if value is None else f"got {_kind(value)}"
+        self.fail(f"{path}.content", f"expected a string or a list of parts, {got}")
         return None
-
-
-def _kind(value: object) -> str:
-    return "nothing" if value is None else type(value).__name__
 
 
 def _message(reader: _Reader, data: object, path: str) -> Message | None:
@@ -272,7 +269,10 @@ def parse_run_input(data: object) -> RunInput:
         value = data.get(key, [] if key != "messages" else None)
         if value is None and key != "messages":
             value = []
-        if not isinstance(value, list):
+        if value is None:
+            reader.fail(f"$.{key}", "missing")
+            value = []
+        elif not isinstance(value, list):
             reader.fail(f"$.{key}", f"expected a list, got {_kind(value)}")
             value = []
         lists[key] = value
@@ -332,11 +332,11 @@ def _approval(interrupt_id: str, payload: Mapping[str, Any]) -> tuple[Approve | 
 
     approved = payload.get("approved")
     if not isinstance(approved, bool):
-        wrong("wrong_answer", f"payload.approved must be true or false, got {_kind_json(approved)}")
+        wrong("wrong_answer", f"payload.approved must be true or false, got {_kind(approved)}")
     edited = _edited_args(payload.get("editedArgs"), wrong)
     message = payload.get("message")
     if message is not None and not isinstance(message, str):
-        wrong("wrong_answer", f"payload.message must be a string, got {_kind_json(message)}")
+        wrong("wrong_answer", f"payload.message must be a string, got {_kind(message)}")
     if issues:
         return None, issues
     if approved:
@@ -360,16 +360,16 @@ def _edited_args(value: object, wrong: Callable[[str, str], None]) -> dict[str, 
             return None
         if isinstance(decoded, dict):
             return decoded
-        holds = _kind_json(decoded)
+        holds = _kind(decoded)
         wrong("invalid_edited_args", f"payload.editedArgs must hold a JSON object, its string holds {holds}")
         return None
-    got = _kind_json(value)
+    got = _kind(value)
     wrong("invalid_edited_args", f"payload.editedArgs must be a JSON object (or one as a JSON string), got {got}")
     return None
 
 
-def _kind_json(value: object) -> str:
-    """A decoded JSON value's kind, in JSON's words."""
+def _kind(value: object) -> str:
+    """A decoded JSON value's kind, in JSON's words (what the client sent, not a Python type)."""
     if value is None:
         return "null"
     if isinstance(value, bool):

@@ -77,7 +77,7 @@ from .._loop._hooks import NO_HOOKS, ClientCall, ClientCallStages, Finished, Lif
 from .._loop._interrupts import InterruptRequest, InterruptResolutions, ToolResume
 from .._loop._ports import RunEventSink
 from .._loop._rules import LoopState
-from .._models._messages import Message, ToolCallPart, ToolSpec, Usage
+from .._models._messages import MESSAGE_CLASSES, ToolCallPart, ToolSpec, Usage
 from .._tools import _stages
 from .._tools._results import ToolErrorType, ToolResult
 from .._tools._stages import Allow, Deny, StageDecision, StageRequest, ToolStages
@@ -155,7 +155,7 @@ HOOK_NAMES: tuple[str, ...] = (
 
 _CONFIG_FIELDS = frozenset(field.name for field in attrs.fields(ModelConfig))
 _EVENT_TYPES: tuple[type, ...] = typing.get_args(RunEvent)
-_MESSAGE_TYPES: tuple[type, ...] = typing.get_args(Message)
+_MESSAGE_TYPES = tuple(MESSAGE_CLASSES)  # for isinstance()
 _STARTED = "trio_agent.lifecycle.started"  # ctx.state key: when the run's setup ran (for durations)
 
 # The pipeline's "end the call with a success, unrun" decision, once `_tools/_stages.py` has it.

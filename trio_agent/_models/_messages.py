@@ -7,6 +7,7 @@ cattrs, tagging unions by a ``type`` field so a stored conversation round-trips.
 from __future__ import annotations
 
 import enum
+import typing
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias, TypeVar
 
@@ -156,6 +157,10 @@ class ToolResultMessage:
 
 
 Message: TypeAlias = SystemMessage | UserMessage | AssistantMessage | ToolResultMessage
+
+MESSAGE_CLASSES: frozenset[type] = frozenset(typing.get_args(Message))
+"""The classes a `Message` is, for the checks that a value is one (a set: the common exact-class
+test is one lookup)."""
 
 
 @attrs.frozen

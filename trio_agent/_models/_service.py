@@ -20,7 +20,6 @@ import functools
 import inspect
 import math
 import random
-import reprlib
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
@@ -32,7 +31,7 @@ import trio
 from .._abort import AbortHandle
 from .._builders import constructor
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
-from .._config import MAX_TIMEOUT, finite_seconds, validate_timeout
+from .._config import MAX_TIMEOUT, finite_seconds, short_repr, validate_timeout
 from .._errors import (
     ConfigError,
     MiddlewareShapeError,
@@ -48,21 +47,18 @@ from .._groups import contains_cancelled, typed_error
 from .._middleware import CheckedLayers, Composed, ComposedNext, MiddlewareNext, PassedChecks, compose_middleware
 from ._history import MessageView
 from ._messages import (
-    AssistantMessage,
+    MESSAGE_CLASSES,
     FinishChunk,
     Message,
     ModelResponse,
     ReasoningDelta,
     StreamChunk,
-    SystemMessage,
     TextDelta,
     ToolCallDelta,
     ToolCallEnd,
     ToolCallStart,
-    ToolResultMessage,
     ToolSpec,
     UsageChunk,
-    UserMessage,
 )
 
 T = TypeVar("T")
@@ -93,9 +89,6 @@ class Operation(enum.Enum):
     CHAT_WITH_RETRY_EVENTS = "chat_with_retry_events"
 
 
-_MESSAGE_KINDS: frozenset[type] = frozenset((SystemMessage, UserMessage, AssistantMessage, ToolResultMessage))
-
-
 def _message_tuple(messages: Iterable[Message]) -> Sequence[Message]:
     """*messages* as a tuple (kept as it is if it is one) of messages, else `ConfigError`.
 
@@ -114,7 +107,7 @@ def _message_tuple(messages: Iterable[Message]) -> Sequence[Message]:
     else:
         result = tuple(messages)
     for index, message in enumerate(result):
-        if type(message) not in _MESSAGE_KINDS and not _is_kind(message, _MESSAGE_KINDS):
+        if type(message) not in MESSAGE_CLASSES and not _is_kind(message, MESSAGE_CLASSES):
             raise ConfigError(
                 f"messages[{index}] is not a message (SystemMessage, UserMessage, AssistantMessage or "
                 f"ToolResultMessage): {_what(message)}"
@@ -146,8 +139,9 @@ def _mapping(value: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
 
 
 def _what(item: object) -> str:
-    """A wrong item, for an error message: its type and a short repr."""
-    return "None" if item is None else f"{type(item).__name__} {reprlib.repr(item)}"
+    """A wrong item, for an error message: its type and a short repr (reprlib.repr raised
+    ValueError for an int too long to print)."""
+    return "None" if item is None else f"{type(item).__name__} {short_repr(item)}"
 
 
 def _is_kind(item: object, kinds: frozenset[type]) -> bool:

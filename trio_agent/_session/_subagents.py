@@ -80,6 +80,15 @@ _log = logging.getLogger("trio_agent.session")
 TASK_TOOL_NAMES = frozenset({"task", "task_output"})
 
 
+def numbered_agent_id(agent_id: str) -> tuple[str, int] | None:
+    """``(name, n)`` of a subagent id made as ``<name>-<n>``, else ``None``. Only ASCII digits
+    count: str.isdigit() takes others too ("helper-\u0661"), which no id made here holds."""
+    name, _, digits = agent_id.rpartition("-")
+    if name and digits.isascii() and digits.isdigit():
+        return name, int(digits)
+    return None
+
+
 def _optional_names(value: Sequence[str] | None) -> tuple[str, ...] | None:
     return None if value is None else tuple(value)
 
@@ -298,9 +307,10 @@ class SubagentSupervisor:
             numbers = self._numbers = {}
             # The root's id too: its stream may not be written yet (a new session defers it).
             for agent_id in (self.host.root.agent_id, *self.host.journal.agents):
-                base, _, digits = agent_id.rpartition("-")
-                if base and digits.isascii() and digits.isdigit():
-                    numbers[base] = max(numbers.get(base, 0), int(digits))
+                numbered = numbered_agent_id(agent_id)
+                if numbered is not None:
+                    base, number = numbered
+                    numbers[base] = max(numbers.get(base, 0), number)
         number = numbers[name] = numbers.get(name, 0) + 1
         return f"{name}-{number}"
 
@@ -315,12 +325,13 @@ class SubagentSupervisor:
         the allowlist its calls are re-run under. Its definition is the one its id names
         (``<name>-<n>``, as `_make_agent` makes it); an id naming no definition of this session
         may use no tool."""
-        name, _, number = agent_id.rpartition("-")
-        definition = self.definitions.get(name) if number.isdigit() else None
+        numbered = numbered_agent_id(agent_id)
+        name = agent_id if numbered is None else numbered[0]
+        definition = None if numbered is None else self.definitions.get(name)
         root = self.host.root
         return _Agent(
             agent_id=agent_id,
-            name=name or agent_id,
+            name=name,
             system_prompt="" if definition is None else definition.system_prompt,
             allowed=frozenset() if definition is None else self._allowed(definition),
             max_turns=root.max_turns,
