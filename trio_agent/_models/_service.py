@@ -355,6 +355,18 @@ def model_middleware_problem(layer: object) -> str | None:
     return None
 
 
+def model_middleware_runs_problem(layers: Iterable[object], runs: Sequence[str]) -> str | None:
+    """Which of *layers* (model middleware, shapes checked) defines none of the wrappers *runs*
+    (those of the calls its caller makes), as ``model middleware #<i> (<type>) defines ... but not
+    ...``, or ``None``: such a layer would silently never run."""
+    for index, layer in enumerate(layers):
+        if any(_defines(layer, name) for name in runs):
+            continue
+        defined = ", ".join(name for name in _WRAPPERS.values() if _defines(layer, name))
+        return f"model middleware #{index} ({type(layer).__name__}) defines {defined} but not {' or '.join(runs)}"
+    return None
+
+
 # Two a request: built cheaper (see `_builders`), every field given (the tuples made by `request`).
 _model_request: Callable[
     [Operation, str, Sequence[Message], tuple[ToolSpec, ...], Mapping[str, Any], AbortHandle | None, Mapping[str, Any]],

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 from .._errors import ConfigError, MiddlewareShapeError
-from .._models._service import _WRAPPERS, ModelLayers, _defines
+from .._models._service import ModelLayers, model_middleware_runs_problem
 from .._tools._definition import Tool
 from .._tools._pipeline import ToolLayers, ToolMiddleware
 from ._hooks import HookCallback, HookEvent, HookRegistry
@@ -59,15 +59,11 @@ class MiddlewareConfigError(ConfigError, MiddlewareShapeError):
 
 def check_model_middleware_runs(owner: str, layers: Iterable[object], *, runs: Sequence[str], why: str) -> None:
     """`MiddlewareConfigError` for model middleware that defines none of the wrappers *runs* (those
-    of the calls its caller makes): it would silently never run. *why* says so to the user."""
-    for index, layer in enumerate(layers):
-        if any(_defines(layer, name) for name in runs):
-            continue
-        defined = ", ".join(name for name in _WRAPPERS.values() if _defines(layer, name))
-        raise MiddlewareConfigError(
-            f"{owner} model middleware #{index} ({type(layer).__name__}) defines {defined} but not "
-            f"{' or '.join(runs)}: {why}"
-        )
+    of the calls its caller makes): it would silently never run. *why* says so to the user. The
+    check is the model service's (`model_middleware_runs_problem`); the error is this module's."""
+    problem = model_middleware_runs_problem(layers, runs)
+    if problem is not None:
+        raise MiddlewareConfigError(f"{owner} {problem}: {why}")
 
 
 class TrustLevel(enum.Enum):
