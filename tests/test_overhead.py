@@ -236,3 +236,45 @@ async def test_a_lone_tool_call_runs_in_the_requests_task_and_several_run_side_b
         assert tasks == [here]  # send() runs the request here, and the lone call with it
     else:
         assert here not in tasks and len(set(tasks)) == calls
+
+
+async def test_a_turn_checks_neither_the_loops_tools_again_nor_a_chunk_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every model call ran _tool_tuple over the loop's tools (an isinstance per tool), though they
+    # are the one tuple of ToolSpecs checked where they were defined; and with no model layer each
+    # chunk was type-checked by the retrying stream and again by the block's iterator.
+    import trio_agent._models._service as service_module
+
+    tool_checks: list[object] = []
+    kind_checks: list[object] = []
+    tool_tuple, is_kind = service_module._tool_tuple, service_module._is_kind
+
+    def counting_tool_tuple(tools: Any) -> Any:
+        tool_checks.append(tools)
+        return tool_tuple(tools)
+
+    def counting_is_kind(item: object, kinds: Any) -> bool:
+        kind_checks.append(item)
+        return is_kind(item, kinds)
+
+    monkeypatch.setattr(service_module, "_tool_tuple", counting_tool_tuple)
+    monkeypatch.setattr(service_module, "_is_kind", counting_is_kind)
+    service = ta.ModelService(TestModel(respond=respond))
+    tools = (ta.ToolSpec("add", "Add two integers", {"type": "object"}),)
+    for _ in range(3):
+        async with service.stream([ta.UserMessage("add")], tools=tools) as chunks:
+            async for _chunk in chunks:
+                pass
+    assert tool_checks == [tools]  # checked at the first call, remembered after
+
+    class Delta(ta.TextDelta):  # a subclass: the exact-class fast path misses, so the check is seen
+        pass
+
+    class Subclassed:
+        model = "m"
+
+        async def stream(self, request: ta.ModelRequest) -> AsyncIterator[ta.StreamChunk]:
+            yield Delta("hi")
+
+    async with ta.ModelService(Subclassed()).stream([ta.UserMessage("x")]) as chunks:  # type: ignore[arg-type]
+        assert [chunk async for chunk in chunks] == [Delta("hi")]
+    assert len(kind_checks) == 1  # the retrying stream's check; the block's iterator trusts it

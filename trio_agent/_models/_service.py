@@ -509,10 +509,21 @@ class ModelService:
         self._rng = rng or _JITTER
         self._chains: dict[Operation, tuple[Any, ...]] = layers.derived("model_chains", _Chains)
         self._open_chains: dict[Operation, Composed] = layers.derived("model_open_chains", _OpenChains)
+        # The last tools tuple checked (`_tools`), kept alive so its identity means "checked": a
+        # loop passes its one tuple of ToolSpecs (checked where it was defined) every turn.
+        self._checked_tools: tuple[ToolSpec, ...] = ()
 
     @property
     def model(self) -> str:
         return self.provider.model
+
+    def _tools(self, tools: Sequence[ToolSpec]) -> tuple[ToolSpec, ...]:
+        """*tools* checked (`_tool_tuple`); a tuple is remembered, so passing it again costs nothing
+        (a tuple cannot change, and its ToolSpecs are frozen)."""
+        checked = _tool_tuple(tools)
+        if checked is tools:
+            self._checked_tools = checked
+        return checked
 
     def with_model(self, model: str) -> ModelService:
         """A new service for *model*: a new provider service wrapped with the same middleware stack."""
@@ -540,7 +551,7 @@ class ModelService:
             operation,
             self.provider.model,
             _message_tuple(messages),
-            tools if tools == () else _tool_tuple(tools),
+            tools if tools is self._checked_tools or tools == () else self._tools(tools),
             {} if options is None else _mapping(options, "options"),
             abort,
             {} if metadata is None else _mapping(metadata, "metadata"),
@@ -720,7 +731,8 @@ class ModelService:
     def _open_iterators(
         self, request: ModelRequest, terminal: Callable[[ModelRequest], AsyncIterator[Any]], kinds: frozenset[type]
     ) -> _OpenIterators:
-        return _OpenIterators(self, request, terminal, kinds)
+        # No layer of the operation: the block reads the terminal, whose items are checked already.
+        return _OpenIterators(self, request, terminal, kinds if self._chains[request.operation] else None)
 
     def _position_name(self, operation: Operation, position: int) -> str:
         """How a clean-up overrun names the layer at *position* of *operation*'s chain (the terminal last)."""
@@ -777,12 +789,14 @@ class _OpenIterators:
         service: ModelService,
         request: ModelRequest,
         terminal: Callable[[ModelRequest], AsyncIterator[Any]],
-        kinds: frozenset[type],
+        kinds: frozenset[type] | None,
     ) -> None:
         self._service = service
         self._request = request
         self._terminal = terminal
-        self._kinds = kinds  # what the block may see: the terminal's items are checked already
+        # What the block may see (the terminal's items are checked already); None: no layer runs,
+        # so every item is the terminal's and is not checked twice.
+        self._kinds = kinds
         # Position -> iterator: layer i at i, the terminal last. Closing goes by position, so the
         # order is outermost first even when a wrapper opens its inner stream eagerly.
         self._opened: dict[int, AsyncIterator[Any]] = {}
@@ -840,13 +854,13 @@ class _OpenIterators:
         except Exception as exc:
             error = _middleware_failure(exc)
             raise error from error.__cause__
-        if type(item) in self._kinds:
-            return item
-        return self._odd_item(item)
-
-    def _odd_item(self, item: object) -> Any:
-        """*item*, if it is of a subclass of what the block may see; else the outermost layer's error."""
         kinds = self._kinds
+        if kinds is None or type(item) in kinds:
+            return item
+        return self._odd_item(item, kinds)
+
+    def _odd_item(self, item: object, kinds: frozenset[type]) -> Any:
+        """*item*, if it is of a subclass of what the block may see; else the outermost layer's error."""
         if _is_kind(item, kinds):
             return item
         operation = self._request.operation
