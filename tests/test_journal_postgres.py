@@ -841,3 +841,19 @@ async def test_a_version_1_schema_is_migrated_when_a_store_opens_it(postgres_dsn
     async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
         with pytest.raises(JournalCorruptError, match=f"{streams[1]}#5 is corrupt: checksum mismatch"):
             await store.read(streams[1])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"poll_interval": 10**400},  # too large for a float: OverflowError before
+        {"poll_interval": 0},
+        {"statement_timeout": 10**400},
+        {"statement_timeout": 10**7},  # past PostgreSQL's int32 of milliseconds: refused at connect before
+        {"statement_timeout": -1},
+    ],
+    ids=["poll-huge", "poll-zero", "statement-huge", "statement-past-int32", "statement-negative"],
+)
+def test_bad_timings_are_a_journal_error_before_any_connection(options: dict[str, Any]) -> None:
+    with pytest.raises(JournalError, match=next(iter(options))):
+        PostgresStore("postgresql://nobody@127.0.0.1:1/none", **options)

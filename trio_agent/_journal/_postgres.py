@@ -80,6 +80,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
+from .._config import MAX_TIMEOUT, finite_seconds
 from .._errors import (
     ForeignStreamError,
     JournalCorruptError,
@@ -395,12 +396,11 @@ class PostgresStore(LaneStore):
         self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
         if not isinstance(schema, str) or not _SCHEMA_NAME.match(schema) or len(schema.encode()) > 63:
             raise JournalError(f"schema must be a plain SQL identifier of at most 63 bytes, not {schema!r}")
-        if not (isinstance(poll_interval, (int, float)) and math.isfinite(poll_interval) and poll_interval > 0):
-            raise JournalError(f"poll_interval must be a positive number of seconds, not {poll_interval!r}")
-        if not (isinstance(statement_timeout, (int, float)) and math.isfinite(statement_timeout)) or (
-            statement_timeout < 0
-        ):
-            raise JournalError(f"statement_timeout must be >= 0 seconds (0: none), not {statement_timeout!r}")
+        # At most MAX_TIMEOUT: PostgreSQL takes statement_timeout as an int32 of milliseconds.
+        poll_interval = finite_seconds(poll_interval, "poll_interval", maximum=MAX_TIMEOUT, error=JournalError)
+        statement_timeout = finite_seconds(
+            statement_timeout, "statement_timeout (0: none)", allow_zero=True, maximum=MAX_TIMEOUT, error=JournalError
+        )
         try:
             params: dict[str, Any] = conninfo_to_dict(dsn)
         except psycopg.Error:
