@@ -1,4 +1,6 @@
-"""Work that runs its own nursery and fails in its cleanup when a scope around it cancels it.
+"""Cancellations as tests need them.
+
+Work that runs its own nursery and fails in its cleanup when a scope around it cancels it.
 
 Trio then passes the rest of the nursery's group (without its ``Cancelled``) through the
 cancelling scope: every scope of ours around user code must end such work as the cancellation
@@ -24,4 +26,15 @@ async def nursery_failing_in_cleanup() -> NoReturn:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(failing_child)
         await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+async def cancelled_of_its_own() -> trio.Cancelled:
+    """A ``Cancelled`` of a scope that has already exited: nothing around the caller is cancelled."""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled as exc:
+            return exc
     raise AssertionError("unreachable")

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from cancel_helpers import cancelled_of_its_own
 
 from trio_agent import ConfigError, ModelError, SideEffect, ToolKind, define_tool
 from trio_agent._chat._chat import StructuredOutputError, chat
@@ -555,20 +556,9 @@ async def test_bad_arguments_raise_config_error_before_anything_runs(bad: dict[s
     assert spy.log == [] and model.requests == []
 
 
-async def _cancelled_of_its_own() -> trio.Cancelled:
-    """A ``Cancelled`` of a scope that has already exited: nothing around the caller is cancelled."""
-    with trio.CancelScope() as scope:
-        scope.cancel()
-        try:
-            await trio.sleep_forever()
-        except trio.Cancelled as exc:
-            return exc
-    raise AssertionError("unreachable")
-
-
 @define_tool(name="stray", description="raises its own Cancelled", input_schema=OBJECT, side_effect=SideEffect.PURE)
 async def stray(input: dict[str, Any], ctx: Any) -> str:
-    raise await _cancelled_of_its_own()
+    raise await cancelled_of_its_own()
 
 
 @define_tool(name="ok", description="answers", input_schema=OBJECT, side_effect=SideEffect.PURE)
@@ -597,7 +587,7 @@ async def test_every_call_of_a_turn_is_answered_when_a_call_ends_without_a_resul
     # cancels the sibling (and takes the Cancelled): the next request still answers both calls.
     async def stray_middleware(request: Any, call_next: Any) -> Any:
         if request.tool_name == "stray":
-            raise await _cancelled_of_its_own()
+            raise await cancelled_of_its_own()
         return await call_next()
 
     calls: list[tuple[str, dict[str, Any]]] = [("stray", {}), ("ok", {})]

@@ -16,6 +16,7 @@ import attrs
 import pytest
 import trio
 import trio.testing
+from cancel_helpers import cancelled_of_its_own
 
 import trio_agent as ta
 from trio_agent.testing import call_tool
@@ -539,21 +540,10 @@ async def test_blocking_settlement_is_shielded_from_outside_cancellation() -> No
     assert settled(journal, "c")["status"] == "completed"
 
 
-async def _cancelled_of_its_own() -> trio.Cancelled:
-    """A ``Cancelled`` of a scope that has already exited: nothing around the caller is cancelled."""
-    with trio.CancelScope() as scope:
-        scope.cancel()
-        try:
-            await trio.sleep_forever()
-        except trio.Cancelled as exc:
-            return exc
-    raise AssertionError("unreachable")
-
-
 @pytest.mark.parametrize("layered", [False, True])
 async def test_a_cancelled_the_tool_raises_while_nothing_cancels_the_call_is_its_error(layered: bool) -> None:
     async def stray(input: dict[str, Any], ctx: ta.ToolContext) -> str:
-        raise await _cancelled_of_its_own()
+        raise await cancelled_of_its_own()
 
     tool = ta.define_tool(stray, description="raises a Cancelled of its own", side_effect="pure",
                           input_schema={"type": "object"})  # fmt: skip
