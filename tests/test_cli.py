@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import trio
 
 from trio_agent import open_session
+from trio_agent._terminate import until_stopped
 from trio_agent.testing import Reply, TestModel
 
 ENV = {**os.environ, "OPENAI_API_KEY": "", "ANTHROPIC_API_KEY": ""}
@@ -109,13 +111,18 @@ def test_serve_stops_on_ctrl_c_and_sigterm_in_one_line(
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_sigterm_in_the_demo_closes_its_session_as_ctrl_c_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("stop", "status", "said"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
+def test_ctrl_c_and_sigterm_in_the_demo_close_its_session(
+    tmp_path: Path, stop: signal.Signals, status: int, said: str
+) -> None:
     # SIGTERM killed the process: the lease stayed held, no session_closed, the workspace left behind.
     journal = tmp_path / "demo.db"
     process = _started(["demo", "--calls", "2000", "--journal", str(journal)], "")
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(stop)
     _, stderr = process.communicate(timeout=60)
-    assert (process.returncode, stderr.strip()) == (143, "terminated")
+    assert (process.returncode, stderr.strip()) == (status, said)
     shown = run_cli("journal", "show", str(journal))
     assert "not held" in shown.stdout and "session closed" in shown.stdout, shown.stdout
 
@@ -157,3 +164,24 @@ def test_a_worker_that_cannot_reach_its_database_says_why_without_a_traceback() 
     assert done.returncode == 1
     assert done.stderr.startswith("error: cannot connect to PostgreSQL"), done.stderr
     assert "Traceback" not in done.stderr and "ExceptionGroup" not in done.stderr
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_is_a_cancellation_at_a_checkpoint_not_an_exception_at_any_line() -> None:
+    # Ctrl-C was trio's KeyboardInterrupt, raised at whatever line ran: between an `async with`'s
+    # enter and its block, the exit never ran ("Exception ignored in Session._streamed" at exit).
+    ran: list[str] = []
+
+    async def main() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10_000):  # plain code, where Python runs a signal's handler
+            sum(range(10))
+        ran.append("the plain code, all of it")
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            ran.append("cancelled at the checkpoint")
+            raise
+
+    assert trio.run(until_stopped, main) is signal.SIGINT
+    assert ran == ["the plain code, all of it", "cancelled at the checkpoint"]

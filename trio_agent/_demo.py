@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import signal
 import sys
 import tempfile
 from collections import Counter
@@ -69,7 +70,7 @@ from . import (
 )
 from ._groups import unwrap_for_boundary  # the demo's own Ctrl-C handling, not an API
 from ._journal._inspect import summarize_calls  # what `python -m trio_agent journal` prints
-from ._terminate import TERMINATED, until_terminated
+from ._terminate import INTERRUPTED, TERMINATED, until_stopped
 from .journal import EventEnvelope, ModelAttemptCompleted, RequestCompleted, ToolStarted, open_sqlite_store
 from .models import (
     AssistantMessage,
@@ -645,12 +646,12 @@ def run_demo(
         return 2
     try:
         demo = functools.partial(_demo, stream, calls=calls, provider=provider, model=model, journal=journal)
-        terminated = trio.run(until_terminated, demo)
+        stopped_by = trio.run(until_stopped, demo)
     except BaseException as raised:  # one line, never a group traceback
         exc = unwrap_for_boundary(raised) if isinstance(raised, BaseExceptionGroup) else raised
-        if isinstance(exc, KeyboardInterrupt):
+        if isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C during the clean-up
             print("interrupted", file=sys.stderr)
-            return 130
+            return INTERRUPTED
         if isinstance(exc, BrokenPipeError):
             raise exc from None  # the reader of our output went away: the command line stops quietly
         if isinstance(exc, ConfigError):  # e.g. ProviderConfigError: no API key
@@ -660,7 +661,10 @@ def run_demo(
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
         raise
-    if terminated:
+    if stopped_by is signal.SIGINT:
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED
+    if stopped_by is signal.SIGTERM:
         print("terminated", file=sys.stderr)
         return TERMINATED
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import tempfile
 from typing import Any
@@ -12,7 +13,7 @@ import trio
 
 from .._errors import ConfigError, TrioAgentError
 from .._groups import unwrap_for_boundary
-from .._terminate import TERMINATED, until_terminated
+from .._terminate import INTERRUPTED, TERMINATED, until_stopped
 
 __all__ = ["run_serve"]
 
@@ -32,16 +33,16 @@ def run_serve(
     serving = functools.partial(_serve, host=host, port=port, provider=provider, model=model, token=token)
     try:
         if journal is not None:
-            terminated = trio.run(until_terminated, functools.partial(serving, journal=journal))
+            stopped_by = trio.run(until_stopped, functools.partial(serving, journal=journal))
         else:
             with tempfile.TemporaryDirectory() as directory:
                 path = os.path.join(directory, "threads.db")
-                terminated = trio.run(until_terminated, functools.partial(serving, journal=path))
+                stopped_by = trio.run(until_stopped, functools.partial(serving, journal=path))
     except BaseException as raised:
         exc = unwrap_for_boundary(raised) if isinstance(raised, BaseExceptionGroup) else raised
-        if isinstance(exc, KeyboardInterrupt):
+        if isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C during the clean-up
             print("stopped", file=sys.stderr)
-            return 130
+            return INTERRUPTED
         if isinstance(exc, ConfigError):  # e.g. ProviderConfigError: no API key
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -49,7 +50,10 @@ def run_serve(
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
         raise
-    if terminated:
+    if stopped_by is signal.SIGINT:
+        print("stopped", file=sys.stderr)
+        return INTERRUPTED
+    if stopped_by is signal.SIGTERM:
         print("stopped (SIGTERM)", file=sys.stderr)
         return TERMINATED
     return 0
