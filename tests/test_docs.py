@@ -52,3 +52,30 @@ def test_api_md_lists_what_trio_agent_plugins_exports_of_plugin_resolution() -> 
     exported = [name for name in _plugins.__all__ if name in trio_agent.plugins.__all__]
     assert exported and [name for name in exported if f"`{name}`" not in section] == []
     assert "`ResolvedPlugins.tool(name)` raises `UnknownToolError`" in section
+
+
+def test_api_md_errors_tree_names_every_public_error() -> None:
+    # LifecycleHookError, RetryNotAllowedError, HistoryError and InputError were public and caught
+    # by users, but the Errors section's tree did not name them.
+    import importlib
+
+    from trio_agent import TrioAgentError
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    start = api.index("## Errors")
+    tree = api[api.index("```text", start) : api.index("\n```\n", start)]
+    modules = ["trio_agent", "trio_agent.lifecycle", "trio_agent.models", "trio_agent.plugins", "trio_agent.journal"]
+    modules += ["trio_agent.tools", "trio_agent.permissions", "trio_agent.middleware", "trio_agent.workers"]
+    public: set[str] = set()
+    for name in [*modules, "trio_agent.web"]:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # trio_agent.web needs the `web` extra
+            continue
+        for export in module.__all__:
+            value = getattr(module, export)
+            if isinstance(value, type) and issubclass(value, TrioAgentError):
+                public.add(export)
+    assert "InputError" in public or "trio_agent.web" not in sys.modules
+    assert len(public) > 40
+    assert sorted(name for name in public if not re.search(rf"\b{name}\b", tree)) == []
