@@ -165,10 +165,10 @@ class _Steps(trio.abc.Instrument):
 
 async def test_a_layer_is_inspected_once_however_many_runs_use_it(monkeypatch: pytest.MonkeyPatch) -> None:
     import trio_agent._models._service as service_module
-    import trio_agent._tools._pipeline as pipeline_module
+    import trio_agent._tools._chain as chain_module
 
     inspected: list[object] = []
-    model_check, tool_check = service_module.model_middleware_problem, pipeline_module._check_tool_middleware
+    model_check, tool_check = service_module.model_middleware_problem, chain_module._check_tool_middleware
 
     def counting_model_check(layer: object) -> str | None:
         inspected.append(layer)
@@ -188,7 +188,7 @@ async def test_a_layer_is_inspected_once_however_many_runs_use_it(monkeypatch: p
         runs_check(owner, layers, **kwargs)
 
     monkeypatch.setattr(service_module, "model_middleware_problem", counting_model_check)
-    monkeypatch.setattr(pipeline_module, "_check_tool_middleware", counting_tool_check)
+    monkeypatch.setattr(chain_module, "_check_tool_middleware", counting_tool_check)
     monkeypatch.setattr(chat_module, "check_model_middleware_runs", counting_runs_check)
     layer, model = PassStream(), TestModel(respond=respond)
 

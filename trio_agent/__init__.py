@@ -85,13 +85,13 @@ if TYPE_CHECKING:  # the names below load on first use (``__getattr__``); type c
     from ._session._stream import SessionEventStream as SessionEventStream
     from ._session._subagents import SubagentDefinition as SubagentDefinition
     from ._session._subagents import SubagentHandle as SubagentHandle
+    from ._tools._chain import ToolMiddleware as ToolMiddleware
     from ._tools._context import ToolContext as ToolContext
     from ._tools._definition import InterruptBehavior as InterruptBehavior
     from ._tools._definition import SideEffect as SideEffect
     from ._tools._definition import Tool as Tool
     from ._tools._definition import ToolKind as ToolKind
     from ._tools._definition import define_tool as define_tool
-    from ._tools._pipeline import ToolMiddleware as ToolMiddleware
     from ._tools._results import Progress as Progress
     from ._tools._results import ToolErrorType as ToolErrorType
     from ._tools._results import ToolFailure as ToolFailure
@@ -229,13 +229,13 @@ _LAZY: dict[str, str] = {
     "SessionEventStream": "trio_agent._session._stream",
     "SubagentDefinition": "trio_agent._session._subagents",
     "SubagentHandle": "trio_agent._session._subagents",
+    "ToolMiddleware": "trio_agent._tools._chain",
     "ToolContext": "trio_agent._tools._context",
     "InterruptBehavior": "trio_agent._tools._definition",
     "SideEffect": "trio_agent._tools._definition",
     "Tool": "trio_agent._tools._definition",
     "ToolKind": "trio_agent._tools._definition",
     "define_tool": "trio_agent._tools._definition",
-    "ToolMiddleware": "trio_agent._tools._pipeline",
     "Progress": "trio_agent._tools._results",
     "ToolErrorType": "trio_agent._tools._results",
     "ToolFailure": "trio_agent._tools._results",

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from ._abort import Abort, AbortHandle
 from ._errors import FileLockTimeoutError, SettlementError, ToolBehaviorError
+from ._tools._call import FaultCode, MiddlewareFault
+from ._tools._chain import CallNext
 from ._tools._context import CallOrigin, Emit, ExecutionContext, ToolCall, ToolMiddlewareRequest
 from ._tools._definition import BehaviorOverride, ToolBehavior
 from ._tools._journal import InMemoryToolJournal, ScheduledCall, Settlement, SettlementStatus, ToolJournal
-from ._tools._pipeline import CallNext, FaultCode, MiddlewareFault, ToolExecutionRecord, ToolPipeline
+from ._tools._pipeline import ToolExecutionRecord, ToolPipeline
 from ._tools._results import Effect, JsonObject, ToolError, ToolItem
 from ._tools._scheduler import FileLockManager, SchedulerLimits, SchedulerStatistics, ToolScheduler
 from ._tools._stages import Allow, Deny, PostStage, Skip, Stage, StageRequest, ToolStages

@@ -97,9 +97,10 @@ from .._permissions._engine import PermissionEngine
 from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules, rules_from
 from .._session._endings import record_request_end
 from .._session._plugins import check_model_middleware_runs
+from .._tools._chain import ToolMiddleware
 from .._tools._definition import Tool
 from .._tools._journal import InMemoryToolJournal
-from .._tools._pipeline import ToolMiddleware, ToolPipeline
+from .._tools._pipeline import ToolPipeline
 from .._tools._results import ToolResult
 
 __all__ = ["ChatCall", "ChatResult", "ChatRun", "StructuredOutputError", "chat"]

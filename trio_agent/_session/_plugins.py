@@ -24,8 +24,8 @@ import attrs
 
 from .._errors import ConfigError, MiddlewareShapeError
 from .._models._service import ModelLayers, model_middleware_runs_problem
+from .._tools._chain import ToolLayers, ToolMiddleware
 from .._tools._definition import Tool
-from .._tools._pipeline import ToolLayers, ToolMiddleware
 from ._hooks import HookCallback, HookEvent, HookRegistry
 
 __all__ = [

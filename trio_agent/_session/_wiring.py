@@ -64,8 +64,8 @@ from .._permissions._rules import (
     ToolPermissionCheck,
     rules_from,
 )
+from .._tools._chain import ToolLayers
 from .._tools._definition import Tool
-from .._tools._pipeline import ToolLayers
 from .._tools._stages import StageDecision, ToolStages
 from ._hooks import HookAction, HookEvent, HookInput, HookRegistry, HookRunner, post_tool_stage, pre_tool_stage
 from ._plugins import MiddlewareConfig, Plugin, check_model_middleware_runs, resolve_plugins, tool_names

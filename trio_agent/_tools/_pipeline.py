@@ -15,19 +15,21 @@ its result is committed: later aborts are only recorded, and the rest of the
 unwind runs shielded under a short deadline so transforms such as redaction
 still apply. Cancellation from outside propagates after a committed result (or
 the cancellation itself) has been settled under a bounded shield.
+
+Where the parts live: the middleware chain (`ToolLayers`, ``call_next``, the guard at every
+layer boundary) in `_chain`; one call's state, the faults it records and the results its
+outcomes become in `_call`; here, `ToolPipeline` (the core and its waits, the cleanup-overrun
+tracking, settlement and publication) and the `ToolExecutionRecord` it returns.
 """
 
 from __future__ import annotations
 
-import enum
-import functools
 import heapq
-import inspect
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
-from types import CoroutineType, TracebackType
-from typing import Any, Protocol, TypeAlias
+from collections.abc import Callable, Iterable, Sequence
+from types import CoroutineType
+from typing import Any, TypeAlias
 
 import attrs
 import trio
@@ -41,34 +43,30 @@ from .._errors import (
     FileLockTimeoutError,
     JournalError,
     LeaseLostError,
-    MiddlewareShapeError,
     NextCalledTwiceError,
     SettlementError,
     ToolBehaviorError,
     ToolDefinitionError,
     ToolInputError,
 )
-from .._groups import cancelled_around, contains_cancelled, is_cancellation, leaves, typed_error
-from .._middleware import (
-    CheckedLayers,
-    Composed,
-    ComposedNext,
-    PassedChecks,
-    check_middleware_shape,
-    compose_middleware,
+from .._groups import cancelled_around, contains_cancelled, is_cancellation, typed_error
+from .._middleware import Composed
+from ._call import (
+    FaultCode,
+    MiddlewareFault,
+    _aborted_result,
+    _Call,
+    _failure_result,
+    _must_propagate,
+    _Phase,
+    _raised_result,
+    _settlement_failed,
+    _status_for,
+    _stray_cancelled_result,
+    _withheld_result,
 )
-from ._context import (
-    CallOrigin,
-    Emit,
-    ExecutionContext,
-    ToolCall,
-    ToolMiddlewareRequest,
-    _inherit_emit,
-    _SlotHolder,
-    execution_context,
-    middleware_request,
-    tool_context,
-)
+from ._chain import CallNext, ToolLayers, ToolMiddleware, _CallNext, _compose
+from ._context import CallOrigin, Emit, ToolCall, _SlotHolder, execution_context, middleware_request, tool_context
 from ._definition import InterruptBehavior, SideEffect, Tool, ToolBehavior, ToolKind
 from ._journal import (
     InMemoryToolJournal,
@@ -79,19 +77,7 @@ from ._journal import (
     scheduled_call,
     settlement,
 )
-from ._results import (
-    Effect,
-    JsonObject,
-    Progress,
-    ToolErrorType,
-    ToolFailure,
-    ToolItem,
-    ToolMessage,
-    ToolResult,
-    _unstorable,
-    json_copy,
-    result_problem,
-)
+from ._results import Effect, JsonObject, ToolErrorType, ToolFailure, ToolResult, _unstorable, json_copy, result_problem
 from ._scheduler import FileLockManager, ToolScheduler
 from ._stages import Allow, Deny, Skip, StageRequest, ToolStages, _stage_name, decide
 
@@ -106,44 +92,7 @@ __all__ = [
 ]
 
 
-class CallNext(Protocol):
-    """``await call_next(request=None, *, emit=None)`` runs the inner layers and the core."""
-
-    def __call__(
-        self, request: ToolMiddlewareRequest | None = None, *, emit: Emit | None = None
-    ) -> Awaitable[ToolResult]: ...
-
-
-ToolMiddleware = Callable[[ToolMiddlewareRequest, CallNext], Awaitable[ToolResult]]
-"""``async def mw(request, call_next) -> ToolResult``."""
-
-
-class FaultCode(enum.Enum):
-    """Middleware faults that the pipeline corrected; the real result won."""
-
-    NEXT_CALLED_TWICE = "next_called_twice"
-    FAILED_CORE_TURNED_SUCCESS = "failed_core_turned_success"
-    CANCELLATION_OVERWRITTEN = "cancellation_overwritten"
-    TIMEOUT_OVERWRITTEN = "timeout_overwritten"
-    MIDDLEWARE_RAISED_AFTER_CORE = "middleware_raised_after_core"
-    UNWIND_DEADLINE_MISSED = "unwind_deadline_missed"
-    CLEANUP_OVERRUN = "cleanup_overrun"
-    EARLY_RETURN = "early_return"
-    """The chain returned while ``call_next()`` was still pending or running."""
-    PERMISSION_UPDATE_REFUSED = "permission_update_refused"
-    """A ``permission_updates`` effect that did not come from the tool itself was dropped."""
-
-
-PERMISSION_UPDATES = "permission_updates"
-"""The `Effect` kind that changes permission rules: only the tool itself may emit it."""
-
 _OPEN_STATES = frozenset({"scheduled", "started"})
-
-
-@attrs.frozen
-class MiddlewareFault:
-    code: FaultCode
-    message: str
 
 
 @attrs.frozen
@@ -195,367 +144,12 @@ _execution_record: Callable[
 ] = constructor(ToolExecutionRecord)
 
 
-class _GuardViolation(Exception):
-    """A middleware broke a pre-run rule; the call ends with an error and the tool does not run."""
-
-
 class _Aborted(Exception):
     """Our own scope was cancelled (abort or tool deadline) before the tool returned."""
 
 
-class _Phase(enum.Enum):
-    MIDDLEWARE = 0  # before the core started: abort cancels the middleware scope
-    CORE = 1  # the core runs: abort cancels the core scope
-    COMMITTED = 2  # the core returned: abort is only recorded
-
-
 _Prepared: TypeAlias = tuple[JsonObject, object, ToolBehavior]
 """The final input, what ``run`` receives, and the behaviour of the final input."""
-
-
-class _Call:
-    """Per-execution state. Lives in locals and on the chain's links, never on the pipeline."""
-
-    __slots__ = (
-        "abort",
-        "aborted",
-        "behavior",
-        "cleanup_deadline",
-        "clock",
-        "core_done",
-        "core_entered",
-        "core_result",
-        "core_waiter",
-        "ctx",
-        "done",
-        "door_closed",
-        "effective_input",
-        "effects",
-        "entered",
-        "fatal",
-        "faults",
-        "granted",
-        "has_pre",
-        "live_input",
-        "locks",
-        "mw_scope",
-        "next_twice",
-        "on_item",
-        "pending",
-        "phase",
-        "pipeline",
-        "scheduled",
-        "settle_attempted",
-        "slot",
-        "stages",
-        "started",
-        "synthetic",
-        "target",
-        "tool",
-        "tool_ran",
-        "violation",
-    )
-
-    def __init__(
-        self,
-        pipeline: ToolPipeline,
-        tool: Tool[Any],
-        scheduled: ScheduledCall,
-        ctx: ExecutionContext,
-        on_item: Emit | None,
-        live_input: JsonObject,
-        clock: trio.abc.Clock,
-    ) -> None:
-        self.pipeline = pipeline
-        self.tool = tool
-        self.scheduled = scheduled
-        self.ctx = ctx
-        self.abort = ctx.abort
-        # ``abort.reason`` as `on_abort` heard it (the listener from the call's start to its end):
-        # a slot, read where the handle's property would be a call.
-        self.aborted: Abort | None = None
-        self.behavior = scheduled.behavior
-        self.on_item = on_item
-        self.clock = clock  # looked up once: the call reads the time several times
-        # The dict middleware and the tool see: a copy, so the model's input (scheduled.model_input,
-        # record.call.input) stays as sent, and in-place changes are detected by comparing against it.
-        self.live_input: JsonObject = live_input
-        self.effective_input: JsonObject = live_input
-        # Made by the first item: most calls have neither.
-        self.effects: list[Effect] | None = None
-        self.faults: list[MiddlewareFault] | None = None
-        self.phase = _Phase.MIDDLEWARE
-        self.mw_scope: trio.CancelScope | None = None
-        self.target: trio.CancelScope | None = None
-        self.core_result: ToolResult | None = None
-        self.fatal: BaseException | None = None
-        self.violation: str | None = None
-        self.next_twice = False
-        self.started = False
-        self.synthetic = False
-        self.tool_ran = False
-        self.cleanup_deadline = math.inf
-        self.done: trio.Event | None = None
-        # The chain's bookkeeping: `call_next()` awaitables made but not awaited, the coroutines
-        # the chain entered (a list while it runs), the core entered / finished (an event only for
-        # whoever waits for it), and the door that refuses entries after the chain returned.
-        self.pending = 0
-        self.entered: list[CoroutineType[Any, Any, ToolResult]] | None = None
-        self.core_entered = False
-        self.core_done = False
-        self.core_waiter: trio.Event | None = None
-        self.door_closed = False
-        # Set once a settlement was attempted, so an exit never writes a second one.
-        self.settle_attempted = False
-        # `permission_updates` effects the tool itself emitted (by identity); made by the first.
-        self.granted: list[Effect] | None = None
-        # The pipeline's stages, with one run's added (see `execute`).
-        self.stages: ToolStages = pipeline.stages
-        self.has_pre = pipeline._has_pre_stages
-        # What the core holds until it ends: its scheduler slot, and its file locks
-        # (paths taken, exclusive, owner).
-        self.slot: _SlotHolder | None = None
-        self.locks: tuple[tuple[str, ...], bool, str] | None = None
-
-    def on_abort(self, abort: Abort) -> None:
-        self.aborted = abort
-        phase = self.phase
-        if phase is _Phase.MIDDLEWARE:
-            if self.mw_scope is not None:
-                self.mw_scope.cancel(reason=abort.message)
-        elif phase is _Phase.CORE and self.target is not None:
-            self.target.cancel(reason=abort.message)
-            if self.tool_ran:
-                self.pipeline._note_cancel(self)
-
-    def fault(self, code: FaultCode, message: str) -> None:
-        """Record a middleware fault that the pipeline corrected."""
-        if self.faults is None:
-            self.faults = [MiddlewareFault(code, message)]
-        else:
-            self.faults.append(MiddlewareFault(code, message))
-
-    def core_finished(self) -> trio.Event:
-        """An event set when the core has finished (made for the first who waits)."""
-        waiter = self.core_waiter
-        if waiter is None:
-            waiter = self.core_waiter = trio.Event()
-            if self.core_done:
-                waiter.set()
-        return waiter
-
-    def tool_emit(self, emit: Emit) -> Emit:
-        """The tool's own ``ctx.emit``: marks its permission updates before they pass the middleware.
-
-        A closure, not state on the call: *emit* is often the call's own `sink`, and the call
-        holding it would be a reference cycle.
-        """
-
-        async def emit_from_tool(item: ToolItem) -> None:
-            self.note_granted(item)
-            await emit(item)
-
-        return emit_from_tool
-
-    async def sink_from_tool(self, item: ToolItem) -> None:
-        """`tool_emit` of the call's own `sink` (no middleware in between): a bound method, no closure."""
-        self.note_granted(item)
-        await self.sink(item)
-
-    def note_granted(self, item: ToolItem) -> None:
-        """Mark *item* as the tool's own if it is a permission update."""
-        if isinstance(item, Effect) and item.kind == PERMISSION_UPDATES:
-            if self.granted is None:
-                self.granted = []
-            self.granted.append(item)
-
-    def forward_abort(self, abort: Abort) -> None:
-        """The listener on the request's handle (and steering's): it aborts the call's own."""
-        self.abort.abort(abort.reason, abort.message)
-
-    async def sink(self, item: ToolItem) -> None:
-        """The outermost ``emit``: collects effects, forwards the rest to the observer."""
-        if isinstance(item, Effect):
-            if item.kind == PERMISSION_UPDATES:
-                # Only the tool (or the permission engine, outside the pipeline) may change the rules:
-                # from middleware or a short-circuit this would be a plugin granting itself permissions.
-                for index, granted in enumerate(self.granted or ()):
-                    if granted is item:
-                        del self.granted[index]  # type: ignore[union-attr]
-                        break
-                else:
-                    self.fault(
-                        FaultCode.PERMISSION_UPDATE_REFUSED,
-                        "a permission_updates effect that the tool did not emit itself was dropped",
-                    )
-                    return
-            if self.effects is None:
-                self.effects = [item]
-            else:
-                self.effects.append(item)
-        elif isinstance(item, (Progress, ToolMessage)):
-            if self.on_item is not None:
-                await self.on_item(item)
-        else:
-            raise TypeError(f"emit() takes Progress, ToolMessage or Effect items, got {item!r}")
-
-
-def _early_return_result() -> ToolResult:
-    return ToolResult.failure(
-        ToolErrorType.EXECUTION,
-        "Tool middleware fault: call_next() was entered after the middleware chain had returned; "
-        "nothing ran (the call was already settled)",
-        code="middleware_early_return",
-    )
-
-
-def _guard(state: _Call, request: ToolMiddlewareRequest) -> None:
-    """The chain's check, before every inner layer and the core: identity, name and interrupt behaviour."""
-    if state.door_closed:
-        return  # the chain already returned: the entry is refused when it is awaited
-    if (
-        type(request) is ToolMiddlewareRequest
-        and request.context is state.ctx
-        and request.tool_name == state.tool.name
-        and request.input == state.scheduled.model_input  # not replaced, nor changed in place
-    ):
-        state.effective_input = request.input
-        return
-    try:
-        if not isinstance(request, ToolMiddlewareRequest):
-            raise _GuardViolation(f"call_next() takes a ToolMiddlewareRequest, got {type(request).__name__}")
-        if request.tool_name != state.tool.name:
-            raise _GuardViolation("Tool middleware cannot change the tool name")
-        if request.context is not state.ctx:
-            raise _GuardViolation("Tool middleware cannot replace the execution context")
-        if request.input != state.scheduled.model_input:  # replaced, or changed in place
-            if not isinstance(request.input, dict):
-                raise _GuardViolation("Tool middleware must pass a JSON object as input")
-            try:
-                behavior = state.tool.resolve_behavior(request.input)
-            except ToolBehaviorError as exc:
-                raise _GuardViolation(str(exc)) from None
-            if behavior.interrupt is not state.behavior.interrupt:
-                raise _GuardViolation("Tool middleware cannot change the tool interrupt behavior")
-    except _GuardViolation as exc:
-        if state.violation is None:
-            state.violation = str(exc)
-        raise
-    state.effective_input = request.input
-
-
-def _terminal(state: _Call, request: ToolMiddlewareRequest) -> Coroutine[Any, Any, ToolResult]:
-    # A function of the call, like `_guard`: the composed chain holds no pipeline (the call knows
-    # it), so every pipeline of the same layers shares it and a chat() run's pipeline dies by refcount.
-    return state.pipeline._core(state, request.input, request.emit)
-
-
-def _compose(layers: ToolLayers) -> Composed:
-    """The chain of *layers* (checked: nothing to check again) around the core. Its runs carry
-    the call (`Composed.start`): the guard and the terminal take it first."""
-    # Typed as taking the request alone; a run's (`Composed.start`) take the call first.
-    check: Any = _guard
-    terminal: Any = _terminal
-    chain = compose_middleware(layers, terminal, check=check, validate=False)
-    assert isinstance(chain, Composed)
-    return chain
-
-
-async def _refused() -> ToolResult:
-    return _early_return_result()
-
-
-async def _awaiting(awaitable: Awaitable[ToolResult]) -> ToolResult:
-    return await awaitable
-
-
-class _CallNext(ComposedNext, Coroutine[Any, Any, ToolResult]):
-    """The composer's ``next`` of one tool layer, called as ``call_next(request=None, *, emit=None)``;
-    once called, it is also the awaitable that call returns. Its run is the call (`_Call`).
-
-    Calling it passes the composer's rules (next once, the guard); the inner layer (or the core)
-    is entered only when it is awaited: so a ``call_next()`` that is never awaited leaves no
-    coroutine behind (no "never awaited" warning), the pipeline can tell what is still pending
-    or running when the chain returns, and an entry after that (the door is closed) runs
-    nothing and returns a fault result. It is a `Coroutine`, so ``nursery.start_soon(call_next)``
-    works. One object per layer and call.
-    """
-
-    # Set when needed (so read with a guard or a default): _awaitable, once called (until awaited);
-    # _gen, what `send` drives when this is run as a coroutine.
-    __slots__ = ("_awaitable", "_gen")
-    _run: _Call
-
-    def __init__(self, chain: Composed, index: int, current: ToolMiddlewareRequest, run: _Call) -> None:
-        # `ComposedNext.__init__`, as a site of its own: shared with the model chains' links, its
-        # attribute stores would see two classes and CPython would not specialise them.
-        self._chain = chain
-        self._index = index
-        self._current = current
-        self._run = run
-        self._used = False
-
-    def __call__(self, request: ToolMiddlewareRequest | None = None, *, emit: Emit | None = None) -> _CallNext:
-        state = self._run
-        inner = self._current
-        if request is not None or emit is not None:
-            current = inner
-            inner = current if request is None else request
-            # The emit for inner layers: the emit= argument, else the request's own
-            # (if it was bound), else the current one.
-            inner_emit = inner.emit if emit is None else emit
-            if inner_emit is _inherit_emit:
-                inner_emit = current.emit
-            if inner.emit is not inner_emit:
-                inner = ToolMiddlewareRequest(inner.tool_name, inner.input, inner.context, inner_emit)
-        try:
-            self._admit(inner)
-        except NextCalledTwiceError:
-            state.next_twice = True
-            raise
-        self._current = inner  # what the inner layers get
-        self._awaitable = True
-        state.pending += 1
-        return self
-
-    def __await__(self) -> Generator[Any, Any, ToolResult]:
-        try:
-            awaitable = self._awaitable
-        except AttributeError:  # never called, or its call was refused: nothing was returned to await
-            raise TypeError("call_next must be called: `await call_next()`") from None
-        if not awaitable:
-            raise RuntimeError("cannot await the same call_next() twice")
-        self._awaitable = False
-        state = self._run
-        state.pending -= 1
-        if state.door_closed:  # the chain returned: nothing runs
-            return _refused().__await__()
-        inner = self._enter(self._current)
-        if type(inner) is not CoroutineType:
-            inner = _awaiting(inner)
-        entered = state.entered
-        assert entered is not None  # the door is open: the chain runs
-        entered.append(inner)
-        return inner.__await__()  # type: ignore[no-any-return]
-
-    def _driven(self) -> Generator[Any, Any, ToolResult]:
-        gen = getattr(self, "_gen", None)
-        if gen is None:
-            gen = self._gen = self.__await__()
-        return gen
-
-    def send(self, value: Any) -> Any:
-        return self._driven().send(value)
-
-    def throw(self, typ: Any, val: Any = None, tb: TracebackType | None = None) -> Any:
-        if val is None and tb is None:
-            return self._driven().throw(typ)
-        return self._driven().throw(typ, val, tb)  # pragma: no cover - the legacy signature
-
-    def close(self) -> None:
-        gen = getattr(self, "_gen", None)
-        if gen is not None:
-            gen.close()
 
 
 class _NoScope:
@@ -572,59 +166,6 @@ class _NoScope:
 
 _NO_SCOPE = _NoScope()
 _NOT_RUN: Any = object()  # the tool's outcome before it ran
-
-
-def _aborted_result(abort: Abort) -> ToolResult:
-    # The abort's message is free text ("the user pressed stop", "timed out after 2 s", ...): it
-    # follows a colon or sits in parentheses, never glued into a sentence of ours.
-    message = abort.message.strip().rstrip(".") or abort.reason.value.replace("_", " ")
-    if abort.reason is AbortReason.TIMEOUT:
-        text = f"The tool call did not finish in time and was stopped ({message})."
-        return ToolResult.failure(ToolErrorType.TIMEOUT, text, code=abort.reason.value)
-    text = f"The tool call was stopped before it finished: {message}."
-    return ToolResult.failure(ToolErrorType.INTERRUPTED, text, code=abort.reason.value)
-
-
-def _status_for(result: ToolResult) -> tuple[SettlementStatus, str | None]:
-    error = result.error
-    if error is None:
-        return SettlementStatus.COMPLETED, None
-    if error.type is ToolErrorType.INTERRUPTED:
-        return SettlementStatus.CANCELLED, error.code or "interrupted"
-    if error.type is ToolErrorType.PERMISSION_DENIED:
-        return SettlementStatus.CANCELLED, error.code or "permission_denied"
-    return SettlementStatus.FAILED, None
-
-
-def _check_tool_middleware(layer: object, index: int) -> None:
-    # Callable with (request, call_next): the generic check; then what a tool layer adds: async def.
-    check_middleware_shape(layer, what="tool middleware", index=index)
-    what = f"tool middleware #{index}"
-    target = layer if inspect.isroutine(layer) or isinstance(layer, functools.partial) else type(layer).__call__
-    if inspect.isasyncgenfunction(target):
-        raise MiddlewareShapeError(
-            f"{what} ({getattr(layer, '__qualname__', layer)}) is an async generator; tool middleware is "
-            "`async def mw(request, call_next) -> ToolResult` and transforms items by passing emit= to call_next"
-        )
-    if not inspect.iscoroutinefunction(target):
-        raise MiddlewareShapeError(
-            f"{what} ({getattr(layer, '__qualname__', layer)}) must be an `async def mw(request, call_next)`"
-        )
-
-
-class ToolLayers(CheckedLayers):
-    """Tool middleware checked once (`check`): a `ToolPipeline` built from it checks nothing again.
-
-    An `AgentSpec` holds its layers as one, so opening a session re-validates nothing.
-    """
-
-    __slots__ = ()
-    _sequence_error = "middleware must be a sequence of tool middleware, got {!r}"
-    _passed = PassedChecks()  # a chat() run per request must not inspect the same functions again
-
-    @staticmethod
-    def _check_layer(layer: object, index: int) -> None:
-        _check_tool_middleware(layer, index)
 
 
 _NO_HISTORY: deque[ToolExecutionRecord] = deque(maxlen=0)
@@ -1657,60 +1198,6 @@ class ToolPipeline:
         )
         self.history.append(record)
         return record
-
-
-def _failure_result(failure: ToolFailure) -> ToolResult:
-    """The error result of a `ToolFailure` the tool raised. Made from the tool's exception, so it stays
-    that call's error result whatever the exception does (a subclass's ``to_result`` that raises or
-    returns no error result), never an error of the pipeline."""
-    try:
-        result = failure.to_result()
-    except Exception as exc:
-        problem = f"its to_result() raised {exc!r}"
-    else:
-        if isinstance(result, ToolResult) and result.error is not None:
-            return result
-        problem = (
-            "its to_result() returned a success"
-            if isinstance(result, ToolResult)
-            else f"its to_result() returned {type(result).__name__}, not a ToolResult"
-        )
-    return ToolResult.failure(
-        ToolErrorType.EXECUTION, f"{type(failure).__name__}: {failure} ({problem})", code="tool_error"
-    )
-
-
-def _must_propagate(exc: BaseException) -> bool:
-    """Whether *exc* (holding a ``Cancelled``) holds something that must go on whatever the
-    cancellation was (``KeyboardInterrupt``, ``SystemExit``)."""
-    return any(not isinstance(leaf, (Exception, trio.Cancelled)) for leaf in leaves(exc))
-
-
-def _raised_result(exc: Exception) -> ToolResult:
-    return ToolResult.failure(ToolErrorType.EXECUTION, f"{type(exc).__name__}: {exc}", code="tool_error")
-
-
-def _stray_cancelled_result(exc: BaseException) -> ToolResult:
-    """The error result of a tool that raised ``trio.Cancelled`` (maybe in a group) while nothing
-    around the call was cancelled: a cancellation of its own, escaped from the scope it belonged to."""
-    return ToolResult.failure(
-        ToolErrorType.EXECUTION,
-        f"the tool raised {type(exc).__name__} though the call was not cancelled "
-        "(a cancellation of a scope of its own that escaped it)",
-        code="tool_error",
-    )
-
-
-def _withheld_result() -> ToolResult:
-    return ToolResult.failure(
-        ToolErrorType.EXECUTION,
-        "tool result withheld: middleware did not finish unwinding in time",
-        code="unwind_deadline_missed",
-    )
-
-
-def _settlement_failed(state: _Call, exc: Exception) -> SettlementError:
-    return SettlementError(f"settling tool call {state.scheduled.call_id!r} failed: {exc}; nothing was published")
 
 
 _DEFAULT_ORIGIN = CallOrigin()
