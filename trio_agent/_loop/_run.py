@@ -552,7 +552,7 @@ class _Run:
                     client_stages, asked_stages = self.hooks.client_call_stages(ctx), True
                 # The pipeline's journal is the run's: a lost lease ends the run only if it is that one's.
                 screened = await _screen_client_call(
-                    part, arguments[part.id], client_tool, client_stages, self.ports.tools._own_lease_lost
+                    part, arguments[part.id], client_tool, client_stages, self.ports.tools.lease_lost
                 )
                 if isinstance(screened, ToolResult):  # refused, invalid or skipped: answered, not sent
                     del arguments[part.id]

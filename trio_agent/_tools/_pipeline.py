@@ -499,7 +499,7 @@ class ToolPipeline:
                     if is_cancellation(exc) or isinstance(exc, (KeyboardInterrupt, SystemExit)):
                         raise
                     typed = typed_error(exc)
-                    if isinstance(typed, LeaseLostError) and state.fatal is None and self._own_lease_lost():
+                    if isinstance(typed, LeaseLostError) and state.fatal is None and self.lease_lost():
                         state.fatal = typed
                     mw_error = exc
                 finally:
@@ -716,7 +716,7 @@ class ToolPipeline:
                                         outcome = _failure_result(failure)
                                     except BaseException as exc:
                                         typed = typed_error(exc)
-                                        if isinstance(typed, LeaseLostError) and self._own_lease_lost():
+                                        if isinstance(typed, LeaseLostError) and self.lease_lost():
                                             state.fatal = typed
                                             raise
                                         if contains_cancelled(exc):
@@ -931,14 +931,14 @@ class ToolPipeline:
         for name, callbacks in (("pre_tool", stages.pre_tool), ("permission", stages.permission)):
             for callback in callbacks:
                 request = StageRequest(tool, current, ctx, behavior)
-                decision = await decide(name, callback, request, self._own_lease_lost)
+                decision = await decide(name, callback, request, self.lease_lost)
                 if isinstance(decision, Deny):
                     return decision.to_result()
                 if isinstance(decision, Allow) and decision.input is not None:
                     current = decision.input
         for callback in stages.before:
             request = StageRequest(tool, current, ctx, behavior)
-            decision = await decide("before", callback, request, self._own_lease_lost)
+            decision = await decide("before", callback, request, self.lease_lost)
             if isinstance(decision, Deny):
                 return decision.to_result()
             if isinstance(decision, Skip):
@@ -952,7 +952,7 @@ class ToolPipeline:
             return prepared
         for callback in stages.guard:
             request = StageRequest(tool, prepared[0], ctx, behavior)
-            decision = await decide("guard", callback, request, self._own_lease_lost)
+            decision = await decide("guard", callback, request, self.lease_lost)
             if isinstance(decision, Deny):
                 return decision.to_result()
             if isinstance(decision, Allow):
@@ -978,7 +978,7 @@ class ToolPipeline:
             try:
                 replaced = await callback(request, result)
             except LeaseLostError as exc:
-                if not self._own_lease_lost():  # another lease's (a store the stage drives): its failure
+                if not self.lease_lost():  # another lease's (a store the stage drives): its failure
                     state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {exc!r}")
                     continue
                 if ran:
@@ -995,9 +995,11 @@ class ToolPipeline:
                     state.core_result = result
         return result
 
-    def _own_lease_lost(self) -> bool:
-        """Whether this journal's lease is lost: a `LeaseLostError` a tool, stage or middleware raised
-        ends the session only then (it may be about a store of its own, e.g. a nested session's)."""
+    def lease_lost(self) -> bool:
+        """Whether the lease of this pipeline's journal is lost. A `LeaseLostError` that a tool, a
+        stage or a middleware raised ends the session only then; otherwise it may be about a store
+        of its own (a nested session's) and fails only its call. The loop asks the same of a
+        client-tool call's stages."""
         if not self._owner_checks:
             return False  # a journal without a lease (the in-memory one) cannot lose it
         try:
