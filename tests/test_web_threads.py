@@ -232,6 +232,63 @@ async def test_run_ids_are_unique_across_threads_and_a_finished_run_is_replayed_
         assert [m["content"] for m in snapshot["messages"] if m["role"] == "user"] == ["slow please"]
 
 
+async def test_a_run_id_the_thread_ran_is_never_run_again_once_its_events_are_gone(tmp_path: Path) -> None:
+    # The runId is the request's id in the session's journal: once the thread moved on (another
+    # run, its session closed to make room, a restart) its events are gone, and the runId was run
+    # again as a new prompt. Now the journal knows it: 409 run_ended, with how it ended.
+    def make_app() -> Any:
+        return create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "t.db")
+
+    async def prompts(client: httpx.AsyncClient) -> list[str]:
+        (snapshot,) = await view(client, "t1")
+        return [m["content"] for m in snapshot["messages"] if m["role"] == "user"]
+
+    async def retry_is_refused(client: httpx.AsyncClient, run: str) -> None:
+        again = await client.post("/runs", json=body("add 1 and 2", run=run))
+        assert again.status_code == 409, again.text
+        assert again.json()["error"] == "run_ended" and again.json()["state"] == "completed"
+
+    app = make_app()
+    async with running(app) as client:
+        for prompt, run in (("add 1 and 2", "X"), ("add 3 and 4", "Y")):
+            async with client.stream("POST", "/runs", json=body(prompt, run=run)) as response:
+                assert (await read(response))[-1]["outcome"] == {"type": "success"}
+        await retry_is_refused(client, "X")  # another run since
+        hub = app.state.agui.hub
+        hub.max_threads = 1
+        async with client.stream("POST", "/runs", json=body(thread="t2", run="Z")) as response:
+            await read(response)
+        with trio.fail_after(10):
+            while "t1" in hub._threads:
+                await trio.testing.wait_all_tasks_blocked()
+        await retry_is_refused(client, "Y")  # its session closed to make room, reopened now
+        assert await prompts(client) == ["add 1 and 2", "add 3 and 4"]
+    async with running(make_app()) as client:
+        await retry_is_refused(client, "Y")  # a restart
+        assert await prompts(client) == ["add 1 and 2", "add 3 and 4"]
+
+
+async def test_a_run_whose_model_fails_ends_with_run_error_and_is_not_run_again(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    def failing(request: ta.ModelRequest) -> Reply:
+        calls.append("model")
+        raise ValueError("it broke")
+
+    app = create_app(TestModel(respond=failing), auth=local_only, threads=tmp_path / "t.db")
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body("hi", run="X")) as response:
+            events = await read(response)
+        assert [e["type"] for e in events] == ["RUN_STARTED", "RUN_ERROR"]
+        assert events[-1]["code"] == "run_failed" and "it broke" in events[-1]["message"]
+        async with client.stream("POST", "/runs", json=body("hi", run="X")) as response:
+            assert await read(response) == events  # its events are kept: replayed
+    async with running(create_app(TestModel(respond=failing), auth=local_only, threads=tmp_path / "t.db")) as client:
+        again = await client.post("/runs", json=body("hi", run="X"))
+        assert again.status_code == 409 and again.json()["state"] == "failed"
+    assert calls == ["model"]
+
+
 async def test_a_stop_that_comes_before_the_run_opens_still_stops_it(tmp_path: Path) -> None:
     log: list[str] = []
     slow, _started, _release = gated_tool("slow", log=log)
@@ -426,10 +483,8 @@ async def test_a_run_whose_request_fails_ends_with_run_error_not_cancelled(tmp_p
     # failure that is not one of ours) ended as RUN_FINISHED "cancelled", like a stop.
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "t.db")
 
-    @asynccontextmanager
-    async def failing(session: Any) -> AsyncIterator[Any]:
+    async def failing(session: Any, sink: Any, live: Any) -> None:
         raise ta.RequestAbortedError("the request failed: ValueError: it broke", reason="error")
-        yield  # pragma: no cover - an async generator that fails before its first event
 
     async with running(app):
         hub = app.state.agui.hub

@@ -69,7 +69,6 @@ from .._journal._store import JournalStore
 from .._lifecycle._interrupts import PausedRun
 from .._loop._interrupts import ClientTool, InterruptResumeError, validate_answers
 from .._models._messages import UserMessage
-from .._session._session import Session
 from .._session._spec import AgentSpec, define_agent
 from .._tools._definition import Tool
 from ._threads import LiveRun, ThreadHub, _Thread, open_hub
@@ -132,8 +131,8 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _error(status: int, code: str, message: str, problems: Sequence[str] = ()) -> JSONResponse:
-    body: dict[str, Any] = {"error": code, "message": message}
+def _error(status: int, code: str, message: str, problems: Sequence[str] = (), **more: str) -> JSONResponse:
+    body: dict[str, Any] = {"error": code, "message": message, **more}
     if problems:
         body["problems"] = list(problems)
     return JSONResponse(body, status_code=status)
@@ -575,10 +574,20 @@ def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_inpu
         return _Follow(server, (), live)  # the same run again (a client coming back, a retry): replayed
     if run_id in server.runs:
         return _error(409, "run_in_progress", f"run {run_id!r} is already running")
+    session = thread.session
+    ran = session.journal.projection().request(run_id)
+    if ran is not None:  # a run of this thread whose events are gone (another run since, a restart): never again
+        return _error(
+            409,
+            "run_ended",
+            f"run {run_id!r} already ran on thread {run_input.thread_id!r} (it is {ran.state.value}) and its "
+            "events are no longer kept: GET /threads/{thread_id} for the conversation, or post a new runId",
+            state=ran.state.value,
+        )
     if thread.busy:
         assert live is not None
         return _error(409, "run_in_progress", f"thread {run_input.thread_id!r} is running {live.run_id!r}")
-    session = thread.session
+    start: Callable[[Callable[[], object]], LiveRun]  # the run, once it may start (given what to do at its end)
     if run_input.resume:
         paused = session.paused
         if paused is None:
@@ -590,10 +599,7 @@ def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_inpu
         _, issues = validate_answers(paused.state, answers, hub.spec.client_tools)
         if issues:
             return _error(422, "invalid_answers", str(InterruptResumeError(issues)), [i.message for i in issues])
-
-        def open_stream(s: Session) -> Any:
-            return s.resume_stream(answers)
-
+        start = functools.partial(hub.start_resume, thread, run_input.thread_id, run_id, answers)
     else:
         last = run_input.messages[-1] if run_input.messages else None
         if not isinstance(last, UserMessage):
@@ -601,16 +607,13 @@ def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_inpu
             return _error(422, "invalid_input", "nothing new to answer on this thread", [problem])
         if session.paused is not None:
             return _error(409, "thread_paused", f"thread {run_input.thread_id!r} waits for answers (resume it)")
-        prompt = last.content
-
-        def open_stream(s: Session) -> Any:
-            return s.stream(prompt)
+        start = functools.partial(hub.start_request, thread, run_input.thread_id, run_id, last.content)
 
     def done() -> None:
         if server.runs.get(run_id) is stop:
             del server.runs[run_id]
 
-    live = hub.start_run(thread, run_input.thread_id, run_id, open_stream, done)
+    live = start(done)
     stop = live.request_stop
     server.runs[run_id] = stop
     return _Follow(server, (), live)

@@ -12,7 +12,10 @@ Rules
   closing waits for its session to close, then reopens it, and is never handed a
   session that is closing). When the app stops, every session closes cleanly.
 * A run on a thread is the session's request, driven by a task of the hub, never by
-  the HTTP request: a client that disconnects only detaches. Its AG-UI frames are kept
+  the HTTP request: a client that disconnects only detaches. A new prompt's request id
+  in the journal is the run's id (`Session.serve_request`: at most once), so the journal
+  knows every run id a thread ran, across runs and restarts; a continuation (``resume``)
+  answers its pause, which the journal accepts once. Its AG-UI frames are kept
   in a `LiveRun` (the run's frames so far, at most `RUN_BYTES` of them: past that the
   oldest are dropped), so a client that comes back (or a second tab) replays them from
   the oldest kept and then follows live. The run never waits for a client: one that
@@ -35,8 +38,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import trio
@@ -45,12 +49,16 @@ from .._abort import AbortReason
 from .._agui._encode import interrupt_to_agui
 from .._agui._session_encode import SessionAgUiEncoder
 from .._agui._sse import sse_event
-from .._agui._wire import CustomEvent, to_wire
+from .._agui._wire import AgUiEvent, CustomEvent, RunErrorEvent, RunFinishedEvent, to_wire
 from .._errors import RequestAbortedError, SessionClosedError, TrioAgentError
+from .._journal._projection import RequestState
+from .._loop._interrupts import InterruptAnswer
+from .._loop._rules import StopReason
+from .._session._messages import DoneEvent, SessionEvent
 from .._session._open import open_session
 from .._session._session import Session
 from .._session._spec import AgentSpec
-from .._session._stream import SessionEventStream
+from .._session._stream import EventSink, SessionEventStream
 
 __all__ = ["RUN_BYTES", "THREAD_PAUSED", "LiveRun", "ThreadHub", "open_hub"]
 
@@ -129,6 +137,12 @@ class LiveRun:
         self._stop = stop
         if self._stop_requested:
             stop()
+
+
+RunWork = Callable[[Session, EventSink, LiveRun], Awaitable[RequestState | None]]
+"""What a run does on its thread's session: its request's events into the sink, the run made
+stoppable (`LiveRun.stoppable`) once its request is open; its state if it ran one to its end,
+or the request's error raised."""
 
 
 class _Thread:
@@ -234,46 +248,90 @@ class ThreadHub:
         for thread in self._threads.values():
             thread.closing.set()
 
-    def start_run(
+    def start_request(
+        self, thread: _Thread, thread_id: str, run_id: str, prompt: str, on_done: Callable[[], object]
+    ) -> LiveRun:
+        """Run ``prompt`` on the thread as the session's request ``run_id`` (at most once: the
+        journal records it under that id; see `Session.serve_request`)."""
+
+        async def serve(session: Session, sink: EventSink, live: LiveRun) -> RequestState:
+            # The session's root requests are this thread's runs, one at a time: while this one
+            # is in flight (from here until `live.finish`, with no checkpoint before
+            # serve_request takes the session's request slot), the session's current request is
+            # this run's, so a session abort stops this run and no other.
+            live.stoppable(functools.partial(self.nursery.start_soon, _stop_request, session, live))
+            return await session.serve_request(run_id, prompt, sink=sink)
+
+        return self.start_run(thread, thread_id, run_id, serve, on_done)
+
+    def start_resume(
         self,
         thread: _Thread,
         thread_id: str,
         run_id: str,
-        open_stream: Callable[[Session], Any],
+        answers: Sequence[InterruptAnswer],
         on_done: Callable[[], object],
+    ) -> LiveRun:
+        """Answer the thread's paused request (its pause is answered once: the journal refuses a second)."""
+
+        async def resume(session: Session, sink: EventSink, live: LiveRun) -> None:
+            async with session.resume_stream(answers) as events:
+                live.stoppable(lambda: self.nursery.start_soon(_abort, events, live.run_id))
+                async for event in events:
+                    await sink(event)
+
+        return self.start_run(thread, thread_id, run_id, resume, on_done)
+
+    def start_run(
+        self, thread: _Thread, thread_id: str, run_id: str, work: RunWork, on_done: Callable[[], object]
     ) -> LiveRun:
         live = LiveRun(run_id, len(thread.session.messages()))
         thread.live = live
-        self.nursery.start_soon(self._drive, thread, thread_id, live, open_stream, on_done)
+        self.nursery.start_soon(self._drive, thread, thread_id, live, work, on_done)
         return live
 
     async def _drive(
-        self,
-        thread: _Thread,
-        thread_id: str,
-        live: LiveRun,
-        open_stream: Callable[[Session], Any],
-        on_done: Callable[[], object],
+        self, thread: _Thread, thread_id: str, live: LiveRun, work: RunWork, on_done: Callable[[], object]
     ) -> None:
         session = thread.session
         encoder = SessionAgUiEncoder(thread_id=thread_id, run_id=live.run_id, root_agent_id=session.root_agent_id)
-        for event in encoder.start():
-            live.add(sse_event(to_wire(event)))
+        ended = False  # the run's last frame (RUN_FINISHED or RUN_ERROR) was added
+
+        def add(events: Iterable[AgUiEvent]) -> None:
+            nonlocal ended
+            for out in events:
+                live.add(sse_event(to_wire(out)))
+                ended = ended or isinstance(out, (RunFinishedEvent, RunErrorEvent))
+
+        async def sink(event: SessionEvent) -> None:
+            # Called by the request itself: never waits (the run never waits for a client) and
+            # never raises into it; an event it cannot write ends the stream and stops the run.
+            if ended:
+                return
+            try:
+                add(_encode(encoder, event))
+            except Exception as exc:
+                logger.exception("writing an event of run %r of thread %r failed", live.run_id, thread_id)
+                add([RunErrorEvent(message=f"the run failed: {type(exc).__name__}: {exc}", code="run_failed")])
+                live.request_stop()
+
+        add(encoder.start())
         try:
-            async with open_stream(session) as events:
-                live.stoppable(lambda: self.nursery.start_soon(_abort, events, live.run_id))
-                async for event in events:
-                    for out in encoder.encode(event):
-                        live.add(sse_event(to_wire(out)))
+            state = await work(session, sink, live)
+            if not ended:  # a request stopped before it started ends without a DoneEvent
+                if state in (None, RequestState.INTERRUPTED):
+                    add(encoder.aborted())
+                else:
+                    add(encoder.failed(f"the run's request ended {state.value} without its end", "run_failed"))
         except Exception as exc:  # the run's end is this run's: reported on its stream, the hub goes on
-            if isinstance(exc, RequestAbortedError) and exc.reason != "error":
-                ends = encoder.aborted()  # stopped (by the client, the server stopping ...): cancelled
+            if ended:  # its end was reported; this came after it (its end's write was refused, ...)
+                logger.warning("run %r of thread %r: %s", live.run_id, thread_id, exc)
+            elif isinstance(exc, RequestAbortedError) and exc.reason != "error":
+                add(encoder.aborted())  # stopped (by the client, the server stopping ...): cancelled
             else:  # failed, also a request the session ended because it failed: an error, with its reason
                 if not isinstance(exc, TrioAgentError):
                     logger.exception("run %r of thread %r failed", live.run_id, thread_id)
-                ends = encoder.failed(str(exc), str(getattr(exc, "code", None) or "run_failed"))
-            for out in ends:
-                live.add(sse_event(to_wire(out)))
+                add(encoder.failed(str(exc), str(getattr(exc, "code", None) or "run_failed")))
         finally:
             live.finish()
             on_done()
@@ -285,6 +343,27 @@ class ThreadHub:
             return None
         interrupts = [to_wire(interrupt_to_agui(interrupt)) for interrupt in paused.state.interrupts]
         return sse_event(to_wire(CustomEvent(name=THREAD_PAUSED, value={"interrupts": interrupts})))
+
+
+def _encode(encoder: SessionAgUiEncoder, event: object) -> list[AgUiEvent]:
+    """*event* as AG-UI events. A request's ``DoneEvent`` with an error (what `Session.serve_request`
+    sends where a stream raises instead) ends the run as the stream's error would: an abort is
+    ``cancelled``, a failure ``RUN_ERROR`` ``run_failed`` with its message."""
+    if isinstance(event, DoneEvent) and event.error is not None:
+        if event.stop_reason is StopReason.ABORTED:
+            return encoder.aborted()
+        return encoder.failed(event.error, "run_failed")
+    return encoder.encode(event)
+
+
+async def _stop_request(session: Session, live: LiveRun) -> None:
+    """Stop the thread's request in flight, the run's (see `ThreadHub.start_request`)."""
+    if live.done:  # ended meanwhile: whatever the session runs now is not this run
+        return
+    try:
+        await session.abort(AbortReason.USER_ABORT, "stopped by the client")
+    except Exception:  # a stop that failed is logged; it never takes the hub down
+        logger.exception("stopping run %r failed", live.run_id)
 
 
 async def _abort(events: SessionEventStream, run_id: str) -> None:
