@@ -3,9 +3,10 @@ comes back replays and follows, a reload (or a restarted server) sees the same c
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -359,6 +360,59 @@ async def test_a_thread_needs_a_new_user_message_and_the_app_its_lifespan(tmp_pa
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as bare:
         reply = await bare.post("/runs", json=body())
         assert reply.status_code == 503 and reply.json()["error"] == "threads_unavailable"
+
+
+async def test_a_follower_that_keeps_up_copies_each_frame_once() -> None:
+    # LiveRun.since copied the whole kept window on every wake-up, and a follower that keeps up
+    # wakes once per frame: following a run of n frames read n*n/2 of them, on the event loop.
+    from trio_agent._web._app import _Follow
+    from trio_agent._web._threads import LiveRun
+    from trio_agent.agui import sse_event
+
+    class CountingFrames(collections.deque[bytes]):
+        """The run's kept frames, counting each one read out of them."""
+
+        read = 0
+
+        def __iter__(self) -> Iterator[bytes]:
+            for frame in super().__iter__():
+                self.read += 1
+                yield frame
+
+        def __reversed__(self) -> Iterator[bytes]:
+            for frame in super().__reversed__():
+                self.read += 1
+                yield frame
+
+        def __getitem__(self, index: Any) -> Any:
+            self.read += 1
+            return super().__getitem__(index)
+
+    def frame(index: int) -> bytes:
+        return sse_event({"type": "CUSTOM", "name": "n", "value": index})
+
+    app = create_app(TestModel(default=Reply(text="hi")), auth=local_only)
+    live = LiveRun("r1", 0)
+    live._frames = kept = CountingFrames()
+    written: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        written.append(message.get("body", b""))
+
+    async def receive() -> Any:
+        await trio.sleep_forever()
+
+    count = 500
+    scope = {"type": "http", "method": "POST", "path": "/runs", "headers": []}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_Follow(app.state.agui, (), live), scope, receive, send)
+        for index in range(count):
+            await trio.testing.wait_all_tasks_blocked()  # the follower waits for the next frame
+            live.add(frame(index))
+        live.finish()
+    assert b"".join(written) == b"".join(frame(index) for index in range(count))
+    assert len(written) > count // 2  # it woke (about) once per frame ...
+    assert kept.read == count  # ... and read each frame once: linear in the run, not quadratic
 
 
 async def test_a_follower_that_falls_behind_the_kept_frames_is_told_never_left_with_a_hole() -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -105,7 +106,11 @@ class LiveRun:
         dropped already (its reader fell behind: it could only go on with a hole)."""
         if position < self._first:
             return None
-        return list(self._frames)[position - self._first :], self.end
+        # Only the frames after ``position``, read from the end: a follower that keeps up wakes
+        # once per frame, and copying the whole window each time made following a run quadratic.
+        new = list(itertools.islice(reversed(self._frames), max(self.end - position, 0)))
+        new.reverse()
+        return new, self.end
 
     def add(self, frame: bytes) -> None:
         self._frames.append(frame)
