@@ -169,6 +169,37 @@ async def test_auth_is_asked_for_every_request() -> None:
         create_app(TestModel(respond=respond), auth=None)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("keep_alive", 0),
+        ("keep_alive", -1),
+        ("keep_alive", float("nan")),
+        ("keep_alive", float("inf")),
+        ("keep_alive", "15"),
+        ("buffer", -1),
+        ("buffer", "64"),
+        ("buffer", 1.5),
+        ("buffer", True),
+        ("max_body", 0),
+        ("max_body", "x"),
+        ("max_paused", 0),
+        ("max_paused", None),
+    ],
+)
+def test_create_app_refuses_options_no_request_could_be_served_with(option: str, value: Any) -> None:
+    # They were taken as given and broke every request at serve time, after its 200: a stream cut
+    # with no end event, a bare 500, keep-alive comments flooding, every pause unresumable.
+    with pytest.raises(ta.ConfigError, match=f"^{option} must be"):
+        create_app(TestModel(respond=respond), auth=local_only, **{option: value})
+
+
+async def test_the_smallest_options_serve_a_run() -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], buffer=0, max_paused=1, keep_alive=0.5)
+    async with running(app) as client, client.stream("POST", "/runs", json=body()) as response:
+        assert (await events_of(response))[-1]["outcome"] == {"type": "success"}
+
+
 async def test_a_paused_run_resumes_once_with_the_answers() -> None:
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], permissions={"ask": ["add"]})
     async with running(app) as client:
