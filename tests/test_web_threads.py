@@ -189,6 +189,22 @@ async def test_a_thread_that_cannot_be_opened_is_an_http_error(tmp_path: Path) -
     assert ta.__name__ == "trio_agent"
 
 
+async def test_a_view_whose_store_fails_is_a_503_not_a_bare_500(tmp_path: Path, monkeypatch: Any) -> None:
+    from trio_agent._journal._sqlite import SQLiteStore
+    from trio_agent.journal import open_sqlite_store
+
+    async def unavailable(self: Any, session_id: str | None = None) -> Any:
+        raise ta.JournalUnavailableError("the disk went away")
+
+    async with open_sqlite_store(tmp_path / "t.db") as store:
+        app = create_app(TestModel(default=Reply(text="hi")), auth=local_only, threads=store)
+        async with running(app) as client:
+            monkeypatch.setattr(SQLiteStore, "streams", unavailable)
+            reply = await client.get("/threads/t1")
+            assert reply.status_code == 503 and reply.json()["error"] == "thread_unavailable"
+            assert "the disk went away" in reply.json()["message"]
+
+
 def where_model() -> TestModel:
     def answer(request: ta.ModelRequest) -> Reply:
         last = request.messages[-1]

@@ -624,7 +624,11 @@ def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_inpu
 
 async def _thread_view(server: _Server, hub: ThreadHub, thread_id: str) -> Response:
     """``GET /threads/{id}``: the conversation so far, then the live run if there is one."""
-    if not await _thread_exists(hub, thread_id):
+    try:
+        exists = await _thread_exists(hub, thread_id)
+    except JournalError as exc:  # the store failed: as when the thread's session cannot be opened
+        return _error(503, "thread_unavailable", f"thread {thread_id!r} cannot be read: {exc}")
+    if not exists:
         return _error(404, "unknown_thread", f"thread {thread_id!r} does not exist")
     async with contextlib.AsyncExitStack() as stack:
         thread = await _open_thread(stack, hub, thread_id)
