@@ -126,6 +126,9 @@ def test_submit_is_idempotent_and_refuses_a_conflicting_retry(postgres_dsn: str,
         (("s", ""), {}, "prompt"),
         (("s", "   "), {}, "prompt"),
         (("s", "nul\x00byte"), {}, "NUL"),
+        (("s", "hello \ud800 there"), {}, "prompt must be valid Unicode text"),
+        (("s\udcff", "hi"), {}, "session_id must be valid Unicode text"),
+        (("s", "hi"), {"request_id": "r\ud800"}, "request_id must be valid Unicode text"),
         (("s", 42), {}, "prompt"),
         (("s", "hi"), {"request_id": ""}, "request_id"),
         (("s", "hi"), {"priority": True}, "priority"),
@@ -142,6 +145,28 @@ def test_submit_refuses_bad_input_by_name(
         exists = conn.execute("SELECT to_regclass(%s)", (f'"{fresh_pg_schema}".inbox',)).fetchone()
         if exists is not None and exists[0] is not None:
             assert conn.execute(f'SELECT count(*) FROM "{fresh_pg_schema}".inbox').fetchone() == (0,)
+
+
+def test_every_entry_point_refuses_ids_and_prompts_no_row_can_hold_by_name(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    # A lone surrogate escaped as a bare UnicodeEncodeError (the driver's), and a NUL in an id read
+    # back was "the server is unreachable" (JournalUnavailableError): both are the caller's input.
+    where = {"dsn": postgres_dsn, "schema": fresh_pg_schema}
+    with Submitter(postgres_dsn, schema=fresh_pg_schema) as queue:
+        with pytest.raises(ConfigError, match=r"^prompt must be valid Unicode text"):
+            queue.submit("s", "bad \udcff byte")
+        for session_id, request_id, name in [("s\x00", "r", "session_id"), ("s", "r\udcff", "request_id")]:
+            with pytest.raises(ConfigError, match=f"^{name} must not contain|^{name} must be valid"):
+                queue.status(session_id, request_id)
+            with pytest.raises(ConfigError, match=f"^{name} must not contain|^{name} must be valid"):
+                request_status(session_id, request_id, **where)
+        assert queue.status("s", "r") is None  # the connection is still good
+    unreachable = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=2"  # checked before connecting
+    with pytest.raises(ConfigError, match=r"^prompt"):
+        submit("s", "bad \udcff byte", dsn=unreachable)
+    with pytest.raises(ConfigError, match=r"^session_id"):
+        request_status("s\x00", "r", dsn=unreachable)
 
 
 def test_submit_without_a_dsn_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -507,6 +532,13 @@ def test_the_command_line_refuses_bad_input_with_a_typed_message(postgres_dsn: s
         [*cli, "submit", "calc", "", "--schema", fresh_pg_schema], env=env, capture_output=True, text=True, timeout=60
     )
     assert refused.returncode == 1 and "prompt" in refused.stderr
+    undecodable = subprocess.run(  # its bytes arrive as lone surrogates (a bare UnicodeEncodeError's traceback)
+        [*cli, "submit", "calc", b"bad \xff byte", "--schema", fresh_pg_schema], env=env, capture_output=True
+    )
+    assert undecodable.returncode == 1 and undecodable.stdout == b""
+    assert undecodable.stderr.decode().splitlines() == [
+        "error: prompt must be valid Unicode text: it has a lone surrogate U+DCFF at 4 (bytes that are not UTF-8?)"
+    ]
     env.pop("TRIO_AGENT_DSN")
     no_dsn = subprocess.run([*cli, "sessions"], env=env, capture_output=True, text=True, timeout=60)
     assert no_dsn.returncode == 1 and "TRIO_AGENT_DSN" in no_dsn.stderr

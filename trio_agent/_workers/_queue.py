@@ -19,7 +19,7 @@ import psycopg
 import psycopg.errors
 from psycopg.rows import TupleRow
 
-from .._config import validate_id
+from .._config import short_repr, validate_id
 from .._errors import CommandConflictError, ConfigError, JournalUnavailableError
 from .._journal._postgres import _SCHEMA_NAME
 from ._conn import connect, connection_info
@@ -126,6 +126,44 @@ def _check_schema(schema: object) -> str:
     return schema
 
 
+def _check_prompt(prompt: object) -> str:
+    """A prompt a session accepts and the inbox can store: non-blank text, without NUL (no
+    PostgreSQL text holds one), encodable as UTF-8 (no lone surrogates: a command line's
+    undecodable bytes arrive as those)."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ConfigError("prompt must be a non-empty string")
+    if "\x00" in prompt:
+        raise ConfigError("prompt must not contain NUL characters")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            f"prompt must be valid Unicode text: it has a lone surrogate U+{ord(prompt[exc.start]):04X} "
+            f"at {exc.start} (bytes that are not UTF-8?)"
+        ) from None
+    return prompt
+
+
+def _check_ids(session_id: object, request_id: object) -> None:
+    """Ids a submission could have been stored under, checked before any statement: one no row
+    can hold is a `ConfigError` naming it, never a driver's error or a failed query. (A read
+    keeps the older rule ids were stored under: ``stored=True``.)"""
+    validate_id(session_id, name="session_id", stored=True)
+    validate_id(request_id, name="request_id", stored=True)
+
+
+def _check_submission(session_id: object, prompt: object, request_id: str | None, priority: object) -> str:
+    """The request id of a submission `submit` accepts (made if not given), else `ConfigError`."""
+    validate_id(session_id, name="session_id")
+    if request_id is None:
+        request_id = f"req-{uuid.uuid4().hex[:12]}"
+    validate_id(request_id, name="request_id")
+    _check_prompt(prompt)
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
+        raise ConfigError(f"priority must be a 32-bit whole number, not {short_repr(priority)}")
+    return request_id
+
+
 class Submitter:
     """One connection that submits and reads statuses: ``with Submitter(dsn) as queue``.
 
@@ -167,18 +205,7 @@ class Submitter:
         `CommandConflictError`. ``priority``: among one session's waiting submissions the
         highest runs first (then the oldest). Some worker serving the schema runs it once.
         """
-        validate_id(session_id, name="session_id")
-        if "/" in session_id:
-            raise ConfigError(f"session_id must not contain '/': {session_id!r}")
-        if request_id is None:
-            request_id = f"req-{uuid.uuid4().hex[:12]}"
-        validate_id(request_id, name="request_id")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ConfigError("prompt must be a non-empty string")
-        if "\x00" in prompt:
-            raise ConfigError("prompt must not contain NUL characters")
-        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
-            raise ConfigError(f"priority must be a 32-bit whole number, not {priority!r}")
+        request_id = _check_submission(session_id, prompt, request_id, priority)
         self._ensure()
         q = self.statements.q
         with self._errors("submitting a request"), self._conn.transaction():
@@ -199,6 +226,7 @@ class Submitter:
 
     def status(self, session_id: str, request_id: str) -> RequestStatus | None:
         """Where a submission stands, or ``None`` if it was never submitted."""
+        _check_ids(session_id, request_id)
         self._ensure()
         with self._errors("reading a request's status"):
             row = self._conn.execute(self.statements.q["status"], (session_id, request_id)).fetchone()
@@ -269,6 +297,7 @@ def submit(
     ``dsn`` defaults to ``$TRIO_AGENT_DSN``. Opens and closes one connection: for many
     submissions keep a `Submitter`.
     """
+    request_id = _check_submission(session_id, prompt, request_id, priority)  # before connecting
     with Submitter(dsn, schema=schema) as queue:
         return queue.submit(session_id, prompt, request_id=request_id, priority=priority)
 
@@ -277,6 +306,7 @@ def request_status(
     session_id: str, request_id: str, *, dsn: str | None = None, schema: str = "trio_agent"
 ) -> RequestStatus | None:
     """Where one submission stands (``None``: never submitted)."""
+    _check_ids(session_id, request_id)  # before connecting
     with Submitter(dsn, schema=schema) as queue:
         return queue.status(session_id, request_id)
 
