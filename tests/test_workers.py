@@ -85,6 +85,21 @@ async def until_done(dsn: str, schema: str, session_id: str, request_id: str) ->
         await trio.sleep(0.05)
 
 
+async def until_row_done(dsn: str, schema: str, session_id: str, request_id: str) -> tuple[str, str | None]:
+    """`until_done` for a row written around submit() with ids request_status() refuses to look up."""
+
+    def read() -> Any:
+        with psycopg.connect(dsn) as conn:
+            return conn.execute(
+                f'SELECT state, outcome FROM "{schema}".inbox WHERE session_id = %s AND request_id = %s',
+                (session_id, request_id),
+            ).fetchone()
+
+    while (row := await trio.to_thread.run_sync(read)) is None or row[0] != "done":
+        await trio.sleep(0.05)
+    return row[0], row[1]
+
+
 async def until_session_state(dsn: str, schema: str, session_id: str, state: str) -> None:
     while True:
         sessions = await trio.to_thread.run_sync(functools.partial(list_sessions, dsn=dsn, schema=schema))
@@ -731,18 +746,26 @@ async def test_a_submission_written_around_submit_is_refused_not_wedging_the_ses
         functools.partial(submit, "wedge", "fine", request_id="good", dsn=postgres_dsn, schema=fresh_pg_schema)
     )
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:
-        conn.execute(
-            f'INSERT INTO "{fresh_pg_schema}".inbox(session_id, request_id, prompt, priority, submitted_at,'
-            " state, updated_at) VALUES ('wedge', '', 'no id', 9, 0, 'pending', 0)"
-        )
+        for request_id, prompt in [("", "no id"), ("blank", "   ")]:
+            conn.execute(
+                f'INSERT INTO "{fresh_pg_schema}".inbox(session_id, request_id, prompt, priority, submitted_at,'
+                " state, updated_at) VALUES ('wedge', %s, %s, 9, 0, 'pending', 0)",
+                (request_id, prompt),
+            )
     async with (
-        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store,
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema, poll_interval=0.05) as store,
         worker(spec, postgres_dsn, fresh_pg_schema) as report,
     ):
         with trio.fail_after(20):
             assert (await wait_for_request(store, "wedge", good)).state == "completed"
-            bad = await until_done(postgres_dsn, fresh_pg_schema, "wedge", "")
-    assert bad.outcome == "refused" and report.refused == 1 and report.failed_sessions == 0
+            # A refused row leaves nothing in the journal: its waiter waited forever. It reads the
+            # refusal from the inbox; an id no journal can hold is refused at once.
+            refused = await wait_for_request(store, "wedge", "blank")
+            with pytest.raises(ConfigError, match="request_id"):
+                await wait_for_request(store, "wedge", "")
+            bad = await until_row_done(postgres_dsn, fresh_pg_schema, "wedge", "")
+    assert refused.state == "refused" and refused.request_id == "blank" and "refused" in str(refused.reason)
+    assert bad == ("done", "refused") and report.refused == 2 and report.failed_sessions == 0
 
 
 async def test_live_text_with_a_lone_surrogate_still_completes(postgres_dsn: str, fresh_pg_schema: str) -> None:
@@ -893,8 +916,8 @@ async def test_a_submission_to_a_session_id_no_journal_takes_is_refused(
         )
     async with worker(answer(), postgres_dsn, fresh_pg_schema, lease_ttl=3.0, poll_interval=0.05) as report:
         with trio.fail_after(20):
-            status = await until_done(postgres_dsn, fresh_pg_schema, "bad/id", "r")
-    assert status.outcome == "refused" and report.failed_sessions == 0 and report.refused == 1
+            status = await until_row_done(postgres_dsn, fresh_pg_schema, "bad/id", "r")
+    assert status == ("done", "refused") and report.failed_sessions == 0 and report.refused == 1
 
 
 async def test_a_graceful_stop_hosts_what_an_in_flight_claim_took_then_lets_it_go(

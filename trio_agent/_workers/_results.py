@@ -8,7 +8,12 @@ Rules
   replay, then live) until the request's one terminal event: ``request_completed``,
   ``request_failed``, ``request_interrupted``, or ``run_paused`` (it waits for answers).
   A session closed and reopened between requests ends one subscription; the wait goes
-  on after it from the same cursor. The journal is the truth: nothing else is read.
+  on after it from the same cursor. The journal is the truth about every request that
+  ran. One that never could is not in it: a submission a worker refused (a row written
+  around `submit` whose request id or prompt no session accepts) is marked ``refused``
+  in the workers' inbox only, so on a `PostgresStore` the wait also reads that row (in
+  the store's schema, every ``poll_interval``) and ends ``refused``; and ids no journal
+  can hold are a `ConfigError` at once, never a wait for what cannot come.
 * `subscribe_live` LISTENs for the deltas a worker publishes (``serve_sessions(live=
   True)``). They are not durable: a subscriber that connects late, or a notification
   PostgreSQL drops, misses text; ``n`` counts a request's deltas so a gap shows. Read
@@ -19,7 +24,9 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Awaitable, Callable
 from types import TracebackType
+from typing import Any
 
 import attrs
 import psycopg
@@ -27,14 +34,17 @@ import trio
 from psycopg import sql
 from psycopg.rows import TupleRow
 
-from .._errors import ConfigError, JournalUnavailableError
+from .._config import validate_id
+from .._errors import ConfigError, JournalError, JournalUnavailableError
+from .._groups import unwrap_for_boundary
 from .._journal._durable import ROOT_AGENT
 from .._journal._events import RequestCompleted, RequestFailed, RequestInterrupted, RunPaused, SessionClosed
-from .._journal._store import JournalStore, stream_id_for
+from .._journal._postgres import PostgresStore
+from .._journal._store import JournalStore, check_id, stream_id_for
 from .._journal._subscribe import DurableEvent, subscribe_durable_events
 from ._conn import connect, connection_info
 from ._queue import _check_schema, resolve_dsn
-from ._sql import live_channel
+from ._sql import Statements, live_channel
 
 __all__ = ["LiveDelta", "LiveSubscription", "RequestOutcome", "subscribe_live", "wait_for_request"]
 
@@ -45,7 +55,8 @@ class RequestOutcome:
 
     ``state``: ``completed`` (``text`` is the answer), ``failed`` (``error``),
     ``interrupted`` (``reason``), ``paused`` (waiting for answers to an interrupt) or
-    ``refused`` (the session was ended for good before it ran; ``reason`` says so).
+    ``refused`` (the session was ended for good before it ran, or a worker refused the
+    submission without running it; ``reason`` says which).
     ``seq`` is the terminal event's position in the root stream.
     """
 
@@ -80,6 +91,28 @@ async def wait_for_request(store: JournalStore, session_id: str, request_id: str
     `open_postgres_store` on the workers' DSN and schema). Put a deadline around it
     (``trio.fail_after``) if the wait must be bounded.
     """
+    # What a worker checks before it serves a row: an id that fails here is never in a journal.
+    validate_id(session_id, name="session_id", stored=True)
+    check_id(stream_id_for(session_id, ROOT_AGENT), "session_id (as a stream id)")
+    validate_id(request_id, name="request_id", stored=True)
+    if not isinstance(store, PostgresStore):  # no workers' inbox beside it: the journal alone
+        return await _journal_outcome(store, session_id, request_id)
+    found: list[RequestOutcome] = []
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def first(wait: Callable[[Any, str, str], Awaitable[RequestOutcome]]) -> None:
+                found.append(await wait(store, session_id, request_id))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(first, _journal_outcome)
+            nursery.start_soon(first, _refusal)
+    except BaseExceptionGroup as group:  # one error out (the journal's, typed), never a group
+        raise unwrap_for_boundary(group) from None
+    return found[0]
+
+
+async def _journal_outcome(store: JournalStore, session_id: str, request_id: str) -> RequestOutcome:
     stream_id = stream_id_for(session_id, ROOT_AGENT)
     seq = 0
     seen = False  # the request appeared in the stream
@@ -95,6 +128,29 @@ async def wait_for_request(store: JournalStore, session_id: str, request_id: str
                         return found
         # The stream ended at a session_closed: the next life (or the first) appends after it.
         await store.wait_for_append(stream_id, seq)
+
+
+async def _refusal(store: PostgresStore, session_id: str, request_id: str) -> RequestOutcome:
+    """Once the workers' inbox in *store*'s schema has this submission done ``refused``: a row no
+    session accepted leaves nothing in the journal. Never returns while there is none (no inbox,
+    no such row, or one served: the journal says how it ended)."""
+    statements = Statements(store.schema)
+
+    def read(conn: _Conn) -> tuple[str, str | None] | None:
+        if conn.execute(statements.q["tables_present"], statements.table_names).fetchone() != (True,):
+            return None
+        row = conn.execute(statements.q["status"], (session_id, request_id)).fetchone()
+        return None if row is None else (row[0], row[1])
+
+    while True:
+        try:
+            row = await store._query(read)
+        except JournalError:  # the journal's own wait reports the store's failures; do not spin
+            row = None
+        if row == ("done", "refused"):
+            why = "a worker refused the submission without running it: no session accepts its request id or prompt"
+            return RequestOutcome(request_id, "refused", reason=why)
+        await trio.sleep(store.poll_interval)
 
 
 @attrs.frozen
