@@ -13,10 +13,19 @@
 * The queue's length was read off its channel: a request handed straight to the waiting worker
   was not counted (a send without priority ran ahead of it), one aborted while it waited was,
   and more concurrent sends than it holds passed the check before their acceptance was written.
+* Queued requests entered the line when their acceptance write was confirmed, so they ran in
+  the order their writers woke (a store committing a group of writes may wake them last first),
+  not the order the journal accepted them. Requests aborted while they waited stayed in the
+  line's bounded channel: enough of them made a later acceptance raise ``trio.WouldBlock``.
+* A request the session's close caught while its acceptance was written was journalled
+  interrupted with reason ``user_abort``; one whose acceptance was refused before the journal
+  took it ended with no error, so a message that joined it was told it succeeded (with an empty
+  answer) and was dropped.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -24,6 +33,7 @@ import trio
 import trio.testing
 from store_helpers import LaterStore
 
+from tests.session_helpers import stream_events, user_texts
 from trio_agent import (
     RequestAbortedError,
     SessionClosedError,
@@ -31,7 +41,10 @@ from trio_agent import (
     define_tool,
     open_session,
 )
-from trio_agent._journal._events import RequestInterrupted, SessionClosed
+from trio_agent._errors import InvalidTransitionError
+from trio_agent._journal._durable import DurableJournal
+from trio_agent._journal._events import RequestAccepted, RequestInterrupted, RequestInterruptReason, SessionClosed
+from trio_agent._journal._memory import MemoryStore
 from trio_agent._session._endings import open_items
 from trio_agent.testing import Reply, TestModel
 
@@ -262,3 +275,174 @@ async def test_more_concurrent_sends_than_the_queue_holds_are_refused_and_none_i
             assert refused == 70 - 64
             assert not open_items(session.journal.projection())
         writer.cancel_scope.cancel()
+
+
+class LastFirstStore(LaterStore):
+    """Commits the writes that wait in submission order, then wakes their writers last first, one
+    at a time (as a store that commits a group of writes at once may wake them)."""
+
+    async def run(self) -> None:
+        async for batch, ticket in self._receive:
+            await self.gate.wait()
+            waiting = [(batch, ticket)]
+            while True:
+                try:
+                    waiting.append(self._receive.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            outcomes = [MemoryStore.commit(self, batch) for batch, _ in waiting]
+            for (_, ticket), outcome in reversed(list(zip(waiting, outcomes, strict=True))):
+                ticket._resolve(outcome)
+                await trio.testing.wait_all_tasks_blocked()  # its writer goes on before the next wakes
+
+
+async def test_queued_requests_run_in_the_order_the_journal_accepted_them() -> None:
+    store = LastFirstStore()
+    release = trio.Event()
+
+    @define_tool(side_effect="pure", kind="readonly", input_schema={"type": "object"})
+    async def hold(input: dict[str, Any], ctx: Any) -> ToolResult:
+        """Holds the first request."""
+        await release.wait()
+        return ToolResult.success("done")
+
+    ran: list[str] = []
+
+    def respond(request: Any) -> Reply:
+        prompt = user_texts(request)[-1]
+        if prompt == "first":
+            return Reply(tool_calls=[("hold", {})])
+        ran.append(prompt)
+        return Reply(text="ok")
+
+    async with trio.open_nursery() as writer:
+        writer.start_soon(store.run)
+        async with open_session(provider=TestModel(respond=respond), tools=[hold], journal=store) as session:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(session.send, "first")
+                await trio.testing.wait_all_tasks_blocked()  # "first" waits in its tool
+                store.gate = trio.Event()  # the acceptances below wait, then are confirmed together
+                for index in range(4):
+                    nursery.start_soon(functools.partial(session.send, f"later {index}", priority="later"))
+                    await trio.testing.wait_all_tasks_blocked()  # submitted in this order
+                store.gate.set()
+                await trio.testing.wait_all_tasks_blocked()
+                release.set()
+            events = await stream_events(session)
+            accepted = [event.input["prompt"] for event in events if isinstance(event, RequestAccepted)]
+        writer.cancel_scope.cancel()
+    assert accepted == ["first", "later 0", "later 1", "later 2", "later 3"]
+    assert ran == accepted[1:]
+
+
+async def test_requests_aborted_while_they_wait_never_fill_the_line() -> None:
+    release = trio.Event()
+
+    @define_tool(side_effect="pure", kind="readonly", input_schema={"type": "object"})
+    async def hold(input: dict[str, Any], ctx: Any) -> ToolResult:
+        """Holds the first request."""
+        await release.wait()
+        return ToolResult.success("done")
+
+    def respond(request: Any) -> Reply:
+        return Reply(tool_calls=[("hold", {})]) if user_texts(request) == ["first"] else Reply(text="ok")
+
+    answers: list[str] = []
+    async with open_session(provider=TestModel(respond=respond), tools=[hold]) as session:
+        async with trio.open_nursery() as nursery:
+
+            async def later(prompt: str) -> None:
+                answers.append(await session.send(prompt, priority="later"))
+
+            nursery.start_soon(session.send, "first")
+            await trio.testing.wait_all_tasks_blocked()  # "first" waits in its tool
+            nursery.start_soon(later, "waits")
+            await trio.testing.wait_all_tasks_blocked()  # the worker holds it, waiting for the slot
+            for index in range(70):  # more than the line holds, each aborted while it waits
+                async with session.stream(f"left {index}", priority="later"):
+                    pass
+            nursery.start_soon(later, "last")  # raised trio.WouldBlock after its acceptance, left open
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+        assert answers == ["ok", "ok"]
+        assert not open_items(session.journal.projection())
+
+
+async def test_a_request_the_close_catches_while_it_is_accepted_is_interrupted_by_the_close() -> None:
+    store = LaterStore()
+
+    @define_tool(side_effect="pure", kind="readonly", interrupt="cancel", input_schema={"type": "object"})
+    async def hold(input: dict[str, Any], ctx: Any) -> ToolResult:
+        """Holds the first request."""
+        await trio.sleep_forever()
+        return ToolResult.success("done")
+
+    told: dict[str, type[BaseException]] = {}
+
+    async def send(session: Any, prompt: str, priority: str | None = None) -> None:
+        try:
+            await session.send(prompt, priority=priority)
+        except (RequestAbortedError, SessionClosedError) as exc:
+            told[prompt] = type(exc)
+
+    async with trio.open_nursery() as writer:
+        writer.start_soon(store.run)
+        model = TestModel(default=Reply(tool_calls=[("hold", {})]))
+        async with open_session(provider=model, tools=[hold], journal=store) as session, trio.open_nursery() as nursery:
+            nursery.start_soon(send, session, "first")
+            await trio.testing.wait_all_tasks_blocked()  # "first" waits in its tool
+            store.gate = trio.Event()
+            nursery.start_soon(send, session, "caught", "later")
+            await trio.testing.wait_all_tasks_blocked()  # its acceptance is being written
+            nursery.start_soon(session.close)
+            await trio.testing.wait_all_tasks_blocked()  # the close waits for the journal
+            store.gate.set()
+        events = await stream_events(session)
+        writer.cancel_scope.cancel()
+    assert told == {"first": RequestAbortedError, "caught": SessionClosedError}
+    accepted = {event.input["prompt"]: event.request_id for event in events if isinstance(event, RequestAccepted)}
+    ends = {event.request_id: event.reason for event in events if isinstance(event, RequestInterrupted)}
+    assert ends == {
+        accepted["first"]: RequestInterruptReason.SESSION_CLOSE,
+        accepted["caught"]: RequestInterruptReason.SESSION_CLOSE,  # was user_abort
+    }
+
+
+async def test_a_message_that_joined_a_request_whose_acceptance_was_refused_is_told_and_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A refusal before the journal took the acceptance (the projection unchanged) after an await:
+    # the request ended with no error, so the joined sender got "" as an answer, its message lost.
+    refuse = trio.Event()
+    append = DurableJournal.append
+
+    async def refusing(self: DurableJournal, *events: Any, **kwargs: Any) -> Any:
+        if isinstance(events[0], RequestAccepted) and events[0].input == {"prompt": "first"}:
+            await refuse.wait()
+            raise InvalidTransitionError("injected: refused before the projection changed")
+        return await append(self, *events, **kwargs)
+
+    monkeypatch.setattr(DurableJournal, "append", refusing)
+    model = TestModel(default=Reply(text="ok"))
+    told: dict[str, object] = {}
+    async with open_session(provider=model) as session:
+        async with trio.open_nursery() as nursery:
+
+            async def first() -> None:
+                with pytest.raises(InvalidTransitionError):
+                    await session.send("first")
+
+            async def join() -> None:
+                try:
+                    told["joined"] = await session.send("remember this", priority="next")
+                except InvalidTransitionError as exc:
+                    told["joined"] = exc
+
+            nursery.start_soon(first)
+            await trio.testing.wait_all_tasks_blocked()  # "first" is being accepted
+            nursery.start_soon(join)
+            await trio.testing.wait_all_tasks_blocked()  # the message joined it
+            refuse.set()
+        assert isinstance(told["joined"], InvalidTransitionError)
+        assert await session.send("next one") == "ok"
+    assert user_texts(model.requests[-1]) == ["next one", "remember this"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import os
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
@@ -140,6 +141,7 @@ def _session_close() -> RequestInterruptReason:
 class _Request:
     __slots__ = (
         "abort",
+        "acceptance",
         "accepted_before",
         "accepting",
         "agent",
@@ -216,6 +218,9 @@ class _Request:
         # on from its last durable point, its prompt already in the conversation.
         self.continuing = False
         self.accepted_before = False  # its request_accepted is in the journal (a request taken over)
+        # Set once its request_accepted write settled (made for a request that waits in line,
+        # which takes its place before the write: the worker waits for it).
+        self.acceptance: trio.Event | None = None
         self.turns_before = 0
         self.finishing = False  # no new background starts may join it
         self.holds = 0  # background starts in progress under this request
@@ -483,44 +488,57 @@ class RequestQueue:
         if current is None and self.queued and priority is None:
             raise SessionBusyError("requests are queued: send with priority='later' to queue another")
 
-    async def accept(self, request: _Request) -> None:
+    async def accept(self, request: _Request, cancel_reason: Callable[[], RequestInterruptReason]) -> None:
+        """Accept *request* to wait in line for the worker (*cancel_reason*: why a cancellation of
+        the caller while its acceptance is written ends it)."""
+        if self.closed:
+            raise SessionClosedError("the session is closed")
         queued = self._queued
         if queued >= self.max_queued:
             raise SessionBusyError(f"{queued} requests are already queued; wait for some to finish")
-        # Its place is taken before the acceptance is written (an await): the line never overfills.
+        # Its place is taken before the acceptance is written (an await): the line never overfills,
+        # and it runs in the order the journal accepted it, whatever order the writes are confirmed
+        # in (a store that commits a group of writes at once may wake their writers last first).
         self._queued += 1
         request.in_line = True
-        try:
-            await self._accept_durably(request)
-        except BaseException:
-            self._leave_line(request)
-            raise
+        acceptance = request.acceptance = trio.Event()
         send, _ = self._waiting_line()
-        self._start_worker()
         send.send_nowait(request)
+        self._start_worker()
+        try:
+            await self._accept_durably(request, cancel_reason)
+        except BaseException:
+            self._leave_line(request)  # it ended (`_accept_durably`): the worker drops it
+            raise
+        finally:
+            acceptance.set()
 
     def _waiting_line(
         self,
     ) -> tuple[trio.MemorySendChannel[_Request], trio.MemoryReceiveChannel[_Request]]:
         if self._line is None:
-            self._line = trio.open_memory_channel[_Request](self.max_queued)
+            # Unbounded: `_queued` bounds the requests that wait; a request aborted while it waits
+            # leaves the count at once but the channel only when the worker reaches it.
+            self._line = trio.open_memory_channel[_Request](math.inf)
         return self._line
 
-    async def _accept_durably(self, request: _Request) -> None:
+    async def _accept_durably(self, request: _Request, cancel_reason: Callable[[], RequestInterruptReason]) -> None:
         """Record *request* accepted (durable before send returns or the stream starts), or end it:
         a request that is not accepted, or accepted while the session closed, is never left open."""
         self._accepting += 1  # the close waits for this, so the request is settled either way
         try:
             try:
                 await accept_on(self.journal, self.root.agent_id, request)
-            except BaseException:
+            except BaseException as exc:
                 # A cancellation, Ctrl-C or a failed write: the accepted request never runs,
                 # so it ends here (recorded if the journal took it), never left open.
-                await self._unqueue(request, "the caller was cancelled while the request was accepted")
+                reason = RequestInterruptReason.SESSION_CLOSE if self.closed else cancel_reason()
+                await self._unqueue(request, exc, "the caller was cancelled while the request was accepted", reason)
                 raise
             if self.closed:
-                await self._unqueue(request, "the session closed while the request was accepted")
-                raise SessionClosedError("the session is closed")
+                closed = SessionClosedError("the session closed while the request was accepted")
+                await self._unqueue(request, closed, str(closed), RequestInterruptReason.SESSION_CLOSE)
+                raise closed
         finally:
             self._accepting -= 1
             if self._accepting == 0 and self._accepted is not None:
@@ -576,7 +594,7 @@ class RequestQueue:
         self.current = request
         try:
             try:
-                await self._accept_durably(request)
+                await self._accept_durably(request, cancel_reason)
                 if request.abort.aborted:  # aborted while it was accepted: it never starts
                     await self._record_unstarted(request)
                     return
@@ -584,8 +602,6 @@ class RequestQueue:
                 await run(request)
             finally:
                 self.current = None
-                if not request.done.is_set():  # a failed acceptance: nobody may wait for it forever
-                    request.finish()
         finally:
             if self._held_here:
                 self._held_here = False
@@ -595,20 +611,30 @@ class RequestQueue:
                 assert slot is not None
                 slot.release()
 
-    async def _unqueue(self, request: _Request, why: str) -> None:
-        """An accepted request that will never be queued: record it interrupted (if it was accepted)."""
-        record = self.journal.projection().request(request.request_id)
-        if record is None or record.state is not RequestState.ACCEPTED:
-            return
-        with bounded_shield(self.grace, "recording an unqueued request"):
-            await record_request_end(
-                self.journal,
-                self.root.agent_id,
-                request.request_id,
-                RequestInterrupted(request_id=request.request_id, reason=RequestInterruptReason.USER_ABORT),
-            )
-        request.error = RequestAbortedError(why, reason="user_abort")
-        request.finish()
+    async def _unqueue(self, request: _Request, exc: BaseException, why: str, reason: RequestInterruptReason) -> None:
+        """A request whose acceptance failed (*exc*) or came as the session closed: it never runs.
+        Recorded interrupted with *reason* if the journal took it; it ends either way (what joined
+        it meanwhile is told so, and its message reaches the agent's next turn)."""
+        try:
+            record = self.journal.projection().request(request.request_id)
+            if record is not None and record.state is RequestState.ACCEPTED:
+                with bounded_shield(self.grace, "recording an unqueued request"):
+                    await record_request_end(
+                        self.journal,
+                        self.root.agent_id,
+                        request.request_id,
+                        RequestInterrupted(request_id=request.request_id, reason=reason),
+                    )
+        finally:
+            if not request.done.is_set():  # else it ended meanwhile (aborted, or rejected by the close)
+                request.accepting = False
+                if request.pending:
+                    self.inbox.setdefault(request.agent.agent_id, []).extend(request.pending)
+                    request.pending.clear()
+                typed = typed_error(exc)
+                request.error = typed if typed is not None else RequestAbortedError(why, reason=reason.value)
+                request.stop_reason = StopReason.ABORTED
+                request.finish()
 
     async def abort_request(self, request: _Request, reason: AbortReason, message: str) -> None:
         """Abort *request*; returns once its end is durable."""
@@ -671,9 +697,15 @@ class RequestQueue:
                 self._waiting = request
                 slot = self.slot()
                 try:
+                    acceptance = request.acceptance
+                    if acceptance is not None and not acceptance.is_set():
+                        # In line from before its acceptance was written: it runs once that settled
+                        # (and not at all if it failed: it ended then, `_run_taken` sees it).
+                        await acceptance.wait()
                     await slot.acquire()  # a request run in its caller's task may hold the slot
                 except BaseException:
-                    await self._reject_queued(request)  # taken from the queue: it must still end
+                    if not request.done.is_set():
+                        await self._reject_queued(request)  # taken from the queue: it must still end
                     raise
                 finally:
                     self._waiting = None

@@ -282,7 +282,7 @@ class Session:
             except BaseExceptionGroup as group:  # a tool's or a hook's nursery, cancelled: one error out
                 raise unwrap_for_boundary(group) from None
         else:
-            await queue.accept(request)
+            await queue.accept(request, self._cancelled_by)
             try:
                 await request.done.wait()
             finally:
@@ -348,7 +348,7 @@ class Session:
         forward = EventForward(send, request.abort)
         request.sink = forward
         request.forwards.append(forward)
-        await queue.accept(request)
+        await queue.accept(request, self._cancelled_by)
         stream = SessionEventStream(
             recv, request, joined=False, aborter=functools.partial(queue.abort_request, request)
         )
