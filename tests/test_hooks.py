@@ -444,6 +444,15 @@ def test_hook_errors_live_in_the_error_tree_and_old_imports_still_work() -> None
             "expected a string, {'prompt': str}",
         ),
         (HookEvent.USER_PROMPT_SUBMIT, HookOutput.modify({"prompt": 3}), "expected a string, {'prompt': str}"),
+        # Non-JSON inside the object: refused here, not later by the pipeline (middleware_error).
+        (HookEvent.PRE_TOOL_USE, HookOutput.modify({"x": {1, 2}}), "modified_input.x is not JSON: set"),
+        (HookEvent.PRE_TOOL_USE, HookOutput.modify({"x": [math.nan]}), "modified_input.x[0] is not a finite"),
+        (HookEvent.PERMISSION_REQUEST, HookOutput.modify({"x": {1: 2}}), "modified_input.x has a non-string key"),
+        (HookEvent.POST_TOOL_USE, HookOutput(modified_output={"a": object()}), "modified_output.a is not JSON"),
+        # An empty prompt is no prompt (as send refuses one); "don't send it" is a skip.
+        (HookEvent.USER_PROMPT_SUBMIT, HookOutput.modify(""), "returned an empty prompt"),
+        (HookEvent.USER_PROMPT_SUBMIT, HookOutput.modify({"userPrompt": " \n"}), "returned an empty prompt"),
+        (HookEvent.SUBAGENT_START, HookOutput.modify({"prompt": ""}), "returned an empty prompt"),
     ],
 )
 async def test_garbage_returns_raise_a_typed_error_naming_event_and_callback(
@@ -667,6 +676,19 @@ def test_a_pre_tool_use_hook_returning_garbage_denies_the_call(returned: Any) ->
     assert record.result.error is not None
     assert record.result.error.code == "hook_error"
     assert "PreToolUse hook junk (session)" in record.result.output
+    assert journal.kinds("c1") == ["scheduled", "settled"]
+
+
+@pytest.mark.parametrize("value", [{1, 2}, math.inf, {"deep": [{3: "int key"}]}, object()])
+async def test_a_pre_tool_use_hook_returning_nested_non_json_denies_with_hook_error(value: Any) -> None:
+    # Was accepted by the hook check and refused later by the pipeline: code middleware_error.
+    runs, journal = Runs(), InMemoryToolJournal()
+    runner = runner_for(HookEvent.PRE_TOOL_USE, named("junk", HookOutput.modify({"mode": value})))
+    record = await call_tool(pipeline_with(runner, echo_tool(runs), journal), "echo", {"q": "hi"}, call_id="c1")
+    assert runs.inputs == []
+    assert record.result.error is not None
+    assert (record.result.error.type, record.result.error.code) == (ToolErrorType.EXECUTION, "hook_error")
+    assert "PreToolUse hook junk (session) returned a modified_input that is not JSON" in record.result.output
     assert journal.kinds("c1") == ["scheduled", "settled"]
 
 

@@ -529,6 +529,20 @@ async def test_user_prompt_submit_deadline(autojump_clock: trio.testing.MockCloc
     assert model.requests == []
 
 
+@pytest.mark.parametrize("rewrite", ["", "  \n", {"prompt": ""}, {"userPrompt": " "}])
+async def test_a_user_prompt_submit_rewrite_to_an_empty_prompt_fails_the_request(rewrite: Any) -> None:
+    # "" was falsy: the original prompt (here, what a redaction hook removed) went to the model.
+    async def redact(inp: HookInput) -> HookOutput:
+        return HookOutput.modify(rewrite)
+
+    model = TestModel(default=Reply(text="never"))
+    async with open_session(provider=model, hooks={HookEvent.USER_PROMPT_SUBMIT: [redact]}) as session:
+        with pytest.raises(HookReturnError, match="empty prompt"):
+            await session.send("my password is hunter2")
+        assert session.messages() == ()
+    assert model.requests == []
+
+
 # ======================================================================== PreToolUse
 
 

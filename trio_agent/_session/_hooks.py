@@ -43,6 +43,7 @@ from .._errors import (
     LeaseLostError,
 )
 from .._groups import contains_cancelled, typed_error
+from .._json import json_problem
 from .._loop._rules import model_text
 from .._tools._context import ExecutionContext
 from .._tools._results import JsonObject, ToolError, ToolErrorType, ToolResult, json_copy
@@ -658,13 +659,23 @@ def _checked(event: HookEvent, hook: RegisteredHook, value: object) -> HookOutpu
                 modified = {"prompt": next(iter(modified.values()))}
             else:
                 modified = {"prompt": modified}
+            if not modified["prompt"].strip():
+                # As a prompt sent so (`ConfigError`); a hook that means "don't send it" skips.
+                raise bad("returned an empty prompt; to keep the prompt from the model, return HookOutput.skip()")
         else:
             if not isinstance(modified, dict) or not all(isinstance(key, str) for key in modified):
                 raise bad(f"returned modified_input {modified!r:.200}; expected a JSON object (dict with str keys)")
+            problem = json_problem(modified, "modified_input")
+            if problem is not None:  # the tool's input is journalled: JSON all the way down
+                raise bad(f"returned a modified_input that is not JSON: {problem}")
             modified = json_copy(modified)
         value = attrs.evolve(value, modified_input=modified)
-    if value.modified_output is not None and event not in _OUTPUT_EVENTS:
-        raise bad("returned modified_output, which only PostToolUse and PostToolUseFailure accept")
+    if value.modified_output is not None:
+        if event not in _OUTPUT_EVENTS:
+            raise bad("returned modified_output, which only PostToolUse and PostToolUseFailure accept")
+        problem = json_problem(value.modified_output, "modified_output")
+        if problem is not None:  # the result is journalled: JSON all the way down
+            raise bad(f"returned a modified_output that is not JSON: {problem}")
     return value
 
 

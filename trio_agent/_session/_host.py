@@ -316,7 +316,8 @@ class SessionHost:
                     completed = True
                     await request.sink(DoneEvent(request.request_id, "", StopReason.SKIPPED, 0))
                     return
-                prompt = decision.prompt or prompt
+                if decision.prompt is not None:  # never blank: `_checked` refuses that (HookReturnError)
+                    prompt = decision.prompt
                 extra = decision.context_text
                 if prompt != request.prompt or extra:
                     # What joins the conversation is not the accepted prompt: journal it, so a

@@ -376,7 +376,8 @@ class SubagentSupervisor:
             refused.code = "hook_skip"
             raise refused
         self.host.agents[agent.agent_id] = agent
-        prompt = decision.prompt or prompt
+        if decision.prompt is not None:  # never blank: `_checked` refuses that (HookReturnError)
+            prompt = decision.prompt
         if decision.context_text:
             prompt = f"{prompt}\n\n{decision.context_text}"
         return prompt
