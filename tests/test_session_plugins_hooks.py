@@ -14,6 +14,7 @@ What is pinned here, against docs/plugins.md and the per-event table of docs/hoo
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from trio_agent import (
     ModelMiddleware,
     PermissionAllow,
     PermissionRequest,
+    RequestAbortedError,
     SubagentDefinition,
     Tool,
     ToolContext,
@@ -45,8 +47,11 @@ from trio_agent import (
 from trio_agent._journal._events import (
     PermissionRequested,
     PermissionResolved,
+    PromptSubmitted,
+    RequestAccepted,
     RequestCompleted,
     RequestFailed,
+    RequestInterrupted,
     SessionClosed,
     ToolCancelled,
     ToolFailed,
@@ -54,6 +59,7 @@ from trio_agent._journal._events import (
     ToolStarted,
 )
 from trio_agent._session._plugins import MiddlewareConfig
+from trio_agent.journal import MemoryStore
 from trio_agent.models import ModelRequest, StreamChunk, SystemMessage, ToolResultMessage
 from trio_agent.plugins import HookAbortedError, HookReturnError, HookTimeoutError
 from trio_agent.testing import Reply, TestModel
@@ -541,6 +547,90 @@ async def test_a_user_prompt_submit_rewrite_to_an_empty_prompt_fails_the_request
             await session.send("my password is hunter2")
         assert session.messages() == ()
     assert model.requests == []
+
+
+@pytest.mark.parametrize("event", [HookEvent.USER_PROMPT_SUBMIT, HookEvent.STOP])
+@pytest.mark.parametrize("how", ["abort", "close"])
+async def test_an_abort_or_close_while_a_request_hook_runs_interrupts_the_request(event: HookEvent, how: str) -> None:
+    # The dispatch's HookInterruptedError was recorded as a failure (request_failed, stop reason
+    # error) and raised as is: no reason, no committed results.
+    running = trio.Event()
+
+    async def slow(inp: HookInput) -> None:
+        running.set()
+        await trio.sleep_forever()
+
+    told: list[RequestAbortedError] = []
+    store = MemoryStore()
+    model = TestModel(default=Reply(text="hi"))
+    async with (
+        open_session(provider=model, hooks={event: [slow]}, journal=store, session_id="s") as session,
+        trio.open_nursery() as nursery,
+    ):
+
+        async def sender() -> None:
+            with pytest.raises(RequestAbortedError) as info:
+                await session.send("go")
+            told.append(info.value)
+
+        nursery.start_soon(sender)
+        await running.wait()
+        if how == "abort":
+            await session.abort()
+        else:
+            await session.close()
+    reason = "user_abort" if how == "abort" else "session_close"
+    assert [error.reason for error in told] == [reason]
+    events = await stream_events(session)
+    assert [event.reason.value for event in events if isinstance(event, RequestInterrupted)] == [reason]
+    assert not any(isinstance(event, RequestFailed) for event in events)
+
+
+@pytest.mark.parametrize("behaviour", ["raise", "abort", "garbage", "interrupted", "cancelled"])
+async def test_a_prompt_user_prompt_submit_refused_stays_out_of_the_rebuilt_history(behaviour: str) -> None:
+    # The started request's accepted prompt was folded into the history rebuilt on reopen, though
+    # it never reached the model: the next life sent the model a prompt a hook had refused.
+    running = trio.Event()
+
+    async def refuse(inp: HookInput) -> Any:
+        if inp.prompt != "refused":
+            return None
+        if behaviour == "raise":
+            raise RuntimeError("policy service down")
+        if behaviour == "abort":
+            return HookOutput.abort("not this")
+        if behaviour == "garbage":
+            return "garbage"
+        running.set()
+        await trio.sleep_forever()
+
+    store = MemoryStore()
+    model = TestModel(default=Reply(text="answer"))
+    hooks = {HookEvent.USER_PROMPT_SUBMIT: [refuse]}
+    async with open_session(provider=model, hooks=hooks, journal=store, session_id="s") as session:
+        async with trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+
+            async def refused() -> None:
+                with scope, contextlib.suppress(HookError, RequestAbortedError):
+                    await session.send("refused")
+
+            nursery.start_soon(refused)
+            if behaviour in ("interrupted", "cancelled"):
+                await running.wait()
+                if behaviour == "interrupted":
+                    await session.abort()
+                else:
+                    scope.cancel()
+        assert await session.send("accepted") == "answer"
+        live = session.messages()
+    async with open_session(provider=model, journal=store, session_id="s") as session:
+        rebuilt = session.messages()
+    assert user_texts(model.requests[0]) == ["accepted"]
+    assert rebuilt == live
+    events = await stream_events(session)
+    [refused_id] = [e.request_id for e in events if isinstance(e, RequestAccepted) and e.input == {"prompt": "refused"}]
+    assert PromptSubmitted(request_id=refused_id) in events  # in its terminal batch: the prompt never joined
 
 
 # ======================================================================== PreToolUse

@@ -22,6 +22,7 @@ loop run, handing it:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -31,7 +32,7 @@ import attrs
 
 from .._abort import AbortHandle
 from .._cleanup import bounded_shield
-from .._errors import ConfigError, SessionPausedError
+from .._errors import ConfigError, JournalError, LeaseLostError, SessionPausedError
 from .._journal._durable import DurableJournal
 from .._journal._events import PromptSubmitted, RunPaused, request_completed, request_started
 from .._journal._run_recorder import JournalRecorder
@@ -299,10 +300,18 @@ class SessionHost:
                 pass  # a continuation (its prompt is the answers), or a request already past its prompt
             elif agent.parent_id is None and self.hooks.has_hooks(HookEvent.USER_PROMPT_SUBMIT):
                 # (With none registered the prompt joins as accepted: what a dispatch with no hook decides.)
-                decision = await self.dispatch(
-                    HookEvent.USER_PROMPT_SUBMIT, agent.agent_id, prompt=prompt, abort=request.abort
-                )
-                decision.raise_for_abort()
+                try:
+                    decision = await self.dispatch(
+                        HookEvent.USER_PROMPT_SUBMIT, agent.agent_id, prompt=prompt, abort=request.abort
+                    )
+                    decision.raise_for_abort()
+                except BaseException:
+                    # Refused, failed, timed out or interrupted: the prompt never joins. Said in the
+                    # request's terminal batch (deferred), as a skip says it, or the history rebuilt
+                    # from the journal would hold the accepted prompt this one never sent.
+                    with contextlib.suppress(JournalError, LeaseLostError):  # nothing more is written
+                        journal.defer(PromptSubmitted(request_id=request.request_id), agent_id=agent.agent_id)
+                    raise
                 if decision.action is HookAction.SKIP:
                     # The prompt never reaches the model; the request ends without a model call.
                     request.text = ""

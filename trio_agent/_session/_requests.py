@@ -30,6 +30,7 @@ from .._abort import AbortHandle, AbortReason
 from .._cleanup import bounded_shield
 from .._errors import (
     ConfigError,
+    HookInterruptedError,
     LeaseLostError,
     RequestAbortedError,
     SessionBusyError,
@@ -313,6 +314,11 @@ async def record_raised(journal: DurableJournal, request: _Request, exc: BaseExc
         if typed is exc:
             return False
         raise typed from None
+    if isinstance(typed, HookInterruptedError) and typed.abort is request.abort.reason:
+        # The request's own abort stopped a hook it awaited (UserPromptSubmit, Stop): an abort of
+        # the request (its reason, its committed results), not a failure of the hook.
+        await record_interrupted(journal, request, grace)
+        return True
     if typed is None and (is_cancellation(exc) or any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves(exc))):
         # Cancelled from outside (the session block, a subagent's work scope, a parent's tool call),
         # or Ctrl-C landing in this task: recorded, so no request is left open for recovery.
