@@ -924,6 +924,21 @@ async def test_stop_skip_runs_one_more_round() -> None:
     assert user_texts(model.requests[1]) == ["go", "Please double-check."]
 
 
+async def test_stop_last_message_is_the_final_reply_of_this_request_or_none() -> None:
+    # The whole history was searched: a request whose final reply had no text handed its Stop
+    # hooks an earlier request's answer.
+    seen: list[str | None] = []
+
+    async def stop(inp: HookInput) -> None:
+        seen.append(inp.last_message)
+
+    model = TestModel(default=[Reply(text="The capital is Paris."), Reply(text="")])
+    async with open_session(provider=model, hooks={HookEvent.STOP: [stop]}) as session:
+        assert await session.send("capital of France?") == "The capital is Paris."
+        assert await session.send("and of Mars?") == ""
+    assert seen == ["The capital is Paris.", None]
+
+
 async def test_stop_skip_is_bounded_by_max_turns() -> None:
     async def never_stop(inp: HookInput) -> HookOutput:
         return HookOutput.skip("more")

@@ -741,7 +741,7 @@ class SessionHooks(Lifecycle):
         event = HookEvent.STOP if agent.parent_id is None else HookEvent.SUBAGENT_STOP
         if not host.hooks.has_hooks(event):
             return None  # what a dispatch with no hook decides (`SessionHost.dispatch`)
-        last = _last_text(agent.history)
+        last = _final_text(agent.history)
         if agent.parent_id is None:
             decision = await host.dispatch(HookEvent.STOP, agent.agent_id, last_message=last, abort=request.abort)
         else:
@@ -764,10 +764,10 @@ SESSION_HOOKS = SessionHooks()
 """The one `SessionHooks` part every session lifecycle starts with."""
 
 
-def _last_text(history: Sequence[Message]) -> str:
-    for message in reversed(history):
-        if isinstance(message, AssistantMessage):
-            text = first_text(message.parts)
-            if text:
-                return text
-    return ""
+def _final_text(history: Sequence[Message]) -> str | None:
+    """The text of the reply the run is about to end with (the last message: a reply without
+    calls), ``None`` if it has none; never an earlier reply's."""
+    last = history[-1] if history else None
+    if isinstance(last, AssistantMessage):
+        return first_text(last.parts) or None
+    return None
