@@ -446,3 +446,27 @@ async def test_a_message_that_joined_a_request_whose_acceptance_was_refused_is_t
         assert isinstance(told["joined"], InvalidTransitionError)
         assert await session.send("next one") == "ok"
     assert user_texts(model.requests[-1]) == ["next one", "remember this"]
+
+
+async def test_a_failed_request_keeps_its_error_code_in_the_journal_and_its_done_event() -> None:
+    # The failure was recorded with its message only, and the DoneEvent carried no code: a web
+    # thread's RUN_ERROR said `run_failed` for a rate limit, and a reader of the journal could not
+    # tell a retryable failure from another.
+    from trio_agent import DoneEvent, ModelError
+    from trio_agent._journal._events import RequestFailed
+    from trio_agent.journal import RequestState
+
+    model = TestModel(default=Reply(error=ModelError("slow down", code="rate_limited", retryable=True)))
+    seen: list[Any] = []
+
+    async def sink(event: Any) -> None:
+        seen.append(event)
+
+    async with open_session(provider=model) as session:
+        assert await session.serve_request("r1", "hi", sink=sink) is RequestState.FAILED
+        failed = [event for event in await stream_events(session) if isinstance(event, RequestFailed)]
+    assert [(f.error.code, f.error.retryable, "slow down" in f.error.message) for f in failed] == [
+        ("rate_limited", True, True)
+    ]
+    done = seen[-1]
+    assert isinstance(done, DoneEvent) and done.error_code == "rate_limited"

@@ -297,7 +297,7 @@ async def test_a_run_whose_model_fails_ends_with_run_error_and_is_not_run_again(
         async with client.stream("POST", "/runs", json=body("hi", run="X")) as response:
             events = await read(response)
         assert [e["type"] for e in events] == ["RUN_STARTED", "RUN_ERROR"]
-        assert events[-1]["code"] == "run_failed" and "it broke" in events[-1]["message"]
+        assert events[-1]["code"] == "provider_failed" and "it broke" in events[-1]["message"]  # the error's own
         async with client.stream("POST", "/runs", json=body("hi", run="X")) as response:
             assert await read(response) == events  # its events are kept: replayed
     async with running(create_app(TestModel(respond=failing), auth=local_only, threads=tmp_path / "t.db")) as client:

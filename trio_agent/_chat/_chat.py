@@ -619,7 +619,7 @@ class _Prepared:
         except Exception as exc:
             self.error = exc
             if journal is not None:
-                failed = RequestFailed(request_id=run_id, error=ErrorInfo(message=str(exc)[:2000]))
+                failed = RequestFailed(request_id=run_id, error=ErrorInfo.of(exc))
                 with bounded_shield(journal.commit_grace, "recording a failed chat run"), suppress(TrioAgentError):
                     await record_request_end(journal, agent_id, run_id, failed, turn_reason=TurnAbortReason.ERROR)
         except BaseException:

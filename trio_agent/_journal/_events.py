@@ -77,6 +77,7 @@ __all__ = [
     "TurnStarted",
     "decode_event",
     "encode_event",
+    "error_code",
     "event_converter",
     "event_type_name",
 ]
@@ -204,6 +205,19 @@ class ErrorInfo:
     message: str = attrs.field(validator=attrs.validators.instance_of(str))
     code: str | None = attrs.field(default=None, validator=_optional_non_empty)
     retryable: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    @classmethod
+    def of(cls, error: BaseException) -> ErrorInfo:
+        """What the journal keeps of *error*: its message (cut to 2,000 characters), and its
+        ``code`` and ``retryable`` where it has them (a `ModelError`, a `HookError` ...)."""
+        retryable = getattr(error, "retryable", False) is True
+        return cls(message=str(error)[:2000], code=error_code(error), retryable=retryable)
+
+
+def error_code(error: BaseException) -> str | None:
+    """*error*'s ``code`` if it has one a journal can keep (a non-empty string), else ``None``."""
+    code = getattr(error, "code", None)
+    return code if isinstance(code, str) and code else None
 
 
 # ---------------------------------------------------------------- events

@@ -76,7 +76,7 @@ class JournalRecorder:
                 request_id=turn.run_id,
                 turn_id=turn.turn_id,
                 attempt_id=turn.attempt_id,
-                error=ErrorInfo(message=str(error)[:2000], code=error.code or None, retryable=bool(error.retryable)),
+                error=ErrorInfo.of(error),
             ),
             agent_id=self.agent_id,
         )

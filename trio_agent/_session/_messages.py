@@ -118,6 +118,7 @@ class DoneEvent:
     turns: int
     error: str | None = None
     interrupts: tuple[Interrupt, ...] = ()  # stop reason ``interrupted``: the questions it waits for
+    error_code: str | None = None  # a failure's error code where it has one (``rate_limited`` ...)
 
 
 class PausedReply(str):

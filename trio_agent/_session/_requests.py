@@ -45,6 +45,7 @@ from .._journal._events import (
     RequestInterrupted,
     RequestInterruptReason,
     TurnAbortReason,
+    error_code,
     request_accepted,
 )
 from .._journal._projection import RequestState
@@ -347,12 +348,19 @@ async def record_raised(journal: DurableJournal, request: _Request, exc: BaseExc
             journal,
             agent_id,
             request.request_id,
-            RequestFailed(request_id=request.request_id, error=ErrorInfo(message=str(error)[:2000])),
+            RequestFailed(request_id=request.request_id, error=ErrorInfo.of(error)),
             turn_reason=TurnAbortReason.ERROR,
         )
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await request.sink(
-                DoneEvent(request.request_id, request.text, request.stop_reason, request.turns, str(error))
+                DoneEvent(
+                    request.request_id,
+                    request.text,
+                    request.stop_reason,
+                    request.turns,
+                    str(error),
+                    error_code=error_code(error),
+                )
             )
     return True
 

@@ -460,7 +460,7 @@ class Session:
                     request_id=holder.request_id, reason=RequestInterruptReason.USER_ABORT
                 )
             else:
-                terminal = RequestFailed(request_id=holder.request_id, error=ErrorInfo(message=str(exc)[:2000]))
+                terminal = RequestFailed(request_id=holder.request_id, error=ErrorInfo.of(exc))
             with self._host.cleanup_scope("recording an interrupted subagent start"):
                 await record_request_end(self.journal, parent, holder.request_id, terminal)
             raise

@@ -353,11 +353,11 @@ class ThreadHub:
 def _encode(encoder: SessionAgUiEncoder, event: object) -> list[AgUiEvent]:
     """*event* as AG-UI events. A request's ``DoneEvent`` with an error (what `Session.serve_request`
     sends where a stream raises instead) ends the run as the stream's error would: an abort is
-    ``cancelled``, a failure ``RUN_ERROR`` ``run_failed`` with its message."""
+    ``cancelled``, a failure ``RUN_ERROR`` with its message and code (``run_failed`` when it has none)."""
     if isinstance(event, DoneEvent) and event.error is not None:
         if event.stop_reason is StopReason.ABORTED:
             return encoder.aborted()
-        return encoder.failed(event.error, "run_failed")
+        return encoder.failed(event.error, event.error_code or "run_failed")
     return encoder.encode(event)
 
 
