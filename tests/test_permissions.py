@@ -1481,6 +1481,46 @@ async def test_a_mode_change_is_reported_before_it_applies_and_replays() -> None
     assert log[-1][1:] == ("handler", "call-9")
 
 
+async def test_concurrent_updates_take_effect_in_the_order_they_were_reported() -> None:
+    # accept_updates reported (journalled), awaited, then applied, unordered between callers: the
+    # journal held plan then bypass (a reopen is in bypass) while the live engine ended in plan.
+    reported: list[PermissionMode | None] = []
+    plan_written = trio.Event()
+
+    async def journal(updates: tuple[PermissionUpdate, ...], /, *, source: str, call_id: str | None) -> None:
+        reported.append(updates[0].mode)
+        if updates[0].mode is PermissionMode.PLAN:
+            await plan_written.wait()  # the first write is slow to commit
+
+    permissions = engine(on_updates_applied=journal)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(permissions.set_mode, "plan")
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(permissions.set_mode, "bypass")
+        await trio.testing.wait_all_tasks_blocked()
+        plan_written.set()
+    assert reported == [PermissionMode.PLAN, PermissionMode.BYPASS]
+    assert permissions.mode is PermissionMode.BYPASS  # the journal's last word, as a reopen replays it
+
+
+async def test_an_update_whose_report_is_cancelled_still_applies() -> None:
+    # A cancellation after the report's write went out (a journal has it, and confirms it) left the
+    # update durable but not live: a session in plan after a reopen, in default until then.
+    written: list[PermissionUpdate] = []
+
+    async def journal(updates: tuple[PermissionUpdate, ...], /, *, source: str, call_id: str | None) -> None:
+        written.extend(updates)
+        await trio.sleep_forever()  # waiting for the commit when the cancellation comes
+
+    permissions = engine(on_updates_applied=journal)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(permissions.set_mode, "plan")
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert written == [PermissionUpdate.set_mode("plan")]
+    assert permissions.mode is PermissionMode.PLAN
+
+
 def test_set_mode_json_round_trip() -> None:
     import json
 

@@ -316,6 +316,7 @@ class PermissionEngine:
         "_session_deny",
         "_tool_checks",
         "_tool_filter",
+        "_updating",
         "ask_timeout",
         "on_updates_applied",
         "record_grace",
@@ -392,6 +393,7 @@ class PermissionEngine:
         self._session_deny: list[Rule] | tuple[Rule, ...] = _NO_SESSION_RULES
         self._made_policy: Policy | None = None  # `_policy`
         self._bare_policy: Policy | None = None  # `_empty_layer_policy`
+        self._updating: trio.Lock | None = None  # `accept_updates`: made at the first reported update
 
     def derive(
         self,
@@ -426,6 +428,7 @@ class PermissionEngine:
         # What the table reads of the new engine is this one's, with an empty session layer: shared.
         engine._made_policy = self._empty_layer_policy()
         engine._bare_policy = None
+        engine._updating = None
         return engine
 
     # -- configuration ---------------------------------------------------------
@@ -478,18 +481,34 @@ class PermissionEngine:
         Every item is checked first (`ConfigError`, nothing applied). Then
         `on_updates_applied` is called (and awaited if async) *before* the
         updates take effect, so a journal can make them durable first: if it
-        raises, nothing is applied and the error propagates. Returns the updates
-        applied (none: no callback).
+        raises, nothing is applied and the error propagates. A cancellation
+        while it runs applies them anyway and goes on: the write it interrupted
+        may have committed (a session's journal confirms such a write, or
+        fences), and what is live must not lag what a reopen replays.
+        Concurrent calls take effect one at a time, in the order their reports
+        were made, so the live mode and rules end as the journal's do.
+        Returns the updates applied.
         """
         checked = _checked_updates(updates)
         if not checked:
             return ()
         callback = self.on_updates_applied
-        if callback is not None:
-            outcome = callback(checked, source=source, call_id=call_id)
-            if inspect.isawaitable(outcome):
-                await outcome
-        self._apply(checked)
+        if callback is None:
+            self._apply(checked)  # nothing to wait for: no other update can come in between
+            return checked
+        lock = self._updating
+        if lock is None:
+            lock = self._updating = trio.Lock()
+        async with lock:  # fair (FIFO): report and apply one update at a time, in report order
+            try:
+                outcome = callback(checked, source=source, call_id=call_id)
+                if inspect.isawaitable(outcome):
+                    await outcome
+            except BaseException as exc:
+                if is_cancellation(exc):
+                    self._apply(checked)
+                raise
+            self._apply(checked)
         return checked
 
     def replay_updates(self, updates: Iterable[PermissionUpdate]) -> None:
