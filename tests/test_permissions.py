@@ -650,6 +650,40 @@ async def test_row3_async_check_raising_check_and_junk_deny() -> None:
         assert decision.message is not None and text in decision.message
 
 
+NOT_JSON: list[tuple[str, Any, Any]] = [
+    ("a set", "x", {1, 2}),
+    ("an object", "x", object()),
+    ("NaN", "x", float("nan")),
+    ("a non-string key", 1, "x"),
+]
+
+
+@pytest.mark.parametrize(("what", "key", "value"), NOT_JSON, ids=[case[0] for case in NOT_JSON])
+async def test_an_updated_input_that_is_not_json_denies(what: str, key: Any, value: Any) -> None:
+    # A handler's or a tool check's updated_input was checked for being a dict only: a set or NaN
+    # was allowed and failed the whole request later; a non-string key raised ValueError out of decide.
+    with pytest.raises(ConfigError, match="updated_input must be JSON"):
+        PermissionAllow(updated_input={"command": "ls", key: value})
+
+    def changed_after(input: dict[str, Any]) -> PermissionAllow:
+        answer = PermissionAllow(updated_input={"command": "ls"})
+        assert answer.updated_input is not None
+        answer.updated_input[key] = value  # changed after the check at construction
+        return answer
+
+    def made_bad(request: PermissionRequest) -> PermissionAllow:
+        return PermissionAllow(updated_input={"command": "ls", key: value})  # raises: the handler failed
+
+    for handler in (Answerer(lambda request: changed_after(request.input)), Answerer(made_bad)):
+        decision = await engine(handler=handler).decide(BASH, {"command": "make"}, ctx())
+        assert (decision.allowed, decision.source) == (False, DecisionSource.ERROR), what
+        assert decision.input == {"command": "make"} and decision.message is not None
+        assert "JSON" in decision.message
+    checked = await engine(mode="bypass", tool_checks={"Bash": changed_after}).decide(BASH, {"command": "x"}, ctx())
+    assert (checked.allowed, checked.source) == (False, DecisionSource.TOOL)
+    assert checked.message is not None and "not JSON" in checked.message
+
+
 async def test_row3_check_permissions_from_define_tool() -> None:
     def check(input: dict[str, Any]) -> PermissionResult | None:
         return PermissionDeny("guarded") if input.get("danger") else None

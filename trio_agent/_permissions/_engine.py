@@ -35,6 +35,7 @@ from .._config import validate_timeout
 from .._errors import ConfigError, LeaseLostError
 from .._groups import contains_cancelled, is_cancellation, typed_error
 from .._journal._events import PermissionDecision
+from .._json import json_problem
 from .._tools._context import ExecutionContext
 from .._tools._definition import SideEffect, Tool, ToolKind
 from .._tools._results import JsonObject, json_copy
@@ -888,6 +889,15 @@ class PermissionEngine:
         result = answer.result
         if isinstance(result, PermissionAllow):
             new_input = ask.input if result.updated_input is None else result.updated_input
+            # Checked when the answer was made; checked again here, as the dict may have been changed
+            # since: a set or a non-string key would pass the schema and then fail the whole request.
+            problem = None if new_input is ask.input else json_problem(new_input, "updated_input")
+            if problem is not None:
+                return Decision(
+                    False, DecisionSource.ERROR, ask.input, ask.signature,
+                    f"the permission {answer.source.value}'s updated_input is not JSON: {problem}",
+                    asked=True, permission_id=permission_id,
+                )  # fmt: skip
             # An allow is final only if stages 0-5 still pass: on the updated input, in the current mode,
             # with the current rules (plan mode denies even after a handler allows). A tool-level ask
             # on the new input is satisfied by this very answer; a tool-level deny still denies.

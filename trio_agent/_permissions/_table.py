@@ -70,6 +70,7 @@ import attrs
 
 from .._errors import LeaseLostError, ToolBehaviorError
 from .._journal._events import PermissionDecision
+from .._json import json_problem
 from .._tools._definition import SideEffect, Tool, ToolBehavior, ToolKind
 from .._tools._results import JsonObject, ToolErrorType, json_copy
 from .._tools._stages import Allow, Deny
@@ -333,7 +334,16 @@ def after_check(tool: Tool[Any], subject: Subject, outcome: object, policy: Poli
         return attrs.evolve(subject, tool_ask=outcome)
     if isinstance(outcome, PermissionAllow):
         # "No objection", optionally with normalised input; not a final allow.
-        return subject if outcome.updated_input is None else read(tool, outcome.updated_input, policy)
+        if outcome.updated_input is None:
+            return subject
+        # Checked when made; checked again here, as the dict may have been changed since.
+        problem = json_problem(outcome.updated_input, "updated_input")
+        if problem is not None:
+            return deny(
+                subject.input, subject.signature, DecisionSource.TOOL,
+                f"permission check of tool {tool.name!r} returned input that is not JSON: {problem}",
+            )  # fmt: skip
+        return read(tool, outcome.updated_input, policy)
     if outcome is not None:
         return deny(
             subject.input, subject.signature, DecisionSource.TOOL,
