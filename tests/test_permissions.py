@@ -9,6 +9,7 @@ The table under test (``trio_agent/_permissions/_table.py`` and ``docs/permissio
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -1340,6 +1341,27 @@ def test_engine_configuration_errors() -> None:
     with pytest.raises(ConfigError):
         permissions.mode = "nope"
     assert permissions.mode is PermissionMode.ACCEPT_EDITS
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: PermissionEngine(hooks=5), "hooks must be an async callable or a list"),  # type: ignore[arg-type]
+        (lambda: PermissionEngine(tool_checks=5), "tool_checks must be a mapping"),  # type: ignore[arg-type]
+        (lambda: PermissionEngine(tool_checks=[1]), "tool_checks must be a mapping"),  # type: ignore[arg-type]
+        (lambda: PermissionAllow(rule_updates=5), "rule_updates must be a list"),  # type: ignore[arg-type]
+        (lambda: PermissionUpdate("add", rules=5), "PermissionUpdate.rules must be a list"),  # type: ignore[arg-type]
+        (lambda: PermissionEngine().replay_updates(5), "replay_updates takes a PermissionUpdate"),  # type: ignore[arg-type]
+        (lambda: PermissionEngine().apply_updates("Bash"), "apply_updates takes a PermissionUpdate"),  # type: ignore[arg-type]
+        (lambda: trio.run(functools.partial(PermissionEngine().accept_updates, 5, source="t")), "accept_updates takes"),  # type: ignore[arg-type]
+        (lambda: PermissionAllow(remember="no"), "PermissionAllow.remember must be True or False"),  # type: ignore[arg-type]
+        (lambda: PermissionDeny("x", stop_loop="yes"), "PermissionDeny.stop_loop must be True or False"),  # type: ignore[arg-type]
+    ],
+)
+def test_bad_arguments_to_the_permission_api_are_config_errors_naming_them(make: Any, match: str) -> None:
+    # Each raised a bare TypeError ('int' object is not iterable), or (the flags) was taken as true.
+    with pytest.raises(ConfigError, match=match):
+        make()
 
 
 # -- tool filter ----------------------------------------------------------------------------------

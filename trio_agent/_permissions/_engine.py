@@ -177,9 +177,11 @@ def _callable_name(fn: object) -> str:
     return str(getattr(fn, "__qualname__", None) or repr(fn))
 
 
-def _checked_updates(updates: Iterable[PermissionUpdate]) -> tuple[PermissionUpdate, ...]:
+def _checked_updates(updates: Iterable[PermissionUpdate], argument: str) -> tuple[PermissionUpdate, ...]:
     if isinstance(updates, PermissionUpdate):
         return (updates,)
+    if not isinstance(updates, Iterable) or isinstance(updates, (str, bytes, Mapping)):
+        raise ConfigError(f"{argument} takes a PermissionUpdate or a list of them, got {updates!r}")
     checked = tuple(updates)
     for update in checked:
         if not isinstance(update, PermissionUpdate):
@@ -352,8 +354,10 @@ class PermissionEngine:
             hook_list: tuple[PermissionHook, ...] = ()
         elif callable(hooks):
             hook_list = (hooks,)
-        else:
+        elif isinstance(hooks, Iterable) and not isinstance(hooks, (str, bytes, Mapping)):
             hook_list = tuple(hooks)
+        else:
+            raise ConfigError(f"hooks must be an async callable or a list of them, got {hooks!r}")
         for index, hook in enumerate(hook_list):
             if not callable(hook):
                 raise ConfigError(f"PermissionRequest hook #{index} is not callable: {hook!r}")
@@ -364,6 +368,8 @@ class PermissionEngine:
         if record is not None and not callable(record):
             raise ConfigError(f"record must be an async callable, got {record!r}")
         self._record = record
+        if tool_checks is not None and not isinstance(tool_checks, Mapping):
+            raise ConfigError(f"tool_checks must be a mapping of tool name -> check_permissions, got {tool_checks!r}")
         self._tool_checks = dict(tool_checks or {})
         for name, check in self._tool_checks.items():
             if not callable(check):
@@ -490,7 +496,7 @@ class PermissionEngine:
         were made, so the live mode and rules end as the journal's do.
         Returns the updates applied.
         """
-        checked = _checked_updates(updates)
+        checked = _checked_updates(updates, "accept_updates")
         if not checked:
             return ()
         callback = self.on_updates_applied
@@ -514,14 +520,14 @@ class PermissionEngine:
 
     def replay_updates(self, updates: Iterable[PermissionUpdate]) -> None:
         """Apply stored rule updates again (a reopened session), without calling `on_updates_applied`."""
-        self._apply(_checked_updates(updates))
+        self._apply(_checked_updates(updates, "replay_updates"))
 
     def apply_updates(self, updates: Iterable[PermissionUpdate]) -> None:
         """Apply rule updates to the session layer, without calling `on_updates_applied`.
 
         For updates that must be reported (journalled), use `accept_updates`.
         """
-        self._apply(_checked_updates(updates))
+        self._apply(_checked_updates(updates, "apply_updates"))
 
     def _apply(self, updates: tuple[PermissionUpdate, ...]) -> None:
         """Adding a rule with one behaviour takes it out of the other session list (so the session layer

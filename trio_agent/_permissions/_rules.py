@@ -308,6 +308,8 @@ class PermissionRules:
 def _update_rules(value: Iterable[str | Rule]) -> tuple[Rule, ...]:
     if isinstance(value, (str, bytes)):
         raise ConfigError(f"PermissionUpdate.rules must be a list of rules, got the single string {value!r}")
+    if not isinstance(value, Iterable):
+        raise ConfigError(f"PermissionUpdate.rules must be a list of rules, got {value!r}")
     return tuple(Rule.parse(text) for text in value)
 
 
@@ -419,11 +421,19 @@ def _optional_json_object(instance: object, attribute: attrs.Attribute[Any], val
 
 
 def _updates(value: Iterable[PermissionUpdate]) -> tuple[PermissionUpdate, ...]:
+    if not isinstance(value, Iterable):
+        raise ConfigError(f"rule_updates must be a list of PermissionUpdate objects, got {value!r}")
     updates = tuple(value)
     for update in updates:
         if not isinstance(update, PermissionUpdate):
             raise ConfigError(f"rule_updates must hold PermissionUpdate objects, got {update!r}")
     return updates
+
+
+def _flag(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    # Exactly a bool: remember="no" or stop_loop="yes" would count as true.
+    if type(value) is not bool:
+        raise ConfigError(f"{type(instance).__name__}.{attribute.name} must be True or False, got {value!r}")
 
 
 def _non_empty_message(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -445,7 +455,7 @@ class PermissionAllow:
 
     updated_input: JsonObject | None = attrs.field(default=None, validator=_optional_json_object)
     rule_updates: tuple[PermissionUpdate, ...] = attrs.field(default=(), converter=_updates)
-    remember: bool = False
+    remember: bool = attrs.field(default=False, validator=_flag)
 
 
 @attrs.frozen
@@ -453,7 +463,7 @@ class PermissionDeny:
     """Refuse the call; ``message`` is what the model sees. ``stop_loop`` also ends the agent loop."""
 
     message: str = attrs.field(validator=_non_empty_message)
-    stop_loop: bool = False
+    stop_loop: bool = attrs.field(default=False, validator=_flag)
 
 
 @attrs.frozen
