@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests.session_helpers import stream_events
 from tests.test_session_permissions import calls_all, result_messages, three_tools
-from trio_agent import PermissionAllow, PermissionRequest, open_session
+from trio_agent import PermissionAllow, PermissionRequest, ToolContext, ToolResult, define_tool, open_session
 from trio_agent._journal._events import PermissionDecision, PermissionResolved
+from trio_agent.models import UserMessage
 from trio_agent.testing import Reply, TestModel
+from trio_agent.tools import Effect
 
 
 async def test_a_handler_answer_with_input_that_is_not_json_denies_the_call_not_the_request() -> None:
@@ -31,3 +35,25 @@ async def test_a_handler_answer_with_input_that_is_not_json_denies_the_call_not_
     assert message.is_error and "updated_input must be JSON" in str(message.content)
     [resolved] = [e for e in events if isinstance(e, PermissionResolved)]
     assert resolved.decision is PermissionDecision.DENY
+
+
+@pytest.mark.parametrize("kind", ["permission_updates", "new_messages"])
+@pytest.mark.parametrize("payload", [5, True, {"allow": ["Bash"]}, b"Bash"], ids=["int", "bool", "mapping", "bytes"])
+async def test_an_effect_payload_that_is_not_a_list_is_logged_and_ignored(
+    kind: str, payload: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # list(payload or []) raised a bare TypeError outside the effect's `except ConfigError`:
+    # one tool's malformed effect failed the whole request (RequestAbortedError).
+    async def emit(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        await ctx.emit(Effect(kind, payload))
+        return ToolResult.success("emitted")
+
+    tool = define_tool(
+        emit, name="emit", description="e", kind="readonly", side_effect="pure", input_schema={"type": "object"}
+    )
+    model = TestModel({"go": [Reply(tool_calls=[("emit", {})]), Reply(text="done")]})
+    async with open_session(provider=model, tools=[tool]) as session:
+        assert await session.send("go") == "done"
+        assert session.permissions is not None and session.permissions.session_allow_rules == ()
+    assert f"ignored a {kind} effect" in caplog.text and "payload must be one item or a list" in caplog.text
+    assert not any(isinstance(m, UserMessage) for m in model.requests[1].messages[2:])

@@ -250,12 +250,20 @@ class SessionHost:
         permission rules, journalled first (an effect with a ``set_mode`` is ignored whole:
         a tool does not change the mode). Other kinds are logged and ignored.
         """
-        if effect.kind == "new_messages":
-            payload = effect.payload
+        kind, payload = effect.kind, effect.payload
+        if kind in ("new_messages", "permission_updates") and not (
+            payload is None
+            or isinstance(payload, (str, PermissionUpdate))
+            or (isinstance(payload, Iterable) and not isinstance(payload, (bytes, Mapping)))
+        ):
+            # A tool's mistake, as a wrong item is: it may fail this effect, never the request.
+            error = ConfigError(f"a {kind} effect's payload must be one item or a list of them, got {payload!r:.200}")
+            _log.warning("ignored a %s effect from call %s: %s", kind, call_id, error)
+            return
+        if kind == "new_messages":
             messages = [payload] if isinstance(payload, str) else list(payload or [])
             self.inbox.setdefault(agent.agent_id, []).extend(str(message) for message in messages)
-        elif effect.kind == "permission_updates" and self.permissions is not None:
-            payload = effect.payload
+        elif kind == "permission_updates" and self.permissions is not None:
             updates = [payload] if isinstance(payload, PermissionUpdate) else list(payload or [])
             if any(isinstance(update, PermissionUpdate) and update.mode is not None for update in updates):
                 # A tool changes rules, never the mode: leaving plan would lift the hard limit that no
@@ -271,7 +279,7 @@ class SessionHost:
             except ConfigError as exc:
                 _log.warning("ignored a permission_updates effect: %s", exc)
         else:
-            _log.warning("ignored an effect of unknown kind %r from agent %s", effect.kind, agent.agent_id)
+            _log.warning("ignored an effect of unknown kind %r from agent %s", kind, agent.agent_id)
 
     # -- one request
 
