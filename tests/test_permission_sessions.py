@@ -5,13 +5,23 @@ the session's rules, modes and handler in tests/test_session_permissions.py, who
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
 
 from tests.session_helpers import stream_events
 from tests.test_session_permissions import calls_all, result_messages, three_tools
-from trio_agent import PermissionAllow, PermissionRequest, ToolContext, ToolResult, define_tool, open_session
+from trio_agent import (
+    HookEvent,
+    HookInput,
+    PermissionAllow,
+    PermissionRequest,
+    ToolContext,
+    ToolResult,
+    define_tool,
+    open_session,
+)
 from trio_agent._journal._events import PermissionDecision, PermissionResolved
 from trio_agent.models import UserMessage
 from trio_agent.testing import Reply, TestModel
@@ -57,3 +67,21 @@ async def test_an_effect_payload_that_is_not_a_list_is_logged_and_ignored(
         assert session.permissions is not None and session.permissions.session_allow_rules == ()
     assert f"ignored a {kind} effect" in caplog.text and "payload must be one item or a list" in caplog.text
     assert not any(isinstance(m, UserMessage) for m in model.requests[1].messages[2:])
+
+
+async def test_a_session_whose_only_answerers_are_permission_request_hooks_still_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # never_allowed now counts an engine's hooks as able to allow; a session's PermissionRequest
+    # hooks cannot allow (they wrap the handler), so without a handler the tool still never runs.
+    async def look(input: HookInput) -> None:
+        return None
+
+    log: list[Any] = []
+    model = TestModel(default=Reply(text="ok"))
+    hooks: Any = {HookEvent.PERMISSION_REQUEST: [look]}
+    with caplog.at_level(logging.WARNING, logger="trio_agent.permissions"):
+        async with open_session(provider=model, tools=three_tools(log), hooks=hooks):
+            pass
+    warned = sorted(r.getMessage().split("'")[1] for r in caplog.records if r.name == "trio_agent.permissions")
+    assert warned == ["run", "write"]

@@ -1648,6 +1648,7 @@ def test_update_from_json_rejects_what_update_to_json_never_makes(stored: Any) -
         ({"deny": ("Write",)}, "Write", None),  # refused on purpose
         ({"ask": ("Read",)}, "Read", "it matches ask rule 'Read'"),
         ({"handler": Answerer(None)}, "Write", None),
+        ({"hooks": [Answerer(PermissionAllow())]}, "Write", None),  # an engine hook's allow grants (row 13)
         ({}, "Bash", None),  # its resolver may narrow a call to readonly
     ],
 )

@@ -554,12 +554,13 @@ class PermissionEngine:
     def never_allowed(self, tool: Tool[Any]) -> str | None:
         """Why every call of *tool* will be denied as things stand, or ``None`` when some call could run.
 
-        Only the sure cases: no handler; no allow rule that could match the tool;
-        no wholesale deny rule (that refusal is deliberate); and either the mode asks
-        for the tool's kind (no behaviour resolver that could narrow it, not ``plan``,
-        whose refusal is deliberate) or an ask rule covers every call (not in bypass).
+        Only the sure cases: no handler and no hooks (either may allow what it is
+        asked about); no allow rule that could match the tool; no wholesale deny
+        rule (that refusal is deliberate); and either the mode asks for the tool's
+        kind (no behaviour resolver that could narrow it, not ``plan``, whose refusal
+        is deliberate) or an ask rule covers every call (not in bypass).
         """
-        if self._handler is not None:
+        if self._handler is not None or self._hooks:
             return None
         name = tool.name
         for rule in (*self._rules.rules(RuleBehavior.ALLOW), *self._session_allow):

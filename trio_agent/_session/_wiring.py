@@ -203,7 +203,7 @@ def build_agent_parts(
     # The engine's checks (a bad rule, a tool that can never run) belong to the definition too.
     engine = permission_engine(parts, record=None, agent_filter=_no_filter)
     if not asks_by_pausing:  # a request that asks by pausing needs no handler
-        _warn_never_allowed(engine, parts)
+        _warn_never_allowed(parts)
     try:
         root_filter: ToolFilter | None = ToolFilter(allowed=parts.allowed)
     except ConfigError:
@@ -219,7 +219,12 @@ def _no_filter(agent_id: str) -> ToolFilter:
     return _NO_FILTER
 
 
-def _warn_never_allowed(engine: PermissionEngine, parts: AgentParts) -> None:
+def _warn_never_allowed(parts: AgentParts) -> None:
+    if parts.permission_handler is not None:
+        return  # the handler may allow any call it is asked about
+    # The session's PermissionRequest hooks can only deny (`hooks_only`), though the engine takes
+    # them as hooks that may allow: judge the rules and the mode alone, as an engine with no answerer.
+    engine = PermissionEngine(parts.rules, mode=parts.permission_mode)
     for name, tool in parts.tools.items():
         why = engine.never_allowed(tool) if name in parts.allowed else None
         if why is not None:
