@@ -42,7 +42,7 @@ async def test_a_handler_answer_with_input_that_is_not_json_denies_the_call_not_
         events = await stream_events(session)
     assert log == []
     [message] = result_messages(model.requests[1])
-    assert message.is_error and "updated_input must be JSON" in str(message.content)
+    assert message.is_error and "updated_input is not JSON" in str(message.content)
     [resolved] = [e for e in events if isinstance(e, PermissionResolved)]
     assert resolved.decision is PermissionDecision.DENY
 

@@ -896,8 +896,7 @@ class PermissionEngine:
         result = answer.result
         if isinstance(result, PermissionAllow):
             new_input = ask.input if result.updated_input is None else result.updated_input
-            # Checked when the answer was made; checked again here, as the dict may have been changed
-            # since: a set or a non-string key would pass the schema and then fail the whole request.
+            # A set, NaN or a non-string key would pass the schema and then fail the whole request.
             problem = None if new_input is ask.input else json_problem(new_input, "updated_input")
             if problem is not None:
                 return Decision(

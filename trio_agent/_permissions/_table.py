@@ -336,7 +336,7 @@ def after_check(tool: Tool[Any], subject: Subject, outcome: object, policy: Poli
         # "No objection", optionally with normalised input; not a final allow.
         if outcome.updated_input is None:
             return subject
-        # Checked when made; checked again here, as the dict may have been changed since.
+        # A set, NaN or a non-string key would pass the schema and then fail the whole request.
         problem = json_problem(outcome.updated_input, "updated_input")
         if problem is not None:
             return deny(
