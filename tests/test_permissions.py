@@ -1096,6 +1096,61 @@ async def test_the_calls_abort_cancels_the_ask() -> None:
     assert recorder.log == ["requested", "resolved:cancel"]
 
 
+async def test_a_hanging_tool_check_is_denied_at_the_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    # Stage 3 awaited the tool's own check with no bound: a check that never returned held the call
+    # (and its request) forever, past tool_timeout, ask_timeout and the call's abort.
+    async def hang(input: dict[str, Any]) -> PermissionResult:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    handler = Answerer(PermissionAllow())
+    permissions = engine(mode="bypass", handler=handler, tool_checks={"Bash": hang}, ask_timeout=5)
+    start = trio.current_time()
+    decision = await permissions.decide(BASH, {"command": "make"}, ctx())
+    assert trio.current_time() - start == pytest.approx(5.0)
+    assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.TOOL, False)
+    assert decision.message == "permission check of tool 'Bash' gave no answer within 5 s"
+    assert handler.calls == 0
+    # A check whose own nursery fails in its cleanup as the deadline cancels it: the same denial.
+    permissions = engine(tool_checks={"Bash": lambda input: nursery_failing_in_cleanup()}, ask_timeout=5)
+    decision = await permissions.decide(BASH, {"command": "make"}, ctx())
+    assert (decision.allowed, decision.source) == (False, DecisionSource.TOOL)
+
+
+async def test_the_calls_abort_cancels_a_hanging_tool_check() -> None:
+    started = trio.Event()
+
+    async def hang(input: dict[str, Any]) -> PermissionResult:
+        started.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    abort = AbortHandle()
+    permissions = engine(mode="bypass", tool_checks={"Bash": hang})
+    result: list[Decision] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run() -> None:
+            result.append(await permissions.decide(BASH, {"command": "make"}, ctx(abort=abort)))
+
+        nursery.start_soon(run)
+        await started.wait()
+        abort.abort(message="the user pressed stop")
+    (decision,) = result
+    assert (decision.allowed, decision.source, decision.outcome) == (
+        False, DecisionSource.ABORT, PermissionDecision.CANCEL,
+    )  # fmt: skip
+    assert decision.message == "permission check of tool 'Bash' cancelled: the user pressed stop"
+
+    # A check that answers in time is not cut short.
+    async def quick(input: dict[str, Any]) -> PermissionResult:
+        await trio.lowlevel.checkpoint()
+        return PermissionDeny("no make")
+
+    quick_decision = await engine(tool_checks={"Bash": quick}).decide(BASH, {"command": "make"}, ctx())
+    assert (quick_decision.source, quick_decision.message) == (DecisionSource.TOOL, "no make")
+
+
 async def test_an_already_aborted_call_is_not_asked() -> None:
     handler, recorder = Answerer(PermissionAllow()), Recorder()
     abort = AbortHandle()

@@ -173,6 +173,19 @@ class _Answer:
     message: str | None = None
 
 
+@attrs.frozen
+class _CheckCut:
+    """A tool's own check cut short by the call's abort (``ABORT``) or the deadline (``TOOL``)."""
+
+    source: DecisionSource
+    abort_message: str | None
+
+    def message(self, tool: Tool[Any], timeout: float) -> str:
+        if self.source is DecisionSource.ABORT:
+            return f"permission check of tool {tool.name!r} cancelled: {self.abort_message}"
+        return f"permission check of tool {tool.name!r} gave no answer within {timeout:g} s"
+
+
 def _callable_name(fn: object) -> str:
     return str(getattr(fn, "__qualname__", None) or repr(fn))
 
@@ -296,7 +309,8 @@ class PermissionEngine:
             `Tool.signature_content_for` (``define_tool(signature_content=)``, else the
             tool's conventional field such as ``command``).
         tool_filter: a `ToolFilter`, or ``agent_id -> ToolFilter``, enforced on calls.
-        ask_timeout: seconds an ask (hooks and handler together) may take (default 600).
+        ask_timeout: seconds an ask (hooks and handler together) may take, and each run of a
+            tool's own async check (default 600); past it the call is denied.
         record_grace: bound on the shielded ``resolved`` write after a cancellation (default 10 s).
         on_updates_applied: told about every rule update an answer or `accept_updates`
             applies (see `UpdatesApplied`); also settable later as ``engine.on_updates_applied``.
@@ -701,18 +715,47 @@ class PermissionEngine:
         check = self._check_for(tool)
         if check is not None:
             try:
-                outcome = check(json_copy(screened.input))
+                outcome: object = check(json_copy(screened.input))
                 if inspect.isawaitable(outcome):
-                    outcome = await outcome
+                    outcome = await self._bounded_check(outcome, context.abort)
             except LeaseLostError:
                 raise
             except Exception as exc:
                 return check_failed(tool, screened, exc)
+            if isinstance(outcome, _CheckCut):
+                return deny(screened.input, screened.signature, outcome.source, outcome.message(tool, self.ask_timeout))
             policy = self._policy()  # the rules and the mode as they are after the check
             screened = after_check(tool, screened, outcome, policy)
             if isinstance(screened, Decision):
                 return screened
         return screen_rest(tool, screened, policy)
+
+    async def _bounded_check(self, outcome: Awaitable[object], abort: AbortHandle) -> object:
+        """Await a tool's own async check under the ask's bounds: ``ask_timeout`` and the call's
+        abort (a check that never returns would hold the call, and its request, forever). A check
+        that either bound cut short, even one that answered late, gives a `_CheckCut`."""
+        deadline_scope = trio.CancelScope(deadline=trio.current_time() + self.ask_timeout)
+        result: object = None
+        try:
+            with trio.CancelScope() as abort_scope:
+                token = abort.add_listener(lambda _abort: abort_scope.cancel())
+                try:
+                    with deadline_scope:
+                        result = await outcome
+                finally:
+                    abort.remove_listener(token)
+        except BaseExceptionGroup as group:
+            # As in `_consult`: the check's own nursery, cancelled by a bound, whose cleanup raised.
+            typed = typed_error(group)
+            if typed is not None:
+                raise typed from group
+            if not (deadline_scope.cancel_called or abort_scope.cancel_called) or contains_cancelled(group):
+                raise
+        if abort.reason is not None:
+            return _CheckCut(DecisionSource.ABORT, abort.reason.message)
+        if deadline_scope.cancel_called:
+            return _CheckCut(DecisionSource.TOOL, None)
+        return result
 
     def _policy(self) -> Policy:
         """What the table reads of this engine, as it stands now: made again when the mode changes

@@ -13,7 +13,9 @@ Walked top to bottom for each call; the first stage that decides ends the walk.
                                   root, or escapes through a symlink (every mode, bypass too)
   3   the tool's own check        deny (final, no hook or handler is asked); ask (forces the
                                   ask at 11: no rule, approval or mode can skip it); allow
-                                  with updated input (input replaced, 1-2 run again)
+                                  with updated input (input replaced, 1-2 run again). An
+                                  async check is bounded by ``ask_timeout`` and the call's
+                                  abort (the engine's, around this table): either denies
   4   deny rules                  deny (configured and session deny rules, every mode)
   5   mode hard limit             deny: ``plan`` and the call is not read-only (no rule,
                                   approval, hook or handler can lift it)
