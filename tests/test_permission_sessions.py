@@ -15,9 +15,12 @@ from tests.test_session_permissions import calls_all, result_messages, three_too
 from trio_agent import (
     HookEvent,
     HookInput,
+    HookOutput,
     PermissionAllow,
     PermissionRequest,
+    Tool,
     ToolContext,
+    ToolKind,
     ToolResult,
     define_tool,
     open_session,
@@ -25,7 +28,7 @@ from trio_agent import (
 from trio_agent._journal._events import PermissionDecision, PermissionResolved
 from trio_agent.models import UserMessage
 from trio_agent.testing import Reply, TestModel
-from trio_agent.tools import Effect
+from trio_agent.tools import BehaviorOverride, Effect
 
 
 async def test_a_handler_answer_with_input_that_is_not_json_denies_the_call_not_the_request() -> None:
@@ -85,3 +88,65 @@ async def test_a_session_whose_only_answerers_are_permission_request_hooks_still
             pass
     warned = sorted(r.getMessage().split("'")[1] for r in caplog.records if r.name == "trio_agent.permissions")
     assert warned == ["run", "write"]
+
+
+def bash_tool(ran: list[str]) -> Tool[Any]:
+    async def run(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        ran.append(input["command"])
+        return ToolResult.success("ran")
+
+    def readonly_ls(input: dict[str, Any]) -> BehaviorOverride | None:
+        return BehaviorOverride(kind=ToolKind.READONLY) if input["command"].startswith("ls") else None
+
+    return define_tool(
+        run, name="Bash", description="b", kind="execute", side_effect="non_idempotent",
+        input_schema={"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+        resolve_behavior=readonly_ls,
+    )  # fmt: skip
+
+
+async def test_a_permission_request_hooks_modified_input_is_shown_to_the_handler_as_what_runs() -> None:
+    # The hook's modified_input reached the handler with the old signature, kind and paths: the
+    # person approved "Bash:ls" (always) and "rm -rf build" ran and was remembered.
+    async def rewrite(input: HookInput) -> HookOutput:
+        return HookOutput.modify({"command": "rm -rf build"})
+
+    shown: list[tuple[str, str, ToolKind]] = []
+
+    async def always(request: PermissionRequest) -> PermissionAllow:
+        shown.append((request.signature, request.input["command"], request.tool_kind))
+        return PermissionAllow(remember=True)
+
+    ran: list[str] = []
+    model = TestModel({"go": [Reply(tool_calls=[("Bash", {"command": "ls"})]), Reply(text="done")]})
+    hooks: Any = {HookEvent.PERMISSION_REQUEST: [rewrite]}
+    # "ls" is read-only here (the resolver), so an ask rule makes the call ask.
+    options: dict[str, Any] = {"permission_handler": always, "hooks": hooks, "permissions": {"ask": ["Bash"]}}
+    async with open_session(provider=model, tools=[bash_tool(ran)], **options) as session:
+        assert await session.send("go") == "done"
+        assert session.permissions is not None
+        assert session.permissions.approved_signatures == {"Bash:rm -rf build"}
+    assert shown == [("Bash:rm -rf build", "rm -rf build", ToolKind.EXECUTE)]
+    assert ran == ["rm -rf build"]
+
+
+async def test_a_permission_request_hooks_modified_input_that_the_stages_refuse_is_denied() -> None:
+    async def rewrite(input: HookInput) -> HookOutput:
+        return HookOutput.modify({"command": "rm -rf build"})
+
+    async def always(request: PermissionRequest) -> PermissionAllow:
+        raise AssertionError("the handler is not asked about input a deny rule refuses")
+
+    ran: list[str] = []
+    model = TestModel({"go": [Reply(tool_calls=[("Bash", {"command": "make"})]), Reply(text="done")]})
+    hooks: Any = {HookEvent.PERMISSION_REQUEST: [rewrite]}
+    options: dict[str, Any] = {"permission_handler": always, "hooks": hooks, "permissions": {"deny": ["Bash:rm *"]}}
+    async with open_session(provider=model, tools=[bash_tool(ran)], **options) as session:
+        assert await session.send("go") == "done"
+        events = await stream_events(session)
+    assert ran == []
+    [message] = result_messages(model.requests[1])
+    assert message.is_error and "the changed input was refused" in str(message.content)
+    assert "denied by rule 'Bash:rm *'" in str(message.content)
+    [resolved] = [e for e in events if isinstance(e, PermissionResolved)]
+    assert resolved.decision is PermissionDecision.DENY

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -958,6 +959,30 @@ async def test_row12_a_raising_or_misbehaving_answerer_denies() -> None:
         assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.ERROR, True)
         assert decision.message is not None and text in decision.message
         assert later.calls == 0  # fail closed: nobody after it is asked
+
+
+async def test_a_request_built_again_for_another_input_has_that_inputs_signature_kind_and_refusals() -> None:
+    # What a layer that changes the input before the handler (a session's PermissionRequest hooks)
+    # uses, so that the handler is not shown the old signature for the new input.
+    restated: list[PermissionRequest | PermissionDeny] = []
+
+    async def rewrite(request: PermissionRequest) -> None:
+        for input in ({"command": "ls -l"}, {"command": "rm -rf /"}, ["ls"], {"command": "x", "y": {1}}):
+            restated.append(await request.with_input(input))  # type: ignore[arg-type]
+
+    handler = Answerer(ASKED)
+    permissions = engine(deny=("Bash:rm *",), hooks=[rewrite], handler=handler)
+    await permissions.decide(BASH, {"command": "make"}, ctx())
+    asked, *refused = restated
+    assert isinstance(asked, PermissionRequest)
+    assert (asked.signature, asked.input, asked.tool_kind) == ("Bash:ls -l", {"command": "ls -l"}, ToolKind.READONLY)
+    assert (asked.permission_id, asked.reason) == (handler.requests[0].permission_id, AskReason.MODE)
+    assert [type(answer) for answer in refused] == [PermissionDeny] * 3
+    messages = [answer.message for answer in refused if isinstance(answer, PermissionDeny)]
+    assert "denied by rule 'Bash:rm *'" in messages[0] and "not a JSON object" in messages[1]
+    assert "is not JSON: input.y is not JSON: set" in messages[2]
+    with pytest.raises(ConfigError, match="made by a PermissionEngine"):
+        await attrs.evolve(handler.requests[0], restate=None).with_input({"command": "ls"})
 
 
 # -- row 13: nobody to answer -------------------------------------------------------------------

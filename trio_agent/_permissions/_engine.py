@@ -120,6 +120,57 @@ class PermissionRequest:
     permission_id: str
     deadline: float
     abort: AbortHandle = attrs.field(repr=False)
+    # How the engine that made this request builds it for another input (`with_input`).
+    _restate: Callable[[PermissionRequest, JsonObject], Awaitable[PermissionRequest | PermissionDeny]] | None = (
+        attrs.field(default=None, repr=False, alias="restate")
+    )
+
+    async def with_input(self, input: JsonObject) -> PermissionRequest | PermissionDeny:
+        """This request for *input* instead, built as the engine built it: stages 0-5 run on
+        *input* and give its signature, resolved kind and side effect, affected paths (and reason
+        ``tool`` if the tool's own check asks about it); a `PermissionDeny` with the refusing
+        stage's message if one of them refuses it, or if *input* is not a JSON object.
+
+        For a layer between the engine and the handler that changes the input (a session's
+        PermissionRequest hooks): what the handler is shown is then what would run, and what its
+        ``remember`` approves. `ConfigError` for a request no engine made.
+        """
+        if self._restate is None:
+            raise ConfigError("with_input() needs a request made by a PermissionEngine")
+        return await self._restate(self, input)
+
+
+class _Restate:
+    """`PermissionRequest.with_input` of one ask: the engine, the tool and the call it is for."""
+
+    __slots__ = ("context", "engine", "tool")
+
+    def __init__(self, engine: PermissionEngine, tool: Tool[Any], context: ExecutionContext) -> None:
+        self.engine = engine
+        self.tool = tool
+        self.context = context
+
+    async def restate(self, request: PermissionRequest, input: JsonObject) -> PermissionRequest | PermissionDeny:
+        tool = self.tool
+        problem = json_problem(input, "input") if isinstance(input, dict) else "it is not a JSON object"
+        if problem is not None:
+            return PermissionDeny(f"the changed input of tool {tool.name!r} is not JSON: {problem}")
+        screened = await self.engine._screen(tool, input, self.context)
+        if isinstance(screened, Decision):
+            refusal = screened.message or "permission denied"
+            return PermissionDeny(f"the changed input was refused: {refusal}", stop_loop=screened.stop_loop)
+        tool_ask = screened.tool_ask
+        return attrs.evolve(
+            request,
+            input=json_copy(screened.input),
+            signature=screened.signature,
+            tool_kind=screened.behavior.kind,
+            side_effect=screened.behavior.side_effect,
+            affected_paths=screened.paths,
+            reason=AskReason.TOOL if tool_ask is not None else request.reason,
+            message=tool_ask.message if tool_ask is not None else request.message,
+            rule=None if tool_ask is not None else request.rule,
+        )
 
 
 PermissionHandler: TypeAlias = Callable[[PermissionRequest], Awaitable[PermissionResult | None]]
@@ -830,6 +881,7 @@ class PermissionEngine:
             permission_id=permission_id,
             deadline=trio.current_time() + self.ask_timeout,
             abort=abort,
+            restate=_Restate(self, tool, context).restate,
         )
         if self._record is not None:
             await self._record("requested", PermissionRecord(permission_id, request))

@@ -297,7 +297,9 @@ def permission_engine(
                 f"a PermissionRequest hook stopped the request: {decision.reason or 'abort'}", stop_loop=True
             )
         if decision.modified_input is not None:
-            return attrs.evolve(request, input=decision.apply_to(request.input))
+            # Built again by the engine on the new input: the handler is shown (and remembers) the
+            # signature, kind and paths of what would run, and a new input the stages refuse is denied.
+            return await request.with_input(decision.apply_to(request.input))
         return request
 
     async def ask(request: PermissionRequest) -> PermissionResult | None:
