@@ -17,6 +17,7 @@ from trio_agent import (
     HookInput,
     HookOutput,
     PermissionAllow,
+    PermissionMode,
     PermissionRequest,
     Tool,
     ToolContext,
@@ -26,6 +27,7 @@ from trio_agent import (
     open_session,
 )
 from trio_agent._journal._events import PermissionDecision, PermissionResolved
+from trio_agent.journal import MemoryStore
 from trio_agent.models import UserMessage
 from trio_agent.testing import Reply, TestModel
 from trio_agent.tools import BehaviorOverride, Effect
@@ -150,3 +152,40 @@ async def test_a_permission_request_hooks_modified_input_that_the_stages_refuse_
     assert "denied by rule 'Bash:rm *'" in str(message.content)
     [resolved] = [e for e in events if isinstance(e, PermissionResolved)]
     assert resolved.decision is PermissionDecision.DENY
+
+
+@pytest.mark.parametrize("ending", ["close", "crash"])
+async def test_a_reopened_session_keeps_the_mode_it_started_in(ending: str) -> None:
+    # The starting mode was never journalled (only set_mode was): a session opened in plan and
+    # reopened with permission_mode="bypass" ran in bypass, though the docs say it keeps its mode.
+    store = MemoryStore()
+    options: dict[str, Any] = {"provider": TestModel(default=Reply(text="ok")), "journal": store, "session_id": "s"}
+    async with open_session(permission_mode="plan", **options) as session:
+        updates = session.journal.projection().permission_updates
+        assert [event.update for event in updates] == [{"action": "set_mode", "mode": "plan"}]
+        if ending == "crash":
+            session.journal._fence("the process died")  # nothing more is written: as a crash leaves it
+    async with open_session(permission_mode="bypass", **options) as session:
+        assert session.permissions is not None and session.permissions.mode is PermissionMode.PLAN
+
+
+async def test_a_session_started_in_default_writes_no_mode_and_reopens_in_default() -> None:
+    store = MemoryStore()
+    options: dict[str, Any] = {"provider": TestModel(default=Reply(text="ok")), "journal": store, "session_id": "s"}
+    async with open_session(**options) as session:
+        assert session.journal.projection().permission_updates == ()  # nothing more on the hot path
+        await session.send("hi")
+    async with open_session(permission_mode="bypass", **options) as session:
+        assert session.permissions is not None and session.permissions.mode is PermissionMode.DEFAULT
+        await session.permissions.set_mode("accept_edits")
+    async with open_session(permission_mode="plan", **options) as session:
+        assert session.permissions is not None and session.permissions.mode is PermissionMode.ACCEPT_EDITS
+
+
+async def test_a_new_session_seeded_with_history_journals_its_starting_mode() -> None:
+    store = MemoryStore()
+    options: dict[str, Any] = {"provider": TestModel(default=Reply(text="ok")), "journal": store, "session_id": "s"}
+    async with open_session(permission_mode="accept_edits", history=[UserMessage("earlier")], **options):
+        pass
+    async with open_session(**options) as session:
+        assert session.permissions is not None and session.permissions.mode is PermissionMode.ACCEPT_EDITS

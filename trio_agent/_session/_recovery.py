@@ -45,7 +45,7 @@ from .._journal._events import (
 )
 from .._journal._projection import RequestState, SessionState, ToolState, TurnState
 from .._models._messages import Message
-from .._permissions._rules import update_from_json
+from .._permissions._rules import PermissionMode, PermissionUpdate, update_from_json
 from .._tools._context import CallOrigin, ToolCall
 from .._tools._definition import Tool
 from .._tools._stages import Allow
@@ -79,7 +79,9 @@ async def begin_life(
     journal = host.journal
     projection = journal.projection()
     state = projection.session_state
-    if history is None and state is SessionState.OPEN and _only_created(journal):
+    created_now = state is SessionState.OPEN and _only_created(journal)
+    if history is None and created_now:
+        await _journal_starting_mode(host)
         return None
     if state is SessionState.ENDED:
         raise SessionClosedError(
@@ -106,10 +108,15 @@ async def begin_life(
                 host.decided[agent_id, call_id] = Allow()
     # The session's rules as the journal holds them before anything runs again: recovery re-runs
     # calls through the live permission stage, which must see the rules of the last life.
-    if host.permissions is not None:
-        stored = journal.projection().permission_updates
-        if stored:
-            host.permissions.replay_updates([update_from_json(event.update) for event in stored])
+    if created_now:
+        await _journal_starting_mode(host)  # a new session seeded with history=
+    elif host.permissions is not None:
+        # The mode too: a session that started in another mode than default journalled it
+        # (`_journal_starting_mode`), so one that did not started in default, whatever
+        # permission_mode= this open was given.
+        replayed = [update_from_json(event.update) for event in journal.projection().permission_updates]
+        if replayed or host.permissions.mode is not PermissionMode.DEFAULT:
+            host.permissions.replay_updates([PermissionUpdate.set_mode(PermissionMode.DEFAULT), *replayed])
     await _recover(host, tools, life, keep_requests, subagent_of)
     return life
 
@@ -118,6 +125,15 @@ async def begin_life(
 # outcome_unknown one is told as unknown).
 _RERUN_DECISIONS = frozenset({ToolRecoveryAction.RUN, ToolRecoveryAction.RERUN, ToolRecoveryAction.RERUN_SAME_KEY})
 _RERUN_ENDS = frozenset({ToolState.COMPLETED, ToolState.FAILED, ToolState.CANCELLED})
+
+
+async def _journal_starting_mode(host: SessionHost) -> None:
+    """A new session's starting mode, journalled as a ``set_mode`` update unless it is the default
+    (no event then: a reopen that finds no ``set_mode`` starts from default), so that a reopen
+    keeps the mode, whatever ``permission_mode=`` it is given."""
+    engine = host.permissions
+    if engine is not None and engine.mode is not PermissionMode.DEFAULT:
+        await engine.set_mode(engine.mode)
 
 
 def _only_created(journal: DurableJournal) -> bool:
