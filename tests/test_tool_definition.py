@@ -1198,3 +1198,11 @@ def test_lone_surrogates_are_input_errors_not_crashes(value, fragment):
     # The behaviour resolver only ever sees valid input: a surrogate key gets the static behaviour.
     resolving = make(input_schema=OBJECT, resolve_behavior=lambda input: BehaviorOverride(concurrency_safe=False))
     assert resolving.resolve_behavior({"q": "x", "\ud800": 1}) == resolving.behavior
+
+
+def test_a_key_that_is_not_a_string_is_an_input_error_not_a_crash():
+    # The validator raised ValueError("Dict key must be str") out of input_errors and validate_input.
+    tool = make(input_schema={"type": "object", "properties": {"q": {"type": "string"}}})
+    assert tool.input_errors({1: "x"}) == ("at <root>: the input has a non-string key 1",)
+    with pytest.raises(ToolInputError, match="non-string key"):
+        tool.validate_input({"q": "x", 1: "y"})

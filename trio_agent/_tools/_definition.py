@@ -17,6 +17,7 @@ import cattrs
 import jsonschema_rs
 
 from .._errors import ToolBehaviorError, ToolDefinitionError, ToolInputError
+from .._json import json_problem
 from ._results import JsonObject, ToolResult
 from ._schema import default_signature_field, input_converter, is_input_class, schema_for_class
 
@@ -145,10 +146,12 @@ def input_errors(validator: jsonschema_rs.Validator, value: object) -> tuple[str
         for error in validator.iter_errors(value):
             path = "/".join(str(part) for part in error.instance_path) or "<root>"
             lines.append(f"at {path}: {error.message}")
-    except UnicodeError:
-        # The validator cannot encode a lone surrogate (e.g. a key the model sent as "\ud800"):
-        # report it as invalid input the model can fix, not as a crash of whoever validates.
-        return _surrogate_errors(value)
+    except ValueError:
+        # The validator cannot read a lone surrogate (e.g. a key the model sent as "\ud800", a
+        # UnicodeError) or a value JSON cannot hold (a key that is not a string): invalid input
+        # the caller can fix, not a crash of whoever validates.
+        problem = json_problem(value, "the input")
+        return (f"at <root>: {problem}",) if problem is not None else _surrogate_errors(value)
     return tuple(lines)
 
 
@@ -290,7 +293,7 @@ class Tool(Generic[In]):
     def _valid(self, value: object) -> bool:
         try:
             return self._validator.is_valid(value)
-        except UnicodeError:  # a lone surrogate the validator cannot encode: invalid input
+        except ValueError:  # a lone surrogate, a key that is not a string ...: invalid input
             return False
 
     def input_errors(self, value: object) -> tuple[str, ...]:
