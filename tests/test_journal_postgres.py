@@ -18,6 +18,7 @@ import pytest
 import trio
 import trio.testing
 from pg_cluster import find_bindir
+from psycopg.conninfo import conninfo_to_dict
 
 from trio_agent._errors import (
     ConfigError,
@@ -141,6 +142,15 @@ async def test_statement_timeout_bounds_a_blocked_read_server_side(postgres_dsn:
 
 
 # ---------------------------------------------------------------- NOTIFY
+
+
+@pytest.mark.parametrize(("seconds", "server_ms"), [(0.0004, "1"), (0.0016, "2"), (0.3, "300"), (0, "0")])
+def test_a_timeout_under_half_a_millisecond_is_still_a_timeout_on_the_server(seconds: float, server_ms: str) -> None:
+    # Rounded to 0 ms it was "no timeout" for PostgreSQL, for statements and idle transactions alike.
+    store = PostgresStore("postgresql://nobody@127.0.0.1:1/none", statement_timeout=seconds)
+    options = str(conninfo_to_dict(store._conninfo)["options"]).split()
+    assert f"statement_timeout={server_ms}" in options
+    assert f"idle_in_transaction_session_timeout={server_ms}" in options
 
 
 async def test_notify_wakes_a_waiter_in_another_store_long_before_polling(

@@ -413,7 +413,8 @@ class PostgresStore(LaneStore):
         self._lease_clock = clock
         self._password = params.get("password")
         options = str(params.get("options") or "")
-        timeout_ms = round(statement_timeout * 1000)
+        # Whole milliseconds, and never 0 for a timeout asked for: PostgreSQL reads 0 as "none".
+        timeout_ms = max(1, round(statement_timeout * 1000)) if statement_timeout > 0 else 0
         options = f"{options} -c statement_timeout={timeout_ms}".strip()
         if "idle_in_transaction_session_timeout" not in options:  # the DSN's own (a worker's: its TTL) wins
             # A process frozen half-way through a write (SIGSTOP, a VM paused) must not hold its row
