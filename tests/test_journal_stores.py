@@ -1593,3 +1593,24 @@ async def test_sqlite_wait_for_append_is_woken_in_process_not_by_polling(tmp_pat
                 assert woke == []
                 await store.append(make_batch(lease, stream, envs(stream, 2, 1)))
         assert woke == [2]
+
+
+async def test_sqlite_a_damaged_lease_row_is_corrupt_for_every_lease_operation_and_fails_alone(
+    tmp_path: Path,
+) -> None:
+    # A mistyped value was a ValueError the isolated pass reported as a plain JournalError.
+    path = tmp_path / "journal.db"
+    async with open_sqlite_store(path) as store:
+        damaged = await store.acquire_lease("damaged", "A", LONG_TTL)
+        neighbour = await store.acquire_lease("neighbour", "A", LONG_TTL)
+        _sqlite_write(path, "UPDATE journal_leases SET expires_at='soon' WHERE session_id='damaged'")
+        with store.grouped():
+            renewed = store.submit_renew(damaged, LONG_TTL)
+            released = store.submit_release(damaged)
+            renewed_neighbour = store.submit_renew(neighbour, LONG_TTL)
+        for item in (renewed, released):
+            with pytest.raises(JournalCorruptError, match="lease of session 'damaged' is damaged"):
+                await item.wait()
+        with pytest.raises(JournalCorruptError, match="lease of session 'damaged' is damaged"):
+            await store.acquire_lease("damaged", "B", LONG_TTL)
+        assert (await renewed_neighbour.wait()).token == neighbour.token

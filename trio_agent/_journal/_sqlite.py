@@ -213,6 +213,17 @@ def _stream_row(session_id: object, head: object) -> tuple[str, int]:
     return (_text(session_id), _int(head))
 
 
+def _damaged(work: Any, exc: _StoredValueError) -> JournalCorruptError:
+    """The error of a write whose stored rows are damaged: it fails alone, as damage."""
+    if isinstance(work, LeaseOp):
+        what = f"lease of session {work.session_id!r} is"
+    else:
+        what = f"rows of {work.write.stream_id if isinstance(work, SnapshotWork) else work.stream_id!r} are"
+    error = JournalCorruptError(f"the stored {what} damaged: {exc}")
+    error.__cause__ = exc
+    return error
+
+
 def _corrupt(path: str, exc: BaseException) -> JournalCorruptError:
     error = JournalCorruptError(f"{path} is not a readable trio_agent journal: {exc}")
     error.__cause__ = exc
@@ -563,6 +574,9 @@ class SQLiteStore(LaneStore):
                 except _Rejected as rejected:
                     conn.execute("ROLLBACK TO item")
                     outcome = rejected.error
+                except _StoredValueError as exc:  # a row it reads is damaged (a `ValueError`: caught first)
+                    conn.execute("ROLLBACK TO item")
+                    outcome = _damaged(work, exc)
                 except (UnicodeError, ValueError, sqlite3.InterfaceError, sqlite3.IntegrityError) as exc:
                     conn.execute("ROLLBACK TO item")
                     what = {AppendBatch: "append", SnapshotWork: "snapshot"}.get(type(work), "lease operation")
