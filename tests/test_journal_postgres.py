@@ -867,3 +867,11 @@ async def test_a_version_1_schema_is_migrated_when_a_store_opens_it(postgres_dsn
 def test_bad_timings_are_a_journal_error_before_any_connection(options: dict[str, Any]) -> None:
     with pytest.raises(JournalError, match=next(iter(options))):
         PostgresStore("postgresql://nobody@127.0.0.1:1/none", **options)
+
+
+@pytest.mark.parametrize("bad", [None, "100", 0, 1.5])
+async def test_a_bad_max_batch_is_a_config_error_before_any_connection(bad: Any) -> None:
+    # It was taken as it was: the writer thread died on its first batch and every waiter hung.
+    with pytest.raises(ConfigError, match="max_batch"):  # not JournalUnavailableError: nothing was tried
+        async with open_postgres_store("postgresql://nobody@127.0.0.1:1/none", max_batch=bad):
+            pass

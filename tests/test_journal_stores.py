@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import itertools
 import json
+import logging
 import math
 import random
 import sqlite3
@@ -60,6 +61,7 @@ from trio_agent._journal._events import (
     ToolScheduled,
     TurnStarted,
 )
+from trio_agent._journal._lane import Deferred, LaneItem, WriterLane
 from trio_agent._journal._memory import MemoryStore
 from trio_agent._journal._sqlite import open_sqlite_store
 from trio_agent._journal._store import (
@@ -1614,3 +1616,53 @@ async def test_sqlite_a_damaged_lease_row_is_corrupt_for_every_lease_operation_a
         with pytest.raises(JournalCorruptError, match="lease of session 'damaged' is damaged"):
             await store.acquire_lease("damaged", "B", LONG_TTL)
         assert (await renewed_neighbour.wait()).token == neighbour.token
+
+
+# ---------------------------------------------------------------- the writer lane
+
+
+@pytest.mark.parametrize("bad", [None, "100", 0, -1, 2.5, True])
+async def test_sqlite_a_bad_max_batch_is_a_config_error_at_open(tmp_path: Path, bad: Any) -> None:
+    # It was taken as it was: the writer thread died on its first batch and every waiter hung.
+    with pytest.raises(ConfigError, match="max_batch"):
+        async with open_sqlite_store(tmp_path / "journal.db", max_batch=bad):
+            pass
+    assert not (tmp_path / "journal.db").exists()
+
+
+def _commit_wrong_count(works: Sequence[Any]) -> list[object]:
+    return [Deferred("a lock")]  # a backend bug: one outcome for the whole batch
+
+
+@pytest.mark.parametrize(
+    ("injected", "options"),
+    [
+        ("max_batch=None", {"commit": lambda works: [None] * len(works), "max_batch": None}),
+        ("wrong outcome count", {"commit": _commit_wrong_count, "defer_limit": 1.0}),
+    ],
+)
+async def test_a_failure_of_the_writer_thread_answers_every_waiter_and_closes_the_lane(
+    injected: str, options: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The thread died with the batch it had taken and everything queued behind it: every waiter hung for ever.
+    lane = WriterLane("test lane", **options)
+    items: list[LaneItem[None]] = [LaneItem() for _ in range(4)]
+    for work, item in enumerate(items[:2]):  # queued before the thread starts: the first batch takes both
+        lane.submit(work, item.resolve)
+    with caplog.at_level(logging.ERROR, logger="trio_agent.journal"):
+        lane.start()
+        with lane.grouped():  # and a group queued behind them
+            for work, item in enumerate(items[2:], start=2):
+                lane.submit(work, item.resolve)
+        with trio.fail_after(10):
+            for item in items:
+                with pytest.raises(JournalUnavailableError, match="test lane stopped before"):
+                    await item.wait()
+    assert lane.stopped
+    assert any("test lane failed" in record.getMessage() for record in caplog.records), injected
+    late: LaneItem[None] = LaneItem()
+    lane.submit("late", late.resolve)  # the lane is closed: refused at once, never queued
+    with pytest.raises(JournalUnavailableError, match="closed"):
+        await late.wait()
+    with trio.fail_after(10):
+        await lane.aclose()

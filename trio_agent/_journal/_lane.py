@@ -34,11 +34,17 @@ rolls back as a whole when it ends, every item not yet begun is refused
 (`JournalUnavailableError`, nothing written), and the thread then closes its own
 connection (``on_stop``). The write connection is never closed under a running
 transaction, so a store is never left half-written.
+
+However the thread ends, nothing is left waiting: if it ever fails (a bug), the lane
+is closed, work it had taken but not answered gets `JournalUnavailableError`
+(outcome unknown), and everything still queued or deferred gets it too (nothing
+written), as does everything submitted later.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import queue
 import threading
@@ -58,6 +64,8 @@ from ._store import AppendBatch, AppendResult, AppendTicket, Lease, SnapshotWrit
 __all__ = ["Deferred", "LaneItem", "LaneStore", "LeaseOp", "SnapshotWork", "WriterLane", "close_in_thread"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger("trio_agent.journal")
 
 
 class LaneItem(Generic[T]):
@@ -206,11 +214,12 @@ class WriterLane:
             self._done.set()
 
     def _run(self) -> None:
+        taken: list[tuple[Any, Callable[[object], None]]] = []  # the batch not yet answered
         try:
             stop = False
             while True:
                 if self._deferred:
-                    batch = self._deferred  # first: it was queued before anything still queued
+                    batch = taken = self._deferred  # first: it was queued before anything still queued
                     self._deferred = []
                     first: Any = None
                     if stop:  # nothing more will come: only the pause (or the close giving up)
@@ -229,7 +238,7 @@ class WriterLane:
                     if first is _STOP:
                         return
                     # A group (a list) stays whole, even past ``max_batch``.
-                    batch = first if type(first) is list else [first]
+                    batch = taken = first if type(first) is list else [first]
                 while not stop and len(batch) < self._max_batch:
                     try:
                         more = self._queue.get_nowait()
@@ -245,6 +254,7 @@ class WriterLane:
                 if self._abandoned.is_set():
                     refused = JournalUnavailableError(f"{self._name} was closed before this was written; nothing was")
                     self._wake(batch, [refused] * len(batch))
+                    taken = []
                     if stop:
                         return
                     continue
@@ -259,7 +269,12 @@ class WriterLane:
                     batch, outcomes = self._keep_deferred(batch, outcomes)
                 self.items += len(batch)
                 self._wake(batch, outcomes)
+                taken = []
+        except Exception:
+            logger.exception("%s failed; what it held is answered with JournalUnavailableError", self._name)
         finally:
+            # Normally empty; after a failure of this thread, what it had not answered yet.
+            unanswered = self._unanswered(taken)
             try:
                 if self._on_stop is not None:
                     with contextlib.suppress(Exception):  # closing a connection: nobody left to tell
@@ -269,7 +284,40 @@ class WriterLane:
                 assert self._token is not None
                 # After the last batch's wake-up (run_sync_soon keeps order), so aclose sees it done.
                 with contextlib.suppress(trio.RunFinishedError):
-                    self._token.run_sync_soon(self._done.set)
+                    self._token.run_sync_soon(self._ended, unanswered)
+
+    def _unanswered(
+        self, taken: list[tuple[Any, Callable[[object], None]]]
+    ) -> list[tuple[Callable[[object], None], BaseException]]:
+        """In the thread, as it ends: the work it took but never answered (a failure between
+        taking a batch and waking it: its outcome is unknown) and the work it kept deferred
+        (nothing written), each once."""
+        unknown = JournalUnavailableError(f"{self._name} stopped before answering this; its outcome is unknown")
+        unwritten = JournalUnavailableError(f"{self._name} stopped before this was written; nothing was")
+        answers: dict[int, tuple[Callable[[object], None], BaseException]] = {}
+        for items, error in ((self._deferred, unwritten), (taken, unknown)):
+            for item in items:
+                answers[id(item)] = (item[1], error)  # a deferred item of the taken batch: unknown
+        self._deferred = []
+        return list(answers.values())
+
+    def _ended(self, unanswered: list[tuple[Callable[[object], None], BaseException]]) -> None:
+        """In the Trio thread (where `submit` runs, so nothing slips in between): the thread has
+        ended. Close the lane and answer everything it left, and everything still queued."""
+        self._closed = True  # from now on `submit` refuses at once
+        unwritten = JournalUnavailableError(f"{self._name} stopped before this was written; nothing was")
+        while True:
+            try:
+                queued = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if queued is not _STOP:
+                unanswered += [(resolve, unwritten) for _, resolve in (queued if type(queued) is list else [queued])]
+        try:
+            for resolve, error in unanswered:
+                resolve(error)
+        finally:
+            self._done.set()
 
     def _defer_pause(self) -> float:
         """How long to wait for new work before offering the deferred again: half what the oldest
@@ -332,7 +380,11 @@ class _Group:
     def __exit__(self, *exc_info: object) -> None:
         if self._outermost:
             self._lane._group = None
-            if self._items:
+            if self._lane._closed:  # closed while the block ran: nothing would take them from the queue
+                refused = JournalUnavailableError(f"{self._lane._name} is closed; nothing was written")
+                for _, resolve in self._items:
+                    resolve(refused)
+            elif self._items:
                 self._lane._queue.put(self._items)
 
 

@@ -80,7 +80,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
-from .._config import MAX_TIMEOUT, finite_seconds
+from .._config import MAX_TIMEOUT, finite_seconds, validate_limit
 from .._errors import (
     ForeignStreamError,
     JournalCorruptError,
@@ -541,6 +541,7 @@ class PostgresStore(LaneStore):
         return made[0]
 
     async def _open(self, max_batch: int) -> None:
+        max_batch = validate_limit(max_batch, name="max_batch")  # before any connection
         self._writer = await self._connect_in_thread(self._open_writer, self._aux_threads)
         try:
             self._listener = await self._connect_in_thread(self._open_listener, self._aux_threads)
@@ -1223,6 +1224,7 @@ async def open_postgres_store(
     ``statement_timeout`` (seconds, 0 for none) bounds every statement server-side.
     ``cleanup_grace`` (seconds, default 10) bounds closing the store and the wait for a
     cancelled read; a write still running at close commits or rolls back whole afterwards.
+    ``max_batch`` (a whole number >= 1, else `ConfigError`) bounds the items of one group commit.
 
     Raises `JournalUnavailableError` if the database cannot be reached (naming the
     host, never the password) and `JournalCorruptError` if the schema holds another

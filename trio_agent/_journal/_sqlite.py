@@ -55,6 +55,7 @@ from typing import Any
 import trio
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, validate_cleanup_grace
+from .._config import validate_limit
 from .._errors import (
     JournalCorruptError,
     JournalError,
@@ -329,6 +330,7 @@ class SQLiteStore(LaneStore):
         self._verify = row[0] == STORE_FORMAT
 
     async def _open(self, max_batch: int) -> None:
+        max_batch = validate_limit(max_batch, name="max_batch")  # before the file is touched
         if self.readonly:
             await trio.to_thread.run_sync(self._check_readable)
             return
@@ -839,6 +841,8 @@ def open_sqlite_store(
     truncated, another format, another application's database). With
     ``readonly=True`` nothing is ever written (no writer thread, no lease
     operations, no schema changes) and the file must already be a journal.
+
+    ``max_batch`` (a whole number >= 1, else `ConfigError`) bounds the items of one group commit.
 
     Closing (leaving the block) takes at most ``cleanup_grace`` seconds (default 10);
     a write still running then completes or rolls back whole after the block is left.
