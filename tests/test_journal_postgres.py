@@ -588,6 +588,35 @@ async def test_an_unknown_format_marker_is_refused(postgres_dsn: str, fresh_pg_s
             pass
 
 
+@pytest.mark.parametrize(
+    "tables",
+    [
+        ["CREATE TABLE {s}.events(id serial PRIMARY KEY, name text)", "INSERT INTO {s}.events(name) VALUES ('app')"],
+        ["CREATE TABLE {s}.meta(id int)", "CREATE TABLE {s}.orders(id int)"],
+        ["CREATE TABLE {s}.meta(key text PRIMARY KEY, value text NOT NULL)"],  # no format row
+    ],
+    ids=["app-events", "app-meta-of-another-shape", "meta-without-format"],
+)
+async def test_a_schema_holding_other_tables_of_the_same_names_is_refused_and_left_unchanged(
+    postgres_dsn: str, fresh_pg_schema: str, tables: list[str]
+) -> None:
+    # It was adopted: CREATE TABLE IF NOT EXISTS skipped the application's table, the format row was
+    # stamped, and every write then failed as "unavailable" (outcome unknown) on the foreign columns.
+    schema = f'"{fresh_pg_schema}"'
+    run_sql(postgres_dsn, f"CREATE SCHEMA {schema}")
+    for statement in tables:
+        run_sql(postgres_dsn, statement.format(s=schema))
+    listing = (
+        "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = %s"
+        " ORDER BY table_name, column_name"
+    )
+    before = run_sql(postgres_dsn, listing, (fresh_pg_schema,))
+    with pytest.raises(JournalCorruptError, match="not a trio_agent journal"):
+        async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema):
+            pass
+    assert run_sql(postgres_dsn, listing, (fresh_pg_schema,)) == before
+
+
 async def test_reopening_keeps_everything_and_several_stores_open_one_schema_at_once(
     postgres_dsn: str, fresh_pg_schema: str
 ) -> None:

@@ -145,6 +145,12 @@ _SCHEMA: tuple[LiteralString, ...] = (
     " checksum bigint NOT NULL)",
 )
 
+_RELATIONS = ("meta", "streams", "streams_session", "events", "leases", "commands", "commands_seq", "snapshots")
+"""Every table and index `_SCHEMA` creates in the schema."""
+_Q_EXISTING: LiteralString = (
+    "SELECT name FROM unnest(%s::text[]) AS name WHERE to_regclass(format('%%I.%%I', %s::text, name)) IS NOT NULL"
+    " ORDER BY name"
+)
 _Q_FORMAT: LiteralString = "SELECT value FROM {s}.meta WHERE key = 'format'"
 _Q_SET_FORMAT: LiteralString = "INSERT INTO {s}.meta(key, value) VALUES ('format', %s)"
 _Q_PLACEHOLDERS: LiteralString = (
@@ -463,9 +469,17 @@ class PostgresStore(LaneStore):
         try:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"trio_agent.journal:{self.schema}",))
+                # Looked at before anything is created: a schema holding tables of ours by name but no
+                # format row is another application's (or damaged), never adopted as a journal.
+                existing = [row[0] for row in conn.execute(_Q_EXISTING, (list(_RELATIONS), self.schema)).fetchall()]
+                row = self._format_row(conn) if "meta" in existing else None
+                if row is None and existing:
+                    raise JournalCorruptError(
+                        f"schema {self.schema!r} at {self.where} holds {', '.join(existing)} without a journal"
+                        " format row: not a trio_agent journal (another application's tables?); it was left unchanged"
+                    )
                 for statement in _SCHEMA:
                     conn.execute(self._sql(statement))
-                row = conn.execute(self._q["_Q_FORMAT"]).fetchone()
                 if row is None:
                     conn.execute(self._q["_Q_SET_FORMAT"], (STORE_FORMAT,))
                 elif row[0] == V1_FORMAT:
@@ -484,6 +498,15 @@ class PostgresStore(LaneStore):
                 ) from exc
             raise
         return conn
+
+    def _format_row(self, conn: _Conn) -> tuple[Any, ...] | None:
+        """The schema's format row, when it has a ``meta`` table (a ``meta`` of another shape: damage)."""
+        try:
+            return conn.execute(self._q["_Q_FORMAT"]).fetchone()
+        except (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction, psycopg.errors.DataError) as exc:
+            raise JournalCorruptError(
+                f"schema {self.schema!r} at {self.where} has a meta table that is not a trio_agent journal's: {exc}"
+            ) from exc
 
     def _migrate_v1(self, conn: _Conn) -> None:
         """Version 1 -> 2 inside the open's transaction: add, fill (rows taken on trust) and
@@ -1228,7 +1251,7 @@ async def open_postgres_store(
 
     Raises `JournalUnavailableError` if the database cannot be reached (naming the
     host, never the password) and `JournalCorruptError` if the schema holds another
-    journal format.
+    journal format, or tables of the journal's names without its format row (left unchanged).
     """
     store = PostgresStore(
         dsn,
