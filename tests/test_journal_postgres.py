@@ -32,6 +32,7 @@ from trio_agent._errors import (
 from trio_agent._journal._events import EventEnvelope, RequestStarted
 from trio_agent._journal._postgres import STORE_FORMAT, PostgresStore, open_postgres_store
 from trio_agent._journal._store import AppendBatch, AppendResult, Lease, command_digest, stream_id_for
+from trio_agent._journal._subscribe import CaughtUp, DurableEvent, subscribe_durable_events
 
 LONG_TTL = 60.0
 PROMPT = 3.0
@@ -510,21 +511,120 @@ async def test_an_item_the_database_refuses_with_an_operational_error_fails_alon
         assert await store.current_lease("refused") is None
 
 
-async def test_a_lost_writer_connection_fails_the_batch_then_reconnects(
+def terminate(dsn: str, *conns: psycopg.Connection[Any] | None) -> None:
+    """End the server side of *conns*, as a restart, a failover or an idle timeout does."""
+    pids = [conn.info.backend_pid for conn in conns if conn is not None]
+    # With a timeout (ms), pg_terminate_backend returns once the backend has ended, not on the signal.
+    ended = run_sql(
+        dsn, "SELECT count(*) FROM unnest(%s::int[]) AS pid WHERE pg_terminate_backend(pid, 10000)", (pids,)
+    )
+    assert ended == [(len(pids),)]
+
+
+async def test_a_writer_connection_the_server_dropped_is_replaced_and_the_batch_redone(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    # The next group commit failed on its first statements, before COMMIT was ever sent, yet it was
+    # answered "outcome unknown": every journal with a write in it was fenced.
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        await store.append(batch(lease, stream, envs(stream, 1, 1)))
+        dropped = store._writer
+        terminate(postgres_dsn, dropped)
+        with store.grouped():
+            appended = store.submit(batch(lease, stream, envs(stream, 2, 1), "cmd"))
+            renewed = store.submit_renew(lease, LONG_TTL)
+        with trio.fail_after(10):
+            assert await appended.wait() == AppendResult(stream, 2, 2)
+            assert (await renewed.wait()).token == lease.token
+        assert store._writer is not None and store._writer is not dropped
+        assert await store.read(stream) == envs(stream, 1, 2)  # written once
+
+
+async def test_a_writer_connection_lost_once_commit_was_sent_leaves_the_outcome_unknown(
     postgres_dsn: str, fresh_pg_schema: str
 ) -> None:
     stream = stream_id_for("sess", "root")
     async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
         lease = await store.acquire_lease("sess", "A", LONG_TTL)
-        await store.append(batch(lease, stream, envs(stream, 1, 1)))
         writer = store._writer
         assert writer is not None
-        run_sql(postgres_dsn, "SELECT pg_terminate_backend(%s)", (writer.info.backend_pid,))
+        execute = writer.execute
+        commits: list[int] = []
+
+        def lost_at_commit(query: Any, *args: Any, **kwargs: Any) -> Any:
+            if query == b"COMMIT":  # the connection dies as COMMIT is handed to it: it may have been applied
+                commits.append(writer.info.backend_pid)
+                terminate(postgres_dsn, writer)
+            return execute(query, *args, **kwargs)
+
+        writer.execute = lost_at_commit  # type: ignore[method-assign]
+        with trio.fail_after(10), pytest.raises(JournalUnavailableError, match="the transaction failed"):
+            await store.append(batch(lease, stream, envs(stream, 1, 1)))
+        assert len(commits) == 1 and writer.closed  # not redone: its outcome is unknown
+        with trio.fail_after(10):  # the next batch reconnects
+            assert await store.append(batch(lease, stream, envs(stream, 1, 1))) == AppendResult(stream, 1, 1)
+
+
+async def test_a_writer_connection_lost_again_on_the_redo_is_unavailable(
+    postgres_dsn: str, fresh_pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        terminate(postgres_dsn, store._writer)
+        reconnect = store._connect
+
+        def unreachable() -> Any:
+            raise JournalUnavailableError("cannot connect to PostgreSQL (the test)")
+
+        monkeypatch.setattr(store, "_connect", unreachable)
+        with trio.fail_after(10), pytest.raises(JournalUnavailableError, match="the test"):
+            await store.append(batch(lease, stream, envs(stream, 1, 1)))
+        monkeypatch.setattr(store, "_connect", reconnect)
         with trio.fail_after(10):
-            with pytest.raises(JournalUnavailableError):
-                await store.append(batch(lease, stream, envs(stream, 2, 1)))
-            assert await store.append(batch(lease, stream, envs(stream, 2, 1))) == AppendResult(stream, 2, 2)
-        assert await store.read(stream) == envs(stream, 1, 2)
+            assert await store.append(batch(lease, stream, envs(stream, 1, 1))) == AppendResult(stream, 1, 1)
+
+
+async def test_pooled_readers_the_server_dropped_are_replaced_and_a_subscription_goes_on(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    # Each dead pooled reader failed its next read with JournalUnavailableError, though a read is
+    # safe to repeat: a live subscription died on it.
+    stream = stream_id_for("sess", "root")
+    async with (
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as writer,
+        open_postgres_store(postgres_dsn, schema=fresh_pg_schema, poll_interval=0.2) as reader,
+    ):
+        lease = await writer.acquire_lease("sess", "A", LONG_TTL)
+        await writer.append(batch(lease, stream, envs(stream, 1, 1)))
+        async with trio.open_nursery() as nursery:  # several readers in the pool
+            for _ in range(3):
+                nursery.start_soon(reader.read, stream)
+        async with subscribe_durable_events(reader, stream) as sub:
+            with trio.fail_after(10):
+                items = [await anext(sub), await anext(sub)]
+            assert [type(item) for item in items] == [DurableEvent, CaughtUp]
+            dropped = list(reader._idle_readers)
+            assert len(dropped) >= 2
+            terminate(postgres_dsn, *dropped, reader._listener)
+            await writer.append(batch(lease, stream, envs(stream, 2, 1)))
+            with trio.fail_after(10):
+                item = await anext(sub)
+            assert isinstance(item, DurableEvent) and item.envelope.seq == 2
+        read: list[list[EventEnvelope]] = []
+
+        async def read_all() -> None:
+            read.append(await reader.read(stream))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:  # at once: each takes a pooled reader, every dead one
+                for _ in range(len(reader._idle_readers)):
+                    nursery.start_soon(read_all)
+        assert read == [envs(stream, 1, 2)] * len(read)
+        assert all(conn.closed for conn in dropped)
+        assert not [conn for conn in reader._idle_readers if any(conn is old for old in dropped)]
 
 
 async def test_replayed_command_across_workers_returns_the_first_outcome(

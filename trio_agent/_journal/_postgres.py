@@ -17,13 +17,17 @@
   its neighbours. If a write fails anyway (a race with a stream created by
   another session, a damaged table), the batch is rolled back and redone with
   one SAVEPOINT per item, so only the culprit fails. If the transaction as a
-  whole fails, every item of the batch gets `JournalUnavailableError`.
+  whole fails, every item of the batch gets `JournalUnavailableError`, except when
+  the connection was lost before COMMIT was handed to it (the server dropped it:
+  a restart, a failover, an idle timeout): nothing was written, so the batch is
+  redone once on a fresh connection.
 * The fence is checked inside the transaction that writes: the lease row is
   locked ``FOR UPDATE`` and its token and expiry compared there. By default
   (``clock=None``) the database server's ``clock_timestamp()`` decides expiry,
   so the machines' clocks do not matter.
 * Readers use their own autocommit connections in Trio worker threads, bounded
-  by their own limiters so tool threads cannot starve the journal. A read
+  by their own limiters so tool threads cannot starve the journal. A pooled one
+  the server dropped is replaced and the read (safe to repeat) run again, once. A read
   cancelled by a cancel scope is aborted on the server (``cancel_safe``) and the
   `trio.Cancelled` is delivered once the thread is back, or after
   ``cleanup_grace`` at most (the thread then closes its connection when it is
@@ -242,8 +246,19 @@ class _Rejected(Exception):
         self.error = error
 
 
+class _Dropped(Exception):
+    """A pooled read connection turned out lost (the server dropped it while it sat idle): the
+    read is redone on a fresh one. Its cause is the driver's error."""
+
+
 class _Retry(Exception):
     """The fast path failed before COMMIT and nothing was written: redo the batch item by item."""
+
+
+class _Unsent(Exception):
+    """The write connection was lost before COMMIT was handed to it: the server rolled the
+    transaction back, so nothing of the batch was written (the placeholder lease rows it may
+    have made in autocommit are what any acquisition makes). Its cause is the driver's error."""
 
 
 @attrs.define
@@ -441,6 +456,7 @@ class PostgresStore(LaneStore):
             if name.startswith("_Q_") and isinstance(template, str)
         }
         self._writer: _Conn | None = None
+        self._commit_sent = False  # the writer thread's: COMMIT was handed to the write connection
         self._listener: _Conn | None = None
         self._lane: WriterLane | None = None
         self._idle_readers: list[_Conn] = []
@@ -645,17 +661,37 @@ class PostgresStore(LaneStore):
     def _commit_storable(self, works: Sequence[Any], encoded: list[list[EventRow]]) -> list[object]:
         # Encoded before the transaction (commit_encoded): its row locks are held only for the checks and writes.
         try:
+            return self._commit_on_writer(works, encoded)
+        except _Unsent:
+            # The server dropped the connection (a restart, a failover, an idle timeout) and nothing
+            # was written: the batch is redone once, on a fresh connection, rather than answered
+            # "outcome unknown", which fences every journal with a write in it.
+            pass
+        try:
+            return self._commit_on_writer(works, encoded)
+        except _Unsent as lost:
+            cause = lost.__cause__ if lost.__cause__ is not None else lost
+            return [unavailable(cause, f"journal {self.where} {self.schema}: the transaction failed")] * len(works)
+
+    def _commit_on_writer(self, works: Sequence[Any], encoded: list[list[EventRow]]) -> list[object]:
+        """The batch on the write connection (reconnected if it is known lost): the fast path, then
+        item by item if that failed with nothing written. Raises `_Unsent` (see `_transaction`)."""
+        try:
             conn = self._writer_conn()
         except JournalError as exc:
             return [exc] * len(works)
         try:
             return self._transaction(conn, works, encoded, isolate=False)
+        except _Unsent:
+            raise
         except _Retry:
             pass
         except Exception as exc:
             return [unavailable(exc, f"journal {self.where} {self.schema}: the transaction failed")] * len(works)
         try:
             return self._transaction(conn, works, encoded, isolate=True)
+        except _Unsent:
+            raise
         except Exception as exc:
             cause = exc.__cause__ if isinstance(exc, _Retry) and exc.__cause__ is not None else exc
             return [unavailable(cause, f"journal {self.where} {self.schema}: the transaction failed")] * len(works)
@@ -663,20 +699,28 @@ class PostgresStore(LaneStore):
     def _transaction(
         self, conn: _Conn, works: Sequence[Any], encoded: list[list[EventRow]], *, isolate: bool
     ) -> list[object]:
-        """One transaction for the whole batch; raises `_Retry` if it failed before COMMIT with nothing written."""
+        """One transaction for the whole batch; raises `_Retry` if it failed before COMMIT with
+        nothing written, `_Unsent` if the connection was lost before COMMIT was handed to it."""
         began = time.perf_counter()
+        self._commit_sent = False
         try:
             return self._run_transaction(conn, works, encoded, isolate=isolate)
         except Exception as exc:
-            # The outcome is known only if the server answered: then the transaction is rolled back.
+            # The outcome is known only if the server answered (then the transaction is rolled back),
+            # or if the connection was lost before COMMIT was ever handed to it (then the server rolls
+            # it back): after that, COMMIT may have been sent and applied, its answer lost.
             if conn.broken or conn.closed or isinstance(exc, psycopg.errors.ConnectionFailure):
                 conn.close()
+                if not self._commit_sent and isinstance(exc, psycopg.Error):
+                    raise _Unsent from exc
                 raise
             try:
                 if conn.info.transaction_status != TransactionStatus.IDLE:
                     conn.execute(b"ROLLBACK")
             except Exception:
                 conn.close()
+                if not self._commit_sent and isinstance(exc, psycopg.Error):
+                    raise _Unsent from exc
                 raise exc from None
             if _fails_the_batch(exc):
                 raise  # about the connection or the server, not one item: retrying would not help
@@ -760,6 +804,7 @@ class PostgresStore(LaneStore):
                 outcomes.append(outcome)
             with conn.pipeline():
                 self._write(conn, writes, writes.notifications())
+                self._commit_sent = True  # from here on, a lost connection leaves the outcome unknown
                 conn.execute(b"COMMIT")
             return outcomes
         # Item by item, one savepoint each: a failing write fails only its own item.
@@ -792,6 +837,7 @@ class PostgresStore(LaneStore):
             outcomes.append(outcome)
         with conn.pipeline():
             self._write(conn, _Writes(), notified.notifications())
+            self._commit_sent = True  # from here on, a lost connection leaves the outcome unknown
             conn.execute(b"COMMIT")
         return outcomes
 
@@ -954,78 +1000,92 @@ class PostgresStore(LaneStore):
     # -- reads
 
     async def _query(self, fn: Callable[[_Conn], T]) -> T:
-        """Run ``fn`` on a read connection in a worker thread; a cancel scope aborts the statement."""
+        """Run ``fn`` on a read connection in a worker thread; a cancel scope aborts the statement.
+
+        An idle pooled connection may have been dropped by the server meanwhile (a restart, a
+        failover, ``idle_session_timeout``, a proxy's idle drop): one that fails with its connection
+        lost is closed and the read, safe to repeat, runs once more on a fresh connection."""
         if self._closed:
             raise JournalError("the PostgreSQL store is closed")
         await trio.lowlevel.checkpoint_if_cancelled()
         async with self._read_slots:
-            conn = self._idle_readers.pop() if self._idle_readers else None
-            if conn is None:
-                conn = await self._connect_in_thread(self._connect, self._read_threads)
+            if self._idle_readers:
                 try:
-                    await trio.lowlevel.checkpoint_if_cancelled()
-                except trio.Cancelled:
-                    self._idle_readers.append(conn)
-                    raise
-            borrower = object()  # released by the thread's return, which may come after we stopped waiting
+                    return await self._read_on(self._idle_readers.pop(), fn, pooled=True)
+                except _Dropped:
+                    pass
+            conn = await self._connect_in_thread(self._connect, self._read_threads)
             try:
-                await self._read_threads.acquire_on_behalf_of(borrower)
+                await trio.lowlevel.checkpoint_if_cancelled()
             except trio.Cancelled:
                 self._idle_readers.append(conn)
                 raise
-            token = trio.lowlevel.current_trio_token()
-            lock = threading.Lock()
-            results: list[T] = []
-            errors: list[BaseException] = []
-            finished = abandoned = cancelled = False
-            done = trio.Event()
+            return await self._read_on(conn, fn, pooled=False)
 
-            def run() -> None:
-                nonlocal finished
-                try:
-                    results.append(fn(conn))
-                except BaseException as exc:
-                    errors.append(exc)
-                with lock:
-                    finished = True
-                    if abandoned:  # nobody waits for it any more: this thread owns the connection
-                        conn.close()
+    async def _read_on(self, conn: _Conn, fn: Callable[[_Conn], T], *, pooled: bool) -> T:
+        """`_query` on *conn*; raises `_Dropped` if *pooled* and its connection turned out lost."""
+        borrower = object()  # released by the thread's return, which may come after we stopped waiting
+        try:
+            await self._read_threads.acquire_on_behalf_of(borrower)
+        except trio.Cancelled:
+            self._idle_readers.append(conn)
+            raise
+        token = trio.lowlevel.current_trio_token()
+        lock = threading.Lock()
+        results: list[T] = []
+        errors: list[BaseException] = []
+        finished = abandoned = cancelled = lost = False
+        done = trio.Event()
 
-            def back(_: object) -> None:
-                def wake() -> None:
-                    self._read_threads.release_on_behalf_of(borrower)
-                    done.set()
-
-                with suppress(trio.RunFinishedError):
-                    token.run_sync_soon(wake)
-
-            trio.lowlevel.start_thread_soon(run, back, name="trio_agent journal read")
+        def run() -> None:
+            nonlocal finished
             try:
-                await done.wait()
-            except trio.Cancelled:
-                # Abort the statement on the server and wait for the thread, for cleanup_grace at most.
-                cancelled = True
-                with bounded_shield(self.cleanup_grace, f"a cancelled PostgreSQL read ({self.where})"):
-                    while not done.is_set():
-                        await trio.to_thread.run_sync(
-                            _cancel_quietly, conn, limiter=self._cancel_threads, abandon_on_cancel=True
-                        )
-                        with trio.move_on_after(_CANCEL_RETRY):
-                            await done.wait()
-                if not done.is_set():
-                    with lock:
-                        abandoned = not finished
-                raise
-            finally:
-                if not abandoned:
-                    reusable = not cancelled and not self._closed and not conn.broken and not conn.closed
-                    if reusable and conn.info.transaction_status == TransactionStatus.IDLE:
-                        self._idle_readers.append(conn)
-                    else:
-                        conn.close()
+                results.append(fn(conn))
+            except BaseException as exc:
+                errors.append(exc)
+            with lock:
+                finished = True
+                if abandoned:  # nobody waits for it any more: this thread owns the connection
+                    conn.close()
+
+        def back(_: object) -> None:
+            def wake() -> None:
+                self._read_threads.release_on_behalf_of(borrower)
+                done.set()
+
+            with suppress(trio.RunFinishedError):
+                token.run_sync_soon(wake)
+
+        trio.lowlevel.start_thread_soon(run, back, name="trio_agent journal read")
+        try:
+            await done.wait()
+        except trio.Cancelled:
+            # Abort the statement on the server and wait for the thread, for cleanup_grace at most.
+            cancelled = True
+            with bounded_shield(self.cleanup_grace, f"a cancelled PostgreSQL read ({self.where})"):
+                while not done.is_set():
+                    await trio.to_thread.run_sync(
+                        _cancel_quietly, conn, limiter=self._cancel_threads, abandon_on_cancel=True
+                    )
+                    with trio.move_on_after(_CANCEL_RETRY):
+                        await done.wait()
+            if not done.is_set():
+                with lock:
+                    abandoned = not finished
+            raise
+        finally:
+            if not abandoned:
+                lost = conn.broken or conn.closed
+                reusable = not cancelled and not self._closed and not lost
+                if reusable and conn.info.transaction_status == TransactionStatus.IDLE:
+                    self._idle_readers.append(conn)
+                else:
+                    conn.close()
         if errors:
             if not isinstance(errors[0], Exception):
                 raise errors[0]
+            if pooled and lost and isinstance(errors[0], psycopg.Error):
+                raise _Dropped from errors[0]
             raise self._read_error(errors[0])
         return results[0]
 
