@@ -30,7 +30,7 @@ from trio_agent._errors import (
     StaleFencingTokenError,
 )
 from trio_agent._journal._events import EventEnvelope, RequestStarted
-from trio_agent._journal._postgres import STORE_FORMAT, PostgresStore, open_postgres_store
+from trio_agent._journal._postgres import _COLUMNS, STORE_FORMAT, PostgresStore, open_postgres_store
 from trio_agent._journal._store import AppendBatch, AppendResult, Lease, command_digest, stream_id_for
 from trio_agent._journal._subscribe import CaughtUp, DurableEvent, subscribe_durable_events
 
@@ -693,9 +693,10 @@ async def test_an_unknown_format_marker_is_refused(postgres_dsn: str, fresh_pg_s
     [
         ["CREATE TABLE {s}.events(id serial PRIMARY KEY, name text)", "INSERT INTO {s}.events(name) VALUES ('app')"],
         ["CREATE TABLE {s}.meta(id int)", "CREATE TABLE {s}.orders(id int)"],
-        ["CREATE TABLE {s}.meta(key text PRIMARY KEY, value text NOT NULL)"],  # no format row
+        ["CREATE TABLE {s}.meta(key text PRIMARY KEY, value text NOT NULL)", "INSERT INTO {s}.meta VALUES ('a', 'b')"],
+        ["CREATE VIEW {s}.streams AS SELECT 'x'::text AS stream_id, 'y'::text AS session_id, 1::bigint AS head"],
     ],
-    ids=["app-events", "app-meta-of-another-shape", "meta-without-format"],
+    ids=["app-events", "app-meta-of-another-shape", "app-rows-in-a-meta-like-ours", "a-view"],
 )
 async def test_a_schema_holding_other_tables_of_the_same_names_is_refused_and_left_unchanged(
     postgres_dsn: str, fresh_pg_schema: str, tables: list[str]
@@ -715,6 +716,38 @@ async def test_a_schema_holding_other_tables_of_the_same_names_is_refused_and_le
         async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema):
             pass
     assert run_sql(postgres_dsn, listing, (fresh_pg_schema,)) == before
+
+
+async def test_tables_exactly_like_the_journals_are_adopted_and_keep_their_rows(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    # The workers' tables create `leases` with the journal's definition before any store opens the schema.
+    schema = f'"{fresh_pg_schema}"'
+    run_sql(postgres_dsn, f"CREATE SCHEMA {schema}")
+    run_sql(
+        postgres_dsn,
+        f"CREATE TABLE {schema}.leases(session_id text PRIMARY KEY, owner text NOT NULL, token bigint NOT NULL,"
+        " expires_at double precision NOT NULL)",
+    )
+    run_sql(postgres_dsn, f"INSERT INTO {schema}.leases VALUES ('queued', '', 0, '-Infinity')")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("queued", "A", LONG_TTL)
+    assert lease.token == 1
+    assert run_sql(postgres_dsn, f"SELECT value FROM {schema}.meta") == [(STORE_FORMAT,)]
+
+
+async def test_the_columns_the_open_expects_are_the_ones_it_creates(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema):
+        pass
+    rows = run_sql(
+        postgres_dsn,
+        "SELECT table_name, column_name, data_type FROM information_schema.columns WHERE table_schema = %s",
+        (fresh_pg_schema,),
+    )
+    created: dict[str, dict[str, str]] = {}
+    for table, column, data_type in rows:
+        created.setdefault(table, {})[column] = data_type
+    assert created == _COLUMNS
 
 
 async def test_reopening_keeps_everything_and_several_stores_open_one_schema_at_once(

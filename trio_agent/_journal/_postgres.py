@@ -149,11 +149,28 @@ _SCHEMA: tuple[LiteralString, ...] = (
     " checksum bigint NOT NULL)",
 )
 
-_RELATIONS = ("meta", "streams", "streams_session", "events", "leases", "commands", "commands_seq", "snapshots")
-"""Every table and index `_SCHEMA` creates in the schema."""
+_COLUMNS: dict[str, dict[str, str]] = {
+    "meta": {"key": "text", "value": "text"},
+    "streams": {"stream_id": "text", "session_id": "text", "head": "bigint"},
+    "events": {"stream_id": "text", "seq": "bigint", "token": "bigint", "body": "text", "checksum": "bigint"},
+    "leases": {"session_id": "text", "owner": "text", "token": "bigint", "expires_at": "double precision"},
+    "commands": {
+        "stream_id": "text",
+        "command_id": "text",
+        "digest": "text",
+        "first_seq": "bigint",
+        "last_seq": "bigint",
+    },
+    "snapshots": {"stream_id": "text", "seq": "bigint", "token": "bigint", "body": "bytea", "checksum": "bigint"},
+}
+"""The columns of every table `_SCHEMA` creates: a table found under one of these names in a schema
+without a format row is taken as the journal's only if it has exactly these (the workers' tables
+create ``leases`` so; another application's ``events`` is refused)."""
 _Q_EXISTING: LiteralString = (
-    "SELECT name FROM unnest(%s::text[]) AS name WHERE to_regclass(format('%%I.%%I', %s::text, name)) IS NOT NULL"
-    " ORDER BY name"
+    "SELECT c.relname, c.relkind::text, a.attname, format_type(a.atttypid, a.atttypmod)"
+    " FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace"
+    " LEFT JOIN pg_attribute AS a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped"
+    " WHERE n.nspname = %s AND c.relname = ANY(%s::text[])"
 )
 _Q_FORMAT: LiteralString = "SELECT value FROM {s}.meta WHERE key = 'format'"
 _Q_SET_FORMAT: LiteralString = "INSERT INTO {s}.meta(key, value) VALUES ('format', %s)"
@@ -485,15 +502,16 @@ class PostgresStore(LaneStore):
         try:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"trio_agent.journal:{self.schema}",))
-                # Looked at before anything is created: a schema holding tables of ours by name but no
-                # format row is another application's (or damaged), never adopted as a journal.
-                existing = [row[0] for row in conn.execute(_Q_EXISTING, (list(_RELATIONS), self.schema)).fetchall()]
+                # Looked at before anything is created: a schema without a format row is taken as a
+                # journal only if every table of ours it holds is ours (another application's is refused).
+                existing: dict[str, dict[str, str]] = {}
+                for name, kind, column, type_name in conn.execute(_Q_EXISTING, (self.schema, list(_COLUMNS))):
+                    columns = existing.setdefault(name, {})
+                    if column is not None:
+                        columns[column] = type_name if kind in ("r", "p") else f"{type_name} ({kind})"
                 row = self._format_row(conn) if "meta" in existing else None
-                if row is None and existing:
-                    raise JournalCorruptError(
-                        f"schema {self.schema!r} at {self.where} holds {', '.join(existing)} without a journal"
-                        " format row: not a trio_agent journal (another application's tables?); it was left unchanged"
-                    )
+                if row is None:
+                    self._check_adoptable(conn, existing)
                 for statement in _SCHEMA:
                     conn.execute(self._sql(statement))
                 if row is None:
@@ -514,6 +532,18 @@ class PostgresStore(LaneStore):
                 ) from exc
             raise
         return conn
+
+    def _check_adoptable(self, conn: _Conn, existing: dict[str, dict[str, str]]) -> None:
+        """Refuse (`JournalCorruptError`, nothing changed) a schema without a format row that holds
+        a table of the journal's names with other columns, or a ``meta`` table with rows."""
+        foreign = sorted(name for name, columns in existing.items() if columns != _COLUMNS[name])
+        if not foreign and "meta" in existing and conn.execute(self._sql("SELECT 1 FROM {s}.meta LIMIT 1")).fetchone():
+            foreign = ["meta (its rows)"]
+        if foreign:
+            raise JournalCorruptError(
+                f"schema {self.schema!r} at {self.where} holds {', '.join(foreign)} unlike the journal's, and no"
+                " journal format row: not a trio_agent journal (another application's tables?); it was left unchanged"
+            )
 
     def _format_row(self, conn: _Conn) -> tuple[Any, ...] | None:
         """The schema's format row, when it has a ``meta`` table (a ``meta`` of another shape: damage)."""
@@ -1311,7 +1341,7 @@ async def open_postgres_store(
 
     Raises `JournalUnavailableError` if the database cannot be reached (naming the
     host, never the password) and `JournalCorruptError` if the schema holds another
-    journal format, or tables of the journal's names without its format row (left unchanged).
+    journal format, or no format row and tables of the journal's names unlike its own (left unchanged).
     """
     store = PostgresStore(
         dsn,
