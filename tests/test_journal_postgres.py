@@ -1037,3 +1037,31 @@ async def test_a_bad_max_batch_is_a_config_error_before_any_connection(bad: Any)
     with pytest.raises(ConfigError, match="max_batch"):  # not JournalUnavailableError: nothing was tried
         async with open_postgres_store("postgresql://nobody@127.0.0.1:1/none", max_batch=bad):
             pass
+
+
+async def test_a_lease_row_whose_expiry_is_nan_is_damage_for_every_use_and_fails_alone(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    # NaN compares as neither expired nor valid: another owner could acquire the session while the
+    # holder's appends still passed the fence. SQLite refuses such a row as damage; so does this store.
+    stream = stream_id_for("damaged", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        damaged = await store.acquire_lease("damaged", "A", LONG_TTL)
+        neighbour = await store.acquire_lease("neighbour", "A", LONG_TTL)
+        damage = f"UPDATE \"{fresh_pg_schema}\".leases SET expires_at = 'NaN' WHERE session_id = 'damaged'"
+        run_sql(postgres_dsn, damage)
+        with store.grouped():
+            appended = store.submit(batch(damaged, stream, envs(stream, 1, 1)))
+            renewed = store.submit_renew(damaged, LONG_TTL)
+            renewed_neighbour = store.submit_renew(neighbour, LONG_TTL)
+        with trio.fail_after(10):
+            for item in (appended, renewed):
+                with pytest.raises(JournalCorruptError, match="'damaged' is damaged: its expiry is NaN"):
+                    await item.wait()
+            assert (await renewed_neighbour.wait()).token == neighbour.token
+            with pytest.raises(JournalCorruptError, match="expiry is NaN"):
+                await store.acquire_lease("damaged", "B", LONG_TTL)
+            for read in (store.current_lease, store.live_lease):
+                with pytest.raises(JournalCorruptError, match="expiry is NaN"):
+                    await read("damaged")
+        assert await store.head(stream) == 0

@@ -288,6 +288,7 @@ class _State:
     now: float
     unplaced: dict[str, BaseException] = attrs.Factory(dict)  # session -> why its lease row could not be made
     busy: frozenset[str] = frozenset()  # sessions whose lease row another transaction holds: deferred
+    damaged: dict[str, BaseException] = attrs.Factory(dict)  # session -> why its lease row is damage
 
 
 @attrs.frozen
@@ -342,6 +343,15 @@ class _Writes:
         heads = {**{stream_id: head for stream_id, (_, head) in self.created.items()}, **self.heads}
         payloads = [f"{stream_id}:{head}" for stream_id, head in sorted(heads.items())]
         return [p for p in payloads if len(p.encode()) <= _NOTIFY_PAYLOAD_MAX]
+
+
+def _lease_row(session_id: str, owner: str, token: Any, expires_at: Any) -> tuple[str, int, float]:
+    """A stored lease row (owner, token, expires_at). An expiry of NaN is damage (the store never
+    writes one): it compares as neither expired nor valid, so acquiring and fencing would disagree."""
+    expires = float(expires_at)
+    if math.isnan(expires):
+        raise JournalCorruptError(f"the stored lease of session {session_id!r} is damaged: its expiry is NaN")
+    return owner, int(token), expires
 
 
 def _channel(schema: str, purpose: str = "journal") -> str:
@@ -799,10 +809,17 @@ class PostgresStore(LaneStore):
         else:
             assert self._lease_clock is not None
             now = float(self._lease_clock())
-        leases = {row[0]: (row[1], int(row[2]), float(row[3])) for row in lease_cursor.fetchall()}
+        leases: dict[str, tuple[str, int, float]] = {}
+        damaged: dict[str, BaseException] = {}
+        for row in lease_cursor.fetchall():
+            try:
+                leases[row[0]] = _lease_row(row[0], row[1], row[2], row[3])
+            except JournalCorruptError as exc:  # that session's items fail alone
+                damaged[row[0]] = exc
         busy: frozenset[str] = frozenset()
-        if len(leases) < len(sessions):  # skipped (locked elsewhere) or no row at all: one more look
-            rows = conn.execute(q["_Q_LEASE_ROWS"], ([s for s in sessions if s not in leases],)).fetchall()
+        if len(leases) + len(damaged) < len(sessions):  # skipped (locked elsewhere) or no row at all: one more look
+            missing = [s for s in sessions if s not in leases and s not in damaged]
+            rows = conn.execute(q["_Q_LEASE_ROWS"], (missing,)).fetchall()
             busy = frozenset(row[0] for row in rows)
         state = _State(
             leases=leases,
@@ -818,6 +835,7 @@ class PostgresStore(LaneStore):
             now=now,
             unplaced=unplaced,
             busy=busy,
+            damaged=damaged,
         )
         outcomes: list[object] = []
         if not isolate:
@@ -951,6 +969,8 @@ class PostgresStore(LaneStore):
     def _plan(self, state: _State, work: Any, rows: list[EventRow]) -> tuple[object, _Change | None]:
         if work.session_id in state.busy:  # checked by nothing yet: offered again by the lane
             return Deferred(f"the lease row of session {work.session_id!r} is locked by another transaction"), None
+        if work.session_id in state.damaged:
+            raise _Rejected(state.damaged[work.session_id])
         if isinstance(work, AppendBatch):
             return self._plan_append(state, work, rows)
         if isinstance(work, SnapshotWork):
@@ -1224,7 +1244,7 @@ class PostgresStore(LaneStore):
 
         def run(conn: _Conn) -> Lease | None:
             row = conn.execute(query, (session_id,)).fetchone()
-            return None if row is None else Lease(session_id, row[0], int(row[1]), float(row[2]))
+            return None if row is None else Lease(session_id, *_lease_row(session_id, row[0], row[1], row[2]))
 
         return await self._query(run)
 
@@ -1241,8 +1261,9 @@ class PostgresStore(LaneStore):
             row = conn.execute(query, (session_id,)).fetchone()
             if row is None:
                 return None
+            owner, token, expires_at = _lease_row(session_id, row[0], row[1], row[2])
             now = float(row[3]) if clock is None else float(clock())
-            return Lease(session_id, row[0], int(row[1]), float(row[2])) if float(row[2]) >= now else None
+            return Lease(session_id, owner, token, expires_at) if expires_at >= now else None
 
         return await self._query(run)
 
