@@ -1666,3 +1666,65 @@ async def test_a_failure_of_the_writer_thread_answers_every_waiter_and_closes_th
         await late.wait()
     with trio.fail_after(10):
         await lane.aclose()
+
+
+# ---------------------------------------------------------------- docs/api.md's store listing
+
+
+def _api_stores_block() -> str:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    section = text[text.index("### Stores") :]
+    return section[section.index("```python") : section.index("\n```\n")]
+
+
+def _doc_parameters(text: str) -> list[str]:
+    """``name`` or ``name=default`` of each parameter in a listed signature (``self``, ``*``: left out)."""
+    listed = []
+    for parameter in text.split(","):
+        declared, _, default = parameter.partition("=")
+        name = declared.split(":")[0].strip()
+        if name not in ("self", "*", ""):
+            listed.append(f"{name}={default.strip()}" if default else name)
+    return listed
+
+
+def _code_parameters(function: Callable[..., Any]) -> list[str]:
+    import inspect
+
+    listed = []
+    for name, parameter in inspect.signature(function).parameters.items():
+        if name == "self":
+            continue
+        default = parameter.default
+        if default is inspect.Parameter.empty:
+            listed.append(name)
+        elif callable(default):
+            listed.append(f"{name}={default.__module__}.{default.__name__}")
+        else:
+            listed.append(f"{name}={default!r}".replace("'", '"'))
+    return listed
+
+
+def test_api_md_lists_the_store_protocol_and_openers_as_the_code_has_them() -> None:
+    # It lacked commands(after=), save_snapshot/load_snapshot, and the openers' cleanup_grace and readonly.
+    import re
+
+    from trio_agent._journal import _sqlite
+    from trio_agent._journal._store import JournalStore
+
+    block = _api_stores_block()
+    documented = dict(re.findall(r"^    (?:async )?def (\w+)\(([^)]*)\)", block, re.M))
+    members = sorted(
+        name for name in vars(JournalStore) if not name.startswith("_") and callable(vars(JournalStore)[name])
+    )
+    assert sorted(documented) == members
+    for name in members:
+        assert _doc_parameters(documented[name]) == _code_parameters(getattr(JournalStore, name)), name
+    attributes = set(re.findall(r"^    (\w+): ", block, re.M))
+    assert attributes == set(JournalStore.__annotations__)
+    openers = {name: " ".join(args.split()) for name, args in re.findall(r"async with (\w+)\(([^)]*)\) as", block)}
+    assert _doc_parameters(openers["open_sqlite_store"]) == _code_parameters(_sqlite.open_sqlite_store)
+    if _postgres_missing() is None and importlib.util.find_spec("psycopg") is not None:
+        from trio_agent._journal import _postgres
+
+        assert _doc_parameters(openers["open_postgres_store"]) == _code_parameters(_postgres.open_postgres_store)
