@@ -127,7 +127,7 @@ def load_json(data: str | bytes, *, what: str, status: int | None = None) -> Any
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
-_BLANK = b" \t\r\n"
+_BLANK_LINES = re.compile(rb"(?:[ \t]*(?:\r\n|\r|\n))+")
 
 
 @attrs.frozen
@@ -157,6 +157,7 @@ class SSEParser:
         self._limit = max_event_bytes
         self._what = what
         self._head: bytearray | None = bytearray()  # the body's start, until its first non-blank byte
+        self._at_byte_zero = True  # a byte-order mark counts only there, however the reads split the body
         self._json: bytearray | None = None
         self._pending = bytearray()
         self._skip_lf = False
@@ -171,21 +172,10 @@ class SSEParser:
 
     def feed(self, data: bytes) -> list[SSEEvent]:
         if self._head is not None:
-            self._head += data
-            head = bytes(self._head)
-            if len(head) < len(_BOM) and _BOM.startswith(head):
-                return []  # maybe a byte-order mark split across reads
-            head = head.removeprefix(_BOM)
-            start = head.lstrip(_BLANK)
-            if not start:
-                self._head = bytearray()  # blank lines before the first field change nothing: drop them
+            started = self._start(self._head, data)
+            if started is None:
                 return []
-            self._head = None
-            if start[:1] in (b"{", b"["):
-                self._json = bytearray()
-                data = start
-            else:
-                data = head
+            data = started
         if self._json is not None:
             if len(self._json) + len(data) > self._limit:
                 raise MalformedResponseError(
@@ -199,6 +189,34 @@ class SSEParser:
             if event is not None:
                 events.append(event)
         return events
+
+    def _start(self, head: bytearray, data: bytes) -> bytes | None:
+        """The body from its first non-blank byte on (with the blanks of that line), once it has
+        come; ``None`` while only blanks have.
+
+        Where the network splits the body changes nothing: the head is kept across reads, a
+        byte-order mark is removed only at byte 0, and only whole blank lines (spaces or tabs, then
+        a line end) are dropped (in an event stream they are lines that do nothing, in JSON
+        whitespace), so the held head stays bounded. Blanks that start a line are kept: ``" data:"``
+        names the field ``" data"``, which is no ``data`` field.
+        """
+        head += data
+        if self._at_byte_zero:
+            if len(head) < len(_BOM) and _BOM.startswith(head):
+                return None  # maybe a byte-order mark split across reads
+            if head.startswith(_BOM):
+                del head[: len(_BOM)]
+            self._at_byte_zero = False
+        if (blank_lines := _BLANK_LINES.match(head)) is not None:
+            del head[: blank_lines.end()]
+        first = bytes(head.lstrip(b" \t")[:1])
+        if not first:
+            self._check(len(head))  # a line of blanks without its end yet, bounded as any line
+            return None
+        self._head = None
+        if first in (b"{", b"["):
+            self._json = bytearray()
+        return bytes(head)
 
     def _check(self, size: int) -> None:
         if size > self._limit:

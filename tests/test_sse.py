@@ -1,0 +1,59 @@
+"""The bounded server-sent-events parser both HTTP providers share (`trio_agent._models._http.SSEParser`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trio_agent._models._http import SSEEvent, SSEParser
+from trio_agent.models import MalformedResponseError
+
+BOM = b"\xef\xbb\xbf"
+
+
+def parse(pieces: list[bytes], limit: int = 1 << 20) -> tuple[list[SSEEvent], bytes | None]:
+    parser = SSEParser(limit, what="the test stream")
+    events: list[SSEEvent] = []
+    for piece in pieces:
+        events += parser.feed(piece)
+    return events, parser.json_body
+
+
+def every_split(body: bytes) -> list[list[bytes]]:
+    """*body* in one read, cut in two at every position, and byte by byte."""
+    return [[body], *([body[:cut], body[cut:]] for cut in range(1, len(body))), [bytes([b]) for b in body]]
+
+
+HEADS = [
+    b" data: hello\n\n",  # a field named " data": no event, however the first read is cut
+    b"\n\n data: hello\n\ndata: x\n\n",
+    b"\n" + BOM + b'{"error": {"type": "rate_limit_error"}}',  # a BOM after byte 0 is no BOM
+    BOM + b"\r\n  \t\r\ndata: hi\n\n",
+    BOM + b'\n  {"error": "x"}',
+    b" \t\r\n\r  [1, 2]",
+    b"  \n\tdata: a\r\n\r\n",
+    b"\r\n\r\ndata: a\n\n",
+]
+
+
+@pytest.mark.parametrize("body", HEADS)
+def test_the_body_parses_the_same_wherever_the_network_splits_its_head(body: bytes) -> None:
+    whole = parse([body])
+    for pieces in every_split(body):
+        assert parse(pieces) == whole, pieces
+
+
+def test_the_head_rules() -> None:
+    """A BOM only at byte 0, blank lines before the first field dropped, blanks that start a line kept."""
+    assert parse([b" ", b"data: hello\n\n"]) == ([], None)  # the line is " data: hello"
+    assert parse([b"\n", BOM + b'{"a": 1}']) == ([], None)  # BOM + "{" is a line of text, not JSON
+    assert parse([BOM[:1], BOM[1:] + b"data: x\n\n"]) == ([SSEEvent("message", "x")], None)
+    assert parse([b"\r\n \t\r", b'\n  {"a": 1}']) == ([], b'  {"a": 1}')
+    assert parse([b"\r\n", b"\r\n", b"data: x\n\n"]) == ([SSEEvent("message", "x")], None)
+
+
+def test_blanks_at_the_head_are_bounded() -> None:
+    parser = SSEParser(64, what="the test stream")
+    for _ in range(100):  # endless blank lines are dropped as they come: nothing grows
+        assert parser.feed(b" \t\r\n" * 10) == []
+    with pytest.raises(MalformedResponseError, match="larger than max_response_bytes=64"):
+        parser.feed(b" " * 65)  # a line of blanks without its end is held, bounded as any line
