@@ -10,7 +10,9 @@ the requests, and when each connection was closed by the client.
 
 from __future__ import annotations
 
+import functools
 import json
+import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -162,3 +164,23 @@ def queue_handler(*responses: Scripted) -> Handler:
         return pending.pop(0)
 
     return handle
+
+
+_WBITS = {"gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS, "raw-deflate": -zlib.MAX_WBITS}
+
+
+def encoded(data: bytes, encoding: str) -> bytes:
+    """*data* compressed for a ``content-encoding``: ``gzip``, ``deflate`` (zlib-wrapped) or
+    ``raw-deflate`` (what some servers send as ``deflate``: no zlib header)."""
+    compressor = zlib.compressobj(9, zlib.DEFLATED, _WBITS[encoding])
+    return compressor.compress(data) + compressor.flush()
+
+
+@functools.cache
+def gzip_bomb(decoded_mib: int, prefix: bytes = b"") -> bytes:
+    """A gzip body of *prefix* then zero bytes, *decoded_mib* MiB decoded and about 1000 times
+    smaller on the wire (every 64 KiB of it that a client reads decodes to about 64 MiB)."""
+    compressor = zlib.compressobj(9, zlib.DEFLATED, _WBITS["gzip"])
+    zeros = bytes(2**20)
+    pieces = [compressor.compress(prefix), *(compressor.compress(zeros) for _ in range(decoded_mib))]
+    return b"".join(pieces) + compressor.flush()

@@ -13,6 +13,7 @@ import re
 import socket
 import sys
 import time
+import tracemalloc
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,7 +28,7 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.fake_server import FakeServer, Gate, Scripted, open_fake_server, queue_handler
+from tests.fake_server import FakeServer, Gate, Scripted, encoded, gzip_bomb, open_fake_server, queue_handler
 from trio_agent import AuthenticationError, ConfigError, ModelTimeoutError, Provider, ProviderError, RateLimitError
 from trio_agent._cleanup import DEFAULT_CLEANUP_GRACE
 from trio_agent._models._anthropic import AnthropicProvider, retry_after_seconds
@@ -477,6 +478,30 @@ async def test_http_status_mapping(
         assert isinstance(error, RateLimitError) and error.retry_after == 7.0
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["chat", "stream"])
+async def test_an_error_body_that_cannot_be_read_leaves_the_status_to_decide(streaming: bool) -> None:
+    """A body cut mid-way (or in an encoding the provider refuses) was a retryable connection error:
+    a 401 retried, a 429 without its retry-after. The status alone types the error."""
+    start = [b'{"type": "error", "error": {"type": "authentication_error", "mess']
+    responses = (
+        Scripted(401, [("content-type", "application/json")], start, cut=True),
+        Scripted(429, [("content-type", "application/json"), ("retry-after", "7")], start, cut=True),
+        Scripted(429, [("content-encoding", "zstd"), ("retry-after", "7")], [b"\x28\xb5\x2f\xfd"]),
+    )
+    async with serve(*responses) as (_, provider):
+        for error_type in (AuthenticationError, RateLimitError, RateLimitError):
+            with pytest.raises(ProviderError) as caught:
+                if streaming:
+                    await collect(provider, request(operation=Operation.STREAM))
+                else:
+                    await provider.chat(request())
+            assert type(caught.value) is error_type
+            assert caught.value.status in (401, 429)
+            assert caught.value.retryable is (error_type is RateLimitError)
+            if error_type is RateLimitError:
+                assert isinstance(caught.value, RateLimitError) and caught.value.retry_after == 7.0
+
+
 async def test_non_json_error_body_is_quoted() -> None:
     scripted = Scripted(502, [("content-type", "text/html")], [b"<html>bad gateway</html>"], chunked=False)
     async with serve(scripted) as (_, provider):
@@ -810,6 +835,62 @@ async def test_oversize_bodies_are_malformed() -> None:
         with pytest.raises(MalformedResponseError, match="max_response_bytes"):
             await provider.chat(request())  # counted while reading
         with pytest.raises(MalformedResponseError, match="max_response_bytes"):
+            await collect(provider, request(operation=Operation.STREAM))
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["chat", "stream"])
+async def test_a_compressed_bomb_is_refused_at_max_response_bytes_with_memory_bounded(streaming: bool) -> None:
+    """128 MiB of zeros gzipped to 128 KiB, with a 1 MiB bound: refused once 1 MiB is decoded.
+    httpx decoded each network read whole before a byte was counted (64 KiB read, 64 MiB decoded)."""
+    limit = 2**20
+    content_type = "text/event-stream" if streaming else "application/json"
+    bomb = gzip_bomb(128, b": " if streaming else b'{"type": "')
+    scripted = Scripted(200, [("content-type", content_type), ("content-encoding", "gzip")], [bomb], chunked=False)
+    async with serve(scripted, max_response_bytes=limit) as (server, provider):
+        tracemalloc.start()
+        try:
+            with pytest.raises(MalformedResponseError, match="max_response_bytes"):
+                if streaming:
+                    await collect(provider, request(operation=Operation.STREAM))
+                else:
+                    await provider.chat(request())
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < 8 * limit  # the bound plus a few reads, not a decoded network read
+    assert server.requests[0].headers["accept-encoding"] == "gzip, deflate"
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "raw-deflate"])
+async def test_gzip_and_deflate_bodies_are_decoded_as_they_arrive(encoding: str) -> None:
+    wire = "deflate" if encoding == "raw-deflate" else encoding
+    responses = [
+        Scripted(
+            200, [("content-type", kind), ("content-encoding", wire)], [data[i : i + 7] for i in range(0, len(data), 7)]
+        )
+        for kind, data in (
+            ("application/json", encoded(json.dumps(JSON["text_reply"]).encode(), encoding)),
+            ("text/event-stream", encoded(SSE["stream_text"], encoding)),
+        )
+    ]
+    async with serve(*responses) as (_, provider):
+        reply = await provider.chat(request())
+        chunks = await collect(provider, request(operation=Operation.STREAM))
+    assert reply.message.text == JSON["text_reply"]["content"][0]["text"]
+    assert text_of(chunks) == STREAM_TEXT
+
+
+@pytest.mark.parametrize("encoding", ["zstd", "br", "gzip, gzip"])
+async def test_an_encoding_the_provider_did_not_ask_for_is_refused_by_name(encoding: str) -> None:
+    body = b"\x28\xb5\x2f\xfd not really compressed"
+    responses = [
+        Scripted(200, [("content-type", kind), ("content-encoding", encoding)], [body])
+        for kind in ("application/json", "text/event-stream")
+    ]
+    async with serve(*responses) as (_, provider):
+        with pytest.raises(MalformedResponseError, match=f"encoded as '{encoding}'.*asks for gzip, deflate only"):
+            await provider.chat(request())
+        with pytest.raises(MalformedResponseError, match=f"encoded as '{encoding}'"):
             await collect(provider, request(operation=Operation.STREAM))
 
 

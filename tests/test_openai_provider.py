@@ -23,7 +23,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from fake_server import FakeServer, Gate, Scripted, open_fake_server, queue_handler
+from fake_server import FakeServer, Gate, Scripted, encoded, gzip_bomb, open_fake_server, queue_handler
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 
@@ -452,6 +452,65 @@ async def test_oversize_bodies_are_rejected_without_buffering_them() -> None:
             assert (await large.chat(request(operation=Operation.CHAT))).message.text == "x" * 5000
 
 
+@pytest.mark.parametrize("operation", [Operation.CHAT, Operation.STREAM])
+async def test_a_compressed_bomb_is_refused_at_max_response_bytes_with_memory_bounded(operation: Operation) -> None:
+    """128 MiB of zeros gzipped to 128 KiB, with a 1 MiB bound: refused once 1 MiB is decoded.
+    httpx decoded each network read whole before a byte was counted (64 KiB read, 64 MiB decoded)."""
+    limit = 2**20
+    content_type = "application/json" if operation is Operation.CHAT else "text/event-stream"
+    bomb = gzip_bomb(128, b'{"choices": "' if operation is Operation.CHAT else b"data: ")
+    scripted = Scripted(200, [("content-type", content_type), ("content-encoding", "gzip")], [bomb], chunked=False)
+    async with open_fake_server(queue_handler(scripted)) as server, provider_for(server, max_response_bytes=limit) as p:
+        tracemalloc.start()
+        try:
+            with pytest.raises(MalformedResponseError, match=f"larger than max_response_bytes={limit}"):
+                if operation is Operation.CHAT:
+                    await p.chat(request(operation=Operation.CHAT))
+                else:
+                    await collect(p, request())
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < 8 * limit  # the bound plus a few reads, not a decoded network read
+    assert server.requests[0].headers["accept-encoding"] == "gzip, deflate"
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "raw-deflate"])
+async def test_gzip_and_deflate_bodies_are_decoded_as_they_arrive(encoding: str) -> None:
+    wire = "deflate" if encoding == "raw-deflate" else encoding
+    body = encoded(json.dumps(completion({"content": "ünïcode " * 50})).encode(), encoding)
+    events = [chunk_event({"content": "a" * 70_000}), chunk_event({"content": "b"}, "stop"), DONE]
+    stream = encoded(b"".join(events), encoding)
+    responses = [
+        Scripted(
+            200, [("content-type", kind), ("content-encoding", wire)], [data[i : i + 7] for i in range(0, len(data), 7)]
+        )
+        for kind, data in (("application/json", body), ("text/event-stream", stream))
+    ]
+    async with open_fake_server(queue_handler(*responses)) as server, provider_for(server) as provider:
+        reply = await provider.chat(request(operation=Operation.CHAT))
+        chunks = await collect(provider, request())
+    assert reply.message.text == "ünïcode " * 50
+    assert "".join(chunk.text for chunk in chunks if isinstance(chunk, TextDelta)) == "a" * 70_000 + "b"
+
+
+@pytest.mark.parametrize("encoding", ["zstd", "br", "gzip, gzip", "compress"])
+async def test_an_encoding_the_provider_did_not_ask_for_is_refused_by_name(encoding: str) -> None:
+    """Decoding a zstd or brotli body cannot be bounded as it goes: the provider asks for gzip and
+    deflate only, and a server that sends another encoding anyway fails the call (malformed)."""
+    body = b"\x28\xb5\x2f\xfd not really compressed"
+    responses = [
+        Scripted(200, [("content-type", kind), ("content-encoding", encoding)], [body])
+        for kind in ("application/json", "text/event-stream")
+    ]
+    async with open_fake_server(queue_handler(*responses)) as server, provider_for(server) as provider:
+        with pytest.raises(MalformedResponseError, match=f"encoded as '{encoding}'.*asks for gzip, deflate only"):
+            await provider.chat(request(operation=Operation.CHAT))
+        with pytest.raises(MalformedResponseError, match=f"encoded as '{encoding}'"):
+            await collect(provider, request())
+    assert [seen.headers["accept-encoding"] for seen in server.requests] == ["gzip, deflate"] * 2
+
+
 async def test_compatible_server_variants_are_accepted() -> None:
     """reasoning_content (vLLM, DeepSeek, llama.cpp), a usage chunk with choices null, no usage details."""
     body = completion({"content": "4", "reasoning_content": "2+2"}, usage={"prompt_tokens": 3, "completion_tokens": 2})
@@ -538,6 +597,28 @@ async def test_http_errors_are_typed_before_any_body_is_parsed(
         assert caught.value.retryable is retryable
         assert text in str(caught.value) and f"HTTP {status}" in str(caught.value)
         assert "req_8f3a" in str(caught.value)
+
+
+@pytest.mark.parametrize("operation", [Operation.CHAT, Operation.STREAM])
+async def test_an_error_body_that_cannot_be_read_leaves_the_status_to_decide(operation: Operation) -> None:
+    """A body cut mid-way, or in an encoding the provider refuses: the status still types the error."""
+    start = [b'{"error": {"message": "Incorrect API']
+    responses = (
+        Scripted(401, [("content-type", "application/json")], start, cut=True),
+        Scripted(429, [("content-type", "application/json"), ("retry-after", "7")], start, cut=True),
+        Scripted(429, [("content-encoding", "zstd"), ("retry-after", "7")], [b"\x28\xb5\x2f\xfd"]),
+    )
+    async with open_fake_server(queue_handler(*responses)) as server, provider_for(server) as provider:
+        for error_type in (AuthenticationError, RateLimitError, RateLimitError):
+            with pytest.raises(ProviderError) as caught:
+                if operation is Operation.CHAT:
+                    await provider.chat(request(operation=Operation.CHAT))
+                else:
+                    await collect(provider, request())
+            assert type(caught.value) is error_type
+            assert caught.value.status in (401, 429)
+            if error_type is RateLimitError:
+                assert isinstance(caught.value, RateLimitError) and caught.value.retry_after == 7.0
 
 
 async def test_a_plain_text_error_body_is_quoted() -> None:

@@ -46,13 +46,17 @@ from .._errors import (
 )
 from ._assemble import DeltaMender, ToolArgumentsError, parse_tool_arguments, well_formed
 from ._http import (
+    ACCEPT_ENCODING,
     MAX_TOKEN_COUNT,
+    BodyReader,
     SSEEvent,
     SSEParser,
     SSEReader,
     checked_base_url,
     json_body,
     load_json,
+    read_body,
+    read_error_body,
     release_response,
     retry_after_seconds,
 )
@@ -88,7 +92,6 @@ ANTHROPIC_VERSION: Final = "2023-06-01"
 API_KEY_ENV: Final = "ANTHROPIC_API_KEY"
 BASE_URL_ENV: Final = "ANTHROPIC_BASE_URL"
 
-_MAX_ERROR_BODY: Final = 64 * 1024  # an error body is read up to this size (the rest is ignored)
 _LAYER: Final = "anthropic response close"
 
 STOP_REASONS: Final[Mapping[str, FinishReason]] = {
@@ -224,6 +227,7 @@ class AnthropicProvider:
             "anthropic-version": ANTHROPIC_VERSION,
             "content-type": "application/json",
             "accept": accept,
+            "accept-encoding": ACCEPT_ENCODING,
         }
         headers.update(self._extra_headers)
         return headers
@@ -259,7 +263,7 @@ class AnthropicProvider:
                 timeout=httpx.Timeout(self.timeout),
             ) as response:
                 await _raise_for_status(response, self.cleanup_grace)
-                return await _read_limited(response, self.max_response_bytes, grace=self.cleanup_grace)
+                return await read_body(response, self.max_response_bytes, grace=self.cleanup_grace, layer=_LAYER)
         except httpx.TimeoutException as exc:
             raise _request_timeout(exc) from exc
         except httpx.HTTPError as exc:
@@ -280,11 +284,11 @@ class AnthropicProvider:
                 "POST", self._url, content=body, headers=self._headers("text/event-stream"), timeout=timeout
             ) as response:
                 await _raise_for_status(response, self.cleanup_grace)
-                await _check_event_stream(response, self.cleanup_grace)
-                chunks = response.aiter_bytes()
+                await _check_event_stream(response, self.max_response_bytes, self.cleanup_grace)
+                body_reader = BodyReader(response)
                 what = "the Anthropic stream"
                 limit = self.max_response_bytes
-                reader = SSEReader(chunks, SSEParser(limit, what=what), what=what, max_total_bytes=limit)
+                reader = SSEReader(body_reader, SSEParser(limit, what=what), what=what, max_total_bytes=limit)
                 try:
                     final: list[StreamChunk] = []
                     while (event := await reader.next()) is not None:
@@ -302,7 +306,7 @@ class AnthropicProvider:
                         yield chunk
                 finally:
                     await release_response(
-                        response, chunks, grace=self.cleanup_grace, layer=_LAYER, finished=state.finished
+                        response, body_reader.raw, grace=self.cleanup_grace, layer=_LAYER, finished=state.finished
                     )
         except httpx.ReadTimeout as exc:
             raise ModelTimeoutError(
@@ -575,27 +579,6 @@ def _text(value: Any, default: str = "") -> str:
 # -- errors -----------------------------------------------------------------------------------
 
 
-async def _read_limited(response: httpx.Response, limit: int, *, grace: float, truncate: bool = False) -> bytes:
-    """The body, counting bytes as they arrive; over *limit*: truncated, or `MalformedResponseError`."""
-    declared = response.headers.get("content-length", "")
-    if not truncate and declared.isdigit() and int(declared) > limit:
-        raise MalformedResponseError(
-            f"the Anthropic response ({declared} bytes) exceeds max_response_bytes ({limit} bytes)"
-        )
-    buffer = bytearray()
-    body = response.aiter_bytes()
-    try:
-        async for data in body:
-            buffer += data
-            if len(buffer) > limit:
-                if truncate:
-                    return bytes(buffer[:limit])
-                raise MalformedResponseError(f"the Anthropic response exceeds max_response_bytes ({limit} bytes)")
-    finally:
-        await release_response(response, body, grace=grace, layer=_LAYER)
-    return bytes(buffer)
-
-
 def _error_details(body: bytes) -> tuple[str | None, str]:
     """(Anthropic error type, message) from an error body ``{"type": "error", "error": {...}}``."""
     text = body.decode("utf-8", "replace").strip()
@@ -615,7 +598,7 @@ async def _raise_for_status(response: httpx.Response, grace: float) -> None:
     status = response.status_code
     if 200 <= status < 300:
         return
-    kind, detail = _error_details(await _read_limited(response, _MAX_ERROR_BODY, grace=grace, truncate=True))
+    kind, detail = _error_details(await read_error_body(response, grace=grace, layer=_LAYER))
     message = f"Anthropic API error {status}" + (f" {kind}" if kind else "") + f": {detail}"
     request_id = response.headers.get("request-id")
     if request_id:
@@ -646,10 +629,10 @@ def _error_object(data: Mapping[str, Any], where: str) -> ProviderError:
     return cls(message, status=None)
 
 
-async def _check_event_stream(response: httpx.Response, grace: float) -> None:
+async def _check_event_stream(response: httpx.Response, limit: int, grace: float) -> None:
     content_type = response.headers.get("content-type", "").partition(";")[0].strip().lower()
     if content_type != "text/event-stream":
-        body = await _read_limited(response, _MAX_ERROR_BODY, grace=grace, truncate=True)
+        body = await read_body(response, limit, grace=grace, layer=_LAYER)
         raise _json_body_error(body, f"content-type {content_type or '(none)'!r}")
 
 

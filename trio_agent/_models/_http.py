@@ -1,5 +1,6 @@
 """What the HTTP providers share: base-URL validation, ``retry-after`` parsing, JSON loading of
-server data, a bounded server-sent-events parser and the bounded release of a response."""
+server data, bounded reading and decoding of a body, a bounded server-sent-events parser and the
+bounded release of a response."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import math
 import re
 import time
+import zlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -23,13 +25,18 @@ from .._errors import MalformedResponseError, ProviderConfigError
 from ._assemble import well_formed
 
 __all__ = [
+    "ACCEPT_ENCODING",
+    "ERROR_BODY_LIMIT",
     "MAX_TOKEN_COUNT",
+    "BodyReader",
     "SSEEvent",
     "SSEParser",
     "SSEReader",
     "checked_base_url",
     "json_body",
     "load_json",
+    "read_body",
+    "read_error_body",
     "release_response",
     "retry_after_seconds",
 ]
@@ -121,6 +128,135 @@ def load_json(data: str | bytes, *, what: str, status: int | None = None) -> Any
         problem = "nests arrays and objects too deeply to be parsed"
     start = data[:200].decode("utf-8", "replace") if isinstance(data, bytes) else data[:200]
     raise MalformedResponseError(f"{what} {problem}: {start!r}", status=status) from None
+
+
+# -- reading a body ---------------------------------------------------------------------------------
+
+ACCEPT_ENCODING = "gzip, deflate"
+"""The ``accept-encoding`` of every provider request: zlib's encodings, whose output can be bounded
+while it is decoded. httpx would advertise zstd (and br) as well when their packages are installed,
+and decodes each network read whole before a caller can count a byte: 16 KiB of zstd can be
+512 MiB of zeros, all allocated at once."""
+
+ERROR_BODY_LIMIT = 64 * 1024
+"""An error response's body is read up to this size, for its message; the rest is dropped."""
+
+_DECODE_STEP = 64 * 1024  # the most decoded bytes one read of a body returns
+_ZLIB_WBITS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+
+
+class BodyReader:
+    """A response's body, decoded, in reads of at most 64 KiB (``async for piece in reader``).
+
+    The raw bytes (`raw`: the httpx reader to give `release_response`) are decoded here, not by
+    httpx, so a compressed body never grows in memory faster than its reader counts it: each read
+    decodes at most `_DECODE_STEP` bytes and keeps the rest of the input for the next one.
+    Only ``gzip`` and ``deflate`` (`ACCEPT_ENCODING`) are decoded; a body in any other encoding
+    (or in two) is a `MalformedResponseError` at its first read, naming the encoding.
+    """
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.raw = response.aiter_raw()
+        encoding = response.headers.get("content-encoding", "")
+        codings = [coding for part in encoding.split(",") if (coding := part.strip().lower()) not in ("", "identity")]
+        self._problem: str | None = None
+        self._decoder: Any = None  # a zlib decompress object; None: the body is not encoded
+        self._deflate = codings == ["deflate"]
+        if len(codings) == 1 and codings[0] in _ZLIB_WBITS:
+            self._decoder = zlib.decompressobj(_ZLIB_WBITS[codings[0]])
+        elif codings:
+            self._problem = (
+                f"the response body is encoded as {encoding!r}; the provider asks for {ACCEPT_ENCODING} "
+                "only (whose output it can bound while decoding)"
+            )
+        self._input = b""  # raw bytes not decoded yet
+        self._drained = True  # False: the decoder may hold output the last read had no room for
+        self._ended = False
+
+    def __aiter__(self) -> BodyReader:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._problem is not None:
+            raise MalformedResponseError(self._problem)
+        if self._decoder is None:
+            data: bytes = await self.raw.__anext__()
+            return data
+        while not self._ended:
+            if not self._input and self._drained:
+                try:
+                    self._input = await self.raw.__anext__()
+                except StopAsyncIteration:
+                    self._ended = True
+                    if rest := self._decoder.flush():  # small: every read before left no room unused
+                        return bytes(rest)
+                    break
+            out = self._decode(self._input)
+            self._input = self._decoder.unconsumed_tail
+            self._drained = len(out) < _DECODE_STEP
+            if out:
+                return out
+        raise StopAsyncIteration
+
+    def _decode(self, data: bytes) -> bytes:
+        try:
+            out: bytes = self._decoder.decompress(data, _DECODE_STEP)
+        except zlib.error as exc:
+            if not self._deflate:
+                raise MalformedResponseError(f"the response body could not be decoded: {exc}") from exc
+            # "deflate" is often sent raw, without the zlib header (httpx's decoder accepts both).
+            self._deflate = False
+            self._decoder = zlib.decompressobj(-zlib.MAX_WBITS)
+            return self._decode(data)
+        self._deflate = False  # the first bytes decoded: the form is settled
+        return out
+
+
+async def read_body(response: httpx.Response, limit: int, *, grace: float, layer: str) -> bytes:
+    """The whole body, decoded and counted as it arrives (after the ``content-length`` check);
+    over *limit*: `MalformedResponseError`. The response is released either way."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise MalformedResponseError(
+            f"the response body ({declared} bytes) is larger than max_response_bytes={limit}",
+            status=response.status_code,
+        )
+    pieces: list[bytes] = []
+    size = 0
+    reader = BodyReader(response)
+    try:
+        async for piece in reader:
+            size += len(piece)
+            if size > limit:
+                raise MalformedResponseError(
+                    f"the response body is larger than max_response_bytes={limit}", status=response.status_code
+                )
+            pieces.append(piece)
+    finally:
+        await release_response(response, reader.raw, grace=grace, layer=layer)
+    return b"".join(pieces)
+
+
+async def read_error_body(response: httpx.Response, *, grace: float, layer: str) -> bytes:
+    """The start of an error response's body (up to `ERROR_BODY_LIMIT` bytes), for its message.
+
+    A body that cannot be read whole (cut, or not decodable) gives what had arrived: the status
+    alone decides the error, so a 401 stays an authentication error and a 429 keeps its
+    ``retry-after``, instead of turning into a retryable connection error."""
+    pieces: list[bytes] = []
+    size = 0
+    reader = BodyReader(response)
+    try:
+        async for piece in reader:
+            pieces.append(piece[: ERROR_BODY_LIMIT - size])
+            size += len(pieces[-1])
+            if size >= ERROR_BODY_LIMIT:
+                break
+    except (httpx.HTTPError, MalformedResponseError):
+        pass
+    finally:
+        await release_response(response, reader.raw, grace=grace, layer=layer)
+    return b"".join(pieces)
 
 
 # -- server-sent events -------------------------------------------------------------------------

@@ -43,12 +43,16 @@ from .._errors import (
 )
 from ._assemble import DeltaMender
 from ._http import (
+    ACCEPT_ENCODING,
     MAX_TOKEN_COUNT,
+    BodyReader,
     SSEParser,
     SSEReader,
     checked_base_url,
     json_body,
     load_json,
+    read_body,
+    read_error_body,
     release_response,
     retry_after_seconds,
 )
@@ -80,7 +84,6 @@ from ._service import ModelRequest
 __all__ = ["DEFAULT_OPENAI_BASE_URL", "OpenAIProvider"]
 
 DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
-_ERROR_BODY_LIMIT = 64 * 1024  # error bodies are read up to this size, the rest is dropped
 # After a finish_reason without usage, how long the stream waits for the usage report or `[DONE]`
 # (a server that ignores include_usage and holds the connection open costs this, not the idle timeout).
 _TRAILER_SECONDS = 1.0
@@ -223,6 +226,7 @@ class OpenAIProvider:
             "authorization": f"Bearer {self._api_key}",
             "content-type": "application/json",
             "accept": accept,
+            "accept-encoding": ACCEPT_ENCODING,
             **self._extra_headers,
         }
 
@@ -272,7 +276,7 @@ class OpenAIProvider:
             ) as response:
                 if not response.is_success:
                     raise await self._http_error(response)
-                body = await self._read_bounded(response)
+                body = await read_body(response, self.max_response_bytes, grace=self.cleanup_grace, layer=_LAYER)
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, streaming=False) from exc
         return _parse_completion(load_json(body, what="the chat completion", status=response.status_code), model)
@@ -299,16 +303,16 @@ class OpenAIProvider:
                     raise await self._http_error(response)
                 content_type = response.headers.get("content-type", "")
                 if "text/event-stream" not in content_type.lower():
-                    body = await self._read_bounded(response)
+                    body = await read_body(response, self.max_response_bytes, grace=self.cleanup_grace, layer=_LAYER)
                     _raise_for_body(body)
                     raise MalformedResponseError(
                         f"expected a text/event-stream response, got {content_type or 'no content-type'!r}; "
                         f"body starts {_preview(body)}",
                         status=response.status_code,
                     )
-                chunks = response.aiter_bytes()
+                body_reader = BodyReader(response)
                 what = "the chat completion stream"
-                reader = SSEReader(chunks, SSEParser(self.max_response_bytes, what=what), what=what)
+                reader = SSEReader(body_reader, SSEParser(self.max_response_bytes, what=what), what=what)
                 try:
                     while assembler.finish is None and not assembler.ended:
                         event = await reader.next()
@@ -340,52 +344,16 @@ class OpenAIProvider:
                         yield chunk
                 finally:
                     await release_response(
-                        response, chunks, grace=self.cleanup_grace, layer=_LAYER, finished=assembler.ended
+                        response, body_reader.raw, grace=self.cleanup_grace, layer=_LAYER, finished=assembler.ended
                     )
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, streaming=True) from exc
 
     # -- errors -------------------------------------------------------------------------
 
-    async def _read_bounded(self, response: httpx.Response) -> bytes:
-        limit = self.max_response_bytes
-        declared = response.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise MalformedResponseError(
-                f"the response body ({declared} bytes) is larger than max_response_bytes={limit}",
-                status=response.status_code,
-            )
-        pieces: list[bytes] = []
-        size = 0
-        body = response.aiter_bytes()
-        try:
-            async for piece in body:
-                size += len(piece)
-                if size > limit:
-                    raise MalformedResponseError(
-                        f"the response body is larger than max_response_bytes={limit}", status=response.status_code
-                    )
-                pieces.append(piece)
-        finally:
-            await release_response(response, body, grace=self.cleanup_grace, layer=_LAYER)
-        return b"".join(pieces)
-
     async def _http_error(self, response: httpx.Response) -> ProviderError:
         """The typed error for a non-2xx response (its body read up to a small bound)."""
-        pieces: list[bytes] = []
-        size = 0
-        reader = response.aiter_bytes()
-        try:
-            async for piece in reader:
-                pieces.append(piece[: _ERROR_BODY_LIMIT - size])
-                size += len(pieces[-1])
-                if size >= _ERROR_BODY_LIMIT:
-                    break
-        except httpx.HTTPError:
-            pass  # the status alone decides the error class
-        finally:
-            await release_response(response, reader, grace=self.cleanup_grace, layer=_LAYER)
-        body = b"".join(pieces)
+        body = await read_error_body(response, grace=self.cleanup_grace, layer=_LAYER)
         status = response.status_code
         message, kind = _error_details(body)
         text = f"HTTP {status} from {self._url}"
