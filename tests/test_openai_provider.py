@@ -1601,6 +1601,23 @@ async def test_an_unterminated_line_over_max_response_bytes_is_refused_while_it_
     assert peak < 16 * limit  # the bound plus a read or two, not the 16 MiB line
 
 
+async def test_a_whole_stream_over_max_response_bytes_is_refused() -> None:
+    """Each event small, the stream endless: only the per-event bound was checked, so a server that
+    never finished its reply grew it (and the consumer's copy) without bound. As for Anthropic,
+    max_response_bytes bounds the whole stream."""
+    limit = 8192
+    events = [chunk_event({"content": "x" * 50}) for _ in range(100)]  # about 25 KB, each event ~250 bytes
+    async with (
+        open_fake_server(queue_handler(Scripted.sse([*events, chunk_event({}, "stop"), DONE]))) as server,
+        provider_for(server, max_response_bytes=limit) as provider,
+    ):
+        chunks: list[StreamChunk] = []
+        with pytest.raises(MalformedResponseError, match=f"larger than max_response_bytes={limit} in total") as caught:
+            await collect(provider, request(), chunks)
+    assert not caught.value.retryable
+    assert 0 < len(chunks) < 40 and not any(isinstance(chunk, FinishChunk) for chunk in chunks)
+
+
 async def test_a_json_body_sent_as_an_event_stream_over_the_bound_is_refused() -> None:
     body = json.dumps({"error": {"message": "x" * 5000, "type": "server_error"}}).encode()
     scripted = Scripted(200, [("content-type", "text/event-stream")], [body[:100], body[100:]])

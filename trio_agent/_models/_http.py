@@ -410,7 +410,7 @@ class SSEReader:
     """Events from an httpx body iterator, one at a time (a plain object, not a generator, so
     nothing is left for a finaliser when the stream stops early).
 
-    ``max_total_bytes`` bounds the whole body as well (the Anthropic stream's documented bound).
+    ``max_total_bytes`` bounds the whole body as well (both providers pass their ``max_response_bytes``).
     """
 
     def __init__(
@@ -438,10 +438,14 @@ class SSEReader:
             except StopAsyncIteration:
                 self.eof = True
                 return None
+            # Parsed first (one read is small): a line or an event over the bound is named as such.
+            events = self._parser.feed(data)
             self._received += len(data)
             if self._max_total is not None and self._received > self._max_total:
-                raise MalformedResponseError(f"{self._what} exceeded max_response_bytes ({self._max_total} bytes)")
-            self._queue.extend(self._parser.feed(data))
+                raise MalformedResponseError(
+                    f"{self._what} is larger than max_response_bytes={self._max_total} in total"
+                )
+            self._queue.extend(events)
         return self._queue.popleft()
 
 

@@ -136,8 +136,8 @@ class OpenAIProvider:
             for ``chat``, waiting for the response (each phase on its own).
         stream_idle_timeout: seconds a stream may go without receiving a byte
             (the HTTP read timeout of streaming requests).
-        max_response_bytes: the largest non-streaming body, and the largest SSE event (or line)
-            of a stream, accepted.
+        max_response_bytes: the largest body accepted: a non-streaming body, a whole stream, and
+            so each SSE event (or line) of a stream.
         extra_headers: headers added to every request (e.g. OpenRouter's ``HTTP-Referer``).
         cleanup_grace: seconds closing a response may take (shielded) before it is abandoned
             with a WARNING on the ``trio_agent`` logger.
@@ -312,7 +312,10 @@ class OpenAIProvider:
                     )
                 body_reader = BodyReader(response)
                 what = "the chat completion stream"
-                reader = SSEReader(body_reader, SSEParser(self.max_response_bytes, what=what), what=what)
+                # The whole stream is bounded too: a server that never ends its reply must not grow
+                # the reply (kept by the consumer, and the tool calls here) without bound.
+                limit = self.max_response_bytes
+                reader = SSEReader(body_reader, SSEParser(limit, what=what), what=what, max_total_bytes=limit)
                 try:
                     while assembler.finish is None and not assembler.ended:
                         event = await reader.next()
