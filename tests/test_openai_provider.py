@@ -757,6 +757,41 @@ async def test_stream_interleaved_tool_calls_and_ends_at_done_without_usage() ->
     assert chunks[-1] == FinishChunk(FinishReason.TOOL_CALLS)
 
 
+def tool_delta(index: int, arguments: str, call_id: str | None = None, name: str | None = None) -> dict[str, Any]:
+    delta: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
+    if call_id is not None:
+        delta |= {"id": call_id, "type": "function"}
+        delta["function"]["name"] = name
+    return delta
+
+
+async def test_parallel_tool_calls_sent_with_one_reused_index_stay_apart() -> None:
+    """Ollama, LiteLLM and other gateways send every parallel call with index 0 and its own id:
+    they were merged into one call (the first name, both arguments joined)."""
+    events = [
+        chunk_event({"role": "assistant", "tool_calls": [tool_delta(0, '{"path": "a.py"}', "call_a", "write")]}),
+        chunk_event({"tool_calls": [tool_delta(0, '{"path"', "call_b", "delete")]}),
+        chunk_event({"tool_calls": [tool_delta(0, ': "b.py"}')]}),  # no id: continues the latest call
+        chunk_event({"tool_calls": [tool_delta(1, "{}", "call_c", "list")]}),  # wire index 1 is taken: moved on
+        chunk_event({"tool_calls": [tool_delta(1, "", "call_c", "list")]}),  # its own id repeated: the same call
+        chunk_event({}, "tool_calls"),
+        DONE,
+    ]
+    async with open_fake_server(queue_handler(Scripted.sse(events))) as server, provider_for(server) as provider:
+        chunks = await collect(provider, request())
+    assert [chunk for chunk in chunks if isinstance(chunk, ToolCallStart)] == [
+        ToolCallStart(0, "call_a", "write"),
+        ToolCallStart(1, "call_b", "delete"),
+        ToolCallStart(2, "call_c", "list"),
+    ]
+    assert [chunk for chunk in chunks if isinstance(chunk, ToolCallEnd)] == [
+        ToolCallEnd(0, "call_a", "write", '{"path": "a.py"}'),
+        ToolCallEnd(1, "call_b", "delete", '{"path": "b.py"}'),
+        ToolCallEnd(2, "call_c", "list", "{}"),
+    ]
+    assert chunks[-1] == FinishChunk(FinishReason.TOOL_CALLS)
+
+
 async def test_invalid_tool_arguments_pass_through_unchanged() -> None:
     broken = '{"city": Par'
     body = completion(

@@ -661,6 +661,9 @@ class _StreamAssembler:
         # index, kept as calls start (rebuilt on every delta, they made a stream quadratic).
         self.index_of_id: dict[str, int] = {}
         self.last_index = -1
+        # The call each wire index now stands for: a server that sends every call with index 0
+        # (Ollama, LiteLLM and other gateways) moves it to a fresh index for each new id.
+        self.index_of_wire: dict[int, int] = {}
         # A surrogate pair split across two events ("\ud83d" then "\ude00") is joined, per channel.
         self.text = DeltaMender()
         self.reasoning = DeltaMender()
@@ -742,19 +745,9 @@ class _StreamAssembler:
         where = f"choices[0].delta.tool_calls[{position}]"
         function = call.get("function")
         function = {} if function is None else _object(function, f"{where}.function")
-        index = call.get("index")
-        if index is None:
-            # Some compatible servers (Gemini) omit the index: a delta with a new id, or with an
-            # empty id and a name, starts a call; one with a known id continues it; others the last.
-            new_id = call.get("id")
-            if isinstance(new_id, str) and new_id in self.index_of_id:
-                index = self.index_of_id[new_id]
-            elif not self.calls or (isinstance(new_id, str) and (new_id or function.get("name"))):
-                index = len(self.calls)
-            else:
-                index = self.last_index
-        elif isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            _malformed(f"{where}.index must be a non-negative integer, got {index!r}")
+        index = self._call_index(call, function, where)
+        if isinstance(wire := call.get("index"), int):
+            self.index_of_wire[wire] = index  # id-less deltas with this index continue this call
         state = self.calls.get(index)
         if state is None:
             if self.calls_ended:
@@ -775,6 +768,28 @@ class _StreamAssembler:
         if piece and (piece := state.mender.mend(piece)):
             state.arguments.append(piece)
             out.append(ToolCallDelta(index, piece))
+
+    def _call_index(self, call: dict[str, Any], function: dict[str, Any], where: str) -> int:
+        """The index of the call a tool-call delta belongs to (a new index: it starts one)."""
+        call_id = call.get("id")
+        wire = call.get("index")
+        if wire is None:
+            # Some compatible servers (Gemini) omit the index: a delta with a new id, or with an
+            # empty id and a name, starts a call; one with a known id continues it; others the last.
+            if isinstance(call_id, str) and call_id in self.index_of_id:
+                return self.index_of_id[call_id]
+            if not self.calls or (isinstance(call_id, str) and (call_id or function.get("name"))):
+                return self.last_index + 1
+            return self.last_index
+        if isinstance(wire, bool) or not isinstance(wire, int) or wire < 0:
+            _malformed(f"{where}.index must be a non-negative integer, got {wire!r}")
+        index = self.index_of_wire.get(wire, wire)
+        state = self.calls.get(index)
+        if state is not None and isinstance(call_id, str) and call_id and call_id != state.id:
+            # A known index with another id: a new call (OpenAI sends the id only in a call's first
+            # delta; servers that repeat it repeat the same one). Reused indexes move to a fresh one.
+            return self.index_of_id.get(call_id, self.last_index + 1)
+        return index
 
     def _end_calls(self, out: list[StreamChunk]) -> None:
         if self.calls_ended:
