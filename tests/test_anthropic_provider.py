@@ -322,6 +322,46 @@ async def test_request_mapping_of_messages_tools_and_options() -> None:
     }
 
 
+async def test_blank_texts_and_empty_error_results_never_poison_the_conversation() -> None:
+    """Anthropic refuses (400) an empty or whitespace-only text block and an error tool_result
+    without content: such a message in the history failed every later request of the session."""
+    history: list[Message] = [
+        SystemMessage(" \n"),
+        UserMessage(" "),
+        AssistantMessage((TextPart("\n\n"),)),  # only blank text: the turn is dropped, the user turns merge
+        UserMessage("list files"),
+        AssistantMessage((TextPart("\n\n"), ToolCallPart("toolu_1", "ls", "{}"), ToolCallPart("toolu_2", "cat", "{}"))),
+        ToolResultMessage("toolu_1", "", is_error=True),  # a tool that failed without a message
+        ToolResultMessage("toolu_2", " \t"),
+        UserMessage("\t"),
+        AssistantMessage((TextPart("Done."),)),
+        UserMessage(""),  # the last turn blank: kept, or the request would end on the assistant
+    ]
+    async with serve(Scripted.json(JSON["text_reply"])) as (server, provider):
+        await provider.chat(request(history))
+    sent = server.requests[0].json()
+    assert "system" not in sent
+    assert sent["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "list files"}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {}},
+                {"type": "tool_use", "id": "toolu_2", "name": "cat", "input": {}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "(no content)", "is_error": True},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "content": "", "is_error": False},
+            ],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "Done."}]},
+        {"role": "user", "content": [{"type": "text", "text": "(no content)"}]},
+    ]
+
+
 @pytest.mark.parametrize(
     "arguments",
     [

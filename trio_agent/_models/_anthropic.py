@@ -394,32 +394,51 @@ def _convert_options(options: Mapping[str, Any], *, has_tools: bool) -> dict[str
     return out
 
 
+NO_CONTENT: Final = "(no content)"
+"""Sent where Anthropic requires text and the history has none: a user turn whose messages are all
+blank, and an error tool result without content."""
+
+
+def _blank(text: str) -> bool:
+    return not text or text.isspace()
+
+
 def convert_messages(messages: Sequence[Message]) -> tuple[list[str], list[dict[str, Any]]]:
-    """(system texts, Anthropic messages). Consecutive messages of one role become one turn."""
+    """(system texts, Anthropic messages). Consecutive messages of one role become one turn.
+
+    Anthropic refuses (HTTP 400) a text block that is empty or only whitespace, and an error
+    ``tool_result`` without content; one such message in the history would fail every later
+    request of the conversation. Blank texts are left out; a user turn left empty by that keeps
+    its place with `NO_CONTENT` (dropping it would end the request on an assistant turn, which
+    Anthropic continues as a prefill), and so does an error result's empty content. An assistant
+    turn left empty is dropped: the user turns around it merge, as the API merges them.
+    """
     system: list[str] = []
     turns: list[dict[str, Any]] = []
 
     def add(role: str, blocks: list[dict[str, Any]]) -> None:
-        if not blocks:
-            return
         if turns and turns[-1]["role"] == role:
             turns[-1]["content"].extend(blocks)
-        else:
+        elif blocks or role == "user":  # an emptied user turn keeps its place (filled below)
             turns.append({"role": role, "content": blocks})
 
     for message in messages:
         if isinstance(message, SystemMessage):
-            system.append(message.content)
+            if not _blank(message.content):
+                system.append(message.content)
         elif isinstance(message, UserMessage):
-            add("user", [{"type": "text", "text": message.content}])
+            add("user", [] if _blank(message.content) else [{"type": "text", "text": message.content}])
         elif isinstance(message, ToolResultMessage):
+            content = message.content
+            if _blank(content):
+                content = NO_CONTENT if message.is_error else ""
             add(
                 "user",
                 [
                     {
                         "type": "tool_result",
                         "tool_use_id": _wire_id(message.tool_call_id),
-                        "content": message.content,
+                        "content": content,
                         "is_error": message.is_error,
                     }
                 ],
@@ -428,6 +447,9 @@ def convert_messages(messages: Sequence[Message]) -> tuple[list[str], list[dict[
             add("assistant", [block for part in message.parts if (block := _assistant_block(part)) is not None])
         else:  # pragma: no cover - the Message union is closed
             raise TypeError(f"not a message: {message!r}")
+    for turn in turns:
+        if not turn["content"]:
+            turn["content"].append({"type": "text", "text": NO_CONTENT})
     return system, turns
 
 
@@ -439,7 +461,7 @@ def _assistant_block(part: ContentPart) -> dict[str, Any] | None:
             return {"type": "thinking", "thinking": part.text, "signature": part.signature}
         return None  # unsigned reasoning (another provider's): Anthropic would reject it
     if isinstance(part, TextPart):
-        return {"type": "text", "text": part.text} if part.text else None
+        return None if _blank(part.text) else {"type": "text", "text": part.text}
     return {"type": "tool_use", "id": _wire_id(part.id), "name": part.name, "input": _tool_input(part.arguments)}
 
 
