@@ -29,7 +29,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.fake_server import FakeServer, Gate, Scripted, encoded, gzip_bomb, open_fake_server, queue_handler
-from trio_agent import AuthenticationError, ConfigError, ModelTimeoutError, Provider, ProviderError, RateLimitError
+from trio_agent import (
+    AuthenticationError,
+    ConfigError,
+    ModelError,
+    ModelTimeoutError,
+    Provider,
+    ProviderError,
+    RateLimitError,
+)
 from trio_agent._cleanup import DEFAULT_CLEANUP_GRACE
 from trio_agent._models._anthropic import AnthropicProvider, retry_after_seconds
 from trio_agent._models._assemble import ReplyAssembler
@@ -1092,6 +1100,47 @@ def test_missing_api_key_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> 
         AnthropicProvider(MODEL)
     with pytest.raises(ProviderConfigError, match="ANTHROPIC_API_KEY"):
         AnthropicProvider(MODEL, api_key="")
+
+
+@pytest.mark.parametrize("api_key", [5, b"sk-bytes", ["sk"]])
+def test_an_api_key_that_is_no_string_is_a_config_error(api_key: Any) -> None:
+    for build in (
+        lambda: AnthropicProvider(MODEL, api_key=api_key),
+        lambda: create_provider("anthropic", MODEL, api_key=api_key),
+    ):
+        with pytest.raises(ProviderConfigError, match=f"api_key must be a string, got {type(api_key).__name__}"):
+            build()
+
+
+@pytest.mark.parametrize("option", ["stop", "stop_sequences"])
+@pytest.mark.parametrize("stop", [5, ["END", 5], {"END"}])
+async def test_a_stop_option_that_is_no_string_or_list_of_strings_is_named(option: str, stop: object) -> None:
+    """It raised a bare TypeError (a provider_failed error through the service)."""
+    async with serve() as (server, provider):
+        with pytest.raises(ModelError, match=f"{option!r} must be a string or a list of strings") as caught:
+            await provider.chat(request(options={option: stop}))
+        assert caught.value.code == "provider_bad_option"
+        with pytest.raises(ModelError, match=repr(option)):
+            await collect(provider, request(options={option: stop}, operation=Operation.STREAM))
+        with pytest.raises(ModelError, match=repr(option)) as through_service:
+            await ModelService(provider).chat([UserMessage("Hi")], options={option: stop})
+        assert through_service.value.code == "provider_bad_option"
+    assert server.requests == []
+
+
+async def test_a_call_after_the_provider_closed_is_a_typed_error() -> None:
+    """A call after the `async with` block (or on a with_model provider whose source closed) raised
+    httpx's bare RuntimeError; the OpenAI provider's typed error, code provider_not_open."""
+    async with serve() as (server, provider):
+        pass
+    derived = provider.with_model("claude-other")
+    for calling in (provider, derived):
+        with pytest.raises(ModelError, match="client is closed") as chat_error:
+            await calling.chat(request())
+        with pytest.raises(ModelError, match="client is closed") as stream_error:
+            await collect(calling, request(operation=Operation.STREAM))
+        assert chat_error.value.code == stream_error.value.code == "provider_not_open"
+    assert server.requests == []
 
 
 @pytest.mark.parametrize("url", ["not a url", "ftp://example.com", "http://", "example.com/v1", "http://h/?q=1"])

@@ -334,6 +334,27 @@ async def test_options_cannot_override_what_the_provider_sets(key: str) -> None:
     assert server.requests == []
 
 
+@pytest.mark.parametrize("stop", [5, ["END", 5], {"END"}, b"END"])
+async def test_a_stop_option_that_is_no_string_or_list_of_strings_is_named(stop: object) -> None:
+    async with open_fake_server(queue_handler()) as server, provider_for(server) as provider:
+        with pytest.raises(ModelError, match="'stop' must be a string or a list of strings") as caught:
+            await provider.chat(request(options={"stop": stop}, operation=Operation.CHAT))
+        assert caught.value.code == "provider_bad_option"
+        with pytest.raises(ModelError, match="'stop'"):
+            await collect(provider, request(options={"stop": stop}))
+    assert server.requests == []
+
+
+@pytest.mark.parametrize("api_key", [5, b"sk-bytes", ["sk"]])
+def test_an_api_key_that_is_no_string_is_a_config_error(api_key: Any) -> None:
+    for build in (
+        lambda: OpenAIProvider(MODEL, api_key=api_key),
+        lambda: create_provider("openai", MODEL, api_key=api_key),
+    ):
+        with pytest.raises(ProviderConfigError, match=f"api_key must be a string, got {type(api_key).__name__}"):
+            build()
+
+
 @pytest.mark.parametrize(
     ("wire", "reason"),
     [

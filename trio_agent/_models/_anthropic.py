@@ -52,6 +52,7 @@ from ._http import (
     SSEEvent,
     SSEParser,
     SSEReader,
+    checked_api_key,
     checked_base_url,
     json_body,
     load_json,
@@ -59,6 +60,7 @@ from ._http import (
     read_error_body,
     release_response,
     retry_after_seconds,
+    stop_sequences,
 )
 from ._messages import (
     AssistantMessage,
@@ -159,6 +161,7 @@ class AnthropicProvider:
     ) -> None:
         if not isinstance(model, str) or not model:
             raise ProviderConfigError(f"the Anthropic model must be a non-empty string, got {model!r}")
+        checked_api_key(api_key, provider="Anthropic")
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         if not key:
             raise ProviderConfigError(
@@ -198,6 +201,17 @@ class AnthropicProvider:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
+
+    def _open_client(self) -> httpx.AsyncClient:
+        """The HTTP client, or a typed error once it is closed (httpx would raise a bare RuntimeError)."""
+        if self._client.is_closed:
+            raise ModelError(
+                "AnthropicProvider's HTTP client is closed: use the provider inside its "
+                "`async with AnthropicProvider(...) as provider` block (a provider made by with_model "
+                "only while the one it came from is open), or pass an open client=httpx.AsyncClient(...)",
+                code="provider_not_open",
+            )
+        return self._client
 
     async def aclose(self) -> None:
         """Close the HTTP client if this provider created it; a given or shared client stays open."""
@@ -243,19 +257,20 @@ class AnthropicProvider:
 
     async def chat(self, request: ModelRequest) -> ModelResponse:
         """One non-streaming call; the whole call is bounded by ``timeout``."""
+        client = self._open_client()
         body = self._body(request, stream=False)
         raw: bytes | None = None
         with trio.move_on_after(self.timeout):
-            raw = await self._post(body)
+            raw = await self._post(client, body)
         if raw is None:
             raise ModelTimeoutError(
                 f"the Anthropic request exceeded its {self.timeout:g} s timeout", code="model_request_timeout"
             )
         return parse_message(load_json(raw, what="the Anthropic response"))
 
-    async def _post(self, body: bytes) -> bytes:
+    async def _post(self, client: httpx.AsyncClient, body: bytes) -> bytes:
         try:
-            async with self._client.stream(
+            async with client.stream(
                 "POST",
                 self._url,
                 content=body,
@@ -276,11 +291,12 @@ class AnthropicProvider:
     async def _stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
         # No nursery or cancel scope is held across a yield: `client.stream` is a plain
         # try/finally that closes the response when this generator is closed.
+        client = self._open_client()
         body = self._body(request, stream=True)
         state = _StreamState()
         timeout = httpx.Timeout(self.timeout, read=self.stream_idle_timeout)
         try:
-            async with self._client.stream(
+            async with client.stream(
                 "POST", self._url, content=body, headers=self._headers("text/event-stream"), timeout=timeout
             ) as response:
                 await _raise_for_status(response, self.cleanup_grace)
@@ -370,9 +386,10 @@ def _convert_options(options: Mapping[str, Any], *, has_tools: bool) -> dict[str
     for key in ("temperature", "top_p", "top_k", "metadata", "service_tier"):
         if options.get(key) is not None:
             out[key] = options[key]
-    stop = options.get("stop_sequences", options.get("stop"))
-    if stop is not None:
-        out["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+    for key in ("stop_sequences", "stop"):
+        if options.get(key) is not None:
+            out["stop_sequences"] = stop_sequences(options[key], option=key)
+            break
     thinking = options.get("thinking")
     if isinstance(thinking, bool):
         pass  # a bare flag carries no budget; give a dict or a budget in tokens

@@ -21,7 +21,7 @@ import httpx
 import trio
 
 from .._cleanup import bounded_shield
-from .._errors import MalformedResponseError, ProviderConfigError
+from .._errors import MalformedResponseError, ModelError, ProviderConfigError
 from ._assemble import well_formed
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "SSEEvent",
     "SSEParser",
     "SSEReader",
+    "checked_api_key",
     "checked_base_url",
     "json_body",
     "load_json",
@@ -39,6 +40,7 @@ __all__ = [
     "read_error_body",
     "release_response",
     "retry_after_seconds",
+    "stop_sequences",
 ]
 
 
@@ -65,6 +67,27 @@ def checked_base_url(base_url: object, *, provider: str, source: str, example: s
             f"invalid {source} {base_url!r} for the {provider} provider: {problem}; expected a URL such as {example!r}"
         )
     return str(url).rstrip("/")
+
+
+def checked_api_key(api_key: object, *, provider: str) -> None:
+    """A `ProviderConfigError` unless *api_key* is ``None`` (read from the environment) or a string
+    (its type is named, never its value: it may be a secret)."""
+    if api_key is not None and not isinstance(api_key, str):
+        raise ProviderConfigError(f"the {provider} provider's api_key must be a string, got {type(api_key).__name__}")
+
+
+def stop_sequences(value: object, *, option: str) -> list[str]:
+    """The request option *option* (``stop``, ``stop_sequences``) as a list of strings; it must be a
+    string or a list (or tuple) of strings, else a `ModelError` naming it fails the call before
+    anything is sent (the server would refuse it, or the body could not be built)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return list(value)
+    raise ModelError(
+        f"request option {option!r} must be a string or a list of strings, got {value!r:.200}",
+        code="provider_bad_option",
+    )
 
 
 def retry_after_seconds(headers: httpx.Headers) -> float | None:

@@ -48,6 +48,7 @@ from ._http import (
     BodyReader,
     SSEParser,
     SSEReader,
+    checked_api_key,
     checked_base_url,
     json_body,
     load_json,
@@ -55,6 +56,7 @@ from ._http import (
     read_error_body,
     release_response,
     retry_after_seconds,
+    stop_sequences,
 )
 from ._messages import (
     AssistantMessage,
@@ -160,6 +162,7 @@ class OpenAIProvider:
     ) -> None:
         if not isinstance(model, str) or not model:
             raise ProviderConfigError(f"the OpenAI model must be a non-empty string, got {model!r}")
+        checked_api_key(api_key, provider="OpenAI")
         if api_key is None:
             api_key = os.environ.get("OPENAI_API_KEY")
         if not api_key:
@@ -238,6 +241,8 @@ class OpenAIProvider:
                     f"request option {key!r} is set by the OpenAI provider and cannot be overridden",
                     code="provider_reserved_option",
                 )
+        if options.get("stop") is not None:
+            stop_sequences(options["stop"], option="stop")  # checked only: a string goes as a string
         stream_options = options.pop("stream_options", None)
         extra_body = options.pop("extra_body", None)
         body: dict[str, Any] = {**options, "model": request.model, "messages": _messages(request.messages)}
