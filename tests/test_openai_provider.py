@@ -1634,6 +1634,28 @@ async def test_junk_after_the_finish_reason_keeps_the_complete_answer() -> None:
     assert chunks == [TextDelta("x"), FinishChunk(FinishReason.STOP)]
 
 
+@pytest.mark.parametrize(
+    "error_event", [b"event: error\ndata: \n\n", b'data: {"error": {"message": "late", "type": "server_error"}}\n\n']
+)
+async def test_an_error_event_after_the_finish_reason_keeps_the_complete_answer(error_event: bytes) -> None:
+    """After the finish_reason only the usage report and [DONE] may come: an error event there
+    failed a complete, published answer (a StreamInterruptedError through the service), while an
+    unreadable event was ignored. It is ignored too; before the finish_reason it still fails."""
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    after = [chunk_event({"content": "x"}), chunk_event({}, "stop"), error_event, chunk_event({}, usage=usage), DONE]
+    before = [chunk_event({"content": "x"}), error_event, chunk_event({}, "stop"), DONE]
+    async with (
+        open_fake_server(queue_handler(Scripted.sse(after), Scripted.sse(after), Scripted.sse(before))) as server,
+        provider_for(server) as provider,
+    ):
+        chunks = await collect(provider, request())
+        async with ModelService(provider).stream(list(HELLO)) as through_service:
+            served = [chunk async for chunk in through_service]
+        with pytest.raises(ProviderError):
+            await collect(provider, request())
+    assert chunks == served == [TextDelta("x"), FinishChunk(FinishReason.STOP)]
+
+
 async def test_an_unterminated_line_over_max_response_bytes_is_refused_while_it_is_read() -> None:
     """16 MiB without a newline, with a 64 KiB bound: refused after about the bound, not buffered whole
     (the server then stalls forever: a provider that waited for the line's end would hang)."""

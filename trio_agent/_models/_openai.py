@@ -341,9 +341,11 @@ class OpenAIProvider:
                             try:
                                 while not assembler.ended and (event := await reader.next()) is not None:
                                     tail += assembler.feed(event.event, event.data)
-                            except (httpx.TransportError, MalformedResponseError):
-                                # The answer is complete: a broken connection or an unreadable event
-                                # after it changes nothing (the usage it might have carried is lost).
+                            except (httpx.TransportError, MalformedResponseError, ProviderError):
+                                # The answer is complete: the finish_reason ends the generation, and
+                                # after it the wire format has only the usage report and `[DONE]`. A
+                                # broken connection, an unreadable event or an error event there
+                                # changes nothing (the usage it might have carried is lost).
                                 pass
                     if not assembler.ended and assembler.finish is None:
                         raise ModelConnectionError("the chat completion stream ended before `data: [DONE]`")
