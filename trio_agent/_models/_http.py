@@ -183,8 +183,8 @@ class BodyReader:
         encoding = response.headers.get("content-encoding", "")
         codings = [coding for part in encoding.split(",") if (coding := part.strip().lower()) not in ("", "identity")]
         self._problem: str | None = None
-        self._decoder: Any = None  # a zlib decompress object; None: the body is not encoded
-        self._deflate = codings == ["deflate"]
+        self._decoder: zlib._Decompress | None = None  # None: the body is not encoded
+        self._deflate_form_open = codings == ["deflate"]  # with or without its zlib header: the first bytes tell
         if len(codings) == 1 and codings[0] in _ZLIB_WBITS:
             self._decoder = zlib.decompressobj(_ZLIB_WBITS[codings[0]])
         elif codings:
@@ -211,27 +211,27 @@ class BodyReader:
                     self._input = await self.raw.__anext__()
                 except StopAsyncIteration:
                     self._ended = True
-                    if rest := self._decoder.flush():  # small: every read before left no room unused
-                        return bytes(rest)
+                    if rest := self._decoder.flush():  # small: the last read left room unused
+                        return rest
                     break
-            out = self._decode(self._input)
+            out = self._decode(self._decoder, self._input)
             self._input = self._decoder.unconsumed_tail
             self._drained = len(out) < _DECODE_STEP
             if out:
                 return out
         raise StopAsyncIteration
 
-    def _decode(self, data: bytes) -> bytes:
+    def _decode(self, decoder: zlib._Decompress, data: bytes) -> bytes:
         try:
-            out: bytes = self._decoder.decompress(data, _DECODE_STEP)
+            out = decoder.decompress(data, _DECODE_STEP)
         except zlib.error as exc:
-            if not self._deflate:
+            if not self._deflate_form_open:
                 raise MalformedResponseError(f"the response body could not be decoded: {exc}") from exc
             # "deflate" is often sent raw, without the zlib header (httpx's decoder accepts both).
-            self._deflate = False
-            self._decoder = zlib.decompressobj(-zlib.MAX_WBITS)
-            return self._decode(data)
-        self._deflate = False  # the first bytes decoded: the form is settled
+            self._deflate_form_open = False
+            self._decoder = decoder = zlib.decompressobj(-zlib.MAX_WBITS)
+            return self._decode(decoder, data)
+        self._deflate_form_open = False  # the first bytes decoded: the form is settled
         return out
 
 
