@@ -605,6 +605,26 @@ async def test_1_3_after_tool_call_sees_a_cut_off_call_with_code_max_tokens_and_
     assert result.output == "the answer was cut off; ask again"
 
 
+@pytest.mark.parametrize("answer", ["raises", "junk"])
+async def test_1_3_an_after_tool_call_that_fails_on_a_cut_off_call_is_logged_not_the_runs_end(
+    answer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It failed the whole run with the hook's bare error; a post_tool stage that fails on a call's
+    # error result leaves that error, as here the cut-off.
+    def broken(ctx: RunContext, info: AfterToolCallInfo) -> object:
+        if answer == "raises":
+            raise RuntimeError("redaction service down")
+        return "junk"
+
+    lifecycle = middleware_lifecycle([define_chat_middleware(name="redact", on_after_tool_call=broken)])
+    cut_off = ToolResult.failure(ToolErrorType.VALIDATION, "cut off", code="max_tokens")
+    result = await lifecycle.on_cut_off_call(run_context(), ToolCallPart("c7", "echo", '{"q'), cut_off)
+    assert result == cut_off
+    assert [record.getMessage() for record in caplog.records if record.name == "trio_agent.lifecycle"] == [
+        "on_after_tool_call of 'redact' failed on cut-off call 'c7'"
+    ]
+
+
 # -- 2.5 on_should_continue, on_model_error ---------------------------------------------------------
 
 

@@ -988,13 +988,11 @@ async def test_a_lease_loss_a_tool_stage_or_middleware_raises_for_another_store_
     record = await call_tool(pipeline, "t", {}, call_id="c1")
     assert lease.kinds("c1")[-1] == "settled"
     assert list(pipeline.history) == [record]
-    if where == "post_tool stage":  # a post_tool stage that raises is a fault; the tool's result stands
-        assert record.status is SettlementStatus.COMPLETED
+    if where == "post_tool stage":  # a post_tool stage that raises is a fault too, and fails the call
         assert [fault.code for fault in record.faults] == [FaultCode.MIDDLEWARE_RAISED_AFTER_CORE]
-    else:
-        assert record.status is SettlementStatus.FAILED
-        assert record.result.error is not None and record.result.error.type is ToolErrorType.EXECUTION
-        assert "the lease of the store it drives was lost" in record.result.error.message
+    assert record.status is SettlementStatus.FAILED
+    assert record.result.error is not None and record.result.error.type is ToolErrorType.EXECUTION
+    assert "the lease of the store it drives was lost" in record.result.error.message
 
 
 @pytest.mark.parametrize("where", WHERE_A_LEASE_LOSS_IS_RAISED)
@@ -1801,15 +1799,32 @@ async def test_tool_timeout_wins_over_pipeline_timeout(autojump_clock: Any) -> N
     assert record.status is SettlementStatus.FAILED
 
 
-async def test_post_tool_stage_raising_keeps_the_result_and_reports_a_fault() -> None:
+@pytest.mark.parametrize("answer", ["raises", "junk"])
+async def test_a_post_tool_stage_that_fails_fails_the_call_closed_and_reports_a_fault(answer: str) -> None:
+    # It kept the tool's raw result: a redaction stage that crashed passed the secret on to the
+    # model, the stream and the journal, though stages fail closed.
     runs = Runs()
 
-    async def broken(request: StageRequest, result: ToolResult) -> ToolResult | None:
-        raise RuntimeError("post hook crashed")
+    async def broken(request: StageRequest, result: ToolResult) -> Any:
+        if answer == "raises":
+            raise RuntimeError("post hook crashed")
+        return "redacted, honest"
 
-    record = await call_tool(ToolPipeline([echo_tool(runs)], stages=ToolStages(post_tool=[broken])), "echo", {"q": "x"})
-    assert record.result == ToolResult.success(echo_output({"q": "x"}))
-    assert codes(record) == [FaultCode.MIDDLEWARE_RAISED_AFTER_CORE]
+    later: list[ToolResult] = []
+
+    async def after(request: StageRequest, result: ToolResult) -> None:
+        later.append(result)
+
+    stages = ToolStages(post_tool=[broken, after])
+    record = await call_tool(ToolPipeline([echo_tool(runs)], stages=stages), "echo", {"q": "secret"})
+    assert runs.inputs == [{"q": "secret"}]  # the tool ran
+    error = record.result.error
+    assert error is not None and (error.type, error.code) == (ToolErrorType.EXECUTION, "hook_error")
+    assert "broken" in error.message and "secret" not in str(record.result.output)
+    assert record.status is SettlementStatus.FAILED
+    assert later == [record.result]  # the stages after it see the failure, not the raw output
+    if answer == "raises":
+        assert codes(record) == [FaultCode.MIDDLEWARE_RAISED_AFTER_CORE]
 
 
 @pytest.mark.parametrize("stage", ["pre_tool", "permission", "before", "guard"])

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeAlias, TypeVar, cast
@@ -110,6 +111,8 @@ from ._decisions import (
     TransformArgs,
 )
 from ._routing import RoutedSubagentPersistence
+
+_log = logging.getLogger("trio_agent.lifecycle")
 
 __all__ = [
     "HOOK_NAMES",
@@ -561,8 +564,14 @@ class _PartHooks(_Part):
         )
 
     async def on_cut_off_call(self, ctx: RunContext, call: ToolCallPart, result: ToolResult) -> ToolResult:
+        # As a post_tool stage that fails on an error result (`tool_stages`): the call's error (the
+        # cut-off) stays, the failure is logged; it never fails the run.
         info = AfterToolCallInfo(call.name, call.id, call.arguments, result)
-        replaced = _after_result(await _call(self.hooks["on_after_tool_call"], ctx, info), result, self.name)
+        try:
+            replaced = _after_result(await _call(self.hooks["on_after_tool_call"], ctx, info), result, self.name)
+        except Exception:
+            _log.warning("on_after_tool_call of %r failed on cut-off call %r", self.name, call.id, exc_info=True)
+            return result
         return result if replaced is None else replaced
 
     async def on_tool_phase_complete(self, ctx: RunContext, outcomes: Sequence[ToolOutcome]) -> None:

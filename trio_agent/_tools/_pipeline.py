@@ -79,7 +79,7 @@ from ._journal import (
 )
 from ._results import Effect, JsonObject, ToolErrorType, ToolFailure, ToolResult, _unstorable, json_copy, result_problem
 from ._scheduler import FileLockManager, ToolScheduler
-from ._stages import Allow, Deny, Skip, StageRequest, ToolStages, _stage_name, decide
+from ._stages import Allow, Deny, Skip, StageRequest, ToolStages, _stage_name, decide, failed_stage_result
 
 __all__ = [
     "CallNext",
@@ -170,6 +170,17 @@ _NOT_RUN: Any = object()  # the tool's outcome before it ran
 
 _NO_HISTORY: deque[ToolExecutionRecord] = deque(maxlen=0)
 _NO_STAGES = ToolStages()  # immutable: every pipeline without stages shares it
+
+
+def _post_stage_failed(callback: object, problem: str, state: _Call, result: ToolResult) -> ToolResult:
+    """What a post_tool stage that failed leaves of *result*: a success becomes a ``hook_error``, its
+    output withheld; an error stays as it is (it says more than the stage's failure)."""
+    if not result.ok:
+        return result
+    name = state.tool.name
+    return failed_stage_result(
+        f"post_tool stage {_stage_name(callback)} {problem}; the output of {name!r} was withheld"
+    )
 
 
 def _has_pre(stages: ToolStages) -> bool:
@@ -972,22 +983,28 @@ class ToolPipeline:
     ) -> ToolResult:
         """*result* through the post_tool stages (an error result stays an error): the tool's own
         when it *ran* (then a lost lease is the call's fatal error and a replacement is the core's
-        result), else a skipped call's."""
+        result), else a skipped call's. A stage that raises or answers nonsense fails closed: a
+        success becomes its ``hook_error``, the output withheld (a redaction that failed never passes
+        the raw output on); an error result stays as it is."""
         for callback in state.stages.post_tool:
             request = StageRequest(state.tool, final_input, state.ctx, state.behavior if behavior is None else behavior)
             try:
                 replaced = await callback(request, result)
-            except LeaseLostError as exc:
-                if not self.lease_lost():  # another lease's (a store the stage drives): its failure
-                    state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {exc!r}")
-                    continue
-                if ran:
-                    state.fatal = exc
-                raise
             except Exception as exc:
+                if isinstance(exc, LeaseLostError) and self.lease_lost():
+                    if ran:
+                        state.fatal = exc
+                    raise
+                # Any other failure, a lost lease of a store the stage drives itself included.
                 state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {exc!r}")
+                replaced = _post_stage_failed(callback, f"failed: {exc!r}", state, result)
+            if replaced is None:
                 continue
-            if isinstance(replaced, ToolResult) and (replaced.error is not None or result.ok):
+            if not isinstance(replaced, ToolResult):
+                replaced = _post_stage_failed(
+                    callback, f"returned {replaced!r}, expected a ToolResult or None", state, result
+                )
+            if replaced.error is not None or result.ok:
                 if result_problem(replaced) is not None:
                     replaced = _unstorable(replaced, f"post_tool stage {_stage_name(callback)} returned")
                 result = replaced

@@ -10,8 +10,10 @@ The pipeline runs them in this order, all empty by default::
     ... slot, locks, tool_started, the tool ...
     post_tool   (pipe over the result; an error result stays an error)
 
-A stage callback that raises fails closed: the call ends with an error the
-model sees and the tool does not run.
+A stage callback that raises (or answers nonsense) fails closed: the call ends
+with a ``hook_error`` result the model sees. Before the tool, the tool does not
+run; after it (post_tool), its output is withheld, so a failed redaction never
+passes the raw result on.
 """
 
 from __future__ import annotations
@@ -146,6 +148,11 @@ async def decide(
         ToolErrorType.EXECUTION,
         "hook_error",
     )
+
+
+def failed_stage_result(problem: str) -> ToolResult:
+    """The result of a call one of whose stages failed (*problem* names it): a ``hook_error``."""
+    return Deny(problem, ToolErrorType.EXECUTION, "hook_error").to_result()
 
 
 def _stage_name(callback: object) -> str:
