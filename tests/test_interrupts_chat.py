@@ -539,6 +539,25 @@ async def test_a_signed_state_round_trips_through_json_and_a_tampered_one_is_ref
     assert wrote == [{"path": "a.txt", "text": "hi"}] and result.stop_reason is StopReason.END_TURN
 
 
+@pytest.mark.parametrize("key", [b"short", "a string of thirty-two characters", 5, b""], ids=repr)
+async def test_a_bad_signing_key_is_refused_before_anything_runs(key: Any) -> None:
+    # It was first checked when the run paused: the model had been called and earlier tools had
+    # run, and the paused state (the only way to go on) was lost to the ConfigError.
+    wrote: list[dict[str, Any]] = []
+    model = calls_then_echo(("write", {"path": "a.txt", "text": "hi"}))
+    with pytest.raises(ConfigError, match="signing_key must be bytes"):
+        await run_chat(model, "w", tools=[make_write(wrote)], permissions={"ask": ["write"]}, signing_key=key)
+    assert model.requests == [] and wrote == []
+
+
+async def test_create_app_refuses_a_bad_signing_key() -> None:
+    pytest.importorskip("starlette")
+    from trio_agent.web import create_app, local_only
+
+    with pytest.raises(ConfigError, match="signing_key must be bytes"):
+        create_app(TestModel(), auth=local_only, signing_key=b"short")
+
+
 @pytest.mark.parametrize(
     "payload",
     [{"state": {}}, [], "x", {"run_id": 1}],

@@ -55,6 +55,7 @@ from .._lifecycle._approvals import PermissionGate
 from .._lifecycle._capabilities import validate_capabilities
 from .._lifecycle._interrupts import (
     PausedRun,
+    check_signing_key,
     continuation_answers,
     pause_to_json,
     registered_interrupts,
@@ -525,7 +526,10 @@ class _Prepared:
         self.cleanup_grace = cleanup_grace
         self.service, self.middleware, self.hooks = service, middleware, hooks
         self.journal, self.history, self.resume, self.resumed = journal, history, resume, resumed
-        self.output_schema, self.validator, self.signing_key = output_schema, validator, options["signing_key"]
+        signing_key = options["signing_key"]
+        if signing_key is not None:
+            signing_key = check_signing_key(signing_key)  # here: a bad key found at the pause lost it
+        self.output_schema, self.validator, self.signing_key = output_schema, validator, signing_key
         self.conversation = _ListConversation(history)
         offered = tuple(map(_offered, tools)) + tuple(
             ToolSpec(tool.name, tool.description, dict(tool.input_schema)) for tool in client_tools.values()

@@ -55,6 +55,7 @@ __all__ = [
     "PausedRun",
     "answers_from_json",
     "answers_to_json",
+    "check_signing_key",
     "pause_from_json",
     "pause_to_json",
     "registered_interrupts",
@@ -155,11 +156,18 @@ def _signature_matches(signature: object, key: bytes, paused: PausedRun) -> bool
     return hmac.compare_digest(signature.encode("utf-8", "surrogatepass"), _digest(paused, key).encode())
 
 
-def _digest(paused: PausedRun, key: bytes) -> str:
+def check_signing_key(key: object) -> bytes:
+    """*key* as a signing key (bytes, at least 16 of them), else `ConfigError`: checked where it is
+    given, before anything runs, and again where a state is signed or verified."""
     if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
         raise ConfigError("signing_key must be bytes, at least 16 of them")
+    return bytes(key)
+
+
+def _digest(paused: PausedRun, key: bytes) -> str:
+    key = check_signing_key(key)
     body = _wire().unstructure(attrs.evolve(paused, signature=""))
-    return hmac.new(bytes(key), canonical_json(body).encode(), hashlib.sha256).hexdigest()
+    return hmac.new(key, canonical_json(body).encode(), hashlib.sha256).hexdigest()
 
 
 def pause_to_json(state: PauseState, *, with_messages: bool = True) -> dict[str, Any]:

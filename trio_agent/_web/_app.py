@@ -66,7 +66,7 @@ from .._config import short_repr, validate_id, validate_limit, validate_timeout
 from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
 from .._journal._sqlite import open_sqlite_store
 from .._journal._store import JournalStore
-from .._lifecycle._interrupts import PausedRun
+from .._lifecycle._interrupts import PausedRun, check_signing_key
 from .._loop._interrupts import ClientTool, InterruptResumeError, validate_answers
 from .._models._messages import UserMessage
 from .._session._spec import AgentSpec, define_agent
@@ -356,7 +356,7 @@ def create_app(
         max_body=validate_limit(max_body, name="max_body"),
         buffer=buffer,
         max_paused=validate_limit(max_paused, name="max_paused"),
-        signing_key=signing_key or secrets.token_bytes(32),
+        signing_key=secrets.token_bytes(32) if signing_key is None else check_signing_key(signing_key),
     )
 
     async def authorized(request: Request) -> bool:
