@@ -131,7 +131,7 @@ def _check_streaming(middleware: MiddlewareConfig | None, plugins: Sequence[Plug
             layers,
             runs=("wrap_stream",),
             why="a session streams every model turn, so it would never run; define wrap_stream "
-            "(an async generator that iterates next(request))",
+            "(an async generator that iterates call_next(request))",
         )
 
 
