@@ -29,6 +29,7 @@ from trio_agent.journal import (
     RequestAccepted,
     SessionClosed,
     SessionCloseReason,
+    SessionReopened,
     open_journal,
     open_sqlite_store,
     subscribe_durable_events,
@@ -147,6 +148,12 @@ async def test_resume_at_the_head_is_caught_up_at_once(store: JournalStore) -> N
         True,
         2.0,
         None,
+        JournalCursor(STREAM, True),
+        JournalCursor(STREAM, 1.0),  # type: ignore[arg-type]
+        f"{STREAM}@" + "9" * 5000,  # past int()'s digit limit: a bare ValueError before
+        f"{STREAM}@" + "1" * 20,  # more digits than any seq has
+        f"{STREAM}@\u0661",  # an Arabic-Indic 1: int() reads it, a cursor never holds it
+        f"{STREAM}@1\n",
     ],
 )
 async def test_bad_cursors_raise_cursor_error(store: JournalStore, after: Any) -> None:
@@ -162,10 +169,17 @@ async def test_bad_cursors_raise_cursor_error(store: JournalStore, after: Any) -
                 pytest.fail("a bad cursor must be refused")
 
 
-async def test_a_bad_page_size_raises_cursor_error(store: JournalStore) -> None:
-    with pytest.raises(CursorError):
-        async with subscribe_durable_events(store, STREAM, page_size=0):
-            pytest.fail("page_size must be >= 1")
+@pytest.mark.parametrize("page_size", [0, 1.5, "x", True])
+async def test_a_bad_page_size_raises_cursor_error(store: JournalStore, page_size: Any) -> None:
+    with pytest.raises(CursorError, match="page_size"):
+        async with subscribe_durable_events(store, STREAM, page_size=page_size):
+            pytest.fail("page_size must be an int >= 1")
+
+
+def test_a_cursor_with_a_long_seq_is_refused_with_a_short_message() -> None:
+    with pytest.raises(CursorError, match="not a journal cursor") as caught:
+        JournalCursor.parse("root@" + "9" * 5000)
+    assert len(str(caught.value)) < 400
 
 
 async def test_iteration_ends_after_a_replayed_session_closed(store: JournalStore) -> None:
@@ -405,6 +419,74 @@ async def test_resuming_after_session_closed_ends(autojump_clock: trio.testing.M
         async with subscribe_durable_events(store, STREAM, after=JournalCursor(STREAM, 2)) as sub:
             items = [item async for item in sub]
     assert items == [CaughtUp(JournalCursor(STREAM, 2))]
+
+
+async def _two_lives(store: JournalStore) -> int:
+    """Life 1 (created, r1, closed: seqs 1-3), then life 2 opened (reopened, r2: seqs 4-5) and
+    left open by not closing its stream; returns the seq of life 1's ``session_closed``."""
+    async with open_journal(store, session_id=SID) as journal:
+        await journal.append(accepted("r1"))
+        await journal.append(SessionClosed(session_id=SID, reason=SessionCloseReason.COMPLETED))
+    return 3
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 256])  # the close last on a page, mid-page, all in one page
+@pytest.mark.parametrize("start", ["beginning", "at the first close"])
+async def test_a_subscription_goes_on_past_the_session_closed_of_an_earlier_life(
+    store: JournalStore, page_size: int, start: str
+) -> None:
+    first_close = await _two_lives(store)
+    after = 0 if start == "beginning" else JournalCursor(STREAM, first_close)
+    got: list[Item] = []
+    caught_up = trio.Event()
+    ended = trio.Event()
+
+    async def subscriber() -> None:
+        async with subscribe_durable_events(store, STREAM, after=after, page_size=page_size) as sub:
+            async for item in sub:
+                got.append(item)
+                if isinstance(item, CaughtUp):
+                    caught_up.set()
+        ended.set()
+
+    async with open_journal(store, session_id=SID) as journal:
+        await journal.append(SessionReopened(session_id=SID, life=2))
+        await journal.append(accepted("r2"))
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(subscriber)
+                await caught_up.wait()  # at life 2's head: the replay went on past life 1's close
+                await trio.testing.wait_all_tasks_blocked()
+                assert not ended.is_set()  # waiting for live events, the stream is open again
+                await journal.append(accepted("live"))  # life 2's live event
+                await journal.append(SessionClosed(session_id=SID, reason=SessionCloseReason.COMPLETED))
+    assert ended.is_set()
+    first = 1 if start == "beginning" else first_close + 1
+    assert seqs(got) == list(range(first, 8))
+    markers = [index for index, item in enumerate(got) if isinstance(item, CaughtUp)]
+    assert markers == [5 - first + 1] and got[markers[0]] == CaughtUp(JournalCursor(STREAM, 5))
+    last = got[-1]
+    assert isinstance(last, DurableEvent) and isinstance(last.envelope.event, SessionClosed)
+
+
+async def test_a_subscription_that_ended_at_the_last_close_resumes_into_the_next_life(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The close was the stream's last event when the subscriber read past it, so it ended there;
+    # a reopen after that is followed by subscribing again from its cursor.
+    store = MemoryStore(clock=trio.current_time)
+    await _two_lives(store)
+    with trio.fail_after(60):  # mock time: fails at once instead of hanging
+        async with subscribe_durable_events(store, STREAM) as sub:
+            items = [item async for item in sub]
+    assert seqs(items) == [1, 2, 3]
+    last = items[-1]
+    assert isinstance(last, DurableEvent)
+    async with open_journal(store, session_id=SID) as journal:
+        await journal.append(SessionReopened(session_id=SID, life=2))
+        with trio.fail_after(60):
+            async with subscribe_durable_events(store, STREAM, after=str(last.cursor)) as sub:
+                assert seqs(await until_caught_up(sub)) == [4]
 
 
 class ClosingStore:

@@ -19,7 +19,7 @@ import trio
 
 from .._errors import CursorError, JournalCorruptError, JournalError
 from ._events import EventEnvelope, SessionClosed
-from ._store import JournalStore
+from ._store import JournalStore, check_id
 
 __all__ = [
     "CaughtUp",
@@ -31,7 +31,9 @@ __all__ = [
     "subscribe_durable_events",
 ]
 
-_CURSOR = re.compile(r"^(?P<stream>.+)@(?P<seq>\d+)$")
+# ASCII digits only (``\d`` takes others, which int() reads), at most 19 (a seq is a 64-bit
+# integer; more is no seq, and many more trip int()'s digit limit with a bare ValueError).
+_CURSOR = re.compile(r"(?P<stream>.+)@(?P<seq>[0-9]{1,19})", re.ASCII)
 
 
 @attrs.frozen
@@ -50,9 +52,10 @@ class JournalCursor:
 
     @classmethod
     def parse(cls, text: str) -> JournalCursor:
-        match = _CURSOR.match(text) if isinstance(text, str) else None
+        match = _CURSOR.fullmatch(text) if isinstance(text, str) else None
         if match is None:
-            raise CursorError(f"not a journal cursor: {text!r} (expected '<stream_id>@<seq>')")
+            shown = text if not isinstance(text, str) or len(text) <= 200 else f"{text[:200]}..."
+            raise CursorError(f"not a journal cursor: {shown!r} (expected '<stream_id>@<seq>', seq 1-19 ASCII digits)")
         return cls(match["stream"], int(match["seq"]))
 
 
@@ -82,6 +85,7 @@ class DurableEventStream:
     ) -> None:
         self._store = store
         self.stream_id = stream_id
+        self._opened_at = after
         self._seq = after  # the last event delivered
         self._read_to = after  # the last event read (delivered or in the buffer)
         self._page_size = page_size
@@ -89,6 +93,8 @@ class DurableEventStream:
         self._buffer: deque[EventEnvelope] = deque()
         self._caught_up = False
         self._ended = False
+        # The event at the cursor is a `session_closed`: the stream ends there if nothing follows
+        # it (a reopened session goes on after it with `session_reopened`).
         self._closed_at_cursor = False
         # `SubscriptionsClose`: whether the journal's close read everything committed into the
         # buffer, or the error that stopped it. Only a stream handed its rest may end at a failed read.
@@ -107,9 +113,7 @@ class DurableEventStream:
             if self._buffer:
                 envelope = self._buffer.popleft()
                 self._seq = envelope.seq
-                if isinstance(envelope.event, SessionClosed):
-                    self._ended = True
-                    self._buffer.clear()
+                self._closed_at_cursor = isinstance(envelope.event, SessionClosed)
                 return DurableEvent(envelope)
             if self._ended:
                 raise StopAsyncIteration
@@ -131,11 +135,16 @@ class DurableEventStream:
                 continue
             if self._take(rows):
                 continue
+            # Nothing follows what was delivered. A `session_closed` ends the stream only here, as
+            # its last event: one of an earlier life is followed by the next life's events.
+            if self._closed_at_cursor and self._seq != self._opened_at:
+                self._ended = True  # it delivered the session's close: that is its last item
+                raise StopAsyncIteration
             if not self._caught_up:
                 self._caught_up = True
                 return CaughtUp(self.cursor)
             if self._closed_at_cursor:
-                self._ended = True  # resumed after session_closed: nothing can follow
+                self._ended = True  # resumed after the last session_closed: CaughtUp, then the end
                 raise StopAsyncIteration
             if closed_before:
                 self._ended = True
@@ -262,8 +271,11 @@ async def subscribe_durable_events(
     ``after`` is a `JournalCursor` (or its string form) of this stream, or a
     sequence number; 0 replays from the start. A cursor of another stream, a
     negative one, or one past the stream's head raises `CursorError`. The
-    iteration ends after the stream's ``session_closed`` event, or when
-    ``closed`` is set and everything committed was delivered.
+    iteration ends after the stream's ``session_closed`` event when nothing follows
+    it (a reopened session's stream goes on after an earlier life's close), or when
+    ``closed`` is set and everything committed was delivered. A session reopened
+    after the subscriber read past its last close is followed by subscribing again
+    from that cursor.
     """
     yield await _open_stream(store, stream_id, after, page_size, closed)
 
@@ -289,20 +301,24 @@ async def _open_stream(
     page_size: int,
     closed: trio.Event | None,
 ) -> DurableEventStream:
+    check_id(stream_id, "stream id")
     if isinstance(after, str):
         after = JournalCursor.parse(after)
     if isinstance(after, JournalCursor):
         if after.stream_id != stream_id:
             raise CursorError(f"cursor {after} is from stream {after.stream_id!r}, not {stream_id!r}")
         seq = after.seq
-    elif isinstance(after, int) and not isinstance(after, bool):
-        seq = after
     else:
-        raise CursorError(f"after must be a JournalCursor, its string or an int, not {type(after).__name__}")
+        seq = after
+    # Exactly an int: a bool is no position, and a float fails later with a bare TypeError.
+    if type(seq) is not int:
+        raise CursorError(
+            f"after must be a JournalCursor with an int seq, its string or an int, not {type(seq).__name__}"
+        )
     if seq < 0:
         raise CursorError(f"cursor sequence must be >= 0, not {seq}")
-    if page_size < 1:
-        raise CursorError(f"page_size must be >= 1, not {page_size}")
+    if type(page_size) is not int or page_size < 1:
+        raise CursorError(f"page_size must be an int >= 1, not {page_size!r}")
     head = await store.head(stream_id)
     if seq > head:
         raise CursorError(f"cursor {stream_id}@{seq} is past the head of the stream ({head}): stale or foreign")
