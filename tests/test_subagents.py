@@ -456,6 +456,42 @@ async def test_cancel_resume_and_kill() -> None:
     assert [e.subagent_id for e in root_events if isinstance(e, SubagentCompleted)] == [handle.id]
 
 
+async def test_cancel_right_after_start_or_resume_stops_the_work_before_it_runs() -> None:
+    # Its status reads running at once, before its task took the work up: cancel() reaches it then.
+    model = TestModel({"first": [Reply("first answer")], "second": [Reply("second answer")]}, default=Reply("third"))
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        handle = await session.start_subagent("helper", "first")
+        assert status(handle) is SubagentStatus.RUNNING
+        handle.cancel()
+        assert await handle.wait() is None
+        assert status(handle) is SubagentStatus.IDLE
+        handle.resume("second")
+        assert status(handle) is SubagentStatus.RUNNING
+        handle.cancel()
+        assert await handle.wait() is None
+        assert status(handle) is SubagentStatus.IDLE
+        assert requests_of(model, handle.id) == [], "cancelled work never reaches the model"
+        assert not any(isinstance(e, RequestCompleted) for e in await stream_events(session, handle.id))
+        handle.resume("third")  # still resumable
+        assert await handle.wait() == "third"
+        root_events = await stream_events(session)
+    assert not any(isinstance(e, SubagentCancelled) for e in root_events)
+    assert [e.subagent_id for e in root_events if isinstance(e, SubagentCompleted)] == [handle.id]
+
+
+async def test_a_subagent_killed_before_its_work_ran_is_recorded_cancelled_not_killed() -> None:
+    # `killed` is the reason for a subagent killed while idle; this one's status read running.
+    model = TestModel(default=Reply("never"))
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        handle = await session.start_subagent("helper", "work")
+        handle.kill()
+        await handle.wait()
+        assert status(handle) is SubagentStatus.CANCELLED
+        root_events = await stream_events(session)
+    cancelled = [(e.subagent_id, e.reason) for e in root_events if isinstance(e, SubagentCancelled)]
+    assert cancelled == [(handle.id, "cancelled")]
+
+
 async def test_resume_after_cancel_sends_a_history_where_every_tool_call_is_answered() -> None:
     gate = trio.Event()
     model = TestModel({"first": [Reply(tool_calls=[("wait_gate", {})]), Reply(text="resumed answer")]})

@@ -203,10 +203,12 @@ class SubagentHandle:
         self.result: str | None = None
         self.error: str | None = None
         self._finished = trio.Event()
+        # The scope of the work queued or running now: made with its prompt (`_arm`), so a
+        # cancel() reaches work its task has not taken up yet, whose status reads running already.
         self._work_scope: trio.CancelScope | None = None
         self._request: _Request | None = None  # the work running now
         self._killed = False
-        self._prompts: list[str] = []
+        self._prompts: list[tuple[str, trio.CancelScope]] = []
         self._wake = trio.Event()
         self._recorded = False  # its final outcome is on the parent's stream
         self._task_done = trio.Event()  # its task in the session's nursery ended
@@ -241,10 +243,15 @@ class SubagentHandle:
             raise SessionClosedError(f"subagent {self.id} was killed")
         if self.status is SubagentStatus.RUNNING or not self._finished.is_set():
             raise SessionBusyError(f"subagent {self.id} is still running (or still recording its outcome)")
-        self._prompts.append(prompt)
+        self._arm(prompt)
         self._finished = trio.Event()
         self.status = SubagentStatus.RUNNING
         self._wake.set()
+
+    def _arm(self, prompt: str) -> None:
+        """Queue *prompt* as the next work, with the cancel scope it will run in."""
+        scope = self._work_scope = trio.CancelScope()
+        self._prompts.append((prompt, scope))
 
 
 # ---------------------------------------------------------------- the supervisor
@@ -419,7 +426,7 @@ class SubagentSupervisor:
             if host.closing:
                 raise SessionClosedError("the session closed while the subagent was starting")
             handle = SubagentHandle(agent, parent_id, request_id, call_id=call_id)
-            handle._prompts.append(prompt)
+            handle._arm(prompt)
             # No await from here: the task's own `finally` records its outcome from now on.
             self.nursery.start_soon(self._background_main, handle)
             self.subagents[agent.agent_id] = handle
@@ -450,11 +457,10 @@ class SubagentSupervisor:
                     handle._wake = trio.Event()
                     await handle._wake.wait()
                     continue
-                prompt = handle._prompts.pop(0)
+                prompt, scope = handle._prompts.pop(0)
                 request = _Request(prompt, discard, agent)
                 routed = self._routed(agent, request, handle.parent_request_id, handle.call_id, background=True)
                 handle.error = None
-                scope = handle._work_scope = trio.CancelScope()
                 handle._request = request
 
                 def cancel_reason(scope: trio.CancelScope = scope) -> RequestInterruptReason:
@@ -468,6 +474,8 @@ class SubagentSupervisor:
                 try:
                     with scope:
                         try:
+                            # Cancelled before it was taken up: it ends here, nothing written for it.
+                            await trio.lowlevel.checkpoint_if_cancelled()
                             await routed.start(request)
                             await accept_on(host.journal, agent.agent_id, request)
                             await host.run_request(request)
@@ -484,6 +492,9 @@ class SubagentSupervisor:
                     raise
                 await self._end_work(handle, request, routed, cancelled=scope.cancelled_caught)
         finally:
+            # Killed with work it had not taken up yet (its status read running): cancelled, as a
+            # kill while it runs is; `killed` is for a subagent that was idle.
+            had_work = handle.status is SubagentStatus.RUNNING
             if handle.status in (SubagentStatus.RUNNING, SubagentStatus.IDLE):
                 handle.status = SubagentStatus.CANCELLED  # its task ends: nothing can resume it
             if not handle._recorded:
@@ -494,7 +505,9 @@ class SubagentSupervisor:
                         SubagentCancelled(
                             request_id=handle.parent_request_id,
                             subagent_id=handle.id,
-                            reason="session closed" if self._session_ends() else "killed",
+                            reason="session closed"
+                            if self._session_ends()
+                            else (SubagentStatus.CANCELLED.value if had_work else "killed"),
                         ),
                     )
             handle._finished.set()
