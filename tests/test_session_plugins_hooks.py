@@ -1101,6 +1101,33 @@ async def test_subagent_start_abort_has_code_hook_abort() -> None:
     assert result_event.result.error is not None and result_event.result.error.code == "hook_abort"
 
 
+async def test_subagent_start_hooks_run_before_a_start_between_requests_is_journalled() -> None:
+    # Between requests the start takes a short request of its own on the root's stream: it is
+    # opened only once the hooks let the subagent start, and never holds the prompt they replaced.
+    async def redact(inp: HookInput) -> HookOutput:
+        if "SECRET" in (inp.prompt or ""):
+            return HookOutput.modify("[redacted]")
+        return HookOutput.skip("not allowed")
+
+    store = MemoryStore()
+    model = TestModel(default=Reply(text="child answer"))
+    async with open_session(
+        provider=model, journal=store, subagents=[helper_definition()], hooks={HookEvent.SUBAGENT_START: [redact]}
+    ) as session:
+        with pytest.raises(HookAbortedError):
+            await session.start_subagent("helper", "please refuse me")
+        assert not any(isinstance(e, RequestAccepted) for e in await stream_events(session)), "a refusal writes nothing"
+        handle = await session.start_subagent("helper", "token SECRET=hunter2")
+        assert await handle.wait() == "child answer"
+        root = await stream_events(session)
+        child = await stream_events(session, handle.id)
+    [holder] = [e for e in root if isinstance(e, RequestAccepted)]
+    assert holder.input == {"start_subagent": "helper", "subagent_id": handle.id}
+    assert [e.input for e in child if isinstance(e, RequestAccepted)] == [{"prompt": "[redacted]"}]
+    assert "hunter2" not in repr(root) + repr(child)
+    assert user_texts(model.requests[0]) == ["[redacted]"]
+
+
 # ======================================================================== SessionStart / SessionEnd
 
 

@@ -27,15 +27,18 @@ from trio_agent import (
     SideEffect,
     SubagentDefinition,
     ToolKind,
+    TrioAgentError,
     define_tool,
     open_session,
 )
 from trio_agent.journal import (
     MemoryStore,
     RequestAccepted,
+    RequestFailed,
     RequestInterrupted,
     RequestInterruptReason,
     SessionClosed,
+    SessionCreated,
     SubagentCancelled,
     SubagentCompleted,
     SubagentStarted,
@@ -131,6 +134,50 @@ async def test_a_background_start_cancelled_after_subagent_started_records_its_e
             assert len(of_type(journal, SubagentStarted)) == 1
             assert unsettled_requests(journal) == []
             assert await session.send("hello") == "fine"
+
+
+@pytest.mark.parametrize("how", ["leave the block", "close"])
+async def test_the_close_waits_for_a_start_between_requests_and_tells_it_the_session_closed(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    # The start's holder request is open on the root's stream while the subagent's stream is made
+    # (held here). A close meanwhile waits for the start to end its holder request (failed: the
+    # session closed), then closes every stream: nothing is left to recovery.
+    model = TestModel(default=Reply(text="fine"))
+    outcome: list[str] = []
+    async with trio.open_nursery() as nursery:
+        store = HoldingStore(MemoryStore(), nursery)
+        async with (
+            trio.open_nursery() as starters,
+            open_session(provider=model, journal=store, subagents=[HELPER]) as session,
+        ):
+            await session.send("hello")  # the root's stream is written
+
+            async def start() -> None:
+                try:
+                    await session.start_subagent("helper", "job")
+                except TrioAgentError as exc:
+                    outcome.append(type(exc).__name__)
+
+            store.when = lambda event: isinstance(event, SessionCreated)  # the subagent's stream
+            starters.start_soon(start)
+            await store.submitted.wait()
+
+            async def release_soon() -> None:
+                await trio.sleep(1)
+                store.release.set()
+
+            starters.start_soon(release_soon)
+            if how == "close":
+                await session.close()
+    assert outcome == ["SessionClosedError"]
+    for agent_id in session.journal.agents:
+        journal = await events_of(store, session.journal.stream_id(agent_id))
+        assert unsettled_requests(journal) == []
+        assert isinstance(journal[-1], SessionClosed), agent_id
+    root = await events_of(store, session.journal.stream_id())
+    assert len(of_type(root, RequestFailed)) == 1
+    assert set(outcomes_of_subagents(root).values()) <= {1}
 
 
 async def test_an_abort_while_a_foreground_subagent_starts_records_its_end(

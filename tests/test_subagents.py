@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from tests.session_helpers import results, run_request, stream_events, user_texts
 from trio_agent import (
     DoneEvent,
+    HookEvent,
+    HookInput,
     ModelError,
     ModelMiddleware,
     RequestAbortedError,
@@ -38,12 +40,14 @@ from trio_agent import (
     ToolResult,
     ToolResultEvent,
     ToolUseEvent,
+    TrioAgentError,
     UnknownSubagentError,
     define_tool,
     open_session,
 )
 from trio_agent._journal._events import (
     ModelAttemptStarted,
+    RequestAccepted,
     RequestCompleted,
     RequestFailed,
     RequestInterrupted,
@@ -383,6 +387,43 @@ async def test_start_subagent_while_a_request_is_accepted_starts_under_it_withou
             first = [e.request_id for e in root_events if isinstance(e, RequestCompleted)][1]
             assert start.request_id == first
         writer.cancel_scope.cancel()
+
+
+async def test_start_subagent_between_requests_that_meets_the_close_raises_session_closed_error() -> None:
+    # One start holds the request slot (its SubagentStart hook waits), a second waits for the slot,
+    # and the session closes meanwhile: both are told the session closed, nothing is left open and
+    # the root's stream ends with its session_closed.
+    gate = trio.Event()
+
+    async def hook(inp: HookInput) -> None:
+        await gate.wait()
+
+    outcomes: list[str] = []
+
+    async def start(prompt: str) -> None:
+        try:
+            await session.start_subagent("helper", prompt)
+        except TrioAgentError as exc:
+            outcomes.append(type(exc).__name__)
+        else:
+            outcomes.append("started")
+
+    model = TestModel(default=Reply("never"))
+    async with (
+        open_session(provider=model, subagents=[HELPER], hooks={HookEvent.SUBAGENT_START: [hook]}) as session,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(start, "first")
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(start, "second")
+        await trio.testing.wait_all_tasks_blocked()
+        await session.close()
+        gate.set()
+    assert outcomes == ["SessionClosedError", "SessionClosedError"]
+    root = await stream_events(session)
+    assert not any(isinstance(e, RequestAccepted) for e in root)
+    assert isinstance(root[-1], SessionClosed)
+    assert model.requests == []
 
 
 async def test_a_background_task_survives_the_request_that_started_it() -> None:

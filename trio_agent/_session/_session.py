@@ -59,7 +59,7 @@ from ._hooks import HookEvent
 from ._host import SessionHost
 from ._messages import PausedReply, SessionEvent
 from ._recovery import begin_life, rebuild_history
-from ._requests import Priority, RequestQueue, _Request
+from ._requests import Priority, RequestQueue, _Agent, _Request
 from ._stream import EventForward, EventSink, SessionEventStream, discard, tee
 from ._subagents import SubagentDefinition, SubagentHandle, SubagentSupervisor
 
@@ -81,6 +81,8 @@ class Session:
         "_nursery",
         "_queue",
         "_started",
+        "_starting",
+        "_starts_settled",
         "_supervisor",
         "cleanup_grace",
         "close_timeout",
@@ -116,6 +118,10 @@ class Session:
         self._closed = False
         self._closing = False  # a close runs (in some task)
         self._close_done: trio.Event | None = None  # made by a second close that waits for the first
+        # Subagent starts between requests whose holder request is (being) written: the close
+        # waits for them, or it would find that request open and leave the stream to recovery.
+        self._starting = 0
+        self._starts_settled: trio.Event | None = None  # made when the close waits for them
 
     # -- what it holds
 
@@ -438,6 +444,24 @@ class Session:
         )
 
     async def _start_between_requests(self, name: str, prompt: str, parent: str) -> SubagentHandle:
+        self._check_open()  # again: the session may have closed while this waited for the slot
+        supervisor = self._supervisor
+        # The SubagentStart hooks run before anything is journalled: a refusal writes nothing, and
+        # a prompt they replace (redact) is never stored in its original form. The holder request
+        # records only which subagent it started; its prompt is on the subagent's own stream.
+        agent, prompt = await supervisor.prepare_background(name, prompt, parent)
+        self._check_open()  # the hooks may have run into the close
+        self._starting += 1
+        try:
+            return await self._run_holder(agent, prompt, name, parent)
+        finally:
+            self._starting -= 1
+            settled = self._starts_settled
+            if not self._starting and settled is not None:
+                settled.set()
+
+    async def _run_holder(self, agent: _Agent, prompt: str, name: str, parent: str) -> SubagentHandle:
+        """The holder request of a start between requests, from its acceptance to its end."""
         holder = _Request(f"start subagent {name}", discard, self._host.root)
         try:
             # From the moment this append is submitted the holder request is open in the
@@ -446,12 +470,12 @@ class Session:
                 RequestAccepted(
                     request_id=holder.request_id,
                     command_id=holder.request_id,
-                    input={"start_subagent": name, "prompt": prompt},
+                    input={"start_subagent": name, "subagent_id": agent.agent_id},
                 ),
                 RequestStarted(request_id=holder.request_id),
                 agent_id=parent,
             )
-            handle = await self._supervisor.spawn_background(name, prompt, parent, holder.request_id, call_id=None)
+            handle = await self._supervisor.launch_background(agent, prompt, parent, holder.request_id, call_id=None)
             await self.journal.append(RequestCompleted(request_id=holder.request_id), agent_id=parent)
             return handle
         except BaseException as exc:
@@ -463,7 +487,19 @@ class Session:
                 terminal = RequestFailed(request_id=holder.request_id, error=ErrorInfo.of(exc))
             with self._host.cleanup_scope("recording an interrupted subagent start"):
                 await record_request_end(self.journal, parent, holder.request_id, terminal)
+            if self._refused_by_the_close(exc, parent):
+                raise SessionClosedError("the session closed while the subagent was starting") from exc
             raise
+
+    def _refused_by_the_close(self, exc: BaseException, agent_id: str) -> bool:
+        """Whether *exc* is the journal refusing a write because the session closed meanwhile: its
+        stream took its ``session_closed``, or its journal closed. The caller is told the session
+        closed, as one that came a moment later is."""
+        if not self._host.closing or not isinstance(exc, JournalError):
+            return False
+        if isinstance(exc, InvalidTransitionError):
+            return self.journal.projection(agent_id).session_state is not SessionState.OPEN
+        return type(exc) is JournalError and self.journal.closed
 
     async def run_foreground_subagent(self, name: str, prompt: str, ctx: ToolContext, sink: EventSink) -> str:
         """Run subagent *name* inside the calling tool's execution (what the ``task`` tool does)."""
@@ -561,6 +597,7 @@ class Session:
         journal = self.journal
         return (
             not queue.settled()
+            or self._starting > 0
             or bool(self._supervisor.subagents)
             or (self._started and self._host.hooks.has_hooks(HookEvent.SESSION_END))
             # Only the class itself is trusted to say so: a subclass may add awaits.
@@ -579,6 +616,9 @@ class Session:
             await queue.abort_request(current, AbortReason.SESSION_CLOSE, "the session is closing")
         # The worker rejects what is still queued; requests accepted meanwhile record themselves.
         await queue.drain()
+        while self._starting:  # a start between requests ends its holder request (the close failed it)
+            settled = self._starts_settled = trio.Event()
+            await settled.wait()
         await self._supervisor.close()
         if self._started:  # SessionEnd pairs with a SessionStart that ran
             with contextlib.suppress(TrioAgentError):

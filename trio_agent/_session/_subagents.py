@@ -411,11 +411,24 @@ class SubagentSupervisor:
     async def spawn_background(
         self, name: str, prompt: str, parent_id: str, request_id: str, *, call_id: str | None
     ) -> SubagentHandle:
-        host = self.host
-        if host.closing:
+        agent, prompt = await self.prepare_background(name, prompt, parent_id)
+        return await self.launch_background(agent, prompt, parent_id, request_id, call_id=call_id)
+
+    async def prepare_background(self, name: str, prompt: str, parent_id: str) -> tuple[_Agent, str]:
+        """The subagent's agent and its prompt as the SubagentStart hooks leave it (a refusal
+        raises). Nothing is journalled yet: `launch_background` starts it."""
+        if self.host.closing:
             raise SessionClosedError("the session is closed")
         agent = self._make_agent(self.definition(name), parent_id)
-        prompt = await self._subagent_start(agent, prompt)
+        return agent, await self._subagent_start(agent, prompt)
+
+    async def launch_background(
+        self, agent: _Agent, prompt: str, parent_id: str, request_id: str, *, call_id: str | None
+    ) -> SubagentHandle:
+        """Record the start of a prepared subagent under *request_id* and run it in the session's nursery."""
+        host = self.host
+        if host.closing:  # the hooks may have run into the close
+            raise SessionClosedError("the session is closed")
         await host.journal.open_agent(agent.agent_id, parent_agent_id=parent_id)
         try:
             # Once submitted, subagent_started is in the projection: every way out must end it.
