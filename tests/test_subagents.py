@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from tests.session_helpers import results, run_request, stream_events, user_texts
 from trio_agent import (
+    ConfigError,
     DoneEvent,
     HookEvent,
     HookInput,
@@ -424,6 +425,40 @@ async def test_start_subagent_between_requests_that_meets_the_close_raises_sessi
     assert not any(isinstance(e, RequestAccepted) for e in root)
     assert isinstance(root[-1], SessionClosed)
     assert model.requests == []
+
+
+@pytest.mark.parametrize("bad", [123, None, "", "   "])
+async def test_a_bad_prompt_is_refused_before_anything_is_written(bad: Any) -> None:
+    # As send() does: a prompt is a non-empty string, never its str() sent to the model and journalled.
+    model = TestModel(default=Reply("ok"))
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        with pytest.raises(ConfigError, match="prompt"):
+            await session.start_subagent("helper", bad)
+        assert children(session) == [] and model.requests == []
+        assert not any(isinstance(e, RequestAccepted) for e in await stream_events(session))
+        handle = await session.start_subagent("helper", "job")
+        assert await handle.wait() == "ok"
+        with pytest.raises(ConfigError, match="prompt"):
+            handle.resume(bad)
+        assert status(handle) is SubagentStatus.COMPLETED
+        handle.resume("more")  # the refused resume changed nothing
+        assert await handle.wait() == "ok"
+        accepted = [e.input for e in await stream_events(session, handle.id) if isinstance(e, RequestAccepted)]
+    assert accepted == [{"prompt": "job"}, {"prompt": "more"}]
+    assert [user_texts(request)[-1] for request in model.requests] == ["job", "more"]
+
+
+@pytest.mark.parametrize("background", [False, True])
+async def test_a_blank_task_prompt_is_a_validation_error_for_the_model(background: bool) -> None:
+    model = TestModel(
+        {"go": [Reply(tool_calls=[task("   ", background=background)]), Reply(text="parent ok")]},
+        default=Reply(text="the child must not run"),
+    )
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        assert await session.send("go") == "parent ok"
+        assert children(session) == []
+    [message] = results(model.requests[-1])
+    assert message.is_error and "blank" in message.content
 
 
 async def test_a_background_task_survives_the_request_that_started_it() -> None:

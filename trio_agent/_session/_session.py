@@ -394,6 +394,7 @@ class Session:
         between requests, under a short request of its own. Under another agent than the
         root (``parent_agent_id``), only while that agent runs a request.
         """
+        self._queue.check_message(prompt, None)  # as send(): a non-empty string, before anything is written
         self._check_open()
         supervisor = self._supervisor
         supervisor.definition(name)  # unknown names fail before anything is written

@@ -63,7 +63,7 @@ from ._endings import record_request_end
 from ._hooks import HookAbortedError, HookAction, HookEvent
 from ._host import SessionHost
 from ._messages import DoneEvent, SessionEvent, SubagentEvent, SubagentStatus
-from ._requests import _Agent, _Request, accept_on
+from ._requests import RequestQueue, _Agent, _Request, accept_on
 from ._stream import EventSink, discard
 
 __all__ = [
@@ -239,6 +239,7 @@ class SubagentHandle:
 
     def resume(self, prompt: str) -> None:
         """Give an idle (cancelled or finished) subagent more work."""
+        RequestQueue.check_message(prompt, None)  # as send(): a non-empty string
         if self._killed:
             raise SessionClosedError(f"subagent {self.id} was killed")
         if self.status is SubagentStatus.RUNNING or not self._finished.is_set():

@@ -82,6 +82,10 @@ class TaskTools:
                 return ToolResult.failure(
                     ToolErrorType.VALIDATION, f"unknown subagent {name!r} (defined: {known})", code="unknown_subagent"
                 )
+            if not input["prompt"].strip():  # the schema's minLength lets a blank one through; send() refuses it
+                return ToolResult.failure(
+                    ToolErrorType.VALIDATION, "the subagent's prompt must not be blank", code="invalid_input"
+                )
             try:
                 if input.get("background"):
                     handle = await supervisor.spawn_background(
