@@ -207,6 +207,32 @@ async def test_model_override_and_max_turns() -> None:
     assert len(log) == 2
 
 
+@pytest.mark.parametrize("background", [False, True])
+async def test_the_parent_is_told_that_a_subagent_stopped_at_its_turn_limit(background: bool) -> None:
+    # An answer cut off by max_turns is often empty: never reported as if the subagent finished.
+    definition = SubagentDefinition("helper", "h", "You help.", max_turns=1)
+    model = TestModel(
+        {
+            "go": [Reply(tool_calls=[task("sub", background=background)]), Reply(text="ok"), Reply(text="fine")],
+            "sub": [Reply(tool_calls=[("read", {})]), Reply(text="never")],
+        }
+    )
+    async with open_session(provider=model, tools=[make_tool("read")], subagents=[definition]) as session:
+        await session.send("go")
+        if background:
+            [handle] = session.subagents.values()
+            assert await handle.wait() == ""  # its answer itself is unchanged
+            await session.send("next")  # the note joins the root's next turn (this one's, or a later)
+    if background:
+        [told] = {text for request in requests_of(model, "root") for text in user_texts(request) if "helper-1" in text}
+        assert told.startswith("[background subagent helper-1 (helper) completed]")
+    else:
+        [result] = results(requests_of(model, "root")[-1])
+        assert not result.is_error
+        told = result.content
+    assert "[subagent helper-1 stopped before it finished: it reached its turn limit (1)]" in told
+
+
 # ======================================================================== foreground
 
 

@@ -57,6 +57,7 @@ from .._journal._events import (
 from .._journal._projection import RequestState
 from .._lifecycle._routing import RoutedSubagentPersistence, SubagentRunInfo, SubagentRunResult
 from .._loop._events import RunEvent
+from .._loop._rules import StopReason
 from .._models._history import answer_orphan_calls
 from .._tools._context import ToolContext
 from ._endings import record_request_end
@@ -87,6 +88,18 @@ def numbered_agent_id(agent_id: str) -> tuple[str, int] | None:
     if name and digits.isascii() and digits.isdigit():
         return name, int(digits)
     return None
+
+
+def told_parent(request: _Request) -> str:
+    """What the parent's model is told of a subagent's completed work: its answer, and why it
+    stopped when it did not finish (its turn limit, say), never an empty answer that reads as done."""
+    reason = request.stop_reason
+    if reason is StopReason.END_TURN:
+        return request.text
+    agent = request.agent
+    why = f"it reached its turn limit ({agent.max_turns})" if reason is StopReason.MAX_TURNS else reason.value
+    note = f"[subagent {agent.agent_id} stopped before it finished: {why}]"
+    return f"{request.text}\n\n{note}" if request.text else note
 
 
 def _optional_names(value: Sequence[str] | None) -> tuple[str, ...] | None:
@@ -573,14 +586,14 @@ class SubagentSupervisor:
                 handle.result = request.text
         with host.cleanup_scope("storing a subagent run's end"):
             await routed.end(request, handle.status)
-        await self._report(handle)
+        await self._report(handle, told_parent(request))
         handle._finished.set()
 
-    async def _report(self, handle: SubagentHandle) -> None:
+    async def _report(self, handle: SubagentHandle, answer: str) -> None:
         """Tell the parent (its next turn) and record the first final outcome on its stream."""
         status = handle.status
         closed = status is SubagentStatus.CANCELLED and self._session_ends()
-        summary = handle.result if status is SubagentStatus.COMPLETED else (handle.error or status.value)
+        summary = answer if status is SubagentStatus.COMPLETED else (handle.error or status.value)
         with self.host.cleanup_scope("recording a subagent's outcome"):
             if not handle._recorded and status in (
                 SubagentStatus.COMPLETED,
@@ -676,7 +689,7 @@ class SubagentSupervisor:
                 request.finish()  # it never ran: its stream channels end, nothing waits for it
         if request.error is not None:
             raise request.error
-        return request.text
+        return told_parent(request)
 
     def _cancelled_by_parent(self) -> RequestInterruptReason:
         # A foreground child is cancelled with its parent's tool call: the parent's abort or deadline,
