@@ -574,3 +574,14 @@ async def test_damage_met_by_the_close_is_raised_never_taken_for_the_end(store: 
                 if isinstance(item, DurableEvent):
                     delivered.append(item.envelope.seq)
         assert delivered == [1, 2]
+
+
+@pytest.mark.parametrize("agent_id", ["", "../x", "a/b", "x\x00"], ids=repr)
+async def test_a_subscription_to_an_agent_id_no_stream_can_have_is_refused(agent_id: str) -> None:
+    # "../x" was a subscription to a stream no agent can ever have: it waited for ever; "" was
+    # taken for the root's.
+    from trio_agent import ConfigError
+
+    async with open_journal(MemoryStore(), session_id=SID) as journal:
+        with pytest.raises(ConfigError, match="agent_id"):
+            journal.subscribe_durable_events(agent_id=agent_id)

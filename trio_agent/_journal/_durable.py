@@ -46,6 +46,7 @@ import attrs
 import trio
 
 from .._cleanup import bounded_shield
+from .._config import validate_id
 from .._errors import (
     CommandConflictError,
     ConfigError,
@@ -171,12 +172,15 @@ _DEFAULT = _Default()
 
 
 def _checked_agent_id(agent_id: object) -> str | None:
-    """An agent id as the journal's methods take it: a string, or ``None`` for the root (the
-    id rules of a stream are checked on the stream id it makes). Anything else is a `ConfigError`,
-    never a stream named after its ``repr`` (``5`` would come back as ``"5"`` after a reopen)."""
-    if agent_id is not None and not isinstance(agent_id, str):
+    """An agent id as the journal's methods take it: an id (`validate_id`, as stored ids were made),
+    or ``None`` for the root. Anything else is a `ConfigError`: never a stream named after its
+    ``repr`` (``5`` would come back as ``"5"`` after a reopen), never one no agent can have
+    (``"../x"``: a subscription to it would wait for ever)."""
+    if agent_id is None:
+        return None
+    if not isinstance(agent_id, str):
         raise ConfigError(f"agent_id must be a string (or None for the root), not {agent_id!r}")
-    return agent_id
+    return validate_id(agent_id, name="agent_id", stored=True)
 
 
 def _checked_name(value: object, what: str) -> str:
