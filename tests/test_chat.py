@@ -10,8 +10,9 @@ import trio
 import trio.testing
 from cancel_helpers import cancelled_of_its_own
 
-from trio_agent import ConfigError, ModelError, SideEffect, ToolKind, define_tool
+from trio_agent import ConfigError, ModelError, RequestAbortedError, SideEffect, ToolKind, define_tool
 from trio_agent._chat._chat import StructuredOutputError, chat
+from trio_agent._groups import unwrap_for_boundary
 from trio_agent._lifecycle._middleware import ChatMiddleware, define_chat_middleware
 from trio_agent._loop._events import (
     RunError,
@@ -598,3 +599,100 @@ async def test_every_call_of_a_turn_is_answered_when_a_call_ends_without_a_resul
     assert len(answers) == 2
     assert all(m.is_error for m in answers)
     assert answers[0].content == ORPHAN_ANSWER
+
+
+# -- the block's boundary: one exception out, as a Trio nursery and the awaited form give it -------------
+
+
+@define_tool(name="slow", description="slow", input_schema=OBJECT, side_effect=SideEffect.PURE, kind=ToolKind.READONLY)
+async def slow_tool(input: dict[str, Any], ctx: Any) -> str:
+    await trio.sleep(60)
+    return "done"
+
+
+async def test_the_blocks_own_error_goes_on_beside_a_cancellation_from_outside(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The scope around the block cancels the run as the body raises (no checkpoint between): the
+    # run's Cancelled belongs to that scope, the body's ValueError must go on (it was swallowed).
+    model = TestModel(default=[Reply(tool_calls=[("slow", {})]), Reply(text="done")])
+    with pytest.raises(ValueError, match="the body's own") as raised, trio.CancelScope() as scope:
+        async with chat(model, "go", tools=[slow_tool]) as run:
+            async for event in run:
+                if isinstance(event, ToolCallEnd):
+                    scope.cancel()
+                    raise ValueError("the body's own error") from KeyError("its cause")
+    assert isinstance(raised.value.__cause__, KeyError)  # raised as it was, its cause kept
+
+
+class Fanout(ChatMiddleware):
+    """A hook that runs two checks side by side, both failing: the run fails with their group."""
+
+    async def on_start(self, ctx: Any) -> None:
+        async def check(n: int) -> None:
+            raise LookupError(f"check {n} failed")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(check, 1)
+            nursery.start_soon(check, 2)
+
+
+async def test_a_runs_exception_group_is_raised_alike_by_both_forms() -> None:
+    with pytest.raises(ExceptionGroup) as awaited:
+        await chat(TestModel(default=Reply(text="x")), "hi", middleware=[Fanout()])
+    with pytest.raises(ExceptionGroup) as streamed:
+        async with chat(TestModel(default=Reply(text="x")), "hi", middleware=[Fanout()]) as run:
+            await run.result()
+    # The run's group itself, never wrapped in one more nursery group by the block.
+    for caught in (awaited, streamed):
+        assert sorted(map(str, caught.value.exceptions)) == ["check 1 failed", "check 2 failed"]
+
+
+async def test_unwrap_for_boundary_keeps_the_errors_beside_cancelled_leaves() -> None:
+    cancelled = await cancelled_of_its_own()
+    mine = ValueError("mine")
+    assert unwrap_for_boundary(BaseExceptionGroup("n", [cancelled, mine])) is mine
+    only = unwrap_for_boundary(BaseExceptionGroup("n", [cancelled, BaseExceptionGroup("m", [cancelled])]))
+    assert only is cancelled  # nothing but cancellations: one Cancelled
+    two = [KeyError("a"), KeyError("b")]
+    rest = unwrap_for_boundary(BaseExceptionGroup("n", [cancelled, *two]))
+    assert isinstance(rest, ExceptionGroup) and list(rest.exceptions) == two  # the Cancelled dropped
+    inner = ExceptionGroup("inner", two)
+    assert unwrap_for_boundary(ExceptionGroup("nursery", [inner])) is inner  # a task's group, as it is
+    typed = ConfigError("typed")
+    assert unwrap_for_boundary(BaseExceptionGroup("n", [cancelled, mine, typed])) is typed  # typed still wins
+
+
+# -- run.result() of a run that ended without one ---------------------------------------------------------
+
+
+@define_tool(name="stubborn", description="finishes its work", input_schema=OBJECT, side_effect=SideEffect.PURE,
+             kind=ToolKind.READONLY)  # fmt: skip
+async def stubborn(input: dict[str, Any], ctx: Any) -> str:
+    with trio.CancelScope(shield=True):  # a clean-up that takes a while
+        await trio.sleep(60)
+    return "ok"
+
+
+async def test_the_result_of_a_run_left_early_that_overran_cleanup_grace_is_request_aborted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    model = TestModel(default=[Reply(tool_calls=[("stubborn", {})]), Reply(text="done")])
+    async with chat(model, "go", tools=[stubborn], cleanup_grace=1) as run:
+        async for event in run:
+            if isinstance(event, ToolCallEnd):
+                break
+    with pytest.raises(RequestAbortedError, match="cancelled before it ended") as raised:
+        await run.result()
+    assert raised.value.reason == "user_abort"
+
+
+async def test_the_result_of_a_run_cancelled_around_its_block_is_request_aborted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.move_on_after(5) as scope:
+        async with chat(TestModel(default=Reply(text="late", latency=60)), "hi") as run:
+            await trio.sleep_forever()
+    assert scope.cancelled_caught
+    with pytest.raises(RequestAbortedError, match="cancelled before it ended"):
+        await run.result()

@@ -8,9 +8,11 @@ Rules (one place, used by the pipeline, the agent loop and the session):
    group is re-raised unchanged (Trio's cancel scopes need the ``Cancelled`` leaves).
 2. When a group holds a typed error (`TrioAgentError`) beside ``Cancelled``, the
    typed error wins: lease loss first, then journal errors, then the rest.
-3. Public boundaries (``send``, ``stream``, ``open_session``, ``start_subagent``)
-   never raise groups: a group made only of ``Cancelled`` leaves becomes one leaf
-   ``Cancelled``; a group with a typed error becomes that error.
+3. Public boundaries (``send``, ``stream``, ``open_session``, ``start_subagent``,
+   ``chat``) never raise groups of their own: a group made only of ``Cancelled``
+   leaves becomes one leaf ``Cancelled``; a group with a typed error becomes that
+   error; beside other errors the ``Cancelled`` leaves are dropped (as a Trio cancel
+   scope drops its own) and those errors go on: one as itself, several as a group.
 4. Work the library runs side by side that a caller sees as one step (a turn's tool
    calls, with their hooks) fails as the same work run alone would: a group of
    foreign errors (no typed error, no cancellation) becomes its first leaf, the
@@ -33,6 +35,7 @@ __all__ = [
     "is_cancellation",
     "leaves",
     "raise_alone",
+    "raise_for_boundary",
     "typed_error",
     "unwrap_for_boundary",
 ]
@@ -91,23 +94,62 @@ def cancelled_around(scope: trio.CancelScope) -> bool:
 def unwrap_for_boundary(exc: BaseException) -> BaseException:
     """Rule 3: the one exception a public boundary raises for *exc*.
 
-    A non-group comes back as it is. A group becomes its winning typed error,
-    else (holding ``Cancelled``) its first ``Cancelled`` leaf, else its single
-    leaf when it has one; a group of several foreign errors is returned unchanged
-    (it is the caller's own, and flattening it would lose information).
+    A non-group comes back as it is. A group becomes its winning typed error; else, made only of
+    ``Cancelled`` leaves, its first one. Otherwise its ``Cancelled`` leaves are dropped, as Trio
+    does: they belong to the scope that cancelled, which delivers the cancellation again at the
+    next checkpoint, while the other errors (a block body's own, a task's) must go on. What is
+    left becomes its single leaf when it has one; several foreign errors stay a group (the
+    caller's own: flattening it would lose information), the child itself when a nursery's
+    group wraps a single group (a task that raised a group of its own).
     """
     if not isinstance(exc, BaseExceptionGroup):
         return exc
     typed = typed_error(exc)
     if typed is not None:
         return typed
-    all_leaves = list(leaves(exc))
-    for leaf in all_leaves:
-        if isinstance(leaf, trio.Cancelled):
-            return leaf
+    rest = _without_cancelled(exc)
+    if rest is None:
+        return next(leaf for leaf in leaves(exc) if isinstance(leaf, trio.Cancelled))
+    if not isinstance(rest, BaseExceptionGroup):
+        return rest
+    all_leaves = list(leaves(rest))
     if len(all_leaves) == 1:
         return all_leaves[0]
-    return exc
+    if len(rest.exceptions) == 1:
+        return rest.exceptions[0]
+    return rest
+
+
+def raise_for_boundary(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """Raise `unwrap_for_boundary` of *group* (called while *group* is handled) with its own
+    cause and context, as it was raised (``raise ... from None`` would hide a user's cause)."""
+    single = unwrap_for_boundary(group)
+    if single is group:
+        raise group
+    context = single.__context__
+    try:
+        raise single
+    finally:
+        single.__context__ = context
+        del single, context
+
+
+def _without_cancelled(exc: BaseException) -> BaseException | None:
+    """*exc* without its ``Cancelled`` leaves (``None`` if nothing else is in it); a group that
+    holds none comes back as it is, a group that held some is derived anew, as
+    `BaseExceptionGroup.split` makes it (which copies even the groups it leaves unchanged)."""
+    if isinstance(exc, trio.Cancelled):
+        return None
+    if not isinstance(exc, BaseExceptionGroup) or not contains_cancelled(exc):
+        return exc
+    kept = [sub for sub in map(_without_cancelled, exc.exceptions) if sub is not None]
+    if not kept:
+        return None
+    derived = exc.derive(kept)
+    derived.__traceback__, derived.__cause__, derived.__context__ = exc.__traceback__, exc.__cause__, exc.__context__
+    if hasattr(exc, "__notes__"):
+        derived.__notes__ = list(exc.__notes__)
+    return derived
 
 
 def first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException:

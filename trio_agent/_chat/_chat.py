@@ -35,8 +35,8 @@ import trio
 from .._abort import Abort, AbortHandle, AbortReason
 from .._builders import constructor
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
-from .._errors import ConfigError, ModelError, TrioAgentError, require_trio
-from .._groups import unwrap_for_boundary
+from .._errors import ConfigError, ModelError, RequestAbortedError, TrioAgentError, require_trio
+from .._groups import raise_for_boundary
 from .._journal._conversation import encode_conversation
 from .._journal._durable import DurableJournal
 from .._journal._events import (
@@ -268,7 +268,13 @@ class ChatRun:
         await self._done.wait()
         if self._error is not None:
             raise self._error
-        assert self._result is not None
+        if self._result is None:
+            # Cancelled before it ended: a cancel scope around the block, or the block's nursery
+            # once an aborted run overran cleanup_grace. Recorded so in a journal (user_abort).
+            raise RequestAbortedError(
+                f"chat run {self.run_id!r} was cancelled before it ended: it has no result",
+                reason=AbortReason.USER_ABORT.value,
+            )
         return self._result
 
 
@@ -400,7 +406,9 @@ def chat(
     Raises `ConfigError` (bad arguments, an invalid history, an invalid schema),
     `MiddlewareShapeError` (middleware that is not a list of `ChatMiddleware`)
     before anything runs (when the block is entered or the call awaited); the run's own
-    error from ``run.result()`` (from the ``await``).
+    error from ``run.result()`` (from the ``await``), `RequestAbortedError` from
+    ``run.result()`` of a run cancelled before it ended. The block raises as a Trio nursery
+    would, never a group of its own (`raise_for_boundary`).
     ``cleanup_grace`` bounds the wait for an aborted run to end when the block is left early.
 
     Pauses and continuations (``docs/human-in-the-loop.md``): a run that must ask a person
@@ -731,7 +739,9 @@ async def _in_task(options: Mapping[str, Any]) -> AsyncIterator[ChatRun]:
                     if waited.cancelled_caught:
                         nursery.cancel_scope.cancel()  # it did not end in time: stop waiting for it
     except BaseExceptionGroup as group:
-        raise unwrap_for_boundary(group) from None
+        # The body's error or the run's, as the awaited form raises it (never in one more group);
+        # a cancellation from outside is dropped beside them, as a Trio nursery drops it.
+        raise_for_boundary(group)
     finally:
         prepared.unlink()
 
