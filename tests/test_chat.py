@@ -27,7 +27,7 @@ from trio_agent._loop._events import (
     ToolCallResult,
     ToolCallStart,
 )
-from trio_agent._loop._rules import StopReason, until_finish_reason
+from trio_agent._loop._rules import StopReason, combine_strategies, max_iterations, until_finish_reason
 from trio_agent._models._history import ORPHAN_ANSWER
 from trio_agent.journal import (
     MemoryStore,
@@ -39,7 +39,7 @@ from trio_agent.journal import (
     open_journal,
 )
 from trio_agent.lifecycle import MiddlewareDecisionError
-from trio_agent.models import ToolResultMessage, Usage, UserMessage
+from trio_agent.models import ModelService, ToolResultMessage, Usage, UserMessage
 from trio_agent.plugins import MiddlewareConfigError
 from trio_agent.testing import Reply, TestModel
 
@@ -696,3 +696,83 @@ async def test_the_result_of_a_run_cancelled_around_its_block_is_request_aborted
     assert scope.cancelled_caught
     with pytest.raises(RequestAbortedError, match="cancelled before it ended"):
         await run.result()
+
+
+# -- arguments: typed errors where they are given ----------------------------------------------------------
+
+
+async def async_strategy(state: Any) -> bool:
+    return bool(state.iteration < 2)
+
+
+async def test_a_model_service_with_middleware_that_would_never_run_is_refused() -> None:
+    model = TestModel(default=Reply(text="secret"))
+    layer = ChatOnly()
+    with pytest.raises(MiddlewareConfigError, match=r"model middleware #0 \(ChatOnly\).*not wrap_stream"):
+        await chat(ModelService(model, [layer]), "hi")
+    assert model.requests == [] and layer.calls == 0
+    # With output_schema its wrap_chat runs for the structured-output call: accepted, and it runs.
+    answers = TestModel(default=[Reply(text="hello"), Reply(text='{"a": 1}')])
+    result = await chat(ModelService(answers, [layer]), "hi", output_schema=OBJECT)
+    assert (result.structured_output, layer.calls) == ({"a": 1}, 1)
+
+
+@pytest.mark.parametrize("form", ["await", "block"])
+async def test_an_async_strategy_is_refused_before_the_run(form: str) -> None:
+    model = TestModel(default=Reply(tool_calls=[("add", {})]))
+    with pytest.raises(ConfigError, match="async_strategy is an async function"):
+        if form == "await":
+            await chat(model, "loop", tools=[add], strategy=async_strategy)
+        else:
+            async with chat(model, "loop", tools=[add], strategy=async_strategy):
+                raise AssertionError("the block is never entered")
+    assert model.requests == []
+
+
+async def test_a_strategy_answering_anything_but_a_bool_fails_the_run_with_config_error() -> None:
+    class Later:  # a callable object whose __call__ is async: only its answer tells
+        async def __call__(self, state: Any) -> bool:
+            return True
+
+    model = TestModel(default=Reply(tool_calls=[("add", {})]))
+    for strategy in (lambda state: "yes", Later()):
+        with pytest.raises(ConfigError, match="not True or False"):
+            await chat(model, "loop", tools=[add], strategy=strategy)
+    assert model.requests == []  # asked before the first turn
+    wrapped = combine_strategies(max_iterations(3), lambda state: 1)
+    with pytest.raises(ConfigError, match="answered 1, not True or False"):
+        await chat(model, "loop", tools=[add], strategy=wrapped)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: combine_strategies(5),  # type: ignore[arg-type]
+        lambda: combine_strategies(max_iterations(2), async_strategy),  # type: ignore[arg-type]
+        lambda: combine_strategies(),
+        lambda: until_finish_reason("done"),
+        lambda: until_finish_reason(),
+    ],
+    ids=["combine-not-callable", "combine-async", "combine-none", "finish-reason-unknown", "finish-reason-none"],
+)
+def test_a_strategy_combinator_refuses_bad_arguments_where_it_is_called(make: Any) -> None:
+    with pytest.raises(ConfigError):
+        make()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"journal": "j.db"}, {"abort": True}, {"abort": trio.Event()}],
+    ids=["journal=str", "abort=bool", "abort=Event"],
+)
+@pytest.mark.parametrize("form", ["await", "block"])
+async def test_a_journal_or_abort_of_the_wrong_type_is_config_error(bad: dict[str, Any], form: str) -> None:
+    model = TestModel(default=Reply(text="hi"))
+    name = next(iter(bad))
+    with pytest.raises(ConfigError, match=f"{name} must be"):
+        if form == "await":
+            await chat(model, "hi", **bad)
+        else:
+            async with chat(model, "hi", **bad):
+                raise AssertionError("the block is never entered")
+    assert model.requests == []

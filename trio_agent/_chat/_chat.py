@@ -78,7 +78,7 @@ from .._loop._interrupts import (
     Resume,
 )
 from .._loop._ports import RunEventSink, RunPorts, RunSpec, TurnRef, discard_events, no_effects
-from .._loop._rules import LoopStrategy, StopReason, max_iterations
+from .._loop._rules import LoopStrategy, StopReason, check_strategy, max_iterations, strategy_answer
 from .._loop._run import run_agent_loop
 from .._models._assemble import JSONTextError, ModelReply, parse_json_value
 from .._models._history import CallIdIndex, MessageView, validate_history
@@ -296,13 +296,15 @@ def _provider_service(
     if isinstance(agent_or_model, ModelService):
         if model_middleware:
             raise ConfigError("model_middleware= is for a provider; a ModelService already has its middleware")
-        return agent_or_model
-    provider: Provider = agent_or_model  # type: ignore[assignment]
-    if not (hasattr(provider, "stream") and hasattr(provider, "chat") and hasattr(provider, "model")):
-        raise ConfigError(f"chat() needs a model provider (or a ModelService), got {agent_or_model!r}")
-    service = ModelService(provider, model_middleware)  # checks the layers' shapes first
-    if model_middleware:
-        # Once per layers object (a chat() run per request passes its list again), as their shapes.
+        service = agent_or_model
+    else:
+        provider: Provider = agent_or_model  # type: ignore[assignment]
+        if not (hasattr(provider, "stream") and hasattr(provider, "chat") and hasattr(provider, "model")):
+            raise ConfigError(f"chat() needs a model provider (or a ModelService), got {agent_or_model!r}")
+        service = ModelService(provider, model_middleware)  # checks the layers' shapes first
+    if service.middleware:
+        # A given service's layers too (a wrap_chat-only one would never run). Once per layers
+        # object (a chat() run per request passes its list, or its service, again), as their shapes.
         service.middleware.derived(*_CHECK_RUNS[structured])
     return service
 
@@ -354,8 +356,13 @@ def _check_shapes(options: Mapping[str, Any]) -> None:
     """`ConfigError` for an argument of the wrong kind, before anything runs (a run would fail
     with a raw TypeError midway, after its first hooks)."""
     strategy, metadata, instructions = options["strategy"], options["metadata"], options["instructions"]
-    if strategy is not None and not callable(strategy):
-        raise ConfigError(f"strategy must be a LoopStrategy (a callable of LoopState), not {strategy!r}")
+    if strategy is not None:
+        check_strategy(strategy, "strategy")
+    journal, abort = options["journal"], options["abort"]
+    if journal is not None and not isinstance(journal, DurableJournal):
+        raise ConfigError(f"journal must be an open DurableJournal (open_journal(...)), not {journal!r}")
+    if abort is not None and not isinstance(abort, AbortHandle):
+        raise ConfigError(f"abort must be an AbortHandle, not {abort!r}")
     if metadata is not None and not isinstance(metadata, Mapping):
         raise ConfigError(f"metadata must be a mapping, not {metadata!r}")
     if instructions is not None and not isinstance(instructions, str):
@@ -403,8 +410,8 @@ def chat(
     returns the `ChatResult` (no task, no event stream: the cheaper form when only the result
     is wanted).
 
-    Raises `ConfigError` (bad arguments, an invalid history, an invalid schema),
-    `MiddlewareShapeError` (middleware that is not a list of `ChatMiddleware`)
+    Raises `ConfigError` (bad arguments, an invalid history, an invalid schema, an ``async``
+    strategy), `MiddlewareShapeError` (middleware that is not a list of `ChatMiddleware`)
     before anything runs (when the block is entered or the call awaited); the run's own
     error from ``run.result()`` (from the ``await``), `RequestAbortedError` from
     ``run.result()`` of a run cancelled before it ended. The block raises as a Trio nursery
@@ -516,7 +523,9 @@ class _Prepared:
             journal=journal or InMemoryToolJournal(keep_entries=False),
             history_limit=0,
         )
-        strategy = options["strategy"] or _DEFAULT_STRATEGY
+        given = options["strategy"]
+        # A given strategy's answers are checked (a bool, else ConfigError naming it); ours are bools.
+        strategy = _DEFAULT_STRATEGY if given is None else functools.partial(strategy_answer, given)
         meta = dict(options["metadata"] or {})
         run_id = str(meta.get("run_id") or f"chat-{os.urandom(6).hex()}")  # 48 random bits, as uuid4().hex[:12]
         thread_id = str(meta.get("thread_id") or (resume.thread_id if resume is not None else run_id))

@@ -30,6 +30,7 @@ before it produced output, only when a hook asks) followed by its tool phase.
 from __future__ import annotations
 
 import enum
+import inspect
 import json
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
@@ -37,6 +38,7 @@ from typing import Any
 import attrs
 
 from .._builders import constructor
+from .._errors import ConfigError
 from .._models._assemble import ToolArgumentsError, parse_tool_arguments
 from .._models._messages import FinishReason, TextPart, ToolCallPart
 from .._tools._results import ToolErrorType, ToolResult
@@ -47,10 +49,12 @@ __all__ = [
     "Phase",
     "StopReason",
     "check_call",
+    "check_strategy",
     "combine_strategies",
     "max_iterations",
     "model_text",
     "stops_loop",
+    "strategy_answer",
     "tool_error",
     "until_finish_reason",
 ]
@@ -100,14 +104,42 @@ loop_state: Callable[[int, int, int, FinishReason | None], LoopState] = construc
 
 
 LoopStrategy = Callable[[LoopState], bool]
-"""``strategy(state) -> bool``: may another turn start?"""
+"""``strategy(state) -> bool``: may another turn start? A plain function: the loop never awaits it."""
+
+
+def check_strategy(strategy: object, what: str) -> None:
+    """`ConfigError` unless *strategy* (named *what* to the user) can be a `LoopStrategy`: a
+    callable, not an ``async def`` (its coroutine, never awaited, is truthy: the run never stops)."""
+    if not callable(strategy):
+        raise ConfigError(f"{what} must be a LoopStrategy (a function of LoopState), not {strategy!r}")
+    if inspect.iscoroutinefunction(strategy) or inspect.isasyncgenfunction(strategy):
+        raise ConfigError(
+            f"{what} {_strategy_name(strategy)} is an async function: a LoopStrategy is a plain function "
+            "of LoopState answering True or False (the loop never awaits it)"
+        )
+
+
+def strategy_answer(strategy: LoopStrategy, state: LoopState) -> bool:
+    """What *strategy* (one given from outside) answers for *state*, checked: anything but a
+    bool is a `ConfigError` naming it (a truthy non-bool, a coroutine, would never stop a run)."""
+    allowed = strategy(state)
+    if allowed is True or allowed is False:
+        return allowed
+    if inspect.iscoroutine(allowed):
+        allowed.close()  # never awaited: closed, rather than a "never awaited" warning
+    raise ConfigError(
+        f"the strategy {_strategy_name(strategy)} answered {allowed!r}, not True or False "
+        "(a LoopStrategy says whether another turn may start)"
+    )
+
+
+def _strategy_name(strategy: object) -> str:
+    return str(getattr(strategy, "__qualname__", None) or repr(strategy))
 
 
 def max_iterations(limit: int) -> LoopStrategy:
     """At most *limit* turns (a session's ``max_turns``; ``chat()`` defaults to 5)."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        from .._errors import ConfigError
-
         raise ConfigError(f"max_iterations needs a whole number >= 1, got {limit!r}")
 
     def strategy(state: LoopState) -> bool:
@@ -118,8 +150,15 @@ def max_iterations(limit: int) -> LoopStrategy:
 
 
 def until_finish_reason(*reasons: FinishReason | str) -> LoopStrategy:
-    """Stop once the last reply finished for one of *reasons* (e.g. ``"stop"``)."""
-    wanted = frozenset(FinishReason(reason) for reason in reasons)
+    """Stop once the last reply finished for one of *reasons* (e.g. ``"stop"``): at least one,
+    each a `FinishReason` or its value, else `ConfigError`."""
+    if not reasons:
+        raise ConfigError("until_finish_reason needs at least one finish reason (it would never stop a run)")
+    try:
+        wanted = frozenset(FinishReason(reason) for reason in reasons)
+    except ValueError:
+        known = ", ".join(repr(reason.value) for reason in FinishReason)
+        raise ConfigError(f"until_finish_reason takes finish reasons ({known}), got {reasons!r}") from None
 
     def strategy(state: LoopState) -> bool:
         return state.last_finish_reason not in wanted
@@ -129,12 +168,18 @@ def until_finish_reason(*reasons: FinishReason | str) -> LoopStrategy:
 
 
 def combine_strategies(*strategies: LoopStrategy) -> LoopStrategy:
-    """All of *strategies* must allow another turn (AND)."""
+    """All of *strategies* must allow another turn (AND). At least one, each a `LoopStrategy`,
+    else `ConfigError`; each part's answer is checked (`strategy_answer`)."""
     parts = tuple(strategies)
+    if not parts:
+        raise ConfigError("combine_strategies needs at least one strategy (none would never stop a run)")
+    for index, part in enumerate(parts):
+        check_strategy(part, f"combine_strategies part #{index}")
 
     def strategy(state: LoopState) -> bool:
-        return all(part(state) for part in parts)
+        return all(strategy_answer(part, state) for part in parts)
 
+    strategy.__qualname__ = f"combine_strategies({', '.join(map(_strategy_name, parts))})"
     return strategy
 
 
