@@ -12,6 +12,7 @@ from cancel_helpers import cancelled_of_its_own
 
 from trio_agent import ConfigError, ModelError, RequestAbortedError, SideEffect, ToolKind, define_tool
 from trio_agent._chat._chat import StructuredOutputError, chat
+from trio_agent._errors import HistoryError
 from trio_agent._groups import unwrap_for_boundary
 from trio_agent._lifecycle._middleware import ChatMiddleware, define_chat_middleware
 from trio_agent._loop._events import (
@@ -39,7 +40,7 @@ from trio_agent.journal import (
     open_journal,
 )
 from trio_agent.lifecycle import MiddlewareDecisionError
-from trio_agent.models import ModelService, ToolResultMessage, Usage, UserMessage
+from trio_agent.models import ModelService, SystemMessage, ToolResultMessage, Usage, UserMessage
 from trio_agent.plugins import MiddlewareConfigError
 from trio_agent.testing import Reply, TestModel
 
@@ -776,3 +777,30 @@ async def test_a_journal_or_abort_of_the_wrong_type_is_config_error(bad: dict[st
             async with chat(model, "hi", **bad):
                 raise AssertionError("the block is never entered")
     assert model.requests == []
+
+
+# -- structured output: the service retries, the answer may be fenced -------------------------------------
+
+
+async def test_a_retryable_failure_of_the_structured_output_call_is_retried_by_the_service(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # on_model_error's ctx.retry() is not offered for it; the ModelService's RetryPolicy retries it as any call.
+    failure = Reply(error=ModelError("overloaded", code="server_error", retryable=True))
+    model = TestModel(default=[Reply(text="hello"), failure, Reply(text='{"a": 1}')])
+    result = await chat(model, "hi", output_schema=OBJECT)
+    assert result.structured_output == {"a": 1}
+    assert len(model.requests) == 3
+
+
+@pytest.mark.parametrize("fence", ["```json\n{fenced}\n```", "```JSON\n{fenced}\n```", "```Json {fenced}```"])
+async def test_a_fenced_structured_output_answer_is_read_whatever_the_case_of_its_tag(fence: str) -> None:
+    answer = fence.replace("{fenced}", '{"a": 1}')
+    result = await chat(TestModel(default=[Reply(text="hello"), Reply(text=answer)]), "hi", output_schema=OBJECT)
+    assert result.structured_output == {"a": 1}
+
+
+async def test_a_system_message_in_the_messages_names_instructions() -> None:
+    with pytest.raises(HistoryError, match=r"messages\[0\]|history\[0\]") as raised:
+        await chat(TestModel(), [SystemMessage("be brief"), UserMessage("hi")])
+    assert "instructions=" in str(raised.value) and raised.value.index == 0

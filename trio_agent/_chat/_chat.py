@@ -8,8 +8,10 @@ tool call whose result was committed keeps it) and waits for it to end.
 
 With ``output_schema`` the run ends with a separate structured-output call
 (``on_structured_output_config`` and ``on_config`` with phase
-``structured_output`` run first; the call is not retried); its answer must be
-JSON that the schema accepts, else `StructuredOutputError` lists the issues.
+``structured_output`` run first; it is not offered to ``on_model_error``, so no
+``ctx.retry()``, but the service's `RetryPolicy` retries a retryable failure as
+for any call); its answer must be JSON that the schema accepts, else
+`StructuredOutputError` lists the issues.
 With ``journal`` (an open `DurableJournal`, owned by the caller) the run is
 recorded as a request of the journal's root agent, as a session records one, and
 ended on every way out (a cancellation from outside: interrupted); a
@@ -654,7 +656,8 @@ class _Prepared:
 
     async def _structured_output(self, ctx: RunContext, outcome: Finished) -> Finished:
         """The run's last step with ``output_schema`` (module docstring): one structured-output call
-        (never retried) whose answer must be JSON the schema accepts; its usage counts."""
+        (no ``on_model_error``: the service's retry policy only) whose answer must be JSON the
+        schema accepts; its usage counts."""
         ctx.phase = Phase.STRUCTURED_OUTPUT
         spec, original, validator = self.spec, self.output_schema, self.validator
         assert original is not None and validator is not None
@@ -771,7 +774,10 @@ def _checked_answer(response: ModelResponse, validator: jsonschema_rs.Validator)
     """The structured-output answer as a JSON value the schema accepts, else `StructuredOutputError`."""
     text = "".join(part.text for part in response.message.parts if isinstance(part, TextPart)).strip()
     if text.startswith("```"):
-        text = text.strip("`").removeprefix("json").strip()
+        text = text.strip("`")
+        if text[:4].lower() == "json":  # the fence's language tag, in any case (```JSON)
+            text = text[4:]
+        text = text.strip()
     try:
         value = parse_json_value(text)  # the model's text is untrusted: depth and numbers are bounded
     except JSONTextError as exc:

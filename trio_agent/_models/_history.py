@@ -72,7 +72,11 @@ def validate_history(history: object) -> tuple[Message, ...]:
     for index, message in enumerate(messages):
         where = f"history[{index}]"
         if isinstance(message, SystemMessage):
-            raise HistoryError(f"{where} is a system message: give the system prompt as system_prompt=", index=index)
+            raise HistoryError(
+                f"{where} is a system message: give the system prompt as instructions= "
+                "(chat()) or system_prompt= (a session's agent)",
+                index=index,
+            )
         if not isinstance(message, UserMessage | AssistantMessage | ToolResultMessage):
             raise HistoryError(f"{where} is not a message: {message!r}", index=index)
         problem = _content_problem(message)
