@@ -750,11 +750,19 @@ async def test_a_strategy_answering_anything_but_a_bool_fails_the_run_with_confi
     [
         lambda: combine_strategies(5),  # type: ignore[arg-type]
         lambda: combine_strategies(max_iterations(2), async_strategy),  # type: ignore[arg-type]
+        lambda: combine_strategies(max_iterations(2), lambda: True),  # type: ignore[arg-type]
         lambda: combine_strategies(),
         lambda: until_finish_reason("done"),
         lambda: until_finish_reason(),
     ],
-    ids=["combine-not-callable", "combine-async", "combine-none", "finish-reason-unknown", "finish-reason-none"],
+    ids=[
+        "combine-not-callable",
+        "combine-async",
+        "combine-no-argument",
+        "combine-none",
+        "finish-reason-unknown",
+        "finish-reason-none",
+    ],
 )
 def test_a_strategy_combinator_refuses_bad_arguments_where_it_is_called(make: Any) -> None:
     with pytest.raises(ConfigError):
@@ -763,14 +771,14 @@ def test_a_strategy_combinator_refuses_bad_arguments_where_it_is_called(make: An
 
 @pytest.mark.parametrize(
     "bad",
-    [{"journal": "j.db"}, {"abort": True}, {"abort": trio.Event()}],
-    ids=["journal=str", "abort=bool", "abort=Event"],
+    [{"journal": "j.db"}, {"abort": True}, {"abort": trio.Event()}, {"strategy": lambda: True}],
+    ids=["journal=str", "abort=bool", "abort=Event", "strategy=no-argument"],
 )
 @pytest.mark.parametrize("form", ["await", "block"])
-async def test_a_journal_or_abort_of_the_wrong_type_is_config_error(bad: dict[str, Any], form: str) -> None:
+async def test_a_journal_abort_or_strategy_of_the_wrong_kind_is_config_error(bad: dict[str, Any], form: str) -> None:
     model = TestModel(default=Reply(text="hi"))
     name = next(iter(bad))
-    with pytest.raises(ConfigError, match=f"{name} must be"):
+    with pytest.raises(ConfigError, match=f"{name} must be|cannot be called with one LoopState"):
         if form == "await":
             await chat(model, "hi", **bad)
         else:

@@ -107,6 +107,9 @@ LoopStrategy = Callable[[LoopState], bool]
 """``strategy(state) -> bool``: may another turn start? A plain function: the loop never awaits it."""
 
 
+_NO_STATE = object()  # what `check_strategy` binds: only the number of arguments is checked
+
+
 def check_strategy(strategy: object, what: str) -> None:
     """`ConfigError` unless *strategy* (named *what* to the user) can be a `LoopStrategy`: a
     callable, not an ``async def`` (its coroutine, never awaited, is truthy: the run never stops)."""
@@ -117,6 +120,14 @@ def check_strategy(strategy: object, what: str) -> None:
             f"{what} {_strategy_name(strategy)} is an async function: a LoopStrategy is a plain function "
             "of LoopState answering True or False (the loop never awaits it)"
         )
+    try:
+        signature = inspect.signature(strategy)
+    except (TypeError, ValueError):  # no signature to read (some builtins): its first call tells
+        return
+    try:
+        signature.bind(_NO_STATE)
+    except TypeError:
+        raise ConfigError(f"{what} {_strategy_name(strategy)}{signature} cannot be called with one LoopState") from None
 
 
 def strategy_answer(strategy: LoopStrategy, state: LoopState) -> bool:
