@@ -1975,3 +1975,19 @@ async def test_request_with_its_own_emit_is_honoured() -> None:
     record = await call_tool(pipeline, "t", {}, on_item=recorder)
     assert record.result.output == "ok"
     assert [item.message for item in recorder.items if isinstance(item, Progress)] == ["RAW"]
+
+
+async def test_a_tool_whose_own_nursery_fails_is_told_by_its_errors_not_the_group() -> None:
+    # The model read "ExceptionGroup: Exceptions from Trio nursery (1 sub-exception)".
+    async def run(inp: dict[str, Any], ctx: Any) -> str:
+        async def fails(message: str) -> None:
+            raise ValueError(message)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fails, "the disk is full")
+        return "never"
+
+    tool = define_tool(run, name="nursed", description="n", side_effect="pure", input_schema={"type": "object"})
+    record = await call_tool(ToolPipeline([tool]), "nursed", {})
+    assert record.result.error is not None and record.result.error.code == "tool_error"
+    assert record.result.error.message == "ValueError: the disk is full"

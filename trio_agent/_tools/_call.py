@@ -315,7 +315,10 @@ def _must_propagate(exc: BaseException) -> bool:
 
 
 def _raised_result(exc: Exception) -> ToolResult:
-    return ToolResult.failure(ToolErrorType.EXECUTION, f"{type(exc).__name__}: {exc}", code="tool_error")
+    # A group (a tool's own nursery) is told by its errors: "Exceptions from Trio nursery (1
+    # sub-exception)" says nothing the model can act on.
+    described = "; ".join(f"{type(leaf).__name__}: {leaf}" for leaf in leaves(exc))
+    return ToolResult.failure(ToolErrorType.EXECUTION, described, code="tool_error")
 
 
 def _stray_cancelled_result(exc: BaseException) -> ToolResult:
