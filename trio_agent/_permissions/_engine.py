@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
 import attrs
 import trio
@@ -235,6 +235,36 @@ class _CheckCut:
         if self.source is DecisionSource.ABORT:
             return f"permission check of tool {tool.name!r} cancelled: {self.abort_message}"
         return f"permission check of tool {tool.name!r} gave no answer within {timeout:g} s"
+
+
+T = TypeVar("T")
+
+
+async def _within_bounds(awaitable: Awaitable[T], deadline: float, abort: AbortHandle) -> tuple[T | None, bool]:
+    """*awaitable* awaited under an ask's two bounds, *deadline* and the call's *abort*: (its result,
+    ``None`` if a bound cut it short; whether the deadline was reached). The caller reads
+    ``abort.reason`` first, then the deadline: a cut by either, even a late answer, is refused.
+
+    The awaited code's own nursery, cancelled by a bound and whose cleanup raised, reaches here
+    as a group that trio passed through our scopes: that cancellation is the bound's, decided by
+    the caller; anything else (an outer cancellation, a lost lease) goes on."""
+    deadline_scope = trio.CancelScope(deadline=deadline)
+    result: T | None = None
+    try:
+        with trio.CancelScope() as abort_scope:
+            token = abort.add_listener(lambda _abort: abort_scope.cancel())
+            try:
+                with deadline_scope:
+                    result = await awaitable
+            finally:
+                abort.remove_listener(token)
+    except BaseExceptionGroup as group:
+        typed = typed_error(group)
+        if typed is not None:
+            raise typed from group
+        if not (deadline_scope.cancel_called or abort_scope.cancel_called) or contains_cancelled(group):
+            raise
+    return result, deadline_scope.cancel_called
 
 
 def _callable_name(fn: object) -> str:
@@ -785,26 +815,10 @@ class PermissionEngine:
         """Await a tool's own async check under the ask's bounds: ``ask_timeout`` and the call's
         abort (a check that never returns would hold the call, and its request, forever). A check
         that either bound cut short, even one that answered late, gives a `_CheckCut`."""
-        deadline_scope = trio.CancelScope(deadline=trio.current_time() + self.ask_timeout)
-        result: object = None
-        try:
-            with trio.CancelScope() as abort_scope:
-                token = abort.add_listener(lambda _abort: abort_scope.cancel())
-                try:
-                    with deadline_scope:
-                        result = await outcome
-                finally:
-                    abort.remove_listener(token)
-        except BaseExceptionGroup as group:
-            # As in `_consult`: the check's own nursery, cancelled by a bound, whose cleanup raised.
-            typed = typed_error(group)
-            if typed is not None:
-                raise typed from group
-            if not (deadline_scope.cancel_called or abort_scope.cancel_called) or contains_cancelled(group):
-                raise
+        result, timed_out = await _within_bounds(outcome, trio.current_time() + self.ask_timeout, abort)
         if abort.reason is not None:
             return _CheckCut(DecisionSource.ABORT, abort.reason.message)
-        if deadline_scope.cancel_called:
+        if timed_out:
             return _CheckCut(DecisionSource.TOOL, None)
         return result
 
@@ -919,33 +933,16 @@ class PermissionEngine:
         abort: AbortHandle,
     ) -> _Answer:
         """The first allow or deny of the answerers, bounded by the deadline and the call's abort."""
-        answer = _Answer(DecisionSource.NO_ANSWER)
-        deadline_scope = trio.CancelScope(deadline=request.deadline)
-        try:
-            with trio.CancelScope() as abort_scope:
-                token = abort.add_listener(lambda _abort: abort_scope.cancel())
-                try:
-                    with deadline_scope:
-                        answer = await self._first_answer(answerers, request)
-                finally:
-                    abort.remove_listener(token)
-        except BaseExceptionGroup as group:
-            # An answerer's own nursery that the deadline or the abort cancelled and whose cleanup
-            # raised: trio passes the rest of its group through our scopes. That cancellation
-            # decides the answer below; anything else (an outer cancellation, a lost lease) goes on.
-            typed = typed_error(group)
-            if typed is not None:
-                raise typed from group
-            if not (deadline_scope.cancel_called or abort_scope.cancel_called) or contains_cancelled(group):
-                raise
+        answer, timed_out = await _within_bounds(self._first_answer(answerers, request), request.deadline, abort)
         if abort.reason is not None:
             return _Answer(DecisionSource.ABORT, message=f"permission request cancelled: {abort.reason.message}")
-        if deadline_scope.cancel_called:
+        if timed_out:
             # Even an answer that came in after the deadline (a handler that ignored the cancellation) is refused.
             return _Answer(
                 DecisionSource.TIMEOUT,
                 message=f"permission request for {request.signature} got no answer within {self.ask_timeout:g} s",
             )
+        assert answer is not None  # neither bound cut it short: the answerers' answer
         return answer
 
     async def _first_answer(
