@@ -1273,6 +1273,22 @@ async def test_a_given_client_is_never_closed_and_with_model_shares_it() -> None
     assert [seen.json()["model"] for seen in server.requests] == [MODEL, "gpt-4o", MODEL]
 
 
+async def test_a_given_client_that_was_closed_is_a_typed_error() -> None:
+    """A client= closed by its owner raised httpx's bare RuntimeError from chat/stream; the typed
+    error of a provider without an open client (as the Anthropic provider's), nothing sent."""
+    async with open_fake_server(queue_handler()) as server:
+        client = httpx.AsyncClient()
+        await client.aclose()
+        provider = provider_for(server, client=client)
+        for calling in (provider, provider.with_model("gpt-4o")):
+            with pytest.raises(ModelError, match="closed") as chat_error:
+                await calling.chat(request(operation=Operation.CHAT))
+            with pytest.raises(ModelError, match="closed") as stream_error:
+                await collect(calling, request())
+            assert chat_error.value.code == stream_error.value.code == "provider_not_open"
+    assert server.requests == []
+
+
 async def test_with_model_never_owns_the_client() -> None:
     handler = queue_handler(*[Scripted.json(fixture_json("chat_text.json"))] * 2)
     async with open_fake_server(handler) as server:

@@ -213,11 +213,14 @@ class OpenAIProvider:
         return clone
 
     def _client(self) -> httpx.AsyncClient:
+        """The HTTP client, or a typed error without an open one (httpx would raise a bare
+        RuntimeError for a given client its owner closed)."""
         client = self._slot.client
-        if client is None:
+        if client is None or client.is_closed:
+            state = "no open HTTP client" if client is None else "a closed HTTP client"
             raise ModelError(
-                "OpenAIProvider has no open HTTP client: use it as `async with OpenAIProvider(...) as provider` "
-                "or pass client=httpx.AsyncClient(...)",
+                f"OpenAIProvider has {state}: use it as `async with OpenAIProvider(...) as provider` "
+                "or pass an open client=httpx.AsyncClient(...)",
                 code="provider_not_open",
             )
         return client
