@@ -1049,6 +1049,14 @@ class PostgresStore(LaneStore):
 
     # -- reads
 
+    async def run_read(self, fn: Callable[[psycopg.Connection[TupleRow]], T]) -> T:
+        """``fn(conn)`` on one of the store's read connections (autocommit, in a worker thread),
+        for tables kept beside the journal in its schema (the workers' inbox). As every read of the
+        store: a cancellation aborts the statement, a pooled connection the server dropped is
+        replaced and *fn* run once more (it must be safe to repeat), and a driver's error is a
+        `JournalError`."""
+        return await self._query(fn)
+
     async def _query(self, fn: Callable[[_Conn], T]) -> T:
         """Run ``fn`` on a read connection in a worker thread; a cancel scope aborts the statement.
 

@@ -144,7 +144,7 @@ async def _refusal(store: PostgresStore, session_id: str, request_id: str) -> Re
 
     while True:
         try:
-            row = await store._query(read)
+            row = await store.run_read(read)
         except JournalError:  # the journal's own wait reports the store's failures; do not spin
             row = None
         if row == ("done", "refused"):
