@@ -64,6 +64,7 @@ from .._agui._wire import MessagesSnapshotEvent, RunErrorEvent, to_wire
 from .._chat._chat import chat
 from .._config import short_repr, validate_id, validate_limit, validate_timeout
 from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
+from .._journal._events import error_code
 from .._journal._sqlite import open_sqlite_store
 from .._journal._store import JournalStore
 from .._lifecycle._interrupts import PausedRun, check_signing_key
@@ -276,7 +277,7 @@ class _RunStream(Response):
                 if failed:  # the loop reported its own failure; this one happened around it
                     return
                 if isinstance(exc, TrioAgentError):
-                    message, code = str(exc), getattr(exc, "code", None) or "run_failed"
+                    message, code = str(exc), error_code(exc) or "run_failed"
                 else:
                     logger.exception("run %r of thread %r failed", run_input.run_id, run_input.thread_id)
                     message, code = f"the run failed: {type(exc).__name__}: {exc}", "run_failed"

@@ -52,6 +52,7 @@ from .._agui._session_encode import SessionAgUiEncoder
 from .._agui._sse import sse_event
 from .._agui._wire import AgUiEvent, CustomEvent, RunErrorEvent, RunFinishedEvent, to_wire
 from .._errors import RequestAbortedError, SessionClosedError, TrioAgentError
+from .._journal._events import error_code
 from .._journal._projection import RequestState
 from .._loop._interrupts import InterruptAnswer
 from .._loop._rules import StopReason
@@ -336,7 +337,7 @@ class ThreadHub:
             else:  # failed, also a request the session ended because it failed: an error, with its reason
                 if not isinstance(exc, TrioAgentError):
                     logger.exception("run %r of thread %r failed", live.run_id, thread_id)
-                add(encoder.failed(str(exc), str(getattr(exc, "code", None) or "run_failed")))
+                add(encoder.failed(str(exc), error_code(exc) or "run_failed"))
         finally:
             live.finish()
             on_done()
