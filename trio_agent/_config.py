@@ -62,10 +62,10 @@ def short_repr(value: object) -> str:
     return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
 
 
-def validate_limit(value: object, *, name: str) -> int:
-    """A positive whole number."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a whole number >= 1, got {short_repr(value)}")
+def validate_limit(value: object, *, name: str, minimum: int = 1) -> int:
+    """A whole number (an int, not a bool) of at least *minimum* (a positive one by default)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be a whole number >= {minimum}, got {short_repr(value)}")
     return value
 
 

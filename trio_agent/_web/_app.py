@@ -62,7 +62,7 @@ from .._agui._input import InputError, RunInput, answers_for, parse_run_input
 from .._agui._sse import CONTENT_TYPE, KEEP_ALIVE, sse_event
 from .._agui._wire import MessagesSnapshotEvent, RunErrorEvent, to_wire
 from .._chat._chat import chat
-from .._config import short_repr, validate_id, validate_limit, validate_timeout
+from .._config import validate_id, validate_limit, validate_timeout
 from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
 from .._journal._events import error_code
 from .._journal._sqlite import open_sqlite_store
@@ -347,15 +347,13 @@ def create_app(
         if name in chat_options:
             raise TypeError(f"create_app() sets {name}= of each run itself")
     # Checked here, not at serve time, where a bad value broke every request after its 200.
-    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
-        raise ConfigError(f"buffer must be a whole number of frames >= 0, got {short_repr(buffer)}")
     server = _Server(
         model,
         tools=tools,
         chat_options=chat_options,
         keep_alive=validate_timeout(keep_alive, name="keep_alive"),
         max_body=validate_limit(max_body, name="max_body"),
-        buffer=buffer,
+        buffer=validate_limit(buffer, name="buffer", minimum=0),
         max_paused=validate_limit(max_paused, name="max_paused"),
         signing_key=secrets.token_bytes(32) if signing_key is None else check_signing_key(signing_key),
     )

@@ -43,7 +43,7 @@ import attrs
 import trio
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
-from .._config import validate_id
+from .._config import validate_id, validate_limit
 from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
 from .._journal._durable import DurableJournal, open_journal
 from .._journal._events import RequestInterrupted, RequestInterruptReason
@@ -398,8 +398,7 @@ async def serve_sessions(
     """
     if not isinstance(spec, AgentSpec):
         raise ConfigError(f"serve_sessions takes an AgentSpec (define_agent(...)), not {spec!r}")
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-        raise ConfigError(f"concurrency must be a whole number >= 1, not {concurrency!r}")
+    concurrency = validate_limit(concurrency, name="concurrency")
     lease_ttl = check_seconds("lease_ttl", lease_ttl)
     poll_interval = check_seconds("poll_interval", poll_interval)
     shutdown_grace = check_seconds("shutdown_grace", shutdown_grace, allow_zero=True)
