@@ -534,3 +534,10 @@ def require_trio(api: str) -> None:
         f"{api} was called {where}, but trio_agent runs under Trio: "
         "start your program with trio.run(main) instead of asyncio.run(main())"
     )
+
+
+def error_code(error: BaseException) -> str | None:
+    """*error*'s ``code`` if it has one a journal or a client can keep (a non-empty string), else
+    ``None``: a `ModelError`'s, a `HookError`'s, any error's that carries one."""
+    code = getattr(error, "code", None)
+    return code if isinstance(code, str) and code else None

@@ -25,6 +25,7 @@ from cattrs.strategies import configure_tagged_union
 
 from .._builders import checked_constructor, constructor
 from .._convert import LazyConverter
+from .._errors import error_code
 from .._json import explain_json, is_json
 from .._tools._definition import InterruptBehavior, SideEffect, ToolKind
 from .._tools._results import json_copy
@@ -77,7 +78,6 @@ __all__ = [
     "TurnStarted",
     "decode_event",
     "encode_event",
-    "error_code",
     "event_converter",
     "event_type_name",
 ]
@@ -212,12 +212,6 @@ class ErrorInfo:
         ``code`` and ``retryable`` where it has them (a `ModelError`, a `HookError` ...)."""
         retryable = getattr(error, "retryable", False) is True
         return cls(message=str(error)[:2000], code=error_code(error), retryable=retryable)
-
-
-def error_code(error: BaseException) -> str | None:
-    """*error*'s ``code`` if it has one a journal can keep (a non-empty string), else ``None``."""
-    code = getattr(error, "code", None)
-    return code if isinstance(code, str) and code else None
 
 
 # ---------------------------------------------------------------- events

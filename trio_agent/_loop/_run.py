@@ -18,7 +18,15 @@ import trio
 from .._abort import Abort, AbortHandle, AbortReason
 from .._builders import constructor
 from .._cleanup import bounded_shield
-from .._errors import JournalError, LeaseLostError, MiddlewareError, ModelAbortedError, ModelError, TrioAgentError
+from .._errors import (
+    JournalError,
+    LeaseLostError,
+    MiddlewareError,
+    ModelAbortedError,
+    ModelError,
+    TrioAgentError,
+    error_code,
+)
 from .._groups import first_failure, is_cancellation, typed_error
 from .._models._assemble import ModelReply, ReplyAssembler, ToolArgumentsError, parse_tool_arguments
 from .._models._history import ORPHAN_ANSWER
@@ -195,13 +203,10 @@ async def run_agent_loop(
             if typed_error(exc) is not None or isinstance(exc, Exception):
                 with bounded_shield(spec.cleanup_grace, "reporting a failed run (RunError, on_error)"):
                     if isinstance(exc, Exception):
-                        code = getattr(exc, "code", None)
                         with contextlib.suppress(Exception):
                             await run._close_step()
                         with contextlib.suppress(Exception):
-                            await run.events(
-                                RunError(spec.run_id, spec.agent_id, str(exc), code if isinstance(code, str) else None)
-                            )
+                            await run.events(RunError(spec.run_id, spec.agent_id, str(exc), error_code(exc)))
                     try:
                         await hooks.on_error(ctx, exc)
                     except Exception:

@@ -36,6 +36,7 @@ from .._errors import (
     SessionBusyError,
     SessionClosedError,
     TrioAgentError,
+    error_code,
 )
 from .._groups import is_cancellation, leaves, typed_error
 from .._journal._durable import DurableJournal
@@ -45,7 +46,6 @@ from .._journal._events import (
     RequestInterrupted,
     RequestInterruptReason,
     TurnAbortReason,
-    error_code,
     request_accepted,
 )
 from .._journal._projection import RequestState

@@ -63,8 +63,7 @@ from .._agui._sse import CONTENT_TYPE, KEEP_ALIVE, sse_event
 from .._agui._wire import MessagesSnapshotEvent, RunErrorEvent, to_wire
 from .._chat._chat import chat
 from .._config import validate_id, validate_limit, validate_timeout
-from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
-from .._journal._events import error_code
+from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError, error_code
 from .._journal._sqlite import open_sqlite_store
 from .._journal._store import JournalStore
 from .._lifecycle._interrupts import PausedRun, check_signing_key

@@ -51,8 +51,7 @@ from .._agui._encode import interrupt_to_agui
 from .._agui._session_encode import SessionAgUiEncoder
 from .._agui._sse import sse_event
 from .._agui._wire import AgUiEvent, CustomEvent, RunErrorEvent, RunFinishedEvent, to_wire
-from .._errors import RequestAbortedError, SessionClosedError, TrioAgentError
-from .._journal._events import error_code
+from .._errors import RequestAbortedError, SessionClosedError, TrioAgentError, error_code
 from .._journal._projection import RequestState
 from .._loop._interrupts import InterruptAnswer
 from .._loop._rules import StopReason
