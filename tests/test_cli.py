@@ -153,6 +153,33 @@ async def test_journal_show_for_people(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "no agent 'nobody'" in missing.stderr
 
 
+async def test_journal_show_escapes_stored_text_that_is_no_printable_text(tmp_path: Path) -> None:
+    # A tool's output (and a model's arguments) may hold a lone surrogate, which the journal keeps
+    # escaped, or a terminal escape sequence: shown escaped, never a crash nor a recoloured terminal.
+    from trio_agent import SideEffect, define_tool
+    from trio_agent.models import ToolResultMessage
+
+    @define_tool(
+        name="echo", description="e", input_schema={"type": "object"}, side_effect=SideEffect.PURE, kind="readonly"
+    )
+    async def echo(input: dict[str, str], ctx: object) -> str:
+        return "out \udc80 \x1b[31mred"
+
+    def respond(request: object) -> Reply:
+        if isinstance(request.messages[-1], ToolResultMessage):  # type: ignore[attr-defined]
+            return Reply(text="done")
+        return Reply(tool_calls=[("echo", {"x": "a\ud800b"})])
+
+    path = tmp_path / "j.db"
+    async with open_session(provider=TestModel(respond=respond), tools=[echo], journal=path, session_id="s") as session:
+        assert await session.send("go") == "done"
+    done = run_cli("journal", "show", str(path))  # decoded strictly: every byte shown is UTF-8
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert '{"x": "a\\ud800b"}' in out and "out \\udc80 \\x1b[31mred" in out
+    assert "\x1b" not in out
+
+
 def test_journal_show_of_a_directory_is_a_clear_error(tmp_path: Path) -> None:
     done = run_cli("journal", "show", str(tmp_path))
     assert done.returncode == 1

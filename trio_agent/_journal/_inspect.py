@@ -3,7 +3,9 @@
 Read-only: it never writes to the journal and never takes a lease. It is what one reads a
 damaged journal with, so it trusts nothing stored: a damaged row ends its own stream's
 timeline (``damaged at #N``) and no other, and a payload of an unexpected shape is described
-as such, never a crash.
+as such, never a crash. Stored text is shown as data: a control character or a lone surrogate
+(a tool's output may hold one; the journal keeps it escaped) is shown escaped (``\\x1b``,
+``\\ud800``), so no stored text drives the terminal or fails to print.
 """
 
 from __future__ import annotations
@@ -189,6 +191,16 @@ def _preview(text: str, width: int) -> str:
     return flat if len(flat) <= width else flat[: width - 3] + "..."
 
 
+# C0 and C1 controls (ESC starts a terminal's escape sequences), lone surrogates (no encoding
+# takes them) and the Unicode line and paragraph separators (a line must stay one line).
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff\u2028\u2029]")
+
+
+def _printable(text: str) -> str:
+    """*text* with what `_UNPRINTABLE` matches escaped as Python writes it (``\\x1b``, ``\\ud800``)."""
+    return _UNPRINTABLE.sub(lambda found: found.group().encode("unicode_escape").decode("ascii"), text)
+
+
 def _clock(stamp: float) -> str:
     try:
         return time.strftime("%H:%M:%S", time.localtime(stamp)) + f".{int((stamp % 1) * 1000):03d}"
@@ -291,7 +303,8 @@ async def _timeline(store: JournalStore, *, session_id: str | None, agent_id: st
                 lines.append(f"    {len(calls)} call(s): {summary}")
     if not lines:
         lines.append("the journal is empty")
-    return _Timeline("\n".join(lines), damage)
+    # Every line holds stored text (ids, names, payload previews, damage messages): escaped once, here.
+    return _Timeline("\n".join(map(_printable, lines)), damage)
 
 
 def show_journal(path: str, session_id: str | None = None, agent_id: str | None = None) -> int:
@@ -322,7 +335,7 @@ def show_journal(path: str, session_id: str | None = None, agent_id: str | None 
         return 1
     print(timeline.text)
     for damaged in timeline.damage:  # shown in the timeline too; the status says the journal is damaged
-        print(f"error: {damaged}", file=sys.stderr)
+        print(_printable(f"error: {damaged}"), file=sys.stderr)
     return 1 if timeline.damage else 0
 
 
