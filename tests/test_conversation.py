@@ -7,6 +7,7 @@ signature) the model produced; journals written before the fix still read.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -17,12 +18,15 @@ from trio_agent import SideEffect, ToolKind, define_tool, open_session
 from trio_agent._journal._conversation import (
     OUTCOME_UNKNOWN_ANSWER,
     WITHHELD_ANSWER,
+    ConversationFold,
     ModelReplyRecord,
+    encode_conversation,
     fold_conversation,
     reply_record,
 )
 from trio_agent._journal._errors import JournalCorruptError
 from trio_agent._journal._events import (
+    ConversationSeeded,
     ErrorInfo,
     Event,
     EventEnvelope,
@@ -222,7 +226,10 @@ records = st.builds(
     inputs=st.lists(texts, max_size=3),
     text=texts,
     reasoning=st.lists(st.builds(ReasoningPart, texts, st.none() | texts, st.none() | texts), max_size=3),
-    tool_calls=st.lists(st.builds(ToolCallPart, texts, texts, texts), max_size=3),
+    # A reply's call ids are non-empty and unique (the assembler's; a stored reply with others is corrupt).
+    tool_calls=st.lists(
+        st.builds(ToolCallPart, st.text(min_size=1, max_size=8), texts, texts), max_size=3, unique_by=lambda c: c.id
+    ),
     rejected=st.dictionaries(texts, texts, max_size=3),
     finish_reason=st.sampled_from(FinishReason),
     usage=st.builds(
@@ -302,7 +309,7 @@ def test_fold_over_real_events() -> None:
         ToolCompleted(call_id="hidden", result={"output": "never shown"}, published=False, **tool),
         ModelAttemptFailed(attempt_id="r1-t2-a1", error=ErrorInfo(message="boom"), request_id="r1", turn_id="r1-t2"),
         attempt("r1-t2-a2", second.to_payload(), turn_id="r1-t2"),
-        RequestAccepted(request_id="r2", command_id="r2", input={}),  # no prompt key: an empty message
+        RequestAccepted(request_id="r2", command_id="r2", input={"prompt": ""}),  # an empty prompt, as sent
         RequestStarted(request_id="r2"),
         RequestAccepted(request_id="r3", command_id="r3", input={"prompt": "never started"}),  # adds nothing
     ]
@@ -347,6 +354,115 @@ def test_fold_of_an_old_journal() -> None:
 def test_fold_names_the_attempt_of_a_corrupt_payload() -> None:
     with pytest.raises(JournalCorruptError, match=r"model attempt r1-t1-a7: .*response\.text"):
         fold_conversation([attempt("r1-t1-a7", {"text": ["not", "text"]})])
+
+
+def fold_both(events: list[Event]) -> list[Message]:
+    """`fold_conversation` of *events*, checked equal to the incremental fold's history."""
+    fold = ConversationFold()
+    for event in events:
+        fold.feed(event)
+    history = fold_conversation(events)
+    assert fold.messages() == history
+    return history
+
+
+def both_refuse(events: list[Event], match: str) -> None:
+    with pytest.raises(JournalCorruptError, match=match):
+        fold_conversation(events)
+    fold = ConversationFold()
+    with pytest.raises(JournalCorruptError, match=match):
+        for event in events:
+            fold.feed(event)
+        fold.messages()
+
+
+def call_reply(*ids: str) -> dict[str, Any]:
+    return ModelReplyRecord(tool_calls=[ToolCallPart(i, "read", "{}") for i in ids]).to_payload()
+
+
+@pytest.mark.parametrize(("ids", "shown"), [(("",), "['']"), (("c1", "c1"), "['c1', 'c1']")])
+def test_a_stored_reply_with_an_empty_or_repeated_call_id_is_corrupt(ids: tuple[str, ...], shown: str) -> None:
+    # A live reply never has either (the assembler assigns unique ids); a provider refuses both.
+    with pytest.raises(JournalCorruptError, match=re.escape(shown)):
+        ModelReplyRecord.from_payload(call_reply(*ids))
+    both_refuse([attempt("r1-t1-a3", call_reply(*ids))], r"model attempt r1-t1-a3: .*not unique ids")
+
+
+def test_a_call_id_repeated_by_a_later_reply_is_corrupt() -> None:
+    events: list[Event] = [
+        RequestAccepted(request_id="r1", command_id="r1", input={"prompt": "hi"}),
+        RequestStarted(request_id="r1"),
+        attempt("r1-t1-a1", call_reply("c1")),
+        ToolCompleted(call_id="c1", result={"output": "one"}, **IDS),
+        attempt("r1-t2-a1", call_reply("c1"), turn_id="r1-t2"),
+    ]
+    both_refuse(events, r"tool call id 'c1' twice \(messages 1 and 3 of the history\)")
+    # A seeded call's id is as taken as a reply's.
+    history = encode_conversation(
+        [UserMessage("a"), AssistantMessage((ToolCallPart("c1", "read", "{}"),)), ToolResultMessage("c1", "x")]
+    )
+    both_refuse([ConversationSeeded(session_id="s", conversation=history), *events[:3]], "tool call id 'c1' twice")
+    assert fold_both(events[:4]) == [
+        UserMessage("hi"),
+        AssistantMessage((ToolCallPart("c1", "read", "{}"),)),
+        ToolResultMessage("c1", "one"),
+    ]
+
+
+def seeded(*messages: Any) -> dict[str, Any]:
+    return {"messages": list(messages)}
+
+
+USER = {"type": "UserMessage", "content": "hi"}
+CALL = {"type": "AssistantMessage", "parts": [{"type": "ToolCallPart", "id": "c1", "name": "read", "arguments": ""}]}
+
+
+@pytest.mark.parametrize(
+    ("conversation", "names"),
+    [
+        (seeded({"type": "UserMessage", "content": 12345}), r"cannot be decoded: .* expected str @ message\.content"),
+        (
+            seeded(USER, CALL, {"type": "ToolResultMessage", "tool_call_id": "c1", "content": "x", "is_error": 1}),
+            r"cannot be decoded: .* expected bool @ message\.is_error",
+        ),
+        (seeded(USER, {"type": "SystemMessage", "content": "evil"}), r": history\[1\] is a system message"),
+        (seeded(USER, CALL), r": history\[1\]: tool call\(s\) 'c1' are not answered"),
+        (seeded({"type": "AssistantMessage", "parts": []}), "starts with a user message"),
+        ({"messages": "hi"}, r" must be \{'messages'"),
+    ],
+)
+def test_a_seeded_conversation_history_would_refuse_is_corrupt(conversation: dict[str, Any], names: str) -> None:
+    # Read as strictly as `history=` checked it when given: nothing converted, nothing a provider refuses.
+    both_refuse([ConversationSeeded(session_id="s", conversation=conversation)], "^a seeded conversation.*" + names)
+
+
+@pytest.mark.parametrize(
+    ("given", "names"),
+    [
+        ({"prompt": {"secret": [1, 2]}}, r"the prompt of request 'r1' is \{'secret': \[1, 2\]\}, not a string"),
+        ({"prompt": ["a", "b"]}, r"the prompt of request 'r1' is \['a', 'b'\]"),
+        ({}, "the prompt of request 'r1' is None"),
+        ({"chat": True}, r"the messages of chat run 'r1' must be \{'messages'"),
+        ({"chat": True, "messages": []}, "chat run 'r1' was given no message"),
+        ({"chat": True, **seeded({"type": "UserMessage", "content": 5})}, r"chat run 'r1': .*expected str"),
+        ({"chat": True, **seeded({"type": "SystemMessage", "content": "x"})}, "is a system message"),
+    ],
+)
+def test_a_request_input_no_writer_makes_is_corrupt(given: dict[str, Any], names: str) -> None:
+    accepted = RequestAccepted(request_id="r1", command_id="r1", input=given)
+    both_refuse([accepted, RequestStarted(request_id="r1")], names)
+
+
+def test_the_inputs_writers_make_still_fold() -> None:
+    events: list[Event] = [
+        RequestAccepted(request_id="r1", command_id="r1", input={"prompt": "hi"}),
+        RequestStarted(request_id="r1"),
+        RequestAccepted(request_id="h", command_id="h", input={"start_subagent": "helper", "prompt": "go"}),
+        RequestAccepted(request_id="c", command_id="c", input={"resume": "r0"}),
+        RequestAccepted(request_id="x", command_id="x", input={"chat": True, "resume": "r0"}),
+        RequestAccepted(request_id="y", command_id="y", input={"chat": True, **seeded(USER)}),
+    ]
+    assert fold_both([*events, RequestStarted(request_id="y")]) == [UserMessage("hi"), UserMessage("hi")]
 
 
 # ---------------------------------------------------------------- against the live loop

@@ -675,3 +675,77 @@ async def test_a_read_in_flight_while_the_store_closes_ends_with_its_result(tmp_
             store._with_reader(slow)
     finally:
         await store_block.__aexit__(None, None, None)
+
+
+# ---------------------------------------------------------------- stored payloads a reopen must refuse
+
+
+def _rows(path: Path, stream: str = "s/root") -> list[tuple[int, dict[str, Any]]]:
+    return [
+        (seq, json.loads(body))
+        for seq, body in _sql(path, "SELECT seq, body FROM journal_events WHERE stream_id=? ORDER BY seq", (stream,))
+    ]
+
+
+def _rewrite_event(path: Path, kind: str, edit: Any) -> int:
+    """Rewrite the first stored event of type *kind* (checksum recomputed, snapshots dropped); its seq."""
+    seq = next(seq for seq, row in _rows(path) if row["event"]["type"] == kind)
+
+    def rewrite(body: str) -> str:
+        row = json.loads(body)
+        edit(row["event"])
+        return json.dumps(row, separators=(",", ":"))
+
+    _edit_body(path, "s/root", seq, rewrite, fix_checksum=True)
+    _sql(path, "DELETE FROM journal_snapshots")  # the events decide
+    return seq
+
+
+async def test_a_run_paused_whose_state_does_not_decode_fails_the_open_naming_its_row(tmp_path: Path) -> None:
+    from trio_agent import PausedReply, define_tool, open_session
+    from trio_agent.testing import Reply, TestModel
+
+    @define_tool(name="deploy", description="d", input_schema={"type": "object"}, side_effect=SideEffect.NON_IDEMPOTENT)
+    async def deploy(input: dict[str, Any], ctx: Any) -> str:
+        return "deployed"
+
+    path = tmp_path / "j.db"
+
+    def opened() -> Any:
+        model = TestModel(default=Reply(tool_calls=[("deploy", {})]))
+        options: Any = {"permissions": {"ask": ["deploy"]}, "permission_asks": "interrupt"}
+        return open_session(provider=model, tools=[deploy], journal=path, session_id="s", **options)
+
+    async with opened() as session:
+        assert isinstance(await session.send("go"), PausedReply)
+    seq = _rewrite_event(path, "run_paused", lambda event: event.__setitem__("state", {"bogus": 1}))
+    # It was a continuation refused for ever (invalid_payload, naming no row), the session stuck paused.
+    with pytest.raises(JournalCorruptError, match=rf"'s/root' .* at seq {seq}: run_paused .*does not decode"):
+        async with opened():
+            pass
+
+
+async def test_read_conversation_refuses_a_stream_a_reopen_refuses(tmp_path: Path) -> None:
+    from trio_agent import open_session
+    from trio_agent.journal import read_conversation
+    from trio_agent.testing import Reply, TestModel
+
+    path = tmp_path / "j.db"
+    async with open_session(provider=TestModel(default=Reply(text="hi")), journal=path, session_id="s") as session:
+        await session.send("go")
+    seq = _rewrite_event(path, "request_started", lambda event: event.__setitem__("request_id", "someone-else"))
+    async with open_sqlite_store(path, readonly=True) as store:
+        with pytest.raises(
+            JournalCorruptError, match=rf"'s/root' breaks the journal's rules at seq {seq}: request_started"
+        ):
+            await read_conversation(store, "s")
+
+
+def test_a_snapshot_whose_paused_state_does_not_decode_is_not_restored() -> None:
+    # `decode_snapshot` ignores a snapshot it cannot restore (with a warning) and the events decide.
+    from trio_agent._journal._projection import Projection, _State
+
+    state = _State()
+    state.paused["r1"] = {"bogus": 1}
+    with pytest.raises(JournalCorruptError, match="the paused state of request 'r1' does not decode"):
+        Projection.restored("s/root", state)

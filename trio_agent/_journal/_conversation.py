@@ -61,9 +61,9 @@ from cattrs.errors import IterableValidationError, IterableValidationNote
 from cattrs.strategies import configure_tagged_union
 
 from .._convert import LazyConverter
-from .._errors import JournalError
+from .._errors import HistoryError, JournalError
 from .._models._assemble import ModelReply
-from .._models._history import answer_orphan_calls
+from .._models._history import answer_orphan_calls, validate_history
 from .._models._messages import (
     AssistantMessage,
     ContentPart,
@@ -75,10 +75,11 @@ from .._models._messages import (
     ToolResultMessage,
     Usage,
     UserMessage,
+    configure_messages,
     message_converter,
 )
 from .._tools._results import JsonObject
-from ._errors import JournalCorruptError
+from ._errors import InvalidTransitionError, JournalCorruptError
 from ._events import (
     ConversationSeeded,
     Event,
@@ -99,6 +100,7 @@ from ._events import (
     ToolOutcomeUnknown,
     event_converter,
 )
+from ._projection import Projection
 from ._store import JournalStore, stream_id_for
 from ._stored import StoredIndex
 
@@ -176,10 +178,17 @@ class ModelReplyRecord:
         if not isinstance(payload, dict):
             raise JournalCorruptError(f"a model reply payload must be a JSON object, not {type(payload).__name__}")
         try:
-            return _converter.structure(payload, cls)
+            record = _converter.structure(payload, cls)
         except Exception as exc:
             details = "; ".join(cattrs.transform_error(exc, path="response"))
             raise JournalCorruptError(f"invalid model reply payload: {details}") from exc
+        if record.tool_calls:
+            # A live reply's ids are non-empty and unique (the assembler assigns them); a provider
+            # refuses a history with an empty or repeated one (repeats across replies: `_check_call_ids`).
+            ids = [call.id for call in record.tool_calls]
+            if "" in ids or len(set(ids)) != len(ids):
+                raise JournalCorruptError(f"invalid model reply payload: its tool call ids {ids!r} are not unique ids")
+        return record
 
 
 def reply_record(
@@ -275,14 +284,25 @@ def encode_conversation(messages: Iterable[Message]) -> JsonObject:
     return {"messages": [message_converter.unstructure(message, Message) for message in messages]}
 
 
-def decode_conversation(payload: object) -> list[Message]:
-    """The messages of a `ConversationSeeded` payload; `JournalCorruptError` if it holds something else."""
+def decode_conversation(payload: object, what: str = "a seeded conversation") -> list[Message]:
+    """The messages of a `ConversationSeeded` payload (or a ``chat()`` run's given ones); `JournalCorruptError`,
+    naming *what*, if it holds something else or a conversation that ``history=`` / ``chat()`` would refuse."""
     if not isinstance(payload, dict) or not isinstance(payload.get("messages"), list):
-        raise JournalCorruptError("a seeded conversation must be {'messages': [...]}")
+        raise JournalCorruptError(f"{what} must be {{'messages': [...]}}")
     try:
-        return [message_converter.structure(item, Message) for item in payload["messages"]]  # type: ignore[arg-type]
+        # Strict: 12345 is no text and 1 no flag (the message converter would make them "12345" and True).
+        messages: list[Message] = [
+            _message_converter.structure(item, Message)  # type: ignore[arg-type]
+            for item in payload["messages"]
+        ]
     except Exception as exc:
-        raise JournalCorruptError(f"a seeded message cannot be decoded: {exc}") from None
+        details = "; ".join(cattrs.transform_error(exc, path="message"))
+        raise JournalCorruptError(f"{what}: a message cannot be decoded: {details}") from None
+    try:
+        validate_history(messages)  # what it was checked against when given
+    except HistoryError as exc:
+        raise JournalCorruptError(f"{what}: {exc}") from None
+    return messages
 
 
 def fold_conversation(events: Iterable[Event]) -> list[Message]:
@@ -307,7 +327,7 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
         if isinstance(event, ConversationSeeded):
             history.extend(decode_conversation(event.conversation))
         elif isinstance(event, RequestAccepted):
-            queued[event.request_id] = accepted_messages(event.input)
+            queued[event.request_id] = accepted_messages(event.request_id, event.input)
         elif isinstance(event, RequestStarted):
             started = queued.pop(event.request_id, [])
             history.extend(started)
@@ -331,7 +351,25 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
                     history.append(ToolResultMessage(call.id, record.rejected[call.id], is_error=True))
                 elif call.id in outcomes:
                     history.append(outcomes[call.id])
+    _check_call_ids(history)
     return answer_orphan_calls(history, awaiting=[i for ids in awaiting.values() for i in ids])
+
+
+def _check_call_ids(history: list[Message]) -> None:
+    """`JournalCorruptError` if two tool calls of a rebuilt history share an id. A live reply never
+    repeats one (the assembler reserves the conversation's ids), a provider refuses the history, and
+    only the whole history shows it (a snapshot's entries are read no sooner than this)."""
+    seen: dict[str, int] = {}
+    for index, message in enumerate(history):
+        if isinstance(message, AssistantMessage):
+            for part in message.parts:
+                if isinstance(part, ToolCallPart):
+                    if part.id in seen:
+                        raise JournalCorruptError(
+                            f"the stored conversation uses tool call id {part.id!r} twice "
+                            f"(messages {seen[part.id]} and {index} of the history)"
+                        )
+                    seen[part.id] = index
 
 
 def paused_call_ids(event: RunPaused) -> list[str]:
@@ -342,15 +380,22 @@ def paused_call_ids(event: RunPaused) -> list[str]:
     return [call["id"] for call in calls if isinstance(call, dict) and isinstance(call.get("id"), str)]
 
 
-def accepted_messages(given: dict[str, Any]) -> list[Message]:
+def accepted_messages(request_id: str, given: dict[str, Any]) -> list[Message]:
     """What a request adds to the conversation when it starts, from its accepted input: its
     prompt; a ``chat()`` run's whole given history (``messages``); nothing for the holder request
-    of a start between requests or a continuation (``resume``)."""
+    of a start between requests or a continuation (``resume``). `JournalCorruptError` for an
+    input no writer makes (a prompt that is no string, a ``chat()`` run without messages)."""
     if "start_subagent" in given or "resume" in given:
         return []
-    if "messages" in given:
-        return decode_conversation(given)
-    return [UserMessage(str(given.get("prompt", "")))]
+    if "chat" in given:
+        messages = decode_conversation(given, f"the messages of chat run {request_id!r}")
+        if not messages:
+            raise JournalCorruptError(f"chat run {request_id!r} was given no message")
+        return messages
+    prompt = given.get("prompt")
+    if not isinstance(prompt, str):
+        raise JournalCorruptError(f"the prompt of request {request_id!r} is {prompt!r:.80}, not a string")
+    return [UserMessage(prompt)]
 
 
 def paused_inputs(event: RunPaused) -> list[str]:
@@ -451,11 +496,12 @@ class ConversationFold:
         elif isinstance(event, ConversationSeeded):
             s.entries.extend(decode_conversation(event.conversation))
         elif isinstance(event, RequestAccepted):
-            accepted_messages(event.input)  # a payload that cannot be read fails here, changing nothing
+            # An input that cannot be read fails here, changing nothing.
+            accepted_messages(event.request_id, event.input)
             s.queued[event.request_id] = dict(event.input)
         elif isinstance(event, RequestStarted):
             given = s.queued.pop(event.request_id, None)
-            started = accepted_messages(given) if given is not None else []
+            started = accepted_messages(event.request_id, given) if given is not None else []
             s.entries.extend(started)
             s.last_prompt = (event.request_id, len(started))
         elif isinstance(event, PromptSubmitted):
@@ -510,6 +556,7 @@ class ConversationFold:
                     history.append(answer)
             else:
                 history.append(entry)
+        _check_call_ids(history)
         return answer_orphan_calls(history, awaiting=[i for ids in self._s.awaiting.values() for i in ids])
 
     @property
@@ -666,6 +713,15 @@ def _configure(converter: cattrs.Converter) -> None:
 _converter = LazyConverter(configure=_configure, forbid_extra_keys=True)
 
 
+def _configure_messages(converter: cattrs.Converter) -> None:
+    _configure(converter)
+    configure_messages(converter)
+
+
+# Stored messages (a seeded conversation, a chat run's): the message converter's tagged form, read strictly.
+_message_converter = LazyConverter(configure=_configure_messages, forbid_extra_keys=True)
+
+
 def _configure_fold(converter: cattrs.Converter) -> None:
     for kind in (str, int, bool):
         converter.register_structure_hook(kind, _strict(kind))
@@ -696,9 +752,20 @@ _fold_converter = LazyConverter(configure=_configure_fold, forbid_extra_keys=Tru
 async def read_conversation(store: JournalStore, session_id: str, *, agent_id: str = "root") -> list[Message]:
     """The conversation of one agent of a session, as its journal tells it (the root's by default).
 
-    Works on a live, closed or ended session, from any process that can read the store.
+    Works on a live, closed or ended session, from any process that can read the store. The
+    stream is judged by the rules a reopen judges it by (`Projection`): one a reopen refuses is a
+    `JournalCorruptError` naming the stream and seq here too, never a plausible history.
     """
-    events = await store.read(stream_id_for(session_id, agent_id))
-    if not events:
+    stream_id = stream_id_for(session_id, agent_id)
+    envelopes = await store.read(stream_id)
+    if not envelopes:
         raise JournalError(f"session {session_id!r} has no journal stream for agent {agent_id!r}")
-    return fold_conversation(envelope.event for envelope in events)
+    projection = Projection(stream_id)
+    for envelope in envelopes:
+        try:
+            projection.apply(envelope)
+        except InvalidTransitionError as exc:
+            raise JournalCorruptError(
+                f"stored stream {stream_id!r} breaks the journal's rules at seq {envelope.seq}: {exc}"
+            ) from exc
+    return fold_conversation(envelope.event for envelope in envelopes)

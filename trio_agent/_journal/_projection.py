@@ -23,7 +23,9 @@ Everything that decides a transition lives in this file, in the tables
   accepted -> failed | interrupted. At most one request is started and not
   ended. A request cannot end while one of its turns is open. ``run_paused``
   keeps where it paused (`Projection.pause`) until ``interrupts_resolved``
-  moves it to resumed; that event names the continuation, which must be the
+  moves it to resumed; its state must decode as a paused state (`pause_from_json`: it
+  is read back on every reopen, and one that does not would leave the session
+  stuck paused), also in a restored snapshot; that event names the continuation, which must be the
   started request, and it is accepted once: a replayed continuation is refused.
   ``prompt_submitted`` only for the started request, before its first turn.
 * Turn: started (its request is the started one, no other turn open, numbers
@@ -77,8 +79,10 @@ from typing import Any
 import attrs
 
 from .._builders import constructor
+from .._lifecycle._interrupts import pause_from_json
+from .._loop._interrupts import InterruptResumeError
 from .._tools._definition import SideEffect
-from ._errors import InvalidTransitionError
+from ._errors import InvalidTransitionError, JournalCorruptError
 from ._events import (
     SCHEMA_VERSION,
     ConversationSeeded,
@@ -484,7 +488,12 @@ class Projection:
 
     @classmethod
     def restored(cls, stream_id: str, state: _State) -> Projection:
-        """The projection whose state is ``state`` (a snapshot's; it is taken, not copied)."""
+        """The projection whose state is ``state`` (a snapshot's; it is taken, not copied);
+        `JournalCorruptError` if a paused request's state does not decode."""
+        for request_id, paused in state.paused.items():
+            problem = _paused_state_problem(paused)
+            if problem is not None:
+                raise JournalCorruptError(f"the paused state of request {request_id!r} {problem}")
         projection = cls(stream_id)
         projection._s = state
         return projection
@@ -798,6 +807,12 @@ class Projection:
         new = _REQUEST.get((type(event), state))
         if new is None:
             raise self._not_allowed(envelope, "the request", state)
+        if isinstance(event, RunPaused):
+            # Read back by every reopen (`Projection.pause`): refused here, where the stream is
+            # read, not later as a continuation that can never be answered. Pauses are rare.
+            problem = _paused_state_problem(event.state)
+            if problem is not None:
+                raise self._error(envelope, f"its state {problem}")
         if isinstance(event, RequestStarted) and s.active_request is not None:
             raise self._error(envelope, f"request {s.active_request!r} is still running")
         if s.open_turn is not None and s.turns[s.open_turn].request_id == request_id:
@@ -1219,3 +1234,12 @@ _HANDLERS: dict[type[Any], _Handler] = {
     SubagentCompleted: Projection._subagent,
     SubagentCancelled: Projection._subagent,
 }
+
+
+def _paused_state_problem(state: object) -> str | None:
+    """What keeps a ``run_paused`` state from decoding (`pause_from_json`), or ``None``."""
+    try:
+        pause_from_json(state)
+    except InterruptResumeError as exc:
+        return "does not decode: " + "; ".join(issue.message for issue in exc.issues)
+    return None
