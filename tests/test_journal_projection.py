@@ -707,7 +707,7 @@ def _step(m: _Model, kind: str, event: Any, draw: Any) -> Any:
         rid = m.fresh("r")
         m.accepted.append(rid)
         m.turns[rid] = 0
-        event = RequestAccepted(request_id=rid, command_id=f"cmd-{rid}", input={"n": m.n})
+        event = RequestAccepted(request_id=rid, command_id=f"cmd-{rid}", input={"prompt": f"p{m.n}"})
     elif kind == "start_request":
         m.accepted.remove(event.request_id)
         m.active = event.request_id

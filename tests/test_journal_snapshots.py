@@ -183,7 +183,27 @@ def conversation_events(draw: Any) -> list[Event]:
             ConversationSeeded(session_id=SID, conversation={"messages": [{"type": "UserMessage", "content": "s"}]})
         ),
     )
-    return list(draw(st.lists(one, max_size=30)))
+    return _unique_call_ids(draw(st.lists(one, max_size=30)))
+
+
+def _unique_call_ids(events: list[Event]) -> list[Event]:
+    """*events* with each call id a reply repeats renamed (a live reply never repeats one; a stored
+    one that does is corrupt): a settlement still settles the first call of its id."""
+    taken: set[str] = set()
+    out: list[Event] = []
+    for event in events:
+        if isinstance(event, ModelAttemptCompleted):
+            record = ModelReplyRecord.from_payload(event.response)
+            renamed = {c.id: c.id if c.id not in taken else f"{c.id}~{len(taken)}" for c in record.tool_calls}
+            taken.update(renamed.values())
+            record = attrs.evolve(
+                record,
+                tool_calls=[attrs.evolve(c, id=renamed[c.id]) for c in record.tool_calls],
+                rejected={renamed[k]: v for k, v in record.rejected.items()},
+            )
+            event = attrs.evolve(event, response=record.to_payload())
+        out.append(event)
+    return out
 
 
 def session_notes(events: list[Event]) -> list[Event]:
@@ -769,7 +789,7 @@ async def test_a_reopen_decodes_no_call_of_an_ended_request_until_one_is_asked_f
         assert record is not None and record.result is not None and record.result.output == 2
         assert not stream.calls.stored
         reused = scheduled("c1", request_id="r9", turn_id="t9")
-        await journal.append(RequestAccepted(request_id="r9", command_id="r9", input={}), command_id="r9")
+        await journal.append(RequestAccepted(request_id="r9", command_id="r9", input={"prompt": "p9"}), command_id="r9")
         await journal.append(RequestStarted(request_id="r9"), TurnStarted(request_id="r9", turn_id="t9", turn=1))
         with pytest.raises(InvalidTransitionError, match="completed"):
             await journal.append(reused)  # an old call id is never reused
@@ -778,13 +798,17 @@ async def test_a_reopen_decodes_no_call_of_an_ended_request_until_one_is_asked_f
         assert history == fold_conversation(e.event for e in await store.read(ROOT))
 
 
+CALL_C1 = {"id": "c1", "name": "tool", "arguments": "{}"}
+
+
 async def test_an_approval_is_forgotten_with_its_request_so_a_reopen_reads_no_ended_call() -> None:
     store = MemoryStore()
     async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
         append = journal.append
         await append(RequestAccepted(request_id="r1", command_id="r1", input={"prompt": "p"}), command_id="r1")
         await append(RequestStarted(request_id="r1"))
-        await append(RunPaused(request_id="r1", state={"pending_calls": [{"id": "c1"}]}))
+        paused = {"phase": "before_tools", "interrupts": [], "messages": [], "pending_calls": [CALL_C1]}
+        await append(RunPaused(request_id="r1", state=paused))
         await append(RequestAccepted(request_id="r2", command_id="r2", input={"resume": "r1"}), command_id="r2")
         await append(RequestStarted(request_id="r2"))
         await append(InterruptsResolved(request_id="r1", continuation_id="r2", answers={}, approved=("c1",)))
