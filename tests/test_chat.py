@@ -38,6 +38,7 @@ from trio_agent.journal import (
     RequestInterruptReason,
     RequestStarted,
     open_journal,
+    read_conversation,
 )
 from trio_agent.lifecycle import MiddlewareDecisionError
 from trio_agent.models import ModelService, SystemMessage, ToolResultMessage, Usage, UserMessage
@@ -316,6 +317,17 @@ async def test_a_durable_chat_run_is_recorded_as_a_request() -> None:
     assert result.text == "the sum is 3"
     assert any(isinstance(e, RequestStarted) for e in events)
     assert isinstance(events[-1], RequestCompleted)
+
+
+async def test_a_journal_of_chat_runs_given_their_whole_history_reads_back_as_the_last_run_saw_it() -> None:
+    # Each run's given messages were appended to the ones before: the history read back held the
+    # first run twice, and (since stored conversations are checked) read as corrupt.
+    store = MemoryStore()
+    async with open_journal(store, session_id="c1") as journal:
+        first = await chat(adder(), "add", tools=[add], journal=journal)
+        second = await chat(adder(), [*first.messages, UserMessage("again")], tools=[add], journal=journal)
+        assert journal.conversation() == list(second.messages)
+    assert await read_conversation(store, "c1") == list(second.messages)
 
 
 async def journal_events(store: MemoryStore, journal: Any) -> list[Any]:

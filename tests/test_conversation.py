@@ -462,7 +462,9 @@ def test_the_inputs_writers_make_still_fold() -> None:
         RequestAccepted(request_id="x", command_id="x", input={"chat": True, "resume": "r0"}),
         RequestAccepted(request_id="y", command_id="y", input={"chat": True, **seeded(USER)}),
     ]
-    assert fold_both([*events, RequestStarted(request_id="y")]) == [UserMessage("hi"), UserMessage("hi")]
+    assert fold_both(events) == [UserMessage("hi")]
+    # A chat() run is given its whole history: it replaces the one before it.
+    assert fold_both([*events, RequestStarted(request_id="y")]) == [UserMessage("hi")]
 
 
 # ---------------------------------------------------------------- against the live loop

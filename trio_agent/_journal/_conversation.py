@@ -20,7 +20,8 @@ Rules
   the calls, the order the assembler gives a live reply.
 * Fold, over one agent stream's events in order:
   - `RequestStarted` -> the ``prompt`` its `RequestAccepted` carried, as a user
-    message (a ``chat()`` run: its given ``messages``), except the holder requests of
+    message (a ``chat()`` run: its given ``messages``, which replace the history before
+    it: each run is given its whole history, what its model sees), except the holder requests of
     ``start_subagent`` and continuations (``resume``: they carry no prompt). A request
     that never started (refused or aborted while queued) adds nothing, as live, and
     the incremental fold forgets its input when it ends;
@@ -321,15 +322,17 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
             awaiting.pop(event.request_id, None)
             outcomes.update(resolved_answers(event))
     history: list[Message] = []
-    queued: dict[str, list[Message]] = {}  # accepted, not started: the prompt waits for its start
+    queued: dict[str, tuple[bool, list[Message]]] = {}  # accepted, not started: (a chat run?, its prompt)
     last_prompt: tuple[str, int] | None = None  # the started request whose prompt ends the history
     for event in events:
         if isinstance(event, ConversationSeeded):
             history.extend(decode_conversation(event.conversation))
         elif isinstance(event, RequestAccepted):
-            queued[event.request_id] = accepted_messages(event.request_id, event.input)
+            queued[event.request_id] = ("chat" in event.input, accepted_messages(event.request_id, event.input))
         elif isinstance(event, RequestStarted):
-            started = queued.pop(event.request_id, [])
+            chat_run, started = queued.pop(event.request_id, (False, []))
+            if chat_run:
+                history.clear()  # its given messages are the whole history its model sees
             history.extend(started)
             last_prompt = (event.request_id, len(started))
         elif isinstance(event, PromptSubmitted):
@@ -502,6 +505,10 @@ class ConversationFold:
         elif isinstance(event, RequestStarted):
             given = s.queued.pop(event.request_id, None)
             started = accepted_messages(event.request_id, given) if given is not None else []
+            if given is not None and "chat" in given:
+                # A chat() run is given its whole history, what its model sees: it replaces the fold's.
+                self._stored = self._encoded = None
+                s.entries.clear()
             s.entries.extend(started)
             s.last_prompt = (event.request_id, len(started))
         elif isinstance(event, PromptSubmitted):
