@@ -470,3 +470,22 @@ async def test_a_failed_request_keeps_its_error_code_in_the_journal_and_its_done
     ]
     done = seen[-1]
     assert isinstance(done, DoneEvent) and done.error_code == "rate_limited"
+
+
+async def test_an_error_that_leaves_a_request_in_a_group_keeps_its_own_cause(monkeypatch: pytest.MonkeyPatch) -> None:
+    # send() unwrapped a group to its one error with `raise ... from None`, which wiped the error's
+    # own __cause__ (a RequestAbortedError's cause is what ended the request).
+    from trio_agent._session._host import SessionHost
+
+    cause = KeyError("the store of a tool's own")
+
+    async def failing(self: Any, request: Any) -> None:
+        ended = RequestAbortedError("ended", reason="error")
+        ended.__cause__ = cause
+        raise ExceptionGroup("a hook's nursery", [ended])
+
+    monkeypatch.setattr(SessionHost, "run_request", failing)
+    async with open_session(provider=TestModel(default=Reply("hi"))) as session:
+        with pytest.raises(RequestAbortedError) as caught:
+            await session.send("go")
+    assert caught.value.__cause__ is cause

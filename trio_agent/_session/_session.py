@@ -32,7 +32,7 @@ from .._errors import (
     SessionPausedError,
     TrioAgentError,
 )
-from .._groups import cancelled_around, is_cancellation, unwrap_for_boundary
+from .._groups import cancelled_around, is_cancellation, raise_for_boundary
 from .._journal._durable import DurableJournal, RecoveryReport
 from .._journal._events import (
     ErrorInfo,
@@ -286,7 +286,7 @@ class Session:
             try:
                 await queue.run_here(request, self._host.run_request, self._cancelled_by)
             except BaseExceptionGroup as group:  # a tool's or a hook's nursery, cancelled: one error out
-                raise unwrap_for_boundary(group) from None
+                raise_for_boundary(group)
         else:
             await queue.accept(request, self._cancelled_by)
             try:
@@ -416,7 +416,7 @@ class Session:
             async with self._queue.slot():
                 return await self._start_between_requests(name, prompt, parent)
         except BaseExceptionGroup as group:
-            raise unwrap_for_boundary(group) from None
+            raise_for_boundary(group)
 
     async def _start_under(self, request: _Request, name: str, prompt: str, parent: str) -> SubagentHandle:
         """Start it under *request*, which waits for the start to be recorded before it ends."""

@@ -36,7 +36,7 @@ from psycopg.rows import TupleRow
 
 from .._config import validate_id
 from .._errors import ConfigError, JournalError, JournalUnavailableError
-from .._groups import unwrap_for_boundary
+from .._groups import raise_for_boundary
 from .._journal._durable import ROOT_AGENT
 from .._journal._events import RequestCompleted, RequestFailed, RequestInterrupted, RunPaused, SessionClosed
 from .._journal._postgres import PostgresStore
@@ -108,7 +108,7 @@ async def wait_for_request(store: JournalStore, session_id: str, request_id: str
             nursery.start_soon(first, _journal_outcome)
             nursery.start_soon(first, _refusal)
     except BaseExceptionGroup as group:  # one error out (the journal's, typed), never a group
-        raise unwrap_for_boundary(group) from None
+        raise_for_boundary(group)
     return found[0]
 
 
