@@ -2015,3 +2015,105 @@ def test_evaluate_walks_the_table_as_decide_does(
             verdict.tool_kind, verdict.side_effect, verdict.affected_paths,
         )  # fmt: skip
         assert (decision.source, decision.message, decision.asked) == (DecisionSource.HANDLER, ASKED.message, True)
+
+
+# -- the stage's fast path: a call the table allows whatever its input ---------------------------------
+
+
+def _plain_tool(kind: str, schema: dict[str, Any], **options: Any) -> Tool[Any]:
+    return define_tool(
+        _echo, name="Plain", description="a plain tool", kind=kind, side_effect="pure", input_schema=schema, **options
+    )
+
+
+_PLAIN_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+async def test_a_plain_tool_in_a_mode_that_allows_its_kind_is_allowed_outright() -> None:
+    """The stage skips the table (`allows_outright`) exactly where nothing but the schema can refuse."""
+    tool = _plain_tool("readonly", _PLAIN_SCHEMA)
+    plain = PermissionEngine()
+    assert plain.allows_outright(tool, "root")
+    walked: list[str] = []
+
+    class Counting(PermissionEngine):
+        __slots__ = ()
+
+        async def decide(self, tool: Tool[Any], input: Any, context: ExecutionContext) -> Decision:
+            walked.append(tool.name)
+            return await super().decide(tool, input, context)
+
+    counting = Counting()
+    stage = counting.as_stage()
+    assert await stage(StageRequest(tool, {"n": 1}, ctx(), tool.behavior)) == Allow(None)
+    assert walked == []  # allowed without walking the table
+    # Input that fails the schema walks it, and is denied as the table denies it.
+    decision = await stage(StageRequest(tool, {"n": "x"}, ctx(), tool.behavior))
+    assert isinstance(decision, Deny) and decision.type is ToolErrorType.VALIDATION
+    assert walked == ["Plain"]
+    # Anything that could refuse some input, or ask, takes the table.
+    assert not PermissionEngine(mode="plan").allows_outright(_plain_tool("write", _PLAIN_SCHEMA), "root")
+    assert not PermissionEngine().allows_outright(_plain_tool("execute", _PLAIN_SCHEMA), "root")
+    assert not PermissionEngine(PermissionRules(ask=("Plain",))).allows_outright(tool, "root")
+    assert not PermissionEngine(PermissionRules(deny=("Other",))).allows_outright(tool, "root")
+    assert not PermissionEngine(tool_filter=ToolFilter(allowed=["Other"])).allows_outright(tool, "root")
+    assert not PermissionEngine(signature_content={"Plain": lambda input: "x"}).allows_outright(tool, "root")
+    assert not PermissionEngine().allows_outright(
+        _plain_tool("readonly", _PLAIN_SCHEMA, check_permissions=lambda i: None), "root"
+    )
+
+
+_FAST_RULES = st.sampled_from(["Plain", "Other", "Plain:rm *", "Plain:ls*"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kind=st.sampled_from(["readonly", "write", "execute"]),
+    mode=st.sampled_from(list(PermissionMode)),
+    allow=st.lists(_FAST_RULES, max_size=1, unique=True),
+    ask=st.lists(_FAST_RULES, max_size=1, unique=True),
+    deny=st.lists(_FAST_RULES, max_size=1, unique=True),
+    allowed_tools=st.sampled_from([None, ["Plain"], ["Other"]]),
+    with_check=st.booleans(),
+    with_content=st.booleans(),
+    command=st.sampled_from(["ls", "rm -rf x", 7]),
+)
+def test_the_stage_decides_as_the_table_with_or_without_the_fast_path(
+    kind: str,
+    mode: PermissionMode,
+    allow: list[str],
+    ask: list[str],
+    deny: list[str],
+    allowed_tools: list[str] | None,
+    with_check: bool,
+    with_content: bool,
+    command: Any,
+) -> None:
+    """Whatever the configuration and input, the stage answers what `decide` answers (the fast
+    path only skips a walk whose answer is known), and the fast path allows nothing the table denies."""
+    try:
+        rules = PermissionRules(allow=tuple(allow), ask=tuple(ask), deny=tuple(deny))
+    except ConfigError:
+        return  # the same rule in two lists
+    schema = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
+    tool = _plain_tool(
+        kind,
+        schema,
+        check_permissions=(lambda input: PermissionAsk("check")) if with_check else None,
+        signature_content=(lambda input: input["command"]) if with_content else None,
+    )
+    permissions = PermissionEngine(
+        rules,
+        mode=mode,
+        tool_filter=None if allowed_tools is None else ToolFilter(allowed=allowed_tools),
+    )
+    input = {"command": command}
+
+    async def main() -> None:
+        table = await permissions.decide(tool, input, ctx())
+        staged = await permissions.as_stage()(StageRequest(tool, input, ctx(), tool.behavior))
+        assert staged == table.to_stage_decision(input)
+        if permissions.allows_outright(tool, "root") and isinstance(command, str):
+            assert table.allowed
+
+    trio.run(main)

@@ -39,7 +39,7 @@ from .._json import json_problem
 from .._tools._context import ExecutionContext
 from .._tools._definition import SideEffect, Tool, ToolKind
 from .._tools._results import JsonObject, json_copy
-from .._tools._stages import Stage, StageDecision, StageRequest
+from .._tools._stages import Allow, Stage, StageDecision, StageRequest
 from ._rules import (
     MODE_TABLE,
     PathPolicy,
@@ -86,6 +86,7 @@ __all__ = [
 logger = logging.getLogger("trio_agent.permissions")
 
 _NO_RULES = PermissionRules()  # immutable: every engine without rules shares it
+_ALLOW_AS_IS = Allow(None)  # the stage's allow of a call's own input (immutable: shared)
 # An empty session layer: an engine makes its own collections when it first changes (an idle
 # session that was never asked keeps none), and until then shares its template's `Policy`.
 _NO_APPROVALS: frozenset[str] = frozenset()
@@ -364,8 +365,11 @@ class _PermissionStage:
             given = answered.pop((context.agent_id, context.tool_call_id), None)
             if given is not None:
                 return given
-        decision = await self.engine.decide(request.tool, request.input, request.context)
-        return decision.to_stage_decision(request.input)
+        engine, tool, input = self.engine, request.tool, request.input
+        if engine.allows_outright(tool, request.context.agent_id) and not tool.input_errors(input):
+            return _ALLOW_AS_IS  # what the table would decide, without walking it
+        decision = await engine.decide(tool, input, request.context)
+        return decision.to_stage_decision(input)
 
     permission_stage.__qualname__ = "PermissionEngine.permission_stage"  # the name a stage's error shows
 
@@ -846,6 +850,48 @@ class PermissionEngine:
                 self._path_policy, signatures,
             )  # fmt: skip
         return policy
+
+    def allows_outright(self, tool: Tool[Any], agent_id: str) -> bool:
+        """Whether the table, as it stands, allows every schema-valid call of *tool* by *agent_id*
+        whatever its input: nothing of the input is read past its schema (no tool check, behaviour
+        resolver, signature content or affected paths), no deny or ask rule could match, no path
+        policy applies, the mode allows the tool's kind and the agent's tool filter the tool.
+        Then `decide` would allow such a call (stage 10, or an allow rule or approval before it),
+        asking and recording nothing: the permission stage skips the walk. (A filter that refuses
+        is asked again by `decide`, which denies.)"""
+        if (
+            type(tool) is not Tool
+            or tool.check_permissions is not None
+            or tool.resolver is not None
+            or tool.affected_paths is not None
+            or tool.signature_content is not None
+        ):
+            return False
+        if (
+            self._path_policy is not None
+            or self._content_fn is not None
+            or self._session_deny
+            or tool.name in self._tool_checks
+        ):
+            return False
+        content = self._content_map.get(tool.name)
+        # The tool's own conventional field (what sessions register for every tool) reads the
+        # input and cannot fail; anything else might deny a call for its content.
+        if content is not None and (
+            getattr(content, "__self__", None) is not tool
+            or getattr(content, "__func__", None) is not Tool.signature_content_for
+        ):
+            return False
+        mode = self._mode
+        if MODE_TABLE[mode][tool.kind] is not RuleBehavior.ALLOW:
+            return False
+        rules = self._rules
+        if rules is not _NO_RULES and (
+            rules.rules(RuleBehavior.DENY) or (mode is not PermissionMode.BYPASS and rules.rules(RuleBehavior.ASK))
+        ):
+            return False
+        tool_filter = self._filter_for(agent_id)
+        return tool_filter is None or tool_filter.allows(tool.name)
 
     def _check_for(self, tool: Tool[Any]) -> ToolPermissionCheck | None:
         check = self._tool_checks.get(tool.name)
