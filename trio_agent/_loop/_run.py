@@ -905,17 +905,23 @@ class _Run:
 
             token = stop.add_listener(steer)
 
-        def checked(part: ToolCallPart) -> ToolResult | dict[str, Any]:
-            return rejected[part.id] if part.id in rejected else arguments[part.id]
-
         try:
             if len(calls) == 1:  # nothing to run beside it: no task of its own
                 part = calls[0]
-                await self._run_call(turn_id, part, checked(part), slots, 0, steering, stages)
+                await self._run_call(turn_id, part, _checked(part, rejected, arguments), slots, 0, steering, stages)
             else:
                 async with trio.open_nursery() as nursery:
                     for index, part in enumerate(calls):
-                        nursery.start_soon(self._run_call, turn_id, part, checked(part), slots, index, steering, stages)
+                        nursery.start_soon(
+                            self._run_call,
+                            turn_id,
+                            part,
+                            _checked(part, rejected, arguments),
+                            slots,
+                            index,
+                            steering,
+                            stages,
+                        )
         except BaseExceptionGroup as group:
             # One exception, as a lone call would raise (a cancellation goes on unchanged).
             failure = first_failure(group)
@@ -977,25 +983,7 @@ class _Run:
             return
         if not quiet:
             await events(ToolCallEnd(run_id, agent_id, part.id, part.name, checked))
-        announced = not quiet
-
-        async def heard() -> bool:
-            """Whether anything listens now; one that arrived while the call ran hears of it first."""
-            nonlocal announced
-            if announced:
-                return True
-            if self.quiet:
-                return False
-            announced = True
-            await events(ToolCallStart(run_id, agent_id, part.id, part.name, self.message_id))
-            await events(ToolCallArgs(run_id, agent_id, part.id, part.arguments))
-            await events(ToolCallEnd(run_id, agent_id, part.id, part.name, checked))
-            return True
-
-        async def on_item(item: Any) -> None:
-            if await heard():
-                await events(ToolCallProgress(run_id, agent_id, part.id, item))
-
+        call_events = _CallEvents(self, part, checked, announced=not quiet)
         origin = CallOrigin(spec.session_id, agent_id, run_id, turn_id, spec.lineage)
         record: ToolExecutionRecord | None = None
         try:
@@ -1004,7 +992,7 @@ class _Run:
                 origin,
                 abort=ports.abort,
                 steering=steering,
-                on_item=on_item,
+                on_item=call_events.on_item,
                 stages=stages,
             )
         except (LeaseLostError, JournalError):
@@ -1016,8 +1004,47 @@ class _Run:
         slots[index] = result  # no await since the call settled: the answer is never lost
         if record is not None and record.effects:
             await ports.effects(agent_id, part.id, record.effects)  # only now: the call is settled
-        if await heard():
+        if await call_events.heard():
             await events(ToolCallResult(run_id, agent_id, part.id, part.name, result))
+
+
+def _checked(
+    part: ToolCallPart, rejected: Mapping[str, ToolResult], arguments: Mapping[str, dict[str, Any]]
+) -> ToolResult | dict[str, Any]:
+    """A call's answer if it was refused before it could run, else its parsed arguments."""
+    return rejected[part.id] if part.id in rejected else arguments[part.id]
+
+
+class _CallEvents:
+    """The events of one tool call for a listener that may arrive while it runs (one object, not
+    two closures and their cells: thousands of calls may be in flight)."""
+
+    __slots__ = ("announced", "checked", "part", "run")
+
+    def __init__(self, run: _Run, part: ToolCallPart, checked: dict[str, Any], *, announced: bool) -> None:
+        self.run = run
+        self.part = part
+        self.checked = checked
+        self.announced = announced
+
+    async def heard(self) -> bool:
+        """Whether anything listens now; one that arrived while the call ran hears of it first."""
+        if self.announced:
+            return True
+        run = self.run
+        if run.quiet:
+            return False
+        self.announced = True
+        part, events, run_id, agent_id = self.part, run.events, run.spec.run_id, run.spec.agent_id
+        await events(ToolCallStart(run_id, agent_id, part.id, part.name, run.message_id))
+        await events(ToolCallArgs(run_id, agent_id, part.id, part.arguments))
+        await events(ToolCallEnd(run_id, agent_id, part.id, part.name, self.checked))
+        return True
+
+    async def on_item(self, item: Any) -> None:
+        if await self.heard():
+            run = self.run
+            await run.events(ToolCallProgress(run.spec.run_id, run.spec.agent_id, self.part.id, item))
 
 
 class _RetryableFailure(Exception):
