@@ -23,6 +23,8 @@ def seconds_problem(value: object, *, allow_zero: bool = False, maximum: float |
     both raise OverflowError, and Python compares ints and floats exactly (NaN fails every
     comparison, infinity the upper bound). The value is printed through `short_repr`."""
     top = _LARGEST_FLOAT if maximum is None else maximum
+    if type(value) is float and 0 < value <= top:  # the usual case, judged alike (NaN fails it)
+        return None
     number = not isinstance(value, bool) and isinstance(value, (int, float))
     if number and (value >= 0 if allow_zero else value > 0) and value <= top:  # type: ignore[operator]
         return None

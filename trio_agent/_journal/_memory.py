@@ -30,7 +30,6 @@ import struct
 from collections.abc import Iterator, Sequence
 from typing import overload
 
-import attrs
 import trio
 
 from .._errors import (
@@ -311,7 +310,7 @@ class MemoryStore:
         check_id(lease.owner, "lease owner")
         current = self._leases.get(lease.session_id)
         if current is not None and releases(self._row(lease.session_id), lease.token):
-            self._leases[lease.session_id] = attrs.evolve(current, expires_at=float("-inf"))
+            self._leases[lease.session_id] = Lease(current.session_id, current.owner, current.token, -math.inf)
 
     async def current_lease(self, session_id: str) -> Lease | None:
         await trio.lowlevel.checkpoint()
