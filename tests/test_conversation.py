@@ -271,6 +271,68 @@ def test_unanswered_calls_are_answered_right_after_their_message() -> None:
     assert ORPHAN_ANSWER == "no result was recorded (interrupted)"
 
 
+def orphan(call_id: str) -> ToolResultMessage:
+    return ToolResultMessage(call_id, ORPHAN_ANSWER, is_error=True)
+
+
+def test_orphan_answers_keep_the_call_order_of_their_message() -> None:
+    # The unanswered calls' answers went first, ahead of the answers already there: a-c-e-b-d
+    # here, where the live loop (which answers a turn's calls in call order) has a-b-c-d-e.
+    calls = AssistantMessage(tuple(ToolCallPart(i, "t", "") for i in "abcde"))
+    history: list[Message] = [UserMessage("go"), calls, ToolResultMessage("b", "B"), ToolResultMessage("d", "D")]
+    assert answer_orphan_calls(history) == [
+        UserMessage("go"),
+        calls,
+        orphan("a"),
+        ToolResultMessage("b", "B"),
+        orphan("c"),
+        ToolResultMessage("d", "D"),
+        orphan("e"),
+    ]
+    # A waiting call gets none, and the rest keep their order around it.
+    assert answer_orphan_calls(history, awaiting=["c"]) == [
+        UserMessage("go"),
+        calls,
+        orphan("a"),
+        ToolResultMessage("b", "B"),
+        ToolResultMessage("d", "D"),
+        orphan("e"),
+    ]
+    # Answers already there are never moved, even out of call order: an orphan goes before the
+    # first answer of a later call.
+    moved: list[Message] = [UserMessage("go"), calls, ToolResultMessage("d", "D"), ToolResultMessage("b", "B")]
+    assert answer_orphan_calls(moved) == [
+        UserMessage("go"),
+        calls,
+        orphan("a"),
+        orphan("c"),
+        ToolResultMessage("d", "D"),
+        ToolResultMessage("b", "B"),
+        orphan("e"),
+    ]
+
+
+def test_a_rebuilt_turn_answers_a_refused_call_and_a_lost_one_in_call_order() -> None:
+    # A crash after the reply: "rej" was refused with the reply, "lost" (after it) never settled.
+    # The lost call's answer went right after the message, ahead of the refusal of the call before it.
+    record = ModelReplyRecord(
+        tool_calls=[ToolCallPart("rej", "nope", "{}"), ToolCallPart("lost", "read", "{}")],
+        rejected={"rej": "unknown tool 'nope'"},
+        finish_reason=FinishReason.TOOL_CALLS,
+    )
+    events: list[Event] = [
+        RequestAccepted(request_id="r1", command_id="r1", input={"prompt": "hi"}),
+        RequestStarted(request_id="r1"),
+        attempt("r1-t1-a1", record.to_payload()),
+    ]
+    assert fold_both(events) == [
+        UserMessage("hi"),
+        record.message(),
+        ToolResultMessage("rej", "unknown tool 'nope'", is_error=True),
+        orphan("lost"),
+    ]
+
+
 # ---------------------------------------------------------------- the fold
 
 
@@ -317,13 +379,13 @@ def test_fold_over_real_events() -> None:
         UserMessage("hello"),
         UserMessage("steer"),
         AssistantMessage((thinking, TextPart("working"), *first.tool_calls)),
-        # Unanswered calls first (answer_orphan_calls puts them right after the message), as before.
-        ToolResultMessage("lost", ORPHAN_ANSWER, is_error=True),
+        # In call order, the unanswered call's answer included (as the live loop answers a turn).
         ToolResultMessage("rej", "unknown tool 'nope'", is_error=True),
         ToolResultMessage("ok", "file text"),
         ToolResultMessage("err", '{"error": "denied"}', is_error=True),
         ToolResultMessage("unknown", OUTCOME_UNKNOWN_ANSWER, is_error=True),
         ToolResultMessage("hidden", WITHHELD_ANSWER, is_error=True),  # its result was never published
+        ToolResultMessage("lost", ORPHAN_ANSWER, is_error=True),
         AssistantMessage((TextPart("done"),)),
         UserMessage(""),
     ]

@@ -6,8 +6,9 @@ Rules
 * Every `ToolCallPart` of an `AssistantMessage` needs a `ToolResultMessage` with
   its id somewhere in the history; providers refuse a call left unanswered. A
   call without one (its run was interrupted, its result never published) gets
-  an error answer right after its assistant message, in call order, ahead of
-  any answers already there.
+  an error answer among the answers right after its assistant message, where its
+  place in the message's call order puts it: the live loop answers a turn's calls
+  in call order, so a history repaired here reads as the live one did.
 * Nothing else changes: messages keep their order and identity.
 
 A history given from outside (``open_session(history=...)``) must already be a
@@ -52,12 +53,32 @@ def answer_orphan_calls(history: Iterable[Message], *, awaiting: Collection[str]
     answered = {m.tool_call_id for m in messages if isinstance(m, ToolResultMessage)}
     answered.update(awaiting)
     out: list[Message] = []
-    for message in messages:
+    index, size = 0, len(messages)
+    while index < size:
+        message = messages[index]
         out.append(message)
-        if isinstance(message, AssistantMessage):
-            for part in message.parts:
-                if isinstance(part, ToolCallPart) and part.id not in answered:
-                    out.append(ToolResultMessage(part.id, ORPHAN_ANSWER, is_error=True))
+        index += 1
+        if not isinstance(message, AssistantMessage):
+            continue
+        calls = [part.id for part in message.parts if isinstance(part, ToolCallPart)]
+        orphans = [call_id for call_id in calls if call_id not in answered]
+        if not orphans:
+            continue
+        # Merged into the answers that follow the message by call order: an orphan goes before
+        # the first answer of a later call (answers of no call of this message keep their place).
+        place = {call_id: number for number, call_id in enumerate(calls)}
+        due = 0
+        while index < size:
+            answer = messages[index]
+            if not isinstance(answer, ToolResultMessage):
+                break
+            at = place.get(answer.tool_call_id)
+            while at is not None and due < len(orphans) and place[orphans[due]] < at:
+                out.append(ToolResultMessage(orphans[due], ORPHAN_ANSWER, is_error=True))
+                due += 1
+            out.append(answer)
+            index += 1
+        out.extend(ToolResultMessage(call_id, ORPHAN_ANSWER, is_error=True) for call_id in orphans[due:])
     return out
 
 
