@@ -30,12 +30,14 @@ from trio_agent._journal._events import (
     ErrorInfo,
     Event,
     EventEnvelope,
+    InterruptsResolved,
     ModelAttemptCompleted,
     ModelAttemptFailed,
     ModelAttemptStarted,
     OutcomeUnknownReason,
     RequestAccepted,
     RequestStarted,
+    RunPaused,
     ToolCompleted,
     ToolFailed,
     ToolOutcomeUnknown,
@@ -527,6 +529,82 @@ def test_the_inputs_writers_make_still_fold() -> None:
     assert fold_both(events) == [UserMessage("hi")]
     # A chat() run is given its whole history: it replaces the one before it.
     assert fold_both([*events, RequestStarted(request_id="y")]) == [UserMessage("hi")]
+
+
+def fold_in_two(events: list[Event], cut: int) -> list[Message]:
+    """The incremental fold fed ``events[:cut]``, kept as a snapshot keeps it, then the rest."""
+    first = ConversationFold()
+    for event in events[:cut]:
+        first.feed(event)
+    state, entries, outcomes = first.to_parts()
+    fold = ConversationFold.from_parts(json.loads(json.dumps(state)), entries, outcomes)
+    for event in events[cut:]:
+        fold.feed(event)
+    return fold.messages()
+
+
+def paused_reply_events(given: dict[str, Any] | None = None) -> tuple[ModelReplyRecord, list[Event]]:
+    """A reply whose first call its checks refused and whose second waits for an approval (of a
+    request given *given*: a prompt by default)."""
+    record = ModelReplyRecord(
+        tool_calls=[ToolCallPart("rej", "nope", "{}"), ToolCallPart("ask", "write", "{}")],
+        rejected={"rej": "unknown tool 'nope'"},
+        finish_reason=FinishReason.TOOL_CALLS,
+    )
+    pending = [{"id": "rej", "name": "nope", "arguments": "{}"}, {"id": "ask", "name": "write", "arguments": "{}"}]
+    events: list[Event] = [
+        RequestAccepted(request_id="r1", command_id="r1", input=given or {"prompt": "hi"}),
+        RequestStarted(request_id="r1"),
+        attempt("r1-t1-a1", record.to_payload()),
+        RunPaused(request_id="r1", state={"phase": "before_tools", "interrupts": [], "pending_calls": pending}),
+    ]
+    return record, events
+
+
+def test_a_paused_reply_answers_none_of_its_calls_until_its_pause_is_resolved() -> None:
+    # The refused call was answered at once: the history read back while paused held its answer,
+    # the live one did not, and a resume after a reopen answered it a second time (the
+    # continuation answers every call of the reply, the refused ones included, in call order).
+    record, events = paused_reply_events()
+    paused = [UserMessage("hi"), record.message()]
+    assert fold_both(events) == paused
+    for cut in range(len(events) + 1):
+        assert fold_in_two(events, cut) == paused
+    ids = {"request_id": "r2", "turn_id": "r2-t1"}
+    resumed = [
+        *events,
+        RequestAccepted(request_id="r2", command_id="r2", input={"resume": "r1"}),
+        RequestStarted(request_id="r2"),
+        InterruptsResolved(request_id="r1", continuation_id="r2", answers={}, approved=("ask",)),
+        ToolCompleted(call_id="ask", result={"output": "wrote"}, **ids),
+    ]
+    answered = [
+        *paused,
+        ToolResultMessage("rej", "unknown tool 'nope'", is_error=True),
+        ToolResultMessage("ask", "wrote"),
+    ]
+    assert fold_both(resumed) == answered
+    for cut in range(len(resumed) + 1):
+        assert fold_in_two(resumed, cut) == answered
+
+
+def test_a_chat_run_given_its_history_forgets_the_pauses_before_it() -> None:
+    # Its history replaces the paused calls', and its model may reuse their ids (a chat run's ids
+    # are kept unique within its own history): a reply's answer of such an id is its own.
+    _, events = paused_reply_events({"chat": True, **encode_conversation([UserMessage("hi")])})
+    again = ModelReplyRecord(tool_calls=[ToolCallPart("rej", "nope", "{}")], rejected={"rej": "unknown tool 'nope'"})
+    later: list[Event] = [
+        *events,
+        RequestAccepted(
+            request_id="r2", command_id="r2", input={"chat": True, **encode_conversation([UserMessage("other")])}
+        ),
+        RequestStarted(request_id="r2"),
+        ModelAttemptCompleted(request_id="r2", turn_id="r2-t1", attempt_id="r2-t1-a1", response=again.to_payload()),
+    ]
+    expected = [UserMessage("other"), again.message(), ToolResultMessage("rej", "unknown tool 'nope'", is_error=True)]
+    assert fold_both(later) == expected
+    for cut in range(len(later) + 1):
+        assert fold_in_two(later, cut) == expected
 
 
 # ---------------------------------------------------------------- against the live loop

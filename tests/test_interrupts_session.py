@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import trio
 
+from tests.session_helpers import results
 from trio_agent import DoneEvent, PausedReply, SessionPausedError, SideEffect, ToolKind, define_tool, open_session
 from trio_agent.journal import InterruptsResolved, MemoryStore, RunPaused, read_conversation
 from trio_agent.lifecycle import (
@@ -26,7 +27,7 @@ from trio_agent.lifecycle import (
     define_client_tool,
     define_interrupt,
 )
-from trio_agent.models import AssistantMessage, ToolCallPart, ToolResultMessage
+from trio_agent.models import AssistantMessage, ToolCallPart, ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, TestModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,6 +215,33 @@ async def test_a_paused_session_survives_a_clean_close_and_resumes_in_a_new_life
         events = [e.event for e in await session.journal.store.read(session.journal.stream_id())]
     assert text == "done: wrote a" and ran == [{"path": "a", "text": "x"}]
     assert [type(e) for e in events if isinstance(e, RunPaused | InterruptsResolved)] == [RunPaused, InterruptsResolved]
+
+
+@pytest.mark.parametrize("where", ["memory", "sqlite"])
+async def test_a_paused_reply_with_a_refused_call_reads_back_and_resumes_as_it_ran(tmp_path: Path, where: str) -> None:
+    # The journal's fold answered the refused call while the pause was open: the history read
+    # back (and a reopened session's) held an answer the live one did not, and a resume after a
+    # reopen answered that call twice (the continuation answers every call of the reply).
+    ran: list[dict[str, Any]] = []
+    journal: Any = MemoryStore() if where == "memory" else str(tmp_path / "s.db")
+    model = echo_model(("nope", {}), ("write", {"path": "a", "text": "x"}))
+    async with session_of(model, ran, journal=journal, session_id="s") as session:
+        reply = await session.send("go")
+        asked = reply.interrupts
+        live = list(session.messages())
+        store = session.journal.store
+        assert [type(m) for m in live] == [UserMessage, AssistantMessage]  # nothing answered yet
+        assert await read_conversation(store, "s") == live
+    async with session_of(model, ran, journal=journal, session_id="s") as session:
+        assert list(session.messages()) == live
+        text = await session.resume([Approve(asked[0].id)])
+        history = list(session.messages())
+        assert await read_conversation(session.journal.store, "s") == history
+    assert ran == [{"path": "a", "text": "x"}]
+    assert text == "done: Error: unknown tool 'nope' (available: write) | wrote a"
+    calls = [part.id for part in live[1].parts if isinstance(part, ToolCallPart)]
+    assert [m.tool_call_id for m in results(model.requests[-1])] == calls  # each once, in call order
+    assert [m.tool_call_id for m in history if isinstance(m, ToolResultMessage)] == calls
 
 
 async def test_a_paused_session_killed_with_sigkill_resumes_in_a_new_process(tmp_path: Path) -> None:

@@ -33,9 +33,14 @@ Rules
     string, else its JSON), else "outcome unknown" for `ToolOutcomeUnknown`
     (the last such event of a call counts, wherever it is in the stream);
   - `RunPaused` -> the input that joined a turn paused before its model call, as
-    user messages; its pending calls wait unanswered (no orphan answer) until
-    `InterruptsResolved`, whose ``results`` answer the calls a person answered
-    without running them (rejected, cancelled, a client tool's output);
+    user messages; its pending calls (every call of the paused reply) wait
+    unanswered until `InterruptsResolved`, whose ``results`` answer the calls a
+    person answered without running them (rejected, cancelled, a client tool's
+    output): no orphan answer, and no answer for the calls the reply's checks
+    refused either (the live loop answers them with the others, in call order,
+    when the run goes on; answered already, a resume read them twice). A
+    ``chat()`` run given its whole history forgets the pauses before it: their
+    calls are no longer in the history, and a later reply may reuse their ids;
   - every call still unanswered then gets `answer_orphan_calls`' answer.
   Failed and aborted attempts contribute nothing.
 * The incremental fold (`ConversationFold`) gives the same history for the same
@@ -311,6 +316,7 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
     events = list(events)
     outcomes: dict[str, ToolResultMessage] = {}
     awaiting: dict[str, list[str]] = {}
+    chat_runs: set[str] = set()
     for event in events:
         if isinstance(event, _SETTLEMENTS):
             answer = settled_answer(event)
@@ -321,6 +327,11 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
         elif isinstance(event, InterruptsResolved):
             awaiting.pop(event.request_id, None)
             outcomes.update(resolved_answers(event))
+        elif isinstance(event, RequestAccepted) and "chat" in event.input:
+            chat_runs.add(event.request_id)
+        elif isinstance(event, RequestStarted) and event.request_id in chat_runs:
+            awaiting.clear()  # the history before it goes, the paused calls with it
+    waiting = {call_id for ids in awaiting.values() for call_id in ids}
     history: list[Message] = []
     queued: dict[str, tuple[bool, list[Message]]] = {}  # accepted, not started: (a chat run?, its prompt)
     last_prompt: tuple[str, int] | None = None  # the started request whose prompt ends the history
@@ -350,12 +361,14 @@ def fold_conversation(events: Iterable[Event]) -> list[Message]:
             history.extend(UserMessage(text) for text in record.inputs)
             history.append(record.message())
             for call in record.tool_calls:
+                if call.id in waiting:
+                    continue  # its pause is not answered: no answer yet, a refused call's neither
                 if call.id in record.rejected:
                     history.append(ToolResultMessage(call.id, record.rejected[call.id], is_error=True))
                 elif call.id in outcomes:
                     history.append(outcomes[call.id])
     _check_call_ids(history)
-    return answer_orphan_calls(history, awaiting=[i for ids in awaiting.values() for i in ids])
+    return answer_orphan_calls(history, awaiting=waiting)
 
 
 def _check_call_ids(history: list[Message]) -> None:
@@ -506,9 +519,11 @@ class ConversationFold:
             given = s.queued.pop(event.request_id, None)
             started = accepted_messages(event.request_id, given) if given is not None else []
             if given is not None and "chat" in given:
-                # A chat() run is given its whole history, what its model sees: it replaces the fold's.
+                # A chat() run is given its whole history, what its model sees: it replaces the fold's,
+                # and the calls of a pause before it are no longer in it (a later reply may reuse an id).
                 self._stored = self._encoded = None
                 s.entries.clear()
+                s.awaiting.clear()
             s.entries.extend(started)
             s.last_prompt = (event.request_id, len(started))
         elif isinstance(event, PromptSubmitted):
@@ -555,16 +570,21 @@ class ConversationFold:
     def messages(self) -> list[Message]:
         """The history so far (a new list)."""
         outcomes = dict(self._s.outcomes.items())  # decoded once here, not looked up in stored text per call
+        # The calls of a pause not answered yet: no answer of theirs is shown, not even a refused
+        # call's (kept as an entry since its reply), until the pause is resolved.
+        waiting = {call_id for ids in self._s.awaiting.values() for call_id in ids}
         history: list[Message] = []
         for entry in self._entries():
             if isinstance(entry, PendingAnswer):
                 answer = outcomes.get(entry.call_id)
-                if answer is not None:
+                if answer is not None and entry.call_id not in waiting:
                     history.append(answer)
+            elif waiting and isinstance(entry, ToolResultMessage) and entry.tool_call_id in waiting:
+                continue
             else:
                 history.append(entry)
         _check_call_ids(history)
-        return answer_orphan_calls(history, awaiting=[i for ids in self._s.awaiting.values() for i in ids])
+        return answer_orphan_calls(history, awaiting=waiting)
 
     @property
     def outcomes_since_reply(self) -> tuple[SubagentCompleted | SubagentCancelled, ...]:
