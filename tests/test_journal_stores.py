@@ -1008,8 +1008,9 @@ async def test_an_acquisition_cancelled_before_it_is_queued_takes_nothing(store:
 
 
 async def test_an_acquisition_cancelled_while_queued_gives_its_lease_back(store_kind: Backend, tmp_path: Path) -> None:
-    """Queued lane work is never cancelled, so the lease is granted after its caller stopped
-    waiting: it is released right after (the lane keeps order), never left to its TTL."""
+    """Queued lane work is never cancelled, so the lease is granted after its caller was
+    cancelled: the caller waits for the grant and releases it before the cancellation goes on,
+    never leaving it to its TTL."""
     if store_kind.name == "memory":
         pytest.skip("the memory store takes a lease without queueing it")
     clock = _GateClock()
@@ -1019,10 +1020,52 @@ async def test_an_acquisition_cancelled_while_queued_gives_its_lease_back(store_
         plug = store.submit_renew(other, LONG_TTL)
         with trio.fail_after(10):
             await clock.entered.wait()  # the writer is inside the plug's transaction
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(store.acquire_lease, "s1", "A", LONG_TTL)
-            await trio.testing.wait_all_tasks_blocked()  # queued behind the plug
-            nursery.cancel_scope.cancel()
+        scope = trio.CancelScope()
+
+        async def acquire() -> None:
+            with scope:
+                await store.acquire_lease("s1", "A", LONG_TTL)
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(acquire)
+                await trio.testing.wait_all_tasks_blocked()  # queued behind the plug
+                scope.cancel()
+                await trio.testing.wait_all_tasks_blocked()  # cancelled, it waits for its grant
+                assert not plug.done
+                clock.open()
+            assert scope.cancelled_caught
+            # Back once its lease was granted and released: free now, for the next owner.
+            left = await store.current_lease("s1")
+            assert left is not None and (left.owner, left.token) == ("A", 1) and left.expires_at < time.time()
+            taken = await store.acquire_lease("s1", "B", LONG_TTL)
+        assert (taken.owner, taken.token) == ("B", 2)  # granted to A, given back, taken by B
+
+
+async def test_a_cancelled_acquisition_whose_grant_outlasts_cleanup_grace_gives_it_back_when_it_comes(
+    store_kind: Backend, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The wait for the grant is bounded by the store's ``cleanup_grace``: past it the caller goes
+    on, and the lease is released when it is granted (the release follows it in the lane)."""
+    if store_kind.name == "memory":
+        pytest.skip("the memory store takes a lease without queueing it")
+    clock = _GateClock()
+    async with _gated_store(store_kind, tmp_path, clock) as store:
+        other = await store.acquire_lease("other", "A", LONG_TTL)
+        clock.arm()
+        plug = store.submit_renew(other, LONG_TTL)
+        with trio.fail_after(10):
+            await clock.entered.wait()  # the writer is inside the plug's transaction
+        grace, store.cleanup_grace = store.cleanup_grace, 0.01  # the gate stays shut past it
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(store.acquire_lease, "s1", "A", LONG_TTL)
+                await trio.testing.wait_all_tasks_blocked()  # queued behind the plug
+                nursery.cancel_scope.cancel()
+        finally:
+            store.cleanup_grace = grace
+        assert not plug.done  # the caller went on before its lease was granted
+        assert any("the lease of a cancelled acquisition" in r.getMessage() for r in caplog.records)
         clock.open()
         with trio.fail_after(10):
             await plug.wait()
@@ -1030,6 +1073,44 @@ async def test_an_acquisition_cancelled_while_queued_gives_its_lease_back(store_
             await store.renew_lease(other, LONG_TTL)
             taken = await store.acquire_lease("s1", "B", LONG_TTL)
         assert (taken.owner, taken.token) == ("B", 2)  # granted to A, given back, taken by B
+
+
+async def test_an_acquisition_cancelled_while_queued_releases_its_lease_before_the_store_closes(
+    store_kind: Backend, tmp_path: Path
+) -> None:
+    """The release was queued only when the grant came, after the cancelled caller had gone on: a
+    caller that closed the store meanwhile (a deadline around the store's block and the journal
+    opened in it) found the lane closed, so the lease stayed granted to nobody for its whole TTL.
+    The cancelled acquisition now waits for its grant (shielded, ``cleanup_grace`` at most) and
+    releases it before the cancellation goes on."""
+    if store_kind.name == "memory":
+        pytest.skip("the memory store takes a lease without queueing it")
+    clock = _GateClock()
+    scope = trio.CancelScope()
+    queued = trio.Event()
+
+    async def cancel_then_open_the_gate() -> None:
+        await queued.wait()
+        await trio.testing.wait_all_tasks_blocked()  # the acquisition waits behind the plug
+        scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()  # the caller waits for its grant (or the close)
+        clock.open()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_then_open_the_gate)
+            with scope:
+                async with _gated_store(store_kind, tmp_path, clock) as store:
+                    other = await store.acquire_lease("other", "A", LONG_TTL)
+                    clock.arm()
+                    store.submit_renew(other, LONG_TTL)  # holds the writer until the gate opens
+                    await clock.entered.wait()
+                    queued.set()
+                    await store.acquire_lease("s1", "A", LONG_TTL)
+            assert scope.cancelled_caught
+        async with _gated_store(store_kind, tmp_path, _GateClock()) as store:
+            taken = await store.acquire_lease("s1", "B", LONG_TTL)  # at once: no LeaseHeldError
+    assert (taken.owner, taken.token) == ("B", 2)  # granted to A, released, taken by B
 
 
 async def test_ticket_outcome_before_resolution_and_after_cancelled_wait(store: Any) -> None:

@@ -447,6 +447,7 @@ class LaneStore:
     """
 
     _lane: WriterLane | None
+    cleanup_grace: float = DEFAULT_CLEANUP_GRACE  # the store's own setting replaces it
     leases_expire = True  # other processes may take a session over: a holder renews its lease
     _lease_keeper: LeaseKeeper | None = None
     """Set while the block that opened the store runs its `LeaseKeeper`: the journals renew
@@ -511,11 +512,29 @@ class LaneStore:
         except BaseException:
             # Whatever ends the wait (a cancellation, Ctrl-C: `item.wait` runs no nursery, so no
             # group reaches here): queued work is never cancelled, so the lease is granted all the
-            # same and nobody would renew or release it, locking the session for a whole TTL. It is
-            # given back as soon as it is granted (the release follows the acquisition in the lane);
-            # an acquisition that failed gave nothing, and `_give_back` leaves it.
-            item.then(self._give_back)
+            # same and nobody would renew or release it, locking the session for a whole TTL.
+            # An acquisition that failed gave nothing.
+            if item.failure() is None:
+                await self._release_when_granted(item)
             raise
+
+    async def _release_when_granted(self, item: LaneItem[Lease]) -> None:
+        """Wait for the lease a caller stopped waiting for and release it, before that caller goes
+        on: it may close the store next, and a closed lane refuses the release. Shielded, for
+        ``cleanup_grace`` at most; past that, it is released when granted (`_give_back`)."""
+        answered = False
+        try:
+            with bounded_shield(self.cleanup_grace, "the lease of a cancelled acquisition"):
+                await item.wait_done()
+                answered = True
+                if item.failure() is None:
+                    with contextlib.suppress(JournalError):  # a closed store: the lease runs out instead
+                        # Queued now, so it commits even if this wait is cut short; waited for, so
+                        # the session is free by the time the caller goes on.
+                        await self.submit_release(item.result()).wait_done()
+        finally:
+            if not answered:
+                item.then(self._give_back)
 
     def _give_back(self, outcome: object) -> None:
         """Release a lease granted to a caller that stopped waiting for it (never raises)."""
