@@ -655,6 +655,27 @@ async def test_a_raising_pre_tool_use_hook_denies_the_call_fail_closed() -> None
     assert journal.kinds("c1") == ["scheduled", "settled"]
 
 
+async def test_a_pre_tool_use_hook_raising_an_unprintable_exception_still_denies_the_call() -> None:
+    # The HookError's message told the exception by its repr: one whose __repr__ (and __str__)
+    # raised made the hook's failure raise out of the pipeline instead of denying the call.
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no str")
+
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    async def broken(inp: HookInput) -> None:
+        raise Unprintable
+
+    runs, journal = Runs(), InMemoryToolJournal()
+    pipeline = pipeline_with(runner_for(HookEvent.PRE_TOOL_USE, broken), echo_tool(runs), journal)
+    record = await call_tool(pipeline, "echo", {"q": "hi"}, call_id="c1")
+    assert runs.inputs == [] and record.status is SettlementStatus.FAILED
+    assert record.result.error is not None and record.result.error.code == "hook_error"
+    assert "Unprintable" in record.result.output
+
+
 garbage = st.one_of(
     st.integers(),
     st.text(max_size=5),

@@ -1345,6 +1345,99 @@ async def test_tool_failure_of_any_shape_fails_its_call_alone(
     assert mentions in record.result.error.message
 
 
+class _StrRaises(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ failed")
+
+
+class _NothingPrints(_StrRaises):
+    def __repr__(self) -> str:
+        raise RuntimeError("__repr__ failed")
+
+
+class _StrNotAString(Exception):
+    def __str__(self) -> Any:
+        return 42
+
+
+class _FailureStrRaises(ToolFailure):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ failed")
+
+
+_UNPRINTABLE: list[Callable[[], Exception]] = [_StrRaises, _NothingPrints, _StrNotAString]
+
+
+def test_describe_never_raises_and_keeps_what_it_can_read() -> None:
+    from trio_agent._tools._results import describe
+
+    assert describe(ValueError("bad")) == "ValueError: bad"
+    assert describe(KeyError("path"), "repr") == "KeyError('path')"
+    assert describe(ValueError("bad"), "text") == "bad"
+    assert describe(_StrRaises()) == "_StrRaises()"  # the repr, when the message cannot be read
+    assert describe(_StrNotAString(), "text") == "_StrNotAString()"
+    for form in ("typed", "repr", "text"):
+        assert describe(_NothingPrints(), form).startswith("_NothingPrints (unprintable")  # type: ignore[arg-type]
+
+
+def _raising_in(where: str, make: Callable[[], Exception]) -> dict[str, Any]:
+    """A pipeline's parts (the tool's callbacks, a middleware, a stage), *make*'s exception raised in *where*."""
+
+    def raise_it(*_: Any) -> Any:
+        raise make()
+
+    async def run(inp: dict[str, Any], ctx: Any) -> Any:
+        if where == "tool":
+            raise make()
+        if where == "tool_failure":
+            raise _FailureStrRaises("x")
+        return "ok"
+
+    async def middleware(request: Any, call_next: Any) -> ToolResult:
+        if where == "middleware":
+            raise make()
+        result: ToolResult = await call_next()
+        return result
+
+    async def pre(request: Any) -> None:
+        raise_it()
+
+    async def post(request: Any, result: ToolResult) -> None:
+        raise_it()
+
+    tool = define_tool(
+        run,
+        name="t",
+        description="t",
+        side_effect="pure",
+        input_schema={"type": "object"},
+        resolve_behavior=raise_it if where == "resolver" else None,
+        affected_paths=raise_it if where == "affected_paths" else None,
+    )
+    stages = ToolStages(pre_tool=[pre] if where == "pre_tool" else [], post_tool=[post] if where == "post_tool" else [])
+    return {"tools": [tool], "middleware": [middleware] if where == "middleware" else [], "stages": stages}
+
+
+@pytest.mark.parametrize("make", _UNPRINTABLE)
+@pytest.mark.parametrize(
+    "where", ["tool", "tool_failure", "middleware", "pre_tool", "post_tool", "resolver", "affected_paths"]
+)
+async def test_an_exception_that_cannot_be_printed_still_fails_only_its_call(
+    where: str, make: Callable[[], Exception]
+) -> None:
+    # Its __str__ or __repr__ raising (or returning no string) broke the describing of the
+    # failure: the call raised out of execute instead of settling with an error result.
+    parts = _raising_in(where, make)
+    pipeline = ToolPipeline(parts["tools"], middleware=parts["middleware"], stages=parts["stages"])
+    record = await call_tool(pipeline, "t", {})
+    assert record.status is SettlementStatus.FAILED
+    error = record.result.error
+    assert error is not None and error.type is ToolErrorType.EXECUTION
+    assert type(error.message) is str
+    name = _FailureStrRaises.__name__ if where == "tool_failure" else make.__name__
+    assert name in error.message
+
+
 # -- construction ------------------------------------------------------------------
 
 

@@ -46,7 +46,7 @@ from .._groups import contains_cancelled, typed_error
 from .._json import json_problem
 from .._loop._rules import model_text
 from .._tools._context import ExecutionContext
-from .._tools._results import JsonObject, ToolError, ToolErrorType, ToolResult, json_copy
+from .._tools._results import JsonObject, ToolError, ToolErrorType, ToolResult, describe, json_copy
 from .._tools._stages import Allow, Deny, PostStage, Stage, StageRequest
 
 __all__ = [
@@ -776,7 +776,7 @@ class HookRunner:
                             raise
                         except Exception as exc:
                             raise HookError(
-                                f"{event.title} hook {hook.name} ({hook.source}) failed: {exc!r}",
+                                f"{event.title} hook {hook.name} ({hook.source}) failed: {describe(exc, 'repr')}",
                                 event=event,
                                 callback=hook.name,
                                 source=hook.source,

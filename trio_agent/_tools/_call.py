@@ -32,7 +32,17 @@ from .._groups import leaves
 from ._context import Emit, ExecutionContext, _SlotHolder
 from ._definition import Tool
 from ._journal import ScheduledCall, SettlementStatus
-from ._results import Effect, JsonObject, Progress, ToolErrorType, ToolFailure, ToolItem, ToolMessage, ToolResult
+from ._results import (
+    Effect,
+    JsonObject,
+    Progress,
+    ToolErrorType,
+    ToolFailure,
+    ToolItem,
+    ToolMessage,
+    ToolResult,
+    describe,
+)
 from ._stages import ToolStages
 
 if TYPE_CHECKING:
@@ -294,7 +304,7 @@ def _failure_result(failure: ToolFailure) -> ToolResult:
     try:
         result = failure.to_result()
     except Exception as exc:
-        problem = f"its to_result() raised {exc!r}"
+        problem = f"its to_result() raised {describe(exc, 'repr')}"
     else:
         if isinstance(result, ToolResult) and result.error is not None:
             return result
@@ -303,9 +313,7 @@ def _failure_result(failure: ToolFailure) -> ToolResult:
             if isinstance(result, ToolResult)
             else f"its to_result() returned {type(result).__name__}, not a ToolResult"
         )
-    return ToolResult.failure(
-        ToolErrorType.EXECUTION, f"{type(failure).__name__}: {failure} ({problem})", code="tool_error"
-    )
+    return ToolResult.failure(ToolErrorType.EXECUTION, f"{describe(failure)} ({problem})", code="tool_error")
 
 
 def _must_propagate(exc: BaseException) -> bool:
@@ -317,7 +325,7 @@ def _must_propagate(exc: BaseException) -> bool:
 def _raised_result(exc: Exception) -> ToolResult:
     # A group (a tool's own nursery) is told by its errors: "Exceptions from Trio nursery (1
     # sub-exception)" says nothing the model can act on.
-    described = "; ".join(f"{type(leaf).__name__}: {leaf}" for leaf in leaves(exc))
+    described = "; ".join(describe(leaf) for leaf in leaves(exc))
     return ToolResult.failure(ToolErrorType.EXECUTION, described, code="tool_error")
 
 

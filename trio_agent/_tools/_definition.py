@@ -18,7 +18,7 @@ import jsonschema_rs
 
 from .._errors import ToolBehaviorError, ToolDefinitionError, ToolInputError
 from .._json import json_problem
-from ._results import JsonObject, ToolResult
+from ._results import JsonObject, ToolResult, describe
 from ._schema import default_signature_field, input_converter, is_input_class, schema_for_class
 
 if TYPE_CHECKING:
@@ -189,6 +189,17 @@ def _surrogate_errors(value: object) -> tuple[str, ...]:
     return tuple(lines) or ("at <root>: the input is not valid Unicode (a lone surrogate)",)
 
 
+def _structure_problem(exc: Exception) -> str:
+    """What the input class's structuring (cattrs, or a pydantic model's own validators: the tool's
+    code) refused, for the model; never raises (`describe`)."""
+    if isinstance(exc, cattrs.BaseValidationError):
+        try:
+            return "; ".join(cattrs.transform_error(exc))
+        except Exception:  # it formats the leaves' messages: the tool's own exceptions
+            pass
+    return describe(exc, "text")
+
+
 def _takes_fencing_token(fn: Callable[..., Any]) -> bool:
     try:
         parameters = inspect.signature(fn).parameters
@@ -329,7 +340,7 @@ class Tool(Generic[In]):
         try:
             structured: In = structure(value, input_type)  # not `typing.cast`: a call per tool call
         except Exception as exc:
-            detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else str(exc)
+            detail = _structure_problem(exc)
             raise ToolInputError(
                 f"invalid input for tool {self.name!r}: {detail}", tool_name=self.name, errors=(detail,)
             ) from None
@@ -349,7 +360,7 @@ class Tool(Generic[In]):
         try:
             override = resolver(value)
         except Exception as exc:
-            raise ToolBehaviorError(f"tool {self.name!r}: behaviour resolver raised {exc!r}") from exc
+            raise ToolBehaviorError(f"tool {self.name!r}: behaviour resolver raised {describe(exc, 'repr')}") from exc
         if override is None:
             return self._static
         if not isinstance(override, BehaviorOverride):

@@ -77,7 +77,17 @@ from ._journal import (
     scheduled_call,
     settlement,
 )
-from ._results import Effect, JsonObject, ToolErrorType, ToolFailure, ToolResult, _unstorable, json_copy, result_problem
+from ._results import (
+    Effect,
+    JsonObject,
+    ToolErrorType,
+    ToolFailure,
+    ToolResult,
+    _unstorable,
+    describe,
+    json_copy,
+    result_problem,
+)
 from ._scheduler import FileLockManager, ToolScheduler
 from ._stages import Allow, Deny, Skip, StageRequest, ToolStages, _stage_name, decide, failed_stage_result
 
@@ -181,6 +191,11 @@ def _post_stage_failed(callback: object, problem: str, state: _Call, result: Too
     return failed_stage_result(
         f"post_tool stage {_stage_name(callback)} {problem}; the output of {name!r} was withheld"
     )
+
+
+def _told(exc: BaseException | None) -> str:
+    """A middleware's exception as its error result tells it (`describe`)."""
+    return "None" if exc is None else describe(exc, "repr")
 
 
 def _has_pre(stages: ToolStages) -> bool:
@@ -560,7 +575,7 @@ class ToolPipeline:
             # The tool_started is recorded but the core ended without a result: a middleware's own scope
             # cancelled it. The real result is a cancellation; a start is never written twice.
             if mw_result is None:
-                detail = f"middleware raised after cancelling the started core: {mw_error!r}"
+                detail = f"middleware raised after cancelling the started core: {_told(mw_error)}"
                 state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, detail)
             elif not (mw_result.error is not None and mw_result.error.type is ToolErrorType.INTERRUPTED):
                 state.fault(FaultCode.CANCELLATION_OVERWRITTEN, "middleware replaced the result of a core it cancelled")
@@ -572,7 +587,7 @@ class ToolPipeline:
                 return _aborted_result(abort), True
             if mw_result is None:
                 return ToolResult.failure(
-                    ToolErrorType.EXECUTION, f"Tool middleware failed: {mw_error!r}", code="middleware_error"
+                    ToolErrorType.EXECUTION, f"Tool middleware failed: {_told(mw_error)}", code="middleware_error"
                 ), True
             if not isinstance(mw_result, ToolResult):
                 return ToolResult.failure(
@@ -595,7 +610,7 @@ class ToolPipeline:
             )
             return core, False
         if mw_result is None or not isinstance(mw_result, ToolResult):
-            detail = repr(mw_error) if mw_result is None else f"returned {type(mw_result).__name__}"
+            detail = _told(mw_error) if mw_result is None else f"returned {type(mw_result).__name__}"
             state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, detail)
             return core, True
         if mw_result is not core and result_problem(mw_result) is not None:
@@ -892,7 +907,9 @@ class ToolPipeline:
             errors = tool.input_errors(current)
         except Exception as exc:
             return ToolResult.failure(
-                ToolErrorType.VALIDATION, f"invalid input for tool {tool.name!r}: {exc}", code="invalid_input"
+                ToolErrorType.VALIDATION,
+                f"invalid input for tool {tool.name!r}: {describe(exc, 'text')}",
+                code="invalid_input",
             )
         if errors:
             return ToolResult.failure(
@@ -907,7 +924,7 @@ class ToolPipeline:
             except ToolBehaviorError as exc:
                 return ToolResult.failure(ToolErrorType.EXECUTION, str(exc), code="behavior_error")
             except Exception as exc:
-                message = f"the behaviour of tool {tool.name!r} could not be resolved: {exc!r}"
+                message = f"the behaviour of tool {tool.name!r} could not be resolved: {describe(exc, 'repr')}"
                 return ToolResult.failure(ToolErrorType.EXECUTION, message, code="behavior_error")
             if behavior.interrupt is not state.behavior.interrupt:
                 # What steering does to this call was decided when it was scheduled (as for middleware).
@@ -919,7 +936,7 @@ class ToolPipeline:
         except ToolInputError as exc:
             return ToolResult.failure(ToolErrorType.VALIDATION, str(exc), code="invalid_input")
         except Exception as exc:
-            message = f"invalid input for tool {tool.name!r}: {exc!r}"
+            message = f"invalid input for tool {tool.name!r}: {describe(exc, 'repr')}"
             return ToolResult.failure(ToolErrorType.VALIDATION, message, code="invalid_input")
         return current, value, behavior
 
@@ -929,7 +946,7 @@ class ToolPipeline:
         try:
             return tool.paths_for(final_input)
         except Exception as exc:
-            message = f"affected paths of tool {tool.name!r} failed: {exc!r}"
+            message = f"affected paths of tool {tool.name!r} failed: {describe(exc, 'repr')}"
             return ToolResult.failure(ToolErrorType.EXECUTION, message, code="tool_error")
 
     async def _pre_stages(
@@ -996,8 +1013,9 @@ class ToolPipeline:
                         state.fatal = exc
                     raise
                 # Any other failure, a lost lease of a store the stage drives itself included.
-                state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {exc!r}")
-                replaced = _post_stage_failed(callback, f"failed: {exc!r}", state, result)
+                told = describe(exc, "repr")
+                state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {told}")
+                replaced = _post_stage_failed(callback, f"failed: {told}", state, result)
             if replaced is None:
                 continue
             if not isinstance(replaced, ToolResult):

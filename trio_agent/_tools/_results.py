@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import attrs
 import cattrs
@@ -22,6 +22,7 @@ __all__ = [
     "ToolItem",
     "ToolMessage",
     "ToolResult",
+    "describe",
     "result_problem",
     "result_to_json",
 ]
@@ -50,6 +51,32 @@ def json_copy(value: Any) -> Any:
                 copy[index] = json_copy(item)
         return copy
     return value
+
+
+# A class's own name, read past any ``__name__`` a metaclass defines (which could raise).
+_CLASS_NAME = type.__dict__["__name__"]
+
+
+def describe(exc: BaseException, form: Literal["typed", "repr", "text"] = "typed") -> str:
+    """How an exception that a tool, a middleware or a stage raised is told in an error result:
+    ``"Type: message"`` (*form* ``"typed"``), its ``repr`` (``"repr"``) or its message alone
+    (``"text"``).
+
+    Never raises: the exception is the caller's code, and its ``__str__`` or ``__repr__`` may
+    raise or return no string; then the other spelling is used, or else its type's name alone.
+    Telling a failure must not become a failure of whoever turns it into the call's result.
+    """
+    name: str = _CLASS_NAME.__get__(type(exc))
+    for spell in (repr, str) if form == "repr" else (str, repr):
+        try:
+            text = spell(exc)
+        except Exception:
+            continue
+        if not isinstance(text, str):
+            continue
+        text = str.__str__(text)  # a str subclass's own formatting is the caller's code too
+        return f"{name}: {text}" if spell is str and form != "text" else text
+    return f"{name} (unprintable: its __str__ and __repr__ failed)"
 
 
 class ToolErrorType(enum.Enum):

@@ -26,7 +26,7 @@ import attrs
 from .._errors import ConfigError, LeaseLostError
 from ._context import ExecutionContext
 from ._definition import Tool, ToolBehavior
-from ._results import JsonObject, ToolErrorType, ToolResult, _error_type, _unstorable, result_problem
+from ._results import JsonObject, ToolErrorType, ToolResult, _error_type, _unstorable, describe, result_problem
 
 __all__ = ["Allow", "Deny", "PostStage", "Skip", "Stage", "StageDecision", "StageRequest", "ToolStages"]
 
@@ -134,7 +134,11 @@ async def decide(
     except Exception as exc:
         if isinstance(exc, LeaseLostError) and own_lease_lost():
             raise
-        return Deny(f"{stage} stage {_stage_name(callback)} failed: {exc!r}", ToolErrorType.EXECUTION, "hook_error")
+        return Deny(
+            f"{stage} stage {_stage_name(callback)} failed: {describe(exc, 'repr')}",
+            ToolErrorType.EXECUTION,
+            "hook_error",
+        )
     if decision is None or isinstance(decision, (Allow, Deny)):
         return decision
     if isinstance(decision, Skip) and stage == "before":
