@@ -1206,3 +1206,29 @@ def test_a_key_that_is_not_a_string_is_an_input_error_not_a_crash():
     assert tool.input_errors({1: "x"}) == ("at <root>: the input has a non-string key 1",)
     with pytest.raises(ToolInputError, match="non-string key"):
         tool.validate_input({"q": "x", 1: "y"})
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({"q": {1, 2}}, "the input.q is not JSON: set"),
+        ({"q": (1, 2)}, "the input.q is not JSON: tuple"),
+        ({"q": math.nan}, "the input.q is not a finite number: nan"),
+        ({"q": [math.inf]}, "the input.q[0] is not a finite number: inf"),
+    ],
+)
+@pytest.mark.parametrize("schema", [{"type": "object"}, {"type": "object", "properties": {"q": {"type": "string"}}}])
+def test_input_that_is_not_json_is_reported_as_such_before_the_schema(
+    value: dict[str, Any], problem: str, schema: dict[str, Any]
+) -> None:
+    # The validator reads a set or a tuple as an array and NaN as null: an open schema let them
+    # through, a typed one blamed the wrong thing ('null is not of type "string"').
+    tool = make(input_schema=schema)
+    assert tool.input_errors(value) == (f"at <root>: {problem}",)
+    with pytest.raises(ToolInputError, match="not"):
+        tool.validate_input(value)
+    # The behaviour resolver only ever sees JSON input.
+    seen: list[Any] = []
+    resolving = make(input_schema=schema, resolve_behavior=lambda input: seen.append(input))
+    assert resolving.resolve_behavior(value) == resolving.behavior
+    assert seen == []

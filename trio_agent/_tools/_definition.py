@@ -17,7 +17,7 @@ import cattrs
 import jsonschema_rs
 
 from .._errors import ToolBehaviorError, ToolDefinitionError, ToolInputError
-from .._json import json_problem
+from .._json import is_json, json_problem
 from ._results import JsonObject, ToolResult, describe
 from ._schema import default_signature_field, input_converter, is_input_class, schema_for_class
 
@@ -301,7 +301,12 @@ class Tool(Generic[In]):
             raise TypeError(f"signature content must be a string or None, got {content!r}")
         return content or None
 
-    def _valid(self, value: object) -> bool:
+    def _valid(self, value: object, *, json_checked: bool = False) -> bool:
+        """Whether *value* is JSON (unless the caller has checked that: *json_checked*) and satisfies
+        the schema. JSON first: the validator reads a set or a tuple as an array and NaN or a huge
+        integer as null, so it would pass them (an open schema) or blame the wrong thing."""
+        if not json_checked and not is_json(value) and json_problem(value, "the input") is not None:
+            return False
         try:
             return self._validator.is_valid(value)
         except ValueError:  # a lone surrogate, a key that is not a string ...: invalid input
@@ -310,11 +315,19 @@ class Tool(Generic[In]):
     def input_errors(self, value: object) -> tuple[str, ...]:
         """One readable line per schema violation of *value*; empty when valid.
 
-        A key or string holding a lone surrogate (not valid Unicode) is reported
-        as a violation too, wherever the validator would otherwise fail on it.
+        A value that is no JSON (a set, a tuple, bytes, NaN, a key that is not a string ...) is
+        reported as that, before any schema check; a key or string holding a lone surrogate (not
+        valid Unicode) is reported as a violation too, wherever the validator would otherwise
+        fail on it.
         """
-        if self._valid(value):
+        return self._input_errors(value)
+
+    def _input_errors(self, value: object, *, json_checked: bool = False) -> tuple[str, ...]:
+        if self._valid(value, json_checked=json_checked):
             return ()
+        problem = json_problem(value, "the input")
+        if problem is not None:
+            return (f"at <root>: {problem}",)
         return input_errors(self._validator, value)
 
     def validate_input(self, value: object) -> None:
