@@ -1438,6 +1438,51 @@ async def test_an_exception_that_cannot_be_printed_still_fails_only_its_call(
     assert name in error.message
 
 
+@pytest.mark.parametrize(
+    ("bad", "problem"),
+    [
+        ({"x": {1, 2}}, "the input.x is not JSON: set"),
+        ({"x": float("nan")}, "the input.x is not a finite number: nan"),
+        ({"x": (1, 2)}, "the input.x is not JSON: tuple"),
+        ({"x": object()}, "the input.x is not JSON: object"),
+        ({1: "x"}, "the input has a non-string key 1"),
+    ],
+)
+@pytest.mark.parametrize("durable", [False, True], ids=["memory journal", "durable journal"])
+async def test_a_call_whose_input_is_not_json_fails_alone_as_invalid_input(
+    bad: dict[Any, Any], problem: str, durable: bool
+) -> None:
+    # A durable journal's event check raised ValueError out of execute() (the turn lost, its other
+    # calls too); with the in-memory one the tool ran with a set or NaN as its input.
+    from trio_agent.journal import MemoryStore, open_journal
+    from trio_agent.testing import start_turn
+
+    ran: list[Any] = []
+
+    async def run(inp: dict[str, Any], ctx: Any) -> str:
+        ran.append(inp)
+        return "ran"
+
+    tool = define_tool(run, name="t", description="t", side_effect="pure", input_schema={"type": "object"})
+    async with open_journal(MemoryStore(), session_id="s") as durable_journal:
+        origin = await start_turn(durable_journal) if durable else None
+        journal = durable_journal if durable else InMemoryToolJournal()
+        pipeline = ToolPipeline([tool], journal=journal)
+        record = await pipeline.execute(ToolCall("c1", "t", bad), origin)
+        assert record.status is SettlementStatus.FAILED and not record.tool_ran and ran == []
+        error = record.result.error
+        assert error is not None and (error.type, error.code) == (ToolErrorType.VALIDATION, "invalid_input")
+        assert error.message == f"invalid input for tool 't': at <root>: {problem}"
+        assert error.details == {"errors": [f"at <root>: {problem}"]}
+        # Refused before it was scheduled: the journal holds nothing of it, and the next call runs.
+        if durable:
+            assert durable_journal.call("c1") is None
+        else:
+            assert journal.kinds("c1") == []  # type: ignore[attr-defined]
+        ok = await pipeline.execute(ToolCall("c2", "t", {"x": [1, 2]}), origin)
+        assert ok.status is SettlementStatus.COMPLETED and ran == [{"x": [1, 2]}]
+
+
 # -- construction ------------------------------------------------------------------
 
 

@@ -367,8 +367,11 @@ class Tool(Generic[In]):
         returns something other than a `BehaviorOverride` or ``None``, or widens
         the side effect or kind past the static declaration.
         """
+        return self._resolve_behavior(value)
+
+    def _resolve_behavior(self, value: JsonObject, *, json_checked: bool = False) -> ToolBehavior:
         resolver = self.resolver
-        if resolver is None or not self._valid(value):
+        if resolver is None or not self._valid(value, json_checked=json_checked):
             return self._static
         try:
             override = resolver(value)

@@ -50,6 +50,7 @@ from .._errors import (
     ToolInputError,
 )
 from .._groups import cancelled_around, contains_cancelled, is_cancellation, typed_error
+from .._json import is_json, json_problem
 from .._middleware import Composed
 from ._call import (
     FaultCode,
@@ -191,6 +192,13 @@ def _post_stage_failed(callback: object, problem: str, state: _Call, result: Too
     return failed_stage_result(
         f"post_tool stage {_stage_name(callback)} {problem}; the output of {name!r} was withheld"
     )
+
+
+def _invalid_input(tool: Tool[Any], errors: tuple[str, ...]) -> ToolResult:
+    """The error result of input that fails *tool*'s checks (`Tool.input_errors`): what the
+    `ToolInputError` of `Tool.validate_input` says, for the model."""
+    message = f"invalid input for tool {tool.name!r}: " + "; ".join(errors)
+    return ToolResult.failure(ToolErrorType.VALIDATION, message, code="invalid_input", details={"errors": list(errors)})
 
 
 def _told(exc: BaseException | None) -> str:
@@ -367,9 +375,16 @@ class ToolPipeline:
                 ToolErrorType.VALIDATION, f"unknown tool {call.name!r} (available: {known})", code="unknown_tool"
             )
             return self._record(call, None, result, SettlementStatus.FAILED, _UNKNOWN_BEHAVIOR, None, scheduled_at)
+        if not is_json(call.input):
+            problem = json_problem(call.input, "the input")
+            if problem is not None:
+                # Refused before it is scheduled: no journal can hold it (a durable one's event check
+                # raised out of here), and the tool is promised JSON. This call fails alone.
+                result = _invalid_input(tool, (f"at <root>: {problem}",))
+                return self._record(call, None, result, SettlementStatus.FAILED, tool.behavior, None, scheduled_at)
         behavior_error: ToolBehaviorError | None = None
         try:
-            behavior = tool.resolve_behavior(call.input)
+            behavior = tool._resolve_behavior(call.input, json_checked=True)
         except ToolBehaviorError as exc:
             behavior, behavior_error = tool.behavior, exc
         key = idempotency_key or f"{origin.session_id}:{origin.agent_id}:{call.id}"
@@ -904,7 +919,8 @@ class ToolPipeline:
             # for a slot or a lock) cannot make the journal say something other than what the tool ran with.
             if not private:
                 current = json_copy(current)
-            errors = tool.input_errors(current)
+            # Private: a copy of the model's input, which `execute` found to be JSON.
+            errors = tool._input_errors(current, json_checked=private)
         except Exception as exc:
             return ToolResult.failure(
                 ToolErrorType.VALIDATION,
@@ -912,10 +928,7 @@ class ToolPipeline:
                 code="invalid_input",
             )
         if errors:
-            return ToolResult.failure(
-                ToolErrorType.VALIDATION, f"invalid input for tool {tool.name!r}: " + "; ".join(errors),
-                code="invalid_input", details={"errors": list(errors)},
-            )  # fmt: skip
+            return _invalid_input(tool, errors)
         if private or current == state.scheduled.model_input:  # private: a copy of it no one changed
             behavior = state.behavior
         else:
