@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from trio_agent._json import MAX_JSON_INT_BITS
 from trio_agent._models._anthropic import convert_messages
 from trio_agent._models._assemble import (
     CUT_OFF_NAME,
@@ -450,7 +451,17 @@ def test_an_integer_past_the_digit_limit_is_refused_clearly() -> None:
     digits = sys.get_int_max_str_digits() + 1  # 4,301 by default
     error = refused('{"x": ' + "7" * digits + "}")
     assert f"{digits} digits" in error.message and "send it as a string" in error.message
-    assert parse_tool_arguments('{"x": ' + "7" * (digits - 1) + "}")["x"] > 0
+
+
+def test_an_integer_past_the_json_bound_is_refused_clearly() -> None:
+    # Within the digit limit but past MAX_JSON_INT_BITS: it was accepted, and a process whose
+    # limit is lower (640 digits at least) could not encode it again. The shared JSON rule
+    # refuses it; the model is told here, at the parse.
+    largest = (1 << MAX_JSON_INT_BITS) - 1
+    assert parse_tool_arguments(f'{{"x": {largest}, "y": {-largest}}}') == {"x": largest, "y": -largest}
+    for text in (str(largest + 1), str(-largest - 1), "7" * sys.get_int_max_str_digits()):
+        error = refused('{"x": ' + text + "}")
+        assert f"at most {MAX_JSON_INT_BITS} bits" in error.message and "send it as a string" in error.message
 
 
 def nested(depth: int) -> str:

@@ -823,6 +823,14 @@ NOT_JSON: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: ToolResult.failure(ToolErrorType.EXECUTION, "no", details={"why": Opaque()}),
         "result.error.details.why is not JSON: Opaque",
     ),
+    # Past the interpreter's digit limit json.dumps raises (the journal's settlement failed the
+    # request); past MAX_JSON_INT_BITS a process with a lower limit could not read it back.
+    "huge int": (lambda: 10**5000, "result.output is an integer too large for JSON (16610 bits, at most 2048)"),
+    "large int": (lambda: [-(1 << 2048)], "result.output[0] is an integer too large for JSON (2049 bits"),
+    "large int metadata": (
+        lambda: ToolResult.success("fine", metadata={"n": 10**700}),
+        "result.metadata.n is an integer too large for JSON",
+    ),
 }
 
 

@@ -1446,6 +1446,7 @@ async def test_an_exception_that_cannot_be_printed_still_fails_only_its_call(
         ({"x": (1, 2)}, "the input.x is not JSON: tuple"),
         ({"x": object()}, "the input.x is not JSON: object"),
         ({1: "x"}, "the input has a non-string key 1"),
+        ({"x": [10**1000]}, "the input.x[0] is an integer too large for JSON (3322 bits, at most 2048)"),
     ],
 )
 @pytest.mark.parametrize("durable", [False, True], ids=["memory journal", "durable journal"])
@@ -1479,8 +1480,9 @@ async def test_a_call_whose_input_is_not_json_fails_alone_as_invalid_input(
             assert durable_journal.call("c1") is None
         else:
             assert journal.kinds("c1") == []  # type: ignore[attr-defined]
-        ok = await pipeline.execute(ToolCall("c2", "t", {"x": [1, 2]}), origin)
-        assert ok.status is SettlementStatus.COMPLETED and ran == [{"x": [1, 2]}]
+        largest = (1 << 2048) - 1  # MAX_JSON_INT_BITS
+        ok = await pipeline.execute(ToolCall("c2", "t", {"x": [1, largest]}), origin)
+        assert ok.status is SettlementStatus.COMPLETED and ran == [{"x": [1, largest]}]
 
 
 # -- construction ------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """What JSON a payload may be: the one rule for every event, answer and wire value we keep.
 
-Exactly JSON's types (``None``, ``bool``, ``str``, ``int``, finite ``float``, ``list``, ``dict``
-with ``str`` keys), nested at most `MAX_JSON_DEPTH` containers deep. `is_json` answers fast for
+Exactly JSON's types (``None``, ``bool``, ``str``, ``int`` of at most `MAX_JSON_INT_BITS` bits,
+finite ``float``, ``list``, ``dict`` with ``str`` keys), nested at most `MAX_JSON_DEPTH` containers
+deep. `is_json` answers fast for
 the common case; `explain_json` names where a value fails; `json_problem` says why, or ``None``.
 """
 
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["MAX_JSON_DEPTH", "explain_json", "is_json", "json_problem"]
+__all__ = ["MAX_JSON_DEPTH", "MAX_JSON_INT_BITS", "explain_json", "is_json", "json_problem"]
 
-_LEAVES = frozenset({type(None), bool, str, int})
+_LEAVES = frozenset({type(None), bool, str})  # ints are leaves too, within `MAX_JSON_INT_BITS`
 _CONTAINERS = frozenset({dict, list})
 
 
@@ -19,6 +20,15 @@ MAX_JSON_DEPTH = 200
 """How deeply a payload's containers may nest. Fixed, so that what is accepted does not depend on
 how deep the caller's stack is, and so that every later step (the stored text, reading it back)
 has room below the interpreter's recursion limit."""
+
+MAX_JSON_INT_BITS = 2048
+"""How large an integer a payload may hold: at most this many bits (617 decimal digits). Python
+refuses to turn an integer of more than ``sys.get_int_max_str_digits()`` digits (4300 by default,
+never less than 640 when limited) into text or back, so a larger one would be accepted here and
+then fail its encoding later (the journal, the wire, the model's text). 2048 bits stay below the
+lowest limit a process can set."""
+
+_INT_LIMIT = 1 << MAX_JSON_INT_BITS  # an int of at most MAX_JSON_INT_BITS bits: -_INT_LIMIT < x < _INT_LIMIT
 
 
 def is_json(value: object, depth: int = 0) -> bool:
@@ -28,6 +38,8 @@ def is_json(value: object, depth: int = 0) -> bool:
     kind = type(value)
     if kind in _LEAVES:
         return True
+    if kind is int:
+        return -_INT_LIMIT < value < _INT_LIMIT  # type: ignore[operator]
     if depth >= MAX_JSON_DEPTH:
         return False
     if kind is dict:
@@ -35,13 +47,17 @@ def is_json(value: object, depth: int = 0) -> bool:
             if type(key) is not str:
                 return False
             inner = type(item)
-            if inner not in _LEAVES and (inner not in _CONTAINERS or item) and not is_json(item, depth + 1):
+            if inner in _LEAVES or (inner is int and -_INT_LIMIT < item < _INT_LIMIT):
+                continue
+            if (inner not in _CONTAINERS or item) and not is_json(item, depth + 1):
                 return False
         return True
     if kind is list:
         for item in value:  # type: ignore[attr-defined]
             inner = type(item)
-            if inner not in _LEAVES and (inner not in _CONTAINERS or item) and not is_json(item, depth + 1):
+            if inner in _LEAVES or (inner is int and -_INT_LIMIT < item < _INT_LIMIT):
+                continue
+            if (inner not in _CONTAINERS or item) and not is_json(item, depth + 1):
                 return False
         return True
     return kind is float and math.isfinite(value)  # type: ignore[arg-type]
@@ -51,6 +67,9 @@ def explain_json(value: object, path: str, depth: int = 0) -> None:
     if value is None or isinstance(value, (bool, str)):
         return
     if isinstance(value, int):
+        bits = int.bit_length(value)
+        if bits > MAX_JSON_INT_BITS:
+            raise ValueError(f"{path} is an integer too large for JSON ({bits} bits, at most {MAX_JSON_INT_BITS})")
         return
     if isinstance(value, float):
         if not math.isfinite(value):

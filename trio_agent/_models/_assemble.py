@@ -52,6 +52,7 @@ from typing import Any
 import attrs
 
 from .._builders import constructor
+from .._json import MAX_JSON_INT_BITS
 from ._messages import (
     AssistantMessage,
     ContentPart,
@@ -363,14 +364,26 @@ def _float(text: str) -> float:
     return value
 
 
+# Fewer digits than this is always within MAX_JSON_INT_BITS (10**616 < 2**2048): most ints are not measured.
+_SHORT_INT = len(str(1 << MAX_JSON_INT_BITS)) - 1
+
+
 def _int(text: str) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:  # longer than sys.get_int_max_str_digits()
         raise _Refused(
             f"an integer with {len(text.lstrip('-'))} digits is too long "
             f"(at most {sys.get_int_max_str_digits()} digits); send it as a string"
         ) from None
+    # The shared JSON rule's bound (`MAX_JSON_INT_BITS`): a larger one would be refused later, by the
+    # journal or the tool's input check, as a value that is no JSON rather than as the model's text.
+    if len(text) > _SHORT_INT and value.bit_length() > MAX_JSON_INT_BITS:
+        raise _Refused(
+            f"an integer with {len(text.lstrip('-'))} digits is too large "
+            f"(at most {MAX_JSON_INT_BITS} bits, about {_SHORT_INT} digits); send it as a string"
+        )
+    return value
 
 
 # One decoder for every call: ``json.loads`` with hooks builds a new decoder and scanner each time.
