@@ -13,6 +13,7 @@ import gc
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -46,6 +47,7 @@ from trio_agent.tools import (
     SettlementStatus,
     Skip,
     ToolCall,
+    ToolError,
     ToolMiddlewareRequest,
     ToolPipeline,
     ToolStages,
@@ -831,6 +833,24 @@ NOT_JSON: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: ToolResult.success("fine", metadata={"n": 10**700}),
         "result.metadata.n is an integer too large for JSON",
     ),
+    # Fields of the wrong type: the class does not check them; the journal's conversion failed on
+    # some (an AttributeError as the message), took others (display 3, an int code), and the fast
+    # path took an empty non-dict metadata ([] or None), which failed later where it was read.
+    "error not a ToolError": (
+        lambda: ToolResult("x", error="oops"),
+        "result.error must be a ToolError or None, not str",
+    ),
+    "error message": (
+        lambda: ToolResult("x", error=ToolError(ToolErrorType.EXECUTION, 5)),  # type: ignore[arg-type]
+        "result.error.message must be a string, not int",
+    ),
+    "error code": (
+        lambda: ToolResult("x", error=ToolError(ToolErrorType.EXECUTION, "no", 5)),  # type: ignore[arg-type]
+        "result.error.code must be a string or None, not int",
+    ),
+    "display": (lambda: ToolResult("x", display=3), "result.display must be a string or None, not int"),
+    "empty list metadata": (lambda: ToolResult("x", metadata=[]), "result.metadata must be a mapping, not list"),
+    "None metadata": (lambda: ToolResult("x", metadata=None), "result.metadata must be a mapping, not NoneType"),
 }
 
 
@@ -868,6 +888,7 @@ async def test_results_the_journal_stores_as_json_stay_successes(kind: str) -> N
             (lambda: (1, "a"), (1, "a")),  # stored as a list
             (lambda: Point(1), Point(1)),  # stored as its fields
             (lambda: ToolResult.success("ok", data={"n": [1.5]}, metadata={"m": None}), "ok"),
+            (lambda: ToolResult("ok", metadata=MappingProxyType({"m": 1})), "ok"),  # any mapping: stored as a dict
         ):
             pipeline = ToolPipeline([returning_tool(make)], journal=journals.journal)
             record = await call_tool(pipeline, "bad", {}, origin=origin)

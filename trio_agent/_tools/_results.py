@@ -180,21 +180,52 @@ def result_problem(result: ToolResult) -> str | None:
     ``NaN``, a dict with an ``int`` key, an object, in ``output``, ``data`` or ``metadata``), naming
     where; ``None`` if it can. The journal applies the same rule when the call is settled.
 
+    A field of the wrong type is named too (``error`` not a `ToolError` or ``None``, ``display`` not
+    a string or ``None``, ``metadata`` not a mapping, an error's ``message`` or ``code`` not a
+    string): the class does not check them, and what reads them later (the journal, the model's
+    text, a stream) would fail there.
+
     The usual success (JSON output and nothing else) is judged without building its stored form.
     """
+    metadata = result.metadata
     if (
         result.error is None
         and result.data is None
-        and not result.metadata
+        and type(metadata) is dict  # not just empty: `[]`, `None` or `0` would pass `not metadata`
+        and not metadata
         and (result.display is None or type(result.display) is str)
         and is_json(result.output)
     ):
         return None
+    problem = _field_problem(result)
+    if problem is not None:
+        return problem
     try:
         stored = result_to_json(result)
     except Exception as exc:  # the converter cannot take it apart
         return f"result cannot be converted to JSON: {exc!r}"
     return json_problem(stored, "result")
+
+
+def _field_problem(result: ToolResult) -> str | None:
+    """Which field of *result* has a type the class does not allow (`result_problem`), or ``None``."""
+    error = result.error
+    if error is not None:
+        if not isinstance(error, ToolError):
+            return f"result.error must be a ToolError or None, not {type(error).__name__}"
+        if not isinstance(error.type, ToolErrorType):
+            return f"result.error.type must be a ToolErrorType, not {type(error.type).__name__}"
+        if not isinstance(error.message, str):
+            return f"result.error.message must be a string, not {type(error.message).__name__}"
+        if error.code is not None and not isinstance(error.code, str):
+            return f"result.error.code must be a string or None, not {type(error.code).__name__}"
+        if error.details is not None and not isinstance(error.details, Mapping):
+            return f"result.error.details must be a mapping or None, not {type(error.details).__name__}"
+    if result.display is not None and not isinstance(result.display, str):
+        return f"result.display must be a string or None, not {type(result.display).__name__}"
+    if not isinstance(result.metadata, Mapping):
+        return f"result.metadata must be a mapping, not {type(result.metadata).__name__}"
+    return None
 
 
 def _unstorable(result: ToolResult, source: str) -> ToolResult:
