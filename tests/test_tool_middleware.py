@@ -1485,6 +1485,42 @@ async def test_a_call_whose_input_is_not_json_fails_alone_as_invalid_input(
         assert ok.status is SettlementStatus.COMPLETED and ran == [{"x": [1, largest]}]
 
 
+async def _passes(request: ToolMiddlewareRequest, call_next: Any) -> ToolResult:
+    result: ToolResult = await call_next()
+    return result
+
+
+@pytest.mark.parametrize("layers", [[], [_passes]], ids=["fast path", "middleware"])
+async def test_emit_after_the_call_settled_raises_closed_resource_error(layers: list[Any]) -> None:
+    # A task the tool left running emitted after the call had settled: its progress reached the
+    # stream after the call's result, and its effect went onto a record already returned (never applied).
+    settled = trio.Event()
+    refused: list[BaseException] = []
+
+    async def outlives_the_call(ctx: Any) -> None:
+        await settled.wait()
+        for item in (Progress("late"), Effect("new_messages", ["late"])):
+            try:
+                await ctx.emit(item)
+            except trio.ClosedResourceError as exc:
+                refused.append(exc)
+
+    recorder = ItemRecorder()
+    async with trio.open_nursery() as nursery:
+
+        async def run(inp: dict[str, Any], ctx: Any) -> str:
+            nursery.start_soon(outlives_the_call, ctx)
+            await ctx.emit(Progress("while running"))
+            return "ok"
+
+        tool = define_tool(run, name="t", description="t", side_effect="pure", input_schema={"type": "object"})
+        record = await call_tool(ToolPipeline([tool], middleware=layers), "t", {}, call_id="c1", on_item=recorder)
+        settled.set()
+    assert record.result.output == "ok" and record.effects == ()
+    assert [item.message for item in recorder.items] == ["while running"]  # type: ignore[union-attr]
+    assert len(refused) == 2 and all("'c1' has ended" in str(exc) for exc in refused)
+
+
 # -- construction ------------------------------------------------------------------
 
 

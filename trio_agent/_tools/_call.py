@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 import trio
@@ -94,6 +94,7 @@ class _Call:
         "behavior",
         "cleanup_deadline",
         "clock",
+        "closed",
         "core_done",
         "core_entered",
         "core_result",
@@ -179,6 +180,8 @@ class _Call:
         self.door_closed = False
         # Set once a settlement was attempted, so an exit never writes a second one.
         self.settle_attempted = False
+        # Set when the settlement starts (or `execute` ends without one): ``emit`` takes no more items.
+        self.closed = False
         # `permission_updates` effects the tool itself emitted (by identity); made by the first.
         self.granted: list[Effect] | None = None
         # The pipeline's stages, with one run's added (see `execute`).
@@ -224,6 +227,8 @@ class _Call:
         """
 
         async def emit_from_tool(item: ToolItem) -> None:
+            if self.closed:
+                self.refuse_late(item)
             self.note_granted(item)
             await emit(item)
 
@@ -231,6 +236,8 @@ class _Call:
 
     async def sink_from_tool(self, item: ToolItem) -> None:
         """`tool_emit` of the call's own `sink` (no middleware in between): a bound method, no closure."""
+        if self.closed:
+            self.refuse_late(item)
         self.note_granted(item)
         await self.sink(item)
 
@@ -245,8 +252,18 @@ class _Call:
         """The listener on the request's handle (and steering's): it aborts the call's own."""
         self.abort.abort(abort.reason, abort.message)
 
+    def refuse_late(self, item: ToolItem) -> NoReturn:
+        """An ``emit`` after the call settled (from a task that outlived it): a progress item would
+        reach the stream after the call's result, an effect would never be applied."""
+        raise trio.ClosedResourceError(
+            f"tool call {self.scheduled.call_id!r} has ended: emit({type(item).__name__}) came after its "
+            "result was settled (from a task that outlived the call?)"
+        )
+
     async def sink(self, item: ToolItem) -> None:
         """The outermost ``emit``: collects effects, forwards the rest to the observer."""
+        if self.closed:
+            self.refuse_late(item)
         if isinstance(item, Effect):
             if item.kind == PERMISSION_UPDATES:
                 # Only the tool (or the permission engine, outside the pipeline) may change the rules:

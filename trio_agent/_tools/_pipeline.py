@@ -458,7 +458,7 @@ class ToolPipeline:
                 await self._synthetic_start(state)
             if self._journal_never_blocks:
                 # `_settle`, one await less: it cannot be interrupted (it never checkpoints), so no shield.
-                state.settle_attempted = True
+                state.settle_attempted = state.closed = True
                 settled = settlement(status, result, state.effective_input, published, reason)
                 try:
                     await journal.on_tool_settled(scheduled, settled)
@@ -496,6 +496,7 @@ class ToolPipeline:
                 raise lost from exc
             raise
         finally:
+            state.closed = True  # settled, or ended without a settlement (a lost lease ...)
             call_abort.remove_listener(token)
             if abort is not None:
                 abort.remove_listener(abort_token)
@@ -1189,7 +1190,7 @@ class ToolPipeline:
     async def _settle(
         self, state: _Call, result: ToolResult, status: SettlementStatus, published: bool, reason: str | None
     ) -> None:
-        state.settle_attempted = True
+        state.settle_attempted = state.closed = True
         settled = settlement(status, result, state.effective_input, published, reason)
         if self._journal_never_blocks:
             # It cannot be interrupted (it never checkpoints), so a shield would change nothing.
