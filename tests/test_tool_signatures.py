@@ -271,3 +271,49 @@ async def test_a_first_tool_written_with_plain_typed_parameters_works_in_a_sessi
         assert await session.send("weather?") == "nice"
     answer = next(m for m in model.requests[1].messages if type(m).__name__ == "ToolResultMessage")
     assert answer.content == "sunny in Rome (celsius)"
+
+
+async def test_a_recursive_pydantic_model_input_has_its_properties_at_the_top() -> None:
+    # Its schema was {"$defs": {"Folder": {...}}, "$ref": "#/$defs/Folder", "type": "object"}: no
+    # top-level properties for the model to read, and no default signature field ("path" was not
+    # found, so a `Tree:/etc/*` rule could never match a call).
+    pydantic = pytest.importorskip("pydantic")
+
+    class Folder(pydantic.BaseModel):  # type: ignore[misc,name-defined]
+        path: str
+        children: list[Folder] = []  # noqa: RUF012 (pydantic copies a default)
+
+    def count(folder: Any) -> int:
+        return 1 + sum(count(child) for child in folder.children)
+
+    @define_tool(side_effect="pure", kind="readonly", input_type=Folder)
+    async def tree(root: Any, ctx: Any) -> int:
+        """Count the folders of a tree."""
+        return count(root)
+
+    schema = tree.input_schema
+    assert "$ref" not in schema
+    assert set(schema["properties"]) == {"path", "children"} and schema["required"] == ["path"]
+    assert schema["properties"]["children"]["items"] == {"$ref": "#/$defs/Folder"}  # the recursion
+    assert tree.signature_field == "path"
+    assert tree.signature_content_for({"path": "/etc//ssh"}) == "/etc/ssh"
+    pipeline = ToolPipeline([tree])
+    ok = await pipeline.execute(ToolCall("c1", "tree", {"path": "/", "children": [{"path": "/a"}, {"path": "/b"}]}))
+    assert ok.result.output == 3
+    bad = await pipeline.execute(ToolCall("c2", "tree", {"path": "/", "children": [{"path": 3}]}))
+    assert bad.result.error is not None and "at children/0/path" in bad.result.error.message
+
+
+def test_inline_top_ref_leaves_what_it_cannot_inline_as_it_is() -> None:
+    from trio_agent._tools._schema import inline_top_ref
+
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/N"}}}
+    assert inline_top_ref({"$defs": {"N": node}, "$ref": "#/$defs/N"}) == {**node, "$defs": {"N": node}}
+    assert inline_top_ref({"$defs": {"a/b": node}, "$ref": "#/$defs/a~1b"})["properties"] == node["properties"]
+    for kept in (
+        {"$ref": "https://example.com/schema"},  # not into its own $defs
+        {"$defs": {"N": node}, "$ref": "#/$defs/M"},  # names nothing
+        {"$defs": {"N": node}, "$ref": "#/$defs/N", "type": "array"},  # a sibling the definition contradicts
+        {"type": "object", "properties": {}},  # no $ref
+    ):
+        assert inline_top_ref(kept) is kept

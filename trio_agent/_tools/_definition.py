@@ -19,7 +19,7 @@ import jsonschema_rs
 from .._errors import ToolBehaviorError, ToolDefinitionError, ToolInputError
 from .._json import is_json, json_problem
 from ._results import JsonObject, ToolResult, describe
-from ._schema import default_signature_field, input_converter, is_input_class, schema_for_class
+from ._schema import default_signature_field, inline_top_ref, input_converter, is_input_class, schema_for_class
 
 if TYPE_CHECKING:
     from .._permissions._rules import PermissionResult
@@ -665,7 +665,9 @@ def _is_pydantic_model(cls: object) -> bool:
 
 def _input_class_schema(cls: type) -> dict[str, Any]:
     if _is_pydantic_model(cls):
-        schema: dict[str, Any] = cls.model_json_schema()  # type: ignore[attr-defined]
+        # A recursive model's schema is a top-level $ref into $defs: inlined, so the top level says
+        # what the input is (its properties, for the model and the default signature field).
+        schema: dict[str, Any] = inline_top_ref(cls.model_json_schema())  # type: ignore[attr-defined]
         schema.setdefault("type", "object")
         return schema
     return schema_for_class(cls)

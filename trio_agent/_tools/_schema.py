@@ -27,6 +27,7 @@ from .._errors import ToolDefinitionError
 __all__ = [
     "SIGNATURE_FIELDS",
     "default_signature_field",
+    "inline_top_ref",
     "input_converter",
     "is_input_class",
     "schema_for_attrs_class",
@@ -62,6 +63,40 @@ def default_signature_field(schema: Mapping[str, Any]) -> str | None:
         if isinstance(prop, Mapping) and prop.get("type") == "string":
             return name
     return None
+
+
+_DEFS_PREFIX = "#/$defs/"
+
+
+def inline_top_ref(schema: dict[str, Any]) -> dict[str, Any]:
+    """*schema* with a top-level ``$ref`` into its own ``$defs`` replaced by what it names.
+
+    A recursive pydantic model's schema is ``{"$defs": {"Node": {...}}, "$ref": "#/$defs/Node"}``:
+    no top-level ``type`` or ``properties``, which providers want for a tool's parameters, and
+    from which the default signature field is found. The definition's keywords move to the top;
+    ``$defs`` stays, for the references inside it (the recursion). Anything else is returned as
+    it is: a reference elsewhere, or a top-level keyword that the definition also sets otherwise
+    (merging them would change what the schema means).
+    """
+    ref = schema.get("$ref")
+    defs = schema.get("$defs")
+    if not isinstance(ref, str) or not ref.startswith(_DEFS_PREFIX) or not isinstance(defs, dict):
+        return schema
+    # One JSON Pointer segment, unescaped (RFC 6901: "~1" is "/", "~0" is "~").
+    name = ref[len(_DEFS_PREFIX) :]
+    if "/" in name:
+        return schema
+    target = defs.get(name.replace("~1", "/").replace("~0", "~"))
+    if not isinstance(target, dict) or "$ref" in target:
+        return schema
+    inlined = dict(target)
+    for key, value in schema.items():
+        if key == "$ref":
+            continue
+        if key in inlined and inlined[key] != value:
+            return schema
+        inlined[key] = value
+    return inlined
 
 
 def is_input_class(cls: object) -> bool:
