@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -317,3 +318,60 @@ def test_inline_top_ref_leaves_what_it_cannot_inline_as_it_is() -> None:
         {"type": "object", "properties": {}},  # no $ref
     ):
         assert inline_top_ref(kept) is kept
+
+
+async def test_a_fixed_length_tuple_parameter_wants_exactly_its_items() -> None:
+    # The schema had prefixItems and items: false but no minItems: [1] passed the schema check and
+    # failed only when structured ("invalid value @ $.pair"), after the permission stages.
+    @define_tool(side_effect="pure", kind="readonly")
+    async def label(pair: tuple[int, str]) -> str:
+        """Label a number."""
+        return f"{pair[0]}={pair[1]}"
+
+    assert label.input_schema["properties"]["pair"] == {
+        "type": "array",
+        "prefixItems": [{"type": "integer"}, {"type": "string"}],
+        "items": False,
+        "minItems": 2,
+        "maxItems": 2,
+    }
+    pipeline = ToolPipeline([label])
+    ok = await pipeline.execute(ToolCall("c1", "label", {"pair": [1, "one"]}))
+    assert ok.result.output == "1=one"
+    for short in ([1], []):
+        record = await pipeline.execute(ToolCall(f"c-{len(short)}", "label", {"pair": short}))
+        assert record.result.error is not None and "has less than 2 items" in record.result.error.message
+
+
+class Corner(enum.Enum):
+    TOP_LEFT = (0, 0)
+    BOTTOM_RIGHT = (1, 1)
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+
+
+@pytest.mark.parametrize(
+    ("annotation", "value"),
+    [
+        (Corner, "(0, 0) (tuple)"),
+        (Literal[(0, 0),], "(0, 0) (tuple)"),  # one value, a tuple
+        (Literal[b"raw"], "b'raw' (bytes)"),
+        (Literal[Mode.FAST], "<Mode.FAST: 'fast'> (Mode)"),  # a member, not its value
+        (Literal[float("nan")], "nan (float)"),
+        (Corner | None, "(0, 0) (tuple)"),  # in a union too
+    ],
+)
+def test_a_literal_or_enum_with_values_that_are_no_json_scalars_is_refused_at_definition(
+    annotation: Any, value: str
+) -> None:
+    # Corner's schema was {"enum": [(0, 0), (1, 1)]}: no JSON, and no input could ever match it
+    # (the model's [0, 0] failed as "invalid value for type, expected Corner").
+    async def place(where: Any) -> str:
+        return "placed"
+
+    place.__annotations__ = {"where": annotation, "return": str}
+    with pytest.raises(ToolDefinitionError, match="must be JSON scalars") as info:
+        define_tool(place, side_effect="pure", description="Place it.")
+    assert f"has the value {value}" in str(info.value)

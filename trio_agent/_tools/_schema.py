@@ -23,6 +23,7 @@ import cattrs
 from cattrs.disambiguators import create_default_dis_func
 
 from .._errors import ToolDefinitionError
+from .._json import is_json
 
 __all__ = [
     "SIGNATURE_FIELDS",
@@ -178,19 +179,23 @@ def _type_schema(annotation: Any, seen: tuple[type, ...], where: str) -> dict[st
         union_members(annotation, where=where)  # one the converter can structure, or refused here
         return {"anyOf": any_of}
     if origin is Literal:
-        return {"enum": list(args)}
+        return {"enum": _enum_values(annotation, args, where)}
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return {"enum": [member.value for member in annotation]}
+        return {"enum": _enum_values(annotation, tuple(member.value for member in annotation), where)}
     if is_input_class(annotation):
         return _object_schema(annotation, seen)
     if origin in (list, tuple, set, frozenset, Sequence, typing.Sequence) or annotation in (list, tuple):
         if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
             return {"type": "array", "items": _type_schema(args[0], seen, where)}
         if origin is tuple and args:
+            # Exactly len(args) items: without minItems a short array passed the schema and failed
+            # only when structured (cattrs' "invalid value"), after the permission stages had run.
             return {
                 "type": "array",
                 "prefixItems": [_type_schema(arg, seen, where) for arg in args],
                 "items": False,
+                "minItems": len(args),
+                "maxItems": len(args),
             }
         items = _type_schema(args[0], seen, where) if args else {}
         schema: dict[str, Any] = {"type": "array", "items": items}
@@ -225,6 +230,20 @@ _VALUE_KINDS: dict[type, str] = {
 _SCALAR_KINDS: dict[Any, str] = {_NONE: "null", bool: "boolean", int: "integer", float: "number", str: "string"}
 
 
+def _enum_values(annotation: Any, values: tuple[Any, ...], where: str) -> list[Any]:
+    """The values of a ``Literal`` or an ``Enum``, for a schema's ``enum``: JSON scalars (``None``,
+    ``bool``, ``int``, finite ``float``, ``str``), exactly. Anything else (a tuple, a list, bytes,
+    an enum member inside a ``Literal``) raises `ToolDefinitionError`: the schema would hold no
+    JSON, and no input the model sends could ever be structured as that value."""
+    for value in values:
+        if type(value) not in _SCALAR_KINDS or not is_json(value):
+            raise ToolDefinitionError(
+                f"{where}: {annotation!r} has the value {value!r} ({type(value).__name__}); the values of a "
+                "Literal or an Enum must be JSON scalars (None, bool, int, float, str)"
+            )
+    return list(values)
+
+
 def _member_kinds(member: Any, where: str) -> tuple[str, ...]:
     """The JSON types of the values a union member takes."""
     if member in _SCALAR_KINDS:
@@ -236,10 +255,7 @@ def _member_kinds(member: Any, where: str) -> tuple[str, ...]:
     elif isinstance(member, type) and issubclass(member, enum.Enum):
         values = tuple(item.value for item in member)
     if values is not None:
-        kinds = tuple(dict.fromkeys(_VALUE_KINDS.get(type(value), "") for value in values))
-        if "" in kinds:
-            raise ToolDefinitionError(f"{where}: the values of {member!r} are not all JSON scalars")
-        return kinds
+        return tuple(dict.fromkeys(_SCALAR_KINDS[type(value)] for value in _enum_values(member, values, where)))
     if is_input_class(member) or origin in (dict, Mapping, typing.Mapping) or member is dict:
         return ("object",)
     if origin in (list, tuple, set, frozenset, Sequence, typing.Sequence) or member in (list, tuple):
