@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import typing
 from typing import Any, Literal
 
 import pytest
@@ -375,3 +376,27 @@ def test_a_literal_or_enum_with_values_that_are_no_json_scalars_is_refused_at_de
     with pytest.raises(ToolDefinitionError, match="must be JSON scalars") as info:
         define_tool(place, side_effect="pure", description="Place it.")
     assert f"has the value {value}" in str(info.value)
+
+
+@pytest.mark.parametrize("optional", ["union", "Optional"])
+async def test_an_optional_context_parameter_under_another_name_takes_the_context(optional: str) -> None:
+    # `context: ToolContext | None = None` was taken as an input field: define_tool failed trying
+    # to write ToolContext's schema ("cannot express type AbortHandle"), unless it was named ctx.
+    async def where(city: str, context: ToolContext | None = None) -> str:
+        """Where a call runs."""
+        assert context is not None
+        return f"{city} in call {context.tool_call_id}"
+
+    if optional == "Optional":
+        where.__annotations__["context"] = typing.Optional[ToolContext]  # noqa: UP045 - that spelling on purpose
+    tool = define_tool(where, side_effect="pure", kind="readonly")
+    assert set(tool.input_schema["properties"]) == {"city"}
+    record = await ToolPipeline([tool]).execute(ToolCall("c1", "where", {"city": "Paris"}))
+    assert record.result.output == "Paris in call c1"
+    # One rule for a signature's parameters and for run(input, ctx): a list of contexts is no context.
+    with pytest.raises(ToolDefinitionError, match="'contexts'"):
+
+        @define_tool(side_effect="pure", kind="readonly", input_schema={"type": "object"})
+        async def many(input: dict[str, Any], contexts: list[ToolContext]) -> str:
+            """Not a context."""
+            return "x"

@@ -8,6 +8,7 @@ import functools
 import inspect
 import posixpath
 import re
+import types
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
@@ -679,8 +680,6 @@ _CONTEXT_PARAMETER = "ctx"
 def _signature_input(run: RunFn, tool_name: str) -> tuple[type, RunFn]:
     """An input class made from ``run``'s typed parameters (all but ``ctx``), and a ``run(input, ctx)``
     that calls it with them as keyword arguments."""
-    from ._context import ToolContext
-
     try:
         hints = typing.get_type_hints(_annotated_function(run))
     except Exception as exc:
@@ -696,7 +695,7 @@ def _signature_input(run: RunFn, tool_name: str) -> tuple[type, RunFn]:
         if parameter.name in bound:
             continue
         annotation = hints.get(parameter.name)
-        if parameter.name == _CONTEXT_PARAMETER or annotation is ToolContext:
+        if parameter.name == _CONTEXT_PARAMETER or _is_context_annotation(annotation):
             if context is not None:
                 raise ToolDefinitionError(
                     f"tool {tool_name!r}: parameters {context!r} and {parameter.name!r} both take the context; keep one"
@@ -740,15 +739,25 @@ def _signature_input(run: RunFn, tool_name: str) -> tuple[type, RunFn]:
     return input_class, run_with_parameters
 
 
+def _is_context_annotation(annotation: Any) -> bool:
+    """Whether *annotation* says the parameter takes the context: ``ToolContext``, or ``ToolContext |
+    None`` (``Optional[ToolContext]``, for a ``run`` also called outside a pipeline). The one rule for
+    a signature's parameters and for ``run(input, ctx)``'s."""
+    from ._context import ToolContext
+
+    if annotation is ToolContext:
+        return True
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return False
+    members = typing.get_args(annotation)
+    return ToolContext in members and all(member is ToolContext or member is type(None) for member in members)
+
+
 def _is_context(parameter: inspect.Parameter, annotation: Any, position: int) -> bool:
     """Whether *parameter*, after the input, takes the context: it is named ``ctx`` or annotated
     ``ToolContext``, or it is the second positional one (``run(input, ctx)``) and says nothing else
     (no annotation, one that cannot be resolved, ``Any``, ``object``)."""
-    from ._context import ToolContext
-
-    if parameter.name == _CONTEXT_PARAMETER or annotation is ToolContext:
-        return True
-    if ToolContext in typing.get_args(annotation):  # `ToolContext | None`
+    if parameter.name == _CONTEXT_PARAMETER or _is_context_annotation(annotation):
         return True
     positional = parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return positional and position == 1 and (annotation is None or annotation is Any or annotation is object)
