@@ -1232,3 +1232,28 @@ def test_input_that_is_not_json_is_reported_as_such_before_the_schema(
     resolving = make(input_schema=schema, resolve_behavior=lambda input: seen.append(input))
     assert resolving.resolve_behavior(value) == resolving.behavior
     assert seen == []
+
+
+_JSONISH = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.text(max_size=3)
+    | st.floats()
+    | st.integers()
+    | st.sampled_from([(1 << 2048) - 1, 1 << 2048, -(1 << 2048) + 1, -(1 << 2048), 10**700]),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=2), children, max_size=3),
+    max_leaves=12,
+)
+
+
+@given(_JSONISH)
+@settings(max_examples=300, deadline=None)
+def test_the_fast_json_check_and_the_explaining_one_agree(value: Any) -> None:
+    # is_json (the fast path of every result, input and event check) and explain_json (which
+    # names the problem) are one rule: ints past MAX_JSON_INT_BITS and non-finite floats fail both.
+    from trio_agent._json import MAX_JSON_INT_BITS, is_json, json_problem
+
+    problem = json_problem(value, "value")
+    assert is_json(value) == (problem is None), problem
+    if problem is not None and "integer" in problem:
+        assert f"at most {MAX_JSON_INT_BITS}" in problem

@@ -2,8 +2,8 @@
 
 Exactly JSON's types (``None``, ``bool``, ``str``, ``int`` of at most `MAX_JSON_INT_BITS` bits,
 finite ``float``, ``list``, ``dict`` with ``str`` keys), nested at most `MAX_JSON_DEPTH` containers
-deep. `is_json` answers fast for
-the common case; `explain_json` names where a value fails; `json_problem` says why, or ``None``.
+deep. `is_json` answers fast for the common case; `explain_json` names where a value fails;
+`json_problem` says why, or ``None``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 
 __all__ = ["MAX_JSON_DEPTH", "MAX_JSON_INT_BITS", "explain_json", "is_json", "json_problem"]
 
-_LEAVES = frozenset({type(None), bool, str})  # ints are leaves too, within `MAX_JSON_INT_BITS`
+_LEAVES = frozenset({type(None), bool, str, int})  # an int within `MAX_JSON_INT_BITS`
 _CONTAINERS = frozenset({dict, list})
 
 
@@ -28,7 +28,9 @@ never less than 640 when limited) into text or back, so a larger one would be ac
 then fail its encoding later (the journal, the wire, the model's text). 2048 bits stay below the
 lowest limit a process can set."""
 
-_INT_LIMIT = 1 << MAX_JSON_INT_BITS  # an int of at most MAX_JSON_INT_BITS bits: -_INT_LIMIT < x < _INT_LIMIT
+# An int of at most MAX_JSON_INT_BITS bits: _INT_LOW < x < _INT_HIGH.
+_INT_HIGH = 1 << MAX_JSON_INT_BITS
+_INT_LOW = -_INT_HIGH
 
 
 def is_json(value: object, depth: int = 0) -> bool:
@@ -37,27 +39,29 @@ def is_json(value: object, depth: int = 0) -> bool:
     the loop, without a call each: most payloads are flat."""
     kind = type(value)
     if kind in _LEAVES:
-        return True
-    if kind is int:
-        return -_INT_LIMIT < value < _INT_LIMIT  # type: ignore[operator]
+        return kind is not int or _INT_LOW < value < _INT_HIGH  # type: ignore[operator]
     if depth >= MAX_JSON_DEPTH:
         return False
     if kind is dict:
+        low, high = _INT_LOW, _INT_HIGH  # locals: read once per container, not per item
         for key, item in value.items():  # type: ignore[attr-defined]
             if type(key) is not str:
                 return False
             inner = type(item)
-            if inner in _LEAVES or (inner is int and -_INT_LIMIT < item < _INT_LIMIT):
-                continue
-            if (inner not in _CONTAINERS or item) and not is_json(item, depth + 1):
+            if inner in _LEAVES:
+                if inner is int and not low < item < high:
+                    return False
+            elif (inner not in _CONTAINERS or item) and not is_json(item, depth + 1):
                 return False
         return True
     if kind is list:
+        low, high = _INT_LOW, _INT_HIGH
         for item in value:  # type: ignore[attr-defined]
             inner = type(item)
-            if inner in _LEAVES or (inner is int and -_INT_LIMIT < item < _INT_LIMIT):
-                continue
-            if (inner not in _CONTAINERS or item) and not is_json(item, depth + 1):
+            if inner in _LEAVES:
+                if inner is int and not low < item < high:
+                    return False
+            elif (inner not in _CONTAINERS or item) and not is_json(item, depth + 1):
                 return False
         return True
     return kind is float and math.isfinite(value)  # type: ignore[arg-type]

@@ -302,7 +302,7 @@ class Tool(Generic[In]):
             raise TypeError(f"signature content must be a string or None, got {content!r}")
         return content or None
 
-    def _valid(self, value: object, *, json_checked: bool = False) -> bool:
+    def _valid(self, value: object, json_checked: bool = False) -> bool:
         """Whether *value* is JSON (unless the caller has checked that: *json_checked*) and satisfies
         the schema. JSON first: the validator reads a set or a tuple as an array and NaN or a huge
         integer as null, so it would pass them (an open schema) or blame the wrong thing."""
@@ -323,8 +323,8 @@ class Tool(Generic[In]):
         """
         return self._input_errors(value)
 
-    def _input_errors(self, value: object, *, json_checked: bool = False) -> tuple[str, ...]:
-        if self._valid(value, json_checked=json_checked):
+    def _input_errors(self, value: object, json_checked: bool = False) -> tuple[str, ...]:
+        if self._valid(value, json_checked):
             return ()
         problem = json_problem(value, "the input")
         if problem is not None:
@@ -370,9 +370,9 @@ class Tool(Generic[In]):
         """
         return self._resolve_behavior(value)
 
-    def _resolve_behavior(self, value: JsonObject, *, json_checked: bool = False) -> ToolBehavior:
+    def _resolve_behavior(self, value: JsonObject, json_checked: bool = False) -> ToolBehavior:
         resolver = self.resolver
-        if resolver is None or not self._valid(value, json_checked=json_checked):
+        if resolver is None or not self._valid(value, json_checked):
             return self._static
         try:
             override = resolver(value)

@@ -384,7 +384,7 @@ class ToolPipeline:
                 return self._record(call, None, result, SettlementStatus.FAILED, tool.behavior, None, scheduled_at)
         behavior_error: ToolBehaviorError | None = None
         try:
-            behavior = tool._resolve_behavior(call.input, json_checked=True)
+            behavior = tool._static if tool.resolver is None else tool._resolve_behavior(call.input, True)
         except ToolBehaviorError as exc:
             behavior, behavior_error = tool.behavior, exc
         key = idempotency_key or f"{origin.session_id}:{origin.agent_id}:{call.id}"
@@ -921,7 +921,7 @@ class ToolPipeline:
             if not private:
                 current = json_copy(current)
             # Private: a copy of the model's input, which `execute` found to be JSON.
-            errors = tool._input_errors(current, json_checked=private)
+            errors = tool._input_errors(current, private)
         except Exception as exc:
             return ToolResult.failure(
                 ToolErrorType.VALIDATION,
