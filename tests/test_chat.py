@@ -820,6 +820,37 @@ async def test_a_fenced_structured_output_answer_is_read_whatever_the_case_of_it
     assert result.structured_output == {"a": 1}
 
 
+@pytest.mark.parametrize(
+    ("answer", "schema", "issue"),
+    [
+        ('"\\ud800"', {"type": "string"}, "at <root>: string '\\ud800'"),  # the validator would fail on it
+        ('{"\\ud800": 1}', OBJECT, "at <root>: key '\\ud800'"),  # nor would it read this key
+        ('{"k": ["\\udfff"]}', {"type": "object", "properties": {"k": {"type": "array"}}}, "at k/0: string"),
+    ],
+    ids=["string", "unread-key", "nested"],
+)
+async def test_a_lone_surrogate_in_the_structured_output_answer_is_a_structured_output_error(
+    answer: str, schema: dict[str, Any], issue: str
+) -> None:
+    # The answer is valid JSON text, but its escape decodes to text no encoding can hold.
+    spy = StructuredLog()
+    async with chat(
+        TestModel(default=[Reply(text="hello"), Reply(text=answer)]), "hi", middleware=[spy], output_schema=schema
+    ) as run:
+        events = [event async for event in run]
+        with pytest.raises(StructuredOutputError, match="not valid Unicode") as caught:
+            await run.result()
+    assert caught.value.issues[0].startswith(issue) and "lone surrogate" in caught.value.issues[0]
+    str(caught.value).encode("utf-8")  # the message itself encodes: the surrogate is shown escaped
+    assert spy.log[-2:] == ["on_error:StructuredOutputError", "deferred"]
+    assert isinstance(events[-1], RunError)
+    # An escaped surrogate pair is one character: accepted.
+    pair = await chat(
+        TestModel(default=[Reply(text="hello"), Reply(text='"\\ud83d\\ude00"')]), "hi", output_schema={"type": "string"}
+    )
+    assert pair.structured_output == "\U0001f600"
+
+
 async def test_a_system_message_in_the_messages_names_instructions() -> None:
     with pytest.raises(HistoryError, match=r"messages\[0\]|history\[0\]") as raised:
         await chat(TestModel(), [SystemMessage("be brief"), UserMessage("hi")])

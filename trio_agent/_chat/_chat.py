@@ -101,7 +101,7 @@ from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules, r
 from .._session._endings import record_request_end
 from .._session._plugins import check_model_middleware_runs
 from .._tools._chain import ToolMiddleware
-from .._tools._definition import Tool
+from .._tools._definition import Tool, surrogate_errors
 from .._tools._journal import InMemoryToolJournal
 from .._tools._pipeline import ToolPipeline
 from .._tools._results import ToolResult
@@ -783,6 +783,16 @@ def _checked_answer(response: ModelResponse, validator: jsonschema_rs.Validator)
     except JSONTextError as exc:
         raise StructuredOutputError(
             f"the structured output is {exc.problem}", issues=[f"not JSON: {exc.problem}"], text=text
+        ) from None
+    # A JSON escape such as "\ud800" decodes to a lone surrogate: text no encoding can hold, which
+    # the validator fails on (UnicodeEncodeError) or, where it reads no such string, would pass.
+    # Checked first, anywhere in the value: the C encoder finds one, the walk then names it.
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        issues = list(surrogate_errors(value))
+        raise StructuredOutputError(
+            "the structured output is not valid Unicode: " + "; ".join(issues), issues=issues, text=text
         ) from None
     issues = [
         f"at {'/'.join(str(p) for p in error.instance_path) or '<root>'}: {error.message}"

@@ -165,7 +165,12 @@ def _is_surrogate_free(text: str) -> bool:
 
 
 def _surrogate_errors(value: object) -> tuple[str, ...]:
-    """One line per key or string holding a lone surrogate (never empty: the caller saw one fail).
+    """One line per key or string holding a lone surrogate (never empty: the caller saw one fail)."""
+    return surrogate_errors(value) or ("at <root>: the input is not valid Unicode (a lone surrogate)",)
+
+
+def surrogate_errors(value: object) -> tuple[str, ...]:
+    """One line per key or string of *value* (JSON) holding a lone surrogate; empty when none does.
 
     Such text is shown escaped (``'\\ud800'``), so the message itself encodes.
     """
@@ -187,7 +192,7 @@ def _surrogate_errors(value: object) -> tuple[str, ...]:
             lines.append(f"at {where}: string {item!r} is not valid Unicode (a lone surrogate)")
 
     walk(value, ())
-    return tuple(lines) or ("at <root>: the input is not valid Unicode (a lone surrogate)",)
+    return tuple(lines)
 
 
 def _structure_problem(exc: Exception) -> str:
