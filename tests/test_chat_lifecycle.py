@@ -293,3 +293,75 @@ async def test_the_on_abort_of_a_run_cancelled_from_outside_is_bounded(
         await chat(TestModel(default=Reply(text="hi", latency=5)), "go", middleware=[Hangs()], cleanup_grace=2.0)
     assert trio.current_time() - started == pytest.approx(3.0)
     assert any("a cancelled run ended" in record.getMessage() for record in caplog.records)
+
+
+class HoldsItsTerminalHook(ChatMiddleware):
+    """An async on_finish / on_abort that waits (a flush to a remote service, say) until released."""
+
+    def __init__(self) -> None:
+        self.entered = trio.Event()
+        self.release = trio.Event()
+        self.done = False
+
+    async def _hold(self) -> None:
+        self.entered.set()
+        await self.release.wait()
+        self.done = True
+
+    async def on_finish(self, ctx: Any, info: Any) -> None:
+        await self._hold()
+
+    async def on_abort(self, ctx: Any, info: Any) -> None:
+        await self._hold()
+
+
+class AbortsAtStart(ChatMiddleware):
+    def on_start(self, ctx: Any) -> None:
+        ctx.abort("stop now")
+
+
+@pytest.mark.parametrize("ending", ["finish", "abort"])
+@pytest.mark.parametrize("form", ["await", "async with"])
+async def test_a_cancellation_landing_in_a_terminal_hook_still_tells_every_later_middleware(
+    ending: str, form: str
+) -> None:
+    holds, terminal = HoldsItsTerminalHook(), Terminal()
+    middleware = [*([AbortsAtStart()] if ending == "abort" else []), holds, terminal]
+    scope = trio.CancelScope()
+    reached: list[str] = []
+
+    async def caller() -> None:
+        with scope:
+            if form == "await":
+                await chat(TestModel(default=Reply(text="hi")), "go", middleware=middleware)
+            else:
+                async with chat(TestModel(default=Reply(text="hi")), "go", middleware=middleware) as run:
+                    await run.result()
+            reached.append("after the run")
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            await holds.entered.wait()
+            scope.cancel()  # lands in the first middleware's terminal hook
+            await trio.testing.wait_all_tasks_blocked()
+            assert not holds.done and terminal.terminal == []  # shielded: the hook is not cut short
+            holds.release.set()
+    assert holds.done
+    assert terminal.terminal == [ending]  # the later middleware was told too, exactly once
+    assert scope.cancelled_caught and reached == []  # then the cancellation went on
+
+
+async def test_the_on_finish_of_a_run_cancelled_during_it_is_bounded(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Hangs(ChatMiddleware):
+        async def on_finish(self, ctx: Any, info: Any) -> None:
+            await trio.sleep_forever()
+
+    started = trio.current_time()
+    with trio.move_on_after(1) as scope:
+        await chat(TestModel(default=Reply(text="hi")), "go", middleware=[Hangs(), Quiet()], cleanup_grace=2.0)
+    assert scope.cancelled_caught
+    assert trio.current_time() - started == pytest.approx(2.0)  # the grace, from when on_finish began
+    assert any("a run finished (on_finish)" in record.getMessage() for record in caplog.records)

@@ -154,7 +154,8 @@ async def run_agent_loop(
     ``on_error``; a cancellation from outside propagates unchanged, after ``on_abort``
     (bounded by ``cleanup_grace``, no ``RunFinished``). Exactly one of
     ``on_finish`` / ``on_abort`` / ``on_error`` runs, after ``RunFinished`` /
-    ``RunError`` went out. A host with a last step of the run (``chat()``'s
+    ``RunError`` went out, shielded and bounded by ``cleanup_grace`` (a
+    cancellation landing in it goes on after every part was told). A host with a last step of the run (``chat()``'s
     structured-output call) passes ``finalize``: awaited with the outcome of a run
     that ended neither paused nor aborted, before ``RunFinished`` and the terminal
     hook, it returns the outcome the run ends with; its failure fails the run
@@ -223,14 +224,22 @@ async def run_agent_loop(
             await _run_deferred(ctx, spec.cleanup_grace)
         raise
     try:
+        # Shielded (bounded) as the hooks of a failed or cancelled run are: a cancellation from
+        # outside landing in one part's hook would otherwise leave every later part without its
+        # terminal hook. It goes on once they all were told.
         if outcome.aborted:
             assert outcome.abort is not None
-            try:
-                await hooks.on_abort(ctx, outcome.abort)
-            except Exception:
-                _log.exception("on_abort of %s failed", part_name(hooks))
-        else:
-            await hooks.on_finish(ctx, outcome)
+            if defines(hooks, "on_abort"):
+                with bounded_shield(spec.cleanup_grace, "telling the hooks a run was aborted (on_abort)"):
+                    try:
+                        await hooks.on_abort(ctx, outcome.abort)
+                    except Exception:
+                        _log.exception("on_abort of %s failed", part_name(hooks))
+                await trio.lowlevel.checkpoint_if_cancelled()
+        elif defines(hooks, "on_finish"):
+            with bounded_shield(spec.cleanup_grace, "telling the hooks a run finished (on_finish)"):
+                await hooks.on_finish(ctx, outcome)
+            await trio.lowlevel.checkpoint_if_cancelled()
     finally:
         await _run_deferred(ctx, spec.cleanup_grace)
     return outcome
