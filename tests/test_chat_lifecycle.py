@@ -365,3 +365,37 @@ async def test_the_on_finish_of_a_run_cancelled_during_it_is_bounded(
     assert scope.cancelled_caught
     assert trio.current_time() - started == pytest.approx(2.0)  # the grace, from when on_finish began
     assert any("a run finished (on_finish)" in record.getMessage() for record in caplog.records)
+
+
+class FailsOnChunk(ChatMiddleware):
+    """An on_chunk that fails on every event, or only on the terminal RunError."""
+
+    def __init__(self, every: bool) -> None:
+        self.every = every
+
+    def on_chunk(self, ctx: Any, event: Any) -> None:
+        from trio_agent.lifecycle import RunError
+
+        if self.every or isinstance(event, RunError):
+            raise ValueError("on_chunk bug")
+
+
+class FailsAtStart(ChatMiddleware):
+    def on_start(self, ctx: Any) -> None:
+        raise RuntimeError("the run's own error")
+
+
+@pytest.mark.parametrize("every", [True, False], ids=["fails-on-every-event", "fails-on-run-error"])
+async def test_a_run_error_that_on_chunk_fails_on_still_reaches_the_stream(every: bool) -> None:
+    from trio_agent.lifecycle import RunError
+
+    # Failing on every event, on_chunk fails the run itself; else the run fails on its own.
+    middleware = [FailsOnChunk(every)] if every else [FailsOnChunk(every), FailsAtStart()]
+    error = ValueError if every else RuntimeError
+    async with chat(TestModel(default=Reply(text="hi")), "go", middleware=middleware) as run:
+        events = [event async for event in run]
+        with pytest.raises(error):
+            await run.result()
+    assert events and isinstance(events[-1], RunError)  # the stream ends with its terminal event
+    assert [type(event).__name__ for event in events].count("RunError") == 1
+    assert events[-1].message == ("on_chunk bug" if every else "the run's own error")

@@ -206,8 +206,15 @@ async def run_agent_loop(
                     if isinstance(exc, Exception):
                         with contextlib.suppress(Exception):
                             await run._close_step()
-                        with contextlib.suppress(Exception):
-                            await run.events(RunError(spec.run_id, spec.agent_id, str(exc), error_code(exc)))
+                        error = RunError(spec.run_id, spec.agent_id, str(exc), error_code(exc))
+                        try:
+                            await run.events(error)
+                        except Exception:
+                            # The hooks' wrap_events failed on it (an on_chunk that fails on every
+                            # event): the stream still ends with its terminal event, unwrapped.
+                            if run.events is not events:
+                                with contextlib.suppress(Exception):
+                                    await events(error)
                     try:
                         await hooks.on_error(ctx, exc)
                     except Exception:
