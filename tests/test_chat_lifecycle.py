@@ -399,3 +399,34 @@ async def test_a_run_error_that_on_chunk_fails_on_still_reaches_the_stream(every
     assert events and isinstance(events[-1], RunError)  # the stream ends with its terminal event
     assert [type(event).__name__ for event in events].count("RunError") == 1
     assert events[-1].message == ("on_chunk bug" if every else "the run's own error")
+
+
+async def test_a_tool_outcome_says_ran_only_for_a_call_whose_tool_body_was_entered() -> None:
+    from trio_agent.lifecycle import Refuse, Skip, define_chat_middleware
+
+    entered: list[str] = []
+
+    @define_tool(
+        name="note", description="note", input_schema=OBJECT, side_effect=SideEffect.PURE, kind=ToolKind.READONLY
+    )
+    async def note(input: dict[str, Any], ctx: Any) -> str:
+        entered.append(input["as"])
+        return "noted"
+
+    calls = [("note", {"as": "refused"}), ("note", {"as": "skipped"}), ("nowhere", {}), ("note", {"as": "runs"})]
+    model = TestModel(default=[Reply(tool_calls=calls), Reply(text="done")])
+    outcomes: list[Any] = []
+    middleware = define_chat_middleware(
+        on_before_tool_call=lambda ctx, call: Skip("cached") if call.args.get("as") == "skipped" else None,
+        on_guard_tool_call=lambda ctx, call: Refuse("no") if call.args.get("as") == "refused" else None,
+        on_tool_phase_complete=lambda ctx, info: outcomes.extend(info.outcomes),
+    )
+    await chat(model, "go", tools=[note], middleware=[middleware])
+    assert entered == ["runs"]
+    assert [(outcome.call.name, outcome.ran) for outcome in outcomes] == [
+        ("note", False),  # refused by on_guard_tool_call
+        ("note", False),  # answered by on_before_tool_call's Skip
+        ("nowhere", False),  # unknown tool
+        ("note", True),
+    ]
+    assert [outcome.result.ok for outcome in outcomes] == [False, True, False, True]

@@ -80,7 +80,9 @@ class ToolOutcome:
 
     call: ToolCallPart
     result: ToolResult
-    ran: bool  # False: refused before it could run (cut off, unknown tool, bad arguments)
+    # Whether the tool's body was entered (the pipeline's ``tool_ran``). False: answered without
+    # running: cut off, unknown tool, bad arguments, refused or skipped by a stage, never settled.
+    ran: bool
 
 
 @attrs.frozen

@@ -907,6 +907,7 @@ class _Run:
         its slot, so a settled result is never lost to the model.
         """
         slots: list[ToolResult | None] = [None] * len(calls)
+        ran = [False] * len(calls)  # per call: whether its tool's body was entered (the pipeline's record)
         stages = self.hooks.tool_stages(self.ctx)
         gate = self.ports.gate
         if gate is not None:  # the gate's decisions come first: the table decided before any call ran
@@ -924,7 +925,9 @@ class _Run:
         try:
             if len(calls) == 1:  # nothing to run beside it: no task of its own
                 part = calls[0]
-                await self._run_call(turn_id, part, _checked(part, rejected, arguments), slots, 0, steering, stages)
+                await self._run_call(
+                    turn_id, part, _checked(part, rejected, arguments), slots, ran, 0, steering, stages
+                )
             else:
                 async with trio.open_nursery() as nursery:
                     for index, part in enumerate(calls):
@@ -934,6 +937,7 @@ class _Run:
                             part,
                             _checked(part, rejected, arguments),
                             slots,
+                            ran,
                             index,
                             steering,
                             stages,
@@ -949,8 +953,8 @@ class _Run:
                 stop.remove_listener(token)
             self._answer(calls, slots)
         return [
-            _tool_outcome(part, tool_error("no result", "internal") if result is None else result, part.id in arguments)
-            for part, result in zip(calls, slots, strict=True)
+            _tool_outcome(part, tool_error("no result", "internal") if result is None else result, entered)
+            for part, result, entered in zip(calls, slots, ran, strict=True)
         ]
 
     def _answer(self, calls: list[ToolCallPart], slots: list[ToolResult | None]) -> None:
@@ -980,6 +984,7 @@ class _Run:
         part: ToolCallPart,
         checked: ToolResult | dict[str, Any],
         slots: list[ToolResult | None],
+        ran: list[bool],
         index: int,
         steering: AbortHandle,
         stages: Any,
@@ -1017,6 +1022,7 @@ class _Run:
             result = tool_error(f"{type(exc).__name__}: {exc}", "internal")
         else:
             result = record.result
+            ran[index] = record.tool_ran
         slots[index] = result  # no await since the call settled: the answer is never lost
         if record is not None and record.effects:
             await ports.effects(agent_id, part.id, record.effects)  # only now: the call is settled
