@@ -262,8 +262,14 @@ async def test_structured_output_is_checked_against_the_schema_a_hook_sent() -> 
 
 @pytest.mark.parametrize(
     "change",
-    [{"output_schema": {"type": 5}}, {"output_schema": True}, {"messages": 5}, {"options": None}],
-    ids=["invalid-schema", "schema-not-an-object", "messages", "options"],
+    [
+        {"output_schema": {"type": 5}},
+        {"output_schema": True},
+        {"messages": 5},
+        {"messages": [UserMessage("hi"), {"role": "user", "content": "be brief"}]},
+        {"options": None},
+    ],
+    ids=["invalid-schema", "schema-not-an-object", "messages", "an-item-not-a-message", "options"],
 )
 async def test_an_on_structured_output_config_value_its_key_cannot_hold_is_a_decision_error(
     change: dict[str, Any],
@@ -273,6 +279,16 @@ async def test_an_on_structured_output_config_value_its_key_cannot_hold_is_a_dec
     with pytest.raises(MiddlewareDecisionError, match="on_structured_output_config of middleware 'bad'"):
         await chat(model, "hi", output_schema={"type": "array"}, middleware=middleware)
     assert len(model.requests) == 1  # the structured-output call was never sent
+
+
+async def test_an_on_structured_output_config_that_hands_back_what_it_got_changes_nothing() -> None:
+    # The messages are the history's view (no list): handed back as they are, they need no check.
+    model = TestModel(default=[Reply(text="hello"), Reply(text="[1]")])
+    middleware = [define_chat_middleware(name="same", on_structured_output_config=lambda ctx, config: dict(config))]
+    result = await chat(model, "hi", output_schema={"type": "array"}, middleware=middleware)
+    assert result.structured_output == [1]
+    sent = model.requests[-1].messages  # the history as it was, then the request for the answer
+    assert [type(message).__name__ for message in sent] == ["UserMessage", "AssistantMessage", "UserMessage"]
 
 
 async def test_leaving_the_block_early_aborts_the_run_and_keeps_committed_results(

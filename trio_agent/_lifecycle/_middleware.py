@@ -748,13 +748,23 @@ def output_schema_validator(schema: object) -> jsonschema_rs.Validator:
         raise ValueError(f"not valid JSON Schema: {str(exc).splitlines()[0]}") from None
 
 
-def _structured_change(change: Mapping[str, Any], label: str) -> None:
-    """Each key of an ``on_structured_output_config`` answer holds what its call can send."""
+def _structured_change(change: Mapping[str, Any], current: Mapping[str, Any], label: str) -> None:
+    """Each key of an ``on_structured_output_config`` answer holds what its call can send (as
+    `_merged_config` checks ``on_config``'s)."""
     hook = "on_structured_output_config"
+    # What it kept as it was needs no check (the history itself is a view, not a list).
+    change = {key: value for key, value in change.items() if value is not current[key]}
     if "instructions" in change and not isinstance(change["instructions"], str):
         raise MiddlewareDecisionError(hook, label, f"set instructions to {change['instructions']!r}, not a str")
-    if "messages" in change and not isinstance(change["messages"], (list, tuple)):
-        raise MiddlewareDecisionError(hook, label, f"set messages to {change['messages']!r}, not a list")
+    if "messages" in change:
+        messages = change["messages"]
+        if not isinstance(messages, (list, tuple)):
+            raise MiddlewareDecisionError(hook, label, f"set messages to {messages!r}, not a list")
+        for index, message in enumerate(messages):
+            if not isinstance(message, _MESSAGE_TYPES):
+                raise MiddlewareDecisionError(
+                    hook, label, f"set messages[{index}] to {message!r}, which is not a Message"
+                )
     for key in ("options", "metadata"):
         if key in change and not isinstance(change[key], Mapping):
             raise MiddlewareDecisionError(hook, label, f"set {key} to {change[key]!r}, not a mapping")
@@ -793,6 +803,6 @@ async def apply_structured_output_config(
             raise MiddlewareDecisionError(
                 "on_structured_output_config", label, f"returned unknown keys {unknown}; valid: {sorted(current)}"
             )
-        _structured_change(change, label)
+        _structured_change(change, current, label)
         current = {**current, **change}
     return current
