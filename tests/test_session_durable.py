@@ -8,8 +8,11 @@ SIGKILLs it while two tool calls are running and reopens the session here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
+import math
 import os
 import signal
 import subprocess
@@ -29,6 +32,8 @@ from trio_agent import (
     LeaseLostError,
     RequestAbortedError,
     SideEffect,
+    ToolErrorType,
+    ToolResult,
     ToolResultEvent,
     ToolUseEvent,
     TrioAgentError,
@@ -41,6 +46,7 @@ from trio_agent.journal import (
     JournalCursor,
     MemoryStore,
     ModelAttemptStarted,
+    OutcomeUnknownReason,
     RecoveryDecision,
     RequestAccepted,
     RequestCompleted,
@@ -611,6 +617,136 @@ async def test_recovery_after_kill_9_mid_request(tmp_path: Path) -> None:
     assert len(crashed) == 1
     assert [e.reason for e in of_type(events, TurnAborted)] == [TurnAbortReason.PROCESS_RESTART]
     assert len(of_type(events, SessionClosed)) == 1 and isinstance(events[-1], SessionClosed)
+
+
+# ---------------------------------------------------------------- a reconcile that misbehaves
+
+
+@contextlib.asynccontextmanager
+async def store_of(kind: str, tmp_path: Path) -> AsyncIterator[Any]:
+    if kind == "memory":
+        yield MemoryStore(clock=trio.current_time)
+    else:
+        async with open_sqlite_store(tmp_path / "j.db") as store:
+            yield store
+
+
+def pay_tool(reconcile: Callable[..., Awaitable[Any]], crash: FaultyStore | None = None) -> Any:
+    """A non_idempotent tool with *reconcile*; with *crash*, its settlement is never written (the
+    process 'dies' after the effect), so the next open finds it started without an outcome."""
+
+    @define_tool(
+        name="pay", description="p", input_schema=OBJECT, side_effect=SideEffect.NON_IDEMPOTENT, reconcile=reconcile
+    )
+    async def pay(input: dict[str, Any], ctx: Any) -> str:
+        if crash is not None:
+            crash.fail_next("before")
+        return "paid"
+
+    return pay
+
+
+async def crash_after_pay(store: Any, reconcile: Callable[..., Awaitable[Any]]) -> TestModel:
+    model = TestModel({"start": [Reply(tool_calls=[("pay", {"amount": 5})]), Reply(text="again 1"), Reply("again 2")]})
+    faulty = FaultyStore(store)
+    with pytest.raises(SettlementError):
+        async with open_session(
+            provider=model, tools=[pay_tool(reconcile, faulty)], journal=faulty, session_id="pay", **ALLOW_PAY
+        ) as session:
+            await session.send("start")
+    return model
+
+
+ALLOW_PAY: dict[str, Any] = {"permissions": {"allow": ["pay"]}}
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+@pytest.mark.parametrize(
+    ("answer", "told"),
+    [
+        (ValueError("ledger offline"), "raised ValueError('ledger offline')"),
+        ({"ok": True}, "returned dict, expected a ToolResult or None"),
+        (ToolResult.success({1, 2}), "result.output is not JSON: set"),
+        (ToolResult.success("paid", data=math.nan), "result.data is not a finite number: nan"),
+        (ToolResult.success("paid", metadata={"seen": b"x"}), "result.metadata.seen is not JSON: bytes"),
+        (ToolResult.failure(ToolErrorType.EXECUTION, "no", metadata={1: "x"}), "result.metadata has a non-string key"),
+    ],
+    ids=["raises", "dict", "set-output", "nan-data", "bytes-metadata", "int-key-metadata"],
+)
+async def test_a_reconcile_that_raises_or_answers_no_json_result_leaves_the_outcome_unknown(
+    kind: str, answer: Any, told: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reconcile hook is the tool's code: when it fails, recovery settles the call
+    outcome_unknown (it could not tell), where it failed every reopen of the session."""
+    asked: list[dict[str, Any]] = []
+
+    async def reconcile(input: dict[str, Any], key: str) -> Any:
+        asked.append(input)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    async with store_of(kind, tmp_path) as store:
+        model = await crash_after_pay(store, reconcile)
+        with caplog.at_level(logging.WARNING, logger="trio_agent.journal"):
+            async with open_session(
+                provider=model, tools=[pay_tool(reconcile)], journal=store, session_id="pay", **ALLOW_PAY
+            ) as session:
+                report = session.recovery
+                assert report is not None and report.reconciled == ()
+                [call_id] = report.outcome_unknown
+                assert report.decisions == {call_id: ToolRecoveryAction.RECONCILE}
+                assert await session.send("again") == "again 1"
+                stream_id = session.journal.stream_id()
+        assert asked == [{"amount": 5}]
+        [warning] = [r for r in caplog.records if r.levelno == logging.WARNING and "reconcile of pay" in r.message]
+        assert call_id in warning.message and told in warning.message
+        # The model is told the outcome is unknown, as for a reconcile that returns None.
+        note = model.requests[-1].messages[-1]
+        assert isinstance(note, UserMessage) and "unknown" in note.content and call_id in note.content
+        events = [envelope.event for envelope in await store.read(stream_id)]
+        [decision] = of_type(events, RecoveryDecision)
+        assert decision.decision is ToolRecoveryAction.RECONCILE and told in decision.reason
+        [unknown] = of_type(events, ToolOutcomeUnknown)
+        assert (unknown.call_id, unknown.reason) == (call_id, OutcomeUnknownReason.PROCESS_RESTART)
+        # Settled now: the next open neither asks again nor fails.
+        async with open_session(
+            provider=model, tools=[pay_tool(reconcile)], journal=store, session_id="pay", **ALLOW_PAY
+        ) as session:
+            assert await session.send("and now") == "again 2"
+        assert len(asked) == 1
+
+
+@pytest.mark.parametrize("taken_over", [False, True], ids=["another-store", "own-lease"])
+async def test_a_lease_lost_error_from_reconcile_ends_the_open_only_when_the_lease_is_lost(taken_over: bool) -> None:
+    store = MemoryStore(clock=trio.current_time)
+    journals: list[Any] = []
+
+    async def reconcile(input: dict[str, Any], key: str) -> ToolResult | None:
+        if taken_over:
+            # Another process took the session over while this one was recovering it.
+            await store.release_lease(journals[0].lease)
+            await store.acquire_lease("pay", "another-owner", 60.0)
+        raise LeaseLostError("the lease of the payment service's own store was lost")
+
+    model = await crash_after_pay(store, reconcile)
+    if taken_over:
+        with pytest.raises(LeaseLostError):
+            async with open_journal(store, session_id="pay") as journal:
+                journals.append(journal)
+                async with open_session(provider=model, tools=[pay_tool(reconcile)], journal=journal, **ALLOW_PAY):
+                    raise AssertionError("unreachable")  # pragma: no cover
+        # The fenced-out owner settled nothing.
+        assert not of_type([e.event for e in await store.read("pay/root")], RecoveryDecision)
+        return
+    async with (
+        open_journal(store, session_id="pay") as journal,
+        open_session(provider=model, tools=[pay_tool(reconcile)], journal=journal, **ALLOW_PAY) as session,
+    ):
+        report = session.recovery
+        assert report is not None and len(report.outcome_unknown) == 1
+    [decision] = of_type([e.event for e in await store.read("pay/root")], RecoveryDecision)
+    assert "payment service's own store" in decision.reason
 
 
 async def test_durable_pure_starts_is_an_option_of_open_session(tmp_path: Path) -> None:

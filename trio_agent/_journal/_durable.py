@@ -58,10 +58,11 @@ from .._errors import (
     LeaseLostError,
     StaleFencingTokenError,
 )
+from .._groups import typed_error
 from .._models._messages import Message
 from .._tools._definition import SideEffect, Tool
 from .._tools._journal import ScheduledCall, Settlement, SettlementStatus
-from .._tools._results import ToolErrorType, ToolResult, json_copy
+from .._tools._results import ToolErrorType, ToolResult, describe, json_copy, result_problem
 from ._conversation import ConversationFold
 from ._events import (
     Event,
@@ -1175,15 +1176,10 @@ class DurableJournal:
                 )
                 cancelled.append(item.call_id)
             elif action is ToolRecoveryAction.RECONCILE:
-                tool = known[record.scheduled.tool_name]
-                assert tool.reconcile is not None
-                started = record.started_input if record.started_input is not None else record.scheduled.model_input
-                outcome = await tool.run_reconcile(
-                    json_copy(started), record.scheduled.idempotency_key, fencing_token=self.lease.token
-                )
+                outcome, why_unknown = await self._reconcile(known[record.scheduled.tool_name], record)
                 if outcome is None:
                     await self.append(
-                        RecoveryDecision(**ids, decision=action, reason="reconcile could not tell whether it happened"),
+                        RecoveryDecision(**ids, decision=action, reason=why_unknown),
                         ToolOutcomeUnknown(**ids, reason=OutcomeUnknownReason.PROCESS_RESTART),
                         agent_id=agent_id,
                     )
@@ -1191,7 +1187,7 @@ class DurableJournal:
                 else:
                     settle: Event = (
                         ToolCompleted(**ids, result=result_to_json(outcome))
-                        if outcome.ok
+                        if outcome.error is None
                         else ToolFailed(**ids, result=result_to_json(outcome))
                     )
                     await self.append(
@@ -1221,6 +1217,37 @@ class DurableJournal:
             reconciled=tuple(reconciled),
             cancelled=tuple(cancelled),
         )
+
+    async def _reconcile(self, tool: Tool[Any], record: CallRecord) -> tuple[ToolResult | None, str]:
+        """What *tool*'s ``reconcile`` says of a started call: its result, or ``None`` ("cannot
+        tell") and why. The hook is the tool's code: when it raises or answers what the journal
+        cannot store (no `ToolResult` or ``None``, a result that is no JSON) that is "cannot tell"
+        too, so the call settles ``outcome_unknown`` instead of failing the recovery, and with it
+        every reopen of the session. Cancellation goes on, and a `LeaseLostError` when this
+        journal's own lease is lost (a reconciler may drive a store of its own)."""
+        assert tool.reconcile is not None
+        call = f"reconcile of {tool.name} call {record.scheduled.call_id}"
+        started = record.started_input if record.started_input is not None else record.scheduled.model_input
+        try:
+            outcome = await tool.run_reconcile(
+                json_copy(started), record.scheduled.idempotency_key, fencing_token=self.lease.token
+            )
+        except Exception as exc:
+            if isinstance(typed_error(exc), LeaseLostError):
+                await self.ensure_owner()  # asks the store: raises when the lease lost is this journal's
+            problem = f"raised {describe(exc, 'repr')}"
+        else:
+            if outcome is None:
+                return None, "reconcile could not tell whether it happened"
+            if not isinstance(outcome, ToolResult):
+                problem = f"returned {type(outcome).__name__}, expected a ToolResult or None"
+            else:
+                result_issue = result_problem(outcome)
+                if result_issue is None:
+                    return outcome, ""
+                problem = f"returned a result that cannot be stored: {result_issue}"
+        logger.warning("%s %s; its outcome is unknown", call, problem)
+        return None, f"reconcile {problem}: could not tell whether it happened"
 
     # -- subscriptions
 
