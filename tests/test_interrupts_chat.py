@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from typing import Any
 
@@ -326,6 +327,48 @@ async def test_the_before_hook_transforms_a_client_tool_call_then_its_schema_che
     _, result = await run_chat(model, "ask me", tools=[CONFIRM], middleware=[bad])
     assert result.paused is None and "invalid input for tool 'confirm'" in result.text
     assert [seen[0] for seen in bad.seen] == ["before"]  # the guard sees only checked input
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({1, 2}, "the input.extra is not JSON: set"),
+        ((1, 2), "the input.extra is not JSON: tuple"),
+        (math.nan, "the input.extra is not a finite number: nan"),
+        (1 << 3000, "the input.extra is an integer too large for JSON"),
+    ],
+    ids=["set", "tuple", "nan", "huge-int"],
+)
+@pytest.mark.parametrize("journalled", [False, True])
+async def test_a_client_tool_call_a_hook_gave_non_json_input_is_refused_as_not_json(
+    value: Any, problem: str, journalled: bool
+) -> None:
+    """The model's arguments are parsed JSON, but a before hook may replace them with anything: the
+    client tool's schema check says it is no JSON (its validator reads a set or tuple as an array,
+    NaN or a huge int as null, and passed them), where the pause failed the run on it."""
+    from trio_agent.journal import MemoryStore, open_journal
+
+    model = calls_then_echo(("confirm", {"question": "sure?"}))
+    screen = ScreensClientCalls(before=TransformArgs({"question": "q", "extra": value}))
+    async with open_journal(MemoryStore(), session_id="s") as journal:
+        _, result = await run_chat(
+            model, "ask me", tools=[CONFIRM], middleware=[screen], journal=journal if journalled else None
+        )
+    assert result.paused is None and result.stop_reason is StopReason.END_TURN
+    assert result.text.startswith("done: Error: invalid input for tool 'confirm': at <root>: ")
+    assert problem in result.text
+    assert [seen[0] for seen in screen.seen] == ["before"]  # the guard sees only checked input
+    [line] = CONFIRM.input_errors({"question": "q", "extra": value})
+    assert line.startswith("at <root>: ") and problem in line
+
+
+def test_an_interrupt_payload_that_is_no_json_is_refused_when_the_question_is_made() -> None:
+    # The same check as a client tool's input: an open payload_schema passed a set or NaN.
+    question = define_interrupt("pick", payload_schema={"type": "object"})
+    for payload, problem in (({"a": {1}}, "a is not JSON: set"), ({"a": math.nan}, "a is not a finite number")):
+        with pytest.raises(ConfigError, match="interrupt 'pick': invalid payload: at <root>: ") as caught:
+            question.request("k", "which?", payload=payload)
+        assert problem in str(caught.value)
 
 
 async def test_the_before_hook_may_answer_a_client_tool_call_itself() -> None:

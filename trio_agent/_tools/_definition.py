@@ -142,6 +142,17 @@ def _enum_value(enum_type: type[enum.Enum], value: object, *, where: str) -> Any
 
 
 def input_errors(validator: jsonschema_rs.Validator, value: object) -> tuple[str, ...]:
+    """One line per way *value* fails *validator*'s schema (the tools' wording); empty when valid.
+
+    JSON first, for every schema check that reads a Python value (a tool's input, a client
+    tool's, an interrupt's payload): the validator reads a set or a tuple as an array and NaN or a
+    huge integer as null, so it would pass them (an open schema) or blame the wrong thing, and
+    what holds the value later (a journal, a paused run's JSON) fails on it outside the call.
+    """
+    if not is_json(value):
+        problem = json_problem(value, "the input")
+        if problem is not None:
+            return (f"at <root>: {problem}",)
     lines = []
     try:
         for error in validator.iter_errors(value):
@@ -331,10 +342,7 @@ class Tool(Generic[In]):
     def _input_errors(self, value: object, json_checked: bool = False) -> tuple[str, ...]:
         if self._valid(value, json_checked):
             return ()
-        problem = json_problem(value, "the input")
-        if problem is not None:
-            return (f"at <root>: {problem}",)
-        return input_errors(self._validator, value)
+        return input_errors(self._validator, value)  # says first if it is no JSON
 
     def validate_input(self, value: object) -> None:
         """Raise `ToolInputError` naming every violation unless *value* satisfies the schema."""
