@@ -588,6 +588,40 @@ def test_a_paused_reply_answers_none_of_its_calls_until_its_pause_is_resolved() 
         assert fold_in_two(resumed, cut) == answered
 
 
+def test_the_folds_answers_of_calls_are_the_ones_its_history_gives() -> None:
+    # What a session gives the calls a failed continuation left unanswered (`answers`): the
+    # answer `messages` gives each, wherever the fold's entries are (kept as stored text or not);
+    # a call of a pause still open, or with no answer of its own, gets none.
+    _, events = paused_reply_events()
+    resolved = [
+        *events,
+        RequestAccepted(request_id="r2", command_id="r2", input={"resume": "r1"}),
+        RequestStarted(request_id="r2"),
+        InterruptsResolved(
+            request_id="r1", continuation_id="r2", answers={}, results={"ask": {"text": "Error: no", "is_error": True}}
+        ),
+    ]
+    calls = ["rej", "ask", "other"]
+    for cut in range(len(resolved) + 1):
+        first = ConversationFold()
+        for event in resolved[:cut]:
+            first.feed(event)
+        state, entries, outcomes = first.to_parts()
+        fold = ConversationFold.from_parts(json.loads(json.dumps(state)), entries, outcomes)
+        for event in resolved[cut:]:
+            fold.feed(event)
+        given = {m.tool_call_id: m for m in fold.messages() if isinstance(m, ToolResultMessage)}
+        assert fold.answers(calls) == given
+    assert given == {
+        "rej": ToolResultMessage("rej", "unknown tool 'nope'", is_error=True),
+        "ask": ToolResultMessage("ask", "Error: no", is_error=True),
+    }
+    paused = ConversationFold()
+    for event in events:
+        paused.feed(event)
+    assert paused.answers(calls) == {}  # the pause is open: its calls wait, the refused one too
+
+
 def test_a_chat_run_given_its_history_forgets_the_pauses_before_it() -> None:
     # Its history replaces the paused calls', and its model may reuse their ids (a chat run's ids
     # are kept unique within its own history): a reply's answer of such an id is its own.

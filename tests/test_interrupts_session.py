@@ -244,6 +244,59 @@ async def test_a_paused_reply_with_a_refused_call_reads_back_and_resumes_as_it_r
     assert [m.tool_call_id for m in history if isinstance(m, ToolResultMessage)] == calls
 
 
+class EndsTheContinuation(ChatMiddleware):
+    """Its ``on_start`` ends the continuation, after the journal took the answers and before the
+    tool phase: it fails, or it cancels *scope* (the caller's, around ``resume``)."""
+
+    def __init__(self) -> None:
+        self.scope: trio.CancelScope | None = None
+
+    async def on_start(self, ctx: Any) -> None:
+        if ctx.parent_run_id is None:
+            return
+        if self.scope is None:
+            raise RuntimeError("on_start failed")
+        self.scope.cancel()
+        await trio.lowlevel.checkpoint()
+
+
+@pytest.mark.parametrize("where", ["memory", "sqlite"])
+@pytest.mark.parametrize("ends", ["hook", "cancel"])
+async def test_a_continuation_that_ends_before_its_tool_phase_answers_its_calls_as_the_journal_does(
+    tmp_path: Path, where: str, ends: str
+) -> None:
+    # The journal answers a rejected call (and a refused call of the paused reply) with the
+    # continuation's interrupts_resolved; the live history answered every call of a continuation
+    # that failed or was cancelled before its tool phase "no result was recorded (interrupted)",
+    # so the next request's model read something else than a reopened session would.
+    ran: list[dict[str, Any]] = []
+    journal: Any = MemoryStore() if where == "memory" else str(tmp_path / "s.db")
+    model = echo_model(("write", {"path": "a", "text": "x"}), ("nope", {}), ("write", {"path": "b", "text": "y"}))
+    ender = EndsTheContinuation()
+    async with session_of(model, ran, journal=journal, session_id="s", lifecycle=[ender]) as session:
+        reply = await session.send("go")
+        first, second = reply.interrupts
+        answers = [Reject(first.id, "not that one"), Approve(second.id)]
+        if ends == "hook":
+            with pytest.raises(Exception, match="on_start failed"):
+                await session.resume(answers)
+        else:
+            with trio.CancelScope() as ender.scope:
+                await session.resume(answers)
+            assert ender.scope.cancelled_caught
+        assert session.paused is None and ran == []
+        live = list(session.messages())
+        store = session.journal.store
+        assert await read_conversation(store, "s") == live
+        assert [(m.content, m.is_error) for m in live if isinstance(m, ToolResultMessage)] == [
+            ("Error: not that one", True),
+            ("Error: unknown tool 'nope' (available: write)", True),
+            ("no result was recorded (interrupted)", True),
+        ]
+    async with session_of(model, ran, journal=journal, session_id="s") as session:
+        assert list(session.messages()) == live
+
+
 async def test_a_paused_session_killed_with_sigkill_resumes_in_a_new_process(tmp_path: Path) -> None:
     sys.path.insert(0, str(PAUSE_WORKER.parent))
     from pause_worker import make_deploy, model  # type: ignore[import-not-found]

@@ -586,6 +586,36 @@ class ConversationFold:
         _check_call_ids(history)
         return answer_orphan_calls(history, awaiting=waiting)
 
+    def answers(self, call_ids: Iterable[str]) -> dict[str, ToolResultMessage]:
+        """The answer `messages` gives each of *call_ids* that has one of its own (its settlement, a
+        continuation's answer, or the refusal of its reply's checks), by call id; a call of a pause
+        not answered yet, or without any, is left out (`messages` would give it the orphan answer).
+
+        For a host whose run ended without answering some calls: the journal's answer wins, so its
+        history reads as the one rebuilt from the journal. Reads the entries from the end.
+        """
+        wanted = set(call_ids)
+        for ids in self._s.awaiting.values():
+            wanted.difference_update(ids)
+        found: dict[str, ToolResultMessage] = {}
+        if not wanted:
+            return found
+        outcomes = self._s.outcomes
+        for entry in reversed(self._entries()):
+            if isinstance(entry, PendingAnswer):
+                call_id = entry.call_id
+                answer = outcomes.get(call_id) if call_id in wanted else None
+            elif isinstance(entry, ToolResultMessage) and entry.tool_call_id in wanted:
+                call_id, answer = entry.tool_call_id, entry
+            else:
+                continue
+            if answer is not None:
+                found[call_id] = answer
+            wanted.discard(call_id)  # its place is found: answered there or not at all
+            if not wanted:
+                break
+        return found
+
     @property
     def outcomes_since_reply(self) -> tuple[SubagentCompleted | SubagentCancelled, ...]:
         """`SubagentCompleted` / `SubagentCancelled` events after the last completed model attempt

@@ -21,7 +21,7 @@ Rules
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from .._errors import InvalidTransitionError, JournalError, LeaseLostError
 from .._journal._conversation import settled_answer
@@ -34,11 +34,13 @@ from .._journal._events import (
     TurnAbortReason,
 )
 from .._journal._projection import Projection, RequestState
-from .._models._messages import ToolResultMessage
+from .._models._history import answer_orphan_calls
+from .._models._messages import Message, ToolResultMessage
 from .._tools._results import ToolResult
 
 __all__ = [
     "answer_for_call",
+    "answer_unanswered_calls",
     "closing_events",
     "committed_results",
     "open_items",
@@ -127,6 +129,32 @@ async def record_request_end(
         _log.warning("could not record the end of request %s: %s", request_id, exc)
         return False
     return True
+
+
+def answer_unanswered_calls(
+    journal: DurableJournal, agent_id: str, history: Sequence[Message], awaiting: Collection[str]
+) -> list[Message]:
+    """*history* with every tool call still unanswered (but those in *awaiting*, a pause's) answered
+    as the journal answers it, else with the orphan answer: for a request that ended without its
+    run answering its calls (a continuation that failed or was cancelled after the journal took
+    its answers, before the tool phase: a person's rejection, a refused call of the paused reply).
+    The journal's answer wins, so the next request's model reads what a reopen would rebuild."""
+    answered = answer_orphan_calls(history, awaiting=awaiting)
+    if len(answered) == len(history):
+        return answered  # the usual end: nothing was left unanswered
+    before = {message.tool_call_id for message in history if isinstance(message, ToolResultMessage)}
+    added = [m.tool_call_id for m in answered if isinstance(m, ToolResultMessage) and m.tool_call_id not in before]
+    try:
+        known = journal.conversation_fold(agent_id).answers(added)
+    except JournalError as exc:  # a stored payload it cannot read: the orphan answers stand
+        _log.warning("the journal's answers of calls %s could not be read: %s", ", ".join(added), exc)
+        return answered
+    if not known:
+        return answered
+    return [
+        known.get(m.tool_call_id, m) if isinstance(m, ToolResultMessage) and m.tool_call_id not in before else m
+        for m in answered
+    ]
 
 
 def answer_for_call(call_id: str, record: CallRecord | None) -> ToolResultMessage | None:

@@ -55,7 +55,7 @@ from .._loop._interrupts import ClientTool, InterruptDefinition
 from .._loop._ports import RunEventSink, RunPorts, RunSpec
 from .._loop._rules import LoopState, StopReason, first_text
 from .._loop._run import run_agent_loop
-from .._models._history import MessageView, answer_orphan_calls
+from .._models._history import MessageView
 from .._models._messages import AssistantMessage, Message, ToolCallPart, ToolSpec, UserMessage
 from .._models._service import ModelService
 from .._permissions._engine import PermissionEngine
@@ -64,6 +64,7 @@ from .._tools._definition import Tool
 from .._tools._pipeline import ToolPipeline
 from .._tools._results import Effect
 from .._tools._stages import StageDecision
+from ._endings import answer_unanswered_calls
 from ._hooks import HookAction, HookDecision, HookEvent, HookInput, HookRunner
 from ._messages import (
     DoneEvent,
@@ -398,7 +399,7 @@ class SessionHost:
                 # the calls a paused request waits with (a failed continuation leaves it paused).
                 paused = self.paused if agent.parent_id is None else None
                 waiting = [part.id for part in paused.state.pending_calls] if paused is not None else []
-                agent.history = answer_orphan_calls(agent.history, awaiting=waiting)
+                agent.history = answer_unanswered_calls(journal, agent.agent_id, agent.history, waiting)
             request.finish()
 
     def _spec(self, agent: _Agent, request: _Request) -> RunSpec:
