@@ -1052,6 +1052,32 @@ def test_a_nonsense_retry_policy_is_a_config_error(field: str, value: Any) -> No
         RetryPolicy(**{field: value})
 
 
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"retry": RetryPolicy}, r"retry must be a RetryPolicy or None, not type .*: pass RetryPolicy\(\.\.\.\)"),
+        ({"retry": {"max_attempts": 5}}, "retry must be a RetryPolicy or None, not dict"),
+        ({"retry": 3}, "retry must be a RetryPolicy or None, not int 3"),
+        ({"rng": 42}, "rng must be a random.Random or None, not int 42"),
+        ({"rng": random}, "rng must be a random.Random or None, not module"),
+    ],
+)
+def test_a_retry_or_rng_of_the_wrong_kind_is_a_config_error_when_built(options: dict[str, Any], words: str) -> None:
+    """Both are first used at a retryable error: accepted, they failed that call as a middleware bug."""
+    with pytest.raises(ConfigError, match=words):
+        ModelService(TestModel(), **options)
+
+
+async def test_a_policy_and_a_generator_of_their_kinds_are_accepted(autojump_clock: trio.testing.MockClock) -> None:
+    class Seeded(random.Random):
+        """A subclass (as random.SystemRandom is) is a generator too."""
+
+    model = TestModel({"hello": [Reply(error=ProviderServerError("503", status=503)), Reply("ok")]})
+    service = ModelService(model, retry=RetryPolicy(max_attempts=2), rng=Seeded(1))
+    assert (await service.chat(MESSAGES)).message.text == "ok"
+    assert ModelService(TestModel(), retry=None, rng=None).retry == RetryPolicy()
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_jittered_delays_are_reported_and_slept(seed: int, autojump_clock: trio.testing.MockClock) -> None:
     errors = [ProviderServerError(f"e{i}", status=503) for i in range(4)]

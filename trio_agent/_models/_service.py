@@ -501,6 +501,13 @@ class ModelService:
         cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     ) -> None:
         layers = ModelLayers.check(middleware)
+        # Checked here: used only at the first retryable error, a wrong one failed that call as a
+        # middleware bug (with no middleware at all).
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            hint = ": pass RetryPolicy(...)" if retry is RetryPolicy else ""
+            raise ConfigError(f"retry must be a RetryPolicy or None, not {_what(retry)}{hint}")
+        if rng is not None and not isinstance(rng, random.Random):
+            raise ConfigError(f"rng must be a random.Random or None, not {_what(rng)}")
         self.provider = provider
         self.middleware = layers
         self.retry = retry or _DEFAULT_RETRY
