@@ -289,6 +289,22 @@ async def test_call_refuses_streaming_operations() -> None:
     assert model.requests == []
 
 
+async def test_call_refuses_a_request_for_another_model_or_what_is_no_request() -> None:
+    """A request prepared on with_model()'s service was sent by this one, to the other model (and
+    anything else failed as a bare AttributeError): the door checks as a layer's boundary does."""
+    model = TestModel(default=Reply("x"), model="small-model")
+    service = ModelService(model)
+    foreign = service.with_model("huge-model").request(Operation.CHAT, MESSAGES)
+    with pytest.raises(ConfigError, match="for model 'huge-model', and this service sends to 'small-model'"):
+        await service.call(foreign)
+    with pytest.raises(ConfigError, match="call\\(\\) takes a ModelRequest, not dict"):
+        await service.call({"operation": "chat"})  # type: ignore[arg-type]
+    assert model.requests == []
+    own = ModelRequest(Operation.SIDE_QUERY, "small-model", MESSAGES)  # the same model, built by hand: fine
+    assert (await service.call(own)).message.text == "x"
+    assert [request.model for request in model.requests] == ["small-model"]
+
+
 # -- next() twice and failing middleware ---------------------------------------------------------------------
 
 

@@ -575,7 +575,7 @@ class ModelService:
         abort: AbortHandle | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> ModelResponse:
-        return await self.call(
+        return await self._call(
             self.request(Operation.CHAT, messages, tools=tools, options=options, abort=abort, metadata=metadata)
         )
 
@@ -587,14 +587,28 @@ class ModelService:
         abort: AbortHandle | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> ModelResponse:
-        return await self.call(
+        return await self._call(
             self.request(Operation.SIDE_QUERY, messages, options=options, abort=abort, metadata=metadata)
         )
 
     async def call(self, request: ModelRequest) -> ModelResponse:
-        """Run a ``chat`` or ``side_query`` request through the middleware, retries and deadline."""
+        """Run a ``chat`` or ``side_query`` request through the middleware, retries and deadline.
+
+        The request must be for this service's model (`request` builds one): the layers may not
+        change the model, and neither may a request made elsewhere (`with_model` is the way)."""
+        if not isinstance(request, ModelRequest):
+            raise ConfigError(f"call() takes a ModelRequest, not {_what(request)}")
         if request.operation not in (Operation.CHAT, Operation.SIDE_QUERY):
             raise ModelMiddlewareError(f"call() runs chat or side_query requests, not {request.operation.value}")
+        if request.model != self.provider.model:
+            raise ConfigError(
+                f"the request is for model {request.model!r}, and this service sends to {self.provider.model!r}: "
+                "build it with this service's request(...), or call the service with_model() returns"
+            )
+        return await self._call(request)
+
+    async def _call(self, request: ModelRequest) -> ModelResponse:
+        """`call` of a request this service built (`chat`, `side_query`): nothing to check at the door."""
         check = functools.partial(_check_kept, request)
         check(request)
         if request.abort is not None and request.abort.reason is not None:
