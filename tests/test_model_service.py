@@ -47,6 +47,7 @@ from trio_agent.models import (
     ToolSpec,
     UsageChunk,
     UserMessage,
+    WrapsChat,
 )
 from trio_agent.testing import Reply, TestModel
 from trio_agent.tools import AbortHandle
@@ -1576,6 +1577,33 @@ def test_a_request_built_or_replaced_with_bad_messages_is_a_config_error() -> No
         request.replace(messages=["hi"])  # type: ignore[list-item]
     with pytest.raises(ConfigError, match=r"tools\[0\] is not a ToolSpec"):
         request.replace(tools=[{"name": "t"}])  # type: ignore[list-item]
+
+
+def test_a_request_built_or_replaced_with_options_or_metadata_that_are_no_mapping_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"options must be a mapping.*list"):
+        ModelRequest(Operation.CHAT, "m", MESSAGES, options=[1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"metadata must be a mapping.*str 'abc'"):
+        ModelRequest(Operation.CHAT, "m", MESSAGES, metadata="abc")  # type: ignore[arg-type]
+    request = ModelRequest(Operation.CHAT, "m", MESSAGES, options={"temperature": 1}, metadata={"trace": "t"})
+    with pytest.raises(ConfigError, match=r"options must be a mapping.*str 'temperature'"):
+        request.replace(options="temperature")  # type: ignore[arg-type]
+    replaced = request.replace(options={"temperature": 0})
+    assert replaced.options == {"temperature": 0} and replaced.metadata == {"trace": "t"}
+    assert replaced.messages is request.messages and replaced.abort is request.abort
+
+
+async def test_a_layer_replacing_options_with_no_mapping_fails_as_the_layer_not_the_provider() -> None:
+    """The options reached the provider, whose AttributeError was blamed on it (provider_failed)."""
+
+    class BadOptions(WrapsChat):
+        async def wrap_chat(self, request: ModelRequest, call_next: Any) -> Any:
+            return await call_next(request.replace(options="temperature=0"))  # type: ignore[arg-type]
+
+    model = TestModel(default=Reply("x"))
+    with pytest.raises(ModelMiddlewareError, match="options must be a mapping") as caught:
+        await ModelService(model, [BadOptions()]).chat(MESSAGES)
+    assert isinstance(caught.value.__cause__, ConfigError)
+    assert model.requests == []
 
 
 @pytest.mark.parametrize("timeout", [0, -1, math.nan, math.inf, "5", True, None, 10**12])

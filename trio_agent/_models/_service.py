@@ -138,6 +138,14 @@ def _mapping(value: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
     raise ConfigError(f"{name} must be a mapping (a dict) or None, not {_what(value)}")
 
 
+def _options(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    return _mapping(value, "options")
+
+
+def _metadata(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    return _mapping(value, "metadata")
+
+
 def _what(item: object) -> str:
     """A wrong item, for an error message: its type and a short repr (reprlib.repr raised
     ValueError for an int too long to print)."""
@@ -157,9 +165,9 @@ class ModelRequest:
     model: str
     messages: Sequence[Message] = attrs.field(converter=_message_tuple)
     tools: tuple[ToolSpec, ...] = attrs.field(default=(), converter=_tool_tuple)
-    options: Mapping[str, Any] = attrs.field(factory=dict)
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_options)
     abort: AbortHandle | None = None
-    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+    metadata: Mapping[str, Any] = attrs.field(factory=dict, converter=_metadata)
     """Not sent to the provider: ids for tracing and routing (e.g. ``conversation_id``)."""
 
     def replace(
@@ -169,12 +177,14 @@ class ModelRequest:
         tools: Sequence[ToolSpec] | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> ModelRequest:
-        return ModelRequest(
+        # Each given field checked here (a ConfigError naming it), the kept ones as they are: they
+        # were checked when this request was made.
+        return _model_request(
             self.operation,
             self.model,
             self.messages if messages is None else _message_tuple(messages),
             self.tools if tools is None else _tool_tuple(tools),
-            self.options if options is None else options,
+            self.options if options is None else _mapping(options, "options"),
             self.abort,
             self.metadata,
         )
@@ -367,11 +377,12 @@ def model_middleware_runs_problem(layers: Iterable[object], runs: Sequence[str])
     return None
 
 
-# Two a request: built cheaper (see `_builders`), every field given (the tuples made by `request`).
+# Two a request: built cheaper (see `_builders`), every field given as its converter makes it (the
+# tuples and dicts made by `request` and `ModelRequest.replace`).
 _model_request: Callable[
     [Operation, str, Sequence[Message], tuple[ToolSpec, ...], Mapping[str, Any], AbortHandle | None, Mapping[str, Any]],
     ModelRequest,
-] = constructor(ModelRequest, trusted=("messages", "tools"))
+] = constructor(ModelRequest, trusted=("messages", "tools", "options", "metadata"))
 
 
 class ModelLayers(CheckedLayers):
