@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ from trio_agent.models import (
     ModelService,
     Operation,
     ProviderServerError,
+    ReasoningDelta,
     RetryEvent,
     RetryPolicy,
     StreamChunk,
@@ -44,10 +46,15 @@ from trio_agent.models import (
     SystemMessage,
     TextDelta,
     TextPart,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
     ToolSpec,
+    Usage,
     UsageChunk,
     UserMessage,
     WrapsChat,
+    WrapsStream,
 )
 from trio_agent.testing import Reply, TestModel
 from trio_agent.tools import AbortHandle
@@ -523,6 +530,114 @@ async def test_a_provider_answering_the_wrong_type_is_a_provider_error_not_middl
     assert type(caught.value) is ModelError and caught.value.code == "provider_failed"
     assert "the provider's" in str(caught.value)
     assert len(provider.requests) == 1
+
+
+class ChunksProvider(TestModel):
+    """A custom provider whose stream yields *chunks* as given (a stream's chunks are untrusted)."""
+
+    def __init__(self, chunks: list[Any]) -> None:
+        super().__init__(default=Reply("unused"))
+        self.chunks = chunks
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        self.requests.append(request)
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[StreamChunk]:
+        for chunk in self.chunks:
+            await trio.lowlevel.checkpoint()
+            yield chunk
+
+
+class ChunksLayer(WrapsStream):
+    """A layer that reads the inner stream and then yields *chunks* of its own."""
+
+    def __init__(self, chunks: list[Any]) -> None:
+        self.chunks = chunks
+
+    async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
+        async for _ in call_next(request):
+            pass
+        for chunk in self.chunks:
+            yield chunk
+
+
+class Text(str):
+    """A str subclass (what some libraries hand out): a chunk's text may be one."""
+
+
+# Chunks of the right classes with a field of the wrong type: each failed far from its source, as a
+# bare error (the assembler's join, the journal's reader) or not at all (carried into the history).
+BAD_CHUNKS = {
+    "text-none": (TextDelta(None), "a TextDelta whose text is None, not a str"),  # type: ignore[arg-type]
+    "text-bytes": (TextDelta(b"x"), "a TextDelta whose text is bytes b'x', not a str"),  # type: ignore[arg-type]
+    "subclass-text-int": (TextDeltaPlus(3), "a TextDeltaPlus whose text is int 3, not a str"),  # type: ignore[arg-type]
+    "reasoning-signature": (
+        ReasoningDelta("r", signature=5),  # type: ignore[arg-type]
+        "a ReasoningDelta whose signature is int 5, not a str or None",
+    ),
+    "start-index-none": (ToolCallStart(None, "a", "t"), "a ToolCallStart whose index is None, not an int"),  # type: ignore[arg-type]
+    "start-index-bool": (ToolCallStart(True, "a", "t"), "a ToolCallStart whose index is bool True, not an int"),
+    "start-index-negative": (ToolCallStart(-1, "a", "t"), "a ToolCallStart whose index is int -1, not an int"),
+    "start-index-huge": (ToolCallStart(10**5000, "", "t"), "a ToolCallStart whose index is int .*, not an int"),
+    "delta-arguments": (ToolCallDelta(0, None), "a ToolCallDelta whose arguments is None, not a str"),  # type: ignore[arg-type]
+    "end-id-int": (ToolCallEnd(0, 5, "t", "{}"), "a ToolCallEnd whose id is int 5, not a str"),  # type: ignore[arg-type]
+    "usage-none": (UsageChunk(None), "a UsageChunk whose usage is None, not a Usage"),  # type: ignore[arg-type]
+    "usage-dict": (UsageChunk({"input_tokens": 1}), "a UsageChunk whose usage is dict .*, not a Usage"),  # type: ignore[arg-type]
+    "finish-str": (FinishChunk("stop"), "a FinishChunk whose reason is str 'stop', not a FinishReason"),  # type: ignore[arg-type]
+    "finish-explanation": (
+        FinishChunk(FinishReason.REFUSAL, 1),  # type: ignore[arg-type]
+        "a FinishChunk whose explanation is int 1, not a str or None",
+    ),
+}
+
+
+@pytest.mark.parametrize(("chunk", "words"), BAD_CHUNKS.values(), ids=BAD_CHUNKS.keys())
+@pytest.mark.parametrize("layers", [0, 1], ids=["no-layer", "passing-layer"])
+async def test_a_provider_chunk_with_a_field_of_the_wrong_type_is_a_provider_failed_model_error(
+    chunk: Any, words: str, layers: int
+) -> None:
+    """A class-only check let them through, to escape as a bare TypeError or AttributeError (or be
+    journalled). Through a layer that passes it on, the provider is still blamed, not the layer."""
+    provider = ChunksProvider([chunk, FinishChunk(FinishReason.STOP)])
+    service = ModelService(provider, [Tap("tap", [])][:layers], retry=NO_JITTER)
+    with pytest.raises(ModelError) as caught:
+        await run_op(service, Operation.STREAM)
+    assert type(caught.value) is ModelError and caught.value.code == "provider_failed"
+    assert re.search(f"the provider's stream yielded {words}", str(caught.value))
+    assert len(provider.requests) == 1  # a provider bug: not retried
+
+
+async def test_a_provider_bad_chunk_after_published_ones_interrupts_the_stream() -> None:
+    provider = ChunksProvider([TextDelta("a"), FinishChunk("stop")])  # type: ignore[arg-type]
+    with pytest.raises(StreamInterruptedError, match="whose reason is str 'stop'") as caught:
+        await run_op(ModelService(provider), Operation.STREAM)
+    assert caught.value.code == "provider_failed"
+
+
+@pytest.mark.parametrize(("chunk", "words"), BAD_CHUNKS.values(), ids=BAD_CHUNKS.keys())
+async def test_a_layer_chunk_with_a_field_of_the_wrong_type_is_a_model_middleware_error_naming_it(
+    chunk: Any, words: str
+) -> None:
+    service = ModelService(TestModel(default=Reply("x")), [ChunksLayer([chunk])])
+    with pytest.raises(ModelMiddlewareError) as caught:
+        await run_op(service, Operation.STREAM)
+    assert re.search(rf"model middleware #0 \(ChunksLayer\): wrap_stream yielded {words}", str(caught.value))
+
+
+async def test_chunks_with_fields_of_subclasses_or_optional_none_pass() -> None:
+    chunks: list[StreamChunk] = [
+        TextDelta(Text("a")),
+        TextDeltaPlus("b"),
+        ReasoningDelta("r", signature=None, redacted_data=None),
+        ToolCallStart(0, Text("id"), "t"),
+        ToolCallDelta(0, "{}"),
+        ToolCallEnd(0, "id", "t", "{}"),
+        UsageChunk(Usage(1, 2, 3)),
+        FinishChunk(FinishReason.TOOL_CALLS, None),
+    ]
+    assert await run_op(ModelService(ChunksProvider(chunks)), Operation.STREAM) == chunks
+    assert await run_op(ModelService(TestModel(default=Reply("x")), [ChunksLayer(chunks)]), Operation.STREAM) == chunks
 
 
 class PlainDefStream:

@@ -246,18 +246,18 @@ async def test_a_turn_checks_neither_the_loops_tools_again_nor_a_chunk_twice(mon
 
     tool_checks: list[object] = []
     kind_checks: list[object] = []
-    tool_tuple, is_kind = service_module._tool_tuple, service_module._is_kind
+    tool_tuple, chunk_problem = service_module._tool_tuple, service_module._chunk_problem
 
     def counting_tool_tuple(tools: Any) -> Any:
         tool_checks.append(tools)
         return tool_tuple(tools)
 
-    def counting_is_kind(item: object, kinds: Any) -> bool:
+    def counting_chunk_problem(item: object) -> str | None:
         kind_checks.append(item)
-        return is_kind(item, kinds)
+        return chunk_problem(item)
 
     monkeypatch.setattr(service_module, "_tool_tuple", counting_tool_tuple)
-    monkeypatch.setattr(service_module, "_is_kind", counting_is_kind)
+    monkeypatch.setattr(service_module, "_chunk_problem", counting_chunk_problem)
     service = ta.ModelService(TestModel(respond=respond))
     tools = (ta.ToolSpec("add", "Add two integers", {"type": "object"}),)
     for _ in range(3):
@@ -275,6 +275,7 @@ async def test_a_turn_checks_neither_the_loops_tools_again_nor_a_chunk_twice(mon
         async def stream(self, request: ta.ModelRequest) -> AsyncIterator[ta.StreamChunk]:
             yield Delta("hi")
 
+    kind_checks.clear()  # the reply above had chunks of other kinds, each checked once too
     async with ta.ModelService(Subclassed()).stream([ta.UserMessage("x")]) as chunks:  # type: ignore[arg-type]
         assert [chunk async for chunk in chunks] == [Delta("hi")]
     assert len(kind_checks) == 1  # the retrying stream's check; the block's iterator trusts it

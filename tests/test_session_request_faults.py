@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -35,17 +36,28 @@ from store_helpers import LaterStore
 
 from tests.session_helpers import stream_events, user_texts
 from trio_agent import (
+    ModelError,
     RequestAbortedError,
     SessionClosedError,
     ToolResult,
     define_tool,
     open_session,
 )
+from trio_agent._chat._chat import chat
 from trio_agent._errors import InvalidTransitionError
 from trio_agent._journal._durable import DurableJournal
 from trio_agent._journal._events import RequestAccepted, RequestInterrupted, RequestInterruptReason, SessionClosed
 from trio_agent._journal._memory import MemoryStore
 from trio_agent._session._endings import open_items
+from trio_agent.models import (
+    FinishChunk,
+    FinishReason,
+    ModelRequest,
+    StreamChunk,
+    TextDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from trio_agent.testing import Reply, TestModel
 
 
@@ -489,3 +501,48 @@ async def test_an_error_that_leaves_a_request_in_a_group_keeps_its_own_cause(mon
         with pytest.raises(RequestAbortedError) as caught:
             await session.send("go")
     assert caught.value.__cause__ is cause
+
+
+class FirstStreamYields(TestModel):
+    """A custom provider whose first stream yields *chunks* as given (a provider's chunks are
+    untrusted); the test model answers the later ones."""
+
+    def __init__(self, chunks: list[Any]) -> None:
+        super().__init__(default=Reply("fine"))
+        self.first: list[Any] | None = chunks
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        if self.first is None:
+            return super().stream(request)
+        chunks, self.first = self.first, None
+
+        async def given() -> AsyncIterator[StreamChunk]:
+            for chunk in chunks:
+                await trio.lowlevel.checkpoint()
+                yield chunk
+
+        return given()
+
+
+WRONG_FIELD_CHUNKS = {
+    "text-none": [TextDelta(None)],  # type: ignore[arg-type]
+    "end-id-int": [ToolCallStart(0, "a", "t"), ToolCallEnd(0, 5, "t", "{}")],  # type: ignore[arg-type]
+    "finish-str": [TextDelta("hi"), FinishChunk("stop")],  # type: ignore[arg-type]
+}
+
+
+@pytest.mark.parametrize("chunks", WRONG_FIELD_CHUNKS.values(), ids=WRONG_FIELD_CHUNKS.keys())
+async def test_a_provider_chunk_with_a_field_of_the_wrong_type_fails_that_request_as_provider_failed(
+    chunks: list[Any],
+) -> None:
+    """They escaped chat() as a bare TypeError or AttributeError (the assembler's), and a session's
+    request as RequestAbortedError('the request failed: TypeError ...'): now the provider's
+    typed error, and the session goes on."""
+    with pytest.raises(ModelError) as caught:
+        await chat(FirstStreamYields([*chunks, FinishChunk(FinishReason.STOP)]), "hello")
+    assert caught.value.code == "provider_failed" and "the provider's stream yielded" in str(caught.value)
+    async with open_session(provider=FirstStreamYields([*chunks, FinishChunk(FinishReason.STOP)])) as session:
+        with pytest.raises(ModelError) as caught:
+            await session.send("hello")
+        assert caught.value.code == "provider_failed"
+        assert await session.send("again") == "fine"

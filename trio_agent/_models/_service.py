@@ -49,6 +49,7 @@ from ._history import MessageView
 from ._messages import (
     MESSAGE_CLASSES,
     FinishChunk,
+    FinishReason,
     Message,
     ModelResponse,
     ReasoningDelta,
@@ -58,6 +59,7 @@ from ._messages import (
     ToolCallEnd,
     ToolCallStart,
     ToolSpec,
+    Usage,
     UsageChunk,
 )
 
@@ -205,6 +207,48 @@ _CHUNK_KINDS: frozenset[type] = frozenset(
 )
 _EVENT_KINDS: frozenset[type] = frozenset((RetryEvent, ModelResponse))
 _KIND_NAMES = {_CHUNK_KINDS: "a stream chunk", _EVENT_KINDS: "a RetryEvent or the ModelResponse"}
+
+# What each chunk's fields must be: (field, type, None allowed too). The class alone says nothing
+# of them (attrs does not check), and a wrong one failed far from its source, as a bare error:
+# TextDelta(None) in the assembler's join, FinishChunk("stop") in the journal.
+_CHUNK_FIELDS: dict[type, tuple[tuple[str, type, bool], ...]] = {
+    TextDelta: (("text", str, False),),
+    ReasoningDelta: (("text", str, False), ("signature", str, True), ("redacted_data", str, True)),
+    ToolCallStart: (("index", int, False), ("id", str, False), ("name", str, False)),
+    ToolCallDelta: (("index", int, False), ("arguments", str, False)),
+    ToolCallEnd: (("index", int, False), ("id", str, False), ("name", str, False), ("arguments", str, False)),
+    UsageChunk: (("usage", Usage, False),),
+    FinishChunk: (("reason", FinishReason, False), ("explanation", str, True)),
+}
+_MAX_INDEX = 2**53 - 1  # a call's stream index: a JSON number exact everywhere (and printable as an id)
+
+
+def _chunk_problem(chunk: object) -> str | None:
+    """What is wrong with *chunk* as a stream chunk, as ``<what it is>, not <what it should be>``
+    (``None``: nothing): it must be of a chunk class (or a subclass) with each field of its type.
+
+    The full check, for what the callers' inline test of the usual chunk (a `TextDelta` whose
+    text is exactly a ``str``) does not pass at once: a few chunks a reply."""
+    kind = type(chunk)
+    fields = _CHUNK_FIELDS.get(kind)
+    if fields is None:
+        base = next((known for known in _CHUNK_FIELDS if isinstance(chunk, known)), None)
+        if base is None:
+            return f"{_what(chunk)}, not a stream chunk"
+        fields = _CHUNK_FIELDS[base]
+    for name, expected, optional in fields:
+        value = getattr(chunk, name)
+        if value is None and optional:
+            continue
+        if expected is int:
+            good = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_INDEX
+            wanted = f"an int from 0 to {_MAX_INDEX}"
+        else:
+            good = isinstance(value, expected)
+            wanted = f"a {expected.__name__}"
+        if not good:
+            return f"a {kind.__name__} whose {name} is {_what(value)}, not {wanted}{' or None' if optional else ''}"
+    return None
 
 
 def _middleware_failure(exc: Exception) -> ModelError:
@@ -697,13 +741,14 @@ class ModelService:
         if type(response) is ModelResponse or isinstance(response, ModelResponse):
             return response
         # The provider's answer was checked: a layer returned this (the terminal is never the outermost here).
-        raise ModelMiddlewareError(self._wrong_item(operation, response, "returned", "a ModelResponse"))
+        raise ModelMiddlewareError(self._wrong_item(operation, "returned", f"{_what(response)}, not a ModelResponse"))
 
-    def _wrong_item(self, operation: Operation, item: object, did: str, expected: str) -> str:
-        """The error message for a wrong *item* out of *operation*'s outermost layer."""
+    def _wrong_item(self, operation: Operation, did: str, problem: str) -> str:
+        """The error message for a wrong item out of *operation*'s outermost layer (*problem*: what
+        it is, not what it should be)."""
         chain = self._chains[operation]
         inner = " (or passed it on from an inner layer)" if len(chain) > 1 else ""
-        return f"{self._layer_name(chain[0])}: {_WRAPPERS[operation]} {did} {_what(item)}{inner}, not {expected}"
+        return f"{self._layer_name(chain[0])}: {_WRAPPERS[operation]} {did} {problem}{inner}"
 
     # -- retry events ---------------------------------------------------------------------
 
@@ -887,16 +932,27 @@ class _OpenIterators:
             error = _middleware_failure(exc)
             raise error from error.__cause__
         kinds = self._kinds
-        if kinds is None or type(item) in kinds:
+        if kinds is None:
+            return item
+        if kinds is _CHUNK_KINDS:  # the usual chunk's one field inline, as the provider's are checked
+            if type(item) is TextDelta and type(item.text) is str:
+                return item
+        elif type(item) in kinds:
             return item
         return self._odd_item(item, kinds)
 
     def _odd_item(self, item: object, kinds: frozenset[type]) -> Any:
-        """*item*, if it is of a subclass of what the block may see; else the outermost layer's error."""
-        if _is_kind(item, kinds):
+        """*item*, if the block may see it (a subclass too; a chunk with its fields' types); else the
+        outermost layer's error."""
+        if kinds is _CHUNK_KINDS:
+            problem = _chunk_problem(item)
+            if problem is None:
+                return item
+        elif _is_kind(item, kinds):
             return item
-        operation = self._request.operation
-        raise ModelMiddlewareError(self._service._wrong_item(operation, item, "yielded", _KIND_NAMES[kinds]))
+        else:
+            problem = f"{_what(item)}, not {_KIND_NAMES[kinds]}"
+        raise ModelMiddlewareError(self._service._wrong_item(self._request.operation, "yielded", problem))
 
     def _not_entered(self) -> ModelError:
         return ModelError(
@@ -1044,11 +1100,11 @@ class _RetryingStream:
                         if inner is None:
                             inner = self._inner = self._service.provider.stream(self._request)
                         chunk = await inner.__anext__()
-                        if type(chunk) not in _CHUNK_KINDS and not _is_kind(chunk, _CHUNK_KINDS):
-                            raise ModelError(
-                                f"the provider's stream yielded {_what(chunk)}, not a stream chunk",
-                                code="provider_failed",
-                            )
+                        # The usual chunk's one field inline (most of a reply); any other is judged in full.
+                        if type(chunk) is not TextDelta or type(chunk.text) is not str:
+                            problem = _chunk_problem(chunk)
+                            if problem is not None:
+                                raise ModelError(f"the provider's stream yielded {problem}", code="provider_failed")
                     except (ModelError, StopAsyncIteration):
                         raise
                     except Exception as exc:  # anything else is a provider bug, typed as such
