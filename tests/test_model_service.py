@@ -584,6 +584,17 @@ BAD_CHUNKS = {
     "end-id-int": (ToolCallEnd(0, 5, "t", "{}"), "a ToolCallEnd whose id is int 5, not a str"),  # type: ignore[arg-type]
     "usage-none": (UsageChunk(None), "a UsageChunk whose usage is None, not a Usage"),  # type: ignore[arg-type]
     "usage-dict": (UsageChunk({"input_tokens": 1}), "a UsageChunk whose usage is dict .*, not a Usage"),  # type: ignore[arg-type]
+    # A float count was journalled, and every later reopening of the session failed (JournalCorruptError).
+    "usage-float": (
+        UsageChunk(Usage(12.0, 3.0, 15.0)),  # type: ignore[arg-type]
+        r"a UsageChunk whose usage.input_tokens is float 12.0, not an int from 0 to 9007199254740991",
+    ),
+    "usage-bool": (UsageChunk(Usage(1, True, 2)), "a UsageChunk whose usage.output_tokens is bool True, not an int"),
+    "usage-negative-detail": (
+        UsageChunk(Usage(1, 1, 2, reasoning_tokens=-1)),
+        r"a UsageChunk whose usage.reasoning_tokens is int -1, not an int from 0 to \d+ or None",
+    ),
+    "usage-huge": (UsageChunk(Usage(2**53, 0, 2**53)), "a UsageChunk whose usage.input_tokens is int 9007199254740992"),
     "finish-str": (FinishChunk("stop"), "a FinishChunk whose reason is str 'stop', not a FinishReason"),  # type: ignore[arg-type]
     "finish-explanation": (
         FinishChunk(FinishReason.REFUSAL, 1),  # type: ignore[arg-type]
@@ -633,7 +644,7 @@ async def test_chunks_with_fields_of_subclasses_or_optional_none_pass() -> None:
         ToolCallStart(0, Text("id"), "t"),
         ToolCallDelta(0, "{}"),
         ToolCallEnd(0, "id", "t", "{}"),
-        UsageChunk(Usage(1, 2, 3)),
+        UsageChunk(Usage(1, 2, 3, cached_input_tokens=0, reasoning_tokens=2**53 - 1)),
         FinishChunk(FinishReason.TOOL_CALLS, None),
     ]
     assert await run_op(ModelService(ChunksProvider(chunks)), Operation.STREAM) == chunks

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,6 +58,8 @@ from trio_agent.models import (
     TextDelta,
     ToolCallEnd,
     ToolCallStart,
+    Usage,
+    UsageChunk,
 )
 from trio_agent.testing import Reply, TestModel
 
@@ -545,4 +548,23 @@ async def test_a_provider_chunk_with_a_field_of_the_wrong_type_fails_that_reques
         with pytest.raises(ModelError) as caught:
             await session.send("hello")
         assert caught.value.code == "provider_failed"
+        assert await session.send("again") == "fine"
+
+
+async def test_a_usage_with_a_float_count_fails_that_call_and_is_never_journalled(tmp_path: Path) -> None:
+    """A custom provider's UsageChunk(Usage(12.0, 3.0, 15.0)) (a JSON 3.0) was accepted and
+    journalled, and every later reopening of the session failed with JournalCorruptError (the
+    journal reads a count back as an int only). Now that call fails with the provider's typed
+    error, and the session reopens and goes on."""
+    path = tmp_path / "journal.sqlite"
+    floats = Usage(12.0, 3.0, 15.0)  # type: ignore[arg-type]
+    async with open_session(
+        provider=FirstStreamYields([TextDelta("hi"), UsageChunk(floats), FinishChunk(FinishReason.STOP)]),
+        journal=path,
+        session_id="s1",
+    ) as session:
+        with pytest.raises(ModelError, match=r"usage\.input_tokens is float 12\.0") as caught:
+            await session.send("hello")
+        assert caught.value.code == "provider_failed"
+    async with open_session(provider=TestModel(default=Reply("fine")), journal=path, session_id="s1") as session:
         assert await session.send("again") == "fine"

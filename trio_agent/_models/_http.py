@@ -23,6 +23,7 @@ import trio
 from .._cleanup import bounded_shield
 from .._errors import MalformedResponseError, ModelError, ProviderConfigError
 from ._assemble import well_formed
+from ._messages import MAX_TOKEN_COUNT
 
 __all__ = [
     "ACCEPT_ENCODING",
@@ -112,12 +113,6 @@ def retry_after_seconds(headers: httpx.Headers) -> float | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=datetime.UTC)
     return max(when.timestamp() - time.time(), 0.0)
-
-
-MAX_TOKEN_COUNT = 2**53 - 1
-"""The largest token count a provider accepts from a server (exact as a JSON number everywhere,
-and a session's totals stay far inside a 64-bit journal column): a larger or a negative count is
-no count at all, treated as each provider treats a count of the wrong type."""
 
 
 def json_body(payload: object, *, compact: bool = False) -> bytes:

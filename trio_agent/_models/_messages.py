@@ -55,6 +55,13 @@ class FinishReason(enum.Enum):
     REFUSAL = "refusal"  # Anthropic: the model refused for safety reasons
 
 
+MAX_TOKEN_COUNT = 2**53 - 1
+"""The largest token count a `Usage` may hold (exact as a JSON number everywhere, and a session's
+totals stay far inside a 64-bit journal column). A provider treats a larger or a negative count
+from a server as it treats a count of the wrong type; `ModelService` refuses a `Usage` with one
+(or with a count that is no int) from a custom provider or a middleware."""
+
+
 @attrs.frozen
 class Usage:
     """Token counts; the details are ``None`` where a provider does not report them."""

@@ -47,6 +47,7 @@ from .._groups import contains_cancelled, typed_error
 from .._middleware import CheckedLayers, Composed, ComposedNext, MiddlewareNext, PassedChecks, compose_middleware
 from ._history import MessageView
 from ._messages import (
+    MAX_TOKEN_COUNT,
     MESSAGE_CLASSES,
     FinishChunk,
     FinishReason,
@@ -248,6 +249,34 @@ def _chunk_problem(chunk: object) -> str | None:
             wanted = f"a {expected.__name__}"
         if not good:
             return f"a {kind.__name__} whose {name} is {_what(value)}, not {wanted}{' or None' if optional else ''}"
+        if expected is Usage:
+            problem = _usage_problem(value)
+            if problem is not None:
+                return f"a {kind.__name__} whose {name}.{problem}"
+    return None
+
+
+_USAGE_COUNTS = (
+    ("input_tokens", False),
+    ("output_tokens", False),
+    ("total_tokens", False),
+    ("cached_input_tokens", True),
+    ("cache_creation_input_tokens", True),
+    ("reasoning_tokens", True),
+)
+
+
+def _usage_problem(usage: Usage) -> str | None:
+    """What is wrong with *usage*'s counts, as ``<field> is <what>, not <what it should be>``
+    (``None``: nothing). A count must be an int from 0 to `MAX_TOKEN_COUNT` (the details may be
+    ``None``): the journal reads a count back as an int only, so a float (a JSON ``3.0``) recorded
+    made every later reopening of the session fail (`JournalCorruptError`)."""
+    for name, optional in _USAGE_COUNTS:
+        value = getattr(usage, name)
+        if value is None and optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOKEN_COUNT:
+            return f"{name} is {_what(value)}, not an int from 0 to {MAX_TOKEN_COUNT}{' or None' if optional else ''}"
     return None
 
 
