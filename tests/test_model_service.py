@@ -1402,6 +1402,79 @@ async def test_a_stream_read_after_its_block_opens_no_new_request() -> None:
     assert len(model.requests) == 1
 
 
+async def test_a_stream_left_unread_opens_no_request_when_read_after_its_block() -> None:
+    """The provider's stream was never opened, so leaving the block did not mark it finished:
+    reading it afterwards sent a request outside the deadline, which nothing ever closed."""
+    model = TestModel(default=Reply("a b c"))
+    async with ModelService(model).stream(MESSAGES) as chunks:
+        pass
+    with pytest.raises(StopAsyncIteration):
+        await chunks.__anext__()
+    assert model.requests == []
+
+
+class KeepsCallNext:
+    """Keeps its call_next (e.g. to refresh a cache later) and answers from the cache; with
+    *call*, it also calls it in time and keeps what that returned, unawaited or unread."""
+
+    def __init__(self, op: Operation, *, call: bool) -> None:
+        self.kept: list[Any] = []
+        self.started: list[Any] = []
+        self.call = call
+        name = WRAPPER[op]
+        if op in (Operation.CHAT, Operation.SIDE_QUERY):
+
+            async def wrap(request: ModelRequest, call_next: Any) -> ModelResponse:
+                self.keep(request, call_next)
+                return CANNED
+
+        else:
+            item: Any = TextDelta("cached") if op is Operation.STREAM else CANNED
+
+            async def wrap(request: ModelRequest, call_next: Any) -> AsyncIterator[Any]:  # type: ignore[misc]
+                self.keep(request, call_next)
+                yield item
+
+        setattr(self, name, wrap)
+
+    def keep(self, request: ModelRequest, call_next: Any) -> None:
+        if self.call:
+            self.started.append(call_next(request))
+        else:
+            self.kept.append(call_next)
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_a_call_next_kept_past_its_call_runs_nothing(op: Operation) -> None:
+    """It reached the provider: outside request_timeout and past an aborted handle (chat), or with
+    a provider stream the service never closed (stream). Now the door is closed, as on the tool side."""
+    model = TestModel(default=Reply("real", latency=50))
+    keeper = KeepsCallNext(op, call=False)
+    service = ModelService(model, [keeper], request_timeout=1)
+    handle = AbortHandle()
+    await run_op(service, op, abort=handle)
+    handle.abort()
+    with pytest.raises(ModelMiddlewareError, match="after the model call had ended") as caught:
+        keeper.kept[0](None)
+    assert caught.value.code == "middleware_early_return"
+    assert model.requests == []
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_what_a_call_next_returned_in_time_runs_nothing_after_its_call(op: Operation) -> None:
+    model = TestModel(default=Reply("real"))
+    keeper = KeepsCallNext(op, call=True)
+    await run_op(ModelService(model, [keeper]), op)
+    started = keeper.started[0]
+    if op in (Operation.CHAT, Operation.SIDE_QUERY):
+        with pytest.raises(ModelMiddlewareError, match="after the model call had ended"):
+            await started
+    else:  # closed with the block (the provider's stream was never opened: it is finished)
+        with pytest.raises(StopAsyncIteration):
+            await started.__anext__()
+    assert model.requests == []
+
+
 class EagerStreamProvider(LoggingProvider):
     """Builds its request when ``stream()`` is called (a plain def, as the protocol allows); the first call fails."""
 

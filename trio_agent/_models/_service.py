@@ -16,7 +16,6 @@ provider's HTTP response, before the block's exit returns.
 from __future__ import annotations
 
 import enum
-import functools
 import inspect
 import math
 import random
@@ -693,13 +692,22 @@ class ModelService:
 
     async def _call(self, request: ModelRequest) -> ModelResponse:
         """`call` of a request this service built (`chat`, `side_query`): nothing to check at the door."""
-        check = functools.partial(_check_kept, request)
-        check(request)
+        _check_kept(request, request)
         if request.abort is not None and request.abort.reason is not None:
             # As a stream does: a layer that answers without awaiting must not hide the abort.
             raise self._stopped(request)
+        # Once the call ended, a call_next a layer kept runs nothing: the provider would run
+        # outside the deadline and past an abort, for a caller that is gone.
+        ended = False
+
+        def check(current: ModelRequest) -> None:
+            if ended:
+                raise _ended_next()
+            _check_kept(request, current)
 
         async def terminal(current: ModelRequest) -> ModelResponse:
+            if ended:  # called in time, awaited after the end
+                raise _ended_next()
             return await self._with_retries(current)
 
         chain = compose_middleware(self._chains[request.operation], terminal, check=check, validate=False)
@@ -708,6 +716,8 @@ class ModelService:
                 return await self._guard(chain(request), request.operation)
         except BaseExceptionGroup as group:
             raise self._stopped_with(request, scope, group) from group
+        finally:
+            ended = True
         raise self._stopped(request)
 
     def _layer_name(self, wrapper: object) -> str:
@@ -858,7 +868,16 @@ def _check_kept(initial: ModelRequest, request: ModelRequest) -> None:
         raise ModelMiddlewareError("Model middleware cannot replace the abort handle")
 
 
+def _ended_next() -> ModelMiddlewareError:
+    return ModelMiddlewareError(
+        "call_next() was called after the model call had ended (a middleware kept it): nothing ran",
+        code="middleware_early_return",
+    )
+
+
 def _check_open(run: _OpenIterators, request: ModelRequest) -> None:
+    if run._ended:  # the block was left: a kept call_next opens nothing (no deadline, no closing)
+        raise _ended_next()
     _check_kept(run._request, request)
 
 
@@ -888,7 +907,7 @@ class _OpenIterators:
     across an iterator's yield.
     """
 
-    __slots__ = ("_deadline", "_kinds", "_opened", "_outer", "_request", "_service", "_terminal", "_token")
+    __slots__ = ("_deadline", "_ended", "_kinds", "_opened", "_outer", "_request", "_service", "_terminal", "_token")
 
     def __init__(
         self,
@@ -909,6 +928,7 @@ class _OpenIterators:
         self._deadline: trio.CancelScope | None = None
         self._token: int | None = None
         self._outer: AsyncIterator[Any] | None = None
+        self._ended = False  # set when the block is left: no layer's next opens anything after
 
     def _track(self, position: int, iterator: Any) -> AsyncIterator[Any]:
         """Keep the iterator of the layer at *position* (the terminal last), to be closed in order."""
@@ -994,6 +1014,7 @@ class _OpenIterators:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: types.TracebackType | None
     ) -> bool:
         service, request = self._service, self._request
+        self._ended = True
         error = exc
         try:
             failure = await _close_all(self._opened, service, request.operation)
@@ -1062,7 +1083,10 @@ async def _close_all(
         if aclose is None or (isinstance(iterator, types.AsyncGeneratorType) and iterator.ag_frame is None):
             continue  # nothing to close (a generator that ran to its end has run its finally already)
         if isinstance(iterator, _RetryingStream) and iterator.closed:
-            continue  # the provider's stream ended on its own (or was never opened): no shield for nothing
+            # The provider's stream ended on its own, or was never opened: no shield for nothing,
+            # but finished, so that reading it later (a kept iterator, the block's) opens none.
+            iterator._finished = True  # (a store, not a call: every stream that ends on its own comes here)
+            continue
         if deadline is None:
             deadline = trio.current_time() + service.cleanup_grace
         if isinstance(iterator, _RetryingStream):
