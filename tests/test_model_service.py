@@ -1329,6 +1329,31 @@ async def test_stream_failing_after_published_chunks_is_never_retried(autojump_c
     assert not caught.value.retryable
 
 
+async def test_an_idle_timeout_after_published_chunks_stays_a_timeout() -> None:
+    """As the request deadline's does: `except TimeoutError` catches every timeout of a call."""
+    error = ModelTimeoutError("no byte for 300 s", code="model_stream_idle_timeout")
+    model = TestModel(default=Reply("a b c", fail_after_chunks=2, error=error))
+    received: list[StreamChunk] = []
+    with pytest.raises(ModelTimeoutError) as caught:
+        async with ModelService(model, retry=NO_JITTER).stream(MESSAGES) as chunks:
+            async for chunk in chunks:
+                received.append(chunk)
+    assert caught.value is error and not caught.value.retryable
+    assert received == [TextDelta("a"), TextDelta(" b")]
+    assert len(model.requests) == 1
+
+
+async def test_a_timeout_marked_retryable_after_published_chunks_is_interrupted() -> None:
+    """It went on as itself, saying it could be retried, though nothing is retried after a chunk."""
+    error = ModelTimeoutError("connect timeout", code="model_request_timeout", retryable=True)
+    model = TestModel(default=Reply("a b c", fail_after_chunks=1, error=error))
+    with pytest.raises(StreamInterruptedError) as caught:
+        await run_op(ModelService(model, retry=NO_JITTER), Operation.STREAM)
+    assert caught.value.__cause__ is error and not caught.value.retryable
+    assert caught.value.code == "model_request_timeout"
+    assert len(model.requests) == 1
+
+
 async def test_stream_non_retryable_error_before_first_chunk_propagates_unchanged() -> None:
     error = AuthenticationError("401", status=401)
     model = TestModel({"hello": [Reply(error=error), Reply("never")]})

@@ -490,7 +490,10 @@ class ModelTimeoutError(ModelError, TimeoutError):
 
 
 class StreamInterruptedError(ModelError):
-    """The stream failed after some chunks were published; the call is not retried."""
+    """The stream failed after some chunks were published; the call is not retried.
+
+    A timeout is not one: the stream's idle timeout stays a `ModelTimeoutError`, as the request
+    deadline does, published chunks or not (neither is retried)."""
 
 
 class ModelMiddlewareError(ModelError):

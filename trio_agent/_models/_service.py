@@ -1169,7 +1169,12 @@ class _RetryingStream:
                 except ModelError as error:
                     await self._close_inner()
                     if self._published:
-                        if isinstance(error, (StreamInterruptedError, ModelTimeoutError)):
+                        # A timeout stays a timeout (an `except TimeoutError` catches it, as it
+                        # catches the request deadline's, published chunks or not); the one that
+                        # says it may be retried is interrupted like any failure: it is not.
+                        if isinstance(error, StreamInterruptedError) or (
+                            isinstance(error, ModelTimeoutError) and not error.retryable
+                        ):
                             raise
                         raise StreamInterruptedError(
                             f"the stream failed after chunks were published: {error}",
