@@ -25,6 +25,7 @@ from trio_agent import (
     ProviderError,
     RateLimitError,
 )
+from trio_agent._models._service import _chunk_ok, _chunk_problem
 from trio_agent.middleware import MiddlewareShapeError, NextCalledTwiceError
 from trio_agent.models import (
     AssistantMessage,
@@ -649,6 +650,76 @@ async def test_chunks_with_fields_of_subclasses_or_optional_none_pass() -> None:
     ]
     assert await run_op(ModelService(ChunksProvider(chunks)), Operation.STREAM) == chunks
     assert await run_op(ModelService(TestModel(default=Reply("x")), [ChunksLayer(chunks)]), Operation.STREAM) == chunks
+
+
+# The edges first: hypothesis draws the first strategies of a one_of most often.
+_COUNTS = st.one_of(
+    st.sampled_from([None, -1, 2**53 - 1, 2**53, 10**30, True, 3.0, "3"]),
+    st.integers(min_value=-2, max_value=3),
+)
+_FIELD_VALUES = st.one_of(
+    _COUNTS,
+    st.text(max_size=3),
+    st.builds(Text, st.text(max_size=3)),
+    st.binary(max_size=2),
+    st.sampled_from(list(FinishReason)),
+    st.builds(Usage, _COUNTS, _COUNTS, _COUNTS, _COUNTS, _COUNTS, _COUNTS),
+)
+_CHUNK_CLASSES = [
+    TextDelta,
+    TextDeltaPlus,
+    ReasoningDelta,
+    ToolCallStart,
+    ToolCallDelta,
+    ToolCallEnd,
+    UsageChunk,
+    FinishChunk,
+]
+
+
+def _mostly(good: st.SearchStrategy[Any], other: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """*good* five times in six, else *other*: values of the right type, and now and then one that is not."""
+    return st.integers(0, 5).flatmap(lambda pick: good if pick else other)
+
+
+_GOOD_COUNTS = st.one_of(st.none(), st.integers(min_value=0, max_value=2**53 - 1))
+_GOOD_VALUES = {
+    "text": st.text(max_size=3),
+    "signature": st.none() | st.text(max_size=3),
+    "redacted_data": st.none() | st.text(max_size=3),
+    "index": st.integers(min_value=0, max_value=2**53 - 1),
+    "id": st.text(max_size=3),
+    "name": st.text(max_size=3),
+    "arguments": st.text(max_size=3),
+    "usage": st.builds(
+        Usage,
+        *(_mostly(st.integers(min_value=0, max_value=5), _COUNTS) for _ in range(3)),
+        *(_mostly(_GOOD_COUNTS, _COUNTS) for _ in range(3)),
+    ),
+    "reason": st.sampled_from(list(FinishReason)),
+    "explanation": st.none() | st.text(max_size=3),
+}
+
+
+@st.composite
+def any_chunk(draw: st.DrawFn) -> Any:
+    """A chunk of any class, each field mostly of its type (else anything): both verdicts, often."""
+    kind = draw(st.sampled_from(_CHUNK_CLASSES))
+    fields = [field.name for field in attrs.fields(kind)]
+    return kind(*(draw(_mostly(_GOOD_VALUES[name], _FIELD_VALUES)) for name in fields))
+
+
+@given(any_chunk())
+@settings(max_examples=1000, deadline=None)
+def test_the_fast_chunk_check_and_the_explaining_one_agree(chunk: Any) -> None:
+    """_chunk_ok (the fast one, exact classes and types only) never passes what _chunk_problem
+    refuses, and refuses nothing of an exact class with exact field types that it passes."""
+    ok, problem = _chunk_ok(chunk), _chunk_problem(chunk)
+    if ok:
+        assert problem is None
+    values = [getattr(chunk, field.name) for field in attrs.fields(type(chunk))]
+    if type(chunk) is not TextDeltaPlus and not any(type(value) is Text for value in values):
+        assert ok == (problem is None), (chunk, problem)
 
 
 class PlainDefStream:

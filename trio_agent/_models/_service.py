@@ -223,12 +223,68 @@ _CHUNK_FIELDS: dict[type, tuple[tuple[str, type, bool], ...]] = {
 _MAX_INDEX = 2**53 - 1  # a call's stream index: a JSON number exact everywhere (and printable as an id)
 
 
+def _chunk_ok(chunk: Any) -> bool:
+    """Whether *chunk* is plainly a good stream chunk: of a chunk class exactly, each field of its
+    type exactly (the rules of `_CHUNK_FIELDS` and `_usage_problem`). ``False`` is no verdict:
+    `_chunk_problem` judges it (a subclass passes there) and says what is wrong.
+
+    The fast answer, for what the callers' inline test of the usual chunk (a `TextDelta` whose
+    text is exactly a ``str``) does not pass: one call and a few identity tests a chunk, the
+    streamed kinds first (a call's argument pieces, reasoning pieces), then the few of a reply.
+    `test_the_fast_chunk_check_and_the_explaining_one_agree` holds it to `_chunk_problem`."""
+    kind = type(chunk)
+    if kind is ToolCallDelta:
+        index = chunk.index
+        return type(index) is int and 0 <= index <= _MAX_INDEX and type(chunk.arguments) is str
+    if kind is ReasoningDelta:
+        signature, redacted = chunk.signature, chunk.redacted_data
+        return (
+            type(chunk.text) is str
+            and (signature is None or type(signature) is str)
+            and (redacted is None or type(redacted) is str)
+        )
+    # Start and end apart: an attribute read that sees two classes is not specialised (3.11).
+    if kind is ToolCallStart:
+        index = chunk.index
+        return type(index) is int and 0 <= index <= _MAX_INDEX and type(chunk.id) is str and type(chunk.name) is str
+    if kind is ToolCallEnd:
+        index = chunk.index
+        return (
+            type(index) is int
+            and 0 <= index <= _MAX_INDEX
+            and type(chunk.id) is str
+            and type(chunk.name) is str
+            and type(chunk.arguments) is str
+        )
+    if kind is UsageChunk:
+        usage = chunk.usage
+        if type(usage) is not Usage:
+            return False
+        high = MAX_TOKEN_COUNT
+        inputs, outputs, total = usage.input_tokens, usage.output_tokens, usage.total_tokens
+        cached, created = usage.cached_input_tokens, usage.cache_creation_input_tokens
+        reasoning = usage.reasoning_tokens
+        return (
+            type(inputs) is int
+            and type(outputs) is int
+            and type(total) is int
+            and 0 <= inputs <= high
+            and 0 <= outputs <= high
+            and 0 <= total <= high
+            and (cached is None or (type(cached) is int and 0 <= cached <= high))
+            and (created is None or (type(created) is int and 0 <= created <= high))
+            and (reasoning is None or (type(reasoning) is int and 0 <= reasoning <= high))
+        )
+    if kind is FinishChunk:
+        explanation = chunk.explanation
+        return type(chunk.reason) is FinishReason and (explanation is None or type(explanation) is str)
+    return kind is TextDelta and type(chunk.text) is str
+
+
 def _chunk_problem(chunk: object) -> str | None:
     """What is wrong with *chunk* as a stream chunk, as ``<what it is>, not <what it should be>``
     (``None``: nothing): it must be of a chunk class (or a subclass) with each field of its type.
-
-    The full check, for what the callers' inline test of the usual chunk (a `TextDelta` whose
-    text is exactly a ``str``) does not pass at once: a few chunks a reply."""
+    For what `_chunk_ok` does not pass at once."""
     kind = type(chunk)
     fields = _CHUNK_FIELDS.get(kind)
     if fields is None:
@@ -242,11 +298,10 @@ def _chunk_problem(chunk: object) -> str | None:
             continue
         if expected is int:
             good = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_INDEX
-            wanted = f"an int from 0 to {_MAX_INDEX}"
         else:
             good = isinstance(value, expected)
-            wanted = f"a {expected.__name__}"
         if not good:
+            wanted = f"an int from 0 to {_MAX_INDEX}" if expected is int else f"a {expected.__name__}"
             return f"a {kind.__name__} whose {name} is {_what(value)}, not {wanted}{' or None' if optional else ''}"
         if expected is Usage:
             problem = _usage_problem(value)
@@ -984,7 +1039,7 @@ class _OpenIterators:
         if kinds is None:
             return item
         if kinds is _CHUNK_KINDS:  # the usual chunk's one field inline, as the provider's are checked
-            if type(item) is TextDelta and type(item.text) is str:
+            if (type(item) is TextDelta and type(item.text) is str) or _chunk_ok(item):
                 return item
         elif type(item) in kinds:
             return item
@@ -1154,7 +1209,7 @@ class _RetryingStream:
                             inner = self._inner = self._service.provider.stream(self._request)
                         chunk = await inner.__anext__()
                         # The usual chunk's one field inline (most of a reply); any other is judged in full.
-                        if type(chunk) is not TextDelta or type(chunk.text) is not str:
+                        if (type(chunk) is not TextDelta or type(chunk.text) is not str) and not _chunk_ok(chunk):
                             problem = _chunk_problem(chunk)
                             if problem is not None:
                                 raise ModelError(f"the provider's stream yielded {problem}", code="provider_failed")
