@@ -279,3 +279,16 @@ async def test_a_turn_checks_neither_the_loops_tools_again_nor_a_chunk_twice(mon
     async with ta.ModelService(Subclassed()).stream([ta.UserMessage("x")]) as chunks:  # type: ignore[arg-type]
         assert [chunk async for chunk in chunks] == [Delta("hi")]
     assert len(kind_checks) == 1  # the retrying stream's check; the block's iterator trusts it
+
+    class PassOn(ta.ModelMiddleware):
+        async def wrap_stream(self, request: ta.ModelRequest, call_next: Any) -> AsyncIterator[ta.StreamChunk]:
+            async for chunk in call_next(request):
+                yield chunk
+
+    kind_checks.clear()
+    layered = ta.ModelService(Subclassed(), middleware=[PassOn(), PassOn()])  # type: ignore[arg-type]
+    async with layered.stream([ta.UserMessage("x")]) as chunks:
+        assert [chunk async for chunk in chunks] == [Delta("hi")]
+    # The provider's chunk, passed on as it came, was checked as it left the provider: not again
+    # at the block's iterator (a chunk a layer made itself is, as the layer's).
+    assert len(kind_checks) == 1

@@ -962,7 +962,18 @@ class _OpenIterators:
     across an iterator's yield.
     """
 
-    __slots__ = ("_deadline", "_ended", "_kinds", "_opened", "_outer", "_request", "_service", "_terminal", "_token")
+    __slots__ = (
+        "_deadline",
+        "_ended",
+        "_kinds",
+        "_opened",
+        "_outer",
+        "_request",
+        "_service",
+        "_source",
+        "_terminal",
+        "_token",
+    )
 
     def __init__(
         self,
@@ -984,12 +995,15 @@ class _OpenIterators:
         self._token: int | None = None
         self._outer: AsyncIterator[Any] | None = None
         self._ended = False  # set when the block is left: no layer's next opens anything after
+        self._source: _RetryingStream | None = None  # the provider's stream, once a layer opened it
 
     def _track(self, position: int, iterator: Any) -> AsyncIterator[Any]:
         """Keep the iterator of the layer at *position* (the terminal last), to be closed in order."""
         if not hasattr(iterator, "__anext__"):
             raise ModelMiddlewareError(f"a stream wrapper must return an async iterator, got {iterator!r}")
         self._opened[position] = iterator
+        if type(iterator) is _RetryingStream:
+            self._source = iterator
         return iterator  # type: ignore[no-any-return]
 
     async def __aenter__(self) -> AsyncIterator[Any]:
@@ -1039,7 +1053,13 @@ class _OpenIterators:
         if kinds is None:
             return item
         if kinds is _CHUNK_KINDS:  # the usual chunk's one field inline, as the provider's are checked
-            if (type(item) is TextDelta and type(item.text) is str) or _chunk_ok(item):
+            source = self._source
+            # The provider's chunk a layer passed on as it came was checked as it left the provider.
+            if (
+                (source is not None and item is source.last)
+                or (type(item) is TextDelta and type(item.text) is str)
+                or _chunk_ok(item)
+            ):
                 return item
         elif type(item) in kinds:
             return item
@@ -1184,6 +1204,8 @@ class _RetryingStream:
         self._published = False
         self._finished = False
         self._attempt = 1
+        self.last: object = None
+        """The last chunk it returned (checked): a layer that passes it on unchanged is not checked again."""
         self.close_by = math.inf
         """When closed by `_close_all`: the trio time its bound ends (the provider close may not outlast it)."""
 
@@ -1240,6 +1262,7 @@ class _RetryingStream:
                     self._attempt += 1
                     continue
                 self._published = True
+                self.last = chunk
                 return chunk
         except BaseException:
             # Whatever ends it (its end, its last error, a cancellation) ends it for good, as an
