@@ -631,12 +631,19 @@ async def store_of(kind: str, tmp_path: Path) -> AsyncIterator[Any]:
             yield store
 
 
-def pay_tool(reconcile: Callable[..., Awaitable[Any]], crash: FaultyStore | None = None) -> Any:
+def pay_tool(
+    reconcile: Callable[..., Awaitable[Any]], crash: FaultyStore | None = None, timeout: float | None = None
+) -> Any:
     """A non_idempotent tool with *reconcile*; with *crash*, its settlement is never written (the
     process 'dies' after the effect), so the next open finds it started without an outcome."""
 
     @define_tool(
-        name="pay", description="p", input_schema=OBJECT, side_effect=SideEffect.NON_IDEMPOTENT, reconcile=reconcile
+        name="pay",
+        description="p",
+        input_schema=OBJECT,
+        side_effect=SideEffect.NON_IDEMPOTENT,
+        reconcile=reconcile,
+        timeout=timeout,
     )
     async def pay(input: dict[str, Any], ctx: Any) -> str:
         if crash is not None:
@@ -715,6 +722,37 @@ async def test_a_reconcile_that_raises_or_answers_no_json_result_leaves_the_outc
         ) as session:
             assert await session.send("and now") == "again 2"
         assert len(asked) == 1
+
+
+@pytest.mark.parametrize(("tool_timeout", "session_timeout", "waited"), [(5.0, 600.0, 5.0), (None, 42.0, 42.0)])
+async def test_a_reconcile_that_never_answers_cannot_tell_within_its_timeout(
+    tool_timeout: float | None, session_timeout: float, waited: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A hanging reconcile held the session's open for ever; it is bounded by its tool's
+    timeout, else by the session's tool timeout, and then settles the call outcome_unknown."""
+    store = MemoryStore(clock=trio.current_time)
+
+    async def reconcile(input: dict[str, Any], key: str) -> ToolResult | None:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    model = await crash_after_pay(store, reconcile)
+    began = trio.current_time()
+    async with open_session(
+        provider=model,
+        tools=[pay_tool(reconcile, timeout=tool_timeout)],
+        journal=store,
+        session_id="pay",
+        tool_timeout=session_timeout,
+        **ALLOW_PAY,
+    ) as session:
+        assert trio.current_time() - began == pytest.approx(waited)
+        report = session.recovery
+        assert report is not None and len(report.outcome_unknown) == 1
+        assert await session.send("again") == "again 1"
+    [decision] = of_type([e.event for e in await store.read("pay/root")], RecoveryDecision)
+    assert f"did not answer within {waited:g} s" in decision.reason
+    assert len(of_type([e.event for e in await store.read("pay/root")], ToolOutcomeUnknown)) == 1
 
 
 @pytest.mark.parametrize("taken_over", [False, True], ids=["another-store", "own-lease"])

@@ -46,7 +46,7 @@ import attrs
 import trio
 
 from .._cleanup import bounded_shield
-from .._config import validate_id
+from .._config import MAX_TIMEOUT, finite_seconds, validate_id
 from .._errors import (
     CommandConflictError,
     ConfigError,
@@ -1091,6 +1091,7 @@ class DurableJournal:
         *,
         tools: Mapping[str, Tool[Any]] | None = None,
         agent_continues: bool = True,
+        reconcile_timeout: float = 600.0,
     ) -> RecoveryReport:
         """Apply the recovery plan of one stream: write decisions and settlements only.
 
@@ -1103,7 +1104,10 @@ class DurableJournal:
         without an outcome are recorded aborted (``process_restart``).
         ``agent_continues=False`` (the stream's agent never runs again, e.g. a subagent
         after a restart): the calls it scheduled and never started are settled cancelled.
+        A ``reconcile`` may take its tool's ``timeout``, else *reconcile_timeout* seconds (the
+        pipeline's default); one that does not answer by then "cannot tell".
         """
+        reconcile_timeout = finite_seconds(reconcile_timeout, "reconcile_timeout", maximum=MAX_TIMEOUT)
         stream = self._stream(agent_id)
         known = tools or {}
         plan = self.recovery_plan(agent_id, tools=known, agent_continues=agent_continues)
@@ -1176,7 +1180,8 @@ class DurableJournal:
                 )
                 cancelled.append(item.call_id)
             elif action is ToolRecoveryAction.RECONCILE:
-                outcome, why_unknown = await self._reconcile(known[record.scheduled.tool_name], record)
+                tool = known[record.scheduled.tool_name]
+                outcome, why_unknown = await self._reconcile(tool, record, reconcile_timeout)
                 if outcome is None:
                     await self.append(
                         RecoveryDecision(**ids, decision=action, reason=why_unknown),
@@ -1218,20 +1223,29 @@ class DurableJournal:
             cancelled=tuple(cancelled),
         )
 
-    async def _reconcile(self, tool: Tool[Any], record: CallRecord) -> tuple[ToolResult | None, str]:
+    async def _reconcile(self, tool: Tool[Any], record: CallRecord, limit: float) -> tuple[ToolResult | None, str]:
         """What *tool*'s ``reconcile`` says of a started call: its result, or ``None`` ("cannot
         tell") and why. The hook is the tool's code: when it raises or answers what the journal
         cannot store (no `ToolResult` or ``None``, a result that is no JSON) that is "cannot tell"
         too, so the call settles ``outcome_unknown`` instead of failing the recovery, and with it
         every reopen of the session. Cancellation goes on, and a `LeaseLostError` when this
-        journal's own lease is lost (a reconciler may drive a store of its own)."""
+        journal's own lease is lost (a reconciler may drive a store of its own). A hook that does not
+        answer within *limit* seconds (its tool's own ``timeout`` wins) cannot tell either: a hanging one
+        would otherwise hold the session's open for ever."""
         assert tool.reconcile is not None
         call = f"reconcile of {tool.name} call {record.scheduled.call_id}"
         started = record.started_input if record.started_input is not None else record.scheduled.model_input
+        if tool.timeout is not None:
+            limit = tool.timeout
         try:
-            outcome = await tool.run_reconcile(
-                json_copy(started), record.scheduled.idempotency_key, fencing_token=self.lease.token
-            )
+            with trio.move_on_after(limit) as bound:
+                outcome = await tool.run_reconcile(
+                    json_copy(started), record.scheduled.idempotency_key, fencing_token=self.lease.token
+                )
+            if bound.cancelled_caught:
+                problem = f"did not answer within {limit:g} s"
+                logger.warning("%s %s; its outcome is unknown", call, problem)
+                return None, f"reconcile {problem}: could not tell whether it happened"
         except Exception as exc:
             if isinstance(typed_error(exc), LeaseLostError):
                 await self.ensure_owner()  # asks the store: raises when the lease lost is this journal's

@@ -174,7 +174,9 @@ async def _recover(
             elif tracked.decision in _RERUN_DECISIONS and tracked.state in _RERUN_ENDS:
                 outcome = "ok" if tracked.state is ToolState.COMPLETED else "error"
                 life.notes.append(f"re-ran {tracked.tool_name} call {tracked.call_id}: {outcome}")
-        report = await journal.recover(agent_id, tools=tools, agent_continues=continues)
+        report = await journal.recover(
+            agent_id, tools=tools, agent_continues=continues, reconcile_timeout=host.pipeline.timeout
+        )
         if earlier:
             merged = tuple(dict.fromkeys([*earlier, *report.outcome_unknown]))
             report = attrs.evolve(report, outcome_unknown=merged)
