@@ -640,32 +640,47 @@ async def test_a_subagent_cannot_call_tools_outside_its_allowlist() -> None:
 # ======================================================================== hanging handlers
 
 
-async def test_a_hanging_handler_is_bounded_by_the_ask_deadline(autojump_clock: trio.testing.MockClock) -> None:
+@pytest.mark.parametrize("ask_timeout", [None, 45.0, 7200.0], ids=["default", "shorter", "longer"])
+async def test_a_hanging_handler_is_bounded_by_the_ask_deadline(
+    ask_timeout: float | None, autojump_clock: trio.testing.MockClock
+) -> None:
+    # permission_ask_timeout= is the session's bound (the engine's ask_timeout, which sessions did not expose).
     log: list[Any] = []
     cancelled = trio.Event()
+    bound = 600.0 if ask_timeout is None else ask_timeout
 
     async def hang(request: PermissionRequest) -> None:
-        assert request.deadline - trio.current_time() == pytest.approx(600.0)
+        assert request.deadline - trio.current_time() == pytest.approx(bound)
         try:
             await trio.sleep_forever()
         finally:
             cancelled.set()
 
     model = TestModel({"go": [calls_all("write"), Reply(text="gave up on it")]})
+    options: dict[str, Any] = {} if ask_timeout is None else {"permission_ask_timeout": ask_timeout}
     async with open_session(
-        provider=model, tools=three_tools(log), permission_handler=hang, tool_timeout=3600.0
+        provider=model, tools=three_tools(log), permission_handler=hang, tool_timeout=9000.0, **options
     ) as session:
         start = trio.current_time()
         _, done = await run_request(session, "go")
         elapsed = trio.current_time() - start
         events = await stream_events(session)
     assert cancelled.is_set()
-    assert elapsed == pytest.approx(600.0)
+    assert elapsed == pytest.approx(bound)
     assert done.text == "gave up on it" and log == []
     [message] = result_messages(model.requests[1])
-    assert message.is_error and "no answer" in message.content
+    assert message.is_error and "no answer" in message.content and f"{bound:g} s" in message.content
     [resolved] = [e for e in events if isinstance(e, PermissionResolved)]
     assert resolved.decision is PermissionDecision.DENY
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "10", True])
+async def test_a_bad_permission_ask_timeout_is_a_config_error(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="permission_ask_timeout"):
+        define_agent(provider=TestModel(), permission_ask_timeout=bad)
+    with pytest.raises(ConfigError, match="permission_ask_timeout"):
+        async with open_session(provider=TestModel(), permission_ask_timeout=bad):
+            raise AssertionError("unreachable")  # pragma: no cover
 
 
 async def test_a_hanging_handler_is_bounded_by_the_request_abort() -> None:

@@ -98,6 +98,7 @@ def open_session(
     permission_asks: PermissionAsks = "handler",
     interrupts: Sequence[InterruptDefinition] = (),
     unfinished: Literal["interrupt", "keep"] = "interrupt",
+    permission_ask_timeout: float = 600.0,
 ) -> AbstractAsyncContextManager[Session]:
     """Open a session: ``async with open_session(spec) as session`` (the spec's ``createSession``).
 
@@ -142,7 +143,7 @@ def open_session(
         provider, model, system_prompt, tools, plugins, middleware, lifecycle, hooks, allowed_tools,
         disallowed_tools, permissions, permission_mode, permission_handler, max_turns, subagents,
         workspace_roots, hook_deadlines, retry, scheduler_limits, model_request_timeout, tool_timeout,
-        permission_asks, interrupts,
+        permission_asks, interrupts, permission_ask_timeout,
     )  # fmt: skip
     return _SessionBlock(
         spec,

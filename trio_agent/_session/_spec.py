@@ -142,6 +142,7 @@ def define_agent(
     tool_timeout: float = 600.0,
     permission_asks: PermissionAsks = "handler",
     interrupts: Sequence[InterruptDefinition] = (),
+    permission_ask_timeout: float = 600.0,
 ) -> AgentSpec:
     """Define an agent once; open sessions of it with ``open_session(spec, ...)``.
 
@@ -160,6 +161,9 @@ def define_agent(
       (docs/human-in-the-loop.md). Subagents keep asking the handler.
     * ``interrupts``: the `InterruptDefinition` s middleware may ask with (and ``tools``
       may hold `ClientTool` s, run by the client: a call pauses the request).
+    * ``permission_ask_timeout``: seconds one permission ask (the PermissionRequest hooks and
+      the ``permission_handler`` together, or a tool's own async check) may take before the
+      call is denied (default 600: a person may be slow; docs/permissions.md, "Deadline").
 
     Raises:
         ConfigError: a bad option (duplicate tools or plugins, bad rules, a bad limit).
@@ -184,6 +188,7 @@ def define_agent(
         raise ConfigError(f"scheduler_limits must be a SchedulerLimits, not {scheduler_limits!r}")
     model_request_timeout = validate_timeout(model_request_timeout, name="model_request_timeout")
     tool_timeout = validate_timeout(tool_timeout, name="tool_timeout")
+    permission_ask_timeout = validate_timeout(permission_ask_timeout, name="permission_ask_timeout")
     if permission_asks not in ("handler", "interrupt"):
         raise ConfigError(f"permission_asks must be 'handler' or 'interrupt', not {permission_asks!r}")
     tools, client_tools = split_client_tools(tools)
@@ -211,6 +216,7 @@ def define_agent(
         workspace_roots=workspace_roots,
         hook_deadlines=hook_deadlines,
         asks_by_pausing=permission_asks == "interrupt",
+        ask_timeout=permission_ask_timeout,
     )
     if client_tools:
         _check_client_tool_names(client_tools, parts.tools, task_tools, plugins)

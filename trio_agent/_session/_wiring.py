@@ -88,6 +88,7 @@ class AgentParts:
     permission_mode: PermissionMode | str
     permission_handler: PermissionHandler | None
     workspace_roots: tuple[str, ...] | None
+    ask_timeout: float = 600.0  # the engine's: checked by it (`PermissionEngine`), a ConfigError if bad
     # The spec's permission engine (`permission_engine`), checked once; each session derives its own.
     engine: PermissionEngine | None = None
     root_filter: ToolFilter | None = None  # ``allowed`` as the engine's filter of the root's calls
@@ -166,6 +167,7 @@ def build_agent_parts(
     workspace_roots: Sequence[str | os.PathLike[str]] | None,
     hook_deadlines: Mapping[HookEvent, float] | None,
     asks_by_pausing: bool = False,
+    ask_timeout: float = 600.0,
 ) -> AgentParts:
     """Validate an agent's options and compose its parts (once per spec; module docstring)."""
     if middleware is not None and not isinstance(middleware, MiddlewareConfig):
@@ -199,6 +201,7 @@ def build_agent_parts(
         permission_mode=permission_mode,
         permission_handler=permission_handler,
         workspace_roots=roots,
+        ask_timeout=ask_timeout,
     )
     # The engine's checks (a bad rule, a tool that can never run) belong to the definition too.
     engine = permission_engine(parts, record=None, agent_filter=_no_filter)
@@ -337,6 +340,7 @@ def permission_engine(
         tool_checks=checks,
         signature_content=contents,
         tool_filter=agent_filter,
+        ask_timeout=parts.ask_timeout,
     )
 
 
