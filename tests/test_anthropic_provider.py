@@ -570,6 +570,71 @@ def test_retry_after_forms() -> None:
     assert retry_after_seconds(httpx.Headers({"retry-after": past})) == 0.0
 
 
+def retry_after_responses(status: int, body: Any) -> tuple[list[Scripted], list[tuple[float, float] | None]]:
+    """Responses of *status* with each form of the wait hint, and the ``retry_after`` (a range: a
+    date is read against the clock) each should give; the last body is cut mid-way."""
+    when = email.utils.formatdate(time.time() + 30, usegmt=True)
+    forms: list[tuple[list[tuple[str, str]], tuple[float, float] | None]] = [
+        ([("retry-after", "7")], (7.0, 7.0)),
+        ([("retry-after", when)], (25.0, 31.0)),
+        ([("retry-after-ms", "1500"), ("retry-after", "9")], (1.5, 1.5)),
+        ([("retry-after", "soon")], None),  # no number, no date: no hint, and no crash
+        ([("retry-after", "nan"), ("retry-after-ms", "inf")], None),
+        ([], None),
+    ]
+    responses = [Scripted.json(body, status=status, headers=headers) for headers, _ in forms]
+    cut = Scripted(status, [("content-type", "application/json"), ("retry-after", "7")], [b'{"type": "err'], cut=True)
+    return [*responses, cut], [*(expected for _, expected in forms), (7.0, 7.0)]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["chat", "stream"])
+@pytest.mark.parametrize(
+    ("status", "body", "error_type"),
+    [
+        (529, JSON["error_529"], ProviderServerError),
+        (503, {"type": "error", "error": {"type": "api_error", "message": "unavailable"}}, ProviderServerError),
+        (500, {"type": "error", "error": {"type": "api_error", "message": "Internal error"}}, ProviderServerError),
+        (408, {"type": "error", "error": {"type": "timeout_error", "message": "slow"}}, ProviderError),
+        (409, {"type": "error", "error": {"type": "conflict", "message": "again"}}, ProviderError),
+    ],
+    ids=["529", "503", "500", "408", "409"],
+)
+async def test_every_retryable_status_carries_the_servers_retry_after(
+    streaming: bool, status: int, body: Any, error_type: type[ProviderError]
+) -> None:
+    """A 529 (overloaded) or 503 with ``retry-after`` (or any 5xx, 408, 409) lost it: only a 429
+    kept the server's wait hint, so the retry loop came back sooner than the server asked."""
+    responses, expected = retry_after_responses(status, body)
+    async with serve(*responses) as (_, provider):
+        for wanted in expected:
+            with pytest.raises(ProviderError) as caught:
+                if streaming:
+                    await collect(provider, request(operation=Operation.STREAM))
+                else:
+                    await provider.chat(request())
+            assert type(caught.value) is error_type
+            assert (caught.value.status, caught.value.retryable) == (status, True)
+            after = caught.value.retry_after
+            if wanted is None:
+                assert after is None
+            else:
+                assert after is not None and wanted[0] <= after <= wanted[1]
+
+
+@pytest.mark.parametrize(
+    ("status", "error_type"),
+    [(400, ProviderError), (401, AuthenticationError), (403, AuthenticationError), (404, ModelNotFoundError)],
+)
+async def test_a_non_retryable_status_ignores_retry_after(status: int, error_type: type[ProviderError]) -> None:
+    """A wait hint on a status that waiting does not mend changes nothing: not retryable, no ``retry_after``."""
+    body = {"type": "error", "error": {"type": "invalid_request_error", "message": "no"}}
+    async with serve(Scripted.json(body, status=status, headers=[("retry-after", "7")])) as (_, provider):
+        with pytest.raises(ProviderError) as caught:
+            await provider.chat(request())
+    assert type(caught.value) is error_type
+    assert (caught.value.status, caught.value.retryable, caught.value.retry_after) == (status, False, None)
+
+
 # -- streaming ----------------------------------------------------------------------------------------
 
 

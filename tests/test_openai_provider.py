@@ -690,6 +690,71 @@ async def test_rate_limit_retry_after_http_date_and_exhausted_quota() -> None:
     assert exhausted.value.retryable is False  # waiting does not refill a quota
 
 
+def retry_after_responses(status: int, body: Any) -> tuple[list[Scripted], list[tuple[float, float] | None]]:
+    """Responses of *status* with each form of the wait hint, and the ``retry_after`` (a range: a
+    date is read against the clock) each should give; the last body is cut mid-way."""
+    when = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+    forms: list[tuple[list[tuple[str, str]], tuple[float, float] | None]] = [
+        ([("retry-after", "7")], (7.0, 7.0)),
+        ([("retry-after", when)], (25.0, 30.0)),
+        ([("retry-after-ms", "1500"), ("retry-after", "9")], (1.5, 1.5)),
+        ([("retry-after", "soon")], None),  # no number, no date: no hint, and no crash
+        ([("retry-after", "nan"), ("retry-after-ms", "inf")], None),
+        ([], None),
+    ]
+    responses = [Scripted.json(body, status=status, headers=headers) for headers, _ in forms]
+    headers = [("content-type", "application/json"), ("retry-after", "7")]
+    cut = Scripted(status, headers, [b'{"error": {"mess'], cut=True)
+    return [*responses, cut], [*(expected for _, expected in forms), (7.0, 7.0)]
+
+
+@pytest.mark.parametrize("operation", [Operation.CHAT, Operation.STREAM])
+@pytest.mark.parametrize(
+    ("status", "error_type"),
+    [
+        (503, ProviderServerError),
+        (500, ProviderServerError),
+        (529, ProviderServerError),
+        (408, ProviderError),
+        (409, ProviderError),
+    ],
+)
+async def test_every_retryable_status_carries_the_servers_retry_after(
+    operation: Operation, status: int, error_type: type[ProviderError]
+) -> None:
+    """A 503 with ``Retry-After`` (or any 5xx, 408, 409) lost it: only a 429 kept the server's wait
+    hint, so the retry loop came back sooner than the server asked."""
+    responses, expected = retry_after_responses(status, {"error": {"message": "busy", "type": "server_error"}})
+    async with open_fake_server(queue_handler(*responses)) as server, provider_for(server) as provider:
+        for wanted in expected:
+            with pytest.raises(ProviderError) as caught:
+                if operation is Operation.CHAT:
+                    await provider.chat(request(operation=Operation.CHAT))
+                else:
+                    await collect(provider, request())
+            assert type(caught.value) is error_type
+            assert (caught.value.status, caught.value.retryable) == (status, True)
+            after = caught.value.retry_after
+            if wanted is None:
+                assert after is None
+            else:
+                assert after is not None and wanted[0] <= after <= wanted[1]
+
+
+@pytest.mark.parametrize(
+    ("status", "error_type"),
+    [(400, ProviderError), (401, AuthenticationError), (403, AuthenticationError), (404, ModelNotFoundError)],
+)
+async def test_a_non_retryable_status_ignores_retry_after(status: int, error_type: type[ProviderError]) -> None:
+    """A wait hint on a status that waiting does not mend changes nothing: not retryable, no ``retry_after``."""
+    scripted = Scripted.json({"error": {"message": "no"}}, status=status, headers=[("retry-after", "7")])
+    async with open_fake_server(queue_handler(scripted)) as server, provider_for(server) as provider:
+        with pytest.raises(ProviderError) as caught:
+            await provider.chat(request(operation=Operation.CHAT))
+    assert type(caught.value) is error_type
+    assert (caught.value.status, caught.value.retryable, caught.value.retry_after) == (status, False, None)
+
+
 async def test_connection_refused_is_a_retryable_connection_error() -> None:
     with socket.socket() as probe:  # a port that nothing listens on
         probe.bind(("127.0.0.1", 0))

@@ -40,11 +40,11 @@ Every error that crosses a public boundary is one of these (never a bare
      ├── LeaseLostError            the execution lease is gone (external: "broken")
      │    └── StaleFencingTokenError  the store refused a write carrying an old fencing token
      └── ModelError                a model call failed (``code``, ``retryable``)
-          ├── ProviderError        the provider answered with an error (``status``)
+          ├── ProviderError        the provider answered with an error (``status``, ``retry_after``)
           │    ├── AuthenticationError    401 / 403
           │    ├── ModelNotFoundError     404
           │    ├── RateLimitError         429 (``retry_after``)
-          │    ├── ProviderServerError    5xx, retryable
+          │    ├── ProviderServerError    5xx, retryable (``retry_after``)
           │    └── MalformedResponseError  a payload or SSE stream we cannot parse, or too large
           ├── ModelConnectionError  the connection failed (retryable)
           ├── ModelTimeoutError     request deadline or stream idle timeout      [TimeoutError]
@@ -434,13 +434,27 @@ class ModelError(TrioAgentError):
 
 
 class ProviderError(ModelError):
-    """The provider answered with an error status or body."""
+    """The provider answered with an error status or body.
+
+    ``retry_after`` is the server's wait hint in seconds (its ``Retry-After``), if it sent one
+    with a retryable status: a 429, and as well a 5xx (a 503, Anthropic's 529 overloaded), 408
+    or 409. ``None`` otherwise."""
+
+    # A class default too: an error unpickled from before the attribute existed still has it.
+    retry_after: float | None = None
 
     def __init__(
-        self, message: str, *, status: int | None = None, code: str | None = None, retryable: bool | None = None
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        retryable: bool | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message, code=code, retryable=retryable)
         self.status = status
+        self.retry_after = retry_after
 
 
 class AuthenticationError(ProviderError):
@@ -465,12 +479,11 @@ class RateLimitError(ProviderError):
         retry_after: float | None = None,
         retryable: bool | None = None,
     ) -> None:
-        super().__init__(message, status=status, code=code, retryable=retryable)
-        self.retry_after = retry_after
+        super().__init__(message, status=status, code=code, retryable=retryable, retry_after=retry_after)
 
 
 class ProviderServerError(ProviderError):
-    """The provider failed (5xx or an overloaded error); retryable."""
+    """The provider failed (5xx or an overloaded error); retryable, with ``retry_after`` as a 429's."""
 
     retryable = True
 

@@ -646,12 +646,16 @@ async def _raise_for_status(response: httpx.Response, grace: float) -> None:
         raise AuthenticationError(message, status=status)
     if status == 404:
         raise ModelNotFoundError(message, status=status)
+    # Every retryable status carries the server's wait hint: a 529 (Anthropic's "overloaded") or a
+    # 503 sends its retry-after as a 429 does, and the retry loop should wait that long.
     if status == 429:
         raise RateLimitError(message, status=status, retry_after=retry_after_seconds(response.headers))
-    if status >= 500:  # 529 is Anthropic's "overloaded"
-        raise ProviderServerError(message, status=status)
+    if status >= 500:
+        raise ProviderServerError(message, status=status, retry_after=retry_after_seconds(response.headers))
     # 408 (request timeout) and 409 (conflict) are transient, as the official SDK treats them.
-    raise ProviderError(message, status=status, retryable=status in (408, 409) or None)
+    if status in (408, 409):
+        raise ProviderError(message, status=status, retryable=True, retry_after=retry_after_seconds(response.headers))
+    raise ProviderError(message, status=status)
 
 
 def _error_object(data: Mapping[str, Any], where: str) -> ProviderError:

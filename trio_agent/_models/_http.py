@@ -259,7 +259,7 @@ async def read_error_body(response: httpx.Response, *, grace: float, layer: str)
     """The start of an error response's body (up to `ERROR_BODY_LIMIT` bytes), for its message.
 
     A body that cannot be read whole (cut, or not decodable) gives what had arrived: the status
-    alone decides the error, so a 401 stays an authentication error and a 429 keeps its
+    alone decides the error, so a 401 stays an authentication error and a 429 or a 503 keeps its
     ``retry-after``, instead of turning into a retryable connection error."""
     pieces: list[bytes] = []
     size = 0

@@ -380,14 +380,18 @@ class OpenAIProvider:
             return AuthenticationError(text, status=status)
         if status == 404:
             return ModelNotFoundError(f"{text} (model {self.model!r})", status=status)
+        # Every retryable status carries the server's wait hint: a 503 sends its retry-after as a
+        # 429 does, and the retry loop should wait that long.
         if status == 429:
             error = RateLimitError(text, status=status, retry_after=retry_after_seconds(response.headers))
             if kind == "insufficient_quota":
                 error.retryable = False  # an exhausted quota does not come back by waiting
             return error
         if status >= 500:
-            return ProviderServerError(text, status=status)
-        return ProviderError(text, status=status, retryable=status in (408, 409))
+            return ProviderServerError(text, status=status, retry_after=retry_after_seconds(response.headers))
+        if status in (408, 409):
+            return ProviderError(text, status=status, retryable=True, retry_after=retry_after_seconds(response.headers))
+        return ProviderError(text, status=status)
 
     def _transport_error(self, exc: httpx.HTTPError, *, streaming: bool) -> ModelError:
         if isinstance(exc, httpx.TimeoutException):
