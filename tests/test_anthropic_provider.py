@@ -57,6 +57,7 @@ from trio_agent.models import (
     ProviderServerError,
     ReasoningDelta,
     ReasoningPart,
+    RetryEvent,
     RetryPolicy,
     StreamChunk,
     StreamInterruptedError,
@@ -1099,6 +1100,21 @@ async def test_service_chat_retries_rate_limits_with_retry_after() -> None:
         service = ModelService(provider, retry=RetryPolicy(base_delay=0))
         response = await service.chat([UserMessage("Hi")])
     assert response.message.text.startswith("Hello") and len(server.requests) == 2
+
+
+async def test_service_waits_the_retry_after_of_an_overloaded_529() -> None:
+    """The service retried a 529 with retry-after at once (base_delay=0): only a 429's hint counted."""
+    responses = (
+        Scripted.json(JSON["error_529"], status=529, headers=[("retry-after-ms", "20")]),
+        Scripted.json(JSON["text_reply"]),
+    )
+    async with serve(*responses) as (server, provider):
+        service = ModelService(provider, retry=RetryPolicy(base_delay=0, jitter=False))
+        async with service.chat_with_retry_events([UserMessage("Hi")]) as events:
+            items = [item async for item in events]
+    retried = items[0]
+    assert isinstance(retried, RetryEvent) and isinstance(retried.error, ProviderServerError)
+    assert retried.delay == 0.02 and len(items) == 2 and len(server.requests) == 2
 
 
 @pytest.mark.parametrize("failure", ["error_event", "cut"])

@@ -1170,6 +1170,23 @@ async def test_rate_limit_honours_retry_after(
 @pytest.mark.parametrize(
     "error",
     [
+        ProviderServerError("503", status=503, retry_after=7),
+        ProviderError("408", status=408, retryable=True, retry_after=7),
+    ],
+)
+async def test_a_server_error_honours_retry_after(error: ProviderError, autojump_clock: trio.testing.MockClock) -> None:
+    """A 503's (or 529's, 408's) retry_after was ignored: only a RateLimitError's was waited for."""
+    model = TestModel({"hello": [Reply(error=error), Reply("ok")]})
+    start = trio.current_time()
+    response = await ModelService(model, retry=NO_JITTER).chat(MESSAGES)
+    assert response.message.text == "ok"
+    assert trio.current_time() - start == 7.0
+    assert len(model.requests) == 2
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
         AuthenticationError("401", status=401),
         ProviderError("400", status=400),
         ModelError("plain"),

@@ -54,6 +54,7 @@ from trio_agent.models import (
     ProviderServerError,
     ReasoningDelta,
     ReasoningPart,
+    RetryEvent,
     RetryPolicy,
     StreamChunk,
     StreamInterruptedError,
@@ -1230,6 +1231,21 @@ async def test_service_retries_an_error_before_the_first_chunk() -> None:
         response = await service.chat(HELLO)
         assert response.finish_reason is FinishReason.STOP
         assert len(server.requests) == 4
+
+
+async def test_service_waits_the_retry_after_of_a_503() -> None:
+    """The service retried a 503 with retry-after at once (base_delay=0): only a 429's hint counted."""
+    handler = queue_handler(
+        Scripted.json(fixture_json("error_500.json"), status=503, headers=[("retry-after-ms", "20")]),
+        Scripted.json(fixture_json("chat_text.json")),
+    )
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        service = ModelService(provider, retry=RetryPolicy(base_delay=0, jitter=False))
+        async with service.chat_with_retry_events(HELLO) as events:
+            items = [item async for item in events]
+    retried = items[0]
+    assert isinstance(retried, RetryEvent) and isinstance(retried.error, ProviderServerError)
+    assert retried.delay == 0.02 and len(items) == 2 and len(server.requests) == 2
 
 
 async def test_service_never_retries_after_a_published_chunk() -> None:

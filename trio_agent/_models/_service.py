@@ -38,7 +38,7 @@ from .._errors import (
     ModelError,
     ModelMiddlewareError,
     ModelTimeoutError,
-    RateLimitError,
+    ProviderError,
     StreamInterruptedError,
     TrioAgentError,
 )
@@ -563,8 +563,9 @@ class RetryPolicy:
     jitter: bool = attrs.field(default=True, validator=_flag)
 
     def delay(self, attempt: int, error: ModelError, rng: random.Random) -> float:
-        if isinstance(error, RateLimitError):
-            # A provider's (possibly a custom one's) retry_after: a number of seconds, clamped to
+        if isinstance(error, ProviderError):
+            # The server's wait hint, a 429's or a 503's (529, 408, ...) alike: a provider's
+            # (possibly a custom one's) retry_after: a number of seconds, clamped to
             # [0, max_delay] (a date already past is "now"); a NaN or what is no number at all is
             # no advice, so the backoff applies as with none (trio.sleep refuses NaN). Clamped as
             # given, float() last: float() or isnan() of an int too large for a float raises
