@@ -16,14 +16,77 @@ import sys
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-__all__ = ["PRIVATE_PREFIX", "fixup_module_metadata", "import_lazy", "original_module"]
+__all__ = [
+    "PRIVATE_PREFIX",
+    "callable_name",
+    "fixup_module_metadata",
+    "import_lazy",
+    "instance_of",
+    "original_module",
+    "safe_repr",
+]
+
+T = TypeVar("T")
 
 PRIVATE_PREFIX = "trio_agent._"
 """Objects whose ``__module__`` starts with this are defined in a private module."""
 
 _ORIGINAL_MODULES: dict[int, str] = {}
+
+# A class's own name, read past any ``__name__`` a metaclass defines (which could raise).
+_CLASS_NAME = type.__dict__["__name__"]
+
+
+def safe_repr(value: object, limit: int = 200) -> str:
+    """*value*'s repr for a message about it, cut short past *limit* characters; never raises.
+
+    The value is usually what a user's callable returned, emitted or was configured with where
+    something else was expected, and its ``__repr__`` is that user's code too: when it (or an
+    item's, inside a container) raises, the message names the value's type instead, so the
+    error that says what was wrong is the one raised. Only for error paths: it formats in full.
+    """
+    try:
+        text = repr(value)
+    except Exception as exc:  # a raising __repr__, an int past the digit limit, a deep recursion ...
+        kind: str = _CLASS_NAME.__get__(type(value))
+        return f"<{kind} object, unprintable: its repr raised {_CLASS_NAME.__get__(type(exc))}>"
+    text = str.__str__(text)  # a str subclass's own slicing and len() are the caller's code too
+    return text if len(text) <= limit else f"{text[: limit - 40]}... ({len(text)} characters)"
+
+
+def callable_name(fn: object) -> str:
+    """A user's callable named for a message: its ``__qualname__`` when that is a string, else
+    `safe_repr` (an instance with ``__call__``, a partial). Never raises."""
+    try:
+        name = getattr(fn, "__qualname__", None)
+    except Exception:  # a property of the caller's that raises
+        name = None
+    return str.__str__(name) if isinstance(name, str) else safe_repr(fn)
+
+
+class instance_of(Generic[T]):  # named as the attrs validator it stands in for
+    """``attrs.validators.instance_of``, telling a wrong value through `safe_repr`: attrs formats it
+    with ``!r``, so a value whose repr raises would raise that instead of the `TypeError`. The same
+    message; the message is the exception's only argument (attrs adds the attribute, the type and
+    the value, and then ``str()`` of the exception formats them all with ``repr`` again)."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, kind: type[T] | tuple[type[T], ...]) -> None:
+        self.kind = kind
+
+    def __call__(self, instance: Any, attribute: Any, value: T) -> None:
+        if not isinstance(value, self.kind):
+            message = (
+                f"'{attribute.name}' must be {safe_repr(self.kind)} "
+                f"(got {safe_repr(value)} that is a {safe_repr(type(value))})."
+            )
+            raise TypeError(message)
+
+    def __repr__(self) -> str:
+        return f"<instance_of validator for type {safe_repr(self.kind)}>"
 
 
 def original_module(obj: object) -> str | None:

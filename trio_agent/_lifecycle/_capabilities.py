@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast, final
 
 from .._errors import ConfigError, MiddlewareShapeError
+from .._util import safe_repr
 
 if TYPE_CHECKING:
     from ._middleware import ChatMiddleware
@@ -69,8 +70,8 @@ class Capability(Generic[T]):
 
     def __init__(self, name: str, value_type: type[T] | None = None) -> None:
         if not isinstance(name, str) or not name:
-            raise CapabilityError(f"a capability's name must be a non-empty string, got {name!r}")
-        self.name = name
+            raise CapabilityError(f"a capability's name must be a non-empty string, got {safe_repr(name)}")
+        self.name = str.__str__(name)  # a str subclass's own methods (its repr) are the caller's code
         self.value_type = value_type
 
     def __repr__(self) -> str:
@@ -155,7 +156,9 @@ class CapabilityRegistry:
 
 def _check_handle(handle: object, method: str) -> None:
     if not isinstance(handle, Capability):
-        raise CapabilityError(f"capabilities.{method}() takes a handle from create_capability(), got {handle!r}")
+        raise CapabilityError(
+            f"capabilities.{method}() takes a handle from create_capability(), got {safe_repr(handle)}"
+        )
 
 
 # -- declarations and validation --------------------------------------------------------------
@@ -172,7 +175,8 @@ class Declared(NamedTuple):
 
 def _middleware_name(middleware: object) -> str:
     name = getattr(middleware, "name", None)
-    return name if isinstance(name, str) and name else type(middleware).__name__
+    # Exactly a str: a subclass's own methods (its repr, in our messages) are the caller's code.
+    return str.__str__(name) if isinstance(name, str) and name else type(middleware).__name__
 
 
 def capability_handles(
@@ -182,11 +186,11 @@ def capability_handles(
     if value is None:
         return ()
     if not isinstance(value, (list, tuple)):
-        raise error(f"{field} of {owner} must be a tuple of capability handles, got {value!r}")
+        raise error(f"{field} of {owner} must be a tuple of capability handles, got {safe_repr(value)}")
     for entry in value:
         if not isinstance(entry, Capability):
             raise error(
-                f"{field} of {owner} holds {entry!r}, which is not a capability handle "
+                f"{field} of {owner} holds {safe_repr(entry)}, which is not a capability handle "
                 "(make one with create_capability)"
             )
     return tuple(value)
@@ -212,7 +216,7 @@ def _adapter_name(adapter: object) -> str:
     for attr in ("name", "model"):
         value = getattr(adapter, attr, None)
         if isinstance(value, str) and value:
-            return value
+            return str.__str__(value)
     return type(adapter).__name__
 
 
@@ -246,7 +250,7 @@ def validate_capabilities(middleware: Sequence[ChatMiddleware], adapter: object 
     """
     if not isinstance(middleware, (list, tuple)):
         raise MiddlewareShapeError(
-            f"validate_capabilities: middleware must be a list of ChatMiddleware, got {middleware!r}"
+            f"validate_capabilities: middleware must be a list of ChatMiddleware, got {safe_repr(middleware)}"
         )
     requires = getattr(adapter, "requires", None) if adapter is not None else None
     if not middleware and requires is None:

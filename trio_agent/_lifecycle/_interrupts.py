@@ -50,6 +50,7 @@ from .._loop._interrupts import (
 from .._loop._rules import Phase
 from .._models._messages import FinishReason, configure_messages
 from .._tools._definition import Tool
+from .._util import safe_repr
 
 __all__ = [
     "PausedRun",
@@ -190,12 +191,12 @@ def pause_from_json(data: object) -> PauseState:
 def split_client_tools(tools: Sequence[Tool[Any] | ClientTool]) -> tuple[list[Tool[Any]], dict[str, ClientTool]]:
     """The run's tools and client tools (by name); `ConfigError` for anything else in *tools*."""
     if not isinstance(tools, (list, tuple)):
-        raise ConfigError(f"tools must be a list of Tool (define_tool) and ClientTool values, not {tools!r}")
+        raise ConfigError(f"tools must be a list of Tool (define_tool) and ClientTool values, not {safe_repr(tools)}")
     server: list[Tool[Any]] = []
     client: dict[str, ClientTool] = {}
     for index, tool in enumerate(tools):
         if not isinstance(tool, (Tool, ClientTool)):
-            raise ConfigError(f"tools[{index}] is not a Tool (define_tool) or a ClientTool: {tool!r}")
+            raise ConfigError(f"tools[{index}] is not a Tool (define_tool) or a ClientTool: {safe_repr(tool)}")
         if isinstance(tool, ClientTool):
             if tool.name in client:
                 raise ConfigError(f"two client tools are named {tool.name!r}")
@@ -221,10 +222,10 @@ def registered_interrupts(
     registered: dict[str, InterruptDefinition] = {}
     if not isinstance(interrupts, (list, tuple)):
         raise ConfigError(
-            f"interrupts must be a list of InterruptDefinition values (define_interrupt), got {interrupts!r}"
+            f"interrupts must be a list of InterruptDefinition values (define_interrupt), got {safe_repr(interrupts)}"
         )
     if not isinstance(middleware, (list, tuple)):
-        raise MiddlewareShapeError(f"middleware must be a list of ChatMiddleware, got {middleware!r}")
+        raise MiddlewareShapeError(f"middleware must be a list of ChatMiddleware, got {safe_repr(middleware)}")
     if not interrupts and not middleware:
         return registered
     declared = list(interrupts)
@@ -232,12 +233,15 @@ def registered_interrupts(
         own = getattr(mw, "interrupts", ())
         if not isinstance(own, (list, tuple)):
             raise MiddlewareShapeError(
-                f"the interrupts of middleware #{index} must be a tuple of InterruptDefinition values, got {own!r}"
+                f"the interrupts of middleware #{index} must be a tuple of InterruptDefinition values, "
+                f"got {safe_repr(own)}"
             )
         declared.extend(own)
     for definition in declared:
         if not isinstance(definition, InterruptDefinition):
-            raise ConfigError(f"interrupts must be InterruptDefinition values (define_interrupt), got {definition!r}")
+            raise ConfigError(
+                f"interrupts must be InterruptDefinition values (define_interrupt), got {safe_repr(definition)}"
+            )
         known = registered.get(definition.id)
         if known is not None and known is not definition:
             raise ConfigError(f"duplicate interrupt definition id {definition.id!r}")

@@ -82,6 +82,7 @@ from .._models._messages import MESSAGE_CLASSES, ToolCallPart, ToolSpec, Usage
 from .._tools import _stages
 from .._tools._results import ToolErrorType, ToolResult
 from .._tools._stages import Allow, Deny, StageDecision, StageRequest, ToolStages
+from .._util import safe_repr
 from ._capabilities import (
     Capability,
     Declared,
@@ -288,7 +289,7 @@ def define_chat_middleware(
             a list or tuple of `Capability` handles (the message names the entry).
     """
     if name is not None and not isinstance(name, str):
-        raise MiddlewareShapeError(f"define_chat_middleware: name must be a string, got {name!r}")
+        raise MiddlewareShapeError(f"define_chat_middleware: name must be a string, got {safe_repr(name)}")
     unknown = sorted(set(hooks) - set(HOOK_NAMES))
     if unknown:
         raise MiddlewareShapeError(
@@ -305,14 +306,20 @@ def define_chat_middleware(
         if fn is None:
             continue
         if not callable(fn):
-            raise MiddlewareShapeError(f"define_chat_middleware: hook {hook} is not callable: {fn!r}")
+            raise MiddlewareShapeError(f"define_chat_middleware: hook {hook} is not callable: {safe_repr(fn)}")
         setattr(middleware, hook, fn)
     return middleware
 
 
 def middleware_name(middleware: ChatMiddleware) -> str:
     name = middleware.name
-    return name if isinstance(name, str) and name else type(middleware).__name__
+    # Exactly a str: a subclass's own methods (its repr, in our messages) are the caller's code.
+    return str.__str__(name) if isinstance(name, str) and name else type(middleware).__name__
+
+
+def _key_text(key: object) -> str:
+    """A key a hook returned, for a message naming it: a string as it is, anything else its repr."""
+    return str.__str__(key) if isinstance(key, str) else safe_repr(key)
 
 
 def _hook(middleware: ChatMiddleware, hook: str) -> Callable[..., Any] | None:
@@ -323,7 +330,9 @@ def _hook(middleware: ChatMiddleware, hook: str) -> Callable[..., Any] | None:
     if getattr(value, "__func__", None) is getattr(ChatMiddleware, hook):
         return None
     if not callable(value):
-        raise MiddlewareShapeError(f"{hook} of middleware {middleware_name(middleware)!r} is not callable: {value!r}")
+        raise MiddlewareShapeError(
+            f"{hook} of middleware {middleware_name(middleware)!r} is not callable: {safe_repr(value)}"
+        )
     return cast("Callable[..., Any]", value)
 
 
@@ -350,9 +359,9 @@ def _merged_config(change: object, config: ModelConfig, label: str) -> ModelConf
         }
     elif not isinstance(change, Mapping):
         raise MiddlewareDecisionError(
-            "on_config", label, f"returned {change!r}; expected None, a partial dict or a ModelConfig"
+            "on_config", label, f"returned {safe_repr(change)}; expected None, a partial dict or a ModelConfig"
         )
-    unknown = sorted(str(key) for key in change if key not in _CONFIG_FIELDS)
+    unknown = sorted(_key_text(key) for key in change if key not in _CONFIG_FIELDS)
     if unknown:
         raise MiddlewareDecisionError(
             "on_config", label, f"returned unknown config keys {unknown}; valid keys: {sorted(_CONFIG_FIELDS)}"
@@ -365,20 +374,24 @@ def _merged_config(change: object, config: ModelConfig, label: str) -> ModelConf
         for index, message in enumerate(updates["messages"]):
             if not isinstance(message, _MESSAGE_TYPES):
                 raise MiddlewareDecisionError(
-                    "on_config", label, f"set messages[{index}] to {message!r}, which is not a Message"
+                    "on_config", label, f"set messages[{index}] to {safe_repr(message)}, which is not a Message"
                 )
     if "instructions" in updates and not isinstance(updates["instructions"], str):
-        raise MiddlewareDecisionError("on_config", label, f"set instructions to {updates['instructions']!r}, not a str")
+        raise MiddlewareDecisionError(
+            "on_config", label, f"set instructions to {safe_repr(updates['instructions'])}, not a str"
+        )
     for key in ("messages", "tools"):
         if key in updates and not isinstance(updates[key], (list, tuple)):
-            raise MiddlewareDecisionError("on_config", label, f"set {key} to {updates[key]!r}, not a list")
+            raise MiddlewareDecisionError("on_config", label, f"set {key} to {safe_repr(updates[key])}, not a list")
     for key in ("options", "metadata"):
         if key in updates and not isinstance(updates[key], Mapping):
-            raise MiddlewareDecisionError("on_config", label, f"set {key} to {updates[key]!r}, not a mapping")
+            raise MiddlewareDecisionError("on_config", label, f"set {key} to {safe_repr(updates[key])}, not a mapping")
     if "tools" in updates:
         tools = tuple(updates["tools"])
         if not all(isinstance(tool, ToolSpec) for tool in tools):
-            raise MiddlewareDecisionError("on_config", label, f"set tools to {tools!r}; each must be a ToolSpec")
+            raise MiddlewareDecisionError(
+                "on_config", label, f"set tools to {safe_repr(tools)}; each must be a ToolSpec"
+            )
         names = [tool.name for tool in tools]
         if len(set(names)) != len(names):
             raise MiddlewareDecisionError("on_config", label, f"set tools with duplicate names: {names}")
@@ -399,11 +412,11 @@ def _chunk_events(decision: object, event: RunEvent, label: str) -> Sequence[Run
         for item in decision:
             if not isinstance(item, _EVENT_TYPES):
                 raise MiddlewareDecisionError(
-                    "on_chunk", label, f"returned a list holding {item!r}, which is not a RunEvent"
+                    "on_chunk", label, f"returned a list holding {safe_repr(item)}, which is not a RunEvent"
                 )
         return cast("Sequence[RunEvent]", decision)
     raise MiddlewareDecisionError(
-        "on_chunk", label, f"returned {decision!r}; expected None, a RunEvent, a list of RunEvents or DROP"
+        "on_chunk", label, f"returned {safe_repr(decision)}; expected None, a RunEvent, a list of RunEvents or DROP"
     )
 
 
@@ -432,7 +445,9 @@ def _after_result(decision: object, current: ToolResult, label: str) -> ToolResu
         return None
     if isinstance(decision, ReplaceResult):
         return _replaced(current, decision.result)
-    raise MiddlewareDecisionError("on_after_tool_call", label, f"returned {decision!r}; expected None or ReplaceResult")
+    raise MiddlewareDecisionError(
+        "on_after_tool_call", label, f"returned {safe_repr(decision)}; expected None or ReplaceResult"
+    )
 
 
 # -- the adapter -------------------------------------------------------------------------
@@ -481,7 +496,8 @@ class _PartHooks(_Part):
         if not isinstance(requests, (list, tuple)) or not all(isinstance(r, InterruptRequest) for r in requests):
             raise MiddlewareDecisionError(
                 "on_interrupt_boundary", self.name,
-                f"returned {requests!r}; expected None or a list of InterruptRequest (definition.request(...))",
+                f"returned {safe_repr(requests)}; "
+                "expected None or a list of InterruptRequest (definition.request(...))",
             )  # fmt: skip
         return tuple(requests)
 
@@ -491,10 +507,10 @@ class _PartHooks(_Part):
             return None
         try:
             return ToolResume(answer)
-        except ValueError:
+        except Exception:  # the enum's own ValueError formats the value with %r, which may raise anything
             raise MiddlewareDecisionError(
                 "on_interrupt_resolution", self.name,
-                f"returned {answer!r}; expected None or ToolResume ('continue', 'cancel', 'stop')",
+                f"returned {safe_repr(answer)}; expected None or ToolResume ('continue', 'cancel', 'stop')",
             ) from None  # fmt: skip
 
     async def on_iteration(self, ctx: RunContext, iteration: int, message_id: str) -> None:
@@ -582,7 +598,7 @@ class _PartHooks(_Part):
         if decision is None or isinstance(decision, bool):
             return decision is not False
         raise MiddlewareDecisionError(
-            "on_should_continue", self.name, f"returned {decision!r}; expected True, False or None"
+            "on_should_continue", self.name, f"returned {safe_repr(decision)}; expected True, False or None"
         )
 
     async def on_model_error(self, ctx: RunContext, error: ModelError) -> bool:
@@ -613,7 +629,7 @@ def _before_decision(ctx: RunContext, decision: object, label: str) -> StageDeci
     if isinstance(decision, TransformArgs):
         if not isinstance(decision.args, dict):
             raise MiddlewareDecisionError(
-                "on_before_tool_call", label, f"returned TransformArgs with {decision.args!r}, not a dict"
+                "on_before_tool_call", label, f"returned TransformArgs with {safe_repr(decision.args)}, not a dict"
             )
         return Allow(input=decision.args)
     if isinstance(decision, Skip):
@@ -626,7 +642,7 @@ def _before_decision(ctx: RunContext, decision: object, label: str) -> StageDeci
     if isinstance(decision, AbortRun):
         return _abort_call(ctx, decision.reason)
     raise MiddlewareDecisionError(
-        "on_before_tool_call", label, f"returned {decision!r}; expected None, TransformArgs, Skip or AbortRun"
+        "on_before_tool_call", label, f"returned {safe_repr(decision)}; expected None, TransformArgs, Skip or AbortRun"
     )
 
 
@@ -638,7 +654,7 @@ def _guard_decision(ctx: RunContext, decision: object, label: str) -> StageDecis
     if isinstance(decision, AbortRun):
         return _abort_call(ctx, decision.reason)
     raise MiddlewareDecisionError(
-        "on_guard_tool_call", label, f"returned {decision!r}; expected None, Refuse or AbortRun"
+        "on_guard_tool_call", label, f"returned {safe_repr(decision)}; expected None, Refuse or AbortRun"
     )
 
 
@@ -699,12 +715,12 @@ class _CheckProvided(Lifecycle):
 
 def _checked(middleware: object, where: str) -> Sequence[ChatMiddleware]:
     if not isinstance(middleware, (list, tuple)):
-        raise MiddlewareShapeError(f"{where}: middleware must be a list of ChatMiddleware, got {middleware!r}")
+        raise MiddlewareShapeError(f"{where}: middleware must be a list of ChatMiddleware, got {safe_repr(middleware)}")
     for index, item in enumerate(middleware):
         if not isinstance(item, ChatMiddleware):
             raise MiddlewareShapeError(
                 f"{where}: middleware #{index} is not a ChatMiddleware "
-                f"(subclass it or use define_chat_middleware): {item!r}"
+                f"(subclass it or use define_chat_middleware): {safe_repr(item)}"
             )
     return middleware
 
@@ -741,7 +757,7 @@ def output_schema_validator(schema: object) -> jsonschema_rs.Validator:
     """*schema* (an output schema: a JSON Schema object) compiled, or `ValueError` saying in one
     line why it is not one."""
     if not isinstance(schema, Mapping):
-        raise ValueError(f"an output schema is a JSON Schema object (a mapping), not {schema!r}")
+        raise ValueError(f"an output schema is a JSON Schema object (a mapping), not {safe_repr(schema)}")
     try:
         return jsonschema_rs.Draft202012Validator(dict(schema), offline=True)
     except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError, TypeError) as exc:
@@ -755,19 +771,21 @@ def _structured_change(change: Mapping[str, Any], current: Mapping[str, Any], la
     # What it kept as it was needs no check (the history itself is a view, not a list).
     change = {key: value for key, value in change.items() if value is not current[key]}
     if "instructions" in change and not isinstance(change["instructions"], str):
-        raise MiddlewareDecisionError(hook, label, f"set instructions to {change['instructions']!r}, not a str")
+        raise MiddlewareDecisionError(
+            hook, label, f"set instructions to {safe_repr(change['instructions'])}, not a str"
+        )
     if "messages" in change:
         messages = change["messages"]
         if not isinstance(messages, (list, tuple)):
-            raise MiddlewareDecisionError(hook, label, f"set messages to {messages!r}, not a list")
+            raise MiddlewareDecisionError(hook, label, f"set messages to {safe_repr(messages)}, not a list")
         for index, message in enumerate(messages):
             if not isinstance(message, _MESSAGE_TYPES):
                 raise MiddlewareDecisionError(
-                    hook, label, f"set messages[{index}] to {message!r}, which is not a Message"
+                    hook, label, f"set messages[{index}] to {safe_repr(message)}, which is not a Message"
                 )
     for key in ("options", "metadata"):
         if key in change and not isinstance(change[key], Mapping):
-            raise MiddlewareDecisionError(hook, label, f"set {key} to {change[key]!r}, not a mapping")
+            raise MiddlewareDecisionError(hook, label, f"set {key} to {safe_repr(change[key])}, not a mapping")
     if "output_schema" in change:
         try:
             output_schema_validator(change["output_schema"])
@@ -796,9 +814,9 @@ async def apply_structured_output_config(
         label = middleware_name(item)
         if not isinstance(change, Mapping):
             raise MiddlewareDecisionError(
-                "on_structured_output_config", label, f"returned {change!r}; expected None or a partial dict"
+                "on_structured_output_config", label, f"returned {safe_repr(change)}; expected None or a partial dict"
             )
-        unknown = sorted(str(key) for key in change if key not in current)
+        unknown = sorted(_key_text(key) for key in change if key not in current)
         if unknown:
             raise MiddlewareDecisionError(
                 "on_structured_output_config", label, f"returned unknown keys {unknown}; valid: {sorted(current)}"

@@ -55,6 +55,7 @@ from .._json import json_problem
 from .._models._messages import FinishReason, Message, ToolCallPart
 from .._tools._definition import input_errors
 from .._tools._results import JsonObject, ToolErrorType, ToolResult
+from .._util import safe_repr
 from ._rules import LoopState, Phase
 
 __all__ = [
@@ -120,7 +121,7 @@ def _compile(schema: Mapping[str, Any] | None, what: str) -> jsonschema_rs.Valid
     if schema is None:
         return None
     if not isinstance(schema, Mapping):
-        raise ConfigError(f"{what} must be a JSON Schema object, got {schema!r}")
+        raise ConfigError(f"{what} must be a JSON Schema object, got {safe_repr(schema)}")
     try:
         return jsonschema_rs.Draft202012Validator(dict(schema), offline=True)
     except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as exc:
@@ -163,7 +164,7 @@ class InterruptDefinition:
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id.strip():
-            raise ConfigError(f"an interrupt definition needs a non-empty id, got {self.id!r}")
+            raise ConfigError(f"an interrupt definition needs a non-empty id, got {safe_repr(self.id)}")
         if self.payload_schema is None and self.response_schema is None:
             raise ConfigError(f"interrupt {self.id!r}: give a payload_schema, a response_schema or both")
         object.__setattr__(self, "_payload", _compile(self.payload_schema, f"interrupt {self.id!r} payload_schema"))
@@ -172,9 +173,9 @@ class InterruptDefinition:
     def request(self, key: str, message: str, *, reason: str = "", payload: Any = None) -> InterruptRequest:
         """A question of this kind; *payload* is checked against ``payload_schema`` now."""
         if not isinstance(key, str) or not key:
-            raise ConfigError(f"interrupt {self.id!r}: key must be a non-empty string, got {key!r}")
+            raise ConfigError(f"interrupt {self.id!r}: key must be a non-empty string, got {safe_repr(key)}")
         if not isinstance(message, str):
-            raise ConfigError(f"interrupt {self.id!r}: message must be a string, got {message!r}")
+            raise ConfigError(f"interrupt {self.id!r}: message must be a string, got {safe_repr(message)}")
         if payload is not None:
             if self._payload is None:
                 raise ConfigError(f"interrupt {self.id!r} has no payload_schema: it takes no payload")
@@ -218,7 +219,7 @@ class ClientTool:
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
-            raise ConfigError(f"a client tool needs a non-empty name, got {self.name!r}")
+            raise ConfigError(f"a client tool needs a non-empty name, got {safe_repr(self.name)}")
         object.__setattr__(self, "_input", _compile(self.input_schema, f"client tool {self.name!r} input_schema"))
         object.__setattr__(self, "_output", _compile(self.output_schema, f"client tool {self.name!r} output_schema"))
 
@@ -412,7 +413,7 @@ def validate_answers(
     for index, answer in enumerate(answers):
         if not isinstance(answer, (Approve, Reject, Respond, Cancel)):
             issues.append(InterruptIssue(None, "wrong_answer", f"answer #{index} is not Approve, Reject, Respond "
-                                         f"or Cancel: {answer!r}"))  # fmt: skip
+                                         f"or Cancel: {safe_repr(answer)}"))  # fmt: skip
             continue
         interrupt = pause.interrupt(answer.interrupt_id)
         if interrupt is None:

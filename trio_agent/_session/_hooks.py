@@ -48,6 +48,7 @@ from .._loop._rules import model_text
 from .._tools._context import ExecutionContext
 from .._tools._results import JsonObject, ToolError, ToolErrorType, ToolResult, describe, json_copy
 from .._tools._stages import Allow, Deny, PostStage, Stage, StageRequest
+from .._util import instance_of, safe_repr
 
 __all__ = [
     "DEFAULT_HOOK_DEADLINE",
@@ -131,7 +132,7 @@ class HookAction(enum.Enum):
 
 
 def _optional(kind: type | tuple[type, ...]) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    return attrs.validators.optional(attrs.validators.instance_of(kind))
+    return attrs.validators.optional(instance_of(kind))
 
 
 def _mapping_copy(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -159,9 +160,9 @@ class HookInput:
     event's deadline.
     """
 
-    event: HookEvent = attrs.field(validator=attrs.validators.instance_of(HookEvent))
-    session_id: str = attrs.field(validator=attrs.validators.instance_of(str))
-    agent_id: str = attrs.field(default="root", validator=attrs.validators.instance_of(str))
+    event: HookEvent = attrs.field(validator=instance_of(HookEvent))
+    session_id: str = attrs.field(validator=instance_of(str))
+    agent_id: str = attrs.field(default="root", validator=instance_of(str))
     tool_name: str | None = attrs.field(default=None, validator=_optional(str))
     tool_call_id: str | None = attrs.field(default=None, validator=_optional(str))
     tool_input: JsonObject | None = attrs.field(default=None, validator=_optional(dict))
@@ -203,7 +204,7 @@ _EVENT_SPECIFIC = (
 def _is_event(expected: HookEvent) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value is not expected:
-            raise TypeError(f"{type(instance).__name__} is the input of {expected.title}, not of {value!r}")
+            raise TypeError(f"{type(instance).__name__} is the input of {expected.title}, not of {safe_repr(value)}")
 
     return check
 
@@ -224,7 +225,7 @@ class UserPromptSubmitInput(HookInput):
     event: HookEvent = attrs.field(
         default=HookEvent.USER_PROMPT_SUBMIT, kw_only=True, validator=_is_event(HookEvent.USER_PROMPT_SUBMIT)
     )
-    prompt: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+    prompt: str = attrs.field(kw_only=True, validator=instance_of(str))
 
     @property
     def user_prompt(self) -> str:
@@ -239,8 +240,8 @@ class PreToolUseInput(HookInput):
     event: HookEvent = attrs.field(
         default=HookEvent.PRE_TOOL_USE, kw_only=True, validator=_is_event(HookEvent.PRE_TOOL_USE)
     )
-    tool_name: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
-    tool_input: JsonObject = attrs.field(kw_only=True, validator=attrs.validators.instance_of(dict))
+    tool_name: str = attrs.field(kw_only=True, validator=instance_of(str))
+    tool_input: JsonObject = attrs.field(kw_only=True, validator=instance_of(dict))
 
 
 @attrs.frozen
@@ -250,8 +251,8 @@ class PermissionRequestInput(HookInput):
     event: HookEvent = attrs.field(
         default=HookEvent.PERMISSION_REQUEST, kw_only=True, validator=_is_event(HookEvent.PERMISSION_REQUEST)
     )
-    tool_name: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
-    tool_input: JsonObject = attrs.field(kw_only=True, validator=attrs.validators.instance_of(dict))
+    tool_name: str = attrs.field(kw_only=True, validator=instance_of(str))
+    tool_input: JsonObject = attrs.field(kw_only=True, validator=instance_of(dict))
 
 
 @attrs.frozen
@@ -261,9 +262,9 @@ class PostToolUseInput(HookInput):
     event: HookEvent = attrs.field(
         default=HookEvent.POST_TOOL_USE, kw_only=True, validator=_is_event(HookEvent.POST_TOOL_USE)
     )
-    tool_name: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
-    tool_input: JsonObject = attrs.field(kw_only=True, validator=attrs.validators.instance_of(dict))
-    tool_result: ToolResult = attrs.field(kw_only=True, validator=attrs.validators.instance_of(ToolResult))
+    tool_name: str = attrs.field(kw_only=True, validator=instance_of(str))
+    tool_input: JsonObject = attrs.field(kw_only=True, validator=instance_of(dict))
+    tool_result: ToolResult = attrs.field(kw_only=True, validator=instance_of(ToolResult))
 
 
 @attrs.frozen
@@ -273,10 +274,10 @@ class PostToolUseFailureInput(HookInput):
     event: HookEvent = attrs.field(
         default=HookEvent.POST_TOOL_USE_FAILURE, kw_only=True, validator=_is_event(HookEvent.POST_TOOL_USE_FAILURE)
     )
-    tool_name: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
-    tool_input: JsonObject = attrs.field(kw_only=True, validator=attrs.validators.instance_of(dict))
-    tool_result: ToolResult = attrs.field(kw_only=True, validator=attrs.validators.instance_of(ToolResult))
-    error: ToolError = attrs.field(kw_only=True, validator=attrs.validators.instance_of(ToolError))
+    tool_name: str = attrs.field(kw_only=True, validator=instance_of(str))
+    tool_input: JsonObject = attrs.field(kw_only=True, validator=instance_of(dict))
+    tool_result: ToolResult = attrs.field(kw_only=True, validator=instance_of(ToolResult))
+    error: ToolError = attrs.field(kw_only=True, validator=instance_of(ToolError))
 
 
 @attrs.frozen
@@ -286,9 +287,9 @@ class SubagentStartInput(HookInput):
     event: HookEvent = attrs.field(
         default=HookEvent.SUBAGENT_START, kw_only=True, validator=_is_event(HookEvent.SUBAGENT_START)
     )
-    subagent_id: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
-    subagent_type: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
-    prompt: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+    subagent_id: str = attrs.field(kw_only=True, validator=instance_of(str))
+    subagent_type: str = attrs.field(kw_only=True, validator=instance_of(str))
+    prompt: str = attrs.field(kw_only=True, validator=instance_of(str))
 
 
 @attrs.frozen
@@ -298,8 +299,8 @@ class SubagentStopInput(HookInput):
     event: HookEvent = attrs.field(
         default=HookEvent.SUBAGENT_STOP, kw_only=True, validator=_is_event(HookEvent.SUBAGENT_STOP)
     )
-    subagent_id: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
-    subagent_type: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+    subagent_id: str = attrs.field(kw_only=True, validator=instance_of(str))
+    subagent_type: str = attrs.field(kw_only=True, validator=instance_of(str))
 
 
 @attrs.frozen
@@ -316,7 +317,7 @@ class SessionEndInput(HookInput):
     event: HookEvent = attrs.field(
         default=HookEvent.SESSION_END, kw_only=True, validator=_is_event(HookEvent.SESSION_END)
     )
-    reason: str = attrs.field(kw_only=True, validator=attrs.validators.instance_of(str))
+    reason: str = attrs.field(kw_only=True, validator=instance_of(str))
 
 
 HOOK_INPUT_CLASSES: Mapping[HookEvent, type[HookInput]] = MappingProxyType(
@@ -372,8 +373,8 @@ def _action(value: object) -> HookAction:
         return value
     try:
         return HookAction(value)
-    except ValueError:
-        raise ValueError(f"action must be 'continue', 'skip' or 'abort', got {value!r}") from None
+    except Exception:  # the enum's own ValueError formats the value with %r, which may raise anything
+        raise ValueError(f"action must be 'continue', 'skip' or 'abort', got {safe_repr(value)}") from None
 
 
 @attrs.frozen
@@ -483,7 +484,7 @@ class HookDecision:
 def _callable_name(callback: object) -> str:
     name = getattr(callback, "__qualname__", None)
     if isinstance(name, str):
-        return name
+        return str.__str__(name)  # exactly a str: it is formatted with !r in messages
     if isinstance(callback, functools.partial):
         return f"partial({_callable_name(callback.func)})"
     return type(callback).__name__
@@ -491,7 +492,7 @@ def _callable_name(callback: object) -> str:
 
 def _check_callback(callback: object, *, where: str) -> None:
     if not callable(callback):
-        raise ConfigError(f"{where} is not callable: got {type(callback).__name__} {callback!r}")
+        raise ConfigError(f"{where} is not callable: got {type(callback).__name__} {safe_repr(callback)}")
     target: object = callback
     while isinstance(target, functools.partial):
         target = target.func
@@ -535,18 +536,18 @@ class HookRegistry:
         self, hooks: Mapping[HookEvent, Sequence[HookCallback]] | None = None, *, source: str = "session"
     ) -> None:
         if not isinstance(source, str) or not source:
-            raise ConfigError(f"hook source must be a non-empty string, got {source!r}")
+            raise ConfigError(f"hook source must be a non-empty string, got {safe_repr(source)}")
         table: dict[HookEvent, tuple[RegisteredHook, ...]] = {}
         if hooks is not None:
             if not isinstance(hooks, Mapping):
-                raise ConfigError(f"{source} hooks must be a mapping of HookEvent to callbacks, got {hooks!r}")
+                raise ConfigError(f"{source} hooks must be a mapping of HookEvent to callbacks, got {safe_repr(hooks)}")
             for event, callbacks in hooks.items():
                 if not isinstance(event, HookEvent):
                     hint = ""
                     if isinstance(event, str):
                         with contextlib.suppress(ValueError):
                             hint = f" (did you mean HookEvent.{HookEvent(event).name}?)"
-                    raise ConfigError(f"{source} hooks: key {event!r} is not a HookEvent{hint}")
+                    raise ConfigError(f"{source} hooks: key {safe_repr(event)} is not a HookEvent{hint}")
                 if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Sequence):
                     raise ConfigError(
                         f"{source} hooks[{event.name}] must be a sequence of callbacks, got {type(callbacks).__name__}"
@@ -565,7 +566,7 @@ class HookRegistry:
         table: dict[HookEvent, list[RegisteredHook]] = {}
         for registry in registries:
             if not isinstance(registry, HookRegistry):
-                raise ConfigError(f"expected a HookRegistry, got {registry!r}")
+                raise ConfigError(f"expected a HookRegistry, got {safe_repr(registry)}")
             for event, entries in registry._hooks.items():
                 table.setdefault(event, []).extend(entries)
         combined = cls()
@@ -642,7 +643,7 @@ def _checked(event: HookEvent, hook: RegisteredHook, value: object) -> HookOutpu
         )
 
     if not isinstance(value, HookOutput):
-        raise bad(f"returned {type(value).__name__} {value!r:.200}, expected HookOutput or None")
+        raise bad(f"returned {type(value).__name__} {safe_repr(value)}, expected HookOutput or None")
     kind = _INPUT_KIND.get(event, _InputKind.NONE)
     modified = value.modified_input
     if modified is not None:
@@ -653,7 +654,7 @@ def _checked(event: HookEvent, hook: RegisteredHook, value: object) -> HookOutpu
                 keys = set(modified)
                 if len(keys) != 1 or not keys <= _PROMPT_KEYS or not isinstance(next(iter(modified.values())), str):
                     raise bad(
-                        f"returned modified_input {modified!r:.200}; expected a string, "
+                        f"returned modified_input {safe_repr(modified)}; expected a string, "
                         "{'prompt': str} or {'userPrompt': str}"
                     )
                 modified = {"prompt": next(iter(modified.values()))}
@@ -664,7 +665,7 @@ def _checked(event: HookEvent, hook: RegisteredHook, value: object) -> HookOutpu
                 raise bad("returned an empty prompt; to keep the prompt from the model, return HookOutput.skip()")
         else:
             if not isinstance(modified, dict) or not all(isinstance(key, str) for key in modified):
-                raise bad(f"returned modified_input {modified!r:.200}; expected a JSON object (dict with str keys)")
+                raise bad(f"returned modified_input {safe_repr(modified)}; expected a JSON object (dict with str keys)")
             problem = json_problem(modified, "modified_input")
             if problem is not None:  # the tool's input is journalled: JSON all the way down
                 raise bad(f"returned a modified_input that is not JSON: {problem}")
@@ -713,14 +714,16 @@ class HookRunner:
 
     def __init__(self, registry: HookRegistry, *, deadlines: Mapping[HookEvent, float] | None = None) -> None:
         if not isinstance(registry, HookRegistry):
-            raise ConfigError(f"registry must be a HookRegistry, got {registry!r}")
+            raise ConfigError(f"registry must be a HookRegistry, got {safe_repr(registry)}")
         table = dict(DEFAULT_HOOK_DEADLINES)
         if deadlines is not None:
             if not isinstance(deadlines, Mapping):
-                raise ConfigError(f"hook deadlines must be a mapping of HookEvent to seconds, got {deadlines!r}")
+                raise ConfigError(
+                    f"hook deadlines must be a mapping of HookEvent to seconds, got {safe_repr(deadlines)}"
+                )
             for event, seconds in deadlines.items():
                 if not isinstance(event, HookEvent):
-                    raise ConfigError(f"hook deadlines: key {event!r} is not a HookEvent")
+                    raise ConfigError(f"hook deadlines: key {safe_repr(event)} is not a HookEvent")
                 table[event] = validate_timeout(seconds, name=f"{event.title} hook deadline")
         self.registry = registry
         self.deadlines: Mapping[HookEvent, float] = MappingProxyType(table)
@@ -748,9 +751,9 @@ class HookRunner:
             LeaseLostError: raised by a callback, propagates unchanged.
         """
         if not isinstance(event, HookEvent):
-            raise ConfigError(f"event must be a HookEvent, got {event!r}")
+            raise ConfigError(f"event must be a HookEvent, got {safe_repr(event)}")
         if not isinstance(input, HookInput) or input.event is not event:
-            raise ConfigError(f"dispatch({event.title}) needs a HookInput of that event, got {input!r:.200}")
+            raise ConfigError(f"dispatch({event.title}) needs a HookInput of that event, got {safe_repr(input)}")
         hooks = self.registry.for_event(event)
         if not hooks:
             return HookDecision(event)
@@ -865,7 +868,7 @@ def pre_tool_stage(runner: HookRunner) -> Stage:
       (``hook_timeout``): ``Deny`` (``execution``), the model sees why; the tool does not run.
     """
     if not isinstance(runner, HookRunner):
-        raise ConfigError(f"pre_tool_stage needs a HookRunner, got {runner!r}")
+        raise ConfigError(f"pre_tool_stage needs a HookRunner, got {safe_repr(runner)}")
     event = HookEvent.PRE_TOOL_USE
 
     async def pre_tool_use(request: StageRequest) -> Allow | Deny | None:
@@ -927,7 +930,7 @@ def post_tool_stage(runner: HookRunner) -> PostStage:
     hooks exist, or their context never reaches the result.
     """
     if not isinstance(runner, HookRunner):
-        raise ConfigError(f"post_tool_stage needs a HookRunner, got {runner!r}")
+        raise ConfigError(f"post_tool_stage needs a HookRunner, got {safe_repr(runner)}")
 
     async def post_tool_use(request: StageRequest, result: ToolResult) -> ToolResult | None:
         pre_context = runner._take_context(request.context)

@@ -29,6 +29,7 @@ import trio
 from .._abort import Abort, AbortReason
 from .._errors import SettlementError
 from .._groups import leaves
+from .._util import safe_repr
 from ._context import Emit, ExecutionContext, _SlotHolder
 from ._definition import Tool
 from ._journal import ScheduledCall, SettlementStatus
@@ -286,7 +287,7 @@ class _Call:
             if self.on_item is not None:
                 await self.on_item(item)
         else:
-            raise TypeError(f"emit() takes Progress, ToolMessage or Effect items, got {item!r}")
+            raise TypeError(f"emit() takes Progress, ToolMessage or Effect items, got {safe_repr(item)}")
 
 
 # -- what an outcome becomes ------------------------------------------------

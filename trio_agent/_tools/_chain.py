@@ -34,6 +34,7 @@ from .._middleware import (
     check_middleware_shape,
     compose_middleware,
 )
+from .._util import callable_name
 from ._call import _Call
 from ._context import Emit, ToolMiddlewareRequest, _inherit_emit
 from ._results import ToolErrorType, ToolResult
@@ -60,13 +61,11 @@ def _check_tool_middleware(layer: object, index: int) -> None:
     target = layer if inspect.isroutine(layer) or isinstance(layer, functools.partial) else type(layer).__call__
     if inspect.isasyncgenfunction(target):
         raise MiddlewareShapeError(
-            f"{what} ({getattr(layer, '__qualname__', layer)}) is an async generator; tool middleware is "
+            f"{what} ({callable_name(layer)}) is an async generator; tool middleware is "
             "`async def mw(request, call_next) -> ToolResult` and transforms items by passing emit= to call_next"
         )
     if not inspect.iscoroutinefunction(target):
-        raise MiddlewareShapeError(
-            f"{what} ({getattr(layer, '__qualname__', layer)}) must be an `async def mw(request, call_next)`"
-        )
+        raise MiddlewareShapeError(f"{what} ({callable_name(layer)}) must be an `async def mw(request, call_next)`")
 
 
 class ToolLayers(CheckedLayers):

@@ -19,6 +19,7 @@ import jsonschema_rs
 
 from .._errors import ToolBehaviorError, ToolDefinitionError, ToolInputError
 from .._json import is_json, json_problem
+from .._util import callable_name, safe_repr
 from ._results import JsonObject, ToolResult, describe
 from ._schema import default_signature_field, inline_top_ref, input_converter, is_input_class, schema_for_class
 
@@ -136,9 +137,9 @@ def _enum_value(enum_type: type[enum.Enum], value: object, *, where: str) -> Any
         return value
     try:
         return enum_type(value)
-    except ValueError:
+    except Exception:  # the enum's own ValueError formats the value with %r, which may raise anything
         allowed = ", ".join(repr(member.value) for member in enum_type)
-        raise ToolDefinitionError(f"{where}: {value!r} is not one of {allowed}") from None
+        raise ToolDefinitionError(f"{where}: {safe_repr(value)} is not one of {allowed}") from None
 
 
 def input_errors(validator: jsonschema_rs.Validator, value: object) -> tuple[str, ...]:
@@ -315,7 +316,7 @@ class Tool(Generic[In]):
         if content is None:
             return None
         if not isinstance(content, str):
-            raise TypeError(f"signature content must be a string or None, got {content!r}")
+            raise TypeError(f"signature content must be a string or None, got {safe_repr(content)}")
         return content or None
 
     def _valid(self, value: object, json_checked: bool = False) -> bool:
@@ -395,7 +396,8 @@ class Tool(Generic[In]):
             return self._static
         if not isinstance(override, BehaviorOverride):
             raise ToolBehaviorError(
-                f"tool {self.name!r}: behaviour resolver must return BehaviorOverride or None, got {override!r}"
+                f"tool {self.name!r}: behaviour resolver must return BehaviorOverride or None, "
+                f"got {safe_repr(override)}"
             )
         static = self._static
         side_effect = self._resolved("side_effect", static.side_effect, override.side_effect, SideEffect, narrow=True)
@@ -409,7 +411,9 @@ class Tool(Generic[In]):
         if resolved is None:
             return static
         if not isinstance(resolved, expected):
-            raise ToolBehaviorError(f"tool {self.name!r}: resolved {field} {resolved!r} is not a {expected.__name__}")
+            raise ToolBehaviorError(
+                f"tool {self.name!r}: resolved {field} {safe_repr(resolved)} is not a {expected.__name__}"
+            )
         if narrow and resolved.rank > static.rank:  # type: ignore[attr-defined]
             raise ToolBehaviorError(
                 f"tool {self.name!r}: resolver widened {field} from {static.value!r} "  # type: ignore[attr-defined]
@@ -578,12 +582,12 @@ def _build_tool(
     check_permissions: PermissionCheckFn | None = None,
 ) -> Tool[Any]:
     if not callable(run):
-        raise ToolDefinitionError(f"tool run must be an async function, got {run!r}")
+        raise ToolDefinitionError(f"tool run must be an async function, got {safe_repr(run)}")
     function = _unwrap_partial(run)  # a partial is named and described by the function it wraps
     tool_name = name if name is not None else getattr(function, "__name__", None)
     if not isinstance(tool_name, str) or not _NAME.fullmatch(tool_name):
         raise ToolDefinitionError(
-            f"invalid tool name {tool_name!r}: must be 1-64 characters of letters, digits, '_' or '-'"
+            f"invalid tool name {safe_repr(tool_name)}: must be 1-64 characters of letters, digits, '_' or '-'"
         )
     if not inspect.iscoroutinefunction(run) and not inspect.iscoroutinefunction(type(run).__call__):
         raise ToolDefinitionError(f"tool {tool_name!r}: run must be an `async def run(input, ctx)` function")
@@ -630,7 +634,8 @@ def _build_tool(
         schema = copy.deepcopy(input_schema)
     if schema.get("type") != "object":
         raise ToolDefinitionError(
-            f'tool {tool_name!r}: input_schema must describe an object ("type": "object"), got {schema.get("type")!r}'
+            f'tool {tool_name!r}: input_schema must describe an object ("type": "object"), '
+            f"got {safe_repr(schema.get('type'))}"
         )
     if reconcile is not None and effect is not SideEffect.NON_IDEMPOTENT:
         raise ToolDefinitionError(
@@ -644,7 +649,7 @@ def _build_tool(
         ("check_permissions", check_permissions),
     ):
         if fn is not None and not callable(fn):
-            raise ToolDefinitionError(f"tool {tool_name!r}: {label} must be callable, got {fn!r}")
+            raise ToolDefinitionError(f"tool {tool_name!r}: {label} must be callable, got {safe_repr(fn)}")
     if timeout is not None:
         from .._config import validate_timeout
 
@@ -697,7 +702,7 @@ def _signature_input(run: RunFn, tool_name: str) -> tuple[type, RunFn]:
         hints = typing.get_type_hints(_annotated_function(run))
     except Exception as exc:
         raise ToolDefinitionError(
-            f"tool {tool_name!r}: cannot resolve the annotations of its parameters ({exc!r})"
+            f"tool {tool_name!r}: cannot resolve the annotations of its parameters ({describe(exc, 'repr')})"
         ) from None
     fields: dict[str, Any] = {}
     context: str | None = None  # the name of the parameter that takes the context, if any
@@ -876,7 +881,7 @@ def _annotated_input_type(run: RunFn) -> type | None:
         except Exception as exc:
             raise ToolDefinitionError(
                 f"cannot resolve the annotation {parameters[0].annotation!r} of "
-                f"{getattr(run, '__qualname__', run)}'s first parameter ({exc!r}); define the input class "
+                f"{callable_name(run)}'s first parameter ({describe(exc, 'repr')}); define the input class "
                 "at module level or pass input_type="
             ) from None
     if is_input_class(annotation) or _is_pydantic_model(annotation):

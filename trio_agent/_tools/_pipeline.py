@@ -52,6 +52,7 @@ from .._errors import (
 from .._groups import cancelled_around, contains_cancelled, is_cancellation, typed_error
 from .._json import is_json, json_problem
 from .._middleware import Composed
+from .._util import safe_repr
 from ._call import (
     FaultCode,
     MiddlewareFault,
@@ -264,7 +265,7 @@ class ToolPipeline:
         registry: dict[str, Tool[Any]] = {}
         for tool in tools:
             if not isinstance(tool, Tool):
-                raise ToolDefinitionError(f"expected a Tool (see define_tool), got {tool!r}")
+                raise ToolDefinitionError(f"expected a Tool (see define_tool), got {safe_repr(tool)}")
             if tool.name in registry:
                 raise ToolDefinitionError(f"duplicate tool name {tool.name!r}; nothing is silently replaced")
             registry[tool.name] = tool
@@ -312,7 +313,7 @@ class ToolPipeline:
         self.unwind_grace = unwind_grace
         self.settle_grace = settle_grace
         if isinstance(history_limit, bool) or not isinstance(history_limit, int) or history_limit < 0:
-            raise ConfigError(f"history_limit must be a whole number >= 0, got {history_limit!r}")
+            raise ConfigError(f"history_limit must be a whole number >= 0, got {safe_repr(history_limit)}")
         self.workspace = workspace
         self.session_key = session_key
         # No history kept: one shared empty deque (appending to it keeps nothing), not ~600 bytes each.
@@ -1034,7 +1035,7 @@ class ToolPipeline:
                 continue
             if not isinstance(replaced, ToolResult):
                 replaced = _post_stage_failed(
-                    callback, f"returned {replaced!r}, expected a ToolResult or None", state, result
+                    callback, f"returned {safe_repr(replaced)}, expected a ToolResult or None", state, result
                 )
             if replaced.error is not None or result.ok:
                 if result_problem(replaced) is not None:

@@ -11,6 +11,7 @@ import cattrs
 
 from .._builders import constructor
 from .._json import is_json, json_problem
+from .._util import instance_of, safe_repr
 
 __all__ = [
     "Effect",
@@ -94,7 +95,7 @@ class ToolErrorType(enum.Enum):
 class ToolError:
     """Why a tool call failed. ``code`` is a stable machine-readable detail (e.g. ``"steering"``)."""
 
-    type: ToolErrorType = attrs.field(validator=attrs.validators.instance_of(ToolErrorType))
+    type: ToolErrorType = attrs.field(validator=instance_of(ToolErrorType))
     message: str
     code: str | None = None
     details: Mapping[str, Any] | None = None
@@ -203,7 +204,7 @@ def result_problem(result: ToolResult) -> str | None:
     try:
         stored = result_to_json(result)
     except Exception as exc:  # the converter cannot take it apart
-        return f"result cannot be converted to JSON: {exc!r}"
+        return f"result cannot be converted to JSON: {describe(exc, 'repr')}"
     return json_problem(stored, "result")
 
 
@@ -245,9 +246,9 @@ def _error_type(value: object, what: str = "ToolFailure", error: type[ValueError
         return value
     try:
         return ToolErrorType(value)
-    except (ValueError, TypeError):
+    except Exception:  # the enum's own ValueError formats the value with %r, which may raise anything
         allowed = ", ".join(repr(member.value) for member in ToolErrorType)
-        raise error(f"{what} type {value!r} is not a ToolErrorType (one of {allowed})") from None
+        raise error(f"{what} type {safe_repr(value)} is not a ToolErrorType (one of {allowed})") from None
 
 
 class ToolFailure(Exception):

@@ -24,6 +24,7 @@ from cattrs.disambiguators import create_default_dis_func
 
 from .._errors import ToolDefinitionError
 from .._json import is_json
+from .._util import safe_repr
 
 __all__ = [
     "SIGNATURE_FIELDS",
@@ -113,7 +114,7 @@ def schema_for_class(cls: type) -> dict[str, Any]:
     properties are rejected (``additionalProperties: false``).
     """
     if not is_input_class(cls):
-        raise ToolDefinitionError(f"input type {cls!r} is not an attrs class or a dataclass")
+        raise ToolDefinitionError(f"input type {safe_repr(cls)} is not an attrs class or a dataclass")
     schema = _object_schema(cls, seen=())
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     return schema
@@ -204,10 +205,10 @@ def _type_schema(annotation: Any, seen: tuple[type, ...], where: str) -> dict[st
         return schema
     if origin in (dict, Mapping, typing.Mapping) or annotation is dict:
         if args and args[0] is not str:
-            raise ToolDefinitionError(f"{where}: JSON object keys must be str, got {args[0]!r}")
+            raise ToolDefinitionError(f"{where}: JSON object keys must be str, got {safe_repr(args[0])}")
         values = _type_schema(args[1], seen, where) if args else {}
         return {"type": "object", "additionalProperties": values}
-    raise ToolDefinitionError(f"{where}: cannot express type {annotation!r} in JSON Schema")
+    raise ToolDefinitionError(f"{where}: cannot express type {safe_repr(annotation)} in JSON Schema")
 
 
 # -- structuring -------------------------------------------------------------------
@@ -238,8 +239,8 @@ def _enum_values(annotation: Any, values: tuple[Any, ...], where: str) -> list[A
     for value in values:
         if type(value) not in _SCALAR_KINDS or not is_json(value):
             raise ToolDefinitionError(
-                f"{where}: {annotation!r} has the value {value!r} ({type(value).__name__}); the values of a "
-                "Literal or an Enum must be JSON scalars (None, bool, int, float, str)"
+                f"{where}: {safe_repr(annotation)} has the value {safe_repr(value)} ({type(value).__name__}); "
+                "the values of a Literal or an Enum must be JSON scalars (None, bool, int, float, str)"
             )
     return list(values)
 
@@ -260,7 +261,7 @@ def _member_kinds(member: Any, where: str) -> tuple[str, ...]:
         return ("object",)
     if origin in (list, tuple, set, frozenset, Sequence, typing.Sequence) or member in (list, tuple):
         return ("array",)
-    raise ToolDefinitionError(f"{where}: cannot express type {member!r} in JSON Schema")
+    raise ToolDefinitionError(f"{where}: cannot express type {safe_repr(member)} in JSON Schema")
 
 
 def union_members(union: Any, *, where: str) -> tuple[dict[str, Any], bool]:
@@ -289,13 +290,13 @@ def union_members(union: Any, *, where: str) -> tuple[dict[str, Any], bool]:
                 create_default_dis_func(input_converter, *found)
             except Exception as exc:
                 raise ToolDefinitionError(
-                    f"{where}: the input classes of {union!r} cannot be told apart: {exc}"
+                    f"{where}: the input classes of {safe_repr(union)} cannot be told apart: {exc}"
                 ) from None
             members[kind] = Union[tuple(found)]  # noqa: UP007 (built from a tuple)
         else:
-            names = " and ".join(repr(member) for member in found)
+            names = " and ".join(safe_repr(member) for member in found)
             raise ToolDefinitionError(
-                f"{where}: in {union!r}, a JSON {kind} could be {names}; the input cannot say which "
+                f"{where}: in {safe_repr(union)}, a JSON {kind} could be {names}; the input cannot say which "
                 "(give input_schema=, or members that differ in JSON type)"
             )
     return members, takes_any
@@ -309,7 +310,7 @@ def _needs_union_hook(annotation: Any) -> bool:
 
 
 def _union_hook(union: Any) -> Callable[[Any, Any], Any]:
-    members, takes_any = union_members(union, where=repr(union))
+    members, takes_any = union_members(union, where=safe_repr(union))
     hooks = {
         kind: (member, None if member is _NONE else input_converter.get_structure_hook(member))
         for kind, member in members.items()
@@ -326,7 +327,7 @@ def _union_hook(union: Any) -> Callable[[Any, Any], Any]:
         if entry is None:
             if takes_any:
                 return value
-            raise ValueError(f"{value!r} is not a {union!r}")
+            raise ValueError(f"{safe_repr(value)} is not a {safe_repr(union)}")
         member, hook = entry
         return None if hook is None else hook(value, member)
 

@@ -24,6 +24,7 @@ from typing import Any, TypeAlias, TypeVar
 import attrs
 
 from .._errors import ConfigError, LeaseLostError
+from .._util import callable_name, safe_repr
 from ._context import ExecutionContext
 from ._definition import Tool, ToolBehavior
 from ._results import JsonObject, ToolErrorType, ToolResult, _error_type, _unstorable, describe, result_problem
@@ -57,7 +58,7 @@ def _deny_type(value: object) -> ToolErrorType:
 
 def _skip_result(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, ToolResult):
-        raise ConfigError(f"Skip takes a ToolResult, got {type(value).__name__}: {value!r}")
+        raise ConfigError(f"Skip takes a ToolResult, got {type(value).__name__}: {safe_repr(value)}")
 
 
 @attrs.frozen
@@ -115,7 +116,7 @@ class ToolStages:
         for stage_name in ("pre_tool", "permission", "before", "guard", "post_tool"):
             for index, callback in enumerate(getattr(self, stage_name)):
                 if not callable(callback):
-                    raise ConfigError(f"{stage_name} stage #{index} is not callable: {callback!r}")
+                    raise ConfigError(f"{stage_name} stage #{index} is not callable: {safe_repr(callback)}")
 
 
 async def decide(
@@ -148,7 +149,7 @@ async def decide(
             return Skip(_unstorable(result, f"{stage} stage {_stage_name(callback)} skipped with"))
         return decision
     return Deny(
-        f"{stage} stage {_stage_name(callback)} returned {decision!r}, expected Allow, Deny or None",
+        f"{stage} stage {_stage_name(callback)} returned {safe_repr(decision)}, expected Allow, Deny or None",
         ToolErrorType.EXECUTION,
         "hook_error",
     )
@@ -161,5 +162,4 @@ def failed_stage_result(problem: str) -> ToolResult:
 
 def _stage_name(callback: object) -> str:
     # Only for a message: a callback's repr is not made for every call that passes.
-    name = getattr(callback, "__qualname__", None)
-    return name if name is not None else repr(callback)
+    return callable_name(callback)
