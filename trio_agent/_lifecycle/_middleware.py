@@ -80,7 +80,7 @@ from .._loop._ports import RunEventSink
 from .._loop._rules import LoopState
 from .._models._messages import MESSAGE_CLASSES, ToolCallPart, ToolSpec, Usage
 from .._tools import _stages
-from .._tools._results import ToolErrorType, ToolResult
+from .._tools._results import ToolErrorType, ToolResult, json_copy
 from .._tools._stages import Allow, Deny, StageDecision, StageRequest, ToolStages
 from .._util import safe_repr
 from ._capabilities import (
@@ -569,7 +569,9 @@ class _PartHooks(_Part):
 
         async def guard_stage(call: ClientCall) -> StageDecision | None:
             assert guard is not None
-            info = ToolCallInfo(call.tool_name, call.call_id, call.input)
+            # Its own copy: the input is checked by now and goes to the client (and into the pause) as it
+            # is; a change made in place would skip that check (a new input goes by TransformArgs).
+            info = ToolCallInfo(call.tool_name, call.call_id, json_copy(call.input))
             return _guard_decision(ctx, await _call(guard, ctx, info), label)
 
         before_stage.__qualname__ = f"{label}.on_before_tool_call"

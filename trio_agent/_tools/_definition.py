@@ -20,7 +20,7 @@ import jsonschema_rs
 from .._errors import ToolBehaviorError, ToolDefinitionError, ToolInputError
 from .._json import is_json, json_problem
 from .._util import callable_name, safe_repr
-from ._results import JsonObject, ToolResult, describe
+from ._results import JsonObject, ToolResult, describe, json_copy
 from ._schema import default_signature_field, inline_top_ref, input_converter, is_input_class, schema_for_class
 
 if TYPE_CHECKING:
@@ -168,6 +168,43 @@ def input_errors(validator: jsonschema_rs.Validator, value: object) -> tuple[str
     return tuple(lines)
 
 
+_SCALAR_TYPES = frozenset({"string", "integer", "number", "boolean", "null"})
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _only_scalars(schema: object) -> bool:
+    """Whether every value *schema* accepts is a JSON scalar (no object, no array). Conservative:
+    ``False`` for whatever it does not recognise (a ``$ref``, ``allOf``, no ``type``)."""
+    if not isinstance(schema, dict):
+        return False
+    if "enum" in schema:
+        values = schema["enum"]
+        return isinstance(values, list) and all(isinstance(value, _SCALARS) for value in values)
+    if "const" in schema:
+        return isinstance(schema["const"], _SCALARS)
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return kind in _SCALAR_TYPES
+    if isinstance(kind, list):
+        return all(item in _SCALAR_TYPES for item in kind)
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            options = schema[key]
+            return isinstance(options, list) and all(_only_scalars(option) for option in options)
+    return False
+
+
+def _flat_input(schema: JsonObject) -> bool:
+    """Whether an input *schema* admits only objects whose values are JSON scalars: then an input
+    class made from such an input can share no container with it."""
+    properties = schema.get("properties", {})
+    return (
+        schema.get("additionalProperties") is False
+        and isinstance(properties, dict)
+        and all(_only_scalars(property) for property in properties.values())
+    )
+
+
 def _is_surrogate_free(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -258,6 +295,9 @@ class Tool(Generic[In]):
     # How `structure_input` turns JSON into an ``input_type`` instance: found on first use (not when a
     # module defines its tools), then every call skips the converter's dispatch.
     _structure: Callable[[JsonObject, Any], Any] | None = attrs.field(default=None, init=False, repr=False)
+    # Whether `structure_input` needs a copy of the input (`input_copy`): an input class keeps what its
+    # fields hold (a dict or list under ``Any``), which is the journal's record of the call's final input.
+    _shares_input: bool = attrs.field(default=False, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         try:
@@ -271,6 +311,8 @@ class Tool(Generic[In]):
         object.__setattr__(self, "_static", static)
         field = None if self.signature_content is not None else default_signature_field(self.input_schema)
         object.__setattr__(self, "_signature_field", field)
+        shares = self.input_type is not None and not _flat_input(self.input_schema)
+        object.__setattr__(self, "_shares_input", shares)
 
     @property
     def behavior(self) -> ToolBehavior:
@@ -389,7 +431,7 @@ class Tool(Generic[In]):
         if resolver is None or not self._valid(value, json_checked):
             return self._static
         try:
-            override = resolver(value)
+            override = resolver(json_copy(value))  # a copy: the callable cannot change the call's input
         except Exception as exc:
             raise ToolBehaviorError(f"tool {self.name!r}: behaviour resolver raised {describe(exc, 'repr')}") from exc
         if override is None:
@@ -440,7 +482,7 @@ class Tool(Generic[In]):
         """The paths this call touches (for file locks and the path policy)."""
         if self.affected_paths is None:
             return ()
-        paths = self.affected_paths(value)
+        paths = self.affected_paths(json_copy(value))  # a copy: the callable cannot change the call's input
         if isinstance(paths, str):
             return (paths,)
         return tuple(str(path) for path in paths)

@@ -946,8 +946,13 @@ class ToolPipeline:
                 message = "a stage cannot change the tool interrupt behavior"
                 return ToolResult.failure(ToolErrorType.EXECUTION, message, code="behavior_error")
         try:
-            # An untyped tool gets its own copy, so changing it cannot rewrite the recorded final input.
-            value = tool.structure_input(current) if tool.input_type is not None else json_copy(current)
+            # The tool gets its own copy, so changing it cannot rewrite the recorded final input (which the
+            # post_tool stages see, and the call's record keeps): an untyped tool the dict, a typed one an
+            # instance made from a copy, unless its fields can hold no container (`Tool._shares_input`).
+            if tool.input_type is None:
+                value = json_copy(current)
+            else:
+                value = tool.structure_input(json_copy(current) if tool._shares_input else current)
         except ToolInputError as exc:
             return ToolResult.failure(ToolErrorType.VALIDATION, str(exc), code="invalid_input")
         except Exception as exc:
@@ -994,7 +999,9 @@ class ToolPipeline:
         if isinstance(prepared, ToolResult):
             return prepared
         for callback in stages.guard:
-            request = StageRequest(tool, prepared[0], ctx, behavior)
+            # Each its own copy: the final input is checked, and is what the tool runs with and the journal
+            # records; a change a guard made in place would reach neither (a new input goes by Allow).
+            request = StageRequest(tool, json_copy(prepared[0]), ctx, behavior)
             decision = await decide("guard", callback, request, self.lease_lost)
             if isinstance(decision, Deny):
                 return decision.to_result()
