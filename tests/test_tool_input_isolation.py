@@ -20,7 +20,8 @@ from tests.session_helpers import run_request, stream_events
 from trio_agent import ToolContext, ToolResult, define_tool, open_session
 from trio_agent._journal._events import ToolScheduled, ToolStarted
 from trio_agent._loop._context import RunContext
-from trio_agent._loop._events import RunEvent
+from trio_agent._loop._events import RunEvent, ToolCallEnd
+from trio_agent._loop._hooks import ClientCall, ClientCallStages
 from trio_agent._loop._run import _screen_client_call
 from trio_agent._models._messages import ToolCallPart
 from trio_agent.lifecycle import define_chat_middleware, define_client_tool, middleware_lifecycle
@@ -128,6 +129,49 @@ async def test_a_client_tools_guard_cannot_change_what_goes_to_the_client() -> N
     part = ToolCallPart("c1", "pick", '{"x": "1"}')
     final = await _screen_client_call(part, dict(MODEL_INPUT), client_tool, stages, lambda: False)
     assert final == MODEL_INPUT
+
+
+async def test_a_raw_client_guard_stage_cannot_change_what_goes_to_the_client() -> None:
+    client_tool = define_client_tool("pick", input_schema=SCHEMA)
+
+    async def guard(call: ClientCall) -> None:
+        call.input["x"] = {1, 2}
+
+    part = ToolCallPart("c1", "pick", '{"x": "1"}')
+    stages = ClientCallStages(guard=(guard,))
+    final = await _screen_client_call(part, dict(MODEL_INPUT), client_tool, stages, lambda: False)
+    assert final == MODEL_INPUT
+
+
+@pytest.mark.parametrize("where", ["on_chunk", "stream reader"])
+async def test_a_tool_call_end_changed_in_place_changes_neither_the_call_nor_its_record(where: str) -> None:
+    # ToolCallEnd.input was the very dict the call was then scheduled with: an on_chunk hook that
+    # wrote into it changed the journalled model input (and what the tool ran with).
+    echo = Echo()
+    seen: list[Any] = []
+
+    def change(event: Any) -> None:
+        if isinstance(event, ToolCallEnd):
+            seen.append(dict(event.input))
+            event.input["x"] = {1, 2}
+
+    def on_chunk(ctx: Any, event: Any) -> Any:
+        change(event)
+        return event
+
+    model = TestModel({"go": [Reply(tool_calls=[("echo", dict(MODEL_INPUT))]), Reply(text="done")]})
+    lifecycle = [define_chat_middleware(on_chunk=on_chunk)] if where == "on_chunk" else []
+    async with open_session(provider=model, tools=[echo.tool], lifecycle=lifecycle) as session:
+        async with session.stream("go") as stream:
+            async for event in stream:
+                if where == "stream reader":
+                    change(getattr(event, "event", event))
+        events = await stream_events(session)
+    assert echo.ran_with == [MODEL_INPUT]
+    assert [e.model_input for e in events if isinstance(e, ToolScheduled)] == [MODEL_INPUT]
+    assert [e.input for e in events if isinstance(e, ToolStarted)] == [MODEL_INPUT]
+    if where == "on_chunk":
+        assert seen == [MODEL_INPUT]
 
 
 # -- the tool's own callables ---------------------------------------------------------------------

@@ -45,7 +45,7 @@ from .._models._messages import (
 )
 from .._tools._context import CallOrigin, ToolCall
 from .._tools._pipeline import ToolExecutionRecord
-from .._tools._results import ToolResult
+from .._tools._results import ToolResult, json_copy
 from .._tools._stages import Allow, Deny, Skip, decide
 from ._compose import part_name
 from ._context import RunContext
@@ -1003,7 +1003,9 @@ class _Run:
                 await events(ToolCallResult(run_id, agent_id, part.id, part.name, checked))
             return
         if not quiet:
-            await events(ToolCallEnd(run_id, agent_id, part.id, part.name, checked))
+            # The event's own copy: an on_chunk hook or a reader that changes it in place must not
+            # change what the call is scheduled (and journalled) with, nor what it runs with.
+            await events(ToolCallEnd(run_id, agent_id, part.id, part.name, json_copy(checked)))
         call_events = _CallEvents(self, part, checked, announced=not quiet)
         origin = CallOrigin(spec.session_id, agent_id, run_id, turn_id, spec.lineage)
         record: ToolExecutionRecord | None = None
@@ -1060,7 +1062,7 @@ class _CallEvents:
         part, events, run_id, agent_id = self.part, run.events, run.spec.run_id, run.spec.agent_id
         await events(ToolCallStart(run_id, agent_id, part.id, part.name, run.message_id))
         await events(ToolCallArgs(run_id, agent_id, part.id, part.arguments))
-        await events(ToolCallEnd(run_id, agent_id, part.id, part.name, self.checked))
+        await events(ToolCallEnd(run_id, agent_id, part.id, part.name, json_copy(self.checked)))
         return True
 
     async def on_item(self, item: Any) -> None:
@@ -1101,7 +1103,7 @@ async def _screen_client_call(
     current = args
     if stages is not None:
         for stage in stages.before:
-            decision = await decide("before", stage, ClientCall(part.name, part.id, current), own_lease_lost)
+            decision = await decide("before", stage, ClientCall(part.name, part.id, json_copy(current)), own_lease_lost)
             if isinstance(decision, Deny):
                 return decision.to_result()
             if isinstance(decision, Skip):
@@ -1113,7 +1115,8 @@ async def _screen_client_call(
     errors = tool.input_errors(current)
     if not errors and stages is not None:
         for stage in stages.guard:
-            decision = await decide("guard", stage, ClientCall(part.name, part.id, current), own_lease_lost)
+            # Its own copy: the input is checked already, a change in place would skip the check.
+            decision = await decide("guard", stage, ClientCall(part.name, part.id, json_copy(current)), own_lease_lost)
             if isinstance(decision, Deny):
                 return decision.to_result()
             if isinstance(decision, Allow):
