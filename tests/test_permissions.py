@@ -961,6 +961,46 @@ async def test_row12_a_raising_or_misbehaving_answerer_denies() -> None:
         assert later.calls == 0  # fail closed: nobody after it is asked
 
 
+class _Unprintable(Exception):
+    """Junk a user's answerer returns or raises: its repr raises."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("the repr raised")
+
+
+async def test_an_answerer_whose_junk_cannot_be_printed_still_denies_naming_it() -> None:
+    # The message was formatted with !r: the repr's RuntimeError replaced the denial.
+    async def raising(request: PermissionRequest) -> PermissionResult:
+        raise _Unprintable("exploded")
+
+    async def junk(request: PermissionRequest) -> Any:
+        return _Unprintable()
+
+    for bad, text in ((raising, "exploded"), (junk, "<_Unprintable object, unprintable")):
+        permissions = engine(hooks=[bad], handler=Answerer(PermissionAllow()))
+        decision = await permissions.decide(WRITE, {"file_path": "a"}, ctx())
+        assert (decision.allowed, decision.source) == (False, DecisionSource.ERROR)
+        assert decision.message is not None and text in decision.message
+
+
+@pytest.mark.parametrize("part", ["signature_content", "affected_paths"])
+async def test_a_tool_part_raising_an_unprintable_exception_denies_naming_it(part: str) -> None:
+    def fails(input: Any) -> Any:
+        raise _Unprintable("the part failed")
+
+    tool = define_tool(
+        name="T", description="t", input_schema={"type": "object"}, side_effect="pure", kind="readonly", **{part: fails}
+    )(_noop_tool)
+    permissions = PermissionEngine(PermissionRules(allow=("T",)))
+    decision = await permissions.decide(tool, {}, ctx())
+    assert not decision.allowed
+    assert decision.message is not None and "the part failed" in decision.message
+
+
+async def _noop_tool(input: Any, context: Any) -> str:
+    return "ok"
+
+
 async def test_a_request_built_again_for_another_input_has_that_inputs_signature_kind_and_refusals() -> None:
     # What a layer that changes the input before the handler (a session's PermissionRequest hooks)
     # uses, so that the handler is not shown the old signature for the new input.

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from trio_agent import ConfigError, HookEvent, HookInput, HookOutput, ToolDefinitionError, ToolFailure, ToolResult
+from trio_agent._config import validate_limit
 from trio_agent._lifecycle._interrupts import registered_interrupts, split_client_tools
 from trio_agent._loop._context import RunContext
 from trio_agent._loop._events import CustomEvent, RunEvent
@@ -36,7 +37,7 @@ from trio_agent.lifecycle import (
     middleware_lifecycle,
     validate_capabilities,
 )
-from trio_agent.middleware import MiddlewareShapeError
+from trio_agent.middleware import MiddlewareShapeError, compose_middleware
 from trio_agent.testing import call_tool
 from trio_agent.tools import AbortHandle, BehaviorOverride, Deny, Skip, ToolError, ToolPipeline, ToolStages
 
@@ -382,6 +383,12 @@ CONFIG_SITES: dict[str, tuple[Callable[[], object], type[Exception]]] = {
     ),
     "a hook input's field": (lambda: HookInput(event=HookEvent.STOP, session_id=junk()), TypeError),
     "a hook output's modified_input": (lambda: HookOutput.modify(junk()), TypeError),
+    "a composed middleware list": (lambda: compose_middleware(junk(), lambda r: r), MiddlewareShapeError),
+    "a composed middleware layer": (lambda: compose_middleware([junk()], lambda r: r), MiddlewareShapeError),
+    "a composed terminal": (lambda: compose_middleware([], junk()), MiddlewareShapeError),
+    "a tool middleware list": (lambda: ToolPipeline([], middleware=junk()), MiddlewareShapeError),
+    "a tool middleware layer": (lambda: ToolPipeline([], middleware=[junk()]), MiddlewareShapeError),
+    "a whole number option": (lambda: validate_limit(junk(), name="max_turns"), ConfigError),
 }
 
 

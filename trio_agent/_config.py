@@ -6,6 +6,7 @@ import sys
 import unicodedata
 
 from ._errors import ConfigError, TrioAgentError
+from ._util import safe_repr
 
 __all__ = ["finite_seconds", "seconds_problem", "short_repr", "validate_id", "validate_limit", "validate_timeout"]
 
@@ -59,8 +60,9 @@ def short_repr(value: object) -> str:
     """*value*'s repr, cut short: a huge int's repr is thousands of digits (and past 4300 raises)."""
     try:
         text = repr(value)
-    except ValueError:  # an int past sys.get_int_max_str_digits()
-        return "an int too large to print"
+    except Exception:  # the caller's __repr__ raised, or an int past sys.get_int_max_str_digits()
+        return "an int too large to print" if type(value) is int else safe_repr(value)
+    text = str.__str__(text)  # a str subclass's own slicing is the caller's code too
     return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
 
 

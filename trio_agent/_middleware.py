@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, Self, TypeVar
 
 from ._errors import MiddlewareShapeError, NextCalledTwiceError
+from ._util import safe_repr
 
 __all__ = [
     "CheckedLayers",
@@ -40,7 +41,7 @@ Middleware = Callable[[Req, MiddlewareNext[Req, Res]], Res]
 def check_middleware_shape(layer: object, *, what: str, index: int, params: int = 2) -> None:
     """Raise `MiddlewareShapeError` unless *layer* can be called with *params* positional arguments."""
     if not callable(layer):
-        raise MiddlewareShapeError(f"{what} #{index} is not callable: got {type(layer).__name__} {layer!r}")
+        raise MiddlewareShapeError(f"{what} #{index} is not callable: got {safe_repr(layer)}")
     try:
         signature = inspect.signature(layer)
     except (TypeError, ValueError):  # builtins without a signature: trust them
@@ -61,7 +62,7 @@ class CheckedLayers(tuple[Any, ...]):
     """
 
     # No __slots__: `derived` keeps what is built from the layers on the object itself.
-    _sequence_error = "middleware must be a sequence, got {!r}"
+    _sequence_error = "middleware must be a sequence, got {}"
     _passed: PassedChecks
 
     @staticmethod
@@ -91,7 +92,7 @@ class CheckedLayers(tuple[Any, ...]):
                 else:
                     return last
         elif isinstance(middleware, (str, bytes)) or not isinstance(middleware, Sequence):
-            raise MiddlewareShapeError(cls._sequence_error.format(middleware))
+            raise MiddlewareShapeError(cls._sequence_error.format(safe_repr(middleware)))
         passed = cls._passed
         known = passed._passed  # `layer in passed`, inline: asked per layer of every chat() run
         for index, layer in enumerate(middleware):
@@ -184,12 +185,12 @@ def compose_middleware(
     try:
         layers = tuple(middleware)
     except TypeError:  # not iterable: a shape error like any other (api.md)
-        raise MiddlewareShapeError(f"middleware must be a list of middleware, got {middleware!r:.200}") from None
+        raise MiddlewareShapeError(f"middleware must be a list of middleware, got {safe_repr(middleware)}") from None
     if validate:
         for index, layer in enumerate(layers):
             check_middleware_shape(layer, what="middleware", index=index)
     if not callable(terminal):
-        raise MiddlewareShapeError(f"terminal is not callable: got {terminal!r}")
+        raise MiddlewareShapeError(f"terminal is not callable: got {safe_repr(terminal)}")
     return Composed(layers, terminal, check)
 
 

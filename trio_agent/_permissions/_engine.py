@@ -38,8 +38,9 @@ from .._journal._events import PermissionDecision
 from .._json import json_problem
 from .._tools._context import ExecutionContext
 from .._tools._definition import SideEffect, Tool, ToolKind
-from .._tools._results import JsonObject, json_copy
+from .._tools._results import JsonObject, describe, json_copy
 from .._tools._stages import Allow, Stage, StageDecision, StageRequest
+from .._util import safe_repr
 from ._rules import (
     MODE_TABLE,
     PathPolicy,
@@ -344,7 +345,7 @@ class _Signatures:
         if value is None:
             return None
         if not isinstance(value, str):
-            raise TypeError(f"signature content must be a string or None, got {value!r}")
+            raise TypeError(f"signature content must be a string or None, got {safe_repr(value)}")
         return value or None
 
 
@@ -1001,13 +1002,13 @@ class PermissionEngine:
             except LeaseLostError:
                 raise
             except Exception as exc:
-                return _Answer(DecisionSource.ERROR, message=f"{who} failed: {exc!r}")
+                return _Answer(DecisionSource.ERROR, message=f"{who} failed: {describe(exc, 'repr')}")
             if isinstance(result, (PermissionAllow, PermissionDeny)):
                 return _Answer(source, result)
             if result is not None and not isinstance(result, PermissionAsk):
                 return _Answer(
                     DecisionSource.ERROR,
-                    message=f"{who} returned {result!r}, expected PermissionAllow, PermissionDeny, "
+                    message=f"{who} returned {safe_repr(result)}, expected PermissionAllow, PermissionDeny, "
                     "PermissionAsk or None",
                 )
         if self._handler is None:

@@ -74,7 +74,7 @@ from .._errors import LeaseLostError, ToolBehaviorError
 from .._journal._events import PermissionDecision
 from .._json import json_problem
 from .._tools._definition import SideEffect, Tool, ToolBehavior, ToolKind
-from .._tools._results import JsonObject, ToolErrorType, json_copy
+from .._tools._results import JsonObject, ToolErrorType, describe, json_copy
 from .._tools._stages import Allow, Deny
 from ._rules import (
     MODE_TABLE,
@@ -311,14 +311,22 @@ def read(tool: Tool[Any], input: JsonObject, policy: Policy) -> Subject | Decisi
     except LeaseLostError:
         raise
     except Exception as exc:
-        return deny(input, tool.name, DecisionSource.TOOL, f"signature content of tool {tool.name!r} failed: {exc!r}")
+        return deny(
+            input,
+            tool.name,
+            DecisionSource.TOOL,
+            f"signature content of tool {tool.name!r} failed: {describe(exc, 'repr')}",
+        )
     try:
         paths = tool.paths_for(input)
     except LeaseLostError:
         raise
     except Exception as exc:
         return deny(
-            input, signature, DecisionSource.PATH_POLICY, f"affected paths of tool {tool.name!r} failed: {exc!r}"
+            input,
+            signature,
+            DecisionSource.PATH_POLICY,
+            f"affected paths of tool {tool.name!r} failed: {describe(exc, 'repr')}",
         )
     if policy.path_policy is not None:
         problem = policy.path_policy.check(paths)
