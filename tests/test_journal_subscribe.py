@@ -295,6 +295,74 @@ async def test_an_event_committed_while_a_read_ran_is_delivered_before_the_close
     assert seqs(got) == [3]
 
 
+class _LateRead:
+    """A store whose one read after ``at`` waits for ``release`` before it reads: the subscriber's
+    own page read, answered only after the journal's close handed the subscription the same rows
+    (as a read in a worker thread or over the network may be)."""
+
+    def __init__(self, inner: JournalStore) -> None:
+        self.inner = inner
+        self.clock = inner.clock
+        self.at: int | None = None
+        self.reading = trio.Event()
+        self.release = trio.Event()
+
+    async def read(self, stream_id: str, *, after: int = 0, limit: int | None = None) -> list[Any]:
+        if after == self.at:
+            self.at = None
+            self.reading.set()
+            await self.release.wait()
+        return await self.inner.read(stream_id, after=after, limit=limit)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("first_page_ends_with", ["session_closed", "request"])
+async def test_a_close_during_the_subscribers_own_read_drops_nothing_and_catches_up_at_the_head(
+    store: JournalStore, first_page_ends_with: str
+) -> None:
+    # The first page (256 events, the journal's page size) ends with life 1's session_closed, or
+    # with a plain event; then two more commit. The subscriber's read of the next page is answered
+    # only after the close handed it those two: that read's rows were all taken by then. It ended
+    # the stream there, dropping both (after a session_closed), or said CaughtUp at 256.
+    late = _LateRead(store)
+    page = 256
+    async with open_journal(late, session_id=SID) as journal:
+        head = await store.head(STREAM)
+        await journal.append(*(accepted(f"r{index}") for index in range(page - head - 1)))
+        if first_page_ends_with == "session_closed":
+            await journal.append(SessionClosed(session_id=SID, reason=SessionCloseReason.COMPLETED))
+        else:
+            await journal.append(accepted("last-of-page"))
+    assert await store.head(STREAM) == page
+    got: list[Item] = []
+
+    async def subscriber(journal: Any, task_status: trio.TaskStatus[None]) -> None:
+        async with journal.subscribe_durable_events() as sub:
+            task_status.started()
+            async for item in sub:
+                got.append(item)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            async with open_journal(late, session_id=SID) as journal:
+                if first_page_ends_with == "session_closed":
+                    await journal.append(SessionReopened(session_id=SID, life=2))
+                else:
+                    await journal.append(accepted("next-1"))
+                await journal.append(accepted("next-2"))
+                late.at = page  # the subscriber's read of the second page
+                await nursery.start(subscriber, journal)
+                await late.reading.wait()
+            # The journal closed: its close read the rest into the subscription, then said so.
+            late.release.set()
+    assert await store.head(STREAM) == page + 2
+    assert seqs(got) == list(range(1, page + 3))
+    assert [item for item in got if isinstance(item, CaughtUp)] == [CaughtUp(JournalCursor(STREAM, page + 2))]
+    assert got[-1] == CaughtUp(JournalCursor(STREAM, page + 2))
+
+
 async def test_a_slow_subscriber_never_stalls_commits(store: JournalStore) -> None:
     count = 500
     async with (

@@ -133,7 +133,11 @@ class DurableEventStream:
                 # was left to read (`SubscriptionsClose`): that went out, and the stream ends.
                 self._ended = True
                 continue
-            if self._take(rows):
+            self._take(rows)
+            if self._buffer:
+                # What this read found, or what a close handed over while it ran: `_read_the_rest`
+                # buffers the same rows, so those of this read may all be behind `_read_to`. Either
+                # way more is to be delivered: this is not the head, nor the end.
                 continue
             # Nothing follows what was delivered. A `session_closed` ends the stream only here, as
             # its last event: one of an earlier life is followed by the next life's events.
