@@ -176,6 +176,31 @@ async def test_a_bad_page_size_raises_cursor_error(store: JournalStore, page_siz
             pytest.fail("page_size must be an int >= 1")
 
 
+async def test_closed_that_is_no_event_is_a_config_error_naming_it(store: JournalStore) -> None:
+    from trio_agent import ConfigError
+
+    with pytest.raises(ConfigError, match="closed"):
+        async with subscribe_durable_events(store, STREAM, closed="yes"):  # type: ignore[arg-type]
+            pytest.fail("closed must be a trio.Event")
+
+
+@pytest.mark.parametrize("session_id", ["tenant\nA", "a@1", "a@b\n@2\r\n"], ids=repr)
+async def test_a_cursor_reads_back_and_resumes_whatever_the_stream_id_holds(
+    store: JournalStore, session_id: str
+) -> None:
+    # An id with a newline is taken by the journal: its cursor must read back (it did not).
+    async with open_journal(store, session_id=session_id) as journal:
+        await journal.append(accepted("r1"), accepted("r2"))
+        async with journal.subscribe_durable_events() as sub:
+            items = await until_caught_up(sub)
+        second = items[1]
+        assert isinstance(second, DurableEvent)
+        saved = str(second.cursor)
+        assert JournalCursor.parse(saved) == second.cursor == JournalCursor(f"{session_id}/root", 2)
+        async with journal.subscribe_durable_events(after=saved) as sub:
+            assert seqs(await until_caught_up(sub)) == [3]
+
+
 def test_a_cursor_with_a_long_seq_is_refused_with_a_short_message() -> None:
     with pytest.raises(CursorError, match="not a journal cursor") as caught:
         JournalCursor.parse("root@" + "9" * 5000)

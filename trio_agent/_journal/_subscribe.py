@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from .._errors import CursorError, JournalCorruptError, JournalError
+from .._errors import ConfigError, CursorError, JournalCorruptError, JournalError
 from ._events import EventEnvelope, SessionClosed
 from ._store import JournalStore, check_id
 
@@ -33,7 +33,8 @@ __all__ = [
 
 # ASCII digits only (``\d`` takes others, which int() reads), at most 19 (a seq is a 64-bit
 # integer; more is no seq, and many more trip int()'s digit limit with a bare ValueError).
-_CURSOR = re.compile(r"(?P<stream>.+)@(?P<seq>[0-9]{1,19})", re.ASCII)
+# DOTALL: a stream id may hold a newline (`check_id` takes it), and its cursor must read back.
+_CURSOR = re.compile(r"(?P<stream>.+)@(?P<seq>[0-9]{1,19})", re.ASCII | re.DOTALL)
 
 
 @attrs.frozen
@@ -323,6 +324,8 @@ async def _open_stream(
         raise CursorError(f"cursor sequence must be >= 0, not {seq}")
     if type(page_size) is not int or page_size < 1:
         raise CursorError(f"page_size must be an int >= 1, not {page_size!r}")
+    if closed is not None and not isinstance(closed, trio.Event):
+        raise ConfigError(f"closed must be a trio.Event or None, not {type(closed).__name__}")
     head = await store.head(stream_id)
     if seq > head:
         raise CursorError(f"cursor {stream_id}@{seq} is past the head of the stream ({head}): stale or foreign")
