@@ -201,6 +201,28 @@ async def test_a_cursor_reads_back_and_resumes_whatever_the_stream_id_holds(
             assert seqs(await until_caught_up(sub)) == [3]
 
 
+@pytest.mark.parametrize("page_size", [2**63 - 1, 2**63, 10**30])
+async def test_a_page_size_past_the_stores_integers_means_no_limit(store: JournalStore, page_size: int) -> None:
+    # On SQLite, past 2**63 - 1 it was a bare OverflowError at the first item.
+    async with open_journal(store, session_id=SID) as journal:
+        await journal.append(accepted("r1"), accepted("r2"))
+    async with subscribe_durable_events(store, STREAM, page_size=page_size) as sub:
+        assert seqs(await until_caught_up(sub)) == [1, 2, 3]
+
+
+async def test_a_read_bound_past_the_stores_integers_means_the_same(store: JournalStore) -> None:
+    async with open_journal(store, session_id=SID) as journal:
+        await journal.append(accepted("r1"), command_id="cmd-r1")
+    every = await store.read(STREAM)
+    assert [envelope.seq for envelope in every] == [1, 2]
+    for huge in (2**63, 10**30):
+        assert await store.read(STREAM, after=huge) == []
+        assert await store.read(STREAM, limit=huge) == every
+        assert await store.read(STREAM, after=-huge, limit=huge) == every
+        assert await store.commands(STREAM, after=huge) == []
+        assert [record.command_id for record in await store.commands(STREAM, after=-huge)] == ["cmd-r1"]
+
+
 def test_a_cursor_with_a_long_seq_is_refused_with_a_short_message() -> None:
     with pytest.raises(CursorError, match="not a journal cursor") as caught:
         JournalCursor.parse("root@" + "9" * 5000)

@@ -179,6 +179,20 @@ def _is_damage(exc: sqlite3.OperationalError) -> bool:
     return "not a database" in text or "malformed" in text or "decode" in text
 
 
+_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
+"""SQLite's INTEGER range: a bound past it binds as OverflowError, a builtin error."""
+
+
+def _after(after: int) -> int:
+    """A ``seq > after`` bound in SQLite's range, meaning the same: no seq lies past the largest."""
+    return after if _INT_MIN <= after <= _INT_MAX else max(_INT_MIN, min(after, _INT_MAX))
+
+
+def _limit(limit: int | None) -> int:
+    """A ``LIMIT`` in SQLite's range (-1: none): more rows than the range counts is no limit."""
+    return -1 if limit is None or limit > _INT_MAX else max(limit, 0)
+
+
 class _StoredValueError(ValueError):
     """A stored value of another type than its column's (an edited or damaged file): that row is
     damage. A `ValueError`, so a write that meets it is redone item by item and fails alone."""
@@ -726,7 +740,7 @@ class SQLiteStore(LaneStore):
         def query(conn: sqlite3.Connection) -> list[EventEnvelope]:
             conn.execute("BEGIN")  # one snapshot for the head and the rows
             found = conn.execute("SELECT head FROM journal_streams WHERE stream_id=?", (stream_id,)).fetchone()
-            rows = conn.execute(statement, (stream_id, after, -1 if limit is None else max(limit, 0))).fetchall()
+            rows = conn.execute(statement, (stream_id, _after(after), _limit(limit))).fetchall()
             conn.execute("COMMIT")
             head = None if found is None else found[0]
             if head is not None and type(head) is not int:
@@ -782,7 +796,7 @@ class SQLiteStore(LaneStore):
             rows = conn.execute(
                 "SELECT command_id, digest, first_seq, last_seq FROM journal_commands WHERE stream_id=?"
                 " AND first_seq>? ORDER BY first_seq",
-                (stream_id, after),
+                (stream_id, _after(after)),
             ).fetchall()
             return [CommandRecord(stream_id, _text(row[0]), _text(row[1]), _int(row[2]), _int(row[3])) for row in rows]
 
