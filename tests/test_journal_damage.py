@@ -641,6 +641,129 @@ async def test_a_mistyped_stored_head_is_damage_to_its_stream_alone(tmp_path: Pa
             await store.streams("A")
 
 
+async def _two_sessions(path: Path) -> None:
+    """Sessions s and t, one stream of five events each (the first request a command), closed."""
+    from trio_agent._journal._durable import open_journal
+
+    async with open_sqlite_store(str(path)) as store:
+        for session in ("s", "t"):
+            async with open_journal(store, session_id=session, snapshot_every=None) as journal:
+                for index in range(4):
+                    accepted = RequestAccepted(request_id=f"r{index}", command_id=f"c{index}", input={})
+                    await journal.append(accepted, command_id=f"c{index}" if index == 0 else None)
+
+
+async def _replayed(store: Any, stream_id: str) -> list[int]:
+    from trio_agent._journal._subscribe import DurableEvent, subscribe_durable_events
+
+    seqs: list[int] = []
+    async with subscribe_durable_events(store, stream_id) as sub:
+        async for item in sub:
+            if not isinstance(item, DurableEvent):
+                return seqs  # CaughtUp
+            seqs.append(item.envelope.seq)
+    return seqs
+
+
+# One stored value of another type than its column's, as an edited file holds it.
+_STREAM_ROW_EDITS = ["head='abc'", "head=3.5", "session_id=x'00ff'"]
+
+
+@pytest.mark.parametrize("edit", _STREAM_ROW_EDITS)
+async def test_a_mistyped_stream_row_fails_the_reads_of_its_stream_alone_naming_it(tmp_path: Path, edit: str) -> None:
+    # It was a whole-file "not a readable trio_agent journal" naming no stream, and the listing
+    # of every session's streams failed with it.
+    path = tmp_path / "journal.db"
+    await _two_sessions(path)
+    _sql(path, f"UPDATE journal_streams SET {edit} WHERE stream_id='s/root'")
+    named = re.escape("stored event s/root#head is corrupt: the stream's row is damaged")
+    async with open_sqlite_store(str(path), readonly=True) as store:
+        with pytest.raises(JournalCorruptError, match=named):
+            await store.stream_info("s/root")
+        with pytest.raises(JournalCorruptError, match=named):
+            await store.streams("s")  # the session its stream id names, whatever its row says
+        with pytest.raises(JournalCorruptError, match=named):
+            await store.streams()
+        with pytest.raises(JournalCorruptError, match=named):
+            await _replayed(store, "s/root")
+        assert [info.stream_id for info in await store.streams("t")] == ["t/root"]
+        assert await _replayed(store, "t/root") == [1, 2, 3, 4, 5]
+        rows = await store._listed_streams()
+        assert [type(row).__name__ for row in rows] == ["DamagedStream", "StreamInfo"]
+        assert rows[0].stream_id == "s/root" and rows[0].session_id == "s"
+
+
+@pytest.mark.parametrize("edit", ["owner=x'00ff'", "token='abc'", "expires_at='soon'"])
+async def test_a_mistyped_lease_row_fails_the_lease_reads_of_its_session_alone_naming_it(
+    tmp_path: Path, edit: str
+) -> None:
+    path = tmp_path / "journal.db"
+    await _two_sessions(path)
+    _sql(path, f"UPDATE journal_leases SET {edit} WHERE session_id='s'")
+    async with open_sqlite_store(str(path), readonly=True) as store:
+        with pytest.raises(JournalCorruptError, match="the stored lease of session 's' is damaged"):
+            await store.current_lease("s")
+        lease = await store.current_lease("t")
+        assert lease is not None and lease.session_id == "t"
+        assert await _replayed(store, "s/root") == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("edit", ["digest=x'00'", "first_seq='abc'", "last_seq=2.5"])
+async def test_a_mistyped_command_row_fails_the_command_reads_of_its_stream_alone_naming_it(
+    tmp_path: Path, edit: str
+) -> None:
+    path = tmp_path / "journal.db"
+    await _two_sessions(path)
+    _sql(path, f"UPDATE journal_commands SET {edit} WHERE stream_id='s/root'")
+    async with open_sqlite_store(str(path), readonly=True) as store:
+        for read in (store.command("s/root", "c0"), store.commands("s/root")):
+            with pytest.raises(JournalCorruptError, match="the stored command records of 's/root' are damaged"):
+                await read
+        assert [record.command_id for record in await store.commands("t/root")] == ["c0"]
+
+
+@pytest.mark.parametrize("edit", _STREAM_ROW_EDITS)
+def test_journal_show_marks_a_damaged_stream_row_and_shows_every_other_stream(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: str
+) -> None:
+    from trio_agent._journal._inspect import show_journal
+
+    path = tmp_path / "journal.db"
+    trio.run(_two_sessions, path)
+    _sql(path, f"UPDATE journal_streams SET {edit} WHERE stream_id='s/root'")
+    for session in (None, "s"):
+        assert show_journal(str(path), session) == 1
+        out, err = capsys.readouterr()
+        assert "  stream s/root (its stream row is damaged)\n    damaged at #head: stored event s/root#head" in out
+        assert err.startswith("error: stored event s/root#head is corrupt: the stream's row is damaged")
+        assert len(err.splitlines()) == 1
+    assert show_journal(str(path)) == 1
+    out = capsys.readouterr().out
+    assert "session t: 1 agent stream(s)" in out and "  stream t/root (5 events)" in out
+    assert "request r3 accepted" in out.split("stream t/root")[1]
+    assert show_journal(str(path), "t") == 0  # the other session: as if nothing were damaged
+    assert "damaged" not in capsys.readouterr().out
+
+
+def test_journal_show_marks_a_damaged_lease_row_and_shows_every_stream(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trio_agent._journal._inspect import show_journal
+
+    path = tmp_path / "journal.db"
+    trio.run(_two_sessions, path)
+    _sql(path, "UPDATE journal_leases SET owner=x'00ff' WHERE session_id='s'")
+    assert show_journal(str(path)) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith(
+        "session s: 1 agent stream(s), lease row damaged\n"
+        "  lease row damaged: the stored lease of session 's' is damaged: a stored id is not text: b'\\x00\\xff'\n"
+        "  stream s/root (5 events)\n"
+    )
+    assert "session t: 1 agent stream(s), lease token" in out and "  stream t/root (5 events)" in out
+    assert err == "error: the stored lease of session 's' is damaged: a stored id is not text: b'\\x00\\xff'\n"
+
+
 async def test_a_read_in_flight_while_the_store_closes_ends_with_its_result(tmp_path: Path) -> None:
     # The close closed every read connection, the one a read in flight used too: the read raised
     # sqlite3's own error, or a JournalCorruptError, though nothing was damaged.

@@ -2,8 +2,9 @@
 
 Read-only: it never writes to the journal and never takes a lease. It is what one reads a
 damaged journal with, so it trusts nothing stored: a damaged row ends its own stream's
-timeline (``damaged at #N``) and no other, and a payload of an unexpected shape is described
-as such, never a crash. Stored text is shown as data: a control character or a lone surrogate
+timeline (``damaged at #N``) and no other, a damaged stream or lease row is shown as such in
+its place (the other streams and sessions in full), and a payload of an unexpected shape is
+described as such, never a crash. Stored text is shown as data: a control character or a lone surrogate
 (a tool's output may hold one; the journal keeps it escaped) is shown escaped (``\\x1b``,
 ``\\ud800``), so no stored text drives the terminal or fails to print.
 """
@@ -54,7 +55,8 @@ from ._events import (
     TurnStarted,
     event_type_name,
 )
-from ._store import JournalStore, Lease
+from ._sqlite import DamagedStream, SQLiteStore
+from ._store import JournalStore, Lease, StreamInfo
 
 __all__ = ["CallSummary", "render_timeline", "summarize_calls"]
 
@@ -247,8 +249,24 @@ async def _read_stream(store: JournalStore, stream_id: str) -> tuple[list[EventE
         return list(exc.intact), exc
 
 
+async def _stream_rows(store: JournalStore, session_id: str | None) -> list[StreamInfo | DamagedStream]:
+    """The streams to show; a SQLite store lists a damaged stream row in its place (only SQLite
+    can hold a value of another type than its column's), so the others are shown all the same."""
+    if isinstance(store, SQLiteStore):
+        return await store._listed_streams(session_id)
+    return list(await store.streams(session_id))
+
+
+async def _lease_line(store: JournalStore, session: str) -> tuple[str, JournalCorruptError | None]:
+    """The header's lease part, and the damage of a lease row that cannot be read."""
+    try:
+        return _lease_state(await store.current_lease(session)), None
+    except JournalCorruptError as exc:
+        return ", lease row damaged", exc
+
+
 async def _timeline(store: JournalStore, *, session_id: str | None, agent_id: str | None) -> _Timeline:
-    streams = every = await store.streams(session_id)
+    streams = every = await _stream_rows(store, session_id)
     if session_id is not None and not streams:
         raise JournalError(f"the journal has no session {session_id!r}")
     if agent_id is not None:
@@ -260,15 +278,28 @@ async def _timeline(store: JournalStore, *, session_id: str | None, agent_id: st
             raise JournalError(f"the journal has no agent {agent_id!r}{where}; its agents: {listed or 'none'}")
     lines: list[str] = []
     damage: list[JournalCorruptError] = []
-    sessions: dict[str, list[str]] = {}
+    sessions: dict[str | None, list[StreamInfo | DamagedStream]] = {}
     for info in streams:
-        sessions.setdefault(info.session_id, []).append(info.stream_id)
-    for stream_ids in sessions.values():
-        stream_ids.sort(key=_stream_order)
-    for session, stream_ids in sessions.items():
-        holder = _lease_state(await store.current_lease(session))
-        lines.append(f"session {session}: {len(stream_ids)} agent stream(s){holder}")
-        for stream_id in stream_ids:
+        sessions.setdefault(info.session_id, []).append(info)
+    for rows in sessions.values():
+        rows.sort(key=lambda row: _stream_order(row.stream_id))
+    # A stream row that names no session (its stream id is no text either) comes last.
+    for session, rows in sorted(sessions.items(), key=lambda item: item[0] is None):
+        if session is None:
+            lines.append(f"streams of no readable session: {len(rows)}")
+        else:
+            holder, lease_damage = await _lease_line(store, session)
+            lines.append(f"session {session}: {len(rows)} agent stream(s){holder}")
+            if lease_damage is not None:
+                damage.append(lease_damage)
+                lines.append(f"  lease row damaged: {lease_damage}")
+        for row in rows:
+            stream_id = row.stream_id
+            if isinstance(row, DamagedStream):
+                damage.append(row.error)
+                lines.append(f"  stream {stream_id} (its stream row is damaged)")
+                lines.append(f"    damaged at #head: {row.error}; this stream is not shown")
+                continue
             envelopes, damaged = await _read_stream(store, stream_id)
             lives = 1 + sum(isinstance(envelope.event, SessionReopened) for envelope in envelopes)
             lived = f", {lives} lives" if lives > 1 else ""

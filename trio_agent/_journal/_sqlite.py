@@ -52,6 +52,7 @@ from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any
 
+import attrs
 import trio
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, validate_cleanup_grace
@@ -82,7 +83,7 @@ from ._store import (
     wall_clock,
 )
 
-__all__ = ["SQLiteStore", "open_sqlite_store"]
+__all__ = ["DamagedStream", "SQLiteStore", "open_sqlite_store"]
 
 STORE_FORMAT = "trio_agent.journal/2"
 V1_FORMAT = "trio_agent.journal/1"
@@ -231,12 +232,49 @@ def _stream_row(session_id: object, head: object) -> tuple[str, int]:
 def _damaged(work: Any, exc: _StoredValueError) -> JournalCorruptError:
     """The error of a write whose stored rows are damaged: it fails alone, as damage."""
     if isinstance(work, LeaseOp):
-        what = f"lease of session {work.session_id!r} is"
-    else:
-        what = f"rows of {work.write.stream_id if isinstance(work, SnapshotWork) else work.stream_id!r} are"
-    error = JournalCorruptError(f"the stored {what} damaged: {exc}")
+        return _lease_damage(work.session_id, exc)
+    error = JournalCorruptError(
+        f"the stored rows of {work.write.stream_id if isinstance(work, SnapshotWork) else work.stream_id!r}"
+        f" are damaged: {exc}"
+    )
     error.__cause__ = exc
     return error
+
+
+def _lease_damage(session_id: str, exc: _StoredValueError) -> JournalCorruptError:
+    """A damaged lease row fails its own session alone, and says whose it is."""
+    error = JournalCorruptError(f"the stored lease of session {session_id!r} is damaged: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _command_damage(stream_id: str, exc: _StoredValueError) -> JournalCorruptError:
+    error = JournalCorruptError(f"the stored command records of {stream_id!r} are damaged: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+@attrs.frozen
+class DamagedStream:
+    """A ``journal_streams`` row holding a value of another type than its column's (an edited file),
+    as `SQLiteStore._listed_streams` lists it: the damage of that stream alone."""
+
+    stream_id: str  # as stored; its repr when the stored one is no text
+    session_id: str | None  # as stored, else the session the stream id names (None: it names none)
+    error: JournalCorruptError  # names ``stream#head``
+
+
+def _stream_row_of(stream_id: object, session_id: object, head: object) -> StreamInfo | DamagedStream:
+    """A stored stream row, checked: a value of another type is that stream's damage, named."""
+    try:
+        return StreamInfo(_text(stream_id), _text(session_id), _int(head))
+    except _StoredValueError as exc:
+        name = stream_id if type(stream_id) is str else repr(stream_id)
+        error = row_error(name, "head", f"the stream's row is damaged: {exc}")
+        error.__cause__ = exc
+        if type(session_id) is not str:  # stream ids are "<session>/<agent>", neither holding a "/"
+            session_id = name.partition("/")[0] if type(stream_id) is str and "/" in name else None
+        return DamagedStream(name, session_id, error)
 
 
 def _corrupt(path: str, exc: BaseException) -> JournalCorruptError:
@@ -759,23 +797,44 @@ class SQLiteStore(LaneStore):
             row = conn.execute(
                 "SELECT session_id, head FROM journal_streams WHERE stream_id=?", (stream_id,)
             ).fetchone()
-            return None if row is None else StreamInfo(stream_id, _text(row[0]), _int(row[1]))
+            if row is None:
+                return None
+            info = _stream_row_of(stream_id, row[0], row[1])
+            if isinstance(info, DamagedStream):
+                raise info.error
+            return info
 
         result: StreamInfo | None = await self._read(query)
         return result
 
     async def streams(self, session_id: str | None = None) -> list[StreamInfo]:
-        def query(conn: sqlite3.Connection) -> list[StreamInfo]:
+        """`JournalStore.streams`; a damaged stream row raises `JournalCorruptError` naming its stream."""
+        infos: list[StreamInfo] = []
+        for row in await self._listed_streams(session_id):
+            if isinstance(row, DamagedStream):
+                raise row.error
+            infos.append(row)
+        return infos
+
+    async def _listed_streams(self, session_id: str | None = None) -> list[StreamInfo | DamagedStream]:
+        """`streams`, a damaged row listed as a `DamagedStream` in its place (for ``journal show``,
+        which shows every other stream). A row whose session id is no text is one of the session
+        its stream id names: it cannot match the session id, so the range of those names is read too."""
+
+        def query(conn: sqlite3.Connection) -> list[StreamInfo | DamagedStream]:
             if session_id is None:
                 rows = conn.execute("SELECT stream_id, session_id, head FROM journal_streams ORDER BY stream_id")
             else:
+                # "<session>/" up to "<session>0" ("0" follows "/"): every "<session>/<agent>".
                 rows = conn.execute(
-                    "SELECT stream_id, session_id, head FROM journal_streams WHERE session_id=? ORDER BY stream_id",
-                    (session_id,),
+                    "SELECT stream_id, session_id, head FROM journal_streams WHERE session_id=? UNION ALL"
+                    " SELECT stream_id, session_id, head FROM journal_streams WHERE stream_id>=? AND stream_id<?"
+                    " AND typeof(session_id)<>'text' ORDER BY stream_id",
+                    (session_id, f"{session_id}/", f"{session_id}0"),
                 )
-            return [StreamInfo(_text(row[0]), _text(row[1]), _int(row[2])) for row in rows.fetchall()]
+            return [_stream_row_of(*row) for row in rows.fetchall()]
 
-        result: list[StreamInfo] = await self._read(query)
+        result: list[StreamInfo | DamagedStream] = await self._read(query)
         return result
 
     async def command(self, stream_id: str, command_id: str) -> CommandRecord | None:
@@ -786,7 +845,10 @@ class SQLiteStore(LaneStore):
             ).fetchone()
             if row is None:
                 return None
-            return CommandRecord(stream_id, command_id, _text(row[0]), _int(row[1]), _int(row[2]))
+            try:
+                return CommandRecord(stream_id, command_id, _text(row[0]), _int(row[1]), _int(row[2]))
+            except _StoredValueError as exc:
+                raise _command_damage(stream_id, exc) from exc
 
         result: CommandRecord | None = await self._read(query)
         return result
@@ -798,7 +860,12 @@ class SQLiteStore(LaneStore):
                 " AND first_seq>? ORDER BY first_seq",
                 (stream_id, _after(after)),
             ).fetchall()
-            return [CommandRecord(stream_id, _text(row[0]), _text(row[1]), _int(row[2]), _int(row[3])) for row in rows]
+            try:
+                return [
+                    CommandRecord(stream_id, _text(row[0]), _text(row[1]), _int(row[2]), _int(row[3])) for row in rows
+                ]
+            except _StoredValueError as exc:
+                raise _command_damage(stream_id, exc) from exc
 
         result: list[CommandRecord] = await self._read(query)
         return result
@@ -826,7 +893,12 @@ class SQLiteStore(LaneStore):
             row = conn.execute(
                 "SELECT owner, token, expires_at FROM journal_leases WHERE session_id=?", (session_id,)
             ).fetchone()
-            return None if row is None else Lease(session_id, _text(row[0]), _int(row[1]), _float(row[2]))
+            if row is None:
+                return None
+            try:
+                return Lease(session_id, _text(row[0]), _int(row[1]), _float(row[2]))
+            except _StoredValueError as exc:
+                raise _lease_damage(session_id, exc) from exc
 
         result: Lease | None = await self._read(query)
         return result
