@@ -224,6 +224,20 @@ _Q_UPDATE_LEASES: LiteralString = (
 )
 _Q_NOTIFY: LiteralString = "SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p"
 # The head comes with the rows (one statement, one snapshot) so a missing row is noticed, never skipped.
+_BIGINT_MIN, _BIGINT_MAX = -(2**63), 2**63 - 1
+"""PostgreSQL's bigint: a bound past it fails the statement ("bigint out of range")."""
+
+
+def _bigint(after: int) -> int:
+    """A ``seq > after`` bound in bigint's range, meaning the same: no seq lies past the largest."""
+    return max(_BIGINT_MIN, min(after, _BIGINT_MAX))
+
+
+def _bigint_limit(limit: int | None) -> int | None:
+    """A ``LIMIT`` in bigint's range (``None``: none): more rows than bigint counts is no limit."""
+    return None if limit is None or limit > _BIGINT_MAX else max(limit, 0)
+
+
 _Q_READ: LiteralString = (
     "SELECT s.head, e.seq, e.body, e.checksum FROM {s}.streams AS s LEFT JOIN LATERAL ("
     " SELECT seq, body, checksum FROM {s}.events AS ev WHERE ev.stream_id = s.stream_id AND ev.seq > %s"
@@ -1170,7 +1184,7 @@ class PostgresStore(LaneStore):
         query = self._q["_Q_READ"]
 
         def run(conn: _Conn) -> list[EventEnvelope]:
-            rows = conn.execute(query, (after, None if limit is None else max(limit, 0), stream_id)).fetchall()
+            rows = conn.execute(query, (_bigint(after), _bigint_limit(limit), stream_id)).fetchall()
             if not rows:
                 return []  # no stream row (its events, if any, are never read without a head)
             events = [(int(seq), body, int(checksum)) for _, seq, body, checksum in rows if seq is not None]
@@ -1227,7 +1241,7 @@ class PostgresStore(LaneStore):
         query = self._q["_Q_COMMANDS"]
 
         def run(conn: _Conn) -> list[CommandRecord]:
-            rows = conn.execute(query, (stream_id, after)).fetchall()
+            rows = conn.execute(query, (stream_id, _bigint(after))).fetchall()
             return [CommandRecord(stream_id, row[0], row[1], int(row[2]), int(row[3])) for row in rows]
 
         return await self._query(run)
