@@ -4,6 +4,7 @@ protocol's own models (the ``ag-ui-protocol`` package, a test dependency), and t
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import attrs
@@ -12,7 +13,7 @@ from ag_ui.core import Event as AgUiEventModel
 from ag_ui.core import Message as AgUiMessageModel
 from pydantic import TypeAdapter
 
-from trio_agent import ToolResult, chat, define_tool
+from trio_agent import ModelError, ToolResult, chat, define_tool
 from trio_agent.agui import (
     KEEP_ALIVE,
     TOOL_PROGRESS,
@@ -25,6 +26,7 @@ from trio_agent.agui import (
 )
 from trio_agent.agui import CustomEvent as WireCustomEvent
 from trio_agent.lifecycle import (
+    ChatMiddleware,
     CustomEvent,
     MessagesSnapshot,
     ReasoningContent,
@@ -317,6 +319,77 @@ def test_an_event_before_its_runs_run_started_comes_after_the_run_started() -> N
     ]
     assert wire[0] == {"type": "RUN_STARTED", "threadId": "t", "runId": "r"}
     assert wire[2] == {"type": "SUBAGENT_STARTED", "subagentRunId": "sub", "name": "helper"}
+
+
+class EmitsAfterTheEnd(ChatMiddleware):
+    """Emits from ``on_finish`` / ``on_error`` and from a deferred function: after the loop's
+    ``RunFinished`` / ``RunError``."""
+
+    async def on_start(self, ctx: Any) -> None:
+        async def flush() -> None:
+            await ctx.emit_custom("flushed", 1)
+
+        ctx.defer(flush)
+
+    async def on_finish(self, ctx: Any, *args: Any) -> None:
+        await ctx.emit_custom("metrics", {"done": True})
+
+    async def on_error(self, ctx: Any, *args: Any) -> None:
+        await ctx.emit_custom("metrics", {"failed": True})
+
+
+@pytest.mark.parametrize("fails", [False, True])
+async def test_nothing_follows_a_runs_terminal_event_and_what_would_is_logged(
+    fails: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A middleware's on_finish (on_error) and a deferred function emit after the loop sent its
+    # RunFinished (RunError): they were written after RUN_FINISHED, and an AG-UI client refuses
+    # the whole stream there ("The run has already finished").
+    reply = Reply(error=ModelError("down", retryable=False)) if fails else Reply(text="hi")
+    encoder = AgUiEncoder(thread_id="t")
+    wire: list[dict[str, Any]] = []
+    events: list[Any] = []
+    with caplog.at_level(logging.DEBUG, logger="trio_agent.agui"):
+        async with chat(TestModel(default=reply), "hi", middleware=[EmitsAfterTheEnd()]) as run:
+            async for event in run:
+                events.append(event)
+                wire.extend(valid(data) for data in encoder.wire(event))
+    end = "RUN_ERROR" if fails else "RUN_FINISHED"
+    assert [type(e).__name__ for e in events[-3:]] == [
+        "RunError" if fails else "RunFinished",
+        "CustomEvent",
+        "CustomEvent",
+    ]
+    assert wire[-1]["type"] == end and [d["type"] for d in wire].count(end) == 1
+    assert "CUSTOM" not in [d["type"] for d in wire]
+    dropped = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "trio_agent.agui"]
+    assert [level for level, _ in dropped] == ["WARNING", "DEBUG"]
+    assert dropped[0][1].startswith("CustomEvent of run ") and "came after the run's end" in dropped[0][1]
+
+
+def test_once_the_root_run_ended_nothing_follows_and_a_subagents_end_is_its_last() -> None:
+    encoder = AgUiEncoder(thread_id="t", run_id="r")
+    events = [
+        RunStarted("r", "a", "t"),
+        RunStarted("sub", "helper", "t"),
+        RunFinished("sub", "helper", "end_turn", ""),
+        CustomEvent("sub", "helper", "late", 1),  # the subagent's, after its end
+        RunStarted("bg", "helper", "t"),
+        CustomEvent("r", "a", "on", 2),  # the root's, while a subagent runs: kept
+        RunFinished("r", "a", "end_turn", ""),
+        CustomEvent("bg", "helper", "after the root", 3),  # the stream has ended
+        RunFinished("r", "a", "end_turn", "again"),
+        RunError("bg", "helper", "boom"),
+    ]
+    wire = [valid(data) for event in events for data in encoder.wire(event)]
+    assert [(d["type"], d.get("subagentRunId")) for d in wire] == [
+        ("RUN_STARTED", None),
+        ("SUBAGENT_STARTED", "sub"),
+        ("SUBAGENT_FINISHED", "sub"),
+        ("SUBAGENT_STARTED", "bg"),
+        ("CUSTOM", None),
+        ("RUN_FINISHED", None),
+    ]
 
 
 def test_an_aborted_run_is_cancelled() -> None:

@@ -306,6 +306,104 @@ async def test_a_failure_to_write_an_event_is_one_run_error_and_the_stream_ends(
     assert app.state.agui.runs == {}
 
 
+class AfterTheEnd(ChatMiddleware):
+    """Emits from ``on_finish`` / ``on_error`` and a deferred function (after the loop's end event);
+    with ``fail``, its ``on_finish`` raises after emitting."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.fail = fail
+
+    async def on_start(self, ctx: Any) -> None:
+        async def flush() -> None:
+            await ctx.emit_custom("flushed", 1)
+
+        ctx.defer(flush)
+
+    async def on_finish(self, ctx: Any, *args: Any) -> None:
+        await ctx.emit_custom("finished", 2)
+        if self.fail:
+            raise RuntimeError("metrics backend down")
+
+    async def on_error(self, ctx: Any, *args: Any) -> None:
+        await ctx.emit_custom("failed", 3)
+
+
+def ends_once(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The stream's terminal event, checked to be its one and last (AG-UI refuses anything after it)."""
+    terminal = [index for index, e in enumerate(events) if e["type"] in ("RUN_FINISHED", "RUN_ERROR")]
+    assert terminal == [len(events) - 1], [e["type"] for e in events]
+    return events[-1]
+
+
+@pytest.mark.parametrize(
+    ("model", "end", "customs"),
+    [
+        (TestModel(default=Reply(text="hi")), "RUN_FINISHED", ["finished", "flushed"]),
+        (TestModel(default=Reply(error=ta.ModelError("down", retryable=False))), "RUN_ERROR", ["failed", "flushed"]),
+        (TestModel(respond=respond), "RUN_FINISHED", ["flushed"]),  # a pause: no terminal hook
+    ],
+)
+async def test_what_a_run_emits_after_its_end_comes_before_its_terminal_event(
+    model: TestModel, end: str, customs: list[str]
+) -> None:
+    # It was written after RUN_FINISHED / RUN_ERROR, and an AG-UI client refuses the stream there.
+    app = create_app(model, auth=local_only, tools=[add], permissions={"ask": ["add"]}, middleware=[AfterTheEnd()])
+    async with running(app) as client:
+        events = await post_run(client, body())
+    assert ends_once(events)["type"] == end
+    assert [e["name"] for e in events if e["type"] == "CUSTOM"] == customs
+
+
+async def test_an_error_after_the_runs_end_is_logged_not_a_second_terminal_event(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # An on_finish that raised (run.result() raises it) came as a RUN_ERROR after RUN_FINISHED.
+    app = create_app(TestModel(default=Reply(text="hi")), auth=local_only, middleware=[AfterTheEnd(fail=True)])
+    async with running(app) as client:
+        events = await post_run(client, body())
+    finished = ends_once(events)
+    assert finished["type"] == "RUN_FINISHED" and finished["outcome"] == {"type": "success"}
+    assert finished["result"]["text"] == "hi"
+    (logged,) = [r for r in caplog.records if r.name == "trio_agent.web"]
+    assert logged.levelname == "WARNING" and "failed after it finished" in logged.getMessage()
+    assert "metrics backend down" in logged.getMessage()
+
+
+async def test_a_pause_is_kept_before_its_run_finished_reaches_the_client() -> None:
+    # The pause was kept only after the run's last deferred function: a client answering as soon
+    # as it read RUN_FINISHED (as the page does a client tool) got 409 nothing_to_resume.
+    flushing, release = trio.Event(), trio.Event()
+
+    class Deferring(ChatMiddleware):
+        async def on_start(self, ctx: Any) -> None:
+            async def flush() -> None:  # telemetry flushed once the run ended
+                flushing.set()
+                await release.wait()
+
+            ctx.defer(flush)
+
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], middleware=[Deferring()])
+    tool = {"name": "where_am_i", "parameters": {"type": "object"}}
+    answered: list[list[dict[str, Any]]] = []
+    async with running(app) as client, trio.open_nursery() as nursery:
+
+        async def release_once_all_wait() -> None:
+            await flushing.wait()
+            await trio.testing.wait_all_tasks_blocked()  # the client read whatever it was sent
+            release.set()
+
+        nursery.start_soon(release_once_all_wait)
+        async with client.stream("POST", "/runs", json=body("locate me", tools=[tool])) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and '"RUN_FINISHED"' in line:
+                    assert "t1" in app.state.agui.paused
+                    (interrupt,) = json.loads(line[6:])["outcome"]["interrupts"]
+                    answer = [{"interruptId": interrupt["id"], "status": "resolved", "payload": "Lisbon"}]
+                    answered.append(await post_run(client, body(run="r2", tools=[tool], resume=answer)))
+    (resumed,) = answered
+    assert "".join(e["delta"] for e in resumed if e["type"] == "TEXT_MESSAGE_CONTENT") == "result: Lisbon"
+
+
 async def test_a_client_tool_pauses_the_run_for_its_output() -> None:
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
     tool = {"name": "where_am_i", "description": "the browser's location", "parameters": {"type": "object"}}

@@ -30,11 +30,20 @@ Rules
   counterpart) is ``CUSTOM`` named ``trio_agent.tool_progress``.
 * ``MessagesSnapshot`` is ``MESSAGES_SNAPSHOT``, a message's id its position
   (``m0``, ``m1`` ...; reasoning parts are left out).
+* A run's terminal event is its last: AG-UI refuses a stream with anything after
+  ``RUN_FINISHED`` / ``RUN_ERROR``. So once the root run has ended, every later event
+  (of any run) is dropped, and once a subagent's run has ended, its own later events
+  are: a middleware's ``on_finish`` / ``on_error`` or a deferred function may emit
+  after the loop sent its ``RunFinished`` / ``RunError``. The first event dropped of a
+  run is logged (WARNING, on ``trio_agent.agui``), the rest at DEBUG. A host that
+  wants such events delivered holds the root run's terminal event back until the
+  run's events end and encodes it last (the web endpoint does).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -75,6 +84,8 @@ from . import _wire as w
 __all__ = ["AgUiEncoder", "interrupt_to_agui", "messages_to_agui", "usage_to_agui"]
 
 TOOL_PROGRESS = "trio_agent.tool_progress"
+
+logger = logging.getLogger("trio_agent.agui")
 
 
 def messages_to_agui(messages: Iterable[Message]) -> tuple[w.AgUiMessage, ...]:
@@ -143,7 +154,8 @@ class AgUiEncoder:
 
     ``encode(event)`` gives the AG-UI events for one loop event (none, one or two),
     in order; `to_wire` gives their JSON. Keep one encoder per stream: it remembers
-    the root run and each run's usage.
+    the root run, each run's usage and the runs that ended (their later events are
+    dropped: see the module rules).
     """
 
     def __init__(self, *, thread_id: str, run_id: str | None = None) -> None:
@@ -152,7 +164,10 @@ class AgUiEncoder:
         self._usage: dict[str, list[Usage]] = {}
         self._reasoning: dict[tuple[str, str], str] = {}  # (run id, message id) -> its open reasoning message
         self._reasoning_ids = itertools.count(1)
-        self._started: set[str] = set()  # the runs opened on the wire (RUN_STARTED / SUBAGENT_STARTED)
+        self._started: set[str] = set()  # the runs open on the wire (RUN_STARTED / SUBAGENT_STARTED), not ended
+        self._ended: set[str] = set()  # the runs that sent their terminal event
+        self._dropped: set[str] = set()  # the runs whose late events were dropped (and said so)
+        self._closed = False  # the root run ended: so did the stream
 
     def _sub(self, run_id: str) -> str | None:
         if self.run_id is None:
@@ -160,10 +175,13 @@ class AgUiEncoder:
         return None if run_id == self.run_id else run_id
 
     def encode(self, event: RunEvent) -> list[w.AgUiEvent]:
-        sub = self._sub(event.run_id)
-        if event.run_id in self._started:
-            return self._encode(event, sub)
-        self._started.add(event.run_id)  # its first event, RunStarted or not, opens it on the wire
+        run_id = event.run_id
+        if run_id in self._started:
+            return self._encode(event, self._sub(run_id))
+        if self._closed or run_id in self._ended:
+            return self._late(event)
+        sub = self._sub(run_id)
+        self._started.add(run_id)  # its first event, RunStarted or not, opens it on the wire
         opened: w.AgUiEvent = (
             w.RunStartedEvent(thread_id=self.thread_id, run_id=event.run_id)
             if sub is None
@@ -179,7 +197,7 @@ class AgUiEncoder:
                 return [self._finished(event, sub)]
             case RunError():
                 self._usage.pop(event.run_id, None)
-                self._end_run(event.run_id)
+                self._end_run(event.run_id, sub)
                 if sub is None:
                     return [w.RunErrorEvent(message=event.message, code=event.code)]
                 return [w.SubagentErrorEvent(subagent_run_id=sub, message=event.message, code=event.code)]
@@ -255,13 +273,35 @@ class AgUiEncoder:
         ``:reasoning`` rather than the text's id)."""
         return self._reasoning.get((run_id, message_id), f"{message_id}:reasoning")
 
-    def _end_run(self, run_id: str) -> None:
-        """Forget a run's reasoning blocks left open (it ended inside one)."""
+    def _end_run(self, run_id: str, sub: str | None) -> None:
+        """The run sent its terminal event: nothing of it follows (nothing at all, for the root).
+        Forget its reasoning blocks left open (it ended inside one)."""
+        self._ended.add(run_id)
+        if sub is None:  # the root's end is the stream's: no run is open on it any more
+            self._closed = True
+            self._started.clear()
+        else:
+            self._started.discard(run_id)
         for key in [key for key in self._reasoning if key[0] == run_id]:
             del self._reasoning[key]
 
+    def _late(self, event: RunEvent) -> list[w.AgUiEvent]:
+        """Nothing for an event after its run's end (or the root run's): AG-UI refuses it there."""
+        first = event.run_id not in self._dropped
+        self._dropped.add(event.run_id)
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "%s of run %r came after %s on the AG-UI stream of thread %r: dropped%s",
+            type(event).__name__,
+            event.run_id,
+            "the run's end" if event.run_id in self._ended else f"the end of run {self.run_id!r}",
+            self.thread_id,
+            " (and so is anything more of it)" if first else "",
+        )
+        return []
+
     def _finished(self, event: RunFinished, sub: str | None) -> w.AgUiEvent:
-        self._end_run(event.run_id)
+        self._end_run(event.run_id, sub)
         usage = usage_to_agui(self._usage.pop(event.run_id, []))
         interrupts = tuple(interrupt_to_agui(interrupt, sub) for interrupt in event.interrupts)
         result: dict[str, Any] = {"stopReason": event.outcome, "text": event.text}

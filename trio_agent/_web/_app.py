@@ -12,6 +12,11 @@ Rules
   its JSON path) or ``invalid_answers``, 409 ``run_in_progress`` (a run id already
   running) or ``nothing_to_resume``. Once streaming, a failure is one ``RUN_ERROR``
   event and the stream ends.
+* A stream has one terminal event (``RUN_FINISHED`` or ``RUN_ERROR``), its last: the
+  run's own is held back until the run has ended (its terminal hooks and deferred
+  functions ran), so what they emit comes before it and a pause is kept before its
+  client reads it. An error after the run finished (an ``on_finish`` that raised) is
+  logged, not sent; a pause that cannot be kept ends the stream with ``RUN_ERROR``.
 * A run is one ``chat()`` run of the app's agent: the input's messages are its
   history, the input's tools are client tools (the run pauses for their output), the
   app's tools run on the server. It is SDK-owned work: a client that disconnects
@@ -67,6 +72,7 @@ from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedEr
 from .._journal._sqlite import open_sqlite_store
 from .._journal._store import JournalStore
 from .._lifecycle._interrupts import PausedRun, check_signing_key
+from .._loop._events import RunError, RunFinished
 from .._loop._interrupts import ClientTool, InterruptResumeError, validate_answers
 from .._models._messages import UserMessage
 from .._session._spec import AgentSpec, define_agent
@@ -257,13 +263,19 @@ class _RunStream(Response):
     async def _run(self, abort: AbortHandle, frames: trio.MemorySendChannel[bytes]) -> None:
         run_input = self.run_input
         encoder = AgUiEncoder(thread_id=run_input.thread_id, run_id=run_input.run_id)
-        failed = False
+        # The run's RunFinished / RunError, held back until the run has ended: what it emits after
+        # it (on_finish, on_error, a deferred function) goes out before it, AG-UI's last event, and
+        # a pause is kept before its client reads RUN_FINISHED and may answer it.
+        end: RunFinished | RunError | None = None
+        failure: Exception | None = None
         async with frames:
             try:
                 async with self.start(abort) as run:
                     async for event in run:
+                        if isinstance(event, (RunFinished, RunError)) and event.run_id == run_input.run_id:
+                            end = event
+                            continue
                         for data in encoder.wire(event):
-                            failed = failed or data["type"] == "RUN_ERROR"
                             await frames.send(sse_event(data))
                     result = await run.result()
                 if result.paused is not None:
@@ -271,19 +283,46 @@ class _RunStream(Response):
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return  # the client is gone: leaving the block aborted the run
             except Exception as exc:
-                # Whatever failed (the run, or writing an event of it: an encoder's bug), the stream
-                # says so and ends: an error let out of here would leave the client with no end.
-                if failed:  # the loop reported its own failure; this one happened around it
-                    return
-                if isinstance(exc, TrioAgentError):
-                    message, code = str(exc), error_code(exc) or "run_failed"
-                else:
-                    logger.exception("run %r of thread %r failed", run_input.run_id, run_input.thread_id)
-                    message, code = f"the run failed: {type(exc).__name__}: {exc}", "run_failed"
-                try:
-                    await frames.send(sse_event(to_wire(RunErrorEvent(message=message, code=code))))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return
+                failure = exc
+            try:
+                for data in self._ending(encoder, end, failure):
+                    await frames.send(sse_event(data))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+
+    def _ending(
+        self, encoder: AgUiEncoder, end: RunFinished | RunError | None, failure: Exception | None
+    ) -> list[dict[str, Any]]:
+        """The stream's one terminal event: the run's own, unless it cannot be: a pause that was not
+        kept cannot be answered, and a run that failed without saying so, or whose end cannot be
+        written, fails. An error after the run's own end (an ``on_finish`` that failed) is logged."""
+        run_input = self.run_input
+        if isinstance(end, RunFinished) and failure is not None:
+            if end.outcome == "interrupt":
+                end = None  # the pause was not kept: RUN_ERROR, below, not an interrupt nobody can answer
+            else:
+                logger.warning(
+                    "run %r of thread %r failed after it finished (its RUN_FINISHED is the stream's end): %s",
+                    run_input.run_id,
+                    run_input.thread_id,
+                    failure,
+                    exc_info=failure,
+                )
+        if end is not None:
+            try:
+                return encoder.wire(end)
+            except Exception as exc:  # an encoder's bug: the stream still ends, with the error
+                failure = exc
+        if failure is None:  # pragma: no cover - the loop always ends a run it did not fail with its end
+            failure = RuntimeError("the run ended without its end")
+        if isinstance(failure, TrioAgentError):
+            message, code = str(failure), error_code(failure) or "run_failed"
+        else:
+            # Whatever failed (the run, keeping its pause, writing an event of it: an encoder's bug), the
+            # stream says so and ends: an error let out of here would leave the client with no end.
+            logger.error("run %r of thread %r failed", run_input.run_id, run_input.thread_id, exc_info=failure)
+            message, code = f"the run failed: {type(failure).__name__}: {failure}", "run_failed"
+        return [to_wire(RunErrorEvent(message=message, code=code))]
 
 
 _BATCH = 64 * 1024  # bytes of ready frames written in one piece
