@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from typing import Any
 
 import attrs
@@ -294,6 +295,39 @@ def test_json_value_never_fails_on_a_value_that_contains_itself_nests_deeply_or_
     assert cut == "<list nested more than 200 levels deep>"
     valid(to_wire(WireCustomEvent(name="n", value=written)))
     sse_event(to_wire(WireCustomEvent(name="n", value=written)))
+
+
+def test_an_int_too_long_to_print_is_written_as_text_in_every_path_that_takes_any_value() -> None:
+    # json_value passed it on as a number, and json.dumps then refused it (ValueError: the
+    # interpreter's limit on int-to-text conversion): the frame, and so the run, failed.
+    from trio_agent import ToolProgressEvent, ToolUseEvent
+    from trio_agent._agui._session_encode import SessionAgUiEncoder
+
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(4300)
+    try:
+        big, fits = 10**4300, 10**4299  # 4301 digits, one more than may be printed; 4300
+        said = "<int with more than 4300 digits>"
+        assert json_value({"n": big, "ok": fits, "items": [-big, True, 7], big: 1}) == {
+            "n": said,
+            "ok": fits,
+            "items": [said, True, 7],
+            said: 1,  # a key too
+        }
+        encoder = AgUiEncoder(thread_id="t", run_id="r")
+        loop = [RunStarted("r", "a", "t"), CustomEvent("r", "a", "n", big), ToolCallProgress("r", "a", "c", [big])]
+        wire = [data for event in loop for data in encoder.wire(event)]
+        session = SessionAgUiEncoder(thread_id="t", run_id="r", root_agent_id="a")
+        wire += [to_wire(out) for out in session.encode(ToolUseEvent("a", "c", "count", {"n": big}))]
+        wire += [to_wire(out) for out in session.encode(ToolProgressEvent("a", "c", {"n": big}))]
+        frames = [sse_event(valid(data)) for data in wire]  # every frame can be written
+        calls = ["TOOL_CALL_START", "TOOL_CALL_ARGS", "TOOL_CALL_END"]
+        assert [data["type"] for data in wire[1:]] == ["CUSTOM", "CUSTOM", *calls, "CUSTOM"]
+        assert wire[1]["value"] == said and wire[2]["value"]["item"] == [said]
+        assert json.loads(wire[4]["delta"]) == {"n": said} and wire[6]["value"]["item"] == {"n": said}
+        assert len(frames) == 7
+    finally:
+        sys.set_int_max_str_digits(limit)
 
 
 def test_an_event_before_its_runs_run_started_comes_after_the_run_started() -> None:

@@ -4,6 +4,7 @@ httpx the way a client would; every event checked against the AG-UI protocol's m
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -282,6 +283,20 @@ async def test_a_custom_value_that_contains_itself_or_nests_deeply_is_written_an
     for _ in range(199):
         cut = cut["k"]
     assert cut == "<dict nested more than 200 levels deep>"
+
+
+async def test_a_custom_value_holding_an_int_too_long_to_print_is_written_and_the_run_goes_on() -> None:
+    # json.dumps refused it (past the interpreter's int-to-text limit): the run failed at its first event.
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(4300)
+    try:
+        app = create_app(TestModel(default=Reply(text="hi")), auth=local_only, middleware=[EmitsOnStart(10**5000)])
+        async with running(app) as client:
+            events = await post_run(client, body())
+    finally:
+        sys.set_int_max_str_digits(limit)
+    assert events[1] == {"type": "CUSTOM", "name": "progress", "value": "<int with more than 4300 digits>"}
+    assert ends_once(events)["outcome"] == {"type": "success"}
 
 
 async def test_a_failure_to_write_an_event_is_one_run_error_and_the_stream_ends(

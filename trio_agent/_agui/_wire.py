@@ -15,13 +15,16 @@ Rules
   attrs value through its fields, anything else as its ``str`` (a wire event is
   never refused for an odd value a hook put there); a container that contains
   itself is written as its ``str`` where it repeats, and nesting past
-  `MAX_JSON_DEPTH` (200) is cut there.
+  `MAX_JSON_DEPTH` (200) is cut there. An int too long for the interpreter to
+  print (more than ``sys.get_int_max_str_digits()`` digits, 4300 by default:
+  ``json.dumps`` raises on it) is written as a string saying so.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeAlias
 
@@ -379,7 +382,9 @@ def _camel(name: str) -> str:
 def json_value(value: object) -> Any:
     """``value`` as JSON data: JSON as it is, attrs values and mappings by their fields,
     sequences item by item, an enum by its value, anything else (and a non-finite
-    number) as its ``str`` (or, if its ``str`` raises, its type's name in ``<>``).
+    number) as its ``str`` (or, if its ``str`` raises, its type's name in ``<>``); an
+    int with more digits than the interpreter prints (``sys.get_int_max_str_digits()``)
+    as ``"<int with more than N digits>"``.
 
     Never fails and stays bounded: a container that contains itself is written as its
     ``str`` where it comes round again, and containers nested past `MAX_JSON_DEPTH`
@@ -390,7 +395,11 @@ def json_value(value: object) -> Any:
 
 def _json_value(value: object, depth: int, inside: set[int]) -> Any:
     if value is None or isinstance(value, (bool, str, int)):
-        return value.value if isinstance(value, enum.Enum) else value
+        if isinstance(value, enum.Enum):
+            value = value.value
+        if isinstance(value, int) and value.bit_length() > _PRINTABLE_BITS:
+            return _long_int(value)
+        return value
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, enum.Enum):
@@ -414,6 +423,25 @@ def _json_value(value: object, depth: int, inside: set[int]) -> Any:
         inside.discard(id(value))
 
 
+_PRINTABLE_BITS = 2_000
+"""An int of at most this many bits has at most 603 digits: printable whatever the interpreter's
+limit on int-to-text conversion (``sys.set_int_max_str_digits``: 0, or at least 640)."""
+
+
+def _long_int(value: int) -> int | str:
+    """*value* if ``json.dumps`` can print it, else a string saying what it is: past the interpreter's
+    limit on int-to-text conversion (`sys.get_int_max_str_digits`) printing it raises."""
+    try:
+        int.__repr__(value)
+    except ValueError:
+        return _too_long()
+    return value
+
+
+def _too_long() -> str:
+    return f"<int with more than {sys.get_int_max_str_digits()} digits>"
+
+
 def _text(value: object) -> str:
     """``str(value)``; a ``__str__`` that raises (or recurses without end) gives the type's name."""
     if isinstance(value, str):
@@ -421,7 +449,7 @@ def _text(value: object) -> str:
     try:
         return str(value)
     except Exception:
-        return f"<{type(value).__name__}>"
+        return _too_long() if type(value) is int else f"<{type(value).__name__}>"
 
 
 _WIRE = frozenset(value for value in list(globals().values()) if isinstance(value, type) and attrs.has(value))
