@@ -591,11 +591,16 @@ async def test_ids_follow_the_session_id_rules_so_every_run_can_be_addressed() -
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
     async with running(app) as client:
         # 'run/1' could never be stopped: /runs/{run_id}/abort does not match a '/'.
-        for key, bad in (("run", "run/1"), ("run", "r\n1"), ("thread", "team/alpha"), ("thread", "x" * 201)):
+        # '.' and '..' could never be reached either: a URL client removes such a path segment.
+        ids = [("run", "run/1"), ("run", "r\n1"), ("thread", "team/alpha"), ("thread", "x" * 201)]
+        ids += [(key, dots) for key in ("run", "thread") for dots in (".", "..")]
+        for key, bad in ids:
             reply = await client.post("/runs", json=body(**{key: bad}))
             field = "$.runId" if key == "run" else "$.threadId"
             assert reply.status_code == 422 and reply.json()["error"] == "invalid_input"
             assert reply.json()["problems"][0].startswith(f"{field}: ") and "must" in reply.json()["problems"][0]
+        events = await post_run(client, body(run="...", thread="t."))  # only the dot segments are refused
+        assert events[0]["runId"] == "..." and events[-1]["outcome"] == {"type": "success"}
 
 
 async def test_a_number_that_is_not_finite_is_refused_with_its_path() -> None:

@@ -6,7 +6,8 @@ Rules
 * The body is one JSON object with AG-UI's camelCase keys: ``threadId``, ``runId``
   (ids by the rules of a session id, `validate_id`: non-empty text of at most 200
   characters, no ``/``, no control character, no lone surrogate; a thread id is a
-  session id, and either may be a path segment: ``/runs/{runId}/abort``), ``messages``
+  session id, and either may be a path segment: ``/runs/{runId}/abort``, so neither
+  may be ``.`` or ``..``, which a URL client removes from a path), ``messages``
   (each with ``id`` and ``role``: ``user``, ``system``, ``developer``, ``assistant``
   with optional ``toolCalls``, ``tool`` with ``toolCallId``; ``reasoning`` and
   ``activity`` messages are accepted and left out of the history), optional ``tools`` (the client's own tools: ``name``,
@@ -118,10 +119,14 @@ class _Reader:
         if value is None:
             return None
         try:
-            return validate_id(value, name=key)
+            value = validate_id(value, name=key)
         except ConfigError as exc:
             self.fail(f"$.{key}", str(exc))
             return None
+        if value in (".", ".."):
+            self.fail(f"$.{key}", f"{key} must not be {value!r}: URL clients remove such a path segment")
+            return None
+        return value
 
     def content(self, data: Mapping[str, Any], path: str) -> str | None:
         value = data.get("content")
