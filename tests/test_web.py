@@ -603,6 +603,60 @@ async def test_ids_follow_the_session_id_rules_so_every_run_can_be_addressed() -
         assert events[0]["runId"] == "..." and events[-1]["outcome"] == {"type": "success"}
 
 
+def call(call_id: str, name: str = "add") -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+USER = {"id": "u1", "role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"tools": [{"name": "x"}, {"name": "y"}, {"name": "x"}]}, "$.tools[2].name: 'x' is the name of $.tools[0]"),
+        (
+            {"messages": [USER, {"id": "t", "role": "tool", "toolCallId": "nope", "content": "x"}, USER]},
+            "$.messages[1]: this message answers tool call 'nope', which is not an unanswered call",
+        ),
+        (
+            {
+                "messages": [
+                    USER,
+                    {"id": "a", "role": "assistant", "toolCalls": [call("c1"), call("c1")]},
+                    {"id": "t", "role": "tool", "toolCallId": "c1", "content": "x"},
+                    USER,
+                ]
+            },
+            "$.messages[1]: tool call id 'c1' is used twice",
+        ),
+        (
+            {
+                "messages": [
+                    {"id": "r", "role": "reasoning", "content": "hm"},  # left out: the paths still count it
+                    USER,
+                    {"id": "a", "role": "assistant", "toolCalls": [call("c1")]},
+                    USER,
+                ]
+            },
+            "$.messages[3]: tool call(s) 'c1' of the assistant message before it are not answered",
+        ),
+        ({"messages": [USER, {"id": "a", "role": "assistant", "toolCalls": [call("c1")]}]}, "$.messages[1]: tool call"),
+        ({"messages": [{"id": "s", "role": "system", "content": "be nice"}, USER]}, "$.messages[0]: this message is"),
+    ],
+)
+async def test_client_input_a_run_would_refuse_is_a_422_before_the_stream(change: dict[str, Any], problem: str) -> None:
+    # These passed the door and failed the run once streaming: a 200 with RUN_ERROR run_failed.
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
+    async with running(app) as client:
+        refused = await client.post("/runs", json={**body(), **change})
+        assert refused.status_code == 422 and refused.json()["error"] == "invalid_input"
+        (said,) = refused.json()["problems"]
+        assert said.startswith(problem), said
+        events = await post_run(client, body())  # the same runId: nothing of it was taken
+        assert events[-1]["outcome"] == {"type": "success"}
+    assert app.state.agui.runs == {}
+
+
 async def test_a_number_that_is_not_finite_is_refused_with_its_path() -> None:
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[add])
     async with running(app) as client:

@@ -378,6 +378,36 @@ async def test_a_thread_needs_a_new_user_message_and_the_app_its_lifespan(tmp_pa
         assert reply.status_code == 503 and reply.json()["error"] == "threads_unavailable"
 
 
+async def test_a_message_a_thread_cannot_take_is_refused_before_the_stream_and_its_run_id_stays_free(
+    tmp_path: Path,
+) -> None:
+    # The session refused it once streaming (RUN_ERROR run_failed), and the failed run kept its
+    # runId: posting it again replayed the failure.
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "t.db")
+    async with running(app) as client:
+        reasoning = {"id": "x", "role": "reasoning", "content": "hm"}
+        for content, at in (
+            ("", 0),
+            ("   ", 0),
+            ([{"type": "binary", "mimeType": "image/png", "data": "AAAA"}], 0),
+            ([{"type": "text", "text": ""}], 0),
+        ):
+            payload = body()
+            payload["messages"] = [reasoning] * at + [{"id": "u1", "role": "user", "content": content}]
+            refused = await client.post("/runs", json=payload)
+            assert refused.status_code == 422 and refused.json()["error"] == "invalid_input", content
+            (problem,) = refused.json()["problems"]
+            assert problem.startswith(f"$.messages[{at}].content: a prompt must be a non-empty string"), problem
+        payload = body()
+        payload["messages"].insert(0, reasoning)
+        payload["messages"][-1]["content"] = ""
+        refused = await client.post("/runs", json=payload)
+        assert refused.json()["problems"][0].startswith("$.messages[1].content: ")  # named by its own path
+        async with client.stream("POST", "/runs", json=body()) as response:  # the same runId, now runs
+            events = await read(response)
+        assert events[-1]["outcome"] == {"type": "success"} and texts(events) == "result: 3"
+
+
 async def test_a_follower_that_keeps_up_copies_each_frame_once() -> None:
     # LiveRun.since copied the whole kept window on every wake-up, and a follower that keeps up
     # wakes once per frame: following a run of n frames read n*n/2 of them, on the event loop.

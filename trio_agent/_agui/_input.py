@@ -10,8 +10,9 @@ Rules
   may be ``.`` or ``..``, which a URL client removes from a path), ``messages``
   (each with ``id`` and ``role``: ``user``, ``system``, ``developer``, ``assistant``
   with optional ``toolCalls``, ``tool`` with ``toolCallId``; ``reasoning`` and
-  ``activity`` messages are accepted and left out of the history), optional ``tools`` (the client's own tools: ``name``,
-  ``description``, ``parameters``), ``context`` (``{description, value}``, both
+  ``activity`` messages are accepted and left out of the history), optional ``tools``
+  (the client's own tools: ``name``, each name once, ``description``,
+  ``parameters``), ``context`` (``{description, value}``, both
   strings: checked, not used), ``state``, ``forwardedProps``, ``parentRunId``,
   ``protocolVersion`` (a string) and ``resume`` (``interruptId``, ``status``
   ``resolved`` | ``cancelled``, ``payload``). Unknown keys are ignored (the
@@ -20,6 +21,9 @@ Rules
   finite (a literal too large for a float, such as ``1e400``, reads as infinity; JSON
   has no infinity, and no model, journal or client could take it).
 * Content given as a list of parts keeps its text parts, joined.
+* Whether the messages are a conversation a run can start from is the host's to ask
+  (`check_history`, what ``chat()`` checks): a host that reads only the last message
+  (a thread backed by a session) does not.
 * Answers: ``cancelled`` is `Cancel`; ``resolved`` answers an approval with
   ``payload.approved`` (``true``: `Approve`, with ``payload.editedArgs`` if given;
   ``false``: `Reject` with ``payload.message``) and anything else with `Respond`
@@ -38,7 +42,7 @@ from typing import Any
 import attrs
 
 from .._config import validate_id
-from .._errors import ConfigError
+from .._errors import ConfigError, HistoryError
 from .._loop._interrupts import (
     Approve,
     Cancel,
@@ -53,6 +57,7 @@ from .._loop._interrupts import (
     define_client_tool,
 )
 from .._models._assemble import JSONTextError, parse_json_value
+from .._models._history import validate_history
 from .._models._messages import (
     AssistantMessage,
     Message,
@@ -63,7 +68,7 @@ from .._models._messages import (
     UserMessage,
 )
 
-__all__ = ["InputError", "ResumeEntry", "RunInput", "answers_for", "parse_run_input"]
+__all__ = ["InputError", "ResumeEntry", "RunInput", "answers_for", "check_history", "parse_run_input"]
 
 
 class InputError(ConfigError):
@@ -93,6 +98,9 @@ class RunInput:
     state: Any = None
     forwarded_props: Any = None
     parent_run_id: str | None = None
+    message_index: tuple[int, ...] = ()
+    """Where each of ``messages`` is in the input's ``messages`` (the ones left out of the history
+    take no place), so a problem found later can name it by its JSON path."""
 
 
 class _Reader:
@@ -227,6 +235,35 @@ def _resume(reader: _Reader, data: object, path: str) -> ResumeEntry | None:
     return None if interrupt_id is None else ResumeEntry(interrupt_id, status, data.get("payload"))
 
 
+def _unique_names(reader: _Reader, tools: Sequence[ClientTool | None]) -> None:
+    """Two client tools of one name: a run could not tell which the model called."""
+    first: dict[str, int] = {}
+    for index, tool in enumerate(tools):
+        if tool is None:
+            continue
+        seen = first.setdefault(tool.name, index)
+        if seen != index:
+            reader.fail(f"$.tools[{index}].name", f"{tool.name!r} is the name of $.tools[{seen}] already")
+
+
+def check_history(run_input: RunInput) -> None:
+    """`InputError` if the input's messages are not a conversation a run can start from: the check
+    ``chat()`` makes of a history (`validate_history`: it starts with a user message, no system
+    message, each tool call answered by the tool results right after it, once, call ids unique),
+    the message at fault named by its place in ``$.messages``."""
+    try:
+        validate_history(run_input.messages)
+    except HistoryError as exc:
+        where, said = "$.messages", str(exc)
+        if exc.index is not None:  # named by its own path: "history[i]" counts no left-out message
+            where = f"$.messages[{run_input.message_index[exc.index]}]"
+            head = f"history[{exc.index}]"
+            said = said.removeprefix(f"{head}: ")
+            if said.startswith(f"{head} "):
+                said = "this message" + said.removeprefix(head)
+        raise InputError([f"{where}: {said}"]) from None
+
+
 def _context(reader: _Reader, data: object, path: str) -> None:
     """One ``context`` item: ``{description, value}``, both strings (read, not kept: the app's
     own instructions say what a run knows)."""
@@ -285,6 +322,7 @@ def parse_run_input(data: object) -> RunInput:
     tools = [_tool(reader, item, f"$.tools[{i}]") for i, item in enumerate(lists["tools"])]
     for index, item in enumerate(lists["context"]):
         _context(reader, item, f"$.context[{index}]")
+    _unique_names(reader, tools)
     resume = [_resume(reader, item, f"$.resume[{i}]") for i, item in enumerate(lists["resume"])]
     reader.problems.extend(_non_finite(data))
     if reader.problems:
@@ -294,6 +332,7 @@ def parse_run_input(data: object) -> RunInput:
         thread_id=thread_id,
         run_id=run_id,
         messages=tuple(m for m in messages if m is not None),
+        message_index=tuple(index for index, m in enumerate(messages) if m is not None),
         tools=tuple(t for t in tools if t is not None),
         resume=tuple(r for r in resume if r is not None),
         state=data.get("state"),

@@ -63,7 +63,7 @@ from starlette.types import Receive, Scope, Send
 
 from .._abort import AbortHandle, AbortReason
 from .._agui._encode import AgUiEncoder, messages_to_agui
-from .._agui._input import InputError, RunInput, answers_for, parse_run_input
+from .._agui._input import InputError, RunInput, answers_for, check_history, parse_run_input
 from .._agui._sse import CONTENT_TYPE, KEEP_ALIVE, sse_event
 from .._agui._wire import MessagesSnapshotEvent, RunErrorEvent, to_wire
 from .._chat._chat import chat
@@ -75,6 +75,7 @@ from .._lifecycle._interrupts import PausedRun, check_signing_key
 from .._loop._events import RunError, RunFinished
 from .._loop._interrupts import ClientTool, InterruptResumeError, validate_answers
 from .._models._messages import UserMessage
+from .._session._requests import RequestQueue
 from .._session._spec import AgentSpec, define_agent
 from .._tools._definition import Tool
 from ._threads import LiveRun, ThreadHub, _Thread, open_hub
@@ -455,6 +456,10 @@ def create_app(
         else:
             if not run_input.messages:
                 return _error(422, "invalid_input", "the RunAgentInput has no message to answer", ["$.messages: empty"])
+            try:
+                check_history(run_input)  # what chat() would refuse once streaming, as a RUN_ERROR
+            except InputError as exc:
+                return _error(422, "invalid_input", "the RunAgentInput's messages are not a conversation", exc.problems)
 
             def start(abort: AbortHandle) -> Any:
                 return chat(server.model, list(run_input.messages), abort=abort, **options)
@@ -644,6 +649,12 @@ def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_inpu
         last = run_input.messages[-1] if run_input.messages else None
         if not isinstance(last, UserMessage):
             problem = "$.messages: the last message must be the user's (the thread's history is the session's)"
+            return _error(422, "invalid_input", "nothing new to answer on this thread", [problem])
+        try:
+            RequestQueue.check_message(last.content, None)  # the session's own check of a prompt
+        except ConfigError as exc:
+            where = f"$.messages[{run_input.message_index[-1]}].content"
+            problem = f"{where}: {exc} (a thread takes the text of the last message: its text parts, joined)"
             return _error(422, "invalid_input", "nothing new to answer on this thread", [problem])
         if session.paused is not None:
             return _error(409, "thread_paused", f"thread {run_input.thread_id!r} waits for answers (resume it)")
