@@ -40,3 +40,23 @@ async def test_the_ag_ui_javascript_client_reads_a_run_a_pause_and_its_continuat
     seen: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert seen["first"][0] == "RUN_STARTED" and seen["first"][-1] == "RUN_FINISHED"
     assert "TOOL_CALL_RESULT" in seen["second"] and seen["text"] == "The tool returned: 42"
+
+
+async def test_the_javascript_client_reads_a_chat_run_whose_middleware_emits_after_the_loops_end() -> None:
+    # The AG-UI client's own checker refused such a stream: on_finish's and a deferred function's
+    # CUSTOM events came after RUN_FINISHED ("The run has already finished").
+    from tests.test_web import AfterTheEnd
+
+    model, tools, options = offline_agent()
+    app = create_app(model, auth=local_only, tools=tools, middleware=[AfterTheEnd()], **options)
+    async with served(app) as url:
+        assert NODE is not None
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                [NODE, str(JS / "agui_e2e.mjs"), url], capture_stdout=True, capture_stderr=True, check=False
+            )
+    assert done.returncode == 0, done.stderr.decode()
+    seen: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert seen["first"][-2:] == ["CUSTOM", "RUN_FINISHED"]  # the deferred function's, before the pause's end
+    assert seen["second"][-4:] == ["STEP_FINISHED", "CUSTOM", "CUSTOM", "RUN_FINISHED"]
+    assert seen["text"] == "The tool returned: 42"
