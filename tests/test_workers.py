@@ -983,3 +983,189 @@ async def test_deltas_that_arrived_before_a_close_are_still_delivered(postgres_d
     await deltas.aclose()
     assert first.n == 1
     assert [delta.n async for delta in deltas] == [2]  # buffered, then the iteration ends
+
+
+# ---------------------------------------------------------------- carried review findings
+
+
+class _CancelAt(trio.abc.Instrument):
+    """Cancels *scope* at the *n*-th point *task* reaches: when ``when="blocked"``, right after one
+    of its steps ended at a checkpoint (it waits there); when ``"resumed"``, right as it is
+    rescheduled (a result arrived and the task has not taken it yet). Every await is such a point."""
+
+    def __init__(self, task: trio.lowlevel.Task, scope: trio.CancelScope, n: int, when: str) -> None:
+        self.task, self.scope, self.n, self.when = task, scope, n, when
+        self.points = 0
+
+    def _count(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.points += 1
+            if self.points == self.n:
+                self.scope.cancel()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self.when == "blocked":
+            self._count(task)
+
+    def task_scheduled(self, task: trio.lowlevel.Task) -> None:
+        if self.when == "resumed":
+            self._count(task)
+
+
+async def test_parking_is_never_half_done_wherever_a_cancellation_lands(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """A parked session's lease and its registry row (``failed``) are taken together or not at all:
+    a cancellation at any await of `_park`, while it waits or just as a result arrives, never leaves
+    the lease held with the registry unaware (the session would sit leased, shown running on a
+    worker that is not serving it)."""
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._serve import _Worker
+    from trio_agent._workers._sql import Statements
+
+    schema = fresh_pg_schema
+
+    def reset() -> None:  # as after a failed open: the claim registered it running, the lease given back
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            conn.execute(
+                f"INSERT INTO \"{schema}\".leases VALUES ('s', 'me', 5, '-Infinity') ON CONFLICT (session_id)"
+                " DO UPDATE SET owner = 'me', expires_at = '-Infinity'"
+            )
+            conn.execute(
+                f"INSERT INTO \"{schema}\".registry VALUES ('s', 'running', 'me', 0) ON CONFLICT (session_id)"
+                " DO UPDATE SET state = 'running', worker_id = 'me'"
+            )
+
+    def state() -> tuple[bool, bool]:
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            row = conn.execute(
+                f"SELECT l.owner = 'me' AND l.expires_at >= extract(epoch FROM clock_timestamp()), r.state"
+                f' FROM "{schema}".leases AS l JOIN "{schema}".registry AS r USING (session_id)'
+                " WHERE session_id = 's'"
+            ).fetchone()
+        assert row is not None
+        return bool(row[0]), row[1] == "failed"
+
+    control = Control(postgres_dsn, Statements(schema), worker_id="me", pool=1)
+    try:
+        await control.open()
+        async with open_postgres_store(postgres_dsn, schema=schema) as store:
+            parker = _Worker(
+                answer(), store, control, concurrency=1, lease_ttl=30, poll_interval=1, cleanup_grace=5, live=False
+            )
+            for when in ("blocked", "resumed"):
+                n = 1
+                while True:
+                    await trio.to_thread.run_sync(reset)
+                    with trio.CancelScope() as scope:
+                        hook = _CancelAt(trio.lowlevel.current_task(), scope, n, when)
+                        trio.lowlevel.add_instrument(hook)
+                        try:
+                            await parker._park("s")
+                        finally:
+                            trio.lowlevel.remove_instrument(hook)
+                    async with control._slots:  # a statement the cancelled call left running has ended
+                        pass
+                    leased, said_failed = await trio.to_thread.run_sync(state)
+                    assert leased == said_failed, f"cancelled at {when} point {n}: leased={leased}"
+                    if hook.points < n:  # _park ran to its end before the n-th point: every point tried
+                        break
+                    n += 1
+                assert n > 1  # it has await points, and each was tried
+    finally:
+        control.close()
+
+
+async def test_a_claim_whose_caller_is_cancelled_is_given_back_wherever_it_lands(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """A cancellation at any await of a claim (its statement running, or done with its answer not
+    yet taken) leaves no session leased to nobody: what the claim took is released, so the next
+    worker takes it at once, not after a lease TTL."""
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._sql import Statements
+
+    schema = fresh_pg_schema
+    await trio.to_thread.run_sync(functools.partial(submit, "s", "hi", dsn=postgres_dsn, schema=schema))
+
+    def leased() -> tuple[bool, int]:
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            row = conn.execute(
+                f"SELECT expires_at >= extract(epoch FROM clock_timestamp()), token"
+                f" FROM \"{schema}\".leases WHERE session_id = 's'"
+            ).fetchone()
+            conn.execute(f"UPDATE \"{schema}\".leases SET expires_at = '-Infinity' WHERE session_id = 's'")
+        assert row is not None
+        return bool(row[0]), row[1]
+
+    control = Control(postgres_dsn, Statements(schema), worker_id="me", pool=1, cleanup_grace=10)
+    try:
+        await control.open()
+        for when in ("blocked", "resumed"):
+            n = 1
+            while True:
+                with trio.CancelScope() as scope:
+                    hook = _CancelAt(trio.lowlevel.current_task(), scope, n, when)
+                    trio.lowlevel.add_instrument(hook)
+                    try:
+                        claimed = await control.claim(1, ttl=30)
+                    finally:
+                        trio.lowlevel.remove_instrument(hook)
+                async with control._slots:  # a statement the cancelled call left running has ended
+                    pass
+                held, token = await trio.to_thread.run_sync(leased)  # (and released for the next round)
+                if scope.cancelled_caught:
+                    assert not held, f"cancelled at {when} point {n}: the claim (token {token}) stays leased"
+                else:
+                    assert held and [lease.token for lease in claimed] == [token]
+                if hook.points < n:  # the claim ran to its end before the n-th point: every point tried
+                    break
+                n += 1
+            assert n > 1
+    finally:
+        control.close()
+
+
+async def test_a_claim_that_ended_as_its_caller_was_cancelled_is_given_back(
+    postgres_dsn: str, fresh_pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other order: the claim's thread finished first, and its answer was dropped by the
+    cancellation (nobody will host what it took): the caller gives it back before it goes on."""
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._sql import Statements
+
+    schema = fresh_pg_schema
+    await trio.to_thread.run_sync(functools.partial(submit, "s", "hi", dsn=postgres_dsn, schema=schema))
+    original = trio.to_thread.run_sync
+    calls = 0
+
+    async def answer_dropped(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        result = await original(fn, *args, **kwargs)
+        if calls == 1:  # the claim ran to its end; now the cancellation, before its answer is taken
+            scope.cancel()
+            await trio.lowlevel.checkpoint()
+        return result
+
+    control = Control(postgres_dsn, Statements(schema), worker_id="me", cleanup_grace=10)
+    try:
+        await control.open()
+        monkeypatch.setattr(trio.to_thread, "run_sync", answer_dropped)
+        with trio.CancelScope() as scope:
+            await control.claim(1, ttl=30)
+        monkeypatch.undo()
+        assert scope.cancelled_caught and calls == 2  # the claim, then its give-back
+        lease = await trio.to_thread.run_sync(functools.partial(_lease_row, postgres_dsn, schema, "s"))
+        assert lease[:2] == ("me", 1) and lease[2] == float("-inf")  # claimed (token 1), then released
+    finally:
+        control.close()
+
+
+def _lease_row(dsn: str, schema: str, session_id: str) -> tuple[str, int, float]:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            f'SELECT owner, token, expires_at FROM "{schema}".leases WHERE session_id = %s', (session_id,)
+        ).fetchone()
+    assert row is not None
+    return row[0], row[1], row[2]

@@ -7,8 +7,9 @@ Rules
 * Control statements run on a few sync psycopg connections (autocommit: each statement is
   its own transaction), each in a worker thread, at most ``pool`` at a time. A cancelled
   caller does not wait for its statement: a server that stopped answering must not hold a
-  stop. What such a statement did is harmless: a claim's leases run out unused (the sessions
-  wait one TTL), an inbox move is fenced and repeated by the next holder. A broken connection
+  stop. What such a statement did is harmless: a claim is given back (its thread releases
+  the leases it took when it finds its caller gone), a park is one statement (done whole or
+  not at all), an inbox move is fenced and repeated by the next holder. A broken connection
   is dropped and the next call opens another. TCP keepalives (and a user timeout) end a
   connection to a server that vanished, so its thread comes back.
 * The listener is pumped natively (`trio.lowlevel.wait_readable`), no thread. A
@@ -30,6 +31,7 @@ import trio
 from psycopg import sql
 from psycopg.rows import TupleRow
 
+from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield
 from .._errors import JournalUnavailableError
 from .._journal._postgres import pump_notifications
 from .._journal._store import Lease
@@ -63,12 +65,14 @@ class Control:
         worker_id: str,
         statement_timeout: float = 30.0,
         pool: int = 4,
+        cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     ) -> None:
         timeout_ms = round(statement_timeout * 1000)
         self.conninfo = connection_info(dsn, name="trio_agent worker", settings={"statement_timeout": timeout_ms})
         self.statements = statements
         self.q = statements.q
         self.worker_id = worker_id
+        self.cleanup_grace = cleanup_grace
         self._idle: list[_Conn] = []
         self._idle_lock = threading.Lock()
         self._slots = trio.CapacityLimiter(pool)
@@ -135,11 +139,57 @@ class Control:
 
     async def claim(self, count: int, ttl: float, *, exclude: list[str] | None = None) -> list[Lease]:
         """Take up to *count* runnable sessions' leases (oldest waiting work first), none of
-        *exclude* (the sessions this worker still hosts)."""
+        *exclude* (the sessions this worker still hosts).
+
+        A claim its caller stopped waiting for (cancelled) is given back, never left leased to
+        nobody for a TTL: by its thread, on the same connection, if it is still running then;
+        else (it had finished, its answer not yet taken) here, for ``cleanup_grace`` at most."""
+        lock = threading.Lock()
+        abandoned = False
+        answered: list[Lease] = []
 
         def work(conn: _Conn) -> list[Lease]:
             rows = conn.execute(self.q["claim"], (exclude or [], count, self.worker_id, ttl)).fetchall()
-            return [Lease(session_id, owner, token, expires_at) for session_id, owner, token, expires_at in rows]
+            leases = [Lease(session_id, owner, token, expires_at) for session_id, owner, token, expires_at in rows]
+            with lock:
+                if not abandoned:
+                    answered.extend(leases)
+                    return leases
+            if leases:
+                self._give_back_leases(conn, leases)
+            return []
+
+        try:
+            return await self._run(work)
+        except BaseException:
+            with lock:
+                abandoned = True
+                leftovers = answered[:]
+            if leftovers:
+                with (
+                    bounded_shield(self.cleanup_grace, "giving back a claim whose caller was cancelled"),
+                    contextlib.suppress(ControlError),  # they run out instead
+                ):
+                    await self._run(lambda conn: self._give_back_leases(conn, leftovers))
+            raise
+
+    def _give_back_leases(self, conn: _Conn, leases: list[Lease]) -> None:
+        """Release *leases* (each only if still this claim's: owner and token) and wake the
+        workers: their sessions have work and no holder."""
+        conn.execute(
+            self.q["unclaim"],
+            ([lease.session_id for lease in leases], [lease.token for lease in leases], self.worker_id),
+        )
+        for lease in leases:
+            conn.execute(self.q["notify"], (self.statements.inbox_channel, lease.session_id))
+
+    async def park(self, session_id: str, ttl: float) -> Lease | None:
+        """Take *session_id*'s lease for *ttl* seconds and register it ``failed``, in one statement,
+        if its lease is free by the server's clock; ``None`` if someone holds it."""
+
+        def work(conn: _Conn) -> Lease | None:
+            row = conn.execute(self.q["park"], (session_id, self.worker_id, ttl)).fetchone()
+            return None if row is None else Lease(*row)
 
         return await self._run(work)
 

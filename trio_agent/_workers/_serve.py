@@ -305,13 +305,15 @@ class _Worker:
 
     async def _park(self, session_id: str) -> None:
         """Hold a failed session's lease for one TTL without serving it: the retry's backoff, for
-        every worker. (Another worker that claimed it meanwhile keeps it.)"""
+        every worker. (Another worker that claimed it meanwhile keeps it.)
+
+        One statement takes the lease and registers it ``failed``, judging the lease free by the
+        server's clock, as claims do: a cancellation at any await finds both done or neither
+        (taken apart, one landing between them left the session leased, shown running on a
+        worker that was not serving it), and a live lease is never taken, not even one under this
+        worker id (`acquire_lease` would take its own owner's lease again)."""
         try:
-            # Judged by the server's clock, as claims are: this host's clock may be far from it.
-            if await self.store.live_lease(session_id) is not None:
-                return  # someone holds it (another worker claimed it meanwhile): theirs
-            lease = await self.store.acquire_lease(session_id, self.report.worker_id, self.lease_ttl)
-            await self.control.register(lease, "failed")
+            await self.control.park(session_id, self.lease_ttl)
         except TrioAgentError as exc:
             _log.debug("parking session %s: %s", session_id, exc)
 
@@ -408,7 +410,7 @@ async def serve_sessions(
     statements = Statements(_check_schema(schema))
     dsn = resolve_dsn(dsn)
     store_dsn = _bounded_transactions(dsn, lease_ttl)
-    control = Control(dsn, statements, worker_id=worker_id or default_owner())
+    control = Control(dsn, statements, worker_id=worker_id or default_owner(), cleanup_grace=cleanup_grace)
     try:
         await control.open()
         async with open_postgres_store(store_dsn, schema=schema, **dict(store_options or {})) as store:

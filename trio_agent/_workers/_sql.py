@@ -92,6 +92,30 @@ _STATEMENTS: dict[str, LiteralString] = {
         " updated_at = excluded.updated_at)"
         " SELECT session_id, owner, token, expires_at FROM claimed"
     ),
+    # A claim nobody hosts (its caller was cancelled): released as the store releases (the token
+    # kept, so the next holder's is higher), only where it is still this claim's.
+    "unclaim": (
+        "UPDATE {s}.leases AS l SET expires_at = '-Infinity'::float8"
+        " FROM unnest(%s::text[], %s::bigint[]) AS c(session_id, token)"
+        " WHERE l.session_id = c.session_id AND l.token = c.token AND l.owner = %s"
+    ),
+    # Park a failed session: take its lease for one TTL, as a claim does (only if free: never a
+    # live lease, whoever holds it; a row being written is skipped) and say so in the registry, in
+    # one statement, so a cancellation finds both done or neither.
+    "park": (
+        f"WITH now AS (SELECT {_NOW} AS t),"
+        " free AS (SELECT l.session_id FROM {s}.leases AS l"
+        " WHERE l.session_id = %s AND l.expires_at < (SELECT t FROM now) FOR UPDATE OF l SKIP LOCKED),"
+        " parked AS (UPDATE {s}.leases AS t SET owner = %s, token = t.token + 1,"
+        " expires_at = (SELECT t FROM now) + %s"
+        " FROM free WHERE t.session_id = free.session_id"
+        " RETURNING t.session_id, t.owner, t.token, t.expires_at),"
+        " registered AS (INSERT INTO {s}.registry(session_id, state, worker_id, updated_at)"
+        " SELECT session_id, 'failed', owner, (SELECT t FROM now) FROM parked"
+        " ON CONFLICT (session_id) DO UPDATE SET state = excluded.state, worker_id = excluded.worker_id,"
+        " updated_at = excluded.updated_at)"
+        " SELECT session_id, owner, token, expires_at FROM parked"
+    ),
     # Fenced: only the current holder of the session's lease (owner and token) moves its rows.
     # Take every submission not done (what a previous holder took too); done rows stay done.
     "take": (
