@@ -1169,3 +1169,82 @@ def _lease_row(dsn: str, schema: str, session_id: str) -> tuple[str, int, float]
         ).fetchone()
     assert row is not None
     return row[0], row[1], row[2]
+
+
+def _age_rows(dsn: str, schema: str, seconds: float, *request_ids: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            f'UPDATE "{schema}".inbox SET updated_at = updated_at - %s WHERE request_id = ANY(%s)',
+            (seconds, list(request_ids)),
+        )
+
+
+def _inbox(dsn: str, schema: str) -> list[tuple[str, str]]:
+    with psycopg.connect(dsn) as conn:
+        return [
+            (r, state)
+            for r, state in conn.execute(f'SELECT request_id, state FROM "{schema}".inbox ORDER BY request_id')
+        ]
+
+
+async def test_pruning_deletes_only_done_rows_past_the_retention(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    """The retention rule: a row goes once it was marked done longer ago than the retention;
+    rows waiting or being served stay however old they are, and a backlog goes a batch at a time."""
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._sql import Statements
+
+    schema = fresh_pg_schema
+    with Submitter(postgres_dsn, schema=schema) as queue:
+        for request_id in ("pending", "taken", "done-new", "done-1", "done-2", "done-3"):
+            queue.submit("s", "hi", request_id=request_id)
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(f"UPDATE \"{schema}\".inbox SET state = 'taken' WHERE request_id = 'taken'")
+        conn.execute(f"UPDATE \"{schema}\".inbox SET state = 'done' WHERE request_id LIKE 'done-%%'")
+    _age_rows(postgres_dsn, schema, 7200, "pending", "taken", "done-1", "done-2", "done-3")
+    control = Control(postgres_dsn, Statements(schema), worker_id="me")
+    try:
+        await control.open()
+        assert await control.prune(3600 * 3, 10) == 0  # none is that old
+        assert await control.prune(3600, 2) == 2  # a batch
+        assert await control.prune(3600, 2) == 1
+        assert await control.prune(3600, 2) == 0
+    finally:
+        control.close()
+    assert _inbox(postgres_dsn, schema) == [("done-new", "done"), ("pending", "pending"), ("taken", "taken")]
+
+
+async def test_a_worker_prunes_done_rows_and_their_outcomes_stay_in_the_journal(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """Done rows do not pile up: the worker deletes them past its inbox_retention. What a client
+    reads stays: the outcome is in the journal, and the request id is still idempotent (a retry
+    after its row went is answered from the journal, not run again)."""
+    schema = fresh_pg_schema
+    rid = await trio.to_thread.run_sync(functools.partial(submit, "s", "first", dsn=postgres_dsn, schema=schema))
+    async with (
+        open_postgres_store(postgres_dsn, schema=schema) as store,
+        worker(answer("once"), postgres_dsn, schema, lease_ttl=0.6, inbox_retention=0) as report,
+    ):
+        with trio.fail_after(10):
+            assert (await wait_for_request(store, "s", rid)).text == "once"
+            while await trio.to_thread.run_sync(_inbox, postgres_dsn, schema):
+                await trio.sleep(0.05)  # the next prune (every lease_ttl / 3)
+        assert report.pruned == 1
+        status = functools.partial(request_status, "s", rid, dsn=postgres_dsn, schema=schema)
+        assert await trio.to_thread.run_sync(status) is None
+        assert (await wait_for_request(store, "s", rid)).text == "once"  # from the journal
+        # A retry of the same request id after its row went: marked done from the journal.
+        await trio.to_thread.run_sync(
+            functools.partial(submit, "s", "first", request_id=rid, dsn=postgres_dsn, schema=schema)
+        )
+        with trio.fail_after(10):
+            while report.pruned < 2:
+                await trio.sleep(0.05)
+        assert len(ends_of(await root_events(store, "s"), rid)) == 1  # not run again
+    assert report.served == 2  # the retry was answered with its recorded outcome
+
+
+async def test_inbox_retention_is_checked_by_name(postgres_dsn: str) -> None:
+    for bad in (-1, float("nan"), "7d", True):
+        with pytest.raises(ConfigError, match="inbox_retention"):
+            await serve_sessions(answer(), postgres_dsn, inbox_retention=bad)  # type: ignore[arg-type]

@@ -93,6 +93,7 @@ def run_worker(
     shutdown_grace: float,
     live: bool,
     worker_id: str | None,
+    inbox_retention: float | None = None,
 ) -> int:
     spec = load_spec(agent)
     if agent is None:
@@ -107,6 +108,8 @@ def run_worker(
         "live": live,
         "worker_id": worker_id,
     }
+    if inbox_retention is not None:  # else serve_sessions' default
+        options["inbox_retention"] = inbox_retention
     try:
         report = trio.run(_worker, spec, options)
     except TrioAgentError as exc:

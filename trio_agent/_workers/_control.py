@@ -213,6 +213,11 @@ class Control:
 
         return await self._run(work)
 
+    async def prune(self, retention: float, limit: int) -> int:
+        """Delete up to *limit* done submissions marked done more than *retention* seconds ago (by
+        the server's clock); how many went."""
+        return await self._run(lambda conn: conn.execute(self.q["prune"], (retention, limit)).rowcount)
+
     async def register(self, lease: Lease, state: str) -> None:
         """Say what the session is now (fenced by *lease*)."""
         params = (state, self.worker_id, lease.session_id, lease.owner, lease.token)

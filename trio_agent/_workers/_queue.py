@@ -202,7 +202,8 @@ class Submitter:
 
         Idempotent: submitting the same request id again with the same prompt and priority
         returns at once and changes nothing; with different content it raises
-        `CommandConflictError`. ``priority``: among one session's waiting submissions the
+        `CommandConflictError` (while the row is kept: past the workers' ``inbox_retention``
+        a retry is a new row, answered from the journal). ``priority``: among one session's waiting submissions the
         highest runs first (then the oldest). Some worker serving the schema runs it once.
         """
         request_id = _check_submission(session_id, prompt, request_id, priority)
@@ -225,7 +226,8 @@ class Submitter:
         return request_id
 
     def status(self, session_id: str, request_id: str) -> RequestStatus | None:
-        """Where a submission stands, or ``None`` if it was never submitted."""
+        """Where a submission stands, or ``None`` if it was never submitted (or was done longer
+        ago than the workers' ``inbox_retention``: the journal keeps its outcome)."""
         _check_ids(session_id, request_id)
         self._ensure()
         with self._errors("reading a request's status"):
@@ -305,7 +307,7 @@ def submit(
 def request_status(
     session_id: str, request_id: str, *, dsn: str | None = None, schema: str = "trio_agent"
 ) -> RequestStatus | None:
-    """Where one submission stands (``None``: never submitted)."""
+    """Where one submission stands (``None``: never submitted, or done and pruned)."""
     _check_ids(session_id, request_id)  # before connecting
     with Submitter(dsn, schema=schema) as queue:
         return queue.status(session_id, request_id)

@@ -12,7 +12,8 @@ Rules
   ran. One that never could is not in it: a submission a worker refused (a row written
   around `submit` whose request id or prompt no session accepts) is marked ``refused``
   in the workers' inbox only, so on a `PostgresStore` the wait also reads that row (in
-  the store's schema, every ``poll_interval``) and ends ``refused``; and ids no journal
+  the store's schema, every ``poll_interval``) and ends ``refused`` (while the row is kept:
+  workers prune done rows past their ``inbox_retention``); and ids no journal
   can hold are a `ConfigError` at once, never a wait for what cannot come.
 * `subscribe_live` LISTENs for the deltas a worker publishes (``serve_sessions(live=
   True)``). They are not durable: a subscriber that connects late, or a notification
@@ -137,7 +138,7 @@ async def _refusal(store: PostgresStore, session_id: str, request_id: str) -> Re
     statements = Statements(store.schema)
 
     def read(conn: _Conn) -> tuple[str, str | None] | None:
-        if conn.execute(statements.q["tables_present"], statements.table_names).fetchone() != (True,):
+        if conn.execute(statements.q["inbox_present"], (statements.inbox_table,)).fetchone() != (True,):
             return None
         row = conn.execute(statements.q["status"], (session_id, request_id)).fetchone()
         return None if row is None else (row[0], row[1])

@@ -29,6 +29,8 @@ Rules
   the lease at once, so another worker takes it over, with a higher token, from its
   last durable point. Cancelling `serve_sessions` instead closes its sessions as a
   session close does (running requests are recorded interrupted).
+* Retention: every heartbeat interval, each worker deletes done submissions marked done
+  more than ``inbox_retention`` seconds ago (`_sql`), in batches until none is left.
 * Live deltas (``live=True``): `_live`.
 """
 
@@ -43,7 +45,7 @@ import attrs
 import trio
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
-from .._config import validate_id, validate_limit
+from .._config import finite_seconds, validate_id, validate_limit
 from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
 from .._journal._durable import DurableJournal, open_journal
 from .._journal._events import RequestInterrupted, RequestInterruptReason
@@ -67,6 +69,8 @@ __all__ = ["WorkerReport", "serve_sessions"]
 _log = logging.getLogger("trio_agent.workers")
 
 _UNFINISHED = (RequestState.ACCEPTED, RequestState.STARTED)
+_PRUNE_BATCH = 1000  # done submissions deleted per statement
+DEFAULT_INBOX_RETENTION = 7 * 24 * 3600.0
 
 
 @attrs.define
@@ -81,6 +85,7 @@ class WorkerReport:
     failed_sessions: int = 0  # could not be opened or served: parked for a lease TTL
     refused: int = 0  # submissions no session would accept
     notifications: int = 0
+    pruned: int = 0  # done submissions this worker deleted past the inbox retention
     live_sent: int = 0
     live_dropped: int = 0
 
@@ -138,6 +143,7 @@ class _Worker:
         poll_interval: float,
         cleanup_grace: float,
         live: bool,
+        inbox_retention: float | None = None,
     ) -> None:
         self.spec = spec
         self.store = store
@@ -147,6 +153,7 @@ class _Worker:
         self.lease_ttl = lease_ttl
         self.poll_interval = poll_interval
         self.cleanup_grace = cleanup_grace
+        self.inbox_retention = inbox_retention
         self.report = WorkerReport(control.worker_id)
         self.hosted: dict[str, _Hosted] = {}
         self.stopping = False
@@ -345,6 +352,23 @@ class _Worker:
                 _log.debug("worker heartbeat failed: %s", exc)
             await trio.sleep(interval)
 
+    async def prune(self) -> None:
+        """Delete done submissions past the retention, every heartbeat interval (jittered), a
+        batch at a time until none is left (a backlog goes at once, other workers skipping the
+        rows one is deleting). A failure is logged and tried again next time."""
+        retention = self.inbox_retention
+        if retention is None:
+            return
+        while True:
+            try:
+                while (deleted := await self.control.prune(retention, _PRUNE_BATCH)) > 0:
+                    self.report.pruned += deleted
+                    if deleted < _PRUNE_BATCH:
+                        break
+            except TrioAgentError as exc:
+                _log.debug("pruning the inbox failed: %s", exc)
+            await trio.sleep(jittered(self.lease_ttl / 3, self._rng.random()))
+
     # -- stopping
 
     async def stop(self, grace: float) -> None:
@@ -387,6 +411,7 @@ async def serve_sessions(
     stop: trio.Event | None = None,
     live: bool = True,
     cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
+    inbox_retention: float | None = DEFAULT_INBOX_RETENTION,
     store_options: Mapping[str, Any] | None = None,
     task_status: trio.TaskStatus[WorkerReport] = trio.TASK_STATUS_IGNORED,
 ) -> WorkerReport:
@@ -397,6 +422,11 @@ async def serve_sessions(
     built once for the process; every session gets only its own state. With
     ``nursery.start(serve_sessions, ...)`` it reports started (the same report object,
     filled in as it goes) once it listens and has announced itself in ``workers``.
+
+    ``inbox_retention``: done submissions are deleted from the inbox this many seconds after
+    they were marked done (default seven days; ``None`` keeps them). The outcome of every
+    request that ran stays in the journal; past the retention, `request_status` answers
+    ``None``, and a refusal (recorded only in the inbox) is no longer reported.
     """
     if not isinstance(spec, AgentSpec):
         raise ConfigError(f"serve_sessions takes an AgentSpec (define_agent(...)), not {spec!r}")
@@ -405,6 +435,8 @@ async def serve_sessions(
     poll_interval = check_seconds("poll_interval", poll_interval)
     shutdown_grace = check_seconds("shutdown_grace", shutdown_grace, allow_zero=True)
     cleanup_grace = validate_cleanup_grace(cleanup_grace)
+    if inbox_retention is not None:
+        inbox_retention = finite_seconds(inbox_retention, "inbox_retention", allow_zero=True)
     if store_options and "clock" in store_options:
         raise ConfigError("store_options must not set clock: claims and fences use the database server's clock")
     statements = Statements(_check_schema(schema))
@@ -423,11 +455,13 @@ async def serve_sessions(
                 poll_interval=poll_interval,
                 cleanup_grace=cleanup_grace,
                 live=live,
+                inbox_retention=inbox_retention,
             )
             listener = InboxListener(dsn, statements.inbox_channel, worker.wake)
             async with trio.open_nursery() as services:
                 await services.start(listener.run)
                 services.start_soon(worker.heartbeat)
+                services.start_soon(worker.prune)
                 if worker.live is not None:
                     services.start_soon(worker.live.run)
                 try:

@@ -12,6 +12,9 @@ Rules
   is in the journal). Only the session's lease holder moves rows: every such write
   checks the holder's fencing token in the same statement, so a paused former holder
   changes nothing.
+* Retention: ``done`` rows are deleted once they were marked done longer ago than the
+  workers' ``inbox_retention`` (every worker prunes, in batches; the journal keeps every
+  outcome of a request that ran). Rows not ``done`` are never pruned.
 * A session is runnable when it has a row not ``done`` and its lease is free (expired,
   released or never taken). A claim takes such sessions with ``FOR UPDATE SKIP
   LOCKED``, so claiming workers never wait for each other, and gives each a new,
@@ -38,6 +41,8 @@ SCHEMA: tuple[LiteralString, ...] = (
     " priority integer NOT NULL, submitted_at double precision NOT NULL, state text NOT NULL,"
     " outcome text, updated_at double precision NOT NULL, UNIQUE(session_id, request_id))",
     "CREATE INDEX IF NOT EXISTS inbox_open ON {s}.inbox(session_id) WHERE state <> 'done'",
+    # What pruning looks up: done rows by when they were marked done (`inbox_retention`).
+    "CREATE INDEX IF NOT EXISTS inbox_done ON {s}.inbox(updated_at) WHERE state = 'done'",
     "CREATE TABLE IF NOT EXISTS {s}.registry("
     " session_id text PRIMARY KEY, state text NOT NULL, worker_id text NOT NULL, updated_at double precision NOT NULL)",
     "CREATE TABLE IF NOT EXISTS {s}.workers("
@@ -59,8 +64,9 @@ _STATEMENTS: dict[str, LiteralString] = {
     "lock": "SELECT pg_advisory_xact_lock(hashtext(%s))",
     "tables_present": (
         "SELECT to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL"
-        " AND to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL"
+        " AND to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL"
     ),
+    "inbox_present": "SELECT to_regclass(%s) IS NOT NULL",
     "submit": (
         "INSERT INTO {s}.inbox(session_id, request_id, prompt, priority, submitted_at, state, updated_at)"
         f" VALUES (%s, %s, %s, %s, {_NOW}, 'pending', {_NOW})"
@@ -133,6 +139,13 @@ _STATEMENTS: dict[str, LiteralString] = {
         f"UPDATE {{s}}.inbox AS i SET state = %s, outcome = %s, updated_at = {_NOW}"
         " WHERE i.session_id = %s AND i.request_id = %s AND " + _HELD
     ),
+    # Retention: done rows marked more than the given seconds ago, oldest first, a batch at a
+    # time; rows another worker is deleting are skipped, never waited for.
+    "prune": (
+        "DELETE FROM {s}.inbox WHERE seq IN (SELECT d.seq FROM {s}.inbox AS d"
+        f" WHERE d.state = 'done' AND d.updated_at < {_NOW} - %s"
+        " ORDER BY d.updated_at LIMIT %s FOR UPDATE SKIP LOCKED)"
+    ),
     "register": (
         "INSERT INTO {s}.registry(session_id, state, worker_id, updated_at)"
         f" SELECT i.session_id, %s, %s, {_NOW} FROM (SELECT %s::text AS session_id) AS i WHERE "
@@ -187,7 +200,8 @@ class Statements:
         self.lock_key = f"trio_agent.journal:{schema}"  # the journal's own schema lock: one DDL at a time
         quoted = ident.as_string(None)
         self.table_names = tuple(
-            f"{quoted}.{name}" for name in ("leases", "inbox", "inbox_open", "registry", "workers")
+            f"{quoted}.{name}" for name in ("leases", "inbox", "inbox_open", "inbox_done", "registry", "workers")
         )
+        self.inbox_table = f"{quoted}.inbox"
         self.inbox_channel = inbox_channel(schema)
         self.live_channel = live_channel(schema)
