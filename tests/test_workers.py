@@ -39,6 +39,7 @@ from trio_agent.models import ToolResultMessage
 from trio_agent.testing import Reply, TestModel
 from trio_agent.workers import (
     Submitter,
+    WorkerIdInUseError,
     list_sessions,
     list_workers,
     request_status,
@@ -456,13 +457,15 @@ async def test_the_registry_shows_running_sessions_and_live_workers(postgres_dsn
 async def test_a_worker_restarted_under_its_id_takes_over_the_crashed_runs_row(
     postgres_dsn: str, fresh_pg_schema: str
 ) -> None:
+    """A crashed run's row (never unregistered) holds the id until it is stale (not seen for three
+    of its heartbeats): a restart under the same id waits that long, then rewrites the whole row."""
     from trio_agent._workers._control import Control
     from trio_agent._workers._sql import Statements
 
     def registered() -> tuple[Any, ...]:
         with psycopg.connect(postgres_dsn) as conn:
             row = conn.execute(
-                f'SELECT host, pid, concurrency, interval, started_at FROM "{fresh_pg_schema}".workers'
+                f'SELECT host, pid, concurrency, interval, started_at, run_id FROM "{fresh_pg_schema}".workers'
             ).fetchone()
         assert row is not None
         return tuple(row)
@@ -470,7 +473,8 @@ async def test_a_worker_restarted_under_its_id_takes_over_the_crashed_runs_row(
     crashed = Control(postgres_dsn, Statements(fresh_pg_schema), worker_id="w1")
     try:
         await crashed.open()
-        await crashed.seen(concurrency=2, hosted=1, served=5, stopping=False, interval=100.0)
+        await crashed.start(concurrency=2, interval=0.1)
+        await crashed.seen(concurrency=2, hosted=1, served=5, stopping=False, interval=0.1)
     finally:
         crashed.close()  # never unregistered: its row stays, as after a kill -9
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:  # another host, long ago
@@ -479,15 +483,25 @@ async def test_a_worker_restarted_under_its_id_takes_over_the_crashed_runs_row(
         )
     restarted = Control(postgres_dsn, Statements(fresh_pg_schema), worker_id="w1")
     try:
-        await restarted.seen(concurrency=7, hosted=0, served=0, stopping=False, interval=1.0)
-        host, pid, concurrency, interval, started_at = await trio.to_thread.run_sync(registered)
-        assert (host, pid, concurrency, interval) == (socket.gethostname(), os.getpid(), 7, 1.0)
+        with trio.fail_after(10):
+            await restarted.start(concurrency=7, interval=1.0)  # once the crashed row is stale
+        host, pid, concurrency, interval, started_at, run_id = await trio.to_thread.run_sync(registered)
+        assert (host, pid, concurrency, interval, run_id) == (
+            socket.gethostname(),
+            os.getpid(),
+            7,
+            1.0,
+            restarted.run_id,
+        )
         [me] = await trio.to_thread.run_sync(functools.partial(list_workers, dsn=postgres_dsn, schema=fresh_pg_schema))
         assert me.uptime < 600  # this run's, not the crashed run's
         await restarted.seen(concurrency=7, hosted=1, served=1, stopping=False, interval=1.0)
         assert (await trio.to_thread.run_sync(registered))[4] == started_at  # a heartbeat keeps the run's start
+        with pytest.raises(WorkerIdInUseError, match="'w1'"):  # the crashed run, woken, is told
+            await crashed.seen(concurrency=2, hosted=1, served=5, stopping=False, interval=0.1)
     finally:
         restarted.close()
+        crashed.close()
 
 
 async def test_live_deltas_reach_a_subscriber_in_another_connection(postgres_dsn: str, fresh_pg_schema: str) -> None:
@@ -1248,3 +1262,184 @@ async def test_inbox_retention_is_checked_by_name(postgres_dsn: str) -> None:
     for bad in (-1, float("nan"), "7d", True):
         with pytest.raises(ConfigError, match="inbox_retention"):
             await serve_sessions(answer(), postgres_dsn, inbox_retention=bad)  # type: ignore[arg-type]
+
+
+_WORKER_CLI = [sys.executable, "-m", "trio_agent", "worker"]
+
+
+async def test_a_second_worker_under_a_live_workers_id_is_refused(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    """Two runs never share a worker id: the second is refused, by name, before it claims
+    anything (from Python and from the command line), and the first serves on untouched."""
+    schema = fresh_pg_schema
+
+    def holder() -> tuple[str, int, float]:
+        with psycopg.connect(postgres_dsn) as conn:
+            row = conn.execute(f'SELECT host, pid, started_at FROM "{schema}".workers').fetchone()
+        assert row is not None
+        return row[0], row[1], row[2]
+
+    async with (
+        open_postgres_store(postgres_dsn, schema=schema) as store,
+        worker(answer("first"), postgres_dsn, schema, worker_id="dup", lease_ttl=0.6),
+    ):
+        before = await trio.to_thread.run_sync(holder)
+        with trio.fail_after(10), pytest.raises(WorkerIdInUseError) as refused:
+            await serve_sessions(answer("second"), postgres_dsn, schema=schema, worker_id="dup", lease_ttl=0.6)
+        assert isinstance(refused.value, ConfigError)
+        assert (refused.value.worker_id, refused.value.host, refused.value.pid) == ("dup", *before[:2])
+        assert "worker id 'dup' is in use" in str(refused.value)
+        cli = await trio.to_thread.run_sync(
+            functools.partial(
+                subprocess.run,
+                [*_WORKER_CLI, "--dsn", postgres_dsn, "--schema", schema, "--worker-id", "dup", "--lease-ttl", "0.6"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd=ROOT,
+            )
+        )
+        assert cli.returncode == 1, cli.stderr
+        assert cli.stderr.splitlines()[-1].startswith("error: worker id 'dup' is in use by another live worker")
+        assert "serving" not in cli.stdout
+        assert await trio.to_thread.run_sync(holder) == before  # the first run's row, untouched
+        rid = await trio.to_thread.run_sync(functools.partial(submit, "s", "hi", dsn=postgres_dsn, schema=schema))
+        with trio.fail_after(10):
+            assert (await wait_for_request(store, "s", rid)).text == "first"
+
+
+async def test_a_run_whose_id_was_taken_over_stops_and_hands_its_sessions_off(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """A run frozen past three heartbeats may find, when it wakes, that a newer run took its id
+    over: it does not go on beside it under one name. Its next heartbeat tells it; it hands its
+    sessions off at once (another worker goes on from their last durable point), leaves the newer
+    run's row alone, and raises `WorkerIdInUseError`."""
+    schema = fresh_pg_schema
+    gated = gated_agent("after the hand-off")
+    rid = await trio.to_thread.run_sync(functools.partial(submit, "held", "go", dsn=postgres_dsn, schema=schema))
+
+    def take_over() -> None:  # what a newer run's start does to a row not seen for three heartbeats
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            conn.execute(f"UPDATE \"{schema}\".workers SET run_id = 'newer', host = 'elsewhere', pid = 2")
+
+    def rows() -> list[tuple[str, str]]:
+        with psycopg.connect(postgres_dsn) as conn:
+            return [(w, r) for w, r in conn.execute(f'SELECT worker_id, run_id FROM "{schema}".workers')]
+
+    caught: list[WorkerIdInUseError] = []
+
+    async def run(task_status: trio.TaskStatus[Any]) -> None:
+        try:
+            await serve_sessions(
+                gated.spec, postgres_dsn, schema=schema, worker_id="dup", lease_ttl=0.6, task_status=task_status
+            )
+        except WorkerIdInUseError as exc:
+            caught.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        report = await nursery.start(run)
+        with trio.fail_after(10):
+            await gated.entered.wait()
+            await trio.to_thread.run_sync(take_over)
+    [stopped] = caught  # it ended by itself, within a heartbeat
+    assert stopped.host == "elsewhere" and stopped.pid == 2 and "'dup'" in str(stopped)
+    assert report.handed_off == 1 and report.served == 0
+    assert await trio.to_thread.run_sync(rows) == [("dup", "newer")]  # not unregistered: not its row
+    gated.gate.set()
+    async with (
+        open_postgres_store(postgres_dsn, schema=schema) as store,
+        worker(gated.spec, postgres_dsn, schema, worker_id="next"),
+    ):
+        with trio.fail_after(10):  # handed off: taken over at once, not after the lease
+            assert (await wait_for_request(store, "held", rid)).text == "after the hand-off"
+
+
+async def test_a_stopping_worker_s_id_is_waited_for_not_refused(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    """A rolling restart under one id: the new run waits while the old one says it is stopping
+    (its heartbeats still come), and registers once the old one unregistered."""
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._sql import Statements
+
+    old = Control(postgres_dsn, Statements(fresh_pg_schema), worker_id="w")
+    new = Control(postgres_dsn, Statements(fresh_pg_schema), worker_id="w")
+    try:
+        await old.open()
+        await old.start(concurrency=1, interval=1.0)
+        await old.seen(concurrency=1, hosted=1, served=0, stopping=True, interval=1.0)
+        started = trio.Event()
+
+        async def start_new() -> None:
+            await new.start(concurrency=1, interval=0.1)
+            started.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(start_new)
+            with trio.fail_after(10):
+                for _ in range(4):  # the old run drains: stopping, its heartbeats still coming
+                    await trio.sleep(0.4)
+                    await old.seen(concurrency=1, hosted=1, served=0, stopping=True, interval=1.0)
+                assert not started.is_set()  # its row is seen again, and says stopping: waited for
+                await old.gone()
+                await started.wait()
+        [me] = await trio.to_thread.run_sync(functools.partial(list_workers, dsn=postgres_dsn, schema=fresh_pg_schema))
+        assert me.live and not me.stopping
+    finally:
+        old.close()
+        new.close()
+
+
+async def test_a_workers_table_of_an_earlier_version_gets_its_run_column(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """The tables are additive: a schema an earlier version made (no ``run_id``, no ``inbox_done``)
+    is completed by the first worker of this one, and a row it left is a run like any other."""
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._sql import Statements
+
+    schema = fresh_pg_schema
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+        conn.execute(
+            f'CREATE TABLE "{schema}".workers(worker_id text PRIMARY KEY, host text NOT NULL, pid integer NOT NULL,'
+            " concurrency integer NOT NULL, hosted integer NOT NULL, served bigint NOT NULL, stopping boolean NOT NULL,"
+            " interval double precision NOT NULL, started_at double precision NOT NULL,"
+            " seen_at double precision NOT NULL)"
+        )
+        conn.execute(f"INSERT INTO \"{schema}\".workers VALUES ('old', 'h', 1, 1, 0, 0, false, 0.1, 0, 0)")
+    control = Control(postgres_dsn, Statements(schema), worker_id="old")
+    try:
+        await control.open()
+        with trio.fail_after(10):
+            await control.start(concurrency=3, interval=1.0)  # the old row is stale: taken over
+        [me] = await trio.to_thread.run_sync(functools.partial(list_workers, dsn=postgres_dsn, schema=schema))
+        assert (me.worker_id, me.concurrency, me.live) == ("old", 3, True)
+        assert await control.prune(0, 10) == 0  # the inbox (and its index) exist
+    finally:
+        control.close()
+
+
+async def test_a_stop_while_waiting_for_a_held_worker_id_ends_the_run_unregistered(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """Waiting for an id a crashed run's row still holds (up to three of its heartbeats) does not
+    hold a stop: the run ends at once, having claimed and registered nothing."""
+    from trio_agent._workers._control import Control
+    from trio_agent._workers._sql import Statements
+
+    schema = fresh_pg_schema
+    await trio.to_thread.run_sync(functools.partial(submit, "s", "hi", dsn=postgres_dsn, schema=schema))
+    crashed = Control(postgres_dsn, Statements(schema), worker_id="held")
+    try:
+        await crashed.open()
+        await crashed.start(concurrency=1, interval=100.0)  # stale only in five minutes
+    finally:
+        crashed.close()
+    stop = trio.Event()
+    stop.set()
+    with trio.fail_after(10):
+        report = await serve_sessions(answer(), postgres_dsn, schema=schema, worker_id="held", stop=stop)
+    assert report.claimed == 0
+    [row] = await trio.to_thread.run_sync(functools.partial(list_workers, dsn=postgres_dsn, schema=schema))
+    assert (row.worker_id, row.concurrency) == ("held", 1)  # the crashed run's row, left as it was
+    [status] = await trio.to_thread.run_sync(functools.partial(list_sessions, dsn=postgres_dsn, schema=schema))
+    assert status.state == "runnable"

@@ -17,6 +17,7 @@ docs/deployment.md.
 from __future__ import annotations
 
 from ._util import fixup_module_metadata as _fixup_module_metadata
+from ._workers._control import WorkerIdInUseError
 from ._workers._queue import (
     DSN_ENV,
     RequestStatus,
@@ -39,6 +40,7 @@ __all__ = [
     "RequestStatus",
     "SessionStatus",
     "Submitter",
+    "WorkerIdInUseError",
     "WorkerReport",
     "WorkerStatus",
     "list_sessions",

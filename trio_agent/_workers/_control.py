@@ -12,6 +12,10 @@ Rules
   not at all), an inbox move is fenced and repeated by the next holder. A broken connection
   is dropped and the next call opens another. TCP keepalives (and a user timeout) end a
   connection to a server that vanished, so its thread comes back.
+* One run per worker id (`_sql`): `Control.start` registers the run only when the id is
+  free, and waits out a row still seen (a crashed run's goes stale; a live one's is seen
+  again: `WorkerIdInUseError`). Heartbeats write only the run's own row; a run whose id was
+  taken over (it was frozen past three heartbeats) learns it from its next one.
 * The listener is pumped natively (`trio.lowlevel.wait_readable`), no thread. A
   notification is only a hint to look again; a lost connection is reopened with a
   backoff, and polling with jitter covers whatever it missed.
@@ -20,26 +24,31 @@ Rules
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
+import attrs
 import psycopg
 import trio
 from psycopg import sql
 from psycopg.rows import TupleRow
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield
-from .._errors import JournalUnavailableError
+from .._errors import ConfigError, JournalUnavailableError
 from .._journal._postgres import pump_notifications
 from .._journal._store import Lease
 from ._conn import connect, connection_info
 from ._queue import ensure_tables
 from ._sql import Statements
 
-__all__ = ["Control", "ControlError", "InboxListener"]
+__all__ = ["Control", "ControlError", "InboxListener", "WorkerIdInUseError"]
+
+_log = logging.getLogger("trio_agent.workers")
 
 _Conn = psycopg.Connection[TupleRow]
 T = TypeVar("T")
@@ -50,8 +59,33 @@ class ControlError(JournalUnavailableError):
     of the worker's bookkeeping, not of the session it was serving."""
 
 
+class WorkerIdInUseError(ConfigError):
+    """Another live run holds this worker id: each worker needs its own. ``host`` and ``pid`` are
+    that run's. Raised by `serve_sessions` at start (its id is refused), or when a run that was
+    not seen for three heartbeats (frozen) finds its id taken over by a newer run (it stops)."""
+
+    def __init__(self, message: str, *, worker_id: str = "", host: str = "", pid: int = 0) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.host = host
+        self.pid = pid
+
+
 Row = tuple[str, str, int, int]
 """A submission taken: (request id, prompt, priority, seq)."""
+
+
+@attrs.frozen
+class _Holder:
+    """The run that holds a worker id, as its row says (``now``: the server's clock)."""
+
+    run_id: str | None
+    host: str
+    pid: int
+    seen_at: float
+    interval: float
+    stopping: bool
+    now: float
 
 
 class Control:
@@ -77,7 +111,7 @@ class Control:
         self._idle_lock = threading.Lock()
         self._slots = trio.CapacityLimiter(pool)
         self._closed = False
-        self._registered = False  # this run's row written once (`seen`): its start time is set
+        self.run_id = uuid.uuid4().hex  # which run of the worker id this is (its row in ``workers``)
 
     async def _run(self, work: Callable[[_Conn], T]) -> T:
         def attempt(conn: _Conn) -> T:
@@ -227,9 +261,60 @@ class Control:
         """Wake the workers: the session has work and no holder."""
         await self._run(lambda conn: conn.execute(self.q["notify"], (self.statements.inbox_channel, session_id)))
 
+    async def start(self, *, concurrency: int, interval: float, give_up: trio.Event | None = None) -> bool:
+        """Register this run under its worker id, which must be free (module rules); ``False`` if
+        *give_up* was set while it waited (nothing registered).
+
+        A row that another run still heartbeats is waited for until it is seen again
+        (`WorkerIdInUseError`: a live worker holds the id, unless it is stopping) or not for three
+        of its intervals (gone: a crashed run's row is taken over). A run restarted after a crash
+        thus waits at most that long, as its sessions' leases do."""
+        params = (self.worker_id, socket.gethostname(), os.getpid(), concurrency, interval, self.run_id)
+
+        def attempt(conn: _Conn) -> _Holder | None:
+            while True:
+                if conn.execute(self.q["worker_start"], params).fetchone() is not None:
+                    return None
+                holder = conn.execute(self.q["worker_holder"], (self.worker_id,)).fetchone()
+                if holder is not None:  # else unregistered meanwhile: free now
+                    return _Holder(*holder)
+
+        first: _Holder | None = None
+        give_up = trio.Event() if give_up is None else give_up
+        while (holder := await self._run(attempt)) is not None:
+            if first is not None and holder.run_id == first.run_id and holder.seen_at > first.seen_at:
+                if not holder.stopping:
+                    raise self._in_use(holder)
+            elif first is None:
+                _log.warning(
+                    "worker id %r: a run on %s (pid %s) was seen %.1f s ago; waiting until it is seen again "
+                    "(a live worker: refused) or not for three heartbeats (gone: taken over)",
+                    self.worker_id,
+                    holder.host,
+                    holder.pid,
+                    holder.now - holder.seen_at,
+                )
+            first = holder
+            # Look again after one of its heartbeats, or once it is stale, whichever comes first.
+            stale_in = holder.seen_at + 3 * holder.interval - holder.now
+            with trio.move_on_after(max(min(holder.interval * 1.1, stale_in), 0.0) + 0.05):
+                await give_up.wait()
+            if give_up.is_set():
+                return False
+        return True
+
+    def _in_use(self, holder: _Holder) -> WorkerIdInUseError:
+        return WorkerIdInUseError(
+            f"worker id {self.worker_id!r} is in use by another live worker (host {holder.host}, "
+            f"pid {holder.pid}): give each worker its own id (--worker-id), or none (the default is unique)",
+            worker_id=self.worker_id,
+            host=holder.host,
+            pid=holder.pid,
+        )
+
     async def seen(self, *, concurrency: int, hosted: int, served: int, stopping: bool, interval: float) -> None:
-        """Register this run, or say it is alive: every column of its row is this run's, and the
-        first heartbeat of the run (of this `Control`) resets its start time."""
+        """Say this run is alive (its own row only); `WorkerIdInUseError` if another run took the
+        worker id over (this one was not seen for three heartbeats: frozen past them)."""
         params = (
             self.worker_id,
             socket.gethostname(),
@@ -239,13 +324,22 @@ class Control:
             served,
             stopping,
             interval,
-            not self._registered,
+            self.run_id,
         )
-        await self._run(lambda conn: conn.execute(self.q["worker_seen"], params))
-        self._registered = True
+
+        def work(conn: _Conn) -> _Holder | None:
+            if conn.execute(self.q["worker_seen"], params).fetchone() is not None:
+                return None
+            holder = conn.execute(self.q["worker_holder"], (self.worker_id,)).fetchone()
+            return None if holder is None else _Holder(*holder)
+
+        holder = await self._run(work)
+        if holder is not None:
+            raise self._in_use(holder)
 
     async def gone(self) -> None:
-        await self._run(lambda conn: conn.execute(self.q["worker_gone"], (self.worker_id,)))
+        """Unregister this run (its own row only: never one that took the id over)."""
+        await self._run(lambda conn: conn.execute(self.q["worker_gone"], (self.worker_id, self.run_id)))
 
     async def publish(self, channel: str, payloads: list[str]) -> None:
         """NOTIFY every payload on *channel* (live deltas: not durable, best effort)."""

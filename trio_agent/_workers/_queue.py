@@ -110,7 +110,7 @@ def _connect(dsn: str) -> _Conn:
 def ensure_tables(conn: _Conn, statements: Statements) -> None:
     """Create the worker tables if missing. Looked up first, so the usual call takes no lock and
     needs no CREATE privilege; only a missing table takes the journal's schema lock."""
-    if conn.execute(statements.q["tables_present"], statements.table_names).fetchone() == (True,):
+    if conn.execute(statements.q["tables_present"], statements.presence).fetchone() == (True,):
         return
     with conn.transaction():
         conn.execute(statements.q["lock"], (statements.lock_key,))

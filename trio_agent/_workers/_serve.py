@@ -31,6 +31,10 @@ Rules
   session close does (running requests are recorded interrupted).
 * Retention: every heartbeat interval, each worker deletes done submissions marked done
   more than ``inbox_retention`` seconds ago (`_sql`), in batches until none is left.
+* Identity: the run registers under ``worker_id`` before it claims anything, and only if no
+  other live run holds that id (`Control.start`: `WorkerIdInUseError`). A run that finds its
+  id taken over (it was frozen past three heartbeats and a newer run took the id) stops: it
+  hands its sessions off at once and raises `WorkerIdInUseError`.
 * Live deltas (``live=True``): `_live`.
 """
 
@@ -59,7 +63,7 @@ from .._session._session import Session
 from .._session._spec import AgentSpec
 from .._session._stream import discard
 from ._conn import connection_info
-from ._control import Control, ControlError, InboxListener, Row, jittered
+from ._control import Control, ControlError, InboxListener, Row, WorkerIdInUseError, jittered
 from ._live import LivePublisher
 from ._queue import _check_schema, resolve_dsn
 from ._sql import Statements
@@ -157,6 +161,8 @@ class _Worker:
         self.report = WorkerReport(control.worker_id)
         self.hosted: dict[str, _Hosted] = {}
         self.stopping = False
+        self.halt = trio.Event()  # stop serving: the caller's stop, or the id taken over
+        self.superseded: WorkerIdInUseError | None = None
         self._wake = trio.Event()
         self._drained = trio.Event()
         self._claiming_done = trio.Event()
@@ -348,6 +354,13 @@ class _Worker:
                     stopping=self.stopping,
                     interval=interval,
                 )
+            except WorkerIdInUseError as exc:
+                # Another run took the id over while this one was not seen (frozen): two runs must
+                # never serve under one id, and this is the stale one. It stops.
+                _log.error("worker %s stops: %s", self.report.worker_id, exc)
+                self.superseded = exc
+                self.halt.set()
+                return
             except TrioAgentError as exc:
                 _log.debug("worker heartbeat failed: %s", exc)
             await trio.sleep(interval)
@@ -388,6 +401,11 @@ class _Worker:
         await self._drained.wait()
 
 
+async def _relay(stop: trio.Event, halt: trio.Event) -> None:
+    await stop.wait()
+    halt.set()
+
+
 def _bounded_transactions(dsn: str, lease_ttl: float) -> str:
     """*dsn* whose sessions the server ends when idle inside a transaction for a lease TTL: a
     worker stopped (SIGSTOP, a frozen VM) half-way through a write must not hold its row locks,
@@ -422,6 +440,11 @@ async def serve_sessions(
     built once for the process; every session gets only its own state. With
     ``nursery.start(serve_sessions, ...)`` it reports started (the same report object,
     filled in as it goes) once it listens and has announced itself in ``workers``.
+
+    ``worker_id`` (default: ``host:pid:random``, unique) names the run in leases and the
+    registry; one run at a time may hold it. `WorkerIdInUseError` (a `ConfigError`, naming the
+    id) if another live worker holds it: a row it left when it crashed is waited for until it is
+    stale (three heartbeats, one ``lease_ttl``), and a stopping worker's until it unregisters.
 
     ``inbox_retention``: done submissions are deleted from the inbox this many seconds after
     they were marked done (default seven days; ``None`` keeps them). The outcome of every
@@ -460,20 +483,25 @@ async def serve_sessions(
             listener = InboxListener(dsn, statements.inbox_channel, worker.wake)
             async with trio.open_nursery() as services:
                 await services.start(listener.run)
-                services.start_soon(worker.heartbeat)
-                services.start_soon(worker.prune)
-                if worker.live is not None:
-                    services.start_soon(worker.live.run)
+                if stop is not None:
+                    services.start_soon(_relay, stop, worker.halt)
+                # Before any claim: a worker id another live run holds is refused here.
+                if not await control.start(concurrency=concurrency, interval=lease_ttl / 3, give_up=worker.halt):
+                    task_status.started(worker.report)  # stopped while waiting for its id: it served nothing
+                    services.cancel_scope.cancel()
+                    return worker.report
                 try:
+                    services.start_soon(worker.heartbeat)
+                    services.start_soon(worker.prune)
+                    if worker.live is not None:
+                        services.start_soon(worker.live.run)
                     async with trio.open_nursery() as sessions:
                         sessions.start_soon(worker.claim_loop, sessions)
                         task_status.started(worker.report)
-                        if stop is not None:
-                            await stop.wait()
-                            await worker.stop(shutdown_grace)
-                            sessions.cancel_scope.cancel()
-                        else:
-                            await trio.sleep_forever()
+                        await worker.halt.wait()  # stop set, or this run's worker id taken over
+                        # Taken over: this run was frozen past its leases; hand everything off now.
+                        await worker.stop(shutdown_grace if worker.superseded is None else 0.0)
+                        sessions.cancel_scope.cancel()
                 finally:
                     worker.report.notifications = listener.notifications
                     if worker.live is not None:
@@ -485,6 +513,8 @@ async def serve_sessions(
                         except TrioAgentError as exc:
                             _log.debug("unregistering worker failed: %s", exc)
                     services.cancel_scope.cancel()
+            if worker.superseded is not None:
+                raise worker.superseded
             return worker.report
     except BaseExceptionGroup as group:
         from .._groups import unwrap_for_boundary

@@ -15,6 +15,9 @@ Rules
 * Retention: ``done`` rows are deleted once they were marked done longer ago than the
   workers' ``inbox_retention`` (every worker prunes, in batches; the journal keeps every
   outcome of a request that ran). Rows not ``done`` are never pruned.
+* ``workers`` holds one row per worker id, written by one run at a time (``run_id``): a run
+  registers only if the id is free (no row, or a row not seen for three of its heartbeat
+  intervals), and its heartbeats and its unregistering touch only its own run's row.
 * A session is runnable when it has a row not ``done`` and its lease is free (expired,
   released or never taken). A claim takes such sessions with ``FOR UPDATE SKIP
   LOCKED``, so claiming workers never wait for each other, and gives each a new,
@@ -49,6 +52,8 @@ SCHEMA: tuple[LiteralString, ...] = (
     " worker_id text PRIMARY KEY, host text NOT NULL, pid integer NOT NULL, concurrency integer NOT NULL,"
     " hosted integer NOT NULL, served bigint NOT NULL, stopping boolean NOT NULL, interval double precision NOT NULL,"
     " started_at double precision NOT NULL, seen_at double precision NOT NULL)",
+    # Which run of a worker id the row is (a table made by an earlier version gets the column).
+    "ALTER TABLE {s}.workers ADD COLUMN IF NOT EXISTS run_id text",
 )
 
 _NOW: LiteralString = "extract(epoch FROM clock_timestamp())::float8"
@@ -65,6 +70,8 @@ _STATEMENTS: dict[str, LiteralString] = {
     "tables_present": (
         "SELECT to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL"
         " AND to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL"
+        " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attname = 'run_id'"
+        " AND NOT attisdropped)"
     ),
     "inbox_present": "SELECT to_regclass(%s) IS NOT NULL",
     "submit": (
@@ -153,17 +160,31 @@ _STATEMENTS: dict[str, LiteralString] = {
         + " ON CONFLICT (session_id) DO UPDATE SET state = excluded.state, worker_id = excluded.worker_id,"
         " updated_at = excluded.updated_at"
     ),
-    # Every column is this run's: a row left by a crashed run of the same worker id (never
-    # unregistered) is taken over whole. The run's first heartbeat (the last parameter) starts its uptime.
+    # A run registers under its worker id only if the id is free: no row, or the row of a run not
+    # seen for three of its heartbeat intervals (gone: crashed, or frozen). Every column is then
+    # this run's, its start time included. No row back: another run holds the id.
+    "worker_start": (
+        "INSERT INTO {s}.workers AS w(worker_id, host, pid, concurrency, hosted, served, stopping, interval,"
+        f" started_at, seen_at, run_id) VALUES (%s, %s, %s, %s, 0, 0, false, %s, {_NOW}, {_NOW}, %s)"
+        " ON CONFLICT (worker_id) DO UPDATE SET host = excluded.host, pid = excluded.pid,"
+        " concurrency = excluded.concurrency, hosted = 0, served = 0, stopping = false,"
+        " interval = excluded.interval, started_at = excluded.started_at, seen_at = excluded.seen_at,"
+        " run_id = excluded.run_id"
+        f" WHERE w.seen_at + 3 * w.interval < {_NOW} RETURNING true"
+    ),
+    "worker_holder": (
+        f"SELECT run_id, host, pid, seen_at, interval, stopping, {_NOW} FROM {{s}}.workers WHERE worker_id = %s"
+    ),
+    # A heartbeat writes only its own run's row (or the row again, if someone deleted it). No row
+    # back: another run took the id over.
     "worker_seen": (
         "INSERT INTO {s}.workers AS w(worker_id, host, pid, concurrency, hosted, served, stopping, interval,"
-        f" started_at, seen_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, {_NOW}, {_NOW})"
-        " ON CONFLICT (worker_id) DO UPDATE SET host = excluded.host, pid = excluded.pid,"
-        " concurrency = excluded.concurrency, hosted = excluded.hosted, served = excluded.served,"
-        " stopping = excluded.stopping, interval = excluded.interval,"
-        " started_at = CASE WHEN %s THEN excluded.started_at ELSE w.started_at END, seen_at = excluded.seen_at"
+        f" started_at, seen_at, run_id) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, {_NOW}, {_NOW}, %s)"
+        " ON CONFLICT (worker_id) DO UPDATE SET concurrency = excluded.concurrency, hosted = excluded.hosted,"
+        " served = excluded.served, stopping = excluded.stopping, interval = excluded.interval,"
+        " seen_at = excluded.seen_at WHERE w.run_id = excluded.run_id RETURNING true"
     ),
-    "worker_gone": "DELETE FROM {s}.workers WHERE worker_id = %s",
+    "worker_gone": "DELETE FROM {s}.workers WHERE worker_id = %s AND run_id = %s",
     "sessions": (
         f"SELECT k.session_id, l.owner, l.token, l.expires_at, {_NOW},"
         " (SELECT count(*) FROM {s}.inbox AS i WHERE i.session_id = k.session_id AND i.state <> 'done'),"
@@ -203,5 +224,6 @@ class Statements:
             f"{quoted}.{name}" for name in ("leases", "inbox", "inbox_open", "inbox_done", "registry", "workers")
         )
         self.inbox_table = f"{quoted}.inbox"
+        self.presence = (*self.table_names, f"{quoted}.workers")  # the tables, and the run_id column
         self.inbox_channel = inbox_channel(schema)
         self.live_channel = live_channel(schema)
