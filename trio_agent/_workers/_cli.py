@@ -12,6 +12,7 @@ import attrs
 import trio
 
 from .._errors import TrioAgentError
+from ._queue import DEFAULT_INBOX_RETENTION
 
 __all__ = ["load_spec", "run_listing", "run_submit", "run_worker"]
 
@@ -93,7 +94,7 @@ def run_worker(
     shutdown_grace: float,
     live: bool,
     worker_id: str | None,
-    inbox_retention: float | None = None,
+    inbox_retention: float | None = DEFAULT_INBOX_RETENTION,
 ) -> int:
     spec = load_spec(agent)
     if agent is None:
@@ -107,9 +108,8 @@ def run_worker(
         "shutdown_grace": shutdown_grace,
         "live": live,
         "worker_id": worker_id,
+        "inbox_retention": inbox_retention,  # None keeps done rows
     }
-    if inbox_retention is not None:  # else serve_sessions' default
-        options["inbox_retention"] = inbox_retention
     try:
         report = trio.run(_worker, spec, options)
     except TrioAgentError as exc:

@@ -26,6 +26,7 @@ from ._conn import connect, connection_info
 from ._sql import Statements
 
 __all__ = [
+    "DEFAULT_INBOX_RETENTION",
     "DSN_ENV",
     "RequestStatus",
     "SessionStatus",
@@ -40,6 +41,9 @@ __all__ = [
 
 DSN_ENV = "TRIO_AGENT_DSN"
 """The environment variable a DSN is read from when none is given."""
+
+DEFAULT_INBOX_RETENTION = 7 * 24 * 3600.0
+"""Seconds a done submission stays in the inbox before workers prune it (`serve_sessions`)."""
 
 _Conn = psycopg.Connection[TupleRow]
 

@@ -65,7 +65,7 @@ from .._session._stream import discard
 from ._conn import connection_info
 from ._control import Control, ControlError, InboxListener, Row, WorkerIdInUseError, jittered
 from ._live import LivePublisher
-from ._queue import _check_schema, resolve_dsn
+from ._queue import DEFAULT_INBOX_RETENTION, _check_schema, resolve_dsn
 from ._sql import Statements
 
 __all__ = ["WorkerReport", "serve_sessions"]
@@ -74,7 +74,6 @@ _log = logging.getLogger("trio_agent.workers")
 
 _UNFINISHED = (RequestState.ACCEPTED, RequestState.STARTED)
 _PRUNE_BATCH = 1000  # done submissions deleted per statement
-DEFAULT_INBOX_RETENTION = 7 * 24 * 3600.0
 
 
 @attrs.define
