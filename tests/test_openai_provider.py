@@ -30,11 +30,16 @@ from openai.types.shared import ErrorObject
 from trio_agent import (
     AuthenticationError,
     ConfigError,
+    HistoryError,
     ModelError,
     ModelTimeoutError,
     Provider,
     ProviderError,
     RateLimitError,
+    SideEffect,
+    ToolKind,
+    chat,
+    define_tool,
 )
 from trio_agent._cleanup import DEFAULT_CLEANUP_GRACE
 from trio_agent._models._assemble import ReplyAssembler
@@ -1927,3 +1932,56 @@ async def test_lone_surrogates_in_the_history_are_sent_as_replacement_characters
     sent = server.requests[0].json()["messages"]
     assert sent[0]["content"] == "a \ufffd b"
     assert sent[2]["content"] == "half \ufffd pair \U0001f600"
+
+
+# -- call ids that are not well-formed Unicode --------------------------------------------------------
+
+
+def text_stream(text: str) -> Scripted:
+    return Scripted.sse([chunk_event({"role": "assistant", "content": text}), chunk_event({}, "stop"), DONE])
+
+
+@define_tool(
+    name="delete",
+    description="deletes",
+    input_schema={"type": "object"},
+    side_effect=SideEffect.PURE,
+    kind=ToolKind.READONLY,
+)
+async def delete(input: dict[str, Any], ctx: Any) -> str:
+    return f"{input['what']} deleted"
+
+
+async def test_a_history_whose_call_ids_differ_only_in_lone_surrogates_is_refused_before_sending() -> None:
+    """Both ids reached the server as ``"c\ufffd"`` (the body mends every lone surrogate), with
+    two results: which call failed could no longer be told."""
+    history = [
+        UserMessage("hi"),
+        AssistantMessage((ToolCallPart("c\ud800", "delete", '{"what": "A"}'), ToolCallPart("c\udc00", "delete", "{}"))),
+        ToolResultMessage("c\ud800", "A deleted"),
+        ToolResultMessage("c\udc00", "B FAILED", is_error=True),
+        UserMessage("which one failed?"),
+    ]
+    async with open_fake_server(queue_handler(text_stream("ok"))) as server, provider_for(server) as provider:
+        with pytest.raises(HistoryError, match=r"parts\[0\]\.id 'c\\ud800' is not well-formed Unicode"):
+            await chat(provider, history)
+    assert server.requests == []
+
+
+async def test_streamed_call_ids_that_differ_only_in_lone_surrogates_stay_apart_on_the_wire() -> None:
+    """The live path: the reply assembler mends each id, and the second ``"c\ufffd"`` is a repeat it
+    renames, so each result still answers its own call in the next request."""
+    calls = [
+        {"index": 0, "id": "c\ud800", "type": "function", "function": {"name": "delete", "arguments": '{"what": "A"}'}},
+        {"index": 1, "id": "c\udc00", "type": "function", "function": {"name": "delete", "arguments": '{"what": "B"}'}},
+    ]
+    first = Scripted.sse([chunk_event({"tool_calls": calls}, valid=False), chunk_event({}, "tool_calls"), DONE])
+    handler = queue_handler(first, text_stream("done"))
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        result = await chat(provider, "delete A and B", tools=[delete])
+    assert result.text == "done"
+    sent = server.requests[1].json()["messages"]
+    ids = [call["id"] for call in sent[1]["tool_calls"]]
+    assert ids == ["c\ufffd", "c\ufffd~2"]
+    assert [(m["tool_call_id"], m["content"]) for m in sent[2:]] == [(ids[0], "A deleted"), (ids[1], "B deleted")]
+    assert [m.tool_call_id for m in result.messages if isinstance(m, ToolResultMessage)] == ids

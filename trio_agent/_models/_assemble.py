@@ -80,6 +80,7 @@ __all__ = [
     "ReplyAssembler",
     "ToolArgumentsError",
     "assign_call_ids",
+    "has_surrogate",
     "parse_json_value",
     "parse_tool_arguments",
     "well_formed",
@@ -241,6 +242,12 @@ def well_formed(text: str) -> str:
     if text.isascii() or _SURROGATE.search(text) is None:  # isascii() is O(1): the usual case
         return text
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def has_surrogate(text: str) -> bool:
+    """Whether *text* holds a surrogate code point (lone, or a pair of halves): text that is not
+    well-formed Unicode, which `well_formed` (and so every request body) would change."""
+    return not text.isascii() and _SURROGATE.search(text) is not None
 
 
 def _optional(text: str | None) -> str | None:

@@ -18,9 +18,14 @@ user message; every tool call is answered by the tool results that directly
 follow its assistant message, each call once, before the next user or assistant
 message; call ids are unique in the whole history. Each message holds what its
 class says (strings where the class has strings; an assistant message holds content
-parts; a call id and a tool name are non-empty strings): the classes do not check
-their fields when built (a conversation builds messages every turn), so a history
-from outside is checked here, once.
+parts; a call id and a tool name are non-empty strings of well-formed Unicode): the
+classes do not check their fields when built (a conversation builds messages every
+turn), so a history from outside is checked here, once. A call id or a tool name
+holding a surrogate code point is refused: the request body sends every surrogate as
+U+FFFD (or joins a pair), so two distinct ids would reach the server as one and their
+results could not be told apart. A wrong value is named by `safe_repr`: it may be
+anything (nested past the recursion limit, an int too long to print, a raising
+``__repr__``), and the error must be the `HistoryError`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import overload
 
 from .._errors import HistoryError
+from .._util import safe_repr
+from ._assemble import has_surrogate
 from ._messages import (
     AssistantMessage,
     Message,
@@ -99,7 +106,7 @@ def validate_history(history: object) -> tuple[Message, ...]:
                 index=index,
             )
         if not isinstance(message, UserMessage | AssistantMessage | ToolResultMessage):
-            raise HistoryError(f"{where} is not a message: {message!r}", index=index)
+            raise HistoryError(f"{where} is not a message: {safe_repr(message, _SHOWN)}", index=index)
         problem = _content_problem(message)
         if problem is not None:
             raise HistoryError(f"{where}: {problem}", index=index)
@@ -108,15 +115,15 @@ def validate_history(history: object) -> tuple[Message, ...]:
         if isinstance(message, ToolResultMessage):
             if message.tool_call_id not in pending:
                 raise HistoryError(
-                    f"{where} answers tool call {message.tool_call_id!r}, which is not an unanswered call of "
-                    "the assistant message before it",
+                    f"{where} answers tool call {safe_repr(message.tool_call_id, _SHOWN)}, which is not an "
+                    "unanswered call of the assistant message before it",
                     index=index,
                 )
             del pending[message.tool_call_id]
             continue
         if pending:
             raise HistoryError(
-                f"{where}: tool call(s) {', '.join(map(repr, pending))} of the assistant message before it "
+                f"{where}: tool call(s) {_ids(pending)} of the assistant message before it "
                 "are not answered (give a tool result message for each, right after it)",
                 index=index,
             )
@@ -124,27 +131,43 @@ def validate_history(history: object) -> tuple[Message, ...]:
             for part in message.parts:
                 if isinstance(part, ToolCallPart):
                     if part.id in seen:
-                        raise HistoryError(f"{where}: tool call id {part.id!r} is used twice", index=index)
+                        raise HistoryError(
+                            f"{where}: tool call id {safe_repr(part.id, _SHOWN)} is used twice", index=index
+                        )
                     seen.add(part.id)
                     pending[part.id] = None
     if pending:
         raise HistoryError(
-            f"history[{len(messages) - 1}]: tool call(s) {', '.join(map(repr, pending))} are not answered",
+            f"history[{len(messages) - 1}]: tool call(s) {_ids(pending)} are not answered",
             index=len(messages) - 1,
         )
     return messages
 
 
+_SHOWN = 80  # the most characters of a wrong value a message shows
+
+
+def _ids(pending: dict[str, None]) -> str:
+    return ", ".join(safe_repr(call_id, _SHOWN) for call_id in pending)
+
+
 def _field_problem(
-    owner: str, field: str, value: object, *, optional: bool = False, nonempty: bool = False
+    owner: str, field: str, value: object, *, optional: bool = False, nonempty: bool = False, name: bool = False
 ) -> str | None:
+    """What is wrong with a field's *value*, or ``None``. *name*: a call id or a tool name, which
+    must be non-empty and hold no surrogate code point (see the module rules)."""
     if optional and value is None:
         return None
     if not isinstance(value, str):
         kind = "a string or None" if optional else "a string"
-        return f"{owner}.{field} must be {kind}, not {type(value).__name__} {value!r:.80}"
-    if nonempty and not value:
+        return f"{owner}.{field} must be {kind}, not {type(value).__name__} {safe_repr(value, _SHOWN)}"
+    if (nonempty or name) and not value:
         return f"{owner}.{field} must not be empty"
+    if name and has_surrogate(value):
+        return (
+            f"{owner}.{field} {safe_repr(value, _SHOWN)} is not well-formed Unicode (it holds a surrogate "
+            "code point, which a request sends as U+FFFD: another id or name could then read the same)"
+        )
     return None
 
 
@@ -154,10 +177,10 @@ def _content_problem(message: UserMessage | AssistantMessage | ToolResultMessage
         return _field_problem("UserMessage", "content", message.content)
     if isinstance(message, ToolResultMessage):
         if not isinstance(message.is_error, bool):
-            return f"ToolResultMessage.is_error must be True or False, not {message.is_error!r:.80}"
-        return _field_problem(
-            "ToolResultMessage", "tool_call_id", message.tool_call_id, nonempty=True
-        ) or _field_problem("ToolResultMessage", "content", message.content)
+            return f"ToolResultMessage.is_error must be True or False, not {safe_repr(message.is_error, _SHOWN)}"
+        return _field_problem("ToolResultMessage", "tool_call_id", message.tool_call_id, name=True) or _field_problem(
+            "ToolResultMessage", "content", message.content
+        )
     for number, part in enumerate(message.parts):
         owner = f"parts[{number}]"
         if isinstance(part, TextPart):
@@ -170,14 +193,14 @@ def _content_problem(message: UserMessage | AssistantMessage | ToolResultMessage
             )
         elif isinstance(part, ToolCallPart):
             problem = (
-                _field_problem(owner, "id", part.id, nonempty=True)
-                or _field_problem(owner, "name", part.name, nonempty=True)
+                _field_problem(owner, "id", part.id, name=True)
+                or _field_problem(owner, "name", part.name, name=True)
                 or _field_problem(owner, "arguments", part.arguments)
             )
         else:
             return (
                 f"{owner} of the assistant message is not a content part (TextPart, ReasoningPart or "
-                f"ToolCallPart): {type(part).__name__} {part!r:.80}"
+                f"ToolCallPart): {type(part).__name__} {safe_repr(part, _SHOWN)}"
             )
         if problem is not None:
             return problem
