@@ -1524,3 +1524,24 @@ async def test_lone_surrogates_in_the_history_are_sent_as_replacement_characters
     sent = server.requests[0].json()["messages"]
     assert "a \ufffd b" in json.dumps(sent[0], ensure_ascii=False)
     assert "half \ufffd x" in json.dumps(sent[2], ensure_ascii=False)
+
+
+# -- usage sums, tool names and structured output -------------------------------------------------------
+
+
+async def test_a_token_sum_past_the_bound_is_ignored_as_a_count_out_of_range() -> None:
+    """Each count in range, their sum (the total the provider computes) past MAX_TOKEN_COUNT:
+    ModelService refused the UsageChunk as provider_failed, after the answer was published."""
+    top = 2**53 - 1
+    events = sse_events("stream_text")
+    events[0] = event({"type": "message_start", "message": {"usage": {"input_tokens": top, "output_tokens": 0}}})
+    events[-2] = event({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 7}})
+    body = JSON["text_reply"] | {"usage": {"input_tokens": top, "output_tokens": 5}}
+    async with serve(Scripted.sse(events), Scripted.json(body)) as (_, provider):
+        service = ModelService(provider, retry=RetryPolicy(max_attempts=1))
+        async with service.stream([UserMessage("Hi")]) as stream:
+            chunks = [chunk async for chunk in stream]
+        response = await service.chat([UserMessage("Hi")])
+    assert text_of(chunks) == STREAM_TEXT
+    assert [chunk for chunk in chunks if isinstance(chunk, UsageChunk)] == [UsageChunk(Usage(top, 7, 0))]
+    assert response.usage == Usage(top, 5, 0)

@@ -491,6 +491,67 @@ async def test_a_layer_answering_the_wrong_type_is_a_model_middleware_error_nami
         await run_op(service, op)
 
 
+# Responses whose usage a streamed UsageChunk could not carry: ModelService.chat let them through
+# (unchecked), to be added to a run's totals and journalled, against the MAX_TOKEN_COUNT rule.
+BAD_USAGES = {
+    "negative": (Usage(-5, 1, 1), r"usage\.input_tokens is int -5, not an int from 0 to 9007199254740991"),
+    "float": (Usage(1, 1.5, 2), r"usage\.output_tokens is float 1\.5, not an int"),  # type: ignore[arg-type]
+    "past-the-bound": (Usage(1, 1, 2**70), r"usage\.total_tokens is int 1180591620717411303424, not an int"),
+    "detail": (Usage(1, 1, 2, reasoning_tokens=-1), r"usage\.reasoning_tokens is int -1, not an int .* or None"),
+    "no-usage": (None, r"usage is None, not a Usage"),
+}
+CHAT_OPS = [Operation.CHAT, Operation.SIDE_QUERY, Operation.CHAT_WITH_RETRY_EVENTS]
+
+
+class UsageProvider(TestModel):
+    """A custom provider whose chat answers a response with *usage* as given."""
+
+    def __init__(self, usage: Any) -> None:
+        super().__init__(default=Reply("unused"))
+        self.usage = usage
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:
+        self.requests.append(request)
+        await trio.lowlevel.checkpoint()
+        return ModelResponse(AssistantMessage((TextPart("x"),)), FinishReason.STOP, self.usage)
+
+
+@pytest.mark.parametrize(("usage", "words"), BAD_USAGES.values(), ids=BAD_USAGES.keys())
+@pytest.mark.parametrize("op", CHAT_OPS)
+async def test_a_provider_response_whose_usage_a_stream_could_not_carry_is_a_provider_failed_error(
+    op: Operation, usage: Any, words: str
+) -> None:
+    provider = UsageProvider(usage)
+    with pytest.raises(ModelError) as caught:
+        await run_op(ModelService(provider, retry=NO_JITTER), op)
+    assert type(caught.value) is ModelError and caught.value.code == "provider_failed"
+    assert re.search(f"the provider's chat returned a ModelResponse whose {words}", str(caught.value))
+    assert len(provider.requests) == 1  # a provider bug: not retried
+
+
+@pytest.mark.parametrize(("usage", "words"), BAD_USAGES.values(), ids=BAD_USAGES.keys())
+@pytest.mark.parametrize("op", CHAT_OPS)
+async def test_a_layer_response_whose_usage_a_stream_could_not_carry_is_a_model_middleware_error(
+    op: Operation, usage: Any, words: str
+) -> None:
+    bad = ModelResponse(AssistantMessage((TextPart("x"),)), FinishReason.STOP, usage)
+    service = ModelService(TestModel(default=Reply("x")), [wrong_item_layer(op, bad)])
+    with pytest.raises(ModelMiddlewareError) as caught:
+        await run_op(service, op)
+    assert re.search(
+        rf"#0 \(WrongItem\): {WRAPPER[op]} (returned|yielded) a ModelResponse whose {words}", str(caught.value)
+    )
+
+
+@pytest.mark.parametrize("op", CHAT_OPS)
+async def test_a_response_with_every_count_at_its_bound_passes(op: Operation) -> None:
+    top = 2**53 - 1
+    usage = Usage(top, top, top, cached_input_tokens=0, cache_creation_input_tokens=top, reasoning_tokens=None)
+    result = await run_op(ModelService(UsageProvider(usage)), op)
+    response = result[-1] if op is Operation.CHAT_WITH_RETRY_EVENTS else result
+    assert response.usage == usage
+
+
 class TextDeltaPlus(TextDelta):
     """A chunk of a subclass: still a chunk."""
 

@@ -417,6 +417,17 @@ async def test_finish_reasons_are_mapped(wire: str, reason: FinishReason) -> Non
             ),
             "usage.prompt_tokens_details.cached_tokens must be a token count",
         ),
+        (
+            # Each count in range, their sum (the total left out) past it: ModelService refused it, so
+            # a stream failed as provider_failed after its text was published.
+            completion({"content": "x"}, usage={"prompt_tokens": 2**53 - 1, "completion_tokens": 7}),
+            "usage.prompt_tokens + usage.completion_tokens (the total_tokens left out) must be a token count "
+            "from 0 to 9007199254740991, got 9007199254740998",
+        ),
+        (
+            completion({"content": "x"}, usage={"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2**53}),
+            "usage.total_tokens must be a token count",
+        ),
         ([1, 2], "response body must be an object"),
     ],
 )
@@ -1985,3 +1996,54 @@ async def test_streamed_call_ids_that_differ_only_in_lone_surrogates_stay_apart_
     assert ids == ["c\ufffd", "c\ufffd~2"]
     assert [(m["tool_call_id"], m["content"]) for m in sent[2:]] == [(ids[0], "A deleted"), (ids[1], "B deleted")]
     assert [m.tool_call_id for m in result.messages if isinstance(m, ToolResultMessage)] == ids
+
+
+# -- bounds the service holds a provider to ---------------------------------------------------------
+
+
+async def test_a_streamed_usage_whose_sum_passes_the_bound_is_malformed_not_a_provider_failure() -> None:
+    """The provider summed two counts in range past MAX_TOKEN_COUNT and published the UsageChunk,
+    which ModelService refused as ``provider_failed``: a bug of ours, after the text was out."""
+    usage = {"prompt_tokens": 2**53 - 1, "completion_tokens": 7}
+    # No total_tokens (compatible servers leave it out), so not the SDK's shape.
+    events = [chunk_event({"content": "the answer"}, "stop", valid=False, usage=usage), DONE]
+    async with open_fake_server(queue_handler(Scripted.sse(events))) as server, provider_for(server) as provider:
+        with pytest.raises(MalformedResponseError, match=r"usage.prompt_tokens \+ usage.completion_tokens") as caught:
+            async with ModelService(provider, retry=RetryPolicy(max_attempts=1)).stream(HELLO) as chunks:
+                async for _ in chunks:
+                    pass
+    assert caught.value.code != "provider_failed"
+
+
+@pytest.mark.parametrize(
+    "calls",
+    [
+        [{"index": 10**30, "id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        # A reused index with a new id moves the call to the next free index: past the bound here.
+        [
+            {"index": 2**53 - 1, "id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"index": 2**53 - 1, "id": "b", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+        ],
+    ],
+    ids=["huge", "next-past-the-bound"],
+)
+async def test_a_tool_call_index_past_the_bound_is_malformed_not_a_provider_failure(calls: list[Any]) -> None:
+    events = [chunk_event({"tool_calls": calls}, valid=False), chunk_event({}, "tool_calls"), DONE]
+    async with open_fake_server(queue_handler(Scripted.sse(events))) as server, provider_for(server) as provider:
+        with pytest.raises(MalformedResponseError, match=r"9007199254740991") as caught:
+            async with ModelService(provider, retry=RetryPolicy(max_attempts=1)).stream(HELLO) as chunks:
+                async for _ in chunks:
+                    pass
+    assert caught.value.code != "provider_failed"
+
+
+async def test_a_tool_call_at_the_largest_index_streams() -> None:
+    call = {"index": 2**53 - 1, "id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    events = [chunk_event({"tool_calls": [call]}, valid=False), chunk_event({}, "tool_calls"), DONE]
+    async with (
+        open_fake_server(queue_handler(Scripted.sse(events))) as server,
+        provider_for(server) as provider,
+        ModelService(provider).stream(HELLO) as chunks,
+    ):
+        received = [chunk async for chunk in chunks]
+    assert received[0] == ToolCallStart(2**53 - 1, "a", "f")

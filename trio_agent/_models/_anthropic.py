@@ -545,17 +545,23 @@ def _count(value: Any) -> int | None:
 
 
 def parse_usage(raw: Any) -> Usage:
-    """`Usage` from an Anthropic ``usage`` object; ``total_tokens`` = input + output tokens."""
+    """`Usage` from an Anthropic ``usage`` object; ``total_tokens`` = input + output tokens (``0``
+    when that sum is past `MAX_TOKEN_COUNT`: not reported, as a count out of range is not)."""
     if not isinstance(raw, Mapping):
         return Usage()
     input_tokens = _count(raw.get("input_tokens")) or 0
     output_tokens = _count(raw.get("output_tokens")) or 0
     details = raw.get("output_tokens_details")
     reasoning = _count(details.get("thinking_tokens")) if isinstance(details, Mapping) else None
+    total_tokens = input_tokens + output_tokens
+    if total_tokens > MAX_TOKEN_COUNT:
+        # Two counts in range can add up past the bound: the sum is ignored as any count out of
+        # range is (`ModelService` would refuse it, after the reply was published).
+        total_tokens = 0
     return Usage(
         input_tokens=input_tokens,
         output_tokens=output_tokens,
-        total_tokens=input_tokens + output_tokens,
+        total_tokens=total_tokens,
         cached_input_tokens=_count(raw.get("cache_read_input_tokens")),
         cache_creation_input_tokens=_count(raw.get("cache_creation_input_tokens")),
         reasoning_tokens=reasoning,

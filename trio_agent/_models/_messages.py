@@ -58,8 +58,9 @@ class FinishReason(enum.Enum):
 MAX_TOKEN_COUNT = 2**53 - 1
 """The largest token count a `Usage` may hold (exact as a JSON number everywhere, and a session's
 totals stay far inside a 64-bit journal column). A provider treats a larger or a negative count
-from a server as it treats a count of the wrong type; `ModelService` refuses a `Usage` with one
-(or with a count that is no int) from a custom provider or a middleware."""
+from a server as it treats a count of the wrong type, and so a total it computes (input + output)
+that passes the bound; `ModelService` refuses a `Usage` with one (or with a count that is no int)
+from a custom provider or a middleware, streamed (`UsageChunk`) or not (`ModelResponse.usage`)."""
 
 
 @attrs.frozen

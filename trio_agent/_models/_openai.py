@@ -41,6 +41,7 @@ from .._errors import (
     ProviderServerError,
     RateLimitError,
 )
+from .._util import safe_repr
 from ._assemble import DeltaMender
 from ._http import (
     ACCEPT_ENCODING,
@@ -98,6 +99,10 @@ _FINISH_REASONS = {
     "function_call": FinishReason.TOOL_CALLS,  # the deprecated functions API
     "content_filter": FinishReason.CONTENT_FILTER,
 }
+
+# The largest tool-call index a stream may use: the bound `ModelService` holds a chunk's index to
+# (a JSON number exact everywhere), so a larger one is this server's malformed reply, not our bug.
+_MAX_CALL_INDEX = MAX_TOKEN_COUNT
 
 # Keys of the request body the provider sets itself; ``request.options`` may not set them.
 _RESERVED_OPTIONS = ("model", "messages", "tools", "stream")
@@ -579,10 +584,19 @@ def _parse_usage(value: Any, where: str) -> Usage:
     if completion_details is not None:
         details = _object(completion_details, f"{where}.completion_tokens_details")
         reasoning = _optional_int(details, "reasoning_tokens", f"{where}.completion_tokens_details")
+    if total is None:
+        # Their sum stands in for it, and is a count like any other: two counts each in range can
+        # add up past the bound (which `ModelService` would refuse after the reply was published).
+        total = prompt + completion
+        if total > MAX_TOKEN_COUNT:
+            _malformed(
+                f"{where}.prompt_tokens + {where}.completion_tokens (the total_tokens left out) must be a "
+                f"token count from 0 to {MAX_TOKEN_COUNT}, got {total}"
+            )
     return Usage(
         input_tokens=prompt,
         output_tokens=completion,
-        total_tokens=prompt + completion if total is None else total,
+        total_tokens=total,
         cached_input_tokens=cached,
         cache_creation_input_tokens=cache_write,
         reasoning_tokens=reasoning,
@@ -766,6 +780,8 @@ class _StreamAssembler:
         if state is None:
             if self.calls_ended:
                 _malformed(f"tool call {index} started after the finish_reason")
+            if index > _MAX_CALL_INDEX:  # the next free index after a call at the largest one
+                _malformed(f"{where} starts a tool call past index {_MAX_CALL_INDEX}")
             state = _ToolCallState(
                 index,
                 _tool_call_id(call.get("id"), f"{where}.id (first delta of tool call {index})"),
@@ -795,8 +811,8 @@ class _StreamAssembler:
             if not self.calls or (isinstance(call_id, str) and (call_id or function.get("name"))):
                 return self.last_index + 1
             return self.last_index
-        if isinstance(wire, bool) or not isinstance(wire, int) or wire < 0:
-            _malformed(f"{where}.index must be a non-negative integer, got {wire!r}")
+        if isinstance(wire, bool) or not isinstance(wire, int) or not 0 <= wire <= _MAX_CALL_INDEX:
+            _malformed(f"{where}.index must be an integer from 0 to {_MAX_CALL_INDEX}, got {safe_repr(wire)}")
         index = self.index_of_wire.get(wire, wire)
         state = self.calls.get(index)
         if state is not None and isinstance(call_id, str) and call_id and call_id != state.id:

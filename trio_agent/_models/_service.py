@@ -334,6 +334,17 @@ def _usage_problem(usage: Usage) -> str | None:
     return None
 
 
+def _response_problem(response: ModelResponse) -> str | None:
+    """What is wrong with *response*'s usage, as ``usage<...> is <what>, not <what it should be>``
+    (``None``: nothing): the rule a streamed `UsageChunk` is held to (`_usage_problem`), since a
+    reply's usage goes to the same totals and journal whether it was streamed or not."""
+    usage = response.usage
+    if type(usage) is not Usage and not isinstance(usage, Usage):
+        return f"usage is {_what(usage)}, not a Usage"
+    problem = _usage_problem(usage)
+    return None if problem is None else f"usage.{problem}"
+
+
 def _middleware_failure(exc: Exception) -> ModelError:
     """What a non-`ModelError` escaping the model middleware fails the call with: a `ModelError`
     inside a group (a layer awaited ``call_next`` in its own nursery) is the call's error, as it
@@ -833,9 +844,12 @@ class ModelService:
         except Exception as exc:  # a middleware bug: typed, with its cause (or a ModelError it grouped)
             error = _middleware_failure(exc)
             raise error from error.__cause__
-        if type(response) is ModelResponse or isinstance(response, ModelResponse):
-            return response
         # The provider's answer was checked: a layer returned this (the terminal is never the outermost here).
+        if type(response) is ModelResponse or isinstance(response, ModelResponse):
+            problem = _response_problem(response)
+            if problem is None:
+                return response
+            raise ModelMiddlewareError(self._wrong_item(operation, "returned", f"a ModelResponse whose {problem}"))
         raise ModelMiddlewareError(self._wrong_item(operation, "returned", f"{_what(response)}, not a ModelResponse"))
 
     def _wrong_item(self, operation: Operation, did: str, problem: str) -> str:
@@ -1062,7 +1076,7 @@ class _OpenIterators:
                 or _chunk_ok(item)
             ):
                 return item
-        elif type(item) in kinds:
+        elif type(item) is RetryEvent or (type(item) is ModelResponse and _response_problem(item) is None):
             return item
         return self._odd_item(item, kinds)
 
@@ -1073,6 +1087,11 @@ class _OpenIterators:
             problem = _chunk_problem(item)
             if problem is None:
                 return item
+        elif isinstance(item, ModelResponse):
+            response_problem = _response_problem(item)
+            if response_problem is None:
+                return item
+            problem = f"a ModelResponse whose {response_problem}"
         elif _is_kind(item, kinds):
             return item
         else:
@@ -1186,9 +1205,13 @@ async def _provider_call(awaitable: Awaitable[T]) -> T:
 
 
 def _provider_response(response: object) -> ModelResponse:
-    """The provider's answer to ``chat``; anything but a `ModelResponse` is a provider bug, typed as such."""
+    """The provider's answer to ``chat``; anything but a `ModelResponse` with a good usage
+    (`_response_problem`) is a provider bug, typed as such."""
     if type(response) is ModelResponse or isinstance(response, ModelResponse):
-        return response
+        problem = _response_problem(response)
+        if problem is None:
+            return response
+        raise ModelError(f"the provider's chat returned a ModelResponse whose {problem}", code="provider_failed")
     raise ModelError(
         f"the provider's chat returned {_what(response)}, not a ModelResponse",
         code="provider_failed",
