@@ -1545,3 +1545,32 @@ async def test_a_token_sum_past_the_bound_is_ignored_as_a_count_out_of_range() -
     assert text_of(chunks) == STREAM_TEXT
     assert [chunk for chunk in chunks if isinstance(chunk, UsageChunk)] == [UsageChunk(Usage(top, 7, 0))]
     assert response.usage == Usage(top, 5, 0)
+
+
+def tool_use_stream(name: str) -> list[bytes]:
+    start = {"type": "message", "id": "msg_1", "role": "assistant", "model": MODEL, "content": [],
+             "stop_reason": None, "usage": {"input_tokens": 1, "output_tokens": 0}}  # fmt: skip
+    block = {"type": "tool_use", "id": "toolu_1", "name": name, "input": {}}
+    return [
+        event({"type": "message_start", "message": start}),
+        event({"type": "content_block_start", "index": 0, "content_block": block}),
+        event({"type": "content_block_delta", "index": 0, "delta": {"type": "input_json_delta", "partial_json": "{}"}}),
+        event({"type": "content_block_stop", "index": 0}),
+        event({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 1}}),
+        event({"type": "message_stop"}),
+    ]
+
+
+async def test_a_tool_use_with_an_empty_name_is_malformed() -> None:
+    """It was taken, sent back as ``name: ""`` in the next request, and the run's own conversation
+    was then one ``chat(history=...)`` refuses (OpenAI's provider refuses it as malformed)."""
+    reply = JSON["text_reply"] | {
+        "content": [{"type": "tool_use", "id": "toolu_1", "name": "", "input": {}}],
+        "stop_reason": "tool_use",
+    }
+    async with serve(Scripted.json(reply), Scripted.sse(tool_use_stream(""))) as (server, provider):
+        with pytest.raises(MalformedResponseError, match=r"the Anthropic tool_use block has an empty 'name'"):
+            await provider.chat(request())
+        with pytest.raises(MalformedResponseError, match=r"the Anthropic streamed tool_use block has an empty 'name'"):
+            await collect(provider, request(operation=Operation.STREAM))
+    assert len(server.requests) == 2

@@ -530,6 +530,15 @@ def _field(obj: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
     return value
 
 
+def _tool_name(block: Mapping[str, Any], where: str) -> str:
+    """A ``tool_use`` block's name: a non-empty string. An empty one names no tool, and sent back
+    in the next request it makes the conversation one ``history=`` refuses (as OpenAI's is)."""
+    name: str = _field(block, "name", str, where)
+    if not name:
+        raise MalformedResponseError(f"the Anthropic {where} has an empty 'name'")
+    return name
+
+
 def _finish_reason(value: Any) -> FinishReason:
     reason = STOP_REASONS.get(value) if isinstance(value, str) else None
     if reason is None:
@@ -592,7 +601,7 @@ def parse_message(data: Any) -> ModelResponse:
             parts.append(
                 ToolCallPart(
                     _field(block, "id", str, where),
-                    _field(block, "name", str, where),
+                    _tool_name(block, where),
                     json.dumps(block.get("input", {}), ensure_ascii=False),
                 )
             )
@@ -830,7 +839,7 @@ class _StreamState:
                 "tool_use",
                 self.tool_calls,
                 _field(content, "id", str, where),
-                _field(content, "name", str, where),
+                _tool_name(content, where),
                 initial_input=content.get("input"),
             )
             self.tool_calls += 1
