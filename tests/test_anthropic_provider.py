@@ -37,6 +37,7 @@ from trio_agent import (
     Provider,
     ProviderError,
     RateLimitError,
+    chat,
 )
 from trio_agent._cleanup import DEFAULT_CLEANUP_GRACE
 from trio_agent._models._anthropic import AnthropicProvider, retry_after_seconds
@@ -1574,3 +1575,14 @@ async def test_a_tool_use_with_an_empty_name_is_malformed() -> None:
         with pytest.raises(MalformedResponseError, match=r"the Anthropic streamed tool_use block has an empty 'name'"):
             await collect(provider, request(operation=Operation.STREAM))
     assert len(server.requests) == 2
+
+
+async def test_the_structured_output_call_asks_in_its_prompt_and_sends_no_output_schema_field() -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    answer = JSON["text_reply"] | {"content": [{"type": "text", "text": '{"n": 1}'}]}
+    async with serve(Scripted.sse(sse_events("stream_text")), Scripted.json(answer)) as (server, provider):
+        result = await chat(provider, "count", output_schema=schema)
+    assert result.structured_output == {"n": 1}
+    body = server.requests[1].json()
+    assert set(body) == {"model", "max_tokens", "messages"}
+    assert json.dumps(schema) in body["messages"][-1]["content"][-1]["text"]

@@ -2047,3 +2047,57 @@ async def test_a_tool_call_at_the_largest_index_streams() -> None:
     ):
         received = [chunk async for chunk in chunks]
     assert received[0] == ToolCallStart(2**53 - 1, "a", "f")
+
+
+# -- structured output (chat(output_schema=...)) ----------------------------------------------------
+
+POINT = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+
+
+async def test_chat_with_an_output_schema_sends_it_as_response_format_not_as_an_unknown_field() -> None:
+    """``output_schema`` went into the body as a top-level field, which OpenAI refuses (HTTP 400
+    for an unknown parameter): structured output through this provider always failed."""
+    answer = Scripted.json(completion({"content": '{"x": 3}'}))
+    async with open_fake_server(queue_handler(text_stream("thinking"), answer)) as server, provider_for(server) as p:
+        result = await chat(p, "where?", output_schema=POINT)
+    assert result.structured_output == {"x": 3}
+    body = server.requests[1].json()
+    assert "output_schema" not in body
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "structured_output", "schema": POINT, "strict": False},
+    }
+    assert json.dumps(POINT) in body["messages"][-1]["content"]  # the prompt still says it too
+    assert "response_format" not in server.requests[0].json()  # the run's own turns: none
+
+
+async def test_an_output_schema_whose_root_is_no_object_is_left_to_the_prompt() -> None:
+    """Structured Outputs take an object at the root only: another root is asked for in the prompt."""
+    answer = Scripted.json(completion({"content": "[1, 2]"}))
+    async with open_fake_server(queue_handler(text_stream("ok"), answer)) as server, provider_for(server) as p:
+        result = await chat(p, "list?", output_schema={"type": "array", "items": {"type": "integer"}})
+    assert result.structured_output == [1, 2]
+    body = server.requests[1].json()
+    assert "output_schema" not in body and "response_format" not in body
+
+
+async def test_a_response_format_option_given_with_an_output_schema_is_kept() -> None:
+    handler = queue_handler(*[Scripted.json(completion({"content": "{}"}))] * 2)
+    async with open_fake_server(handler) as server, provider_for(server) as provider:
+        given = {"type": "json_object"}
+        await provider.chat(
+            request(options={"output_schema": POINT, "response_format": given}, operation=Operation.CHAT)
+        )
+        extra = {"output_schema": POINT, "extra_body": {"response_format": given}}  # extra_body is merged last
+        await provider.chat(request(options=extra, operation=Operation.CHAT))
+    for seen in server.requests:
+        assert seen.json()["response_format"] == given and "output_schema" not in seen.json()
+
+
+@pytest.mark.parametrize("schema", [True, "object", ["object"]], ids=["bool", "str", "list"])
+async def test_an_output_schema_option_that_is_no_mapping_is_refused_before_sending(schema: object) -> None:
+    async with open_fake_server(queue_handler()) as server, provider_for(server) as provider:
+        with pytest.raises(ModelError, match="request option 'output_schema' must be a JSON Schema object") as caught:
+            await provider.chat(request(options={"output_schema": schema}, operation=Operation.CHAT))
+    assert caught.value.code == "provider_bad_option"
+    assert server.requests == []

@@ -686,6 +686,8 @@ class _Prepared:
         response = await self.service.chat(
             [*prefix, *call.messages, UserMessage(request)],
             tools=call.tools,
+            # A documented option key, not a server field: each provider maps it or leaves it out
+            # (OpenAI: response_format), and a custom one reads the schema here.
             options={**call.options, "output_schema": schema},
             abort=self.abort,
             metadata=call.metadata,

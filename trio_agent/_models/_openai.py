@@ -253,9 +253,14 @@ class OpenAIProvider:
             stop_sequences(options["stop"], option="stop")  # checked only: a string goes as a string
         stream_options = options.pop("stream_options", None)
         extra_body = options.pop("extra_body", None)
+        output_schema = options.pop("output_schema", None)  # ours, not a Chat Completions field
         body: dict[str, Any] = {**options, "model": request.model, "messages": _messages(request.messages)}
         if request.tools:
             body["tools"] = [_tool(spec) for spec in request.tools]
+        if output_schema is not None and options.get("response_format") is None:
+            response_format = _response_format(output_schema)
+            if response_format is not None:
+                body["response_format"] = response_format
         if isinstance(extra_body, Mapping):
             body.update(extra_body)  # the escape hatch, as in the other providers: merged last
         if stream:
@@ -450,6 +455,29 @@ def _messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
         else:  # pragma: no cover - the Message union is closed
             raise ModelError(f"cannot send message {message!r} to an OpenAI-compatible server")
     return mapped
+
+
+STRUCTURED_OUTPUT_NAME = "structured_output"
+"""``response_format.json_schema.name`` of a request with the ``output_schema`` option."""
+
+
+def _response_format(schema: object) -> dict[str, Any] | None:
+    """The ``response_format`` for the ``output_schema`` option: Structured Outputs' ``json_schema``
+    for a schema whose root is an object (the only root OpenAI takes there), ``None`` for any other
+    (the request's prompt carries it, as for every provider). Not strict: strict mode takes a
+    subset of JSON Schema (every property required, ``additionalProperties: false``) and refuses
+    any other schema with HTTP 400, and the answer is checked against the schema anyway."""
+    if not isinstance(schema, Mapping):
+        raise ModelError(
+            f"request option 'output_schema' must be a JSON Schema object (a mapping), got {safe_repr(schema)}",
+            code="provider_bad_option",
+        )
+    if schema.get("type") != "object":
+        return None
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": STRUCTURED_OUTPUT_NAME, "schema": dict(schema), "strict": False},
+    }
 
 
 def _tool(spec: ToolSpec) -> dict[str, Any]:
