@@ -15,6 +15,7 @@ import trio.testing
 from trio.testing import wait_all_tasks_blocked
 
 from trio_agent import ConfigError, Tool, ToolErrorType, ToolKind, ToolResult, define_tool
+from trio_agent._tools._definition import unscheduled
 from trio_agent.testing import call_tool
 from trio_agent.tools import (
     AbortHandle,
@@ -1000,4 +1001,43 @@ async def test_calls_a_subagent_runs_side_by_side_under_its_task_do_not_overlap_
     assert calls.records["t"].result == ToolResult.success("task")
     assert gate.max_inside == 1
     assert gate.finished == ["w1", "r1", "w2"]
+    assert pipeline.file_locks.held() == {}
+
+
+# -- calls that take no slot --------------------------------------------------------
+
+
+async def test_an_unscheduled_tool_runs_with_its_bucket_full_and_takes_no_slot() -> None:
+    """The built-in `task` / `task_output` (`unscheduled`) hold no resource a slot stands for: their
+    calls run with every slot of their kind held, on each way to the tool (at once; through the
+    waits before it, here file locks; after waiting for a lock), and take none."""
+    gate = Gate()
+    pipeline = ToolPipeline(
+        [gate.tool("read", "readonly"), gate.tool("write", "write"), unscheduled(gate.tool("control", "readonly"))],
+        workspace=WORKSPACE,
+        scheduler=ToolScheduler(SchedulerLimits(readonly=1)),
+    )
+    async with trio.open_nursery() as nursery:
+        calls = Calls(nursery)
+        await calls.submit(pipeline, "read", "r1")  # holds the only read-only slot
+        await calls.submit(pipeline, "write", "w1", paths=["f.txt"])  # holds f.txt
+        await calls.submit(pipeline, "control", "c1")
+        await calls.submit(pipeline, "control", "c2", paths=["g.txt"])
+        await calls.submit(pipeline, "control", "c3", paths=["f.txt"])  # waits for w1's lock
+        await calls.submit(pipeline, "read", "r2")  # waits for the slot
+        assert gate.started == ["r1", "w1", "c1", "c2"]
+        assert stats(pipeline, "readonly") == (1, 1, 1)
+        gate.open("w1")
+        await wait_all_tasks_blocked()
+        assert gate.started == ["r1", "w1", "c1", "c2", "c3"]
+        assert stats(pipeline, "readonly") == (1, 1, 1)
+        for key in ("c1", "c2", "c3"):
+            gate.open(key)
+        await wait_all_tasks_blocked()
+        assert "r2" not in gate.started, "the control calls gave back no slot they never took"
+        gate.open("r1")
+        await wait_all_tasks_blocked()
+        gate.open("r2")
+    assert stats(pipeline, "readonly") == (0, 0, 1)
+    assert all(record.result.ok for record in calls.records.values())
     assert pipeline.file_locks.held() == {}

@@ -1342,61 +1342,6 @@ async def test_kill_and_the_close_keep_a_finished_subagent_completed() -> None:
     assert not any(isinstance(e, SubagentCancelled) for e in root_events)
 
 
-async def test_a_completed_foreground_subagent_stays_completed_when_an_abort_lands_as_its_call_takes_its_slot() -> None:
-    # The status was decided after the `task` call took its scheduler slot back: an abort while it
-    # waited for the slot recorded a completed child as cancelled on the parent's stream.
-    class HoldChild(ModelMiddleware):
-        def __init__(self) -> None:
-            self.arrived = trio.Event()
-            self.release = trio.Event()
-
-        async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
-            if request.metadata["agent_id"].startswith("helper") and user_texts(request)[-1] == "sub":
-                self.arrived.set()
-                await self.release.wait()
-            async for chunk in call_next(request):
-                yield chunk
-
-    gate = trio.Event()
-    hold = HoldChild()
-    model = TestModel(
-        {
-            "go": [Reply(tool_calls=[task("sub")]), Reply(text="never")],
-            "sub": [Reply(text="child answer")],
-            "bg": [Reply(tool_calls=[("wait_gate", {})]), Reply(text="bg done")],
-        }
-    )
-    async with open_session(
-        provider=model,
-        subagents=[HELPER],
-        tools=[gated_tool(gate, [], [])],
-        scheduler_limits=SchedulerLimits(readonly=1),
-        middleware=MiddlewareConfig(model=[hold]),
-    ) as session:
-        async with trio.open_nursery() as nursery:
-
-            async def send() -> None:
-                with pytest.raises(RequestAbortedError):
-                    await session.send("go")
-
-            nursery.start_soon(send)
-            await hold.arrived.wait()  # the task call gave its slot back; the child is in its model call
-            background = await session.start_subagent("helper", "bg")  # takes the only read-only slot
-            await trio.testing.wait_all_tasks_blocked()
-            hold.release.set()  # the child completes; the task call waits for its slot
-            await trio.testing.wait_all_tasks_blocked()
-            await session.abort()
-        gate.set()
-        await background.wait()
-        root_events = await stream_events(session)
-    [child] = [e.subagent_id for e in root_events if isinstance(e, SubagentStarted) and e.call_id is not None]
-    assert [type(e) for e in await stream_events(session, child) if isinstance(e, RequestCompleted)] == [
-        RequestCompleted
-    ]
-    assert [e.subagent_id for e in root_events if isinstance(e, SubagentCompleted)].count(child) == 1
-    assert not any(isinstance(e, SubagentCancelled) and e.subagent_id == child for e in root_events)
-
-
 async def test_start_subagent_under_another_agent_needs_a_known_agent_that_runs_a_request() -> None:
     # An unknown parent raised a bare JournalError, an idle one an InvalidTransitionError (or
     # recorded the start under the root's request on the other agent's stream).
@@ -1513,3 +1458,61 @@ def test_only_an_id_of_ascii_digits_names_the_definition_a_recovered_subagent_ru
     assert (made.name, made.allowed) == ("helper", frozenset({"read", "write"}))
     foreign = supervisor.recovered_agent("helper-\u0661", "root")
     assert (foreign.name, foreign.allowed, foreign.system_prompt) == ("helper-\u0661", frozenset(), "")
+
+
+# ======================================================================== the task tools hold no slot
+
+
+async def test_background_subagents_holding_every_slot_never_keep_the_root_from_its_task_tools(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """`task` and `task_output` drew from the read-only bucket: background subagents whose long
+    read-only calls held all of it kept the root's `task_output` (and `task`) waiting for ever."""
+    limit = SchedulerLimits().readonly
+    inside: list[str] = []
+    all_inside = trio.Event()
+
+    @define_tool(name="tail_logs", input_schema={"type": "object"}, side_effect="pure", kind="readonly")
+    async def tail_logs(inp: dict[str, Any], ctx: ToolContext) -> str:
+        """Follows the logs until stopped."""
+        inside.append(ctx.agent_id)
+        if len(inside) == limit:
+            all_inside.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    watcher = SubagentDefinition("watcher", "watches logs", "Watch.", tools=["tail_logs"])
+    reporter = SubagentDefinition("reporter", "reports", "Report.", tools=[])
+    model = TestModel(
+        {
+            **{f"watch {i}": [Reply(tool_calls=[("tail_logs", {})])] for i in range(limit)},
+            "check": [
+                Reply(
+                    tool_calls=[
+                        ("task_output", {"task_id": "watcher-1", "block": False}),
+                        task("quick"),
+                        task("later", subagent="reporter", background=True),
+                    ]
+                ),
+                Reply(tool_calls=[("task_output", {"task_id": "reporter-1", "block": True})]),
+                Reply(text="checked"),
+            ],
+            "quick": [Reply(text="quick answer")],
+            "later": [Reply(text="later answer")],
+        }
+    )
+    async with open_session(provider=model, tools=[tail_logs], subagents=[watcher, HELPER, reporter]) as session:
+        watchers = [await session.start_subagent("watcher", f"watch {i}") for i in range(limit)]
+        await all_inside.wait()
+        assert session.pipeline.scheduler.statistics().buckets["readonly"][:2] == (limit, 0)
+        with trio.fail_after(60):  # the bug: the root's calls waited for a slot for ever
+            assert await session.send("check") == "checked"
+        first, second = ([m.content for m in results(r)] for r in requests_of(model, "root")[1:])
+        assert first == [
+            "task watcher-1: running",
+            "quick answer",
+            "started background subagent reporter-1; its result arrives at a later turn",
+        ]
+        assert second[-1] == "task reporter-1: completed\nlater answer"
+        for handle in watchers:
+            handle.kill()

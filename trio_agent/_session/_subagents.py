@@ -11,11 +11,11 @@ Rules
 * ``subagent_started`` is recorded on the parent's stream before the subagent runs;
   from then on every way out records its one end there (completed, or cancelled
   with a reason), also when it never ran.
-* Foreground: runs inside the calling ``task`` call, whose slot is given back
-  meanwhile; the parent's abort reaches it, the parent's steering stops it (its
-  ``cancel`` tools stop, its ``block`` tools finish). Background: a task of the
-  session's nursery, idle between prompts, reporting each outcome to the parent's
-  next turn.
+* Foreground: runs inside the calling ``task`` call (which takes no scheduler slot;
+  a caller holding one gives it back meanwhile); the parent's abort reaches it, the
+  parent's steering stops it (its ``cancel`` tools stop, its ``block`` tools finish).
+  Background: a task of the session's nursery, idle between prompts, reporting each
+  outcome to the parent's next turn.
 * Routed persistence: for every run of every subagent it starts, the supervisor
   calls each `RoutedSubagentPersistence` of the agent's chat middleware: ``start``
   once before the run, ``chunk`` per delivered run event, then exactly one of

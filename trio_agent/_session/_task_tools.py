@@ -16,7 +16,7 @@ import trio
 
 from .._errors import RequestAbortedError
 from .._tools._context import ToolContext
-from .._tools._definition import SideEffect, Tool, ToolKind, define_tool
+from .._tools._definition import SideEffect, Tool, ToolKind, define_tool, unscheduled
 from .._tools._results import ToolErrorType, ToolResult
 from ._hooks import HookAbortedError, HookError
 from ._messages import SessionEvent, SubagentStatus
@@ -32,7 +32,9 @@ class TaskTools:
 
     def __init__(self) -> None:
         self._supervisors: dict[object, SubagentSupervisor] = {}
-        self.tools: tuple[Tool[Any], ...] = (self._task_tool(), self._task_output_tool())
+        # Neither takes a scheduler slot: they only start, wait for or look at subagents, and background
+        # subagents whose long calls hold every slot of the kind must not keep the root from them.
+        self.tools: tuple[Tool[Any], ...] = (unscheduled(self._task_tool()), unscheduled(self._task_output_tool()))
 
     def route(self, session_key: object, supervisor: SubagentSupervisor) -> None:
         """Route the calls made with *session_key* (an open session's own token) to *supervisor*
@@ -141,9 +143,8 @@ class TaskTools:
                     ToolErrorType.VALIDATION, f"no task {input['task_id']!r}", code="unknown_task"
                 )
             if input.get("block", True) and handle.status is SubagentStatus.RUNNING:
-                async with ctx.slot_released():
-                    with trio.move_on_after(float(input.get("timeout", 30))):
-                        await handle.wait()
+                with trio.move_on_after(float(input.get("timeout", 30))):
+                    await handle.wait()
             return ToolResult.success(
                 f"task {handle.id}: {handle.status.value}"
                 + (f"\n{handle.result}" if handle.result else "")

@@ -298,6 +298,9 @@ class Tool(Generic[In]):
     # Whether `structure_input` needs a copy of the input (`input_copy`): an input class keeps what its
     # fields hold (a dict or list under ``Any``), which is the journal's record of the call's final input.
     _shares_input: bool = attrs.field(default=False, init=False, repr=False)
+    # Whether a call waits for and holds a scheduler slot of its kind: not a built-in control tool's
+    # (`unscheduled`).
+    _takes_slot: bool = attrs.field(default=True, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         try:
@@ -714,6 +717,18 @@ def _build_tool(
         signature_content=signature_content,
         check_permissions=check_permissions,
     )
+
+
+def unscheduled(tool: Tool[In]) -> Tool[In]:
+    """*tool*, whose calls take no scheduler slot (internal: for the built-in ``task`` and
+    ``task_output`` only, not a knob for applications).
+
+    Those tools start, wait for or look at other agents' work and hold no resource a slot stands
+    for. Drawing from the bucket of their kind, they could be kept waiting for ever by the very work
+    they control: background subagents whose long calls hold every slot of it. Returns *tool*.
+    """
+    object.__setattr__(tool, "_takes_slot", False)
+    return tool
 
 
 def _structure_pydantic(value: JsonObject, cls: Any) -> Any:

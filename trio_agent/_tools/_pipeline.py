@@ -681,8 +681,12 @@ class ToolPipeline:
                             if self._cleanup_heap and self._overrunning() is not None:
                                 early = trio.CancelScope()
                             else:
-                                slot = state.slot = _SlotHolder(self.scheduler, prepared[2].kind)
-                                if not slot.acquire_nowait():
+                                if tool._takes_slot:
+                                    slot = state.slot = _SlotHolder(self.scheduler, prepared[2].kind)
+                                    held = slot.acquire_nowait()
+                                else:
+                                    held = True  # a control tool's call takes none (`unscheduled`)
+                                if not held:
                                     early = trio.CancelScope()
                                 elif tool.affected_paths is not None:
                                     found = self._paths(tool, prepared[0])
@@ -854,12 +858,13 @@ class ToolPipeline:
             await self._wait_for_overrunning_cleanup()
         final_input, _, behavior = prepared
         slot = state.slot
-        if slot is None:
+        if slot is None and state.tool._takes_slot:
             slot = state.slot = _SlotHolder(self.scheduler, behavior.kind)
             held = slot.acquire_nowait()
         else:
-            held = slot.held
+            held = slot is None or slot.held  # none: a control tool's call takes none (`unscheduled`)
         if not held:
+            assert slot is not None
             if state.aborted is not None:
                 raise _Aborted
             await slot.acquire()
@@ -880,7 +885,8 @@ class ToolPipeline:
                 # slot back (`slot_released`, e.g. while its subagent runs) and need one to go on, for
                 # itself or its children. Waiting for a slot while holding locks is safe: that is what
                 # the holder's own re-acquire does, and no slot holder waits for a lock.
-                slot.release()
+                if slot is not None:
+                    slot.release()
                 if state.aborted is not None:
                     raise _Aborted
                 try:
@@ -890,7 +896,8 @@ class ToolPipeline:
                 except FileLockTimeoutError as exc:
                     return ToolResult.failure(ToolErrorType.TIMEOUT, str(exc), code="lock_timeout")
                 state.locks = (taken, exclusive, owner)
-                await slot.acquire()
+                if slot is not None:
+                    await slot.acquire()
             else:
                 state.locks = (taken, exclusive, owner)
         return prepared
