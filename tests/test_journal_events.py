@@ -103,6 +103,7 @@ SAMPLES: list[Any] = [
     PermissionUpdated(request_id="r1", call_id="c1", source="tool", update={"add": [{"tool": "x", "allow": True}]}),
     PermissionUpdated(request_id="r1", source="permission_engine", update={}),
     SubagentStarted(request_id="r1", subagent_id="sub1", call_id="c1"),
+    SubagentStarted(request_id="r1", subagent_id="sub2", call_id="c2", background=False),
     SubagentCompleted(request_id="r1", subagent_id="sub1"),
     SubagentCancelled(request_id="r1", subagent_id="sub1", reason="user"),
     RecoveryDecision(**CALL, decision=ToolRecoveryAction.SETTLE_OUTCOME_UNKNOWN, reason="no reconcile"),
@@ -333,5 +334,17 @@ def test_a_stored_event_nested_deeper_than_the_limit_is_corrupt_on_read() -> Non
     )
     data = encode_event(envelope)
     data["event"]["input"] = _nested(250)  # as a stored row another writer made
+    with pytest.raises(JournalCorruptError):
+        decode_event(data)
+
+
+def test_a_subagent_started_written_before_background_existed_reads_as_background() -> None:
+    """Old journals have no ``background``: their subagents read as background, as recovery read
+    every subagent then (a foreground one's outcome is no note to the model after a reopen)."""
+    data = encode_event(envelope(SubagentStarted(request_id="r1", subagent_id="sub1", call_id="c1")))
+    assert data["event"].pop("background") is True
+    assert decode_event(data).event == SubagentStarted(request_id="r1", subagent_id="sub1", call_id="c1")
+    assert decode_event(data).event.background is True
+    data["event"]["background"] = "no"
     with pytest.raises(JournalCorruptError):
         decode_event(data)

@@ -61,6 +61,7 @@ from trio_agent._journal._events import (
     SessionReopened,
     SubagentCancelled,
     SubagentCompleted,
+    SubagentStarted,
     ToolCancelled,
     ToolCompleted,
     ToolFailed,
@@ -138,6 +139,9 @@ def test_a_snapshot_must_name_its_own_stream_and_seq() -> None:
 CALLS = ["c1", "c2", "c3"]
 
 
+SUBAGENTS = ("sub", "fg")
+
+
 @st.composite
 def conversation_events(draw: Any) -> list[Event]:
     """Events the fold reads, in any order (the fold does not judge transitions)."""
@@ -176,8 +180,11 @@ def conversation_events(draw: Any) -> list[Event]:
         st.just(RequestAccepted(request_id="h", command_id="h", input={"start_subagent": "x"})),
         st.integers(0, 9).flatmap(attempt),
         settlement,
-        st.just(SubagentCompleted(request_id="r", subagent_id="sub")),
-        st.just(SubagentCancelled(request_id="r", subagent_id="sub", reason="gone")),
+        st.tuples(st.sampled_from(SUBAGENTS), st.booleans()).map(
+            lambda t: SubagentStarted(request_id="r", subagent_id=t[0], background=t[1])
+        ),
+        st.sampled_from(SUBAGENTS).map(lambda sub: SubagentCompleted(request_id="r", subagent_id=sub)),
+        st.sampled_from(SUBAGENTS).map(lambda sub: SubagentCancelled(request_id="r", subagent_id=sub, reason="gone")),
         st.sampled_from([None, {}, {"text": "answer"}]).map(lambda o: RequestCompleted(request_id="r", output=o)),
         st.just(
             ConversationSeeded(session_id=SID, conversation={"messages": [{"type": "UserMessage", "content": "s"}]})
@@ -207,9 +214,38 @@ def _unique_call_ids(events: list[Event]) -> list[Event]:
 
 
 def session_notes(events: list[Event]) -> list[Event]:
-    """What the session scans today: subagent outcomes after the last completed model attempt."""
-    last = max((i for i, e in enumerate(events) if isinstance(e, ModelAttemptCompleted)), default=-1)
-    return [e for e in events[last + 1 :] if isinstance(e, SubagentCompleted | SubagentCancelled)]
+    """What the session scans: subagent outcomes after the last completed model attempt, but for
+    the outcome of a foreground subagent (its `task` call's result told the model): one that ends
+    a start with ``background`` false not ended yet."""
+    notes: list[Event] = []
+    foreground: list[str] = []
+    for event in events:
+        if isinstance(event, ModelAttemptCompleted):
+            notes.clear()
+        elif isinstance(event, SubagentStarted):
+            if not event.background:
+                foreground.append(event.subagent_id)
+        elif isinstance(event, SubagentCompleted | SubagentCancelled):
+            if event.subagent_id in foreground:
+                foreground.remove(event.subagent_id)
+            else:
+                notes.append(event)
+    return notes
+
+
+def test_a_fold_state_stored_before_foreground_subagents_were_kept_still_reads() -> None:
+    """A snapshot's fold state from before the fold kept its running foreground subagents (no
+    ``foreground``) reads as none running: its journal has no foreground start either."""
+    fold = ConversationFold()
+    fold.feed(SubagentCompleted(request_id="r", subagent_id="sub"))
+    state, entries, outcomes = fold.to_parts()
+    assert state.pop("foreground") == []
+    reread = ConversationFold.from_parts(json.loads(json.dumps(state)), entries, outcomes)
+    reread.feed(SubagentCancelled(request_id="r", subagent_id="other", reason="gone"))
+    assert [e.subagent_id for e in reread.outcomes_since_reply] == ["sub", "other"]
+    old = fold.to_json()
+    del old["foreground"]
+    assert ConversationFold.from_json(old) == fold
 
 
 def session_answer(events: list[Event]) -> dict[str, Any] | None:

@@ -60,6 +60,7 @@ from trio_agent._journal._events import (
     SubagentStarted,
     ToolCancelled,
 )
+from trio_agent._journal._memory import MemoryStore
 from trio_agent._session._plugins import MiddlewareConfig
 from trio_agent._session._subagents import SubagentSupervisor
 from trio_agent.models import ModelRequest, StreamChunk, SystemMessage, TextDelta, ToolCallEnd, UserMessage
@@ -1516,3 +1517,58 @@ async def test_background_subagents_holding_every_slot_never_keep_the_root_from_
         assert second[-1] == "task reporter-1: completed\nlater answer"
         for handle in watchers:
             handle.kill()
+
+
+# ======================================================================== after a reopen
+
+
+async def test_a_reopened_session_tells_the_model_of_background_subagents_only() -> None:
+    """Recovery's notes took every subagent outcome after the root's last model reply: a foreground
+    subagent aborted with its request was told, after a reopen, as a background subagent, though
+    its `task` call's result told the model already (a live session sends no such note)."""
+    inside: list[str] = []
+    both_inside = trio.Event()
+
+    @define_tool(name="hold", input_schema={"type": "object"}, side_effect="pure", kind="readonly")
+    async def hold(inp: dict[str, Any], ctx: ToolContext) -> str:
+        """Runs until stopped."""
+        inside.append(ctx.agent_id)
+        if len(inside) == 2:
+            both_inside.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    def respond(request: ModelRequest) -> Reply:
+        last = request.messages[-1]
+        if isinstance(last, UserMessage) and last.content == "go":
+            return Reply(tool_calls=[task("fg")])
+        if isinstance(last, UserMessage) and last.content in ("fg", "bg"):
+            return Reply(tool_calls=[("hold", {})])
+        return Reply(text="ok")
+
+    def notes(model: TestModel) -> list[str]:
+        return [text for text in user_texts(model.requests[-1]) if text.startswith("[")]
+
+    store = MemoryStore()
+    model = TestModel(respond=respond)
+    async with open_session(provider=model, tools=[hold], subagents=[HELPER], journal=store) as session:
+        background = await session.start_subagent("helper", "bg")
+        async with trio.open_nursery() as nursery:
+
+            async def send() -> None:
+                with pytest.raises(RequestAbortedError):
+                    await session.send("go")
+
+            nursery.start_soon(send)
+            await both_inside.wait()
+            await session.abort()  # the foreground subagent ends with its request
+        [foreground] = [agent for agent in inside if agent != background.id]
+    # The abort ended the foreground one, the close the background one, both after the root's last
+    # reply: only the background one's note is owed.
+    model = TestModel(respond=respond)
+    async with open_session(
+        provider=model, tools=[hold], subagents=[HELPER], journal=store, session_id=session.session_id
+    ) as reopened:
+        assert await reopened.send("reopened") == "ok"
+    assert notes(model) == [f"[background subagent {background.id} cancelled]: session closed"]
+    assert not any(foreground in text for text in user_texts(model.requests[-1]))

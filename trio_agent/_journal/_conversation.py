@@ -49,8 +49,10 @@ Rules
   filled, then orphans answered, only when `messages` is asked; its state
   (`to_json` / `from_json`) is what a stream's snapshot keeps. It also keeps what
   the session needs on reopen without reading the stream: the background subagent
-  outcomes recorded since the last completed model attempt, and the last non-empty
-  request output.
+  outcomes recorded since the last completed model attempt (a foreground subagent's,
+  ``subagent_started`` with ``background`` false, is left out: its ``task`` call's result
+  told the model; the fold keeps the ids of those still running for that), and the last
+  non-empty request output.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ from ._events import (
     RunPaused,
     SubagentCancelled,
     SubagentCompleted,
+    SubagentStarted,
     ToolCancelled,
     ToolCompleted,
     ToolFailed,
@@ -135,6 +138,7 @@ OUTCOME_UNKNOWN_ANSWER = "outcome unknown after a restart"
 _ANSWERED = (ToolCompleted, ToolFailed, ToolCancelled)
 _SETTLEMENTS = (ToolCompleted, ToolFailed, ToolCancelled, ToolOutcomeUnknown)
 _SUBAGENT_OUTCOMES = (SubagentCompleted, SubagentCancelled)
+_SUBAGENT_EVENTS = (SubagentStarted, SubagentCompleted, SubagentCancelled)
 _REQUEST_ENDS = (RequestCompleted, RequestFailed, RequestInterrupted)
 
 
@@ -453,6 +457,9 @@ class _FoldState:
     # The last settlement of each call (a snapshot's part stays text until the history is asked for).
     outcomes: MutableMapping[str, ToolResultMessage] = attrs.Factory(dict)
     since_reply: list[SubagentOutcome] = attrs.Factory(list)
+    # Foreground subagents started and not ended yet: their outcome is no note (a state stored
+    # before this existed has none, as its journal has no foreground subagent).
+    foreground: list[str] = attrs.Factory(list)
     last_output: dict[str, Any] | None = None
     awaiting: dict[str, list[str]] = attrs.Factory(dict)  # paused request -> its calls waiting for answers
     queued: dict[str, dict[str, Any]] = attrs.Factory(dict)  # accepted, not started: its input waits
@@ -551,8 +558,14 @@ class ConversationFold:
                 else:
                     entries.append(PendingAnswer(call.id))
             s.since_reply.clear()
-        elif isinstance(event, _SUBAGENT_OUTCOMES):
-            s.since_reply.append(event)
+        elif isinstance(event, _SUBAGENT_EVENTS):
+            if isinstance(event, SubagentStarted):
+                if not event.background:
+                    s.foreground.append(event.subagent_id)
+            elif event.subagent_id in s.foreground:
+                s.foreground.remove(event.subagent_id)  # its `task` call's result told the model
+            else:
+                s.since_reply.append(event)
         elif isinstance(event, RunPaused):
             s.awaiting[event.request_id] = paused_call_ids(event)
             s.entries.extend(UserMessage(text) for text in paused_inputs(event))
@@ -618,8 +631,9 @@ class ConversationFold:
 
     @property
     def outcomes_since_reply(self) -> tuple[SubagentCompleted | SubagentCancelled, ...]:
-        """`SubagentCompleted` / `SubagentCancelled` events after the last completed model attempt
-        (all of them if there is none): outcomes whose note may never have reached the model."""
+        """The `SubagentCompleted` / `SubagentCancelled` events of background subagents after the
+        last completed model attempt (all of them if there is none): outcomes whose note may never
+        have reached the model."""
         return tuple(self._s.since_reply)
 
     @property

@@ -477,11 +477,15 @@ class PermissionUpdated:
 
 @attrs.frozen(kw_only=True)
 class SubagentStarted:
-    """On the parent's stream: ``subagent_id`` names the child's own stream."""
+    """On the parent's stream: ``subagent_id`` names the child's own stream. ``background``: it
+    reports its outcomes to the parent's next turn (a foreground one answers its ``task`` call
+    instead); journals written before it existed have none, and read every subagent as background,
+    as recovery then did."""
 
     request_id: str = _id()
     subagent_id: str = _id()
     call_id: str | None = attrs.field(default=None, validator=_optional_non_empty)
+    background: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
 
 @attrs.frozen(kw_only=True)

@@ -248,7 +248,9 @@ async def _recover(
 
 def _undelivered_subagent_notes(journal: DurableJournal) -> list[str]:
     """Background subagents whose outcome was recorded after the last model call of the root
-    (so its note never reached the model, e.g. killed by the previous close)."""
+    (so its note never reached the model, e.g. killed by the previous close). A foreground
+    subagent's outcome is none of them: its ``task`` call's result told the model (or the call's
+    own settlement does, when the request ended first), as in a live session."""
     notes: list[str] = []
     for event in journal.conversation_fold().outcomes_since_reply:
         if isinstance(event, SubagentCompleted):

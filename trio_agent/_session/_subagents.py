@@ -652,7 +652,9 @@ class SubagentSupervisor:
         try:
             # Once submitted, subagent_started is in the projection: the `finally` ends it.
             await host.journal.append(
-                SubagentStarted(request_id=ctx.request_id, subagent_id=agent.agent_id, call_id=ctx.tool_call_id),
+                SubagentStarted(
+                    request_id=ctx.request_id, subagent_id=agent.agent_id, call_id=ctx.tool_call_id, background=False
+                ),
                 agent_id=ctx.agent_id,
             )
             listeners.append((ctx.abort, ctx.abort.add_listener(forward_abort)))
