@@ -61,6 +61,7 @@ from trio_agent._journal._events import (
     ToolCancelled,
 )
 from trio_agent._journal._memory import MemoryStore
+from trio_agent._journal._store import AppendBatch, AppendResult, AppendTicket
 from trio_agent._session._plugins import MiddlewareConfig
 from trio_agent._session._subagents import SubagentSupervisor
 from trio_agent.models import ModelRequest, StreamChunk, SystemMessage, TextDelta, ToolCallEnd, UserMessage
@@ -1572,3 +1573,91 @@ async def test_a_reopened_session_tells_the_model_of_background_subagents_only()
         assert await reopened.send("reopened") == "ok"
     assert notes(model) == [f"[background subagent {background.id} cancelled]: session closed"]
     assert not any(foreground in text for text in user_texts(model.requests[-1]))
+
+
+# ======================================================================== stopped as its end is written
+
+
+class HeldStore(MemoryStore):
+    """A memory store that commits every write at once, but holds the confirmation of the first
+    write of a *kind* event on the stream of *agent_id* until ``release`` is set (its waiter waits,
+    as for a slow writer); ``held`` is set when the waiter starts waiting, ``cancelled`` when a
+    cancellation reaches it there. No ``commit`` of its own, so the journal awaits every ticket."""
+
+    def __init__(self, kind: type[Any], agent_id: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.suffix = f"/{agent_id}"
+        self.held = trio.Event()
+        self.cancelled = trio.Event()
+        self.release = trio.Event()
+        self._taken = False
+
+    def submit(self, batch: AppendBatch) -> AppendTicket:
+        ticket = super().submit(batch)
+        if self._taken or not batch.stream_id.endswith(self.suffix):
+            return ticket
+        if not any(isinstance(envelope.event, self.kind) for envelope in batch.envelopes):
+            return ticket
+        self._taken = True
+        store = self
+
+        class Held(AppendTicket):
+            async def wait(self) -> AppendResult:
+                store.held.set()
+                try:
+                    await store.release.wait()
+                except trio.Cancelled:
+                    store.cancelled.set()
+                    raise
+                return await ticket.wait()
+
+        held = Held(batch)
+        held._resolve(ticket.outcome())
+        return held
+
+
+@pytest.mark.parametrize("how", ["cancel", "kill", "outer"])
+async def test_background_work_stays_completed_when_stopped_while_its_completion_is_written(how: str) -> None:
+    """cancel(), kill() or a scope around the session landing while the work's `request_completed`
+    was confirmed turned it into failed work with no answer (and `subagent_cancelled` on the
+    parent's stream), though the journal holds it completed: it stays completed, with its answer."""
+    store = HeldStore(RequestCompleted, "helper-1")
+    model = TestModel({"work": [Reply(text="the answer")]})
+    with trio.CancelScope() as outer:
+        async with open_session(provider=model, subagents=[HELPER], journal=store) as session:
+            handle = await session.start_subagent("helper", "work")
+            await store.held.wait()
+            if how == "outer":
+                outer.cancel()
+            else:
+                getattr(handle, how)()
+            with trio.CancelScope(shield=True):
+                await store.cancelled.wait()
+                store.release.set()
+                await handle.wait()
+    assert outer.cancelled_caught is (how == "outer")
+    assert (status(handle), handle.result, handle.error) == (SubagentStatus.COMPLETED, "the answer", None)
+    root_events = await stream_events(session)
+    assert [e.subagent_id for e in root_events if isinstance(e, SubagentCompleted)] == [handle.id]
+    assert not any(isinstance(e, SubagentCancelled) for e in root_events)
+
+
+async def test_a_foreground_subagent_stays_completed_when_its_call_is_aborted_while_its_completion_is_written() -> None:
+    store = HeldStore(RequestCompleted, "helper-1")
+    model = TestModel({"go": [Reply(tool_calls=[task("sub")]), Reply(text="never")], "sub": [Reply(text="answer")]})
+    async with open_session(provider=model, subagents=[HELPER], journal=store) as session:
+        async with trio.open_nursery() as nursery:
+
+            async def send() -> None:
+                with pytest.raises(RequestAbortedError):
+                    await session.send("go")
+
+            nursery.start_soon(send)
+            await store.held.wait()
+            nursery.start_soon(session.abort)  # cancels the task call, which waits for the write
+            await store.cancelled.wait()
+            store.release.set()
+        root_events = await stream_events(session)
+    assert [e.subagent_id for e in root_events if isinstance(e, SubagentCompleted)] == ["helper-1"]
+    assert not any(isinstance(e, SubagentCancelled) for e in root_events)

@@ -306,8 +306,9 @@ async def record_raised(journal: DurableJournal, request: _Request, exc: BaseExc
     (recorded as the request's error) or must go on.
 
     Cancellation (a group holding ``Cancelled`` and no typed error included) is
-    recorded interrupted and goes on unchanged; a typed error wins over a
-    ``Cancelled`` beside it and fails the request; lease loss goes on at once.
+    recorded interrupted and goes on unchanged, except that a request whose
+    completion the journal took already stays completed (no error); a typed error
+    wins over a ``Cancelled`` beside it and fails the request; lease loss goes on at once.
     """
     agent_id = request.agent.agent_id
     typed = typed_error(exc)
@@ -323,6 +324,11 @@ async def record_raised(journal: DurableJournal, request: _Request, exc: BaseExc
     if typed is None and (is_cancellation(exc) or any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves(exc))):
         # Cancelled from outside (the session block, a subagent's work scope, a parent's tool call),
         # or Ctrl-C landing in this task: recorded, so no request is left open for recovery.
+        record = journal.projection(agent_id).request(request.request_id)
+        if record is not None and record.state is RequestState.COMPLETED:
+            # Its completion was taken first (the cancellation landed while it was committed, or
+            # its DoneEvent sent): the work is done and stays so, its answer kept.
+            return False
         reason = request.cancel_reason()
         # What a message that joined this request is told (its sender waits for this request's end):
         # the caller's own cancellation goes on as it is.

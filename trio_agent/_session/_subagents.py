@@ -10,7 +10,8 @@ Rules
   prompt; a skip or abort refuses it.
 * ``subagent_started`` is recorded on the parent's stream before the subagent runs;
   from then on every way out records its one end there (completed, or cancelled
-  with a reason), also when it never ran.
+  with a reason), also when it never ran. Work whose ``request_completed`` the journal
+  took is completed, whatever cancellation lands after (`record_raised`).
 * Foreground: runs inside the calling ``task`` call (which takes no scheduler slot;
   a caller holding one gives it back meanwhile); the parent's abort reaches it, the
   parent's steering stops it (its ``cancel`` tools stop, its ``block`` tools finish).
@@ -550,6 +551,12 @@ class SubagentSupervisor:
             RequestInterrupted(request_id=request.request_id, reason=request.cancel_reason()),
         )
 
+    def _completed(self, request: _Request) -> bool:
+        """Whether the journal took *request*'s completion (then a cancellation landing after it,
+        while it was committed say, leaves it completed: `record_raised`)."""
+        record = self.host.journal.projection(request.agent.agent_id).request(request.request_id)
+        return record is not None and record.state is RequestState.COMPLETED
+
     def _session_ends(self) -> bool:
         """The session closes, or its nursery is cancelled (by itself or a scope around the session)."""
         return self.host.closing or cancelled_around(self.nursery.cancel_scope)
@@ -564,8 +571,7 @@ class SubagentSupervisor:
             # It never ran (its start or acceptance failed, or it was cancelled first): nothing
             # else finishes it, and the session's close waits for it.
             request.finish()
-        record = host.journal.projection(agent.agent_id).request(request.request_id)
-        if cancelled and record is not None and record.state is RequestState.COMPLETED:
+        if cancelled and self._completed(request):
             cancelled = False  # the work finished (durably) before the cancel arrived
         # The session's close aborts the work (its calls settle with that reason): an abort, not a failure.
         aborted = handle.status is not SubagentStatus.FAILED and request.abort.aborted and request.error is not None
@@ -676,6 +682,8 @@ class SubagentSupervisor:
                 handle.remove_listener(token)
             with host.cleanup_scope("recording a foreground subagent's end"):
                 await self._end_unended(request)
+                if status is SubagentStatus.FAILED and request.error is None and self._completed(request):
+                    status = SubagentStatus.COMPLETED  # cancelled once its completion was taken
                 if status is SubagentStatus.COMPLETED:
                     event: Any = SubagentCompleted(request_id=ctx.request_id, subagent_id=agent.agent_id)
                 else:
