@@ -1661,3 +1661,26 @@ async def test_a_foreground_subagent_stays_completed_when_its_call_is_aborted_wh
         root_events = await stream_events(session)
     assert [e.subagent_id for e in root_events if isinstance(e, SubagentCompleted)] == ["helper-1"]
     assert not any(isinstance(e, SubagentCancelled) for e in root_events)
+
+
+# ======================================================================== a resumed subagent's result
+
+
+async def test_a_resumed_subagent_whose_new_work_fails_gives_no_earlier_answer() -> None:
+    """wait() and task_output returned the previous work's answer beside the new work's error."""
+    model = TestModel(
+        {
+            "job 1": [Reply(text="answer to job 1"), Reply(error=ModelError("model down"))],
+            "check": [Reply(tool_calls=[("task_output", {"task_id": "helper-1"})]), Reply(text="ok")],
+        }
+    )
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        handle = await session.start_subagent("helper", "job 1")
+        assert await handle.wait() == "answer to job 1"
+        handle.resume("job 2")
+        assert handle.result is None, "running new work, it has no answer yet"
+        assert await handle.wait() is None
+        assert status(handle) is SubagentStatus.FAILED and handle.error is not None and "model down" in handle.error
+        assert await session.send("check") == "ok"
+    [output] = [m.content for m in results(requests_of(model, "root")[-1])]
+    assert output.startswith("task helper-1: failed\nerror: ") and "answer to job 1" not in output

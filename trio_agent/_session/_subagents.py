@@ -261,6 +261,7 @@ class SubagentHandle:
         self._arm(prompt)
         self._finished = trio.Event()
         self.status = SubagentStatus.RUNNING
+        self.result = self.error = None  # the earlier work's, not what this work will give
         self._wake.set()
 
     def _arm(self, prompt: str) -> None:
@@ -488,7 +489,8 @@ class SubagentSupervisor:
                 prompt, scope = handle._prompts.pop(0)
                 request = _Request(prompt, discard, agent)
                 routed = self._routed(agent, request, handle.parent_request_id, handle.call_id, background=True)
-                handle.error = None
+                # The earlier work's outcome goes: a failure of this work must not read as its answer.
+                handle.result = handle.error = None
                 handle._request = request
 
                 def cancel_reason(scope: trio.CancelScope = scope) -> RequestInterruptReason:
