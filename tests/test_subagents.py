@@ -1684,3 +1684,47 @@ async def test_a_resumed_subagent_whose_new_work_fails_gives_no_earlier_answer()
         assert await session.send("check") == "ok"
     [output] = [m.content for m in results(requests_of(model, "root")[-1])]
     assert output.startswith("task helper-1: failed\nerror: ") and "answer to job 1" not in output
+
+
+# ======================================================================== a start that never ran
+
+
+async def test_a_foreground_start_cancelled_as_its_stream_is_created_leaves_no_agent_behind() -> None:
+    """The subagent joined the host's agents (the permission engine's allowlists) right after its
+    SubagentStart hooks, before its stream was created: a cancellation there left it in for good."""
+    store = HeldStore(SessionCreated, "helper-1")
+    model = TestModel({"go": [Reply(tool_calls=[task("sub")]), Reply(text="never")]})
+    async with open_session(provider=model, subagents=[HELPER], journal=store) as session:
+        async with trio.open_nursery() as nursery:
+
+            async def send() -> None:
+                with pytest.raises(RequestAbortedError):
+                    await session.send("go")
+
+            nursery.start_soon(send)
+            await store.held.wait()
+            nursery.start_soon(session.abort)
+            await store.cancelled.wait()
+            store.release.set()
+        assert set(session._host.agents) == {session.root_agent_id}
+
+
+async def test_a_background_start_cancelled_as_its_stream_is_created_leaves_no_agent_behind() -> None:
+    store = HeldStore(SessionCreated, "helper-1")
+    async with open_session(provider=TestModel(default=Reply("never")), subagents=[HELPER], journal=store) as session:
+        async with trio.open_nursery() as nursery:
+            starting = trio.CancelScope()
+
+            async def start() -> None:
+                with starting:
+                    await session.start_subagent("helper", "work")
+                    raise AssertionError("it started")
+
+            nursery.start_soon(start)
+            await store.held.wait()
+            starting.cancel()
+            await store.cancelled.wait()
+            store.release.set()
+        assert starting.cancelled_caught
+        assert set(session._host.agents) == {session.root_agent_id}
+        assert session.subagents == {}

@@ -17,6 +17,10 @@ Rules
   parent's steering stops it (its ``cancel`` tools stop, its ``block`` tools finish).
   Background: a task of the session's nursery, idle between prompts, reporting each
   outcome to the parent's next turn.
+* A subagent is among the host's ``agents`` (whose allowlists the permission engine
+  checks its calls against) from just before it can make calls: a start refused,
+  failed or cancelled before that leaves no entry. A foreground one leaves with its
+  ``task`` call.
 * Routed persistence: for every run of every subagent it starts, the supervisor
   calls each `RoutedSubagentPersistence` of the agent's chat middleware: ``start``
   once before the run, ``chunk`` per delivered run event, then exactly one of
@@ -398,7 +402,6 @@ class SubagentSupervisor:
             )
             refused.code = "hook_skip"
             raise refused
-        self.host.agents[agent.agent_id] = agent
         if decision.prompt is not None:  # never blank: `_checked` refuses that (HookReturnError)
             prompt = decision.prompt
         if decision.context_text:
@@ -459,6 +462,9 @@ class SubagentSupervisor:
             # No await from here: the task's own `finally` records its outcome from now on.
             self.nursery.start_soon(self._background_main, handle)
             self.subagents[agent.agent_id] = handle
+            # It makes calls from here on. Registered no earlier: a start that fails or is cancelled
+            # before this point (the hooks, open_agent, the holder request) leaves nothing behind.
+            host.agents[agent.agent_id] = agent
         except BaseException as exc:
             # It never runs, and says so.
             why = "session closed" if host.closing or isinstance(exc, SessionClosedError) else "start interrupted"
@@ -670,6 +676,7 @@ class SubagentSupervisor:
             if parent is not None:
                 listeners.append((parent.steering, parent.steering.add_listener(forward_steering)))
             await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, SubagentStatus.RUNNING, background=False))
+            host.agents[agent.agent_id] = agent  # it makes calls from here on (the `finally` takes it out)
             async with ctx.slot_released():
                 await routed.start(request)
                 await accept_on(host.journal, agent.agent_id, request)
