@@ -314,6 +314,26 @@ async def test_stream_cut_without_an_error_uses_a_retryable_default() -> None:
     assert chunks == [TextDelta("a"), TextDelta(" b")]
 
 
+@pytest.mark.parametrize("cut", [3, 4, 50])  # "a b" streams 4 chunks: text, text, usage, finish
+@pytest.mark.parametrize("scripted", [True, False], ids=["error", "no-error"])
+async def test_a_cut_past_the_streams_last_chunk_fails_it_at_its_end(cut: int, scripted: bool) -> None:
+    # It ended normally, the scripted error dropped, while chat() on the same reply raised it.
+    error = ModelError("boom", code="boom") if scripted else None
+    model = TestModel(default=Reply("a b", error=error, fail_after_chunks=cut))
+    chunks: list[StreamChunk] = []
+    with pytest.raises(ModelError) as streamed:
+        async for chunk in model.stream(request("x")):
+            chunks.append(chunk)
+    assert [type(chunk) for chunk in chunks] == [TextDelta, TextDelta, UsageChunk, FinishChunk][:cut]
+    if scripted:
+        assert streamed.value is error
+        with pytest.raises(ModelError) as chatted:  # the two operations agree
+            await model.chat(request("x"))
+        assert chatted.value is error
+    else:
+        assert streamed.value.code == "test_stream_cut" and streamed.value.retryable
+
+
 # -- streaming chunk sequence ----------------------------------------------------------------------
 
 words = st.text(alphabet=st.characters(codec="utf-8", exclude_characters=" "), min_size=1, max_size=6)
@@ -594,3 +614,67 @@ async def test_a_respond_that_returns_no_reply_is_a_model_error_called_directly_
     assert caught.value.code == "test_model_bad_reply"
     with pytest.raises(ModelError, match="not a Reply"):
         await collect(model, request())
+
+
+@pytest.mark.parametrize("latency", [0.0, 0.01])
+async def test_a_model_used_after_its_block_fails_typed_instead_of_waiting_forever(
+    latency: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    # With a latency it waited forever: the timer task had gone with the block, its timer kept.
+    async with open_test_model(default=Reply("hello", latency=latency)) as model:
+        assert (await model.chat(request())).message.text == "hello"
+    clone = model.with_model("other")
+    with trio.fail_after(60):
+        for used in (model, clone):
+            with pytest.raises(ModelError) as chatted:
+                await used.chat(request())
+            assert chatted.value.code == "provider_not_open" and not chatted.value.retryable
+            with pytest.raises(ModelError) as streamed:
+                await collect(used, request())
+            assert streamed.value.code == "provider_not_open"
+    assert len(model.requests) == 1  # no reply was taken after the block
+
+
+async def test_a_request_still_waiting_out_its_latency_when_the_block_ends_fails_typed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    outcome: list[str] = []
+
+    async def late(model: TestModel) -> None:
+        with pytest.raises(ModelError) as caught:
+            await model.chat(request())
+        outcome.append(caught.value.code)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as outer:
+            async with open_test_model(default=Reply("late", latency=10.0)) as model:
+                outer.start_soon(late, model)
+                await trio.testing.wait_all_tasks_blocked()  # it waits on the timer
+            start = trio.current_time()
+    assert outcome == ["provider_not_open"]
+    assert trio.current_time() == start  # failed at once, not after its latency nor never
+
+
+def _raises(request: ModelRequest) -> Reply:
+    raise KeyError("no such step")
+
+
+@pytest.mark.parametrize(
+    ("model", "raised"),
+    [
+        (TestModel(respond=_raises), KeyError),
+        (TestModel({"a": [Reply("x")]}, key=lambda request: ["a"]), TypeError),  # unhashable
+        (TestModel({"a": [Reply("x")]}, key=lambda request: request.messages[5].content), IndexError),
+    ],
+    ids=["respond", "key-unhashable", "key-raises"],
+)
+async def test_a_respond_or_key_that_raises_is_a_model_error_called_directly(model: TestModel, raised: type) -> None:
+    # Called directly (not through ModelService, which types it too) it was a bare KeyError or TypeError.
+    with pytest.raises(ModelError) as chatted:
+        await model.chat(request())
+    with pytest.raises(ModelError) as streamed:
+        await collect(model, request())
+    for caught in (chatted, streamed):
+        assert type(caught.value) is ModelError
+        assert caught.value.code == "provider_failed" and not caught.value.retryable
+        assert isinstance(caught.value.__cause__, raised)

@@ -48,8 +48,11 @@ class Reply:
     ``tool_calls`` maps to `ToolCallPart` s: give ``(name, arguments)`` pairs where
     arguments is a dict (serialised to JSON) or a raw string (to script invalid JSON).
     ``error`` makes the call fail with that `ModelError` instead; ``fail_after_chunks``
-    makes a stream fail after that many chunks. ``latency`` delays the reply (seconds,
-    driven by the model's one timer task when opened with `open_test_model`).
+    makes a stream fail after that many chunks (after all of them if the reply has fewer: a
+    stream given ``fail_after_chunks`` always fails), with ``error`` if given, else a
+    retryable ``test_stream_cut`` `ModelError`; ``chat`` fails with ``error`` alike, so both
+    operations agree on whether a reply fails. ``latency`` delays the reply (seconds, driven
+    by the model's one timer task when opened with `open_test_model`).
 
     Each field is checked when the reply is made (`ConfigError` naming it): a script's
     mistake fails where it is written, not inside a model call, and never in the timer
@@ -162,19 +165,43 @@ def _replies(replies: object, where: str) -> deque[Reply]:
     return queue
 
 
+def _not_open() -> ModelError:
+    # The code real providers use for a call outside their open block: one `except` serves both.
+    return ModelError(
+        "test model used after its open_test_model block ended (the block's timer drives replies' "
+        "latency): call it inside the block, or use TestModel(...) directly",
+        code="provider_not_open",
+    )
+
+
 class _Timer:
-    """One task wakes every delayed request: thousands of waiters cost one sleeping task."""
+    """One task wakes every delayed request: thousands of waiters cost one sleeping task.
+
+    Closed when its `open_test_model` block ends: its task is gone, so a request waiting then,
+    or made later, fails with `_not_open` instead of waiting for a wake-up that never comes."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, trio.Event]] = []
         self._seq = itertools.count()
         self._changed = trio.Event()
+        self.closed = False
 
     async def sleep(self, seconds: float) -> None:
+        if self.closed:
+            raise _not_open()
+        deadline = trio.current_time() + seconds
         event = trio.Event()
-        heapq.heappush(self._heap, (trio.current_time() + seconds, next(self._seq), event))
+        heapq.heappush(self._heap, (deadline, next(self._seq), event))
         self._changed.set()
         await event.wait()
+        if self.closed and trio.current_time() < deadline:  # woken by close(), its latency not served
+            raise _not_open()
+
+    def close(self) -> None:
+        self.closed = True
+        for _, _, event in self._heap:
+            event.set()
+        self._heap.clear()
 
     async def run(self) -> None:
         while True:
@@ -239,17 +266,22 @@ class TestModel:
         return clone
 
     def _next_reply(self, request: ModelRequest) -> Reply:
+        if self._timer is not None and self._timer.closed:
+            raise _not_open()
         self.requests.append(request)
         if self._respond is not None:
-            reply = self._respond(request)
+            reply = _called("respond=", self._respond, request)
             if not isinstance(reply, Reply):  # a provider's failure is a ModelError, whoever calls it
                 raise ModelError(
                     f"test model's respond= returned {type(reply).__name__} ({reply!r:.80}), not a Reply",
                     code="test_model_bad_reply",
                 )
             return reply
-        key = self._key(request)
-        queue = self._scripts.get(key)
+        key = _called("key=", self._key, request)
+        try:
+            queue = self._scripts.get(key)
+        except TypeError as exc:  # an unhashable key (a list): the script's mistake, typed
+            raise _failed("key=", exc) from exc
         if queue is not None:
             if queue:
                 return queue.popleft()
@@ -298,10 +330,29 @@ class TestModel:
         if reply.error is not None and reply.fail_after_chunks is None:
             raise reply.error
         response = reply.response(request.model)
+        cut = reply.fail_after_chunks
         for count, chunk in enumerate(_chunks(response)):
-            if reply.fail_after_chunks is not None and count >= reply.fail_after_chunks:
-                raise reply.error or ModelError("scripted stream failure", code="test_stream_cut", retryable=True)
+            if cut is not None and count >= cut:
+                break
             yield chunk
+        if cut is not None:  # cut mid-way, or at the end when the reply has fewer chunks: it fails either way
+            raise reply.error or ModelError("scripted stream failure", code="test_stream_cut", retryable=True)
+
+
+def _called(what: str, function: Callable[[ModelRequest], Any], request: ModelRequest) -> Any:
+    """*function* (the script's ``respond=`` or ``key=``) on *request*; what it raises is a ModelError."""
+    try:
+        return function(request)
+    except ModelError:
+        raise
+    except Exception as exc:  # a provider's failure is a ModelError, whoever calls it
+        raise _failed(what, exc) from exc
+
+
+def _failed(what: str, exc: Exception) -> ModelError:
+    # The code the model service gives a provider's bare exception: the same whether called
+    # directly or through the service, and not retried (a script's bug does not go away).
+    return ModelError(f"test model's {what} raised {exc!r}", code="provider_failed", retryable=False)
 
 
 def _chunks(response: ModelResponse) -> Iterable[StreamChunk]:
@@ -333,7 +384,11 @@ async def open_test_model(
     respond: Responder | None = None,
     model: str = "test-model",
 ) -> AsyncIterator[TestModel]:
-    """A `TestModel` whose latencies are driven by one timer task owned by this context."""
+    """A `TestModel` whose latencies are driven by one timer task owned by this context.
+
+    The model is for the block, as a real provider is for its ``async with``: a call after the
+    block ends, or still waiting out its latency when it ends, fails with `ModelError` code
+    ``provider_not_open`` (the timer task is gone; it never hangs)."""
     timer = _Timer()
     try:
         async with trio.open_nursery() as nursery:
@@ -341,6 +396,7 @@ async def open_test_model(
             try:
                 yield TestModel(script, default=default, respond=respond, model=model, timer=timer)
             finally:
+                timer.close()  # the timer task goes with the block: later waits fail, never hang
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The timer task never fails, so a group holds the block's own error: raise it as itself.
