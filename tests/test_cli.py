@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import signal
 import subprocess
@@ -35,9 +37,15 @@ def test_version() -> None:
         (("demo", "--model", "gpt-x"), "--model needs --provider"),
         (("demo", "--calls", "0"), "0 is not >= 1"),
         (("demo", "--calls", "-1"), "-1 is not >= 1"),
+        (("demo", "--calls", "5001"), "5001 is not <= 5000"),  # millions of files, deaf to SIGTERM
+        (("demo", "--calls", "99999999999999"), "99999999999999 is not <= 5000"),
         (("serve", "--model", "gpt-x"), "--model needs --provider"),  # it was silently ignored
         (("serve", "--port", "70000"), "70000 is not a port"),  # a traceback from bind()
         (("worker", "--lease-ttl", "1e9"), "at most"),  # a misleading "cannot connect" from the server
+        *(
+            (("worker", "--inbox-retention", bad), f"--inbox-retention: {bad!r} is not a number of seconds >= 0")
+            for bad in ("-1", "nan", "inf", "1e400", "7d", "")
+        ),
     ],
 )
 def test_options_that_would_be_silently_changed_are_refused(args: tuple[str, ...], words: str) -> None:
@@ -212,3 +220,126 @@ def test_ctrl_c_is_a_cancellation_at_a_checkpoint_not_an_exception_at_any_line()
 
     assert trio.run(until_stopped, main) is signal.SIGINT
     assert ran == ["the plain code, all of it", "cancelled at the checkpoint"]
+
+
+def _with_sitecustomize(tmp_path: Path, code: str) -> dict[str, str]:
+    """The environment of a command line whose interpreter first runs *code* (a sitecustomize)."""
+    (tmp_path / "sitecustomize.py").write_text(code)
+    paths = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**ENV, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+# What `pip install trio_agent` without its extras leaves: these modules are not found.
+_HIDE_EXTRAS = """
+import importlib.abc, sys
+
+class _Hidden(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("starlette", "hypercorn", "psycopg", "psycopg_binary", "psycopg_c"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _Hidden())
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "extra", "module"),
+    [
+        (("serve", "--port", "0"), "web", "starlette"),  # an ExceptionGroup traceback, from inside trio.run
+        (("worker", "--dsn", "host=127.0.0.1 port=1"), "postgres", "psycopg"),
+        (("submit", "s", "hi", "--dsn", "host=127.0.0.1 port=1"), "postgres", "psycopg"),
+        (("sessions", "--dsn", "host=127.0.0.1 port=1"), "postgres", "psycopg"),
+        (("workers", "--dsn", "host=127.0.0.1 port=1", "--json"), "postgres", "psycopg"),
+    ],
+)
+def test_a_command_whose_extra_is_not_installed_says_which_in_one_line(
+    tmp_path: Path, args: tuple[str, ...], extra: str, module: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_agent", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_with_sitecustomize(tmp_path, _HIDE_EXTRAS),
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: {args[0]} needs pip install 'trio_agent[{extra}]' (No module named '{module}')"
+    ]
+
+
+def test_the_demo_needs_no_extra(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_agent", "demo", "--calls", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_with_sitecustomize(tmp_path, _HIDE_EXTRAS),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "journal summary" in done.stdout
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_while_the_demo_imports_is_one_line(tmp_path: Path) -> None:
+    # The demo's modules took half a second to import at the top of __main__, before main()
+    # handled anything: a Ctrl-C then was a KeyboardInterrupt traceback (status -2, not 130).
+    # The Ctrl-C here lands exactly then: sent by the import system as it looks the module up.
+    interrupt_the_import = """
+import importlib.abc, os, signal, sys
+
+class _CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "trio_agent._demo":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, _CtrlC())
+"""
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_agent", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_with_sitecustomize(tmp_path, interrupt_the_import),
+        preexec_fn=_sigint_default,
+    )
+    assert (done.returncode, done.stderr) == (130, "interrupted\n")
+    assert done.stdout == ""
+
+
+def test_the_inbox_retention_reaches_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trio_agent import __main__ as cli
+    from trio_agent._workers import _cli
+    from trio_agent._workers._queue import DEFAULT_INBOX_RETENTION
+
+    given: list[object] = []
+    monkeypatch.setattr(_cli, "run_worker", lambda **options: given.append(options["inbox_retention"]) or 0)
+    for args in (["--inbox-retention", "3600"], ["--inbox-retention", "0"], ["--inbox-retention", "none"], []):
+        assert cli.main(["worker", "--dsn", "host=127.0.0.1 port=1", *args]) == 0
+    assert given == [3600.0, 0.0, None, DEFAULT_INBOX_RETENTION]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+async def test_a_worker_started_with_an_inbox_retention_prunes_by_it(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    from trio_agent.workers import request_status
+
+    schema = fresh_pg_schema
+    where = ["--dsn", postgres_dsn, "--schema", schema]
+    command = ["worker", *where, "--lease-ttl", "0.6", "--inbox-retention", "0"]
+    process = await trio.to_thread.run_sync(_started, command, "serving")
+    try:
+        done = await trio.to_thread.run_sync(
+            lambda: run_cli("submit", "s", "hi", "--request-id", "r1", "--wait", "30", *where)
+        )
+        assert done.returncode == 0, done.stderr
+        status = functools.partial(request_status, "s", "r1", dsn=postgres_dsn, schema=schema)
+        with trio.fail_after(30):
+            while await trio.to_thread.run_sync(status) is not None:  # its done row, until a prune deletes it
+                await trio.sleep(0.05)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        out, err = await trio.to_thread.run_sync(lambda: process.communicate(timeout=60))
+    assert process.returncode == 0, err
+    assert json.loads(out.splitlines()[-1])["pruned"] == 1

@@ -3,13 +3,29 @@ and the PostgreSQL workers: ``worker``, ``submit``, ``sessions``, ``workers``.""
 
 from __future__ import annotations
 
+# Only the standard library at the top: until main() runs, a Ctrl-C is a traceback (Python's
+# KeyboardInterrupt), so the package's own modules (Trio, the demo) are imported in it.
 import argparse
+import importlib
 import os
+import signal
 import sys
-from importlib import metadata
+from collections.abc import Callable
 
-from ._config import MAX_TIMEOUT
-from ._demo import run_demo
+INTERRUPTED = 128 + signal.SIGINT  # as `_terminate` says it, without importing Trio for it
+
+# The demo's notes, one background subagent each: 5000 take about 25 s and 450 MB offline. Past
+# some bound a typo (an extra zero or six) is hours of work and gigabytes of files, not a demo.
+MAX_DEMO_CALLS = 5000
+
+# What each command needs beyond the package itself, by extra: checked before anything runs, so
+# a missing one is one line, not a traceback from deep inside (or a group from inside trio.run).
+_EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "serve": ("web", ("starlette", "hypercorn")),
+    **{command: ("postgres", ("psycopg",)) for command in ("worker", "submit", "sessions", "workers")},
+}
+
+_UNSET = object()  # an option not given (its default lives in a module imported later)
 
 
 def _positive(text: str) -> int:
@@ -22,7 +38,35 @@ def _positive(text: str) -> int:
     return value
 
 
+def _at_most(limit: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = _positive(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{value} is not <= {limit}")
+        return value
+
+    return parse
+
+
+def _retention(text: str) -> float | None:
+    """``--inbox-retention``: seconds >= 0, or ``none`` (keep done rows)."""
+    from ._config import seconds_problem
+
+    if text.strip().lower() == "none":
+        return None
+    refused = argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0, nor none (keep done rows)")
+    try:
+        value = float(text)
+    except ValueError:
+        raise refused from None
+    if seconds_problem(value, allow_zero=True) is not None:  # below 0, NaN, infinite
+        raise refused
+    return value
+
+
 def _seconds(text: str) -> float:
+    from ._config import MAX_TIMEOUT
+
     try:
         value = float(text)
     except ValueError:
@@ -43,6 +87,8 @@ def _port(text: str) -> int:
 
 
 def _version() -> str:
+    from importlib import metadata
+
     try:
         return metadata.version("trio_agent")
     except metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree without install
@@ -52,6 +98,11 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before a command's own handling is in place (while the demo's modules import,
+        # say): what the commands say for it, not a traceback.
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED
     except BrokenPipeError:  # the reader went away (``... | head``): stop quietly, as other tools do
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
@@ -67,7 +118,10 @@ def _main(argv: list[str] | None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run the orchestration demo (offline by default: no API key needed)")
     demo.add_argument(
-        "--calls", type=_positive, default=6, help="how many notes, one background subagent each (default 6)"
+        "--calls",
+        type=_at_most(MAX_DEMO_CALLS),
+        default=6,
+        help=f"how many notes, one background subagent each (default 6, at most {MAX_DEMO_CALLS})",
     )
     demo.add_argument(
         "--provider", choices=["openai", "anthropic"], default=None, help="run on a real model (needs its API key)"
@@ -102,6 +156,13 @@ def _main(argv: list[str] | None) -> int:
     )
     worker.add_argument("--no-live", action="store_true", help="do not publish live text deltas")
     worker.add_argument("--worker-id", default=None, help="this worker's id (default host:pid:random)")
+    worker.add_argument(
+        "--inbox-retention",
+        type=_retention,
+        default=_UNSET,  # DEFAULT_INBOX_RETENTION, whose module needs psycopg: imported once it is checked
+        metavar="SECONDS",
+        help="delete done submissions this long after they were done (default 604800: seven days; none keeps them)",
+    )
     submit = commands.add_parser("submit", help="submit a request to a session served by workers")
     submit.add_argument("session_id")
     submit.add_argument("prompt")
@@ -116,8 +177,13 @@ def _main(argv: list[str] | None) -> int:
         listing.add_argument("--schema", default="trio_agent")
         listing.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
+    missing = _missing_extra(args.command)
+    if missing is not None:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     if args.command in ("worker", "submit", "sessions", "workers"):
         from ._workers import _cli
+        from ._workers._queue import DEFAULT_INBOX_RETENTION
 
         if args.command == "worker":
             return _cli.run_worker(
@@ -130,6 +196,7 @@ def _main(argv: list[str] | None) -> int:
                 shutdown_grace=args.shutdown_grace,
                 live=not args.no_live,
                 worker_id=args.worker_id,
+                inbox_retention=DEFAULT_INBOX_RETENTION if args.inbox_retention is _UNSET else args.inbox_retention,
             )
         if args.command == "submit":
             return _cli.run_submit(
@@ -147,6 +214,8 @@ def _main(argv: list[str] | None) -> int:
             demo.error(
                 "--model needs --provider (openai or anthropic); without it the offline test model plays every agent"
             )
+        from ._demo import run_demo  # here, not at the top: a Ctrl-C while it imports is handled by main()
+
         return run_demo(calls=args.calls, provider=args.provider, model=args.model, journal=args.journal)
     if args.command == "serve":
         from ._web._cli import run_serve
@@ -167,6 +236,19 @@ def _main(argv: list[str] | None) -> int:
 
         return show_journal(args.path, args.session, args.agent)
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _missing_extra(command: str) -> str | None:
+    """What *command* lacks of its extra (``serve needs pip install 'trio_agent[web]' (...)``), or ``None``."""
+    if command not in _EXTRAS:
+        return None
+    extra, modules = _EXTRAS[command]
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:  # missing, or installed without what it needs (psycopg without libpq)
+            return f"{command} needs pip install 'trio_agent[{extra}]' ({exc})"
+    return None
 
 
 if __name__ == "__main__":
