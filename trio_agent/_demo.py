@@ -21,7 +21,9 @@ See docs/demo.md.
 from __future__ import annotations
 
 import functools
+import io
 import json
+import os
 import re
 import signal
 import sys
@@ -115,10 +117,16 @@ _TOPICS = [
 # ---------------------------------------------------------------- the workspace and its tools
 
 
-def _make_workspace(root: Path, notes: int) -> None:
+async def _make_workspace(root: Path, notes: int) -> None:
+    """Write the notes and the configuration under *root*.
+
+    A checkpoint per note: the run's Ctrl-C and SIGTERM are a cancellation (`until_stopped`),
+    which lands only at a checkpoint; a plain loop of thousands of writes left them unanswered
+    until the last note. What was written goes with the demo's temporary directory."""
     (root / "notes").mkdir(parents=True)
     (root / "config").mkdir()
     for index in range(notes):
+        await trio.lowlevel.checkpoint()
         title, sentence = _TOPICS[index % len(_TOPICS)]
         body = "\n".join(
             [f"# {title}", "", sentence] + [f"Point {k + 1}: {sentence.lower()}" for k in range(index % 3)]
@@ -260,9 +268,9 @@ def audit_plugins(log: AuditLog) -> list[Plugin]:
     cache: dict[str, ToolResult] = {}
 
     async def cache_reads(request: ToolMiddlewareRequest, call_next: CallNext) -> ToolResult:
-        if request.tool_name != "read_file":
+        key = request.input.get("path") if request.tool_name == "read_file" else None
+        if not isinstance(key, str):  # not a read, or an input the tool's validation will refuse
             return await call_next()
-        key = request.input["path"]
         if key in cache:
             log.cache_hits += 1
             hit = cache[key]  # a short-circuit: the journal records a synthetic start
@@ -400,8 +408,8 @@ class LiveView:
     starts from a SubagentStart hook; background completions from their handles.
     """
 
-    def __init__(self, out: TextIO, root_id: str = "root") -> None:
-        self.out = out
+    def __init__(self, write: Callable[[str], None], root_id: str = "root") -> None:
+        self._write = write  # never blocks (`_Output.live`)
         self.root_id = root_id
         self.counter = ReplyCounter()
         self._text: list[str] = []
@@ -413,7 +421,7 @@ class LiveView:
         self.started: list[str] = []  # background task ids, in order
 
     def line(self, agent: str, text: str) -> None:
-        print(f"  {agent:<14} {text}", file=self.out)
+        self._write(f"  {agent:<14} {text}")
 
     # -- the root agent's session stream
 
@@ -489,6 +497,91 @@ class LiveView:
         self.line(handle.id, f"■ {handle.status.value}: {_short(result or handle.error or '')}")
 
 
+# ---------------------------------------------------------------- the output
+
+# Lines held for a reader that falls behind before live lines are skipped: a burst of one
+# scheduling round of a 5000-note run (every subagent's line at once) fits, a paused pager's
+# backlog is bounded (a line is about 100 bytes).
+LIVE_BACKLOG = 16_384
+
+
+class _Output:
+    """The demo's output, written by one task (`_write_lines`) so that a reader who pauses (a
+    pager, a full pipe) stalls that task's thread, never the event loop: a print that blocked in
+    the loop stopped every lease's renewal, and the run failed with `LeaseLostError`.
+
+    `live` never blocks: when the backlog is full the line is skipped, and the next line that
+    fits is preceded by how many were (`_skipped_note`). `text` (the header, the report, the
+    summary) waits for room: it is never skipped."""
+
+    def __init__(self, send: trio.MemorySendChannel[tuple[int, str]]) -> None:
+        self._send = send
+        self._skipped = 0
+
+    def live(self, line: str) -> None:
+        try:
+            self._send.send_nowait((self._skipped, line))
+        except trio.WouldBlock:
+            self._skipped += 1
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the writer stopped (the reader went away): the run is being cancelled
+        else:
+            self._skipped = 0
+
+    async def text(self, text: str) -> None:
+        await self._send.send((self._skipped, text))
+        self._skipped = 0
+
+
+def _skipped_note(count: int) -> str:
+    return f"  {'':<14} … {count} line{'' if count == 1 else 's'} skipped: the reader of this output fell behind"
+
+
+@asynccontextmanager
+async def _open_output(out: TextIO, *, backlog: int = LIVE_BACKLOG) -> AsyncIterator[_Output]:
+    """An `_Output` onto *out*; on a normal exit, everything sent is written before it returns."""
+    send, receive = trio.open_memory_channel[tuple[int, str]](backlog)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_write_lines, receive, out)
+        async with send:
+            yield _Output(send)
+
+
+async def _write_lines(receive: trio.MemoryReceiveChannel[tuple[int, str]], out: TextIO) -> None:
+    """Write what arrives, a batch at a time: onto *out*'s file descriptor from a worker thread
+    (abandoned if the run is cancelled while the reader does not read), or, for a stream without
+    one (a StringIO), with its own ``write``, which does not block."""
+    try:
+        fd: int | None = out.fileno()
+        out.flush()  # what was written before goes first
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is an OSError
+        fd = None
+    encoding = getattr(out, "encoding", None) or "utf-8"
+    errors = getattr(out, "errors", None) or "strict"
+    async with receive:
+        async for skipped, text in receive:
+            batch: list[str] = []
+            while True:
+                if skipped:
+                    batch.append(_skipped_note(skipped))
+                batch.append(text)
+                try:
+                    skipped, text = receive.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            data = "\n".join(batch) + "\n"
+            if fd is None:
+                out.write(data)
+            else:
+                await trio.to_thread.run_sync(_write_all, fd, data.encode(encoding, errors), abandon_on_cancel=True)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 # ---------------------------------------------------------------- the journal summary
 
 LEGEND = "▸ you say  “…” the model says [its tool calls]  → a tool call  ← its result  … progress  ■ start / end"
@@ -557,12 +650,17 @@ async def _provider(provider: str | None, model: str | None) -> AsyncIterator[Pr
 
 
 async def _demo(out: TextIO, *, calls: int, provider: str | None, model: str | None, journal: str | None) -> None:
+    async with _open_output(out) as output:
+        await _run(output, calls=calls, provider=provider, model=model, journal=journal)
+
+
+async def _run(output: _Output, *, calls: int, provider: str | None, model: str | None, journal: str | None) -> None:
     with tempfile.TemporaryDirectory(prefix="trio-agent-demo-") as tmp:
         workspace = Path(tmp) / "workspace"
-        _make_workspace(workspace, calls)
+        await _make_workspace(workspace, calls)
         journal_path = Path(journal) if journal else Path(tmp) / "journal.db"
         log = AuditLog()
-        live = LiveView(out)
+        live = LiveView(output.live)
         async with _provider(provider, model) as chosen:
             async with open_session(
                 provider=chosen,
@@ -577,27 +675,28 @@ async def _demo(out: TextIO, *, calls: int, provider: str | None, model: str | N
                 subagents=[SUMMARIZER, REVIEWER],
                 journal=journal_path,
             ) as session:
-                print(
+                await output.text(
                     f"trio_agent demo: model {session.model}; {calls} notes; session {session.session_id}\n"
                     f"  workspace {workspace}\n  journal   {journal_path}"
                     + ("" if journal else "  (temporary: deleted when the demo ends; --journal PATH keeps it)")
-                    + f"\n  legend    {LEGEND}\n",
-                    file=out,
+                    + f"\n  legend    {LEGEND}\n"
                 )
                 await _orchestrate(session, live)
                 report = trio.Path(workspace / "report.md")
                 if await report.exists():
                     lines = (await report.read_text()).splitlines()
-                    print("\nreport.md\n" + "\n".join(f"  | {line}" for line in lines), file=out)
+                    await output.text("\nreport.md\n" + "\n".join(f"  | {line}" for line in lines))
             session_id = session.session_id
-        await summarize_journal(journal_path, session_id, out, offline=provider is None)
+        summary = io.StringIO()
+        await summarize_journal(journal_path, session_id, summary, offline=provider is None)
         print(
             f"  audit log: {len(log.entries)} entries; redacted results: {log.redactions}; "
             f"cache hits: {log.cache_hits}",
-            file=out,
+            file=summary,
         )
         if journal:
-            print(f"\ninspect it: python -m trio_agent journal show {journal} --session {session_id}", file=out)
+            print(f"\ninspect it: python -m trio_agent journal show {journal} --session {session_id}", file=summary)
+        await output.text(summary.getvalue().removesuffix("\n"))
 
 
 async def _orchestrate(session: Session, live: LiveView) -> None:
