@@ -282,20 +282,26 @@ def test_the_demo_needs_no_extra(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_ctrl_c_while_the_demo_imports_is_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("stop", "status", "said"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
+def test_a_signal_while_the_demo_imports_is_one_line(
+    tmp_path: Path, stop: signal.Signals, status: int, said: str
+) -> None:
     # The demo's modules took half a second to import at the top of __main__, before main()
-    # handled anything: a Ctrl-C then was a KeyboardInterrupt traceback (status -2, not 130).
-    # The Ctrl-C here lands exactly then: sent by the import system as it looks the module up.
-    interrupt_the_import = """
+    # handled anything: a Ctrl-C then was a KeyboardInterrupt traceback (status -2, not 130), a
+    # SIGTERM a silent death (-15, not 143). The signal here lands exactly then: sent by the
+    # import system as it looks the module up.
+    interrupt_the_import = f"""
 import importlib.abc, os, signal, sys
 
-class _CtrlC(importlib.abc.MetaPathFinder):
+class _Stop(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name == "trio_agent._demo":
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), {int(stop)})
         return None
 
-sys.meta_path.insert(0, _CtrlC())
+sys.meta_path.insert(0, _Stop())
 """
     done = subprocess.run(
         [sys.executable, "-m", "trio_agent", "demo"],
@@ -305,7 +311,7 @@ sys.meta_path.insert(0, _CtrlC())
         env=_with_sitecustomize(tmp_path, interrupt_the_import),
         preexec_fn=_sigint_default,
     )
-    assert (done.returncode, done.stderr) == (130, "interrupted\n")
+    assert (done.returncode, done.stderr) == (status, said + "\n")
     assert done.stdout == ""
 
 

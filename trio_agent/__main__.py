@@ -6,13 +6,17 @@ from __future__ import annotations
 # Only the standard library at the top: until main() runs, a Ctrl-C is a traceback (Python's
 # KeyboardInterrupt), so the package's own modules (Trio, the demo) are imported in it.
 import argparse
+import contextlib
+import functools
 import importlib
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
-INTERRUPTED = 128 + signal.SIGINT  # as `_terminate` says it, without importing Trio for it
+INTERRUPTED = 128 + signal.SIGINT  # as `_terminate` says them, without importing Trio for it
+TERMINATED = 128 + signal.SIGTERM
 
 # The demo's notes, one background subagent each: 5000 take about 25 s and 450 MB offline. Past
 # some bound a typo (an extra zero or six) is hours of work and gigabytes of files, not a demo.
@@ -95,12 +99,43 @@ def _version() -> str:
         return "unknown"
 
 
+@contextlib.contextmanager
+def _signals_kept() -> Iterator[list[int]]:
+    """Ctrl-C and SIGTERM are noted, not acted on, in the block (the list holds them).
+
+    While the command's modules import (the demo's take half a second), Python's own handling
+    made a Ctrl-C a KeyboardInterrupt at whatever line ran: a traceback, or, inside some import,
+    lost (a weakref callback), a Rust panic, a crash; and SIGTERM's default action killed the
+    process silently. Handlers someone else set are left alone."""
+    noted: list[int] = []
+    previous: dict[int, Any] = {}
+
+    def note(number: int, frame: object) -> None:
+        noted.append(number)
+
+    try:
+        for number, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+            if signal.getsignal(number) is default:
+                previous[number] = signal.signal(number, note)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        pass
+    try:
+        yield noted
+    finally:
+        for kept, handler in previous.items():
+            signal.signal(kept, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        # Ctrl-C before a command's own handling is in place (while the demo's modules import,
-        # say): what the commands say for it, not a traceback.
+        with _signals_kept() as noted:
+            command = _command(argv)  # parsed, its extra checked, its modules imported
+        if noted:  # said as the commands say it once they run
+            stopped_by = signal.Signals(noted[0])
+            print("interrupted" if stopped_by is signal.SIGINT else "terminated", file=sys.stderr)
+            return INTERRUPTED if stopped_by is signal.SIGINT else TERMINATED
+        return command()
+    except KeyboardInterrupt:  # Ctrl-C in a command without handling of its own: no traceback
         print("interrupted", file=sys.stderr)
         return INTERRUPTED
     except BrokenPipeError:  # the reader went away (``... | head``): stop quietly, as other tools do
@@ -112,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, what a shell reports for a tool the closed pipe stopped
 
 
-def _main(argv: list[str] | None) -> int:
+def _command(argv: list[str] | None) -> Callable[[], int]:
+    """The command *argv* asks for, ready to run: its modules imported (so `main` can keep the
+    signals that land meanwhile). argparse's errors, and a missing extra, exit here (status 2)."""
     parser = argparse.ArgumentParser(prog="trio-agent", description="trio_agent command line")
     parser.add_argument("--version", action="version", version=f"trio_agent {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -180,13 +217,14 @@ def _main(argv: list[str] | None) -> int:
     missing = _missing_extra(args.command)
     if missing is not None:
         print(f"error: {missing}", file=sys.stderr)
-        return 2
+        raise SystemExit(2)
     if args.command in ("worker", "submit", "sessions", "workers"):
         from ._workers import _cli
         from ._workers._queue import DEFAULT_INBOX_RETENTION
 
         if args.command == "worker":
-            return _cli.run_worker(
+            return functools.partial(
+                _cli.run_worker,
                 dsn=args.dsn,
                 agent=args.agent,
                 concurrency=args.concurrency,
@@ -199,7 +237,8 @@ def _main(argv: list[str] | None) -> int:
                 inbox_retention=DEFAULT_INBOX_RETENTION if args.inbox_retention is _UNSET else args.inbox_retention,
             )
         if args.command == "submit":
-            return _cli.run_submit(
+            return functools.partial(
+                _cli.run_submit,
                 dsn=args.dsn,
                 schema=args.schema,
                 session_id=args.session_id,
@@ -208,22 +247,24 @@ def _main(argv: list[str] | None) -> int:
                 priority=args.priority,
                 wait=args.wait,
             )
-        return _cli.run_listing(args.command, dsn=args.dsn, schema=args.schema, as_json=args.json)
+        return functools.partial(_cli.run_listing, args.command, dsn=args.dsn, schema=args.schema, as_json=args.json)
     if args.command == "demo":
         if args.model is not None and args.provider is None:
             demo.error(
                 "--model needs --provider (openai or anthropic); without it the offline test model plays every agent"
             )
-        from ._demo import run_demo  # here, not at the top: a Ctrl-C while it imports is handled by main()
+        from ._demo import run_demo
 
-        return run_demo(calls=args.calls, provider=args.provider, model=args.model, journal=args.journal)
+        return functools.partial(
+            run_demo, calls=args.calls, provider=args.provider, model=args.model, journal=args.journal
+        )
     if args.command == "serve":
-        from ._web._cli import run_serve
-
         if args.model is not None and args.provider is None:
             serve.error("--model needs --provider (openai or anthropic); without it the offline test model answers")
+        from ._web._cli import run_serve
 
-        return run_serve(
+        return functools.partial(
+            run_serve,
             host=args.host,
             port=args.port,
             provider=args.provider,
@@ -231,11 +272,9 @@ def _main(argv: list[str] | None) -> int:
             token=args.token,
             journal=args.journal,
         )
-    if args.command == "journal":
-        from ._journal._inspect import show_journal
+    from ._journal._inspect import show_journal  # journal show: argparse leaves no other command
 
-        return show_journal(args.path, args.session, args.agent)
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    return functools.partial(show_journal, args.path, args.session, args.agent)
 
 
 def _missing_extra(command: str) -> str | None:
