@@ -871,3 +871,79 @@ async def test_a_system_message_in_the_messages_names_instructions() -> None:
     with pytest.raises(HistoryError, match=r"messages\[0\]|history\[0\]") as raised:
         await chat(TestModel(), [SystemMessage("be brief"), UserMessage("hi")])
     assert "instructions=" in str(raised.value) and raised.value.index == 0
+
+
+# -- a reader that aborts and reads on sees the whole end of the stream -------------------------------------
+
+LONG_REPLY = " ".join(f"w{index}" for index in range(1000))  # far more text events than the channel holds
+
+
+def assert_well_formed(events: list[Any]) -> None:
+    """Every block that opened is closed, in order, and exactly one terminal event ends the stream."""
+    open_text = open_steps = 0
+    for event in events[:-1]:
+        assert not isinstance(event, (RunFinished, RunError)), "a terminal event before the end"
+        if isinstance(event, TextMessageStart):
+            assert open_text == 0
+            open_text += 1
+        elif isinstance(event, TextMessageContent):
+            assert open_text == 1, "text outside its message"
+        elif isinstance(event, TextMessageEnd):
+            assert open_text == 1
+            open_text -= 1
+        elif isinstance(event, StepStarted):
+            assert open_steps == 0
+            open_steps += 1
+        elif isinstance(event, StepFinished):
+            assert open_steps == 1 and open_text == 0
+            open_steps -= 1
+    assert (open_text, open_steps) == (0, 0)
+    assert isinstance(events[0], RunStarted) and isinstance(events[-1], (RunFinished, RunError))
+
+
+class Emitted(ChatMiddleware):
+    """What the run emitted: every event passes ``on_chunk`` on its way to the stream."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def on_chunk(self, ctx: Any, event: Any) -> None:
+        self.events.append(event)
+
+
+@pytest.mark.parametrize("at", [1, 3, 200])
+async def test_a_reader_that_aborts_and_reads_on_gets_every_closing_event_and_the_terminal_one(at: int) -> None:
+    emitted = Emitted()
+    async with chat(TestModel(default=Reply(text=LONG_REPLY)), "hi", middleware=[emitted]) as run:
+        events: list[Any] = []
+        async for event in run:
+            events.append(event)
+            if len(events) == at:
+                run.abort("enough")  # the run goes on emitting into a full channel: its closing events
+    assert events == emitted.events  # every one, in order
+    assert_well_formed(events)
+    assert isinstance(events[-1], RunFinished) and events[-1].outcome == "aborted"
+    assert (await run.result()).stop_reason is StopReason.ABORTED
+
+
+async def test_a_run_aborted_while_its_reader_waits_keeps_every_event_for_it() -> None:
+    emitted = Emitted()
+    async with chat(TestModel(default=Reply(text=LONG_REPLY)), "hi", middleware=[emitted]) as run:
+        await trio.testing.wait_all_tasks_blocked()  # the run fills the channel and waits for its reader
+        run.abort("enough")  # cancels the model call, whose event waited for room: kept all the same
+        await trio.testing.wait_all_tasks_blocked()  # the aborted run ends without its reader
+        assert run._done.is_set()
+        events = [event async for event in run]
+    assert len(events) > 256 and events == emitted.events  # the channel's, then those past it, in order
+    assert_well_formed(events)
+    assert isinstance(events[-1], RunFinished) and events[-1].outcome == "aborted"
+
+
+async def test_events_past_the_channel_of_an_aborted_run_are_dropped_once_nobody_can_read_them() -> None:
+    async with chat(TestModel(default=Reply(text=LONG_REPLY)), "hi") as run:
+        await trio.testing.wait_all_tasks_blocked()
+        run.abort("enough")
+        await trio.testing.wait_all_tasks_blocked()
+        assert run._overflow  # waiting for a reader
+        assert (await run.result()).stop_reason is StopReason.ABORTED
+        assert not run._overflow and [event async for event in run] == []

@@ -21,6 +21,7 @@ continuation is refused (`InterruptResumeError`, code ``stale``).
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -232,12 +233,20 @@ class _NoRecorder:
 
 
 class ChatRun:
-    """A running ``chat()``: ``async for event in run`` and ``await run.result()``."""
+    """A running ``chat()``: ``async for event in run`` and ``await run.result()``.
+
+    An aborted run never waits for its reader and loses no event for one that reads on: what the
+    full channel cannot take waits in ``_overflow``, read after the channel.
+    """
 
     def __init__(self, run_id: str, receive: trio.MemoryReceiveChannel[RunEvent], abort: AbortHandle) -> None:
         self.run_id = run_id
         self._receive = receive
         self._abort = abort
+        # An aborted run never waits for its reader: what the full channel cannot take waits here,
+        # after it, for a reader that reads on (the closing events, the terminal one). Bounded by
+        # what a run emits once aborted; dropped once nobody can read (the block left, result()).
+        self._overflow: collections.deque[RunEvent] = collections.deque()
         self._done = trio.Event()
         self._result: ChatResult | None = None
         self._error: BaseException | None = None
@@ -248,10 +257,21 @@ class ChatRun:
         return self
 
     async def __anext__(self) -> RunEvent:
+        if self._overflow:  # only ever after an abort: the channel's events come first
+            await trio.lowlevel.checkpoint()
+            try:
+                return self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return self._overflow.popleft()
         try:
             return await self._receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise StopAsyncIteration from None
+
+    def _unread(self) -> None:
+        """Nobody reads the events any more: the run queues none, and what waits is dropped."""
+        self.unread = True
+        self._overflow.clear()
 
     def abort(self, reason: str = "aborted") -> None:
         """Abort the run (an SDK abort: committed tool results are kept)."""
@@ -263,7 +283,7 @@ class ChatRun:
         The events nobody read are dropped, and from now on the run queues none (a task
         switch per event would cost more than the rest of the run).
         """
-        self.unread = True
+        self._unread()
         with suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             while True:  # what is queued; a run blocked on a full channel goes on
                 self._receive.receive_nowait()
@@ -708,20 +728,34 @@ async def _in_task(options: Mapping[str, Any]) -> AsyncIterator[ChatRun]:
     run = ChatRun(prepared.run_id, receive, prepared.abort)
     run_abort = prepared.abort
     cleanup_grace = prepared.cleanup_grace
+    overflow = run._overflow
 
     async def events(event: RunEvent) -> None:
         # Without a task switch while the buffer has room (one per chunk would cost more than the
         # rest of the run); a full buffer makes the run wait for its reader (backpressure).
         if run.unread:
             return
+        if overflow:  # events wait past the channel: the later ones behind them, in order
+            overflow.append(event)
+            await trio.lowlevel.checkpoint()
+            return
         try:
             send.send_nowait(event)
         except trio.WouldBlock:
             if run_abort.aborted:
-                await trio.lowlevel.checkpoint()  # never block once aborted: the reader may be gone
+                # Never block once aborted (the reader may have stopped reading), nor drop what a
+                # reader that reads on must see (every block closed, the terminal event).
+                overflow.append(event)
+                await trio.lowlevel.checkpoint()
                 return
             try:
                 await send.send(event)
+            except trio.Cancelled:
+                # Not delivered (a cancelled send hands nothing over): an abort cancels the model
+                # call waiting here, and its reader still gets the event, before the later ones.
+                if not run.unread:
+                    overflow.append(event)
+                raise
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await trio.lowlevel.checkpoint()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -742,8 +776,10 @@ async def _in_task(options: Mapping[str, Any]) -> AsyncIterator[ChatRun]:
                 yield run
             finally:
                 if not run._done.is_set():
-                    # Leaving early aborts the run (committed tool results are kept) and waits for it.
+                    # Leaving early aborts the run (committed tool results are kept) and waits for it;
+                    # nobody reads its events now.
                     run.abort("the chat block was left before the run ended")
+                    run._unread()
                     with bounded_shield(cleanup_grace, "ending a chat run whose block was left early") as waited:
                         while not run._done.is_set():
                             try:
