@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 from typing import Any
 
 import pytest
@@ -279,6 +280,134 @@ async def test_an_on_structured_output_config_value_its_key_cannot_hold_is_a_dec
     with pytest.raises(MiddlewareDecisionError, match="on_structured_output_config of middleware 'bad'"):
         await chat(model, "hi", output_schema={"type": "array"}, middleware=middleware)
     assert len(model.requests) == 1  # the structured-output call was never sent
+
+
+NUMBER_N: dict[str, Any] = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+def answering(answer: str) -> TestModel:
+    return TestModel(default=[Reply(text="thinking"), Reply(text=answer)])
+
+
+async def test_a_schema_a_hook_edits_in_place_is_the_one_sent_and_checked_and_the_callers_stays_as_it_was() -> None:
+    def to_string(ctx: Any, config: Any) -> None:
+        config["output_schema"]["properties"]["n"]["type"] = "string"  # nested, in place, nothing returned
+
+    schema = json.loads(json.dumps(NUMBER_N))
+    model = answering('{"n": "three"}')
+    middleware = [define_chat_middleware(name="edit", on_structured_output_config=to_string)]
+    result = await chat(model, "hi", output_schema=schema, middleware=middleware)
+    assert model.requests[-1].options["output_schema"]["properties"]["n"] == {"type": "string"}
+    assert result.structured_output == {"n": "three"}  # checked against what was sent
+    assert schema == NUMBER_N  # the caller's dict is its own
+    assert (await chat(answering('{"n": 3}'), "hi", output_schema=schema)).structured_output == {"n": 3}
+
+
+async def test_a_schema_the_caller_changes_while_the_run_runs_changes_nothing_of_it() -> None:
+    schema = json.loads(json.dumps(NUMBER_N))
+
+    @define_tool(name="meddle", description="edits", input_schema=OBJECT, side_effect=SideEffect.PURE)
+    async def meddle(input: dict[str, Any], ctx: Any) -> str:
+        schema["properties"]["n"]["type"] = "string"
+        return "done"
+
+    model = TestModel(default=[Reply(tool_calls=[("meddle", {})]), Reply(text="ok"), Reply(text='{"n": 3}')])
+    result = await chat(model, "hi", tools=[meddle], output_schema=schema)
+    assert model.requests[-1].options["output_schema"] == NUMBER_N
+    assert NUMBER_N["properties"]["n"] == {"type": "integer"} and result.structured_output == {"n": 3}
+
+
+async def test_a_schema_a_hook_changes_only_as_json_tells_apart_is_a_change() -> None:
+    # 1 == True in Python, not in a schema: the answer is checked against the schema sent.
+    middleware = [define_chat_middleware(on_structured_output_config=lambda ctx, c: {"output_schema": {"const": True}})]
+    result = await chat(answering("true"), "hi", output_schema={"const": 1}, middleware=middleware)
+    assert result.structured_output is True
+
+
+def edit_in_place(ctx: Any, config: Any) -> None:
+    config["output_schema"]["type"] = 5
+
+
+def edit_and_hand_back(ctx: Any, config: Any) -> Any:
+    config["output_schema"]["type"] = 5
+    return {"output_schema": config["output_schema"]}
+
+
+def put_nan(ctx: Any, config: Any) -> None:
+    config["output_schema"]["properties"]["n"]["const"] = float("nan")
+
+
+def put_unserializable(ctx: Any, config: Any) -> None:
+    config["output_schema"]["description"] = object()
+
+
+@pytest.mark.parametrize(
+    ("hook", "problem"),
+    [
+        (edit_in_place, "left output_schema edited in place, which is not valid JSON Schema"),
+        (edit_and_hand_back, "set output_schema, which is not valid JSON Schema"),
+        (put_nan, "which is not JSON: at /properties/n/const: nan, not a finite number"),
+        (put_unserializable, "which is not JSON: at /description: a value of type object"),
+        (lambda ctx, c: {"output_schema": {"maximum": float("inf")}}, "at /maximum: inf, not a finite number"),
+        (lambda ctx, c: {"output_schema": {"enum": {1, 2}}}, "at /enum: a value of type set"),
+    ],
+    ids=["in-place", "in-place-handed-back", "nan-in-place", "object-in-place", "infinity", "set"],
+)
+async def test_every_bad_schema_a_hook_leaves_is_a_decision_error_before_the_call(hook: Any, problem: str) -> None:
+    model = answering('{"n": 3}')
+    middleware = [define_chat_middleware(name="bad", on_structured_output_config=hook)]
+    with pytest.raises(MiddlewareDecisionError, match="on_structured_output_config of middleware 'bad'") as caught:
+        await chat(model, "hi", output_schema=json.loads(json.dumps(NUMBER_N)), middleware=middleware)
+    assert problem in str(caught.value)
+    assert len(model.requests) == 1  # the structured-output call was never sent
+
+
+async def test_a_schema_given_as_any_mapping_is_sent_and_checked_as_plain_json() -> None:
+    proxy = types.MappingProxyType
+    given = proxy({"type": "object", "properties": proxy({"n": proxy({"enum": (1, 2)})}), "required": ("n",)})
+    model = answering('{"n": 2}')
+    swap = define_chat_middleware(on_structured_output_config=lambda ctx, c: {"output_schema": proxy(dict(given))})
+    result = await chat(model, "hi", output_schema=given, middleware=[swap])
+    sent = model.requests[-1].options["output_schema"]
+    assert sent == {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}
+    assert type(sent) is dict and type(sent["properties"]["n"]["enum"]) is list
+    assert result.structured_output == {"n": 2}
+
+
+@pytest.mark.parametrize(
+    ("schema", "problem"),
+    [
+        ({"properties": {"n": {"const": float("nan")}}}, "at /properties/n/const: nan, not a finite number"),
+        ({"maximum": float("inf")}, "at /maximum: inf, not a finite number"),
+        ({"minimum": float("-inf")}, "at /minimum: -inf, not a finite number"),
+        ({"properties": {1: {}}}, "at /properties: a key that is not a string: 1"),
+        ({"enum": [b"x"]}, "at /enum/0: a value of type bytes"),
+        ({"a/b": {"~": [object()]}}, "at /a~1b/~0/0: a value of type object"),
+    ],
+    ids=["nan", "infinity", "minus-infinity", "int-key", "bytes", "pointer-escapes"],
+)
+@pytest.mark.parametrize("form", ["await", "block"])
+async def test_a_schema_that_is_not_json_is_config_error_before_anything_runs(
+    schema: dict[Any, Any], problem: str, form: str
+) -> None:
+    spy = StructuredLog()
+    model = answering("{}")
+    with pytest.raises(ConfigError, match=r"^output_schema: not JSON: ") as caught:
+        if form == "await":
+            await chat(model, "hi", middleware=[spy], output_schema=schema)
+        else:
+            async with chat(model, "hi", middleware=[spy], output_schema=schema):
+                raise AssertionError("the block is never entered")
+    assert problem in str(caught.value)
+    assert spy.log == [] and model.requests == []
+
+
+async def test_a_schema_nested_too_deep_or_holding_itself_is_config_error_naming_both_ends_of_the_path() -> None:
+    itself: dict[str, Any] = {"type": "object", "properties": {}}
+    itself["properties"]["self"] = itself
+    with pytest.raises(ConfigError, match=r"at /properties/self/properties/self/\.\.\. 192 more \.\.\./") as caught:
+        await chat(answering("{}"), "hi", output_schema=itself)
+    assert str(caught.value).endswith("containers nested deeper than 200 levels")
 
 
 async def test_an_on_structured_output_config_that_hands_back_what_it_got_changes_nothing() -> None:

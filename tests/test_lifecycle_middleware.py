@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_agent._abort import Abort, AbortHandle, AbortReason
-from trio_agent._errors import MiddlewareError, MiddlewareShapeError, ModelError
+from trio_agent._errors import ConfigError, MiddlewareError, MiddlewareShapeError, ModelError
 from trio_agent._lifecycle import _middleware
 from trio_agent._loop._context import RunContext
 from trio_agent._loop._events import CustomEvent, RunEvent
@@ -217,6 +217,26 @@ async def test_2_6_on_structured_output_config_pipes_and_rejects_unknown_keys() 
     bad = [define_chat_middleware(name="so", on_structured_output_config=lambda ctx, c: {"tools": []})]
     with pytest.raises(MiddlewareDecisionError, match="on_structured_output_config of middleware 'so'"):
         await apply_structured_output_config(bad, run_context(), config)
+
+
+async def test_2_6_on_structured_output_config_edits_in_place_count_and_never_reach_the_given_config() -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    config = {"instructions": "x", "output_schema": schema}
+
+    def nested(ctx: Any, c: Any) -> None:
+        c["output_schema"]["properties"]["n"]["type"] = "string"
+
+    seen: list[Any] = []
+    middleware = [
+        define_chat_middleware(on_structured_output_config=nested),
+        define_chat_middleware(on_structured_output_config=lambda ctx, c: seen.append(c["output_schema"])),
+    ]
+    result = await apply_structured_output_config(middleware, run_context(), config)
+    assert result["output_schema"] == {"type": "object", "properties": {"n": {"type": "string"}}}
+    assert seen == [result["output_schema"]] and seen[0] is not result["output_schema"]  # each hook its copy
+    assert schema == {"type": "object", "properties": {"n": {"type": "integer"}}}  # the input is not changed
+    with pytest.raises(ConfigError, match="output_schema: not JSON: at /maximum: nan"):
+        await apply_structured_output_config(middleware, run_context(), {"output_schema": {"maximum": float("nan")}})
 
 
 # -- 1.2 the hooks that observe ----------------------------------------------------------------

@@ -11,7 +11,9 @@ With ``output_schema`` the run ends with a separate structured-output call
 ``structured_output`` run first; it is not offered to ``on_model_error``, so no
 ``ctx.retry()``, but the service's `RetryPolicy` retries a retryable failure as
 for any call); its answer must be JSON that the schema accepts, else
-`StructuredOutputError` lists the issues.
+`StructuredOutputError` lists the issues. The run keeps a copy of the schema as plain
+JSON (refused up front if it is not JSON: a NaN would fail only that last call), and
+each hook gets a copy of its own: what is sent is what the answer is checked against.
 With ``journal`` (an open `DurableJournal`, owned by the caller) the run is
 recorded as a request of the journal's root agent, as a session records one, and
 ended on every way out (a cancellation from outside: interrupted); a
@@ -66,9 +68,10 @@ from .._lifecycle._interrupts import (
 )
 from .._lifecycle._middleware import (
     ChatMiddleware,
-    apply_structured_output_config,
     middleware_lifecycle,
+    output_schema_json,
     output_schema_validator,
+    structured_output_config,
 )
 from .._loop._context import RunContext
 from .._loop._events import RunEvent, UsageReported
@@ -533,6 +536,9 @@ class _Prepared:
         output_schema = options["output_schema"]
         if output_schema is not None:
             try:
+                # The run's own copy, plain JSON (a NaN would fail only the last call's request):
+                # what the caller later does to theirs changes neither what is sent nor the check.
+                output_schema = output_schema_json(output_schema)
                 validator = output_schema_validator(output_schema)
             except ValueError as exc:
                 raise ConfigError(f"output_schema: {exc}") from None
@@ -681,7 +687,9 @@ class _Prepared:
         ctx.phase = Phase.STRUCTURED_OUTPUT
         spec, original, validator = self.spec, self.output_schema, self.validator
         assert original is not None and validator is not None
-        config = await apply_structured_output_config(
+        # Each hook gets a copy of the run's schema; one it changed (returned, or edited in place)
+        # comes back checked and compiled: the answer is checked against the schema the call sends.
+        config, changed = await structured_output_config(
             self.middleware,
             ctx,
             {
@@ -689,12 +697,12 @@ class _Prepared:
                 "messages": self.conversation.view(()),
                 "options": {},
                 "metadata": dict(spec.model_metadata),
-                "output_schema": dict(original),
+                "output_schema": original,
             },
         )
         schema = config["output_schema"]
-        if schema != original:  # the answer is checked against the schema the call sent
-            validator = output_schema_validator(schema)  # checked already: a hook's invalid one was refused
+        if changed is not None:
+            validator = changed
         # on_config sees the call as on_structured_output_config left it, without the schema (the spec's order).
         call = await self.hooks.on_config(
             ctx, ModelConfig(config["instructions"], config["messages"], (), config["options"], config["metadata"])

@@ -60,7 +60,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import logging
+import math
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeAlias, TypeVar, cast
@@ -70,7 +72,8 @@ import jsonschema_rs
 import trio
 
 from .._abort import Abort, AbortReason
-from .._errors import MiddlewareError, MiddlewareShapeError, ModelError
+from .._errors import ConfigError, MiddlewareError, MiddlewareShapeError, ModelError
+from .._json import MAX_JSON_DEPTH, MAX_JSON_INT_BITS
 from .._loop._compose import compose_lifecycle
 from .._loop._context import RunContext
 from .._loop._events import RunEvent
@@ -123,7 +126,9 @@ __all__ = [
     "apply_structured_output_config",
     "define_chat_middleware",
     "middleware_lifecycle",
+    "output_schema_json",
     "output_schema_validator",
+    "structured_output_config",
 ]
 
 T = TypeVar("T")
@@ -755,20 +760,90 @@ def middleware_lifecycle(middleware: Sequence[ChatMiddleware]) -> Lifecycle:
     return compose_lifecycle(*parts)
 
 
-def output_schema_validator(schema: object) -> jsonschema_rs.Validator:
-    """*schema* (an output schema: a JSON Schema object) compiled, or `ValueError` saying in one
-    line why it is not one."""
+def output_schema_json(schema: object) -> dict[str, Any]:
+    """*schema* (an output schema: a JSON Schema object) as a copy of plain JSON, or `ValueError`
+    saying in one line where it is not JSON.
+
+    A mapping becomes a dict and a tuple a list; keys must be strings, numbers finite (the
+    validator reads ``NaN`` as null, and a provider's request body refuses it) and integers within
+    `MAX_JSON_INT_BITS`; containers nest at most `MAX_JSON_DEPTH` deep (a dict holding itself
+    too). The copy is the run's own: what the caller or a hook later does to theirs changes
+    neither what is sent nor what the answer is checked against.
+    """
     if not isinstance(schema, Mapping):
-        raise ValueError(f"an output schema is a JSON Schema object (a mapping), not {safe_repr(schema)}")
+        raise ValueError(f"not a JSON Schema object (a mapping): {safe_repr(schema)}")
     try:
-        return jsonschema_rs.Draft202012Validator(dict(schema), offline=True)
+        return cast("dict[str, Any]", _plain_json(schema, 0))
+    except _NotJSON as exc:
+        path = exc.path[::-1]
+        if len(path) > 8:  # a schema nested too deep (or holding itself): its ends tell where
+            path = [*path[:4], f"... {len(path) - 8} more ...", *path[-4:]]
+        where = "/" + "/".join(path) if path else "the root"
+        raise ValueError(f"not JSON: at {where}: {exc.why}") from None
+
+
+class _NotJSON(Exception):
+    """Where (`path`, innermost key first) and why a schema is not JSON."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+        self.path: list[str] = []
+
+
+def _plain_json(value: object, depth: int) -> Any:
+    # Exact builtins out: a subclass's own methods (a str's, an int's) are the caller's code.
+    if isinstance(value, str):
+        return str.__str__(value)
+    if value is None or value is True or value is False:
+        return value
+    if isinstance(value, int):
+        bits = int.bit_length(value)
+        if bits > MAX_JSON_INT_BITS:
+            raise _NotJSON(f"an integer too large for JSON ({bits} bits, at most {MAX_JSON_INT_BITS})")
+        return int.__int__(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _NotJSON(f"{float.__repr__(value)}, not a finite number")
+        return float.__float__(value)
+    if depth >= MAX_JSON_DEPTH:
+        raise _NotJSON(f"containers nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, Mapping):
+        plain: dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise _NotJSON(f"a key that is not a string: {safe_repr(key)}")
+            key = str.__str__(key)
+            try:
+                plain[key] = _plain_json(item, depth + 1)
+            except _NotJSON as exc:
+                exc.path.append(key.replace("~", "~0").replace("/", "~1"))  # a JSON Pointer's escapes
+                raise
+        return plain
+    if isinstance(value, (list, tuple)):
+        items: list[Any] = []
+        for index, item in enumerate(value):
+            try:
+                items.append(_plain_json(item, depth + 1))
+            except _NotJSON as exc:
+                exc.path.append(str(index))
+                raise
+        return items
+    raise _NotJSON(f"a value of type {type(value).__name__}, which is not JSON")
+
+
+def output_schema_validator(schema: dict[str, Any]) -> jsonschema_rs.Validator:
+    """*schema* (plain JSON: `output_schema_json`'s copy) compiled, or `ValueError` saying in one
+    line why it is not JSON Schema."""
+    try:
+        return jsonschema_rs.Draft202012Validator(schema, offline=True)
     except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError, TypeError) as exc:
         raise ValueError(f"not valid JSON Schema: {str(exc).splitlines()[0]}") from None
 
 
 def _structured_change(change: Mapping[str, Any], current: Mapping[str, Any], label: str) -> None:
     """Each key of an ``on_structured_output_config`` answer holds what its call can send (as
-    `_merged_config` checks ``on_config``'s)."""
+    `_merged_config` checks ``on_config``'s); ``output_schema`` is `_schema_change`'s."""
     hook = "on_structured_output_config"
     # What it kept as it was needs no check (the history itself is a view, not a list).
     change = {key: value for key, value in change.items() if value is not current[key]}
@@ -788,11 +863,22 @@ def _structured_change(change: Mapping[str, Any], current: Mapping[str, Any], la
     for key in ("options", "metadata"):
         if key in change and not isinstance(change[key], Mapping):
             raise MiddlewareDecisionError(hook, label, f"set {key} to {safe_repr(change[key])}, not a mapping")
-    if "output_schema" in change:
-        try:
-            output_schema_validator(change["output_schema"])
-        except ValueError as exc:
-            raise MiddlewareDecisionError(hook, label, f"set output_schema to {exc}") from None
+
+
+def _schema_change(
+    value: object, current: dict[str, Any] | None, label: str, how: str
+) -> tuple[dict[str, Any], jsonschema_rs.Validator] | None:
+    """The schema a hook left (*value*, *how* it did) as the run's own copy, compiled; ``None``
+    when it equals *current*. Every way a hook leaves one is checked here: an invalid one is a
+    `MiddlewareDecisionError` naming the hook and the middleware, before anything is sent."""
+    try:
+        schema = output_schema_json(value)
+        # As text: what is sent. (By value, 1 == 1.0 == True, but a schema tells them apart.)
+        if current is not None and json.dumps(schema) == json.dumps(current):
+            return None
+        return schema, output_schema_validator(schema)
+    except ValueError as exc:
+        raise MiddlewareDecisionError("on_structured_output_config", label, f"{how}, which is {exc}") from None
 
 
 async def apply_structured_output_config(
@@ -800,29 +886,64 @@ async def apply_structured_output_config(
 ) -> dict[str, Any]:
     """Pipe *config* (the structured-output call's, schema included) through every
     ``on_structured_output_config``: ``None`` passes, a partial mapping is shallow-merged.
+    Each hook gets its own copy of the schema: what it returns, or leaves edited in place, is
+    checked, and the result holds a copy of it as plain JSON (`output_schema_json`).
 
     Raises:
+        ConfigError: *config*'s own ``output_schema`` is not JSON (`output_schema_json`).
         MiddlewareDecisionError: a hook returned something else, a key *config* does not have,
             or a value its key cannot hold (``output_schema`` must be valid JSON Schema).
     """
+    config = dict(config)
+    if config.get("output_schema") is not None:
+        try:
+            config["output_schema"] = output_schema_json(config["output_schema"])
+        except ValueError as exc:
+            raise ConfigError(f"output_schema: {exc}") from None
+    return (await structured_output_config(middleware, ctx, config))[0]
+
+
+async def structured_output_config(
+    middleware: Sequence[ChatMiddleware], ctx: RunContext, config: Mapping[str, Any]
+) -> tuple[dict[str, Any], jsonschema_rs.Validator | None]:
+    """`apply_structured_output_config` for a *config* whose ``output_schema`` is plain JSON
+    already (``chat()``'s copy), and the validator of the schema the hooks left (``None``: they
+    left it as it was, the very object given)."""
     current = dict(config)
+    validator: jsonschema_rs.Validator | None = None
     for item in _checked(middleware, "apply_structured_output_config"):
         hook = _hook(item, "on_structured_output_config")
         if hook is None:
             continue
-        change = await _call(hook, ctx, dict(current))
-        if change is None:
-            continue
+        given = dict(current)
+        schema = current.get("output_schema")
+        if schema is not None:
+            # Its own deep copy: an edit in place must not reach the schema compiled already (nor
+            # the caller's dict). A round trip of plain JSON, the cheapest deep copy of it.
+            given["output_schema"] = json.loads(json.dumps(schema))
+        change = await _call(hook, ctx, given)
         label = middleware_name(item)
-        if not isinstance(change, Mapping):
+        if change is None:
+            change = {}
+        elif not isinstance(change, Mapping):
             raise MiddlewareDecisionError(
                 "on_structured_output_config", label, f"returned {safe_repr(change)}; expected None or a partial dict"
             )
-        unknown = sorted(_key_text(key) for key in change if key not in current)
-        if unknown:
-            raise MiddlewareDecisionError(
-                "on_structured_output_config", label, f"returned unknown keys {unknown}; valid: {sorted(current)}"
-            )
+        else:
+            unknown = sorted(_key_text(key) for key in change if key not in current)
+            if unknown:
+                raise MiddlewareDecisionError(
+                    "on_structured_output_config", label, f"returned unknown keys {unknown}; valid: {sorted(current)}"
+                )
         _structured_change(change, current, label)
+        change = dict(change)
+        returned = "output_schema" in change
+        if returned or schema is not None:
+            # Returned, else what it left in its copy (edited in place, or put in its config).
+            left = change.pop("output_schema") if returned else given.get("output_schema")
+            how = "set output_schema" if returned else "left output_schema edited in place"
+            edit = _schema_change(left, schema, label, how)
+            if edit is not None:
+                change["output_schema"], validator = edit
         current = {**current, **change}
-    return current
+    return current, validator
