@@ -28,6 +28,7 @@ from trio_agent.lifecycle import (
     validate_capabilities,
 )
 from trio_agent.middleware import MiddlewareShapeError
+from trio_agent.models import ModelService
 from trio_agent.testing import Reply, TestModel
 
 
@@ -328,6 +329,41 @@ def test_the_adapter_is_checked_first() -> None:
     validate_capabilities([provider(AUTH, "t")], Adapter(AUTH))
     validate_capabilities([], object())
     validate_capabilities([], model())
+
+
+def test_every_adapter_is_checked_in_the_order_given_and_none_is_skipped() -> None:
+    with pytest.raises(CapabilityError, match="Adapter 'outer' requires capability 'auth'"):
+        validate_capabilities([], Adapter(AUTH, name="outer"), Adapter(DB, name="inner"))
+    with pytest.raises(CapabilityError, match="Adapter 'inner' requires capability 'db'"):
+        validate_capabilities([provider(AUTH, "t")], None, Adapter(AUTH, name="outer"), Adapter(DB, name="inner"))
+    validate_capabilities([provider(AUTH, "t"), provider(DB, {})], Adapter(AUTH), Adapter(DB), None)
+
+
+class NeedsAuth(ModelService):
+    """A model service that declares what it needs (capabilities.md: an adapter such as a model service)."""
+
+    requires = (AUTH,)
+
+
+class NeedsDB(TestModel):
+    requires = (DB,)
+
+
+@pytest.mark.parametrize("form", ["await", "block"])
+async def test_chat_checks_the_requires_of_a_model_service_and_of_its_provider(form: str) -> None:
+    async def run(agent_or_model: Any, middleware: list[ChatMiddleware]) -> str:
+        if form == "await":
+            return (await chat(agent_or_model, "hi", middleware=middleware)).text
+        async with chat(agent_or_model, "hi", middleware=middleware) as run:
+            return (await run.result()).text
+
+    backend = NeedsDB(default=Reply(text="ok"))
+    with pytest.raises(CapabilityError, match="requires capability 'auth'"):
+        await run(NeedsAuth(model()), [])
+    with pytest.raises(CapabilityError, match="requires capability 'db'"):  # the service's own, then its provider's
+        await run(NeedsAuth(backend), [provider(AUTH, "t")])
+    assert backend.requests == []  # refused before any model call
+    assert await run(NeedsAuth(backend), [provider(AUTH, "t"), provider(DB, {})]) == "ok"
 
 
 def test_an_adapters_requires_must_be_handles() -> None:

@@ -530,7 +530,8 @@ class _Prepared:
         registered = registered_interrupts(options["interrupts"], middleware)
         roots = options["workspace_roots"]
         engine = _permission_engine(options["permissions"], options["permission_mode"], tools, roots)
-        validate_capabilities(middleware, service.provider)  # the adapter's requires first
+        # The adapters' requires first: a ModelService (a subclass may declare some) and its provider.
+        validate_capabilities(middleware, service, service.provider)
         hooks = middleware_lifecycle(middleware)
         validator = None
         output_schema = options["output_schema"]

@@ -10,7 +10,8 @@ Rules
   handles (class attributes of `ChatMiddleware`, keywords of `define_chat_middleware`).
   Anything else in them is a `MiddlewareShapeError` naming the middleware and the entry.
 * Before anything runs, `validate_capabilities` (also called by `middleware_lifecycle`,
-  without an adapter) checks the adapter's ``requires`` first, then every middleware's
+  without an adapter) checks the adapters' ``requires`` first (``chat()``: the model service's
+  and its provider's), then every middleware's
   ``requires``, against the union of every middleware's ``provides``; the first gap is a
   `CapabilityError`. The order of the list is not checked (a provider may come after its
   consumer), and ``optional_requires`` is never checked.
@@ -234,13 +235,13 @@ def _missing(kind: str, owner: str, handle: Capability[Any], provided: Sequence[
     )
 
 
-def validate_capabilities(middleware: Sequence[ChatMiddleware], adapter: object | None = None) -> None:
+def validate_capabilities(middleware: Sequence[ChatMiddleware], *adapters: object) -> None:
     """Check, before a run, that every required capability is provided by some middleware.
 
-    The provided set is the union of every middleware's ``provides``; the *adapter*'s
-    ``requires`` (an optional attribute of any object, e.g. a model service) are checked
-    first, then each middleware's, in list order. Order is not checked; ``optional_requires``
-    never is.
+    The provided set is the union of every middleware's ``provides``; each *adapter*'s
+    ``requires`` (an optional attribute of any object: a model service and the provider it
+    wraps, say; ``None`` is skipped) are checked first, in the order given, then each
+    middleware's, in list order. Order is not checked; ``optional_requires`` never is.
 
     Raises:
         CapabilityError: the first requirement nobody provides; the message names who requires
@@ -252,13 +253,17 @@ def validate_capabilities(middleware: Sequence[ChatMiddleware], adapter: object 
         raise MiddlewareShapeError(
             f"validate_capabilities: middleware must be a list of ChatMiddleware, got {safe_repr(middleware)}"
         )
-    requires = getattr(adapter, "requires", None) if adapter is not None else None
-    if not middleware and requires is None:
+    needs: list[tuple[object, object]] = []  # named only when it declares something (most do not)
+    for adapter in adapters:
+        requires = getattr(adapter, "requires", None)  # None has none
+        if requires is not None:
+            needs.append((adapter, requires))
+    if not middleware and not needs:
         return  # nothing requires anything (a chat() run per request asks this)
     declared = [declared_capabilities(item) for item in middleware]
     provided = list(dict.fromkeys(handle for item in declared for handle in item.provides))
     known = set(provided)
-    if requires is not None:  # named only when it declares something (most adapters do not)
+    for adapter, requires in needs:
         name = _adapter_name(adapter)
         for handle in capability_handles(requires, "requires", f"adapter {name!r}", CapabilityError):
             if handle not in known:
