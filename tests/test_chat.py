@@ -715,6 +715,39 @@ async def test_bad_arguments_raise_config_error_before_anything_runs(bad: dict[s
     assert spy.log == [] and model.requests == []
 
 
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"tool_middleware": 5}, "chat(tool_middleware=...) must be a list or tuple of tool middleware, got 5"),
+        ({"tool_middleware": "ab"}, "chat(tool_middleware=...) must be a list or tuple of tool middleware, got 'ab'"),
+        ({"tool_middleware": [5]}, "chat(tool_middleware=...): tool middleware #0 is not callable: got 5"),
+        ({"model_middleware": 5}, "chat(model_middleware=...) must be a list or tuple of model middleware, got 5"),
+        (
+            {"model_middleware": b"x"},
+            "chat(model_middleware=...) must be a list or tuple of model middleware, got b'x'",
+        ),
+        ({"model_middleware": [5]}, "chat(model_middleware=...): model middleware #0 (int) defines none of"),
+    ],
+    ids=["tool-int", "tool-str", "tool-item", "model-int", "model-bytes", "model-item"],
+)
+@pytest.mark.parametrize("form", ["await", "block"])
+async def test_junk_tool_or_model_middleware_is_a_config_error_naming_the_parameter(
+    bad: dict[str, Any], message: str, form: str
+) -> None:
+    from trio_agent.middleware import MiddlewareShapeError
+
+    model = TestModel(default=Reply(text="hi"))
+    with pytest.raises(MiddlewareConfigError) as caught:
+        if form == "await":
+            await chat(model, "hi", **bad)
+        else:
+            async with chat(model, "hi", **bad):
+                raise AssertionError("the block is never entered")
+    assert isinstance(caught.value, ConfigError) and isinstance(caught.value, MiddlewareShapeError)
+    assert str(caught.value).startswith(message)
+    assert model.requests == []
+
+
 @define_tool(name="stray", description="raises its own Cancelled", input_schema=OBJECT, side_effect=SideEffect.PURE)
 async def stray(input: dict[str, Any], ctx: Any) -> str:
     raise await cancelled_of_its_own()

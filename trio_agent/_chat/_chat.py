@@ -31,7 +31,7 @@ import types
 import weakref
 from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import jsonschema_rs
@@ -40,7 +40,14 @@ import trio
 from .._abort import Abort, AbortHandle, AbortReason
 from .._builders import constructor
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
-from .._errors import ConfigError, ModelError, RequestAbortedError, TrioAgentError, require_trio
+from .._errors import (
+    ConfigError,
+    MiddlewareShapeError,
+    ModelError,
+    RequestAbortedError,
+    TrioAgentError,
+    require_trio,
+)
 from .._groups import raise_for_boundary
 from .._journal._conversation import encode_conversation
 from .._journal._durable import DurableJournal
@@ -86,6 +93,7 @@ from .._loop._interrupts import (
 from .._loop._ports import RunEventSink, RunPorts, RunSpec, TurnRef, discard_events, no_effects
 from .._loop._rules import LoopStrategy, StopReason, check_strategy, max_iterations, strategy_answer
 from .._loop._run import run_agent_loop
+from .._middleware import CheckedLayers
 from .._models._assemble import JSONTextError, ModelReply, parse_json_value
 from .._models._history import CallIdIndex, MessageView, validate_history
 from .._models._messages import (
@@ -99,16 +107,17 @@ from .._models._messages import (
     Usage,
     UserMessage,
 )
-from .._models._service import ModelMiddleware, ModelService, Provider
+from .._models._service import ModelLayers, ModelMiddleware, ModelService, Provider
 from .._permissions._engine import PermissionEngine
 from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules, rules_from
 from .._session._endings import record_request_end
-from .._session._plugins import check_model_middleware_runs
-from .._tools._chain import ToolMiddleware
+from .._session._plugins import MiddlewareConfigError, check_model_middleware_runs
+from .._tools._chain import ToolLayers, ToolMiddleware
 from .._tools._definition import Tool, surrogate_errors
 from .._tools._journal import InMemoryToolJournal
 from .._tools._pipeline import ToolPipeline
 from .._tools._results import ToolResult
+from .._util import safe_repr
 
 __all__ = ["ChatCall", "ChatResult", "ChatRun", "StructuredOutputError", "chat"]
 
@@ -315,6 +324,24 @@ def _offered(tool: Tool[Any]) -> ToolSpec:
     return spec
 
 
+_Layers = TypeVar("_Layers", bound=CheckedLayers)
+
+
+def _layers(kind: type[_Layers], value: Any, parameter: str, what: str) -> _Layers:
+    """*value* (``chat()``'s *parameter*) checked as layers of *kind*: else `MiddlewareConfigError`
+    (a `ConfigError` and a `MiddlewareShapeError`) naming the parameter. The layers' own check
+    runs once (the service and the pipeline take the checked layers as they are)."""
+    given = type(value)
+    if (given is not list and given is not tuple and given is not kind) and (
+        isinstance(value, (str, bytes)) or not isinstance(value, Sequence)
+    ):
+        raise MiddlewareConfigError(f"chat({parameter}=...) must be a list or tuple of {what}, got {safe_repr(value)}")
+    try:
+        return kind.check(value)
+    except MiddlewareShapeError as exc:
+        raise MiddlewareConfigError(f"chat({parameter}=...): {exc}") from None
+
+
 def _provider_service(
     agent_or_model: object, model_middleware: Sequence[ModelMiddleware], *, structured: bool
 ) -> ModelService:
@@ -435,8 +462,10 @@ def chat(
     returns the `ChatResult` (no task, no event stream: the cheaper form when only the result
     is wanted).
 
-    Raises `ConfigError` (bad arguments, an invalid history, an invalid schema, an ``async``
-    strategy), `MiddlewareShapeError` (middleware that is not a list of `ChatMiddleware`)
+    Raises `ConfigError` (bad arguments, an invalid history, an invalid schema or one that is not
+    JSON, an ``async`` strategy, a `CapabilityError`), `MiddlewareShapeError` (middleware that is
+    not a list of `ChatMiddleware`), `MiddlewareConfigError` (both: ``tool_middleware`` or
+    ``model_middleware`` that is not a list of its kind, naming the parameter)
     before anything runs (when the block is entered or the call awaited); the run's own
     error from ``run.result()`` (from the ``await``), `RequestAbortedError` from
     ``run.result()`` of a run cancelled before it ended. The block raises as a Trio nursery
@@ -502,8 +531,10 @@ class _Prepared:
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         cleanup_grace = validate_cleanup_grace(options["cleanup_grace"])
+        model_layers = _layers(ModelLayers, options["model_middleware"], "model_middleware", "model middleware")
+        tool_layers = _layers(ToolLayers, options["tool_middleware"], "tool_middleware", "tool middleware")
         service = _provider_service(
-            options["agent_or_model"], options["model_middleware"], structured=options["output_schema"] is not None
+            options["agent_or_model"], model_layers, structured=options["output_schema"] is not None
         )
         resume, messages, answers = options["resume"], options["messages"], options["answers"]
         resumed: Resume | None = None
@@ -548,7 +579,7 @@ class _Prepared:
         # journal are its record; nothing reads the pipeline's own.
         pipeline = ToolPipeline(
             tools,
-            middleware=options["tool_middleware"],
+            middleware=tool_layers,
             journal=journal or InMemoryToolJournal(keep_entries=False),
             history_limit=0,
         )
