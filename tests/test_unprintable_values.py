@@ -398,3 +398,14 @@ def test_junk_configuration_raises_the_typed_error_naming_it(site: str) -> None:
     with pytest.raises(error) as caught:
         build()
     assert "<Unprintable object, unprintable" in str(caught.value)
+
+
+def test_a_junk_middleware_list_is_quoted_once() -> None:
+    # The sequence messages put {!r} around a repr already made: got "'ab'".
+    from trio_agent.models import ModelService
+    from trio_agent.testing import TestModel
+
+    for build in (lambda: ToolPipeline([], middleware="ab"), lambda: ModelService(TestModel(), "ab")):
+        with pytest.raises(MiddlewareShapeError) as caught:
+            build()
+        assert str(caught.value).endswith("got 'ab'")

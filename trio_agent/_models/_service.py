@@ -530,7 +530,7 @@ class ModelLayers(CheckedLayers):
     """
 
     __slots__ = ()
-    _sequence_error = "model middleware must be a sequence, got {!r}"
+    _sequence_error = "model middleware must be a sequence, got {}"
     _passed = PassedChecks()  # a chat() run per request must not inspect the same objects again
 
     @staticmethod

@@ -75,7 +75,7 @@ class ToolLayers(CheckedLayers):
     """
 
     __slots__ = ()
-    _sequence_error = "middleware must be a sequence of tool middleware, got {!r}"
+    _sequence_error = "middleware must be a sequence of tool middleware, got {}"
     _passed = PassedChecks()  # a chat() run per request must not inspect the same functions again
 
     @staticmethod
