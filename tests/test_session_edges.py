@@ -3,6 +3,7 @@ subagent starts between requests, and hooks around a refused reopen."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -395,6 +396,36 @@ async def test_a_request_run_by_the_block_itself_records_session_close_when_the_
     assert outer.cancelled_caught
     journal = await events_of(store, session.journal.stream_id())
     assert [e.reason for e in journal if isinstance(e, RequestInterrupted)] == [RequestInterruptReason.SESSION_CLOSE]
+    assert unsettled_requests(journal) == []
+
+
+async def test_queued_requests_record_session_close_when_the_block_is_cancelled_from_outside() -> None:
+    """The callers of queued requests (a send, a stream) are cancelled with the session block: their
+    requests were recorded ``user_abort`` although the session's end cancelled them (docs: the
+    session block cancelled from outside records ``session_close``)."""
+    slow, started, _release = gated_tool("slow")
+    store = MemoryStore()
+    model = TestModel({"go": [Reply(tool_calls=[("slow", {})]), Reply(text="never")]})
+
+    async def stream(session: Any, prompt: str) -> None:
+        async with session.stream(prompt, priority="later") as events:
+            async for _ in events:
+                pass  # pragma: no cover
+
+    with trio.CancelScope() as outer:
+        async with open_session(provider=model, tools=[slow], journal=store) as session, trio.open_nursery() as nursery:
+            nursery.start_soon(session.send, "go")
+            await started.wait()
+            for i in range(3):
+                nursery.start_soon(functools.partial(session.send, f"queued {i}", priority="later"))
+                nursery.start_soon(stream, session, f"streamed {i}")
+            await trio.testing.wait_all_tasks_blocked()
+            assert session._queue.queued == 6
+            outer.cancel()
+    assert outer.cancelled_caught
+    journal = await events_of(store, session.journal.stream_id())
+    reasons = [e.reason for e in journal if isinstance(e, RequestInterrupted)]
+    assert reasons == [RequestInterruptReason.SESSION_CLOSE] * 7
     assert unsettled_requests(journal) == []
 
 

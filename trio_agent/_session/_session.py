@@ -294,7 +294,7 @@ class Session:
             finally:
                 if not request.done.is_set():
                     with self._host.cleanup_scope():
-                        await queue.abort_request(request, AbortReason.USER_ABORT, cancelled)
+                        await queue.abort_request(request, *self._abort_for(cancelled))
         request.raise_if_failed()
         return _reply(request)
 
@@ -305,6 +305,14 @@ class Session:
         if self._host.closing or nursery is None or cancelled_around(nursery.cancel_scope):
             return RequestInterruptReason.SESSION_CLOSE
         return RequestInterruptReason.USER_ABORT
+
+    def _abort_for(self, message: str) -> tuple[AbortReason, str]:
+        """The abort of a request whose caller left before it ended (cancelled, or a stream block
+        left early): ``session_close`` when the session's end caused it, as for a request run in
+        its caller's task (`_cancelled_by`), else ``user_abort`` with *message*."""
+        if self._cancelled_by() is RequestInterruptReason.SESSION_CLOSE:
+            return AbortReason.SESSION_CLOSE, "the session closed"
+        return AbortReason.USER_ABORT, message
 
     @asynccontextmanager
     async def stream(
@@ -367,7 +375,7 @@ class Session:
                 forward_sink.closed = True
             if not request.done.is_set():
                 with self._host.cleanup_scope():
-                    await queue.abort_request(request, AbortReason.USER_ABORT, "the stream was closed early")
+                    await queue.abort_request(request, *self._abort_for("the stream was closed early"))
 
     async def abort(self, reason: AbortReason | str = AbortReason.USER_ABORT, message: str = "aborted") -> None:
         """Abort the running request; returns after ``request_interrupted`` is durable.
