@@ -369,6 +369,38 @@ async def test_abort_with_a_bad_reason_is_a_config_error_idle_or_running_and_str
                     pass
 
 
+@pytest.mark.parametrize("internal", [AbortReason.LEASE_LOST, AbortReason.TIMEOUT, "lease_lost", "timeout"])
+async def test_abort_refuses_the_sdks_own_reasons_and_leaves_the_request_running(
+    internal: AbortReason | str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """``lease_lost`` / ``timeout`` were accepted and faked those conditions: a lease said lost while
+    held left the request open and broke the next send and the close; a timeout was told to the
+    caller but journalled user_abort. Only the documented reasons are taken now."""
+    slow, started, release = gated_tool("slow")
+    store = MemoryStore()
+    model = TestModel({"go": [Reply(tool_calls=[("slow", {})]), Reply(text="done"), Reply(text="fine")]})
+    value = internal.value if isinstance(internal, AbortReason) else internal
+    async with open_session(provider=model, tools=[slow], journal=store) as session:
+        with pytest.raises(ConfigError, match=f"abort reason '{value}' is the SDK's own"):
+            await session.abort(internal)  # idle: refused all the same
+        async with session.stream("go") as events:
+            await started.wait()
+            with pytest.raises(ConfigError, match=f"abort reason '{value}'.*'user_abort', 'steering', 'session_close'"):
+                await session.abort(internal)
+            with pytest.raises(ConfigError, match=f"abort reason '{value}'"):
+                await events.abort(reason=internal)
+            current = session._queue.current
+            assert current is not None and not current.abort.aborted
+            release.set()
+            async for _ in events:
+                pass
+        assert events.text == "done"
+        assert await session.send("next") == "fine"
+    journal = await events_of(store, session.journal.stream_id())
+    assert of_type(journal, RequestInterrupted) == [] and unsettled_requests(journal) == []
+    assert isinstance(journal[-1], SessionClosed)
+
+
 async def test_abort_during_the_model_call_records_the_aborted_attempt() -> None:
     store = MemoryStore()
     script = {"think": [Reply(text="slow answer", latency=1000.0)]}

@@ -17,7 +17,7 @@ import attrs
 
 from ._errors import ConfigError
 
-__all__ = ["Abort", "AbortHandle", "AbortReason", "abort_reason"]
+__all__ = ["USER_ABORT_REASONS", "Abort", "AbortHandle", "AbortReason", "abort_reason"]
 
 
 class AbortReason(enum.Enum):
@@ -38,20 +38,39 @@ class Abort:
     message: str
 
 
+USER_ABORT_REASONS = (AbortReason.USER_ABORT, AbortReason.STEERING, AbortReason.SESSION_CLOSE)
+"""The reasons a public ``abort()`` takes. ``timeout`` and ``lease_lost`` are the SDK's own
+conditions: given by a caller they would fake them (a lease said lost while it is held leaves the
+request open and the session unusable; a timeout the journal cannot record as one)."""
+
+
 def abort_reason(reason: object, message: object) -> AbortReason:
     """A public ``abort(reason, message)``'s reason as an `AbortReason` (its value, a ``str``, is
-    accepted too); a bad reason or message is a `ConfigError` naming it, whether or not anything runs."""
+    accepted too); a bad reason or message is a `ConfigError` naming it, whether or not anything runs.
+    Only `USER_ABORT_REASONS` are accepted."""
     if not isinstance(message, str):
         raise ConfigError(f"abort message must be a str, got {message!r}")
+    checked = _as_reason(reason)
+    choices = ", ".join(repr(member.value) for member in USER_ABORT_REASONS)
+    if checked is None:
+        raise ConfigError(f"abort reason must be an AbortReason or one of {choices}, got {reason!r}")
+    if checked not in USER_ABORT_REASONS:
+        raise ConfigError(
+            f"abort reason {checked.value!r} is the SDK's own (it reports that condition, it cannot be "
+            f"asked for); abort() takes one of {choices}"
+        )
+    return checked
+
+
+def _as_reason(reason: object) -> AbortReason | None:
     if isinstance(reason, AbortReason):
         return reason
     if isinstance(reason, str):
         try:
             return AbortReason(reason)
         except ValueError:
-            pass
-    choices = ", ".join(repr(member.value) for member in AbortReason)
-    raise ConfigError(f"abort reason must be an AbortReason or one of {choices}, got {reason!r}")
+            return None
+    return None
 
 
 _DEFAULT_MESSAGES = {

@@ -379,7 +379,8 @@ class Session:
 
     async def abort(self, reason: AbortReason | str = AbortReason.USER_ABORT, message: str = "aborted") -> None:
         """Abort the running request; returns after ``request_interrupted`` is durable.
-        A bad *reason* (not an `AbortReason` or its value) raises `ConfigError`, also when idle."""
+        *reason* is ``user_abort``, ``steering`` or ``session_close`` (an `AbortReason` or its value);
+        any other (``timeout`` and ``lease_lost`` are the SDK's own) raises `ConfigError`, also when idle."""
         reason = abort_reason(reason, message)
         current = self._queue.current
         if current is None or current.done.is_set():

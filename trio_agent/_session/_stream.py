@@ -134,7 +134,8 @@ class SessionEventStream:
     async def abort(self, message: str = "aborted", reason: AbortReason | str = AbortReason.USER_ABORT) -> None:
         """Abort this stream's request (queued or running; returns once its end is durable). A stream
         that joined another request's turn aborts nothing: that request is not its own. *reason*
-        is an `AbortReason` or its value, as for ``session.abort``; a bad one raises `ConfigError`."""
+        is an `AbortReason` or its value, as for ``session.abort`` (``timeout`` and ``lease_lost`` are
+        the SDK's own); a bad one raises `ConfigError`."""
         checked = abort_reason(reason, message)
         if self._aborter is None or self.request.done.is_set():
             await trio.lowlevel.checkpoint()
