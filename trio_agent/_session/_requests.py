@@ -17,6 +17,7 @@ Rules
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
 import math
 import os
@@ -260,6 +261,21 @@ class _Request:
             if isinstance(error, TrioAgentError):
                 raise error
             raise RequestAbortedError(f"the request failed: {type(error).__name__}: {error}", reason="error") from error
+
+
+# The root request the current task works for: set by its runner, inherited by every task started
+# under it (tools, hooks, foreground subagents). What runs there must not wait for that request's
+# end (`Session.close` from a tool would wait for itself).
+_WORKING_FOR: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("trio_agent_working_for", default=None)
+
+
+async def _run_as(request: _Request, run: Callable[[_Request], Awaitable[None]]) -> None:
+    """``run(request)``, with the tasks under it knowing they work for *request*."""
+    token = _WORKING_FOR.set(request)
+    try:
+        await run(request)
+    finally:
+        _WORKING_FOR.reset(token)
 
 
 _INTERRUPT_REASONS = {
@@ -619,7 +635,7 @@ class RequestQueue:
                     await self._record_unstarted(request)
                     return
                 request.cancel_reason = cancel_reason
-                await run(request)
+                await _run_as(request, run)
             finally:
                 self.current = None
         finally:
@@ -766,7 +782,7 @@ class RequestQueue:
         self._leave_line(request)
         self.current = request
         try:
-            await run(request)
+            await _run_as(request, run)
         finally:
             self.current = None
 
@@ -788,6 +804,13 @@ class RequestQueue:
             queued.finish()
 
     # -- closing
+
+    def running_here(self) -> _Request | None:
+        """The running request if the calling task works for it (its runner, a tool or hook of it)."""
+        current = self.current
+        if current is not None and not current.done.is_set() and _WORKING_FOR.get() is current:
+            return current
+        return None
 
     def close(self) -> None:
         """Accept nothing more; the worker rejects what is queued and ends."""

@@ -73,6 +73,7 @@ class Session:
 
     # Slotted: thousands of idle sessions may be alive, and a dict each is bytes and a GC object.
     __slots__ = (
+        "_close_after",
         "_close_done",
         "_closed",
         "_closing",
@@ -118,6 +119,7 @@ class Session:
         self._closed = False
         self._closing = False  # a close runs (in some task)
         self._close_done: trio.Event | None = None  # made by a second close that waits for the first
+        self._close_after = False  # a close asked for from inside the running request, run after it
         # Subagent starts between requests whose holder request is (being) written: the close
         # waits for them, or it would find that request open and leave the stream to recovery.
         self._starting = 0
@@ -162,7 +164,8 @@ class Session:
     # -- requests
 
     def _check_open(self) -> None:
-        if self._host.closing or self._nursery is None:
+        # The queue closes first when the close waits for the running request (`close` from a tool).
+        if self._host.closing or self._nursery is None or self._queue.closed:
             raise SessionClosedError("the session is closed")
 
     def _check_not_paused(self) -> None:
@@ -545,7 +548,11 @@ class Session:
         ``open_session(session_id=...)`` continues the conversation in a new life.
 
         ``final=True`` (``end()``) after a close that was not final raises `SessionClosedError`:
-        that close's ``session_closed`` is written, and a closed life takes no second one."""
+        that close's ``session_closed`` is written, and a closed life takes no second one.
+
+        Called from inside the running request (a tool, a hook), it returns at once: the close
+        waits for that request's end, which waits for the caller. New messages are refused from
+        then on, the request runs to its end, then the session closes in a task of its own."""
         if final and self._closed and not self._closing and not self._final:
             raise SessionClosedError(
                 f"session {self.session_id!r} was already closed (not for good), so end() cannot end it "
@@ -553,7 +560,31 @@ class Session:
                 "open_session(session_id=...) and end() it there"
             )
         self._final = self._final or final
+        running = self._queue.running_here()
+        if running is not None:
+            self._close_after_request(running)
+            await trio.lowlevel.checkpoint()
+            return
         await self._close(SessionCloseReason.COMPLETED)
+
+    def _close_after_request(self, request: _Request) -> None:
+        """Close once *request* (running, and the caller works for it) ended; refuse new messages now,
+        and reject what is queued (as the close would) rather than start it."""
+        if self._close_after or self._closed:
+            return  # asked already, or a close runs: it waits for the request itself
+        self._close_after = True
+        self._queue.close()
+        nursery = self._nursery
+        assert nursery is not None  # a request runs: the session is open
+        nursery.start_soon(self._close_when_done, request, name="trio_agent.session.close_after_request")
+
+    async def _close_when_done(self, request: _Request) -> None:
+        await request.done.wait()
+        try:
+            await self._close(SessionCloseReason.COMPLETED)
+        except InvalidTransitionError as exc:
+            # Nobody awaits this close to raise it to: the refused session_closed is left to recovery.
+            _log.warning("the close asked for from inside a request could not record its end: %s", exc)
 
     async def end(self) -> None:
         """End the session for good now: ``close(final=True)`` (`SessionClosedError` after a plain close)."""

@@ -1,0 +1,114 @@
+"""``session.end()`` / ``close()`` called from inside the session's own running request (a tool):
+the close waited for that request, which waited for the close, until ``close_timeout``, and the
+abandoned close wrote no ``session_closed`` (an end() was not final). Now the close is taken at
+once, runs when the request ended, and new messages are refused meanwhile."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from tests.test_session import events_of, gated_tool, of_type, unsettled_requests
+from trio_agent import SessionClosedError, ToolResult, define_tool, open_session
+from trio_agent.journal import (
+    MemoryStore,
+    RequestCompleted,
+    RequestInterrupted,
+    RequestInterruptReason,
+    SessionClosed,
+)
+from trio_agent.testing import Reply, TestModel
+
+CLOSE_TIMEOUT = 30.0
+
+
+def closing_tool(holder: dict[str, Any], *, final: bool, log: list[str]) -> Any:
+    @define_tool(name="hang_up", side_effect="pure", kind="readonly", input_schema={"type": "object"})
+    async def hang_up(input: dict[str, Any], ctx: Any) -> ToolResult:
+        """End the conversation."""
+        session = holder["session"]
+        await session.close(final=final)
+        log.append("close returned")
+        # Refused from now on, while this request still runs.
+        with pytest.raises(SessionClosedError):
+            await session.send("more", priority="later")
+        return ToolResult.success("bye")
+
+    return hang_up
+
+
+async def test_end_from_a_tool_ends_the_session_for_good_after_its_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = MemoryStore()
+    holder: dict[str, Any] = {}
+    log: list[str] = []
+    model = TestModel({"go": [Reply(tool_calls=[("hang_up", {})]), Reply(text="goodbye")]})
+    tool = closing_tool(holder, final=True, log=log)
+    # Under the close's bound: the self-deadlock stalled close_timeout (virtual time here).
+    with trio.fail_after(CLOSE_TIMEOUT / 2):
+        async with open_session(
+            provider=model, tools=[tool], journal=store, session_id="s1", close_timeout=CLOSE_TIMEOUT
+        ) as session:
+            holder["session"] = session
+            assert await session.send("go") == "goodbye"
+            with pytest.raises(SessionClosedError):
+                await session.send("again")
+    assert log == ["close returned"]
+    journal = await events_of(store, session.journal.stream_id())
+    assert [type(e).__name__ for e in journal[-3:]] == ["TurnCompleted", "RequestCompleted", "SessionClosed"]
+    assert journal[-1].final
+    with pytest.raises(SessionClosedError, match="ended for good"):
+        async with open_session(provider=model, tools=[tool], journal=store, session_id="s1"):
+            pass  # pragma: no cover
+
+
+async def test_close_from_a_tool_of_a_worker_run_request_rejects_the_queued_and_closes_after_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    slow, started, release = gated_tool("slow")
+    store = MemoryStore()
+    holder: dict[str, Any] = {}
+    log: list[str] = []
+    # One conversation: the second request's model calls follow the first one's.
+    script = [Reply(tool_calls=[("slow", {})]), Reply(text="first done")]
+    model = TestModel({"first": [*script, Reply(tool_calls=[("hang_up", {})]), Reply(text="closing")]})
+    outcomes: dict[str, Any] = {}
+
+    async def send(session: Any, prompt: str, priority: str | None) -> None:
+        try:
+            outcomes[prompt] = await session.send(prompt, priority=priority)
+        except SessionClosedError as exc:
+            outcomes[prompt] = exc
+
+    with trio.fail_after(CLOSE_TIMEOUT / 2):
+        async with (
+            open_session(
+                provider=model,
+                tools=[slow, closing_tool(holder, final=False, log=log)],
+                journal=store,
+                close_timeout=CLOSE_TIMEOUT,
+            ) as session,
+            trio.open_nursery() as nursery,
+        ):
+            holder["session"] = session
+            nursery.start_soon(send, session, "first", None)
+            await started.wait()
+            # Both wait for the worker; the second one's tool closes the session.
+            nursery.start_soon(send, session, "second", "later")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(send, session, "third", "later")
+            await trio.testing.wait_all_tasks_blocked()
+            assert session._queue.queued == 2
+            release.set()
+    assert outcomes["first"] == "first done" and outcomes["second"] == "closing"
+    assert isinstance(outcomes["third"], SessionClosedError)
+    assert log == ["close returned"]
+    journal = await events_of(store, session.journal.stream_id())
+    assert len(of_type(journal, RequestCompleted)) == 2
+    assert [e.reason for e in of_type(journal, RequestInterrupted)] == [RequestInterruptReason.SESSION_CLOSE]
+    assert unsettled_requests(journal) == []
+    assert isinstance(journal[-1], SessionClosed) and not journal[-1].final
