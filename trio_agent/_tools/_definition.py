@@ -6,11 +6,12 @@ import copy
 import enum
 import functools
 import inspect
+import os
 import posixpath
 import re
 import types
 import typing
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import attrs
@@ -482,13 +483,36 @@ class Tool(Generic[In]):
         return await reconcile(value, idempotency_key)
 
     def paths_for(self, value: JsonObject) -> tuple[str, ...]:
-        """The paths this call touches (for file locks and the path policy)."""
+        """The paths this call touches (for file locks and the path policy).
+
+        Each item must be a `str` or an `os.PathLike` of one; anything else raises `TypeError`
+        naming it (``str()`` of a list or an object would lock and check a path no one uses).
+        """
         if self.affected_paths is None:
             return ()
         paths = self.affected_paths(json_copy(value))  # a copy: the callable cannot change the call's input
         if isinstance(paths, str):
             return (paths,)
-        return tuple(str(path) for path in paths)
+        items: Iterable[object] = (paths,) if isinstance(paths, os.PathLike) else paths
+        found: list[str] = []
+        for path in items:
+            if type(path) is not str:
+                path = _path_item(self.name, path)
+            found.append(path)
+        return tuple(found)
+
+
+def _path_item(tool: str, item: object) -> str:
+    """*item* of tool *tool*'s affected paths as a `str`, or `TypeError` naming it."""
+    if isinstance(item, str):
+        return str.__str__(item)  # a subclass's own formatting is the tool's code
+    if isinstance(item, os.PathLike):
+        path = os.fspath(item)
+        if isinstance(path, str):
+            return path
+    raise TypeError(
+        f"affected_paths of tool {tool!r} gave {safe_repr(item)}; each path must be a str or an os.PathLike of one"
+    )
 
 
 class _Missing(enum.Enum):

@@ -876,7 +876,7 @@ class ToolPipeline:
         if paths:
             exclusive = not (behavior.kind is ToolKind.READONLY and behavior.concurrency_safe)
             file_locks = self.file_locks
-            locked = file_locks.normalise(paths, self.workspace)
+            locked = paths  # normalised by `_paths`
             ctx = state.ctx
             owner = ctx.call_key
             taken = file_locks.try_acquire_all(locked, exclusive, owner=owner, lineage=ctx.lineage)
@@ -967,11 +967,13 @@ class ToolPipeline:
             return ToolResult.failure(ToolErrorType.VALIDATION, message, code="invalid_input")
         return current, value, behavior
 
-    @staticmethod
-    def _paths(tool: Tool[Any], final_input: JsonObject) -> tuple[str, ...] | ToolResult:
-        """The paths the call touches, or the failure of the tool's ``affected_paths`` (this call's alone)."""
+    def _paths(self, tool: Tool[Any], final_input: JsonObject) -> tuple[str, ...] | ToolResult:
+        """The paths the call locks (resolved, sorted: `FileLockManager.normalise`), or the failure of
+        the tool's ``affected_paths`` (this call's alone)."""
         try:
-            return tool.paths_for(final_input)
+            paths = tool.paths_for(final_input)
+            # Resolved (file system calls) only for a call that names paths.
+            return self.file_locks.normalise(paths, self.workspace) if paths else paths
         except Exception as exc:
             message = f"affected paths of tool {tool.name!r} failed: {describe(exc, 'repr')}"
             return ToolResult.failure(ToolErrorType.EXECUTION, message, code="tool_error")

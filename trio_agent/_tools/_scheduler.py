@@ -11,6 +11,7 @@ import trio
 
 from .._config import validate_limit
 from .._errors import FileLockTimeoutError
+from .._util import safe_repr
 from ._definition import ToolKind
 
 __all__ = ["FileLockManager", "SchedulerLimits", "ToolScheduler"]
@@ -253,8 +254,21 @@ class FileLockManager:
 
     @staticmethod
     def normalise(paths: Iterable[str], root: str | None = None) -> tuple[str, ...]:
+        """*paths* joined to *root* (default the working directory) and resolved with
+        `os.path.realpath`, as the permission path policy resolves them: two names of one file (a
+        symlink, ``..``) are one lock. De-duplicated and sorted. Raises `ValueError` for a path
+        with a NUL byte (no file has that name) and `TypeError` for one that is not a `str`."""
+        if isinstance(paths, str):
+            raise TypeError(f"normalise takes a collection of paths, not the one str {safe_repr(paths)}")
         base = root or os.getcwd()
-        return tuple(sorted({os.path.normpath(os.path.join(base, path)) for path in paths}))
+        resolved: set[str] = set()
+        for path in paths:
+            if not isinstance(path, str):
+                raise TypeError(f"a path to lock must be a str, not {safe_repr(path)}")
+            if "\x00" in path:
+                raise ValueError(f"path {safe_repr(path)} contains a NUL byte")
+            resolved.add(os.path.realpath(os.path.join(base, path)))
+        return tuple(sorted(resolved))
 
     def try_acquire_all(
         self,
