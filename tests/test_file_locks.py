@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-from collections import defaultdict
+import random
+from collections import Counter, defaultdict
 from typing import Any
 
 import pytest
@@ -13,10 +14,20 @@ import trio
 import trio.testing
 from trio.testing import wait_all_tasks_blocked
 
-from trio_agent import define_tool
+from trio_agent import AbortReason, define_tool
+from trio_agent._errors import FileLockTimeoutError
 from trio_agent._util import safe_repr
 from trio_agent.testing import call_tool
-from trio_agent.tools import FileLockManager, SettlementStatus, ToolPipeline
+from trio_agent.tools import (
+    AbortHandle,
+    CallOrigin,
+    FileLockManager,
+    SchedulerLimits,
+    SettlementStatus,
+    ToolCall,
+    ToolPipeline,
+    ToolScheduler,
+)
 
 # -- one file, one lock ---------------------------------------------------------------
 
@@ -167,3 +178,272 @@ def test_paths_for_refuses_an_item_that_is_not_a_path() -> None:
     )  # fmt: skip
     with pytest.raises(TypeError, match=r"\['b'\]"):
         tool.paths_for({})
+
+
+# -- a waiter holds none of its paths -----------------------------------------------------
+
+
+async def test_an_unrelated_call_waiting_for_a_parent_s_path_does_not_block_its_child(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Parent P holds {a, c} and runs a child under it that needs {b}; Z, unrelated, wants {b, c}.
+    # Holding b while it waited for c, Z kept the child (and so P, and so itself) waiting until
+    # Z's lock_timeout failed it.
+    events: defaultdict[str, trio.Event] = defaultdict(trio.Event)
+    holder: list[ToolPipeline] = []
+    child: list[Any] = []
+
+    async def parent(inp: dict[str, Any], ctx: Any) -> str:
+        await events["parent"].wait()
+        async with ctx.slot_released():
+            origin = CallOrigin(lineage=(ctx.execution.call_key,))
+            child.append(await holder[0].execute(ToolCall("child", "leaf", {"paths": ["b"]}), origin))
+        return "parent"
+
+    async def leaf(inp: dict[str, Any], ctx: Any) -> str:
+        return "leaf"
+
+    tools = [
+        define_tool(
+            run, name=run.__name__, description="x", side_effect="pure", kind="write",
+            input_schema={"type": "object"}, affected_paths=lambda inp: inp["paths"],
+        )
+        for run in (parent, leaf)
+    ]  # fmt: skip
+    pipeline = ToolPipeline(tools, workspace="/ws", lock_timeout=30.0)
+    holder.append(pipeline)
+    records: dict[str, Any] = {}
+
+    async def call(call_id: str, name: str, paths: list[str]) -> None:
+        records[call_id] = await call_tool(pipeline, name, {"paths": paths}, call_id=call_id)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, "P", "parent", ["a", "c"])
+        await wait_all_tasks_blocked()
+        nursery.start_soon(call, "Z", "leaf", ["b", "c"])
+        await wait_all_tasks_blocked()
+        # Z waits for c and holds nothing meanwhile (b is only queued for).
+        assert pipeline.file_locks.held() == {"/ws/a": (0, True, 0), "/ws/b": (0, False, 1), "/ws/c": (0, True, 1)}
+        events["parent"].set()
+    assert trio.current_time() == 0  # no one waited out a lock_timeout
+    assert child[0].result.ok
+    assert records["P"].result.ok
+    assert records["Z"].result.ok
+    assert pipeline.file_locks.held() == {}
+
+
+async def test_a_waiter_keeps_its_place_on_its_free_paths(autojump_clock: trio.testing.MockClock) -> None:
+    # W wants {a, b, c}; b and c are held. Calls for a alone that come later queue behind W on a (W
+    # holds nothing, but it is not overtaken there), so a stream of them cannot starve it.
+    locks = FileLockManager()
+    held_b = await locks.acquire_all(("/w/b",), True, 1.0, owner="hb")
+    held_c = await locks.acquire_all(("/w/c",), True, 1.0, owner="hc")
+    order: list[str] = []
+
+    async def take(owner: str, paths: tuple[str, ...]) -> None:
+        taken = await locks.acquire_all(paths, True, 100.0, owner=owner)
+        order.append(owner)
+        await trio.sleep(1)  # holds it a while (virtual time)
+        locks.release_all(taken, exclusive=True, owner=owner)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(take, "W", ("/w/a", "/w/b", "/w/c"))
+        await wait_all_tasks_blocked()
+        assert locks.held()["/w/a"] == (0, False, 1)  # queued for, not held
+        nursery.start_soon(take, "A1", ("/w/a",))
+        await wait_all_tasks_blocked()
+        assert order == []  # behind W on a
+        locks.release_all(held_b, exclusive=True, owner="hb")
+        await wait_all_tasks_blocked()
+        assert order == []  # c is still held: W waits, holding none
+        assert locks.held()["/w/b"] == (0, False, 1)
+        locks.release_all(held_c, exclusive=True, owner="hc")
+    assert order == ["W", "A1"]
+    assert locks.held() == {}
+
+
+async def test_a_cancelled_waiter_lets_the_calls_queued_behind_it_go() -> None:
+    locks = FileLockManager()
+    held_b = await locks.acquire_all(("/w/b",), True, 1.0, owner="hb")
+    order: list[str] = []
+
+    async def take(owner: str, paths: tuple[str, ...]) -> None:
+        taken = await locks.acquire_all(paths, True, 100.0, owner=owner)
+        order.append(owner)
+        locks.release_all(taken, exclusive=True, owner=owner)
+
+    scope = trio.CancelScope()
+
+    async def cancellable() -> None:
+        with scope:
+            await take("W", ("/w/a", "/w/b"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cancellable)
+        await wait_all_tasks_blocked()
+        nursery.start_soon(take, "A", ("/w/a",))
+        await wait_all_tasks_blocked()
+        assert order == []  # behind W on a
+        scope.cancel()
+        await wait_all_tasks_blocked()
+        assert order == ["A"]
+        assert locks.held() == {"/w/b": (0, True, 0)}
+        locks.release_all(held_b, exclusive=True, owner="hb")
+    assert locks.held() == {}
+
+
+# -- many calls: exclusive stays exclusive, nothing deadlocks ------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_many_calls_and_call_trees_never_overlap_and_never_wait_out_the_bound(
+    autojump_clock: trio.testing.MockClock, seed: int
+) -> None:
+    """Flat calls on any paths, and parents holding "parent paths" while children under them take
+    "child paths" or one of their parent's. The only waits no lock manager can end are between two
+    trees that each hold what the other's descendants need (nested holds), which this load never
+    makes; any other stall shows as a lock timeout."""
+    rnd = random.Random(seed)
+    locks = FileLockManager()
+    parent_paths = ["/w/p0", "/w/p1", "/w/p2"]
+    child_paths = ["/w/c0", "/w/c1", "/w/c2", "/w/c3"]
+    holders: defaultdict[str, list[tuple[str, bool, tuple[str, ...]]]] = defaultdict(list)
+    overlaps: list[tuple[str, str, str]] = []
+    timeouts: list[str] = []
+    finished: list[str] = []
+
+    def related(a: tuple[str, tuple[str, ...]], b: tuple[str, tuple[str, ...]]) -> bool:
+        return a[0] in b[1] or b[0] in a[1]
+
+    async def hold(owner: str, paths: tuple[str, ...], exclusive: bool, lineage: tuple[str, ...]) -> bool:
+        try:
+            await locks.acquire_all(paths, exclusive, 1000.0, owner=owner, lineage=lineage)
+        except FileLockTimeoutError:
+            timeouts.append(owner)
+            return False
+        for path in paths:
+            for other, other_exclusive, other_lineage in holders[path]:
+                if (exclusive or other_exclusive) and not related((owner, lineage), (other, other_lineage)):
+                    overlaps.append((path, owner, other))
+            holders[path].append((owner, exclusive, lineage))
+        return True
+
+    def let_go(owner: str, paths: tuple[str, ...], exclusive: bool, lineage: tuple[str, ...]) -> None:
+        for path in paths:
+            holders[path].remove((owner, exclusive, lineage))
+        locks.release_all(paths, exclusive=exclusive, owner=owner)
+        finished.append(owner)
+
+    def some(universe: list[str], most: int) -> tuple[str, ...]:
+        return tuple(sorted(rnd.sample(universe, rnd.randint(1, most))))
+
+    async def flat(owner: str, delay: float) -> None:
+        await trio.sleep(delay)
+        paths, exclusive = some(parent_paths + child_paths, 4), rnd.random() < 0.7
+        if await hold(owner, paths, exclusive, ()):
+            await trio.sleep(rnd.choice([0, 0.5, 2]))
+            let_go(owner, paths, exclusive, ())
+
+    async def parent(owner: str, delay: float) -> None:
+        await trio.sleep(delay)
+        paths, exclusive = some(parent_paths, 2), rnd.random() < 0.8
+        if not await hold(owner, paths, exclusive, ()):
+            return
+        async with trio.open_nursery() as nursery:
+            for index in range(rnd.randint(1, 3)):
+                # One of its parent's paths only under an exclusive hold: two parents reading a path
+                # whose children each write it wait for each other (nested holds, for ever).
+                mine = exclusive and rnd.random() < 0.3
+                child_set = tuple(sorted(rnd.sample(paths, 1))) if mine else some(child_paths, 2)
+                nursery.start_soon(child, f"{owner}.{index}", child_set, (owner,), rnd.random() * 2)
+        let_go(owner, paths, exclusive, ())
+
+    async def child(owner: str, paths: tuple[str, ...], lineage: tuple[str, ...], delay: float) -> None:
+        await trio.sleep(delay)
+        exclusive = rnd.random() < 0.6
+        if await hold(owner, paths, exclusive, lineage):
+            await trio.sleep(rnd.choice([0, 0.5, 1]))
+            let_go(owner, paths, exclusive, lineage)
+
+    with trio.fail_after(10_000):
+        async with trio.open_nursery() as nursery:
+            for index in range(60):
+                runner = parent if rnd.random() < 0.3 else flat
+                nursery.start_soon(runner, f"call{index}", rnd.random() * 10)
+    assert overlaps == []
+    assert timeouts == []
+    assert trio.current_time() < 1000  # no one waited out the bound
+    assert locks.held() == {}
+    assert len(finished) >= 60
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_many_pipeline_calls_keep_slots_and_locks_exclusive(
+    autojump_clock: trio.testing.MockClock, seed: int
+) -> None:
+    """Calls of every kind on overlapping path sets in any order, some aborted, some timing out:
+    no bucket runs more calls than its slots, no exclusive hold overlaps another, all settle."""
+    rnd = random.Random(seed)
+    limits = SchedulerLimits(readonly=2, write=2, execute=1)
+    running: Counter[str] = Counter()
+    holders: defaultdict[str, list[bool]] = defaultdict(list)  # path -> exclusive of each hold
+    violations: list[object] = []
+
+    def make(kind: str, safe: bool) -> Any:
+        exclusive = not (kind == "readonly" and safe)
+
+        async def run(inp: dict[str, Any], ctx: Any) -> str:
+            running[kind] += 1
+            if running[kind] > getattr(limits, kind):
+                violations.append(("slots", kind, running[kind]))
+            for path in inp["paths"]:
+                if holders[path] and (exclusive or any(holders[path])):
+                    violations.append(("lock", path, list(holders[path])))
+                holders[path].append(exclusive)
+            try:
+                await trio.sleep(inp["t"])
+            finally:
+                for path in inp["paths"]:
+                    holders[path].remove(exclusive)
+                running[kind] -= 1
+            return "ok"
+
+        return define_tool(
+            run, name=f"{kind}_{safe}", description="x", side_effect="pure", kind=kind, concurrency_safe=safe,
+            input_schema={"type": "object"}, affected_paths=lambda inp: inp["paths"],
+        )  # fmt: skip
+
+    tools = [make(kind, safe) for kind in ("readonly", "write", "execute") for safe in (True, False)]
+    pipeline = ToolPipeline(tools, scheduler=ToolScheduler(limits), workspace="/ws", lock_timeout=500.0, timeout=30.0)
+    statuses: Counter[str] = Counter()
+
+    async def one() -> None:
+        await trio.sleep(rnd.random() * 20)
+        tool = rnd.choice(tools)
+        paths = rnd.sample(["a", "b", "c", "d"], rnd.randint(0, 3))
+        abort = AbortHandle()
+        async with trio.open_nursery() as nursery:
+            if rnd.random() < 0.2:
+
+                async def aborter(delay: float = rnd.random() * 5) -> None:
+                    await trio.sleep(delay)
+                    abort.abort(AbortReason.USER_ABORT, "stop")
+
+                nursery.start_soon(aborter)
+            inp = {"paths": paths, "t": rnd.choice([0, 0.5, 1, 3, 40])}
+            record = await call_tool(pipeline, tool.name, inp, abort=abort)
+            nursery.cancel_scope.cancel()
+        statuses[record.result.error.code if record.result.error else "ok"] += 1
+
+    with trio.fail_after(100_000):
+        async with trio.open_nursery() as nursery:
+            for _ in range(120):
+                nursery.start_soon(one)
+    assert violations == []
+    assert sum(statuses.values()) == 120
+    assert "lock_timeout" not in statuses
+    assert statuses["ok"] > 0
+    assert pipeline.file_locks.held() == {}
+    assert all(
+        borrowed == 0 and waiting == 0 for borrowed, waiting, _ in pipeline.scheduler.statistics().buckets.values()
+    )

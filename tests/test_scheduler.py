@@ -814,7 +814,7 @@ async def test_lock_timeout_gives_back_the_paths_already_taken(autojump_clock: A
         record = await call_tool(pipeline, "write", {"id": "ab", "paths": ["b", "a"]}, call_id="ab")
         assert record.result.error is not None and record.result.error.code == "lock_timeout"
         assert f"{WORKSPACE}/b" in record.result.error.message
-        # "a" (sorted first) was taken while waiting for "b" and is free again
+        # "a" was only queued for (a waiter holds none of its paths), and nothing is left of it
         assert pipeline.file_locks.held() == {f"{WORKSPACE}/b": (0, True, 0)}
         await calls.submit(pipeline, "write", "a_only", paths=["a"])
         assert gate.inside == {"hold_b", "a_only"}

@@ -46,10 +46,8 @@ class SchedulerStatistics:
 @attrs.define(eq=False)
 class _Waiter:
     exclusive: bool
-    owner: str | None = None
     event: trio.Event = attrs.field(factory=trio.Event)
     granted: bool = False
-    lineage: tuple[str, ...] = ()  # the calls it runs under (file locks only)
 
 
 class _Bucket:
@@ -152,28 +150,35 @@ class ToolScheduler:
         return SchedulerStatistics(buckets)
 
 
+class _LockWaiter:
+    """A call waiting for its paths: queued on each of them, and granted all of them at once."""
+
+    __slots__ = ("event", "exclusive", "granted", "lineage", "owner", "paths")
+
+    def __init__(self, paths: tuple[str, ...], exclusive: bool, owner: str | None, lineage: tuple[str, ...]) -> None:
+        self.paths = paths
+        self.exclusive = exclusive
+        self.owner = owner
+        self.lineage = lineage  # the calls it runs under
+        self.event = trio.Event()
+        self.granted = False
+
+
 @attrs.define(eq=False)
 class _PathLock:
-    """A fair reader/writer lock: grants strictly in arrival order, so readers never starve a writer.
+    """One path's reader/writer holds and its queue (`FileLockManager` grants).
 
-    Holds belong to the call tree (`FileLockManager`): a call's ancestors wait for it, so an
-    ancestor's hold never stands in its way (and a call whose ancestor holds the lock goes ahead of
-    the queue, which waits for that ancestor). Every other hold does, a sibling's included: two
-    calls under one ancestor exclude each other as any two calls do.
+    Holds belong to the call tree: a call's ancestors wait for it, so an ancestor's hold never
+    stands in its way. Every other hold does, a sibling's included: two calls under one ancestor
+    exclude each other as any two calls do.
     """
 
     readers: int = 0
     writers: int = 0  # more than one only where a descendant writes under its ancestor's exclusive hold
-    waiters: deque[_Waiter] = attrs.field(factory=deque)
+    waiters: deque[_LockWaiter] = attrs.field(factory=deque)
     holds: list[tuple[str, bool]] = attrs.field(factory=list)  # (owner, exclusive) of holds that said who
 
-    def idle(self) -> bool:
-        return self.readers == 0 and self.writers == 0 and not self.waiters
-
-    def _ancestor_holds(self, lineage: tuple[str, ...]) -> bool:
-        return any(owner in lineage for owner, _ in self.holds)
-
-    def _blocked(self, exclusive: bool, lineage: tuple[str, ...]) -> bool:
+    def blocked(self, exclusive: bool, lineage: tuple[str, ...]) -> bool:
         """Whether a hold other than an ancestor's (in *lineage*) excludes the request: any hold a
         write, a write a read."""
         if exclusive:
@@ -186,17 +191,7 @@ class _PathLock:
             writers -= sum(1 for owner, held_exclusive in self.holds if held_exclusive and owner in lineage)
         return writers > 0
 
-    def try_grant(self, exclusive: bool, owner: str | None = None, lineage: tuple[str, ...] = ()) -> bool:
-        # Behind the queue unless an ancestor holds the lock: what is queued waits for that ancestor,
-        # which waits for this call.
-        if self.waiters and not (lineage and self._ancestor_holds(lineage)):
-            return False
-        if self._blocked(exclusive, lineage):
-            return False
-        self._grant(exclusive, owner)
-        return True
-
-    def _grant(self, exclusive: bool, owner: str | None) -> None:
+    def grant(self, exclusive: bool, owner: str | None) -> None:
         if exclusive:
             self.writers += 1
         else:
@@ -204,53 +199,37 @@ class _PathLock:
         if owner is not None:
             self.holds.append((owner, exclusive))
 
-    def release(self, exclusive: bool, owner: str | None = None) -> None:
+    def release(self, exclusive: bool, owner: str | None) -> None:
         if exclusive:
             self.writers -= 1
         else:
             self.readers -= 1
         if owner is not None:
             self.holds.remove((owner, exclusive))
-        self.wake()
-
-    def wake(self) -> None:
-        waiters = self.waiters
-        while waiters:
-            head = waiters[0]
-            if self._blocked(head.exclusive, head.lineage):
-                break
-            waiters.popleft()
-            self._hand_over(head)
-        if waiters and self.holds:
-            # A waiter whose ancestor holds the lock goes ahead of the head (which waits for that
-            # ancestor, and the ancestor for it) once no other hold is in its way.
-            for waiter in [waiter for waiter in waiters if waiter.lineage]:
-                if self._ancestor_holds(waiter.lineage) and not self._blocked(waiter.exclusive, waiter.lineage):
-                    waiters.remove(waiter)
-                    self._hand_over(waiter)
-
-    def _hand_over(self, waiter: _Waiter) -> None:
-        self._grant(waiter.exclusive, waiter.owner)
-        waiter.granted = True
-        waiter.event.set()
 
 
 class FileLockManager:
     """Per-path locks: shared for read-only, concurrency-safe calls, exclusive otherwise.
 
-    Paths are normalised and locked in sorted order, so two calls that need
-    overlapping sets cannot deadlock. Waiting is fair (FIFO) and bounded.
+    A call takes all its paths at once or waits holding none of them, so no waiter sits on part
+    of its set while it waits for the rest: overlapping sets cannot deadlock, whatever their
+    order. Waiting is fair and bounded: a waiter is queued on each of its paths in arrival order
+    and keeps its place on the free ones too, so later calls do not overtake it there (readers
+    cannot starve a writer, nor small sets a call with many paths).
 
-    Locks belong to the call tree: a call that names its ``owner`` and its
-    ``lineage`` (the calls it runs under, e.g. ``task`` -> subagent -> tool) never
-    waits for its ancestors' holds (they wait for it) and goes ahead of the queue
-    where one of them holds the path. It still takes a hold of its own, so every
-    other hold keeps it out as for any call: a sibling's (two calls under one
+    Locks belong to the call tree: a call that names its ``owner`` and its ``lineage`` (the calls
+    it runs under, e.g. ``task`` -> subagent -> tool) never waits for its ancestors' holds (they
+    wait for it). While one of its ancestors holds a lock here, it also goes ahead of the queued
+    calls (they may be waiting for that ancestor, which waits for it: queued behind them, the tree
+    and the queue would wait for each other until ``lock_timeout``). It still takes a hold of its
+    own, so every other hold keeps it out as for any call: a sibling's (two calls under one
     ancestor exclude each other), and an unrelated reader's beside a reading ancestor.
     """
 
     def __init__(self) -> None:
         self._locks: dict[str, _PathLock] = {}
+        # Owner -> how many paths it holds: whose descendants go ahead of the queues.
+        self._owners: dict[str, int] = {}
 
     @staticmethod
     def normalise(paths: Iterable[str], root: str | None = None) -> tuple[str, ...]:
@@ -270,6 +249,10 @@ class FileLockManager:
             resolved.add(os.path.realpath(os.path.join(base, path)))
         return tuple(sorted(resolved))
 
+    def _under_holder(self, lineage: tuple[str, ...]) -> bool:
+        """Whether one of the calls in *lineage* holds a lock here."""
+        return not self._owners.keys().isdisjoint(lineage)
+
     def try_acquire_all(
         self,
         paths: tuple[str, ...],
@@ -280,16 +263,20 @@ class FileLockManager:
     ) -> tuple[str, ...] | None:
         """Take every path (already normalised and sorted) now, or none and return ``None``: for a
         caller that must not wait while it holds something else."""
-        taken: list[str] = []
+        locks = self._locks
+        ahead: bool | None = None  # whether it may go ahead of queued calls (asked only if one waits)
         for path in paths:
-            lock = self._locks.get(path)
+            lock = locks.get(path)
             if lock is None:
-                lock = self._locks[path] = _PathLock()
-            if not lock.try_grant(exclusive, owner, lineage):
-                self._forget_if_idle(path, lock)
-                self.release_all(taken, exclusive=exclusive, owner=owner)
+                continue  # free
+            if lock.waiters:
+                if ahead is None:
+                    ahead = bool(lineage) and self._under_holder(lineage)
+                if not ahead:
+                    return None
+            if lock.blocked(exclusive, lineage):
                 return None
-            taken.append(path)
+        self._take(paths, exclusive, owner)
         return paths
 
     async def acquire_all(
@@ -303,51 +290,122 @@ class FileLockManager:
     ) -> tuple[str, ...]:
         """Acquire every path (already normalised and sorted) or none; raises `FileLockTimeoutError`.
 
-        Returns the paths taken (release them with the same *exclusive* and *owner*).
+        The wait holds nothing: the paths are granted together. Returns the paths taken (release
+        them with the same *exclusive* and *owner*).
         """
-        acquired: list[str] = []
-        index = 0
+        if self.try_acquire_all(paths, exclusive, owner=owner, lineage=lineage) is not None:
+            return paths
+        waiter = _LockWaiter(paths, exclusive, owner, lineage)
+        locks = self._locks
+        for path in paths:
+            lock = locks.get(path)
+            if lock is None:
+                lock = locks[path] = _PathLock()
+            lock.waiters.append(waiter)
         try:
             with trio.fail_after(bound):
-                for index, path in enumerate(paths):  # noqa: B007 - the index names the path that timed out
-                    await self._acquire(path, exclusive, owner, lineage)
-                    acquired.append(path)
-        except trio.TooSlowError:
-            self.release_all(acquired, exclusive=exclusive, owner=owner)
-            raise FileLockTimeoutError(paths[index], bound) from None
-        except BaseException:
-            self.release_all(acquired, exclusive=exclusive, owner=owner)
-            raise
-        return tuple(acquired)
-
-    async def _acquire(self, path: str, exclusive: bool, owner: str | None, lineage: tuple[str, ...]) -> None:
-        lock = self._locks.get(path)
-        if lock is None:
-            lock = self._locks[path] = _PathLock()
-        if lock.try_grant(exclusive, owner, lineage):
-            return
-        waiter = _Waiter(exclusive, owner, lineage=lineage)
-        lock.waiters.append(waiter)
-        try:
-            await waiter.event.wait()
-        except BaseException:
+                await waiter.event.wait()
+        except BaseException as exc:
             if waiter.granted:
-                lock.release(exclusive, owner)
+                # Granted after the cancellation was delivered, before this task ran on: give them back.
+                self.release_all(paths, exclusive=exclusive, owner=owner)
+                blocking = paths[0]
             else:
-                lock.waiters.remove(waiter)
-                lock.wake()  # a reader queued behind a cancelled writer may go now
-            self._forget_if_idle(path, lock)
+                blocking = self._leave_queues(waiter)
+            if isinstance(exc, trio.TooSlowError):
+                raise FileLockTimeoutError(blocking, bound) from None
             raise
+        return paths
 
     def release_all(self, paths: Iterable[str], *, exclusive: bool, owner: str | None = None) -> None:
+        if not isinstance(paths, tuple):
+            paths = tuple(paths)
+        locks = self._locks
         for path in paths:
-            lock = self._locks[path]
-            lock.release(exclusive, owner)
-            self._forget_if_idle(path, lock)
+            locks[path].release(exclusive, owner)
+        if owner is not None and paths:
+            left = self._owners[owner] - len(paths)
+            if left:
+                self._owners[owner] = left
+            else:
+                del self._owners[owner]
+        self._wake(paths)
 
-    def _forget_if_idle(self, path: str, lock: _PathLock) -> None:
-        if lock.idle() and self._locks.get(path) is lock:
-            del self._locks[path]
+    def _take(self, paths: tuple[str, ...], exclusive: bool, owner: str | None) -> None:
+        locks = self._locks
+        for path in paths:
+            lock = locks.get(path)
+            if lock is None:
+                lock = locks[path] = _PathLock()
+            lock.grant(exclusive, owner)
+        if owner is not None and paths:
+            self._owners[owner] = self._owners.get(owner, 0) + len(paths)
+
+    def _grantable(self, waiter: _LockWaiter) -> bool:
+        """Whether *waiter* may have all its paths now: first in each queue (or going ahead of them,
+        under a holding ancestor), and no hold but its ancestors' in its way."""
+        locks = self._locks
+        ahead: bool | None = None
+        for path in waiter.paths:
+            lock = locks[path]
+            if lock.waiters[0] is not waiter:
+                if ahead is None:
+                    ahead = bool(waiter.lineage) and self._under_holder(waiter.lineage)
+                if not ahead:
+                    return False
+            if lock.blocked(waiter.exclusive, waiter.lineage):
+                return False
+        return True
+
+    def _wake(self, paths: Iterable[str]) -> None:
+        """Grant what the holds or queues of *paths* no longer keep waiting; forget idle paths.
+
+        A grant takes a waiter out of the queues of all its paths, so their next waiters are
+        looked at too."""
+        locks = self._locks
+        pending = list(paths)
+        while pending:
+            path = pending.pop()
+            lock = locks.get(path)
+            if lock is None:
+                continue
+            waiters = lock.waiters
+            if not waiters:
+                if lock.readers == 0 and lock.writers == 0:
+                    del locks[path]
+                continue
+            chosen: _LockWaiter | None = None
+            head = waiters[0]
+            if self._grantable(head):
+                chosen = head
+            elif self._owners:
+                # A waiter under a holding ancestor may go ahead of the head.
+                for waiter in waiters:
+                    if waiter is not head and waiter.lineage and self._grantable(waiter):
+                        chosen = waiter
+                        break
+            if chosen is not None:
+                for taken in chosen.paths:
+                    locks[taken].waiters.remove(chosen)
+                self._take(chosen.paths, chosen.exclusive, chosen.owner)
+                chosen.granted = True
+                chosen.event.set()
+                pending.extend(chosen.paths)
+
+    def _leave_queues(self, waiter: _LockWaiter) -> str:
+        """Take a waiter that gave up out of its queues (what queued behind it may go now); returns
+        the path it waited for: the first one held against it, else the first with a call ahead."""
+        locks = self._locks
+        held = queued = None
+        for path in waiter.paths:
+            lock = locks[path]
+            if held is None and lock.blocked(waiter.exclusive, waiter.lineage):
+                held = path
+            if queued is None and lock.waiters[0] is not waiter:
+                queued = path
+            lock.waiters.remove(waiter)
+        self._wake(waiter.paths)
+        return held or queued or waiter.paths[0]
 
     def held(self) -> dict[str, tuple[int, bool, int]]:
         """For tests and diagnostics: path -> (readers, writer held, waiters)."""
