@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
+import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from types import CoroutineType
@@ -211,6 +213,12 @@ def _has_pre(stages: ToolStages) -> bool:
     return bool(stages.pre_tool or stages.permission or stages.before or stages.guard)
 
 
+def _lock_manager(value: object) -> FileLockManager:
+    if not isinstance(value, FileLockManager):
+        raise ConfigError(f"file_locks must be a FileLockManager, not {safe_repr(value)}")
+    return value
+
+
 def _declares(journal: object, name: str) -> bool:
     """Whether *journal*'s own class (not an ancestor) promises *name*: a subclass may add awaits."""
     declared = type(journal).__dict__.get(name, False)
@@ -258,7 +266,7 @@ class ToolPipeline:
         cleanup_grace: float = 5.0,
         unwind_grace: float = 2.0,
         settle_grace: float = 10.0,
-        workspace: str | None = None,
+        workspace: str | os.PathLike[str] | None = None,
         history_limit: int = 10_000,
         session_key: object = None,
     ) -> None:
@@ -285,9 +293,13 @@ class ToolPipeline:
         probe = getattr(journal, "call_state", None)
         self._probe: Callable[[ScheduledCall], object] | None = probe if callable(probe) else None
         self._ensure = getattr(journal, "ensure_owner", None)
-        self.scheduler = scheduler if scheduler is not None else ToolScheduler()
+        if scheduler is None:
+            scheduler = ToolScheduler()
+        elif not isinstance(scheduler, ToolScheduler):
+            raise ConfigError(f"scheduler must be a ToolScheduler, not {safe_repr(scheduler)}")
+        self.scheduler = scheduler
         # Made on first use: most pipelines never lock a file.
-        self._file_locks = file_locks
+        self._file_locks = None if file_locks is None else _lock_manager(file_locks)
         stages_ = self.stages = stages if stages is not None else _NO_STAGES
         # The defaults are plain floats in range: checked only if one is not (a chat() run builds a pipeline).
         if not (
@@ -314,6 +326,11 @@ class ToolPipeline:
         self.settle_grace = settle_grace
         if isinstance(history_limit, bool) or not isinstance(history_limit, int) or history_limit < 0:
             raise ConfigError(f"history_limit must be a whole number >= 0, got {safe_repr(history_limit)}")
+        history_limit = min(history_limit, sys.maxsize)  # a deque's bound; no history gets near it
+        if workspace is not None:
+            if not isinstance(workspace, (str, os.PathLike)) or not isinstance(path := os.fspath(workspace), str):
+                raise ConfigError(f"workspace must be a directory path (a str), not {safe_repr(workspace)}")
+            workspace = path
         self.workspace = workspace
         self.session_key = session_key
         # No history kept: one shared empty deque (appending to it keeps nothing), not ~600 bytes each.
@@ -337,7 +354,7 @@ class ToolPipeline:
 
     @file_locks.setter
     def file_locks(self, value: FileLockManager) -> None:
-        self._file_locks = value
+        self._file_locks = _lock_manager(value)
 
     # -- public ---------------------------------------------------------------
 

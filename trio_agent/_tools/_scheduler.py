@@ -10,7 +10,7 @@ import attrs
 import trio
 
 from .._config import validate_limit
-from .._errors import FileLockTimeoutError
+from .._errors import ConfigError, FileLockTimeoutError
 from .._util import safe_repr
 from ._definition import ToolKind
 
@@ -111,7 +111,11 @@ class ToolScheduler:
     """
 
     def __init__(self, limits: SchedulerLimits | None = None) -> None:
-        self.limits = limits if limits is not None else _DEFAULT_LIMITS
+        if limits is None:
+            limits = _DEFAULT_LIMITS
+        elif not isinstance(limits, SchedulerLimits):
+            raise ConfigError(f"limits must be SchedulerLimits, not {safe_repr(limits)}")
+        self.limits = limits
         # Made on first use: most sessions use one or two kinds, and an idle session should be small.
         # Keyed by the kind's value: a string hashes in C, an enum member through its Python `__hash__`.
         self._buckets: dict[str, _Bucket] = {}
