@@ -332,6 +332,9 @@ class _SessionBlock:
             timeout=spec.tool_timeout,
             workspace=spec.parts.workspace,
             unwind_grace=spec.unwind_grace,
+            # The session's one bound for clean-up: a tool's ctx.cleanup_scope() and the time a
+            # cancelled tool may take to stop before it is reported.
+            cleanup_grace=cleanup_grace,
             settle_grace=cleanup_grace,
             history_limit=0,  # the journal is the session's record of its calls
             session_key=session_key,
