@@ -13,6 +13,7 @@ generator frame or exit stack while the session is open.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -60,6 +61,8 @@ JournalOption = DurableJournal | JournalStore | str | os.PathLike[str] | None
 _T = TypeVar("_T")
 
 _NO_DEFINITIONS: Mapping[str, SubagentDefinition] = MappingProxyType({})
+
+_log = logging.getLogger("trio_agent")
 
 
 def open_session(
@@ -412,6 +415,8 @@ class _SessionBlock:
                             nursery = self._nursery
                             if nursery is not None and nursery.child_tasks:
                                 nursery.cancel_scope.cancel()
+                                if session is not None:
+                                    _report_stuck_tools(session)
                     except BaseException as error:
                         if self._nursery_cm is None or not await self._nursery_cm.__aexit__(
                             type(error), error, error.__traceback__
@@ -440,6 +445,19 @@ class _SessionBlock:
         else:
             if self._provider_cm is not None:
                 await self._provider_cm.__aexit__(None, None, None)
+
+
+def _report_stuck_tools(session: Session) -> None:
+    """The block's exit waits for every task of the session: say so when a tool that ignores its
+    cancellation past its cleanup grace holds it (its start was logged when its grace ran out)."""
+    stuck = session.pipeline.overrunning_calls()
+    if stuck:
+        _log.warning(
+            "leaving the session %s waits for %s, which ignored its cancellation past cleanup_grace; "
+            "the block exits when it ends",
+            session.session_id,
+            ", ".join(stuck),
+        )
 
 
 def _raise_at_boundary(group: BaseExceptionGroup[BaseException]) -> NoReturn:

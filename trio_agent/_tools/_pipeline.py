@@ -81,6 +81,7 @@ from ._journal import (
     scheduled_call,
     settlement,
 )
+from ._overruns import logger, unwatch_cleanups, watch_cleanups
 from ._results import (
     Effect,
     JsonObject,
@@ -339,6 +340,10 @@ class ToolPipeline:
         self._cleanup_heap: list[tuple[float, int, _Call]] = []
         self._cleanup_seq = 0
         self.cleanup_overruns = 0
+        # Calls whose overrun is watched (the pipeline cancelled them, or found them overrunning),
+        # each with whether it was reported; and when the run's watcher looks at them next.
+        self._watched: dict[_Call, bool] | None = None
+        self._watch_at = math.inf
         self._has_unwind = bool(layers) or bool(stages_.post_tool)
         self._has_pre_stages = _has_pre(stages_)
         # Composed once per layers object: sessions opened from one spec share it.
@@ -1104,6 +1109,19 @@ class ToolPipeline:
                 f"tool {state.tool.name!r} took {now - state.cleanup_deadline + self.cleanup_grace:.3g} s to "
                 f"stop after cancellation (grace {self.cleanup_grace:g} s)",
             )
+        watched = self._watched
+        if watched and state in watched:  # only on the overrun path: something is watched
+            if watched.pop(state):  # its overrun was logged when it began: log its end
+                logger.warning(
+                    "tool %r (call %r) stopped %.3g s after it was cancelled (cleanup_grace %g s)",
+                    state.tool.name,
+                    state.scheduled.call_id,
+                    now - state.cleanup_deadline + self.cleanup_grace,
+                    self.cleanup_grace,
+                )
+            if not watched:
+                self._watch_at = math.inf
+                unwatch_cleanups(self)
         state.cleanup_deadline = -math.inf
         if state.done is not None:
             state.done.set()
@@ -1117,11 +1135,72 @@ class ToolPipeline:
             heapq.heapify(heap)
 
     def _note_cancel(self, state: _Call) -> None:
+        if state.cleanup_deadline == -math.inf:
+            return  # its tool has ended (an abort recording its timeout, say)
         deadline = trio.current_time() + self.cleanup_grace
         if deadline < state.cleanup_deadline:
             state.cleanup_deadline = deadline
             self._cleanup_seq += 1
             heapq.heappush(self._cleanup_heap, (deadline, self._cleanup_seq, state))
+        self._watch(state)
+
+    def _watch(self, state: _Call) -> None:
+        """Report *state*'s overrun when its cleanup deadline passes (now, if it has), while its tool
+        still runs: nothing else runs in its task until it ends. For the calls the pipeline cancels
+        (their abort) and those it finds overrunning; a timeout alone is not watched (that would take
+        a task per call), and is reported when the call is aborted, holds back a new start, or ends."""
+        watched = self._watched
+        if watched is None:
+            watched = self._watched = {}
+        watched.setdefault(state, False)
+        at = state.cleanup_deadline
+        if at <= trio.current_time():
+            self._report_overruns()
+        elif at < self._watch_at:
+            self._watch_at = at
+            watch_cleanups(self, at)
+
+    def _report_overruns(self) -> None:
+        """Log each watched call whose cleanup grace has run out, once (the run's watcher calls this at
+        a cleanup deadline), and have the watcher come back at the next deadline."""
+        watched = self._watched
+        if not watched:
+            return
+        now = trio.current_time()
+        later = math.inf
+        for state, reported in list(watched.items()):
+            deadline = state.cleanup_deadline
+            if deadline > now:
+                later = min(later, deadline)
+                continue
+            if reported:
+                continue
+            watched[state] = True
+            abort = state.aborted
+            why = f"aborted ({abort.reason.value})" if abort is not None else "timed out"
+            logger.warning(
+                "tool %r (call %r) has not stopped %.3g s after it was cancelled (%s; cleanup_grace %g s): "
+                "new tool starts wait for it, and so does whatever waits for its call (the request's end, "
+                "session.abort(), the session's close and the exit of its block), until it ends",
+                state.tool.name,
+                state.scheduled.call_id,
+                now - deadline + self.cleanup_grace,
+                why,
+                self.cleanup_grace,
+            )
+        self._watch_at = later
+        if later != math.inf:
+            watch_cleanups(self, later)
+
+    def overrunning_calls(self) -> list[str]:
+        """For diagnostics: the running tools cancelled longer ago than their cleanup grace, as
+        ``"tool 'name' (call 'id')"``."""
+        now = trio.current_time()
+        return [
+            f"tool {state.tool.name!r} (call {state.scheduled.call_id!r})"
+            for deadline, _, state in sorted(self._cleanup_heap, key=lambda entry: entry[:2])
+            if state.cleanup_deadline == deadline and deadline <= now
+        ]
 
     def _overrunning(self) -> _Call | None:
         """A cancelled call whose tool still runs past its cleanup grace, if any (new starts wait for it)."""
@@ -1139,6 +1218,7 @@ class ToolPipeline:
     async def _wait_for_overrunning_cleanup(self) -> None:
         """Block new tool starts while a cancelled tool overruns its cleanup grace."""
         while (other := self._overrunning()) is not None:
+            self._watch(other)  # reported now, if it was not
             if other.done is None:
                 other.done = trio.Event()
             await other.done.wait()
