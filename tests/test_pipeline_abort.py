@@ -563,3 +563,33 @@ async def test_a_cancelled_the_tool_raises_while_nothing_cancels_the_call_is_its
     assert "not cancelled" in str(record.result.output)
     assert journal.kinds("c1") == ["scheduled", "started", "settled"]
     assert_pipeline_idle(pipeline)
+
+
+@pytest.mark.parametrize("cancel", ["timeout", "abort"])
+async def test_a_tool_that_swallows_its_cancellation_and_returns_is_settled_completed(
+    autojump_clock: trio.abc.Clock, cancel: str
+) -> None:
+    # Its side effect is done: the result is committed and published (tool-pipeline.md, settlement).
+    @ta.define_tool(side_effect="non_idempotent", input_schema={"type": "object"})
+    async def stubborn(input: dict[str, Any], ctx: ta.ToolContext) -> str:
+        """Ignores its cancellation and returns without another checkpoint."""
+        with trio.CancelScope(shield=True):
+            await trio.sleep(10)
+        return "finished anyway"
+
+    pipeline = ta.ToolPipeline([stubborn], timeout=1.0, cleanup_grace=2.0)
+    abort = ta.AbortHandle()
+    async with trio.open_nursery() as nursery:
+        if cancel == "abort":
+            nursery.start_soon(_abort_at, abort, 0.5)
+        record = await call_tool(pipeline, "stubborn", {}, abort=abort)
+    assert record.status is ta.SettlementStatus.COMPLETED
+    assert record.result == ta.ToolResult.success("finished anyway")
+    assert record.published
+    assert [f.code for f in record.faults] == [ta.FaultCode.CLEANUP_OVERRUN]
+    assert (record.aborted is not None) == (cancel == "abort")
+
+
+async def _abort_at(abort: ta.AbortHandle, at: float) -> None:
+    await trio.sleep(at)  # (virtual time)
+    abort.abort()
