@@ -10,8 +10,10 @@ the requests, and when each connection was closed by the client.
 
 from __future__ import annotations
 
+import email.utils
 import functools
 import json
+import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -184,3 +186,22 @@ def gzip_bomb(decoded_mib: int, prefix: bytes = b"") -> bytes:
     zeros = bytes(2**20)
     pieces = [compressor.compress(prefix), *(compressor.compress(zeros) for _ in range(decoded_mib))]
     return b"".join(pieces) + compressor.flush()
+
+
+def retry_after_responses(
+    status: int, body: Any, cut_body: bytes
+) -> tuple[list[Scripted], list[tuple[float, float] | None]]:
+    """Responses of *status* with each form of the wait hint, and the ``retry_after`` (a range: a
+    date is read against the clock) each should give; the last, with *cut_body*, is cut mid-way."""
+    when = email.utils.formatdate(time.time() + 30, usegmt=True)
+    forms: list[tuple[list[tuple[str, str]], tuple[float, float] | None]] = [
+        ([("retry-after", "7")], (7.0, 7.0)),
+        ([("retry-after", when)], (25.0, 31.0)),
+        ([("retry-after-ms", "1500"), ("retry-after", "9")], (1.5, 1.5)),
+        ([("retry-after", "soon")], None),  # no number, no date: no hint, and no crash
+        ([("retry-after", "nan"), ("retry-after-ms", "inf")], None),
+        ([], None),
+    ]
+    responses = [Scripted.json(body, status=status, headers=headers) for headers, _ in forms]
+    cut = Scripted(status, [("content-type", "application/json"), ("retry-after", "7")], [cut_body], cut=True)
+    return [*responses, cut], [*(expected for _, expected in forms), (7.0, 7.0)]

@@ -28,7 +28,16 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.fake_server import FakeServer, Gate, Scripted, encoded, gzip_bomb, open_fake_server, queue_handler
+from tests.fake_server import (
+    FakeServer,
+    Gate,
+    Scripted,
+    encoded,
+    gzip_bomb,
+    open_fake_server,
+    queue_handler,
+    retry_after_responses,
+)
 from trio_agent import (
     AuthenticationError,
     ConfigError,
@@ -572,23 +581,6 @@ def test_retry_after_forms() -> None:
     assert retry_after_seconds(httpx.Headers({"retry-after": past})) == 0.0
 
 
-def retry_after_responses(status: int, body: Any) -> tuple[list[Scripted], list[tuple[float, float] | None]]:
-    """Responses of *status* with each form of the wait hint, and the ``retry_after`` (a range: a
-    date is read against the clock) each should give; the last body is cut mid-way."""
-    when = email.utils.formatdate(time.time() + 30, usegmt=True)
-    forms: list[tuple[list[tuple[str, str]], tuple[float, float] | None]] = [
-        ([("retry-after", "7")], (7.0, 7.0)),
-        ([("retry-after", when)], (25.0, 31.0)),
-        ([("retry-after-ms", "1500"), ("retry-after", "9")], (1.5, 1.5)),
-        ([("retry-after", "soon")], None),  # no number, no date: no hint, and no crash
-        ([("retry-after", "nan"), ("retry-after-ms", "inf")], None),
-        ([], None),
-    ]
-    responses = [Scripted.json(body, status=status, headers=headers) for headers, _ in forms]
-    cut = Scripted(status, [("content-type", "application/json"), ("retry-after", "7")], [b'{"type": "err'], cut=True)
-    return [*responses, cut], [*(expected for _, expected in forms), (7.0, 7.0)]
-
-
 @pytest.mark.parametrize("streaming", [False, True], ids=["chat", "stream"])
 @pytest.mark.parametrize(
     ("status", "body", "error_type"),
@@ -606,7 +598,7 @@ async def test_every_retryable_status_carries_the_servers_retry_after(
 ) -> None:
     """A 529 (overloaded) or 503 with ``retry-after`` (or any 5xx, 408, 409) lost it: only a 429
     kept the server's wait hint, so the retry loop came back sooner than the server asked."""
-    responses, expected = retry_after_responses(status, body)
+    responses, expected = retry_after_responses(status, body, b'{"type": "err')
     async with serve(*responses) as (_, provider):
         for wanted in expected:
             with pytest.raises(ProviderError) as caught:

@@ -23,7 +23,16 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from fake_server import FakeServer, Gate, Scripted, encoded, gzip_bomb, open_fake_server, queue_handler
+from fake_server import (
+    FakeServer,
+    Gate,
+    Scripted,
+    encoded,
+    gzip_bomb,
+    open_fake_server,
+    queue_handler,
+    retry_after_responses,
+)
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 
@@ -707,24 +716,6 @@ async def test_rate_limit_retry_after_http_date_and_exhausted_quota() -> None:
     assert exhausted.value.retryable is False  # waiting does not refill a quota
 
 
-def retry_after_responses(status: int, body: Any) -> tuple[list[Scripted], list[tuple[float, float] | None]]:
-    """Responses of *status* with each form of the wait hint, and the ``retry_after`` (a range: a
-    date is read against the clock) each should give; the last body is cut mid-way."""
-    when = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
-    forms: list[tuple[list[tuple[str, str]], tuple[float, float] | None]] = [
-        ([("retry-after", "7")], (7.0, 7.0)),
-        ([("retry-after", when)], (25.0, 30.0)),
-        ([("retry-after-ms", "1500"), ("retry-after", "9")], (1.5, 1.5)),
-        ([("retry-after", "soon")], None),  # no number, no date: no hint, and no crash
-        ([("retry-after", "nan"), ("retry-after-ms", "inf")], None),
-        ([], None),
-    ]
-    responses = [Scripted.json(body, status=status, headers=headers) for headers, _ in forms]
-    headers = [("content-type", "application/json"), ("retry-after", "7")]
-    cut = Scripted(status, headers, [b'{"error": {"mess'], cut=True)
-    return [*responses, cut], [*(expected for _, expected in forms), (7.0, 7.0)]
-
-
 @pytest.mark.parametrize("operation", [Operation.CHAT, Operation.STREAM])
 @pytest.mark.parametrize(
     ("status", "error_type"),
@@ -741,7 +732,8 @@ async def test_every_retryable_status_carries_the_servers_retry_after(
 ) -> None:
     """A 503 with ``Retry-After`` (or any 5xx, 408, 409) lost it: only a 429 kept the server's wait
     hint, so the retry loop came back sooner than the server asked."""
-    responses, expected = retry_after_responses(status, {"error": {"message": "busy", "type": "server_error"}})
+    body = {"error": {"message": "busy", "type": "server_error"}}
+    responses, expected = retry_after_responses(status, body, b'{"error": {"mess')
     async with open_fake_server(queue_handler(*responses)) as server, provider_for(server) as provider:
         for wanted in expected:
             with pytest.raises(ProviderError) as caught:
