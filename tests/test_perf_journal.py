@@ -16,33 +16,43 @@ from typing import Any
 import attrs
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trio_agent import ConfigError
 from trio_agent._journal._conversation import reply_payload, reply_record
 from trio_agent._journal._durable import open_journal
 from trio_agent._journal._events import (
     EventEnvelope,
+    ModelAttemptCompleted,
     RequestAccepted,
     RequestStarted,
+    model_attempt_replied,
     place_event,
 )
 from trio_agent._journal._memory import MemoryStore
 from trio_agent._journal._projection import RequestState, SessionState, ToolState
+from trio_agent._journal._run_recorder import JournalRecorder
 from trio_agent._journal._snapshot import _results, result_to_json
 from trio_agent._journal._store import AppendBatch, command_digest
 from trio_agent._journal._stored import StoredIndex
+from trio_agent._json import json_problem
+from trio_agent._loop._ports import TurnRef
 from trio_agent._models._assemble import ReplyAssembler
 from trio_agent._models._messages import (
+    MAX_TOKEN_COUNT,
     FinishChunk,
     FinishReason,
     ReasoningDelta,
     StreamChunk,
     TextDelta,
+    ToolCallDelta,
     ToolCallEnd,
     ToolCallStart,
     Usage,
     UsageChunk,
 )
+from trio_agent._models._service import _chunk_problem
 from trio_agent._tools._results import ToolErrorType, ToolResult, json_copy
 
 
@@ -168,3 +178,66 @@ def test_a_results_json_is_the_converters(result: ToolResult) -> None:
     expected = json_copy(_results.unstructure(result, ToolResult))
     assert result_to_json(result) == expected
     assert json.dumps(result_to_json(result)) == json.dumps(expected)
+
+
+# ---------------------------------------------------------------- a live reply's record is JSON by construction
+
+
+class _Text(str):
+    """Text of a str subclass: a chunk may carry one (the service's check accepts subclasses)."""
+
+
+_texts = st.one_of(st.text(max_size=12), st.text(max_size=6).map(_Text))
+_indexes = st.integers(min_value=0, max_value=2**53 - 1) | st.integers(min_value=0, max_value=3)
+_counts = st.integers(min_value=0, max_value=MAX_TOKEN_COUNT)
+_optional_counts = st.none() | _counts
+_chunk = st.one_of(
+    st.builds(TextDelta, _texts),
+    st.builds(ReasoningDelta, _texts, st.none() | _texts, st.none() | _texts),
+    st.builds(ToolCallStart, _indexes, _texts, _texts),
+    st.builds(ToolCallDelta, _indexes, _texts),
+    st.builds(ToolCallEnd, _indexes, _texts, _texts, _texts),
+    st.builds(
+        UsageChunk, st.builds(Usage, _counts, _counts, _counts, _optional_counts, _optional_counts, _optional_counts)
+    ),
+    st.builds(FinishChunk, st.sampled_from(FinishReason), st.none() | _texts),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunks=st.lists(_chunk, max_size=12), inputs=st.lists(_texts, max_size=3), data=st.data())
+def test_reply_payloads_are_json_by_construction(chunks: list[StreamChunk], inputs: list[str], data: Any) -> None:
+    # Whatever chunks the model service lets through, the record of their reply is JSON an event may
+    # carry: the journal stores it unwalked (`model_attempt_replied`), as the checked event would.
+    assert all(_chunk_problem(chunk) is None for chunk in chunks)
+    reply = assemble(chunks)
+    ids = [call.id for call in reply.tool_calls]
+    rejected = (
+        {call_id: data.draw(_texts) for call_id in data.draw(st.lists(st.sampled_from(ids), unique=True))}
+        if ids
+        else None
+    )
+    payload = reply_payload(reply, inputs=inputs, rejected=rejected)
+    assert json_problem(payload, "the response") is None
+    checked = ModelAttemptCompleted(request_id="r", turn_id="t", attempt_id="a", response=payload)
+    assert model_attempt_replied("r", "t", "a", payload) == checked
+    assert json.loads(json.dumps(payload)) == payload
+
+
+async def test_a_turn_input_that_is_not_plain_text_gets_the_events_full_check() -> None:
+    # Only the reply is JSON by construction; the turn's inputs come from the host, and anything
+    # but plain text is judged by the event's own check (which refuses what no journal can hold).
+    deferred: list[Any] = []
+
+    class Journal:
+        def defer(self, *events: Any, agent_id: str | None = None) -> None:
+            deferred.extend(events)
+
+    recorder = JournalRecorder(Journal(), "root")  # type: ignore[arg-type]
+    turn = TurnRef("r", "root", 1, "t", "a")
+    reply = assemble([TextDelta("done"), FinishChunk(FinishReason.STOP)])
+    await recorder.model_call_completed(turn, reply, inputs=["plain", _Text("subclass")], rejected={})
+    assert deferred[0].response["inputs"] == ["plain", "subclass"]
+    with pytest.raises(ValueError, match="not JSON"):
+        await recorder.model_call_completed(turn, reply, inputs=["plain", {"a", "set"}], rejected={})  # type: ignore[list-item]
+    assert len(deferred) == 2  # the first call's attempt and turn; nothing of the refused one

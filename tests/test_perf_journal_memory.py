@@ -10,13 +10,17 @@ only when it has some, and its replay cache holds tuples too.
 from __future__ import annotations
 
 import gc
+import math
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 
-from trio_agent import LeaseLostError
+from trio_agent import ConfigError, LeaseLostError
+from trio_agent._config import MAX_TIMEOUT, finite_seconds
 from trio_agent._journal._durable import DurableJournal, open_journal
 from trio_agent._journal._events import (
     Event,
@@ -35,6 +39,7 @@ from trio_agent._journal._events import (
     TurnStarted,
     place_event,
 )
+from trio_agent._journal._lease import check_seconds
 from trio_agent._journal._memory import MemoryStore
 from trio_agent._journal._snapshot import decode_snapshot, encode_snapshot
 from trio_agent._journal._store import AppendBatch, CommandRecord, command_digest
@@ -244,3 +249,27 @@ async def test_a_memory_store_whose_release_waits_is_still_released_inside_a_can
     kinds = [type(envelope.event) for envelope in await store.read(journal.stream_id())]
     assert kinds == [SessionCreated, RequestAccepted]
     assert (await store.current_lease(SID)).expires_at == float("-inf")  # type: ignore[union-attr]  # released
+
+
+_SECONDS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, MAX_TIMEOUT, math.nextafter(MAX_TIMEOUT, math.inf), 5e-324]),
+    st.integers(min_value=-3, max_value=10**400),
+    st.booleans(),
+)
+
+
+@given(value=_SECONDS, allow_zero=st.booleans())
+def test_the_inline_duration_check_is_the_full_one(value: Any, allow_zero: bool) -> None:
+    # Each opening checks its lease timings inline for the usual float: same verdict, same value.
+    try:
+        expected: Any = finite_seconds(value, "t", allow_zero=allow_zero, maximum=MAX_TIMEOUT)
+    except ConfigError as exc:
+        expected = str(exc)
+    try:
+        got: Any = check_seconds("t", value, allow_zero=allow_zero)
+    except ConfigError as exc:
+        got = str(exc)
+    assert type(got) is type(expected) and got == expected
+    if type(got) is float:
+        assert math.copysign(1.0, got) == math.copysign(1.0, expected)

@@ -635,6 +635,12 @@ model_attempt_started: Callable[[str, str, str, str], ModelAttemptStarted] = che
 model_attempt_completed: Callable[[str, str, str, JsonObject], ModelAttemptCompleted] = checked_constructor(
     ModelAttemptCompleted, _check_source
 )
+# The record of an assembled reply (`reply_payload`), whose every leaf is a checked chunk's text or
+# bounded count, or the loop's own text: JSON by construction (`test_reply_payloads_are_json_by_construction`),
+# not walked again. Its ids are the turn's, checked as its `ModelAttemptStarted` was built.
+model_attempt_replied: Callable[[str, str, str, JsonObject], ModelAttemptCompleted] = constructor(
+    ModelAttemptCompleted, trusted=("request_id", "turn_id", "attempt_id", "response")
+)
 tool_scheduled: Callable[
     [str, str, str, str, JsonObject, SideEffect, ToolKind, InterruptBehavior, bool, str], ToolScheduled
 ] = checked_constructor(ToolScheduled, _check_source)

@@ -27,6 +27,7 @@ from ._events import (
     ModelAttemptFailed,
     TurnStarted,
     model_attempt_completed,
+    model_attempt_replied,
     model_attempt_started,
     turn_completed,
     turn_started,
@@ -62,11 +63,12 @@ class JournalRecorder:
         self, turn: TurnRef, reply: ModelReply, *, inputs: Sequence[str], rejected: Mapping[str, str]
     ) -> None:
         response = reply_payload(reply, inputs=inputs, rejected=rejected)
+        # The reply is the assembler's, from checked chunks: only the turn's inputs (text from the
+        # host's inbox) are judged here; anything but plain text gets the event's full check.
+        build = model_attempt_replied if all(type(text) is str for text in inputs) else model_attempt_completed
         # Deferred: the reply is written with what it leads to (a call's start, which must be
         # durable before the tool runs, or the request's end); a crash before that asks the model again.
-        self.journal.defer(
-            model_attempt_completed(turn.run_id, turn.turn_id, turn.attempt_id, response), agent_id=self.agent_id
-        )
+        self.journal.defer(build(turn.run_id, turn.turn_id, turn.attempt_id, response), agent_id=self.agent_id)
         if not reply.tool_calls:
             self.journal.defer(turn_completed(turn.run_id, turn.turn_id, False), agent_id=self.agent_id)
 
