@@ -453,6 +453,24 @@ async def test_leaving_the_block_early_waits_for_the_run_at_most_cleanup_grace(
     assert any("ending a chat run whose block was left early" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("grace", [1.5, 30.0])
+async def test_a_chat_run_s_cleanup_grace_bounds_its_tools_cleanup_scope(
+    autojump_clock: trio.testing.MockClock, grace: float
+) -> None:
+    # As a session's: the run's one bound for clean-up reaches its tools (they had the pipeline's 5 s).
+    bounds: list[float] = []
+
+    @define_tool(name="tidy", description="tidies", input_schema=OBJECT, side_effect=SideEffect.PURE)
+    async def tidy(input: dict[str, Any], ctx: Any) -> str:
+        with ctx.cleanup_scope() as scope:
+            bounds.append(scope.deadline - trio.current_time())
+        return "ok"
+
+    model = TestModel(default=[Reply(tool_calls=[("tidy", {})]), Reply(text="done")])
+    result = await chat(model, "go", tools=[tidy], cleanup_grace=grace)
+    assert result.text == "done" and bounds == [grace]
+
+
 async def test_a_durable_chat_run_is_recorded_as_a_request() -> None:
     store = MemoryStore()
     async with open_journal(store, session_id="c1") as journal:

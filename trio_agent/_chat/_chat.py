@@ -470,7 +470,8 @@ def chat(
     error from ``run.result()`` (from the ``await``), `RequestAbortedError` from
     ``run.result()`` of a run cancelled before it ended. The block raises as a Trio nursery
     would, never a group of its own (`raise_for_boundary`).
-    ``cleanup_grace`` bounds the wait for an aborted run to end when the block is left early.
+    ``cleanup_grace`` bounds the wait for an aborted run to end when the block is left early, and
+    is its tools' grace (``ctx.cleanup_scope()``, the time a cancelled tool may take to stop).
 
     Pauses and continuations (``docs/human-in-the-loop.md``): a run that must ask a person
     ends with ``result.paused``; run ``chat(model, resume=paused, answers=[...])`` with the
@@ -582,6 +583,10 @@ class _Prepared:
             middleware=tool_layers,
             journal=journal or InMemoryToolJournal(keep_entries=False),
             history_limit=0,
+            # The run's one bound for clean-up, as a session's: a tool's ctx.cleanup_scope() and the
+            # time a cancelled tool may take to stop before it is reported.
+            cleanup_grace=cleanup_grace,
+            settle_grace=cleanup_grace,
         )
         given = options["strategy"]
         # A given strategy's answers are checked (a bool, else ConfigError naming it); ours are bools.

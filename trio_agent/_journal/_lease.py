@@ -70,7 +70,7 @@ def _host() -> str:
 def check_seconds(name: str, value: float, *, allow_zero: bool = False) -> float:
     # At most MAX_TIMEOUT: past every timer a database or trio is given (a lease TTL becomes one).
     # The usual float inline (each opening checks a handful): NaN fails both comparisons.
-    if type(value) is float and (0.0 < value or (allow_zero and value == 0.0)) and value <= MAX_TIMEOUT:
+    if type(value) is float and (value > 0.0 or (allow_zero and value == 0.0)) and value <= MAX_TIMEOUT:
         return value
     return finite_seconds(value, name, allow_zero=allow_zero, maximum=MAX_TIMEOUT)
 
