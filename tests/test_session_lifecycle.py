@@ -28,7 +28,12 @@ from trio_agent import (
 from trio_agent._lifecycle._middleware import ChatMiddleware
 from trio_agent._loop._context import RunContext
 from trio_agent._loop._events import RunEvent
-from trio_agent.lifecycle import SubagentRunInfo, SubagentRunResult
+from trio_agent.lifecycle import (
+    DROP,
+    SubagentRunInfo,
+    SubagentRunResult,
+    ToolCallResult,
+)
 from trio_agent.testing import Reply, TestModel
 
 ECHO_SCHEMA = {"type": "object", "properties": {"x": {"type": "string"}}}
@@ -341,3 +346,54 @@ async def test_a_routed_persistence_raising_one_of_our_journal_errors_fails_only
         await handle.wait()
         assert handle.status is SubagentStatus.FAILED and "LeaseLostError" in (handle.error or "")
         assert await session.send("root") == "root done"  # the session goes on
+
+
+# ---------------------------------------------------------------- on_chunk changes only what readers see
+
+
+class Hide(ChatMiddleware):
+    """Drops every event of the given types."""
+
+    def __init__(self, *types: type) -> None:
+        self.types = types
+
+    def on_chunk(self, ctx: RunContext, event: RunEvent) -> Any:
+        return DROP if isinstance(event, self.types) else None
+
+
+async def test_an_on_chunk_that_drops_tool_call_results_leaves_no_call_origin_behind() -> None:
+    # The session forgot a call's request when it heard its ToolCallResult: with the event dropped
+    # the entry stayed in the session-wide map for the rest of the session.
+    model = TestModel(
+        {
+            "go": [Reply(tool_calls=[("echo", {"x": "root"}), task("fg job")]), Reply("root done")],
+            "fg job": [Reply(tool_calls=[("echo", {"x": "fg"})]), Reply("fg done")],
+        }
+    )
+    spec = define_agent(provider=model, tools=[echo], subagents=[HELPER], lifecycle=[Hide(ToolCallResult)])
+    async with open_session(spec) as session:
+        async with session.stream("go") as events:
+            kinds = [type(event).__name__ async for event in events]
+        assert "ToolUseEvent" in kinds and "ToolResultEvent" not in kinds  # the readers saw no result
+        assert session._host.call_origins == {}
+
+
+async def test_a_cancelled_subagent_leaves_no_call_origin_behind() -> None:
+    # Its call never settled, so no ToolCallResult came: the call's origin outlived its request.
+    model = TestModel({"stuck": [Reply(tool_calls=[("hang", {})]), Reply("never")]})
+
+    @define_tool(name="hang", side_effect="pure", kind="readonly", input_schema={"type": "object"})
+    async def hang(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """Wait for ever."""
+        await trio.sleep_forever()
+        return ToolResult.success("never")  # pragma: no cover - cancelled
+
+    spec = define_agent(provider=model, tools=[hang], subagents=[HELPER])
+    async with open_session(spec) as session:
+        handle = await session.start_subagent("helper", "stuck")
+        await trio.testing.wait_all_tasks_blocked()
+        assert list(session._host.call_origins.values()) == [handle._request.request_id]  # running
+        handle.cancel()
+        await handle.wait()
+        assert handle.status is SubagentStatus.IDLE
+        assert session._host.call_origins == {}

@@ -163,7 +163,9 @@ class SessionHost:
         # only reader): kept only when the session has subagents (`tracks_running`).
         self.running: dict[tuple[str, str], _Request] = {}
         self.tracks_running = tracks_running
-        self.call_origins: dict[str, str] = {}  # running tool call id -> its request id
+        # Tool call id -> its request id, for whom a call's permission updates are recorded: set when
+        # the loop emits the call, kept until its request ends (`run_request`).
+        self.call_origins: dict[str, str] = {}
         self.closing = False
         # Pauses (docs/human-in-the-loop.md): the root agent's questions, and where it waits.
         self.interrupts: Mapping[str, InterruptDefinition] = interrupts or _NONE
@@ -387,6 +389,13 @@ class SessionHost:
                 raise
         finally:
             request.ports = None  # no request <-> ports cycle left for the garbage collector
+            origins = self.call_origins
+            if origins:
+                # Its calls' origins end with it, however it ended (a cancelled call has no result).
+                request_id = request.request_id
+                for call_id in request.call_ids:
+                    if origins.get(call_id) == request_id:  # another agent's call may share the id
+                        del origins[call_id]
             if self.tracks_running:
                 self.running.pop(key, None)
             # No message that joined may be lost: whatever is still pending reaches the next turn.
@@ -595,8 +604,7 @@ class _RunEvents:
             await request.sink(ToolProgressEvent(self.agent_id, event.call_id, event.item))
 
     async def _tool_result(self, event: Any) -> None:
-        self.call_origins.pop(event.call_id, None)
-        request = self.request
+        request = self.request  # (its origin goes with the request: `run_request`)
         running = request.running_calls
         if running:
             running.pop(event.call_id, None)
@@ -618,11 +626,8 @@ class _RunEvents:
             request.turns += 1
 
     async def effects(self, agent_id: str, call_id: str, items: Sequence[Effect]) -> None:
-        try:
-            for effect in items:
-                await self.host.apply_effect(self.agent, effect, call_id)
-        finally:
-            self.call_origins.pop(call_id, None)
+        for effect in items:
+            await self.host.apply_effect(self.agent, effect, call_id)
 
 
 _HANDLERS: dict[type, Callable[[_RunEvents, Any], Awaitable[None]]] = {
