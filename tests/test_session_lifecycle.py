@@ -8,17 +8,22 @@ import itertools
 from collections import Counter
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
 from tests.session_helpers import stream_events
 from trio_agent import (
+    DoneEvent,
     HookEvent,
     HookInput,
     HookOutput,
+    ModelError,
     SubagentDefinition,
+    SubagentEvent,
     SubagentStatus,
+    TextDeltaEvent,
     ToolContext,
     ToolResult,
     define_agent,
@@ -30,8 +35,11 @@ from trio_agent._loop._context import RunContext
 from trio_agent._loop._events import RunEvent
 from trio_agent.lifecycle import (
     DROP,
+    StepStarted,
     SubagentRunInfo,
     SubagentRunResult,
+    TextMessageContent,
+    ToolCallEnd,
     ToolCallResult,
 )
 from trio_agent.testing import Reply, TestModel
@@ -361,6 +369,61 @@ class Hide(ChatMiddleware):
         return DROP if isinstance(event, self.types) else None
 
 
+class Thrice(ChatMiddleware):
+    """Passes every StepStarted on three times."""
+
+    def on_chunk(self, ctx: RunContext, event: RunEvent) -> Any:
+        return [event, event, event] if isinstance(event, StepStarted) else None
+
+
+class Results(Store):
+    """Keeps each finished subagent run's result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.results: list[SubagentRunResult] = []
+
+    async def finish(self, info: SubagentRunInfo, result: SubagentRunResult) -> None:
+        self.results.append(result)
+
+
+class PersistingWith(Persisting):
+    """A routed persistence and an on_chunk in one middleware."""
+
+    def __init__(self, store: Store, on_chunk: ChatMiddleware) -> None:
+        super().__init__(store)
+        self.inner = on_chunk
+
+    def on_chunk(self, ctx: RunContext, event: RunEvent) -> Any:
+        return self.inner.on_chunk(ctx, event)
+
+
+@pytest.mark.parametrize("middleware", [Hide(StepStarted), Thrice()], ids=["dropped", "tripled"])
+async def test_an_on_chunk_that_drops_or_multiplies_step_started_changes_no_turn_count(
+    middleware: ChatMiddleware,
+) -> None:
+    # The session counted turns from the StepStarted events that passed on_chunk: a streamed
+    # request's DoneEvent said 0 (dropped) or 6 (tripled) turns for 2, and so did a subagent's
+    # SubagentRunResult.
+    store = Results()
+    model = TestModel(
+        {
+            "go": [Reply(tool_calls=[task("fg job")]), Reply("root done")],
+            "fg job": [Reply(tool_calls=[("echo", {"x": "fg"})]), Reply("fg done")],
+        }
+    )
+    spec = define_agent(provider=model, tools=[echo], subagents=[HELPER], lifecycle=[PersistingWith(store, middleware)])
+    async with open_session(spec) as session:
+        seen: list[Any] = []
+        async with session.stream("go") as events:
+            async for event in events:
+                seen.append(event)
+    done = seen[-1]
+    assert isinstance(done, DoneEvent)
+    subagent = [(result.text, result.turns) for result in store.results]
+    assert ((done.text, done.turns), subagent) == (("root done", 2), [("fg done", 2)])
+
+
 async def test_an_on_chunk_that_drops_tool_call_results_leaves_no_call_origin_behind() -> None:
     # The session forgot a call's request when it heard its ToolCallResult: with the event dropped
     # the entry stayed in the session-wide map for the rest of the session.
@@ -397,3 +460,63 @@ async def test_a_cancelled_subagent_leaves_no_call_origin_behind() -> None:
         await handle.wait()
         assert handle.status is SubagentStatus.IDLE
         assert session._host.call_origins == {}
+
+
+async def test_an_on_chunk_that_drops_tool_call_ends_leaves_a_subagents_rule_updates_its_own() -> None:
+    # The session learnt a call's request from its ToolCallEnd: with the event dropped, a rule a
+    # subagent's tool added was recorded as the root request's.
+    from trio_agent import PermissionUpdate
+    from trio_agent._journal._events import PermissionUpdated
+    from trio_agent.tools import Effect
+
+    @define_tool(name="grant", side_effect="pure", kind="readonly", input_schema={"type": "object"})
+    async def grant(input: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """Allow echo from now on."""
+        await ctx.emit(Effect("permission_updates", PermissionUpdate.add("echo")))
+        return ToolResult.success("granted")
+
+    model = TestModel(
+        {
+            "go": [Reply(tool_calls=[task("fg job")]), Reply("root done")],
+            "fg job": [Reply(tool_calls=[("grant", {})]), Reply("fg done")],
+        }
+    )
+    requests: dict[str, str] = {}
+
+    class HideAndNote(Hide):
+        async def setup(self, ctx: RunContext) -> None:
+            requests[ctx.metadata["agent_name"]] = ctx.metadata["request_id"]
+
+    spec = define_agent(provider=model, tools=[grant], subagents=[HELPER], lifecycle=[HideAndNote(ToolCallEnd)])
+    async with open_session(spec) as session:
+        assert await session.send("go") == "root done"
+        [updated] = [e for e in await stream_events(session) if isinstance(e, PermissionUpdated)]
+    assert updated.request_id == requests["helper"] != requests["root"]
+
+
+async def test_an_on_chunk_that_rewrites_text_changes_only_what_readers_see() -> None:
+    # The session took a reply's text from the deltas that passed on_chunk: a foreground subagent
+    # that failed after a reply was summed up with the rewritten text (one that completes ends
+    # with the model's own).
+    class Shout(ChatMiddleware):
+        def on_chunk(self, ctx: RunContext, event: RunEvent) -> Any:
+            if isinstance(event, TextMessageContent):
+                return attrs.evolve(event, delta=event.delta.upper())
+            return None
+
+    model = TestModel(
+        {
+            "go": [Reply(tool_calls=[task("fg job")]), Reply("root done")],
+            "fg job": [
+                Reply(text="let me look", tool_calls=[("echo", {"x": "a"})]),
+                Reply(error=ModelError("the provider is down", retryable=False)),
+            ],
+        }
+    )
+    spec = define_agent(provider=model, tools=[echo], subagents=[HELPER], lifecycle=[Shout()])
+    async with open_session(spec) as session, session.stream("go") as events:
+        seen = [event async for event in events]
+    # What readers saw: the subagent's deltas (forwarded) and the root's, rewritten.
+    assert "".join(e.text for e in seen if isinstance(e, TextDeltaEvent)) == "LET ME LOOKROOT DONE"
+    [failed] = [e for e in seen if isinstance(e, SubagentEvent) and e.status is SubagentStatus.FAILED]
+    assert failed.summary == "let me look"  # the session's: the reply the loop took

@@ -14,7 +14,9 @@ loop run, handing it:
   request, whether anything reads its events (``listening``: none are built while
   nothing does, and what the session keeps of a run does not depend on them);
 * the lifecycle composed once per agent spec: `SESSION_HOOKS` (the Stop /
-  SubagentStop hook events as ``before_stop``) first, then the chat middleware.
+  SubagentStop hook events as ``before_stop``; the outermost ``wrap_events``, so
+  the session keeps a run's events as the loop emitted them whatever ``on_chunk``
+  does) first, then the chat middleware.
   It serves every run of every session of the spec, so what is per run reaches
   the hooks through the `RunContext`: ``ctx.metadata`` holds ``session_id``,
   ``agent_id``, ``agent_name``, ``parent_agent_id`` and ``request_id``.
@@ -90,12 +92,13 @@ _NONE: Mapping[str, Any] = MappingProxyType({})  # no interrupts / client tools:
 class _RunInfo:
     """What the session's own hooks need of one run."""
 
-    __slots__ = ("agent", "host", "request")
+    __slots__ = ("agent", "events", "host", "request")
 
-    def __init__(self, host: SessionHost, agent: _Agent, request: _Request) -> None:
+    def __init__(self, host: SessionHost, agent: _Agent, request: _Request, events: _RunEvents) -> None:
         self.host = host
         self.agent = agent
         self.request = request
+        self.events = events
 
 
 class SessionHost:
@@ -351,12 +354,13 @@ class SessionHost:
             if extra:
                 agent.history.append(UserMessage(extra))
             conversation = AgentConversation(agent, request)
-            ports = request.ports = self._ports(agent, request, conversation)
+            events = _RunEvents(self, agent, request)
+            ports = request.ports = self._ports(agent, request, conversation, events)
             outcome = await run_agent_loop(
                 self._spec(agent, request),
                 ports,
                 self.lifecycle,
-                ctx=self._context(agent, request, ports.events, conversation.snapshot),
+                ctx=self._context(agent, request, events, conversation.snapshot),
                 resume=request.resume,
             )
             request.text = outcome.text or request.text
@@ -461,7 +465,7 @@ class SessionHost:
         return spec
 
     def _context(
-        self, agent: _Agent, request: _Request, events: RunEventSink, messages: Callable[[], Sequence[Message]]
+        self, agent: _Agent, request: _Request, events: _RunEvents, messages: Callable[[], Sequence[Message]]
     ) -> RunContext:
         return RunContext(
             run_id=request.request_id,
@@ -477,12 +481,11 @@ class SessionHost:
                 "agent_name": agent.name,
                 "parent_agent_id": agent.parent_id,
                 "request_id": request.request_id,
-                _RUN: _RunInfo(self, agent, request),
+                _RUN: _RunInfo(self, agent, request, events),
             },
         )
 
-    def _ports(self, agent: _Agent, request: _Request, conversation: AgentConversation) -> RunPorts:
-        events = _RunEvents(self, agent, request)
+    def _ports(self, agent: _Agent, request: _Request, conversation: AgentConversation, events: _RunEvents) -> RunPorts:
         # A root request tells the loop when anything reads its events (a stream, or one that joined):
         # none are built meanwhile, and what the session itself keeps of them is kept without them
         # (`_RunEvents`). A continuation, and every subagent run, hears all of them.
@@ -538,16 +541,20 @@ class _Instructions:
 
 
 class _RunEvents:
-    """One request's run events, mapped to the session's events (one dict lookup per event).
+    """One request's run events: what the session keeps of them (its text, turns and calls), and
+    the session events its readers get (one dict lookup per event).
 
     Session events are built only for a sink that reads them (`send()` discards them). What the
-    session keeps of a run (its text, turns and calls) does not depend on hearing the events: a
-    root request's loop builds none while nobody reads them (`_Request.listening`), so the text
-    and the calls come from the replies the conversation takes (`AgentConversation`), and the
-    turns from the inbox (`RequestInbox`) while nobody listens.
+    session keeps of a run does not depend on hearing the events: a root request's loop builds
+    none while nobody reads them (`_Request.listening`), so the text and the calls come from the
+    replies the conversation takes (`AgentConversation`), and the turns from the inbox
+    (`RequestInbox`) while nobody listens. Nor does it depend on what chat middleware lets
+    through: when an ``on_chunk`` wraps the run's events, the session keeps them as the loop
+    emitted them, outside every ``on_chunk`` (`SessionHooks.wrap_events`), and only its readers
+    get what the hooks let through (`outside`).
     """
 
-    __slots__ = ("agent", "agent_id", "call_origins", "host", "observe", "request")
+    __slots__ = ("agent", "agent_id", "call_origins", "handlers", "host", "observe", "request")
 
     def __init__(self, host: SessionHost, agent: _Agent, request: _Request) -> None:
         self.host = host
@@ -556,40 +563,68 @@ class _RunEvents:
         self.request = request
         self.call_origins = host.call_origins
         self.observe = request.observe
+        self.handlers = _HANDLERS  # keeps and shows each event: nothing wraps them (`outside`)
 
     async def __call__(self, event: RunEvent) -> None:
         observe = self.observe
         if observe is not None:
             await observe(event)
-        handler = _HANDLERS.get(type(event))
+        handler = self.handlers.get(type(event))
         if handler is not None:
             await handler(self, event)
+
+    def outside(self, wrapped: RunEventSink) -> RunEventSink:
+        """The run's events as the loop emits them, kept before *wrapped* (this sink wrapped by
+        the hooks) passes them on; from now on this sink only shows what reaches it."""
+        self.handlers = _SHOWN
+        return _KeptEvents(self, wrapped)
+
+    async def effects(self, agent_id: str, call_id: str, items: Sequence[Effect]) -> None:
+        """Apply what a settled call asked of the session (the loop's own port: no hook sees it)."""
+        for effect in items:
+            await self.host.apply_effect(self.agent, effect, call_id)
+
+    # -- what the session keeps (what the loop did)
 
     async def _text_start(self, event: Any) -> None:
         self.request.heard_text = []
 
-    async def _text_delta(self, event: Any) -> None:
-        request = self.request
-        heard = request.heard_text
+    async def _text_heard(self, event: Any) -> None:
+        heard = self.request.heard_text
         if heard is not None:
             heard.append(event.delta)
-        if request.sink is not discard:
-            await request.sink(TextDeltaEvent(self.agent_id, event.delta))
 
     async def _text_end(self, event: Any) -> None:
         request = self.request
         if request.heard_text:
             request.text = "".join(request.heard_text)
 
+    async def _call_started(self, event: Any) -> None:
+        request = self.request
+        request.call_ids.append(event.call_id)  # a continuation's calls are of an earlier reply
+        self.call_origins[event.call_id] = request.request_id
+
+    async def _step(self, event: Any) -> None:
+        request = self.request
+        if request.turn_counted:  # counted by the inbox while nobody listened (`RequestInbox.begin_turn`)
+            request.turn_counted = False
+        else:
+            request.turns += 1
+
+    # -- what the readers get
+
+    async def _text_shown(self, event: Any) -> None:
+        request = self.request
+        if request.sink is not discard:
+            await request.sink(TextDeltaEvent(self.agent_id, event.delta))
+
     async def _usage(self, event: Any) -> None:
         request = self.request
         if request.sink is not discard:
             await request.sink(UsageEvent(self.agent_id, event.usage))
 
-    async def _tool_use(self, event: Any) -> None:
+    async def _call_shown(self, event: Any) -> None:
         request = self.request
-        request.call_ids.append(event.call_id)  # a continuation's calls are of an earlier reply
-        self.call_origins[event.call_id] = request.request_id
         if request.sink is not discard:
             use = ToolUseEvent(self.agent_id, event.call_id, event.tool_name, event.input)
             running = request.running_calls
@@ -603,8 +638,8 @@ class _RunEvents:
         if request.sink is not discard:
             await request.sink(ToolProgressEvent(self.agent_id, event.call_id, event.item))
 
-    async def _tool_result(self, event: Any) -> None:
-        request = self.request  # (its origin goes with the request: `run_request`)
+    async def _result_shown(self, event: Any) -> None:
+        request = self.request
         running = request.running_calls
         if running:
             running.pop(event.call_id, None)
@@ -618,28 +653,79 @@ class _RunEvents:
             )
         await request.sink(ToolResultEvent(self.agent_id, event.call_id, event.tool_name, event.result))
 
-    async def _step(self, event: Any) -> None:
+    # -- both at once, when nothing wraps the events: the usual case, so one handler per event
+    # (the parts above, inlined)
+
+    async def _text_delta(self, event: Any) -> None:
         request = self.request
-        if request.turn_counted:  # counted by the inbox while nobody listened (`RequestInbox.begin_turn`)
-            request.turn_counted = False
-        else:
-            request.turns += 1
+        heard = request.heard_text
+        if heard is not None:
+            heard.append(event.delta)
+        if request.sink is not discard:
+            await request.sink(TextDeltaEvent(self.agent_id, event.delta))
 
-    async def effects(self, agent_id: str, call_id: str, items: Sequence[Effect]) -> None:
-        for effect in items:
-            await self.host.apply_effect(self.agent, effect, call_id)
+    async def _tool_use(self, event: Any) -> None:
+        request = self.request
+        request.call_ids.append(event.call_id)
+        self.call_origins[event.call_id] = request.request_id
+        if request.sink is not discard:
+            use = ToolUseEvent(self.agent_id, event.call_id, event.tool_name, event.input)
+            running = request.running_calls
+            if running is None:
+                running = request.running_calls = {}
+            running[event.call_id] = use
+            await request.sink(use)
 
 
-_HANDLERS: dict[type, Callable[[_RunEvents, Any], Awaitable[None]]] = {
+_Handlers = dict[type, Callable[[_RunEvents, Any], Awaitable[None]]]
+
+_HANDLERS: _Handlers = {
     TextMessageStart: _RunEvents._text_start,
     TextMessageContent: _RunEvents._text_delta,
     TextMessageEnd: _RunEvents._text_end,
     UsageReported: _RunEvents._usage,
     ToolCallEnd: _RunEvents._tool_use,
     ToolCallProgress: _RunEvents._tool_progress,
-    ToolCallResult: _RunEvents._tool_result,
+    ToolCallResult: _RunEvents._result_shown,  # only shown: its origin goes with the request
     StepStarted: _RunEvents._step,
 }
+"""What `_RunEvents` does with an event nothing wraps: keeps it and shows it."""
+
+_KEPT: _Handlers = {
+    TextMessageStart: _RunEvents._text_start,
+    TextMessageContent: _RunEvents._text_heard,
+    TextMessageEnd: _RunEvents._text_end,
+    ToolCallEnd: _RunEvents._call_started,
+    StepStarted: _RunEvents._step,
+}
+"""What the session keeps of an event the loop emitted, before any ``on_chunk`` (`_KeptEvents`)."""
+
+_SHOWN: _Handlers = {
+    TextMessageContent: _RunEvents._text_shown,
+    UsageReported: _RunEvents._usage,
+    ToolCallEnd: _RunEvents._call_shown,
+    ToolCallProgress: _RunEvents._tool_progress,
+    ToolCallResult: _RunEvents._result_shown,
+}
+"""What `_RunEvents` shows of an event that passed every ``on_chunk``."""
+
+
+class _KeptEvents:
+    """The outermost sink of a run whose events chat middleware wraps: the session keeps each
+    event as the loop emitted it (`_KEPT`), then the hooks' chain gets it (and may drop, change
+    or multiply it for the readers only)."""
+
+    __slots__ = ("events", "wrapped")
+
+    def __init__(self, events: _RunEvents, wrapped: RunEventSink) -> None:
+        self.events = events
+        self.wrapped = wrapped
+
+    async def __call__(self, event: RunEvent) -> None:
+        keep = _KEPT.get(type(event))
+        if keep is not None:
+            await keep(self.events, event)
+        await self.wrapped(event)
 
 
 class AgentConversation:
@@ -739,13 +825,23 @@ class RequestInbox:
 
 
 class SessionHooks(Lifecycle):
-    """The session's Stop / SubagentStop hook events as the loop's ``before_stop``.
+    """The session's Stop / SubagentStop hook events as the loop's ``before_stop``, and its own
+    hold on the run's events ahead of chat middleware (``wrap_events``).
 
     Stateless: one instance serves every run; the run's agent and request come from
     ``ctx.metadata`` (a context built by `SessionHost`). Outside a session it does nothing.
     """
 
     name = "session hooks"
+
+    def wrap_events(self, ctx: Any, sink: RunEventSink) -> RunEventSink:
+        """The outermost decorator (this part is the first of every session lifecycle): when chat
+        middleware wraps the run's events, the session keeps them as the loop emitted them, so an
+        ``on_chunk`` that drops, changes or multiplies one changes only what readers see."""
+        info = ctx.metadata.get(_RUN) if isinstance(ctx, RunContext) else None
+        if not isinstance(info, _RunInfo) or sink is info.events:
+            return sink  # nothing wraps them: no decorator, and the loop may build none unread
+        return info.events.outside(sink)
 
     async def before_stop(self, ctx: Any, state: LoopState) -> str | None:
         info = ctx.metadata.get(_RUN) if isinstance(ctx, RunContext) else None
