@@ -160,9 +160,13 @@ class _Rejected(Exception):
 
 def _connect(path: str, *, readonly: bool) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
-    conn.execute("PRAGMA busy_timeout=30000")
-    if readonly:
-        conn.execute("PRAGMA query_only=ON")
+    try:
+        conn.execute("PRAGMA busy_timeout=30000")
+        if readonly:
+            conn.execute("PRAGMA query_only=ON")
+    except BaseException:
+        conn.close()  # now: an error's traceback would otherwise keep the file open
+        raise
     return conn
 
 
@@ -283,6 +287,15 @@ def _corrupt(path: str, exc: BaseException) -> JournalCorruptError:
     return error
 
 
+def _open_error(path: str, exc: sqlite3.DatabaseError | UnicodeDecodeError) -> JournalError:
+    """What an open that failed with ``exc`` raises: damage is `JournalCorruptError`; a file
+    SQLite could not open or lock (busy, locked, I/O, permissions, a directory) is
+    `JournalUnavailableError`."""
+    if isinstance(exc, sqlite3.OperationalError) and not _is_damage(exc):
+        return unavailable(exc, f"cannot open the journal {path}")
+    return _corrupt(path, exc)
+
+
 class SQLiteStore(LaneStore):
     """A `JournalStore` in one SQLite file. Open it with `open_sqlite_store`."""
 
@@ -321,47 +334,49 @@ class SQLiteStore(LaneStore):
     def _open_writer(self) -> sqlite3.Connection:
         try:
             conn = _connect(self.path, readonly=False)
-            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise JournalError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
-            conn.execute("PRAGMA synchronous=FULL")
-            check = conn.execute("PRAGMA quick_check").fetchone()[0]
-            if check != "ok":
-                raise JournalCorruptError(f"{self.path} failed SQLite's integrity check: {check}")
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-                if tables and "journal_meta" not in tables:
-                    raise JournalCorruptError(
-                        f"{self.path} is another application's SQLite database (tables: "
-                        f"{', '.join(sorted(tables)[:5])}), not a trio_agent journal; it was left unchanged"
-                    )
-                for statement in _SCHEMA:
-                    conn.execute(statement)
-                row = conn.execute("SELECT value FROM journal_meta WHERE key='format'").fetchone()
-                if row is None:
-                    conn.execute("INSERT INTO journal_meta(key, value) VALUES ('format', ?)", (STORE_FORMAT,))
-                elif row[0] == V1_FORMAT:
-                    _migrate_v1(conn)  # the same transaction: a crash leaves the file at version 1
-                elif row[0] != STORE_FORMAT:
-                    raise JournalCorruptError(
-                        f"{self.path} holds journal format {row[0]!r}; this code reads {STORE_FORMAT!r}"
-                    )
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-        except JournalError:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
+            raise _open_error(self.path, exc) from exc
+        try:
+            self._prepare_writer(conn)
+        except BaseException as exc:
+            # Closed now, not when the error's traceback is dropped: it holds the file and its -wal/-shm open.
+            conn.close()
+            if isinstance(exc, (sqlite3.DatabaseError, UnicodeDecodeError)):  # UnicodeDecodeError: damaged schema text
+                raise _open_error(self.path, exc) from exc
             raise
-        except UnicodeDecodeError as exc:  # damaged schema text SQLite hands back undecodable
-            raise _corrupt(self.path, exc) from exc
-        except sqlite3.OperationalError as exc:
-            if _is_damage(exc):
-                raise _corrupt(self.path, exc) from exc
-            raise unavailable(exc, f"cannot open the journal {self.path}") from exc
-        except sqlite3.DatabaseError as exc:
-            raise _corrupt(self.path, exc) from exc
         return conn
+
+    def _prepare_writer(self, conn: sqlite3.Connection) -> None:
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise JournalError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
+        conn.execute("PRAGMA synchronous=FULL")
+        check = conn.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            raise JournalCorruptError(f"{self.path} failed SQLite's integrity check: {check}")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if tables and "journal_meta" not in tables:
+                raise JournalCorruptError(
+                    f"{self.path} is another application's SQLite database (tables: "
+                    f"{', '.join(sorted(tables)[:5])}), not a trio_agent journal; it was left unchanged"
+                )
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            row = conn.execute("SELECT value FROM journal_meta WHERE key='format'").fetchone()
+            if row is None:
+                conn.execute("INSERT INTO journal_meta(key, value) VALUES ('format', ?)", (STORE_FORMAT,))
+            elif row[0] == V1_FORMAT:
+                _migrate_v1(conn)  # the same transaction: a crash leaves the file at version 1
+            elif row[0] != STORE_FORMAT:
+                raise JournalCorruptError(
+                    f"{self.path} holds journal format {row[0]!r}; this code reads {STORE_FORMAT!r}"
+                )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
 
     def _check_readable(self) -> None:
         if not os.path.exists(self.path):
