@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -87,3 +88,56 @@ async def test_a_failed_write_open_closes_its_connection(
     assert kept.value is not None  # still held here, traceback and all
     assert recorded_connections
     assert all(_is_closed(conn) for conn in recorded_connections)
+
+
+# ---------------------------------------------------------------- a file that is not ours
+
+
+NOT_OURS: dict[str, tuple[Callable[[Path], None], str]] = {
+    "another_application": (_foreign_database, "another application's SQLite database"),
+    "another_format": (_other_format, "journal/99"),
+}
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+@pytest.mark.parametrize("kind", list(NOT_OURS))
+async def test_a_file_that_is_not_a_journal_is_refused_byte_for_byte_unchanged(tmp_path: Path, kind: str) -> None:
+    """Refused before WAL mode is set: the refusal says the file was left unchanged, and it is
+    (its header still says rollback journal, and no -wal or -shm file is left beside it)."""
+    make, message = NOT_OURS[kind]
+    path = tmp_path / "file.db"
+    make(path)
+    before = _digest(path)
+    with pytest.raises(JournalCorruptError, match=message):
+        async with open_sqlite_store(path):
+            pass
+    assert _digest(path) == before
+    assert _listing(tmp_path) == ["file.db"]
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+
+
+async def test_a_new_file_and_a_journal_without_its_format_row_still_open_in_wal(tmp_path: Path) -> None:
+    """The checks moved before WAL mode refuse only what is not ours: an empty file, and a
+    journal's tables without the format row, are still taken, in WAL mode."""
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    bare = tmp_path / "bare.db"
+    with contextlib.closing(sqlite3.connect(bare)) as conn:
+        conn.execute("CREATE TABLE journal_meta(key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        conn.commit()
+    for path in (empty, bare, tmp_path / "new.db"):
+        async with open_sqlite_store(path) as store:
+            assert store._writer is not None
+            assert store._writer.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            assert conn.execute("SELECT value FROM journal_meta WHERE key='format'").fetchone() == (
+                sqlite_module.STORE_FORMAT,
+            )

@@ -347,36 +347,55 @@ class SQLiteStore(LaneStore):
         return conn
 
     def _prepare_writer(self, conn: sqlite3.Connection) -> None:
+        # Read-only checks first: a file that is not a journal of ours (another application's
+        # database, another format, damage) is refused as it was, before WAL mode is set (which
+        # rewrites the file's header and stays).
+        conn.execute("BEGIN")
+        try:
+            self._journal_format(conn)
+        finally:
+            if conn.in_transaction:  # not after an error SQLite rolled back itself: that would hide it
+                conn.execute("ROLLBACK")
+        check = conn.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            raise JournalCorruptError(f"{self.path} failed SQLite's integrity check: {check}")
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise JournalError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
         conn.execute("PRAGMA synchronous=FULL")
-        check = conn.execute("PRAGMA quick_check").fetchone()[0]
-        if check != "ok":
-            raise JournalCorruptError(f"{self.path} failed SQLite's integrity check: {check}")
         conn.execute("BEGIN IMMEDIATE")
         try:
-            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-            if tables and "journal_meta" not in tables:
-                raise JournalCorruptError(
-                    f"{self.path} is another application's SQLite database (tables: "
-                    f"{', '.join(sorted(tables)[:5])}), not a trio_agent journal; it was left unchanged"
-                )
+            found = self._journal_format(conn)  # again under the lock: another process may have written since
             for statement in _SCHEMA:
                 conn.execute(statement)
-            row = conn.execute("SELECT value FROM journal_meta WHERE key='format'").fetchone()
-            if row is None:
+            if found is None:
                 conn.execute("INSERT INTO journal_meta(key, value) VALUES ('format', ?)", (STORE_FORMAT,))
-            elif row[0] == V1_FORMAT:
+            elif found == V1_FORMAT:
                 _migrate_v1(conn)  # the same transaction: a crash leaves the file at version 1
-            elif row[0] != STORE_FORMAT:
-                raise JournalCorruptError(
-                    f"{self.path} holds journal format {row[0]!r}; this code reads {STORE_FORMAT!r}"
-                )
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
             raise
+
+    def _journal_format(self, conn: sqlite3.Connection) -> str | None:
+        """The file's journal format (None: a new file, or a journal's tables without the format row),
+        read inside the caller's transaction; `JournalCorruptError` for a file that is not a journal
+        of this code's: another application's database, another format."""
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not tables:
+            return None
+        if "journal_meta" not in tables:
+            raise JournalCorruptError(
+                f"{self.path} is another application's SQLite database (tables: "
+                f"{', '.join(sorted(tables)[:5])}), not a trio_agent journal; it was left unchanged"
+            )
+        row = conn.execute("SELECT value FROM journal_meta WHERE key='format'").fetchone()
+        if row is None:
+            return None
+        if row[0] not in (STORE_FORMAT, V1_FORMAT):
+            raise JournalCorruptError(f"{self.path} holds journal format {row[0]!r}; this code reads {STORE_FORMAT!r}")
+        found: str = row[0]
+        return found
 
     def _check_readable(self) -> None:
         if not os.path.exists(self.path):
