@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import trio_agent._journal._sqlite as sqlite_module
-from trio_agent._errors import JournalCorruptError
+from trio_agent._errors import JournalCorruptError, JournalUnavailableError
 from trio_agent._journal._sqlite import open_sqlite_store
 
 
@@ -141,3 +141,57 @@ async def test_a_new_file_and_a_journal_without_its_format_row_still_open_in_wal
             assert conn.execute("SELECT value FROM journal_meta WHERE key='format'").fetchone() == (
                 sqlite_module.STORE_FORMAT,
             )
+
+
+# ---------------------------------------------------------------- damage or unavailable, read-only too
+
+
+async def _new_journal(path: Path) -> None:
+    async with open_sqlite_store(path):
+        pass
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """The file locked by another connection, as another process's exclusive transaction does
+    (SQLite's locks conflict between the connections of one process as between processes)."""
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+        holder.execute("BEGIN EXCLUSIVE")
+        yield
+    finally:
+        holder.close()
+
+
+@pytest.mark.parametrize("readonly", [True, False], ids=["readonly", "write"])
+async def test_a_locked_journal_is_unavailable_not_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, readonly: bool
+) -> None:
+    path = tmp_path / "journal.db"
+    await _new_journal(path)
+    monkeypatch.setattr(sqlite_module, "_BUSY_TIMEOUT", 0.05)  # busy at once, not after 30 s
+    with _locked(path), pytest.raises(JournalUnavailableError, match="locked"):
+        async with open_sqlite_store(path, readonly=readonly):
+            pass
+    async with open_sqlite_store(path, readonly=readonly):  # the lock gone, it opens
+        pass
+
+
+@pytest.mark.parametrize("readonly", [True, False], ids=["readonly", "write"])
+async def test_a_directory_is_unavailable_not_corrupt(tmp_path: Path, readonly: bool) -> None:
+    """SQLite cannot open it (as a read-only directory, or one without permission): nothing says it is damaged."""
+    path = tmp_path / "journal.db"
+    path.mkdir()
+    with pytest.raises(JournalUnavailableError, match="unable to open"):
+        async with open_sqlite_store(path, readonly=readonly):
+            pass
+
+
+@pytest.mark.parametrize("make", [_garbage, _foreign_database], ids=["garbage", "another_application"])
+async def test_a_read_only_open_still_calls_damage_corrupt(tmp_path: Path, make: Callable[[Path], None]) -> None:
+    path = tmp_path / "file.db"
+    make(path)
+    with pytest.raises(JournalCorruptError):
+        async with open_sqlite_store(path, readonly=True):
+            pass

@@ -158,15 +158,19 @@ class _Rejected(Exception):
         self.error = error
 
 
+_BUSY_TIMEOUT = 30.0
+"""Seconds a connection waits for another's lock before SQLite answers busy (tests shorten it)."""
+
+
 def _connect(path: str, *, readonly: bool) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
-    try:
-        conn.execute("PRAGMA busy_timeout=30000")
-        if readonly:
+    # ``timeout`` is SQLite's busy timeout: the driver sets it on the connection.
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT)
+    if readonly:
+        try:
             conn.execute("PRAGMA query_only=ON")
-    except BaseException:
-        conn.close()  # now: an error's traceback would otherwise keep the file open
-        raise
+        except BaseException:
+            conn.close()  # now: an error's traceback would otherwise keep the file open
+            raise
     return conn
 
 
@@ -408,7 +412,8 @@ class SQLiteStore(LaneStore):
             with contextlib.closing(_connect(self.path, readonly=True)) as conn:
                 row = conn.execute("SELECT value FROM journal_meta WHERE key='format'").fetchone()
         except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
-            raise _corrupt(self.path, exc) from exc
+            # As the write-open: damage is corrupt; busy, locked, permissions, a directory are not.
+            raise _open_error(self.path, exc) from exc
         if row is None or row[0] not in (STORE_FORMAT, V1_FORMAT):
             found = None if row is None else row[0]
             raise JournalCorruptError(f"{self.path} holds journal format {found!r}; this code reads {STORE_FORMAT!r}")
