@@ -16,12 +16,17 @@ import hashlib
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
 
 import trio_agent._journal._sqlite as sqlite_module
-from trio_agent._errors import JournalCorruptError, JournalUnavailableError
+from trio_agent._errors import JournalCorruptError, JournalError, JournalUnavailableError
+from trio_agent._journal._durable import open_journal
+from trio_agent._journal._events import EventEnvelope, RequestAccepted, RequestStarted
 from trio_agent._journal._sqlite import open_sqlite_store
+from trio_agent._journal._store import AppendBatch, AppendResult, Lease, stream_id_for
 
 
 def _foreign_database(path: Path) -> None:
@@ -195,3 +200,68 @@ async def test_a_read_only_open_still_calls_damage_corrupt(tmp_path: Path, make:
     with pytest.raises(JournalCorruptError):
         async with open_sqlite_store(path, readonly=True):
             pass
+
+
+# ---------------------------------------------------------------- an append too big for SQLite
+
+
+def _append(lease: Lease, agent: str, prompt: str) -> AppendBatch:
+    stream = stream_id_for(lease.session_id, agent)
+    event = RequestAccepted(request_id="r", command_id="c", input={"prompt": prompt})
+    envelope = EventEnvelope(stream_id=stream, seq=1, event=event, recorded_at=1.0)
+    return AppendBatch(lease.session_id, stream, lease.token, [envelope])
+
+
+async def test_an_append_too_big_for_sqlite_fails_alone_in_its_group_commit(tmp_path: Path) -> None:
+    """SQLITE_TOOBIG (`sqlite3.DataError`; a body past SQLite's length limit, lowered here) is that
+    append's own refusal, a definite `JournalError`: its neighbours in the same transaction land,
+    where all of them got `JournalUnavailableError` (outcome unknown: their journals fenced)."""
+    async with open_sqlite_store(tmp_path / "journal.db") as store:
+        small_lease = await store.acquire_lease("small", "me", 60.0)
+        big_lease = await store.acquire_lease("big", "me", 60.0)
+        assert store._writer is not None
+        store._writer.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 20_000)
+        works = [
+            _append(small_lease, "a", "x"),
+            _append(big_lease, "root", "x" * 50_000),
+            _append(small_lease, "b", "y"),
+        ]
+        # One group commit, run as the writer thread runs it (the lane is idle: nothing else uses the connection).
+        outcomes = await trio.to_thread.run_sync(store._commit, works)
+        assert outcomes[0] == AppendResult(works[0].stream_id, 1, 1)
+        assert outcomes[2] == AppendResult(works[2].stream_id, 1, 1)
+        refused = outcomes[1]
+        assert isinstance(refused, JournalError) and not isinstance(refused, JournalUnavailableError), refused
+        assert "too big" in str(refused)
+        assert [env.event for env in await store.read(works[0].stream_id)] == [works[0].envelopes[0].event]
+        assert [env.event for env in await store.read(works[2].stream_id)] == [works[2].envelopes[0].event]
+        assert await store.head(works[1].stream_id) == 0  # nothing of it written
+
+
+async def test_a_journal_whose_append_is_too_big_is_refused_and_a_neighbour_is_not_fenced(tmp_path: Path) -> None:
+    """Through the journal: the big append raises a definite `JournalError`; the other session's
+    append, submitted with it, lands and its journal stays usable."""
+    async with (
+        open_sqlite_store(tmp_path / "journal.db") as store,
+        open_journal(store, session_id="big") as big,
+        open_journal(store, session_id="small") as small,
+    ):
+        assert store._writer is not None
+        store._writer.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 20_000)
+        outcomes: dict[str, BaseException | None] = {}
+
+        async def append(name: str, journal: Any, size: int) -> None:
+            try:
+                await journal.append(RequestAccepted(request_id="r", command_id="c", input={"prompt": "x" * size}))
+                outcomes[name] = None
+            except JournalError as exc:
+                outcomes[name] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(append, "big", big, 50_000)
+            nursery.start_soon(append, "small", small, 10)
+        assert outcomes["small"] is None
+        assert isinstance(outcomes["big"], JournalError)
+        assert not isinstance(outcomes["big"], JournalUnavailableError), outcomes["big"]
+        assert not small.fenced
+        await small.append(RequestStarted(request_id="r"))

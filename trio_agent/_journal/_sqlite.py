@@ -151,6 +151,13 @@ class _Isolate(Exception):
     """The batched write failed in a way one item may have caused: redo it item by item."""
 
 
+_UNWRITABLE: tuple[type[Exception], ...] = (UnicodeError, ValueError, sqlite3.InterfaceError, sqlite3.DataError)
+"""What the driver or SQLite raises for one item it cannot bind or keep (an id it cannot encode, a
+value past SQLite's length limit: SQLITE_TOOBIG is `sqlite3.DataError`): that item's refusal alone."""
+_UNWRITABLE_ROWS: tuple[type[Exception], ...] = (*_UNWRITABLE, sqlite3.IntegrityError)
+"""The same, and a constraint one item's rows break, where they are written."""
+
+
 class _Rejected(Exception):
     """Carries a per-item refusal out of a savepoint."""
 
@@ -514,7 +521,7 @@ class SQLiteStore(LaneStore):
                         outcomes.append(self._apply_snapshot(conn, work, now, leases, streams))
                     except _Rejected as rejected:
                         outcomes.append(rejected.error)
-                    except (UnicodeError, ValueError, sqlite3.InterfaceError) as exc:
+                    except _UNWRITABLE as exc:
                         conn.execute("ROLLBACK")
                         raise _Isolate from exc
                     continue
@@ -524,7 +531,7 @@ class SQLiteStore(LaneStore):
                         outcomes.append(self._apply_lease(conn, work, now))
                     except _Rejected as rejected:
                         outcomes.append(rejected.error)
-                    except (UnicodeError, ValueError, sqlite3.InterfaceError) as exc:
+                    except _UNWRITABLE as exc:
                         # An id the driver cannot bind (past the door's check): redo item by item.
                         conn.execute("ROLLBACK")
                         raise _Isolate from exc
@@ -557,7 +564,14 @@ class SQLiteStore(LaneStore):
                         " VALUES (?, ?, ?, ?, ?)",
                         new_commands,
                     )
-            except (UnicodeError, ValueError, TypeError, sqlite3.InterfaceError, sqlite3.IntegrityError) as exc:
+            except (
+                UnicodeError,
+                ValueError,
+                TypeError,
+                sqlite3.InterfaceError,
+                sqlite3.DataError,
+                sqlite3.IntegrityError,
+            ) as exc:  # `_UNWRITABLE_ROWS`, or a value of a type the driver cannot bind: perhaps one item's doing
                 conn.execute("ROLLBACK")
                 raise _Isolate from exc
             conn.execute("COMMIT")
@@ -599,7 +613,7 @@ class SQLiteStore(LaneStore):
                 query = f"SELECT stream_id, session_id, head FROM journal_streams WHERE stream_id IN ({marks})"
                 for row in conn.execute(query, chunk):
                     streams[row[0]] = _stream_row(*row[1:])
-        except (UnicodeError, ValueError, sqlite3.InterfaceError):
+        except _UNWRITABLE:
             # An id the driver cannot bind: fall back to per-append lookups, which refuse it alone.
             leases.clear()
             streams.clear()
@@ -633,7 +647,7 @@ class SQLiteStore(LaneStore):
                 commands[key] = None if row is None else (_text(row[0]), _int(row[1]), _int(row[2]))
         except _StoredValueError as exc:  # this append's rows are damaged: it fails alone
             raise _Rejected(JournalCorruptError(f"the stored rows of {batch.stream_id!r} are damaged: {exc}")) from exc
-        except (UnicodeError, ValueError, sqlite3.InterfaceError) as exc:
+        except _UNWRITABLE as exc:
             raise _Rejected(JournalError(f"the store cannot keep this append: {type(exc).__name__}: {exc}")) from exc
         try:
             return decide_append(
@@ -670,7 +684,7 @@ class SQLiteStore(LaneStore):
                 except _StoredValueError as exc:  # a row it reads is damaged (a `ValueError`: caught first)
                     conn.execute("ROLLBACK TO item")
                     outcome = _damaged(work, exc)
-                except (UnicodeError, ValueError, sqlite3.InterfaceError, sqlite3.IntegrityError) as exc:
+                except _UNWRITABLE_ROWS as exc:
                     conn.execute("ROLLBACK TO item")
                     what = {AppendBatch: "append", SnapshotWork: "snapshot"}.get(type(work), "lease operation")
                     outcome = JournalError(f"the store cannot keep this {what}: {type(exc).__name__}: {exc}")
