@@ -171,14 +171,17 @@ def _locked(path: Path) -> Iterator[None]:
 
 @pytest.mark.parametrize("readonly", [True, False], ids=["readonly", "write"])
 async def test_a_locked_journal_is_unavailable_not_corrupt(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, readonly: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorded_connections: list[sqlite3.Connection], readonly: bool
 ) -> None:
     path = tmp_path / "journal.db"
     await _new_journal(path)
+    recorded_connections.clear()
     monkeypatch.setattr(sqlite_module, "_BUSY_TIMEOUT", 0.05)  # busy at once, not after 30 s
     with _locked(path), pytest.raises(JournalUnavailableError, match="locked"):
         async with open_sqlite_store(path, readonly=readonly):
             pass
+    assert recorded_connections
+    assert all(_is_closed(conn) for conn in recorded_connections)
     async with open_sqlite_store(path, readonly=readonly):  # the lock gone, it opens
         pass
 
@@ -265,3 +268,15 @@ async def test_a_journal_whose_append_is_too_big_is_refused_and_a_neighbour_is_n
         assert not isinstance(outcomes["big"], JournalUnavailableError), outcomes["big"]
         assert not small.fenced
         await small.append(RequestStarted(request_id="r"))
+
+
+async def test_a_read_whose_connection_cannot_be_opened_is_unavailable(tmp_path: Path) -> None:
+    """A read opens its connection when none is idle: SQLite's error there was raised as it was
+    (a bare `sqlite3.OperationalError`), not as the store's."""
+    path = tmp_path / "journal.db"
+    await _new_journal(path)
+    async with open_sqlite_store(path, readonly=True) as store:
+        path.unlink()
+        path.mkdir()  # no read connection is idle yet: the read opens one, and cannot
+        with pytest.raises(JournalUnavailableError, match="unable to open"):
+            await store.read("s/root")

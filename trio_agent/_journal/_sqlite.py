@@ -790,7 +790,10 @@ class SQLiteStore(LaneStore):
                 raise JournalError("the SQLite store is closed")
             conn = self._readers.pop() if self._readers else None
         if conn is None:
-            conn = _connect(self.path, readonly=True)
+            try:
+                conn = _connect(self.path, readonly=True)
+            except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # a driver's error never escapes a read
+                raise _open_error(self.path, exc) from exc
         try:
             return fn(conn)
         except JournalError:
