@@ -108,11 +108,14 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHAINING = re.compile(r"[;&|`<>\n\r]|\$\(")
 
 
-def chains(command: str) -> bool:
-    """Whether shell text *command* may run more than one command (or redirect), as far as a
-    prefix rule can tell without a shell parser: it holds a separator, pipe, substitution,
-    redirection or line break. Quoting is not read, so a quoted ``;`` counts too (fail closed)."""
-    return _CHAINING.search(command) is not None
+def chains(command: str, start: int = 0) -> bool:
+    """Whether shell text *command* may run more than one command (or redirect) past index
+    *start*, as far as a prefix rule can tell without a shell parser: a separator, pipe,
+    substitution, redirection or line break ends after *start*. A token that begins before
+    *start* and ends after it counts (``echo $`` + ``(rm -rf ~)`` is a substitution though
+    neither side holds ``$(``). Quoting is not read, so a quoted ``;`` counts too (fail closed)."""
+    # Every match, not one search from *start*: a token straddling the boundary begins before it.
+    return any(match.end() > start for match in _CHAINING.finditer(command))
 
 
 _TOOL_PREFIX = re.compile(r"[A-Za-z0-9_-]{0,63}\*")
@@ -200,7 +203,8 @@ class Rule:
             return False
         if not (shell and self.content_prefix and self.content is not None):
             return True
-        return not chains(signature.partition(":")[2][len(self.content) :])
+        # The whole content, not the text after the prefix: `Bash:echo $*` must not grant `echo $(...)`.
+        return not chains(signature.partition(":")[2], len(self.content))
 
     def matches_call(self, tool_name: str, content: str | None) -> bool:
         """Whether this rule matches a call of *tool_name* with signature *content* (``None``: no content)."""
@@ -292,13 +296,21 @@ class PermissionRules:
                 return rule
         return None
 
-    def match(self, signature: str) -> RuleMatch | None:
-        """The deciding rule for *signature*: deny > allow > ask; ``None`` when no rule matches."""
-        for behavior in (RuleBehavior.DENY, RuleBehavior.ALLOW, RuleBehavior.ASK):
-            rule = self.first(behavior, signature)
-            if rule is not None:
-                return RuleMatch(behavior, rule)
-        return None
+    def match(self, signature: str, *, shell: bool = True) -> RuleMatch | None:
+        """The deciding rule for *signature*, as the engine's rule stages decide: the first deny
+        rule that matches, else the first allow rule that grants it (`granting`: for a shell
+        command a prefix allow rule does not grant a command chained after its prefix), else the
+        first ask rule that matches; ``None`` when none does. *shell* says the content is a shell
+        command (the engine's test: the tool's signature field is ``command``); it defaults to
+        ``True``, the reading that never reports an allow the engine would not give."""
+        rule = self.first(RuleBehavior.DENY, signature)
+        if rule is not None:
+            return RuleMatch(RuleBehavior.DENY, rule)
+        rule = self.granting(signature, shell=shell)
+        if rule is not None:
+            return RuleMatch(RuleBehavior.ALLOW, rule)
+        rule = self.first(RuleBehavior.ASK, signature)
+        return None if rule is None else RuleMatch(RuleBehavior.ASK, rule)
 
 
 # ---------------------------------------------------------------- answers
