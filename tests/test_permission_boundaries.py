@@ -7,9 +7,16 @@ from typing import Any
 
 import pytest
 
-from trio_agent import define_tool
-from trio_agent._permissions._engine import PermissionEngine
-from trio_agent._permissions._rules import PermissionRules, Rule, RuleBehavior, RuleMatch
+from trio_agent import ConfigError, define_tool
+from trio_agent._permissions._engine import PermissionEngine, PermissionRequest
+from trio_agent._permissions._rules import (
+    PermissionAllow,
+    PermissionAsk,
+    PermissionRules,
+    Rule,
+    RuleBehavior,
+    RuleMatch,
+)
 from trio_agent._permissions._table import DecisionSource
 from trio_agent.tools import AbortHandle, ExecutionContext
 
@@ -95,3 +102,33 @@ def test_match_for_content_that_is_not_a_shell_command_grants_as_the_rule_reads(
     rules = PermissionRules(allow=["Note:todo*"])
     assert rules.match("Note:todo; buy milk") is None  # the default reads content as a shell command
     assert rules.match("Note:todo; buy milk", shell=False) == RuleMatch(RuleBehavior.ALLOW, Rule.parse("Note:todo*"))
+
+
+# -- answers refuse junk when built --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("message", [5, b"why", ["why"], {"why": 1}])
+def test_a_permission_ask_message_that_is_not_a_string_is_a_config_error(message: object) -> None:
+    # It was accepted, then journalling the ask failed on the event's validator (an attrs TypeError).
+    with pytest.raises(ConfigError, match=r"PermissionAsk\.message must be a string or None"):
+        PermissionAsk(message=message)  # type: ignore[arg-type]
+    assert PermissionAsk().message is None and PermissionAsk("why").message == "why"
+
+
+async def test_a_tool_check_asking_with_a_message_that_is_not_a_string_denies_before_anyone_is_asked() -> None:
+    asked: list[PermissionRequest] = []
+
+    async def handler(request: PermissionRequest) -> PermissionAllow:
+        asked.append(request)
+        return PermissionAllow()
+
+    def check(input: dict[str, Any]) -> PermissionAsk:
+        return PermissionAsk(message=input.get("why"))
+
+    tool = define_tool(
+        _run, name="op", description="o", kind="readonly", side_effect="pure",
+        input_schema={"type": "object"}, check_permissions=check,
+    )  # fmt: skip
+    decision = await PermissionEngine(handler=handler).decide(tool, {"why": 5}, ctx())
+    assert (decision.allowed, decision.source, asked) == (False, DecisionSource.TOOL, [])
+    assert decision.message is not None and "PermissionAsk.message must be a string or None" in decision.message

@@ -21,6 +21,7 @@ import attrs
 from .._errors import ConfigError
 from .._tools._definition import ToolKind
 from .._tools._results import JsonObject
+from .._util import safe_repr
 
 __all__ = [
     "MODE_TABLE",
@@ -473,11 +474,21 @@ class PermissionDeny:
     stop_loop: bool = attrs.field(default=False, validator=_flag)
 
 
+def _optional_message(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    # Checked here, not where the ask is journalled: there a number the model put in the input
+    # failed the event's own validator, as a TypeError naming nothing the user wrote.
+    if value is not None and not isinstance(value, str):
+        kind = type(value).__name__
+        raise ConfigError(f"PermissionAsk.message must be a string or None, got {kind} {safe_repr(value)}")
+
+
 @attrs.frozen
 class PermissionAsk:
-    """No decision here: ask (a tool's check) or pass to the next answerer (a hook or the handler)."""
+    """No decision here: ask (a tool's check) or pass to the next answerer (a hook or the handler).
 
-    message: str | None = None
+    ``message`` (a string or ``None``) says why; anything else is a `ConfigError`."""
+
+    message: str | None = attrs.field(default=None, validator=_optional_message)
 
 
 PermissionResult: TypeAlias = PermissionAllow | PermissionDeny | PermissionAsk
