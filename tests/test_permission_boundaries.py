@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 
-from trio_agent import ConfigError, define_tool
+from trio_agent import ConfigError, Tool, ToolDefinitionError, define_tool
 from trio_agent._permissions._engine import PermissionEngine, PermissionRequest
 from trio_agent._permissions._rules import (
     PermissionAllow,
@@ -132,3 +133,21 @@ async def test_a_tool_check_asking_with_a_message_that_is_not_a_string_denies_be
     decision = await PermissionEngine(handler=handler).decide(tool, {"why": 5}, ctx())
     assert (decision.allowed, decision.source, asked) == (False, DecisionSource.TOOL, [])
     assert decision.message is not None and "PermissionAsk.message must be a string or None" in decision.message
+
+
+# -- a tool's name is checked however the tool is built ------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["admin:wipe", "", "has space", "x" * 65, 42])
+def test_a_tool_built_without_define_tool_still_needs_a_tool_name(name: object) -> None:
+    # attrs.evolve / Tool(...) skipped define_tool's check: a tool named "admin:wipe" was matched by
+    # the rules of tool "admin" (a rule's tool name ends at the first ':').
+    admin = define_tool(
+        _run, name="admin", description="a", kind="readonly", side_effect="pure", input_schema={"type": "object"}
+    )
+    with pytest.raises(ToolDefinitionError, match="invalid tool name"):
+        attrs.evolve(admin, name=name)
+    fields = {field.name: getattr(admin, field.name) for field in attrs.fields(Tool) if field.init}
+    with pytest.raises(ToolDefinitionError, match="invalid tool name"):
+        Tool(**{**fields, "name": name})
+    assert attrs.evolve(admin, name="admin_wipe").name == "admin_wipe"

@@ -40,6 +40,21 @@ __all__ = [
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
+
+def _check_name(name: object) -> str:
+    """*name* if it is a tool name, else `ToolDefinitionError`. No ``:`` above all: a permission
+    rule's tool name ends at the first one, so ``admin:wipe`` would be matched by ``admin``'s rules."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ToolDefinitionError(
+            f"invalid tool name {safe_repr(name)}: must be 1-64 characters of letters, digits, '_' or '-'"
+        )
+    return name
+
+
+def _valid_name(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    _check_name(value)
+
+
 In = TypeVar("In")
 T = TypeVar("T")
 
@@ -275,7 +290,8 @@ class Tool(Generic[In]):
     its call (``invalid_result``).
     """
 
-    name: str
+    # Checked however the tool is built (`Tool(...)`, `attrs.evolve`), not only by `define_tool`.
+    name: str = attrs.field(validator=_valid_name)
     description: str
     input_schema: JsonObject
     side_effect: SideEffect
@@ -653,11 +669,7 @@ def _build_tool(
     if not callable(run):
         raise ToolDefinitionError(f"tool run must be an async function, got {safe_repr(run)}")
     function = _unwrap_partial(run)  # a partial is named and described by the function it wraps
-    tool_name = name if name is not None else getattr(function, "__name__", None)
-    if not isinstance(tool_name, str) or not _NAME.fullmatch(tool_name):
-        raise ToolDefinitionError(
-            f"invalid tool name {safe_repr(tool_name)}: must be 1-64 characters of letters, digits, '_' or '-'"
-        )
+    tool_name = _check_name(name if name is not None else getattr(function, "__name__", None))
     if not inspect.iscoroutinefunction(run) and not inspect.iscoroutinefunction(type(run).__call__):
         raise ToolDefinitionError(f"tool {tool_name!r}: run must be an `async def run(input, ctx)` function")
     if side_effect is _MISSING:
