@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
 import pytest
 
-from trio_agent import ConfigError, Tool, ToolDefinitionError, define_tool
+from trio_agent import ConfigError, Tool, ToolDefinitionError, define_agent, define_tool, open_session
 from trio_agent._permissions._engine import PermissionEngine, PermissionRequest
 from trio_agent._permissions._rules import (
     PermissionAllow,
@@ -19,6 +20,7 @@ from trio_agent._permissions._rules import (
     RuleMatch,
 )
 from trio_agent._permissions._table import DecisionSource
+from trio_agent.testing import TestModel
 from trio_agent.tools import AbortHandle, ExecutionContext
 
 
@@ -151,3 +153,52 @@ def test_a_tool_built_without_define_tool_still_needs_a_tool_name(name: object) 
     with pytest.raises(ToolDefinitionError, match="invalid tool name"):
         Tool(**{**fields, "name": name})
     assert attrs.evolve(admin, name="admin_wipe").name == "admin_wipe"
+
+
+# -- a permission handler must be async --------------------------------------------------------------
+
+
+def _sync_handler(request: PermissionRequest) -> PermissionAllow:
+    return PermissionAllow()
+
+
+class _SyncCall:
+    def __call__(self, request: PermissionRequest) -> PermissionAllow:
+        return PermissionAllow()
+
+
+class _AsyncCall:
+    async def __call__(self, request: PermissionRequest) -> PermissionAllow:
+        return PermissionAllow()
+
+
+async def _async_handler(request: PermissionRequest, verdict: str = "allow") -> PermissionAllow:
+    return PermissionAllow()
+
+
+SYNC_ANSWERERS = [_sync_handler, _SyncCall(), lambda request: PermissionAllow(), "allow"]
+
+
+@pytest.mark.parametrize("handler", SYNC_ANSWERERS, ids=["function", "sync __call__", "lambda", "a string"])
+async def test_a_permission_handler_that_is_not_async_is_refused_up_front(handler: Any) -> None:
+    # It was accepted, then every ask failed with a TypeError naming an internal wrapper.
+    with pytest.raises(ConfigError, match=r"^permission_handler must be an async callable"):
+        define_agent(provider=TestModel(), permission_handler=handler)
+    with pytest.raises(ConfigError, match=r"^permission_handler must be an async callable"):
+        async with open_session(provider=TestModel(), permission_handler=handler):
+            pass  # pragma: no cover
+    with pytest.raises(ConfigError, match=r"^handler must be an async callable"):
+        PermissionEngine(handler=handler)
+    with pytest.raises(ConfigError, match=r"^PermissionRequest hook #0 must be an async callable"):
+        PermissionEngine(hooks=[handler])
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [_async_handler, _AsyncCall(), functools.partial(_async_handler, verdict="allow"), _AsyncCall().__call__],
+    ids=["async def", "async __call__", "partial", "bound method"],
+)
+async def test_every_async_callable_is_taken_as_a_permission_handler(handler: Any) -> None:
+    decision = await PermissionEngine(handler=handler).decide(SHELL, {"command": "make"}, ctx())
+    assert (decision.allowed, decision.source) == (True, DecisionSource.HANDLER)
+    define_agent(provider=TestModel(), permission_handler=handler)

@@ -1442,7 +1442,7 @@ def test_engine_configuration_errors() -> None:
         PermissionEngine(ask_timeout=0)
     with pytest.raises(ConfigError, match="handler must be an async callable"):
         PermissionEngine(handler="allow")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="hook #1 is not callable"):
+    with pytest.raises(ConfigError, match="hook #1 must be an async callable"):
         PermissionEngine(hooks=[Answerer(), None])  # type: ignore[list-item]
     with pytest.raises(ConfigError, match="rules must be PermissionRules"):
         PermissionEngine({"allow": ["Bash"]})  # type: ignore[arg-type]

@@ -181,6 +181,22 @@ PermissionHandler: TypeAlias = Callable[[PermissionRequest], Awaitable[Permissio
 PermissionHook: TypeAlias = PermissionHandler
 """A PermissionRequest hook has the handler's shape; ``None`` or `PermissionAsk` passes to the next answerer."""
 
+
+def is_async_callable(value: object) -> bool:
+    """Whether calling *value* makes a coroutine, as `define_tool` decides for a tool's run: an
+    ``async def`` function (a bound method or a `functools.partial` of one too) or an object whose
+    ``__call__`` is one. A sync answerer was accepted, then failed every ask with a TypeError."""
+    return inspect.iscoroutinefunction(value) or inspect.iscoroutinefunction(type(value).__call__)
+
+
+def check_answerer(value: object, what: str) -> None:
+    """`ConfigError` naming *what* unless *value* is an async callable (`is_async_callable`)."""
+    if not is_async_callable(value):
+        raise ConfigError(
+            f"{what} must be an async callable (an `async def` function of a PermissionRequest), got {safe_repr(value)}"
+        )
+
+
 SignatureContent: TypeAlias = Callable[[JsonObject], str | None]
 """A tool's ``signature_content(input)``: the part after ``Name:`` in its signature (``None``/"" for none)."""
 
@@ -447,8 +463,8 @@ class PermissionEngine:
             raise ConfigError(f"rules must be PermissionRules, got {rules!r}")
         self._rules = rules
         self._mode = as_mode(mode)
-        if handler is not None and not callable(handler):
-            raise ConfigError(f"permission handler must be an async callable, got {handler!r}")
+        if handler is not None:
+            check_answerer(handler, "handler")
         self._handler = handler
         if hooks is None:
             hook_list: tuple[PermissionHook, ...] = ()
@@ -459,8 +475,7 @@ class PermissionEngine:
         else:
             raise ConfigError(f"hooks must be an async callable or a list of them, got {hooks!r}")
         for index, hook in enumerate(hook_list):
-            if not callable(hook):
-                raise ConfigError(f"PermissionRequest hook #{index} is not callable: {hook!r}")
+            check_answerer(hook, f"PermissionRequest hook #{index}")
         self._hooks = hook_list
         if path_policy is not None and not isinstance(path_policy, PathPolicy):
             raise ConfigError(f"path_policy must be a PathPolicy, got {path_policy!r}")

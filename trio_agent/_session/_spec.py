@@ -33,7 +33,7 @@ from .._loop._compose import compose_lifecycle
 from .._loop._hooks import Lifecycle
 from .._loop._interrupts import ClientTool, InterruptDefinition
 from .._models._service import ModelService, Provider, RetryPolicy
-from .._permissions._engine import PermissionHandler
+from .._permissions._engine import PermissionHandler, check_answerer
 from .._permissions._rules import PermissionMode, PermissionRules
 from .._tools._definition import Tool
 from .._tools._scheduler import SchedulerLimits
@@ -176,10 +176,8 @@ def define_agent(
         raise ConfigError(f"model must be a non-empty model name (a string) or None, not {model!r:.200}")
     if isinstance(provider, str) and model is None:
         raise ConfigError("model is required when provider is given by name")
-    if permission_handler is not None and not callable(permission_handler):
-        raise ConfigError(
-            f"permission_handler must be an async function of a PermissionRequest, not {permission_handler!r:.200}"
-        )
+    if permission_handler is not None:
+        check_answerer(permission_handler, "permission_handler")
     if not isinstance(system_prompt, str):
         raise ConfigError(f"system_prompt must be a string, not {system_prompt!r}")
     if retry is not None and not isinstance(retry, RetryPolicy):
