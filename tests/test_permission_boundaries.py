@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import pytest
 
-from trio_agent import ConfigError, Tool, ToolDefinitionError, define_agent, define_tool, open_session
+from trio_agent import ConfigError, Tool, ToolDefinitionError, chat, define_agent, define_tool, open_session
 from trio_agent._permissions._engine import PermissionEngine, PermissionRequest
 from trio_agent._permissions._rules import (
     PermissionAllow,
@@ -20,7 +20,7 @@ from trio_agent._permissions._rules import (
     RuleMatch,
 )
 from trio_agent._permissions._table import DecisionSource
-from trio_agent.testing import TestModel
+from trio_agent.testing import Reply, TestModel
 from trio_agent.tools import AbortHandle, ExecutionContext
 
 
@@ -202,3 +202,37 @@ async def test_every_async_callable_is_taken_as_a_permission_handler(handler: An
     decision = await PermissionEngine(handler=handler).decide(SHELL, {"command": "make"}, ctx())
     assert (decision.allowed, decision.source) == (True, DecisionSource.HANDLER)
     define_agent(provider=TestModel(), permission_handler=handler)
+
+
+# -- chat() checks its rules against its tools, as a session does ------------------------------------
+
+
+def _writer(ran: list[str], properties: dict[str, Any]) -> Tool[Any]:
+    async def write(input: dict[str, Any], ctx: Any) -> str:
+        ran.append(str(input))
+        return "ok"
+
+    return define_tool(
+        write, name="write", description="w", kind="write", side_effect="idempotent",
+        input_schema={"type": "object", "properties": properties},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("as_object", [False, True], ids=["mapping", "PermissionRules"])
+async def test_chat_refuses_a_content_rule_that_can_never_match_before_anything_runs(as_object: bool) -> None:
+    # open_session refused it; chat() took it silently and the "denied" call ran.
+    ran: list[str] = []
+    tool = _writer(ran, {"filename": {"type": "string"}})  # no conventional field: calls have no content
+    model = TestModel(script={"go": [Reply(tool_calls=[("write", {"filename": "/etc/passwd"})]), Reply(text="done")]})
+    rules: Any = PermissionRules(deny=["write:/etc/*"]) if as_object else {"deny": ["write:/etc/*"]}
+    with pytest.raises(ConfigError, match=r"permissions\.deny rule 'write:/etc/\*' can never match"):
+        await chat(model, "go", tools=[tool], permissions=rules, permission_mode="bypass")
+    assert (ran, model.requests) == ([], [])
+
+
+async def test_chat_takes_a_content_rule_for_a_tool_whose_calls_have_content() -> None:
+    ran: list[str] = []
+    tool = _writer(ran, {"file_path": {"type": "string"}})
+    model = TestModel(script={"go": [Reply(tool_calls=[("write", {"file_path": "/etc/passwd"})]), Reply(text="done")]})
+    result = await chat(model, "go", tools=[tool], permissions={"deny": ["write:/etc/*"]}, permission_mode="bypass")
+    assert (ran, result.text) == ([], "done")  # denied by the rule

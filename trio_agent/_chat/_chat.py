@@ -395,6 +395,8 @@ def _permission_engine(
     if quiet and not any(tool.check_permissions for tool in tools):
         return None
     permissions = rules_from(permissions)
+    if permissions is not None:
+        permissions.check_tools(tools)  # as a session does: a rule that can never match is refused
     # With rules, the session's default mode (reads run, writes and commands ask); with no rules
     # and no mode, only a tool that asks for itself pauses the run ("bypass" skips nothing else).
     default = PermissionMode.DEFAULT if permissions is not None else PermissionMode.BYPASS

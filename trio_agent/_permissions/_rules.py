@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeAlias
 import attrs
 
 from .._errors import ConfigError
-from .._tools._definition import ToolKind
+from .._tools._definition import Tool, ToolKind
 from .._tools._results import JsonObject
 from .._util import safe_repr
 
@@ -296,6 +296,21 @@ class PermissionRules:
             if rule.grants(signature, shell=shell):
                 return rule
         return None
+
+    def check_tools(self, tools: Iterable[Tool[Any]]) -> None:
+        """`ConfigError` for a ``Name:content`` rule naming one of *tools* whose calls have no
+        signature content: it could never match (a deny rule that never denies anything)."""
+        by_name = {tool.name: tool for tool in tools}
+        for behavior in (RuleBehavior.DENY, RuleBehavior.ALLOW, RuleBehavior.ASK):
+            for rule in self._parsed[behavior]:
+                tool = None if rule.tool_prefix or rule.content is None else by_name.get(rule.tool)
+                if tool is not None and not tool.has_signature_content:
+                    raise ConfigError(
+                        f"permissions.{behavior.value} rule {rule.text!r} can never match: calls of tool "
+                        f"{tool.name!r} have no signature content (give define_tool(signature_content=...), or "
+                        "declare a 'command', 'file_path', 'path' or 'url' string property); write "
+                        f"{tool.name!r} to cover every call"
+                    )
 
     def match(self, signature: str, *, shell: bool = True) -> RuleMatch | None:
         """The deciding rule for *signature*, as the engine's rule stages decide: the first deny

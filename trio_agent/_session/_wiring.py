@@ -59,7 +59,6 @@ from .._permissions._rules import (
     PermissionMode,
     PermissionResult,
     PermissionRules,
-    RuleBehavior,
     ToolFilter,
     ToolPermissionCheck,
     rules_from,
@@ -136,22 +135,6 @@ def _check_streaming(middleware: MiddlewareConfig | None, plugins: Sequence[Plug
         )
 
 
-def _check_content_rules(rules: PermissionRules | None, tools: Mapping[str, Tool[Any]]) -> None:
-    """A ``Name:content`` rule for a tool whose calls have no content could never match: reject it."""
-    if rules is None:
-        return
-    for behavior in (RuleBehavior.DENY, RuleBehavior.ALLOW, RuleBehavior.ASK):
-        for rule in rules.rules(behavior):
-            tool = None if rule.tool_prefix or rule.content is None else tools.get(rule.tool)
-            if tool is not None and not tool.has_signature_content:
-                raise ConfigError(
-                    f"permissions.{behavior.value} rule {rule.text!r} can never match: calls of tool "
-                    f"{tool.name!r} have no signature content (give define_tool(signature_content=...), or "
-                    "declare a 'command', 'file_path', 'path' or 'url' string property); write "
-                    f"{tool.name!r} to cover every call"
-                )
-
-
 def build_agent_parts(
     *,
     builtin_tools: Sequence[Tool[Any]],
@@ -182,7 +165,8 @@ def build_agent_parts(
     )
     registry = {entry.name: entry.tool for entry in resolved.tools}
     rules = rules_from(permissions)
-    _check_content_rules(rules, registry)
+    if rules is not None:
+        rules.check_tools(registry.values())
     runner = HookRunner(resolved.hooks, deadlines=hook_deadlines)
     # Checked by the policy's own rules (one path or several; none is a ConfigError, never "no policy").
     roots = None if workspace_roots is None else PathPolicy(workspace_roots).workspace_roots
