@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -12,6 +13,7 @@ import pytest
 from trio_agent import ConfigError, Tool, ToolDefinitionError, chat, define_agent, define_tool, open_session
 from trio_agent._permissions._engine import PermissionEngine, PermissionRequest
 from trio_agent._permissions._rules import (
+    PathPolicy,
     PermissionAllow,
     PermissionAsk,
     PermissionRules,
@@ -236,3 +238,26 @@ async def test_chat_takes_a_content_rule_for_a_tool_whose_calls_have_content() -
     model = TestModel(script={"go": [Reply(tool_calls=[("write", {"file_path": "/etc/passwd"})]), Reply(text="done")]})
     result = await chat(model, "go", tools=[tool], permissions={"deny": ["write:/etc/*"]}, permission_mode="bypass")
     assert (ran, result.text) == ([], "done")  # denied by the rule
+
+
+# -- what workspace_roots checks, as the docs say it ----------------------------------------------
+
+
+async def test_the_path_policy_checks_declared_paths_only_and_the_docs_say_so(tmp_path: Path) -> None:
+    # permissions.md's first example said "tools may touch files only under these folders"; a tool
+    # with a file_path field but no affected_paths= is not checked at all.
+    async def write(input: dict[str, Any], ctx: Any) -> str:
+        return "ok"
+
+    schema = {"type": "object", "properties": {"file_path": {"type": "string"}}, "required": ["file_path"]}
+    undeclared = define_tool(write, name="Write", description="w", kind="write", side_effect="idempotent",
+                             input_schema=schema)  # fmt: skip
+    declared = attrs.evolve(undeclared, affected_paths=lambda input: [input["file_path"]])
+    engine = PermissionEngine(mode="accept_edits", path_policy=PathPolicy([tmp_path]))
+    outside = {"file_path": "/etc/passwd"}
+    assert (await engine.decide(undeclared, outside, ctx())).allowed
+    assert (await engine.decide(declared, outside, ctx("call-2"))).source is DecisionSource.PATH_POLICY
+    docs = (Path(__file__).parent.parent / "docs" / "permissions.md").read_text()
+    [example] = [line for line in docs.splitlines() if line.lstrip().startswith('workspace_roots=["."],')]
+    assert "affected_paths=" in example and "only under these folders" not in example
+    assert "a tool defined without\n`affected_paths=` is not checked" in docs
