@@ -7,6 +7,7 @@ import string
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -449,3 +450,65 @@ async def test_a_raising_plugin_hook_denies_a_plugin_tool_without_wedging() -> N
         assert record.result.error.code == "hook_error"
         assert "(plugin:rev) failed" in record.result.output
     assert log == []
+
+
+# -- order is layer order: only sequences; a Plugin built directly is checked too ----------------------
+
+
+def _unordered(items: list[Any]) -> list[Any]:
+    """The unordered (or one-pass) collections a list was given as."""
+    return [set(items), frozenset(items), (item for item in items), dict.fromkeys(items).keys()]
+
+
+def test_middleware_must_be_a_sequence_not_an_unordered_collection() -> None:
+    # MiddlewareConfig(tool={...}) was taken, in the set's order (the error text said "sequence").
+    log: list[str] = []
+    layers = [tool_layer(f"t{index}", log) for index in range(4)]
+    models = [ModelLayer(f"m{index}", log) for index in range(4)]
+    for value in _unordered(layers):
+        with pytest.raises(MiddlewareConfigError, match="tool middleware must be a sequence"):
+            MiddlewareConfig(tool=value)
+    for value in _unordered(models):
+        with pytest.raises(MiddlewareConfigError, match="model middleware must be a sequence"):
+            MiddlewareConfig(model=value)
+    assert MiddlewareConfig(tool=tuple(layers)).tool == tuple(layers)
+
+
+def test_plugins_and_tools_must_be_sequences_not_unordered_collections() -> None:
+    plugins = [define_plugin(name=name) for name in ("a", "b", "c")]
+    for value in _unordered(plugins):
+        with pytest.raises(ConfigError, match="plugins must be a sequence of Plugin"):
+            resolve_plugins(None, value)
+    tools = [make_tool(name) for name in ("t1", "t2", "t3")]
+    for value in _unordered(tools):
+        with pytest.raises(ConfigError, match="tools must be a sequence of Tool"):
+            define_plugin(name="p", tools=value)
+        with pytest.raises(ConfigError, match="session tools must be a sequence of Tool"):
+            resolve_plugins(None, [], [], value)
+    assert [entry.name for entry in resolve_plugins(None, (), (), tuple(tools)).tools] == ["t1", "t2", "t3"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"middleware": "junk"}, r"plugin 'x': middleware must be a MiddlewareConfig"),
+        ({"middleware": None}, r"plugin 'x': middleware must be a MiddlewareConfig"),
+        ({"name": "Not Valid!"}, r"plugin name 'Not Valid!' is invalid"),
+        ({"name": 5}, r"plugin name 5 is invalid"),
+        ({"hooks": {}}, r"plugin 'x': hooks must be a HookRegistry"),
+        ({"tools": [object()]}, r"plugin 'x': expected a Tool"),
+        ({"tools": {make_tool("t")}}, r"plugin 'x': tools must be a sequence of Tool"),
+        ({"tools": (make_tool("t"), make_tool("t"))}, r"plugin 'x' defines tool 't' twice"),
+    ],
+)
+def test_a_plugin_built_directly_is_checked_as_define_plugin_checks_it(fields: dict[str, Any], match: str) -> None:
+    # Plugin("x", "junk", ...) reached resolve_plugins and failed there with an AttributeError; a bad
+    # name was taken and became the tools' source ("plugin:Not Valid!").
+    parts: dict[str, Any] = {"name": "x", "middleware": MiddlewareConfig(), "hooks": HookRegistry(), "tools": ()}
+    with pytest.raises(ConfigError, match=match):
+        Plugin(**{**parts, **fields})
+    with pytest.raises(ConfigError, match=match):
+        attrs.evolve(define_plugin(name="x"), **fields)
+    plugin = Plugin(**parts)
+    assert (plugin.name, plugin.middleware, plugin.tools, plugin.source_id) == ("x", MiddlewareConfig(), (), "plugin:x")
+    assert Plugin(**{**parts, "tools": [make_tool("t")]}).tools[0].name == "t"  # a list is kept, as a tuple

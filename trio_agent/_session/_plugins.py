@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 
@@ -26,6 +26,7 @@ from .._errors import ConfigError, MiddlewareShapeError
 from .._models._service import ModelLayers, model_middleware_runs_problem
 from .._tools._chain import ToolLayers, ToolMiddleware
 from .._tools._definition import Tool
+from .._util import safe_repr
 from ._hooks import HookCallback, HookEvent, HookRegistry
 
 __all__ = [
@@ -97,9 +98,16 @@ def tool_names(value: object, what: str) -> tuple[str, ...] | None:
     return names
 
 
+def _is_sequence(value: object) -> TypeGuard[Sequence[Any]]:
+    """An ordered collection (a list, a tuple): not a set, a dict or a generator, whose order is not
+    the one written (or which one pass uses up), and not a string."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
 def _layers(value: object, what: str) -> tuple[Any, ...]:
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise MiddlewareConfigError(f"{what} middleware must be a sequence (list or tuple), got {value!r}")
+    # The order is the layer order (first = outermost): a set would shuffle it.
+    if not _is_sequence(value):
+        raise MiddlewareConfigError(f"{what} middleware must be a sequence (list or tuple), got {safe_repr(value)}")
     return tuple(value)
 
 
@@ -142,14 +150,48 @@ def _check_name(name: object) -> str:
     return name
 
 
+def _plugin_tools(tools: object, name: str) -> tuple[Tool[Any], ...]:
+    if not _is_sequence(tools):
+        raise ConfigError(
+            f"plugin {name!r}: tools must be a sequence of Tool (a list or tuple), got {safe_repr(tools)}"
+        )
+    tool_tuple = tuple(tools)
+    seen: set[str] = set()
+    for tool in tool_tuple:
+        if not isinstance(tool, Tool):
+            raise ConfigError(f"plugin {name!r}: expected a Tool (see define_tool), got {safe_repr(tool)}")
+        if tool.name in seen:
+            raise ConfigError(f"plugin {name!r} defines tool {tool.name!r} twice")
+        seen.add(tool.name)
+    return tool_tuple
+
+
 @attrs.frozen
 class Plugin:
-    """A validated plugin. Build one with `define_plugin`."""
+    """A validated plugin. Build one with `define_plugin`.
+
+    Built directly (or with `attrs.evolve`), it is checked the same way: a bad name, middleware
+    that is not a `MiddlewareConfig`, hooks that are not a `HookRegistry` or tools that are not a
+    sequence of distinct `Tool` s are a `ConfigError`.
+    """
 
     name: str
     middleware: MiddlewareConfig
     hooks: HookRegistry = attrs.field(repr=False)
     tools: tuple[Tool[Any], ...]
+
+    def __attrs_post_init__(self) -> None:
+        # define_plugin's checks, here, so that no Plugin skips them (resolve_plugins read a junk
+        # middleware with an AttributeError, and a bad name became a tool source).
+        name = _check_name(self.name)
+        if not isinstance(self.middleware, MiddlewareConfig):
+            raise ConfigError(
+                f"plugin {name!r}: middleware must be a MiddlewareConfig(model=[...], tool=[...]), "
+                f"got {safe_repr(self.middleware)}"
+            )
+        if not isinstance(self.hooks, HookRegistry):
+            raise ConfigError(f"plugin {name!r}: hooks must be a HookRegistry, got {safe_repr(self.hooks)}")
+        object.__setattr__(self, "tools", _plugin_tools(self.tools, name))
 
     @property
     def source_id(self) -> str:
@@ -173,26 +215,12 @@ def define_plugin(
         hooks: callbacks by `HookEvent` (run after the session's hooks).
         tools: its tools, registered with ``source_id="plugin:<name>"`` and trust ``workspace``.
     """
-    checked = _check_name(name)
-    if middleware is None:
-        middleware = MiddlewareConfig()
-    elif not isinstance(middleware, MiddlewareConfig):
-        raise ConfigError(
-            f"plugin {checked!r}: middleware must be a MiddlewareConfig(model=[...], tool=[...]), got {middleware!r}"
-        )
-    source = f"plugin:{checked}"
-    registry = HookRegistry(hooks, source=source)
-    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Iterable):
-        raise ConfigError(f"plugin {checked!r}: tools must be a sequence of Tool, got {tools!r}")
-    tool_tuple = tuple(tools)
-    seen: set[str] = set()
-    for tool in tool_tuple:
-        if not isinstance(tool, Tool):
-            raise ConfigError(f"plugin {checked!r}: expected a Tool (see define_tool), got {tool!r}")
-        if tool.name in seen:
-            raise ConfigError(f"plugin {checked!r} defines tool {tool.name!r} twice")
-        seen.add(tool.name)
-    return Plugin(checked, middleware, registry, tool_tuple)
+    checked = _check_name(name)  # before the hooks, whose errors name the plugin's source
+    registry = HookRegistry(hooks, source=f"plugin:{checked}")
+    # Plugin checks its parts however it is built; the tools are made a tuple for it here.
+    return Plugin(
+        checked, MiddlewareConfig() if middleware is None else middleware, registry, _plugin_tools(tools, checked)
+    )
 
 
 @attrs.frozen
@@ -274,8 +302,9 @@ def resolve_plugins(
         session_middleware = MiddlewareConfig()
     elif not isinstance(session_middleware, MiddlewareConfig):
         raise ConfigError(f"session middleware must be a MiddlewareConfig, got {session_middleware!r}")
-    if isinstance(plugins, (str, bytes, Mapping)) or not isinstance(plugins, Iterable):
-        raise ConfigError(f"plugins must be a sequence of Plugin, got {plugins!r}")
+    # The order is the layer and hook order: a set of plugins would shuffle it.
+    if not _is_sequence(plugins):
+        raise ConfigError(f"plugins must be a sequence of Plugin (a list or tuple), got {safe_repr(plugins)}")
     plugin_tuple = tuple(plugins)
     names: set[str] = set()
     for plugin in plugin_tuple:
@@ -293,8 +322,8 @@ def resolve_plugins(
     registry: dict[str, RegisteredTool] = {}
 
     def register(tools: object, source_id: str, trust: TrustLevel) -> None:
-        if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Iterable):
-            raise ConfigError(f"{source_id} tools must be a sequence of Tool, got {tools!r}")
+        if not _is_sequence(tools):  # the registry's order is the order tools are offered in
+            raise ConfigError(f"{source_id} tools must be a sequence of Tool (a list or tuple), got {safe_repr(tools)}")
         for tool in tools:
             if not isinstance(tool, Tool):
                 raise ConfigError(f"{source_id} tools: expected a Tool (see define_tool), got {tool!r}")
