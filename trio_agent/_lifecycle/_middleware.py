@@ -425,7 +425,11 @@ def _chunk_events(decision: object, event: RunEvent, label: str) -> Sequence[Run
     )
 
 
-def _abort_call(ctx: RunContext, reason: str) -> Deny:
+def _abort_call(ctx: RunContext, reason: object, hook: str, label: str) -> Deny:
+    if not isinstance(reason, str) or not reason:
+        raise MiddlewareDecisionError(
+            hook, label, f"returned AbortRun with reason {safe_repr(reason)}, not a non-empty str"
+        )
     ctx.abort(reason)
     # What the pipeline answers a call its abort interrupted (`_aborted_result`), in case the
     # abort reaches the call only after this stage returned.
@@ -647,7 +651,7 @@ def _before_decision(ctx: RunContext, decision: object, label: str) -> StageDeci
             )
         return cast("StageDecision", _STAGE_SKIP(_skip_result(decision.result)))
     if isinstance(decision, AbortRun):
-        return _abort_call(ctx, decision.reason)
+        return _abort_call(ctx, decision.reason, "on_before_tool_call", label)
     raise MiddlewareDecisionError(
         "on_before_tool_call", label, f"returned {safe_repr(decision)}; expected None, TransformArgs, Skip or AbortRun"
     )
@@ -657,9 +661,19 @@ def _guard_decision(ctx: RunContext, decision: object, label: str) -> StageDecis
     if decision is None:
         return None
     if isinstance(decision, Refuse):
-        return Deny(decision.message, ToolErrorType.PERMISSION_DENIED, decision.code)
+        # attrs checks no types: a code that is no string would fail the call's settlement.
+        message, code = decision.message, decision.code
+        if not isinstance(message, str) or not message:
+            raise MiddlewareDecisionError(
+                "on_guard_tool_call", label, f"returned Refuse with message {safe_repr(message)}, not a non-empty str"
+            )
+        if not isinstance(code, str) or not code:
+            raise MiddlewareDecisionError(
+                "on_guard_tool_call", label, f"returned Refuse with code {safe_repr(code)}, not a non-empty str"
+            )
+        return Deny(message, ToolErrorType.PERMISSION_DENIED, code)
     if isinstance(decision, AbortRun):
-        return _abort_call(ctx, decision.reason)
+        return _abort_call(ctx, decision.reason, "on_guard_tool_call", label)
     raise MiddlewareDecisionError(
         "on_guard_tool_call", label, f"returned {safe_repr(decision)}; expected None, Refuse or AbortRun"
     )

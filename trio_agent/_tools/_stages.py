@@ -128,7 +128,8 @@ async def decide(
     """The decision of one deciding stage on *request*: a tool's call (the pipeline's stages) or a
     client tool's (`ClientCallStages`, before the call goes to the client). A stage that raises or
     answers nonsense refuses the call (stages fail closed); only a ``before`` stage may `Skip`, and
-    a skip whose result is no JSON fails that call. A `LeaseLostError` goes on only when
+    a skip whose result is no JSON fails that call, as does a `Deny` that cannot end it (`deny_problem`:
+    its message or code of the wrong type or empty). A `LeaseLostError` goes on only when
     *own_lease_lost()* says it is the journal's own: a stage may drive a store of its own."""
     try:
         decision = await callback(request)
@@ -140,8 +141,18 @@ async def decide(
             ToolErrorType.EXECUTION,
             "hook_error",
         )
-    if decision is None or isinstance(decision, (Allow, Deny)):
+    if decision is None or isinstance(decision, Allow):
         return decision
+    if isinstance(decision, Deny):
+        problem = deny_problem(decision)
+        if problem is None:
+            return decision
+        # As a Skip's junk result: that call fails, not the settlement (which would leave it open).
+        return Deny(
+            f"{stage} stage {_stage_name(callback)} returned a Deny whose {problem}",
+            ToolErrorType.EXECUTION,
+            "hook_error",
+        )
     if isinstance(decision, Skip) and stage == "before":
         result = decision.result  # a ToolResult: `Skip` checks it when it is made
         if result_problem(result) is not None:
@@ -153,6 +164,19 @@ async def decide(
         ToolErrorType.EXECUTION,
         "hook_error",
     )
+
+
+def deny_problem(deny: Deny) -> str | None:
+    """Why *deny* cannot end a call (its message not a non-empty string, its code neither ``None``
+    nor one, or its result no JSON the journal can store: `result_problem`), or ``None``. Only a
+    refusal pays for it: a settlement that failed on one would leave its call open."""
+    message, code = deny.message, deny.code
+    if not isinstance(message, str) or not message:
+        return f"message is {safe_repr(message)}, not a non-empty string"
+    if code is not None and (not isinstance(code, str) or not code):
+        return f"code is {safe_repr(code)}, not a non-empty string or None"
+    problem = result_problem(deny.to_result())
+    return None if problem is None else f"result is not JSON: {problem}"
 
 
 def failed_stage_result(problem: str) -> ToolResult:

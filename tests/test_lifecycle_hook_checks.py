@@ -1,0 +1,138 @@
+"""What the loop does with a lifecycle hook's answer before anything holds it, and the loop points
+every run reaches the same way.
+
+* A decision whose fields are of the wrong type (`Refuse`, `AbortRun`, a stage's `Deny`) fails
+  its call alone with ``hook_error``: it never reaches a settlement, which would leave the call open.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trio_agent import ToolResult, chat, define_tool, open_session
+from trio_agent._tools._results import result_problem
+from trio_agent.journal import MemoryStore
+from trio_agent.lifecycle import (
+    AbortRun,
+    ChatMiddleware,
+    Refuse,
+    define_client_tool,
+)
+from trio_agent.models import FinishReason, ToolResultMessage
+from trio_agent.testing import Reply, TestModel
+
+OBJECT: dict[str, Any] = {"type": "object", "properties": {"q": {"type": "string"}}}
+
+
+def make_echo(runs: list[dict[str, Any]]) -> Any:
+    @define_tool(name="echo", description="echoes", side_effect="pure", kind="readonly", input_schema=OBJECT)
+    async def echo(input: dict[str, Any], ctx: Any) -> ToolResult:
+        runs.append(dict(input))
+        return ToolResult.success("echoed")
+
+    return echo
+
+
+def calls_then_text(name: str, args: dict[str, Any] | None = None, *, cut: bool = False) -> TestModel:
+    """Calls *name* once (a reply cut off by its output limit if *cut*), then says what it was answered."""
+
+    def respond(request: Any) -> Reply:
+        last = request.messages[-1]
+        if isinstance(last, ToolResultMessage):
+            return Reply(text="answered: " + last.content)
+        return Reply(tool_calls=[(name, args or {})], finish_reason=FinishReason.LENGTH if cut else None)
+
+    return TestModel(respond=respond)
+
+
+class Guard(ChatMiddleware):
+    def __init__(self, decision: object) -> None:
+        self.decision = decision
+
+    def on_guard_tool_call(self, ctx: Any, call: Any) -> Any:
+        return self.decision
+
+
+# -- decisions whose fields are of the wrong type -----------------------------------------------------------
+
+BAD_GUARD_DECISIONS = [
+    pytest.param(Refuse("no", code=5), "code 5", id="refuse-code-int"),  # type: ignore[arg-type]
+    pytest.param(Refuse("no", code=""), "code ''", id="refuse-code-empty"),
+    pytest.param(Refuse("no", code=None), "code None", id="refuse-code-none"),  # type: ignore[arg-type]
+    pytest.param(Refuse(None), "message None", id="refuse-message-none"),  # type: ignore[arg-type]
+    pytest.param(Refuse(123), "message 123", id="refuse-message-int"),  # type: ignore[arg-type]
+    pytest.param(Refuse(""), "message ''", id="refuse-message-empty"),
+    pytest.param(AbortRun(None), "reason None", id="abort-reason-none"),  # type: ignore[arg-type]
+    pytest.param(AbortRun({"x": 1}), "reason {'x': 1}", id="abort-reason-dict"),  # type: ignore[arg-type]
+]
+
+
+@pytest.mark.parametrize(("decision", "named"), BAD_GUARD_DECISIONS)
+@pytest.mark.parametrize("tool", ["echo", "ask_user"])
+async def test_a_guard_decision_of_the_wrong_type_fails_only_its_call_with_hook_error(
+    decision: object, named: str, tool: str
+) -> None:
+    runs: list[dict[str, Any]] = []
+    client = define_client_tool("ask_user", "asks the user", input_schema=OBJECT)
+    model = calls_then_text(tool)
+    result = await chat(model, "go", tools=[make_echo(runs), client], middleware=[Guard(decision)])
+    assert result.stop_reason.value == "end_turn" and result.paused is None  # not sent to the client either
+    assert runs == []  # the guard fails closed: the tool did not run
+    [answer] = [m for m in result.messages if isinstance(m, ToolResultMessage)]
+    assert answer.is_error
+    assert "on_guard_tool_call of middleware 'Guard'" in answer.content
+    assert f"with {named}" in answer.content
+    assert "MiddlewareDecisionError" in answer.content
+
+
+async def test_a_refuse_whose_code_is_no_string_leaves_no_journalled_call_open() -> None:
+    # The code went into the settlement unchecked: the settlement failed, the call stayed open,
+    # the next send() failed, and recovery on reopen ran the refused (pure) tool.
+    runs: list[dict[str, Any]] = []
+    store = MemoryStore()
+    options: dict[str, Any] = {"model": "m", "tools": [make_echo(runs)], "journal": store, "session_id": "s1"}
+    async with open_session(provider=calls_then_text("echo"), lifecycle=[Guard(Refuse("no", code=5))], **options) as s:  # type: ignore[arg-type]
+        first = await s.send("go")
+        second = await s.send("again")
+    assert "hook_error" not in first  # the model's text: it read the refusal's error, not a crash
+    assert first.startswith("answered: Error: guard stage Guard.on_guard_tool_call failed")
+    assert second.startswith("answered: Error: guard stage Guard.on_guard_tool_call failed")
+    async with open_session(provider=calls_then_text("echo"), lifecycle=[Guard(None)], **options) as s:
+        assert await s.send("third") == "answered: echoed"
+    assert runs == [{}]  # only the third request's call ran: recovery ran nothing
+
+
+@pytest.mark.parametrize(
+    ("deny", "named"),
+    [
+        pytest.param(lambda: _stages_deny("no", code=5), "code is 5", id="code-int"),
+        pytest.param(lambda: _stages_deny("no", code=""), "code is ''", id="code-empty"),
+        pytest.param(lambda: _stages_deny(None), "message is None", id="message-none"),
+        pytest.param(lambda: _stages_deny(""), "message is ''", id="message-empty"),
+    ],
+)
+async def test_a_stage_deny_that_cannot_end_its_call_fails_it_with_hook_error(deny: Any, named: str) -> None:
+    from trio_agent._tools._pipeline import ToolPipeline
+    from trio_agent._tools._stages import ToolStages
+    from trio_agent.testing import call_tool
+
+    runs: list[dict[str, Any]] = []
+
+    async def guard(request: Any) -> Any:
+        return deny()
+
+    pipeline = ToolPipeline([make_echo(runs)], stages=ToolStages(guard=[guard]))
+    record = await call_tool(pipeline, "echo", {"q": "x"})
+    assert runs == []
+    error = record.result.error
+    assert error is not None and error.code == "hook_error"
+    assert f"returned a Deny whose {named}" in error.message
+    assert result_problem(record.result) is None
+
+
+def _stages_deny(message: object, code: object = None) -> Any:
+    from trio_agent._tools._stages import Deny
+
+    return Deny(message, code=code)  # type: ignore[arg-type]
