@@ -3,24 +3,32 @@ every run reaches the same way.
 
 * A decision whose fields are of the wrong type (`Refuse`, `AbortRun`, a stage's `Deny`) fails
   its call alone with ``hook_error``: it never reaches a settlement, which would leave the call open.
+* A cut-off call's replacement (``on_after_tool_call`` / ``on_cut_off_call``) that is no JSON fails
+  that call with ``invalid_result``, as a post_tool stage's replacement does.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
+from tests.test_loop import Fakes, Hooks
 from trio_agent import ToolResult, chat, define_tool, open_session
 from trio_agent._tools._results import result_problem
-from trio_agent.journal import MemoryStore
+from trio_agent.journal import MemoryStore, open_journal
 from trio_agent.lifecycle import (
     AbortRun,
     ChatMiddleware,
+    Phase,
     Refuse,
+    ReplaceResult,
+    Respond,
     define_client_tool,
+    define_interrupt,
 )
-from trio_agent.models import FinishReason, ToolResultMessage
+from trio_agent.models import FinishReason, ToolCallPart, ToolResultMessage, ToolSpec
 from trio_agent.testing import Reply, TestModel
 
 OBJECT: dict[str, Any] = {"type": "object", "properties": {"q": {"type": "string"}}}
@@ -136,3 +144,84 @@ def _stages_deny(message: object, code: object = None) -> Any:
     from trio_agent._tools._stages import Deny
 
     return Deny(message, code=code)  # type: ignore[arg-type]
+
+
+# -- a cut-off call's replacement ---------------------------------------------------------------------------
+
+
+class Replace(ChatMiddleware):
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def on_after_tool_call(self, ctx: Any, info: Any) -> Any:
+        return ReplaceResult(self.value)
+
+
+ASK = define_interrupt("ask", response_schema={"type": "string"})
+
+
+class AskAfterModel(ChatMiddleware):
+    interrupts = (ASK,)
+
+    def on_interrupt_boundary(self, ctx: Any) -> Any:
+        if ctx.phase is Phase.AFTER_MODEL and ctx.parent_run_id is None:
+            return [ASK.request("k", "ok?")]
+        return None
+
+
+def _circular() -> list[Any]:
+    value: list[Any] = []
+    value.append(value)
+    return value
+
+
+@pytest.mark.parametrize("value", [{1, 2}, _circular(), float("nan")], ids=["set", "circular", "nan"])
+async def test_a_cut_off_calls_replacement_that_is_no_json_fails_that_call_with_invalid_result(value: object) -> None:
+    model = calls_then_text("echo", cut=True)
+    result = await chat(model, "go", tools=[make_echo([])], middleware=[Replace(value)])
+    assert result.stop_reason.value == "end_turn"
+    [answer] = [m for m in result.messages if isinstance(m, ToolResultMessage)]
+    assert answer.is_error
+    assert answer.content.startswith("Error: on_after_tool_call of middleware 'Replace' returned a non-JSON result")
+
+
+async def test_a_pause_holding_a_cut_off_calls_bad_replacement_can_be_stored_and_resumed() -> None:
+    middleware = [Replace({1, 2}), AskAfterModel()]
+    async with open_journal(MemoryStore(), session_id="s") as journal:
+        model = calls_then_text("echo", cut=True)
+        first = await chat(model, "go", tools=[make_echo([])], middleware=middleware, journal=journal)
+        assert first.paused is not None
+        [refused] = first.paused.state.refused.values()
+        assert refused.error is not None and refused.error.code == "invalid_result"
+        json.dumps(first.paused.to_json())  # what a client is sent
+        answer = [Respond(first.paused.interrupts[0].id, "yes")]
+        second = await chat(
+            model, resume=first.paused, answers=answer, tools=[make_echo([])], middleware=middleware, journal=journal
+        )
+    assert second.text.startswith("answered: Error: on_after_tool_call of middleware 'Replace' returned a non-JSON")
+
+
+@pytest.mark.parametrize(
+    ("answer", "problem"),
+    [
+        ({"not": "a result"}, "returned {'not': 'a result'}, not a ToolResult"),
+        (ToolResult.success({1, 2}), "returned a non-JSON result: result.output is not JSON: set"),
+    ],
+    ids=["dict", "set-output"],
+)
+async def test_a_lifecycles_cut_off_answer_that_is_no_storable_tool_result_fails_that_call(
+    answer: object, problem: str
+) -> None:
+    class Junk(Hooks):
+        name = "junk"
+
+        async def on_cut_off_call(self, ctx: Any, call: ToolCallPart, result: ToolResult) -> Any:
+            return answer
+
+    fakes = Fakes([Reply(tool_calls=[("add", {"a": 1})], finish_reason=FinishReason.LENGTH), Reply(text="done")])
+    fakes.spec.offered = (ToolSpec("add", "adds", {"type": "object"}),)
+    outcome = await fakes.run(Junk())
+    assert outcome.stop_reason.value == "end_turn"
+    [result] = fakes.results().values()
+    assert result.error is not None and result.error.code == "invalid_result"
+    assert result.error.message == f"on_cut_off_call of junk {problem}"

@@ -83,7 +83,7 @@ from .._loop._ports import RunEventSink
 from .._loop._rules import LoopState
 from .._models._messages import MESSAGE_CLASSES, ToolCallPart, ToolSpec, Usage
 from .._tools import _stages
-from .._tools._results import ToolErrorType, ToolResult, json_copy
+from .._tools._results import ToolErrorType, ToolResult, _unstorable, json_copy, result_problem
 from .._tools._stages import Allow, Deny, StageDecision, StageRequest, ToolStages
 from .._util import safe_repr
 from ._capabilities import (
@@ -599,7 +599,13 @@ class _PartHooks(_Part):
         except Exception:
             _log.warning("on_after_tool_call of %r failed on cut-off call %r", self.name, call.id, exc_info=True)
             return result
-        return result if replaced is None else replaced
+        if replaced is None:
+            return result
+        if result_problem(replaced) is not None:
+            # As a post_tool stage's replacement (`_post_stages`): that call fails, typed, not the run
+            # (nor the pause that holds it, nor the journal record after RunFinished).
+            return _unstorable(replaced, f"on_after_tool_call of middleware {self.name!r} returned")
+        return replaced
 
     async def on_tool_phase_complete(self, ctx: RunContext, outcomes: Sequence[ToolOutcome]) -> None:
         await _call(self.hooks["on_tool_phase_complete"], ctx, ToolPhaseCompleteInfo(tuple(outcomes)))

@@ -18,7 +18,8 @@ tool_stages                 concatenated: before (first decision wins), guard (i
                             until one decides), post (replacements chain)
 client_call_stages          concatenated, as tool_stages' before and guard: a client
                             tool's call, before it is sent to the client
-on_cut_off_call             pipe over the answer
+on_cut_off_call             pipe over the answer (the driver fails that call, invalid_result,
+                            on one that is no storable ToolResult)
 on_tool_phase_complete      all, in order
 on_interrupt_boundary       concatenated, in order: one batch per boundary
 on_interrupt_resolution     all; the most restrictive wins (stop > cancel > continue)

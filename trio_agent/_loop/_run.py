@@ -45,8 +45,9 @@ from .._models._messages import (
 )
 from .._tools._context import CallOrigin, ToolCall
 from .._tools._pipeline import ToolExecutionRecord
-from .._tools._results import ToolResult, json_copy
+from .._tools._results import ToolErrorType, ToolResult, _unstorable, json_copy, result_problem
 from .._tools._stages import Allow, Deny, Skip, decide
+from .._util import safe_repr
 from ._compose import part_name
 from ._context import RunContext
 from ._events import (
@@ -788,7 +789,7 @@ class _Run:
             )
             if isinstance(checked, ToolResult):
                 if checked.error is not None and checked.error.code == "max_tokens":
-                    checked = await hooks.on_cut_off_call(ctx, part, checked)
+                    checked = _cut_off_answer(await hooks.on_cut_off_call(ctx, part, checked), hooks)
                 rejected[part.id] = checked
             else:
                 arguments[part.id] = checked
@@ -1088,6 +1089,21 @@ _tool_result_message: Callable[[str, str, bool], ToolResultMessage] = constructo
 _finished: Callable[[StopReason, str, int, LoopState, Abort | None, PauseState | None, Usage], Finished] = constructor(
     Finished
 )
+
+
+def _cut_off_answer(answer: object, hooks: Lifecycle) -> ToolResult:
+    """What the hooks' ``on_cut_off_call`` left of a cut-off call's answer, as a post_tool stage's
+    replacement is checked: one that is no `ToolResult`, or no JSON the journal and a pause can hold,
+    fails that call (``invalid_result``), never the run. (Chat middleware name themselves first.)"""
+    if not isinstance(answer, ToolResult):
+        return ToolResult.failure(
+            ToolErrorType.EXECUTION,
+            f"on_cut_off_call of {part_name(hooks)} returned {safe_repr(answer)}, not a ToolResult",
+            code="invalid_result",
+        )
+    if result_problem(answer) is not None:
+        return _unstorable(answer, f"on_cut_off_call of {part_name(hooks)} returned")
+    return answer
 
 
 async def _screen_client_call(
