@@ -5,6 +5,7 @@ every run reaches the same way.
   its call alone with ``hook_error``: it never reaches a settlement, which would leave the call open.
 * A cut-off call's replacement (``on_after_tool_call`` / ``on_cut_off_call``) that is no JSON fails
   that call with ``invalid_result``, as a post_tool stage's replacement does.
+* An `InterruptRequest` built directly is held to ``definition.request()``'s checks.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import pytest
 
 from tests.test_loop import Fakes, Hooks
 from trio_agent import ToolResult, chat, define_tool, open_session
+from trio_agent._errors import MiddlewareError
 from trio_agent._tools._results import result_problem
 from trio_agent.journal import MemoryStore, open_journal
 from trio_agent.lifecycle import (
     AbortRun,
     ChatMiddleware,
+    InterruptRequest,
+    MiddlewareDecisionError,
     Phase,
     Refuse,
     ReplaceResult,
@@ -225,3 +229,79 @@ async def test_a_lifecycles_cut_off_answer_that_is_no_storable_tool_result_fails
     [result] = fakes.results().values()
     assert result.error is not None and result.error.code == "invalid_result"
     assert result.error.message == f"on_cut_off_call of junk {problem}"
+
+
+# -- interrupt requests built directly ----------------------------------------------------------------------
+
+PICK = define_interrupt("pick", payload_schema={"type": "object"}, response_schema={"type": "string"})
+
+
+class AskDirectly(ChatMiddleware):
+    interrupts = (PICK,)
+
+    def __init__(self, **fields: Any) -> None:
+        self.fields = fields
+
+    def on_interrupt_boundary(self, ctx: Any) -> Any:
+        if ctx.phase is Phase.BEFORE_MODEL and ctx.parent_run_id is None:
+            return [InterruptRequest(PICK, **self.fields)]
+        return None
+
+
+BAD_REQUESTS = [
+    pytest.param({"key": "k", "message": "m", "payload": {"a": {1, 2}}}, "invalid payload", id="payload-set"),
+    pytest.param({"key": "k", "message": "m", "payload": [1, 2]}, "invalid payload", id="payload-schema"),
+    pytest.param({"key": "k", "message": None}, "message must be a string", id="message-none"),
+    pytest.param({"key": 5, "message": "m"}, "key must be a non-empty string", id="key-int"),
+    pytest.param({"key": "k", "message": "m", "reason": 3}, "reason must be a string", id="reason-int"),
+]
+
+
+@pytest.mark.parametrize(("fields", "problem"), BAD_REQUESTS)
+async def test_an_interrupt_request_built_directly_is_checked_as_request_checks_it(
+    fields: dict[str, Any], problem: str
+) -> None:
+    model = TestModel(default=Reply(text="x"))
+    with pytest.raises(MiddlewareDecisionError, match=f"on_interrupt_boundary of middleware 'AskDirectly'.*{problem}"):
+        await chat(model, "hi", middleware=[AskDirectly(**fields)])
+    assert model.requests == []
+
+
+async def test_a_good_interrupt_request_built_directly_pauses_as_one_from_request() -> None:
+    result = await chat(TestModel(default=Reply(text="x")), "hi", middleware=[AskDirectly(key="k", message="m")])
+    assert result.paused is not None
+    assert [i.id for i in result.paused.interrupts] == ["pick:k"]
+    json.dumps(result.paused.to_json())
+
+
+async def test_a_session_whose_hook_asks_an_invalid_question_is_not_wedged() -> None:
+    # It failed at the journal's run_paused (InvalidTransitionError), after the loop had paused.
+    asked: list[int] = []
+
+    class AskOnce(ChatMiddleware):
+        interrupts = (PICK,)
+
+        def on_interrupt_boundary(self, ctx: Any) -> Any:
+            if ctx.phase is Phase.BEFORE_MODEL and not asked:
+                asked.append(1)
+                return [InterruptRequest(PICK, "k", None)]  # type: ignore[arg-type]
+            return None
+
+    async with open_session(provider=TestModel(default=Reply(text="x")), model="m", lifecycle=[AskOnce()]) as s:
+        with pytest.raises(MiddlewareDecisionError, match="message must be a string"):
+            await s.send("hi")
+        assert s.paused is None
+        assert await s.send("again") == "x"
+
+
+async def test_a_lifecycles_invalid_interrupt_request_fails_the_run_typed() -> None:
+    class Junk(Hooks):
+        name = "junk"
+
+        async def on_interrupt_boundary(self, ctx: Any) -> Any:
+            return [InterruptRequest(PICK, "k", "m", payload={"a": {1}})]
+
+    fakes = Fakes([Reply(text="x")])
+    fakes.spec.interrupts = {"pick": PICK}
+    with pytest.raises(MiddlewareError, match=r"on_interrupt_boundary of junk returned an invalid request: .*payload"):
+        await fakes.run(Junk())

@@ -78,7 +78,7 @@ from .._loop._compose import compose_lifecycle
 from .._loop._context import RunContext
 from .._loop._events import RunEvent
 from .._loop._hooks import NO_HOOKS, ClientCall, ClientCallStages, Finished, Lifecycle, ModelConfig, ToolOutcome
-from .._loop._interrupts import InterruptRequest, InterruptResolutions, ToolResume
+from .._loop._interrupts import InterruptRequest, InterruptResolutions, ToolResume, checked_request
 from .._loop._ports import RunEventSink
 from .._loop._rules import LoopState
 from .._models._messages import MESSAGE_CLASSES, ToolCallPart, ToolSpec, Usage
@@ -501,14 +501,24 @@ class _PartHooks(_Part):
         if requests is None:
             return ()
         if isinstance(requests, InterruptRequest):
-            return (requests,)
-        if not isinstance(requests, (list, tuple)) or not all(isinstance(r, InterruptRequest) for r in requests):
+            requests = (requests,)
+        elif not isinstance(requests, (list, tuple)) or not all(isinstance(r, InterruptRequest) for r in requests):
             raise MiddlewareDecisionError(
                 "on_interrupt_boundary", self.name,
                 f"returned {safe_repr(requests)}; "
                 "expected None or a list of InterruptRequest (definition.request(...))",
             )  # fmt: skip
-        return tuple(requests)
+        checked: list[InterruptRequest] = []
+        for request in requests:
+            # One built directly (not by definition.request) is held to request()'s checks: a pause
+            # must be able to hold it (the journal, to_json), and its payload is what the schema says.
+            try:
+                checked.append(checked_request(request))
+            except ConfigError as exc:
+                raise MiddlewareDecisionError(
+                    "on_interrupt_boundary", self.name, f"returned an invalid InterruptRequest: {exc}"
+                ) from None
+        return tuple(checked)
 
     async def on_interrupt_resolution(self, ctx: RunContext, resolutions: InterruptResolutions) -> ToolResume | None:
         answer = await _call(self.hooks["on_interrupt_resolution"], ctx, resolutions)

@@ -21,7 +21,8 @@ client_call_stages          concatenated, as tool_stages' before and guard: a cl
 on_cut_off_call             pipe over the answer (the driver fails that call, invalid_result,
                             on one that is no storable ToolResult)
 on_tool_phase_complete      all, in order
-on_interrupt_boundary       concatenated, in order: one batch per boundary
+on_interrupt_boundary       concatenated, in order: one batch per boundary (each request
+                            held to InterruptDefinition.request's checks)
 on_interrupt_resolution     all; the most restrictive wins (stop > cancel > continue)
 before_stop                 the first message wins (a message means one more turn)
 should_continue             AND, short-circuit on the first False

@@ -176,13 +176,17 @@ class InterruptDefinition:
             raise ConfigError(f"interrupt {self.id!r}: key must be a non-empty string, got {safe_repr(key)}")
         if not isinstance(message, str):
             raise ConfigError(f"interrupt {self.id!r}: message must be a string, got {safe_repr(message)}")
+        if not isinstance(reason, str):
+            raise ConfigError(f"interrupt {self.id!r}: reason must be a string, got {safe_repr(reason)}")
         if payload is not None:
             if self._payload is None:
                 raise ConfigError(f"interrupt {self.id!r} has no payload_schema: it takes no payload")
             errors = schema_errors(self._payload, payload)
             if errors:
                 raise ConfigError(f"interrupt {self.id!r}: invalid payload: " + "; ".join(errors))
-        return InterruptRequest(self, key, message, reason, payload)
+        request = InterruptRequest(self, key, message, reason, payload)
+        object.__setattr__(request, "_checked", True)
+        return request
 
     def response_errors(self, value: object) -> tuple[str, ...]:
         return schema_errors(self._response, value)
@@ -197,13 +201,35 @@ def define_interrupt(
 
 @attrs.frozen
 class InterruptRequest:
-    """What ``on_interrupt_boundary`` returns (built by `InterruptDefinition.request`)."""
+    """What ``on_interrupt_boundary`` returns (built by `InterruptDefinition.request`, which checks
+    it; one built directly is checked by the same rules when a hook returns it: `checked_request`)."""
 
     definition: InterruptDefinition
     key: str
     message: str
     reason: str = ""
     payload: Any = None
+    # Set only by `InterruptDefinition.request`: what it built is not checked again.
+    _checked: bool = attrs.field(default=False, init=False, eq=False, repr=False)
+
+
+def checked_request(request: object) -> InterruptRequest:
+    """*request* as its definition's `InterruptDefinition.request` checks it (that one's own, as it is;
+    one built directly, rebuilt through it): a `ConfigError` saying what is wrong, never a request a
+    pause cannot hold (a payload that is no JSON, or that its ``payload_schema`` refuses, a key or a
+    message that is no string)."""
+    if not isinstance(request, InterruptRequest):
+        raise ConfigError(
+            f"{safe_repr(request)} is not an InterruptRequest (build one with an InterruptDefinition's request())"
+        )
+    if request._checked:
+        return request
+    definition = request.definition
+    if not isinstance(definition, InterruptDefinition):
+        raise ConfigError(
+            f"an InterruptRequest's definition must be an InterruptDefinition, got {safe_repr(definition)}"
+        )
+    return definition.request(request.key, request.message, reason=request.reason, payload=request.payload)
 
 
 @attrs.frozen(eq=False)

@@ -19,6 +19,7 @@ from .._abort import Abort, AbortHandle, AbortReason
 from .._builders import constructor
 from .._cleanup import bounded_shield
 from .._errors import (
+    ConfigError,
     JournalError,
     LeaseLostError,
     MiddlewareError,
@@ -89,7 +90,6 @@ from ._interrupts import (
     Interrupt,
     InterruptIssue,
     InterruptKind,
-    InterruptRequest,
     InterruptResolution,
     InterruptResolutions,
     InterruptResumeError,
@@ -98,6 +98,7 @@ from ._interrupts import (
     ToolResume,
     answered_without_running,
     approval_interrupt,
+    checked_request,
     client_tool_interrupt,
     generic_interrupt,
     validate_answers,
@@ -486,11 +487,14 @@ class _Run:
             self._pause(phase, batch, calls, rejected or {})
 
     def _generic(self, request: object) -> Interrupt:
-        if not isinstance(request, InterruptRequest):
+        # Chat middleware hand back what `checked_request` passed (checked once); any other part's
+        # requests are held to the same rules here, before a pause (or its journal record) holds one.
+        try:
+            request = checked_request(request)
+        except ConfigError as exc:
             raise MiddlewareError(
-                f"on_interrupt_boundary returned {request!r}; expected InterruptRequest values "
-                "(built with an InterruptDefinition's request())"
-            )
+                f"on_interrupt_boundary of {part_name(self.hooks)} returned an invalid request: {exc}"
+            ) from None
         if not self.spec.can_pause:
             raise MiddlewareError(
                 f"on_interrupt_boundary asked {request.definition.id!r} in a run that cannot pause "
