@@ -6,6 +6,7 @@ every run reaches the same way.
 * A cut-off call's replacement (``on_after_tool_call`` / ``on_cut_off_call``) that is no JSON fails
   that call with ``invalid_result``, as a post_tool stage's replacement does.
 * An `InterruptRequest` built directly is held to ``definition.request()``'s checks.
+* Every ``on_config`` starts from the run's own config: a hook that adds to it adds once per call.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from trio_agent.lifecycle import (
     define_client_tool,
     define_interrupt,
 )
-from trio_agent.models import FinishReason, ToolCallPart, ToolResultMessage, ToolSpec
+from trio_agent.models import FinishReason, SystemMessage, ToolCallPart, ToolResultMessage, ToolSpec
 from trio_agent.testing import Reply, TestModel
 
 OBJECT: dict[str, Any] = {"type": "object", "properties": {"q": {"type": "string"}}}
@@ -305,3 +306,38 @@ async def test_a_lifecycles_invalid_interrupt_request_fails_the_run_typed() -> N
     fakes.spec.interrupts = {"pick": PICK}
     with pytest.raises(MiddlewareError, match=r"on_interrupt_boundary of junk returned an invalid request: .*payload"):
         await fakes.run(Junk())
+
+
+# -- on_config's starting config ----------------------------------------------------------------------------
+
+EXTRA = ToolSpec("lookup", "looks things up", {"type": "object"})
+
+
+async def test_every_on_config_starts_from_the_runs_own_config() -> None:
+    seen: list[tuple[str, list[str], str, dict[str, Any], dict[str, Any]]] = []
+
+    class AddTool(ChatMiddleware):
+        def on_config(self, ctx: Any, config: Any) -> Any:
+            seen.append(
+                (ctx.phase.value, [t.name for t in config.tools], config.instructions, dict(config.options),
+                 dict(config.metadata))
+            )  # fmt: skip
+            return {
+                "tools": [*config.tools, EXTRA],
+                "instructions": config.instructions + " +x",
+                "options": {**config.options, "n": config.options.get("n", 0) + 1},
+                "metadata": {**config.metadata, "m": config.metadata.get("m", 0) + 1},
+            }
+
+    model = calls_then_text("echo")
+    result = await chat(model, "go", tools=[make_echo([])], instructions="Be brief.", middleware=[AddTool()])
+    assert result.text == "answered: echoed"
+    metadata = seen[0][4]
+    assert "m" not in metadata  # the run's own (its ids)
+    base: tuple[Any, ...] = (["echo"], "Be brief.", {}, metadata)
+    assert seen == [("init", *base), ("before_model", *base), ("before_model", *base)]
+    for request in model.requests:  # each call carries the one change of its own on_config
+        assert [t.name for t in request.tools] == ["echo", "lookup"]
+        assert request.options == {"n": 1}
+        assert request.metadata == {**metadata, "m": 1}
+        assert request.messages[0] == SystemMessage("Be brief. +x")

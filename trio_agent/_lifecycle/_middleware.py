@@ -15,7 +15,8 @@ Rules
   ===========================  =====================================================
   setup                        all
   on_config                    pipe; ``None`` passes, a dict is shallow-merged, a
-                               `ModelConfig` replaces
+                               `ModelConfig` replaces; each call starts from the run's
+                               own config
   on_structured_output_config  pipe, like on_config (`apply_structured_output_config`)
   on_start, on_iteration       all
   on_chunk                     pipe per event: ``None`` keeps, an event replaces, a
@@ -195,7 +196,8 @@ class ChatMiddleware:
 
     def on_config(self, ctx: RunContext, config: ModelConfig) -> MaybeAwaitable[ConfigChange]:
         """Before the run (phase init) and before every model call; keys: ``instructions``,
-        ``messages``, ``tools``, ``options``, ``metadata``."""
+        ``messages``, ``tools``, ``options``, ``metadata``. Each call starts from the run's own
+        config (never an earlier call's answer): a change applies to that call alone."""
         return None
 
     def on_structured_output_config(

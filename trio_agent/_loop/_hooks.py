@@ -9,7 +9,8 @@ the parts that define it, with the spec's composition rule for each:
 hook                        composition
 ==========================  ============================================================
 setup                       all, in order
-on_config                   pipe (each sees the previous one's config)
+on_config                   pipe (each sees the previous one's config); every call starts
+                            from the run's own config, never an earlier call's answer
 on_start, on_iteration      all, in order
 wrap_events                 pipe of sink decorators (none defined: the sink unchanged)
 on_model_error              any part asking to retry retries (at most 2 per model call)

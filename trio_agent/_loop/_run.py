@@ -288,6 +288,8 @@ class _Run:
         self.turn_offset = 0  # a continuation numbers its own turns from 1 (set in `_continue`)
         self.asks_at_boundaries = defines(hooks, "on_interrupt_boundary")
         self._history: Sequence[Message] = ()  # the history view `_config` handed out last
+        self._configures = defines(hooks, "on_config")
+        self._metadata: dict[str, Any] | None = None  # `_config`'s copy of the run's model metadata
         self.turn_inputs: list[str] = []  # what joined the current turn (kept by a pause before the model)
         self.turn_finish: FinishReason | None = None  # why the current turn's reply finished
         self.approved: dict[str, dict[str, Any]] = {}  # call id -> the arguments a person approved
@@ -307,14 +309,15 @@ class _Run:
 
     async def loop(self) -> Finished:
         spec, ports, hooks, ctx = self.spec, self.ports, self.hooks, self.ctx
-        config = await hooks.on_config(ctx, self._config())
+        # What it returns shapes no call: every call's on_config starts from the run's own (`_config`).
+        await hooks.on_config(ctx, self._config())
         entry = await self._resolve(self.resume) if self.resume is not None else None
         await hooks.on_start(ctx)
         if not self.quiet:
             await self.events(RunStarted(spec.run_id, spec.agent_id, spec.thread_id))
         try:
             if entry is not None:
-                outcome = await self._continue(entry, config)
+                outcome = await self._continue(entry)
                 if outcome is not None:
                     return outcome
             while True:
@@ -331,7 +334,7 @@ class _Run:
                 ctx.iteration = turn - 1
                 ctx.phase = Phase.BEFORE_MODEL
                 await hooks.on_iteration(ctx, turn - 1, message_id)
-                config = await hooks.on_config(ctx, self._config(config))
+                config = await hooks.on_config(ctx, self._config())
                 outcome = await self._turn(turn, message_id, config, inputs, steering)
                 if outcome is not None:
                     return outcome
@@ -663,7 +666,7 @@ class _Run:
         self.turn_offset = pause.turns - (1 if reopens else 0)
         return _Entry(pause, answered, resumed)
 
-    async def _continue(self, entry: _Entry, config: ModelConfig) -> Finished | None:
+    async def _continue(self, entry: _Entry) -> Finished | None:
         """Go on from where the run paused; ``None``: go on with the next turn."""
         pause, ports, ctx = entry.pause, self.ports, self.ctx
         pending = list(pause.pending_calls)
@@ -680,7 +683,7 @@ class _Run:
         steering = AbortHandle()
         if phase is Phase.BEFORE_MODEL:
             ctx.phase = Phase.BEFORE_MODEL
-            config = await self.hooks.on_config(ctx, self._config(config))
+            config = await self.hooks.on_config(ctx, self._config())
             message_id = f"{self._turn_id(turn)}-m{next(_message_ids)}"
             # The turn's input is in the conversation (and journalled with run_paused) already.
             return await self._turn(turn, message_id, config, [], steering, asked=True)
@@ -723,15 +726,20 @@ class _Run:
             usage = usage + reported
         return _finished(reason, self.text, self.turns, self.state, abort, pause, usage)
 
-    def _config(self, previous: ModelConfig | None = None) -> ModelConfig:
+    def _config(self) -> ModelConfig:
+        """The run's own config, where every ``on_config`` starts (init, each model call, each retry;
+        ``chat()``'s structured-output call too): what a hook returns shapes that call alone, so a
+        hook that adds to it adds once per call, not once more per call."""
         spec = self.spec
-        instructions = spec.instructions()
         # The history without the system prompt: the prompt is ``instructions``, which a hook may
         # change; the model call puts it first (`_messages`).
         messages = self._history = self.ports.conversation.view(())
-        if previous is None:
-            return _model_config(instructions, messages, spec.offered, {}, dict(spec.model_metadata))
-        return _model_config(instructions, messages, previous.tools, previous.options, previous.metadata)
+        metadata = self._metadata
+        if metadata is None or self._configures:
+            # A hook's own copy each call (one it changed in place must not reach the next call);
+            # with no on_config hook nothing changes it, and the run's one copy serves every call.
+            metadata = self._metadata = dict(spec.model_metadata)
+        return _model_config(spec.instructions(), messages, spec.offered, {}, metadata)
 
     def _messages(self, config: ModelConfig) -> Sequence[Message]:
         """What the model call sends: the config's instructions as the system prompt, then its messages."""
@@ -772,7 +780,7 @@ class _Run:
                 if attempt <= MAX_MODEL_RETRIES and await self._wants_retry(failure.error):
                     attempt += 1
                     ctx.phase = Phase.BEFORE_MODEL  # the retried call is configured as the first was
-                    config = await hooks.on_config(ctx, self._config(config))
+                    config = await hooks.on_config(ctx, self._config())
                     continue
                 raise failure.error from None
             if reply is None:
