@@ -7,6 +7,7 @@ every run reaches the same way.
   that call with ``invalid_result``, as a post_tool stage's replacement does.
 * An `InterruptRequest` built directly is held to ``definition.request()``'s checks.
 * Every ``on_config`` starts from the run's own config: a hook that adds to it adds once per call.
+* A continuation that resumes before the model call runs ``on_iteration``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from trio_agent.lifecycle import (
     Refuse,
     ReplaceResult,
     Respond,
+    TextMessageStart,
     define_client_tool,
     define_interrupt,
 )
@@ -341,3 +343,45 @@ async def test_every_on_config_starts_from_the_runs_own_config() -> None:
         assert request.options == {"n": 1}
         assert request.metadata == {**metadata, "m": 1}
         assert request.messages[0] == SystemMessage("Be brief. +x")
+
+
+# -- on_iteration on a continuation -------------------------------------------------------------------------
+
+
+async def test_a_continuation_that_resumes_before_the_model_call_runs_on_iteration_first() -> None:
+    log: list[tuple[str, str, Any]] = []
+
+    class Log(ChatMiddleware):
+        interrupts = (ASK,)
+
+        def on_iteration(self, ctx: Any, info: Any) -> None:
+            log.append((ctx.run_id, "on_iteration", (info.iteration, info.message_id)))
+
+        def on_config(self, ctx: Any, config: Any) -> None:
+            log.append((ctx.run_id, "on_config", ctx.phase.value))
+
+        def on_interrupt_boundary(self, ctx: Any) -> Any:
+            if ctx.phase is Phase.BEFORE_MODEL and ctx.parent_run_id is None:
+                return [ASK.request("k", "go on?")]
+            return None
+
+        def on_chunk(self, ctx: Any, event: Any) -> None:
+            if isinstance(event, TextMessageStart):
+                log.append((ctx.run_id, "TextMessageStart", event.message_id))
+
+    model = TestModel(default=Reply(text="hello"))
+    first = await chat(model, "hi", middleware=[Log()])
+    assert first.paused is not None
+    log.clear()
+    answer = [Respond(first.paused.interrupts[0].id, "yes")]
+    second = await chat(model, resume=first.paused, answers=answer, middleware=[Log()])
+    assert second.text == "hello"
+    [(_, _, (iteration, message_id))] = [entry for entry in log if entry[1] == "on_iteration"]
+    assert iteration == 0
+    assert [entry[1:] for entry in log] == [
+        ("on_config", "init"),
+        ("on_iteration", (0, message_id)),
+        ("on_config", "before_model"),
+        ("TextMessageStart", message_id),  # the message on_iteration was told of
+    ]
+    assert len({entry[0] for entry in log}) == 1  # all the continuation's

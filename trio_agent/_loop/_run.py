@@ -683,8 +683,10 @@ class _Run:
         steering = AbortHandle()
         if phase is Phase.BEFORE_MODEL:
             ctx.phase = Phase.BEFORE_MODEL
-            config = await self.hooks.on_config(ctx, self._config())
+            # A new assistant message: its iteration starts as every turn's does (`loop`).
             message_id = f"{self._turn_id(turn)}-m{next(_message_ids)}"
+            await self.hooks.on_iteration(ctx, turn - 1, message_id)
+            config = await self.hooks.on_config(ctx, self._config())
             # The turn's input is in the conversation (and journalled with run_paused) already.
             return await self._turn(turn, message_id, config, [], steering, asked=True)
         # Paused after the reply or before its tools: the tool phase of that reply, in a turn of its own.
