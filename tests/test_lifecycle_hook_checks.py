@@ -8,6 +8,7 @@ every run reaches the same way.
 * An `InterruptRequest` built directly is held to ``definition.request()``'s checks.
 * Every ``on_config`` starts from the run's own config: a hook that adds to it adds once per call.
 * A continuation that resumes before the model call runs ``on_iteration``.
+* A change ``on_before_tool_call`` makes to a client tool's ``call.args`` in place is taken.
 """
 
 from __future__ import annotations
@@ -385,3 +386,32 @@ async def test_a_continuation_that_resumes_before_the_model_call_runs_on_iterati
         ("TextMessageStart", message_id),  # the message on_iteration was told of
     ]
     assert len({entry[0] for entry in log}) == 1  # all the continuation's
+
+
+# -- a client tool's in-place edit in on_before_tool_call ------------------------------------------------------
+
+
+class EditInPlace(ChatMiddleware):
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def on_before_tool_call(self, ctx: Any, call: Any) -> None:
+        call.args["q"] = self.value
+
+
+async def test_a_client_tools_args_edited_in_place_before_the_call_are_sent_to_the_client() -> None:
+    client = define_client_tool("client", "asks the client", input_schema=OBJECT)
+    model = calls_then_text("client", {"q": "model"})
+    result = await chat(model, "go", tools=[client], middleware=[EditInPlace("edited in place")])
+    assert result.paused is not None
+    [interrupt] = result.paused.interrupts
+    assert interrupt.input == {"q": "edited in place"}
+
+
+async def test_a_client_tools_args_edited_in_place_are_checked_by_its_schema_next() -> None:
+    client = define_client_tool("client", "asks the client", input_schema=OBJECT)
+    model = calls_then_text("client", {"q": "model"})
+    result = await chat(model, "go", tools=[client], middleware=[EditInPlace(5)])
+    assert result.paused is None  # not sent: the schema refused what the hook left
+    [answer] = [m for m in result.messages if isinstance(m, ToolResultMessage)]
+    assert answer.is_error and "invalid input for tool 'client'" in answer.content

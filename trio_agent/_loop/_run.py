@@ -1133,7 +1133,9 @@ async def _screen_client_call(
     current = args
     if stages is not None:
         for stage in stages.before:
-            decision = await decide("before", stage, ClientCall(part.name, part.id, json_copy(current)), own_lease_lost)
+            # The call's own input, as the pipeline's before stages get it: a change made in place is
+            # taken (the schema checks it next), as a transform is.
+            decision = await decide("before", stage, ClientCall(part.name, part.id, current), own_lease_lost)
             if isinstance(decision, Deny):
                 return decision.to_result()
             if isinstance(decision, Skip):
