@@ -319,6 +319,16 @@ async def test_release_on_exit_lets_another_owner_in_at_once(autojump_clock: tri
         await second.append(accepted("r2"))
 
 
+async def test_a_heartbeat_just_within_the_local_validity_keeps_the_lease(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The bound is the local validity (90% of the TTL), not stricter: an interval below it renews in time.
+    store = MemoryStore(clock=trio.current_time)
+    async with open_journal(store, session_id=SID, lease_ttl=10, heartbeat_interval=8.9) as journal:
+        await trio.sleep(100)
+        journal.check_ownership()
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -333,6 +343,9 @@ async def test_release_on_exit_lets_another_owner_in_at_once(autojump_clock: tri
         {"lease_ttl": 10, "heartbeat_interval": 10},
         {"lease_ttl": 10, "heartbeat_interval": 11},
         {"lease_ttl": 10, "heartbeat_interval": 0},
+        # Past 90% of the TTL a renewal always comes after the lease ran out locally.
+        {"lease_ttl": 1.0, "heartbeat_interval": 0.95},
+        {"lease_ttl": 10, "heartbeat_interval": 9},
         {"takeover_timeout": -1},
         {"commit_grace": 0},
         {"session_id": "a/b"},

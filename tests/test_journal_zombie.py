@@ -106,7 +106,7 @@ async def test_a_paused_old_owner_never_performs_an_effect_the_journal_says_did_
     async def old_owner() -> None:
         try:
             # A long TTL and heartbeat: while "paused" it renews nothing and notices nothing.
-            async with open_journal(store, session_id=SID, owner="old", lease_ttl=1000, heartbeat_interval=900) as old:
+            async with open_journal(store, session_id=SID, owner="old", lease_ttl=1000, heartbeat_interval=800) as old:
                 origin = await start_turn(old)
                 pipeline = ToolPipeline([tool], journal=old)
                 await pipeline.execute(ToolCall("c1", "pay", {}), origin)

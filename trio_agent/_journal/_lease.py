@@ -79,8 +79,13 @@ def check_timing(lease_ttl: float, heartbeat_interval: float | None) -> tuple[fl
     """``(lease_ttl, heartbeat_interval)`` checked; the interval defaults to a third of the TTL."""
     ttl = check_seconds("lease_ttl", lease_ttl)
     interval = check_seconds("heartbeat_interval", heartbeat_interval if heartbeat_interval is not None else ttl / 3)
-    if interval >= ttl:
-        raise ConfigError(f"heartbeat_interval ({interval}) must be shorter than lease_ttl ({ttl})")
+    # A lease counts as held for VALID_SHARE of its TTL after each renewal was sent: a renewal due
+    # later always comes too late, and every such session would lose its lease on its own.
+    if interval >= VALID_SHARE * ttl:
+        raise ConfigError(
+            f"heartbeat_interval ({interval}) must be shorter than {VALID_SHARE:g} x lease_ttl ({ttl}): "
+            f"a lease counts as held for {VALID_SHARE:.0%} of its TTL after each renewal is sent"
+        )
     return ttl, interval
 
 
