@@ -438,6 +438,25 @@ def test_denied_permission_blocks_start(verdict: PermissionDecision) -> None:
     s.add(decision(ToolRecoveryAction.CANCEL), cancelled())
 
 
+def test_a_durable_grant_is_an_allow_or_a_start_and_a_call_without_one_may_be_asked_on_its_re_run() -> None:
+    # Recovery re-runs a call without asking again when it holds a grant (the journal takes one ask
+    # per call); a call scheduled with no permission asked yet is asked on its re-run, as live.
+    s = in_turn().add(scheduled())
+    assert not s.p.permission_granted("c1") and not s.p.permission_granted("nope")
+    s.add(decision(ToolRecoveryAction.RUN), PermissionRequested(**RT, call_id="c1", permission_id="c1:permission"))
+    assert not s.p.permission_granted("c1")  # pending
+    s.add(PermissionResolved(**RT, call_id="c1", permission_id="c1:permission", decision=PermissionDecision.ALLOW))
+    assert s.p.permission_granted("c1")
+    s.reject(PermissionRequested(**RT, call_id="c1", permission_id="c1:permission"), "allowed")
+    s.add(started(), scheduled("c2"), started("c2"))
+    assert s.p.permission_granted("c2")  # started without an ask (a rule or the mode let it through)
+    s.add(completed("c2"))
+    assert not s.p.permission_granted("c2")  # settled: nothing to re-run
+    s.add(scheduled("c3"), PermissionRequested(**RT, call_id="c3", permission_id="c3:permission"))
+    s.add(PermissionResolved(**RT, call_id="c3", permission_id="c3:permission", decision=PermissionDecision.DENY))
+    assert not s.p.permission_granted("c3")
+
+
 # ---------------------------------------------------------------- recovery decisions
 
 

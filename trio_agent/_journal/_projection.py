@@ -50,7 +50,9 @@ Everything that decides a transition lives in this file, in the tables
   start's side effect (that of the final input) replaces the scheduled one,
   wider or narrower: recovery judges what was started.
 * Permission: requested (call scheduled, not started, none pending) ->
-  resolved (same permission id) with allow | deny | cancel; at most one per call.
+  resolved (same permission id) with allow | deny | cancel; at most one per call, so a
+  recovery re-run of a call that holds a grant (`Projection.permission_granted`) is not
+  asked again.
 * Recovery decision: only for an unsettled call and only the action its state
   and side effect allow (``_TOOL_DECISIONS``): never a re-run of a started
   ``non_idempotent`` call.
@@ -889,6 +891,20 @@ class Projection:
     def approved_calls(self) -> frozenset[str]:
         """The calls a person approved by resuming a paused request."""
         return self._s.approved
+
+    def permission_granted(self, call_id: str) -> bool:
+        """Whether unsettled call *call_id* holds a durable grant, which answers the ask of a
+        recovery re-run (a call is asked at most once: its permission id is the call's): a person
+        approved it (`approved_calls`), a handler or hook allowed it (``permission_resolved``
+        allow), or it started (nothing starts unless it was let through)."""
+        record = self._s.tools.get(call_id)
+        if record is None or record.state.settled:
+            return False
+        return (
+            record.state is ToolState.STARTED
+            or record.permission is PermissionState.ALLOWED
+            or call_id in self._s.approved
+        )
 
     def _prompt(self, envelope: EventEnvelope, event: PromptSubmitted, apply: bool) -> None:
         if self._s.active_request != event.request_id:

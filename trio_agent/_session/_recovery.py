@@ -15,6 +15,10 @@ Rules
   the opener keeps them (a worker taking a session over), the requests: accepted ones
   stay runnable and started ones go on from their last durable point
   (`Session.serve_request`).
+* A re-run call whose permission was durably granted (a person's approval, a handler's or
+  hook's allow, or its start) is not asked again (one ask per call): the grant answers the
+  table's ask, and the table's denies still hold. A started call runs with the input it
+  started with. Any other call's permission is decided, and asked, as live.
 * What the model must learn (recovery notes, background subagents whose outcome it
   never saw) goes to the root's inbox, so it is recorded with its next model call. The
   notes are read from the journal, so a crash during recovery loses none: the re-runs and
@@ -45,10 +49,13 @@ from .._journal._events import (
 )
 from .._journal._projection import RequestState, SessionState, ToolState, TurnState
 from .._models._messages import Message
-from .._permissions._rules import PermissionMode, PermissionUpdate, update_from_json
+from .._permissions._engine import PermissionEngine
+from .._permissions._rules import PermissionAllow, PermissionMode, PermissionUpdate, update_from_json
+from .._permissions._table import AskNeeded
 from .._tools._context import CallOrigin, ToolCall
 from .._tools._definition import Tool
-from .._tools._stages import Allow
+from .._tools._results import JsonObject, json_copy
+from .._tools._stages import StageDecision, StageRequest, ToolStages
 from ._endings import request_is_open
 from ._host import SessionHost
 from ._requests import _Agent
@@ -99,13 +106,6 @@ async def begin_life(
         # A new life on the same streams: the conversation is rebuilt from the journal below.
         life.number += 1
         await journal.append(SessionReopened(session_id=host.session_id, life=life.number))
-    # A call a person approved keeps its approval when recovery runs it again.
-    for agent_id in journal.agents:
-        projection = journal.projection(agent_id)
-        for call_id in projection.approved_calls():
-            record = projection.live_tool(call_id)  # an ended request's calls are settled: not read
-            if record is not None and not record.state.settled:
-                host.decided[agent_id, call_id] = Allow()
     # The session's rules as the journal holds them before anything runs again: recovery re-runs
     # calls through the live permission stage, which must see the rules of the last life.
     if created_now:
@@ -134,6 +134,46 @@ async def _journal_starting_mode(host: SessionHost) -> None:
     engine = host.permissions
     if engine is not None and engine.mode is not PermissionMode.DEFAULT:
         await engine.set_mode(engine.mode)
+
+
+def _granted_stages(host: SessionHost, agent_id: str, call_id: str) -> ToolStages | None:
+    """For the re-run of a call whose permission was durably granted (`Projection.permission_granted`):
+    a last ``pre_tool`` stage that decides its permission for the permission stage, which asks
+    nobody then. ``None`` for any other call: its permission stage decides (and may ask) as live."""
+    engine = host.permissions
+    journal = host.journal
+    if engine is None or not journal.projection(agent_id).permission_granted(call_id):
+        return None
+    call = journal.call(call_id, agent_id)
+    started = call.started_input if call is not None else None
+    return ToolStages(pre_tool=[_Granted(engine, host.decided, started).stage])
+
+
+@attrs.frozen
+class _Granted:
+    """The permission of a recovery re-run whose call holds a durable grant.
+
+    The call may not be asked again: its one ask was answered (its permission id is the call's,
+    and the journal takes one ask per call), or it started, which it did only once let through.
+    So the grant answers the ask, but the table is walked again, under the rules the journal
+    holds: a deny (a rule added since, plan mode) still denies, as for a person's approval
+    (`PermissionEngine.conclude`). A call that started is judged on, and runs with, the input it
+    started with: what its grant covered (a handler's edit included), and what a re-run under the
+    same idempotency key must repeat. The decision goes to the permission stage through
+    `SessionHost.decided`, as a continuation's approvals do.
+    """
+
+    engine: PermissionEngine
+    decided: dict[tuple[str, str], StageDecision]
+    started_input: JsonObject | None
+
+    async def stage(self, request: StageRequest) -> None:
+        tool, context, engine = request.tool, request.context, self.engine
+        given = request.input if self.started_input is None else json_copy(self.started_input)
+        verdict = await engine.evaluate(tool, given, context)
+        if isinstance(verdict, AskNeeded):
+            verdict = await engine.conclude(tool, verdict, context, PermissionAllow())
+        self.decided[context.agent_id, context.tool_call_id] = verdict.to_stage_decision(request.input)
 
 
 def _only_created(journal: DurableJournal) -> bool:
@@ -195,11 +235,16 @@ async def _recover(
         try:
             for scheduled in report.to_execute:
                 origin = CallOrigin(host.session_id, agent_id, scheduled.request_id, scheduled.turn_id)
-                record = await host.pipeline.execute(
-                    ToolCall(scheduled.call_id, scheduled.tool_name, dict(scheduled.model_input)),
-                    origin,
-                    idempotency_key=scheduled.idempotency_key,
-                )
+                try:
+                    record = await host.pipeline.execute(
+                        ToolCall(scheduled.call_id, scheduled.tool_name, dict(scheduled.model_input)),
+                        origin,
+                        idempotency_key=scheduled.idempotency_key,
+                        stages=_granted_stages(host, agent_id, scheduled.call_id),
+                    )
+                finally:
+                    # Taken by the permission stage, unless an earlier stage ended the call.
+                    host.decided.pop((agent_id, scheduled.call_id), None)
                 life.notes.append(
                     f"re-ran {scheduled.tool_name} call {scheduled.call_id}: {'ok' if record.result.ok else 'error'}"
                 )
