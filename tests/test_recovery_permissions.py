@@ -26,6 +26,7 @@ from trio_agent import (
 )
 from trio_agent._journal._events import (
     PermissionRequested,
+    PermissionResolved,
     ToolCancelled,
     ToolCompleted,
     ToolFailed,
@@ -173,6 +174,48 @@ async def test_a_started_call_runs_again_with_the_input_its_handler_allowed() ->
     assert ran == [{"p": "safe"}, {"p": "safe"}]
     started = [e.input for e in await events_of(store, "s") if isinstance(e, ToolStarted)]
     assert started == [{"p": "safe"}, {"p": "safe"}]
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_a_call_that_had_not_started_runs_with_the_input_its_handler_allowed(kind: str, tmp_path: Path) -> None:
+    # Crash before the start: only the answer knew of the handler's edit, and the re-run ran the
+    # model's own input under the grant, which nobody allowed. The answer now records what it allowed.
+    asks: list[str] = []
+    ran: list[dict[str, Any]] = []
+
+    async def handler(request: PermissionRequest) -> PermissionAllow:
+        asks.append(request.tool_call_id)
+        return PermissionAllow(updated_input={"p": "safe"})
+
+    options: dict[str, Any] = {
+        "provider": model({"p": "anywhere"}), "tools": [write_tool(ran)], "permission_handler": handler,
+    }  # fmt: skip
+    async with store_of(kind, tmp_path) as store:
+        await live_then_crash(store, at(ToolStarted), **options)
+        [call_id] = asks
+        assert ran == []
+        async with open_session(journal=store, session_id="s", **options) as session:
+            assert session.recovery_notes == [f"re-ran write_file call {call_id}: ok"]
+        events = await events_of(store, "s")
+    assert asks == [call_id] and ran == [{"p": "safe"}]
+    [resolved] = [e for e in events if isinstance(e, PermissionResolved)]
+    assert resolved.input == {"p": "safe"}
+    assert [e.input for e in events if isinstance(e, ToolStarted)] == [{"p": "safe"}]
+
+
+async def test_an_answer_that_keeps_the_asked_input_records_none() -> None:
+    # Only a changed input is recorded (old journals have none: the asked input).
+    async def handler(request: PermissionRequest) -> PermissionAllow:
+        return PermissionAllow()
+
+    store = MemoryStore()
+    ran: list[dict[str, Any]] = []
+    async with open_session(
+        journal=store, session_id="s", provider=model({"p": "a"}), tools=[write_tool(ran)], permission_handler=handler
+    ) as session:
+        await session.send("go")
+    [resolved] = [e for e in await events_of(store, "s") if isinstance(e, PermissionResolved)]
+    assert resolved.input is None and ran == [{"p": "a"}]
 
 
 async def test_a_started_call_nobody_was_asked_about_is_not_asked_on_its_re_run() -> None:

@@ -458,6 +458,10 @@ class PermissionResolved:
     call_id: str = _id()
     permission_id: str = _id()
     decision: PermissionDecision = attrs.field(validator=attrs.validators.instance_of(PermissionDecision))
+    # The input an allow covers when the answer changed it (a handler's or hook's updated_input):
+    # a recovery re-run of the call runs that, not the model's. None: the asked input (and every
+    # journal written before it existed).
+    input: JsonObject | None = attrs.field(default=None, validator=_optional_json_object)
 
 
 @attrs.frozen(kw_only=True)

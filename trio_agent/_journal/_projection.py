@@ -341,6 +341,7 @@ class ToolRecord:
     permission_id: str | None = None
     decision: ToolRecoveryAction | None = None
     rerun_allowed: bool = False
+    allowed_input: dict[str, Any] | None = None  # what a permission answer allowed, if it changed the input
 
 
 @attrs.define
@@ -400,6 +401,7 @@ _new_tool_record: Callable[
         str | None,
         ToolRecoveryAction | None,
         bool,
+        dict[str, Any] | None,
     ],
     ToolRecord,
 ] = constructor(ToolRecord)
@@ -408,7 +410,7 @@ _new_tool_record: Callable[
 def _tool_record(event: ToolScheduled, state: ToolState, seq: int) -> ToolRecord:
     return _new_tool_record(
         event.call_id, event.request_id, event.turn_id, event.tool_name, event.side_effect,
-        event.idempotency_key, state, seq, None, _NO_PERMISSION, None, None, False,
+        event.idempotency_key, state, seq, None, _NO_PERMISSION, None, None, False, None,
     )  # fmt: skip
 
 
@@ -1078,6 +1080,8 @@ class Projection:
         elif isinstance(event, PermissionRequested):
             record.permission_id = event.permission_id
             s.permission_ids = s.permission_ids | {event.permission_id}
+        elif isinstance(event, PermissionResolved) and event.decision is PermissionDecision.ALLOW:
+            record.allowed_input = event.input
 
     # -- permission rule changes
 

@@ -145,8 +145,11 @@ def _granted_stages(host: SessionHost, agent_id: str, call_id: str) -> ToolStage
     if engine is None or not journal.projection(agent_id).permission_granted(call_id):
         return None
     call = journal.call(call_id, agent_id)
-    started = call.started_input if call is not None else None
-    return ToolStages(pre_tool=[_Granted(engine, host.decided, started).stage])
+    granted = call.started_input if call is not None else None
+    if granted is None:  # not started: what its permission answer allowed, if that changed the input
+        record = journal.projection(agent_id).tool(call_id)
+        granted = record.allowed_input if record is not None else None
+    return ToolStages(pre_tool=[_Granted(engine, host.decided, granted).stage])
 
 
 @attrs.frozen
@@ -159,17 +162,19 @@ class _Granted:
     holds: a deny (a rule added since, plan mode) still denies, as for a person's approval
     (`PermissionEngine.conclude`). A call that started is judged on, and runs with, the input it
     started with: what its grant covered (a handler's edit included), and what a re-run under the
-    same idempotency key must repeat. The decision goes to the permission stage through
-    `SessionHost.decided`, as a continuation's approvals do.
+    same idempotency key must repeat. One that did not is judged on the input its answer allowed
+    when the answer changed it (``permission_resolved`` records it), never on the model's. The
+    decision goes to the permission stage through `SessionHost.decided`, as a continuation's
+    approvals do.
     """
 
     engine: PermissionEngine
     decided: dict[tuple[str, str], StageDecision]
-    started_input: JsonObject | None
+    granted_input: JsonObject | None  # the input it started with, else the one its answer allowed
 
     async def stage(self, request: StageRequest) -> None:
         tool, context, engine = request.tool, request.context, self.engine
-        given = request.input if self.started_input is None else json_copy(self.started_input)
+        given = request.input if self.granted_input is None else json_copy(self.granted_input)
         verdict = await engine.evaluate(tool, given, context)
         if isinstance(verdict, AskNeeded):
             verdict = await engine.conclude(tool, verdict, context, PermissionAllow())

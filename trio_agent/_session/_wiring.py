@@ -40,7 +40,7 @@ import attrs
 
 from .._errors import ConfigError
 from .._journal._durable import DurableJournal
-from .._journal._events import PermissionRequested, PermissionResolved
+from .._journal._events import PermissionDecision, PermissionRequested, PermissionResolved
 from .._models._messages import ToolSpec
 from .._models._service import ModelLayers
 from .._permissions._engine import (
@@ -65,6 +65,7 @@ from .._permissions._rules import (
 )
 from .._tools._chain import ToolLayers
 from .._tools._definition import Tool
+from .._tools._results import json_copy
 from .._tools._stages import StageDecision, ToolStages
 from ._hooks import HookAction, HookEvent, HookInput, HookRegistry, HookRunner, post_tool_stage, pre_tool_stage
 from ._plugins import MiddlewareConfig, Plugin, check_model_middleware_runs, resolve_plugins, tool_names
@@ -247,9 +248,13 @@ class _RecordAsks:
         if phase == "requested":
             event: Any = PermissionRequested(**ids, message=request.message)
         else:
-            outcome = entry.outcome
-            assert outcome is not None
-            event = PermissionResolved(**ids, decision=outcome)
+            decision = entry.decision
+            assert decision is not None
+            outcome = decision.outcome
+            # An allow of a changed input records what it covers: a re-run after a crash runs that.
+            allowed = decision.input if outcome is PermissionDecision.ALLOW else None
+            changed = allowed is not None and allowed != request.input
+            event = PermissionResolved(**ids, decision=outcome, input=json_copy(allowed) if changed else None)
         await self.journal.append(event, agent_id=request.agent_id)
 
 
