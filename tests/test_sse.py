@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
 import pytest
 
-from trio_agent._models._http import SSEEvent, SSEParser
+from trio_agent._models._http import SSEEvent, SSEParser, SSEReader
 from trio_agent.models import MalformedResponseError
 
 BOM = b"\xef\xbb\xbf"
@@ -57,3 +60,52 @@ def test_blanks_at_the_head_are_bounded() -> None:
         assert parser.feed(b" \t\r\n" * 10) == []
     with pytest.raises(MalformedResponseError, match="larger than max_response_bytes=64"):
         parser.feed(b" " * 65)  # a line of blanks without its end is held, bounded as any line
+
+
+REPLY = b"data: one\n\nevent: end\ndata: two\n\n"
+REPLY_EVENTS = [SSEEvent("message", "one"), SSEEvent("end", "two")]
+
+
+@pytest.mark.parametrize("bad", [b"data: \xff\xfe not UTF-8\n\n", b"data: " + b"x" * 200])
+def test_events_before_an_unreadable_line_are_returned_however_the_reads_split_the_body(bad: bytes) -> None:
+    """A reply then a line not UTF-8 (or over the bound): the events parsed before the line in the
+    same read were dropped with it, so a finished reply became a malformed one when the network
+    happened to deliver both in one read. The events come first, the error at the next feed."""
+    for pieces in every_split(REPLY + bad):
+        parser = SSEParser(100, what="the test stream")
+        events: list[SSEEvent] = []
+        with pytest.raises(MalformedResponseError, match=r"not valid UTF-8|larger than max_response_bytes=100"):
+            for piece in pieces:
+                events += parser.feed(piece)
+            parser.check()
+        assert events == REPLY_EVENTS, pieces
+        with pytest.raises(MalformedResponseError):  # the parse is over for good
+            parser.feed(b"data: more\n\n")
+
+
+async def read_all(pieces: list[bytes], max_total_bytes: int) -> tuple[list[SSEEvent], MalformedResponseError | None]:
+    async def body() -> AsyncIterator[bytes]:
+        for piece in pieces:
+            yield piece
+
+    events: list[SSEEvent] = []
+    async with aclosing(body()) as source:
+        parser = SSEParser(1 << 20, what="the test stream")
+        reader = SSEReader(source, parser, what="the test stream", max_total_bytes=max_total_bytes)
+        try:
+            while (event := await reader.next()) is not None:
+                events.append(event)
+        except MalformedResponseError as exc:
+            return events, exc
+    return events, None
+
+
+async def test_events_within_the_total_bound_are_returned_however_the_reads_split_the_body() -> None:
+    """The total bound was checked after each read was parsed: its events were dropped when the
+    read crossed the bound. The bytes within it are parsed, and their events stand."""
+    body = REPLY + b"data: past the bound\n\n"
+    for pieces in every_split(body):
+        events, error = await read_all(pieces, len(REPLY) + 3)
+        assert events == REPLY_EVENTS, pieces
+        assert error is not None and "larger than max_response_bytes=" in str(error), pieces
+    assert await read_all([body], len(body)) == ([*REPLY_EVENTS, SSEEvent("message", "past the bound")], None)

@@ -305,6 +305,11 @@ class SSEParser:
     without buffering the rest. A body whose first non-blank byte is ``{`` or ``[`` is a JSON
     document sent as an event stream (an error, usually): it is kept whole, bounded the same way,
     as `json_body`, for the provider to turn into the server's error.
+
+    An unreadable line (not UTF-8, over the bound) ends the parse for good, but the events
+    dispatched before it in the same read are returned first and the error is raised by the next
+    `feed` (or `check`): where the network splits the body cannot decide whether a reply that
+    ended before the bad line is finished.
     """
 
     def __init__(self, max_event_bytes: int, *, what: str) -> None:
@@ -318,13 +323,33 @@ class SSEParser:
         self._event = ""
         self._data: list[str] = []
         self._data_bytes = 0
+        self._error: MalformedResponseError | None = None  # kept for the call after the events before it
 
     @property
     def json_body(self) -> bytes | None:
         """The body, when it was a JSON document rather than an event stream."""
         return None if self._json is None else bytes(self._json)
 
+    @property
+    def reading_json(self) -> bool:
+        """The body is a JSON document (`json_body`, without copying it)."""
+        return self._json is not None
+
+    def check(self) -> None:
+        """Raise the error a `feed` kept after returning the events before it."""
+        if self._error is not None:
+            raise self._error
+
     def feed(self, data: bytes) -> list[SSEEvent]:
+        """The events *data* completes; an unreadable line after some of them is raised next time."""
+        self.check()
+        try:
+            return self._feed(data)
+        except MalformedResponseError as exc:
+            self._error = exc
+            raise
+
+    def _feed(self, data: bytes) -> list[SSEEvent]:
         if self._head is not None:
             started = self._start(self._head, data)
             if started is None:
@@ -337,11 +362,16 @@ class SSEParser:
                 )
             self._json += data
             return []
-        events = []
-        for line in self._lines(data):
-            event = self._line(line)
-            if event is not None:
-                events.append(event)
+        events: list[SSEEvent] = []
+        try:
+            for line in self._lines(data):
+                event = self._line(line)
+                if event is not None:
+                    events.append(event)
+        except MalformedResponseError as exc:
+            if not events:
+                raise
+            self._error = exc
         return events
 
     def _start(self, head: bytearray, data: bytes) -> bytes | None:
@@ -428,7 +458,10 @@ class SSEReader:
     """Events from an httpx body iterator, one at a time (a plain object, not a generator, so
     nothing is left for a finaliser when the stream stops early).
 
-    ``max_total_bytes`` bounds the whole body as well (both providers pass their ``max_response_bytes``).
+    ``max_total_bytes`` bounds the whole body as well (both providers pass their ``max_response_bytes``):
+    the bytes within it are parsed and their events returned, then the body is refused. As for an
+    unreadable line (`SSEParser`), an event that ended within the bound stands however the reads
+    split the body.
     """
 
     def __init__(
@@ -440,6 +473,7 @@ class SSEReader:
         self._max_total = max_total_bytes
         self._received = 0
         self._queue: collections.deque[SSEEvent] = collections.deque()
+        self._over: MalformedResponseError | None = None  # the total bound, passed by the last read
         self.eof = False
 
     @property
@@ -449,6 +483,10 @@ class SSEReader:
     async def next(self) -> SSEEvent | None:
         """The next event, or ``None`` at the end of the body."""
         while not self._queue:
+            # Errors found after the events already returned: raised before anything more is read.
+            self._parser.check()
+            if self._over is not None:
+                raise self._over
             if self.eof:
                 return None
             try:
@@ -456,14 +494,16 @@ class SSEReader:
             except StopAsyncIteration:
                 self.eof = True
                 return None
-            # Parsed first (one read is small): a line or an event over the bound is named as such.
-            events = self._parser.feed(data)
+            over = False
+            if self._max_total is not None and len(data) > (room := self._max_total - self._received):
+                data, over = data[:room], True
             self._received += len(data)
-            if self._max_total is not None and self._received > self._max_total:
-                raise MalformedResponseError(
-                    f"{self._what} is larger than max_response_bytes={self._max_total} in total"
+            self._queue.extend(self._parser.feed(data))
+            if over:
+                shape = "a JSON body" if self._parser.reading_json else "an event stream"
+                self._over = MalformedResponseError(
+                    f"{self._what} is {shape} larger than max_response_bytes={self._max_total} in total"
                 )
-            self._queue.extend(events)
         return self._queue.popleft()
 
 

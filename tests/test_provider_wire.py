@@ -1,0 +1,95 @@
+"""What both HTTP providers share on the wire, run for real against the local fake server: a
+reply is read the same however the network splits it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.fake_server import Scripted, open_fake_server, queue_handler
+from trio_agent._models._service import ModelRequest
+from trio_agent.models import (
+    AnthropicProvider,
+    FinishChunk,
+    FinishReason,
+    OpenAIProvider,
+    Operation,
+    StreamChunk,
+    TextDelta,
+    Usage,
+    UsageChunk,
+    UserMessage,
+)
+
+Provider = OpenAIProvider | AnthropicProvider
+SECRET = "s3cret-token"
+
+
+def openai_event(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    payload = {"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def anthropic_event(payload: dict[str, Any]) -> bytes:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+OPENAI_REPLY = openai_event({"content": "Hi"}) + openai_event({}, "stop")
+ANTHROPIC_EVENTS = [
+    anthropic_event(payload)
+    for payload in [
+        {"type": "message_start", "message": {"usage": {"input_tokens": 1}}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 1}},
+        {"type": "message_stop"},
+    ]
+]
+ANTHROPIC_REPLY = b"".join(ANTHROPIC_EVENTS)
+FINISHED = {
+    "openai": [TextDelta("Hi"), FinishChunk(FinishReason.STOP)],
+    "anthropic": [TextDelta("Hi"), UsageChunk(Usage(1, 1, 2)), FinishChunk(FinishReason.STOP)],
+}
+LIMIT = 2048
+
+
+def make_provider(kind: str, url: str, **settings: Any) -> Provider:
+    if kind == "openai":
+        return OpenAIProvider("gpt", api_key="k", base_url=url + "/v1", **settings)
+    return AnthropicProvider("claude", api_key="k", base_url=url, **settings)
+
+
+async def collect(provider: Provider) -> list[StreamChunk]:
+    chunks: list[StreamChunk] = []
+    stream = provider.stream(ModelRequest(Operation.STREAM, provider.model, (UserMessage("hi"),)))
+    try:
+        async for chunk in stream:
+            chunks.append(chunk)
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    return chunks
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+@pytest.mark.parametrize(
+    "junk",
+    [b"data: \xff\xfe not UTF-8\n\n", b"data: " + b"x" * 2 * LIMIT],
+    ids=["not-utf8", "over-the-bound"],
+)
+@pytest.mark.parametrize("together", [True, False], ids=["one-piece", "two-pieces"])
+async def test_a_finished_reply_then_junk_is_finished_however_the_network_splits_it(
+    kind: str, junk: bytes, together: bool
+) -> None:
+    """A complete reply then an unreadable line (not UTF-8, or past max_response_bytes): when both
+    came in one network read the parser dropped the reply's events with the line, and the call
+    failed as malformed; in two reads it was a finished reply. It is finished either way."""
+    reply = OPENAI_REPLY if kind == "openai" else ANTHROPIC_REPLY
+    pieces = [reply + junk] if together else [reply, junk]
+    async with (
+        open_fake_server(queue_handler(Scripted.sse(pieces))) as server,
+        make_provider(kind, server.url, max_response_bytes=LIMIT) as provider,
+    ):
+        assert await collect(provider) == FINISHED[kind]
