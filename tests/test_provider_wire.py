@@ -1,14 +1,17 @@
 """What both HTTP providers share on the wire, run for real against the local fake server: a
-reply is read the same however the network splits it."""
+reply is read the same however the network splits it, and decoding never starves the Trio loop."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import httpx
 import pytest
+import trio
 
-from tests.fake_server import Scripted, open_fake_server, queue_handler
+from tests.fake_server import Scripted, gzip_bomb, open_fake_server, queue_handler
+from trio_agent._models._http import _DECODE_STEP, BodyReader
 from trio_agent._models._service import ModelRequest
 from trio_agent.models import (
     AnthropicProvider,
@@ -93,3 +96,34 @@ async def test_a_finished_reply_then_junk_is_finished_however_the_network_splits
         make_provider(kind, server.url, max_response_bytes=LIMIT) as provider,
     ):
         assert await collect(provider) == FINISHED[kind]
+
+
+async def test_decoding_input_already_received_lets_other_tasks_run() -> None:
+    """16 KiB of gzip on the wire is 16 MiB decoded: all of it came in a read or two, and was
+    decoded (and parsed, by a stream's reader) without a checkpoint, freezing every other task
+    of the process. A task that notes the bytes read each time it runs shows a checkpoint is
+    reached every `_DECODE_STEP` decoded bytes (at most two steps can pass between its turns)."""
+    size = 16 * 2**20
+    body = gzip_bomb(size // 2**20)
+    scripted = Scripted(200, [("content-type", "text/event-stream"), ("content-encoding", "gzip")], [body])
+    decoded = 0
+    seen: list[int] = []
+
+    async def note_progress() -> None:
+        while True:
+            await trio.lowlevel.checkpoint()
+            seen.append(decoded)
+
+    async with (
+        open_fake_server(queue_handler(scripted)) as server,
+        httpx.AsyncClient() as client,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(note_progress)
+        async with client.stream("GET", server.url, headers={"accept-encoding": "gzip"}) as response:
+            async for piece in BodyReader(response):
+                decoded += len(piece)
+        nursery.cancel_scope.cancel()
+    assert decoded == size
+    gaps = [later - earlier for earlier, later in zip([0, *seen], [*seen, decoded], strict=True)]
+    assert max(gaps) <= 4 * _DECODE_STEP, max(gaps)

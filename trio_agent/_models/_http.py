@@ -169,6 +169,9 @@ class BodyReader:
     The raw bytes (`raw`: the httpx reader to give `release_response`) are decoded here, not by
     httpx, so a compressed body never grows in memory faster than its reader counts it: each read
     decodes at most `_DECODE_STEP` bytes and keeps the rest of the input for the next one.
+    Decoding held input reads nothing from the network, so nothing else would run: a Trio
+    checkpoint is taken once every `_DECODE_STEP` decoded bytes (16 KiB of gzip can be 16 MiB of
+    events or blanks for the reader to parse, all without letting another task run).
     Only ``gzip`` and ``deflate`` (`ACCEPT_ENCODING`) are decoded; a body in any other encoding
     (or in two) is a `MalformedResponseError` at its first read, naming the encoding.
     """
@@ -190,6 +193,7 @@ class BodyReader:
         self._input = b""  # raw bytes not decoded yet
         self._drained = True  # False: the decoder may hold output the last read had no room for
         self._ended = False
+        self._unchecked = 0  # decoded bytes returned since the last checkpoint
 
     def __aiter__(self) -> BodyReader:
         return self
@@ -200,6 +204,10 @@ class BodyReader:
         if self._decoder is None:
             data: bytes = await self.raw.__anext__()
             return data
+        if self._unchecked >= _DECODE_STEP:
+            # Here, not after decoding: the caller has handled the pieces, and none is lost to a cancellation.
+            self._unchecked = 0
+            await trio.lowlevel.checkpoint()
         while not self._ended:
             if not self._input and self._drained:
                 try:
@@ -213,6 +221,7 @@ class BodyReader:
             self._input = self._decoder.unconsumed_tail
             self._drained = len(out) < _DECODE_STEP
             if out:
+                self._unchecked += len(out)
                 return out
         raise StopAsyncIteration
 
@@ -281,7 +290,7 @@ async def read_error_body(response: httpx.Response, *, grace: float, layer: str)
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
-_BLANK_LINES = re.compile(rb"(?:[ \t]*(?:\r\n|\r|\n))+")
+_NOT_BLANK = re.compile(rb"[^ \t\r\n]")
 
 
 @attrs.frozen
@@ -383,24 +392,31 @@ class SSEParser:
         a line end) are dropped (in an event stream they are lines that do nothing, in JSON
         whitespace), so the held head stays bounded. Blanks that start a line are kept: ``" data:"``
         names the field ``" data"``, which is no ``data`` field.
+
+        The held head is only spaces and tabs (a blank line without its end yet), so only the new
+        bytes are scanned: rescanning it on every read made a body of blanks quadratic.
         """
-        head += data
         if self._at_byte_zero:
+            head += data
             if len(head) < len(_BOM) and _BOM.startswith(head):
                 return None  # maybe a byte-order mark split across reads
-            if head.startswith(_BOM):
-                del head[: len(_BOM)]
+            data = bytes(head.removeprefix(_BOM))
+            head.clear()
             self._at_byte_zero = False
-        if (blank_lines := _BLANK_LINES.match(head)) is not None:
-            del head[: blank_lines.end()]
-        first = bytes(head.lstrip(b" \t")[:1])
-        if not first:
+        first = _NOT_BLANK.search(data)
+        blanks = len(data) if first is None else first.start()
+        # Where the line of the first non-blank byte starts: whole blank lines before it are dropped.
+        line_start = max(data.rfind(b"\n", 0, blanks), data.rfind(b"\r", 0, blanks)) + 1
+        if line_start:
+            head.clear()
+        if first is None:
+            head += data[line_start:]
             self._check(len(head))  # a line of blanks without its end yet, bounded as any line
             return None
         self._head = None
-        if first in (b"{", b"["):
+        if data[blanks] in b"{[":
             self._json = bytearray()
-        return bytes(head)
+        return bytes(head) + data[line_start:] if head else data[line_start:]
 
     def _check(self, size: int) -> None:
         if size > self._limit:
