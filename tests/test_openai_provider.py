@@ -1715,6 +1715,40 @@ async def test_the_terminal_event_ends_the_stream_whatever_the_connection_does(
     assert (UsageChunk(Usage(3, 1, 4)) in chunks) is (ending != "done")
 
 
+async def test_a_usage_report_before_the_finish_reason_does_not_end_the_stream_at_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Some servers report usage in early chunks too: any usage seen before the finish_reason made
+    the finish chunk end the stream, so the final report after it was never read and the early,
+    partial one was published. Only a report in or after the finish_reason's event ends it."""
+
+    def usage(completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": 10, "completion_tokens": completion_tokens, "total_tokens": 10 + completion_tokens}
+
+    never = trio.Event()
+    final = b"data: " + json.dumps(fixture_json("chunk_usage_only.json") | {"usage": usage(50)}).encode() + b"\n\n"
+    events = [
+        chunk_event({"content": "Hi"}, usage=usage(1)),
+        chunk_event({"content": " there"}),
+        chunk_event({}, "stop"),
+        final,
+        Gate(never),  # no [DONE], the connection held: the final report itself ends the stream
+    ]
+    async with (
+        open_fake_server(queue_handler(Scripted.sse(events))) as server,
+        provider_for(server, stream_idle_timeout=FOREVER) as provider,
+    ):
+        started = trio.current_time()
+        chunks = await collect(provider, request())
+        assert trio.current_time() == started
+    assert chunks == [
+        TextDelta("Hi"),
+        TextDelta(" there"),
+        UsageChunk(Usage(10, 50, 60)),
+        FinishChunk(FinishReason.STOP),
+    ]
+
+
 async def test_after_a_finish_reason_without_usage_the_wait_for_the_rest_is_bounded(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

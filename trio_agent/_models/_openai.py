@@ -302,8 +302,8 @@ class OpenAIProvider:
     async def stream(self, request: ModelRequest) -> AsyncGenerator[StreamChunk, None]:
         """A streamed completion (SSE). ``aclose()`` closes the HTTP response before it returns.
 
-        The stream ends at ``data: [DONE]``, or once the finish_reason and the usage report are in,
-        whatever the connection does afterwards; after a finish_reason without usage it waits at
+        The stream ends at ``data: [DONE]``, or at a usage report in or after the finish_reason's
+        event, whatever the connection does afterwards; after a finish_reason without usage it waits at
         most ``_TRAILER_SECONDS`` for the rest. A body that ends after the finish_reason is complete.
         """
         client = self._client()
@@ -708,7 +708,8 @@ class _StreamAssembler:
 
     Only choice 0 is read. Tool calls end (`ToolCallEnd`) when the finish_reason arrives (or at the
     end); usage is kept (the last report wins) and sent at the end, then the `FinishChunk`.
-    ``ended``: the reply is over (``[DONE]``, or both the finish_reason and the usage are in).
+    ``ended``: the reply is over: ``[DONE]``, or a usage report in the finish_reason's event or
+    after it (one before it is no final report: cumulative counts may still come).
     """
 
     def __init__(self) -> None:
@@ -743,7 +744,8 @@ class _StreamAssembler:
         if event == "error" or payload.get("error") is not None:
             _raise_error_payload(payload, status=None)
         out: list[StreamChunk] = []
-        if payload.get("usage") is not None:
+        reports_usage = payload.get("usage") is not None
+        if reports_usage:
             self.usage = _parse_usage(payload["usage"], "usage")
         choices = payload.get("choices")
         if choices is not None:  # null in a usage-only chunk of some servers, instead of []
@@ -755,7 +757,7 @@ class _StreamAssembler:
                 if index != 0:
                     continue  # n > 1: only the first choice is used
                 self._choice(choice, out)
-        if self.finish is not None and self.usage is not None:
+        if self.finish is not None and reports_usage:
             self.ended = True  # nothing of value can follow: only `[DONE]`
         return out
 
