@@ -1,9 +1,13 @@
 """What both HTTP providers share on the wire, run for real against the local fake server: a
-reply is read the same however the network splits it, and decoding never starves the Trio loop."""
+reply is read the same however the network splits it, decoding never starves the Trio loop, and
+credentials in a ``base_url`` are sent, never shown."""
 
 from __future__ import annotations
 
+import base64
 import json
+import socket
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -17,9 +21,14 @@ from trio_agent.models import (
     AnthropicProvider,
     FinishChunk,
     FinishReason,
+    ModelConnectionError,
+    ModelService,
     OpenAIProvider,
     Operation,
+    ProviderConfigError,
+    ProviderServerError,
     StreamChunk,
+    StreamInterruptedError,
     TextDelta,
     Usage,
     UsageChunk,
@@ -127,3 +136,68 @@ async def test_decoding_input_already_received_lets_other_tasks_run() -> None:
     assert decoded == size
     gaps = [later - earlier for earlier, later in zip([0, *seen], [*seen, decoded], strict=True)]
     assert max(gaps) <= 4 * _DECODE_STEP, max(gaps)
+
+
+# -- credentials in base_url ------------------------------------------------------------------------
+
+
+def assert_hidden(texts: Sequence[str]) -> None:
+    for text in texts:
+        assert SECRET not in text and "alice" not in text, text
+        assert "***@127.0.0.1" in text or "***@h" in text, text
+
+
+def with_userinfo(url: str) -> str:
+    return url.replace("http://", f"http://alice:{SECRET}@")
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+async def test_credentials_in_base_url_are_sent_but_never_shown(kind: str) -> None:
+    """``http://alice:token@gateway/v1`` (httpx sends the userinfo as Basic auth) was shown whole in
+    the provider's repr and in the OpenAI provider's error messages, so in logs, journals and
+    StreamInterruptedError texts. The userinfo shows as ``***``; the request still carries it."""
+    # The reply's first text published, then the connection dropped: a StreamInterruptedError.
+    published = openai_event({"content": "Hi"}) if kind == "openai" else b"".join(ANTHROPIC_EVENTS[:3])
+    cut = Scripted.sse([published], cut=True)
+    failed = Scripted.json({"error": {"message": "down", "type": "server_error"}}, status=500)
+    texts: list[str] = []
+    async with (
+        open_fake_server(queue_handler(failed, cut)) as server,
+        make_provider(kind, with_userinfo(server.url)) as provider,
+    ):
+        texts.append(repr(provider))
+        with pytest.raises(ProviderServerError) as http_error:
+            await collect(provider)
+        with pytest.raises(StreamInterruptedError) as interrupted:
+            async with ModelService(provider).stream([UserMessage("hi")]) as stream:
+                async for _ in stream:
+                    pass
+    texts += [str(http_error.value), str(interrupted.value)]
+    if kind == "openai":
+        assert_hidden(texts)
+        assert "/v1/chat/completions" in str(http_error.value)
+    else:
+        assert_hidden(texts[:1])
+        assert not any(SECRET in text for text in texts)
+    sent = server.requests[0]
+    assert sent.headers["authorization"] == "Basic " + base64.b64encode(f"alice:{SECRET}".encode()).decode()
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+async def test_credentials_in_an_unreachable_or_invalid_base_url_are_not_shown(kind: str) -> None:
+    with socket.socket() as probe:  # a port that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with make_provider(kind, with_userinfo(f"http://127.0.0.1:{port}")) as provider:
+        with pytest.raises(ModelConnectionError) as refused:
+            await collect(provider)
+    assert SECRET not in str(refused.value)
+    if kind == "openai":
+        assert_hidden([str(refused.value)])
+    for invalid in (f"ftp://alice:{SECRET}@h/v1", f"http://alice:{SECRET}@h/v1?x=1"):
+        with pytest.raises(ProviderConfigError) as config_error:
+            if kind == "openai":
+                OpenAIProvider("gpt", api_key="k", base_url=invalid)
+            else:
+                AnthropicProvider("claude", api_key="k", base_url=invalid)
+        assert_hidden([str(config_error.value)])

@@ -58,6 +58,7 @@ from ._http import (
     load_json,
     read_body,
     read_error_body,
+    redacted_url,
     release_response,
     retry_after_seconds,
     stop_sequences,
@@ -190,7 +191,7 @@ class AnthropicProvider:
         return self._owns_client
 
     def __repr__(self) -> str:
-        return f"AnthropicProvider(model={self.model!r}, base_url={self.base_url!r})"
+        return f"AnthropicProvider(model={self.model!r}, base_url={redacted_url(self.base_url)!r})"
 
     # -- resources ----------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ __all__ = [
     "load_json",
     "read_body",
     "read_error_body",
+    "redacted_url",
     "release_response",
     "retry_after_seconds",
     "stop_sequences",
@@ -64,10 +65,22 @@ def checked_base_url(base_url: object, *, provider: str, source: str, example: s
             elif url.query or url.fragment:
                 problem = "it must not have a query or fragment"
     if problem is not None or url is None:
+        shown = redacted_url(base_url) if isinstance(base_url, str) else base_url
         raise ProviderConfigError(
-            f"invalid {source} {base_url!r} for the {provider} provider: {problem}; expected a URL such as {example!r}"
+            f"invalid {source} {shown!r} for the {provider} provider: {problem}; expected a URL such as {example!r}"
         )
     return str(url).rstrip("/")
+
+
+# The userinfo of a URL's authority (``alice:token@``): everything between ``://`` and the last
+# ``@`` before the path, query or fragment.
+_USERINFO = re.compile(r"(?<=://)[^/?#]*@")
+
+
+def redacted_url(url: str) -> str:
+    """*url* with its userinfo (``https://user:secret@host``, sent by httpx as Basic auth) shown as
+    ``***``: a credential, which no message or repr may show (as `checked_api_key` never shows a key)."""
+    return _USERINFO.sub("***@", url, count=1)
 
 
 def checked_api_key(api_key: object, *, provider: str) -> None:

@@ -55,6 +55,7 @@ from ._http import (
     load_json,
     read_body,
     read_error_body,
+    redacted_url,
     release_response,
     retry_after_seconds,
     stop_sequences,
@@ -187,11 +188,12 @@ class OpenAIProvider:
         self._api_key = api_key
         self._extra_headers = dict(extra_headers or {})
         self._url = self.base_url + "/chat/completions"
+        self._shown_url = redacted_url(self._url)  # for messages: credentials in the URL are not shown
         self._slot = _ClientSlot(client)
         self._owns_client = client is None
 
     def __repr__(self) -> str:
-        return f"OpenAIProvider(model={self.model!r}, base_url={self.base_url!r})"
+        return f"OpenAIProvider(model={self.model!r}, base_url={redacted_url(self.base_url)!r})"
 
     # -- client ownership ---------------------------------------------------------------
 
@@ -279,7 +281,7 @@ class OpenAIProvider:
         with trio.move_on_after(self.timeout):
             return await self._chat(client, content, request.model)
         raise ModelTimeoutError(
-            f"the chat completion from {self._url} took longer than timeout={self.timeout:g} s",
+            f"the chat completion from {self._shown_url} took longer than timeout={self.timeout:g} s",
             code="model_request_timeout",
         )
 
@@ -379,7 +381,7 @@ class OpenAIProvider:
         body = await read_error_body(response, grace=self.cleanup_grace, layer=_LAYER)
         status = response.status_code
         message, kind = _error_details(body)
-        text = f"HTTP {status} from {self._url}"
+        text = f"HTTP {status} from {self._shown_url}"
         if kind:
             text += f" ({kind})"
         text += f": {message or response.reason_phrase or 'no error message'}"
@@ -407,18 +409,18 @@ class OpenAIProvider:
         if isinstance(exc, httpx.TimeoutException):
             if streaming and isinstance(exc, httpx.ReadTimeout):
                 return ModelTimeoutError(
-                    f"the stream from {self._url} sent nothing for {self.stream_idle_timeout:g} s "
+                    f"the stream from {self._shown_url} sent nothing for {self.stream_idle_timeout:g} s "
                     "(stream_idle_timeout)",
                     code="model_stream_idle_timeout",
                 )
             return ModelTimeoutError(
-                f"the request to {self._url} timed out ({type(exc).__name__}, timeout={self.timeout:g} s)",
+                f"the request to {self._shown_url} timed out ({type(exc).__name__}, timeout={self.timeout:g} s)",
                 code="model_request_timeout",
                 retryable=isinstance(exc, httpx.ConnectTimeout),
             )
         if isinstance(exc, httpx.DecodingError):
-            return MalformedResponseError(f"cannot decode the response from {self._url}: {exc}")
-        return ModelConnectionError(f"the connection to {self._url} failed: {type(exc).__name__}: {exc}")
+            return MalformedResponseError(f"cannot decode the response from {self._shown_url}: {exc}")
+        return ModelConnectionError(f"the connection to {self._shown_url} failed: {type(exc).__name__}: {exc}")
 
 
 # -- configuration ---------------------------------------------------------------------------
