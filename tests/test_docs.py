@@ -79,3 +79,31 @@ def test_api_md_errors_tree_names_every_public_error() -> None:
     assert "InputError" in public or "trio_agent.web" not in sys.modules
     assert len(public) > 40
     assert sorted(name for name in public if not re.search(rf"\b{name}\b", tree)) == []
+
+
+_PUBLIC_MODULES = ["trio_agent", "trio_agent.journal", "trio_agent.lifecycle", "trio_agent.middleware"]
+_PUBLIC_MODULES += ["trio_agent.models", "trio_agent.permissions", "trio_agent.plugins", "trio_agent.testing"]
+_PUBLIC_MODULES += ["trio_agent.tools", "trio_agent.workers"]
+
+
+def _names(text: str) -> list[str]:
+    """The identifiers written in backticks in `text` (`trio_agent.plugins`, `x(...)` and the like left out)."""
+    return [name for name in re.findall(r"`([^`]+)`", text) if re.fullmatch(r"[A-Za-z_]\w*", name)]
+
+
+def test_api_md_says_where_chat_and_the_loop_names_live() -> None:
+    # api.md said chat, ChatRun, StopReason, the loop's events and strategies "live in private modules".
+    import trio_agent
+    import trio_agent.lifecycle
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    start = api.index("## chat() and the loop")
+    intro = " ".join(api[start : api.index("\n### ", start)].split())
+    assert "private" not in intro
+    top, lifecycle = intro.split("are exported from `trio_agent`.", 1)
+    top = top[top.index("the rules). ") :]
+    lifecycle = lifecycle.split("exports the rest", 1)[1]
+    assert _names(top) == ["chat", "StopReason"]
+    assert [name for name in _names(top) if name not in trio_agent.__all__] == []
+    named = _names(lifecycle)
+    assert len(named) > 8 and [name for name in named if name not in trio_agent.lifecycle.__all__] == []
