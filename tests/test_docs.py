@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,32 @@ def _names(text: str) -> list[str]:
     return [name for name in re.findall(r"`([^`]+)`", text) if re.fullmatch(r"[A-Za-z_]\w*", name)]
 
 
+def test_hooks_md_says_where_each_hook_name_lives() -> None:
+    # hooks.md's API summary said HookAction, the per-event inputs, HookDecision and the five
+    # errors were exported from trio_agent: most live in trio_agent.plugins, HookDecision is private.
+    import importlib
+
+    import trio_agent
+    from trio_agent._session import _hooks
+
+    hooks = (ROOT / "docs" / "hooks.md").read_text()
+    start = hooks.index("## API summary")
+    summary = " ".join(hooks[start : hooks.index("```", start)].split())
+    summary, internal = summary.split("internal (`trio_agent._session._hooks`)", 1)
+    # "Exported from `trio_agent`: ... From `trio_agent.plugins`: ..." -> each module and what it is said to hold.
+    parts = re.split(r"(?:Exported from|From) `(trio_agent[\w.]*)`:", summary)[1:]
+    claims = dict(zip(parts[::2], parts[1::2], strict=True))
+    for module_name, text in claims.items():
+        module = importlib.import_module(module_name)
+        named = [name for name in _names(text) if name != "HookError" or module is trio_agent]
+        assert named and [name for name in named if name not in module.__all__] == [], module_name
+    assert sorted(claims) == ["trio_agent", "trio_agent.plugins"]
+    assert "HookAction" in _names(claims["trio_agent.plugins"]) and "HookDecision" not in _names(summary)
+    public = {name for module in _PUBLIC_MODULES for name in importlib.import_module(module).__all__}
+    private = _names(internal)
+    assert private and [name for name in private if name in public or not hasattr(_hooks, name)] == []
+
+
 def test_api_md_says_where_chat_and_the_loop_names_live() -> None:
     # api.md said chat, ChatRun, StopReason, the loop's events and strategies "live in private modules".
     import trio_agent
@@ -107,3 +135,47 @@ def test_api_md_says_where_chat_and_the_loop_names_live() -> None:
     assert [name for name in _names(top) if name not in trio_agent.__all__] == []
     named = _names(lifecycle)
     assert len(named) > 8 and [name for name in named if name not in trio_agent.lifecycle.__all__] == []
+
+
+def test_readme_names_the_lint_commands_ci_runs() -> None:
+    # The README said CI runs ruff "on the package"; .ci/run lints the tests, benchmarks and examples too.
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    commands = [line.removeprefix(".venv/bin/") for line in ci.splitlines() if line.startswith(".venv/bin/")]
+    assert any(command.startswith("ruff check") for command in commands)
+    assert [command for command in commands if f"`{command}`" not in " ".join(readme.split())] == []
+
+
+def test_demo_md_quotes_the_demo_s_own_output_labels() -> None:
+    # demo.md quoted a "synthetic starts: 1" line the demo no longer prints.
+    demo = (ROOT / "docs" / "demo.md").read_text()
+    source = (ROOT / "trio_agent" / "_demo.py").read_text()
+    quoted = re.findall(r'hence\s+"([^"]+?):\s*\d+"', " ".join(demo.split()))
+    assert quoted and [label for label in quoted if f"{label}: {{" not in source] == []
+
+
+def _defined_tools(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for decorator in node.decorator_list:
+                call = decorator if isinstance(decorator, ast.Call) else None
+                target = call.func if call else decorator
+                described = call is not None and any(k.arg == "description" for k in call.keywords)
+                if isinstance(target, ast.Name) and target.id == "define_tool" and not described:
+                    yield node
+
+
+def test_every_tool_defined_in_a_fragment_has_a_description() -> None:
+    # define_tool refuses a tool with neither a docstring nor description=; permissions.md's Bash
+    # example had neither, so copying it failed at once.
+    found = []
+    for path in DOCS:
+        for match in BLOCK.finditer(path.read_text()):
+            if "fragment" not in match.group(1):
+                continue  # the blocks that run are checked by running them
+            try:
+                tree = ast.parse(match.group(2))
+            except SyntaxError:
+                continue  # a signature sketch, not code
+            found += [(path.name, tool.name) for tool in _defined_tools(tree) if ast.get_docstring(tool) is None]
+    assert found == []
