@@ -69,6 +69,7 @@ WRAPPER = {
     Operation.CHAT_WITH_RETRY_EVENTS: "wrap_chat_with_retry_events",
 }
 ALL_OPS = list(Operation)
+CHAT_OPS = [Operation.CHAT, Operation.SIDE_QUERY, Operation.CHAT_WITH_RETRY_EVENTS]
 CANNED = ModelResponse(AssistantMessage((TextPart("from the cache"),)), FinishReason.STOP)
 
 
@@ -290,11 +291,13 @@ async def test_changing_operation_model_or_abort_is_rejected_at_every_boundary(
     assert len(model.requests) == 0, "the provider was never called"
 
 
-async def test_call_refuses_streaming_operations() -> None:
+@pytest.mark.parametrize("op", [Operation.STREAM, Operation.CHAT_WITH_RETRY_EVENTS])
+async def test_call_refuses_streaming_operations_as_the_caller_s_mistake(op: Operation) -> None:
+    """The caller's request, not a layer's change: it was a ModelMiddlewareError, with no middleware."""
     model = TestModel(default=Reply("x"))
     service = ModelService(model)
-    with pytest.raises(ModelMiddlewareError, match="chat or side_query"):
-        await service.call(service.request(Operation.STREAM, MESSAGES))
+    with pytest.raises(ConfigError, match=f"call\\(\\) runs chat or side_query requests, not {op.value}"):
+        await service.call(service.request(op, MESSAGES))
     assert model.requests == []
 
 
@@ -500,7 +503,6 @@ BAD_USAGES = {
     "detail": (Usage(1, 1, 2, reasoning_tokens=-1), r"usage\.reasoning_tokens is int -1, not an int .* or None"),
     "no-usage": (None, r"usage is None, not a Usage"),
 }
-CHAT_OPS = [Operation.CHAT, Operation.SIDE_QUERY, Operation.CHAT_WITH_RETRY_EVENTS]
 
 
 class UsageProvider(TestModel):

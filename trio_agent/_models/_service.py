@@ -748,8 +748,12 @@ class ModelService:
         change the model, and neither may a request made elsewhere (`with_model` is the way)."""
         if not isinstance(request, ModelRequest):
             raise ConfigError(f"call() takes a ModelRequest, not {_what(request)}")
-        if request.operation not in (Operation.CHAT, Operation.SIDE_QUERY):
-            raise ModelMiddlewareError(f"call() runs chat or side_query requests, not {request.operation.value}")
+        if request.operation is not Operation.CHAT and request.operation is not Operation.SIDE_QUERY:
+            # The caller's request, not a layer's change: a mistake at the door, as a foreign model is.
+            raise ConfigError(
+                f"call() runs chat or side_query requests, not {request.operation.value}: "
+                "open a stream with stream(...), retry events with chat_with_retry_events(...)"
+            )
         if request.model != self.provider.model:
             raise ConfigError(
                 f"the request is for model {request.model!r}, and this service sends to {self.provider.model!r}: "
