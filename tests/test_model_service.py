@@ -858,6 +858,27 @@ async def test_an_already_aborted_request_fails_even_when_a_layer_answers_withou
         await run_op(service, op, abort=handle)
 
 
+async def test_an_already_aborted_stream_runs_no_plain_def_layer() -> None:
+    """A plain-def wrap_stream runs when it is called: it ran (and billed, logged...) on an
+    aborted handle, which fails the call before any layer runs, as chat() always did."""
+    ran: list[str] = []
+
+    class Counts:
+        def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
+            ran.append("wrap_stream")
+            return call_next(request)  # type: ignore[no-any-return]
+
+    handle = AbortHandle()
+    handle.abort()
+    model = TestModel(default=Reply("x"))
+    body: list[str] = []
+    with pytest.raises(ModelAbortedError):
+        async with ModelService(model, [Counts()]).stream(MESSAGES, abort=handle):
+            body.append("entered")
+    assert ran == [] and body == []
+    assert model.requests == []
+
+
 async def test_iterating_a_stream_outside_its_block_is_a_typed_error() -> None:
     model = TestModel(default=Reply("x"))
     stream: Any = ModelService(model).stream(MESSAGES)

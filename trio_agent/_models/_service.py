@@ -1027,12 +1027,15 @@ class _OpenIterators:
 
     async def __aenter__(self) -> AsyncIterator[Any]:
         service, request = self._service, self._request  # the service built this request: nothing to check
+        handle = request.abort
+        if handle is not None and handle.reason is not None:
+            # Before any layer runs, as chat() does: a plain-def wrap_stream runs when it is called.
+            raise service._stopped(request)
         chain = service._open_chains[request.operation]
         # The deadline given to the constructor: setting it on a made scope costs a third more.
         deadline = self._deadline = trio.CancelScope(deadline=trio.current_time() + service.request_timeout)
         deadline.__enter__()
-        handle = request.abort
-        if handle is not None:  # aborting the request cancels the scope (at once if already aborted)
+        if handle is not None:  # aborting the request cancels the scope
             self._token = handle.add_listener(lambda abort: deadline.cancel(reason=abort.message))
         try:
             self._outer = self._track(0, chain.start(request, self, _TrackedNext))
