@@ -449,6 +449,37 @@ async def test_a_provider_bug_becomes_a_typed_model_error_and_is_not_retried(op:
     assert provider.calls == 1
 
 
+class EagerChatProvider(BrokenProvider):
+    """A provider whose chat is a plain def that fails building its request (raising when called,
+    before any await), or an async def that raises ``StopAsyncIteration`` (an exhausted iterator
+    read inside it)."""
+
+    def chat(self, request: ModelRequest) -> Any:  # type: ignore[override]
+        self.calls += 1
+        if isinstance(self.error, StopAsyncIteration):
+            return self._stops()
+        raise self.error
+
+    async def _stops(self) -> ModelResponse:
+        await trio.lowlevel.checkpoint()
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [ValueError("bad request body"), StopAsyncIteration()], ids=["sync", "stop"])
+@pytest.mark.parametrize("op", CHAT_OPS)
+async def test_a_provider_chat_bug_raised_when_called_or_a_stop_is_a_provider_error_not_middleware(
+    op: Operation, error: Exception
+) -> None:
+    """Both escaped the provider's typing as themselves and were blamed on the middleware (with none)."""
+    provider = EagerChatProvider(error)
+    with pytest.raises(ModelError) as caught:
+        await run_op(ModelService(provider, retry=NO_JITTER), op)
+    assert type(caught.value) is ModelError
+    assert caught.value.code == "provider_failed" and not caught.value.retryable
+    assert caught.value.__cause__ is error
+    assert provider.calls == 1
+
+
 async def test_a_provider_bug_after_published_chunks_interrupts_the_stream() -> None:
     error = KeyError("delta")
     provider = BrokenProvider(error, after_chunks=2)

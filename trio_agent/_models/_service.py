@@ -22,7 +22,7 @@ import random
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import trio
@@ -62,8 +62,6 @@ from ._messages import (
     Usage,
     UsageChunk,
 )
-
-T = TypeVar("T")
 
 __all__ = [
     "ChatNext",
@@ -834,7 +832,7 @@ class ModelService:
         attempt = 1
         while True:
             try:
-                return _provider_response(await _provider_call(self.provider.chat(request)))
+                return await _provider_chat(self.provider, request)
             except ModelError as error:
                 delay = self._retry_delay(attempt, error)
             await trio.sleep(delay)
@@ -886,7 +884,7 @@ class ModelService:
         attempt = 1
         while True:
             try:
-                response = _provider_response(await _provider_call(self.provider.chat(request)))
+                response = await _provider_chat(self.provider, request)
             except ModelError as error:
                 delay = self._retry_delay(attempt, error)
                 yield RetryEvent(attempt, delay, error)
@@ -1201,14 +1199,18 @@ async def _close_all(
     return failure
 
 
-async def _provider_call(awaitable: Awaitable[T]) -> T:
-    """Await a provider operation; anything but a ModelError is a provider bug, typed as such."""
+async def _provider_chat(provider: Provider, request: ModelRequest) -> ModelResponse:
+    """The provider's answer to ``chat``, checked (`_provider_response`). Anything but a `ModelError`
+    is a provider bug, typed as such: also what a plain ``def chat`` raises when called (building
+    its request), and a ``StopAsyncIteration`` (an exhausted iterator read inside it), which
+    escaped as themselves and were blamed on the middleware."""
     try:
-        return await awaitable
-    except (ModelError, StopAsyncIteration):
+        response = await provider.chat(request)
+    except ModelError:
         raise
     except Exception as exc:
         raise ModelError(f"the provider raised {exc!r}", code="provider_failed") from exc
+    return _provider_response(response)
 
 
 def _provider_response(response: object) -> ModelResponse:
