@@ -24,8 +24,9 @@ from trio_agent import (
     ModelTimeoutError,
     ProviderError,
     RateLimitError,
+    chat,
 )
-from trio_agent._models._service import _chunk_ok, _chunk_problem
+from trio_agent._models._service import _chunk_ok, _chunk_problem, _response_ok, _response_problem
 from trio_agent.middleware import MiddlewareShapeError, NextCalledTwiceError
 from trio_agent.models import (
     AssistantMessage,
@@ -40,6 +41,7 @@ from trio_agent.models import (
     Operation,
     ProviderServerError,
     ReasoningDelta,
+    ReasoningPart,
     RetryEvent,
     RetryPolicy,
     StreamChunk,
@@ -49,6 +51,7 @@ from trio_agent.models import (
     TextPart,
     ToolCallDelta,
     ToolCallEnd,
+    ToolCallPart,
     ToolCallStart,
     ToolSpec,
     Usage,
@@ -814,6 +817,155 @@ def test_the_fast_chunk_check_and_the_explaining_one_agree(chunk: Any) -> None:
     values = [getattr(chunk, field.name) for field in attrs.fields(type(chunk))]
     if type(chunk) is not TextDeltaPlus and not any(type(value) is Text for value in values):
         assert ok == (problem is None), (chunk, problem)
+
+
+# Responses with a field other than usage of the wrong type: the service let them through, and
+# they failed far from their source as a bare AttributeError (chat(output_schema=...) reading
+# ``message.parts`` of None) or a journal that could not record ``finish_reason="stop"``.
+_TEXT = AssistantMessage((TextPart("x"),))
+BAD_RESPONSES = {
+    "message-none": (ModelResponse(None, FinishReason.STOP), r"message is None, not an AssistantMessage"),  # type: ignore[arg-type]
+    "message-str": (ModelResponse("{}", FinishReason.STOP), r"message is str '\{\}', not an AssistantMessage"),  # type: ignore[arg-type]
+    "part-str": (
+        ModelResponse(AssistantMessage(("x",)), FinishReason.STOP),  # type: ignore[arg-type]
+        r"message\.parts\[0\] is str 'x', not a TextPart, ReasoningPart or ToolCallPart",
+    ),
+    "part-text": (
+        ModelResponse(AssistantMessage((TextPart("a"), TextPart(None))), FinishReason.STOP),  # type: ignore[arg-type]
+        r"message\.parts\[1\]\.text is None, not a str$",
+    ),
+    "call-name": (
+        ModelResponse(AssistantMessage((ToolCallPart("c1", 7, "{}"),)), FinishReason.TOOL_CALLS),  # type: ignore[arg-type]
+        r"message\.parts\[0\]\.name is int 7, not a str$",
+    ),
+    "reasoning-signature": (
+        ModelResponse(AssistantMessage((ReasoningPart("r", b"s"),)), FinishReason.STOP),  # type: ignore[arg-type]
+        r"message\.parts\[0\]\.signature is bytes b's', not a str or None",
+    ),
+    "finish-str": (ModelResponse(_TEXT, "stop"), r"finish_reason is str 'stop', not a FinishReason"),  # type: ignore[arg-type]
+    "model-none": (ModelResponse(_TEXT, FinishReason.STOP, model=None), r"model is None, not a str$"),  # type: ignore[arg-type]
+    "id-int": (ModelResponse(_TEXT, FinishReason.STOP, id=3), r"id is int 3, not a str$"),  # type: ignore[arg-type]
+    "explanation": (
+        ModelResponse(_TEXT, FinishReason.STOP, finish_explanation=["no"]),  # type: ignore[arg-type]
+        r"finish_explanation is list \['no'\], not a str or None",
+    ),
+}
+
+
+class ResponseProvider(TestModel):
+    """A custom provider whose chat answers *response* as given (a provider's answer is untrusted)."""
+
+    def __init__(self, response: Any) -> None:
+        super().__init__(default=Reply("unused"))
+        self.response = response
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:
+        self.requests.append(request)
+        await trio.lowlevel.checkpoint()
+        return self.response  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("response", "words"), BAD_RESPONSES.values(), ids=BAD_RESPONSES.keys())
+@pytest.mark.parametrize("op", CHAT_OPS)
+async def test_a_provider_response_with_a_field_of_the_wrong_type_is_a_provider_failed_error(
+    op: Operation, response: Any, words: str
+) -> None:
+    provider = ResponseProvider(response)
+    with pytest.raises(ModelError) as caught:
+        await run_op(ModelService(provider, [make_layer(op, "a", [])], retry=NO_JITTER), op)
+    assert type(caught.value) is ModelError and caught.value.code == "provider_failed"
+    assert re.search(f"the provider's chat returned a ModelResponse whose {words}", str(caught.value))
+    assert len(provider.requests) == 1  # a provider bug: not retried
+
+
+@pytest.mark.parametrize(("response", "words"), BAD_RESPONSES.values(), ids=BAD_RESPONSES.keys())
+@pytest.mark.parametrize("op", CHAT_OPS)
+async def test_a_layer_response_with_a_field_of_the_wrong_type_is_a_model_middleware_error_naming_it(
+    op: Operation, response: Any, words: str
+) -> None:
+    service = ModelService(TestModel(default=Reply("x")), [wrong_item_layer(op, response)])
+    with pytest.raises(ModelMiddlewareError) as caught:
+        await run_op(service, op)
+    assert re.search(
+        rf"#0 \(WrongItem\): {WRAPPER[op]} (returned|yielded) a ModelResponse whose {words}", str(caught.value)
+    )
+
+
+async def test_a_layer_response_without_a_message_fails_chat_with_a_schema_as_the_layer_s_error() -> None:
+    """End to end: the structured-output reader got ``message=None`` and failed with a bare AttributeError."""
+
+    class NoMessage(WrapsChat):
+        async def wrap_chat(self, request: ModelRequest, call_next: Any) -> ModelResponse:
+            await call_next()
+            return ModelResponse(None, FinishReason.STOP)  # type: ignore[arg-type]
+
+    model = TestModel(default=[Reply("done"), Reply("{}")])
+    with pytest.raises(ModelMiddlewareError, match=r"wrap_chat returned a ModelResponse whose message is None"):
+        await chat(model, "hi", model_middleware=[NoMessage()], output_schema={"type": "object"})
+
+
+class TextPartPlus(TextPart):
+    """A part of a subclass: still a part."""
+
+
+@pytest.mark.parametrize("op", CHAT_OPS)
+async def test_a_response_with_fields_of_subclasses_or_optional_none_passes(op: Operation) -> None:
+    parts = (
+        TextPartPlus(Text("a")),
+        ReasoningPart("r", signature=None, redacted_data=None),
+        ReasoningPart("r", signature="s", redacted_data="d"),
+        ToolCallPart(Text("c1"), "add", "{}"),
+    )
+    response = ModelResponse(AssistantMessage(parts), FinishReason.TOOL_CALLS, Usage(1, 1, 2), Text("m"), "", None)
+    result = await run_op(ModelService(ResponseProvider(response), [make_layer(op, "a", [])]), op)
+    assert (result[-1] if op is Operation.CHAT_WITH_RETRY_EVENTS else result) is response
+
+
+_PART_CLASSES = [TextPart, TextPartPlus, ReasoningPart, ToolCallPart]
+
+
+@st.composite
+def any_response(draw: st.DrawFn) -> Any:
+    """A response each of whose fields (and each part's) is mostly of its type, else anything."""
+
+    def part(draw: st.DrawFn) -> Any:
+        kind = draw(st.sampled_from(_PART_CLASSES))
+        return kind(*(draw(_mostly(_GOOD_VALUES[field.name], _FIELD_VALUES)) for field in attrs.fields(kind)))
+
+    parts = draw(st.lists(_mostly(st.composite(part)(), _FIELD_VALUES), max_size=3))
+    return ModelResponse(
+        draw(_mostly(st.just(AssistantMessage(tuple(parts))), _FIELD_VALUES)),
+        draw(_mostly(st.sampled_from(list(FinishReason)), _FIELD_VALUES)),
+        draw(_mostly(_GOOD_VALUES["usage"], _FIELD_VALUES)),
+        draw(_mostly(st.text(max_size=3), _FIELD_VALUES)),
+        draw(_mostly(st.text(max_size=3), _FIELD_VALUES)),
+        draw(_mostly(st.none() | st.text(max_size=3), _FIELD_VALUES)),
+    )
+
+
+def _exact(response: ModelResponse) -> bool:
+    """Whether nothing in *response* is of a subclass (which only the explaining check passes)."""
+    message = response.message
+    values: list[Any] = [response.model, response.id, response.finish_explanation]
+    if isinstance(message, AssistantMessage):
+        values += [
+            getattr(part, field.name)
+            for part in message.parts
+            if attrs.has(type(part))
+            for field in attrs.fields(type(part))
+        ]
+        values += list(message.parts)
+    return not any(type(value) in (Text, TextPartPlus) for value in values)
+
+
+@given(any_response())
+@settings(max_examples=1000, deadline=None)
+def test_the_fast_response_check_and_the_explaining_one_agree(response: Any) -> None:
+    ok, problem = _response_ok(response), _response_problem(response)
+    if ok:
+        assert problem is None
+    if _exact(response):
+        assert ok == (problem is None), (response, problem)
 
 
 class PlainDefStream:

@@ -48,15 +48,19 @@ from ._history import MessageView
 from ._messages import (
     MAX_TOKEN_COUNT,
     MESSAGE_CLASSES,
+    AssistantMessage,
     FinishChunk,
     FinishReason,
     Message,
     ModelResponse,
     ReasoningDelta,
+    ReasoningPart,
     StreamChunk,
     TextDelta,
+    TextPart,
     ToolCallDelta,
     ToolCallEnd,
+    ToolCallPart,
     ToolCallStart,
     ToolSpec,
     Usage,
@@ -332,12 +336,108 @@ def _usage_problem(usage: Usage) -> str | None:
     return None
 
 
-def _response_problem(response: ModelResponse) -> str | None:
-    """What is wrong with *response*'s usage, as ``usage<...> is <what>, not <what it should be>``
-    (``None``: nothing): the rule a streamed `UsageChunk` is held to (`_usage_problem`), since a
-    reply's usage goes to the same totals and journal whether it was streamed or not."""
+# What each content part's fields must be, as `_CHUNK_FIELDS` says of the chunks that stream them.
+_PART_FIELDS: dict[type, tuple[tuple[str, bool], ...]] = {
+    TextPart: (("text", False),),
+    ReasoningPart: (("text", False), ("signature", True), ("redacted_data", True)),
+    ToolCallPart: (("id", False), ("name", False), ("arguments", False)),
+}
+# A response's own fields besides message and usage: (field, None allowed too); each a str.
+_RESPONSE_STRINGS = (("model", False), ("id", False), ("finish_explanation", True))
+
+
+def _usage_ok(usage: Usage) -> bool:
+    """Whether *usage*'s counts are plainly good (`_usage_problem` says what is wrong): inline, as
+    `_chunk_ok` checks a `UsageChunk`'s, a few times cheaper than the explaining loop."""
+    high = MAX_TOKEN_COUNT
+    inputs, outputs, total = usage.input_tokens, usage.output_tokens, usage.total_tokens
+    cached, created, reasoning = usage.cached_input_tokens, usage.cache_creation_input_tokens, usage.reasoning_tokens
+    return (
+        type(inputs) is int
+        and type(outputs) is int
+        and type(total) is int
+        and 0 <= inputs <= high
+        and 0 <= outputs <= high
+        and 0 <= total <= high
+        and (cached is None or (type(cached) is int and 0 <= cached <= high))
+        and (created is None or (type(created) is int and 0 <= created <= high))
+        and (reasoning is None or (type(reasoning) is int and 0 <= reasoning <= high))
+    )
+
+
+def _response_ok(response: ModelResponse) -> bool:
+    """Whether *response* is plainly a good reply: every field of its type exactly (the rules of
+    `_response_problem`). ``False`` is no verdict: `_response_problem` judges it (a subclass
+    passes there) and says what is wrong. A few identity tests a field and a part."""
+    message = response.message
     usage = response.usage
-    if type(usage) is not Usage and not isinstance(usage, Usage):
+    explanation = response.finish_explanation
+    if (
+        type(message) is not AssistantMessage
+        or type(response.finish_reason) is not FinishReason
+        or type(response.model) is not str
+        or type(response.id) is not str
+        or (explanation is not None and type(explanation) is not str)
+        or type(usage) is not Usage
+        or not _usage_ok(usage)
+    ):
+        return False
+    parts: tuple[Any, ...] = message.parts  # (Any: a part is told by its exact type, not narrowed)
+    if type(parts) is not tuple:
+        return False
+    for part in parts:
+        kind = type(part)
+        if kind is TextPart:
+            if type(part.text) is not str:
+                return False
+        elif kind is ToolCallPart:
+            if type(part.id) is not str or type(part.name) is not str or type(part.arguments) is not str:
+                return False
+        elif kind is ReasoningPart:
+            signature, redacted = part.signature, part.redacted_data
+            if (
+                type(part.text) is not str
+                or (signature is not None and type(signature) is not str)
+                or (redacted is not None and type(redacted) is not str)
+            ):
+                return False
+        else:
+            return False
+    return True
+
+
+def _response_problem(response: ModelResponse) -> str | None:
+    """What is wrong with *response*, as ``<field> is <what>, not <what it should be>`` (``None``:
+    nothing): ``message`` an `AssistantMessage` whose parts are content parts with each field of
+    its type (as the chunks that stream them are checked), ``finish_reason`` a `FinishReason`,
+    ``model`` and ``id`` strings, ``finish_explanation`` a string or ``None``, and ``usage`` held
+    to the rule a streamed `UsageChunk` is (`_usage_problem`), since a reply goes to the same
+    totals, journal and readers whether it was streamed or not. A subclass of a type passes."""
+    if _response_ok(response):
+        return None
+    message = response.message
+    if not isinstance(message, AssistantMessage):
+        return f"message is {_what(message)}, not an AssistantMessage"
+    parts = message.parts
+    if not isinstance(parts, tuple):
+        return f"message.parts is {_what(parts)}, not a tuple of content parts"
+    for number, part in enumerate(parts):
+        base = next((known for known in _PART_FIELDS if isinstance(part, known)), None)
+        if base is None:
+            return f"message.parts[{number}] is {_what(part)}, not a TextPart, ReasoningPart or ToolCallPart"
+        for name, optional in _PART_FIELDS[base]:
+            value = getattr(part, name)
+            if not isinstance(value, str) and not (optional and value is None):
+                return f"message.parts[{number}].{name} is {_what(value)}, not a str{' or None' if optional else ''}"
+    reason = response.finish_reason
+    if not isinstance(reason, FinishReason):
+        return f"finish_reason is {_what(reason)}, not a FinishReason"
+    for name, optional in _RESPONSE_STRINGS:
+        value = getattr(response, name)
+        if not isinstance(value, str) and not (optional and value is None):
+            return f"{name} is {_what(value)}, not a str{' or None' if optional else ''}"
+    usage = response.usage
+    if not isinstance(usage, Usage):
         return f"usage is {_what(usage)}, not a Usage"
     problem = _usage_problem(usage)
     return None if problem is None else f"usage.{problem}"
