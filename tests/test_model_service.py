@@ -1739,6 +1739,74 @@ async def test_stream_retry_closes_the_failed_attempt_before_the_next(autojump_c
     assert log == ["attempt 1 closed", "attempt 2 closed"]
 
 
+class BadCloseStream:
+    """A provider stream (a class, as an HTTP response is) whose ``aclose()`` raises: its first read
+    fails with *error* (else it yields one chunk and ends)."""
+
+    def __init__(self, error: ModelError | None) -> None:
+        self.error = error
+        self.read = False
+
+    def __aiter__(self) -> BadCloseStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        await trio.lowlevel.checkpoint()
+        if self.error is not None:
+            raise self.error
+        if self.read:
+            raise StopAsyncIteration
+        self.read = True
+        return TextDelta("hi")
+
+    async def aclose(self) -> None:
+        raise RuntimeError("connection reset during close")
+
+
+class BadCloseProvider(LoggingProvider):
+    """Its streams are *streams*, one an attempt."""
+
+    def __init__(self, streams: list[BadCloseStream]) -> None:
+        super().__init__([])
+        self.streams = streams
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:  # type: ignore[override]
+        self.requests.append(request)
+        return self.streams[len(self.requests) - 1]
+
+
+async def test_a_failed_attempt_whose_close_raises_is_still_retried_with_the_close_noted(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The close's error replaced the retryable one, as a middleware bug (with no middleware): no retry."""
+    provider = BadCloseProvider([BadCloseStream(ProviderServerError("503", status=503)), BadCloseStream(None)])
+    assert await run_op(ModelService(provider, retry=NO_JITTER), Operation.STREAM) == [TextDelta("hi")]
+    assert len(provider.requests) == 2
+    assert "closing a failed attempt of the logging provider stream raised" in caplog.text
+    assert "connection reset during close" in caplog.text
+
+
+async def test_a_last_failed_attempt_whose_close_raises_raises_its_own_error_with_a_note() -> None:
+    error = ProviderServerError("503", status=503)
+    provider = BadCloseProvider([BadCloseStream(error)])
+    with pytest.raises(ProviderServerError) as caught:
+        await run_op(ModelService(provider, retry=RetryPolicy(max_attempts=1)), Operation.STREAM)
+    assert caught.value is error
+    assert caught.value.__notes__ == [
+        "also, closing the provider's failed stream raised RuntimeError('connection reset during close')"
+    ]
+
+
+async def test_a_provider_stream_whose_close_raises_is_a_provider_error_not_middleware() -> None:
+    provider = BadCloseProvider([BadCloseStream(None)])
+    with pytest.raises(ModelError) as caught:
+        async with ModelService(provider, [Tap("tap", [])]).stream(MESSAGES) as chunks:
+            async for _ in chunks:
+                break  # leaves it open: the block's exit closes it
+    assert type(caught.value) is ModelError and caught.value.code == "provider_failed"
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
 class ReadsOnAfterErrors(ModelMiddleware):
     """Catches a stream error and keeps reading (to log it and go on) until the stream ends."""
 

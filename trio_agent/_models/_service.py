@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import logging
 import math
 import random
 import types
@@ -66,6 +67,8 @@ from ._messages import (
     Usage,
     UsageChunk,
 )
+
+logger = logging.getLogger("trio_agent")
 
 __all__ = [
     "ChatNext",
@@ -1377,7 +1380,7 @@ class _RetryingStream:
                     self._inner = None
                     raise
                 except ModelError as error:
-                    await self._close_inner()
+                    await self._close_failed(error)
                     if self._published:
                         # A timeout stays a timeout (an `except TimeoutError` catches it, as it
                         # catches the request deadline's, published chunks or not); the one that
@@ -1405,12 +1408,31 @@ class _RetryingStream:
             raise
 
     async def _close_inner(self) -> None:
+        """Close the provider's stream; what its ``aclose`` raises is a provider bug, typed as such."""
         inner, self._inner = self._inner, None
         aclose = getattr(inner, "aclose", None)
         if aclose is not None:
             grace = min(self._service.cleanup_grace, max(self.close_by - trio.current_time(), 0.0))
             with bounded_shield(grace, self._service._provider_layer(Operation.STREAM)):
-                await aclose()
+                try:
+                    await aclose()
+                except ModelError:
+                    raise
+                except Exception as exc:
+                    error = ModelError(f"the provider's stream raised {exc!r} when closed", code="provider_failed")
+                    raise error from exc
+
+    async def _close_failed(self, error: ModelError) -> None:
+        """Close a failed attempt's stream. *error* decides what follows (a retry, or it is raised):
+        a close that fails too is noted on it and logged, never raised in its place (it was, and
+        a retryable error became a middleware bug that was not retried)."""
+        try:
+            await self._close_inner()
+        except Exception as failure:
+            raised = failure.__cause__ if isinstance(failure.__cause__, Exception) else failure  # the provider's own
+            error.add_note(f"also, closing the provider's failed stream raised {raised!r}")
+            where = self._service._provider_layer(Operation.STREAM)
+            logger.warning("closing a failed attempt of %s raised %r (the attempt's error: %r)", where, raised, error)
 
     async def aclose(self) -> None:
         self._finished = True  # closed: never reopened
