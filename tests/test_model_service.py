@@ -1923,6 +1923,181 @@ async def test_what_a_call_next_returned_in_time_runs_nothing_after_its_call(op:
     assert model.requests == []
 
 
+class SlowProvider:
+    """A provider whose chat and whose stream's chunks each take *delay* s; it logs, with the time,
+    when its work is cancelled, finishes, and when its stream is closed."""
+
+    name = "slow"
+    model = "m"
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.log: list[str] = []
+        self.started = trio.Event()
+
+    def with_model(self, model: str) -> SlowProvider:
+        return self
+
+    async def _wait(self) -> None:
+        self.started.set()
+        try:
+            await trio.sleep(self.delay)
+        except trio.Cancelled:
+            self.log.append(f"cancelled at {trio.current_time():g}")
+            raise
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:
+        await self._wait()
+        self.log.append(f"answered at {trio.current_time():g}")
+        return CANNED
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        try:
+            for index in range(3):
+                await self._wait()
+                self.log.append(f"chunk {index} at {trio.current_time():g}")
+                yield TextDelta(str(index))
+        finally:
+            self.log.append(f"closed at {trio.current_time():g}")
+
+
+class InBackground:
+    """Runs its call_next in a task of a nursery that outlives the call (a "refresh the cache in the
+    background" layer, a "tee to a logger" one); once the provider started, it answers from its
+    cache (or, *waits*, after the background task is done). `outcomes`: what that task got."""
+
+    def __init__(self, op: Operation, nursery: trio.Nursery, provider: SlowProvider, *, waits: bool = False) -> None:
+        self.outcomes: list[Any] = []
+        done = trio.Event()
+
+        async def background(call_next: Any) -> None:
+            try:
+                if op in (Operation.CHAT, Operation.SIDE_QUERY):
+                    self.outcomes.append(await call_next())
+                else:
+                    self.outcomes.append([item async for item in call_next()])
+            except ModelError as error:
+                self.outcomes.append(error)
+            done.set()
+
+        async def answer(call_next: Any) -> None:
+            nursery.start_soon(background, call_next)
+            await provider.started.wait()
+            if waits:
+                await done.wait()
+
+        if op in (Operation.CHAT, Operation.SIDE_QUERY):
+
+            async def wrap(request: ModelRequest, call_next: Any) -> ModelResponse:
+                await answer(call_next)
+                return CANNED
+
+        else:
+            item: Any = TextDelta("cached") if op is Operation.STREAM else CANNED
+
+            async def wrap(request: ModelRequest, call_next: Any) -> AsyncIterator[Any]:  # type: ignore[misc]
+                await answer(call_next)
+                yield item
+
+        setattr(self, WRAPPER[op], wrap)
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_a_call_next_run_in_another_task_is_cancelled_when_its_call_ends(
+    op: Operation, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Only a call_next *called* after the end ran nothing: one called in time from a task of its
+    own ran the provider on past the call, its deadline and its abort (chat), or was read on after
+    the block, whose closing failed ("already running") and left it open (stream)."""
+    provider = SlowProvider(50)
+    handle = AbortHandle()
+    async with trio.open_nursery() as nursery:
+        layer = InBackground(op, nursery, provider)
+        await run_op(ModelService(provider, [layer], request_timeout=10), op, abort=handle)
+        provider.log.append(f"call returned at {trio.current_time():g}")
+        handle.abort()
+    assert trio.current_time() == 0  # the background task ended with the call
+    if op is Operation.STREAM:  # closed before the block's exit returned
+        assert provider.log == ["cancelled at 0", "closed at 0", "call returned at 0"]
+    else:
+        assert sorted(provider.log) == ["call returned at 0", "cancelled at 0"]
+    [outcome] = layer.outcomes
+    assert isinstance(outcome, ModelMiddlewareError) and outcome.code == "middleware_early_return"
+    assert "ran in another task was still running: it was cancelled" in str(outcome)
+
+
+@pytest.mark.parametrize("stop", ["deadline", "abort"])
+@pytest.mark.parametrize("op", ALL_OPS)
+async def test_a_call_next_run_in_another_task_stops_at_its_call_s_deadline_or_abort(
+    op: Operation, stop: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    provider = SlowProvider(50)
+    handle = AbortHandle()
+    expected = ModelTimeoutError if stop == "deadline" else ModelAbortedError
+    async with trio.open_nursery() as nursery:
+        if stop == "abort":
+
+            async def abort_at_3() -> None:
+                await trio.sleep(3)
+                handle.abort()
+
+            nursery.start_soon(abort_at_3)
+        layer = InBackground(op, nursery, provider, waits=True)
+        with pytest.raises(expected):
+            await run_op(
+                ModelService(provider, [layer], request_timeout=3 if stop == "deadline" else 60), op, abort=handle
+            )
+    assert provider.log[0] == "cancelled at 3"  # not "answered at 50"
+    [outcome] = layer.outcomes
+    assert isinstance(outcome, ModelError)
+
+
+async def test_a_provider_stream_handed_to_another_task_after_its_first_read_is_closed_there(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Only the first read decides where a stream's reads run (a check per chunk would cost a tenth
+    of one): a stream first read in the block's task and then handed over is not cut at the end.
+    Closing it under that read raised "already running" (blamed on the closing) and left it open
+    for good; now the layer is named, and the stream is closed at that task's next read."""
+
+    class SecondRead(SlowProvider):
+        """Its ``started`` is set when its second chunk is being read."""
+
+        async def _wait(self) -> None:
+            self.waits = getattr(self, "waits", 0) + 1
+            if self.waits == 1:
+                await trio.sleep(self.delay)
+            else:
+                await super()._wait()
+
+    provider = SecondRead(50)
+    reads: list[Any] = []
+
+    class HandsOver:
+        def __init__(self, nursery: trio.Nursery) -> None:
+            self.nursery = nursery
+
+        async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
+            chunks = call_next()
+            first = await chunks.__anext__()
+            self.nursery.start_soon(read_on, chunks)
+            await provider.started.wait()
+            yield first
+
+    async def read_on(chunks: Any) -> None:
+        async for chunk in chunks:
+            reads.append(chunk)
+
+    async with trio.open_nursery() as nursery:
+        service = ModelService(provider, [HandsOver(nursery)], request_timeout=1000)
+        with pytest.raises(ModelMiddlewareError, match="being read in another task when its model call ended"):
+            async with service.stream(MESSAGES) as chunks:
+                async for _ in chunks:
+                    break
+    assert reads == [TextDelta("1")]  # the read under way when the block was left, and nothing after
+    assert provider.log == ["chunk 0 at 50", "chunk 1 at 100", "closed at 100"]
+
+
 class EagerStreamProvider(LoggingProvider):
     """Builds its request when ``stream()`` is called (a plain def, as the protocol allows); the first call fails."""
 

@@ -871,6 +871,8 @@ class ModelService:
         # Once the call ended, a call_next a layer kept runs nothing: the provider would run
         # outside the deadline and past an abort, for a caller that is gone.
         ended = False
+        task = trio.lowlevel.current_task()
+        elsewhere: list[trio.CancelScope] | None = None  # the scopes of provider calls in other tasks
 
         def check(current: ModelRequest) -> None:
             if ended:
@@ -878,9 +880,20 @@ class ModelService:
             _check_kept(request, current)
 
         async def terminal(current: ModelRequest) -> ModelResponse:
+            nonlocal elsewhere
             if ended:  # called in time, awaited after the end
                 raise _ended_next()
-            return await self._with_retries(current)
+            if trio.lowlevel.current_task() is task:  # under the call's scope: its deadline, its abort
+                return await self._with_retries(current)
+            # Awaited in another task (a layer's own, which may outlive the call): the call's scope
+            # does not reach it, so the provider runs under one of the call's own, with its
+            # deadline, cancelled when the call ends (returned, failed or aborted).
+            with trio.CancelScope(deadline=scope.deadline) as bound:
+                if elsewhere is None:
+                    elsewhere = []
+                elsewhere.append(bound)
+                return await self._with_retries(current)
+            raise _cut_next() if ended else self._stopped(request)
 
         chain = compose_middleware(self._chains[request.operation], terminal, check=check, validate=False)
         try:
@@ -890,6 +903,9 @@ class ModelService:
             raise self._stopped_with(request, scope, group) from group
         finally:
             ended = True
+            if elsewhere is not None:
+                for bound in elsewhere:
+                    bound.cancel()
         raise self._stopped(request)
 
     def _layer_name(self, wrapper: object) -> str:
@@ -983,7 +999,10 @@ class ModelService:
         async with self._open_iterators(request, self._retry_events_terminal, _EVENT_KINDS) as events:
             yield events
 
-    async def _retry_events_terminal(self, request: ModelRequest) -> AsyncIterator[RetryEvent | ModelResponse]:
+    def _retry_events_terminal(self, request: ModelRequest) -> AsyncIterator[RetryEvent | ModelResponse]:
+        return _RetryingEvents(self, request, self._retry_events(request))
+
+    async def _retry_events(self, request: ModelRequest) -> AsyncIterator[RetryEvent | ModelResponse]:
         attempt = 1
         while True:
             try:
@@ -1050,6 +1069,14 @@ def _ended_next() -> ModelMiddlewareError:
     )
 
 
+def _cut_next() -> ModelMiddlewareError:
+    return ModelMiddlewareError(
+        "the model call ended while a call_next a middleware ran in another task was still running: "
+        "it was cancelled (a call_next is good for its own call only)",
+        code="middleware_early_return",
+    )
+
+
 def _check_open(run: _OpenIterators, request: ModelRequest) -> None:
     if run._ended:  # the block was left: a kept call_next opens nothing (no deadline, no closing)
         raise _ended_next()
@@ -1057,7 +1084,11 @@ def _check_open(run: _OpenIterators, request: ModelRequest) -> None:
 
 
 def _open_terminal(run: _OpenIterators, request: ModelRequest) -> AsyncIterator[Any]:
-    return run._terminal(request)
+    iterator: Any = run._terminal(request)
+    kind = type(iterator)
+    if kind is _RetryingStream or kind is _RetryingEvents:
+        iterator._run = run  # bound to its call (where its reads run, the scope they run under)
+    return iterator  # type: ignore[no-any-return]
 
 
 class _TrackedNext(ComposedNext):
@@ -1091,6 +1122,7 @@ class _OpenIterators:
         "_request",
         "_service",
         "_source",
+        "_task",
         "_terminal",
         "_token",
     )
@@ -1116,6 +1148,7 @@ class _OpenIterators:
         self._outer: AsyncIterator[Any] | None = None
         self._ended = False  # set when the block is left: no layer's next opens anything after
         self._source: _RetryingStream | None = None  # the provider's stream, once a layer opened it
+        self._task: trio.lowlevel.Task | None = None  # the block's task, once entered
 
     def _track(self, position: int, iterator: Any) -> AsyncIterator[Any]:
         """Keep the iterator of the layer at *position* (the terminal last), to be closed in order."""
@@ -1133,6 +1166,7 @@ class _OpenIterators:
             # Before any layer runs, as chat() does: a plain-def wrap_stream runs when it is called.
             raise service._stopped(request)
         chain = service._open_chains[request.operation]
+        self._task = trio.lowlevel.current_task()  # where reads run under the block's scope
         # The deadline given to the constructor: setting it on a made scope costs a third more.
         deadline = self._deadline = trio.CancelScope(deadline=trio.current_time() + service.request_timeout)
         deadline.__enter__()
@@ -1285,15 +1319,19 @@ async def _close_all(
         aclose = getattr(iterator, "aclose", None)
         if aclose is None or (isinstance(iterator, types.AsyncGeneratorType) and iterator.ag_frame is None):
             continue  # nothing to close (a generator that ran to its end has run its finally already)
-        if isinstance(iterator, _RetryingStream) and iterator.closed:
-            # The provider's stream ended on its own, or was never opened: no shield for nothing,
-            # but finished, so that reading it later (a kept iterator, the block's) opens none.
-            iterator._finished = True  # (a store, not a call: every stream that ends on its own comes here)
-            continue
+        source = iterator if isinstance(iterator, _ProviderIterator) else None
+        if source is not None:
+            source._run = None  # no reference cycle (a read in another task keeps the run itself)
+            if source.closed:
+                # The provider's stream ended on its own, or was never opened: no shield for nothing,
+                # but finished, so that reading it later (a kept iterator, the block's) opens none.
+                source._finished = True  # (`_finish`, inline: every stream that ends on its own comes here)
+                source._detour = True
+                continue
         if deadline is None:
             deadline = trio.current_time() + service.cleanup_grace
-        if isinstance(iterator, _RetryingStream):
-            iterator.close_by = deadline  # its own shield must not outlast ours
+        if source is not None:
+            source.close_by = deadline  # its own shield must not outlast ours
         with bounded_shield(max(deadline - trio.current_time(), 0.0), service._position_name(operation, position)):
             try:
                 await aclose()
@@ -1330,32 +1368,151 @@ def _provider_response(response: object) -> ModelResponse:
     )
 
 
-class _RetryingStream:
-    """The provider stream with the service's retry loop: retried only before the first chunk."""
+class _ProviderIterator:
+    """A call's terminal iterator (the provider's work with the service's retry loop), bound to its call.
 
-    def __init__(self, service: ModelService, request: ModelRequest) -> None:
+    A layer may read it in a task of its own (a ``call_next`` handed to a long-lived nursery's
+    task, which may outlive the call): the block's deadline scope does not reach that task, so the
+    provider ran past the deadline, past an abort and after the block was left, and closing it
+    under that read failed (the generator "already running"), leaving it open. So where its reads
+    run is decided: in the block's task (the usual case) they run as they are, under the block's
+    scope; in another task each read runs under a scope of the call's own (`_read_elsewhere`):
+    the block's deadline, cancelled when the block is left, and closing waits for that read to
+    leave before it closes the provider's iterator."""
+
+    # Never read per chunk: on the class, stored by a call only when they change.
+    _elsewhere = False  # reads run in another task, each under a scope of the call's
+    _left: trio.Event | None = None  # set when a read in another task has left (closing waits for it)
+
+    def __init__(self, service: ModelService, request: ModelRequest, inner: AsyncIterator[Any] | None) -> None:
         self._service = service
         self._request = request
-        self._inner: AsyncIterator[StreamChunk] | None = None
-        self._published = False
+        self._inner = inner
+        self._run: _OpenIterators | None = None  # set when its call opens it (`_open_terminal`)
+        # The slow path (`_detoured`): the first read (where does it run?), every read after the
+        # end, every read in another task. False only while reads run in the block's task.
+        self._detour = True
         self._finished = False
-        self._attempt = 1
-        self.last: object = None
-        """The last chunk it returned (checked): a layer that passes it on unchanged is not checked again."""
+        self._reading: trio.CancelScope | None = None  # the scope of a read in another task, while it runs
         self.close_by = math.inf
         """When closed by `_close_all`: the trio time its bound ends (the provider close may not outlast it)."""
 
-    def __aiter__(self) -> _RetryingStream:
+    def __aiter__(self) -> _ProviderIterator:
         return self
+
+    async def __anext__(self, here: bool = False) -> Any:
+        raise NotImplementedError
 
     @property
     def closed(self) -> bool:
-        """Nothing of the provider's is open (not started, ended on its own, or closed)."""
-        return self._inner is None
+        """Nothing of the provider's is open, nor read in another task (not started, ended, or closed)."""
+        return self._inner is None and self._reading is None
 
-    async def __anext__(self) -> StreamChunk:
+    def _finish(self) -> None:
+        """Whatever ends it ends it for good, as an async generator's end: read again, it must not
+        open a new provider request and replay what was already published."""
+        self._finished = True
+        self._detour = True
+
+    async def _detoured(self) -> Any:
+        """A read off the fast path: after the end, its end; else in the block's task the read
+        itself (a stream decides that inline, at its first read), in another task under a scope
+        of the call's."""
         if self._finished:
+            if not self.closed:  # left open under a read in another task (see `_close_inner`)
+                self.close_by = math.inf
+                await self._close_inner()
             raise StopAsyncIteration
+        run = self._run
+        if not self._elsewhere:
+            if run is None or trio.lowlevel.current_task() is run._task:
+                return await self.__anext__(True)
+            self._elsewhere = True
+        assert run is not None
+        return await self._read_elsewhere(run)
+
+    async def _read_elsewhere(self, run: _OpenIterators) -> Any:
+        """One read in a task other than the block's, under a scope of the call's: the block's
+        deadline, cancelled when the block is left (`aclose`)."""
+        if run._ended:  # the block was left and its closing has not reached us yet: nothing more
+            self._finish()
+            raise StopAsyncIteration
+        deadline = run._deadline
+        assert deadline is not None  # set when the block was entered, before any layer ran
+        with trio.CancelScope(deadline=deadline.deadline) as scope:
+            self._reading = scope
+            try:
+                return await self.__anext__(True)
+            finally:
+                self._reading = None
+                if self._left is not None:
+                    self._left.set()
+        # Our scope's cancellation: the block was left during the read, or its deadline passed.
+        raise _cut_next() if run._ended else self._service._stopped(self._request)
+
+    async def _close_inner(self) -> None:
+        """Close the provider's iterator; what its ``aclose`` raises is a provider bug, typed as such."""
+        inner = self._inner
+        aclose = getattr(inner, "aclose", None)
+        if aclose is None:
+            self._inner = None
+            return
+        if getattr(inner, "ag_running", False):
+            # Read right now in another task that a layer handed it to after reading it in the
+            # block's (only the first read decides where reads run): an async generator cannot be
+            # closed under its read. It is kept, and closed at that task's next read.
+            raise ModelMiddlewareError(
+                "the provider's stream was being read in another task when its model call ended (a "
+                "middleware handed it over): a call_next is good for its own call only"
+            )
+        self._inner = None
+        grace = min(self._service.cleanup_grace, max(self.close_by - trio.current_time(), 0.0))
+        with bounded_shield(grace, self._service._provider_layer(self._request.operation)):
+            try:
+                await aclose()
+            except ModelError:
+                raise
+            except Exception as exc:
+                raise ModelError(f"the provider's stream raised {exc!r} when closed", code="provider_failed") from exc
+
+    async def aclose(self) -> None:
+        self._finish()  # closed: never reopened
+        reading = self._reading
+        if reading is not None:  # a read in another task: stopped, and waited for, before closing under it
+            reading.cancel()
+            left = self._left = trio.Event()
+            await left.wait()
+        await self._close_inner()
+
+
+class _RetryingStream(_ProviderIterator):
+    """The provider stream with the service's retry loop: retried only before the first chunk."""
+
+    def __init__(self, service: ModelService, request: ModelRequest) -> None:
+        # The base's, inline (one frame less a call), every attribute read on the way of a chunk
+        # or a call on the instance from the start: one that moves from the class to the instance
+        # mid-call keeps the interpreter from specialising its reads.
+        self._service = service
+        self._request = request
+        self._inner: AsyncIterator[StreamChunk] | None = None  # opened at the first read
+        self._run = None
+        self._detour = True
+        self._finished = False
+        self._reading = None
+        self.close_by = math.inf
+        self._published = False
+        self._attempt = 1
+        self.last: object = None
+        """The last chunk it returned (checked): a layer that passes it on unchanged is not checked again."""
+
+    async def __anext__(self, here: bool = False) -> StreamChunk:
+        if self._detour and not here:  # (*here*: the detour's own read)
+            run = self._run
+            if self._finished or self._elsewhere or (run is not None and trio.lowlevel.current_task() is not run._task):
+                return await self._detoured()  # type: ignore[no-any-return]
+            # The first read, in the block's task: so are all its reads (only the first decides:
+            # a task check per chunk would cost a tenth of one), as they are, under its scope.
+            self._detour = False
         try:
             while True:
                 try:
@@ -1401,26 +1558,9 @@ class _RetryingStream:
                 self.last = chunk
                 return chunk
         except BaseException:
-            # Whatever ends it (its end, its last error, a cancellation) ends it for good, as an
-            # async generator's: read again, it must not open a new provider request and replay
-            # what was already published.
-            self._finished = True
+            self._finished = True  # `_finish`, inline
+            self._detour = True
             raise
-
-    async def _close_inner(self) -> None:
-        """Close the provider's stream; what its ``aclose`` raises is a provider bug, typed as such."""
-        inner, self._inner = self._inner, None
-        aclose = getattr(inner, "aclose", None)
-        if aclose is not None:
-            grace = min(self._service.cleanup_grace, max(self.close_by - trio.current_time(), 0.0))
-            with bounded_shield(grace, self._service._provider_layer(Operation.STREAM)):
-                try:
-                    await aclose()
-                except ModelError:
-                    raise
-                except Exception as exc:
-                    error = ModelError(f"the provider's stream raised {exc!r} when closed", code="provider_failed")
-                    raise error from exc
 
     async def _close_failed(self, error: ModelError) -> None:
         """Close a failed attempt's stream. *error* decides what follows (a retry, or it is raised):
@@ -1434,6 +1574,21 @@ class _RetryingStream:
             where = self._service._provider_layer(Operation.STREAM)
             logger.warning("closing a failed attempt of %s raised %r (the attempt's error: %r)", where, raised, error)
 
-    async def aclose(self) -> None:
-        self._finished = True  # closed: never reopened
-        await self._close_inner()
+
+class _RetryingEvents(_ProviderIterator):
+    """The terminal of ``chat_with_retry_events``: `ModelService._retry_events` (the retry loop
+    around the provider's chat, a `RetryEvent` per retry, then the response). Every read decides
+    where it runs: there are few."""
+
+    async def __anext__(self, here: bool = False) -> RetryEvent | ModelResponse:
+        if not here:
+            return await self._detoured()  # type: ignore[no-any-return]
+        inner = self._inner
+        assert inner is not None
+        try:
+            return await inner.__anext__()  # type: ignore[no-any-return]
+        except BaseException:
+            self._finish()  # the generator ended (its end, its error, a cancellation)
+            if getattr(inner, "ag_frame", None) is None:
+                self._inner = None  # nothing left to close
+            raise
