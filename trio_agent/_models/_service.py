@@ -1084,11 +1084,8 @@ def _check_open(run: _OpenIterators, request: ModelRequest) -> None:
 
 
 def _open_terminal(run: _OpenIterators, request: ModelRequest) -> AsyncIterator[Any]:
-    iterator: Any = run._terminal(request)
-    kind = type(iterator)
-    if kind is _RetryingStream or kind is _RetryingEvents:
-        iterator._run = run  # bound to its call (where its reads run, the scope they run under)
-    return iterator  # type: ignore[no-any-return]
+    # Bound to its call (where its reads run, the scope they run under) as `_track` keeps it.
+    return run._terminal(request)
 
 
 class _TrackedNext(ComposedNext):
@@ -1155,8 +1152,12 @@ class _OpenIterators:
         if not hasattr(iterator, "__anext__"):
             raise ModelMiddlewareError(f"a stream wrapper must return an async iterator, got {iterator!r}")
         self._opened[position] = iterator
-        if type(iterator) is _RetryingStream:
+        kind = type(iterator)
+        if kind is _RetryingStream:
             self._source = iterator
+            iterator._run = self  # bound to its call: where its reads run, the scope they run under
+        elif kind is _RetryingEvents:
+            iterator._run = self
         return iterator  # type: ignore[no-any-return]
 
     async def __aenter__(self) -> AsyncIterator[Any]:
@@ -1322,7 +1323,7 @@ async def _close_all(
         source = iterator if isinstance(iterator, _ProviderIterator) else None
         if source is not None:
             source._run = None  # no reference cycle (a read in another task keeps the run itself)
-            if source.closed:
+            if source._inner is None and source._reading is None:  # `closed`, inline
                 # The provider's stream ended on its own, or was never opened: no shield for nothing,
                 # but finished, so that reading it later (a kept iterator, the block's) opens none.
                 source._finished = True  # (`_finish`, inline: every stream that ends on its own comes here)
@@ -1388,7 +1389,7 @@ class _ProviderIterator:
         self._service = service
         self._request = request
         self._inner = inner
-        self._run: _OpenIterators | None = None  # set when its call opens it (`_open_terminal`)
+        self._run: _OpenIterators | None = None  # set when its call keeps it (`_OpenIterators._track`)
         # The slow path (`_detoured`): the first read (where does it run?), every read after the
         # end, every read in another task. False only while reads run in the block's task.
         self._detour = True
