@@ -150,8 +150,12 @@ ANSWER_REPLY = Reply("done")
 
 
 def respond(request: ta.ModelRequest) -> Reply:
-    """A tool call for a new prompt, the answer once the tool result is the last message."""
-    return ANSWER_REPLY if isinstance(request.messages[-1], ta.ToolResultMessage) else CALL_REPLY
+    """A tool call for a new prompt, the answer once the tool result is the last message: "done" only
+    when the tool returned 3, so a run whose tool failed (which costs less) cannot pass for one that worked."""
+    last = request.messages[-1]
+    if not isinstance(last, ta.ToolResultMessage):
+        return CALL_REPLY
+    return ANSWER_REPLY if last.content == "3" and not last.is_error else Reply(f"the tool failed: {last.content}")
 
 
 class PassStream(ta.ModelMiddleware):

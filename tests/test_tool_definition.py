@@ -1257,3 +1257,47 @@ def test_the_fast_json_check_and_the_explaining_one_agree(value: Any) -> None:
     assert is_json(value) == (problem is None), problem
     if problem is not None and "integer" in problem:
         assert f"at most {MAX_JSON_INT_BITS}" in problem
+
+
+_ANYISH = st.recursive(
+    _JSONISH | st.sampled_from([b"x", math.nan, -math.inf, 1j]),
+    lambda children: st.lists(children, max_size=3)
+    | st.tuples(children)
+    | st.dictionaries(st.text(max_size=2) | st.integers(0, 3) | st.none(), children, max_size=3),
+    max_leaves=12,
+)
+
+
+def _containers(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [value, *(item for inner in value.values() for item in _containers(inner))]
+    if isinstance(value, list):
+        return [value, *(item for inner in value for item in _containers(inner))]
+    return []
+
+
+@given(_ANYISH)
+@settings(max_examples=400, deadline=None)
+def test_copy_if_json_judges_as_is_json_and_copies_every_container(value: Any) -> None:
+    # One walk for what `is_json` and `json_copy` did in two (the pipeline's frozen input, the
+    # journal's scheduled and started inputs): it must accept exactly what is_json accepts, and
+    # its copy must share no container with the original, or a later in-place change would reach it.
+    from trio_agent._json import NOT_JSON, copy_if_json, is_json
+
+    copy = copy_if_json(value)
+    if not is_json(value):
+        assert copy is NOT_JSON
+        return
+    assert copy == value or value != value  # (a float NaN is never JSON, so equality holds)
+    originals = {id(container) for container in _containers(value)}
+    assert not originals & {id(container) for container in _containers(copy)}
+
+
+def test_copy_if_json_refuses_nesting_past_the_limit() -> None:
+    from trio_agent._json import MAX_JSON_DEPTH, NOT_JSON, copy_if_json, is_json
+
+    deep: Any = 1
+    for _ in range(MAX_JSON_DEPTH):
+        deep = [deep]
+    assert is_json(deep) and copy_if_json(deep) == deep
+    assert not is_json([deep]) and copy_if_json([deep]) is NOT_JSON

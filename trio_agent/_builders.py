@@ -49,14 +49,17 @@ def constructor(cls: type[T], *, trusted: Collection[str] = ()) -> Callable[...,
     return _compile(cls, lines, {}, "constructor")
 
 
-def checked_constructor(cls: type[T], check: CheckSource) -> Callable[..., T]:
+def checked_constructor(cls: type[T], check: CheckSource, *, trusted: Collection[str] = ()) -> Callable[..., T]:
     """A positional constructor of *cls* that gives what ``cls(...)`` gives, for any values: those
     that *check*'s expressions accept are stored, anything else (and every field with a converter
-    or a validator *check* does not know) goes to ``cls(...)`` itself."""
+    or a validator *check* does not know) goes to ``cls(...)`` itself. Fields named *trusted* are
+    not tested: their callers pass what the validator accepts (without a converter)."""
     fields = _fields(cls)
     names: dict[str, object] = {}
     tests = []
     for field in fields:
+        if field.name in trusted and field.converter is None:
+            continue
         test = None if field.converter is not None else check(field.validator, field.alias, names)
         tests.append("False" if test is None else test)
     arguments = ", ".join(field.alias for field in fields)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["MAX_JSON_DEPTH", "MAX_JSON_INT_BITS", "explain_json", "is_json", "json_problem"]
+__all__ = ["MAX_JSON_DEPTH", "MAX_JSON_INT_BITS", "NOT_JSON", "copy_if_json", "explain_json", "is_json", "json_problem"]
 
 _LEAVES = frozenset({type(None), bool, str, int})  # an int within `MAX_JSON_INT_BITS`
 _CONTAINERS = frozenset({dict, list})
@@ -65,6 +65,41 @@ def is_json(value: object, depth: int = 0) -> bool:
                 return False
         return True
     return kind is float and math.isfinite(value)  # type: ignore[arg-type]
+
+
+NOT_JSON: object = object()
+"""What `copy_if_json` returns for a value that is not JSON."""
+
+
+def copy_if_json(value: object, depth: int = 0) -> object:
+    """`is_json` and a copy of the containers (dicts and lists; leaves are shared) in one walk:
+    the copy when *value* is JSON, `NOT_JSON` otherwise. For a value that is frozen and then
+    checked, where two walks would cost twice."""
+    kind = type(value)
+    if kind in _LEAVES:
+        return value if kind is not int or _INT_LOW < value < _INT_HIGH else NOT_JSON  # type: ignore[operator]
+    if kind is dict or kind is list:
+        if depth >= MAX_JSON_DEPTH:
+            return NOT_JSON
+        copy = value.copy()  # type: ignore[attr-defined]
+        low, high = _INT_LOW, _INT_HIGH
+        # Replacing an item's value does not disturb the iteration over the copy's own items.
+        for key, item in copy.items() if kind is dict else enumerate(copy):
+            if kind is dict and type(key) is not str:
+                return NOT_JSON
+            inner = type(item)
+            if inner in _LEAVES:
+                if inner is int and not low < item < high:
+                    return NOT_JSON
+            elif inner is dict or inner is list:
+                item = copy_if_json(item, depth + 1)
+                if item is NOT_JSON:
+                    return NOT_JSON
+                copy[key] = item
+            elif not (inner is float and math.isfinite(item)):
+                return NOT_JSON
+        return copy
+    return value if kind is float and math.isfinite(value) else NOT_JSON  # type: ignore[arg-type]
 
 
 def explain_json(value: object, path: str, depth: int = 0) -> None:

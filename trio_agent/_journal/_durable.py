@@ -59,6 +59,7 @@ from .._errors import (
     StaleFencingTokenError,
 )
 from .._groups import typed_error
+from .._json import copy_if_json
 from .._models._messages import Message
 from .._tools._definition import SideEffect, Tool
 from .._tools._journal import ScheduledCall, Settlement, SettlementStatus
@@ -85,7 +86,9 @@ from ._events import (
     tool_completed,
     tool_failed,
     tool_scheduled,
+    tool_scheduled_copied,
     tool_started,
+    tool_started_copied,
 )
 from ._lane import LaneStore
 from ._lease import HeldLease, acquire, check_seconds, check_timing, default_owner
@@ -982,14 +985,19 @@ class DurableJournal:
             await trio.lowlevel.checkpoint()
             return
         behavior = call.behavior
+        # Frozen and checked in one walk; what is not JSON goes to the event's own check, which names it.
+        model_input = copy_if_json(call.model_input)
+        build = tool_scheduled_copied
+        if type(model_input) is not dict:
+            model_input, build = json_copy(call.model_input), tool_scheduled
         # Deferred: the call's start (durable before the tool runs) or its settlement writes it.
         self.defer(
-            tool_scheduled(
+            build(
                 call.request_id,
                 call.turn_id,
                 call.call_id,
                 call.tool_name,
-                json_copy(call.model_input),
+                model_input,
                 behavior.side_effect,
                 behavior.kind,
                 behavior.interrupt,
@@ -1003,9 +1011,13 @@ class DurableJournal:
         self, call: ScheduledCall, input: dict[str, Any], side_effect: SideEffect, *, synthetic: bool
     ) -> None:
         self._call_stream(call)
-        event = tool_started(
-            call.request_id, call.turn_id, call.call_id, json_copy(dict(input)), side_effect, synthetic
-        )
+        copied = copy_if_json(input)  # as in `on_tool_scheduled`
+        if type(copied) is dict:
+            event = tool_started_copied(call.request_id, call.turn_id, call.call_id, copied, side_effect, synthetic)
+        else:
+            event = tool_started(
+                call.request_id, call.turn_id, call.call_id, json_copy(dict(input)), side_effect, synthetic
+            )
         if side_effect is SideEffect.PURE and not self.durable_pure_starts and not synthetic:
             # Explicit opt-in for pure tools only: submit without waiting for the commit.
             _, prepared = self._prepare(call.agent_id, (event,), None)

@@ -651,6 +651,14 @@ tool_scheduled: Callable[
 tool_started: Callable[[str, str, str, JsonObject, SideEffect, bool], ToolStarted] = checked_constructor(
     ToolStarted, _check_source
 )
+# The same, for an input the caller has just copied with `copy_if_json` (so it is JSON, and a dict
+# no one else holds): not walked a second time.
+tool_scheduled_copied: Callable[
+    [str, str, str, str, JsonObject, SideEffect, ToolKind, InterruptBehavior, bool, str], ToolScheduled
+] = checked_constructor(ToolScheduled, _check_source, trusted=("model_input",))
+tool_started_copied: Callable[[str, str, str, JsonObject, SideEffect, bool], ToolStarted] = checked_constructor(
+    ToolStarted, _check_source, trusted=("input",)
+)
 tool_completed: Callable[[str, str, str, JsonObject, bool], ToolCompleted] = checked_constructor(
     ToolCompleted, _check_source
 )

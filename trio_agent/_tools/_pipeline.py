@@ -52,7 +52,7 @@ from .._errors import (
     ToolInputError,
 )
 from .._groups import cancelled_around, contains_cancelled, is_cancellation, typed_error
-from .._json import is_json, json_problem
+from .._json import NOT_JSON, copy_if_json, is_json, json_problem
 from .._middleware import Composed
 from .._util import safe_repr
 from ._call import (
@@ -948,10 +948,14 @@ class ToolPipeline:
         try:
             # Frozen here, once: later in-place changes to the middleware's dict (while this call waits
             # for a slot or a lock) cannot make the journal say something other than what the tool ran with.
+            json_checked = private  # private: a copy of the model's input, which `execute` found to be JSON
             if not private:
-                current = json_copy(current)
-            # Private: a copy of the model's input, which `execute` found to be JSON.
-            errors = tool._input_errors(current, private)
+                copy = copy_if_json(current)  # frozen and checked in one walk
+                if copy is NOT_JSON:
+                    current = json_copy(current)  # what is wrong with it is told below
+                else:
+                    current, json_checked = copy, True  # type: ignore[assignment]
+            errors = tool._input_errors(current, json_checked)
         except Exception as exc:
             return ToolResult.failure(
                 ToolErrorType.VALIDATION,
