@@ -1,6 +1,7 @@
 """Recovery re-runs of calls whose permission was already decided: a durable grant answers the
 re-run's ask (a call is asked at most once), the table's denies still hold, and a started call
-runs again with the input it started with.
+runs again with the input it started with; a call a person approved with edited arguments runs
+with the edit, started or not.
 
 Each process 'dies' at one write (`CrashStore`): that write and every later one are lost.
 """
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from trio_agent import (
     PermissionAllow,
@@ -31,12 +33,15 @@ from trio_agent._journal._events import (
     ToolCompleted,
     ToolFailed,
     ToolRecoveryAction,
+    ToolScheduled,
     ToolStarted,
 )
 from trio_agent._journal._store import AppendBatch, AppendResult, AppendTicket
-from trio_agent.journal import JournalUnavailableError, MemoryStore, open_sqlite_store
-from trio_agent.models import ModelRequest, UserMessage
+from trio_agent.journal import JournalUnavailableError, MemoryStore, open_sqlite_store, read_conversation
+from trio_agent.lifecycle import Approve, Reject
+from trio_agent.models import ModelRequest, ToolResultMessage, UserMessage
 from trio_agent.testing import Reply, TestModel
+from trio_agent.tools import SchedulerLimits
 
 SCHEMA: dict[str, Any] = {"type": "object"}
 
@@ -276,3 +281,62 @@ async def test_a_deny_rule_recorded_after_the_grant_still_denies_the_re_run() ->
     # Settled cancelled (the pipeline's settlement of a started call that did not run again).
     [settled] = [e for e in await events_of(store, "s") if isinstance(e, ToolCancelled)]
     assert settled.result is not None and settled.result["error"]["type"] == "permission_denied"
+
+
+# ---------------------------------------------------------------- a person's approval (interrupts)
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+@pytest.mark.parametrize("started", [False, True], ids=["before-start", "after-start"])
+async def test_a_call_a_person_approved_with_edits_runs_with_the_edits_after_a_crash(
+    kind: str, started: bool, tmp_path: Path
+) -> None:
+    # The continuation schedules an approved call with its approved input (the edit), so the
+    # journal records the edit where recovery reads a call's input (tool_scheduled, and
+    # tool_started once started): a re-run never runs the model's arguments, which nobody
+    # approved, and a rejected call of the same batch stays answered by its rejection, never run.
+    ran: list[dict[str, Any]] = []
+    calls = [("write_file", {"p": "one"}), ("write_file", {"p": "two"}), ("write_file", {"p": "three"})]
+    options: dict[str, Any] = {
+        "provider": TestModel(script={"go": [Reply(tool_calls=calls), Reply(text="done")]}, key=lambda _: "go"),
+        # The first call to run waits until the other is scheduled (blocked on the slot): its
+        # writes make that schedule durable, and the crash lands at the second call's start (or
+        # settlement). Which approved call runs first is Trio's choice: both are edited.
+        "tools": [write_tool(ran, trio.testing.wait_all_tasks_blocked)],
+        "scheduler_limits": SchedulerLimits(write=1),
+        "permissions": {"ask": ["write_file"]},
+        "permission_asks": "interrupt",
+    }
+    edits: dict[str, dict[str, Any]] = {}
+    async with store_of(kind, tmp_path) as store:
+        with pytest.raises(TrioAgentError):
+            crash = CrashStore(store, at(ToolCompleted if started else ToolStarted, 2))
+            async with open_session(journal=crash, session_id="s", **options) as session:
+                reply = await session.send("go")
+                one, two, three = reply.interrupts
+                edits.update({str(one.tool_call_id): {"p": "safe-1"}, str(two.tool_call_id): {"p": "safe-2"}})
+                await session.resume(
+                    [Approve(one.id, edited_args={"p": "safe-1"}), Approve(two.id, edited_args={"p": "safe-2"}),
+                     Reject(three.id, "no")]
+                )  # fmt: skip
+        assert len(ran) == 1 + started and all(input in edits.values() for input in ran)
+        async with open_session(journal=store, session_id="s", **options) as session:
+            assert session.recovery is not None
+            [(call_id, action)] = session.recovery.decisions.items()
+            assert action is (ToolRecoveryAction.RERUN_SAME_KEY if started else ToolRecoveryAction.RUN)
+            assert session.recovery_notes == [f"re-ran write_file call {call_id}: ok"]
+            rebuilt = tuple(await read_conversation(store, "s"))
+            assert session.messages() == rebuilt
+        events = await events_of(store, "s")
+    # Both ran once, each with its edit; the one the crash caught again (with its edit only).
+    assert sorted(map(str, ran)) == sorted(map(str, [*edits.values(), *([edits[call_id]] if started else [])]))
+    assert ran[-1] == edits[call_id]
+    assert [e.model_input for e in events if isinstance(e, ToolScheduled) and e.call_id == call_id] == [edits[call_id]]
+    assert [e.input for e in events if isinstance(e, ToolStarted) and e.call_id == call_id] == [edits[call_id]] * (
+        1 + started
+    )
+    assert not [e for e in events if isinstance(e, PermissionRequested)]  # the approval answered the re-run's ask
+    answers = {m.tool_call_id: m for m in rebuilt if isinstance(m, ToolResultMessage)}
+    assert [(m.content, m.is_error) for id, m in answers.items() if id in edits] == [("written", False)] * 2
+    [rejected] = [m for id, m in answers.items() if id not in edits]
+    assert (rejected.content, rejected.is_error) == ("Error: no", True)
