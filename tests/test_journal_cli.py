@@ -357,6 +357,32 @@ async def test_show_orders_streams_root_first_then_by_name_with_numbers_as_numbe
     )
 
 
+def test_show_orders_agent_ids_with_digit_runs_past_ints_digit_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An edited file's agent id of 5,000 digits: int() of the run raised a bare ValueError (over
+    # Python's 4,300-digit limit), and `journal show` crashed with a traceback, showing nothing.
+    from trio_agent._journal._inspect import show_journal
+
+    path = tmp_path / "journal.db"
+
+    async def build() -> None:
+        async with open_sqlite_store(path) as store, open_journal(store, session_id="s1"):
+            pass
+
+    trio.run(build)
+    agents = ["w" + "7" * 5000, "w" + "9" * 4999, "w" + "0" * 4400 + "8"]
+    with sqlite3.connect(path) as conn:
+        conn.executemany("INSERT INTO journal_streams VALUES (?, 's1', 0)", [(f"s1/{agent}",) for agent in agents])
+    conn.close()
+    assert show_journal(str(path)) == 0
+    shown = re.findall(r"^  stream s1/(\S+) ", capsys.readouterr().out, re.MULTILINE)
+    assert shown == ["root", agents[2], agents[1], agents[0]]  # 8 < 99...9 (4,999 digits) < 77...7 (5,000)
+    assert show_journal(str(path), agent_id="nobody") == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the journal has no agent 'nobody'; its agents: root, {agents[2]}, {agents[1]}")
+
+
 def test_show_of_a_directory_names_the_sqlite_files_in_it(journal_path: Path, tmp_path: Path) -> None:
     shutil.copyfile(journal_path, tmp_path / "kept.db")
     (tmp_path / "notes.txt").write_text("not a database")

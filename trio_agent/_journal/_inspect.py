@@ -210,13 +210,18 @@ def _clock(stamp: float) -> str:
         return "--:--:--.---"
 
 
-def _stream_order(stream_id: str) -> tuple[bool, tuple[str | int, ...]]:
+def _stream_order(stream_id: str) -> tuple[bool, tuple[str | tuple[int, str], ...]]:
     """The root stream first, then the subagents' by id, numbers as numbers (``root``,
     ``reviewer-7``, ``summarizer-2``, ``summarizer-10``)."""
     agent = stream_id.rsplit("/", 1)[-1]
     # re.split with a group alternates text and digits, so equal positions compare like with like.
-    parts = re.split(r"(\d+)", agent)
-    return (agent != "root", tuple(int(part) if index % 2 else part for index, part in enumerate(parts)))
+    # A run of digits is ordered by its length without leading zeros, then its text: int() of an
+    # edited file's run of thousands of digits raises ValueError (Python's digit limit).
+    parts = re.split(r"([0-9]+)", agent)
+    return (
+        agent != "root",
+        tuple((len(part.lstrip("0")), part) if index % 2 else part for index, part in enumerate(parts)),
+    )
 
 
 def _lease_state(lease: Lease | None) -> str:
