@@ -624,16 +624,20 @@ async def test_a_mistyped_stored_lease_row_fails_its_own_session_alone_in_a_grou
             await store.current_lease("A")
 
 
-async def test_a_mistyped_stored_head_is_damage_to_its_stream_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("head", ["9e999", "-1"])
+async def test_a_mistyped_stored_head_is_damage_to_its_stream_alone(tmp_path: Path, head: str) -> None:
     path = tmp_path / "journal.db"
     async with open_sqlite_store(str(path)) as store:
         lease_a = await store.acquire_lease("A", "me", 60)
         lease_b = await store.acquire_lease("B", "me", 60)
         await store.append(_created("A", lease_a.token))
         with contextlib.closing(sqlite3.connect(path)) as conn, conn:
-            conn.execute("UPDATE journal_streams SET head=9e999 WHERE stream_id='A/root'")
+            conn.execute(f"UPDATE journal_streams SET head={head} WHERE stream_id='A/root'")
         with store.grouped():
+            appended_a = store.submit(_created("A", lease_a.token))
             appended_b = store.submit(_created("B", lease_b.token))
+        with pytest.raises(JournalCorruptError, match="the stored rows of 'A/root' are damaged"):
+            await appended_a.wait()
         assert (await appended_b.wait()).first_seq == 1
         with pytest.raises(JournalCorruptError):
             await store.stream_info("A/root")
@@ -666,7 +670,9 @@ async def _replayed(store: Any, stream_id: str) -> list[int]:
 
 
 # One stored value of another type than its column's, as an edited file holds it.
-_STREAM_ROW_EDITS = ["head='abc'", "head=3.5", "session_id=x'00ff'"]
+# A negative head is an int, but no head the store writes: a subscription from the start took it
+# for the caller's cursor being past the head (CursorError), not damage.
+_STREAM_ROW_EDITS = ["head='abc'", "head=3.5", "head=-1", "session_id=x'00ff'"]
 
 
 @pytest.mark.parametrize("edit", _STREAM_ROW_EDITS)
@@ -691,6 +697,16 @@ async def test_a_mistyped_stream_row_fails_the_reads_of_its_stream_alone_naming_
         rows = await store._listed_streams()
         assert [type(row).__name__ for row in rows] == ["DamagedStream", "StreamInfo"]
         assert rows[0].stream_id == "s/root" and rows[0].session_id == "s"
+
+
+async def test_a_negative_head_is_damage_to_a_read_even_with_no_rows_to_contradict_it(tmp_path: Path) -> None:
+    # decode_range read 1..head: from 1 to -1 is nothing, so the stream read as empty.
+    path = tmp_path / "journal.db"
+    await _two_sessions(path)
+    _sql(path, "INSERT INTO journal_streams VALUES ('u/root', 'u', -1)")
+    async with open_sqlite_store(str(path), readonly=True) as store:
+        with pytest.raises(JournalCorruptError, match=r"u/root#head is corrupt: .* the stored head is -1 \(below 0\)"):
+            await store.read("u/root")
 
 
 @pytest.mark.parametrize("edit", ["owner=x'00ff'", "token='abc'", "expires_at='soon'"])

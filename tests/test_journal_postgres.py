@@ -1067,6 +1067,34 @@ async def test_a_lease_row_whose_expiry_is_nan_is_damage_for_every_use_and_fails
         assert await store.head(stream) == 0
 
 
+async def test_a_negative_stored_head_is_damage_to_its_stream_alone(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    # An int, but no head the store writes: a subscription from the start took it for the caller's
+    # cursor being past the head (CursorError), and an append met a sequence conflict, not damage.
+    damaged, neighbour = stream_id_for("damaged", "root"), stream_id_for("neighbour", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("damaged", "A", LONG_TTL)
+        other = await store.acquire_lease("neighbour", "A", LONG_TTL)
+        await store.append(batch(lease, damaged, envs(damaged, 1, 2)))
+        await store.append(batch(other, neighbour, envs(neighbour, 1, 2)))
+        run_sql(postgres_dsn, f'UPDATE "{fresh_pg_schema}".streams SET head = -1 WHERE stream_id = %s', (damaged,))
+        named = f"stored event {damaged}#head is corrupt: the stream's row is damaged: the stored head is -1"
+        with trio.fail_after(10):
+            with store.grouped():
+                appended = store.submit(batch(lease, damaged, envs(damaged, 3, 1)))
+                appended_neighbour = store.submit(batch(other, neighbour, envs(neighbour, 3, 1)))
+            with pytest.raises(JournalCorruptError, match=named):
+                await appended.wait()
+            assert (await appended_neighbour.wait()).first_seq == 3
+            reads = (store.stream_info(damaged), store.head(damaged), store.streams("damaged"), store.read(damaged))
+            for read in reads:
+                with pytest.raises(JournalCorruptError, match=named):
+                    await read
+            with pytest.raises(JournalCorruptError, match=named):
+                async with subscribe_durable_events(store, damaged) as sub:
+                    await sub.__anext__()
+            assert [info.head for info in await store.streams("neighbour")] == [3]
+
+
 async def test_a_read_bound_past_bigint_means_the_same_as_on_the_other_stores(
     postgres_dsn: str, fresh_pg_schema: str
 ) -> None:

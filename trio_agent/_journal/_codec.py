@@ -151,6 +151,8 @@ def decode_range(
         if rows:
             raise row_error(stream_id, rows[0][0], "the stream has events but no head")
         return []
+    if head < 0:  # never written: an empty stream's head is 0, and it never goes back
+        raise row_error(stream_id, "head", f"the stream's row is damaged: the stored head is {head} (below 0)")
     first = max(after, 0) + 1
     last = head if limit is None else min(head, first + max(limit, 0) - 1)
     envelopes: list[EventEnvelope] = []

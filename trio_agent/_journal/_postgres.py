@@ -93,7 +93,7 @@ from .._errors import (
     LeaseLostError,
 )
 from .._groups import raise_alone
-from ._codec import EventRow, commit_encoded, decode_range, row_checksum, verify_snapshot
+from ._codec import EventRow, commit_encoded, decode_range, row_checksum, row_error, verify_snapshot
 from ._events import EventEnvelope
 from ._lane import Deferred, LaneStore, LeaseOp, SnapshotWork, WriterLane, close_in_thread
 from ._lease import LeaseKeeper
@@ -303,6 +303,7 @@ class _State:
     unplaced: dict[str, BaseException] = attrs.Factory(dict)  # session -> why its lease row could not be made
     busy: frozenset[str] = frozenset()  # sessions whose lease row another transaction holds: deferred
     damaged: dict[str, BaseException] = attrs.Factory(dict)  # session -> why its lease row is damage
+    damaged_streams: dict[str, BaseException] = attrs.Factory(dict)  # stream -> why its row is damage
 
 
 @attrs.frozen
@@ -366,6 +367,15 @@ def _lease_row(session_id: str, owner: str, token: Any, expires_at: Any) -> tupl
     if math.isnan(expires):
         raise JournalCorruptError(f"the stored lease of session {session_id!r} is damaged: its expiry is NaN")
     return owner, int(token), expires
+
+
+def _stream_head(stream_id: str, head: Any) -> int:
+    """A stored head, checked: one below 0 is damage (the store never writes one; taken as a head,
+    it would put even a subscription from the start past it)."""
+    value = int(head)
+    if value < 0:
+        raise row_error(stream_id, "head", f"the stream's row is damaged: the stored head is {value} (below 0)")
+    return value
 
 
 def _channel(schema: str, purpose: str = "journal") -> str:
@@ -835,11 +845,16 @@ class PostgresStore(LaneStore):
             missing = [s for s in sessions if s not in leases and s not in damaged]
             rows = conn.execute(q["_Q_LEASE_ROWS"], (missing,)).fetchall()
             busy = frozenset(row[0] for row in rows)
+        streams: dict[str, tuple[str, int]] = {}
+        damaged_streams: dict[str, BaseException] = {}
+        for row in () if streams_cursor is None else streams_cursor.fetchall():
+            try:
+                streams[row[0]] = (row[1], _stream_head(row[0], row[2]))
+            except JournalCorruptError as exc:  # that stream's items fail alone
+                damaged_streams[row[0]] = exc
         state = _State(
             leases=leases,
-            streams={}
-            if streams_cursor is None
-            else {row[0]: (row[1], int(row[2])) for row in streams_cursor.fetchall()},
+            streams=streams,
             commands={}
             if commands_cursor is None
             else {
@@ -850,6 +865,7 @@ class PostgresStore(LaneStore):
             unplaced=unplaced,
             busy=busy,
             damaged=damaged,
+            damaged_streams=damaged_streams,
         )
         outcomes: list[object] = []
         if not isolate:
@@ -994,6 +1010,8 @@ class PostgresStore(LaneStore):
     @staticmethod
     def _plan_snapshot(state: _State, work: SnapshotWork) -> tuple[None, _Change]:
         # Against the state as the batch's earlier items left it: a snapshot may follow its appends.
+        if work.write.stream_id in state.damaged_streams:
+            raise _Rejected(state.damaged_streams[work.write.stream_id])
         try:
             decide_snapshot(
                 work.write,
@@ -1007,6 +1025,8 @@ class PostgresStore(LaneStore):
 
     @staticmethod
     def _plan_append(state: _State, batch: AppendBatch, rows: list[EventRow]) -> tuple[AppendResult, _Change | None]:
+        if batch.stream_id in state.damaged_streams:
+            raise _Rejected(state.damaged_streams[batch.stream_id])
         stream = state.streams.get(batch.stream_id)
         known = None if batch.command_id is None else state.commands.get((batch.stream_id, batch.command_id))
         try:
@@ -1204,7 +1224,7 @@ class PostgresStore(LaneStore):
 
         def run(conn: _Conn) -> StreamInfo | None:
             row = conn.execute(query, (stream_id,)).fetchone()
-            return None if row is None else StreamInfo(stream_id, row[0], int(row[1]))
+            return None if row is None else StreamInfo(stream_id, row[0], _stream_head(stream_id, row[1]))
 
         return await self._query(run)
 
@@ -1218,7 +1238,7 @@ class PostgresStore(LaneStore):
                 cursor = conn.execute(self._q["_Q_ALL_STREAMS"])
             else:
                 cursor = conn.execute(self._q["_Q_SESSION_STREAMS"], (session_id,))
-            return [StreamInfo(row[0], row[1], int(row[2])) for row in cursor.fetchall()]
+            return [StreamInfo(row[0], row[1], _stream_head(row[0], row[2])) for row in cursor.fetchall()]
 
         return await self._query(run)
 

@@ -220,6 +220,15 @@ def _int(value: object) -> int:
     raise _StoredValueError(f"a stored count or token is not an integer: {value!r}")
 
 
+def _head(value: object) -> int:
+    """A stored head: a count of events, never below 0 (the store never writes one; a subscription
+    would take it for the caller's cursor being past the head)."""
+    head = _int(value)
+    if head < 0:
+        raise _StoredValueError(f"the stored head is {head} (below 0)")
+    return head
+
+
 def _float(value: object) -> float:
     if type(value) is float and value == value:  # not NaN (an expiry may be infinite)
         return value
@@ -241,7 +250,7 @@ def _lease_row(owner: object, token: object, expires_at: object) -> LeaseRow:
 
 def _stream_row(session_id: object, head: object) -> tuple[str, int]:
     """A stored stream row (session_id, head), checked."""
-    return (_text(session_id), _int(head))
+    return (_text(session_id), _head(head))
 
 
 def _damaged(work: Any, exc: _StoredValueError) -> JournalCorruptError:
@@ -282,7 +291,7 @@ class DamagedStream:
 def _stream_row_of(stream_id: object, session_id: object, head: object) -> StreamInfo | DamagedStream:
     """A stored stream row, checked: a value of another type is that stream's damage, named."""
     try:
-        return StreamInfo(_text(stream_id), _text(session_id), _int(head))
+        return StreamInfo(_text(stream_id), _text(session_id), _head(head))
     except _StoredValueError as exc:
         name = stream_id if type(stream_id) is str else repr(stream_id)
         error = row_error(name, "head", f"the stream's row is damaged: {exc}")
