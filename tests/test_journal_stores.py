@@ -1293,9 +1293,14 @@ async def test_wait_for_append_on_a_stream_that_does_not_exist_yet(store: Any) -
 
 
 async def test_wait_for_append_returns_when_the_stream_is_already_past(store: Any) -> None:
+    # An append committed between a caller's read and its wait woke no one (nobody waited yet):
+    # the wait itself must see it. With an hour's poll, the poll is not what returns it (SQLite's
+    # wait never looked, and such an append was delivered a whole poll_interval late).
     lease = await lease_on(store, "sess")
     stream = stream_id_for("sess", "root")
     await store.append(make_batch(lease, stream, envs(stream, 1, 2)))
+    if hasattr(store, "poll_interval"):
+        store.poll_interval = 3600.0
     with trio.fail_after(5):
         await store.wait_for_append(stream, 1)
         await store.wait_for_append(stream, 0)

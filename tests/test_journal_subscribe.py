@@ -67,6 +67,47 @@ def seqs(items: list[Item]) -> list[int]:
     return [item.envelope.seq for item in items if isinstance(item, DurableEvent)]
 
 
+class _AppendAfterAnEmptyRead:
+    """A store whose next read that finds nothing runs *hook* (an append that commits) before it
+    answers: the interleaving of a reader thread that raced the writer, forced."""
+
+    def __init__(self, inner: JournalStore) -> None:
+        self.inner = inner
+        self.hook: Any = None
+
+    async def read(self, stream_id: str, *, after: int = 0, limit: int | None = None) -> Any:
+        rows = await self.inner.read(stream_id, after=after, limit=limit)
+        hook, self.hook = self.hook, None
+        if hook is not None and not rows:
+            await hook()
+        return rows
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_an_append_committed_between_the_read_and_the_wait_is_delivered_without_the_poll(
+    tmp_path: Path,
+) -> None:
+    # SQLite's wait only registered for the next wake-up, after the subscriber's read found
+    # nothing: the append's wake-up, between the two, reached no one, and the event came a whole
+    # poll_interval later (an hour here).
+    async with open_sqlite_store(tmp_path / "j.db", poll_interval=3600) as sqlite:
+        wrapped: Any = _AppendAfterAnEmptyRead(sqlite)
+        async with open_journal(sqlite, session_id=SID) as journal, subscribe_durable_events(wrapped, STREAM) as sub:
+            head = seqs(await until_caught_up(sub))[-1]
+
+            async def append() -> None:
+                await journal.append(accepted("between"))
+
+            wrapped.hook = append
+            with trio.fail_after(10):
+                item = await sub.__anext__()
+        assert wrapped.hook is None  # the read found nothing, then the append committed
+        assert isinstance(item, DurableEvent) and item.envelope.seq == head + 1
+        assert isinstance(item.envelope.event, RequestAccepted) and item.envelope.event.request_id == "between"
+
+
 async def test_replay_then_exactly_one_caught_up_then_live_events(store: JournalStore) -> None:
     got: list[Item] = []
     caught_up = trio.Event()

@@ -972,8 +972,15 @@ class SQLiteStore(LaneStore):
         if self._closed:
             await trio.lowlevel.checkpoint()
             return
-        # Another process may append too: poll as a fallback to the in-process wake-up.
+        # Registered before looking, so an append committed from now on wakes us; one committed
+        # since the caller's read (its wake-up found no waiter) is seen by the look. Another
+        # process may append too: poll as a fallback to the in-process wake-up.
         with self._changed.waiting(stream_id) as changed, trio.move_on_after(self.poll_interval):
+            try:
+                if await self.head(stream_id) > after:
+                    return
+            except JournalError:
+                pass  # the caller's next read reports it; do not spin
             await changed.wait()
 
 
