@@ -685,6 +685,29 @@ async def test_a_subscriber_handed_the_rest_ends_cleanly_after_its_store_closed(
             assert await drain(sub) == [1, 2, 3]
 
 
+@pytest.mark.parametrize("store_closed", [False, True])
+@pytest.mark.parametrize("last", ["request", "session_closed"])
+async def test_a_subscriber_handed_the_rest_gets_the_same_items_whether_or_not_its_store_closed(
+    store_closed: bool, last: str
+) -> None:
+    # Replay, then one CaughtUp: the end of a handed-over stream said CaughtUp only if the store
+    # was still open (its read found nothing); closed, the failed read ended it without one.
+    store = ClosingStore(MemoryStore())
+    async with contextlib.AsyncExitStack() as stack:
+        async with open_journal(store, session_id=SID) as journal:  # type: ignore[arg-type]
+            sub = await stack.enter_async_context(journal.subscribe_durable_events())
+            await journal.append(accepted("r1"), accepted("r2"))
+            if last == "session_closed":
+                await journal.append(SessionClosed(session_id=SID, reason=SessionCloseReason.COMPLETED))
+        store.closed = store_closed
+        with trio.fail_after(10):
+            items = [item async for item in sub]
+    if last == "request":  # the head, then the end
+        assert seqs(items) == [1, 2, 3] and items[3:] == [CaughtUp(JournalCursor(STREAM, 3))]
+    else:  # the session's close is its last item, as on any stream that ends at one
+        assert seqs(items) == [1, 2, 3, 4] and len(items) == 4
+
+
 async def test_a_close_cut_short_before_a_subscription_had_the_rest_is_no_clean_end(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

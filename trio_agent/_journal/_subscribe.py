@@ -131,9 +131,11 @@ class DurableEventStream:
                 if not self._handed_over:
                     raise self._unfinished(exc)  # noqa: B904 - its own cause is set there
                 # The session (and the store it owned) closed. Its close handed this stream what
-                # was left to read (`SubscriptionsClose`): that went out, and the stream ends.
-                self._ended = True
-                continue
+                # was left to read (`SubscriptionsClose`), and that went out: nothing follows, as
+                # a read of the open store would have found, so the stream ends as that read's
+                # would (CaughtUp first if not yet sent), whether or not the store closed since.
+                rows = []
+                closed_before = True
             self._take(rows)
             if self._buffer:
                 # What this read found, or what a close handed over while it ran: `_read_the_rest`
