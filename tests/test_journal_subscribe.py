@@ -29,6 +29,7 @@ from trio_agent.journal import (
     RequestAccepted,
     SessionClosed,
     SessionCloseReason,
+    SessionCreated,
     SessionReopened,
     open_journal,
     open_sqlite_store,
@@ -721,6 +722,90 @@ async def test_a_close_cut_short_before_a_subscription_had_the_rest_is_no_clean_
         with trio.fail_after(10), pytest.raises(JournalError, match="before the end of its stream was delivered"):
             await drain(sub)
         assert sub.cursor == JournalCursor(STREAM, 0)  # where to resume on an open store
+
+
+class _CountedReads(ClosingStore):
+    """A `ClosingStore` that counts the events its reads return; reads from below ``hang_below``
+    never answer (a backlog the close cannot read within its bound)."""
+
+    def __init__(self, inner: MemoryStore) -> None:
+        super().__init__(inner)
+        self.rows_read = 0
+        self.hang_below = 0
+
+    async def read(self, stream_id: str, *, after: int = 0, limit: int | None = None) -> list[Any]:
+        if after < self.hang_below:
+            await trio.sleep_forever()
+        rows = await super().read(stream_id, after=after, limit=limit)
+        self.rows_read += len(rows)
+        return rows
+
+
+class _InOrder(dict[Any, None]):
+    """The live subscriptions of a close, iterated in the order they are given (a set's order is
+    its hashes'): a test then decides which one the close meets first."""
+
+    def add(self, stream: Any) -> None:
+        self[stream] = None
+
+    def discard(self, stream: Any) -> None:
+        self.pop(stream, None)
+
+
+def _in_order(journal: Any, streams: list[DurableEventStream]) -> None:
+    assert set(journal._subscriptions._live) == set(streams)
+    journal._subscriptions._live = _InOrder.fromkeys(streams)
+
+
+@pytest.mark.parametrize("idle_first", [True, False])
+@pytest.mark.parametrize("idle_on", ["the same stream", "another stream"])
+async def test_a_subscription_far_behind_never_starves_a_caught_up_one_of_the_close(
+    autojump_clock: trio.testing.MockClock, idle_first: bool, idle_on: str
+) -> None:
+    # The close handed over one subscription at a time in the set's order, all within one
+    # commit_grace: met first, an idle one's backlog used the whole bound, the caught-up one was
+    # handed nothing and, its store closed, raised JournalError instead of ending with its event.
+    store = _CountedReads(MemoryStore())
+    async with contextlib.AsyncExitStack() as stack:
+        async with open_journal(store, session_id=SID, commit_grace=1.0) as journal:  # type: ignore[arg-type]
+            idle_agent = None if idle_on == "the same stream" else "idle"
+            backlog: list[Any] = [accepted(f"r{index}") for index in range(600)]
+            if idle_agent is not None:  # a subagent's stream, which starts with its creation
+                backlog.insert(0, SessionCreated(session_id=SID, agent_id=idle_agent, parent_agent_id="root"))
+            await journal.append(*backlog, agent_id=idle_agent)
+            idle = await stack.enter_async_context(journal.subscribe_durable_events(agent_id=idle_agent))
+            live = await stack.enter_async_context(journal.subscribe_durable_events())
+            head = seqs(await until_caught_up(live))[-1]
+            await journal.append(accepted("last"))
+            _in_order(journal, [idle, live] if idle_first else [live, idle])
+            store.hang_below = 1  # the idle one's backlog never comes: only the bound ends its read
+        store.hang_below, store.closed = 0, True  # closed with the session: reads fail
+        with trio.fail_after(10):
+            rest = [item async for item in live]
+        assert seqs(rest) == [head + 1] and len(rest) == 1  # its last event, and the end
+        with trio.fail_after(10), pytest.raises(JournalError, match="before the end of its stream was delivered"):
+            await drain(idle)
+
+
+async def test_the_close_reads_a_stream_once_for_all_its_subscriptions() -> None:
+    # Each subscription read its whole rest itself: the rows two of them lacked were read twice.
+    store = _CountedReads(MemoryStore())
+    async with contextlib.AsyncExitStack() as stack:
+        async with open_journal(store, session_id=SID) as journal:  # type: ignore[arg-type]
+            await journal.append(*(accepted(f"r{index}") for index in range(600)))
+            subs = [await stack.enter_async_context(journal.subscribe_durable_events()) for _ in range(4)]
+            for sub, read in zip(subs[1:], (300, 301, 601), strict=True):
+                while sub.cursor.seq < read:
+                    await sub.__anext__()
+            assert [sub._read_to for sub in subs] == [0, 512, 512, 601]  # what each read, in pages
+            await journal.append(accepted("last"))
+            store.rows_read = 0
+        assert store.rows_read == 602  # every event once: 602, then 513-602 for two, 1-512 for one
+        store.closed = True
+        with trio.fail_after(10):
+            rests = [[item async for item in sub] for sub in subs]
+    assert [seqs(rest) for rest in rests] == [list(range(first, 603)) for first in (1, 301, 302, 602)]
+    assert [rest[-1] for rest in rests] == [CaughtUp(JournalCursor(STREAM, 602))] * 4
 
 
 async def test_a_subscriber_of_a_journal_that_lost_its_lease_is_not_told_it_has_everything() -> None:

@@ -9,6 +9,7 @@ cancel scope or nursery is ever suspended across a ``yield``.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from collections import deque
 from collections.abc import AsyncIterator
@@ -138,7 +139,7 @@ class DurableEventStream:
                 closed_before = True
             self._take(rows)
             if self._buffer:
-                # What this read found, or what a close handed over while it ran: `_read_the_rest`
+                # What this read found, or what a close handed over while it ran: `_StreamRest`
                 # buffers the same rows, so those of this read may all be behind `_read_to`. Either
                 # way more is to be delivered: this is not the head, nor the end.
                 continue
@@ -178,14 +179,7 @@ class DurableEventStream:
         return error
 
     async def _read_page(self) -> list[EventEnvelope]:
-        """The next page after what was read. A damaged row ends the page before it: the events the
-        read decoded ahead of it go out first, and the read that starts at it raises."""
-        try:
-            return await self._store.read(self.stream_id, after=self._read_to, limit=self._page_size)
-        except JournalCorruptError as exc:
-            if not exc.intact:
-                raise
-            return list(exc.intact)
+        return await _read_page(self._store, self.stream_id, self._read_to, self._page_size)
 
     def _take(self, rows: list[EventEnvelope]) -> bool:
         """Buffer the rows after what was read (a close may have read some of them meanwhile)."""
@@ -204,17 +198,6 @@ class DurableEventStream:
             taken = True
         return taken
 
-    async def _read_the_rest(self) -> None:
-        """Buffer everything committed that this stream has not read (`SubscriptionsClose`)."""
-        try:
-            while not self._ended:
-                if not self._take(await self._read_page()):
-                    break
-        except JournalError as exc:
-            self._handover_error = exc
-            raise
-        self._handed_over = True
-
     async def _wait(self) -> None:
         if self._closed is None:
             await self._store.wait_for_append(self.stream_id, self._seq)
@@ -231,16 +214,99 @@ class DurableEventStream:
             nursery.cancel_scope.cancel()
 
 
+async def _read_page(store: JournalStore, stream_id: str, after: int, limit: int) -> list[EventEnvelope]:
+    """At most *limit* events after *after*. A damaged row ends the page before it: the events the
+    read decoded ahead of it go out first, and the read that starts at it raises."""
+    try:
+        return await store.read(stream_id, after=after, limit=limit)
+    except JournalCorruptError as exc:
+        if not exc.intact:
+            raise
+        return list(exc.intact)
+
+
+class _StreamRest:
+    """What is committed in one stream past its live subscriptions, read once for all of them
+    (`SubscriptionsClose.close`): the most advanced is served first, with the stream's tail;
+    each one behind it then needs only the rows between its position and what was read."""
+
+    __slots__ = ("error", "head", "rows", "start", "store", "stream_id", "tail_read", "waiting")
+
+    def __init__(self, store: JournalStore, stream_id: str) -> None:
+        self.store = store
+        self.stream_id = stream_id
+        self.waiting: list[DurableEventStream] = []  # not served yet
+        self.head: int | None = None  # None: unknown, served last (needed only to order streams)
+        self.rows: list[EventEnvelope] = []  # the events after `start`, in order
+        self.start = 0  # set by the first subscription served
+        self.tail_read = False  # `rows` reach the end of the stream
+        self.error: JournalError | None = None  # a read failed: every one still behind it is left to itself
+
+    def cost(self) -> float:
+        """The events still to read to serve the next subscription (the most advanced waiting)."""
+        if self.error is not None:
+            return 0  # nothing more is read for this stream: out of the way at once
+        read_to = max(stream._read_to for stream in self.waiting)
+        if not self.tail_read:
+            return math.inf if self.head is None else self.head - read_to
+        return self.start - read_to
+
+    async def serve_next(self) -> None:
+        """Hand the most advanced waiting subscription the rest of its stream, or as much of it as
+        was read before a read failed or the close's bound cut it short."""
+        stream = max(self.waiting, key=lambda waiting: waiting._read_to)
+        self.waiting.remove(stream)
+        read_to = stream._read_to
+        segment: list[EventEnvelope] = []  # read for this one alone: its rows before `start`
+        done = False
+        try:
+            if self.error is not None:
+                stream._handover_error = self.error
+                return
+            if not self.tail_read:  # the first served: the tail, which every subscription needs
+                self.start = read_to
+                while page := await _read_page(
+                    self.store, self.stream_id, self.start + len(self.rows), stream._page_size
+                ):
+                    self.rows.extend(page)
+                self.tail_read = True
+            elif read_to < self.start:
+                while (after := read_to + len(segment)) < self.start:
+                    limit = min(stream._page_size, self.start - after)
+                    page = await _read_page(self.store, self.stream_id, after, limit)
+                    if not page:
+                        raise JournalCorruptError(f"stream {self.stream_id!r} ends at {after}, before {self.start}")
+                    segment.extend(page)
+                self.rows[:0] = segment
+                self.start, segment = read_to, []
+            done = True
+        except JournalError as exc:
+            self.error = stream._handover_error = exc
+        finally:
+            # What was read goes to it even when the read failed or the bound cut it short: every
+            # event up to there is delivered before the error (or the stream's own read) comes.
+            if segment or read_to >= self.start:
+                try:
+                    stream._take(segment or self.rows[read_to - self.start :])
+                except JournalError as exc:  # not contiguous: the stream reports it when it gets there
+                    stream._handover_error, done = exc, False
+            stream._handed_over = done
+
+
 class SubscriptionsClose:
     """How a journal's subscriptions end with it: `close` first hands every live one what is
     committed and not yet read, then sets `closed`. A subscriber that runs only later (the store
     it read from may be closed by then, with the session that owned it) still gets every event
     up to the close, and one that reads nothing new after `closed` knows it has them all.
 
-    A stream whose rest was not handed over (the read failed, the close's bound cut it short, or
-    `closed` was set without `close`, as on a lost lease) reads on by itself; if that read fails
-    it raises (`DurableEventStream._unfinished`), never ends as if complete. The rest is held in
-    memory until read: at most what the close could read within its bound (``commit_grace``)."""
+    The rest is read within the close's bound (``commit_grace``), cheapest first: each stream's
+    rows are read once for all its subscriptions, and the subscription with the fewest events
+    still to read is served next, so a caught-up one (only the committed tail missing) is never
+    starved by one far behind. A stream whose rest was not handed over (the read failed, the
+    bound cut it short, or `closed` was set without `close`, as on a lost lease) reads on by
+    itself; if that read fails it raises (`DurableEventStream._unfinished`), never ends as if
+    complete. The rest is held in memory until read: at most what the close could read within
+    its bound, one copy of each event for all the subscriptions of its stream."""
 
     __slots__ = ("_live", "closed")
 
@@ -255,11 +321,27 @@ class SubscriptionsClose:
         self._live.discard(stream)
 
     async def close(self) -> None:
-        """Read each live subscription's rest (a failed read leaves that one to its own), then set `closed`."""
+        """Hand each live subscription its rest (a failed read leaves those it concerns to their
+        own), cheapest first, then set `closed`."""
         try:
-            for stream in list(self._live):
-                with contextlib.suppress(JournalError):  # kept by the stream: it reports it when it gets there
-                    await stream._read_the_rest()
+            rests: dict[tuple[int, str], _StreamRest] = {}
+            for stream in self._live:
+                if not stream._ended:  # it delivered its stream's end: nothing follows
+                    key = (id(stream._store), stream.stream_id)
+                    rest = rests.get(key)
+                    if rest is None:
+                        rest = rests[key] = _StreamRest(stream._store, stream.stream_id)
+                    rest.waiting.append(stream)
+            waiting = list(rests.values())
+            for rest in waiting if len(waiting) > 1 else ():
+                # What each stream's tail costs to read, to serve the cheapest first.
+                with contextlib.suppress(JournalError):  # unknown: served last, its read reports it
+                    rest.head = await rest.store.head(rest.stream_id)
+            while waiting:
+                cheapest = min(waiting, key=_StreamRest.cost)
+                await cheapest.serve_next()
+                if not cheapest.waiting:
+                    waiting.remove(cheapest)
         finally:
             self.closed.set()
 
