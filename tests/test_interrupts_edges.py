@@ -6,6 +6,7 @@ the one the journal rebuilds must agree after every pause and continuation.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ from trio_agent.journal import MemoryStore, open_journal, read_conversation
 from trio_agent.lifecycle import (
     Approve,
     ChatMiddleware,
+    InterruptResumeError,
     Phase,
     Respond,
     StopReason,
@@ -381,3 +383,63 @@ async def test_a_session_abort_while_a_boundary_hook_asks_ends_the_request_abort
         assert session.paused is None and asker.terminal == ["on_abort"]
         assert await session.send("again") == "hi"
         assert session.messages() == tuple(await rebuilt(session))
+
+
+# ---------------------------------------------------------------- continuations judged
+
+
+class Deploys:
+    """A ``deploy`` tool whose own check asks a person every time."""
+
+    def __init__(self) -> None:
+        self.checked: list[dict[str, Any]] = []
+        self.ran: list[dict[str, Any]] = []
+
+        async def check(input: dict[str, Any]) -> PermissionAsk:
+            self.checked.append(dict(input))
+            return PermissionAsk("deploys to production")
+
+        @define_tool(name="deploy", description="deploys", input_schema=SCHEMA, side_effect=SideEffect.NON_IDEMPOTENT,
+                     kind=ToolKind.EXECUTE, check_permissions=check)  # fmt: skip
+        async def deploy(input: dict[str, Any], ctx: Any) -> str:
+            self.ran.append(dict(input))
+            return "deployed"
+
+        self.tool = deploy
+
+
+@pytest.mark.parametrize(
+    ("edited", "code"),
+    [
+        pytest.param(["v", 2], "invalid_edited_args", id="list"),
+        pytest.param(("v", 2), "invalid_edited_args", id="tuple"),
+        pytest.param({"v": math.nan}, "invalid_payload", id="nan"),
+        pytest.param({"v": {2}}, "invalid_payload", id="set"),
+        pytest.param({1: 2}, "invalid_payload", id="int-key"),
+    ],
+)
+async def test_edited_args_found_wrong_are_one_issue_and_no_check_judges_them(edited: Any, code: str) -> None:
+    # The answer is refused as the docs say (one InterruptResumeError, one issue for it), never a
+    # ConfigError from judging a list, nor a second issue from running the tool's check on it.
+    deploys = Deploys()
+    model = echo(("deploy", {"v": 1}))
+    async with chat(model, "go", tools=[deploys.tool]) as run:
+        paused = await run.result()
+    [question] = paused.interrupts
+    with pytest.raises(InterruptResumeError) as caught:
+        answers = [Approve(question.id, edited_args=edited)]
+        async with chat(model, tools=[deploys.tool], resume=paused.paused, answers=answers) as run:
+            await run.result()
+    assert [(issue.interrupt_id, issue.code) for issue in caught.value.issues] == [(question.id, code)]
+    assert deploys.checked == [{"v": 1}] and deploys.ran == []  # checked once: when it paused
+
+    deploys.checked.clear()
+    async with open_session(provider=model, tools=[deploys.tool], permission_asks="interrupt") as session:
+        reply = await session.send("go")
+        [question] = reply.interrupts
+        with pytest.raises(InterruptResumeError) as caught:
+            await session.resume([Approve(question.id, edited_args=edited)])
+        assert [(issue.interrupt_id, issue.code) for issue in caught.value.issues] == [(question.id, code)]
+        assert session.paused is not None and deploys.checked == [{"v": 1}]
+        assert await session.resume([Approve(question.id)]) == "done: deployed"
+        assert deploys.ran == [{"v": 1}]

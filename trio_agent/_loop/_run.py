@@ -603,11 +603,14 @@ class _Run:
                 [InterruptIssue(None, "stale", f"run {resume.parent_run_id!r} is not paused (answered already?)")]
             )
         answers, issues = validate_answers(pause, resume.answers, spec.client_tools)
+        # An answer already found wrong (edited_args that are no JSON object, or no JSON) is not
+        # judged by the table as well: its check would run on them, or conclude() refuse a list.
+        wrong = [issue.interrupt_id for issue in issues]  # (an id may be anything: no set)
         calls = {part.id: part for part in pause.pending_calls}
         refused: dict[str, ToolResult] = {}  # approved, but the table refuses the call now
         for interrupt in pause.interrupts:
             answer = answers.get(interrupt.id)
-            if interrupt.kind is not InterruptKind.APPROVAL or not isinstance(answer, Approve):
+            if interrupt.kind is not InterruptKind.APPROVAL or not isinstance(answer, Approve) or interrupt.id in wrong:
                 continue
             part = calls.get(interrupt.tool_call_id or "")
             if part is None:
