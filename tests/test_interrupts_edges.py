@@ -16,6 +16,7 @@ import trio.testing
 from trio_agent import (
     ModelError,
     PausedReply,
+    PermissionAllow,
     PermissionAsk,
     RequestAbortedError,
     SessionPausedError,
@@ -31,10 +32,12 @@ from trio_agent.journal import MemoryStore, open_journal, read_conversation
 from trio_agent.lifecycle import (
     Approve,
     ChatMiddleware,
+    InterruptKind,
     InterruptResumeError,
     Phase,
     Respond,
     StopReason,
+    define_client_tool,
     define_interrupt,
     max_iterations,
 )
@@ -443,3 +446,55 @@ async def test_edited_args_found_wrong_are_one_issue_and_no_check_judges_them(ed
         assert session.paused is not None and deploys.checked == [{"v": 1}]
         assert await session.resume([Approve(question.id)]) == "done: deployed"
         assert deploys.ran == [{"v": 1}]
+
+
+async def test_a_handler_session_continuation_asks_the_handler_not_a_person() -> None:
+    # permission_asks="handler" (the default) pauses only for what no handler answers (a client
+    # tool here); its continuation asks the handler too: for the call paused beside the client
+    # tool and for a later turn's call. None of them becomes an approval question.
+    pick = define_client_tool("pick", "picks a version", input_schema={"type": "object"})
+    asked: list[str] = []
+
+    async def handler(request: Any) -> PermissionAllow:
+        asked.append(request.tool_name)
+        return PermissionAllow()
+
+    def respond(request: Any) -> Reply:
+        answers = [m.content for m in request.messages if isinstance(m, ToolResultMessage)]
+        if not answers:
+            return Reply(tool_calls=[("pick", {}), ("write", {"v": 1})])
+        if len(answers) == 2:
+            return Reply(tool_calls=[("write", {"v": 2})])
+        return Reply(text="done: " + " | ".join(answers))
+
+    ran: list[dict[str, Any]] = []
+    async with open_session(provider=TestModel(respond=respond), tools=[make_write(ran), pick],
+                            permissions={"ask": ["write"]}, permission_handler=handler) as session:  # fmt: skip
+        reply = await session.send("go")
+        assert [item.kind for item in reply.interrupts] == [InterruptKind.CLIENT_TOOL]
+        text = await session.resume([Respond(reply.interrupts[0].id, 2)])
+        assert not isinstance(text, PausedReply) and session.paused is None
+        assert text == "done: 2 | wrote | wrote"
+        assert asked == ["write", "write"] and ran == [{"v": 1}, {"v": 2}]
+        assert session.messages() == tuple(await rebuilt(session))
+
+
+async def test_approvals_paused_with_interrupt_are_concluded_after_a_reopen_with_the_handler() -> None:
+    # A pause of a life with permission_asks="interrupt" holds approvals; a later life that asks a
+    # handler still concludes them from the person's answers (the handler is not asked for them).
+    store = MemoryStore()
+    asked: list[str] = []
+
+    async def handler(request: Any) -> PermissionAllow:
+        asked.append(request.tool_name)
+        return PermissionAllow()
+
+    ran: list[dict[str, Any]] = []
+    options: dict[str, Any] = {"tools": [make_write(ran)], "permissions": {"ask": ["write"]}, "journal": store,
+                               "session_id": "h"}  # fmt: skip
+    model = echo(("write", {"v": 1}))
+    async with open_session(provider=model, permission_asks="interrupt", **options) as session:
+        question = (await session.send("go")).interrupts[0]
+    async with open_session(provider=model, permission_handler=handler, **options) as session:
+        assert await session.resume([Approve(question.id, edited_args={"v": 3})]) == "done: wrote"
+    assert ran == [{"v": 3}] and asked == []

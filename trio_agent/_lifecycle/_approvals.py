@@ -9,6 +9,10 @@ schema, the path policy or the mode refuses is refused. The remembered decisions
 reach the pipeline as one ``permission`` stage, so each call runs (or is refused)
 exactly as the table decided; the pipeline's other stages, the schema check and the
 guards still run after it.
+
+A gate that does not screen (``screens=False``: a session that asks its
+``permission_handler``) only concludes the approvals a continuation answers; every other
+call is left to the pipeline's permission stage, which asks the handler while it waits.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class PermissionGate:
         abort: AbortHandle,
         lineage: tuple[str, ...] = (),
         decisions: dict[tuple[str, str], StageDecision] | None = None,
+        screens: bool = True,
     ) -> None:
         self._engine = engine
         self._tools = tools
@@ -53,6 +58,7 @@ class PermissionGate:
         self._lineage = lineage
         # (agent id, call id) -> the decision; a session shares one map with its permission stage.
         self._decisions: dict[tuple[str, str], StageDecision] = {} if decisions is None else decisions
+        self._screens = screens
         self._stages = ToolStages(permission=(self._stage,))
 
     def _context(self, call: ToolCall, ctx: Any) -> ExecutionContext:
@@ -69,9 +75,9 @@ class PermissionGate:
         )
 
     async def screen(self, call: ToolCall, ctx: Any) -> StageDecision | NeedsApproval:
-        tool = self._tools.get(call.name)
-        if tool is None:  # a client tool (or unknown: the loop answers that): not the table's business
-            return Allow()
+        tool = self._tools.get(call.name) if self._screens else None
+        if tool is None:  # a client tool (or unknown: the loop answers that), or no screening: the pipeline decides
+            return _PASS
         verdict = await self._engine.evaluate(tool, call.input, self._context(call, ctx))
         if isinstance(verdict, AskNeeded):
             return NeedsApproval(_ask_message(verdict))
@@ -112,6 +118,9 @@ class PermissionGate:
     async def _stage(self, request: StageRequest) -> StageDecision | None:
         context = request.context
         return self._decisions.get((context.agent_id, context.tool_call_id))
+
+
+_PASS = Allow()  # not the gate's call: the pipeline's permission stage decides
 
 
 def _ask_message(ask: AskNeeded) -> str:

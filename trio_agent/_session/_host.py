@@ -53,7 +53,7 @@ from .._loop._events import (
     UsageReported,
 )
 from .._loop._hooks import Lifecycle
-from .._loop._interrupts import ClientTool, InterruptDefinition
+from .._loop._interrupts import ClientTool, InterruptDefinition, InterruptKind
 from .._loop._ports import RunEventSink, RunPorts, RunSpec
 from .._loop._rules import LoopState, StopReason, first_text
 from .._loop._run import run_agent_loop
@@ -509,10 +509,16 @@ class SessionHost:
     def _gate(self, agent: _Agent, request: _Request) -> PermissionGate | None:
         """With ``permission_asks="interrupt"``, the root agent's calls are screened before any runs
         and what a person must answer pauses the request; subagents ask the handler."""
-        # A continuation is judged by the table whatever the mode (its approvals must be concluded).
-        asks = self.asks_by_pausing or request.resume is not None
-        if not asks or agent.parent_id is not None or self.permissions is None:
+        if agent.parent_id is not None or self.permissions is None:
             return None
+        screens = self.asks_by_pausing
+        if not screens:
+            # "handler": every call asks the handler while it waits, in a continuation too. Only
+            # approvals a pause already holds (asked by an earlier life with "interrupt") need a
+            # gate, to conclude them; it screens no call.
+            resume = request.resume
+            if resume is None or not any(item.kind is InterruptKind.APPROVAL for item in resume.pause.interrupts):
+                return None
         return PermissionGate(
             self.permissions,
             self.pipeline.tools,
@@ -520,6 +526,7 @@ class SessionHost:
             abort=request.abort,
             lineage=agent.lineage,
             decisions=self.decided,
+            screens=screens,
         )
 
 
