@@ -392,14 +392,19 @@ async def test_a_session_abort_while_a_boundary_hook_asks_ends_the_request_abort
 
 
 class Deploys:
-    """A ``deploy`` tool whose own check asks a person every time."""
+    """A ``deploy`` tool whose own check asks a person every time (and may be made slow)."""
 
     def __init__(self) -> None:
         self.checked: list[dict[str, Any]] = []
         self.ran: list[dict[str, Any]] = []
+        self.slow = False
+        self.entered = trio.Event()
 
         async def check(input: dict[str, Any]) -> PermissionAsk:
             self.checked.append(dict(input))
+            if self.slow:
+                self.entered.set()
+                await trio.sleep_forever()  # until the call's abort cuts the check short
             return PermissionAsk("deploys to production")
 
         @define_tool(name="deploy", description="deploys", input_schema=SCHEMA, side_effect=SideEffect.NON_IDEMPOTENT,
@@ -498,3 +503,98 @@ async def test_approvals_paused_with_interrupt_are_concluded_after_a_reopen_with
     async with open_session(provider=model, permission_handler=handler, **options) as session:
         assert await session.resume([Approve(question.id, edited_args={"v": 3})]) == "done: wrote"
     assert ran == [{"v": 3}] and asked == []
+
+
+@pytest.mark.parametrize("edited", [None, {"v": 9}], ids=["unedited", "edited"])
+async def test_an_abort_while_a_continuation_judges_an_approval_leaves_the_pause_open(edited: Any) -> None:
+    # The abort cuts the tool's check short: that is no refusal of the call (an unedited approval
+    # was answered with it, the pause consumed) nor of the edit (an InterruptResumeError): the
+    # request ends aborted, nothing is recorded for the answers, and the pause can still be answered.
+    deploys = Deploys()
+    model = echo(("deploy", {"v": 1}))
+    async with open_session(provider=model, tools=[deploys.tool], permission_asks="interrupt") as session:
+        reply = await session.send("go")
+        [question] = reply.interrupts
+        deploys.slow = True
+        outcome: dict[str, Any] = {}
+
+        async def resume() -> None:
+            try:
+                outcome["reply"] = await session.resume([Approve(question.id, edited_args=edited)])
+            except TrioAgentError as exc:
+                outcome["reply"] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(resume)
+            await deploys.entered.wait()
+            await session.abort()
+        assert isinstance(outcome["reply"], RequestAbortedError)
+        assert session.paused is not None and session.paused.interrupts == (question,)
+        assert not [m for m in session.messages() if isinstance(m, ToolResultMessage)]
+        assert session.messages() == tuple(await rebuilt(session))
+        deploys.slow = False
+        assert await session.resume([Approve(question.id, edited_args=edited)]) == "done: deployed"
+        assert deploys.ran == [edited or {"v": 1}]
+
+
+async def test_an_abort_while_a_chat_continuation_judges_an_approval_leaves_the_journal_pause_open() -> None:
+    deploys = Deploys()
+    model = echo(("deploy", {"v": 1}))
+    async with open_journal(MemoryStore(), session_id="c") as journal:
+        async with chat(model, "go", tools=[deploys.tool], journal=journal) as run:
+            paused = await run.result()
+        [question] = paused.interrupts
+        deploys.slow = True
+        answers = [Approve(question.id)]
+        async with chat(model, tools=[deploys.tool], journal=journal, resume=paused.paused, answers=answers) as run:
+            await deploys.entered.wait()
+            run.abort("the user pressed stop")
+            result = await run.result()
+        assert result.stop_reason is StopReason.ABORTED and deploys.ran == []
+        deploys.slow = False  # the journal took no answer: the same pause is answered once more
+        async with chat(model, tools=[deploys.tool], journal=journal, resume=paused.paused, answers=answers) as run:
+            assert (await run.result()).text == "done: deployed"
+        assert deploys.ran == [{"v": 1}]
+
+
+async def test_an_abort_while_the_resolution_hook_runs_leaves_the_pause_open() -> None:
+    class SlowResolution(ChatMiddleware):
+        interrupts = (QUESTION,)
+
+        def __init__(self) -> None:
+            self.entered, self.release = trio.Event(), trio.Event()
+
+        def on_interrupt_boundary(self, ctx: Any) -> Any:
+            if ctx.phase is Phase.BEFORE_TOOLS and ctx.parent_run_id is None:
+                return [QUESTION.request("k", "go on?")]
+            return None
+
+        async def on_interrupt_resolution(self, ctx: Any, resolutions: Any) -> None:
+            if not self.release.is_set():
+                self.entered.set()
+                await self.release.wait()
+
+    slow = SlowResolution()
+    ran: list[dict[str, Any]] = []
+    async with open_session(provider=echo(("write", {})), tools=[make_write(ran)], lifecycle=[slow],
+                            permissions={"allow": ["write"]}) as session:  # fmt: skip
+        reply = await session.send("go")
+        [question] = reply.interrupts
+        outcome: dict[str, Any] = {}
+
+        async def resume() -> None:
+            try:
+                outcome["reply"] = await session.resume([Respond(question.id, "yes")])
+            except TrioAgentError as exc:
+                outcome["reply"] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(resume)
+            await slow.entered.wait()
+            nursery.start_soon(session.abort)
+            await trio.testing.wait_all_tasks_blocked()
+            slow.release.set()
+        assert isinstance(outcome["reply"], RequestAbortedError) and ran == []
+        assert session.paused is not None and session.paused.interrupts == (question,)
+        assert await session.resume([Respond(question.id, "yes")]) == "done: wrote"
+        assert session.messages() == tuple(await rebuilt(session))

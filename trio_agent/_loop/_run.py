@@ -311,11 +311,12 @@ class _Run:
         spec, ports, hooks, ctx = self.spec, self.ports, self.hooks, self.ctx
         # What it returns shapes no call: every call's on_config starts from the run's own (`_config`).
         await hooks.on_config(ctx, self._config())
-        entry = await self._resolve(self.resume) if self.resume is not None else None
-        await hooks.on_start(ctx)
-        if not self.quiet:
-            await self.events(RunStarted(spec.run_id, spec.agent_id, spec.thread_id))
         try:
+            # An abort while the answers are judged ends the run aborted, its pause still open.
+            entry = await self._resolve(self.resume) if self.resume is not None else None
+            await hooks.on_start(ctx)
+            if not self.quiet:
+                await self.events(RunStarted(spec.run_id, spec.agent_id, spec.thread_id))
             if entry is not None:
                 outcome = await self._continue(entry)
                 if outcome is not None:
@@ -631,6 +632,9 @@ class _Run:
                 continue
             if isinstance(decision, Allow):
                 self.approved[part.id] = dict(decision.input if decision.input is not None else (edited or original))
+        # An abort that landed while the table judged an approval cut its checks short: their
+        # denials are the abort's, no refusal of the call or of the edit.
+        self._check_abort()
         if issues:
             raise InterruptResumeError(issues)
         resolutions = InterruptResolutions(
@@ -649,6 +653,7 @@ class _Run:
             resumed = await self.hooks.on_interrupt_resolution(ctx, resolutions) or ToolResume.CONTINUE
         answered = {**answered_without_running(pause, answers, resumed), **refused}
         approved = [part_id for part_id in self.approved if part_id not in answered]
+        self._check_abort()  # (one that landed in on_interrupt_resolution): the pause is not consumed
         try:
             await self.ports.recorder.interrupts_resolved(
                 resume.parent_run_id, spec.run_id, answers, answered, approved
