@@ -35,6 +35,7 @@ from trio_agent.lifecycle import (
     InterruptKind,
     InterruptResumeError,
     Phase,
+    Reject,
     Respond,
     StopReason,
     define_client_tool,
@@ -598,3 +599,35 @@ async def test_an_abort_while_the_resolution_hook_runs_leaves_the_pause_open() -
         assert session.paused is not None and session.paused.interrupts == (question,)
         assert await session.resume([Respond(question.id, "yes")]) == "done: wrote"
         assert session.messages() == tuple(await rebuilt(session))
+
+
+async def test_no_decision_of_a_gate_outlives_its_run() -> None:
+    # The gate hands the pipeline its decisions through a map the session keeps; every run takes
+    # back what its calls left there: a denied call's decision, the screened calls of a batch
+    # that paused, the approvals of a continuation that was refused.
+    ran: list[dict[str, Any]] = []
+
+    @define_tool(name="rm", description="removes", input_schema=SCHEMA, side_effect=SideEffect.NON_IDEMPOTENT,
+                 kind=ToolKind.WRITE)  # fmt: skip
+    async def rm(input: dict[str, Any], ctx: Any) -> str:
+        raise AssertionError("denied by a rule: never runs")
+
+    @define_tool(name="note", description="notes", input_schema=SCHEMA, side_effect=SideEffect.IDEMPOTENT,
+                 kind=ToolKind.WRITE)  # fmt: skip
+    async def note(input: dict[str, Any], ctx: Any) -> str:
+        return "noted"
+
+    model = echo(("note", {}), ("rm", {}), ("write", {"n": 1}), ("write", {"n": 2}))
+    permissions = {"allow": ["note"], "deny": ["rm"], "ask": ["write"]}
+    async with open_session(provider=model, tools=[make_write(ran), rm, note], permissions=permissions,
+                            permission_asks="interrupt") as session:  # fmt: skip
+        decided = session._host.decided
+        reply = await session.send("go")
+        assert [item.tool_name for item in reply.interrupts] == ["write", "write"] and decided == {}
+        first, second = reply.interrupts
+        with pytest.raises(InterruptResumeError):
+            await session.resume([Approve(first.id), Approve(second.id, edited_args={"n": math.inf})])
+        assert decided == {}
+        text = await session.resume([Approve(first.id), Reject(second.id, "not that one")])
+        assert text.startswith("done: noted | Error") and text.endswith("wrote | Error: not that one")
+        assert decided == {} and ran == [{"n": 1}]

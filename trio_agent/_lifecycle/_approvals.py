@@ -13,6 +13,8 @@ guards still run after it.
 A gate that does not screen (``screens=False``: a session that asks its
 ``permission_handler``) only concludes the approvals a continuation answers; every other
 call is left to the pipeline's permission stage, which asks the handler while it waits.
+A session's gates share one map with its permission stage: each gate takes back what it
+left there when its run ends (`release`), so no decision outlives its run.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class PermissionGate:
         self._lineage = lineage
         # (agent id, call id) -> the decision; a session shares one map with its permission stage.
         self._decisions: dict[tuple[str, str], StageDecision] = {} if decisions is None else decisions
+        self._written: list[tuple[str, str]] = []  # the keys this run put in the map (`release`)
         self._screens = screens
         self._stages = ToolStages(permission=(self._stage,))
 
@@ -82,7 +85,7 @@ class PermissionGate:
         if isinstance(verdict, AskNeeded):
             return NeedsApproval(_ask_message(verdict))
         decision = verdict.to_stage_decision(call.input)
-        self._decisions[ctx.agent_id, call.id] = decision
+        self._remember((ctx.agent_id, call.id), decision)
         return decision
 
     async def approve(self, call: ToolCall, edited_args: JsonObject | None, ctx: Any) -> StageDecision:
@@ -109,8 +112,21 @@ class PermissionGate:
         stage = decision.to_stage_decision(final)
         if isinstance(stage, Allow) and stage.input is None and edited_args is not None:
             stage = Allow(edited_args)
-        self._decisions[ctx.agent_id, call.id] = stage
+        self._remember((ctx.agent_id, call.id), stage)
         return stage
+
+    def _remember(self, key: tuple[str, str], decision: StageDecision) -> None:
+        self._decisions[key] = decision
+        self._written.append(key)
+
+    def release(self) -> None:
+        """The run ended: take back the decisions its calls never reached the pipeline with (a
+        refused call, a pause, a continuation refused, stopped or aborted). The permission stage
+        takes each decision once; what no call took would otherwise stay for the session's life."""
+        decisions, written = self._decisions, self._written
+        for key in written:
+            decisions.pop(key, None)
+        written.clear()
 
     def stages(self) -> ToolStages:
         return self._stages

@@ -392,6 +392,9 @@ class SessionHost:
             if not await record_raised(journal, request, exc, self.cleanup_grace):
                 raise
         finally:
+            gate = request.ports.gate if request.ports is not None else None
+            if isinstance(gate, PermissionGate):
+                gate.release()  # what the run's gate decided ends with the run
             request.ports = None  # no request <-> ports cycle left for the garbage collector
             origins = self.call_origins
             if origins:
