@@ -30,6 +30,7 @@ from trio_agent._errors import (
     SequenceConflictError,
     ToolInputError,
     TrioAgentError,
+    UnfinishedRequestError,
 )
 from trio_agent._lifecycle._decisions import MiddlewareDecisionError
 from trio_agent._loop._compose import LifecycleHookError
@@ -78,6 +79,7 @@ BUILT: dict[type[TrioAgentError], TrioAgentError] = {
     ),
     SequenceConflictError: SequenceConflictError("s/root is at 4", stream_id="s/root", expected=5, actual=4),
     ToolInputError: ToolInputError("bad input", tool_name="add", errors=("$.a: not an integer",)),
+    UnfinishedRequestError: UnfinishedRequestError("request 'r1' is kept", request_id="r1"),
     InterruptResumeError: InterruptResumeError([InterruptIssue("i1", "unknown_interrupt", "no such interrupt")]),
     LifecycleHookError: LifecycleHookError("on_finish", [("audit", ValueError("boom"))]),
     MiddlewareDecisionError: MiddlewareDecisionError("on_config", "audit", "returned 3"),

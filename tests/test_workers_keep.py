@@ -11,7 +11,15 @@ import trio
 import trio.testing
 from workers_helpers import takeover_agent
 
-from trio_agent import ConfigError, LeaseLostError, define_agent, open_session
+from trio_agent import (
+    ConfigError,
+    LeaseLostError,
+    SessionError,
+    SubagentDefinition,
+    UnfinishedRequestError,
+    define_agent,
+    open_session,
+)
 from trio_agent.journal import (
     MemoryStore,
     RequestAccepted,
@@ -56,6 +64,16 @@ def accepts(request_id: str) -> Any:
     async def run(session: Any, nursery: trio.Nursery) -> None:
         accepted = RequestAccepted(request_id=request_id, command_id=request_id, input={"prompt": "queued"})
         await session.journal.append(accepted, command_id=request_id)
+
+    return run
+
+
+def starts(request_id: str) -> Any:
+    """A run that records *request_id* accepted and started, and dies before its first turn."""
+
+    async def run(session: Any, nursery: trio.Nursery) -> None:
+        accepted = RequestAccepted(request_id=request_id, command_id=request_id, input={"prompt": "go"})
+        await session.journal.append(accepted, RequestStarted(request_id=request_id), command_id=request_id)
 
     return run
 
@@ -226,3 +244,34 @@ async def test_a_store_that_raises_on_submit_fences_the_journal_and_serve_reques
                 assert journal.fenced
                 raise TrioAgentError("done with it")
     assert not of_type(await events_of(store, "refuses"), RequestCompleted)
+
+
+async def test_a_kept_started_request_refuses_other_requests_until_it_is_served() -> None:
+    # The journal takes one started request at a time: while a kept one is open, a new request
+    # (send, stream, serve_request of another id, a subagent start between requests) is refused
+    # with a typed error naming it, before anything is written; once served, all is as usual.
+    store = MemoryStore()
+    helper = SubagentDefinition("helper", "a helper", "You help.")
+    spec = define_agent(provider=TestModel(default=Reply("answer")), subagents=[helper])
+    await crashed(store, spec, "s9", starts("req-9"))
+    async with open_session(spec, journal=store, session_id="s9", unfinished="keep") as session:
+        before = await events_of(store, "s9")
+        refusals: list[UnfinishedRequestError] = []
+        for attempt in (
+            lambda: session.send("hello"),
+            lambda: session.serve_request("req-10", "hello"),
+            lambda: session.start_subagent("helper", "look around"),
+        ):
+            with pytest.raises(UnfinishedRequestError) as caught:
+                await attempt()
+            refusals.append(caught.value)
+        with pytest.raises(UnfinishedRequestError) as caught:
+            async with session.stream("hello"):
+                pass  # pragma: no cover
+        refusals.append(caught.value)
+        assert all(isinstance(error, SessionError) and error.request_id == "req-9" for error in refusals)
+        assert "serve_request('req-9'" in str(refusals[0]) and refusals[0].code == "unfinished_request"
+        assert await events_of(store, "s9") == before and not session.subagents  # nothing was written
+        assert (await session.serve_request("req-9", "go")).value == "completed"
+        assert await session.send("hello") == "answer"
+        assert (await session.serve_request("req-10", "hello")).value == "completed"

@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # the names below load on first use (``__getattr__``); type c
     from ._errors import ToolDefinitionError as ToolDefinitionError
     from ._errors import ToolInputError as ToolInputError
     from ._errors import TrioAgentError as TrioAgentError
+    from ._errors import UnfinishedRequestError as UnfinishedRequestError
     from ._errors import UnknownSubagentError as UnknownSubagentError
     from ._loop._rules import StopReason as StopReason
     from ._models._providers import create_provider as create_provider
@@ -160,6 +161,7 @@ __all__ = [
     "ToolResultEvent",
     "ToolUseEvent",
     "TrioAgentError",
+    "UnfinishedRequestError",
     "UnknownSubagentError",
     "UsageEvent",
     "chat",
@@ -193,6 +195,7 @@ _LAZY: dict[str, str] = {
     "ToolDefinitionError": "trio_agent._errors",
     "ToolInputError": "trio_agent._errors",
     "TrioAgentError": "trio_agent._errors",
+    "UnfinishedRequestError": "trio_agent._errors",
     "UnknownSubagentError": "trio_agent._errors",
     "StopReason": "trio_agent._loop._rules",
     "ModelMiddleware": "trio_agent._models._service",

@@ -129,6 +129,7 @@ __all__ = [
     "ToolDefinitionError",
     "ToolInputError",
     "TrioAgentError",
+    "UnfinishedRequestError",
     "UnknownSubagentError",
     "require_trio",
 ]
@@ -306,6 +307,18 @@ class SessionPausedError(SessionError):
     """The session waits for answers to a paused request (``session.resume(...)``); nothing else runs."""
 
     code = "session_paused"
+
+
+class UnfinishedRequestError(SessionError):
+    """A request an earlier owner started is kept open (``open_session(..., unfinished="keep")``):
+    no other request may start until `Session.serve_request` has run ``request_id`` to its end.
+    Nothing was written."""
+
+    code = "unfinished_request"
+
+    def __init__(self, message: str, *, request_id: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 class SessionClosedError(SessionError):

@@ -31,6 +31,7 @@ from .._errors import (
     SessionClosedError,
     SessionPausedError,
     TrioAgentError,
+    UnfinishedRequestError,
 )
 from .._groups import cancelled_around, is_cancellation, raise_for_boundary
 from .._journal._durable import DurableJournal, RecoveryReport
@@ -177,6 +178,21 @@ class Session:
                 "answer with session.resume([...]) (Cancel answers every question without running anything)"
             )
 
+    def _check_no_kept_request(self, serving: str | None = None) -> None:
+        """While nothing runs: refuse a new request of the root (*serving*: the one `serve_request`
+        runs) before anything is written, when an earlier owner started one that this life keeps
+        (``unfinished="keep"``). The journal takes one started request at a time, and only
+        `serve_request` goes on with a kept one."""
+        kept = self.journal.projection(self._host.root.agent_id)._s.active_request
+        if kept is not None and kept != serving:
+            raise UnfinishedRequestError(
+                f"session {self.session_id!r} keeps request {kept!r}, started by an earlier owner "
+                "(open_session(unfinished='keep')): run it to its end with "
+                f"session.serve_request({kept!r}, prompt) first (or reopen with unfinished='interrupt' "
+                "to record it interrupted); nothing was written",
+                request_id=kept,
+            )
+
     @property
     def paused(self) -> PausedRun | None:
         """The paused request's state (its questions in ``paused.interrupts``), or ``None``."""
@@ -239,6 +255,7 @@ class Session:
         queue.check_not_busy(priority)
         if queue.idle():  # else it queues behind what runs; the worker refuses it if still paused then
             self._check_not_paused()
+            self._check_no_kept_request()
         request = _Request(prompt, discard, self._host.root)
         request.priority = None if priority is None else Priority(priority)
         return await self._run_to_end(request, "send() was cancelled")
@@ -266,6 +283,8 @@ class Session:
             return record.state
         if record is None:
             self._queue.check_message(prompt, None)
+        if self._queue.idle():  # (else it waits its turn: a kept request cannot run beside another)
+            self._check_no_kept_request(request_id)
         request = _Request(prompt, sink, self._host.root, request_id=request_id)
         request.accepted_before = record is not None
         if record is not None and record.state is RequestState.STARTED:
@@ -349,6 +368,7 @@ class Session:
         queue.check_not_busy(priority)
         if queue.idle():
             self._check_not_paused()
+            self._check_no_kept_request()
         request = _Request(prompt, discard, self._host.root)
         request.priority = None if priority is None else Priority(priority)
         async with self._streamed(request, send, recv) as stream:
@@ -458,6 +478,7 @@ class Session:
 
     async def _start_between_requests(self, name: str, prompt: str, parent: str) -> SubagentHandle:
         self._check_open()  # again: the session may have closed while this waited for the slot
+        self._check_no_kept_request()  # its short request could not start (before the hooks run)
         supervisor = self._supervisor
         # The SubagentStart hooks run before anything is journalled: a refusal writes nothing, and
         # a prompt they replace (redact) is never stored in its original form. The holder request
