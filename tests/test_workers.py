@@ -1443,3 +1443,17 @@ async def test_a_stop_while_waiting_for_a_held_worker_id_ends_the_run_unregister
     assert (row.worker_id, row.concurrency) == ("held", 1)  # the crashed run's row, left as it was
     [status] = await trio.to_thread.run_sync(functools.partial(list_sessions, dsn=postgres_dsn, schema=schema))
     assert status.state == "runnable"
+
+
+async def test_a_worker_at_the_largest_lease_ttl_serves(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    """lease_ttl may be MAX_TIMEOUT (2**31 ms); the journal connections' idle-in-transaction
+    timeout asked the server for 2**31 ms, past its int, and every connection was refused."""
+    from trio_agent._config import MAX_TIMEOUT
+
+    rid = await trio.to_thread.run_sync(
+        functools.partial(submit, "long", "hi", dsn=postgres_dsn, schema=fresh_pg_schema)
+    )
+    async with worker(answer(), postgres_dsn, fresh_pg_schema, lease_ttl=MAX_TIMEOUT) as report:
+        with trio.fail_after(20):
+            status = await until_done(postgres_dsn, fresh_pg_schema, "long", rid)
+    assert status.outcome == "completed" and report.served == 1
