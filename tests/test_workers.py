@@ -1445,6 +1445,22 @@ async def test_a_stop_while_waiting_for_a_held_worker_id_ends_the_run_unregister
     assert status.state == "runnable"
 
 
+@pytest.mark.parametrize("worker_id", [123, b"bytes", "", "w\x00id", "x" * 1201, "é" * 601])
+async def test_a_worker_id_no_lease_or_registry_row_can_hold_is_refused_by_name(worker_id: Any) -> None:
+    """An int or bytes was stored as its text, "" became a random id, and an id over 1,200 bytes
+    registered and claimed, then failed every session at its close (the lease owner is indexed)."""
+    unreachable = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=2"  # checked before connecting
+    with pytest.raises(ConfigError, match=r"^worker_id must"):
+        await serve_sessions(answer(), unreachable, worker_id=worker_id)
+
+
+def test_the_command_line_refuses_an_empty_worker_id(postgres_dsn: str) -> None:
+    refused = subprocess.run(
+        [*_WORKER_CLI, "--dsn", postgres_dsn, "--worker-id", ""], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 1 and "error: worker_id must be a non-empty string" in refused.stderr
+
+
 async def test_a_worker_at_the_largest_lease_ttl_serves(postgres_dsn: str, fresh_pg_schema: str) -> None:
     """lease_ttl may be MAX_TIMEOUT (2**31 ms); the journal connections' idle-in-transaction
     timeout asked the server for 2**31 ms, past its int, and every connection was refused."""

@@ -49,7 +49,7 @@ import attrs
 import trio
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
-from .._config import finite_seconds, validate_id, validate_limit
+from .._config import finite_seconds, short_repr, validate_id, validate_limit
 from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
 from .._journal._durable import DurableJournal, open_journal
 from .._journal._events import RequestInterrupted, RequestInterruptReason
@@ -405,6 +405,16 @@ async def _relay(stop: trio.Event, halt: trio.Event) -> None:
     halt.set()
 
 
+def _check_worker_id(worker_id: object) -> str:
+    """*worker_id*, or the default (``None`` only): it owns leases and registry rows, so it is text a
+    store can keep and index (`check_id`), and never silently replaced."""
+    if worker_id is None:
+        return default_owner()
+    if not isinstance(worker_id, str) or not worker_id:
+        raise ConfigError(f"worker_id must be a non-empty string (None: the default), not {short_repr(worker_id)}")
+    return check_id(worker_id, "worker_id")
+
+
 def _bounded_transactions(dsn: str, lease_ttl: float) -> str:
     """*dsn* whose sessions the server ends when idle inside a transaction for a lease TTL: a
     worker stopped (SIGSTOP, a frozen VM) half-way through a write must not hold its row locks,
@@ -440,9 +450,10 @@ async def serve_sessions(
     ``nursery.start(serve_sessions, ...)`` it reports started (the same report object,
     filled in as it goes) once it listens and has announced itself in ``workers``.
 
-    ``worker_id`` (default: ``host:pid:random``, unique) names the run in leases and the
-    registry; one run at a time may hold it. `WorkerIdInUseError` (a `ConfigError`, naming the
-    id) if another live worker holds it: a row it left when it crashed is waited for until it is
+    ``worker_id`` (default: ``host:pid:random``, unique; else a non-empty string of at most
+    1,200 bytes of UTF-8 without NUL) names the run in leases and the registry; one run at a
+    time may hold it. `WorkerIdInUseError` (a `ConfigError`, naming the id) if another live
+    worker holds it: a row it left when it crashed is waited for until it is
     stale (three heartbeats, one ``lease_ttl``), and a stopping worker's until it unregisters.
 
     ``inbox_retention``: done submissions are deleted from the inbox this many seconds after
@@ -464,7 +475,7 @@ async def serve_sessions(
     statements = Statements(_check_schema(schema))
     dsn = resolve_dsn(dsn)
     store_dsn = _bounded_transactions(dsn, lease_ttl)
-    control = Control(dsn, statements, worker_id=worker_id or default_owner(), cleanup_grace=cleanup_grace)
+    control = Control(dsn, statements, worker_id=_check_worker_id(worker_id), cleanup_grace=cleanup_grace)
     try:
         await control.open()
         async with open_postgres_store(store_dsn, schema=schema, **dict(store_options or {})) as store:
