@@ -1473,3 +1473,43 @@ async def test_a_worker_at_the_largest_lease_ttl_serves(postgres_dsn: str, fresh
         with trio.fail_after(20):
             status = await until_done(postgres_dsn, fresh_pg_schema, "long", rid)
     assert status.outcome == "completed" and report.served == 1
+
+
+async def test_submissions_queued_under_the_older_request_id_rule_are_served(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """Request ids with a C1 control (U+0085), taken before such ids were refused: one a worker
+    that died had accepted into the journal, one still queued. serve_request judged the first by
+    the rule for new ids before asking the journal, and that ConfigError of a request that "ran"
+    parked its session every lease TTL, forever; the second was marked refused. Both are served,
+    as a session queued under the older rule is (`_usable_session_id`)."""
+    held, queued = "held\x85req", "queued\x85req"
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        with pytest.raises(LeaseLostError):
+            async with open_journal(store, session_id="legacy", lease_ttl=1.0, heartbeat_interval=0.3) as journal:
+                await journal.append(
+                    RequestAccepted(request_id=held, command_id=held, input={"prompt": "go"}), command_id=held
+                )
+                journal._lose(LeaseLostError("the worker died before the upgrade"))
+                await trio.sleep_forever()
+        plain = await trio.to_thread.run_sync(
+            functools.partial(submit, "legacy", "after", dsn=postgres_dsn, schema=fresh_pg_schema)
+        )
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:  # submitted by the older version
+            for request_id in (held, queued):
+                conn.execute(
+                    f'INSERT INTO "{fresh_pg_schema}".inbox(session_id, request_id, prompt, priority, submitted_at,'
+                    " state, updated_at) VALUES ('legacy', %s, 'go', 1, 0, 'pending', 0)",
+                    (request_id,),
+                )
+        async with worker(answer(), postgres_dsn, fresh_pg_schema, lease_ttl=2.0, poll_interval=0.05) as report:
+            with trio.fail_after(20):
+                for request_id in (held, queued, plain):
+                    assert await until_row_done(postgres_dsn, fresh_pg_schema, "legacy", request_id) == (
+                        "done",
+                        "completed",
+                    )
+                assert (await wait_for_request(store, "legacy", held)).state == "completed"
+        events = await root_events(store, "legacy")
+    assert all(len(ends_of(events, request_id)) == 1 for request_id in (held, queued, plain))
+    assert report.failed_sessions == 0 and report.refused == 0 and report.served == 3

@@ -275,3 +275,18 @@ async def test_a_kept_started_request_refuses_other_requests_until_it_is_served(
         assert (await session.serve_request("req-9", "go")).value == "completed"
         assert await session.send("hello") == "answer"
         assert (await session.serve_request("req-10", "hello")).value == "completed"
+
+
+async def test_a_request_accepted_under_the_older_id_rule_is_still_served() -> None:
+    """An id with a C1 control (U+0085) was accepted before such ids were refused, by a process
+    that died: the journal holds it, so it is served by the rule it was stored under. An id the
+    journal never saw is judged by the rule for new ids."""
+    store = MemoryStore()
+    spec = define_agent(provider=TestModel(default=Reply("answer")))
+
+    await crashed(store, spec, "s11", accepts("legacy\x85req"))
+    async with open_session(spec, journal=store, session_id="s11", unfinished="keep") as session:
+        assert (await session.serve_request("legacy\x85req", "queued")).value == "completed"
+        with pytest.raises(ConfigError, match="U\\+0085"):
+            await session.serve_request("new\x85req", "hi")
+    assert [e.request_id for e in of_type(await events_of(store, "s11"), RequestCompleted)] == ["legacy\x85req"]

@@ -274,11 +274,25 @@ class Session:
         The state returned is durable: when the journal could not record the request's end
         (its lease lost, or a write refused or of unknown outcome: the journal is fenced),
         this raises that error instead, and the store, not this process, knows how it ended.
+
+        *request_id* is judged by the rule new ids are made under (`validate_id`) only when the
+        journal never saw it: one it holds is served by the older rule it may have been taken
+        under (``stored=True``), as that request's session is.
         """
-        validate_id(request_id, name="request_id")
-        self._check_open()
+        return await self._serve_request(request_id, prompt, sink, queued=False)
+
+    async def _serve_request(self, request_id: str, prompt: str, sink: EventSink, *, queued: bool) -> RequestState:
+        """`serve_request`; ``queued``: *request_id* names a submission already stored (a worker's
+        inbox row, maybe taken under the older id rule), so it is judged by the rule it was
+        stored under even when the journal never saw it, as its session id is."""
+        validate_id(request_id, name="request_id", stored=True)
         journal = self.journal
+        # Looked up before the rule for new ids: a request accepted under an older rule (a worker
+        # that died before an upgrade) must still be served, or its session fails on every claim.
         record = journal.projection().request(request_id)
+        if record is None and not queued:
+            validate_id(request_id, name="request_id")
+        self._check_open()
         if record is not None and record.state not in (RequestState.ACCEPTED, RequestState.STARTED):
             return record.state
         if record is None:

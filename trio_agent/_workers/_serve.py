@@ -16,7 +16,9 @@ Rules
   has work and released when idle (closed cleanly; the lease given back, so the next
   submission is claimed at once, by any worker).
 * A submission no session would accept (a bad id or prompt, written around `submit`) is
-  marked done ``refused``; so are the submissions of a session ended for good.
+  marked done ``refused``; so are the submissions of a session ended for good. Ids are judged
+  by the rule they were submitted under (``validate_id(stored=True)``): one queued before C1
+  controls were refused in ids is served.
 * Open requests the journal holds without a submission (a plain process's requests
   that crashed) are recorded interrupted by the restart, as a plain reopen would.
 * A session that fails to open or serve is parked, not released: the worker holds its
@@ -274,7 +276,8 @@ class _Worker:
             request_id, prompt = _next_row(journal, waiting.values())
             sink = self.live.sink_for(journal.session_id, request_id) if self.live is not None else discard
             try:
-                ended = await session.serve_request(request_id, prompt, sink=sink)
+                # Queued: its id is judged by the rule it was submitted under (see _usable_session_id).
+                ended = await session._serve_request(request_id, prompt, sink, queued=True)
             except ConfigError as exc:  # refused before anything ran: a submission written around submit()
                 if journal.projection().request(request_id) is not None:
                     raise  # it ran: whatever this is, it is not a refusal of the submission
