@@ -1513,3 +1513,94 @@ async def test_submissions_queued_under_the_older_request_id_rule_are_served(
         events = await root_events(store, "legacy")
     assert all(len(ends_of(events, request_id)) == 1 for request_id in (held, queued, plain))
     assert report.failed_sessions == 0 and report.refused == 0 and report.served == 3
+
+
+_UNREACHABLE = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=2"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "fits"),
+    [
+        ("x" * 1_000_000, True),
+        ("x" * 1_000_001, False),
+        ("é" * 500_000, True),  # two bytes of UTF-8 each
+        ("é" * 500_001, False),
+        ("a" + "\n" * 499_999 + "a", True),  # JSON writes \n
+        ("a" + "\n" * 500_000 + "a", False),
+        ("\x01" * 166_666 + "hi", True),  # JSON writes \u0001: six bytes each
+        ("\x01" * 166_667 + "hi", False),
+    ],
+    ids=lambda value: f"{len(value)}x{value[1]!r}" if isinstance(value, str) else str(value),
+)
+def test_submit_refuses_a_prompt_over_max_prompt_bytes_as_json(prompt: str, fits: bool) -> None:
+    """A prompt's size was unbounded (up to PostgreSQL's 1 GB text); one of control characters
+    grows six-fold as the journal's JSON, and a 9 MB one stalled a worker's other sessions and
+    renewals. Its JSON text, as UTF-8, may be at most 1,000,000 bytes by default; checked before
+    connecting (here, an unreachable server is reached only by a prompt that fits)."""
+    from trio_agent.journal import JournalUnavailableError
+    from trio_agent.workers import DEFAULT_MAX_PROMPT_BYTES, PromptTooLargeError
+
+    assert DEFAULT_MAX_PROMPT_BYTES == 1_000_000
+    if fits:
+        with pytest.raises(JournalUnavailableError):
+            submit("s", prompt, dsn=_UNREACHABLE)
+    else:
+        with pytest.raises(PromptTooLargeError, match=r"^prompt is .* more than max_prompt_bytes=1000000") as refused:
+            submit("s", prompt, dsn=_UNREACHABLE)
+        assert isinstance(refused.value, ConfigError) and refused.value.limit == DEFAULT_MAX_PROMPT_BYTES
+
+
+def test_max_prompt_bytes_is_set_where_submissions_are_made(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    from trio_agent.workers import PromptTooLargeError
+
+    with pytest.raises(PromptTooLargeError, match="max_prompt_bytes=10"):
+        submit("s", "x" * 11, dsn=_UNREACHABLE, max_prompt_bytes=10)
+    for bad in (0, True, 1.5, None):
+        with pytest.raises(ConfigError, match="max_prompt_bytes"):
+            submit("s", "hi", dsn=_UNREACHABLE, max_prompt_bytes=bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="max_prompt_bytes"):
+            Submitter(_UNREACHABLE, max_prompt_bytes=bad)  # type: ignore[arg-type]
+    with Submitter(postgres_dsn, schema=fresh_pg_schema, max_prompt_bytes=10) as queue:
+        with pytest.raises(PromptTooLargeError):
+            queue.submit("s", '"quoted"!')  # 9 characters, 11 bytes as JSON
+        assert queue.submit("s", "x" * 10, request_id="r") == "r"
+    with Submitter(postgres_dsn, schema=fresh_pg_schema) as queue:
+        assert queue.submit("s", "x" * 2_000, request_id="long") == "long"
+        with pytest.raises(PromptTooLargeError):  # a conflict check never reads a prompt it refuses
+            queue.submit("s", "x" * 1_000_001, request_id="long")
+
+
+async def test_a_worker_refuses_a_queued_prompt_over_its_max_prompt_bytes(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    """A row over the worker's limit (submitted with a larger one, or written around submit())
+    never reaches the journal: it is marked refused, as other rows no session accepts, and the
+    session's other work is served. A request the journal already holds (accepted before the
+    limit, by a worker that died) is served whatever its size: it was accepted."""
+    held = "x" * 300
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        with pytest.raises(LeaseLostError):
+            async with open_journal(store, session_id="big", lease_ttl=1.0, heartbeat_interval=0.3) as journal:
+                await journal.append(
+                    RequestAccepted(request_id="held", command_id="held", input={"prompt": held}), command_id="held"
+                )
+                journal._lose(LeaseLostError("the worker died"))
+                await trio.sleep_forever()
+
+        def queue() -> tuple[str, str]:
+            with Submitter(postgres_dsn, schema=fresh_pg_schema, max_prompt_bytes=1000) as queue:
+                queue.submit("big", held, request_id="held", priority=1)
+                queue.submit("big", "\x01" * 20 + " hi", request_id="escaped", priority=1)  # 123 bytes as JSON
+                return queue.submit("big", "y" * 200, request_id="large"), queue.submit("big", "small")
+
+        large, small = await trio.to_thread.run_sync(queue)
+        async with worker(answer(), postgres_dsn, fresh_pg_schema, lease_ttl=2.0, max_prompt_bytes=100) as report:
+            with trio.fail_after(20):
+                refused = await wait_for_request(store, "big", large)
+                assert (await wait_for_request(store, "big", small)).state == "completed"
+                assert (await wait_for_request(store, "big", "held")).state == "completed"
+                assert (await wait_for_request(store, "big", "escaped")).state == "refused"
+        events = await root_events(store, "big")
+    assert refused.state == "refused"
+    assert not [e for e in events if isinstance(e, RequestAccepted) and e.request_id in ("escaped", large)]
+    assert report.refused == 2 and report.served == 2 and report.failed_sessions == 0

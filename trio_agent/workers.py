@@ -19,7 +19,9 @@ from __future__ import annotations
 from ._util import fixup_module_metadata as _fixup_module_metadata
 from ._workers._control import WorkerIdInUseError
 from ._workers._queue import (
+    DEFAULT_MAX_PROMPT_BYTES,
     DSN_ENV,
+    PromptTooLargeError,
     RequestStatus,
     SessionStatus,
     Submitter,
@@ -33,9 +35,11 @@ from ._workers._results import LiveDelta, LiveSubscription, RequestOutcome, subs
 from ._workers._serve import WorkerReport, serve_sessions
 
 __all__ = [
+    "DEFAULT_MAX_PROMPT_BYTES",
     "DSN_ENV",
     "LiveDelta",
     "LiveSubscription",
+    "PromptTooLargeError",
     "RequestOutcome",
     "RequestStatus",
     "SessionStatus",

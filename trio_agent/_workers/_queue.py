@@ -10,6 +10,7 @@ exactly once, and its events and outcome are in the session's journal stream
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import psycopg
 import psycopg.errors
 from psycopg.rows import TupleRow
 
-from .._config import short_repr, validate_id
+from .._config import short_repr, validate_id, validate_limit
 from .._errors import CommandConflictError, ConfigError, JournalUnavailableError
 from .._journal._postgres import _SCHEMA_NAME
 from ._conn import connect, connection_info
@@ -27,7 +28,9 @@ from ._sql import Statements
 
 __all__ = [
     "DEFAULT_INBOX_RETENTION",
+    "DEFAULT_MAX_PROMPT_BYTES",
     "DSN_ENV",
+    "PromptTooLargeError",
     "RequestStatus",
     "SessionStatus",
     "Submitter",
@@ -45,7 +48,26 @@ DSN_ENV = "TRIO_AGENT_DSN"
 DEFAULT_INBOX_RETENTION = 7 * 24 * 3600.0
 """Seconds a done submission stays in the inbox before workers prune it (`serve_sessions`)."""
 
+DEFAULT_MAX_PROMPT_BYTES = 1_000_000
+"""The largest prompt a submission takes by default: bytes of its text as JSON writes it (UTF-8,
+with JSON's escapes: a control character is six bytes). What the web server's ``max_body`` admits
+by default; `submit`, `Submitter` and `serve_sessions` take ``max_prompt_bytes``."""
+
 _Conn = psycopg.Connection[TupleRow]
+
+# The most bytes one character takes as JSON text (``\u0001``): a prompt of at most limit / 6
+# characters fits without being measured.
+_MAX_JSON_CHAR = 6
+_json_text = json.JSONEncoder(ensure_ascii=False).encode
+
+
+class PromptTooLargeError(ConfigError):
+    """A prompt larger than ``max_prompt_bytes`` (``limit``): refused by `submit` before anything is
+    stored, and by a worker for a row over its own limit (marked done ``refused``)."""
+
+    def __init__(self, message: str, *, limit: int = 0) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 def resolve_dsn(dsn: str | None) -> str:
@@ -130,14 +152,17 @@ def _check_schema(schema: object) -> str:
     return schema
 
 
-def _check_prompt(prompt: object) -> str:
+def _check_prompt(prompt: object, max_bytes: int) -> str:
     """A prompt a session accepts and the inbox can store: non-blank text, without NUL (no
     PostgreSQL text holds one), encodable as UTF-8 (no lone surrogates: a command line's
-    undecodable bytes arrive as those)."""
+    undecodable bytes arrive as those), at most *max_bytes* as JSON text (`PromptTooLargeError`):
+    the journal stores it so, and one huge prompt held up a worker's other sessions."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ConfigError("prompt must be a non-empty string")
     if "\x00" in prompt:
         raise ConfigError("prompt must not contain NUL characters")
+    if len(prompt) > max_bytes:  # a byte at least per character: refused before copying anything
+        raise _too_large(f"{len(prompt)} characters", max_bytes)
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -145,7 +170,17 @@ def _check_prompt(prompt: object) -> str:
             f"prompt must be valid Unicode text: it has a lone surrogate U+{ord(prompt[exc.start]):04X} "
             f"at {exc.start} (bytes that are not UTF-8?)"
         ) from None
+    if len(prompt) * _MAX_JSON_CHAR > max_bytes:  # else it fits, whatever its characters
+        size = len(_json_text(prompt).encode("utf-8")) - 2  # without the quotes
+        if size > max_bytes:
+            raise _too_large(f"{size} bytes as JSON", max_bytes)
     return prompt
+
+
+def _too_large(size: str, limit: int) -> PromptTooLargeError:
+    return PromptTooLargeError(
+        f"prompt is {size}: more than max_prompt_bytes={limit} (bytes of its JSON text, UTF-8)", limit=limit
+    )
 
 
 def _check_ids(session_id: object, request_id: object) -> None:
@@ -156,13 +191,15 @@ def _check_ids(session_id: object, request_id: object) -> None:
     validate_id(request_id, name="request_id", stored=True)
 
 
-def _check_submission(session_id: object, prompt: object, request_id: str | None, priority: object) -> str:
+def _check_submission(
+    session_id: object, prompt: object, request_id: str | None, priority: object, max_prompt_bytes: int
+) -> str:
     """The request id of a submission `submit` accepts (made if not given), else `ConfigError`."""
     validate_id(session_id, name="session_id")
     if request_id is None:
         request_id = f"req-{uuid.uuid4().hex[:12]}"
     validate_id(request_id, name="request_id")
-    _check_prompt(prompt)
+    _check_prompt(prompt, max_prompt_bytes)
     if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
         raise ConfigError(f"priority must be a 32-bit whole number, not {short_repr(priority)}")
     return request_id
@@ -172,10 +209,14 @@ class Submitter:
     """One connection that submits and reads statuses: ``with Submitter(dsn) as queue``.
 
     Not thread-safe: one per thread. `submit` (the function) opens one per call.
+    ``max_prompt_bytes``: the largest prompt its `submit` takes (`DEFAULT_MAX_PROMPT_BYTES`).
     """
 
-    def __init__(self, dsn: str | None = None, *, schema: str = "trio_agent") -> None:
+    def __init__(
+        self, dsn: str | None = None, *, schema: str = "trio_agent", max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    ) -> None:
         self.statements = Statements(_check_schema(schema))
+        self.max_prompt_bytes = validate_limit(max_prompt_bytes, name="max_prompt_bytes")
         self._conn = _connect(resolve_dsn(dsn))
         self._ready = False
 
@@ -208,9 +249,10 @@ class Submitter:
         returns at once and changes nothing; with different content it raises
         `CommandConflictError` (while the row is kept: past the workers' ``inbox_retention``
         a retry is a new row, answered from the journal). ``priority``: among one session's waiting submissions the
-        highest runs first (then the oldest). Some worker serving the schema runs it once.
+        highest runs first (then the oldest). Some worker serving the schema runs it once. A
+        prompt over ``max_prompt_bytes`` (bytes of its JSON text) is `PromptTooLargeError`.
         """
-        request_id = _check_submission(session_id, prompt, request_id, priority)
+        request_id = _check_submission(session_id, prompt, request_id, priority, self.max_prompt_bytes)
         self._ensure()
         q = self.statements.q
         with self._errors("submitting a request"), self._conn.transaction():
@@ -297,14 +339,16 @@ def submit(
     priority: int = 0,
     dsn: str | None = None,
     schema: str = "trio_agent",
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
 ) -> str:
     """Submit one request from any process (see `Submitter.submit`); returns its request id.
 
     ``dsn`` defaults to ``$TRIO_AGENT_DSN``. Opens and closes one connection: for many
     submissions keep a `Submitter`.
     """
-    request_id = _check_submission(session_id, prompt, request_id, priority)  # before connecting
-    with Submitter(dsn, schema=schema) as queue:
+    max_prompt_bytes = validate_limit(max_prompt_bytes, name="max_prompt_bytes")
+    request_id = _check_submission(session_id, prompt, request_id, priority, max_prompt_bytes)  # before connecting
+    with Submitter(dsn, schema=schema, max_prompt_bytes=max_prompt_bytes) as queue:
         return queue.submit(session_id, prompt, request_id=request_id, priority=priority)
 
 

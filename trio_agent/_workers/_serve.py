@@ -15,8 +15,9 @@ Rules
   the journal's outcome only once that outcome is durable. The session is kept while it
   has work and released when idle (closed cleanly; the lease given back, so the next
   submission is claimed at once, by any worker).
-* A submission no session would accept (a bad id or prompt, written around `submit`) is
-  marked done ``refused``; so are the submissions of a session ended for good. Ids are judged
+* A submission no session would accept (a bad id or prompt, written around `submit`, or a
+  prompt over ``max_prompt_bytes``: submitted with a larger limit) is marked done ``refused``
+  before the journal sees it; so are the submissions of a session ended for good. Ids are judged
   by the rule they were submitted under (``validate_id(stored=True)``): one queued before C1
   controls were refused in ids is served.
 * Open requests the journal holds without a submission (a plain process's requests
@@ -67,7 +68,7 @@ from .._session._stream import discard
 from ._conn import connection_info
 from ._control import Control, ControlError, InboxListener, Row, WorkerIdInUseError, jittered
 from ._live import LivePublisher
-from ._queue import DEFAULT_INBOX_RETENTION, _check_schema, resolve_dsn
+from ._queue import DEFAULT_INBOX_RETENTION, DEFAULT_MAX_PROMPT_BYTES, _check_prompt, _check_schema, resolve_dsn
 from ._sql import Statements
 
 __all__ = ["WorkerReport", "serve_sessions"]
@@ -149,6 +150,7 @@ class _Worker:
         cleanup_grace: float,
         live: bool,
         inbox_retention: float | None = None,
+        max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
     ) -> None:
         self.spec = spec
         self.store = store
@@ -159,6 +161,7 @@ class _Worker:
         self.poll_interval = poll_interval
         self.cleanup_grace = cleanup_grace
         self.inbox_retention = inbox_retention
+        self.max_prompt_bytes = max_prompt_bytes
         self.report = WorkerReport(control.worker_id)
         self.hosted: dict[str, _Hosted] = {}
         self.stopping = False
@@ -276,6 +279,8 @@ class _Worker:
             request_id, prompt = _next_row(journal, waiting.values())
             sink = self.live.sink_for(journal.session_id, request_id) if self.live is not None else discard
             try:
+                if journal.projection().request(request_id) is None:  # one it holds was accepted: it runs
+                    _check_prompt(prompt, self.max_prompt_bytes)  # submit()'s rule: past it, never journaled
                 # Queued: its id is judged by the rule it was submitted under (see _usable_session_id).
                 ended = await session._serve_request(request_id, prompt, sink, queued=True)
             except ConfigError as exc:  # refused before anything ran: a submission written around submit()
@@ -442,6 +447,7 @@ async def serve_sessions(
     live: bool = True,
     cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     inbox_retention: float | None = DEFAULT_INBOX_RETENTION,
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
     store_options: Mapping[str, Any] | None = None,
     task_status: trio.TaskStatus[WorkerReport] = trio.TASK_STATUS_IGNORED,
 ) -> WorkerReport:
@@ -463,6 +469,10 @@ async def serve_sessions(
     they were marked done (default seven days; ``None`` keeps them). The outcome of every
     request that ran stays in the journal; past the retention, `request_status` answers
     ``None``, and a refusal (recorded only in the inbox) is no longer reported.
+
+    ``max_prompt_bytes``: a submission whose prompt is larger (bytes of its JSON text; default
+    `DEFAULT_MAX_PROMPT_BYTES`, as `submit`'s) is marked done ``refused`` without running, unless
+    the journal already holds its request (accepted before: it runs).
     """
     if not isinstance(spec, AgentSpec):
         raise ConfigError(f"serve_sessions takes an AgentSpec (define_agent(...)), not {spec!r}")
@@ -473,6 +483,7 @@ async def serve_sessions(
     cleanup_grace = validate_cleanup_grace(cleanup_grace)
     if inbox_retention is not None:
         inbox_retention = finite_seconds(inbox_retention, "inbox_retention", allow_zero=True)
+    max_prompt_bytes = validate_limit(max_prompt_bytes, name="max_prompt_bytes")
     if store_options and "clock" in store_options:
         raise ConfigError("store_options must not set clock: claims and fences use the database server's clock")
     statements = Statements(_check_schema(schema))
@@ -492,6 +503,7 @@ async def serve_sessions(
                 cleanup_grace=cleanup_grace,
                 live=live,
                 inbox_retention=inbox_retention,
+                max_prompt_bytes=max_prompt_bytes,
             )
             listener = InboxListener(dsn, statements.inbox_channel, worker.wake)
             async with trio.open_nursery() as services:
