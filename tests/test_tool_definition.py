@@ -1261,9 +1261,11 @@ def test_the_fast_json_check_and_the_explaining_one_agree(value: Any) -> None:
 
 _ANYISH = st.recursive(
     _JSONISH | st.sampled_from([b"x", math.nan, -math.inf, 1j]),
-    lambda children: st.lists(children, max_size=3)
-    | st.tuples(children)
-    | st.dictionaries(st.text(max_size=2) | st.integers(0, 3) | st.none(), children, max_size=3),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.tuples(children)
+        | st.dictionaries(st.text(max_size=2) | st.integers(0, 3) | st.none(), children, max_size=3)
+    ),
     max_leaves=12,
 )
 

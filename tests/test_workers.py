@@ -1604,3 +1604,20 @@ async def test_a_worker_refuses_a_queued_prompt_over_its_max_prompt_bytes(
     assert refused.state == "refused"
     assert not [e for e in events if isinstance(e, RequestAccepted) and e.request_id in ("escaped", large)]
     assert report.refused == 2 and report.served == 2 and report.failed_sessions == 0
+
+
+def test_the_command_line_takes_max_prompt_bytes_for_submit_and_worker(postgres_dsn: str) -> None:
+    # --max-prompt-bytes reaches submit() (refused before connecting) and serve_sessions (a bad value
+    # is argparse's error, status 2, before anything starts).
+    cli = [sys.executable, "-m", "trio_agent"]
+    refused = subprocess.run(
+        [*cli, "submit", "s", "x" * 20, "--dsn", postgres_dsn, "--max-prompt-bytes", "10"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 1 and "max_prompt_bytes" in refused.stderr, refused.stderr
+    bad = subprocess.run(
+        [*_WORKER_CLI, "--dsn", postgres_dsn, "--max-prompt-bytes", "0"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--max-prompt-bytes" in bad.stderr, bad.stderr

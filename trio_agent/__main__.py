@@ -193,6 +193,8 @@ def _command(argv: list[str] | None) -> Callable[[], int]:
     )
     worker.add_argument("--no-live", action="store_true", help="do not publish live text deltas")
     worker.add_argument("--worker-id", default=None, help="this worker's id (default host:pid:random)")
+    prompt_help = "the largest prompt, in bytes of its JSON text (default 1000000)"
+    worker.add_argument("--max-prompt-bytes", type=_positive, default=None, help=prompt_help + ": past it, refused")
     worker.add_argument(
         "--inbox-retention",
         type=_retention,
@@ -208,6 +210,7 @@ def _command(argv: list[str] | None) -> Callable[[], int]:
     submit.add_argument("--request-id", default=None, help="idempotency: the same id is submitted once")
     submit.add_argument("--priority", type=int, default=0, help="higher runs first within the session")
     submit.add_argument("--wait", type=_seconds, default=None, help="wait up to N seconds; print the outcome")
+    submit.add_argument("--max-prompt-bytes", type=_positive, default=None, help=prompt_help)
     for name, what in (("sessions", "list sessions and their state"), ("workers", "list workers and their load")):
         listing = commands.add_parser(name, help=what)
         listing.add_argument("--dsn", default=None, help=dsn_help)
@@ -220,7 +223,7 @@ def _command(argv: list[str] | None) -> Callable[[], int]:
         raise SystemExit(2)
     if args.command in ("worker", "submit", "sessions", "workers"):
         from ._workers import _cli
-        from ._workers._queue import DEFAULT_INBOX_RETENTION
+        from ._workers._queue import DEFAULT_INBOX_RETENTION, DEFAULT_MAX_PROMPT_BYTES
 
         if args.command == "worker":
             return functools.partial(
@@ -235,6 +238,7 @@ def _command(argv: list[str] | None) -> Callable[[], int]:
                 live=not args.no_live,
                 worker_id=args.worker_id,
                 inbox_retention=DEFAULT_INBOX_RETENTION if args.inbox_retention is _UNSET else args.inbox_retention,
+                max_prompt_bytes=args.max_prompt_bytes or DEFAULT_MAX_PROMPT_BYTES,
             )
         if args.command == "submit":
             return functools.partial(
@@ -246,6 +250,7 @@ def _command(argv: list[str] | None) -> Callable[[], int]:
                 request_id=args.request_id,
                 priority=args.priority,
                 wait=args.wait,
+                max_prompt_bytes=args.max_prompt_bytes or DEFAULT_MAX_PROMPT_BYTES,
             )
         return functools.partial(_cli.run_listing, args.command, dsn=args.dsn, schema=args.schema, as_json=args.json)
     if args.command == "demo":

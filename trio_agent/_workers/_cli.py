@@ -12,7 +12,7 @@ import attrs
 import trio
 
 from .._errors import TrioAgentError
-from ._queue import DEFAULT_INBOX_RETENTION
+from ._queue import DEFAULT_INBOX_RETENTION, DEFAULT_MAX_PROMPT_BYTES
 
 __all__ = ["load_spec", "run_listing", "run_submit", "run_worker"]
 
@@ -95,6 +95,7 @@ def run_worker(
     live: bool,
     worker_id: str | None,
     inbox_retention: float | None = DEFAULT_INBOX_RETENTION,
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
 ) -> int:
     spec = load_spec(agent)
     if agent is None:
@@ -109,6 +110,7 @@ def run_worker(
         "live": live,
         "worker_id": worker_id,
         "inbox_retention": inbox_retention,  # None keeps done rows
+        "max_prompt_bytes": max_prompt_bytes,
     }
     try:
         report = trio.run(_worker, spec, options)
@@ -128,12 +130,21 @@ def run_submit(
     request_id: str | None,
     priority: int,
     wait: float | None,
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
 ) -> int:
     from ._queue import resolve_dsn, submit
 
     try:
         target = resolve_dsn(dsn)
-        request_id = submit(session_id, prompt, request_id=request_id, priority=priority, dsn=target, schema=schema)
+        request_id = submit(
+            session_id,
+            prompt,
+            request_id=request_id,
+            priority=priority,
+            dsn=target,
+            schema=schema,
+            max_prompt_bytes=max_prompt_bytes,
+        )
         print(request_id, flush=True)
         if wait is None:
             return 0
