@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import tracemalloc
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from trio_agent._errors import (
     LeaseLostError,
     StaleFencingTokenError,
 )
-from trio_agent._journal._events import EventEnvelope, RequestStarted
+from trio_agent._journal._events import EventEnvelope, RequestAccepted, RequestStarted
 from trio_agent._journal._postgres import _COLUMNS, STORE_FORMAT, PostgresStore, open_postgres_store
 from trio_agent._journal._store import AppendBatch, AppendResult, Lease, command_digest, stream_id_for
 from trio_agent._journal._subscribe import CaughtUp, DurableEvent, subscribe_durable_events
@@ -1115,3 +1116,28 @@ async def test_a_read_bound_past_bigint_means_the_same_as_on_the_other_stores(
             items = [await sub.__anext__() for _ in range(3)]
         assert [item.envelope.seq for item in items if isinstance(item, DurableEvent)] == [1, 2]
         assert isinstance(items[-1], CaughtUp)
+
+
+async def test_a_body_dense_with_escapes_costs_memory_in_proportion_to_its_size(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    # Control characters are stored as JSON escapes (\u0001: six bytes each). The bodies went to the
+    # server in psycopg's text form of an array, which escapes each backslash of each element with a
+    # regex substitution in Python: a new object per escape, ~50 x the body at its peak (9 MB of
+    # control characters took 3 GB and 6 s). The binary form copies each body a few times at most.
+    prompt = "\x01" * 200_000
+    stream = stream_id_for("s", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("s", "owner", LONG_TTL)
+        event = RequestAccepted(request_id="r1", command_id="c1", input={"prompt": prompt})
+        append = batch(lease, stream, [EventEnvelope(stream_id=stream, seq=1, event=event, recorded_at=1.5)])
+        size = len(append.bodies[0])  # encoded before the measurement: that copy is the caller's
+        tracemalloc.start()
+        try:
+            assert await store.append(append) == AppendResult(stream, 1, 1)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 * size, f"appending a {size}-byte body peaked at {peak} bytes"
+        [stored] = await store.read(stream)
+        assert isinstance(stored.event, RequestAccepted) and stored.event.input == {"prompt": prompt}
