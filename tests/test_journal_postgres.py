@@ -767,6 +767,29 @@ async def test_reopening_keeps_everything_and_several_stores_open_one_schema_at_
         assert [c.command_id for c in await store.commands(stream)] == ["cmd"]
 
 
+async def test_opening_a_store_waits_for_no_write_in_progress(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    # CREATE INDEX IF NOT EXISTS takes a SHARE lock on its table even when the index exists: every
+    # open waited behind a write transaction left open (a process frozen mid-batch) until
+    # statement_timeout, and every other store's writes queued behind the open's lock request.
+    stream = stream_id_for("sess", "root")
+    schema = f'"{fresh_pg_schema}"'
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        await store.append(batch(lease, stream, envs(stream, 1, 1), "cmd"))
+    with psycopg.connect(postgres_dsn) as frozen:  # writes to both indexed tables, never committed
+        frozen.execute(f"UPDATE {schema}.streams SET head = head WHERE stream_id = %s".encode(), (stream,))
+        frozen.execute(f"INSERT INTO {schema}.commands VALUES (%s, 'other', 'd', 2, 2)".encode(), (stream,))
+        with trio.fail_after(PROMPT):
+            async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema, statement_timeout=PROMPT) as store:
+                assert await store.head(stream) == 1
+        frozen.rollback()
+    # A schema made before the index existed still gets it on open.
+    run_sql(postgres_dsn, f"DROP INDEX {schema}.commands_seq")
+    await _open_and_close(postgres_dsn, fresh_pg_schema)
+    indexes = run_sql(postgres_dsn, "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (fresh_pg_schema,))
+    assert {"commands_seq", "streams_session"} <= {name for (name,) in indexes}
+
+
 async def _open_and_close(dsn: str, schema: str) -> None:
     async with open_postgres_store(dsn, schema=schema):
         pass

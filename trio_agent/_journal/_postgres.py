@@ -132,7 +132,6 @@ _SCHEMA: tuple[LiteralString, ...] = (
     "CREATE TABLE IF NOT EXISTS {s}.meta(key text PRIMARY KEY, value text NOT NULL)",
     "CREATE TABLE IF NOT EXISTS {s}.streams("
     " stream_id text PRIMARY KEY, session_id text NOT NULL, head bigint NOT NULL)",
-    "CREATE INDEX IF NOT EXISTS streams_session ON {s}.streams(session_id, stream_id)",
     "CREATE TABLE IF NOT EXISTS {s}.events("
     " stream_id text NOT NULL, seq bigint NOT NULL, token bigint NOT NULL, body text NOT NULL,"
     " checksum bigint NOT NULL, PRIMARY KEY(stream_id, seq))",
@@ -142,12 +141,19 @@ _SCHEMA: tuple[LiteralString, ...] = (
     "CREATE TABLE IF NOT EXISTS {s}.commands("
     " stream_id text NOT NULL, command_id text NOT NULL, digest text NOT NULL,"
     " first_seq bigint NOT NULL, last_seq bigint NOT NULL, PRIMARY KEY(stream_id, command_id))",
-    # Additive, created if missing (see the module docstring): no format change.
-    "CREATE INDEX IF NOT EXISTS commands_seq ON {s}.commands(stream_id, first_seq)",
     "CREATE TABLE IF NOT EXISTS {s}.snapshots("
     " stream_id text PRIMARY KEY, seq bigint NOT NULL, token bigint NOT NULL, body bytea NOT NULL,"
     " checksum bigint NOT NULL)",
 )
+_INDEXES: dict[str, LiteralString] = {
+    "streams_session": "CREATE INDEX IF NOT EXISTS streams_session ON {s}.streams(session_id, stream_id)",
+    # Additive, created if missing (see the module docstring): no format change.
+    "commands_seq": "CREATE INDEX IF NOT EXISTS commands_seq ON {s}.commands(stream_id, first_seq)",
+}
+"""Created after the tables, and only when `_Q_EXISTING` does not find them: CREATE INDEX takes a
+SHARE lock on its table even when IF NOT EXISTS finds the index, so running it on every open made
+the open wait behind any write in progress (a process frozen mid-batch: until statement_timeout),
+and every other store's writes queue behind that lock request meanwhile."""
 
 _COLUMNS: dict[str, dict[str, str]] = {
     "meta": {"key": "text", "value": "text"},
@@ -543,7 +549,12 @@ class PostgresStore(LaneStore):
                 # Looked at before anything is created: a schema without a format row is taken as a
                 # journal only if every table of ours it holds is ours (another application's is refused).
                 existing: dict[str, dict[str, str]] = {}
-                for name, kind, column, type_name in conn.execute(_Q_EXISTING, (self.schema, list(_COLUMNS))):
+                indexes: set[str] = set()
+                names = [*_COLUMNS, *_INDEXES]
+                for name, kind, column, type_name in conn.execute(_Q_EXISTING, (self.schema, names)):
+                    if name in _INDEXES:
+                        indexes.add(name)
+                        continue
                     columns = existing.setdefault(name, {})
                     if column is not None:
                         columns[column] = type_name if kind in ("r", "p") else f"{type_name} ({kind})"
@@ -552,6 +563,9 @@ class PostgresStore(LaneStore):
                     self._check_adoptable(conn, existing)
                 for statement in _SCHEMA:
                     conn.execute(self._sql(statement))
+                for name, statement in _INDEXES.items():
+                    if name not in indexes:  # never when it exists: see `_INDEXES`
+                        conn.execute(self._sql(statement))
                 if row is None:
                     conn.execute(self._q["_Q_SET_FORMAT"], (STORE_FORMAT,))
                 elif row[0] == V1_FORMAT:
