@@ -679,6 +679,26 @@ async def test_a_row_in_the_wrong_place_or_missing_is_corrupt(postgres_dsn: str,
         assert await store.read(stream, after=2, limit=1) == envs(stream, 3, 1)
 
 
+async def test_events_left_without_their_stream_row_are_damage_never_an_empty_stream(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    # The read started from the stream row: without it the events were never looked at, the stream
+    # read as empty and the session looked new; writing it again failed as "unavailable" (retry).
+    stream = stream_id_for("sess", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("sess", "A", LONG_TTL)
+        await store.append(batch(lease, stream, envs(stream, 1, 3)))
+        run_sql(postgres_dsn, f'DELETE FROM "{fresh_pg_schema}".streams WHERE stream_id = %s', (stream,))
+        for after, limit in ((0, None), (1, 1), (2, 5)):
+            with pytest.raises(
+                JournalCorruptError, match=f"{stream}#{after + 1} is corrupt: the stream has events but no head"
+            ):
+                await store.read(stream, after=after, limit=limit)
+        assert await store.read(stream, after=3) == []  # nothing stored past it, as on SQLite
+        with pytest.raises(JournalCorruptError, match=f"{stream}#1 is corrupt: the stream has events but no head"):
+            await store.append(batch(lease, stream, envs(stream, 1, 1)))  # as a stream never written
+
+
 async def test_an_unknown_format_marker_is_refused(postgres_dsn: str, fresh_pg_schema: str) -> None:
     async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema):
         pass

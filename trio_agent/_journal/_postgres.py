@@ -249,12 +249,22 @@ def _bigint_limit(limit: int | None) -> int | None:
 
 
 _Q_READ: LiteralString = (
-    "SELECT s.head, e.seq, e.body, e.checksum FROM {s}.streams AS s LEFT JOIN LATERAL ("
-    " SELECT seq, body, checksum FROM {s}.events AS ev WHERE ev.stream_id = s.stream_id AND ev.seq > %s"
-    " ORDER BY ev.seq LIMIT %s::bigint) AS e ON true"
-    " WHERE s.stream_id = %s ORDER BY e.seq"
+    "(SELECT s.head, e.seq, e.body, e.checksum FROM {s}.streams AS s LEFT JOIN LATERAL ("
+    " SELECT seq, body, checksum FROM {s}.events AS ev WHERE ev.stream_id = s.stream_id AND ev.seq > %(after)s"
+    " ORDER BY ev.seq LIMIT %(limit)s::bigint) AS e ON true"
+    " WHERE s.stream_id = %(stream)s)"
+    # Without a stream row, the first event past `after` (a head of NULL): events without a stream
+    # are damage to report, never an empty stream. In the same statement, so the same snapshot (a
+    # stream committed between two statements would look like that); a one-time filter when the
+    # stream row exists, so a read costs one more primary-key probe.
+    " UNION ALL (SELECT NULL, ev.seq, NULL, NULL FROM {s}.events AS ev"
+    " WHERE ev.stream_id = %(stream)s AND ev.seq > %(after)s"
+    " AND NOT EXISTS (SELECT FROM {s}.streams WHERE stream_id = %(stream)s)"
+    " ORDER BY ev.seq LIMIT least(%(limit)s::bigint, 1))"
+    " ORDER BY 2"
 )
 _Q_STREAM: LiteralString = "SELECT session_id, head FROM {s}.streams WHERE stream_id = %s"
+_Q_FIRST_SEQ: LiteralString = "SELECT min(seq) FROM {s}.events WHERE stream_id = %s"
 _Q_ALL_STREAMS: LiteralString = "SELECT stream_id, session_id, head FROM {s}.streams ORDER BY stream_id"
 _Q_SESSION_STREAMS: LiteralString = (
     "SELECT stream_id, session_id, head FROM {s}.streams WHERE session_id = %s ORDER BY stream_id"
@@ -944,6 +954,12 @@ class PostgresStore(LaneStore):
                 return ForeignStreamError(
                     f"stream {work.stream_id!r} belongs to session {row[0]!r}, not {work.session_id!r}"
                 )
+            if row is None and isinstance(exc, psycopg.errors.UniqueViolation):
+                # Taken for a new stream, its events collided with stored ones: events without a
+                # stream row are damage (as a read reports them), not a refusal worth retrying.
+                found = conn.execute(self._q["_Q_FIRST_SEQ"], (work.stream_id,)).fetchone()
+                if found is not None and found[0] is not None:
+                    return row_error(work.stream_id, found[0], "the stream has events but no head")
         return self._refused(exc)
 
     def _refused(self, exc: psycopg.Error) -> JournalUnavailableError:
@@ -1222,9 +1238,12 @@ class PostgresStore(LaneStore):
         query = self._q["_Q_READ"]
 
         def run(conn: _Conn) -> list[EventEnvelope]:
-            rows = conn.execute(query, (_bigint(after), _bigint_limit(limit), stream_id)).fetchall()
+            params = {"after": _bigint(after), "limit": _bigint_limit(limit), "stream": stream_id}
+            rows = conn.execute(query, params).fetchall()
             if not rows:
-                return []  # no stream row (its events, if any, are never read without a head)
+                return []  # no stream row and no events past `after`
+            if rows[0][0] is None:  # events without a stream row (see `_Q_READ`): reported as damage
+                return decode_range(stream_id, after=after, limit=limit, head=None, rows=[(int(rows[0][1]), "", None)])
             events = [(int(seq), body, int(checksum)) for _, seq, body, checksum in rows if seq is not None]
             return decode_range(stream_id, after=after, limit=limit, head=int(rows[0][0]), rows=events)
 
