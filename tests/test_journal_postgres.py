@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -1184,3 +1184,76 @@ async def test_a_body_dense_with_escapes_costs_memory_in_proportion_to_its_size(
         assert peak < 8 * size, f"appending a {size}-byte body peaked at {peak} bytes"
         [stored] = await store.read(stream)
         assert isinstance(stored.event, RequestAccepted) and stored.event.input == {"prompt": prompt}
+
+
+_RETYPED = {
+    # (table, column, which row, the value it is given once the column is text). Columns no
+    # statement compares: a retyped one that is compared fails the statement itself (a JournalError).
+    "lease expiry": ("leases", "expires_at", "session_id = 'damaged'", "soon"),
+    "stream head": ("streams", "head", "session_id = 'damaged'", "abc"),
+    "command seq": ("commands", "last_seq", "stream_id = 'damaged/root'", "2.5"),
+}
+
+
+@pytest.mark.parametrize("retyped", list(_RETYPED))
+async def test_a_value_a_column_retyped_by_hand_cannot_hold_is_damage_to_its_row_alone(
+    postgres_dsn: str, fresh_pg_schema: str, retyped: str
+) -> None:
+    # float("soon") escaped as a raw ValueError from the reads, and from the writer's checks it failed
+    # every item of the group commit as JournalUnavailableError. The other rows of the retyped column
+    # still hold their values (as text), and are read as such.
+    table, column, where, value = _RETYPED[retyped]
+    damaged, neighbour = stream_id_for("damaged", "root"), stream_id_for("neighbour", "root")
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        lease = await store.acquire_lease("damaged", "A", LONG_TTL)
+        other = await store.acquire_lease("neighbour", "A", LONG_TTL)
+        await store.append(batch(lease, damaged, envs(damaged, 1, 1), "cmd"))
+        await store.append(batch(other, neighbour, envs(neighbour, 1, 1), "cmd"))
+        name = f'"{fresh_pg_schema}".{table}'
+        run_sql(postgres_dsn, f"ALTER TABLE {name} ALTER COLUMN {column} TYPE text")
+        run_sql(postgres_dsn, f"UPDATE {name} SET {column} = %s WHERE {where}", (value,))
+        lease_damage = "the stored lease of session 'damaged' is damaged"
+        damage = {
+            "leases": lease_damage,
+            "streams": f"stored event {damaged}#head is corrupt: the stream's row is damaged",
+            "commands": f"the stored command records of {damaged!r} are damaged",
+        }[table]
+        with trio.fail_after(10):
+            with store.grouped():
+                replayed = store.submit(batch(lease, damaged, envs(damaged, 1, 1), "cmd"))
+                renewed = store.submit_renew(lease, LONG_TTL)
+                appended_neighbour = store.submit(batch(other, neighbour, envs(neighbour, 2, 1), "cmd2"))
+                renewed_neighbour = store.submit_renew(other, LONG_TTL)
+            with pytest.raises(JournalCorruptError, match=damage):
+                await replayed.wait()
+            if table == "leases":
+                with pytest.raises(JournalCorruptError, match=lease_damage):
+                    await renewed.wait()
+            else:
+                assert (await renewed.wait()).token == lease.token
+            assert (await appended_neighbour.wait()).first_seq == 2
+            assert (await renewed_neighbour.wait()).token == other.token
+            reads: dict[str, list[Callable[[], Awaitable[object]]]] = {
+                "leases": [lambda: store.current_lease("damaged"), lambda: store.live_lease("damaged")],
+                "streams": [
+                    lambda: store.read(damaged),
+                    lambda: store.stream_info(damaged),
+                    lambda: store.streams("damaged"),
+                ],
+                "commands": [lambda: store.command(damaged, "cmd"), lambda: store.commands(damaged)],
+            }
+            for read in reads[table]:
+                with pytest.raises(JournalCorruptError, match=damage):
+                    await read()
+            # The neighbour's row of the same column is read as the value its text holds.
+            assert (await store.current_lease("neighbour")) == await store.live_lease("neighbour")
+            assert [info.head for info in await store.streams("neighbour")] == [2]
+            assert [record.command_id for record in await store.commands(neighbour)] == ["cmd", "cmd2"]
+            assert await store.read(neighbour) == envs(neighbour, 1, 2)
+
+
+async def test_whatever_a_read_raises_comes_out_as_a_journal_error(postgres_dsn: str, fresh_pg_schema: str) -> None:
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        with pytest.raises(JournalError, match="a read failed: ValueError") as caught:
+            await store.run_read(lambda conn: int(conn.execute(b"SELECT 'soon'").fetchall()[0][0]))
+        assert isinstance(caught.value.__cause__, ValueError)

@@ -238,6 +238,10 @@ _BIGINT_MIN, _BIGINT_MAX = -(2**63), 2**63 - 1
 """PostgreSQL's bigint: a bound past it fails the statement ("bigint out of range")."""
 
 
+_NULL: Any = "NULL"
+"""A NULL checksum as `decode_range` is given it: a stored value that is no checksum (damage)."""
+
+
 def _bigint(after: int) -> int:
     """A ``seq > after`` bound in bigint's range, meaning the same: no seq lies past the largest."""
     return max(_BIGINT_MIN, min(after, _BIGINT_MAX))
@@ -324,6 +328,7 @@ class _State:
     busy: frozenset[str] = frozenset()  # sessions whose lease row another transaction holds: deferred
     damaged: dict[str, BaseException] = attrs.Factory(dict)  # session -> why its lease row is damage
     damaged_streams: dict[str, BaseException] = attrs.Factory(dict)  # stream -> why its row is damage
+    damaged_commands: dict[tuple[str, str], BaseException] = attrs.Factory(dict)  # why a command row is damage
 
 
 @attrs.frozen
@@ -380,22 +385,75 @@ class _Writes:
         return [p for p in payloads if len(p.encode()) <= _NOTIFY_PAYLOAD_MAX]
 
 
-def _lease_row(session_id: str, owner: str, token: Any, expires_at: Any) -> tuple[str, int, float]:
-    """A stored lease row (owner, token, expires_at). An expiry of NaN is damage (the store never
-    writes one): it compares as neither expired nor valid, so acquiring and fencing would disagree."""
-    expires = float(expires_at)
-    if math.isnan(expires):
-        raise JournalCorruptError(f"the stored lease of session {session_id!r} is damaged: its expiry is NaN")
-    return owner, int(token), expires
+def _stored_int(value: Any) -> Any:
+    """A stored integer as an int: as it is, or, from a column retyped by hand (text, numeric), the
+    integer it holds exactly; else *value* unchanged, for the caller to report as damage."""
+    if type(value) is int:
+        return value
+    try:
+        number = int(value)  # text: integer text only; a number: checked to be whole below
+    except (TypeError, ValueError, ArithmeticError):
+        return value
+    return number if isinstance(value, str) or number == value else value
+
+
+def _stored_float(value: Any) -> float | None:
+    """A stored time as a float (from a retyped column too); ``None`` if it holds none, or NaN."""
+    if type(value) is not float:
+        try:
+            value = float(value)
+        except (TypeError, ValueError, ArithmeticError):
+            return None
+    return None if value != value else value
+
+
+def _lease_row(session_id: str, owner: Any, token: Any, expires_at: Any) -> tuple[str, int, float]:
+    """A stored lease row (owner, token, expires_at), checked: a value that is none of these (a
+    column retyped by hand) is damage to that session's lease alone, and so is an expiry of NaN
+    (never written): it compares as neither expired nor valid, so acquiring and fencing would
+    disagree."""
+    if type(owner) is str and type(token) is int and type(expires_at) is float and expires_at == expires_at:
+        return owner, token, expires_at
+    stored_token, expires = _stored_int(token), _stored_float(expires_at)
+    if type(owner) is not str or type(stored_token) is not int:
+        problem = f"its owner and token are {owner!r} and {token!r}, not text and an integer"
+    elif expires is None:
+        problem = "its expiry is NaN" if type(expires_at) is float else f"its expiry is {expires_at!r}, not a number"
+    else:
+        return owner, stored_token, expires
+    raise JournalCorruptError(f"the stored lease of session {session_id!r} is damaged: {problem}")
 
 
 def _stream_head(stream_id: str, head: Any) -> int:
     """A stored head, checked: one below 0 is damage (the store never writes one; taken as a head,
-    it would put even a subscription from the start past it)."""
-    value = int(head)
-    if value < 0:
-        raise row_error(stream_id, "head", f"the stream's row is damaged: the stored head is {value} (below 0)")
-    return value
+    it would put even a subscription from the start past it), and so is one that holds no integer
+    (a column retyped by hand)."""
+    if type(head) is int and head >= 0:
+        return head
+    value = _stored_int(head)
+    if type(value) is int and value >= 0:
+        return value
+    problem = f"{value} (below 0)" if type(value) is int else f"{head!r}, not an integer"
+    raise row_error(stream_id, "head", f"the stream's row is damaged: the stored head is {problem}")
+
+
+def _stream_row(stream_id: str, session_id: Any, head: Any) -> tuple[str, int]:
+    """A stored stream row (session_id, head), checked as `_stream_head` checks the head."""
+    if type(session_id) is not str:
+        raise row_error(stream_id, "head", f"the stream's row is damaged: its session id is {session_id!r}, not text")
+    return session_id, _stream_head(stream_id, head)
+
+
+def _command_record(stream_id: str, command_id: str, digest: Any, first_seq: Any, last_seq: Any) -> CommandRecord:
+    """A stored command row, checked: a value that holds none of its column's (a column retyped by
+    hand) is damage to that stream's command records alone."""
+    first, last = _stored_int(first_seq), _stored_int(last_seq)
+    if type(digest) is str and type(first) is int and type(last) is int:
+        return CommandRecord(stream_id, command_id, digest, first, last)
+    raise JournalCorruptError(
+        f"the stored command records of {stream_id!r} are damaged: command {command_id!r} holds"
+        f" {digest!r}, {first_seq!r} and {last_seq!r}, not text and two integers"
+    )
 
 
 def _channel(schema: str, purpose: str = "journal") -> str:
@@ -877,23 +935,26 @@ class PostgresStore(LaneStore):
         damaged_streams: dict[str, BaseException] = {}
         for row in () if streams_cursor is None else streams_cursor.fetchall():
             try:
-                streams[row[0]] = (row[1], _stream_head(row[0], row[2]))
+                streams[row[0]] = _stream_row(row[0], row[1], row[2])
             except JournalCorruptError as exc:  # that stream's items fail alone
                 damaged_streams[row[0]] = exc
+        commands: dict[tuple[str, str], CommandRecord] = {}
+        damaged_commands: dict[tuple[str, str], BaseException] = {}
+        for row in () if commands_cursor is None else commands_cursor.fetchall():
+            try:
+                commands[(row[0], row[1])] = _command_record(*row)
+            except JournalCorruptError as exc:  # the appends with that command fail alone
+                damaged_commands[(row[0], row[1])] = exc
         state = _State(
             leases=leases,
             streams=streams,
-            commands={}
-            if commands_cursor is None
-            else {
-                (row[0], row[1]): CommandRecord(row[0], row[1], row[2], int(row[3]), int(row[4]))
-                for row in commands_cursor.fetchall()
-            },
+            commands=commands,
             now=now,
             unplaced=unplaced,
             busy=busy,
             damaged=damaged,
             damaged_streams=damaged_streams,
+            damaged_commands=damaged_commands,
         )
         outcomes: list[object] = []
         if not isolate:
@@ -1061,6 +1122,8 @@ class PostgresStore(LaneStore):
     def _plan_append(state: _State, batch: AppendBatch, rows: list[EventRow]) -> tuple[AppendResult, _Change | None]:
         if batch.stream_id in state.damaged_streams:
             raise _Rejected(state.damaged_streams[batch.stream_id])
+        if batch.command_id is not None and (batch.stream_id, batch.command_id) in state.damaged_commands:
+            raise _Rejected(state.damaged_commands[(batch.stream_id, batch.command_id)])
         stream = state.streams.get(batch.stream_id)
         known = None if batch.command_id is None else state.commands.get((batch.stream_id, batch.command_id))
         try:
@@ -1224,10 +1287,8 @@ class PostgresStore(LaneStore):
             )
         elif isinstance(exc, psycopg.OperationalError):
             error = unavailable(exc, f"journal {self.where} {self.schema}: a read failed")
-        elif isinstance(exc, psycopg.Error):
+        else:  # a driver's error about the statement, or what a value read turned into (never raw)
             error = JournalError(f"journal {self.where} {self.schema}: a read failed: {type(exc).__name__}: {exc}")
-        else:
-            return exc
         error.__cause__ = exc
         return error
 
@@ -1243,9 +1304,16 @@ class PostgresStore(LaneStore):
             if not rows:
                 return []  # no stream row and no events past `after`
             if rows[0][0] is None:  # events without a stream row (see `_Q_READ`): reported as damage
-                return decode_range(stream_id, after=after, limit=limit, head=None, rows=[(int(rows[0][1]), "", None)])
-            events = [(int(seq), body, int(checksum)) for _, seq, body, checksum in rows if seq is not None]
-            return decode_range(stream_id, after=after, limit=limit, head=int(rows[0][0]), rows=events)
+                return decode_range(stream_id, after=after, limit=limit, head=None, rows=[(rows[0][1], "", None)])
+            # Taken as stored: decode_range reports a seq or checksum of another type as damage. A
+            # NULL checksum too (a constraint dropped by hand): None would mean a version-1 row.
+            events = [
+                (_stored_int(seq), body, _NULL if checksum is None else _stored_int(checksum))
+                for _, seq, body, checksum in rows
+                if seq is not None
+            ]
+            head = _stream_head(stream_id, rows[0][0])
+            return decode_range(stream_id, after=after, limit=limit, head=head, rows=events)
 
         return await self._query(run)
 
@@ -1261,7 +1329,7 @@ class PostgresStore(LaneStore):
 
         def run(conn: _Conn) -> StreamInfo | None:
             row = conn.execute(query, (stream_id,)).fetchone()
-            return None if row is None else StreamInfo(stream_id, row[0], _stream_head(stream_id, row[1]))
+            return None if row is None else StreamInfo(stream_id, *_stream_row(stream_id, row[0], row[1]))
 
         return await self._query(run)
 
@@ -1275,7 +1343,7 @@ class PostgresStore(LaneStore):
                 cursor = conn.execute(self._q["_Q_ALL_STREAMS"])
             else:
                 cursor = conn.execute(self._q["_Q_SESSION_STREAMS"], (session_id,))
-            return [StreamInfo(row[0], row[1], _stream_head(row[0], row[2])) for row in cursor.fetchall()]
+            return [StreamInfo(row[0], *_stream_row(row[0], row[1], row[2])) for row in cursor.fetchall()]
 
         return await self._query(run)
 
@@ -1287,7 +1355,7 @@ class PostgresStore(LaneStore):
 
         def run(conn: _Conn) -> CommandRecord | None:
             row = conn.execute(query, (stream_id, command_id)).fetchone()
-            return None if row is None else CommandRecord(stream_id, command_id, row[0], int(row[1]), int(row[2]))
+            return None if row is None else _command_record(stream_id, command_id, row[0], row[1], row[2])
 
         return await self._query(run)
 
@@ -1299,7 +1367,7 @@ class PostgresStore(LaneStore):
 
         def run(conn: _Conn) -> list[CommandRecord]:
             rows = conn.execute(query, (stream_id, _bigint(after))).fetchall()
-            return [CommandRecord(stream_id, row[0], row[1], int(row[2]), int(row[3])) for row in rows]
+            return [_command_record(stream_id, row[0], row[1], row[2], row[3]) for row in rows]
 
         return await self._query(run)
 
