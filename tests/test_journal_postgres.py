@@ -31,6 +31,8 @@ from trio_agent._errors import (
     StaleFencingTokenError,
 )
 from trio_agent._journal._events import EventEnvelope, RequestAccepted, RequestStarted
+from trio_agent._journal._lane import LaneItem
+from trio_agent._journal._lease import HeldLease
 from trio_agent._journal._postgres import _COLUMNS, STORE_FORMAT, PostgresStore, open_postgres_store
 from trio_agent._journal._store import AppendBatch, AppendResult, Lease, command_digest, stream_id_for
 from trio_agent._journal._subscribe import CaughtUp, DurableEvent, subscribe_durable_events
@@ -346,6 +348,58 @@ async def test_a_lease_row_locked_elsewhere_holds_only_its_own_session(postgres_
             assert time.monotonic() - started >= 0.5
             frozen.rollback()
         assert await store.current_lease("stuck") == lease  # nothing was written
+
+
+async def test_a_lease_row_locked_elsewhere_costs_the_keeper_only_that_sessions_lease(
+    postgres_dsn: str, fresh_pg_schema: str, mock_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store's lease keeper waited for every renewal of a round before taking any answer or
+    # starting another: the deferred renewal of the locked session held the others unscheduled
+    # until its lease ran out locally, and by then theirs had run out too. Trio's clock is mocked
+    # (the keeper's schedule); the server's expiries are real, 60 s away.
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        keeper = store._lease_keeper
+        assert keeper is not None
+        kept = {}
+        for session_id in ("stuck", "t1", "t2"):
+            lease = await store.acquire_lease(session_id, "A", LONG_TTL)
+            kept[session_id] = held = HeldLease(store, lease, ttl=9, interval=3, sent=trio.current_time())
+            keeper.keep(held)
+        sent: dict[str, list[LaneItem[Lease]]] = {session_id: [] for session_id in kept}
+        submit = store.submit_renew
+
+        def spy(lease: Lease, ttl: float) -> LaneItem[Lease]:
+            sent[lease.session_id].append(item := submit(lease, ttl))
+            return item
+
+        async def round_answered(count: int) -> None:
+            await trio.testing.wait_all_tasks_blocked()  # the keeper woke and queued its round
+            for session_id in ("t1", "t2"):
+                assert len(sent[session_id]) == count, session_id
+                with trio.fail_after(PROMPT):
+                    await sent[session_id][-1].wait_done()
+
+        monkeypatch.setattr(store, "submit_renew", spy)
+        with psycopg.connect(postgres_dsn) as frozen:
+            frozen.execute(
+                f'SELECT 1 FROM "{fresh_pg_schema}".leases WHERE session_id = %s FOR UPDATE'.encode(), ("stuck",)
+            )
+            mock_clock.jump(3)
+            await round_answered(1)
+            mock_clock.jump(3)  # the next round, while the first renewal of "stuck" waits for its row
+            await round_answered(2)
+            assert len(sent["stuck"]) == 1 and not sent["stuck"][0].done
+            mock_clock.jump(2.2)  # 8.2 s: past the 8.1 s the lease of "stuck" counts as held
+            await trio.testing.wait_all_tasks_blocked()
+            assert isinstance(kept["stuck"].lost, trio.TooSlowError)
+            assert kept["t1"].lost is None and kept["t2"].lost is None
+            frozen.rollback()
+        with trio.fail_after(PROMPT):
+            await sent["stuck"][0].wait_done()  # committed once the row was free: ignored
+        mock_clock.jump(1)
+        await round_answered(3)
+        assert kept["t1"].lost is None and kept["t2"].lost is None
+        assert isinstance(kept["stuck"].lost, trio.TooSlowError) and len(sent["stuck"]) == 1
 
 
 async def test_a_transaction_left_idle_is_ended_by_the_server(postgres_dsn: str, fresh_pg_schema: str) -> None:

@@ -270,10 +270,11 @@ class HeldLease:
             self.renewed(lease, sent, due)
 
     def renewed(self, lease: Lease, sent: float, due: float) -> None:
-        """A renewal sent at *sent* (due at *due*) returned *lease*."""
+        """A renewal sent at *sent* (due at *due*) returned *lease*. One sent before a later
+        confirmation (`confirm`) leaves the validity that one gave."""
         self.lease = lease
         self._note_lag(trio.current_time() - due)
-        self.valid_until = sent + self.ttl * VALID_SHARE
+        self.valid_until = max(self.valid_until, sent + self.ttl * VALID_SHARE)
 
     def renewal_failed(self, exc: BaseException) -> bool:
         """A renewal failed with *exc*; returns whether the lease is lost now. A refusal
@@ -315,15 +316,23 @@ class LeaseKeeper:
     opened the store): the leases due are renewed together, in one transaction, and each holder
     keeps its own schedule, lag and local validity (`HeldLease`). `keep` and `drop` cost no
     checkpoint. A renewal answered after its holder was dropped is ignored (its release follows
-    it in the lane)."""
+    it in the lane).
 
-    __slots__ = ("_due", "_order", "_scope", "_store", "_wake", "_wake_at")
+    Each answer is taken as it comes (`LaneItem.then`), and a round never waits for the one before:
+    a renewal held up alone (PostgreSQL: its lease row locked by another transaction, so the lane
+    defers it) holds up only its own session, which loses its lease if it is still unanswered when
+    its local validity runs out. The other sessions are renewed on their own schedules meanwhile."""
+
+    __slots__ = ("_due", "_order", "_scope", "_store", "_unanswered", "_wake", "_wake_at")
 
     def __init__(self, store: LaneStore) -> None:
         self._store = store
         self._scope = trio.CancelScope()  # `stop` cancels `run`
         # (due, order, holder); a dropped holder's entry stays until it comes up (skipped then).
         self._due: list[tuple[float, int, HeldLease]] = []
+        # (the holder's local validity when sent, order, holder, renewal): the renewals sent and not
+        # answered, by when each counts as too slow. An answered one stays until it comes up.
+        self._unanswered: list[tuple[float, int, HeldLease, LaneItem[Lease]]] = []
         self._order = itertools.count()
         self._wake = trio.Event()  # set when a lease comes due before the keeper would wake
         self._wake_at = math.inf
@@ -350,18 +359,20 @@ class LeaseKeeper:
             self._store._lease_keeper = None
 
     async def run(self) -> None:
-        """Sleep until a lease is due, renew every lease due, and again; until `stop`."""
+        """Sleep until a lease is due (or a renewal is too slow), renew every lease due, and again;
+        until `stop`."""
         with self._scope:
             await self._rounds()
 
     async def _rounds(self) -> None:
+        due = self._due
         while True:
-            due = self._due
-            self._wake_at = due[0][0] if due else math.inf
+            self._wake_at = min(due[0][0] if due else math.inf, self._too_slow_at())
             with trio.move_on_at(self._wake_at):
                 await self._wake.wait()
             self._wake = trio.Event()
             now = trio.current_time()
+            self._give_up(now)
             round_: list[tuple[float, HeldLease]] = []
             while due and due[0][0] <= now:
                 at, _, held = heapq.heappop(due)
@@ -374,14 +385,36 @@ class LeaseKeeper:
                     round_.append((at, held))
             if round_:
                 try:
-                    await self._renew(round_)
+                    self._renew(round_)
                 except Exception as exc:  # a bug: fail closed for this round's sessions, keep the rest
                     logger.exception("the lease keeper failed renewing %d leases; they are lost", len(round_))
                     for _, held in round_:
                         if held.keeper is self:
                             held.lose(exc)
 
-    async def _renew(self, round_: list[tuple[float, HeldLease]]) -> None:
+    def _too_slow_at(self) -> float:
+        """When the first renewal still unanswered counts as too slow (answered ones are dropped)."""
+        unanswered = self._unanswered
+        while unanswered and unanswered[0][3].done:
+            heapq.heappop(unanswered)
+        return unanswered[0][0] if unanswered else math.inf
+
+    def _give_up(self, now: float) -> None:
+        """Lose the leases whose renewal is still unanswered when they run out locally (as
+        `keep_alive`'s `fail_after`): a renewal answered later is ignored."""
+        unanswered = self._unanswered
+        while unanswered and unanswered[0][0] <= now:
+            _, _, held, item = heapq.heappop(unanswered)
+            if item.done or held.keeper is not self or held.lost is not None:
+                continue
+            if held.valid_until > now:  # made valid for longer meanwhile (`confirm`, a write that took it)
+                heapq.heappush(unanswered, (held.valid_until, next(self._order), held, item))
+                continue
+            held.renewal_failed(trio.TooSlowError("the lease renewal was not answered in time"))
+
+    def _renew(self, round_: list[tuple[float, HeldLease]]) -> None:
+        """Queue the renewals of *round_* as one unit (one transaction); each answer is taken by
+        `_answered` when it comes."""
         store = self._store
         sent = trio.current_time()
         late = [(at, held) for at, held in round_ if held.valid_until <= sent]
@@ -389,45 +422,34 @@ class LeaseKeeper:
             held.renewal_failed(trio.TooSlowError("the lease was not renewed before it ran out locally"))
         if late:
             round_ = [(at, held) for at, held in round_ if held.lost is None]
-            if not round_:
-                return
-        items: list[tuple[float, HeldLease, LaneItem[Lease] | None]] = []
-        failed: BaseException | None = None
+        submitted = 0
         try:
             with store.grouped():
                 for at, held in round_:
-                    items.append((at, held, store.submit_renew(held.lease, held.ttl)))
+                    item = store.submit_renew(held.lease, held.ttl)
+                    submitted += 1
+                    heapq.heappush(self._unanswered, (held.valid_until, next(self._order), held, item))
+                    item.then(functools.partial(self._answered, held, sent, at))
         except JournalError as exc:  # the store is closing: nothing more was queued
-            failed = exc
-            items += [(at, held, None) for at, held in round_[len(items) :]]
-        # Each renewal is waited for until its own lease runs out locally (as `keep_alive`'s
-        # `fail_after`); one not answered by then counts as too slow.
-        while True:
-            now = trio.current_time()
-            waiting = [
-                (held, item)
-                for _, held, item in items
-                if item is not None and not item.done and held.keeper is self and held.valid_until > now
-            ]
-            if not waiting:
-                break
-            with trio.move_on_at(min(held.valid_until for held, _ in waiting)):
-                for _, answer in waiting:
-                    await answer.wait_done()
-        for at, held, item in items:
-            if held.keeper is not self:
-                continue  # dropped meanwhile: released after this renewal, or lost
-            if item is None or not item.done:
-                error: BaseException = failed or trio.TooSlowError("the lease renewal was not answered in time")
-            else:
-                error_or_none = item.failure()
-                if error_or_none is None:
-                    held.renewed(item.result(), sent, at)
-                    self._schedule(held, trio.current_time() + held.interval)
-                    continue
-                error = error_or_none
-            if not held.renewal_failed(error):
-                self._schedule(held, trio.current_time() + held.interval)
+            for at, held in round_[submitted:]:
+                self._answered(held, sent, at, exc)
+
+    def _answered(self, held: HeldLease, sent: float, at: float, outcome: object) -> None:
+        """The answer to *held*'s renewal sent at *sent* (due at *at*), in the Trio thread, when it
+        comes (from the lane's wake-up: never raises)."""
+        if held.keeper is not self or held.lost is not None:
+            return  # dropped meanwhile (released after this renewal), or lost: too slow, or refused
+        try:
+            if isinstance(outcome, Lease):
+                held.renewed(outcome, sent, at)
+            elif held.renewal_failed(
+                outcome if isinstance(outcome, BaseException) else JournalError(f"the renewal answered {outcome!r}")
+            ):
+                return
+            self._schedule(held, trio.current_time() + held.interval)
+        except Exception as exc:  # a bug: fail closed for this session
+            logger.exception("the lease keeper failed taking the renewal of %s; its lease is lost", held.session_id)
+            held.lose(exc)
 
 
 class keeping_leases:
