@@ -869,6 +869,28 @@ async def _open_and_close(dsn: str, schema: str) -> None:
         pass
 
 
+async def test_the_store_connections_use_tcp_keepalives_unless_the_dsn_says_otherwise(
+    postgres_dsn: str, fresh_pg_schema: str
+) -> None:
+    # Without them a server that vanished (answering nothing, not even an error) held a write for as
+    # long as the kernel retransmits, statement_timeout being the server's own.
+    def settings(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+        return conninfo_to_dict(conn.info.dsn)
+
+    async with open_postgres_store(postgres_dsn, schema=fresh_pg_schema) as store:
+        made = await store.run_read(settings)
+        assert store._listener is not None  # (the writer's is made by the same `_connect`)
+        for used in (made, settings(store._listener)):
+            assert {key: used.get(key) for key in ("keepalives", "keepalives_idle", "tcp_user_timeout")} == {
+                "keepalives": "1",
+                "keepalives_idle": "10",
+                "tcp_user_timeout": "30000",
+            }
+    async with open_postgres_store(f"{postgres_dsn} keepalives_idle=99", schema=fresh_pg_schema) as store:
+        made = await store.run_read(settings)
+        assert (made["keepalives_idle"], made["tcp_user_timeout"]) == ("99", "30000")  # the DSN's own wins
+
+
 async def test_an_unreachable_database_is_unavailable_and_the_password_stays_secret() -> None:
     import socket
 

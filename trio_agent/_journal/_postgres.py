@@ -122,6 +122,15 @@ _MIGRATE_CHUNK = 1000
 _Conn = psycopg.Connection[TupleRow]
 T = TypeVar("T")
 
+_TCP_DEFAULTS: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+"""The store's connections' TCP keepalives and user timeout (ms), as the workers' connections set
+them; a DSN's own values win."""
 _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _NOTIFY_PAYLOAD_MAX = 7999  # PostgreSQL refuses payloads of 8000 bytes or more
 _CANCEL_RETRY = 0.25  # re-send a cancel request this often until the read thread is back
@@ -576,6 +585,10 @@ class PostgresStore(LaneStore):
             extra["connect_timeout"] = 10
         if "application_name" not in params:
             extra["application_name"] = "trio_agent journal"
+        # A server that vanished (a partition, a host gone) answers nothing, not even an error:
+        # statement_timeout is the server's own, so without these a write would wait for the
+        # kernel's retransmissions (~15 min on Linux) and an idle connection would never learn.
+        extra.update({key: value for key, value in _TCP_DEFAULTS.items() if key not in params})
         self._conninfo = make_conninfo(dsn, **extra)
         ident = sql.Identifier(schema)
         self._sql: Callable[[LiteralString], bytes] = lambda template: sql.SQL(template).format(s=ident).as_bytes(None)
