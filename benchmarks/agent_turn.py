@@ -122,14 +122,13 @@ import attrs
 import trio
 from _gc import GC
 from _progress import add_progress_option, note, start_progress
-from _workload import AddInput, add, add_numbers
+from _workload import ADD_RESULT, PROMPT, AddInput, add, add_numbers, respond
 
 import trio_agent as ta
-from trio_agent.testing import Reply, TestModel
+from trio_agent.testing import TestModel
 
 LAYERS = 3
 TARGET_RATIO = 3.0
-PROMPT = "add 1 and 2"
 # Issue 17's targets for one request, as instructions x the floor (section 3; section 2 shows them on CPU) ...
 FLOOR_TARGETS: dict[str, float] = {
     "chat": 4.0,
@@ -144,18 +143,10 @@ PEER_TARGETS: dict[str, float] = {"chat": 8.0, "session_fresh_memory": 6.0}
 # -- the workload -------------------------------------------------------------------------------------------
 
 
+# The model of every Trio runtime and the floors is `_workload.respond`: "done" only when the tool returned 3
+# (not an error), so a run whose tool failed (which costs less) cannot pass for one that worked. The peers'
+# fake models below make the same check on their own message types.
 TOOL_SPECS = (ta.ToolSpec(add.name, add.description, dict(add.input_schema)),)
-CALL_REPLY = Reply(tool_calls=[("add", {"a": 1, "b": 2})])
-ANSWER_REPLY = Reply("done")
-
-
-def respond(request: ta.ModelRequest) -> Reply:
-    """A tool call for a new prompt, the answer once the tool result is the last message: "done" only
-    when the tool returned 3, so a run whose tool failed (which costs less) cannot pass for one that worked."""
-    last = request.messages[-1]
-    if not isinstance(last, ta.ToolResultMessage):
-        return CALL_REPLY
-    return ANSWER_REPLY if last.content == "3" and not last.is_error else Reply(f"the tool failed: {last.content}")
 
 
 class PassStream(ta.ModelMiddleware):
@@ -681,13 +672,19 @@ def build_pydantic_ai() -> PeerAgent:
     import pydantic_ai
     from pydantic_ai import Agent
     from pydantic_ai.capabilities import AbstractCapability
-    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+    from pydantic_ai.messages import ModelResponse, RetryPromptPart, TextPart, ToolCallPart, ToolReturnPart
     from pydantic_ai.models.function import AgentInfo, FunctionModel
 
     async def model_fn(messages: list[Any], info: AgentInfo) -> ModelResponse:
+        """The tool call; "done" once the tool returned 3, "the tool failed: ..." once it returned anything else
+        (or asked for a retry: its failure here), as the Trio runtimes' model does."""
         await asyncio.sleep(0)  # one checkpoint, like the Trio test model
-        if any(isinstance(part, ToolReturnPart) for part in messages[-1].parts):
-            return ModelResponse(parts=[TextPart("done")])
+        for part in messages[-1].parts:
+            if isinstance(part, ToolReturnPart):
+                answer = "done" if part.content == 3 else f"the tool failed: {part.content}"
+                return ModelResponse(parts=[TextPart(answer)])
+            if isinstance(part, RetryPromptPart):
+                return ModelResponse(parts=[TextPart(f"the tool failed: {part.content}")])
         return ModelResponse(parts=[ToolCallPart("add", {"a": 1, "b": 2}, tool_call_id="call_1")])
 
     entered = {"model": 0, "tool": 0}
@@ -744,13 +741,20 @@ def build_openai_agents() -> PeerAgent:
     entered = {"model": 0, "tool": 0}
 
     class FakeModel(Model):
-        """Answers after one checkpoint: the tool call, or "done" once the last input item is a tool output."""
+        """Answers after one checkpoint: the tool call; once the last input item is a tool output, "done" when
+        it is "3" and "the tool failed: ..." otherwise (the SDK hands a failed tool's error text on as its
+        output), as the Trio runtimes' model does."""
 
         async def get_response(self, system_instructions: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
             await asyncio.sleep(0)
             last = input[-1] if isinstance(input, list) and input else None
-            answered = isinstance(last, dict) and last.get("type") == "function_call_output"
-            return ModelResponse(output=answer_output if answered else call_output, usage=Usage(), response_id=None)
+            if not (isinstance(last, dict) and last.get("type") == "function_call_output"):
+                output = call_output
+            elif last.get("output") == ADD_RESULT:
+                output = answer_output
+            else:
+                output = [assistant_message(f"the tool failed: {last.get('output')}")]
+            return ModelResponse(output=output, usage=Usage(), response_id=None)
 
         def stream_response(self, *args: Any, **kwargs: Any) -> Any:
             raise NotImplementedError("the benchmark runs Runner.run (non-streaming)")
@@ -821,7 +825,9 @@ def build_langchain() -> PeerAgent:
     entered = {"model": 0, "tool": 0}
 
     class FakeChatModel(BaseChatModel):
-        """The tool call, or "done" once the last message is the tool's; tools bind to the model itself."""
+        """The tool call; once the last message is the tool's, "done" when it is "3" and not an error (an
+        invalid input comes back as an error message), "the tool failed: ..." otherwise, as the Trio runtimes'
+        model does. Tools bind to the model itself."""
 
         @property
         def _llm_type(self) -> str:
@@ -831,7 +837,13 @@ def build_langchain() -> PeerAgent:
             return self
 
         def _reply(self, messages: list[Any]) -> ChatResult:
-            message = AIMessage("done") if isinstance(messages[-1], ToolMessage) else call
+            last = messages[-1]
+            if not isinstance(last, ToolMessage):
+                message = call
+            elif last.content == ADD_RESULT and last.status != "error":
+                message = AIMessage("done")
+            else:
+                message = AIMessage(f"the tool failed: {last.content}")
             return ChatResult(generations=[ChatGeneration(message=message)])
 
         def _generate(self, messages: list[Any], stop: Any = None, run_manager: Any = None, **kwargs: Any) -> Any:
