@@ -33,8 +33,10 @@ request unless it says "reused":
   - chat(): ``await ta.chat(model, prompt, tools=[add], model_middleware=[3 PassStream],
     tool_middleware=[3 pass-through])``, no journal: the run in the caller's task, the result only (the
     plain entry, as the peers' ``Runner.run`` / ``Agent.run``);
-  - chat, streamed: ``async with ta.chat(...) as run: await run.result()``, the same run in a task of its
-    own beside the block, its events on a channel (what streaming the events costs at the least);
+  - chat, streamed: ``async with ta.chat(...) as run: async for event in run: ...`` then ``await
+    run.result()``, the same run in a task of its own beside the block, every event of the run read from
+    its channel as a streaming caller reads them: what streaming the events costs. (``await run.result()``
+    alone tells the run nobody reads its events, and it queues none);
   - session reused / fresh, memory: ``open_session(spec)`` of one ``define_agent(...)`` spec (the agent above),
     in-memory journal; "reused" is ``session.send`` on one open session, "fresh" times ``open_session`` + one
     ``send`` + leaving the block (closing) for every request, as a server opening a session per
@@ -503,6 +505,10 @@ async def run_chat_stream(model: TestModel, directory: str) -> AsyncIterator[Req
         async with ta.chat(
             model, PROMPT, tools=[add], model_middleware=MODEL_LAYERS, tool_middleware=TOOL_LAYERS
         ) as run:
+            # Every event read from the run's channel, as a streaming caller reads them; `result()` alone
+            # would tell the run nobody reads, and it would queue no event at all.
+            async for _event in run:
+                pass
             result = await run.result()
         assert result.text == "done", result.text
 
@@ -560,7 +566,7 @@ RUNTIME_LABELS = {
     "floor": "floor: hand-written loop",
     "floor_layered": "floor + 3 layers + list",
     "chat": "chat(), no journal",
-    "chat_stream": "async with chat() as run",
+    "chat_stream": "async with chat(): async for",
     "session_reused_memory": "session reused, memory",
     "session_fresh_memory": "session fresh, memory",
     "session_reused_sqlite": "session reused, SQLite",
@@ -598,7 +604,8 @@ async def time_runtime(opener: RequestOpener, requests: int) -> Sample:
 
 
 async def verify_runtimes() -> None:
-    """chat() enters 3 + 3 layers and feeds the tool result back; a SQLite session writes its journal."""
+    """chat() enters 3 + 3 layers and feeds the tool result back, the block streams the run's events as the
+    chat_stream row reads them; a SQLite session writes its journal."""
     entered, CountingStream, counting_tool = counting_layers()
 
     model = TestModel(respond=respond)
@@ -606,8 +613,10 @@ async def verify_runtimes() -> None:
     async with ta.chat(
         model, PROMPT, tools=[add], model_middleware=layers, tool_middleware=[counting_tool] * LAYERS
     ) as run:
+        kinds = {type(event).__name__ async for event in run}
         result = await run.result()
     assert entered == {"model": 2 * LAYERS, "tool": LAYERS} and result.text == "done", (entered, result)
+    assert {"ToolCallResult", "TextMessageContent", "RunFinished"} <= kinds, kinds
     assert isinstance(result.messages[2], ta.ToolResultMessage) and result.messages[2].content == "3", result
     tool_layers = [counting_tool] * LAYERS
     result = await ta.chat(model, PROMPT, tools=[add], model_middleware=layers, tool_middleware=tool_layers)
