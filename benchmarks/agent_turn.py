@@ -65,9 +65,14 @@ request unless it says "reused":
   collector, from ``gc.callbacks``, over the timed wall time); cyclic garbage per request (objects the
   collector freed, ``info["collected"]``, during the timed requests and one ``gc.collect()`` right after
   them: objects that did not die by reference counting); GC-tracked objects surviving per request
-  (``len(gc.get_objects())`` after that collection minus before the requests: history and journal growth
-  for a reused session, leaks otherwise). The test model's record of requests is emptied after every
-  request, so it holds nothing.
+  (``len(gc.get_objects())`` after that collection minus before the requests): for a reused session its
+  history and journal growing; for chat() and the fresh sessions, trio's deadline heap, which keeps an
+  ended cancel scope's entry until it prunes the heap lazily (it stays under about 1,000 entries, so this
+  part stops growing once a run is long enough), and for a fresh SQLite session also the store's lease
+  keeper, whose renewal heap holds a closed session's ``HeldLease`` until its renewal time comes (see
+  ``trio_agent/_journal/_lease.py``; this part grows with the requests of a run shorter than the renewal
+  interval). A leak would keep growing with the run beyond both. The test model's record of requests is
+  emptied after every request, so it holds nothing.
 
 Section 3, ``--instructions`` (when ``valgrind`` is on PATH): every runtime of section 2 runs in a child
 process of this script (hidden ``--child RUNTIME --child-requests N``: set-up, two warm-up requests,
