@@ -84,14 +84,19 @@ its N requests itself (valgrind's client requests, through ctypes; hidden ``--ch
 warm-up run uninstrumented, several times faster, and Ir(N) is the N requests alone. Elsewhere, or if that
 fails, the whole child is instrumented and the subtraction cancels the start-up. ``--jobs`` runtimes are
 counted at a time (2 by default; the counts do not depend on it). ``--instructions-requests SMALL LARGE``
-sets N (default 20 and 100, 5 and 25 with ``--short``). Without valgrind the mode is reported skipped.
+sets N (default 20 and 100, 5 and 25 with ``--short``); ``--instructions-runtimes NAMES`` (comma-separated)
+counts only those runtimes, and the floor. Without valgrind the mode is reported skipped. Every timed request
+of every runtime, in the parent and in a callgrind child alike, must answer "done": the model answers so only
+when the tool returned 3 (see ``_workload.py``), so a broken tool path fails the run instead of looking cheap.
 
 Targets, printed as a verdict (not asserted): section 1, the agent costs at most 3x the floor per request
 (CPU), sequentially and at 100 and 1,000 sessions. Section 2 and 3 (issue 17, stated on instructions; section
 2 shows the same verdicts on CPU): chat() <= 4x the floor, a reused in-memory session <= 5x, a fresh one
 <= 6.5x, SQLite sessions <= 15x; and the fastest installed peer costs >= 8x chat()'s instructions and >= 6x a
 fresh in-memory session's. CPU time (process time) is used because other load on a shared machine does not
-inflate it; wall-clock figures are reported beside it.
+inflate it; wall-clock figures are reported beside it. An installed peer that fails (its check, a timed run
+or its callgrind child) makes the exit status 1 and leaves the peer targets unjudged ("n/a"): judged against
+the other peers they could be met only because the fastest one is missing.
 
 Prints tables and, as the last line, one JSON object. ``--short`` runs a quick version (20 and 100 sessions
 instead of 100 and 1,000, fewer requests; with ``--instructions``, N = 5 and 25 instead of 20 and 100).
@@ -100,7 +105,8 @@ round or section to stderr; see ``_progress.py``. JSON keys: section 1's as they
 floor's), section 2's ``request_<runtime>_*`` and section 3's ``instructions_<runtime>_*``, where <runtime> is
 floor, floor_layered, chat, chat_stream, session_reused_memory, session_fresh_memory, session_reused_sqlite,
 session_fresh_sqlite, pydantic_ai, openai_agents or langchain (``direct_request_*`` and
-``direct_instructions_per_request`` repeat the floor's); a runtime not measured has only its ``*_status``.
+``direct_instructions_per_request`` repeat the floor's); a runtime not measured has only its ``*_status``;
+``peers_failed`` names the installed peers that failed.
 """
 
 from __future__ import annotations
@@ -1134,8 +1140,15 @@ def print_table(title: str, rows: list[tuple[str, dict[str, float]]], floor: dic
         )
 
 
-def verdict(runtime: str, value: float, floor: float, fastest_peer: float | None) -> tuple[str, bool | None]:
-    """Issue 17's targets for *runtime* (cost *value* per request against *floor*): text and met (None: none)."""
+def verdict(
+    runtime: str, value: float, floor: float, fastest_peer: float | None, unjudged: str = ""
+) -> tuple[str, bool | None]:
+    """Issue 17's targets for *runtime* (cost *value* per request against *floor*): text and met (None: none,
+    or not judged).
+
+    With *unjudged* (why: an installed peer failed, or was not counted) the peer targets are not judged: the
+    fastest peer may be the one missing, so the rest would flatter the runtime; and *met* is None.
+    """
     parts: list[str] = []
     met: bool | None = None
     target = FLOOR_TARGETS.get(runtime)
@@ -1145,7 +1158,10 @@ def verdict(runtime: str, value: float, floor: float, fastest_peer: float | None
         met = ok
     factor_target = PEER_TARGETS.get(runtime)
     if factor_target is not None:
-        if fastest_peer is None:
+        if unjudged:
+            parts.append(f"peer >={factor_target:g}x n/a ({unjudged})")
+            met = None
+        elif fastest_peer is None:
             parts.append(f"peer >={factor_target:g}x n/a (no peer)")
         else:
             factor = fastest_peer / value
@@ -1172,6 +1188,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the two request counts of --instructions (default 20 100; 5 25 with --short)",
     )
+    parser.add_argument(
+        "--instructions-runtimes",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated runtimes to count with --instructions (default all; the floor always, as every "
+        "ratio needs it)",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runtimes counted under callgrind at a time (default 2)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the callgrind driver
     parser.add_argument("--child-requests", type=int, default=0, help=argparse.SUPPRESS)
@@ -1182,6 +1205,12 @@ def main(argv: list[str] | None = None) -> int:
         drive(args.child, args.child_requests, args.child_toggle)
         return 0
     start_progress("agent_turn", args)
+    known = [*TRIO_RUNTIMES, *PEER_BY_KEY]
+    chosen = set(known)
+    if args.instructions_runtimes is not None:
+        chosen = {name.strip() for name in args.instructions_runtimes.split(",") if name.strip()} | {"floor"}
+        if chosen - set(known):
+            parser.error(f"--instructions-runtimes: unknown {sorted(chosen - set(known))}; known: {', '.join(known)}")
     short = args.short
     args.requests = args.requests or (30 if short else 200)
     args.rounds = args.rounds or (1 if short else 5)
@@ -1212,6 +1241,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 peer_status[peer.key] = "measured"
     skipped = [f"{peer.name} {peer_status[peer.key]}" for peer in PEERS if peer.key not in peers]
+    # An installed peer that fails is an error of this run (exit status 1), not a peer to leave out: the
+    # peer targets are then not judged, since against the rest they could be met only because it is missing.
+    failed_peers = [peer.name for peer in PEERS if peer_status[peer.key].startswith("failed")]
     request_runtimes = [*TRIO_RUNTIMES, *(peer.key for peer in PEERS)]
     counted: dict[str, dict[str, Any]] = {}
     if not args.instructions:
@@ -1221,7 +1253,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         instructions_status = "measured"
         counted = measure_instructions(
-            [*TRIO_RUNTIMES, *(key for key in peer_status if key in peers)],
+            [runtime for runtime in (*TRIO_RUNTIMES, *peers) if runtime in chosen],
             small_n,
             large_n,
             max(1, args.jobs),
@@ -1234,6 +1266,11 @@ def main(argv: list[str] | None = None) -> int:
             return RUNTIME_LABELS[runtime]
         peer = PEER_BY_KEY[runtime]
         return f"{peer.name} {peers[runtime]['version']}" if runtime in peers else peer.name
+
+    def not_counted(runtime: str) -> str:
+        if runtime in peer_status and runtime not in peers:
+            return peer_status[runtime]  # skipped or failed
+        return "not counted (--instructions-runtimes)" if runtime not in chosen else "not run"
 
     small, large = args.sessions
     shapes: list[tuple[str, str, dict[str, dict[str, float]]]] = [
@@ -1319,7 +1356,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in peers:
         per_request[key] = peer_summary[key]["seq"]
     floor_cpu = per_request["floor"]["cpu_us"]
-    fastest_peer_cpu = min((per_request[key]["cpu_us"] for key in peers), default=None)
+    failed_text = f"{', '.join(failed_peers)} failed" if failed_peers else ""
+    fastest_peer_cpu = None if failed_peers else min((per_request[key]["cpu_us"] for key in peers), default=None)
     print(
         f"== 2. one request side by side: median of {args.rounds} rounds x {args.requests} requests "
         f"({args.peer_rounds} x {args.peer_requests} for peers); a fresh run or session per request unless reused =="
@@ -1334,7 +1372,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label(runtime):<34} {peer_status[runtime]}")
             continue
         s = per_request[runtime]
-        cpu_verdicts[runtime] = verdict(runtime, s["cpu_us"], floor_cpu, fastest_peer_cpu)
+        cpu_verdicts[runtime] = verdict(runtime, s["cpu_us"], floor_cpu, fastest_peer_cpu, failed_text)
         print(
             f"{label(runtime):<34}{s['cpu_us']:>11.1f}{s['cpu_us'] / floor_cpu:>8.2f}{s['wall_us']:>12.1f}"
             f"{s['gc'] * 100:>6.1f}{s['garbage']:>11.1f}{s['survivors']:>12.1f}  {cpu_verdicts[runtime][0]}"
@@ -1349,10 +1387,20 @@ def main(argv: list[str] | None = None) -> int:
     instruction_verdicts: dict[str, tuple[str, bool | None]] = {}
     floor_ir: float | None = None
     fastest_peer_ir: float | None = None
+    unjudged_ir = ""
     if counted:
+        # A peer whose callgrind child failed, or that was not counted, leaves the peer targets unjudged too.
+        failed_ir = failed_peers + [
+            PEER_BY_KEY[k].name for k in peers if k in counted and "per_request" not in counted[k]
+        ]
+        uncounted = [PEER_BY_KEY[k].name for k in peers if k not in counted]
+        reasons = [f"{', '.join(failed_ir)} failed"] if failed_ir else []
+        reasons += [f"{', '.join(uncounted)} not counted"] if uncounted else []
+        unjudged_ir = "; ".join(reasons)
         floor_row = counted.get("floor", {})
         floor_ir = floor_row.get("per_request")
-        fastest_peer_ir = min((counted[k]["per_request"] for k in peers if "per_request" in counted[k]), default=None)
+        if not unjudged_ir:
+            fastest_peer_ir = min((counted[k]["per_request"] for k in peers), default=None)
         print(
             f"== 3. instructions per request under callgrind = (Ir({large_n}) - Ir({small_n})) / {large_n - small_n} "
             "(PYTHONHASHSEED=0, start-up heap frozen after two warm-up requests) =="
@@ -1367,7 +1415,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for runtime in request_runtimes:
             if runtime not in counted:
-                print(f"{label(runtime):<34} {peer_status.get(runtime, 'not run')}")
+                print(f"{label(runtime):<34} {not_counted(runtime)}")
                 continue
             row = counted[runtime]
             if "per_request" not in row:
@@ -1376,7 +1424,7 @@ def main(argv: list[str] | None = None) -> int:
             value = row["per_request"]
             times = f"{value / floor_ir:>8.2f}" if floor_ir else f"{'-':>8}"
             if floor_ir:
-                instruction_verdicts[runtime] = verdict(runtime, value, floor_ir, fastest_peer_ir)
+                instruction_verdicts[runtime] = verdict(runtime, value, floor_ir, fastest_peer_ir, unjudged_ir)
             text = instruction_verdicts.get(runtime, ("-", None))[0]
             print(
                 f"{label(runtime):<34}{row['small']:>15,}{row['large']:>15,}{row['window']:>10}{value:>12,.0f}"
@@ -1390,6 +1438,8 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         missing = any(status == "skipped (not installed)" for status in peer_status.values())
         print(f"peers not measured: {', '.join(skipped)}" + ("; pip install -e '.[peers]' installs them" * missing))
+    if failed_peers:
+        print(f"installed peers that failed: {', '.join(failed_peers)}: exit status 1, peer targets not judged")
     print(f"(ran in {elapsed:.1f} s)")
 
     figures: dict[str, Any] = {
@@ -1430,6 +1480,7 @@ def main(argv: list[str] | None = None) -> int:
             figures[f"{peer.key}_{key}_requests_per_s_per_core"] = round(s["cpu_rps"], 1)
     figures["peers_skipped"] = skipped
     figures["peer_status"] = peer_status
+    figures["peers_failed"] = failed_peers
     figures["all_within_target"] = all(ratios[key] <= TARGET_RATIO for key in ratios)
 
     # Section 2 and 3, per runtime: request_<runtime>_* and instructions_<runtime>_*; the floor's positive
@@ -1465,7 +1516,7 @@ def main(argv: list[str] | None = None) -> int:
         for runtime in request_runtimes:
             prefix = f"instructions_{runtime}"
             if runtime not in counted:
-                figures[f"{prefix}_status"] = peer_status.get(runtime, "not run")
+                figures[f"{prefix}_status"] = not_counted(runtime)
                 continue
             row = counted[runtime]
             if "per_request" not in row:
@@ -1484,7 +1535,7 @@ def main(argv: list[str] | None = None) -> int:
                 figures[f"{prefix}_fastest_peer_factor"] = round(fastest_peer_ir / row["per_request"], 3)
     print(json.dumps(figures))
     failed = any("per_request" not in row for row in counted.values())
-    return 1 if failed else 0
+    return 1 if failed or failed_peers else 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,41 @@ def test_benchmark_short_mode_prints_json_last(script: Path) -> None:
     assert numbers and all(math.isfinite(value) for value in numbers)
     direct = [value for key, value in figures.items() if "direct" in key and isinstance(value, float)]
     assert direct and all(value > 0 for value in direct)
+    if script.stem == "agent_turn":
+        # A peer that is installed is measured: one that fails (its API moved on, or its tool path broke)
+        # must not pass as left out.
+        statuses = figures["peer_status"]
+        assert all(status in ("measured", "skipped (not installed)") for status in statuses.values()), statuses
+        assert figures["peers_failed"] == []
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_agent_turn_instructions_mode_counts_under_callgrind() -> None:
+    """``agent_turn.py --instructions``: its callgrind children run and the JSON has section 3's shape."""
+    script = ROOT / "benchmarks" / "agent_turn.py"
+    command = [sys.executable, str(script), "--short", "--no-peers", "--no-progress", "--instructions"]
+    command += ["--instructions-requests", "1", "2", "--instructions-runtimes", "chat"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "== 3. instructions per request under callgrind" in done.stdout
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["instructions_status"] == "measured"
+    assert (figures["instructions_small_requests"], figures["instructions_large_requests"]) == (1, 2)
+    for runtime in ("floor", "chat"):  # the floor is always counted: every ratio needs it
+        prefix = f"instructions_{runtime}"
+        assert figures[f"{prefix}_status"] == "measured"
+        assert 0 < figures[f"{prefix}_ir_small"] < figures[f"{prefix}_ir_large"]
+        assert figures[f"{prefix}_counted"] in ("requests", "process")
+        assert isinstance(figures[f"{prefix}_per_request"], float) and figures[f"{prefix}_per_request"] > 0
+    assert figures["direct_instructions_per_request"] == figures["instructions_floor_per_request"]
+    assert figures["instructions_chat_x_floor"] > 1
+    assert isinstance(figures["instructions_chat_within_target"], bool)
+    assert figures["instructions_session_fresh_memory_status"] == "not counted (--instructions-runtimes)"
+    assert figures["instructions_openai_agents_status"] == "skipped (--no-peers)"
+    assert "instructions_session_fresh_memory_per_request" not in figures
+    # benchmarks/_plot.py draws the instructions from these keys.
+    plot = _load_benchmark_module("_plot")
+    assert [name for name, _ in plot._instructions(figures)] == ["floor", "chat"]
 
 
 class _Terminal(io.StringIO):
@@ -83,8 +119,8 @@ class _Terminal(io.StringIO):
         return True
 
 
-def _load_progress() -> Any:
-    spec = importlib.util.spec_from_file_location("_bench_progress", ROOT / "benchmarks" / "_progress.py")
+def _load_benchmark_module(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"_bench{name}", ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -101,7 +137,7 @@ def _load_progress() -> Any:
     ],
 )
 def test_benchmark_progress_is_on_for_a_terminal_or_when_asked(argv: list[str], terminal: bool, shown: bool) -> None:
-    progress = _load_progress()
+    progress = _load_benchmark_module("_progress")
     parser = argparse.ArgumentParser()
     progress.add_progress_option(parser)
     stream = _Terminal() if terminal else io.StringIO()
