@@ -6,15 +6,17 @@ session send its request(s) together, then closes them all, and reports what tha
 
 The workload of one request is the one of ``benchmarks/agent_turn.py``: the model answers the prompt
 with one tool call ``add(a=1, b=2)`` (a ``pure`` tool that passes one checkpoint), the tool returns 3, the
-model answers ``"done"``. The model is `trio_agent.testing.TestModel` with ``respond=``: every reply has
-a latency (``Reply(latency=...)``, a ``trio.sleep``) of ``--latency-ms`` (5 ms) with a uniform jitter of
-``--jitter`` (±20%), drawn from a seeded RNG in call order. The model does not record its requests (10,000
-sessions would keep 20,000 request objects alive otherwise).
+model answers ``"done"``, only when add's result is 3 and no tool result of the turn is an error
+(otherwise "the tool failed: ...", a violation below). The model is `trio_agent.testing.TestModel` with
+``respond=``: every reply has a latency (``Reply(latency=...)``, a ``trio.sleep``) of ``--latency-ms`` (5 ms)
+with a uniform jitter of ``--jitter`` (±20%), drawn from a seeded RNG in call order. The model does not
+record its requests (10,000 sessions would keep 20,000 request objects alive otherwise).
 
 Each N runs, in this order, with the sessions of one run all alive at once:
   - floor (the "direct" figures): a hand-written Trio loop doing the same N concurrent requests with the
-    same latencies: ``trio.sleep`` for the model, the tool function awaited, ``trio.sleep`` again; no
-    session, no journal. Timed from "go" (all tasks started and waiting) until the last request ended.
+    same latencies: ``trio.sleep`` for the model, the tool function awaited (its result checked, as the
+    agent's model checks it), ``trio.sleep`` again; no session, no journal. Timed from "go" (all tasks
+    started and waiting) until the last request ended.
     It is the CPU-bound ideal the agent is compared with (the ratio is agent wall / floor wall);
   - agent, variant ``plain``: N sessions (``open_session(spec, journal=...)``) each opened (phase
     "open", all at once), then every session sends its ``--requests`` request(s) one after the other,
@@ -50,10 +52,11 @@ GC-tracked objects (``len(gc.get_objects())``) and Trio tasks, as deltas over th
 do-nothing stand-in instead of a session, divided by N.
 
 Invariant check, after every agent run: every session opened and closed without an error; every request
-``send`` returned ``"done"`` or raised `RequestAbortedError`; in the journal (memory: each session's store;
-SQLite: the file reopened after the store closed) every stream of the session ends with
+``send`` returned ``"done"`` (so its tools worked) or raised `RequestAbortedError`; in the journal (memory:
+each session's store; SQLite: the file reopened after the store closed) every stream of the session ends with
 ``session_closed``, every accepted request has ``request_completed`` or ``request_interrupted`` (a
-``request_failed`` is a violation), every scheduled tool call is settled, every subagent started is
+``request_failed`` is a violation), every scheduled tool call is settled and none ``tool_failed`` (the
+workload's tools never fail: a failed call is the tool path broken), every subagent started is
 recorded completed or cancelled, and the journal's counts match what the callers saw; and the Trio
 task count is back to its baseline once the sessions closed. It prints ``invariants: ok`` or the
 violations, and the script exits with status 1 when any was found. WARNING records logged by trio_agent
@@ -98,13 +101,12 @@ import trio
 import trio.testing
 from _gc import GC
 from _progress import add_progress_option, note, start_progress
-from _workload import add, add_numbers
+from _workload import ADD_CALL, ADD_RESULT, PROMPT, add, add_numbers, turn_failure
 
 import trio_agent as ta
 from trio_agent import journal as tj
 from trio_agent.testing import Reply, TestModel
 
-PROMPT = "add 1 and 2"
 PROMPT_WITH_HELPER = "add 1 and 2, and start a helper in the background"
 HELPER_PROMPT = "check the sum"
 HELPER = ta.SubagentDefinition(name="helper", description="Checks a sum.", system_prompt="Check sums.", tools=[])
@@ -119,7 +121,7 @@ VARIANTS = ("plain", "mixed")
 # -- the workload -------------------------------------------------------------------------------------------
 
 
-ADD_CALL = ("add", {"a": 1, "b": 2})
+EXPECTED = {"add": ADD_RESULT}  # what a working tool returns; any tool's error result is a failure too
 TASK_CALL = ("task", {"subagent": HELPER.name, "prompt": HELPER_PROMPT, "background": True})
 
 
@@ -141,13 +143,18 @@ class Latency:
 
 
 def make_respond(latency: Latency) -> Callable[[ta.ModelRequest], Reply]:
-    """The model: the tool call(s) for a prompt, "done" once the tool results are in; the helper answers."""
+    """The model: the tool call(s) for a prompt; once the tool results are in, "done" only if they worked
+    (add returned 3, no result is an error: `_workload.turn_failure`), "the tool failed: ..." otherwise,
+    which the invariant check counts; the helper answers its own prompt."""
 
     def respond(request: ta.ModelRequest) -> Reply:
         seconds = latency()
-        for message in reversed(request.messages):
+        messages = request.messages
+        for index in range(len(messages) - 1, -1, -1):
+            message = messages[index]
             if isinstance(message, ta.ToolResultMessage):
-                return Reply("done", latency=seconds)
+                failure = turn_failure(messages, index, EXPECTED)
+                return Reply("done" if failure is None else f"the tool failed: {failure}", latency=seconds)
             if isinstance(message, ta.UserMessage):
                 if message.content == PROMPT:
                     return Reply(tool_calls=[ADD_CALL], latency=seconds)
@@ -334,7 +341,8 @@ async def run_floor(n: int, variant: str, plans: Sequence[Plan], latency: Latenc
                 if helpers is not None and index == 0:
                     helpers.start_soon(helper)
                     run.helpers += 1
-                await add_numbers(1, 2)
+                if await add_numbers(1, 2) != 3:  # the agent's model checks the tool's result too
+                    raise AssertionError("add(1, 2) did not return 3")
                 await trio.sleep(latency())  # the model's answer
             run.latencies.append(time.perf_counter() - began)
             if scope.cancelled_caught:
@@ -544,10 +552,15 @@ async def check_session(store: Any, record: SessionRecord, requests: int) -> lis
                 problems.append(f"{name}: request {request_id} has no durable outcome")
             elif isinstance(outcome, tj.RequestFailed):
                 problems.append(f"{name}: request {request_id} failed: {outcome.error}")
-        scheduled = {event.call_id for event in events if isinstance(event, tj.ToolScheduled)}
+        scheduled = {event.call_id: event.tool_name for event in events if isinstance(event, tj.ToolScheduled)}
         settled = {event.call_id for event in events if isinstance(event, SETTLED_CALL)}
-        if scheduled - settled:
-            problems.append(f"{name}: tool calls never settled: {sorted(scheduled - settled)}")
+        if scheduled.keys() - settled:
+            problems.append(f"{name}: tool calls never settled: {sorted(scheduled.keys() - settled)}")
+        # Settled is not enough: the workload's tools never fail, so a failed call is the tool path broken.
+        for event in events:
+            if isinstance(event, tj.ToolFailed):
+                tool = scheduled.get(event.call_id, "?")
+                problems.append(f"{name}: tool call {event.call_id} ({tool}) failed: {str(event.result)[:200]}")
         started = {event.subagent_id for event in events if isinstance(event, tj.SubagentStarted)}
         finished = {event.subagent_id for event in events if isinstance(event, ENDED_SUBAGENT)}
         if started - finished:
@@ -700,8 +713,10 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         assert await session.send(PROMPT_WITH_HELPER) == "done"
         for handle in list(session.subagents.values()):
             assert await handle.wait() == "checked", handle.error
-        history = [type(message).__name__ for message in session.messages()]
+        messages = session.messages()
+        history = [type(message).__name__ for message in messages]
         assert history[:4] == ["UserMessage", "AssistantMessage", "ToolResultMessage", "ToolResultMessage"], history
+        assert turn_failure(messages, 3, EXPECTED) is None, messages  # add returned 3, the task call started
     if args.gc_threshold:
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])  # the young generation's size only
     if args.gc_freeze:
