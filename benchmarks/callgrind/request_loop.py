@@ -3,13 +3,17 @@
 The workload is `benchmarks/agent_turn.py`'s (a prompt, one streamed tool call ``add(a=1, b=2)``,
 the tool, a streamed answer ``"done"``; 3 pass-through ``wrap_stream`` model middleware and 3
 pass-through tool middleware; the default in-memory journal), restated here with only the public
-API both commits share, so the same file drives any tree.
+API both commits share, so the same file drives any tree. The model is `_workload.respond`'s: it
+answers ``"done"`` only when the tool returned 3 (not an error), and every request, timed or not,
+must end with ``"done"``: a tree whose tool path fails costs fewer instructions, and must fail here
+rather than look cheaper.
 
 Two modes:
 
 ``run --tree PATH --requests N``
     The driver: imports ``trio_agent`` from *PATH*, opens one session, sends one untimed warm-up
-    request, then *N* sequential requests. Run it under valgrind; it prints what it did.
+    request, then *N* sequential requests, each checked to answer ``"done"``. Run it under valgrind;
+    it prints what it did.
 
 ``measure --tree LABEL=PATH ... [--small 50 --large 250]``
     The orchestrator: runs the driver under ``valgrind --tool=callgrind`` with *small* and *large*
@@ -69,7 +73,10 @@ def drive(tree: str, requests: int) -> None:
     answer_reply = Reply("done")
 
     def respond(request: ta.ModelRequest) -> Reply:
-        return answer_reply if isinstance(request.messages[-1], ta.ToolResultMessage) else call_reply
+        last = request.messages[-1]
+        if not isinstance(last, ta.ToolResultMessage):
+            return call_reply
+        return answer_reply if last.content == "3" and not last.is_error else Reply(f"the tool failed: {last.content}")
 
     class PassStream(ta.ModelMiddleware):
         async def wrap_stream(self, request: ta.ModelRequest, call_next: Any) -> Any:
@@ -84,7 +91,8 @@ def drive(tree: str, requests: int) -> None:
         async with ta.open_session(provider=TestModel(respond=respond), tools=[add], middleware=middleware) as session:
             assert await session.send(PROMPT) == "done"  # warm-up: first-call paths, caches
             for _ in range(requests):
-                await session.send(PROMPT)
+                answer = await session.send(PROMPT)
+                assert answer == "done", answer
 
     trio.run(main)
     print(f"{requests} requests on {ta.__file__}")
