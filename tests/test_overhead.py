@@ -38,9 +38,12 @@ async def add(input: AddInput, ctx: ta.ToolContext) -> ta.ToolResult:
 
 
 def respond(request: ta.ModelRequest) -> Reply:
-    if isinstance(request.messages[-1], ta.ToolResultMessage):
-        return Reply("done")
-    return Reply(tool_calls=[("add", {"a": 1, "b": 2})])
+    """The tool call, then "done" only when add returned 3: a request whose tool failed takes another,
+    cheaper path, which must not pass for the one these tests pin."""
+    last = request.messages[-1]
+    if not isinstance(last, ta.ToolResultMessage):
+        return Reply(tool_calls=[("add", {"a": 1, "b": 2})])
+    return Reply("done") if last.content == "3" and not last.is_error else Reply(f"the tool failed: {last.content}")
 
 
 class PassStream(ta.ModelMiddleware):
@@ -94,9 +97,13 @@ async def _count_cycles(shape: str, model: TestModel, spec: ta.AgentSpec, journa
             assert await session.send("add 1 and 2") == "done"
 
     async with ta.open_session(spec) as reused:
+
+        async def again() -> None:
+            assert await reused.send("add 1 and 2") == "done"
+
         requests: dict[str, Callable[[], Awaitable[Any]]] = {
             "chat": lambda: chat_once(model),
-            "reused session": lambda: reused.send("add 1 and 2"),
+            "reused session": again,
             "fresh session": fresh,
             "fresh session, SQLite": fresh,
         }
