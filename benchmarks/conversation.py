@@ -32,10 +32,11 @@ from typing import Any
 
 import trio
 from _progress import add_progress_option, note, start_progress
+from _workload import respond
 
 import trio_agent as ta
 from trio_agent.journal import open_sqlite_store
-from trio_agent.testing import Reply, TestModel
+from trio_agent.testing import TestModel
 
 
 @ta.define_tool(name="add", description="adds", input_schema={"type": "object"}, side_effect="pure", kind="readonly")
@@ -43,11 +44,9 @@ async def add(input: dict[str, Any], ctx: Any) -> int:
     return int(input.get("a", 0)) + int(input.get("b", 0))
 
 
-def respond(request: ta.ModelRequest) -> Reply:
-    last = request.messages[-1]
-    if isinstance(last, ta.ToolResultMessage):
-        return Reply(text="done")
-    return Reply(tool_calls=[("add", {"a": 1, "b": 2})])
+# The model (`_workload.respond`, the floor's too) asks for add(a=1, b=2) and answers "done" only when it
+# returned 3: every request, the floor's included, is checked to end with "done" (outside the timed part),
+# so a broken tool path fails the run instead of measuring cheaper requests.
 
 
 def _tick(what: str, index: int, total: int) -> None:
@@ -64,8 +63,9 @@ async def long_session(requests: int, window: int) -> dict[str, float]:
         for index in range(requests):
             _tick("long session", index, requests)
             start = time.process_time()
-            await session.send(f"request {index}")
+            answer = await session.send(f"request {index}")
             times.append(time.process_time() - start)
+            assert answer == "done", answer
     first = statistics.median(times[:window]) * 1e6
     last = statistics.median(times[-window:]) * 1e6
     return {"first_us": first, "last_us": last, "ratio": last / first}
@@ -91,6 +91,7 @@ async def long_floor(requests: int, window: int) -> dict[str, float]:
             for call in calls:
                 history.append(ta.ToolResultMessage(call.id, str(await add.run(json.loads(call.arguments), None))))
         times.append(time.process_time() - start)
+        assert reply.message.text == "done", history[-3:]
     first = statistics.median(times[:window]) * 1e6
     last = statistics.median(times[-window:]) * 1e6
     return {"first_us": first, "last_us": last, "ratio": last / first}
@@ -113,8 +114,9 @@ async def reopen_cycles(cycles: int, window: int, directory: str) -> dict[str, f
         async with ta.open_session(provider=model, tools=[add], journal=journal, session_id="cycles") as session:
             opens.append(time.perf_counter() - start)
             sent = time.perf_counter()
-            await session.send(f"message {index}")
+            answer = await session.send(f"message {index}")
             first_send.append(time.perf_counter() - sent)
+            assert answer == "done", answer
 
     for index in range(window):
         await life(index, path, restarts)

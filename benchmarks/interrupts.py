@@ -1,7 +1,9 @@
 """Cost of a human-in-the-loop pause: a run that pauses for an approval and resumes, side by side
 with the same run approved up front and with a hand-written Trio floor.
 
-The workload: the model asks for one ``write`` call, the tool runs, the model answers "done".
+The workload: the model asks for one ``write`` call, the tool runs, the model answers "done" (only when
+the tool's result is "wrote a.txt" and not an error: ``_workload.make_respond``). Every interaction, timed
+or not, must end with "done", so a broken tool path fails the run instead of measuring cheaper.
 Runs, in one process and interleaved round by round:
   - floor: a hand-written Trio loop doing the same (fake model reply, call the tool, reply);
   - chat: ``chat(model, prompt, tools=[write])`` with no permission table (the call just runs);
@@ -32,11 +34,11 @@ from typing import Any
 
 import trio
 from _progress import add_progress_option, note, start_progress
+from _workload import make_respond
 
 from trio_agent import SideEffect, ToolKind, chat, define_tool, open_session
 from trio_agent.lifecycle import Approve, PausedRun
-from trio_agent.models import ToolResultMessage
-from trio_agent.testing import Reply, TestModel
+from trio_agent.testing import TestModel
 
 KEY = b"benchmark-signing-key-0123456789"
 SCHEMA: dict[str, Any] = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
@@ -49,10 +51,7 @@ async def write(input: dict[str, Any], ctx: Any) -> str:
     return f"wrote {input['path']}"
 
 
-def respond(request: Any) -> Reply:
-    if isinstance(request.messages[-1], ToolResultMessage):
-        return Reply(text="done")
-    return Reply(tool_calls=[("write", {"path": "a.txt"})])
+respond = make_respond(("write", {"path": "a.txt"}), "wrote a.txt")
 
 
 async def floor() -> str:
@@ -125,7 +124,8 @@ async def _measure(rounds: int, repeat: int, model: TestModel, allowed: Any, ask
             gc.collect()
             start = time.process_time()
             for _ in range(repeat):
-                await fn()
+                answer = await fn()
+                assert answer == "done", (name, answer)
             samples[name].append((time.process_time() - start) / repeat * 1e6)
     return {name: statistics.median(values) for name, values in samples.items()}
 

@@ -2,7 +2,8 @@
 
 The workload (``_workers_agent.py``): one request = the model (a `TestModel`, every reply delayed
 20 ms) asks for one call of the ``pure`` tool ``add(a=1, b=2)``, the tool runs, the model answers
-``"done"``: two model calls. Every request is the one request of a new session (R sessions).
+``"done"``: two model calls. Every request is the one request of a new session (R sessions). Every
+request must end completed with ``"done"``, which the model answers only when the tool worked.
 
 Measured, in one run and in this order:
   1. in-process, memory journal (the "direct" figures): R requests through ``open_session(spec,
@@ -354,8 +355,12 @@ async def in_process(label: str, sqlite_path: str | None, requests: int, in_flig
             async with ta.open_session(agent, journal=store, session_id=session_id) as session:
                 ended = await session.serve_request("r1", PROMPT)
                 latency = time.perf_counter() - sent
+                last = session.messages()[-1]
             if ended is not RequestState.COMPLETED:
                 raise RuntimeError(f"{label}: request of {session_id} ended {ended}")
+            # The model answers "done" only when the tool worked: a completed request is not enough.
+            if not (isinstance(last, ta.AssistantMessage) and last.text == "done"):
+                raise RuntimeError(f"{label}: request of {session_id} answered {last!r}")
             return latency
 
         await closed_loop(one, "warm", in_flight, in_flight)
@@ -402,7 +407,7 @@ async def drive_workers(fleet: Fleet, schema: str, workers: list[Worker], reques
                     )
                 outcome = await wait_for_request(store, session_id, "r1")
                 latency = time.perf_counter() - sent
-                if outcome.state != "completed":
+                if outcome.state != "completed" or outcome.text != "done":  # "done": the tool worked
                     raise RuntimeError(f"request of {session_id} ended {outcome}")
                 return latency
 
@@ -519,7 +524,7 @@ async def takeover_trial(fleet: Fleet, trial: int) -> Takeover:
         with trio.fail_after(30):
             outcome = await wait_for_request(store, session_id, "r1")
         completed = time.time()
-    if outcome.state != "completed":
+    if outcome.state != "completed" or outcome.text != "done":  # "done": the nap's result came back
         raise RuntimeError(f"takeover: the taken-over request ended {outcome}")
     fleet.stop_all([survivor])
     fleet.complaints.extend(f"{victim.name} (killed): {line}" for line in victim.complaints())
