@@ -201,6 +201,29 @@ async def test_requests_are_recorded_even_when_the_reply_is_an_error() -> None:
     assert model.requests == [req]
 
 
+async def test_a_script_gives_the_same_ids_however_many_models_ran_before_it() -> None:
+    # The ids came from one counter for the whole process: a second run of the same script
+    # (a fresh model) got other tool call and response ids, so a "deterministic" run was not.
+    async def run_once() -> list[str]:
+        model = TestModel(default=[Reply(tool_calls=[("t", {}), ("u", {})]), Reply("done", [("t", {})])])
+        ids: list[str] = []
+        for _ in range(2):
+            response = await model.chat(request("x"))
+            ids += [call.id for call in response.message.tool_calls] + [response.id]
+        return ids
+
+    first = await run_once()
+    assert first == ["call_1", "call_2", "test-3", "call_4", "test-5"]
+    assert await run_once() == first
+
+
+async def test_with_model_shares_the_id_counter_so_ids_stay_unique_across_names() -> None:
+    model = TestModel(default=Reply(tool_calls=[("t", {})]))
+    other = model.with_model("model-b")
+    calls = [(await used.chat(request("x"))).message.tool_calls[0].id for used in (model, other, model)]
+    assert calls == ["call_1", "call_3", "call_5"]
+
+
 async def test_with_model_shares_scripts_and_requests() -> None:
     model = TestModel({"a": [Reply("1"), Reply("2")]}, model="model-a")
     other = model.with_model("model-b")
@@ -332,6 +355,18 @@ async def test_a_cut_past_the_streams_last_chunk_fails_it_at_its_end(cut: int, s
         assert chatted.value is error
     else:
         assert streamed.value.code == "test_stream_cut" and streamed.value.retryable
+
+
+@pytest.mark.parametrize("cut", [0, 1, 50])
+async def test_a_reply_cut_without_an_error_fails_a_chat_as_it_fails_a_stream(cut: int) -> None:
+    # A chat call on it succeeded, so a run failed or not depending on whether its loop streamed.
+    model = TestModel(default=Reply("hello world", fail_after_chunks=cut))
+    with pytest.raises(ModelError) as streamed:
+        await collect(model, request("x"))
+    with pytest.raises(ModelError) as chatted:
+        await model.chat(request("x"))
+    for caught in (streamed, chatted):
+        assert caught.value.code == "test_stream_cut" and caught.value.retryable
 
 
 # -- streaming chunk sequence ----------------------------------------------------------------------
@@ -678,3 +713,44 @@ async def test_a_respond_or_key_that_raises_is_a_model_error_called_directly(mod
         assert type(caught.value) is ModelError
         assert caught.value.code == "provider_failed" and not caught.value.retryable
         assert isinstance(caught.value.__cause__, raised)
+
+
+class _Unprintable(Exception):
+    """An object (here an exception, so respond= can raise it too) whose repr and str raise."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr boom")
+
+    def __str__(self) -> str:
+        raise RuntimeError("str boom")
+
+
+class _Unhashable:
+    def __hash__(self) -> int:
+        raise ValueError("no hash")
+
+
+def _raises_unprintable(request: ModelRequest) -> Reply:
+    raise _Unprintable()
+
+
+@pytest.mark.parametrize(
+    ("model", "code", "told", "cause"),
+    [
+        (TestModel(respond=_raises_unprintable), "provider_failed", "_Unprintable object, unprintable", _Unprintable),
+        (TestModel(respond=lambda request: _Unprintable()), "test_model_bad_reply", "unprintable", None),
+        (TestModel({"a": [Reply("x")]}, key=lambda r: _Unhashable()), "provider_failed", "no hash", ValueError),
+    ],
+    ids=["respond-raises-unprintable", "respond-returns-unprintable", "key-hash-raises"],
+)
+async def test_a_script_value_whose_repr_or_hash_raises_is_still_a_model_error(
+    model: TestModel, code: str, told: str, cause: type | None
+) -> None:
+    # Called directly, the message's repr (or the script lookup's hash) raised its own RuntimeError
+    # or ValueError in place of the ModelError the docs promise.
+    for call in (model.chat, lambda req: collect(model, req)):
+        with pytest.raises(ModelError) as caught:
+            await call(request())
+        assert caught.value.code == code and told in str(caught.value)
+        if cause is not None:
+            assert isinstance(caught.value.__cause__, cause)

@@ -6,7 +6,7 @@ import heapq
 import itertools
 import json
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -16,6 +16,7 @@ import trio
 from .._config import seconds_problem
 from .._errors import ConfigError, ModelError
 from .._json import json_problem
+from .._util import safe_repr
 from ._messages import (
     AssistantMessage,
     FinishChunk,
@@ -38,8 +39,6 @@ from ._service import ModelRequest
 
 __all__ = ["Reply", "TestModel", "conversation_key", "open_test_model"]
 
-_ids = itertools.count(1)
-
 
 @attrs.frozen
 class Reply:
@@ -50,9 +49,9 @@ class Reply:
     ``error`` makes the call fail with that `ModelError` instead; ``fail_after_chunks``
     makes a stream fail after that many chunks (after all of them if the reply has fewer: a
     stream given ``fail_after_chunks`` always fails), with ``error`` if given, else a
-    retryable ``test_stream_cut`` `ModelError`; ``chat`` fails with ``error`` alike, so both
-    operations agree on whether a reply fails. ``latency`` delays the reply (seconds, driven
-    by the model's one timer task when opened with `open_test_model`).
+    retryable ``test_stream_cut`` `ModelError`; ``chat`` fails alike (with ``error``, else
+    ``test_stream_cut``), so both operations agree on whether a reply fails. ``latency`` delays
+    the reply (seconds, driven by the model's one timer task when opened with `open_test_model`).
 
     Each field is checked when the reply is made (`ConfigError` naming it): a script's
     mistake fails where it is written, not inside a model call, and never in the timer
@@ -75,7 +74,10 @@ class Reply:
         if problem is not None:
             raise ConfigError(f"Reply.{problem}")
 
-    def response(self, model: str) -> ModelResponse:
+    def response(self, model: str, ids: Iterator[int] | None = None) -> ModelResponse:
+        """This reply as a model's response; tool call and response ids are numbered from *ids*
+        (a `TestModel` passes its own counter, so one script gives the same ids in every run)."""
+        ids = itertools.count(1) if ids is None else ids
         parts: list[Any] = []
         if self.reasoning is not None:
             parts.append(ReasoningPart(self.reasoning, self.reasoning_signature))
@@ -83,10 +85,10 @@ class Reply:
             parts.append(TextPart(self.text))
         for name, arguments in self.tool_calls:
             raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
-            parts.append(ToolCallPart(f"call_{next(_ids)}", name, raw))
+            parts.append(ToolCallPart(f"call_{next(ids)}", name, raw))
         reason = self.finish_reason or (FinishReason.TOOL_CALLS if self.tool_calls else FinishReason.STOP)
         usage = self.usage or _estimate_usage(self.text, parts)
-        return ModelResponse(AssistantMessage(tuple(parts)), reason, usage, model, f"test-{next(_ids)}")
+        return ModelResponse(AssistantMessage(tuple(parts)), reason, usage, model, f"test-{next(ids)}")
 
 
 def _reply_problem(reply: Reply) -> str | None:
@@ -100,7 +102,7 @@ def _reply_problem(reply: Reply) -> str | None:
     for index, call in enumerate(reply.tool_calls):
         where = f"tool_calls[{index}]"
         if not isinstance(call, (tuple, list)) or len(call) != 2 or not isinstance(call[0], str) or not call[0]:
-            return f"{where} must be a (name, arguments) pair with a non-empty name, got {call!r}"
+            return f"{where} must be a (name, arguments) pair with a non-empty name, got {safe_repr(call, 80)}"
         arguments = call[1]
         if not isinstance(arguments, str):
             problem = json_problem(arguments, f"{where}.arguments")
@@ -112,7 +114,7 @@ def _reply_problem(reply: Reply) -> str | None:
             return f"{name} must be a {kind.__name__} or None, got {type(value).__name__}"
     count = reply.fail_after_chunks
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
-        return f"fail_after_chunks must be a whole number >= 0 or None, got {count!r}"
+        return f"fail_after_chunks must be a whole number >= 0 or None, got {safe_repr(count, 80)}"
     problem = seconds_problem(reply.latency, allow_zero=True)
     return None if problem is None else f"latency {problem}"
 
@@ -147,7 +149,8 @@ def _scripts(script: object) -> dict[str, deque[Reply]]:
     scripts: dict[str, deque[Reply]] = {}
     for key, replies in script.items():
         if not isinstance(key, str):
-            raise ConfigError(f"TestModel(script=) key {key!r} is not a string (a conversation's key is one)")
+            shown = safe_repr(key, 80)
+            raise ConfigError(f"TestModel(script=) key {shown} is not a string (a conversation's key is one)")
         scripts[key] = _replies(replies, f"script[{key!r}]")
     return scripts
 
@@ -161,7 +164,8 @@ def _replies(replies: object, where: str) -> deque[Reply]:
     queue = deque(replies)
     for index, reply in enumerate(queue):
         if not isinstance(reply, Reply):
-            raise ConfigError(f"TestModel {where}[{index}] is {type(reply).__name__} ({reply!r:.80}), not a Reply")
+            shown = safe_repr(reply, 80)
+            raise ConfigError(f"TestModel {where}[{index}] is {type(reply).__name__} ({shown}), not a Reply")
     return queue
 
 
@@ -255,6 +259,9 @@ class TestModel:
             raise ConfigError(f"TestModel(respond=) must be a function of the request, got {type(respond).__name__}")
         self._respond = respond
         self._timer = timer
+        # Its own numbering of tool call and response ids: a script gives the same ids however
+        # many other models ran before it in the process (a shared counter made runs differ).
+        self._ids = itertools.count(1)
         self.requests: list[ModelRequest] = []
 
     def with_model(self, model: str) -> TestModel:
@@ -263,6 +270,7 @@ class TestModel:
         clone._default_one = self._default_one
         clone._default_queue = self._default_queue
         clone.requests = self.requests
+        clone._ids = self._ids  # one model's conversations, whichever name: ids stay unique across them
         return clone
 
     def _next_reply(self, request: ModelRequest) -> Reply:
@@ -273,20 +281,20 @@ class TestModel:
             reply = _called("respond=", self._respond, request)
             if not isinstance(reply, Reply):  # a provider's failure is a ModelError, whoever calls it
                 raise ModelError(
-                    f"test model's respond= returned {type(reply).__name__} ({reply!r:.80}), not a Reply",
+                    f"test model's respond= returned {type(reply).__name__} ({safe_repr(reply, 80)}), not a Reply",
                     code="test_model_bad_reply",
                 )
             return reply
         key = _called("key=", self._key, request)
         try:
             queue = self._scripts.get(key)
-        except TypeError as exc:  # an unhashable key (a list): the script's mistake, typed
+        except Exception as exc:  # unhashable (a list), or its own __hash__/__eq__ raised: the script's, typed
             raise _failed("key=", exc) from exc
         if queue is not None:
             if queue:
                 return queue.popleft()
             raise ModelError(
-                f"test model's script for conversation {key!r} ran out (each model call takes one reply; "
+                f"test model's script for conversation {safe_repr(key)} ran out (each model call takes one reply; "
                 f"scripted conversations: {self._known()})",
                 code="test_model_exhausted",
             )
@@ -295,7 +303,7 @@ class TestModel:
         if self._default_one is not None:
             return self._default_one
         raise ModelError(
-            f"test model has no script for conversation {key!r} and no default reply left "
+            f"test model has no script for conversation {safe_repr(key)} and no default reply left "
             f"(scripted conversations: {self._known()}; a conversation's key is its first user message "
             "unless key= says otherwise)",
             code="test_model_exhausted",
@@ -319,7 +327,9 @@ class TestModel:
         await self._wait(reply.latency)
         if reply.error is not None:
             raise reply.error
-        return reply.response(request.model)
+        if reply.fail_after_chunks is not None:  # a reply whose stream fails fails as a chat too
+            raise _stream_cut()
+        return reply.response(request.model, self._ids)
 
     def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
         return self._stream(request)
@@ -329,14 +339,18 @@ class TestModel:
         await self._wait(reply.latency)
         if reply.error is not None and reply.fail_after_chunks is None:
             raise reply.error
-        response = reply.response(request.model)
+        response = reply.response(request.model, self._ids)
         cut = reply.fail_after_chunks
         for count, chunk in enumerate(_chunks(response)):
             if cut is not None and count >= cut:
                 break
             yield chunk
         if cut is not None:  # cut mid-way, or at the end when the reply has fewer chunks: it fails either way
-            raise reply.error or ModelError("scripted stream failure", code="test_stream_cut", retryable=True)
+            raise reply.error or _stream_cut()
+
+
+def _stream_cut() -> ModelError:
+    return ModelError("scripted stream failure", code="test_stream_cut", retryable=True)
 
 
 def _called(what: str, function: Callable[[ModelRequest], Any], request: ModelRequest) -> Any:
@@ -352,7 +366,7 @@ def _called(what: str, function: Callable[[ModelRequest], Any], request: ModelRe
 def _failed(what: str, exc: Exception) -> ModelError:
     # The code the model service gives a provider's bare exception: the same whether called
     # directly or through the service, and not retried (a script's bug does not go away).
-    return ModelError(f"test model's {what} raised {exc!r}", code="provider_failed", retryable=False)
+    return ModelError(f"test model's {what} raised {safe_repr(exc)}", code="provider_failed", retryable=False)
 
 
 def _chunks(response: ModelResponse) -> Iterable[StreamChunk]:
