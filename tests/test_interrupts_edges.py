@@ -14,6 +14,7 @@ import trio
 import trio.testing
 
 from trio_agent import (
+    ConfigError,
     ModelError,
     PausedReply,
     PermissionAllow,
@@ -631,3 +632,28 @@ async def test_no_decision_of_a_gate_outlives_its_run() -> None:
         text = await session.resume([Approve(first.id), Reject(second.id, "not that one")])
         assert text.startswith("done: noted | Error") and text.endswith("wrote | Error: not that one")
         assert decided == {} and ran == [{"n": 1}]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"input_schema": "x"}, r"input_schema must be a JSON Schema object, got 'x'"),
+        ({"input_schema": 5}, r"input_schema must be a JSON Schema object, got 5"),
+        ({"input_schema": [("type", "object")]}, r"input_schema must be a JSON Schema object, got \["),
+        ({"description": 5}, r"description must be a string, got 5"),
+    ],
+    ids=["schema-str", "schema-int", "schema-pairs", "description-int"],
+)
+def test_a_client_tool_of_wrong_typed_arguments_is_a_config_error_naming_it(kwargs: dict[str, Any], named: str) -> None:
+    # dict(input_schema) ran first: a string or a number raised a raw ValueError / TypeError, and a
+    # list of pairs was taken for a schema; a description of 5 was offered to the model as is.
+    with pytest.raises(ConfigError, match=r"client tool 'c' " + named):
+        define_client_tool("c", **kwargs)
+
+
+def test_a_client_tool_keeps_its_own_copy_of_its_input_schema() -> None:
+    schema: dict[str, Any] = {"type": "object"}
+    tool = define_client_tool("c", input_schema=schema)
+    schema["required"] = ["x"]
+    assert tool.input_schema == {"type": "object"} and tool.input_errors({}) == ()
+    assert define_client_tool("c").input_schema == define_client_tool("c", input_schema={}).input_schema == SCHEMA

@@ -355,6 +355,14 @@ def test_blank_description_rejected(description):
         define_tool(no_doc, side_effect="pure", input_schema=OBJECT, description=description)
 
 
+@pytest.mark.parametrize("description", [123, b"bytes describe it", ["a"], {"a": 1}], ids=repr)
+def test_a_description_that_is_not_a_string_is_a_tool_definition_error(description):
+    # An int, list or dict raised a raw AttributeError ('int' object has no attribute 'strip');
+    # bytes were accepted, and the model was offered "b'bytes describe it'".
+    with pytest.raises(ToolDefinitionError, match=r"tool 'no_doc': description must be a string, got "):
+        define_tool(no_doc, side_effect="pure", input_schema=OBJECT, description=description)
+
+
 def test_no_schema_and_no_annotation_rejected():
     with pytest.raises(ToolDefinitionError, match="input schema"):
         define_tool(noop, side_effect="pure")

@@ -246,8 +246,14 @@ class ClientTool:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ConfigError(f"a client tool needs a non-empty name, got {safe_repr(self.name)}")
+        if not isinstance(self.description, str):  # the model is offered it as the tool's description
+            raise ConfigError(
+                f"client tool {self.name!r} description must be a string, got {safe_repr(self.description)}"
+            )
         object.__setattr__(self, "_input", _compile(self.input_schema, f"client tool {self.name!r} input_schema"))
         object.__setattr__(self, "_output", _compile(self.output_schema, f"client tool {self.name!r} output_schema"))
+        # Its own copy, made once the schema is known to be a mapping: the caller's may change later.
+        object.__setattr__(self, "input_schema", dict(self.input_schema))
 
     def input_errors(self, value: object) -> tuple[str, ...]:
         return schema_errors(self._input, value)
@@ -264,7 +270,11 @@ def define_client_tool(
     output_schema: Mapping[str, Any] | None = None,
 ) -> ClientTool:
     """A tool declared without a server implementation (the client runs it)."""
-    return ClientTool(name, description, dict(input_schema or {"type": "object"}), output_schema)
+    # Anything else is ClientTool's to refuse (ConfigError): a dict() here turned a string or a
+    # number into a raw ValueError / TypeError, and a list of pairs into a schema.
+    if input_schema is None or (isinstance(input_schema, Mapping) and not input_schema):
+        input_schema = {"type": "object"}
+    return ClientTool(name, description, input_schema, output_schema)
 
 
 # ---------------------------------------------------------------- the batch

@@ -684,6 +684,10 @@ def _build_tool(
     if text is None:
         # A callable object is described by its class's docstring, else its `__call__`'s.
         text = inspect.getdoc(function) or inspect.getdoc(_annotated_function(run))
+    elif not isinstance(text, str):  # bytes would pass .strip() and reach the model as "b'...'"
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: description must be a string, got {type(text).__name__} {safe_repr(text, 80)}"
+        )
     if not text or not text.strip():
         raise ToolDefinitionError(f"tool {tool_name!r} has no description (pass description= or a docstring)")
 
