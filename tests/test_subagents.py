@@ -759,6 +759,17 @@ async def test_unknown_subagent_names() -> None:
     assert message.is_error and "ghost" in message.content and "helper" in message.content
 
 
+@pytest.mark.parametrize("name", [["helper"], {"n": 1}, 123, None], ids=["list", "dict", "int", "none"])
+async def test_a_subagent_name_that_is_not_a_string_is_an_unknown_subagent(name: Any) -> None:
+    # A list or a dict (unhashable) raised a raw TypeError from the definitions' lookup.
+    model = TestModel({"next": [Reply(text="fine")]})
+    async with open_session(provider=model, subagents=[HELPER]) as session:
+        with pytest.raises(UnknownSubagentError, match=r"unknown subagent .* \(defined: helper\)"):
+            await session.start_subagent(name, "x")
+        assert children(session) == []
+        assert await session.send("next") == "fine"
+
+
 async def test_the_session_stays_usable_after_an_unknown_subagent_name() -> None:
     model = TestModel({"next": [Reply(text="fine")]})
     async with open_session(provider=model, subagents=[HELPER]) as session:

@@ -65,6 +65,7 @@ from .._loop._events import RunEvent
 from .._loop._rules import StopReason
 from .._models._history import answer_orphan_calls
 from .._tools._context import ToolContext
+from .._util import safe_repr
 from ._endings import record_request_end
 from ._hooks import HookAbortedError, HookAction, HookEvent
 from ._host import SessionHost
@@ -305,10 +306,12 @@ class SubagentSupervisor:
         self._numbers: dict[str, int] | None = None  # per name, the last n given (`_new_agent_id`)
 
     def definition(self, name: str) -> SubagentDefinition:
-        definition = self.definitions.get(name)
+        # Definitions are named by strings: anything else (a list, unhashable) names none of them,
+        # rather than a raw TypeError from the lookup.
+        definition = self.definitions.get(name) if isinstance(name, str) else None
         if definition is None:
             known = ", ".join(sorted(self.definitions)) or "none"
-            raise UnknownSubagentError(f"unknown subagent {name!r} (defined: {known})")
+            raise UnknownSubagentError(f"unknown subagent {safe_repr(name)} (defined: {known})")
         return definition
 
     def _make_agent(self, definition: SubagentDefinition, parent_id: str) -> _Agent:
