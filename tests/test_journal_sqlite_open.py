@@ -22,7 +22,7 @@ import pytest
 import trio
 
 import trio_agent._journal._sqlite as sqlite_module
-from trio_agent._errors import JournalCorruptError, JournalError, JournalUnavailableError
+from trio_agent._errors import ConfigError, JournalCorruptError, JournalError, JournalUnavailableError
 from trio_agent._journal._durable import open_journal
 from trio_agent._journal._events import EventEnvelope, RequestAccepted, RequestStarted
 from trio_agent._journal._sqlite import open_sqlite_store
@@ -280,3 +280,48 @@ async def test_a_read_whose_connection_cannot_be_opened_is_unavailable(tmp_path:
         path.mkdir()  # no read connection is idle yet: the read opens one, and cannot
         with pytest.raises(JournalUnavailableError, match="unable to open"):
             await store.read("s/root")
+
+
+@pytest.mark.parametrize(
+    ("path", "named"),
+    [
+        (None, r"must be a file path \(a str or an os.PathLike\), not NoneType None"),
+        (123, r"must be a file path .*not int 123"),
+        (["a"], r"must be a file path .*not list \['a'\]"),
+        (b"j.db", r"must be a file path .*not bytes b'j.db'"),
+        ("a\x00b.db", r"'a\\x00b.db' holds a NUL character"),
+        ("", r"is empty"),
+    ],
+    ids=["none", "int", "list", "bytes", "nul", "empty"],
+)
+def test_a_path_no_file_can_have_is_a_config_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: Any, named: str
+) -> None:
+    # None, a number or a list was a raw TypeError from os.fspath, a NUL character a raw ValueError
+    # ("embedded null byte"), an empty path a JournalError about WAL mode (a temporary database).
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^open_sqlite_store's path " + named):
+        open_sqlite_store(path)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("store", "named"),
+    [
+        (
+            "/tmp/j.db",
+            r"takes an open JournalStore, not the path '/tmp/j.db': open the file's store with open_sqlite_store",
+        ),
+        (Path("j.db"), r"not the path PosixPath\('j.db'\)"),
+        (123, r"takes a JournalStore \(a MemoryStore, .*\), not int 123"),
+        (None, r"not NoneType None"),
+    ],
+    ids=["str", "path", "int", "none"],
+)
+async def test_open_journal_on_what_is_not_a_store_is_a_config_error_naming_the_store_it_takes(
+    store: Any, named: str
+) -> None:
+    # A path raised a raw AttributeError ('str' object has no attribute 'acquire_lease').
+    with pytest.raises(ConfigError, match=r"^open_journal .*" + named):
+        async with open_journal(store):
+            pass  # pragma: no cover

@@ -833,3 +833,33 @@ async def test_bad_journal_options_are_refused_before_the_sqlite_file_is_made(
         async with open_session(provider=TestModel(default=Reply("x")), **{"journal": path, **options}):
             pass  # pragma: no cover
     assert os.listdir(tmp_path) == []
+
+
+class _BytesPath:
+    def __fspath__(self) -> bytes:
+        return b"j.db"
+
+
+class _RaisingPath:
+    def __fspath__(self) -> str:
+        raise OSError("no path today")
+
+
+@pytest.mark.parametrize(
+    ("journal", "named"),
+    [
+        pytest.param("a\x00b.db", "holds a NUL character", id="nul"),
+        pytest.param("", "is empty", id="empty"),
+        pytest.param(_BytesPath(), "must be a file path .*not bytes", id="fspath-bytes"),
+        pytest.param(_RaisingPath(), "gave no file path: OSError", id="fspath-raises"),
+    ],
+)
+async def test_a_journal_path_no_file_can_have_is_a_config_error_before_anything_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, journal: object, named: str
+) -> None:
+    # A NUL character was a raw ValueError ("embedded null byte") from resolving the path.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"^journal .*{named}"):
+        async with open_session(provider=TestModel(default=Reply("x")), journal=journal):  # type: ignore[arg-type]
+            pass  # pragma: no cover
+    assert os.listdir(tmp_path) == []

@@ -64,6 +64,7 @@ from .._models._messages import Message
 from .._tools._definition import SideEffect, Tool
 from .._tools._journal import ScheduledCall, Settlement, SettlementStatus
 from .._tools._results import ToolErrorType, ToolResult, describe, json_copy, result_problem
+from .._util import safe_repr
 from ._conversation import ConversationFold
 from ._events import (
     Event,
@@ -1299,6 +1300,36 @@ def unknown_outcome_result(call_id: str, tool_name: str) -> ToolResult:
     )
 
 
+# What every JournalStore has (the protocol is not runtime-checkable): enough to tell a store from a mistake.
+_STORE_METHODS = ("submit", "read", "acquire_lease", "release_lease")
+
+
+def is_journal_store(value: object) -> bool:
+    """Whether *value* has what every `JournalStore` has (ours, a wrapper's, a test double's)."""
+    if isinstance(value, (LaneStore, MemoryStore)):
+        return True
+    try:
+        return all(callable(getattr(value, name, None)) for name in _STORE_METHODS)
+    except Exception:  # a property of the caller's object that raises: not a store either
+        return False
+
+
+def _check_store(store: object) -> None:
+    """`open_journal`'s *store*: a mistake is a `ConfigError` naming what goes there, not an
+    ``AttributeError`` from deep inside the first lease operation."""
+    if is_journal_store(store):
+        return
+    if isinstance(store, (str, bytes, os.PathLike)):
+        raise ConfigError(
+            f"open_journal takes an open JournalStore, not the path {safe_repr(store)}: open the file's "
+            "store with open_sqlite_store(path) and pass that (open_session(journal=path) does both)"
+        )
+    raise ConfigError(
+        "open_journal takes a JournalStore (a MemoryStore, or the store of open_sqlite_store or "
+        f"open_postgres_store), not {type(store).__name__} {safe_repr(store)}"
+    )
+
+
 def open_journal(
     store: JournalStore,
     *,
@@ -1433,6 +1464,7 @@ class _JournalBlock:
 
     async def __aenter__(self) -> DurableJournal:
         store, session_id, owner, lease = self._store, self._session_id, self._owner, self._lease
+        _check_store(store)
         lease_ttl, interval = check_timing(self._lease_ttl, self._heartbeat_interval)
         takeover_timeout = check_seconds("takeover_timeout", self._takeover_timeout, allow_zero=True)
         commit_grace = check_seconds("commit_grace", self._commit_grace)

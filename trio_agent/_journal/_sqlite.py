@@ -58,10 +58,12 @@ import trio
 from .._cleanup import DEFAULT_CLEANUP_GRACE, validate_cleanup_grace
 from .._config import validate_limit
 from .._errors import (
+    ConfigError,
     JournalCorruptError,
     JournalError,
     LeaseLostError,
 )
+from .._util import safe_repr
 from ._codec import EventRow, commit_encoded, decode_range, row_checksum, row_error, verify_snapshot
 from ._events import EventEnvelope
 from ._lane import LaneStore, LeaseOp, SnapshotWork, WriterLane, close_in_thread
@@ -984,6 +986,28 @@ class SQLiteStore(LaneStore):
             await changed.wait()
 
 
+def sqlite_path(path: object, what: str = "open_sqlite_store's path") -> str:
+    """*path* as the file name SQLite opens; a `ConfigError` naming *what* when it cannot be one.
+
+    Checked before anything touches the file system: not a path (``None``, a number) was a raw
+    `TypeError`, a NUL character a raw `ValueError`, an empty path an open that failed on WAL mode
+    (SQLite opens a temporary database for it). ``bytes`` are refused as ``open_session`` refuses
+    them: the path is a text file name."""
+    try:
+        name = os.fspath(path) if isinstance(path, os.PathLike) else path
+    except Exception as exc:  # an __fspath__ of the caller's that raises
+        raise ConfigError(f"{what} {safe_repr(path)} gave no file path: {safe_repr(exc)}") from exc
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"{what} must be a file path (a str or an os.PathLike), not {type(name).__name__} {safe_repr(name)}"
+        )
+    if not name:
+        raise ConfigError(f"{what} is empty: name the journal's file")
+    if "\x00" in name:
+        raise ConfigError(f"{what} {safe_repr(name)} holds a NUL character, which no file name can")
+    return name
+
+
 def open_sqlite_store(
     path: str | os.PathLike[str],
     *,
@@ -1007,7 +1031,11 @@ def open_sqlite_store(
 
     The leases of the sessions journaled in the store are renewed from one task of the
     block (`LeaseKeeper`), in one transaction per round, not by a heartbeat task each.
+
+    A ``path`` that cannot name a file (not a ``str`` or an ``os.PathLike`` of one, empty, or
+    holding a NUL character) is a `ConfigError`.
     """
+    path = sqlite_path(path)
     store = SQLiteStore(path, clock=clock, poll_interval=poll_interval, readonly=readonly, cleanup_grace=cleanup_grace)
     return SQLiteStoreBlock(store, max_batch, keep_leases=True)
 

@@ -26,7 +26,7 @@ from .._cleanup import DEFAULT_CLEANUP_GRACE, validate_cleanup_grace
 from .._config import validate_id, validate_timeout
 from .._errors import ConfigError, require_trio
 from .._groups import contains_cancelled, typed_error, unwrap_for_boundary
-from .._journal._durable import DurableJournal, _JournalBlock, open_journal
+from .._journal._durable import DurableJournal, _JournalBlock, is_journal_store, open_journal
 from .._journal._events import PERMISSION_UPDATE_SOURCES, PermissionUpdated, SessionCloseReason
 from .._journal._lease import check_seconds, check_timing
 from .._journal._memory import MemoryStore
@@ -44,6 +44,7 @@ from .._tools._definition import Tool
 from .._tools._pipeline import ToolPipeline
 from .._tools._scheduler import SchedulerLimits, ToolScheduler
 from .._tools._stages import StageDecision
+from .._util import safe_repr
 from ._hooks import HookCallback, HookEvent
 from ._host import SessionHost
 from ._plugins import MiddlewareConfig, Plugin
@@ -286,7 +287,7 @@ class _SessionBlock:
         seed = None if options.history is None else validate_history(options.history)
         if session_id is not None:
             validate_id(session_id, name="session_id")
-        _check_journal_option(journal)
+        journal = _check_journal_option(journal)
         # open_journal checks these too, but only once a SQLite file was made: checked before anything opens.
         check_timing(options.lease_ttl, None)
         check_seconds("takeover_timeout", options.takeover_timeout, allow_zero=True)
@@ -536,18 +537,21 @@ async def _sqlite_journal(
         yield durable
 
 
-# What every JournalStore has (the protocol is not runtime-checkable): enough to tell a store from a mistake.
-_STORE_METHODS = ("submit", "read", "acquire_lease", "release_lease")
+def _check_journal_option(journal: JournalOption) -> JournalOption:
+    """*journal* checked (a `ConfigError` before anything opens); a file path as the str SQLite opens."""
+    if journal is None or isinstance(journal, DurableJournal):
+        return journal
+    if isinstance(journal, (str, os.PathLike)):
+        from .._journal._sqlite import sqlite_path  # the driver loads when a SQLite journal is asked for
 
-
-def _check_journal_option(journal: object) -> None:
-    if journal is None or isinstance(journal, (DurableJournal, str, os.PathLike)):
-        return
-    if not all(callable(getattr(journal, name, None)) for name in _STORE_METHODS):
+        # A NUL character or an __fspath__ giving bytes was a raw ValueError / TypeError on opening.
+        return sqlite_path(journal, "journal")
+    if not is_journal_store(journal):
         raise ConfigError(
             "journal must be a DurableJournal, a JournalStore, a SQLite file path or None, "
-            f"not {type(journal).__name__} {journal!r}"
+            f"not {type(journal).__name__} {safe_repr(journal)}"
         )
+    return journal
 
 
 def _provider(spec: AgentSpec) -> AbstractAsyncContextManager[Provider]:
