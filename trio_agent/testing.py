@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 
 from ._abort import AbortHandle
-from ._errors import JournalError, JournalUnavailableError, LeaseLostError
+from ._config import validate_limit
+from ._errors import ConfigError, JournalError, JournalUnavailableError, LeaseLostError
 from ._journal._durable import DurableJournal
 from ._journal._events import RequestAccepted, RequestStarted, TurnStarted
 from ._journal._store import AppendBatch, AppendResult, AppendTicket, JournalStore
@@ -32,6 +34,7 @@ from ._tools._journal import InMemoryToolJournal, ScheduledCall, Settlement
 from ._tools._pipeline import ToolExecutionRecord, ToolPipeline
 from ._tools._results import JsonObject, ToolItem
 from ._util import fixup_module_metadata as _fixup_module_metadata
+from ._util import safe_repr
 
 __all__ = [
     "FailingJournal",
@@ -71,19 +74,49 @@ async def call_tool(
     on_item: Any = None,
 ) -> ToolExecutionRecord:
     """Execute one call of *name* with *input*; ids are generated unless given."""
-    call = ToolCall(call_id or f"call-{next(_ids)}", name, dict(input or {}))
+    # A mapping is copied (the call's own, as the loop's are); anything else goes as it is, for
+    # ToolCall to refuse typed (ToolInputError) where dict() raised a raw ValueError or TypeError.
+    arguments = {} if input is None else dict(input) if isinstance(input, Mapping) else input
+    call = ToolCall(call_id or f"call-{next(_ids)}", name, arguments)
     return await pipeline.execute(call, origin, abort=abort, steering=steering, on_item=on_item)
+
+
+_FAILURE_POINTS = ("scheduled", "started", "settled")
+
+
+def _failure_points(names: Iterable[object]) -> set[str]:
+    """*names* as `FailingJournal`'s set; a name it never checks is a `ConfigError`, not a
+    journal that silently never fails (``"setled"``)."""
+    points: set[str] = set()
+    for name in names:
+        if not isinstance(name, str) or name not in _FAILURE_POINTS:
+            raise ConfigError(f"FailingJournal fails on {', '.join(map(repr, _FAILURE_POINTS))}, not {safe_repr(name)}")
+        points.add(name)
+    return points
 
 
 class FailingJournal(InMemoryToolJournal):
     """An `InMemoryToolJournal` whose writes fail on demand.
 
-    Set ``fail_on`` to any of ``"scheduled"``, ``"started"``, ``"settled"``.
+    Set ``fail_on`` to any of ``"scheduled"``, ``"started"``, ``"settled"`` (another name is a
+    `ConfigError`, given here or assigned to ``fail_on`` later).
     """
 
     def __init__(self, *fail_on: str) -> None:
         super().__init__()
-        self.fail_on = set(fail_on)
+        self.fail_on = fail_on
+
+    @property
+    def fail_on(self) -> set[str]:
+        return self._fail_on
+
+    @fail_on.setter
+    def fail_on(self, names: Iterable[str]) -> None:
+        if isinstance(names, str):  # one name, not its letters
+            names = (names,)
+        elif not isinstance(names, Iterable):
+            raise ConfigError(f"FailingJournal.fail_on must be a set of names, got {safe_repr(names)}")
+        self._fail_on = _failure_points(names)
 
     async def on_tool_scheduled(self, call: ScheduledCall) -> None:
         if "scheduled" in self.fail_on:
@@ -160,6 +193,8 @@ class FaultyStore:
       anyway: the caller cannot know the outcome;
     * ``"hang"``: never answers (until the caller's deadline or cancellation);
       nothing is written.
+
+    Another mode, or a ``count`` that is not a whole number >= 1, is a `ConfigError`.
     """
 
     def __init__(self, inner: JournalStore) -> None:
@@ -169,9 +204,10 @@ class FaultyStore:
         self.failed = 0
 
     def fail_next(self, mode: str, count: int = 1) -> None:
-        if mode not in ("before", "after", "hang"):
-            raise ValueError(f"unknown fault mode {mode!r}")
-        self._armed.extend([mode] * count)
+        # Checked here: a count of -3 armed nothing and "2" raised a raw TypeError.
+        if not isinstance(mode, str) or mode not in ("before", "after", "hang"):
+            raise ConfigError(f"unknown fault mode {safe_repr(mode)} (give 'before', 'after' or 'hang')")
+        self._armed.extend([mode] * validate_limit(count, name="FaultyStore.fail_next count"))
 
     def submit(self, batch: AppendBatch) -> AppendTicket:
         if not self._armed:
