@@ -652,6 +652,24 @@ async def test_row3_async_check_raising_check_and_junk_deny() -> None:
         assert decision.message is not None and text in decision.message
 
 
+async def test_a_tool_check_that_raises_or_returns_what_cannot_be_told_denies() -> None:
+    # Its exception and its junk answer were formatted with !r: a __repr__ that raises left decide().
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("str boom")
+
+        def __repr__(self) -> str:
+            raise RuntimeError("repr boom")
+
+    def raising(input: dict[str, Any]) -> None:
+        raise Unprintable()
+
+    for check in (raising, lambda input: Unprintable()):
+        decision = await engine(mode="bypass", tool_checks={"Bash": check}).decide(BASH, {"command": "x"}, ctx())
+        assert (decision.allowed, decision.source) == (False, DecisionSource.TOOL)
+        assert decision.message is not None and "Unprintable" in decision.message
+
+
 NOT_JSON: list[tuple[str, Any, Any]] = [
     ("a set", "x", {1, 2}),
     ("an object", "x", object()),

@@ -321,6 +321,28 @@ async def test_a_failure_to_write_an_event_is_one_run_error_and_the_stream_ends(
     assert app.state.agui.runs == {}
 
 
+async def test_a_failure_that_cannot_be_told_is_still_one_run_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its message was built with f"{failure}": a __str__ that raises escaped the response unended.
+    # (Its repr must work: trio formats an exception that leaves a nursery's body with it.)
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("str boom")
+
+    class Broken(AgUiEncoder):
+        def wire(self, event: Any) -> list[dict[str, Any]]:
+            if isinstance(event, TextMessageContent):
+                raise Unprintable()
+            return super().wire(event)
+
+    monkeypatch.setattr(_app, "AgUiEncoder", Broken)
+    app = create_app(TestModel(default=Reply(text="hi there")), auth=local_only)
+    async with running(app) as client:
+        with trio.fail_after(10):
+            events = await post_run(client, body())
+    assert [e["type"] for e in events].count("RUN_ERROR") == 1 and events[-1]["type"] == "RUN_ERROR"
+    assert events[-1]["message"] == "the run failed: Unprintable()"
+
+
 class AfterTheEnd(ChatMiddleware):
     """Emits from ``on_finish`` / ``on_error`` and a deferred function (after the loop's end event);
     with ``fail``, its ``on_finish`` raises after emitting."""

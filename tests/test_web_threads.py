@@ -600,6 +600,34 @@ async def test_a_run_whose_request_fails_ends_with_run_error_not_cancelled(tmp_p
     assert events[-1]["code"] == "run_failed" and "it broke" in events[-1]["message"]
 
 
+async def test_a_run_that_fails_with_an_error_that_cannot_be_told_still_ends_with_run_error(tmp_path: Path) -> None:
+    # Its RUN_ERROR took str(exc): a __str__ that raises left the run's stream without its end.
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "t.db")
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("str boom")
+
+        def __repr__(self) -> str:
+            raise RuntimeError("repr boom")
+
+    async def failing(session: Any, sink: Any, live: Any) -> None:
+        raise Unprintable()
+
+    async with running(app):
+        hub = app.state.agui.hub
+        async with hub.use("t1") as thread:
+            live = hub.start_run(thread, "t1", "r1", failing, lambda: None)
+        with trio.fail_after(10):
+            while not live.done:
+                await live.changed()
+    frames = live.since(0)
+    assert frames is not None
+    events = [json.loads(frame.decode()[len("data: ") :]) for frame in frames[0]]
+    assert [e["type"] for e in events] == ["RUN_STARTED", "RUN_ERROR"]
+    assert events[-1]["message"] == "Unprintable (unprintable: its __str__ and __repr__ failed)"
+
+
 async def test_a_thread_id_no_session_can_have_is_invalid_input_not_unavailable(tmp_path: Path) -> None:
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "t.db")
     async with running(app) as client:

@@ -568,5 +568,8 @@ def require_trio(api: str) -> None:
 def error_code(error: BaseException) -> str | None:
     """*error*'s ``code`` if it has one a journal or a client can keep (a non-empty string), else
     ``None``: a `ModelError`'s, a `HookError`'s, any error's that carries one."""
-    code = getattr(error, "code", None)
+    try:
+        code = getattr(error, "code", None)
+    except Exception:  # a property of user code's that raises: no code (never a failure of its own)
+        return None
     return code if isinstance(code, str) and code else None

@@ -28,6 +28,7 @@ from typing import NoReturn
 import trio
 
 from ._errors import JournalError, LeaseLostError, SettlementError, TrioAgentError
+from ._util import describe
 
 __all__ = [
     "contains_cancelled",
@@ -167,7 +168,7 @@ def first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException:
         return group
     first, others = all_leaves[0], all_leaves[1:]
     if others:
-        first.add_note(f"{len(others)} more failure(s) beside it: " + "; ".join(map(repr, others)))
+        first.add_note(f"{len(others)} more failure(s) beside it: " + "; ".join(describe(o, "repr") for o in others))
     return first
 
 

@@ -16,11 +16,12 @@ import sys
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 __all__ = [
     "PRIVATE_PREFIX",
     "callable_name",
+    "describe",
     "fixup_module_metadata",
     "import_lazy",
     "instance_of",
@@ -54,6 +55,29 @@ def safe_repr(value: object, limit: int = 200) -> str:
         return f"<{kind} object, unprintable: its repr raised {_CLASS_NAME.__get__(type(exc))}>"
     text = str.__str__(text)  # a str subclass's own slicing and len() are the caller's code too
     return text if len(text) <= limit else f"{text[: limit - 40]}... ({len(text)} characters)"
+
+
+def describe(exc: BaseException, form: Literal["typed", "repr", "text"] = "typed") -> str:
+    """How an exception that user code raised (a tool, a middleware, a hook, a provider) is told
+    in a message, a result or the journal: ``"Type: message"`` (*form* ``"typed"``), its ``repr``
+    (``"repr"``) or its message alone (``"text"``: what ``str()`` gives, when that works).
+
+    Never raises: the exception is the caller's code, and its ``__str__`` or ``__repr__`` may
+    raise or return no string; then the other spelling is used, or else its type's name alone.
+    Telling a failure must not become a failure of whoever reports it (a request's end left
+    unrecorded, the library's own error raised in place of the user's).
+    """
+    name: str = _CLASS_NAME.__get__(type(exc))
+    for spell in (repr, str) if form == "repr" else (str, repr):
+        try:
+            text = spell(exc)
+        except Exception:
+            continue
+        if not isinstance(text, str):
+            continue
+        text = str.__str__(text)  # a str subclass's own formatting is the caller's code too
+        return f"{name}: {text}" if spell is str and form != "text" else text
+    return f"{name} (unprintable: its __str__ and __repr__ failed)"
 
 
 def callable_name(fn: object) -> str:

@@ -29,6 +29,7 @@ from .._errors import error_code
 from .._json import explain_json, is_json
 from .._tools._definition import InterruptBehavior, SideEffect, ToolKind
 from .._tools._results import json_copy
+from .._util import describe
 from ._errors import JournalCorruptError
 
 __all__ = [
@@ -209,9 +210,15 @@ class ErrorInfo:
     @classmethod
     def of(cls, error: BaseException) -> ErrorInfo:
         """What the journal keeps of *error*: its message (cut to 2,000 characters), and its
-        ``code`` and ``retryable`` where it has them (a `ModelError`, a `HookError` ...)."""
-        retryable = getattr(error, "retryable", False) is True
-        return cls(message=str(error)[:2000], code=error_code(error), retryable=retryable)
+        ``code`` and ``retryable`` where it has them (a `ModelError`, a `HookError` ...).
+
+        Never raises: *error* is often user code's, whose ``__str__`` (or a property) may raise,
+        and a failure here would leave the request it ends unrecorded (`describe`)."""
+        try:
+            retryable = getattr(error, "retryable", False) is True
+        except Exception:  # a property of user code's that raises: not retryable
+            retryable = False
+        return cls(message=describe(error, "text")[:2000], code=error_code(error), retryable=retryable)
 
 
 # ---------------------------------------------------------------- events

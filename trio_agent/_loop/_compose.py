@@ -45,6 +45,7 @@ from .._errors import ModelError, TrioAgentError
 from .._models._messages import ToolCallPart, Usage
 from .._tools._results import ToolResult
 from .._tools._stages import ToolStages
+from .._util import describe
 from ._hooks import NO_HOOKS, ClientCallStages, Finished, Lifecycle, ModelConfig, ToolOutcome, defines
 from ._interrupts import InterruptRequest, InterruptResolutions, ToolResume, most_restrictive
 from ._ports import RunEventSink
@@ -83,7 +84,7 @@ class LifecycleHookError(TrioAgentError):
     def __init__(self, hook: str, failures: Sequence[tuple[str, Exception]]) -> None:
         self.hook = hook
         self.failures: tuple[tuple[str, Exception], ...] = tuple(failures)
-        listed = "; ".join(f"{name!r}: {type(exc).__name__}: {exc}" for name, exc in self.failures)
+        listed = "; ".join(f"{name!r}: {describe(exc)}" for name, exc in self.failures)
         super().__init__(f"{hook} failed in {len(self.failures)} parts: {listed}")
 
 

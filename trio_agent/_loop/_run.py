@@ -48,7 +48,7 @@ from .._tools._context import CallOrigin, ToolCall
 from .._tools._pipeline import ToolExecutionRecord
 from .._tools._results import ToolErrorType, ToolResult, _unstorable, json_copy, result_problem
 from .._tools._stages import Allow, Deny, Skip, decide
-from .._util import safe_repr
+from .._util import describe, safe_repr
 from ._compose import part_name
 from ._context import RunContext
 from ._events import (
@@ -208,7 +208,7 @@ async def run_agent_loop(
                     if isinstance(exc, Exception):
                         with contextlib.suppress(Exception):
                             await run._close_step()
-                        error = RunError(spec.run_id, spec.agent_id, str(exc), error_code(exc))
+                        error = RunError(spec.run_id, spec.agent_id, describe(exc, "text"), error_code(exc))
                         try:
                             await run.events(error)
                         except Exception:
@@ -792,7 +792,9 @@ class _Run:
                     ctx.phase = Phase.BEFORE_MODEL  # the retried call is configured as the first was
                     config = await hooks.on_config(ctx, self._config())
                     continue
-                raise failure.error from None
+                # Its own cause kept (the provider's exception): `from None` would overwrite it.
+                error = failure.error
+                raise error from error.__cause__
             if reply is None:
                 stop = ports.stop
                 await ports.recorder.model_call_aborted(ref, ports.abort.reason or (stop.reason if stop else None))
@@ -970,7 +972,7 @@ class _Run:
             failure = first_failure(group)
             if failure is group:
                 raise
-            raise failure from None
+            raise failure from failure.__cause__  # its own cause kept, the group hidden
         finally:
             if stop is not None:
                 stop.remove_listener(token)
@@ -1044,7 +1046,7 @@ class _Run:
         except (LeaseLostError, JournalError):
             raise  # nothing about this call may be published: the run fails
         except TrioAgentError as exc:
-            result = tool_error(f"{type(exc).__name__}: {exc}", "internal")
+            result = tool_error(describe(exc), "internal")
         else:
             result = record.result
             ran[index] = record.tool_ran
@@ -1098,7 +1100,7 @@ class _RetryableFailure(Exception):
     """A model call failed before it produced output: a hook may ask for it again."""
 
     def __init__(self, error: ModelError) -> None:
-        super().__init__(str(error))
+        super().__init__(describe(error, "text"))
         self.error = error
 
 

@@ -45,6 +45,7 @@ from .._errors import (
 )
 from .._groups import contains_cancelled, typed_error
 from .._middleware import CheckedLayers, Composed, ComposedNext, MiddlewareNext, PassedChecks, compose_middleware
+from .._util import describe
 from ._history import MessageView
 from ._messages import (
     MAX_TOKEN_COUNT,
@@ -430,7 +431,12 @@ def _response_problem(response: ModelResponse) -> str | None:
     return None if problem is None else f"usage.{problem}"
 
 
-def _middleware_failure(exc: Exception) -> ModelError:
+def _told(exc: BaseException) -> str:
+    """User code's exception in a message (`describe`)."""
+    return describe(exc, "repr")
+
+
+def _middleware_failure(exc: BaseException) -> ModelError:
     """What a non-`ModelError` escaping the model middleware fails the call with: a `ModelError`
     inside a group (a layer awaited ``call_next`` in its own nursery) is the call's error, as it
     would be without the nursery; anything else is a middleware bug, typed with it as the cause."""
@@ -438,7 +444,15 @@ def _middleware_failure(exc: Exception) -> ModelError:
         typed = typed_error(exc)
         if isinstance(typed, ModelError):
             return typed
-    error = ModelMiddlewareError(f"model middleware raised {exc!r}")
+    error = ModelMiddlewareError(f"model middleware raised {_told(exc)}")
+    error.__cause__ = exc
+    return error
+
+
+def _provider_failure(exc: BaseException, when: str = "") -> ModelError:
+    """What anything but a `ModelError` that the provider raised fails the call with (a provider
+    bug, typed with it as the cause)."""
+    error = ModelError(f"the provider raised {_told(exc)}{when}", code="provider_failed")
     error.__cause__ = exc
     return error
 
@@ -1242,11 +1256,11 @@ class _OpenIterators:
             failure = await _close_all(self._opened, service, request.operation)
             if failure is not None:
                 if exc is not None:  # the block's own error (or cancellation) wins; the cleanup's is noted
-                    exc.add_note(f"also, closing a model stream layer raised {failure!r}")
+                    exc.add_note(f"also, closing a model stream layer raised {describe(failure, 'repr')}")
                 elif isinstance(failure, ModelError):
                     error = failure
                 else:
-                    error = ModelMiddlewareError(f"closing a model stream layer raised {failure!r}")
+                    error = ModelMiddlewareError(f"closing a model stream layer raised {describe(failure, 'repr')}")
                     error.__cause__ = failure
         except BaseException as raised:  # pragma: no cover - _close_all catches what the layers raise
             error = raised
@@ -1335,7 +1349,7 @@ async def _provider_chat(provider: Provider, request: ModelRequest) -> ModelResp
     except ModelError:
         raise
     except Exception as exc:
-        raise ModelError(f"the provider raised {exc!r}", code="provider_failed") from exc
+        raise _provider_failure(exc) from exc
     return _provider_response(response)
 
 
@@ -1458,7 +1472,7 @@ class _ProviderIterator:
             except ModelError:
                 raise
             except Exception as exc:
-                raise ModelError(f"the provider's stream raised {exc!r} when closed", code="provider_failed") from exc
+                raise _provider_failure(exc, " when its stream was closed") from exc
 
     async def aclose(self) -> None:
         self._finish()  # closed: never reopened
@@ -1516,7 +1530,7 @@ class _RetryingStream(_ProviderIterator):
                     except (ModelError, StopAsyncIteration):
                         raise
                     except Exception as exc:  # anything else is a provider bug, typed as such
-                        raise ModelError(f"the provider raised {exc!r}", code="provider_failed") from exc
+                        raise _provider_failure(exc) from exc
                 except StopAsyncIteration:
                     # Ended on its own: nothing left to close, so leaving the stream costs no shield.
                     self._inner = None
@@ -1532,7 +1546,7 @@ class _RetryingStream(_ProviderIterator):
                         ):
                             raise
                         raise StreamInterruptedError(
-                            f"the stream failed after chunks were published: {error}",
+                            f"the stream failed after chunks were published: {describe(error, 'text')}",
                             code=error.code,
                             retryable=False,
                         ) from error
@@ -1555,9 +1569,14 @@ class _RetryingStream(_ProviderIterator):
             await self._close_inner()
         except Exception as failure:
             raised = failure.__cause__ if isinstance(failure.__cause__, Exception) else failure  # the provider's own
-            error.add_note(f"also, closing the provider's failed stream raised {raised!r}")
+            error.add_note(f"also, closing the provider's failed stream raised {describe(raised, 'repr')}")
             where = self._service._provider_layer(Operation.STREAM)
-            logger.warning("closing a failed attempt of %s raised %r (the attempt's error: %r)", where, raised, error)
+            logger.warning(
+                "closing a failed attempt of %s raised %s (the attempt's error: %s)",
+                where,
+                describe(raised, "repr"),
+                describe(error, "repr"),
+            )
 
 
 class _RetryingEvents(_ProviderIterator):

@@ -76,6 +76,7 @@ from .._json import json_problem
 from .._tools._definition import SideEffect, Tool, ToolBehavior, ToolKind
 from .._tools._results import JsonObject, ToolErrorType, describe, json_copy
 from .._tools._stages import Allow, Deny
+from .._util import safe_repr
 from ._rules import (
     MODE_TABLE,
     PathPolicy,
@@ -357,7 +358,7 @@ def after_check(tool: Tool[Any], subject: Subject, outcome: object, policy: Poli
     if outcome is not None:
         return deny(
             subject.input, subject.signature, DecisionSource.TOOL,
-            f"permission check of tool {tool.name!r} returned {outcome!r}, "
+            f"permission check of tool {tool.name!r} returned {safe_repr(outcome)}, "
             "expected PermissionAllow, PermissionDeny, PermissionAsk or None",
         )  # fmt: skip
     return subject
@@ -367,7 +368,7 @@ def check_failed(tool: Tool[Any], subject: Subject, error: BaseException) -> Dec
     """Stage 3: the tool's own check raised *error*."""
     return deny(
         subject.input, subject.signature, DecisionSource.TOOL,
-        f"permission check of tool {tool.name!r} failed: {error!r}",
+        f"permission check of tool {tool.name!r} failed: {describe(error, 'repr')}",
     )  # fmt: skip
 
 

@@ -58,6 +58,7 @@ from .._loop._rules import LoopStrategy, StopReason, max_iterations
 from .._models._history import CallIdIndex
 from .._models._messages import Message, ToolSpec
 from .._permissions._rules import ToolFilter
+from .._util import describe
 from ._endings import committed_results, record_request_end
 from ._messages import DoneEvent, ToolUseEvent
 from ._stream import EventForward, EventSink, discard
@@ -260,7 +261,7 @@ class _Request:
         if error is not None:
             if isinstance(error, TrioAgentError):
                 raise error
-            raise RequestAbortedError(f"the request failed: {type(error).__name__}: {error}", reason="error") from error
+            raise RequestAbortedError(f"the request failed: {describe(error)}", reason="error") from error
 
 
 # The root request the current task works for: set by its runner, inherited by every task started
@@ -380,7 +381,7 @@ async def record_raised(journal: DurableJournal, request: _Request, exc: BaseExc
                     request.text,
                     request.stop_reason,
                     request.turns,
-                    str(error),
+                    describe(error, "text"),
                     error_code=error_code(error),
                 )
             )

@@ -367,4 +367,6 @@ def _withheld_result() -> ToolResult:
 
 
 def _settlement_failed(state: _Call, exc: Exception) -> SettlementError:
-    return SettlementError(f"settling tool call {state.scheduled.call_id!r} failed: {exc}; nothing was published")
+    return SettlementError(
+        f"settling tool call {state.scheduled.call_id!r} failed: {describe(exc, 'text')}; nothing was published"
+    )

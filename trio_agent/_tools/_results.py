@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
 import attrs
 import cattrs
 
 from .._builders import constructor
 from .._json import is_json, json_problem
-from .._util import instance_of, safe_repr
+from .._util import describe, instance_of, safe_repr
 
 __all__ = [
     "Effect",
@@ -52,32 +52,6 @@ def json_copy(value: Any) -> Any:
                 copy[index] = json_copy(item)
         return copy
     return value
-
-
-# A class's own name, read past any ``__name__`` a metaclass defines (which could raise).
-_CLASS_NAME = type.__dict__["__name__"]
-
-
-def describe(exc: BaseException, form: Literal["typed", "repr", "text"] = "typed") -> str:
-    """How an exception that a tool, a middleware or a stage raised is told in an error result:
-    ``"Type: message"`` (*form* ``"typed"``), its ``repr`` (``"repr"``) or its message alone
-    (``"text"``).
-
-    Never raises: the exception is the caller's code, and its ``__str__`` or ``__repr__`` may
-    raise or return no string; then the other spelling is used, or else its type's name alone.
-    Telling a failure must not become a failure of whoever turns it into the call's result.
-    """
-    name: str = _CLASS_NAME.__get__(type(exc))
-    for spell in (repr, str) if form == "repr" else (str, repr):
-        try:
-            text = spell(exc)
-        except Exception:
-            continue
-        if not isinstance(text, str):
-            continue
-        text = str.__str__(text)  # a str subclass's own formatting is the caller's code too
-        return f"{name}: {text}" if spell is str and form != "text" else text
-    return f"{name} (unprintable: its __str__ and __repr__ failed)"
 
 
 class ToolErrorType(enum.Enum):

@@ -78,6 +78,7 @@ from .._models._messages import UserMessage
 from .._session._requests import RequestQueue
 from .._session._spec import AgentSpec, define_agent
 from .._tools._definition import Tool
+from .._util import describe
 from ._threads import LiveRun, ThreadHub, _Thread, open_hub
 
 __all__ = ["Auth", "bearer_token", "create_app", "local_only"]
@@ -317,12 +318,12 @@ class _RunStream(Response):
         if failure is None:  # pragma: no cover - the loop always ends a run it did not fail with its end
             failure = RuntimeError("the run ended without its end")
         if isinstance(failure, TrioAgentError):
-            message, code = str(failure), error_code(failure) or "run_failed"
+            message, code = describe(failure, "text"), error_code(failure) or "run_failed"
         else:
             # Whatever failed (the run, keeping its pause, writing an event of it: an encoder's bug), the
             # stream says so and ends: an error let out of here would leave the client with no end.
             logger.error("run %r of thread %r failed", run_input.run_id, run_input.thread_id, exc_info=failure)
-            message, code = f"the run failed: {type(failure).__name__}: {failure}", "run_failed"
+            message, code = f"the run failed: {describe(failure)}", "run_failed"
         return [to_wire(RunErrorEvent(message=message, code=code))]
 
 

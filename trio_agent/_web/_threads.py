@@ -60,6 +60,7 @@ from .._session._open import open_session
 from .._session._session import Session
 from .._session._spec import AgentSpec
 from .._session._stream import EventSink, SessionEventStream
+from .._util import describe
 
 __all__ = ["RUN_BYTES", "THREAD_PAUSED", "LiveRun", "ThreadHub", "open_hub"]
 
@@ -317,7 +318,7 @@ class ThreadHub:
                 add(_encode(encoder, event))
             except Exception as exc:
                 logger.exception("writing an event of run %r of thread %r failed", live.run_id, thread_id)
-                add([RunErrorEvent(message=f"the run failed: {type(exc).__name__}: {exc}", code="run_failed")])
+                add([RunErrorEvent(message=f"the run failed: {describe(exc)}", code="run_failed")])
                 live.request_stop()
 
         add(encoder.start())
@@ -336,7 +337,7 @@ class ThreadHub:
             else:  # failed, also a request the session ended because it failed: an error, with its reason
                 if not isinstance(exc, TrioAgentError):
                     logger.exception("run %r of thread %r failed", live.run_id, thread_id)
-                add(encoder.failed(str(exc), error_code(exc) or "run_failed"))
+                add(encoder.failed(describe(exc, "text"), error_code(exc) or "run_failed"))
         finally:
             live.finish()
             on_done()

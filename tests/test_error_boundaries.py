@@ -1,0 +1,188 @@
+"""Typed errors at the public boundaries, when user code misbehaves (a review's findings).
+
+* An exception whose ``__str__`` / ``__repr__`` raises: recording a request's end formatted it
+  (``ErrorInfo.of``: ``str(error)``), so the request stayed ``started`` in the journal, ``send()``
+  raised the library's own ``RuntimeError`` and every later ``send()`` was refused; the loop's
+  ``RunError``, the model service's messages and the other places that tell a user's exception
+  replaced it with that ``RuntimeError`` too. One helper tells them all (`describe`), never raising.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from trio_agent import (
+    MiddlewareConfig,
+    ModelError,
+    RequestAbortedError,
+    SideEffect,
+    define_tool,
+    open_session,
+)
+from trio_agent._chat._chat import chat
+from trio_agent._errors import ModelMiddlewareError
+from trio_agent._groups import first_failure
+from trio_agent._journal._events import ErrorInfo, RequestFailed
+from trio_agent._tools._results import describe
+from trio_agent.journal import MemoryStore, open_journal
+from trio_agent.lifecycle import LifecycleHookError, ToolCallResult, define_chat_middleware
+from trio_agent.models import ModelRequest, ModelResponse, StreamChunk
+from trio_agent.testing import Reply, TestModel
+
+OBJECT: dict[str, Any] = {"type": "object"}
+
+
+class Unprintable(Exception):
+    """A user's exception whose ``__str__`` and ``__repr__`` raise."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("str boom")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr boom")
+
+    @property
+    def code(self) -> str:
+        raise RuntimeError("code boom")
+
+
+UNPRINTABLE = "Unprintable (unprintable: its __str__ and __repr__ failed)"
+
+
+@define_tool(name="ok", description="answers", input_schema=OBJECT, side_effect=SideEffect.PURE)
+async def ok(input: dict[str, Any], ctx: Any) -> str:
+    return "ok"
+
+
+def calling_ok() -> TestModel:
+    return TestModel(default=[Reply(tool_calls=[("ok", {})]), Reply("done")])
+
+
+async def stored_events(session: Any) -> list[Any]:
+    return [envelope.event for envelope in await session.journal.store.read(session.journal.stream_id())]
+
+
+# -- an exception that cannot be told -------------------------------------------------------------------------
+
+
+def test_what_the_journal_keeps_of_an_unprintable_exception() -> None:
+    info = ErrorInfo.of(Unprintable())
+    assert (info.message, info.code, info.retryable) == (UNPRINTABLE, None, False)
+    assert describe(Unprintable()) == UNPRINTABLE
+
+
+def raising_on_finish() -> Any:
+    calls = 0
+
+    async def on_finish(ctx: Any, info: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise Unprintable()
+
+    return define_chat_middleware(name="m", on_finish=on_finish)
+
+
+async def test_a_request_that_failed_with_an_unprintable_exception_is_recorded_and_the_session_goes_on() -> None:
+    async with open_session(provider=TestModel(default=Reply("x")), lifecycle=[raising_on_finish()]) as session:
+        with pytest.raises(RequestAbortedError) as caught:
+            await session.send("hi")
+        assert caught.value.reason == "error" and isinstance(caught.value.__cause__, Unprintable)
+        assert UNPRINTABLE in str(caught.value)
+        assert session.journal.projection().unfinished_requests() == []
+        failed = [event for event in await stored_events(session) if isinstance(event, RequestFailed)]
+        assert [event.error.message for event in failed] == [UNPRINTABLE]
+        assert await session.send("again") == "x"
+
+
+async def test_chat_with_a_journal_records_the_end_of_a_run_that_failed_unprintably() -> None:
+    async with open_journal(MemoryStore()) as journal:
+        with pytest.raises(Unprintable):
+            await chat(TestModel(default=Reply("x")), "hi", journal=journal, middleware=[raising_on_finish()])
+        assert journal.projection().unfinished_requests() == []
+
+
+@pytest.mark.parametrize("hook", ["on_start", "on_usage"])
+async def test_a_hook_that_raises_an_unprintable_exception_fails_the_run_with_it(hook: str) -> None:
+    # The loop's RunError formatted it: chat() raised our RuntimeError, send() had it as the cause.
+    async def failing(*args: Any) -> None:
+        raise Unprintable()
+
+    middleware = define_chat_middleware(name="m", **{hook: failing})
+    with pytest.raises(Unprintable):
+        await chat(TestModel(default=Reply("x")), "hi", middleware=[middleware])
+    async with open_session(provider=TestModel(default=Reply("x")), lifecycle=[middleware]) as session:
+        with pytest.raises(RequestAbortedError) as caught:
+            await session.send("hi")
+    assert isinstance(caught.value.__cause__, Unprintable)
+
+
+async def test_several_on_finish_failures_that_cannot_be_told_are_one_lifecycle_hook_error() -> None:
+    async def failing(*args: Any) -> None:
+        raise Unprintable()
+
+    parts = [define_chat_middleware(name=name, on_finish=failing) for name in ("a", "b")]
+    with pytest.raises(LifecycleHookError) as caught:
+        await chat(TestModel(default=Reply("x")), "hi", middleware=parts)
+    assert str(caught.value) == f"on_finish failed in 2 parts: 'a': {UNPRINTABLE}; 'b': {UNPRINTABLE}"
+
+
+def test_the_failures_beside_the_first_are_noted_even_when_they_cannot_be_told() -> None:
+    first = ValueError("first")
+    assert first_failure(ExceptionGroup("turn", [first, Unprintable()])) is first
+    assert first.__notes__ == [f"1 more failure(s) beside it: {UNPRINTABLE}"]
+
+
+class RaisingProvider(TestModel):
+    """A provider whose calls raise a user exception that cannot be told."""
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:
+        raise Unprintable()
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        async def chunks() -> AsyncIterator[StreamChunk]:
+            raise Unprintable()
+            yield
+
+        return chunks()
+
+
+class RaisingMiddleware:
+    async def wrap_stream(self, request: Any, call_next: Any) -> AsyncIterator[StreamChunk]:
+        raise Unprintable()
+        yield
+
+
+async def test_a_provider_or_model_middleware_raising_an_unprintable_exception_is_a_typed_model_error() -> None:
+    # Their messages took its repr: a provider's failure became a middleware bug without its cause,
+    # a middleware's failure our RuntimeError.
+    async with open_session(provider=RaisingProvider()) as session:
+        with pytest.raises(ModelError) as provider:
+            await session.send("hi")
+    assert provider.value.code == "provider_failed" and isinstance(provider.value.__cause__, Unprintable)
+    assert str(provider.value) == f"the provider raised {UNPRINTABLE}"
+    middleware = MiddlewareConfig(model=[RaisingMiddleware()])
+    async with open_session(provider=TestModel(default=Reply("x")), middleware=middleware) as session:
+        with pytest.raises(ModelMiddlewareError) as layer:
+            await session.send("hi")
+    assert isinstance(layer.value.__cause__, Unprintable)
+    assert str(layer.value) == f"model middleware raised {UNPRINTABLE}"
+
+
+async def test_an_error_out_of_a_turns_tool_calls_keeps_its_own_cause() -> None:
+    # The turn's nursery group was unwrapped with `raise ... from None`, which wiped the error's own
+    # __cause__ (so did a model call's error re-raised after on_model_error: a provider's exception).
+    cause = KeyError("why")
+
+    async def on_chunk(ctx: Any, event: Any) -> None:
+        if isinstance(event, ToolCallResult):
+            raise ValueError("cannot pass this on") from cause
+
+    middleware = define_chat_middleware(name="m", on_chunk=on_chunk)
+    model = TestModel(default=[Reply(tool_calls=[("ok", {}), ("ok", {})]), Reply("done")])  # side by side
+    with pytest.raises(ValueError, match="cannot pass this on") as caught:
+        await chat(model, "hi", tools=[ok], middleware=[middleware])
+    assert caught.value.__cause__ is cause
