@@ -5,6 +5,9 @@
   raised the library's own ``RuntimeError`` and every later ``send()`` was refused; the loop's
   ``RunError``, the model service's messages and the other places that tell a user's exception
   replaced it with that ``RuntimeError`` too. One helper tells them all (`describe`), never raising.
+* ``await chat()`` let a bare exception group out (a tool's own nursery, cancelled from outside,
+  whose cleanup raised), where the block form and ``send()`` raise one exception; ``send()`` let
+  that foreign error out untyped.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import trio
+from cancel_helpers import nursery_failing_in_cleanup
 
 from trio_agent import (
     MiddlewareConfig,
@@ -25,7 +30,7 @@ from trio_agent import (
 from trio_agent._chat._chat import chat
 from trio_agent._errors import ModelMiddlewareError
 from trio_agent._groups import first_failure
-from trio_agent._journal._events import ErrorInfo, RequestFailed
+from trio_agent._journal._events import ErrorInfo, RequestFailed, RequestInterrupted, RequestInterruptReason
 from trio_agent._tools._results import describe
 from trio_agent.journal import MemoryStore, open_journal
 from trio_agent.lifecycle import LifecycleHookError, ToolCallResult, define_chat_middleware
@@ -186,3 +191,44 @@ async def test_an_error_out_of_a_turns_tool_calls_keeps_its_own_cause() -> None:
     with pytest.raises(ValueError, match="cannot pass this on") as caught:
         await chat(model, "hi", tools=[ok], middleware=[middleware])
     assert caught.value.__cause__ is cause
+
+
+# -- a group out of the awaited chat() ------------------------------------------------------------------------
+
+
+def cancelling_tool(scope: trio.CancelScope) -> Any:
+    """A tool that cancels *scope* (around the caller) and runs a nursery whose cleanup fails."""
+
+    @define_tool(name="fan", description="fans out", input_schema=OBJECT, side_effect=SideEffect.PURE)
+    async def fan(input: dict[str, Any], ctx: Any) -> str:
+        scope.cancel()
+        await nursery_failing_in_cleanup()
+
+    return fan
+
+
+def calling_fan() -> TestModel:
+    return TestModel(default=[Reply(tool_calls=[("fan", {})]), Reply("done")])
+
+
+async def test_awaited_chat_cancelled_while_a_tool_nursery_fails_in_cleanup_raises_one_error() -> None:
+    # The block form raised the ValueError; the awaited form a BaseExceptionGroup (ExceptionGroup
+    # out of the scope), though chat() never raises a group of its own.
+    with trio.CancelScope() as scope, pytest.raises(ValueError, match="cleanup failed"):
+        await chat(calling_fan(), "hi", tools=[cancelling_tool(scope)])
+    with trio.CancelScope() as scope, pytest.raises(ValueError, match="cleanup failed"):
+        async with chat(calling_fan(), "hi", tools=[cancelling_tool(scope)]) as run:
+            await run.result()
+
+
+async def test_send_cancelled_while_a_tool_nursery_fails_in_cleanup_raises_the_interruption_typed() -> None:
+    # The ValueError left send() as it was, untyped: now the request's end as the journal has it.
+    scope = trio.CancelScope()
+    tools = [cancelling_tool(scope)]
+    async with open_session(provider=calling_fan(), tools=tools, permissions={"allow": ["fan"]}) as session:
+        with pytest.raises(RequestAbortedError) as caught, scope:
+            await session.send("hi")
+        assert caught.value.reason == "user_abort" and isinstance(caught.value.__cause__, ValueError)
+        interrupted = [event for event in await stored_events(session) if isinstance(event, RequestInterrupted)]
+        assert [event.reason for event in interrupted] == [RequestInterruptReason.USER_ABORT]
+        assert session.journal.projection().unfinished_requests() == []

@@ -471,7 +471,7 @@ def chat(
     before anything runs (when the block is entered or the call awaited); the run's own
     error from ``run.result()`` (from the ``await``), `RequestAbortedError` from
     ``run.result()`` of a run cancelled before it ended. The block raises as a Trio nursery
-    would, never a group of its own (`raise_for_boundary`).
+    would, and so does the ``await``: never a group of its own (`raise_for_boundary`).
     ``cleanup_grace`` bounds the wait for an aborted run to end when the block is left early, and
     is its tools' grace (``ctx.cleanup_scope()``, the time a cancelled tool may take to stop).
 
@@ -510,6 +510,10 @@ class ChatCall:
         try:
             # The caller's task runs the loop; nobody can read its events (hooks still see them).
             await prepared.drive(discard_events)
+        except BaseExceptionGroup as group:
+            # A tool's or a middleware's own nursery, cancelled from outside, whose cleanup raised:
+            # one exception out, as the block form raises it (never a group of our own).
+            raise_for_boundary(group)
         finally:
             prepared.unlink()
         if prepared.error is not None:

@@ -22,7 +22,7 @@ import enum
 import math
 import os
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import trio
@@ -39,7 +39,7 @@ from .._errors import (
     TrioAgentError,
     error_code,
 )
-from .._groups import is_cancellation, leaves, typed_error
+from .._groups import is_cancellation, leaves, raise_for_boundary, typed_error, unwrap_for_boundary
 from .._journal._durable import DurableJournal
 from .._journal._events import (
     ErrorInfo,
@@ -262,6 +262,20 @@ class _Request:
             if isinstance(error, TrioAgentError):
                 raise error
             raise RequestAbortedError(f"the request failed: {describe(error)}", reason="error") from error
+
+    def raise_for_group(self, group: BaseExceptionGroup[BaseException]) -> NoReturn:
+        """Raise what the caller that ran this request in its own task is told of *group* (a tool's
+        or a hook's own nursery, cancelled from outside, whose cleanup raised beside the
+        cancellation): one exception (`raise_for_boundary`), a foreign error typed as
+        `raise_if_failed` types one: the request's end as recorded (interrupted by the
+        cancellation), that error its cause."""
+        single = unwrap_for_boundary(group)
+        if isinstance(single, Exception) and not isinstance(single, TrioAgentError):
+            error = self.error
+            if not isinstance(error, RequestAbortedError):  # (its completion was recorded first)
+                error = RequestAbortedError(f"the request failed: {describe(single)}", reason="error")
+            raise error from single
+        raise_for_boundary(group)
 
 
 # The root request the current task works for: set by its runner, inherited by every task started

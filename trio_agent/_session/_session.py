@@ -322,7 +322,7 @@ class Session:
             try:
                 await queue.run_here(request, self._host.run_request, self._cancelled_by)
             except BaseExceptionGroup as group:  # a tool's or a hook's nursery, cancelled: one error out
-                raise_for_boundary(group)
+                request.raise_for_group(group)
         else:
             await queue.accept(request, self._cancelled_by)
             try:
