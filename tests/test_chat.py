@@ -792,9 +792,36 @@ async def test_a_cancelled_a_tool_raises_of_its_own_is_its_error_and_its_sibling
     assert [(m.is_error, m.content) for m in answers[1:]] == [(False, "ok")] * (len(calls) - 1)
 
 
-async def test_every_call_of_a_turn_is_answered_when_a_call_ends_without_a_result() -> None:
-    # A middleware's stray Cancelled ends its call's task without a result, and the turn's nursery
-    # cancels the sibling (and takes the Cancelled): the next request still answers both calls.
+async def test_every_call_of_a_turn_is_answered_when_a_call_ends_without_a_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A tools port whose execute lets a stray Cancelled out ends its call's task without a result,
+    # and the turn's nursery cancels the sibling (and takes the Cancelled): the next request still
+    # answers both calls. (The pipeline itself never does: every layer's stray Cancelled is that
+    # layer's failure, see the next test.)
+    from trio_agent._tools._pipeline import ToolPipeline
+
+    original = ToolPipeline.execute
+
+    async def execute(self: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
+        if call.name == "stray":
+            raise await cancelled_of_its_own()
+        return await original(self, call, *args, **kwargs)
+
+    monkeypatch.setattr(ToolPipeline, "execute", execute)
+    calls: list[tuple[str, dict[str, Any]]] = [("stray", {}), ("ok", {})]
+    model = TestModel(script={"go": [Reply(tool_calls=calls), Reply(text="done")]})
+    result = await chat(model, "go", tools=[stray, ok])
+    assert result.text == "done"
+    answers = [m for m in model.requests[-1].messages if isinstance(m, ToolResultMessage)]
+    assert len(answers) == 2
+    assert all(m.is_error for m in answers)
+    assert answers[0].content == ORPHAN_ANSWER
+
+
+async def test_a_cancelled_a_tool_middleware_raises_of_its_own_is_its_calls_error() -> None:
+    # Its stray Cancelled unwound the turn as a cancellation nobody made (or, alone, left chat() as
+    # a bare Cancelled): it is the middleware's failure, its call's error; the sibling goes on.
     async def stray_middleware(request: Any, call_next: Any) -> Any:
         if request.tool_name == "stray":
             raise await cancelled_of_its_own()
@@ -802,12 +829,15 @@ async def test_every_call_of_a_turn_is_answered_when_a_call_ends_without_a_resul
 
     calls: list[tuple[str, dict[str, Any]]] = [("stray", {}), ("ok", {})]
     model = TestModel(script={"go": [Reply(tool_calls=calls), Reply(text="done")]})
-    result = await chat(model, "go", tools=[stray, ok], tool_middleware=[stray_middleware])
+    try:
+        result = await chat(model, "go", tools=[stray, ok], tool_middleware=[stray_middleware])
+    except trio.Cancelled:  # a Cancelled out of a test would end it silently, as passed
+        pytest.fail("the middleware's own Cancelled left chat() as a cancellation")
     assert result.text == "done"
     answers = [m for m in model.requests[-1].messages if isinstance(m, ToolResultMessage)]
-    assert len(answers) == 2
-    assert all(m.is_error for m in answers)
-    assert answers[0].content == ORPHAN_ANSWER
+    assert [(m.is_error, m.content) for m in answers[1:]] == [(False, "ok")]
+    assert answers[0].is_error and answers[0].content.startswith("Error: Tool middleware failed: Cancelled(")
+    assert "nothing around it was cancelled" in answers[0].content
 
 
 # -- the block's boundary: one exception out, as a Trio nursery and the awaited form give it -------------

@@ -8,6 +8,10 @@
 * ``await chat()`` let a bare exception group out (a tool's own nursery, cancelled from outside,
   whose cleanup raised), where the block form and ``send()`` raise one exception; ``send()`` let
   that foreign error out untyped.
+* A ``trio.Cancelled`` user code raised of its own (its scope already left: nothing around it
+  cancelled) left ``send()`` / ``chat()`` as a cancellation nobody made, from tool middleware, a
+  session hook, model middleware, a provider, a lifecycle hook, a tool stage or a permission
+  handler. It is that layer's failure now; a real cancellation still goes on.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ from typing import Any
 
 import pytest
 import trio
-from cancel_helpers import nursery_failing_in_cleanup
+from cancel_helpers import cancelled_of_its_own, nursery_failing_in_cleanup
 
 from trio_agent import (
+    HookError,
+    HookEvent,
     MiddlewareConfig,
+    MiddlewareError,
     ModelError,
     RequestAbortedError,
     SideEffect,
@@ -34,7 +41,7 @@ from trio_agent._journal._events import ErrorInfo, RequestFailed, RequestInterru
 from trio_agent._tools._results import describe
 from trio_agent.journal import MemoryStore, open_journal
 from trio_agent.lifecycle import LifecycleHookError, ToolCallResult, define_chat_middleware
-from trio_agent.models import ModelRequest, ModelResponse, StreamChunk
+from trio_agent.models import ModelRequest, ModelResponse, StreamChunk, ToolResultMessage
 from trio_agent.testing import Reply, TestModel
 
 OBJECT: dict[str, Any] = {"type": "object"}
@@ -232,3 +239,134 @@ async def test_send_cancelled_while_a_tool_nursery_fails_in_cleanup_raises_the_i
         interrupted = [event for event in await stored_events(session) if isinstance(event, RequestInterrupted)]
         assert [event.reason for event in interrupted] == [RequestInterruptReason.USER_ABORT]
         assert session.journal.projection().unfinished_requests() == []
+
+
+# -- a Cancelled of user code's own ---------------------------------------------------------------------------
+
+
+async def stray(*args: Any) -> Any:
+    raise await cancelled_of_its_own()
+
+
+class StrayMiddleware:
+    async def wrap_stream(self, request: Any, call_next: Any) -> AsyncIterator[StreamChunk]:
+        raise await cancelled_of_its_own()
+        yield
+
+
+class StrayProvider(TestModel):
+    def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        async def chunks() -> AsyncIterator[StreamChunk]:
+            raise await cancelled_of_its_own()
+            yield
+
+        return chunks()
+
+
+STRAY = "nothing around it was cancelled"
+
+FAILING_SITES: dict[str, tuple[dict[str, Any], type[Exception]]] = {
+    "session hook": ({"hooks": {HookEvent.USER_PROMPT_SUBMIT: [stray]}}, HookError),
+    "model middleware": ({"middleware": MiddlewareConfig(model=[StrayMiddleware()])}, ModelMiddlewareError),
+    "provider": ({"provider": StrayProvider()}, ModelError),
+    "lifecycle on_start": ({"lifecycle": [define_chat_middleware(name="m", on_start=stray)]}, MiddlewareError),
+    "lifecycle on_finish": ({"lifecycle": [define_chat_middleware(name="m", on_finish=stray)]}, MiddlewareError),
+}
+
+
+@pytest.mark.parametrize("site", FAILING_SITES)
+async def test_a_cancelled_of_user_codes_own_fails_the_request_typed(site: str) -> None:
+    # It left send() as a bare Cancelled: no scope around it would catch it.
+    options, error = FAILING_SITES[site]
+    options = {"provider": TestModel(default=Reply("x")), **options}
+    async with open_session(**options) as session:
+        try:
+            with pytest.raises(error) as caught:
+                await session.send("hi")
+        except trio.Cancelled:  # a Cancelled out of a test would end it silently, as passed
+            pytest.fail("the Cancelled of user code's own left send() as a cancellation")
+        assert isinstance(caught.value, RequestAbortedError) or STRAY in str(caught.value)
+        assert session.journal.projection().unfinished_requests() == []
+
+
+@pytest.mark.parametrize("site", ["model middleware", "provider", "lifecycle on_start"])
+async def test_a_cancelled_of_user_codes_own_fails_chat_typed(site: str) -> None:
+    options, error = FAILING_SITES[site]
+    kwargs: dict[str, Any] = {}
+    if "middleware" in options:
+        kwargs["model_middleware"] = list(options["middleware"].model)
+    if "lifecycle" in options:
+        kwargs["middleware"] = options["lifecycle"]
+    try:
+        with pytest.raises(error, match=STRAY):
+            await chat(options.get("provider", TestModel(default=Reply("x"))), "hi", **kwargs)
+    except trio.Cancelled:
+        pytest.fail("the Cancelled of user code's own left chat() as a cancellation")
+
+
+async def stray_permission_handler(request: Any) -> Any:
+    raise await cancelled_of_its_own()
+
+
+CALL_SITES: dict[str, dict[str, Any]] = {
+    "PreToolUse hook": {"hooks": {HookEvent.PRE_TOOL_USE: [stray]}},
+    "PostToolUse hook": {"hooks": {HookEvent.POST_TOOL_USE: [stray]}},
+    "on_before_tool_call": {"lifecycle": [define_chat_middleware(name="m", on_before_tool_call=stray)]},
+    "on_after_tool_call": {"lifecycle": [define_chat_middleware(name="m", on_after_tool_call=stray)]},
+    "tool middleware": {"middleware": MiddlewareConfig(tool=[stray])},
+    "permission handler": {"permission_handler": stray_permission_handler},
+}
+
+
+@pytest.mark.parametrize("site", CALL_SITES)
+async def test_a_cancelled_of_user_codes_own_around_a_call_fails_that_call(site: str) -> None:
+    # Stages, hooks and middleware around a tool call fail closed: the call's error, the run goes on.
+    options = CALL_SITES[site]
+    permissions = {} if "permission_handler" in options else {"permissions": {"allow": ["ok"]}}
+    model = calling_ok()
+    async with open_session(provider=model, tools=[ok], **permissions, **options) as session:
+        try:
+            assert await session.send("hi") == "done"
+        except trio.Cancelled:
+            pytest.fail("the Cancelled of user code's own left send() as a cancellation")
+    answers = [m for m in model.requests[-1].messages if isinstance(m, ToolResultMessage)]
+    assert len(answers) == 1 and answers[0].is_error and STRAY in answers[0].content
+
+
+def waiting_sites(entered: trio.Event) -> dict[str, dict[str, Any]]:
+    async def waits(*args: Any) -> None:
+        entered.set()
+        await trio.sleep_forever()
+
+    class Waits:
+        async def wrap_stream(self, request: Any, call_next: Any) -> AsyncIterator[StreamChunk]:
+            await waits()
+            yield
+
+    return {
+        "session hook": {"hooks": {HookEvent.USER_PROMPT_SUBMIT: [waits]}},
+        "model middleware": {"middleware": MiddlewareConfig(model=[Waits()])},
+        "lifecycle on_start": {"lifecycle": [define_chat_middleware(name="m", on_start=waits)]},
+        "tool middleware": {"middleware": MiddlewareConfig(tool=[waits])},
+        "on_before_tool_call": {"lifecycle": [define_chat_middleware(name="m", on_before_tool_call=waits)]},
+    }
+
+
+@pytest.mark.parametrize("site", list(waiting_sites(trio.Event())))
+async def test_a_real_cancellation_in_user_code_still_propagates(site: str) -> None:
+    # The caller's own scope cancelled while user code waits: a cancellation, as before.
+    entered = trio.Event()
+    options = waiting_sites(entered)[site]
+    async with open_session(provider=calling_ok(), tools=[ok], permissions={"allow": ["ok"]}, **options) as session:
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+
+                async def cancel_when_entered() -> None:
+                    await entered.wait()
+                    scope.cancel()
+
+                nursery.start_soon(cancel_when_entered)
+                await session.send("hi")
+        assert scope.cancelled_caught
+        interrupted = [e for e in await stored_events(session) if isinstance(e, RequestInterrupted)]
+        assert [e.reason for e in interrupted] == [RequestInterruptReason.USER_ABORT]

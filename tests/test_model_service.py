@@ -15,7 +15,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.cancel_helpers import nursery_failing_in_cleanup
+from tests.cancel_helpers import cancelled_of_its_own, nursery_failing_in_cleanup
 from trio_agent import (
     AuthenticationError,
     ConfigError,
@@ -1258,6 +1258,96 @@ async def test_a_failing_cleanup_still_closes_the_inner_layers_and_the_provider(
                 break
     assert caught.value.__cause__ is error
     assert log[-4:] == ["outer finally", "bad finally", "inner finally", "provider finally"]
+
+
+class StrayCleanup(ModelMiddleware):
+    """A wrap_stream whose cleanup raises a Cancelled of a scope of its own (nothing cancelled it)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    async def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
+        try:
+            async for chunk in call_next(request):
+                yield chunk
+        finally:
+            self.log.append("stray finally")
+            raise await cancelled_of_its_own()
+
+
+async def test_a_cleanup_raising_a_cancelled_of_its_own_is_the_layers_failure() -> None:
+    # It left the block as a cancellation nobody made (no scope around would catch it).
+    log: list[str] = []
+    service = ModelService(LoggingProvider(log, chunks=10), [StrayCleanup(log), Tap("inner", log)])
+    try:
+        with pytest.raises(ModelMiddlewareError, match="nothing around it was cancelled") as caught:
+            async with service.stream(MESSAGES) as chunks:
+                async for _ in chunks:
+                    break
+    except trio.Cancelled:  # a Cancelled out of a test would end it silently, as passed
+        pytest.fail("the layer's own Cancelled left the block as a cancellation")
+    assert isinstance(caught.value.__cause__, trio.Cancelled)
+    assert log[-3:] == ["stray finally", "inner finally", "provider finally"]
+
+
+class StrayClosingProvider(LoggingProvider):
+    """A provider whose stream, closed, raises a Cancelled of a scope of its own."""
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        try:
+            yield TextDelta("0")
+            yield TextDelta("1")
+        finally:
+            raise await cancelled_of_its_own()
+
+
+async def test_a_provider_stream_raising_a_cancelled_of_its_own_when_closed_is_its_failure() -> None:
+    service = ModelService(StrayClosingProvider([]), [Tap("outer", [])])
+    try:
+        with pytest.raises(ModelError, match="nothing around it was cancelled") as caught:
+            async with service.stream(MESSAGES) as chunks:
+                async for _ in chunks:
+                    break
+    except trio.Cancelled:
+        pytest.fail("the provider's own Cancelled left the block as a cancellation")
+    assert caught.value.code == "provider_failed" and isinstance(caught.value.__cause__, trio.Cancelled)
+
+
+class StrayChatProvider(LoggingProvider):
+    async def chat(self, request: ModelRequest) -> ModelResponse:
+        raise await cancelled_of_its_own()
+
+
+class StrayChat(ModelMiddleware):
+    async def wrap_chat(self, request: ModelRequest, call_next: Any) -> ModelResponse:
+        raise await cancelled_of_its_own()
+
+
+class StrayPlainStream(ModelMiddleware):
+    def __init__(self, cancelled: trio.Cancelled) -> None:
+        self.cancelled = cancelled
+
+    def wrap_stream(self, request: ModelRequest, call_next: Any) -> AsyncIterator[StreamChunk]:
+        raise self.cancelled  # a plain def: raised as the block is entered
+
+
+@pytest.mark.parametrize("where", ["provider chat", "chat middleware", "plain-def stream middleware"])
+async def test_a_cancelled_of_user_codes_own_in_a_model_call_is_its_failure(where: str) -> None:
+    if where == "provider chat":
+        service, error = ModelService(StrayChatProvider([])), ModelError
+    else:
+        layer = StrayChat() if where == "chat middleware" else StrayPlainStream(await cancelled_of_its_own())
+        service, error = ModelService(LoggingProvider([]), [layer]), ModelMiddlewareError
+    try:
+        with pytest.raises(error, match="nothing around it was cancelled") as caught:
+            if where == "plain-def stream middleware":
+                async with service.stream(MESSAGES):
+                    pass
+            else:
+                await service.chat(MESSAGES)
+    except trio.Cancelled:
+        pytest.fail("its own Cancelled left the call as a cancellation")
+    assert isinstance(caught.value.__cause__, trio.Cancelled)
 
 
 async def test_a_failing_cleanup_does_not_swallow_an_outside_cancellation() -> None:

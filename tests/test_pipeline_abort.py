@@ -565,6 +565,28 @@ async def test_a_cancelled_the_tool_raises_while_nothing_cancels_the_call_is_its
     assert_pipeline_idle(pipeline)
 
 
+@pytest.mark.parametrize("slot", ["pre_tool", "before", "guard", "post_tool"])
+async def test_a_cancelled_a_stage_raises_while_nothing_cancels_the_call_fails_it_closed(slot: str) -> None:
+    # It left execute as a cancellation nobody made (a bare Cancelled out of send() or chat()).
+    async def stray(*args: Any) -> None:
+        raise await cancelled_of_its_own()
+
+    @ta.define_tool(side_effect="pure", input_schema={"type": "object"})
+    async def quick(input: dict[str, Any], ctx: ta.ToolContext) -> str:
+        """Answers."""
+        return "fine"
+
+    journal = ta.InMemoryToolJournal()
+    pipeline = ta.ToolPipeline([quick], journal=journal, stages=ta.tools.ToolStages(**{slot: [stray]}))
+    try:
+        record = await call_tool(pipeline, "quick", {}, call_id="c1")
+    except trio.Cancelled:  # a Cancelled out of a test would end it silently, as passed
+        pytest.fail("the stage's own Cancelled left execute as a cancellation")
+    assert record.result.error is not None and record.result.error.code == "hook_error"
+    assert "nothing around it was cancelled" in str(record.result.output)
+    assert_pipeline_idle(pipeline)
+
+
 @pytest.mark.parametrize("cancel", ["timeout", "abort"])
 async def test_a_tool_that_swallows_its_cancellation_and_returns_is_settled_completed(
     autojump_clock: trio.abc.Clock, cancel: str

@@ -22,6 +22,7 @@ Rules (one place, used by the pipeline, the agent loop and the session):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import NoReturn
 
@@ -31,12 +32,14 @@ from ._errors import JournalError, LeaseLostError, SettlementError, TrioAgentErr
 from ._util import describe
 
 __all__ = [
+    "STRAY_CANCELLED",
     "contains_cancelled",
     "first_failure",
     "is_cancellation",
     "leaves",
     "raise_alone",
     "raise_for_boundary",
+    "stray_cancellation",
     "typed_error",
     "unwrap_for_boundary",
 ]
@@ -90,6 +93,28 @@ def cancelled_around(scope: trio.CancelScope) -> bool:
         return True
     status = getattr(scope, "_cancel_status", None)
     return getattr(status, "effectively_cancelled", False) is True
+
+
+STRAY_CANCELLED = (
+    "though nothing around it was cancelled (a Cancelled of a cancel scope of its own, raised outside that scope)"
+)
+"""What a message adds to the exception of user code that raised a `stray_cancellation`."""
+
+
+def stray_cancellation(exc: BaseException) -> bool:
+    """Whether *exc*, just caught around user code (a middleware, a hook, a stage, a provider), is
+    a cancellation nothing around that code made: a ``trio.Cancelled`` (maybe in a group of its own
+    nursery) of a cancel scope of its own, raised after that scope was left. No scope around would
+    catch it: it would unwind the run, the request and the caller's block as a cancellation nobody
+    made, so it is that code's failure. A real cancellation (a scope around the calling task
+    cancelled, shields counted: `trio.current_effective_deadline` is ``-inf``) is never one, nor a
+    group with a typed error (rule 1) or a ``KeyboardInterrupt``. Only for an exception already
+    caught: it walks the cancel scopes around the task, which the success path never pays for."""
+    if not is_cancellation(exc):
+        return False
+    if not all(isinstance(leaf, (Exception, trio.Cancelled)) for leaf in leaves(exc)):
+        return False  # a KeyboardInterrupt, a SystemExit beside it: they go on as they are
+    return trio.current_effective_deadline() != -math.inf
 
 
 def unwrap_for_boundary(exc: BaseException) -> BaseException:

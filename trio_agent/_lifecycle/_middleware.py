@@ -74,6 +74,7 @@ import trio
 
 from .._abort import Abort, AbortReason
 from .._errors import ConfigError, MiddlewareError, MiddlewareShapeError, ModelError
+from .._groups import STRAY_CANCELLED, stray_cancellation
 from .._json import MAX_JSON_DEPTH, MAX_JSON_INT_BITS
 from .._loop._compose import compose_lifecycle
 from .._loop._context import RunContext
@@ -86,7 +87,7 @@ from .._models._messages import MESSAGE_CLASSES, ToolCallPart, ToolSpec, Usage
 from .._tools import _stages
 from .._tools._results import ToolErrorType, ToolResult, _unstorable, json_copy, result_problem
 from .._tools._stages import Allow, Deny, StageDecision, StageRequest, ToolStages
-from .._util import safe_repr
+from .._util import callable_name, describe, safe_repr
 from ._capabilities import (
     Capability,
     Declared,
@@ -344,9 +345,17 @@ def _hook(middleware: ChatMiddleware, hook: str) -> Callable[..., Any] | None:
 
 
 async def _call(hook: Callable[..., Any], *args: Any) -> Any:
-    value = hook(*args)
-    if inspect.isawaitable(value):
-        value = await value
+    try:
+        value = hook(*args)
+        if inspect.isawaitable(value):
+            value = await value
+    except BaseException as exc:
+        # A Cancelled nothing around the hook made (its own scope's, raised outside it) would
+        # unwind the run as a cancellation nobody made: it is the hook's failure.
+        if isinstance(exc, Exception) or not stray_cancellation(exc):
+            raise
+        told = describe(exc, "repr")
+        raise MiddlewareError(f"chat middleware hook {callable_name(hook)} raised {told} {STRAY_CANCELLED}") from exc
     return value
 
 

@@ -43,7 +43,7 @@ from .._errors import (
     StreamInterruptedError,
     TrioAgentError,
 )
-from .._groups import contains_cancelled, typed_error
+from .._groups import STRAY_CANCELLED, contains_cancelled, stray_cancellation, typed_error
 from .._middleware import CheckedLayers, Composed, ComposedNext, MiddlewareNext, PassedChecks, compose_middleware
 from .._util import describe
 from ._history import MessageView
@@ -432,14 +432,16 @@ def _response_problem(response: ModelResponse) -> str | None:
 
 
 def _told(exc: BaseException) -> str:
-    """User code's exception in a message (`describe`)."""
-    return describe(exc, "repr")
+    """User code's exception in a message (`describe`), a `stray_cancellation` said to be one."""
+    told = describe(exc, "repr")
+    return f"{told} {STRAY_CANCELLED}" if contains_cancelled(exc) else told
 
 
 def _middleware_failure(exc: BaseException) -> ModelError:
     """What a non-`ModelError` escaping the model middleware fails the call with: a `ModelError`
     inside a group (a layer awaited ``call_next`` in its own nursery) is the call's error, as it
-    would be without the nursery; anything else is a middleware bug, typed with it as the cause."""
+    would be without the nursery; anything else is a middleware bug, typed with it as the cause
+    (a `stray_cancellation` too: a ``Cancelled`` nothing around the call made)."""
     if isinstance(exc, BaseExceptionGroup):
         typed = typed_error(exc)
         if isinstance(typed, ModelError):
@@ -451,7 +453,7 @@ def _middleware_failure(exc: BaseException) -> ModelError:
 
 def _provider_failure(exc: BaseException, when: str = "") -> ModelError:
     """What anything but a `ModelError` that the provider raised fails the call with (a provider
-    bug, typed with it as the cause)."""
+    bug, typed with it as the cause; a `stray_cancellation` too)."""
     error = ModelError(f"the provider raised {_told(exc)}{when}", code="provider_failed")
     error.__cause__ = exc
     return error
@@ -960,7 +962,9 @@ class ModelService:
             response = await awaitable
         except ModelError:
             raise
-        except Exception as exc:  # a middleware bug: typed, with its cause (or a ModelError it grouped)
+        except BaseException as exc:  # a middleware bug: typed, with its cause (or a ModelError it grouped)
+            if not isinstance(exc, Exception) and not stray_cancellation(exc):
+                raise  # a cancellation from outside (or our deadline's) goes on
             error = _middleware_failure(exc)
             raise error from error.__cause__
         # The provider's answer was checked: a layer returned this (the terminal is never the outermost here).
@@ -1176,7 +1180,7 @@ class _OpenIterators:
         except BaseException as exc:
             # A plain-def wrapper runs here, when it is called: what it raises is typed as an
             # async generator's would be at its first step.
-            if isinstance(exc, ModelError) or not isinstance(exc, Exception):
+            if isinstance(exc, ModelError) or (not isinstance(exc, Exception) and not stray_cancellation(exc)):
                 await self.__aexit__(type(exc), exc, exc.__traceback__)  # raises what replaces exc, if anything
                 raise
             error = _middleware_failure(exc)
@@ -1202,7 +1206,9 @@ class _OpenIterators:
             item = await outer.__anext__()
         except (ModelError, StopAsyncIteration):
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not stray_cancellation(exc):
+                raise  # a cancellation from outside (or the block's deadline) goes on
             error = _middleware_failure(exc)
             raise error from error.__cause__
         kinds = self._kinds
@@ -1336,6 +1342,10 @@ async def _close_all(
                 await aclose()
             except Exception as exc:
                 failure = failure or exc
+            except BaseException as exc:
+                if not stray_cancellation(exc):
+                    raise  # our bound's cancellation (the shield catches it), or KeyboardInterrupt
+                failure = failure or (_provider_failure(exc) if source is not None else _middleware_failure(exc))
     return failure
 
 
@@ -1348,7 +1358,9 @@ async def _provider_chat(provider: Provider, request: ModelRequest) -> ModelResp
         response = await provider.chat(request)
     except ModelError:
         raise
-    except Exception as exc:
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and not stray_cancellation(exc):
+            raise  # a cancellation from outside (or the call's deadline) goes on
         raise _provider_failure(exc) from exc
     return _provider_response(response)
 
@@ -1471,7 +1483,9 @@ class _ProviderIterator:
                 await aclose()
             except ModelError:
                 raise
-            except Exception as exc:
+            except BaseException as exc:
+                if not isinstance(exc, Exception) and not stray_cancellation(exc):
+                    raise  # our bound's cancellation (the shield catches it), or KeyboardInterrupt
                 raise _provider_failure(exc, " when its stream was closed") from exc
 
     async def aclose(self) -> None:
@@ -1529,7 +1543,9 @@ class _RetryingStream(_ProviderIterator):
                                 raise ModelError(f"the provider's stream yielded {problem}", code="provider_failed")
                     except (ModelError, StopAsyncIteration):
                         raise
-                    except Exception as exc:  # anything else is a provider bug, typed as such
+                    except BaseException as exc:  # anything else is a provider bug, typed as such
+                        if not isinstance(exc, Exception) and not stray_cancellation(exc):
+                            raise  # a cancellation from outside (or the call's deadline) goes on
                         raise _provider_failure(exc) from exc
                 except StopAsyncIteration:
                     # Ended on its own: nothing left to close, so leaving the stream costs no shield.

@@ -33,7 +33,7 @@ import trio.lowlevel
 from .._abort import AbortHandle
 from .._config import validate_timeout
 from .._errors import ConfigError, LeaseLostError
-from .._groups import contains_cancelled, is_cancellation, typed_error
+from .._groups import STRAY_CANCELLED, contains_cancelled, is_cancellation, stray_cancellation, typed_error
 from .._journal._events import PermissionDecision
 from .._json import json_problem
 from .._tools._context import ExecutionContext
@@ -1018,6 +1018,11 @@ class PermissionEngine:
                 raise
             except Exception as exc:
                 return _Answer(DecisionSource.ERROR, message=f"{who} failed: {describe(exc, 'repr')}")
+            except BaseException as exc:
+                if not stray_cancellation(exc):
+                    raise  # the deadline's or the abort's cancellation, or one from outside
+                told = f"it raised {describe(exc, 'repr')} {STRAY_CANCELLED}"
+                return _Answer(DecisionSource.ERROR, message=f"{who} failed: {told}")
             if isinstance(result, (PermissionAllow, PermissionDeny)):
                 return _Answer(source, result)
             if result is not None and not isinstance(result, PermissionAsk):

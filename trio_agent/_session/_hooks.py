@@ -42,7 +42,7 @@ from .._errors import (
     HookTimeoutError,
     LeaseLostError,
 )
-from .._groups import contains_cancelled, typed_error
+from .._groups import STRAY_CANCELLED, contains_cancelled, stray_cancellation, typed_error
 from .._json import json_problem
 from .._loop._rules import model_text
 from .._tools._context import ExecutionContext
@@ -777,9 +777,14 @@ class HookRunner:
                             value = await hook.callback(_fresh(input))
                         except LeaseLostError:
                             raise
-                        except Exception as exc:
+                        except BaseException as exc:
+                            if not isinstance(exc, Exception) and not stray_cancellation(exc):
+                                raise  # our deadline's or abort's cancellation (below), or one from outside
+                            told = describe(exc, "repr")
+                            if not isinstance(exc, Exception):
+                                told = f"it raised {told} {STRAY_CANCELLED}"
                             raise HookError(
-                                f"{event.title} hook {hook.name} ({hook.source}) failed: {describe(exc, 'repr')}",
+                                f"{event.title} hook {hook.name} ({hook.source}) failed: {told}",
                                 event=event,
                                 callback=hook.name,
                                 source=hook.source,

@@ -51,7 +51,14 @@ from .._errors import (
     ToolDefinitionError,
     ToolInputError,
 )
-from .._groups import cancelled_around, contains_cancelled, is_cancellation, typed_error
+from .._groups import (
+    STRAY_CANCELLED,
+    cancelled_around,
+    contains_cancelled,
+    is_cancellation,
+    stray_cancellation,
+    typed_error,
+)
 from .._json import NOT_JSON, copy_if_json, is_json, json_problem
 from .._middleware import Composed
 from .._util import safe_repr
@@ -207,7 +214,10 @@ def _invalid_input(tool: Tool[Any], errors: tuple[str, ...]) -> ToolResult:
 
 def _told(exc: BaseException | None) -> str:
     """A middleware's exception as its error result tells it (`describe`)."""
-    return "None" if exc is None else describe(exc, "repr")
+    if exc is None:
+        return "None"
+    told = describe(exc, "repr")
+    return f"{told} {STRAY_CANCELLED}" if contains_cancelled(exc) else told
 
 
 def _has_pre(stages: ToolStages) -> bool:
@@ -560,8 +570,11 @@ class ToolPipeline:
                     mw_error = exc
                 except BaseException as exc:
                     # A group holding Cancelled (a middleware's or tool's own nursery) is a cancellation:
-                    # it goes on unchanged, never a middleware failure. A typed error in it wins.
-                    if is_cancellation(exc) or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    # it goes on unchanged, never a middleware failure. A typed error in it wins. A
+                    # Cancelled of the middleware's own scope that nothing around it made is its failure.
+                    if (is_cancellation(exc) and not stray_cancellation(exc)) or isinstance(
+                        exc, (KeyboardInterrupt, SystemExit)
+                    ):
                         raise
                     typed = typed_error(exc)
                     if isinstance(typed, LeaseLostError) and state.fatal is None and self.lease_lost():
@@ -1064,13 +1077,15 @@ class ToolPipeline:
             request = StageRequest(state.tool, final_input, state.ctx, state.behavior if behavior is None else behavior)
             try:
                 replaced = await callback(request, result)
-            except Exception as exc:
+            except BaseException as exc:
                 if isinstance(exc, LeaseLostError) and self.lease_lost():
                     if ran:
                         state.fatal = exc
                     raise
+                if not isinstance(exc, Exception) and not stray_cancellation(exc):
+                    raise  # a cancellation from outside goes on
                 # Any other failure, a lost lease of a store the stage drives itself included.
-                told = describe(exc, "repr")
+                told = _told(exc)
                 state.fault(FaultCode.MIDDLEWARE_RAISED_AFTER_CORE, f"post_tool stage failed: {told}")
                 replaced = _post_stage_failed(callback, f"failed: {told}", state, result)
             if replaced is None:

@@ -24,6 +24,7 @@ from typing import Any, TypeAlias, TypeVar
 import attrs
 
 from .._errors import ConfigError, LeaseLostError
+from .._groups import STRAY_CANCELLED, stray_cancellation
 from .._util import callable_name, safe_repr
 from ._context import ExecutionContext
 from ._definition import Tool, ToolBehavior
@@ -138,6 +139,14 @@ async def decide(
             raise
         return Deny(
             f"{stage} stage {_stage_name(callback)} failed: {describe(exc, 'repr')}",
+            ToolErrorType.EXECUTION,
+            "hook_error",
+        )
+    except BaseException as exc:
+        if not stray_cancellation(exc):
+            raise  # a cancellation from outside goes on
+        return Deny(
+            f"{stage} stage {_stage_name(callback)} failed: it raised {describe(exc, 'repr')} {STRAY_CANCELLED}",
             ToolErrorType.EXECUTION,
             "hook_error",
         )
