@@ -12,6 +12,8 @@
   cancelled) left ``send()`` / ``chat()`` as a cancellation nobody made, from tool middleware, a
   session hook, model middleware, a provider, a lifecycle hook, a tool stage or a permission
   handler. It is that layer's failure now; a real cancellation still goes on.
+* A request this session started and could not end in the journal made the next ``send()`` say
+  an earlier owner had left it (``unfinished='keep'``).
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from cancel_helpers import cancelled_of_its_own, nursery_failing_in_cleanup
 from trio_agent import (
     HookError,
     HookEvent,
+    JournalFencedError,
     MiddlewareConfig,
     MiddlewareError,
     ModelError,
     RequestAbortedError,
+    SettlementError,
     SideEffect,
+    UnfinishedRequestError,
     define_tool,
     open_session,
 )
@@ -370,3 +375,29 @@ async def test_a_real_cancellation_in_user_code_still_propagates(site: str) -> N
         assert scope.cancelled_caught
         interrupted = [e for e in await stored_events(session) if isinstance(e, RequestInterrupted)]
         assert [e.reason for e in interrupted] == [RequestInterruptReason.USER_ABORT]
+
+
+# -- a request this session left open -------------------------------------------------------------------------
+
+
+async def test_a_request_whose_end_could_not_be_recorded_here_is_not_blamed_on_an_earlier_owner() -> None:
+    holder: list[Any] = []
+
+    @define_tool(name="fence", description="fences", input_schema=OBJECT, side_effect=SideEffect.PURE)
+    async def fence(input: dict[str, Any], ctx: Any) -> str:
+        holder[0].journal._fence("test: a write of unknown outcome")
+        return "x"
+
+    model = TestModel(default=[Reply(tool_calls=[("fence", {})]), Reply("done")])
+    async with open_session(provider=model, tools=[fence], permissions={"allow": ["fence"]}) as session:
+        holder.append(session)
+        with pytest.raises(SettlementError):  # the fence refused the call's settlement
+            await session.send("hi")
+        (left,) = session.journal.projection().unfinished_requests()
+        with pytest.raises(JournalFencedError):  # what refuses its end, not an earlier owner
+            await session.send("again")
+        await session.journal.reconcile()
+        with pytest.raises(UnfinishedRequestError) as caught:
+            await session.send("again")
+    assert caught.value.request_id == left.request_id
+    assert "started here" in str(caught.value) and "earlier owner" not in str(caught.value)

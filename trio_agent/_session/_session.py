@@ -80,6 +80,7 @@ class Session:
         "_closing",
         "_final",
         "_host",
+        "_kept",
         "_nursery",
         "_queue",
         "_started",
@@ -116,6 +117,7 @@ class Session:
         self.recovery_notes: list[str] = []
         self.life = 1  # which life of the session this is (a cleanly closed session reopened: 2, 3 ...)
         self._started = False
+        self._kept: str | None = None  # the started request an earlier owner left, kept at open
         self._final = False  # the close ends it for good
         self._closed = False
         self._closing = False  # a close runs (in some task)
@@ -181,9 +183,21 @@ class Session:
     def _check_no_kept_request(self, serving: str | None = None) -> None:
         """While nothing runs: refuse a new request of the root (*serving*: the one `serve_request`
         runs) before anything is written, when an earlier owner started one that this life keeps
-        (``unfinished="keep"``). The journal takes one started request at a time, and only
-        `serve_request` goes on with a kept one."""
+        (``unfinished="keep"``), or one this life started was left open. The journal takes one
+        started request at a time, and only `serve_request` goes on with a kept one; one left open
+        here (its end could not be recorded) is ended by the recovery of the next life."""
         kept = self.journal.projection(self._host.root.agent_id)._s.active_request
+        if kept is not None and kept != serving and kept != self._kept:
+            # Started in this life and left open: its end could not be recorded (the journal fenced,
+            # or its calls left unsettled by a refused settlement). What refuses writes says why.
+            self.journal._check_writable()
+            raise UnfinishedRequestError(
+                f"session {self.session_id!r} holds request {kept!r}, started here, whose end could not be "
+                "recorded (a write of it was refused or its outcome unknown, its tool calls are left "
+                "unsettled): close the session and reopen it (open_session(session_id=...)), whose recovery "
+                "ends it; nothing was written",
+                request_id=kept,
+            )
         if kept is not None and kept != serving:
             raise UnfinishedRequestError(
                 f"session {self.session_id!r} keeps request {kept!r}, started by an earlier owner "
@@ -567,6 +581,8 @@ class Session:
         life = await begin_life(
             host, tools, history, keep_requests=keep_requests, subagent_of=self._supervisor.recovered_agent
         )
+        if keep_requests:  # what an earlier owner started and this life keeps (`_check_no_kept_request`)
+            self._kept = self.journal.projection(host.root.agent_id)._s.active_request
         if life is not None:
             self.life, self.recovery = life.number, life.recovery
             self.recovery_notes.extend(life.notes)
