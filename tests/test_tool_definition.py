@@ -1311,3 +1311,9 @@ def test_copy_if_json_refuses_nesting_past_the_limit() -> None:
         deep = [deep]
     assert is_json(deep) and copy_if_json(deep) == deep
     assert not is_json([deep]) and copy_if_json([deep]) is NOT_JSON
+    # An empty container is never walked by is_json, so it may sit one level deeper; the copy agrees.
+    for empty in ([], {}):
+        edge: Any = empty
+        for _ in range(MAX_JSON_DEPTH):
+            edge = [edge]
+        assert is_json(edge) and copy_if_json(edge) == edge

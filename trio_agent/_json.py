@@ -92,7 +92,9 @@ def copy_if_json(value: object, depth: int = 0) -> object:
                 if inner is int and not low < item < high:
                     return NOT_JSON
             elif inner is dict or inner is list:
-                item = copy_if_json(item, depth + 1)
+                # An empty one is judged here, as `is_json` judges it (at any depth): only a
+                # container with items counts towards `MAX_JSON_DEPTH`.
+                item = copy_if_json(item, depth + 1) if item else item.copy()
                 if item is NOT_JSON:
                     return NOT_JSON
                 copy[key] = item
