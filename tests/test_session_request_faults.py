@@ -568,3 +568,77 @@ async def test_a_usage_with_a_float_count_fails_that_call_and_is_never_journalle
         assert caught.value.code == "provider_failed"
     async with open_session(provider=TestModel(default=Reply("fine")), journal=path, session_id="s1") as session:
         assert await session.send("again") == "fine"
+
+
+class StallingStore(LaterStore):
+    """Holds the write that ends request ``stall`` (its ``request_interrupted``), and every write
+    after it, until ``release`` is set."""
+
+    __slots__ = ("release", "stall")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stall: str | None = None
+        self.release = trio.Event()
+
+    async def run(self) -> None:
+        async for batch, ticket in self._receive:
+            if any(
+                isinstance(envelope.event, RequestInterrupted) and envelope.event.request_id == self.stall
+                for envelope in batch.envelopes
+            ):
+                await self.release.wait()
+            ticket._resolve(MemoryStore.commit(self, batch))
+
+
+async def test_a_queued_request_whose_rejection_overruns_cleanup_grace_still_ends(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The close's record of the rejection, its error, DoneEvent and finish() were one shielded
+    # block: the record overran cleanup_grace, the rest was skipped, and send() waited for ever.
+    grace = 1.0
+    store = StallingStore()
+
+    @define_tool(side_effect="pure", kind="readonly", input_schema={"type": "object"})
+    async def hold(input: dict[str, Any], ctx: Any) -> ToolResult:
+        """Holds the first request."""
+        await trio.sleep_forever()
+        return ToolResult.success("done")  # pragma: no cover
+
+    told: dict[str, BaseException] = {}
+    later_told = trio.Event()
+
+    async def send(session: Any, prompt: str, priority: str | None = None) -> None:
+        try:
+            await session.send(prompt, priority=priority)
+        except (RequestAbortedError, SessionClosedError) as exc:
+            told[prompt] = exc
+        if prompt == "later":
+            later_told.set()
+
+    async with trio.open_nursery() as writer:
+        writer.start_soon(store.run)
+        model = TestModel(default=Reply(tool_calls=[("hold", {})]))
+        async with (
+            open_session(provider=model, tools=[hold], journal=store, cleanup_grace=grace) as session,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(send, session, "first")
+            await trio.testing.wait_all_tasks_blocked()  # "first" waits in its tool
+            nursery.start_soon(send, session, "later", "later")
+            await trio.testing.wait_all_tasks_blocked()  # "later" is queued
+            (store.stall,) = [
+                event.request_id
+                for event in await stream_events(session)
+                if isinstance(event, RequestAccepted) and event.input["prompt"] == "later"
+            ]
+            nursery.start_soon(session.close)
+            started = trio.current_time()
+            with trio.fail_after(10 * grace):
+                await later_told.wait()
+            assert trio.current_time() - started >= grace  # told once its record was abandoned
+            store.release.set()
+        writer.cancel_scope.cancel()
+    assert isinstance(told["later"], SessionClosedError)
+    assert isinstance(told["first"], RequestAbortedError)
+    assert "recording a request the close rejected overran" in caplog.text

@@ -805,18 +805,28 @@ class RequestQueue:
         """A request still queued when the session closes: recorded interrupted, its caller told."""
         self._leave_line(queued)
         queued.abort.abort(AbortReason.SESSION_CLOSE, "the session closed before it started")
-        with bounded_shield(self.grace, "recording a request the close rejected"):
-            await record_request_end(
-                self.journal,
-                queued.agent.agent_id,
-                queued.request_id,
-                RequestInterrupted(request_id=queued.request_id, reason=RequestInterruptReason.SESSION_CLOSE),
-            )
+        try:
+            with bounded_shield(self.grace, "recording a request the close rejected"):
+                await record_request_end(
+                    self.journal,
+                    queued.agent.agent_id,
+                    queued.request_id,
+                    RequestInterrupted(request_id=queued.request_id, reason=RequestInterruptReason.SESSION_CLOSE),
+                )
+        finally:
+            # Its caller is told even when the record overran cleanup_grace (abandoned) or was
+            # refused: else its send() waits for ever.
             queued.error = SessionClosedError("the session closed before the request started")
             queued.stop_reason = StopReason.ABORTED
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await queued.sink(DoneEvent(queued.request_id, "", StopReason.ABORTED, 0, str(queued.error)))
-            queued.finish()
+            try:
+                # A bound of its own: the record's may be spent, and a sink of the caller's may wait.
+                with (
+                    bounded_shield(self.grace, "telling a rejected request's caller"),
+                    contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+                ):
+                    await queued.sink(DoneEvent(queued.request_id, "", StopReason.ABORTED, 0, str(queued.error)))
+            finally:
+                queued.finish()
 
     # -- closing
 
