@@ -6,7 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
+import trio.testing
 
+from tests.session_helpers import stream_events
+from tests.store_helpers import LaterStore
 from tests.test_session import gated_tool
 from trio_agent import (
     ConfigError,
@@ -197,6 +201,48 @@ async def test_end_after_a_plain_close_is_refused_and_reopen_then_end_ends_it(tm
     with pytest.raises(SessionClosedError, match="ended for good"):
         async with open_session(provider=chatty_model(), journal=path, session_id="c"):
             pass  # pragma: no cover
+
+
+async def test_end_during_a_plain_close_waits_for_it_and_is_refused() -> None:
+    # end() during a close() in another task returned normally without ending the session: it
+    # turned the close final midway, so streams written after said final and the others not, and
+    # the session reopened.
+    store = LaterStore()
+    helper = SubagentDefinition("helper", "helps", "You help.")
+    outcome: dict[str, BaseException | None] = {}
+    async with trio.open_nursery() as writer:
+        writer.start_soon(store.run)
+        async with open_session(provider=chatty_model(), journal=store, subagents=[helper], session_id="d") as session:
+            await session.send("hello")
+            await (await session.start_subagent("helper", "look this up")).wait()
+
+            async def end() -> None:
+                try:
+                    await session.end()
+                    outcome["end"] = None
+                except SessionClosedError as exc:
+                    outcome["end"] = exc
+
+            async with trio.open_nursery() as nursery:
+                store.gate = trio.Event()  # the close's writes wait
+                nursery.start_soon(session.close)
+                await trio.testing.wait_all_tasks_blocked()  # the close waits for its first write
+                nursery.start_soon(end)
+                await trio.testing.wait_all_tasks_blocked()
+                assert "end" not in outcome  # it waits for the close
+                store.gate.set()
+            assert isinstance(outcome["end"], SessionClosedError)
+            assert "already closed (not for good)" in str(outcome["end"])
+        closes = [
+            event.final
+            for agent_id in session.journal.agents
+            for event in await stream_events(session, agent_id)
+            if isinstance(event, SessionClosed)
+        ]
+        assert closes == [False, False]  # the root's and the helper's, as the close began
+        async with open_session(provider=chatty_model(), journal=store, session_id="d") as again:
+            assert again.life == 2
+        writer.cancel_scope.cancel()
 
 
 async def test_background_subagent_outcomes_reach_the_reopened_conversation(tmp_path: Path) -> None:

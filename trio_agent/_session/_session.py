@@ -599,12 +599,17 @@ class Session:
         ``open_session(session_id=...)`` continues the conversation in a new life.
 
         ``final=True`` (``end()``) after a close that was not final raises `SessionClosedError`:
-        that close's ``session_closed`` is written, and a closed life takes no second one.
+        that close's ``session_closed`` is written, and a closed life takes no second one. During
+        such a close (in another task) it waits for that close, then raises the same.
 
         Called from inside the running request (a tool, a hook), it returns at once: the close
         waits for that request's end, which waits for the caller. New messages are refused from
         then on, the request runs to its end, then the session closes in a task of its own."""
-        if final and self._closed and not self._closing and not self._final:
+        if final and self._closed and not self._final:
+            if self._closing and self._queue.running_here() is None:
+                # A plain close runs in another task: its session_closed (not final) is on its way.
+                # Wait for it as a second close() would, so the session is closed when this raises.
+                await self._close(SessionCloseReason.COMPLETED)
             raise SessionClosedError(
                 f"session {self.session_id!r} was already closed (not for good), so end() cannot end it "
                 "for good now: end() it instead of closing it, or reopen it with "
@@ -663,6 +668,7 @@ class Session:
                 await done.wait()
             return
         self._closed = self._closing = True
+        final = self._final  # fixed now: every stream's session_closed says the same
         # Stays None when the close overran close_timeout: what was not done by then is abandoned
         # (logged by the shield; what is left open is recovery's on reopen), nothing is raised.
         refused: InvalidTransitionError | None = None
@@ -672,10 +678,10 @@ class Session:
             queue.close()
             if self._close_may_wait(queue):
                 with bounded_shield(self.close_timeout, "closing the session", bound="close_timeout"):
-                    refused = await self._close_steps(queue, reason, journal_closes)
+                    refused = await self._close_steps(queue, reason, final, journal_closes)
             else:
                 # Nothing below reaches a checkpoint: a shield (a cancel scope) would guard nothing.
-                refused = await self._close_steps(queue, reason, journal_closes)
+                refused = await self._close_steps(queue, reason, final, journal_closes)
         finally:
             self._closing = False
             if self._close_done is not None:
@@ -698,7 +704,7 @@ class Session:
         )
 
     async def _close_steps(
-        self, queue: RequestQueue, reason: SessionCloseReason, journal_closes: bool
+        self, queue: RequestQueue, reason: SessionCloseReason, final: bool, journal_closes: bool
     ) -> InvalidTransitionError | None:
         """Stop what runs, then one ``session_closed`` per stream with nothing open; returns the
         first refusal of one (raised once the rest is done)."""
@@ -731,7 +737,7 @@ class Session:
                     ", ".join(still_open[:5]),
                 )
                 continue
-            closed = SessionClosed(session_id=self.session_id, reason=reason, final=self._final)
+            closed = SessionClosed(session_id=self.session_id, reason=reason, final=final)
             try:
                 if journal_closes:
                     journal.defer(closed, agent_id=agent_id)
