@@ -490,6 +490,28 @@ async def test_the_stop_endpoint_aborts_a_running_run() -> None:
     assert events[-1]["type"] == "RUN_FINISHED" and events[-1]["outcome"] == {"type": "cancelled"}
 
 
+async def test_a_thread_runs_one_run_at_a_time_so_no_pause_replaces_another() -> None:
+    # Two runs on one thread both ran; when both paused, the second pause silently replaced the
+    # first in the thread's slot, and the first client got an interrupt nobody could answer.
+    slow, started, release = gated_tool("slow")
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow, add], permissions={"ask": ["add"]})
+    async with running(app) as client, client.stream("POST", "/runs", json=body("slow please", run="a")) as first:
+        with trio.fail_after(10):
+            await started.wait()
+        refused = await client.post("/runs", json=body(run="b"))
+        assert refused.status_code == 409 and refused.json()["error"] == "run_in_progress"
+        assert "'a'" in refused.json()["message"]
+        other = await post_run(client, body(thread="t2", run="c"))  # another thread is not held up
+        assert other[-1]["outcome"]["type"] == "interrupt"
+        release.set()
+        assert (await events_of(first))[-1]["outcome"] == {"type": "success"}
+        paused = await post_run(client, body(run="b"))  # the thread is free again once its run ended
+        (interrupt,) = paused[-1]["outcome"]["interrupts"]
+        answer = [{"interruptId": interrupt["id"], "status": "resolved", "payload": {"approved": True}}]
+        assert (await post_run(client, body(run="b2", resume=answer)))[-1]["outcome"] == {"type": "success"}
+    assert app.state.agui.thread_runs == {} and app.state.agui.runs == {}
+
+
 async def test_an_idle_stream_gets_keep_alive_comments() -> None:
     slow, started, release = gated_tool("slow")
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow], keep_alive=0.05)

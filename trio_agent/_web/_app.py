@@ -10,7 +10,8 @@ Rules
   "problems": [...]}``: 401 ``unauthorized``, 415 ``unsupported_media_type``, 413
   ``body_too_large``, 400 ``invalid_json``, 422 ``invalid_input`` (every problem with
   its JSON path) or ``invalid_answers``, 409 ``run_in_progress`` (a run id already
-  running) or ``nothing_to_resume``. Once streaming, a failure is one ``RUN_ERROR``
+  running, or another run of the thread: one at a time, so a pause never replaces another) or
+  ``nothing_to_resume``. Once streaming, a failure is one ``RUN_ERROR``
   event and the stream ends.
 * A stream has one terminal event (``RUN_FINISHED`` or ``RUN_ERROR``), its last: the
   run's own is held back until the run has ended (its terminal hooks and deferred
@@ -170,6 +171,7 @@ class _Server:
         self.max_paused = max_paused
         self.signing_key = signing_key
         self.runs: dict[str, Callable[[], object]] = {}  # run id -> stop it
+        self.thread_runs: dict[str, str] = {}  # thread id -> its run in flight (without threads)
         self.threads: tuple[AgentSpec, Any] | None = None  # (spec, journal) when threads are sessions
         self.hub: ThreadHub | None = None
         self.paused: collections.OrderedDict[str, PausedRun] = collections.OrderedDict()
@@ -232,9 +234,12 @@ class _RunStream(Response):
         self.start = start  # opens the chat run (an async context manager) with this abort handle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        server, run_id = self.server, self.run_input.run_id
+        server, run_id, thread_id = self.server, self.run_input.run_id, self.run_input.thread_id
         abort = AbortHandle()
+        # Taken with no checkpoint since `runs` checked both were free: one run per thread, so a
+        # second pause cannot replace the first in the thread's slot.
         server.runs[run_id] = functools.partial(abort.abort, AbortReason.USER_ABORT, "stopped by the client")
+        server.thread_runs[thread_id] = run_id
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             frames_in, frames_out = trio.open_memory_channel[bytes](server.buffer)
@@ -250,6 +255,8 @@ class _RunStream(Response):
                 nursery.cancel_scope.cancel()  # the run has ended: stop watching the client
         finally:
             server.runs.pop(run_id, None)
+            if server.thread_runs.get(thread_id) == run_id:
+                del server.thread_runs[thread_id]
 
     async def _forward(self, frames: trio.MemoryReceiveChannel[bytes], send: Send) -> None:
         while True:
@@ -430,6 +437,9 @@ def create_app(
             return await _thread_run(server, server.hub, run_input)
         if run_input.run_id in server.runs:
             return _error(409, "run_in_progress", f"run {run_input.run_id!r} is already running")
+        running = server.thread_runs.get(run_input.thread_id)
+        if running is not None:
+            return _error(409, "run_in_progress", f"thread {run_input.thread_id!r} is running {running!r}")
         known = {tool.name for tool in server.tools}
         tools_of_run = [*server.tools, *(tool for tool in run_input.tools if tool.name not in known)]
         ids = {"run_id": run_input.run_id, "thread_id": run_input.thread_id}
