@@ -171,6 +171,45 @@ async def test_auth_is_asked_for_every_request() -> None:
 
 
 @pytest.mark.parametrize(
+    ("header", "served"),
+    [
+        (b"Bearer s3cret-~!", True),
+        (b"bearer s3cret-~!", True),  # RFC 7235: the scheme is case-insensitive
+        (b"BEARER   s3cret-~!", True),
+        (b"Basic s3cret-~!", False),
+        (b"Bearer s3cret-~", False),
+        (b"Bearer s3cret-~!!", False),
+        (b"s3cret-~!", False),
+        (b"", False),
+        (b"Bearer s3cr\xe9t-~!", False),
+        (b"Bearer s3cret-~!\xc3\xa9", False),
+    ],
+)
+def test_a_bearer_token_is_matched_byte_for_byte_with_the_scheme_in_any_case(header: bytes, served: bool) -> None:
+    from starlette.requests import Request
+
+    request = Request({"type": "http", "headers": [(b"authorization", header)] if header else [], "method": "POST"})
+    assert bearer_token("s3cret-~!")(request) is served
+
+
+@pytest.mark.parametrize("secret", ["", "pässwort", "tök", "two words", "tab\there", "line\n"])
+def test_a_bearer_token_that_no_header_could_carry_as_sent_is_refused(secret: str) -> None:
+    # A secret above U+00FF could never match (header bytes are read as Latin-1, the secret was
+    # encoded as UTF-8), one in Latin-1 only in that encoding: neither could be relied on.
+    with pytest.raises(ta.ConfigError, match="token"):
+        bearer_token(secret)
+
+
+def test_serve_refuses_a_token_no_client_could_send(capsys: pytest.CaptureFixture[str]) -> None:
+    from trio_agent.__main__ import main
+
+    # Refused before anything is bound (this address could not be: a serve that took the token
+    # would end with status 1, not hang the test).
+    assert main(["serve", "--token", "pässwort", "--host", "256.0.0.1"]) == 2
+    assert "visible ASCII" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("option", "value"),
     [
         ("keep_alive", 0),

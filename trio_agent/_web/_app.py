@@ -125,13 +125,20 @@ def local_only(request: Request) -> bool:
 
 
 def bearer_token(token: str) -> Auth:
-    """Serve requests that carry ``Authorization: Bearer <token>`` (compared in constant time)."""
-    if not token:
-        raise ValueError("bearer_token() needs a non-empty token")
-    expected = f"Bearer {token}".encode()
+    """Serve requests that carry ``Authorization: Bearer <token>`` (the scheme in any case, as
+    RFC 7235 has it; the token compared in constant time, byte for byte). The token is visible
+    ASCII: a header's bytes have no agreed text encoding, so any other secret could match nothing
+    (or only what one client's encoding made of it)."""
+    if not isinstance(token, str) or not token:
+        raise ConfigError("bearer_token() needs a non-empty token")
+    if not all("!" <= char <= "~" for char in token):
+        raise ConfigError("a bearer token must be visible ASCII (no spaces, controls or other characters)")
+    expected = token.encode("ascii")
 
     def check(request: Request) -> bool:
-        return hmac.compare_digest(request.headers.get("authorization", "").encode(), expected)
+        # Starlette decodes header bytes as Latin-1: encoding back gives the bytes the client sent.
+        scheme, _, credentials = request.headers.get("authorization", "").encode("latin-1").partition(b" ")
+        return hmac.compare_digest(credentials.strip(b" \t"), expected) and scheme.lower() == b"bearer"
 
     return check
 
