@@ -223,6 +223,8 @@ def test_serve_refuses_a_token_no_client_could_send(capsys: pytest.CaptureFixtur
         ("buffer", True),
         ("max_body", 0),
         ("max_body", "x"),
+        ("body_timeout", 0),
+        ("body_timeout", float("inf")),
         ("max_paused", 0),
         ("max_paused", None),
     ],
@@ -631,6 +633,30 @@ async def test_a_client_that_sends_garbage_or_leaves_mid_body_breaks_nothing() -
             assert not reply or reply.startswith(b"HTTP/1.1 4"), reply[:200]
         assert app.state.agui.runs == {}
         events = await post_run(client, body())  # the server goes on serving
+        assert events[-1]["outcome"] == {"type": "success"}
+
+
+async def test_a_body_that_stalls_is_a_408_and_its_connection_is_let_go() -> None:
+    # A request whose body never came held its connection and its task for ever: Hypercorn bounds
+    # only the headers, and nothing bounded the body.
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], body_timeout=0.2)
+    async with running(app) as client:
+        url = httpx.URL(str(client.base_url))
+        assert url.host is not None and url.port is not None
+        head = (
+            b"POST /runs HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+        )
+        stream = await trio.open_tcp_stream(url.host, url.port)
+        async with stream:
+            await stream.send_all(head + b'{"threadId"')  # and then nothing more
+            with trio.fail_after(10):
+                reply = b""
+                while chunk := await stream.receive_some():  # to the end: the server closes it
+                    reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"] == "body_timeout"
+        assert app.state.agui.runs == {}
+        events = await post_run(client, body())  # a body that comes in time is served
         assert events[-1]["outcome"] == {"type": "success"}
 
 

@@ -4,15 +4,15 @@ Rules
 =====
 
 * ``POST /runs`` takes AG-UI's ``RunAgentInput`` (``application/json``, at most
-  ``max_body`` bytes) and answers ``text/event-stream``: the run's AG-UI events,
-  one SSE event each (`trio_agent.agui`). Before the stream starts, a request that
-  cannot run gets an HTTP error with a JSON body ``{"error": code, "message": ...,
-  "problems": [...]}``: 401 ``unauthorized``, 415 ``unsupported_media_type``, 413
-  ``body_too_large``, 400 ``invalid_json``, 422 ``invalid_input`` (every problem with
-  its JSON path) or ``invalid_answers``, 409 ``run_in_progress`` (a run id already
-  running, or another run of the thread: one at a time, so a pause never replaces another) or
-  ``nothing_to_resume``. Once streaming, a failure is one ``RUN_ERROR``
-  event and the stream ends.
+  ``max_body`` bytes, all of them within ``body_timeout`` seconds) and answers
+  ``text/event-stream``: the run's AG-UI events, one SSE event each (`trio_agent.agui`).
+  Before the stream starts, a request that cannot run gets an HTTP error with a JSON body
+  ``{"error": code, "message": ..., "problems": [...]}``: 401 ``unauthorized``, 415
+  ``unsupported_media_type``, 413 ``body_too_large``, 408 ``body_timeout``, 400
+  ``invalid_json``, 422 ``invalid_input`` (every problem with its JSON path) or
+  ``invalid_answers``, 409 ``run_in_progress`` (a run id already running, or another run of
+  the thread: one at a time, so a pause never replaces another) or ``nothing_to_resume``.
+  Once streaming, a failure is one ``RUN_ERROR`` event and the stream ends.
 * A stream has one terminal event (``RUN_FINISHED`` or ``RUN_ERROR``), its last: the
   run's own is held back until the run has ended (its terminal hooks and deferred
   functions ran), so what they emit comes before it and a pause is kept before its
@@ -165,6 +165,7 @@ class _Server:
         chat_options: Mapping[str, Any],
         keep_alive: float,
         max_body: int,
+        body_timeout: float,
         buffer: int,
         max_paused: int,
         signing_key: bytes,
@@ -174,6 +175,7 @@ class _Server:
         self.chat_options = dict(chat_options)
         self.keep_alive = keep_alive
         self.max_body = max_body
+        self.body_timeout = body_timeout
         self.buffer = buffer
         self.max_paused = max_paused
         self.signing_key = signing_key
@@ -374,6 +376,7 @@ def create_app(
     tools: Sequence[Tool[Any] | ClientTool] = (),
     keep_alive: float = 15.0,
     max_body: int = 1_000_000,
+    body_timeout: float = 30.0,
     buffer: int = 64,
     max_paused: int = 1_000,
     signing_key: bytes | None = None,
@@ -407,6 +410,7 @@ def create_app(
         chat_options=chat_options,
         keep_alive=validate_timeout(keep_alive, name="keep_alive"),
         max_body=validate_limit(max_body, name="max_body"),
+        body_timeout=validate_timeout(body_timeout, name="body_timeout"),
         buffer=validate_limit(buffer, name="buffer", minimum=0),
         max_paused=validate_limit(max_paused, name="max_paused"),
         signing_key=secrets.token_bytes(32) if signing_key is None else check_signing_key(signing_key),
@@ -424,7 +428,13 @@ def create_app(
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media != "application/json":
             return _error(415, "unsupported_media_type", f"POST a RunAgentInput as application/json, not {media!r}")
-        body = await _read_body(request, server.max_body)
+        # A deadline for the whole body: a client that stalls must not hold its connection and
+        # this task for ever (Hypercorn bounds only the headers; see _serve for its read_timeout).
+        body: bytes | None = None
+        with trio.move_on_after(server.body_timeout) as reading:
+            body = await _read_body(request, server.max_body)
+        if reading.cancelled_caught:
+            return _error(408, "body_timeout", f"the body did not arrive within {server.body_timeout:g} seconds")
         if body is None:
             return _error(413, "body_too_large", f"the body is larger than {server.max_body} bytes")
         try:

@@ -29,4 +29,7 @@ async def serve(
     config.errorlog = "-"
     config.graceful_timeout = 2.0
     config.keep_alive_timeout = 30.0
+    # read_timeout stays None: Hypercorn applies it to every read of the connection, a streaming
+    # response's too, so a client silent for that long (every SSE client: it only reads) would be
+    # disconnected and its run aborted. The app bounds a request body itself (`body_timeout`).
     await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
