@@ -154,6 +154,29 @@ async def test_a_paused_thread_shows_its_questions_and_resumes(tmp_path: Path) -
         assert again.status_code == 409 and again.json()["error"] == "nothing_to_resume"
 
 
+async def test_a_run_id_posted_again_with_other_input_is_refused_not_replayed(tmp_path: Path) -> None:
+    # A continuation reusing the paused run's runId was taken for a retry: the paused run's
+    # events were replayed and its answers dropped without a word (a new message likewise).
+    app = asking_app(tmp_path)
+    async with running(app) as client:
+        async with client.stream("POST", "/runs", json=body(run="r1")) as response:
+            paused = await read(response)
+        (interrupt,) = paused[-1]["outcome"]["interrupts"]
+        answer = [{"interruptId": interrupt["id"], "status": "resolved", "payload": {"approved": True}}]
+        for other in (body(run="r1", resume=answer), body("add 5 and 6", run="r1")):
+            refused = await client.post("/runs", json=other)
+            assert refused.status_code == 409 and refused.json()["error"] == "run_id_taken", refused.text
+        async with client.stream("POST", "/runs", json=body(run="r1")) as response:
+            assert await read(response) == paused  # a retry (the same input) is still replayed
+        async with client.stream("POST", "/runs", json=body(run="r2", resume=answer)) as response:
+            resumed = await read(response)  # the answers were not spent by the refused post
+        assert resumed[-1]["outcome"] == {"type": "success"} and texts(resumed) == "result: 3"
+        async with client.stream("POST", "/runs", json=body(run="r2", resume=answer)) as response:
+            assert await read(response) == resumed  # a continuation's retry is replayed too
+        refused = await client.post("/runs", json=body("add 5 and 6", run="r2"))
+        assert refused.status_code == 409 and refused.json()["error"] == "run_id_taken"
+
+
 async def test_the_stop_endpoint_stops_a_thread_run(tmp_path: Path) -> None:
     slow, started, _release = gated_tool("slow")
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow], threads=tmp_path / "t.db")

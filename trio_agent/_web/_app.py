@@ -643,7 +643,14 @@ async def _thread_run(server: _Server, hub: ThreadHub, run_input: RunInput) -> R
 def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_input: RunInput) -> Response:
     """The run's stream on the open ``thread`` (the request holds it), or why it cannot start."""
     run_id, live = run_input.run_id, thread.live
+    asked = _asked(run_input)
     if live is not None and live.run_id == run_id:
+        if live.input != asked:  # not a retry: answers or a new message would be dropped unseen
+            return _error(
+                409,
+                "run_id_taken",
+                f"run {run_id!r} of thread {run_input.thread_id!r} was asked something else: post a new runId",
+            )
         return _Follow(server, (), live)  # the same run again (a client coming back, a retry): replayed
     if run_id in server.runs:
         return _error(409, "run_in_progress", f"run {run_id!r} is already running")
@@ -693,9 +700,19 @@ def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_inpu
             del server.runs[run_id]
 
     live = start(done)
+    live.input = asked
     stop = live.request_stop
     server.runs[run_id] = stop
     return _Follow(server, (), live)
+
+
+def _asked(run_input: RunInput) -> object:
+    """What a thread's run is asked: its answers, or the text of its last message (a retry of the
+    run posts the same; the rest of the input is not read on a thread)."""
+    if run_input.resume:
+        return ("resume", run_input.resume)
+    last = run_input.messages[-1] if run_input.messages else None
+    return ("prompt", last.content if isinstance(last, UserMessage) else None)
 
 
 async def _thread_view(server: _Server, hub: ThreadHub, thread_id: str) -> Response:

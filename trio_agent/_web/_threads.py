@@ -80,6 +80,7 @@ class LiveRun:
     def __init__(self, run_id: str, history_len: int, *, max_bytes: int = RUN_BYTES) -> None:
         self.run_id = run_id
         self.history_len = history_len  # the session's messages before this run
+        self.input: object = None  # what the run was asked (its prompt or answers): a retry asks the same
         self.done = False
         self._frames: collections.deque[bytes] = collections.deque()
         self._first = 0  # the position of the oldest frame kept
