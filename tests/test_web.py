@@ -796,3 +796,17 @@ async def test_with_a_token_the_page_is_served_and_the_endpoints_ask_for_it() ->
         script = await client.get("/static/app.js")
         assert script.status_code == 200 and "Authorization" in script.text
         assert (await client.post("/runs", json=body())).status_code == 401
+
+
+@pytest.mark.parametrize("token", ["s3cret", "a+b", "x&token=y", "100%", "p=q#r", "~!$'()*,;:@/?"])
+def test_the_printed_page_address_hands_the_page_its_token_unchanged(token: str) -> None:
+    # The page reads the fragment with URLSearchParams, which turns '+' into a space and splits on
+    # '&': printed as it was, such a token reached the page as another and every request got 401.
+    import urllib.parse
+
+    from trio_agent._web._cli import page_address
+
+    page = page_address("http://127.0.0.1:8000", token)
+    assert page.startswith("http://127.0.0.1:8000/#")
+    assert urllib.parse.parse_qs(urllib.parse.urlsplit(page).fragment) == {"token": [token]}
+    assert page_address("http://127.0.0.1:8000", None) == "http://127.0.0.1:8000/"

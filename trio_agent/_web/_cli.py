@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import tempfile
+import urllib.parse
 from typing import Any
 
 import trio
@@ -59,6 +60,12 @@ def run_serve(
     return 0
 
 
+def page_address(bind: str, token: str | None) -> str:
+    """The chat page's address; with a token, in the fragment as the page reads it back
+    (``URLSearchParams``: a ``+`` or ``&`` in the token is escaped, or the page would get another)."""
+    return f"{bind}/#{urllib.parse.urlencode({'token': token})}" if token else f"{bind}/"
+
+
 async def _serve(
     *, host: str, port: int, provider: str | None, model: str | None, token: str | None, journal: str
 ) -> None:
@@ -80,5 +87,5 @@ async def _serve(
         app = create_app(chosen, auth=auth, tools=tools, threads=store, **options)
         binds = await nursery.start(functools.partial(serve, app, host=host, port=port))
         for bind in binds:
-            page = f"{bind}/#token={token}" if token else f"{bind}/"
+            page = page_address(bind, token)
             print(f"chat page on {page} (AG-UI at {bind}/runs; threads in {journal}); Ctrl-C stops", flush=True)
