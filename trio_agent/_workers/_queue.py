@@ -50,8 +50,9 @@ DEFAULT_INBOX_RETENTION = 7 * 24 * 3600.0
 
 DEFAULT_MAX_PROMPT_BYTES = 1_000_000
 """The largest prompt a submission takes by default: bytes of its text as JSON writes it (UTF-8,
-with JSON's escapes: a control character is six bytes). What the web server's ``max_body`` admits
-by default; `submit`, `Submitter` and `serve_sessions` take ``max_prompt_bytes``."""
+with JSON's escapes: a newline or a tab two bytes, another control character six). What the web
+server's ``max_body`` admits by default; `submit`, `Submitter` and `serve_sessions` take
+``max_prompt_bytes``."""
 
 _Conn = psycopg.Connection[TupleRow]
 
