@@ -414,21 +414,28 @@ def _response_problem(response: ModelResponse) -> str | None:
         if base is None:
             return f"message.parts[{number}] is {_what(part)}, not a TextPart, ReasoningPart or ToolCallPart"
         for name, optional in _PART_FIELDS[base]:
-            value = getattr(part, name)
-            if not isinstance(value, str) and not (optional and value is None):
-                return f"message.parts[{number}].{name} is {_what(value)}, not a str{' or None' if optional else ''}"
+            problem = _not_text(getattr(part, name), optional)
+            if problem is not None:
+                return f"message.parts[{number}].{name} is {problem}"
     reason = response.finish_reason
     if not isinstance(reason, FinishReason):
         return f"finish_reason is {_what(reason)}, not a FinishReason"
     for name, optional in _RESPONSE_STRINGS:
-        value = getattr(response, name)
-        if not isinstance(value, str) and not (optional and value is None):
-            return f"{name} is {_what(value)}, not a str{' or None' if optional else ''}"
+        problem = _not_text(getattr(response, name), optional)
+        if problem is not None:
+            return f"{name} is {problem}"
     usage = response.usage
     if not isinstance(usage, Usage):
         return f"usage is {_what(usage)}, not a Usage"
     problem = _usage_problem(usage)
     return None if problem is None else f"usage.{problem}"
+
+
+def _not_text(value: object, optional: bool) -> str | None:
+    """What *value* is when it is no str (nor None, where *optional*), for a message; else None."""
+    if isinstance(value, str) or (optional and value is None):
+        return None
+    return f"{_what(value)}, not a str{' or None' if optional else ''}"
 
 
 def _told(exc: BaseException) -> str:

@@ -636,12 +636,16 @@ class _RunEvents:
     async def _call_shown(self, event: Any) -> None:
         request = self.request
         if request.sink is not discard:
-            use = ToolUseEvent(self.agent_id, event.call_id, event.tool_name, event.input)
-            running = request.running_calls
-            if running is None:
-                running = request.running_calls = {}
-            running[event.call_id] = use
-            await request.sink(use)
+            await request.sink(self._running_use(request, event))
+
+    def _running_use(self, request: _Request, event: Any) -> ToolUseEvent:
+        """The reader's `ToolUseEvent` of a call, kept among the request's running calls until its result."""
+        use = ToolUseEvent(self.agent_id, event.call_id, event.tool_name, event.input)
+        running = request.running_calls
+        if running is None:
+            running = request.running_calls = {}
+        running[event.call_id] = use
+        return use
 
     async def _tool_progress(self, event: Any) -> None:
         request = self.request
@@ -679,12 +683,7 @@ class _RunEvents:
         request.call_ids.append(event.call_id)
         self.call_origins[event.call_id] = request.request_id
         if request.sink is not discard:
-            use = ToolUseEvent(self.agent_id, event.call_id, event.tool_name, event.input)
-            running = request.running_calls
-            if running is None:
-                running = request.running_calls = {}
-            running[event.call_id] = use
-            await request.sink(use)
+            await request.sink(self._running_use(request, event))
 
 
 _Handlers = dict[type, Callable[[_RunEvents, Any], Awaitable[None]]]
