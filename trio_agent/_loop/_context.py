@@ -36,6 +36,7 @@ class RunContext:
 
     __slots__ = (
         "_abort",
+        "_capabilities",
         "_deferred",
         "_events",
         "_messages",
@@ -43,7 +44,6 @@ class RunContext:
         "_retry_requested",
         "agent_id",
         "can_pause",
-        "capabilities",
         "chunk_index",
         "iteration",
         "metadata",
@@ -78,13 +78,21 @@ class RunContext:
         self.chunk_index = 0
         self.metadata: dict[str, Any] = metadata or {}
         self.state: dict[str, Any] = {}  # per-run scratch space for middleware
-        self.capabilities = CapabilityRegistry()  # per-run capability values (ctx.get / ctx.provide)
+        self._capabilities: CapabilityRegistry | None = None  # made on first use: most runs provide none
         self._abort = abort
         self._events = events
         self._messages = messages
-        self._deferred: list[Callable[[], Awaitable[object]]] = []
+        self._deferred: list[Callable[[], Awaitable[object]]] | tuple[()] = ()  # a list from the first defer()
         self._retry_open = False
         self._retry_requested = False
+
+    @property
+    def capabilities(self) -> CapabilityRegistry:
+        """The run's capability values (``ctx.get`` / ``ctx.provide``)."""
+        registry = self._capabilities
+        if registry is None:
+            registry = self._capabilities = CapabilityRegistry()
+        return registry
 
     @property
     def messages(self) -> Sequence[Message]:
@@ -119,7 +127,10 @@ class RunContext:
         """Run ``await fn()`` after the run ended (after its terminal hook); failures are logged."""
         if not callable(fn):
             raise ConfigError(f"defer() takes a function to call later, got {fn!r}")
-        self._deferred.append(fn)
+        if self._deferred:
+            self._deferred.append(fn)
+        else:
+            self._deferred = [fn]
 
     async def emit_custom(self, name: str, value: object = None) -> None:
         """Put a custom event on the run's stream."""
@@ -145,7 +156,7 @@ class RunContext:
 
     async def run_deferred(self) -> None:
         """Run every deferred function (in order, each isolated: a failure is logged)."""
-        deferred, self._deferred = self._deferred, []
+        deferred, self._deferred = self._deferred, ()
         for fn in deferred:
             try:
                 await fn()

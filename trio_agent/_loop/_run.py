@@ -290,7 +290,7 @@ class _Run:
         self._history: Sequence[Message] = ()  # the history view `_config` handed out last
         self._configures = defines(hooks, "on_config")
         self._metadata: dict[str, Any] | None = None  # `_config`'s copy of the run's model metadata
-        self.turn_inputs: list[str] = []  # what joined the current turn (kept by a pause before the model)
+        self.turn_inputs: Sequence[str] = ()  # what joined the current turn (kept by a pause before the model)
         self.turn_finish: FinishReason | None = None  # why the current turn's reply finished
         self.approved: dict[str, dict[str, Any]] = {}  # call id -> the arguments a person approved
         self._discards = False  # set by `run_agent_loop` (see there), as is:

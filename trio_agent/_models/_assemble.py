@@ -130,7 +130,7 @@ class ReplyAssembler:
     def __init__(self, *, reserved: Collection[str] = ()) -> None:
         self._reserved = reserved  # only asked `in`: a long conversation's ids are never copied
         self._text: list[str] = []
-        self._reasoning: list[ReasoningPart] = []
+        self._reasoning: list[ReasoningPart] | tuple[()] = ()  # made by the first reasoning part
         self._reasoning_text: list[str] | None = None  # the part being built, None when none is
         self._started: dict[int, ToolCallStart] = {}
         self._ended: dict[int, ToolCallEnd] = {}
@@ -181,11 +181,17 @@ class ReplyAssembler:
         if chunk.redacted_data is not None:
             if self._reasoning_text is not None:
                 self._close_reasoning(None)
-            self._reasoning.append(ReasoningPart("", redacted_data=well_formed(chunk.redacted_data)))
+            self._add_reasoning(ReasoningPart("", redacted_data=well_formed(chunk.redacted_data)))
+
+    def _add_reasoning(self, part: ReasoningPart) -> None:
+        if self._reasoning:
+            self._reasoning.append(part)
+        else:
+            self._reasoning = [part]
 
     def _close_reasoning(self, signature: str | None) -> None:
         assert self._reasoning_text is not None
-        self._reasoning.append(ReasoningPart(well_formed("".join(self._reasoning_text)), _optional(signature)))
+        self._add_reasoning(ReasoningPart(well_formed("".join(self._reasoning_text)), _optional(signature)))
         self._reasoning_text = None
 
     def finish(self) -> ModelReply:
