@@ -42,6 +42,32 @@ async def test_failing_journal_checks_names_assigned_later_and_fails_on_the_ones
 
 
 @pytest.mark.parametrize(
+    "change",
+    [
+        lambda points: points.add("setled"),
+        lambda points: points.update({"started"}, ["Settled"]),
+        lambda points: points.__ior__({"setled"}),
+        lambda points: points.symmetric_difference_update(["setled"]),
+        lambda points: points.__ixor__({"setled"}),
+    ],
+)
+async def test_failing_journal_checks_names_added_in_place(change: Any) -> None:
+    # `fail_on.add("setled")` made a journal that silently never failed.
+    journal = FailingJournal("scheduled")
+    with pytest.raises(ConfigError, match=r"not '(Settled|setled)'"):
+        change(journal.fail_on)
+    assert journal.fail_on == {"scheduled"}  # a refused name changes nothing
+    journal.fail_on.add("settled")
+    journal.fail_on |= {"started"}
+    assert journal.fail_on == {"scheduled", "started", "settled"}
+    journal.fail_on.discard("scheduled")
+    journal.fail_on ^= {"started"}
+    assert journal.fail_on == {"settled"}
+    with pytest.raises(SettlementError, match="injected failure writing the settlement"):
+        await call_tool(ToolPipeline([echo], journal=journal), "echo", {"a": 1})
+
+
+@pytest.mark.parametrize(
     ("mode", "count", "named"),
     [
         ("boom", 1, r"unknown fault mode 'boom'"),

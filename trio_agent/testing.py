@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Set as AbstractSet
+from typing import Any, Self
 
 import attrs
 
@@ -84,15 +85,34 @@ async def call_tool(
 _FAILURE_POINTS = ("scheduled", "started", "settled")
 
 
-def _failure_points(names: Iterable[object]) -> set[str]:
-    """*names* as `FailingJournal`'s set; a name it never checks is a `ConfigError`, not a
-    journal that silently never fails (``"setled"``)."""
-    points: set[str] = set()
-    for name in names:
-        if not isinstance(name, str) or name not in _FAILURE_POINTS:
-            raise ConfigError(f"FailingJournal fails on {', '.join(map(repr, _FAILURE_POINTS))}, not {safe_repr(name)}")
-        points.add(name)
-    return points
+def _failure_point(name: object) -> str:
+    """*name*, if `FailingJournal` checks it; else a `ConfigError`, not a journal that silently
+    never fails (``"setled"``)."""
+    if not isinstance(name, str) or name not in _FAILURE_POINTS:
+        raise ConfigError(f"FailingJournal fails on {', '.join(map(repr, _FAILURE_POINTS))}, not {safe_repr(name)}")
+    return name
+
+
+class _FailurePoints(set[str]):
+    """`FailingJournal.fail_on`: a set whose every way of adding a name checks it (``fail_on.add``
+    too, not only an assignment). A refused name changes nothing."""
+
+    def add(self, name: str) -> None:
+        super().add(_failure_point(name))
+
+    def update(self, *others: Iterable[str]) -> None:
+        super().update([_failure_point(name) for other in others for name in other])
+
+    def __ior__(self, other: AbstractSet[str]) -> Self:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+    def symmetric_difference_update(self, other: Iterable[str]) -> None:
+        super().symmetric_difference_update([_failure_point(name) for name in other])
+
+    def __ixor__(self, other: AbstractSet[str]) -> Self:  # type: ignore[override,misc]
+        self.symmetric_difference_update(other)
+        return self
 
 
 class FailingJournal(InMemoryToolJournal):
@@ -108,7 +128,7 @@ class FailingJournal(InMemoryToolJournal):
 
     @property
     def fail_on(self) -> set[str]:
-        return self._fail_on
+        return self._fail_on  # a _FailurePoints: fail_on.add("setled") is refused as well
 
     @fail_on.setter
     def fail_on(self, names: Iterable[str]) -> None:
@@ -116,7 +136,7 @@ class FailingJournal(InMemoryToolJournal):
             names = (names,)
         elif not isinstance(names, Iterable):
             raise ConfigError(f"FailingJournal.fail_on must be a set of names, got {safe_repr(names)}")
-        self._fail_on = _failure_points(names)
+        self._fail_on = _FailurePoints(map(_failure_point, names))
 
     async def on_tool_scheduled(self, call: ScheduledCall) -> None:
         if "scheduled" in self.fail_on:
