@@ -40,6 +40,8 @@ Runs, in one process and interleaved round by round:
 Prints a table and, as the last line, one JSON object. ``--short`` runs a quick version;
 ``--writers 100`` (or ``1,100``...) measures only those writer counts. ``--progress`` (the default
 when stderr is a terminal) writes a line per writer count and section to stderr; see ``_progress.py``.
+The exit status is 1 when the PostgreSQL rows failed (a broken store is reported, never measured as
+skipped); a PostgreSQL that is not there is skipped with status 0.
 """
 
 from __future__ import annotations
@@ -951,6 +953,9 @@ def main(argv: list[str] | None = None) -> int:
     figures["load_before"] = round(load_before, 2)
     figures["load_after"] = round(load_after, 2)
     print(json.dumps(figures))
+    if pg_failed is not None:
+        print(f"journal: the PostgreSQL rows {pg_failed}", file=sys.stderr)
+        return 1
     return 0
 
 
