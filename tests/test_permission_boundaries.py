@@ -232,6 +232,18 @@ async def test_chat_refuses_a_content_rule_that_can_never_match_before_anything_
     assert (ran, model.requests) == ([], [])
 
 
+@pytest.mark.parametrize("as_object", [False, True], ids=["mapping", "PermissionRules"])
+async def test_chat_refuses_a_path_rule_not_in_normal_form_before_anything_runs(as_object: bool) -> None:
+    # The call's content is normalised (./.env is .env), the rule was not: it never matched.
+    ran: list[str] = []
+    tool = _writer(ran, {"file_path": {"type": "string"}})
+    model = TestModel(script={"go": [Reply(tool_calls=[("write", {"file_path": "./.env"})]), Reply(text="done")]})
+    rules: Any = PermissionRules(deny=["write:./.env"]) if as_object else {"deny": ["write:./.env"]}
+    with pytest.raises(ConfigError, match=r"'write:\./\.env' can never match as written.*write 'write:\.env'"):
+        await chat(model, "go", tools=[tool], permissions=rules, permission_mode="bypass")
+    assert (ran, model.requests) == ([], [])
+
+
 async def test_chat_takes_a_content_rule_for_a_tool_whose_calls_have_content() -> None:
     ran: list[str] = []
     tool = _writer(ran, {"file_path": {"type": "string"}})

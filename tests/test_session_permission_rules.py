@@ -321,6 +321,65 @@ async def test_a_content_rule_for_a_tool_without_content_rejects_the_session(kin
         pass
 
 
+@pytest.mark.parametrize("kind", ["allow", "ask", "deny"])
+@pytest.mark.parametrize(
+    ("rule", "normal"),
+    [
+        ("Read:./.env", "Read:.env"),  # the call ./.env has the content .env: this rule never matched it
+        ("Read:/home/u//.ssh/k", "Read:/home/u/.ssh/k"),
+        ("Read:/home/x/../u/.ssh/*", "Read:/home/u/.ssh/*"),  # a prefix: judged on its literal part
+        ("Read://etc/*", "Read:/etc/*"),
+        ("Read: .env", "Read:.env"),  # the field is stripped
+        ("Read:./*", "Read"),  # no normal path starts with ./
+        ("Bash: rm *", "Bash:rm *"),
+    ],
+)
+async def test_a_content_rule_not_in_the_form_of_call_content_rejects_the_session(
+    kind: str, rule: str, normal: str
+) -> None:
+    # Call content is stripped and a path normalised; the rule was kept as written, so
+    # deny: ["Read:./.env"] let Read {"file_path": "./.env"} run.
+    model = TestModel(default=Reply(text="never"))
+    ran: list[tuple[str, dict[str, Any]]] = []
+    with pytest.raises(ConfigError, match="can never match as written") as info:
+        async with open_session(provider=model, tools=workbench(ran), permissions={kind: [rule]}):
+            pytest.fail("must not start")  # pragma: no cover
+    assert f"permissions.{kind} rule {rule!r}" in str(info.value) and f"write {normal!r}" in str(info.value)
+    assert (ran, model.requests) == ([], [])
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        "Read:.env",
+        "Read:/etc/ssh/",  # a trailing / stays in normal form
+        "Read:/etc/ssh/*",
+        "Read:src/.*",  # the last segment may be cut short: src/.env, src/.git/...
+        "Read:/tmp/..*",
+        "Read:../*",
+        "Read:.",
+        "Bash:git status*",
+        "Bash:rm  -rf *",  # inner whitespace is not touched
+        "Task: x",  # content from signature_content=: its function decides the form
+        "Other:./x",  # not a tool of the session
+    ],
+)
+async def test_a_content_rule_in_the_form_of_call_content_is_accepted(rule: str) -> None:
+    async with open_session(
+        provider=TestModel(default=Reply(text="-")), tools=workbench([]), permissions={"deny": [rule]}
+    ):
+        pass
+
+
+async def test_a_path_rule_spelled_as_the_call_is_now_refused_rather_than_letting_the_call_run() -> None:
+    # The reviewer's repro: the rule './.env' and the call './.env' looked alike but never matched.
+    calls = [("Read", {"file_path": "./.env"}), ("Read", {"file_path": ".env"})]
+    with pytest.raises(ConfigError, match=r"'Read:\./\.env' can never match as written"):
+        await run_calls(calls, permissions={"deny": ["Read:./.env"]}, permission_mode="bypass")
+    ran, _, _ = await run_calls(calls, permissions={"deny": ["Read:.env"]}, permission_mode="bypass")
+    assert [inp for name, inp in ran if name == "Read"] == []  # both spellings denied
+
+
 # -- the tool's own check (define_tool(check_permissions=)) ------------------------------------------
 
 

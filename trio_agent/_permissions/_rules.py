@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeAlias
 import attrs
 
 from .._errors import ConfigError
-from .._tools._definition import Tool, ToolKind
+from .._tools._definition import _PATH_FIELDS, Tool, ToolKind, normal_path
 from .._tools._results import JsonObject
 from .._util import safe_repr
 
@@ -231,6 +231,54 @@ def _rule_texts(value: Iterable[str] | None) -> tuple[str, ...]:
         raise ConfigError(f"permission rules must be a list of rule strings, got {value!r}") from None
 
 
+def _unreachable(rule: Rule, tool: Tool[Any]) -> str | None:
+    """Why the content rule *rule* cannot match a call of *tool* as written, or ``None``.
+
+    Judged only where the library makes the content: the tool's conventional field (no
+    ``signature_content``, `Tool.signature_content_for` not overridden), whose value is stripped
+    and, for a path field, normalised (`normal_path`). The call's content is always in that form,
+    so an exact rule's content must be too (``Read:./.env`` never matches ``./.env``, whose
+    content is ``.env``). A prefix rule's literal part is judged with a segment appended: its
+    last segment may be cut short (``Read:src/.*`` means ``src/.env`` and the like, though
+    ``src/.`` alone is ``src``), but whatever comes before it must be normal (``Read:./src/*``
+    and ``Read:a//*`` match no path in normal form)."""
+    field = tool.signature_field
+    if (
+        rule.content is None
+        or field is None
+        or tool.signature_content is not None
+        or type(tool).signature_content_for is not Tool.signature_content_for
+    ):
+        return None
+    path = field in _PATH_FIELDS
+
+    def form(text: str) -> str:
+        stripped = text.strip()
+        return normal_path(stripped) if path and stripped else stripped
+
+    if rule.content_prefix:
+        probe = rule.content + "x"  # a segment name: never '.' or '..', never stripped
+        literal, normal = rule.content, form(probe)[:-1]
+        if normal + "x" == probe:
+            return None
+        suggestion = f"{tool.name}:{normal}*" if normal else tool.name
+    else:
+        literal, normal = rule.content, form(rule.content)
+        if normal == literal:
+            return None
+        suggestion = f"{tool.name}:{normal}" if normal else tool.name
+    made = "stripped of surrounding whitespace"
+    if path:
+        made += " and normalised ('.' and '..' segments and repeated separators resolved)"
+    what = "prefix" if rule.content_prefix else "content"
+    became = f"is {normal!r}" if normal else "is empty"
+    return (
+        f"can never match as written: the signature content of a {tool.name!r} call is its {field!r} "
+        f"field {made}, and the rule's {what} {literal!r} is not in that form (in that form it {became}); "
+        f"write {suggestion!r}{'' if normal else ' to cover every call'}"
+    )
+
+
 @attrs.frozen
 class RuleMatch:
     """The rule that decided, and how."""
@@ -298,19 +346,26 @@ class PermissionRules:
         return None
 
     def check_tools(self, tools: Iterable[Tool[Any]]) -> None:
-        """`ConfigError` for a ``Name:content`` rule naming one of *tools* whose calls have no
-        signature content: it could never match (a deny rule that never denies anything)."""
+        """`ConfigError` for a ``Name:content`` rule naming one of *tools* that could never match
+        as written (a deny rule that never denies anything): the tool's calls have no signature
+        content, or the content comes from its conventional field (stripped, and a path
+        normalised: `normal_path`) and the rule's content is not in that form (`_unreachable`)."""
         by_name = {tool.name: tool for tool in tools}
         for behavior in (RuleBehavior.DENY, RuleBehavior.ALLOW, RuleBehavior.ASK):
             for rule in self._parsed[behavior]:
                 tool = None if rule.tool_prefix or rule.content is None else by_name.get(rule.tool)
-                if tool is not None and not tool.has_signature_content:
+                if tool is None:
+                    continue
+                if not tool.has_signature_content:
                     raise ConfigError(
                         f"permissions.{behavior.value} rule {rule.text!r} can never match: calls of tool "
                         f"{tool.name!r} have no signature content (give define_tool(signature_content=...), or "
                         "declare a 'command', 'file_path', 'path' or 'url' string property); write "
                         f"{tool.name!r} to cover every call"
                     )
+                problem = _unreachable(rule, tool)
+                if problem is not None:
+                    raise ConfigError(f"permissions.{behavior.value} rule {rule.text!r} {problem}")
 
     def match(self, signature: str, *, shell: bool = True) -> RuleMatch | None:
         """The deciding rule for *signature*, as the engine's rule stages decide: the first deny

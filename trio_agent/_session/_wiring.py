@@ -25,7 +25,9 @@ updates and journal, and the agents' allowlists.
 * Checks that reject the session (`ConfigError`) or warn before it starts:
   model middleware that does not define ``wrap_stream`` (sessions stream every
   model turn, so it would never run); a ``Name:content`` rule naming a tool
-  whose calls have no signature content (it could never match); one WARNING
+  whose calls have no signature content, or whose content is not in the form
+  the tool's call content takes (stripped, a path normalised: it could never
+  match; `PermissionRules.check_tools`); one WARNING
   on the ``trio_agent.permissions`` logger per tool whose calls will all be
   denied (`PermissionEngine.never_allowed`).
 """
