@@ -57,7 +57,15 @@ from trio_agent._session._hooks import (
     typed_input,
 )
 from trio_agent.testing import call_tool
-from trio_agent.tools import AbortHandle, InMemoryToolJournal, SettlementStatus, ToolPipeline, ToolStages
+from trio_agent.tools import (
+    AbortHandle,
+    InMemoryToolJournal,
+    SettlementStatus,
+    Skip,
+    StageRequest,
+    ToolPipeline,
+    ToolStages,
+)
 
 # -- helpers -------------------------------------------------------------------
 
@@ -797,6 +805,37 @@ async def test_stages_without_hooks_change_nothing() -> None:
     record = await call_tool(pipeline_with(HookRunner(HookRegistry()), echo_tool(runs), journal), "echo", {"q": "a"})
     assert record.result == ToolResult.success("echo:a", metadata={"m": 1})
     assert runs.inputs == [{"q": "a"}]
+
+
+@pytest.mark.parametrize("skipped", [ToolResult.success("cached"), ToolResult.failure(ToolErrorType.EXECUTION, "no")])
+async def test_post_tool_stage_passes_a_before_stage_skip_by(skipped: ToolResult) -> None:
+    # A before stage's Skip goes through the post_tool stages with tool_ran=False: the tool never
+    # ran, so neither PostToolUse nor PostToolUseFailure may see it (a later post stage still does).
+    runs, fired, seen = Runs(), [], []
+    registry = HookRegistry(
+        {
+            HookEvent.PRE_TOOL_USE: [named("pre", HookOutput.context("pre-ctx"))],
+            HookEvent.POST_TOOL_USE: [named("post", HookOutput.modify(output="hooked"), fired)],
+            HookEvent.POST_TOOL_USE_FAILURE: [named("failure", HookOutput.modify(output="hooked"), fired)],
+        }
+    )
+    runner = HookRunner(registry)
+
+    async def skip(request: StageRequest) -> Skip | None:
+        return Skip(skipped) if request.input["q"] == "skip" else None
+
+    async def after(request: StageRequest, result: ToolResult) -> None:
+        seen.append((request.input["q"], request.tool_ran))
+
+    stages = ToolStages(pre_tool=[pre_tool_stage(runner)], before=[skip], post_tool=[post_tool_stage(runner), after])
+    pipeline = ToolPipeline([echo_tool(runs)], stages=stages, journal=InMemoryToolJournal())
+    record = await call_tool(pipeline, "echo", {"q": "skip"}, call_id="c1")
+    assert (runs.inputs, fired, seen) == ([], [], [("skip", False)])
+    assert record.result.output == f"{skipped.output}\npre-ctx"  # PreToolUse ran; its context stays
+    assert record.result.ok is skipped.ok and len(runner._pending_context) == 0
+    record = await call_tool(pipeline, "echo", {"q": "run"}, call_id="c2")
+    assert (runs.inputs, fired, seen[1:]) == ([{"q": "run"}], ["post"], [("run", True)])
+    assert record.result.output == "hooked\npre-ctx"
 
 
 # -- PostToolUse / PostToolUseFailure through a real pipeline ---------------------------------

@@ -37,6 +37,7 @@ from trio_agent import (
     SubagentDefinition,
     Tool,
     ToolContext,
+    ToolErrorType,
     ToolFailure,
     ToolResult,
     ToolResultEvent,
@@ -60,6 +61,8 @@ from trio_agent._journal._events import (
 )
 from trio_agent._session._plugins import MiddlewareConfig
 from trio_agent.journal import MemoryStore
+from trio_agent.lifecycle import ChatMiddleware
+from trio_agent.lifecycle import Skip as LifecycleSkip
 from trio_agent.models import ModelRequest, StreamChunk, SystemMessage, ToolResultMessage
 from trio_agent.plugins import HookAbortedError, HookReturnError, HookTimeoutError
 from trio_agent.testing import Reply, TestModel
@@ -804,6 +807,53 @@ async def test_post_tool_use_failure_sees_the_error_and_may_rewrite_its_output()
     assert message.is_error and message.content == "Error: the tool failed; try another input"
     [result_event] = [e for e in seen if isinstance(e, ToolResultEvent)]
     assert result_event.result.error is not None  # still the same error
+
+
+class SkipUnlessRun(ChatMiddleware):
+    """Answers every call but ``x == "run"`` itself (the tool never runs): an error for ``x == "err"``."""
+
+    def __init__(self) -> None:
+        self.after: list[tuple[str, bool]] = []
+
+    def on_before_tool_call(self, ctx: Any, call: Any) -> Any:
+        if call.args.get("x") == "run":
+            return None
+        if call.args.get("x") == "err":
+            return LifecycleSkip(ToolResult.failure(ToolErrorType.EXECUTION, "cached failure"))
+        return LifecycleSkip("cached")
+
+    def on_after_tool_call(self, ctx: Any, info: Any) -> None:
+        self.after.append((info.args["x"], info.ok))
+
+
+async def test_post_tool_hooks_do_not_run_for_a_call_on_before_tool_call_skipped() -> None:
+    # docs/hooks.md: PostToolUse runs when the tool returned a success, PostToolUseFailure for
+    # errors the tool produced; a Skip's result (ok or error) fired them though the tool never ran.
+    ran: list[Any] = []
+    fired: list[tuple[str, Any]] = []
+
+    async def post(inp: HookInput) -> None:
+        fired.append((inp.event.value, inp.tool_input))
+
+    async def note(inp: HookInput) -> HookOutput:
+        return HookOutput.context("pre-note")
+
+    skipper = SkipUnlessRun()
+    calls = [("echo", {"x": "a"}), ("echo", {"x": "err"}), ("echo", {"x": "run"})]
+    model = TestModel({"go": [Reply(tool_calls=calls), Reply(text="done")]})
+    hooks = {HookEvent.PRE_TOOL_USE: [note], HookEvent.POST_TOOL_USE: [post], HookEvent.POST_TOOL_USE_FAILURE: [post]}
+    async with open_session(provider=model, tools=[make_tool("echo", ran)], lifecycle=[skipper], hooks=hooks) as s:
+        await s.send("go")
+    assert [inp for _, _, inp in ran] == [{"x": "run"}]
+    assert fired == [("post_tool_use", {"x": "run"})]  # only the call the tool ran
+    assert sorted(skipper.after) == [("a", True), ("err", False), ("run", True)]  # the lifecycle hook still runs
+    messages = tool_results(model.requests[1])
+    # The skip's result reaches the model as given, with the PreToolUse context that ran before the skip.
+    assert [(m.content, m.is_error) for m in messages] == [
+        ("cached\npre-note", False),
+        ("Error: cached failure\npre-note", True),
+        ("echo:run\npre-note", False),
+    ]
 
 
 @pytest.mark.parametrize("behaviour", ["raises", "garbage"])

@@ -920,6 +920,9 @@ def _add_context(result: ToolResult, texts: tuple[str, ...], **metadata: Any) ->
 def post_tool_stage(runner: HookRunner) -> PostStage:
     """A ``post_tool`` stage running PostToolUse (ok results) or PostToolUseFailure (error results).
 
+    Both run only when the tool ran (`StageRequest.tool_ran`): a result a ``before`` stage gave
+    by skipping the call (``on_before_tool_call`` returning ``Skip``) passes them by.
+
     PostToolUse: ``modified_output`` replaces the output; abort turns the result
     into an ``execution`` error (code ``hook_abort``); a raising, garbage-returning
     or late hook fails closed: an ``execution`` error (``hook_error`` /
@@ -940,7 +943,8 @@ def post_tool_stage(runner: HookRunner) -> PostStage:
     async def post_tool_use(request: StageRequest, result: ToolResult) -> ToolResult | None:
         pre_context = runner._take_context(request.context)
         event = HookEvent.POST_TOOL_USE if result.ok else HookEvent.POST_TOOL_USE_FAILURE
-        if not runner.has_hooks(event):
+        # Only for a call the tool ran: a before stage's Skip (on_before_tool_call) is no tool result.
+        if not request.tool_ran or not runner.has_hooks(event):
             return _add_context(result, pre_context) if pre_context else None
         tool = request.tool.name
         try:

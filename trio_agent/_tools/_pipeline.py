@@ -1074,7 +1074,9 @@ class ToolPipeline:
         success becomes its ``hook_error``, the output withheld (a redaction that failed never passes
         the raw output on); an error result stays as it is."""
         for callback in state.stages.post_tool:
-            request = StageRequest(state.tool, final_input, state.ctx, state.behavior if behavior is None else behavior)
+            request = StageRequest(
+                state.tool, final_input, state.ctx, state.behavior if behavior is None else behavior, ran
+            )
             try:
                 replaced = await callback(request, result)
             except BaseException as exc:

@@ -37,12 +37,17 @@ _Request = TypeVar("_Request")
 
 @attrs.frozen
 class StageRequest:
-    """What a stage callback sees: the tool, the current input, the context and the resolved behaviour."""
+    """What a stage callback sees: the tool, the current input, the context and the resolved behaviour.
+
+    ``tool_ran`` is true only for a ``post_tool`` stage after the tool itself ran; a post stage
+    that sees a before stage's `Skip` result (the tool never ran) gets false, as every earlier
+    stage does."""
 
     tool: Tool[object]
     input: JsonObject
     context: ExecutionContext
     behavior: ToolBehavior
+    tool_ran: bool = False
 
 
 @attrs.frozen
