@@ -512,3 +512,28 @@ def test_a_plugin_built_directly_is_checked_as_define_plugin_checks_it(fields: d
     plugin = Plugin(**parts)
     assert (plugin.name, plugin.middleware, plugin.tools, plugin.source_id) == ("x", MiddlewareConfig(), (), "plugin:x")
     assert Plugin(**{**parts, "tools": [make_tool("t")]}).tools[0].name == "t"  # a list is kept, as a tuple
+
+
+async def _stop_hook(inp: HookInput) -> None:
+    return None
+
+
+@pytest.mark.parametrize(
+    "source", ["session", "plugin:y", "builtin"], ids=["default-session", "another-plugin", "other"]
+)
+def test_a_plugin_built_directly_refuses_hooks_of_another_source(source: str) -> None:
+    # docs/plugins.md: hooks is a HookRegistry whose source is "plugin:<name>"; a registry of another
+    # source was taken, and its hooks' failures and decisions named the wrong owner.
+    own = HookRegistry({HookEvent.STOP: [_stop_hook]}, source="plugin:x")
+    other = HookRegistry({HookEvent.PRE_TOOL_USE: [_stop_hook]}, source=source)
+    match = rf"plugin 'x': hooks must be a HookRegistry with source 'plugin:x', .* of PreToolUse has source '{source}'"
+    for hooks in (other, HookRegistry.combine(own, other)):
+        with pytest.raises(ConfigError, match=match):
+            Plugin("x", MiddlewareConfig(), hooks, ())
+    plugin = Plugin("x", MiddlewareConfig(), own, ())
+    assert [entry.source for entry in plugin.hooks.for_event(HookEvent.STOP)] == ["plugin:x"]
+    assert Plugin("x", MiddlewareConfig(), HookRegistry(), ()).hooks.events == frozenset()  # empty: any source
+    # Renaming a plugin that has hooks would leave them named after the old one.
+    with pytest.raises(ConfigError, match="source 'plugin:z'"):
+        attrs.evolve(plugin, name="z")
+    assert attrs.evolve(define_plugin(name="x"), name="z").source_id == "plugin:z"

@@ -171,8 +171,9 @@ class Plugin:
     """A validated plugin. Build one with `define_plugin`.
 
     Built directly (or with `attrs.evolve`), it is checked the same way: a bad name, middleware
-    that is not a `MiddlewareConfig`, hooks that are not a `HookRegistry` or tools that are not a
-    sequence of distinct `Tool` s are a `ConfigError`.
+    that is not a `MiddlewareConfig`, hooks that are not a `HookRegistry` whose every hook has the
+    source ``"plugin:<name>"`` (`source_id`) or tools that are not a sequence of distinct `Tool` s
+    are a `ConfigError`.
     """
 
     name: str
@@ -191,6 +192,17 @@ class Plugin:
             )
         if not isinstance(self.hooks, HookRegistry):
             raise ConfigError(f"plugin {name!r}: hooks must be a HookRegistry, got {safe_repr(self.hooks)}")
+        # Its hooks are the plugin's: a failure, a decision or a deadline names them by this source,
+        # so a registry built for another source (the default 'session') would be misattributed.
+        source = self.source_id
+        for event in HookEvent:
+            for entry in self.hooks.for_event(event):
+                if entry.source != source:
+                    raise ConfigError(
+                        f"plugin {name!r}: hooks must be a HookRegistry with source {source!r}, but hook "
+                        f"{entry.name!r} of {event.title} has source {entry.source!r} "
+                        f"(build it with HookRegistry(hooks, source={source!r}), or use define_plugin)"
+                    )
         object.__setattr__(self, "tools", _plugin_tools(self.tools, name))
 
     @property
