@@ -232,6 +232,68 @@ async def test_an_unrelated_call_waiting_for_a_parent_s_path_does_not_block_its_
     assert pipeline.file_locks.held() == {}
 
 
+# -- pipelines that share one manager ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("keys", [(None, None), ("object", "object")])
+async def test_a_call_of_another_pipeline_with_the_same_ids_is_no_ancestor(keys: tuple[Any, Any]) -> None:
+    # Sessions A and B share one FileLockManager; both name their first call call_0. B's subagent
+    # call runs under B's own call_0 (lineage ("root/call_0",)): A's root call_0, holding the
+    # file, is no ancestor of it, so it waits for A as any unrelated call does. The lock owners
+    # were the bare "<agent id>/<call id>", so B took A's hold for its ancestor's and both wrote.
+    inside = Inside()
+    tool = inside.tool()
+    locks = FileLockManager()
+    a_key, b_key = (object() if key == "object" else key for key in keys)
+    a = ToolPipeline([tool], file_locks=locks, workspace="/ws", session_key=a_key)
+    b = ToolPipeline([tool], file_locks=locks, workspace="/ws", session_key=b_key)
+    results: dict[str, Any] = {}
+
+    async def run(pipeline: ToolPipeline, key: str, origin: CallOrigin) -> None:
+        call = ToolCall("call_0", "write", {"id": key, "paths": ["f.txt"]})
+        results[key] = await pipeline.execute(call, origin)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, a, "A", CallOrigin(session_id="A"))
+        await wait_all_tasks_blocked()
+        assert inside.started == ["A"]
+        origin = CallOrigin(session_id="B", agent_id="sub-1", lineage=("root/call_0",))
+        nursery.start_soon(run, b, "B", origin)
+        await wait_all_tasks_blocked()
+        assert inside.started == ["A"]  # B waits for A's hold
+        assert locks.held() == {"/ws/f.txt": (0, True, 1)}
+        inside.events["A"].set()
+        await wait_all_tasks_blocked()
+        assert inside.started == ["A", "B"]
+        inside.events["B"].set()
+    assert inside.overlaps == []
+    assert results["A"].result.ok
+    assert results["B"].result.ok
+    assert locks.held() == {}
+
+
+async def test_pipelines_of_one_session_key_share_its_call_tree() -> None:
+    # Two pipelines given one session's key run one session's calls: a call of one under a call of
+    # the other (its lineage names it) goes ahead, as it would in one pipeline.
+    inside = Inside()
+    tool = inside.tool()
+    locks = FileLockManager()
+    key = object()
+    a = ToolPipeline([tool], file_locks=locks, workspace="/ws", session_key=key)
+    b = ToolPipeline([tool], file_locks=locks, workspace="/ws", session_key=key)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(a.execute, ToolCall("call_0", "write", {"id": "A", "paths": ["f.txt"]}))
+        await wait_all_tasks_blocked()
+        child = ToolCall("call_0", "write", {"id": "child", "paths": ["g.txt", "f.txt"]})
+        nursery.start_soon(b.execute, child, CallOrigin(agent_id="sub-1", lineage=("root/call_0",)))
+        await wait_all_tasks_blocked()
+        assert inside.started == ["A", "child"]  # under A's call: A's hold does not keep it out
+        inside.events["child"].set()
+        await wait_all_tasks_blocked()
+        inside.events["A"].set()
+    assert locks.held() == {}
+
+
 async def test_a_waiter_keeps_its_place_on_its_free_paths(autojump_clock: trio.testing.MockClock) -> None:
     # W wants {a, b, c}; b and c are held. Calls for a alone that come later queue behind W on a (W
     # holds nothing, but it is not overtaken there), so a stream of them cannot starve it.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
@@ -189,9 +190,9 @@ class _Call:
         self.stages: ToolStages = pipeline.stages
         self.has_pre = pipeline._has_pre_stages
         # What the core holds until it ends: its scheduler slot, and its file locks
-        # (paths taken, exclusive, owner).
+        # (paths taken, exclusive, owner: (session, call_key)).
         self.slot: _SlotHolder | None = None
-        self.locks: tuple[tuple[str, ...], bool, str] | None = None
+        self.locks: tuple[tuple[str, ...], bool, Hashable] | None = None
 
     def on_abort(self, abort: Abort) -> None:
         self.aborted = abort

@@ -47,7 +47,9 @@ class CallOrigin:
     """The ids of the session, agent, request and turn a call belongs to.
 
     ``lineage`` names the calls this one runs under (``"<agent id>/<call id>"``, outermost
-    first), e.g. the ``task`` call whose subagent makes it: file locks they hold cover it.
+    first), e.g. the ``task`` call whose subagent makes it: file locks they hold cover it. The
+    names are read within the pipeline's session (its ``session_key``, else the pipeline): a call
+    of another session with the same ids is no ancestor.
     """
 
     session_id: str = "session"
@@ -96,7 +98,8 @@ class ExecutionContext:
 
     @property
     def call_key(self) -> str:
-        """``"<agent id>/<call id>"``: how descendants name this call in their ``lineage``."""
+        """``"<agent id>/<call id>"``: how descendants name this call in their ``lineage`` (unique
+        within one session: the pipeline adds its session to it for a file-lock owner)."""
         return f"{self.agent_id}/{self.tool_call_id}"
 
 

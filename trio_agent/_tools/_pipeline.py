@@ -913,8 +913,11 @@ class ToolPipeline:
             file_locks = self.file_locks
             locked = paths  # normalised by `_paths`
             ctx = state.ctx
-            owner = ctx.call_key
-            taken = file_locks.try_acquire_all(locked, exclusive, owner=owner, lineage=ctx.lineage)
+            # Named within the session (else this pipeline): pipelines sharing the locks repeat call ids.
+            scope = self.session_key if self.session_key is not None else self
+            owner = (scope, ctx.call_key)
+            lineage = tuple([(scope, key) for key in ctx.lineage]) if ctx.lineage else ()
+            taken = file_locks.try_acquire_all(locked, exclusive, owner=owner, lineage=lineage)
             if taken is None:
                 # Never wait for a lock while holding a slot: the lock's holder may have given its own
                 # slot back (`slot_released`, e.g. while its subagent runs) and need one to go on, for
@@ -926,7 +929,7 @@ class ToolPipeline:
                     raise _Aborted
                 try:
                     taken = await file_locks.acquire_all(
-                        locked, exclusive, self.lock_timeout, owner=owner, lineage=ctx.lineage
+                        locked, exclusive, self.lock_timeout, owner=owner, lineage=lineage
                     )
                 except FileLockTimeoutError as exc:
                     return ToolResult.failure(ToolErrorType.TIMEOUT, str(exc), code="lock_timeout")

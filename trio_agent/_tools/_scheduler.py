@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 import attrs
 import trio
@@ -159,7 +159,9 @@ class _LockWaiter:
 
     __slots__ = ("event", "exclusive", "granted", "lineage", "owner", "paths")
 
-    def __init__(self, paths: tuple[str, ...], exclusive: bool, owner: str | None, lineage: tuple[str, ...]) -> None:
+    def __init__(
+        self, paths: tuple[str, ...], exclusive: bool, owner: Hashable | None, lineage: tuple[Hashable, ...]
+    ) -> None:
         self.paths = paths
         self.exclusive = exclusive
         self.owner = owner
@@ -180,9 +182,9 @@ class _PathLock:
     readers: int = 0
     writers: int = 0  # more than one only where a descendant writes under its ancestor's exclusive hold
     waiters: deque[_LockWaiter] = attrs.field(factory=deque)
-    holds: list[tuple[str, bool]] = attrs.field(factory=list)  # (owner, exclusive) of holds that said who
+    holds: list[tuple[Hashable, bool]] = attrs.field(factory=list)  # (owner, exclusive) of holds that said who
 
-    def blocked(self, exclusive: bool, lineage: tuple[str, ...]) -> bool:
+    def blocked(self, exclusive: bool, lineage: tuple[Hashable, ...]) -> bool:
         """Whether a hold other than an ancestor's (in *lineage*) excludes the request: any hold a
         write, a write a read."""
         if exclusive:
@@ -195,7 +197,7 @@ class _PathLock:
             writers -= sum(1 for owner, held_exclusive in self.holds if held_exclusive and owner in lineage)
         return writers > 0
 
-    def grant(self, exclusive: bool, owner: str | None) -> None:
+    def grant(self, exclusive: bool, owner: Hashable | None) -> None:
         if exclusive:
             self.writers += 1
         else:
@@ -203,7 +205,7 @@ class _PathLock:
         if owner is not None:
             self.holds.append((owner, exclusive))
 
-    def release(self, exclusive: bool, owner: str | None) -> None:
+    def release(self, exclusive: bool, owner: Hashable | None) -> None:
         if exclusive:
             self.writers -= 1
         else:
@@ -228,12 +230,18 @@ class FileLockManager:
     and the queue would wait for each other until ``lock_timeout``). It still takes a hold of its
     own, so every other hold keeps it out as for any call: a sibling's (two calls under one
     ancestor exclude each other), and an unrelated reader's beside a reading ancestor.
+
+    An owner (and each entry of a lineage) is any hashable that names one call among all the
+    manager's users: pipelines that share a manager may repeat agent and call ids, so a
+    `ToolPipeline` names its calls ``(session, call_key)``, its ``session_key`` (or, without one,
+    the pipeline itself) with `ExecutionContext.call_key`, and the entries of a call's lineage
+    likewise.
     """
 
     def __init__(self) -> None:
         self._locks: dict[str, _PathLock] = {}
         # Owner -> how many paths it holds: whose descendants go ahead of the queues.
-        self._owners: dict[str, int] = {}
+        self._owners: dict[Hashable, int] = {}
 
     @staticmethod
     def normalise(paths: Iterable[str], root: str | None = None) -> tuple[str, ...]:
@@ -253,7 +261,7 @@ class FileLockManager:
             resolved.add(os.path.realpath(os.path.join(base, path)))
         return tuple(sorted(resolved))
 
-    def _under_holder(self, lineage: tuple[str, ...]) -> bool:
+    def _under_holder(self, lineage: tuple[Hashable, ...]) -> bool:
         """Whether one of the calls in *lineage* holds a lock here."""
         return not self._owners.keys().isdisjoint(lineage)
 
@@ -262,8 +270,8 @@ class FileLockManager:
         paths: tuple[str, ...],
         exclusive: bool,
         *,
-        owner: str | None = None,
-        lineage: tuple[str, ...] = (),
+        owner: Hashable | None = None,
+        lineage: tuple[Hashable, ...] = (),
     ) -> tuple[str, ...] | None:
         """Take every path (already normalised and sorted) now, or none and return ``None``: for a
         caller that must not wait while it holds something else."""
@@ -289,8 +297,8 @@ class FileLockManager:
         exclusive: bool,
         bound: float,
         *,
-        owner: str | None = None,
-        lineage: tuple[str, ...] = (),
+        owner: Hashable | None = None,
+        lineage: tuple[Hashable, ...] = (),
     ) -> tuple[str, ...]:
         """Acquire every path (already normalised and sorted) or none; raises `FileLockTimeoutError`.
 
@@ -321,7 +329,7 @@ class FileLockManager:
             raise
         return paths
 
-    def release_all(self, paths: Iterable[str], *, exclusive: bool, owner: str | None = None) -> None:
+    def release_all(self, paths: Iterable[str], *, exclusive: bool, owner: Hashable | None = None) -> None:
         if not isinstance(paths, tuple):
             paths = tuple(paths)
         locks = self._locks
@@ -335,7 +343,7 @@ class FileLockManager:
                 del self._owners[owner]
         self._wake(paths)
 
-    def _take(self, paths: tuple[str, ...], exclusive: bool, owner: str | None) -> None:
+    def _take(self, paths: tuple[str, ...], exclusive: bool, owner: Hashable | None) -> None:
         locks = self._locks
         for path in paths:
             lock = locks.get(path)
