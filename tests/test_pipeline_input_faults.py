@@ -163,3 +163,15 @@ async def test_calls_that_finished_beside_a_long_running_call_are_not_kept_alive
         assert len(pipeline._cleanup_heap) == 1  # the long call's own entry only
         release.set()
     assert pipeline._cleanup_heap == []
+
+
+@pytest.mark.parametrize(
+    ("call_id", "name", "field"),
+    [("", "write", "id"), (None, "write", "id"), (7, "write", "id"), ("c1", "", "name"), ("c1", None, "name")],
+)
+def test_a_tool_call_without_an_id_or_a_name_is_refused_typed(call_id: Any, name: Any, field: str) -> None:
+    # An empty call id reached the durable journal, whose event validator raised a bare ValueError
+    # out of `execute` (after nothing was written); the in-memory journal took it.
+    with pytest.raises(ta.ToolInputError, match=f"a tool call's {field} must be a non-empty string") as info:
+        ToolCall(call_id, name, {})
+    assert info.value.tool_name == (name if isinstance(name, str) else "")

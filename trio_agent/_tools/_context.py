@@ -13,6 +13,7 @@ from .._abort import AbortHandle
 from .._builders import constructor
 from .._cleanup import bounded_shield
 from .._errors import ToolInputError
+from .._util import safe_repr
 from ._results import JsonObject, ToolItem
 
 if TYPE_CHECKING:
@@ -33,12 +34,26 @@ def _is_json_object(instance: object, attribute: attrs.Attribute[Any], value: ob
         )
 
 
+def _is_text(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    # An empty id names no call (the journal refuses it, a provider cannot send it back), an
+    # empty name no tool: refused here, typed, as the input is, before any pipeline sees the call.
+    if not isinstance(value, str) or not value:
+        name = getattr(instance, "name", "")
+        raise ToolInputError(
+            f"a tool call's {attribute.name} must be a non-empty string, got {safe_repr(value)}",
+            tool_name=name if isinstance(name, str) else "",
+        )
+
+
 @attrs.frozen
 class ToolCall:
-    """One tool call as the model emitted it (input already parsed from JSON)."""
+    """One tool call as the model emitted it (input already parsed from JSON).
 
-    id: str
-    name: str
+    Raises `ToolInputError` if ``id`` or ``name`` is not a non-empty string, or ``input`` not a dict.
+    """
+
+    id: str = attrs.field(validator=_is_text)
+    name: str = attrs.field(validator=_is_text)
     input: JsonObject = attrs.field(validator=_is_json_object)
 
 
