@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import pytest
 
-from trio_agent import ToolContext, ToolDefinitionError, define_tool, open_session
+from trio_agent import ToolContext, ToolDefinitionError, ToolInputError, define_tool, open_session
 from trio_agent._tools._context import ToolCall
 from trio_agent._tools._pipeline import ToolPipeline
 from trio_agent.testing import Reply, TestModel
@@ -376,6 +376,69 @@ def test_a_literal_or_enum_with_values_that_are_no_json_scalars_is_refused_at_de
     with pytest.raises(ToolDefinitionError, match="must be JSON scalars") as info:
         define_tool(place, side_effect="pure", description="Place it.")
     assert f"has the value {value}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("annotation", "given", "expected"),
+    [
+        (Literal[1, "a"], 1.0, 1),
+        (Literal[1, "a"], 1, 1),
+        (Literal[1, "a"], "a", "a"),
+        (Literal[2.0, "a"], 2, 2.0),
+        (Literal[2.5], 2.5, 2.5),
+        (Literal[True, 1], True, True),
+        (Literal[True, 1], 1, 1),
+        (Literal[True, 1], 1.0, 1),
+        (Literal[False, 0], 0.0, 0),
+        (Literal[None, "a"], None, None),
+        (Literal[1, "a"] | None, 1.0, 1),  # in a union too
+        (Literal[1, True] | None, True, True),
+    ],
+)
+async def test_a_literal_field_holds_the_declared_value_the_input_equals(
+    annotation: Any, given: Any, expected: Any
+) -> None:
+    # The model's 1.0 for a Literal[1, "a"] field passed the schema (enum compares numbers by value)
+    # and stayed the float 1.0: cattrs' Literal hook returns what it was given, so the input held a
+    # value that is none of the Literal's (an int field or an Enum of 1 gets 1 and the member).
+    seen: list[Any] = []
+
+    async def pick(value: Any) -> str:
+        seen.append(value)
+        return "picked"
+
+    pick.__annotations__ = {"value": annotation, "return": str}
+    tool = define_tool(pick, side_effect="pure", description="Pick one.")
+    record = await ToolPipeline([tool]).execute(ToolCall("c1", "pick", {"value": given}))
+    assert record.result.ok
+    assert seen == [expected]
+    assert type(seen[0]) is type(expected)
+
+
+@pytest.mark.parametrize(
+    ("annotation", "given"),
+    [
+        (Literal[1], True),  # True == 1 in Python, not in JSON
+        (Literal[True], 1),
+        (Literal[True], 1.0),
+        (Literal[0], False),
+        (Literal["1"], 1),
+        (Literal[1], "1"),
+        (Literal[1], 1.5),
+        (Literal[1, "a"] | None, True),
+    ],
+)
+def test_a_literal_field_refuses_a_value_of_another_json_kind_when_structured(annotation: Any, given: Any) -> None:
+    # The schema check refuses these first in the pipeline; structure_input, asked directly, took
+    # True for Literal[1] (Python's True == 1) and kept it as True.
+    async def pick(value: Any) -> str:
+        return "picked"
+
+    pick.__annotations__ = {"value": annotation, "return": str}
+    tool = define_tool(pick, side_effect="pure", description="Pick one.")
+    assert tool.input_errors({"value": given})  # the schema refuses it too
+    with pytest.raises(ToolInputError, match=r"@ \$\.value"):
+        tool.structure_input({"value": given})
 
 
 @pytest.mark.parametrize("optional", ["union", "Optional"])

@@ -6,7 +6,9 @@ become an attrs class first, see `_definition.py`.)
 
 A union becomes ``anyOf``; the converter then picks the member by the JSON type of the value
 (`union_members`), so a union is accepted only where that type says which member it is: the
-schema and the structuring follow one rule, checked when the tool is defined.
+schema and the structuring follow one rule, checked when the tool is defined. A ``Literal`` is
+structured as its declared value the input equals by JSON's rules, as its ``enum`` compares them
+(``1.0`` is ``1``; a bool equals only a bool).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Literal, Union
 import attrs
 import cattrs
 from cattrs.disambiguators import create_default_dis_func
+from cattrs.errors import CattrsError
 
 from .._errors import ToolDefinitionError
 from .._json import is_json
@@ -335,3 +338,39 @@ def _union_hook(union: Any) -> Callable[[Any, Any], Any]:
 
 
 input_converter.register_structure_hook_factory(_needs_union_hook, _union_hook)
+
+
+# A declared Literal value's JSON kind: a bool is only a boolean, an int or a float a number.
+_LITERAL_KINDS: dict[type, str] = {_NONE: "null", bool: "boolean", int: "number", float: "number", str: "string"}
+_MISSING = object()
+
+
+def _is_literal(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is Literal
+
+
+def _literal_hook(literal: Any) -> Callable[[Any, Any], Any]:
+    """The declared value of *literal* that the JSON value equals, as the schema's ``enum`` compares
+    them: a boolean only a ``bool`` value, a number (``1`` or ``1.0``) an ``int`` or ``float`` value
+    of the same number, a string a ``str``. cattrs' own hook returns the value it was given once
+    Python's ``==`` finds it among the values, so ``1.0`` stayed a float (and ``True`` passed for
+    ``1``), a value that is not one of the Literal's."""
+    declared: dict[tuple[str, Any], Any] = {}
+    for value in typing.get_args(literal):
+        kind = _LITERAL_KINDS.get(type(value))
+        if kind is not None:  # a definition refuses any other (`_enum_values`)
+            declared.setdefault((kind, value), value)
+
+    def structure_literal(value: Any, _: Any) -> Any:
+        kind = _LITERAL_KINDS.get(type(value))
+        if kind is not None:
+            found = declared.get((kind, value), _MISSING)
+            if found is not _MISSING:
+                return found
+        # As cattrs' own hook refuses one (its message names the values).
+        raise CattrsError(f"{safe_repr(value)} not in literal {safe_repr(literal)}")
+
+    return structure_literal
+
+
+input_converter.register_structure_hook_factory(_is_literal, _literal_hook)
