@@ -105,7 +105,8 @@ def stop_sequences(value: object, *, option: str) -> list[str]:
 
 
 def retry_after_seconds(headers: httpx.Headers) -> float | None:
-    """The server's wait hint in seconds: ``retry-after-ms``, else ``retry-after`` (seconds or an HTTP date)."""
+    """The server's wait hint in seconds: ``retry-after-ms``, else ``retry-after`` (seconds or an HTTP
+    date); ``None`` when neither is there or can be read (a header from the server never fails the call)."""
     for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
         value = headers.get(name)
         if value is None:
@@ -121,11 +122,16 @@ def retry_after_seconds(headers: httpx.Headers) -> float | None:
         return None
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        remaining = when.timestamp() - time.time()
+    except Exception:
+        # A date the email parser cannot read raises whatever its arithmetic meets (ValueError,
+        # IndexError, or OverflowError for a zone offset like +99999999999999999999), as may
+        # `timestamp()` at the ends of the calendar: none is a hint, and none may fail the call
+        # (a 429 or a 503 would no longer be retried).
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.UTC)
-    return max(when.timestamp() - time.time(), 0.0)
+    return max(remaining, 0.0)
 
 
 def json_body(payload: object, *, compact: bool = False) -> bytes:
