@@ -4,16 +4,28 @@ bodies however the network splits them or however many gzip members they hold.""
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.fake_server import Scripted, open_fake_server, queue_handler
-from tests.test_provider_wire import make_provider
-from trio_agent import ProviderError, RateLimitError
-from trio_agent.models import ModelResponse, ModelService, RetryEvent, RetryPolicy, UserMessage
+from tests.test_provider_wire import ANTHROPIC_REPLY, FINISHED, OPENAI_REPLY, Provider, collect, make_provider
+from trio_agent import ModelError, ProviderError, RateLimitError
+from trio_agent.models import (
+    AnthropicProvider,
+    ModelResponse,
+    ModelService,
+    OpenAIProvider,
+    ProviderConfigError,
+    RetryEvent,
+    RetryPolicy,
+    UserMessage,
+)
 
 KINDS = ["openai", "anthropic"]
+REPLIES = {"openai": OPENAI_REPLY, "anthropic": ANTHROPIC_REPLY}
 CHAT_BODIES: dict[str, Any] = {
     "openai": {
         "id": "c",
@@ -69,3 +81,130 @@ async def test_a_retry_after_date_that_cannot_be_read_is_no_hint_and_the_call_is
     assert isinstance(retried.error, RateLimitError) is (status == 429)
     assert isinstance(answered, ModelResponse) and answered.message.text == "Hi"
     assert len(server.requests) == 2
+
+
+# -- credentials and headers that HTTP cannot carry -------------------------------------------------
+
+SECRET = "SECRET-4c1f"
+UNSENDABLE_KEYS = {
+    "newline": (f"sk-{SECRET}\n", "ends with a line break (U+000A"),
+    "crlf": (f"sk-{SECRET}\r\n", "ends with a line break (U+000A"),
+    "inner-cr": (f"sk-{SECRET}\rx", "contains a line break (U+000D)"),
+    "zero-width-space": (f"sk-{SECRET}\u200b", "contains a non-ASCII character (U+200B)"),
+    "escape": (f"sk-\x1b{SECRET}", "contains a control character (U+001B)"),
+    "space": (f"sk {SECRET}", "contains a space or tab"),
+}
+ENV = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
+
+
+def make_unopened(kind: str, **settings: Any) -> Provider:
+    if kind == "openai":
+        return OpenAIProvider("gpt", base_url="http://127.0.0.1:9/v1", **settings)
+    return AnthropicProvider("claude", base_url="http://127.0.0.1:9", **settings)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", list(UNSENDABLE_KEYS))
+@pytest.mark.parametrize("from_env", [False, True], ids=["argument", "environment"])
+def test_an_api_key_http_cannot_carry_is_refused_when_the_provider_is_made(
+    kind: str, case: str, from_env: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key read from a file with its newline (or pasted with an invisible character) was taken:
+    then every call failed, as a *retryable* connection error whose message showed the key (h11
+    quotes the header it refuses) or as a bare UnicodeEncodeError. It is a `ProviderConfigError`
+    at construction naming the problem and where the key came from, never the key."""
+    key, problem = UNSENDABLE_KEYS[case]
+    if from_env:
+        monkeypatch.setenv(ENV[kind], key)
+    with pytest.raises(ProviderConfigError) as caught:
+        make_unopened(kind, **({} if from_env else {"api_key": key}))
+    message = str(caught.value)
+    assert problem in message and SECRET not in message
+    assert (f"the {ENV[kind]} environment variable" if from_env else "(api_key)") in message
+
+
+UNSENDABLE_VALUES = {
+    "newline": (f"{SECRET}\n", "ends with a line break (U+000A"),
+    "inner-lf": (f"{SECRET}\nx-injected: 1", "contains a line break (U+000A)"),
+    "non-ascii": (f"{SECRET}é", "contains a non-ASCII character (U+00E9)"),
+    "del": (f"{SECRET}\x7f", "contains a control character (U+007F)"),
+    "nul": (f"{SECRET}\x00x", "contains a control character (U+0000)"),
+    "leading-space": (f" {SECRET}", "starts or ends with a space or tab"),
+    "trailing-tab": (f"{SECRET}\t", "starts or ends with a space or tab"),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", list(UNSENDABLE_VALUES))
+def test_an_extra_header_value_http_cannot_carry_is_refused_by_name(kind: str, case: str) -> None:
+    """The same for ``extra_headers`` (a gateway's ``api-key`` read from a file): refused when the
+    provider is made, naming the header, never its value."""
+    value, problem = UNSENDABLE_VALUES[case]
+    with pytest.raises(ProviderConfigError) as caught:
+        make_unopened(kind, api_key="k", extra_headers={"api-key": value})
+    message = str(caught.value)
+    assert problem in message and "'api-key'" in message and SECRET not in message
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "headers",
+    [{"x gateway": "v"}, {"x-gateway:": "v"}, {"": "v"}, {"x-gateway\n": "v"}, {"x-gätewäy": "v"}],
+    ids=["space", "colon", "empty", "newline", "non-ascii"],
+)
+def test_an_extra_header_name_that_is_no_token_is_refused(kind: str, headers: dict[str, str]) -> None:
+    with pytest.raises(ProviderConfigError, match="is not a valid HTTP header name"):
+        make_unopened(kind, api_key="k", extra_headers=headers)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_extra_headers_that_are_not_strings_are_refused(kind: str) -> None:
+    with pytest.raises(ProviderConfigError, match="'x-gateway' must have a string value, got bytes"):
+        make_unopened(kind, api_key="k", extra_headers={"x-gateway": b"v"})
+    with pytest.raises(ProviderConfigError, match="must be a mapping of header names to values, got list"):
+        make_unopened(kind, api_key="k", extra_headers=[("x-gateway", "v")])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_extra_header_values_with_inner_blanks_or_empty_are_sent_as_given(kind: str) -> None:
+    """What HTTP allows still goes: spaces and tabs between visible characters, an empty value,
+    and any token as a name."""
+    headers = {"x-title": "My\tApp  v2", "x-empty": "", "X-Odd!#$%&'*+.^_`|~": "1", "x-key": "a-Z_0~!"}
+    async with (
+        open_fake_server(queue_handler(Scripted.sse([REPLIES[kind]]))) as server,
+        make_provider(kind, server.url, extra_headers=headers) as provider,
+    ):
+        assert await collect(provider) == FINISHED[kind]
+    sent = server.requests[0].headers
+    assert {name.lower(): sent[name.lower()] for name in headers} == {name.lower(): v for name, v in headers.items()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("streaming", [False, True], ids=["chat", "stream"])
+async def test_a_request_the_http_library_refuses_fails_once_without_showing_the_header(
+    kind: str, streaming: bool
+) -> None:
+    """A header the provider cannot check (one set on the given httpx client) that h11 refuses
+    raised `httpx.LocalProtocolError`, mapped to a retryable `ModelConnectionError` quoting the
+    header's value: retried in vain, the secret in its message. Now a `ModelError`
+    ``provider_bad_request``, not retryable, showing neither the value nor chaining the library's
+    error (whose text holds it)."""
+    async with (
+        open_fake_server(queue_handler(Scripted.json(CHAT_BODIES[kind]))) as server,
+        httpx.AsyncClient(headers={"x-gateway-key": f"{SECRET}\n"}) as client,
+        make_provider(kind, server.url, client=client) as provider,
+    ):
+        service = ModelService(provider, retry=RetryPolicy(base_delay=0, jitter=False))
+        with pytest.raises(ModelError) as caught:
+            if streaming:
+                async with service.stream([UserMessage("hi")]) as chunks:
+                    async for _ in chunks:
+                        pass
+            else:
+                async with service.chat_with_retry_events([UserMessage("hi")]) as events:
+                    async for item in events:
+                        raise AssertionError(f"no retry and no answer expected, got {item!r}")
+    error = caught.value
+    assert (type(error), error.code, error.retryable) == (ModelError, "provider_bad_request", False)
+    assert SECRET not in "".join(traceback.format_exception(error))
+    assert server.requests == []

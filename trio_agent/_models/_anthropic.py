@@ -54,6 +54,8 @@ from ._http import (
     SSEReader,
     checked_api_key,
     checked_base_url,
+    checked_headers,
+    checked_key_text,
     json_body,
     load_json,
     read_body,
@@ -62,6 +64,7 @@ from ._http import (
     release_response,
     retry_after_seconds,
     stop_sequences,
+    unsent_request_error,
 )
 from ._messages import (
     AssistantMessage,
@@ -168,6 +171,9 @@ class AnthropicProvider:
             raise ProviderConfigError(
                 f"no Anthropic API key: pass api_key= or set the {API_KEY_ENV} environment variable"
             )
+        source = "api_key" if api_key is not None else f"the {API_KEY_ENV} environment variable"
+        checked_key_text(key, provider="Anthropic", source=source)
+        extra = checked_headers(extra_headers, provider="Anthropic")
         self.model = model
         self.timeout = validate_timeout(timeout, name="timeout")
         self.stream_idle_timeout = validate_timeout(stream_idle_timeout, name="stream_idle_timeout")
@@ -177,7 +183,7 @@ class AnthropicProvider:
         self.base_url = _base_url(base_url)
         self._api_key = key
         self._url = self.base_url + "/v1/messages"
-        self._extra_headers = dict(extra_headers or {})
+        self._extra_headers = extra
         self._owns_client = client is None
         self._client = client if client is not None else httpx.AsyncClient(timeout=httpx.Timeout(self.timeout))
 
@@ -282,6 +288,8 @@ class AnthropicProvider:
                 return await read_body(response, self.max_response_bytes, grace=self.cleanup_grace, layer=_LAYER)
         except httpx.TimeoutException as exc:
             raise _request_timeout(exc) from exc
+        except httpx.LocalProtocolError:
+            raise unsent_request_error("Anthropic") from None
         except httpx.HTTPError as exc:
             raise _transport_error(exc) from exc
 
@@ -332,6 +340,8 @@ class AnthropicProvider:
             ) from exc
         except httpx.TimeoutException as exc:
             raise _request_timeout(exc) from exc
+        except httpx.LocalProtocolError:
+            raise unsent_request_error("Anthropic") from None
         except httpx.HTTPError as exc:
             raise _transport_error(exc) from exc
 

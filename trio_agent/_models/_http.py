@@ -13,7 +13,7 @@ import math
 import re
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -35,6 +35,8 @@ __all__ = [
     "SSEReader",
     "checked_api_key",
     "checked_base_url",
+    "checked_headers",
+    "checked_key_text",
     "json_body",
     "load_json",
     "read_body",
@@ -43,6 +45,7 @@ __all__ = [
     "release_response",
     "retry_after_seconds",
     "stop_sequences",
+    "unsent_request_error",
 ]
 
 
@@ -88,6 +91,94 @@ def checked_api_key(api_key: object, *, provider: str) -> None:
     (its type is named, never its value: it may be a secret)."""
     if api_key is not None and not isinstance(api_key, str):
         raise ProviderConfigError(f"the {provider} provider's api_key must be a string, got {type(api_key).__name__}")
+
+
+def checked_key_text(key: str, *, provider: str, source: str) -> None:
+    """A `ProviderConfigError` unless *key* (an API key, from *source*) can be sent in a header:
+    visible ASCII only. Its problem is named, never its value.
+
+    A key read from a file with its newline, or pasted with an invisible character, was taken and
+    failed every call: httpx refuses it at each send, as a connection error (retried, its message
+    showing the key) or a bare `UnicodeEncodeError`."""
+    problem = _unsendable(key, blanks_inside=False)
+    if problem is not None:
+        raise ProviderConfigError(
+            f"the {provider} provider's API key ({source}) {problem}: an API key must be visible ASCII "
+            "characters only (its value is not shown)"
+        )
+
+
+# RFC 9110 ``token``: what a header name may be.
+_HEADER_NAME = re.compile(r"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+
+
+def checked_headers(headers: object, *, provider: str) -> dict[str, str]:
+    """*headers* (``extra_headers``) as a dict, or a `ProviderConfigError` naming the header (never
+    its value, which may be a secret: an ``api-key`` for a gateway) that HTTP cannot carry: a name
+    that is not a token, a value that is not visible ASCII (spaces and tabs allowed between its
+    characters), such as one that ends with the newline of the file it was read from."""
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise ProviderConfigError(
+            f"the {provider} provider's extra_headers must be a mapping of header names to values, "
+            f"got {type(headers).__name__}"
+        )
+    checked: dict[str, str] = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+            shown = f"{name!r:.100}" if isinstance(name, str) else f"of type {type(name).__name__}"
+            raise ProviderConfigError(
+                f"the {provider} provider's extra header name {shown} is not a valid HTTP header name "
+                "(letters, digits and !#$%&'*+-.^_`|~ only)"
+            )
+        if not isinstance(value, str):
+            raise ProviderConfigError(
+                f"the {provider} provider's extra header {name!r} must have a string value, got {type(value).__name__}"
+            )
+        problem = _unsendable(value, blanks_inside=True)
+        if problem is not None:
+            raise ProviderConfigError(
+                f"the {provider} provider's extra header {name!r} has a value that {problem}: a header value "
+                "must be visible ASCII characters, with spaces or tabs only between them (its value is not shown)"
+            )
+        checked[name] = value
+    return checked
+
+
+def _unsendable(text: str, *, blanks_inside: bool) -> str | None:
+    """Why *text* cannot be sent as a header value (``None``: it can), described without showing
+    it: a character that is no part of a secret (a newline, a zero-width space) is named by its
+    code point."""
+    if text.endswith(("\r", "\n")):
+        return f"ends with a line break (U+{ord(text[-1]):04X}; a value read from a file keeps its newline)"
+    for char in text:
+        if "\x21" <= char <= "\x7e" or (blanks_inside and char in " \t"):
+            continue
+        if char in " \t":
+            return "contains a space or tab"
+        point = f"U+{ord(char):04X}"
+        if char in "\r\n":
+            return f"contains a line break ({point})"
+        if char < " " or char == "\x7f":
+            return f"contains a control character ({point})"
+        return f"contains a non-ASCII character ({point})"
+    if text != text.strip(" \t"):
+        return "starts or ends with a space or tab"
+    return None
+
+
+def unsent_request_error(where: str) -> ModelError:
+    """The error for an `httpx.LocalProtocolError`: the HTTP library refused to send a request as
+    invalid HTTP (a header that a given client adds, say; the provider's own are checked when it
+    is made). Sending it again fails the same way, so it is not retryable, and the library's
+    message is not shown: it quotes the offending header's value, which may be a secret."""
+    return ModelError(
+        f"the request to {where} was not sent: the HTTP library refused it as invalid HTTP (a header "
+        "name or value that HTTP cannot carry, such as one set on the given httpx client; the "
+        "library's message is not shown, as it quotes the value)",
+        code="provider_bad_request",
+    )
 
 
 def stop_sequences(value: object, *, option: str) -> list[str]:

@@ -51,6 +51,8 @@ from ._http import (
     SSEReader,
     checked_api_key,
     checked_base_url,
+    checked_headers,
+    checked_key_text,
     json_body,
     load_json,
     read_body,
@@ -59,6 +61,7 @@ from ._http import (
     release_response,
     retry_after_seconds,
     stop_sequences,
+    unsent_request_error,
 )
 from ._messages import (
     AssistantMessage,
@@ -169,13 +172,17 @@ class OpenAIProvider:
         if not isinstance(model, str) or not model:
             raise ProviderConfigError(f"the OpenAI model must be a non-empty string, got {model!r}")
         checked_api_key(api_key, provider="OpenAI")
+        source = "api_key"
         if api_key is None:
             api_key = os.environ.get("OPENAI_API_KEY")
+            source = "the OPENAI_API_KEY environment variable"
         if not api_key:
             raise ProviderConfigError(
                 "no API key for the OpenAI provider: set the OPENAI_API_KEY environment variable or pass "
                 "api_key= (local OpenAI-compatible servers accept any value)"
             )
+        checked_key_text(api_key, provider="OpenAI", source=source)
+        extra = checked_headers(extra_headers, provider="OpenAI")
         from_env = base_url is None
         if base_url is None:
             base_url = os.environ.get("OPENAI_BASE_URL") or DEFAULT_OPENAI_BASE_URL
@@ -186,7 +193,7 @@ class OpenAIProvider:
         self.max_response_bytes = validate_limit(max_response_bytes, name="max_response_bytes")
         self.cleanup_grace = validate_cleanup_grace(cleanup_grace)
         self._api_key = api_key
-        self._extra_headers = dict(extra_headers or {})
+        self._extra_headers = extra
         self._url = self.base_url + "/chat/completions"
         self._shown_url = redacted_url(self._url)  # for messages: credentials in the URL are not shown
         self._slot = _ClientSlot(client)
@@ -297,6 +304,8 @@ class OpenAIProvider:
                 if not response.is_success:
                     raise await self._http_error(response)
                 body = await read_body(response, self.max_response_bytes, grace=self.cleanup_grace, layer=_LAYER)
+        except httpx.LocalProtocolError:
+            raise unsent_request_error(self._shown_url) from None
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, streaming=False) from exc
         return _parse_completion(load_json(body, what="the chat completion", status=response.status_code), model)
@@ -371,6 +380,8 @@ class OpenAIProvider:
                     await release_response(
                         response, body_reader.raw, grace=self.cleanup_grace, layer=_LAYER, finished=assembler.ended
                     )
+        except httpx.LocalProtocolError:
+            raise unsent_request_error(self._shown_url) from None
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, streaming=True) from exc
 
