@@ -4,20 +4,26 @@ bodies however the network splits them or however many gzip members they hold.""
 
 from __future__ import annotations
 
+import itertools
+import json
 import traceback
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.fake_server import Scripted, open_fake_server, queue_handler
+from tests.fake_server import Scripted, encoded, open_fake_server, queue_handler
 from tests.test_provider_wire import ANTHROPIC_REPLY, FINISHED, OPENAI_REPLY, Provider, collect, make_provider
 from trio_agent import ModelError, ProviderError, RateLimitError
+from trio_agent._models._http import BodyReader
+from trio_agent._models._service import ModelRequest
 from trio_agent.models import (
     AnthropicProvider,
+    MalformedResponseError,
     ModelResponse,
     ModelService,
     OpenAIProvider,
+    Operation,
     ProviderConfigError,
     RetryEvent,
     RetryPolicy,
@@ -208,3 +214,115 @@ async def test_a_request_the_http_library_refuses_fails_once_without_showing_the
     assert (type(error), error.code, error.retryable) == (ModelError, "provider_bad_request", False)
     assert SECRET not in "".join(traceback.format_exception(error))
     assert server.requests == []
+
+
+# -- compressed bodies --------------------------------------------------------------------------------
+
+
+def pieces_of(data: bytes, split: str) -> list[bytes]:
+    """*data* as the network pieces (chunks, one read each) of *split*."""
+    if split == "bytewise":
+        return [data[i : i + 1] for i in range(len(data))]
+    cut = int(split)
+    return [data[:cut], data[cut:]]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("form", ["deflate", "raw-deflate"])
+@pytest.mark.parametrize("split", ["1", "2", "3", "bytewise"])
+async def test_a_deflate_body_is_decoded_however_the_network_splits_it(kind: str, form: str, split: str) -> None:
+    """``deflate`` with or without its zlib header: the form was settled by the first call to the
+    decoder that raised nothing, so a raw-deflate body whose first read was one byte (too little
+    for the zlib header check to fail on) was taken as zlib and failed at the next byte
+    ("incorrect header check"). The form is read from the first two bytes, whichever reads bring them."""
+    data = encoded(json.dumps(CHAT_BODIES[kind]).encode(), form)
+    scripted = Scripted(
+        200, [("content-type", "application/json"), ("content-encoding", "deflate")], pieces_of(data, split)
+    )
+    async with (
+        open_fake_server(queue_handler(scripted)) as server,
+        make_provider(kind, server.url) as provider,
+    ):
+        reply = await provider.chat(ModelRequest(Operation.CHAT, provider.model, (UserMessage("hi"),)))
+    assert reply.message.text == "Hi"
+
+
+def gzip_members(data: bytes, cuts: list[int], *, padding: bytes = b"") -> bytes:
+    """*data* as gzip members, one for each slice between *cuts*, each followed by *padding*."""
+    bounds = [0, *cuts, len(data)]
+    return b"".join(encoded(data[start:end], "gzip") + padding for start, end in itertools.pairwise(bounds))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("padding", [b"", b"\0\0\0"], ids=["packed", "zero-padded"])
+@pytest.mark.parametrize("split", ["whole", "17", "bytewise"])
+async def test_every_gzip_member_of_a_stream_is_decoded(kind: str, padding: bytes, split: str) -> None:
+    """A gzip body of several members (RFC 1952; a proxy that compresses each flush alone sends
+    one per flush): decoding stopped at the end of the first, the rest silently dropped, so the
+    reply seemed cut (``StreamInterruptedError`` once text was published). Every member is
+    decoded, zero padding between them skipped as `gzip` does, however the reads split them."""
+    reply = REPLIES[kind]
+    data = gzip_members(reply, [5, len(reply) // 2, len(reply) - 3], padding=padding)
+    body = [data] if split == "whole" else pieces_of(data, split)
+    scripted = Scripted(200, [("content-type", "text/event-stream"), ("content-encoding", "gzip")], body)
+    async with (
+        open_fake_server(queue_handler(scripted)) as server,
+        make_provider(kind, server.url) as provider,
+    ):
+        assert await collect(provider) == FINISHED[kind]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_every_gzip_member_of_a_body_is_decoded_and_counted(kind: str) -> None:
+    """A whole (non-streaming) body in members is read whole; all of them count against
+    ``max_response_bytes``, which the first alone does not pass."""
+    body = json.dumps({**CHAT_BODIES[kind], "pad": "x" * 1000}).encode()
+    data = gzip_members(body, [10, 600])
+    big = gzip_members(b"x" * 1500, [1000])
+    responses = [
+        Scripted(200, [("content-type", "application/json"), ("content-encoding", "gzip")], [payload])
+        for payload in (data, big)
+    ]
+    async with (
+        open_fake_server(queue_handler(*responses)) as server,
+        make_provider(kind, server.url, max_response_bytes=1400) as provider,
+    ):
+        reply = await provider.chat(ModelRequest(Operation.CHAT, provider.model, (UserMessage("hi"),)))
+        assert reply.message.text == "Hi"
+        with pytest.raises(MalformedResponseError, match="larger than max_response_bytes=1400"):
+            await provider.chat(ModelRequest(Operation.CHAT, provider.model, (UserMessage("hi"),)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_bytes_after_a_gzip_member_that_start_none_are_malformed(kind: str) -> None:
+    """What follows a member is read as the next one: bytes that are none fail the call, instead
+    of being dropped unread as everything after the first member was."""
+    data = encoded(json.dumps(CHAT_BODIES[kind]).encode(), "gzip") + b"trailing junk"
+    scripted = Scripted(200, [("content-type", "application/json"), ("content-encoding", "gzip")], [data])
+    async with (
+        open_fake_server(queue_handler(scripted)) as server,
+        make_provider(kind, server.url) as provider,
+    ):
+        with pytest.raises(MalformedResponseError, match="could not be decoded"):
+            await provider.chat(ModelRequest(Operation.CHAT, provider.model, (UserMessage("hi"),)))
+
+
+@pytest.mark.parametrize(
+    ("wire", "streams"),
+    [("gzip", "gzip"), ("deflate", "deflate"), ("deflate", "raw-deflate"), ("deflate", "mixed")],
+)
+async def test_a_body_of_several_streams_decodes_whole_at_every_split(wire: str, streams: str) -> None:
+    """`BodyReader` over a real response, the body split in two at every position: the decoded
+    bytes are the original whatever the split (a member boundary, a zlib header, a gzip trailer
+    cut anywhere)."""
+    original = b"".join(b"event %d: " % n + bytes(range(n, 40)) + b"\n" for n in range(3))
+    forms = ["deflate", "raw-deflate", "deflate"] if streams == "mixed" else [streams] * 3
+    third = len(original) // 3
+    parts = [original[:third], original[third : 2 * third], original[2 * third :]]
+    data = b"".join(encoded(part, form) for part, form in zip(parts, forms, strict=True))
+    responses = [Scripted(200, [("content-encoding", wire)], [data[:cut], data[cut:]]) for cut in range(1, len(data))]
+    async with open_fake_server(queue_handler(*responses)) as server, httpx.AsyncClient() as client:
+        for cut in range(1, len(data)):
+            async with client.stream("GET", server.url) as response:
+                decoded = b"".join([piece async for piece in BodyReader(response)])
+            assert decoded == original, cut

@@ -270,7 +270,14 @@ ERROR_BODY_LIMIT = 64 * 1024
 """An error response's body is read up to this size, for its message; the rest is dropped."""
 
 _DECODE_STEP = 64 * 1024  # the most decoded bytes one read of a body returns
-_ZLIB_WBITS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+_CODINGS = {"gzip": "gzip", "x-gzip": "gzip", "deflate": "deflate"}
+
+
+def _zlib_header(head: bytes) -> bool:
+    """*head* (at least two bytes) starts a zlib stream (RFC 1950): compression method 8 and a
+    header check that makes ``CMF*256 + FLG`` a multiple of 31. Raw deflate from a real encoder
+    never does: its first byte's low bits are a block type and zero padding, never 8."""
+    return head[0] & 0x0F == 8 and (head[0] << 8 | head[1]) % 31 == 0
 
 
 class BodyReader:
@@ -284,6 +291,12 @@ class BodyReader:
     events or blanks for the reader to parse, all without letting another task run).
     Only ``gzip`` and ``deflate`` (`ACCEPT_ENCODING`) are decoded; a body in any other encoding
     (or in two) is a `MalformedResponseError` at its first read, naming the encoding.
+
+    A gzip body may hold several members (RFC 1952; a proxy that compresses each flush alone
+    sends one per flush), zero bytes padding them as `gzip` allows: each is decoded in turn, all
+    counted alike, as are zlib streams one after another; bytes after a stream's end that start
+    none are a `MalformedResponseError`, never dropped unread. A ``deflate`` stream comes with or
+    without its zlib header: the form is read from its first two bytes, whichever reads bring them.
     """
 
     def __init__(self, response: httpx.Response) -> None:
@@ -291,18 +304,21 @@ class BodyReader:
         encoding = response.headers.get("content-encoding", "")
         codings = [coding for part in encoding.split(",") if (coding := part.strip().lower()) not in ("", "identity")]
         self._problem: str | None = None
-        self._decoder: zlib._Decompress | None = None  # None: the body is not encoded
-        self._deflate_form_open = codings == ["deflate"]  # with or without its zlib header: the first bytes tell
-        if len(codings) == 1 and codings[0] in _ZLIB_WBITS:
-            self._decoder = zlib.decompressobj(_ZLIB_WBITS[codings[0]])
+        self._coding: str | None = None  # "gzip" or "deflate"; None: the body is not encoded
+        if len(codings) == 1 and codings[0] in _CODINGS:
+            self._coding = _CODINGS[codings[0]]
         elif codings:
             self._problem = (
                 f"the response body is encoded as {encoding!r}; the provider asks for {ACCEPT_ENCODING} "
                 "only (whose output it can bound while decoding)"
             )
+        # None: the next input byte starts a stream (the body's, or its next gzip member); made
+        # once two bytes are there, which tell a deflate body's form.
+        self._decoder: zlib._Decompress | None = None
+        self._streams = 0  # streams started (gzip members, or zlib streams one after another)
         self._input = b""  # raw bytes not decoded yet
         self._drained = True  # False: the decoder may hold output the last read had no room for
-        self._ended = False
+        self._ended = False  # the raw body has ended
         self._unchecked = 0  # decoded bytes returned since the last checkpoint
 
     def __aiter__(self) -> BodyReader:
@@ -311,41 +327,58 @@ class BodyReader:
     async def __anext__(self) -> bytes:
         if self._problem is not None:
             raise MalformedResponseError(self._problem)
-        if self._decoder is None:
+        if self._coding is None:
             data: bytes = await self.raw.__anext__()
             return data
         if self._unchecked >= _DECODE_STEP:
             # Here, not after decoding: the caller has handled the pieces, and none is lost to a cancellation.
             self._unchecked = 0
             await trio.lowlevel.checkpoint()
-        while not self._ended:
-            if not self._input and self._drained:
+        while True:
+            if self._decoder is None and self._streams and self._coding == "gzip":
+                self._input = self._input.lstrip(b"\0")  # padding after a member, as `gzip` reads it
+            if not self._ended and self._drained and len(self._input) < (2 if self._decoder is None else 1):
                 try:
-                    self._input = await self.raw.__anext__()
+                    self._input += await self.raw.__anext__()
                 except StopAsyncIteration:
                     self._ended = True
-                    if rest := self._decoder.flush():  # small: the last read left room unused
-                        return rest
-                    break
-            out = self._decode(self._decoder, self._input)
-            self._input = self._decoder.unconsumed_tail
-            self._drained = len(out) < _DECODE_STEP
-            if out:
-                self._unchecked += len(out)
-                return out
-        raise StopAsyncIteration
-
-    def _decode(self, decoder: zlib._Decompress, data: bytes) -> bytes:
-        try:
-            out = decoder.decompress(data, _DECODE_STEP)
-        except zlib.error as exc:
-            if not self._deflate_form_open:
+                continue
+            decoder = self._decoder
+            if decoder is None:
+                if not self._input:
+                    raise StopAsyncIteration
+                decoder = self._decoder = self._start(self._input)
+            elif not self._input and self._drained:  # the body ended inside a stream
+                self._decoder = None
+                if rest := decoder.flush():  # small: the last read left room unused
+                    return self._counted(rest)
+                continue
+            try:
+                out = decoder.decompress(self._input, _DECODE_STEP)
+            except zlib.error as exc:
                 raise MalformedResponseError(f"the response body could not be decoded: {exc}") from exc
-            # "deflate" is often sent raw, without the zlib header (httpx's decoder accepts both).
-            self._deflate_form_open = False
-            self._decoder = decoder = zlib.decompressobj(-zlib.MAX_WBITS)
-            return self._decode(decoder, data)
-        self._deflate_form_open = False  # the first bytes decoded: the form is settled
+            if decoder.eof:
+                # The stream's end, all its output out: what follows starts the next stream (a
+                # gzip member), which must be one. Nothing of the body is dropped unread.
+                self._input = decoder.unused_data
+                self._decoder = None
+                self._drained = True
+            else:
+                self._input = decoder.unconsumed_tail
+                self._drained = len(out) < _DECODE_STEP
+            if out:
+                return self._counted(out)
+
+    def _start(self, head: bytes) -> zlib._Decompress:
+        """A decoder for the stream that *head* starts (two bytes or more, unless the body ends sooner)."""
+        self._streams += 1
+        if self._coding == "gzip":
+            return zlib.decompressobj(zlib.MAX_WBITS | 16)
+        # "deflate" is often sent raw, without the zlib header (httpx's decoder accepts both).
+        return zlib.decompressobj(zlib.MAX_WBITS if len(head) >= 2 and _zlib_header(head) else -zlib.MAX_WBITS)
+
+    def _counted(self, out: bytes) -> bytes:
+        self._unchecked += len(out)
         return out
 
 
