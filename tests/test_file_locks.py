@@ -14,7 +14,7 @@ import trio
 import trio.testing
 from trio.testing import wait_all_tasks_blocked
 
-from trio_agent import AbortReason, define_tool
+from trio_agent import AbortReason, ConfigError, define_tool
 from trio_agent._errors import FileLockTimeoutError
 from trio_agent._util import safe_repr
 from trio_agent.testing import call_tool
@@ -292,6 +292,13 @@ async def test_pipelines_of_one_session_key_share_its_call_tree() -> None:
         await wait_all_tasks_blocked()
         inside.events["A"].set()
     assert locks.held() == {}
+
+
+def test_a_session_key_that_cannot_name_a_lock_holder_is_refused_when_the_pipeline_is_made() -> None:
+    # It names the holders of file locks: an unhashable one raised a bare TypeError from execute,
+    # and only for a call that locked a file.
+    with pytest.raises(ConfigError, match=r"session_key must be hashable, got \['s'\]"):
+        ToolPipeline([Inside().tool()], session_key=["s"])
 
 
 async def test_a_waiter_keeps_its_place_on_its_free_paths(autojump_clock: trio.testing.MockClock) -> None:

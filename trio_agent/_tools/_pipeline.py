@@ -343,6 +343,10 @@ class ToolPipeline:
                 raise ConfigError(f"workspace must be a directory path (a str), not {safe_repr(workspace)}")
             workspace = path
         self.workspace = workspace
+        try:
+            hash(session_key)  # it names the holders of file locks (`FileLockManager` owners)
+        except TypeError:
+            raise ConfigError(f"session_key must be hashable, got {safe_repr(session_key)}") from None
         self.session_key = session_key
         # No history kept: one shared empty deque (appending to it keeps nothing), not ~600 bytes each.
         self.history: deque[ToolExecutionRecord] = deque(maxlen=history_limit) if history_limit else _NO_HISTORY
