@@ -10,6 +10,7 @@ The table under test (``trio_agent/_permissions/_table.py`` and ``docs/permissio
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -1625,6 +1626,150 @@ async def test_accept_updates_checks_every_item_before_reporting() -> None:
     assert (callback.calls, permissions.session_allow_rules) == ([], ())
     with pytest.raises(ConfigError, match="callable"):
         engine(on_updates_applied=42)
+
+
+# -- rules of live updates: judged against the tools the engine knows, as check_tools judges ---------
+
+
+def field_tool(name: str, field: str | None, kind: str = "readonly") -> Tool[Any]:
+    """A tool whose signature content is its conventional *field* (``None``: no content at all)."""
+    properties = {} if field is None else {field: {"type": "string"}}
+    return define_tool(
+        _echo, name=name, description=f"the {name} tool", kind=kind, side_effect="idempotent",
+        input_schema={"type": "object", "properties": properties},
+    )  # fmt: skip
+
+
+FILE_READ = field_tool("Read", "file_path")
+SHELL = field_tool("Bash", "command", "execute")
+ISSUE = field_tool("issue", None, "execute")
+
+
+def knowing(*tools: Tool[Any], **options: Any) -> PermissionEngine:
+    """An engine that knows *tools* as a session's does: each tool's own content (`signature_content=`)."""
+    return PermissionEngine(signature_content={tool.name: tool.signature_content_for for tool in tools}, **options)
+
+
+REFUSED_LIVE_RULES = [
+    ("Read:./.env", "Read:.env"),
+    ("Read:/home/u//.ssh/*", "Read:/home/u/.ssh/*"),
+    ("Bash: rm *", "Bash:rm *"),
+    ("issue:42", "issue"),
+]
+
+
+@pytest.mark.parametrize("behavior", ["allow", "deny"])
+@pytest.mark.parametrize(("rule", "normal"), REFUSED_LIVE_RULES)
+async def test_a_live_rule_that_can_never_match_a_known_tool_is_refused_before_it_is_reported(
+    behavior: str, rule: str, normal: str
+) -> None:
+    # accept_updates took deny Read:./.env, reported (journalled) and applied it: it denied nothing,
+    # since a call's content is '.env'. The configured rule was refused (check_tools); this was not.
+    callback = UpdateLog()
+    permissions = knowing(FILE_READ, SHELL, ISSUE, mode="bypass", on_updates_applied=callback)
+    updates = [PermissionUpdate.add("Bash:git *"), PermissionUpdate.add(rule, behavior=behavior)]
+    with pytest.raises(ConfigError, match="can never match") as info:
+        await permissions.accept_updates(updates, source="tool")
+    assert f"permission update add {behavior} rule {rule!r}" in str(info.value)
+    assert f"write {normal!r}" in str(info.value) and "nothing of these permission updates was applied" in str(
+        info.value
+    )
+    with pytest.raises(ConfigError, match="can never match"):
+        permissions.apply_updates(updates)
+    with pytest.raises(ConfigError, match="can never match"):  # a remove of it would take nothing out
+        await permissions.accept_updates([PermissionUpdate.remove(rule, behavior=behavior)], source="tool")
+    assert (callback.calls, permissions.session_allow_rules, permissions.session_deny_rules) == ([], (), ())
+    # The configured check says the same of the same rule.
+    with pytest.raises(ConfigError, match="can never match"):
+        PermissionRules(**{behavior: [rule]}).check_tools([FILE_READ, SHELL, ISSUE])
+
+
+@pytest.mark.parametrize(("rule", "normal"), REFUSED_LIVE_RULES)
+async def test_a_live_rule_for_a_tool_the_engine_does_not_judge_is_taken(rule: str, normal: str) -> None:
+    # As check_tools: a tool it was not given, or whose content a function of its own makes.
+    for permissions in (
+        PermissionEngine(),
+        knowing(),
+        PermissionEngine(signature_content={"Read": lambda input: "x", "Bash": lambda input: "x", "issue": str}),
+        PermissionEngine(signature_content=lambda name, input: None),
+    ):
+        await permissions.accept_updates([PermissionUpdate.add(rule, behavior="deny")], source="tool")
+        assert [r.text for r in permissions.session_deny_rules] == [rule]
+
+
+async def test_a_live_rule_in_the_form_of_call_content_is_taken_and_denies() -> None:
+    permissions = knowing(FILE_READ, SHELL, ISSUE, mode="bypass")
+    updates = [
+        PermissionUpdate.add(
+            "Read:.env", "Read:src/.*", "Bash:git status*", "issue", "is*", "Other:./x", behavior="deny"
+        )
+    ]
+    await permissions.accept_updates(updates, source="tool")
+    for input in ({"file_path": "./.env"}, {"file_path": ".env"}, {"file_path": "src/.git/config"}):
+        assert (await permissions.decide(FILE_READ, input, ctx())).allowed is False
+    assert (await permissions.decide(FILE_READ, {"file_path": "README"}, ctx())).allowed is True
+
+
+@pytest.mark.parametrize("answerer", ["handler", "hook"])
+async def test_an_answer_with_a_refused_rule_update_denies_its_call_and_changes_nothing(
+    answerer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A handler relaying a person's answer (a web client's, say) is untrusted input: its bad rule
+    # update fails that decision (a deny, source error), never the engine or the session.
+    answer = Answerer(PermissionAllow(rule_updates=[PermissionUpdate.add("Read:./.env", behavior="deny")]))
+    recorder, callback = Recorder(), UpdateLog()
+    options: dict[str, Any] = {"handler": answer} if answerer == "handler" else {"hooks": [answer]}
+    permissions = knowing(FILE_READ, SHELL, record=recorder, on_updates_applied=callback, **options)
+    with caplog.at_level(logging.WARNING, logger="trio_agent.permissions"):
+        decision = await permissions.decide(SHELL, {"command": "make"}, ctx())
+    assert (decision.allowed, decision.source, decision.asked) == (False, DecisionSource.ERROR, True)
+    assert "refused rule update" in (decision.message or "") and "write 'Read:.env'" in (decision.message or "")
+    assert [(phase, record.outcome) for phase, record in recorder.entries] == [
+        ("requested", None),
+        ("resolved", PermissionDecision.DENY),
+    ]
+    assert (callback.calls, permissions.session_deny_rules) == ([], ())
+    assert "rule update that was refused" in caplog.text
+    # The next answer, a good one, is taken as ever.
+    answer.result = PermissionAllow(rule_updates=[PermissionUpdate.add("Read:.env", behavior="deny")])
+    assert (await permissions.decide(SHELL, {"command": "make"}, ctx())).allowed
+    assert [r.text for r in permissions.session_deny_rules] == ["Read:.env"]
+
+
+async def test_conclude_refuses_an_answer_with_a_refused_rule_update_and_decides_nothing() -> None:
+    callback = UpdateLog()
+    permissions = knowing(FILE_READ, SHELL, on_updates_applied=callback)
+    ask = await permissions.evaluate(SHELL, {"command": "make"}, ctx())
+    assert isinstance(ask, AskNeeded)
+    bad = PermissionAllow(rule_updates=[PermissionUpdate.add("Read:./.env", behavior="deny")], remember=True)
+    with pytest.raises(ConfigError, match=r"'Read:\./\.env' can never match as written.*write 'Read:\.env'"):
+        await permissions.conclude(SHELL, ask, ctx(), bad)
+    assert (callback.calls, permissions.session_deny_rules, permissions.approved_signatures) == ([], (), frozenset())
+    # The ask is still open to a good answer.
+    good = PermissionAllow(rule_updates=[PermissionUpdate.add("Read:.env", behavior="deny")])
+    assert (await permissions.conclude(SHELL, ask, ctx(), good)).allowed
+    assert [r.text for r in permissions.session_deny_rules] == ["Read:.env"]
+
+
+async def test_a_stored_rule_that_would_be_refused_now_is_replayed_as_it_was(caplog: pytest.LogCaptureFixture) -> None:
+    # A journal from before live rules were checked may hold one: replay must not fail the reopen.
+    stored = [update_to_json(PermissionUpdate.add("Read:./.env", "Read:.env", behavior="deny"))]
+    callback = UpdateLog()
+    permissions = knowing(FILE_READ, mode="bypass", on_updates_applied=callback)
+    with caplog.at_level(logging.WARNING, logger="trio_agent.permissions"):
+        permissions.replay_updates([update_from_json(value) for value in stored])
+    assert [r.text for r in permissions.session_deny_rules] == ["Read:./.env", "Read:.env"]
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "trio_agent.permissions"]
+    assert "replayed a stored permission update as it was" in warning and "'Read:./.env'" in warning
+    assert callback.calls == []
+    # A remove of the rule the layer holds is taken; forget_session removes (and reports) the rest.
+    await permissions.accept_updates([PermissionUpdate.remove("Read:./.env", behavior="deny")], source="tool")
+    assert [r.text for r in permissions.session_deny_rules] == ["Read:.env"]
+    permissions.replay_updates([update_from_json(value) for value in stored])
+    await permissions.forget_session()
+    assert permissions.session_deny_rules == ()
+    [_, (removed, source, _)] = callback.calls
+    assert (source, [r.text for u in removed for r in u.rules]) == ("forget_session", ["Read:.env", "Read:./.env"])
 
 
 async def test_a_mode_change_is_reported_before_it_applies_and_replays() -> None:

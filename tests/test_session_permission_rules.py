@@ -380,6 +380,164 @@ async def test_a_path_rule_spelled_as_the_call_is_now_refused_rather_than_lettin
     assert [inp for name, inp in ran if name == "Read"] == []  # both spellings denied
 
 
+# -- rules added while the session runs: judged as configured rules are ----------------------------
+
+
+def journalled_updates(session: Any) -> list[Any]:
+    return [event.update for event in session.journal.projection().permission_updates]
+
+
+@pytest.mark.parametrize("behavior", ["allow", "deny"])
+@pytest.mark.parametrize(
+    ("rule", "normal"),
+    [
+        ("Read:./.env", "Read:.env"),
+        ("Read:/home/x/../u/.ssh/*", "Read:/home/u/.ssh/*"),
+        ("Bash: rm *", "Bash:rm *"),
+        ("mcp__github__create_issue:42", "mcp__github__create_issue"),  # no signature content at all
+    ],
+)
+async def test_a_rule_added_while_the_session_runs_is_refused_as_a_configured_one_is(
+    behavior: str, rule: str, normal: str
+) -> None:
+    # open_session refused permissions={"deny": ["Read:./.env"]}, but accept_updates took the same
+    # rule, journalled it, and it denied nothing: Read {"file_path": "./.env"} (content '.env') ran.
+    async with open_session(provider=TestModel(default=Reply(text="-")), tools=workbench([])) as session:
+        engine = session.permissions
+        assert engine is not None
+        good = PermissionUpdate.add("Bash:git *")
+        with pytest.raises(ConfigError, match="can never match") as info:
+            await engine.accept_updates([good, PermissionUpdate.add(rule, behavior=behavior)], source="handler")
+        assert f"add {behavior} rule {rule!r}" in str(info.value) and f"write {normal!r}" in str(info.value)
+        with pytest.raises(ConfigError, match="can never match"):
+            engine.apply_updates([good, PermissionUpdate.add(rule, behavior=behavior)])
+        with pytest.raises(ConfigError, match="can never match"):  # a remove of it would take nothing out
+            await engine.accept_updates([PermissionUpdate.remove(rule, behavior=behavior)], source="handler")
+        # Nothing of the refused updates was journalled or applied, the good one included.
+        assert (engine.session_allow_rules, engine.session_deny_rules, journalled_updates(session)) == ((), (), [])
+
+
+@pytest.mark.parametrize(
+    "rule",
+    ["Read:.env", "Read:src/.*", "Bash:git status*", "Task: x", "Other:./x", "mcp__*", "mcp__github__create_issue"],
+)
+async def test_a_rule_added_while_the_session_runs_in_the_form_of_call_content_is_taken(rule: str) -> None:
+    async with open_session(provider=TestModel(default=Reply(text="-")), tools=workbench([])) as session:
+        assert session.permissions is not None
+        await session.permissions.accept_updates([PermissionUpdate.add(rule, behavior="deny")], source="handler")
+        assert [r.text for r in session.permissions.session_deny_rules] == [rule]
+        assert journalled_updates(session) == [{"action": "add", "behavior": "deny", "rules": [rule]}]
+
+
+async def test_a_run_time_deny_rule_spelled_as_the_call_is_refused_rather_than_letting_the_read_run() -> None:
+    # The reviewer's repro, at run time: the rule './.env' was taken and the read of './.env' ran.
+    calls = [("Read", {"file_path": "./.env"}), ("Read", {"file_path": ".env"})]
+
+    def adding(rule: str) -> Callable[[Any], Awaitable[None]]:
+        async def add(session: Any) -> None:
+            await session.permissions.accept_updates([PermissionUpdate.add(rule, behavior="deny")], source="tool")
+
+        return add
+
+    with pytest.raises(ConfigError, match=r"'Read:\./\.env' can never match as written.*write 'Read:\.env'"):
+        await run_calls(calls, before=adding("Read:./.env"), permission_mode="bypass")
+    ran, by_call, _ = await run_calls(calls, before=adding("Read:.env"), permission_mode="bypass")
+    assert [inp for name, inp in ran if name == "Read"] == []  # both spellings denied
+    assert all(r.error is not None and "denied by rule 'Read:.env'" in r.error.message for r in by_call.values())
+
+
+async def test_a_handler_answer_with_a_refused_rule_update_denies_that_call_not_the_session(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A handler relaying a person's "allow, and never let it read ./.env" (from a web client, say):
+    # the rule was taken and denied nothing. Now that answer fails (its call is denied, source
+    # error), nothing of it applies, and the session goes on.
+    handler = Handler(PermissionAllow(rule_updates=[PermissionUpdate.add("Read:./.env", behavior="deny")]))
+    ran: list[tuple[str, dict[str, Any]]] = []
+    model = TestModel(
+        {
+            "go": [  # one conversation: the second request continues it
+                Reply(tool_calls=[("Bash", {"command": "make"})]),
+                Reply(text="refused"),
+                Reply(tool_calls=[("Bash", {"command": "make"})]),
+                Reply(tool_calls=[("Read", {"file_path": "./.env"})]),
+                Reply(text="done"),
+            ]
+        }
+    )
+    async with open_session(provider=model, tools=workbench(ran), permission_handler=handler) as session:
+        assert session.permissions is not None
+        with caplog.at_level(logging.WARNING, logger="trio_agent.permissions"):
+            seen, done = await run_request(session, "go")
+        [refused] = [e.result for e in seen if isinstance(e, ToolResultEvent)]
+        assert refused.error is not None and "refused rule update" in refused.error.message
+        assert "write 'Read:.env'" in refused.error.message
+        assert done.stop_reason == "end_turn" and ran == []
+        assert (session.permissions.session_deny_rules, journalled_updates(session)) == ((), [])
+        assert "rule update that was refused" in caplog.text
+        # The same session, a good answer: the call runs and the rule it adds holds.
+        handler.answer = PermissionAllow(rule_updates=[PermissionUpdate.add("Read:.env", behavior="deny")])
+        seen, done = await run_request(session, "again")
+        assert done.stop_reason == "end_turn"
+        assert [r.text for r in session.permissions.session_deny_rules] == ["Read:.env"]
+    assert ran == [("Bash", {"command": "make"})]  # not the read of ./.env
+    assert handler.asked == ["Bash:make", "Bash:make"]
+
+
+async def test_a_tools_rule_update_that_is_refused_is_logged_and_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    from trio_agent.tools import Effect
+
+    async def grant(inp: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        await ctx.emit(Effect("permission_updates", [PermissionUpdate.add("Read:./.env", behavior="deny")]))
+        return ToolResult.success("granted")
+
+    emitter = define_tool(
+        grant, name="grant", description="g", kind="readonly", side_effect="pure", input_schema={"type": "object"}
+    )
+    ran: list[tuple[str, dict[str, Any]]] = []
+    model = TestModel({"go": [Reply(tool_calls=[("grant", {})]), Reply(text="done")]})
+    async with open_session(provider=model, tools=[*workbench(ran), emitter]) as session:
+        assert await session.send("go") == "done"
+        assert session.permissions is not None and session.permissions.session_deny_rules == ()
+        assert journalled_updates(session) == []
+    assert "ignored a permission_updates effect" in caplog.text and "'Read:./.env' can never match" in caplog.text
+
+
+async def test_a_journalled_rule_from_before_the_check_is_replayed_as_it_was_on_reopen(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A journal written before run-time rules were checked may hold one that can never match: the
+    # reopen must not fail on it. It is kept (it matches nothing, as before), with a WARNING, and
+    # forget_session (or a remove of it) takes it out.
+    from trio_agent.journal import MemoryStore
+
+    stale = PermissionUpdate.add("Read:./.env", behavior="deny")
+    ran: list[tuple[str, dict[str, Any]]] = []
+    model = TestModel(
+        default=Reply(text="-"),
+        script={"go": [Reply(tool_calls=[("Read", {"file_path": "./.env"})]), Reply(text="done")]},
+    )
+    options: dict[str, Any] = {"provider": model, "journal": MemoryStore(), "session_id": "s", "tools": workbench(ran)}
+    async with open_session(**options) as session:
+        assert session.permissions is not None and session.permissions.on_updates_applied is not None
+        # What an older engine did: report (journal) the update, then apply it, unchecked.
+        await session.permissions.on_updates_applied((stale,), source="handler", call_id=None)
+    with caplog.at_level(logging.WARNING, logger="trio_agent.permissions"):
+        async with open_session(**options) as session:
+            assert session.permissions is not None
+            assert [r.text for r in session.permissions.session_deny_rules] == ["Read:./.env"]
+            await session.send("go")
+            assert ran == [("Read", {"file_path": "./.env"})]  # as before: the stale rule matches nothing
+            # Removing the rule the layer holds is taken, and journalled.
+            await session.permissions.accept_updates(
+                [PermissionUpdate.remove(*stale.rules, behavior="deny")], source="tool"
+            )
+            assert session.permissions.session_deny_rules == ()
+    assert "replayed a stored permission update as it was" in caplog.text and "'Read:./.env'" in caplog.text
+    async with open_session(**options) as session:
+        assert session.permissions is not None and session.permissions.session_deny_rules == ()
+
+
 # -- the tool's own check (define_tool(check_permissions=)) ------------------------------------------
 
 

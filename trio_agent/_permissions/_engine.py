@@ -56,6 +56,7 @@ from ._rules import (
     ToolFilter,
     ToolPermissionCheck,
     as_mode,
+    never_matches,
 )
 from ._table import (
     AskNeeded,
@@ -600,7 +601,11 @@ class PermissionEngine:
     ) -> tuple[PermissionUpdate, ...]:
         """Apply live rule updates (a tool's ``permission_updates`` effect, say) and report them.
 
-        Every item is checked first (`ConfigError`, nothing applied). Then
+        Every item is checked first (`ConfigError`, nothing reported or applied): each must be a
+        `PermissionUpdate`, and no rule of one may be one that could never match a call of a tool
+        this engine knows as written (`never_matches`, the judgement `PermissionRules.check_tools`
+        makes of configured rules: ``Read:./.env`` would deny nothing, since a call's content is
+        ``.env``); a ``remove`` of a rule the session layer holds is always taken. Then
         `on_updates_applied` is called (and awaited if async) *before* the
         updates take effect, so a journal can make them durable first: if it
         raises, nothing is applied and the error propagates. A cancellation
@@ -612,6 +617,13 @@ class PermissionEngine:
         Returns the updates applied.
         """
         checked = _checked_updates(updates, "accept_updates")
+        self._check_rules(checked)
+        return await self._report_and_apply(checked, source, call_id)
+
+    async def _report_and_apply(
+        self, checked: tuple[PermissionUpdate, ...], source: str, call_id: str | None
+    ) -> tuple[PermissionUpdate, ...]:
+        """`accept_updates` past its checks: report *checked* (`on_updates_applied`), then apply them."""
         if not checked:
             return ()
         callback = self.on_updates_applied
@@ -634,15 +646,75 @@ class PermissionEngine:
         return checked
 
     def replay_updates(self, updates: Iterable[PermissionUpdate]) -> None:
-        """Apply stored rule updates again (a reopened session), without calling `on_updates_applied`."""
-        self._apply(_checked_updates(updates, "replay_updates"))
+        """Apply stored rule updates again (a reopened session), without calling `on_updates_applied`.
+
+        Applied as they were accepted, never refused for their rules: a journal written before
+        live updates were checked (`accept_updates`) may hold a rule that can never match. Such a
+        rule is kept as it was (it matched nothing then and matches nothing now; the live layer
+        stays what the journal says, so a later ``remove`` or `forget_session` takes it out), and
+        each is logged once as a WARNING on the ``trio_agent.permissions`` logger."""
+        checked = _checked_updates(updates, "replay_updates")
+        for update in checked:
+            refused = self._refused_rule((update,))
+            if refused is not None:
+                logger.warning(
+                    "replayed a stored permission update as it was, though it would be refused now: %s "
+                    "(it was accepted before such rules were checked; it matches no call)",
+                    refused,
+                )
+            self._apply((update,))  # in order: a later update's remove exemption reads the layer as it was
 
     def apply_updates(self, updates: Iterable[PermissionUpdate]) -> None:
         """Apply rule updates to the session layer, without calling `on_updates_applied`.
 
-        For updates that must be reported (journalled), use `accept_updates`.
+        Checked as `accept_updates` checks them (`ConfigError`, nothing applied). For updates
+        that must be reported (journalled), use `accept_updates`.
         """
-        self._apply(_checked_updates(updates, "apply_updates"))
+        checked = _checked_updates(updates, "apply_updates")
+        self._check_rules(checked)
+        self._apply(checked)
+
+    def _check_rules(self, updates: tuple[PermissionUpdate, ...]) -> None:
+        """`ConfigError` for the first rule of *updates* that `_refused_rule` refuses."""
+        refused = self._refused_rule(updates)
+        if refused is not None:
+            raise ConfigError(f"{refused}; nothing of these permission updates was applied")
+
+    def _refused_rule(self, updates: Iterable[PermissionUpdate]) -> str | None:
+        """Why the first refused rule of *updates* is refused, or ``None``: a rule that could never
+        match a call of the tool it names as written (`never_matches`, the judgement
+        `PermissionRules.check_tools` makes of configured rules), judged for the tools this engine
+        knows (`_known_tool`). An added deny rule ``Read:./.env`` would deny nothing (a call's
+        content is ``.env``), an added allow rule grant nothing; a ``remove`` of such a rule would
+        take nothing out (a grant would stay), unless the session layer holds that very rule (a
+        journal from before these checks may have put it there): removing it is always taken."""
+        for update in updates:
+            if update.mode is not None:
+                continue
+            held: Sequence[Rule] = ()
+            if update.action == "remove":
+                held = self._session_allow if update.behavior is RuleBehavior.ALLOW else self._session_deny
+            for rule in update.rules:
+                tool = self._known_tool(rule.tool)
+                problem = None if tool is None or rule in held else never_matches(rule, tool)
+                if problem is not None:
+                    return f"permission update {update.action} {update.behavior.value} rule {rule.text!r} {problem}"
+        return None
+
+    def _known_tool(self, name: str) -> Tool[Any] | None:
+        """The tool *name* whose calls' signature content this engine makes as the tool itself does:
+        its ``signature_content=`` entry is that tool's own `Tool.signature_content_for` (a session
+        gives one for every tool of its spec). ``None`` for any other name: the engine does not
+        know the tool, or a content function of its own decides the content's form."""
+        fn = self._content_map.get(name)
+        owner = getattr(fn, "__self__", None)
+        if (
+            isinstance(owner, Tool)
+            and owner.name == name
+            and getattr(fn, "__func__", None) is type(owner).signature_content_for
+        ):
+            return owner
+        return None
 
     def _apply(self, updates: tuple[PermissionUpdate, ...]) -> None:
         """Adding a rule with one behaviour takes it out of the other session list (so the session layer
@@ -712,7 +784,8 @@ class PermissionEngine:
             if rules
         ]
         if removals:
-            await self.accept_updates(removals, source="forget_session")
+            # What the layer holds, removed as it is: no rule check (`_refused_rule` takes such a remove anyway).
+            await self._report_and_apply(tuple(removals), "forget_session", None)
         if isinstance(self._approved, set):
             self._approved.clear()
 
@@ -799,6 +872,9 @@ class PermissionEngine:
             raise ConfigError(f"this ask is for tool {ask.tool_name!r}, not {tool.name!r}")
         if not isinstance(answer, (PermissionAllow, PermissionDeny)):
             raise ConfigError(f"an answer is a PermissionAllow or a PermissionDeny, got {answer!r}")
+        if isinstance(answer, PermissionAllow):
+            # Before anything is decided: a refused rule update fails this answer, and changes nothing.
+            self._check_rules(answer.rule_updates)
         decision = await self._conclude(tool, ask, context, _Answer(DecisionSource.INTERRUPT, answer), None)
         if decision.allowed and isinstance(answer, PermissionAllow):
             await self._apply_answer(answer, DecisionSource.INTERRUPT, decision, context)
@@ -1023,6 +1099,16 @@ class PermissionEngine:
                     raise  # the deadline's or the abort's cancellation, or one from outside
                 told = f"it raised {describe(exc, 'repr')} {STRAY_CANCELLED}"
                 return _Answer(DecisionSource.ERROR, message=f"{who} failed: {told}")
+            if isinstance(result, PermissionAllow) and result.rule_updates:
+                refused = self._refused_rule(result.rule_updates)
+                if refused is not None:
+                    # The answerer's mistake fails its answer (a deny, source error), never the session.
+                    logger.warning(
+                        "%s answered %s with a rule update that was refused: %s", who, request.signature, refused
+                    )
+                    return _Answer(
+                        DecisionSource.ERROR, message=f"{who} answered with a refused rule update: {refused}"
+                    )
             if isinstance(result, (PermissionAllow, PermissionDeny)):
                 return _Answer(source, result)
             if result is not None and not isinstance(result, PermissionAsk):
@@ -1089,8 +1175,9 @@ class PermissionEngine:
     async def _apply_answer(
         self, result: PermissionAllow, source: DecisionSource, decision: Decision, context: ExecutionContext
     ) -> None:
-        """The side effects of an allow that stood: its rule updates, then ``remember`` (the final signature)."""
-        await self.accept_updates(result.rule_updates, source=source.value, call_id=context.tool_call_id)
+        """The side effects of an allow that stood: its rule updates (checked when the answer came:
+        `_first_answer`, `conclude`), then ``remember`` (the final signature)."""
+        await self._report_and_apply(result.rule_updates, source.value, context.tool_call_id)
         if result.remember:
             self._approvals().add(decision.signature)
 

@@ -39,6 +39,7 @@ __all__ = [
     "ToolFilter",
     "ToolPermissionCheck",
     "as_mode",
+    "never_matches",
     "update_from_json",
     "update_to_json",
 ]
@@ -279,6 +280,27 @@ def _unreachable(rule: Rule, tool: Tool[Any]) -> str | None:
     )
 
 
+def never_matches(rule: Rule, tool: Tool[Any]) -> str | None:
+    """Why *rule* can never match a call of *tool* as written, or ``None``: the rest of a sentence
+    that begins with the rule (``... rule 'Read:./.env' can never match as written: ...; write
+    'Read:.env'``). Only a ``Name:content`` rule naming *tool* can fail: the tool's calls have no
+    signature content, or its content is the tool's conventional field and the rule's content is
+    not in the form that field's content takes (`_unreachable`).
+
+    The one judgement of a rule against a tool: `PermissionRules.check_tools` (configured rules,
+    before a session or ``chat()`` starts) and the engine (the rules of a live `PermissionUpdate`,
+    before it is reported or applied) both apply it."""
+    if rule.tool_prefix or rule.content is None or rule.tool != tool.name:
+        return None
+    if not tool.has_signature_content:
+        return (
+            f"can never match: calls of tool {tool.name!r} have no signature content (give "
+            "define_tool(signature_content=...), or declare a 'command', 'file_path', 'path' or 'url' "
+            f"string property); write {tool.name!r} to cover every call"
+        )
+    return _unreachable(rule, tool)
+
+
 @attrs.frozen
 class RuleMatch:
     """The rule that decided, and how."""
@@ -349,21 +371,13 @@ class PermissionRules:
         """`ConfigError` for a ``Name:content`` rule naming one of *tools* that could never match
         as written (a deny rule that never denies anything): the tool's calls have no signature
         content, or the content comes from its conventional field (stripped, and a path
-        normalised: `normal_path`) and the rule's content is not in that form (`_unreachable`)."""
+        normalised: `normal_path`) and the rule's content is not in that form (`never_matches`,
+        which the engine also applies to the rules of a live update)."""
         by_name = {tool.name: tool for tool in tools}
         for behavior in (RuleBehavior.DENY, RuleBehavior.ALLOW, RuleBehavior.ASK):
             for rule in self._parsed[behavior]:
-                tool = None if rule.tool_prefix or rule.content is None else by_name.get(rule.tool)
-                if tool is None:
-                    continue
-                if not tool.has_signature_content:
-                    raise ConfigError(
-                        f"permissions.{behavior.value} rule {rule.text!r} can never match: calls of tool "
-                        f"{tool.name!r} have no signature content (give define_tool(signature_content=...), or "
-                        "declare a 'command', 'file_path', 'path' or 'url' string property); write "
-                        f"{tool.name!r} to cover every call"
-                    )
-                problem = _unreachable(rule, tool)
+                tool = by_name.get(rule.tool)
+                problem = None if tool is None else never_matches(rule, tool)
                 if problem is not None:
                     raise ConfigError(f"permissions.{behavior.value} rule {rule.text!r} {problem}")
 
