@@ -29,7 +29,8 @@ updates and journal, and the agents' allowlists.
   the tool's call content takes (stripped, a path normalised: it could never
   match; `PermissionRules.check_tools`); one WARNING
   on the ``trio_agent.permissions`` logger per tool whose calls will all be
-  denied (`PermissionEngine.never_allowed`).
+  denied (`PermissionEngine.never_allowed`). A rule added while the session runs
+  (a rule update) is judged by the same check in the engine (`never_matches`).
 """
 
 from __future__ import annotations
