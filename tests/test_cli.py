@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from trio_agent import open_session
 from trio_agent._terminate import until_stopped
@@ -220,6 +221,80 @@ def test_ctrl_c_is_a_cancellation_at_a_checkpoint_not_an_exception_at_any_line()
 
     assert trio.run(until_stopped, main) is signal.SIGINT
     assert ran == ["the plain code, all of it", "cancelled at the checkpoint"]
+
+
+# A run whose clean-up cannot be cancelled (a write to a client that stopped reading, in
+# Hypercorn's shield, was one): Ctrl-C cancels it, and its clean-up then waits for ever.
+_STUCK_CLEAN_UP = """
+import trio
+from trio_agent._terminate import until_stopped
+
+async def main():
+    try:
+        print("running", flush=True)
+        await trio.sleep_forever()
+    finally:
+        with trio.CancelScope(shield=True):
+            print("cleaning up", flush=True)
+            await trio.sleep_forever()
+
+print(trio.run(until_stopped, main))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize(
+    ("first", "second", "status", "said"),
+    [
+        (signal.SIGINT, signal.SIGINT, 130, "interrupted"),
+        (signal.SIGTERM, signal.SIGINT, 143, "terminated"),  # stopped by the first; the second hurries it
+    ],
+)
+def test_a_second_signal_stops_a_clean_up_that_cannot_be_cancelled(
+    first: signal.Signals, second: signal.Signals, status: int, said: str
+) -> None:
+    # The second Ctrl-C was Trio's KeyboardInterrupt, delivered to the main task, which waited for
+    # the shielded clean-up first: the process never ended.
+    process = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_CLEAN_UP],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        preexec_fn=_sigint_default,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "running\n"
+        process.send_signal(first)
+        assert process.stdout.readline() == "cleaning up\n"
+        process.send_signal(second)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+        process.wait()
+    assert (process.returncode, stderr) == (status, said + "\n")
+
+
+def test_a_second_signal_leaves_a_clean_up_that_ends_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trio_agent import _terminate
+
+    cut_short: list[int] = []
+    monkeypatch.setattr(_terminate, "_hard_exit", lambda status, line: cut_short.append(status))
+    ran: list[str] = []
+
+    async def main() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                os.kill(os.getpid(), signal.SIGINT)
+                await trio.testing.wait_all_tasks_blocked()  # the second signal is received
+                ran.append("the clean-up, all of it")
+
+    assert trio.run(until_stopped, main, clock=trio.testing.MockClock(autojump_threshold=0)) is signal.SIGINT
+    assert ran == ["the clean-up, all of it"] and cut_short == []
 
 
 def _with_sitecustomize(tmp_path: Path, code: str) -> dict[str, str]:

@@ -3,6 +3,8 @@ httpx the way a client would; every event checked against the AG-UI protocol's m
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import sys
 from collections.abc import AsyncIterator
@@ -18,7 +20,7 @@ from pydantic import TypeAdapter
 
 import trio_agent as ta
 from tests.test_session import gated_tool
-from trio_agent._web import _app
+from trio_agent._web import _app, _serve
 from trio_agent.agui import AgUiEncoder
 from trio_agent.lifecycle import ChatMiddleware, TextMessageContent
 from trio_agent.testing import Reply, TestModel
@@ -612,6 +614,112 @@ async def test_a_client_that_never_reads_holds_the_run_back_not_the_memory() -> 
         events = await events_of(response)  # now read it all: the run goes on to its end
     assert produced[0] == chunks and events[-1]["type"] == "RUN_FINISHED"
     assert sum(len(e["delta"]) for e in events if e["type"] == "TEXT_MESSAGE_CONTENT") == chunks * size + chunks - 1
+
+
+class _Produced(ChatMiddleware):
+    """Counts the text chunks the run produced, and says when it was aborted."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.aborted = trio.Event()
+
+    def on_chunk(self, ctx: Any, event: Any) -> None:
+        if isinstance(event, TextMessageContent):
+            self.count += 1
+
+    def on_abort(self, ctx: Any, info: Any) -> None:
+        self.aborted.set()
+
+
+def _a_long_answer(chunks: int = 2_000, size: int = 8_000) -> TestModel:
+    """16 MB of text: more than the socket buffers between a server and a client hold."""
+    return TestModel(default=Reply(text=" ".join(["x" * size] * chunks)))
+
+
+async def _a_client_that_stops_reading(url: str, payload: dict[str, Any]) -> trio.SocketStream:
+    """A connection that posts a run and then reads nothing (it stays open)."""
+    address = httpx.URL(url)
+    assert address.host is not None and address.port is not None
+    stream = await trio.open_tcp_stream(address.host, address.port)
+    data = json.dumps(payload).encode()
+    head = f"POST /runs HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {len(data)}"
+    await stream.send_all(head.encode() + b"\r\n\r\n" + data)
+    return stream
+
+
+async def _until_its_writes_stall(app: Any, produced: _Produced) -> None:
+    with trio.fail_after(10):
+        while not app.state.agui.runs:
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.lowlevel.checkpoint()
+    # Once everything is blocked, the run waits behind the full channel and the write behind the socket.
+    await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+    assert app.state.agui.runs and 0 < produced.count < 1_000, produced.count
+
+
+@pytest.mark.parametrize("stop", ["cancelled", "shut_down"])
+async def test_serve_ends_when_asked_though_a_client_stopped_reading(
+    monkeypatch: pytest.MonkeyPatch, stop: str
+) -> None:
+    # Hypercorn writes in a shielded scope with no bound: a client that stopped reading (its
+    # connection left open) held the write, and serve with it, cancelled or shut down, until
+    # the client went away. Cancelled, serve closes every connection at once; shut down, after
+    # the grace it gives responses in progress.
+    monkeypatch.setattr(_serve, "GRACEFUL_TIMEOUT", 0.05)
+    produced = _Produced()
+    app = create_app(_a_long_answer(), auth=local_only, middleware=[produced], buffer=4)
+    shutdown, ended = trio.Event(), trio.Event()
+    serving = trio.CancelScope()
+
+    async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
+        with serving:
+            await serve(app, port=0, shutdown_trigger=shutdown.wait, task_status=task_status)
+        ended.set()
+
+    async with trio.open_nursery() as nursery:
+        (url,) = await nursery.start(run_server)
+        client = await _a_client_that_stops_reading(url, body())
+        try:
+            await _until_its_writes_stall(app, produced)
+            if stop == "cancelled":
+                serving.cancel()
+            else:
+                shutdown.set()
+            with trio.move_on_after(10):
+                await ended.wait()
+            stopped = ended.is_set()
+        finally:
+            await client.aclose()  # (without the fix, only this let serve end)
+    assert stopped, "serve waited for a client that stopped reading"
+    assert app.state.agui.runs == {}  # its run was aborted, as for a disconnect
+
+
+@pytest.mark.parametrize("write_timeout", [0, -1.0, float("nan"), float("inf"), "30"])
+async def test_serve_refuses_a_write_timeout_that_is_no_bound(write_timeout: Any) -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only)
+    with pytest.raises(ta.ConfigError, match="write_timeout"):
+        await serve(app, port=0, write_timeout=write_timeout)
+
+
+async def test_a_client_that_takes_nothing_for_write_timeout_is_let_go_and_its_run_aborted() -> None:
+    produced = _Produced()
+    app = create_app(_a_long_answer(), auth=local_only, middleware=[produced], buffer=4)
+    async with trio.open_nursery() as nursery:
+        (url,) = await nursery.start(functools.partial(serve, app, port=0, write_timeout=0.2))
+        async with await _a_client_that_stops_reading(url, body()) as client:
+            await _until_its_writes_stall(app, produced)
+            with trio.fail_after(10):  # 0.2 s after its write stalled, the server closed the connection
+                await produced.aborted.wait()  # and its run was aborted, as for a disconnect
+                received = b""
+                with contextlib.suppress(trio.BrokenResourceError):  # (a reset, once we read what was sent)
+                    while chunk := await client.receive_some():
+                        received += chunk
+                while app.state.agui.runs:  # and its response has ended
+                    await trio.testing.wait_all_tasks_blocked()
+                    await trio.lowlevel.checkpoint()
+        assert received.startswith(b"HTTP/1.1 200") and b"RUN_FINISHED" not in received
+        assert produced.count < 2_000  # it never ran to its end
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_client_that_sends_garbage_or_leaves_mid_body_breaks_nothing() -> None:

@@ -30,7 +30,8 @@ Rules
   ignored: the paused state has the history); it is accepted once.
 * Backpressure: the run's events go through a channel of ``buffer`` frames to the
   response; a client that reads slowly slows the run, one that stops reading holds at
-  most that many frames (then the run waits, until the client goes away). Frames
+  most that many frames (then the run waits, until the client goes away or `serve`'s
+  ``write_timeout`` closes its connection). Frames
   already waiting are written together (up to 64 KiB). An idle stream gets a
   ``: keep-alive`` comment every ``keep_alive`` seconds.
 * Authentication is not optional: ``create_app`` takes ``auth``, a callable on the

@@ -32,17 +32,18 @@ def run_serve(
         print(f"error: --model is required with --provider {provider}", file=sys.stderr)
         return 2
     serving = functools.partial(_serve, host=host, port=port, provider=provider, model=model, token=token)
+    stopping = functools.partial(until_stopped, said=_said)
     try:
         if journal is not None:
-            stopped_by = trio.run(until_stopped, functools.partial(serving, journal=journal))
+            stopped_by = trio.run(stopping, functools.partial(serving, journal=journal))
         else:
             with tempfile.TemporaryDirectory() as directory:
                 path = os.path.join(directory, "threads.db")
-                stopped_by = trio.run(until_stopped, functools.partial(serving, journal=path))
+                stopped_by = trio.run(stopping, functools.partial(serving, journal=path))
     except BaseException as raised:
         exc = unwrap_for_boundary(raised) if isinstance(raised, BaseExceptionGroup) else raised
-        if isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C during the clean-up
-            print("stopped", file=sys.stderr)
+        if isinstance(exc, KeyboardInterrupt):  # a Ctrl-C before the signals were ours (trio.run starting)
+            print(_said(signal.SIGINT), file=sys.stderr)
             return INTERRUPTED
         if isinstance(exc, ConfigError):  # e.g. ProviderConfigError: no API key
             print(f"error: {exc}", file=sys.stderr)
@@ -51,13 +52,15 @@ def run_serve(
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
         raise
-    if stopped_by is signal.SIGINT:
-        print("stopped", file=sys.stderr)
-        return INTERRUPTED
-    if stopped_by is signal.SIGTERM:
-        print("stopped (SIGTERM)", file=sys.stderr)
-        return TERMINATED
+    if stopped_by is not None:
+        print(_said(stopped_by), file=sys.stderr)
+        return INTERRUPTED if stopped_by is signal.SIGINT else TERMINATED
     return 0
+
+
+def _said(stopped_by: signal.Signals) -> str:
+    """What the command says when a signal stopped it (also when a second one cut its clean-up short)."""
+    return "stopped" if stopped_by is signal.SIGINT else "stopped (SIGTERM)"
 
 
 def page_address(bind: str, token: str | None) -> str:
