@@ -342,6 +342,54 @@ async def test_a_stop_that_comes_before_the_run_opens_still_stops_it(tmp_path: P
         assert "slow:finished" not in log
 
 
+async def test_a_stop_that_comes_while_the_run_opens_its_thread_stops_it(tmp_path: Path) -> None:
+    # The run id was known only once its request had opened the thread's session: a stop that
+    # came meanwhile was 404 unknown_run, and the run then ran to its end.
+    opening, opened = trio.Event(), trio.Event()
+
+    async def session_start(input: Any) -> None:
+        opening.set()
+        await opened.wait()  # the session takes a while to open (recovery, a slow store ...)
+
+    log: list[str] = []
+    slow, _started, _release = gated_tool("slow", log=log)
+    model = TestModel(respond=respond)
+    agent = ta.define_agent(
+        provider=model, tools=[slow], hooks={ta.HookEvent.SESSION_START: [session_start]}, permission_asks="interrupt"
+    )
+    app = create_app(model, auth=local_only, threads=tmp_path / "t.db", agent=agent)
+    async with running(app) as client, trio.open_nursery() as nursery:
+        events: list[dict[str, Any]] = []
+
+        async def post() -> None:
+            async with client.stream("POST", "/runs", json=body("slow please", run="r1")) as response:
+                events.extend(await read(response))
+
+        nursery.start_soon(post)
+        with trio.fail_after(10):
+            await opening.wait()
+        stopped = await client.post("/runs/r1/abort")
+        assert (stopped.status_code, stopped.json()) == (202, {"aborted": True})
+        opened.set()
+    assert events[-1]["type"] == "RUN_FINISHED" and events[-1]["outcome"] == {"type": "cancelled"}
+    assert "slow:finished" not in log and app.state.agui.runs == {}
+
+
+async def test_a_request_that_starts_no_run_leaves_its_run_id_free(tmp_path: Path) -> None:
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "t.db")
+    async with running(app) as client:
+        payload = body()
+        payload["messages"][-1]["content"] = ""
+        assert (await client.post("/runs", json=payload)).status_code == 422
+        assert app.state.agui.runs == {}
+        assert (await client.post("/runs/r1/abort")).status_code == 404  # nothing runs, nor opens
+        async with client.stream("POST", "/runs", json=body()) as response:
+            assert (await read(response))[-1]["outcome"] == {"type": "success"}
+        async with client.stream("POST", "/runs", json=body()) as response:  # a replay starts nothing
+            assert (await read(response))[-1]["outcome"] == {"type": "success"}
+        assert app.state.agui.runs == {}
+
+
 async def test_a_view_during_a_live_run_shows_it_once(tmp_path: Path) -> None:
     slow, started, release = gated_tool("slow")
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow, add], threads=tmp_path / "t.db")

@@ -632,17 +632,41 @@ async def _open_thread(stack: contextlib.AsyncExitStack, hub: ThreadHub, thread_
         return _error(503, "thread_unavailable", f"thread {thread_id!r} cannot be opened: {exc}")
 
 
+class _StopFirst:
+    """A stop of a run whose request is still opening its thread's session (``server.runs``
+    holds it meanwhile): kept, so the run is stopped as it starts."""
+
+    def __init__(self) -> None:
+        self.asked = False
+
+    def __call__(self) -> None:
+        self.asked = True
+
+
 async def _thread_run(server: _Server, hub: ThreadHub, run_input: RunInput) -> Response:
-    """``POST /runs`` on a thread backed by a session (see `_threads`)."""
-    async with contextlib.AsyncExitStack() as stack:
-        thread = await _open_thread(stack, hub, run_input.thread_id)
-        if isinstance(thread, Response):
-            return thread
-        return _start_thread_run(server, hub, thread, run_input)
+    """``POST /runs`` on a thread backed by a session (see `_threads`). The run id takes its stop
+    at once, before the thread's session opens (which may take a while): a stop that comes
+    meanwhile is kept for the run, not refused as unknown while the run then runs to its end."""
+    run_id = run_input.run_id
+    stop_first: _StopFirst | None = None
+    if run_id not in server.runs:  # else that run's own stop (a retry of it), or another's id: left as it is
+        stop_first = server.runs[run_id] = _StopFirst()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            thread = await _open_thread(stack, hub, run_input.thread_id)
+            if isinstance(thread, Response):
+                return thread
+            return _start_thread_run(server, hub, thread, run_input, stop_first)
+    finally:  # no run started (an error, a replay): the id is free again
+        if stop_first is not None and server.runs.get(run_id) is stop_first:
+            del server.runs[run_id]
 
 
-def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_input: RunInput) -> Response:
-    """The run's stream on the open ``thread`` (the request holds it), or why it cannot start."""
+def _start_thread_run(
+    server: _Server, hub: ThreadHub, thread: _Thread, run_input: RunInput, stop_first: _StopFirst | None
+) -> Response:
+    """The run's stream on the open ``thread`` (the request holds it), or why it cannot start;
+    ``stop_first`` is the run id's stop while this request opened the thread."""
     run_id, live = run_input.run_id, thread.live
     asked = _asked(run_input)
     if live is not None and live.run_id == run_id:
@@ -653,7 +677,7 @@ def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_inpu
                 f"run {run_id!r} of thread {run_input.thread_id!r} was asked something else: post a new runId",
             )
         return _Follow(server, (), live)  # the same run again (a client coming back, a retry): replayed
-    if run_id in server.runs:
+    if server.runs.get(run_id, stop_first) is not stop_first:
         return _error(409, "run_in_progress", f"run {run_id!r} is already running")
     session = thread.session
     ran = session.journal.projection().request(run_id)
@@ -704,6 +728,8 @@ def _start_thread_run(server: _Server, hub: ThreadHub, thread: _Thread, run_inpu
     live.input = asked
     stop = live.request_stop
     server.runs[run_id] = stop
+    if stop_first is not None and stop_first.asked:
+        stop()  # it takes effect as the run's request opens (`LiveRun.request_stop`)
     return _Follow(server, (), live)
 
 
