@@ -60,3 +60,27 @@ async def test_the_javascript_client_reads_a_chat_run_whose_middleware_emits_aft
     assert seen["first"][-2:] == ["CUSTOM", "RUN_FINISHED"]  # the deferred function's, before the pause's end
     assert seen["second"][-4:] == ["STEP_FINISHED", "CUSTOM", "CUSTOM", "RUN_FINISHED"]
     assert seen["text"] == "The tool returned: 42"
+
+
+async def test_the_javascript_client_takes_a_run_posted_again_after_its_first_events_were_dropped(
+    tmp_path: Path,
+) -> None:
+    # The run was replayed from the oldest event kept, without RUN_STARTED: the client refused it
+    # ("First event must be 'RUN_STARTED'"). Now the stream is one RUN_ERROR fell_behind.
+    from tests.test_web_threads import spamming_app, until_its_first_events_are_dropped
+
+    app, release = spamming_app(tmp_path)
+    async with served(app) as url:
+        await until_its_first_events_are_dropped(app, url)
+        release.set()  # the run ends: posted again, it would be replayed whole, if it could be
+        assert NODE is not None
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                [NODE, str(JS / "agui_retry.mjs"), url, "t1", "r1", "go"],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+    assert done.returncode == 0, done.stderr.decode()
+    seen: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert seen == {"types": ["RUN_ERROR"], "error": None}, seen

@@ -567,14 +567,82 @@ async def test_a_follower_that_falls_behind_the_kept_frames_is_told_never_left_w
     assert [e.get("value") for e in events[:-1]] == [0]  # what it got has no hole ...
     assert events[-1]["type"] == "RUN_ERROR" and events[-1]["code"] == "fell_behind"  # ... and it is told
     assert "GET /threads/" in events[-1]["message"]
-    # A client attaching now replays the frames kept, from the oldest, to the end.
+    # A client attaching now is told at once: the run's first frames are gone, and a replay from
+    # the oldest kept was a run without its start (AG-UI's client refuses it), a stream with a hole.
     late: list[bytes] = []
 
     async def keep(message: Any) -> None:
         late.append(message.get("body", b""))
 
     await _Follow(app.state.agui, (), live)(scope, receive, keep)
-    assert live.first > 1 and b"".join(late) == b"".join(frame(index) for index in range(live.first, 50))
+    (told,) = [json.loads(line[6:]) for line in b"".join(late).decode().splitlines() if line.startswith("data: ")]
+    assert live.first > 1 and told["type"] == "RUN_ERROR" and told["code"] == "fell_behind"
+    assert "cannot be replayed from its start" in told["message"]
+
+
+def spamming_app(tmp_path: Path) -> tuple[Any, trio.Event]:
+    """An app whose run ("go") emits 20 KB of progress, then waits for the event; each live run
+    keeps 5 KB of events (16 MiB in earnest), so its first events are soon dropped."""
+    release = trio.Event()
+
+    @ta.define_tool(
+        name="spam", description="spam", input_schema={"type": "object"}, side_effect="pure", kind="readonly"
+    )
+    async def spam(input: dict[str, Any], ctx: Any) -> str:
+        for _ in range(20):
+            await ctx.emit(ta.Progress("x" * 1000))
+        await release.wait()
+        return "spammed"
+
+    def spamming(request: ta.ModelRequest) -> Reply:
+        if isinstance(request.messages[-1], ta.ToolResultMessage):
+            return Reply(text="done")
+        return Reply(tool_calls=[("spam", {})])
+
+    app = create_app(TestModel(respond=spamming), auth=local_only, tools=[spam], threads=tmp_path / "t.db")
+    return app, release
+
+
+async def until_its_first_events_are_dropped(app: Any, url: str) -> None:
+    """Run r1 of thread t1 started by a client that then went away, once its first events are gone."""
+    hub = app.state.agui.hub
+    hub.run_bytes = 5_000
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+        client.stream("POST", "/runs", json=body("go", run="r1")) as response,
+    ):
+        assert (await read(response, until="RUN_STARTED"))[0]["type"] == "RUN_STARTED"  # and detaches
+    with trio.fail_after(10):
+        while hub._threads["t1"].live.first == 0:
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.lowlevel.checkpoint()
+
+
+async def test_a_run_whose_first_events_were_dropped_is_never_replayed_without_its_start(tmp_path: Path) -> None:
+    # Posted again once the run had gone past the events a run keeps, the run was replayed from
+    # the oldest kept: no RUN_STARTED (AG-UI's client refuses it), and a hole where its start was.
+    app, release = spamming_app(tmp_path)
+    async with served(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        await until_its_first_events_are_dropped(app, url)
+        async with client.stream("POST", "/runs", json=body("go", run="r1")) as response:  # a client coming back
+            assert response.status_code == 200
+            with trio.fail_after(10):  # its stream ends at once, the run going on
+                (told,) = await read(response)
+        assert told["type"] == "RUN_ERROR" and told["code"] == "fell_behind"  # AG-UI takes it as a first event
+        assert "cannot be replayed from its start" in told["message"]
+        # A view: the conversation as it is now (the run's own messages so far), then the same word.
+        with trio.fail_after(10):
+            snapshot, told_again = await view(client, "t1")
+        assert [m["role"] for m in snapshot["messages"]] == ["user", "assistant"]  # the prompt, the tool call
+        assert told_again == told
+        release.set()
+        hub = app.state.agui.hub
+        with trio.fail_after(10):
+            while hub._threads["t1"].busy:
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.lowlevel.checkpoint()
+        (ended,) = await view(client, "t1")
+        assert [m["role"] for m in ended["messages"]] == ["user", "assistant", "tool", "assistant"]
 
 
 async def test_a_thread_closing_to_make_room_is_reopened_and_one_in_use_is_not_closed(tmp_path: Path) -> None:

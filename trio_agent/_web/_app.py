@@ -561,16 +561,16 @@ def _check_answers(paused: PausedRun, answers: Sequence[Any], key: bytes, tools:
 
 class _Follow(Response):
     """The SSE response of a client following a thread: ``prefix`` frames, then the live run's
-    frames from the oldest kept (a reconnect replays them), until the run ends. A client that goes
-    away only stops following; one so far behind that frames it has not read were dropped gets a
-    ``RUN_ERROR`` ``fell_behind`` and its stream ends (never a stream with a hole in it)."""
+    frames from its start (a reconnect replays them), until the run ends. A client that goes
+    away only stops following; one owed frames that were dropped (it read too slowly, or it came
+    after the run's first frames were dropped) gets a ``RUN_ERROR`` ``fell_behind`` and its stream
+    ends (never a stream with a hole in it, nor a run's stream without its start)."""
 
     def __init__(self, server: _Server, prefix: Sequence[bytes], live: LiveRun | None) -> None:
         _sse_response(self)
         self.server = server
         self.prefix = list(prefix)
         self.live = live
-        self.position = 0 if live is None else live.first  # attached now: owed every frame from here on
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -592,11 +592,11 @@ class _Follow(Response):
 
         if self.prefix:
             await write(b"".join(self.prefix))
-        live, sent = self.live, self.position
+        live, sent = self.live, 0  # owed every frame of the run, from its RUN_STARTED
         while live is not None:
             frames = live.since(sent)
             if frames is None:
-                await write(_fell_behind(live))
+                await write(_fell_behind(live, sent))
                 break
             batch, end = frames
             if batch:
@@ -612,12 +612,20 @@ class _Follow(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _fell_behind(live: LiveRun) -> bytes:
-    message = (
-        f"this client read too slowly: run {live.run_id!r} went more than {live.max_bytes} bytes of events "
-        "ahead of it, and those were dropped. Its stream ends here: GET /threads/{thread_id} again for a "
-        "fresh MESSAGES_SNAPSHOT"
-    )
+def _fell_behind(live: LiveRun, sent: int) -> bytes:
+    """The ``RUN_ERROR`` of a follower owed frame ``sent`` of ``live``, which was dropped."""
+    if sent == 0:  # nothing of the run sent yet: it came after the run's first frames were dropped
+        message = (
+            f"run {live.run_id!r} went more than {live.max_bytes} bytes of events past its start, and those were "
+            "dropped: it cannot be replayed from its start (it goes on). GET /threads/{thread_id} for the "
+            "conversation (once the run has ended, all of it)"
+        )
+    else:
+        message = (
+            f"this client read too slowly: run {live.run_id!r} went more than {live.max_bytes} bytes of events "
+            "ahead of it, and those were dropped. Its stream ends here: GET /threads/{thread_id} again for a "
+            "fresh MESSAGES_SNAPSHOT"
+        )
     return sse_event(to_wire(RunErrorEvent(message=message, code="fell_behind")))
 
 
@@ -761,8 +769,9 @@ def _follow_thread(server: _Server, hub: ThreadHub, thread: _Thread) -> Response
     """The open ``thread``'s conversation (a snapshot), then its live run if one runs."""
     live = thread.live if thread.busy else None
     messages = thread.session.messages()
-    if live is not None:  # the live run's own messages come with its replayed events
+    if live is not None and live.first == 0:  # the live run's own messages come with its replayed events
         messages = messages[: live.history_len]
+    # else the run's start is gone: its replay is a RUN_ERROR (see _Follow), after the conversation as it is now
     prefix = [sse_event(to_wire(MessagesSnapshotEvent(messages=messages_to_agui(messages))))]
     paused = hub.paused_frame(thread)
     if live is None and paused is not None:

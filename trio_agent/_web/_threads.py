@@ -18,9 +18,11 @@ Rules
   answers its pause, which the journal accepts once. Its AG-UI frames are kept
   in a `LiveRun` (the run's frames so far, at most `RUN_BYTES` of them: past that the
   oldest are dropped), so a client that comes back (or a second tab) replays them from
-  the oldest kept and then follows live. The run never waits for a client: one that
+  the run's start and then follows live. The run never waits for a client: one that
   reads so slowly that frames it has not read yet are dropped is told so (``RUN_ERROR``
-  ``fell_behind``: reload the thread) and its stream ends, never with a hole in it. One
+  ``fell_behind``: reload the thread) and its stream ends, never with a hole in it; so
+  is one that comes after the run's first frames were dropped (a replay is never
+  partial: a run's stream without its ``RUN_STARTED`` is no AG-UI run). One
   run per thread at a time; the previous run's frames are dropped when the next starts.
 * Stopping a run is a request on the run, not on the session: it takes effect as soon
   as the run's request is open (a stop that comes first waits for it), and never
@@ -92,7 +94,7 @@ class LiveRun:
 
     @property
     def first(self) -> int:
-        """The position of the oldest frame kept: where a replay starts."""
+        """The position of the oldest frame kept: past 0, the run can no longer be replayed."""
         return self._first
 
     @property
@@ -172,6 +174,7 @@ class ThreadHub:
         self.journal = journal
         self.nursery = nursery
         self.max_threads = max_threads
+        self.run_bytes = RUN_BYTES  # what each live run keeps for replays (see `LiveRun`)
         self._threads: collections.OrderedDict[str, _Thread] = collections.OrderedDict()
         self._opening: dict[str, trio.Event] = {}
         self._failures: dict[str, BaseException] = {}
@@ -292,7 +295,7 @@ class ThreadHub:
     def start_run(
         self, thread: _Thread, thread_id: str, run_id: str, work: RunWork, on_done: Callable[[], object]
     ) -> LiveRun:
-        live = LiveRun(run_id, len(thread.session.messages()))
+        live = LiveRun(run_id, len(thread.session.messages()), max_bytes=self.run_bytes)
         thread.live = live
         self.nursery.start_soon(self._drive, thread, thread_id, live, work, on_done)
         return live
