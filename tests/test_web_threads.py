@@ -435,6 +435,34 @@ async def test_at_most_max_threads_sessions_stay_open(tmp_path: Path) -> None:
     assert _app.__name__.endswith("_app")
 
 
+async def test_sessions_past_max_threads_close_as_soon_as_they_are_idle(tmp_path: Path) -> None:
+    # Room was made only when a thread opened: sessions kept open past max_threads while their
+    # threads were busy stayed open after their runs ended, until some other thread opened.
+    slow, _started, release = gated_tool("slow")
+    app = create_app(TestModel(respond=respond), auth=local_only, tools=[slow], threads=tmp_path / "t.db")
+
+    async def until_settled() -> None:  # no run, and every session asked to close has closed
+        with trio.fail_after(10):
+            while any(t.busy or t.closing.is_set() for t in hub._threads.values()):
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.lowlevel.checkpoint()
+
+    async with running(app) as client:
+        hub = app.state.agui.hub
+        hub.max_threads = 2
+        for index in range(4):  # each client detaches at once: the runs go on
+            async with client.stream("POST", "/runs", json=body("slow please", thread=f"t{index}", run=f"r{index}")):
+                pass
+        assert len(hub._threads) == 4 and all(t.busy for t in hub._threads.values())  # a busy one never closes
+        release.set()
+        await until_settled()
+        assert list(hub._threads) == ["t2", "t3"]  # the least recently used went as their runs ended
+        async with hub.use("u1"), hub.use("u2"), hub.use("u3"):  # requests using threads: they stay open
+            assert len(hub._threads) == 3
+        await until_settled()
+        assert list(hub._threads) == ["u1", "u2"]  # u3's request left first: idle past max_threads, it closed
+
+
 async def test_a_thread_needs_a_new_user_message_and_the_app_its_lifespan(tmp_path: Path) -> None:
     app = create_app(TestModel(respond=respond), auth=local_only, tools=[add], threads=tmp_path / "t.db")
     async with running(app) as client:

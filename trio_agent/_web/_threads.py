@@ -6,11 +6,14 @@ Rules
 * The hub lives for the app (its lifespan): it opens a thread's session on first use
   (``open_session(spec, journal=store, session_id=thread_id)``; the app's default
   spec asks for permissions with pauses, ``permission_asks="interrupt"``) in a task
-  of its own nursery. At most ``max_threads`` sessions stay open: past that, the
-  least recently used thread with no live run and no request using it is closed
+  of its own nursery. At most ``max_threads`` sessions stay open once idle (no live run,
+  no request using it): past that, the least recently used idle thread is closed when
+  another opens and whenever a thread becomes idle (its run ends, its last request
+  leaves), so while more are busy more are open, and they close as they go idle
   (cleanly: it reopens from the journal when next used; a request for a thread that is
   closing waits for its session to close, then reopens it, and is never handed a
-  session that is closing). When the app stops, every session closes cleanly.
+  session that is closing). A busy thread is never closed to make room. When the app
+  stops, every session closes cleanly.
 * A run on a thread is the session's request, driven by a task of the hub, never by
   the HTTP request: a client that disconnects only detaches. A new prompt's request id
   in the journal is the run's id (`Session.serve_request`: at most once), so the journal
@@ -192,6 +195,7 @@ class ThreadHub:
             self._users[thread_id] -= 1
             if not self._users[thread_id]:
                 del self._users[thread_id]
+                self._make_room(0)  # it may be idle now: past max_threads, the least recently used idle go
 
     async def _open(self, thread_id: str) -> _Thread:
         while True:
@@ -206,7 +210,7 @@ class ThreadHub:
                 continue
             opening = self._opening.get(thread_id)
             if opening is None:
-                self._make_room()
+                self._make_room(1)
                 opening = self._opening[thread_id] = trio.Event()
                 self._failures.pop(thread_id, None)
                 self.nursery.start_soon(self._keep, thread_id, opening)
@@ -215,16 +219,17 @@ class ThreadHub:
             if failure is not None:
                 raise failure
 
-    def _make_room(self) -> None:
-        """Close the least recently used idle threads until one more fits under ``max_threads``
-        (idle: no live run and no request opening or using it)."""
+    def _make_room(self, more: int) -> None:
+        """Close the least recently used idle threads until ``more`` threads more fit under
+        ``max_threads`` (idle: no live run and no request opening or using it), as far as idle
+        ones allow: a busy thread is never closed for room."""
         idle = [
             tid
             for tid, thread in self._threads.items()
-            if not thread.busy and not thread.closing.is_set() and not self._users[tid]
+            if not thread.busy and not thread.closing.is_set() and not self._users.get(tid)
         ]
         open_count = sum(1 for thread in self._threads.values() if not thread.closing.is_set())
-        for thread_id in idle[: max(open_count + len(self._opening) + 1 - self.max_threads, 0)]:
+        for thread_id in idle[: max(open_count + len(self._opening) + more - self.max_threads, 0)]:
             self._threads[thread_id].closing.set()
 
     async def _keep(self, thread_id: str, opening: trio.Event) -> None:
@@ -345,6 +350,7 @@ class ThreadHub:
         finally:
             live.finish()
             on_done()
+            self._make_room(0)  # the thread may be idle now: past max_threads, the least recently used idle go
 
     def paused_frame(self, thread: _Thread) -> bytes | None:
         """A ``CUSTOM`` frame with the paused run's interrupts, if the thread's session is paused."""
