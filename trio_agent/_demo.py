@@ -748,7 +748,7 @@ def run_demo(
         stopped_by = trio.run(until_stopped, demo)
     except BaseException as raised:  # one line, never a group traceback
         exc = unwrap_for_boundary(raised) if isinstance(raised, BaseExceptionGroup) else raised
-        if isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C during the clean-up
+        if isinstance(exc, KeyboardInterrupt):  # a Ctrl-C before the signal receiver is installed
             print("interrupted", file=sys.stderr)
             return INTERRUPTED
         if isinstance(exc, BrokenPipeError):
