@@ -42,7 +42,7 @@ from trio_agent.journal import (
     read_conversation,
 )
 from trio_agent.lifecycle import MiddlewareDecisionError
-from trio_agent.models import ModelService, SystemMessage, ToolResultMessage, Usage, UserMessage
+from trio_agent.models import ModelAbortedError, ModelService, SystemMessage, ToolResultMessage, Usage, UserMessage
 from trio_agent.plugins import MiddlewareConfigError
 from trio_agent.testing import Reply, TestModel
 
@@ -1157,3 +1157,34 @@ async def test_events_past_the_channel_of_an_aborted_run_are_dropped_once_nobody
         assert run._overflow  # waiting for a reader
         assert (await run.result()).stop_reason is StopReason.ABORTED
         assert not run._overflow and [event async for event in run] == []
+
+
+@pytest.mark.parametrize("after_text", [False, True])
+async def test_a_model_aborted_error_nothing_of_the_run_asked_for_fails_the_call(after_text: bool) -> None:
+    # A middleware (or provider) that raises ModelAbortedError of its own, the run's abort untouched:
+    # the run ended "aborted" with no abort behind it and `result()` raised a bare AssertionError
+    # after RunFinished(aborted) had gone out. It is the model call's failure, as any ModelError.
+    class Refuse:
+        async def wrap_stream(self, request: Any, call_next: Any) -> Any:
+            if after_text:
+                async for chunk in call_next(request):
+                    yield chunk
+                    break
+            raise ModelAbortedError("upstream gateway aborted the request")
+
+    seen: list[str] = []
+
+    class Watch(ChatMiddleware):
+        def on_abort(self, ctx: Any, info: Any) -> None:
+            seen.append("abort")
+
+        def on_error(self, ctx: Any, info: Any) -> None:
+            seen.append(type(info.error).__name__)
+
+    async with chat(TestModel(default=Reply("hi")), "hi", model_middleware=[Refuse()], middleware=[Watch()]) as run:
+        events = [type(event).__name__ async for event in run]
+        with pytest.raises(ModelAbortedError, match="upstream gateway aborted"):
+            await run.result()
+    assert seen == ["ModelAbortedError"]
+    assert events[-1] == "RunError"
+    assert "RunFinished" not in events

@@ -882,13 +882,17 @@ class _Run:
                             await events(ReasoningContent(run_id, agent_id, message_id, chunk.text))
                     elif not isinstance(chunk, UsageChunk):
                         produced = True
-        except ModelAbortedError:
-            aborted = True
         except ModelError as error:
-            if not produced:
+            if isinstance(error, ModelAbortedError) and self._aborted():
+                aborted = True  # the run's abort (or stop) ended the call: no failure of the model's
+            elif not produced:
+                # A ModelAbortedError nothing of the run's asked for (a middleware or provider
+                # raised its own) is the call's failure, as any ModelError: an aborted end with no
+                # abort behind it failed an assertion after RunFinished(aborted) had gone out.
                 raise _RetryableFailure(error) from None
-            await ports.recorder.model_call_failed(ref, error)
-            failure = error
+            else:
+                await ports.recorder.model_call_failed(ref, error)
+                failure = error
         except Exception:
             # A hook failed mid-stream: the blocks it left open still end, before `RunError`.
             with contextlib.suppress(Exception):
