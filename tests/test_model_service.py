@@ -1074,6 +1074,53 @@ async def test_iterating_a_stream_outside_its_block_is_a_typed_error() -> None:
     assert model.requests == []
 
 
+ITERATOR_OPS = [Operation.STREAM, Operation.CHAT_WITH_RETRY_EVENTS]
+
+
+def open_block(service: ModelService, op: Operation) -> Any:
+    if op is Operation.STREAM:
+        return service.stream(MESSAGES)
+    return service.chat_with_retry_events(MESSAGES)
+
+
+@pytest.mark.parametrize("layered", [False, True], ids=["bare", "layered"])
+@pytest.mark.parametrize("op", ITERATOR_OPS)
+async def test_a_stream_block_left_cannot_be_entered_again(op: Operation, layered: bool) -> None:
+    """Entered again, it sent the request a second time (or, with a layer, blamed the layer:
+    a ModelMiddlewareError); retry events' block raised a bare AttributeError."""
+    model = TestModel(default=Reply("a b"))
+    service = ModelService(model, [make_layer(op, "L", [])] if layered else [])
+    block = open_block(service, op)
+    async with block as items:
+        assert [item async for item in items]
+    with pytest.raises(ModelError, match="entered again") as caught:
+        async with block:
+            pytest.fail("the block ran again")
+    assert type(caught.value) is ModelError and caught.value.code == "model_stream_reused"
+    assert len(model.requests) == 1
+
+
+@pytest.mark.parametrize("op", ITERATOR_OPS)
+async def test_a_stream_block_entered_inside_itself_is_refused_and_leaves_no_deadline(op: Operation) -> None:
+    """Nested, the second entry stacked a second deadline scope: trio's "Cancel scope stack
+    corrupted", and the outer block's deadline stayed on the task, to cancel it later."""
+    model = TestModel(default=Reply("a b"))
+    service = ModelService(model, request_timeout=5)
+    block = open_block(service, op)
+    body: list[str] = []
+    with pytest.raises(ModelError, match="entered again") as caught:
+        async with block as outer:
+            assert trio.current_effective_deadline() < math.inf  # the block's deadline
+            async with block:
+                body.append("inner")
+    assert caught.value.code == "model_stream_reused" and body == []
+    assert trio.current_effective_deadline() == math.inf  # no deadline scope left on the task
+    with pytest.raises(ModelError, match="entered again"):  # still one request, one block
+        async with block:
+            pass
+    assert outer is not None and model.requests == []
+
+
 @pytest.mark.parametrize("op", ALL_OPS)
 async def test_metadata_reaches_the_provider_and_survives_replace(op: Operation) -> None:
     def transform(request: ModelRequest) -> ModelRequest:

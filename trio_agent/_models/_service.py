@@ -22,7 +22,7 @@ import math
 import random
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -991,8 +991,7 @@ class ModelService:
 
     # -- retry events ---------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def chat_with_retry_events(
+    def chat_with_retry_events(
         self,
         messages: Sequence[Message],
         *,
@@ -1000,13 +999,14 @@ class ModelService:
         options: Mapping[str, Any] | None = None,
         abort: AbortHandle | None = None,
         metadata: Mapping[str, Any] | None = None,
-    ) -> AsyncIterator[AsyncIterator[RetryEvent | ModelResponse]]:
-        """``async with service.chat_with_retry_events(...) as events``: `RetryEvent` items, then the response."""
+    ) -> AbstractAsyncContextManager[AsyncIterator[RetryEvent | ModelResponse]]:
+        """``async with service.chat_with_retry_events(...) as events``: `RetryEvent` items, then the response.
+
+        One request, for one block (as `stream`'s): entering it again is a `ModelError`."""
         request = self.request(
             Operation.CHAT_WITH_RETRY_EVENTS, messages, tools=tools, options=options, abort=abort, metadata=metadata
         )
-        async with self._open_iterators(request, self._retry_events_terminal, _EVENT_KINDS) as events:
-            yield events
+        return self._open_iterators(request, self._retry_events_terminal, _EVENT_KINDS)
 
     def _retry_events_terminal(self, request: ModelRequest) -> AsyncIterator[RetryEvent | ModelResponse]:
         return _RetryingEvents(self, request, self._retry_events(request))
@@ -1039,7 +1039,9 @@ class ModelService:
         """``async with service.stream(...) as chunks: async for chunk in chunks``.
 
         Chunks pass through unbuffered. Leaving the block closes each middleware's
-        iterator (outermost first) and then the provider's HTTP response.
+        iterator (outermost first) and then the provider's HTTP response. The value is one
+        request, for one block: entering it again (nested or after it was left) is a `ModelError`
+        (``model_stream_reused``), and nothing is sent.
         """
         request = self.request(Operation.STREAM, messages, tools=tools, options=options, abort=abort, metadata=metadata)
         return self._open_iterators(request, self._stream_terminal, _CHUNK_KINDS)
@@ -1170,6 +1172,10 @@ class _OpenIterators:
         return iterator  # type: ignore[no-any-return]
 
     async def __aenter__(self) -> AsyncIterator[Any]:
+        if self._task is not None:
+            # One request, one block: entered again, it would send the request twice (or, nested,
+            # stack a second deadline scope on the first and corrupt the task's scope stack).
+            raise self._reused()
         service, request = self._service, self._request  # the service built this request: nothing to check
         handle = request.abort
         if handle is not None and handle.reason is not None:
@@ -1257,6 +1263,14 @@ class _OpenIterators:
             "a model stream was iterated outside its `async with` block: write "
             "`async with service.stream(...) as chunks: async for chunk in chunks: ...`",
             code="model_stream_not_entered",
+        )
+
+    def _reused(self) -> ModelError:
+        opened = "service.stream(...)" if self._request.operation is Operation.STREAM else "chat_with_retry_events(...)"
+        return ModelError(
+            f"a model stream's `async with` block was entered again: each {opened} is one request, "
+            f"for one block (call {opened} again for another request); nothing was sent",
+            code="model_stream_reused",
         )
 
     async def __aexit__(
