@@ -1703,6 +1703,38 @@ def test_a_retry_or_rng_of_the_wrong_kind_is_a_config_error_when_built(options: 
         ModelService(TestModel(), **options)
 
 
+class NoModelProvider:
+    """A half-written custom provider: everything but ``model``."""
+
+    name = "half"
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:
+        raise AssertionError("never called")
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        raise AssertionError("never called")
+
+
+@pytest.mark.parametrize(
+    ("provider", "words"),
+    [
+        (None, "got None, which has no model, chat or stream"),
+        (NoModelProvider(), "got NoModelProvider .*, which has no model "),
+        (TestModel, r"got the class TestModel: pass an instance, TestModel\(\.\.\.\)"),
+        ("gpt-4o", "got str 'gpt-4o', which has no model, chat or stream"),
+    ],
+)
+async def test_a_service_of_something_that_is_no_provider_is_a_config_error_when_built(
+    provider: Any, words: str
+) -> None:
+    """Accepted, it failed the first call with a bare AttributeError (the provider's model)."""
+    with pytest.raises(ConfigError, match=f"ModelService needs a model provider, {words}"):
+        ModelService(provider)
+    with pytest.raises(ConfigError, match=f"chat\\(\\) needs a model provider or a ModelService, {words}"):
+        async with chat(provider, "hi") as run:
+            await run.result()
+
+
 async def test_a_policy_and_a_generator_of_their_kinds_are_accepted(autojump_clock: trio.testing.MockClock) -> None:
     class Seeded(random.Random):
         """A subclass (as random.SystemRandom is) is a generator too."""

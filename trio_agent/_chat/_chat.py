@@ -107,7 +107,7 @@ from .._models._messages import (
     Usage,
     UserMessage,
 )
-from .._models._service import ModelLayers, ModelMiddleware, ModelService, Provider
+from .._models._service import ModelLayers, ModelMiddleware, ModelService, Provider, is_provider, not_a_provider
 from .._permissions._engine import PermissionEngine
 from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules, rules_from
 from .._session._endings import record_request_end
@@ -351,9 +351,13 @@ def _provider_service(
         service = agent_or_model
     else:
         provider: Provider = agent_or_model  # type: ignore[assignment]
-        if not (hasattr(provider, "stream") and hasattr(provider, "chat") and hasattr(provider, "model")):
-            raise ConfigError(f"chat() needs a model provider (or a ModelService), got {agent_or_model!r}")
-        service = ModelService(provider, model_middleware)  # checks the layers' shapes first
+        try:
+            # Checks that it is a provider (`is_provider`; once per run, not here again), then the layers' shapes.
+            service = ModelService(provider, model_middleware)
+        except ConfigError:
+            if not is_provider(provider):  # said for chat(), which takes a ModelService too
+                raise ConfigError(not_a_provider("chat()", provider, "a model provider or a ModelService")) from None
+            raise
     if service.middleware:
         # A given service's layers too (a wrap_chat-only one would never run). Once per layers
         # object (a chat() run per request passes its list, or its service, again), as their shapes.

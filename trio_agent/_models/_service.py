@@ -480,6 +480,29 @@ class Provider(Protocol):
     def with_model(self, model: str) -> Provider: ...
 
 
+_PROVIDER_MEMBERS = ("model", "chat", "stream")
+
+
+def is_provider(value: object) -> bool:
+    """Whether *value* has what a `ModelService` reads of its provider: ``model``, ``chat`` and
+    ``stream`` (a provider class, not an instance, is none)."""
+    return (
+        hasattr(value, "stream") and hasattr(value, "chat") and hasattr(value, "model") and not isinstance(value, type)
+    )
+
+
+def not_a_provider(who: str, value: object, wanted: str = "a model provider") -> str:
+    """The error message for *value* given to *who* as a provider (`is_provider` said no)."""
+    if isinstance(value, type):
+        return f"{who} needs {wanted}, got the class {value.__name__}: pass an instance, {value.__name__}(...)"
+    missing = [name for name in _PROVIDER_MEMBERS if not hasattr(value, name)]
+    lacks = " or ".join((", ".join(missing[:-1]), missing[-1])) if len(missing) > 1 else missing[0]
+    return (
+        f"{who} needs {wanted}, got {_what(value)}, which has no {lacks} (a provider has model, chat and "
+        "stream: OpenAIProvider, AnthropicProvider, TestModel ...)"
+    )
+
+
 ChatNext = MiddlewareNext[ModelRequest, Awaitable[ModelResponse]]
 """``call_next`` in `WrapsChat.wrap_chat` and `WrapsSideQuery.wrap_side_query`: ``await call_next(request)``."""
 
@@ -758,6 +781,10 @@ class ModelService:
         rng: random.Random | None = None,
         cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     ) -> None:
+        # Checked first (as chat() checks what it is given): a wrong one failed the first call
+        # with a bare AttributeError.
+        if not is_provider(provider):
+            raise ConfigError(not_a_provider("ModelService", provider))
         layers = ModelLayers.check(middleware)
         # Checked here: used only at the first retryable error, a wrong one failed that call as a
         # middleware bug (with no middleware at all).
