@@ -126,6 +126,78 @@ async def test_structured_output_is_validated_against_the_schema() -> None:
     assert caught.value.issues and "sum" in caught.value.issues[0]
 
 
+ONLY_Y: dict[str, Any] = {"type": "array", "items": {"type": "string", "pattern": "^y$"}}
+
+
+async def structured_error(answer: str, schema: dict[str, Any]) -> StructuredOutputError:
+    with pytest.raises(StructuredOutputError) as caught:
+        await chat(TestModel(default=[Reply(text="hello"), Reply(text=answer)]), "hi", output_schema=schema)
+    return caught.value
+
+
+async def test_a_structured_answer_failing_many_ways_lists_its_first_20_issues_and_counts_the_rest() -> None:
+    """Every issue was listed, and joined into the message: 200,000 for a 1 MB answer."""
+    error = await structured_error(json.dumps(["x"] * 50), ONLY_Y)
+    assert error.issues[:2] == ('at 0: "x" does not match "^y$"', 'at 1: "x" does not match "^y$"')
+    assert len(error.issues) == 21 and error.issues[-1] == "... and 30 more"
+    assert str(error).endswith('at 19: "x" does not match "^y$"; ... and 30 more')
+
+
+async def test_a_structured_answer_issue_is_cut_to_a_bounded_length() -> None:
+    """An issue quotes the value: a long string failing a schema was quoted in full."""
+    error = await structured_error(json.dumps("x" * 3000), {"type": "integer"})
+    (issue,) = error.issues
+    assert issue.startswith('at <root>: "xxx') and issue.endswith("... (3038 characters)")
+    assert len(issue) < 350 and len(str(error)) < 450
+
+
+async def test_lone_surrogates_in_a_structured_answer_are_listed_as_other_issues_are() -> None:
+    error = await structured_error(json.dumps([f"x{chr(0xD800)}{'y' * 400}"] * 30), ONLY_Y)
+    assert len(error.issues) == 21 and error.issues[-1] == "... and 10 more"
+    assert error.issues[0].startswith("at 0: string 'x\\ud800yyy") and len(error.issues[0]) < 350
+
+
+async def test_a_long_structured_answer_names_its_first_issue_only() -> None:
+    """jsonschema_rs builds every error before the first is read: 200,000 of them for a 1 MB answer
+    failing on every item took seconds of the event loop (and a 7 MB message). A long answer is
+    reported by its first issue (validate() stops there)."""
+    answer = json.dumps(["x"] * 20_000)  # 100,000 characters
+    error = await structured_error(answer, ONLY_Y)
+    assert error.issues == (
+        'at 0: "x" does not match "^y$"',
+        "... and maybe more: only the first is looked for in an answer over 4096 characters",
+    )
+    assert len(str(error)) < 250 and error.text == answer
+    # One that passes is accepted whatever its length.
+    result = await chat(
+        TestModel(default=[Reply(text="hello"), Reply(text=json.dumps(["y"] * 20_000))]), "hi", output_schema=ONLY_Y
+    )
+    assert result.structured_output == ["y"] * 20_000
+
+
+@pytest.mark.parametrize(("items", "threaded"), [(100, False), (5000, True)])
+async def test_a_long_structured_answer_is_checked_in_a_worker_thread(
+    monkeypatch: pytest.MonkeyPatch, items: int, threaded: bool
+) -> None:
+    """Reading a long answer is Python (its depth, its numbers: about 0.35 s a megabyte), and it
+    ran on the event loop: every other task of the process stood still meanwhile."""
+    import threading
+
+    import trio_agent._chat._chat as chat_module
+
+    checked = chat_module._checked_answer
+    where: list[bool] = []
+
+    def spy(response: Any, validator: Any) -> Any:
+        where.append(threading.current_thread() is not threading.main_thread())
+        return checked(response, validator)
+
+    monkeypatch.setattr(chat_module, "_checked_answer", spy)
+    answer = json.dumps(["y"] * items)  # 500 or 25,000 characters
+    result = await chat(TestModel(default=[Reply(text="hello"), Reply(text=answer)]), "hi", output_schema=ONLY_Y)
+    assert result.structured_output == ["y"] * items and where == [threaded]
+
+
 class ChatOnly:
     """Model middleware with only ``wrap_chat``: a chat() run streams its turns, so it runs only for
     output_schema's structured-output call."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import json
 import os
 import types
@@ -770,7 +771,14 @@ class _Prepared:
         usage = response.usage
         await self.hooks.on_usage(ctx, usage)
         await ctx.emit(UsageReported(self.run_id, self.agent_id, usage))
-        self.structured = _checked_answer(response, validator)
+        if _answer_length(response) <= _THREADED_ANSWER:
+            self.structured = _checked_answer(response, validator)
+        else:
+            # Pure, and for a long answer long (reading it is Python, about 0.35 s a megabyte): in a
+            # worker thread, the loop's other tasks run meanwhile (a cancellation abandons it).
+            self.structured = await trio.to_thread.run_sync(
+                _checked_answer, response, validator, abandon_on_cancel=True
+            )
         return attrs.evolve(outcome, usage=outcome.usage + usage)
 
 
@@ -863,6 +871,51 @@ async def _record_end(journal: DurableJournal, agent_id: str, run_id: str, outco
         await journal.append(RequestCompleted(request_id=run_id, output={"text": outcome.text}))
 
 
+# A failing structured answer's issues: at most this many listed, each at most this long. An
+# answer of 1 MB failing on every item had 200,000 (a 7 MB message, and seconds of the event loop).
+_LISTED_ISSUES = 20
+_ISSUE_CHARS = 300
+# Up to this many characters of answer every issue is found (then listed up to _LISTED_ISSUES);
+# beyond it, only the first (validate() stops there): jsonschema_rs finds them all, eagerly, a
+# Python object each (about 300 bytes of memory an answer's character; in a worker thread, the
+# collections of so many objects still stalled the loop for 0.3 s at a time).
+_LISTED_ANSWER = 4096
+# A longer answer is checked in a worker thread (`_structured_output`).
+_THREADED_ANSWER = 16384
+
+
+def _answer_length(response: ModelResponse) -> int:
+    return sum(len(part.text) for part in response.message.parts if isinstance(part, TextPart))
+
+
+def _issue(error: jsonschema_rs.ValidationError) -> str:
+    return f"at {'/'.join(str(p) for p in error.instance_path) or '<root>'}: {error.message}"
+
+
+def _first_issue(validator: jsonschema_rs.Validator, value: Any) -> str:
+    try:
+        validator.validate(value)
+    except jsonschema_rs.ValidationError as error:
+        return _issue(error)
+    return "at <root>: the schema does not accept it"  # pragma: no cover - is_valid said no
+
+
+def _listed(issues: Sequence[str], more: int, *, longer_than: int | None = None) -> tuple[str, ...]:
+    """*issues* (at most `_LISTED_ISSUES`), each cut to `_ISSUE_CHARS`; a last line says how many
+    *more* there were or, for an answer *longer_than* `_LISTED_ANSWER` (only its first was looked
+    for), that there may be more."""
+    listed = [
+        issue if len(issue) <= _ISSUE_CHARS else f"{issue[:_ISSUE_CHARS]}... ({len(issue)} characters)"
+        for issue in issues[:_LISTED_ISSUES]
+    ]
+    more += len(issues) - len(listed)
+    if more:
+        listed.append(f"... and {more} more")
+    elif longer_than is not None:
+        listed.append(f"... and maybe more: only the first is looked for in an answer over {longer_than} characters")
+    return tuple(listed)
+
+
 def _checked_answer(response: ModelResponse, validator: jsonschema_rs.Validator) -> Any:
     """The structured-output answer as a JSON value the schema accepts, else `StructuredOutputError`."""
     text = "".join(part.text for part in response.message.parts if isinstance(part, TextPart)).strip()
@@ -883,16 +936,19 @@ def _checked_answer(response: ModelResponse, validator: jsonschema_rs.Validator)
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        issues = list(surrogate_errors(value))
+        issues = _listed(surrogate_errors(value), 0)
         raise StructuredOutputError(
             "the structured output is not valid Unicode: " + "; ".join(issues), issues=issues, text=text
         ) from None
-    issues = [
-        f"at {'/'.join(str(p) for p in error.instance_path) or '<root>'}: {error.message}"
-        for error in validator.iter_errors(value)
-    ]
-    if issues:
-        raise StructuredOutputError(
-            "the structured output does not match the schema: " + "; ".join(issues), issues=issues, text=text
-        )
-    return value
+    if validator.is_valid(value):  # no error objects for a good answer
+        return value
+    if len(text) <= _LISTED_ANSWER:
+        # jsonschema_rs builds every error (a Python exception object each, some microseconds)
+        # before the first is read: listed only for an answer small enough to bound their number.
+        errors = validator.iter_errors(value)
+        issues = _listed([_issue(error) for error in itertools.islice(errors, _LISTED_ISSUES)], sum(1 for _ in errors))
+    else:
+        issues = _listed([_first_issue(validator, value)], 0, longer_than=_LISTED_ANSWER)
+    raise StructuredOutputError(
+        "the structured output does not match the schema: " + "; ".join(issues), issues=issues, text=text
+    )
