@@ -279,6 +279,9 @@ async def test_a_turn_checks_neither_the_loops_tools_again_nor_a_chunk_twice(mon
     class Subclassed:
         model = "m"
 
+        async def chat(self, request: ta.ModelRequest) -> ta.ModelResponse:  # a provider has one (never called)
+            raise AssertionError("streamed only")
+
         async def stream(self, request: ta.ModelRequest) -> AsyncIterator[ta.StreamChunk]:
             yield Delta("hi")
 
