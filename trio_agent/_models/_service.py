@@ -485,10 +485,8 @@ _PROVIDER_MEMBERS = ("model", "chat", "stream")
 
 def is_provider(value: object) -> bool:
     """Whether *value* has what a `ModelService` reads of its provider: ``model``, ``chat`` and
-    ``stream`` (a provider class, not an instance, is none)."""
-    return (
-        hasattr(value, "stream") and hasattr(value, "chat") and hasattr(value, "model") and not isinstance(value, type)
-    )
+    ``stream`` (a provider class has no ``model``: it is set on the instance)."""
+    return hasattr(value, "stream") and hasattr(value, "chat") and hasattr(value, "model")
 
 
 def not_a_provider(who: str, value: object, wanted: str = "a model provider") -> str:
@@ -781,9 +779,9 @@ class ModelService:
         rng: random.Random | None = None,
         cleanup_grace: float = DEFAULT_CLEANUP_GRACE,
     ) -> None:
-        # Checked first (as chat() checks what it is given): a wrong one failed the first call
-        # with a bare AttributeError.
-        if not is_provider(provider):
+        # Checked first (`is_provider`, inline: a chat() run builds a service): a wrong one failed
+        # the first call with a bare AttributeError.
+        if not (hasattr(provider, "stream") and hasattr(provider, "chat") and hasattr(provider, "model")):
             raise ConfigError(not_a_provider("ModelService", provider))
         layers = ModelLayers.check(middleware)
         # Checked here: used only at the first retryable error, a wrong one failed that call as a
