@@ -175,3 +175,58 @@ def test_a_tool_call_without_an_id_or_a_name_is_refused_typed(call_id: Any, name
     with pytest.raises(ta.ToolInputError, match=f"a tool call's {field} must be a non-empty string") as info:
         ToolCall(call_id, name, {})
     assert info.value.tool_name == (name if isinstance(name, str) else "")
+
+
+async def _items(input: dict[str, Any], ctx: Any) -> ta.ToolResult:
+    return ta.ToolResult.success(f"{len(input['items'])} items")
+
+
+ITEMS = ta.define_tool(
+    _items,
+    name="items",
+    description="Take items.",
+    side_effect="pure",
+    input_schema={
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"type": "string", "pattern": "^y$"}}},
+        "required": ["items"],
+    },
+)
+MAYBE_MORE = "... and maybe more: only the first is looked for in an input over 4096 characters"
+
+
+async def test_a_huge_input_failing_everywhere_is_invalid_input_naming_its_first_issue_only() -> None:
+    """jsonschema_rs builds every error before the first is read: a model's 200,000 failing items
+    were 200,000 error objects (seconds of the event loop, for every session of the process) and a
+    multi-megabyte invalid_input message. A long input is reported by its first issue."""
+    pipeline = ToolPipeline([ITEMS], journal=InMemoryToolJournal())
+    record = await pipeline.execute(ToolCall("c1", "items", {"items": ["x"] * 200_000}))
+    assert record.status.value == "failed" and not record.tool_ran
+    error = record.result.error
+    assert error is not None and error.code == "invalid_input"
+    assert error.details == {"errors": ['at items/0: "x" does not match "^y$"', MAYBE_MORE]}
+    assert len(error.message) < 250
+    # A good one is accepted whatever its length.
+    record = await pipeline.execute(ToolCall("c2", "items", {"items": ["y"] * 200_000}))
+    assert record.status.value == "completed" and record.result.output == "200000 items"
+
+
+def test_an_input_failing_many_ways_lists_its_first_20_issues_and_counts_the_rest() -> None:
+    errors = ITEMS.input_errors({"items": ["x"] * 50})
+    assert errors[:2] == ('at items/0: "x" does not match "^y$"', 'at items/1: "x" does not match "^y$"')
+    assert len(errors) == 21 and errors[-1] == "... and 30 more"
+    with pytest.raises(ta.ToolInputError) as caught:
+        ITEMS.validate_input({"items": ["x"] * 50})
+    assert str(caught.value).endswith('at items/19: "x" does not match "^y$"; ... and 30 more')
+
+
+def test_an_input_issue_is_cut_to_a_bounded_length() -> None:
+    """An issue quotes the value: a long string failing the schema was quoted in full."""
+    (issue,) = ITEMS.input_errors({"items": ["x" * 3000]})
+    assert issue.startswith('at items/0: "xxx') and issue.endswith("... (3035 characters)") and len(issue) < 350
+
+
+def test_lone_surrogates_in_an_input_are_listed_as_other_issues_are() -> None:
+    errors = ITEMS.input_errors({"items": [f"x{chr(0xD800)}{'y' * 400}"] * 30})
+    assert len(errors) == 21 and errors[-1] == "... and 10 more"
+    assert errors[0].startswith("at items/0: string 'x\\ud800yyy") and len(errors[0]) < 350

@@ -6,6 +6,8 @@ import copy
 import enum
 import functools
 import inspect
+import itertools
+import json
 import os
 import posixpath
 import re
@@ -158,6 +160,18 @@ def _enum_value(enum_type: type[enum.Enum], value: object, *, where: str) -> Any
         raise ToolDefinitionError(f"{where}: {safe_repr(value)} is not one of {allowed}") from None
 
 
+# An input's issues: at most this many listed, each at most this long, then "... and <n> more" (the
+# rule of a structured answer's, `_chat._listed`). A model's input of 1 MB failing on every item
+# had 200,000 of them: a multi-megabyte invalid_input message.
+_LISTED_ISSUES = 20
+_ISSUE_CHARS = 300
+# Up to this many characters of input (as JSON) every issue is found (then listed up to
+# _LISTED_ISSUES); beyond it, only the first (validate() stops there): jsonschema_rs builds every
+# error eagerly, a Python object each, before the first can be read (seconds of the event loop,
+# every session of the process, for such a megabyte).
+_LISTED_INPUT = 4096
+
+
 def input_errors(validator: jsonschema_rs.Validator, value: object) -> tuple[str, ...]:
     """One line per way *value* fails *validator*'s schema (the tools' wording); empty when valid.
 
@@ -165,23 +179,67 @@ def input_errors(validator: jsonschema_rs.Validator, value: object) -> tuple[str
     tool's, an interrupt's payload): the validator reads a set or a tuple as an array and NaN or a
     huge integer as null, so it would pass them (an open schema) or blame the wrong thing, and
     what holds the value later (a journal, a paused run's JSON) fails on it outside the call.
+
+    Bounded, whatever the (untrusted) input: a good one builds no error object (``is_valid``
+    first); at most `_LISTED_ISSUES` lines, each cut to `_ISSUE_CHARS`, then ``"... and <n>
+    more"``; an input over `_LISTED_INPUT` characters of JSON is reported by its first issue only.
     """
     if not is_json(value):
         problem = json_problem(value, "the input")
         if problem is not None:
-            return (f"at <root>: {problem}",)
-    lines = []
+            return _listed([f"at <root>: {problem}"], 0)
     try:
-        for error in validator.iter_errors(value):
-            path = "/".join(str(part) for part in error.instance_path) or "<root>"
-            lines.append(f"at {path}: {error.message}")
+        if validator.is_valid(value):  # no error objects for a good input
+            return ()
+        if _json_length(value) <= _LISTED_INPUT:
+            errors = validator.iter_errors(value)
+            return _listed(
+                [_issue(error) for error in itertools.islice(errors, _LISTED_ISSUES)], sum(1 for _ in errors)
+            )
+        return _listed([_first_issue(validator, value)], 0, longer_than=_LISTED_INPUT)
     except ValueError:
         # The validator cannot read a lone surrogate (e.g. a key the model sent as "\ud800", a
         # UnicodeError) or a value JSON cannot hold (a key that is not a string): invalid input
         # the caller can fix, not a crash of whoever validates.
         problem = json_problem(value, "the input")
-        return (f"at <root>: {problem}",) if problem is not None else _surrogate_errors(value)
-    return tuple(lines)
+        return _listed([f"at <root>: {problem}"] if problem is not None else _surrogate_errors(value), 0)
+
+
+def _json_length(value: object) -> int:
+    """How many characters *value* is as JSON text (the model's arguments, about); a value that
+    cannot be written counts as long (only its first issue is looked for)."""
+    try:
+        return len(json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError):
+        return _LISTED_INPUT + 1
+
+
+def _issue(error: jsonschema_rs.ValidationError) -> str:
+    return f"at {'/'.join(str(part) for part in error.instance_path) or '<root>'}: {error.message}"
+
+
+def _first_issue(validator: jsonschema_rs.Validator, value: object) -> str:
+    try:
+        validator.validate(value)
+    except jsonschema_rs.ValidationError as error:
+        return _issue(error)
+    return "at <root>: the schema does not accept it"  # pragma: no cover - is_valid said no
+
+
+def _listed(issues: Sequence[str], more: int, *, longer_than: int | None = None) -> tuple[str, ...]:
+    """*issues* (at most `_LISTED_ISSUES`), each cut to `_ISSUE_CHARS`; a last line says how many
+    *more* there were or, for an input *longer_than* `_LISTED_INPUT` (only its first was looked
+    for), that there may be more."""
+    listed = [
+        issue if len(issue) <= _ISSUE_CHARS else f"{issue[:_ISSUE_CHARS]}... ({len(issue)} characters)"
+        for issue in issues[:_LISTED_ISSUES]
+    ]
+    more += len(issues) - len(listed)
+    if more:
+        listed.append(f"... and {more} more")
+    elif longer_than is not None:
+        listed.append(f"... and maybe more: only the first is looked for in an input over {longer_than} characters")
+    return tuple(listed)
 
 
 _SCALAR_TYPES = frozenset({"string", "integer", "number", "boolean", "null"})
