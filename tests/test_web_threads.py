@@ -456,7 +456,9 @@ async def test_sessions_past_max_threads_close_as_soon_as_they_are_idle(tmp_path
         assert len(hub._threads) == 4 and all(t.busy for t in hub._threads.values())  # a busy one never closes
         release.set()
         await until_settled()
-        assert list(hub._threads) == ["t2", "t3"]  # the least recently used went as their runs ended
+        # Closed as their runs ended, in whichever order the runs end: two idle ones stay.
+        assert len(hub._threads) == 2 and set(hub._threads) < {"t0", "t1", "t2", "t3"}
+        assert not any(t.busy for t in hub._threads.values())
         async with hub.use("u1"), hub.use("u2"), hub.use("u3"):  # requests using threads: they stay open
             assert len(hub._threads) == 3
         await until_settled()
