@@ -79,7 +79,17 @@ from .._json import MAX_JSON_DEPTH, MAX_JSON_INT_BITS
 from .._loop._compose import compose_lifecycle
 from .._loop._context import RunContext
 from .._loop._events import RunEvent
-from .._loop._hooks import NO_HOOKS, ClientCall, ClientCallStages, Finished, Lifecycle, ModelConfig, ToolOutcome
+from .._loop._hooks import (
+    NO_HOOKS,
+    ClientCall,
+    ClientCallStages,
+    Finished,
+    HookAborted,
+    Lifecycle,
+    ModelConfig,
+    ToolOutcome,
+    await_under_abort,
+)
 from .._loop._interrupts import InterruptRequest, InterruptResolutions, ToolResume, checked_request
 from .._loop._ports import RunEventSink
 from .._loop._rules import LoopState
@@ -350,13 +360,32 @@ async def _call(hook: Callable[..., Any], *args: Any) -> Any:
         if inspect.isawaitable(value):
             value = await value
     except BaseException as exc:
-        # A Cancelled nothing around the hook made (its own scope's, raised outside it) would
-        # unwind the run as a cancellation nobody made: it is the hook's failure.
-        if isinstance(exc, Exception) or not stray_cancellation(exc):
-            raise
-        told = describe(exc, "repr")
-        raise MiddlewareError(f"chat middleware hook {callable_name(hook)} raised {told} {STRAY_CANCELLED}") from exc
+        _stray(hook, exc)
+        raise
     return value
+
+
+async def _cut_call(ctx: RunContext, hook: Callable[..., Any], *args: Any) -> Any:
+    """`_call` for a hook the loop awaits outside the tool pipeline and the model call (none of
+    on_finish / on_abort / on_error): an ``async`` one is awaited under the run's abort, which
+    cuts it (`HookAborted`: the run ends aborted); a plain one has nothing to cut, and no scope."""
+    try:
+        value = hook(*args)
+        if inspect.isawaitable(value):
+            value = await await_under_abort(ctx._abort, value)
+    except BaseException as exc:
+        _stray(hook, exc)
+        raise
+    return value
+
+
+def _stray(hook: Callable[..., Any], exc: BaseException) -> None:
+    # A Cancelled nothing around the hook made (its own scope's, raised outside it) would
+    # unwind the run as a cancellation nobody made: it is the hook's failure.
+    if isinstance(exc, Exception) or not stray_cancellation(exc):
+        return
+    told = describe(exc, "repr")
+    raise MiddlewareError(f"chat middleware hook {callable_name(hook)} raised {told} {STRAY_CANCELLED}") from exc
 
 
 # -- decision checks (each names the hook and the middleware) ---------------------------------
@@ -499,16 +528,16 @@ class _PartHooks(_Part):
             ctx.state.setdefault(_STARTED, trio.current_time())
         hook = self.hooks.get("setup")
         if hook is not None:
-            await _call(hook, ctx)
+            await _cut_call(ctx, hook, ctx)
 
     async def on_config(self, ctx: RunContext, config: ModelConfig) -> ModelConfig:
-        return _merged_config(await _call(self.hooks["on_config"], ctx, config), config, self.name)
+        return _merged_config(await _cut_call(ctx, self.hooks["on_config"], ctx, config), config, self.name)
 
     async def on_start(self, ctx: RunContext) -> None:
-        await _call(self.hooks["on_start"], ctx)
+        await _cut_call(ctx, self.hooks["on_start"], ctx)
 
     async def on_interrupt_boundary(self, ctx: RunContext) -> Sequence[InterruptRequest]:
-        requests = await _call(self.hooks["on_interrupt_boundary"], ctx)
+        requests = await _cut_call(ctx, self.hooks["on_interrupt_boundary"], ctx)
         if requests is None:
             return ()
         if isinstance(requests, InterruptRequest):
@@ -532,7 +561,7 @@ class _PartHooks(_Part):
         return tuple(checked)
 
     async def on_interrupt_resolution(self, ctx: RunContext, resolutions: InterruptResolutions) -> ToolResume | None:
-        answer = await _call(self.hooks["on_interrupt_resolution"], ctx, resolutions)
+        answer = await _cut_call(ctx, self.hooks["on_interrupt_resolution"], ctx, resolutions)
         if answer is None:
             return None
         try:
@@ -544,7 +573,7 @@ class _PartHooks(_Part):
             ) from None  # fmt: skip
 
     async def on_iteration(self, ctx: RunContext, iteration: int, message_id: str) -> None:
-        await _call(self.hooks["on_iteration"], ctx, IterationInfo(iteration, message_id))
+        await _cut_call(ctx, self.hooks["on_iteration"], ctx, IterationInfo(iteration, message_id))
 
     def wrap_events(self, ctx: RunContext, sink: RunEventSink) -> RunEventSink:
         hook, label = self.hooks["on_chunk"], self.name
@@ -616,7 +645,10 @@ class _PartHooks(_Part):
         # cut-off) stays, the failure is logged; it never fails the run.
         info = AfterToolCallInfo(call.name, call.id, call.arguments, result)
         try:
-            replaced = _after_result(await _call(self.hooks["on_after_tool_call"], ctx, info), result, self.name)
+            answer = await _cut_call(ctx, self.hooks["on_after_tool_call"], ctx, info)
+            replaced = _after_result(answer, result, self.name)
+        except HookAborted:
+            raise  # the run's abort: not a failure of the hook
         except Exception:
             _log.warning("on_after_tool_call of %r failed on cut-off call %r", self.name, call.id, exc_info=True)
             return result
@@ -629,10 +661,10 @@ class _PartHooks(_Part):
         return replaced
 
     async def on_tool_phase_complete(self, ctx: RunContext, outcomes: Sequence[ToolOutcome]) -> None:
-        await _call(self.hooks["on_tool_phase_complete"], ctx, ToolPhaseCompleteInfo(tuple(outcomes)))
+        await _cut_call(ctx, self.hooks["on_tool_phase_complete"], ctx, ToolPhaseCompleteInfo(tuple(outcomes)))
 
     async def should_continue(self, ctx: RunContext, state: LoopState) -> bool:
-        decision = await _call(self.hooks["on_should_continue"], ctx, state)
+        decision = await _cut_call(ctx, self.hooks["on_should_continue"], ctx, state)
         if decision is None or isinstance(decision, bool):
             return decision is not False
         raise MiddlewareDecisionError(
@@ -640,11 +672,11 @@ class _PartHooks(_Part):
         )
 
     async def on_model_error(self, ctx: RunContext, error: ModelError) -> bool:
-        await _call(self.hooks["on_model_error"], ctx, error)
+        await _cut_call(ctx, self.hooks["on_model_error"], ctx, error)
         return ctx._retry_requested  # the driver opens ctx.retry() around this hook and reads the flag
 
     async def on_usage(self, ctx: RunContext, usage: Usage) -> None:
-        await _call(self.hooks["on_usage"], ctx, usage)
+        await _cut_call(ctx, self.hooks["on_usage"], ctx, usage)
 
     async def on_finish(self, ctx: RunContext, outcome: Finished) -> None:
         info = FinishInfo(outcome.stop_reason, outcome.text, outcome.turns, self.duration(ctx))
@@ -962,7 +994,7 @@ async def structured_output_config(
             # Its own deep copy: an edit in place must not reach the schema compiled already (nor
             # the caller's dict). A round trip of plain JSON, the cheapest deep copy of it.
             given["output_schema"] = json.loads(json.dumps(schema))
-        change = await _call(hook, ctx, given)
+        change = await _cut_call(ctx, hook, ctx, given)
         label = middleware_name(item)
         if change is None:
             change = {}

@@ -30,17 +30,28 @@ should_continue             AND, short-circuit on the first False
 on_finish                   all, isolated: one failure re-raised, several grouped
 on_abort, on_error          all, isolated: failures logged, never raised
 ==========================  ============================================================
+
+The run's abort ends the non-terminal hooks (all but on_finish / on_abort / on_error) that
+the loop awaits outside the tool pipeline and the model call (those two have their own): a
+part awaits the user code of such a hook with `await_under_abort` (a cancel scope the abort
+cancels, only around code that can block: a plain function has nothing to cut, and a scope
+costs more than a hook call), and the `HookAborted` it raises ends the run aborted (on_abort,
+never on_error). Chat middleware do (`_lifecycle/_middleware.py`); a session's Stop hooks end
+alike (their dispatch raises ``HookInterruptedError`` with the run's abort). A hook that
+returns, the abort set or not, lets the run go on to its next safe point, where it ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import attrs
+import trio
 
-from .._abort import Abort
+from .._abort import Abort, AbortHandle
 from .._errors import ModelError
+from .._groups import contains_cancelled, typed_error
 from .._models._messages import Message, ToolCallPart, ToolSpec, Usage
 from .._tools._results import ToolResult
 from .._tools._stages import Allow, Deny, Skip, ToolStages
@@ -61,6 +72,9 @@ __all__ = [
     "Phase",
     "ToolOutcome",
 ]
+# (`HookAborted` and `await_under_abort` are the loop's and its hosts' own, not public.)
+
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -202,3 +216,35 @@ NO_HOOKS = Lifecycle()
 def defines(part: Lifecycle, name: str) -> bool:
     """Whether *part* overrides hook *name* (composition skips the parts that do not)."""
     return getattr(type(part), name) is not getattr(Lifecycle, name)
+
+
+class HookAborted(Exception):
+    """A hook that the run's abort cut short (`await_under_abort`): the loop ends the run aborted."""
+
+
+async def await_under_abort(abort: AbortHandle, awaitable: Awaitable[T]) -> T:
+    """*awaitable* awaited under *abort*: one that lands while it runs, or landed before (it is then
+    cancelled at its first checkpoint), cancels it, and `HookAborted` is raised instead of its
+    answer, also when it finished regardless (swallowed the cancellation, or never checkpointed).
+
+    A cancel scope costs more than a whole plain hook call: await only what can block here.
+
+    A failure of the awaited code goes on as it is. Its own nursery that the abort cancelled, and
+    whose cleanup raised, reaches here as a group trio passed through the scope: that is the
+    abort's (as a permission ask's or a session hook's bounds judge it), unless it holds a typed
+    error or a cancellation from outside."""
+    scope = trio.CancelScope()
+    try:
+        with scope:
+            token = abort.add_listener(lambda _abort: scope.cancel())
+            try:
+                answer = await awaitable
+            finally:
+                abort.remove_listener(token)
+    except BaseExceptionGroup as group:
+        if not scope.cancel_called or typed_error(group) is not None or contains_cancelled(group):
+            raise
+        raise HookAborted("the run was aborted") from group
+    if scope.cancel_called:
+        raise HookAborted("the run was aborted")
+    return answer

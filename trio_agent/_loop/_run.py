@@ -20,6 +20,7 @@ from .._builders import constructor
 from .._cleanup import bounded_shield
 from .._errors import (
     ConfigError,
+    HookInterruptedError,
     JournalError,
     LeaseLostError,
     MiddlewareError,
@@ -49,7 +50,7 @@ from .._tools._pipeline import ToolExecutionRecord
 from .._tools._results import ToolErrorType, ToolResult, _unstorable, json_copy, result_problem
 from .._tools._stages import Allow, Deny, Skip, decide
 from .._util import describe, safe_repr
-from ._compose import part_name
+from ._compose import HOOK_NAMES, part_name
 from ._context import RunContext
 from ._events import (
     MessagesSnapshot,
@@ -77,11 +78,12 @@ from ._hooks import (
     ClientCall,
     ClientCallStages,
     Finished,
+    HookAborted,
     Lifecycle,
     ModelConfig,
     Phase,
     ToolOutcome,
-    defines,
+    await_under_abort,
 )
 from ._interrupts import (
     Approve,
@@ -117,6 +119,21 @@ MAX_MODEL_RETRIES = 2
 
 _message_ids = itertools.count(1)
 
+_DEFINED: dict[type[Lifecycle], frozenset[str]] = {}
+
+
+def _defined_hooks(hooks: Lifecycle) -> frozenset[str]:
+    """The hooks *hooks* overrides (`defines`), worked out once per class, not per run."""
+    kind = type(hooks)
+    defined = _DEFINED.get(kind)
+    if defined is None:
+        if len(_DEFINED) >= 256:  # classes made on the fly: the table stays small
+            _DEFINED.clear()
+        defined = _DEFINED[kind] = frozenset(
+            name for name in HOOK_NAMES if getattr(kind, name) is not getattr(Lifecycle, name)
+        )
+    return defined
+
 
 class _Aborted(Exception):
     """The run's abort (or stop) was seen at a safe point."""
@@ -151,7 +168,9 @@ async def run_agent_loop(
     """Run one agent run to its end and return how it ended.
 
     An SDK abort (``ports.abort``) or a stop (``ports.stop``) ends it with
-    ``StopReason.ABORTED`` after what was committed is settled and answered.
+    ``StopReason.ABORTED`` after what was committed is settled and answered; a
+    non-terminal hook the abort cuts short (`HookAborted`, see `_hooks`) ends it so
+    where it is.
     Failures raise (``LeaseLostError`` and ``JournalError`` included) after
     ``on_error``; a cancellation from outside propagates unchanged, after ``on_abort``
     (bounded by ``cleanup_grace``, no ``RunFinished``). Exactly one of
@@ -179,7 +198,12 @@ async def run_agent_loop(
     if resume is not None:
         ctx.parent_run_id = resume.parent_run_id
     try:
-        await hooks.setup(ctx)
+        if "setup" in run.hooked:
+            # Cut by the run's abort, it ends there; the run ends aborted after RunStarted (`_Run.loop`).
+            try:  # noqa: SIM105 - a suppress() per hook call would cost more than this hook point
+                await hooks.setup(ctx)
+            except HookAborted:
+                pass
         run.events = ctx._events = hooks.wrap_events(ctx, events)
         # The hot paths build no event nobody reads: none when the sink discards them, and, with a
         # host that says when anything listens, none while nothing does. A hook that wraps the sink
@@ -238,14 +262,14 @@ async def run_agent_loop(
         # terminal hook. It goes on once they all were told.
         if outcome.aborted:
             assert outcome.abort is not None
-            if defines(hooks, "on_abort"):
+            if "on_abort" in run.hooked:
                 with bounded_shield(spec.cleanup_grace, "telling the hooks a run was aborted (on_abort)"):
                     try:
                         await hooks.on_abort(ctx, outcome.abort)
                     except Exception:
                         _log.exception("on_abort of %s failed", part_name(hooks))
                 await trio.lowlevel.checkpoint_if_cancelled()
-        elif defines(hooks, "on_finish"):
+        elif "on_finish" in run.hooked:
             with bounded_shield(spec.cleanup_grace, "telling the hooks a run finished (on_finish)"):
                 await hooks.on_finish(ctx, outcome)
             await trio.lowlevel.checkpoint_if_cancelled()
@@ -286,9 +310,11 @@ class _Run:
         self.open_turn: TurnRef | None = None
         self.message_id: str | None = None  # the open turn's message: its tool calls' parent
         self.turn_offset = 0  # a continuation numbers its own turns from 1 (set in `_continue`)
-        self.asks_at_boundaries = defines(hooks, "on_interrupt_boundary")
+        # The hooks it defines: one it does not is not awaited at all (nor given a cancel scope).
+        self.hooked = hooked = _defined_hooks(hooks)
+        self.asks_at_boundaries = "on_interrupt_boundary" in hooked
         self._history: Sequence[Message] = ()  # the history view `_config` handed out last
-        self._configures = defines(hooks, "on_config")
+        self._configures = "on_config" in hooked
         self._metadata: dict[str, Any] | None = None  # `_config`'s copy of the run's model metadata
         self.turn_inputs: Sequence[str] = ()  # what joined the current turn (kept by a pause before the model)
         self.turn_finish: FinishReason | None = None  # why the current turn's reply finished
@@ -309,12 +335,24 @@ class _Run:
 
     async def loop(self) -> Finished:
         spec, ports, hooks, ctx = self.spec, self.ports, self.hooks, self.ctx
-        # What it returns shapes no call: every call's on_config starts from the run's own (`_config`).
-        await hooks.on_config(ctx, self._config())
+        hooked, abort = self.hooked, ports.abort
+        # A hook the run's abort cuts (`HookAborted`) ends the run aborted. The ones before
+        # RunStarted end where they are (none is called once the run is aborted), and the run
+        # ends after RunStarted, at its first safe point.
+        if self._configures and not abort.aborted:
+            # What it returns shapes no call: every call's on_config starts from the run's own (`_config`).
+            try:  # noqa: SIM105 - a suppress() per hook call would cost more than this hook point
+                await hooks.on_config(ctx, self._config())
+            except HookAborted:
+                pass
         try:
             # An abort while the answers are judged ends the run aborted, its pause still open.
             entry = await self._resolve(self.resume) if self.resume is not None else None
-            await hooks.on_start(ctx)
+            if "on_start" in hooked and not abort.aborted:
+                try:  # noqa: SIM105 - a suppress() per hook call would cost more than this hook point
+                    await hooks.on_start(ctx)
+                except HookAborted:
+                    pass
             if not self.quiet:
                 await self.events(RunStarted(spec.run_id, spec.agent_id, spec.thread_id))
             if entry is not None:
@@ -334,12 +372,15 @@ class _Run:
                 message_id = f"{self._turn_id(turn)}-m{next(_message_ids)}"
                 ctx.iteration = turn - 1
                 ctx.phase = Phase.BEFORE_MODEL
-                await hooks.on_iteration(ctx, turn - 1, message_id)
-                config = await hooks.on_config(ctx, self._config())
+                if "on_iteration" in hooked:
+                    await hooks.on_iteration(ctx, turn - 1, message_id)
+                config = self._config()
+                if self._configures:
+                    config = await hooks.on_config(ctx, config)
                 outcome = await self._turn(turn, message_id, config, inputs, steering)
                 if outcome is not None:
                     return outcome
-        except _Aborted:
+        except (_Aborted, HookAborted):
             ports.inbox.close()
             await self._close_step()
             stop = self.ports.stop
@@ -356,6 +397,8 @@ class _Run:
         if not abort.aborted:
             try:
                 return await step(outcome)
+            except HookAborted:
+                pass  # a hook of it (chat()'s on_structured_output_config, on_config, on_usage) was cut
             except ModelAbortedError:
                 if not abort.aborted:
                     raise
@@ -419,7 +462,12 @@ class _Run:
             await self._gate(calls, rejected, arguments, answered)
             outcomes = await self._tool_phase(turn_id, calls, rejected, arguments, steering)
             ctx.phase = Phase.AFTER_TOOLS
-            await hooks.on_tool_phase_complete(ctx, outcomes)
+            if "on_tool_phase_complete" in self.hooked:
+                # Told of an aborted phase too; cut by the abort, the run ends below (`_check_abort`).
+                try:  # noqa: SIM105 - a suppress() per hook call would cost more than this hook point
+                    await hooks.on_tool_phase_complete(ctx, outcomes)
+                except HookAborted:
+                    pass
         self.state = self.state.after_turn(len(calls), finish)
         self.step_open = False
         if not self.quiet:
@@ -437,31 +485,45 @@ class _Run:
         return await self._after_reply_without_calls(finish)
 
     async def _after_tools(self) -> Finished | None:
-        if not await self.hooks.should_continue(self.ctx, self.state):
+        if "should_continue" in self.hooked and not await self.hooks.should_continue(self.ctx, self.state):
             self.ports.inbox.close()
             return self._finished(StopReason.VETOED)
         return None
 
+    async def _should_continue(self) -> bool:
+        return "should_continue" not in self.hooked or await self.hooks.should_continue(self.ctx, self.state)
+
+    async def _before_stop(self) -> str | None:
+        if "before_stop" not in self.hooked:
+            return None
+        try:
+            return await self.hooks.before_stop(self.ctx, self.state)
+        except HookInterruptedError as exc:
+            # A session's Stop hook that the run's abort interrupted: the run's abort, no failure.
+            if exc.abort is None or exc.abort is not self.ports.abort.reason:
+                raise
+            raise _Aborted from None
+
     async def _after_reply_without_calls(self, finish: FinishReason) -> Finished | None:
-        spec, ports, hooks, ctx = self.spec, self.ports, self.hooks, self.ctx
+        spec, ports = self.spec, self.ports
         # A reply without calls: its turn ended with the attempt.
         if ports.inbox.has_pending():  # a message joined: it gets its turn, unless vetoed
-            if await hooks.should_continue(ctx, self.state):
+            if await self._should_continue():
                 return None
             ports.inbox.close()
             return self._finished(StopReason.VETOED)
-        more = await hooks.before_stop(ctx, self.state)
+        more = await self._before_stop()
         if more is not None:
             ports.inbox.add(more)  # one more round; dropped if the run ends first
             if not spec.strategy(self.state):
                 ports.inbox.close()
                 return self._finished(StopReason.MAX_TURNS)
-            if not await hooks.should_continue(ctx, self.state):
+            if not await self._should_continue():
                 ports.inbox.close()
                 return self._finished(StopReason.VETOED)
             return None
         if ports.inbox.has_pending():  # a message joined while the Stop hooks ran
-            if await hooks.should_continue(ctx, self.state):
+            if await self._should_continue():
                 return None
             ports.inbox.close()
             return self._finished(StopReason.VETOED)
@@ -485,7 +547,10 @@ class _Run:
             if pending:
                 self._pause(phase, list(pending), calls, rejected or {})
             return
-        requests = await self.hooks.on_interrupt_boundary(self.ctx)
+        try:
+            requests = await self.hooks.on_interrupt_boundary(self.ctx)
+        except HookAborted:
+            self._abort_turn(calls, rejected or {})
         batch = [*pending, *(self._generic(request) for request in requests)]
         if batch:
             self._pause(phase, batch, calls, rejected or {})
@@ -520,11 +585,9 @@ class _Run:
         rejected: Mapping[str, ToolResult],
     ) -> NoReturn:
         if self._aborted():
-            # Abort wins over a pause (it may have landed while a boundary hook or the gate's screen
-            # ran): the refused calls with their answers, the ones that would have waited unrun (no
-            # result: `_answer` gives them a rebuilt history's answer), and the run ends aborted.
-            self._answer(list(calls), [rejected.get(part.id) for part in calls])
-            raise _Aborted
+            # Abort wins over a pause (it may have landed while the gate's screen or a boundary
+            # hook that it did not cut ran).
+            self._abort_turn(calls, rejected)
         ids = [item.id for item in batch]
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
         if duplicates:
@@ -545,6 +608,12 @@ class _Run:
                 finish=self.turn_finish if phase in (Phase.AFTER_MODEL, Phase.BEFORE_TOOLS) else None,
             )
         )
+
+    def _abort_turn(self, calls: Sequence[ToolCallPart], rejected: Mapping[str, ToolResult]) -> NoReturn:
+        """End the run aborted before the reply's calls run: the refused calls with their answers,
+        the others unrun (no result: `_answer` gives them a rebuilt history's answer)."""
+        self._answer(list(calls), [rejected.get(part.id) for part in calls])
+        raise _Aborted
 
     async def _gate(
         self,
@@ -581,9 +650,14 @@ class _Run:
                 if not asked_stages:
                     client_stages, asked_stages = self.hooks.client_call_stages(ctx), True
                 # The pipeline's journal is the run's: a lost lease ends the run only if it is that one's.
-                screened = await _screen_client_call(
-                    part, arguments[part.id], client_tool, client_stages, self.ports.tools.lease_lost
-                )
+                screen = (part, arguments[part.id], client_tool, client_stages, self.ports.tools.lease_lost)
+                if client_stages is None:
+                    screened = await _screen_client_call(*screen)
+                else:  # the hooks' before / guard stages, under the run's abort (the pipeline's are under it too)
+                    try:
+                        screened = await await_under_abort(self.ports.abort, _screen_client_call(*screen))
+                    except HookAborted:  # (a continuation's answers not applied yet among them)
+                        self._abort_turn(calls, {**answered, **rejected} if answered else rejected)
                 if isinstance(screened, ToolResult):  # refused, invalid or skipped: answered, not sent
                     del arguments[part.id]
                     rejected[part.id] = screened
@@ -649,7 +723,7 @@ class _Run:
             )
         )
         resumed = ToolResume.CONTINUE
-        if resolutions:
+        if resolutions and "on_interrupt_resolution" in self.hooked:
             resumed = await self.hooks.on_interrupt_resolution(ctx, resolutions) or ToolResume.CONTINUE
         answered = {**answered_without_running(pause, answers, resumed), **refused}
         approved = [part_id for part_id in self.approved if part_id not in answered]
@@ -693,8 +767,11 @@ class _Run:
             ctx.phase = Phase.BEFORE_MODEL
             # A new assistant message: its iteration starts as every turn's does (`loop`).
             message_id = f"{self._turn_id(turn)}-m{next(_message_ids)}"
-            await self.hooks.on_iteration(ctx, turn - 1, message_id)
-            config = await self.hooks.on_config(ctx, self._config())
+            if "on_iteration" in self.hooked:
+                await self.hooks.on_iteration(ctx, turn - 1, message_id)
+            config = self._config()
+            if self._configures:
+                config = await self.hooks.on_config(ctx, config)
             # The turn's input is in the conversation (and journalled with run_paused) already.
             return await self._turn(turn, message_id, config, [], steering, asked=True)
         # Paused after the reply or before its tools: the tool phase of that reply, in a turn of its own.
@@ -778,7 +855,7 @@ class _Run:
     async def _model_step(
         self, turn: int, turn_id: str, message_id: str, config: ModelConfig, inputs: list[str]
     ) -> tuple[ModelReply, dict[str, ToolResult], dict[str, dict[str, Any]]] | None:
-        spec, ports, hooks, ctx = self.spec, self.ports, self.hooks, self.ctx
+        spec, ports, hooks, ctx, hooked = self.spec, self.ports, self.hooks, self.ctx, self.hooked
         attempt = 1
         while True:
             ref = self._turn_ref(turn, attempt)
@@ -790,7 +867,9 @@ class _Run:
                 if attempt <= MAX_MODEL_RETRIES and await self._wants_retry(failure.error):
                     attempt += 1
                     ctx.phase = Phase.BEFORE_MODEL  # the retried call is configured as the first was
-                    config = await hooks.on_config(ctx, self._config())
+                    config = self._config()
+                    if self._configures:
+                        config = await hooks.on_config(ctx, config)
                     continue
                 # Its own cause kept (the provider's exception): `from None` would overwrite it.
                 error = failure.error
@@ -812,8 +891,12 @@ class _Run:
                 part, finish=reply.finish_reason, cut_off=part.id in cut_off, tools=tools, allowed=spec.allowed
             )
             if isinstance(checked, ToolResult):
-                if checked.error is not None and checked.error.code == "max_tokens":
-                    checked = _cut_off_answer(await hooks.on_cut_off_call(ctx, part, checked), hooks)
+                if checked.error is not None and checked.error.code == "max_tokens" and "on_cut_off_call" in hooked:
+                    # Cut by the abort, the call keeps the loop's own answer (no call runs after an abort).
+                    try:  # noqa: SIM105 - a suppress() per hook call would cost more than this hook point
+                        checked = _cut_off_answer(await hooks.on_cut_off_call(ctx, part, checked), hooks)
+                    except HookAborted:
+                        pass
                 rejected[part.id] = checked
             else:
                 arguments[part.id] = checked
@@ -823,6 +906,8 @@ class _Run:
         return reply, rejected, arguments
 
     async def _wants_retry(self, error: ModelError) -> bool:
+        if "on_model_error" not in self.hooked:
+            return False
         ctx = self.ctx
         ctx._retry_open, ctx._retry_requested = True, False
         try:
@@ -912,7 +997,12 @@ class _Run:
         usage = assembler.reported_usage
         if usage is not None:  # what the call reported, aborted or not: once per call
             self.usages.append(usage)
-            await self.hooks.on_usage(ctx, usage)
+            if "on_usage" in self.hooked:
+                # Told of an aborted call too; cut by the abort, the run ends at its next safe point.
+                try:  # noqa: SIM105 - a suppress() per hook call would cost more than this hook point
+                    await self.hooks.on_usage(ctx, usage)
+                except HookAborted:
+                    pass
             if not quiet:
                 await events(UsageReported(run_id, agent_id, usage))
         return None if aborted else assembler.finish()
