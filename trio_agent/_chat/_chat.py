@@ -114,7 +114,14 @@ from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules, r
 from .._session._endings import record_request_end
 from .._session._plugins import MiddlewareConfigError, check_model_middleware_runs
 from .._tools._chain import ToolLayers, ToolMiddleware
-from .._tools._definition import Tool, surrogate_errors
+from .._tools._definition import (
+    LISTED_ISSUES,
+    Tool,
+    first_schema_issue,
+    listed_issues,
+    schema_issue,
+    surrogate_errors,
+)
 from .._tools._journal import InMemoryToolJournal
 from .._tools._pipeline import ToolPipeline
 from .._tools._results import ToolResult
@@ -871,11 +878,8 @@ async def _record_end(journal: DurableJournal, agent_id: str, run_id: str, outco
         await journal.append(RequestCompleted(request_id=run_id, output={"text": outcome.text}))
 
 
-# A failing structured answer's issues: at most this many listed, each at most this long. An
-# answer of 1 MB failing on every item had 200,000 (a 7 MB message, and seconds of the event loop).
-_LISTED_ISSUES = 20
-_ISSUE_CHARS = 300
-# Up to this many characters of answer every issue is found (then listed up to _LISTED_ISSUES);
+# A failing structured answer's issues are listed as a tool input's are (`listed_issues`).
+# Up to this many characters of answer every issue is found (then listed up to LISTED_ISSUES);
 # beyond it, only the first (validate() stops there): jsonschema_rs finds them all, eagerly, a
 # Python object each (about 300 bytes of memory an answer's character; in a worker thread, the
 # collections of so many objects still stalled the loop for 0.3 s at a time).
@@ -886,34 +890,6 @@ _THREADED_ANSWER = 16384
 
 def _answer_length(response: ModelResponse) -> int:
     return sum(len(part.text) for part in response.message.parts if isinstance(part, TextPart))
-
-
-def _issue(error: jsonschema_rs.ValidationError) -> str:
-    return f"at {'/'.join(str(p) for p in error.instance_path) or '<root>'}: {error.message}"
-
-
-def _first_issue(validator: jsonschema_rs.Validator, value: Any) -> str:
-    try:
-        validator.validate(value)
-    except jsonschema_rs.ValidationError as error:
-        return _issue(error)
-    return "at <root>: the schema does not accept it"  # pragma: no cover - is_valid said no
-
-
-def _listed(issues: Sequence[str], more: int, *, longer_than: int | None = None) -> tuple[str, ...]:
-    """*issues* (at most `_LISTED_ISSUES`), each cut to `_ISSUE_CHARS`; a last line says how many
-    *more* there were or, for an answer *longer_than* `_LISTED_ANSWER` (only its first was looked
-    for), that there may be more."""
-    listed = [
-        issue if len(issue) <= _ISSUE_CHARS else f"{issue[:_ISSUE_CHARS]}... ({len(issue)} characters)"
-        for issue in issues[:_LISTED_ISSUES]
-    ]
-    more += len(issues) - len(listed)
-    if more:
-        listed.append(f"... and {more} more")
-    elif longer_than is not None:
-        listed.append(f"... and maybe more: only the first is looked for in an answer over {longer_than} characters")
-    return tuple(listed)
 
 
 def _checked_answer(response: ModelResponse, validator: jsonschema_rs.Validator) -> Any:
@@ -936,7 +912,7 @@ def _checked_answer(response: ModelResponse, validator: jsonschema_rs.Validator)
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        issues = _listed(surrogate_errors(value), 0)
+        issues = listed_issues(surrogate_errors(value), 0, of="an answer")
         raise StructuredOutputError(
             "the structured output is not valid Unicode: " + "; ".join(issues), issues=issues, text=text
         ) from None
@@ -946,9 +922,13 @@ def _checked_answer(response: ModelResponse, validator: jsonschema_rs.Validator)
         # jsonschema_rs builds every error (a Python exception object each, some microseconds)
         # before the first is read: listed only for an answer small enough to bound their number.
         errors = validator.iter_errors(value)
-        issues = _listed([_issue(error) for error in itertools.islice(errors, _LISTED_ISSUES)], sum(1 for _ in errors))
+        issues = listed_issues(
+            [schema_issue(error) for error in itertools.islice(errors, LISTED_ISSUES)],
+            sum(1 for _ in errors),
+            of="an answer",
+        )
     else:
-        issues = _listed([_first_issue(validator, value)], 0, longer_than=_LISTED_ANSWER)
+        issues = listed_issues([first_schema_issue(validator, value)], 0, longer_than=_LISTED_ANSWER, of="an answer")
     raise StructuredOutputError(
         "the structured output does not match the schema: " + "; ".join(issues), issues=issues, text=text
     )

@@ -163,10 +163,10 @@ def _enum_value(enum_type: type[enum.Enum], value: object, *, where: str) -> Any
 # An input's issues: at most this many listed, each at most this long, then "... and <n> more" (the
 # rule of a structured answer's, `_chat._listed`). A model's input of 1 MB failing on every item
 # had 200,000 of them: a multi-megabyte invalid_input message.
-_LISTED_ISSUES = 20
-_ISSUE_CHARS = 300
+LISTED_ISSUES = 20
+ISSUE_CHARS = 300
 # Up to this many characters of input (as JSON) every issue is found (then listed up to
-# _LISTED_ISSUES); beyond it, only the first (validate() stops there): jsonschema_rs builds every
+# LISTED_ISSUES); beyond it, only the first (validate() stops there): jsonschema_rs builds every
 # error eagerly, a Python object each, before the first can be read (seconds of the event loop,
 # every session of the process, for such a megabyte).
 _LISTED_INPUT = 4096
@@ -181,28 +181,28 @@ def input_errors(validator: jsonschema_rs.Validator, value: object) -> tuple[str
     what holds the value later (a journal, a paused run's JSON) fails on it outside the call.
 
     Bounded, whatever the (untrusted) input: a good one builds no error object (``is_valid``
-    first); at most `_LISTED_ISSUES` lines, each cut to `_ISSUE_CHARS`, then ``"... and <n>
+    first); at most `LISTED_ISSUES` lines, each cut to `ISSUE_CHARS`, then ``"... and <n>
     more"``; an input over `_LISTED_INPUT` characters of JSON is reported by its first issue only.
     """
     if not is_json(value):
         problem = json_problem(value, "the input")
         if problem is not None:
-            return _listed([f"at <root>: {problem}"], 0)
+            return listed_issues([f"at <root>: {problem}"], 0)
     try:
         if validator.is_valid(value):  # no error objects for a good input
             return ()
         if _json_length(value) <= _LISTED_INPUT:
             errors = validator.iter_errors(value)
-            return _listed(
-                [_issue(error) for error in itertools.islice(errors, _LISTED_ISSUES)], sum(1 for _ in errors)
+            return listed_issues(
+                [schema_issue(error) for error in itertools.islice(errors, LISTED_ISSUES)], sum(1 for _ in errors)
             )
-        return _listed([_first_issue(validator, value)], 0, longer_than=_LISTED_INPUT)
+        return listed_issues([first_schema_issue(validator, value)], 0, longer_than=_LISTED_INPUT)
     except ValueError:
         # The validator cannot read a lone surrogate (e.g. a key the model sent as "\ud800", a
         # UnicodeError) or a value JSON cannot hold (a key that is not a string): invalid input
         # the caller can fix, not a crash of whoever validates.
         problem = json_problem(value, "the input")
-        return _listed([f"at <root>: {problem}"] if problem is not None else _surrogate_errors(value), 0)
+        return listed_issues([f"at <root>: {problem}"] if problem is not None else _surrogate_errors(value), 0)
 
 
 def _json_length(value: object) -> int:
@@ -214,31 +214,33 @@ def _json_length(value: object) -> int:
         return _LISTED_INPUT + 1
 
 
-def _issue(error: jsonschema_rs.ValidationError) -> str:
+def schema_issue(error: jsonschema_rs.ValidationError) -> str:
     return f"at {'/'.join(str(part) for part in error.instance_path) or '<root>'}: {error.message}"
 
 
-def _first_issue(validator: jsonschema_rs.Validator, value: object) -> str:
+def first_schema_issue(validator: jsonschema_rs.Validator, value: object) -> str:
     try:
         validator.validate(value)
     except jsonschema_rs.ValidationError as error:
-        return _issue(error)
+        return schema_issue(error)
     return "at <root>: the schema does not accept it"  # pragma: no cover - is_valid said no
 
 
-def _listed(issues: Sequence[str], more: int, *, longer_than: int | None = None) -> tuple[str, ...]:
-    """*issues* (at most `_LISTED_ISSUES`), each cut to `_ISSUE_CHARS`; a last line says how many
-    *more* there were or, for an input *longer_than* `_LISTED_INPUT` (only its first was looked
-    for), that there may be more."""
+def listed_issues(
+    issues: Sequence[str], more: int, *, longer_than: int | None = None, of: str = "an input"
+) -> tuple[str, ...]:
+    """*issues* (at most `LISTED_ISSUES`), each cut to `ISSUE_CHARS`; a last line says how many
+    *more* there were or, for *of* (a tool's input, a structured answer) *longer_than* the length
+    up to which every issue is looked for (only its first was), that there may be more."""
     listed = [
-        issue if len(issue) <= _ISSUE_CHARS else f"{issue[:_ISSUE_CHARS]}... ({len(issue)} characters)"
-        for issue in issues[:_LISTED_ISSUES]
+        issue if len(issue) <= ISSUE_CHARS else f"{issue[:ISSUE_CHARS]}... ({len(issue)} characters)"
+        for issue in issues[:LISTED_ISSUES]
     ]
     more += len(issues) - len(listed)
     if more:
         listed.append(f"... and {more} more")
     elif longer_than is not None:
-        listed.append(f"... and maybe more: only the first is looked for in an input over {longer_than} characters")
+        listed.append(f"... and maybe more: only the first is looked for in {of} over {longer_than} characters")
     return tuple(listed)
 
 
