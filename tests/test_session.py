@@ -21,7 +21,6 @@ from trio_agent import (
     DoneEvent,
     HookEvent,
     ModelError,
-    ModelTimeoutError,
     Priority,
     Progress,
     RequestAbortedError,
@@ -238,21 +237,21 @@ async def test_set_model_while_a_request_runs_applies_to_its_next_model_call(
     assert [request.model for request in model.requests] == ["test-model", "big-model"]
 
 
-@pytest.mark.parametrize(("pause", "times_out"), [(1, False), (10, True)])
-async def test_a_reader_that_falls_behind_counts_against_model_request_timeout(
-    pause: float, times_out: bool, autojump_clock: trio.testing.MockClock
+@pytest.mark.parametrize("pause", [1, 10])
+async def test_a_reader_that_falls_behind_is_not_charged_to_model_request_timeout(
+    pause: float, autojump_clock: trio.testing.MockClock
 ) -> None:
     # What sessions.md says: more deltas than the 256-event channel, and a reader that stops for
-    # longer than model_request_timeout while the reply still streams, times the model call out.
+    # longer than model_request_timeout while the reply still streams: the model call waits for
+    # the reader with its deadline held (the wait is the reader's, not the model's).
     model = TestModel(default=Reply(text=" ".join(["w"] * 400)))
     async with open_session(provider=model, model_request_timeout=5) as session:
-        with pytest.raises(ModelTimeoutError) if times_out else contextlib.nullcontext():
-            async with session.stream("hi") as events:
-                async for _ in events:
-                    await trio.sleep(pause)
-                    pause = 0
+        async with session.stream("hi") as events:
+            async for _ in events:
+                await trio.sleep(pause)
+                pause = 0
         assert events.done is not None
-        assert events.done.stop_reason == ("error" if times_out else "end_turn")
+        assert events.done.stop_reason == "end_turn"
 
 
 async def test_leaving_the_stream_early_aborts_the_request(autojump_clock: trio.testing.MockClock) -> None:

@@ -2,7 +2,8 @@
 
 An application names a model with `trio_agent.create_provider` (or passes any
 `trio_agent.Provider`); this module holds the conversation types, the `ModelService`
-(retries, middleware, abort), the model middleware protocols (`ModelMiddleware` and one per
+(retries, middleware, abort; `waiting_for_reader` keeps a wait on a stream's reader out of
+its deadline), the model middleware protocols (`ModelMiddleware` and one per
 hook: `WrapsChat`, `WrapsSideQuery`, `WrapsStream`, `WrapsChatWithRetryEvents`; their
 ``call_next`` types `ChatNext`, `StreamNext`, `EventsNext`) and the concrete providers.
 `OpenAIProvider`, `AnthropicProvider` and `PROVIDER_NAMES` load their HTTP client on first use::
@@ -63,6 +64,7 @@ from ._models._service import (
     WrapsChatWithRetryEvents,
     WrapsSideQuery,
     WrapsStream,
+    waiting_for_reader,
 )
 from ._util import fixup_module_metadata as _fixup_module_metadata
 from ._util import import_lazy as _import_lazy
@@ -134,6 +136,7 @@ __all__ = [
     "WrapsSideQuery",
     "WrapsStream",
     "message_converter",
+    "waiting_for_reader",
 ]
 
 _fixup_module_metadata(__name__, globals())

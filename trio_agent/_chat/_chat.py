@@ -108,7 +108,15 @@ from .._models._messages import (
     Usage,
     UserMessage,
 )
-from .._models._service import ModelLayers, ModelMiddleware, ModelService, Provider, is_provider, not_a_provider
+from .._models._service import (
+    ModelLayers,
+    ModelMiddleware,
+    ModelService,
+    Provider,
+    is_provider,
+    not_a_provider,
+    waiting_for_reader,
+)
 from .._permissions._engine import PermissionEngine
 from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules, rules_from
 from .._session._endings import record_request_end
@@ -819,7 +827,9 @@ async def _in_task(options: Mapping[str, Any]) -> AsyncIterator[ChatRun]:
                 await trio.lowlevel.checkpoint()
                 return
             try:
-                await send.send(event)
+                # The reader's wait, not the model's: a model call streaming now holds its deadline.
+                with waiting_for_reader():
+                    await send.send(event)
             except trio.Cancelled:
                 # Not delivered (a cancelled send hands nothing over): an abort cancels the model
                 # call waiting here, and its reader still gets the event, before the later ones.

@@ -87,6 +87,7 @@ __all__ = [
     "WrapsChatWithRetryEvents",
     "WrapsSideQuery",
     "WrapsStream",
+    "waiting_for_reader",
 ]
 
 
@@ -1148,10 +1149,12 @@ class _OpenIterators:
 
     __slots__ = (
         "_deadline",
+        "_enclosing",
         "_ended",
         "_kinds",
         "_opened",
         "_outer",
+        "_paused",
         "_request",
         "_service",
         "_source",
@@ -1182,6 +1185,11 @@ class _OpenIterators:
         self._ended = False  # set when the block is left: no layer's next opens anything after
         self._source: _RetryingStream | None = None  # the provider's stream, once a layer opened it
         self._task: trio.lowlevel.Task | None = None  # the block's task, once entered
+        # The block its task had open when this one was entered (`_OPEN_BLOCKS`), for `waiting_for_reader`.
+        self._enclosing: _OpenIterators | None = None
+        # While the block's task waits for a reader (`waiting_for_reader`): (the deadline it had,
+        # the trio time the wait began); its scope has no deadline meanwhile.
+        self._paused: tuple[float, float] | None = None
 
     def _track(self, position: int, iterator: Any) -> AsyncIterator[Any]:
         """Keep the iterator of the layer at *position* (the terminal last), to be closed in order."""
@@ -1196,6 +1204,16 @@ class _OpenIterators:
             iterator._run = self
         return iterator  # type: ignore[no-any-return]
 
+    def _current_deadline(self) -> float:
+        """The block's deadline as it stands: while its task waits for a reader (`waiting_for_reader`),
+        what was left of it when the wait began, from now."""
+        paused = self._paused
+        if paused is not None:
+            return paused[0] + (trio.current_time() - paused[1])
+        deadline = self._deadline
+        assert deadline is not None  # set when the block was entered, before any layer ran
+        return deadline.deadline
+
     async def __aenter__(self) -> AsyncIterator[Any]:
         if self._task is not None:
             # One request, one block: entered again, it would send the request twice (or, nested,
@@ -1207,7 +1225,10 @@ class _OpenIterators:
             # Before any layer runs, as chat() does: a plain-def wrap_stream runs when it is called.
             raise service._stopped(request)
         chain = service._open_chains[request.operation]
-        self._task = trio.lowlevel.current_task()  # where reads run under the block's scope
+        task = self._task = trio.lowlevel.current_task()  # where reads run under the block's scope
+        # For `waiting_for_reader` (a dict: a context variable set per block cost 0.5% of a request).
+        self._enclosing = _OPEN_BLOCKS.get(task)
+        _OPEN_BLOCKS[task] = self
         # The deadline given to the constructor: setting it on a made scope costs a third more.
         deadline = self._deadline = trio.CancelScope(deadline=trio.current_time() + service.request_timeout)
         deadline.__enter__()
@@ -1319,6 +1340,14 @@ class _OpenIterators:
         finally:
             if self._token is not None and request.abort is not None:
                 request.abort.remove_listener(self._token)
+            # After the layers closed (a stream a layer opened inside this block is left first).
+            task = self._task
+            if task is not None and _OPEN_BLOCKS.get(task) is self:
+                enclosing = self._enclosing
+                if enclosing is None:
+                    del _OPEN_BLOCKS[task]
+                else:
+                    _OPEN_BLOCKS[task] = enclosing
         deadline = self._deadline
         assert deadline is not None
         if error is None:
@@ -1336,6 +1365,48 @@ class _OpenIterators:
         if deadline.cancelled_caught:
             raise service._stopped(request) from None
         return False
+
+
+_OPEN_BLOCKS: dict[trio.lowlevel.Task, _OpenIterators] = {}
+"""Each task's innermost open model stream block (`stream`, `chat_with_retry_events`); each
+block keeps the one it was entered in (`_enclosing`). An entry lives while its block is open."""
+
+
+@contextmanager
+def waiting_for_reader() -> Iterator[None]:
+    """``with waiting_for_reader(): await send.send(item)``: the time the block waits here is its
+    reader's, not the model's, so it does not count against ``request_timeout``.
+
+    Wrap what waits for whoever reads what a model stream's block passes on (a full channel, a
+    slow client): while it waits, every model stream block this task has open holds its deadline,
+    and goes on with what was left of it once the wait ends. An abort still cancels the call at
+    once. Outside a block (or in a task other than the block's) it changes nothing. Wrap only the
+    wait itself, e.g. after a ``send_nowait`` raised ``trio.WouldBlock``: it reads the clock twice.
+    ``chat()`` and sessions wrap every wait on their event readers."""
+    block = _OPEN_BLOCKS.get(trio.lowlevel.current_task())
+    held: list[_OpenIterators] = []
+    while block is not None:
+        if not block._ended and block._paused is None and block._deadline is not None:  # (held: a wait in a wait)
+            held.append(block)
+        block = block._enclosing
+    if not held:
+        yield
+        return
+    since = trio.current_time()
+    for block in held:
+        scope = block._deadline
+        assert scope is not None
+        block._paused = (scope.deadline, since)
+        scope.deadline = math.inf
+    try:
+        yield
+    finally:
+        waited = trio.current_time() - since
+        for block in held:
+            scope = block._deadline
+            assert scope is not None and block._paused is not None
+            scope.deadline = block._paused[0] + waited
+            block._paused = None
 
 
 @contextmanager
@@ -1494,9 +1565,7 @@ class _ProviderIterator:
         if run._ended:  # the block was left and its closing has not reached us yet: nothing more
             self._finish()
             raise StopAsyncIteration
-        deadline = run._deadline
-        assert deadline is not None  # set when the block was entered, before any layer ran
-        with trio.CancelScope(deadline=deadline.deadline) as scope:
+        with trio.CancelScope(deadline=run._current_deadline()) as scope:
             self._reading = scope
             try:
                 return await self.__anext__(True)

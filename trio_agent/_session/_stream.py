@@ -24,6 +24,7 @@ from typing import Protocol
 import trio
 
 from .._abort import AbortHandle, AbortReason, abort_reason
+from .._models._service import waiting_for_reader
 from ._messages import DoneEvent, SessionEvent, ToolUseEvent
 
 __all__ = ["EventForward", "EventSink", "RequestEnding", "SessionEventStream", "discard", "tee"]
@@ -63,12 +64,14 @@ class EventForward:
             await trio.lowlevel.checkpoint()
 
     async def _send_unless_aborted(self, event: SessionEvent) -> None:
-        """Wait for room for *event*, unless the request is (or gets) aborted: then drop it."""
+        """Wait for room for *event*, unless the request is (or gets) aborted: then drop it. The
+        wait is the reader's: a model call streaming meanwhile holds its deadline."""
         abort = self.abort
         if abort is None:
-            await self.send.send(event)
+            with waiting_for_reader():
+                await self.send.send(event)
             return
-        with trio.CancelScope() as waiting:
+        with waiting_for_reader(), trio.CancelScope() as waiting:
             # An abort from any task (the reader's own abort(), a close) wakes the waiting send.
             token = abort.add_listener(lambda _abort: waiting.cancel())
             try:

@@ -1,0 +1,252 @@
+"""A slow reader of a run's events is not charged to the model's ``request_timeout``.
+
+The loop publishes each chunk of a model reply while the model call is open. A reader that
+falls behind (the bounded event channel full) makes the publication wait: that wait is the
+reader's, not the provider's, so it does not count against the request deadline (it did: a
+reader that took 2 s per event timed a 1 s deadline out although the model had answered).
+What still counts: the wait for the provider and the middleware, and the block's own work.
+An abort during a blocked publication still cuts the call at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+import trio.testing
+
+from trio_agent import AbortHandle, AbortReason, ModelAbortedError, ModelTimeoutError, open_session
+from trio_agent._chat._chat import chat
+from trio_agent._loop._events import TextMessageContent
+from trio_agent._loop._rules import StopReason
+from trio_agent.journal import MemoryStore, ModelAttemptAborted, ModelAttemptStarted, RequestInterrupted
+from trio_agent.models import (
+    FinishChunk,
+    FinishReason,
+    ModelRequest,
+    ModelResponse,
+    ModelService,
+    StreamChunk,
+    TextDelta,
+    UserMessage,
+    waiting_for_reader,
+)
+from trio_agent.testing import Reply, TestModel
+
+WORDS = 400  # more deltas than a run's 256-event channel holds: the loop waits for its reader
+
+
+def long_reply() -> TestModel:
+    return TestModel(default=Reply(text=" ".join(["w"] * WORDS)))
+
+
+class PacedModel:
+    """A provider that waits *pause* seconds (trio time) before each of its *count* chunks."""
+
+    name = "paced"
+    model = "paced-model"
+
+    def __init__(self, count: int, pause: float) -> None:
+        self.count = count
+        self.pause = pause
+
+    async def chat(self, request: ModelRequest) -> ModelResponse:  # pragma: no cover - streams only
+        raise NotImplementedError
+
+    def with_model(self, model: str) -> PacedModel:  # pragma: no cover - streams only
+        return self
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
+        return self._stream()
+
+    async def _stream(self) -> AsyncIterator[StreamChunk]:
+        for _ in range(self.count):
+            await trio.sleep(self.pause)
+            yield TextDelta("w ")
+        yield FinishChunk(FinishReason.STOP)
+
+
+# -- chat(): a reader that takes 2 s an event, a 1 s deadline
+
+
+async def test_a_slow_chat_reader_does_not_time_the_model_call_out(autojump_clock: trio.testing.MockClock) -> None:
+    service = ModelService(long_reply(), request_timeout=1)
+    deltas = 0
+    async with chat(service, "hi") as run:
+        async for event in run:
+            if isinstance(event, TextMessageContent):
+                deltas += 1
+            await trio.sleep(2)
+        result = await run.result()
+    assert deltas == WORDS
+    assert result.stop_reason is StopReason.END_TURN
+    assert result.text.count("w") == WORDS
+    assert trio.current_time() > 2 * WORDS  # the reader did take its time
+
+
+async def test_the_provider_s_own_waits_still_time_a_slow_chat_reader_s_call_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # 300 chunks 0.01 s apart: 3 s of the provider's against a 1 s deadline. The reader's 2 s an
+    # event are not counted; the provider's waits are, so the call still times out, after about
+    # 100 chunks (and long after 1 s of trio time has passed: the reader's waits are excluded).
+    async with chat(ModelService(PacedModel(300, 0.01), request_timeout=1), "hi") as run:
+        deltas = 0
+        async for event in run:
+            deltas += isinstance(event, TextMessageContent)
+            await trio.sleep(2)
+        with pytest.raises(ModelTimeoutError):
+            await run.result()
+    assert 90 <= deltas <= 110
+    assert trio.current_time() > 100
+
+
+async def test_an_abort_during_a_blocked_publication_cuts_the_call_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    service = ModelService(long_reply(), request_timeout=1)
+    async with chat(service, "hi") as run:
+        async for _ in run:
+            await trio.sleep(100)  # the channel fills; the loop waits for us (its deadline held)
+            started = trio.current_time()
+            run.abort("enough")
+            break
+        result = await run.result()
+    assert result.stop_reason is StopReason.ABORTED
+    assert trio.current_time() == started  # not a tick of trio time waited for the model call to end
+
+
+# -- sessions: the same, on a session's event stream
+
+
+async def test_a_slow_session_reader_does_not_time_the_model_call_out(autojump_clock: trio.testing.MockClock) -> None:
+    store = MemoryStore()
+    async with open_session(provider=long_reply(), model_request_timeout=1, journal=store) as session:
+        async with session.stream("hi") as events:
+            async for _ in events:
+                await trio.sleep(2)
+        assert events.done is not None
+        assert events.done.stop_reason == "end_turn"
+        assert events.text.count("w") == WORDS
+
+
+async def test_an_abort_of_a_session_request_blocked_on_its_reader_is_recorded_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = MemoryStore()
+    async with open_session(provider=long_reply(), model_request_timeout=1, journal=store) as session:
+        async with session.stream("hi") as events:
+            async for _ in events:
+                await trio.sleep(100)  # the channel fills: the model call waits for us, its deadline stopped
+                started = trio.current_time()
+                await events.abort("enough")
+                break
+        assert trio.current_time() == started
+        records = [envelope.event for envelope in await store.read(session.journal.stream_id())]
+    kinds = [type(record) for record in records]
+    assert kinds.count(ModelAttemptStarted) == 1
+    assert kinds.count(ModelAttemptAborted) == 1
+    assert kinds.count(RequestInterrupted) == 1
+
+
+# -- ModelService.stream used directly: the block's time counts, a declared wait on a reader does not
+
+
+async def test_a_direct_stream_s_consumer_time_counts_against_the_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    service = ModelService(long_reply(), request_timeout=1)
+    with pytest.raises(ModelTimeoutError):
+        async with service.stream([UserMessage("hi")]) as chunks:
+            async for _ in chunks:
+                await trio.sleep(0.5)  # the block's own work: counted
+
+
+async def test_a_direct_stream_s_declared_reader_wait_does_not_count(autojump_clock: trio.testing.MockClock) -> None:
+    service = ModelService(long_reply(), request_timeout=1)
+    send, receive = trio.open_memory_channel[StreamChunk](4)
+    received = 0
+
+    async def slow_reader() -> None:
+        nonlocal received
+        async for _ in receive:
+            received += 1
+            await trio.sleep(2)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(slow_reader)
+        async with send, service.stream([UserMessage("hi")]) as chunks:
+            async for chunk in chunks:
+                try:
+                    send.send_nowait(chunk)
+                except trio.WouldBlock:
+                    with waiting_for_reader():
+                        await send.send(chunk)
+    assert received > WORDS
+    assert trio.current_time() > 2 * WORDS
+
+
+async def test_a_declared_reader_wait_still_ends_at_an_abort(autojump_clock: trio.testing.MockClock) -> None:
+    service = ModelService(long_reply(), request_timeout=1)
+    handle = AbortHandle()
+    send, _receive = trio.open_memory_channel[StreamChunk](0)  # nobody ever reads
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_abort_later, handle, 30.0)
+        with pytest.raises(ModelAbortedError):
+            async with service.stream([UserMessage("hi")], abort=handle) as chunks:
+                async for chunk in chunks:
+                    with waiting_for_reader():
+                        await send.send(chunk)
+        assert trio.current_time() == 30  # cut at the abort: not at the 1 s deadline, nor never
+
+
+async def _abort_later(handle: AbortHandle, seconds: float) -> None:
+    await trio.sleep(seconds)
+    handle.abort(AbortReason.USER_ABORT, "enough")
+
+
+async def test_the_deadline_goes_on_after_a_declared_wait(autojump_clock: trio.testing.MockClock) -> None:
+    # 0.6 s of the provider's, then a 10 s wait on a reader (not counted), then 0.6 s more of the
+    # provider's: 1.2 s counted against 1 s, so the call times out at 10.6 + 0.4 = 11.0.
+    service = ModelService(PacedModel(4, 0.3), request_timeout=1)
+    with pytest.raises(ModelTimeoutError):
+        async with service.stream([UserMessage("hi")]) as chunks:
+            count = 0
+            async for _ in chunks:
+                count += 1
+                if count == 2:
+                    with waiting_for_reader():
+                        await trio.sleep(10)
+    assert trio.current_time() == pytest.approx(11.0)
+
+
+async def test_outside_a_stream_a_declared_wait_changes_nothing(autojump_clock: trio.testing.MockClock) -> None:
+    with waiting_for_reader():
+        await trio.sleep(1)
+    assert trio.current_time() == 1
+
+
+class FromAnotherService:
+    """Stream middleware that answers from another service's stream, opened inside the outer block
+    (in its task): two blocks open at once, the inner one entered last."""
+
+    def __init__(self, inner: ModelService) -> None:
+        self.inner = inner
+
+    async def wrap_stream(self, request: ModelRequest, call_next: object) -> AsyncIterator[StreamChunk]:
+        async with self.inner.stream(request.messages) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+
+async def test_a_declared_wait_holds_every_block_the_task_has_open(autojump_clock: trio.testing.MockClock) -> None:
+    inner = ModelService(long_reply(), request_timeout=1)
+    outer = ModelService(long_reply(), [FromAnotherService(inner)], request_timeout=1)
+    count = 0
+    async with outer.stream([UserMessage("hi")]) as chunks:
+        async for _ in chunks:
+            count += 1
+            with waiting_for_reader():
+                await trio.sleep(2)
+    assert count > WORDS
