@@ -10,6 +10,8 @@ An abort during a blocked publication still cuts the call at once.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import AsyncIterator
 
 import pytest
@@ -250,3 +252,23 @@ async def test_a_declared_wait_holds_every_block_the_task_has_open(autojump_cloc
             with waiting_for_reader():
                 await trio.sleep(2)
     assert count > WORDS
+
+
+def test_a_block_never_left_is_not_kept_past_its_run() -> None:
+    # The blocks `waiting_for_reader` finds are the run's own: a block entered and never left (its
+    # coroutine dropped) must not keep its task and its block alive in the process after the run.
+    service = ModelService(long_reply(), request_timeout=1)
+    tasks: list[weakref.ReferenceType[trio.lowlevel.Task]] = []
+
+    async def enter_and_drop() -> None:
+        block = service.stream([UserMessage("hi")])
+        await block.__aenter__()
+        tasks.append(weakref.ref(trio.lowlevel.current_task()))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(enter_and_drop)
+
+    trio.run(main)
+    gc.collect()
+    assert tasks and tasks[0]() is None

@@ -1227,8 +1227,9 @@ class _OpenIterators:
         chain = service._open_chains[request.operation]
         task = self._task = trio.lowlevel.current_task()  # where reads run under the block's scope
         # For `waiting_for_reader` (a dict: a context variable set per block cost 0.5% of a request).
-        self._enclosing = _OPEN_BLOCKS.get(task)
-        _OPEN_BLOCKS[task] = self
+        blocks = _open_blocks()
+        self._enclosing = blocks.get(task)
+        blocks[task] = self
         # The deadline given to the constructor: setting it on a made scope costs a third more.
         deadline = self._deadline = trio.CancelScope(deadline=trio.current_time() + service.request_timeout)
         deadline.__enter__()
@@ -1342,12 +1343,13 @@ class _OpenIterators:
                 request.abort.remove_listener(self._token)
             # After the layers closed (a stream a layer opened inside this block is left first).
             task = self._task
-            if task is not None and _OPEN_BLOCKS.get(task) is self:
+            blocks = _open_blocks()
+            if task is not None and blocks.get(task) is self:
                 enclosing = self._enclosing
                 if enclosing is None:
-                    del _OPEN_BLOCKS[task]
+                    del blocks[task]
                 else:
-                    _OPEN_BLOCKS[task] = enclosing
+                    blocks[task] = enclosing
         deadline = self._deadline
         assert deadline is not None
         if error is None:
@@ -1367,9 +1369,21 @@ class _OpenIterators:
         return False
 
 
-_OPEN_BLOCKS: dict[trio.lowlevel.Task, _OpenIterators] = {}
-"""Each task's innermost open model stream block (`stream`, `chat_with_retry_events`); each
+_OPEN_BLOCKS: trio.lowlevel.RunVar[dict[trio.lowlevel.Task, _OpenIterators]] = trio.lowlevel.RunVar(
+    "trio_agent_open_stream_blocks"
+)
+"""Each task's innermost open model stream block (`stream`, `chat_with_retry_events`), per
+`trio.run` (a block never left, as in a coroutine dropped unclosed, ends with its run); each
 block keeps the one it was entered in (`_enclosing`). An entry lives while its block is open."""
+
+
+def _open_blocks() -> dict[trio.lowlevel.Task, _OpenIterators]:
+    try:
+        return _OPEN_BLOCKS.get()
+    except LookupError:  # the run's first block
+        blocks: dict[trio.lowlevel.Task, _OpenIterators] = {}
+        _OPEN_BLOCKS.set(blocks)
+        return blocks
 
 
 @contextmanager
@@ -1383,7 +1397,7 @@ def waiting_for_reader() -> Iterator[None]:
     once. Outside a block (or in a task other than the block's) it changes nothing. Wrap only the
     wait itself, e.g. after a ``send_nowait`` raised ``trio.WouldBlock``: it reads the clock twice.
     ``chat()`` and sessions wrap every wait on their event readers."""
-    block = _OPEN_BLOCKS.get(trio.lowlevel.current_task())
+    block = _open_blocks().get(trio.lowlevel.current_task())
     held: list[_OpenIterators] = []
     while block is not None:
         if not block._ended and block._paused is None and block._deadline is not None:  # (held: a wait in a wait)
