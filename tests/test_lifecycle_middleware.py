@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_agent._abort import Abort, AbortHandle, AbortReason
-from trio_agent._errors import ConfigError, MiddlewareError, MiddlewareShapeError, ModelError
+from trio_agent._errors import ConfigError, MiddlewareError, MiddlewareShapeError, ModelError, RequestAbortedError
 from trio_agent._lifecycle import _middleware
 from trio_agent._loop._context import RunContext
 from trio_agent._loop._events import CustomEvent, RunEvent
@@ -237,6 +237,38 @@ async def test_2_6_on_structured_output_config_edits_in_place_count_and_never_re
     assert schema == {"type": "object", "properties": {"n": {"type": "integer"}}}  # the input is not changed
     with pytest.raises(ConfigError, match="output_schema: not JSON: at /maximum: nan"):
         await apply_structured_output_config(middleware, run_context(), {"output_schema": {"maximum": float("nan")}})
+
+
+async def test_2_6_apply_structured_output_config_cut_by_the_abort_raises_request_aborted_error() -> None:
+    # The public function raises the public error of an aborted run, never the loop's internal
+    # HookAborted (which only the loop knows to end the run with).
+    abort = AbortHandle()
+    entered = trio.Event()
+    later: list[str] = []
+
+    async def slow(ctx: Any, c: Any) -> None:
+        entered.set()
+        await trio.sleep_forever()
+
+    middleware = [
+        define_chat_middleware(on_structured_output_config=slow),
+        define_chat_middleware(on_structured_output_config=lambda ctx, c: later.append("called")),
+    ]
+    config = {"instructions": "x", "output_schema": {"type": "object"}}
+    async with trio.open_nursery() as nursery:
+
+        async def abort_once_entered() -> None:
+            await entered.wait()
+            abort.abort(AbortReason.STEERING, "a new message")
+
+        nursery.start_soon(abort_once_entered)
+        with pytest.raises(RequestAbortedError, match="a new message") as caught:
+            await apply_structured_output_config(middleware, run_context(abort=abort), config)
+    assert caught.value.reason == AbortReason.STEERING.value and later == []
+    # Aborted before it is called: an async hook is cut at its first await, the same error.
+    with pytest.raises(RequestAbortedError) as caught:
+        await apply_structured_output_config(middleware, run_context(abort=abort), config)
+    assert caught.value.reason == AbortReason.STEERING.value and later == []
 
 
 # -- 1.2 the hooks that observe ----------------------------------------------------------------

@@ -73,7 +73,7 @@ import jsonschema_rs
 import trio
 
 from .._abort import Abort, AbortReason
-from .._errors import ConfigError, MiddlewareError, MiddlewareShapeError, ModelError
+from .._errors import ConfigError, MiddlewareError, MiddlewareShapeError, ModelError, RequestAbortedError
 from .._groups import STRAY_CANCELLED, stray_cancellation
 from .._json import MAX_JSON_DEPTH, MAX_JSON_INT_BITS
 from .._loop._compose import compose_lifecycle
@@ -966,6 +966,9 @@ async def apply_structured_output_config(
         ConfigError: *config*'s own ``output_schema`` is not JSON (`output_schema_json`).
         MiddlewareDecisionError: a hook returned something else, a key *config* does not have,
             or a value its key cannot hold (``output_schema`` must be valid JSON Schema).
+        RequestAbortedError: *ctx*'s abort cut an ``async`` hook (it landed while the hook ran,
+            or before); ``reason`` is the abort's (an `AbortReason` value), as for an aborted
+            ``send``. The hooks after it are not called.
     """
     config = dict(config)
     if config.get("output_schema") is not None:
@@ -973,7 +976,18 @@ async def apply_structured_output_config(
             config["output_schema"] = output_schema_json(config["output_schema"])
         except ValueError as exc:
             raise ConfigError(f"output_schema: {exc}") from None
-    return (await structured_output_config(middleware, ctx, config))[0]
+    try:
+        return (await structured_output_config(middleware, ctx, config))[0]
+    except HookAborted as exc:
+        # The loop's own signal (it ends the run aborted), not a public error: a caller outside
+        # the loop gets the one an aborted request raises. The cause (the hook's own cleanup
+        # failing as a group, if any) goes on; the internal exception does not.
+        abort = ctx._abort.reason
+        reason = abort.reason if abort is not None else AbortReason.USER_ABORT
+        told = f": {abort.message}" if abort is not None and abort.message else ""
+        raise RequestAbortedError(
+            f"on_structured_output_config was cut by the run's abort{told}", reason=reason.value
+        ) from exc.__cause__
 
 
 async def structured_output_config(
