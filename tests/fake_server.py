@@ -200,6 +200,7 @@ def retry_after_responses(
         ([("retry-after-ms", "1500"), ("retry-after", "9")], (1.5, 1.5)),
         ([("retry-after", "soon")], None),  # no number, no date: no hint, and no crash
         ([("retry-after", "nan"), ("retry-after-ms", "inf")], None),
+        ([("retry-after", "1_0"), ("retry-after-ms", "+5")], None),  # float()'s grammar, not delay-seconds
         ([], None),
     ]
     responses = [Scripted.json(body, status=status, headers=headers) for headers, _ in forms]

@@ -581,6 +581,26 @@ def test_retry_after_forms() -> None:
     assert retry_after_seconds(httpx.Headers({"retry-after": past})) == 0.0
 
 
+@pytest.mark.parametrize(
+    "value",
+    ["1_0", "1e3", "+5", "-5", "nan", "inf", "0x10", ".5", "1.", "1 0", "5\n", "\u00a05", "\u0661", "9" * 400],
+)
+def test_retry_after_numbers_are_ascii_digits_only(value: str) -> None:
+    """``float()`` read the wait hint: ``1_0`` was 10 seconds, ``1e3`` 1000, ``+5`` 5, an Arabic-Indic
+    digit 1. RFC 9110's delay-seconds is ASCII digits (a decimal fraction allowed): anything else is
+    no hint, like an unreadable date; a ``retry-after-ms`` so malformed gives way to ``retry-after``."""
+    raw = value.encode()
+    assert retry_after_seconds(httpx.Headers([(b"retry-after", raw)])) is None
+    assert retry_after_seconds(httpx.Headers([(b"retry-after-ms", raw)])) is None
+    assert retry_after_seconds(httpx.Headers([(b"retry-after-ms", raw), (b"retry-after", b"3")])) == 3.0
+
+
+def test_retry_after_numbers_that_are_delay_seconds() -> None:
+    for value, seconds in (("0", 0.0), ("007", 7.0), ("1.5", 1.5), (" 5\t", 5.0)):  # OWS is no part of a value
+        assert retry_after_seconds(httpx.Headers([(b"retry-after", value.encode())])) == seconds
+        assert retry_after_seconds(httpx.Headers([(b"retry-after-ms", value.encode())])) == seconds / 1000
+
+
 @pytest.mark.parametrize("streaming", [False, True], ids=["chat", "stream"])
 @pytest.mark.parametrize(
     ("status", "body", "error_type"),

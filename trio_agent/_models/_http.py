@@ -195,19 +195,36 @@ def stop_sequences(value: object, *, option: str) -> list[str]:
     )
 
 
+# RFC 9110's delay-seconds is ``1*DIGIT`` (ASCII); a decimal fraction (``1.5``, which servers
+# send) is the one leniency. Not float()'s grammar: that takes ``1_0`` (as 10), ``1e3``, a sign,
+# ``nan`` / ``inf``, non-ASCII digits (U+0661) and whitespace of every kind.
+_DELAY_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+
+
+def _delay_seconds(value: str) -> float | None:
+    """*value* (a header's) as a number of ``delay-seconds``, else ``None``. Only the whitespace
+    HTTP allows around a field value (space, tab) is not part of it (RFC 9110 5.5)."""
+    value = value.strip(" \t")
+    if _DELAY_SECONDS.fullmatch(value) is None:
+        return None
+    number = float(value)
+    # More digits than a float holds (over 308) overflow to inf: no hint, as before.
+    return number if math.isfinite(number) else None
+
+
 def retry_after_seconds(headers: httpx.Headers) -> float | None:
     """The server's wait hint in seconds: ``retry-after-ms``, else ``retry-after`` (seconds or an HTTP
-    date); ``None`` when neither is there or can be read (a header from the server never fails the call)."""
+    date); ``None`` when neither is there or can be read (a header from the server never fails the call).
+
+    A number is ASCII digits with at most a decimal fraction (``7``, ``1.5``): no sign, exponent,
+    underscore, ``nan`` / ``inf`` or non-ASCII digit, which are no hint, like an unreadable date."""
     for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
         value = headers.get(name)
         if value is None:
             continue
-        try:
-            seconds = float(value) / divisor
-        except ValueError:
-            continue
-        if math.isfinite(seconds):
-            return max(seconds, 0.0)
+        number = _delay_seconds(value)
+        if number is not None:
+            return number / divisor
     value = headers.get("retry-after")
     if value is None:
         return None
