@@ -642,3 +642,58 @@ async def test_a_queued_request_whose_rejection_overruns_cleanup_grace_still_end
     assert isinstance(told["later"], SessionClosedError)
     assert isinstance(told["first"], RequestAbortedError)
     assert "recording a request the close rejected overran" in caplog.text
+
+
+async def test_a_queued_request_whose_abort_cannot_be_recorded_still_ends(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `_record_unstarted` finished the request after its record: a record that raised (the journal
+    # refusing the event) skipped finish(), so the stream's reader, waiting for its end, waited for
+    # ever (the worker and the close leave an aborted request to whoever aborted it).
+    refused: set[str] = set()
+    append = DurableJournal.append
+
+    async def refusing(self: DurableJournal, *events: Any, **kwargs: Any) -> Any:
+        if any(isinstance(event, RequestInterrupted) and event.request_id in refused for event in events):
+            raise InvalidTransitionError("injected: the abort's record refused")
+        return await append(self, *events, **kwargs)
+
+    monkeypatch.setattr(DurableJournal, "append", refusing)
+
+    @define_tool(side_effect="pure", kind="readonly", interrupt="cancel", input_schema={"type": "object"})
+    async def hold(input: dict[str, Any], ctx: Any) -> ToolResult:
+        """Holds the first request."""
+        await trio.sleep_forever()
+        return ToolResult.success("done")  # pragma: no cover
+
+    told: dict[str, BaseException] = {}
+    read = trio.Event()
+
+    async def send(session: Any, prompt: str) -> None:
+        with pytest.raises(RequestAbortedError):
+            await session.send(prompt)
+
+    async def reader(events: Any) -> None:
+        try:
+            async for _ in events:
+                pass
+        except RequestAbortedError as exc:
+            told["reader"] = exc
+        read.set()
+
+    model = TestModel(default=Reply(tool_calls=[("hold", {})]))
+    async with open_session(provider=model, tools=[hold]) as session, trio.open_nursery() as nursery:
+        nursery.start_soon(send, session, "first")
+        await trio.testing.wait_all_tasks_blocked()  # "first" waits in its tool
+        async with session.stream("later", priority="later") as events:
+            refused.add(events.request.request_id)  # queued behind "first"
+            nursery.start_soon(reader, events)
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(InvalidTransitionError, match="injected"):
+                await events.abort("not any more")  # the aborter is told the record failed
+            with trio.fail_after(60):  # the reader is told the request ended
+                await read.wait()
+        assert events.request.done.is_set()
+        assert isinstance(told["reader"], RequestAbortedError) and told["reader"].reason == "user_abort"
+        assert "aborted before it started: not any more" in str(told["reader"])
+        await session.abort()

@@ -697,9 +697,10 @@ class RequestQueue:
         await request.done.wait()
 
     async def _record_unstarted(self, request: _Request) -> None:
-        """An accepted request that was aborted before it started: recorded interrupted, finished.
-        A message that joined it meanwhile is not lost: it reaches the agent's next turn, as for
-        a request aborted while it ran (`SessionHost.run_request`)."""
+        """An accepted request that was aborted before it started: recorded interrupted, finished
+        (also when the record raises: the caller is told). A message that joined it meanwhile is
+        not lost: it reaches the agent's next turn, as for a request aborted while it ran
+        (`SessionHost.run_request`)."""
         self._leave_line(request)
         request.accepting = False
         if request.pending:
@@ -707,19 +708,25 @@ class RequestQueue:
             request.pending.clear()
         abort = request.abort.reason
         reason = abort.reason if abort is not None else AbortReason.USER_ABORT
-        with bounded_shield(self.grace, "recording a queued request's abort"):
-            await record_request_end(
-                self.journal,
-                request.agent.agent_id,
-                request.request_id,
-                RequestInterrupted(request_id=request.request_id, reason=interrupt_reason(reason)),
-            )
         message = abort.message if abort is not None else "aborted"
+        # Its outcome first, then the record: it ends whatever the record raises (the projection
+        # refusing the event; a store's failure is logged there), else its waiters (a stream's
+        # reader, a message that joined it) wait for ever: nobody else ends an aborted request
+        # (`_serve` and `_reject_left` leave it to whoever aborted it).
         request.error = RequestAbortedError(
             f"the request was aborted before it started: {message}", reason=reason.value
         )
         request.stop_reason = StopReason.ABORTED
-        request.finish()
+        try:
+            with bounded_shield(self.grace, "recording a queued request's abort"):
+                await record_request_end(
+                    self.journal,
+                    request.agent.agent_id,
+                    request.request_id,
+                    RequestInterrupted(request_id=request.request_id, reason=interrupt_reason(reason)),
+                )
+        finally:
+            request.finish()
 
     # -- the worker
 
