@@ -130,7 +130,7 @@ async def test_decoding_input_already_received_lets_other_tasks_run() -> None:
     ):
         nursery.start_soon(note_progress)
         async with client.stream("GET", server.url, headers={"accept-encoding": "gzip"}) as response:
-            async for piece in BodyReader(response):
+            async for piece in BodyReader(response, size):
                 decoded += len(piece)
         nursery.cancel_scope.cancel()
     assert decoded == size

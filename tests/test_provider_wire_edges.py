@@ -11,8 +11,9 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 
-from tests.fake_server import Scripted, encoded, open_fake_server, queue_handler
+from tests.fake_server import Gate, Scripted, encoded, open_fake_server, queue_handler
 from tests.test_provider_wire import ANTHROPIC_REPLY, FINISHED, OPENAI_REPLY, Provider, collect, make_provider
 from trio_agent import ModelError, ProviderError, RateLimitError
 from trio_agent._models._http import BodyReader
@@ -324,5 +325,67 @@ async def test_a_body_of_several_streams_decodes_whole_at_every_split(wire: str,
     async with open_fake_server(queue_handler(*responses)) as server, httpx.AsyncClient() as client:
         for cut in range(1, len(data)):
             async with client.stream("GET", server.url) as response:
-                decoded = b"".join([piece async for piece in BodyReader(response)])
+                decoded = b"".join([piece async for piece in BodyReader(response, len(original))])
             assert decoded == original, cut
+
+
+# -- compressed bytes that decode to nothing --------------------------------------------------------
+
+_GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
+_EMPTY_STORED_BLOCK = b"\x00\x00\x00\xff\xff"  # a non-final stored block of no bytes (a sync flush)
+EMPTY_OUTPUT = {
+    # (content-encoding, what starts the body, what repeats in it)
+    "gzip-empty-blocks": ("gzip", _GZIP_HEADER, _EMPTY_STORED_BLOCK),
+    "raw-deflate-empty-blocks": ("deflate", b"", _EMPTY_STORED_BLOCK),
+    "zlib-empty-blocks": ("deflate", b"\x78\x9c", _EMPTY_STORED_BLOCK),
+    "empty-gzip-members": ("gzip", b"", encoded(b"", "gzip")),
+    "zero-padding": ("gzip", encoded(b"", "gzip"), b"\0" * 64),
+}
+
+
+def endless(start: bytes, repeated: bytes) -> list[bytes | Gate]:
+    """A body of *start*, then *repeated* over and over in 16 KiB reads (256 KiB), then nothing
+    more, the response left open: only a timeout would end it."""
+    piece = repeated * (16 * 1024 // len(repeated))
+    return [start, *([piece] * 16), Gate(trio.Event())]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("operation", [Operation.CHAT, Operation.STREAM])
+@pytest.mark.parametrize("shape", list(EMPTY_OUTPUT))
+async def test_compressed_bytes_that_decode_to_nothing_count_against_max_response_bytes(
+    kind: str, operation: Operation, shape: str
+) -> None:
+    """Only decoded bytes were counted: empty deflate blocks, empty gzip members or zero padding
+    between members decode to nothing, so a hostile server could send them for ever (a stream's
+    idle timeout never fires while bytes arrive). The compressed bytes count as well: past twice
+    ``max_response_bytes`` plus 64 KiB, the call fails as for a body too large."""
+    coding, start, repeated = EMPTY_OUTPUT[shape]
+    content_type = "application/json" if operation is Operation.CHAT else "text/event-stream"
+    scripted = Scripted(200, [("content-type", content_type), ("content-encoding", coding)], endless(start, repeated))
+    async with (
+        open_fake_server(queue_handler(scripted)) as server,
+        make_provider(kind, server.url, max_response_bytes=2048, timeout=30, stream_idle_timeout=30) as provider,
+    ):
+        with trio.fail_after(20), pytest.raises(MalformedResponseError, match="larger than max_response_bytes=2048"):
+            if operation is Operation.CHAT:
+                await provider.chat(ModelRequest(operation, provider.model, (UserMessage("hi"),)))
+            else:
+                await collect(provider)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_an_error_body_that_decodes_to_nothing_is_read_no_further(kind: str) -> None:
+    """An error response's body is read for its message only: compressed bytes that decode to
+    nothing stop its reading past their bound, and the status decides the error, as for any
+    error body that cannot be read whole (a 429 keeps its retry-after)."""
+    coding, start, repeated = EMPTY_OUTPUT["gzip-empty-blocks"]
+    headers = [("content-type", "application/json"), ("content-encoding", coding), ("retry-after", "7")]
+    scripted = Scripted(429, headers, endless(start, repeated))
+    async with (
+        open_fake_server(queue_handler(scripted)) as server,
+        make_provider(kind, server.url, timeout=30) as provider,
+    ):
+        with trio.fail_after(20), pytest.raises(RateLimitError) as caught:
+            await provider.chat(ModelRequest(Operation.CHAT, provider.model, (UserMessage("hi"),)))
+    assert caught.value.retry_after == 7.0

@@ -310,7 +310,7 @@ class AnthropicProvider:
             ) as response:
                 await _raise_for_status(response, self.cleanup_grace)
                 await _check_event_stream(response, self.max_response_bytes, self.cleanup_grace)
-                body_reader = BodyReader(response)
+                body_reader = BodyReader(response, self.max_response_bytes)
                 what = "the Anthropic stream"
                 limit = self.max_response_bytes
                 reader = SSEReader(body_reader, SSEParser(limit, what=what), what=what, max_total_bytes=limit)

@@ -290,6 +290,15 @@ _DECODE_STEP = 64 * 1024  # the most decoded bytes one read of a body returns
 _CODINGS = {"gzip": "gzip", "x-gzip": "gzip", "deflate": "deflate"}
 
 
+def compressed_bound(limit: int) -> int:
+    """The most compressed bytes a body whose decoded bytes are bounded by *limit* may take: twice
+    *limit*, plus 64 KiB for headers (a gzip member's name or extra field) and the framing of a
+    small body. Deflate grows what it cannot compress by a few bytes per stored block, and a gzip
+    member costs 18 bytes: a body within *limit* stays far below this, even one member per
+    flushed event, unless it is mostly bytes that decode to nothing."""
+    return 2 * limit + _DECODE_STEP
+
+
 def _zlib_header(head: bytes) -> bool:
     """*head* (at least two bytes) starts a zlib stream (RFC 1950): compression method 8 and a
     header check that makes ``CMF*256 + FLG`` a multiple of 31. Raw deflate from a real encoder
@@ -314,10 +323,21 @@ class BodyReader:
     counted alike, as are zlib streams one after another; bytes after a stream's end that start
     none are a `MalformedResponseError`, never dropped unread. A ``deflate`` stream comes with or
     without its zlib header: the form is read from its first two bytes, whichever reads bring them.
+
+    *limit* bounds the decoded body (its caller counts the decoded bytes against it, as they are
+    returned); the compressed bytes are counted here, against `compressed_bound` of it: empty
+    deflate blocks, empty gzip members and zero padding decode to nothing, and a server sending
+    them for ever would otherwise be read until a timeout (a stream's idle timeout never fires
+    while bytes arrive). Past it: a `MalformedResponseError`, as for a body over *limit*.
     """
 
-    def __init__(self, response: httpx.Response) -> None:
+    def __init__(self, response: httpx.Response, limit: int) -> None:
         self.raw = response.aiter_raw()
+        self._limit = limit
+        self._bound = compressed_bound(limit)
+        self._status = response.status_code
+        self._received = 0  # compressed bytes read from the network
+        self._decoded = 0  # decoded bytes returned
         encoding = response.headers.get("content-encoding", "")
         codings = [coding for part in encoding.split(",") if (coding := part.strip().lower()) not in ("", "identity")]
         self._problem: str | None = None
@@ -356,9 +376,18 @@ class BodyReader:
                 self._input = self._input.lstrip(b"\0")  # padding after a member, as `gzip` reads it
             if not self._ended and self._drained and len(self._input) < (2 if self._decoder is None else 1):
                 try:
-                    self._input += await self.raw.__anext__()
+                    read = await self.raw.__anext__()
                 except StopAsyncIteration:
                     self._ended = True
+                    continue
+                self._received += len(read)
+                if self._received > self._bound:
+                    raise MalformedResponseError(
+                        f"the response body is larger than max_response_bytes={self._limit} allows compressed: "
+                        f"over {self._bound} bytes on the wire, {self._decoded} decoded",
+                        status=self._status,
+                    )
+                self._input += read
                 continue
             decoder = self._decoder
             if decoder is None:
@@ -396,6 +425,7 @@ class BodyReader:
 
     def _counted(self, out: bytes) -> bytes:
         self._unchecked += len(out)
+        self._decoded += len(out)
         return out
 
 
@@ -410,7 +440,7 @@ async def read_body(response: httpx.Response, limit: int, *, grace: float, layer
         )
     pieces: list[bytes] = []
     size = 0
-    reader = BodyReader(response)
+    reader = BodyReader(response, limit)
     try:
         async for piece in reader:
             size += len(piece)
@@ -432,7 +462,7 @@ async def read_error_body(response: httpx.Response, *, grace: float, layer: str)
     ``retry-after``, instead of turning into a retryable connection error."""
     pieces: list[bytes] = []
     size = 0
-    reader = BodyReader(response)
+    reader = BodyReader(response, ERROR_BODY_LIMIT)  # (compressed bytes past its bound: what arrived)
     try:
         async for piece in reader:
             pieces.append(piece[: ERROR_BODY_LIMIT - size])

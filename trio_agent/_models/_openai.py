@@ -339,7 +339,7 @@ class OpenAIProvider:
                         f"body starts {_preview(body)}",
                         status=response.status_code,
                     )
-                body_reader = BodyReader(response)
+                body_reader = BodyReader(response, self.max_response_bytes)
                 what = "the chat completion stream"
                 # The whole stream is bounded too: a server that never ends its reply must not grow
                 # the reply (kept by the consumer, and the tool calls here) without bound.
