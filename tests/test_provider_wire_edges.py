@@ -4,6 +4,7 @@ bodies however the network splits them or however many gzip members they hold.""
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import traceback
@@ -389,3 +390,57 @@ async def test_an_error_body_that_decodes_to_nothing_is_read_no_further(kind: st
         with trio.fail_after(20), pytest.raises(RateLimitError) as caught:
             await provider.chat(ModelRequest(Operation.CHAT, provider.model, (UserMessage("hi"),)))
     assert caught.value.retry_after == 7.0
+
+
+# -- a client whose transport read the body (httpx.MockTransport): what httpx decoded is the body --
+
+
+def mocked(kind: str, respond: Any, **settings: Any) -> Provider:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(respond))
+    if kind == "openai":
+        return OpenAIProvider("gpt", api_key="k", base_url="http://mocked/v1", client=client, **settings)
+    return AnthropicProvider("claude", api_key="k", base_url="http://mocked", client=client, **settings)
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+@pytest.mark.parametrize("coding", ["identity", "gzip"])
+async def test_a_chat_body_the_transport_already_read_is_the_reply(kind: str, coding: str) -> None:
+    plain = json.dumps(CHAT_BODIES[kind]).encode()
+    body = plain if coding == "identity" else gzip.compress(plain)
+    headers = {"content-type": "application/json"} | ({} if coding == "identity" else {"content-encoding": "gzip"})
+    provider = mocked(kind, lambda request: httpx.Response(200, content=body, headers=headers))
+    response = await provider.chat(ModelRequest(Operation.CHAT, provider.model, (UserMessage("hi"),)))
+    assert response.message.text == "Hi"
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+@pytest.mark.parametrize("coding", ["identity", "gzip"])
+async def test_a_body_the_transport_already_read_is_the_reply(kind: str, coding: str) -> None:
+    body = REPLIES[kind] if coding == "identity" else gzip.compress(REPLIES[kind])
+    headers = {"content-type": "text/event-stream"} | ({} if coding == "identity" else {"content-encoding": "gzip"})
+    provider = mocked(kind, lambda request: httpx.Response(200, content=body, headers=headers))
+    assert await collect(provider) == FINISHED[kind]
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+async def test_a_body_the_transport_already_read_is_bounded_as_any(kind: str) -> None:
+    body = b": " + b"x" * 4096 + b"\n\n" + REPLIES[kind]
+    provider = mocked(
+        kind,
+        lambda request: httpx.Response(200, content=body, headers={"content-type": "text/event-stream"}),
+        max_response_bytes=1024,
+    )
+    with pytest.raises(MalformedResponseError, match="max_response_bytes"):
+        await collect(provider)
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+async def test_an_error_body_the_transport_already_read_names_the_error(kind: str) -> None:
+    body = json.dumps(error_body(kind)).encode()
+    provider = mocked(
+        kind,
+        lambda request: httpx.Response(429, content=body, headers={"retry-after": "7"}),
+    )
+    with pytest.raises(RateLimitError) as caught:
+        await collect(provider)
+    assert caught.value.retry_after == 7

@@ -306,6 +306,28 @@ def _zlib_header(head: bytes) -> bool:
     return head[0] & 0x0F == 8 and (head[0] << 8 | head[1]) % 31 == 0
 
 
+class _ReadBody:
+    """A body httpx has already read and decoded, handed out as a raw body is: in pieces of at
+    most `_DECODE_STEP` bytes (its reader counts them against the limit as they come)."""
+
+    __slots__ = ("_body", "_offset")
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+        self._offset = 0
+
+    def __aiter__(self) -> _ReadBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        await trio.lowlevel.checkpoint()
+        start = self._offset
+        if start >= len(self._body):
+            raise StopAsyncIteration
+        self._offset = start + _DECODE_STEP
+        return self._body[start : start + _DECODE_STEP]
+
+
 class BodyReader:
     """A response's body, decoded, in reads of at most 64 KiB (``async for piece in reader``).
 
@@ -332,13 +354,23 @@ class BodyReader:
     """
 
     def __init__(self, response: httpx.Response, limit: int) -> None:
-        self.raw = response.aiter_raw()
         self._limit = limit
         self._bound = compressed_bound(limit)
         self._status = response.status_code
         self._received = 0  # compressed bytes read from the network
         self._decoded = 0  # decoded bytes returned
-        encoding = response.headers.get("content-encoding", "")
+        try:
+            # A transport may hand over a body it read itself (``httpx.MockTransport``, which tests
+            # use): httpx decoded it then, and it holds nothing raw to read again.
+            read: bytes | None = response.content
+        except httpx.ResponseNotRead:
+            read = None
+        if read is not None:
+            self.raw: AsyncIterator[bytes] = _ReadBody(read)
+            encoding = ""
+        else:
+            self.raw = response.aiter_raw()
+            encoding = response.headers.get("content-encoding", "")
         codings = [coding for part in encoding.split(",") if (coding := part.strip().lower()) not in ("", "identity")]
         self._problem: str | None = None
         self._coding: str | None = None  # "gzip" or "deflate"; None: the body is not encoded
