@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -236,6 +238,49 @@ def test_create_app_refuses_options_no_request_could_be_served_with(option: str,
     # with no end event, a bare 500, keep-alive comments flooding, every pause unresumable.
     with pytest.raises(ta.ConfigError, match=f"^{option} must be"):
         create_app(TestModel(respond=respond), auth=local_only, **{option: value})
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"instrucions": "Be brief."}, r"instrucions= is not a chat option \(did you mean instructions=\?\)"),
+        ({"max_turns": 3}, r"max_turns= applies only with threads="),
+        ({"system_prompt": "Be brief."}, r"system_prompt= is called instructions="),
+        ({"lifecycle": [ChatMiddleware()]}, r"lifecycle= is called middleware="),
+        ({"resume": None}, r"resume= is set by create_app\(\) for each run itself"),
+        ({"middleware": ta.MiddlewareConfig()}, r"a MiddlewareConfig's layers go in model_middleware="),
+        ({"instructions": 3}, r"^instructions must be a string"),
+        ({"metadata": [("team", "a")]}, r"^metadata must be a mapping"),
+        ({"strategy": "fast"}, r"^strategy must be a LoopStrategy"),
+        ({"output_schema": {"type": 3}}, r"^output_schema: not valid JSON Schema"),
+        ({"permission_mode": "relaxed"}, r"^permission mode must be one of"),
+        ({"cleanup_grace": -1}, r"^cleanup_grace must be"),
+        ({"model_middleware": [object()]}, r"model_middleware"),
+    ],
+)
+def test_create_app_checks_its_chat_options_before_any_request(options: dict[str, Any], message: str) -> None:
+    # They went to chat() as given at serve time: a misspelt name or a bad value was a 200, then a
+    # RUN_ERROR ("chat() got an unexpected keyword argument ..."), for every request.
+    with pytest.raises(ta.ConfigError, match=message):
+        create_app(TestModel(respond=respond), auth=local_only, tools=[add], **options)
+
+
+async def test_the_chat_options_reach_each_run() -> None:
+    seen: list[Any] = []
+
+    def answer(request: ta.ModelRequest) -> Reply:
+        seen.append(request.messages[0])
+        return Reply(text="hi")
+
+    class Started(ChatMiddleware):
+        async def on_start(self, ctx: Any) -> None:
+            seen.append("started")
+
+    app = create_app(TestModel(respond=answer), auth=local_only, instructions="Be brief.", middleware=[Started()])
+    async with running(app) as client:
+        events = await post_run(client, body("hello"))
+    assert events[-1]["type"] == "RUN_FINISHED"
+    assert seen == ["started", ta.SystemMessage("Be brief.")]
 
 
 async def test_the_smallest_options_serve_a_run() -> None:
@@ -918,3 +963,18 @@ def test_the_printed_page_address_hands_the_page_its_token_unchanged(token: str)
     assert page.startswith("http://127.0.0.1:8000/#")
     assert urllib.parse.parse_qs(urllib.parse.urlsplit(page).fragment) == {"token": [token]}
     assert page_address("http://127.0.0.1:8000", None) == "http://127.0.0.1:8000/"
+
+
+def test_web_md_lists_the_chat_options_of_each_mode() -> None:
+    # The table of options one mode refuses, read from the doc: it follows chat()'s and define_agent()'s signatures.
+    refused = {}
+    for line in (Path(__file__).parent.parent / "docs" / "web.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split(" | ")]
+        if line.startswith("| `") and len(cells) == 3:
+            for cell in cells[1:]:
+                if cell.startswith("refused"):
+                    refused[cell] = set(re.findall(r"`(\w+)`", cells[0]))
+    assert refused == {
+        "refused: a thread's run is a session request": _app._CHAT_ONLY,
+        "refused: options of a session's agent": _app._AGENT_ONLY,
+    }

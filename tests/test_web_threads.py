@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 from ag_ui.core import Event as AgUiEventModel
 from pydantic import TypeAdapter
@@ -19,6 +20,7 @@ from pydantic import TypeAdapter
 import trio_agent as ta
 from tests.test_session import gated_tool
 from tests.test_web import add, body, respond
+from trio_agent.lifecycle import ChatMiddleware
 from trio_agent.testing import Reply, TestModel
 from trio_agent.web import create_app, local_only, serve
 
@@ -807,3 +809,68 @@ async def test_a_thread_id_no_session_can_have_is_invalid_input_not_unavailable(
         async with client.stream("POST", "/runs", json=body(thread="x" * 200)) as response:
             assert (await read(response))[-1]["outcome"] == {"type": "success"}  # the longest a session id may be
         assert (await client.get("/threads/a%0Ab")).status_code == 404
+
+
+async def test_the_chat_options_mean_the_same_with_threads(tmp_path: Path) -> None:
+    # instructions= was handed to define_agent() as it was (a bare TypeError), and middleware=
+    # meant define_agent's MiddlewareConfig (a list of chat middleware was a ConfigError).
+    seen: list[Any] = []
+
+    def answer(request: ta.ModelRequest) -> Reply:
+        seen.append(request.messages[0])
+        return Reply(text="hi")
+
+    class Started(ChatMiddleware):
+        async def on_start(self, ctx: Any) -> None:
+            seen.append("started")
+
+    class Calls(ta.ModelMiddleware):
+        async def wrap_chat(self, request: Any, call_next: Any) -> Any:
+            seen.append("model call")
+            return await call_next(request)
+
+        async def wrap_stream(self, request: Any, call_next: Any) -> Any:
+            seen.append("model call")
+            async for chunk in call_next(request):
+                yield chunk
+
+    app = create_app(
+        TestModel(respond=answer),
+        auth=local_only,
+        threads=tmp_path / "t.db",
+        instructions="Be brief.",
+        middleware=[Started()],
+        model_middleware=[Calls()],
+    )
+    async with running(app) as client, client.stream("POST", "/runs", json=body("hello")) as response:
+        events = await read(response)
+    assert events[-1]["type"] == "RUN_FINISHED" and texts(events) == "hi"
+    assert seen == ["started", "model call", ta.SystemMessage("Be brief.")]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"metadata": {"team": "a"}}, r"metadata= applies only without threads="),
+        ({"output_schema": {"type": "object"}}, r"output_schema= applies only without threads="),
+        ({"system_prompt": "Be brief."}, r"system_prompt= is called instructions="),
+        ({"lifecycle": []}, r"lifecycle= is called middleware="),
+        ({"middleware": ta.MiddlewareConfig()}, r"a MiddlewareConfig's layers go in model_middleware="),
+        ({"max_turn": 3}, r"max_turn= is not a chat option \(did you mean max_turns=\?\)"),
+        ({"permission_asks": "handler"}, r'permission_asks= is "interrupt" for the threads\' agent'),
+        ({"max_turns": 0}, r"max_turns"),
+    ],
+)
+def test_create_app_with_threads_checks_its_chat_options(tmp_path: Path, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ta.ConfigError, match=message):
+        create_app(TestModel(respond=respond), auth=local_only, threads=tmp_path / "t.db", **options)
+
+
+def test_an_agent_is_given_whole_and_only_with_threads(tmp_path: Path) -> None:
+    # The chat options and tools were dropped unseen beside agent=, and agent= without threads was ignored.
+    model = TestModel(respond=respond)
+    agent = ta.define_agent(provider=model, tools=[add], permission_asks="interrupt")
+    with pytest.raises(ta.ConfigError, match=r"give tools=, instructions= to its define_agent\(\)"):
+        create_app(model, auth=local_only, threads=tmp_path / "t.db", agent=agent, tools=[add], instructions="x")
+    with pytest.raises(ta.ConfigError, match="needs threads="):
+        create_app(model, auth=local_only, agent=agent)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import difflib
 import functools
 import hmac
 import inspect
@@ -68,7 +69,7 @@ from .._agui._encode import AgUiEncoder, messages_to_agui
 from .._agui._input import InputError, RunInput, answers_for, check_history, parse_run_input
 from .._agui._sse import CONTENT_TYPE, KEEP_ALIVE, sse_event
 from .._agui._wire import MessagesSnapshotEvent, RunErrorEvent, to_wire
-from .._chat._chat import chat
+from .._chat._chat import _Prepared, chat
 from .._config import validate_id, validate_limit, validate_timeout
 from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError, error_code
 from .._journal._sqlite import open_sqlite_store
@@ -77,6 +78,7 @@ from .._lifecycle._interrupts import PausedRun, check_signing_key
 from .._loop._events import RunError, RunFinished
 from .._loop._interrupts import ClientTool, InterruptResumeError, validate_answers
 from .._models._messages import UserMessage
+from .._session._plugins import MiddlewareConfig
 from .._session._requests import RequestQueue
 from .._session._spec import AgentSpec, define_agent
 from .._tools._definition import Tool
@@ -370,6 +372,96 @@ async def _watch_disconnect(receive: Receive, abort: AbortHandle) -> None:
             return
 
 
+_CHAT = inspect.signature(chat)
+_SET_PER_RUN = frozenset({"agent_or_model", "messages", "resume", "answers", "abort", "signing_key", "tools"})
+"""chat()'s arguments that create_app gives each run itself (``tools`` and ``signing_key`` are its own)."""
+_AGENT_NAMES = {
+    "instructions": "system_prompt",
+    "middleware": "lifecycle",
+    "permissions": "permissions",
+    "permission_mode": "permission_mode",
+    "workspace_roots": "workspace_roots",
+    "interrupts": "interrupts",
+}
+"""Chat options a thread's agent takes too, by their name in create_app (chat()'s) -> define_agent's.
+``model_middleware`` and ``tool_middleware`` make its ``MiddlewareConfig`` (`_agent_options`)."""
+_LAYERS = ("model_middleware", "tool_middleware")
+_RENAMED = {"system_prompt": "instructions", "lifecycle": "middleware"}
+"""define_agent's names for chat options: create_app takes chat()'s name in both modes."""
+_AGENT_ONLY = frozenset(inspect.signature(define_agent).parameters) - {
+    "provider",
+    "tools",
+    "permission_asks",
+    "middleware",
+    *_RENAMED,
+    *_AGENT_NAMES.values(),
+}
+"""Options only a thread's agent takes (``max_turns``, ``hooks``, ``plugins`` ...)."""
+_CHAT_ONLY = frozenset(_CHAT.parameters) - _SET_PER_RUN - set(_AGENT_NAMES) - set(_LAYERS)
+"""Options only a chat() run takes (``output_schema``, ``strategy``, ``metadata`` ...)."""
+
+
+def _chat_options(options: Mapping[str, Any], *, threads: bool) -> dict[str, Any]:
+    """create_app's chat options, by name: those the mode takes (docs/web.md, "Chat options"), or a
+    `ConfigError` naming each other one and what to use instead. The same name means the same
+    thing in both modes: ``instructions`` is the system prompt, ``middleware`` chat middleware."""
+    both = set(_AGENT_NAMES) | set(_LAYERS)
+    takes = sorted(both | (_AGENT_ONLY if threads else _CHAT_ONLY))
+    mode = "with threads=" if threads else "without threads="
+    problems: list[str] = []
+    for name in options:
+        if name in _SET_PER_RUN:
+            problems.append(f"{name}= is set by create_app() for each run itself")
+        elif name == "permission_asks":
+            problems.append('permission_asks= is "interrupt" for the threads\' agent (for another, give agent=)')
+        elif name in _RENAMED:
+            problems.append(f"{name}= is called {_RENAMED[name]}= in create_app() (with or without threads)")
+        elif name in _AGENT_ONLY and not threads:
+            problems.append(f"{name}= applies only with threads= (an option of the threads' agent, define_agent())")
+        elif name in _CHAT_ONLY and threads:
+            problems.append(f"{name}= applies only without threads= (an option of a chat() run)")
+        elif name not in takes:
+            close = difflib.get_close_matches(name, takes + list(_RENAMED), n=1)
+            problems.append(f"{name}= is not a chat option" + (f" (did you mean {close[0]}=?)" if close else ""))
+    if problems:
+        listed = ", ".join(f"{name}=" for name in takes)
+        raise ConfigError(f"create_app(): {'; '.join(problems)}. Chat options {mode}: {listed}")
+    if isinstance(options.get("middleware"), MiddlewareConfig):
+        raise ConfigError(
+            "create_app(middleware=...) takes chat middleware (a list of ChatMiddleware), with or without "
+            "threads; a MiddlewareConfig's layers go in model_middleware= and tool_middleware="
+        )
+    instructions = options.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ConfigError(f"instructions must be a string, not {instructions!r:.200}")
+    metadata = options.get("metadata")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise ConfigError(f"metadata must be a mapping, not {metadata!r:.200}")
+    return dict(options)
+
+
+def _chat_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """chat()'s arguments by name, defaults included: what one call of it holds (its ``locals()``)."""
+    bound = _CHAT.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _agent_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Checked chat options (`_chat_options` with threads) as define_agent's arguments. chat()'s
+    ``None`` for ``instructions`` and ``permission_mode`` is its default: define_agent's default too."""
+    agent = {
+        _AGENT_NAMES.get(name, name): value
+        for name, value in options.items()
+        if name not in _LAYERS and not (value is None and name in ("instructions", "permission_mode"))
+    }
+    if any(name in options for name in _LAYERS):
+        agent["middleware"] = MiddlewareConfig(
+            model=options.get("model_middleware", ()), tool=options.get("tool_middleware", ())
+        )
+    return agent
+
+
 def create_app(
     model: Any,
     *,
@@ -396,25 +488,37 @@ def create_app(
 
     With ``threads`` (a SQLite path or a `JournalStore`), a thread is a durable session
     of ``agent`` (default: ``define_agent(provider=model, tools=tools, permission_asks="interrupt",
-    **chat_options)``):
-    see `_threads` for what that changes.
+    ...)`` with the chat options, see `_agent_options`): see `_threads` for what that changes.
+
+    The chat options are checked here, names and values (`_chat_options`): a ``ConfigError``
+    names one that the mode does not take, never a 200 then a ``RUN_ERROR`` for every request.
     """
     if not callable(auth):
         raise TypeError("create_app() needs auth=, a callable on the request (local_only, bearer_token(...))")
-    for name in ("resume", "answers", "abort", "signing_key", "messages"):
-        if name in chat_options:
-            raise TypeError(f"create_app() sets {name}= of each run itself")
-    # Checked here, not at serve time, where a bad value broke every request after its 200.
+    if agent is not None:
+        if threads is None:
+            raise ConfigError("create_app(agent=...) needs threads=: the agent is what a thread's session runs")
+        if chat_options or tools:
+            given = ", ".join(f"{name}=" for name in [*(["tools"] if tools else []), *chat_options])
+            raise ConfigError(
+                f"create_app(agent=...) takes the agent as defined: give {given} to its define_agent() instead"
+            )
+    options = _chat_options(chat_options, threads=threads is not None)
+    signing_key = secrets.token_bytes(32) if signing_key is None else check_signing_key(signing_key)
+    if threads is None:
+        # Checked here, not at serve time, where a bad value broke every request after its 200:
+        # the run's own checks (chat()'s), on what each run passes.
+        _Prepared(_chat_arguments(model, "check", tools=tools, signing_key=signing_key, **options))
     server = _Server(
         model,
         tools=tools,
-        chat_options=chat_options,
+        chat_options=options if threads is None else {},
         keep_alive=validate_timeout(keep_alive, name="keep_alive"),
         max_body=validate_limit(max_body, name="max_body"),
         body_timeout=validate_timeout(body_timeout, name="body_timeout"),
         buffer=validate_limit(buffer, name="buffer", minimum=0),
         max_paused=validate_limit(max_paused, name="max_paused"),
-        signing_key=secrets.token_bytes(32) if signing_key is None else check_signing_key(signing_key),
+        signing_key=signing_key,
     )
 
     async def authorized(request: Request) -> bool:
@@ -529,7 +633,9 @@ def create_app(
                 server.hub = None
 
     if threads is not None:
-        spec = agent or define_agent(provider=model, tools=tools, permission_asks="interrupt", **chat_options)
+        spec = agent or define_agent(
+            provider=model, tools=tools, permission_asks="interrupt", **_agent_options(options)
+        )
         server.threads = (spec, threads)
     routes: list[Route | Mount] = [
         Route("/runs", runs, methods=["POST"]),
