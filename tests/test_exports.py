@@ -346,3 +346,14 @@ def test_a_moved_name_is_looked_up_once(monkeypatch: pytest.MonkeyPatch) -> None
     for _ in range(10):
         assert trio_agent.ToolResultMessage is first
     assert len(imports) == 1, imports
+
+
+def test_a_permission_update_is_stored_as_json_with_public_functions() -> None:
+    # docs/permissions.md documented update_to_json / update_from_json, which only a private module had.
+    from trio_agent.permissions import update_from_json, update_to_json
+
+    update = trio_agent.PermissionUpdate.add("Bash:git *", behavior="deny")
+    stored = update_to_json(update)
+    assert stored == {"action": "add", "behavior": "deny", "rules": ["Bash:git *"]}
+    assert update_to_json(update_from_json(stored)) == stored
+    assert update_from_json.__module__ == "trio_agent.permissions"

@@ -9,6 +9,9 @@ says which source decided::
 For an answer given elsewhere (a run that pauses for a person), ``engine.evaluate(...)``
 returns an `AskNeeded` where ``engine.decide(...)`` would ask, and ``engine.conclude(...)``
 turns the answer into a `Decision` (source ``interrupt``).
+
+A `PermissionUpdate` (what ``on_updates_applied`` reports, what ``engine.replay_updates`` takes
+again) is stored as JSON with `update_to_json` and read back with `update_from_json`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from ._permissions._rules import (
     RuleMatch,
     ToolFilter,
     ToolPermissionCheck,
+    update_from_json,
+    update_to_json,
 )
 from ._permissions._table import AskNeeded, AskReason, Decision, DecisionSource
 from ._util import fixup_module_metadata as _fixup_module_metadata
@@ -53,6 +58,8 @@ __all__ = [
     "ToolFilter",
     "ToolPermissionCheck",
     "UpdatesApplied",
+    "update_from_json",
+    "update_to_json",
 ]
 
 _fixup_module_metadata(__name__, globals())
