@@ -22,10 +22,12 @@ import collections
 import importlib
 import inspect
 import pkgutil
+import re
 import subprocess
 import sys
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -120,6 +122,14 @@ def test_top_level_is_small() -> None:
         assert name in trio_agent.__all__
     for name in ("ToolPipeline", "ModelService", "DurableJournal", "compose_middleware", "HookDecision"):
         assert name not in trio_agent.__all__
+
+
+def test_api_md_counts_the_top_level_names() -> None:
+    # It said 69 when the top level had 70: the count is read from the doc and compared.
+    api = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    found = re.findall(r"^\| `trio_agent` \| [^|]*?\((\d+) names\)", api, re.M)
+    assert len(found) == 1, "docs/api.md's row of `trio_agent` no longer says how many names it has"
+    assert int(found[0]) == len(trio_agent.__all__)
 
 
 def test_every_export_names_a_public_home() -> None:
