@@ -179,3 +179,13 @@ def test_every_tool_defined_in_a_fragment_has_a_description() -> None:
                 continue  # a signature sketch, not code
             found += [(path.name, tool.name) for tool in _defined_tools(tree) if ast.get_docstring(tool) is None]
     assert found == []
+
+
+def test_sessions_md_lists_every_stop_reason() -> None:
+    # It left out vetoed and interrupted, both of which end a session's request.
+    from trio_agent import StopReason
+
+    text = (ROOT / "docs" / "sessions.md").read_text()
+    start = text.index("`stop_reason` is a `StopReason`")
+    listed = set(re.findall(r"`(\w+)`", text[start : text.index("After the loop", start)]))
+    assert {reason.value for reason in StopReason} <= listed
