@@ -6,7 +6,9 @@
   incremental conversation fold equals `fold_conversation` however it is split.
 * Damage: a snapshot that fails its checksum, cannot be decoded, has an unknown version,
   lies past the head or whose tail does not apply is ignored with a WARNING, and the
-  journal loads as from the events alone.
+  journal loads as from the events alone. An index line that does not decode (met by the
+  first lookup that needs it, a reopen decodes none) is rebuilt from the events, and the
+  next snapshot is written from the rebuilt state.
 * Fencing: the store refuses a snapshot like an append (stale or expired token, foreign
   stream, past the head); a journal that lost its lease saves none.
 * Cost: after 200 close/reopen cycles, a reopen reads a bounded number of events.
@@ -25,6 +27,7 @@ from typing import Any
 
 import attrs
 import pytest
+import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -790,25 +793,27 @@ async def test_a_reopen_decodes_neither_the_history_nor_the_command_ids(kind: st
             assert set(journal._streams[ROOT].commands) == {f"r{n}-{n - 1}" for n in range(1, 31)} | {"r31-99"}
 
 
+async def with_a_call(journal: DurableJournal, n: int) -> None:
+    """Request ``r{n}``: one turn whose call ``c{n}`` completes, then the request does."""
+    rid, tid, aid, cid = f"r{n}", f"t{n}", f"a{n}", f"c{n}"
+    ids = {"request_id": rid, "turn_id": tid}
+    reply = ModelReplyRecord(tool_calls=(ToolCallPart(cid, "tool", json.dumps({"x": n})),)).to_payload()
+    await journal.append(RequestAccepted(request_id=rid, command_id=rid, input={"prompt": f"p{n}"}), command_id=rid)
+    await journal.append(
+        RequestStarted(request_id=rid),
+        TurnStarted(**ids, turn=1),
+        ModelAttemptStarted(**ids, attempt_id=aid, model="m"),
+        ModelAttemptCompleted(**ids, attempt_id=aid, response=reply),
+        scheduled(cid, **ids),
+        started(cid, **ids),
+        ToolCompleted(**ids, call_id=cid, result={"output": n}),
+        TurnCompleted(**ids, has_tool_calls=True),
+        RequestCompleted(request_id=rid),
+    )
+
+
 async def test_a_reopen_decodes_no_call_of_an_ended_request_until_one_is_asked_for() -> None:
     store = MemoryStore()
-
-    async def with_a_call(journal: DurableJournal, n: int) -> None:
-        rid, tid, aid, cid = f"r{n}", f"t{n}", f"a{n}", f"c{n}"
-        ids = {"request_id": rid, "turn_id": tid}
-        reply = ModelReplyRecord(tool_calls=(ToolCallPart(cid, "tool", json.dumps({"x": n})),)).to_payload()
-        await journal.append(RequestAccepted(request_id=rid, command_id=rid, input={"prompt": f"p{n}"}), command_id=rid)
-        await journal.append(
-            RequestStarted(request_id=rid),
-            TurnStarted(**ids, turn=1),
-            ModelAttemptStarted(**ids, attempt_id=aid, model="m"),
-            ModelAttemptCompleted(**ids, attempt_id=aid, response=reply),
-            scheduled(cid, **ids),
-            started(cid, **ids),
-            ToolCompleted(**ids, call_id=cid, result={"output": n}),
-            TurnCompleted(**ids, has_tool_calls=True),
-            RequestCompleted(request_id=rid),
-        )
 
     async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
         for n in range(5):
@@ -879,14 +884,14 @@ async def test_a_close_that_changed_neither_writes_their_text_back_as_read() -> 
 BAD_LINES = {
     "entries": (1, b'[{"type":"Nope"}]', "stored conversation cannot be decoded"),
     "outcomes": (2, b'{"c1":{"type":"Nope"}}', "stored call outcomes cannot be decoded"),
-    "commands": (3, b'{"r":["digest","one",2],"r1-0":["d",1,1],"r1-1":["d",2,2]}', "stored command ids cannot be"),
 }
 
 
 @pytest.mark.parametrize("which", sorted(BAD_LINES))
-async def test_a_stored_line_that_cannot_be_decoded_fails_where_it_is_needed(which: str) -> None:
-    # The checksum vouches for the text; text this code cannot read (never written by it) is
-    # reported when first needed, and nothing is changed.
+async def test_a_stored_conversation_that_cannot_be_decoded_fails_where_it_is_needed(which: str) -> None:
+    # The checksum vouches for the text; a conversation this code cannot read (never written by
+    # it) is reported when first needed, and nothing is changed. (An index line is rebuilt from
+    # the events instead: `test_an_index_line_that_does_not_decode_is_rebuilt_from_the_events`.)
     store = MemoryStore()
     events = await a_closed_session(store)
     seq, body, _ = snapshot_row_of(store)
@@ -900,16 +905,194 @@ async def test_a_stored_line_that_cannot_be_decoded_fails_where_it_is_needed(whi
     async with open_journal(store, session_id=SID, snapshot_every=None) as journal:
         assert journal._streams[ROOT].snapshot_seq == seq  # used: nothing was decoded yet
         await journal.append(SessionReopened(session_id=SID, life=2))
-        if which != "commands":
-            for _ in range(2):  # asking again reports it again
-                with pytest.raises(JournalCorruptError, match=message):
-                    journal.conversation()
-        else:
+        for _ in range(2):  # asking again reports it again
             with pytest.raises(JournalCorruptError, match=message):
-                await journal.append(RequestAccepted(request_id="r", command_id="r", input={}), command_id="r")
-            assert journal.projection().request("r") is None  # refused before anything moved
-            assert journal.conversation() == fold_conversation([*events, SessionReopened(session_id=SID, life=2)])
+                journal.conversation()
     assert [e.event for e in await store.read(ROOT)] == [*events, SessionReopened(session_id=SID, life=2)]
+
+
+# ---------------------------------------------------------------- an index line that does not decode
+
+MID_CALL = {"request_id": "r3", "turn_id": "t3"}
+
+
+async def a_session_left_mid_call(store: Any) -> list[EventEnvelope]:
+    """Requests r0-r2, each with a completed call, then r3 with call c3 scheduled: a snapshot
+    whose four index lines all hold entries, and a live call whose record is in one of them."""
+    async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+        for n in range(3):
+            await with_a_call(journal, n)
+        await journal.append(RequestAccepted(request_id="r3", command_id="r3", input={"prompt": "p3"}), command_id="r3")
+        await journal.append(RequestStarted(request_id="r3"), TurnStarted(**MID_CALL, turn=1))
+        await journal.append(scheduled("c3", **MID_CALL))
+    envelopes: list[EventEnvelope] = await store.read(ROOT)
+    return envelopes
+
+
+INDEX_DAMAGE = {
+    # No usable digests: any lookup decodes the text.
+    "garbage": lambda line: b"zz {not json",
+    # The digests kept, the JSON broken: only a key among them decodes it (and a close that
+    # decoded nothing would write the text back as it was read).
+    "broken JSON behind its digests": lambda line: line[: line.index(b" ") + 1] + b'{"x":',
+}
+
+
+def damage_index_line(store: MemoryStore, which: str, how: str) -> int:
+    """Damage one index line of the stored snapshot, the checksum recomputed (a writer's bug or
+    a forgery: no check at load sees it). Returns the snapshot's seq."""
+    seq, body, _ = snapshot_row_of(store)
+    lines = body.split(b"\n")
+    line = 3 + _LINES.index(which)
+    lines[line] = INDEX_DAMAGE[how](lines[line])
+    text = b"\n".join(lines)
+    store._streams[ROOT].snapshot = (seq, text, row_checksum(ROOT, seq, text))
+    return seq
+
+
+async def assert_as_a_full_replay(journal: DurableJournal, store: Any) -> None:
+    """Every index of the root stream holds what a replay of its events (and the store's commands) gives."""
+    full = replayed(await store.read(ROOT))
+    stream, state = journal._streams[ROOT], journal.projection()._s
+    assert dict(stream.calls) == full.calls
+    assert dict(state.ended) == full.projection._s.ended
+    assert dict(state.ended_tools) == full.projection._s.ended_tools
+    assert journal.projection().snapshot() == full.projection.snapshot()
+    commands = {c.command_id: (c.digest, c.first_seq, c.last_seq) for c in await store.commands(ROOT)}
+    assert dict(stream.commands) == commands
+
+
+def damage_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
+
+
+@pytest.mark.parametrize("how", sorted(INDEX_DAMAGE))
+@pytest.mark.parametrize("which", _LINES)
+async def test_an_index_line_that_does_not_decode_is_rebuilt_from_the_events(
+    which: str, how: str, warnings_of: pytest.LogCaptureFixture
+) -> None:
+    # A reopen does not decode the index lines (that is what makes it fast), so damage that a
+    # recomputed checksum hides is met by the first lookup that needs the line. The snapshot is
+    # then unusable: its lines are rebuilt from the events, the lookup answers as a replay
+    # would, and the next snapshot is written from the rebuilt state. Never a JournalCorruptError
+    # to whoever asked, never a session that can take no more commands.
+    store = MemoryStore()
+    await a_session_left_mid_call(store)
+    seq = damage_index_line(store, which, how)
+    async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+        stream = journal._streams[ROOT]
+        assert stream.snapshot_seq == seq and not damage_warnings(warnings_of)  # used: nothing decoded yet
+        # The live call's record is in the calls line; its start reads it.
+        await journal.append(started("c3", **MID_CALL))
+        await journal.append(
+            ToolCompleted(**MID_CALL, call_id="c3", result={"output": 3}),
+            TurnCompleted(**MID_CALL, has_tool_calls=True),
+            RequestCompleted(request_id="r3"),
+        )
+        # An old command is replayed (the commands line), an ended request id or call id is
+        # refused as ended (the ended requests' line, their calls' line).
+        again = RequestAccepted(request_id="r1", command_id="r1", input={"prompt": "p1"})
+        assert (await journal.append(again, command_id="r1")).replayed
+        with pytest.raises(InvalidTransitionError, match="completed"):
+            await journal.append(RequestAccepted(request_id="r1", command_id="other", input={"prompt": "p"}))
+        await journal.append(RequestAccepted(request_id="r9", command_id="r9", input={"prompt": "p9"}), command_id="r9")
+        await journal.append(RequestStarted(request_id="r9"), TurnStarted(request_id="r9", turn_id="t9", turn=1))
+        with pytest.raises(InvalidTransitionError, match="completed"):
+            await journal.append(scheduled("c1", request_id="r9", turn_id="t9"))
+        record = journal.call("c1")
+        assert record is not None and record.result is not None and record.result.output == 1
+        await assert_as_a_full_replay(journal, store)
+        warned = damage_warnings(warnings_of)
+        assert len(warned) == 1 and "rebuilding its indexes from the events" in warned[0]
+        assert not stream.damaged() and stream.snapshot_seq == 0  # no usable snapshot now
+    head = len(await store.read(ROOT))
+    assert snapshot_row_of(store)[0] == head  # written anew from the rebuilt state
+    warnings_of.clear()
+    async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+        assert journal._streams[ROOT].snapshot_seq == head
+        await assert_as_a_full_replay(journal, store)  # every line of the new snapshot decodes
+    assert not damage_warnings(warnings_of)
+
+
+@pytest.mark.parametrize("which", ["ended_requests", "ended_tools", "calls"])
+async def test_a_read_that_meets_a_damaged_index_line_raises_until_the_close_rewrites_it(
+    which: str, warnings_of: pytest.LogCaptureFixture
+) -> None:
+    # A read outside the journal's writes (`call`, `projection().request` / `.tool`) cannot read
+    # the events: it raises, and the close rebuilds the lines and saves the snapshot anew, even
+    # with no event since.
+    store = MemoryStore()
+    await a_session_left_mid_call(store)
+    seq = damage_index_line(store, which, "broken JSON behind its digests")
+    read = {
+        "ended_requests": lambda journal: journal.projection().request("r1"),
+        "ended_tools": lambda journal: journal.projection().tool("c1"),
+        "calls": lambda journal: journal.call("c1"),
+    }[which]
+    async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+        for _ in range(2):
+            with pytest.raises(JournalCorruptError, match="cannot be decoded"):
+                read(journal)
+        assert journal._streams[ROOT].damaged()
+    assert len(damage_warnings(warnings_of)) == 1
+    assert snapshot_row_of(store)[0] == seq  # the same events: the row rewritten in place
+    warnings_of.clear()
+    async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+        assert journal._streams[ROOT].snapshot_seq == seq
+        assert read(journal) is not None
+        await assert_as_a_full_replay(journal, store)
+    assert not damage_warnings(warnings_of)
+
+
+class GatedStore(CountingStore):
+    """Reads wait for ``gate`` while it is set (``reading`` says one waits)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.gate: trio.Event | None = None
+        self.reading = trio.Event()
+
+    async def read(self, stream_id: str, *, after: int = 0, limit: int | None = None) -> list[EventEnvelope]:
+        if self.gate is not None:
+            self.reading.set()
+            await self.gate.wait()
+        return await super().read(stream_id, after=after, limit=limit)
+
+
+async def test_a_rebuild_cancelled_changes_nothing_and_one_racing_a_write_keeps_it(
+    warnings_of: pytest.LogCaptureFixture,
+) -> None:
+    inner = MemoryStore()
+    await a_session_left_mid_call(inner)
+    damage_index_line(inner, "calls", "broken JSON behind its digests")
+    store = GatedStore(inner)
+    async with open_journal(store, session_id=SID, snapshot_every=1) as journal:
+        stream = journal._streams[ROOT]
+        head = journal.projection().head
+        # Cancelled while it reads the events: the stream is as it was, and still says why.
+        store.gate = trio.Event()
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(journal.append, started("c3", **MID_CALL))
+                await store.reading.wait()
+                scope.cancel()
+        assert stream.calls.stored and stream.damaged() and stream.rebuilding is None
+        assert journal.projection().head == head and len(await inner.read(ROOT)) == head
+        # Again, with a command written while the lines are rebuilt: it is kept.
+        store.gate, store.reading = trio.Event(), trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(journal.append, started("c3", **MID_CALL))
+            await store.reading.wait()
+            await journal.append(
+                RequestAccepted(request_id="r9", command_id="r9", input={"prompt": "p9"}), command_id="r9"
+            )
+            assert stream.calls.stored  # the rebuild still waits
+            store.gate.set()
+            store.gate = None
+        assert journal.call("c3").attempts == 1  # type: ignore[union-attr]
+        assert "r9" in stream.commands and journal.projection().head == head + 2
+        await assert_as_a_full_replay(journal, inner)
+    assert len(damage_warnings(warnings_of)) == 2  # one per rebuild that started
 
 
 @pytest.mark.parametrize("min_events", ["x", 1.5, True, None])

@@ -35,12 +35,13 @@ before the side effect starts, the settlement before the result is published.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -97,6 +98,7 @@ from ._memory import MemoryStore
 from ._projection import PermissionState, Projection, RecoveryKind, RecoveryPlan, ToolState
 from ._snapshot import (
     CALL_EVENTS,
+    CALL_UPDATES,
     FOLD_AFTER,
     SNAPSHOT_GRACE,
     CallRecord,
@@ -130,6 +132,8 @@ __all__ = [
 ]
 
 ROOT_AGENT = "root"
+
+_T = TypeVar("_T")
 
 _NO_STARTS: dict[str, AppendTicket] = {}  # `DurableJournal._pending_starts` of a journal with none: never written
 
@@ -462,14 +466,21 @@ class DurableJournal:
             stream.settle_pins()  # the pinned conversations are of before these events
         # `_Stream.track` of each event, in line (every event passes here; the pins are settled).
         unfolded = stream.unfolded
+        # What `track_call` reads is read first: a snapshot's line that does not decode raises
+        # before anything moved (`append` rebuilds it and prepares again).
         if len(envelopes) == 1:
+            event = envelopes[0].event
+            if type(event) in CALL_UPDATES:
+                stream.read_call(event)
             # One refusal changes nothing (`Projection.apply_atomic`, without its call).
             projection._step(envelopes[0], True)
-            event = envelopes[0].event
             if type(event) in CALL_EVENTS:
                 stream.track_call(event)
             unfolded.append(event)
         else:
+            for envelope in envelopes:
+                if type(envelope.event) in CALL_UPDATES:
+                    stream.read_call(envelope.event)
             projection.apply_atomic(envelopes)  # all or nothing: a refusal changes nothing
             for envelope in envelopes:
                 event = envelope.event
@@ -650,12 +661,21 @@ class DurableJournal:
             if waiting is not None and waiting.deferred:
                 self._check_writable()  # nothing is taken from a journal that may not write
                 ahead = self._deferred_batch(waiting)
+        damaged: _Stream | None = None
         try:
             _, prepared = self._prepare(agent_id, events, command_id)
-        except BaseException:
+        except BaseException as exc:
             if ahead is not None:
                 await self._write(ahead)  # taken from the stream: written whatever this refused
-            raise
+            if isinstance(exc, JournalCorruptError):
+                damaged = self._streams.get(self._stream_id_of(agent_id))
+            if damaged is None or not damaged.damaged():
+                raise
+        if damaged is not None:
+            # A line of the stream's snapshot did not decode, and nothing moved (`_prepare`): the
+            # lines are rebuilt from the events, then the append starts again (it cannot fail so twice).
+            await self._rebuild_lines(damaged)
+            return await self.append(*events, agent_id=agent_id, command_id=command_id)
         if isinstance(prepared, AppendResult):
             if ahead is not None:
                 await self._write(ahead)
@@ -810,6 +830,68 @@ class DurableJournal:
                 logger.warning("ignoring the snapshot of %s: %s; replaying the stream in full", stream_id, exc)
         return _Stream(stream_id, agent_id)
 
+    async def _rebuild_lines(self, stream: _Stream) -> None:
+        """The snapshot ``stream`` was restored from is unusable: a lookup found one of its index
+        lines not to decode (`_Stream.damaged`). Rebuild every line still stored as text from the
+        events up to ``snapshot_seq`` and the store's commands, as a replay has them (logged).
+
+        No race with the writes: the events up to a snapshot's seq were committed before it was
+        saved and are never rewritten, what was applied since stays in the indexes as it is, and
+        the lines are swapped in one step after the last read. A cancellation before that leaves
+        the stream as it was (still damaged: the next lookup reports it and this runs again). One
+        rebuild at a time per stream; another caller waits for it, then finds nothing to do."""
+        while (running := stream.rebuilding) is not None:
+            await running.wait()
+        problems = stream.damaged()
+        if not problems:
+            return
+        done = stream.rebuilding = trio.Event()
+        try:
+            seq = stream.snapshot_seq
+            logger.warning(
+                "the snapshot of %s cannot be used: %s; rebuilding its indexes from the events up to seq %d",
+                stream.stream_id,
+                "; ".join(problems),
+                seq,
+            )
+            rebuilt = _Stream(stream.stream_id, stream.agent_id)
+            projection = rebuilt.projection
+            while projection.head < seq:
+                page = await self.store.read(
+                    stream.stream_id, after=projection.head, limit=min(1000, seq - projection.head)
+                )
+                if not page:
+                    raise JournalCorruptError(f"stream {stream.stream_id!r} holds {projection.head} events, not {seq}")
+                for envelope in page:
+                    try:
+                        projection.apply(envelope)
+                    except InvalidTransitionError as exc:
+                        raise JournalCorruptError(
+                            f"stored stream {stream.stream_id!r} breaks the journal's rules at seq {envelope.seq}: "
+                            f"{exc}"
+                        ) from exc
+                    if type(envelope.event) in CALL_EVENTS:
+                        rebuilt.track_call(envelope.event)
+            records = await self.store.commands(stream.stream_id)
+            commands = {record.command_id: (record.digest, record.first_seq, record.last_seq) for record in records}
+            stream.rebuild_lines(rebuilt, commands)
+            # Restored from no usable snapshot, as a replay in full: the next `snapshot_all` saves it anew.
+            stream.snapshot_seq = 0
+        finally:
+            stream.rebuilding = None
+            done.set()
+
+    async def _read(self, stream: _Stream, read: Callable[[], _T]) -> _T:
+        """``read()`` of ``stream``'s state; one that met an index line of its snapshot that does not
+        decode (and changed nothing) is asked again once the lines are rebuilt (`_rebuild_lines`)."""
+        try:
+            return read()
+        except JournalCorruptError:
+            if not stream.damaged():
+                raise
+        await self._rebuild_lines(stream)
+        return read()
+
     async def _catch_up(self, stream: _Stream, head: int) -> None:
         """Apply the events and add the command ids stored after the stream's snapshot (if any)."""
         await self._replay(stream, head)
@@ -880,8 +962,9 @@ class DurableJournal:
 
         Returns the stream ids saved. Nothing is saved unless the journal is healthy (lease
         held, not fenced, every submitted start committed); a stream whose snapshot cannot be
-        made or saved is logged (WARNING) and skipped: the events stay the truth. A ``min_events``
-        that is not an int is a `ConfigError`.
+        made or saved is logged (WARNING) and skipped: the events stay the truth. A stream whose
+        snapshot a lookup found damaged has its lines rebuilt first (`_rebuild_lines`) and is saved
+        anew, never with the damage carried on. A ``min_events`` that is not an int is a `ConfigError`.
         """
         if isinstance(min_events, bool) or not isinstance(min_events, int):
             raise ConfigError(f"min_events must be a number of events, not {min_events!r}")
@@ -899,13 +982,17 @@ class DurableJournal:
         for stream in list(self._streams.values()):
             if not self._healthy():
                 break
-            if stream.projection.head - stream.snapshot_seq < max(min_events, 1):
-                continue
             try:
+                if stream.damaged():
+                    # A lookup found a line of its snapshot damaged: never carried on into the next.
+                    await self._rebuild_lines(stream)
+                if stream.projection.head - stream.snapshot_seq < max(min_events, 1):
+                    continue
                 # The store's commands as well as the cache's: what the snapshot holds is what the store holds.
                 since = await self.store.commands(stream.stream_id, after=stream.snapshot_seq)
                 seq = stream.projection.head
-                body = encode_snapshot(stream, [(c.command_id, c.digest, c.first_seq, c.last_seq) for c in since])
+                commands = [(c.command_id, c.digest, c.first_seq, c.last_seq) for c in since]
+                body = await self._read(stream, functools.partial(encode_snapshot, stream, commands))
                 await save(self.session_id, stream.stream_id, seq, self.lease.token, body)
             except (JournalError, LeaseLostError) as exc:
                 logger.warning("the snapshot of %s was not saved: %s: %s", stream.stream_id, type(exc).__name__, exc)
@@ -966,8 +1053,9 @@ class DurableJournal:
 
     async def on_tool_scheduled(self, call: ScheduledCall) -> None:
         stream = self._call_stream(call)
-        existing = stream.calls.get(call.call_id)
-        record = stream.projection.tool(call.call_id)
+        existing, record = await self._read(
+            stream, lambda: (stream.calls.get(call.call_id), stream.projection.tool(call.call_id))
+        )
         if existing is not None and record is not None:
             # A new attempt of a recovered call: allowed only where recovery decided a (re)run.
             if record.state.settled or record.decision not in (
@@ -1166,7 +1254,7 @@ class DurableJournal:
             if item.call_id in decisions:
                 continue  # settled above (its permission was pending)
             assert item.call_id is not None and item.action is not None and item.turn_id is not None
-            record = stream.calls[item.call_id]
+            record = await self._read(stream, functools.partial(stream.calls.__getitem__, item.call_id))
             ids: dict[str, Any] = {"request_id": item.request_id, "turn_id": item.turn_id, "call_id": item.call_id}
             action = item.action
             decisions[item.call_id] = action
@@ -1600,7 +1688,8 @@ async def _finish(journal: DurableJournal, snapshot_every: int | None) -> None:
     # With no snapshot to save while the lease is held, the deferred events and the release
     # share one transaction (`_write_together`).
     release_with_flush = snapshot_every is None or not any(
-        stream.projection.head - stream.snapshot_seq >= snapshot_every for stream in streams.values()
+        stream.projection.head - stream.snapshot_seq >= snapshot_every or stream.damaged()
+        for stream in streams.values()
     )
     if (
         release_with_flush

@@ -24,10 +24,13 @@ Rules
   (the history by the first request or a read of it; an index when a key may be in
   it, which its digests answer in constant time): a reopen does not pay for them,
   and a close writes their text back as it was read, with what is new appended.
-  The checksum and the version vouch for that text meanwhile; a failure to decode
-  it then is a `JournalCorruptError`. The store keeps the lines in one row per
-  stream with the checksum rule of the events (`_codec`: CRC32 of stream id, seq
-  and the exact body bytes).
+  The checksum and the version vouch for that text meanwhile. An index line that
+  fails to decode then makes the snapshot unusable (`_Stream.damaged`): the journal
+  rebuilds the lines from the events (`DurableJournal._rebuild_lines`, logged) and
+  asks the lookup again where it can wait for the store; elsewhere, and for the
+  conversation's text, the failure is a `JournalCorruptError`. The store keeps the
+  lines in one row per stream with the checksum rule of the events (`_codec`: CRC32
+  of stream id, seq and the exact body bytes).
 * Written (`DurableJournal.snapshot_all`) for a stream whose head moved at least
   ``snapshot_every`` events past its last snapshot, when the journal is healthy:
   lease held, not fenced, every submitted start committed. `open_journal` does it on
@@ -45,7 +48,8 @@ Rules
   state does not hold together (`_state_problem`), lies past the stream's head, or
   whose tail does not apply (whatever applying it raises), is ignored with a WARNING on the
   ``trio_agent.journal`` logger and the stream is replayed in full: a snapshot can
-  make a reopen faster, never different.
+  make a reopen faster, never different. Its lines 2-7 are checked when first decoded
+  (above): a check at load would cost what their laziness saves.
 * The fold is lazy: events wait unfolded until the conversation is asked for. A
   journal that snapshots folds once `FOLD_AFTER` events wait (its snapshots need the
   fold anyway, so the work is spread out); one that never snapshots (a `MemoryStore`'s,
@@ -65,6 +69,7 @@ from typing import Any, TypeVar, get_origin
 
 import attrs
 import cattrs
+import trio
 
 from .._convert import LazyConverter
 from .._errors import JournalCorruptError
@@ -139,6 +144,7 @@ class CallRecord:
 
 _SETTLEMENTS = (ToolCompleted, ToolFailed, ToolCancelled, ToolOutcomeUnknown)
 CALL_EVENTS = frozenset({ToolScheduled, ToolStarted, *_SETTLEMENTS})  # the events a `CallRecord` follows
+CALL_UPDATES = CALL_EVENTS - {ToolScheduled}  # those that read the call's record (`_Stream.track_call`)
 
 FOLD_AFTER = 512  # unfolded events a stream may hold before it folds them on its own
 
@@ -191,6 +197,7 @@ class _Stream:
         "deferred",
         "pins",
         "projection",
+        "rebuilding",
         "snapshot_seq",
         "stream_id",
         "unfolded",
@@ -208,6 +215,7 @@ class _Stream:
         # Events applied but not folded yet: folding waits until someone asks (or they pile up).
         self.unfolded: list[Event] = []
         self.snapshot_seq = 0  # the seq of the snapshot this stream was restored from or last saved at
+        self.rebuilding: trio.Event | None = None  # set while its snapshot's lines are rebuilt (`_rebuild_lines`)
         self.pins: list[ConversationPin] | None = None  # unsettled: settled before the next event is tracked
         # Applied by `DurableJournal.defer`, not written yet: the stream's next append carries them.
         self.deferred: tuple[EventEnvelope, ...] = ()
@@ -256,6 +264,12 @@ class _Stream:
         if fold_after is not None and len(self.unfolded) > fold_after:
             self._catch_up(strict=False)
 
+    def read_call(self, event: Event) -> None:
+        """Read the record `track_call` will update for ``event`` (one of `CALL_UPDATES`), before
+        anything moves: a stored line that does not decode raises here, with nothing changed."""
+        if isinstance(event, (ToolStarted, *_SETTLEMENTS)):
+            self.calls.get(event.call_id)
+
     def track_call(self, event: Event) -> None:
         """Record a call's event (one of `CALL_EVENTS`) in its `CallRecord`."""
         if isinstance(event, ToolScheduled):
@@ -266,6 +280,31 @@ class _Stream:
             record.attempts += 1
         elif isinstance(event, _SETTLEMENTS):
             self.calls[event.call_id].settlement = event
+
+    def damaged(self) -> list[str]:
+        """What of the snapshot's index lines a lookup found not to decode (`StoredIndex.damage`):
+        the lines `rebuild_lines` replaces."""
+        state = self.projection._s
+        return [
+            index.damage
+            for index in (self.commands, state.ended, state.ended_tools, self.calls)
+            if isinstance(index, StoredIndex) and index.damage is not None
+        ]
+
+    def rebuild_lines(self, rebuilt: _Stream, commands: Mapping[str, tuple[str, int, int]]) -> None:
+        """Replace every index line still stored as text by the entries of ``rebuilt`` (the events
+        up to the snapshot's seq or later, applied to a new stream) and ``commands`` (the store's):
+        what each line stands for, as a replay has it. The entries set since stay. One step."""
+        state, fresh = self.projection._s, rebuilt.projection._s
+        pairs: tuple[tuple[MutableMapping[str, Any], Mapping[str, Any]], ...] = (
+            (self.commands, commands),
+            (state.ended, fresh.ended),
+            (state.ended_tools, fresh.ended_tools),
+            (self.calls, rebuilt.calls),
+        )
+        for index, items in pairs:
+            if isinstance(index, StoredIndex) and index.stored:
+                index.rebuild(items)
 
     def fold_some(self) -> None:
         """Fold what waits, as far as it folds (a payload it cannot read waits for `folded`)."""

@@ -19,7 +19,9 @@ Rules
   costs that decode).
 * Iterating, sizing with entries that may shadow the text, deleting a stored key,
   or a failure to decode decode the text first (a failure is `JournalCorruptError`
-  and leaves the text in place, so asking again reports it again).
+  and leaves the text in place, so asking again reports it again; `damage` keeps
+  what failed, for the owner to rebuild the entries elsewhere and hand them to
+  `rebuild`, which replaces the text and keeps the entries set since).
 * `to_text` writes the stored text back with the entries since appended, and
   encodes everything only when the text was decoded or may hold one of them.
 """
@@ -63,7 +65,7 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
     takes it back, raising for a row it cannot read; ``what`` names the index in errors.
     """
 
-    __slots__ = ("_count", "_crcs", "_decode", "_encode", "_items", "_packed", "_text", "_what")
+    __slots__ = ("_count", "_crcs", "_damage", "_decode", "_encode", "_items", "_packed", "_text", "_what")
 
     def __init__(
         self,
@@ -84,6 +86,7 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
         # None once decoded (or never stored); a view of the snapshot's bytes is not copied until decoded.
         self._text: bytes | memoryview | None = None
         self._packed = b""
+        self._damage: str | None = None  # why the text did not decode, once it did not
         if line is not None:
             width = 8 * count  # the digests' hex, as `to_text` writes it
             if len(line) > width and bytes(line[width : width + 1]) == b" ":
@@ -100,6 +103,20 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
     def stored(self) -> bool:
         """Whether some entries are still undecoded text."""
         return self._text is not None
+
+    @property
+    def damage(self) -> str | None:
+        """Why the stored text did not decode, if a lookup tried and it did not (else ``None``)."""
+        return self._damage
+
+    def rebuild(self, items: Mapping[str, V]) -> None:
+        """Replace the stored text by ``items``, the entries it stands for (rebuilt from what the
+        text was made of): the entries set since keep shadowing them. One step, no checkpoint."""
+        stored = dict(items)
+        stored.update(self._items)
+        self._items = stored
+        self._text = None
+        self._count, self._crcs, self._packed, self._damage = 0, None, b"", None
 
     def _may_hold(self, key: str) -> bool:
         if self._text is None:
@@ -119,9 +136,11 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
                 raise TypeError(f"expected a JSON object, got {type(rows).__name__}")
             stored = {key: self._decode(key, row) for key, row in rows.items()}
         except Exception as exc:
-            raise JournalCorruptError(f"the stored {self._what} cannot be decoded: {exc}") from exc
+            self._damage = f"the stored {self._what} cannot be decoded: {exc}"
+            raise JournalCorruptError(self._damage) from exc
         if len(stored) != self._count:
-            raise JournalCorruptError(f"the stored {self._what} hold {len(stored)} entries, not {self._count}")
+            self._damage = f"the stored {self._what} hold {len(stored)} entries, not {self._count}"
+            raise JournalCorruptError(self._damage)
         stored.update(self._items)
         self._items = stored
         self._text = None
@@ -188,6 +207,7 @@ class StoredIndex(MutableMapping[str, V], Generic[V]):
         # A view of a snapshot's bytes cannot be copied as it is: the copy holds the text itself.
         copied: StoredIndex[V] = StoredIndex(encode=self._encode, decode=self._decode, what=self._what)
         copied._count, copied._crcs, copied._packed = self._count, self._crcs, self._packed
+        copied._damage = self._damage
         copied._text = None if self._text is None else bytes(self._text)
         copied._items = copy.deepcopy(self._items, memo)
         return copied
