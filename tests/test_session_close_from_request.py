@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from tests.test_session import events_of, gated_tool, of_type, unsettled_requests
-from trio_agent import SessionClosedError, ToolResult, define_tool, open_session
+from trio_agent import SessionClosedError, SubagentDefinition, ToolResult, define_tool, open_session
 from trio_agent.journal import (
     MemoryStore,
     RequestCompleted,
@@ -112,3 +112,45 @@ async def test_close_from_a_tool_of_a_worker_run_request_rejects_the_queued_and_
     assert [e.reason for e in of_type(journal, RequestInterrupted)] == [RequestInterruptReason.SESSION_CLOSE]
     assert unsettled_requests(journal) == []
     assert isinstance(journal[-1], SessionClosed) and not journal[-1].final
+
+
+async def test_end_from_a_background_subagents_tool_ends_the_session_after_that_work(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The close waited for every background request, the calling tool's own included: it waited
+    # for itself until close_timeout, wrote no session_closed, and the session reopened.
+    store = MemoryStore()
+    holder: dict[str, Any] = {}
+    log: list[str] = []
+
+    @define_tool(name="hang_up", side_effect="pure", kind="readonly", input_schema={"type": "object"})
+    async def hang_up(input: dict[str, Any], ctx: Any) -> ToolResult:
+        """End the conversation."""
+        before = trio.current_time()
+        await holder["session"].end()
+        log.append(f"end returned after {trio.current_time() - before:g} s")
+        return ToolResult.success("bye")
+
+    helper = SubagentDefinition("helper", "helps", "You help.", tools=["hang_up"])
+    model = TestModel({"sub": [Reply(tool_calls=[("hang_up", {})]), Reply(text="sub done")]}, default=Reply("hi"))
+    with trio.fail_after(CLOSE_TIMEOUT / 2):
+        async with open_session(
+            provider=model,
+            tools=[hang_up],
+            subagents=[helper],
+            journal=store,
+            session_id="s1",
+            close_timeout=CLOSE_TIMEOUT,
+        ) as session:
+            holder["session"] = session
+            handle = await session.start_subagent("helper", "sub")
+            assert await handle.wait() == "sub done"  # the work runs to its end, then the session closes
+    assert log == ["end returned after 0 s"]
+    for agent_id in ("root", "helper-1"):
+        journal = await events_of(store, session.journal.stream_id(agent_id))
+        assert isinstance(journal[-1], SessionClosed) and journal[-1].final, agent_id
+    helper_events = await events_of(store, session.journal.stream_id("helper-1"))
+    assert of_type(helper_events, RequestCompleted)
+    with pytest.raises(SessionClosedError, match="ended for good"):
+        async with open_session(provider=model, tools=[hang_up], subagents=[helper], journal=store, session_id="s1"):
+            pass  # pragma: no cover

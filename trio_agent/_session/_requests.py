@@ -278,10 +278,17 @@ class _Request:
         raise_for_boundary(group)
 
 
-# The root request the current task works for: set by its runner, inherited by every task started
+# The request the current task works for: the root's, set by its runner, or a background subagent's
+# work, set by its task (`SubagentSupervisor._background_main`); inherited by every task started
 # under it (tools, hooks, foreground subagents). What runs there must not wait for that request's
 # end (`Session.close` from a tool would wait for itself).
 _WORKING_FOR: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("trio_agent_working_for", default=None)
+
+
+def working_for() -> _Request | None:
+    """The unfinished request the calling task works for (`_WORKING_FOR`), if any."""
+    request = _WORKING_FOR.get()
+    return request if request is not None and not request.done.is_set() else None
 
 
 async def _run_as(request: _Request, run: Callable[[_Request], Awaitable[None]]) -> None:
@@ -836,13 +843,6 @@ class RequestQueue:
                 queued.finish()
 
     # -- closing
-
-    def running_here(self) -> _Request | None:
-        """The running request if the calling task works for it (its runner, a tool or hook of it)."""
-        current = self.current
-        if current is not None and not current.done.is_set() and _WORKING_FOR.get() is current:
-            return current
-        return None
 
     def close(self) -> None:
         """Accept nothing more; the worker rejects what is queued and ends."""

@@ -60,7 +60,7 @@ from ._hooks import HookEvent
 from ._host import SessionHost
 from ._messages import PausedReply, SessionEvent
 from ._recovery import begin_life, rebuild_history
-from ._requests import Priority, RequestQueue, _Agent, _Request
+from ._requests import Priority, RequestQueue, _Agent, _Request, working_for
 from ._stream import EventForward, EventSink, SessionEventStream, discard, tee
 from ._subagents import SubagentDefinition, SubagentHandle, SubagentSupervisor
 
@@ -602,11 +602,13 @@ class Session:
         that close's ``session_closed`` is written, and a closed life takes no second one. During
         such a close (in another task) it waits for that close, then raises the same.
 
-        Called from inside the running request (a tool, a hook), it returns at once: the close
-        waits for that request's end, which waits for the caller. New messages are refused from
-        then on, the request runs to its end, then the session closes in a task of its own."""
+        Called from inside running work (a tool or a hook of the root's request or of a
+        background subagent's), it returns at once: the close waits for that work's end, which
+        waits for the caller. New messages are refused from then on, the work runs to its end,
+        then the session closes in a task of its own."""
+        working = working_for()
         if final and self._closed and not self._final:
-            if self._closing and self._queue.running_here() is None:
+            if self._closing and working is None:
                 # A plain close runs in another task: its session_closed (not final) is on its way.
                 # Wait for it as a second close() would, so the session is closed when this raises.
                 await self._close(SessionCloseReason.COMPLETED)
@@ -616,16 +618,16 @@ class Session:
                 "open_session(session_id=...) and end() it there"
             )
         self._final = self._final or final
-        running = self._queue.running_here()
-        if running is not None:
-            self._close_after_request(running)
+        if working is not None:
+            self._close_after_request(working)
             await trio.lowlevel.checkpoint()
             return
         await self._close(SessionCloseReason.COMPLETED)
 
     def _close_after_request(self, request: _Request) -> None:
-        """Close once *request* (running, and the caller works for it) ended; refuse new messages now,
-        and reject what is queued (as the close would) rather than start it."""
+        """Close once *request* (running, and the caller works for it: the root's request or a
+        background subagent's work) ended; refuse new messages now, and reject what is queued (as
+        the close would) rather than start it."""
         if self._close_after or self._closed:
             return  # asked already, or a close runs: it waits for the request itself
         self._close_after = True

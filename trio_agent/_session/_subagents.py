@@ -70,7 +70,7 @@ from ._endings import record_request_end
 from ._hooks import HookAbortedError, HookAction, HookEvent
 from ._host import SessionHost
 from ._messages import DoneEvent, SessionEvent, SubagentEvent, SubagentStatus
-from ._requests import RequestQueue, _Agent, _Request, accept_on
+from ._requests import _WORKING_FOR, RequestQueue, _Agent, _Request, accept_on
 from ._stream import EventSink, discard
 
 __all__ = [
@@ -489,6 +489,9 @@ class SubagentSupervisor:
         """
         host = self.host
         agent = handle.agent
+        # Its task works for no request between prompts: not for the one whose tool started it
+        # (a task inherits its starter's context), which it outlives.
+        _WORKING_FOR.set(None)
         try:
             while not handle._killed:
                 if not handle._prompts:
@@ -510,6 +513,9 @@ class SubagentSupervisor:
 
                 request.cancel_reason = cancel_reason
                 handle.status = SubagentStatus.RUNNING
+                # What runs for this work (its tools, hooks, routed persistence) works for its
+                # request: a `Session.close` from there waits for it instead of being waited for.
+                working = _WORKING_FOR.set(request)
                 try:
                     with scope:
                         try:
@@ -529,6 +535,8 @@ class SubagentSupervisor:
                     # Cancelled from outside: the session ends (its block, a scope around it).
                     await self._end_work(handle, request, routed, cancelled=True)
                     raise
+                finally:
+                    _WORKING_FOR.reset(working)
                 await self._end_work(handle, request, routed, cancelled=scope.cancelled_caught)
         finally:
             # Killed with work it had not taken up yet (its status read running): cancelled, as a
