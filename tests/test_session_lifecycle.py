@@ -356,6 +356,78 @@ async def test_a_routed_persistence_raising_one_of_our_journal_errors_fails_only
         assert await session.send("root") == "root done"  # the session goes on
 
 
+class Stuck(Store):
+    """A store whose *step* (start or chunk) never returns: the first call only, or every one."""
+
+    def __init__(self, step: str, *, every: bool = False) -> None:
+        super().__init__()
+        self.step = step
+        self.every = every
+        self.entered = trio.Event()
+
+    async def _stall(self, step: str) -> None:
+        if step == self.step and (self.every or not self.entered.is_set()):
+            self.entered.set()
+            await trio.sleep_forever()
+
+    async def start(self, info: SubagentRunInfo) -> None:
+        await super().start(info)
+        await self._stall("start")
+
+    async def chunk(self, info: SubagentRunInfo, event: RunEvent) -> None:
+        await super().chunk(info, event)
+        await self._stall("chunk")
+
+
+async def _close_while_stuck(store: Stuck, *, cleanup_grace: float = 10.0) -> tuple[float, Any, list[Any], list[Any]]:
+    """Close the session while a background subagent's routed store is stuck; how long it took."""
+    from trio_agent._journal._events import SessionClosed, SubagentCancelled
+
+    spec = define_agent(provider=TestModel(default=Reply("done")), subagents=[HELPER], lifecycle=[Persisting(store)])
+    async with open_session(spec, cleanup_grace=cleanup_grace, close_timeout=30) as session:
+        handle = await session.start_subagent("helper", "bg")
+        await store.entered.wait()
+        closing = trio.current_time()
+    took = trio.current_time() - closing
+    root = [e for e in await stream_events(session) if isinstance(e, SubagentCancelled)]
+    child = await stream_events(session, handle.id)
+    assert isinstance(child[-1], SessionClosed)  # the close was not abandoned
+    return took, handle, root, child
+
+
+@pytest.mark.parametrize("step", ["start", "chunk"])
+async def test_the_close_cuts_a_background_subagents_routed_persistence_at_once(
+    step: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    # start() and the chunk of RunStarted ran outside the request's abort: the close waited for
+    # them until close_timeout, abandoned the close and wrote no session_closed.
+    from trio_agent._journal._events import RequestInterrupted, RequestInterruptReason
+
+    store = Stuck(step)
+    took, handle, root, child = await _close_while_stuck(store)
+    assert took == 0
+    assert handle.status is SubagentStatus.CANCELLED
+    assert [e.reason for e in root] == ["session closed"]
+    assert [e.reason for e in child if isinstance(e, RequestInterrupted)] == [RequestInterruptReason.SESSION_CLOSE]
+    whats = [what for what, sid, _ in store.calls if sid == handle.id]
+    assert whats[0] == "start" and whats[-1] == "abort" and "finish" not in whats
+
+
+async def test_what_a_routed_persistence_is_told_after_the_abort_shares_cleanup_grace(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every chunk stalls: the one the abort lands on is cut at once, the run's last events (after
+    # the abort) get cleanup_grace together, then they are cut too and the close goes on.
+    store = Stuck("chunk", every=True)
+    took, handle, _, _ = await _close_while_stuck(store, cleanup_grace=4.0)
+    assert took == 4.0
+    chunks = [detail for what, sid, detail in store.calls if what == "chunk"]
+    assert chunks[0] == "RunStarted" and "RunFinished" in chunks
+    assert "overran cleanup_grace (4 s) after the run was aborted" in caplog.text
+    whats = [what for what, sid, _ in store.calls if sid == handle.id]
+    assert whats[-1] == "abort"
+
+
 # ---------------------------------------------------------------- on_chunk changes only what readers see
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -62,6 +62,7 @@ from .._journal._events import (
 from .._journal._projection import RequestState
 from .._lifecycle._routing import RoutedSubagentPersistence, SubagentRunInfo, SubagentRunResult
 from .._loop._events import RunEvent
+from .._loop._hooks import HookAborted, await_under_abort
 from .._loop._rules import StopReason
 from .._models._history import answer_orphan_calls
 from .._tools._context import ToolContext
@@ -165,20 +166,29 @@ def _persistence_failed(store: object, step: str, info: SubagentRunInfo, exc: Ex
 
 
 class _Routed:
-    """One subagent run told to every routed persistence (module rules)."""
+    """One subagent run told to every routed persistence (module rules).
 
-    def __init__(self, stores: tuple[RoutedSubagentPersistence, ...], info: SubagentRunInfo) -> None:
+    ``start`` and ``chunk`` run under the run's abort, as the loop's non-terminal hooks do: one
+    the abort lands on is cut at once (the run then ends aborted at its first safe point), so a
+    slow store never holds an abort or the session's close. What is delivered after the abort
+    (the run's last events) shares ``cleanup_grace`` from then on, as the terminal hooks get it;
+    what overruns it is cut and logged.
+    """
+
+    __slots__ = ("ending_by", "grace", "info", "started", "stores")
+
+    def __init__(self, stores: tuple[RoutedSubagentPersistence, ...], info: SubagentRunInfo, grace: float) -> None:
         self.stores = stores
         self.info = info
+        self.grace = grace
         self.started: list[RoutedSubagentPersistence] = []
+        self.ending_by: float | None = None  # once the run was aborted: when what it delivers is cut
 
     async def start(self, request: _Request) -> None:
         info = self.info
         for store in self.stores:
-            try:
-                await store.start(info)
-            except Exception as exc:
-                raise _persistence_failed(store, "start", info, exc) from exc
+            # A start the abort cut counts as started: it is told the run's end (abort).
+            await self._deliver(request, store, "start", store.start(info))
             self.started.append(store)  # only a store that started is told the end
         if not self.stores:
             return
@@ -186,12 +196,37 @@ class _Routed:
 
         async def observe(event: RunEvent) -> None:
             for store in stores:
-                try:
-                    await store.chunk(info, event)
-                except Exception as exc:
-                    raise _persistence_failed(store, "chunk", info, exc) from exc
+                await self._deliver(request, store, "chunk", store.chunk(info, event))
 
         request.observe = observe
+
+    async def _deliver(
+        self, request: _Request, store: RoutedSubagentPersistence, step: str, call: Coroutine[Any, Any, None]
+    ) -> None:
+        """Await a store's *step*: cut by the request's abort, or after it bounded (class rules);
+        its failure fails the run."""
+        abort = request.abort
+        try:
+            if not abort.aborted:
+                with contextlib.suppress(HookAborted):  # cut: the run ends aborted, the store is told so
+                    await await_under_abort(abort, call)
+                return
+            ending_by = self.ending_by
+            if ending_by is None:
+                ending_by = self.ending_by = trio.current_time() + self.grace
+            with trio.move_on_at(ending_by) as bound:
+                await call
+            if bound.cancelled_caught:
+                _log.warning(
+                    "routed subagent persistence %r: %s for %s overran cleanup_grace (%g s) after the run was "
+                    "aborted; it was cut",
+                    store,
+                    step,
+                    self.info.subagent_id,
+                    self.grace,
+                )
+        except Exception as exc:
+            raise _persistence_failed(store, step, self.info, exc) from exc
 
     async def end(self, request: _Request, status: SubagentStatus) -> None:
         started, self.started = self.started, []
@@ -383,7 +418,7 @@ class SubagentSupervisor:
             background=background,
             call_id=call_id,
         )
-        return _Routed(self.persistence, info)
+        return _Routed(self.persistence, info, self.host.cleanup_grace)
 
     async def _subagent_start(self, agent: _Agent, prompt: str) -> str:
         """SubagentStart hooks: may replace the prompt; skip or abort refuses the subagent."""
