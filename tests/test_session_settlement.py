@@ -34,6 +34,7 @@ from trio_agent import (
 from trio_agent.journal import (
     MemoryStore,
     RequestAccepted,
+    RequestCompleted,
     RequestFailed,
     RequestInterrupted,
     RequestInterruptReason,
@@ -348,6 +349,54 @@ async def test_steering_a_foreground_subagent_lets_its_block_tools_finish(
         parent = await events_of(store, session.journal.stream_id())
         assert [e.reason for e in of_type(parent, ToolCancelled)] == ["steering"]
         assert unsettled_requests(parent) == []
+
+
+class HoldRootsFirstCall(ModelMiddleware):
+    """Holds the root's first model call inside its stream until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.entered = trio.Event()
+        self.release = trio.Event()
+
+    async def wrap_stream(self, request: Any, call_next: Any) -> Any:  # type: ignore[override]
+        if request.metadata["agent_id"] == "root" and not self.entered.is_set():
+            self.entered.set()
+            await self.release.wait()
+        async for chunk in call_next(request):
+            yield chunk
+
+
+async def test_a_now_message_while_the_model_answers_lets_that_replys_task_call_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The turn's steering signal was set before the `task` call started: its listener fired at
+    # once and stopped the subagent before its first model call, though `task` is a block call,
+    # which such a reply runs.
+    model = TestModel(
+        {
+            "delegate": [Reply(tool_calls=[("task", {"subagent": "helper", "prompt": "job"})]), Reply("parent done")],
+            "job": [Reply(text="child done")],
+        },
+        default=Reply(text="fine"),
+    )
+    hold = HoldRootsFirstCall()
+    store = MemoryStore()
+    async with open_session(
+        provider=model, journal=store, subagents=[HELPER], middleware=MiddlewareConfig(model=[hold])
+    ) as session:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.send, "delegate")
+            await hold.entered.wait()
+            nursery.start_soon(lambda: session.send("hurry", priority="now"))
+            await trio.testing.wait_all_tasks_blocked()
+            hold.release.set()
+        (child_id,) = [agent for agent in session.journal.agents if agent != session.root_agent_id]
+        child = await events_of(store, session.journal.stream_id(child_id))
+        assert of_type(child, RequestCompleted) and not of_type(child, RequestInterrupted)
+        parent = await events_of(store, session.journal.stream_id())
+        assert of_type(parent, SubagentCompleted) and not of_type(parent, ToolCancelled)
+        answers = [m.content for m in session.messages() if isinstance(m, ToolResultMessage)]
+        assert answers == ["child done"]
 
 
 async def test_an_sdk_abort_keeps_the_committed_results(autojump_clock: trio.testing.MockClock) -> None:

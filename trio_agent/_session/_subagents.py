@@ -719,7 +719,10 @@ class SubagentSupervisor:
             )
             listeners.append((ctx.abort, ctx.abort.add_listener(forward_abort)))
             parent = host.running.get((ctx.agent_id, ctx.request_id))
-            if parent is not None:
+            # Only steering that arrives from now on: a turn's signal set already (a "now" message
+            # while the model was still answering with this call) steers that reply's calls, whose
+            # `block` ones, this `task` call included, run (a listener would fire at once).
+            if parent is not None and not parent.steering.aborted:
                 listeners.append((parent.steering, parent.steering.add_listener(forward_steering)))
             await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, SubagentStatus.RUNNING, background=False))
             host.agents[agent.agent_id] = agent  # it makes calls from here on (the `finally` takes it out)
