@@ -1460,6 +1460,33 @@ async def test_a_background_subagent_whose_acceptance_fails_does_not_hold_up_the
         assert trio.current_time() - started < 3
 
 
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        # A str was taken as the tuple of its characters: an allowlist of tools "s", "e", ...
+        ({"tools": "search_docs"}, "tools"),
+        ({"tools": [1, None]}, "tools"),
+        ({"tools": [""]}, "tools"),
+        ({"tools": 5}, "tools"),
+        ({"system_prompt": None}, "system_prompt"),
+        ({"description": 5}, "description"),
+        ({"model": 3}, "model"),
+        ({"model": ""}, "model"),
+        ({"max_turns": True}, "max_turns"),
+        ({"max_turns": 0}, "max_turns"),
+    ],
+)
+def test_a_bad_subagent_definition_field_is_a_config_error_naming_it(fields: dict[str, Any], named: str) -> None:
+    written = {"name": "h", "description": "d", "system_prompt": "p", **fields}
+    with pytest.raises(ConfigError, match=rf"subagent 'h': {named} must"):
+        SubagentDefinition(**written)
+
+
+def test_a_subagent_definition_takes_any_iterable_of_tool_names() -> None:
+    assert SubagentDefinition("h", "", "", tools=(name for name in ["a", "b"])).tools == ("a", "b")
+    assert SubagentDefinition("h", "d", "p", tools=[], model="m", max_turns=2).tools == ()
+
+
 def test_only_an_id_of_ascii_digits_names_the_definition_a_recovered_subagent_runs_under() -> None:
     # '<name>-<n>' was read twice: numbering took ASCII digits only, recovery any str.isdigit()
     # digit, so a stream 'helper-\u0661' (ARABIC-INDIC DIGIT ONE, never an id made here) was

@@ -109,8 +109,15 @@ def told_parent(request: _Request) -> str:
     return f"{request.text}\n\n{note}" if request.text else note
 
 
-def _optional_names(value: Sequence[str] | None) -> tuple[str, ...] | None:
-    return None if value is None else tuple(value)
+def _optional_names(value: Any) -> Any:
+    """An allowlist as a tuple; anything that is not an iterable of names (a ``str``, whose
+    characters are no names) is left as given for `SubagentDefinition` to refuse."""
+    if value is None or isinstance(value, (str, bytes)):
+        return value
+    try:
+        return tuple(value)
+    except TypeError:
+        return value
 
 
 @attrs.frozen
@@ -126,11 +133,30 @@ class SubagentDefinition:
     max_turns: int | None = None
 
     def __attrs_post_init__(self) -> None:
+        """Every field checked where the definition is written (`ConfigError` naming it)."""
         if not isinstance(self.name, str) or not self.name or len(self.name) > 64:
-            raise ConfigError(f"subagent name must be 1-64 characters, not {self.name!r}")
+            raise ConfigError(f"subagent name must be 1-64 characters, not {safe_repr(self.name)}")
         validate_id(self.name, name="subagent name", max_length=64)  # it names the subagent's stream
-        if self.max_turns is not None and (not isinstance(self.max_turns, int) or self.max_turns < 1):
-            raise ConfigError(f"subagent {self.name!r}: max_turns must be a positive int")
+        where = f"subagent {self.name!r}"
+        for field in ("description", "system_prompt"):
+            value = getattr(self, field)
+            if not isinstance(value, str):
+                raise ConfigError(f"{where}: {field} must be a str, not {safe_repr(value)}")
+        tools = self.tools
+        if tools is not None and not (
+            isinstance(tools, tuple) and all(isinstance(tool, str) and tool for tool in tools)
+        ):
+            raise ConfigError(
+                f"{where}: tools must be None (all of the session's tools) or a list of tool names "
+                f"(non-empty strings; a single name is a list of one), not {safe_repr(tools)}"
+            )
+        if self.model is not None and not (isinstance(self.model, str) and self.model):
+            raise ConfigError(
+                f"{where}: model must be None (the session's) or a model name, not {safe_repr(self.model)}"
+            )
+        max_turns = self.max_turns
+        if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1):
+            raise ConfigError(f"{where}: max_turns must be None or a positive int, not {safe_repr(max_turns)}")
 
 
 # ---------------------------------------------------------------- routed persistence (types in _lifecycle/_routing.py)
