@@ -440,6 +440,28 @@ async def test_background_calls_cancelled_by_close_carry_the_close_reason(
     assert [e.reason for e in of_type(child, RequestInterrupted)] == [RequestInterruptReason.SESSION_CLOSE]
 
 
+async def test_background_calls_cancelled_by_a_scope_around_the_session_name_a_cancellation_from_outside(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # As documented (docs/design/cancellation.md): the scope's cancellation reaches the subagent's
+    # call before the close's abort could, so the call says `cancelled`; its request and its
+    # outcome on the parent's stream still say the session closed.
+    slow, slow_started, _release = gated_tool("slow", interrupt="cancel")
+    model = TestModel({"job": [Reply(tool_calls=[("slow", {})])]}, default=Reply(text="fine"))
+    store = MemoryStore()
+    with trio.CancelScope() as scope:
+        async with open_session(provider=model, tools=[slow], journal=store, subagents=[HELPER]) as session:
+            handle = await session.start_subagent("helper", "job")
+            await slow_started.wait()
+            scope.cancel()
+            await trio.sleep_forever()
+    child = await events_of(store, session.journal.stream_id(handle.id))
+    assert [e.reason for e in of_type(child, ToolCancelled)] == ["cancelled"]
+    assert [e.reason for e in of_type(child, RequestInterrupted)] == [RequestInterruptReason.SESSION_CLOSE]
+    parent = await events_of(store, session.journal.stream_id())
+    assert [e.reason for e in of_type(parent, SubagentCancelled)] == ["session closed"]
+
+
 class StuckCleanup(ModelMiddleware):
     """A stream middleware whose clean-up awaits for 1,000 s."""
 
