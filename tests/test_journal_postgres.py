@@ -172,14 +172,14 @@ async def test_notify_wakes_a_waiter_in_another_store_long_before_polling(
 async def _wait_woken_by_notify(writer: PostgresStore, watcher: PostgresStore, lease: Lease, stream: str) -> None:
     # Know when the watcher has looked at the head, so the append below can only reach it by NOTIFY.
     looked = trio.Event()
-    real_head = watcher.head
+    real_heads = watcher._heads
 
-    async def head(stream_id: str) -> int:
-        value = await real_head(stream_id)
+    async def heads(stream_ids: Sequence[str]) -> dict[str, int | JournalError]:
+        value = await real_heads(stream_ids)
         looked.set()
         return value
 
-    watcher.head = head  # type: ignore[method-assign]
+    watcher._heads = heads  # type: ignore[method-assign]
     woken = trio.Event()
 
     async def wait() -> None:

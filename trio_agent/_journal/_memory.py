@@ -41,6 +41,7 @@ from ._store import (
     AppendBatch,
     AppendResult,
     AppendTicket,
+    AppendWaits,
     Clock,
     CommandRecord,
     Lease,
@@ -63,7 +64,7 @@ _pack = _DOUBLE.pack
 
 
 class _Stream:
-    __slots__ = ("changed", "commands", "events", "session_id", "snapshot", "stream_id", "times")
+    __slots__ = ("commands", "events", "session_id", "snapshot", "stream_id", "times")
 
     def __init__(self, stream_id: str, session_id: str) -> None:
         self.stream_id = stream_id
@@ -72,8 +73,6 @@ class _Stream:
         self.events: list[Event | EventEnvelope] = []
         self.times = bytearray()  # the rows' recorded_at, packed (`_DOUBLE`): no object the GC tracks
         self.commands: dict[str, tuple[str, int, int]] = {}  # command id -> (digest, first_seq, last_seq)
-        # Set by the next append; made only when someone waits for one (most appends have no reader).
-        self.changed: trio.Event | None = None
         # (seq, body, checksum): kept as a file store keeps it, so a test can damage it like one.
         self.snapshot: tuple[int, bytes, int] | None = None
 
@@ -126,7 +125,7 @@ class _Rows(Sequence[EventEnvelope]):
 class MemoryStore:
     """A `JournalStore` in a few dicts. Every operation commits at once."""
 
-    __slots__ = ("_leases", "_streams", "clock", "commits", "leases_expire")
+    __slots__ = ("_leases", "_streams", "_waits", "clock", "commits", "leases_expire")
 
     def __init__(self, *, clock: Clock | None = None) -> None:
         self.clock: Clock = clock if clock is not None else wall_clock
@@ -134,6 +133,8 @@ class MemoryStore:
         self.leases_expire = clock is not None
         self._streams: dict[str, _Stream] = {}
         self._leases: dict[str, Lease] = {}
+        # The `wait_for_append`s, on streams that exist or not yet; made for the first (most stores have none).
+        self._waits: AppendWaits | None = None
         self.commits = 0
 
     # -- writes
@@ -183,9 +184,8 @@ class MemoryStore:
             assert batch.command_digest is not None
             stream.commands[command_id] = (batch.command_digest, result.first_seq, result.last_seq)
         self.commits += 1
-        if stream.changed is not None:
-            stream.changed.set()
-            stream.changed = None
+        if self._waits is not None:
+            self._waits.wake(batch.stream_id)
         return result
 
     # -- reads
@@ -317,17 +317,15 @@ class MemoryStore:
         return self._leases.get(session_id)
 
     async def wait_for_append(self, stream_id: str, after: int) -> None:
+        """Return once *stream_id* grew past *after*: woken by the append, whether or not the
+        stream exists yet (its first append creates it)."""
         stream = self._streams.get(stream_id)
         if stream is not None and len(stream.events) > after:
             await trio.lowlevel.checkpoint()
             return
-        if stream is None:
-            # No stream yet: poll gently; streams are created by their first append.
-            await trio.sleep(0.01)
-            return
-        if stream.changed is None:
-            stream.changed = trio.Event()
-        await stream.changed.wait()
+        if self._waits is None:
+            self._waits = AppendWaits()
+        await self._waits.wait_for_append(stream_id, after)  # looked just now: only an append returns it
 
     async def aclose(self) -> None:
         await trio.lowlevel.checkpoint()

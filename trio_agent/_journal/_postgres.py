@@ -41,7 +41,8 @@
 * `wait_for_append` is woken in-process after a commit, by LISTEN/NOTIFY from
   other processes (one ``NOTIFY`` per group-commit transaction and stream,
   payload ``"<stream_id>:<head>"``, read natively with
-  `trio.lowlevel.wait_readable`), and otherwise polls at ``poll_interval``.
+  `trio.lowlevel.wait_readable`), and otherwise by a poll every ``poll_interval``: one
+  statement reads the heads of every waited-on stream, however many tasks wait (`AppendWaits`).
   NOTIFY is only a wake-up hint: callers always re-read.
 
 The clock, when given, is called from the writer thread, so it must be thread-safe.
@@ -1436,18 +1437,34 @@ class PostgresStore(LaneStore):
         self._changed.wake_all()
 
     async def wait_for_append(self, stream_id: str, after: int) -> None:
+        """Return once *stream_id* grew past *after*: at once for a commit of this store, through
+        NOTIFY for another process's, and otherwise (a notification lost or missed) within
+        ``poll_interval``: ONE read of every waited-on stream's head per interval, however many
+        wait (`AppendWaits`). Or when the store closes."""
         if self._closed:
             await trio.lowlevel.checkpoint()
             return
-        # Registered before looking, so an append committed from now on wakes us. Another process's
-        # append wakes us through NOTIFY; polling covers a lost or missed notification.
-        with self._changed.waiting(stream_id) as changed, trio.move_on_after(self.poll_interval):
-            try:
-                if await self.head(stream_id) > after:
-                    return
-            except JournalError:
-                pass  # the caller's next read reports it; do not spin
-            await changed.wait()
+        await self._changed.wait_for_append(stream_id, after, heads=self._heads, interval=self.poll_interval)
+
+    async def _heads(self, stream_ids: Sequence[str]) -> dict[str, int | JournalError]:
+        """The heads of *stream_ids* in one statement (a stream with no row: absent); a damaged
+        row's stream gets its `JournalCorruptError`, as `head` raises it."""
+        wanted = [stream_id for stream_id in stream_ids if _storable(stream_id)]  # others are never stored
+        if not wanted:
+            await trio.lowlevel.checkpoint()
+            return {}
+        query = self._q["_Q_STREAMS_OF"]
+
+        def run(conn: _Conn) -> dict[str, int | JournalError]:
+            found: dict[str, int | JournalError] = {}
+            for stream_id, session_id, head in conn.execute(query, (wanted,)).fetchall():
+                try:
+                    found[stream_id] = _stream_row(stream_id, session_id, head)[1]
+                except JournalError as exc:
+                    found[stream_id] = exc
+            return found
+
+        return await self._query(run)
 
     async def _listen(self) -> None:
         """Pump the LISTEN connection natively (no thread); reconnect if it drops."""

@@ -12,7 +12,8 @@
   threads cannot starve the journal.
 * Several processes may share one file: ``BEGIN IMMEDIATE`` serialises their
   writers, and the lease check inside each append's transaction is the fence.
-  Live subscribers in another process learn of appends by polling.
+  Live subscribers in another process learn of appends by polling: one read of the
+  heads of every waited-on stream per ``poll_interval``, however many wait (`AppendWaits`).
 
 The clock decides lease expiry and is called from the writer thread, inside the
 write transaction (after the lock is taken), so it must be thread-safe (the
@@ -301,6 +302,15 @@ def _stream_row_of(stream_id: object, session_id: object, head: object) -> Strea
         if type(session_id) is not str:  # stream ids are "<session>/<agent>", neither holding a "/"
             session_id = name.partition("/")[0] if type(stream_id) is str and "/" in name else None
         return DamagedStream(name, session_id, error)
+
+
+def _bindable(text: str) -> bool:
+    """Whether SQLite can bind *text* (valid UTF-8: no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _corrupt(path: str, exc: BaseException) -> JournalCorruptError:
@@ -971,19 +981,36 @@ class SQLiteStore(LaneStore):
         return result
 
     async def wait_for_append(self, stream_id: str, after: int) -> None:
+        """Return once *stream_id* grew past *after*: at once for a commit of this store, within
+        ``poll_interval`` for one of another process (ONE read of every waited-on stream's head
+        per interval, however many wait: `AppendWaits`), or when the store closes."""
         if self._closed:
             await trio.lowlevel.checkpoint()
             return
-        # Registered before looking, so an append committed from now on wakes us; one committed
-        # since the caller's read (its wake-up found no waiter) is seen by the look. Another
-        # process may append too: poll as a fallback to the in-process wake-up.
-        with self._changed.waiting(stream_id) as changed, trio.move_on_after(self.poll_interval):
-            try:
-                if await self.head(stream_id) > after:
-                    return
-            except JournalError:
-                pass  # the caller's next read reports it; do not spin
-            await changed.wait()
+        await self._changed.wait_for_append(stream_id, after, heads=self._heads, interval=self.poll_interval)
+
+    async def _heads(self, stream_ids: Sequence[str]) -> dict[str, int | JournalError]:
+        """The heads of *stream_ids* in one read (a stream with no row: absent); a damaged row's
+        stream gets its `JournalCorruptError`, as `head` raises it. An id SQLite cannot bind (a lone
+        surrogate: `check_id` keeps it out of the file) names no stream, and fails no one else's read."""
+        stream_ids = [stream_id for stream_id in stream_ids if _bindable(stream_id)]
+
+        def query(conn: sqlite3.Connection) -> dict[str, int | JournalError]:
+            found: dict[str, int | JournalError] = {}
+            conn.execute("BEGIN")  # one snapshot for every chunk
+            for start in range(0, len(stream_ids), 500):
+                chunk = stream_ids[start : start + 500]
+                marks = ",".join("?" * len(chunk))
+                statement = f"SELECT stream_id, session_id, head FROM journal_streams WHERE stream_id IN ({marks})"
+                for row in conn.execute(statement, chunk).fetchall():
+                    info = _stream_row_of(*row)
+                    if type(row[0]) is str:
+                        found[row[0]] = info.error if isinstance(info, DamagedStream) else info.head
+            conn.execute("COMMIT")
+            return found
+
+        result: dict[str, int | JournalError] = await self._read(query)
+        return result
 
 
 def sqlite_path(path: object, what: str = "open_sqlite_store's path") -> str:

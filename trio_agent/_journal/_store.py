@@ -30,9 +30,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import orjson
@@ -62,6 +63,7 @@ __all__ = [
     "CommandRecord",
     "JournalStore",
     "Lease",
+    "SharedPoll",
     "SnapshotWrite",
     "StreamInfo",
     "append_result",
@@ -77,51 +79,186 @@ Clock = Callable[[], float]
 wall_clock: Clock = time.time
 
 
-class _Waiting:
-    __slots__ = ("count", "event")
+class _Waiter:
+    """One task waiting in a `SharedPoll`. Its event is set when it is woken (``done``), or handed the lead."""
 
-    def __init__(self) -> None:
+    __slots__ = ("done", "event", "key", "ready")
+
+    def __init__(self, key: Any, ready: Callable[[Any], bool]) -> None:
+        self.key = key
+        self.ready = ready
+        self.done = False
         self.event = trio.Event()
-        self.count = 0
 
 
-class AppendWaits:
-    """A store's in-process wake-ups for `wait_for_append`: per stream, the event its next commit
-    sets. An entry lives only while someone waits on it: the last waiter to leave (woken, timed
-    out or cancelled) drops it, so waits on streams that never get another append leave nothing."""
+K = TypeVar("K")
+V = TypeVar("V")
 
-    __slots__ = ("_waits",)
+
+class SharedPoll(Generic[K, V]):
+    """Tasks waiting for keys to change, and ONE poll for all of them, whatever their number.
+
+    A waiter registers its key and a test of the polled value (`registered`), then `wait`\\ s
+    until `wake` (a change this process made), `wake_all` (a close) or a poll whose value for its
+    key passes the test. The poll (``poll(keys)``: every waited-on key in one read; a key it does
+    not answer is not ready) runs every ``interval`` seconds while anyone waits, in one of the
+    waiters: the first to wait leads, and one that leaves (woken, cancelled) hands the lead to
+    another, which polls when the next poll is due. So there is no task of its own, no nursery is
+    needed and nothing outlives the waiters; a leader cancelled or woken during a poll cuts it
+    short, and its successor polls again at once. A poll that raises raises in the leader alone:
+    *poll* turns the failures its waiters must hear of into values of their keys."""
+
+    __slots__ = ("_due", "_leader", "_polling", "_waits", "polls")
 
     def __init__(self) -> None:
-        self._waits: dict[str, _Waiting] = {}
+        self._waits: dict[K, dict[_Waiter, None]] = {}  # per key, its waiters in arrival order
+        self._leader: _Waiter | None = None
+        self._polling: trio.CancelScope | None = None  # the leader's poll in flight
+        self._due = -math.inf  # the Trio time the next poll is due
+        self.polls = 0  # polls run (observability, tests)
 
     def __len__(self) -> int:
+        """The keys someone waits on."""
         return len(self._waits)
 
     @contextlib.contextmanager
-    def waiting(self, stream_id: str) -> Iterator[trio.Event]:
-        """The event the next commit to *stream_id* sets, while the block runs."""
-        waiting = self._waits.get(stream_id)
-        if waiting is None:
-            waiting = self._waits[stream_id] = _Waiting()
-        waiting.count += 1
+    def registered(self, key: K, ready: Callable[[V], bool]) -> Iterator[_Waiter]:
+        """A waiter on *key* while the block runs: a change from now on wakes it. It leaves
+        (handing the lead on) however the block ends, a cancellation at its await included."""
+        waiter = _Waiter(key, ready)
+        self._waits.setdefault(key, {})[waiter] = None
         try:
-            yield waiting.event
-        finally:  # given back however the wait ends, a cancellation at its await included
-            waiting.count -= 1
-            if not waiting.count and self._waits.get(stream_id) is waiting:  # not woken (and replaced)
-                del self._waits[stream_id]
+            yield waiter
+        finally:
+            self._leave(waiter)
 
-    def wake(self, stream_id: str) -> None:
-        waiting = self._waits.pop(stream_id, None)
-        if waiting is not None:
-            waiting.event.set()
+    async def wait(
+        self, waiter: _Waiter, poll: Callable[[Sequence[K]], Awaitable[Mapping[K, V]]] | None, interval: float
+    ) -> None:
+        """Until *waiter* is woken, polling for every waiter while it leads (never without *poll*)."""
+        while not waiter.done:
+            if waiter.event.is_set():  # the lead was handed to it
+                waiter.event = trio.Event()
+            if poll is not None and self._leader is None:
+                # No one else waits with a poll: it leads, and has just looked at its own key.
+                self._leader = waiter
+                self._due = trio.current_time() + interval
+            if self._leader is waiter:
+                assert poll is not None
+                await self._lead(waiter, poll, interval)
+            else:
+                await waiter.event.wait()
+
+    async def _lead(
+        self, waiter: _Waiter, poll: Callable[[Sequence[K]], Awaitable[Mapping[K, V]]], interval: float
+    ) -> None:
+        while not waiter.done:
+            with trio.move_on_at(self._due):
+                await waiter.event.wait()  # set only when it is woken
+            if waiter.done:
+                return
+            keys = list(self._waits)
+            values: Mapping[K, V] | None = None
+            try:
+                with trio.CancelScope() as self._polling:
+                    values = await poll(keys)
+            finally:
+                self._polling = None
+            if values is None:  # cut short: it was woken (`_finish`), and its successor polls at once
+                return
+            self.polls += 1
+            self._due = trio.current_time() + interval
+            for key in keys:
+                if key in values:
+                    value = values[key]
+                    for other in list(self._waits.get(key, ())):
+                        if other.ready(value):
+                            self._finish(other)
+
+    def _finish(self, waiter: _Waiter) -> None:
+        waiter.done = True
+        self._drop(waiter)
+        if waiter is self._leader and self._polling is not None:
+            self._polling.cancel()  # its caller is not kept waiting for the poll
+        waiter.event.set()
+
+    def _drop(self, waiter: _Waiter) -> None:
+        waiters = self._waits.get(waiter.key)
+        if waiters is not None and waiter in waiters:
+            del waiters[waiter]
+            if not waiters:
+                del self._waits[waiter.key]
+
+    def _leave(self, waiter: _Waiter) -> None:
+        self._drop(waiter)
+        if self._leader is waiter:
+            self._leader = None
+            for waiters in self._waits.values():  # the lead goes to the first waiter on the oldest key
+                successor = next(iter(waiters))
+                self._leader = successor
+                successor.event.set()
+                break
+
+    def wake(self, key: K) -> None:
+        """Wake every waiter on *key*."""
+        for waiter in list(self._waits.get(key, ())):
+            self._finish(waiter)
 
     def wake_all(self) -> None:
-        waits = list(self._waits.values())
-        self._waits.clear()
-        for waiting in waits:
-            waiting.event.set()
+        """Wake every waiter."""
+        for waiters in list(self._waits.values()):
+            for waiter in list(waiters):
+                self._finish(waiter)
+
+
+StreamHeads = Callable[[Sequence[str]], Awaitable[Mapping[str, "int | JournalError"]]]
+"""A store's read of the heads of streams, in one query: a stream it does not name has none (0); a
+`JournalError` in place of the head of a stream whose row is damaged. Raises when the read fails."""
+
+
+class AppendWaits(SharedPoll[str, "int | JournalError"]):
+    """A store's `wait_for_append`\\ s: woken at once by the store's own commits (`wake`), and
+    for the appends of other processes by ONE read of every waited-on stream's head per
+    ``poll_interval`` (`SharedPoll`), however many wait."""
+
+    __slots__ = ()
+
+    async def wait_for_append(
+        self, stream_id: str, after: int, *, heads: StreamHeads | None = None, interval: float = math.inf
+    ) -> None:
+        """Return once *stream_id* grew past *after* (a commit of this process, or a poll found its
+        head past it), when the store closes (`wake_all`), or when a poll failed for it (the
+        caller's next read reports the failure, typed as ever). Never on a poll that found nothing.
+
+        With *heads*, it looks first (registered before, so an append committed from now on wakes
+        it, and one committed since the caller's read is seen by the look) and polls at
+        *interval*; without, the caller looked itself and only a `wake` returns it."""
+
+        def past(head: int | JournalError) -> bool:
+            return not isinstance(head, int) or head > after
+
+        with self.registered(stream_id, past) as waiter:
+            if heads is not None:
+                try:
+                    head = (await heads([stream_id])).get(stream_id, 0)
+                except JournalError:
+                    head = 0  # the next poll reports it, a poll_interval from now: never a busy loop
+                if isinstance(head, int) and head > after:
+                    return
+            await self.wait(waiter, None if heads is None else _heads_poll(heads), interval)
+
+
+def _heads_poll(heads: StreamHeads) -> Callable[[Sequence[str]], Awaitable[Mapping[str, int | JournalError]]]:
+    """*heads* as `AppendWaits`' poll: a failed read is every waiter's, whose read then reports it."""
+
+    async def poll(stream_ids: Sequence[str]) -> Mapping[str, int | JournalError]:
+        try:
+            found = await heads(stream_ids)
+        except JournalError as exc:
+            return dict.fromkeys(stream_ids, exc)
+        return {stream_id: found.get(stream_id, 0) for stream_id in stream_ids}
+
+    return poll
 
 
 MAX_ID_BYTES = 1200
@@ -494,7 +631,8 @@ class JournalStore(Protocol):
     async def current_lease(self, session_id: str) -> Lease | None: ...
 
     async def wait_for_append(self, stream_id: str, after: int) -> None:
-        """Return when ``stream_id`` may have grown past ``after`` (a hint: callers re-read)."""
+        """Return when ``stream_id`` may have grown past ``after`` (a hint: callers re-read), or the
+        store closed; never merely because a poll for other processes' appends found nothing."""
 
     async def aclose(self) -> None: ...
 

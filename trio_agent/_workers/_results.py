@@ -12,7 +12,8 @@ Rules
   ran. One that never could is not in it: a submission a worker refused (a row written
   around `submit` whose request id or prompt no session accepts) is marked ``refused``
   in the workers' inbox only, so on a `PostgresStore` the wait also reads that row (in
-  the store's schema, every ``poll_interval``) and ends ``refused`` (while the row is kept:
+  the store's schema, every ``poll_interval``: one statement for all the waits of the
+  store) and ends ``refused`` (while the row is kept:
   workers prune done rows past their ``inbox_retention``); and ids no journal
   can hold are a `ConfigError` at once, never a wait for what cannot come.
 * `subscribe_live` LISTENs for the deltas a worker publishes (``serve_sessions(live=
@@ -24,8 +25,10 @@ Rules
 from __future__ import annotations
 
 import json
+import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -41,7 +44,7 @@ from .._groups import raise_for_boundary
 from .._journal._durable import ROOT_AGENT
 from .._journal._events import RequestCompleted, RequestFailed, RequestInterrupted, RunPaused, SessionClosed
 from .._journal._postgres import PostgresStore
-from .._journal._store import JournalStore, check_id, stream_id_for
+from .._journal._store import JournalStore, SharedPoll, check_id, stream_id_for
 from .._journal._subscribe import DurableEvent, subscribe_durable_events
 from ._conn import connect, connection_info
 from ._queue import _check_schema, resolve_dsn
@@ -131,27 +134,64 @@ async def _journal_outcome(store: JournalStore, session_id: str, request_id: str
         await store.wait_for_append(stream_id, seq)
 
 
+_Submission = tuple[str, str]
+"""A submission's (session id, request id)."""
+
+
+class _Refusals:
+    """The `wait_for_request`\\ s of one store reading its workers' inbox for their refusal: ONE
+    statement per ``poll_interval`` for all of them (`SharedPoll`), however many there are."""
+
+    __slots__ = ("_query", "_statements", "waits")
+
+    def __init__(self, store: PostgresStore) -> None:
+        self._statements = Statements(store.schema)
+        self._query = (
+            sql.SQL(
+                "SELECT i.session_id, i.request_id FROM {s}.inbox AS i JOIN unnest(%s::text[], %s::text[])"
+                " AS k(session_id, request_id) ON i.session_id = k.session_id AND i.request_id = k.request_id"
+                " WHERE i.state = 'done' AND i.outcome = 'refused'"
+            )
+            .format(s=sql.Identifier(store.schema))
+            .as_bytes(None)
+        )
+        self.waits: SharedPoll[_Submission, bool] = SharedPoll()
+
+    async def refused(self, store: PostgresStore, submissions: Sequence[_Submission]) -> dict[_Submission, bool]:
+        """Which of *submissions* the inbox has done ``refused``, in one statement (a failed read: none;
+        the journal's own wait reports the store's failures, and this one never spins on them)."""
+        statements, query = self._statements, self._query
+
+        def read(conn: _Conn) -> dict[_Submission, bool]:
+            if conn.execute(statements.q["inbox_present"], (statements.inbox_table,)).fetchone() != (True,):
+                return {}
+            keys = ([session for session, _ in submissions], [request for _, request in submissions])
+            return {(row[0], row[1]): True for row in conn.execute(query, keys).fetchall()}
+
+        try:
+            return await store.run_read(read)
+        except JournalError:
+            return {}
+
+
+_REFUSALS: weakref.WeakKeyDictionary[PostgresStore, _Refusals] = weakref.WeakKeyDictionary()
+"""Per store (never kept alive by it: a `_Refusals` holds no reference to its store)."""
+
+
 async def _refusal(store: PostgresStore, session_id: str, request_id: str) -> RequestOutcome:
     """Once the workers' inbox in *store*'s schema has this submission done ``refused``: a row no
     session accepted leaves nothing in the journal. Never returns while there is none (no inbox,
-    no such row, or one served: the journal says how it ended)."""
-    statements = Statements(store.schema)
-
-    def read(conn: _Conn) -> tuple[str, str | None] | None:
-        if conn.execute(statements.q["inbox_present"], (statements.inbox_table,)).fetchone() != (True,):
-            return None
-        row = conn.execute(statements.q["status"], (session_id, request_id)).fetchone()
-        return None if row is None else (row[0], row[1])
-
-    while True:
-        try:
-            row = await store.run_read(read)
-        except JournalError:  # the journal's own wait reports the store's failures; do not spin
-            row = None
-        if row == ("done", "refused"):
-            why = "a worker refused the submission without running it: no session accepts its request id or prompt"
-            return RequestOutcome(request_id, "refused", reason=why)
-        await trio.sleep(store.poll_interval)
+    no such row, or one served: the journal says how it ended). The waits of a store share their
+    reads of the inbox: one per ``poll_interval`` (`_Refusals`)."""
+    refusals = _REFUSALS.get(store)
+    if refusals is None:
+        refusals = _REFUSALS[store] = _Refusals(store)
+    submission = (session_id, request_id)
+    with refusals.waits.registered(submission, bool) as waiter:
+        if not (await refusals.refused(store, [submission])).get(submission, False):  # its own first look
+            await refusals.waits.wait(waiter, partial(refusals.refused, store), store.poll_interval)
+    why = "a worker refused the submission without running it: no session accepts its request id or prompt"
+    return RequestOutcome(request_id, "refused", reason=why)
 
 
 @attrs.frozen
