@@ -15,6 +15,7 @@ provider's HTTP response, before the block's exit returns.
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import inspect
 import logging
@@ -1148,6 +1149,7 @@ class _OpenIterators:
     """
 
     __slots__ = (
+        "_blocks",
         "_deadline",
         "_enclosing",
         "_ended",
@@ -1187,6 +1189,7 @@ class _OpenIterators:
         self._task: trio.lowlevel.Task | None = None  # the block's task, once entered
         # The block its task had open when this one was entered (`_OPEN_BLOCKS`), for `waiting_for_reader`.
         self._enclosing: _OpenIterators | None = None
+        self._blocks: dict[trio.lowlevel.Task, _OpenIterators] | None = None  # its task's context's (`_OPEN_BLOCKS`)
         # While the block's task waits for a reader (`waiting_for_reader`): (the deadline it had,
         # the trio time the wait began); its scope has no deadline meanwhile.
         self._paused: tuple[float, float] | None = None
@@ -1226,8 +1229,11 @@ class _OpenIterators:
             raise service._stopped(request)
         chain = service._open_chains[request.operation]
         task = self._task = trio.lowlevel.current_task()  # where reads run under the block's scope
-        # For `waiting_for_reader` (a dict: a context variable set per block cost 0.5% of a request).
-        blocks = _open_blocks()
+        blocks = _OPEN_BLOCKS.get()
+        if blocks is None:  # the first block of this task (and of those it started)
+            blocks = {}
+            _OPEN_BLOCKS.set(blocks)
+        self._blocks = blocks
         self._enclosing = blocks.get(task)
         blocks[task] = self
         # The deadline given to the constructor: setting it on a made scope costs a third more.
@@ -1343,8 +1349,8 @@ class _OpenIterators:
                 request.abort.remove_listener(self._token)
             # After the layers closed (a stream a layer opened inside this block is left first).
             task = self._task
-            blocks = _open_blocks()
-            if task is not None and blocks.get(task) is self:
+            blocks = self._blocks
+            if task is not None and blocks is not None and blocks.get(task) is self:
                 enclosing = self._enclosing
                 if enclosing is None:
                     del blocks[task]
@@ -1369,21 +1375,15 @@ class _OpenIterators:
         return False
 
 
-_OPEN_BLOCKS: trio.lowlevel.RunVar[dict[trio.lowlevel.Task, _OpenIterators]] = trio.lowlevel.RunVar(
-    "trio_agent_open_stream_blocks"
+_OPEN_BLOCKS: contextvars.ContextVar[dict[trio.lowlevel.Task, _OpenIterators] | None] = contextvars.ContextVar(
+    "trio_agent_open_stream_blocks", default=None
 )
-"""Each task's innermost open model stream block (`stream`, `chat_with_retry_events`), per
-`trio.run` (a block never left, as in a coroutine dropped unclosed, ends with its run); each
-block keeps the one it was entered in (`_enclosing`). An entry lives while its block is open."""
-
-
-def _open_blocks() -> dict[trio.lowlevel.Task, _OpenIterators]:
-    try:
-        return _OPEN_BLOCKS.get()
-    except LookupError:  # the run's first block
-        blocks: dict[trio.lowlevel.Task, _OpenIterators] = {}
-        _OPEN_BLOCKS.set(blocks)
-        return blocks
+"""Each task's innermost open model stream block (`stream`, `chat_with_retry_events`), under the
+task's key in a dict its context holds: set by the first block a task enters (the tasks it starts
+afterwards share the dict, each under its own key), never process-wide, so a block never left (a
+coroutine dropped unclosed) ends with its tasks. Set once, never per block: a context variable set
+and reset per block cost 0.5% of a request. Each block keeps the one it was entered in
+(`_enclosing`); an entry lives while its block is open."""
 
 
 @contextmanager
@@ -1397,7 +1397,8 @@ def waiting_for_reader() -> Iterator[None]:
     once. Outside a block (or in a task other than the block's) it changes nothing. Wrap only the
     wait itself, e.g. after a ``send_nowait`` raised ``trio.WouldBlock``: it reads the clock twice.
     ``chat()`` and sessions wrap every wait on their event readers."""
-    block = _open_blocks().get(trio.lowlevel.current_task())
+    blocks = _OPEN_BLOCKS.get()
+    block = None if blocks is None else blocks.get(trio.lowlevel.current_task())
     held: list[_OpenIterators] = []
     while block is not None:
         if not block._ended and block._paused is None and block._deadline is not None:  # (held: a wait in a wait)
