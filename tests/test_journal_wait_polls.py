@@ -409,3 +409,27 @@ async def test_many_wait_for_request_share_one_inbox_read_per_interval(
         assert outcomes == {"r7": "refused"}
         assert reads.taken() == {"_heads": 1, "refused": 1}
         nursery.cancel_scope.cancel()
+
+
+async def test_a_memory_store_s_close_returns_its_waits_and_ends_its_subscriptions() -> None:
+    # The protocol's rule ("return when the stream may have grown, or the store closed"): the
+    # memory store's close woke nobody, so a wait on a stream not yet made waited for ever.
+    store = MemoryStore()
+    returned: list[int] = []
+
+    async def wait(after: int) -> None:
+        await store.wait_for_append("s1/root", after)
+        returned.append(after)
+
+    with trio.fail_after(10):  # a guard: the close returns the waits at once
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait, 0)
+            nursery.start_soon(wait, 5)
+            await trio.testing.wait_all_tasks_blocked()
+            assert returned == []
+            await store.aclose()
+    assert sorted(returned) == [0, 5]
+    with trio.fail_after(1):
+        await store.wait_for_append("s1/root", 0)  # after the close: at once
+    with pytest.raises(JournalError, match="closed"):
+        await store.read("s1/root")

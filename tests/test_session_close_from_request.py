@@ -154,3 +154,59 @@ async def test_end_from_a_background_subagents_tool_ends_the_session_after_that_
     with pytest.raises(SessionClosedError, match="ended for good"):
         async with open_session(provider=model, tools=[hang_up], subagents=[helper], journal=store, session_id="s1"):
             pass  # pragma: no cover
+
+
+async def test_a_close_asked_for_from_two_pieces_of_work_waits_for_both(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The root request's tool asks for the close, then a background subagent's tool asks too and
+    # works on: each was promised its work runs to its end. The close waited for the first
+    # caller's request only, then cut the second's work (ToolCancelled, session_close).
+    store = MemoryStore()
+    holder: dict[str, Any] = {}
+    root_asked, bg_asked = trio.Event(), trio.Event()
+    log: list[str] = []
+
+    @define_tool(name="root_close", side_effect="pure", kind="readonly", input_schema={"type": "object"})
+    async def root_close(input: dict[str, Any], ctx: Any) -> ToolResult:
+        """Close."""
+        await holder["session"].close()
+        root_asked.set()
+        await bg_asked.wait()
+        return ToolResult.success("root bye")
+
+    @define_tool(name="bg_close", side_effect="pure", kind="readonly", input_schema={"type": "object"})
+    async def bg_close(input: dict[str, Any], ctx: Any) -> ToolResult:
+        """Close."""
+        await root_asked.wait()
+        await holder["session"].close()
+        bg_asked.set()
+        await trio.sleep(5)  # the work goes on after asking for the close (trio time, autojumped)
+        log.append("bg work finished")
+        return ToolResult.success("bg bye")
+
+    helper = SubagentDefinition("helper", "helps", "You help.", tools=["bg_close"])
+    model = TestModel(
+        {
+            "sub": [Reply(tool_calls=[("bg_close", {})]), Reply(text="sub done")],
+            "go": [Reply(tool_calls=[("root_close", {})]), Reply(text="root done")],
+        },
+        default=Reply("hi"),
+    )
+    with trio.fail_after(CLOSE_TIMEOUT / 2):
+        async with open_session(
+            provider=model,
+            tools=[root_close, bg_close],
+            subagents=[helper],
+            journal=store,
+            session_id="s1",
+            close_timeout=CLOSE_TIMEOUT,
+        ) as session:
+            holder["session"] = session
+            handle = await session.start_subagent("helper", "sub")
+            assert await session.send("go") == "root done"
+            assert await handle.wait() == "sub done"
+    assert log == ["bg work finished"]
+    helper_events = await events_of(store, session.journal.stream_id("helper-1"))
+    assert of_type(helper_events, RequestCompleted) and not of_type(helper_events, RequestInterrupted)
+    assert isinstance(helper_events[-1], SessionClosed)

@@ -34,6 +34,7 @@ import trio
 
 from .._errors import (
     JournalCorruptError,
+    JournalError,
 )
 from ._codec import snapshot_row, verify_snapshot
 from ._events import SCHEMA_VERSION, Event, EventEnvelope, place_event
@@ -125,7 +126,7 @@ class _Rows(Sequence[EventEnvelope]):
 class MemoryStore:
     """A `JournalStore` in a few dicts. Every operation commits at once."""
 
-    __slots__ = ("_leases", "_streams", "_waits", "clock", "commits", "leases_expire")
+    __slots__ = ("_closed", "_leases", "_streams", "_waits", "clock", "commits", "leases_expire")
 
     def __init__(self, *, clock: Clock | None = None) -> None:
         self.clock: Clock = clock if clock is not None else wall_clock
@@ -135,6 +136,7 @@ class MemoryStore:
         self._leases: dict[str, Lease] = {}
         # The `wait_for_append`s, on streams that exist or not yet; made for the first (most stores have none).
         self._waits: AppendWaits | None = None
+        self._closed = False  # `aclose` was called: a `wait_for_append` returns at once (the protocol's rule)
         self.commits = 0
 
     # -- writes
@@ -192,6 +194,9 @@ class MemoryStore:
 
     async def read(self, stream_id: str, *, after: int = 0, limit: int | None = None) -> list[EventEnvelope]:
         await trio.lowlevel.checkpoint()
+        if self._closed:
+            # As the file stores: a subscription woken by the close ends here, never reads on for ever.
+            raise JournalError("the memory store is closed")
         stream = self._streams.get(stream_id)
         if stream is None:
             return []
@@ -320,7 +325,7 @@ class MemoryStore:
         """Return once *stream_id* grew past *after*: woken by the append, whether or not the
         stream exists yet (its first append creates it)."""
         stream = self._streams.get(stream_id)
-        if stream is not None and len(stream.events) > after:
+        if self._closed or (stream is not None and len(stream.events) > after):
             await trio.lowlevel.checkpoint()
             return
         if self._waits is None:
@@ -328,4 +333,9 @@ class MemoryStore:
         await self._waits.wait_for_append(stream_id, after)  # looked just now: only an append returns it
 
     async def aclose(self) -> None:
+        """Return every `wait_for_append`, now and later; `read` refuses from now on, as the file
+        stores' do (a subscription ends rather than waits for ever)."""
+        self._closed = True
+        if self._waits is not None:
+            self._waits.wake_all()
         await trio.lowlevel.checkpoint()

@@ -122,7 +122,9 @@ class Session:
         self._closed = False
         self._closing = False  # a close runs (in some task)
         self._close_done: trio.Event | None = None  # made by a second close that waits for the first
-        self._close_after = False  # a close asked for from inside the running request, run after it
+        # The requests a close asked for from inside running work waits for (their callers work for
+        # them), then runs: None until one asks.
+        self._close_after: set[_Request] | None = None
         # Subagent starts between requests whose holder request is (being) written: the close
         # waits for them, or it would find that request open and leave the stream to recovery.
         self._starting = 0
@@ -628,16 +630,27 @@ class Session:
         """Close once *request* (running, and the caller works for it: the root's request or a
         background subagent's work) ended; refuse new messages now, and reject what is queued (as
         the close would) rather than start it."""
-        if self._close_after or self._closed:
-            return  # asked already, or a close runs: it waits for the request itself
-        self._close_after = True
+        if self._closed:
+            return  # a close runs: it ends the request itself
+        waiting = self._close_after
+        if waiting is not None:
+            # Asked already, from other work: the close waits for this work's end too (each caller
+            # was promised its work runs to its end).
+            waiting.add(request)
+            return
+        self._close_after = {request}
         self._queue.close()
         nursery = self._nursery
         assert nursery is not None  # a request runs: the session is open
-        nursery.start_soon(self._close_when_done, request, name="trio_agent.session.close_after_request")
+        nursery.start_soon(self._close_when_done, name="trio_agent.session.close_after_request")
 
-    async def _close_when_done(self, request: _Request) -> None:
-        await request.done.wait()
+    async def _close_when_done(self) -> None:
+        waiting = self._close_after
+        assert waiting is not None
+        while waiting:
+            request = next(iter(waiting))
+            await request.done.wait()
+            waiting.discard(request)
         try:
             await self._close(SessionCloseReason.COMPLETED)
         except InvalidTransitionError as exc:
