@@ -1,11 +1,14 @@
-"""A slow reader of a run's events is not charged to the model's ``request_timeout``.
+"""A slow reader of a run's events is not charged to the model's ``request_timeout``, nor to the
+timeout of a tool whose progress it reads.
 
 The loop publishes each chunk of a model reply while the model call is open. A reader that
 falls behind (the bounded event channel full) makes the publication wait: that wait is the
 reader's, not the provider's, so it does not count against the request deadline (it did: a
 reader that took 2 s per event timed a 1 s deadline out although the model had answered).
 What still counts: the wait for the provider and the middleware, and the block's own work.
-An abort during a blocked publication still cuts the call at once.
+An abort during a blocked publication still cuts the call at once. The same for a tool that
+streams progress (`ctx.emit`): its timeout bounds its own time, and an abort while its progress
+waits for the reader cuts it at once (``ToolCancelled``, the abort's reason).
 """
 
 from __future__ import annotations
@@ -13,16 +16,39 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from trio_agent import AbortHandle, AbortReason, ModelAbortedError, ModelTimeoutError, open_session
-from trio_agent._chat._chat import chat
-from trio_agent._loop._events import TextMessageContent
+from trio_agent import (
+    AbortHandle,
+    AbortReason,
+    ModelAbortedError,
+    ModelTimeoutError,
+    Progress,
+    Tool,
+    ToolContext,
+    ToolErrorType,
+    ToolProgressEvent,
+    ToolResult,
+    ToolResultEvent,
+    define_tool,
+    open_session,
+)
+from trio_agent._chat._chat import ChatResult, chat
+from trio_agent._loop._events import TextMessageContent, ToolCallProgress, ToolCallResult
 from trio_agent._loop._rules import StopReason
-from trio_agent.journal import MemoryStore, ModelAttemptAborted, ModelAttemptStarted, RequestInterrupted
+from trio_agent.journal import (
+    MemoryStore,
+    ModelAttemptAborted,
+    ModelAttemptStarted,
+    RequestInterrupted,
+    ToolCancelled,
+    ToolCompleted,
+    ToolFailed,
+)
 from trio_agent.models import (
     FinishChunk,
     FinishReason,
@@ -272,3 +298,142 @@ def test_a_block_never_left_is_not_kept_past_its_run() -> None:
     trio.run(main)
     gc.collect()
     assert tasks and tasks[0]() is None
+
+
+# -- a tool's progress: a slow reader is not charged to the tool's timeout either
+
+ITEMS = 400  # more progress items than a run's (or a stream's) 256-event channel holds
+
+
+def progress_tool(*, timeout: float | None = None, pause: float = 0.0, in_child: bool = False) -> Tool[Any]:
+    """Emits ITEMS progress items (*pause* seconds of its own before each), from its own task or
+    (*in_child*) from a task it starts, then answers "streamed"."""
+
+    async def emit_all(ctx: ToolContext) -> None:
+        for index in range(ITEMS):
+            if pause:
+                await trio.sleep(pause)
+            await ctx.emit(Progress(f"item {index}"))
+
+    async def run(input: dict[str, Any], ctx: ToolContext) -> str:
+        if in_child:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(emit_all, ctx)
+        else:
+            await emit_all(ctx)
+        return "streamed"
+
+    return define_tool(
+        run,
+        name="stream",
+        description="streams progress",
+        input_schema=OBJECT,
+        side_effect="pure",
+        kind="readonly",
+        timeout=timeout,
+    )
+
+
+OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def calls_the_tool() -> TestModel:
+    return TestModel({"go": [Reply(tool_calls=[("stream", {})]), Reply(text="all done")]})
+
+
+async def chat_with_a_slow_reader(tool: Tool[Any], seconds: float) -> tuple[list[ToolResult], int, ChatResult]:
+    results: list[ToolResult] = []
+    progress = 0
+    async with chat(calls_the_tool(), "go", tools=[tool]) as run:
+        async for event in run:
+            if isinstance(event, ToolCallProgress):
+                progress += 1
+            elif isinstance(event, ToolCallResult):
+                results.append(event.result)
+            await trio.sleep(seconds)
+        result = await run.result()
+    return results, progress, result
+
+
+@pytest.mark.parametrize("in_child", [False, True], ids=["from its task", "from a task of its own"])
+async def test_a_slow_chat_reader_does_not_time_a_tool_s_progress_out(
+    autojump_clock: trio.testing.MockClock, in_child: bool
+) -> None:
+    results, progress, result = await chat_with_a_slow_reader(progress_tool(timeout=1, in_child=in_child), 2)
+    assert progress == ITEMS
+    assert [r.output for r in results] == ["streamed"]
+    assert result.stop_reason is StopReason.END_TURN and result.text == "all done"
+    assert trio.current_time() > 2 * ITEMS  # the reader did take its time
+
+
+async def test_the_tool_s_own_time_still_times_a_slow_chat_reader_s_tool_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # 400 items 0.01 s apart: 4 s of the tool's own against its 1 s timeout. The reader's waits are
+    # not counted; the tool's are, so it still times out, after about 100 items.
+    results, progress, _ = await chat_with_a_slow_reader(progress_tool(timeout=1, pause=0.01), 2)
+    [timed_out] = results
+    assert timed_out.error is not None and timed_out.error.type is ToolErrorType.TIMEOUT
+    assert 90 <= progress <= 110
+    assert trio.current_time() > 100
+
+
+async def test_an_abort_during_a_tool_s_blocked_publication_cuts_the_call_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with chat(calls_the_tool(), "go", tools=[progress_tool(timeout=1)]) as run:
+        async for event in run:
+            if isinstance(event, ToolCallProgress):
+                await trio.sleep(100)  # the channel fills: the tool waits for us, its deadline held
+                started = trio.current_time()
+                run.abort("enough")
+                break
+        result = await run.result()
+    assert result.stop_reason is StopReason.ABORTED
+    assert trio.current_time() == started  # not a tick of trio time waited for the tool to stop
+
+
+async def test_a_slow_session_reader_does_not_time_a_tool_s_progress_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = MemoryStore()
+    async with open_session(
+        provider=calls_the_tool(), tools=[progress_tool()], tool_timeout=1, journal=store
+    ) as session:
+        progress = 0
+        results: list[ToolResult] = []
+        async with session.stream("go") as events:
+            async for event in events:
+                if isinstance(event, ToolProgressEvent):
+                    progress += 1
+                elif isinstance(event, ToolResultEvent):
+                    results.append(event.result)
+                await trio.sleep(2)
+        assert events.done is not None and events.done.stop_reason == "end_turn"
+        records = [envelope.event for envelope in await store.read(session.journal.stream_id())]
+    assert progress == ITEMS
+    assert [r.output for r in results] == ["streamed"]
+    assert [type(r) for r in records if isinstance(r, (ToolCompleted, ToolFailed, ToolCancelled))] == [ToolCompleted]
+    assert trio.current_time() > 2 * ITEMS
+
+
+async def test_an_abort_of_a_session_tool_blocked_on_its_reader_is_recorded_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = MemoryStore()
+    async with open_session(
+        provider=calls_the_tool(), tools=[progress_tool()], tool_timeout=1, journal=store
+    ) as session:
+        async with session.stream("go") as events:
+            async for event in events:
+                if isinstance(event, ToolProgressEvent):
+                    await trio.sleep(100)  # the stream fills: the tool waits for us, its deadline held
+                    started = trio.current_time()
+                    await events.abort("enough")
+                    break
+        assert trio.current_time() == started
+        records = [envelope.event for envelope in await store.read(session.journal.stream_id())]
+    [cancelled] = [r for r in records if isinstance(r, (ToolCompleted, ToolFailed, ToolCancelled))]
+    assert isinstance(cancelled, ToolCancelled)
+    assert cancelled.reason == "user_abort"
+    assert sum(isinstance(r, RequestInterrupted) for r in records) == 1

@@ -108,17 +108,10 @@ from .._models._messages import (
     Usage,
     UserMessage,
 )
-from .._models._service import (
-    ModelLayers,
-    ModelMiddleware,
-    ModelService,
-    Provider,
-    is_provider,
-    not_a_provider,
-    waiting_for_reader,
-)
+from .._models._service import ModelLayers, ModelMiddleware, ModelService, Provider, is_provider, not_a_provider
 from .._permissions._engine import PermissionEngine
 from .._permissions._rules import PathPolicy, PermissionMode, PermissionRules, rules_from
+from .._reader_wait import waiting_for_reader
 from .._session._endings import record_request_end
 from .._session._plugins import MiddlewareConfigError, check_model_middleware_runs
 from .._tools._chain import ToolLayers, ToolMiddleware
@@ -827,7 +820,7 @@ async def _in_task(options: Mapping[str, Any]) -> AsyncIterator[ChatRun]:
                 await trio.lowlevel.checkpoint()
                 return
             try:
-                # The reader's wait, not the model's: a model call streaming now holds its deadline.
+                # The reader's wait: a model call streaming now, or a tool whose progress this is, holds its deadline.
                 with waiting_for_reader():
                     await send.send(event)
             except trio.Cancelled:

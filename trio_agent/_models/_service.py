@@ -15,7 +15,6 @@ provider's HTTP response, before the block's exit returns.
 
 from __future__ import annotations
 
-import contextvars
 import enum
 import inspect
 import logging
@@ -46,6 +45,7 @@ from .._errors import (
 )
 from .._groups import STRAY_CANCELLED, contains_cancelled, stray_cancellation, typed_error
 from .._middleware import CheckedLayers, Composed, ComposedNext, MiddlewareNext, PassedChecks, compose_middleware
+from .._reader_wait import FRAMES, Frame, HeldDeadline, waiting_for_reader
 from .._util import describe
 from ._history import MessageView
 from ._messages import (
@@ -1138,7 +1138,7 @@ class _TrackedNext(ComposedNext):
         return run._track(self._index, iterator)
 
 
-class _OpenIterators:
+class _OpenIterators(Frame, HeldDeadline):
     """``async with``: one streaming request's composed iterators, under one deadline scope that its
     abort handle cancels; leaving closes every iterator opened, outermost first.
 
@@ -1149,14 +1149,13 @@ class _OpenIterators:
     """
 
     __slots__ = (
-        "_blocks",
         "_deadline",
         "_enclosing",
         "_ended",
+        "_frames",
         "_kinds",
         "_opened",
         "_outer",
-        "_paused",
         "_request",
         "_service",
         "_source",
@@ -1187,12 +1186,11 @@ class _OpenIterators:
         self._ended = False  # set when the block is left: no layer's next opens anything after
         self._source: _RetryingStream | None = None  # the provider's stream, once a layer opened it
         self._task: trio.lowlevel.Task | None = None  # the block's task, once entered
-        # The block its task had open when this one was entered (`_OPEN_BLOCKS`), for `waiting_for_reader`.
-        self._enclosing: _OpenIterators | None = None
-        self._blocks: dict[trio.lowlevel.Task, _OpenIterators] | None = None  # its task's context's (`_OPEN_BLOCKS`)
-        # While the block's task waits for a reader (`waiting_for_reader`): (the deadline it had,
-        # the trio time the wait began); its scope has no deadline meanwhile.
-        self._paused: tuple[float, float] | None = None
+        # What its task had open when the block was entered, and the dict its task's chain is in
+        # (`FRAMES`), for `waiting_for_reader`; the hold of a wait on a reader (`HeldDeadline`).
+        self._enclosing: Frame | None = None
+        self._frames: dict[trio.lowlevel.Task, Frame] | None = None
+        self._held = None
 
     def _track(self, position: int, iterator: Any) -> AsyncIterator[Any]:
         """Keep the iterator of the layer at *position* (the terminal last), to be closed in order."""
@@ -1210,12 +1208,17 @@ class _OpenIterators:
     def _current_deadline(self) -> float:
         """The block's deadline as it stands: while its task waits for a reader (`waiting_for_reader`),
         what was left of it when the wait began, from now."""
-        paused = self._paused
-        if paused is not None:
-            return paused[0] + (trio.current_time() - paused[1])
         deadline = self._deadline
         assert deadline is not None  # set when the block was entered, before any layer ran
-        return deadline.deadline
+        return self._held_deadline(deadline)
+
+    # As a frame of its task's chain (`waiting_for_reader`), the block holds its own deadline.
+
+    def _frame_deadline(self) -> _OpenIterators:
+        return self
+
+    def _reader_scope(self) -> trio.CancelScope | None:
+        return None if self._ended else self._deadline
 
     async def __aenter__(self) -> AsyncIterator[Any]:
         if self._task is not None:
@@ -1229,13 +1232,14 @@ class _OpenIterators:
             raise service._stopped(request)
         chain = service._open_chains[request.operation]
         task = self._task = trio.lowlevel.current_task()  # where reads run under the block's scope
-        blocks = _OPEN_BLOCKS.get()
-        if blocks is None:  # the first block of this task (and of those it started)
-            blocks = {}
-            _OPEN_BLOCKS.set(blocks)
-        self._blocks = blocks
-        self._enclosing = blocks.get(task)
-        blocks[task] = self
+        # The task's innermost frame, for `waiting_for_reader` (left in `__aexit__`).
+        frames = FRAMES.get()
+        if frames is None:  # the first frame of this task (and of those it started)
+            frames = {}
+            FRAMES.set(frames)
+        self._frames = frames
+        self._enclosing = frames.get(task)
+        frames[task] = self
         # The deadline given to the constructor: setting it on a made scope costs a third more.
         deadline = self._deadline = trio.CancelScope(deadline=trio.current_time() + service.request_timeout)
         deadline.__enter__()
@@ -1349,13 +1353,13 @@ class _OpenIterators:
                 request.abort.remove_listener(self._token)
             # After the layers closed (a stream a layer opened inside this block is left first).
             task = self._task
-            blocks = self._blocks
-            if task is not None and blocks is not None and blocks.get(task) is self:
+            frames = self._frames
+            if task is not None and frames is not None and frames.get(task) is self:
                 enclosing = self._enclosing
                 if enclosing is None:
-                    del blocks[task]
+                    del frames[task]
                 else:
-                    blocks[task] = enclosing
+                    frames[task] = enclosing
         deadline = self._deadline
         assert deadline is not None
         if error is None:
@@ -1373,55 +1377,6 @@ class _OpenIterators:
         if deadline.cancelled_caught:
             raise service._stopped(request) from None
         return False
-
-
-_OPEN_BLOCKS: contextvars.ContextVar[dict[trio.lowlevel.Task, _OpenIterators] | None] = contextvars.ContextVar(
-    "trio_agent_open_stream_blocks", default=None
-)
-"""Each task's innermost open model stream block (`stream`, `chat_with_retry_events`), under the
-task's key in a dict its context holds: set by the first block a task enters (the tasks it starts
-afterwards share the dict, each under its own key), never process-wide, so a block never left (a
-coroutine dropped unclosed) ends with its tasks. Set once, never per block: a context variable set
-and reset per block cost 0.5% of a request. Each block keeps the one it was entered in
-(`_enclosing`); an entry lives while its block is open."""
-
-
-@contextmanager
-def waiting_for_reader() -> Iterator[None]:
-    """``with waiting_for_reader(): await send.send(item)``: the time the block waits here is its
-    reader's, not the model's, so it does not count against ``request_timeout``.
-
-    Wrap what waits for whoever reads what a model stream's block passes on (a full channel, a
-    slow client): while it waits, every model stream block this task has open holds its deadline,
-    and goes on with what was left of it once the wait ends. An abort still cancels the call at
-    once. Outside a block (or in a task other than the block's) it changes nothing. Wrap only the
-    wait itself, e.g. after a ``send_nowait`` raised ``trio.WouldBlock``: it reads the clock twice.
-    ``chat()`` and sessions wrap every wait on their event readers."""
-    blocks = _OPEN_BLOCKS.get()
-    block = None if blocks is None else blocks.get(trio.lowlevel.current_task())
-    held: list[_OpenIterators] = []
-    while block is not None:
-        if not block._ended and block._paused is None and block._deadline is not None:  # (held: a wait in a wait)
-            held.append(block)
-        block = block._enclosing
-    if not held:
-        yield
-        return
-    since = trio.current_time()
-    for block in held:
-        scope = block._deadline
-        assert scope is not None
-        block._paused = (scope.deadline, since)
-        scope.deadline = math.inf
-    try:
-        yield
-    finally:
-        waited = trio.current_time() - since
-        for block in held:
-            scope = block._deadline
-            assert scope is not None and block._paused is not None
-            scope.deadline = block._paused[0] + waited
-            block._paused = None
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from typing import Protocol
 import trio
 
 from .._abort import AbortHandle, AbortReason, abort_reason
-from .._models._service import waiting_for_reader
+from .._reader_wait import waiting_for_reader
 from ._messages import DoneEvent, SessionEvent, ToolUseEvent
 
 __all__ = ["EventForward", "EventSink", "RequestEnding", "SessionEventStream", "discard", "tee"]
@@ -65,7 +65,8 @@ class EventForward:
 
     async def _send_unless_aborted(self, event: SessionEvent) -> None:
         """Wait for room for *event*, unless the request is (or gets) aborted: then drop it. The
-        wait is the reader's: a model call streaming meanwhile holds its deadline."""
+        wait is the reader's: a model call streaming meanwhile, or a tool whose progress it is,
+        holds its deadline."""
         abort = self.abort
         if abort is None:
             with waiting_for_reader():

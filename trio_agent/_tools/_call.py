@@ -30,6 +30,7 @@ import trio
 from .._abort import Abort, AbortReason
 from .._errors import SettlementError
 from .._groups import leaves
+from .._reader_wait import HeldDeadline, Holding
 from .._util import safe_repr
 from ._context import Emit, ExecutionContext, _SlotHolder
 from ._definition import Tool
@@ -87,8 +88,11 @@ class _Phase(enum.Enum):
     COMMITTED = 2  # the core returned: abort is only recorded
 
 
-class _Call:
-    """Per-execution state. Lives in locals and on the chain's links, never on the pipeline."""
+class _Call(HeldDeadline):
+    """Per-execution state. Lives in locals and on the chain's links, never on the pipeline.
+
+    As a `HeldDeadline`: while its tool runs, a wait on a reader of what the tool emits
+    (`waiting_for_reader`, around each item: `Holding`) holds the tool's deadline."""
 
     __slots__ = (
         "abort",
@@ -170,6 +174,7 @@ class _Call:
         self.synthetic = False
         self.tool_ran = False
         self.cleanup_deadline = math.inf
+        self._held = None  # a wait on a reader of the tool's items holds its deadline (`HeldDeadline`)
         self.done: trio.Event | None = None
         # The chain's bookkeeping: `call_next()` awaitables made but not awaited, the coroutines
         # the chain entered (a list while it runs), the core entered / finished (an event only for
@@ -205,6 +210,24 @@ class _Call:
             if self.tool_ran:
                 self.pipeline._note_cancel(self)
 
+    # -- a wait on a reader of the tool's items (`waiting_for_reader`) ---------------
+
+    def _reader_scope(self) -> trio.CancelScope | None:
+        """The tool's scope while it runs (its timeout), else nothing."""
+        return self.target if self.tool_ran else None
+
+    def _reader_held(self) -> float:
+        """While the tool's deadline is held, so is its cleanup deadline: the tool does not overrun
+        (new starts do not wait for it) while a reader keeps it waiting."""
+        held = self.cleanup_deadline
+        if held != -math.inf:  # (-inf: the tool ended)
+            self.cleanup_deadline = math.inf  # its heap entries no longer match: they are dropped
+        return held
+
+    def _reader_resumed(self, waited: float, held: float) -> None:
+        if self.cleanup_deadline == math.inf:  # neither cancelled (`_note_cancel`) nor ended meanwhile
+            self.pipeline._track_cleanup(self, held + waited)
+
     def fault(self, code: FaultCode, message: str) -> None:
         """Record a middleware fault that the pipeline corrected."""
         if self.faults is None:
@@ -232,7 +255,8 @@ class _Call:
             if self.closed:
                 self.refuse_late(item)
             self.note_granted(item)
-            await emit(item)
+            with Holding(self):  # its publication's wait on a reader is not the tool's time
+                await emit(item)
 
         return emit_from_tool
 
@@ -241,7 +265,8 @@ class _Call:
         if self.closed:
             self.refuse_late(item)
         self.note_granted(item)
-        await self.sink(item)
+        with Holding(self):  # its publication's wait on a reader is not the tool's time
+            await self.sink(item)
 
     def note_granted(self, item: ToolItem) -> None:
         """Mark *item* as the tool's own if it is a permission update."""

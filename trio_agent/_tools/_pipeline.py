@@ -1162,6 +1162,13 @@ class ToolPipeline:
             heap[:] = [entry for entry in heap if entry[2].cleanup_deadline != -math.inf]
             heapq.heapify(heap)
 
+    def _track_cleanup(self, state: _Call, deadline: float) -> None:
+        """*state*'s tool overruns if it still runs at *deadline* (a wait on a reader of its items
+        moved its deadline on: `_Call._reader_resumed`)."""
+        state.cleanup_deadline = deadline
+        self._cleanup_seq += 1
+        heapq.heappush(self._cleanup_heap, (deadline, self._cleanup_seq, state))
+
     def _note_cancel(self, state: _Call) -> None:
         if state.cleanup_deadline == -math.inf:
             return  # its tool has ended (an abort recording its timeout, say)
