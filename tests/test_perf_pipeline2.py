@@ -87,7 +87,7 @@ def test_identity_values_are_built_with_every_field() -> None:
     assert (request.tool_name, request.input, request.context, request.emit) == ("add", {"a": 1}, ctx, emit)
     assert repr(request) == repr(ta.ToolMiddlewareRequest("add", {"a": 1}, ctx, emit))
 
-    tool_ctx = tool_context(ctx, emit, None, 5.0)
+    tool_ctx = tool_context(ctx, emit, None, 5.0, None)
     assert type(tool_ctx) is ta.ToolContext
     assert tool_ctx.execution is ctx and tool_ctx.emit is emit and tool_ctx.tool_call_id == "c"
     assert repr(tool_ctx) == repr(ta.ToolContext(ctx, emit, None, 5.0))

@@ -8,7 +8,9 @@ reader that took 2 s per event timed a 1 s deadline out although the model had a
 What still counts: the wait for the provider and the middleware, and the block's own work.
 An abort during a blocked publication still cuts the call at once. The same for a tool that
 streams progress (`ctx.emit`): its timeout bounds its own time, and an abort while its progress
-waits for the reader cuts it at once (``ToolCancelled``, the abort's reason).
+waits for the reader cuts it at once (``ToolCancelled``, the abort's reason). And for a foreground
+subagent's events, which its ``task`` call passes on: a slow reader of them is not charged to the
+call's ``tool_timeout``, the subagent's own model waits are.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from trio_agent import (
     ModelAbortedError,
     ModelTimeoutError,
     Progress,
+    SubagentDefinition,
     Tool,
     ToolContext,
     ToolErrorType,
     ToolProgressEvent,
     ToolResult,
     ToolResultEvent,
+    ToolUseEvent,
     define_tool,
     open_session,
 )
@@ -45,6 +49,8 @@ from trio_agent.journal import (
     ModelAttemptAborted,
     ModelAttemptStarted,
     RequestInterrupted,
+    SubagentCancelled,
+    SubagentCompleted,
     ToolCancelled,
     ToolCompleted,
     ToolFailed,
@@ -437,3 +443,106 @@ async def test_an_abort_of_a_session_tool_blocked_on_its_reader_is_recorded_at_o
     assert isinstance(cancelled, ToolCancelled)
     assert cancelled.reason == "user_abort"
     assert sum(isinstance(r, RequestInterrupted) for r in records) == 1
+
+
+# -- a foreground subagent's events: its task call's timeout does not count a slow reader either
+
+HELPER = SubagentDefinition("helper", "a helper", "You are the helper.")
+TASK = ("task", {"subagent": "helper", "prompt": "sub"})
+
+
+def delegates(*child: Reply) -> TestModel:
+    """The root calls ``task`` (a foreground helper), whose model answers *child* (by default one
+    long reply: more events than the request's 256-event stream holds)."""
+    return TestModel(
+        {
+            "go": [Reply(tool_calls=[TASK]), Reply(text="all done")],
+            "sub": list(child) or [Reply(text=" ".join(["w"] * WORDS))],
+        }
+    )
+
+
+def noop_tool() -> Tool[Any]:
+    async def run(input: dict[str, Any], ctx: ToolContext) -> str:
+        return "done"
+
+    return define_tool(
+        run, name="noop", description="does nothing", input_schema=OBJECT, side_effect="pure", kind="readonly"
+    )
+
+
+async def read_slowly(model: TestModel) -> tuple[list[ToolResult], list[Any], list[Any]]:
+    """A session whose reader takes 2 s an event, with a 1 s tool_timeout: the task call's
+    results, and the root's and the child's journal records."""
+    store = MemoryStore()
+    results: list[ToolResult] = []
+    async with open_session(
+        provider=model, tools=[noop_tool()], subagents=[HELPER], tool_timeout=1, journal=store
+    ) as session:
+        async with session.stream("go") as events:
+            async for event in events:
+                if isinstance(event, ToolResultEvent) and event.agent_id == session.root_agent_id:
+                    results.append(event.result)
+                await trio.sleep(2)
+        assert events.done is not None and events.done.stop_reason == "end_turn"
+        [child] = [agent for agent in session.journal.agents if agent != session.root_agent_id]
+        records = [envelope.event for envelope in await store.read(session.journal.stream_id())]
+        child_records = [envelope.event for envelope in await store.read(session.journal.stream_id(child))]
+    return results, records, child_records
+
+
+def settled(records: list[Any]) -> list[Any]:
+    return [r for r in records if isinstance(r, (ToolCompleted, ToolFailed, ToolCancelled))]
+
+
+async def test_a_slow_session_reader_does_not_time_a_foreground_subagent_s_task_call_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    [result], records, _ = await read_slowly(delegates())
+    assert result.error is None and result.output.count("w") == WORDS
+    assert [type(r) for r in settled(records)] == [ToolCompleted]
+    assert [type(r) for r in records if isinstance(r, (SubagentCompleted, SubagentCancelled))] == [SubagentCompleted]
+    assert trio.current_time() > 2 * WORDS  # the reader did take its time
+
+
+@pytest.mark.parametrize(("latency", "times_out"), [(0.3, False), (0.6, True)])
+async def test_the_subagent_s_own_time_still_times_a_slow_reader_s_task_call_out(
+    autojump_clock: trio.testing.MockClock, latency: float, times_out: bool
+) -> None:
+    # The child's model calls wait 0.6 s, then *latency*, for the provider: that is the task
+    # call's own time (1 s allowed), the reader's 2 s an event in between is not.
+    first = Reply(text=" ".join(["w"] * WORDS), tool_calls=[("noop", {})], latency=0.6)
+    [result], records, child_records = await read_slowly(delegates(first, Reply(text="child done", latency=latency)))
+    # Timed out (or not) in the child's second model call, long after the reader kept it waiting.
+    assert sum(isinstance(r, ModelAttemptStarted) for r in child_records) == 2
+    if times_out:
+        assert result.error is not None and result.error.type is ToolErrorType.TIMEOUT
+        assert [type(r) for r in settled(records)] == [ToolFailed]
+    else:
+        assert result.error is None and result.output == "child done"
+        assert [type(r) for r in settled(records)] == [ToolCompleted]
+
+
+async def test_an_abort_during_a_foreground_subagent_s_blocked_publication_is_recorded_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = MemoryStore()
+    async with open_session(provider=delegates(), subagents=[HELPER], tool_timeout=1, journal=store) as session:
+        async with session.stream("go") as events:
+            async for event in events:
+                if isinstance(event, ToolUseEvent):
+                    await trio.sleep(100)  # the stream fills: the child waits for us, the call's deadline held
+                    started = trio.current_time()
+                    await events.abort("enough")
+                    break
+        assert trio.current_time() == started
+        [child] = [agent for agent in session.journal.agents if agent != session.root_agent_id]
+        records = [envelope.event for envelope in await store.read(session.journal.stream_id())]
+        child_records = [envelope.event for envelope in await store.read(session.journal.stream_id(child))]
+    [cancelled] = settled(records)
+    assert isinstance(cancelled, ToolCancelled) and cancelled.reason == "user_abort"
+    [ended] = [r for r in records if isinstance(r, (SubagentCompleted, SubagentCancelled))]
+    assert isinstance(ended, SubagentCancelled)
+    assert sum(isinstance(r, RequestInterrupted) for r in records) == 1
+    assert sum(isinstance(r, RequestInterrupted) for r in child_records) == 1
+    assert sum(isinstance(r, ModelAttemptAborted) for r in child_records) == 1

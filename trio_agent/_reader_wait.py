@@ -9,10 +9,12 @@ Each task has a chain of frames (`Frame`, innermost first, under the task's key 
 it has open whose deadline such a wait holds. A model stream block is one while it is open
 (``_OpenIterators``, its own `HeldDeadline`); a tool's publication is one around each item the
 tool emits (`Holding` the call's deadline, in whichever task emits it: the tool's own or one the
-tool started). A wait walks its task's chain and holds each deadline found: the scope's deadline
-is set to infinity while any wait holds it (waits in several tasks may hold one tool's deadline
-at once: they are counted), and once the last one ends it gets what was left of it when the first
-began. Nothing is timed per item: only a wait that blocks reads the clock (twice).
+tool started), and around each event of a foreground subagent that its ``task`` call passes on
+(`ToolContext._publishing`, in whichever of the subagent's tasks publishes it). A wait walks its
+task's chain and holds each deadline found: the scope's deadline is set to infinity while any wait
+holds it (waits in several tasks may hold one tool's deadline at once: they are counted), and once
+the last one ends it gets what was left of it when the first began. Nothing is timed per item:
+only a wait that blocks reads the clock (twice).
 """
 
 from __future__ import annotations
@@ -138,11 +140,12 @@ def waiting_for_reader() -> Iterator[None]:
 
     Wrap what waits for whoever reads what a run passes on (a full channel, a slow client): while
     it waits, every model stream block this task has open holds its deadline, and so does a
-    running tool whose item (``ctx.emit``) this task is passing on, from the tool's own task or one
-    the tool started; each goes on with what was left of it once the wait ends (a tool's with the
-    last of the waits holding it). An abort still cancels the call at once. Elsewhere (outside a
-    block and a tool's ``emit``, or in a task other than theirs) it changes nothing. Wrap only the
-    wait itself, e.g. after a ``send_nowait`` raised ``trio.WouldBlock``: it reads the clock twice.
+    running tool whose item (``ctx.emit``, or a foreground subagent's event for its ``task`` call)
+    this task is passing on, from the tool's own task or one the tool started; each goes on with
+    what was left of it once the wait ends (a tool's with the last of the waits holding it). An
+    abort still cancels the call at once. Elsewhere (outside a block and a tool's ``emit``, or in a
+    task other than theirs) it changes nothing. Wrap only the wait itself, e.g. after a
+    ``send_nowait`` raised ``trio.WouldBlock``: it reads the clock twice.
     ``chat()`` and sessions wrap every wait on their event readers."""
     frames = FRAMES.get()
     frame = None if frames is None else frames.get(trio.lowlevel.current_task())

@@ -716,10 +716,17 @@ class SubagentSupervisor:
         prompt = await self._subagent_start(agent, prompt)
         await host.journal.open_agent(agent.agent_id, parent_agent_id=ctx.agent_id)
 
+        async def publish(event: SessionEvent) -> None:
+            # Published as the task call's ``emit`` publishes its items: a wait on the stream's
+            # reader is the reader's, so it holds the call's deadline (not the child's model calls'
+            # or tools' waits: those count, in the child's own frames and in the call's time).
+            with ctx._publishing():
+                await sink(event)
+
         async def child_sink(event: SessionEvent) -> None:
             # The child's events join the parent's stream; its DoneEvent is not the parent's.
             if not isinstance(event, DoneEvent):
-                await sink(event)
+                await publish(event)
 
         request = _Request(prompt, child_sink, agent)
         request.cancel_reason = self._cancelled_by_parent
@@ -750,7 +757,7 @@ class SubagentSupervisor:
             # `block` ones, this `task` call included, run (a listener would fire at once).
             if parent is not None and not parent.steering.aborted:
                 listeners.append((parent.steering, parent.steering.add_listener(forward_steering)))
-            await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, SubagentStatus.RUNNING, background=False))
+            await publish(SubagentEvent(ctx.agent_id, agent.agent_id, name, SubagentStatus.RUNNING, background=False))
             host.agents[agent.agent_id] = agent  # it makes calls from here on (the `finally` takes it out)
             async with ctx.slot_released():
                 await routed.start(request)
@@ -777,7 +784,7 @@ class SubagentSupervisor:
                 await self.record_end(ctx.agent_id, event)
                 await routed.end(request, status)
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await sink(SubagentEvent(ctx.agent_id, agent.agent_id, name, status, False, request.text[:200]))
+                    await publish(SubagentEvent(ctx.agent_id, agent.agent_id, name, status, False, request.text[:200]))
             host.agents.pop(agent.agent_id, None)  # it will make no more calls
             if not request.done.is_set():
                 request.finish()  # it never ran: its stream channels end, nothing waits for it

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -13,6 +13,7 @@ from .._abort import AbortHandle
 from .._builders import constructor
 from .._cleanup import bounded_shield
 from .._errors import ToolInputError
+from .._reader_wait import HeldDeadline, Holding
 from .._util import safe_repr
 from ._results import JsonObject, ToolItem
 
@@ -202,6 +203,9 @@ class ToolContext:
     emit: Emit
     _slot: _SlotHolder | None = attrs.field(default=None, repr=False)
     _cleanup_grace: float = attrs.field(default=5.0, repr=False)
+    # The call, whose deadline a wait on a reader of what the tool publishes holds (`_publishing`):
+    # the pipeline's, set by `tool_context` (not a parameter of the class: one made by hand has none).
+    _call: HeldDeadline | None = attrs.field(default=None, init=False, repr=False)
 
     @property
     def session_id(self) -> str:
@@ -252,6 +256,14 @@ class ToolContext:
         with bounded_shield(self._cleanup_grace, f"tool call {self.tool_call_id!r} (cleanup_scope)") as scope:
             yield scope
 
+    def _publishing(self) -> AbstractContextManager[None]:
+        """``with ctx._publishing(): await sink(event)``: an item of the call passed on other than
+        by ``emit`` (a foreground subagent's events, to the stream of the request that called it),
+        published as ``emit`` publishes: a wait on its reader (`waiting_for_reader`) in there is the
+        reader's, not the call's, so it holds the call's deadline. Nothing is timed unless it waits."""
+        call = self._call
+        return nullcontext() if call is None else Holding(call)
+
     @asynccontextmanager
     async def slot_released(self) -> AsyncIterator[None]:
         """Give this call's scheduler slot back while waiting on nested work (e.g. a foreground subagent).
@@ -273,4 +285,6 @@ class ToolContext:
             await slot.acquire()
 
 
-tool_context: Callable[[ExecutionContext, Emit, _SlotHolder | None, float], ToolContext] = constructor(ToolContext)
+tool_context: Callable[[ExecutionContext, Emit, _SlotHolder | None, float, HeldDeadline | None], ToolContext] = (
+    constructor(ToolContext)
+)

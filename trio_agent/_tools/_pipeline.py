@@ -781,7 +781,7 @@ class ToolPipeline:
                                 if state.aborted is not None:  # arrived while tool_started was written
                                     raise _Aborted  # the tool never runs
                                 tool_emit = state.sink_from_tool if emit is None else state.tool_emit(emit)
-                                context = tool_context(state.ctx, tool_emit, state.slot, self.cleanup_grace)
+                                context = tool_context(state.ctx, tool_emit, state.slot, self.cleanup_grace, state)
                                 deadline = state.clock.current_time() + (tool.timeout or self.timeout)
                                 if early is None:
                                     scope = active = trio.CancelScope(deadline=deadline)
