@@ -30,7 +30,7 @@ from trio_agent._errors import JournalCorruptError, JournalError, JournalUnavail
 from trio_agent._journal._events import EventEnvelope, RequestAccepted
 from trio_agent._journal._memory import MemoryStore
 from trio_agent._journal._sqlite import SQLiteStore, open_sqlite_store
-from trio_agent._journal._store import AppendBatch, Lease, stream_id_for
+from trio_agent._journal._store import AppendBatch, AppendWaits, Lease, stream_id_for
 from trio_agent._journal._subscribe import CaughtUp, DurableEvent, subscribe_durable_events
 
 INTERVAL = 10.0
@@ -433,3 +433,33 @@ async def test_a_memory_store_s_close_returns_its_waits_and_ends_its_subscriptio
         await store.wait_for_append("s1/root", 0)  # after the close: at once
     with pytest.raises(JournalError, match="closed"):
         await store.read("s1/root")
+
+
+async def test_a_wait_cancelled_while_it_looks_raises_even_when_the_look_finds_the_append() -> None:
+    # A store's first look is a read in a worker thread, which finishes though its caller was
+    # cancelled meanwhile: the wait returned as if it had waited, inside a cancelled scope (a
+    # cancelled waiter was counted woken, 1 run in 10 of test_abandoned_waits_leave_no_wake_up_behind).
+    waits = AppendWaits()
+    looking, answer = trio.Event(), trio.Event()
+
+    async def heads(stream_ids: Sequence[str]) -> dict[str, int | JournalError]:
+        looking.set()
+        with trio.CancelScope(shield=True):  # as a thread's read, which cannot be abandoned
+            await answer.wait()
+        return dict.fromkeys(stream_ids, 5)
+
+    returned: list[bool] = []
+    scope = trio.CancelScope()
+
+    async def waiter() -> None:
+        with scope:
+            await waits.wait_for_append("s/root", 1, heads=heads)
+            returned.append(True)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await looking.wait()
+        scope.cancel()
+        answer.set()
+    assert returned == []
+    assert scope.cancelled_caught

@@ -244,6 +244,9 @@ class AppendWaits(SharedPoll[str, "int | JournalError"]):
                 except JournalError:
                     head = 0  # the next poll reports it, a poll_interval from now: never a busy loop
                 if isinstance(head, int) and head > after:
+                    # A read in a worker thread finishes even when its caller was cancelled meanwhile:
+                    # a cancelled wait raises, never returns as if it had waited.
+                    await trio.lowlevel.checkpoint_if_cancelled()
                     return
             await self.wait(waiter, None if heads is None else _heads_poll(heads), interval)
 
