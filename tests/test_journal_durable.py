@@ -745,6 +745,67 @@ async def test_a_cancelled_write_that_lands_within_the_grace_does_not_fence(
             assert (await journal.append(accepted("r2"))).first_seq == 3
 
 
+async def test_a_write_that_lands_while_reconcile_reads_is_no_corruption(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A write not confirmed within the grace may still land while `reconcile` reads the store:
+    after it read the heads, before it read the events. The events decide (the write is ours,
+    under our lease): the journal takes it, it is not a stream that holds more than it claims."""
+    inner = MemoryStore(clock=trio.current_time)
+    async with trio.open_nursery() as nursery:
+        store = GatedStore(inner, nursery)
+        gate = trio.Event()
+        landed_between = False
+
+        async def streams(session_id: str | None = None) -> Any:
+            nonlocal landed_between
+            heads = await inner.streams(session_id)
+            if not gate.is_set():
+                gate.set()  # the write lands now, after the heads were read
+                await trio.testing.wait_all_tasks_blocked()
+                landed_between = True
+            return heads
+
+        async with open_journal(store, session_id=SID, commit_grace=0.5) as journal:
+            store.hold = gate
+            with trio.move_on_after(1):
+                await journal.append(accepted("r1"))
+            store.hold = None
+            assert journal.fenced
+            store.streams = streams  # type: ignore[attr-defined]
+            await journal.reconcile()
+            assert landed_between
+            assert not journal.fenced
+            record = journal.projection().request("r1")
+            assert record is not None
+            assert journal.projection().head == await inner.head(journal.stream_id()) == 2
+            assert (await journal.append(accepted("r2"))).first_seq == 3
+
+
+async def test_a_head_that_claims_fewer_events_than_the_stream_holds_is_corruption() -> None:
+    """What the test above tells apart: a head read again that still claims fewer events."""
+    inner = MemoryStore()
+    async with open_journal(inner, session_id=SID) as journal:
+        await journal.append(accepted("r1"))
+        stream = journal.stream_id()
+
+    class StaleHeads:
+        clock = inner.clock
+
+        async def streams(self, session_id: str | None = None) -> Any:
+            return [attrs.evolve(info, head=info.head - 1) for info in await inner.streams(session_id)]
+
+        async def head(self, stream_id: str) -> int:
+            return await inner.head(stream_id) - 1
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+    with pytest.raises(JournalCorruptError, match=f"stream {stream!r} claims head 1 but holds 2 events"):
+        async with open_journal(StaleHeads(), session_id=SID):  # type: ignore[arg-type]
+            pytest.fail("a stream holding more than its head claims must not open")
+
+
 # ---------------------------------------------------------------- 6. the tool journal through a real pipeline
 
 

@@ -900,6 +900,25 @@ class DurableJournal:
 
     async def _replay(self, stream: _Stream, head: int) -> None:
         """Apply the stored events after the stream's head, up to ``head`` (the store's)."""
+        while True:
+            await self._replay_pages(stream)
+            held = stream.projection.head
+            if held <= head:
+                break
+            # A write of ours that was not confirmed in time (`reconcile`) may land after the heads
+            # were read: the store's head, read again, counts it then (and what landed since, read
+            # in turn). A head that still claims fewer events than the stream holds is damage.
+            now = await self.store.head(stream.stream_id)
+            if now <= head:
+                break
+            head = now
+        if stream.projection.head != head:
+            raise JournalCorruptError(
+                f"stream {stream.stream_id!r} claims head {head} but holds {stream.projection.head} events"
+            )
+
+    async def _replay_pages(self, stream: _Stream) -> None:
+        """Apply every stored event after the stream's head."""
         after = stream.projection.head
         while True:
             page = await self.store.read(stream.stream_id, after=after, limit=1000)
@@ -922,10 +941,6 @@ class DurableJournal:
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
             after = page[-1].seq
-        if stream.projection.head != head:
-            raise JournalCorruptError(
-                f"stream {stream.stream_id!r} claims head {head} but holds {stream.projection.head} events"
-            )
 
     # -- snapshots and the conversation
 
