@@ -377,7 +377,7 @@ class _SessionBlock:
         if task_tools is not None:
             task_tools.route(session_key, supervisor)
             self._routed = (task_tools, session_key)
-        queue.serve_in(nursery, host.run_request)
+        queue.serve_in(nursery, host)
         self._session = session
         await session._start(spec.parts.tools, seed, keep_requests=unfinished == "keep")
         return session

@@ -22,7 +22,7 @@ import enum
 import math
 import os
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import attrs
 import trio
@@ -138,12 +138,17 @@ class _Agent:
         return strategy
 
 
+_NONE_PENDING: list[str] = []
+"""`_Request.pending` until a message joins: shared, never added to (see there)."""
+
+
 def _session_close() -> RequestInterruptReason:
     return RequestInterruptReason.SESSION_CLOSE
 
 
 class _Request:
     __slots__ = (
+        "_stop",
         "abort",
         "acceptance",
         "accepted_before",
@@ -174,7 +179,6 @@ class _Request:
         "sink",
         "started",
         "steering",
-        "stop",
         "stop_reason",
         "text",
         "turn_counted",
@@ -191,12 +195,18 @@ class _Request:
         self.agent = agent
         self.abort = AbortHandle()
         self.steering = AbortHandle()
-        # "Finish what runs, then stop": steering of a foreground subagent (its block tools finish).
-        self.stop = AbortHandle()
-        self.pending: list[str] = []
+        # "Finish what runs, then stop": steering of a foreground subagent (its block tools finish),
+        # made when first asked for (`stop`): a root request is never told to stop.
+        self._stop: AbortHandle | None = None
+        # The messages that joined it, not yet taken by a turn. Until one joins (`RequestQueue.join`
+        # makes its own list), the one shared empty list: read, popped while non-empty and cleared
+        # when non-empty only, never added to (each object made eagerly is one more for the
+        # garbage collector to walk per request in flight).
+        self.pending: list[str] = _NONE_PENDING
         self.in_line = False  # counted by its queue as waiting (`RequestQueue.queued`)
         self.call_ids: list[str] = []  # the tool calls it scheduled, for the results an abort keeps
-        self.forwards: list[EventForward] = []  # the stream channels it feeds, closed when it ends
+        # The stream channels it feeds, closed when it ends (a tuple: most requests have none).
+        self.forwards: tuple[EventForward, ...] = ()
         # The ToolUseEvent of each call announced to a listener and not yet answered, by call id:
         # what a stream that joins is told first (made with the first announced call).
         self.running_calls: dict[str, ToolUseEvent] | None = None
@@ -229,6 +239,14 @@ class _Request:
         self.finishing = False  # no new background starts may join it
         self.holds = 0  # background starts in progress under this request
         self.released: trio.Event | None = None  # made with the first hold
+
+    @property
+    def stop(self) -> AbortHandle:
+        """The request's stop handle (`_stop`), made when first asked for."""
+        stop = self._stop
+        if stop is None:
+            stop = self._stop = AbortHandle()
+        return stop
 
     def listening(self) -> bool:
         """Whether anything reads the request's events now (a stream, one that joined, an observer)."""
@@ -291,13 +309,11 @@ def working_for() -> _Request | None:
     return request if request is not None and not request.done.is_set() else None
 
 
-async def _run_as(request: _Request, run: Callable[[_Request], Awaitable[None]]) -> None:
-    """``run(request)``, with the tasks under it knowing they work for *request*."""
-    token = _WORKING_FOR.set(request)
-    try:
-        await run(request)
-    finally:
-        _WORKING_FOR.reset(token)
+class RequestRunner(Protocol):
+    """What runs a request to its end (the session's host): passed as itself, not as a bound
+    method, so neither an idle session's queue nor a request in flight keeps one more object."""
+
+    async def run_request(self, request: _Request) -> None: ...
 
 
 _INTERRUPT_REASONS = {
@@ -411,7 +427,8 @@ async def record_raised(journal: DurableJournal, request: _Request, exc: BaseExc
 
 async def record_interrupted(journal: DurableJournal, request: _Request, grace: float) -> None:
     """An SDK abort (or a steering stop) ended the request: record it; keep what was committed."""
-    abort = request.abort.reason or request.stop.reason
+    stop = request._stop
+    abort = request.abort.reason or (stop.reason if stop is not None else None)
     reason = abort.reason if abort is not None else AbortReason.USER_ABORT
     agent_id = request.agent.agent_id
     request.stop_reason = StopReason.ABORTED
@@ -446,8 +463,8 @@ class RequestQueue:
         "_held_here",
         "_line",
         "_queued",
+        "_runner",
         "_serve_in",
-        "_serve_run",
         "_slot",
         "_waiting",
         "_worker_done",
@@ -485,7 +502,7 @@ class RequestQueue:
         self._queued = 0
         # The worker starts with the first request that has to wait: an idle session runs no task.
         self._serve_in: trio.Nursery | None = None
-        self._serve_run: Callable[[_Request], Awaitable[None]] | None = None  # (two slots: no tuple to keep)
+        self._runner: RequestRunner | None = None  # (two slots: no tuple to keep)
         self.current: _Request | None = None
         # The request slot: one request (or subagent start) at a time. A request run in its caller's
         # task holds it as a flag; the semaphore is made when something has to wait for it.
@@ -519,7 +536,10 @@ class RequestQueue:
 
     @staticmethod
     def join(current: _Request, prompt: str, priority: str | None) -> None:
-        current.pending.append(prompt)
+        if current.pending is _NONE_PENDING:
+            current.pending = [prompt]
+        else:
+            current.pending.append(prompt)
         if priority == Priority.NOW:
             current.steering.abort(AbortReason.STEERING, "steered by a new message")
 
@@ -635,39 +655,50 @@ class RequestQueue:
     async def run_here(
         self,
         request: _Request,
-        run: Callable[[_Request], Awaitable[None]],
+        runner: RequestRunner,
         cancel_reason: Callable[[], RequestInterruptReason],
     ) -> None:
-        """Accept and run *request* in the calling task (`runs_here` said the session is idle).
+        """Accept and run *request* in the calling task (`runs_here` said the session is idle), to
+        its end: raises as `_Request.raise_if_failed` does if it failed.
 
         No hand-off to the worker: the slot is taken before the first await, so what arrives
         meanwhile queues behind this request or joins it, exactly as if the worker ran it. A
-        cancellation of the caller interrupts the request (*cancel_reason* says why).
+        cancellation of the caller interrupts the request (*cancel_reason* says why). The tasks
+        under it know they work for *request* (`working_for`). One coroutine level (the caller's
+        is a plain function): each level is one more object per request in flight.
         """
-        slot = self._slot
-        if slot is None:
-            self._held_here = True
-        else:
-            slot.acquire_nowait()  # free: `runs_here` checked it, and nothing awaited since
-        self.current = request
         try:
-            try:
-                await self._accept_durably(request, cancel_reason)
-                if request.abort.aborted:  # aborted while it was accepted: it never starts
-                    await self._record_unstarted(request)
-                    return
-                request.cancel_reason = cancel_reason
-                await _run_as(request, run)
-            finally:
-                self.current = None
-        finally:
-            if self._held_here:
-                self._held_here = False
-                if self._slot is not None:  # made while this request ran: taken on its behalf
-                    self._slot.release()
+            slot = self._slot
+            if slot is None:
+                self._held_here = True
             else:
-                assert slot is not None
-                slot.release()
+                slot.acquire_nowait()  # free: `runs_here` checked it, and nothing awaited since
+            self.current = request
+            try:
+                try:
+                    await self._accept_durably(request, cancel_reason)
+                    if request.abort.aborted:  # aborted while it was accepted: it never starts
+                        await self._record_unstarted(request)
+                    else:
+                        request.cancel_reason = cancel_reason
+                        token = _WORKING_FOR.set(request)
+                        try:
+                            await runner.run_request(request)
+                        finally:
+                            _WORKING_FOR.reset(token)
+                finally:
+                    self.current = None
+            finally:
+                if self._held_here:
+                    self._held_here = False
+                    if self._slot is not None:  # made while this request ran: taken on its behalf
+                        self._slot.release()
+                else:
+                    assert slot is not None
+                    slot.release()
+        except BaseExceptionGroup as group:  # a tool's or a hook's nursery, cancelled: one error out
+            request.raise_for_group(group)
+        request.raise_if_failed()
 
     async def _unqueue(self, request: _Request, exc: BaseException, why: str, reason: RequestInterruptReason) -> None:
         """A request whose acceptance failed (*exc*) or came as the session closed: it never runs.
@@ -737,19 +768,19 @@ class RequestQueue:
 
     # -- the worker
 
-    def serve_in(self, nursery: trio.Nursery, run: Callable[[_Request], Awaitable[None]]) -> None:
-        """Run what has to wait with *run*, in a worker task of *nursery* started when first needed."""
-        self._serve_in, self._serve_run = nursery, run
+    def serve_in(self, nursery: trio.Nursery, runner: RequestRunner) -> None:
+        """Run what has to wait with *runner*, in a worker task of *nursery* started when first needed."""
+        self._serve_in, self._runner = nursery, runner
 
     def _start_worker(self) -> None:
-        nursery, run = self._serve_in, self._serve_run
-        if nursery is not None and run is not None:
-            self._serve_in = self._serve_run = None
+        nursery, runner = self._serve_in, self._runner
+        if nursery is not None and runner is not None:
+            self._serve_in = self._runner = None
             done = self._worker_done = trio.Event()  # made now: a close from here on waits for it
-            nursery.start_soon(self._serve, run, done, name="trio_agent.session.request_worker")
+            nursery.start_soon(self._serve, runner, done, name="trio_agent.session.request_worker")
 
-    async def _serve(self, run: Callable[[_Request], Awaitable[None]], done: trio.Event) -> None:
-        """Run the queued requests one at a time with *run*; rejects what is queued once closed."""
+    async def _serve(self, runner: RequestRunner, done: trio.Event) -> None:
+        """Run the queued requests one at a time with *runner*; rejects what is queued once closed."""
         try:
             _, line = self._waiting_line()
             async for request in line:
@@ -775,7 +806,7 @@ class RequestQueue:
                 finally:
                     self._waiting = None
                 try:
-                    await self._run_taken(request, run)
+                    await self._run_taken(request, runner)
                 finally:
                     slot.release()
         finally:
@@ -800,7 +831,7 @@ class RequestQueue:
                 await self._reject_queued(request)
             self._leave_line(request)
 
-    async def _run_taken(self, request: _Request, run: Callable[[_Request], Awaitable[None]]) -> None:
+    async def _run_taken(self, request: _Request, runner: RequestRunner) -> None:
         """Run a queued request that got the slot, unless it was aborted or the session closed meanwhile."""
         if request.done.is_set() or request.abort.aborted:
             self._leave_line(request)
@@ -810,9 +841,11 @@ class RequestQueue:
             return
         self._leave_line(request)
         self.current = request
+        token = _WORKING_FOR.set(request)  # the tasks under it know they work for it (`working_for`)
         try:
-            await _run_as(request, run)
+            await runner.run_request(request)
         finally:
+            _WORKING_FOR.reset(token)
             self.current = None
 
     async def _reject_queued(self, queued: _Request) -> None:
@@ -847,7 +880,7 @@ class RequestQueue:
     def close(self) -> None:
         """Accept nothing more; the worker rejects what is queued and ends."""
         self.closed = True
-        self._serve_in = self._serve_run = None
+        self._serve_in = self._runner = None
         if self._line is not None:
             self._line[0].close()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Literal
 
@@ -83,6 +83,7 @@ class Session:
         "_kept",
         "_nursery",
         "_queue",
+        "_recovery_notes",
         "_started",
         "_starting",
         "_starts_settled",
@@ -92,7 +93,6 @@ class Session:
         "journal",
         "life",
         "recovery",
-        "recovery_notes",
         "session_id",
     )
 
@@ -114,7 +114,7 @@ class Session:
         self.cleanup_grace = host.cleanup_grace  # both checked by open_session
         self.close_timeout = close_timeout
         self.recovery: RecoveryReport | None = None
-        self.recovery_notes: list[str] = []
+        self._recovery_notes: list[str] | None = None  # made when first read or added to (`recovery_notes`)
         self.life = 1  # which life of the session this is (a cleanly closed session reopened: 2, 3 ...)
         self._started = False
         self._kept: str | None = None  # the started request an earlier owner left, kept at open
@@ -131,6 +131,19 @@ class Session:
         self._starts_settled: trio.Event | None = None  # made when the close waits for them
 
     # -- what it holds
+
+    @property
+    def recovery_notes(self) -> list[str]:
+        """What reopening recovered, one line per re-run call or unknown outcome on any stream (a
+        list made when first read or added to: most sessions have none)."""
+        notes = self._recovery_notes
+        if notes is None:
+            notes = self._recovery_notes = []
+        return notes
+
+    @recovery_notes.setter
+    def recovery_notes(self, notes: list[str]) -> None:
+        self._recovery_notes = notes
 
     @property
     def root_agent_id(self) -> str:
@@ -223,7 +236,9 @@ class Session:
         paused. A second continuation of one pause is refused (code ``stale``), also
         from another process: the journal accepts one ``interrupts_resolved`` per pause.
         """
-        return await self._run_to_end(self._continuation(answers), "resume() was cancelled")
+        request = self._continuation(answers)
+        await self._run_to_end(request, "resume() was cancelled")
+        return _reply(request)
 
     @asynccontextmanager
     async def resume_stream(self, answers: Sequence[InterruptAnswer]) -> AsyncIterator[SessionEventStream]:
@@ -274,7 +289,8 @@ class Session:
             self._check_no_kept_request()
         request = _Request(prompt, discard, self._host.root)
         request.priority = None if priority is None else Priority(priority)
-        return await self._run_to_end(request, "send() was cancelled")
+        await self._run_to_end(request, "send() was cancelled")
+        return _reply(request)
 
     async def serve_request(self, request_id: str, prompt: str, *, sink: EventSink = discard) -> RequestState:
         """Run request *request_id* to its end at most once, and return how the journal says it ended.
@@ -332,23 +348,25 @@ class Session:
         ended = journal.projection().request(request_id)
         return RequestState.ACCEPTED if ended is None else ended.state
 
-    async def _run_to_end(self, request: _Request, cancelled: str) -> str:
+    def _run_to_end(self, request: _Request, cancelled: str) -> Awaitable[None]:
+        """Run *request* to its end (raising as `_Request.raise_if_failed` does if it failed): in
+        the caller's task when the session is idle, else by the worker. A plain function: the
+        caller awaits the coroutine that runs it, one coroutine level less per request in flight."""
         queue = self._queue
         if queue.runs_here():  # idle: the caller's task runs it, no hand-off to the worker
-            try:
-                await queue.run_here(request, self._host.run_request, self._cancelled_by)
-            except BaseExceptionGroup as group:  # a tool's or a hook's nursery, cancelled: one error out
-                request.raise_for_group(group)
-        else:
-            await queue.accept(request, self._cancelled_by)
-            try:
-                await request.done.wait()
-            finally:
-                if not request.done.is_set():
-                    with self._host.cleanup_scope():
-                        await queue.abort_request(request, *self._abort_for(cancelled))
+            return queue.run_here(request, self._host, self._cancelled_by)
+        return self._run_queued(request, cancelled)
+
+    async def _run_queued(self, request: _Request, cancelled: str) -> None:
+        queue = self._queue
+        await queue.accept(request, self._cancelled_by)
+        try:
+            await request.done.wait()
+        finally:
+            if not request.done.is_set():
+                with self._host.cleanup_scope():
+                    await queue.abort_request(request, *self._abort_for(cancelled))
         request.raise_if_failed()
-        return _reply(request)
 
     def _cancelled_by(self) -> RequestInterruptReason:
         """Why a request run in its caller's task was cancelled: the session's end (closing, or its
@@ -387,7 +405,7 @@ class Session:
             # Calls already announced and still running are announced to this stream first (no
             # checkpoint until the tee below: nothing is missed or heard twice).
             forward.announce(current.running_calls)
-            current.forwards.append(forward)
+            current.forwards += (forward,)
             current.sink = tee(current.sink, forward)
             try:
                 async with recv:
@@ -414,7 +432,7 @@ class Session:
         queue = self._queue
         forward = EventForward(send, request.abort)
         request.sink = forward
-        request.forwards.append(forward)
+        request.forwards += (forward,)
         await queue.accept(request, self._cancelled_by)
         stream = SessionEventStream(
             recv, request, joined=False, aborter=functools.partial(queue.abort_request, request)
@@ -587,7 +605,8 @@ class Session:
             self._kept = self.journal.projection(host.root.agent_id)._s.active_request
         if life is not None:
             self.life, self.recovery = life.number, life.recovery
-            self.recovery_notes.extend(life.notes)
+            if life.notes:
+                self.recovery_notes.extend(life.notes)
         self._started = True
         if host.hooks.has_hooks(HookEvent.SESSION_START):
             decision = await host.dispatch(HookEvent.SESSION_START, host.root.agent_id)
