@@ -321,7 +321,7 @@ class _Run:
         self.approved: dict[str, dict[str, Any]] = {}  # call id -> the arguments a person approved
         self._discards = False  # set by `run_agent_loop` (see there), as is:
         self._listening: Callable[[], bool] | None = None
-        self.usages: list[Usage] = []  # what each model call reported
+        self.usage: Usage | None = None  # what the model calls reported, added up in order
         self._last_ref: TurnRef | None = None  # `_turn_ref`'s last answer, and the attempt it names
         self._last_attempt = 0
 
@@ -366,8 +366,13 @@ class _Run:
                     return self._finished(StopReason.MAX_TURNS)
                 self.turns += 1
                 turn = self.turns
+                inputs: Sequence[str]
                 inputs, steering = ports.inbox.begin_turn()
                 ports.conversation.extend(UserMessage(text) for text in inputs)
+                if not inputs:
+                    # The usual turn takes nothing: its empty list is not kept for the turn (the
+                    # frames below and `turn_inputs` would hold it: one object more per run in flight).
+                    inputs = ()
                 self.turn_inputs = inputs
                 message_id = f"{self._turn_id(turn)}-m{next(_message_ids)}"
                 ctx.iteration = turn - 1
@@ -416,7 +421,7 @@ class _Run:
         turn: int,
         message_id: str,
         config: ModelConfig,
-        inputs: list[str],
+        inputs: Sequence[str],
         steering: AbortHandle,
         *,
         asked: bool = False,
@@ -773,7 +778,7 @@ class _Run:
             if self._configures:
                 config = await self.hooks.on_config(ctx, config)
             # The turn's input is in the conversation (and journalled with run_paused) already.
-            return await self._turn(turn, message_id, config, [], steering, asked=True)
+            return await self._turn(turn, message_id, config, (), steering, asked=True)
         # Paused after the reply or before its tools: the tool phase of that reply, in a turn of its own.
         finish = pause.finish or FinishReason.TOOL_CALLS
         self.step_open = True
@@ -807,10 +812,9 @@ class _Run:
             raise _Aborted
 
     def _finished(self, reason: StopReason, abort: Abort | None = None, pause: PauseState | None = None) -> Finished:
-        usages = self.usages
-        usage = usages[0] if usages else Usage()  # as Usage() + usages[0]: the same counts
-        for reported in usages[1:]:
-            usage = usage + reported
+        usage = self.usage
+        if usage is None:
+            usage = Usage()
         return _finished(reason, self.text, self.turns, self.state, abort, pause, usage)
 
     def _config(self) -> ModelConfig:
@@ -853,7 +857,7 @@ class _Run:
     # -- one model call (with the retries a hook asks for)
 
     async def _model_step(
-        self, turn: int, turn_id: str, message_id: str, config: ModelConfig, inputs: list[str]
+        self, turn: int, turn_id: str, message_id: str, config: ModelConfig, inputs: Sequence[str]
     ) -> tuple[ModelReply, dict[str, ToolResult], dict[str, dict[str, Any]]] | None:
         spec, ports, hooks, ctx, hooked = self.spec, self.ports, self.hooks, self.ctx, self.hooked
         attempt = 1
@@ -861,7 +865,94 @@ class _Run:
             ref = self._turn_ref(turn, attempt)
             await ports.recorder.model_call_started(ref, ports.model.model, opens_turn=attempt == 1)
             try:
-                reply = await self._stream_reply(ref, message_id, config)
+                # One call streamed into the assembler and the events (inline, not a method: one
+                # coroutine level less per request in flight); ``None``: aborted. The events keep the
+                # documented grammar on every way out: reasoning and text blocks never nest and are
+                # closed before the call's usage (reported once per call, what its last `UsageChunk`
+                # said: the counts are cumulative) and before anything after the call.
+                # Ids already used on this stream are taken: a model that repeats one gets a new one.
+                assembler = ReplyAssembler(reserved=ports.conversation.call_ids())
+                events = self.events
+                run_id, agent_id = spec.run_id, spec.agent_id
+                text_open = reasoning_open = False
+                produced = aborted = False
+                failed: ModelError | None = None
+                quiet = self.quiet
+                abort, unlink = (ports.abort, _no_unlink) if ports.stop is None else _either(ports.abort, ports.stop)
+                ctx.phase = Phase.MODEL_STREAM
+                try:
+                    async with ports.model.stream(
+                        self._messages(config),
+                        tools=config.tools,
+                        abort=abort,
+                        options=config.options,
+                        metadata=config.metadata,
+                    ) as chunks:
+                        async for chunk in chunks:
+                            assembler.feed(chunk)
+                            if isinstance(chunk, TextDelta):
+                                produced = True
+                                if quiet:
+                                    continue
+                                if reasoning_open:
+                                    reasoning_open = False
+                                    await events(ReasoningEnd(run_id, agent_id, message_id))
+                                if not text_open:
+                                    text_open = True
+                                    await events(TextMessageStart(run_id, agent_id, message_id))
+                                await events(TextMessageContent(run_id, agent_id, message_id, chunk.text))
+                            elif isinstance(chunk, ReasoningDelta):
+                                produced = True
+                                if chunk.text and not quiet and not reasoning_open:
+                                    if text_open:  # the model thinks again mid-answer: its text message ends first
+                                        text_open = False
+                                        await events(TextMessageEnd(run_id, agent_id, message_id))
+                                    reasoning_open = True
+                                    await events(ReasoningStart(run_id, agent_id, message_id))
+                                if chunk.text and not quiet:
+                                    await events(ReasoningContent(run_id, agent_id, message_id, chunk.text))
+                            elif not isinstance(chunk, UsageChunk):
+                                produced = True
+                except ModelError as error:
+                    if isinstance(error, ModelAbortedError) and self._aborted():
+                        aborted = True  # the run's abort (or stop) ended the call: no failure of the model's
+                    elif not produced:
+                        # A ModelAbortedError nothing of the run's asked for (a middleware or provider
+                        # raised its own) is the call's failure, as any ModelError: an aborted end with no
+                        # abort behind it failed an assertion after RunFinished(aborted) had gone out.
+                        raise _RetryableFailure(error) from None
+                    else:
+                        await ports.recorder.model_call_failed(ref, error)
+                        failed = error
+                except Exception:
+                    # A hook failed mid-stream: the blocks it left open still end, before `RunError`.
+                    with contextlib.suppress(Exception):
+                        if reasoning_open:
+                            await events(ReasoningEnd(run_id, agent_id, message_id))
+                        if text_open:
+                            await events(TextMessageEnd(run_id, agent_id, message_id))
+                    raise
+                finally:
+                    unlink()
+                if reasoning_open:
+                    await events(ReasoningEnd(run_id, agent_id, message_id))
+                if text_open:
+                    await events(TextMessageEnd(run_id, agent_id, message_id))
+                if failed is not None:
+                    raise failed
+                usage = assembler.reported_usage
+                if usage is not None:  # what the call reported, aborted or not: once per call
+                    total = self.usage
+                    self.usage = usage if total is None else total + usage
+                    if "on_usage" in self.hooked:
+                        # Told of an aborted call too; cut by the abort, the run ends at its next safe point.
+                        try:  # noqa: SIM105 - a suppress() per hook call would cost more than this hook point
+                            await self.hooks.on_usage(ctx, usage)
+                        except HookAborted:
+                            pass
+                    if not quiet:
+                        await events(UsageReported(run_id, agent_id, usage))
+                reply = None if aborted else assembler.finish()
             except _RetryableFailure as failure:
                 await ports.recorder.model_call_failed(ref, failure.error)
                 if attempt <= MAX_MODEL_RETRIES and await self._wants_retry(failure.error):
@@ -872,8 +963,8 @@ class _Run:
                         config = await hooks.on_config(ctx, config)
                     continue
                 # Its own cause kept (the provider's exception): `from None` would overwrite it.
-                error = failure.error
-                raise error from error.__cause__
+                model_error = failure.error
+                raise model_error from model_error.__cause__
             if reply is None:
                 stop = ports.stop
                 await ports.recorder.model_call_aborted(ref, ports.abort.reason or (stop.reason if stop else None))
@@ -914,98 +1005,6 @@ class _Run:
             return await self.hooks.on_model_error(ctx, error) or ctx._retry_requested
         finally:
             ctx._retry_open, ctx._retry_requested = False, False
-
-    async def _stream_reply(self, ref: TurnRef, message_id: str, config: ModelConfig) -> ModelReply | None:
-        """Stream one model call into the assembler and the events; ``None`` if aborted.
-
-        The events keep the documented grammar on every way out: reasoning and text blocks
-        never nest and are closed before the call's usage (reported once per call, what its
-        last `UsageChunk` said: the counts are cumulative) and before anything after the call.
-        """
-        spec, ports, ctx = self.spec, self.ports, self.ctx
-        # Ids already used on this stream are taken: a model that repeats one gets a new one.
-        assembler = ReplyAssembler(reserved=ports.conversation.call_ids())
-        feed = assembler.feed
-        events = self.events
-        run_id, agent_id = spec.run_id, spec.agent_id
-        text_open = reasoning_open = False
-        produced = aborted = False
-        failure: ModelError | None = None
-        quiet = self.quiet
-        abort, unlink = (ports.abort, _no_unlink) if ports.stop is None else _either(ports.abort, ports.stop)
-        ctx.phase = Phase.MODEL_STREAM
-        try:
-            async with ports.model.stream(
-                self._messages(config),
-                tools=config.tools,
-                abort=abort,
-                options=config.options,
-                metadata=config.metadata,
-            ) as chunks:
-                async for chunk in chunks:
-                    feed(chunk)
-                    if isinstance(chunk, TextDelta):
-                        produced = True
-                        if quiet:
-                            continue
-                        if reasoning_open:
-                            reasoning_open = False
-                            await events(ReasoningEnd(run_id, agent_id, message_id))
-                        if not text_open:
-                            text_open = True
-                            await events(TextMessageStart(run_id, agent_id, message_id))
-                        await events(TextMessageContent(run_id, agent_id, message_id, chunk.text))
-                    elif isinstance(chunk, ReasoningDelta):
-                        produced = True
-                        if chunk.text and not quiet and not reasoning_open:
-                            if text_open:  # the model thinks again mid-answer: its text message ends first
-                                text_open = False
-                                await events(TextMessageEnd(run_id, agent_id, message_id))
-                            reasoning_open = True
-                            await events(ReasoningStart(run_id, agent_id, message_id))
-                        if chunk.text and not quiet:
-                            await events(ReasoningContent(run_id, agent_id, message_id, chunk.text))
-                    elif not isinstance(chunk, UsageChunk):
-                        produced = True
-        except ModelError as error:
-            if isinstance(error, ModelAbortedError) and self._aborted():
-                aborted = True  # the run's abort (or stop) ended the call: no failure of the model's
-            elif not produced:
-                # A ModelAbortedError nothing of the run's asked for (a middleware or provider
-                # raised its own) is the call's failure, as any ModelError: an aborted end with no
-                # abort behind it failed an assertion after RunFinished(aborted) had gone out.
-                raise _RetryableFailure(error) from None
-            else:
-                await ports.recorder.model_call_failed(ref, error)
-                failure = error
-        except Exception:
-            # A hook failed mid-stream: the blocks it left open still end, before `RunError`.
-            with contextlib.suppress(Exception):
-                if reasoning_open:
-                    await events(ReasoningEnd(run_id, agent_id, message_id))
-                if text_open:
-                    await events(TextMessageEnd(run_id, agent_id, message_id))
-            raise
-        finally:
-            unlink()
-        if reasoning_open:
-            await events(ReasoningEnd(run_id, agent_id, message_id))
-        if text_open:
-            await events(TextMessageEnd(run_id, agent_id, message_id))
-        if failure is not None:
-            raise failure
-        usage = assembler.reported_usage
-        if usage is not None:  # what the call reported, aborted or not: once per call
-            self.usages.append(usage)
-            if "on_usage" in self.hooked:
-                # Told of an aborted call too; cut by the abort, the run ends at its next safe point.
-                try:  # noqa: SIM105 - a suppress() per hook call would cost more than this hook point
-                    await self.hooks.on_usage(ctx, usage)
-                except HookAborted:
-                    pass
-            if not quiet:
-                await events(UsageReported(run_id, agent_id, usage))
-        return None if aborted else assembler.finish()
 
     # -- one tool phase
 
