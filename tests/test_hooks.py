@@ -612,7 +612,7 @@ async def test_an_unused_abort_handle_leaves_no_listener_behind() -> None:
     runner = runner_for(HookEvent.STOP, named("a", HookOutput.context("x")))
     decision = await runner.dispatch(HookEvent.STOP, hook_input(HookEvent.STOP), abort=abort)
     assert decision.additional_context == ("x",)
-    assert abort._listeners == {}
+    assert abort._first is None and not abort._listeners
 
 
 # -- PreToolUse through a real pipeline ----------------------------------------------------

@@ -90,11 +90,17 @@ class AbortHandle:
     another handle forwards this one's reason to it.
     """
 
-    __slots__ = ("_abort", "_listeners", "_next_token")
+    # The first listener is kept in a slot of its own, not in a dict: the usual handle has one
+    # listener at a time (the phase that runs under it), and a dict holding one is one more object
+    # for the garbage collector per handle in use. A listener added while the first is there goes
+    # to `_listeners` (made then); the first is always older than those, so they run in order.
+    __slots__ = ("_abort", "_first", "_first_token", "_listeners", "_next_token")
 
     def __init__(self) -> None:
         self._abort: Abort | None = None
-        self._listeners: dict[int, Callable[[Abort], None]] = {}
+        self._first: Callable[[Abort], None] | None = None
+        self._first_token = -1
+        self._listeners: dict[int, Callable[[Abort], None]] | None = None
         self._next_token = 0
 
     def __repr__(self) -> str:
@@ -117,11 +123,14 @@ class AbortHandle:
             raise TypeError(f"reason must be an AbortReason, got {reason!r}")
         if self._abort is not None:
             return False
-        self._abort = Abort(reason, message or _DEFAULT_MESSAGES[reason])
-        listeners = list(self._listeners.values())
-        self._listeners.clear()
-        for listener in listeners:
-            listener(self._abort)
+        abort = self._abort = Abort(reason, message or _DEFAULT_MESSAGES[reason])
+        first, listeners = self._first, self._listeners
+        self._first = self._listeners = None
+        if first is not None:
+            first(abort)
+        if listeners:
+            for listener in listeners.values():  # (the dict is no longer the handle's: nothing changes it)
+                listener(abort)
         return True
 
     def add_listener(self, listener: Callable[[Abort], None]) -> int:
@@ -131,9 +140,18 @@ class AbortHandle:
             return -1
         token = self._next_token
         self._next_token = token + 1
-        self._listeners[token] = listener
+        if self._first is None and not self._listeners:
+            self._first, self._first_token = listener, token
+        else:
+            listeners = self._listeners
+            if listeners is None:
+                listeners = self._listeners = {}
+            listeners[token] = listener
         return token
 
     def remove_listener(self, token: int) -> None:
         """Forget a listener; unknown tokens are ignored (it may have fired already)."""
-        self._listeners.pop(token, None)
+        if self._first is not None and token == self._first_token:
+            self._first = None
+        elif self._listeners:
+            self._listeners.pop(token, None)

@@ -302,8 +302,9 @@ class _SessionBlock:
             raise ConfigError("durable_pure_starts belongs to open_journal for a journal given open")
 
         # A missing API key fails before any journal opens.
-        provider_cm = _provider(spec)
-        provider_obj = await provider_cm.__aenter__()
+        provider_cm, provider_obj = _provider(spec)
+        if provider_obj is None:  # one named by string: created here, closed with the session
+            provider_obj = await provider_cm.__aenter__()
         self._provider_cm = provider_cm
         if spec.middleware or getattr(provider_obj, "requires", None) is not None:
             validate_capabilities(spec.middleware, provider_obj)  # the adapter's requires too
@@ -554,12 +555,14 @@ def _check_journal_option(journal: JournalOption) -> JournalOption:
     return journal
 
 
-def _provider(spec: AgentSpec) -> AbstractAsyncContextManager[Provider]:
-    """The spec's provider: one named by string is created here and closed with the session."""
+def _provider(spec: AgentSpec) -> tuple[AbstractAsyncContextManager[Provider], Provider | None]:
+    """The block that holds the spec's provider, and the provider if given (else the block makes
+    it when entered): one named by string is created then and closed with the session; a given
+    one is left open (`_LEFT_OPEN`: shared, no object of its own kept per session)."""
     provider, model = spec.provider, spec.model
     if isinstance(provider, str):
-        return _named_provider(provider, model or "")
-    return _Given(provider.with_model(model) if model and model != provider.model else provider)
+        return _named_provider(provider, model or ""), None
+    return _LEFT_OPEN, provider.with_model(model) if model and model != provider.model else provider
 
 
 class _Given(Generic[_T]):
@@ -578,6 +581,10 @@ class _Given(Generic[_T]):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         return None
+
+
+_LEFT_OPEN: _Given[Any] = _Given(None)
+"""The provider's block when the caller gave it: leaving it leaves the provider open."""
 
 
 @asynccontextmanager

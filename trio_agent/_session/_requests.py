@@ -148,6 +148,7 @@ def _session_close() -> RequestInterruptReason:
 
 class _Request:
     __slots__ = (
+        "_done",
         "_stop",
         "abort",
         "acceptance",
@@ -159,7 +160,7 @@ class _Request:
         "cancel_reason",
         "continuation",
         "continuing",
-        "done",
+        "ended",
         "error",
         "finishing",
         "forwards",
@@ -216,7 +217,10 @@ class _Request:
         self.cancel_reason: Callable[[], RequestInterruptReason] = _session_close
         # The run's events as delivered (after chat middleware), for whoever routes it (subagents).
         self.observe: Callable[[RunEvent], Awaitable[None]] | None = None
-        self.done = trio.Event()
+        # Whether it ended (`finish`); the event its waiters wait on is made by the first of them
+        # (`done`): most requests end with nobody waiting but their own caller's task.
+        self.ended = False
+        self._done: trio.Event | None = None
         self.text = ""
         self.stop_reason = StopReason.END_TURN
         self.turns = 0
@@ -239,6 +243,16 @@ class _Request:
         self.finishing = False  # no new background starts may join it
         self.holds = 0  # background starts in progress under this request
         self.released: trio.Event | None = None  # made with the first hold
+
+    @property
+    def done(self) -> trio.Event:
+        """Set when it ended (`finish`): made when first asked for, set already if it ended."""
+        done = self._done
+        if done is None:
+            done = self._done = trio.Event()
+            if self.ended:
+                done.set()
+        return done
 
     @property
     def stop(self) -> AbortHandle:
@@ -269,7 +283,10 @@ class _Request:
         recorded or sent in time (the reader then learns the outcome from the request)."""
         for forward in self.forwards:
             forward.close_now()
-        self.done.set()
+        self.ended = True
+        done = self._done
+        if done is not None:
+            done.set()
         if self.begun is not None:
             self.begun.set()
 
@@ -306,7 +323,7 @@ _WORKING_FOR: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("
 def working_for() -> _Request | None:
     """The unfinished request the calling task works for (`_WORKING_FOR`), if any."""
     request = _WORKING_FOR.get()
-    return request if request is not None and not request.done.is_set() else None
+    return request if request is not None and not request.ended else None
 
 
 class RequestRunner(Protocol):
@@ -527,7 +544,7 @@ class RequestQueue:
         current = self.current
         if (
             current is not None
-            and not current.done.is_set()
+            and not current.ended
             and current.accepting
             and priority in (Priority.NEXT, Priority.NOW)
         ):
@@ -557,11 +574,11 @@ class RequestQueue:
     def idle(self) -> bool:
         """Nothing runs and nothing is queued."""
         current = self.current
-        return (current is None or current.done.is_set()) and not self.queued
+        return (current is None or current.ended) and not self.queued
 
     def check_not_busy(self, priority: str | None) -> None:
         current = self.current
-        if current is not None and not current.done.is_set() and priority is None:
+        if current is not None and not current.ended and priority is None:
             raise SessionBusyError("a request is running: send with priority='next', 'now' or 'later', or wait for it")
         if current is None and self.queued and priority is None:
             raise SessionBusyError("requests are queued: send with priority='later' to queue another")
@@ -627,7 +644,7 @@ class RequestQueue:
         current = self.current
         worker_done = self._worker_done
         return (
-            (current is None or current.done.is_set())
+            (current is None or current.ended)
             and (worker_done is None or worker_done.is_set())
             and not self._accepting
             and not self.queued
@@ -715,7 +732,7 @@ class RequestQueue:
                         RequestInterrupted(request_id=request.request_id, reason=reason),
                     )
         finally:
-            if not request.done.is_set():  # else it ended meanwhile (aborted, or rejected by the close)
+            if not request.ended:  # else it ended meanwhile (aborted, or rejected by the close)
                 request.accepting = False
                 if request.pending:
                     self.inbox.setdefault(request.agent.agent_id, []).extend(request.pending)
@@ -728,7 +745,7 @@ class RequestQueue:
     async def abort_request(self, request: _Request, reason: AbortReason, message: str) -> None:
         """Abort *request*; returns once its end is durable."""
         request.abort.abort(reason, message)
-        if self.current is not request and not request.started and not request.done.is_set():
+        if self.current is not request and not request.started and not request.ended:
             # Still queued: it never starts; record it now instead of waiting for the worker.
             await self._record_unstarted(request)
             return
@@ -784,7 +801,7 @@ class RequestQueue:
         try:
             _, line = self._waiting_line()
             async for request in line:
-                if request.done.is_set() or request.abort.aborted:
+                if request.ended or request.abort.aborted:
                     self._leave_line(request)
                     continue  # aborted while it was queued: `abort_request` records it
                 if self.closed:
@@ -800,7 +817,7 @@ class RequestQueue:
                         await acceptance.wait()
                     await slot.acquire()  # a request run in its caller's task may hold the slot
                 except BaseException:
-                    if not request.done.is_set():
+                    if not request.ended:
                         await self._reject_queued(request)  # taken from the queue: it must still end
                     raise
                 finally:
@@ -827,13 +844,13 @@ class RequestQueue:
                 request = line[1].receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 return
-            if not (request.done.is_set() or request.abort.aborted):
+            if not (request.ended or request.abort.aborted):
                 await self._reject_queued(request)
             self._leave_line(request)
 
     async def _run_taken(self, request: _Request, runner: RequestRunner) -> None:
         """Run a queued request that got the slot, unless it was aborted or the session closed meanwhile."""
-        if request.done.is_set() or request.abort.aborted:
+        if request.ended or request.abort.aborted:
             self._leave_line(request)
             return  # aborted while it waited for the request slot: `abort_request` recorded it
         if self.closed:

@@ -363,7 +363,7 @@ class Session:
         try:
             await request.done.wait()
         finally:
-            if not request.done.is_set():
+            if not request.ended:
                 with self._host.cleanup_scope():
                     await queue.abort_request(request, *self._abort_for(cancelled))
         request.raise_if_failed()
@@ -444,7 +444,7 @@ class Session:
             forward_sink = request.sink
             if isinstance(forward_sink, EventForward):
                 forward_sink.closed = True
-            if not request.done.is_set():
+            if not request.ended:
                 with self._host.cleanup_scope():
                     await queue.abort_request(request, *self._abort_for("the stream was closed early"))
 
@@ -454,7 +454,7 @@ class Session:
         any other (``timeout`` and ``lease_lost`` are the SDK's own) raises `ConfigError`, also when idle."""
         reason = abort_reason(reason, message)
         current = self._queue.current
-        if current is None or current.done.is_set():
+        if current is None or current.ended:
             await trio.lowlevel.checkpoint()
             return
         await self._queue.abort_request(current, reason, message)
@@ -483,7 +483,7 @@ class Session:
         if parent != root_id:
             return await self._start_under_agent(name, prompt, parent)
         current = self._queue.current
-        while current is not None and not current.started and not current.done.is_set():
+        while current is not None and not current.started and not current.ended:
             # Being accepted (a request run in its caller's task is current from before its
             # acceptance is written): it starts under that request, not after its end.
             await current.wait_started()
@@ -744,7 +744,7 @@ class Session:
         first refusal of one (raised once the rest is done)."""
         refused: InvalidTransitionError | None = None
         current = queue.current
-        if current is not None and not current.done.is_set():
+        if current is not None and not current.ended:
             await queue.abort_request(current, AbortReason.SESSION_CLOSE, "the session is closing")
         # The worker rejects what is still queued; requests accepted meanwhile record themselves.
         await queue.drain()
