@@ -888,3 +888,32 @@ def test_a_snapshot_whose_paused_state_does_not_decode_is_not_restored() -> None
     state.paused["r1"] = {"bogus": 1}
     with pytest.raises(JournalCorruptError, match="the paused state of request 'r1' does not decode"):
         Projection.restored("s/root", state)
+
+
+@pytest.mark.parametrize("messages", [[5], "a note", []], ids=["int", "str", "empty"])
+async def test_an_inbox_note_whose_messages_do_not_decode_fails_the_open_naming_its_row(
+    tmp_path: Path, messages: object
+) -> None:
+    """What a stored ``inbox_noted`` holds goes back in the inbox on reopen: one that does not
+    decode is a typed error of that open (naming its row), never a note of some other text."""
+    from trio_agent import define_tool, open_session
+    from trio_agent.testing import Reply, TestModel
+    from trio_agent.tools import Effect
+
+    @define_tool(name="note", description="n", input_schema={"type": "object"}, side_effect="pure", kind="readonly")
+    async def note(input: dict[str, Any], ctx: Any) -> str:
+        await ctx.emit(Effect("new_messages", ["remember this"]))
+        return "noted"
+
+    path = tmp_path / "j.db"
+
+    def opened(**options: Any) -> Any:
+        model = TestModel(default=Reply(tool_calls=[("note", {})]))
+        return open_session(provider=model, tools=[note], journal=path, session_id="s", **options)
+
+    async with opened(max_turns=1) as session:
+        await session.send("go")
+    seq = _rewrite_event(path, "inbox_noted", lambda event: event.__setitem__("messages", messages))
+    with pytest.raises(JournalCorruptError, match=rf"s/root#{seq} is corrupt: .*messages"):
+        async with opened():
+            pass

@@ -18,6 +18,7 @@ from trio_agent._journal._events import (
     ConversationSeeded,
     ErrorInfo,
     EventEnvelope,
+    InboxNoted,
     InterruptsResolved,
     ModelAbortReason,
     ModelAttemptAborted,
@@ -112,6 +113,8 @@ SAMPLES: list[Any] = [
     ConversationSeeded(session_id="s1", conversation={"messages": [{"type": "UserMessage", "content": "hi"}]}),
     RunPaused(request_id="r1", state={"phase": "before_tools", "pending_calls": [{"id": "c1"}]}),
     PromptSubmitted(request_id="r1", messages=("[review] hi", "context")),
+    InboxNoted(messages=("remember: the sky is green",), request_id="r1"),
+    InboxNoted(messages=("[background subagent sub1 (helper) idle]: idle", ""), subagent_id="sub1"),
     InterruptsResolved(
         request_id="r1",
         continuation_id="r2",
@@ -348,3 +351,20 @@ def test_a_subagent_started_written_before_background_existed_reads_as_backgroun
     data["event"]["background"] = "no"
     with pytest.raises(JournalCorruptError):
         decode_event(data)
+
+
+@pytest.mark.parametrize(
+    "messages", [[], [5], "a note", None, [["nested"]], {"a": "b"}], ids=["empty", "int", "str", "null", "list", "dict"]
+)
+def test_an_inbox_note_without_a_list_of_messages_is_corrupt(messages: Any) -> None:
+    """What a note holds goes back in the inbox on reopen: a stored note whose messages are not a
+    non-empty list of strings is a typed error, never a note of some other text."""
+    data = encode_event(envelope(InboxNoted(messages=("hi",), request_id="r1")))
+    data["event"]["messages"] = messages
+    with pytest.raises(JournalCorruptError, match="messages"):
+        decode_event(data)
+    del data["event"]["messages"]
+    with pytest.raises(JournalCorruptError, match="messages"):
+        decode_event(data)
+    with pytest.raises((ValueError, TypeError)):
+        InboxNoted(messages=messages)

@@ -48,6 +48,7 @@ from trio_agent._journal._events import (
     ConversationSeeded,
     Event,
     EventEnvelope,
+    InboxNoted,
     InterruptsResolved,
     ModelAttemptCompleted,
     ModelAttemptStarted,
@@ -165,7 +166,8 @@ def conversation_events(draw: Any) -> list[Event]:
 
     def attempt(n: int) -> Any:
         calls = st.lists(st.sampled_from(CALLS), unique=True, max_size=3)
-        return st.tuples(st.lists(text, max_size=2), text, calls, st.data()).map(
+        inputs = st.lists(st.one_of(text, st.sampled_from(NOTES)), max_size=3)
+        return st.tuples(inputs, text, calls, st.data()).map(
             lambda t: ModelAttemptCompleted(
                 **ids,
                 attempt_id=f"a{n}",
@@ -192,8 +194,27 @@ def conversation_events(draw: Any) -> list[Event]:
         st.just(
             ConversationSeeded(session_id=SID, conversation={"messages": [{"type": "UserMessage", "content": "s"}]})
         ),
+        st.lists(st.sampled_from(NOTES), min_size=1, max_size=3).map(lambda notes: InboxNoted(messages=notes)),
     )
     return _unique_call_ids(draw(st.lists(one, max_size=30)))
+
+
+NOTES = ["n1", "n2", ""]
+
+
+def owed_notes(events: list[Event]) -> list[str]:
+    """What a reopen owes the model: every noted message, in order, until a completed model attempt
+    whose inputs hold it, after every earlier one still owed (in order, others between)."""
+    owed: list[str] = []
+    for event in events:
+        if isinstance(event, InboxNoted):
+            owed += event.messages
+        elif isinstance(event, ModelAttemptCompleted):
+            inputs = list(ModelReplyRecord.from_payload(event.response).inputs)
+            while owed and owed[0] in inputs:
+                inputs = inputs[inputs.index(owed[0]) + 1 :]
+                owed.pop(0)
+    return owed
 
 
 def _unique_call_ids(events: list[Event]) -> list[Event]:
@@ -251,6 +272,36 @@ def test_a_fold_state_stored_before_foreground_subagents_were_kept_still_reads()
     assert ConversationFold.from_json(old) == fold
 
 
+def test_a_note_is_owed_until_a_model_call_takes_it_and_one_noted_meanwhile_stays_owed() -> None:
+    """A model call takes its inbox whole, first among its inputs: the notes it holds go, in order,
+    past messages of the inbox that are no note (a subagent outcome's) and the request's joined ones;
+    a note noted while the call ran was not in its inbox and stays owed, even when a joined message
+    after it reads the same as a later note."""
+
+    def attempt(n: int, *inputs: str) -> ModelAttemptCompleted:
+        payload = ModelReplyRecord(inputs=inputs, text="ok").to_payload()
+        return ModelAttemptCompleted(request_id="r", turn_id="t", attempt_id=f"a{n}", response=payload)
+
+    fold = ConversationFold()
+    fold.feed(InboxNoted(messages=("a", "b")))
+    fold.feed(InboxNoted(messages=("c",), request_id="r"))
+    assert fold.undelivered_notes == ("a", "b", "c")
+    fold.feed(attempt(1, "a", "[outcome]", "b", "joined"))  # "c" was noted while the call ran
+    assert fold.undelivered_notes == ("c",)
+    fold.feed(InboxNoted(messages=("d",)))
+    fold.feed(attempt(2, "d"))  # "d" is not taken before the owed "c"
+    assert fold.undelivered_notes == ("c", "d")
+    fold.feed(RunPaused(request_id="r", state={"inputs": ["c", "d"]}))  # a pause before its model call took them
+    assert fold.undelivered_notes == ()
+    assert fold.to_parts()[0]["noted"] == []
+    fold.feed(InboxNoted(messages=("e",)))
+    reread = ConversationFold.from_json(json.loads(json.dumps(fold.to_json())))
+    assert reread.undelivered_notes == ("e",)
+    old = fold.to_json()
+    del old["noted"]  # a state stored before notes were journalled: none owed
+    assert ConversationFold.from_json(old).undelivered_notes == ()
+
+
 def session_answer(events: list[Event]) -> dict[str, Any] | None:
     answers = [e.output for e in events if isinstance(e, RequestCompleted) and e.output]
     return answers[-1] if answers else None
@@ -280,6 +331,7 @@ def test_the_incremental_fold_equals_the_fold_however_it_is_split(events: list[E
             fold = ConversationFold.from_parts(json.loads(json.dumps(state)), entries, outcomes)
     assert fold.messages() == fold_conversation(events)
     assert list(fold.outcomes_since_reply) == session_notes(events)
+    assert list(fold.undelivered_notes) == owed_notes(events)
     assert fold.last_output == session_answer(events)
 
 

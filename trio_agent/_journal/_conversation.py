@@ -51,8 +51,15 @@ Rules
   the session needs on reopen without reading the stream: the background subagent
   outcomes recorded since the last completed model attempt (a foreground subagent's,
   ``subagent_started`` with ``background`` false, is left out: its ``task`` call's result
-  told the model; the fold keeps the ids of those still running for that), and the last
-  non-empty request output.
+  told the model; the fold keeps the ids of those still running for that), the last
+  non-empty request output, and the notes still owed to the model (`undelivered_notes`):
+  each `InboxNoted` message, in the order noted, until a model call takes it. A model
+  call takes its inbox whole, first among its inputs and in the order it was noted, so
+  a `ModelAttemptCompleted` (or a `RunPaused` before its model call) drops, from the
+  oldest owed note on, each note its ``inputs`` hold in that order (messages of the
+  inbox that are no note, e.g. a subagent outcome's, and the request's own joined
+  messages are passed over); a note noted while the call was under way is not among
+  them and stays owed. A failed or aborted attempt takes nothing.
 """
 
 from __future__ import annotations
@@ -91,6 +98,7 @@ from ._errors import InvalidTransitionError, JournalCorruptError
 from ._events import (
     ConversationSeeded,
     Event,
+    InboxNoted,
     InterruptsResolved,
     ModelAttemptCompleted,
     PromptSubmitted,
@@ -438,6 +446,20 @@ def resolved_answers(event: InterruptsResolved) -> dict[str, ToolResultMessage]:
     return answers
 
 
+def _take_notes(noted: list[str], inputs: Iterable[str]) -> None:
+    """Drop from *noted* (owed notes, oldest first) those a model call with *inputs* took: from
+    the oldest on, each found among the inputs in order; the first not found and every later
+    one stay owed (noted while the call was under way, they were not in its inbox)."""
+    taken = 0
+    count = len(noted)
+    for text in inputs:
+        if text == noted[taken]:
+            taken += 1
+            if taken == count:
+                break
+    del noted[:taken]
+
+
 # ---------------------------------------------------------------- the incremental fold
 
 
@@ -461,6 +483,9 @@ class _FoldState:
     # before this existed has none, as its journal has no foreground subagent).
     foreground: list[str] = attrs.Factory(list)
     last_output: dict[str, Any] | None = None
+    # Inbox notes no model call took yet, in the order noted (a state stored before this existed
+    # has none, as its journal has no `InboxNoted`).
+    noted: list[str] = attrs.Factory(list)
     awaiting: dict[str, list[str]] = attrs.Factory(dict)  # paused request -> its calls waiting for answers
     queued: dict[str, dict[str, Any]] = attrs.Factory(dict)  # accepted, not started: its input waits
     last_prompt: tuple[str, int] | None = None  # the started request whose prompt ends the entries
@@ -558,6 +583,8 @@ class ConversationFold:
                 else:
                     entries.append(PendingAnswer(call.id))
             s.since_reply.clear()
+            if s.noted:
+                _take_notes(s.noted, record.inputs)
         elif isinstance(event, _SUBAGENT_EVENTS):
             if isinstance(event, SubagentStarted):
                 if not event.background:
@@ -567,8 +594,13 @@ class ConversationFold:
             else:
                 s.since_reply.append(event)
         elif isinstance(event, RunPaused):
+            inputs = paused_inputs(event)
             s.awaiting[event.request_id] = paused_call_ids(event)
-            s.entries.extend(UserMessage(text) for text in paused_inputs(event))
+            s.entries.extend(UserMessage(text) for text in inputs)
+            if s.noted:
+                _take_notes(s.noted, inputs)
+        elif isinstance(event, InboxNoted):
+            s.noted.extend(event.messages)
         elif isinstance(event, InterruptsResolved):
             answers = resolved_answers(event)
             s.awaiting.pop(event.request_id, None)
@@ -635,6 +667,12 @@ class ConversationFold:
         last completed model attempt (all of them if there is none): outcomes whose note may never
         have reached the model."""
         return tuple(self._s.since_reply)
+
+    @property
+    def undelivered_notes(self) -> tuple[str, ...]:
+        """The messages `InboxNoted` put in the agent's inbox that no journalled model call has
+        taken yet, in the order noted: what a reopened session owes the model (module rules)."""
+        return tuple(self._s.noted)
 
     @property
     def last_output(self) -> dict[str, Any] | None:

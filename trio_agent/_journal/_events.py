@@ -39,6 +39,7 @@ __all__ = [
     "ErrorInfo",
     "Event",
     "EventEnvelope",
+    "InboxNoted",
     "InterruptsResolved",
     "ModelAbortReason",
     "ModelAttemptAborted",
@@ -306,6 +307,32 @@ class PromptSubmitted:
     messages: tuple[str, ...] = attrs.field(default=(), converter=_ids)
 
 
+def _notes(values: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(values, (str, bytes, dict)):  # one text is no list of them (nor its characters)
+        raise TypeError(f"messages must be a list of strings, not {type(values).__name__}")
+    notes = _ids(values)
+    if not notes:
+        raise ValueError("messages must hold at least one message")
+    return notes
+
+
+@attrs.frozen(kw_only=True)
+class InboxNoted:
+    """``messages`` entered the agent's inbox: its next model call takes them as input (after
+    the prompt). Written only when something enters it: a tool's ``new_messages`` effect, a
+    background subagent's report that no ``subagent_completed`` / ``subagent_cancelled`` tells
+    (a later work's, an idle one's), a message that joined a request which ended before a turn
+    took it, recovery's notes. Owed until a model call journals them among its ``inputs``
+    (`ConversationFold.undelivered_notes`): a reopened session puts those back in the inbox.
+    ``request_id``: the request whose run they came from, if any; ``subagent_id``: the
+    background subagent that reported them, if any. Journals written before it existed have
+    none: what their inboxes held was lost with the process, as it then was."""
+
+    messages: tuple[str, ...] = attrs.field(converter=_notes)
+    request_id: str | None = attrs.field(default=None, validator=_optional_non_empty)
+    subagent_id: str | None = attrs.field(default=None, validator=_optional_non_empty)
+
+
 @attrs.frozen(kw_only=True)
 class RunPaused:
     """The request ended paused: ``state`` is where it paused (the batch of questions, the calls
@@ -532,6 +559,7 @@ Event: TypeAlias = (
     | RequestFailed
     | RequestInterrupted
     | PromptSubmitted
+    | InboxNoted
     | RunPaused
     | InterruptsResolved
     | TurnStarted
@@ -700,9 +728,20 @@ def _json_hook(value: object, _: object) -> Any:
     return value
 
 
+def _texts_hook(value: object, _: object) -> tuple[str, ...]:
+    # cattrs iterates any iterable: "abc" would read as ("a", "b", "c"), a dict as its keys.
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"expected a list of strings, got {type(value).__name__}")
+    for item in value:
+        if type(item) is not str:
+            raise TypeError(f"expected a list of strings, got an item of type {type(item).__name__}")
+    return tuple(value)
+
+
 def _configure_events(converter: cattrs.Converter) -> None:
     for kind in (str, int, float, bool):
         converter.register_structure_hook(kind, _strict(kind))
+    converter.register_structure_hook_func(lambda t: t == tuple[str, ...], _texts_hook)
     converter.register_structure_hook_func(lambda t: t == JsonObject, _json_hook)
     converter.register_unstructure_hook_func(lambda t: t == JsonObject, lambda value: value)
     configure_tagged_union(Event, converter, tag_generator=event_type_name, tag_name="type")

@@ -90,6 +90,7 @@ from ._events import (
     ConversationSeeded,
     Event,
     EventEnvelope,
+    InboxNoted,
     InterruptsResolved,
     ModelAbortReason,
     ModelAttemptAborted,
@@ -1091,6 +1092,14 @@ class Projection:
         if apply:
             self._s.permission_updates += (event,)
 
+    # -- the inbox
+
+    def _noted(self, envelope: EventEnvelope, event: InboxNoted, apply: bool) -> None:
+        # Accepted at any time while the session is open (checked for every event): a note enters
+        # the inbox between requests too (a background subagent's report, recovery's notes). What is
+        # owed of them is the conversation fold's (`ConversationFold.undelivered_notes`).
+        return None
+
     # -- subagents
 
     def _subagent(
@@ -1250,6 +1259,7 @@ _HANDLERS: dict[type[Any], _Handler] = {
     PermissionResolved: Projection._tool,
     RecoveryDecision: Projection._tool,
     PermissionUpdated: Projection._permission_update,
+    InboxNoted: Projection._noted,
     SubagentStarted: Projection._subagent,
     SubagentCompleted: Projection._subagent,
     SubagentCancelled: Projection._subagent,

@@ -36,7 +36,7 @@ from .._abort import AbortHandle
 from .._cleanup import bounded_shield
 from .._errors import ConfigError, JournalError, LeaseLostError, SessionPausedError
 from .._journal._durable import DurableJournal
-from .._journal._events import PromptSubmitted, RunPaused, request_completed, request_started
+from .._journal._events import InboxNoted, PromptSubmitted, RunPaused, request_completed, request_started
 from .._journal._run_recorder import JournalRecorder
 from .._lifecycle._approvals import PermissionGate
 from .._lifecycle._interrupts import PausedRun, pause_from_json, pause_to_json
@@ -247,11 +247,12 @@ class SessionHost:
             event, HookInput(event=event, session_id=self.session_id, agent_id=agent_id, **fields), abort=abort
         )
 
-    async def apply_effect(self, agent: _Agent, effect: Effect, call_id: str) -> None:
+    async def apply_effect(self, agent: _Agent, effect: Effect, call_id: str, request_id: str | None = None) -> None:
         """Apply what a settled tool asked of the session.
 
         ``new_messages`` (a string or a list of strings) reach the agent's model at
-        its next turn; ``permission_updates`` (`PermissionUpdate` s, accepted only from
+        its next turn (the root's are journalled first, `note`: a reopen still tells them);
+        ``permission_updates`` (`PermissionUpdate` s, accepted only from
         the tool itself: the pipeline drops them from middleware) change the session's
         permission rules, journalled first (an effect with a ``set_mode`` is ignored whole:
         a tool does not change the mode). Other kinds are logged and ignored.
@@ -268,7 +269,10 @@ class SessionHost:
             return
         if kind == "new_messages":
             messages = [payload] if isinstance(payload, str) else list(payload or [])
-            self.inbox.setdefault(agent.agent_id, []).extend(str(message) for message in messages)
+            # Durable before the call's answer is published: the call settled (its result is
+            # durable, so a restart replays it and never runs the tool again), and only this
+            # write keeps what it asked the model to be told.
+            await self.note(agent.agent_id, [str(message) for message in messages], request_id=request_id)
         elif kind == "permission_updates" and self.permissions is not None:
             updates = [payload] if isinstance(payload, PermissionUpdate) else list(payload or [])
             if any(isinstance(update, PermissionUpdate) and update.mode is not None for update in updates):
@@ -286,6 +290,57 @@ class SessionHost:
                 _log.warning("ignored a permission_updates effect: %s", exc)
         else:
             _log.warning("ignored an effect of unknown kind %r from agent %s", kind, agent.agent_id)
+
+    # -- the inbox
+
+    async def note(
+        self, agent_id: str, messages: Sequence[str], *, request_id: str | None = None, subagent_id: str | None = None
+    ) -> None:
+        """Put *messages* in *agent_id*'s inbox (its next model call takes them) and, for the root
+        agent, journal them (`InboxNoted`), returning once that is durable.
+
+        For what the journal cannot tell again once its producer's own record is durable (a
+        settled call's effect, a subagent's report after its request completed). The note is
+        in the inbox and in the journal's stream before the first checkpoint: a cancellation
+        while the write is confirmed leaves it noted once (the journal confirms the write or is
+        fenced). A subagent's notes are not journalled: a subagent never runs after a reopen.
+        """
+        event = self._noted(agent_id, messages, request_id, subagent_id)
+        if event is not None:
+            await self.journal.append(event, agent_id=agent_id)
+
+    def note_later(self, agent_id: str, messages: Sequence[str], *, request_id: str | None = None) -> None:
+        """`note`, journalled with the stream's next write (`DurableJournal.defer`): for messages
+        that joined a request that ended before a turn took them. Nothing durable produced them
+        (a join is not journalled), so a crash before that write loses them with their sender's
+        call; the request's end, written next, carries them. Never raises: a journal that may
+        not write is logged (it refuses the request's end too)."""
+        event = self._noted(agent_id, messages, request_id, None)
+        if event is not None:
+            try:
+                self.journal.defer(event, agent_id=agent_id)
+            except (JournalError, LeaseLostError) as exc:
+                _log.warning("could not journal %d inbox message(s) of agent %s: %s", len(messages), agent_id, exc)
+
+    def _noted(
+        self, agent_id: str, messages: Sequence[str], request_id: str | None, subagent_id: str | None
+    ) -> InboxNoted | None:
+        """*messages* in the inbox now; the event that journals them (the root's only), or ``None``."""
+        if not messages:
+            return None
+        self.inbox.setdefault(agent_id, []).extend(messages)
+        if agent_id != self.root.agent_id:
+            return None
+        return InboxNoted(messages=tuple(messages), request_id=request_id, subagent_id=subagent_id)
+
+    def keep_pending(self, request: _Request) -> None:
+        """No message that joined may be lost: *request* takes no more (``accepting`` false),
+        and what is pending reaches its agent's next model call (`note_later`)."""
+        request.accepting = False
+        if request.pending:
+            pending = list(request.pending)
+            request.pending.clear()
+            self.note_later(request.agent.agent_id, pending, request_id=request.request_id)
 
     # -- one request
 
@@ -389,6 +444,8 @@ class SessionHost:
                 if request.sink is not discard:
                     await request.sink(DoneEvent(request.request_id, request.text, request.stop_reason, request.turns))
         except BaseException as exc:
+            # What joined and was not taken is noted before the end is written, which carries it.
+            self.keep_pending(request)
             if not await record_raised(journal, request, exc, self.cleanup_grace):
                 raise
         finally:
@@ -408,8 +465,7 @@ class SessionHost:
             # No message that joined may be lost: whatever is still pending reaches the next turn.
             request.accepting = False
             if request.pending:
-                self.inbox.setdefault(agent.agent_id, []).extend(request.pending)
-                request.pending.clear()
+                self.keep_pending(request)
             if not completed:
                 # The next request must not send the model a tool call without its answer, except
                 # the calls a paused request waits with (a failed continuation leaves it paused).
@@ -499,7 +555,7 @@ class SessionHost:
             model=self.service_for(agent),
             tools=self.pipeline,
             conversation=conversation,
-            inbox=RequestInbox(self.inbox, agent.agent_id, request, counts_turns=quiet_while_unread),
+            inbox=RequestInbox(self, agent.agent_id, request, counts_turns=quiet_while_unread),
             recorder=JournalRecorder(self.journal, agent.agent_id),
             events=events,
             effects=events.effects,
@@ -592,7 +648,7 @@ class _RunEvents:
     async def effects(self, agent_id: str, call_id: str, items: Sequence[Effect]) -> None:
         """Apply what a settled call asked of the session (the loop's own port: no hook sees it)."""
         for effect in items:
-            await self.host.apply_effect(self.agent, effect, call_id)
+            await self.host.apply_effect(self.agent, effect, call_id, self.request.request_id)
 
     # -- what the session keeps (what the loop did)
 
@@ -789,12 +845,11 @@ class RequestInbox:
     """Messages that joined the request (priority next/now), the session's background reports for
     the agent, and a Stop hook's continuation."""
 
-    __slots__ = ("agent_id", "counts_turns", "inbox", "request")
+    __slots__ = ("agent_id", "counts_turns", "host", "inbox", "request")
 
-    def __init__(
-        self, inbox: dict[str, list[str]], agent_id: str, request: _Request, *, counts_turns: bool = False
-    ) -> None:
-        self.inbox = inbox
+    def __init__(self, host: SessionHost, agent_id: str, request: _Request, *, counts_turns: bool = False) -> None:
+        self.host = host
+        self.inbox = host.inbox
         self.agent_id = agent_id
         self.request = request
         self.counts_turns = counts_turns  # the loop may build no StepStarted (`_RunEvents`)
@@ -825,12 +880,12 @@ class RequestInbox:
 
     def close(self) -> None:
         request = self.request
-        request.accepting = False
         request.continuation = None
-        # No message that joined may be lost: what is pending reaches the agent's next request.
+        request.accepting = False
         if request.pending:
-            self.inbox.setdefault(self.agent_id, []).extend(request.pending)
-            request.pending.clear()
+            # No message that joined may be lost: what is pending reaches the agent's next request
+            # (noted before the run's end is written, which carries it).
+            self.host.keep_pending(request)
 
 
 class SessionHooks(Lifecycle):

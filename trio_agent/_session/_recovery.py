@@ -19,10 +19,14 @@ Rules
   hook's allow, or its start) is not asked again (one ask per call): the grant answers the
   table's ask, and the table's denies still hold. A started call runs with the input it
   started with. Any other call's permission is decided, and asked, as live.
-* What the model must learn (recovery notes, background subagents whose outcome it
-  never saw) goes to the root's inbox, so it is recorded with its next model call. The
-  notes are read from the journal, so a crash during recovery loses none: the re-runs and
-  unknown outcomes of an earlier recovery, in a request it never closed, are told again.
+* What the model must learn goes to the root's inbox, so it is recorded with its next
+  model call: first the inbox notes of the last life no model call took
+  (`ConversationFold.undelivered_notes`), then the recovery notes (journalled as
+  ``inbox_noted`` per stream, before that stream's open requests are closed, so a later
+  life still owes them), then background subagents whose outcome it never saw. The
+  recovery notes are read from the journal, so a crash during recovery loses none: the
+  re-runs and unknown outcomes of an earlier recovery, in a request it never closed, are
+  told again (a note that reads as one still owed is not noted a second time).
 """
 
 from __future__ import annotations
@@ -196,10 +200,17 @@ async def _recover(
 ) -> None:
     """Apply the journal's recovery plan on every stream and re-run what it allows, live."""
     journal = host.journal
+    root_id = host.root.agent_id
+    # What the root's inbox held when the last life ended, in the order noted: owed first, as it
+    # was noted first (`ConversationFold.undelivered_notes`), and not journalled again.
+    owed = journal.conversation_fold().undelivered_notes
+    if owed:
+        host.inbox.setdefault(root_id, []).extend(owed)
     for agent_id in list(journal.agents):
         projection = journal.projection(agent_id)
         if projection.session_state is not SessionState.OPEN:
             continue
+        told = len(life.notes)  # the notes of the streams before this one are journalled
         # A subagent never runs again after a restart (its handle died with the process): what
         # it scheduled and never started is cancelled, not started for nobody to read.
         continues = agent_id == host.root.agent_id
@@ -260,6 +271,13 @@ async def _recover(
             call = journal.call(call_id, agent_id)
             name = call.scheduled.tool_name if call is not None else "?"
             life.notes.append(str(unknown_outcome_result(call_id, name).output))
+        note = _RECOVERED + "\n".join(life.notes[told:]) if len(life.notes) > told else None
+        if note is not None and note not in owed:
+            # Journalled (`SessionHost.note`) before this stream's requests are closed below: once
+            # they are, no later recovery can tell these again. A crash between the two leaves
+            # them open, and the next recovery tells them again: owed already when it reads the
+            # same (not noted twice), else told twice, never not at all.
+            await host.note(root_id, [note])
         # Close what the crash left open, then rebuild the conversation from the journal.
         projection = journal.projection(agent_id)  # appends may have replaced the object
         for turn in list(projection._s.turns.values()):
@@ -288,12 +306,14 @@ async def _recover(
     # From memory (the snapshot the journal loaded plus the events after it), when first needed:
     # the first request, or `Session.messages`. Opening decodes no history.
     host.root.defer_history(journal.deferred_conversation())
-    notes = host.inbox.setdefault(host.root.agent_id, [])
-    if life.notes:
-        notes.append("[session recovered after a restart]\n" + "\n".join(life.notes))
-    notes.extend(_undelivered_subagent_notes(journal))
-    if not notes:
-        del host.inbox[host.root.agent_id]
+    # Background subagents' outcomes the root's model never saw: told from the outcome events
+    # (their notes are not journalled, `SubagentSupervisor._report`).
+    outcomes = _undelivered_subagent_notes(journal)
+    if outcomes:
+        host.inbox.setdefault(root_id, []).extend(outcomes)
+
+
+_RECOVERED = "[session recovered after a restart]\n"
 
 
 def _undelivered_subagent_notes(journal: DurableJournal) -> list[str]:

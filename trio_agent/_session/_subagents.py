@@ -681,6 +681,7 @@ class SubagentSupervisor:
         closed = status is SubagentStatus.CANCELLED and self._session_ends()
         summary = answer if status is SubagentStatus.COMPLETED else (handle.error or status.value)
         with self.host.cleanup_scope("recording a subagent's outcome"):
+            told = False  # its outcome, recorded now, tells the note after a reopen
             if not handle._recorded and status in (
                 SubagentStatus.COMPLETED,
                 SubagentStatus.FAILED,
@@ -695,9 +696,19 @@ class SubagentSupervisor:
                         subagent_id=handle.id,
                         reason="session closed" if closed else status.value,
                     )
-                await self.record_end(handle.parent_id, event)
+                told = await self.record_end(handle.parent_id, event)
             note = f"[background subagent {handle.id} ({handle.name}) {status.value}]: {summary or ''}"
-            self.host.inbox.setdefault(handle.parent_id, []).append(note)
+            if told:
+                # Owed until the parent's next model reply (`ConversationFold.outcomes_since_reply`):
+                # a reopen tells it from the outcome, so it is not journalled a second time.
+                self.host.inbox.setdefault(handle.parent_id, []).append(note)
+                return
+            try:
+                # No outcome tells it (a later work's report, an idle one's): journalled itself,
+                # durably, as the subagent's request end it reports already is.
+                await self.host.note(handle.parent_id, [note], subagent_id=handle.id)
+            except (JournalError, LeaseLostError) as exc:  # in the inbox all the same, for this life
+                _log.warning("could not journal the report of subagent %s: %s", handle.id, exc)
 
     # -- foreground
 
