@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import trio
 
-from .._abort import AbortHandle
+from .._abort import Abort, AbortHandle
 from .._builders import constructor
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
 from .._config import MAX_TIMEOUT, finite_seconds, short_repr, validate_timeout
@@ -751,7 +751,7 @@ class _OpenChains(dict[Operation, Composed]):
     def __missing__(self, operation: Operation) -> Composed:
         # Typed as taking the request alone; a run's (`Composed.start`) take the call first.
         check: Any = _check_open
-        terminal: Any = _open_terminal
+        terminal: Any = _open_stream_terminal if operation is Operation.STREAM else _open_events_terminal
         composed = compose_middleware(self._chains[operation], terminal, check=check, validate=False)
         assert isinstance(composed, Composed)
         self[operation] = composed
@@ -1033,7 +1033,7 @@ class ModelService:
         request = self.request(
             Operation.CHAT_WITH_RETRY_EVENTS, messages, tools=tools, options=options, abort=abort, metadata=metadata
         )
-        return self._open_iterators(request, self._retry_events_terminal, _EVENT_KINDS)
+        return self._open_iterators(request, _EVENT_KINDS)
 
     def _retry_events_terminal(self, request: ModelRequest) -> AsyncIterator[RetryEvent | ModelResponse]:
         return _RetryingEvents(self, request, self._retry_events(request))
@@ -1071,16 +1071,14 @@ class ModelService:
         (``model_stream_reused``), and nothing is sent.
         """
         request = self.request(Operation.STREAM, messages, tools=tools, options=options, abort=abort, metadata=metadata)
-        return self._open_iterators(request, self._stream_terminal, _CHUNK_KINDS)
+        return self._open_iterators(request, _CHUNK_KINDS)
 
     def _stream_terminal(self, request: ModelRequest) -> AsyncIterator[StreamChunk]:
         return _RetryingStream(self, request)
 
-    def _open_iterators(
-        self, request: ModelRequest, terminal: Callable[[ModelRequest], AsyncIterator[Any]], kinds: frozenset[type]
-    ) -> _OpenIterators:
+    def _open_iterators(self, request: ModelRequest, kinds: frozenset[type]) -> _OpenIterators:
         # No layer of the operation: the block reads the terminal, whose items are checked already.
-        return _OpenIterators(self, request, terminal, kinds if self._chains[request.operation] else None)
+        return _OpenIterators(self, request, kinds if self._chains[request.operation] else None)
 
     def _position_name(self, operation: Operation, position: int) -> str:
         """How a clean-up overrun names the layer at *position* of *operation*'s chain (the terminal last)."""
@@ -1121,9 +1119,16 @@ def _check_open(run: _OpenIterators, request: ModelRequest) -> None:
     _check_kept(run._request, request)
 
 
-def _open_terminal(run: _OpenIterators, request: ModelRequest) -> AsyncIterator[Any]:
-    # Bound to its call (where its reads run, the scope they run under) as `_track` keeps it.
-    return run._terminal(request)
+# Each operation's terminal (bound to its call: where its reads run, the scope they run under, as
+# `_track` keeps it), composed into its chain: a block keeps no bound method of its service's.
+
+
+def _open_stream_terminal(run: _OpenIterators, request: ModelRequest) -> AsyncIterator[Any]:
+    return run._service._stream_terminal(request)
+
+
+def _open_events_terminal(run: _OpenIterators, request: ModelRequest) -> AsyncIterator[Any]:
+    return run._service._retry_events_terminal(request)
 
 
 class _TrackedNext(ComposedNext):
@@ -1160,29 +1165,22 @@ class _OpenIterators(Frame, HeldDeadline):
         "_service",
         "_source",
         "_task",
-        "_terminal",
         "_token",
     )
 
-    def __init__(
-        self,
-        service: ModelService,
-        request: ModelRequest,
-        terminal: Callable[[ModelRequest], AsyncIterator[Any]],
-        kinds: frozenset[type] | None,
-    ) -> None:
+    def __init__(self, service: ModelService, request: ModelRequest, kinds: frozenset[type] | None) -> None:
         self._service = service
         self._request = request
-        self._terminal = terminal
         # What the block may see (the terminal's items are checked already); None: no layer runs,
         # so every item is the terminal's and is not checked twice.
         self._kinds = kinds
         # Position -> iterator: layer i at i, the terminal last. Closing goes by position, so the
-        # order is outermost first even when a wrapper opens its inner stream eagerly.
-        self._opened: dict[int, AsyncIterator[Any]] = {}
+        # order is outermost first even when a wrapper opens its inner stream eagerly. None when no
+        # layer runs: the terminal's is the only one, `_outer` (one dict less per call).
+        self._opened: dict[int, AsyncIterator[Any]] | None = None if kinds is None else {}
+        self._outer: AsyncIterator[Any] | None = None
         self._deadline: trio.CancelScope | None = None
         self._token: int | None = None
-        self._outer: AsyncIterator[Any] | None = None
         self._ended = False  # set when the block is left: no layer's next opens anything after
         self._source: _RetryingStream | None = None  # the provider's stream, once a layer opened it
         self._task: trio.lowlevel.Task | None = None  # the block's task, once entered
@@ -1196,7 +1194,9 @@ class _OpenIterators(Frame, HeldDeadline):
         """Keep the iterator of the layer at *position* (the terminal last), to be closed in order."""
         if not hasattr(iterator, "__anext__"):
             raise ModelMiddlewareError(f"a stream wrapper must return an async iterator, got {iterator!r}")
-        self._opened[position] = iterator
+        opened = self._opened
+        if opened is not None:  # (no layer: the terminal's is kept as `_outer` only)
+            opened[position] = iterator
         kind = type(iterator)
         if kind is _RetryingStream:
             self._source = iterator
@@ -1244,7 +1244,7 @@ class _OpenIterators(Frame, HeldDeadline):
         deadline = self._deadline = trio.CancelScope(deadline=trio.current_time() + service.request_timeout)
         deadline.__enter__()
         if handle is not None:  # aborting the request cancels the scope
-            self._token = handle.add_listener(lambda abort: deadline.cancel(reason=abort.message))
+            self._token = handle.add_listener(self)  # (`__call__`: no closure per call)
         try:
             self._outer = self._track(0, chain.start(request, self, _TrackedNext))
         except BaseException as exc:
@@ -1257,6 +1257,12 @@ class _OpenIterators(Frame, HeldDeadline):
             await self.__aexit__(type(error), error, exc.__traceback__)
             raise error from error.__cause__
         return self
+
+    def __call__(self, abort: Abort) -> None:
+        """The block is its request's abort listener (while it is open): aborting cancels its scope."""
+        deadline = self._deadline
+        assert deadline is not None  # entered before it listens
+        deadline.cancel(reason=abort.message)
 
     # The block's iterator is this object itself (one object less per call): it types what escapes
     # the chain, so a middleware bug becomes a ModelMiddlewareError with its cause.
@@ -1337,7 +1343,10 @@ class _OpenIterators(Frame, HeldDeadline):
         self._ended = True
         error = exc
         try:
-            failure = await _close_all(self._opened, service, request.operation)
+            opened = self._opened
+            if opened is None:  # no layer ran: the terminal's, if it was opened
+                opened = {} if self._outer is None else {0: self._outer}
+            failure = await _close_all(opened, service, request.operation)
             if failure is not None:
                 if exc is not None:  # the block's own error (or cancellation) wins; the cleanup's is noted
                     exc.add_note(f"also, closing a model stream layer raised {describe(failure, 'repr')}")
