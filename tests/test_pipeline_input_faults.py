@@ -162,7 +162,7 @@ async def test_calls_that_finished_beside_a_long_running_call_are_not_kept_alive
             await pipeline.execute(ToolCall(f"c{index}", "t", {}))
         assert len(pipeline._cleanup_heap) == 1  # the long call's own entry only
         release.set()
-    assert pipeline._cleanup_heap == []
+    assert pipeline._cleanup_heap is None  # dropped once empty
 
 
 @pytest.mark.parametrize(

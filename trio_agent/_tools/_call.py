@@ -275,8 +275,9 @@ class _Call(HeldDeadline):
                 self.granted = []
             self.granted.append(item)
 
-    def forward_abort(self, abort: Abort) -> None:
-        """The listener on the request's handle (and steering's): it aborts the call's own."""
+    def __call__(self, abort: Abort) -> None:
+        """The call is the listener on the request's handle (and steering's), not a bound method
+        kept per call: it aborts the call's own."""
         self.abort.abort(abort.reason, abort.message)
 
     def refuse_late(self, item: ToolItem) -> NoReturn:

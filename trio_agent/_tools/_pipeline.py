@@ -297,13 +297,13 @@ class ToolPipeline:
         # A journal whose writes never checkpoint and raise before they change anything needs no
         # probe of the call's state around them (a write that raised left it as it was).
         self._journal_atomic = _declares(journal, "_atomic_writes")
-        self._fence = journal.fencing_token
         # The in-memory journal has no lease: its ownership check, asked five times a call, is a no-op.
         check = journal.check_ownership
         self._owner_checks = getattr(check, "__func__", None) is not InMemoryToolJournal.check_ownership
-        probe = getattr(journal, "call_state", None)
-        self._probe: Callable[[ScheduledCall], object] | None = probe if callable(probe) else None
-        self._ensure = getattr(journal, "ensure_owner", None)
+        # Whether the journal tells where it holds a call (`call_state`), and confirms its lease
+        # (`ensure_owner`): its methods are looked up when used, not kept bound per pipeline.
+        self._probes = callable(getattr(journal, "call_state", None))
+        self._ensures = getattr(journal, "ensure_owner", None) is not None
         if scheduler is None:
             scheduler = ToolScheduler()
         elif not isinstance(scheduler, ToolScheduler):
@@ -350,8 +350,9 @@ class ToolPipeline:
         self.session_key = session_key
         # No history kept: one shared empty deque (appending to it keeps nothing), not ~600 bytes each.
         self.history: deque[ToolExecutionRecord] = deque(maxlen=history_limit) if history_limit else _NO_HISTORY
-        # Calls whose tool is running, keyed by the moment their cleanup would overrun.
-        self._cleanup_heap: list[tuple[float, int, _Call]] = []
+        # Calls whose tool is running, keyed by the moment their cleanup would overrun: made by the
+        # first, dropped once empty (an idle pipeline keeps no empty list).
+        self._cleanup_heap: list[tuple[float, int, _Call]] | None = None
         self._cleanup_seq = 0
         self.cleanup_overruns = 0
         # Calls whose overrun is watched (the pipeline cancelled them, or found them overrunning),
@@ -433,7 +434,8 @@ class ToolPipeline:
         call_abort = AbortHandle()
         ctx = execution_context(
             origin.session_id, origin.agent_id, origin.request_id, origin.turn_id, call.id, key,
-            call_abort, self._fence, origin.lineage, self._ensure, self.session_key,
+            call_abort, journal.fencing_token, origin.lineage, journal.ensure_owner if self._ensures else None,
+            self.session_key,
         )  # fmt: skip
         state = _Call(self, tool, scheduled, ctx, on_item, json_copy(call.input), clock)
         has_unwind = self._has_unwind
@@ -464,11 +466,10 @@ class ToolPipeline:
 
         # Removed in the finally below: the handle and the call refer to each other.
         token = call_abort.add_listener(state.on_abort)
-        forward = state.forward_abort
-        abort_token = -1 if abort is None else abort.add_listener(forward)
+        abort_token = -1 if abort is None else abort.add_listener(state)  # (it forwards: `_Call.__call__`)
         if steering is not None and behavior.interrupt is not InterruptBehavior.CANCEL:
             steering = None  # steering reaches only `cancel` tools
-        steer_token = -1 if steering is None else steering.add_listener(forward)
+        steer_token = -1 if steering is None else steering.add_listener(state)
         try:
             if behavior_error is not None:
                 result = ToolResult.failure(ToolErrorType.EXECUTION, str(behavior_error), code="behavior_error")
@@ -792,9 +793,7 @@ class ToolPipeline:
                                 with entered:
                                     state.target = scope
                                     # Tracked until `_untrack_cleanup`: new starts wait for it if it overruns.
-                                    cleanup_deadline = state.cleanup_deadline = deadline + self.cleanup_grace
-                                    self._cleanup_seq += 1
-                                    heapq.heappush(self._cleanup_heap, (cleanup_deadline, self._cleanup_seq, state))
+                                    self._track_cleanup(state, deadline + self.cleanup_grace)
                                     state.tool_ran = True
                                     try:
                                         outcome = await tool.run(value, context)
@@ -1161,22 +1160,25 @@ class ToolPipeline:
             # their calls alive (result, input, context) until it ends: drop every finished one now.
             heap[:] = [entry for entry in heap if entry[2].cleanup_deadline != -math.inf]
             heapq.heapify(heap)
+        if not heap:
+            self._cleanup_heap = None
 
     def _track_cleanup(self, state: _Call, deadline: float) -> None:
         """*state*'s tool overruns if it still runs at *deadline* (a wait on a reader of its items
         moved its deadline on: `_Call._reader_resumed`)."""
         state.cleanup_deadline = deadline
         self._cleanup_seq += 1
-        heapq.heappush(self._cleanup_heap, (deadline, self._cleanup_seq, state))
+        heap = self._cleanup_heap
+        if heap is None:
+            heap = self._cleanup_heap = []
+        heapq.heappush(heap, (deadline, self._cleanup_seq, state))
 
     def _note_cancel(self, state: _Call) -> None:
         if state.cleanup_deadline == -math.inf:
             return  # its tool has ended (an abort recording its timeout, say)
         deadline = trio.current_time() + self.cleanup_grace
         if deadline < state.cleanup_deadline:
-            state.cleanup_deadline = deadline
-            self._cleanup_seq += 1
-            heapq.heappush(self._cleanup_heap, (deadline, self._cleanup_seq, state))
+            self._track_cleanup(state, deadline)
         self._watch(state)
 
     def _watch(self, state: _Call) -> None:
@@ -1233,7 +1235,7 @@ class ToolPipeline:
         now = trio.current_time()
         return [
             f"tool {state.tool.name!r} (call {state.scheduled.call_id!r})"
-            for deadline, _, state in sorted(self._cleanup_heap, key=lambda entry: entry[:2])
+            for deadline, _, state in sorted(self._cleanup_heap or (), key=lambda entry: entry[:2])
             if state.cleanup_deadline == deadline and deadline <= now
         ]
 
@@ -1261,13 +1263,12 @@ class ToolPipeline:
     # -- settlement and publication ----------------------------------------------
 
     def _knows_call_state(self) -> bool:
-        return self._probe is not None
+        return self._probes
 
     def _call_state(self, scheduled: ScheduledCall) -> str | None:
-        probe = self._probe
-        if probe is None:
+        if not self._probes:
             return None
-        state = probe(scheduled)
+        state = self.journal.call_state(scheduled)
         return state if isinstance(state, str) else None
 
     async def _settle_on_exit(self, state: _Call, exc: BaseException) -> LeaseLostError | None:
