@@ -313,6 +313,8 @@ _ENTRIES = [
     Entry("Workers (`trio_agent.workers`)", "submit", trio_agent.workers.submit),
     Entry("Workers (`trio_agent.workers`)", "Submitter", trio_agent.workers.Submitter),
     Entry("Workers (`trio_agent.workers`)", "queue.submit", trio_agent.workers.Submitter.submit),
+    Entry("Workers (`trio_agent.workers`)", "submit_answers", trio_agent.workers.submit_answers),
+    Entry("Workers (`trio_agent.workers`)", "queue.submit_answers", trio_agent.workers.Submitter.submit_answers),
     Entry("Workers (`trio_agent.workers`)", "request_status", trio_agent.workers.request_status),
     Entry("Workers (`trio_agent.workers`)", "list_sessions", trio_agent.workers.list_sessions),
     Entry("Workers (`trio_agent.workers`)", "list_workers", trio_agent.workers.list_workers),

@@ -12,8 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ import psycopg
 import pytest
 import trio
 import trio.testing
-from workers_helpers import gated_agent, takeover_agent
+from workers_helpers import gated_agent, takeover_agent, until_done, until_session_state, worker
 
 from trio_agent import ConfigError, LeaseLostError, define_agent, define_tool, open_session
 from trio_agent.journal import (
@@ -58,32 +56,8 @@ def answer(text: str = "done") -> Any:
     return define_agent(provider=TestModel(default=Reply(text)))
 
 
-@asynccontextmanager
-async def worker(spec: Any, dsn: str, schema: str, **options: Any) -> AsyncIterator[Any]:
-    """A worker in this process; stopped (gracefully) when the block ends."""
-    stop = trio.Event()
-    options.setdefault("poll_interval", 0.2)
-    async with trio.open_nursery() as nursery:
-        report = await nursery.start(functools.partial(serve_sessions, spec, dsn, schema=schema, stop=stop, **options))
-        try:
-            yield report
-        finally:
-            stop.set()
-
-
 async def root_events(store: Any, session_id: str) -> list[Any]:
     return [envelope.event for envelope in await store.read(f"{session_id}/root")]
-
-
-async def until_done(dsn: str, schema: str, session_id: str, request_id: str) -> Any:
-    """Poll the inbox (another process's table: nothing to wait on) until the row is done."""
-    while True:
-        status = await trio.to_thread.run_sync(
-            functools.partial(request_status, session_id, request_id, dsn=dsn, schema=schema)
-        )
-        if status is not None and status.state == "done":
-            return status
-        await trio.sleep(0.05)
 
 
 async def until_row_done(dsn: str, schema: str, session_id: str, request_id: str) -> tuple[str, str | None]:
@@ -99,14 +73,6 @@ async def until_row_done(dsn: str, schema: str, session_id: str, request_id: str
     while (row := await trio.to_thread.run_sync(read)) is None or row[0] != "done":
         await trio.sleep(0.05)
     return row[0], row[1]
-
-
-async def until_session_state(dsn: str, schema: str, session_id: str, state: str) -> None:
-    while True:
-        sessions = await trio.to_thread.run_sync(functools.partial(list_sessions, dsn=dsn, schema=schema))
-        if any(s.session_id == session_id and s.state == state for s in sessions):
-            return
-        await trio.sleep(0.05)
 
 
 def ends_of(events: list[Any], request_id: str) -> list[Any]:

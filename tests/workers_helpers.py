@@ -1,9 +1,13 @@
-"""The agent of the takeover tests (in-memory and PostgreSQL): the model asks for a settled
+"""What the worker tests share: a worker in this process and waits on the inbox, and the agent of
+the takeover tests (in-memory and PostgreSQL): the model asks for a settled
 ``look``, then a ``pay`` that starts and never ends (the worker dies there), then answers with
 how many results it saw."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -12,6 +16,7 @@ import trio
 from trio_agent import define_agent, define_tool
 from trio_agent.models import ToolResultMessage
 from trio_agent.testing import Reply, TestModel
+from trio_agent.workers import list_sessions, request_status, serve_sessions
 
 OBJECT = {"type": "object"}
 
@@ -76,3 +81,38 @@ def gated_agent(answer: str = "fine") -> Gated:
 
     gated.spec = define_agent(provider=TestModel(respond=respond), tools=[wait])
     return gated
+
+
+# ---------------------------------------------------------------- a worker, and the inbox
+
+
+@asynccontextmanager
+async def worker(spec: Any, dsn: str, schema: str, **options: Any) -> AsyncIterator[Any]:
+    """A worker in this process; stopped (gracefully) when the block ends."""
+    stop = trio.Event()
+    options.setdefault("poll_interval", 0.2)
+    async with trio.open_nursery() as nursery:
+        report = await nursery.start(functools.partial(serve_sessions, spec, dsn, schema=schema, stop=stop, **options))
+        try:
+            yield report
+        finally:
+            stop.set()
+
+
+async def until_done(dsn: str, schema: str, session_id: str, request_id: str) -> Any:
+    """Poll the inbox (another process's table: nothing to wait on) until the row is done."""
+    while True:
+        status = await trio.to_thread.run_sync(
+            functools.partial(request_status, session_id, request_id, dsn=dsn, schema=schema)
+        )
+        if status is not None and status.state == "done":
+            return status
+        await trio.sleep(0.05)
+
+
+async def until_session_state(dsn: str, schema: str, session_id: str, state: str) -> None:
+    while True:
+        sessions = await trio.to_thread.run_sync(functools.partial(list_sessions, dsn=dsn, schema=schema))
+        if any(s.session_id == session_id and s.state == state for s in sessions):
+            return
+        await trio.sleep(0.05)

@@ -1,5 +1,5 @@
 """Command line (``trio-agent`` or ``python -m trio_agent``): ``demo``, ``serve``, ``journal show PATH``,
-and the PostgreSQL workers: ``worker``, ``submit``, ``sessions``, ``workers``."""
+and the PostgreSQL workers: ``worker``, ``submit``, ``answer``, ``sessions``, ``workers``."""
 
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ TERMINATED = 128 + signal.SIGTERM
 # some bound a typo (an extra zero or six) is hours of work and gigabytes of files, not a demo.
 MAX_DEMO_CALLS = 5000
 
+_WORKER_COMMANDS = ("worker", "submit", "answer", "sessions", "workers")
+
 # What each command needs beyond the package itself, by extra: checked before anything runs, so
 # a missing one is one line, not a traceback from deep inside (or a group from inside trio.run).
 _EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "serve": ("web", ("starlette", "hypercorn")),
-    **{command: ("postgres", ("psycopg",)) for command in ("worker", "submit", "sessions", "workers")},
+    **{command: ("postgres", ("psycopg",)) for command in _WORKER_COMMANDS},
 }
 
 _UNSET = object()  # an option not given (its default lives in a module imported later)
@@ -211,6 +213,31 @@ def _command(argv: list[str] | None) -> Callable[[], int]:
     submit.add_argument("--priority", type=int, default=0, help="higher runs first within the session")
     submit.add_argument("--wait", type=_seconds, default=None, help="wait up to N seconds; print the outcome")
     submit.add_argument("--max-prompt-bytes", type=_positive, default=None, help=prompt_help)
+    answer = commands.add_parser("answer", help="answer a paused session served by workers (a worker resumes it)")
+    answer.add_argument("session_id")
+    answer.add_argument(
+        "--approve", nargs="+", action="append", default=[], metavar=("ID", "EDITED_ARGS_JSON"),
+        help="approve a call (optionally with edited arguments, a JSON object)",
+    )  # fmt: skip
+    answer.add_argument(
+        "--reject", nargs="+", action="append", default=[], metavar=("ID", "MESSAGE"),
+        help="reject a call (the model reads MESSAGE)",
+    )  # fmt: skip
+    answer.add_argument(
+        "--respond", nargs=2, action="append", default=[], metavar=("ID", "JSON"),
+        help="answer a client tool or a question with a JSON value",
+    )  # fmt: skip
+    answer.add_argument("--cancel", action="append", default=[], metavar="ID", help="cancel a question")
+    answer.add_argument("--answers", default=None, metavar="FILE", help="a JSON list of answers (- for stdin)")
+    answer.add_argument("--dsn", default=None, help=dsn_help)
+    answer.add_argument("--schema", default="trio_agent")
+    answer.add_argument("--request-id", default=None, help="the continuation's id (idempotency, as submit's)")
+    answer.add_argument(
+        "--paused-request", default=None, metavar="ID", help="refuse (stale) unless the session is paused on ID"
+    )
+    answer.add_argument("--priority", type=int, default=0, help="higher runs first within the session")
+    answer.add_argument("--wait", type=_seconds, default=None, help="wait up to N seconds; print the outcome")
+    answer.add_argument("--max-prompt-bytes", type=_positive, default=None, help="the largest answers, bytes of JSON")
     for name, what in (("sessions", "list sessions and their state"), ("workers", "list workers and their load")):
         listing = commands.add_parser(name, help=what)
         listing.add_argument("--dsn", default=None, help=dsn_help)
@@ -221,7 +248,14 @@ def _command(argv: list[str] | None) -> Callable[[], int]:
     if missing is not None:
         print(f"error: {missing}", file=sys.stderr)
         raise SystemExit(2)
-    if args.command in ("worker", "submit", "sessions", "workers"):
+    if args.command == "answer":
+        for option, given in (("--approve", args.approve), ("--reject", args.reject)):
+            for values in given:
+                if len(values) > 2:
+                    answer.error(f"{option} takes an interrupt id and at most one more value, not {len(values)}")
+        if not (args.approve or args.reject or args.respond or args.cancel or args.answers):
+            answer.error("give at least one answer: --approve, --reject, --respond, --cancel or --answers")
+    if args.command in _WORKER_COMMANDS:
         from ._workers import _cli
         from ._workers._queue import DEFAULT_INBOX_RETENTION, DEFAULT_MAX_PROMPT_BYTES
 
@@ -248,6 +282,25 @@ def _command(argv: list[str] | None) -> Callable[[], int]:
                 session_id=args.session_id,
                 prompt=args.prompt,
                 request_id=args.request_id,
+                priority=args.priority,
+                wait=args.wait,
+                max_prompt_bytes=args.max_prompt_bytes or DEFAULT_MAX_PROMPT_BYTES,
+            )
+        if args.command == "answer":
+            return functools.partial(
+                _cli.run_answer,
+                dsn=args.dsn,
+                schema=args.schema,
+                session_id=args.session_id,
+                answers={
+                    "approve": args.approve,
+                    "reject": args.reject,
+                    "respond": args.respond,
+                    "cancel": args.cancel,
+                    "answers_file": args.answers,
+                },
+                request_id=args.request_id,
+                paused_request_id=args.paused_request,
                 priority=args.priority,
                 wait=args.wait,
                 max_prompt_bytes=args.max_prompt_bytes or DEFAULT_MAX_PROMPT_BYTES,

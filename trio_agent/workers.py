@@ -9,8 +9,15 @@ many worker processes as the load needs, and read outcomes back from the journal
     await serve_sessions(spec, DSN, concurrency=8)                        # each worker
     outcome = await wait_for_request(store, "session-42", request_id)    # any process
 
+A request that paused for a person (``outcome.state == "paused"``) is answered from any
+process too, with the answers `Session.resume` takes; a worker resumes the session::
+
+    resumed = submit_answers("session-42", [Approve("approval_call_1")], dsn=DSN)
+    outcome = await wait_for_request(store, "session-42", resumed)      # the continuation's end
+
 ``trio-agent worker --dsn ... --agent module:spec`` runs a worker from the command
-line; ``trio-agent sessions`` and ``trio-agent workers`` show the registry. See
+line; ``trio-agent answer SESSION --approve ID`` answers a paused session;
+``trio-agent sessions`` and ``trio-agent workers`` show the registry. See
 docs/deployment.md.
 """
 
@@ -30,6 +37,7 @@ from ._workers._queue import (
     list_workers,
     request_status,
     submit,
+    submit_answers,
 )
 from ._workers._results import LiveDelta, LiveSubscription, RequestOutcome, subscribe_live, wait_for_request
 from ._workers._serve import WorkerReport, serve_sessions
@@ -52,6 +60,7 @@ __all__ = [
     "request_status",
     "serve_sessions",
     "submit",
+    "submit_answers",
     "subscribe_live",
     "wait_for_request",
 ]

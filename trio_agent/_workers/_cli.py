@@ -1,4 +1,4 @@
-"""``trio-agent worker | submit | sessions | workers``: the workers from the command line."""
+"""``trio-agent worker | submit | answer | sessions | workers``: the workers from the command line."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 import attrs
 import trio
 
-from .._errors import TrioAgentError
+from .._errors import ConfigError, TrioAgentError
 from ._queue import DEFAULT_INBOX_RETENTION, DEFAULT_MAX_PROMPT_BYTES
 
-__all__ = ["load_spec", "run_listing", "run_submit", "run_worker"]
+__all__ = ["answers_from_options", "load_spec", "run_answer", "run_listing", "run_submit", "run_worker"]
 
 
 def load_spec(target: str | None) -> Any:
@@ -140,6 +140,90 @@ def run_submit(
             session_id,
             prompt,
             request_id=request_id,
+            priority=priority,
+            dsn=target,
+            schema=schema,
+            max_prompt_bytes=max_prompt_bytes,
+        )
+        print(request_id, flush=True)
+        if wait is None:
+            return 0
+        outcome = trio.run(_wait, target, schema, session_id, request_id, wait)
+    except TrioAgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except trio.TooSlowError:
+        print(f"error: request {request_id} did not end within {wait} s (it stays queued)", file=sys.stderr)
+        return 3
+    print(json.dumps(attrs.asdict(outcome)), flush=True)
+    return 0 if outcome.state == "completed" else 4
+
+
+def _json_option(option: str, interrupt_id: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{option} {interrupt_id}: not JSON: {exc}") from None
+
+
+def answers_from_options(
+    *,
+    approve: list[list[str]],
+    reject: list[list[str]],
+    respond: list[list[str]],
+    cancel: list[str],
+    answers_file: str | None,
+) -> list[Any]:
+    """The answers ``trio-agent answer`` was given: ``--approve ID [EDITED_ARGS_JSON]``, ``--reject
+    ID [MESSAGE]``, ``--respond ID JSON``, ``--cancel ID``, and a JSON file of answers (``-``:
+    stdin) as `answers_from_json` reads them. `ConfigError` for text that is not JSON or a file
+    that cannot be read; `InterruptResumeError` for a file whose answers are not answers."""
+    from .._lifecycle._interrupts import answers_from_json
+    from .._loop._interrupts import Approve, Cancel, Reject, Respond
+
+    answers: list[Any] = []
+    if answers_file is not None:
+        try:
+            if answers_file == "-":
+                text = sys.stdin.read()
+            else:
+                with open(answers_file, encoding="utf-8") as file:
+                    text = file.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read the answers file {answers_file!r}: {exc}") from None
+        answers.extend(answers_from_json(_json_option("--answers", answers_file, text)))
+    for interrupt_id, *edited in approve:
+        answers.append(Approve(interrupt_id, _json_option("--approve", interrupt_id, edited[0]) if edited else None))
+    for interrupt_id, *message in reject:
+        answers.append(Reject(interrupt_id, message[0] if message else None))
+    for interrupt_id, value in respond:
+        answers.append(Respond(interrupt_id, _json_option("--respond", interrupt_id, value)))
+    answers.extend(Cancel(interrupt_id) for interrupt_id in cancel)
+    return answers
+
+
+def run_answer(
+    *,
+    dsn: str | None,
+    schema: str,
+    session_id: str,
+    answers: dict[str, Any],
+    request_id: str | None,
+    paused_request_id: str | None,
+    priority: int,
+    wait: float | None,
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+) -> int:
+    """``trio-agent answer``: as ``submit``, with answers (*answers*: `answers_from_options`'s options)."""
+    from ._queue import resolve_dsn, submit_answers
+
+    try:
+        target = resolve_dsn(dsn)
+        request_id = submit_answers(
+            session_id,
+            answers_from_options(**answers),
+            request_id=request_id,
+            paused_request_id=paused_request_id,
             priority=priority,
             dsn=target,
             schema=schema,

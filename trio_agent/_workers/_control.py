@@ -71,8 +71,9 @@ class WorkerIdInUseError(ConfigError):
         self.pid = pid
 
 
-Row = tuple[str, str, int, int]
-"""A submission taken: (request id, prompt, priority, seq)."""
+Row = tuple[str, str, int, int, str | None, str | None]
+"""A submission taken: (request id, prompt, priority, seq, answers, answers_for); ``answers`` (JSON
+text) is ``None`` for a prompt (`_sql`)."""
 
 
 @attrs.frozen
@@ -232,17 +233,29 @@ class Control:
         params = (lease.session_id, lease.owner, lease.token)
         return await self._run(lambda conn: conn.execute(self.q["take"], params).fetchall())
 
-    async def finish_and_take(self, lease: Lease, request_id: str, outcome: str) -> list[Row]:
-        """Mark *request_id* done with *outcome* and take the rest, in one round trip (fenced)."""
+    async def finish_and_take(
+        self, lease: Lease, request_id: str, outcome: str, *, code: str | None = None, reason: str | None = None
+    ) -> list[Row]:
+        """Mark *request_id* done with *outcome* (and why: *code*, *reason*) and take the rest, in
+        one round trip (fenced)."""
         sid, owner, token = lease.session_id, lease.owner, lease.token
-        params = (outcome, sid, request_id, owner, token, sid, owner, token)
+        params = (outcome, code, reason, sid, request_id, owner, token, sid, owner, token)
         return await self._run(lambda conn: conn.execute(self.q["finish_and_take"], params).fetchall())
 
-    async def mark(self, lease: Lease, request_id: str, state: str, outcome: str | None) -> bool:
+    async def mark(
+        self,
+        lease: Lease,
+        request_id: str,
+        state: str,
+        outcome: str | None,
+        *,
+        code: str | None = None,
+        reason: str | None = None,
+    ) -> bool:
         """Move a submission (fenced by *lease*); whether the holder's write landed."""
 
         def work(conn: _Conn) -> bool:
-            params = (state, outcome, lease.session_id, request_id, lease.owner, lease.token)
+            params = (state, outcome, code, reason, lease.session_id, request_id, lease.owner, lease.token)
             return conn.execute(self.q["mark"], params).rowcount == 1
 
         return await self._run(work)

@@ -1,10 +1,12 @@
-"""The durable request queue, from any process: submit, and read where things stand.
+"""The durable request queue, from any process: submit, answer, and read where things stand.
 
 These are plain blocking functions over a DSN (psycopg 3, sync), usable outside
 Trio; from a Trio task run them with ``trio.to_thread.run_sync``. A submission
 returns once its row is committed: from then on some worker runs the request
 exactly once, and its events and outcome are in the session's journal stream
-(`subscribe_durable_events`, or `wait_for_request`).
+(`subscribe_durable_events`, or `wait_for_request`). A submission of answers
+(`submit_answers`) is a row like a prompt's: the worker that serves it resumes the
+paused session with them, and the continuation's request id is the row's.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import contextlib
 import json
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import attrs
 import psycopg
@@ -23,6 +25,8 @@ from psycopg.rows import TupleRow
 from .._config import short_repr, validate_id, validate_limit
 from .._errors import CommandConflictError, ConfigError, JournalUnavailableError
 from .._journal._postgres import _SCHEMA_NAME
+from .._loop._interrupts import InterruptAnswer
+from ._answers import encode_answers
 from ._conn import connect, connection_info
 from ._sql import Statements
 
@@ -40,6 +44,7 @@ __all__ = [
     "request_status",
     "resolve_dsn",
     "submit",
+    "submit_answers",
 ]
 
 DSN_ENV = "TRIO_AGENT_DSN"
@@ -86,13 +91,18 @@ class RequestStatus:
     """Where one submission stands in the inbox (the journal holds its events and outcome).
 
     ``state``: ``pending`` (no worker took it yet), ``taken`` (a worker is serving it) or
-    ``done``; ``outcome`` (when done): ``completed``, ``failed``, ``interrupted`` or ``paused``.
+    ``done``; ``outcome`` (when done): ``completed``, ``failed``, ``interrupted``, ``paused`` or
+    ``refused`` (never ran). ``code`` and ``reason``: why a submission of answers failed or was
+    refused (``code`` an `InterruptIssue` code, e.g. ``stale``, ``unknown_interrupt``), else
+    ``None`` (a prompt's failure is in the journal: `wait_for_request`).
     """
 
     session_id: str
     request_id: str
     state: str
     outcome: str | None
+    code: str | None = None
+    reason: str | None = None
 
 
 @attrs.frozen
@@ -196,14 +206,43 @@ def _check_submission(
     session_id: object, prompt: object, request_id: str | None, priority: object, max_prompt_bytes: int
 ) -> str:
     """The request id of a submission `submit` accepts (made if not given), else `ConfigError`."""
+    request_id = _check_row(session_id, request_id, priority)
+    _check_prompt(prompt, max_prompt_bytes)
+    return request_id
+
+
+def _check_row(session_id: object, request_id: str | None, priority: object) -> str:
+    """What every submission is checked for: its ids (the request id made if not given) and priority."""
     validate_id(session_id, name="session_id")
     if request_id is None:
         request_id = f"req-{uuid.uuid4().hex[:12]}"
     validate_id(request_id, name="request_id")
-    _check_prompt(prompt, max_prompt_bytes)
     if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
         raise ConfigError(f"priority must be a 32-bit whole number, not {short_repr(priority)}")
     return request_id
+
+
+def _check_answers(
+    session_id: object,
+    answers: Sequence[InterruptAnswer],
+    request_id: str | None,
+    paused_request_id: object,
+    priority: object,
+    max_prompt_bytes: int,
+) -> tuple[str, str]:
+    """The request id (made if not given) and the stored text of a submission of answers
+    `submit_answers` accepts; `ConfigError` for an id or priority, `InterruptResumeError` for
+    answers that are not ones (``invalid_payload``), `PromptTooLargeError` for too many bytes."""
+    request_id = _check_row(session_id, request_id, priority)
+    if paused_request_id is not None:
+        validate_id(paused_request_id, name="paused_request_id", stored=True)
+    text = encode_answers(answers)
+    if len(text) > max_prompt_bytes:  # ASCII JSON: its length is its size
+        raise PromptTooLargeError(
+            f"the answers are {len(text)} bytes as JSON: more than max_prompt_bytes={max_prompt_bytes}",
+            limit=max_prompt_bytes,
+        )
+    return request_id, text
 
 
 class Submitter:
@@ -254,17 +293,53 @@ class Submitter:
         prompt over ``max_prompt_bytes`` (bytes of its JSON text) is `PromptTooLargeError`.
         """
         request_id = _check_submission(session_id, prompt, request_id, priority, self.max_prompt_bytes)
+        return self._insert(session_id, request_id, (prompt, priority, None, None), "a different prompt or priority")
+
+    def submit_answers(
+        self,
+        session_id: str,
+        answers: Sequence[InterruptAnswer],
+        *,
+        request_id: str | None = None,
+        paused_request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Durably accept *answers* to the paused request of *session_id*; returns the request id
+        of the continuation they start (what `wait_for_request` waits for).
+
+        *answers*: what `Session.resume` takes (`Approve`, `Reject`, `Respond`, `Cancel`). The
+        worker that serves the row (in the session's inbox order, as a prompt's: ``priority``,
+        then age) resumes the session with them, as request *request_id*: its outcome is the
+        continuation's (``completed``, ``paused`` again ...). Answers the pause refuses
+        (``unknown_interrupt``, ``missing`` ...) fail the row, the continuation recorded failed;
+        a session not paused (answered already: code ``stale``), or paused on another request
+        than *paused_request_id* when it is given, refuses the row, and nothing runs. Either way
+        the session stays as it was, and `request_status` gives the ``code`` and ``reason``.
+
+        Idempotent as `submit`: the same request id with the same answers is one row; with other
+        content `CommandConflictError`. Answers that are not answers, or not JSON, are an
+        `InterruptResumeError` (``invalid_payload``) before anything is stored; more than
+        ``max_prompt_bytes`` of JSON is `PromptTooLargeError`.
+        """
+        request_id, text = _check_answers(
+            session_id, answers, request_id, paused_request_id, priority, self.max_prompt_bytes
+        )
+        return self._insert(session_id, request_id, ("", priority, text, paused_request_id), "different answers")
+
+    def _insert(
+        self, session_id: str, request_id: str, content: tuple[str, int, str | None, str | None], differs: str
+    ) -> str:
+        """One row (idempotent by request id: `CommandConflictError` for other *content*), and its NOTIFY."""
         self._ensure()
         q = self.statements.q
         with self._errors("submitting a request"), self._conn.transaction():
             self._conn.execute(q["placeholder"], (session_id,))
-            row = self._conn.execute(q["submit"], (session_id, request_id, prompt, priority)).fetchone()
+            row = self._conn.execute(q["submit"], (session_id, request_id, *content)).fetchone()
             if row is None:
                 known = self._conn.execute(q["submitted"], (session_id, request_id)).fetchone()
-                if known is not None and (known[0], known[1]) != (prompt, priority):
+                if known is not None and tuple(known) != content:
                     raise CommandConflictError(
-                        f"request {request_id!r} of session {session_id!r} was already submitted with "
-                        "a different prompt or priority",
+                        f"request {request_id!r} of session {session_id!r} was already submitted with {differs}",
                         command_id=request_id,
                     )
                 return request_id
@@ -279,7 +354,7 @@ class Submitter:
         self._ensure()
         with self._errors("reading a request's status"):
             row = self._conn.execute(self.statements.q["status"], (session_id, request_id)).fetchone()
-        return None if row is None else RequestStatus(session_id, request_id, row[0], row[1])
+        return None if row is None else RequestStatus(session_id, request_id, *row)
 
     def sessions(self) -> list[SessionStatus]:
         """Every session that was submitted to or served by a worker, with its state."""
@@ -351,6 +426,29 @@ def submit(
     request_id = _check_submission(session_id, prompt, request_id, priority, max_prompt_bytes)  # before connecting
     with Submitter(dsn, schema=schema, max_prompt_bytes=max_prompt_bytes) as queue:
         return queue.submit(session_id, prompt, request_id=request_id, priority=priority)
+
+
+def submit_answers(
+    session_id: str,
+    answers: Sequence[InterruptAnswer],
+    *,
+    request_id: str | None = None,
+    paused_request_id: str | None = None,
+    priority: int = 0,
+    dsn: str | None = None,
+    schema: str = "trio_agent",
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+) -> str:
+    """Answer a paused session from any process (see `Submitter.submit_answers`); returns the
+    continuation's request id. ``dsn`` defaults to ``$TRIO_AGENT_DSN``; one connection per call."""
+    max_prompt_bytes = validate_limit(max_prompt_bytes, name="max_prompt_bytes")
+    request_id, _ = _check_answers(  # before connecting
+        session_id, answers, request_id, paused_request_id, priority, max_prompt_bytes
+    )
+    with Submitter(dsn, schema=schema, max_prompt_bytes=max_prompt_bytes) as queue:
+        return queue.submit_answers(
+            session_id, answers, request_id=request_id, paused_request_id=paused_request_id, priority=priority
+        )
 
 
 def request_status(

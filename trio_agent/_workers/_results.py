@@ -46,6 +46,8 @@ from .._journal._events import RequestCompleted, RequestFailed, RequestInterrupt
 from .._journal._postgres import PostgresStore
 from .._journal._store import JournalStore, SharedPoll, check_id, stream_id_for
 from .._journal._subscribe import DurableEvent, subscribe_durable_events
+from .._lifecycle._interrupts import pause_from_json
+from .._loop._interrupts import Interrupt, InterruptResumeError
 from ._conn import connect, connection_info
 from ._queue import _check_schema, resolve_dsn
 from ._sql import Statements, live_channel
@@ -60,8 +62,12 @@ class RequestOutcome:
     ``state``: ``completed`` (``text`` is the answer), ``failed`` (``error``),
     ``interrupted`` (``reason``), ``paused`` (waiting for answers to an interrupt) or
     ``refused`` (the session was ended for good before it ran, or a worker refused the
-    submission without running it; ``reason`` says which).
-    ``seq`` is the terminal event's position in the root stream.
+    submission without running it; ``reason`` says which). ``interrupts`` (when paused): the
+    questions to answer (`submit_answers`, by their ``id``).
+    ``seq`` is the terminal event's position in the root stream (0 for a refusal the inbox
+    holds). ``code``: the failure's code as the journal recorded it (continuation answers the
+    pause refused: ``unknown_interrupt``, ``missing`` ...), or the code a worker stored with
+    its refusal (``stale``); else ``None``.
     """
 
     request_id: str
@@ -70,6 +76,8 @@ class RequestOutcome:
     error: str | None = None
     reason: str | None = None
     seq: int = 0
+    code: str | None = None
+    interrupts: tuple[Interrupt, ...] = ()
 
 
 def _outcome(request_id: str, event: object, seq: int, seen: bool) -> RequestOutcome | None:
@@ -80,12 +88,20 @@ def _outcome(request_id: str, event: object, seq: int, seen: bool) -> RequestOut
     if isinstance(event, RequestCompleted):
         return RequestOutcome(request_id, "completed", text=str((event.output or {}).get("text", "")), seq=seq)
     if isinstance(event, RequestFailed):
-        return RequestOutcome(request_id, "failed", error=event.error.message, seq=seq)
+        return RequestOutcome(request_id, "failed", error=event.error.message, seq=seq, code=event.error.code)
     if isinstance(event, RequestInterrupted):
         return RequestOutcome(request_id, "interrupted", reason=str(event.reason.value), seq=seq)
     if isinstance(event, RunPaused):
-        return RequestOutcome(request_id, "paused", seq=seq)
+        return RequestOutcome(request_id, "paused", seq=seq, interrupts=_questions(event))
     return None
+
+
+def _questions(event: RunPaused) -> tuple[Interrupt, ...]:
+    """The questions a pause asks (none if its state does not decode: the wait still ends paused)."""
+    try:
+        return tuple(pause_from_json(event.state).interrupts)
+    except InterruptResumeError:
+        return ()
 
 
 async def wait_for_request(store: JournalStore, session_id: str, request_id: str) -> RequestOutcome:
@@ -137,36 +153,48 @@ async def _journal_outcome(store: JournalStore, session_id: str, request_id: str
 _Submission = tuple[str, str]
 """A submission's (session id, request id)."""
 
+_Why = tuple[str | None, str | None]
+"""Why a worker refused a submission, as its row says: (code, reason), either ``None`` if not stored."""
+
+_REFUSED = (
+    "SELECT i.session_id, i.request_id{why} FROM {{s}}.inbox AS i JOIN unnest(%s::text[], %s::text[])"
+    " AS k(session_id, request_id) ON i.session_id = k.session_id AND i.request_id = k.request_id"
+    " WHERE i.state = 'done' AND i.outcome = 'refused'"
+)
+
 
 class _Refusals:
     """The `wait_for_request`\\ s of one store reading its workers' inbox for their refusal: ONE
     statement per ``poll_interval`` for all of them (`SharedPoll`), however many there are."""
 
-    __slots__ = ("_query", "_statements", "waits")
+    __slots__ = ("_queries", "_statements", "waits")
 
     def __init__(self, store: PostgresStore) -> None:
         self._statements = Statements(store.schema)
-        self._query = (
-            sql.SQL(
-                "SELECT i.session_id, i.request_id FROM {s}.inbox AS i JOIN unnest(%s::text[], %s::text[])"
-                " AS k(session_id, request_id) ON i.session_id = k.session_id AND i.request_id = k.request_id"
-                " WHERE i.state = 'done' AND i.outcome = 'refused'"
-            )
-            .format(s=sql.Identifier(store.schema))
+        ident = sql.Identifier(store.schema)
+        # An inbox an earlier version made, that no worker or submitter of this one migrated yet,
+        # has no code and reason: its refusals are still read.
+        self._queries = {
+            added: sql.SQL(_REFUSED.format(why=", i.code, i.reason" if added else ", NULL, NULL"))
+            .format(s=ident)
             .as_bytes(None)
-        )
-        self.waits: SharedPoll[_Submission, bool] = SharedPoll()
+            for added in (True, False)
+        }
+        self.waits: SharedPoll[_Submission, _Why] = SharedPoll()
 
-    async def refused(self, store: PostgresStore, submissions: Sequence[_Submission]) -> dict[_Submission, bool]:
-        """Which of *submissions* the inbox has done ``refused``, in one statement (a failed read: none;
-        the journal's own wait reports the store's failures, and this one never spins on them)."""
-        statements, query = self._statements, self._query
+    async def refused(self, store: PostgresStore, submissions: Sequence[_Submission]) -> dict[_Submission, _Why]:
+        """Which of *submissions* the inbox has done ``refused``, and why, in one statement (a failed
+        read: none; the journal's own wait reports the store's failures, and this one never spins
+        on them)."""
+        statements, queries = self._statements, self._queries
 
-        def read(conn: _Conn) -> dict[_Submission, bool]:
-            if conn.execute(statements.q["inbox_present"], (statements.inbox_table,)).fetchone() != (True,):
+        def read(conn: _Conn) -> dict[_Submission, _Why]:
+            table = statements.inbox_table
+            found = conn.execute(statements.q["inbox_present"], (table, table)).fetchone()
+            if found is None or not found[0]:
                 return {}
             keys = ([session for session, _ in submissions], [request for _, request in submissions])
-            return {(row[0], row[1]): True for row in conn.execute(query, keys).fetchall()}
+            return {(row[0], row[1]): (row[2], row[3]) for row in conn.execute(queries[found[1]], keys).fetchall()}
 
         try:
             return await store.run_read(read)
@@ -187,11 +215,22 @@ async def _refusal(store: PostgresStore, session_id: str, request_id: str) -> Re
     if refusals is None:
         refusals = _REFUSALS[store] = _Refusals(store)
     submission = (session_id, request_id)
-    with refusals.waits.registered(submission, bool) as waiter:
-        if not (await refusals.refused(store, [submission])).get(submission, False):  # its own first look
+    told: list[_Why] = []
+
+    def ready(why: _Why) -> bool:
+        told.append(why)
+        return True
+
+    with refusals.waits.registered(submission, ready) as waiter:
+        first = (await refusals.refused(store, [submission])).get(submission)  # its own first look
+        if first is not None:
+            told.append(first)
+        else:
             await refusals.waits.wait(waiter, partial(refusals.refused, store), store.poll_interval)
-    why = "a worker refused the submission without running it: no session accepts its request id or prompt"
-    return RequestOutcome(request_id, "refused", reason=why)
+    code, why = told[-1] if told else (None, None)
+    if why is None:
+        why = "a worker refused the submission without running it: no session accepts its request id or prompt"
+    return RequestOutcome(request_id, "refused", reason=why, code=code)
 
 
 @attrs.frozen

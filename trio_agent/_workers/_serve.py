@@ -15,6 +15,14 @@ Rules
   the journal's outcome only once that outcome is durable. The session is kept while it
   has work and released when idle (closed cleanly; the lease given back, so the next
   submission is claimed at once, by any worker).
+* A submission of answers (`submit_answers`) is served in the same order, by resuming the
+  paused session with them (`_serve_answers`) as request *request_id*: the continuation's id
+  is the row's, so `wait_for_request` finds its end and a worker that takes the session over
+  finds it in the journal (ended: marked; started: it goes on; accepted: resumed again, once).
+  Answers the pause refuses fail the row (the continuation is recorded failed); a session not
+  paused, or paused on another request than the one the row names, refuses it (``stale``),
+  and so does a row whose answers do not decode. Either way the row stores the code and the
+  reason, and the session is served on: never the worker's failure, nor the session's.
 * A submission no session would accept (a bad id or prompt, written around `submit`, or a
   prompt over ``max_prompt_bytes``: submitted with a larger limit) is marked done ``refused``
   before the journal sees it; so are the submissions of a session ended for good. Ids are judged
@@ -45,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -53,18 +61,28 @@ import trio
 
 from .._cleanup import DEFAULT_CLEANUP_GRACE, bounded_shield, validate_cleanup_grace
 from .._config import finite_seconds, short_repr, validate_id, validate_limit
-from .._errors import ConfigError, JournalError, LeaseLostError, SessionClosedError, TrioAgentError
+from .._errors import (
+    ConfigError,
+    JournalError,
+    JournalFencedError,
+    LeaseLostError,
+    SessionClosedError,
+    TrioAgentError,
+    error_code,
+)
 from .._journal._durable import DurableJournal, open_journal
 from .._journal._events import RequestInterrupted, RequestInterruptReason
 from .._journal._lease import check_seconds, default_owner
 from .._journal._postgres import PostgresStore, open_postgres_store
 from .._journal._projection import RequestState
 from .._journal._store import Lease, check_id, stream_id_for
+from .._loop._interrupts import InterruptAnswer, InterruptIssue, InterruptResumeError
 from .._session._endings import record_request_end
 from .._session._open import open_session
 from .._session._session import Session
 from .._session._spec import AgentSpec
-from .._session._stream import discard
+from .._session._stream import EventSink, discard
+from ._answers import decode_answers
 from ._conn import connection_info
 from ._control import Control, ControlError, InboxListener, Row, WorkerIdInUseError, jittered
 from ._live import LivePublisher
@@ -96,17 +114,79 @@ class WorkerReport:
     live_dropped: int = 0
 
 
-def _next_row(journal: DurableJournal, rows: Iterable[Row]) -> tuple[str, str]:
+def _next_row(journal: DurableJournal, rows: Iterable[Row]) -> Row:
     """The submission to serve next: one an earlier holder left open in the journal first (it may
-    be half-way), then the highest priority, then the oldest."""
+    be half-way), then the highest priority, then the oldest (prompts and answers alike)."""
     projection = journal.projection()
 
     def order(row: Row) -> tuple[bool, int, int]:
-        request_id, _, priority, seq = row
+        request_id, _, priority, seq, _, _ = row
         return (projection.request(request_id) is None, -priority, seq)
 
-    request_id, prompt, _, _ = min(rows, key=order)
-    return request_id, prompt
+    return min(rows, key=order)
+
+
+_Served = tuple[str, str | None, str | None]
+"""How a row ended, as it is marked: (outcome, code, reason)."""
+
+
+def _stale(message: str) -> InterruptResumeError:
+    return InterruptResumeError([InterruptIssue(None, "stale", message)])
+
+
+async def _serve_answers(
+    session: Session,
+    request_id: str,
+    answers: Sequence[InterruptAnswer],
+    answers_for: str | None,
+    sink: EventSink,
+) -> tuple[RequestState, TrioAgentError | None]:
+    """Resume *session* with *answers* as request *request_id*, at most once: `serve_request` for
+    a continuation. Returns how the journal says it ended, and the error it ended with (a failed
+    continuation: answers the pause refused, say). `InterruptResumeError` when nothing was
+    written: the session is not paused (``stale``), or paused on another request than
+    *answers_for*. Lease loss, or a journal that could not record the end, raises, as
+    `serve_request` does: the store, not this process, knows how it ended.
+
+    The continuation is the one `Session.resume` makes (its checks: open, paused, idle), given
+    the row's request id before anything is written: it is the id of its ``request_accepted``,
+    its ``interrupts_resolved.continuation_id`` and its end. (`Session` takes no id for a
+    continuation; this is its ``_serve_request`` for one, the worker's alone.)"""
+    journal = session.journal
+    record = journal.projection().request(request_id)
+    if record is not None and record.state is RequestState.STARTED:
+        # An earlier holder's continuation, past its answers: it goes on from its last durable point.
+        return await session._serve_request(request_id, "", sink, queued=True), None
+    if record is not None and record.state is not RequestState.ACCEPTED:
+        return record.state, None  # ended: never run again
+    paused = session.paused
+    if paused is None:
+        raise _stale(f"session {session.session_id!r} is not paused: nothing to resume (answered already?)")
+    if answers_for is not None and paused.run_id != answers_for:
+        raise _stale(
+            f"session {session.session_id!r} is paused on request {paused.run_id!r}, not {answers_for!r} "
+            "(that one was answered already?)"
+        )
+    request = session._continuation(answers)
+    request.request_id = request_id
+    request.sink = sink
+    request.accepted_before = record is not None  # accepted by an earlier holder: not again
+    error: TrioAgentError | None = None
+    try:
+        await session._run_to_end(request, "serving answers was cancelled")
+    except TrioAgentError as exc:
+        if journal.lost or journal.fenced:
+            raise
+        error = exc  # it ended as the journal recorded it (failed): read below
+    journal.check_ownership()  # LeaseLostError if the lease went meanwhile
+    if journal.fenced:
+        raise JournalFencedError(f"the end of request {request_id!r} may not be recorded: the journal is fenced")
+    ended = journal.projection().request(request_id)
+    if ended is None:
+        if error is not None:
+            raise error  # refused before anything was written
+        raise JournalError(f"the continuation {request_id!r} left nothing in the journal")
+    return ended.state, error
 
 
 def _usable_session_id(session_id: str) -> bool:
@@ -276,30 +356,73 @@ class _Worker:
         waiting = {row[0]: row for row in await self.control.take(journal.lease)}
         await self._interrupt_unsubmitted(journal, set(waiting))
         while waiting and not self.stopping:
-            request_id, prompt = _next_row(journal, waiting.values())
+            row = _next_row(journal, waiting.values())
+            request_id, prompt, _, _, answers, answers_for = row
             sink = self.live.sink_for(journal.session_id, request_id) if self.live is not None else discard
-            try:
-                if journal.projection().request(request_id) is None:  # one it holds was accepted: it runs
-                    _check_prompt(prompt, self.max_prompt_bytes)  # submit()'s rule: past it, never journaled
-                # Queued: its id is judged by the rule it was submitted under (see _usable_session_id).
-                ended = await session._serve_request(request_id, prompt, sink, queued=True)
-            except ConfigError as exc:  # refused before anything ran: a submission written around submit()
-                if journal.projection().request(request_id) is not None:
-                    raise  # it ran: whatever this is, it is not a refusal of the submission
-                _log.warning("session %s: request %r refused: %s", journal.session_id, request_id, exc)
-                outcome = "refused"
-                self.report.refused += 1
+            if answers is not None:
+                served = await self._answer(session, journal, request_id, answers, answers_for, sink)
             else:
-                if ended in _UNFINISHED:
-                    if self.stopping or journal.lost:
-                        return  # going away: the next holder goes on from the journal
-                    raise JournalError(f"request {request_id!r} is still {ended.value} after being served")
-                outcome = ended.value
-                self.report.served += 1
+                served = await self._prompt(session, journal, request_id, prompt, sink)
+            if served is None:
+                return  # going away: the next holder goes on from the journal
+            outcome, code, reason = served
             del waiting[request_id]
             # Marked done only now: the outcome is durable (serve_request raised otherwise).
-            for row in await self.control.finish_and_take(journal.lease, request_id, outcome):
-                waiting[row[0]] = row
+            for taken in await self.control.finish_and_take(
+                journal.lease, request_id, outcome, code=code, reason=reason
+            ):
+                waiting[taken[0]] = taken
+
+    async def _prompt(
+        self, session: Session, journal: DurableJournal, request_id: str, prompt: str, sink: EventSink
+    ) -> _Served | None:
+        """Serve a prompt's row: how to mark it, or ``None`` if the worker goes away first."""
+        try:
+            if journal.projection().request(request_id) is None:  # one it holds was accepted: it runs
+                _check_prompt(prompt, self.max_prompt_bytes)  # submit()'s rule: past it, never journaled
+            # Queued: its id is judged by the rule it was submitted under (see _usable_session_id).
+            ended = await session._serve_request(request_id, prompt, sink, queued=True)
+        except ConfigError as exc:  # refused before anything ran: a submission written around submit()
+            if journal.projection().request(request_id) is not None:
+                raise  # it ran: whatever this is, it is not a refusal of the submission
+            _log.warning("session %s: request %r refused: %s", journal.session_id, request_id, exc)
+            self.report.refused += 1
+            return "refused", None, None
+        return self._ended(journal, request_id, ended)
+
+    async def _answer(
+        self,
+        session: Session,
+        journal: DurableJournal,
+        request_id: str,
+        answers: str,
+        answers_for: str | None,
+        sink: EventSink,
+    ) -> _Served | None:
+        """Serve a row of answers (module rules): how to mark it, or ``None`` if the worker goes away."""
+        try:
+            if journal.projection().request(request_id) is None:  # (one it holds was taken under its rule)
+                validate_id(request_id, name="request_id", stored=True)  # as a queued prompt's
+            ended, error = await _serve_answers(session, request_id, decode_answers(answers), answers_for, sink)
+        except (InterruptResumeError, ConfigError) as exc:  # refused before anything was written
+            if journal.projection().request(request_id) is not None:
+                raise  # it ran: whatever this is, it is not a refusal of the submission
+            _log.warning("session %s: answers %r refused: %s", journal.session_id, request_id, exc)
+            self.report.refused += 1
+            return "refused", error_code(exc), str(exc)
+        served = self._ended(journal, request_id, ended)
+        if served is not None and error is not None:
+            _log.info("session %s: answers %r failed: %s", journal.session_id, request_id, error)
+            return served[0], error_code(error), str(error)
+        return served
+
+    def _ended(self, journal: DurableJournal, request_id: str, ended: RequestState) -> _Served | None:
+        if ended in _UNFINISHED:
+            if self.stopping or journal.lost:
+                return None
+            raise JournalError(f"request {request_id!r} is still {ended.value} after being served")
+        self.report.served += 1
+        return ended.value, None, None
 
     async def _interrupt_unsubmitted(self, journal: DurableJournal, submitted: set[str]) -> None:
         """Open root requests that no submission stands for: nobody waits for them, so they end."""

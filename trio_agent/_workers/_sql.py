@@ -12,6 +12,12 @@ Rules
   is in the journal). Only the session's lease holder moves rows: every such write
   checks the holder's fencing token in the same statement, so a paused former holder
   changes nothing.
+* A row is a prompt (``prompt``) or answers to a paused request (``answers``: the answers as
+  JSON, ``prompt`` empty; ``answers_for``: the paused request they answer, if the submitter
+  named it). ``code`` and ``reason`` say why a row failed or was refused when the worker knows
+  (answers that did not resume the session); NULL otherwise. These four columns were added
+  after the table: a table made by an earlier version gets them (nullable, so its rows read as
+  prompts, and a worker of an earlier version refuses an answers row: its prompt is empty).
 * Retention: ``done`` rows are deleted once they were marked done longer ago than the
   workers' ``inbox_retention`` (every worker prunes, in batches; the journal keeps every
   outcome of a request that ran). Rows not ``done`` are never pruned.
@@ -32,7 +38,7 @@ from psycopg import sql
 
 from .._journal._postgres import _channel
 
-__all__ = ["SCHEMA", "Statements", "inbox_channel", "live_channel"]
+__all__ = ["INBOX_ADDED", "SCHEMA", "Statements", "inbox_channel", "live_channel"]
 
 SCHEMA: tuple[LiteralString, ...] = (
     "CREATE SCHEMA IF NOT EXISTS {s}",
@@ -54,7 +60,13 @@ SCHEMA: tuple[LiteralString, ...] = (
     " started_at double precision NOT NULL, seen_at double precision NOT NULL)",
     # Which run of a worker id the row is (a table made by an earlier version gets the column).
     "ALTER TABLE {s}.workers ADD COLUMN IF NOT EXISTS run_id text",
+    # Answers to a paused request, and why a row failed (a table made by an earlier version gets them).
+    "ALTER TABLE {s}.inbox ADD COLUMN IF NOT EXISTS answers text, ADD COLUMN IF NOT EXISTS answers_for text,"
+    " ADD COLUMN IF NOT EXISTS code text, ADD COLUMN IF NOT EXISTS reason text",
 )
+
+INBOX_ADDED: tuple[str, ...] = ("answers", "answers_for", "code", "reason")
+"""The inbox's columns added after its first version (what `Statements.presence` looks for)."""
 
 _NOW: LiteralString = "extract(epoch FROM clock_timestamp())::float8"
 # The holder's fence, as the store applies it to appends: owner, token, and not expired.
@@ -63,7 +75,7 @@ _HELD: LiteralString = (
     f" AND l.expires_at >= {_NOW})"
 )
 
-_TAKEN: LiteralString = " RETURNING i.request_id, i.prompt, i.priority, i.seq"
+_TAKEN: LiteralString = " RETURNING i.request_id, i.prompt, i.priority, i.seq, i.answers, i.answers_for"
 
 _STATEMENTS: dict[str, LiteralString] = {
     "lock": "SELECT pg_advisory_xact_lock(hashtext(%s))",
@@ -72,20 +84,28 @@ _STATEMENTS: dict[str, LiteralString] = {
         " AND to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL"
         " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attname = 'run_id'"
         " AND NOT attisdropped)"
+        " AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attname = ANY(%s::text[])"
+        " AND NOT attisdropped) = cardinality(%s::text[])"
     ),
-    "inbox_present": "SELECT to_regclass(%s) IS NOT NULL",
+    # The inbox, and whether it has the columns added after its first version (`INBOX_ADDED`).
+    "inbox_present": (
+        "SELECT to_regclass(%s) IS NOT NULL, EXISTS (SELECT 1 FROM pg_attribute"
+        " WHERE attrelid = to_regclass(%s) AND attname = 'reason' AND NOT attisdropped)"
+    ),
     "submit": (
-        "INSERT INTO {s}.inbox(session_id, request_id, prompt, priority, submitted_at, state, updated_at)"
-        f" VALUES (%s, %s, %s, %s, {_NOW}, 'pending', {_NOW})"
+        "INSERT INTO {s}.inbox(session_id, request_id, prompt, priority, answers, answers_for, submitted_at, state,"
+        f" updated_at) VALUES (%s, %s, %s, %s, %s, %s, {_NOW}, 'pending', {_NOW})"
         " ON CONFLICT (session_id, request_id) DO NOTHING RETURNING seq"
     ),
-    "submitted": "SELECT prompt, priority FROM {s}.inbox WHERE session_id = %s AND request_id = %s",
+    "submitted": (
+        "SELECT prompt, priority, answers, answers_for FROM {s}.inbox WHERE session_id = %s AND request_id = %s"
+    ),
     "placeholder": (
         "INSERT INTO {s}.leases(session_id, owner, token, expires_at) VALUES (%s, '', 0, '-Infinity'::float8)"
         " ON CONFLICT (session_id) DO NOTHING"
     ),
     "notify": "SELECT pg_notify(%s, %s)",
-    "status": "SELECT state, outcome FROM {s}.inbox WHERE session_id = %s AND request_id = %s",
+    "status": "SELECT state, outcome, code, reason FROM {s}.inbox WHERE session_id = %s AND request_id = %s",
     # Oldest waiting work first; within a session, the highest priority first.
     "claim": (
         f"WITH now AS (SELECT {_NOW} AS t),"
@@ -137,13 +157,14 @@ _STATEMENTS: dict[str, LiteralString] = {
     ),
     # One round trip per request: its row done, and the submissions that arrived since taken.
     "finish_and_take": (
-        f"WITH done AS (UPDATE {{s}}.inbox AS i SET state = 'done', outcome = %s, updated_at = {_NOW}"
+        "WITH done AS (UPDATE {s}.inbox AS i SET state = 'done', outcome = %s, code = %s, reason = %s,"
+        f" updated_at = {_NOW}"
         " WHERE i.session_id = %s AND i.request_id = %s AND " + _HELD + " RETURNING i.seq)"
         f" UPDATE {{s}}.inbox AS i SET state = 'taken', updated_at = {_NOW}"
         " WHERE i.session_id = %s AND i.state = 'pending' AND " + _HELD + _TAKEN
     ),
     "mark": (
-        f"UPDATE {{s}}.inbox AS i SET state = %s, outcome = %s, updated_at = {_NOW}"
+        f"UPDATE {{s}}.inbox AS i SET state = %s, outcome = %s, code = %s, reason = %s, updated_at = {_NOW}"
         " WHERE i.session_id = %s AND i.request_id = %s AND " + _HELD
     ),
     # Retention: done rows marked more than the given seconds ago, oldest first, a batch at a
@@ -220,10 +241,12 @@ class Statements:
         self.q = {name: sql.SQL(text).format(s=ident).as_bytes(None) for name, text in _STATEMENTS.items()}
         self.lock_key = f"trio_agent.journal:{schema}"  # the journal's own schema lock: one DDL at a time
         quoted = ident.as_string(None)
+        self.inbox_table = f"{quoted}.inbox"
         self.table_names = tuple(
             f"{quoted}.{name}" for name in ("leases", "inbox", "inbox_open", "inbox_done", "registry", "workers")
         )
-        self.inbox_table = f"{quoted}.inbox"
-        self.presence = (*self.table_names, f"{quoted}.workers")  # the tables, and the run_id column
+        added = list(INBOX_ADDED)
+        # The tables, the run_id column, and the inbox's added columns.
+        self.presence = (*self.table_names, f"{quoted}.workers", self.inbox_table, added, added)
         self.inbox_channel = inbox_channel(schema)
         self.live_channel = live_channel(schema)
