@@ -348,6 +348,36 @@ class Session:
         ended = journal.projection().request(request_id)
         return RequestState.ACCEPTED if ended is None else ended.state
 
+    async def _serve_continuation(
+        self, request_id: str, answers: Sequence[InterruptAnswer], sink: EventSink, *, accepted_before: bool
+    ) -> tuple[RequestState, TrioAgentError | None]:
+        """`resume` as request *request_id* (a worker's answers row, `serve_sessions`): the id of its
+        ``request_accepted``, its ``interrupts_resolved.continuation_id`` and its end. Returns how the
+        journal says it ended, with the error it ended with (answers the pause refused: ``failed``).
+        Raises `InterruptResumeError` when nothing was written (not paused, not idle, bad answers),
+        and, as `serve_request`, when the journal could not record the end."""
+        request = self._continuation(answers)
+        request.request_id = request_id
+        request.sink = sink
+        request.accepted_before = accepted_before  # accepted by an earlier holder: not again
+        journal = self.journal
+        error: TrioAgentError | None = None
+        try:
+            await self._run_to_end(request, "serving answers was cancelled")
+        except TrioAgentError as exc:
+            if journal.lost or journal.fenced:
+                raise
+            error = exc  # it ended as the journal recorded it (failed): read below
+        journal.check_ownership()  # LeaseLostError if the lease went meanwhile
+        if journal.fenced:
+            raise JournalFencedError(f"the end of request {request_id!r} may not be recorded: the journal is fenced")
+        ended = journal.projection().request(request_id)
+        if ended is None:
+            if error is not None:
+                raise error  # refused before anything was written
+            raise JournalError(f"the continuation {request_id!r} left nothing in the journal")
+        return ended.state, error
+
     def _run_to_end(self, request: _Request, cancelled: str) -> Awaitable[None]:
         """Run *request* to its end (raising as `_Request.raise_if_failed` does if it failed): in
         the caller's task when the session is idle, else by the worker. A plain function: the

@@ -64,7 +64,6 @@ from .._config import finite_seconds, short_repr, validate_id, validate_limit
 from .._errors import (
     ConfigError,
     JournalError,
-    JournalFencedError,
     LeaseLostError,
     SessionClosedError,
     TrioAgentError,
@@ -148,10 +147,8 @@ async def _serve_answers(
     *answers_for*. Lease loss, or a journal that could not record the end, raises, as
     `serve_request` does: the store, not this process, knows how it ended.
 
-    The continuation is the one `Session.resume` makes (its checks: open, paused, idle), given
-    the row's request id before anything is written: it is the id of its ``request_accepted``,
-    its ``interrupts_resolved.continuation_id`` and its end. (`Session` takes no id for a
-    continuation; this is its ``_serve_request`` for one, the worker's alone.)"""
+    The continuation is the one `Session.resume` makes (its checks: open, paused, idle), run as
+    the row's request id (`Session._serve_continuation`)."""
     journal = session.journal
     record = journal.projection().request(request_id)
     if record is not None and record.state is RequestState.STARTED:
@@ -167,26 +164,7 @@ async def _serve_answers(
             f"session {session.session_id!r} is paused on request {paused.run_id!r}, not {answers_for!r} "
             "(that one was answered already?)"
         )
-    request = session._continuation(answers)
-    request.request_id = request_id
-    request.sink = sink
-    request.accepted_before = record is not None  # accepted by an earlier holder: not again
-    error: TrioAgentError | None = None
-    try:
-        await session._run_to_end(request, "serving answers was cancelled")
-    except TrioAgentError as exc:
-        if journal.lost or journal.fenced:
-            raise
-        error = exc  # it ended as the journal recorded it (failed): read below
-    journal.check_ownership()  # LeaseLostError if the lease went meanwhile
-    if journal.fenced:
-        raise JournalFencedError(f"the end of request {request_id!r} may not be recorded: the journal is fenced")
-    ended = journal.projection().request(request_id)
-    if ended is None:
-        if error is not None:
-            raise error  # refused before anything was written
-        raise JournalError(f"the continuation {request_id!r} left nothing in the journal")
-    return ended.state, error
+    return await session._serve_continuation(request_id, answers, sink, accepted_before=record is not None)
 
 
 def _usable_session_id(session_id: str) -> bool:
