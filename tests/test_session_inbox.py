@@ -291,3 +291,47 @@ async def test_a_recovery_that_dies_after_journalling_its_note_has_it_told_once(
     recovered = [text for text in user_texts(model.requests[-1]) if text.startswith("[session recovered")]
     assert len(recovered) == 1 and "outcome" in recovered[0]
     assert len(noted) == 1
+
+
+async def test_a_message_that_joined_a_request_aborted_before_it_started_survives_a_close() -> None:
+    store = LaterStore()
+    model = TestModel(default=Reply(text="ok"))
+    async with trio.open_nursery() as writer:
+        writer.start_soon(store.run)
+        opened = functools.partial(open_session, provider=model, journal=store, session_id="s")
+        async with opened() as session:
+            await session.send("warm")
+            store.gate = trio.Event()  # the next acceptance waits for its commit
+            async with trio.open_nursery() as nursery:
+
+                async def send(prompt: str, **options: Any) -> None:
+                    with pytest.raises(TrioAgentError):
+                        await session.send(prompt, **options)
+
+                nursery.start_soon(send, "first")
+                await trio.testing.wait_all_tasks_blocked()  # "first" is being accepted
+                nursery.start_soon(functools.partial(send, "remember this", priority="next"))
+                await trio.testing.wait_all_tasks_blocked()  # the message joined it
+                aborting = trio.Event()
+
+                async def abort() -> None:
+                    aborting.set()
+                    await session.abort()
+
+                nursery.start_soon(abort)
+                await aborting.wait()
+                store.gate.set()
+        async with opened() as session:
+            assert await session.send("next one") == "ok"
+        assert told(model, "remember this") == 1
+        writer.cancel_scope.cancel()
+
+
+async def test_journal_show_names_what_entered_the_inbox() -> None:
+    from trio_agent._journal._inspect import render_timeline
+
+    store = MemoryStore()
+    async with open_session(provider=TestModel(respond=respond), tools=[note], journal=store, max_turns=1) as session:
+        await session.send("go")
+    timeline = await render_timeline(store)
+    assert f"inbox noted (1): {NOTE}" in timeline

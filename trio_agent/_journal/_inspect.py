@@ -23,6 +23,7 @@ from .._errors import JournalCorruptError, JournalError
 from ._events import (
     ConversationSeeded,
     EventEnvelope,
+    InboxNoted,
     InterruptsResolved,
     ModelAttemptAborted,
     ModelAttemptCompleted,
@@ -184,6 +185,9 @@ def _describe(event: object) -> str:
         return f"subagent {event.subagent_id} completed"
     if isinstance(event, SubagentCancelled):
         return f"subagent {event.subagent_id} cancelled: {event.reason}"
+    if isinstance(event, InboxNoted):
+        noted = _preview(" | ".join(event.messages), 60)
+        return f"inbox noted ({len(event.messages)}): {noted}"
     return event_type_name(type(event))
 
 

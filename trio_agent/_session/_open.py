@@ -361,7 +361,7 @@ class _SessionBlock:
             tracks_running=bool(spec.definitions),  # only the task tool's foreground subagents look
             tool_specs=spec.parts.tool_specs,
         )
-        queue = RequestQueue(durable, root, max_queued=64, cleanup_grace=cleanup_grace, inbox=host.inbox)
+        queue = RequestQueue(durable, root, max_queued=64, cleanup_grace=cleanup_grace, notes=host)
         # Write-ahead: a rule update is durable before the engine applies it.
         engine.on_updates_applied = _RecordUpdates(host, queue)
         nursery_cm = trio.open_nursery()

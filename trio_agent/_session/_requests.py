@@ -21,7 +21,7 @@ import contextvars
 import enum
 import math
 import os
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, NoReturn, Protocol
 
 import attrs
@@ -333,6 +333,25 @@ class RequestRunner(Protocol):
     async def run_request(self, request: _Request) -> None: ...
 
 
+class Notes(Protocol):
+    """Where messages go that joined a request which never ran (the session's host: its agent's
+    inbox, journalled, `SessionHost.note_later`)."""
+
+    def note_later(self, agent_id: str, messages: Sequence[str], *, request_id: str | None = None) -> None: ...
+
+
+class _Unjournalled:
+    """`Notes` of a queue without a host: kept in an inbox of its own, journalled nowhere."""
+
+    __slots__ = ("inbox",)
+
+    def __init__(self) -> None:
+        self.inbox: dict[str, list[str]] = {}
+
+    def note_later(self, agent_id: str, messages: Sequence[str], *, request_id: str | None = None) -> None:
+        self.inbox.setdefault(agent_id, []).extend(messages)
+
+
 _INTERRUPT_REASONS = {
     AbortReason.STEERING: RequestInterruptReason.STEERING,
     AbortReason.SESSION_CLOSE: RequestInterruptReason.SESSION_CLOSE,
@@ -488,9 +507,9 @@ class RequestQueue:
         "closed",
         "current",
         "grace",
-        "inbox",
         "journal",
         "max_queued",
+        "notes",
         "root",
     )
 
@@ -501,12 +520,12 @@ class RequestQueue:
         *,
         max_queued: int,
         cleanup_grace: float,
-        inbox: dict[str, list[str]] | None = None,
+        notes: Notes | None = None,
     ) -> None:
         self.journal = journal
         self.root = root
-        # The host's: what joined a request that never started reaches the agent's next turn.
-        self.inbox: dict[str, list[str]] = {} if inbox is None else inbox
+        # The host: what joined a request that never started reaches the agent's next turn, journalled.
+        self.notes: Notes = notes if notes is not None else _Unjournalled()
         self.grace = cleanup_grace
         self.max_queued = max_queued
         self._worker_done: trio.Event | None = None  # made when the worker starts
@@ -734,13 +753,18 @@ class RequestQueue:
         finally:
             if not request.ended:  # else it ended meanwhile (aborted, or rejected by the close)
                 request.accepting = False
-                if request.pending:
-                    self.inbox.setdefault(request.agent.agent_id, []).extend(request.pending)
-                    request.pending.clear()
+                self._keep_pending(request)
                 typed = typed_error(exc)
                 request.error = typed if typed is not None else RequestAbortedError(why, reason=reason.value)
                 request.stop_reason = StopReason.ABORTED
                 request.finish()
+
+    def _keep_pending(self, request: _Request) -> None:
+        """What joined *request*, which never ran: to the agent's next turn, journalled with the
+        stream's next write (the request's end, written next), as for a request that ended first."""
+        if request.pending:
+            self.notes.note_later(request.agent.agent_id, request.pending, request_id=request.request_id)
+            request.pending.clear()
 
     async def abort_request(self, request: _Request, reason: AbortReason, message: str) -> None:
         """Abort *request*; returns once its end is durable."""
@@ -758,9 +782,7 @@ class RequestQueue:
         (`SessionHost.run_request`)."""
         self._leave_line(request)
         request.accepting = False
-        if request.pending:
-            self.inbox.setdefault(request.agent.agent_id, []).extend(request.pending)
-            request.pending.clear()
+        self._keep_pending(request)
         abort = request.abort.reason
         reason = abort.reason if abort is not None else AbortReason.USER_ABORT
         message = abort.message if abort is not None else "aborted"
