@@ -311,27 +311,14 @@ class SessionHost:
 
     def note_later(self, agent_id: str, messages: Sequence[str], *, request_id: str | None = None) -> None:
         """`note`, journalled with the stream's next write (`DurableJournal.defer`): for messages
-        that joined a request that ended before a turn took them. Nothing durable produced them
-        (a join is not journalled), so a crash before that write loses them with their sender's
-        call; the request's end, written next, carries them. Never raises: a journal that may
-        not write is logged (it refuses the request's end too)."""
-        event = self._noted(agent_id, messages, request_id, None)
-        if event is not None:
-            try:
-                self.journal.defer(event, agent_id=agent_id)
-            except (JournalError, LeaseLostError) as exc:
-                _log.warning("could not journal %d inbox message(s) of agent %s: %s", len(messages), agent_id, exc)
+        that joined a request that ended before a turn took them (`InboxNotes.note_later`)."""
+        InboxNotes(self.inbox, self.journal, self.root.agent_id).note_later(agent_id, messages, request_id=request_id)
 
     def _noted(
         self, agent_id: str, messages: Sequence[str], request_id: str | None, subagent_id: str | None
     ) -> InboxNoted | None:
         """*messages* in the inbox now; the event that journals them (the root's only), or ``None``."""
-        if not messages:
-            return None
-        self.inbox.setdefault(agent_id, []).extend(messages)
-        if agent_id != self.root.agent_id:
-            return None
-        return InboxNoted(messages=tuple(messages), request_id=request_id, subagent_id=subagent_id)
+        return noted(self.inbox, self.root.agent_id, agent_id, messages, request_id, subagent_id)
 
     def keep_pending(self, request: _Request) -> None:
         """No message that joined may be lost: *request* takes no more (``accepting`` false),
@@ -945,3 +932,46 @@ def _final_text(history: Sequence[Message]) -> str | None:
     if isinstance(last, AssistantMessage):
         return first_text(last.parts) or None
     return None
+
+
+def noted(
+    inbox: dict[str, list[str]],
+    root_agent_id: str,
+    agent_id: str,
+    messages: Sequence[str],
+    request_id: str | None,
+    subagent_id: str | None,
+) -> InboxNoted | None:
+    """*messages* in *agent_id*'s inbox now; the event that journals them (the root's only), or ``None``."""
+    if not messages:
+        return None
+    inbox.setdefault(agent_id, []).extend(messages)
+    if agent_id != root_agent_id:
+        return None
+    return InboxNoted(messages=tuple(messages), request_id=request_id, subagent_id=subagent_id)
+
+
+class InboxNotes:
+    """The inbox's deferred notes, for what holds no reference to the host (the request queue:
+    the host reaches the queue through its permission engine, so a queue holding the host would
+    make a reference cycle, and a closed session would wait for the cyclic GC)."""
+
+    __slots__ = ("inbox", "journal", "root_agent_id")
+
+    def __init__(self, inbox: dict[str, list[str]], journal: DurableJournal, root_agent_id: str) -> None:
+        self.inbox = inbox
+        self.journal = journal
+        self.root_agent_id = root_agent_id
+
+    def note_later(self, agent_id: str, messages: Sequence[str], *, request_id: str | None = None) -> None:
+        """Put *messages* in *agent_id*'s inbox, journalled with the stream's next write
+        (`DurableJournal.defer`): for messages that joined a request that ended before a turn took
+        them. Nothing durable produced them (a join is not journalled), so a crash before that
+        write loses them with their sender's call; the request's end, written next, carries them.
+        Never raises: a journal that may not write is logged (it refuses the request's end too)."""
+        event = noted(self.inbox, self.root_agent_id, agent_id, messages, request_id, None)
+        if event is not None:
+            try:
+                self.journal.defer(event, agent_id=agent_id)
+            except (JournalError, LeaseLostError) as exc:
+                _log.warning("could not journal %d inbox message(s) of agent %s: %s", len(messages), agent_id, exc)
