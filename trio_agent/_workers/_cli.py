@@ -6,6 +6,7 @@ import importlib
 import json
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -132,11 +133,10 @@ def run_submit(
     wait: float | None,
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
 ) -> int:
-    from ._queue import resolve_dsn, submit
+    from ._queue import submit
 
-    try:
-        target = resolve_dsn(dsn)
-        request_id = submit(
+    def submit_one(target: str) -> str:
+        return submit(
             session_id,
             prompt,
             request_id=request_id,
@@ -145,18 +145,8 @@ def run_submit(
             schema=schema,
             max_prompt_bytes=max_prompt_bytes,
         )
-        print(request_id, flush=True)
-        if wait is None:
-            return 0
-        outcome = trio.run(_wait, target, schema, session_id, request_id, wait)
-    except TrioAgentError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except trio.TooSlowError:
-        print(f"error: request {request_id} did not end within {wait} s (it stays queued)", file=sys.stderr)
-        return 3
-    print(json.dumps(attrs.asdict(outcome)), flush=True)
-    return 0 if outcome.state == "completed" else 4
+
+    return _submit_and_wait(dsn, schema, session_id, wait, submit_one)
 
 
 def _json_option(option: str, interrupt_id: str, text: str) -> Any:
@@ -215,11 +205,10 @@ def run_answer(
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
 ) -> int:
     """``trio-agent answer``: as ``submit``, with answers (*answers*: `answers_from_options`'s options)."""
-    from ._queue import resolve_dsn, submit_answers
+    from ._queue import submit_answers
 
-    try:
-        target = resolve_dsn(dsn)
-        request_id = submit_answers(
+    def submit_one(target: str) -> str:
+        return submit_answers(
             session_id,
             answers_from_options(**answers),
             request_id=request_id,
@@ -229,6 +218,25 @@ def run_answer(
             schema=schema,
             max_prompt_bytes=max_prompt_bytes,
         )
+
+    return _submit_and_wait(dsn, schema, session_id, wait, submit_one)
+
+
+def _submit_and_wait(
+    dsn: str | None,
+    schema: str,
+    session_id: str,
+    wait: float | None,
+    submit_one: Callable[[str], str],
+) -> int:
+    """Submit (``submit_one(dsn)`` returns the request id), print the id and, with *wait*, the
+    outcome as JSON. The exit status: 0 done (completed, or not waited for), 1 refused, 3 not
+    ended in time, 4 ended otherwise."""
+    from ._queue import resolve_dsn
+
+    request_id = None
+    try:
+        request_id = submit_one(target := resolve_dsn(dsn))
         print(request_id, flush=True)
         if wait is None:
             return 0
