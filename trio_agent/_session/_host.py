@@ -122,6 +122,7 @@ class SessionHost:
         "interrupts",
         "journal",
         "lifecycle",
+        "notes",
         "permissions",
         "pipeline",
         "root",
@@ -161,6 +162,8 @@ class SessionHost:
         # The agents that make calls now (the permission engine checks each against its allowlist).
         self.agents: dict[str, _Agent] = agents if agents is not None else {root.agent_id: root}
         self.inbox: dict[str, list[str]] = {}  # per agent: reports and effects for its next turn
+        # Shared with the request queue, which must not hold the host (`InboxNotes`).
+        self.notes = InboxNotes(self.inbox, journal, root.agent_id)
         self.context: list[str] = []  # SessionStart hooks' additional context, for every model call
         # (agent id, request id) -> running request, for the task tool's foreground subagents (the
         # only reader): kept only when the session has subagents (`tracks_running`).
@@ -312,7 +315,7 @@ class SessionHost:
     def note_later(self, agent_id: str, messages: Sequence[str], *, request_id: str | None = None) -> None:
         """`note`, journalled with the stream's next write (`DurableJournal.defer`): for messages
         that joined a request that ended before a turn took them (`InboxNotes.note_later`)."""
-        InboxNotes(self.inbox, self.journal, self.root.agent_id).note_later(agent_id, messages, request_id=request_id)
+        self.notes.note_later(agent_id, messages, request_id=request_id)
 
     def _noted(
         self, agent_id: str, messages: Sequence[str], request_id: str | None, subagent_id: str | None

@@ -46,7 +46,7 @@ from .._tools._scheduler import SchedulerLimits, ToolScheduler
 from .._tools._stages import StageDecision
 from .._util import safe_repr
 from ._hooks import HookCallback, HookEvent
-from ._host import InboxNotes, SessionHost
+from ._host import SessionHost
 from ._plugins import MiddlewareConfig, Plugin
 from ._requests import RequestQueue, _Agent
 from ._session import Session
@@ -361,9 +361,8 @@ class _SessionBlock:
             tracks_running=bool(spec.definitions),  # only the task tool's foreground subagents look
             tool_specs=spec.parts.tool_specs,
         )
-        # Not the host itself: the host reaches the queue through its engine (`_RecordUpdates`).
-        notes = InboxNotes(host.inbox, durable, root.agent_id)
-        queue = RequestQueue(durable, root, max_queued=64, cleanup_grace=cleanup_grace, notes=notes)
+        # The host's notes, not the host: the host reaches the queue through its engine (`_RecordUpdates`).
+        queue = RequestQueue(durable, root, max_queued=64, cleanup_grace=cleanup_grace, notes=host.notes)
         # Write-ahead: a rule update is durable before the engine applies it.
         engine.on_updates_applied = _RecordUpdates(host, queue)
         nursery_cm = trio.open_nursery()

@@ -334,22 +334,10 @@ class RequestRunner(Protocol):
 
 
 class Notes(Protocol):
-    """Where messages go that joined a request which never ran (the session's host: its agent's
-    inbox, journalled, `SessionHost.note_later`)."""
+    """Where messages go that joined a request which never ran: its agent's inbox, journalled
+    (the host's `InboxNotes`)."""
 
     def note_later(self, agent_id: str, messages: Sequence[str], *, request_id: str | None = None) -> None: ...
-
-
-class _Unjournalled:
-    """`Notes` of a queue without a host: kept in an inbox of its own, journalled nowhere."""
-
-    __slots__ = ("inbox",)
-
-    def __init__(self) -> None:
-        self.inbox: dict[str, list[str]] = {}
-
-    def note_later(self, agent_id: str, messages: Sequence[str], *, request_id: str | None = None) -> None:
-        self.inbox.setdefault(agent_id, []).extend(messages)
 
 
 _INTERRUPT_REASONS = {
@@ -520,12 +508,12 @@ class RequestQueue:
         *,
         max_queued: int,
         cleanup_grace: float,
-        notes: Notes | None = None,
+        notes: Notes,
     ) -> None:
         self.journal = journal
         self.root = root
         # The host: what joined a request that never started reaches the agent's next turn, journalled.
-        self.notes: Notes = notes if notes is not None else _Unjournalled()
+        self.notes = notes
         self.grace = cleanup_grace
         self.max_queued = max_queued
         self._worker_done: trio.Event | None = None  # made when the worker starts
