@@ -463,3 +463,35 @@ async def test_a_wait_cancelled_while_it_looks_raises_even_when_the_look_finds_t
         answer.set()
     assert returned == []
     assert scope.cancelled_caught
+
+
+async def test_a_wait_woken_and_cancelled_while_it_looks_raises_even_when_the_look_found_nothing() -> None:
+    # The other order: the look read the head before the append, and the append's wake finished the
+    # waiter meanwhile, so `SharedPoll.wait` had nothing left to wait for. It returned without an
+    # await inside the cancelled scope (test_abandoned_waits_leave_no_wake_up_behind[sqlite] saw
+    # the cancelled waiter counted woken on a fresh CI machine).
+    waits = AppendWaits()
+    looking, answer = trio.Event(), trio.Event()
+
+    async def heads(stream_ids: Sequence[str]) -> dict[str, int | JournalError]:
+        looking.set()
+        with trio.CancelScope(shield=True):  # as a thread's read, which cannot be abandoned
+            await answer.wait()
+        return dict.fromkeys(stream_ids, 1)  # read before the append
+
+    returned: list[bool] = []
+    scope = trio.CancelScope()
+
+    async def waiter() -> None:
+        with scope:
+            await waits.wait_for_append("s/root", 1, heads=heads)
+            returned.append(True)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await looking.wait()
+        scope.cancel()
+        waits.wake("s/root")  # the append commits while the look still reads
+        answer.set()
+    assert returned == []
+    assert scope.cancelled_caught

@@ -136,6 +136,11 @@ class SharedPoll(Generic[K, V]):
         self, waiter: _Waiter, poll: Callable[[Sequence[K]], Awaitable[Mapping[K, V]]] | None, interval: float
     ) -> None:
         """Until *waiter* is woken, polling for every waiter while it leads (never without *poll*)."""
+        if waiter.done:
+            # Woken while its caller looked (a read in a worker thread, which finishes though the
+            # caller was cancelled): still an await point, so a cancelled wait raises.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return
         while not waiter.done:
             if waiter.event.is_set():  # the lead was handed to it
                 waiter.event = trio.Event()
